@@ -1,0 +1,3 @@
+from cachemgr.cli.main import main
+
+main()

@@ -1,0 +1,57 @@
+"""The few exception types cachemgr raises; the CLI and HTTP edges turn them into messages."""
+
+
+class CachemgrError(Exception):
+    """Base class: a failure with a one-line, user-facing message."""
+
+    exit_code = 1
+    http_status = 500
+    title = "cachemgr error"
+
+
+class ConfigError(CachemgrError):
+    """Bad settings or arguments: a field, a value, a path that cannot be used."""
+
+    exit_code = 2
+    http_status = 400
+    title = "invalid configuration"
+
+
+class StateError(CachemgrError):
+    """The state database cannot be used (newer than this code, corrupt, failed migration)."""
+
+    exit_code = 2
+    http_status = 500
+    title = "state database error"
+
+
+class IdentityError(CachemgrError):
+    """The identity cannot be computed (missing model, unreadable or changing file)."""
+
+    exit_code = 2
+    http_status = 422
+    title = "identity error"
+
+
+class NotFoundError(CachemgrError):
+    """A namespace, instance or file that was asked for does not exist."""
+
+    exit_code = 1
+    http_status = 404
+    title = "not found"
+
+
+class UnsafePathError(CachemgrError):
+    """A path would leave the root or cross a symlink; nothing was touched."""
+
+    exit_code = 2
+    http_status = 400
+    title = "unsafe path"
+
+
+class ConflictError(CachemgrError):
+    """Another process holds what this operation needs (a lock, a running purge)."""
+
+    exit_code = 1
+    http_status = 409
+    title = "conflict"

@@ -1,0 +1,171 @@
+"""The on-disk layout under the root, and what SGLang's file names in a namespace mean.
+
+    <root>/ns/<id>/        SGLang's storage dir for one identity (only SGLang writes here)
+    <root>/ns/<id>.json    manifest of that identity
+    <root>/.trash/         namespaces renamed away by a purge, deleted in the background
+    <root>/.cachemgr/      state DB and locks (movable with --state-dir)
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from cachemgr.errors import ConfigError, UnsafePathError
+
+NS_ID_RE = re.compile(r"[0-9a-f]{16}")
+CACHEDIR_TAG = (
+    "Signature: 8a477f597d28d172789f06886806bc55\n"
+    "# This file is a cache directory tag created by cachemgr.\n"
+    "# For information about cache directory tags see https://bford.info/cachedir/\n"
+)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Paths of one cache root; every path it returns is inside the root."""
+
+    root: Path
+    state_dir: Path
+
+    @classmethod
+    def at(cls, root: Path, state_dir: Path | None = None) -> Layout:
+        """Lay out `root` (absolute, not a symlink); the state dir defaults to <root>/.cachemgr."""
+        root = Path(os.path.abspath(root))
+        if root.is_symlink():
+            raise ConfigError(
+                f"root {root} is a symlink (to {os.path.realpath(root)}); pass the real path"
+            )
+        state = Path(os.path.abspath(state_dir)) if state_dir else root / ".cachemgr"
+        return cls(root=root, state_dir=state)
+
+    @property
+    def ns_root(self) -> Path:
+        return self.root / "ns"
+
+    @property
+    def trash(self) -> Path:
+        return self.root / ".trash"
+
+    @property
+    def db_path(self) -> Path:
+        return self.state_dir / "state.db"
+
+    def ns_dir(self, ns_id: str) -> Path:
+        """The storage dir SGLang is pointed at for namespace `ns_id`."""
+        return self.ns_root / check_ns_id(ns_id)
+
+    def manifest(self, ns_id: str) -> Path:
+        return self.ns_root / f"{check_ns_id(ns_id)}.json"
+
+    def ensure(self) -> None:
+        """Create the skeleton (idempotent); an unusable root is a ConfigError."""
+        try:
+            for d in (self.root, self.ns_root, self.trash, self.state_dir):
+                d.mkdir(parents=True, exist_ok=True)
+                if not os.access(d, os.W_OK | os.X_OK):
+                    raise ConfigError(f"{d} is not writable by this user (uid {os.getuid()})")
+            tag = self.root / "CACHEDIR.TAG"
+            if not tag.exists():
+                tag.write_text(CACHEDIR_TAG, encoding="ascii")
+        except OSError as e:
+            raise ConfigError(f"cannot use root {self.root}: {e.strerror or e}") from e
+
+
+def check_ns_id(ns_id: str) -> str:
+    """Return `ns_id` if it is a well-formed namespace id; anything else could name a path."""
+    if not NS_ID_RE.fullmatch(ns_id):
+        raise UnsafePathError(f"not a namespace id: {ns_id!r} (expected 16 lowercase hex digits)")
+    return ns_id
+
+
+class FileKind(enum.Enum):
+    PAGE = "page"
+    TEMP = "temp"
+    FOREIGN = "foreign"
+
+
+# SGLang's HiCacheFile (sglang/srt/mem_cache/hicache_storage.py, 0.5.23) names a page
+#   <key>[.<pool>]_<model>[_<tp_rank>_<tp_size>][_<pp_size>_<pp_rank>][_cp<r>_<s>]
+#       [_tp<tp>_dcp<r>_<s>_page<n>].bin
+# where <key> is a sha256 hex page hash, <pool> a non-KV pool (PoolName), <model> the served
+# model name with "/" replaced by "-", and the rank pair is absent for MLA models.
+# Writes go through ".<uuid4 hex>.tmp" and os.replace.
+POOLS = (
+    "deepseek_v4_c1_indexer_scale", "deepseek_v4_c2_indexer_scale",
+    "deepseek_v4_c4_indexer_scale", "deepseek_v4_c1_indexer", "deepseek_v4_c2_indexer",
+    "deepseek_v4_c4_indexer", "deepseek_v4_c1", "deepseek_v4_c2", "deepseek_v4_c4",
+    "auxiliary_swa", "indexer", "mamba", "swa",
+)  # fmt: skip
+_PAGE_RE = re.compile(
+    r"(?P<key>[0-9a-f]{16,128})"
+    rf"(?:\.(?P<pool>{'|'.join(POOLS)}))?"
+    r"_(?P<model>[^/\x00]+?)"
+    r"(?:_(?P<tp_rank>\d+)_(?P<tp_size>\d+))?"
+    r"(?:_(?P<pp_size>\d+)_(?P<pp_rank>\d+))?"
+    r"(?:_cp(?P<cp_rank>\d+)_(?P<cp_size>\d+))?"
+    r"(?:_tp(?P<dcp_tp>\d+)_dcp(?P<dcp_rank>\d+)_(?P<dcp_size>\d+)_page(?P<dcp_page>\d+))?"
+    r"\.bin"
+)
+_TEMP_RE = re.compile(r"\.[0-9a-f]{32}\.tmp")
+
+
+@dataclass(frozen=True)
+class PageName:
+    """The parts of one SGLang page file name; `str()` gives the name back."""
+
+    key: str
+    model: str
+    pool: str | None = None
+    tp_rank: int | None = None
+    tp_size: int | None = None
+    pp_size: int | None = None
+    pp_rank: int | None = None
+    cp_rank: int | None = None
+    cp_size: int | None = None
+    dcp: tuple[int, int, int, int] | None = None  # (tp_size, dcp_rank, dcp_size, page_size)
+
+    def __str__(self) -> str:
+        s = self.key + (f".{self.pool}" if self.pool else "") + f"_{self.model}"
+        if self.tp_rank is not None:
+            s += f"_{self.tp_rank}_{self.tp_size}"
+        if self.pp_size is not None:
+            s += f"_{self.pp_size}_{self.pp_rank}"
+        if self.cp_rank is not None:
+            s += f"_cp{self.cp_rank}_{self.cp_size}"
+        if self.dcp is not None:
+            s += "_tp{}_dcp{}_{}_page{}".format(*self.dcp)
+        return s + ".bin"
+
+
+def parse_page_name(name: str) -> PageName | None:
+    """Parse an SGLang page file name; None for anything else."""
+    m = _PAGE_RE.fullmatch(name)
+    if m is None:
+        return None
+    g = m.groupdict()
+
+    def num(k: str) -> int | None:
+        return int(g[k]) if g[k] is not None else None
+
+    dcp = None
+    if g["dcp_tp"] is not None:
+        dcp = (int(g["dcp_tp"]), int(g["dcp_rank"]), int(g["dcp_size"]), int(g["dcp_page"]))
+    return PageName(
+        key=g["key"], model=g["model"], pool=g["pool"],
+        tp_rank=num("tp_rank"), tp_size=num("tp_size"),
+        pp_size=num("pp_size"), pp_rank=num("pp_rank"),
+        cp_rank=num("cp_rank"), cp_size=num("cp_size"), dcp=dcp,
+    )  # fmt: skip
+
+
+def classify(name: str) -> FileKind:
+    """What a directory entry's name says it is. Only PAGE and TEMP may ever be deleted."""
+    if _TEMP_RE.fullmatch(name):
+        return FileKind.TEMP
+    if parse_page_name(name) is not None:
+        return FileKind.PAGE
+    return FileKind.FOREIGN

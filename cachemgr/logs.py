@@ -1,0 +1,54 @@
+"""Structured logging: one JSON object (or one logfmt line on a terminal) per event."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+from cachemgr.settings import LogFormat, LogLevel
+
+# Attributes every LogRecord has; anything else was passed with `extra=` and is a field.
+_STANDARD = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "taskName"}
+
+
+def fields_of(record: logging.LogRecord) -> dict[str, Any]:
+    return {k: v for k, v in record.__dict__.items() if k not in _STANDARD}
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+            **fields_of(record),
+        }
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+class TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        ts = time.strftime("%H:%M:%S", time.localtime(record.created))
+        kv = " ".join(f"{k}={v}" for k, v in fields_of(record).items())
+        line = f"{ts} {record.levelname.lower():7} {record.getMessage()}" + (f" {kv}" if kv else "")
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def setup(level: LogLevel, fmt: LogFormat) -> None:
+    """Send cachemgr's logs to stderr; quiet libraries stay at warning."""
+    if fmt == "auto":
+        fmt = "text" if sys.stderr.isatty() else "json"
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger("cachemgr")
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    root.propagate = False

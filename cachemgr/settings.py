@@ -1,0 +1,104 @@
+"""The one settings object: defaults < TOML config file < CACHEMGR_* env < CLI flags."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from cachemgr.errors import ConfigError
+
+ENV_PREFIX = "CACHEMGR_"
+LogLevel = Literal["debug", "info", "warning", "error"]
+LogFormat = Literal["auto", "json", "text"]
+
+# The config file path is known only at run time (a CLI flag), but pydantic-settings builds
+# its sources from the class; a context variable hands the path to the file source.
+_config_file: ContextVar[Path | None] = ContextVar("cachemgr_config_file", default=None)
+
+
+def default_root() -> Path:
+    """Where the cache root lives when nobody says: the user's XDG cache directory."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "cachemgr"
+
+
+class Settings(BaseSettings):
+    """Everything cachemgr can be told; built once at start and passed down."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
+
+    root: Path = Field(default_factory=default_root, description="cache root directory")
+    state_dir: Path | None = Field(None, description="state DB directory (default <root>/.cachemgr)")
+    host: str = Field("127.0.0.1", description="HTTP bind address")
+    port: int = Field(9477, ge=0, le=65535, description="HTTP port (0 picks a free one)")
+    token: SecretStr | None = Field(None, description="bearer token for mutating HTTP routes")
+    log_level: LogLevel = Field("info", description="log threshold")
+    log_format: LogFormat = Field("auto", description="json, text, or auto (text on a terminal)")
+
+    @property
+    def state_path(self) -> Path:
+        """The directory holding the state DB and locks."""
+        return self.state_dir if self.state_dir is not None else self.root / ".cachemgr"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _TomlFileSource(settings_cls))
+
+
+class _TomlFileSource(PydanticBaseSettingsSource):
+    """Reads the `[cachemgr]` table (or the top level) of the TOML config file, if any."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        raise NotImplementedError  # __call__ below returns the whole mapping at once
+
+    def __call__(self) -> dict[str, Any]:
+        path = _config_file.get()
+        if path is None:
+            return {}
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise ConfigError(f"config file {path}: {e.strerror or e}") from e
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {path}: not valid TOML ({e})") from e
+        table = data.get("cachemgr", data)
+        if not isinstance(table, dict):
+            raise ConfigError(f"config file {path}: [cachemgr] must be a table")
+        return table
+
+
+def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
+    """Build the settings from all sources; a bad value raises ConfigError naming the field."""
+    token = _config_file.set(config_file)
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as e:
+        raise ConfigError(_describe(e, config_file)) from None
+    finally:
+        _config_file.reset(token)
+
+
+def _describe(error: ValidationError, config_file: Path | None) -> str:
+    """One line for the first problem: the field, where it can come from, the value, the rule."""
+    first = error.errors()[0]
+    field = ".".join(str(p) for p in first["loc"]) or "settings"
+    where = f"{field} (flag --{field.replace('_', '-')}, env {ENV_PREFIX}{field.upper()}"
+    where += f", or {config_file})" if config_file else ")"
+    if first["type"] == "extra_forbidden":
+        return f"unknown setting {field!r}" + (f" in {config_file}" if config_file else "")
+    value = first.get("input")
+    return f"invalid {where}: {value!r}: {first['msg']}"
