@@ -1,9 +1,9 @@
 """The on-disk layout under the root, and what SGLang's file names in a namespace mean.
 
-    <root>/ns/<id>/        SGLang's storage dir for one identity (only SGLang writes here)
-    <root>/ns/<id>.json    manifest of that identity
-    <root>/.trash/         namespaces renamed away by a purge, deleted in the background
-    <root>/.cachemgr/      state DB and locks (movable with --state-dir)
+<root>/ns/<id>/        SGLang's storage dir for one identity (only SGLang writes here)
+<root>/ns/<id>.json    manifest of that identity
+<root>/.trash/         namespaces renamed away by a purge, deleted in the background
+<root>/.cachemgr/      state DB and locks (movable with --state-dir)
 """
 
 from __future__ import annotations

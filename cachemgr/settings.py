@@ -35,7 +35,9 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
 
     root: Path = Field(default_factory=default_root, description="cache root directory")
-    state_dir: Path | None = Field(None, description="state DB directory (default <root>/.cachemgr)")
+    state_dir: Path | None = Field(
+        None, description="state DB directory (default <root>/.cachemgr)"
+    )
     host: str = Field("127.0.0.1", description="HTTP bind address")
     port: int = Field(9477, ge=0, le=65535, description="HTTP port (0 picks a free one)")
     token: SecretStr | None = Field(None, description="bearer token for mutating HTTP routes")

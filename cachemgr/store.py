@@ -84,7 +84,9 @@ def migrate(conn: sqlite3.Connection, migrations: list[Migration] | None = None)
         except sqlite3.Error as e:
             if conn.in_transaction:
                 conn.rollback()
-            raise StateError(f"migration {mig.name} failed: {e}; DB left at its prior version") from e
+            raise StateError(
+                f"migration {mig.name} failed: {e}; DB left at its prior version"
+            ) from e
         applied.append(mig.version)
     return applied
 

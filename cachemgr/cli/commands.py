@@ -2,4 +2,8 @@
 
 import click
 
-ALL: list[click.Command] = []
+from cachemgr.cli.config import config
+
+ALL: list[click.Command] = [
+    config,
+]

@@ -48,7 +48,7 @@ pass_app = click.make_pass_decorator(AppContext)
 @click.option("--log-format", type=click.Choice(["auto", "json", "text"]))
 @click.version_option(__version__, "--version", prog_name="cachemgr")
 @click.pass_context
-def cli(ctx: click.Context, config_file: Path | None, **overrides: Any) -> None:
+def cli(ctx: click.Context, /, config_file: Path | None, **overrides: Any) -> None:
     """Keep SGLang's HiCache L3 file cache valid, bounded and observable.
 
     Settings come from flags, CACHEMGR_* environment variables and a TOML config file,

@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from cachemgr.errors import StateError
+from cachemgr.store import Migration, Store, bundled_migrations, connect, migrate, user_version
+
+TABLES = {"namespaces", "bindings", "pages", "digest_cache", "audit"}
+
+
+def tables(conn: sqlite3.Connection) -> set[str]:
+    rows = conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()
+    return {r[0] for r in rows} - {"sqlite_sequence"}
+
+
+def test_fresh_db_gets_full_schema_and_wal(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / "s" / "state.db")
+    assert tables(store.conn) >= TABLES
+    assert user_version(store.conn) == len(bundled_migrations())
+    assert store.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    store.close()
+
+
+def test_rerunning_migrations_is_a_no_op(tmp_path: Path) -> None:
+    Store.open(tmp_path / "state.db").close()
+    conn = connect(tmp_path / "state.db")
+    before = conn.execute("SELECT sql FROM sqlite_master ORDER BY name").fetchall()
+    assert migrate(conn) == []
+    assert conn.execute("SELECT sql FROM sqlite_master ORDER BY name").fetchall() == before
+
+
+def test_newer_db_is_refused(tmp_path: Path) -> None:
+    conn = connect(tmp_path / "state.db")
+    conn.execute("PRAGMA user_version = 999")
+    conn.close()
+    with pytest.raises(StateError, match="schema version 999, newer than this cachemgr"):
+        Store.open(tmp_path / "state.db")
+
+
+def test_failed_migration_leaves_previous_version(tmp_path: Path) -> None:
+    conn = connect(tmp_path / "state.db")
+    good = Migration(1, "0001_a.sql", "CREATE TABLE a (x INTEGER);")
+    bad = Migration(2, "0002_b.sql", "CREATE TABLE b (x INTEGER); INSERT INTO nowhere VALUES (1);")
+    with pytest.raises(StateError, match=r"0002_b\.sql failed"):
+        migrate(conn, [good, bad])
+    assert user_version(conn) == 1
+    assert tables(conn) == {"a"}  # b's CREATE TABLE was rolled back with the failed insert
+    assert migrate(conn, [good]) == []
+
+
+def test_migrations_apply_in_order(tmp_path: Path) -> None:
+    conn = connect(tmp_path / "state.db")
+    first = Migration(1, "0001_a.sql", "CREATE TABLE a (x INTEGER);")
+    second = Migration(2, "0002_b.sql", "ALTER TABLE a ADD COLUMN y INTEGER;")
+    assert migrate(conn, [first]) == [1]
+    assert migrate(conn, [first, second]) == [2]
+    assert [r[1] for r in conn.execute("PRAGMA table_info(a)")] == ["x", "y"]
+
+
+def test_transaction_rolls_back_on_error(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / "state.db")
+    with pytest.raises(RuntimeError), store.transaction():
+        store.audit("purge", namespace_id=None, reason="test", actor="cli")
+        raise RuntimeError
+    assert store.conn.execute("SELECT count(*) FROM audit").fetchone()[0] == 0
+    with store.transaction():
+        store.audit("purge", namespace_id=None, reason="test", actor="cli", pages=3)
+    assert store.conn.execute("SELECT pages FROM audit").fetchone()[0] == 3
+    store.close()
