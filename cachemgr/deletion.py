@@ -1,0 +1,188 @@
+"""The one place files are deleted: only SGLang page and temp files, only inside the root,
+never through a symlink, paced, and with a dry run that reports exactly what would go.
+
+Directories are opened component by component from the root with O_NOFOLLOW and files are
+unlinked relative to that descriptor, so a symlink planted anywhere on the way (or swapped in
+while we work) makes the operation refuse instead of reaching outside the root.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cachemgr.errors import UnsafePathError
+from cachemgr.layout import FileKind, classify
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+Progress = Callable[[int, int], None]  # (files so far, bytes so far)
+
+
+@dataclass(frozen=True)
+class DeleteReport:
+    """What a deletion did (or, in a dry run, would do)."""
+
+    files: int = 0
+    bytes: int = 0
+    vanished: int = 0  # gone before we got to it: someone else deleted it, not an error
+    young: int = 0  # kept: modified more recently than min_age
+    refused: tuple[str, ...] = ()  # kept: not a page/temp name, not a regular file, no access
+    dry_run: bool = False
+
+    def __add__(self, other: DeleteReport) -> DeleteReport:
+        return DeleteReport(
+            self.files + other.files,
+            self.bytes + other.bytes,
+            self.vanished + other.vanished,
+            self.young + other.young,
+            self.refused + other.refused,
+            self.dry_run or other.dry_run,
+        )
+
+
+@dataclass
+class Pacer:
+    """Caps deletions per second: a mass delete slows the next file creates for minutes
+    (FIELD_NOTES §7), so background deletion must leave room for the server's writes."""
+
+    rate: float | None = None  # files per second; None = as fast as the disk goes
+    batch: int = 256
+    sleep: Callable[[float], None] = time.sleep
+    clock: Callable[[], float] = time.monotonic
+    _count: int = field(default=0, init=False)
+    _start: float | None = field(default=None, init=False)
+
+    def tick(self) -> None:
+        """Count one deletion; every `batch` files, sleep until the rate is respected."""
+        if self._start is None:
+            self._start = self.clock()
+        self._count += 1
+        if self.rate and self._count % self.batch == 0:
+            ahead = self._count / self.rate - (self.clock() - self._start)
+            if ahead > 0:
+                self.sleep(ahead)
+
+
+@contextmanager
+def open_dir(root: Path, rel: str) -> Iterator[int]:
+    """A descriptor for <root>/<rel>, refusing '..', absolute parts and symlinks on the way."""
+    parts = Path(rel).parts
+    if Path(rel).is_absolute() or any(p in ("..", ".") for p in parts):
+        raise UnsafePathError(f"{rel!r} is not a plain path below the root")
+    fd = _open_nofollow(str(root), None, root)
+    try:
+        for part in parts:
+            child = _open_nofollow(part, fd, root / rel)
+            os.close(fd)
+            fd = child
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _open_nofollow(name: str, dir_fd: int | None, shown: Path) -> int:
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise UnsafePathError(f"{shown}: a symlink or non-directory on the way") from e
+        raise
+
+
+def delete_files(
+    root: Path,
+    rel_dir: str,
+    names: Iterable[str],
+    *,
+    dry_run: bool = False,
+    min_age: float = 0.0,
+    pacer: Pacer | None = None,
+    progress: Progress | None = None,
+    now: Callable[[], float] = time.time,
+) -> DeleteReport:
+    """Delete the named page/temp files of <root>/<rel_dir>; anything else is refused."""
+    files = size = vanished = young = 0
+    refused: list[str] = []
+    with open_dir(root, rel_dir) as fd:
+        for name in names:
+            verdict = _check(fd, name, min_age, now())
+            if isinstance(verdict, str):
+                if verdict == "vanished":
+                    vanished += 1
+                elif verdict == "young":
+                    young += 1
+                else:
+                    refused.append(f"{rel_dir}/{name}: {verdict}")
+                continue
+            if not dry_run and not _unlink(fd, name):
+                vanished += 1
+                continue
+            files += 1
+            size += verdict
+            if pacer is not None and not dry_run:
+                pacer.tick()
+            if progress is not None and files % 1024 == 0:
+                progress(files, size)
+    if progress is not None:
+        progress(files, size)
+    return DeleteReport(files, size, vanished, young, tuple(refused), dry_run)
+
+
+def _check(dir_fd: int, name: str, min_age: float, now: float) -> int | str:
+    """The file's size if it may be deleted, else why not."""
+    if os.sep in name or classify(name) is FileKind.FOREIGN:
+        return "not an SGLang page or temp file name"
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return "vanished"
+    except OSError as e:
+        return f"cannot stat: {e.strerror}"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if now - st.st_mtime < min_age:
+        return "young"
+    return st.st_size
+
+
+def _unlink(dir_fd: int, name: str) -> bool:
+    """Unlink relative to the directory descriptor; False if it was already gone."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def delete_dir(
+    root: Path,
+    rel_dir: str,
+    *,
+    dry_run: bool = False,
+    pacer: Pacer | None = None,
+    progress: Progress | None = None,
+) -> DeleteReport:
+    """Empty <root>/<rel_dir> of page/temp files and remove it if nothing else is left.
+
+    Used for namespaces renamed into .trash/: foreign files and subdirectories stay, reported.
+    """
+    with open_dir(root, rel_dir) as fd:
+        names = [e.name for e in os.scandir(fd)]
+    report = delete_files(root, rel_dir, names, dry_run=dry_run, pacer=pacer, progress=progress)
+    if dry_run or report.refused:
+        return report
+    parent, _, leaf = rel_dir.rpartition("/")
+    with open_dir(root, parent) as pfd:
+        try:
+            os.rmdir(leaf, dir_fd=pfd)
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # a writer added files meanwhile: leave it for the next run
+            return report + DeleteReport(refused=(f"{rel_dir}: not removed: {e.strerror}",))
+    return report

@@ -1,0 +1,123 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from cachemgr.deletion import Pacer, delete_dir, delete_files
+from cachemgr.errors import UnsafePathError
+
+KEY = "ab" * 32
+PAGES = [f"{KEY[:-2]}{i:02x}_m_0_1.bin" for i in range(5)]
+TEMP = f".{'c' * 32}.tmp"
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    """A root with one namespace of pages, a temp file, and things that must survive."""
+    ns = tmp_path / "root" / "ns" / "0123456789abcdef"
+    ns.mkdir(parents=True)
+    for name in [*PAGES, TEMP]:
+        (ns / name).write_bytes(b"x" * 100)
+    (ns / "notes.txt").write_text("mine")
+    return tmp_path / "root"
+
+
+def test_deletes_pages_and_temps_only(tree: Path) -> None:
+    names = sorted(os.listdir(tree / "ns" / "0123456789abcdef"))
+    report = delete_files(tree, "ns/0123456789abcdef", names)
+    assert report.files == 6
+    assert report.bytes == 600
+    assert os.listdir(tree / "ns" / "0123456789abcdef") == ["notes.txt"]
+    assert report.refused == (
+        "ns/0123456789abcdef/notes.txt: not an SGLang page or temp file name",
+    )
+
+
+def test_dry_run_deletes_nothing_and_counts_the_same(tree: Path) -> None:
+    names = sorted(os.listdir(tree / "ns" / "0123456789abcdef"))
+    dry = delete_files(tree, "ns/0123456789abcdef", names, dry_run=True)
+    assert len(os.listdir(tree / "ns" / "0123456789abcdef")) == 7
+    real = delete_files(tree, "ns/0123456789abcdef", names)
+    assert (dry.files, dry.bytes) == (real.files, real.bytes)
+
+
+def test_symlinked_page_name_is_not_followed(tree: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"precious")
+    link = f"{'d' * 64}_m_0_1.bin"
+    (tree / "ns" / "0123456789abcdef" / link).symlink_to(outside)
+    report = delete_files(tree, "ns/0123456789abcdef", [link])
+    assert report.files == 0
+    assert report.refused == (f"ns/0123456789abcdef/{link}: not a regular file",)
+    assert outside.read_bytes() == b"precious"
+
+
+def test_symlinked_directory_on_the_way_is_refused(tree: Path, tmp_path: Path) -> None:
+    victim = tmp_path / "elsewhere"
+    victim.mkdir()
+    (victim / PAGES[0]).write_bytes(b"keep")
+    (tree / ".trash").mkdir()
+    (tree / ".trash" / "0123456789abcdef.1").symlink_to(victim)
+    with pytest.raises(UnsafePathError, match="symlink"):
+        delete_dir(tree, ".trash/0123456789abcdef.1")
+    with pytest.raises(UnsafePathError):
+        delete_files(tree, ".trash/0123456789abcdef.1", [PAGES[0]])
+    assert (victim / PAGES[0]).read_bytes() == b"keep"
+
+
+@pytest.mark.parametrize("rel", ["../outside", "/etc", "ns/../..", "ns/x/../../.."])
+def test_paths_leaving_the_root_are_refused(tree: Path, rel: str) -> None:
+    with pytest.raises(UnsafePathError, match="not a plain path"):
+        delete_files(tree, rel, PAGES)
+
+
+def test_names_with_slashes_are_refused(tree: Path) -> None:
+    report = delete_files(tree, "ns", ["0123456789abcdef/" + PAGES[0]])
+    assert report.files == 0
+    assert (tree / "ns" / "0123456789abcdef" / PAGES[0]).exists()
+
+
+def test_directory_named_like_a_page_is_kept(tree: Path) -> None:
+    odd = tree / "ns" / "0123456789abcdef" / f"{'e' * 64}_m_0_1.bin"
+    odd.mkdir()
+    report = delete_files(tree, "ns/0123456789abcdef", [odd.name])
+    assert report.refused and odd.is_dir()
+
+
+def test_young_files_are_kept(tree: Path) -> None:
+    clock = [os.stat(tree / "ns" / "0123456789abcdef" / PAGES[0]).st_mtime + 5]
+    report = delete_files(tree, "ns/0123456789abcdef", PAGES, min_age=60, now=lambda: clock[0])
+    assert (report.files, report.young) == (0, 5)
+    clock[0] += 3600
+    report = delete_files(tree, "ns/0123456789abcdef", PAGES, min_age=60, now=lambda: clock[0])
+    assert report.files == 5
+
+
+def test_vanished_files_are_counted_not_errors(tree: Path) -> None:
+    report = delete_files(tree, "ns/0123456789abcdef", ["f" * 64 + "_m_0_1.bin", PAGES[0]])
+    assert (report.files, report.vanished) == (1, 1)
+
+
+def test_delete_dir_removes_an_emptied_dir(tree: Path) -> None:
+    (tree / "ns" / "0123456789abcdef" / "notes.txt").unlink()
+    report = delete_dir(tree, "ns/0123456789abcdef")
+    assert report.files == 6
+    assert not (tree / "ns" / "0123456789abcdef").exists()
+
+
+def test_delete_dir_keeps_a_dir_with_foreign_files(tree: Path) -> None:
+    report = delete_dir(tree, "ns/0123456789abcdef")
+    assert report.files == 6
+    assert os.listdir(tree / "ns" / "0123456789abcdef") == ["notes.txt"]
+
+
+def test_pacer_sleeps_to_hold_the_rate() -> None:
+    slept: list[float] = []
+    now = [0.0]
+    pacer = Pacer(rate=100, batch=10, sleep=slept.append, clock=lambda: now[0])
+    for _ in range(30):
+        pacer.tick()
+    # 30 files at 100/s take 0.3 s: with a frozen clock each batch of 10 waits its 0.1 s share
+    assert slept == pytest.approx([0.1, 0.2, 0.3])
