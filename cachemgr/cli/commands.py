@@ -3,7 +3,9 @@
 import click
 
 from cachemgr.cli.config import config
+from cachemgr.cli.fingerprint import fingerprint
 
 ALL: list[click.Command] = [
     config,
+    fingerprint,
 ]
