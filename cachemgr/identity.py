@@ -86,7 +86,7 @@ class Identity(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="ignore")  # ignore: digest/ns_id are derived
 
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[1] = 1
     weights: Weights
     draft_weights: Weights | None = None
     kv_cache_dtype: str

@@ -45,7 +45,8 @@ class Settings(BaseSettings):
     log_format: LogFormat = Field("auto", description="json, text, or auto (text on a terminal)")
     # --- identity ---
     identity_salt: str = Field(
-        "", description="operator salt mixed into every identity (change it to force new namespaces)"
+        "",
+        description="operator salt mixed into every identity (change it to force new namespaces)",
     )
     sglang_version_granularity: Literal["major.minor", "full", "none"] = Field(
         "major.minor", description="how much of the SGLang version is part of the identity"

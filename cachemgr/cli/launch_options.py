@@ -114,9 +114,11 @@ def terminal_progress(total: int) -> Iterator[Progress | None]:
     from rich.progress import (
         BarColumn,
         DownloadColumn,
-        Progress as Bar,
         TimeRemainingColumn,
         TransferSpeedColumn,
+    )
+    from rich.progress import (
+        Progress as Bar,
     )
 
     columns = (BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
