@@ -106,7 +106,9 @@ _FLAG_OF = {field: flag for flag, field in reversed(FLAGS.items())}
 def split_command(command: str | Sequence[str]) -> list[str]:
     """A launch command as tokens; a single string is split like a POSIX shell would."""
     if isinstance(command, str):
-        return shlex.split(command)
+        # A pasted multi-line command keeps its `\<newline>` continuations; shlex would turn
+        # each into a "\n" token.
+        return shlex.split(command.replace("\\\n", " "))
     return list(command)
 
 
