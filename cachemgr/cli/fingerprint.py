@@ -83,9 +83,7 @@ def diff(a: Path, b: Path) -> None:
     for line in lines:
         click.echo(line)
     if lines:
-        # SystemExit, not ctx.exit(): main() runs click with standalone_mode=False, where
-        # click turns ctx.exit(1) into a return value that main() discards.
-        raise SystemExit(1)
+        raise click.exceptions.Exit(1)
     click.echo("same identity")
 
 

@@ -77,7 +77,9 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point: run the CLI, turning cachemgr errors into one line and an exit code."""
     _register()
     try:
-        cli.main(args=argv, prog_name="cachemgr", standalone_mode=False)
+        # Without standalone mode click hands back ctx.exit(code) as a return value.
+        rv = cli.main(args=argv, prog_name="cachemgr", standalone_mode=False)
+        sys.exit(rv if isinstance(rv, int) else 0)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except click.ClickException as e:
