@@ -3,7 +3,11 @@
 import click
 
 from cachemgr.cli.config import config
+from cachemgr.cli.ls import ls
+from cachemgr.cli.purge import purge
 
 ALL: list[click.Command] = [
     config,
+    ls,
+    purge,
 ]
