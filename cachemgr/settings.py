@@ -43,6 +43,17 @@ class Settings(BaseSettings):
     token: SecretStr | None = Field(None, description="bearer token for mutating HTTP routes")
     log_level: LogLevel = Field("info", description="log threshold")
     log_format: LogFormat = Field("auto", description="json, text, or auto (text on a terminal)")
+    # --- identity ---
+    identity_salt: str = Field(
+        "",
+        description="operator salt mixed into every identity (change it to force new namespaces)",
+    )
+    sglang_version_granularity: Literal["major.minor", "full", "none"] = Field(
+        "major.minor", description="how much of the SGLang version is part of the identity"
+    )
+    hash_workers: int = Field(
+        0, ge=0, le=64, description="threads hashing model files (0: two per core, at most 8)"
+    )
 
     @property
     def state_path(self) -> Path:

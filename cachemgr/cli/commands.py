@@ -3,11 +3,13 @@
 import click
 
 from cachemgr.cli.config import config
+from cachemgr.cli.fingerprint import fingerprint
 from cachemgr.cli.ls import ls
 from cachemgr.cli.purge import purge
 
 ALL: list[click.Command] = [
     config,
+    fingerprint,
     ls,
     purge,
 ]
