@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+from cachemgr.cli.main import main
 from cachemgr.layout import Layout
 from cachemgr.namespaces import bind, ensure_namespace
 from cachemgr.store import Store
@@ -59,12 +63,53 @@ def snapshot(top: Path) -> dict[str, bytes]:
 
 def cli(*args: str, stdin: str | None = None, env: dict[str, str] | None = None
         ) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    """`cachemgr ARGS` in this process (as the console script runs it), with JSON logs, no TTY.
+
+    In-process keeps the suite fast; tests that need a real process (exec, kill -9) use
+    `cli_process`. `env` values of "" unset the variable for the call.
+    """
+    argv = ["--log-format", "json", *args]
+    out, err = io.StringIO(), io.StringIO()
+    saved = dict(os.environ)
+    for key, value in (env or {}).items():
+        if value:
+            os.environ[key] = value
+        else:
+            os.environ.pop(key, None)
+    code = 0
+    try:
+        with (
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(err),
+            _stdin(io.StringIO(stdin or "")),
+        ):
+            try:
+                main(argv)
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
+@contextlib.contextmanager
+def _stdin(replacement: io.StringIO) -> Iterator[None]:
+    saved, sys.stdin = sys.stdin, replacement
+    try:
+        yield
+    finally:
+        sys.stdin = saved
+
+
+def cli_process(*args: str, env: dict[str, str] | None = None
+                ) -> subprocess.CompletedProcess[str]:  # fmt: skip
     """`cachemgr ARGS` as a real process with JSON logs and no TTY."""
     return subprocess.run(
         [sys.executable, "-m", "cachemgr", "--log-format", "json", *args],
         capture_output=True,
         text=True,
-        input=stdin if stdin is not None else "",
+        input="",
         env={**os.environ, **(env or {})},
         timeout=120,
     )

@@ -136,7 +136,7 @@ def test_kill_9_during_deletion_then_rerun_finishes(
     layout: Layout, store: Store, tmp_path: Path
 ) -> None:
     big = make_ns(layout, store, "big", pages=0)
-    for i in range(30_000):
+    for i in range(5_000):
         with open(layout.ns_dir(big) / page_name(i, "big"), "wb") as f:
             f.write(b"p")
     keep = make_ns(layout, store, "keep", pages=5, instance="other")
@@ -146,17 +146,17 @@ def test_kill_9_during_deletion_then_rerun_finishes(
     before_keep = snapshot(layout.ns_dir(keep))
     proc = subprocess.Popen(
         [sys.executable, "-m", "cachemgr", "--log-format", "json", "--root", str(layout.root),
-         "purge", "--namespace", big, "--yes"],
+         "purge", "--namespace", big, "--yes", "--rate", "2000"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        killed_at = _wait_for_partial_deletion(layout.trash, 30_000)
+        killed_at = _wait_for_partial_deletion(layout.trash, 5_000)
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.wait(30)
-    assert 0 < killed_at < 30_000, "the kill must land mid-deletion"
+    assert 0 < killed_at < 5_000, "the kill must land mid-deletion"
     (entry,) = os.listdir(layout.trash)
-    assert 0 < len(os.listdir(layout.trash / entry)) < 30_000
+    assert 0 < len(os.listdir(layout.trash / entry)) < 5_000
     out = cli("--root", str(layout.root), "purge", "--unbound", "--yes")
     assert out.returncode == 0, out.stderr
     assert os.listdir(layout.trash) == []

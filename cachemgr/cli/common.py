@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from cachemgr.deletion import DeleteReport
+from cachemgr.deletion import DeleteReport, Pacer
 from cachemgr.errors import NotFoundError
 from cachemgr.layout import Layout
 from cachemgr.purge import Actor, DrainProgress, drain_trash
@@ -47,12 +47,14 @@ def human_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-def drain_with_progress(layout: Layout, store: Store, *, actor: Actor) -> DeleteReport:
+def drain_with_progress(
+    layout: Layout, store: Store, *, actor: Actor, pacer: Pacer | None = None
+) -> DeleteReport:
     """Delete the trash now: a progress bar on a terminal, a log line a second otherwise."""
     if sys.stderr.isatty():
-        return _drain_with_bar(layout, store, actor)
+        return _drain_with_bar(layout, store, actor, pacer)
     started = time.monotonic()
-    report = drain_trash(layout, store, actor=actor, progress=_log_every(1.0))
+    report = drain_trash(layout, store, actor=actor, pacer=pacer, progress=_log_every(1.0))
     log.info(
         "trash deleted",
         extra={"files": report.files, "bytes": report.bytes, "refused": len(report.refused),
@@ -76,7 +78,9 @@ def _log_every(period: float) -> Callable[[DrainProgress], None]:
     return tick
 
 
-def _drain_with_bar(layout: Layout, store: Store, actor: Actor) -> DeleteReport:
+def _drain_with_bar(
+    layout: Layout, store: Store, actor: Actor, pacer: Pacer | None
+) -> DeleteReport:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
@@ -89,4 +93,4 @@ def _drain_with_bar(layout: Layout, store: Store, actor: Actor) -> DeleteReport:
         def tick(p: DrainProgress) -> None:
             bar.update(task, completed=p.files, total=p.total_files or None)
 
-        return drain_trash(layout, store, actor=actor, progress=tick)
+        return drain_trash(layout, store, actor=actor, pacer=pacer, progress=tick)

@@ -11,7 +11,7 @@ import click
 
 from cachemgr.cli.common import drain_with_progress, human_bytes, opened_store, root_layout
 from cachemgr.cli.main import AppContext, pass_app
-from cachemgr.deletion import DeleteReport
+from cachemgr.deletion import DeleteReport, Pacer
 from cachemgr.errors import CachemgrError, ConfigError
 from cachemgr.purge import (
     PurgePlan,
@@ -36,6 +36,12 @@ from cachemgr.purge import plan_purge as make_plan
     default=True,
     help="Delete the files now (default), or leave them in .trash/ for the daemon or next run.",
 )
+@click.option(
+    "--rate",
+    type=click.FloatRange(min=1),
+    metavar="FILES_PER_S",
+    help="Cap the deletion rate to spare a running server's writes (default: full speed).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
 @pass_app
 def purge(
@@ -47,6 +53,7 @@ def purge(
     dry_run: bool,
     yes: bool,
     wait: bool,
+    rate: float | None,
     as_json: bool,
 ) -> None:
     """Purge namespaces: renamed away at once, recreated empty if bound, files then deleted.
@@ -66,7 +73,11 @@ def purge(
             _confirm(plan)
         result = execute_purge(plan, layout, store, actor="cli", reason="manual")
         started = time.monotonic()
-        report = drain_with_progress(layout, store, actor="cli") if wait else None
+        report = (
+            drain_with_progress(layout, store, actor="cli", pacer=Pacer(rate=rate))
+            if wait
+            else None
+        )
         elapsed = time.monotonic() - started
     if as_json:
         out = {"dry_run": False, "plan": dataclasses.asdict(plan),
