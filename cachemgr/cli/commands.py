@@ -3,6 +3,7 @@
 import click
 
 from cachemgr.cli.config import config
+from cachemgr.cli.doctor import doctor
 from cachemgr.cli.exec import exec_
 from cachemgr.cli.fingerprint import fingerprint
 from cachemgr.cli.init import init
@@ -16,4 +17,5 @@ ALL: list[click.Command] = [
     exec_,
     ls,
     purge,
+    doctor,
 ]
