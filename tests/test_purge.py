@@ -199,3 +199,14 @@ def test_progress_reports_totals(layout: Layout, store: Store) -> None:
     drain_trash(layout, store, progress=seen.append)
     assert seen[-1].files == 2100 and seen[-1].total_files == 2100
     assert [p.files for p in seen] == sorted(p.files for p in seen)
+
+
+def test_uncounted_purge_still_audits_what_was_deleted(layout: Layout, store: Store) -> None:
+    ns = make_ns(layout, store, "a", pages=4)
+    plan, _ = purge(layout, store, actor="http", reason="manual", namespace=ns, count=False)
+    assert (plan.pages, plan.targets[0].has_dir) == (0, True)
+    drain_trash(layout, store, actor="http")
+    assert audit_rows(store) == [
+        ("purge", ns, "manual", "http", 0, 0),
+        ("delete-trash", ns, "trash", "http", 4, 4 * PAGE_BYTES),
+    ]
