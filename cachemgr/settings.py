@@ -52,7 +52,7 @@ class Settings(BaseSettings):
         "major.minor", description="how much of the SGLang version is part of the identity"
     )
     hash_workers: int = Field(
-        0, ge=0, le=64, description="threads hashing model files (0: two per core, at most 8)"
+        0, ge=0, le=64, description="threads hashing model files (0: cores + 1, at most 8)"
     )
     # --- init and purge ---
     instance: str = Field(
