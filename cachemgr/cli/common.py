@@ -55,7 +55,8 @@ def drain_with_progress(
         return _drain_with_bar(layout, store, actor, pacer)
     started = time.monotonic()
     report = drain_trash(layout, store, actor=actor, pacer=pacer, progress=_log_every(1.0))
-    log.info(
+    log.log(
+        logging.INFO if report.files or report.refused else logging.DEBUG,
         "trash deleted",
         extra={"files": report.files, "bytes": report.bytes, "refused": len(report.refused),
                "seconds": round(time.monotonic() - started, 3)},
