@@ -3,9 +3,19 @@
 import click
 
 from cachemgr.cli.config import config
+from cachemgr.cli.doctor import doctor
+from cachemgr.cli.exec import exec_
 from cachemgr.cli.fingerprint import fingerprint
+from cachemgr.cli.init import init
+from cachemgr.cli.ls import ls
+from cachemgr.cli.purge import purge
 
 ALL: list[click.Command] = [
     config,
     fingerprint,
+    init,
+    exec_,
+    ls,
+    purge,
+    doctor,
 ]

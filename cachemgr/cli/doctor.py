@@ -1,0 +1,72 @@
+"""`cachemgr doctor`: lint a launch command and the root for HiCache file-cache pitfalls."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import click
+
+from cachemgr import model_dir
+from cachemgr.cli.common import opened_store
+from cachemgr.cli.main import AppContext, pass_app
+from cachemgr.doctor import Finding, exit_code, launch_env, lint, lint_root
+from cachemgr.errors import CachemgrError
+from cachemgr.layout import Layout
+from cachemgr.sglang_args import LaunchArgs, resolve_launch_args
+
+
+@click.command("doctor")
+@click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
+@click.argument("launch_cmd", nargs=-1, type=click.UNPROCESSED, metavar="[-- LAUNCH_CMD…]")
+@pass_app
+def doctor(app: AppContext, as_json: bool, launch_cmd: tuple[str, ...]) -> None:
+    """Check a launch (and the root) for HiCache pitfalls; exit 0 clean, 1 warnings, 2 errors.
+
+    Checks: page size 1 with the file backend, mamba track interval vs page size on hybrid
+    models, a storage dir cachemgr does not manage, a cap larger than the free space, SGLang's
+    own file evictor next to cachemgr's GC, no hierarchical cache or another backend.
+    """
+    settings = app.settings
+    layout = Layout.at(settings.root, settings.state_dir)
+    findings: list[Finding] = []
+    if launch_cmd:
+        args = resolve_launch_args(launch_cmd)
+        env = {**os.environ, **launch_env(launch_cmd)}
+        findings += lint(
+            args,
+            layout=layout,
+            env=env,
+            model_config=_model_config(args, env),
+            cap_bytes=_cachemgr_cap(settings),
+        )
+    if layout.root.is_dir():
+        with opened_store(layout) as store:
+            findings += lint_root(layout, store)
+    if as_json:
+        click.echo(json.dumps([dataclasses.asdict(f) for f in findings], indent=2))
+    else:
+        for f in findings:
+            click.echo(f"{f.severity:<7} {f.code}: {f.message}; fix: {f.fix}")
+        if not findings:
+            click.echo("no problems found" + ("" if launch_cmd else " (pass `-- <launch cmd>`)"))
+    raise SystemExit(exit_code(findings))
+
+
+def _model_config(args: LaunchArgs, env: Mapping[str, str]) -> dict[str, Any] | None:
+    """config.json of the model if it is on disk here (a dir or the HF cache), else None."""
+    try:
+        directory = model_dir.locate_model(args.model_path, args.revision, env=env)
+        return model_dir.read_json(directory / "config.json")
+    except CachemgrError:
+        return None
+
+
+def _cachemgr_cap(settings: Any) -> int | None:
+    """cachemgr's own byte cap (GC setting gc_max_bytes) where that setting exists."""
+    # getattr: the GC settings live on another branch; without them SGLang's cap is used.
+    cap = getattr(settings, "gc_max_bytes", None)
+    return int(cap) if cap else None

@@ -1,0 +1,133 @@
+"""`cachemgr doctor`: each HiCache pitfall found with its numbers and fix, and its exit code."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cachemgr.doctor import exit_code, is_hybrid, launch_env, lint, parse_size
+from cachemgr.layout import Layout
+from cachemgr.sglang_args import resolve_launch_args
+from tests.nsfixtures import cli
+
+FILE = "sglang serve --enable-hierarchical-cache --hicache-storage-backend file"
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    path = tmp_path / "model"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
+    return path
+
+
+def doctor(root: Path, command: str, env: dict[str, str] | None = None) -> tuple[int, list[str]]:
+    """(exit code, codes of the findings) of `cachemgr doctor --json -- command`."""
+    out = cli("--root", str(root), "doctor", "--json", "--", *command.split(),
+              env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": "",
+                   "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE": "", **(env or {})})  # fmt: skip
+    assert "Traceback" not in out.stderr, out.stderr
+    return out.returncode, [f["code"] for f in json.loads(out.stdout)]
+
+
+def managed_env(root: Path) -> dict[str, str]:
+    return {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(root / "ns" / "0123456789abcdef")}
+
+
+def test_page_size_1_is_an_error_with_the_numbers(root: Path, model: Path) -> None:
+    out = cli("--root", str(root), "doctor", "--", *FILE.split(), "--model-path", str(model),
+              env=managed_env(root))  # fmt: skip
+    assert out.returncode == 2
+    (line,) = out.stdout.splitlines()
+    assert line.startswith("error   page-size-1: ")
+    assert "15.4 GB in 400,000 files and 0 hits" in line and "fix: --page-size 64" in line
+
+
+def test_a_good_launch_is_clean(root: Path, model: Path) -> None:
+    code, found = doctor(root, f"{FILE} --page-size 64 --model-path {model}", managed_env(root))
+    assert (code, found) == (0, [])
+
+
+def test_unmanaged_storage_dir_warns(root: Path, model: Path) -> None:
+    cmd = f"{FILE} --page-size 64 --model-path {model}"
+    assert doctor(root, cmd) == (1, ["unmanaged-dir"])  # SGLang's default /tmp/hicache
+    extra = '--hicache-storage-backend-extra-config {"file_storage_path":"/srv/kv"}'
+    assert doctor(root, f"{cmd} {extra}") == (1, ["unmanaged-dir"])
+
+
+@pytest.mark.parametrize(
+    ("config", "interval", "expected"),
+    [
+        ({"layer_types": ["linear_attention", "full_attention"]}, 100, ["mamba-track-interval"]),
+        ({"architectures": ["NemotronHForCausalLM"]}, 100, ["mamba-track-interval"]),
+        ({"text_config": {"mamba_d_state": 128}}, 96, ["mamba-track-interval"]),
+        ({"layer_types": ["linear_attention"]}, 256, []),
+        ({"architectures": ["Qwen3ForCausalLM"]}, 100, []),  # not hybrid: the interval is unused
+    ],
+)
+def test_mamba_track_interval_on_hybrid_models(
+    root: Path, model: Path, config: dict[str, object], interval: int, expected: list[str]
+) -> None:
+    (model / "config.json").write_text(json.dumps(config))
+    cmd = f"{FILE} --page-size 64 --model-path {model} --mamba-track-interval {interval}"
+    code, found = doctor(root, cmd, managed_env(root))
+    assert found == expected and code == (2 if expected else 0)
+
+
+def test_sglang_evictor_conflicts_with_cachemgr(root: Path, model: Path) -> None:
+    cmd = f"{FILE} --page-size 64 --model-path {model}"
+    env = {**managed_env(root), "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE": "2G"}
+    assert doctor(root, cmd, env) == (1, ["sglang-evictor"])
+    in_launch = f"env SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE=1Gi {cmd}"
+    assert doctor(root, in_launch, managed_env(root)) == (1, ["sglang-evictor"])
+    extra = '--hicache-storage-backend-extra-config {"max_size":"1G"}'
+    assert doctor(root, f"{cmd} {extra}", managed_env(root)) == (1, ["sglang-evictor"])
+
+
+def test_cap_larger_than_free_space(root: Path, model: Path) -> None:
+    args = resolve_launch_args(f"{FILE} --page-size 64 --tp-size 8 --model-path {model}")
+    layout = Layout.at(root)
+    env = {**managed_env(root), "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE": "100G"}
+    seen: list[Path] = []
+
+    def free(path: Path) -> int:
+        seen.append(path)
+        return 500 * 10**9
+
+    found = lint(args, layout=layout, env=env, model_config={}, disk_free=free)
+    disk = [f for f in found if f.code == "disk-smaller-than-cap"]
+    assert len(disk) == 1 and "500.0 GB free, less than the cap of 800.0 GB" in disk[0].message
+    assert seen == [root / "ns" / "0123456789abcdef"]
+    found = lint(args, layout=layout, env=env, model_config={}, disk_free=lambda _: 10**13)
+    assert "disk-smaller-than-cap" not in [f.code for f in found]
+    own = lint(args, layout=layout, env=managed_env(root), model_config={}, cap_bytes=10**12,
+               disk_free=free)  # fmt: skip
+    assert [f.code for f in own] == ["disk-smaller-than-cap"]
+
+
+def test_no_hicache_or_another_backend_warns(root: Path, model: Path) -> None:
+    plain = f"sglang serve --model-path {model} --page-size 64"
+    assert doctor(root, plain) == (1, ["no-hicache"])
+    mooncake = f"{plain} --enable-hierarchical-cache --hicache-storage-backend mooncake"
+    assert doctor(root, mooncake) == (1, ["not-file-backend"])
+
+
+def test_root_damage_is_reported(layout: Layout, tmp_path: Path) -> None:
+    (layout.ns_root / ("c" * 16)).mkdir()
+    (layout.trash / f"{'d' * 16}.x1").mkdir()
+    (layout.trash / f"{'e' * 16}.x2").symlink_to(tmp_path)
+    out = cli("--root", str(layout.root), "doctor", "--json")
+    codes = sorted(f["code"] for f in json.loads(out.stdout))
+    assert codes == ["ns-no-manifest", "trash-left", "trash-unsafe"]
+    assert out.returncode == 2
+
+
+def test_helpers() -> None:
+    assert parse_size("200G") == 200 * 10**9 and parse_size("1Gi") == 2**30
+    assert parse_size("25.6k") == 25600 and parse_size("0") is None
+    assert parse_size("") is None and parse_size("lots") is None
+    assert launch_env(["env", "A=1", "B=x=y", "sglang", "C=2"]) == {"A": "1", "B": "x=y"}
+    assert is_hybrid({"model_type": "qwen3_next"}) and not is_hybrid({"model_type": "llama"})
+    assert exit_code([]) == 0
