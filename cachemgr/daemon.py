@@ -17,7 +17,6 @@ import sqlite3
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import uvicorn
 from prometheus_client import CollectorRegistry
@@ -172,6 +171,14 @@ class Daemon:
             purge=self.purge,
         )
         self.app = create_app(self.backend)
+        config = uvicorn.Config(
+            self.app,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=10,
+        )
+        self.server = uvicorn.Server(config)
         self.indexer.start()
         self._started = True
         log.info("daemon started", extra={"root": str(self.layout.root), "port": self.port})
@@ -181,18 +188,9 @@ class Daemon:
         assert self.sock is not None
         return int(self.sock.getsockname()[1])
 
-    def serve(self, **uvicorn_options: Any) -> None:
+    def serve(self) -> None:
         """Serve HTTP until a signal (or `server.should_exit`), then shut everything down."""
-        assert self.sock is not None and self._started
-        config = uvicorn.Config(
-            self.app,
-            log_level="warning",
-            access_log=False,
-            lifespan="off",
-            timeout_graceful_shutdown=10,
-            **uvicorn_options,
-        )
-        self.server = uvicorn.Server(config)
+        assert self.sock is not None and self.server is not None
         try:
             self.server.run(sockets=[self.sock])
         finally:
