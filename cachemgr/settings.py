@@ -43,6 +43,32 @@ class Settings(BaseSettings):
     token: SecretStr | None = Field(None, description="bearer token for mutating HTTP routes")
     log_level: LogLevel = Field("info", description="log threshold")
     log_format: LogFormat = Field("auto", description="json, text, or auto (text on a terminal)")
+    # --- identity ---
+    identity_salt: str = Field(
+        "",
+        description="operator salt mixed into every identity (change it to force new namespaces)",
+    )
+    sglang_version_granularity: Literal["major.minor", "full", "none"] = Field(
+        "major.minor", description="how much of the SGLang version is part of the identity"
+    )
+    hash_workers: int = Field(
+        0, ge=0, le=64, description="threads hashing model files (0: two per core, at most 8)"
+    )
+    # --- init and purge ---
+    instance: str = Field(
+        "default", description="name of the server instance `init`/`exec` bind to a namespace"
+    )
+    on_change: Literal["purge", "retain"] = Field(
+        "purge",
+        description="when an instance's identity changes: purge its old namespace (unless "
+        "another instance uses it) or retain it for a quick switch back",
+    )
+    trash_delete_rate: float | None = Field(
+        2000.0,
+        gt=0,
+        description="files/s for background deletion of purged namespaces (the daemon); "
+        "the CLI deletes in the foreground at full speed",
+    )
     # --- daemon ---
     batch_interval: float = Field(
         0.25, gt=0, le=10, description="seconds between applying watcher events to the index"
@@ -52,9 +78,6 @@ class Settings(BaseSettings):
     )
     sglang_url: str | None = Field(
         None, description="SGLang server base URL to scrape /metrics and check /server_info"
-    )
-    sglang_instance: str | None = Field(
-        None, description="instance name of that server (default: the only bound instance)"
     )
     sglang_poll_interval: float = Field(
         15.0, gt=0, description="seconds between polls of the SGLang server"

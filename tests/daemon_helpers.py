@@ -15,7 +15,6 @@ from typing import Any, TypeVar
 import httpx
 
 from cachemgr.daemon import Daemon
-from cachemgr.server import PurgeFn
 from cachemgr.settings import Settings
 
 T = TypeVar("T")
@@ -80,9 +79,9 @@ class RunningDaemon:
 
 
 @contextmanager
-def running_daemon(settings: Settings, purge: PurgeFn | None = None) -> Iterator[RunningDaemon]:
+def running_daemon(settings: Settings) -> Iterator[RunningDaemon]:
     """Start the real daemon (uvicorn on 127.0.0.1, port 0) and wait until it is ready."""
-    daemon = Daemon(settings.model_copy(update={"port": 0}), purge=purge)
+    daemon = Daemon(settings.model_copy(update={"port": 0}))
     daemon.start()
     thread = threading.Thread(target=daemon.serve, name="test-uvicorn", daemon=True)
     thread.start()
