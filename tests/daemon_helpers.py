@@ -15,7 +15,10 @@ from typing import Any, TypeVar
 import httpx
 
 from cachemgr.daemon import Daemon
+from cachemgr.layout import Layout
+from cachemgr.namespaces import bind, ensure_namespace
 from cachemgr.settings import Settings
+from cachemgr.store import Store
 
 T = TypeVar("T")
 NS_A = "0123456789abcdef"
@@ -102,3 +105,33 @@ def _ready(running: RunningDaemon) -> bool:
         return running.get("/readyz").status_code == 200
     except httpx.TransportError:
         return False
+
+
+IDENTITY = {
+    "kv_cache_dtype": "bfloat16",
+    "page_size": 64,
+    "source": {
+        "served_model_name": "Qwen/Qwen3-8B",
+        "model_path": "/models/Qwen3-8B",
+        "model_dir": "/models/Qwen3-8B",
+        "kv_cache_dtype_arg": "auto",
+    },
+}
+
+
+def register_namespace(
+    layout: Layout, ns_id: str, instance: str | None = None, identity: dict[str, Any] | None = None
+) -> Path:
+    """Create ns/<id>/ with a manifest and a registry row, as `cachemgr init` does."""
+    store = Store.open(layout.db_path)
+    try:
+        ensure_namespace(
+            layout, store, ns_id=ns_id, digest=ns_id * 2, identity=identity or IDENTITY,
+            now=time.time(),
+        )  # fmt: skip
+        if instance is not None:
+            with store.transaction():
+                bind(store, instance, ns_id, time.time())
+    finally:
+        store.close()
+    return layout.ns_dir(ns_id)
