@@ -75,12 +75,9 @@ def purge_function(layout: Layout, settings: Settings) -> PurgeFn:
     """Purge through cachemgr.purge: rename now, delete in a paced background thread."""
 
     def run(req: PurgeRequest) -> PurgeResponse:
-        everything = not (req.namespace or req.instance)
         store = Store.open(layout.db_path)
         try:
-            plan = purge_mod.plan_purge(
-                layout, store, namespace=req.namespace, instance=req.instance, all=everything
-            )
+            plan = _plan(layout, store, req)
             if not req.dry_run:
                 purge_mod.execute_purge(plan, layout, store, actor="http", reason="manual")
         finally:
@@ -117,6 +114,23 @@ class _Drainer:
 
 
 _drainer = _Drainer()
+
+
+def _plan(layout: Layout, store: Store, req: PurgeRequest) -> purge_mod.PurgePlan:
+    """One plan for the union of the request's selectors (none, or all=true: everything)."""
+    if req.all or not (req.namespace or req.instance):
+        return purge_mod.plan_purge(layout, store, all=True)
+    plans = []
+    if req.namespace:
+        plans.append(purge_mod.plan_purge(layout, store, namespace=req.namespace))
+    if req.instance:
+        plans.append(purge_mod.plan_purge(layout, store, instance=req.instance))
+    targets = {t.ns_id: t for p in plans for t in p.targets}
+    return purge_mod.PurgePlan(
+        tuple(targets[ns] for ns in sorted(targets)),
+        plans[0].trash,
+        " + ".join(p.selector for p in plans),
+    )
 
 
 def drain_trash_later(layout: Layout, settings: Settings) -> None:

@@ -30,7 +30,10 @@ from cachemgr.status import NamespaceStatus, disk_usage, namespace_statuses
 
 PROBLEM = "application/problem+json"
 PURGE_PATHS = ("/purge", "/v1/purge")
-NsId = Annotated[str, Path(pattern=NS_ID_RE.pattern, description="namespace id (16 hex digits)")]
+# Anchored: JSON Schema (and pydantic) patterns match anywhere in the string.
+NS_ID_PATTERN = f"^{NS_ID_RE.pattern}$"
+INSTANCE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$"  # as namespaces.check_instance
+NsId = Annotated[str, Path(pattern=NS_ID_PATTERN, description="namespace id (16 hex digits)")]
 
 
 class Problem(BaseModel):
@@ -99,12 +102,12 @@ class Fingerprint(BaseModel):
 
 
 class PurgeRequest(BaseModel):
-    """Which namespaces to purge; nothing chosen means every namespace."""
+    """Which namespaces to purge: the union of what is chosen; nothing chosen means all."""
 
     model_config = ConfigDict(extra="forbid")
 
-    namespace: str | None = Field(None, pattern=NS_ID_RE.pattern)
-    instance: str | None = Field(None, min_length=1, max_length=128)
+    namespace: str | None = Field(None, pattern=NS_ID_PATTERN)
+    instance: str | None = Field(None, pattern=INSTANCE_PATTERN)
     all: bool = False
     dry_run: bool = False
 
@@ -269,9 +272,14 @@ def create_app(backend: Backend) -> FastAPI:
                 return s
         raise NotFoundError(f"no namespace {ns_id}")
 
-    @app.get("/v1/fingerprint", response_model=list[Fingerprint], tags=["status"])
+    @app.get(
+        "/v1/fingerprint",
+        response_model=list[Fingerprint],
+        tags=["status"],
+        responses={404: _ERRORS[404]},
+    )
     def fingerprint(
-        instance: Annotated[str | None, Query(max_length=128)] = None,
+        instance: Annotated[str | None, Query(pattern=INSTANCE_PATTERN)] = None,
     ) -> list[Fingerprint]:
         """Identity records of the registered namespaces (or of one instance's namespace)."""
         return _fingerprints(backend, instance)
@@ -297,8 +305,8 @@ def create_app(backend: Backend) -> FastAPI:
         )
         def purge(
             body: Annotated[PurgeRequest | None, Body()] = None,
-            namespace: Annotated[str | None, Query(pattern=NS_ID_RE.pattern)] = None,
-            instance: Annotated[str | None, Query(min_length=1, max_length=128)] = None,
+            namespace: Annotated[str | None, Query(pattern=NS_ID_PATTERN)] = None,
+            instance: Annotated[str | None, Query(pattern=INSTANCE_PATTERN)] = None,
             all: Annotated[bool, Query()] = False,
             dry_run: Annotated[bool, Query()] = False,
         ) -> PurgeResponse:
