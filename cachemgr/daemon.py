@@ -60,6 +60,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
     else:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Accepted sockets inherit it: without it a keep-alive client waits out the 40 ms delayed
+    # ACK on every response uvicorn writes in two sends (headers, then body).
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
     except OSError as e:

