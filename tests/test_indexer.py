@@ -123,8 +123,10 @@ def test_a_kernel_queue_overflow_is_counted_and_repaired_by_a_rescan(
         store_page(d, page_name(1))  # the inotify thread now blocks in emit()
         # Reads queue one event each (alternating files: the kernel merges identical
         # consecutive events) until the kernel queue overflows.
+        # The blocked thread may already hold a buffer of a few hundred events: twice the
+        # limit makes the overflow certain, and before the stores below.
         paths = [d / page_name(0), d / page_name(1)]
-        for i in range(limit + 100):
+        for i in range(2 * limit):
             os.close(os.open(paths[i % 2], os.O_RDONLY))
         for i in range(2, 50):  # stores the kernel can no longer report
             store_page(d, page_name(i))
