@@ -69,6 +69,19 @@ class Settings(BaseSettings):
         description="files/s for background deletion of purged namespaces (the daemon); "
         "the CLI deletes in the foreground at full speed",
     )
+    # --- daemon ---
+    batch_interval: float = Field(
+        0.25, gt=0, le=10, description="seconds between applying watcher events to the index"
+    )
+    reconcile_interval: float = Field(
+        600.0, ge=0, description="seconds between full rescans that bound index drift (0: never)"
+    )
+    sglang_url: str | None = Field(
+        None, description="SGLang server base URL to scrape /metrics and check /server_info"
+    )
+    sglang_poll_interval: float = Field(
+        15.0, gt=0, description="seconds between polls of the SGLang server"
+    )
 
     @property
     def state_path(self) -> Path:

@@ -9,6 +9,8 @@ from cachemgr.cli.fingerprint import fingerprint
 from cachemgr.cli.init import init
 from cachemgr.cli.ls import ls
 from cachemgr.cli.purge import purge
+from cachemgr.cli.serve import serve
+from cachemgr.cli.status import status
 
 ALL: list[click.Command] = [
     config,
@@ -18,4 +20,6 @@ ALL: list[click.Command] = [
     ls,
     purge,
     doctor,
+    serve,
+    status,
 ]

@@ -1,0 +1,215 @@
+"""Daemon benchmarks, each against a standard peer in the same run; prints ratios.
+
+1. initial index scan of N page files vs `du -sb ROOT` and `find ROOT -type f | wc -l`
+   (plus the walk alone, and a restart rescan over an index that already has the pages);
+2. event ingestion: a tmp+rename writer in another process as fast as it can go, the live
+   index keeping up (lag, overflows, drift reported);
+3. `/metrics` and `/v1/status` latency (p50/p99) against `cachemgr serve` with N pages
+   indexed, and the daemon's RSS.
+
+Usage: python bench/bench_daemon.py [N_PAGES] [N_EVENTS]   (defaults 200000 50000)
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from cachemgr.index import measure_namespace, scan_root
+from cachemgr.indexer import Indexer
+from cachemgr.layout import Layout
+from cachemgr.store import Store, connect
+
+NS = ["0123456789abcdef", "fedcba9876543210"]
+WRITER = r"""
+import os, sys, time, uuid
+d, n = sys.argv[1], int(sys.argv[2])
+data = b"\x01" * 1024
+t = time.perf_counter()
+for i in range(n):
+    tmp = os.path.join(d, f".{uuid.uuid4().hex}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    os.write(fd, data)
+    os.close(fd)
+    os.replace(tmp, os.path.join(d, f"{i:064x}_bench-writer_0_1.bin"))
+print(n / (time.perf_counter() - t))
+"""
+
+
+def timed(fn: object, *args: object) -> tuple[float, object]:
+    t = time.perf_counter()
+    out = fn(*args)  # type: ignore[operator]
+    return time.perf_counter() - t, out
+
+
+def make_tree(layout: Layout, n: int) -> None:
+    data = b"\x02" * 1024
+    for k, ns in enumerate(NS):
+        d = layout.ns_dir(ns)
+        d.mkdir()
+        for i in range(k, n, len(NS)):
+            fd = os.open(d / f"{i:064x}_Qwen-Qwen3-8B_0_1.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+            os.write(fd, data)
+            os.close(fd)
+
+
+def sh(cmd: str) -> float:
+    t = time.perf_counter()
+    subprocess.run(cmd, shell=True, check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - t
+
+
+def bench_scan(layout: Layout, n: int) -> None:
+    print(f"\n## initial scan of {n:,} page files (warm page cache: each tool run twice)")
+    root = layout.root
+    for _ in range(2):
+        du = sh(f"du -sb {root}")
+        find = sh(f"find {root} -type f | wc -l")
+        walk, _ = timed(lambda: [measure_namespace(layout, ns) for ns in NS])
+    if layout.db_path.exists():
+        layout.db_path.unlink()
+    store = Store.open(layout.db_path)
+    first, reports = timed(scan_root, store, layout)
+    again, _ = timed(scan_root, store, layout)
+    store.close()
+    pages = sum(r.pages for r in reports)  # type: ignore[attr-defined]
+    assert pages == n, (pages, n)
+    rows = [
+        ("du -sb ROOT", du),
+        ("find ROOT -type f | wc -l", find),
+        ("cachemgr walk (list + stat, no DB)", walk),
+        ("cachemgr first index build (empty DB)", first),
+        ("cachemgr restart rescan (index present)", again),
+    ]
+    print("| tool | seconds | files/s | speed vs du -sb |")
+    print("| --- | ---: | ---: | ---: |")
+    for name, sec in rows:
+        print(f"| {name} | {sec:.2f} | {n / sec:,.0f} | {du / sec:.2f}× |")
+
+
+def bench_events(layout: Layout, n: int) -> None:
+    print(f"\n## event ingestion: {n:,} tmp+rename stores by a writer process")
+    ns = "00000000000000aa"
+    d = layout.ns_dir(ns)
+    d.mkdir()
+    store = Store.open(layout.db_path)
+    ix = Indexer(store, layout, reconcile_interval=float("inf"))
+    ix.start()
+    ix.state.ready.wait()
+    reader = connect(layout.db_path)
+    t0 = time.perf_counter()
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(d), str(n)], stdout=subprocess.PIPE
+    )
+    max_lag = 0.0
+    while writer.poll() is None:
+        max_lag = max(max_lag, ix.lag())
+        time.sleep(0.05)
+    rate = float(writer.communicate()[0])
+    writer_done = time.perf_counter() - t0
+    while True:
+        row = reader.execute(
+            "SELECT pages FROM namespace_stats WHERE namespace_id = ?", (ns,)
+        ).fetchone()
+        if row and row[0] == n and not ix.watcher.queue:
+            break
+        max_lag = max(max_lag, ix.lag())
+        time.sleep(0.01)
+    caught_up = time.perf_counter() - t0
+    st = ix.state
+    writes = st.counters.get(ns)
+    ix.stop()
+    store.close()
+    reader.close()
+    print(f"writer: {rate:,.0f} stores/s; index caught up {caught_up - writer_done:.2f} s after it")
+    print(f"writes counted from events: {writes.writes if writes else 0:,} of {n:,}; "
+          f"overflows: {st.overflows}; pages fixed by rescans: {st.drift_pages}; "
+          f"max lag {max_lag:.2f} s; indexed {n / caught_up:,.0f} pages/s end to end")  # fmt: skip
+    queue = Path("/proc/sys/fs/inotify/max_queued_events").read_text().strip()
+    print(f"(fs.inotify.max_queued_events = {queue})")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def bench_http(layout: Layout, n: int, requests: int = 400) -> None:
+    print(f"\n## HTTP latency against `cachemgr serve` with {n:,} pages indexed")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cachemgr", "--root", str(layout.root), "--log-level", "warning",
+         "serve", "--port", str(port)],
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
+        t0 = time.perf_counter()
+        while True:
+            try:
+                if client.get("/readyz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.02)
+        took = time.perf_counter() - t0
+        totals = client.get("/v1/status").json()["totals"]
+        assert totals["pages"] == n, totals  # the rebuilt index agrees with the disk
+        print(f"ready {took:.2f} s after start (a restart: the index is already there); "
+              f"pages {totals['pages']:,} = files on disk")  # fmt: skip
+        for path in ("/metrics", "/v1/status"):
+            lat = []
+            for _ in range(requests):
+                t = time.perf_counter()
+                client.get(path).raise_for_status()
+                lat.append((time.perf_counter() - t) * 1000)
+            q = statistics.quantiles(lat, n=100)
+            print(f"{path}: p50 {q[49]:.1f} ms, p99 {q[98]:.1f} ms ({requests} requests)")
+        rss = next(
+            line.split()[1]
+            for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
+            if line.startswith("VmRSS")
+        )
+        hwm = next(
+            line.split()[1]
+            for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
+            if line.startswith("VmHWM")
+        )
+        print(f"daemon RSS {int(rss) / 1024:.0f} MiB (peak {int(hwm) / 1024:.0f} MiB)")
+        client.close()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def main() -> None:
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 200_000
+    events = int(sys.argv[2]) if len(sys.argv) > 2 else 50_000
+    print(f"# cachemgr daemon bench — {platform.node()}, {os.cpu_count()} cores, "
+          f"{platform.platform()}, Python {platform.python_version()}")  # fmt: skip
+    base = Path(tempfile.mkdtemp(prefix="cachemgr-bench-", dir=os.environ.get("BENCH_DIR")))
+    try:
+        layout = Layout.at(base / "root")
+        layout.ensure()
+        t, _ = timed(make_tree, layout, n)
+        print(f"made {n:,} page files in {t:.1f} s ({n / t:,.0f}/s)")
+        bench_scan(layout, n)
+        bench_http(layout, n)
+        bench_events(layout, events)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

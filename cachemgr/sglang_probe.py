@@ -1,0 +1,200 @@
+"""Watching the SGLang server itself: its token-level L3 counters and its real arguments.
+
+`/metrics` gives `sglang:storage_prefetch_hit_tokens_total` (tokens found in L3),
+`sglang:prefetched_tokens_total` (tokens loaded from it) and `sglang:backuped_tokens_total`
+(tokens written to it); `/server_info` gives the resolved server arguments. If those
+arguments contradict the identity of the namespace the server uses, someone launched it
+without `cachemgr init`, and every L3 hit it gets may be silently wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+import threading
+import urllib.request
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+log = logging.getLogger(__name__)
+TOKEN_COUNTERS = {
+    "sglang:storage_prefetch_hit_tokens": "storage_hit_tokens",
+    "sglang:prefetched_tokens": "prefetched_tokens",
+    "sglang:backuped_tokens": "backuped_tokens",
+}
+
+
+@dataclass
+class ProbeState:
+    """What the daemon last learnt from the SGLang server (read by /metrics)."""
+
+    up: bool = False
+    tokens: SglangTokens | None = None
+    namespace: str | None = None  # the namespace the server was matched to
+    mismatches: int = 0  # identity contradictions found (each one purged its namespace)
+    alarm: bool = False  # the last check found a contradiction
+    last_error: str | None = None
+
+
+@dataclass(frozen=True)
+class SglangTokens:
+    """The server's L3 token counters, summed over its label sets (TP ranks, models)."""
+
+    storage_hit_tokens: float = 0.0
+    prefetched_tokens: float = 0.0
+    backuped_tokens: float = 0.0
+
+
+def parse_metrics(text: str) -> SglangTokens:
+    """Sum SGLang's L3 token counters out of a Prometheus text exposition."""
+    sums = dict.fromkeys(TOKEN_COUNTERS.values(), 0.0)
+    for family in text_string_to_metric_families(text):
+        key = TOKEN_COUNTERS.get(family.name.removesuffix("_total"))
+        if key is None:
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                sums[key] += sample.value
+    return SglangTokens(**sums)
+
+
+def fetch(url: str, timeout: float = 5.0) -> bytes:
+    """GET a URL (stdlib only: this runs in a thread of the daemon)."""
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        body: bytes = resp.read()
+        return body
+
+
+def server_info(base_url: str, timeout: float = 5.0) -> dict[str, Any]:
+    """The server's resolved arguments from `/server_info`."""
+    data = json.loads(fetch(base_url.rstrip("/") + "/server_info", timeout))
+    if not isinstance(data, dict):
+        raise ValueError("/server_info did not return a JSON object")
+    return data
+
+
+def tokens(base_url: str, timeout: float = 5.0) -> SglangTokens:
+    return parse_metrics(fetch(base_url.rstrip("/") + "/metrics", timeout).decode())
+
+
+def _norm(path: str) -> str:
+    return os.path.normpath(path.rstrip("/")) if path else path
+
+
+def contradictions(info: dict[str, Any], identity: dict[str, Any]) -> list[str]:
+    """How the running server's arguments differ from a namespace's identity record.
+
+    Only facts that decide the bytes of a page count: kv cache dtype, page size, model path.
+    An argument the server does not report is not a contradiction.
+    """
+    out = []
+    src = identity.get("source")
+    source: dict[str, Any] = src if isinstance(src, dict) else {}
+    dtype = info.get("kv_cache_dtype")
+    if dtype is not None:
+        allowed = {identity.get("kv_cache_dtype"), source.get("kv_cache_dtype_arg")}
+        if dtype not in allowed:
+            out.append(
+                f"kv_cache_dtype: namespace {identity.get('kv_cache_dtype')} ≠ server {dtype}"
+            )
+    page = info.get("page_size")
+    want_page = identity.get("page_size")
+    if page is not None and want_page is not None and int(page) != int(want_page):
+        out.append(f"page_size: namespace {identity['page_size']} ≠ server {page}")
+    model = info.get("model_path")
+    known = {_norm(str(p)) for p in (source.get("model_path"), source.get("model_dir")) if p}
+    if model and known and _norm(str(model)) not in known:
+        out.append(f"model_path: namespace {source.get('model_path')} ≠ server {model}")
+    return out
+
+
+MismatchHandler = Callable[[str, list[str]], None]
+
+
+class ProbeLoop:
+    """Polls the SGLang server; a contradiction with its namespace's identity is handed to
+    `on_mismatch` (the daemon purges that namespace) and raises the alarm in `state`."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        instance: str,
+        reader: Callable[[], AbstractContextManager[sqlite3.Connection]],
+        on_mismatch: MismatchHandler,
+        interval: float = 15.0,
+        state: ProbeState | None = None,
+    ) -> None:
+        self.url = url
+        self.instance = instance
+        self.reader = reader
+        self.on_mismatch = on_mismatch
+        self.interval = interval
+        self.state = state if state is not None else ProbeState()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cachemgr-sglang", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.poll()
+            self._stop.wait(self.interval)
+
+    def poll(self) -> None:
+        """One round: scrape /metrics, read /server_info, compare with the identity."""
+        st = self.state
+        try:
+            st.tokens = tokens(self.url)
+            info = server_info(self.url)
+        except (OSError, ValueError) as e:  # URLError is an OSError; bad JSON a ValueError
+            st.up, st.last_error = False, str(e)
+            return
+        st.up, st.last_error = True, None
+        found = self._namespace()
+        if found is None:
+            return
+        ns, identity, pages = found
+        st.namespace = ns
+        diffs = contradictions(info, identity)
+        if not diffs:
+            st.alarm = False
+            return
+        if not st.alarm:
+            st.mismatches += 1
+        st.alarm = True
+        log.error(
+            "SGLANG SERVER CONTRADICTS ITS NAMESPACE: launched without `cachemgr init`?",
+            extra={"namespace": ns, "instance": self.instance, "differences": diffs},
+        )
+        if pages:
+            self.on_mismatch(ns, diffs)
+
+    def _namespace(self) -> tuple[str, dict[str, Any], int] | None:
+        """The namespace the instance is bound to, its identity record, and its page count."""
+        with self.reader() as conn:
+            row = conn.execute(
+                "SELECT n.id, n.identity_json, coalesce(s.pages, 0) FROM bindings b"
+                " JOIN namespaces n ON n.id = b.namespace_id"
+                " LEFT JOIN namespace_stats s ON s.namespace_id = n.id WHERE b.instance = ?",
+                (self.instance,),
+            ).fetchone()
+        if row is None:
+            return None
+        try:
+            identity = json.loads(row[1])
+        except json.JSONDecodeError:
+            return None
+        return (str(row[0]), identity, int(row[2])) if isinstance(identity, dict) else None

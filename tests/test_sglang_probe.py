@@ -1,0 +1,133 @@
+"""The SGLang probe against a small SGLang stand-in on loopback serving canned /metrics and
+/server_info documents in SGLang's own formats (a real server needs a GPU)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, ClassVar
+
+import pytest
+
+from cachemgr.layout import Layout
+from cachemgr.settings import load_settings
+from cachemgr.sglang_probe import contradictions, parse_metrics
+from tests.daemon_helpers import (
+    IDENTITY,
+    NS_A,
+    page_name,
+    register_namespace,
+    running_daemon,
+    store_page,
+    wait_for,
+)
+from tests.test_server import metric
+
+# As sglang/srt/observability/metrics_collector.py (0.5.23) exposes them, two TP ranks.
+METRICS = """\
+# HELP sglang:prefetched_tokens_total Prompt tokens successfully transferred from L3 storage.
+# TYPE sglang:prefetched_tokens_total counter
+sglang:prefetched_tokens_total{model_name="Qwen/Qwen3-8B",tp_rank="0",pp_rank="0"} 512.0
+sglang:prefetched_tokens_total{model_name="Qwen/Qwen3-8B",tp_rank="1",pp_rank="0"} 512.0
+# HELP sglang:backuped_tokens_total Number of backuped tokens.
+# TYPE sglang:backuped_tokens_total counter
+sglang:backuped_tokens_total{model_name="Qwen/Qwen3-8B",tp_rank="0",pp_rank="0"} 4096.0
+# HELP sglang:storage_prefetch_hit_tokens_total Storage-hit tokens returned by an L3 query.
+# TYPE sglang:storage_prefetch_hit_tokens_total counter
+sglang:storage_prefetch_hit_tokens_total{model_name="Qwen/Qwen3-8B",tp_rank="0",pp_rank="0"} 640.0
+sglang:storage_prefetch_hit_tokens_total{model_name="Qwen/Qwen3-8B",tp_rank="1",pp_rank="0"} 640.0
+# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="Qwen/Qwen3-8B",tp_rank="0",pp_rank="0"} 1.0
+"""
+# A trimmed /server_info (server_args.resolved_dict() plus scheduler info and version).
+SERVER_INFO: dict[str, Any] = {
+    "model_path": "/models/Qwen3-8B",
+    "served_model_name": "Qwen/Qwen3-8B",
+    "kv_cache_dtype": "auto",
+    "page_size": 64,
+    "tp_size": 2,
+    "enable_hierarchical_cache": True,
+    "hicache_storage_backend": "file",
+    "hicache_mem_layout": "page_first",
+    "version": "0.5.23",
+    "internal_states": [{"last_gen_throughput": 0.0}],
+}
+
+
+class FakeSglang(BaseHTTPRequestHandler):
+    info: ClassVar[dict[str, Any]] = {}
+
+    def do_GET(self) -> None:
+        if self.path == "/metrics":
+            body, ctype = METRICS.encode(), "text/plain; version=0.0.4"
+        elif self.path == "/server_info":
+            body, ctype = json.dumps(self.info).encode(), "application/json"
+        else:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_sglang() -> Iterator[tuple[str, dict[str, Any]]]:
+    """The stand-in's URL and its /server_info document (mutable)."""
+    FakeSglang.info = dict(SERVER_INFO)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeSglang)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", FakeSglang.info
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+def test_token_counters_are_summed_over_ranks() -> None:
+    t = parse_metrics(METRICS)
+    assert (t.storage_hit_tokens, t.prefetched_tokens, t.backuped_tokens) == (1280, 1024, 4096)
+
+
+def test_contradictions_name_each_differing_argument() -> None:
+    assert contradictions(SERVER_INFO, IDENTITY) == []
+    bad = {**SERVER_INFO, "kv_cache_dtype": "fp8_e4m3", "page_size": 1, "model_path": "/m/x"}
+    assert [d.split(":")[0] for d in contradictions(bad, IDENTITY)] == [
+        "kv_cache_dtype", "page_size", "model_path",
+    ]  # fmt: skip
+
+
+def test_a_server_launched_without_init_gets_its_namespace_purged(
+    layout: Layout, fake_sglang: tuple[str, dict[str, Any]]
+) -> None:
+    url, info = fake_sglang
+    d = register_namespace(layout, NS_A, instance="gpu0")
+    for i in range(5):
+        store_page(d, page_name(i))
+    settings = load_settings(
+        root=layout.root, sglang_url=url, sglang_poll_interval=0.1, instance="gpu0"
+    )
+    with running_daemon(settings) as dm:
+        text = wait_for(
+            lambda: dm.get("/metrics").text,
+            lambda t: metric(t, "cachemgr_sglang_up") == 1,
+        )
+        assert metric(text, "cachemgr_sglang_storage_hit_tokens_total") == 1280
+        assert metric(text, "cachemgr_identity_mismatch") == 0
+        assert dm.namespaces()[NS_A]["pages"] == 5  # agreeing server: nothing purged
+        info["kv_cache_dtype"] = "fp8_e4m3"  # restarted with another KV dtype, no init
+        text = wait_for(
+            lambda: dm.get("/metrics").text,
+            lambda t: metric(t, "cachemgr_purges_total", reason="mismatch") == 1,
+        )
+        assert metric(text, "cachemgr_identity_mismatch") == 1
+        assert metric(text, "cachemgr_identity_mismatches_total") == 1
+        wait_for(lambda: dm.namespaces()[NS_A]["pages"], lambda n: n == 0)
+        assert d.is_dir() and not any(d.iterdir())  # bound: recreated empty for the server
