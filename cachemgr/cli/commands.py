@@ -3,7 +3,9 @@
 import click
 
 from cachemgr.cli.config import config
+from cachemgr.cli.gc import gc
 
 ALL: list[click.Command] = [
     config,
+    gc,
 ]
