@@ -158,7 +158,7 @@ def _check(dir_fd: int, name: str, min_age: float, now: float) -> int | str:
         return f"cannot stat: {e.strerror}"
     if not stat.S_ISREG(st.st_mode):
         return "not a regular file"
-    if now - st.st_mtime < min_age:
+    if min_age > 0 and now - st.st_mtime < min_age:  # 0: no age rule, even for future mtimes
         return "young"
     return st.st_size
 
