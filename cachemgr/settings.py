@@ -37,6 +37,8 @@ def _parse_duration(value: Any) -> Any:
     if not isinstance(value, str):
         return value
     text = value.strip().replace(" ", "")
+    if re.fullmatch(r"\d+(\.\d+)?", text):  # env vars and flags arrive as strings
+        return timedelta(seconds=float(text))
     if not text or not re.fullmatch(r"(\d+(\.\d+)?[smhdw])+", text, re.IGNORECASE):
         return value  # let pydantic parse (or reject) it
     total = sum(float(n) * _UNIT_SECONDS[u.lower()] for n, u in _DURATION_RE.findall(text))
