@@ -22,6 +22,7 @@ from cachemgr.layout import FileKind, check_ns_id, classify
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 Progress = Callable[[int, int], None]  # (files so far, bytes so far)
+Removed = Callable[[str], None]  # a name that is no longer there (deleted or vanished)
 
 
 @dataclass(frozen=True)
@@ -105,8 +106,13 @@ def delete_files(
     pacer: Pacer | None = None,
     progress: Progress | None = None,
     now: Callable[[], float] = time.time,
+    removed: Removed | None = None,
 ) -> DeleteReport:
-    """Delete the named page/temp files of <root>/<rel_dir>; anything else is refused."""
+    """Delete the named page/temp files of <root>/<rel_dir>; anything else is refused.
+
+    `removed` hears every name that is gone afterwards (so an index can drop it); not in a
+    dry run.
+    """
     files = size = vanished = young = 0
     refused: list[str] = []
     with open_dir(root, rel_dir) as fd:
@@ -115,6 +121,8 @@ def delete_files(
             if isinstance(verdict, str):
                 if verdict == "vanished":
                     vanished += 1
+                    if removed is not None and not dry_run:
+                        removed(name)
                 elif verdict == "young":
                     young += 1
                 else:
@@ -122,7 +130,11 @@ def delete_files(
                 continue
             if not dry_run and not _unlink(fd, name):
                 vanished += 1
+                if removed is not None:
+                    removed(name)
                 continue
+            if removed is not None and not dry_run:
+                removed(name)
             files += 1
             size += verdict
             if pacer is not None and not dry_run:
@@ -146,7 +158,7 @@ def _check(dir_fd: int, name: str, min_age: float, now: float) -> int | str:
         return f"cannot stat: {e.strerror}"
     if not stat.S_ISREG(st.st_mode):
         return "not a regular file"
-    if now - st.st_mtime < min_age:
+    if min_age > 0 and now - st.st_mtime < min_age:  # 0: no age rule, even for future mtimes
         return "young"
     return st.st_size
 
@@ -177,6 +189,12 @@ def delete_dir(
     report = delete_files(root, rel_dir, names, dry_run=dry_run, pacer=pacer, progress=progress)
     if dry_run or report.refused:
         return report
+    why = remove_empty_dir(root, rel_dir)
+    return report + DeleteReport(refused=(why,)) if why else report
+
+
+def remove_empty_dir(root: Path, rel_dir: str) -> str | None:
+    """rmdir <root>/<rel_dir> (no symlinks on the way); None if gone, else why it stayed."""
     parent, _, leaf = rel_dir.rpartition("/")
     with open_dir(root, parent) as pfd:
         try:
@@ -184,8 +202,8 @@ def delete_dir(
         except FileNotFoundError:
             pass
         except OSError as e:  # a writer added files meanwhile: leave it for the next run
-            return report + DeleteReport(refused=(f"{rel_dir}: not removed: {e.strerror}",))
-    return report
+            return f"{rel_dir}: not removed: {e.strerror}"
+    return None
 
 
 def delete_manifest(root: Path, ns_id: str) -> bool:

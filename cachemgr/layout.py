@@ -166,6 +166,6 @@ def classify(name: str) -> FileKind:
     """What a directory entry's name says it is. Only PAGE and TEMP may ever be deleted."""
     if _TEMP_RE.fullmatch(name):
         return FileKind.TEMP
-    if parse_page_name(name) is not None:
+    if _PAGE_RE.fullmatch(name):  # not parse_page_name: GC classifies every file it deletes
         return FileKind.PAGE
     return FileKind.FOREIGN

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from contextvars import ContextVar
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError
+from pydantic import (
+    BeforeValidator,
+    ByteSize,
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -17,6 +27,25 @@ from cachemgr.errors import ConfigError
 ENV_PREFIX = "CACHEMGR_"
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["auto", "json", "text"]
+
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)([smhdw])", re.IGNORECASE)
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def _parse_duration(value: Any) -> Any:
+    """Accept "90s", "5m", "1h30m", "7d" besides pydantic's seconds and ISO 8601 forms."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip().replace(" ", "")
+    if re.fullmatch(r"\d+(\.\d+)?", text):  # env vars and flags arrive as strings
+        return timedelta(seconds=float(text))
+    if not text or not re.fullmatch(r"(\d+(\.\d+)?[smhdw])+", text, re.IGNORECASE):
+        return value  # let pydantic parse (or reject) it
+    total = sum(float(n) * _UNIT_SECONDS[u.lower()] for n, u in _DURATION_RE.findall(text))
+    return timedelta(seconds=total)
+
+
+Duration = Annotated[timedelta, BeforeValidator(_parse_duration)]
 
 # The config file path is known only at run time (a CLI flag), but pydantic-settings builds
 # its sources from the class; a context variable hands the path to the file source.
@@ -82,6 +111,61 @@ class Settings(BaseSettings):
     sglang_poll_interval: float = Field(
         15.0, gt=0, description="seconds between polls of the SGLang server"
     )
+    # --- gc ---
+    gc_max_bytes: ByteSize | None = Field(
+        None, description='cap on the page bytes of all namespaces under the root ("500GB")'
+    )
+    gc_namespace_max_bytes: ByteSize | None = Field(
+        None, description="cap on the page bytes of any one namespace"
+    )
+    gc_min_free_bytes: ByteSize = Field(
+        ByteSize(0), description="keep at least this much free on the root's filesystem"
+    )
+    gc_min_free_percent: float = Field(
+        5.0, ge=0, lt=100, description="keep at least this percent of the filesystem free"
+    )
+    gc_high_watermark: float = Field(
+        0.95, gt=0, le=1, description="start evicting above this fraction of a cap"
+    )
+    gc_low_watermark: float = Field(
+        0.85, gt=0, lt=1, description="evict down to this fraction of a cap"
+    )
+    gc_keep_unbound: int = Field(
+        2, ge=0, description="keep this many most recent namespaces no server is bound to"
+    )
+    gc_unbound_ttl: Duration | None = Field(
+        timedelta(days=7), description="drop an unbound namespace idle for longer than this"
+    )
+    gc_tmp_ttl: Duration = Field(
+        timedelta(hours=1), description="remove SGLang .tmp files older than this (crashed writes)"
+    )
+    gc_min_age: Duration = Field(
+        timedelta(minutes=2), description="never delete a page written or read more recently"
+    )
+    gc_interval: Duration = Field(
+        timedelta(seconds=60), description="how often the daemon checks whether GC is needed"
+    )
+    gc_sweep_interval: Duration = Field(
+        timedelta(hours=1), description="how often GC lists namespace dirs for temp and torn files"
+    )
+    gc_delete_rate: float | None = Field(
+        2000.0, gt=0, description="files deleted per second at most (unset: as fast as the disk)"
+    )
+
+    @field_validator("gc_low_watermark")
+    @classmethod
+    def _low_below_high(cls, low: float, info: ValidationInfo) -> float:
+        high = info.data.get("gc_high_watermark")
+        if high is not None and low >= high:
+            raise ValueError(f"must be below gc_high_watermark ({high})")
+        return low
+
+    @field_validator("gc_tmp_ttl", "gc_min_age", "gc_interval", "gc_sweep_interval")
+    @classmethod
+    def _positive_duration(cls, value: timedelta) -> timedelta:
+        if value.total_seconds() < 0:
+            raise ValueError("must not be negative")
+        return value
 
     @property
     def state_path(self) -> Path:

@@ -6,6 +6,7 @@ from cachemgr.cli.config import config
 from cachemgr.cli.doctor import doctor
 from cachemgr.cli.exec import exec_
 from cachemgr.cli.fingerprint import fingerprint
+from cachemgr.cli.gc import gc
 from cachemgr.cli.init import init
 from cachemgr.cli.ls import ls
 from cachemgr.cli.purge import purge
@@ -22,4 +23,5 @@ ALL: list[click.Command] = [
     doctor,
     serve,
     status,
+    gc,
 ]

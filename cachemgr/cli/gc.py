@@ -1,0 +1,123 @@
+"""`cachemgr gc`: bound the cache now (trash, temps, unbound namespaces, torn pages, LRU)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from cachemgr.cli.main import AppContext, pass_app
+from cachemgr.deletion import Progress as ProgressFn
+from cachemgr.errors import ConfigError, ConflictError
+from cachemgr.gcapi import GcResponse
+from cachemgr.gcexec import GcReport
+from cachemgr.gcpolicy import GcPolicy
+from cachemgr.gcrunner import GcRunner
+from cachemgr.layout import Layout
+from cachemgr.pageindex import reconcile
+from cachemgr.store import Store
+
+_LIMITS = [
+    ("--max-bytes", "gc_max_bytes", str, 'Cap on all namespaces\' page bytes ("500GB").'),
+    ("--namespace-max-bytes", "gc_namespace_max_bytes", str, "Cap on any one namespace."),
+    ("--min-free-bytes", "gc_min_free_bytes", str, "Keep this much free on the filesystem."),
+    ("--min-free-percent", "gc_min_free_percent", float, "Keep this percent free."),
+    ("--min-age", "gc_min_age", str, 'Never delete pages used more recently ("2m").'),
+    ("--tmp-ttl", "gc_tmp_ttl", str, 'Remove .tmp files older than this ("1h").'),
+    ("--delete-rate", "gc_delete_rate", float, "Files deleted per second at most."),
+]
+
+
+def _limit_options(f: Any) -> Any:
+    for flag, field, kind, text in reversed(_LIMITS):
+        alias = "--" + field.replace("_", "-")  # the name settings errors mention
+        f = click.option(flag, alias, field, type=kind, default=None, help=text)(f)
+    return f
+
+
+@click.command("gc")
+@click.option("--dry-run", is_flag=True, help="Show what would be deleted; delete nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
+@click.option("--yes", "-y", is_flag=True, help="Delete without asking.")
+@_limit_options
+@pass_app
+def gc(app: AppContext, /, dry_run: bool, as_json: bool, yes: bool, **limits: Any) -> None:
+    """Delete what the GC policy says must go: leftovers in .trash/, stale .tmp files,
+    unbound namespaces past retention, torn pages, then least recently used pages until
+    under the caps and the free-space floor."""
+    app.overrides.update({k: v for k, v in limits.items() if v is not None})
+    settings = app.settings
+    if not (dry_run or yes or sys.stdin.isatty()):
+        raise ConfigError("gc deletes files: pass --yes when not on a terminal (or --dry-run)")
+    layout = Layout.at(settings.root, settings.state_dir)
+    layout.ensure()
+    store = Store.open(layout.db_path)
+    runner = GcRunner(store, layout, GcPolicy.from_settings(settings))
+    try:
+        if not dry_run and not runner.leadership.try_acquire():
+            raise ConflictError(
+                f"another process leads GC on {layout.root} ({runner.leadership.holder()}); "
+                "nothing deleted: ask it with POST /v1/gc, or use --dry-run"
+            )
+        temps = list(reconcile(store, layout, now=time.time()).temps)
+        if dry_run or not yes:
+            preview = runner.run(dry_run=True, actor="cli", temps=temps)
+            if dry_run or preview.files == 0:
+                _show(preview, as_json)
+                return
+            _show(preview, as_json=False)
+            click.confirm("Delete these files?", abort=True, err=True)
+        with _progress(enabled=sys.stderr.isatty() and not as_json) as report_progress:
+            report = runner.run(actor="cli", temps=temps, progress=report_progress)
+        _show(report, as_json)
+    finally:
+        runner.leadership.release()
+        store.close()
+
+
+@contextmanager
+def _progress(*, enabled: bool) -> Iterator[ProgressFn | None]:
+    """A rich live line on a terminal; nothing otherwise."""
+    if not enabled:
+        yield None
+        return
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("deleting")
+        yield lambda files, size: bar.update(
+            task, description=f"deleted {files:,} files, {human(size)}"
+        )
+
+
+def _show(report: GcReport, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(GcResponse.of(report).model_dump(mode="json"), indent=2))
+        return
+    verb = "would delete" if report.dry_run else "deleted"
+    click.echo(f"{verb} {report.files:,} files, {human(report.bytes)}")
+    totals = report.totals()
+    if totals:
+        click.echo(f"  {'reason':<11} {'files':>10} {'bytes':>10}")
+    for reason, (files, size) in totals.items():
+        click.echo(f"  {reason:<11} {files:>10,} {human(size):>10}")
+    kept = [(s.rel_dir, s.young, len(s.refused)) for s in report.steps if s.young or s.refused]
+    for rel_dir, young, refused in kept:
+        click.echo(f"  kept in {rel_dir}: {young} too young, {refused} refused")
+    for warning in report.warnings:
+        click.echo(f"warning: {warning}", err=True)
+
+
+def human(n: float) -> str:
+    """Bytes for people: 1.5 GB (SI units, as `du -h --si`)."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")

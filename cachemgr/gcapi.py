@@ -1,0 +1,81 @@
+"""The JSON shape of a GC run, for `POST /v1/gc` and `cachemgr gc --json`."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from cachemgr.gcexec import GcReport
+from cachemgr.gcpolicy import Reason
+from cachemgr.gcrunner import GcRunner
+
+
+class GcStepOut(BaseModel):
+    """One step of a GC run: one reason, one directory."""
+
+    reason: Reason
+    dir: str = Field(description="directory below the root")
+    namespace_id: str | None
+    planned_files: int
+    planned_bytes: int
+    files: int = Field(description="deleted (or, in a dry run, that would be)")
+    bytes: int
+    vanished: int = Field(description="already gone when GC got to them")
+    young: int = Field(description="kept: modified within the age limit")
+    refused: list[str] = Field(description="kept: not an SGLang page or temp regular file")
+    skipped: str | None = None
+
+
+class GcTotal(BaseModel):
+    files: int
+    bytes: int
+
+
+class GcResponse(BaseModel):
+    """The outcome of a GC run."""
+
+    leader: bool = Field(description="false: another process leads GC on this root")
+    holder: str | None = Field(None, description="the GC leader, when it is not this process")
+    dry_run: bool
+    started_at: float
+    seconds: float
+    files: int
+    bytes: int
+    by_reason: dict[Reason, GcTotal]
+    steps: list[GcStepOut]
+    warnings: list[str]
+
+    @classmethod
+    def of(cls, report: GcReport) -> GcResponse:
+        """The response for a report."""
+        return cls(
+            leader=report.leader,
+            holder=report.holder,
+            dry_run=report.dry_run,
+            started_at=report.started_at,
+            seconds=round(report.finished_at - report.started_at, 6),
+            files=report.files,
+            bytes=report.bytes,
+            by_reason={r: GcTotal(files=f, bytes=b) for r, (f, b) in report.totals().items()},
+            steps=[
+                GcStepOut(
+                    reason=s.reason,
+                    dir=s.rel_dir,
+                    namespace_id=s.namespace_id,
+                    planned_files=s.planned_files,
+                    planned_bytes=s.planned_bytes,
+                    files=s.files,
+                    bytes=s.bytes,
+                    vanished=s.vanished,
+                    young=s.young,
+                    refused=list(s.refused),
+                    skipped=s.skipped,
+                )
+                for s in report.steps
+            ],
+            warnings=list(report.warnings),
+        )
+
+
+def gc_request(runner: GcRunner, *, dry_run: bool = False, actor: str = "http") -> GcResponse:
+    """What `POST /v1/gc` does: one full run (with a sweep) by the daemon's runner."""
+    return GcResponse.of(runner.run(dry_run=dry_run, actor=actor, sweep=True))

@@ -1,0 +1,149 @@
+"""What GC may delete besides LRU pages: trash leftovers, stale temps, unbound namespaces, torn
+pages. Each finder is read-only and returns raw names and sizes for the planner."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import stat
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+from cachemgr.gcpolicy import GcPolicy, Reason
+from cachemgr.layout import NS_ID_RE, FileKind, Layout, classify
+from cachemgr.pageindex import TempFile
+
+
+@dataclass(frozen=True)
+class Found:
+    """Files of one directory that one rule says can go."""
+
+    reason: Reason
+    rel_dir: str
+    namespace_id: str | None
+    names: tuple[str, ...]
+    bytes: int
+
+
+def trash_leftovers(layout: Layout) -> list[Found]:
+    """Page and temp files of every directory in .trash/ (purges not finished yet)."""
+    found = []
+    try:
+        entries = sorted(os.scandir(layout.trash), key=lambda e: e.name)
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        if not entry.is_dir(follow_symlinks=False):
+            continue
+        names, size = _deletable_files(layout.trash / entry.name)
+        m = NS_ID_RE.match(entry.name)  # purge names them <id>.<something>
+        ns_id = m.group(0) if m else None
+        found.append(Found("trash", f".trash/{entry.name}", ns_id, names, size))
+    return found
+
+
+def _deletable_files(path: os.PathLike[str]) -> tuple[tuple[str, ...], int]:
+    names: list[str] = []
+    total = 0
+    with os.scandir(path) as it:
+        for e in it:
+            if classify(e.name) is FileKind.FOREIGN:
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                names.append(e.name)
+                total += st.st_size
+    return tuple(sorted(names)), total
+
+
+def stale_temps(temps: list[TempFile], policy: GcPolicy, now: float) -> list[Found]:
+    """Temp files older than tmp_ttl, grouped by namespace (a crashed writer's leftovers)."""
+    by_ns: dict[str, list[TempFile]] = defaultdict(list)
+    for t in temps:
+        if now - t.mtime >= policy.tmp_ttl:
+            by_ns[t.namespace_id].append(t)
+    return [
+        Found("tmp", f"ns/{ns}", ns, tuple(t.name for t in ts), sum(t.size for t in ts))
+        for ns, ts in sorted(by_ns.items())
+    ]
+
+
+def unbound_past_retention(
+    conn: sqlite3.Connection, policy: GcPolicy, now: float
+) -> list[tuple[str, Reason]]:
+    """Namespaces no instance is bound to, beyond keep_unbound or idle past unbound_ttl.
+
+    Oldest first. Idle time counts from the last activity the registry or the index saw, and
+    a namespace idle for less than min_age is never dropped (an init step may bind it next).
+    """
+    rows = conn.execute(
+        "SELECT n.id, MAX(n.last_active_at,"
+        " COALESCE((SELECT MAX(p.last_access) FROM pages p WHERE p.namespace_id = n.id), 0))"
+        " FROM namespaces n WHERE n.state = 'active'"
+        " AND NOT EXISTS (SELECT 1 FROM bindings b WHERE b.namespace_id = n.id)"
+        " ORDER BY 2 DESC, n.id"
+    ).fetchall()
+    doomed: list[tuple[str, Reason]] = []
+    for rank, (ns_id, active) in enumerate(rows):
+        idle = now - active
+        if idle < policy.min_age:
+            continue
+        if policy.unbound_ttl is not None and idle > policy.unbound_ttl:
+            doomed.append((ns_id, "ttl"))
+        elif rank >= policy.keep_unbound:
+            doomed.append((ns_id, "unbound"))
+    return doomed[::-1]
+
+
+def page_kind(name: str) -> str:
+    """What follows the page hash: pool, model and ranks; pages of one kind share a size."""
+    cut = [i for i in (name.find("."), name.find("_")) if i >= 0]
+    return name[min(cut) :] if cut else name
+
+
+def torn_pages(
+    conn: sqlite3.Connection, skip: set[str], before: float
+) -> tuple[list[Found], list[str]]:
+    """Pages whose size differs from the size most pages of their kind have.
+
+    A truncated or foreign-dtype page poisons its prefix for good: SGLang's get() fails on it
+    and set() never rewrites a file that exists (FIELD_NOTES §5); deleting it heals the cache.
+    A kind without a clear majority size is reported, not touched.
+    """
+    mixed = conn.execute(
+        "SELECT namespace_id FROM pages GROUP BY namespace_id HAVING COUNT(DISTINCT size) > 1"
+    ).fetchall()
+    found: list[Found] = []
+    warnings: list[str] = []
+    for (ns_id,) in mixed:
+        if ns_id in skip:
+            continue
+        kinds: dict[str, list[tuple[str, int, float]]] = defaultdict(list)
+        for name, size, last in conn.execute(
+            "SELECT name, size, last_access FROM pages WHERE namespace_id = ?", (ns_id,)
+        ):
+            kinds[page_kind(name)].append((name, size, last))
+        torn: list[tuple[str, int]] = []
+        for kind, pages in sorted(kinds.items()):
+            (size, count), *_ = Counter(s for _, s, _ in pages).most_common(1)
+            if count == len(pages):
+                continue
+            if count * 2 <= len(pages) or count < 2:
+                warnings.append(f"ns/{ns_id}: pages *{kind} have mixed sizes; none removed")
+                continue
+            torn += [(n, s) for n, s, last in pages if s != size and last <= before]
+        if torn:
+            torn.sort()
+            found.append(
+                Found(
+                    "corrupt",
+                    f"ns/{ns_id}",
+                    ns_id,
+                    tuple(n for n, _ in torn),
+                    sum(s for _, s in torn),
+                )
+            )
+    return found, warnings

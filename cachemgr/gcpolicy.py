@@ -1,0 +1,97 @@
+"""GC policy: the limits from the settings, and how much must go to respect them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+from cachemgr.settings import Settings
+
+# Why a file was deleted; the metric label and the audit reason.
+Reason = Literal["trash", "tmp", "ttl", "unbound", "corrupt", "cap", "free_space"]
+REASONS: tuple[Reason, ...] = ("trash", "tmp", "ttl", "unbound", "corrupt", "cap", "free_space")
+
+
+class DiskUsage(NamedTuple):
+    """What shutil.disk_usage returns: bytes of the root's filesystem."""
+
+    total: int
+    used: int
+    free: int
+
+
+@dataclass(frozen=True)
+class GcPolicy:
+    """The GC limits in plain numbers (bytes, seconds); built from Settings or by a test."""
+
+    max_bytes: int | None = None
+    namespace_max_bytes: int | None = None
+    min_free_bytes: int = 0
+    min_free_percent: float = 0.0
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+    keep_unbound: int = 2
+    unbound_ttl: float | None = 7 * 86400.0
+    tmp_ttl: float = 3600.0
+    min_age: float = 120.0
+    interval: float = 60.0
+    sweep_interval: float = 3600.0
+    delete_rate: float | None = 2000.0
+    # Accesses closer than burst_gap apart belong to one burst (one request reading its prefix
+    # front to back); a burst is cut after burst_span so steady traffic still ages.
+    burst_gap: float = 5.0
+    burst_span: float = 60.0
+
+    @classmethod
+    def from_settings(cls, s: Settings) -> GcPolicy:
+        """The policy the settings describe."""
+        ttl = s.gc_unbound_ttl
+        return cls(
+            max_bytes=int(s.gc_max_bytes) if s.gc_max_bytes is not None else None,
+            namespace_max_bytes=(
+                int(s.gc_namespace_max_bytes) if s.gc_namespace_max_bytes is not None else None
+            ),
+            min_free_bytes=int(s.gc_min_free_bytes),
+            min_free_percent=s.gc_min_free_percent,
+            high_watermark=s.gc_high_watermark,
+            low_watermark=s.gc_low_watermark,
+            keep_unbound=s.gc_keep_unbound,
+            unbound_ttl=ttl.total_seconds() if ttl is not None else None,
+            tmp_ttl=s.gc_tmp_ttl.total_seconds(),
+            min_age=s.gc_min_age.total_seconds(),
+            interval=s.gc_interval.total_seconds(),
+            sweep_interval=s.gc_sweep_interval.total_seconds(),
+            delete_rate=s.gc_delete_rate,
+        )
+
+    def floor(self, disk: DiskUsage) -> int:
+        """Bytes that must stay free on the filesystem."""
+        return max(self.min_free_bytes, math.ceil(disk.total * self.min_free_percent / 100))
+
+
+class Budget(NamedTuple):
+    """How many bytes the root's pages may use, and which limit sets it."""
+
+    limit: float  # math.inf when nothing limits the root
+    reason: Reason
+
+    def over(self, used: int, high: float) -> bool:
+        return used > self.limit * high
+
+    def excess(self, used: int, low: float) -> int:
+        """Bytes to evict to get from `used` down to the low watermark."""
+        return max(0, used - math.floor(max(self.limit, 0) * low))
+
+
+def root_budget(policy: GcPolicy, used: int, disk: DiskUsage) -> Budget:
+    """The root's byte budget: its cap, or what the free-space floor leaves, whichever is less.
+
+    The cache may grow while the filesystem keeps `floor` bytes free, so the floor acts as a
+    cap of used + free - floor; the same watermarks then apply to both limits.
+    """
+    space = used + disk.free - policy.floor(disk) if policy.floor(disk) > 0 else math.inf
+    cap = policy.max_bytes if policy.max_bytes is not None else math.inf
+    if space < cap:
+        return Budget(space, "free_space")
+    return Budget(cap, "cap")

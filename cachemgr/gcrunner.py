@@ -1,0 +1,156 @@
+"""GC runs: the cheap "anything to do?" check, the daemon's loop, and one-off runs.
+
+A cycle with nothing to delete reads a few aggregate rows (kept by triggers on the page
+index), one statvfs and the .trash/ directory: no scan of the pages or their files. Listing
+namespace dirs (stale temps) and checking page sizes happen every sweep_interval.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+
+from cachemgr import gcfind
+from cachemgr.deletion import Pacer, Progress
+from cachemgr.errors import CachemgrError
+from cachemgr.gc import DiskUsageFn, plan_gc
+from cachemgr.gcexec import GcReport, execute_gc
+from cachemgr.gcpolicy import DiskUsage, GcPolicy, Reason, root_budget
+from cachemgr.layout import Layout
+from cachemgr.leader import Leadership
+from cachemgr.pageindex import TempFile
+from cachemgr.store import Store
+
+log = logging.getLogger("cachemgr.gc")
+
+
+def needs_gc(
+    store: Store,
+    layout: Layout,
+    policy: GcPolicy,
+    *,
+    now: float,
+    disk_usage: DiskUsageFn = shutil.disk_usage,
+) -> tuple[Reason, ...]:
+    """Why GC should run now (empty: it need not), from aggregates and statvfs only."""
+    reasons: list[Reason] = []
+    if _has_entries(layout.trash):
+        reasons.append("trash")
+    conn = store.conn
+    dropped = gcfind.unbound_past_retention(conn, policy, now)
+    reasons += sorted({r for _, r in dropped})
+    gone = {ns for ns, _ in dropped}
+    usage = {
+        ns: b
+        for ns, b in conn.execute("SELECT namespace_id, bytes FROM namespace_stats WHERE pages > 0")
+        if ns not in gone
+    }
+    cap = policy.namespace_max_bytes
+    if cap is not None and any(b > cap * policy.high_watermark for b in usage.values()):
+        reasons.append("cap")
+    budget = root_budget(policy, sum(usage.values()), DiskUsage(*disk_usage(layout.root)))
+    if budget.over(sum(usage.values()), policy.high_watermark) and budget.reason not in reasons:
+        reasons.append(budget.reason)
+    return tuple(reasons)
+
+
+def _has_entries(path: os.PathLike[str]) -> bool:
+    try:
+        with os.scandir(path) as it:
+            return any(True for _ in it)
+    except FileNotFoundError:
+        return False
+
+
+class GcRunner:
+    """Runs GC for one root: periodically, when woken (a watermark crossed), or on request.
+
+    Give it its own Store: its connection must not be shared with another thread's
+    transactions. Only the holder of the root's GC leadership deletes.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        layout: Layout,
+        policy: GcPolicy,
+        *,
+        leadership: Leadership | None = None,
+        clock: Callable[[], float] = time.time,
+        disk_usage: DiskUsageFn = shutil.disk_usage,
+    ) -> None:
+        self.store, self.layout, self.policy = store, layout, policy
+        self.leadership = leadership or Leadership(layout.state_dir / "gc.lock")
+        self.clock = clock
+        self.disk_usage = disk_usage
+        self.last_sweep = float("-inf")
+        self._wake = threading.Event()
+        self._busy = threading.Lock()
+
+    def needs_gc(self) -> tuple[Reason, ...]:
+        """The cheap check (see the module docstring)."""
+        return needs_gc(
+            self.store, self.layout, self.policy, now=self.clock(), disk_usage=self.disk_usage
+        )
+
+    def tick(self) -> GcReport | None:
+        """One daemon cycle: run GC if a limit is crossed or a sweep is due, else nothing."""
+        sweep = self.clock() - self.last_sweep >= self.policy.sweep_interval
+        if not sweep and not self.needs_gc():
+            return None
+        return self.run(actor="auto", sweep=sweep)
+
+    def run(
+        self,
+        *,
+        dry_run: bool = False,
+        actor: str = "auto",
+        sweep: bool = True,
+        temps: list[TempFile] | None = None,
+        pacer: Pacer | None = None,
+        progress: Progress | None = None,
+    ) -> GcReport:
+        """Plan and execute one GC run; a non-leader reports who leads and deletes nothing.
+
+        Deletion is paced at the policy's delete_rate unless a `pacer` is given.
+        """
+        if not dry_run and not self.leadership.try_acquire():
+            now = self.clock()
+            return GcReport(dry_run, False, now, now, holder=self.leadership.holder())
+        with self._busy:
+            now = self.clock()
+            plan = plan_gc(
+                self.store, self.layout, self.policy, now=now, disk_usage=self.disk_usage,
+                temps=temps, sweep=sweep,
+            )  # fmt: skip
+            if sweep:
+                self.last_sweep = now
+            return execute_gc(
+                plan, self.store, self.layout, dry_run=dry_run, actor=actor,
+                pacer=pacer or Pacer(rate=self.policy.delete_rate), progress=progress,
+                clock=self.clock,
+            )  # fmt: skip
+
+    def wake(self) -> None:
+        """Ask for a check now (the watcher saw the index grow past a watermark)."""
+        self._wake.set()
+
+    def serve(self, stop: threading.Event) -> None:
+        """The daemon's GC loop: a tick every interval or when woken, until `stop` is set
+        (set it, then wake() to end the wait early)."""
+        while not stop.is_set():
+            self._wake.wait(self.policy.interval)
+            self._wake.clear()
+            if stop.is_set():
+                break
+            try:
+                self.tick()
+            except (CachemgrError, OSError, sqlite3.Error):
+                # One failed cycle (a vanished dir, a locked DB) must not end GC for good.
+                log.exception("gc cycle failed")
+        self.leadership.release()

@@ -1,0 +1,107 @@
+"""A cache root with a real state DB and real page files whose times the test chooses."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cachemgr.gc import GcPlan, plan_gc
+from cachemgr.gcexec import GcReport, execute_gc
+from cachemgr.gcpolicy import GcPolicy
+from cachemgr.layout import Layout
+from cachemgr.pageindex import Recorder
+from cachemgr.store import Store
+
+NS = "0123456789abcdef"
+NS2 = "fedcba9876543210"
+T0 = time.time() - 30 * 86400  # fake clocks start in the past so file mtimes can match them
+
+
+def page(i: int, model: str = "m", pool: str | None = None) -> str:
+    """An SGLang page file name for key number i."""
+    return f"{i:064x}" + (f".{pool}" if pool else "") + f"_{model}_0_1.bin"
+
+
+def temp(i: int) -> str:
+    return f".{i:032x}.tmp"
+
+
+def big_disk(_: Path) -> tuple[int, int, int]:
+    """A filesystem with room to spare, so only caps decide."""
+    return (10**15, 0, 10**15)
+
+
+def policy(**kw: object) -> GcPolicy:
+    """A policy with only what the test asks for: no age rule, no retention, no pacing."""
+    base: dict[str, object] = dict(
+        min_age=0.0, keep_unbound=1000, unbound_ttl=None, min_free_percent=0.0,
+        delete_rate=None,
+    )  # fmt: skip
+    base.update(kw)
+    return GcPolicy(**base)  # type: ignore[arg-type]
+
+
+@dataclass
+class Tree:
+    """A root, its index and a recorder standing in for the daemon's watcher."""
+
+    layout: Layout
+    store: Store
+    rec: Recorder = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rec = Recorder(self.store)
+
+    @classmethod
+    def at(cls, root: Path) -> Tree:
+        layout = Layout.at(root)
+        layout.ensure()
+        return cls(layout, Store.open(layout.db_path))
+
+    def dir(self, ns: str) -> Path:
+        d = self.layout.ns_dir(ns)
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def write(self, ns: str, names: Iterable[str], *, at: float, size: int = 1000) -> None:
+        """SGLang wrote these pages at `at`, in this order (the watcher saw it)."""
+        names = list(names)
+        for name in names:
+            path = self.dir(ns) / name
+            path.write_bytes(b"\0" * size)
+            os.utime(path, (at, at))
+        self.rec.record(ns, [(n, size) for n in names], at=at, kind="write")
+
+    def read(self, ns: str, names: Iterable[str], *, at: float) -> None:
+        self.rec.record(ns, [(n, None) for n in names], at=at, kind="read")
+
+    def files(self, ns: str) -> set[str]:
+        return set(os.listdir(self.layout.ns_dir(ns)))
+
+    def add_namespace(self, ns: str, *, active: float, bound: bool = False) -> None:
+        with self.store.transaction() as conn:
+            conn.execute(
+                "INSERT INTO namespaces (id, digest, identity_json, created_at, last_active_at)"
+                " VALUES (?, ?, '{}', ?, ?)",
+                (ns, ns * 2, active, active),
+            )
+            if bound:
+                conn.execute(
+                    "INSERT INTO bindings (instance, namespace_id, bound_at) VALUES (?, ?, ?)",
+                    (f"server-{ns}", ns, active),
+                )
+
+    def plan(self, pol: GcPolicy, *, now: float, **kw: object) -> GcPlan:
+        kw.setdefault("disk_usage", big_disk)
+        return plan_gc(self.store, self.layout, pol, now=now, **kw)  # type: ignore[arg-type]
+
+    def execute(self, plan: GcPlan, *, now: float, dry_run: bool = False) -> GcReport:
+        return execute_gc(plan, self.store, self.layout, dry_run=dry_run, clock=lambda: now)
+
+
+def evicted(plan: GcPlan, reason: str | None = None) -> list[str]:
+    """The planned names, in plan order."""
+    return [n for s in plan.steps if reason in (None, s.reason) for n in s.names]

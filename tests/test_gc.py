@@ -1,0 +1,255 @@
+"""GC planning and execution on real files and a real state DB, with injected clocks."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cachemgr.gcrunner import needs_gc
+from cachemgr.pageindex import Recorder, reconcile
+from cachemgr.store import Store
+from tests.gc_helpers import NS, NS2, T0, Tree, evicted, page, policy, temp
+
+SYS = [page(i) for i in range(4)]
+A = [page(100 + i) for i in range(6)]
+B = [page(200 + i) for i in range(6)]
+C = [page(300 + i) for i in range(6)]
+
+
+@pytest.fixture
+def tree(root: Path) -> Iterator[Tree]:
+    t = Tree.at(root)
+    yield t
+    t.store.close()
+
+
+def three_sessions(tree: Tree) -> None:
+    """A wrote the system prompt and its turn first; B and C reused the system prompt later."""
+    tree.write(NS, SYS + A, at=T0)
+    tree.read(NS, SYS, at=T0 + 100)
+    tree.write(NS, B, at=T0 + 100)
+    tree.read(NS, SYS, at=T0 + 200)
+    tree.write(NS, C, at=T0 + 200)
+
+
+def test_chain_tails_go_before_heads(tree: Tree) -> None:
+    three_sessions(tree)  # 22 pages of 1000 bytes
+    plan = tree.plan(policy(max_bytes=20_000), now=T0 + 300)
+    # over 95% of the cap: down to 85% = 17,000 bytes, so 5 pages go, A's tail first.
+    # Plain LRU would take A[0..4] and strand A[5]: SGLang loads contiguous prefixes only.
+    assert evicted(plan) == A[:0:-1]
+    tree.execute(plan, now=T0 + 300)
+    assert tree.files(NS) == {*SYS, A[0], *B, *C}
+
+
+def test_pages_shared_by_many_sessions_go_last(tree: Tree) -> None:
+    three_sessions(tree)
+    plan = tree.plan(policy(max_bytes=8_000, high_watermark=0.95, low_watermark=0.5), now=T0 + 300)
+    # 4,000 bytes may stay: the system prompt, read by every session, is what survives
+    assert evicted(plan) == A[::-1] + B[::-1] + C[::-1]
+    assert set(SYS).isdisjoint(evicted(plan))
+
+
+def test_lru_order_survives_a_restart(tree: Tree, root: Path) -> None:
+    three_sessions(tree)
+    before = tree.plan(policy(max_bytes=15_000), now=T0 + 300)
+    tree.store.close()
+    reopened = Tree.at(root)
+    try:
+        assert evicted(reopened.plan(policy(max_bytes=15_000), now=T0 + 300)) == evicted(before)
+        reopened.read(NS, A, at=T0 + 400)  # A is the newest again; its sequence keeps counting
+        after = reopened.plan(policy(max_bytes=15_000), now=T0 + 500)
+        assert set(A).isdisjoint(evicted(after))
+        assert evicted(after)[:6] == B[::-1]
+    finally:
+        reopened.store.close()
+
+
+def test_min_age_protects_recent_use_and_recent_files(tree: Tree) -> None:
+    tree.write(NS, A, at=T0)
+    tree.read(NS, A[:2], at=T0 + 990)  # read 10 s before "now": in use
+    os.utime(tree.dir(NS) / A[5], (T0 + 995, T0 + 995))  # rewritten 5 s ago, index not told
+    plan = tree.plan(policy(max_bytes=1_000, min_age=60), now=T0 + 1000)
+    assert set(evicted(plan)) == set(A[2:])
+    report = tree.execute(plan, now=T0 + 1000)
+    assert report.steps[0].young == 1
+    assert tree.files(NS) == {*A[:2], A[5]}
+
+
+def test_stale_temps_go_after_tmp_ttl_and_fresh_ones_never(tree: Tree) -> None:
+    tree.write(NS, A[:1], at=T0)
+    d = tree.dir(NS)
+    for name, mtime in [(temp(1), T0), (temp(2), T0 + 3000)]:
+        (d / name).write_bytes(b"partial")
+        os.utime(d / name, (mtime, mtime))
+    pol = policy(tmp_ttl=3600)
+    assert evicted(tree.plan(pol, now=T0 + 3599)) == []
+    plan = tree.plan(pol, now=T0 + 3601)
+    assert evicted(plan, "tmp") == [temp(1)]
+    tree.execute(plan, now=T0 + 3601)
+    assert tree.files(NS) == {A[0], temp(2)}
+    assert evicted(tree.plan(pol, now=T0 + 6601)) == [temp(2)]
+
+
+def test_what_is_not_an_sglang_file_is_never_deleted(tree: Tree, tmp_path: Path) -> None:
+    outside = tmp_path / "precious.bin"
+    outside.write_bytes(b"keep")
+    d = tree.dir(NS)
+    (d / page(1)).symlink_to(outside)
+    (d / "notes.txt").write_text("mine")
+    (d / page(2)).mkdir()
+    (tree.layout.ns_root / page(3)).write_bytes(b"x" * 10)  # outside any namespace dir
+    (tree.layout.root / page(4)).write_bytes(b"x" * 10)
+    (tree.layout.trash / "0123456789abcdef.1").symlink_to(tmp_path)
+    old = T0 - 86400
+    for p in (d / "notes.txt", tree.layout.ns_root / page(3), tree.layout.root / page(4)):
+        os.utime(p, (old, old))
+    # A poisoned index that lists them all as old pages, and a cap that wants everything gone
+    tree.rec.record(NS, [(n, 10) for n in (page(1), "notes.txt", page(2))], at=old, kind="write")
+    tree.write(NS, A[:1], at=old)
+    plan = tree.plan(policy(max_bytes=1, min_free_percent=0), now=T0)
+    report = tree.execute(plan, now=T0)
+    assert report.files == 1  # the one real page
+    assert tree.files(NS) == {page(1), "notes.txt", page(2)}
+    assert outside.read_bytes() == b"keep"
+    assert (tree.layout.ns_root / page(3)).exists() and (tree.layout.root / page(4)).exists()
+    assert (tree.layout.trash / "0123456789abcdef.1").is_symlink()
+    assert len(report.steps[-1].refused) == 3
+
+
+def busy_root(tree: Tree) -> None:
+    """Work for every reason: trash, a stale temp, an unbound namespace, a torn page, a cap."""
+    trash = tree.layout.trash / f"{NS2}.purged"
+    trash.mkdir()
+    (trash / page(900)).write_bytes(b"t" * 700)
+    tree.write(NS, SYS + A, at=T0)
+    tree.write(NS, [page(50)], at=T0, size=400)  # torn: every other page is 1000 bytes
+    (tree.dir(NS) / temp(7)).write_bytes(b"p" * 30)
+    os.utime(tree.dir(NS) / temp(7), (T0, T0))
+    tree.add_namespace(NS, active=T0, bound=True)
+    tree.add_namespace(NS2, active=T0)
+    tree.write(NS2, B, at=T0)
+
+
+def test_dry_run_deletes_nothing_and_frees_what_the_real_run_frees(tree: Tree) -> None:
+    busy_root(tree)
+    pol = policy(max_bytes=6_000, keep_unbound=0, tmp_ttl=60)
+    plan = tree.plan(pol, now=T0 + 100)
+    assert [s.reason for s in plan.steps] == ["trash", "tmp", "unbound", "corrupt", "cap"]
+    listing = sorted(os.walk(tree.layout.root))
+    dry = tree.execute(plan, now=T0 + 100, dry_run=True)
+    assert sorted(os.walk(tree.layout.root)) == listing
+    assert tree.plan(pol, now=T0 + 100) == plan  # a dry run changes nothing, not even the index
+    real = tree.execute(plan, now=T0 + 100)
+    assert dry.bytes == real.bytes == plan.bytes
+    assert dry.totals() == real.totals() == plan.totals()
+    assert not (tree.layout.trash / f"{NS2}.purged").exists()
+    assert not tree.layout.ns_dir(NS2).exists()
+    state = tree.store.conn.execute("SELECT state FROM namespaces WHERE id = ?", (NS2,))
+    assert state.fetchone()[0] == "purged"
+
+
+def test_every_deletion_is_audited_once_per_namespace_and_reason(tree: Tree) -> None:
+    busy_root(tree)
+    plan = tree.plan(policy(max_bytes=6_000, keep_unbound=0, tmp_ttl=60), now=T0 + 100)
+    tree.execute(plan, now=T0 + 100)
+    rows = tree.store.conn.execute(
+        "SELECT action, namespace_id, reason, actor, pages, bytes FROM audit ORDER BY id"
+    ).fetchall()
+    assert [tuple(r) for r in rows] == [
+        ("delete-trash", NS2, "trash", "cli", 1, 700),
+        ("evict", NS, "tmp", "cli", 1, 30),
+        ("evict", NS2, "unbound", "cli", 6, 6000),
+        ("evict", NS, "corrupt", "cli", 1, 400),
+        ("evict", NS, "cap", "cli", 5, 5000),
+    ]
+
+
+def test_unbound_namespaces_go_oldest_first_past_retention(tree: Tree) -> None:
+    ids = [f"{i:016x}" for i in range(1, 6)]
+    for age, ns in enumerate(ids):  # ids[0] is the newest
+        tree.add_namespace(ns, active=T0 - 1000 * age, bound=(ns == ids[4]))
+        tree.write(ns, [page(age)], at=T0 - 1000 * age)
+    plan = tree.plan(policy(keep_unbound=2), now=T0)
+    assert [(s.namespace_id, s.reason) for s in plan.steps] == [
+        (ids[3], "unbound"),
+        (ids[2], "unbound"),
+    ]  # ids[4] is bound: never dropped, whatever its age
+    plan = tree.plan(policy(keep_unbound=2, unbound_ttl=1500), now=T0)
+    assert [(s.namespace_id, s.reason) for s in plan.steps] == [
+        (ids[3], "ttl"),
+        (ids[2], "ttl"),
+    ]
+    assert tree.plan(policy(keep_unbound=0, min_age=5000), now=T0).steps == ()
+
+
+def test_torn_pages_are_found_per_kind(tree: Tree) -> None:
+    tree.write(NS, [page(i) for i in range(5)], at=T0, size=1024)
+    tree.write(NS, [page(i, pool="mamba") for i in range(5)], at=T0, size=300)
+    tree.write(NS, [page(9)], at=T0, size=512)
+    tree.write(NS2, [page(i) for i in range(2)], at=T0, size=1024)
+    tree.write(NS2, [page(i + 2) for i in range(2)], at=T0, size=512)
+    plan = tree.plan(policy(), now=T0 + 1)
+    assert [(s.namespace_id, s.names) for s in plan.steps] == [(NS, (page(9),))]
+    assert plan.warnings == (f"ns/{NS2}: pages *_m_0_1.bin have mixed sizes; none removed",)
+
+
+def test_free_space_floor_evicts_like_a_cap(tree: Tree) -> None:
+    tree.write(NS, A + B, at=T0)  # 12,000 bytes
+    # 100 kB disk, 3 kB free, 10% must stay free: the cache may use 12,000 + 3,000 - 10,000
+    plan = tree.plan(
+        policy(min_free_percent=10), now=T0 + 1, disk_usage=lambda _: (100_000, 0, 3_000)
+    )
+    assert plan.budget_bytes == 5_000
+    assert plan.totals() == {"free_space": (8, 8_000)}  # down to 85% of 5,000
+
+
+def test_namespace_cap_touches_only_that_namespace(tree: Tree) -> None:
+    tree.write(NS, A + B, at=T0)
+    tree.write(NS2, C[:3], at=T0 - 100)  # older, but under its own cap
+    plan = tree.plan(policy(namespace_max_bytes=5_000), now=T0 + 1)
+    assert [(s.namespace_id, s.reason, len(s.names)) for s in plan.steps] == [(NS, "cap", 8)]
+
+
+def test_needs_gc_reads_aggregates_that_follow_the_index(tree: Tree) -> None:
+    tree.write(NS, A, at=T0)
+    tree.write(NS2, B[:2], at=T0, size=300)
+    pol = policy(max_bytes=6_000)
+    kw = {"now": T0 + 1, "disk_usage": lambda _: (10**12, 0, 10**12)}
+    assert needs_gc(tree.store, tree.layout, pol, **kw) == ("cap",)
+    tree.execute(tree.plan(pol, now=T0 + 1), now=T0 + 1)
+    assert needs_gc(tree.store, tree.layout, pol, **kw) == ()
+    tree.write(NS, [A[0]], at=T0 + 2, size=5000)  # rewritten bigger: the resize trigger
+    (tree.layout.trash / "x").mkdir()
+    assert needs_gc(tree.store, tree.layout, pol, **kw) == ("trash", "cap")
+    sums = "SELECT namespace_id, COUNT(*), SUM(size) FROM pages GROUP BY namespace_id"
+    usage = "SELECT namespace_id, pages, bytes FROM namespace_stats WHERE pages > 0 ORDER BY 1"
+    conn = tree.store.conn
+    assert [tuple(r) for r in conn.execute(sums)] == [tuple(r) for r in conn.execute(usage)]
+
+
+def test_reconcile_brings_the_index_in_line_with_the_disk(tree: Tree) -> None:
+    tree.write(NS, A, at=T0)
+    (tree.dir(NS) / A[0]).unlink()
+    (tree.dir(NS) / page(77)).write_bytes(b"n" * 1000)
+    (tree.dir(NS) / A[1]).write_bytes(b"n" * 10)
+    tree.write(NS2, B, at=T0)
+    for name in B:
+        (tree.dir(NS2) / name).unlink()
+    tree.dir(NS2).rmdir()
+    report = reconcile(tree.store, tree.layout, now=T0 + 5)
+    assert (report.added, report.removed, report.resized) == (1, 7, 1)
+    rows = tree.store.conn.execute("SELECT name FROM pages ORDER BY name").fetchall()
+    assert [r[0] for r in rows] == sorted([*A[1:], page(77)])
+
+
+def test_recorder_resumes_its_sequence(tree: Tree, root: Path) -> None:
+    tree.write(NS, A, at=T0)
+    again = Recorder(Store.open(tree.layout.db_path))
+    again.record(NS, [(A[0], None)], at=T0, kind="read")
+    seqs = dict(tree.store.conn.execute("SELECT name, access_seq FROM pages"))
+    assert seqs[A[0]] > max(seqs[n] for n in A[1:])
+    again.store.close()

@@ -1,0 +1,94 @@
+"""Two GC processes on one root: the lock holder deletes, the other reports and does not."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from cachemgr.leader import Leadership
+from tests.gc_helpers import NS, Tree, page
+
+# A daemon stand-in: takes GC leadership, says so, waits for a line, then runs GC once.
+DAEMON = """
+import json, sys, time
+from pathlib import Path
+from cachemgr.gcpolicy import GcPolicy
+from cachemgr.gcrunner import GcRunner
+from cachemgr.layout import Layout
+from cachemgr.store import Store
+layout = Layout.at(Path(sys.argv[1]))
+store = Store.open(layout.db_path)
+runner = GcRunner(store, layout, GcPolicy(max_bytes=5_000, min_age=0, delete_rate=None))
+print(json.dumps({"leader": runner.leadership.try_acquire()}), flush=True)
+sys.stdin.readline()
+report = runner.run(actor="auto")
+print(json.dumps({"leader": report.leader, "files": report.files}), flush=True)
+sys.stdin.readline()
+"""
+
+
+def start_daemon(root: Path) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DAEMON, str(root)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    return proc
+
+
+def say(proc: subprocess.Popen[str], line: str = "go") -> dict[str, object]:
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+    out: dict[str, object] = json.loads(proc.stdout.readline())
+    return out
+
+
+def cli_gc(root: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cachemgr", "--root", str(root), "gc", "--yes", "--json",
+         "--max-bytes", "5000", "--min-age", "0", "--delete-rate", "1000000"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_two_processes_exactly_one_deletes(root: Path) -> None:
+    tree = Tree.at(root)
+    tree.write(NS, [page(i) for i in range(20)], at=1_000_000.0)  # 20,000 bytes, cap 5,000
+    tree.store.close()
+    daemon = start_daemon(root)
+    try:
+        assert daemon.stdout is not None
+        assert json.loads(daemon.stdout.readline()) == {"leader": True}
+        other = cli_gc(root)
+        assert other.returncode == 1
+        assert f"another process leads GC on {root} (pid {daemon.pid} " in other.stderr
+        assert len(os.listdir(root / "ns" / NS)) == 20  # the non-leader deleted nothing
+        assert say(daemon) == {"leader": True, "files": 16}
+        assert len(os.listdir(root / "ns" / NS)) == 4
+    finally:
+        daemon.kill()
+        daemon.wait(timeout=30)
+        for stream in (daemon.stdin, daemon.stdout):
+            assert stream is not None
+            stream.close()
+
+
+def test_leadership_passes_on_when_the_leader_dies(root: Path) -> None:
+    Tree.at(root).store.close()
+    daemon = start_daemon(root)
+    assert daemon.stdout is not None
+    assert json.loads(daemon.stdout.readline()) == {"leader": True}
+    mine = Leadership(root / ".cachemgr" / "gc.lock")
+    assert not mine.try_acquire()
+    daemon.send_signal(signal.SIGKILL)  # no cleanup runs: the kernel drops the flock
+    daemon.wait(timeout=30)
+    for stream in (daemon.stdin, daemon.stdout):
+        assert stream is not None
+        stream.close()
+    assert mine.try_acquire()
+    assert mine.holder() is not None and f"pid {os.getpid()} " in (mine.holder() or "")
+    mine.release()
