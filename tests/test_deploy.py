@@ -70,11 +70,13 @@ def test_compose_runs_init_before_the_daemon_and_the_server(compose: dict[str, A
     server_cmd = " ".join(svc["sglang"]["entrypoint"] + svc["sglang"]["command"])
     # Compose escapes $ as $$; the shell in the container sees $SGLANG_ARGS.
     assert "cachemgr init" in init_cmd and "--env-file /run/cachemgr/env" in init_cmd
-    assert init_cmd.replace("$$", "$").endswith(f"-- {LAUNCH}")
+    assert init_cmd.replace("$$", "$").endswith(f'--sglang-version "$SGLANG_VERSION" -- {LAUNCH}')
     assert server_cmd.replace("$$", "$").endswith(f"exec {LAUNCH}")
     assert ". /run/cachemgr/env" in server_cmd
     args = {s: svc[s]["environment"]["SGLANG_ARGS"] for s in ("cachemgr-init", "sglang")}
     assert args["cachemgr-init"] == args["sglang"] and "--page-size 64" in args["sglang"]
+    version = svc["cachemgr-init"]["environment"]["SGLANG_VERSION"]
+    assert svc["sglang"]["image"] == f"lmsysorg/sglang:v{version}-cu129"
 
 
 def test_compose_shares_the_cache_volume_and_reserves_a_gpu(compose: dict[str, Any]) -> None:
@@ -134,6 +136,10 @@ def test_systemd_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     assert out.returncode != 0 and "cachemgr is not executable" in out.stderr
 
 
+def env_lines(path: Path) -> list[str]:
+    return [ln for ln in path.read_text().splitlines() if ln and not ln.startswith("#")]
+
+
 def unit(path: Path) -> configparser.ConfigParser:
     parser = configparser.ConfigParser(strict=False, interpolation=None, delimiters=("=",))
     parser.optionxform = str  # type: ignore[assignment,method-assign]
@@ -158,6 +164,9 @@ def test_dropin_inits_the_exact_command_the_unit_starts() -> None:
     pre = dropin["ExecStartPre"]
     init, _, command = pre.partition(" -- ")
     assert command == start and start.endswith(LAUNCH)
+    assert init.endswith("--sglang-version ${SGLANG_VERSION}")
+    env = dict(line.split("=", 1) for line in env_lines(SYSTEMD / "sglang.env"))
+    assert set(env) == {"SGLANG_ARGS", "SGLANG_VERSION"} and "--page-size 64" in env["SGLANG_ARGS"]
     env_file = init.split("--env-file ")[1].split()[0]
     assert dropin["EnvironmentFile"] == f"-{env_file}"  # "-": absent while ExecStartPre runs
     assert env_file.startswith(f"/run/{dropin['RuntimeDirectory']}/")

@@ -95,7 +95,9 @@ def test_init_step_then_native_sidecar_then_server(docs: list[Doc]) -> None:
     assert sidecar["restartPolicy"] == "Always"  # native sidecar: lives as long as the pod
     init_cmd = " ".join(init["command"] + init["args"])
     assert "cachemgr init" in init_cmd and "--env-file /run/cachemgr/env" in init_cmd
-    assert "-- python3 -m sglang.launch_server $SGLANG_ARGS" in init_cmd
+    assert '--sglang-version "$SGLANG_VERSION" -- python3 -m sglang.launch_server $SGLANG_ARGS' in (
+        init_cmd
+    )
     server_cmd = " ".join(server["command"] + server["args"])
     assert ". /run/cachemgr/env" in server_cmd and "set -a" in server_cmd
     assert server_cmd.endswith("exec python3 -m sglang.launch_server $SGLANG_ARGS")
@@ -112,6 +114,13 @@ def test_launch_args_enable_the_l3_file_cache_with_pages_that_can_hit(docs: list
     assert args[args.index("--hicache-storage-backend") + 1] == "file"
     assert int(args[args.index("--page-size") + 1]) > 1  # page size 1 never hits (FIELD_NOTES)
     assert args[args.index("--host") + 1] == "0.0.0.0"
+
+
+def test_sglang_version_matches_the_server_image_tag(docs: list[Doc]) -> None:
+    version = one(docs, "ConfigMap")["data"]["SGLANG_VERSION"]
+    server = pod_containers(one(docs, "Deployment"))[-1]
+    name, _, tag = server["image"].partition(":")
+    assert name == "lmsysorg/sglang" and tag.startswith(f"v{version}-")
 
 
 def test_cache_volume_is_shared_and_the_env_dir_handed_over(docs: list[Doc]) -> None:
