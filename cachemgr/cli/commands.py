@@ -3,7 +3,11 @@
 import click
 
 from cachemgr.cli.config import config
+from cachemgr.cli.serve import serve
+from cachemgr.cli.status import status
 
 ALL: list[click.Command] = [
     config,
+    serve,
+    status,
 ]

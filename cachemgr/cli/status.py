@@ -1,0 +1,112 @@
+"""`cachemgr status`: a ccache-style table per namespace, from the daemon if it runs."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from cachemgr.cli.main import AppContext, pass_app
+from cachemgr.index import measure_namespace
+from cachemgr.layout import Layout
+from cachemgr.settings import Settings
+from cachemgr.status import NamespaceStatus, namespace_statuses
+from cachemgr.store import Store
+
+
+def from_daemon(settings: Settings, timeout: float = 1.0) -> dict[str, Any] | None:
+    """The running daemon's /v1/status, or None if nothing answers on host:port."""
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+    url = f"http://{host}:{settings.port}/v1/status"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            data: dict[str, Any] = json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and "namespaces" in data else None
+
+
+def from_disk(settings: Settings) -> dict[str, Any]:
+    """The same report without a daemon: pages and bytes counted on disk, history from the DB."""
+    layout = Layout.at(settings.root, settings.state_dir)
+    if not layout.db_path.exists():
+        statuses: list[NamespaceStatus] = []
+    else:
+        store = Store.open(layout.db_path)
+        try:
+            statuses = namespace_statuses(store.conn, layout)
+        finally:
+            store.close()
+    out = []
+    for s in statuses:
+        if s.has_dir:
+            m = measure_namespace(layout, s.id)
+            s = s.model_copy(
+                update={"pages": m.pages, "bytes": m.bytes, "temp_files": m.temp_files}
+            )
+        out.append(s.model_dump(mode="json"))
+    return {"root": str(layout.root), "source": "disk", "namespaces": out}
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def _ago(ts: float | None) -> str:
+    if not ts:
+        return "never"
+    s = max(0.0, time.time() - ts)
+    for unit, span in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= span:
+            return f"{s / span:.0f}{unit} ago"
+    return f"{s:.0f}s ago"
+
+
+def render(report: dict[str, Any], console: Console) -> None:
+    """The table people read at a glance."""
+    src = report.get("source", "daemon")
+    table = Table(title=f"cachemgr — {report['root']} (from {src})", title_justify="left")
+    for col in ("namespace", "model", "kv dtype", "page", "instances"):
+        table.add_column(col)
+    for col in ("pages", "size", "reads", "writes", "hit ratio", "last write"):
+        table.add_column(col, justify="right")
+    for ns in report["namespaces"]:
+        ratio = ns.get("hit_ratio")
+        table.add_row(
+            ns["id"], ns.get("model") or "?", ns.get("kv_cache_dtype") or "?",
+            str(ns.get("page_size") or "?"), ",".join(ns.get("instances") or []) or "-",
+            f"{ns['pages']:,}", _size(ns["bytes"]), f"{ns['page_reads']:,}",
+            f"{ns['page_writes']:,}", "-" if ratio is None else f"{ratio:.1%}",
+            _ago(ns.get("last_write_at")),
+        )  # fmt: skip
+    console.print(table)
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
+@click.option("--host", help="Where the daemon listens (default: settings host).")
+@click.option("--port", type=int, help="The daemon's port (default: settings port).")
+@pass_app
+def status(app: AppContext, as_json: bool, host: str | None, port: int | None) -> None:
+    """Pages, bytes, reads, writes and hit ratio per namespace (from the daemon if it runs)."""
+    app.overrides.update({k: v for k, v in {"host": host, "port": port}.items() if v is not None})
+    settings = app.settings
+    report = from_daemon(settings)
+    if report is not None:
+        report["source"] = "daemon"
+    else:
+        report = from_disk(settings)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        render(report, Console())

@@ -1,0 +1,271 @@
+"""The live index: one writer thread that scans, then applies watcher events in batches.
+
+Only this thread writes the page index while the daemon runs; the inotify thread only appends
+to a deque. Every `batch_interval` the queue is drained and applied in 10K-event transactions.
+Page stores and deletions are settled by a stat of the file at apply time (the disk is the
+truth, so a create+delete inside one batch, or an event seen twice, needs no ordering care);
+reads bump the page's `reads` and `last_access`. An inotify overflow, a new namespace dir and
+the periodic reconcile all become scans, so any drift is bounded and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from cachemgr.index import BATCH, ScanReport, forget_namespace, namespace_dirs, scan_namespace
+from cachemgr.layout import Layout
+from cachemgr.store import Store
+from cachemgr.watcher import Event, Kind, Watcher
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Counters:
+    """Page reads and writes of one namespace seen since the daemon started."""
+
+    reads: int = 0
+    writes: int = 0
+
+
+@dataclass
+class IndexState:
+    """What the writer knows, for metrics and the API (read without locks: ints only)."""
+
+    started_at: float = field(default_factory=time.time)
+    ready: threading.Event = field(default_factory=threading.Event)
+    counters: dict[str, Counters] = field(default_factory=dict)
+    overflows: int = 0
+    scans: int = 0
+    scan_seconds_total: float = 0.0
+    last_scan_seconds: float = 0.0
+    last_scan_at: float = 0.0
+    drift_pages: int = 0  # rows added or removed by scans after the first
+    events_applied: int = 0
+    batches: int = 0
+
+    def counter(self, ns_id: str) -> Counters:
+        got = self.counters.get(ns_id)
+        if got is None:
+            got = self.counters[ns_id] = Counters()
+        return got
+
+
+class Indexer:
+    """Runs the scan + watch + apply loop on its own thread; `stop()` finishes the batch."""
+
+    def __init__(
+        self,
+        store: Store,
+        layout: Layout,
+        *,
+        batch_interval: float = 0.25,
+        reconcile_interval: float = 600.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.layout = layout
+        self.batch_interval = batch_interval
+        self.reconcile_interval = reconcile_interval
+        self.clock = clock
+        self.state = IndexState()
+        self.watcher = Watcher(layout)
+        self._stop = threading.Event()
+        self._rescan: set[str] = set()
+        self._rescan_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="cachemgr-index", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self.watcher.start()
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Apply what is queued, stop the watcher, and return once the thread is done."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self.watcher.stop()
+
+    def lag(self) -> float:
+        """Age in seconds of the oldest event not yet applied (0 when the queue is empty)."""
+        try:
+            oldest = self.watcher.queue[0][3]
+        except IndexError:
+            return 0.0
+        return max(0.0, time.monotonic() - oldest)
+
+    def request_rescan(self, ns_id: str | None = None) -> None:
+        """Ask for a rescan of one namespace (or all) at the next batch."""
+        with self._rescan_lock:
+            self._rescan.add(ns_id or "*")
+
+    def _run(self) -> None:
+        try:
+            self._scan_all(first=True)
+            self.state.ready.set()
+            next_reconcile = time.monotonic() + self.reconcile_interval
+            while not self._stop.wait(self.batch_interval):
+                self.apply_pending()
+                if time.monotonic() >= next_reconcile:
+                    self._scan_all(first=False)
+                    next_reconcile = time.monotonic() + self.reconcile_interval
+            self.apply_pending()
+        except BaseException as e:  # surfaced by the daemon, which exits non-zero
+            log.exception("index writer failed")
+            self.error = e
+
+    def apply_pending(self) -> int:
+        """Drain the queue and apply it; returns the number of events applied."""
+        queue = self.watcher.queue
+        n = len(queue)
+        segment: list[Event] = []
+        for _ in range(n):
+            ev = queue.popleft()
+            if ev[0] >= Kind.NS_ADDED:
+                self._apply_pages(segment)
+                segment = []
+                self._apply_namespace_event(ev)
+            else:
+                segment.append(ev)
+                if len(segment) >= BATCH:
+                    self._apply_pages(segment)
+                    segment = []
+        self._apply_pages(segment)
+        with self._rescan_lock:
+            wanted, self._rescan = self._rescan, set()
+        if "*" in wanted:
+            self._scan_all(first=False)
+        else:
+            for ns in sorted(wanted):
+                self._scan(ns, first=False)
+        self.state.events_applied += n
+        self.state.batches += 1 if n else 0
+        return n
+
+    def _apply_namespace_event(self, ev: Event) -> None:
+        kind, ns, _, _ = ev
+        if kind is Kind.OVERFLOW:
+            self.state.overflows += 1
+            log.warning("inotify queue overflowed; rescanning every namespace")
+            self._scan_all(first=False)
+        elif kind is Kind.NS_ADDED:
+            self._scan(ns, first=False)
+        elif kind is Kind.NS_GONE:
+            self.watcher.unwatch(ns)
+            if not self.layout.ns_dir(ns).is_dir():
+                removed = forget_namespace(self.store, ns)
+                log.info("namespace dir gone", extra={"namespace": ns, "pages": removed})
+
+    def _apply_pages(self, events: list[Event]) -> None:
+        if not events:
+            return
+        now = self.clock()
+        touched: dict[tuple[str, str], bool] = {}  # (ns, name) -> stored in this batch
+        reads: Counter[tuple[str, str]] = Counter()
+        per_ns: dict[str, list[int]] = {}  # ns -> [reads, writes]
+        for kind, ns, name, _ in events:
+            tally = per_ns.setdefault(ns, [0, 0])
+            if kind is Kind.READ:
+                reads[(ns, name)] += 1
+                tally[0] += 1
+            else:
+                stored = kind is Kind.WRITE
+                touched[(ns, name)] = touched.get((ns, name), False) or stored
+                tally[1] += stored
+        upserts, deletes = self._settle(touched, now)
+        with self.store.transaction() as conn:
+            conn.executemany(
+                "INSERT INTO pages (namespace_id, name, size, created_at, last_access)"
+                " VALUES (?, ?, ?, ?, ?) ON CONFLICT (namespace_id, name) DO UPDATE"
+                " SET size = excluded.size, last_access = max(last_access, excluded.last_access)",
+                upserts,
+            )
+            conn.executemany("DELETE FROM pages WHERE namespace_id = ? AND name = ?", deletes)
+            conn.executemany(
+                "UPDATE pages SET reads = reads + ?, last_access = max(last_access, ?)"
+                " WHERE namespace_id = ? AND name = ?",
+                ((n, now, ns, name) for (ns, name), n in reads.items()),
+            )
+            for ns, (r, w) in per_ns.items():
+                _add_lifetime(conn, ns, r, w, now)
+        for ns, (r, w) in per_ns.items():
+            c = self.state.counter(ns)
+            c.reads += r
+            c.writes += w
+
+    def _settle(
+        self, touched: dict[tuple[str, str], bool], now: float
+    ) -> tuple[list[tuple[str, str, int, float, float]], list[tuple[str, str]]]:
+        """Split touched pages into rows to upsert (file exists) and rows to delete."""
+        upserts, deletes = [], []
+        for (ns, name), stored in touched.items():
+            try:
+                st = os.stat(os.path.join(self.layout.ns_root, ns, name), follow_symlinks=False)
+            except (FileNotFoundError, NotADirectoryError):
+                deletes.append((ns, name))
+                continue
+            seen = now if stored else min(st.st_mtime, now)
+            upserts.append((ns, name, st.st_size, seen, seen))
+        return upserts, deletes
+
+    def _scan_all(self, *, first: bool) -> None:
+        present = namespace_dirs(self.layout)
+        for ns in present:
+            self._scan(ns, first=first)
+        known = {
+            r[0]
+            for r in self.store.conn.execute(
+                "SELECT namespace_id FROM namespace_stats WHERE pages > 0"
+            )
+        }
+        for ns in sorted(known - set(present)):
+            self.watcher.unwatch(ns)
+            forget_namespace(self.store, ns)
+        self.state.last_scan_at = self.clock()
+
+    def _scan(self, ns: str, *, first: bool) -> ScanReport | None:
+        # Watch first, then list: an event racing the scan is applied after it and settled
+        # by a stat, so nothing falls between the two.
+        if not self.watcher.watch(ns):
+            return None
+        report = scan_namespace(self.store, self.layout, ns, now=self.clock)
+        st = self.state
+        st.scans += 1
+        st.scan_seconds_total += report.seconds
+        st.last_scan_seconds = report.seconds
+        if not first and report.drift:
+            st.drift_pages += report.drift
+            log.info(
+                "scan corrected the index",
+                extra={"namespace": ns, "added": report.added, "removed": report.removed},
+            )
+        log.debug("scanned", extra={"namespace": ns, "pages": report.pages, "s": report.seconds})
+        return report
+
+
+def _add_lifetime(conn: sqlite3.Connection, ns: str, reads: int, writes: int, now: float) -> None:
+    """Add a batch's reads/writes to the namespace's lifetime totals (both tables)."""
+    last_read = now if reads else None
+    last_write = now if writes else None
+    conn.execute(
+        "INSERT INTO namespace_stats (namespace_id, page_reads, page_writes, last_read_at,"
+        " last_write_at) VALUES (?, ?, ?, ?, ?) ON CONFLICT (namespace_id) DO UPDATE SET"
+        " page_reads = page_reads + excluded.page_reads,"
+        " page_writes = page_writes + excluded.page_writes,"
+        " last_read_at = coalesce(excluded.last_read_at, last_read_at),"
+        " last_write_at = coalesce(excluded.last_write_at, last_write_at)",
+        (ns, reads, writes, last_read, last_write),
+    )
+    conn.execute(
+        "UPDATE namespaces SET page_reads = page_reads + ?, page_writes = page_writes + ?,"
+        " last_active_at = max(last_active_at, ?) WHERE id = ?",
+        (reads, writes, now, ns),
+    )
