@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cachemgr.errors import UnsafePathError
-from cachemgr.layout import FileKind, classify
+from cachemgr.layout import FileKind, check_ns_id, classify
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 Progress = Callable[[int, int], None]  # (files so far, bytes so far)
@@ -186,3 +186,16 @@ def delete_dir(
         except OSError as e:  # a writer added files meanwhile: leave it for the next run
             return report + DeleteReport(refused=(f"{rel_dir}: not removed: {e.strerror}",))
     return report
+
+
+def delete_manifest(root: Path, ns_id: str) -> bool:
+    """Remove ns/<id>.json of a namespace purged while unbound; False if it was already gone."""
+    name = f"{check_ns_id(ns_id)}.json"
+    with open_dir(root, "ns") as fd:
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePathError(f"{root}/ns/{name} is not a regular file; left alone")
+        return _unlink(fd, name)

@@ -59,6 +59,32 @@ class Settings(BaseSettings):
     sglang_poll_interval: float = Field(
         15.0, gt=0, description="seconds between polls of the SGLang server"
     )
+    # --- identity ---
+    identity_salt: str = Field(
+        "",
+        description="operator salt mixed into every identity (change it to force new namespaces)",
+    )
+    sglang_version_granularity: Literal["major.minor", "full", "none"] = Field(
+        "major.minor", description="how much of the SGLang version is part of the identity"
+    )
+    hash_workers: int = Field(
+        0, ge=0, le=64, description="threads hashing model files (0: two per core, at most 8)"
+    )
+    # --- init and purge ---
+    instance: str = Field(
+        "default", description="name of the server instance `init`/`exec` bind to a namespace"
+    )
+    on_change: Literal["purge", "retain"] = Field(
+        "purge",
+        description="when an instance's identity changes: purge its old namespace (unless "
+        "another instance uses it) or retain it for a quick switch back",
+    )
+    trash_delete_rate: float | None = Field(
+        2000.0,
+        gt=0,
+        description="files/s for background deletion of purged namespaces (the daemon); "
+        "the CLI deletes in the foreground at full speed",
+    )
 
     @property
     def state_path(self) -> Path:

@@ -3,6 +3,11 @@
 import click
 
 from cachemgr.cli.config import config
+from cachemgr.cli.exec import exec_
+from cachemgr.cli.fingerprint import fingerprint
+from cachemgr.cli.init import init
+from cachemgr.cli.ls import ls
+from cachemgr.cli.purge import purge
 from cachemgr.cli.serve import serve
 from cachemgr.cli.status import status
 
@@ -10,4 +15,9 @@ ALL: list[click.Command] = [
     config,
     serve,
     status,
+    fingerprint,
+    init,
+    exec_,
+    ls,
+    purge,
 ]

@@ -1,0 +1,96 @@
+"""Pieces the namespace commands share: opening the root, sizes for people, trash progress."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from cachemgr.deletion import DeleteReport, Pacer
+from cachemgr.errors import NotFoundError
+from cachemgr.layout import Layout
+from cachemgr.purge import Actor, DrainProgress, drain_trash
+from cachemgr.settings import Settings
+from cachemgr.store import Store
+
+log = logging.getLogger("cachemgr.purge")
+
+
+def root_layout(settings: Settings, *, create: bool) -> Layout:
+    """The root's layout; created if asked, else it must exist already."""
+    layout = Layout.at(settings.root, settings.state_dir)
+    if create:
+        layout.ensure()
+    elif not layout.root.is_dir():
+        raise NotFoundError(f"no cache root at {layout.root} (cachemgr init creates it)")
+    return layout
+
+
+@contextmanager
+def opened_store(layout: Layout) -> Iterator[Store]:
+    store = Store.open(layout.db_path)
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def human_bytes(n: int) -> str:
+    """Decimal units, as disks are sold and `du --si` prints: 15.4 GB."""
+    size = float(n)
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if size < 1000 or unit == "TB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    raise AssertionError("unreachable")
+
+
+def drain_with_progress(
+    layout: Layout, store: Store, *, actor: Actor, pacer: Pacer | None = None
+) -> DeleteReport:
+    """Delete the trash now: a progress bar on a terminal, a log line a second otherwise."""
+    if sys.stderr.isatty():
+        return _drain_with_bar(layout, store, actor, pacer)
+    started = time.monotonic()
+    report = drain_trash(layout, store, actor=actor, pacer=pacer, progress=_log_every(1.0))
+    log.info(
+        "trash deleted",
+        extra={"files": report.files, "bytes": report.bytes, "refused": len(report.refused),
+               "seconds": round(time.monotonic() - started, 3)},
+    )  # fmt: skip
+    return report
+
+
+def _log_every(period: float) -> Callable[[DrainProgress], None]:
+    last = [time.monotonic()]
+
+    def tick(p: DrainProgress) -> None:
+        if time.monotonic() - last[0] >= period:
+            last[0] = time.monotonic()
+            log.info(
+                "deleting trash",
+                extra={"entry": p.entry, "files": p.files, "total_files": p.total_files,
+                       "bytes": p.bytes},
+            )  # fmt: skip
+
+    return tick
+
+
+def _drain_with_bar(
+    layout: Layout, store: Store, actor: Actor, pacer: Pacer | None
+) -> DeleteReport:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    columns = (BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(
+        "deleting purged files", *columns, console=Console(stderr=True), transient=True
+    ) as bar:
+        task = bar.add_task("delete", total=None)
+
+        def tick(p: DrainProgress) -> None:
+            bar.update(task, completed=p.files, total=p.total_files or None)
+
+        return drain_trash(layout, store, actor=actor, pacer=pacer, progress=tick)

@@ -1,0 +1,124 @@
+"""`cachemgr fingerprint`: compute, explain and compare identities."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from cachemgr.cli.launch_options import LaunchRequest, launch_options
+from cachemgr.cli.main import AppContext, pass_app
+from cachemgr.identity import Identity, Weights, diff_identities, load_record
+
+
+class _DefaultCommandGroup(click.Group):
+    """A group that runs its default command unless the first word names a subcommand."""
+
+    default_command = "compute"
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if not args or args[0] not in self.commands:
+            args = [self.default_command, *args]
+        return super().parse_args(ctx, args)
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        name, cmd, rest = super().resolve_command(ctx, args)
+        # Show `cachemgr fingerprint [OPTIONS]` in the default command's usage line.
+        return ("" if name == self.default_command else name), cmd, rest
+
+    def format_usage(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        formatter.write_usage(ctx.command_path, "[OPTIONS] [-- LAUNCH_CMD…] | diff A B")
+
+
+class _DefaultCommand(click.Command):
+    """The default command: its usage line names the group alone."""
+
+    def format_usage(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        pieces = self.collect_usage_pieces(ctx)
+        formatter.write_usage(ctx.command_path.rstrip(), " ".join(pieces))
+
+
+@click.group("fingerprint", cls=_DefaultCommandGroup)
+def fingerprint() -> None:
+    """Compute the identity of an SGLang server's KV cache, or compare two."""
+
+
+@fingerprint.command(
+    "compute",
+    cls=_DefaultCommand,
+    hidden=True,
+    epilog="Compare two identities with: cachemgr fingerprint diff A B",
+)
+@launch_options
+@click.option("--json", "as_json", is_flag=True, help="Print the identity record as JSON.")
+@click.option("--explain", is_flag=True, help="List every component of the identity.")
+@pass_app
+def compute(app: AppContext, launch: LaunchRequest, as_json: bool, explain: bool) -> None:
+    """Print the identity digest and namespace id for a model and its SGLang settings.
+
+    Pass the SGLang launch command after `--` (e.g. `-- sglang serve --model-path M
+    --kv-cache-dtype fp8_e4m3 --page-size 64`), explicit options, or both; options win.
+    """
+    ident = launch.compute_identity(app.settings)
+    if as_json:
+        click.echo(ident.model_dump_json(indent=2))
+    elif explain:
+        click.echo(explain_identity(ident))
+    else:
+        click.echo(f"ns_id   {ident.ns_id}\ndigest  {ident.digest}")
+
+
+@fingerprint.command("diff")
+@click.argument("a", type=click.Path(path_type=Path, dir_okay=False))
+@click.argument("b", type=click.Path(path_type=Path, dir_okay=False))
+def diff(a: Path, b: Path) -> None:
+    """Say how identity B differs from A; exit 0 if the same, 1 if not.
+
+    A and B are namespace manifests (<root>/ns/<id>.json) or identity records (--json output).
+    """
+    lines = diff_identities(load_record(a), load_record(b))
+    for line in lines:
+        click.echo(line)
+    if lines:
+        # SystemExit, not ctx.exit(): main() runs click with standalone_mode=False, where
+        # click turns ctx.exit(1) into a return value that main() discards.
+        raise SystemExit(1)
+    click.echo("same identity")
+
+
+def explain_identity(ident: Identity) -> str:
+    """Every component, one per line, with the weights' files listed under them."""
+    rows: list[tuple[str, Any]] = [
+        ("ns_id", ident.ns_id),
+        ("digest", ident.digest),
+        ("schema_version", ident.schema_version),
+        ("model", f"{ident.source.model_path} ({ident.source.model_dir})"),
+    ]
+    data = ident.model_dump(
+        mode="json", exclude={"source", "digest", "ns_id", "schema_version", "weights"}
+    )
+    data.pop("draft_weights")
+    for key, value in data.items():
+        if isinstance(value, dict):
+            rows += [(f"{key}.{k}", v) for k, v in value.items()]
+        else:
+            rows.append((key, value))
+    src = ident.source
+    rows.append(
+        ("sglang_version (from)", f"{src.sglang_version or '?'} ({src.sglang_version_from})")
+    )
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {'none' if v is None else v}" for k, v in rows]
+    lines += _explain_weights("weights", ident.weights)
+    if ident.draft_weights is not None:
+        lines.append(f"draft model  {src.draft_model_path} ({src.draft_model_dir})")
+        lines += _explain_weights("draft_weights", ident.draft_weights)
+    return "\n".join(lines)
+
+
+def _explain_weights(label: str, w: Weights) -> list[str]:
+    head = f"{label}  {w.mode} ({w.algo}), {len(w.files)} files, {w.total_bytes:,} bytes"
+    return [head] + [f"  {f.digest}  {f.size:>15,}  {f.name}" for f in w.files]

@@ -1,0 +1,196 @@
+"""`cachemgr init`: the step before `sglang serve` — the right namespace dir, purged on change."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from cachemgr.atomic import write_atomic
+from cachemgr.cli.common import drain_with_progress, human_bytes, opened_store, root_layout
+from cachemgr.cli.launch_options import LaunchRequest, launch_options
+from cachemgr.cli.main import AppContext, pass_app
+from cachemgr.errors import CachemgrError
+from cachemgr.prelaunch import (
+    STORAGE_DIR_ENV,
+    InitResult,
+    OnChange,
+    StorageDirConflict,
+    init_namespace,
+    storage_dir_conflicts,
+)
+from cachemgr.sglang_args import LaunchArgs
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def init_options(f: F) -> F:
+    """The options `init` and `exec` share, plus the identity options and `-- LAUNCH_CMD…`."""
+    decorators = [
+        launch_options,
+        click.option(
+            "--wait/--no-wait",
+            default=True,
+            help="Delete a purged namespace's files before returning (default), or leave them "
+            "in .trash/ for the daemon or the next run.",
+        ),
+        click.option(
+            "--on-change",
+            type=click.Choice(["purge", "retain"]),
+            help="When the identity changed: purge the old namespace (default, unless another "
+            "instance uses it) or retain it.",
+        ),
+        click.option("--instance", metavar="NAME", help="Server instance name (default: default)."),
+    ]
+    for deco in decorators:
+        f = deco(f)
+    return f
+
+
+@dataclasses.dataclass(frozen=True)
+class InitRun:
+    """An init that ran: its result, the launch args if a command was given, what to warn."""
+
+    result: InitResult
+    args: LaunchArgs | None
+    conflicts: tuple[StorageDirConflict, ...]
+    trash_refused: tuple[str, ...]
+
+
+def run_init(
+    app: AppContext,
+    launch: LaunchRequest,
+    *,
+    instance: str | None,
+    on_change: OnChange | None,
+    wait: bool,
+) -> InitRun:
+    """Compute the identity, init its namespace, delete what was purged if asked."""
+    settings = app.settings
+    layout = root_layout(settings, create=True)
+    identity = launch.compute_identity(settings)
+    args = launch.launch_args() if launch.command else None
+    with opened_store(layout) as store:
+        result = init_namespace(
+            layout,
+            store,
+            identity,
+            instance=settings.instance if instance is None else instance,
+            on_change=on_change or settings.on_change,
+        )
+        refused: tuple[str, ...] = ()
+        if wait and result.old_action == "purged":
+            refused = drain_with_progress(layout, store, actor="cli").refused
+    conflicts = storage_dir_conflicts(args, result.storage_dir, layout, os.environ)
+    return InitRun(result, args, tuple(conflicts), refused)
+
+
+def describe(result: InitResult) -> str:
+    """The one line a person reads: what happened, and why."""
+    ns = f"ns {result.ns_id}"
+    if result.outcome == "created":
+        return f"created {ns} for instance {result.instance}: {result.storage_dir}"
+    if result.outcome == "joined":
+        return f"using existing {ns} for instance {result.instance}: {result.storage_dir}"
+    if result.outcome == "unchanged":
+        again = " (its dir was missing: recreated empty)" if result.created_dir else ""
+        return f"identity unchanged: {ns}, nothing to do{again}"
+    shown = "; ".join(result.changes[:2])
+    if len(result.changes) > 2:
+        shown += f"; +{len(result.changes) - 2} more"
+    old = f"ns {result.previous_ns} ({result.old_pages:,} pages, {human_bytes(result.old_bytes)})"
+    if result.old_action == "purged":
+        what = f"purged {old}"
+    elif result.old_action == "kept":
+        what = f"kept {old}, still used by {', '.join(result.old_users)}"
+    else:
+        what = f"retained {old} for a switch back"
+    return f"identity changed ({shown}): {what}; now {ns}"
+
+
+def env_line(result: InitResult) -> str:
+    return f"{STORAGE_DIR_ENV}={shlex.quote(str(result.storage_dir))}"
+
+
+@click.command("init")
+@init_options
+@click.option("--print-env", is_flag=True, help=f"Print {STORAGE_DIR_ENV}=… on stdout.")
+@click.option(
+    "--env-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help=f"Write {STORAGE_DIR_ENV}=… to this file (atomically), e.g. for an initContainer.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@pass_app
+def init(
+    app: AppContext,
+    launch: LaunchRequest,
+    instance: str | None,
+    on_change: OnChange | None,
+    wait: bool,
+    print_env: bool,
+    env_file: Path | None,
+    as_json: bool,
+) -> None:
+    """Prepare the cache for a server: its identity's namespace dir, purged if it changed.
+
+    Pass the SGLang launch command after `--` (or the identity options); the namespace dir
+    is what SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR must name for the server.
+    """
+    run = run_init(app, launch, instance=instance, on_change=on_change, wait=wait)
+    hands_env = print_env or env_file is not None
+    warnings = [_conflict_warning(c, hands_env) for c in run.conflicts]
+    warnings = [w for w in warnings if w]
+    if env_file is not None:
+        write_atomic(env_file, (env_line(run.result) + "\n").encode())
+    machine = as_json or print_env
+    for w in warnings:
+        click.echo(f"cachemgr: warning: {w}", err=True)
+    click.echo(describe(run.result), err=machine)
+    if as_json:
+        storage = str(run.result.storage_dir)
+        out = {
+            **dataclasses.asdict(run.result),
+            "storage_dir": storage,
+            "message": describe(run.result),
+            "env": {STORAGE_DIR_ENV: storage},
+            "warnings": warnings,
+        }
+        click.echo(json.dumps(out, indent=2))
+    elif print_env:
+        click.echo(env_line(run.result))
+    _fail_on_refused(run.trash_refused)
+
+
+def _conflict_warning(c: StorageDirConflict, hands_env: bool) -> str | None:
+    """What to tell about another storage dir setting; None when ours replaces it anyway."""
+    if c.beats_env:
+        if c.ours and hands_env:
+            return None  # our own env file from an earlier run: the new one replaces it
+        return (
+            f"{c.source} is set to {c.path}; SGLang reads it before anything else, so a server "
+            "started with this environment bypasses cachemgr: unset it"
+        )
+    if hands_env:
+        return (
+            f"{c.source} is {c.path}; {STORAGE_DIR_ENV} from cachemgr overrides it in SGLang, "
+            "remove it from the launch command"
+        )
+    return (
+        f"{c.source} is {c.path}: SGLang uses it unless the server gets {STORAGE_DIR_ENV} "
+        "(use --env-file, --print-env or `cachemgr exec`)"
+    )
+
+
+def _fail_on_refused(refused: tuple[str, ...]) -> None:
+    if refused:
+        raise CachemgrError(
+            f"{len(refused)} entries in .trash/ were left alone (first: {refused[0]}); "
+            "remove them by hand if they are yours to delete"
+        )

@@ -1,0 +1,168 @@
+"""The options every identity-aware command shares: SGLang settings, or the launch command.
+
+Usage in a command module::
+
+    @click.command()
+    @launch_options
+    @pass_app
+    def init(app: AppContext, launch: LaunchRequest) -> None:
+        args = launch.launch_args()                 # LaunchArgs (host, port, model, …)
+        ident = launch.compute_identity(app.settings)
+
+The command then accepts `--model-path X --kv-cache-dtype fp8_e4m3 …` and/or a launch command
+after `--` (`cachemgr init -- sglang serve --model-path X …`); explicit options win.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import click
+
+from cachemgr.digest_cache import DigestCache
+from cachemgr.fingerprint import IdentityOptions, compute_identity
+from cachemgr.hashing import Progress
+from cachemgr.identity import Identity
+from cachemgr.layout import Layout
+from cachemgr.settings import Settings
+from cachemgr.sglang_args import LaunchArgs, resolve_launch_args
+from cachemgr.store import Store
+
+F = TypeVar("F", bound=Callable[..., Any])
+PROGRESS_MIN_BYTES = 256 << 20  # below this hashing takes well under a second
+
+# (option, LaunchArgs field, type, help) — named as SGLang names them where it is short.
+_SGLANG_OPTIONS: list[tuple[str, str, Any, str]] = [
+    ("--model-path", "model_path", str, "Model directory or Hugging Face repo id."),
+    ("--revision", "revision", str, "Model revision (HF cache snapshots)."),
+    ("--served-model-name", "served_model_name", str, "Name SGLang puts in page file names."),
+    ("--kv-cache-dtype", "kv_cache_dtype", str, "KV cache dtype (auto, bf16, fp8_e4m3, …)."),
+    ("--page-size", "page_size", int, "Tokens per page (SGLang default 1)."),
+    ("--dtype", "dtype", str, "Model dtype (auto: from config.json)."),
+    ("--quantization", "quantization", str, "Load-time quantization method."),
+    ("--tp-size", "tp_size", int, "Tensor parallel size."),
+    ("--pp-size", "pp_size", int, "Pipeline parallel size."),
+    ("--attn-dp-size", "attn_dp_size", int, "Attention data parallel size."),
+    ("--attn-cp-size", "attn_cp_size", int, "Attention context parallel size."),
+    ("--dcp-size", "dcp_size", int, "Decode context parallel size."),
+    ("--draft-model-path", "speculative_draft_model_path", str, "Speculative draft model."),
+    ("--draft-model-revision", "speculative_draft_model_revision", str, "Draft revision."),
+    ("--draft-quantization", "speculative_draft_model_quantization", str, "Draft quantization."),
+    ("--draft-kv-cache-dtype", "speculative_draft_kv_cache_dtype", str, "Draft KV dtype."),
+    ("--mamba-ssm-dtype", "mamba_ssm_dtype", str, "Mamba SSM state dtype."),
+    ("--hicache-mem-layout", "hicache_mem_layout", str, "HiCache memory layout."),
+]
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    """What the shared options said: explicit SGLang values, the launch command, identity knobs."""
+
+    overrides: dict[str, Any]
+    command: tuple[str, ...]
+    salt: str | None = None
+    fast: bool = False
+    sglang_version: str | None = None
+    version_granularity: str | None = None
+    _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def launch_args(self) -> LaunchArgs:
+        """The SGLang settings: the launch command's values with explicit options on top."""
+        if "args" not in self._cache:
+            self._cache["args"] = resolve_launch_args(self.command, self.overrides)
+        args: LaunchArgs = self._cache["args"]
+        return args
+
+    def identity_options(self, settings: Settings) -> IdentityOptions:
+        """Identity knobs: these options over the settings (config file, CACHEMGR_* env)."""
+        return IdentityOptions(
+            salt=self.salt if self.salt is not None else settings.identity_salt,
+            fast=self.fast,
+            sglang_version=self.sglang_version,
+            version_granularity=self.version_granularity or settings.sglang_version_granularity,
+            hash_workers=settings.hash_workers,
+        )
+
+    def compute_identity(self, settings: Settings) -> Identity:
+        """The identity, using the state DB's digest cache and a progress bar on a terminal."""
+        layout = Layout.at(settings.root, settings.state_dir)
+        layout.ensure()
+        store = Store.open(layout.db_path)
+        try:
+            return compute_identity(
+                self.launch_args(),
+                self.identity_options(settings),
+                cache=DigestCache(store),
+                progress=terminal_progress,
+            )
+        finally:
+            store.close()
+
+
+@contextlib.contextmanager
+def terminal_progress(total: int) -> Iterator[Progress | None]:
+    """A byte progress bar on stderr when it is a terminal and there is a lot to hash."""
+    if total < PROGRESS_MIN_BYTES or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+    from rich.progress import (
+        Progress as Bar,
+    )
+
+    columns = (BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+    with Bar("hashing model files", *columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("hash", total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+def launch_options(f: F) -> F:
+    """Add the SGLang options, the identity options and a trailing `-- LAUNCH_CMD…` to `f`.
+
+    The command receives one `launch: LaunchRequest` keyword instead of the individual values.
+    """
+    names = [name for _, name, _, _ in _SGLANG_OPTIONS]
+
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        overrides = {name: kwargs.pop(name) for name in names}
+        kwargs["launch"] = LaunchRequest(
+            overrides=overrides,
+            command=tuple(kwargs.pop("launch_cmd")),
+            salt=kwargs.pop("salt"),
+            fast=kwargs.pop("fast"),
+            sglang_version=kwargs.pop("sglang_version"),
+            version_granularity=kwargs.pop("sglang_version_granularity"),
+        )
+        return f(*args, **kwargs)
+
+    decorators = [
+        click.argument("launch_cmd", nargs=-1, type=click.UNPROCESSED, metavar="[-- LAUNCH_CMD…]"),
+        click.option(
+            "--sglang-version-granularity",
+            type=click.Choice(["major.minor", "full", "none"]),
+            help="How much of the SGLang version counts (default major.minor).",
+        ),
+        click.option("--sglang-version", help="SGLang version (default: the installed one)."),
+        click.option("--fast", is_flag=True, help="Hash safetensors headers + sizes only."),
+        click.option("--salt", help="Operator salt mixed into the identity."),
+        *(
+            click.option(opt, name, type=typ, default=None, help=help_)
+            for opt, name, typ, help_ in reversed(_SGLANG_OPTIONS)
+        ),
+    ]
+    decorated: Callable[..., Any] = wrapper
+    for deco in decorators:
+        decorated = deco(decorated)
+    return decorated  # type: ignore[return-value]

@@ -1,0 +1,140 @@
+"""`cachemgr purge`: drop namespaces now (rename away, recreate empty if bound, delete)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+
+import click
+
+from cachemgr.cli.common import drain_with_progress, human_bytes, opened_store, root_layout
+from cachemgr.cli.main import AppContext, pass_app
+from cachemgr.deletion import DeleteReport, Pacer
+from cachemgr.errors import CachemgrError, ConfigError
+from cachemgr.purge import (
+    PurgePlan,
+    PurgeResult,
+    PurgeTarget,
+    TrashEntry,
+    describe_trash,
+    execute_purge,
+)
+from cachemgr.purge import plan_purge as make_plan
+
+
+@click.command("purge")
+@click.option("--namespace", metavar="ID", help="Purge this namespace (16 hex digits).")
+@click.option("--instance", metavar="NAME", help="Purge the namespace this instance is bound to.")
+@click.option("--all", "all_", is_flag=True, help="Purge every namespace.")
+@click.option("--unbound", is_flag=True, help="Purge every namespace no instance is bound to.")
+@click.option("--dry-run", is_flag=True, help="Print what would be purged; change nothing.")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask; required when stdin is no terminal.")
+@click.option(
+    "--wait/--no-wait",
+    default=True,
+    help="Delete the files now (default), or leave them in .trash/ for the daemon or next run.",
+)
+@click.option(
+    "--rate",
+    type=click.FloatRange(min=1),
+    metavar="FILES_PER_S",
+    help="Cap the deletion rate to spare a running server's writes (default: full speed).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
+@pass_app
+def purge(
+    app: AppContext,
+    namespace: str | None,
+    instance: str | None,
+    all_: bool,
+    unbound: bool,
+    dry_run: bool,
+    yes: bool,
+    wait: bool,
+    rate: float | None,
+    as_json: bool,
+) -> None:
+    """Purge namespaces: renamed away at once, recreated empty if bound, files then deleted.
+
+    Trash left by an earlier run (a crash, --no-wait) is deleted too.
+    """
+    layout = root_layout(app.settings, create=False)
+    layout.ensure()
+    with opened_store(layout) as store:
+        plan = make_plan(
+            layout, store, namespace=namespace, instance=instance, all=all_, unbound=unbound
+        )
+        if dry_run:
+            _show_plan(plan, layout_trash=describe_trash(layout), as_json=as_json)
+            return
+        if plan.targets and not yes:
+            _confirm(plan)
+        result = execute_purge(plan, layout, store, actor="cli", reason="manual")
+        started = time.monotonic()
+        report = (
+            drain_with_progress(layout, store, actor="cli", pacer=Pacer(rate=rate))
+            if wait
+            else None
+        )
+        elapsed = time.monotonic() - started
+    if as_json:
+        out = {"dry_run": False, "plan": dataclasses.asdict(plan),
+               "result": dataclasses.asdict(result),
+               "deleted": dataclasses.asdict(report) if report else None}  # fmt: skip
+        click.echo(json.dumps(out, indent=2))
+    else:
+        _show_result(result, report, elapsed)
+    if report is not None and report.refused:
+        raise CachemgrError(
+            f"{len(report.refused)} entries in {layout.trash} were left alone "
+            f"(first: {report.refused[0]}); remove them by hand if they are yours to delete"
+        )
+
+
+def _confirm(plan: PurgePlan) -> None:
+    """Ask on a terminal; refuse, rather than hang, when nobody can answer."""
+    if not sys.stdin.isatty():
+        raise ConfigError("purge deletes files: pass --yes to confirm (stdin is not a terminal)")
+    for t in plan.targets:
+        click.echo(_target_line(t), err=True)
+    click.confirm(
+        f"purge {len(plan.targets)} namespace(s), {plan.pages:,} pages, {human_bytes(plan.bytes)}?",
+        abort=True,
+        err=True,
+    )
+
+
+def _target_line(t: PurgeTarget) -> str:
+    what = f"ns {t.ns_id} ({t.pages:,} pages, {human_bytes(t.bytes)})"
+    if t.instances:
+        return f"{what}: bound to {', '.join(t.instances)}, recreated empty"
+    return f"{what}: unbound, removed with its manifest"
+
+
+def _show_plan(plan: PurgePlan, *, layout_trash: list[TrashEntry], as_json: bool) -> None:
+    if as_json:
+        out = {"dry_run": True, "plan": dataclasses.asdict(plan),
+               "trash": [dataclasses.asdict(t) for t in layout_trash]}  # fmt: skip
+        click.echo(json.dumps(out, indent=2))
+        return
+    for t in plan.targets:
+        click.echo("would purge " + _target_line(t))
+    for e in layout_trash:
+        click.echo(f"would finish deleting .trash/{e.name} ({e.pages:,} pages, "
+                   f"{human_bytes(e.bytes)})")  # fmt: skip
+    if not plan.targets and not layout_trash:
+        click.echo(f"nothing to purge ({plan.selector})")
+    click.echo("dry run: nothing changed")
+
+
+def _show_result(result: PurgeResult, report: DeleteReport | None, elapsed: float) -> None:
+    for p in result.purged:
+        tail = "recreated empty" if p.recreated else "manifest removed"
+        click.echo(f"purged ns {p.ns_id} ({p.pages:,} pages, {human_bytes(p.bytes)}): {tail}")
+    if report is None:
+        click.echo("files left in .trash/ for the daemon or the next purge (--no-wait)")
+    elif report.files or not result.purged:
+        click.echo(f"deleted {report.files:,} files ({human_bytes(report.bytes)}) "
+                   f"in {elapsed:.1f} s")  # fmt: skip

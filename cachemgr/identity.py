@@ -1,0 +1,208 @@
+"""The identity record: everything that decides the byte meaning of a stored KV page.
+
+Its digest is xxh3-128 over a canonical JSON encoding of every field except `source` (which
+says where the values came from, e.g. the model's path, and must not change the digest: two
+copies of a model at different paths are the same identity). The namespace id is the first
+16 hex digits of the digest.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import xxhash
+from pydantic import BaseModel, ConfigDict, ValidationError, computed_field
+
+from cachemgr.errors import ConfigError
+
+SCHEMA_VERSION = 1
+# How SGLang's file backend names pages (hicache_storage.py HiCacheFile): the key has no dtype,
+# layout or weights in it, which is why the namespace must. Bump when SGLang changes it.
+FILE_KEY_SCHEME = "sha256-chain_model_tprank_tpsize[_pp][_cp][_dcp].bin"
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class FileDigest(BaseModel):
+    """One file of a model: its name inside the model dir, size and content digest."""
+
+    model_config = _FROZEN
+    name: str
+    size: int
+    digest: str
+
+
+class Weights(BaseModel):
+    """The content of a model's weight and config files."""
+
+    model_config = _FROZEN
+    mode: Literal["full", "fast"]  # fast: headers + sizes only, never equal to a full digest
+    algo: str
+    files: tuple[FileDigest, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+class Topology(BaseModel):
+    """How each rank's share of the KV is cut (dp replicas share pages, so dp_size is absent)."""
+
+    model_config = _FROZEN
+    tp_size: int = 1
+    pp_size: int = 1
+    attn_dp_size: int = 1
+    attn_cp_size: int = 1
+    dcp_size: int = 1
+
+
+class Storage(BaseModel):
+    """How the file backend keys pages (the backend itself is always `file` here)."""
+
+    model_config = _FROZEN
+    key_scheme: str
+    tp_lcm_size: int | None = None  # extra-config key that changes how heads are split
+
+
+class Source(BaseModel):
+    """Where the values came from; informative, not part of the digest."""
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+    model_path: str
+    model_dir: str
+    served_model_name: str
+    draft_model_path: str | None = None
+    draft_model_dir: str | None = None
+    kv_cache_dtype_arg: str = "auto"
+    storage_backend: str | None = None
+    sglang_version: str | None = None  # full version string, when known
+    sglang_version_from: Literal["option", "installed", "unknown"] = "unknown"
+
+
+class Identity(BaseModel):
+    """An immutable, versioned identity record."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")  # ignore: digest/ns_id are derived
+
+    schema_version: Literal[1] = 1
+    weights: Weights
+    draft_weights: Weights | None = None
+    kv_cache_dtype: str
+    draft_kv_cache_dtype: str | None = None
+    dtype: str
+    quantization: str | None = None
+    draft_quantization: str | None = None
+    page_size: int
+    hicache_mem_layout: str
+    topology: Topology
+    mamba_ssm_dtype: str | None = None
+    sglang_version: str
+    storage: Storage
+    salt: str = ""
+    source: Source
+
+    def canonical(self) -> bytes:
+        """The bytes the digest is taken over: sorted keys, no whitespace, `source` left out."""
+        data = self.model_dump(mode="json", exclude={"source", "digest", "ns_id"})
+        return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def digest(self) -> str:
+        """xxh3-128 of the canonical encoding, 32 hex digits."""
+        return xxhash.xxh3_128_hexdigest(self.canonical())
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def ns_id(self) -> str:
+        """The namespace id: the digest's first 16 hex digits (layout.NS_ID_RE)."""
+        return self.digest[:16]
+
+    @property
+    def summary(self) -> tuple[str, str, int]:
+        """(model, kv dtype, page size): the columns a table of namespaces shows."""
+        return (self.source.served_model_name, self.kv_cache_dtype, self.page_size)
+
+
+def load_record(path: Path) -> Identity:
+    """An identity from a manifest (`{"identity": {...}, ...}`) or a bare record file."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror or e}") from e
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path} is not JSON: {e}") from e
+    if isinstance(data, dict) and isinstance(data.get("identity"), dict):
+        data = data["identity"]
+    if isinstance(data, dict) and data.get("schema_version", SCHEMA_VERSION) != SCHEMA_VERSION:
+        raise ConfigError(
+            f"{path}: identity schema version {data['schema_version']} is not one this "
+            f"cachemgr reads ({SCHEMA_VERSION})"
+        )
+    try:
+        return Identity.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "record"
+        raise ConfigError(f"{path} is not an identity record: {where}: {first['msg']}") from None
+
+
+def diff_identities(a: Identity, b: Identity) -> list[str]:
+    """Human lines saying how `b` differs from `a`; empty when the digests are equal."""
+    if a.digest == b.digest:
+        return []
+    lines: list[str] = []
+    for key in ("weights", "draft_weights"):
+        lines += _diff_weights(key, getattr(a, key), getattr(b, key))
+    flat_a, flat_b = _flatten(a), _flatten(b)
+    for key in sorted(flat_a.keys() | flat_b.keys()):
+        va, vb = flat_a.get(key), flat_b.get(key)
+        if va != vb:
+            lines.append(f"{key}: {_show(va)} → {_show(vb)}")
+    return lines or [f"identity: {a.digest} → {b.digest}"]
+
+
+def _flatten(ident: Identity) -> dict[str, Any]:
+    """Scalar components as dotted keys; weights are compared per file instead."""
+    data = ident.model_dump(
+        mode="json", exclude={"source", "digest", "ns_id", "weights", "draft_weights"}
+    )
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            out[key] = value
+    return out
+
+
+def _diff_weights(key: str, a: Weights | None, b: Weights | None) -> list[str]:
+    if a is None or b is None:
+        return [] if a is b else [f"{key}: {_count(a)} → {_count(b)}"]
+    lines = [f"{key}.mode: {a.mode} → {b.mode}"] if a.mode != b.mode else []
+    fa = {f.name: f for f in a.files}
+    fb = {f.name: f for f in b.files}
+    gone, new = sorted(fa.keys() - fb.keys()), sorted(fb.keys() - fa.keys())
+    unmatched = list(new)
+    for name in gone:
+        twin = next((n for n in unmatched if fb[n].digest == fa[name].digest), None)
+        if twin is not None:
+            unmatched.remove(twin)
+            lines.append(f"{key}: {name} renamed to {twin}")
+        else:
+            lines.append(f"{key}: {name} removed")
+    lines += [f"{key}: {n} added" for n in unmatched]
+    for name in sorted(fa.keys() & fb.keys()):
+        if fa[name] != fb[name] and a.mode == b.mode:
+            lines.append(f"{key}: {name} changed")
+    return lines
+
+
+def _count(w: Weights | None) -> str:
+    return "none" if w is None else f"{len(w.files)} files"
+
+
+def _show(value: Any) -> str:
+    return "none" if value is None else str(value)

@@ -1,0 +1,129 @@
+"""Where a model's files are and which of them decide what its KV cache pages mean."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from cachemgr.errors import IdentityError
+
+# Weight file suffixes: what SGLang's loaders glob (model_loader/loader.py: *.safetensors, *.bin,
+# *.pt; gguf files by path) plus the other common checkpoint formats, to err on the safe side.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".npz", ".msgpack")
+# Configs that change how weights are interpreted. Tokenizer files, generation_config.json,
+# README and *.index.json (a map the shards already determine) do not change a page's bytes.
+CONFIG_FILES = frozenset(
+    {
+        "config.json",
+        "params.json",
+        "quantize_config.json",
+        "quant_config.json",
+        "quantization_config.json",
+        "hf_quant_config.json",
+    }
+)
+_COMMIT_RE = re.compile(r"[0-9a-f]{40}")
+
+
+def hf_hub_cache(env: Mapping[str, str]) -> Path:
+    """The Hugging Face hub cache dir, resolved the way huggingface_hub resolves it."""
+    if env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE"):
+        return Path(env.get("HF_HUB_CACHE") or env["HUGGINGFACE_HUB_CACHE"]).expanduser()
+    if env.get("HF_HOME"):
+        return Path(env["HF_HOME"]).expanduser() / "hub"
+    base = Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+    return base / "huggingface" / "hub"
+
+
+def _looks_like_repo_id(path: str) -> bool:
+    return not path.startswith(("/", ".", "~")) and 0 < path.count("/") <= 1
+
+
+def locate_model(
+    path: str, revision: str | None = None, *, env: Mapping[str, str] = os.environ
+) -> Path:
+    """The local directory of `path`: the directory itself, or its HF cache snapshot."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return local.absolute()
+    if local.exists():
+        raise IdentityError(f"model path {path} is not a directory")
+    if not _looks_like_repo_id(path):
+        raise IdentityError(f"model directory {path} does not exist")
+    hub = hf_hub_cache(env)
+    repo = hub / ("models--" + path.replace("/", "--"))
+    rev = revision or "main"
+    if _COMMIT_RE.fullmatch(rev):
+        commit = rev
+    else:
+        try:
+            commit = (repo / "refs" / rev).read_text(encoding="ascii").strip()
+        except OSError:
+            raise IdentityError(
+                f"model {path} is not a local directory and not in the Hugging Face cache "
+                f"{hub} (no {repo.name}/refs/{rev}); download it first or pass its directory"
+            ) from None
+    snapshot = repo / "snapshots" / commit
+    if not snapshot.is_dir():
+        raise IdentityError(f"model {path}: HF cache snapshot {snapshot} is missing")
+    return snapshot
+
+
+def identity_files(model_dir: Path) -> list[str]:
+    """Names of the weight and config files in `model_dir` (top level, as SGLang loads them).
+
+    Entries are matched by name, not type, so a broken symlink or a directory named like a
+    shard is reported when it is hashed instead of being silently left out.
+    """
+    try:
+        names = os.listdir(model_dir)
+    except OSError as e:
+        raise IdentityError(f"cannot list model directory {model_dir}: {e.strerror or e}") from e
+    chosen = sorted(
+        n
+        for n in names
+        if not n.startswith(".") and (n in CONFIG_FILES or n.endswith(WEIGHT_SUFFIXES))
+    )
+    if not any(n.endswith(WEIGHT_SUFFIXES) for n in chosen):
+        raise IdentityError(
+            f"no weight files ({', '.join('*' + s for s in WEIGHT_SUFFIXES)}) in {model_dir}"
+        )
+    if "config.json" not in chosen and not any(n.endswith(".gguf") for n in chosen):
+        raise IdentityError(f"no config.json in {model_dir}")
+    return chosen
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from `path`; {} if absent, IdentityError if unreadable or not an object."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise IdentityError(f"cannot read {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise IdentityError(f"{path} is not a JSON object")
+    return data
+
+
+def config_dtype(config: Mapping[str, Any]) -> str | None:
+    """The checkpoint's dtype: `dtype` (new transformers) or `torch_dtype`, else its text part."""
+    for cfg in (config, config.get("text_config") or {}):
+        value = cfg.get("dtype") or cfg.get("torch_dtype")
+        if isinstance(value, str):
+            return value
+    return None
+
+
+def kv_cache_quant_algo(model_dir: Path, config: Mapping[str, Any]) -> str | None:
+    """A checkpoint's own KV quantization (e.g. modelopt's "FP8"), which `auto` KV adopts."""
+    qcfg = config.get("quantization_config") or {}
+    algo = qcfg.get("kv_cache_quant_algo") if isinstance(qcfg, dict) else None
+    if algo is None:
+        modelopt = read_json(model_dir / "hf_quant_config.json").get("quantization") or {}
+        algo = modelopt.get("kv_cache_quant_algo") if isinstance(modelopt, dict) else None
+    return algo if isinstance(algo, str) else None

@@ -1,0 +1,225 @@
+"""Purge: drop whole namespaces in constant time, then delete their files at leisure.
+
+A purge renames <root>/ns/<id>/ to <root>/.trash/<id>.<unique> (one rename, whatever the
+size), recreates ns/<id>/ empty at once if an instance is bound to it (SGLang keeps writing to
+its path), and leaves the files to `drain_trash`: in the foreground for the CLI, in a thread for
+the daemon, and again on any later run after a crash.
+
+Manifests: a namespace purged while bound keeps its manifest (same identity, recreated empty);
+an unbound one loses it (its DB row stays, state `purged`, for history).
+
+Audit: each purged namespace gets one row `purge` when it is renamed away (reason, actor, and
+the pages/bytes counted by the plan); each trash entry gets one row `delete-trash` when its
+deletion finishes (actor, and the pages/bytes actually deleted). A deletion killed midway
+records only what the resuming run deleted.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from cachemgr import namespaces as nsreg
+from cachemgr.deletion import delete_manifest, open_dir
+from cachemgr.errors import ConfigError, NotFoundError, UnsafePathError
+from cachemgr.layout import Layout, check_ns_id
+from cachemgr.lock import root_lock
+from cachemgr.store import Store
+from cachemgr.trash import (  # re-exported: purge and trash are one API for callers
+    Actor,
+    DrainProgress,
+    TrashEntry,
+    describe_trash,
+    drain_in_background,
+    drain_trash,
+    list_trash,
+)
+
+__all__ = [
+    "Actor", "DrainProgress", "PurgePlan", "PurgeResult", "PurgeTarget", "Purged", "Reason",
+    "TrashEntry", "describe_trash", "drain_in_background", "drain_trash", "execute_purge",
+    "list_trash", "plan_purge", "purge",
+]  # fmt: skip
+
+Reason = Literal["identity_change", "manual", "unbound", "mismatch"]
+
+
+@dataclass(frozen=True)
+class PurgeTarget:
+    """One namespace a plan would purge, with what it holds now."""
+
+    ns_id: str
+    pages: int
+    bytes: int
+    instances: tuple[str, ...]  # bound now: its dir is recreated empty
+    has_dir: bool
+    has_manifest: bool
+
+
+@dataclass(frozen=True)
+class PurgePlan:
+    """What a purge would do: the namespaces, and trash left by earlier runs to finish."""
+
+    targets: tuple[PurgeTarget, ...]
+    trash: tuple[str, ...]
+    selector: str
+    only_unbound: bool = False  # a target bound since the plan was made is then skipped
+
+    @property
+    def pages(self) -> int:
+        return sum(t.pages for t in self.targets)
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.bytes for t in self.targets)
+
+
+@dataclass(frozen=True)
+class Purged:
+    """One namespace renamed away: where to, and whether its dir came back empty."""
+
+    ns_id: str
+    trash_name: str | None  # None: it had no dir
+    recreated: bool
+    manifest_removed: bool
+    pages: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class PurgeResult:
+    purged: tuple[Purged, ...]
+    actor: Actor
+    reason: Reason
+    at: float
+
+
+def plan_purge(
+    layout: Layout,
+    store: Store,
+    *,
+    namespace: str | None = None,
+    instance: str | None = None,
+    all: bool = False,
+    unbound: bool = False,
+    count: bool = True,
+) -> PurgePlan:
+    """Which namespaces a purge selects; exactly one selector. `count=False` skips the scan."""
+    chosen = [namespace is not None, instance is not None, all, unbound]
+    if sum(chosen) != 1:
+        raise ConfigError("choose exactly one of --namespace, --instance, --all, --unbound")
+    dirs, manifests = nsreg.on_disk(layout)
+    bound = nsreg.all_bindings(store)
+    if namespace is not None:
+        ids = [check_ns_id(namespace)]
+        if namespace not in dirs | manifests | set(bound):
+            raise NotFoundError(f"no namespace {namespace} under {layout.ns_root}")
+        selector = f"namespace {namespace}"
+    elif instance is not None:
+        ns = nsreg.binding_of(store, nsreg.check_instance(instance))
+        if ns is None:
+            raise NotFoundError(f"instance {instance!r} is not bound to a namespace")
+        ids, selector = [ns], f"instance {instance}"
+    elif all:
+        ids, selector = sorted(dirs | manifests | set(bound)), "all"
+    else:
+        ids, selector = sorted((dirs | manifests) - set(bound)), "unbound"
+    targets = tuple(_target(layout, ns, bound.get(ns, ()), ns in manifests, count) for ns in ids)
+    return PurgePlan(targets, tuple(list_trash(layout)), selector, only_unbound=unbound)
+
+
+def _target(
+    layout: Layout, ns_id: str, instances: tuple[str, ...], has_manifest: bool, count: bool
+) -> PurgeTarget:
+    has_dir = nsreg.ns_entry_kind(layout, ns_id) == "dir"  # refuses a symlink before any change
+    usage = nsreg.scan_usage(layout, f"ns/{ns_id}") if has_dir and count else None
+    pages, size = (usage.pages, usage.bytes) if usage else (0, 0)
+    return PurgeTarget(ns_id, pages, size, instances, has_dir, has_manifest)
+
+
+def execute_purge(
+    plan: PurgePlan,
+    layout: Layout,
+    store: Store,
+    *,
+    actor: Actor,
+    reason: Reason,
+    now: Callable[[], float] = time.time,
+) -> PurgeResult:
+    """Rename each target into .trash/ (recreating bound ones empty), audit; no file deleted."""
+    done: list[Purged] = []
+    with root_lock(layout):
+        for target in plan.targets:
+            # Bindings are re-read under the lock: the plan may be older than a concurrent init.
+            instances = nsreg.instances_of(store, target.ns_id)
+            if instances and plan.only_unbound:
+                continue
+            trash_name = _rename_to_trash(layout, target.ns_id, recreate=bool(instances))
+            removed = False
+            with store.transaction():
+                if not instances:
+                    removed = delete_manifest(layout.root, target.ns_id)
+                    nsreg.mark_purged(store, target.ns_id)
+                else:
+                    store.conn.execute("DELETE FROM pages WHERE namespace_id = ?", (target.ns_id,))
+                store.audit(
+                    "purge",
+                    namespace_id=target.ns_id,
+                    reason=reason,
+                    actor=actor,
+                    pages=target.pages,
+                    bytes_=target.bytes,
+                    at=now(),
+                )
+            done.append(
+                Purged(
+                    target.ns_id, trash_name, bool(instances), removed, target.pages, target.bytes
+                )
+            )
+    return PurgeResult(purged=tuple(done), actor=actor, reason=reason, at=now())
+
+
+def _rename_to_trash(layout: Layout, ns_id: str, *, recreate: bool) -> str | None:
+    """Move ns/<id> into .trash/ (None if it has no dir); recreate it empty if asked."""
+    trash_name = f"{ns_id}.{time.time_ns():x}{secrets.token_hex(3)}"
+    with open_dir(layout.root, "ns") as ns_fd, open_dir(layout.root, ".trash") as trash_fd:
+        try:
+            st = os.stat(ns_id, dir_fd=ns_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        if st is not None and not stat.S_ISDIR(st.st_mode):
+            raise UnsafePathError(f"{layout.ns_dir(ns_id)} is not a directory; left alone")
+        if st is not None:
+            try:
+                os.rename(ns_id, trash_name, src_dir_fd=ns_fd, dst_dir_fd=trash_fd)
+            except OSError as e:
+                raise ConfigError(
+                    f"cannot move {layout.ns_dir(ns_id)} into {layout.trash}: {e.strerror}"
+                ) from e
+        if recreate:
+            os.mkdir(ns_id, 0o755, dir_fd=ns_fd)
+    return trash_name if st is not None else None
+
+
+def purge(
+    layout: Layout,
+    store: Store,
+    *,
+    actor: Actor,
+    reason: Reason,
+    namespace: str | None = None,
+    instance: str | None = None,
+    all: bool = False,
+    unbound: bool = False,
+) -> tuple[PurgePlan, PurgeResult]:
+    """Plan and execute under one hold of the root lock (for callers with no prompt between)."""
+    with root_lock(layout):
+        plan = plan_purge(
+            layout, store, namespace=namespace, instance=instance, all=all, unbound=unbound
+        )
+        return plan, execute_purge(plan, layout, store, actor=actor, reason=reason)

@@ -1,0 +1,236 @@
+"""`cachemgr init` and `cachemgr exec` on real model dirs, real roots, real child processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from cachemgr.layout import Layout
+from cachemgr.namespaces import binding_of
+from cachemgr.store import Store
+from tests.nsfixtures import cli, one_line_error, page_name, snapshot
+from tests.test_identity import make_model
+
+CMD = "sglang serve --enable-hierarchical-cache --hicache-storage-backend file --page-size 64"
+NO_STORAGE_ENV = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": ""}
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    return make_model(tmp_path / "model")
+
+
+def init(
+    root: Path, model: Path, *extra: str, kv: str = "bfloat16", env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`cachemgr init … -- sglang serve --model-path M --kv-cache-dtype KV …`."""
+    launch = [*CMD.split(), "--model-path", str(model), "--kv-cache-dtype", kv]
+    return cli("--root", str(root), "init", *extra, "--", *launch, env=env or NO_STORAGE_ENV)
+
+
+def init_json(root: Path, model: Path, *extra: str, kv: str = "bfloat16") -> dict[str, object]:
+    out = init(root, model, "--json", *extra, kv=kv)
+    assert out.returncode == 0, out.stderr
+    result: dict[str, object] = json.loads(out.stdout)
+    return result
+
+
+def audit(root: Path) -> list[tuple[str, str, str, int]]:
+    store = Store.open(Layout.at(root).db_path)
+    try:
+        rows = store.conn.execute("SELECT action, reason, actor, pages FROM audit ORDER BY id")
+        return [tuple(r) for r in rows]  # type: ignore[misc]
+    finally:
+        store.close()
+
+
+def fill(ns_dir: Path, n: int) -> None:
+    for i in range(n):
+        (ns_dir / page_name(i)).write_bytes(b"k" * 10)
+
+
+def test_first_run_creates_namespace_and_manifest(root: Path, model: Path) -> None:
+    out = init(root, model)
+    assert out.returncode == 0, out.stderr
+    (ns,) = [p.name for p in (root / "ns").iterdir() if p.is_dir()]
+    assert out.stdout.strip() == f"created ns {ns} for instance default: {root / 'ns' / ns}"
+    manifest = json.loads((root / "ns" / f"{ns}.json").read_text())
+    assert manifest["identity"]["kv_cache_dtype"] == "bfloat16"
+    assert manifest["identity"]["page_size"] == 64
+    assert manifest["digest"].startswith(ns) and manifest["cachemgr_version"]
+    assert manifest["created_at"] <= manifest["last_active_at"]
+    store = Store.open(Layout.at(root).db_path)
+    assert binding_of(store, "default") == ns
+    store.close()
+
+
+def test_unchanged_identity_is_a_no_op(root: Path, model: Path) -> None:
+    first = init_json(root, model)
+    ns_dir = Path(str(first["storage_dir"]))
+    fill(ns_dir, 4)
+    before = snapshot(ns_dir)
+    out = init(root, model)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"identity unchanged: ns {first['ns_id']}, nothing to do"
+    again = init_json(root, model)
+    assert again["outcome"] == "unchanged" and again["storage_dir"] == str(ns_dir)
+    assert snapshot(ns_dir) == before
+    assert audit(root) == []
+    assert os.listdir(root / ".trash") == []
+
+
+def test_identity_change_purges_the_old_namespace(root: Path, model: Path) -> None:
+    a = init_json(root, model)
+    fill(Path(str(a["storage_dir"])), 5)
+    out = init(root, model, kv="fp8_e4m3")
+    assert out.returncode == 0, out.stderr
+    b_ns = [p.name for p in (root / "ns").iterdir() if p.is_dir()]
+    assert len(b_ns) == 1 and b_ns[0] != a["ns_id"]
+    assert out.stdout.strip() == (
+        f"identity changed (kv_cache_dtype: bfloat16 → fp8_e4m3): purged ns {a['ns_id']} "
+        f"(5 pages, 50 B); now ns {b_ns[0]}"
+    )
+    assert not (root / "ns" / f"{a['ns_id']}.json").exists()
+    assert os.listdir(root / ".trash") == []  # --wait is the default
+    assert audit(root) == [
+        ("purge", "identity_change", "cli", 5),
+        ("delete-trash", "trash", "cli", 5),
+    ]
+
+
+def test_retain_keeps_the_old_namespace_for_a_switch_back(root: Path, model: Path) -> None:
+    a = init_json(root, model)
+    fill(Path(str(a["storage_dir"])), 2)
+    b = init_json(root, model, "--on-change", "retain", kv="fp8_e4m3")
+    assert (b["outcome"], b["old_action"], b["old_pages"]) == ("changed", "retained", 2)
+    back = init_json(root, model, "--on-change", "retain")
+    assert back["ns_id"] == a["ns_id"] and back["outcome"] == "changed"
+    assert len(os.listdir(Path(str(a["storage_dir"])))) == 2  # the pages are still there
+    assert audit(root) == []
+
+
+def test_two_instances_coexist_and_a_shared_old_namespace_is_kept(root: Path, model: Path) -> None:
+    one = init_json(root, model, "--instance", "one")
+    two = init_json(root, model, "--instance", "two", kv="fp8_e4m3")
+    assert one["ns_id"] != two["ns_id"]
+    fill(Path(str(one["storage_dir"])), 3)
+    fill(Path(str(two["storage_dir"])), 3)
+    keep = snapshot(Path(str(two["storage_dir"])))
+    # "three" joins one's namespace, then moves away: one still uses it, so it stays.
+    assert init_json(root, model, "--instance", "three")["outcome"] == "joined"
+    moved = init_json(root, model, "--instance", "three", kv="float16")
+    assert (moved["old_action"], moved["old_users"]) == ("kept", ["one"])
+    assert len(os.listdir(Path(str(one["storage_dir"])))) == 3
+    out = cli("--root", str(root), "purge", "--instance", "one", "--yes")
+    assert out.returncode == 0, out.stderr
+    assert os.listdir(Path(str(one["storage_dir"]))) == []  # recreated empty: one is bound
+    assert snapshot(Path(str(two["storage_dir"]))) == keep
+
+
+def test_print_env_and_env_file(root: Path, model: Path, tmp_path: Path) -> None:
+    env_file = tmp_path / "hicache.env"
+    out = init(root, model, "--print-env", "--env-file", str(env_file))
+    assert out.returncode == 0, out.stderr
+    (ns,) = [p.name for p in (root / "ns").iterdir() if p.is_dir()]
+    line = f"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR={root / 'ns' / ns}"
+    assert out.stdout == line + "\n"
+    assert env_file.read_text() == line + "\n"
+    assert "created ns" in out.stderr
+    assert [p.name for p in tmp_path.iterdir() if "tmp" in p.name] == []  # no temp left
+
+
+def test_storage_dir_env_pointing_elsewhere_warns(root: Path, model: Path) -> None:
+    out = init(root, model, env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": "/srv/old"})
+    assert out.returncode == 0, out.stderr
+    assert "warning: environment variable SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR is set to " \
+           "/srv/old; SGLang reads it before anything else" in out.stderr  # fmt: skip
+
+
+def test_extra_config_storage_path_warns(root: Path, model: Path) -> None:
+    extra = json.dumps({"file_storage_path": "/srv/hicache"})
+    out = init(root, model, "--hicache-storage-backend-extra-config", extra)
+    # The launch command is everything after `--`: put the flag there.
+    assert out.returncode != 0  # init has no such option: it belongs to the launch command
+    launch = [*CMD.split(), "--model-path", str(model), "--hicache-storage-backend-extra-config",
+              extra]  # fmt: skip
+    out = cli("--root", str(root), "init", "--", *launch, env=NO_STORAGE_ENV)
+    assert out.returncode == 0, out.stderr
+    assert "file_storage_path is /srv/hicache: SGLang uses it unless" in out.stderr
+
+
+CHILD = textwrap.dedent("""
+    import os, signal, sys
+    print(os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"], os.getpid(), sys.argv[1:])
+    sys.stdout.flush()
+    if os.environ.get("DIE_BY") == "TERM":
+        os.kill(os.getpid(), signal.SIGTERM)
+    sys.exit(int(os.environ.get("EXIT_WITH", "0")))
+""")
+
+
+def run_exec(root: Path, model: Path, tmp_path: Path, env: dict[str, str]
+             ) -> tuple[subprocess.Popen[str], str, str]:  # fmt: skip
+    child = tmp_path / "child.py"
+    child.write_text(CHILD)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cachemgr", "--root", str(root), "exec", "--",
+         sys.executable, str(child), "--model-path", str(model), "--page-size", "64"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, **NO_STORAGE_ENV, **env},
+    )  # fmt: skip
+    out, err = proc.communicate(timeout=60)
+    return proc, out, err
+
+
+def test_exec_becomes_the_server(root: Path, model: Path, tmp_path: Path) -> None:
+    proc, out, err = run_exec(root, model, tmp_path, {"EXIT_WITH": "7"})
+    assert proc.returncode == 7, err
+    storage, pid, argv = out.split(" ", 2)
+    (ns,) = [p.name for p in (root / "ns").iterdir() if p.is_dir()]
+    assert storage == str(root / "ns" / ns)
+    assert int(pid) == proc.pid  # the same process: cachemgr replaced itself
+    assert "--model-path" in argv
+    assert f"created ns {ns}" in err
+
+
+def test_exec_passes_the_servers_signal_death_through(
+    root: Path, model: Path, tmp_path: Path
+) -> None:
+    proc, _, err = run_exec(root, model, tmp_path, {"DIE_BY": "TERM"})
+    assert proc.returncode == -signal.SIGTERM, err
+
+
+def test_exec_refuses_a_foreign_storage_dir_env(root: Path, model: Path, tmp_path: Path) -> None:
+    proc, out, err = run_exec(
+        root, model, tmp_path, {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": "/srv/elsewhere"}
+    )
+    assert proc.returncode == 2 and out == ""
+    assert err.strip().splitlines()[-1].startswith("cachemgr: error: environment variable")
+
+
+def test_exec_without_a_command_is_one_line(root: Path, model: Path) -> None:
+    out = cli("--root", str(root), "exec", "--model-path", str(model))
+    assert "needs the server command" in one_line_error(out)
+
+
+@pytest.mark.parametrize("bad", ["../x", "a/b", ""])
+def test_hostile_instance_names_are_refused(root: Path, model: Path, bad: str) -> None:
+    out = init(root, model, "--instance", bad)
+    assert "invalid instance name" in one_line_error(out)
+
+
+def test_init_on_a_symlinked_or_impossible_root_is_one_line(tmp_path: Path, model: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    assert "is a symlink" in one_line_error(init(tmp_path / "link", model))
+    (tmp_path / "file").write_text("")
+    assert "cannot use root" in one_line_error(init(tmp_path / "file" / "root", model))
+    assert os.listdir(real) == []

@@ -1,0 +1,201 @@
+"""Purge as a library: plan, rename into .trash/, recreate if bound, drain, audit."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cachemgr.deletion import DeleteReport
+from cachemgr.errors import ConfigError, NotFoundError, UnsafePathError
+from cachemgr.layout import Layout
+from cachemgr.manifest import read_manifest
+from cachemgr.namespaces import bind, binding_of, list_namespaces
+from cachemgr.purge import (
+    describe_trash,
+    drain_in_background,
+    drain_trash,
+    execute_purge,
+    list_trash,
+    plan_purge,
+    purge,
+)
+from cachemgr.store import Store
+from tests.nsfixtures import PAGE_BYTES, make_ns, page_name, snapshot
+
+
+@pytest.fixture
+def store(layout: Layout) -> Iterator[Store]:
+    s = Store.open(layout.db_path)
+    yield s
+    s.close()
+
+
+def audit_rows(store: Store) -> list[tuple[str, str, str, str, int, int]]:
+    rows = store.conn.execute(
+        "SELECT action, namespace_id, reason, actor, pages, bytes FROM audit ORDER BY id"
+    )
+    return [tuple(r) for r in rows]  # type: ignore[misc]
+
+
+def test_unbound_purge_renames_first_then_drains(layout: Layout, store: Store) -> None:
+    ns = make_ns(layout, store, "a", pages=5)
+    plan = plan_purge(layout, store, namespace=ns)
+    assert (plan.pages, plan.bytes) == (5, 5 * PAGE_BYTES)
+    result = execute_purge(plan, layout, store, actor="cli", reason="manual")
+    # Renamed, not deleted: every page is in .trash/, the namespace and its manifest are gone.
+    (entry,) = list_trash(layout)
+    assert entry.startswith(ns + ".")
+    assert sorted(os.listdir(layout.trash / entry)) == sorted(page_name(i, "a") for i in range(5))
+    assert not layout.ns_dir(ns).exists() and not layout.manifest(ns).exists()
+    assert result.purged[0].trash_name == entry and result.purged[0].manifest_removed
+    state = store.conn.execute("SELECT state FROM namespaces WHERE id = ?", (ns,)).fetchone()[0]
+    assert state == "purged"
+    report = drain_trash(layout, store, actor="cli")
+    assert (report.files, report.bytes, report.refused) == (5, 5 * PAGE_BYTES, ())
+    assert os.listdir(layout.trash) == []
+    assert audit_rows(store) == [
+        ("purge", ns, "manual", "cli", 5, 5 * PAGE_BYTES),
+        ("delete-trash", ns, "trash", "cli", 5, 5 * PAGE_BYTES),
+    ]
+
+
+def test_bound_namespace_is_recreated_empty_and_keeps_manifest(
+    layout: Layout, store: Store
+) -> None:
+    ns = make_ns(layout, store, "a", pages=4, instance="srv1")
+    _, result = purge(layout, store, actor="http", reason="mismatch", instance="srv1")
+    assert layout.ns_dir(ns).is_dir() and os.listdir(layout.ns_dir(ns)) == []
+    assert read_manifest(layout, ns) is not None
+    assert binding_of(store, "srv1") == ns
+    assert result.purged[0].recreated and not result.purged[0].manifest_removed
+    (entry,) = list_trash(layout)
+    assert len(os.listdir(layout.trash / entry)) == 4
+
+
+def test_purging_one_never_touches_another(layout: Layout, store: Store) -> None:
+    a = make_ns(layout, store, "a", pages=3, instance="one")
+    b = make_ns(layout, store, "b", pages=3, instance="two")
+    before = snapshot(layout.ns_dir(b))
+    purge(layout, store, actor="cli", reason="manual", namespace=a)
+    drain_trash(layout, store)
+    assert snapshot(layout.ns_dir(b)) == before
+    assert read_manifest(layout, b) is not None
+    assert {n.ns_id: n.pages for n in list_namespaces(layout, store)} == {a: 0, b: 3}
+
+
+def test_selectors(layout: Layout, store: Store) -> None:
+    a = make_ns(layout, store, "a", instance="one")
+    b = make_ns(layout, store, "b")
+    assert [t.ns_id for t in plan_purge(layout, store, unbound=True).targets] == [b]
+    assert {t.ns_id for t in plan_purge(layout, store, all=True).targets} == {a, b}
+    assert [t.ns_id for t in plan_purge(layout, store, instance="one").targets] == [a]
+    with pytest.raises(ConfigError, match="exactly one"):
+        plan_purge(layout, store, all=True, unbound=True)
+    with pytest.raises(ConfigError, match="exactly one"):
+        plan_purge(layout, store)
+    with pytest.raises(NotFoundError):
+        plan_purge(layout, store, namespace="0" * 16)
+    with pytest.raises(NotFoundError):
+        plan_purge(layout, store, instance="nobody")
+
+
+def test_unbound_plan_skips_a_namespace_bound_since(layout: Layout, store: Store) -> None:
+    b = make_ns(layout, store, "b", pages=2)
+    plan = plan_purge(layout, store, unbound=True)
+    with store.transaction():
+        bind(store, "late", b, 0.0)
+    assert execute_purge(plan, layout, store, actor="auto", reason="unbound").purged == ()
+    assert len(os.listdir(layout.ns_dir(b))) == 2
+
+
+@pytest.mark.parametrize("bad", ["../../etc", "ab/cd", "0123456789abcde/", "..", "x" * 16])
+def test_hostile_namespace_ids_are_refused(layout: Layout, store: Store, bad: str) -> None:
+    with pytest.raises(UnsafePathError, match="not a namespace id"):
+        plan_purge(layout, store, namespace=bad)
+
+
+def test_symlinked_namespace_dir_is_refused_untouched(
+    layout: Layout, store: Store, tmp_path: Path
+) -> None:
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / page_name(1)).write_bytes(b"precious")
+    (layout.ns_root / ("f" * 16)).symlink_to(victim)
+    with pytest.raises(UnsafePathError, match="symlink"):
+        plan_purge(layout, store, all=True)
+    assert (victim / page_name(1)).read_bytes() == b"precious"
+    assert (layout.ns_root / ("f" * 16)).is_symlink()
+
+
+def test_symlink_inside_namespace_is_never_followed(
+    layout: Layout, store: Store, tmp_path: Path
+) -> None:
+    ns = make_ns(layout, store, "a", pages=2)
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"precious")
+    (layout.ns_dir(ns) / page_name(99)).symlink_to(outside)
+    purge(layout, store, actor="cli", reason="manual", namespace=ns)
+    report = drain_trash(layout, store)
+    assert report.files == 2 and len(report.refused) == 1
+    assert "not a regular file" in report.refused[0]
+    assert outside.read_bytes() == b"precious"
+    (entry,) = describe_trash(layout)  # kept, with the symlink, for a person to look at
+    assert entry.pages == 0
+
+
+def test_symlink_planted_in_trash_is_refused(layout: Layout, store: Store, tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / page_name(1)).write_bytes(b"precious")
+    (layout.trash / f"{'e' * 16}.abc").symlink_to(victim)
+    report = drain_trash(layout, store)
+    assert report.files == 0 and "symlink" in report.refused[0]
+    assert (victim / page_name(1)).read_bytes() == b"precious"
+    assert describe_trash(layout)[0].problem is not None
+
+
+def test_foreign_names_in_trash_are_left_alone(layout: Layout, store: Store) -> None:
+    (layout.trash / "notes").mkdir()
+    (layout.trash / "notes" / page_name(1)).write_bytes(b"x")
+    assert drain_trash(layout, store) == DeleteReport()
+    assert (layout.trash / "notes" / page_name(1)).exists()
+
+
+def test_dry_run_drain_deletes_nothing(layout: Layout, store: Store) -> None:
+    ns = make_ns(layout, store, "a", pages=3)
+    purge(layout, store, actor="cli", reason="manual", namespace=ns)
+    report = drain_trash(layout, store, dry_run=True)
+    assert (report.files, report.dry_run) == (3, True)
+    assert len(list_trash(layout)) == 1
+
+
+def test_background_drain_finishes(layout: Layout, store: Store) -> None:
+    for name in ("a", "b"):
+        ns = make_ns(layout, store, name, pages=50)
+        purge(layout, store, actor="http", reason="manual", namespace=ns)
+    done: list[DeleteReport | BaseException] = []
+    finished = threading.Event()
+    thread = drain_in_background(
+        layout, actor="http", on_done=lambda r: (done.append(r), finished.set())
+    )
+    assert finished.wait(30)
+    thread.join(5)
+    assert isinstance(done[0], DeleteReport) and done[0].files == 100
+    assert list_trash(layout) == []
+    deleted = store.conn.execute(
+        "SELECT sum(pages) FROM audit WHERE action = 'delete-trash' AND actor = 'http'"
+    ).fetchone()[0]
+    assert deleted == 100
+
+
+def test_progress_reports_totals(layout: Layout, store: Store) -> None:
+    ns = make_ns(layout, store, "a", pages=2100)
+    purge(layout, store, actor="cli", reason="manual", namespace=ns)
+    seen = []
+    drain_trash(layout, store, progress=seen.append)
+    assert seen[-1].files == 2100 and seen[-1].total_files == 2100
+    assert [p.files for p in seen] == sorted(p.files for p in seen)

@@ -1,0 +1,188 @@
+"""`cachemgr purge` and `cachemgr ls` as an operator meets them: real processes, real trees."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cachemgr.layout import Layout
+from cachemgr.store import Store
+from tests.nsfixtures import PAGE_BYTES, cli, make_ns, one_line_error, page_name, snapshot
+
+
+@pytest.fixture
+def store(layout: Layout) -> Iterator[Store]:
+    s = Store.open(layout.db_path)
+    yield s
+    s.close()
+
+
+def test_purge_without_yes_and_no_terminal_refuses(layout: Layout, store: Store) -> None:
+    ns = make_ns(layout, store, "a")
+    out = cli("--root", str(layout.root), "purge", "--namespace", ns)
+    assert "--yes" in one_line_error(out)
+    assert len(os.listdir(layout.ns_dir(ns))) == 3
+
+
+def test_dry_run_prints_the_plan_and_deletes_nothing(layout: Layout, store: Store) -> None:
+    a = make_ns(layout, store, "a", pages=3, instance="srv")
+    b = make_ns(layout, store, "b", pages=2)
+    before = snapshot(layout.root / "ns")
+    out = cli("--root", str(layout.root), "purge", "--all", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    assert f"would purge ns {a} (3 pages, 300 B): bound to srv, recreated empty" in out.stdout
+    assert f"would purge ns {b} (2 pages, 200 B): unbound" in out.stdout
+    assert snapshot(layout.root / "ns") == before
+    js = cli("--root", str(layout.root), "purge", "--all", "--dry-run", "--json")
+    plan = json.loads(js.stdout)["plan"]
+    assert {t["ns_id"]: t["pages"] for t in plan["targets"]} == {a: 3, b: 2}
+
+
+def test_purge_yes_deletes_and_reports(layout: Layout, store: Store) -> None:
+    a = make_ns(layout, store, "a", pages=3, instance="srv")
+    b = make_ns(layout, store, "b", pages=2)
+    keep = snapshot(layout.ns_dir(a))
+    out = cli("--root", str(layout.root), "purge", "--unbound", "--yes", "--json")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert [p["ns_id"] for p in got["result"]["purged"]] == [b]
+    assert got["deleted"]["files"] == 2
+    assert not layout.ns_dir(b).exists() and os.listdir(layout.trash) == []
+    assert snapshot(layout.ns_dir(a)) == keep
+
+
+def test_ls_json_and_table(layout: Layout, store: Store) -> None:
+    a = make_ns(layout, store, "a", pages=3, instance="srv")
+    b = make_ns(layout, store, "b", pages=1, kv="fp8_e4m3")
+    (layout.ns_root / ("c" * 16)).mkdir()  # a dir nobody registered
+    out = cli("--root", str(layout.root), "ls", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = {n["ns_id"]: n for n in json.loads(out.stdout)["namespaces"]}
+    assert rows[a]["instances"] == ["srv"] and rows[a]["state"] == "bound"
+    assert (rows[a]["pages"], rows[a]["bytes"], rows[a]["page_size"]) == (3, 300, 64)
+    assert rows[b]["state"] == "unbound" and rows[b]["kv_cache_dtype"] == "fp8_e4m3"
+    assert rows["c" * 16]["state"] == "no-manifest"
+    table = cli("--root", str(layout.root), "ls")
+    assert table.returncode == 0, table.stderr
+    assert a in table.stdout and "fp8_e4m3" in table.stdout and "300 B" in table.stdout
+
+
+def test_ls_on_a_missing_root_is_one_line(tmp_path: Path) -> None:
+    out = cli("--root", str(tmp_path / "nope"), "ls")
+    assert "no cache root" in one_line_error(out)
+    assert not (tmp_path / "nope").exists()
+
+
+@pytest.mark.parametrize("bad", ["../../etc", "a/b", ".."])
+def test_hostile_namespace_id_is_one_line(layout: Layout, bad: str) -> None:
+    out = cli("--root", str(layout.root), "purge", "--namespace", bad, "--yes")
+    assert out.returncode == 2
+    assert "not a namespace id" in one_line_error(out)
+
+
+def test_symlink_root_is_refused(tmp_path: Path, layout: Layout, store: Store) -> None:
+    make_ns(layout, store, "a")
+    link = tmp_path / "link"
+    link.symlink_to(layout.root)
+    before = snapshot(layout.root / "ns")
+    for args in (["purge", "--all", "--yes"], ["ls"]):
+        out = cli("--root", str(link), *args)
+        assert "is a symlink" in one_line_error(out)
+    assert snapshot(layout.root / "ns") == before
+
+
+def test_root_that_cannot_exist_is_refused(tmp_path: Path) -> None:
+    # Tests run as root, so permissions cannot stop us; a regular file as parent does.
+    (tmp_path / "file").write_text("not a dir")
+    for args in (["purge", "--all", "--yes"], ["ls"]):
+        out = cli("--root", str(tmp_path / "file" / "root"), *args)
+        one_line_error(out)
+    assert (tmp_path / "file").read_text() == "not a dir"
+
+
+def test_symlink_inside_namespace_fails_loudly_and_spares_the_target(
+    layout: Layout, store: Store, tmp_path: Path
+) -> None:
+    ns = make_ns(layout, store, "a", pages=2)
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"precious")
+    (layout.ns_dir(ns) / page_name(7)).symlink_to(outside)
+    out = cli("--root", str(layout.root), "purge", "--namespace", ns, "--yes")
+    assert "left alone" in one_line_error(out)
+    assert outside.read_bytes() == b"precious"
+
+
+def test_symlink_in_trash_fails_loudly_and_spares_the_target(
+    layout: Layout, tmp_path: Path
+) -> None:
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / page_name(1)).write_bytes(b"precious")
+    (layout.trash / f"{'e' * 16}.x1").symlink_to(victim)
+    out = cli("--root", str(layout.root), "purge", "--unbound", "--yes")
+    assert "symlink" in one_line_error(out)
+    assert (victim / page_name(1)).read_bytes() == b"precious"
+
+
+def test_kill_9_during_deletion_then_rerun_finishes(
+    layout: Layout, store: Store, tmp_path: Path
+) -> None:
+    big = make_ns(layout, store, "big", pages=0)
+    for i in range(5_000):
+        with open(layout.ns_dir(big) / page_name(i, "big"), "wb") as f:
+            f.write(b"p")
+    keep = make_ns(layout, store, "keep", pages=5, instance="other")
+    beside = tmp_path / "beside"
+    beside.mkdir()
+    (beside / page_name(1)).write_bytes(b"precious")
+    before_keep = snapshot(layout.ns_dir(keep))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cachemgr", "--log-format", "json", "--root", str(layout.root),
+         "purge", "--namespace", big, "--yes", "--rate", "2000"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        killed_at = _wait_for_partial_deletion(layout.trash, 5_000)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(30)
+    assert 0 < killed_at < 5_000, "the kill must land mid-deletion"
+    (entry,) = os.listdir(layout.trash)
+    assert 0 < len(os.listdir(layout.trash / entry)) < 5_000
+    out = cli("--root", str(layout.root), "purge", "--unbound", "--yes")
+    assert out.returncode == 0, out.stderr
+    assert os.listdir(layout.trash) == []
+    assert snapshot(layout.ns_dir(keep)) == before_keep
+    assert (beside / page_name(1)).read_bytes() == b"precious"
+    assert not layout.ns_dir(big).exists()
+
+
+def _wait_for_partial_deletion(trash: Path, total: int) -> int:
+    """Poll until the trash entry exists and has lost some files; return how many remain."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        entries = os.listdir(trash)
+        if entries:
+            try:
+                left = len(os.listdir(trash / entries[0]))
+            except FileNotFoundError:
+                return 0
+            if left < total:
+                return left
+        time.sleep(0.002)
+    raise AssertionError("deletion never started")
+
+
+def test_purge_counts_bytes_in_table_units(layout: Layout, store: Store) -> None:
+    ns = make_ns(layout, store, "a", pages=3)
+    out = cli("--root", str(layout.root), "purge", "--namespace", ns, "--yes")
+    assert out.returncode == 0, out.stderr
+    assert f"purged ns {ns} (3 pages, {3 * PAGE_BYTES} B): manifest removed" in out.stdout

@@ -1,0 +1,270 @@
+"""The launch-command parser, on the operators' real commands (FIELD_NOTES §6) and edge cases."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from cachemgr import sglang_flags
+from cachemgr.errors import ConfigError
+from cachemgr.sglang_args import LaunchArgs, resolve_launch_args, scan_flags, split_command
+
+REPO = Path(__file__).resolve().parent.parent
+SGLANG_ENV = Path(os.environ.get("CACHEMGR_SGLANG_ENV", REPO / ".sglang-env"))
+
+# FIELD_NOTES §6, pasted as operators run them (continuation lines included).
+RTX4090 = r"""sglang serve --model-path Qwen3.8-27B-W4A16-AWQ \
+  --speculative-algorithm DFLASH \
+  --speculative-draft-model-path Qwen3.8-27B-DFlash2-FP8 \
+  --speculative-num-draft-tokens 8 \
+  --kv-cache-dtype fp8_e4m3 --mem-fraction-static 0.75 \
+  --context-length 131072 --max-running-requests 2 \
+  --max-mamba-cache-size 14 --page-size 64 \
+  --enable-hierarchical-cache --hicache-size 32 \
+  --hicache-storage-backend file --disable-prefill-cuda-graph"""
+
+RTX5090 = r"""sglang serve --trust-remote-code \
+  --model-path gittensor-model-hub/Qwen3.8-27B-NVFP4-RTX5090 \
+  --served-model-name qwen3.8-27b --kv-cache-dtype fp8_e4m3 \
+  --mem-fraction-static 0.90 --attention-backend flashinfer \
+  --max-running-requests 1 --cuda-graph-max-bs 1 \
+  --reasoning-parser qwen3 --tool-call-parser qwen3_coder \
+  --mamba-full-memory-ratio 5.61 --mamba-radix-cache-strategy extra_buffer_lazy \
+  --mamba-ssm-dtype bfloat16 --speculative-algorithm DFLASH \
+  --speculative-draft-model-path maurienne-ai/Qwen3.8-27B-DFlash2-NVFP4-RTNcal \
+  --speculative-draft-model-quantization modelopt_fp4 \
+  --speculative-num-draft-tokens 8 --chunked-prefill-size 1024 \
+  --cuda-graph-bs-prefill 64 128 256 512 1024 --enable-memory-saver \
+  --enable-hierarchical-cache --hicache-ratio 2 \
+  --hicache-write-policy write_through --host 0.0.0.0 --port 30000"""
+
+
+def to_equals_style(command: str) -> list[str]:
+    """The same command with every single-valued `--flag value` written `--flag=value`."""
+    tokens = split_command(command)
+    out: list[str] = []
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        nxt = tokens[i + 1] if i + 1 < len(tokens) else None
+        multi = tok in sglang_flags.MULTI_VALUE
+        if tok.startswith("--") and nxt is not None and not nxt.startswith("--") and not multi:
+            out.append(f"{tok}={nxt}")
+            i += 2
+        else:
+            out.append(tok)
+            i += 1
+    return out
+
+
+def test_rtx4090_command() -> None:
+    args = resolve_launch_args(RTX4090)
+    assert args.model_path == "Qwen3.8-27B-W4A16-AWQ"
+    assert args.speculative_algorithm == "DFLASH"
+    assert args.speculative_draft_model_path == "Qwen3.8-27B-DFlash2-FP8"
+    assert args.kv_cache_dtype == "fp8_e4m3"
+    assert args.page_size == 64
+    assert args.enable_hierarchical_cache is True
+    assert args.hicache_storage_backend == "file"
+    assert args.served_model_name is None
+    assert args.model_name == "Qwen3.8-27B-W4A16-AWQ"
+    assert (args.host, args.port) == ("127.0.0.1", 30000)  # SGLang's defaults
+    assert args.hicache_mem_layout == "page_first"
+    assert args.mamba_track_interval == 256
+
+
+def test_rtx5090_command_with_multi_value_flag() -> None:
+    args = resolve_launch_args(RTX5090)
+    assert args.model_path == "gittensor-model-hub/Qwen3.8-27B-NVFP4-RTX5090"
+    assert args.served_model_name == "qwen3.8-27b"
+    assert args.model_name == "qwen3.8-27b"
+    assert args.kv_cache_dtype == "fp8_e4m3"
+    assert args.mamba_ssm_dtype == "bfloat16"
+    assert args.speculative_draft_model_path == "maurienne-ai/Qwen3.8-27B-DFlash2-NVFP4-RTNcal"
+    assert args.speculative_draft_model_quantization == "modelopt_fp4"
+    # `--cuda-graph-bs-prefill 64 128 …` must not leak into anything, and the switch after it
+    # must still be seen as a switch.
+    assert args.page_size == 1  # absent: SGLang resolves None to 1
+    assert args.enable_hierarchical_cache is True
+    assert (args.host, args.port) == ("0.0.0.0", 30000)
+
+
+@pytest.mark.parametrize("command", [RTX4090, RTX5090])
+def test_both_flag_styles_agree(command: str) -> None:
+    equals = to_equals_style(command)
+    assert any("=" in tok for tok in equals)
+    assert resolve_launch_args(equals) == resolve_launch_args(command)
+
+
+@pytest.mark.parametrize(
+    "prefix",
+    [
+        ["sglang", "serve"],
+        ["python", "-m", "sglang.launch_server"],
+        ["python3", "-m", "sglang.launch_server"],
+        ["env", "CUDA_VISIBLE_DEVICES=0", "python3.11", "-u", "-m", "sglang.launch_server"],
+        [],
+    ],
+)
+def test_program_prefixes(prefix: list[str]) -> None:
+    args = resolve_launch_args([*prefix, "--model-path", "/m", "--tp-size", "2"])
+    assert (args.model_path, args.tp_size) == ("/m", 2)
+
+
+def test_aliases() -> None:
+    args = resolve_launch_args(
+        "sglang serve --model /m --tensor-parallel-size 4 --pipeline-parallel-size 2 "
+        "--enable-hicache --speculative-draft-model /d --decode-context-parallel-size 2 "
+        "--attention-context-parallel-size 2"
+    )
+    assert args.model_path == "/m"
+    assert (args.tp_size, args.pp_size, args.dcp_size, args.attn_cp_size) == (4, 2, 2, 2)
+    assert args.enable_hierarchical_cache is True
+    assert args.speculative_draft_model_path == "/d"
+
+
+def test_unknown_flags_are_skipped_with_their_values() -> None:
+    args = resolve_launch_args(
+        "sglang serve --some-future-switch --model-path /m "
+        "--future-list 1 2 3 --page-size 32 --future-valued x --kv-cache-dtype bf16 --last-switch"
+    )
+    assert (args.model_path, args.page_size, args.kv_cache_dtype) == ("/m", 32, "bf16")
+
+
+def test_known_switch_does_not_take_the_next_token() -> None:
+    # A switch followed by a stray word: the word is not the switch's value, and the
+    # following flags still parse.
+    found = scan_flags(["--enable-hierarchical-cache", "stray", "--page-size", "16"])
+    assert found == {"enable_hierarchical_cache": True, "page_size": "16"}
+
+
+def test_last_occurrence_wins_like_argparse() -> None:
+    args = resolve_launch_args("--model-path /a --page-size 16 --model-path /b --page-size=64")
+    assert (args.model_path, args.page_size) == ("/b", 64)
+
+
+def test_explicit_values_override_the_command() -> None:
+    args = resolve_launch_args(
+        "sglang serve --model-path /a --kv-cache-dtype bf16",
+        {"kv_cache_dtype": "fp8_e4m3", "page_size": 64, "tp_size": None},
+    )
+    assert (args.model_path, args.kv_cache_dtype, args.page_size, args.tp_size) == (
+        "/a",
+        "fp8_e4m3",
+        64,
+        1,
+    )
+
+
+def test_explicit_values_alone() -> None:
+    assert resolve_launch_args((), {"model_path": "/m"}).model_path == "/m"
+
+
+def test_missing_model_path_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match="no model path: pass --model-path"):
+        resolve_launch_args("sglang serve --kv-cache-dtype fp8_e4m3 --page-size 64")
+
+
+@pytest.mark.parametrize(
+    ("command", "needle"),
+    [
+        ("--model-path /m --page-size", "--page-size needs a value"),
+        ("--model-path /m --page-size sixty-four", "invalid --page-size 'sixty-four'"),
+        ("--model-path /m --tp-size 0", "invalid --tp-size"),
+        ("--model-path /m --enable-hierarchical-cache=yes", "takes no value"),
+        ("--config serve.yaml", "cannot read SGLang config files"),
+    ],
+)
+def test_bad_values_are_config_errors(command: str, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        resolve_launch_args(command)
+
+
+def test_deprecated_dp_attention_becomes_attention_dp() -> None:
+    args = resolve_launch_args("--model-path /m --tp-size 4 --dp-size 4 --enable-dp-attention")
+    assert (args.attn_dp_size, args.dp_size) == (4, 1)
+
+
+def test_direct_io_turns_page_first_into_page_first_direct() -> None:
+    args = resolve_launch_args(
+        "--model-path /m --enable-hierarchical-cache --hicache-io-backend direct"
+    )
+    assert args.hicache_mem_layout == "page_first_direct"
+
+
+def test_draft_quantization_inherits_unless_set() -> None:
+    inherit = resolve_launch_args("--model-path /m --quantization awq --speculative-draft-model /d")
+    assert inherit.speculative_draft_model_quantization == "awq"
+    own = resolve_launch_args(
+        "--model-path /m --quantization awq --speculative-draft-model-quantization unquant"
+    )
+    assert (own.quantization, own.speculative_draft_model_quantization) == ("awq", None)
+
+
+def test_launch_args_are_frozen() -> None:
+    args = resolve_launch_args("--model-path /m")
+    with pytest.raises(ValueError, match="frozen"):
+        args.page_size = 64  # type: ignore[misc]
+    assert isinstance(args, LaunchArgs)
+
+
+# SGLang's own parser, run in the SGLang env: our reading of the operators' commands must
+# match argparse's, and the committed flag table must match the installed SGLang.
+_SGLANG_PARSE = """
+import argparse, json, sys
+from sglang.srt.server_args import ServerArgs
+p = argparse.ArgumentParser()
+ServerArgs.add_cli_args(p)
+ns = p.parse_args(json.loads(sys.argv[1]))
+scalar = (str, int, bool, type(None))
+print(json.dumps({k: v for k, v in vars(ns).items() if isinstance(v, scalar)}))
+"""
+
+
+def _sglang_python() -> Path:
+    python = SGLANG_ENV / "bin" / "python"
+    if not python.exists():
+        pytest.fail(f"{SGLANG_ENV} is missing: run scripts/sglang-env.sh (make test does)")
+    return python
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("command", [RTX4090, RTX5090])
+def test_matches_sglangs_own_argparse(command: str) -> None:
+    argv = split_command(command)[2:]  # after `sglang serve`
+    # FIELD_NOTES' 5090 command predates 0.5.23, where `--cuda-graph-max-bs` became an
+    # ambiguous prefix of -decode/-prefill variants and argparse rejects it; it is not ours.
+    if "--cuda-graph-max-bs" in argv:
+        at = argv.index("--cuda-graph-max-bs")
+        del argv[at : at + 2]
+    out = subprocess.run(
+        [str(_sglang_python()), "-c", _SGLANG_PARSE, json.dumps(argv)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+    )
+    theirs = json.loads(out.stdout)
+    ours = resolve_launch_args(command).model_dump()
+    # Fields SGLang resolves later, after argparse: page_size None → 1 and the draft
+    # quantization inheriting the target's.
+    assert theirs["page_size"] in (None, ours["page_size"])
+    for field in set(ours) - {"page_size", "speculative_draft_model_quantization"}:
+        assert ours[field] == theirs[field], field
+
+
+@pytest.mark.sglang
+def test_flag_table_is_current() -> None:
+    out = subprocess.run(
+        [str(_sglang_python()), str(REPO / "scripts" / "gen_sglang_flags.py")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+    )
+    committed = (REPO / "cachemgr" / "sglang_flags.py").read_text()
+    assert out.stdout.strip() == committed.strip()
