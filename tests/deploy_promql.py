@@ -88,7 +88,9 @@ class Exposition:
 
     def get(self, name: str, **labels: str) -> Sample:
         """The one sample of `name` whose labels include `labels`."""
-        (hit,) = [s for s in self.samples if s.name == name and labels.items() <= dict(s.labels).items()]
+        (hit,) = [
+            s for s in self.samples if s.name == name and labels.items() <= dict(s.labels).items()
+        ]
         return hit
 
     def all(self, name: str) -> list[Sample]:

@@ -10,6 +10,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import httpx
 import pytest
 import yaml
 
+from tests.deploy_model import make_model
 from tests.deploy_promql import (
     Exposition,
     Sample,
@@ -30,7 +32,6 @@ REPO = Path(__file__).resolve().parent.parent
 PROM = REPO / "deploy" / "prometheus"
 RULE_FILES = sorted((PROM / "rules").glob("*.yml"))
 DASHBOARD = REPO / "deploy" / "grafana" / "cachemgr.json"
-NS_A, NS_B = "a1a1a1a1a1a1a1a1", "b2b2b2b2b2b2b2b2"
 TOKEN = "deploy-test-token"
 TARGET = {"job": "cachemgr", "instance": "cachemgr:9477"}
 # SGLang's own series that rules and dashboard may use (checked against SGLang's source in
@@ -65,25 +66,47 @@ def poll(check: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
         time.sleep(0.1)
 
 
+@dataclass(frozen=True)
+class Live:
+    """Two scrapes of one real daemon and the namespace the traffic went to."""
+
+    first: Exposition
+    second: Exposition
+    ns: str
+
+
+def init(root: Path, model: Path, instance: str, kv_dtype: str) -> str:
+    """`cachemgr init` as a deployment runs it; the namespace id it created."""
+    out = subprocess.run(
+        [sys.executable, "-m", "cachemgr", "--root", str(root), "init", "--instance", instance,
+         "--print-env", "--sglang-version", "0.5.19", "--", "sglang", "serve", "--model-path",
+         str(model), "--kv-cache-dtype", kv_dtype, "--page-size", "64"],
+        capture_output=True, text=True, check=True, timeout=60,
+    )  # fmt: skip
+    return out.stdout.strip().rsplit("/", 1)[1]
+
+
 @pytest.fixture(scope="module")
-def scrapes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Exposition, Exposition]]:
-    """Two scrapes of a real `cachemgr serve`: before and after 6 page writes, 2 reads, a purge."""
-    root = tmp_path_factory.mktemp("deploy-metrics") / "root"
-    for ns, pages in ((NS_A, 4), (NS_B, 2)):
-        (root / "ns" / ns).mkdir(parents=True)
+def scrapes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    """A real `cachemgr serve` scraped before and after 6 page writes, 2 reads and a purge."""
+    base = tmp_path_factory.mktemp("deploy-metrics")
+    root = base / "root"
+    make_model(base / "model")
+    ns_a = init(root, base / "model", "sglang", "fp8_e4m3")
+    ns_b = init(root, base / "model", "old", "bfloat16")
+    for ns, pages in ((ns_a, 4), (ns_b, 2)):
         for n in range(pages):
             write_page(root / "ns" / ns, n)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    log = (root.parent / "daemon.log").open("w")
+    log = (base / "daemon.log").open("w")
     argv = [sys.executable, "-m", "cachemgr", "--root", str(root), "--log-format", "json"]
     proc = subprocess.Popen(
         [*argv, "serve", "--port", str(port), "--token", TOKEN], stdout=log, stderr=log
     )
-    url = f"http://127.0.0.1:{port}"
     try:
-        with httpx.Client(base_url=url, timeout=10) as http:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
 
             def scrape() -> Exposition:
                 return Exposition.parse(http.get("/metrics").text)
@@ -95,25 +118,27 @@ def scrapes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Expositi
                     return proc.poll() is not None  # exited: fail below, not by timeout
 
             poll(ready, "the daemon's /readyz")
-            assert proc.poll() is None, (root.parent / "daemon.log").read_text()
-            poll(lambda: scrape().get("cachemgr_namespace_pages", namespace=NS_A).value == 4, "scan")
+            assert proc.poll() is None, (base / "daemon.log").read_text()
+            poll(
+                lambda: scrape().get("cachemgr_namespace_pages", namespace=ns_a).value == 4, "scan"
+            )
             first = scrape()
             for n in range(4, 10):
-                write_page(root / "ns" / NS_A, n)
+                write_page(root / "ns" / ns_a, n)
             for n in (0, 1):
-                read_page(root / "ns" / NS_A, n)
+                read_page(root / "ns" / ns_a, n)
             headers = {"Authorization": f"Bearer {TOKEN}"}
-            purged = http.post("/purge", json={"namespace": NS_B}, headers=headers)
+            purged = http.post("/purge", json={"namespace": ns_b}, headers=headers)
             assert purged.status_code == 200, purged.text
 
             def counted() -> bool:
                 e = scrape()
-                reads = e.get("cachemgr_page_reads_total", namespace=NS_A).value
-                writes = e.get("cachemgr_page_writes_total", namespace=NS_A).value
+                reads = e.get("cachemgr_page_reads_total", namespace=ns_a).value
+                writes = e.get("cachemgr_page_writes_total", namespace=ns_a).value
                 return (reads, writes) == (2, 6) and bool(e.all("cachemgr_purges_total"))
 
             poll(counted, "2 reads, 6 writes and a purge in /metrics")
-            yield first, scrape()
+            yield Live(first, scrape(), ns_a)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -125,9 +150,7 @@ def load_rules() -> list[dict[str, Any]]:
 
 
 def promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["promtool", *args], capture_output=True, text=True, timeout=120, cwd=cwd
-    )
+    return subprocess.run(["promtool", *args], capture_output=True, text=True, timeout=120, cwd=cwd)
 
 
 def test_promtool_check_rules() -> None:
@@ -153,9 +176,9 @@ def queries() -> list[tuple[str, str]]:
 
 
 def test_rules_and_dashboard_query_only_metrics_the_daemon_serves(
-    scrapes: tuple[Exposition, Exposition],
+    scrapes: Live,
 ) -> None:
-    first, second = scrapes
+    first, second = scrapes.first, scrapes.second
     recorded = {r["record"] for g in load_rules() for r in g["rules"] if "record" in r}
     known = first.names | second.names | set(SGLANG_SERIES) | recorded | {"up"}
     labels = first.labels | second.labels | TARGET_LABELS | set().union(*SGLANG_SERIES.values())
@@ -166,7 +189,11 @@ def test_rules_and_dashboard_query_only_metrics_the_daemon_serves(
         assert refs.metrics <= known, f"{where}: {sorted(refs.metrics - known)} not served"
         assert refs.labels <= labels, f"{where}: labels {sorted(refs.labels - labels)} unknown"
         used |= refs.metrics
-    for name in ("cachemgr_page_reads_total", "cachemgr_namespace_info", "sglang:prompt_tokens_total"):
+    for name in (
+        "cachemgr_page_reads_total",
+        "cachemgr_namespace_info",
+        "sglang:prompt_tokens_total",
+    ):
         assert name in used
 
 
@@ -189,7 +216,9 @@ def test_dashboard_panels_cover_the_issue_and_are_valid_promql(tmp_path: Path) -
         for var, value in grafana.items():
             expr = expr.replace(var, value)
         rules.append({"record": f"dashboard_query_{i}", "expr": expr})
-    (tmp_path / "dashboard.yml").write_text(yaml.safe_dump({"groups": [{"name": "d", "rules": rules}]}))
+    (tmp_path / "dashboard.yml").write_text(
+        yaml.safe_dump({"groups": [{"name": "d", "rules": rules}]})
+    )
     out = promtool("check", "rules", str(tmp_path / "dashboard.yml"))
     assert out.returncode == 0, out.stdout + out.stderr
 
@@ -199,7 +228,9 @@ def test_sglang_metric_names_exist_in_sglang() -> None:
     """The SGLang series the rules and dashboard use are in SGLang's own metrics collector."""
     from tests.conftest import SGLANG_ENV
 
-    found = list(SGLANG_ENV.glob("lib/python3*/site-packages/sglang/srt/observability/metrics_collector.py"))
+    found = list(
+        SGLANG_ENV.glob("lib/python3*/site-packages/sglang/srt/observability/metrics_collector.py")
+    )
     if not found:
         pytest.fail(f"{SGLANG_ENV} has no SGLang: run scripts/sglang-env.sh (make test does)")
     source = found[0].read_text()
@@ -211,8 +242,14 @@ def test_sglang_metric_names_exist_in_sglang() -> None:
 
 def target(sample: Sample, **labels: str) -> str:
     """The series Prometheus stores for `sample` scraped from job cachemgr (honor_labels off)."""
-    own = {f"exported_{k}" if k in TARGET else k: v for k, v in sample.labels}
+    # Prometheus renames a scraped label that clashes with a target label and drops empty ones.
+    own = {f"exported_{k}" if k in TARGET else k: v for k, v in sample.labels if v}
     return Sample(sample.name, tuple({**own, **labels}.items()), 0).series(**TARGET)
+
+
+def sel(name: str, **labels: str) -> str:
+    """A series selector: `name{k="v", ...}`."""
+    return Sample(name, (), 0).series(**labels)
 
 
 def alert_annotations(name: str, labels: dict[str, str], value: float) -> dict[str, str]:
@@ -240,46 +277,154 @@ def run_promtool_tests(tmp_path: Path, tests: list[dict[str, Any]]) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_recording_rules_on_real_scrapes(scrapes: tuple[Exposition, Exposition], tmp_path: Path) -> None:
+def test_recording_rules_on_real_scrapes(scrapes: Live, tmp_path: Path) -> None:
     """The two real scrapes, 5 minutes apart: the hit ratio is 2 reads / (2 reads + 6 writes)."""
-    first, second = scrapes
+    first, second, ns_id = scrapes.first, scrapes.second, scrapes.ns
     series = []
     for s in second.samples:
         before = [b for b in first.samples if b.name == s.name and b.labels == s.labels]
         v1 = before[0].value if before else s.value
-        series.append({"series": target(s), "values": " ".join([repr(v1)] * 5 + [repr(s.value)] * 6)})
+        series.append(
+            {"series": target(s), "values": " ".join([repr(v1)] * 5 + [repr(s.value)] * 6)}
+        )
+    # SGLang's series as its collectors label them: 250 of every 1000 prompt tokens from L3.
     sglang = {"job": "sglang", "instance": "sglang:30000", "model_name": "qwen3.8-27b"}
+    tokens = {"engine_type": "unified", **sglang}
     series += [
-        {"series": Sample("sglang:prompt_tokens_total", (("engine_type", "unified"), ("is_streaming", "false")), 0).series(**sglang), "values": "0+1000x10"},
-        {"series": Sample("sglang:cached_tokens_total", (("cache_source", "storage"), ("engine_type", "unified")), 0).series(**sglang), "values": "0+250x10"},
-        {"series": Sample("sglang:cached_tokens_total", (("cache_source", "device"), ("engine_type", "unified")), 0).series(**sglang), "values": "0+500x10"},
+        {"series": sel("sglang:prompt_tokens_total", is_streaming="false", **tokens),
+         "values": "0+1000x10"},
+        {"series": sel("sglang:cached_tokens_total", cache_source="storage", **tokens),
+         "values": "0+250x10"},
+        {"series": sel("sglang:cached_tokens_total", cache_source="device", **tokens),
+         "values": "0+500x10"},
     ]  # fmt: skip
-    avail = second.get("cachemgr_filesystem_avail_bytes").value
-    size = second.get("cachemgr_filesystem_size_bytes").value
-    ns = {"namespace": NS_A, **TARGET}
+    ratio = (
+        second.get("cachemgr_filesystem_avail_bytes").value
+        / second.get("cachemgr_filesystem_size_bytes").value
+    )
+    hit_ratio = "namespace:cachemgr_page_hit_ratio:rate5m"
+    checks = [
+        (sel(hit_ratio, namespace=ns_id), "6m", sel(hit_ratio, namespace=ns_id, **TARGET), 0.25),
+        ("model_name:sglang_storage_hit_ratio:rate5m", "8m",
+         sel("model_name:sglang_storage_hit_ratio:rate5m", **sglang), 0.25),
+        ("instance:cachemgr_filesystem_avail:ratio", "8m",
+         sel("instance:cachemgr_filesystem_avail:ratio", **TARGET), ratio),
+    ]  # fmt: skip
+    tests = [
+        {"expr": expr, "eval_time": at, "exp_samples": [{"labels": labels, "value": value}]}
+        for expr, at, labels, value in checks
+    ]
     run_promtool_tests(
-        tmp_path,
-        [
-            {
-                "interval": "1m",
-                "input_series": series,
-                "promql_expr_test": [
-                    {
-                        "expr": f'namespace:cachemgr_page_hit_ratio:rate5m{{namespace="{NS_A}"}}',
-                        "eval_time": "6m",
-                        "exp_samples": [{"labels": Sample("namespace:cachemgr_page_hit_ratio:rate5m", (), 0).series(**ns), "value": 0.25}],
-                    },
-                    {
-                        "expr": "model_name:sglang_storage_hit_ratio:rate5m",
-                        "eval_time": "8m",
-                        "exp_samples": [{"labels": Sample("model_name:sglang_storage_hit_ratio:rate5m", (), 0).series(**sglang), "value": 0.25}],
-                    },
-                    {
-                        "expr": "instance:cachemgr_filesystem_avail:ratio",
-                        "eval_time": "8m",
-                        "exp_samples": [{"labels": Sample("instance:cachemgr_filesystem_avail:ratio", (), 0).series(**TARGET), "value": avail / size}],
-                    },
-                ],
-            }
-        ],
-    )  # fmt: skip
+        tmp_path, [{"interval": "1m", "input_series": series, "promql_expr_test": tests}]
+    )
+
+
+def alert_test(
+    name: str, series: dict[str, str], at: str, fires: list[dict[str, Any]], interval: str = "1m"
+) -> dict[str, Any]:
+    return {
+        "interval": interval,
+        "input_series": [{"series": s, "values": v} for s, v in series.items()],
+        "alert_rule_test": [{"eval_time": at, "alertname": name, "exp_alerts": fires}],
+    }
+
+
+def test_alerts_fire_on_the_daemons_real_series(scrapes: Live, tmp_path: Path) -> None:
+    """Each alert, firing and quiet, on series named and labelled as the daemon exports them."""
+    e, ns_id = scrapes.second, scrapes.ns
+    up = Sample("up", (), 0).series(**TARGET)
+    ready, mismatch = target(e.get("cachemgr_ready")), target(e.get("cachemgr_identity_mismatch"))
+    overflows = target(e.get("cachemgr_watcher_overflows_total"))
+    avail = target(e.get("cachemgr_filesystem_avail_bytes"))
+    size_sample = e.get("cachemgr_filesystem_size_bytes")
+    size, full = target(size_sample), repr(size_sample.value)
+    low = repr(size_sample.value / 32)  # 3.125% free: below the 5% floor
+    pages = target(e.get("cachemgr_namespace_pages", namespace=ns_id))
+    reads = target(e.get("cachemgr_page_reads_total", namespace=ns_id))
+    writes = target(e.get("cachemgr_page_writes_total", namespace=ns_id))
+    evicted = Sample("cachemgr_evicted_pages_total", (("reason", "free_space"),), 0).series(
+        **TARGET
+    )
+    purges = target(e.all("cachemgr_purges_total")[0])
+    info_sample = e.get("cachemgr_namespace_info", namespace=ns_id)
+    info = target(info_sample, page_size="1")
+    node = dict(TARGET)
+    ns = {**TARGET, "namespace": ns_id}
+    info_labels = {(f"exported_{k}" if k in TARGET else k): v for k, v in info_sample.labels}
+    info_labels |= {"page_size": "1", **TARGET}
+    assert info_labels["model"] and info_labels["kv_cache_dtype"] == "fp8_e4m3"
+    tests = [
+        alert_test("CachemgrDown", {up: "1 1 0x10"}, "8m", [expect("CachemgrDown", node)]),
+        alert_test("CachemgrDown", {up: "1x10"}, "8m", []),
+        alert_test("CachemgrNotReady", {ready: "0x20"}, "16m", [expect("CachemgrNotReady", node)]),
+        alert_test("CachemgrNotReady", {ready: "0 0 1x20"}, "16m", []),
+        alert_test(
+            "CachemgrIdentityMismatch",
+            {mismatch: "0 0 1 1"},
+            "3m",
+            [expect("CachemgrIdentityMismatch", node, 1)],
+        ),
+        alert_test("CachemgrIdentityMismatch", {mismatch: "0x5"}, "3m", []),
+        alert_test(
+            "CachemgrDiskFreeLow",
+            {avail: f"{low}x15", size: f"{full}x15"},
+            "12m",
+            [expect("CachemgrDiskFreeLow", node, 1 / 32)],
+        ),
+        alert_test("CachemgrDiskFreeLow", {avail: f"{full}x15", size: f"{full}x15"}, "12m", []),
+        alert_test(
+            "CachemgrGCFailing",
+            {avail: f"{low}x70", size: f"{full}x70"},
+            "65m",
+            [expect("CachemgrGCFailing", node, 1 / 32)],
+        ),
+        alert_test(
+            "CachemgrGCFailing",
+            {avail: f"{low}x70", size: f"{full}x70", evicted: "0+100x70"},
+            "65m",
+            [],
+        ),
+        alert_test(
+            "CachemgrWatcherOverflow",
+            {overflows: "0 0 0 1 1 1"},
+            "4m",
+            [expect("CachemgrWatcherOverflow", node, 1)],
+        ),
+        alert_test("CachemgrWatcherOverflow", {overflows: "0x20"}, "15m", []),
+        alert_test(
+            "CachemgrPageSizeOne",
+            {info: "1x3"},
+            "2m",
+            [expect("CachemgrPageSizeOne", info_labels, 1)],
+        ),
+        alert_test("CachemgrPageSizeOne", {target(info_sample): "1x3"}, "2m", []),
+        alert_test(
+            "CachemgrCacheWriteOnly",
+            {pages: "100+10x90", reads: "0x90"},
+            "70m",
+            [expect("CachemgrCacheWriteOnly", ns)],
+        ),
+        alert_test("CachemgrCacheWriteOnly", {pages: "100+10x90", reads: "0+1x90"}, "70m", []),
+        # A day of 75% hits, then none for 5 hours while writes go on: collapsed, unless purged.
+        alert_test(
+            "CachemgrHitRatioCollapsed",
+            {reads: "0+30x150 4500x30", writes: "0+10x180"},
+            "28h",
+            [expect("CachemgrHitRatioCollapsed", node, 0)],
+            interval="10m",
+        ),
+        alert_test(
+            "CachemgrHitRatioCollapsed",
+            {reads: "0+30x150 4500x30", writes: "0+10x180", purges: "0x160 1x20"},
+            "28h",
+            [],
+            interval="10m",
+        ),
+        alert_test(
+            "CachemgrHitRatioCollapsed", {reads: "0+30x180", writes: "0+10x180"}, "28h", [], "10m"
+        ),
+    ]
+    assert {t["alert_rule_test"][0]["alertname"] for t in tests} == {
+        r["alert"] for g in load_rules() for r in g["rules"] if "alert" in r
+    }
+    run_promtool_tests(tmp_path, tests)
