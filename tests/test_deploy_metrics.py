@@ -266,14 +266,15 @@ def expect(name: str, labels: dict[str, str], value: float = 0.0) -> dict[str, A
     }
 
 
-def run_promtool_tests(tmp_path: Path, tests: list[dict[str, Any]]) -> None:
+def run_promtool_tests(tmp_path: Path, tests: list[dict[str, Any]], every: str = "1m") -> None:
+    """`promtool test rules` of `tests` against the shipped rules, evaluated `every` interval."""
     spec = {
         "rule_files": [str(f) for f in RULE_FILES],
-        "evaluation_interval": "1m",
+        "evaluation_interval": every,
         "tests": tests,
     }
-    (tmp_path / "tests.yml").write_text(yaml.safe_dump(spec, sort_keys=False))
-    out = promtool("test", "rules", str(tmp_path / "tests.yml"))
+    (tmp_path / f"tests-{every}.yml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    out = promtool("test", "rules", str(tmp_path / f"tests-{every}.yml"))
     assert out.returncode == 0, out.stdout + out.stderr
 
 
