@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import configparser
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -172,7 +173,17 @@ def test_dropin_inits_the_exact_command_the_unit_starts() -> None:
     assert env_file.startswith(f"/run/{dropin['RuntimeDirectory']}/")
 
 
-def test_sample_config_loads_and_names_only_real_settings() -> None:
+def test_sample_config_loads_and_names_only_real_settings(tmp_path: Path) -> None:
     settings = load_settings(DEPLOY / "cachemgr.toml")
     assert settings.root == Path("/var/cache/sglang-hicache")
     assert settings.host == "127.0.0.1"  # loopback: no token needed on a host install
+    # Every commented "# key = value" line is a real setting shown with its default.
+    text = (DEPLOY / "cachemgr.toml").read_text()
+    commented = re.findall(r"^# (\w+) = ", text, re.M)
+    assert len(commented) >= 5
+    (tmp_path / "all.toml").write_text(re.sub(r"^# (\w+ = )", r"\1", text, flags=re.M))
+    uncommented = load_settings(tmp_path / "all.toml")
+    defaults = load_settings(root=settings.root)
+    for key in commented:
+        if key != "state_dir":  # shown with an example, not its default (<root>/.cachemgr)
+            assert getattr(uncommented, key) == getattr(defaults, key), key
