@@ -17,18 +17,27 @@ import sqlite3
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass, field
 
 import uvicorn
 from prometheus_client import CollectorRegistry
 
+from cachemgr import purge as purge_mod
+from cachemgr.deletion import Pacer
 from cachemgr.errors import ConfigError
 from cachemgr.indexer import Indexer
 from cachemgr.layout import Layout
 from cachemgr.metrics import CachemgrCollector
-from cachemgr.server import Backend, PurgeFn, create_app
+from cachemgr.server import (
+    Backend,
+    PurgedNamespace,
+    PurgeFn,
+    PurgeRequest,
+    PurgeResponse,
+    create_app,
+)
 from cachemgr.settings import Settings
-from cachemgr.sglang_probe import ProbeState
+from cachemgr.sglang_probe import ProbeLoop, ProbeState
 from cachemgr.store import Store, connect
 
 log = logging.getLogger(__name__)
@@ -62,15 +71,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def purge_function(settings: Settings) -> PurgeFn | None:
-    """Purge through cachemgr.purge (renames now, deletes in the background); None if absent."""
-    try:
-        from cachemgr import purge as purge_mod  # type: ignore[attr-defined,unused-ignore]
-    except ImportError:
-        return None
-    from cachemgr.server import PurgedNamespace, PurgeRequest, PurgeResponse
-
-    layout = Layout.at(settings.root, settings.state_dir)
+def purge_function(layout: Layout, settings: Settings) -> PurgeFn:
+    """Purge through cachemgr.purge: rename now, delete in a paced background thread."""
 
     def run(req: PurgeRequest) -> PurgeResponse:
         everything = not (req.namespace or req.instance)
@@ -79,19 +81,20 @@ def purge_function(settings: Settings) -> PurgeFn | None:
             plan = purge_mod.plan_purge(
                 layout, store, namespace=req.namespace, instance=req.instance, all=everything
             )
-            targets = [
-                PurgedNamespace(
-                    namespace=t.ns_id, pages=t.pages, bytes=t.bytes, recreated=bool(t.instances)
-                )
-                for t in plan.targets
-            ]
             if not req.dry_run:
                 purge_mod.execute_purge(plan, layout, store, actor="http", reason="manual")
-                purge_mod.drain_in_background(layout, actor="http")
         finally:
             store.close()
+        if not req.dry_run:
+            drain_trash_later(layout, settings)
+        targets = [
+            PurgedNamespace(
+                namespace=t.ns_id, pages=t.pages, bytes=t.bytes, recreated=bool(t.instances)
+            )
+            for t in plan.targets
+        ]
         verb = "would purge" if req.dry_run else "purged"
-        pages, size = sum(t.pages for t in targets), sum(t.bytes for t in targets)
+        pages, size = plan.pages, plan.bytes
         return PurgeResponse(
             dry_run=req.dry_run,
             selector=plan.selector,
@@ -102,6 +105,38 @@ def purge_function(settings: Settings) -> PurgeFn | None:
         )
 
     return run
+
+
+@dataclass
+class _Drainer:
+    """One background deletion of .trash/ at a time; a purge during it queues one more run."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    thread: threading.Thread | None = None
+    pending: bool = False
+
+
+_drainer = _Drainer()
+
+
+def drain_trash_later(layout: Layout, settings: Settings) -> None:
+    """Delete what purges left in .trash/, paced, in a background thread."""
+    with _drainer.lock:
+        if _drainer.thread is not None and _drainer.thread.is_alive():
+            _drainer.pending = True  # that run listed .trash/ before this purge
+            return
+        if not purge_mod.list_trash(layout):
+            return
+
+        def done(_: object) -> None:
+            with _drainer.lock:
+                again, _drainer.pending, _drainer.thread = _drainer.pending, False, None
+            if again:
+                drain_trash_later(layout, settings)
+
+        _drainer.thread = purge_mod.drain_in_background(
+            layout, actor="auto", pacer=Pacer(rate=settings.trash_delete_rate), on_done=done
+        )
 
 
 class Reader:
@@ -124,7 +159,7 @@ class Reader:
 class Daemon:
     """The running sidecar; `start()` then `serve()` (blocking) or `stop()`."""
 
-    def __init__(self, settings: Settings, *, purge: PurgeFn | None = None) -> None:
+    def __init__(self, settings: Settings) -> None:
         token = settings.token.get_secret_value() if settings.token else None
         if not token and not is_loopback(settings.host):
             raise ConfigError(
@@ -134,7 +169,6 @@ class Daemon:
         self.settings = settings
         self.layout = Layout.at(settings.root, settings.state_dir)
         self.token = token
-        self.purge = purge
         self.probe = ProbeState() if settings.sglang_url else None
         self.sock: socket.socket | None = None
         self.server: uvicorn.Server | None = None
@@ -169,10 +203,32 @@ class Daemon:
             token=self.token,
             index=self.indexer.state,
             lag=self.indexer.lag,
-            purge=self.purge,
+            purge=purge_function(self.layout, self.settings),
+            after_purge=lambda _: self.indexer.request_rescan(),
         )
         self.app = create_app(self.backend)
+        config = uvicorn.Config(
+            self.app,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=10,
+        )
+        self.server = uvicorn.Server(config)
         self.indexer.start()
+        if self.probe is not None and self.settings.sglang_url:
+            self.prober: ProbeLoop | None = ProbeLoop(
+                self.settings.sglang_url,
+                instance=self.settings.instance,
+                reader=self.reader,
+                on_mismatch=self._purge_mismatch,
+                interval=self.settings.sglang_poll_interval,
+                state=self.probe,
+            )
+            self.prober.start()
+        else:
+            self.prober = None
+        drain_trash_later(self.layout, self.settings)  # what a crash or a CLI purge left
         self._started = True
         log.info("daemon started", extra={"root": str(self.layout.root), "port": self.port})
 
@@ -181,28 +237,31 @@ class Daemon:
         assert self.sock is not None
         return int(self.sock.getsockname()[1])
 
-    def serve(self, **uvicorn_options: Any) -> None:
+    def serve(self) -> None:
         """Serve HTTP until a signal (or `server.should_exit`), then shut everything down."""
-        assert self.sock is not None and self._started
-        config = uvicorn.Config(
-            self.app,
-            log_level="warning",
-            access_log=False,
-            lifespan="off",
-            timeout_graceful_shutdown=10,
-            **uvicorn_options,
-        )
-        self.server = uvicorn.Server(config)
+        assert self.sock is not None and self.server is not None
         try:
             self.server.run(sockets=[self.sock])
         finally:
             self.stop()
+
+    def _purge_mismatch(self, ns_id: str, diffs: list[str]) -> None:
+        """The server contradicts its namespace: its pages may read back wrong, drop them now."""
+        store = Store.open(self.layout.db_path)
+        try:
+            purge_mod.purge(self.layout, store, actor="auto", reason="mismatch", namespace=ns_id)
+        finally:
+            store.close()
+        log.error("purged namespace after identity mismatch", extra={"namespace": ns_id})
+        drain_trash_later(self.layout, self.settings)
 
     def stop(self) -> None:
         """Finish the batch in flight, stop watching, close the DB (idempotent)."""
         if not self._started:
             return
         self._started = False
+        if self.prober is not None:
+            self.prober.stop()
         self.indexer.stop()
         self.reader.close()
         self.store.close()

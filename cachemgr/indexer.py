@@ -69,6 +69,7 @@ class Indexer:
         batch_interval: float = 0.25,
         reconcile_interval: float = 600.0,
         clock: Callable[[], float] = time.time,
+        watcher: Watcher | None = None,
     ) -> None:
         self.store = store
         self.layout = layout
@@ -76,7 +77,7 @@ class Indexer:
         self.reconcile_interval = reconcile_interval
         self.clock = clock
         self.state = IndexState()
-        self.watcher = Watcher(layout)
+        self.watcher = watcher if watcher is not None else Watcher(layout)
         self._stop = threading.Event()
         self._rescan: set[str] = set()
         self._rescan_lock = threading.Lock()

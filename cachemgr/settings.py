@@ -43,22 +43,6 @@ class Settings(BaseSettings):
     token: SecretStr | None = Field(None, description="bearer token for mutating HTTP routes")
     log_level: LogLevel = Field("info", description="log threshold")
     log_format: LogFormat = Field("auto", description="json, text, or auto (text on a terminal)")
-    # --- daemon ---
-    batch_interval: float = Field(
-        0.25, gt=0, le=10, description="seconds between applying watcher events to the index"
-    )
-    reconcile_interval: float = Field(
-        600.0, ge=0, description="seconds between full rescans that bound index drift (0: never)"
-    )
-    sglang_url: str | None = Field(
-        None, description="SGLang server base URL to scrape /metrics and check /server_info"
-    )
-    sglang_instance: str | None = Field(
-        None, description="instance name of that server (default: the only bound instance)"
-    )
-    sglang_poll_interval: float = Field(
-        15.0, gt=0, description="seconds between polls of the SGLang server"
-    )
     # --- identity ---
     identity_salt: str = Field(
         "",
@@ -84,6 +68,19 @@ class Settings(BaseSettings):
         gt=0,
         description="files/s for background deletion of purged namespaces (the daemon); "
         "the CLI deletes in the foreground at full speed",
+    )
+    # --- daemon ---
+    batch_interval: float = Field(
+        0.25, gt=0, le=10, description="seconds between applying watcher events to the index"
+    )
+    reconcile_interval: float = Field(
+        600.0, ge=0, description="seconds between full rescans that bound index drift (0: never)"
+    )
+    sglang_url: str | None = Field(
+        None, description="SGLang server base URL to scrape /metrics and check /server_info"
+    )
+    sglang_poll_interval: float = Field(
+        15.0, gt=0, description="seconds between polls of the SGLang server"
     )
 
     @property

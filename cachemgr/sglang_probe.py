@@ -10,13 +10,19 @@ without `cachemgr init`, and every L3 hit it gets may be silently wrong.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import sqlite3
+import threading
 import urllib.request
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+log = logging.getLogger(__name__)
 TOKEN_COUNTERS = {
     "sglang:storage_prefetch_hit_tokens": "storage_hit_tokens",
     "sglang:prefetched_tokens": "prefetched_tokens",
@@ -106,3 +112,89 @@ def contradictions(info: dict[str, Any], identity: dict[str, Any]) -> list[str]:
     if model and known and _norm(str(model)) not in known:
         out.append(f"model_path: namespace {source.get('model_path')} ≠ server {model}")
     return out
+
+
+MismatchHandler = Callable[[str, list[str]], None]
+
+
+class ProbeLoop:
+    """Polls the SGLang server; a contradiction with its namespace's identity is handed to
+    `on_mismatch` (the daemon purges that namespace) and raises the alarm in `state`."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        instance: str,
+        reader: Callable[[], AbstractContextManager[sqlite3.Connection]],
+        on_mismatch: MismatchHandler,
+        interval: float = 15.0,
+        state: ProbeState | None = None,
+    ) -> None:
+        self.url = url
+        self.instance = instance
+        self.reader = reader
+        self.on_mismatch = on_mismatch
+        self.interval = interval
+        self.state = state if state is not None else ProbeState()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cachemgr-sglang", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.poll()
+            self._stop.wait(self.interval)
+
+    def poll(self) -> None:
+        """One round: scrape /metrics, read /server_info, compare with the identity."""
+        st = self.state
+        try:
+            st.tokens = tokens(self.url)
+            info = server_info(self.url)
+        except (OSError, ValueError) as e:  # URLError is an OSError; bad JSON a ValueError
+            st.up, st.last_error = False, str(e)
+            return
+        st.up, st.last_error = True, None
+        found = self._namespace()
+        if found is None:
+            return
+        ns, identity, pages = found
+        st.namespace = ns
+        diffs = contradictions(info, identity)
+        if not diffs:
+            st.alarm = False
+            return
+        if not st.alarm:
+            st.mismatches += 1
+        st.alarm = True
+        log.error(
+            "SGLANG SERVER CONTRADICTS ITS NAMESPACE: launched without `cachemgr init`?",
+            extra={"namespace": ns, "instance": self.instance, "differences": diffs},
+        )
+        if pages:
+            self.on_mismatch(ns, diffs)
+
+    def _namespace(self) -> tuple[str, dict[str, Any], int] | None:
+        """The namespace the instance is bound to, its identity record, and its page count."""
+        with self.reader() as conn:
+            row = conn.execute(
+                "SELECT n.id, n.identity_json, coalesce(s.pages, 0) FROM bindings b"
+                " JOIN namespaces n ON n.id = b.namespace_id"
+                " LEFT JOIN namespace_stats s ON s.namespace_id = n.id WHERE b.instance = ?",
+                (self.instance,),
+            ).fetchone()
+        if row is None:
+            return None
+        try:
+            identity = json.loads(row[1])
+        except json.JSONDecodeError:
+            return None
+        return (str(row[0]), identity, int(row[2])) if isinstance(identity, dict) else None

@@ -13,11 +13,11 @@ from cachemgr.cli.status import status
 
 ALL: list[click.Command] = [
     config,
-    serve,
-    status,
     fingerprint,
     init,
     exec_,
     ls,
     purge,
+    serve,
+    status,
 ]

@@ -15,17 +15,17 @@ from cachemgr.cli.main import AppContext
 @click.option(
     "--sglang-url", help="SGLang server to scrape and check, e.g. http://127.0.0.1:30000."
 )
-@click.option("--sglang-instance", help="Instance name that server was initialised as.")
+@click.option("--instance", help="Instance name that server was initialised as (init --instance).")
 @click.pass_context
 def serve(ctx: click.Context, /, **flags: object) -> None:
     """Run the sidecar: live page index, hit accounting, /metrics and the HTTP API."""
     app = ctx.find_object(AppContext)
     assert app is not None
     app.overrides.update({k: v for k, v in flags.items() if v is not None})
-    from cachemgr.daemon import Daemon, purge_function
+    from cachemgr.daemon import Daemon
 
     settings = app.settings
-    daemon = Daemon(settings, purge=purge_function(settings))
+    daemon = Daemon(settings)
     daemon.start()
     click.echo(
         f"cachemgr: serving {daemon.layout.root} on http://{settings.host}:{daemon.port}", err=True

@@ -1,0 +1,137 @@
+"""Helpers for the daemon tests: page files written the way SGLang writes them, a running
+daemon on a loopback port, and polling with a deadline."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+
+from cachemgr.daemon import Daemon
+from cachemgr.layout import Layout
+from cachemgr.namespaces import bind, ensure_namespace
+from cachemgr.settings import Settings
+from cachemgr.store import Store
+
+T = TypeVar("T")
+NS_A = "0123456789abcdef"
+NS_B = "fedcba9876543210"
+
+
+def page_name(i: int, model: str = "Qwen-Qwen3-8B") -> str:
+    return f"{i:064x}_{model}_0_1.bin"
+
+
+def store_page(ns_dir: Path, name: str, size: int = 1024) -> None:
+    """Store a page like SGLang's HiCacheFile.set: a `.<uuid>.tmp` file, then os.replace."""
+    tmp = ns_dir / f".{uuid.uuid4().hex}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(b"\x01" * size)
+    os.replace(tmp, ns_dir / name)
+
+
+def read_page(ns_dir: Path, name: str) -> None:
+    """Read a page like HiCacheFile.get: open, read, close."""
+    with open(ns_dir / name, "rb") as f:
+        f.read()
+
+
+def wait_for(
+    probe: Callable[[], T], until: Callable[[T], bool], timeout: float = 10.0, every: float = 0.05
+) -> T:
+    """Poll `probe` until `until(value)`; fail with the last value after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if until(value):
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s; last value: {value!r}")
+        time.sleep(every)
+
+
+class RunningDaemon:
+    """A daemon serving on a loopback port in a thread, and an httpx client for it."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.url = f"http://127.0.0.1:{daemon.port}"
+        self.http = httpx.Client(base_url=self.url, timeout=10)
+
+    def get(self, path: str, **kw: Any) -> httpx.Response:
+        return self.http.get(path, **kw)
+
+    def post(self, path: str, **kw: Any) -> httpx.Response:
+        return self.http.post(path, **kw)
+
+    def status(self) -> dict[str, Any]:
+        r = self.get("/v1/status")
+        r.raise_for_status()
+        data: dict[str, Any] = r.json()
+        return data
+
+    def namespaces(self) -> dict[str, dict[str, Any]]:
+        return {ns["id"]: ns for ns in self.status()["namespaces"]}
+
+
+@contextmanager
+def running_daemon(settings: Settings) -> Iterator[RunningDaemon]:
+    """Start the real daemon (uvicorn on 127.0.0.1, port 0) and wait until it is ready."""
+    daemon = Daemon(settings.model_copy(update={"port": 0}))
+    daemon.start()
+    thread = threading.Thread(target=daemon.serve, name="test-uvicorn", daemon=True)
+    thread.start()
+    running = RunningDaemon(daemon)
+    try:
+        wait_for(lambda: _ready(running), bool, timeout=30)
+        yield running
+    finally:
+        running.http.close()
+        if daemon.server is not None:
+            daemon.server.should_exit = True
+        thread.join(30)
+        assert not thread.is_alive(), "daemon did not shut down"
+
+
+def _ready(running: RunningDaemon) -> bool:
+    try:
+        return running.get("/readyz").status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+IDENTITY = {
+    "kv_cache_dtype": "bfloat16",
+    "page_size": 64,
+    "source": {
+        "served_model_name": "Qwen/Qwen3-8B",
+        "model_path": "/models/Qwen3-8B",
+        "model_dir": "/models/Qwen3-8B",
+        "kv_cache_dtype_arg": "auto",
+    },
+}
+
+
+def register_namespace(
+    layout: Layout, ns_id: str, instance: str | None = None, identity: dict[str, Any] | None = None
+) -> Path:
+    """Create ns/<id>/ with a manifest and a registry row, as `cachemgr init` does."""
+    store = Store.open(layout.db_path)
+    try:
+        ensure_namespace(
+            layout, store, ns_id=ns_id, digest=ns_id * 2, identity=identity or IDENTITY,
+            now=time.time(),
+        )  # fmt: skip
+        if instance is not None:
+            with store.transaction():
+                bind(store, instance, ns_id, time.time())
+    finally:
+        store.close()
+    return layout.ns_dir(ns_id)

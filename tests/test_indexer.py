@@ -1,0 +1,161 @@
+"""The live index against real inotify events: stores, reads, deletions, namespace dirs
+appearing and leaving, a real kernel queue overflow, and a restart."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cachemgr.indexer import Indexer
+from cachemgr.layout import Layout
+from cachemgr.store import Store, connect
+from cachemgr.watcher import Event, Watcher
+from tests.daemon_helpers import NS_A, NS_B, page_name, read_page, store_page, wait_for
+
+
+@pytest.fixture
+def store(layout: Layout) -> Iterator[Store]:
+    s = Store.open(layout.db_path)
+    yield s
+    s.close()
+
+
+def start(store: Store, layout: Layout, watcher: Watcher | None = None) -> Indexer:
+    ix = Indexer(store, layout, batch_interval=0.05, watcher=watcher)
+    ix.start()
+    assert ix.state.ready.wait(10)
+    return ix
+
+
+@pytest.fixture
+def reader(layout: Layout, store: Store) -> Iterator[sqlite3.Connection]:
+    """A connection of its own: the index thread owns `store`."""
+    conn = connect(layout.db_path)
+    yield conn
+    conn.close()
+
+
+def ns_stats(conn: sqlite3.Connection, ns: str) -> tuple[int, ...]:
+    """(pages, bytes, lifetime reads, lifetime writes) as the DB has them."""
+    row = conn.execute(
+        "SELECT pages, bytes, page_reads, page_writes FROM namespace_stats WHERE namespace_id = ?",
+        (ns,),
+    ).fetchone()
+    return tuple(row) if row else (0, 0, 0, 0)
+
+
+def test_stores_reads_and_deletes_reach_the_index(
+    store: Store, layout: Layout, reader: sqlite3.Connection
+) -> None:
+    d = layout.ns_dir(NS_A)
+    d.mkdir()
+    store_page(d, page_name(0))
+    ix = start(store, layout)
+    try:
+        for i in range(1, 21):
+            store_page(d, page_name(i), 2048)
+        for i in range(5):
+            read_page(d, page_name(i))
+        read_page(d, page_name(1))
+        (d / page_name(20)).unlink()
+        wait_for(lambda: ns_stats(reader, NS_A), lambda s: s == (20, 1024 + 19 * 2048, 6, 20))
+        counters = ix.state.counters[NS_A]
+        assert (counters.reads, counters.writes) == (6, 20)
+        reads = dict(reader.execute("SELECT name, reads FROM pages WHERE reads > 0"))
+        assert reads == {page_name(0): 1, page_name(1): 2, **{page_name(i): 1 for i in (2, 3, 4)}}
+        assert ix.lag() == 0.0
+    finally:
+        ix.stop()
+
+
+def test_new_namespace_dirs_are_picked_up_and_moved_ones_forgotten(
+    store: Store, layout: Layout, reader: sqlite3.Connection
+) -> None:
+    ix = start(store, layout)
+    try:
+        d = layout.ns_dir(NS_B)
+        d.mkdir()
+        wait_for(ix.watcher.watched, lambda w: NS_B in w)
+        for i in range(7):
+            store_page(d, page_name(i))
+        wait_for(lambda: ns_stats(reader, NS_B), lambda s: s == (7, 7 * 1024, 0, 7))
+        # A purge renames the dir into .trash/ and recreates it empty; the trash is then
+        # deleted, and those deletions must not touch the new namespace dir's index.
+        os.rename(d, layout.trash / f"{NS_B}.x")
+        d.mkdir()
+        wait_for(lambda: ns_stats(reader, NS_B)[:2], lambda s: s == (0, 0))
+        wait_for(ix.watcher.watched, lambda w: NS_B in w)
+        store_page(d, page_name(0))
+        for f in (layout.trash / f"{NS_B}.x").iterdir():
+            f.unlink()
+        wait_for(lambda: ns_stats(reader, NS_B)[:2], lambda s: s == (1, 1024))
+    finally:
+        ix.stop()
+
+
+class SlowWatcher(Watcher):
+    """A watcher whose consumer stalls on the first event, as a busy daemon would."""
+
+    def __init__(self, layout: Layout) -> None:
+        super().__init__(layout)
+        self.release = threading.Event()
+
+    def emit(self, event: Event) -> None:
+        self.release.wait(30)
+        super().emit(event)
+
+
+def test_a_kernel_queue_overflow_is_counted_and_repaired_by_a_rescan(
+    store: Store, layout: Layout, reader: sqlite3.Connection
+) -> None:
+    d = layout.ns_dir(NS_A)
+    d.mkdir()
+    store_page(d, page_name(0))
+    watcher = SlowWatcher(layout)
+    ix = start(store, layout, watcher)
+    try:
+        limit = int(Path("/proc/sys/fs/inotify/max_queued_events").read_text())
+        store_page(d, page_name(1))  # the inotify thread now blocks in emit()
+        # Reads queue one event each (alternating files: the kernel merges identical
+        # consecutive events) until the kernel queue overflows.
+        paths = [d / page_name(0), d / page_name(1)]
+        for i in range(limit + 100):
+            os.close(os.open(paths[i % 2], os.O_RDONLY))
+        for i in range(2, 50):  # stores the kernel can no longer report
+            store_page(d, page_name(i))
+        watcher.release.set()
+        wait_for(lambda: ix.state.overflows, lambda n: n >= 1, timeout=30)
+        wait_for(lambda: ns_stats(reader, NS_A)[:2], lambda s: s == (50, 50 * 1024), timeout=30)
+        assert ix.state.drift_pages >= 1  # the rescan found the stores the events missed
+    finally:
+        watcher.release.set()
+        ix.stop()
+
+
+def test_restart_rebuilds_the_same_index_without_resetting_recency(
+    store: Store, layout: Layout, reader: sqlite3.Connection
+) -> None:
+    d = layout.ns_dir(NS_A)
+    d.mkdir()
+    for i in range(30):
+        store_page(d, page_name(i))
+    ix = start(store, layout)
+    read_page(d, page_name(3))
+    wait_for(lambda: ns_stats(reader, NS_A)[2], lambda r: r == 1)
+    ix.stop()
+    before = dict(reader.execute("SELECT name, last_access FROM pages"))
+    (d / page_name(0)).unlink()  # while the daemon is down
+    store_page(d, page_name(30))
+    ix = start(store, layout)
+    try:
+        after = dict(reader.execute("SELECT name, last_access FROM pages"))
+        assert set(after) == set(before) - {page_name(0)} | {page_name(30)}
+        assert all(after[n] == before[n] for n in set(after) & set(before))
+        assert ns_stats(reader, NS_A) == (30, 30 * 1024, 1, 0)  # lifetime reads survive
+    finally:
+        ix.stop()

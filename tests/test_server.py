@@ -1,0 +1,161 @@
+"""The HTTP API against the real daemon on a loopback port."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cachemgr.daemon import Daemon
+from cachemgr.errors import ConfigError
+from cachemgr.layout import Layout
+from cachemgr.server import openapi_document
+from cachemgr.settings import Settings, load_settings
+from tests.daemon_helpers import (
+    NS_A,
+    NS_B,
+    page_name,
+    read_page,
+    register_namespace,
+    running_daemon,
+    store_page,
+    wait_for,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+PROBLEM = "application/problem+json"
+
+
+def metric(text: str, name: str, **labels: str) -> float | None:
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return None
+
+
+def test_health_status_and_metrics_follow_the_disk(settings: Settings, layout: Layout) -> None:
+    d = register_namespace(layout, NS_A, instance="gpu0")
+    for i in range(4):
+        store_page(d, page_name(i), 4096)
+    with running_daemon(settings) as dm:
+        assert dm.get("/healthz").json()["status"] == "ok"
+        assert dm.get("/readyz").json() == {"ready": True, "detail": "index live"}
+        for i in range(4, 10):
+            store_page(d, page_name(i), 4096)
+        for i in range(3):
+            read_page(d, page_name(i))
+        ns = wait_for(
+            lambda: dm.namespaces()[NS_A], lambda n: n["reads_since_start"] == 3, timeout=5
+        )
+        assert (ns["pages"], ns["bytes"], ns["writes_since_start"]) == (10, 40960, 6)
+        assert (ns["model"], ns["kv_cache_dtype"], ns["page_size"]) == (
+            "Qwen/Qwen3-8B",
+            "bfloat16",
+            64,
+        )
+        assert ns["instances"] == ["gpu0"] and ns["hit_ratio"] == pytest.approx(3 / 9)
+        one = dm.get(f"/v1/namespaces/{NS_A}").json()
+        assert one["pages"] == 10
+        text = dm.get("/metrics").text
+        assert metric(text, "cachemgr_namespace_pages", namespace=NS_A) == 10
+        assert metric(text, "cachemgr_namespace_bytes", namespace=NS_A) == 40960
+        assert metric(text, "cachemgr_page_reads_total", namespace=NS_A) == 3
+        assert metric(text, "cachemgr_page_writes_total", namespace=NS_A) == 6
+        assert metric(text, "cachemgr_ready") == 1
+        info = dict(namespace=NS_A, instance="gpu0", model="Qwen/Qwen3-8B", page_size="64")
+        assert metric(text, "cachemgr_namespace_info", kv_cache_dtype="bfloat16", **info) == 1
+        fp = dm.get("/v1/fingerprint", params={"instance": "gpu0"}).json()
+        assert fp[0]["namespace"] == NS_A and fp[0]["identity"]["page_size"] == 64
+
+
+def test_promtool_accepts_the_metrics(settings: Settings, layout: Layout) -> None:
+    d = register_namespace(layout, NS_A)
+    store_page(d, page_name(0))
+    with running_daemon(settings) as dm:
+        text = dm.get("/metrics").text
+    check = subprocess.run(
+        ["promtool", "check", "metrics"], input=text, capture_output=True, text=True, check=False
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_errors_are_problem_json(settings: Settings, layout: Layout) -> None:
+    with running_daemon(settings) as dm:
+        r = dm.get("/purge")
+        assert r.status_code == 405 and r.headers["content-type"] == PROBLEM
+        assert "POST" in r.json()["hint"]
+        r = dm.get(f"/v1/namespaces/{NS_B}")
+        assert r.status_code == 404 and r.json()["title"] == "not found"
+        r = dm.get("/v1/namespaces/NOT-AN-ID")
+        assert r.status_code == 422 and r.json()["errors"][0]["loc"][0] == "path"
+        r = dm.post("/v1/purge", json={"namespace": NS_A, "bogus": 1})
+        assert r.status_code == 422 and r.headers["content-type"] == PROBLEM
+        r = dm.post("/v1/purge", json={"namespace": NS_B})
+        assert r.status_code == 404 and "no namespace" in r.json()["detail"]
+
+
+def test_mutating_routes_need_the_token(settings: Settings, layout: Layout) -> None:
+    register_namespace(layout, NS_A)
+    with running_daemon(load_settings(root=layout.root, token="s3cret")) as dm:
+        r = dm.post("/purge", params={"dry_run": True})
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        r = dm.post("/purge", params={"dry_run": True}, headers={"Authorization": "Bearer nope"})
+        assert r.status_code == 401
+        ok = dm.post("/purge", params={"dry_run": True}, headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200 and ok.json()["dry_run"] is True
+        assert dm.get("/v1/status").status_code == 200  # reads stay open
+
+
+def test_non_loopback_needs_a_token_and_a_busy_port_is_one_line(
+    settings: Settings, layout: Layout
+) -> None:
+    with pytest.raises(ConfigError, match="without a token"):
+        Daemon(settings.model_copy(update={"host": "0.0.0.0"}))
+    with running_daemon(settings) as dm:
+        cli = [sys.executable, "-m", "cachemgr", "--root", str(layout.root), "serve"]
+        r = subprocess.run(
+            [*cli, "--port", str(dm.daemon.port)], capture_output=True, text=True, check=False
+        )
+        assert r.returncode == 2
+        assert r.stderr.strip().splitlines() == [
+            f"cachemgr: error: port {dm.daemon.port} on 127.0.0.1 is in use"
+        ]
+
+
+def test_committed_openapi_document_matches_the_app() -> None:
+    committed = (REPO / "api" / "openapi.json").read_text()
+    assert json.loads(committed) == json.loads(openapi_document()), (
+        "api/openapi.json is stale: python -m cachemgr.server --dump-openapi > api/openapi.json"
+    )
+
+
+def test_status_cli_reads_the_daemon_or_the_disk(settings: Settings, layout: Layout) -> None:
+    d = register_namespace(layout, NS_A)
+    for i in range(3):
+        store_page(d, page_name(i), 100)
+    cmd = [sys.executable, "-m", "cachemgr", "--root", str(layout.root), "status", "--json"]
+    offline = json.loads(
+        subprocess.run([*cmd, "--port", "1"], capture_output=True, check=True).stdout
+    )
+    assert offline["source"] == "disk" and offline["namespaces"][0]["pages"] == 3
+    with running_daemon(settings) as dm:
+        port = ["--port", str(dm.daemon.port)]
+        live = json.loads(subprocess.run([*cmd, *port], capture_output=True, check=True).stdout)
+        assert live["source"] == "daemon" and live["namespaces"][0]["bytes"] == 300
+        table = subprocess.run(
+            [*cmd[:-1], *port], capture_output=True, text=True, check=True, env={"COLUMNS": "200"}
+        ).stdout
+        assert NS_A in table and "Qwen/Qwen3-8B" in table
+
+
+def test_http_client_sees_transport_close_after_shutdown(settings: Settings) -> None:
+    with running_daemon(settings) as dm:
+        url = dm.url
+    with pytest.raises(httpx.TransportError):
+        httpx.get(url + "/healthz", timeout=2)
