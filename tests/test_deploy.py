@@ -187,3 +187,22 @@ def test_sample_config_loads_and_names_only_real_settings(tmp_path: Path) -> Non
     for key in commented:
         if key != "state_dir":  # shown with an example, not its default (<root>/.cachemgr)
             assert getattr(uncommented, key) == getattr(defaults, key), key
+
+
+def test_every_cachemgr_variable_the_deployments_set_is_a_setting(
+    compose: dict[str, Any],
+) -> None:
+    """CACHEMGR_* variables nobody reads are ignored silently: a renamed setting must fail here."""
+    from cachemgr.settings import Settings
+    from tests.test_deploy_kubernetes import KUSTOMIZE, pod_containers, render
+
+    names = set()
+    for doc in render(KUSTOMIZE):
+        names |= {e["name"] for c in pod_containers(doc) for e in c.get("env", [])}
+    names |= {k for svc in compose["services"].values() for k in svc.get("environment", {})}
+    for path in (SYSTEMD / "cachemgr.service", SYSTEMD / "sglang.service.d" / "cachemgr.conf"):
+        names.add(unit(path)["Service"]["Environment"].split("=")[0])
+    image_env = re.findall(r"(CACHEMGR_\w+)=", (DEPLOY / "Dockerfile").read_text())
+    ours = {n for n in names | set(image_env) if n.startswith("CACHEMGR_")}
+    fields = {f"CACHEMGR_{f.upper()}" for f in Settings.model_fields} | {"CACHEMGR_CONFIG"}
+    assert "CACHEMGR_INSTANCE" in ours and ours <= fields, sorted(ours - fields)
