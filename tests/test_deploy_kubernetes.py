@@ -192,6 +192,8 @@ def test_servicemonitor_overlay_scrapes_both_service_ports() -> None:
     jobs = {port: e["relabelings"][0] for port, e in endpoints.items()}
     assert jobs["cachemgr"] == {"targetLabel": "job", "replacement": "cachemgr"}
     assert jobs["http"] == {"targetLabel": "job", "replacement": "sglang"}
+    # The rules group by cachemgr's own `namespace` label, not the pod's Kubernetes namespace.
+    assert endpoints["cachemgr"]["honorLabels"] is True
     # The CRD is not in the Kubernetes schema; everything else in the overlay still is.
     with pytest.raises(kubernetes_validate.SchemaNotFoundError):
         kubernetes_validate.validate(monitor, K8S_VERSIONS[0], strict=True)
