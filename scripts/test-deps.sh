@@ -2,7 +2,7 @@
 # Install the Debian packages the test suite uses, if missing: prometheus + promtool (a real
 # scrape in tests), and g++ / OpenSSL headers (SGLang compiles its page hash on first use).
 set -euo pipefail
-packages=(prometheus g++ libssl-dev)
+packages=(prometheus docker-compose g++ libssl-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

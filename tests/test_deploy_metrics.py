@@ -1,0 +1,431 @@
+"""deploy/prometheus and deploy/grafana against a real daemon's /metrics, checked by promtool."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests.deploy_model import make_model
+from tests.deploy_promql import (
+    Exposition,
+    Sample,
+    dashboard_exprs,
+    promql_refs,
+    render,
+    rule_exprs,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+PROM = REPO / "deploy" / "prometheus"
+RULE_FILES = sorted((PROM / "rules").glob("*.yml"))
+DASHBOARD = REPO / "deploy" / "grafana" / "cachemgr.json"
+TOKEN = "deploy-test-token"
+TARGET = {"job": "cachemgr", "instance": "cachemgr:9477"}
+# SGLang's own series that rules and dashboard may use (checked against SGLang's source in
+# test_sglang_metric_names_exist_in_sglang), with the labels its collectors give them.
+SGLANG_SERIES = {
+    "sglang:prompt_tokens_total": {"model_name", "engine_type", "is_streaming"},
+    "sglang:cached_tokens_total": {"model_name", "engine_type", "cache_source"},
+    "sglang:storage_prefetch_hit_tokens_total": {"model_name"},
+    "sglang:prefetched_tokens_total": {"model_name"},
+    "sglang:backuped_tokens_total": {"model_name"},
+}
+TARGET_LABELS = {"job", "instance"}
+
+
+def write_page(ns_dir: Path, n: int) -> None:
+    """A page as SGLang's file backend stores it: a temp file renamed onto the page name."""
+    tmp = ns_dir / f".{uuid.uuid4().hex}.tmp"
+    tmp.write_bytes(n.to_bytes(8, "little") * 512)
+    os.replace(tmp, ns_dir / f"{n:064x}_qwen3-8b_0_1.bin")
+
+
+def read_page(ns_dir: Path, n: int) -> None:
+    with open(ns_dir / f"{n:064x}_qwen3-8b_0_1.bin", "rb") as f:
+        f.read()
+
+
+def poll(check: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+@dataclass(frozen=True)
+class Live:
+    """Two scrapes of one real daemon and the namespace the traffic went to."""
+
+    first: Exposition
+    second: Exposition
+    ns: str
+
+
+def init(root: Path, model: Path, instance: str, kv_dtype: str) -> str:
+    """`cachemgr init` as a deployment runs it; the namespace id it created."""
+    out = subprocess.run(
+        [sys.executable, "-m", "cachemgr", "--root", str(root), "init", "--instance", instance,
+         "--print-env", "--sglang-version", "0.5.19", "--", "sglang", "serve", "--model-path",
+         str(model), "--kv-cache-dtype", kv_dtype, "--page-size", "64"],
+        capture_output=True, text=True, check=True, timeout=60,
+    )  # fmt: skip
+    return out.stdout.strip().rsplit("/", 1)[1]
+
+
+@pytest.fixture(scope="module")
+def scrapes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    """A real `cachemgr serve` scraped before and after 6 page writes, 2 reads and a purge."""
+    base = tmp_path_factory.mktemp("deploy-metrics")
+    root = base / "root"
+    make_model(base / "model")
+    ns_a = init(root, base / "model", "sglang", "fp8_e4m3")
+    ns_b = init(root, base / "model", "old", "bfloat16")
+    for ns, pages in ((ns_a, 4), (ns_b, 2)):
+        for n in range(pages):
+            write_page(root / "ns" / ns, n)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = (base / "daemon.log").open("w")
+    argv = [sys.executable, "-m", "cachemgr", "--root", str(root), "--log-format", "json"]
+    proc = subprocess.Popen(
+        [*argv, "serve", "--port", str(port), "--token", TOKEN], stdout=log, stderr=log
+    )
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+
+            def scrape() -> Exposition:
+                return Exposition.parse(http.get("/metrics").text)
+
+            def ready() -> bool:
+                try:
+                    return http.get("/readyz").status_code == 200
+                except httpx.TransportError:
+                    return proc.poll() is not None  # exited: fail below, not by timeout
+
+            poll(ready, "the daemon's /readyz")
+            assert proc.poll() is None, (base / "daemon.log").read_text()
+            poll(
+                lambda: scrape().get("cachemgr_namespace_pages", namespace=ns_a).value == 4, "scan"
+            )
+            first = scrape()
+            for n in range(4, 10):
+                write_page(root / "ns" / ns_a, n)
+            for n in (0, 1):
+                read_page(root / "ns" / ns_a, n)
+            headers = {"Authorization": f"Bearer {TOKEN}"}
+            purged = http.post("/purge", json={"namespace": ns_b}, headers=headers)
+            assert purged.status_code == 200, purged.text
+
+            def counted() -> bool:
+                e = scrape()
+                reads = e.get("cachemgr_page_reads_total", namespace=ns_a).value
+                writes = e.get("cachemgr_page_writes_total", namespace=ns_a).value
+                return (reads, writes) == (2, 6) and bool(e.all("cachemgr_purges_total"))
+
+            poll(counted, "2 reads, 6 writes and a purge in /metrics")
+            yield Live(first, scrape(), ns_a)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def load_rules() -> list[dict[str, Any]]:
+    return [g for f in RULE_FILES for g in yaml.safe_load(f.read_text())["groups"]]
+
+
+def promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["promtool", *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def test_promtool_check_rules() -> None:
+    out = promtool("check", "rules", *map(str, RULE_FILES))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("SUCCESS") == len(RULE_FILES) >= 2
+
+
+def test_promtool_check_config_with_the_rules(tmp_path: Path) -> None:
+    config = yaml.safe_load((PROM / "prometheus.yml").read_text())
+    assert config["rule_files"] == ["/etc/prometheus/rules/*.yml"]  # where compose mounts them
+    config["rule_files"] = [str(PROM / "rules" / "*.yml")]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    out = promtool("check", "config", str(tmp_path / "prometheus.yml"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert {j["job_name"] for j in config["scrape_configs"]} == {"cachemgr", "sglang"}
+
+
+def queries() -> list[tuple[str, str]]:
+    """Every PromQL expression deploy/ ships: rules, dashboard panels, variables, annotations."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [*rule_exprs(load_rules()), *dashboard_exprs(dashboard)]
+
+
+def test_rules_and_dashboard_query_only_metrics_the_daemon_serves(
+    scrapes: Live,
+) -> None:
+    first, second = scrapes.first, scrapes.second
+    recorded = {r["record"] for g in load_rules() for r in g["rules"] if "record" in r}
+    known = first.names | second.names | set(SGLANG_SERIES) | recorded | {"up"}
+    labels = first.labels | second.labels | TARGET_LABELS | set().union(*SGLANG_SERIES.values())
+    used: set[str] = set()
+    for where, expr in queries():
+        refs = promql_refs(expr)
+        assert refs.metrics, f"{where}: no metric found in {expr!r}"
+        assert refs.metrics <= known, f"{where}: {sorted(refs.metrics - known)} not served"
+        assert refs.labels <= labels, f"{where}: labels {sorted(refs.labels - labels)} unknown"
+        used |= refs.metrics
+    for name in (
+        "cachemgr_page_reads_total",
+        "cachemgr_namespace_info",
+        "sglang:prompt_tokens_total",
+    ):
+        assert name in used
+
+
+def test_dashboard_panels_cover_the_issue_and_are_valid_promql(tmp_path: Path) -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    titles = " | ".join(p["title"].lower() for p in dashboard["panels"])
+    for topic in [
+        "pages per namespace", "bytes per namespace", "page hit ratio", "sglang token-level",
+        "evicted by reason", "purges by reason", "free space", "identity timeline",
+        "watcher overflows",
+    ]:  # fmt: skip
+        assert topic in titles, topic
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    # promtool parses each query as a recording rule, Grafana's variables filled in.
+    grafana = {"$__rate_interval": "5m", "$instance": ".*", "$namespace": ".*"}
+    rules = []
+    for i, (_, expr) in enumerate(dashboard_exprs(dashboard)):
+        if expr.startswith("label_values("):
+            expr = expr.removeprefix("label_values(").rsplit(",", 1)[0]
+        for var, value in grafana.items():
+            expr = expr.replace(var, value)
+        rules.append({"record": f"dashboard_query_{i}", "expr": expr})
+    (tmp_path / "dashboard.yml").write_text(
+        yaml.safe_dump({"groups": [{"name": "d", "rules": rules}]})
+    )
+    out = promtool("check", "rules", str(tmp_path / "dashboard.yml"))
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.sglang
+def test_sglang_metric_names_exist_in_sglang() -> None:
+    """The SGLang series the rules and dashboard use are in SGLang's own metrics collector."""
+    from tests.conftest import SGLANG_ENV
+
+    found = list(
+        SGLANG_ENV.glob("lib/python3*/site-packages/sglang/srt/observability/metrics_collector.py")
+    )
+    if not found:
+        pytest.fail(f"{SGLANG_ENV} has no SGLang: run scripts/sglang-env.sh (make test does)")
+    source = found[0].read_text()
+    for name in SGLANG_SERIES:
+        assert f'name="{name.removesuffix("_total")}' in source, name
+    for label in ("cache_source", "is_streaming", "model_name"):
+        assert f'"{label}"' in source
+
+
+def target(sample: Sample, **labels: str) -> str:
+    """The series Prometheus stores for `sample` scraped from job cachemgr (honor_labels off)."""
+    # Prometheus renames a scraped label that clashes with a target label and drops empty ones.
+    own = {f"exported_{k}" if k in TARGET else k: v for k, v in sample.labels if v}
+    return Sample(sample.name, tuple({**own, **labels}.items()), 0).series(**TARGET)
+
+
+def sel(name: str, **labels: str) -> str:
+    """A series selector: `name{k="v", ...}`."""
+    return Sample(name, (), 0).series(**labels)
+
+
+def alert_annotations(name: str, labels: dict[str, str], value: float) -> dict[str, str]:
+    (rule,) = [r for g in load_rules() for r in g["rules"] if r.get("alert") == name]
+    return {k: render(v, labels, value) for k, v in rule["annotations"].items()}
+
+
+def expect(name: str, labels: dict[str, str], value: float = 0.0) -> dict[str, Any]:
+    (rule,) = [r for g in load_rules() for r in g["rules"] if r.get("alert") == name]
+    full = {**labels, **rule["labels"]}
+    return {
+        "exp_labels": full,
+        "exp_annotations": alert_annotations(name, {**full, "alertname": name}, value),
+    }
+
+
+def run_promtool_tests(tmp_path: Path, tests: list[dict[str, Any]], every: str = "1m") -> None:
+    """`promtool test rules` of `tests` against the shipped rules, evaluated `every` interval."""
+    spec = {
+        "rule_files": [str(f) for f in RULE_FILES],
+        "evaluation_interval": every,
+        "tests": tests,
+    }
+    (tmp_path / f"tests-{every}.yml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    out = promtool("test", "rules", str(tmp_path / f"tests-{every}.yml"))
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_recording_rules_on_real_scrapes(scrapes: Live, tmp_path: Path) -> None:
+    """The two real scrapes, 5 minutes apart: the hit ratio is 2 reads / (2 reads + 6 writes)."""
+    first, second, ns_id = scrapes.first, scrapes.second, scrapes.ns
+    series = []
+    for s in second.samples:
+        before = [b for b in first.samples if b.name == s.name and b.labels == s.labels]
+        v1 = before[0].value if before else s.value
+        series.append(
+            {"series": target(s), "values": " ".join([repr(v1)] * 5 + [repr(s.value)] * 6)}
+        )
+    # SGLang's series as its collectors label them: 250 of every 1000 prompt tokens from L3.
+    sglang = {"job": "sglang", "instance": "sglang:30000", "model_name": "qwen3.8-27b"}
+    tokens = {"engine_type": "unified", **sglang}
+    series += [
+        {"series": sel("sglang:prompt_tokens_total", is_streaming="false", **tokens),
+         "values": "0+1000x10"},
+        {"series": sel("sglang:cached_tokens_total", cache_source="storage", **tokens),
+         "values": "0+250x10"},
+        {"series": sel("sglang:cached_tokens_total", cache_source="device", **tokens),
+         "values": "0+500x10"},
+    ]  # fmt: skip
+    ratio = (
+        second.get("cachemgr_filesystem_avail_bytes").value
+        / second.get("cachemgr_filesystem_size_bytes").value
+    )
+    hit_ratio = "namespace:cachemgr_page_hit_ratio:rate5m"
+    checks = [
+        (sel(hit_ratio, namespace=ns_id), "6m", sel(hit_ratio, namespace=ns_id, **TARGET), 0.25),
+        ("model_name:sglang_storage_hit_ratio:rate5m", "8m",
+         sel("model_name:sglang_storage_hit_ratio:rate5m", **sglang), 0.25),
+        ("instance:cachemgr_filesystem_avail:ratio", "8m",
+         sel("instance:cachemgr_filesystem_avail:ratio", **TARGET), ratio),
+    ]  # fmt: skip
+    tests = [
+        {"expr": expr, "eval_time": at, "exp_samples": [{"labels": labels, "value": value}]}
+        for expr, at, labels, value in checks
+    ]
+    run_promtool_tests(
+        tmp_path, [{"interval": "1m", "input_series": series, "promql_expr_test": tests}]
+    )
+
+
+def alert_test(
+    name: str, series: dict[str, str], at: str, fires: list[dict[str, Any]], interval: str = "1m"
+) -> dict[str, Any]:
+    return {
+        "interval": interval,
+        "input_series": [{"series": s, "values": v} for s, v in series.items()],
+        "alert_rule_test": [{"eval_time": at, "alertname": name, "exp_alerts": fires}],
+    }
+
+
+def test_alerts_fire_on_the_daemons_real_series(scrapes: Live, tmp_path: Path) -> None:
+    """Each alert, firing and quiet, on series named and labelled as the daemon exports them."""
+    e, ns_id = scrapes.second, scrapes.ns
+    up = Sample("up", (), 0).series(**TARGET)
+    ready, mismatch = target(e.get("cachemgr_ready")), target(e.get("cachemgr_identity_mismatch"))
+    overflows = target(e.get("cachemgr_watcher_overflows_total"))
+    avail = target(e.get("cachemgr_filesystem_avail_bytes"))
+    size_sample = e.get("cachemgr_filesystem_size_bytes")
+    size, full = target(size_sample), repr(size_sample.value)
+    low = repr(size_sample.value / 32)  # 3.125% free: below the 5% floor
+    pages = target(e.get("cachemgr_namespace_pages", namespace=ns_id))
+    reads = target(e.get("cachemgr_page_reads_total", namespace=ns_id))
+    writes = target(e.get("cachemgr_page_writes_total", namespace=ns_id))
+    evicted = Sample("cachemgr_evicted_pages_total", (("reason", "free_space"),), 0).series(
+        **TARGET
+    )
+    purges = target(e.all("cachemgr_purges_total")[0])
+    info_sample = e.get("cachemgr_namespace_info", namespace=ns_id)
+    info = target(info_sample, page_size="1")
+    node = dict(TARGET)
+    ns = {**TARGET, "namespace": ns_id}
+    info_labels = {(f"exported_{k}" if k in TARGET else k): v for k, v in info_sample.labels}
+    info_labels |= {"page_size": "1", **TARGET}
+    assert info_labels["model"] and info_labels["kv_cache_dtype"] == "fp8_e4m3"
+    tests = [
+        alert_test("CachemgrDown", {up: "1 1 0x10"}, "8m", [expect("CachemgrDown", node)]),
+        alert_test("CachemgrDown", {up: "1x10"}, "8m", []),
+        alert_test("CachemgrNotReady", {ready: "0x20"}, "16m", [expect("CachemgrNotReady", node)]),
+        alert_test("CachemgrNotReady", {ready: "0 0 1x20"}, "16m", []),
+        alert_test(
+            "CachemgrIdentityMismatch",
+            {mismatch: "0 0 1 1"},
+            "3m",
+            [expect("CachemgrIdentityMismatch", node, 1)],
+        ),
+        alert_test("CachemgrIdentityMismatch", {mismatch: "0x5"}, "3m", []),
+        alert_test(
+            "CachemgrDiskFreeLow",
+            {avail: f"{low}x15", size: f"{full}x15"},
+            "12m",
+            [expect("CachemgrDiskFreeLow", node, 1 / 32)],
+        ),
+        alert_test("CachemgrDiskFreeLow", {avail: f"{full}x15", size: f"{full}x15"}, "12m", []),
+        alert_test(
+            "CachemgrGCFailing",
+            {avail: f"{low}x70", size: f"{full}x70"},
+            "65m",
+            [expect("CachemgrGCFailing", node, 1 / 32)],
+        ),
+        alert_test(
+            "CachemgrGCFailing",
+            {avail: f"{low}x70", size: f"{full}x70", evicted: "0+100x70"},
+            "65m",
+            [],
+        ),
+        alert_test(
+            "CachemgrWatcherOverflow",
+            {overflows: "0 0 0 1 1 1"},
+            "4m",
+            [expect("CachemgrWatcherOverflow", node, 1)],
+        ),
+        alert_test("CachemgrWatcherOverflow", {overflows: "0x20"}, "15m", []),
+        alert_test(
+            "CachemgrPageSizeOne",
+            {info: "1x3"},
+            "2m",
+            [expect("CachemgrPageSizeOne", info_labels, 1)],
+        ),
+        alert_test("CachemgrPageSizeOne", {target(info_sample): "1x3"}, "2m", []),
+        alert_test(
+            "CachemgrCacheWriteOnly",
+            {pages: "100+10x90", reads: "0x90"},
+            "70m",
+            [expect("CachemgrCacheWriteOnly", ns)],
+        ),
+        alert_test("CachemgrCacheWriteOnly", {pages: "100+10x90", reads: "0+1x90"}, "70m", []),
+        # A day of 75% hits, then none for 5 hours while writes go on: collapsed, unless purged.
+        alert_test(
+            "CachemgrHitRatioCollapsed",
+            {reads: "0+30x150 4500x30", writes: "0+10x180"},
+            "28h",
+            [expect("CachemgrHitRatioCollapsed", node, 0)],
+            interval="10m",
+        ),
+        alert_test(
+            "CachemgrHitRatioCollapsed",
+            {reads: "0+30x150 4500x30", writes: "0+10x180", purges: "0x160 1x20"},
+            "28h",
+            [],
+            interval="10m",
+        ),
+        alert_test(
+            "CachemgrHitRatioCollapsed", {reads: "0+30x180", writes: "0+10x180"}, "28h", [], "10m"
+        ),
+    ]
+    assert {t["alert_rule_test"][0]["alertname"] for t in tests} == {
+        r["alert"] for g in load_rules() for r in g["rules"] if "alert" in r
+    }
+    run_promtool_tests(tmp_path, tests)
