@@ -14,7 +14,7 @@ fi
 
 # The page hash is a C++ extension compiled on first use: it needs g++, ninja, OpenSSL headers.
 if ! command -v g++ >/dev/null || ! dpkg -s libssl-dev >/dev/null 2>&1; then
-  apt-get install -y -qq g++ libssl-dev >/dev/null
+  bash "$here/scripts/test-deps.sh"
 fi
 
 rm -rf "$env_dir"
@@ -23,7 +23,8 @@ pip="$env_dir/bin/pip"
 # pip warns about every configured-but-absent local index; those lines are noise here.
 quiet() { "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
 quiet "$pip" install -q --upgrade pip >/dev/null
-# torch first, pinned: a bare "torch" requirement would pull a multi-GB CUDA build.
+# torch first, pinned: on this project's machines pip's configured local wheel directory holds
+# the CPU build of 2.13.0; a bare "torch" requirement would pull a multi-GB CUDA build.
 quiet "$pip" install -q torch==2.13.0
 echo "torch==2.13.0" > "$env_dir/constraints.txt"
 quiet "$pip" install -q -c "$env_dir/constraints.txt" \
