@@ -152,6 +152,15 @@ class Settings(BaseSettings):
         2000.0, gt=0, description="files deleted per second at most (unset: as fast as the disk)"
     )
 
+    @field_validator("root", "state_dir", mode="before")
+    @classmethod
+    def _not_empty(cls, value: Any) -> Any:
+        # Path("") is ".", so an empty value from a flag, env var or file would quietly mean
+        # "the current directory".
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("must not be empty (give a directory, e.g. /var/cache/cachemgr)")
+        return value
+
     @field_validator("gc_low_watermark")
     @classmethod
     def _low_below_high(cls, low: float, info: ValidationInfo) -> float:

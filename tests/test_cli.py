@@ -92,3 +92,17 @@ def test_token_is_never_printed(tmp_path: Path) -> None:
     assert out.returncode == 0
     assert "s3cret" not in out.stdout
     assert "token" in out.stdout
+
+
+def test_empty_root_is_one_line_error_and_touches_nothing(tmp_path: Path) -> None:
+    for args, env in ((("--root", ""), {}), ((), {"CACHEMGR_ROOT": ""})):
+        out = subprocess.run(
+            [sys.executable, "-m", "cachemgr", *args, "config", "--check"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **env},
+            cwd=tmp_path,
+            timeout=60,
+        )
+        assert_one_line_error(out, "must not be empty")
+    assert list(tmp_path.iterdir()) == []

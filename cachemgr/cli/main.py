@@ -42,8 +42,9 @@ pass_app = click.make_pass_decorator(AppContext)
     envvar="CACHEMGR_CONFIG",
     help="TOML config file (env CACHEMGR_CONFIG).",
 )
-@click.option("--root", type=click.Path(path_type=Path), help="Cache root directory.")
-@click.option("--state-dir", type=click.Path(path_type=Path), help="State DB directory.")
+# Kept as strings (click.Path would turn "" into "."): Settings rejects an empty directory.
+@click.option("--root", type=click.Path(), help="Cache root directory.")
+@click.option("--state-dir", type=click.Path(), help="State DB directory.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--log-format", type=click.Choice(["auto", "json", "text"]))
 @click.version_option(__version__, "--version", prog_name="cachemgr")
