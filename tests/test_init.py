@@ -234,3 +234,16 @@ def test_init_on_a_symlinked_or_impossible_root_is_one_line(tmp_path: Path, mode
     (tmp_path / "file").write_text("")
     assert "cannot use root" in one_line_error(init(tmp_path / "file" / "root", model))
     assert os.listdir(real) == []
+
+
+def test_a_refused_trash_entry_warns_and_init_still_succeeds(root: Path, model: Path) -> None:
+    a = init_json(root, model)
+    fill(Path(str(a["storage_dir"])), 2)
+    (Path(str(a["storage_dir"])) / "link").symlink_to(model)  # not ours to delete
+    for kv in ("fp8_e4m3", "float16"):  # the leftover must not fail every later init
+        out = init(root, model, kv=kv)
+        assert out.returncode == 0, out.stderr
+        (warning,) = [ln for ln in out.stderr.splitlines() if ln.startswith("cachemgr: warn")]
+        assert "entries in .trash/ were left alone" in warning and "link" in warning
+        assert "remove them by hand" in warning
+    assert model.is_dir() and any(model.iterdir())

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from cachemgr.cli.init import describe, init_options, run_init
+from cachemgr.cli.init import describe, init_options, run_init, warn_refused
 from cachemgr.cli.launch_options import LaunchRequest
 from cachemgr.cli.main import AppContext, pass_app
 from cachemgr.errors import ConfigError
@@ -47,12 +47,7 @@ def exec_(
                 err=True,
             )
     click.echo(describe(run.result), err=True)
-    if run.trash_refused:
-        click.echo(
-            f"cachemgr: warning: {len(run.trash_refused)} entries in .trash/ were left alone "
-            f"(first: {run.trash_refused[0]})",
-            err=True,
-        )
+    warn_refused(run.trash_refused)
     env = {**os.environ, STORAGE_DIR_ENV: str(run.result.storage_dir)}
     argv = list(launch.command)
     sys.stdout.flush()

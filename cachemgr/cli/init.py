@@ -16,7 +16,6 @@ from cachemgr.atomic import write_atomic
 from cachemgr.cli.common import drain_with_progress, human_bytes, opened_store, root_layout
 from cachemgr.cli.launch_options import LaunchRequest, launch_options
 from cachemgr.cli.main import AppContext, pass_app
-from cachemgr.errors import CachemgrError
 from cachemgr.prelaunch import (
     STORAGE_DIR_ENV,
     InitResult,
@@ -165,7 +164,7 @@ def init(
         click.echo(json.dumps(out, indent=2))
     elif print_env:
         click.echo(env_line(run.result))
-    _fail_on_refused(run.trash_refused)
+    warn_refused(run.trash_refused)
 
 
 def _conflict_warning(c: StorageDirConflict, hands_env: bool) -> str | None:
@@ -188,9 +187,15 @@ def _conflict_warning(c: StorageDirConflict, hands_env: bool) -> str | None:
     )
 
 
-def _fail_on_refused(refused: tuple[str, ...]) -> None:
+def warn_refused(refused: tuple[str, ...]) -> None:
+    """One stderr line about .trash/ entries deletion left alone; never a failure.
+
+    The init itself succeeded, and a leftover in an old trash entry (a symlink, a foreign
+    file) must not block every later server start (systemd ExecStartPre, initContainers).
+    """
     if refused:
-        raise CachemgrError(
-            f"{len(refused)} entries in .trash/ were left alone (first: {refused[0]}); "
-            "remove them by hand if they are yours to delete"
+        click.echo(
+            f"cachemgr: warning: {len(refused)} entries in .trash/ were left alone (first: "
+            f"{refused[0]}): not cachemgr's page files; inspect and remove them by hand",
+            err=True,
         )
