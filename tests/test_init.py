@@ -15,7 +15,7 @@ import pytest
 from cachemgr.layout import Layout
 from cachemgr.namespaces import binding_of
 from cachemgr.store import Store
-from tests.nsfixtures import cli, one_line_error, page_name, snapshot
+from tests.nsfixtures import cli, cli_process, one_line_error, page_name, snapshot
 from tests.test_identity import make_model
 
 CMD = "sglang serve --enable-hierarchical-cache --hicache-storage-backend file --page-size 64"
@@ -247,3 +247,16 @@ def test_a_refused_trash_entry_warns_and_init_still_succeeds(root: Path, model: 
         assert "entries in .trash/ were left alone" in warning and "link" in warning
         assert "remove them by hand" in warning
     assert model.is_dir() and any(model.iterdir())
+
+
+def test_exec_of_a_missing_program_fails_before_touching_the_cache(root: Path, model: Path) -> None:
+    a = init_json(root, model)
+    fill(Path(str(a["storage_dir"])), 3)
+    before = snapshot(root / "ns")
+    # A changed identity (fp8) would purge a's namespace if init ran first.
+    launch = ["sglang-typo-xyz", "serve", "--model-path", str(model), "--page-size", "64",
+              "--kv-cache-dtype", "fp8_e4m3"]  # fmt: skip
+    out = cli_process("--root", str(root), "exec", "--", *launch, env=NO_STORAGE_ENV)
+    assert "cannot run 'sglang-typo-xyz'" in one_line_error(out) and out.returncode == 2
+    assert snapshot(root / "ns") == before
+    assert audit(root) == []

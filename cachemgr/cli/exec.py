@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+from collections.abc import Mapping
 
 import click
 
@@ -29,10 +31,12 @@ def exec_(
     The server gets SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR set to its namespace dir; its
     signals and exit code are its own (cachemgr is gone once it starts). Example:
     `cachemgr exec -- sglang serve --model-path M --page-size 64 --enable-hierarchical-cache
-    --hicache-storage-backend file`.
+    --hicache-storage-backend file`. A program that is not found on PATH is an error (exit 2)
+    before anything in the cache is touched.
     """
     if not launch.command:
         raise ConfigError("exec needs the server command after `--` (e.g. -- sglang serve …)")
+    program = resolve_program(launch.command[0], os.environ)
     run = run_init(app, launch, instance=instance, on_change=on_change, wait=wait)
     for c in run.conflicts:
         if c.beats_env and not c.ours:
@@ -53,6 +57,18 @@ def exec_(
     sys.stdout.flush()
     sys.stderr.flush()
     try:
-        os.execvpe(argv[0], argv, env)
+        os.execve(program, argv, env)
     except OSError as e:
         raise ConfigError(f"cannot run {argv[0]!r}: {e.strerror or e}") from e
+
+
+def resolve_program(name: str, env: Mapping[str, str]) -> str:
+    """The executable `name` runs, looked up on the PATH the server will get.
+
+    Checked before init so a typo (`sglang-typo serve …`) leaves the cache untouched instead
+    of purging a namespace for a server that never starts. Exit 2 like every usage error.
+    """
+    found = shutil.which(name, path=env.get("PATH", os.defpath))
+    if found is None:
+        raise ConfigError(f"cannot run {name!r}: no such executable on PATH; nothing was changed")
+    return found
