@@ -21,6 +21,23 @@ from cachemgr.identity import FILE_KEY_SCHEME, FileDigest, Identity, Source, Sto
 from cachemgr.identity import Weights as WeightsRecord
 from cachemgr.sglang_args import LaunchArgs
 
+# Architectures whose SGLang model overrides (arg_groups/model_overrides/*.py) set page_size
+# from the GPU or attention backend, sometimes over an explicit --page-size.
+PAGE_SIZE_OVERRIDING_ARCHS = frozenset(
+    """
+    MiniMaxM3SparseForCausalLM MiniMaxM3SparseForConditionalGeneration
+    Qwen3VLForConditionalGeneration Qwen3VLMoeForConditionalGeneration
+    NemotronHForCausalLM NemotronHPuzzleForCausalLM DeepseekV4ForCausalLM
+    DeepseekV32ForCausalLM DeepseekV3ForCausalLM Dots3NoteForCausalLM
+    Glm5NextForConditionalGeneration GlmMoeDsaForCausalLM HYV4ForCausalLM HYV4ForCausalLMNextN
+    KimiK25ForConditionalGeneration LongcatFlashForCausalLM LongcatFlashForCausalLMNextN
+    MistralLarge3ForCausalLM PixtralForConditionalGeneration
+    InternS2MobiusForConditionalGeneration InternS2PreviewForConditionalGeneration
+    Qwen3NextForCausalLM Qwen3_5ForConditionalGeneration Qwen3_5MoeForConditionalGeneration
+    Qwen4ExpForConditionalGeneration
+    """.split()  # noqa: SIM905
+)
+PageSizeFrom = Literal["flag", "attention_backend", "server"]
 VersionGranularity = Literal["major.minor", "full", "none"]
 # Opens a progress display for a number of bytes to hash; yields the per-chunk callback.
 ProgressFactory = Callable[[int], AbstractContextManager[hashing.Progress | None]]
@@ -98,6 +115,24 @@ def sglang_version(
     if full is None:
         return "unknown", None, origin
     return (".".join(full.split(".")[:2]) if granularity == "major.minor" else full), full, origin
+
+
+def page_size(args: LaunchArgs, config: Mapping[str, Any]) -> tuple[int | None, PageSizeFrom]:
+    """(page size, where it comes from); None when SGLang resolves it on the GPU.
+
+    An explicit backend's forcing is applied last by SGLang, so it is always known. Without
+    the flag, the default backend (trtllm_mha on SM100) may force 64; a model with page-size
+    overrides may rewrite even the flag — then the flag's value stays in the identity (the
+    operator's intent) but is not held against the server.
+    """
+    if args.page_size_source == "attention_backend":
+        return args.page_size, "attention_backend"
+    if args.page_size_source == "default":
+        return None, "server"
+    archs = config.get("architectures")
+    if isinstance(archs, list) and PAGE_SIZE_OVERRIDING_ARCHS & {str(a) for a in archs}:
+        return args.page_size, "server"
+    return args.page_size, "flag"
 
 
 @contextlib.contextmanager
@@ -185,6 +220,7 @@ def compute_identity(
             model_dir.kv_cache_quant_algo(draft_dir, draft_config),
         )
         draft_weights = weights(draft_dir)
+    page, page_from = page_size(args, config)
     version, full_version, version_from = sglang_version(
         opts.sglang_version, opts.version_granularity, installed
     )
@@ -196,7 +232,7 @@ def compute_identity(
         dtype=run_dtype,
         quantization=args.quantization,
         draft_quantization=args.speculative_draft_model_quantization if draft_dir else None,
-        page_size=args.page_size,
+        page_size=page,
         hicache_mem_layout=args.hicache_mem_layout,
         topology=Topology(
             tp_size=args.tp_size,
@@ -222,5 +258,6 @@ def compute_identity(
             storage_backend=args.hicache_storage_backend,
             sglang_version=full_version,
             sglang_version_from=version_from,
+            page_size_from=page_from,
         ),
     )

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, computed_field
 
 from cachemgr.errors import ConfigError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: page_size may be null (resolved by the server)
 # How SGLang's file backend names pages (hicache_storage.py HiCacheFile): the key has no dtype,
 # layout or weights in it, which is why the namespace must. Bump when SGLang changes it.
 FILE_KEY_SCHEME = "sha256-chain_model_tprank_tpsize[_pp][_cp][_dcp].bin"
@@ -79,6 +79,10 @@ class Source(BaseModel):
     storage_backend: str | None = None
     sglang_version: str | None = None  # full version string, when known
     sglang_version_from: Literal["option", "installed", "unknown"] = "unknown"
+    # flag: --page-size; attention_backend: forced by an explicit backend; server: SGLang
+    # decides on the GPU (flag absent, or a model whose overrides rewrite it); unknown: older
+    # record. Only flag/attention_backend page sizes may be held against a running server.
+    page_size_from: Literal["flag", "attention_backend", "server", "unknown"] = "unknown"
 
 
 class Identity(BaseModel):
@@ -86,7 +90,7 @@ class Identity(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="ignore")  # ignore: digest/ns_id are derived
 
-    schema_version: Literal[1] = 1
+    schema_version: Literal[2] = 2
     weights: Weights
     draft_weights: Weights | None = None
     kv_cache_dtype: str
@@ -94,7 +98,7 @@ class Identity(BaseModel):
     dtype: str
     quantization: str | None = None
     draft_quantization: str | None = None
-    page_size: int
+    page_size: int | None  # None: resolved by the server (see Source.page_size_from)
     hicache_mem_layout: str
     topology: Topology
     mamba_ssm_dtype: str | None = None
@@ -121,7 +125,7 @@ class Identity(BaseModel):
         return self.digest[:16]
 
     @property
-    def summary(self) -> tuple[str, str, int]:
+    def summary(self) -> tuple[str, str, int | None]:
         """(model, kv dtype, page size): the columns a table of namespaces shows."""
         return (self.source.served_model_name, self.kv_cache_dtype, self.page_size)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -42,8 +42,18 @@ class LaunchArgs(BaseModel):
     speculative_draft_model_quantization: str | None = None  # None: inherits quantization
     speculative_draft_kv_cache_dtype: str | None = None  # None: follows kv_cache_dtype
     # fields/schedule.py has page_size=None; overrides.py `_page_size_default` resolves None to
-    # 1 on CUDA/ROCm (64 on MUSA) — the default that makes the L3 file cache write-only.
+    # 1 on CUDA/ROCm (64 on MUSA) — the default that makes the L3 file cache write-only. But
+    # the default attention backend (trtllm_mha on SM100) and model overrides can raise it, so
+    # without the flag only the server knows: see `resolved_page_size`.
     page_size: int = Field(1, ge=1)
+    # flag: --page-size given; attention_backend: forced by an explicit backend (overrides.py
+    # `_mla_backend_page_constraints`); default: not given, SGLang resolves it on the GPU.
+    page_size_source: Literal["flag", "attention_backend", "default"] = "default"
+    # fields/exec_.py, fields/spec.py
+    attention_backend: str | None = None
+    decode_attention_backend: str | None = None
+    prefill_attention_backend: str | None = None
+    speculative_draft_attention_backend: str | None = None
     # fields/parallel.py
     tp_size: int = Field(1, ge=1)
     pp_size: int = Field(1, ge=1)
@@ -61,6 +71,11 @@ class LaunchArgs(BaseModel):
     # fields/exec_.py
     mamba_ssm_dtype: str | None = None
     mamba_track_interval: int = Field(256, ge=1)
+
+    @property
+    def resolved_page_size(self) -> int | None:
+        """The page size the server will use, or None when SGLang decides it on the GPU."""
+        return None if self.page_size_source == "default" else self.page_size
 
     @property
     def model_name(self) -> str:
@@ -84,6 +99,10 @@ FLAGS: dict[str, str] = {
     "--speculative-draft-model-quantization": "speculative_draft_model_quantization",
     "--speculative-draft-kv-cache-dtype": "speculative_draft_kv_cache_dtype",
     "--page-size": "page_size",
+    "--attention-backend": "attention_backend",
+    "--decode-attention-backend": "decode_attention_backend",
+    "--prefill-attention-backend": "prefill_attention_backend",
+    "--speculative-draft-attention-backend": "speculative_draft_attention_backend",
     "--tp-size": "tp_size", "--tensor-parallel-size": "tp_size",
     "--pp-size": "pp_size", "--pipeline-parallel-size": "pp_size",
     "--dp-size": "dp_size", "--data-parallel-size": "dp_size",
@@ -170,6 +189,7 @@ def resolve_launch_args(
             "no model path: pass --model-path or an SGLang launch command after `--` "
             "(e.g. `-- sglang serve --model-path <dir or repo id> …`)"
         )
+    values.pop("page_size_source", None)  # derived below, never given
     values = _apply_sglang_resolutions(values)
     try:
         return LaunchArgs(**values)
@@ -202,4 +222,35 @@ def _apply_sglang_resolutions(values: dict[str, Any]) -> dict[str, Any]:
     for key in ("quantization", "speculative_draft_model_quantization"):
         if out.get(key) == "unquant":
             out[key] = None
+    out["page_size_source"] = "flag" if out.get("page_size") is not None else "default"
+    forced = _backend_page_size(out, _int_or_none(out.get("page_size")))
+    if forced is not None:
+        out["page_size"], out["page_size_source"] = forced, "attention_backend"
     return out
+
+
+def _int_or_none(value: Any) -> int | None:
+    try:
+        return None if value is None else int(value)
+    except (TypeError, ValueError):
+        return None  # LaunchArgs reports the bad value
+
+
+def _backend_page_size(values: Mapping[str, Any], page: int | None) -> int | None:
+    """The page size an explicit attention backend forces (overrides.py
+    `_mla_backend_page_constraints`, applied after model overrides), None if it forces none."""
+    main = {values.get("attention_backend"), values.get("decode_attention_backend")}
+    every = main | {values.get("prefill_attention_backend")}
+    new = page
+    if "flashmla" in main:
+        new = 64
+    if "trtllm_mla" in main and new not in (32, 64):
+        new = 64
+    if "cutedsl_mla" in every and new not in (32, 64):
+        new = 64
+    mha = every | {values.get("speculative_draft_attention_backend")}
+    if "trtllm_mha" in mha and new not in (16, 32, 64, 128):
+        new = 64
+    if "hpc_ops" in every and new != 64:
+        new = 64
+    return new if new != page else None

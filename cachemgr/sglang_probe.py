@@ -38,7 +38,7 @@ class ProbeState:
     tokens: SglangTokens | None = None
     namespace: str | None = None  # the namespace the server was matched to
     mismatches: int = 0  # identity contradictions found (each one purged its namespace)
-    alarm: bool = False  # the last check found a contradiction
+    alarm: bool = False  # the last check found a contradiction or an ambiguity (no purge)
     last_error: str | None = None
 
 
@@ -87,10 +87,26 @@ def _norm(path: str) -> str:
     return os.path.normpath(path.rstrip("/")) if path else path
 
 
+def _explicit_page_size(identity: dict[str, Any]) -> bool:
+    """Whether the record's page size is one the server must have (not its own resolution)."""
+    src = identity.get("source")
+    origin = src.get("page_size_from") if isinstance(src, dict) else None
+    return origin in ("flag", "attention_backend")
+
+
+def _page_difference(info: dict[str, Any], identity: dict[str, Any]) -> str | None:
+    page, want = info.get("page_size"), identity.get("page_size")
+    if page is None or want is None or int(page) == int(want):
+        return None
+    return f"page_size: namespace {want} ≠ server {page}"
+
+
 def contradictions(info: dict[str, Any], identity: dict[str, Any]) -> list[str]:
     """How the running server's arguments differ from a namespace's identity record.
 
-    Only facts that decide the bytes of a page count: kv cache dtype, page size, model path.
+    Only facts that decide the bytes of a page count: kv cache dtype, model path, and the page
+    size when the record's was explicit (a flag or a forcing backend). A page size SGLang
+    resolved itself (trtllm_mha on SM100, model overrides) is `ambiguities`, not this.
     An argument the server does not report is not a contradiction.
     """
     out = []
@@ -103,15 +119,20 @@ def contradictions(info: dict[str, Any], identity: dict[str, Any]) -> list[str]:
             out.append(
                 f"kv_cache_dtype: namespace {identity.get('kv_cache_dtype')} ≠ server {dtype}"
             )
-    page = info.get("page_size")
-    want_page = identity.get("page_size")
-    if page is not None and want_page is not None and int(page) != int(want_page):
-        out.append(f"page_size: namespace {identity['page_size']} ≠ server {page}")
+    page = _page_difference(info, identity)
+    if page is not None and _explicit_page_size(identity):
+        out.append(page)
     model = info.get("model_path")
     known = {_norm(str(p)) for p in (source.get("model_path"), source.get("model_dir")) if p}
     if model and known and _norm(str(model)) not in known:
         out.append(f"model_path: namespace {source.get('model_path')} ≠ server {model}")
     return out
+
+
+def ambiguities(info: dict[str, Any], identity: dict[str, Any]) -> list[str]:
+    """Differences that may be the server's own resolution: alarm, never purge on them."""
+    page = _page_difference(info, identity)
+    return [page] if page is not None and not _explicit_page_size(identity) else []
 
 
 MismatchHandler = Callable[[str, list[str]], None]
@@ -170,7 +191,15 @@ class ProbeLoop:
         st.namespace = ns
         diffs = contradictions(info, identity)
         if not diffs:
-            st.alarm = False
+            soft = ambiguities(info, identity)
+            st.alarm = bool(soft)
+            if soft:
+                log.warning(
+                    "SGLang server's page size differs from its namespace's, which SGLang "
+                    "resolved itself (no explicit --page-size): NOT purging; pass --page-size "
+                    "to `cachemgr init` to pin it",
+                    extra={"namespace": ns, "instance": self.instance, "differences": soft},
+                )
             return
         if not st.alarm:
             st.mismatches += 1

@@ -125,7 +125,7 @@ def test_shard_added_removed_renamed(model: Path) -> None:
     ("flags", "line"),
     [
         ("--kv-cache-dtype fp8_e4m3", "kv_cache_dtype: bfloat16 → fp8_e4m3"),
-        ("--page-size 64", "page_size: 1 → 64"),
+        ("--page-size 64", "page_size: none → 64"),
         ("--hicache-mem-layout layer_first", "hicache_mem_layout: page_first → layer_first"),
         ("--tp-size 2", "topology.tp_size: 1 → 2"),
         ("--mamba-ssm-dtype float32", "mamba_ssm_dtype: none → float32"),
@@ -317,3 +317,17 @@ def test_empty_shard_and_empty_dir(model: Path, tmp_path: Path) -> None:
 def test_summary(model: Path) -> None:
     rec = ident(f"--model-path {model} --served-model-name tiny --page-size 64")
     assert rec.summary == ("tiny", "bfloat16", 64)
+
+
+def test_page_size_origin_is_recorded(tmp_path: Path) -> None:
+    plain = make_model(tmp_path / "plain")
+    rec = ident(f"--model-path {plain}")
+    assert (rec.page_size, rec.source.page_size_from) == (None, "server")
+    rec = ident(f"--model-path {plain} --page-size 64")
+    assert (rec.page_size, rec.source.page_size_from) == (64, "flag")
+    rec = ident(f"--model-path {plain} --attention-backend flashmla")
+    assert (rec.page_size, rec.source.page_size_from) == (64, "attention_backend")
+    # DeepSeek's model overrides may rewrite even an explicit page size on some GPUs.
+    ds = make_model(tmp_path / "ds", extra_config={"architectures": ["DeepseekV3ForCausalLM"]})
+    rec = ident(f"--model-path {ds} --page-size 64")
+    assert (rec.page_size, rec.source.page_size_from) == (64, "server")

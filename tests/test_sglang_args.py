@@ -251,9 +251,10 @@ def test_matches_sglangs_own_argparse(command: str) -> None:
     theirs = json.loads(out.stdout)
     ours = resolve_launch_args(command).model_dump()
     # Fields SGLang resolves later, after argparse: page_size None → 1 and the draft
-    # quantization inheriting the target's.
+    # quantization inheriting the target's; page_size_source is ours alone.
     assert theirs["page_size"] in (None, ours["page_size"])
-    for field in set(ours) - {"page_size", "speculative_draft_model_quantization"}:
+    derived = {"page_size", "page_size_source", "speculative_draft_model_quantization"}
+    for field in set(ours) - derived:
         assert ours[field] == theirs[field], field
 
 
@@ -268,3 +269,29 @@ def test_flag_table_is_current() -> None:
     )
     committed = (REPO / "cachemgr" / "sglang_flags.py").read_text()
     assert out.stdout.strip() == committed.strip()
+
+
+@pytest.mark.parametrize(
+    ("flags", "page", "source"),
+    [
+        ("", None, "default"),  # SGLang picks it on the GPU (trtllm_mha → 64 on SM100)
+        ("--page-size 16", 16, "flag"),
+        ("--attention-backend flashmla", 64, "attention_backend"),
+        ("--page-size 1 --decode-attention-backend flashmla", 64, "attention_backend"),
+        ("--attention-backend trtllm_mla --page-size 32", 32, "flag"),
+        ("--attention-backend trtllm_mla --page-size 128", 64, "attention_backend"),
+        ("--prefill-attention-backend cutedsl_mla", 64, "attention_backend"),
+        ("--attention-backend trtllm_mha --page-size 128", 128, "flag"),
+        ("--speculative-draft-attention-backend trtllm_mha", 64, "attention_backend"),
+        ("--attention-backend hpc_ops --page-size 128", 64, "attention_backend"),
+        ("--attention-backend fa3", None, "default"),
+    ],
+)
+def test_page_size_resolution(flags: str, page: int | None, source: str) -> None:
+    args = resolve_launch_args(f"sglang serve --model-path m {flags}")
+    assert (args.resolved_page_size, args.page_size_source) == (page, source)
+
+
+def test_explicit_page_size_option_counts_as_a_flag() -> None:
+    args = resolve_launch_args("sglang serve --model-path m", {"page_size": 64})
+    assert (args.resolved_page_size, args.page_size_source) == (64, "flag")

@@ -13,7 +13,7 @@ import pytest
 
 from cachemgr.layout import Layout
 from cachemgr.settings import load_settings
-from cachemgr.sglang_probe import contradictions, parse_metrics
+from cachemgr.sglang_probe import ambiguities, contradictions, parse_metrics
 from tests.daemon_helpers import (
     IDENTITY,
     NS_A,
@@ -96,12 +96,55 @@ def test_token_counters_are_summed_over_ranks() -> None:
     assert (t.storage_hit_tokens, t.prefetched_tokens, t.backuped_tokens) == (1280, 1024, 4096)
 
 
+def with_page_from(origin: str | None, page_size: int | None = 1) -> dict[str, Any]:
+    """IDENTITY whose page size came from `origin` (None: an older record without it)."""
+    source = {**IDENTITY["source"], **({"page_size_from": origin} if origin else {})}
+    return {**IDENTITY, "page_size": page_size, "source": source}
+
+
 def test_contradictions_name_each_differing_argument() -> None:
-    assert contradictions(SERVER_INFO, IDENTITY) == []
+    explicit = with_page_from("flag", 64)
+    assert contradictions(SERVER_INFO, explicit) == []
     bad = {**SERVER_INFO, "kv_cache_dtype": "fp8_e4m3", "page_size": 1, "model_path": "/m/x"}
-    assert [d.split(":")[0] for d in contradictions(bad, IDENTITY)] == [
+    assert [d.split(":")[0] for d in contradictions(bad, explicit)] == [
         "kv_cache_dtype", "page_size", "model_path",
     ]  # fmt: skip
+    assert ambiguities(bad, explicit) == []
+
+
+@pytest.mark.parametrize("origin", ["server", None])
+def test_a_page_size_the_server_resolved_is_ambiguous_not_a_contradiction(
+    origin: str | None,
+) -> None:
+    # SGLang forced 64 (trtllm_mha on SM100) where the record has no explicit page size.
+    ident = with_page_from(origin, 1)
+    assert contradictions(SERVER_INFO, ident) == []
+    assert ambiguities(SERVER_INFO, ident) == ["page_size: namespace 1 ≠ server 64"]
+    assert contradictions(SERVER_INFO, with_page_from("server", None)) == []
+    assert ambiguities(SERVER_INFO, with_page_from("server", None)) == []
+    forced = with_page_from("attention_backend", 1)
+    assert contradictions(SERVER_INFO, forced) == ["page_size: namespace 1 ≠ server 64"]
+
+
+def test_an_ambiguous_page_size_raises_the_alarm_and_never_purges(
+    layout: Layout, fake_sglang: tuple[str, dict[str, Any]]
+) -> None:
+    url, _ = fake_sglang
+    d = register_namespace(layout, NS_A, instance="gpu0", identity=with_page_from("server", 1))
+    for i in range(5):
+        store_page(d, page_name(i))
+    settings = load_settings(
+        root=layout.root, sglang_url=url, sglang_poll_interval=0.05, instance="gpu0"
+    )
+    with running_daemon(settings) as dm:
+        text = wait_for(
+            lambda: dm.get("/metrics").text,
+            lambda t: metric(t, "cachemgr_identity_mismatch") == 1,
+        )
+        assert metric(text, "cachemgr_purges_total", reason="mismatch") in (None, 0)
+        assert metric(text, "cachemgr_identity_mismatches_total") == 0
+        wait_for(lambda: dm.namespaces()[NS_A]["pages"], lambda n: n == 5)
+    assert len(list(d.iterdir())) == 5
 
 
 def test_a_server_launched_without_init_gets_its_namespace_purged(

@@ -42,7 +42,7 @@ _SGLANG_OPTIONS: list[tuple[str, str, Any, str]] = [
     ("--revision", "revision", str, "Model revision (HF cache snapshots)."),
     ("--served-model-name", "served_model_name", str, "Name SGLang puts in page file names."),
     ("--kv-cache-dtype", "kv_cache_dtype", str, "KV cache dtype (auto, bf16, fp8_e4m3, …)."),
-    ("--page-size", "page_size", int, "Tokens per page (SGLang default 1)."),
+    ("--page-size", "page_size", int, "Tokens per page (absent: SGLang resolves it on the GPU)."),
     ("--dtype", "dtype", str, "Model dtype (auto: from config.json)."),
     ("--quantization", "quantization", str, "Load-time quantization method."),
     ("--tp-size", "tp_size", int, "Tensor parallel size."),
