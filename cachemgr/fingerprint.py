@@ -37,6 +37,14 @@ PAGE_SIZE_OVERRIDING_ARCHS = frozenset(
     Qwen4ExpForConditionalGeneration
     """.split()  # noqa: SIM905
 )
+# --load-format values that load the model dir's own weights (arg_groups/choices.py); any
+# other (dummy: random weights, remote*, private, flash_rl, newer ones) is in the identity.
+WEIGHT_LOAD_FORMATS = frozenset(
+    """
+    auto pt safetensors instanttensor npcache sharded_state presharded gguf expert_pack
+    bitsandbytes mistral layered fastsafetensors runai_streamer
+    """.split()  # noqa: SIM905
+)
 PageSizeFrom = Literal["flag", "attention_backend", "server"]
 VersionGranularity = Literal["major.minor", "full", "none"]
 # Opens a progress display for a number of bytes to hash; yields the per-chunk callback.
@@ -147,9 +155,10 @@ def digest_weights(
     cache: DigestCache | None = None,
     workers: int = 0,
     progress: ProgressFactory | None = None,
+    code: bool = False,
 ) -> WeightsRecord:
     """Digest every identity file of a model dir, reusing cached digests of unchanged files."""
-    names = model_dir.identity_files(directory)
+    names = model_dir.identity_files(directory, code=code)
     real = {name: Path(os.path.realpath(directory / name)) for name in names}
     stats = {name: hashing.stat_regular(directory / name) for name in names}
     for name, st in stats.items():
@@ -186,6 +195,17 @@ def _tp_lcm_size(extra_config: str | None) -> int | None:
     return int(value) if value is not None else None
 
 
+def _override_args(raw: str) -> str | None:
+    """--json-model-override-args as canonical JSON (key order and spaces don't count)."""
+    try:
+        data = json.loads(raw or "{}")
+    except json.JSONDecodeError:
+        raise IdentityError(f"--json-model-override-args is not JSON: {raw!r}") from None
+    if not data:
+        return None
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def compute_identity(
     args: LaunchArgs,
     options: IdentityOptions | None = None,
@@ -200,8 +220,9 @@ def compute_identity(
 
     def weights(directory: Path) -> WeightsRecord:
         return digest_weights(
-            directory, fast=opts.fast, cache=cache, workers=opts.hash_workers, progress=progress
-        )
+            directory, fast=opts.fast, cache=cache, workers=opts.hash_workers, progress=progress,
+            code=args.trust_remote_code,
+        )  # fmt: skip
 
     target_dir = model_dir.locate_model(args.model_path, args.revision, env=env)
     config = model_dir.read_json(target_dir / "config.json")
@@ -242,6 +263,9 @@ def compute_identity(
             dcp_size=args.dcp_size,
         ),
         mamba_ssm_dtype=normalize_dtype(args.mamba_ssm_dtype) if args.mamba_ssm_dtype else None,
+        model_override_args=_override_args(args.json_model_override_args),
+        load_format=None if args.load_format in WEIGHT_LOAD_FORMATS else args.load_format,
+        page_major_kv_layout=args.enable_page_major_kv_layout or args.enable_unified_memory,
         sglang_version=version,
         storage=Storage(
             key_scheme=FILE_KEY_SCHEME,

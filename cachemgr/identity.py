@@ -17,7 +17,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError, computed_field
 
 from cachemgr.errors import ConfigError
 
-SCHEMA_VERSION = 2  # 2: page_size may be null (resolved by the server)
+# 2: page_size may be null (resolved by the server); model_override_args, load_format and
+# page_major_kv_layout added.
+SCHEMA_VERSION = 2
 # How SGLang's file backend names pages (hicache_storage.py HiCacheFile): the key has no dtype,
 # layout or weights in it, which is why the namespace must. Bump when SGLang changes it.
 FILE_KEY_SCHEME = "sha256-chain_model_tprank_tpsize[_pp][_cp][_dcp].bin"
@@ -102,6 +104,9 @@ class Identity(BaseModel):
     hicache_mem_layout: str
     topology: Topology
     mamba_ssm_dtype: str | None = None
+    model_override_args: str | None = None  # --json-model-override-args, canonical JSON
+    load_format: str | None = None  # only when it does not load the model dir's weights
+    page_major_kv_layout: bool = False  # --enable-page-major-kv-layout / --enable-unified-memory
     sglang_version: str
     storage: Storage
     salt: str = ""

@@ -73,8 +73,11 @@ def locate_model(
     return snapshot
 
 
-def identity_files(model_dir: Path) -> list[str]:
+def identity_files(model_dir: Path, *, code: bool = False) -> list[str]:
     """Names of the weight and config files in `model_dir` (top level, as SGLang loads them).
+
+    With `code` (the server runs with --trust-remote-code) the model's own `*.py` files
+    (modeling_*.py, configuration_*.py, …) count too: they compute the KV a page holds.
 
     Entries are matched by name, not type, so a broken symlink or a directory named like a
     shard is reported when it is hashed instead of being silently left out.
@@ -86,7 +89,8 @@ def identity_files(model_dir: Path) -> list[str]:
     chosen = sorted(
         n
         for n in names
-        if not n.startswith(".") and (n in CONFIG_FILES or n.endswith(WEIGHT_SUFFIXES))
+        if not n.startswith(".")
+        and (n in CONFIG_FILES or n.endswith(WEIGHT_SUFFIXES) or (code and n.endswith(".py")))
     )
     if not any(n.endswith(WEIGHT_SUFFIXES) for n in chosen):
         raise IdentityError(

@@ -31,6 +31,9 @@ class LaunchArgs(BaseModel):
     dtype: str = "auto"
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
+    load_format: str = "auto"
+    trust_remote_code: bool = False
+    json_model_override_args: str = "{}"
     # fields/serving.py; serving_hook.py resolves an absent served name to the model path.
     served_model_name: str | None = None
     host: str = "127.0.0.1"
@@ -68,6 +71,8 @@ class LaunchArgs(BaseModel):
     hicache_io_backend: str = "kernel"
     hicache_storage_backend: str | None = None
     hicache_storage_backend_extra_config: str | None = None
+    enable_page_major_kv_layout: bool = False  # kv_cache_configurator.py PageMajor* pools
+    enable_unified_memory: bool = False  # implies the page-major layout
     # fields/exec_.py
     mamba_ssm_dtype: str | None = None
     mamba_track_interval: int = Field(256, ge=1)
@@ -90,6 +95,11 @@ FLAGS: dict[str, str] = {
     "--dtype": "dtype",
     "--quantization": "quantization",
     "--kv-cache-dtype": "kv_cache_dtype",
+    "--load-format": "load_format",
+    "--trust-remote-code": "trust_remote_code",
+    "--json-model-override-args": "json_model_override_args",
+    "--enable-page-major-kv-layout": "enable_page_major_kv_layout",
+    "--enable-unified-memory": "enable_unified_memory",
     "--served-model-name": "served_model_name",
     "--host": "host", "--port": "port",
     "--speculative-algorithm": "speculative_algorithm",
@@ -169,7 +179,10 @@ def scan_flags(tokens: Sequence[str]) -> dict[str, str | bool]:
 
 def _check_types(values: Mapping[str, Any]) -> None:
     """A value flag given without a value, or a switch given one, is the operator's error."""
-    bool_fields = {"enable_dp_attention", "enable_hierarchical_cache"}
+    bool_fields = {
+        "enable_dp_attention", "enable_hierarchical_cache", "trust_remote_code",
+        "enable_page_major_kv_layout", "enable_unified_memory",
+    }  # fmt: skip
     for field, value in values.items():
         if field in bool_fields and not isinstance(value, bool):
             raise ConfigError(f"{_FLAG_OF[field]} takes no value (got {value!r})")

@@ -131,6 +131,14 @@ def test_shard_added_removed_renamed(model: Path) -> None:
         ("--mamba-ssm-dtype float32", "mamba_ssm_dtype: none → float32"),
         ("--quantization fp8", "quantization: none → fp8"),
         ("--dtype float16", "dtype: bfloat16 → float16"),
+        (
+            """--json-model-override-args '{"rope_scaling": {"factor": 4.0}}'""",
+            'model_override_args: none → {"rope_scaling":{"factor":4.0}}',
+        ),
+        ("--load-format dummy", "load_format: none → dummy"),
+        ("--load-format remote_instance", "load_format: none → remote_instance"),
+        ("--enable-page-major-kv-layout", "page_major_kv_layout: False → True"),
+        ("--enable-unified-memory", "page_major_kv_layout: False → True"),
     ],
 )
 def test_settings_that_change_page_bytes_change_the_digest(
@@ -147,7 +155,8 @@ def test_unrelated_flags_do_not_change_the_digest(model: Path) -> None:
     other = ident(
         f"python -m sglang.launch_server --model-path {model} --host 0.0.0.0 --port 31000 "
         "--log-level debug --mem-fraction-static 0.5 --served-model-name other-name "
-        "--enable-metrics --hicache-storage-backend-extra-config '{\"metadata_ttl\": 9}'"
+        "--enable-metrics --hicache-storage-backend-extra-config '{\"metadata_ttl\": 9}' "
+        "--load-format safetensors --json-model-override-args '{}' --trust-remote-code"
     )
     assert other.digest == base.digest
     assert other.source.served_model_name == "other-name"  # recorded, but not identity
@@ -331,3 +340,22 @@ def test_page_size_origin_is_recorded(tmp_path: Path) -> None:
     ds = make_model(tmp_path / "ds", extra_config={"architectures": ["DeepseekV3ForCausalLM"]})
     rec = ident(f"--model-path {ds} --page-size 64")
     assert (rec.page_size, rec.source.page_size_from) == (64, "server")
+
+
+def test_override_args_spelling_does_not_count(model: Path) -> None:
+    a = ident(f"""--model-path {model} --json-model-override-args '{{"a": 1, "b": 2}}'""")
+    b = ident(f"""--model-path {model} --json-model-override-args '{{"b":2,"a":1}}'""")
+    assert a.digest == b.digest
+
+
+def test_remote_code_counts_only_when_trusted(model: Path) -> None:
+    (model / "modeling_tiny.py").write_text("SCALE = 1.0\n")
+    (model / "configuration_tiny.py").write_text("X = 1\n")
+    untrusted = ident(f"--model-path {model}")
+    trusted = ident(f"--model-path {model} --trust-remote-code")
+    assert trusted.digest != untrusted.digest
+    assert "weights: modeling_tiny.py added" in diff_identities(untrusted, trusted)
+    (model / "modeling_tiny.py").write_text("SCALE = 0.5\n")
+    assert ident(f"--model-path {model}").digest == untrusted.digest  # code not run
+    edited = ident(f"--model-path {model} --trust-remote-code")
+    assert diff_identities(trusted, edited) == ["weights: modeling_tiny.py changed"]

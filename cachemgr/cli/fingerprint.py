@@ -108,6 +108,7 @@ def explain_identity(ident: Identity) -> str:
     rows.append(
         ("sglang_version (from)", f"{src.sglang_version or '?'} ({src.sglang_version_from})")
     )
+    rows.append(("page_size (from)", src.page_size_from))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {'none' if v is None else v}" for k, v in rows]
     lines += _explain_weights("weights", ident.weights)
