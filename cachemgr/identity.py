@@ -80,7 +80,8 @@ class Source(BaseModel):
     kv_cache_dtype_arg: str = "auto"
     storage_backend: str | None = None
     sglang_version: str | None = None  # full version string, when known
-    sglang_version_from: Literal["option", "installed", "unknown"] = "unknown"
+    # namespace: not detectable here, taken from the instance's namespace (prelaunch.py)
+    sglang_version_from: Literal["option", "installed", "unknown", "namespace"] = "unknown"
     # flag: --page-size; attention_backend: forced by an explicit backend; server: SGLang
     # decides on the GPU (flag absent, or a model whose overrides rewrite it); unknown: older
     # record. Only flag/attention_backend page sizes may be held against a running server.

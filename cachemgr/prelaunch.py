@@ -98,6 +98,33 @@ def init_namespace(
                         old_bytes=usage.bytes)  # fmt: skip
 
 
+def adopt_known_version(store: Store, instance: str, identity: Identity) -> Identity:
+    """An identity whose SGLang version is unknown here takes the version of the namespace
+    the instance is bound to, when that is the only difference.
+
+    `init` often runs where SGLang is not installed (an initContainer) and `exec` where it is;
+    without this the two entry points would disagree on the namespace and purge a valid cache
+    each time they alternate. A detected or explicit version is never replaced.
+    """
+    if identity.sglang_version != "unknown":
+        return identity
+    bound = nsreg.binding_of(store, instance)
+    raw = nsreg.identity_json(store, bound) if bound else None
+    if raw is None:
+        return identity
+    try:
+        old = Identity.model_validate_json(raw)
+    except ValidationError:
+        return identity  # another schema version: it differs anyway
+    if old.sglang_version == identity.sglang_version:
+        return identity
+    source = identity.source.model_copy(
+        update={"sglang_version": old.source.sglang_version, "sglang_version_from": "namespace"}
+    )
+    adopted = identity.model_copy(update={"sglang_version": old.sglang_version, "source": source})
+    return adopted if adopted.digest == old.digest else identity
+
+
 def _changes(layout: Layout, store: Store, old_ns: str, new: Identity) -> list[str]:
     """How the identity changed since `old_ns`, from its DB row or manifest."""
     raw = nsreg.identity_json(store, old_ns)

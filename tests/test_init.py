@@ -243,7 +243,8 @@ def test_a_refused_trash_entry_warns_and_init_still_succeeds(root: Path, model: 
     for kv in ("fp8_e4m3", "float16"):  # the leftover must not fail every later init
         out = init(root, model, kv=kv)
         assert out.returncode == 0, out.stderr
-        (warning,) = [ln for ln in out.stderr.splitlines() if ln.startswith("cachemgr: warn")]
+        (warning,) = [ln for ln in out.stderr.splitlines() if ".trash/" in ln]
+        assert warning.startswith("cachemgr: warning: ")
         assert "entries in .trash/ were left alone" in warning and "link" in warning
         assert "remove them by hand" in warning
     assert model.is_dir() and any(model.iterdir())
@@ -260,3 +261,40 @@ def test_exec_of_a_missing_program_fails_before_touching_the_cache(root: Path, m
     assert "cannot run 'sglang-typo-xyz'" in one_line_error(out) and out.returncode == 2
     assert snapshot(root / "ns") == before
     assert audit(root) == []
+
+
+def fake_installed_sglang(where: Path, version: str) -> dict[str, str]:
+    """An environment in which `sglang` is an installed distribution (metadata only)."""
+    dist = where / f"sglang-{version}.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sglang\nVersion: {version}\n")
+    return {**NO_STORAGE_ENV, "PYTHONPATH": str(where)}
+
+
+def test_init_without_sglang_keeps_the_namespace_exec_made_with_it(
+    root: Path, model: Path, tmp_path: Path
+) -> None:
+    launch = [*CMD.split(), "--model-path", str(model)]
+    installed = fake_installed_sglang(tmp_path / "site", "0.5.23")
+    first = cli_process("--root", str(root), "init", "--json", "--", *launch, env=installed)
+    assert first.returncode == 0, first.stderr
+    ns = json.loads(first.stdout)["ns_id"]
+    fill(root / "ns" / ns, 3)
+    # The same server, now prepared where SGLang is not installed (an initContainer).
+    out = cli("--root", str(root), "init", "--json", "--", *launch, env=NO_STORAGE_ENV)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert (result["outcome"], result["ns_id"]) == ("unchanged", ns)
+    assert "using version 0.5 of the instance's namespace" in out.stderr
+    assert len(os.listdir(root / "ns" / ns)) == 3
+    assert audit(root) == []
+
+
+def test_an_undetectable_sglang_version_is_said_once_with_the_fix(root: Path, model: Path) -> None:
+    out = init(root, model)
+    assert out.returncode == 0, out.stderr
+    warnings = [ln for ln in out.stderr.splitlines() if "SGLang version" in ln]
+    assert len(warnings) == 1 and "--sglang-version" in warnings[0]
+    assert json.loads(next(root.glob("ns/*.json")).read_text())["identity"]["sglang_version"] == (
+        "unknown"
+    )

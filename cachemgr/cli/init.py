@@ -16,11 +16,13 @@ from cachemgr.atomic import write_atomic
 from cachemgr.cli.common import drain_with_progress, human_bytes, opened_store, root_layout
 from cachemgr.cli.launch_options import LaunchRequest, launch_options
 from cachemgr.cli.main import AppContext, pass_app
+from cachemgr.identity import Identity
 from cachemgr.prelaunch import (
     STORAGE_DIR_ENV,
     InitResult,
     OnChange,
     StorageDirConflict,
+    adopt_known_version,
     init_namespace,
     storage_dir_conflicts,
 )
@@ -75,19 +77,36 @@ def run_init(
     layout = root_layout(settings, create=True)
     identity = launch.compute_identity(settings)
     args = launch.launch_args() if launch.command else None
+    name = settings.instance if instance is None else instance
     with opened_store(layout) as store:
+        identity = adopt_known_version(store, name, identity)
+        _warn_version(identity)
         result = init_namespace(
-            layout,
-            store,
-            identity,
-            instance=settings.instance if instance is None else instance,
-            on_change=on_change or settings.on_change,
+            layout, store, identity, instance=name, on_change=on_change or settings.on_change
         )
         refused: tuple[str, ...] = ()
         if wait and result.old_action == "purged":
             refused = drain_with_progress(layout, store, actor="cli").refused
     conflicts = storage_dir_conflicts(args, result.storage_dir, layout, os.environ)
     return InitRun(result, args, tuple(conflicts), refused)
+
+
+def _warn_version(identity: Identity) -> None:
+    """One stderr line when the SGLang version could not be detected, with the fix."""
+    src = identity.source
+    if identity.sglang_version == "unknown":
+        click.echo(
+            "cachemgr: warning: SGLang is not installed here, so the identity's SGLang version "
+            "is 'unknown'; pass --sglang-version (e.g. 0.5.23) so init and exec agree",
+            err=True,
+        )
+    elif src.sglang_version_from == "namespace":
+        click.echo(
+            f"cachemgr: warning: SGLang is not installed here; using version "
+            f"{identity.sglang_version} of the instance's namespace (pass --sglang-version "
+            "to be explicit)",
+            err=True,
+        )
 
 
 def describe(result: InitResult) -> str:
