@@ -17,15 +17,17 @@ from typing import Literal
 from pydantic import ValidationError
 
 from cachemgr import namespaces as nsreg
+from cachemgr.errors import ConfigError
 from cachemgr.identity import Identity, diff_identities
 from cachemgr.layout import NS_ID_RE, Layout
+from cachemgr.liveuse import STORAGE_DIR_ENV as STORAGE_DIR_ENV
+from cachemgr.liveuse import live_users
 from cachemgr.lock import root_lock
 from cachemgr.manifest import read_manifest
 from cachemgr.purge import Actor, execute_purge, plan_purge
 from cachemgr.sglang_args import LaunchArgs
 from cachemgr.store import Store
 
-STORAGE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
 OnChange = Literal["purge", "retain"]
 Outcome = Literal["created", "joined", "unchanged", "changed"]
 OldAction = Literal["purged", "retained", "kept"]
@@ -58,17 +60,22 @@ def init_namespace(
     on_change: OnChange = "purge",
     actor: Actor = "cli",
     now: Callable[[], float] = time.time,
+    force: bool = False,
+    in_use: Callable[[Path], list[int]] = live_users,
 ) -> InitResult:
     """Create/refresh the identity's namespace, bind `instance` to it, handle the old one.
 
     The old namespace's files are only renamed into .trash/ here; deleting them is the
-    caller's choice (`drain_trash` now, or later by the daemon).
+    caller's choice (`drain_trash` now, or later by the daemon). A purge of a namespace a
+    running process on this host still uses as its storage dir is refused unless `force`.
     """
     nsreg.check_instance(instance)
     layout.ensure()
     ns = identity.ns_id
     with root_lock(layout):
         previous = nsreg.binding_of(store, instance)
+        if previous not in (None, ns) and on_change == "purge" and not force:
+            _refuse_live_purge(layout, store, previous, instance, in_use)
         created = nsreg.ensure_namespace(
             layout,
             store,
@@ -96,6 +103,27 @@ def init_namespace(
         action: OldAction = "kept" if users else "retained"
         return replace(changed, old_action=action, old_users=users, old_pages=usage.pages,
                         old_bytes=usage.bytes)  # fmt: skip
+
+
+def _refuse_live_purge(
+    layout: Layout,
+    store: Store,
+    old_ns: str,
+    instance: str,
+    in_use: Callable[[Path], list[int]],
+) -> None:
+    """Raise if the purge would pull a namespace from under a live server (checked before
+    anything is bound or moved, so a refusal leaves the root as it was)."""
+    if any(u != instance for u in nsreg.instances_of(store, old_ns)):
+        return  # another instance keeps it: it will not be purged anyway
+    pids = in_use(layout.ns_dir(old_ns))
+    if pids:
+        raise ConfigError(
+            f"instance {instance}'s old ns {old_ns} is in use by running process "
+            f"{', '.join(map(str, pids[:3]))} (its {STORAGE_DIR_ENV}): another server on this "
+            "root? give each server its own --instance, or pass --on-change retain; --force "
+            "purges anyway"
+        )
 
 
 def adopt_known_version(store: Store, instance: str, identity: Identity) -> Identity:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -298,3 +299,56 @@ def test_an_undetectable_sglang_version_is_said_once_with_the_fix(root: Path, mo
     assert json.loads(next(root.glob("ns/*.json")).read_text())["identity"]["sglang_version"] == (
         "unknown"
     )
+
+
+@pytest.fixture
+def live_server(tmp_path: Path) -> Iterator[Callable[[Path], subprocess.Popen[str]]]:
+    """Start stand-in servers (real processes) whose storage dir env names a namespace dir."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(ns_dir: Path) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; sys.stdin.read()"],
+            stdin=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(ns_dir)},
+        )
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        proc.communicate(timeout=30)  # closing stdin ends it
+
+
+def test_purging_a_namespace_a_running_server_uses_is_refused(
+    root: Path, model: Path, live_server: Callable[[Path], subprocess.Popen[str]]
+) -> None:
+    a = init_json(root, model)
+    a_dir = Path(str(a["storage_dir"]))
+    fill(a_dir, 3)
+    live_server(a_dir)  # server 1 still runs on it; server 2 comes with the same instance name
+    before = snapshot(root)
+    out = init(root, model, kv="fp8_e4m3")
+    line = one_line_error(out)
+    assert out.returncode == 2
+    assert "is in use by running process" in line and "--instance" in line
+    assert snapshot(root) == before and audit(root) == []
+    # The ways out: retain, another instance name, or --force.
+    assert init_json(root, model, "--on-change", "retain", kv="fp8_e4m3")["old_action"] == (
+        "retained"
+    )
+    assert init_json(root, model)["ns_id"] == a["ns_id"]  # back on a (retained), still live
+    forced = init_json(root, model, "--force", kv="fp8_e4m3")
+    assert forced["old_action"] == "purged" and not a_dir.exists()
+
+
+def test_a_stopped_servers_namespace_is_purged_on_restart(
+    root: Path, model: Path, live_server: Callable[[Path], subprocess.Popen[str]]
+) -> None:
+    a = init_json(root, model)
+    a_dir = Path(str(a["storage_dir"]))
+    fill(a_dir, 3)
+    proc = live_server(a_dir)
+    proc.communicate(timeout=30)  # stopped for the restart with a new config
+    assert init_json(root, model, kv="fp8_e4m3")["old_action"] == "purged"

@@ -25,6 +25,7 @@ def exec_(
     instance: str | None,
     on_change: OnChange | None,
     wait: bool,
+    force: bool,
 ) -> None:
     """Run init for a launch command, then replace this process with that command.
 
@@ -37,7 +38,7 @@ def exec_(
     if not launch.command:
         raise ConfigError("exec needs the server command after `--` (e.g. -- sglang serve …)")
     program = resolve_program(launch.command[0], os.environ)
-    run = run_init(app, launch, instance=instance, on_change=on_change, wait=wait)
+    run = run_init(app, launch, instance=instance, on_change=on_change, wait=wait, force=force)
     for c in run.conflicts:
         if c.beats_env and not c.ours:
             raise ConfigError(

@@ -48,6 +48,12 @@ def init_options(f: F) -> F:
             "instance uses it) or retain it.",
         ),
         click.option("--instance", metavar="NAME", help="Server instance name (default: default)."),
+        click.option(
+            "--force",
+            is_flag=True,
+            help="Purge the old namespace even if a running process on this host still uses "
+            "it as its storage dir (another server under the same instance name).",
+        ),
     ]
     for deco in decorators:
         f = deco(f)
@@ -71,6 +77,7 @@ def run_init(
     instance: str | None,
     on_change: OnChange | None,
     wait: bool,
+    force: bool = False,
 ) -> InitRun:
     """Compute the identity, init its namespace, delete what was purged if asked."""
     settings = app.settings
@@ -82,7 +89,12 @@ def run_init(
         identity = adopt_known_version(store, name, identity)
         _warn_version(identity)
         result = init_namespace(
-            layout, store, identity, instance=name, on_change=on_change or settings.on_change
+            layout,
+            store,
+            identity,
+            instance=name,
+            on_change=on_change or settings.on_change,
+            force=force,
         )
         refused: tuple[str, ...] = ()
         if wait and result.old_action == "purged":
@@ -152,6 +164,7 @@ def init(
     instance: str | None,
     on_change: OnChange | None,
     wait: bool,
+    force: bool,
     print_env: bool,
     env_file: Path | None,
     as_json: bool,
@@ -161,7 +174,7 @@ def init(
     Pass the SGLang launch command after `--` (or the identity options); the namespace dir
     is what SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR must name for the server.
     """
-    run = run_init(app, launch, instance=instance, on_change=on_change, wait=wait)
+    run = run_init(app, launch, instance=instance, on_change=on_change, wait=wait, force=force)
     hands_env = print_env or env_file is not None
     warnings = [_conflict_warning(c, hands_env) for c in run.conflicts]
     warnings = [w for w in warnings if w]

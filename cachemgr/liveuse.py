@@ -1,0 +1,44 @@
+"""Which running processes on this host use a namespace dir as their SGLang storage dir.
+
+Before `init` purges a namespace on an identity change it asks this: a live process whose
+environment names the dir is a server still writing it (typically a second server on the same
+root under the same instance name), and purging would destroy its cache under it. A server that
+was stopped for the restart is gone from /proc, so the common restart is not affected.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+STORAGE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
+
+
+def live_users(ns_dir: Path, proc: Path = Path("/proc"), *, skip: int | None = None) -> list[int]:
+    """PIDs whose environment sets SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR to `ns_dir`.
+
+    Processes we may not read (other users when not root, other PID namespaces) are not
+    seen: this is a safety net for one host, not a lock.
+    """
+    want = os.path.normpath(os.path.abspath(ns_dir))
+    prefix = (STORAGE_DIR_ENV + "=").encode()
+    me = os.getpid() if skip is None else skip
+    found = []
+    try:
+        entries = os.listdir(proc)
+    except OSError:
+        return []
+    for name in entries:
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            environ = (proc / name / "environ").read_bytes()
+        except OSError:
+            continue  # gone, or not ours to read
+        for item in environ.split(b"\0"):
+            if item.startswith(prefix):
+                value = os.fsdecode(item[len(prefix) :])
+                if value and os.path.normpath(os.path.abspath(value)) == want:
+                    found.append(int(name))
+                break
+    return sorted(found)
