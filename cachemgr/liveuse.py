@@ -14,22 +14,35 @@ from pathlib import Path
 STORAGE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
 
 
-def live_users(ns_dir: Path, proc: Path = Path("/proc"), *, skip: int | None = None) -> list[int]:
+def _ancestors(proc: Path, pid: int) -> set[int]:
+    """`pid` and its parents: a shell that exported an earlier init's env is not a server."""
+    seen = set()
+    while pid > 0 and pid not in seen:
+        seen.add(pid)
+        try:
+            stat = (proc / str(pid) / "stat").read_text()
+            pid = int(stat.rsplit(")", 1)[1].split()[1])  # field 4, after "(comm)" and state
+        except (OSError, ValueError, IndexError):
+            break
+    return seen
+
+
+def live_users(ns_dir: Path, proc: Path = Path("/proc")) -> list[int]:
     """PIDs whose environment sets SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR to `ns_dir`.
 
-    Processes we may not read (other users when not root, other PID namespaces) are not
-    seen: this is a safety net for one host, not a lock.
+    This process and its ancestors are left out. Processes we may not read (other users when
+    not root, other PID namespaces) are not seen: a safety net for one host, not a lock.
     """
     want = os.path.normpath(os.path.abspath(ns_dir))
     prefix = (STORAGE_DIR_ENV + "=").encode()
-    me = os.getpid() if skip is None else skip
+    mine = _ancestors(proc, os.getpid())
     found = []
     try:
         entries = os.listdir(proc)
     except OSError:
         return []
     for name in entries:
-        if not name.isdigit() or int(name) == me:
+        if not name.isdigit() or int(name) in mine:
             continue
         try:
             environ = (proc / name / "environ").read_bytes()

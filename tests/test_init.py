@@ -352,3 +352,19 @@ def test_a_stopped_servers_namespace_is_purged_on_restart(
     proc = live_server(a_dir)
     proc.communicate(timeout=30)  # stopped for the restart with a new config
     assert init_json(root, model, kv="fp8_e4m3")["old_action"] == "purged"
+
+
+def test_the_shell_running_init_is_not_taken_for_a_server(root: Path, model: Path) -> None:
+    a = init_json(root, model)
+    # `eval "$(cachemgr init --print-env)"` left the old dir exported in the operator's shell.
+    launch = " ".join([*CMD.split(), "--model-path", str(model), "--kv-cache-dtype", "fp8_e4m3"])
+    script = f"{sys.executable} -m cachemgr --root {root} init --json -- {launch}; exit $?"
+    out = subprocess.run(
+        ["sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(a["storage_dir"])},
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["old_action"] == "purged"
