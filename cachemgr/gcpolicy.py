@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -95,3 +96,12 @@ def root_budget(policy: GcPolicy, used: int, disk: DiskUsage) -> Budget:
     if space < cap:
         return Budget(space, "free_space")
     return Budget(cap, "cap")
+
+
+def tally(rows: Iterable[tuple[Reason, int, int]]) -> dict[Reason, tuple[int, int]]:
+    """(files, bytes) per reason, in first-seen order, from (reason, files, bytes) rows."""
+    out: dict[Reason, tuple[int, int]] = {}
+    for reason, files, size in rows:
+        f, b = out.get(reason, (0, 0))
+        out[reason] = (f + files, b + size)
+    return out
