@@ -91,13 +91,19 @@ def execute_gc(
     pacer: Pacer | None = None,
     progress: Progress | None = None,
     clock: Callable[[], float] = time.time,
+    stop: Callable[[], bool] = lambda: False,
 ) -> GcReport:
-    """Run the plan's steps in order; a dry run stats the same files and deletes none."""
+    """Run the plan's steps in order; a dry run stats the same files and deletes none.
+
+    `stop()` true (a shutdown) ends the run after the chunk being deleted.
+    """
     started = clock()
     tally = _Tally(progress)
     results = []
     for step in plan.steps:
-        results.append(_run_step(step, store, layout, dry_run, actor, pacer, tally, clock))
+        if stop():
+            break
+        results.append(_run_step(step, store, layout, dry_run, actor, pacer, tally, clock, stop))
     report = GcReport(dry_run, True, started, clock(), tuple(results), plan.warnings)
     _log_summary(report, actor)
     return report
@@ -112,6 +118,7 @@ def _run_step(
     pacer: Pacer | None,
     tally: _Tally,
     clock: Callable[[], float],
+    stop: Callable[[], bool],
 ) -> StepResult:
     base = StepResult(step.reason, step.rel_dir, step.namespace_id, len(step.names), step.bytes)
     if step.reason in ("unbound", "ttl") and _bound(store, step.namespace_id):
@@ -135,6 +142,9 @@ def _run_step(
     pending: list[Future[None]] = []
     try:
         for i in range(0, len(step.names), CHUNK):
+            if stop():
+                base = replace(base, skipped="stopped: the daemon is shutting down")
+                break
             gone: list[str] = []
             r = delete_files(
                 layout.root, step.rel_dir, step.names[i : i + CHUNK], dry_run=dry_run,

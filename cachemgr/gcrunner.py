@@ -96,6 +96,7 @@ class GcRunner:
         self.stats = GcStats(last_success=clock())
         self._wake = threading.Event()
         self._busy = threading.Lock()
+        self._stop = threading.Event()  # serve()'s: a run stops after its current chunk
 
     def needs_gc(self) -> tuple[Reason, ...]:
         """The cheap check (see the module docstring)."""
@@ -167,7 +168,7 @@ class GcRunner:
         return execute_gc(
             plan, self.store, self.layout, dry_run=dry_run, actor=actor,
             pacer=pacer or Pacer(rate=self.policy.delete_rate), progress=progress,
-            clock=self.clock,
+            clock=self.clock, stop=self._stop.is_set,
         )  # fmt: skip
 
     def wake(self) -> None:
@@ -178,8 +179,9 @@ class GcRunner:
         """The daemon's GC loop: a tick at once (once `ready` is set: the index is built), then
         every interval or when woken, until `stop` is set (set it, then wake() to end the wait).
 
-        A run in progress is finished, not abandoned: stop takes effect between runs.
+        Setting `stop` also ends a run in progress after the chunk it is deleting.
         """
+        self._stop = stop
         while ready is not None and not ready.wait(0.2):
             if stop.is_set():
                 return
