@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from cachemgr.gcexec import CHUNK, execute_gc
 from cachemgr.gcrunner import needs_gc
 from cachemgr.index import scan_root
 from cachemgr.indexer import PageEvents
@@ -275,3 +276,21 @@ def test_event_sequence_follows_observation_order_and_resumes(tree: Tree) -> Non
     seqs = dict(tree.store.conn.execute("SELECT name, access_seq FROM pages"))
     assert seqs[A[0]] > max(seqs[n] for n in A[1:])
     again.store.close()
+
+
+def test_a_stop_ends_the_run_after_the_chunk_being_deleted(tree: Tree) -> None:
+    """Daemon shutdown: GC finishes the chunk it is deleting (index and audit agree), no more."""
+    names = [page(i) for i in range(5000)]
+    tree.write(NS, names, at=T0, size=10)
+    plan = tree.plan(policy(max_bytes=1), now=T0 + 1)
+    checks = iter([False, False])  # the step, then its first chunk; stop after that
+    report = execute_gc(
+        plan, tree.store, tree.layout, clock=lambda: T0 + 1, stop=lambda: next(checks, True)
+    )
+    (step,) = report.steps
+    assert step.files == CHUNK and step.skipped and step.skipped.startswith("stopped")
+    assert len(tree.files(NS)) == 5000 - CHUNK
+    (left,) = tree.store.conn.execute("SELECT COUNT(*) FROM pages").fetchone()
+    assert left == 5000 - CHUNK
+    audited = tree.store.conn.execute("SELECT SUM(pages) FROM audit WHERE action = 'evict'")
+    assert audited.fetchone()[0] == CHUNK
