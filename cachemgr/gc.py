@@ -19,7 +19,7 @@ from pathlib import Path
 
 from cachemgr import gcfind
 from cachemgr.gcfind import TempFile, list_namespace
-from cachemgr.gcpolicy import DiskUsage, GcPolicy, Reason, root_budget, tally
+from cachemgr.gcpolicy import ByReason, DiskUsage, GcPolicy, Reason, root_budget, tally
 from cachemgr.index import namespace_dirs
 from cachemgr.layout import Layout
 from cachemgr.lru import Candidate, eviction_order
@@ -42,7 +42,7 @@ class GcStep:
 
 
 @dataclass(frozen=True)
-class GcPlan:
+class GcPlan(ByReason):
     """What a GC run will delete, and the numbers that decided it."""
 
     created_at: float
@@ -51,14 +51,6 @@ class GcPlan:
     budget_bytes: int | None  # the root's limit; None when nothing limits it
     budget_reason: Reason
     warnings: tuple[str, ...] = ()
-
-    @property
-    def files(self) -> int:
-        return sum(f for f, _ in self.totals().values())
-
-    @property
-    def bytes(self) -> int:
-        return sum(b for _, b in self.totals().values())
 
     def totals(self) -> dict[Reason, tuple[int, int]]:
         """(files, bytes) per reason, in plan order."""

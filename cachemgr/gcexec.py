@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 from cachemgr.deletion import DeleteReport, Pacer, Progress, delete_files, remove_empty_dir
 from cachemgr.gc import GcPlan, GcStep
-from cachemgr.gcpolicy import Reason, tally
+from cachemgr.gcpolicy import ByReason, Reason, tally
 from cachemgr.layout import Layout
 from cachemgr.purge import drop_unbound
 from cachemgr.store import Store
@@ -38,7 +38,7 @@ class StepResult:
 
 
 @dataclass(frozen=True)
-class GcReport:
+class GcReport(ByReason):
     """The outcome of one GC run."""
 
     dry_run: bool
@@ -52,14 +52,6 @@ class GcReport:
     def totals(self) -> dict[Reason, tuple[int, int]]:
         """(files, bytes) per reason."""
         return tally((s.reason, s.files, s.bytes) for s in self.steps)
-
-    @property
-    def files(self) -> int:
-        return sum(f for f, _ in self.totals().values())
-
-    @property
-    def bytes(self) -> int:
-        return sum(b for _, b in self.totals().values())
 
 
 @dataclass

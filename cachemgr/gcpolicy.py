@@ -98,6 +98,21 @@ def root_budget(policy: GcPolicy, used: int, disk: DiskUsage) -> Budget:
     return Budget(cap, "cap")
 
 
+class ByReason:
+    """Totals of a GC plan or report, from its `totals()`: (files, bytes) per reason."""
+
+    def totals(self) -> dict[Reason, tuple[int, int]]:
+        raise NotImplementedError
+
+    @property
+    def files(self) -> int:
+        return sum(f for f, _ in self.totals().values())
+
+    @property
+    def bytes(self) -> int:
+        return sum(b for _, b in self.totals().values())
+
+
 def tally(rows: Iterable[tuple[Reason, int, int]]) -> dict[Reason, tuple[int, int]]:
     """(files, bytes) per reason, in first-seen order, from (reason, files, bytes) rows."""
     out: dict[Reason, tuple[int, int]] = {}

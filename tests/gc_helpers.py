@@ -74,6 +74,10 @@ class Tree:
             path = self.dir(ns) / name
             path.write_bytes(b"\0" * size)
             os.utime(path, (at, at))
+        self.stored(ns, names, at=at)
+
+    def stored(self, ns: str, names: Iterable[str], *, at: float) -> None:
+        """The watcher saw these page files (already on disk) stored at `at`, in this order."""
         self.rec.apply([(Kind.WRITE, ns, n, 0.0) for n in names], now=at)
 
     def read(self, ns: str, names: Iterable[str], *, at: float) -> None:

@@ -49,7 +49,7 @@ class Workload:
         before = set(os.listdir(self.dir))
         self.keys[s] = self.sglang.write(self.h, tokens)["keys"]
         new = [k + SUFFIX for k in self.keys[s] if k + SUFFIX not in before]
-        self.tree.rec.record(NS, [(n, PAGE_BYTES) for n in new], at=self.now, kind="write")
+        self.tree.stored(NS, new, at=self.now)
         return got
 
     def on_disk(self) -> int:
