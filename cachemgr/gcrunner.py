@@ -28,6 +28,7 @@ from cachemgr.store import Store
 from cachemgr.trash import list_trash
 
 log = logging.getLogger("cachemgr.gc")
+RUN_GAP = 5.0  # seconds at least between two daemon runs (wakes in between are coalesced)
 
 
 def needs_gc(
@@ -193,9 +194,14 @@ class GcRunner:
                 if stop.is_set():
                     break
                 try:
-                    self.tick()
+                    ran = self.tick() is not None
                 except (CachemgrError, OSError, sqlite3.Error):
                     # One failed cycle (a vanished dir, a locked DB) must not end GC for good.
                     log.exception("gc cycle failed")
+                    ran = True
+                if ran:
+                    # Writes keep waking GC while a cap cannot be met (every page younger than
+                    # min_age): at most one run per gap, not one per batch of events.
+                    stop.wait(min(self.policy.interval, RUN_GAP))
         finally:
             self.leadership.release()
