@@ -4,8 +4,10 @@ Only this thread writes the page index while the daemon runs; the inotify thread
 to a deque. Every `batch_interval` the queue is drained and applied in 10K-event transactions.
 Page stores and deletions are settled by a stat of the file at apply time (the disk is the
 truth, so a create+delete inside one batch, or an event seen twice, needs no ordering care);
-reads bump the page's `reads` and `last_access`. An inotify overflow, a new namespace dir and
-the periodic reconcile all become scans, so any drift is bounded and counted.
+reads bump the page's `reads` and `last_access`, and every read and store takes the next
+`access_seq` (GC's order inside a burst). After each batch `on_applied` runs (the daemon's
+cheap GC check). An inotify overflow, a new namespace dir and the periodic reconcile all
+become scans, so any drift is bounded and counted.
 """
 
 from __future__ import annotations
