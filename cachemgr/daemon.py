@@ -2,9 +2,10 @@
 
 Start: bind the port first (a port in use is one line and exit 2, before any work), create the
 root skeleton, open the DB, start the watcher and the index thread (the first scan runs there;
-/readyz turns ready when it ends), then serve. SIGTERM/SIGINT: uvicorn stops accepting and
-finishes in-flight requests (a second signal forces it), then the index thread applies its last
-batch and the DB is closed.
+/readyz turns ready when it ends) and the GC thread (it deletes only while this process holds
+the root's GC lock), then serve. SIGTERM/SIGINT: uvicorn stops accepting and finishes in-flight
+requests (a second signal forces it), GC stops after the chunk it is deleting, the index thread
+applies its last batch and the DB is closed.
 """
 
 from __future__ import annotations
@@ -15,16 +16,17 @@ import logging
 import socket
 import sqlite3
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import uvicorn
 from prometheus_client import CollectorRegistry
 
 from cachemgr import purge as purge_mod
-from cachemgr.deletion import Pacer
 from cachemgr.errors import ConfigError
+from cachemgr.gcpolicy import GcPolicy
+from cachemgr.gcrunner import GcRunner, needs_gc
 from cachemgr.indexer import Indexer
 from cachemgr.layout import Layout
 from cachemgr.metrics import CachemgrCollector
@@ -41,6 +43,7 @@ from cachemgr.sglang_probe import ProbeLoop, ProbeState
 from cachemgr.store import Store, connect
 
 log = logging.getLogger(__name__)
+GC_STOP_SECONDS = 15.0  # a GC run stops after its current chunk; a trash entry may take longer
 
 
 def is_loopback(host: str) -> bool:
@@ -74,8 +77,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def purge_function(layout: Layout, settings: Settings) -> PurgeFn:
-    """Purge through cachemgr.purge: rename now, delete in a paced background thread."""
+def purge_function(layout: Layout, after: Callable[[], None]) -> PurgeFn:
+    """Purge through cachemgr.purge: rename now; `after` (wake GC) deletes .trash/ later."""
 
     def run(req: PurgeRequest) -> PurgeResponse:
         store = Store.open(layout.db_path)
@@ -86,7 +89,7 @@ def purge_function(layout: Layout, settings: Settings) -> PurgeFn:
         finally:
             store.close()
         if not req.dry_run:
-            drain_trash_later(layout, settings)
+            after()
         targets = [
             PurgedNamespace(
                 namespace=t.ns_id, pages=t.pages, bytes=t.bytes, recreated=bool(t.instances)
@@ -107,18 +110,6 @@ def purge_function(layout: Layout, settings: Settings) -> PurgeFn:
     return run
 
 
-@dataclass
-class _Drainer:
-    """One background deletion of .trash/ at a time; a purge during it queues one more run."""
-
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    thread: threading.Thread | None = None
-    pending: bool = False
-
-
-_drainer = _Drainer()
-
-
 def _plan(layout: Layout, store: Store, req: PurgeRequest) -> purge_mod.PurgePlan:
     """One plan for the union of the request's selectors (none, or all=true: everything)."""
     if req.all or not (req.namespace or req.instance):
@@ -134,26 +125,6 @@ def _plan(layout: Layout, store: Store, req: PurgeRequest) -> purge_mod.PurgePla
         plans[0].trash,
         " + ".join(p.selector for p in plans),
     )
-
-
-def drain_trash_later(layout: Layout, settings: Settings) -> None:
-    """Delete what purges left in .trash/, paced, in a background thread."""
-    with _drainer.lock:
-        if _drainer.thread is not None and _drainer.thread.is_alive():
-            _drainer.pending = True  # that run listed .trash/ before this purge
-            return
-        if not purge_mod.list_trash(layout):
-            return
-
-        def done(_: object) -> None:
-            with _drainer.lock:
-                again, _drainer.pending, _drainer.thread = _drainer.pending, False, None
-            if again:
-                drain_trash_later(layout, settings)
-
-        _drainer.thread = purge_mod.drain_in_background(
-            layout, actor="auto", pacer=Pacer(rate=settings.trash_delete_rate), on_done=done
-        )
 
 
 class Reader:
@@ -203,6 +174,7 @@ class Daemon:
             batch_interval=self.settings.batch_interval,
             reconcile_interval=self.settings.reconcile_interval or float("inf"),
         )
+        self._start_gc()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(
             CachemgrCollector(
@@ -211,6 +183,7 @@ class Daemon:
                 index=self.indexer.state,
                 lag=self.indexer.lag,
                 probe=self.probe,
+                gc=self.gc,
             )
         )
         self.backend = Backend(
@@ -220,8 +193,9 @@ class Daemon:
             token=self.token,
             index=self.indexer.state,
             lag=self.indexer.lag,
-            purge=purge_function(self.layout, self.settings),
+            purge=purge_function(self.layout, self.gc.wake),
             after_purge=lambda _: self.indexer.request_rescan(),
+            gc=self.gc,
         )
         self.app = create_app(self.backend)
         config = uvicorn.Config(
@@ -233,6 +207,7 @@ class Daemon:
         )
         self.server = uvicorn.Server(config)
         self.indexer.start()
+        self._gc_thread.start()  # first cycle once the index is built; drains .trash/ too
         if self.probe is not None and self.settings.sglang_url:
             self.prober: ProbeLoop | None = ProbeLoop(
                 self.settings.sglang_url,
@@ -245,9 +220,35 @@ class Daemon:
             self.prober.start()
         else:
             self.prober = None
-        drain_trash_later(self.layout, self.settings)  # what a crash or a CLI purge left
         self._started = True
         log.info("daemon started", extra={"root": str(self.layout.root), "port": self.port})
+
+    def _start_gc(self) -> None:
+        """GC on its own thread and connection; the indexer wakes it past a watermark."""
+        self.gc_store = Store.open(self.layout.db_path)
+        self.gc_policy = GcPolicy.from_settings(self.settings)
+        self.gc = GcRunner(self.gc_store, self.layout, self.gc_policy)
+        self._gc_stop = threading.Event()
+        self._gc_thread = threading.Thread(
+            target=self.gc.serve,
+            args=(self._gc_stop, self.indexer.state.ready),
+            name="cachemgr-gc",
+            daemon=True,
+        )
+        self.indexer.on_applied = self._check_watermarks
+
+    def _check_watermarks(self) -> None:
+        """After a batch (on the index thread, its connection): wake GC if a limit is crossed.
+
+        Aggregate rows, one statvfs and a listing of .trash/: well under a millisecond, at most
+        once per batch_interval. Not gated on leadership: a wake on a non-leader costs one
+        flock attempt, and gating would drop a crossing seen before the lock is first taken.
+        """
+        reasons = needs_gc(self.store, self.layout, self.gc_policy, now=time.time())
+        # Not for .trash/ alone: purges wake GC themselves, and an entry GC must refuse (a
+        # symlink) would otherwise wake it on every batch; the interval retries it.
+        if set(reasons) - {"trash"}:
+            self.gc.wake()
 
     @property
     def port(self) -> int:
@@ -270,7 +271,7 @@ class Daemon:
         finally:
             store.close()
         log.error("purged namespace after identity mismatch", extra={"namespace": ns_id})
-        drain_trash_later(self.layout, self.settings)
+        self.gc.wake()
 
     def stop(self) -> None:
         """Finish the batch in flight, stop watching, close the DB (idempotent)."""
@@ -279,6 +280,13 @@ class Daemon:
         self._started = False
         if self.prober is not None:
             self.prober.stop()
+        self._gc_stop.set()
+        self.gc.wake()
+        self._gc_thread.join(GC_STOP_SECONDS)
+        if self._gc_thread.is_alive():  # a trash entry still being deleted; resumed next start
+            log.warning("gc still deleting at shutdown; leaving it")
+        else:
+            self.gc_store.close()
         self.indexer.stop()
         self.reader.close()
         self.store.close()

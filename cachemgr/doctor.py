@@ -196,16 +196,21 @@ def _storage(
         )
     sg_cap = parse_size(str(extra.get("max_size") or env.get(MAX_SIZE_ENV) or ""))
     if sg_cap is not None:
+        both = (
+            f"; cachemgr's GC caps the root too (gc_max_bytes {_gb(cap)}): two owners evicting "
+            "the same files"
+            if cap is not None
+            else ""
+        )
         found.append(
             Finding(
                 "warning",
                 "sglang-evictor",
                 f"SGLang's own file evictor is on (max_size {_gb(sg_cap)} per TP rank, so up to "
                 f"{_gb(sg_cap * args.tp_size)} at tp {args.tp_size}); it keeps recency only in "
-                "memory, never reaps other models' files or .tmp leftovers, and fights "
-                "cachemgr's GC",
+                f"memory, never reaps other models' files or .tmp leftovers{both}",
                 f"pick one owner: unset {MAX_SIZE_ENV} / max_size and cap the root with cachemgr's "
-                "GC, or do not run cachemgr gc",
+                "gc_max_bytes (recommended), or keep SGLang's and leave gc_max_bytes unset",
             )
         )
     limit = cap if cap is not None else (sg_cap * args.tp_size if sg_cap else None)

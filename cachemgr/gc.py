@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cachemgr import gcfind
-from cachemgr.gcpolicy import DiskUsage, GcPolicy, Reason, root_budget
+from cachemgr.gcfind import TempFile, list_namespace
+from cachemgr.gcpolicy import ByReason, DiskUsage, GcPolicy, Reason, root_budget, tally
+from cachemgr.index import namespace_dirs
 from cachemgr.layout import Layout
 from cachemgr.lru import Candidate, eviction_order
-from cachemgr.pageindex import TempFile, list_namespace, namespace_dirs
 from cachemgr.store import Store
 
 DiskUsageFn = Callable[[Path], tuple[int, int, int]]
@@ -41,7 +42,7 @@ class GcStep:
 
 
 @dataclass(frozen=True)
-class GcPlan:
+class GcPlan(ByReason):
     """What a GC run will delete, and the numbers that decided it."""
 
     created_at: float
@@ -51,21 +52,9 @@ class GcPlan:
     budget_reason: Reason
     warnings: tuple[str, ...] = ()
 
-    @property
-    def files(self) -> int:
-        return sum(len(s.names) for s in self.steps)
-
-    @property
-    def bytes(self) -> int:
-        return sum(s.bytes for s in self.steps)
-
     def totals(self) -> dict[Reason, tuple[int, int]]:
         """(files, bytes) per reason, in plan order."""
-        out: dict[Reason, tuple[int, int]] = {}
-        for s in self.steps:
-            f, b = out.get(s.reason, (0, 0))
-            out[s.reason] = (f + len(s.names), b + s.bytes)
-        return out
+        return tally((s.reason, len(s.names), s.bytes) for s in self.steps)
 
 
 def plan_gc(

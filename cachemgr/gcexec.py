@@ -10,9 +10,11 @@ from dataclasses import dataclass, replace
 
 from cachemgr.deletion import DeleteReport, Pacer, Progress, delete_files, remove_empty_dir
 from cachemgr.gc import GcPlan, GcStep
-from cachemgr.gcpolicy import Reason
+from cachemgr.gcpolicy import ByReason, Reason, tally
 from cachemgr.layout import Layout
+from cachemgr.purge import drop_unbound
 from cachemgr.store import Store
+from cachemgr.trash import drain_entry
 
 log = logging.getLogger("cachemgr.gc")
 CHUNK = 4096  # names per delete call: index rows are dropped per chunk, one transaction each
@@ -36,7 +38,7 @@ class StepResult:
 
 
 @dataclass(frozen=True)
-class GcReport:
+class GcReport(ByReason):
     """The outcome of one GC run."""
 
     dry_run: bool
@@ -47,21 +49,9 @@ class GcReport:
     warnings: tuple[str, ...] = ()
     holder: str | None = None  # who leads GC when this process does not
 
-    @property
-    def files(self) -> int:
-        return sum(s.files for s in self.steps)
-
-    @property
-    def bytes(self) -> int:
-        return sum(s.bytes for s in self.steps)
-
     def totals(self) -> dict[Reason, tuple[int, int]]:
         """(files, bytes) per reason."""
-        out: dict[Reason, tuple[int, int]] = {}
-        for s in self.steps:
-            f, b = out.get(s.reason, (0, 0))
-            out[s.reason] = (f + s.files, b + s.bytes)
-        return out
+        return tally((s.reason, s.files, s.bytes) for s in self.steps)
 
 
 @dataclass
@@ -93,13 +83,19 @@ def execute_gc(
     pacer: Pacer | None = None,
     progress: Progress | None = None,
     clock: Callable[[], float] = time.time,
+    stop: Callable[[], bool] = lambda: False,
 ) -> GcReport:
-    """Run the plan's steps in order; a dry run stats the same files and deletes none."""
+    """Run the plan's steps in order; a dry run stats the same files and deletes none.
+
+    `stop()` true (a shutdown) ends the run after the chunk being deleted.
+    """
     started = clock()
     tally = _Tally(progress)
     results = []
     for step in plan.steps:
-        results.append(_run_step(step, store, layout, dry_run, actor, pacer, tally, clock))
+        if stop():
+            break
+        results.append(_run_step(step, store, layout, dry_run, actor, pacer, tally, clock, stop))
     report = GcReport(dry_run, True, started, clock(), tuple(results), plan.warnings)
     _log_summary(report, actor)
     return report
@@ -114,10 +110,22 @@ def _run_step(
     pacer: Pacer | None,
     tally: _Tally,
     clock: Callable[[], float],
+    stop: Callable[[], bool],
 ) -> StepResult:
     base = StepResult(step.reason, step.rel_dir, step.namespace_id, len(step.names), step.bytes)
     if step.reason in ("unbound", "ttl") and _bound(store, step.namespace_id):
         return replace(base, skipped="a server bound this namespace after the plan was made")
+    if step.reason == "trash":  # the same path as a purge's own drain, audited there
+        entry = step.rel_dir.removeprefix(".trash/")
+        r = drain_entry(
+            layout, store, entry, actor=actor, pacer=pacer, progress=tally.offset(),
+            dry_run=dry_run,
+        )  # fmt: skip
+        tally.add(r)
+        return replace(
+            base, files=r.files, bytes=r.bytes, vanished=r.vanished, young=r.young,
+            refused=r.refused,
+        )  # fmt: skip
     total = DeleteReport(dry_run=dry_run)
     # Index rows are dropped by a helper thread while the next chunk is unlinked: both wait
     # in the kernel or SQLite without the GIL, so on two cores the index costs no delete rate.
@@ -126,6 +134,9 @@ def _run_step(
     pending: list[Future[None]] = []
     try:
         for i in range(0, len(step.names), CHUNK):
+            if stop():
+                base = replace(base, skipped="stopped: the daemon is shutting down")
+                break
             gone: list[str] = []
             r = delete_files(
                 layout.root, step.rel_dir, step.names[i : i + CHUNK], dry_run=dry_run,
@@ -141,14 +152,14 @@ def _run_step(
         if step.remove_dir and not dry_run and not total.refused:
             why = remove_empty_dir(layout.root, step.rel_dir)
             total += DeleteReport(refused=(why,) if why else ())
-            if why is None and step.reason in ("unbound", "ttl"):
-                _mark_purged(store, step.namespace_id)
+            if why is None and step.reason in ("unbound", "ttl") and step.namespace_id:
+                with store.transaction():
+                    drop_unbound(layout, store, step.namespace_id)
     finally:
         forget.shutdown(wait=True)
         if not dry_run and (total.files or total.bytes):
-            action = "delete-trash" if step.reason == "trash" else "evict"
             store.audit(
-                action, namespace_id=step.namespace_id, reason=step.reason, actor=actor,
+                "evict", namespace_id=step.namespace_id, reason=step.reason, actor=actor,
                 pages=total.files, bytes_=total.bytes, at=clock(),
             )  # fmt: skip
     return replace(
@@ -170,11 +181,6 @@ def _forget(store: Store, ns_id: str | None, rel_dir: str, names: list[str]) -> 
         conn.executemany(
             "DELETE FROM pages WHERE namespace_id = ? AND name = ?", [(ns_id, n) for n in names]
         )
-
-
-def _mark_purged(store: Store, ns_id: str | None) -> None:
-    with store.transaction() as conn:
-        conn.execute("UPDATE namespaces SET state = 'purged' WHERE id = ?", (ns_id,))
 
 
 def _log_summary(report: GcReport, actor: str) -> None:

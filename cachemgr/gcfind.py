@@ -10,8 +10,46 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from cachemgr.gcpolicy import GcPolicy, Reason
-from cachemgr.layout import NS_ID_RE, FileKind, Layout, classify
-from cachemgr.pageindex import TempFile
+from cachemgr.layout import FileKind, Layout, classify
+from cachemgr.trash import list_trash
+
+
+@dataclass(frozen=True)
+class TempFile:
+    """An SGLang `.tmp` file found in a namespace dir."""
+
+    namespace_id: str
+    name: str
+    size: int
+    mtime: float
+
+
+def list_namespace(
+    layout: Layout, ns_id: str
+) -> tuple[dict[str, tuple[int, float]], list[TempFile]]:
+    """Pages (name -> (size, mtime)) and temp files of one namespace dir; others are ignored."""
+    pages: dict[str, tuple[int, float]] = {}
+    temps: list[TempFile] = []
+    try:
+        entries = os.scandir(layout.ns_dir(ns_id))
+    except FileNotFoundError:
+        return pages, temps
+    with entries:
+        for e in entries:
+            kind = classify(e.name)
+            if kind is FileKind.FOREIGN:
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            if kind is FileKind.PAGE:
+                pages[e.name] = (st.st_size, st.st_mtime)
+            else:
+                temps.append(TempFile(ns_id, e.name, st.st_size, st.st_mtime))
+    return pages, temps
 
 
 @dataclass(frozen=True)
@@ -26,19 +64,14 @@ class Found:
 
 
 def trash_leftovers(layout: Layout) -> list[Found]:
-    """Page and temp files of every directory in .trash/ (purges not finished yet)."""
+    """Page and temp files of every purged namespace in .trash/ (purges not finished yet)."""
     found = []
-    try:
-        entries = sorted(os.scandir(layout.trash), key=lambda e: e.name)
-    except FileNotFoundError:
-        return []
-    for entry in entries:
-        if not entry.is_dir(follow_symlinks=False):
+    for entry in list_trash(layout):  # the entries trash.drain_entry deletes; others stay
+        path = layout.trash / entry
+        if not path.is_dir() or path.is_symlink():
             continue
-        names, size = _deletable_files(layout.trash / entry.name)
-        m = NS_ID_RE.match(entry.name)  # purge names them <id>.<something>
-        ns_id = m.group(0) if m else None
-        found.append(Found("trash", f".trash/{entry.name}", ns_id, names, size))
+        names, size = _deletable_files(path)
+        found.append(Found("trash", f".trash/{entry}", entry.partition(".")[0], names, size))
     return found
 
 

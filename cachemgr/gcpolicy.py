@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -95,3 +96,27 @@ def root_budget(policy: GcPolicy, used: int, disk: DiskUsage) -> Budget:
     if space < cap:
         return Budget(space, "free_space")
     return Budget(cap, "cap")
+
+
+class ByReason:
+    """Totals of a GC plan or report, from its `totals()`: (files, bytes) per reason."""
+
+    def totals(self) -> dict[Reason, tuple[int, int]]:
+        raise NotImplementedError
+
+    @property
+    def files(self) -> int:
+        return sum(f for f, _ in self.totals().values())
+
+    @property
+    def bytes(self) -> int:
+        return sum(b for _, b in self.totals().values())
+
+
+def tally(rows: Iterable[tuple[Reason, int, int]]) -> dict[Reason, tuple[int, int]]:
+    """(files, bytes) per reason, in first-seen order, from (reason, files, bytes) rows."""
+    out: dict[Reason, tuple[int, int]] = {}
+    for reason, files, size in rows:
+        f, b = out.get(reason, (0, 0))
+        out[reason] = (f + files, b + size)
+    return out

@@ -8,25 +8,27 @@ namespace dirs (stale temps) and checking page sizes happen every sweep_interval
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import sqlite3
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from cachemgr import gcfind
 from cachemgr.deletion import Pacer, Progress
 from cachemgr.errors import CachemgrError
 from cachemgr.gc import DiskUsageFn, plan_gc
 from cachemgr.gcexec import GcReport, execute_gc
+from cachemgr.gcfind import TempFile
 from cachemgr.gcpolicy import DiskUsage, GcPolicy, Reason, root_budget
 from cachemgr.layout import Layout
 from cachemgr.leader import Leadership
-from cachemgr.pageindex import TempFile
 from cachemgr.store import Store
+from cachemgr.trash import list_trash
 
 log = logging.getLogger("cachemgr.gc")
+RUN_GAP = 5.0  # seconds at least between two daemon runs (wakes in between are coalesced)
 
 
 def needs_gc(
@@ -39,7 +41,7 @@ def needs_gc(
 ) -> tuple[Reason, ...]:
     """Why GC should run now (empty: it need not), from aggregates and statvfs only."""
     reasons: list[Reason] = []
-    if _has_entries(layout.trash):
+    if list_trash(layout):
         reasons.append("trash")
     conn = store.conn
     dropped = gcfind.unbound_past_retention(conn, policy, now)
@@ -59,19 +61,22 @@ def needs_gc(
     return tuple(reasons)
 
 
-def _has_entries(path: os.PathLike[str]) -> bool:
-    try:
-        with os.scandir(path) as it:
-            return any(True for _ in it)
-    except FileNotFoundError:
-        return False
+@dataclass
+class GcStats:
+    """What the daemon's GC did, for metrics (ints and floats only: read without locks)."""
+
+    ok: int = 0  # runs that planned and executed (ticks with nothing to do are not runs)
+    error: int = 0  # cycles or requested runs that failed
+    skipped: int = 0  # cycles in which another process led GC
+    last_success: float = 0.0  # the last cycle or run that ended without error
 
 
 class GcRunner:
     """Runs GC for one root: periodically, when woken (a watermark crossed), or on request.
 
     Give it its own Store: its connection must not be shared with another thread's
-    transactions. Only the holder of the root's GC leadership deletes.
+    transactions (runs and checks are serialized on it). Only the holder of the root's GC
+    leadership deletes.
     """
 
     def __init__(
@@ -89,19 +94,31 @@ class GcRunner:
         self.clock = clock
         self.disk_usage = disk_usage
         self.last_sweep = float("-inf")
+        self.stats = GcStats(last_success=clock())
         self._wake = threading.Event()
         self._busy = threading.Lock()
+        self._stop = threading.Event()  # serve()'s: a run stops after its current chunk
 
     def needs_gc(self) -> tuple[Reason, ...]:
         """The cheap check (see the module docstring)."""
-        return needs_gc(
-            self.store, self.layout, self.policy, now=self.clock(), disk_usage=self.disk_usage
-        )
+        with self._busy:
+            return needs_gc(
+                self.store, self.layout, self.policy, now=self.clock(), disk_usage=self.disk_usage
+            )
 
     def tick(self) -> GcReport | None:
         """One daemon cycle: run GC if a limit is crossed or a sweep is due, else nothing."""
+        if not self.leadership.try_acquire():
+            self.stats.skipped += 1
+            return None
         sweep = self.clock() - self.last_sweep >= self.policy.sweep_interval
-        if not sweep and not self.needs_gc():
+        try:
+            idle = not sweep and not self.needs_gc()
+        except BaseException:
+            self.stats.error += 1
+            raise
+        if idle:
+            self.stats.last_success = self.clock()
             return None
         return self.run(actor="auto", sweep=sweep)
 
@@ -123,34 +140,68 @@ class GcRunner:
             now = self.clock()
             return GcReport(dry_run, False, now, now, holder=self.leadership.holder())
         with self._busy:
-            now = self.clock()
-            plan = plan_gc(
-                self.store, self.layout, self.policy, now=now, disk_usage=self.disk_usage,
-                temps=temps, sweep=sweep,
-            )  # fmt: skip
-            if sweep:
-                self.last_sweep = now
-            return execute_gc(
-                plan, self.store, self.layout, dry_run=dry_run, actor=actor,
-                pacer=pacer or Pacer(rate=self.policy.delete_rate), progress=progress,
-                clock=self.clock,
-            )  # fmt: skip
+            try:
+                report = self._run(dry_run, actor, sweep, temps, pacer, progress)
+            except BaseException:
+                self.stats.error += 1
+                raise
+        if not dry_run:
+            self.stats.ok += 1
+            self.stats.last_success = report.finished_at
+        return report
+
+    def _run(
+        self,
+        dry_run: bool,
+        actor: str,
+        sweep: bool,
+        temps: list[TempFile] | None,
+        pacer: Pacer | None,
+        progress: Progress | None,
+    ) -> GcReport:
+        now = self.clock()
+        plan = plan_gc(
+            self.store, self.layout, self.policy, now=now, disk_usage=self.disk_usage,
+            temps=temps, sweep=sweep,
+        )  # fmt: skip
+        if sweep and not dry_run:
+            self.last_sweep = now
+        return execute_gc(
+            plan, self.store, self.layout, dry_run=dry_run, actor=actor,
+            pacer=pacer or Pacer(rate=self.policy.delete_rate), progress=progress,
+            clock=self.clock, stop=self._stop.is_set,
+        )  # fmt: skip
 
     def wake(self) -> None:
         """Ask for a check now (the watcher saw the index grow past a watermark)."""
         self._wake.set()
 
-    def serve(self, stop: threading.Event) -> None:
-        """The daemon's GC loop: a tick every interval or when woken, until `stop` is set
-        (set it, then wake() to end the wait early)."""
-        while not stop.is_set():
-            self._wake.wait(self.policy.interval)
-            self._wake.clear()
+    def serve(self, stop: threading.Event, ready: threading.Event | None = None) -> None:
+        """The daemon's GC loop: a tick at once (once `ready` is set: the index is built), then
+        every interval or when woken, until `stop` is set (set it, then wake() to end the wait).
+
+        Setting `stop` also ends a run in progress after the chunk it is deleting.
+        """
+        self._stop = stop
+        while ready is not None and not ready.wait(0.2):
             if stop.is_set():
-                break
-            try:
-                self.tick()
-            except (CachemgrError, OSError, sqlite3.Error):
-                # One failed cycle (a vanished dir, a locked DB) must not end GC for good.
-                log.exception("gc cycle failed")
-        self.leadership.release()
+                return
+        self._wake.set()
+        try:
+            while not stop.is_set():
+                self._wake.wait(self.policy.interval)
+                self._wake.clear()
+                if stop.is_set():
+                    break
+                try:
+                    ran = self.tick() is not None
+                except (CachemgrError, OSError, sqlite3.Error):
+                    # One failed cycle (a vanished dir, a locked DB) must not end GC for good.
+                    log.exception("gc cycle failed")
+                    ran = True
+                if ran:
+                    # Writes keep waking GC while a cap cannot be met (every page younger than
+                    # min_age): at most one run per gap, not one per batch of events.
+                    stop.wait(min(self.policy.interval, RUN_GAP))
+        finally:
+            self.leadership.release()

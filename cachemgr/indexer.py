@@ -4,8 +4,10 @@ Only this thread writes the page index while the daemon runs; the inotify thread
 to a deque. Every `batch_interval` the queue is drained and applied in 10K-event transactions.
 Page stores and deletions are settled by a stat of the file at apply time (the disk is the
 truth, so a create+delete inside one batch, or an event seen twice, needs no ordering care);
-reads bump the page's `reads` and `last_access`. An inotify overflow, a new namespace dir and
-the periodic reconcile all become scans, so any drift is bounded and counted.
+reads bump the page's `reads` and `last_access`, and every read and store takes the next
+`access_seq` (GC's order inside a burst). After each batch `on_applied` runs (the daemon's
+cheap GC check). An inotify overflow, a new namespace dir and the periodic reconcile all
+become scans, so any drift is bounded and counted.
 """
 
 from __future__ import annotations
@@ -58,6 +60,80 @@ class IndexState:
         return got
 
 
+class PageEvents:
+    """Applies page events to the index, giving each read and write a global sequence number.
+
+    A request reads its pages front to back and writes new ones after them, so the sequence
+    tells GC which pages of a burst are further down a prefix chain (cachemgr.lru); the clock
+    does not (a burst of thousands of reads shares one batch time). The counter resumes after
+    the largest stored value, so the order survives a restart.
+    """
+
+    def __init__(self, store: Store, layout: Layout) -> None:
+        self.store, self.layout = store, layout
+        row = store.conn.execute("SELECT COALESCE(MAX(access_seq), 0) FROM pages").fetchone()
+        self._next = int(row[0]) + 1
+
+    def apply(self, events: list[Event], *, now: float) -> dict[str, list[int]]:
+        """Apply events in the order seen; returns [reads, writes] per namespace."""
+        if not events:
+            return {}
+        touched: dict[tuple[str, str], bool] = {}  # (ns, name) -> stored in this batch
+        reads: Counter[tuple[str, str]] = Counter()
+        seqs: dict[tuple[str, str], int] = {}  # (ns, name) -> sequence of its last access
+        per_ns: dict[str, list[int]] = {}  # ns -> [reads, writes]
+        seq = self._next
+        for kind, ns, name, _ in events:
+            tally = per_ns.setdefault(ns, [0, 0])
+            key = (ns, name)
+            if kind is Kind.READ:
+                reads[key] += 1
+                tally[0] += 1
+                seqs[key] = seq
+                seq += 1
+            else:
+                stored = kind is Kind.WRITE
+                touched[key] = touched.get(key, False) or stored
+                tally[1] += stored
+                if stored:
+                    seqs[key] = seq
+                    seq += 1
+        self._next = seq
+        upserts, deletes = self._settle(touched, seqs, now)
+        with self.store.transaction() as conn:
+            conn.executemany(
+                "INSERT INTO pages (namespace_id, name, size, created_at, last_access, access_seq)"
+                " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (namespace_id, name) DO UPDATE"
+                " SET size = excluded.size, last_access = max(last_access, excluded.last_access),"
+                " access_seq = max(access_seq, excluded.access_seq)",
+                upserts,
+            )
+            conn.executemany("DELETE FROM pages WHERE namespace_id = ? AND name = ?", deletes)
+            conn.executemany(
+                "UPDATE pages SET reads = reads + ?, last_access = max(last_access, ?),"
+                " access_seq = max(access_seq, ?) WHERE namespace_id = ? AND name = ?",
+                ((n, now, seqs[key], *key) for key, n in reads.items()),
+            )
+            for ns, (r, w) in per_ns.items():
+                _add_lifetime(conn, ns, r, w, now)
+        return per_ns
+
+    def _settle(
+        self, touched: dict[tuple[str, str], bool], seqs: dict[tuple[str, str], int], now: float
+    ) -> tuple[list[tuple[str, str, int, float, float, int]], list[tuple[str, str]]]:
+        """Split touched pages into rows to upsert (file exists) and rows to delete."""
+        upserts, deletes = [], []
+        for (ns, name), stored in touched.items():
+            try:
+                st = os.stat(os.path.join(self.layout.ns_root, ns, name), follow_symlinks=False)
+            except (FileNotFoundError, NotADirectoryError):
+                deletes.append((ns, name))
+                continue
+            seen = now if stored else min(st.st_mtime, now)
+            upserts.append((ns, name, st.st_size, seen, seen, seqs.get((ns, name), 0)))
+        return upserts, deletes
+
+
 class Indexer:
     """Runs the scan + watch + apply loop on its own thread; `stop()` finishes the batch."""
 
@@ -78,6 +154,8 @@ class Indexer:
         self.clock = clock
         self.state = IndexState()
         self.watcher = watcher if watcher is not None else Watcher(layout)
+        self.pages = PageEvents(store, layout)
+        self.on_applied: Callable[[], None] | None = None  # after each batch of page events
         self._stop = threading.Event()
         self._rescan: set[str] = set()
         self._rescan_lock = threading.Lock()
@@ -166,56 +244,12 @@ class Indexer:
                 log.info("namespace dir gone", extra={"namespace": ns, "pages": removed})
 
     def _apply_pages(self, events: list[Event]) -> None:
-        if not events:
-            return
-        now = self.clock()
-        touched: dict[tuple[str, str], bool] = {}  # (ns, name) -> stored in this batch
-        reads: Counter[tuple[str, str]] = Counter()
-        per_ns: dict[str, list[int]] = {}  # ns -> [reads, writes]
-        for kind, ns, name, _ in events:
-            tally = per_ns.setdefault(ns, [0, 0])
-            if kind is Kind.READ:
-                reads[(ns, name)] += 1
-                tally[0] += 1
-            else:
-                stored = kind is Kind.WRITE
-                touched[(ns, name)] = touched.get((ns, name), False) or stored
-                tally[1] += stored
-        upserts, deletes = self._settle(touched, now)
-        with self.store.transaction() as conn:
-            conn.executemany(
-                "INSERT INTO pages (namespace_id, name, size, created_at, last_access)"
-                " VALUES (?, ?, ?, ?, ?) ON CONFLICT (namespace_id, name) DO UPDATE"
-                " SET size = excluded.size, last_access = max(last_access, excluded.last_access)",
-                upserts,
-            )
-            conn.executemany("DELETE FROM pages WHERE namespace_id = ? AND name = ?", deletes)
-            conn.executemany(
-                "UPDATE pages SET reads = reads + ?, last_access = max(last_access, ?)"
-                " WHERE namespace_id = ? AND name = ?",
-                ((n, now, ns, name) for (ns, name), n in reads.items()),
-            )
-            for ns, (r, w) in per_ns.items():
-                _add_lifetime(conn, ns, r, w, now)
-        for ns, (r, w) in per_ns.items():
+        for ns, (r, w) in self.pages.apply(events, now=self.clock()).items():
             c = self.state.counter(ns)
             c.reads += r
             c.writes += w
-
-    def _settle(
-        self, touched: dict[tuple[str, str], bool], now: float
-    ) -> tuple[list[tuple[str, str, int, float, float]], list[tuple[str, str]]]:
-        """Split touched pages into rows to upsert (file exists) and rows to delete."""
-        upserts, deletes = [], []
-        for (ns, name), stored in touched.items():
-            try:
-                st = os.stat(os.path.join(self.layout.ns_root, ns, name), follow_symlinks=False)
-            except (FileNotFoundError, NotADirectoryError):
-                deletes.append((ns, name))
-                continue
-            seen = now if stored else min(st.st_mtime, now)
-            upserts.append((ns, name, st.st_size, seen, seen))
-        return upserts, deletes
+        if events and self.on_applied is not None:
+            self.on_applied()
 
     def _scan_all(self, *, first: bool) -> None:
         present = namespace_dirs(self.layout)

@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from cachemgr import __version__
+from cachemgr.gcrunner import GcRunner
 from cachemgr.indexer import IndexState
 from cachemgr.layout import Layout
 from cachemgr.sglang_probe import ProbeState
@@ -60,6 +61,10 @@ METRICS: dict[str, str] = {
     "cachemgr_sglang_storage_hit_tokens_total": "SGLang's tokens found in L3",
     "cachemgr_sglang_prefetched_tokens_total": "SGLang's tokens loaded from L3",
     "cachemgr_sglang_backuped_tokens_total": "SGLang's tokens written to L3",
+    "cachemgr_gc_leader": "1 while this daemon holds the root's GC lock (it alone deletes)",
+    "cachemgr_gc_runs_total": "GC runs by result: ok, error, skipped (another process leads)",
+    "cachemgr_gc_last_success_timestamp_seconds": "when a GC cycle last ended without error "
+    "(daemon start until the first)",
 }
 
 
@@ -83,6 +88,7 @@ class CachemgrCollector(Collector):
         lag: Callable[[], float] = lambda: 0.0,
         probe: ProbeState | None = None,
         disk: Callable[[Layout], DiskUsage] = lambda lay: disk_usage(lay.root),
+        gc: GcRunner | None = None,
     ) -> None:
         self.layout = layout
         self.reader = reader
@@ -90,6 +96,7 @@ class CachemgrCollector(Collector):
         self.lag = lag
         self.probe = probe
         self.disk = disk
+        self.gc = gc
         self.audit = AuditTotals()
 
     def describe(self) -> Iterator[Any]:
@@ -104,12 +111,14 @@ class CachemgrCollector(Collector):
         yield from self._daemon()
         yield from self._disk()
         yield from self._sglang()
+        yield from self._gc()
 
     def _namespaces(self, statuses: list[Any]) -> Iterator[Any]:
         info = InfoMetricFamily(
             "cachemgr_namespace",
             METRICS["cachemgr_namespace_info"],
-            labels=["namespace", "instance", "model", "kv_cache_dtype", "page_size"],
+            # not `instance`: Prometheus's target label would rename it `exported_instance`
+            labels=["namespace", "server_instance", "model", "kv_cache_dtype", "page_size"],
         )
         gauges = {
             k: _gauge(f"cachemgr_namespace_{k}", NS)
@@ -213,6 +222,19 @@ class CachemgrCollector(Collector):
         if p.tokens is not None:
             for key in ("storage_hit_tokens", "prefetched_tokens", "backuped_tokens"):
                 yield _one(f"cachemgr_sglang_{key}_total", getattr(p.tokens, key))
+
+    def _gc(self) -> Iterator[Any]:
+        if self.gc is None:
+            return
+        st = self.gc.stats
+        leader = int(self.gc.leadership.held)
+        yield GaugeMetricFamily("cachemgr_gc_leader", METRICS["cachemgr_gc_leader"], value=leader)
+        runs = _counter("cachemgr_gc_runs_total", ["result"])
+        for result in ("ok", "error", "skipped"):
+            runs.add_metric([result], getattr(st, result))
+        yield runs
+        name = "cachemgr_gc_last_success_timestamp_seconds"
+        yield GaugeMetricFamily(name, METRICS[name], value=st.last_success)
 
 
 def _one(name: str, value: float) -> CounterMetricFamily:

@@ -42,8 +42,8 @@ from cachemgr.trash import (  # re-exported: purge and trash are one API for cal
 
 __all__ = [
     "Actor", "DrainProgress", "PurgePlan", "PurgeResult", "PurgeTarget", "Purged", "Reason",
-    "TrashEntry", "describe_trash", "drain_in_background", "drain_trash", "execute_purge",
-    "list_trash", "plan_purge", "purge",
+    "TrashEntry", "describe_trash", "drain_in_background", "drain_trash", "drop_unbound",
+    "execute_purge", "list_trash", "plan_purge", "purge",
 ]  # fmt: skip
 
 Reason = Literal["identity_change", "manual", "unbound", "mismatch"]
@@ -163,8 +163,7 @@ def execute_purge(
             removed = False
             with store.transaction():
                 if not instances:
-                    removed = delete_manifest(layout.root, target.ns_id)
-                    nsreg.mark_purged(store, target.ns_id)
+                    removed = drop_unbound(layout, store, target.ns_id)
                 else:
                     store.conn.execute("DELETE FROM pages WHERE namespace_id = ?", (target.ns_id,))
                 store.audit(
@@ -182,6 +181,16 @@ def execute_purge(
                 )
             )
     return PurgeResult(purged=tuple(done), actor=actor, reason=reason, at=now())
+
+
+def drop_unbound(layout: Layout, store: Store, ns_id: str) -> bool:
+    """An unbound namespace's files are gone (purge, GC): drop its manifest, mark it purged.
+
+    Returns whether a manifest was removed. Call inside a transaction.
+    """
+    removed = delete_manifest(layout.root, ns_id)
+    nsreg.mark_purged(store, ns_id)
+    return removed
 
 
 def _rename_to_trash(layout: Layout, ns_id: str, *, recreate: bool) -> str | None:

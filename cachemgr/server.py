@@ -1,4 +1,4 @@
-"""The HTTP API (FastAPI): health, metrics, status, and purge; errors as problem+json.
+"""The HTTP API (FastAPI): health, metrics, status, purge and GC; errors as problem+json.
 
 `python -m cachemgr.server --dump-openapi` prints the OpenAPI document that is committed as
 api/openapi.json (a test fails when they differ).
@@ -22,7 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from cachemgr import __version__
-from cachemgr.errors import CachemgrError, NotFoundError
+from cachemgr.errors import CachemgrError, ConflictError, NotFoundError
+from cachemgr.gcapi import GcResponse, gc_request
+from cachemgr.gcrunner import GcRunner
 from cachemgr.indexer import IndexState
 from cachemgr.layout import NS_ID_RE, Layout
 from cachemgr.metrics import Reader
@@ -139,6 +141,14 @@ class PurgeResponse(BaseModel):
 PurgeFn = Callable[[PurgeRequest], PurgeResponse]
 
 
+class GcRequest(BaseModel):
+    """A GC run now: with dry_run, what it would delete (any daemon can answer that)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    dry_run: bool = False
+
+
 @dataclass
 class Backend:
     """What the routes need from the daemon; tests build one over a temp root."""
@@ -151,6 +161,7 @@ class Backend:
     lag: Callable[[], float] = lambda: 0.0
     purge: PurgeFn | None = None
     after_purge: Callable[[PurgeResponse], None] = lambda r: None
+    gc: GcRunner | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -331,6 +342,30 @@ def create_app(backend: Backend) -> FastAPI:
     ) -> PurgeResponse:
         """Purge one namespace."""
         return run_purge(PurgeRequest(namespace=ns_id, dry_run=bool(body and body.dry_run)))
+
+    @app.post(
+        "/v1/gc",
+        response_model=GcResponse,
+        tags=["gc"],
+        responses={k: _ERRORS[k] for k in (400, 401, 409)},
+        dependencies=[Depends(auth)],
+    )
+    def gc(
+        body: Annotated[GcRequest | None, Body()] = None,
+        dry_run: Annotated[bool, Query()] = False,
+    ) -> GcResponse:
+        """Run GC now (a full run, with a sweep of the namespace dirs); 409 when another
+        process leads GC on this root (the answer names it)."""
+        if backend.gc is None:
+            raise ConflictError("this daemon runs no GC")
+        dry = dry_run or bool(body and body.dry_run)
+        result = gc_request(backend.gc, dry_run=dry)
+        if not result.leader:
+            raise ConflictError(
+                f"another process leads GC on {backend.layout.root} ({result.holder}); "
+                "ask it, or use dry_run"
+            )
+        return result
 
     return app
 

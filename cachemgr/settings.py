@@ -92,12 +92,6 @@ class Settings(BaseSettings):
         description="when an instance's identity changes: purge its old namespace (unless "
         "another instance uses it) or retain it for a quick switch back",
     )
-    trash_delete_rate: float | None = Field(
-        2000.0,
-        gt=0,
-        description="files/s for background deletion of purged namespaces (the daemon); "
-        "the CLI deletes in the foreground at full speed",
-    )
     # --- daemon ---
     batch_interval: float = Field(
         0.25, gt=0, le=10, description="seconds between applying watcher events to the index"

@@ -92,19 +92,33 @@ def drain_trash(
     report = DeleteReport(dry_run=dry_run)
     for entry in entries:
         tick = _ticker(progress, entry, report, total)
-        try:
-            part = delete_dir(
-                layout.root, f".trash/{entry}", dry_run=dry_run, pacer=pacer, progress=tick
-            )
-        except UnsafePathError as e:
-            report += DeleteReport(refused=(f".trash/{entry}: {e}",))
-            continue
-        except FileNotFoundError:
-            continue  # another drain finished it
-        report += part
-        if not dry_run:
-            _audit_deleted(store, entry, part, actor)
+        report += drain_entry(layout, store, entry, actor=actor, pacer=pacer, progress=tick,
+                              dry_run=dry_run)  # fmt: skip
     return report
+
+
+def drain_entry(
+    layout: Layout,
+    store: Store,
+    entry: str,
+    *,
+    actor: str = "auto",
+    pacer: Pacer | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    dry_run: bool = False,
+) -> DeleteReport:
+    """Delete one trash entry (purge and GC both go through here) and audit `delete-trash`."""
+    try:
+        part = delete_dir(
+            layout.root, f".trash/{entry}", dry_run=dry_run, pacer=pacer, progress=progress
+        )
+    except UnsafePathError as e:
+        return DeleteReport(refused=(f".trash/{entry}: {e}",), dry_run=dry_run)
+    except FileNotFoundError:
+        return DeleteReport(dry_run=dry_run)  # another drain finished it
+    if not dry_run:
+        _audit_deleted(store, entry, part, actor)
+    return part
 
 
 def _ticker(
@@ -119,7 +133,7 @@ def _ticker(
     )
 
 
-def _audit_deleted(store: Store, entry: str, part: DeleteReport, actor: Actor) -> None:
+def _audit_deleted(store: Store, entry: str, part: DeleteReport, actor: str) -> None:
     m = TRASH_RE.fullmatch(entry)
     with store.transaction():
         store.audit(

@@ -11,9 +11,10 @@ from pathlib import Path
 from cachemgr.gc import GcPlan, plan_gc
 from cachemgr.gcexec import GcReport, execute_gc
 from cachemgr.gcpolicy import GcPolicy
+from cachemgr.indexer import PageEvents
 from cachemgr.layout import Layout
-from cachemgr.pageindex import Recorder
 from cachemgr.store import Store
+from cachemgr.watcher import Kind
 
 NS = "0123456789abcdef"
 NS2 = "fedcba9876543210"
@@ -46,14 +47,14 @@ def policy(**kw: object) -> GcPolicy:
 
 @dataclass
 class Tree:
-    """A root, its index and a recorder standing in for the daemon's watcher."""
+    """A root, its index and the daemon's event writer fed as its watcher would."""
 
     layout: Layout
     store: Store
-    rec: Recorder = field(init=False)
+    rec: PageEvents = field(init=False)
 
     def __post_init__(self) -> None:
-        self.rec = Recorder(self.store)
+        self.rec = PageEvents(self.store, self.layout)
 
     @classmethod
     def at(cls, root: Path) -> Tree:
@@ -73,10 +74,14 @@ class Tree:
             path = self.dir(ns) / name
             path.write_bytes(b"\0" * size)
             os.utime(path, (at, at))
-        self.rec.record(ns, [(n, size) for n in names], at=at, kind="write")
+        self.stored(ns, names, at=at)
+
+    def stored(self, ns: str, names: Iterable[str], *, at: float) -> None:
+        """The watcher saw these page files (already on disk) stored at `at`, in this order."""
+        self.rec.apply([(Kind.WRITE, ns, n, 0.0) for n in names], now=at)
 
     def read(self, ns: str, names: Iterable[str], *, at: float) -> None:
-        self.rec.record(ns, [(n, None) for n in names], at=at, kind="read")
+        self.rec.apply([(Kind.READ, ns, n, 0.0) for n in names], now=at)
 
     def files(self, ns: str) -> set[str]:
         return set(os.listdir(self.layout.ns_dir(ns)))

@@ -343,15 +343,16 @@ def test_alerts_fire_on_the_daemons_real_series(scrapes: Live, tmp_path: Path) -
     pages = target(e.get("cachemgr_namespace_pages", namespace=ns_id))
     reads = target(e.get("cachemgr_page_reads_total", namespace=ns_id))
     writes = target(e.get("cachemgr_page_writes_total", namespace=ns_id))
-    evicted = Sample("cachemgr_evicted_pages_total", (("reason", "free_space"),), 0).series(
-        **TARGET
-    )
     purges = target(e.all("cachemgr_purges_total")[0])
+    leader = target(e.get("cachemgr_gc_leader"))
+    gc_ok = target(e.get("cachemgr_gc_last_success_timestamp_seconds"))
     info_sample = e.get("cachemgr_namespace_info", namespace=ns_id)
     info = target(info_sample, page_size="1")
     node = dict(TARGET)
     ns = {**TARGET, "namespace": ns_id}
-    info_labels = {(f"exported_{k}" if k in TARGET else k): v for k, v in info_sample.labels}
+    # No label of cachemgr's may collide with a target label (it would become exported_*).
+    assert not {k for s in e.samples for k, _ in s.labels} & set(TARGET)
+    info_labels = dict(info_sample.labels)
     info_labels |= {"page_size": "1", **TARGET}
     assert info_labels["model"] and info_labels["kv_cache_dtype"] == "fp8_e4m3"
     tests = [
@@ -373,18 +374,15 @@ def test_alerts_fire_on_the_daemons_real_series(scrapes: Live, tmp_path: Path) -
             [expect("CachemgrDiskFreeLow", node, 1 / 32)],
         ),
         alert_test("CachemgrDiskFreeLow", {avail: f"{full}x15", size: f"{full}x15"}, "12m", []),
+        # The leader's last success at t=0, nothing since: at 45m it is 2700 s old.
         alert_test(
             "CachemgrGCFailing",
-            {avail: f"{low}x70", size: f"{full}x70"},
-            "65m",
-            [expect("CachemgrGCFailing", node, 1 / 32)],
+            {leader: "1x70", gc_ok: "0x70"},
+            "45m",
+            [expect("CachemgrGCFailing", node, 2700)],
         ),
-        alert_test(
-            "CachemgrGCFailing",
-            {avail: f"{low}x70", size: f"{full}x70", evicted: "0+100x70"},
-            "65m",
-            [],
-        ),
+        alert_test("CachemgrGCFailing", {leader: "1x70", gc_ok: "0+60x70"}, "45m", []),
+        alert_test("CachemgrGCFailing", {leader: "0x70", gc_ok: "0x70"}, "45m", []),
         alert_test(
             "CachemgrWatcherOverflow",
             {overflows: "0 0 0 1 1 1"},

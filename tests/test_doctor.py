@@ -86,6 +86,19 @@ def test_sglang_evictor_conflicts_with_cachemgr(root: Path, model: Path) -> None
     assert doctor(root, f"{cmd} {extra}", managed_env(root)) == (1, ["sglang-evictor"])
 
 
+def test_two_cache_owners_are_named(root: Path, model: Path) -> None:
+    """SGLang's evictor and cachemgr's gc_max_bytes together: one warning naming both caps."""
+    cmd = f"{FILE} --page-size 64 --model-path {model}"
+    env = {**managed_env(root), "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE": "2G"}
+    out = cli("--root", str(root), "doctor", "--json", "--", *cmd.split(),
+              env={**env, "CACHEMGR_GC_MAX_BYTES": "3GB"})  # fmt: skip
+    (warning,) = [f for f in json.loads(out.stdout) if f["code"] == "sglang-evictor"]
+    assert "gc_max_bytes 3.0 GB" in warning["message"] and "two owners" in warning["message"]
+    out = cli("--root", str(root), "doctor", "--json", "--", *cmd.split(), env=env)
+    (alone,) = [f for f in json.loads(out.stdout) if f["code"] == "sglang-evictor"]
+    assert "two owners" not in alone["message"]
+
+
 def test_cap_larger_than_free_space(root: Path, model: Path) -> None:
     args = resolve_launch_args(f"{FILE} --page-size 64 --tp-size 8 --model-path {model}")
     layout = Layout.at(root)

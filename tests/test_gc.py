@@ -8,9 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from cachemgr.gcexec import CHUNK, execute_gc
 from cachemgr.gcrunner import needs_gc
-from cachemgr.pageindex import Recorder, reconcile
+from cachemgr.index import scan_root
+from cachemgr.indexer import PageEvents
 from cachemgr.store import Store
+from cachemgr.watcher import Kind
 from tests.gc_helpers import NS, NS2, T0, Tree, evicted, page, policy, temp
 
 SYS = [page(i) for i in range(4)]
@@ -108,7 +111,12 @@ def test_what_is_not_an_sglang_file_is_never_deleted(tree: Tree, tmp_path: Path)
     for p in (d / "notes.txt", tree.layout.ns_root / page(3), tree.layout.root / page(4)):
         os.utime(p, (old, old))
     # A poisoned index that lists them all as old pages, and a cap that wants everything gone
-    tree.rec.record(NS, [(n, 10) for n in (page(1), "notes.txt", page(2))], at=old, kind="write")
+    with tree.store.transaction() as conn:
+        conn.executemany(
+            "INSERT INTO pages (namespace_id, name, size, created_at, last_access)"
+            " VALUES (?, ?, 10, ?, ?)",
+            [(NS, n, old, old) for n in (page(1), "notes.txt", page(2))],
+        )
     tree.write(NS, A[:1], at=old)
     plan = tree.plan(policy(max_bytes=1, min_free_percent=0), now=T0)
     report = tree.execute(plan, now=T0)
@@ -223,7 +231,7 @@ def test_needs_gc_reads_aggregates_that_follow_the_index(tree: Tree) -> None:
     tree.execute(tree.plan(pol, now=T0 + 1), now=T0 + 1)
     assert needs_gc(tree.store, tree.layout, pol, **kw) == ()
     tree.write(NS, [A[0]], at=T0 + 2, size=5000)  # rewritten bigger: the resize trigger
-    (tree.layout.trash / "x").mkdir()
+    (tree.layout.trash / f"{NS2}.x").mkdir()
     assert needs_gc(tree.store, tree.layout, pol, **kw) == ("trash", "cap")
     sums = "SELECT namespace_id, COUNT(*), SUM(size) FROM pages GROUP BY namespace_id"
     usage = "SELECT namespace_id, pages, bytes FROM namespace_stats WHERE pages > 0 ORDER BY 1"
@@ -231,8 +239,15 @@ def test_needs_gc_reads_aggregates_that_follow_the_index(tree: Tree) -> None:
     assert [tuple(r) for r in conn.execute(sums)] == [tuple(r) for r in conn.execute(usage)]
 
 
-def test_reconcile_brings_the_index_in_line_with_the_disk(tree: Tree) -> None:
+def test_scan_brings_the_index_in_line_and_keeps_recency(tree: Tree) -> None:
+    """The CLI's no-daemon scan: new pages added, gone ones removed, known ones keep their
+    last access, reads and access order (GC evicts by them)."""
     tree.write(NS, A, at=T0)
+    tree.read(NS, A[2:4], at=T0 + 3)
+    before = {
+        r[0]: tuple(r[1:])
+        for r in tree.store.conn.execute("SELECT name, last_access, reads, access_seq FROM pages")
+    }
     (tree.dir(NS) / A[0]).unlink()
     (tree.dir(NS) / page(77)).write_bytes(b"n" * 1000)
     (tree.dir(NS) / A[1]).write_bytes(b"n" * 10)
@@ -240,16 +255,42 @@ def test_reconcile_brings_the_index_in_line_with_the_disk(tree: Tree) -> None:
     for name in B:
         (tree.dir(NS2) / name).unlink()
     tree.dir(NS2).rmdir()
-    report = reconcile(tree.store, tree.layout, now=T0 + 5)
-    assert (report.added, report.removed, report.resized) == (1, 7, 1)
-    rows = tree.store.conn.execute("SELECT name FROM pages ORDER BY name").fetchall()
-    assert [r[0] for r in rows] == sorted([*A[1:], page(77)])
+    reports = scan_root(tree.store, tree.layout, now=lambda: T0 + 5)
+    assert [(r.namespace_id, r.added, r.removed) for r in reports] == [(NS, 1, 1)]
+    rows = tree.store.conn.execute("SELECT name, last_access, reads, access_seq, size FROM pages")
+    got = {r[0]: tuple(r[1:]) for r in rows}
+    assert sorted(got) == sorted([*A[1:], page(77)])
+    for name in A[1:]:
+        assert got[name][:3] == before[name]
+    assert got[A[1]][3] == 10  # resized
+    assert got[A[2]][1:3] == (1, before[A[2]][2]) and before[A[2]][2] > 0
 
 
-def test_recorder_resumes_its_sequence(tree: Tree, root: Path) -> None:
+def test_event_sequence_follows_observation_order_and_resumes(tree: Tree) -> None:
     tree.write(NS, A, at=T0)
-    again = Recorder(Store.open(tree.layout.db_path))
-    again.record(NS, [(A[0], None)], at=T0, kind="read")
+    tree.rec.apply([(Kind.READ, NS, A[3], 0.0), (Kind.READ, NS, A[1], 0.0)], now=T0 + 1)
+    seqs = dict(tree.store.conn.execute("SELECT name, access_seq FROM pages"))
+    assert seqs[A[0]] < seqs[A[2]] < seqs[A[3]] < seqs[A[1]]  # one counter, event order
+    again = PageEvents(Store.open(tree.layout.db_path), tree.layout)
+    again.apply([(Kind.READ, NS, A[0], 0.0)], now=T0 + 2)
     seqs = dict(tree.store.conn.execute("SELECT name, access_seq FROM pages"))
     assert seqs[A[0]] > max(seqs[n] for n in A[1:])
     again.store.close()
+
+
+def test_a_stop_ends_the_run_after_the_chunk_being_deleted(tree: Tree) -> None:
+    """Daemon shutdown: GC finishes the chunk it is deleting (index and audit agree), no more."""
+    names = [page(i) for i in range(5000)]
+    tree.write(NS, names, at=T0, size=10)
+    plan = tree.plan(policy(max_bytes=1), now=T0 + 1)
+    checks = iter([False, False])  # the step, then its first chunk; stop after that
+    report = execute_gc(
+        plan, tree.store, tree.layout, clock=lambda: T0 + 1, stop=lambda: next(checks, True)
+    )
+    (step,) = report.steps
+    assert step.files == CHUNK and step.skipped and step.skipped.startswith("stopped")
+    assert len(tree.files(NS)) == 5000 - CHUNK
+    (left,) = tree.store.conn.execute("SELECT COUNT(*) FROM pages").fetchone()
+    assert left == 5000 - CHUNK
+    audited = tree.store.conn.execute("SELECT SUM(pages) FROM audit WHERE action = 'evict'")
+    assert audited.fetchone()[0] == CHUNK

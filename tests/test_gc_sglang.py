@@ -14,8 +14,8 @@ import pytest
 
 from cachemgr.gcpolicy import GcPolicy
 from cachemgr.gcrunner import GcRunner
+from cachemgr.index import scan_root
 from cachemgr.leader import Leadership
-from cachemgr.pageindex import reconcile
 from tests.conftest import SGLANG_ENV, SglangDriver
 from tests.gc_helpers import NS, T0, Tree, big_disk, policy
 
@@ -49,7 +49,7 @@ class Workload:
         before = set(os.listdir(self.dir))
         self.keys[s] = self.sglang.write(self.h, tokens)["keys"]
         new = [k + SUFFIX for k in self.keys[s] if k + SUFFIX not in before]
-        self.tree.rec.record(NS, [(n, PAGE_BYTES) for n in new], at=self.now, kind="write")
+        self.tree.stored(NS, new, at=self.now)
         return got
 
     def on_disk(self) -> int:
@@ -102,9 +102,9 @@ def test_a_torn_page_is_removed_and_sglang_heals(sglang: SglangDriver, root: Pat
     assert sglang.read(h, tokens)["errors"]  # SGLang: short read, the batch is a miss
     assert sglang.write(h, tokens)["stored"] == 0  # and it never rewrites a file that exists
     now = time.time() + 1
-    scan = reconcile(tree.store, tree.layout, now=now)
+    scan_root(tree.store, tree.layout, now=lambda: now)
     runner = GcRunner(tree.store, tree.layout, policy(), clock=lambda: now, disk_usage=big_disk)
-    report = runner.run(actor="cli", temps=list(scan.temps))
+    report = runner.run(actor="cli")
     assert report.totals() == {"corrupt": (1, PAGE_BYTES // 2)}
     got = sglang.read(h, tokens)
     assert (got["hit_pages"], got["errors"]) == (4, [])  # a gap in the chain is a plain miss
@@ -142,7 +142,7 @@ def test_a_page_deleted_between_exists_and_get_is_a_miss(root: Path) -> None:
     assert proc.stdin is not None and proc.stdout is not None
     assert json.loads(proc.stdout.readline()) == {"exists": [True, True, True]}
     now = time.time() + 1
-    reconcile(tree.store, tree.layout, now=now)
+    scan_root(tree.store, tree.layout, now=lambda: now)
     tree.read(NS, [f"{i:064x}_m_0_1.bin" for i in range(3)], at=now)  # read in chain order
     runner = GcRunner(
         tree.store, tree.layout, GcPolicy(max_bytes=2 * PAGE_BYTES, min_age=0, delete_rate=None),

@@ -161,3 +161,37 @@ def test_restart_rebuilds_the_same_index_without_resetting_recency(
         assert ns_stats(reader, NS_A) == (30, 30 * 1024, 1, 0)  # lifetime reads survive
     finally:
         ix.stop()
+
+
+def test_reads_and_stores_get_access_seq_in_the_order_seen(
+    store: Store, layout: Layout, reader: sqlite3.Connection
+) -> None:
+    """One counter over reads and stores, in inotify order, resumed after a restart: within a
+    batch (one last_access for all) it is what tells GC a chain's head from its tail."""
+    d = layout.ns_dir(NS_A)
+    d.mkdir()
+    ix = start(store, layout)
+    try:
+        for i in range(5):
+            store_page(d, page_name(i))
+        for i in (3, 1):
+            read_page(d, page_name(i))
+        seqs = wait_for(
+            lambda: dict(reader.execute("SELECT name, access_seq FROM pages")),
+            lambda s: len(s) == 5 and s[page_name(1)] > s[page_name(4)],
+        )
+    finally:
+        ix.stop()
+    order = sorted(seqs, key=seqs.__getitem__)
+    assert order == [page_name(i) for i in (0, 2, 4, 3, 1)]
+    ix = start(store, layout)  # a restart resumes after the largest stored value
+    try:
+        read_page(d, page_name(0))
+        wait_for(
+            lambda: reader.execute(
+                "SELECT access_seq FROM pages WHERE name = ?", (page_name(0),)
+            ).fetchone()[0],
+            lambda seq: seq > seqs[page_name(1)],
+        )
+    finally:
+        ix.stop()

@@ -4,11 +4,15 @@ import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import pytest
 from prometheus_client import CollectorRegistry
 
+from cachemgr.gcpolicy import GcPolicy
+from cachemgr.gcrunner import GcRunner
 from cachemgr.index import scan_namespace
 from cachemgr.indexer import Counters, IndexState
 from cachemgr.layout import Layout
+from cachemgr.leader import Leadership
 from cachemgr.metrics import METRICS, CachemgrCollector
 from cachemgr.status import DiskUsage
 from cachemgr.store import Store
@@ -65,3 +69,45 @@ def test_every_exposed_metric_is_documented(layout: Layout) -> None:
     store.close()
     documented = {n.removesuffix("_total").removesuffix("_info") for n in METRICS}
     assert names - documented == set()
+
+
+def test_gc_metrics_follow_the_runner(layout: Layout) -> None:
+    """Leadership, runs by result and the last success come from the daemon's GcRunner."""
+    store = Store.open(layout.db_path)
+    clock = [1000.0]
+    runner = GcRunner(store, layout, GcPolicy(min_free_percent=0.0), clock=lambda: clock[0])
+
+    @contextmanager
+    def reader() -> Iterator[sqlite3.Connection]:
+        yield store.conn
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(CachemgrCollector(layout, reader, gc=runner))
+    v = reg.get_sample_value
+    assert v("cachemgr_gc_leader") == 0
+    assert v("cachemgr_gc_last_success_timestamp_seconds") == 1000.0  # started, nothing yet
+    other = Leadership(layout.state_dir / "gc.lock")
+    assert other.try_acquire()
+    assert runner.tick() is None
+    assert v("cachemgr_gc_runs_total", {"result": "skipped"}) == 1
+    other.release()
+    clock[0] = 2000.0
+    runner.tick()  # first tick: a sweep, so a run
+    assert v("cachemgr_gc_leader") == 1
+    assert v("cachemgr_gc_runs_total", {"result": "ok"}) == 1
+    assert v("cachemgr_gc_last_success_timestamp_seconds") == 2000.0
+    clock[0] = 2060.0
+    assert runner.tick() is None  # nothing to do: a success, not a run
+    assert v("cachemgr_gc_runs_total", {"result": "ok"}) == 1
+    assert v("cachemgr_gc_last_success_timestamp_seconds") == 2060.0
+
+    def broken(_: object) -> tuple[int, int, int]:
+        raise OSError(5, "Input/output error")
+
+    runner.disk_usage = broken
+    with pytest.raises(OSError):
+        runner.tick()
+    assert v("cachemgr_gc_runs_total", {"result": "error"}) == 1
+    assert v("cachemgr_gc_last_success_timestamp_seconds") == 2060.0
+    runner.leadership.release()
+    store.close()

@@ -68,7 +68,7 @@ def test_health_status_and_metrics_follow_the_disk(settings: Settings, layout: L
         assert metric(text, "cachemgr_page_reads_total", namespace=NS_A) == 3
         assert metric(text, "cachemgr_page_writes_total", namespace=NS_A) == 6
         assert metric(text, "cachemgr_ready") == 1
-        info = dict(namespace=NS_A, instance="gpu0", model="Qwen/Qwen3-8B", page_size="64")
+        info = dict(namespace=NS_A, server_instance="gpu0", model="Qwen/Qwen3-8B", page_size="64")
         assert metric(text, "cachemgr_namespace_info", kv_cache_dtype="bfloat16", **info) == 1
         fp = dm.get("/v1/fingerprint", params={"instance": "gpu0"}).json()
         assert fp[0]["namespace"] == NS_A and fp[0]["identity"]["page_size"] == 64

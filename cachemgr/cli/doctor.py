@@ -41,7 +41,7 @@ def doctor(app: AppContext, as_json: bool, launch_cmd: tuple[str, ...]) -> None:
             layout=layout,
             env=env,
             model_config=_model_config(args, env),
-            cap_bytes=_cachemgr_cap(settings),
+            cap_bytes=int(settings.gc_max_bytes) if settings.gc_max_bytes else None,
         )
     if layout.root.is_dir():
         with opened_store(layout) as store:
@@ -63,10 +63,3 @@ def _model_config(args: LaunchArgs, env: Mapping[str, str]) -> dict[str, Any] | 
         return model_dir.read_json(directory / "config.json")
     except CachemgrError:
         return None
-
-
-def _cachemgr_cap(settings: Any) -> int | None:
-    """cachemgr's own byte cap (GC setting gc_max_bytes) where that setting exists."""
-    # getattr: the GC settings live on another branch; without them SGLang's cap is used.
-    cap = getattr(settings, "gc_max_bytes", None)
-    return int(cap) if cap else None

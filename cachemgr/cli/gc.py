@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -20,8 +19,8 @@ from cachemgr.gcapi import GcResponse
 from cachemgr.gcexec import GcReport
 from cachemgr.gcpolicy import GcPolicy
 from cachemgr.gcrunner import GcRunner
+from cachemgr.index import scan_root
 from cachemgr.layout import Layout
-from cachemgr.pageindex import reconcile
 from cachemgr.store import Store
 
 _LIMITS = [
@@ -66,16 +65,16 @@ def gc(app: AppContext, /, dry_run: bool, as_json: bool, yes: bool, **limits: An
                 f"another process leads GC on {layout.root} ({runner.leadership.holder()}); "
                 "nothing deleted: ask it with POST /v1/gc, or use --dry-run"
             )
-        temps = list(reconcile(store, layout, now=time.time()).temps)
+        scan_root(store, layout)  # no daemon may be watching: bring the index in line first
         if dry_run or not yes:
-            preview = runner.run(dry_run=True, actor="cli", temps=temps)
+            preview = runner.run(dry_run=True, actor="cli")
             if dry_run or preview.files == 0:
                 _show(preview, as_json)
                 return
             _show(preview, as_json=False)
             click.confirm("Delete these files?", abort=True, err=True)
         with _progress(enabled=sys.stderr.isatty() and not as_json) as report_progress:
-            report = runner.run(actor="cli", temps=temps, progress=report_progress)
+            report = runner.run(actor="cli", progress=report_progress)
         _show(report, as_json)
     finally:
         runner.leadership.release()
