@@ -3,7 +3,7 @@
 
 A scan only lists and stats: it never opens a page file (an open would count as a hit).
 `os.listdir` + `os.stat(dir_fd=…)` runs ~1.5× faster than `os.scandir` + `DirEntry.stat()`
-here, and rows go to SQLite in 10K-row transactions so other writers (GC, purge) get turns.
+here, and rows go to SQLite in 50K-row transactions (< 1 s) so other writers (GC, purge) get turns.
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ import os
 import sqlite3
 import stat
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from cachemgr.layout import _PAGE_RE, _TEMP_RE, NS_ID_RE, Layout
@@ -23,8 +22,10 @@ from cachemgr.store import Store
 
 log = logging.getLogger(__name__)
 BATCH = 10_000
-CHUNK = 2048  # names per stat task
-STAT_THREADS = 2
+# Rows per scan transaction: one sorted batch is one pass along the primary key, so bigger
+# batches insert faster (a first build +18% at 50K vs 10K) while a transaction stays under
+# a second, far below the other writers' 10 s busy timeout.
+SCAN_BATCH = 50_000
 PROGRESS_EVERY = 200_000
 
 
@@ -72,7 +73,7 @@ class _Walk:
 
 
 def _walk(path: str, walk: _Walk, now: float) -> Iterator[list[tuple[str, int, float]]]:
-    """Yield (name, size, mtime) of the page files in `path`, BATCH at a time."""
+    """Yield (name, size, mtime) of the page files in `path`, SCAN_BATCH at a time."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except (FileNotFoundError, NotADirectoryError):
@@ -80,79 +81,38 @@ def _walk(path: str, walk: _Walk, now: float) -> Iterator[list[tuple[str, int, f
     sizes: Counter[tuple[str | None, int]] = Counter()
     walk.sizes = sizes
     try:
-        names = os.listdir(fd)
-        chunks = [names[i : i + CHUNK] for i in range(0, len(names), CHUNK)]
-        # Two threads: os.stat releases the GIL, so one thread's stat overlaps the other's
-        # regex. At most STAT_THREADS chunks are in flight, so memory stays bounded.
-        with ThreadPoolExecutor(STAT_THREADS, "scan-stat") as pool:
-            batch: list[tuple[str, int, float]] = []
-            ahead: deque[Future[_Chunk]] = deque(
-                pool.submit(_stat_chunk, fd, c, now) for c in chunks[:STAT_THREADS]
-            )
-            for nxt in range(STAT_THREADS, len(chunks) + STAT_THREADS):
-                part = ahead.popleft().result()
-                if nxt < len(chunks):
-                    ahead.append(pool.submit(_stat_chunk, fd, chunks[nxt], now))
-                walk.temp += part.temp
-                walk.foreign += part.foreign
-                sizes.update(part.sizes)
-                for _, size, _ in part.rows:
-                    walk.zero += size == 0
-                    walk.bytes += size
-                walk.pages += len(part.rows)
-                batch += part.rows
-                if walk.pages // PROGRESS_EVERY > (walk.pages - len(part.rows)) // PROGRESS_EVERY:
-                    log.info("scan progress", extra={"dir": path, "pages": walk.pages})
-                if len(batch) >= BATCH:
-                    yield batch
-                    batch = []
-            if batch:
+        batch: list[tuple[str, int, float]] = []
+        for name in os.listdir(fd):
+            # One regex per name (classify() + parse_page_name() would cost three and two
+            # objects), since this loop runs a million times.
+            page = _PAGE_RE.fullmatch(name)
+            if page is None:
+                if _TEMP_RE.fullmatch(name):
+                    walk.temp += 1
+                else:
+                    walk.foreign += 1
+                continue
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # deleted since listdir; the watcher reports it
+            if not stat.S_ISREG(st.st_mode):
+                walk.foreign += 1
+                continue
+            sizes[(page.group("pool"), st.st_size)] += 1
+            walk.zero += st.st_size == 0
+            walk.pages += 1
+            walk.bytes += st.st_size
+            batch.append((name, st.st_size, min(st.st_mtime, now)))
+            if len(batch) >= SCAN_BATCH:
                 yield batch
+                batch = []
+            if walk.pages % PROGRESS_EVERY == 0:
+                log.info("scan progress", extra={"dir": path, "pages": walk.pages})
+        if batch:
+            yield batch
     finally:
         os.close(fd)
-
-
-@dataclass
-class _Chunk:
-    """One chunk of names, classified and stat-ed."""
-
-    rows: list[tuple[str, int, float]]
-    sizes: Counter[tuple[str | None, int]]
-    temp: int = 0
-    foreign: int = 0
-
-
-def _stat_chunk(fd: int, names: list[str], now: float) -> _Chunk:
-    """Classify and lstat `names` (relative to the dir fd): the per-file loop of a scan."""
-    out = _Chunk([], Counter())
-    rows, sizes = out.rows, out.sizes
-    page_match, temp_match, lstat, is_reg = (
-        _PAGE_RE.fullmatch,
-        _TEMP_RE.fullmatch,
-        os.stat,
-        stat.S_ISREG,
-    )
-    for name in names:
-        # One regex per name (classify() + parse_page_name() would cost three and two
-        # objects), since this loop runs a million times.
-        page = page_match(name)
-        if page is None:
-            if temp_match(name):
-                out.temp += 1
-            else:
-                out.foreign += 1
-            continue
-        try:
-            st = lstat(name, dir_fd=fd, follow_symlinks=False)
-        except FileNotFoundError:
-            continue  # deleted since listdir; the watcher reports it
-        if not is_reg(st.st_mode):
-            out.foreign += 1
-            continue
-        sizes[(page.group("pool"), st.st_size)] += 1
-        mtime = st.st_mtime
-        rows.append((name, st.st_size, mtime if mtime < now else now))
-    return out
 
 
 def _corrupt(walk: _Walk) -> int:
@@ -188,7 +148,7 @@ def scan_namespace(
         " SET size = excluded.size WHERE size != excluded.size"
     )
     # With no rows to begin with there is nothing to drop: skip remembering what was seen
-    # (a quarter of a first build's time). Rows a watcher adds meanwhile are real files.
+    # (~10% of a first build's time). Rows a watcher adds meanwhile are real files.
     track = before > 0
     for batch in _walk(str(layout.ns_dir(ns_id)), walk, now()):
         batch.sort()  # name order = primary-key order: far fewer B-tree pages touched
