@@ -159,7 +159,7 @@ def delete_files(
 
 @dataclass
 class _Checked:
-    """What checking turned away: only the checking thread writes it until it is joined."""
+    """What checking turned away (`vanished` also gets names gone by unlink time)."""
 
     vanished: list[str] = field(default_factory=list)
     young: int = 0
