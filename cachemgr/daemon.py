@@ -4,8 +4,8 @@ Start: bind the port first (a port in use is one line and exit 2, before any wor
 root skeleton, open the DB, start the watcher and the index thread (the first scan runs there;
 /readyz turns ready when it ends) and the GC thread (it deletes only while this process holds
 the root's GC lock), then serve. SIGTERM/SIGINT: uvicorn stops accepting and finishes in-flight
-requests (a second signal forces it), GC stops after the chunk it is deleting, the index thread
-applies its last batch and the DB is closed.
+requests (a second signal cuts that short, a third exits at once), GC stops after the chunk it
+is deleting, the index thread applies its last batch, the DB is closed and the exit status is 0.
 """
 
 from __future__ import annotations
@@ -13,12 +13,15 @@ from __future__ import annotations
 import errno
 import ipaddress
 import logging
+import os
+import signal
 import socket
 import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import FrameType
 
 import uvicorn
 from prometheus_client import CollectorRegistry
@@ -144,6 +147,18 @@ class Reader:
             self._conn.close()
 
 
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handling: the daemon owns SIGTERM/SIGINT.
+
+    uvicorn re-raises the signal it caught once its own shutdown ends, which kills the process
+    before `Daemon.stop` can apply the last batch and close the DB.
+    """
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
 class Daemon:
     """The running sidecar; `start()` then `serve()` (blocking) or `stop()`."""
 
@@ -161,6 +176,7 @@ class Daemon:
         self.sock: socket.socket | None = None
         self.server: uvicorn.Server | None = None
         self._started = False
+        self._signals = 0
 
     def start(self) -> None:
         """Bind, open the DB, start watching and indexing; returns before the first scan ends."""
@@ -205,7 +221,7 @@ class Daemon:
             lifespan="off",
             timeout_graceful_shutdown=10,
         )
-        self.server = uvicorn.Server(config)
+        self.server = _Server(config)
         self.indexer.start()
         self._gc_thread.start()  # first cycle once the index is built; drains .trash/ too
         if self.probe is not None and self.settings.sglang_url:
@@ -258,10 +274,41 @@ class Daemon:
     def serve(self) -> None:
         """Serve HTTP until a signal (or `server.should_exit`), then shut everything down."""
         assert self.sock is not None and self.server is not None
+        with self._signal_handlers():
+            try:
+                self.server.run(sockets=[self.sock])
+            finally:
+                self.stop()
+
+    @contextmanager
+    def _signal_handlers(self) -> Iterator[None]:
+        """SIGTERM/SIGINT shut down cleanly, until `stop` ends (only the main thread can)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in handled}
         try:
-            self.server.run(sockets=[self.sock])
+            yield
         finally:
-            self.stop()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, sig: int, frame: FrameType | None) -> None:
+        """First signal: graceful shutdown; second: skip the waits; third: exit at once."""
+        assert self.server is not None
+        self._signals += 1
+        if self._signals == 1:
+            log.info("shutting down", extra={"signal": signal.Signals(sig).name})
+            self.server.should_exit = True
+        elif not self._started or self.server.force_exit:
+            # Past uvicorn (waiting on GC or the index thread), or asked twice already: the DB
+            # is WAL, so an abrupt exit loses at most the batch not yet applied.
+            log.warning("forced exit", extra={"signal": signal.Signals(sig).name})
+            os._exit(128 + sig)
+        else:
+            log.warning("forcing shutdown", extra={"signal": signal.Signals(sig).name})
+            self.server.force_exit = True
 
     def _purge_mismatch(self, ns_id: str, diffs: list[str]) -> None:
         """The server contradicts its namespace: its pages may read back wrong, drop them now."""

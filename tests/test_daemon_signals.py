@@ -1,0 +1,84 @@
+"""`cachemgr serve` as a process: SIGTERM shuts it down cleanly (exit 0, last batch applied)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from cachemgr.layout import Layout
+from tests.daemon_helpers import NS_A, page_name, register_namespace, store_page, wait_for
+
+
+def _lag(url: str) -> float:
+    """cachemgr_index_lag_seconds: > 0 while watcher events wait for the next batch."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    match = re.search(r"^cachemgr_index_lag_seconds (\S+)$", text, re.M)
+    assert match, text
+    return float(match.group(1))
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/readyz", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_sigterm_applies_the_last_batch_closes_the_db_and_exits_0(tmp_path: Path) -> None:
+    layout = Layout.at(tmp_path / "root")
+    layout.ensure()
+    ns_dir = register_namespace(layout, NS_A)
+    env = {
+        **os.environ,
+        "CACHEMGR_BATCH_INTERVAL": "10",  # the pages below are still queued at SIGTERM
+        "CACHEMGR_LOG_FORMAT": "json",
+        "CACHEMGR_GC_INTERVAL": "1h",
+    }
+    argv = [sys.executable, "-m", "cachemgr", "--root", str(layout.root), "serve", "--port", "0"]
+    with subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+    ) as proc:
+        err = _terminate_after_writing(proc, ns_dir)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    assert '"daemon stopped"' in err
+    conn = sqlite3.connect(layout.db_path)
+    try:
+        rows = conn.execute("SELECT name FROM pages WHERE namespace_id = ?", (NS_A,)).fetchall()
+    finally:
+        conn.close()
+    assert sorted(r[0] for r in rows) == sorted(names())
+
+
+def names() -> list[str]:
+    return [page_name(i) for i in range(20)]
+
+
+def _terminate_after_writing(proc: subprocess.Popen[str], ns_dir: Path) -> str:
+    """Wait until ready, store pages, SIGTERM while they wait for their batch; its stderr."""
+    try:
+        assert proc.stderr is not None
+        lines = []
+        while not (lines and "serving" in lines[-1]):
+            line = proc.stderr.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        url = re.search(r"http://\S+", lines[-1]).group(0)  # type: ignore[union-attr]
+        wait_for(lambda: _ready(url), bool, timeout=30)
+        for name in names():
+            store_page(ns_dir, name)
+        wait_for(lambda: _lag(url), lambda lag: lag > 0)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        return "".join(lines) + err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
