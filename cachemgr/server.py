@@ -203,7 +203,10 @@ def create_app(backend: Backend) -> FastAPI:
             return
         given = request.headers.get("authorization", "")
         scheme, _, value = given.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(value, backend.token):
+        # Bytes: compare_digest refuses non-ASCII str. Starlette decoded the header as latin-1,
+        # so encoding it back gives the bytes sent; a UTF-8 token then matches its UTF-8 bytes.
+        sent, expected = value.encode("latin-1"), backend.token.encode("utf-8")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(sent, expected):
             raise HTTPException(401, "this route needs 'Authorization: Bearer <token>'")
 
     def statuses() -> list[NamespaceStatus]:

@@ -112,6 +112,21 @@ def test_mutating_routes_need_the_token(settings: Settings, layout: Layout) -> N
         assert dm.get("/v1/status").status_code == 200  # reads stay open
 
 
+def test_non_ascii_tokens_are_compared_not_a_500(settings: Settings, layout: Layout) -> None:
+    register_namespace(layout, NS_A)
+    with running_daemon(load_settings(root=layout.root, token="s3cret")) as dm:
+        r = dm.post("/purge", headers={"Authorization": "Bearer sécret✓".encode()})
+        assert r.status_code == 401
+        assert r.headers["content-type"] == "application/problem+json"
+        assert r.json()["status"] == 401
+    with running_daemon(load_settings(root=layout.root, token="sécret✓")) as dm:
+        good = {"Authorization": "Bearer sécret✓".encode()}
+        ok = dm.post("/purge", params={"dry_run": True}, headers=good)
+        assert ok.status_code == 200 and ok.json()["dry_run"] is True
+        bad = dm.post("/purge", params={"dry_run": True}, headers={"Authorization": "Bearer s"})
+        assert bad.status_code == 401
+
+
 def test_non_loopback_needs_a_token_and_a_busy_port_is_one_line(
     settings: Settings, layout: Layout
 ) -> None:
