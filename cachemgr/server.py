@@ -106,7 +106,8 @@ class Fingerprint(BaseModel):
 class PurgeRequest(BaseModel):
     """Which namespaces to purge: the union of what is chosen; nothing chosen means all."""
 
-    model_config = ConfigDict(extra="forbid")
+    # strict: the schema says boolean, so a JSON 0 or 0.0 is a 422, not a quiet `false`
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     namespace: str | None = Field(None, pattern=NS_ID_PATTERN)
     instance: str | None = Field(None, pattern=INSTANCE_PATTERN)
@@ -115,7 +116,7 @@ class PurgeRequest(BaseModel):
 
 
 class NamespacePurgeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     dry_run: bool = False
 

@@ -112,6 +112,21 @@ def test_mutating_routes_need_the_token(settings: Settings, layout: Layout) -> N
         assert dm.get("/v1/status").status_code == 200  # reads stay open
 
 
+def test_purge_bodies_take_only_json_booleans(settings: Settings, layout: Layout) -> None:
+    """The schema says boolean: 0, 0.0 or "yes" must be a 422, never a quiet purge or dry run."""
+    register_namespace(layout, NS_A)
+    with running_daemon(settings) as dm:
+        for route in ("/v1/purge", f"/v1/namespaces/{NS_A}/purge"):
+            for value in (0.0, 0, 1, "true"):
+                r = dm.post(route, json={"dry_run": value})
+                assert r.status_code == 422, (route, value, r.text)
+                assert r.headers["content-type"] == "application/problem+json"
+            ok = dm.post(route, json={"dry_run": True})
+            assert ok.status_code == 200 and ok.json()["dry_run"] is True
+        assert dm.post("/v1/purge", json={"all": 1, "dry_run": True}).status_code == 422
+        assert dm.namespaces()[NS_A]["id"] == NS_A  # nothing was purged
+
+
 def test_non_ascii_tokens_are_compared_not_a_500(settings: Settings, layout: Layout) -> None:
     register_namespace(layout, NS_A)
     with running_daemon(load_settings(root=layout.root, token="s3cret")) as dm:
