@@ -130,20 +130,40 @@ def lint(
                 "use --hicache-storage-backend file, or do not run cachemgr for this server",
             )
         )
-    if file_backend and args.page_size == 1:
-        found.append(
-            Finding(
-                "error",
-                "page-size-1",
-                "--page-size 1 (SGLang's default) makes the file backend write one file per token: "
-                "in the field 15.4 GB in 400,000 files and 0 hits, once 440 GB",
-                "--page-size 64 (field: 82% hit rate across restarts, TTFT 24.5 s → 5.8 s, 2.7 GB)",
-            )
-        )
+    if file_backend:
+        found += _page_size(args)
     found += _mamba(args, model_config)
     if file_backend:
         found += _storage(args, layout, env, cap_bytes, disk_free)
     return found
+
+
+def _page_size(args: LaunchArgs) -> list[Finding]:
+    """Page size 1 is an error; unknown until the GPU is seen (no flag) is a warning."""
+    page = args.resolved_page_size
+    if page == 1:
+        return [
+            Finding(
+                "error",
+                "page-size-1",
+                "--page-size 1 makes the file backend write one file per token: "
+                "in the field 15.4 GB in 400,000 files and 0 hits, once 440 GB",
+                "--page-size 64 (field: 82% hit rate across restarts, TTFT 24.5 s → 5.8 s, 2.7 GB)",
+            )
+        ]
+    if page is None:
+        # Without the flag SGLang picks it from the GPU and attention backend: 1 on most
+        # CUDA/ROCm GPUs (one file per token), more on some; doctor cannot tell which.
+        return [
+            Finding(
+                "warning",
+                "page-size-unpinned",
+                "no --page-size: SGLang decides it on the GPU (1 on most CUDA/ROCm GPUs, which "
+                "makes the file backend write one file per token)",
+                "pin it: --page-size 64",
+            )
+        ]
+    return []
 
 
 def _mamba(args: LaunchArgs, config: Mapping[str, Any] | None) -> list[Finding]:
@@ -156,16 +176,18 @@ def _mamba(args: LaunchArgs, config: Mapping[str, Any] | None) -> list[Finding]:
                 "run doctor where the model is on disk (or in the HF cache)",
             )
         ]
-    if not is_hybrid(config) or args.mamba_track_interval % args.page_size == 0:
+    page = args.resolved_page_size
+    # page None: SGLang picks it on the GPU, so divisibility cannot be known here.
+    if page is None or not is_hybrid(config) or args.mamba_track_interval % page == 0:
         return []
     return [
         Finding(
             "error",
             "mamba-track-interval",
             f"hybrid model: --mamba-track-interval {args.mamba_track_interval} is not divisible by "
-            f"--page-size {args.page_size}; SGLang refuses to start",
+            f"page size {page}; SGLang refuses to start",
             f"use a page size that divides {args.mamba_track_interval} (e.g. 64), or set "
-            f"--mamba-track-interval to a multiple of {args.page_size}",
+            f"--mamba-track-interval to a multiple of {page}",
         )
     ]
 

@@ -37,12 +37,24 @@ def managed_env(root: Path) -> dict[str, str]:
 
 
 def test_page_size_1_is_an_error_with_the_numbers(root: Path, model: Path) -> None:
-    out = cli("--root", str(root), "doctor", "--", *FILE.split(), "--model-path", str(model),
-              env=managed_env(root))  # fmt: skip
+    out = cli("--root", str(root), "doctor", "--", *FILE.split(), "--page-size", "1",
+              "--model-path", str(model), env=managed_env(root))  # fmt: skip
     assert out.returncode == 2
     (line,) = out.stdout.splitlines()
     assert line.startswith("error   page-size-1: ")
     assert "15.4 GB in 400,000 files and 0 hits" in line and "fix: --page-size 64" in line
+
+
+def test_page_size_left_to_sglang_is_a_warning_not_an_error(root: Path, model: Path) -> None:
+    out = cli("--root", str(root), "doctor", "--", *FILE.split(), "--model-path", str(model),
+              env=managed_env(root))  # fmt: skip
+    assert out.returncode == 1
+    (line,) = out.stdout.splitlines()
+    assert line.startswith("warning page-size-unpinned: ")
+    assert "SGLang decides it on the GPU" in line and "fix: pin it: --page-size 64" in line
+    # A backend that forces the page size settles it without the flag.
+    forced = f"{FILE} --model-path {model} --attention-backend flashmla"
+    assert doctor(root, forced, managed_env(root)) == (0, [])
 
 
 def test_a_good_launch_is_clean(root: Path, model: Path) -> None:
@@ -74,6 +86,14 @@ def test_mamba_track_interval_on_hybrid_models(
     cmd = f"{FILE} --page-size 64 --model-path {model} --mamba-track-interval {interval}"
     code, found = doctor(root, cmd, managed_env(root))
     assert found == expected and code == (2 if expected else 0)
+
+
+def test_mamba_check_uses_the_resolved_page_size(root: Path, model: Path) -> None:
+    (model / "config.json").write_text(json.dumps({"layer_types": ["linear_attention"]}))
+    unpinned = f"{FILE} --model-path {model} --mamba-track-interval 100"
+    assert doctor(root, unpinned, managed_env(root)) == (1, ["page-size-unpinned"])
+    forced = f"{unpinned} --attention-backend flashmla"  # forces 64: 100 % 64 != 0
+    assert doctor(root, forced, managed_env(root)) == (2, ["mamba-track-interval"])
 
 
 def test_sglang_evictor_conflicts_with_cachemgr(root: Path, model: Path) -> None:
