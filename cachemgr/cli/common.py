@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from cachemgr.deletion import DeleteReport, Pacer
-from cachemgr.errors import NotFoundError
+from cachemgr.errors import ConfigError, NotFoundError
 from cachemgr.layout import Layout
 from cachemgr.purge import Actor, DrainProgress, drain_trash
 from cachemgr.settings import Settings
@@ -21,11 +21,18 @@ log = logging.getLogger("cachemgr.purge")
 def root_layout(settings: Settings, *, create: bool) -> Layout:
     """The root's layout; created if asked, else it must exist already."""
     layout = Layout.at(settings.root, settings.state_dir)
+    refuse_file_root(layout)
     if create:
         layout.ensure()
     elif not layout.root.is_dir():
         raise NotFoundError(f"no cache root at {layout.root} (cachemgr init creates it)")
     return layout
+
+
+def refuse_file_root(layout: Layout) -> None:
+    """A root that exists but is not a directory is a config mistake (exit 2), not an empty root."""
+    if layout.root.exists() and not layout.root.is_dir():
+        raise ConfigError(f"cache root {layout.root} is not a directory")
 
 
 @contextmanager

@@ -10,8 +10,10 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
+from cachemgr.cli.common import refuse_file_root
 from cachemgr.cli.main import AppContext, pass_app
 from cachemgr.index import measure_namespace
 from cachemgr.layout import Layout
@@ -72,23 +74,47 @@ def _ago(ts: float | None) -> str:
     return f"{s:.0f}s ago"
 
 
-def render(report: dict[str, Any], console: Console) -> None:
-    """The table people read at a glance."""
+# Left to right; the first ones go when the table is wider than the terminal (never the id).
+COLUMNS = ("namespace", "model", "kv dtype", "page", "instances", "pages", "size", "reads",
+           "writes", "hit ratio", "last write")  # fmt: skip
+DROP_ORDER = ("kv dtype", "page", "last write", "instances", "writes", "reads", "model")
+RIGHT = {"pages", "size", "reads", "writes", "hit ratio", "last write"}
+
+
+def _cells(ns: dict[str, Any]) -> dict[str, str]:
+    ratio = ns.get("hit_ratio")
+    return {
+        "namespace": ns["id"], "model": ns.get("model") or "?",
+        "kv dtype": ns.get("kv_cache_dtype") or "?", "page": str(ns.get("page_size") or "?"),
+        "instances": ",".join(ns.get("instances") or []) or "-", "pages": f"{ns['pages']:,}",
+        "size": _size(ns["bytes"]), "reads": f"{ns['page_reads']:,}",
+        "writes": f"{ns['page_writes']:,}", "hit ratio": "-" if ratio is None else f"{ratio:.1%}",
+        "last write": _ago(ns.get("last_write_at")),
+    }  # fmt: skip
+
+
+def _table(report: dict[str, Any], columns: list[str]) -> Table:
     src = report.get("source", "daemon")
     table = Table(title=f"cachemgr — {report['root']} (from {src})", title_justify="left")
-    for col in ("namespace", "model", "kv dtype", "page", "instances"):
-        table.add_column(col)
-    for col in ("pages", "size", "reads", "writes", "hit ratio", "last write"):
-        table.add_column(col, justify="right")
+    for col in columns:
+        # no_wrap: rich would otherwise squeeze a 16-char id to "e52…"
+        table.add_column(col, justify="right" if col in RIGHT else "left", no_wrap=True)
     for ns in report["namespaces"]:
-        ratio = ns.get("hit_ratio")
-        table.add_row(
-            ns["id"], ns.get("model") or "?", ns.get("kv_cache_dtype") or "?",
-            str(ns.get("page_size") or "?"), ",".join(ns.get("instances") or []) or "-",
-            f"{ns['pages']:,}", _size(ns["bytes"]), f"{ns['page_reads']:,}",
-            f"{ns['page_writes']:,}", "-" if ratio is None else f"{ratio:.1%}",
-            _ago(ns.get("last_write_at")),
-        )  # fmt: skip
+        cells = _cells(ns)
+        table.add_row(*(cells[c] for c in columns))
+    return table
+
+
+def render(report: dict[str, Any], console: Console) -> None:
+    """The table people read at a glance; columns dropped until it fits, never cut."""
+    columns = list(COLUMNS)
+    table = _table(report, columns)
+    unbounded = console.options.update_width(10_000)  # the width it wants, not what is left
+    for col in DROP_ORDER:
+        if Measurement.get(console, unbounded, table).maximum <= console.width:
+            break
+        columns.remove(col)
+        table = _table(report, columns)
     console.print(table)
 
 
@@ -101,6 +127,7 @@ def status(app: AppContext, as_json: bool, host: str | None, port: int | None) -
     """Pages, bytes, reads, writes and hit ratio per namespace (from the daemon if it runs)."""
     app.overrides.update({k: v for k, v in {"host": host, "port": port}.items() if v is not None})
     settings = app.settings
+    refuse_file_root(Layout.at(settings.root, settings.state_dir))
     report = from_daemon(settings)
     if report is not None:
         report["source"] = "daemon"

@@ -1,0 +1,43 @@
+"""`cachemgr status` as people read it: a real process, 80 columns or piped, ids never cut."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cachemgr.layout import Layout
+from tests.daemon_helpers import NS_A, NS_B, page_name, register_namespace, store_page
+from tests.nsfixtures import cli_process, one_line_error
+
+
+@pytest.mark.parametrize("columns", ["80", ""])  # a narrow terminal; piped with no COLUMNS
+def test_status_table_shows_whole_ids_at_80_columns(layout: Layout, columns: str) -> None:
+    for ns in (NS_A, NS_B):
+        d = register_namespace(layout, ns, instance=f"gpu-{ns[:4]}")
+        store_page(d, page_name(1), 2_500_000)
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    if columns:
+        env["COLUMNS"] = columns
+    # --port 1: nothing listens there, so the report comes from the disk. stdout is a pipe.
+    argv = [sys.executable, "-m", "cachemgr", "--root", str(layout.root), "status", "--port", "1"]
+    out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines and max(len(line) for line in lines) <= 80, out.stdout
+    for ns in (NS_A, NS_B):
+        (row,) = [line for line in lines if ns in line]
+        assert "2.4 MiB" in row and "…" not in row, out.stdout
+
+
+def test_status_and_ls_on_a_regular_file_root_are_one_line(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.write_text("not a dir")
+    for command in (["status", "--port", "1"], ["ls"]):
+        out = cli_process("--root", str(root), *command)
+        assert out.returncode == 2, (command, out.stderr)
+        assert one_line_error(out) == f"cachemgr: error: cache root {root} is not a directory"
+        assert out.stdout == ""
