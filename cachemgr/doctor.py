@@ -12,6 +12,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Literal
 
+from cachemgr.cli.common import human_bytes
 from cachemgr.layout import NS_ID_RE, Layout
 from cachemgr.namespaces import list_namespaces
 from cachemgr.prelaunch import STORAGE_DIR_ENV
@@ -219,8 +220,8 @@ def _storage(
     sg_cap = parse_size(str(extra.get("max_size") or env.get(MAX_SIZE_ENV) or ""))
     if sg_cap is not None:
         both = (
-            f"; cachemgr's GC caps the root too (gc_max_bytes {_gb(cap)}): two owners evicting "
-            "the same files"
+            f"; cachemgr's GC caps the root too (gc_max_bytes {human_bytes(cap)}): two owners "
+            "evicting the same files"
             if cap is not None
             else ""
         )
@@ -228,9 +229,9 @@ def _storage(
             Finding(
                 "warning",
                 "sglang-evictor",
-                f"SGLang's own file evictor is on (max_size {_gb(sg_cap)} per TP rank, so up to "
-                f"{_gb(sg_cap * args.tp_size)} at tp {args.tp_size}); it keeps recency only in "
-                f"memory, never reaps other models' files or .tmp leftovers{both}",
+                f"SGLang's own file evictor is on (max_size {human_bytes(sg_cap)} per TP rank, so "
+                f"up to {human_bytes(sg_cap * args.tp_size)} at tp {args.tp_size}); it keeps "
+                f"recency only in memory, never reaps other models' files or .tmp leftovers{both}",
                 f"pick one owner: unset {MAX_SIZE_ENV} / max_size and cap the root with cachemgr's "
                 "gc_max_bytes (recommended), or keep SGLang's and leave gc_max_bytes unset",
             )
@@ -243,16 +244,12 @@ def _storage(
                 Finding(
                     "warning",
                     "disk-smaller-than-cap",
-                    f"{path}'s filesystem has {_gb(free)} free, less than the cap of {_gb(limit)}: "
-                    "the disk fills before eviction starts",
+                    f"{path}'s filesystem has {human_bytes(free)} free, less than the cap of "
+                    f"{human_bytes(limit)}: the disk fills before eviction starts",
                     "lower the cap below the free space, or move the root to a bigger disk",
                 )
             )
     return found
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:,.1f} GB"
 
 
 def _extra_config(args: LaunchArgs) -> dict[str, Any]:

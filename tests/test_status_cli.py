@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from cachemgr.cli.common import human_bytes
+from cachemgr.doctor import lint
 from cachemgr.layout import Layout
+from cachemgr.sglang_args import resolve_launch_args
 from tests.daemon_helpers import NS_A, NS_B, page_name, register_namespace, store_page
 from tests.nsfixtures import cli_process, one_line_error
 
@@ -30,7 +33,7 @@ def test_status_table_shows_whole_ids_at_80_columns(layout: Layout, columns: str
     assert lines and max(len(line) for line in lines) <= 80, out.stdout
     for ns in (NS_A, NS_B):
         (row,) = [line for line in lines if ns in line]
-        assert "2.4 MiB" in row and "…" not in row, out.stdout
+        assert "2.5 MB" in row and "…" not in row, out.stdout
 
 
 def test_status_and_ls_on_a_regular_file_root_are_one_line(tmp_path: Path) -> None:
@@ -41,3 +44,23 @@ def test_status_and_ls_on_a_regular_file_root_are_one_line(tmp_path: Path) -> No
         assert out.returncode == 2, (command, out.stderr)
         assert one_line_error(out) == f"cachemgr: error: cache root {root} is not a directory"
         assert out.stdout == ""
+
+
+def test_one_byte_format_for_every_command(tmp_path: Path) -> None:
+    """status, gc, purge, ls and doctor share one formatter: decimal units that fit the size."""
+    assert [human_bytes(n) for n in (0, 999, 1000, 2_500_000, 15.4e9, 3e15, -6000)] == [
+        "0 B", "999 B", "1.0 kB", "2.5 MB", "15.4 GB", "3000.0 TB", "-6.0 kB",
+    ]  # fmt: skip
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"]}')
+    args = resolve_launch_args(
+        "sglang serve --enable-hierarchical-cache --hicache-storage-backend file "
+        f"--page-size 64 --model-path {model}"
+    )
+    layout = Layout.at(tmp_path / "root")
+    env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(layout.ns_root / NS_A)}
+    found = lint(args, layout=layout, env=env, model_config={}, cap_bytes=2 * 10**9,
+                 disk_free=lambda _: 500 * 10**6)  # fmt: skip
+    (disk,) = [f for f in found if f.code == "disk-smaller-than-cap"]
+    assert "has 500.0 MB free, less than the cap of 2.0 GB" in disk.message

@@ -44,11 +44,14 @@ def opened_store(layout: Layout) -> Iterator[Store]:
         store.close()
 
 
-def human_bytes(n: int) -> str:
-    """Decimal units, as disks are sold and `du --si` prints: 15.4 GB."""
+def human_bytes(n: float) -> str:
+    """Bytes for people in decimal units, as disks are sold and `du --si` prints: 15.4 GB.
+
+    The one byte formatter of the CLI, doctor and status: every size reads the same everywhere.
+    """
     size = float(n)
     for unit in ("B", "kB", "MB", "GB", "TB"):
-        if size < 1000 or unit == "TB":
+        if abs(size) < 1000 or unit == "TB":
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1000
     raise AssertionError("unreachable")

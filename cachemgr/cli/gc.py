@@ -12,6 +12,7 @@ import click
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from cachemgr.cli.common import human_bytes
 from cachemgr.cli.main import AppContext, pass_app
 from cachemgr.deletion import Progress as ProgressFn
 from cachemgr.errors import ConfigError, ConflictError
@@ -91,7 +92,7 @@ def _progress(*, enabled: bool) -> Iterator[ProgressFn | None]:
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task("deleting")
         yield lambda files, size: bar.update(
-            task, description=f"deleted {files:,} files, {human(size)}"
+            task, description=f"deleted {files:,} files, {human_bytes(size)}"
         )
 
 
@@ -100,23 +101,14 @@ def _show(report: GcReport, as_json: bool) -> None:
         click.echo(json.dumps(GcResponse.of(report).model_dump(mode="json"), indent=2))
         return
     verb = "would delete" if report.dry_run else "deleted"
-    click.echo(f"{verb} {report.files:,} files, {human(report.bytes)}")
+    click.echo(f"{verb} {report.files:,} files, {human_bytes(report.bytes)}")
     totals = report.totals()
     if totals:
         click.echo(f"  {'reason':<11} {'files':>10} {'bytes':>10}")
     for reason, (files, size) in totals.items():
-        click.echo(f"  {reason:<11} {files:>10,} {human(size):>10}")
+        click.echo(f"  {reason:<11} {files:>10,} {human_bytes(size):>10}")
     kept = [(s.rel_dir, s.young, len(s.refused)) for s in report.steps if s.young or s.refused]
     for rel_dir, young, refused in kept:
         click.echo(f"  kept in {rel_dir}: {young} too young, {refused} refused")
     for warning in report.warnings:
         click.echo(f"warning: {warning}", err=True)
-
-
-def human(n: float) -> str:
-    """Bytes for people: 1.5 GB (SI units, as `du -h --si`)."""
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from cachemgr.cli.common import refuse_file_root
+from cachemgr.cli.common import human_bytes, refuse_file_root
 from cachemgr.cli.main import AppContext, pass_app
 from cachemgr.index import measure_namespace
 from cachemgr.layout import Layout
@@ -56,14 +56,6 @@ def from_disk(settings: Settings) -> dict[str, Any]:
     return {"root": str(layout.root), "source": "disk", "namespaces": out}
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
-
-
 def _ago(ts: float | None) -> str:
     if not ts:
         return "never"
@@ -87,7 +79,7 @@ def _cells(ns: dict[str, Any]) -> dict[str, str]:
         "namespace": ns["id"], "model": ns.get("model") or "?",
         "kv dtype": ns.get("kv_cache_dtype") or "?", "page": str(ns.get("page_size") or "?"),
         "instances": ",".join(ns.get("instances") or []) or "-", "pages": f"{ns['pages']:,}",
-        "size": _size(ns["bytes"]), "reads": f"{ns['page_reads']:,}",
+        "size": human_bytes(ns["bytes"]), "reads": f"{ns['page_reads']:,}",
         "writes": f"{ns['page_writes']:,}", "hit ratio": "-" if ratio is None else f"{ratio:.1%}",
         "last write": _ago(ns.get("last_write_at")),
     }  # fmt: skip
