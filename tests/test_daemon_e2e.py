@@ -124,6 +124,8 @@ def promql(url: str, query: str) -> list[dict[str, Any]]:
         r = httpx.get(f"{url}/api/v1/query", params={"query": query}, timeout=5)
     except httpx.TransportError:
         return []
+    if r.status_code == 503:  # "Service Unavailable" as plain text while Prometheus starts
+        return []
     data = r.json()
     return data["data"]["result"] if data.get("status") == "success" else []
 
