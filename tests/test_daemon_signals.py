@@ -1,4 +1,4 @@
-"""`cachemgr serve` as a process: SIGTERM shuts it down cleanly (exit 0, last batch applied)."""
+"""`cachemgr serve` as a process: SIGTERM/SIGINT shut it down cleanly (exit 0, last batch in)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,11 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
+from cachemgr.daemon import Daemon
 from cachemgr.layout import Layout
+from cachemgr.settings import Settings
 from tests.daemon_helpers import NS_A, page_name, register_namespace, store_page, wait_for
 
 
@@ -31,7 +34,10 @@ def _ready(url: str) -> bool:
         return False
 
 
-def test_sigterm_applies_the_last_batch_closes_the_db_and_exits_0(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_applies_the_last_batch_closes_the_db_and_exits_0(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
     layout = Layout.at(tmp_path / "root")
     layout.ensure()
     ns_dir = register_namespace(layout, NS_A)
@@ -45,7 +51,7 @@ def test_sigterm_applies_the_last_batch_closes_the_db_and_exits_0(tmp_path: Path
     with subprocess.Popen(
         argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
     ) as proc:
-        err = _terminate_after_writing(proc, ns_dir)
+        err = _terminate_after_writing(proc, ns_dir, sig)
     assert proc.returncode == 0, err
     assert "Traceback" not in err
     assert '"daemon stopped"' in err
@@ -61,8 +67,8 @@ def names() -> list[str]:
     return [page_name(i) for i in range(20)]
 
 
-def _terminate_after_writing(proc: subprocess.Popen[str], ns_dir: Path) -> str:
-    """Wait until ready, store pages, SIGTERM while they wait for their batch; its stderr."""
+def _terminate_after_writing(proc: subprocess.Popen[str], ns_dir: Path, sig: int) -> str:
+    """Wait until ready, store pages, signal while they wait for their batch; its stderr."""
     try:
         assert proc.stderr is not None
         lines = []
@@ -75,10 +81,23 @@ def _terminate_after_writing(proc: subprocess.Popen[str], ns_dir: Path) -> str:
         for name in names():
             store_page(ns_dir, name)
         wait_for(lambda: _lag(url), lambda lag: lag > 0)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
         return "".join(lines) + err
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+def test_a_second_signal_cuts_the_wait_for_in_flight_requests_short(settings: Settings) -> None:
+    daemon = Daemon(settings.model_copy(update={"port": 0}))
+    daemon.start()
+    try:
+        assert daemon.server is not None
+        daemon._on_signal(signal.SIGTERM, None)
+        assert (daemon.server.should_exit, daemon.server.force_exit) == (True, False)
+        daemon._on_signal(signal.SIGINT, None)  # any second signal, not only SIGINT as uvicorn
+        assert daemon.server.force_exit
+    finally:
+        daemon.stop()
