@@ -8,11 +8,13 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from cachemgr.deletion import DeleteReport, Pacer, Progress, delete_files, remove_empty_dir
+from cachemgr.deletion import DeleteReport, Pacer, Progress, delete_files
 from cachemgr.gc import GcPlan, GcStep
 from cachemgr.gcpolicy import ByReason, Reason, tally
+from cachemgr.index import forget_namespace
 from cachemgr.layout import Layout
-from cachemgr.purge import drop_unbound
+from cachemgr.lock import root_lock
+from cachemgr.purge import drop_unbound, rename_to_trash
 from cachemgr.store import Store
 from cachemgr.trash import drain_entry
 
@@ -115,6 +117,8 @@ def _run_step(
     base = StepResult(step.reason, step.rel_dir, step.namespace_id, len(step.names), step.bytes)
     if step.reason in ("unbound", "ttl") and _bound(store, step.namespace_id):
         return replace(base, skipped="a server bound this namespace after the plan was made")
+    if step.reason in ("unbound", "ttl") and step.remove_dir and step.namespace_id and not dry_run:
+        return _drop_namespace(step, base, store, layout, actor, pacer, tally, clock)
     if step.reason == "trash":  # the same path as a purge's own drain, audited there
         entry = step.rel_dir.removeprefix(".trash/")
         r = drain_entry(
@@ -149,12 +153,6 @@ def _run_step(
         forget.shutdown(wait=True)
         for done in pending:
             done.result()  # an index failure surfaces here, not lost in the thread
-        if step.remove_dir and not dry_run and not total.refused:
-            why = remove_empty_dir(layout.root, step.rel_dir)
-            total += DeleteReport(refused=(why,) if why else ())
-            if why is None and step.reason in ("unbound", "ttl") and step.namespace_id:
-                with store.transaction():
-                    drop_unbound(layout, store, step.namespace_id)
     finally:
         forget.shutdown(wait=True)
         if not dry_run and (total.files or total.bytes):
@@ -166,6 +164,43 @@ def _run_step(
         base, files=total.files, bytes=total.bytes, vanished=total.vanished,
         young=total.young, refused=total.refused,
     )  # fmt: skip
+
+
+def _drop_namespace(
+    step: GcStep,
+    base: StepResult,
+    store: Store,
+    layout: Layout,
+    actor: str,
+    pacer: Pacer | None,
+    tally: _Tally,
+    clock: Callable[[], float],
+) -> StepResult:
+    """Drop an unbound namespace as a purge does: under the root lock, re-check that no server
+    bound it, rename its dir into .trash/ (constant time), and only then delete from there.
+
+    Deleting inside ns/<id> would race an init that binds it meanwhile (its server would
+    find its pages gone and its dir removed); init takes the same lock, so the two serialize.
+    """
+    ns_id = step.namespace_id
+    assert ns_id is not None
+    with root_lock(layout):
+        if _bound(store, ns_id):
+            return replace(base, skipped="a server bound this namespace after the plan was made")
+        entry = rename_to_trash(layout, ns_id, recreate=False)
+        with store.transaction():
+            drop_unbound(layout, store, ns_id)
+    forget_namespace(store, ns_id)
+    if entry is None:
+        return base  # no dir: nothing to delete, the registry is in line
+    r = drain_entry(
+        layout, store, entry, actor=actor, pacer=pacer, progress=tally.offset(),
+        audit_as=("evict", step.reason),
+    )  # fmt: skip
+    tally.add(r)
+    return replace(
+        base, files=r.files, bytes=r.bytes, vanished=r.vanished, young=r.young, refused=r.refused
+    )
 
 
 def _bound(store: Store, ns_id: str | None) -> bool:
