@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -118,7 +119,7 @@ def _run_step(
     if step.reason in ("unbound", "ttl") and _bound(store, step.namespace_id):
         return replace(base, skipped="a server bound this namespace after the plan was made")
     if step.reason in ("unbound", "ttl") and step.remove_dir and step.namespace_id and not dry_run:
-        return _drop_namespace(step, base, store, layout, actor, pacer, tally, clock)
+        return _drop_namespace(step, base, store, layout, actor, pacer, tally)
     if step.reason == "trash":  # the same path as a purge's own drain, audited there
         entry = step.rel_dir.removeprefix(".trash/")
         r = drain_entry(
@@ -142,6 +143,7 @@ def _run_step(
                 base = replace(base, skipped="stopped: the daemon is shutting down")
                 break
             gone: list[str] = []
+            before = _dir_id(layout, step.rel_dir)
             r = delete_files(
                 layout.root, step.rel_dir, step.names[i : i + CHUNK], dry_run=dry_run,
                 min_age=step.min_age, pacer=pacer, progress=tally.offset(), now=clock,
@@ -149,6 +151,11 @@ def _run_step(
             )  # fmt: skip
             tally.add(r)
             total += r
+            if before is None or _dir_id(layout, step.rel_dir) != before:
+                # A purge renamed the dir away meanwhile: what was unlinked may lie in .trash/
+                # and the purge dropped those rows; rows now are the new dir's, so keep them.
+                base = replace(base, skipped="the namespace was purged during GC")
+                break
             pending.append(forget.submit(_forget, store, step.namespace_id, step.rel_dir, gone))
         forget.shutdown(wait=True)
         for done in pending:
@@ -174,7 +181,6 @@ def _drop_namespace(
     actor: str,
     pacer: Pacer | None,
     tally: _Tally,
-    clock: Callable[[], float],
 ) -> StepResult:
     """Drop an unbound namespace as a purge does: under the root lock, re-check that no server
     bound it, rename its dir into .trash/ (constant time), and only then delete from there.
@@ -201,6 +207,15 @@ def _drop_namespace(
     return replace(
         base, files=r.files, bytes=r.bytes, vanished=r.vanished, young=r.young, refused=r.refused
     )
+
+
+def _dir_id(layout: Layout, rel_dir: str) -> tuple[int, int] | None:
+    """(device, inode) of <root>/<rel_dir>, None if absent: tells a dir renamed away."""
+    try:
+        st = os.stat(layout.root / rel_dir, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _bound(store: Store, ns_id: str | None) -> bool:

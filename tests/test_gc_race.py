@@ -132,3 +132,30 @@ def test_a_stale_unbound_purge_plan_does_not_purge_twice(tree: Tree) -> None:
     execute_purge(stale, tree.layout, tree.store, actor="cli", reason="manual")
     rows = tree.store.conn.execute("SELECT action, reason, pages FROM audit").fetchall()
     assert [tuple(r) for r in rows] == [("purge", "identity_change", 5)]
+
+
+def test_eviction_racing_a_purge_keeps_the_new_dirs_index_rows(tree: Tree) -> None:
+    tree.add_namespace(NS, active=T0, bound=True)
+    names = [page(i) for i in range(10)]
+    tree.write(NS, names, at=T0)
+    plan = tree.plan(policy(max_bytes=5_000), now=T0 + 100)
+    assert [s.reason for s in plan.steps] == ["cap"]
+    victim = plan.steps[0].names[0]
+    purged: list[bool] = []
+
+    def purge_and_rewrite(files: int, size: int) -> None:
+        """A purge renames the dir away mid-chunk; the server then writes `victim` anew."""
+        if purged:
+            return
+        purged.append(True)
+        execute_purge(plan_purge(tree.layout, tree.store, namespace=NS), tree.layout,
+                      tree.store, actor="cli", reason="manual")  # fmt: skip
+        tree.write(NS, [victim], at=T0 + 100)
+
+    report = execute_gc(
+        plan, tree.store, tree.layout, progress=purge_and_rewrite, clock=lambda: T0 + 100
+    )
+    assert purged and tree.files(NS) == {victim}
+    rows = tree.store.conn.execute("SELECT name FROM pages WHERE namespace_id = ?", (NS,))
+    assert [r[0] for r in rows] == [victim]
+    assert report.steps[0].skipped == "the namespace was purged during GC"
