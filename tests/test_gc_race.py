@@ -159,3 +159,18 @@ def test_eviction_racing_a_purge_keeps_the_new_dirs_index_rows(tree: Tree) -> No
     rows = tree.store.conn.execute("SELECT name FROM pages WHERE namespace_id = ?", (NS,))
     assert [r[0] for r in rows] == [victim]
     assert report.steps[0].skipped == "the namespace was purged during GC"
+
+
+@pytest.mark.parametrize("name", ["backup", NS, f"{NS}.", f"{NS.upper()}.abc", f"x{NS}.abc"])
+def test_gc_deletes_only_trash_entries_named_as_purge_names_them(tree: Tree, name: str) -> None:
+    kept = tree.layout.trash / name
+    kept.mkdir()
+    (kept / page(1)).write_bytes(b"p" * 100)
+    purged = tree.layout.trash / f"{NS}.18c0ffee"
+    purged.mkdir()
+    (purged / page(2)).write_bytes(b"p" * 100)
+    plan = tree.plan(policy(), now=T0)
+    assert [s.rel_dir for s in plan.steps] == [f".trash/{NS}.18c0ffee"]
+    tree.execute(plan, now=T0)
+    assert not purged.exists()
+    assert os.listdir(kept) == [page(1)]
