@@ -12,7 +12,6 @@ from dataclasses import dataclass, replace
 from cachemgr.deletion import DeleteReport, Pacer, Progress, delete_files
 from cachemgr.gc import GcPlan, GcStep
 from cachemgr.gcpolicy import ByReason, Reason, tally
-from cachemgr.index import forget_namespace
 from cachemgr.layout import Layout
 from cachemgr.lock import root_lock
 from cachemgr.purge import drop_unbound, rename_to_trash
@@ -194,9 +193,10 @@ def _drop_namespace(
         if _bound(store, ns_id):
             return replace(base, skipped="a server bound this namespace after the plan was made")
         entry = rename_to_trash(layout, ns_id, recreate=False)
-        with store.transaction():
+        with store.transaction() as conn:
             drop_unbound(layout, store, ns_id)
-    forget_namespace(store, ns_id)
+            # Its rows go with it, under the lock: a fresh dir an init makes next has its own.
+            conn.execute("DELETE FROM pages WHERE namespace_id = ?", (ns_id,))
     if entry is None:
         return base  # no dir: nothing to delete, the registry is in line
     r = drain_entry(
