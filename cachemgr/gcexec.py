@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from cachemgr.deletion import DeleteReport, Pacer, Progress, delete_files, remove_empty_dir
+from cachemgr.deletion import DeleteReport, Pacer, Progress, delete_files
 from cachemgr.gc import GcPlan, GcStep
 from cachemgr.gcpolicy import ByReason, Reason, tally
 from cachemgr.layout import Layout
-from cachemgr.purge import drop_unbound
+from cachemgr.lock import root_lock
+from cachemgr.purge import drop_unbound, rename_to_trash
 from cachemgr.store import Store
 from cachemgr.trash import drain_entry
 
@@ -115,6 +117,8 @@ def _run_step(
     base = StepResult(step.reason, step.rel_dir, step.namespace_id, len(step.names), step.bytes)
     if step.reason in ("unbound", "ttl") and _bound(store, step.namespace_id):
         return replace(base, skipped="a server bound this namespace after the plan was made")
+    if step.reason in ("unbound", "ttl") and step.remove_dir and step.namespace_id and not dry_run:
+        return _drop_namespace(step, base, store, layout, actor, pacer, tally)
     if step.reason == "trash":  # the same path as a purge's own drain, audited there
         entry = step.rel_dir.removeprefix(".trash/")
         r = drain_entry(
@@ -138,6 +142,7 @@ def _run_step(
                 base = replace(base, skipped="stopped: the daemon is shutting down")
                 break
             gone: list[str] = []
+            before = _dir_id(layout, step.rel_dir)
             r = delete_files(
                 layout.root, step.rel_dir, step.names[i : i + CHUNK], dry_run=dry_run,
                 min_age=step.min_age, pacer=pacer, progress=tally.offset(), now=clock,
@@ -145,16 +150,15 @@ def _run_step(
             )  # fmt: skip
             tally.add(r)
             total += r
+            if before is None or _dir_id(layout, step.rel_dir) != before:
+                # A purge renamed the dir away meanwhile: what was unlinked may lie in .trash/
+                # and the purge dropped those rows; rows now are the new dir's, so keep them.
+                base = replace(base, skipped="the namespace was purged during GC")
+                break
             pending.append(forget.submit(_forget, store, step.namespace_id, step.rel_dir, gone))
         forget.shutdown(wait=True)
         for done in pending:
             done.result()  # an index failure surfaces here, not lost in the thread
-        if step.remove_dir and not dry_run and not total.refused:
-            why = remove_empty_dir(layout.root, step.rel_dir)
-            total += DeleteReport(refused=(why,) if why else ())
-            if why is None and step.reason in ("unbound", "ttl") and step.namespace_id:
-                with store.transaction():
-                    drop_unbound(layout, store, step.namespace_id)
     finally:
         forget.shutdown(wait=True)
         if not dry_run and (total.files or total.bytes):
@@ -166,6 +170,52 @@ def _run_step(
         base, files=total.files, bytes=total.bytes, vanished=total.vanished,
         young=total.young, refused=total.refused,
     )  # fmt: skip
+
+
+def _drop_namespace(
+    step: GcStep,
+    base: StepResult,
+    store: Store,
+    layout: Layout,
+    actor: str,
+    pacer: Pacer | None,
+    tally: _Tally,
+) -> StepResult:
+    """Drop an unbound namespace as a purge does: under the root lock, re-check that no server
+    bound it, rename its dir into .trash/ (constant time), and only then delete from there.
+
+    Deleting inside ns/<id> would race an init that binds it meanwhile (its server would
+    find its pages gone and its dir removed); init takes the same lock, so the two serialize.
+    """
+    ns_id = step.namespace_id
+    assert ns_id is not None
+    with root_lock(layout):
+        if _bound(store, ns_id):
+            return replace(base, skipped="a server bound this namespace after the plan was made")
+        entry = rename_to_trash(layout, ns_id, recreate=False)
+        with store.transaction() as conn:
+            drop_unbound(layout, store, ns_id)
+            # Its rows go with it, under the lock: a fresh dir an init makes next has its own.
+            conn.execute("DELETE FROM pages WHERE namespace_id = ?", (ns_id,))
+    if entry is None:
+        return base  # no dir: nothing to delete, the registry is in line
+    r = drain_entry(
+        layout, store, entry, actor=actor, pacer=pacer, progress=tally.offset(),
+        audit_as=("evict", step.reason),
+    )  # fmt: skip
+    tally.add(r)
+    return replace(
+        base, files=r.files, bytes=r.bytes, vanished=r.vanished, young=r.young, refused=r.refused
+    )
+
+
+def _dir_id(layout: Layout, rel_dir: str) -> tuple[int, int] | None:
+    """(device, inode) of <root>/<rel_dir>, None if absent: tells a dir renamed away."""
+    try:
+        st = os.stat(layout.root / rel_dir, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _bound(store: Store, ns_id: str | None) -> bool:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from cachemgr.layout import _PAGE_RE, _TEMP_RE, NS_ID_RE, Layout
+from cachemgr.namespaces import adopt_from_disk
 from cachemgr.store import Store
 
 log = logging.getLogger(__name__)
@@ -210,7 +211,11 @@ def forget_namespace(store: Store, ns_id: str) -> int:
 def scan_root(
     store: Store, layout: Layout, *, now: Callable[[], float] = time.time
 ) -> list[ScanReport]:
-    """Scan every namespace dir and forget index rows of namespaces that no longer exist."""
+    """Scan every namespace dir and forget index rows of namespaces that no longer exist.
+
+    Namespaces with a manifest the DB does not know (it was lost) are registered first.
+    """
+    adopt_from_disk(layout, store)
     present = namespace_dirs(layout)
     reports = [scan_namespace(store, layout, ns, now=now) for ns in present]
     stale = {

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from cachemgr.index import BATCH, ScanReport, forget_namespace, namespace_dirs, scan_namespace
 from cachemgr.layout import Layout
+from cachemgr.namespaces import adopt_from_disk
 from cachemgr.store import Store
 from cachemgr.watcher import Event, Kind, Watcher
 
@@ -252,6 +253,7 @@ class Indexer:
             self.on_applied()
 
     def _scan_all(self, *, first: bool) -> None:
+        adopt_from_disk(self.layout, self.store)  # a lost DB forgot them; the disk did not
         present = namespace_dirs(self.layout)
         for ns in present:
             self._scan(ns, first=first)

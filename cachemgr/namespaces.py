@@ -141,6 +141,30 @@ def ensure_namespace(
 # --- the DB side ---
 
 
+def adopt_from_disk(layout: Layout, store: Store) -> list[str]:
+    """Register namespaces whose manifest is on disk but which the DB does not know (a lost
+    or rebuilt DB); their times come from the manifest. They are unbound: the next init binds.
+
+    Returns the ids registered. An unreadable manifest is left for `ls`/doctor to report.
+    """
+    _, manifests = on_disk(layout)
+    known = {r[0] for r in store.conn.execute("SELECT id FROM namespaces")}
+    found = []
+    for ns_id in sorted(manifests - known):
+        try:
+            manifest = read_manifest(layout, ns_id)
+        except (StateError, UnsafePathError):
+            continue
+        if manifest is not None:
+            found.append(manifest)
+    if found:
+        with store.transaction():
+            for manifest in found:
+                register(store, manifest)
+        log.info("registered namespaces found on disk", extra={"ns": [m.ns_id for m in found]})
+    return [m.ns_id for m in found]
+
+
 def register(store: Store, manifest: Manifest) -> None:
     """Insert or refresh the namespace's row from its manifest (state active)."""
     store.conn.execute(

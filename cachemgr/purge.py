@@ -41,9 +41,23 @@ from cachemgr.trash import (  # re-exported: purge and trash are one API for cal
 )
 
 __all__ = [
-    "Actor", "DrainProgress", "PurgePlan", "PurgeResult", "PurgeTarget", "Purged", "Reason",
-    "TrashEntry", "describe_trash", "drain_in_background", "drain_trash", "drop_unbound",
-    "execute_purge", "list_trash", "plan_purge", "purge",
+    "Actor",
+    "DrainProgress",
+    "PurgePlan",
+    "PurgeResult",
+    "PurgeTarget",
+    "Purged",
+    "Reason",
+    "TrashEntry",
+    "describe_trash",
+    "drain_in_background",
+    "drain_trash",
+    "drop_unbound",
+    "execute_purge",
+    "list_trash",
+    "plan_purge",
+    "purge",
+    "rename_to_trash",
 ]  # fmt: skip
 
 Reason = Literal["identity_change", "manual", "unbound", "mismatch"]
@@ -159,7 +173,9 @@ def execute_purge(
             instances = nsreg.instances_of(store, target.ns_id)
             if instances and plan.only_unbound:
                 continue
-            trash_name = _rename_to_trash(layout, target.ns_id, recreate=bool(instances))
+            if target.has_dir and nsreg.ns_entry_kind(layout, target.ns_id) == "absent":
+                continue  # another purge (an init, GC) moved it since the plan, and audited it
+            trash_name = rename_to_trash(layout, target.ns_id, recreate=bool(instances))
             removed = False
             with store.transaction():
                 if not instances:
@@ -193,7 +209,7 @@ def drop_unbound(layout: Layout, store: Store, ns_id: str) -> bool:
     return removed
 
 
-def _rename_to_trash(layout: Layout, ns_id: str, *, recreate: bool) -> str | None:
+def rename_to_trash(layout: Layout, ns_id: str, *, recreate: bool) -> str | None:
     """Move ns/<id> into .trash/ (None if it has no dir); recreate it empty if asked."""
     trash_name = f"{ns_id}.{time.time_ns():x}{secrets.token_hex(3)}"
     with open_dir(layout.root, "ns") as ns_fd, open_dir(layout.root, ".trash") as trash_fd:

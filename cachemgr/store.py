@@ -6,17 +6,21 @@ from the disk, so it favours speed (synchronous=NORMAL) over surviving a power c
 
 from __future__ import annotations
 
+import fcntl
+import logging
+import os
 import re
 import sqlite3
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 from cachemgr.errors import StateError
 
+log = logging.getLogger(__name__)
 _MIGRATION_RE = re.compile(r"(\d{4})_[a-z0-9_]+\.sql")
 
 
@@ -91,6 +95,55 @@ def migrate(conn: sqlite3.Connection, migrations: list[Migration] | None = None)
     return applied
 
 
+def _open_migrated(path: Path) -> sqlite3.Connection:
+    conn = connect(path)
+    try:
+        migrate(conn)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _corrupt(e: BaseException | None) -> bool:
+    """Whether SQLite said the file is not a database or is malformed (not: newer schema)."""
+    while e is not None:
+        if isinstance(e, sqlite3.DatabaseError):
+            code = getattr(e, "sqlite_errorcode", None)
+            return code in (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT) or any(
+                m in str(e) for m in ("file is not a database", "disk image is malformed")
+            )
+        e = e.__cause__
+    return False
+
+
+def _recover(path: Path) -> sqlite3.Connection:
+    """Move a corrupt DB (and its -wal/-shm) to <name>.corrupt-<unix time>; open a fresh one.
+
+    Under a lock of its own, re-checking first: two processes finding the same corrupt file
+    must not move aside the fresh DB the first one made. The caller rebuilds from disk.
+    """
+    lock = os.open(path.with_name(path.name + ".recover-lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return _open_migrated(path)
+        except (StateError, sqlite3.DatabaseError) as e:
+            if not _corrupt(e):
+                raise
+        aside = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
+        for suffix in ("", "-wal", "-shm"):
+            with suppress(FileNotFoundError):
+                os.rename(f"{path}{suffix}", f"{aside}{suffix}")
+        log.warning(
+            "state DB was corrupt; moved it aside and started a fresh one, rebuilt from disk",
+            extra={"moved_to": str(aside)},
+        )
+        return _open_migrated(path)
+    finally:
+        os.close(lock)
+
+
 class Store:
     """A migrated connection to the state DB, with the queries shared across modules."""
 
@@ -98,10 +151,16 @@ class Store:
         self.conn = conn
 
     @classmethod
-    def open(cls, path: Path) -> Store:
+    def open(cls, path: Path, *, recover: bool = True) -> Store:
+        """Open and migrate; a file that is not a SQLite DB (or a corrupt one) is moved aside
+        and a fresh DB started, unless `recover` is off. A DB newer than the code is refused."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        conn = connect(path)
-        migrate(conn)
+        try:
+            conn = _open_migrated(path)
+        except (StateError, sqlite3.DatabaseError) as e:
+            if not (recover and _corrupt(e)):
+                raise
+            conn = _recover(path)
         return cls(conn)
 
     def close(self) -> None:

@@ -106,8 +106,13 @@ def drain_entry(
     pacer: Pacer | None = None,
     progress: Callable[[int, int], None] | None = None,
     dry_run: bool = False,
+    audit_as: tuple[str, str] = ("delete-trash", "trash"),
 ) -> DeleteReport:
-    """Delete one trash entry (purge and GC both go through here) and audit `delete-trash`."""
+    """Delete one trash entry (purge and GC both go through here) and audit it.
+
+    `audit_as` is the (action, reason) of the one audit row: GC dropping an unbound namespace
+    records its eviction there, not a second row.
+    """
     try:
         part = delete_dir(
             layout.root, f".trash/{entry}", dry_run=dry_run, pacer=pacer, progress=progress
@@ -117,7 +122,7 @@ def drain_entry(
     except FileNotFoundError:
         return DeleteReport(dry_run=dry_run)  # another drain finished it
     if not dry_run:
-        _audit_deleted(store, entry, part, actor)
+        _audit_deleted(store, entry, part, actor, audit_as)
     return part
 
 
@@ -133,13 +138,15 @@ def _ticker(
     )
 
 
-def _audit_deleted(store: Store, entry: str, part: DeleteReport, actor: str) -> None:
+def _audit_deleted(
+    store: Store, entry: str, part: DeleteReport, actor: str, audit_as: tuple[str, str]
+) -> None:
     m = TRASH_RE.fullmatch(entry)
     with store.transaction():
         store.audit(
-            "delete-trash",
+            audit_as[0],
             namespace_id=m["ns"] if m else None,
-            reason="trash",
+            reason=audit_as[1],
             actor=actor,
             pages=part.files,
             bytes_=part.bytes,

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from cachemgr.deletion import DeleteReport, Pacer
 from cachemgr.errors import ConfigError, NotFoundError
 from cachemgr.layout import Layout
+from cachemgr.namespaces import adopt_from_disk
 from cachemgr.purge import Actor, DrainProgress, drain_trash
 from cachemgr.settings import Settings
 from cachemgr.store import Store
@@ -37,8 +38,11 @@ def refuse_file_root(layout: Layout) -> None:
 
 @contextmanager
 def opened_store(layout: Layout) -> Iterator[Store]:
+    """The state DB, with namespaces found on disk but unknown to it registered."""
     store = Store.open(layout.db_path)
     try:
+        if layout.ns_root.is_dir():
+            adopt_from_disk(layout, store)
         yield store
     finally:
         store.close()

@@ -1,0 +1,101 @@
+"""The state DB is an index of the disk: lost or corrupt, it is rebuilt from the manifests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cachemgr.errors import StateError
+from cachemgr.indexer import Indexer
+from cachemgr.layout import Layout
+from cachemgr.store import Store, connect
+from tests.nsfixtures import cli, page_name
+from tests.test_gc_race import init, state_of
+from tests.test_identity import make_model
+
+
+@pytest.fixture
+def old_ns(root: Path, tmp_path: Path) -> str:
+    """A namespace with pages and a manifest, bound by an init whose DB is then lost."""
+    ns = str(init(root, make_model(tmp_path / "model"), 64)["ns_id"])
+    for i in range(5):
+        (root / "ns" / ns / page_name(i)).write_bytes(b"k" * 10)
+    return ns
+
+
+def lose_db(root: Path) -> None:
+    for f in (root / ".cachemgr").glob("state.db*"):
+        f.unlink()
+
+
+def test_gc_reclaims_a_namespace_the_lost_db_forgot(root: Path, old_ns: str) -> None:
+    lose_db(root)
+    out = cli("--root", str(root), "gc", "--yes", "--min-age", "0",
+              env={"CACHEMGR_GC_KEEP_UNBOUND": "0"})  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert not (root / "ns" / old_ns).exists()
+    assert not (root / "ns" / f"{old_ns}.json").exists()
+    assert state_of(root, old_ns) == ("purged", ())
+
+
+def test_ls_lists_a_forgotten_namespace_as_unbound_with_its_times(root: Path, old_ns: str) -> None:
+    manifest = json.loads((root / "ns" / f"{old_ns}.json").read_text())
+    lose_db(root)
+    out = cli("--root", str(root), "ls", "--json")
+    assert out.returncode == 0, out.stderr
+    (ns,) = json.loads(out.stdout)["namespaces"]
+    assert (ns["ns_id"], ns["state"], ns["pages"]) == (old_ns, "unbound", 5)
+    store = Store.open(Layout.at(root).db_path)
+    try:
+        row = store.conn.execute(
+            "SELECT created_at, last_active_at, state FROM namespaces WHERE id = ?", (old_ns,)
+        ).fetchone()
+    finally:
+        store.close()
+    assert tuple(row) == (manifest["created_at"], manifest["last_active_at"], "active")
+
+
+def test_the_daemons_first_scan_registers_forgotten_namespaces(root: Path, old_ns: str) -> None:
+    lose_db(root)
+    layout = Layout.at(root)
+    store = Store.open(layout.db_path)
+    ix = Indexer(store, layout, batch_interval=0.05)
+    ix.start()
+    try:
+        assert ix.state.ready.wait(10)
+    finally:
+        ix.stop()
+    try:
+        assert store.conn.execute("SELECT state FROM namespaces").fetchall()[0][0] == "active"
+    finally:
+        store.close()
+
+
+def test_a_garbage_db_is_moved_aside_and_rebuilt(root: Path, old_ns: str) -> None:
+    state = root / ".cachemgr"
+    lose_db(root)
+    (state / "state.db").write_bytes(b"this is not sqlite " * 500)
+    (state / "state.db-wal").write_bytes(b"junk")
+    out = cli("--root", str(root), "ls", "--json")
+    assert out.returncode == 0, out.stderr
+    warnings = [json.loads(line) for line in out.stderr.splitlines()]
+    assert [w["msg"] for w in warnings if w["level"] == "warning"] == [
+        "state DB was corrupt; moved it aside and started a fresh one, rebuilt from disk"
+    ]
+    (aside,) = state.glob("state.db.corrupt-*[0-9]")
+    assert aside.read_bytes().startswith(b"this is not sqlite")
+    assert (state / f"{aside.name}-wal").read_bytes() == b"junk"
+    assert json.loads(out.stdout)["namespaces"][0]["state"] == "unbound"
+    again = init(root, root.parent / "model", 64)  # the model of `old_ns`: init re-binds it
+    assert (again["ns_id"], again["outcome"]) == (old_ns, "joined")
+
+
+def test_a_newer_db_is_refused_not_moved_aside(tmp_path: Path) -> None:
+    conn = connect(tmp_path / "state.db")
+    conn.execute("PRAGMA user_version = 999")
+    conn.close()
+    with pytest.raises(StateError, match="newer than this cachemgr"):
+        Store.open(tmp_path / "state.db")
+    assert sorted(p.name for p in tmp_path.iterdir() if "corrupt" in p.name) == []
