@@ -106,3 +106,15 @@ def test_empty_root_is_one_line_error_and_touches_nothing(tmp_path: Path) -> Non
         )
         assert_one_line_error(out, "must not be empty")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_one_shot_commands_log_only_when_asked(tmp_path: Path) -> None:
+    quiet = run("--root", str(tmp_path / "r"), "gc", "--dry-run")
+    assert quiet.returncode == 0, quiet.stderr
+    assert "would delete 0 files" in quiet.stdout
+    assert quiet.stderr == ""
+    asked = run(
+        "--root", str(tmp_path / "r"), "gc", "--dry-run", env={"CACHEMGR_LOG_LEVEL": "info"}
+    )
+    assert asked.returncode == 0
+    assert json.loads(asked.stderr.splitlines()[0])["msg"] == "gc dry run"

@@ -27,7 +27,11 @@ class AppContext:
     def settings(self) -> Settings:
         if self._settings is None:
             self._settings = load_settings(self.config_file, **self.overrides)
-            logs.setup(self._settings.log_level, self._settings.log_format)
+            # A one-shot command prints its result; its info logs would only repeat it on
+            # stderr, so they show when asked for (flag, env, file). `serve` logs at the level.
+            asked = "log_level" in self._settings.model_fields_set
+            level = self._settings.log_level if asked else "warning"
+            logs.setup(level, self._settings.log_format)
         return self._settings
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from cachemgr import logs
 from cachemgr.cli.main import AppContext
 
 
@@ -25,6 +26,7 @@ def serve(ctx: click.Context, /, **flags: object) -> None:
     from cachemgr.daemon import Daemon
 
     settings = app.settings
+    logs.setup(settings.log_level, settings.log_format)  # the daemon's logs are its output
     daemon = Daemon(settings)
     daemon.start()
     click.echo(
