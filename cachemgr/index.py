@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from cachemgr.layout import _PAGE_RE, _TEMP_RE, NS_ID_RE, Layout
+from cachemgr.layout import NS_ID_RE, PAGE_RE, TEMP_RE, Layout
 from cachemgr.namespaces import adopt_from_disk
 from cachemgr.store import Store
 
@@ -86,9 +86,9 @@ def _walk(path: str, walk: _Walk, now: float) -> Iterator[list[tuple[str, int, f
         for name in os.listdir(fd):
             # One regex per name (classify() + parse_page_name() would cost three and two
             # objects), since this loop runs a million times.
-            page = _PAGE_RE.fullmatch(name)
+            page = PAGE_RE.fullmatch(name)
             if page is None:
-                if _TEMP_RE.fullmatch(name):
+                if TEMP_RE.fullmatch(name):
                     walk.temp += 1
                 else:
                     walk.foreign += 1

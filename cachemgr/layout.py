@@ -100,7 +100,7 @@ POOLS = (
     "deepseek_v4_c4_indexer", "deepseek_v4_c1", "deepseek_v4_c2", "deepseek_v4_c4",
     "auxiliary_swa", "indexer", "mamba", "swa",
 )  # fmt: skip
-_PAGE_RE = re.compile(
+PAGE_RE = re.compile(
     r"(?P<key>[0-9a-f]{16,128})"
     rf"(?:\.(?P<pool>{'|'.join(POOLS)}))?"
     r"_(?P<model>[^/\x00]+?)"
@@ -110,7 +110,7 @@ _PAGE_RE = re.compile(
     r"(?:_tp(?P<dcp_tp>\d+)_dcp(?P<dcp_rank>\d+)_(?P<dcp_size>\d+)_page(?P<dcp_page>\d+))?"
     r"\.bin"
 )
-_TEMP_RE = re.compile(r"\.[0-9a-f]{32}\.tmp")
+TEMP_RE = re.compile(r"\.[0-9a-f]{32}\.tmp")
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ class PageName:
 
 def parse_page_name(name: str) -> PageName | None:
     """Parse an SGLang page file name; None for anything else."""
-    m = _PAGE_RE.fullmatch(name)
+    m = PAGE_RE.fullmatch(name)
     if m is None:
         return None
     g = m.groupdict()
@@ -167,8 +167,8 @@ def classify(name: str) -> FileKind:
     # Pages first: they are nearly every name GC sees, and the two patterns are disjoint
     # (.bin vs .tmp), so the order changes no verdict. Not parse_page_name: GC classifies
     # every file it deletes.
-    if _PAGE_RE.fullmatch(name):
+    if PAGE_RE.fullmatch(name):
         return FileKind.PAGE
-    if _TEMP_RE.fullmatch(name):
+    if TEMP_RE.fullmatch(name):
         return FileKind.TEMP
     return FileKind.FOREIGN
