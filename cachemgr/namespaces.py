@@ -17,50 +17,15 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from cachemgr.deletion import open_dir
+from cachemgr.dirscan import Usage, scan_usage
 from cachemgr.errors import CachemgrError, ConfigError, StateError, UnsafePathError
-from cachemgr.layout import NS_ID_RE, FileKind, Layout, check_ns_id, classify
+from cachemgr.layout import NS_ID_RE, Layout, check_ns_id
 from cachemgr.manifest import Manifest, read_manifest, write_manifest
 from cachemgr.store import Store
 
 log = logging.getLogger(__name__)
 _MANIFEST_RE = re.compile(r"([0-9a-f]{16})\.json")
 NsState = Literal["bound", "unbound", "no-manifest", "missing-dir", "unsafe", "bad-manifest"]
-
-
-@dataclass(frozen=True)
-class Usage:
-    """What a scan of one directory found: SGLang pages and temps, and anything else."""
-
-    pages: int = 0
-    bytes: int = 0  # of the pages
-    temps: int = 0
-    temp_bytes: int = 0
-    other: int = 0  # foreign names, subdirectories, symlinks: never deleted, never counted
-
-
-def scan_usage(layout: Layout, rel_dir: str) -> Usage | None:
-    """Count the pages under <root>/<rel_dir> (no symlinks followed); None if it is absent."""
-    pages = size = temps = temp_size = other = 0
-    try:
-        with open_dir(layout.root, rel_dir) as fd, os.scandir(fd) as it:
-            for entry in it:
-                kind = classify(entry.name)
-                if kind is FileKind.FOREIGN:
-                    other += 1
-                    continue
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue  # deleted while we looked
-                if not stat.S_ISREG(st.st_mode):
-                    other += 1
-                elif kind is FileKind.PAGE:
-                    pages, size = pages + 1, size + st.st_size
-                else:
-                    temps, temp_size = temps + 1, temp_size + st.st_size
-    except FileNotFoundError:
-        return None
-    return Usage(pages, size, temps, temp_size, other)
 
 
 def ns_entry_kind(layout: Layout, ns_id: str) -> Literal["dir", "absent"]:

@@ -17,6 +17,7 @@ from typing import Literal
 from pydantic import ValidationError
 
 from cachemgr import namespaces as nsreg
+from cachemgr.dirscan import Usage, scan_usage
 from cachemgr.errors import ConfigError
 from cachemgr.identity import Identity, diff_identities
 from cachemgr.layout import NS_ID_RE, Layout
@@ -99,7 +100,7 @@ def init_namespace(
             execute_purge(plan, layout, store, actor=actor, reason="identity_change", now=now)
             return replace(changed, old_action="purged", old_pages=plan.pages,
                             old_bytes=plan.bytes)  # fmt: skip
-        usage = nsreg.scan_usage(layout, f"ns/{previous}") or nsreg.Usage()
+        usage = scan_usage(layout, f"ns/{previous}") or Usage()
         action: OldAction = "kept" if users else "retained"
         return replace(changed, old_action=action, old_users=users, old_pages=usage.pages,
                         old_bytes=usage.bytes)  # fmt: skip

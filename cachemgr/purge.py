@@ -26,6 +26,7 @@ from typing import Literal
 
 from cachemgr import namespaces as nsreg
 from cachemgr.deletion import delete_manifest, open_dir
+from cachemgr.dirscan import scan_usage
 from cachemgr.errors import ConfigError, NotFoundError, UnsafePathError
 from cachemgr.layout import Layout, check_ns_id
 from cachemgr.lock import root_lock
@@ -151,7 +152,7 @@ def _target(
     layout: Layout, ns_id: str, instances: tuple[str, ...], has_manifest: bool, count: bool
 ) -> PurgeTarget:
     has_dir = nsreg.ns_entry_kind(layout, ns_id) == "dir"  # refuses a symlink before any change
-    usage = nsreg.scan_usage(layout, f"ns/{ns_id}") if has_dir and count else None
+    usage = scan_usage(layout, f"ns/{ns_id}") if has_dir and count else None
     pages, size = (usage.pages, usage.bytes) if usage else (0, 0)
     return PurgeTarget(ns_id, pages, size, instances, has_dir, has_manifest)
 

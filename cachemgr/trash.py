@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from cachemgr.deletion import DeleteReport, Pacer, delete_dir, open_dir
+from cachemgr.dirscan import scan_usage
 from cachemgr.errors import UnsafePathError
 from cachemgr.layout import Layout
-from cachemgr.namespaces import scan_usage
 from cachemgr.store import Store
 
 Actor = Literal["cli", "http", "auto"]

@@ -24,10 +24,9 @@ from cachemgr.namespaces import (
     instances_of,
     list_namespaces,
     make_ns_dir,
-    scan_usage,
 )
 from cachemgr.store import Store
-from tests.nsfixtures import make_ns, page_name
+from tests.nsfixtures import make_ns
 
 NS = "0123456789abcdef"
 
@@ -105,22 +104,6 @@ def test_make_ns_dir_refuses_a_symlink(layout: Layout, tmp_path: Path) -> None:
     (layout.ns_root / NS).symlink_to(tmp_path)
     with pytest.raises(UnsafePathError, match="symlink"):
         make_ns_dir(layout, NS)
-
-
-def test_scan_counts_pages_temps_and_others(layout: Layout) -> None:
-    d = layout.ns_root / NS
-    d.mkdir()
-    for i in range(3):
-        (d / page_name(i)).write_bytes(b"x" * 7)
-    (d / f".{'a' * 32}.tmp").write_bytes(b"t" * 5)
-    (d / "notes.txt").write_text("n")
-    (d / page_name(9)).symlink_to(d / page_name(0))
-    usage = scan_usage(layout, f"ns/{NS}")
-    assert usage is not None
-    assert (usage.pages, usage.bytes, usage.temps, usage.temp_bytes, usage.other) == (
-        3, 21, 1, 5, 2,
-    )  # fmt: skip
-    assert scan_usage(layout, "ns/ffffffffffffffff") is None
 
 
 def test_list_shows_states(layout: Layout, store: Store, tmp_path: Path) -> None:

@@ -1,0 +1,171 @@
+"""The C directory scan against a plain Python reference: same counts, sizes and digests."""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+from functools import reduce
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cachemgr import _dirscan
+from cachemgr.dirscan import Usage, page_digest, scan_usage
+from cachemgr.errors import UnsafePathError
+from cachemgr.layout import FileKind, Layout, classify
+from tests.nsfixtures import page_name
+
+NS = "0123456789abcdef"
+
+
+def reference(d: Path) -> Usage:
+    """What scan_usage must say, one os.lstat and one classify() per name."""
+    pages = size = temps = temp_size = other = digest = 0
+    for name in os.listdir(d):
+        st_ = os.lstat(d / name)
+        kind = classify(name) if stat.S_ISREG(st_.st_mode) else FileKind.FOREIGN
+        if kind is FileKind.PAGE:
+            pages, size, digest = (
+                pages + 1,
+                size + st_.st_size,
+                digest ^ page_digest(name, st_.st_size),
+            )
+        elif kind is FileKind.TEMP:
+            temps, temp_size = temps + 1, temp_size + st_.st_size
+        else:
+            other += 1
+    return Usage(pages, size, temps, temp_size, other, digest=digest)
+
+
+def ns_dir(layout: Layout) -> Path:
+    d = layout.ns_root / NS
+    d.mkdir()
+    return d
+
+
+def test_scan_counts_pages_temps_and_others(layout: Layout) -> None:
+    d = ns_dir(layout)
+    for i in range(3):
+        (d / page_name(i)).write_bytes(b"x" * 7)
+    (d / f".{'a' * 32}.tmp").write_bytes(b"t" * 5)
+    (d / "notes.txt").write_text("n")
+    (d / "sub").mkdir()
+    (d / page_name(9)).symlink_to(d / page_name(0))  # page-named, but never followed
+    os.mkfifo(d / page_name(10))
+    usage = scan_usage(layout, f"ns/{NS}")
+    assert usage is not None
+    assert (usage.pages, usage.bytes, usage.temps, usage.temp_bytes, usage.other) == (
+        3, 21, 1, 5, 4,
+    )  # fmt: skip
+    assert usage == reference(d)
+    assert scan_usage(layout, "ns/ffffffffffffffff") is None
+
+
+def test_digest_is_the_xor_of_the_page_digests_and_moves_with_any_change(layout: Layout) -> None:
+    d = ns_dir(layout)
+    names = [page_name(i) for i in range(50)]
+    for n in names:
+        (d / n).write_bytes(b"p" * 64)
+    first = scan_usage(layout, f"ns/{NS}")
+    assert first is not None and first.digest != 0
+    assert first.digest == reduce(lambda a, n: a ^ page_digest(n, 64), names, 0)
+    (d / names[7]).write_bytes(b"p" * 63)  # same names and count, one size differs
+    resized = scan_usage(layout, f"ns/{NS}")
+    assert resized is not None and resized.digest != first.digest
+    (d / names[7]).write_bytes(b"p" * 64)
+    assert scan_usage(layout, f"ns/{NS}") == first
+    os.rename(d / names[3], d / page_name(99))  # same count and bytes, another name
+    renamed = scan_usage(layout, f"ns/{NS}")
+    assert renamed is not None and (renamed.pages, renamed.bytes) == (50, 3200)
+    assert renamed.digest != first.digest
+
+
+def test_corrupt_pages_are_those_off_their_pools_usual_size(layout: Layout) -> None:
+    d = ns_dir(layout)
+    for i in range(10):
+        (d / page_name(i)).write_bytes(b"k" * 100)
+    (d / page_name(10)).write_bytes(b"k" * 40)  # torn
+    (d / page_name(11)).write_bytes(b"")  # empty: never the usual size
+    for i in range(4):  # another pool's pages have their own usual size
+        (d / f"{i:064x}.mamba_m_0_1.bin").write_bytes(b"s" * 8)
+    usage = scan_usage(layout, f"ns/{NS}")
+    assert usage is not None and (usage.pages, usage.corrupt) == (16, 2)
+
+
+def test_sizes_past_the_tracked_ones_count_as_corrupt(layout: Layout) -> None:
+    d = ns_dir(layout)
+    for i in range(100):
+        (d / page_name(i)).write_bytes(b"z" * (1000 if i < 30 else i))  # 70 distinct odd sizes
+    usage = scan_usage(layout, f"ns/{NS}")
+    assert usage is not None and (usage.pages, usage.corrupt) == (100, 70)
+
+
+def test_more_entries_than_one_chunk_are_all_counted(layout: Layout) -> None:
+    d = ns_dir(layout)
+    n = 70_000  # the C side stats 65,536 names per round
+    for i in range(n):
+        os.close(os.open(d / page_name(i), os.O_CREAT | os.O_WRONLY, 0o644))
+    (d / "stray").write_text("x")
+    usage = scan_usage(layout, f"ns/{NS}")
+    assert usage is not None and (usage.pages, usage.bytes, usage.other) == (n, 0, 1)
+    assert usage.corrupt == n  # empty files are never a page's usual size
+    assert usage.digest == reference(d).digest
+    # one thread and many give the same groups
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        one, many = _dirscan.scan(fd, 1), _dirscan.scan(fd, 16)
+    finally:
+        os.close(fd)
+    assert sorted(one[0]) == sorted(many[0]) and one[1:] == many[1:]
+
+
+def test_a_symlinked_directory_is_refused(layout: Layout, tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / page_name(0)).write_bytes(b"x")
+    (layout.ns_root / NS).symlink_to(elsewhere)
+    with pytest.raises(UnsafePathError, match="symlink"):
+        scan_usage(layout, f"ns/{NS}")
+
+
+def test_bad_thread_counts_are_refused() -> None:
+    with pytest.raises(ValueError, match="threads"):
+        _dirscan.scan(0, 0)
+
+
+_HEX = st.text("0123456789abcdef", min_size=0, max_size=140)
+_TAILS = st.sampled_from(
+    ["_m_0_1.bin", ".mamba_m.bin", "_Qwen-Qwen3-8B.bin", ".bin", "_.bin", "_m_0_1.bin.tmp",
+     ".swa_x_1_2_cp0_2.bin", "", "_m", "Z_m_0_1.bin", ".nopool_m.bin"]
+)  # fmt: skip
+_NAMES = st.one_of(
+    st.builds(lambda h, t: h + t, _HEX, _TAILS),
+    st.builds(lambda h: f".{h}.tmp", _HEX),
+    st.text(st.characters(codec="utf-8", exclude_characters="/\x00"), min_size=1, max_size=60),
+).filter(lambda n: n not in ("", ".", "..") and len(n.encode()) <= 255)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    names=st.sets(_NAMES, min_size=1, max_size=40), sizes=st.lists(st.integers(0, 3), min_size=1)
+)
+def test_any_names_classify_as_layout_says(
+    tmp_path: Path, names: set[str], sizes: list[int]
+) -> None:
+    """Grouping by shape never changes a verdict: the C scan agrees with classify() per name."""
+    layout = Layout.at(Path(tempfile.mkdtemp(dir=tmp_path)))
+    layout.ensure()
+    d = ns_dir(layout)
+    for i, name in enumerate(sorted(names)):
+        (d / name).write_bytes(b"b" * sizes[i % len(sizes)])
+    got = scan_usage(layout, f"ns/{NS}")
+    assert got is not None
+    want = reference(d)
+    assert (got.pages, got.bytes, got.temps, got.temp_bytes, got.other, got.digest) == (
+        want.pages, want.bytes, want.temps, want.temp_bytes, want.other, want.digest,
+    )  # fmt: skip
