@@ -35,8 +35,7 @@ class Usage:
 
 def page_digest(name: str, size: int) -> int:
     """The digest of one page, as scans combine them (the state DB keeps the same sum)."""
-    digest: int = _dirscan.page_digest(name, size)
-    return digest
+    return _dirscan.page_digest(name, size)
 
 
 def scan_usage(layout: Layout, rel_dir: str) -> Usage | None:

@@ -1,0 +1,6 @@
+# Types of the C extension built from _dirscan.c.
+
+Group = tuple[str, int, int, int, int, dict[int, int]]
+
+def scan(dir_fd: int, threads: int, /) -> tuple[list[Group], int, int]: ...
+def page_digest(name: str, size: int, /) -> int: ...
