@@ -25,7 +25,8 @@ from pathlib import Path
 
 import httpx
 
-from cachemgr.index import measure_namespace, scan_root
+from cachemgr.dirscan import scan_usage
+from cachemgr.index import scan_root
 from cachemgr.indexer import Indexer
 from cachemgr.layout import Layout
 from cachemgr.store import Store, connect
@@ -75,21 +76,29 @@ def bench_scan(layout: Layout, n: int) -> None:
     for _ in range(2):
         du = sh(f"du -sb {root}")
         find = sh(f"find {root} -type f | wc -l")
-        walk, _ = timed(lambda: [measure_namespace(layout, ns) for ns in NS])
+        walk, _ = timed(lambda: [scan_usage(layout, f"ns/{ns}") for ns in NS])
     if layout.db_path.exists():
         layout.db_path.unlink()
     store = Store.open(layout.db_path)
     first, reports = timed(scan_root, store, layout)
     again, _ = timed(scan_root, store, layout)
+    # Pages come and go while the daemon is down: the digest differs, the rows are fixed.
+    changed = max(1, n // 1000)
+    d = layout.ns_dir(NS[0])
+    for i in range(0, 2 * changed, 2):
+        os.rename(d / f"{i:064x}_Qwen-Qwen3-8B_0_1.bin", d / f"{i:064x}_Qwen-Qwen3-8B_0_2.bin")
+    drift, drift_reports = timed(scan_root, store, layout)
     store.close()
+    assert sum(r.drift for r in drift_reports) == 2 * changed  # type: ignore[attr-defined]
     pages = sum(r.pages for r in reports)  # type: ignore[attr-defined]
     assert pages == n, (pages, n)
     rows = [
         ("du -sb ROOT", du),
         ("find ROOT -type f | wc -l", find),
-        ("cachemgr walk (list + stat, no DB)", walk),
+        ("cachemgr scan (list + stat + classify, no DB)", walk),
         ("cachemgr first index build (empty DB)", first),
-        ("cachemgr restart rescan (index present)", again),
+        ("cachemgr restart rescan (index present, unchanged)", again),
+        (f"cachemgr restart rescan ({changed:,} pages renamed while down)", drift),
     ]
     print("| tool | seconds | files/s | speed vs du -sb |")
     print("| --- | ---: | ---: | ---: |")

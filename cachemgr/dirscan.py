@@ -33,11 +33,6 @@ class Usage:
     digest: int = 0  # XOR of page_digest(name, size) over the pages: equals the index's or not
 
 
-def page_digest(name: str, size: int) -> int:
-    """The digest of one page, as scans combine them (the state DB keeps the same sum)."""
-    return _dirscan.page_digest(name, size)
-
-
 def scan_usage(layout: Layout, rel_dir: str) -> Usage | None:
     """Count and size what is in <root>/<rel_dir>; None if it is absent."""
     try:

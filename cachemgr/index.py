@@ -1,9 +1,11 @@
-"""The page index on disk → in the state DB: a fast scan of namespace dirs that makes the
-`pages` table agree with the files, without resetting what it knows about pages that stay.
+"""The page index on disk → in the state DB: scans that make the `pages` table agree with the
+files, without resetting what it knows about pages that stay.
 
-A scan only lists and stats: it never opens a page file (an open would count as a hit).
-`os.listdir` + `os.stat(dir_fd=…)` runs ~1.5× faster than `os.scandir` + `DirEntry.stat()`
-here, and rows go to SQLite in 10K-row transactions so other writers (GC, purge) get turns.
+A scan first counts the directory in C (cachemgr.dirscan: pages, bytes and a digest of every
+(name, size)); when the index's trigger-kept totals and digest equal those, the index already
+matches and nothing else is read — the usual case on a restart or a periodic reconcile. Only
+when they differ are the page names listed and the rows fixed (`_reindex`). A scan only lists
+and stats: it never opens a page file (an open would count as a hit).
 """
 
 from __future__ import annotations
@@ -13,21 +15,21 @@ import os
 import sqlite3
 import stat
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from cachemgr.layout import NS_ID_RE, PAGE_RE, TEMP_RE, Layout
+from cachemgr.dirscan import Usage, scan_usage
+from cachemgr.layout import NS_ID_RE, PAGE_RE, Layout
 from cachemgr.namespaces import adopt_from_disk
 from cachemgr.store import Store
 
 log = logging.getLogger(__name__)
 BATCH = 10_000
-# Rows per scan transaction. 50K sorted rows built a first index 18% faster than 10K, but
+# Rows per reindex transaction. 50K sorted rows built a first index 18% faster than 10K, but
 # the daemon bench's RSS went 134 -> 155 MiB at 200K pages; 1M pages already peak at the
 # 200 MB target.
 SCAN_BATCH = 10_000
-PROGRESS_EVERY = 200_000
+PROGRESS_EVERY = 200_000  # rows between two progress lines of a long reindex
 
 
 @dataclass(frozen=True)
@@ -61,70 +63,31 @@ def namespace_dirs(layout: Layout) -> list[str]:
     )
 
 
-@dataclass
-class _Walk:
-    """Running totals of one directory walk."""
-
-    pages: int = 0
-    bytes: int = 0
-    temp: int = 0
-    foreign: int = 0
-    zero: int = 0
-    sizes: Counter[tuple[str | None, int]] | None = None
-
-
-def _walk(path: str, walk: _Walk, now: float) -> Iterator[list[tuple[str, int, float]]]:
+def _page_rows(path: str, now: float) -> Iterator[list[tuple[str, int, float]]]:
     """Yield (name, size, mtime) of the page files in `path`, SCAN_BATCH at a time."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except (FileNotFoundError, NotADirectoryError):
         return
-    sizes: Counter[tuple[str | None, int]] = Counter()
-    walk.sizes = sizes
     try:
         batch: list[tuple[str, int, float]] = []
         for name in os.listdir(fd):
-            # One regex per name (classify() + parse_page_name() would cost three and two
-            # objects), since this loop runs a million times.
-            page = PAGE_RE.fullmatch(name)
-            if page is None:
-                if TEMP_RE.fullmatch(name):
-                    walk.temp += 1
-                else:
-                    walk.foreign += 1
+            if not PAGE_RE.fullmatch(name):
                 continue
             try:
                 st = os.stat(name, dir_fd=fd, follow_symlinks=False)
             except FileNotFoundError:
                 continue  # deleted since listdir; the watcher reports it
             if not stat.S_ISREG(st.st_mode):
-                walk.foreign += 1
                 continue
-            sizes[(page.group("pool"), st.st_size)] += 1
-            walk.zero += st.st_size == 0
-            walk.pages += 1
-            walk.bytes += st.st_size
             batch.append((name, st.st_size, min(st.st_mtime, now)))
             if len(batch) >= SCAN_BATCH:
                 yield batch
                 batch = []
-            if walk.pages % PROGRESS_EVERY == 0:
-                log.info("scan progress", extra={"dir": path, "pages": walk.pages})
         if batch:
             yield batch
     finally:
         os.close(fd)
-
-
-def _corrupt(walk: _Walk) -> int:
-    """Pages whose size differs from the usual size of their pool: truncated or foreign."""
-    if not walk.sizes:
-        return walk.zero
-    modal: dict[str | None, int] = {}
-    for (pool, size), n in walk.sizes.items():
-        if size and n > modal.get(pool, 0):
-            modal[pool] = n
-    return walk.pages - sum(modal.values())
 
 
 def scan_namespace(
@@ -132,6 +95,30 @@ def scan_namespace(
 ) -> ScanReport:
     """Make the index of `ns_id` equal its directory; known pages keep their recency."""
     t0 = time.perf_counter()
+    usage = scan_usage(layout, f"ns/{ns_id}") or Usage()
+    added = removed = 0
+    if not _matches(store.conn, ns_id, usage):
+        log.info("reindexing namespace", extra={"namespace": ns_id, "pages": usage.pages})
+        added, removed = _reindex(store, layout, ns_id, now)
+    report = ScanReport(
+        ns_id, usage.pages, usage.bytes, usage.temps, usage.other, usage.corrupt,
+        added=added, removed=removed, seconds=time.perf_counter() - t0,
+    )  # fmt: skip
+    with store.transaction() as conn:
+        _record_scan(conn, report, now())
+    return report
+
+
+def _matches(conn: sqlite3.Connection, ns_id: str, usage: Usage) -> bool:
+    """Whether the index holds exactly the pages (names and sizes) the scan found."""
+    row = conn.execute(
+        "SELECT pages, bytes, digest FROM namespace_stats WHERE namespace_id = ?", (ns_id,)
+    ).fetchone()
+    return tuple(row or (0, 0, 0)) == (usage.pages, usage.bytes, usage.digest)
+
+
+def _reindex(store: Store, layout: Layout, ns_id: str, now: Callable[[], float]) -> tuple[int, int]:
+    """Upsert every page file's row and drop rows whose file is gone: (added, removed)."""
     conn = store.conn
     # A 64 MiB page cache (default 2 MiB) keeps the B-tree pages a bulk upsert revisits in
     # memory: 2-3× faster index builds for a bounded amount of RSS.
@@ -140,7 +127,6 @@ def scan_namespace(
     conn.execute("DROP INDEX IF EXISTS temp.scan_seen_name")
     conn.execute("DELETE FROM temp.scan_seen")
     before = _count(conn, ns_id)
-    walk = _Walk()
     # A page first seen by a scan gets its mtime as created/last access: the best guess there
     # is (SGLang never rewrites a page) and it keeps GC order sane on a first install.
     upsert = (
@@ -151,30 +137,27 @@ def scan_namespace(
     # With no rows to begin with there is nothing to drop: skip remembering what was seen
     # (~10% of a first build's time). Rows a watcher adds meanwhile are real files.
     track = before > 0
-    for batch in _walk(str(layout.ns_dir(ns_id)), walk, now()):
+    done = 0
+    for batch in _page_rows(str(layout.ns_dir(ns_id)), now()):
         batch.sort()  # name order = primary-key order: far fewer B-tree pages touched
         with store.transaction():
             conn.executemany(upsert, ((ns_id, n, s, m, m) for n, s, m in batch))
             if track:
                 conn.executemany("INSERT INTO temp.scan_seen VALUES (?)", ((n,) for n, *_ in batch))
+        done += len(batch)
+        if done % PROGRESS_EVERY < len(batch):
+            log.info("reindex progress", extra={"namespace": ns_id, "rows": done})
     removed = 0
     if track:
         conn.execute("CREATE INDEX temp.scan_seen_name ON scan_seen (name)")
-    with store.transaction():
-        if track:
+        with store.transaction():
             removed = conn.execute(
                 "DELETE FROM pages WHERE namespace_id = ?"
                 " AND name NOT IN (SELECT name FROM scan_seen)",
                 (ns_id,),
             ).rowcount
-        report = ScanReport(
-            ns_id, walk.pages, walk.bytes, walk.temp, walk.foreign, _corrupt(walk),
-            added=walk.pages - (before - removed), removed=removed,
-            seconds=time.perf_counter() - t0,
-        )  # fmt: skip
-        _record_scan(conn, report, now())
-    conn.execute("DELETE FROM temp.scan_seen")
-    return report
+        conn.execute("DELETE FROM temp.scan_seen")
+    return _count(conn, ns_id) - before + removed, removed
 
 
 def _count(conn: sqlite3.Connection, ns_id: str) -> int:
@@ -224,15 +207,3 @@ def scan_root(
     for ns in sorted(stale):
         forget_namespace(store, ns)
     return reports
-
-
-def measure_namespace(layout: Layout, ns_id: str) -> ScanReport:
-    """Count a namespace dir's pages and bytes without touching the index (no DB writes)."""
-    t0 = time.perf_counter()
-    walk = _Walk()
-    for _ in _walk(str(layout.ns_dir(ns_id)), walk, time.time()):
-        pass
-    return ScanReport(
-        ns_id, walk.pages, walk.bytes, walk.temp, walk.foreign, _corrupt(walk),
-        seconds=time.perf_counter() - t0,
-    )  # fmt: skip

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import operator
 import os
 import re
 import sqlite3
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from cachemgr._dirscan import page_digest
 from cachemgr.errors import StateError
 
 log = logging.getLogger(__name__)
@@ -53,10 +55,31 @@ def connect(path: Path) -> sqlite3.Connection:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA foreign_keys=ON")
+        _register_functions(conn)
     except sqlite3.Error as e:
         raise StateError(f"cannot open state DB {path}: {e}") from e
     conn.row_factory = sqlite3.Row
     return conn
+
+
+class _XorAgg:
+    """XOR of a column: how a namespace's page digests combine (order-free, self-inverse)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def step(self, value: int) -> None:
+        self.value ^= value
+
+    def finalize(self) -> int:
+        return self.value
+
+
+def _register_functions(conn: sqlite3.Connection) -> None:
+    """The functions the `pages` triggers keep namespace_stats.digest with (migration 0004)."""
+    conn.create_function("cachemgr_page_digest", 2, page_digest, deterministic=True)
+    conn.create_function("cachemgr_xor", 2, operator.xor, deterministic=True)
+    conn.create_aggregate("cachemgr_xor_agg", 1, _XorAgg)
 
 
 def user_version(conn: sqlite3.Connection) -> int:

@@ -126,12 +126,24 @@ def test_build_stage_makes_a_wheel_with_migrations_from_the_context(tmp_path: Pa
         timeout=300,
     )
     (wheel,) = wheels.glob("cachemgr-*.whl")
+    assert "-linux_" in wheel.name  # a platform wheel: it carries the compiled scanner
     with zipfile.ZipFile(wheel) as zf:
-        shipped = {n: zf.read(n) for n in zf.namelist() if n.startswith("cachemgr/migrations/")}
+        names = zf.namelist()
+        shipped = {n: zf.read(n) for n in names if n.startswith("cachemgr/migrations/")}
+        zf.extractall(tmp_path / "site")
     expected = {
         f"cachemgr/migrations/{p.name}": p.read_bytes() for p in (REPO / "migrations").glob("*.sql")
     }
     assert expected and shipped == expected
+    # The extension in the wheel imports and scans (not the one in the repo's source tree).
+    probe = (
+        "import cachemgr._dirscan as d, os; print(d.__file__); print(d.scan(os.open('.', 0), 2)[1])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path / "site", capture_output=True, text=True,
+        check=True, timeout=60,
+    )  # fmt: skip
+    assert out.stdout.splitlines()[0].startswith(str(tmp_path / "site" / "cachemgr"))
 
 
 def test_dockerignore_keeps_the_context_small() -> None:

@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cachemgr import _dirscan
-from cachemgr.dirscan import Usage, page_digest, scan_usage
+from cachemgr._dirscan import page_digest
+from cachemgr.dirscan import Usage, scan_usage
 from cachemgr.errors import UnsafePathError
 from cachemgr.layout import FileKind, Layout, classify
 from tests.nsfixtures import page_name

@@ -1,9 +1,14 @@
 from __future__ import annotations
 
+import logging
 import os
+from functools import reduce
 from pathlib import Path
 
-from cachemgr.index import forget_namespace, measure_namespace, scan_namespace, scan_root
+import pytest
+
+from cachemgr._dirscan import page_digest
+from cachemgr.index import forget_namespace, scan_namespace, scan_root
 from cachemgr.layout import Layout
 from cachemgr.store import Store
 from tests.daemon_helpers import NS_A, NS_B, page_name, store_page
@@ -21,6 +26,11 @@ def stats(store: Store, ns: str) -> tuple[int, int]:
         "SELECT pages, bytes FROM namespace_stats WHERE namespace_id = ?", (ns,)
     ).fetchone()
     return (row[0], row[1]) if row else (0, 0)
+
+
+def digest(store: Store, ns: str) -> int:
+    row = store.conn.execute("SELECT digest FROM namespace_stats WHERE namespace_id = ?", (ns,))
+    return int(row.fetchone()[0])
 
 
 def make_ns(layout: Layout, ns: str, n: int, size: int = 1000) -> Path:
@@ -73,8 +83,6 @@ def test_scan_counts_temp_foreign_and_odd_sized_pages(layout: Layout) -> None:
     assert report.foreign_files == 3  # notes.txt, sub/, the symlink
     assert report.corrupt_files == 1
     assert report.pages == 7 and page_name(51) not in pages(store, NS_A)
-    measured = measure_namespace(layout, NS_A)  # the same walk, without the DB
-    assert (measured.pages, measured.bytes, measured.temp_files) == (7, 6005, 1)
 
 
 def test_scan_root_forgets_namespaces_whose_dir_is_gone(layout: Layout) -> None:
@@ -98,5 +106,28 @@ def test_aggregates_follow_any_writer_of_the_pages_table(layout: Layout) -> None
         conn.execute("DELETE FROM pages WHERE name = ?", (page_name(0),))
         conn.execute("UPDATE pages SET size = 1 WHERE name = ?", (page_name(1),))
     assert stats(store, NS_A) == (29, 28 * 1000 + 1)
-    assert forget_namespace(store, NS_A) == 29
-    assert stats(store, NS_A) == (0, 0)
+    # ... and the digest: the index now differs from the dir, and a scan puts both back.
+    assert digest(store, NS_A) == reduce(
+        lambda d, r: d ^ page_digest(r[0], r[1][0]), pages(store, NS_A).items(), 0
+    )
+    report = scan_namespace(store, layout, NS_A)
+    assert (report.added, report.removed) == (1, 0) and stats(store, NS_A) == (30, 30_000)
+    assert forget_namespace(store, NS_A) == 30
+    assert stats(store, NS_A) == (0, 0) and digest(store, NS_A) == 0
+
+
+def test_an_unchanged_dir_is_rescanned_without_reindexing(
+    layout: Layout, caplog: pytest.LogCaptureFixture
+) -> None:
+    d = make_ns(layout, NS_A, 40)
+    store = Store.open(layout.db_path)
+    scan_namespace(store, layout, NS_A)
+    caplog.set_level(logging.INFO, logger="cachemgr.index")
+    report = scan_namespace(store, layout, NS_A)
+    assert (report.pages, report.drift) == (40, 0)
+    assert "reindexing namespace" not in caplog.text
+    # Same count and bytes, another name (a rename while nobody watched): the digest tells.
+    os.rename(d / page_name(5), d / page_name(500))
+    report = scan_namespace(store, layout, NS_A)
+    assert (report.added, report.removed) == (1, 1) and "reindexing namespace" in caplog.text
+    assert page_name(500) in pages(store, NS_A) and page_name(5) not in pages(store, NS_A)

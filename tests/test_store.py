@@ -1,10 +1,12 @@
 from __future__ import annotations
 
 import sqlite3
+from functools import reduce
 from pathlib import Path
 
 import pytest
 
+from cachemgr._dirscan import page_digest
 from cachemgr.errors import StateError
 from cachemgr.store import Migration, Store, bundled_migrations, connect, migrate, user_version
 
@@ -70,3 +72,17 @@ def test_transaction_rolls_back_on_error(tmp_path: Path) -> None:
         store.audit("purge", namespace_id=None, reason="test", actor="cli", pages=3)
     assert store.conn.execute("SELECT pages FROM audit").fetchone()[0] == 3
     store.close()
+
+
+def test_index_digest_migration_sums_the_rows_already_there(tmp_path: Path) -> None:
+    conn = connect(tmp_path / "state.db")
+    migrate(conn, bundled_migrations()[:3])  # a DB from before the digest
+    rows = [("0123456789abcdef", f"{i:064x}_m_0_1.bin", 100 + i) for i in range(20)]
+    conn.executemany(
+        "INSERT INTO pages (namespace_id, name, size, created_at, last_access)"
+        " VALUES (?, ?, ?, 0, 0)",
+        rows,
+    )
+    migrate(conn)
+    want = reduce(lambda d, r: d ^ page_digest(r[1], r[2]), rows, 0)
+    assert tuple(conn.execute("SELECT pages, digest FROM namespace_stats").fetchone()) == (20, want)

@@ -15,7 +15,7 @@ from rich.table import Table
 
 from cachemgr.cli.common import human_bytes, refuse_file_root
 from cachemgr.cli.main import AppContext, pass_app
-from cachemgr.index import measure_namespace
+from cachemgr.dirscan import scan_usage
 from cachemgr.layout import Layout
 from cachemgr.settings import Settings
 from cachemgr.status import NamespaceStatus, namespace_statuses
@@ -48,10 +48,9 @@ def from_disk(settings: Settings) -> dict[str, Any]:
     out = []
     for s in statuses:
         if s.has_dir:
-            m = measure_namespace(layout, s.id)
-            s = s.model_copy(
-                update={"pages": m.pages, "bytes": m.bytes, "temp_files": m.temp_files}
-            )
+            m = scan_usage(layout, f"ns/{s.id}")
+            if m is not None:
+                s = s.model_copy(update={"pages": m.pages, "bytes": m.bytes, "temp_files": m.temps})
         out.append(s.model_dump(mode="json"))
     return {"root": str(layout.root), "source": "disk", "namespaces": out}
 
