@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,8 +13,16 @@ import pytest
 from cachemgr.cli.common import human_bytes
 from cachemgr.doctor import lint
 from cachemgr.layout import Layout
+from cachemgr.settings import load_settings
 from cachemgr.sglang_args import resolve_launch_args
-from tests.daemon_helpers import NS_A, NS_B, page_name, register_namespace, store_page
+from tests.daemon_helpers import (
+    NS_A,
+    NS_B,
+    page_name,
+    register_namespace,
+    running_daemon,
+    store_page,
+)
 from tests.nsfixtures import cli_process, one_line_error
 
 
@@ -64,3 +73,27 @@ def test_one_byte_format_for_every_command(tmp_path: Path) -> None:
                  disk_free=lambda _: 500 * 10**6)  # fmt: skip
     (disk,) = [f for f in found if f.code == "disk-smaller-than-cap"]
     assert "has 500.0 MB free, less than the cap of 2.0 GB" in disk.message
+
+
+def test_status_of_a_missing_root_is_an_error_not_an_empty_table(tmp_path: Path) -> None:
+    out = cli_process("--root", str(tmp_path / "nowhere"), "status", "--port", "1")
+    assert out.returncode == 1 and out.stdout == ""
+    assert one_line_error(out) == (
+        f"cachemgr: error: no cache root at {tmp_path / 'nowhere'} (init or serve creates it)"
+    )
+
+
+def test_status_of_another_root_ignores_the_daemon_serving_this_one(tmp_path: Path) -> None:
+    served, other = Layout.at(tmp_path / "served"), Layout.at(tmp_path / "other")
+    for lay, ns in ((served, NS_A), (other, NS_B)):
+        lay.ensure()
+        store_page(register_namespace(lay, ns, instance="gpu0"), page_name(1), 1000)
+    with running_daemon(load_settings(root=served.root)) as dm:
+        port = str(dm.daemon.port)
+        mine = cli_process("--root", str(served.root), "status", "--json", "--port", port)
+        theirs = cli_process("--root", str(other.root), "status", "--json", "--port", port)
+    assert json.loads(mine.stdout)["source"] == "daemon"
+    report = json.loads(theirs.stdout)
+    assert report["source"] == "disk" and report["root"] == str(other.root)
+    assert [ns["id"] for ns in report["namespaces"]] == [NS_B]
+    assert f"serves {served.root}, not {other.root}; counting from disk" in theirs.stderr

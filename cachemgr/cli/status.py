@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import click
@@ -16,6 +18,7 @@ from rich.table import Table
 from cachemgr.cli.common import human_bytes, refuse_file_root
 from cachemgr.cli.main import AppContext, pass_app
 from cachemgr.dirscan import scan_usage
+from cachemgr.errors import NotFoundError
 from cachemgr.layout import Layout
 from cachemgr.settings import Settings
 from cachemgr.status import NamespaceStatus, namespace_statuses
@@ -32,6 +35,14 @@ def from_daemon(settings: Settings, timeout: float = 1.0) -> dict[str, Any] | No
     except (urllib.error.URLError, OSError, ValueError):
         return None
     return data if isinstance(data, dict) and "namespaces" in data else None
+
+
+def _same_dir(reported: object, root: Path) -> bool:
+    """Whether the daemon's root is this root (the same directory, whatever the spelling)."""
+    try:
+        return isinstance(reported, str) and os.path.samefile(reported, root)
+    except OSError:
+        return False
 
 
 def from_disk(settings: Settings) -> dict[str, Any]:
@@ -118,8 +129,18 @@ def status(app: AppContext, as_json: bool, host: str | None, port: int | None) -
     """Pages, bytes, reads, writes and hit ratio per namespace (from the daemon if it runs)."""
     app.overrides.update({k: v for k, v in {"host": host, "port": port}.items() if v is not None})
     settings = app.settings
-    refuse_file_root(Layout.at(settings.root, settings.state_dir))
+    layout = Layout.at(settings.root, settings.state_dir)
+    refuse_file_root(layout)
+    if not layout.root.is_dir():
+        raise NotFoundError(f"no cache root at {layout.root} (init or serve creates it)")
     report = from_daemon(settings)
+    if report is not None and not _same_dir(report.get("root"), layout.root):
+        click.echo(
+            f"cachemgr: the daemon on {settings.host}:{settings.port} serves {report.get('root')},"
+            f" not {layout.root}; counting from disk",
+            err=True,
+        )
+        report = None
     if report is not None:
         report["source"] = "daemon"
     else:
