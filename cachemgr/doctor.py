@@ -282,4 +282,14 @@ def lint_root(layout: Layout, store: Store) -> list[Finding]:
             what = f".trash/{entry.name} still holds {entry.pages:,} pages of an unfinished purge"
             fix = "cachemgr purge --unbound --yes (or let the daemon finish it)"
             found.append(Finding("warning", "trash-left", what, fix))
-    return found
+    return found + _corrupt_db_copies(layout)
+
+
+def _corrupt_db_copies(layout: Layout) -> list[Finding]:
+    """State DBs found corrupt and moved aside (store.py) take disk space until someone looks."""
+    db = layout.db_path
+    aside = db.parent.glob(f"{db.name}.corrupt-*")  # and their -wal/-shm, not listed twice
+    copies = sorted(p for p in aside if p.name.rpartition("-")[2].isdigit())
+    what = "{} is a state DB found corrupt and moved aside; the index was rebuilt from disk"
+    fix = "keep it for a bug report, or remove {} (and its -wal/-shm)"
+    return [Finding("warning", "state-db-corrupt", what.format(p), fix.format(p)) for p in copies]

@@ -151,9 +151,15 @@ def test_root_damage_is_reported(layout: Layout, tmp_path: Path) -> None:
     (layout.ns_root / ("c" * 16)).mkdir()
     (layout.trash / f"{'d' * 16}.x1").mkdir()
     (layout.trash / f"{'e' * 16}.x2").symlink_to(tmp_path)
+    aside = layout.state_dir / "state.db.corrupt-1764400000"  # left by a DB recovery
+    for suffix in ("", "-wal"):
+        Path(f"{aside}{suffix}").write_bytes(b"junk")
     out = cli("--root", str(layout.root), "doctor", "--json")
-    codes = sorted(f["code"] for f in json.loads(out.stdout))
-    assert codes == ["ns-no-manifest", "trash-left", "trash-unsafe"]
+    findings = json.loads(out.stdout)
+    codes = sorted(f["code"] for f in findings)
+    assert codes == ["ns-no-manifest", "state-db-corrupt", "trash-left", "trash-unsafe"]
+    (db,) = [f for f in findings if f["code"] == "state-db-corrupt"]
+    assert str(aside) in db["message"] and str(aside) in db["fix"]
     assert out.returncode == 2
 
 
