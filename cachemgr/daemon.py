@@ -252,6 +252,9 @@ class Daemon:
             daemon=True,
         )
         self.indexer.on_applied = self._check_watermarks
+        # A CLI purge (or init --no-wait) renames into .trash/ from another process: GC
+        # deletes it now rather than at the next interval.
+        self.indexer.on_namespace_gone = lambda _ns: self.gc.wake()
 
     def _check_watermarks(self) -> None:
         """After a batch (on the index thread, its connection): wake GC if a limit is crossed.

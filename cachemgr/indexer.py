@@ -157,6 +157,8 @@ class Indexer:
         self.watcher = watcher if watcher is not None else Watcher(layout)
         self.pages = PageEvents(store, layout)
         self.on_applied: Callable[[], None] | None = None  # after each batch of page events
+        # after a namespace dir left ns/: a purge by any process moved it into .trash/
+        self.on_namespace_gone: Callable[[str], None] | None = None
         self._stop = threading.Event()
         self._rescan: set[str] = set()
         self._rescan_lock = threading.Lock()
@@ -243,6 +245,8 @@ class Indexer:
             if not self.layout.ns_dir(ns).is_dir():
                 removed = forget_namespace(self.store, ns)
                 log.info("namespace dir gone", extra={"namespace": ns, "pages": removed})
+            if self.on_namespace_gone is not None:  # even if a purge recreated it empty
+                self.on_namespace_gone(ns)
 
     def _apply_pages(self, events: list[Event]) -> None:
         for ns, (r, w) in self.pages.apply(events, now=self.clock()).items():

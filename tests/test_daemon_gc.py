@@ -18,6 +18,7 @@ from tests.daemon_helpers import (
     store_page,
     wait_for,
 )
+from tests.nsfixtures import cli_process
 from tests.test_server import metric
 
 PAGE = 1000
@@ -118,3 +119,18 @@ def test_purge_over_http_is_drained_by_gc(tmp_path: Path) -> None:
         )
         assert metric(text, "cachemgr_purged_pages_total", reason="manual") == 20
     assert not any(layout.ns_dir(NS_A).iterdir())
+
+
+def test_a_purge_by_the_cli_wakes_the_daemons_gc(tmp_path: Path) -> None:
+    """Another process renames ns/<id> into .trash/: the watcher sees it leave, GC drains it."""
+    layout, _ = _root(tmp_path, 20)
+    with running_daemon(load_settings(root=layout.root, gc_interval=3600)) as dm:
+        wait_for(lambda: dm.namespaces()[NS_A]["pages"], lambda n: n == 20)
+        out = cli_process(
+            "--root", str(layout.root), "purge", "--namespace", NS_A, "--yes", "--no-wait"
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        # an hour-long interval: only a wake gets the trash deleted within the wait
+        wait_for(lambda: list(layout.trash.iterdir()), lambda left: not left, timeout=20)
+        text = dm.get("/metrics").text
+        assert metric(text, "cachemgr_purged_pages_total", reason="manual") == 20
