@@ -103,7 +103,8 @@ def bench_scan(layout: Layout, n: int) -> None:
     print("| tool | seconds | files/s | speed vs du -sb |")
     print("| --- | ---: | ---: | ---: |")
     for name, sec in rows:
-        print(f"| {name} | {sec:.2f} | {n / sec:,.0f} | {du / sec:.2f}× |")
+        shown = name.replace("|", "\\|")  # a Markdown table cell
+        print(f"| {shown} | {sec:.2f} | {n / sec:,.0f} | {du / sec:.2f}× |")
 
 
 def bench_events(layout: Layout, n: int) -> None:
