@@ -27,20 +27,14 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from cachemgr import purge as purge_mod
+from cachemgr.apimodels import PurgedNamespace, PurgeFn, PurgeRequest, PurgeResponse
 from cachemgr.errors import ConfigError
 from cachemgr.gcpolicy import GcPolicy
 from cachemgr.gcrunner import GcRunner, needs_gc
 from cachemgr.indexer import Indexer
 from cachemgr.layout import Layout
 from cachemgr.metrics import CachemgrCollector
-from cachemgr.server import (
-    Backend,
-    PurgedNamespace,
-    PurgeFn,
-    PurgeRequest,
-    PurgeResponse,
-    create_app,
-)
+from cachemgr.server import Backend, create_app
 from cachemgr.settings import Settings
 from cachemgr.sglang_probe import ProbeLoop, ProbeState
 from cachemgr.store import Store, connect

@@ -12,142 +12,41 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path as FsPath
 from typing import Annotated, Any
 
-from fastapi import Body, Depends, FastAPI, Path, Query, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import Body, Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from cachemgr import __version__
-from cachemgr.errors import CachemgrError, ConflictError, NotFoundError
+from cachemgr.apimodels import (
+    INSTANCE_PATTERN,
+    NS_ID_PATTERN,
+    Fingerprint,
+    GcRequest,
+    Health,
+    IndexInfo,
+    NamespacePurgeRequest,
+    NsId,
+    PurgeFn,
+    PurgeRequest,
+    PurgeResponse,
+    Readiness,
+    Status,
+    Totals,
+)
+from cachemgr.errors import ConflictError, NotFoundError
 from cachemgr.gcapi import GcResponse, gc_request
 from cachemgr.gcrunner import GcRunner
 from cachemgr.indexer import IndexState
-from cachemgr.layout import NS_ID_RE, Layout
+from cachemgr.layout import Layout
 from cachemgr.metrics import Reader
+from cachemgr.problems import ERRORS, install_error_handlers
 from cachemgr.status import NamespaceStatus, disk_usage, namespace_statuses
 
-PROBLEM = "application/problem+json"
 PURGE_PATHS = ("/purge", "/v1/purge")
-# Anchored: JSON Schema (and pydantic) patterns match anywhere in the string.
-NS_ID_PATTERN = f"^{NS_ID_RE.pattern}$"
-INSTANCE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$"  # as namespaces.check_instance
-NsId = Annotated[str, Path(pattern=NS_ID_PATTERN, description="namespace id (16 hex digits)")]
-
-
-class Problem(BaseModel):
-    """An RFC 9457 problem detail."""
-
-    type: str = "about:blank"
-    title: str
-    status: int
-    detail: str | None = None
-    instance: str | None = None
-    errors: list[dict[str, Any]] | None = None
-    hint: str | None = None
-
-
-class Health(BaseModel):
-    status: str
-    version: str = __version__
-
-
-class Readiness(BaseModel):
-    ready: bool
-    detail: str
-
-
-class IndexInfo(BaseModel):
-    """The live index: how it was built and whether it keeps up."""
-
-    ready: bool
-    scans: int
-    last_scan_seconds: float
-    drift_pages: int
-    overflows: int
-    events_applied: int
-    lag_seconds: float
-
-
-class Totals(BaseModel):
-    namespaces: int
-    pages: int
-    bytes: int
-    page_reads: int
-    page_writes: int
-
-
-class Status(BaseModel):
-    """The daemon's view: per-namespace status plus totals, the index and the filesystem."""
-
-    root: str
-    version: str = __version__
-    started_at: float | None
-    uptime_seconds: float | None
-    namespaces: list[NamespaceStatus]
-    totals: Totals
-    index: IndexInfo | None
-    filesystem_avail_bytes: int | None
-    filesystem_size_bytes: int | None
-
-
-class Fingerprint(BaseModel):
-    """The identity record of a namespace, as registered by `cachemgr init`."""
-
-    namespace: str
-    digest: str
-    instances: list[str]
-    identity: dict[str, Any]
-
-
-class PurgeRequest(BaseModel):
-    """Which namespaces to purge: the union of what is chosen; nothing chosen means all."""
-
-    # strict: the schema says boolean, so a JSON 0 or 0.0 is a 422, not a quiet `false`
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    namespace: str | None = Field(None, pattern=NS_ID_PATTERN)
-    instance: str | None = Field(None, pattern=INSTANCE_PATTERN)
-    all: bool = False
-    dry_run: bool = False
-
-
-class NamespacePurgeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    dry_run: bool = False
-
-
-class PurgedNamespace(BaseModel):
-    namespace: str
-    pages: int
-    bytes: int
-    recreated: bool = Field(description="an instance is bound: the dir came back empty")
-
-
-class PurgeResponse(BaseModel):
-    """What a purge removed (or, with dry_run, would remove)."""
-
-    dry_run: bool
-    selector: str
-    purged: list[PurgedNamespace]
-    pages: int
-    bytes: int
-    message: str
-
-
-PurgeFn = Callable[[PurgeRequest], PurgeResponse]
-
-
-class GcRequest(BaseModel):
-    """A GC run now: with dry_run, what it would delete (any daemon can answer that)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    dry_run: bool = False
 
 
 @dataclass
@@ -166,38 +65,15 @@ class Backend:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _problem(
-    status: int, title: str, detail: str | None, request: Request, **more: Any
-) -> JSONResponse:
-    body = Problem(title=title, status=status, detail=detail, instance=request.url.path, **more)
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse(
-        body.model_dump(exclude_none=True), status_code=status, media_type=PROBLEM, headers=headers
-    )
-
-
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": Problem, "content": {PROBLEM: {}}, "description": desc}
-    for code, desc in {
-        400: "bad request",
-        401: "missing or wrong bearer token",
-        404: "not found",
-        409: "conflict",
-        422: "invalid request",
-        500: "internal error",
-    }.items()
-}
-
-
 def create_app(backend: Backend) -> FastAPI:
     """The FastAPI app over `backend`."""
     app = FastAPI(
         title="cachemgr",
         version=__version__,
         description="Sidecar API of cachemgr: SGLang HiCache L3 file cache index, metrics, purge.",
-        responses={422: _ERRORS[422], 500: _ERRORS[500]},
+        responses={422: ERRORS[422], 500: ERRORS[500]},
     )
-    _install_errors(app)
+    install_error_handlers(app, PURGE_PATHS)
 
     def auth(request: Request) -> None:
         if backend.token is None:
@@ -278,7 +154,7 @@ def create_app(backend: Backend) -> FastAPI:
         "/v1/namespaces/{ns_id}",
         response_model=NamespaceStatus,
         tags=["status"],
-        responses={404: _ERRORS[404]},
+        responses={404: ERRORS[404]},
     )
     def namespace(ns_id: NsId) -> NamespaceStatus:
         """One namespace's status."""
@@ -291,7 +167,7 @@ def create_app(backend: Backend) -> FastAPI:
         "/v1/fingerprint",
         response_model=list[Fingerprint],
         tags=["status"],
-        responses={404: _ERRORS[404]},
+        responses={404: ERRORS[404]},
     )
     def fingerprint(
         instance: Annotated[str | None, Query(pattern=INSTANCE_PATTERN)] = None,
@@ -299,7 +175,7 @@ def create_app(backend: Backend) -> FastAPI:
         """Identity records of the registered namespaces (or of one instance's namespace)."""
         return _fingerprints(backend, instance)
 
-    purge_responses: dict[int | str, dict[str, Any]] = {k: _ERRORS[k] for k in (400, 401, 404, 409)}
+    purge_responses: dict[int | str, dict[str, Any]] = {k: ERRORS[k] for k in (400, 401, 404, 409)}
 
     def run_purge(req: PurgeRequest) -> PurgeResponse:
         if backend.purge is None:
@@ -351,7 +227,7 @@ def create_app(backend: Backend) -> FastAPI:
         "/v1/gc",
         response_model=GcResponse,
         tags=["gc"],
-        responses={k: _ERRORS[k] for k in (400, 401, 409)},
+        responses={k: ERRORS[k] for k in (400, 401, 409)},
         dependencies=[Depends(auth)],
     )
     def gc(
@@ -415,41 +291,10 @@ def _fingerprints(backend: Backend, instance: str | None) -> list[Fingerprint]:
     return out
 
 
-def _install_errors(app: FastAPI) -> None:
-    @app.exception_handler(CachemgrError)
-    def cachemgr_error(request: Request, exc: CachemgrError) -> JSONResponse:
-        return _problem(exc.http_status, exc.title, str(exc), request)
-
-    @app.exception_handler(RequestValidationError)
-    def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = [
-            {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
-            for e in exc.errors()
-        ]
-        return _problem(
-            422, "invalid request", "the request does not match the API", request, errors=errors
-        )
-
-    @app.exception_handler(HTTPException)
-    def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        hint = None
-        if exc.status_code == 405 and request.url.path in PURGE_PATHS:
-            hint = f"use POST, e.g. curl -X POST http://HOST:PORT{request.url.path}"
-        title = {401: "unauthorized", 404: "not found", 405: "method not allowed"}.get(
-            exc.status_code, "error"
-        )
-        resp = _problem(exc.status_code, title, str(exc.detail), request, hint=hint)
-        if exc.headers:
-            resp.headers.update(exc.headers)
-        return resp
-
-
 def openapi_document(app: FastAPI | None = None) -> str:
     """The app's OpenAPI document as committed in api/openapi.json."""
-    from prometheus_client import CollectorRegistry
-
     if app is None:
-        lay = Layout.at(__import__("pathlib").Path("/nonexistent"))
+        lay = Layout.at(FsPath("/nonexistent"))
         app = create_app(Backend(layout=lay, reader=_no_reader, registry=CollectorRegistry()))
     return json.dumps(app.openapi(), indent=2, sort_keys=True) + "\n"
 
