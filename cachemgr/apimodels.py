@@ -44,6 +44,7 @@ class IndexInfo(BaseModel):
     """The live index: how it was built and whether it keeps up."""
 
     ready: bool
+    leader: bool = Field(description="this daemon watches and writes the index; others follow")
     scans: int
     last_scan_seconds: float
     drift_pages: int

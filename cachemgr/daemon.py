@@ -33,6 +33,7 @@ from cachemgr.gcpolicy import GcPolicy
 from cachemgr.gcrunner import GcRunner, needs_gc
 from cachemgr.indexer import Indexer
 from cachemgr.layout import Layout
+from cachemgr.leader import Leadership
 from cachemgr.metrics import CachemgrCollector
 from cachemgr.server import Backend, create_app
 from cachemgr.settings import Settings
@@ -183,6 +184,7 @@ class Daemon:
             self.layout,
             batch_interval=self.settings.batch_interval,
             reconcile_interval=self.settings.reconcile_interval or float("inf"),
+            leadership=Leadership(self.layout.state_dir / "index.lock"),
         )
         self._start_gc()
         self.registry = CollectorRegistry(auto_describe=False)

@@ -8,6 +8,12 @@ reads bump the page's `reads` and `last_access`, and every read and store takes 
 `access_seq` (GC's order inside a burst). After each batch `on_applied` runs (the daemon's
 cheap GC check). An inotify overflow, a new namespace dir and the periodic reconcile all
 become scans, so any drift is bounded and counted.
+
+Several daemons may serve one root (one sidecar per server on a shared cache dir). Only the
+one holding <state_dir>/index.lock watches and writes the index; the others *follow*: ready at
+once, they serve the shared DB and count no events (counted twice, every read would be), and
+try the lock every batch interval. A follower that takes over rescans first (cheap when the
+index still matches the disk: cachemgr.index) to catch what happened while nobody watched.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from dataclasses import dataclass, field
 
 from cachemgr.index import BATCH, ScanReport, forget_namespace, namespace_dirs, scan_namespace
 from cachemgr.layout import Layout
+from cachemgr.leader import Leadership
 from cachemgr.namespaces import adopt_from_disk
 from cachemgr.store import Store
 from cachemgr.watcher import Event, Kind, Watcher
@@ -53,6 +60,7 @@ class IndexState:
     drift_pages: int = 0  # rows added or removed by scans after the first
     events_applied: int = 0
     batches: int = 0
+    leader: bool = False  # this process watches and writes the index (see the module doc)
 
     def counter(self, ns_id: str) -> Counters:
         got = self.counters.get(ns_id)
@@ -147,6 +155,7 @@ class Indexer:
         reconcile_interval: float = 600.0,
         clock: Callable[[], float] = time.time,
         watcher: Watcher | None = None,
+        leadership: Leadership | None = None,
     ) -> None:
         self.store = store
         self.layout = layout
@@ -155,6 +164,8 @@ class Indexer:
         self.clock = clock
         self.state = IndexState()
         self.watcher = watcher if watcher is not None else Watcher(layout)
+        self.leadership = leadership  # None: this process alone indexes the root
+        self.follow_interval = max(batch_interval, 0.05)
         self.pages = PageEvents(store, layout)
         self.on_applied: Callable[[], None] | None = None  # after each batch of page events
         # after a namespace dir left ns/: a purge by any process moved it into .trash/
@@ -166,7 +177,6 @@ class Indexer:
         self.error: BaseException | None = None
 
     def start(self) -> None:
-        self.watcher.start()
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -175,6 +185,8 @@ class Indexer:
         if self._thread.is_alive():
             self._thread.join(timeout)
         self.watcher.stop()
+        if self.leadership is not None:
+            self.leadership.release()
 
     def lag(self) -> float:
         """Age in seconds of the oldest event not yet applied (0 when the queue is empty)."""
@@ -191,7 +203,12 @@ class Indexer:
 
     def _run(self) -> None:
         try:
-            self._scan_all(first=True)
+            took_over = self._lead()
+            if self._stop.is_set():
+                return
+            self.watcher.start()
+            self.pages = PageEvents(self.store, self.layout)  # after any earlier leader's seqs
+            self._scan_all(first=not took_over)
             self.state.ready.set()
             next_reconcile = time.monotonic() + self.reconcile_interval
             while not self._stop.wait(self.batch_interval):
@@ -203,6 +220,22 @@ class Indexer:
         except BaseException as e:  # surfaced by the daemon, which exits non-zero
             log.exception("index writer failed")
             self.error = e
+
+    def _lead(self) -> bool:
+        """Wait until this process leads the index (or is stopped); True if it took over
+        from another leader, whose last events nobody applied."""
+        if self.leadership is None or self.leadership.try_acquire():
+            self.state.leader = True
+            return False
+        log.info("another daemon indexes this root; following it",
+                 extra={"holder": self.leadership.holder()})  # fmt: skip
+        self.state.ready.set()  # the leader keeps the shared index live
+        while not self._stop.wait(self.follow_interval):
+            if self.leadership.try_acquire():
+                log.warning("the indexing daemon is gone; taking over the index")
+                self.state.leader = True
+                return True
+        return False
 
     def apply_pending(self) -> int:
         """Drain the queue and apply it; returns the number of events applied."""

@@ -1,4 +1,5 @@
-"""GC leadership of one root: whoever holds an exclusive flock on <state_dir>/gc.lock deletes.
+"""Leadership of one root: whoever holds an exclusive flock on a lock file in the state dir
+leads (gc.lock: GC deletes; index.lock: the daemon indexes).
 
 flock belongs to the open file description, so the kernel releases it when the holder exits
 or dies, and a second descriptor, even in the same process, cannot take it meanwhile.

@@ -62,6 +62,7 @@ METRICS: dict[str, str] = {
     "cachemgr_sglang_prefetched_tokens_total": "SGLang's tokens loaded from L3",
     "cachemgr_sglang_backuped_tokens_total": "SGLang's tokens written to L3",
     "cachemgr_gc_leader": "1 while this daemon holds the root's GC lock (it alone deletes)",
+    "cachemgr_index_leader": "1 while this daemon writes the root's index (the others follow it)",
     "cachemgr_gc_runs_total": "GC runs by result: ok, error, skipped (another process leads)",
     "cachemgr_gc_last_success_timestamp_seconds": "when a GC cycle last ended without error "
     "(daemon start until the first)",
@@ -180,6 +181,9 @@ class CachemgrCollector(Collector):
         yield GaugeMetricFamily("cachemgr_ready", METRICS["cachemgr_ready"], value=int(ready))
         if st is None:
             return
+        yield GaugeMetricFamily(
+            "cachemgr_index_leader", METRICS["cachemgr_index_leader"], value=int(st.leader)
+        )
         created = st.started_at
         for name, value in (
             ("cachemgr_scans_total", st.scans),

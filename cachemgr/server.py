@@ -253,6 +253,7 @@ def create_app(backend: Backend) -> FastAPI:
 def _index_info(st: IndexState, lag: Callable[[], float]) -> IndexInfo:
     return IndexInfo(
         ready=st.ready.is_set(),
+        leader=st.leader,
         scans=st.scans,
         last_scan_seconds=st.last_scan_seconds,
         drift_pages=st.drift_pages,

@@ -13,6 +13,7 @@ import pytest
 
 from cachemgr.indexer import Indexer
 from cachemgr.layout import Layout
+from cachemgr.leader import Leadership
 from cachemgr.store import Store, connect
 from cachemgr.watcher import Event, Watcher
 from tests.daemon_helpers import NS_A, NS_B, page_name, read_page, store_page, wait_for
@@ -195,3 +196,38 @@ def test_reads_and_stores_get_access_seq_in_the_order_seen(
         )
     finally:
         ix.stop()
+
+
+def test_a_second_daemon_follows_and_takes_over_when_the_first_stops(
+    store: Store, layout: Layout, reader: sqlite3.Connection
+) -> None:
+    """Two daemons on one root: one indexes, so nothing is counted twice; the other takes
+    over when it stops and catches up on what happened in between."""
+    d = layout.ns_dir(NS_A)
+    d.mkdir()
+    lock = layout.state_dir / "index.lock"
+    first = Indexer(store, layout, batch_interval=0.05, leadership=Leadership(lock))
+    second_store = Store.open(layout.db_path)
+    second = Indexer(second_store, layout, batch_interval=0.05, leadership=Leadership(lock))
+    first.start()
+    assert first.state.ready.wait(10) and first.state.leader
+    second.start()
+    try:
+        assert second.state.ready.wait(10) and not second.state.leader  # ready as a follower
+        for i in range(10):
+            store_page(d, page_name(i))
+        read_page(d, page_name(0))
+        wait_for(lambda: ns_stats(reader, NS_A), lambda s: s == (10, 10 * 1024, 1, 10))
+        assert NS_A not in second.state.counters  # the follower counted nothing
+        first.stop()
+        for i in range(10, 15):  # while nobody may be watching
+            store_page(d, page_name(i))
+        wait_for(lambda: second.state.leader, bool)
+        store_page(d, page_name(15))
+        wait_for(lambda: ns_stats(reader, NS_A)[:2], lambda s: s == (16, 16 * 1024))
+        assert second.state.counters[NS_A].writes >= 1  # it watches now
+    finally:
+        first.stop()
+        second.stop()
+        second_store.close()
+    assert ns_stats(reader, NS_A)[2] == 1  # one read, counted once
