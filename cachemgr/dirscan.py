@@ -1,20 +1,26 @@
 """What one directory of the root holds: pages, temps and anything else, counted and sized.
 
 Every count of a namespace or trash dir (`ls`, `status`, purge plans, the daemon's scans) comes
-from `scan_usage`. The listing and the stat of every entry run in C (`_dirscan.c`) on a few
-threads without the GIL; Python classifies each *name shape* once (cachemgr.layout), not each
-file. A scan never opens a page (an open would look like a hit) and never follows a symlink.
+from `scan_usage`; every listing of the files themselves (index rows, what GC may delete) from
+`list_files`. Both open the dir through `deletion.open_dir` (no symlink on the way), never
+open a page (an open would look like a hit) and never follow a symlink.
+
+`scan_usage` is the hot one (a million-page namespace, at every daemon start): the listing and
+the stat of every entry run in C (`_dirscan.c`) on a few threads without the GIL, and Python
+classifies each *name shape* once (cachemgr.layout), not each file.
 """
 
 from __future__ import annotations
 
 import os
-from collections import Counter, defaultdict
+import stat
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from cachemgr import _dirscan
 from cachemgr.deletion import open_dir
-from cachemgr.layout import PAGE_RE, TEMP_RE, Layout
+from cachemgr.layout import FileKind, Layout, classify
 
 # stat() is a syscall with little CPU in it: two threads per core keep the kernel busy.
 THREADS = max(1, min(8, 2 * len(os.sched_getaffinity(0))))
@@ -40,19 +46,54 @@ def scan_usage(layout: Layout, rel_dir: str) -> Usage | None:
             groups, other, _gone = _dirscan.scan(fd, THREADS)
     except FileNotFoundError:
         return None
-    pages = size = temps = temp_size = digest = 0
-    pools: defaultdict[str | None, Counter[int]] = defaultdict(Counter)
+    pages = size = temps = temp_size = digest = corrupt = 0
     for shape, files, nbytes, group_digest, _untracked, sizes in groups:
-        if page := PAGE_RE.fullmatch(shape):
+        kind = classify(shape)  # a shape's verdict is its names' verdict (see _dirscan.c)
+        if kind is FileKind.PAGE:
             pages, size, digest = pages + files, size + nbytes, digest ^ group_digest
-            pools[page.group("pool")].update(sizes)
-        elif TEMP_RE.fullmatch(shape):
+            usual = usual_size(sizes, files)
+            corrupt += 0 if usual is None else files - sizes[usual]
+        elif kind is FileKind.TEMP:
             temps, temp_size = temps + files, temp_size + nbytes
         else:
             other += files
-    return Usage(pages, size, temps, temp_size, other, pages - _usual(pools), digest)
+    return Usage(pages, size, temps, temp_size, other, corrupt, digest)
 
 
-def _usual(pools: dict[str | None, Counter[int]]) -> int:
-    """Pages of the most common non-zero size of their pool; the rest are counted corrupt."""
-    return sum(max((n for s, n in sizes.items() if s), default=0) for sizes in pools.values())
+def usual_size(sizes: Mapping[int, int], pages: int) -> int | None:
+    """The size a strict majority (two at least) of `pages` pages of one kind have, if any.
+
+    Pages of one kind (the same name after the key: model, ranks, pool) share a size, so the
+    others are torn: truncated, or written with another KV layout. With no clear majority
+    nobody can tell which is right, and an empty page is never the usual size.
+    """
+    size, count = max(((s, n) for s, n in sizes.items() if s), key=lambda sn: sn[1], default=(0, 0))
+    return size if count >= 2 and count * 2 > pages else None
+
+
+class Listed(NamedTuple):
+    """A page or temp file of a directory, as GC and the index's rows need it."""
+
+    kind: FileKind
+    name: str
+    size: int
+    mtime: float
+
+
+def list_files(layout: Layout, rel_dir: str) -> Iterator[Listed]:
+    """The SGLang page and temp files of <root>/<rel_dir> that are regular files; nothing if
+    the dir is absent. Foreign names, subdirectories and symlinks are never listed."""
+    try:
+        with open_dir(layout.root, rel_dir) as fd:
+            for name in os.listdir(fd):
+                kind = classify(name)
+                if kind is FileKind.FOREIGN:
+                    continue
+                try:
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # deleted since listdir
+                if stat.S_ISREG(st.st_mode):
+                    yield Listed(kind, name, st.st_size, st.st_mtime)
+    except FileNotFoundError:
+        return

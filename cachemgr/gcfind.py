@@ -3,14 +3,13 @@ pages. Each finder is read-only and returns raw names and sizes for the planner.
 
 from __future__ import annotations
 
-import os
 import sqlite3
-import stat
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
+from cachemgr.dirscan import list_files, usual_size
 from cachemgr.gcpolicy import GcPolicy, Reason
-from cachemgr.layout import FileKind, Layout, classify
+from cachemgr.layout import FileKind, Layout
 from cachemgr.trash import list_trash
 
 
@@ -30,25 +29,11 @@ def list_namespace(
     """Pages (name -> (size, mtime)) and temp files of one namespace dir; others are ignored."""
     pages: dict[str, tuple[int, float]] = {}
     temps: list[TempFile] = []
-    try:
-        entries = os.scandir(layout.ns_dir(ns_id))
-    except FileNotFoundError:
-        return pages, temps
-    with entries:
-        for e in entries:
-            kind = classify(e.name)
-            if kind is FileKind.FOREIGN:
-                continue
-            try:
-                st = e.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if not stat.S_ISREG(st.st_mode):
-                continue
-            if kind is FileKind.PAGE:
-                pages[e.name] = (st.st_size, st.st_mtime)
-            else:
-                temps.append(TempFile(ns_id, e.name, st.st_size, st.st_mtime))
+    for f in list_files(layout, f"ns/{ns_id}"):
+        if f.kind is FileKind.PAGE:
+            pages[f.name] = (f.size, f.mtime)
+        else:
+            temps.append(TempFile(ns_id, f.name, f.size, f.mtime))
     return pages, temps
 
 
@@ -70,26 +55,11 @@ def trash_leftovers(layout: Layout) -> list[Found]:
         path = layout.trash / entry
         if not path.is_dir() or path.is_symlink():
             continue
-        names, size = _deletable_files(path)
+        files = list(list_files(layout, f".trash/{entry}"))
+        names = tuple(sorted(f.name for f in files))
+        size = sum(f.size for f in files)
         found.append(Found("trash", f".trash/{entry}", entry.partition(".")[0], names, size))
     return found
-
-
-def _deletable_files(path: os.PathLike[str]) -> tuple[tuple[str, ...], int]:
-    names: list[str] = []
-    total = 0
-    with os.scandir(path) as it:
-        for e in it:
-            if classify(e.name) is FileKind.FOREIGN:
-                continue
-            try:
-                st = e.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if stat.S_ISREG(st.st_mode):
-                names.append(e.name)
-                total += st.st_size
-    return tuple(sorted(names)), total
 
 
 def stale_temps(temps: list[TempFile], policy: GcPolicy, now: float) -> list[Found]:
@@ -161,13 +131,14 @@ def torn_pages(
             kinds[page_kind(name)].append((name, size, last))
         torn: list[tuple[str, int]] = []
         for kind, pages in sorted(kinds.items()):
-            (size, count), *_ = Counter(s for _, s, _ in pages).most_common(1)
-            if count == len(pages):
+            sizes = Counter(s for _, s, _ in pages)
+            if len(sizes) == 1:
                 continue
-            if count * 2 <= len(pages) or count < 2:
+            usual = usual_size(sizes, len(pages))
+            if usual is None:
                 warnings.append(f"ns/{ns_id}: pages *{kind} have mixed sizes; none removed")
                 continue
-            torn += [(n, s) for n, s, last in pages if s != size and last <= before]
+            torn += [(n, s) for n, s, last in pages if s != usual and last <= before]
         if torn:
             torn.sort()
             found.append(

@@ -13,13 +13,12 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
-import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from cachemgr.dirscan import Usage, scan_usage
-from cachemgr.layout import NS_ID_RE, PAGE_RE, Layout
+from cachemgr.dirscan import Usage, list_files, scan_usage
+from cachemgr.layout import NS_ID_RE, FileKind, Layout
 from cachemgr.namespaces import adopt_from_disk
 from cachemgr.store import Store
 
@@ -63,31 +62,17 @@ def namespace_dirs(layout: Layout) -> list[str]:
     )
 
 
-def _page_rows(path: str, now: float) -> Iterator[list[tuple[str, int, float]]]:
-    """Yield (name, size, mtime) of the page files in `path`, SCAN_BATCH at a time."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    try:
-        batch: list[tuple[str, int, float]] = []
-        for name in os.listdir(fd):
-            if not PAGE_RE.fullmatch(name):
-                continue
-            try:
-                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            except FileNotFoundError:
-                continue  # deleted since listdir; the watcher reports it
-            if not stat.S_ISREG(st.st_mode):
-                continue
-            batch.append((name, st.st_size, min(st.st_mtime, now)))
+def _page_rows(layout: Layout, ns_id: str, now: float) -> Iterator[list[tuple[str, int, float]]]:
+    """Yield (name, size, mtime) of the page files of `ns_id`, SCAN_BATCH at a time."""
+    batch: list[tuple[str, int, float]] = []
+    for f in list_files(layout, f"ns/{ns_id}"):
+        if f.kind is FileKind.PAGE:
+            batch.append((f.name, f.size, min(f.mtime, now)))
             if len(batch) >= SCAN_BATCH:
                 yield batch
                 batch = []
-        if batch:
-            yield batch
-    finally:
-        os.close(fd)
+    if batch:
+        yield batch
 
 
 def scan_namespace(
@@ -133,7 +118,7 @@ def _reindex(store: Store, layout: Layout, ns_id: str, now: Callable[[], float])
     conn.execute("PRAGMA temp.journal_mode = OFF")
     conn.execute("DROP TABLE IF EXISTS temp.scan_rows")
     conn.execute("CREATE TEMP TABLE scan_rows (name TEXT, size INTEGER, mtime REAL)")
-    for batch in _page_rows(str(layout.ns_dir(ns_id)), now()):
+    for batch in _page_rows(layout, ns_id, now()):
         conn.executemany("INSERT INTO temp.scan_rows VALUES (?, ?, ?)", batch)
     conn.execute("CREATE INDEX temp.scan_rows_name ON scan_rows (name)")
     before = _count(conn, ns_id)

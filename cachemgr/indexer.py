@@ -27,6 +27,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from cachemgr.errors import UnsafePathError
 from cachemgr.index import BATCH, ScanReport, forget_namespace, namespace_dirs, scan_namespace
 from cachemgr.layout import Layout
 from cachemgr.leader import Leadership
@@ -310,7 +311,11 @@ class Indexer:
         # by a stat, so nothing falls between the two.
         if not self.watcher.watch(ns):
             return None
-        report = scan_namespace(self.store, self.layout, ns, now=self.clock)
+        try:
+            report = scan_namespace(self.store, self.layout, ns, now=self.clock)
+        except UnsafePathError as e:  # replaced by a symlink since it was watched
+            log.error("namespace dir not scanned", extra={"namespace": ns, "error": str(e)})
+            return None
         st = self.state
         st.scans += 1
         st.scan_seconds_total += report.seconds

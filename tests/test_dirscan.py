@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from cachemgr import _dirscan
 from cachemgr._dirscan import page_digest
-from cachemgr.dirscan import Usage, scan_usage
+from cachemgr.dirscan import Usage, list_files, scan_usage, usual_size
 from cachemgr.errors import UnsafePathError
 from cachemgr.layout import FileKind, Layout, classify
 from tests.nsfixtures import page_name
@@ -98,10 +98,21 @@ def test_corrupt_pages_are_those_off_their_pools_usual_size(layout: Layout) -> N
 
 def test_sizes_past_the_tracked_ones_count_as_corrupt(layout: Layout) -> None:
     d = ns_dir(layout)
-    for i in range(100):
-        (d / page_name(i)).write_bytes(b"z" * (1000 if i < 30 else i))  # 70 distinct odd sizes
+    for i in range(200):
+        (d / page_name(i)).write_bytes(b"z" * (1000 if i < 130 else i))  # 70 distinct odd sizes
     usage = scan_usage(layout, f"ns/{NS}")
-    assert usage is not None and (usage.pages, usage.corrupt) == (100, 70)
+    assert usage is not None and (usage.pages, usage.corrupt) == (200, 70)
+
+
+def test_without_a_clear_majority_size_no_page_is_called_corrupt(layout: Layout) -> None:
+    """As GC decides (gcfind.torn_pages): it would not know which pages to remove."""
+    d = ns_dir(layout)
+    for i in range(6):
+        (d / page_name(i)).write_bytes(b"h" * (100 if i % 2 else 200))
+    usage = scan_usage(layout, f"ns/{NS}")
+    assert usage is not None and (usage.pages, usage.corrupt) == (6, 0)
+    assert [usual_size({100: 3, 200: 3}, 6), usual_size({100: 4, 200: 2}, 6)] == [None, 100]
+    assert [usual_size({0: 9, 5: 1}, 10), usual_size({7: 1}, 1)] == [None, None]
 
 
 def test_more_entries_than_one_chunk_are_all_counted(layout: Layout) -> None:
@@ -112,7 +123,7 @@ def test_more_entries_than_one_chunk_are_all_counted(layout: Layout) -> None:
     (d / "stray").write_text("x")
     usage = scan_usage(layout, f"ns/{NS}")
     assert usage is not None and (usage.pages, usage.bytes, usage.other) == (n, 0, 1)
-    assert usage.corrupt == n  # empty files are never a page's usual size
+    assert usage.corrupt == 0  # empty files are never a page's usual size: none is "the" size
     assert usage.digest == reference(d).digest
     # one thread and many give the same groups
     fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
@@ -170,3 +181,19 @@ def test_any_names_classify_as_layout_says(
     assert (got.pages, got.bytes, got.temps, got.temp_bytes, got.other, got.digest) == (
         want.pages, want.bytes, want.temps, want.temp_bytes, want.other, want.digest,
     )  # fmt: skip
+
+
+def test_list_files_gives_regular_pages_and_temps_with_size_and_mtime(layout: Layout) -> None:
+    d = ns_dir(layout)
+    (d / page_name(1)).write_bytes(b"p" * 10)
+    os.utime(d / page_name(1), (1000.0, 1000.0))
+    (d / f".{'b' * 32}.tmp").write_bytes(b"t")
+    (d / "notes.txt").write_text("n")
+    (d / page_name(2)).symlink_to(d / page_name(1))
+    (d / page_name(3)).mkdir()
+    got = {f.name: f for f in list_files(layout, f"ns/{NS}")}
+    assert {(f.kind, f.name, f.size) for f in got.values()} == {
+        (FileKind.PAGE, page_name(1), 10), (FileKind.TEMP, f".{'b' * 32}.tmp", 1),
+    }  # fmt: skip
+    assert got[page_name(1)].mtime == 1000.0
+    assert list(list_files(layout, "ns/ffffffffffffffff")) == []
