@@ -80,14 +80,20 @@ class Listed(NamedTuple):
     mtime: float
 
 
-def list_files(layout: Layout, rel_dir: str) -> Iterator[Listed]:
-    """The SGLang page and temp files of <root>/<rel_dir> that are regular files; nothing if
-    the dir is absent. Foreign names, subdirectories and symlinks are never listed."""
+DELETABLE = frozenset({FileKind.PAGE, FileKind.TEMP})
+
+
+def list_files(
+    layout: Layout, rel_dir: str, kinds: frozenset[FileKind] = DELETABLE
+) -> Iterator[Listed]:
+    """The SGLang files of these kinds in <root>/<rel_dir> that are regular files; nothing if
+    the dir is absent. Foreign names, subdirectories and symlinks are never listed; only the
+    names of the kinds asked for are stat'ed."""
     try:
         with open_dir(layout.root, rel_dir) as fd:
             for name in os.listdir(fd):
                 kind = classify(name)
-                if kind is FileKind.FOREIGN:
+                if kind not in kinds:
                     continue
                 try:
                     st = os.stat(name, dir_fd=fd, follow_symlinks=False)

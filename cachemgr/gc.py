@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cachemgr import gcfind
-from cachemgr.gcfind import TempFile, list_namespace
+from cachemgr.gcfind import TempFile, list_namespace, list_temps
 from cachemgr.gcpolicy import ByReason, DiskUsage, GcPolicy, Reason, root_budget, tally
 from cachemgr.index import namespace_dirs
 from cachemgr.layout import Layout
@@ -99,7 +99,7 @@ def _plan(
     dropped = gcfind.unbound_past_retention(conn, policy, now)
     gone = {ns for ns, _ in dropped}
     if sweep and temps is None:
-        temps = [t for ns in namespace_dirs(layout) for t in list_namespace(layout, ns)[1]]
+        temps = [t for ns in namespace_dirs(layout) for t in list_temps(layout, ns)]
     stale = gcfind.stale_temps([t for t in temps or () if t.namespace_id not in gone], policy, now)
     steps += [_step(f, policy.tmp_ttl) for f in stale]
     for ns_id, reason in dropped:

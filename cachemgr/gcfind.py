@@ -37,6 +37,12 @@ def list_namespace(
     return pages, temps
 
 
+def list_temps(layout: Layout, ns_id: str) -> list[TempFile]:
+    """The temp files of one namespace dir (pages are named, not stat'ed: a sweep is cheap)."""
+    temps = list_files(layout, f"ns/{ns_id}", frozenset({FileKind.TEMP}))
+    return [TempFile(ns_id, f.name, f.size, f.mtime) for f in temps]
+
+
 @dataclass(frozen=True)
 class Found:
     """Files of one directory that one rule says can go."""

@@ -28,6 +28,7 @@ BATCH = 10_000
 # the daemon bench's RSS went 134 -> 155 MiB at 200K pages; 1M pages already peak at the
 # 200 MB target.
 SCAN_BATCH = 10_000
+PAGES = frozenset({FileKind.PAGE})
 PROGRESS_EVERY = 200_000  # rows between two progress lines of a long reindex
 
 
@@ -65,12 +66,11 @@ def namespace_dirs(layout: Layout) -> list[str]:
 def _page_rows(layout: Layout, ns_id: str, now: float) -> Iterator[list[tuple[str, int, float]]]:
     """Yield (name, size, mtime) of the page files of `ns_id`, SCAN_BATCH at a time."""
     batch: list[tuple[str, int, float]] = []
-    for f in list_files(layout, f"ns/{ns_id}"):
-        if f.kind is FileKind.PAGE:
-            batch.append((f.name, f.size, min(f.mtime, now)))
-            if len(batch) >= SCAN_BATCH:
-                yield batch
-                batch = []
+    for f in list_files(layout, f"ns/{ns_id}", PAGES):
+        batch.append((f.name, f.size, min(f.mtime, now)))
+        if len(batch) >= SCAN_BATCH:
+            yield batch
+            batch = []
     if batch:
         yield batch
 
