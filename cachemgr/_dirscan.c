@@ -7,9 +7,11 @@
  * namespace is summarised faster than `du` walks it.
  *
  * Names are grouped by *shape*: a leading run of 16..128 lowercase hex digits (SGLang's page
- * key) is replaced by sixteen '0's, so every page of one model/rank/pool falls into one group.
+ * key) is replaced by sixteen '0's, so every page of one model/rank/pool falls into one group,
+ * and the 32 hex digits of a temp file's ".<uuid>" by '0's, so temps share one group too.
  * Python classifies each group once (cachemgr.layout) -- the verdict of a name and of its shape
- * are the same, because the key must be followed by a non-hex '.' or '_'.
+ * are the same, because a page key must be followed by a non-hex '.' or '_', and a temp name
+ * is '.', exactly 32 hex digits, ".tmp".
  *
  * Safety: the caller opens the directory (cachemgr.deletion.open_dir: no symlink on the way);
  * entries are stat'ed with AT_SYMLINK_NOFOLLOW; nothing is opened, written or deleted.
@@ -29,9 +31,10 @@
 
 #define CHUNK 65536       /* entries stat'ed per round: bounds memory for huge directories */
 #define MAX_THREADS 16
-#define MAX_SIZES 64      /* distinct sizes tracked per group; more go to `untracked` */
+#define MAX_SIZES 1024    /* distinct sizes tracked per group; more go to `untracked` */
 #define KEY_MIN 16
 #define KEY_MAX 128
+#define TEMP_HEX 32
 
 enum kind { GONE = 0, REGULAR = 1, OTHER = 2 };
 
@@ -40,8 +43,8 @@ typedef struct {
     uint16_t len;
     uint8_t d_type;
     uint8_t kind;
-    uint8_t keyed; /* the name starts with a 16..128-hex-digit key, replaced in its shape */
-    uint8_t hex;   /* length of that key */
+    uint8_t prefix; /* PLAIN, PAGE_KEY or TEMP_KEY: what replaces name[0..skip) in the shape */
+    uint8_t skip;
     int64_t size;
     uint64_t digest;   /* page_digest(name, size) */
     uint64_t shape_hash;
@@ -58,8 +61,8 @@ typedef struct {
     uint64_t hash;
     int64_t count, bytes, untracked;
     uint64_t digest;
-    SizeCount sizes[MAX_SIZES];
-    int nsizes;
+    SizeCount *sizes; /* grown on demand: most groups (a foreign name) hold one size */
+    int nsizes, capsizes;
 } Group;
 
 typedef struct {
@@ -67,7 +70,9 @@ typedef struct {
     size_t cap, used;
 } Groups;
 
-static const char ZEROS[KEY_MIN + 1] = "0000000000000000";
+enum prefix { PLAIN = 0, PAGE_KEY = 1, TEMP_KEY = 2 };
+static const char *const PREFIX[] = {"", "0000000000000000", ".00000000000000000000000000000000"};
+static const size_t PREFIX_LEN[] = {0, KEY_MIN, 1 + TEMP_HEX};
 #define FNV_SEED 0xcbf29ce484222325ULL
 
 /* FNV-1a, then a 64-bit finaliser (splitmix64) so near-identical names spread over all bits. */
@@ -100,25 +105,31 @@ static size_t hex_run(const char *s, size_t n) {
     return i;
 }
 
-/* Where a name's shape comes from: ZEROS + name[hex:] when keyed, else the whole name. */
+/* A name's shape: PREFIX[prefix] + name[skip:]. */
 static void shape_of(Ent *e) {
     size_t hex = hex_run(e->name, e->len);
-    e->keyed = hex >= KEY_MIN && hex <= KEY_MAX;
-    e->hex = e->keyed ? (uint8_t)hex : 0;
-    uint64_t h = e->keyed ? fnv(ZEROS, KEY_MIN, FNV_SEED) : FNV_SEED;
-    e->shape_hash = mix(fnv(e->name + e->hex, e->len - e->hex, h));
+    e->prefix = PLAIN, e->skip = 0;
+    if (hex >= KEY_MIN && hex <= KEY_MAX) {
+        e->prefix = PAGE_KEY, e->skip = (uint8_t)hex;
+    } else if (e->name[0] == '.' && hex_run(e->name + 1, e->len - 1) == TEMP_HEX) {
+        e->prefix = TEMP_KEY, e->skip = 1 + TEMP_HEX;
+    }
+    uint64_t h = fnv(PREFIX[e->prefix], PREFIX_LEN[e->prefix], FNV_SEED);
+    e->shape_hash = mix(fnv(e->name + e->skip, e->len - e->skip, h));
 }
 
 static int shape_equals(const Group *x, const Ent *e) {
-    size_t rest = (size_t)(e->len - e->hex), zeros = e->keyed ? KEY_MIN : 0;
-    return x->hash == e->shape_hash && x->keylen == zeros + rest &&
-           memcmp(x->key, ZEROS, zeros) == 0 && memcmp(x->key + zeros, e->name + e->hex, rest) == 0;
+    size_t rest = (size_t)(e->len - e->skip), head = PREFIX_LEN[e->prefix];
+    return x->hash == e->shape_hash && x->keylen == head + rest &&
+           memcmp(x->key, PREFIX[e->prefix], head) == 0 &&
+           memcmp(x->key + head, e->name + e->skip, rest) == 0;
 }
 
 static void groups_free(Groups *g) {
     for (size_t i = 0; i < g->cap; i++) {
         if (g->slots[i]) {
             free(g->slots[i]->key);
+            free(g->slots[i]->sizes);
             free(g->slots[i]);
         }
     }
@@ -154,19 +165,19 @@ static Group *group_of(Groups *g, const Ent *e) {
         if (shape_equals(x, e))
             return x;
     }
-    size_t rest = (size_t)(e->len - e->hex), zeros = e->keyed ? KEY_MIN : 0;
+    size_t rest = (size_t)(e->len - e->skip), head = PREFIX_LEN[e->prefix];
     Group *x = calloc(1, sizeof *x);
-    char *key = malloc(zeros + rest + 1);
+    char *key = malloc(head + rest + 1);
     if (!x || !key) {
         free(x);
         free(key);
         return NULL;
     }
-    memcpy(key, ZEROS, zeros);
-    memcpy(key + zeros, e->name + e->hex, rest);
-    key[zeros + rest] = '\0';
+    memcpy(key, PREFIX[e->prefix], head);
+    memcpy(key + head, e->name + e->skip, rest);
+    key[head + rest] = '\0';
     x->key = key;
-    x->keylen = zeros + rest;
+    x->keylen = head + rest;
     x->hash = e->shape_hash;
     g->slots[j] = x;
     g->used++;
@@ -183,7 +194,15 @@ static void group_add(Group *x, const Ent *e) {
             return;
         }
     }
-    if (x->nsizes < MAX_SIZES)
+    if (x->nsizes == x->capsizes && x->capsizes < MAX_SIZES) {
+        int cap = x->capsizes ? x->capsizes * 2 : 1;
+        SizeCount *grown = realloc(x->sizes, (size_t)cap * sizeof *grown);
+        if (grown) { /* out of memory: the size goes untracked, nothing is lost */
+            x->sizes = grown;
+            x->capsizes = cap;
+        }
+    }
+    if (x->nsizes < x->capsizes)
         x->sizes[x->nsizes++] = (SizeCount){e->size, 1};
     else
         x->untracked++;
@@ -357,9 +376,10 @@ PyDoc_STRVAR(scan_doc,
 "scan(dir_fd, threads) -> (groups, other, gone)\n\n"
 "List the open directory `dir_fd` and stat every entry (not following symlinks) on\n"
 "`threads` threads. `groups` is a list of (shape, files, bytes, digest, untracked,\n"
-"{size: files}) for the regular files, one per name shape (a leading 16..128-hex-digit key\n"
-"replaced by 16 '0's); `digest` is the XOR of page_digest(name, size) over the group and\n"
-"`untracked` counts files whose size was not among the first 64 distinct ones. `other`\n"
+"{size: files}) for the regular files, one per name shape (a leading 16..128-hex-digit key,\n"
+"or the 32 hex digits after a leading '.', replaced by '0's); `digest` is the XOR of\n"
+"page_digest(name, size) over the group and\n"
+"`untracked` counts files whose size was not among the first 1024 distinct ones. `other`\n"
 "counts entries that are not regular files, `gone` those deleted between listing and stat.");
 
 static PyObject *scan(PyObject *Py_UNUSED(self), PyObject *args) {

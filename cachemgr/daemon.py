@@ -28,12 +28,11 @@ from prometheus_client import CollectorRegistry
 
 from cachemgr import purge as purge_mod
 from cachemgr.apimodels import PurgedNamespace, PurgeFn, PurgeRequest, PurgeResponse
-from cachemgr.errors import ConfigError
+from cachemgr.errors import ConfigError, StateError
 from cachemgr.gcpolicy import GcPolicy
 from cachemgr.gcrunner import GcRunner, needs_gc
-from cachemgr.indexer import Indexer
+from cachemgr.indexer import Indexer, leadership_files
 from cachemgr.layout import Layout
-from cachemgr.leader import Leadership
 from cachemgr.metrics import CachemgrCollector
 from cachemgr.server import Backend, create_app
 from cachemgr.settings import Settings
@@ -179,13 +178,16 @@ class Daemon:
         self.layout.ensure()
         self.store = Store.open(self.layout.db_path)
         self.reader = Reader(self.layout)
+        leadership, ready_marker = leadership_files(self.layout)
         self.indexer = Indexer(
             self.store,
             self.layout,
             batch_interval=self.settings.batch_interval,
             reconcile_interval=self.settings.reconcile_interval or float("inf"),
-            leadership=Leadership(self.layout.state_dir / "index.lock"),
+            leadership=leadership,
+            ready_marker=ready_marker,
         )
+        self.indexer.on_error = self._index_failed
         self._start_gc()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(
@@ -239,7 +241,10 @@ class Daemon:
         """GC on its own thread and connection; the indexer wakes it past a watermark."""
         self.gc_store = Store.open(self.layout.db_path)
         self.gc_policy = GcPolicy.from_settings(self.settings)
-        self.gc = GcRunner(self.gc_store, self.layout, self.gc_policy)
+        # GC is led by an index leader: only its watcher wakes GC (watermarks, a CLI purge).
+        self.gc = GcRunner(
+            self.gc_store, self.layout, self.gc_policy, eligible=lambda: self.indexer.state.leader
+        )
         self._gc_stop = threading.Event()
         self._gc_thread = threading.Thread(
             target=self.gc.serve,
@@ -278,6 +283,13 @@ class Daemon:
                 self.server.run(sockets=[self.sock])
             finally:
                 self.stop()
+        if self.indexer.error is not None:
+            raise StateError(f"the index writer failed: {self.indexer.error}")
+
+    def _index_failed(self, error: BaseException) -> None:
+        """On the index thread: a daemon whose index is dead must not look alive."""
+        if self.server is not None:
+            self.server.should_exit = True
 
     @contextmanager
     def _signal_handlers(self) -> Iterator[None]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cachemgr import gcfind
+from cachemgr.errors import UnsafePathError
 from cachemgr.gcfind import TempFile, list_namespace, list_temps
 from cachemgr.gcpolicy import ByReason, DiskUsage, GcPolicy, Reason, root_budget, tally
 from cachemgr.index import namespace_dirs
@@ -95,25 +96,35 @@ def _plan(
     usage: dict[str, int] = dict(
         conn.execute("SELECT namespace_id, bytes FROM namespace_stats WHERE pages > 0")
     )
-    steps: list[GcStep] = [_step(f, 0.0, remove_dir=True) for f in gcfind.trash_leftovers(layout)]
-    dropped = gcfind.unbound_past_retention(conn, policy, now)
-    gone = {ns for ns, _ in dropped}
-    if sweep and temps is None:
-        temps = [t for ns in namespace_dirs(layout) for t in list_temps(layout, ns)]
-    stale = gcfind.stale_temps([t for t in temps or () if t.namespace_id not in gone], policy, now)
-    steps += [_step(f, policy.tmp_ttl) for f in stale]
-    for ns_id, reason in dropped:
-        pages, ns_temps = list_namespace(layout, ns_id)
+    # A dir that became a symlink (or worse) is skipped with a warning, never a failed run:
+    # GC must go on bounding everything else.
+    warnings: list[str] = []
+    trash = gcfind.trash_leftovers(layout, warnings)
+    steps: list[GcStep] = [_step(f, 0.0, remove_dir=True) for f in trash]
+    gone: set[str] = set()  # dropped, or unsafe: no page of theirs is evicted one by one
+    drops: list[GcStep] = []
+    for ns_id, reason in gcfind.unbound_past_retention(conn, policy, now):
+        gone.add(ns_id)
+        try:
+            pages, ns_temps = list_namespace(layout, ns_id)
+        except UnsafePathError as e:
+            warnings.append(f"ns/{ns_id} not dropped: {e}")
+            continue
         names = tuple(sorted([*pages, *(t.name for t in ns_temps)]))
         size = sum(s for s, _ in pages.values()) + sum(t.size for t in ns_temps)
         found = gcfind.Found(reason, f"ns/{ns_id}", ns_id, names, size)
-        steps.append(_step(found, policy.min_age, remove_dir=True))
+        drops.append(_step(found, policy.min_age, remove_dir=True))
+    if sweep and temps is None:
+        temps = [t for ns in namespace_dirs(layout) for t in list_temps(layout, ns, warnings)]
+    stale = gcfind.stale_temps([t for t in temps or () if t.namespace_id not in gone], policy, now)
+    steps += [_step(f, policy.tmp_ttl) for f in stale]
+    steps += drops
     unlisted = sum(s.bytes for s in steps if s.reason in ("trash", "tmp"))
-    warnings: list[str] = []
     before = now - policy.min_age
     if sweep:
-        torn, warnings = gcfind.torn_pages(conn, gone, before)
+        torn, mixed = gcfind.torn_pages(conn, gone, before)
         steps += [_step(f, policy.min_age) for f in torn]
+        warnings += mixed
     taken = {(s.namespace_id, n) for s in steps if s.reason == "corrupt" for n in s.names}
     live = {ns: b for ns, b in usage.items() if ns not in gone}
     for s in steps:

@@ -8,6 +8,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from cachemgr.dirscan import list_files, usual_size
+from cachemgr.errors import UnsafePathError
 from cachemgr.gcpolicy import GcPolicy, Reason
 from cachemgr.layout import FileKind, Layout
 from cachemgr.trash import list_trash
@@ -37,9 +38,14 @@ def list_namespace(
     return pages, temps
 
 
-def list_temps(layout: Layout, ns_id: str) -> list[TempFile]:
-    """The temp files of one namespace dir (pages are named, not stat'ed: a sweep is cheap)."""
-    temps = list_files(layout, f"ns/{ns_id}", frozenset({FileKind.TEMP}))
+def list_temps(layout: Layout, ns_id: str, warnings: list[str]) -> list[TempFile]:
+    """The temp files of one namespace dir (pages are named, not stat'ed: a sweep is cheap);
+    none, with a warning, if the dir is no longer a safe one."""
+    try:
+        temps = list(list_files(layout, f"ns/{ns_id}", frozenset({FileKind.TEMP})))
+    except UnsafePathError as e:
+        warnings.append(f"ns/{ns_id} not swept: {e}")
+        return []
     return [TempFile(ns_id, f.name, f.size, f.mtime) for f in temps]
 
 
@@ -54,14 +60,18 @@ class Found:
     bytes: int
 
 
-def trash_leftovers(layout: Layout) -> list[Found]:
+def trash_leftovers(layout: Layout, warnings: list[str]) -> list[Found]:
     """Page and temp files of every purged namespace in .trash/ (purges not finished yet)."""
     found = []
     for entry in list_trash(layout):  # the entries trash.drain_entry deletes; others stay
         path = layout.trash / entry
         if not path.is_dir() or path.is_symlink():
             continue
-        files = list(list_files(layout, f".trash/{entry}"))
+        try:
+            files = list(list_files(layout, f".trash/{entry}"))
+        except UnsafePathError as e:  # swapped for a symlink since the check above
+            warnings.append(f".trash/{entry} skipped: {e}")
+            continue
         names = tuple(sorted(f.name for f in files))
         size = sum(f.size for f in files)
         found.append(Found("trash", f".trash/{entry}", entry.partition(".")[0], names, size))

@@ -88,9 +88,11 @@ class GcRunner:
         leadership: Leadership | None = None,
         clock: Callable[[], float] = time.time,
         disk_usage: DiskUsageFn = shutil.disk_usage,
+        eligible: Callable[[], bool] = lambda: True,
     ) -> None:
         self.store, self.layout, self.policy = store, layout, policy
         self.leadership = leadership or Leadership(layout.state_dir / "gc.lock")
+        self.eligible = eligible  # False: never take the GC lock (another process should)
         self.clock = clock
         self.disk_usage = disk_usage
         self.last_sweep = float("-inf")
@@ -106,9 +108,12 @@ class GcRunner:
                 self.store, self.layout, self.policy, now=self.clock(), disk_usage=self.disk_usage
             )
 
+    def _lead(self) -> bool:
+        return self.eligible() and self.leadership.try_acquire()
+
     def tick(self) -> GcReport | None:
         """One daemon cycle: run GC if a limit is crossed or a sweep is due, else nothing."""
-        if not self.leadership.try_acquire():
+        if not self._lead():
             self.stats.skipped += 1
             return None
         sweep = self.clock() - self.last_sweep >= self.policy.sweep_interval
@@ -136,7 +141,7 @@ class GcRunner:
 
         Deletion is paced at the policy's delete_rate unless a `pacer` is given.
         """
-        if not dry_run and not self.leadership.try_acquire():
+        if not dry_run and not self._lead():
             now = self.clock()
             return GcReport(dry_run, False, now, now, holder=self.leadership.holder())
         with self._busy:

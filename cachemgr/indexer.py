@@ -9,23 +9,27 @@ reads bump the page's `reads` and `last_access`, and every read and store takes 
 cheap GC check). An inotify overflow, a new namespace dir and the periodic reconcile all
 become scans, so any drift is bounded and counted.
 
-Several daemons may serve one root (one sidecar per server on a shared cache dir). Only the
-one holding <state_dir>/index.lock watches and writes the index; the others *follow*: ready at
-once, they serve the shared DB and count no events (counted twice, every read would be), and
-try the lock every batch interval. A follower that takes over rescans first (cheap when the
-index still matches the disk: cachemgr.index) to catch what happened while nobody watched.
+Several daemons may serve one root (one sidecar per server on a shared cache dir). Per kernel
+(inotify reports what happens on this kernel: pods on one node share it, hosts sharing the root
+over NFS do not) only the daemon holding <state_dir>/index-<boot id>.lock watches and writes
+the index; the others *follow*: they serve the shared DB, count no events (counted twice,
+every read would be), are ready while the leader's `.ready` marker exists, and try the lock
+every batch interval. One that takes over rescans first (cheap when the index still matches
+the disk: cachemgr.index) to catch what happened while nobody watched.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import sqlite3
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from cachemgr.errors import UnsafePathError
 from cachemgr.index import BATCH, ScanReport, forget_namespace, namespace_dirs, scan_namespace
@@ -144,6 +148,20 @@ class PageEvents:
         return upserts, deletes
 
 
+def kernel_id() -> str:
+    """The running kernel's boot id: one indexer per kernel (see the module doc)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text(encoding="ascii").strip()
+    except OSError:
+        return socket.gethostname()
+
+
+def leadership_files(layout: Layout) -> tuple[Leadership, Path]:
+    """This kernel's index lock on the root, and the marker its leader keeps while ready."""
+    base = layout.state_dir / f"index-{kernel_id()}"
+    return Leadership(base.with_suffix(".lock")), base.with_suffix(".ready")
+
+
 class Indexer:
     """Runs the scan + watch + apply loop on its own thread; `stop()` finishes the batch."""
 
@@ -157,6 +175,7 @@ class Indexer:
         clock: Callable[[], float] = time.time,
         watcher: Watcher | None = None,
         leadership: Leadership | None = None,
+        ready_marker: Path | None = None,
     ) -> None:
         self.store = store
         self.layout = layout
@@ -166,6 +185,7 @@ class Indexer:
         self.state = IndexState()
         self.watcher = watcher if watcher is not None else Watcher(layout)
         self.leadership = leadership  # None: this process alone indexes the root
+        self.ready_marker = ready_marker  # exists while the leader's index is live
         self.follow_interval = max(batch_interval, 0.05)
         self.pages = PageEvents(store, layout)
         self.on_applied: Callable[[], None] | None = None  # after each batch of page events
@@ -176,6 +196,7 @@ class Indexer:
         self._rescan_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="cachemgr-index", daemon=True)
         self.error: BaseException | None = None
+        self.on_error: Callable[[BaseException], None] | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -185,9 +206,7 @@ class Indexer:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
-        self.watcher.stop()
-        if self.leadership is not None:
-            self.leadership.release()
+        self.watcher.stop()  # the thread released index leadership on its way out
 
     def lag(self) -> float:
         """Age in seconds of the oldest event not yet applied (0 when the queue is empty)."""
@@ -207,9 +226,11 @@ class Indexer:
             took_over = self._lead()
             if self._stop.is_set():
                 return
+            self._mark_ready(False)  # followers wait for this leader's first scan
             self.watcher.start()
             self.pages = PageEvents(self.store, self.layout)  # after any earlier leader's seqs
             self._scan_all(first=not took_over)
+            self._mark_ready(True)
             self.state.ready.set()
             next_reconcile = time.monotonic() + self.reconcile_interval
             while not self._stop.wait(self.batch_interval):
@@ -218,9 +239,16 @@ class Indexer:
                     self._scan_all(first=False)
                     next_reconcile = time.monotonic() + self.reconcile_interval
             self.apply_pending()
-        except BaseException as e:  # surfaced by the daemon, which exits non-zero
+        except BaseException as e:
             log.exception("index writer failed")
             self.error = e
+            self.state.ready.clear()
+            if self.on_error is not None:
+                self.on_error(e)  # the daemon exits non-zero
+        finally:
+            if self.state.leader and self.leadership is not None:
+                self._mark_ready(False)
+                self.leadership.release()  # a follower takes over (and rescans)
 
     def _lead(self) -> bool:
         """Wait until this process leads the index (or is stopped); True if it took over
@@ -230,13 +258,26 @@ class Indexer:
             return False
         log.info("another daemon indexes this root; following it",
                  extra={"holder": self.leadership.holder()})  # fmt: skip
-        self.state.ready.set()  # the leader keeps the shared index live
-        while not self._stop.wait(self.follow_interval):
+        while True:
+            # Ready while the leader's index is built and live: it marks that with a file.
+            if self.ready_marker is not None and self.ready_marker.exists():
+                self.state.ready.set()
+            else:
+                self.state.ready.clear()
+            if self._stop.wait(self.follow_interval):
+                return False
             if self.leadership.try_acquire():
                 log.warning("the indexing daemon is gone; taking over the index")
                 self.state.leader = True
                 return True
-        return False
+
+    def _mark_ready(self, ready: bool) -> None:
+        if self.ready_marker is None:
+            return
+        if ready:
+            self.ready_marker.touch()
+        else:
+            self.ready_marker.unlink(missing_ok=True)
 
     def apply_pending(self) -> int:
         """Drain the queue and apply it; returns the number of events applied."""

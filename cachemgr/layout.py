@@ -103,7 +103,8 @@ POOLS = (
 PAGE_RE = re.compile(
     r"(?P<key>[0-9a-f]{16,128})"
     rf"(?:\.(?P<pool>{'|'.join(POOLS)}))?"
-    r"_(?P<model>[^/\x00]+?)"
+    # not a name os.fsdecode() had to escape (\udc80-\udcff): SGLang writes UTF-8 names
+    r"_(?P<model>[^/\x00\udc80-\udcff]+?)"
     r"(?:_(?P<tp_rank>\d+)_(?P<tp_size>\d+))?"
     r"(?:_(?P<pp_size>\d+)_(?P<pp_rank>\d+))?"
     r"(?:_cp(?P<cp_rank>\d+)_(?P<cp_size>\d+))?"

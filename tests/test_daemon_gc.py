@@ -134,3 +134,17 @@ def test_a_purge_by_the_cli_wakes_the_daemons_gc(tmp_path: Path) -> None:
         wait_for(lambda: list(layout.trash.iterdir()), lambda left: not left, timeout=20)
         text = dm.get("/metrics").text
         assert metric(text, "cachemgr_purged_pages_total", reason="manual") == 20
+
+
+def test_a_second_daemon_on_the_root_follows_for_the_index_and_gc(tmp_path: Path) -> None:
+    layout, _ = _root(tmp_path, 5)
+    settings = load_settings(root=layout.root, gc_interval=0.1)
+    with running_daemon(settings) as first, running_daemon(settings) as second:
+        wait_for(lambda: metric(first.get("/metrics").text, "cachemgr_gc_leader"), bool)
+        time.sleep(0.5)  # a few GC intervals: the follower must not have taken gc.lock
+        text = second.get("/metrics").text
+        assert metric(text, "cachemgr_index_leader") == 0
+        assert metric(text, "cachemgr_gc_leader") == 0
+        assert metric(first.get("/metrics").text, "cachemgr_index_leader") == 1
+        assert second.status()["index"]["leader"] is False
+        assert second.namespaces()[NS_A]["pages"] == 5  # served from the leader's index

@@ -56,12 +56,23 @@ def test_scan_counts_pages_temps_and_others(layout: Layout) -> None:
     (d / "sub").mkdir()
     (d / page_name(9)).symlink_to(d / page_name(0))  # page-named, but never followed
     os.mkfifo(d / page_name(10))
+    for i in range(5):
+        (d / f".{i:032x}.tmp").write_bytes(b"t")
+    # not UTF-8: SGLang never wrote it, so it is foreign (and never reaches the UTF-8 DB)
+    odd_name = os.path.join(os.fsencode(d), b"%064x" % 11 + b"_m\xff_0_1.bin")
+    os.close(os.open(odd_name, os.O_CREAT | os.O_WRONLY, 0o644))
     usage = scan_usage(layout, f"ns/{NS}")
     assert usage is not None
     assert (usage.pages, usage.bytes, usage.temps, usage.temp_bytes, usage.other) == (
-        3, 21, 1, 5, 4,
+        3, 21, 6, 10, 5,
     )  # fmt: skip
     assert usage == reference(d)
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        shapes = [g[0] for g in _dirscan.scan(fd, 2)[0]]
+    finally:
+        os.close(fd)
+    assert shapes.count("." + "0" * 32 + ".tmp") == 1 and len(shapes) == 4  # temps share one
     assert scan_usage(layout, "ns/ffffffffffffffff") is None
 
 
@@ -96,12 +107,30 @@ def test_corrupt_pages_are_those_off_their_pools_usual_size(layout: Layout) -> N
     assert usage is not None and (usage.pages, usage.corrupt) == (16, 2)
 
 
-def test_sizes_past_the_tracked_ones_count_as_corrupt(layout: Layout) -> None:
+def test_a_thousand_odd_sizes_are_all_counted_corrupt(layout: Layout) -> None:
     d = ns_dir(layout)
-    for i in range(200):
-        (d / page_name(i)).write_bytes(b"z" * (1000 if i < 130 else i))  # 70 distinct odd sizes
+    odd = 1000  # with the usual size, 1001 distinct sizes: all tracked (1024 are)
+    for i in range(odd):
+        (d / page_name(i)).write_bytes(b"z" * (i + 1))
+    for i in range(odd, 2 * odd + 1):
+        (d / page_name(i)).write_bytes(b"z" * 5000)
     usage = scan_usage(layout, f"ns/{NS}")
-    assert usage is not None and (usage.pages, usage.corrupt) == (200, 70)
+    assert usage is not None and (usage.pages, usage.corrupt) == (2 * odd + 1, odd)
+
+
+def test_sizes_past_1024_distinct_ones_are_counted_untracked(layout: Layout) -> None:
+    d = ns_dir(layout)
+    for i in range(1100):
+        (d / page_name(i)).write_bytes(b"z" * (i + 1))
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        ((_, files, nbytes, _, untracked, sizes),), _, _ = _dirscan.scan(fd, 2)
+    finally:
+        os.close(fd)
+    assert (files, len(sizes), untracked) == (1100, 1024, 76)
+    assert nbytes == sum(range(1, 1101)) and sum(sizes.values()) + untracked == files
+    usage = scan_usage(layout, f"ns/{NS}")
+    assert usage is not None and usage.corrupt == 0  # no size is a majority: none called torn
 
 
 def test_without_a_clear_majority_size_no_page_is_called_corrupt(layout: Layout) -> None:

@@ -294,3 +294,19 @@ def test_a_stop_ends_the_run_after_the_chunk_being_deleted(tree: Tree) -> None:
     assert left == 5000 - CHUNK
     audited = tree.store.conn.execute("SELECT SUM(pages) FROM audit WHERE action = 'evict'")
     assert audited.fetchone()[0] == CHUNK
+
+
+def test_a_namespace_dir_turned_symlink_is_skipped_and_gc_goes_on(
+    tree: Tree, tmp_path: Path
+) -> None:
+    """An unbound namespace past retention whose dir is now a symlink: a warning, not a failed
+    run, and nothing behind the symlink is touched; the cap is still enforced."""
+    busy_root(tree)
+    elsewhere = tmp_path / "elsewhere"
+    tree.layout.ns_dir(NS2).rename(elsewhere)
+    tree.layout.ns_dir(NS2).symlink_to(elsewhere)
+    plan = tree.plan(policy(max_bytes=6_000, keep_unbound=0, tmp_ttl=60), now=T0 + 100)
+    assert [s.reason for s in plan.steps] == ["trash", "tmp", "corrupt", "cap"]
+    assert any(w.startswith(f"ns/{NS2} not dropped:") and "symlink" in w for w in plan.warnings)
+    tree.execute(plan, now=T0 + 100)
+    assert sorted(os.listdir(elsewhere)) == sorted(B)

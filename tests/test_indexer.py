@@ -198,19 +198,35 @@ def test_reads_and_stores_get_access_seq_in_the_order_seen(
         ix.stop()
 
 
+class GatedLeadership(Leadership):
+    """Leadership the test lets a follower take only once `gate` is set."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.gate = threading.Event()
+
+    def try_acquire(self) -> bool:
+        return self.gate.is_set() and super().try_acquire()
+
+
 def test_a_second_daemon_follows_and_takes_over_when_the_first_stops(
     store: Store, layout: Layout, reader: sqlite3.Connection
 ) -> None:
-    """Two daemons on one root: one indexes, so nothing is counted twice; the other takes
-    over when it stops and catches up on what happened in between."""
+    """Two daemons on one root: one indexes, so nothing is counted twice; the other is ready
+    only while the leader's index is, takes over when it stops and catches up on the gap."""
     d = layout.ns_dir(NS_A)
     d.mkdir()
-    lock = layout.state_dir / "index.lock"
-    first = Indexer(store, layout, batch_interval=0.05, leadership=Leadership(lock))
+    lock, marker = layout.state_dir / "index.lock", layout.state_dir / "index.ready"
+    first = Indexer(
+        store, layout, batch_interval=0.05, leadership=Leadership(lock), ready_marker=marker
+    )
     second_store = Store.open(layout.db_path)
-    second = Indexer(second_store, layout, batch_interval=0.05, leadership=Leadership(lock))
+    gated = GatedLeadership(lock)
+    second = Indexer(
+        second_store, layout, batch_interval=0.05, leadership=gated, ready_marker=marker
+    )
     first.start()
-    assert first.state.ready.wait(10) and first.state.leader
+    assert first.state.ready.wait(10) and first.state.leader and marker.exists()
     second.start()
     try:
         assert second.state.ready.wait(10) and not second.state.leader  # ready as a follower
@@ -220,14 +236,32 @@ def test_a_second_daemon_follows_and_takes_over_when_the_first_stops(
         wait_for(lambda: ns_stats(reader, NS_A), lambda s: s == (10, 10 * 1024, 1, 10))
         assert NS_A not in second.state.counters  # the follower counted nothing
         first.stop()
-        for i in range(10, 15):  # while nobody may be watching
+        assert not marker.exists()
+        wait_for(lambda: second.state.ready.is_set(), lambda r: not r)  # nobody indexes
+        for i in range(10, 15):  # nobody watches these
             store_page(d, page_name(i))
-        wait_for(lambda: second.state.leader, bool)
+        gated.gate.set()
+        wait_for(lambda: second.state.ready.is_set() and second.state.leader, bool)
+        assert second.state.drift_pages == 5  # the takeover rescan found the gap's pages
         store_page(d, page_name(15))
         wait_for(lambda: ns_stats(reader, NS_A)[:2], lambda s: s == (16, 16 * 1024))
-        assert second.state.counters[NS_A].writes >= 1  # it watches now
+        assert second.state.counters[NS_A].writes == 1  # it watches now
     finally:
         first.stop()
         second.stop()
         second_store.close()
     assert ns_stats(reader, NS_A)[2] == 1  # one read, counted once
+    assert not marker.exists()
+
+
+def test_a_failed_index_writer_lets_another_daemon_take_over(store: Store, layout: Layout) -> None:
+    lock = layout.state_dir / "index.lock"
+    failed: list[BaseException] = []
+    ix = Indexer(store, layout, batch_interval=0.05, leadership=Leadership(lock))
+    ix.on_error = failed.append
+    store.close()  # the writer's first scan fails on a closed DB
+    ix.start()
+    wait_for(lambda: failed, bool)
+    assert ix.error is failed[0] and not ix.state.ready.is_set()
+    assert Leadership(lock).try_acquire()  # released on the way out, not held by a dead thread
+    ix.stop()

@@ -37,10 +37,13 @@ def from_daemon(settings: Settings, timeout: float = 1.0) -> dict[str, Any] | No
     return data if isinstance(data, dict) and "namespaces" in data else None
 
 
-def _same_dir(reported: object, root: Path) -> bool:
-    """Whether the daemon's root is this root (the same directory, whatever the spelling)."""
+def _same_root(reported: object, root: Path) -> bool:
+    """Whether the daemon serves this root: the same path (a daemon on another host, asked
+    with --host, has no directory here) or the same directory spelled another way."""
+    if not isinstance(reported, str):
+        return False
     try:
-        return isinstance(reported, str) and os.path.samefile(reported, root)
+        return reported == str(root) or os.path.samefile(reported, root)
     except OSError:
         return False
 
@@ -131,10 +134,8 @@ def status(app: AppContext, as_json: bool, host: str | None, port: int | None) -
     settings = app.settings
     layout = Layout.at(settings.root, settings.state_dir)
     refuse_file_root(layout)
-    if not layout.root.is_dir():
-        raise NotFoundError(f"no cache root at {layout.root} (init or serve creates it)")
     report = from_daemon(settings)
-    if report is not None and not _same_dir(report.get("root"), layout.root):
+    if report is not None and not _same_root(report.get("root"), layout.root):
         click.echo(
             f"cachemgr: the daemon on {settings.host}:{settings.port} serves {report.get('root')},"
             f" not {layout.root}; counting from disk",
@@ -143,6 +144,8 @@ def status(app: AppContext, as_json: bool, host: str | None, port: int | None) -
         report = None
     if report is not None:
         report["source"] = "daemon"
+    elif not layout.root.is_dir():
+        raise NotFoundError(f"no cache root at {layout.root} (init or serve creates it)")
     else:
         report = from_disk(settings)
     if as_json:
