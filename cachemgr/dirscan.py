@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from cachemgr import _dirscan
 from cachemgr.deletion import open_dir
-from cachemgr.layout import FileKind, Layout, classify
+from cachemgr.layout import TEMP_PREFIX, FileKind, Layout, classify
 
 # stat() is a syscall with little CPU in it: two threads per core keep the kernel busy.
 THREADS = max(1, min(8, 2 * len(os.sched_getaffinity(0))))
@@ -91,7 +91,13 @@ def list_files(
     names of the kinds asked for are stat'ed."""
     try:
         with open_dir(layout.root, rel_dir) as fd:
-            for name in os.listdir(fd):
+            names = os.listdir(fd)
+            if FileKind.PAGE not in kinds:
+                # Temps start with "." and pages never do: GC's sweep for stale temps looks
+                # at a million-page dir without a regex per page (that held the GIL ~1.5 s,
+                # and /metrics p99 went from 9 to 50 ms while it ran).
+                names = [n for n in names if n.startswith(TEMP_PREFIX)]
+            for name in names:
                 kind = classify(name)
                 if kind not in kinds:
                     continue

@@ -229,9 +229,12 @@ class Indexer:
             self._mark_ready(False)  # followers wait for this leader's first scan
             self.watcher.start()
             self.pages = PageEvents(self.store, self.layout)  # after any earlier leader's seqs
+            t0 = time.perf_counter()
             self._scan_all(first=not took_over)
             self._mark_ready(True)
             self.state.ready.set()
+            took = round(time.perf_counter() - t0, 3)
+            log.info("index ready", extra={"scans": self.state.scans, "seconds": took})
             next_reconcile = time.monotonic() + self.reconcile_interval
             while not self._stop.wait(self.batch_interval):
                 self.apply_pending()
@@ -367,7 +370,11 @@ class Indexer:
                 "scan corrected the index",
                 extra={"namespace": ns, "added": report.added, "removed": report.removed},
             )
-        log.debug("scanned", extra={"namespace": ns, "pages": report.pages, "s": report.seconds})
+        # At start-up one line per namespace: the progress of a large root's first scan.
+        (log.info if first else log.debug)(
+            "scanned namespace",
+            extra={"namespace": ns, "pages": report.pages, "seconds": round(report.seconds, 3)},
+        )
         return report
 
 

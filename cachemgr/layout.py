@@ -112,6 +112,7 @@ PAGE_RE = re.compile(
     r"\.bin"
 )
 TEMP_RE = re.compile(r"\.[0-9a-f]{32}\.tmp")
+TEMP_PREFIX = "."  # every temp name starts with it, no page name does (PAGE_RE: a hex key)
 
 
 @dataclass(frozen=True)

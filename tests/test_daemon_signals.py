@@ -55,6 +55,7 @@ def test_a_signal_applies_the_last_batch_closes_the_db_and_exits_0(
     assert proc.returncode == 0, err
     assert "Traceback" not in err
     assert '"daemon stopped"' in err
+    assert '"scanned namespace"' in err and '"index ready"' in err  # start-up progress
     conn = sqlite3.connect(layout.db_path)
     try:
         rows = conn.execute("SELECT name FROM pages WHERE namespace_id = ?", (NS_A,)).fetchall()

@@ -210,6 +210,11 @@ def test_any_names_classify_as_layout_says(
     assert (got.pages, got.bytes, got.temps, got.temp_bytes, got.other, got.digest) == (
         want.pages, want.bytes, want.temps, want.temp_bytes, want.other, want.digest,
     )  # fmt: skip
+    # and the listings agree with classify() too, the temps-only one (a prefix filter) included
+    temps = {f.name for f in list_files(layout, f"ns/{NS}", frozenset({FileKind.TEMP}))}
+    assert temps == {n for n in names if classify(n) is FileKind.TEMP}
+    listed = {f.name for f in list_files(layout, f"ns/{NS}")}
+    assert listed == {n for n in names if classify(n) is not FileKind.FOREIGN}
 
 
 def test_list_files_gives_regular_pages_and_temps_with_size_and_mtime(layout: Layout) -> None:
