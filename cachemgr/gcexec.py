@@ -10,6 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from cachemgr.deletion import DeleteReport, Pacer, Progress, delete_files
+from cachemgr.errors import UnsafePathError
 from cachemgr.gc import GcPlan, GcStep
 from cachemgr.gcpolicy import ByReason, Reason, tally
 from cachemgr.layout import Layout
@@ -97,7 +98,15 @@ def execute_gc(
     for step in plan.steps:
         if stop():
             break
-        results.append(_run_step(step, store, layout, dry_run, actor, pacer, tally, clock, stop))
+        try:
+            result = _run_step(step, store, layout, dry_run, actor, pacer, tally, clock, stop)
+        except UnsafePathError as e:  # its dir became a symlink: the other steps still run
+            log.warning("gc step refused", extra={"dir": step.rel_dir, "error": str(e)})
+            result = StepResult(
+                step.reason, step.rel_dir, step.namespace_id, len(step.names), step.bytes,
+                skipped=f"refused: {e}",
+            )  # fmt: skip
+        results.append(result)
     report = GcReport(dry_run, True, started, clock(), tuple(results), plan.warnings)
     _log_summary(report, actor)
     return report

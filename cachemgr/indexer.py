@@ -246,12 +246,13 @@ class Indexer:
             log.exception("index writer failed")
             self.error = e
             self.state.ready.clear()
-            if self.on_error is not None:
-                self.on_error(e)  # the daemon exits non-zero
         finally:
             if self.state.leader and self.leadership is not None:
                 self._mark_ready(False)
+                self.state.leader = False  # nor may this process lead GC any more
                 self.leadership.release()  # a follower takes over (and rescans)
+        if self.error is not None and self.on_error is not None:
+            self.on_error(self.error)  # the daemon exits non-zero
 
     def _lead(self) -> bool:
         """Wait until this process leads the index (or is stopped); True if it took over
@@ -271,6 +272,7 @@ class Indexer:
                 return False
             if self.leadership.try_acquire():
                 log.warning("the indexing daemon is gone; taking over the index")
+                self.state.ready.clear()  # until this process's own rescan is done
                 self.state.leader = True
                 return True
 

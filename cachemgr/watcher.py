@@ -36,7 +36,7 @@ from watchdog.observers.inotify_c import (
     WatchDescriptor,
 )
 
-from cachemgr.layout import NS_ID_RE, Layout
+from cachemgr.layout import NS_ID_RE, PAGE_RE, Layout
 
 log = logging.getLogger(__name__)
 C = InotifyConstants
@@ -72,13 +72,16 @@ class _NamespaceWatch:
         mask, name = event.mask, event.name
         if self.dead or mask & C.IN_ISDIR or not name.endswith(b".bin"):
             return
+        page = os.fsdecode(name)
+        if not PAGE_RE.fullmatch(page):
+            return  # "notes.bin", a non-UTF-8 name: not SGLang's, never in the index
         if mask & C.IN_CLOSE_NOWRITE:
             kind = Kind.READ
         elif mask & C.IN_MOVED_TO:
             kind = Kind.WRITE
         else:
             kind = Kind.GONE
-        self.emit((kind, self.ns_id, os.fsdecode(name), self.clock()))
+        self.emit((kind, self.ns_id, page, self.clock()))
 
     def on_watch_deleted(self, wd: WatchDescriptor) -> None:
         self.dead = True

@@ -310,3 +310,22 @@ def test_a_namespace_dir_turned_symlink_is_skipped_and_gc_goes_on(
     assert any(w.startswith(f"ns/{NS2} not dropped:") and "symlink" in w for w in plan.warnings)
     tree.execute(plan, now=T0 + 100)
     assert sorted(os.listdir(elsewhere)) == sorted(B)
+
+
+def test_a_bound_namespace_dir_turned_symlink_fails_its_step_not_the_run(
+    tree: Tree, tmp_path: Path
+) -> None:
+    tree.add_namespace(NS, active=T0, bound=True)
+    tree.add_namespace(NS2, active=T0, bound=True)
+    tree.write(NS, A, at=T0)
+    tree.write(NS2, B, at=T0)
+    plan = tree.plan(policy(namespace_max_bytes=2_000), now=T0 + 100)
+    assert {s.namespace_id for s in plan.steps} == {NS, NS2}
+    elsewhere = tmp_path / "elsewhere"
+    tree.layout.ns_dir(NS).rename(elsewhere)
+    tree.layout.ns_dir(NS).symlink_to(elsewhere)
+    report = tree.execute(plan, now=T0 + 100)
+    (refused,) = [s for s in report.steps if s.namespace_id == NS]
+    assert refused.skipped is not None and "symlink" in refused.skipped
+    assert sorted(os.listdir(elsewhere)) == sorted(A)  # nothing behind the symlink touched
+    assert len(tree.files(NS2)) * 1000 <= 2_000  # the other namespace still brought under its cap

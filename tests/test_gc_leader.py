@@ -9,7 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cachemgr.gcpolicy import GcPolicy
+from cachemgr.gcrunner import GcRunner
+from cachemgr.layout import Layout
 from cachemgr.leader import Leadership
+from cachemgr.store import Store
 from tests.gc_helpers import NS, Tree, page
 
 # A daemon stand-in: takes GC leadership, says so, waits for a line, then runs GC once.
@@ -92,3 +96,17 @@ def test_leadership_passes_on_when_the_leader_dies(root: Path) -> None:
     assert mine.try_acquire()
     assert mine.holder() is not None and f"pid {os.getpid()} " in (mine.holder() or "")
     mine.release()
+
+
+def test_a_runner_that_may_not_lead_never_takes_the_lock(tmp_path: Path) -> None:
+    """In the daemon only an index leader leads GC (its watcher is what wakes GC)."""
+    layout = Layout.at(tmp_path / "root")
+    layout.ensure()
+    store = Store.open(layout.db_path)
+    try:
+        runner = GcRunner(store, layout, GcPolicy(), eligible=lambda: False)
+        assert runner.tick() is None and runner.stats.skipped == 1
+        assert runner.run(sweep=True).leader is False and not runner.leadership.held
+        assert Leadership(layout.state_dir / "gc.lock").try_acquire()  # free for the leader
+    finally:
+        store.close()

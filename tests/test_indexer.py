@@ -265,3 +265,64 @@ def test_a_failed_index_writer_lets_another_daemon_take_over(store: Store, layou
     assert ix.error is failed[0] and not ix.state.ready.is_set()
     assert Leadership(lock).try_acquire()  # released on the way out, not held by a dead thread
     ix.stop()
+
+
+def test_a_follower_taking_over_is_not_ready_until_its_own_rescan_ends(
+    store: Store, layout: Layout
+) -> None:
+    layout.ns_dir(NS_A).mkdir()
+    lock, marker = layout.state_dir / "index.lock", layout.state_dir / "index.ready"
+    first = Indexer(
+        store, layout, batch_interval=0.05, leadership=Leadership(lock), ready_marker=marker
+    )
+    first.start()
+    assert first.state.ready.wait(10)
+    second_store = Store.open(layout.db_path)
+    second = Indexer(
+        second_store, layout, batch_interval=0.05, leadership=Leadership(lock), ready_marker=marker
+    )
+    scanning, release = threading.Event(), threading.Event()
+    scan_all = second._scan_all
+
+    def slow_scan_all(*, first: bool) -> None:
+        scanning.set()
+        release.wait(10)
+        scan_all(first=first)
+
+    second._scan_all = slow_scan_all  # type: ignore[method-assign]
+    second.start()
+    try:
+        assert second.state.ready.wait(10) and not second.state.leader
+        first.stop()  # a graceful handover: marker gone and lock free within one follow tick
+        assert scanning.wait(10) and second.state.leader
+        assert not second.state.ready.is_set() and not marker.exists()
+        release.set()
+        assert second.state.ready.wait(10) and marker.exists()
+    finally:
+        release.set()
+        first.stop()
+        second.stop()
+        second_store.close()
+
+
+def test_names_that_are_not_pages_never_reach_the_index(
+    store: Store, layout: Layout, reader: sqlite3.Connection
+) -> None:
+    d = layout.ns_dir(NS_A)
+    d.mkdir()
+    ix = start(store, layout)
+    try:
+        odd = os.path.join(os.fsencode(d), b"%064x" % 7 + b"_m\xff_0_1.bin")  # not UTF-8
+        for name in (odd, os.path.join(os.fsencode(d), b"notes.bin")):
+            tmp = os.path.join(os.fsencode(d), b".x.tmp")
+            with open(tmp, "wb") as f:
+                f.write(b"x")
+            os.replace(tmp, name)  # stored like a page, read, deleted
+            with open(name, "rb") as f:
+                f.read()
+            os.unlink(name)
+        store_page(d, page_name(1))
+        wait_for(lambda: ns_stats(reader, NS_A), lambda s: s == (1, 1024, 0, 1))
+        assert ix.error is None and ix.state.counters[NS_A].writes == 1
+    finally:
+        ix.stop()
