@@ -80,7 +80,9 @@ class Listed(NamedTuple):
     mtime: float
 
 
-DELETABLE = frozenset({FileKind.PAGE, FileKind.TEMP})
+PAGES = frozenset({FileKind.PAGE})
+TEMPS = frozenset({FileKind.TEMP})
+DELETABLE = PAGES | TEMPS  # the only kinds anything may delete
 
 
 def list_files(

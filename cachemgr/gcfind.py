@@ -7,7 +7,7 @@ import sqlite3
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-from cachemgr.dirscan import list_files, usual_size
+from cachemgr.dirscan import TEMPS, list_files, usual_size
 from cachemgr.errors import UnsafePathError
 from cachemgr.gcpolicy import GcPolicy, Reason
 from cachemgr.layout import FileKind, Layout
@@ -42,7 +42,7 @@ def list_temps(layout: Layout, ns_id: str, warnings: list[str]) -> list[TempFile
     """The temp files of one namespace dir (pages are named, not stat'ed: a sweep is cheap);
     none, with a warning, if the dir is no longer a safe one."""
     try:
-        temps = list(list_files(layout, f"ns/{ns_id}", frozenset({FileKind.TEMP})))
+        temps = list(list_files(layout, f"ns/{ns_id}", TEMPS))
     except UnsafePathError as e:
         warnings.append(f"ns/{ns_id} not swept: {e}")
         return []

@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from cachemgr.dirscan import Usage, list_files, scan_usage
-from cachemgr.layout import NS_ID_RE, FileKind, Layout
+from cachemgr.dirscan import PAGES, Usage, list_files, scan_usage
+from cachemgr.layout import NS_ID_RE, Layout
 from cachemgr.namespaces import adopt_from_disk
 from cachemgr.store import Store
 
@@ -28,7 +28,6 @@ BATCH = 10_000
 # the daemon bench's RSS went 134 -> 155 MiB at 200K pages; 1M pages already peak at the
 # 200 MB target.
 SCAN_BATCH = 10_000
-PAGES = frozenset({FileKind.PAGE})
 PROGRESS_EVERY = 200_000  # rows between two progress lines of a long reindex
 
 

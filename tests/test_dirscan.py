@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from cachemgr import _dirscan
 from cachemgr._dirscan import page_digest
-from cachemgr.dirscan import Usage, list_files, scan_usage, usual_size
+from cachemgr.dirscan import TEMPS, Usage, list_files, scan_usage, usual_size
 from cachemgr.errors import UnsafePathError
 from cachemgr.layout import FileKind, Layout, classify
 from tests.nsfixtures import page_name
@@ -211,7 +211,7 @@ def test_any_names_classify_as_layout_says(
         want.pages, want.bytes, want.temps, want.temp_bytes, want.other, want.digest,
     )  # fmt: skip
     # and the listings agree with classify() too, the temps-only one (a prefix filter) included
-    temps = {f.name for f in list_files(layout, f"ns/{NS}", frozenset({FileKind.TEMP}))}
+    temps = {f.name for f in list_files(layout, f"ns/{NS}", TEMPS)}
     assert temps == {n for n in names if classify(n) is FileKind.TEMP}
     listed = {f.name for f in list_files(layout, f"ns/{NS}")}
     assert listed == {n for n in names if classify(n) is not FileKind.FOREIGN}
