@@ -35,7 +35,7 @@ class Usage:
     temps: int = 0
     temp_bytes: int = 0
     other: int = 0  # foreign names, subdirectories, symlinks: never deleted, never counted
-    corrupt: int = 0  # pages whose size is not the usual one of their pool (torn or foreign)
+    corrupt: int = 0  # pages off the usual size of their kind (torn): see usual_size
     digest: int = 0  # XOR of page_digest(name, size) over the pages: equals the index's or not
 
 

@@ -14,7 +14,7 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cachemgr.dirscan import PAGES, Usage, list_files, scan_usage
@@ -24,10 +24,7 @@ from cachemgr.store import Store
 
 log = logging.getLogger(__name__)
 BATCH = 10_000
-# Rows per reindex transaction. 50K sorted rows built a first index 18% faster than 10K, but
-# the daemon bench's RSS went 134 -> 155 MiB at 200K pages; 1M pages already peak at the
-# 200 MB target.
-SCAN_BATCH = 10_000
+SCAN_BATCH = 10_000  # rows per reindex transaction: other writers (GC, purge) get turns
 PROGRESS_EVERY = 200_000  # rows between two progress lines of a long reindex
 
 
@@ -60,18 +57,6 @@ def namespace_dirs(layout: Layout) -> list[str]:
     return sorted(
         e.name for e in entries if NS_ID_RE.fullmatch(e.name) and e.is_dir(follow_symlinks=False)
     )
-
-
-def _page_rows(layout: Layout, ns_id: str, now: float) -> Iterator[list[tuple[str, int, float]]]:
-    """Yield (name, size, mtime) of the page files of `ns_id`, SCAN_BATCH at a time."""
-    batch: list[tuple[str, int, float]] = []
-    for f in list_files(layout, f"ns/{ns_id}", PAGES):
-        batch.append((f.name, f.size, min(f.mtime, now)))
-        if len(batch) >= SCAN_BATCH:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
 
 
 def scan_namespace(
@@ -117,8 +102,11 @@ def _reindex(store: Store, layout: Layout, ns_id: str, now: Callable[[], float])
     conn.execute("PRAGMA temp.journal_mode = OFF")
     conn.execute("DROP TABLE IF EXISTS temp.scan_rows")
     conn.execute("CREATE TEMP TABLE scan_rows (name TEXT, size INTEGER, mtime REAL)")
-    for batch in _page_rows(layout, ns_id, now()):
-        conn.executemany("INSERT INTO temp.scan_rows VALUES (?, ?, ?)", batch)
+    at = now()
+    conn.executemany(
+        "INSERT INTO temp.scan_rows VALUES (?, ?, ?)",
+        ((f.name, f.size, min(f.mtime, at)) for f in list_files(layout, f"ns/{ns_id}", PAGES)),
+    )
     conn.execute("CREATE INDEX temp.scan_rows_name ON scan_rows (name)")
     before = _count(conn, ns_id)
     with store.transaction():
