@@ -8,13 +8,17 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import httpx
 import pytest
 
 from cachemgr.daemon import Daemon
+from cachemgr.errors import StateError
+from cachemgr.indexer import leadership_files
 from cachemgr.layout import Layout
+from cachemgr.leader import Leadership
 from cachemgr.settings import Settings
 from tests.daemon_helpers import NS_A, page_name, register_namespace, store_page, wait_for
 
@@ -102,3 +106,32 @@ def test_a_second_signal_cuts_the_wait_for_in_flight_requests_short(settings: Se
         assert daemon.server.force_exit
     finally:
         daemon.stop()
+
+
+def test_a_failed_index_writer_stops_the_daemon_with_an_error(tmp_path: Path) -> None:
+    """A daemon whose index is dead must not look alive: it stops, and `serve` reports it
+    (the CLI turns that into one line and a non-zero exit; Kubernetes restarts the sidecar)."""
+    layout = Layout.at(tmp_path / "root")
+    layout.ensure()
+    ns_dir = register_namespace(layout, NS_A)
+    daemon = Daemon(Settings(root=layout.root, port=0))
+    daemon.start()
+    failed: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            daemon.serve()
+        except BaseException as e:
+            failed.append(e)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    wait_for(lambda: _ready(f"http://127.0.0.1:{daemon.port}"), bool, timeout=30)
+    daemon.indexer.store.conn.close()  # the writer's next batch fails
+    store_page(ns_dir, page_name(1))
+    thread.join(30)
+    assert not thread.is_alive()
+    (error,) = failed
+    assert isinstance(error, StateError) and "the index writer failed" in str(error)
+    index_lock, _ = leadership_files(layout)  # nothing is left holding the root's locks
+    assert index_lock.try_acquire() and Leadership(layout.state_dir / "gc.lock").try_acquire()
