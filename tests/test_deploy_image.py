@@ -10,6 +10,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -126,11 +127,16 @@ def test_build_stage_makes_a_wheel_with_migrations_from_the_context(tmp_path: Pa
         timeout=300,
     )
     (wheel,) = wheels.glob("cachemgr-*.whl")
-    assert "-linux_" in wheel.name  # a platform wheel: it carries the compiled scanner
+    check_wheel(wheel, tmp_path / "site")
+
+
+def check_wheel(wheel: Path, site: Path) -> None:
+    """A platform wheel with every migration inside, whose compiled scanner imports and scans."""
+    assert "-linux_" in wheel.name
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
         shipped = {n: zf.read(n) for n in names if n.startswith("cachemgr/migrations/")}
-        zf.extractall(tmp_path / "site")
+        zf.extractall(site)
     expected = {
         f"cachemgr/migrations/{p.name}": p.read_bytes() for p in (REPO / "migrations").glob("*.sql")
     }
@@ -140,10 +146,29 @@ def test_build_stage_makes_a_wheel_with_migrations_from_the_context(tmp_path: Pa
         "import cachemgr._dirscan as d, os; print(d.__file__); print(d.scan(os.open('.', 0), 2)[1])"
     )
     out = subprocess.run(
-        [sys.executable, "-c", probe], cwd=tmp_path / "site", capture_output=True, text=True,
-        check=True, timeout=60,
+        [sys.executable, "-c", probe], cwd=site, capture_output=True, text=True, check=True,
+        timeout=60,
     )  # fmt: skip
-    assert out.stdout.splitlines()[0].startswith(str(tmp_path / "site" / "cachemgr"))
+    assert out.stdout.splitlines()[0].startswith(str(site / "cachemgr"))
+
+
+def test_a_wheel_built_from_the_sdist_has_the_scanner_and_migrations(tmp_path: Path) -> None:
+    """What a packager does: sdist first, then a wheel from it (no repo, no symlinks)."""
+    dist = tmp_path / "dist"
+    subprocess.run(
+        [sys.executable, "-m", "build", "--sdist", "--outdir", str(dist), str(REPO)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    (sdist,) = dist.glob("cachemgr-*.tar.gz")
+    with tarfile.open(sdist) as tf:
+        members = tf.getnames()
+    assert not any(".hypothesis" in m or m.endswith(".so") for m in members)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dist), str(sdist)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    (wheel,) = dist.glob("cachemgr-*.whl")
+    check_wheel(wheel, tmp_path / "site")
 
 
 def test_dockerignore_keeps_the_context_small() -> None:
