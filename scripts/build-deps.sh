@@ -16,9 +16,5 @@ if [ "$headers" != "True" ]; then
   missing+=(python3-dev)
 fi
 if [ ${#missing[@]} -gt 0 ]; then
-  sudo=""
-  [ "$(id -u)" -eq 0 ] || sudo="sudo"
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
-    "${missing[@]}" >/dev/null
+  bash "$(dirname "$0")/apt-install.sh" "${missing[@]}"
 fi
