@@ -8,20 +8,18 @@ while we work) makes the operation refuse instead of reaching outside the root.
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cachemgr.errors import UnsafePathError
 from cachemgr.layout import FileKind, check_ns_id, classify
+from cachemgr.safefs import open_dir
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 Progress = Callable[[int, int], None]  # (files so far, bytes so far)
 Removed = Callable[[str], None]  # a name that is no longer there (deleted or vanished)
 PART = 256  # names checked at a time: the unit of the check/unlink overlap
@@ -70,32 +68,6 @@ class Pacer:
             ahead = self._count / self.rate - (self.clock() - self._start)
             if ahead > 0:
                 self.sleep(ahead)
-
-
-@contextmanager
-def open_dir(root: Path, rel: str) -> Iterator[int]:
-    """A descriptor for <root>/<rel>, refusing '..', absolute parts and symlinks on the way."""
-    parts = Path(rel).parts
-    if Path(rel).is_absolute() or any(p in ("..", ".") for p in parts):
-        raise UnsafePathError(f"{rel!r} is not a plain path below the root")
-    fd = _open_nofollow(str(root), None, root)
-    try:
-        for part in parts:
-            child = _open_nofollow(part, fd, root / rel)
-            os.close(fd)
-            fd = child
-        yield fd
-    finally:
-        os.close(fd)
-
-
-def _open_nofollow(name: str, dir_fd: int | None, shown: Path) -> int:
-    try:
-        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-    except OSError as e:
-        if e.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise UnsafePathError(f"{shown}: a symlink or non-directory on the way") from e
-        raise
 
 
 def delete_files(

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from cachemgr import _dirscan
-from cachemgr.deletion import open_dir
 from cachemgr.layout import TEMP_PREFIX, FileKind, Layout, classify
+from cachemgr.safefs import open_dir
 
 # stat() is a syscall with little CPU in it: two threads per core keep the kernel busy.
 THREADS = max(1, min(8, 2 * len(os.sched_getaffinity(0))))

@@ -13,10 +13,9 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from cachemgr import __version__
-from cachemgr.atomic import write_atomic_at
-from cachemgr.deletion import open_dir
 from cachemgr.errors import ConfigError, StateError
 from cachemgr.layout import Layout, check_ns_id
+from cachemgr.safefs import open_dir, write_atomic_at
 
 MANIFEST_VERSION = 1
 

@@ -16,11 +16,11 @@ import stat
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from cachemgr.deletion import open_dir
 from cachemgr.dirscan import Usage, scan_usage
 from cachemgr.errors import CachemgrError, ConfigError, StateError, UnsafePathError
 from cachemgr.layout import NS_ID_RE, Layout, check_ns_id
 from cachemgr.manifest import Manifest, read_manifest, write_manifest
+from cachemgr.safefs import open_dir
 from cachemgr.store import Store
 
 log = logging.getLogger(__name__)

@@ -25,11 +25,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from cachemgr import namespaces as nsreg
-from cachemgr.deletion import delete_manifest, open_dir
+from cachemgr.deletion import delete_manifest
 from cachemgr.dirscan import scan_usage
 from cachemgr.errors import ConfigError, NotFoundError, UnsafePathError
 from cachemgr.layout import Layout, check_ns_id
 from cachemgr.lock import root_lock
+from cachemgr.safefs import open_dir
 from cachemgr.store import Store
 from cachemgr.trash import (  # re-exported: purge and trash are one API for callers
     Actor,

@@ -15,10 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from cachemgr.deletion import DeleteReport, Pacer, delete_dir, open_dir
+from cachemgr.deletion import DeleteReport, Pacer, delete_dir
 from cachemgr.dirscan import scan_usage
 from cachemgr.errors import UnsafePathError
 from cachemgr.layout import Layout
+from cachemgr.safefs import open_dir
 from cachemgr.store import Store
 
 Actor = Literal["cli", "http", "auto"]

@@ -74,9 +74,7 @@ def victim_unchanged(victim: Path) -> Iterator[None]:
     before = snapshot(victim)
     yield
     after = snapshot(victim)
-    changed = sorted(
-        k for k in before.keys() | after.keys() if before.get(k) != after.get(k)
-    )
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     assert not changed, f"files outside the root changed: {changed}"
 
 
