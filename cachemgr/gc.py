@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cachemgr import gcfind
+from cachemgr import namespaces as nsreg
 from cachemgr.errors import UnsafePathError
 from cachemgr.gcfind import TempFile, list_namespace, list_temps
 from cachemgr.gcpolicy import ByReason, DiskUsage, GcPolicy, Reason, root_budget, tally
@@ -101,9 +102,15 @@ def _plan(
     warnings: list[str] = []
     trash = gcfind.trash_leftovers(layout, warnings)
     steps: list[GcStep] = [_step(f, 0.0, remove_dir=True) for f in trash]
-    gone: set[str] = set()  # dropped, or unsafe: no page of theirs is evicted one by one
+    # Damaged namespaces (a bad manifest, a symlink in place of the dir) are left alone
+    # whole: not dropped as unbound, no page of theirs evicted.
+    damaged = nsreg.damaged(layout)
+    warnings += [f"ns/{ns} left alone ({state}): {why}" for ns, (state, why) in damaged.items()]
+    gone: set[str] = set(damaged)  # dropped, or unsafe: no page of theirs is evicted one by one
     drops: list[GcStep] = []
     for ns_id, reason in gcfind.unbound_past_retention(conn, policy, now):
+        if ns_id in gone:
+            continue
         gone.add(ns_id)
         try:
             pages, ns_temps = list_namespace(layout, ns_id)

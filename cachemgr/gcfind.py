@@ -62,14 +62,16 @@ class Found:
 
 def trash_leftovers(layout: Layout, warnings: list[str]) -> list[Found]:
     """Page and temp files of every purged namespace in .trash/ (purges not finished yet)."""
-    found = []
-    for entry in list_trash(layout):  # the entries trash.drain_entry deletes; others stay
-        path = layout.trash / entry
-        if not path.is_dir() or path.is_symlink():
-            continue
+    found: list[Found] = []
+    try:
+        entries = list_trash(layout)  # the entries trash.drain_entry deletes; others stay
+    except UnsafePathError as e:
+        warnings.append(f".trash not drained: {e}")
+        return found
+    for entry in entries:
         try:
             files = list(list_files(layout, f".trash/{entry}"))
-        except UnsafePathError as e:  # swapped for a symlink since the check above
+        except UnsafePathError as e:  # a symlink or a file: left for a person, reported
             warnings.append(f".trash/{entry} skipped: {e}")
             continue
         names = tuple(sorted(f.name for f in files))

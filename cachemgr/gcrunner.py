@@ -7,6 +7,7 @@ namespace dirs (stale temps) and checking page sizes happen every sweep_interval
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import sqlite3
@@ -16,8 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cachemgr import gcfind
+from cachemgr import namespaces as nsreg
 from cachemgr.deletion import Pacer, Progress
-from cachemgr.errors import CachemgrError
+from cachemgr.errors import CachemgrError, UnsafePathError
 from cachemgr.gc import DiskUsageFn, plan_gc
 from cachemgr.gcexec import GcReport, execute_gc
 from cachemgr.gcfind import TempFile
@@ -41,10 +43,14 @@ def needs_gc(
 ) -> tuple[Reason, ...]:
     """Why GC should run now (empty: it need not), from aggregates and statvfs only."""
     reasons: list[Reason] = []
-    if list_trash(layout):
-        reasons.append("trash")
+    with contextlib.suppress(UnsafePathError):  # a symlinked .trash/ is GC's to report
+        if list_trash(layout):
+            reasons.append("trash")
     conn = store.conn
     dropped = gcfind.unbound_past_retention(conn, policy, now)
+    if dropped:  # rare (GC drops them at once), unless damaged: those are left alone
+        damaged = nsreg.damaged(layout)
+        dropped = [d for d in dropped if d[0] not in damaged]
     reasons += sorted({r for _, r in dropped})
     gone = {ns for ns, _ in dropped}
     usage = {

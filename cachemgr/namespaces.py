@@ -75,6 +75,28 @@ def on_disk(layout: Layout) -> tuple[set[str], set[str]]:
     return dirs, manifests
 
 
+def damaged(layout: Layout) -> dict[str, tuple[NsState, str]]:
+    """Namespaces under ns/ that cachemgr leaves alone: id → (state, why).
+
+    `unsafe`: ns/<id> is a symlink, a FIFO, a file; `bad-manifest`: ns/<id>.json is not a
+    regular file, is larger than the manifest size limit, or does not validate. Reads each
+    manifest (a few KiB, never a FIFO), so it costs one small read per namespace.
+    """
+    entries, manifests = on_disk(layout)
+    out: dict[str, tuple[NsState, str]] = {}
+    for ns_id in sorted(manifests):
+        try:
+            read_manifest(layout, ns_id)
+        except StateError as e:
+            out[ns_id] = ("bad-manifest", str(e))
+    for ns_id in sorted(entries):
+        try:
+            ns_entry_kind(layout, ns_id)
+        except UnsafePathError as e:
+            out[ns_id] = ("unsafe", str(e))
+    return out
+
+
 def ensure_namespace(
     layout: Layout, store: Store, *, ns_id: str, digest: str, identity: dict[str, Any], now: float
 ) -> bool:

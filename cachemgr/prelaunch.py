@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from cachemgr import namespaces as nsreg
 from cachemgr.dirscan import Usage, scan_usage
-from cachemgr.errors import ConfigError
+from cachemgr.errors import ConfigError, StateError, UnsafePathError
 from cachemgr.identity import Identity, diff_identities
 from cachemgr.layout import NS_ID_RE, Layout
 from cachemgr.liveuse import STORAGE_DIR_ENV as STORAGE_DIR_ENV
@@ -96,7 +96,10 @@ def init_namespace(
         users = nsreg.instances_of(store, previous)
         changed = replace(base, outcome="changed", previous_ns=previous, changes=changes)
         if on_change == "purge" and not users:
-            plan = plan_purge(layout, store, namespace=previous)
+            try:
+                plan = plan_purge(layout, store, namespace=previous)
+            except UnsafePathError:  # damaged (nsreg.damaged): left alone, ls/doctor say why
+                return replace(changed, old_action="retained")
             execute_purge(plan, layout, store, actor=actor, reason="identity_change", now=now)
             return replace(changed, old_action="purged", old_pages=plan.pages,
                             old_bytes=plan.bytes)  # fmt: skip
@@ -158,7 +161,10 @@ def _changes(layout: Layout, store: Store, old_ns: str, new: Identity) -> list[s
     """How the identity changed since `old_ns`, from its DB row or manifest."""
     raw = nsreg.identity_json(store, old_ns)
     if raw is None:
-        manifest = read_manifest(layout, old_ns)
+        try:
+            manifest = read_manifest(layout, old_ns)
+        except StateError:
+            manifest = None  # damaged: say only that it changed
         raw = json.dumps(manifest.identity) if manifest else None
     if raw is not None:
         try:

@@ -85,6 +85,7 @@ class PurgePlan:
     trash: tuple[str, ...]
     selector: str
     only_unbound: bool = False  # a target bound since the plan was made is then skipped
+    problems: tuple[str, ...] = ()  # selected namespaces left alone (nsreg.damaged), and why
 
     @property
     def pages(self) -> int:
@@ -131,10 +132,13 @@ def plan_purge(
         raise ConfigError("choose exactly one of --namespace, --instance, --all, --unbound")
     dirs, manifests = nsreg.on_disk(layout)
     bound = nsreg.all_bindings(store)
+    damaged = nsreg.damaged(layout)
     if namespace is not None:
         ids = [check_ns_id(namespace)]
         if namespace not in dirs | manifests | set(bound):
             raise NotFoundError(f"no namespace {namespace} under {layout.ns_root}")
+        if namespace in damaged:
+            raise UnsafePathError(f"ns {namespace} is left alone: {damaged[namespace][1]}")
         selector = f"namespace {namespace}"
     elif instance is not None:
         ns = nsreg.binding_of(store, nsreg.check_instance(instance))
@@ -145,8 +149,15 @@ def plan_purge(
         ids, selector = sorted(dirs | manifests | set(bound)), "all"
     else:
         ids, selector = sorted((dirs | manifests) - set(bound)), "unbound"
-    targets = tuple(_target(layout, ns, bound.get(ns, ()), ns in manifests, count) for ns in ids)
-    return PurgePlan(targets, tuple(list_trash(layout)), selector, only_unbound=unbound)
+    # A damaged namespace is skipped and reported; the others are purged all the same.
+    problems = tuple(f"ns/{ns}: {damaged[ns][1]}" for ns in ids if ns in damaged)
+    targets = tuple(
+        _target(layout, ns, bound.get(ns, ()), ns in manifests, count)
+        for ns in ids
+        if ns not in damaged
+    )
+    trash = tuple(list_trash(layout))
+    return PurgePlan(targets, trash, selector, only_unbound=unbound, problems=problems)
 
 
 def _target(

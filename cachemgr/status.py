@@ -16,8 +16,11 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, computed_field
 
+from cachemgr import namespaces as nsreg
+from cachemgr.errors import StateError
 from cachemgr.index import namespace_dirs
 from cachemgr.layout import Layout
+from cachemgr.manifest import read_manifest
 
 
 class LiveCounts(Protocol):
@@ -31,7 +34,10 @@ class NamespaceStatus(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     id: str
-    state: str  # active | purging | purged | unregistered (a dir without a manifest row)
+    # active | purging | purged | unregistered (a dir without a manifest row), or, left alone
+    # by every command: bad-manifest | unsafe (ns/<id> is not a real dir)
+    state: str
+    problem: str | None = None  # why a bad-manifest or unsafe namespace is left alone
     has_dir: bool
     pages: int
     bytes: int
@@ -62,7 +68,7 @@ def identity_summary(identity_json: str | None) -> tuple[str | None, str | None,
     """(model, kv dtype, page size) from an identity record; Nones for what it lacks."""
     try:
         record = json.loads(identity_json) if identity_json else {}
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return None, None, None
     if not isinstance(record, dict):
         return None, None, None
@@ -73,15 +79,16 @@ def identity_summary(identity_json: str | None) -> tuple[str | None, str | None,
     return (
         str(model) if model else None,
         str(dtype) if dtype else None,
-        int(page) if isinstance(page, int) else None,
+        page if type(page) is int else None,
     )
 
 
 def _manifest_identity(layout: Layout, ns_id: str) -> str | None:
     try:
-        return (layout.ns_root / f"{ns_id}.json").read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        return None
+        manifest = read_manifest(layout, ns_id)
+    except StateError:
+        return None  # reported as the namespace's state
+    return json.dumps(manifest.identity) if manifest is not None else None
 
 
 def namespace_statuses(
@@ -96,7 +103,8 @@ def namespace_statuses(
     for inst, ns in conn.execute("SELECT instance, namespace_id FROM bindings ORDER BY instance"):
         bindings.setdefault(ns, []).append(inst)
     dirs = set(namespace_dirs(layout))
-    ids = dirs | {ns for ns, r in stats.items() if r["pages"] > 0}
+    damaged = nsreg.damaged(layout)
+    ids = dirs | set(damaged) | {ns for ns, r in stats.items() if r["pages"] > 0}
     ids |= {ns for ns, r in registry.items() if r["state"] != "purged"} | set(bindings)
     out = []
     for ns in sorted(ids):
@@ -104,10 +112,13 @@ def namespace_statuses(
         ident = reg["identity_json"] if reg is not None else _manifest_identity(layout, ns)
         model, dtype, page_size = identity_summary(ident)
         counts = live.get(ns) if live is not None else None
+        registered = reg["state"] if reg is not None else "unregistered"
+        state, problem = damaged.get(ns, (registered, None))
         out.append(
             NamespaceStatus(
                 id=ns,
-                state=reg["state"] if reg is not None else "unregistered",
+                state=state,
+                problem=problem,
                 has_dir=ns in dirs,
                 pages=_get(s, "pages"),
                 bytes=_get(s, "bytes"),

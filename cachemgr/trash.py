@@ -29,7 +29,9 @@ TRASH_RE = re.compile(r"(?P<ns>[0-9a-f]{16})\.(?P<unique>[0-9a-z]{1,40})")
 
 
 def list_trash(layout: Layout) -> list[str]:
-    """Names in .trash/ that a purge put there (anything else is left for a person)."""
+    """Names in .trash/ that a purge put there (anything else is left for a person).
+
+    UnsafePathError if .trash/ itself is a symlink or not a directory."""
     try:
         with open_dir(layout.root, ".trash") as fd:
             return sorted(n for n in os.listdir(fd) if TRASH_RE.fullmatch(n))
@@ -49,9 +51,14 @@ class TrashEntry:
 
 
 def describe_trash(layout: Layout) -> list[TrashEntry]:
-    """What .trash/ holds, scanned without following symlinks."""
+    """What .trash/ holds, scanned without following symlinks; an unsafe .trash/ itself is
+    one entry named "" with its problem."""
     out = []
-    for name in list_trash(layout):
+    try:
+        names = list_trash(layout)
+    except UnsafePathError as e:
+        return [TrashEntry("", "", 0, 0, str(e))]
+    for name in names:
         ns = name.partition(".")[0]
         try:
             usage = scan_usage(layout, f".trash/{name}")
@@ -87,7 +94,10 @@ def drain_trash(
     An entry that is a symlink, or holds files that are not SGLang's, stays and is reported in
     `refused`; the others are deleted and audited as `delete-trash`.
     """
-    entries = list_trash(layout)
+    try:
+        entries = list_trash(layout)
+    except UnsafePathError as e:
+        return DeleteReport(refused=(str(e),), dry_run=dry_run)
     totals = {e: _count_names(layout, e) for e in entries}
     total = sum(totals.values())
     report = DeleteReport(dry_run=dry_run)

@@ -125,8 +125,13 @@ def test_symlinked_namespace_dir_is_refused_untouched(
     victim.mkdir()
     (victim / page_name(1)).write_bytes(b"precious")
     (layout.ns_root / ("f" * 16)).symlink_to(victim)
-    with pytest.raises(UnsafePathError, match="symlink"):
-        plan_purge(layout, store, all=True)
+    healthy = make_ns(layout, store, "a", pages=2)
+    plan = plan_purge(layout, store, all=True)  # skipped and reported; the rest is planned
+    assert [t.ns_id for t in plan.targets] == [healthy]
+    assert len(plan.problems) == 1 and "symlink" in plan.problems[0]
+    execute_purge(plan, layout, store, actor="cli", reason="manual")
+    with pytest.raises(UnsafePathError, match="symlink"):  # named explicitly: refused
+        plan_purge(layout, store, namespace="f" * 16)
     assert (victim / page_name(1)).read_bytes() == b"precious"
     assert (layout.ns_root / ("f" * 16)).is_symlink()
 

@@ -79,17 +79,26 @@ def purge(
             else None
         )
         elapsed = time.monotonic() - started
+    left = [*plan.problems, *(report.refused if report is not None else ())]
     if as_json:
         out = {"dry_run": False, "plan": dataclasses.asdict(plan),
                "result": dataclasses.asdict(result),
-               "deleted": dataclasses.asdict(report) if report else None}  # fmt: skip
+               "deleted": dataclasses.asdict(report) if report else None,
+               "problems": left}  # fmt: skip
         click.echo(json.dumps(out, indent=2))
     else:
         _show_result(result, report, elapsed)
-    if report is not None and report.refused:
+    _fail_if_left_alone(left)
+
+
+def _fail_if_left_alone(left: list[str]) -> None:
+    """Exit non-zero, once everything else is done, if a namespace or trash entry was skipped."""
+    for problem in left:
+        click.echo(f"cachemgr: warning: left alone: {problem}", err=True)
+    if left:
         raise CachemgrError(
-            f"{len(report.refused)} entries in {layout.trash} were left alone "
-            f"(first: {report.refused[0]}); remove them by hand if they are yours to delete"
+            f"{len(left)} namespace(s) or trash entries were left alone (first: {left[0]}); "
+            "inspect them by hand (cachemgr doctor lists them)"
         )
 
 
@@ -116,11 +125,14 @@ def _target_line(t: PurgeTarget) -> str:
 def _show_plan(plan: PurgePlan, *, layout_trash: list[TrashEntry], as_json: bool) -> None:
     if as_json:
         out = {"dry_run": True, "plan": dataclasses.asdict(plan),
-               "trash": [dataclasses.asdict(t) for t in layout_trash]}  # fmt: skip
+               "trash": [dataclasses.asdict(t) for t in layout_trash],
+               "problems": list(plan.problems)}  # fmt: skip
         click.echo(json.dumps(out, indent=2))
         return
     for t in plan.targets:
         click.echo("would purge " + _target_line(t))
+    for problem in plan.problems:
+        click.echo(f"would leave alone {problem}")
     for e in layout_trash:
         click.echo(f"would finish deleting .trash/{e.name} ({e.pages:,} pages, "
                    f"{human_bytes(e.bytes)})")  # fmt: skip
