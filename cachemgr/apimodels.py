@@ -118,6 +118,7 @@ class PurgeResponse(BaseModel):
     pages: int
     bytes: int
     message: str
+    problems: list[str] = []  # namespaces left alone (a bad manifest, a symlink), and why
 
 
 PurgeFn = Callable[[PurgeRequest], PurgeResponse]

@@ -102,6 +102,7 @@ def purge_function(layout: Layout, after: Callable[[], None]) -> PurgeFn:
             pages=pages,
             bytes=size,
             message=f"{verb} {len(targets)} namespace(s): {pages} pages, {size} bytes",
+            problems=list(plan.problems),
         )
 
     return run
@@ -121,6 +122,7 @@ def _plan(layout: Layout, store: Store, req: PurgeRequest) -> purge_mod.PurgePla
         tuple(targets[ns] for ns in sorted(targets)),
         plans[0].trash,
         " + ".join(p.selector for p in plans),
+        problems=tuple(sorted({x for p in plans for x in p.problems})),
     )
 
 

@@ -246,33 +246,35 @@ def test_doctor_reports_the_poison_as_an_error(tree: Tree) -> None:
 # --- destructive commands ---
 
 
-def test_purge_all_purges_the_healthy_and_reports_the_poison(tree: Tree) -> None:
-    out = run(tree, "purge", "--all", "--yes", "--json")
+def _purge(tree: Tree, selector: str) -> dict[str, Any] | None:
+    """`purge SELECTOR --yes --json`: exit 1 with the poison in `problems`, the JSON result;
+    None when .trash/ is a symlink (no safe place to rename into: nothing moves, exit 2)."""
+    out = run(tree, "purge", selector, "--yes", "--json")
     if tree.layout.trash.is_symlink():
-        # No safe place to rename into: nothing moves, one line says why.
         assert out.returncode == 2 and ".trash" in out.stderr, out.stderr
         _healthy_untouched(tree)
-        return
+        return None
     assert out.returncode == 1, out.stderr
-    data = json.loads(out.stdout)
+    assert out.stderr.count("cachemgr: error:") == 1
+    data: dict[str, Any] = json.loads(out.stdout)
     assert _mentions_poison(" ".join(data["problems"]), tree), data
+    return data
+
+
+def test_purge_all_purges_the_healthy_and_reports_the_poison(tree: Tree) -> None:
+    data = _purge(tree, "--all")
+    if data is None:
+        return
     purged = {p["ns_id"] for p in data["result"]["purged"]}
     assert {tree.bound, tree.unbound} <= purged
     assert not set(tree.poison_ids) & purged
     assert list(tree.layout.ns_dir(tree.bound).iterdir()) == []  # bound: recreated empty
     assert not tree.layout.ns_dir(tree.unbound).exists()
-    assert out.stderr.count("cachemgr: error:") == 1
 
 
 def test_purge_unbound_leaves_the_poison_and_the_bound_alone(tree: Tree) -> None:
-    out = run(tree, "purge", "--unbound", "--yes", "--json")
-    if tree.layout.trash.is_symlink():
-        assert out.returncode == 2 and ".trash" in out.stderr, out.stderr
-        _healthy_untouched(tree)
+    if _purge(tree, "--unbound") is None:
         return
-    assert out.returncode == 1, out.stderr
-    data = json.loads(out.stdout)
-    assert _mentions_poison(" ".join(data["problems"]), tree), data
     assert not tree.layout.ns_dir(tree.unbound).exists()
     assert len(list(tree.layout.ns_dir(tree.bound).glob("*.bin"))) == 3
 
@@ -381,6 +383,13 @@ def test_daemon_becomes_ready_reports_and_stops_on_the_first_sigterm(
                 "namespaces"]}  # fmt: skip
             for t in trees:
                 assert all(states.get(ns) == t.state for ns in t.poison_ids if ns), states
+            if poison == "all-ns-poisons":  # a purge over HTTP: the rest goes, poisons reported
+                r = httpx.post(f"{url}/v1/purge", json={"all": True}, timeout=HANG_SECONDS)
+                assert r.status_code == 200, r.text
+                poisoned = {ns for t in trees for ns in t.poison_ids}
+                left = {x.split(":")[0].removeprefix("ns/") for x in r.json()["problems"]}
+                assert left == poisoned
+                assert list(layout.ns_dir(trees[0].bound).glob("*.bin")) == []
             proc.send_signal(signal.SIGTERM)
             _, err = proc.communicate(timeout=HANG_SECONDS)
         finally:
