@@ -88,10 +88,13 @@ class Layout:
         """Exists while that daemon's index is built and live."""
         return self.state_dir / f"index-{boot_id}.ready"
 
+    def lock_files(self, boot_id: str) -> tuple[Path, ...]:
+        """The files the daemon flocks: a link planted at one is refused at start."""
+        return self.root_lock, self.gc_lock, self.index_lock(boot_id)
+
     def state_files(self, boot_id: str) -> tuple[Path, ...]:
         """Every file cachemgr writes in the state dir."""
-        locks = (self.root_lock, self.gc_lock, self.index_lock(boot_id))
-        return (*locks, self.index_ready(boot_id), *db_files(self.db_path),
+        return (*self.lock_files(boot_id), self.index_ready(boot_id), *db_files(self.db_path),
                 recover_lock(self.db_path))  # fmt: skip
 
     def written(self, boot_id: str, ns_ids: tuple[str, ...] = ()) -> tuple[Path, ...]:

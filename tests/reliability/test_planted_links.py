@@ -140,7 +140,7 @@ def serve_briefly(root: Path) -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dangling", [False, True], ids=["to-a-victim-entry", "dangling"])
-@pytest.mark.parametrize("rel", WRITTEN)
+@pytest.mark.parametrize("rel", WRITTEN, ids=[r.replace(BOOT, "<boot>") for r in WRITTEN])
 def test_a_link_planted_at_a_written_path_is_never_followed(
     tmp_path: Path, model: Path, victim: Path, rel: str, dangling: bool
 ) -> None:
