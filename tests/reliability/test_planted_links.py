@@ -22,7 +22,7 @@ import pytest
 from cachemgr.deletion import Pacer, delete_files
 from cachemgr.errors import CachemgrError
 from cachemgr.indexer import kernel_id
-from cachemgr.layout import Layout, classify
+from cachemgr.layout import Layout, classify, db_files
 from cachemgr.settings import load_settings
 from cachemgr.store import Store
 from cachemgr.trash import drain_trash
@@ -112,16 +112,26 @@ def worked_or_refused(command: str, out: subprocess.CompletedProcess[str]) -> No
         one_line_error(out)
 
 
+class _Tracebacks(logging.Handler):
+    """Keeps the records logged with a traceback (log.exception)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info:
+            self.records.append(record)
+
+
 @contextmanager
 def logged_tracebacks() -> Iterator[list[logging.LogRecord]]:
-    """Records the daemon logs with a traceback (log.exception) while inside."""
-    caught: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.ERROR)
-    handler.emit = lambda record: caught.append(record) if record.exc_info else None  # type: ignore[method-assign]
+    """The records cachemgr logs with a traceback while inside."""
+    handler = _Tracebacks()
     logger = logging.getLogger("cachemgr")
     logger.addHandler(handler)
     try:
-        yield caught
+        yield handler.records
     finally:
         logger.removeHandler(handler)
 
@@ -175,8 +185,7 @@ def test_cachedir_tag_link_is_left_alone(tmp_path: Path, victim: Path) -> None:
 def test_state_db_link_is_refused_before_sqlite_opens_it(tmp_path: Path, victim: Path) -> None:
     layout = Layout.at(tmp_path / "root")
     layout.ensure()
-    for suffix in ("", "-wal", "-shm", "-journal"):
-        link = layout.db_path.with_name(layout.db_path.name + suffix)
+    for link in db_files(layout.db_path):
         link.symlink_to(victim / "state.db")
         with pytest.raises(CachemgrError, match="symlink or not a regular file"):
             Store.open(layout.db_path)
