@@ -31,9 +31,10 @@ from cachemgr.apimodels import PurgedNamespace, PurgeFn, PurgeRequest, PurgeResp
 from cachemgr.errors import ConfigError, StateError
 from cachemgr.gcpolicy import GcPolicy
 from cachemgr.gcrunner import GcRunner, needs_gc
-from cachemgr.indexer import Indexer, leadership_files
+from cachemgr.indexer import Indexer, kernel_id, leadership_files
 from cachemgr.layout import Layout
 from cachemgr.metrics import CachemgrCollector
+from cachemgr.safefs import refuse_non_regular
 from cachemgr.server import Backend, create_app
 from cachemgr.settings import Settings
 from cachemgr.sglang_probe import ProbeLoop, ProbeState
@@ -177,8 +178,14 @@ class Daemon:
     def start(self) -> None:
         """Bind, open the DB, start watching and indexing; returns before the first scan ends."""
         self.sock = bind_socket(self.settings.host, self.settings.port)
-        self.layout.ensure()
-        self.store = Store.open(self.layout.db_path)
+        try:  # a root refused (a planted link, say) must not leave the port bound
+            self.layout.ensure()
+            # Its threads take these locks later, where a refusal would only be a log line.
+            refuse_non_regular(self.layout.lock_files(kernel_id()))
+            self.store = Store.open(self.layout.db_path)
+        except BaseException:
+            self.sock.close()
+            raise
         self.reader = Reader(self.layout)
         leadership, ready_marker = leadership_files(self.layout)
         self.indexer = Indexer(

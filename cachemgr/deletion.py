@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cachemgr.errors import UnsafePathError
-from cachemgr.layout import FileKind, check_ns_id, classify
+from cachemgr.layout import NS_DIR, FileKind, check_ns_id, classify
 from cachemgr.safefs import open_dir
 
 Progress = Callable[[int, int], None]  # (files so far, bytes so far)
@@ -84,6 +84,8 @@ def delete_files(
 ) -> DeleteReport:
     """Delete the named page/temp files of <root>/<rel_dir>; anything else is refused.
 
+    Stops (reported in `refused`) as soon as <root>/<rel_dir> is no longer the dir it was at
+    the start: checked before each part of PART names, and whenever an unlink finds nothing.
     `removed` hears every name that is gone afterwards (so an index can drop it); not in a
     dry run.
     """
@@ -92,7 +94,16 @@ def delete_files(
     files = size = 0
     checked = _Checked()
     paced = pacer is not None and bool(pacer.rate)
-    with open_dir(root, rel_dir) as fd, ThreadPoolExecutor(1, "delete-check") as pool:
+    parent, _, leaf = rel_dir.rpartition("/")
+    if not leaf:
+        raise UnsafePathError(f"{rel_dir!r}: no directory to delete files from")
+    stopped = False
+    with (
+        open_dir(root, rel_dir) as fd,
+        open_dir(root, parent) as parent_fd,
+        ThreadPoolExecutor(1, "delete-check") as pool,
+    ):
+        here = _dir_id(fd)
         # Unpaced, a helper thread checks the next part while this one unlinks: the checks'
         # Python work overlaps the unlinks' kernel time (no GIL), so the loop runs at the
         # disk's pace. Paced, the checks stay in step with the unlinks (no look-ahead).
@@ -103,13 +114,21 @@ def delete_files(
             else:
                 ok = _check_part(fd, part, min_age, now, checked)
             ahead = None
+            if not dry_run and not _still_at(root, rel_dir, here):
+                stopped = True
+                break
             if not (dry_run or paced) and i + 1 < len(parts):
                 ahead = pool.submit(_check_part, fd, parts[i + 1], min_age, now, checked)
             for name, nbytes in ok:
                 if not dry_run:
+                    # Through the parent and the dir's name, not `fd`: once the dir is moved
+                    # (out of the root, say), the next unlink finds nothing there and we stop.
                     try:
-                        os.unlink(name, dir_fd=fd)
-                    except FileNotFoundError:
+                        os.unlink(f"{leaf}/{name}", dir_fd=parent_fd)
+                    except (FileNotFoundError, NotADirectoryError):
+                        if not _still_at(root, rel_dir, here):
+                            stopped = True
+                            break
                         checked.vanished.append(name)
                         continue
                     if removed is not None:
@@ -120,13 +139,32 @@ def delete_files(
                 size += nbytes
                 if progress is not None and files % 1024 == 0:
                     progress(files, size)
+            if stopped:
+                break
     if removed is not None and not dry_run:
         for name in checked.vanished:
             removed(name)
     if progress is not None:
         progress(files, size)
     refused = tuple(f"{rel_dir}/{name}: {why}" for name, why in checked.refused)
+    if stopped:
+        refused += (f"{rel_dir}: moved or replaced while its files were deleted; stopped",)
     return DeleteReport(files, size, len(checked.vanished), checked.young, refused, dry_run)
+
+
+def _dir_id(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+def _still_at(root: Path, rel_dir: str, here: tuple[int, int]) -> bool:
+    """Whether <root>/<rel_dir> is still, reached without links, the dir we delete in: a dir
+    moved out of the root keeps its descriptor, and deleting through it would follow it."""
+    try:
+        with open_dir(root, rel_dir) as fd:
+            return _dir_id(fd) == here
+    except (OSError, UnsafePathError):
+        return False
 
 
 @dataclass
@@ -219,7 +257,7 @@ def remove_empty_dir(root: Path, rel_dir: str) -> str | None:
 def delete_manifest(root: Path, ns_id: str) -> bool:
     """Remove ns/<id>.json of a namespace purged while unbound; False if it was already gone."""
     name = f"{check_ns_id(ns_id)}.json"
-    with open_dir(root, "ns") as fd:
+    with open_dir(root, NS_DIR) as fd:
         try:
             st = os.stat(name, dir_fd=fd, follow_symlinks=False)
         except FileNotFoundError:

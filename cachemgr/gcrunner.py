@@ -97,7 +97,7 @@ class GcRunner:
         eligible: Callable[[], bool] = lambda: True,
     ) -> None:
         self.store, self.layout, self.policy = store, layout, policy
-        self.leadership = leadership or Leadership(layout.state_dir / "gc.lock")
+        self.leadership = leadership or Leadership(layout.gc_lock)
         self.eligible = eligible  # False: never take the GC lock (another process should)
         self.clock = clock
         self.disk_usage = disk_usage

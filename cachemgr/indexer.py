@@ -28,6 +28,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from cachemgr.index import BATCH, ScanReport, forget_namespace, namespace_dirs, 
 from cachemgr.layout import Layout
 from cachemgr.leader import Leadership
 from cachemgr.namespaces import adopt_from_disk
+from cachemgr.safefs import open_dir, open_file
 from cachemgr.store import Store
 from cachemgr.watcher import Event, Kind, Watcher
 
@@ -158,8 +160,8 @@ def kernel_id() -> str:
 
 def leadership_files(layout: Layout) -> tuple[Leadership, Path]:
     """This kernel's index lock on the root, and the marker its leader keeps while ready."""
-    base = layout.state_dir / f"index-{kernel_id()}"
-    return Leadership(base.with_suffix(".lock")), base.with_suffix(".ready")
+    boot = kernel_id()
+    return Leadership(layout.index_lock(boot)), layout.index_ready(boot)
 
 
 class Indexer:
@@ -279,10 +281,12 @@ class Indexer:
     def _mark_ready(self, ready: bool) -> None:
         if self.ready_marker is None:
             return
-        if ready:
-            self.ready_marker.touch()
-        else:
-            self.ready_marker.unlink(missing_ok=True)
+        marker = self.ready_marker
+        if ready:  # created new: the unlink at start took away whatever was planted there
+            os.close(open_file(marker, os.O_WRONLY | os.O_CREAT))
+            return
+        with open_dir(marker.parent, "") as dir_fd, suppress(FileNotFoundError):
+            os.unlink(marker.name, dir_fd=dir_fd)  # a link itself, never its target
 
     def apply_pending(self) -> int:
         """Drain the queue and apply it; returns the number of events applied."""

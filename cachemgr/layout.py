@@ -1,9 +1,13 @@
 """The on-disk layout under the root, and what SGLang's file names in a namespace mean.
 
+<root>/CACHEDIR.TAG    tells backup tools to skip the cache
 <root>/ns/<id>/        SGLang's storage dir for one identity (only SGLang writes here)
 <root>/ns/<id>.json    manifest of that identity
 <root>/.trash/         namespaces renamed away by a purge, deleted in the background
 <root>/.cachemgr/      state DB and locks (movable with --state-dir)
+
+This module is the one list of the names cachemgr writes (`Layout.written`): every writer takes
+its path from here, and the planted-link tests plant a symlink at each of them.
 """
 
 from __future__ import annotations
@@ -15,7 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cachemgr.errors import ConfigError, UnsafePathError
+from cachemgr.safefs import open_dir, write_atomic_at
 
+NS_DIR = "ns"
+TRASH_DIR = ".trash"
+STATE_DIR = ".cachemgr"  # the default state dir, inside the root
+TAG_FILE = "CACHEDIR.TAG"
+DB_FILE = "state.db"
+# SQLite's own files beside the DB (WAL mode; a rollback journal while the mode is switched)
+DB_SUFFIXES = ("", "-wal", "-shm", "-journal")
 NS_ID_RE = re.compile(r"[0-9a-f]{16}")
 CACHEDIR_TAG = (
     "Signature: 8a477f597d28d172789f06886806bc55\n"
@@ -39,20 +51,65 @@ class Layout:
             raise ConfigError(
                 f"root {root} is a symlink (to {os.path.realpath(root)}); pass the real path"
             )
-        state = Path(os.path.abspath(state_dir)) if state_dir else root / ".cachemgr"
+        state = Path(os.path.abspath(state_dir)) if state_dir else root / STATE_DIR
         return cls(root=root, state_dir=state)
 
     @property
     def ns_root(self) -> Path:
-        return self.root / "ns"
+        return self.root / NS_DIR
 
     @property
     def trash(self) -> Path:
-        return self.root / ".trash"
+        return self.root / TRASH_DIR
+
+    @property
+    def tag(self) -> Path:
+        return self.root / TAG_FILE
 
     @property
     def db_path(self) -> Path:
-        return self.state_dir / "state.db"
+        return self.state_dir / DB_FILE
+
+    @property
+    def root_lock(self) -> Path:
+        """flock'd by init, purge and the daemon while they change namespaces (lock.py)."""
+        return self.state_dir / "root.lock"
+
+    @property
+    def gc_lock(self) -> Path:
+        """flock'd by the process that leads GC (leader.py)."""
+        return self.state_dir / "gc.lock"
+
+    def index_lock(self, boot_id: str) -> Path:
+        """flock'd by the daemon that indexes the root on kernel `boot_id` (indexer.py)."""
+        return self.state_dir / f"index-{boot_id}.lock"
+
+    def index_ready(self, boot_id: str) -> Path:
+        """Exists while that daemon's index is built and live."""
+        return self.state_dir / f"index-{boot_id}.ready"
+
+    def lock_files(self, boot_id: str) -> tuple[Path, ...]:
+        """The files the daemon flocks: a link planted at one is refused at start."""
+        return self.root_lock, self.gc_lock, self.index_lock(boot_id)
+
+    def state_files(self, boot_id: str) -> tuple[Path, ...]:
+        """Every file cachemgr writes in the state dir."""
+        return (*self.lock_files(boot_id), self.index_ready(boot_id), *db_files(self.db_path),
+                recover_lock(self.db_path))  # fmt: skip
+
+    def written(self, boot_id: str, ns_ids: tuple[str, ...] = ()) -> tuple[Path, ...]:
+        """Every path cachemgr creates or writes under the root and the state dir, for the
+        given namespaces: dirs first (parents before children), then files.
+
+        Not listed, as their names are never predictable: temp files (.<name>.<hex>.tmp-cachemgr,
+        O_EXCL), .trash/<id>.<unique> entries and <db>.corrupt-<time> copies (rename targets).
+        """
+        files = (self.tag, *self.state_files(boot_id), *map(self.manifest, ns_ids))
+        return (*self.written_dirs(ns_ids), *files)
+
+    def written_dirs(self, ns_ids: tuple[str, ...] = ()) -> tuple[Path, ...]:
+        """The dirs among `written`: made by ensure() and init, renamed by purge."""
+        return (self.ns_root, self.trash, self.state_dir, *map(self.ns_dir, ns_ids))
 
     def ns_dir(self, ns_id: str) -> Path:
         """The storage dir SGLang is pointed at for namespace `ns_id`."""
@@ -62,17 +119,46 @@ class Layout:
         return self.ns_root / f"{check_ns_id(ns_id)}.json"
 
     def ensure(self) -> None:
-        """Create the skeleton (idempotent); an unusable root is a ConfigError."""
+        """Create the skeleton (idempotent), never through a symlink: one planted at a dir is
+        an UnsafePathError; an unusable root is a ConfigError."""
+        state = _relative(self.state_dir, self.root)
         try:
-            for d in (self.root, self.ns_root, self.trash, self.state_dir):
-                d.mkdir(parents=True, exist_ok=True)
-                if not os.access(d, os.W_OK | os.X_OK):
-                    raise ConfigError(f"{d} is not writable by this user (uid {os.getuid()})")
-            tag = self.root / "CACHEDIR.TAG"
-            if not tag.exists():
-                tag.write_text(CACHEDIR_TAG, encoding="ascii")
+            for base, rel in ((self.root, NS_DIR), (self.root, TRASH_DIR), state):
+                with open_dir(base, rel, create=True):
+                    pass
+                if not os.access(base / rel, os.W_OK | os.X_OK):
+                    raise ConfigError(
+                        f"{base / rel} is not writable by this user (uid {os.getuid()})"
+                    )
+            self._tag()
         except OSError as e:
             raise ConfigError(f"cannot use root {self.root}: {e.strerror or e}") from e
+
+    def _tag(self) -> None:
+        """Write CACHEDIR.TAG unless something (even a dangling link) has that name already."""
+        with open_dir(self.root, "") as fd:
+            try:
+                os.stat(TAG_FILE, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                write_atomic_at(fd, TAG_FILE, CACHEDIR_TAG.encode("ascii"))
+
+
+def _relative(path: Path, base: Path) -> tuple[Path, str]:
+    """(base, rel) to open `path` from: from `base` when it lies inside, so that a symlink at
+    any component below `base` is refused; else from its own parent (the operator's path)."""
+    if path.is_relative_to(base) and path != base:
+        return base, str(path.relative_to(base))
+    return path.parent, path.name
+
+
+def db_files(db: Path) -> tuple[Path, ...]:
+    """The DB and the files SQLite keeps beside it."""
+    return tuple(db.with_name(db.name + suffix) for suffix in DB_SUFFIXES)
+
+
+def recover_lock(db: Path) -> Path:
+    """flock'd while a corrupt DB is moved aside (store.py)."""
+    return db.with_name(db.name + ".recover-lock")
 
 
 def check_ns_id(ns_id: str) -> str:

@@ -1,5 +1,6 @@
 """Leadership of one root: whoever holds an exclusive flock on a lock file in the state dir
-leads (gc.lock: GC deletes; index.lock: the daemon indexes).
+leads (gc.lock: GC deletes; index-<boot id>.lock: the daemon indexes). The lock file is opened
+without following links: a symlink planted there is refused, never truncated through.
 
 flock belongs to the open file description, so the kernel releases it when the holder exits
 or dies, and a second descriptor, even in the same process, cannot take it meanwhile.
@@ -12,6 +13,9 @@ import os
 import socket
 import time
 from pathlib import Path
+
+from cachemgr.errors import UnsafePathError
+from cachemgr.safefs import open_dir, open_file, read_regular
 
 
 class Leadership:
@@ -29,8 +33,7 @@ class Leadership:
         """Become the leader if nobody is; True if this process leads now."""
         if self._fd is not None:
             return True
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = open_file(self.path, os.O_RDWR | os.O_CREAT)  # a planted link: UnsafePathError
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -45,9 +48,11 @@ class Leadership:
     def holder(self) -> str | None:
         """Who leads, as the leader wrote it (informational; may be a dead leader's line)."""
         try:
-            return self.path.read_text(encoding="utf-8").strip() or None
-        except FileNotFoundError:
+            with open_dir(self.path.parent, "") as dir_fd:
+                raw = read_regular(dir_fd, self.path.name, 4096)
+        except (FileNotFoundError, UnsafePathError):
             return None
+        return raw.decode("utf-8", "replace").strip() or None
 
     def release(self) -> None:
         """Give up leadership (process exit does the same)."""

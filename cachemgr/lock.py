@@ -20,6 +20,7 @@ from pathlib import Path
 
 from cachemgr.errors import ConfigError, ConflictError
 from cachemgr.layout import Layout
+from cachemgr.safefs import open_file
 
 
 @dataclass
@@ -33,10 +34,6 @@ _held: dict[Path, _Held] = {}
 _guard = threading.Lock()
 
 
-def lock_path(layout: Layout) -> Path:
-    return layout.state_dir / "root.lock"
-
-
 @contextmanager
 def root_lock(
     layout: Layout,
@@ -46,7 +43,7 @@ def root_lock(
     sleep: Callable[[float], None] = time.sleep,
 ) -> Iterator[None]:
     """Hold the root's lock; ConflictError naming the holder if it is not free in `timeout` s."""
-    path = lock_path(layout)
+    path = layout.root_lock
     with _guard:
         held = _held.setdefault(path, _Held())
     if not held.rlock.acquire(timeout=timeout):
@@ -71,8 +68,7 @@ def _flock(
 ) -> int:
     """Open and exclusively flock `path`, writing our pid into it for whoever waits next."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        fd = open_file(path, os.O_RDWR | os.O_CREAT)  # a planted link: UnsafePathError
     except OSError as e:
         raise ConfigError(f"cannot open lock {path}: {e.strerror or e}") from e
     deadline = clock() + timeout

@@ -14,7 +14,7 @@ from typing import Any
 
 from cachemgr import __version__
 from cachemgr.errors import ConfigError, StateError, UnsafePathError
-from cachemgr.layout import Layout, check_ns_id
+from cachemgr.layout import NS_DIR, Layout, check_ns_id
 from cachemgr.safefs import open_dir, read_regular, write_atomic_at
 
 MANIFEST_VERSION = 1
@@ -65,7 +65,7 @@ def write_manifest(layout: Layout, manifest: Manifest) -> None:
     """Write ns/<id>.json atomically; a symlink anywhere on the way is refused."""
     name = f"{check_ns_id(manifest.ns_id)}.json"
     try:
-        with open_dir(layout.root, "ns") as fd:
+        with open_dir(layout.root, NS_DIR) as fd:
             write_atomic_at(fd, name, manifest.to_bytes())
     except OSError as e:
         raise ConfigError(f"cannot write manifest {layout.manifest(manifest.ns_id)}: {e}") from e
@@ -77,7 +77,7 @@ def read_manifest(layout: Layout, ns_id: str) -> Manifest | None:
     name = f"{check_ns_id(ns_id)}.json"
     where = layout.manifest(ns_id)
     try:
-        with open_dir(layout.root, "ns") as dir_fd:
+        with open_dir(layout.root, NS_DIR) as dir_fd:
             raw = read_regular(dir_fd, name, MANIFEST_MAX_BYTES)
     except FileNotFoundError:
         return None

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from cachemgr.dirscan import Usage, scan_usage
 from cachemgr.errors import CachemgrError, ConfigError, StateError, UnsafePathError
-from cachemgr.layout import NS_ID_RE, Layout, check_ns_id
+from cachemgr.layout import NS_DIR, NS_ID_RE, Layout, check_ns_id
 from cachemgr.manifest import Manifest, read_manifest, write_manifest
 from cachemgr.safefs import open_dir
 from cachemgr.store import Store
@@ -46,7 +46,7 @@ def ns_entry_kind(layout: Layout, ns_id: str) -> Literal["dir", "absent"]:
 def make_ns_dir(layout: Layout, ns_id: str) -> bool:
     """Create ns/<id>/ if absent (True if created); a symlink or file in its place is refused."""
     check_ns_id(ns_id)
-    with open_dir(layout.root, "ns") as fd:
+    with open_dir(layout.root, NS_DIR) as fd:
         try:
             os.mkdir(ns_id, 0o755, dir_fd=fd)
             return True

@@ -28,7 +28,7 @@ from cachemgr import namespaces as nsreg
 from cachemgr.deletion import delete_manifest
 from cachemgr.dirscan import scan_usage
 from cachemgr.errors import ConfigError, NotFoundError, UnsafePathError
-from cachemgr.layout import Layout, check_ns_id
+from cachemgr.layout import NS_DIR, TRASH_DIR, Layout, check_ns_id
 from cachemgr.lock import root_lock
 from cachemgr.safefs import open_dir
 from cachemgr.store import Store
@@ -225,7 +225,7 @@ def drop_unbound(layout: Layout, store: Store, ns_id: str) -> bool:
 def rename_to_trash(layout: Layout, ns_id: str, *, recreate: bool) -> str | None:
     """Move ns/<id> into .trash/ (None if it has no dir); recreate it empty if asked."""
     trash_name = f"{ns_id}.{time.time_ns():x}{secrets.token_hex(3)}"
-    with open_dir(layout.root, "ns") as ns_fd, open_dir(layout.root, ".trash") as trash_fd:
+    with open_dir(layout.root, NS_DIR) as ns_fd, open_dir(layout.root, TRASH_DIR) as trash_fd:
         try:
             st = os.stat(ns_id, dir_fd=ns_fd, follow_symlinks=False)
         except FileNotFoundError:

@@ -14,7 +14,7 @@ import errno
 import os
 import secrets
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -26,20 +26,36 @@ _TEMP_SUFFIX = ".tmp-cachemgr"  # write_atomic_at's temp names: .<name>.<12 hex>
 
 
 @contextmanager
-def open_dir(base: Path, rel: str) -> Iterator[int]:
-    """A descriptor for <base>/<rel>, refusing '..', absolute parts and symlinks on the way."""
+def open_dir(base: Path, rel: str, *, create: bool = False) -> Iterator[int]:
+    """A descriptor for <base>/<rel>, refusing '..', absolute parts and symlinks on the way.
+
+    `create`: make the missing dirs first, one component at a time, never through a symlink
+    (base's own parents are the operator's path, made as they come).
+    """
     parts = Path(rel).parts
     if Path(rel).is_absolute() or any(p in ("..", ".") for p in parts):
         raise UnsafePathError(f"{rel!r} is not a plain path below {base}")
+    if create:
+        base.parent.mkdir(parents=True, exist_ok=True)
+        _mkdir(str(base), None)
     fd = _open_nofollow(str(base), None, base)
     try:
         for part in parts:
+            if create:
+                _mkdir(part, fd)
             child = _open_nofollow(part, fd, base / rel)
             os.close(fd)
             fd = child
         yield fd
     finally:
         os.close(fd)
+
+
+def _mkdir(name: str, dir_fd: int | None) -> None:
+    # mkdir never follows a symlink in its last component: one there is EEXIST, and the
+    # O_NOFOLLOW open that comes next refuses it.
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(name, 0o755, dir_fd=dir_fd)
 
 
 def _open_nofollow(name: str, dir_fd: int | None, shown: Path) -> int:
@@ -67,6 +83,30 @@ def open_regular(dir_fd: int, name: str, flags: int, mode: int = 0o644) -> int:
         os.close(fd)
         raise UnsafePathError(f"{name}: not a regular file; left alone")
     return fd
+
+
+def open_file(path: Path, flags: int, mode: int = 0o644) -> int:
+    """open_regular() of `path` in its dir, which is opened without following a symlink (and
+    made, with O_CREAT): for the state dir's files, whose dir a person could replace by a link."""
+    with open_dir(path.parent, "", create=bool(flags & os.O_CREAT)) as dir_fd:
+        return open_regular(dir_fd, path.name, flags, mode)
+
+
+def refuse_non_regular(paths: Iterable[Path]) -> None:
+    """UnsafePathError if any of `paths` exists as anything but a regular file (a symlink, a
+    FIFO, a dir): for files another library opens by path (SQLite), which we cannot make
+    refuse links itself. Each path's dir is opened (made if absent) without following links."""
+    for path in paths:
+        with open_dir(path.parent, "", create=True) as dir_fd:
+            try:
+                st = os.stat(path.name, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePathError(
+                f"{path} is a symlink or not a regular file; cachemgr does not open it "
+                "(move it away, or point --state-dir elsewhere)"
+            )
 
 
 def read_regular(dir_fd: int, name: str, limit: int) -> bytes:

@@ -23,6 +23,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from cachemgr.errors import ConfigError
+from cachemgr.layout import STATE_DIR
 
 ENV_PREFIX = "CACHEMGR_"
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -173,7 +174,7 @@ class Settings(BaseSettings):
     @property
     def state_path(self) -> Path:
         """The directory holding the state DB and locks."""
-        return self.state_dir if self.state_dir is not None else self.root / ".cachemgr"
+        return self.state_dir if self.state_dir is not None else self.root / STATE_DIR
 
     @classmethod
     def settings_customise_sources(

@@ -21,6 +21,8 @@ from pathlib import Path
 
 from cachemgr._dirscan import page_digest
 from cachemgr.errors import StateError
+from cachemgr.layout import DB_SUFFIXES, db_files, recover_lock
+from cachemgr.safefs import open_file, refuse_non_regular
 
 log = logging.getLogger(__name__)
 _MIGRATION_RE = re.compile(r"(\d{4})_[a-z0-9_]+\.sql")
@@ -146,7 +148,7 @@ def _recover(path: Path) -> sqlite3.Connection:
     Under a lock of its own, re-checking first: two processes finding the same corrupt file
     must not move aside the fresh DB the first one made. The caller rebuilds from disk.
     """
-    lock = os.open(path.with_name(path.name + ".recover-lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    lock = open_file(recover_lock(path), os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
@@ -155,7 +157,7 @@ def _recover(path: Path) -> sqlite3.Connection:
             if not _corrupt(e):
                 raise
         aside = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
-        for suffix in ("", "-wal", "-shm"):
+        for suffix in DB_SUFFIXES:
             with suppress(FileNotFoundError):
                 os.rename(f"{path}{suffix}", f"{aside}{suffix}")
         log.warning(
@@ -177,7 +179,8 @@ class Store:
     def open(cls, path: Path, *, recover: bool = True) -> Store:
         """Open and migrate; a file that is not a SQLite DB (or a corrupt one) is moved aside
         and a fresh DB started, unless `recover` is off. A DB newer than the code is refused."""
-        path.parent.mkdir(parents=True, exist_ok=True)
+        # SQLite opens by path and follows links: refuse one planted at its files first.
+        refuse_non_regular(db_files(path))
         try:
             conn = _open_migrated(path)
         except (StateError, sqlite3.DatabaseError) as e:
