@@ -13,6 +13,7 @@ its path from here, and the planted-link tests plant a symlink at each of them.
 from __future__ import annotations
 
 import enum
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from pathlib import Path
 
 from cachemgr.errors import ConfigError, UnsafePathError
 from cachemgr.safefs import open_dir, write_atomic_at
+
+log = logging.getLogger(__name__)
 
 NS_DIR = "ns"
 TRASH_DIR = ".trash"
@@ -123,13 +126,20 @@ class Layout:
         an UnsafePathError; an unusable root is a ConfigError."""
         state = _relative(self.state_dir, self.root)
         try:
-            for base, rel in ((self.root, NS_DIR), (self.root, TRASH_DIR), state):
+            for base, rel in ((self.root, NS_DIR), state):
                 with open_dir(base, rel, create=True):
                     pass
                 if not os.access(base / rel, os.W_OK | os.X_OK):
                     raise ConfigError(
                         f"{base / rel} is not writable by this user (uid {os.getuid()})"
                     )
+            # A planted .trash/ only stops purges (which report it) and GC's trash step: the
+            # rest of the root stays usable, so it is not a reason to refuse the root.
+            try:
+                with open_dir(self.root, TRASH_DIR, create=True):
+                    pass
+            except UnsafePathError as e:
+                log.warning("trash left alone: %s", e)
             self._tag()
         except OSError as e:
             raise ConfigError(f"cannot use root {self.root}: {e.strerror or e}") from e
