@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from cachemgr.httpguard import MAX_BODY_BYTES
 from cachemgr.layout import Layout
@@ -138,7 +137,9 @@ def test_a_body_up_to_the_cap_is_read_and_one_byte_more_is_413(tmp_path: Path) -
         padded = body + b" " * (MAX_BODY_BYTES - len(body))
         ok = dm.post("/v1/purge", content=padded, headers={"Content-Type": "application/json"})
         assert ok.status_code == 200 and ok.json()["dry_run"] is True
-        big = dm.post("/v1/purge", content=padded + b" ", headers={"Content-Type": "application/json"})
+        big = dm.post(
+            "/v1/purge", content=padded + b" ", headers={"Content-Type": "application/json"}
+        )
         assert big.status_code == 413 and big.headers["content-type"] == PROBLEM
         assert big.json()["status"] == 413 and str(MAX_BODY_BYTES) in big.json()["detail"]
         chunks = iter([padded, b" "])  # no Content-Length: counted as it arrives
@@ -165,8 +166,10 @@ def _malformed(route: str) -> list[dict[str, Any]]:
         {"params": [("dry_run", "true"), ("dry_run", "false")]},
         {"params": [("dry_run", "true"), ("dry_run", "true")]},
     ]
-    bodies = [b"null", b"[]", b'[{"dry_run": true}]', b'"dry_run"', b"1", b"true", b'{"dry_run": null}',
-              b'{"dry_run": true, "bogus": 1}', b'{"dry_run": "true"}']  # fmt: skip
+    bodies = [
+        b"null", b"[]", b'[{"dry_run": true}]', b'"dry_run"', b"1", b"true", b'{"dry_run": null}',
+        b'{"dry_run": true, "bogus": 1}', b'{"dry_run": "true"}',
+    ]  # fmt: skip
     cases = dupes + [{"content": b} for b in bodies]
     cases.append({"params": {"dryrun": "true"}})  # a typo: not silently a real run
     per_namespace = "/namespaces/" in route
@@ -260,10 +263,14 @@ def test_gc_requests_during_a_gc_join_it_and_leave_health_free(
     layout.ensure()
     register_namespace(layout, NS_A, instance="gpu0")
     env = {"CACHEMGR_GC_INTERVAL": "1h", "CACHEMGR_GC_DELETE_RATE": "300"}
-    with daemon_process(layout, free_port, **env) as (_, url), httpx.Client(
-        base_url=url, timeout=60, limits=httpx.Limits(max_connections=200)
-    ) as client:
-        runs = lambda: metric(client.get("/metrics").text, "cachemgr_gc_runs_total", result="ok")  # noqa: E731
+    with (
+        daemon_process(layout, free_port, **env) as (_, url),
+        httpx.Client(base_url=url, timeout=60, limits=httpx.Limits(max_connections=200)) as client,
+    ):
+
+        def runs() -> float | None:
+            return metric(client.get("/metrics").text, "cachemgr_gc_runs_total", result="ok")
+
         ok_before = wait_for(runs, lambda n: (n or 0) >= 1)  # the start-up run is over
         entry = layout.trash / f"{NS_B}.slow"
         entry.mkdir()
@@ -273,7 +280,9 @@ def test_gc_requests_during_a_gc_join_it_and_leave_health_free(
             first = pool.submit(client.post, "/v1/gc")
             wait_for(lambda: len(os.listdir(entry)), lambda n: n < 3000)  # it is deleting
             real = [pool.submit(client.post, "/v1/gc") for _ in range(50)]
-            dry = [pool.submit(client.post, "/v1/gc", params={"dry_run": "true"}) for _ in range(50)]
+            dry = [
+                pool.submit(client.post, "/v1/gc", params={"dry_run": "true"}) for _ in range(50)
+            ]
             slowest = _poll_while(client, lambda: entry.exists() and not first.done())
             answers = [f.result() for f in [first, *real, *dry]]
         assert slowest < PROMPT, f"/healthz or /metrics took {slowest:.2f}s during GC"
@@ -285,9 +294,7 @@ def test_gc_requests_during_a_gc_join_it_and_leave_health_free(
         assert runs() == ok_before + 1
 
 
-def test_purges_waiting_on_the_root_lock_leave_health_free(
-    tmp_path: Path, free_port: int
-) -> None:
+def test_purges_waiting_on_the_root_lock_leave_health_free(tmp_path: Path, free_port: int) -> None:
     """Another process holds the root lock: 50 purges and 20 dry runs wait without pinning a
     worker thread each, then the first purges the namespace and the rest find it gone."""
     layout = Layout.at(tmp_path / "root")
@@ -295,9 +302,10 @@ def test_purges_waiting_on_the_root_lock_leave_health_free(
     ns = register_namespace(layout, NS_A)
     for i in range(10):
         store_page(ns, page_name(i))
-    with daemon_process(layout, free_port, CACHEMGR_GC_INTERVAL="1h") as (_, url), httpx.Client(
-        base_url=url, timeout=60, limits=httpx.Limits(max_connections=200)
-    ) as client:
+    with (
+        daemon_process(layout, free_port, CACHEMGR_GC_INTERVAL="1h") as (_, url),
+        httpx.Client(base_url=url, timeout=60, limits=httpx.Limits(max_connections=200)) as client,
+    ):
         wait_for(lambda: client.get(f"/v1/namespaces/{NS_A}").json()["pages"], lambda n: n == 10)
         audited = len(_audit_rows(layout))
         futures: list[Future[httpx.Response]] = []
