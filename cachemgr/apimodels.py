@@ -6,7 +6,8 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import Path
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from cachemgr import __version__
 from cachemgr.layout import NS_ID_RE
@@ -84,21 +85,42 @@ class Fingerprint(BaseModel):
     identity: dict[str, Any]
 
 
-class PurgeRequest(BaseModel):
-    """Which namespaces to purge: the union of what is chosen; nothing chosen means all."""
+class RequestBody(BaseModel):
+    """A request body: what would otherwise read loosely into a real purge or GC is a 422."""
 
     # strict: the schema says boolean, so a JSON 0 or 0.0 is a 422, not a quiet `false`
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    namespace: str | None = Field(None, pattern=NS_ID_PATTERN)
-    instance: str | None = Field(None, pattern=INSTANCE_PATTERN)
+    @model_validator(mode="before")
+    @classmethod
+    def _no_nulls(cls, data: Any) -> Any:
+        # {"namespace": null} would mean "nothing chosen", which purges everything.
+        if isinstance(data, dict):
+            nulls = sorted(k for k, v in data.items() if v is None)
+            if nulls:
+                raise ValueError(f"null is not a value for {', '.join(nulls)}: leave it out")
+        return data
+
+
+def _unset() -> Any:
+    """An optional field's default, None, which its schema does not show (null is a 422)."""
+    return Field(None, json_schema_extra=_drop_default)
+
+
+def _drop_default(schema: dict[str, Any]) -> None:
+    del schema["default"]
+
+
+class PurgeRequest(RequestBody):
+    """Which namespaces to purge: the union of what is chosen; nothing chosen means all."""
+
+    namespace: Annotated[str, Field(pattern=NS_ID_PATTERN)] | SkipJsonSchema[None] = _unset()
+    instance: Annotated[str, Field(pattern=INSTANCE_PATTERN)] | SkipJsonSchema[None] = _unset()
     all: bool = False
     dry_run: bool = False
 
 
-class NamespacePurgeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class NamespacePurgeRequest(RequestBody):
     dry_run: bool = False
 
 
@@ -124,9 +146,7 @@ class PurgeResponse(BaseModel):
 PurgeFn = Callable[[PurgeRequest], PurgeResponse]
 
 
-class GcRequest(BaseModel):
+class GcRequest(RequestBody):
     """A GC run now: with dry_run, what it would delete (any daemon can answer that)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     dry_run: bool = False

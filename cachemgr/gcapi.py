@@ -1,7 +1,13 @@
-"""The JSON shape of a GC run, for `POST /v1/gc` and `cachemgr gc --json`."""
+"""The JSON shape of a GC run, for `POST /v1/gc` and `cachemgr gc --json`; GC runs for HTTP
+requests, one at a time, shared by the requests that arrive while one runs."""
 
 from __future__ import annotations
 
+import asyncio
+from functools import partial
+
+import anyio.to_thread
+from anyio import CapacityLimiter
 from pydantic import BaseModel, Field
 
 from cachemgr.gcexec import GcReport
@@ -79,3 +85,28 @@ class GcResponse(BaseModel):
 def gc_request(runner: GcRunner, *, dry_run: bool = False, actor: str = "http") -> GcResponse:
     """What `POST /v1/gc` does: one full run (with a sweep) by the daemon's runner."""
     return GcResponse.of(runner.run(dry_run=dry_run, actor=actor, sweep=True))
+
+
+class SharedGcRuns:
+    """`POST /v1/gc`'s runs: one real and one dry run at most at a time, in a thread each; a
+    request arriving during a run of its kind gets that run's result.
+
+    Joining is an await, not a worker thread: sync routes run on anyio's pool of 40 threads,
+    which /healthz and /metrics share, and 50 requests queued on a 10 s GC used to take it all.
+    """
+
+    def __init__(self, runner: GcRunner) -> None:
+        self.runner = runner
+        self._running: dict[bool, asyncio.Future[GcResponse]] = {}
+        self._threads = CapacityLimiter(2)  # apart from the pool's tokens, which routes need
+
+    async def run(self, *, dry_run: bool) -> GcResponse:
+        """The result of the run of this kind in progress, or of a new one."""
+        running = self._running.get(dry_run)
+        if running is None:
+            work = partial(gc_request, self.runner, dry_run=dry_run)
+            running = asyncio.ensure_future(anyio.to_thread.run_sync(work, limiter=self._threads))
+            self._running[dry_run] = running
+            running.add_done_callback(lambda _: self._running.pop(dry_run, None))
+        # shield: a client that disconnects cancels its wait, not the run the others share
+        return await asyncio.shield(running)

@@ -15,15 +15,33 @@ from cachemgr.errors import CachemgrError
 PROBLEM = "application/problem+json"
 
 
-def _problem(
-    status: int, title: str, detail: str | None, request: Request, **more: Any
+def problem(
+    status: int,
+    title: str,
+    detail: str | None,
+    instance: str,
+    headers: dict[str, str] | None = None,
+    **more: Any,
 ) -> JSONResponse:
     """One problem+json response; a 401 says which scheme to use (RFC 9110 §11.6.1)."""
-    body = Problem(title=title, status=status, detail=detail, instance=request.url.path, **more)
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    body = Problem(title=title, status=status, detail=detail, instance=instance, **more)
+    if status == 401:
+        headers = {**(headers or {}), "WWW-Authenticate": "Bearer"}
     return JSONResponse(
         body.model_dump(exclude_none=True), status_code=status, media_type=PROBLEM, headers=headers
     )
+
+
+def invalid_request(
+    errors: list[dict[str, Any]], instance: str, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    """The 422 for a request that does not match the API; `errors` as pydantic reports them."""
+    found = [
+        {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
+        for e in errors
+    ]
+    detail = "the request does not match the API"
+    return problem(422, "invalid request", detail, instance, headers, errors=found)
 
 
 # The error responses routes declare in the OpenAPI document, all problem+json.
@@ -34,6 +52,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         401: "missing or wrong bearer token",
         404: "not found",
         409: "conflict",
+        413: "request body larger than the limit",
         422: "invalid request",
         500: "internal error",
     }.items()
@@ -45,17 +64,11 @@ def install_error_handlers(app: FastAPI, purge_paths: tuple[str, ...]) -> None:
 
     @app.exception_handler(CachemgrError)
     def cachemgr_error(request: Request, exc: CachemgrError) -> JSONResponse:
-        return _problem(exc.http_status, exc.title, str(exc), request)
+        return problem(exc.http_status, exc.title, str(exc), request.url.path)
 
     @app.exception_handler(RequestValidationError)
     def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = [
-            {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
-            for e in exc.errors()
-        ]
-        return _problem(
-            422, "invalid request", "the request does not match the API", request, errors=errors
-        )
+        return invalid_request(list(exc.errors()), request.url.path)
 
     @app.exception_handler(HTTPException)
     def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -65,7 +78,7 @@ def install_error_handlers(app: FastAPI, purge_paths: tuple[str, ...]) -> None:
         title = {401: "unauthorized", 404: "not found", 405: "method not allowed"}.get(
             exc.status_code, "error"
         )
-        resp = _problem(exc.status_code, title, str(exc.detail), request, hint=hint)
+        resp = problem(exc.status_code, title, str(exc.detail), request.url.path, hint=hint)
         if exc.headers:
             resp.headers.update(exc.headers)
         return resp

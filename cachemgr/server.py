@@ -7,7 +7,6 @@ api/openapi.json (a test fails when they differ).
 from __future__ import annotations
 
 import json
-import secrets
 import sys
 import time
 from collections.abc import Callable
@@ -15,12 +14,16 @@ from dataclasses import dataclass, field
 from pathlib import Path as FsPath
 from typing import Annotated, Any
 
-from fastapi import Body, Depends, FastAPI, Query, Request
+import anyio.to_thread
+from anyio import CapacityLimiter
+from fastapi import Body, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic.json_schema import SkipJsonSchema
 from starlette.exceptions import HTTPException
 
 from cachemgr import __version__
+from cachemgr.apiinput import one_request
 from cachemgr.apimodels import (
     INSTANCE_PATTERN,
     NS_ID_PATTERN,
@@ -38,8 +41,9 @@ from cachemgr.apimodels import (
     Totals,
 )
 from cachemgr.errors import ConflictError, NotFoundError
-from cachemgr.gcapi import GcResponse, gc_request
+from cachemgr.gcapi import GcResponse, SharedGcRuns
 from cachemgr.gcrunner import GcRunner
+from cachemgr.httpguard import MAX_BODY_BYTES, RequestGuard
 from cachemgr.indexer import IndexState
 from cachemgr.layout import Layout
 from cachemgr.metrics import Reader
@@ -70,21 +74,16 @@ def create_app(backend: Backend) -> FastAPI:
     app = FastAPI(
         title="cachemgr",
         version=__version__,
-        description="Sidecar API of cachemgr: SGLang HiCache L3 file cache index, metrics, purge.",
+        description=(
+            "Sidecar API of cachemgr: SGLang HiCache L3 file cache index, metrics, purge. "
+            "POST routes need `Authorization: Bearer <token>` when the daemon has one (401 "
+            f"before anything else); a request body is a JSON object of at most {MAX_BODY_BYTES}"
+            " bytes (413); a query parameter is given once."
+        ),
         responses={422: ERRORS[422], 500: ERRORS[500]},
     )
     install_error_handlers(app, PURGE_PATHS)
-
-    def auth(request: Request) -> None:
-        if backend.token is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, value = given.partition(" ")
-        # Bytes: compare_digest refuses non-ASCII str. Starlette decoded the header as latin-1,
-        # so encoding it back gives the bytes sent; a UTF-8 token then matches its UTF-8 bytes.
-        sent, expected = value.encode("latin-1"), backend.token.encode("utf-8")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(sent, expected):
-            raise HTTPException(401, "this route needs 'Authorization: Bearer <token>'")
+    app.add_middleware(RequestGuard, token=backend.token)
 
     def statuses() -> list[NamespaceStatus]:
         live = backend.index.counters if backend.index is not None else None
@@ -175,27 +174,25 @@ def create_app(backend: Backend) -> FastAPI:
         """Identity records of the registered namespaces (or of one instance's namespace)."""
         return _fingerprints(backend, instance)
 
-    purge_responses: dict[int | str, dict[str, Any]] = {k: ERRORS[k] for k in (400, 401, 404, 409)}
+    mutating: dict[int | str, dict[str, Any]] = {k: ERRORS[k] for k in (400, 401, 409, 413)}
+    purge_responses = {**mutating, 404: ERRORS[404]}
+    # Purges wait here as coroutines, not as worker threads blocked on the root lock.
+    purge_threads = CapacityLimiter(1)
 
-    def run_purge(req: PurgeRequest) -> PurgeResponse:
+    async def run_purge(req: PurgeRequest) -> PurgeResponse:
         if backend.purge is None:
             raise HTTPException(501, "purge is not available in this build")
-        result = backend.purge(req)
+        result = await anyio.to_thread.run_sync(backend.purge, req, limiter=purge_threads)
         if not req.dry_run:
             backend.after_purge(result)
         return result
 
     for path in PURGE_PATHS:
 
-        @app.post(
-            path,
-            response_model=PurgeResponse,
-            tags=["purge"],
-            responses=purge_responses,
-            dependencies=[Depends(auth)],
-        )
-        def purge(
-            body: Annotated[PurgeRequest | None, Body()] = None,
+        @app.post(path, response_model=PurgeResponse, tags=["purge"], responses=purge_responses)
+        async def purge(
+            request: Request,
+            body: Annotated[PurgeRequest | SkipJsonSchema[None], Body()] = None,
             namespace: Annotated[str | None, Query(pattern=NS_ID_PATTERN)] = None,
             instance: Annotated[str | None, Query(pattern=INSTANCE_PATTERN)] = None,
             all: Annotated[bool, Query()] = False,
@@ -204,42 +201,41 @@ def create_app(backend: Backend) -> FastAPI:
             """Purge namespaces (body or query: namespace, instance, all, dry_run).
 
             With nothing chosen it purges every namespace: `curl -X POST host:port/purge`.
+            A parameter may be given in the query, the body, or both with the same value.
             """
-            req = body or PurgeRequest(
-                namespace=namespace, instance=instance, all=all, dry_run=dry_run
-            )
-            return run_purge(req)
+            query = dict(namespace=namespace, instance=instance, all=all, dry_run=dry_run)
+            return await run_purge(await one_request(request, PurgeRequest, body, **query))
 
     @app.post(
         "/v1/namespaces/{ns_id}/purge",
         response_model=PurgeResponse,
         tags=["purge"],
         responses=purge_responses,
-        dependencies=[Depends(auth)],
     )
-    def purge_namespace(
-        ns_id: NsId, body: Annotated[NamespacePurgeRequest | None, Body()] = None
+    async def purge_namespace(
+        request: Request,
+        ns_id: NsId,
+        body: Annotated[NamespacePurgeRequest | SkipJsonSchema[None], Body()] = None,
     ) -> PurgeResponse:
         """Purge one namespace."""
-        return run_purge(PurgeRequest(namespace=ns_id, dry_run=bool(body and body.dry_run)))
+        req = await one_request(request, NamespacePurgeRequest, body)
+        return await run_purge(PurgeRequest(namespace=ns_id, dry_run=req.dry_run))
 
-    @app.post(
-        "/v1/gc",
-        response_model=GcResponse,
-        tags=["gc"],
-        responses={k: ERRORS[k] for k in (400, 401, 409)},
-        dependencies=[Depends(auth)],
-    )
-    def gc(
-        body: Annotated[GcRequest | None, Body()] = None,
+    gc_runs = SharedGcRuns(backend.gc) if backend.gc is not None else None
+
+    @app.post("/v1/gc", response_model=GcResponse, tags=["gc"], responses=mutating)
+    async def gc(
+        request: Request,
+        body: Annotated[GcRequest | SkipJsonSchema[None], Body()] = None,
         dry_run: Annotated[bool, Query()] = False,
     ) -> GcResponse:
         """Run GC now (a full run, with a sweep of the namespace dirs); 409 when another
-        process leads GC on this root (the answer names it)."""
-        if backend.gc is None:
+        process leads GC on this root (the answer names it). A request made while a run of the
+        same kind (dry or not) is in progress gets that run's result."""
+        req = await one_request(request, GcRequest, body, dry_run=dry_run)
+        if gc_runs is None:
             raise ConflictError("this daemon runs no GC")
-        dry = dry_run or bool(body and body.dry_run)
-        result = gc_request(backend.gc, dry_run=dry)
+        result = await gc_runs.run(dry_run=req.dry_run)
         if not result.leader:
             raise ConflictError(
                 f"another process leads GC on {backend.layout.root} ({result.holder}); "

@@ -3,6 +3,7 @@ daemon: no 5xx, and no response outside the documented schema, content type or s
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis import Case
+from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from cachemgr.layout import Layout
 from cachemgr.settings import load_settings
@@ -40,4 +42,20 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
 @schema.parametrize()
 @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
 def test_api_conforms_to_its_openapi_document(case: Case, daemon: RunningDaemon) -> None:
-    case.call_and_validate(base_url=daemon.url)
+    skip = [positive_data_acceptance] if _query_contradicts_body(case) else []
+    case.call_and_validate(base_url=daemon.url, excluded_checks=skip)
+
+
+def _query_contradicts_body(case: Case) -> bool:
+    """A field the query and the body both give, with different values: a 422 by design (a
+    real purge or GC is never a guess), which OpenAPI cannot state across parameters and body."""
+    body = case.body if isinstance(case.body, dict) else {}
+    return any(
+        name in body and _text(body[name]) != _text(value)
+        for name, value in (case.query or {}).items()
+    )
+
+
+def _text(value: object) -> str:
+    """A value as the query string carries it."""
+    return json.dumps(value) if isinstance(value, bool) else str(value)
