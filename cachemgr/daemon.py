@@ -256,6 +256,8 @@ class Daemon:
         # A CLI purge (or init --no-wait) renames into .trash/ from another process: GC
         # deletes it now rather than at the next interval.
         self.indexer.on_namespace_gone = lambda _ns: self.gc.wake()
+        # A full disk stops index writes (they are retried): GC's floor pass frees it.
+        self.indexer.on_disk_full = self.gc.wake
 
     def _check_watermarks(self) -> None:
         """After a batch (on the index thread, its connection): wake GC if a limit is crossed.
