@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry
 from cachemgr import purge as purge_mod
 from cachemgr.apimodels import PurgedNamespace, PurgeFn, PurgeRequest, PurgeResponse
 from cachemgr.errors import ConfigError, StateError
+from cachemgr.gcfloor import open_freeing
 from cachemgr.gcpolicy import GcPolicy
 from cachemgr.gcrunner import GcRunner, needs_gc
 from cachemgr.indexer import Indexer, leadership_files
@@ -176,7 +177,8 @@ class Daemon:
         """Bind, open the DB, start watching and indexing; returns before the first scan ends."""
         self.sock = bind_socket(self.settings.host, self.settings.port)
         self.layout.ensure()
-        self.store = Store.open(self.layout.db_path)
+        self.gc_policy = GcPolicy.from_settings(self.settings)
+        self.store = open_freeing(self.layout, self.gc_policy, actor="auto")
         self.reader = Reader(self.layout)
         leadership, ready_marker = leadership_files(self.layout)
         self.indexer = Indexer(
@@ -240,7 +242,6 @@ class Daemon:
     def _start_gc(self) -> None:
         """GC on its own thread and connection; the indexer wakes it past a watermark."""
         self.gc_store = Store.open(self.layout.db_path)
-        self.gc_policy = GcPolicy.from_settings(self.settings)
         # GC is led by an index leader: only its watcher wakes GC (watermarks, a CLI purge).
         self.gc = GcRunner(
             self.gc_store, self.layout, self.gc_policy, eligible=lambda: self.indexer.state.leader

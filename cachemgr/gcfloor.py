@@ -17,14 +17,15 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from cachemgr import gcfind
+from cachemgr import gcfind, reserve
 from cachemgr.deletion import DeleteReport, Pacer, delete_dir, delete_files
-from cachemgr.errors import UnsafePathError
+from cachemgr.errors import StateError, UnsafePathError
 from cachemgr.gc import DiskUsageFn, GcStep
 from cachemgr.gcexec import GcReport, StepResult
 from cachemgr.gcpolicy import DiskUsage, GcPolicy, root_budget
 from cachemgr.index import namespace_dirs
 from cachemgr.layout import Layout
+from cachemgr.leader import GC_LOCK, Leadership
 from cachemgr.store import Store
 
 log = logging.getLogger("cachemgr.gc")
@@ -107,6 +108,26 @@ def free_floor(
                "seconds": round(report.finished_at - started, 3)},
     )  # fmt: skip
     return report
+
+
+def open_freeing(layout: Layout, policy: GcPolicy, actor: str) -> Store:
+    """Open the state DB; if its filesystem is too full even for that (no reserve left), free
+    space from a scan first, under the root's GC lock (another leader: the error stands)."""
+    try:
+        return Store.open(layout.db_path)
+    except StateError as e:
+        if not reserve.is_disk_full(e, layout.state_dir):
+            raise
+        leadership = Leadership(layout.state_dir / GC_LOCK)
+        if not leadership.try_acquire():
+            raise
+    try:
+        report = free_floor(layout, policy, disk_usage=reserve.usage_with_reserve(layout.state_dir))
+    finally:
+        leadership.release()
+    store = Store.open(layout.db_path)
+    audit_floor(store, report, actor)
+    return store
 
 
 def audit_floor(store: Store, report: GcReport, actor: str) -> None:

@@ -24,7 +24,7 @@ from cachemgr.gcfind import TempFile
 from cachemgr.gcfloor import audit_floor, below_floor, free_floor
 from cachemgr.gcpolicy import DiskUsage, GcPolicy, Reason, root_budget
 from cachemgr.layout import Layout
-from cachemgr.leader import Leadership
+from cachemgr.leader import GC_LOCK, Leadership
 from cachemgr.store import Store
 from cachemgr.trash import list_trash
 
@@ -92,7 +92,7 @@ class GcRunner:
         eligible: Callable[[], bool] = lambda: True,
     ) -> None:
         self.store, self.layout, self.policy = store, layout, policy
-        self.leadership = leadership or Leadership(layout.state_dir / "gc.lock")
+        self.leadership = leadership or Leadership(layout.state_dir / GC_LOCK)
         self.eligible = eligible  # False: never take the GC lock (another process should)
         self.clock = clock
         # As if the state DB's space reserve were allocated: taking it back keeps the floor.

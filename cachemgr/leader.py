@@ -14,6 +14,8 @@ import socket
 import time
 from pathlib import Path
 
+GC_LOCK = "gc.lock"  # in the state dir: whoever holds it deletes for GC
+
 
 class Leadership:
     """Non-blocking leader election over one lock file; the leader keeps it until release."""

@@ -26,7 +26,7 @@ from cachemgr.gcpolicy import GcPolicy
 from cachemgr.gcrunner import GcRunner
 from cachemgr.index import scan_root
 from cachemgr.layout import Layout
-from cachemgr.leader import Leadership
+from cachemgr.leader import GC_LOCK, Leadership
 from cachemgr.store import Store
 
 _LIMITS = [
@@ -64,7 +64,7 @@ def gc(app: AppContext, /, dry_run: bool, as_json: bool, yes: bool, **limits: An
     layout = Layout.at(settings.root, settings.state_dir)
     layout.ensure()
     policy = GcPolicy.from_settings(settings)
-    leadership = Leadership(layout.state_dir / "gc.lock")
+    leadership = Leadership(layout.state_dir / GC_LOCK)
     try:
         if not dry_run and not leadership.try_acquire():
             raise ConflictError(
