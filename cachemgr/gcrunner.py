@@ -133,18 +133,19 @@ class GcRunner:
     def free_floor(self, actor: str = "auto") -> GcReport | None:
         """Below the free-space floor: delete from a scan of the disk first, without the DB
         (cachemgr.gcfloor); None if free space is over the floor or another process leads."""
-        if not below_floor(self.layout, self.policy, self.disk_usage) or not self._lead():
-            return None
-        with self._busy:
-            try:
+        try:
+            if not below_floor(self.layout, self.policy, self.disk_usage) or not self._lead():
+                return None
+            with self._busy:
                 report = free_floor(
                     self.layout, self.policy, disk_usage=self.disk_usage,
                     pacer=Pacer(rate=self.policy.delete_rate), clock=self.clock,
                     stop=self._stop.is_set,
                 )  # fmt: skip
-            except BaseException:
-                self.stats.error += 1
-                raise
+        except BaseException:
+            self.stats.error += 1
+            raise
+        with self._busy:
             self.stats.ok += 1
             self.stats.last_success = report.finished_at
             self._after_floor(report, actor)
