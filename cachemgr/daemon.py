@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry
 from cachemgr import purge as purge_mod
 from cachemgr.apimodels import PurgedNamespace, PurgeFn, PurgeRequest, PurgeResponse
 from cachemgr.errors import ConfigError, StateError
+from cachemgr.gcfloor import open_freeing
 from cachemgr.gcpolicy import GcPolicy
 from cachemgr.gcrunner import GcRunner, needs_gc
 from cachemgr.indexer import Indexer, kernel_id, leadership_files
@@ -182,7 +183,8 @@ class Daemon:
             self.layout.ensure()
             # Its threads take these locks later, where a refusal would only be a log line.
             refuse_non_regular(self.layout.lock_files(kernel_id()))
-            self.store = Store.open(self.layout.db_path)
+            self.gc_policy = GcPolicy.from_settings(self.settings)
+            self.store = open_freeing(self.layout, self.gc_policy, actor="auto")
         except BaseException:
             self.sock.close()
             raise
@@ -249,7 +251,6 @@ class Daemon:
     def _start_gc(self) -> None:
         """GC on its own thread and connection; the indexer wakes it past a watermark."""
         self.gc_store = Store.open(self.layout.db_path)
-        self.gc_policy = GcPolicy.from_settings(self.settings)
         # GC is led by an index leader: only its watcher wakes GC (watermarks, a CLI purge).
         self.gc = GcRunner(
             self.gc_store, self.layout, self.gc_policy, eligible=lambda: self.indexer.state.leader
@@ -265,6 +266,8 @@ class Daemon:
         # A CLI purge (or init --no-wait) renames into .trash/ from another process: GC
         # deletes it now rather than at the next interval.
         self.indexer.on_namespace_gone = lambda _ns: self.gc.wake()
+        # A full disk stops index writes (they are retried): GC's floor pass frees it.
+        self.indexer.on_disk_full = self.gc.wake
 
     def _check_watermarks(self) -> None:
         """After a batch (on the index thread, its connection): wake GC if a limit is crossed.

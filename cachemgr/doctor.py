@@ -12,7 +12,10 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Literal
 
+from cachemgr import reserve
 from cachemgr.cli.common import human_bytes
+from cachemgr.gc import DiskUsageFn
+from cachemgr.gcpolicy import DiskUsage, GcPolicy
 from cachemgr.layout import NS_ID_RE, Layout
 from cachemgr.namespaces import list_namespaces
 from cachemgr.prelaunch import STORAGE_DIR_ENV
@@ -283,6 +286,38 @@ def lint_root(layout: Layout, store: Store) -> list[Finding]:
             fix = "cachemgr purge --unbound --yes (or let the daemon finish it)"
             found.append(Finding("warning", "trash-left", what, fix))
     return found + _corrupt_db_copies(layout)
+
+
+DiskState = Literal["ok", "low", "full"]
+
+
+def disk_state(disk: DiskUsage, policy: GcPolicy) -> tuple[DiskState, int]:
+    """Full: less free than GC's floor (or than the state DB needs to open); low: under 1.5
+    times that. With the limit in bytes."""
+    limit = max(policy.floor(disk), reserve.reserve_size(disk.total))
+    state: DiskState = "full" if disk.free < limit else "low" if disk.free < limit * 1.5 else "ok"
+    return state, limit
+
+
+def lint_disk(
+    layout: Layout, policy: GcPolicy, usage: DiskUsageFn = shutil.disk_usage
+) -> list[Finding]:
+    """A full root filesystem is an error, a nearly full one a warning (see disk_state)."""
+    disk = DiskUsage(*usage(layout.root))
+    state, limit = disk_state(disk, policy)
+    what = f"{filesystem_line(disk)}; GC keeps {human_bytes(limit)} free"
+    fix = "cachemgr gc --yes frees it down to the floor (the daemon does by itself); or add space"
+    if state == "full":
+        return [Finding("error", "disk-full", f"the root's filesystem is full: {what}", fix)]
+    if state == "low":
+        return [Finding("warning", "disk-low", f"the root's filesystem is low: {what}", fix)]
+    return []
+
+
+def filesystem_line(disk: DiskUsage) -> str:
+    """`3.6 MB free of 57.4 MB (6.3%)`: how full a filesystem is, for people."""
+    pct = 100 * disk.free / disk.total if disk.total else 0.0
+    return f"{human_bytes(disk.free)} free of {human_bytes(disk.total)} ({pct:.1f}%)"
 
 
 def _corrupt_db_copies(layout: Layout) -> list[Finding]:

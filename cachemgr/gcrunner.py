@@ -16,13 +16,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cachemgr import gcfind
+from cachemgr import gcfind, reserve
 from cachemgr import namespaces as nsreg
 from cachemgr.deletion import Pacer, Progress
 from cachemgr.errors import CachemgrError, UnsafePathError
 from cachemgr.gc import DiskUsageFn, plan_gc
 from cachemgr.gcexec import GcReport, execute_gc
 from cachemgr.gcfind import TempFile
+from cachemgr.gcfloor import audit_floor, below_floor, free_floor
 from cachemgr.gcpolicy import DiskUsage, GcPolicy, Reason, root_budget
 from cachemgr.layout import Layout
 from cachemgr.leader import Leadership
@@ -93,14 +94,15 @@ class GcRunner:
         *,
         leadership: Leadership | None = None,
         clock: Callable[[], float] = time.time,
-        disk_usage: DiskUsageFn = shutil.disk_usage,
+        disk_usage: DiskUsageFn | None = None,
         eligible: Callable[[], bool] = lambda: True,
     ) -> None:
         self.store, self.layout, self.policy = store, layout, policy
         self.leadership = leadership or Leadership(layout.gc_lock)
         self.eligible = eligible  # False: never take the GC lock (another process should)
         self.clock = clock
-        self.disk_usage = disk_usage
+        # As if the state DB's space reserve were allocated: taking it back keeps the floor.
+        self.disk_usage = disk_usage or reserve.usage_with_reserve(layout.state_dir)
         self.last_sweep = float("-inf")
         self.stats = GcStats(last_success=clock())
         self._wake = threading.Event()
@@ -122,6 +124,7 @@ class GcRunner:
         if not self._lead():
             self.stats.skipped += 1
             return None
+        floor = self.free_floor()
         sweep = self.clock() - self.last_sweep >= self.policy.sweep_interval
         try:
             idle = not sweep and not self.needs_gc()
@@ -130,8 +133,40 @@ class GcRunner:
             raise
         if idle:
             self.stats.last_success = self.clock()
-            return None
+            return floor
         return self.run(actor="auto", sweep=sweep)
+
+    def free_floor(self, actor: str = "auto") -> GcReport | None:
+        """Below the free-space floor: delete from a scan of the disk first, without the DB
+        (cachemgr.gcfloor); None if free space is over the floor or another process leads."""
+        try:
+            if not below_floor(self.layout, self.policy, self.disk_usage) or not self._lead():
+                return None
+            with self._busy:
+                report = free_floor(
+                    self.layout, self.policy, disk_usage=self.disk_usage,
+                    pacer=Pacer(rate=self.policy.delete_rate), clock=self.clock,
+                    stop=self._stop.is_set,
+                )  # fmt: skip
+        except BaseException:
+            self.stats.error += 1
+            raise
+        with self._busy:
+            self.stats.ok += 1
+            self.stats.last_success = report.finished_at
+            self._after_floor(report, actor)
+        return report
+
+    def _after_floor(self, report: GcReport, actor: str) -> None:
+        """Audit the floor pass if the DB takes writes again; take the reserve back if room."""
+        try:
+            audit_floor(self.store, report, actor)
+        except (sqlite3.Error, OSError) as e:
+            if not reserve.is_disk_full(e, self.layout.state_dir):
+                raise
+            log.warning("floor pass not audited: the state DB's filesystem is still full",
+                        extra={"files": report.files, "bytes": report.bytes})  # fmt: skip
+        reserve.keep(self.layout.state_dir)
 
     def run(
         self,
@@ -159,6 +194,7 @@ class GcRunner:
         if not dry_run:
             self.stats.ok += 1
             self.stats.last_success = report.finished_at
+            reserve.keep(self.layout.state_dir)
         return report
 
     def _run(
@@ -194,25 +230,32 @@ class GcRunner:
         Setting `stop` also ends a run in progress after the chunk it is deleting.
         """
         self._stop = stop
-        while ready is not None and not ready.wait(0.2):
-            if stop.is_set():
-                return
-        self._wake.set()
         try:
+            # The index may take long to build, or fail to for lack of space: the floor,
+            # which needs neither it nor the DB, is kept meanwhile.
+            while ready is not None and not ready.wait(0.5):
+                if stop.is_set():
+                    return
+                if self._cycle(self.free_floor):
+                    stop.wait(RUN_GAP)
+            self._wake.set()
             while not stop.is_set():
                 self._wake.wait(self.policy.interval)
                 self._wake.clear()
                 if stop.is_set():
                     break
-                try:
-                    ran = self.tick() is not None
-                except (CachemgrError, OSError, sqlite3.Error):
-                    # One failed cycle (a vanished dir, a locked DB) must not end GC for good.
-                    log.exception("gc cycle failed")
-                    ran = True
-                if ran:
+                if self._cycle(self.tick):
                     # Writes keep waking GC while a cap cannot be met (every page younger than
                     # min_age): at most one run per gap, not one per batch of events.
                     stop.wait(min(self.policy.interval, RUN_GAP))
         finally:
             self.leadership.release()
+
+    def _cycle(self, run: Callable[[], GcReport | None]) -> bool:
+        """One daemon cycle; True if it ran GC (or failed: either way, pause before the next)."""
+        try:
+            return run() is not None
+        except (CachemgrError, OSError, sqlite3.Error):
+            # One failed cycle (a vanished dir, a locked DB, a full disk) must not end GC.
+            log.exception("gc cycle failed")
+            return True

@@ -32,6 +32,7 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cachemgr import reserve
 from cachemgr.errors import UnsafePathError
 from cachemgr.index import BATCH, ScanReport, forget_namespace, namespace_dirs, scan_namespace
 from cachemgr.layout import Layout
@@ -42,6 +43,7 @@ from cachemgr.store import Store
 from cachemgr.watcher import Event, Kind, Watcher
 
 log = logging.getLogger(__name__)
+FULL_RETRY = 1.0  # seconds between retries of a write the full disk refused
 
 
 @dataclass
@@ -68,6 +70,8 @@ class IndexState:
     events_applied: int = 0
     batches: int = 0
     leader: bool = False  # this process watches and writes the index (see the module doc)
+    disk_full: bool = False  # the last write failed for lack of space; retried
+    disk_full_retries: int = 0
 
     def counter(self, ns_id: str) -> Counters:
         got = self.counters.get(ns_id)
@@ -199,6 +203,7 @@ class Indexer:
         self._thread = threading.Thread(target=self._run, name="cachemgr-index", daemon=True)
         self.error: BaseException | None = None
         self.on_error: Callable[[BaseException], None] | None = None
+        self.on_disk_full: Callable[[], None] | None = None  # a write failed: free space now
 
     def start(self) -> None:
         self._thread.start()
@@ -232,18 +237,21 @@ class Indexer:
             self.watcher.start()
             self.pages = PageEvents(self.store, self.layout)  # after any earlier leader's seqs
             t0 = time.perf_counter()
-            self._scan_all(first=not took_over)
+            while not self._written(lambda: self._scan_all(first=not took_over)):
+                if self._stop.wait(FULL_RETRY):
+                    return
             self._mark_ready(True)
             self.state.ready.set()
             took = round(time.perf_counter() - t0, 3)
             log.info("index ready", extra={"scans": self.state.scans, "seconds": took})
             next_reconcile = time.monotonic() + self.reconcile_interval
-            while not self._stop.wait(self.batch_interval):
-                self.apply_pending()
-                if time.monotonic() >= next_reconcile:
-                    self._scan_all(first=False)
+            pause = self.batch_interval
+            while not self._stop.wait(pause):
+                pause = self.batch_interval if self._written(self.apply_pending) else FULL_RETRY
+                due = pause == self.batch_interval and time.monotonic() >= next_reconcile
+                if due and self._written(lambda: self._scan_all(first=False)):
                     next_reconcile = time.monotonic() + self.reconcile_interval
-            self.apply_pending()
+            self._written(self.apply_pending)
         except BaseException as e:
             log.exception("index writer failed")
             self.error = e
@@ -255,6 +263,28 @@ class Indexer:
                 self.leadership.release()  # a follower takes over (and rescans)
         if self.error is not None and self.on_error is not None:
             self.on_error(self.error)  # the daemon exits non-zero
+
+    def _written(self, write: Callable[[], object]) -> bool:
+        """Run `write`; False if the disk was too full for it (retried later: events that
+        were not applied are back in the queue, and GC is told to free space)."""
+        try:
+            write()
+        except (sqlite3.Error, OSError) as e:
+            if not reserve.is_disk_full(e, self.layout.state_dir):
+                raise
+            if not self.state.disk_full:
+                log.error("index write failed: the disk is full; retrying as GC frees space",
+                          extra={"error": str(e)})  # fmt: skip
+            self.state.disk_full = True
+            self.state.disk_full_retries += 1
+            reserve.release(self.layout.state_dir)
+            if self.on_disk_full is not None:
+                self.on_disk_full()
+            return False
+        if self.state.disk_full:
+            log.warning("index writes work again")
+            self.state.disk_full = False
+        return True
 
     def _lead(self) -> bool:
         """Wait until this process leads the index (or is stopped); True if it took over
@@ -292,26 +322,36 @@ class Indexer:
         """Drain the queue and apply it; returns the number of events applied."""
         queue = self.watcher.queue
         n = len(queue)
-        segment: list[Event] = []
-        for _ in range(n):
-            ev = queue.popleft()
-            if ev[0] >= Kind.NS_ADDED:
-                self._apply_pages(segment)
-                segment = []
-                self._apply_namespace_event(ev)
-            else:
-                segment.append(ev)
-                if len(segment) >= BATCH:
-                    self._apply_pages(segment)
-                    segment = []
-        self._apply_pages(segment)
+        held: list[Event] = []  # taken from the queue, not applied yet
+        try:
+            for _ in range(n):
+                ev = queue.popleft()
+                held.append(ev)
+                if ev[0] >= Kind.NS_ADDED:
+                    self._apply_pages(held[:-1])
+                    del held[:-1]
+                    self._apply_namespace_event(ev)
+                    held = []
+                elif len(held) >= BATCH:
+                    self._apply_pages(held)
+                    held = []
+            self._apply_pages(held)
+        except BaseException:
+            # A write the disk refused (full) is retried: its events go back in front, in order.
+            queue.extendleft(reversed(held))
+            raise
         with self._rescan_lock:
             wanted, self._rescan = self._rescan, set()
-        if "*" in wanted:
-            self._scan_all(first=False)
-        else:
-            for ns in sorted(wanted):
-                self._scan(ns, first=False)
+        try:
+            if "*" in wanted:
+                self._scan_all(first=False)
+            else:
+                for ns in sorted(wanted):
+                    self._scan(ns, first=False)
+        except BaseException:
+            with self._rescan_lock:
+                self._rescan |= wanted  # asked for still
+            raise
         self.state.events_applied += n
         self.state.batches += 1 if n else 0
         return n

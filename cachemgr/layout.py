@@ -28,6 +28,7 @@ NS_DIR = "ns"
 TRASH_DIR = ".trash"
 STATE_DIR = ".cachemgr"  # the default state dir, inside the root
 TAG_FILE = "CACHEDIR.TAG"
+RESERVE_FILE = "space-reserve"
 DB_FILE = "state.db"
 # SQLite's own files beside the DB (WAL mode; a rollback journal while the mode is switched)
 DB_SUFFIXES = ("", "-wal", "-shm", "-journal")
@@ -91,6 +92,11 @@ class Layout:
         """Exists while that daemon's index is built and live."""
         return self.state_dir / f"index-{boot_id}.ready"
 
+    @property
+    def reserve(self) -> Path:
+        """Disk space held for the state DB, released when the filesystem is full (reserve.py)."""
+        return self.state_dir / RESERVE_FILE
+
     def lock_files(self, boot_id: str) -> tuple[Path, ...]:
         """The files the daemon flocks: a link planted at one is refused at start."""
         return self.root_lock, self.gc_lock, self.index_lock(boot_id)
@@ -98,7 +104,7 @@ class Layout:
     def state_files(self, boot_id: str) -> tuple[Path, ...]:
         """Every file cachemgr writes in the state dir."""
         return (*self.lock_files(boot_id), self.index_ready(boot_id), *db_files(self.db_path),
-                recover_lock(self.db_path))  # fmt: skip
+                recover_lock(self.db_path), self.reserve)  # fmt: skip
 
     def written(self, boot_id: str, ns_ids: tuple[str, ...] = ()) -> tuple[Path, ...]:
         """Every path cachemgr creates or writes under the root and the state dir, for the

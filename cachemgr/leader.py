@@ -8,6 +8,7 @@ or dies, and a second descriptor, even in the same process, cannot take it meanw
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -40,9 +41,12 @@ class Leadership:
             os.close(fd)
             return False
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {stamp}\n".encode(), 0)
+        note = f"pid {os.getpid()} on {socket.gethostname()} since {stamp}\n"
         self._fd = fd
+        # Informational, and it needs a block: on a full disk leading matters more (GC frees it).
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, note.encode(), 0)
         return True
 
     def holder(self) -> str | None:

@@ -8,6 +8,7 @@ from one process would deadlock).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -85,8 +86,10 @@ def _flock(
                     "another init or purge is running on this root"
                 ) from e
             sleep(0.05)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    # For whoever waits next; it needs a block, which a full disk may not have: then unsaid.
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
 
 

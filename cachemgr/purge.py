@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from cachemgr import namespaces as nsreg
+from cachemgr import reserve
 from cachemgr.deletion import delete_manifest
 from cachemgr.dirscan import scan_usage
-from cachemgr.errors import ConfigError, NotFoundError, UnsafePathError
+from cachemgr.errors import CachemgrError, ConfigError, NotFoundError, UnsafePathError
 from cachemgr.layout import NS_DIR, TRASH_DIR, Layout, check_ns_id
 from cachemgr.lock import root_lock
 from cachemgr.safefs import open_dir
@@ -223,7 +224,12 @@ def drop_unbound(layout: Layout, store: Store, ns_id: str) -> bool:
 
 
 def rename_to_trash(layout: Layout, ns_id: str, *, recreate: bool) -> str | None:
-    """Move ns/<id> into .trash/ (None if it has no dir); recreate it empty if asked."""
+    """Move ns/<id> into .trash/ (None if it has no dir); recreate it empty if asked.
+
+    The empty dir is made first, in .trash/ (a crash leaves an empty entry the drain removes),
+    and renamed into place: a full disk then fails the purge before anything moved, instead
+    of leaving a bound instance without its dir (a rename needs no new blocks; a mkdir does).
+    """
     trash_name = f"{ns_id}.{time.time_ns():x}{secrets.token_hex(3)}"
     with open_dir(layout.root, NS_DIR) as ns_fd, open_dir(layout.root, TRASH_DIR) as trash_fd:
         try:
@@ -232,6 +238,7 @@ def rename_to_trash(layout: Layout, ns_id: str, *, recreate: bool) -> str | None
             st = None
         if st is not None and not stat.S_ISDIR(st.st_mode):
             raise UnsafePathError(f"{layout.ns_dir(ns_id)} is not a directory; left alone")
+        fresh = _empty_dir(layout, trash_fd, f"{trash_name}n") if recreate else None
         if st is not None:
             try:
                 os.rename(ns_id, trash_name, src_dir_fd=ns_fd, dst_dir_fd=trash_fd)
@@ -239,9 +246,32 @@ def rename_to_trash(layout: Layout, ns_id: str, *, recreate: bool) -> str | None
                 raise ConfigError(
                     f"cannot move {layout.ns_dir(ns_id)} into {layout.trash}: {e.strerror}"
                 ) from e
-        if recreate:
-            os.mkdir(ns_id, 0o755, dir_fd=ns_fd)
+        if fresh is not None:
+            os.rename(fresh, ns_id, src_dir_fd=trash_fd, dst_dir_fd=ns_fd)
     return trash_name if st is not None else None
+
+
+def _empty_dir(layout: Layout, dir_fd: int, name: str) -> str:
+    """mkdir `name` in `dir_fd`; on a full disk, once more after giving the DB's reserve back."""
+    try:
+        os.mkdir(name, 0o755, dir_fd=dir_fd)
+    except OSError as e:
+        if not (reserve.is_disk_full(e) and reserve.release(layout.state_dir)):
+            raise _no_room(layout, e) from e
+        try:
+            os.mkdir(name, 0o755, dir_fd=dir_fd)
+        except OSError as again:
+            raise _no_room(layout, again) from again
+    return name
+
+
+def _no_room(layout: Layout, e: OSError) -> CachemgrError:
+    if reserve.is_disk_full(e):
+        return CachemgrError(
+            f"no space on {layout.root} to recreate a bound namespace's dir; nothing moved: "
+            "free space first (`cachemgr gc --yes`, or purge unbound namespaces)"
+        )
+    return ConfigError(f"cannot create a dir in {layout.trash}: {e.strerror}")
 
 
 def purge(

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from cachemgr import reserve
 from cachemgr._dirscan import page_digest
 from cachemgr.errors import StateError
 from cachemgr.layout import DB_SUFFIXES, db_files, recover_lock
@@ -169,6 +170,23 @@ def _recover(path: Path) -> sqlite3.Connection:
         os.close(lock)
 
 
+def _open_with_room(path: Path) -> sqlite3.Connection:
+    """Open; on a full filesystem give the state dir's reserve back and try once more."""
+    try:
+        return _open_migrated(path)
+    except (StateError, sqlite3.DatabaseError) as e:
+        if not reserve.is_disk_full(e, path.parent):
+            raise
+        if reserve.release(path.parent):
+            with suppress(StateError, sqlite3.DatabaseError):
+                return _open_migrated(path)
+        free = reserve.free_bytes(path.parent)
+        raise StateError(
+            f"cannot open state DB {path}: its filesystem is full ({free} bytes free); "
+            "free space with `cachemgr gc --yes` (it works without the DB) or move --state-dir"
+        ) from e
+
+
 class Store:
     """A migrated connection to the state DB, with the queries shared across modules."""
 
@@ -182,11 +200,12 @@ class Store:
         # SQLite opens by path and follows links: refuse one planted at its files first.
         refuse_non_regular(db_files(path))
         try:
-            conn = _open_migrated(path)
+            conn = _open_with_room(path)
         except (StateError, sqlite3.DatabaseError) as e:
             if not (recover and _corrupt(e)):
                 raise
             conn = _recover(path)
+        reserve.keep(path.parent)
         return cls(conn)
 
     def close(self) -> None:

@@ -10,11 +10,12 @@ from typing import Any
 
 import click
 
-from cachemgr import model_dir
+from cachemgr import model_dir, reserve
 from cachemgr.cli.common import opened_store
 from cachemgr.cli.main import AppContext, pass_app
-from cachemgr.doctor import Finding, exit_code, launch_env, lint, lint_root
-from cachemgr.errors import CachemgrError
+from cachemgr.doctor import Finding, exit_code, launch_env, lint, lint_disk, lint_root
+from cachemgr.errors import CachemgrError, StateError
+from cachemgr.gcpolicy import GcPolicy
 from cachemgr.layout import Layout
 from cachemgr.sglang_args import LaunchArgs, resolve_launch_args
 
@@ -44,8 +45,14 @@ def doctor(app: AppContext, as_json: bool, launch_cmd: tuple[str, ...]) -> None:
             cap_bytes=int(settings.gc_max_bytes) if settings.gc_max_bytes else None,
         )
     if layout.root.is_dir():
-        with opened_store(layout) as store:
-            findings += lint_root(layout, store)
+        findings += lint_disk(layout, GcPolicy.from_settings(settings))
+        try:
+            with opened_store(layout) as store:
+                findings += lint_root(layout, store)
+        except StateError as e:
+            if not reserve.is_disk_full(e, layout.state_dir):
+                raise
+            findings.append(Finding("error", "state-db-full", str(e), "free space first"))
     if as_json:
         click.echo(json.dumps([dataclasses.asdict(f) for f in findings], indent=2))
     else:

@@ -6,22 +6,27 @@ import json
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import click
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from cachemgr import reserve
 from cachemgr.cli.common import human_bytes
 from cachemgr.cli.main import AppContext, pass_app
+from cachemgr.deletion import Pacer
 from cachemgr.deletion import Progress as ProgressFn
 from cachemgr.errors import ConfigError, ConflictError
 from cachemgr.gcapi import GcResponse
 from cachemgr.gcexec import GcReport
+from cachemgr.gcfloor import audit_floor, below_floor, free_floor
 from cachemgr.gcpolicy import GcPolicy
 from cachemgr.gcrunner import GcRunner
 from cachemgr.index import scan_root
 from cachemgr.layout import Layout
+from cachemgr.leader import Leadership
 from cachemgr.store import Store
 
 _LIMITS = [
@@ -58,28 +63,57 @@ def gc(app: AppContext, /, dry_run: bool, as_json: bool, yes: bool, **limits: An
         raise ConfigError("gc deletes files: pass --yes when not on a terminal (or --dry-run)")
     layout = Layout.at(settings.root, settings.state_dir)
     layout.ensure()
-    store = Store.open(layout.db_path)
-    runner = GcRunner(store, layout, GcPolicy.from_settings(settings))
+    policy = GcPolicy.from_settings(settings)
+    leadership = Leadership(layout.gc_lock)
     try:
-        if not dry_run and not runner.leadership.try_acquire():
+        if not dry_run and not leadership.try_acquire():
             raise ConflictError(
-                f"another process leads GC on {layout.root} ({runner.leadership.holder()}); "
+                f"another process leads GC on {layout.root} ({leadership.holder()}); "
                 "nothing deleted: ask it with POST /v1/gc, or use --dry-run"
             )
-        scan_root(store, layout)  # no daemon may be watching: bring the index in line first
-        if dry_run or not yes:
-            preview = runner.run(dry_run=True, actor="cli")
-            if dry_run or preview.files == 0:
-                _show(preview, as_json)
-                return
-            _show(preview, as_json=False)
-            click.confirm("Delete these files?", abort=True, err=True)
-        with _progress(enabled=sys.stderr.isatty() and not as_json) as report_progress:
-            report = runner.run(actor="cli", progress=report_progress)
-        _show(report, as_json)
+        # Below the floor the DB may not open and new pages cannot be indexed: free space
+        # from a scan of the disk first (cachemgr.gcfloor), then run GC as usual.
+        usage = reserve.usage_with_reserve(layout.state_dir)
+        floor = None
+        if not dry_run and below_floor(layout, policy, usage):
+            if not yes:
+                click.confirm("free space is below the floor: delete the oldest pages first?",
+                              abort=True, err=True)  # fmt: skip
+            floor = free_floor(layout, policy, disk_usage=usage, pacer=Pacer(policy.delete_rate))
+        store = Store.open(layout.db_path)
+        try:
+            if floor is not None:
+                audit_floor(store, floor, "cli")
+            _run(GcRunner(store, layout, policy, leadership=leadership), floor, dry_run, yes,
+                 as_json)  # fmt: skip
+        finally:
+            store.close()
     finally:
-        runner.leadership.release()
-        store.close()
+        leadership.release()
+
+
+def _run(runner: GcRunner, floor: GcReport | None, dry_run: bool, yes: bool, as_json: bool) -> None:
+    scan_root(runner.store, runner.layout)  # no daemon may be watching: bring the index in line
+    if dry_run or not yes:
+        preview = runner.run(dry_run=True, actor="cli")
+        if dry_run or preview.files == 0:
+            _show(_joined(floor, preview), as_json)
+            return
+        _show(preview, as_json=False)
+        click.confirm("Delete these files?", abort=True, err=True)
+    with _progress(enabled=sys.stderr.isatty() and not as_json) as report_progress:
+        report = runner.run(actor="cli", progress=report_progress)
+    _show(_joined(floor, report), as_json)
+
+
+def _joined(floor: GcReport | None, report: GcReport) -> GcReport:
+    """One report for a floor pass and the run after it."""
+    if floor is None:
+        return report
+    return replace(
+        report, started_at=floor.started_at, steps=floor.steps + report.steps,
+        warnings=floor.warnings + report.warnings,
+    )  # fmt: skip
 
 
 @contextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 
 import click
 
-from cachemgr import __version__, logs
+from cachemgr import __version__, logs, reserve
 from cachemgr.errors import CachemgrError
 from cachemgr.settings import Settings, load_settings
 
@@ -96,6 +97,13 @@ def main(argv: list[str] | None = None) -> None:
     except CachemgrError as e:
         click.echo(f"cachemgr: error: {e}", err=True)
         sys.exit(e.exit_code)
+    except (OSError, sqlite3.Error) as e:
+        # A full disk can fail any write; it is the operator's situation, not a bug to trace.
+        if not reserve.is_disk_full(e):
+            raise
+        click.echo(f"cachemgr: error: no space left on the device: {e}; "
+                   "free space with `cachemgr gc --yes`", err=True)  # fmt: skip
+        sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
     except BrokenPipeError:

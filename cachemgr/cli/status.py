@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 import urllib.error
 import urllib.request
@@ -18,7 +19,9 @@ from rich.table import Table
 from cachemgr.cli.common import human_bytes, refuse_file_root
 from cachemgr.cli.main import AppContext, pass_app
 from cachemgr.dirscan import scan_usage
+from cachemgr.doctor import disk_state, filesystem_line
 from cachemgr.errors import NotFoundError
+from cachemgr.gcpolicy import DiskUsage, GcPolicy
 from cachemgr.layout import Layout
 from cachemgr.settings import Settings
 from cachemgr.status import NamespaceStatus, namespace_statuses
@@ -148,7 +151,26 @@ def status(app: AppContext, as_json: bool, host: str | None, port: int | None) -
         raise NotFoundError(f"no cache root at {layout.root} (init or serve creates it)")
     else:
         report = from_disk(settings)
+    report["filesystem"] = _filesystem(layout, settings)
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
         render(report, Console())
+        click.echo(_filesystem_text(report["filesystem"]))
+
+
+def _filesystem(layout: Layout, settings: Settings) -> dict[str, Any]:
+    """The root's filesystem: bytes free and total, and whether it is full (doctor's rule)."""
+    disk = DiskUsage(*shutil.disk_usage(layout.root))
+    state, limit = disk_state(disk, GcPolicy.from_settings(settings))
+    return {"free_bytes": disk.free, "size_bytes": disk.total, "state": state,
+            "limit_bytes": limit}  # fmt: skip
+
+
+def _filesystem_text(fs: dict[str, Any]) -> str:
+    disk = DiskUsage(fs["size_bytes"], fs["size_bytes"] - fs["free_bytes"], fs["free_bytes"])
+    line = f"filesystem: {filesystem_line(disk)}"
+    if fs["state"] == "ok":
+        return line
+    word = "FULL" if fs["state"] == "full" else "nearly full"
+    return f"{line}: {word} (GC keeps {human_bytes(fs['limit_bytes'])} free)"

@@ -80,7 +80,12 @@ def victim_unchanged(victim: Path) -> Iterator[None]:
 
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Path]:
-    """A fresh 64 MiB ext4 filesystem, loop-mounted (needs root: CI runs as root)."""
+    """A fresh 64 MiB ext4 filesystem, loop-mounted (needs root: CI runs as root).
+
+    4 KiB blocks, as mkfs gives any real root (it picks 1 KiB under 512 MB): SQLite allocates
+    its mmapped -shm by writing one byte per 4 KiB page, so on 1 KiB blocks the rest stays a
+    hole, and a full disk turns the next touch of it into SIGBUS (seen: test_full_disk.py).
+    """
     if os.geteuid() != 0:
         pytest.skip("mounting a loop filesystem needs root (CI runs as root)")
     image = tmp_path / "fs.img"
@@ -88,7 +93,7 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
     mnt.mkdir()
     with open(image, "wb") as f:
         f.truncate(64 << 20)
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", "-b", "4096", str(image)], check=True)
     subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], check=True)
     try:
         yield mnt
