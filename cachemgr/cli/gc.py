@@ -58,28 +58,27 @@ def gc(app: AppContext, /, dry_run: bool, as_json: bool, yes: bool, **limits: An
         raise ConfigError("gc deletes files: pass --yes when not on a terminal (or --dry-run)")
     layout = Layout.at(settings.root, settings.state_dir)
     layout.ensure()
-    store = Store.open(layout.db_path)
-    runner = GcRunner(store, layout, GcPolicy.from_settings(settings))
-    try:
-        if not dry_run and not runner.leadership.try_acquire():
-            raise ConflictError(
-                f"another process leads GC on {layout.root} ({runner.leadership.holder()}); "
-                "nothing deleted: ask it with POST /v1/gc, or use --dry-run"
-            )
-        scan_root(store, layout)  # no daemon may be watching: bring the index in line first
-        if dry_run or not yes:
-            preview = runner.run(dry_run=True, actor="cli")
-            if dry_run or preview.files == 0:
-                _show(preview, as_json)
-                return
-            _show(preview, as_json=False)
-            click.confirm("Delete these files?", abort=True, err=True)
-        with _progress(enabled=sys.stderr.isatty() and not as_json) as report_progress:
-            report = runner.run(actor="cli", progress=report_progress)
-        _show(report, as_json)
-    finally:
-        runner.leadership.release()
-        store.close()
+    with Store.open(layout.db_path) as store:  # a corrupt DB: moved aside, the CLI retries
+        runner = GcRunner(store, layout, GcPolicy.from_settings(settings))
+        try:
+            if not dry_run and not runner.leadership.try_acquire():
+                raise ConflictError(
+                    f"another process leads GC on {layout.root} ({runner.leadership.holder()}); "
+                    "nothing deleted: ask it with POST /v1/gc, or use --dry-run"
+                )
+            scan_root(store, layout)  # no daemon may be watching: bring the index in line first
+            if dry_run or not yes:
+                preview = runner.run(dry_run=True, actor="cli")
+                if dry_run or preview.files == 0:
+                    _show(preview, as_json)
+                    return
+                _show(preview, as_json=False)
+                click.confirm("Delete these files?", abort=True, err=True)
+            with _progress(enabled=sys.stderr.isatty() and not as_json) as report_progress:
+                report = runner.run(actor="cli", progress=report_progress)
+            _show(report, as_json)
+        finally:
+            runner.leadership.release()
 
 
 @contextmanager

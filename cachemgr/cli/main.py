@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 import click
 
 from cachemgr import __version__, logs
-from cachemgr.errors import CachemgrError
+from cachemgr.errors import CachemgrError, StateCorrupt, StateError
 from cachemgr.settings import Settings, load_settings
 
 
@@ -82,8 +83,13 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point: run the CLI, turning cachemgr errors into one line and an exit code."""
     _register()
     try:
-        # Without standalone mode click hands back ctx.exit(code) as a return value.
-        rv = cli.main(args=argv, prog_name="cachemgr", standalone_mode=False)
+        try:
+            # Without standalone mode click hands back ctx.exit(code) as a return value.
+            rv = cli.main(args=argv, prog_name="cachemgr", standalone_mode=False)
+        except StateCorrupt:
+            # The corrupt DB was moved aside (a warning said where): once more on a fresh DB,
+            # which the command rebuilds from the disk as it opens it.
+            rv = cli.main(args=argv, prog_name="cachemgr", standalone_mode=False)
         sys.exit(rv if isinstance(rv, int) else 0)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
@@ -96,6 +102,9 @@ def main(argv: list[str] | None = None) -> None:
     except CachemgrError as e:
         click.echo(f"cachemgr: error: {e}", err=True)
         sys.exit(e.exit_code)
+    except sqlite3.Error as e:  # the state DB failed in a way no module turned into a message
+        click.echo(f"cachemgr: error: state DB: {e}", err=True)
+        sys.exit(StateError.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
     except BrokenPipeError:
