@@ -39,7 +39,7 @@ from cachemgr.safefs import refuse_non_regular
 from cachemgr.server import Backend, create_app
 from cachemgr.settings import Settings
 from cachemgr.sglang_probe import ProbeLoop, ProbeState
-from cachemgr.store import Store, connect
+from cachemgr.store import Store
 
 log = logging.getLogger(__name__)
 GC_STOP_SECONDS = 15.0  # a GC run stops after its current chunk; a trash entry may take longer
@@ -80,13 +80,10 @@ def purge_function(layout: Layout, after: Callable[[], None]) -> PurgeFn:
     """Purge through cachemgr.purge: rename now; `after` (wake GC) deletes .trash/ later."""
 
     def run(req: PurgeRequest) -> PurgeResponse:
-        store = Store.open(layout.db_path)
-        try:
+        with Store.open(layout.db_path) as store:
             plan = _plan(layout, store, req)
             if not req.dry_run:
                 purge_mod.execute_purge(plan, layout, store, actor="http", reason="manual")
-        finally:
-            store.close()
         if not req.dry_run:
             after()
         targets = [
@@ -129,20 +126,26 @@ def _plan(layout: Layout, store: Store, req: PurgeRequest) -> purge_mod.PurgePla
 
 
 class Reader:
-    """One read connection shared by HTTP threads and scrapes (sqlite3 objects need a lock)."""
+    """One read connection shared by HTTP threads and scrapes (sqlite3 objects need a lock).
+
+    Always on the DB at the path (one deleted or moved aside is reopened); a corrupt one
+    raises StateCorrupt (HTTP 503) after it is moved aside, and the next read starts anew.
+    """
 
     def __init__(self, layout: Layout) -> None:
-        self._conn = connect(layout.db_path)
+        self._store = Store.open(layout.db_path)
         self._lock = threading.Lock()
 
     @contextmanager
     def __call__(self) -> Iterator[sqlite3.Connection]:
         with self._lock:
-            yield self._conn
+            self._store.follow_path()
+            with self._store.guard():
+                yield self._store.conn
 
     def close(self) -> None:
         with self._lock:
-            self._conn.close()
+            self._store.close()
 
 
 class _Server(uvicorn.Server):
@@ -184,7 +187,8 @@ class Daemon:
             # Its threads take these locks later, where a refusal would only be a log line.
             refuse_non_regular(self.layout.lock_files(kernel_id()))
             self.gc_policy = GcPolicy.from_settings(self.settings)
-            self.store = open_freeing(self.layout, self.gc_policy, actor="auto")
+            # Checked once: a DB damaged past its header is moved aside before anything reads it.
+            self.store = open_freeing(self.layout, self.gc_policy, actor="auto", check=True)
         except BaseException:
             self.sock.close()
             raise
@@ -335,11 +339,8 @@ class Daemon:
 
     def _purge_mismatch(self, ns_id: str, diffs: list[str]) -> None:
         """The server contradicts its namespace: its pages may read back wrong, drop them now."""
-        store = Store.open(self.layout.db_path)
-        try:
+        with Store.open(self.layout.db_path) as store:
             purge_mod.purge(self.layout, store, actor="auto", reason="mismatch", namespace=ns_id)
-        finally:
-            store.close()
         log.error("purged namespace after identity mismatch", extra={"namespace": ns_id})
         self.gc.wake()
 

@@ -25,6 +25,13 @@ class StateError(CachemgrError):
     title = "state database error"
 
 
+class StateCorrupt(StateError):
+    """The state DB was found corrupt and moved aside; the next use rebuilds it from disk."""
+
+    http_status = 503
+    title = "state database corrupt, being rebuilt"
+
+
 class IdentityError(CachemgrError):
     """The identity cannot be computed (missing model, unreadable or changing file)."""
 

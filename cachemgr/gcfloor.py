@@ -110,11 +110,11 @@ def free_floor(
     return report
 
 
-def open_freeing(layout: Layout, policy: GcPolicy, actor: str) -> Store:
+def open_freeing(layout: Layout, policy: GcPolicy, actor: str, *, check: bool = False) -> Store:
     """Open the state DB; if its filesystem is too full even for that (no reserve left), free
     space from a scan first, under the root's GC lock (another leader: the error stands)."""
     try:
-        return Store.open(layout.db_path)
+        return Store.open(layout.db_path, check=check)
     except StateError as e:
         if not reserve.is_disk_full(e, layout.state_dir):
             raise
@@ -125,7 +125,7 @@ def open_freeing(layout: Layout, policy: GcPolicy, actor: str) -> Store:
         report = free_floor(layout, policy, disk_usage=reserve.usage_with_reserve(layout.state_dir))
     finally:
         leadership.release()
-    store = Store.open(layout.db_path)
+    store = Store.open(layout.db_path, check=check)
     audit_floor(store, report, actor)
     return store
 

@@ -13,13 +13,14 @@ import shutil
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from cachemgr import gcfind, reserve
 from cachemgr import namespaces as nsreg
 from cachemgr.deletion import Pacer, Progress
-from cachemgr.errors import CachemgrError, UnsafePathError
+from cachemgr.errors import CachemgrError, StateCorrupt, UnsafePathError
 from cachemgr.gc import DiskUsageFn, plan_gc
 from cachemgr.gcexec import GcReport, execute_gc
 from cachemgr.gcfind import TempFile
@@ -109,9 +110,18 @@ class GcRunner:
         self._busy = threading.Lock()
         self._stop = threading.Event()  # serve()'s: a run stops after its current chunk
 
+    @contextmanager
+    def _serialized(self) -> Iterator[None]:
+        """One check or run at a time on this runner's connection, on the DB now at the path
+        (one deleted or moved aside is reopened; one found corrupt raises StateCorrupt)."""
+        with self._busy:
+            self.store.follow_path()
+            with self.store.guard():
+                yield
+
     def needs_gc(self) -> tuple[Reason, ...]:
         """The cheap check (see the module docstring)."""
-        with self._busy:
+        with self._serialized():
             return needs_gc(
                 self.store, self.layout, self.policy, now=self.clock(), disk_usage=self.disk_usage
             )
@@ -185,7 +195,7 @@ class GcRunner:
         if not dry_run and not self._lead():
             now = self.clock()
             return GcReport(dry_run, False, now, now, holder=self.leadership.holder())
-        with self._busy:
+        with self._serialized():
             try:
                 report = self._run(dry_run, actor, sweep, temps, pacer, progress)
             except BaseException:
@@ -255,6 +265,9 @@ class GcRunner:
         """One daemon cycle; True if it ran GC (or failed: either way, pause before the next)."""
         try:
             return run() is not None
+        except StateCorrupt as e:  # moved aside; the indexer rebuilds, the next cycle runs
+            log.warning("gc cycle stopped", extra={"error": str(e)})
+            return True
         except (CachemgrError, OSError, sqlite3.Error):
             # One failed cycle (a vanished dir, a locked DB, a full disk) must not end GC.
             log.exception("gc cycle failed")

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cachemgr import reserve
-from cachemgr.errors import UnsafePathError
+from cachemgr.errors import StateCorrupt, StateError, UnsafePathError
 from cachemgr.index import BATCH, ScanReport, forget_namespace, namespace_dirs, scan_namespace
 from cachemgr.layout import Layout
 from cachemgr.leader import Leadership
@@ -44,6 +44,7 @@ from cachemgr.watcher import Event, Kind, Watcher
 
 log = logging.getLogger(__name__)
 FULL_RETRY = 1.0  # seconds between retries of a write the full disk refused
+BUILD_ATTEMPTS = 3  # a fresh DB found corrupt again: the disk or SQLite is failing, stop
 
 
 @dataclass
@@ -91,13 +92,15 @@ class PageEvents:
 
     def __init__(self, store: Store, layout: Layout) -> None:
         self.store, self.layout = store, layout
-        row = store.conn.execute("SELECT COALESCE(MAX(access_seq), 0) FROM pages").fetchone()
-        self._next = int(row[0]) + 1
+        self._next: int | None = None  # read at first use, on the thread that applies
 
     def apply(self, events: list[Event], *, now: float) -> dict[str, list[int]]:
         """Apply events in the order seen; returns [reads, writes] per namespace."""
         if not events:
             return {}
+        if self._next is None:
+            row = self.store.conn.execute("SELECT COALESCE(MAX(access_seq), 0) FROM pages")
+            self._next = int(row.fetchone()[0]) + 1
         touched: dict[tuple[str, str], bool] = {}  # (ns, name) -> stored in this batch
         reads: Counter[tuple[str, str]] = Counter()
         seqs: dict[tuple[str, str], int] = {}  # (ns, name) -> sequence of its last access
@@ -200,6 +203,7 @@ class Indexer:
         self._stop = threading.Event()
         self._rescan: set[str] = set()
         self._rescan_lock = threading.Lock()
+        self._next_reconcile = float("inf")  # set once the first scan is done
         self._thread = threading.Thread(target=self._run, name="cachemgr-index", daemon=True)
         self.error: BaseException | None = None
         self.on_error: Callable[[BaseException], None] | None = None
@@ -235,23 +239,20 @@ class Indexer:
                 return
             self._mark_ready(False)  # followers wait for this leader's first scan
             self.watcher.start()
-            self.pages = PageEvents(self.store, self.layout)  # after any earlier leader's seqs
             t0 = time.perf_counter()
-            while not self._written(lambda: self._scan_all(first=not took_over)):
+            while not self._written(lambda: self._build(first=not took_over)):
                 if self._stop.wait(FULL_RETRY):
                     return
             self._mark_ready(True)
             self.state.ready.set()
             took = round(time.perf_counter() - t0, 3)
             log.info("index ready", extra={"scans": self.state.scans, "seconds": took})
-            next_reconcile = time.monotonic() + self.reconcile_interval
+            self._next_reconcile = time.monotonic() + self.reconcile_interval
             pause = self.batch_interval
             while not self._stop.wait(pause):
-                pause = self.batch_interval if self._written(self.apply_pending) else FULL_RETRY
-                due = pause == self.batch_interval and time.monotonic() >= next_reconcile
-                if due and self._written(lambda: self._scan_all(first=False)):
-                    next_reconcile = time.monotonic() + self.reconcile_interval
-            self._written(self.apply_pending)
+                ok = self._written(lambda: self._survive_corruption(self._tick))
+                pause = self.batch_interval if ok else FULL_RETRY
+            self._written(lambda: self._survive_corruption(self.apply_pending))
         except BaseException as e:
             log.exception("index writer failed")
             self.error = e
@@ -285,6 +286,42 @@ class Indexer:
             log.warning("index writes work again")
             self.state.disk_full = False
         return True
+
+    def _build(self, *, first: bool) -> None:
+        """Scan every namespace into the DB now at the path; a DB found corrupt meanwhile is
+        moved aside (Store.guard) and the scan starts over on a fresh one."""
+        for _ in range(BUILD_ATTEMPTS):
+            try:
+                with self.store.guard():
+                    self.store.follow_path()
+                    self.pages = PageEvents(self.store, self.layout)  # after earlier seqs
+                    self._scan_all(first=first)
+                return
+            except StateCorrupt:
+                continue
+        raise StateError(f"state DB {self.store.path} was corrupt {BUILD_ATTEMPTS} times running")
+
+    def _tick(self) -> None:
+        """One batch interval: follow the DB file, apply the queue, reconcile when due."""
+        if self.store.follow_path():  # deleted, moved aside as corrupt, or replaced by a CLI
+            log.warning(
+                "state DB file replaced, deleted or moved aside; rebuilding the index from disk",
+                extra={"db": str(self.store.path)},
+            )
+            self._build(first=True)
+        self.apply_pending()
+        if time.monotonic() >= self._next_reconcile:
+            self._scan_all(first=False)
+            self._next_reconcile = time.monotonic() + self.reconcile_interval
+
+    def _survive_corruption(self, step: Callable[[], object]) -> None:
+        """Run `step`; a corrupt DB is moved aside and rebuilt at the next tick, and the
+        events of the failed batch are covered by that rebuild's scan."""
+        try:
+            with self.store.guard():
+                step()
+        except StateCorrupt:
+            pass
 
     def _lead(self) -> bool:
         """Wait until this process leads the index (or is stopped); True if it took over

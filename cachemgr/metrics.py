@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from cachemgr import __version__
+from cachemgr.errors import StateCorrupt
 from cachemgr.gcrunner import GcRunner
 from cachemgr.indexer import IndexState
 from cachemgr.layout import Layout
@@ -104,9 +105,12 @@ class CachemgrCollector(Collector):
         return iter(())  # computed at scrape time; nothing to check at registration
 
     def collect(self) -> Iterator[Any]:
-        with self.reader() as conn:
-            statuses = namespace_statuses(conn, self.layout)
-            audit = self.audit.refresh(conn)
+        try:
+            with self.reader() as conn:
+                statuses = namespace_statuses(conn, self.layout)
+                audit = self.audit.refresh(conn)
+        except StateCorrupt:  # moved aside, rebuilt from disk: one scrape without DB metrics
+            statuses, audit = [], dict(self.audit.totals)
         yield from self._namespaces(statuses)
         yield from self._audit(audit)
         yield from self._daemon()

@@ -22,6 +22,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from cachemgr.errors import StateCorrupt
+
 log = logging.getLogger(__name__)
 TOKEN_COUNTERS = {
     "sglang:storage_prefetch_hit_tokens": "storage_hit_tokens",
@@ -171,7 +173,10 @@ class ProbeLoop:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.poll()
+            try:
+                self.poll()
+            except StateCorrupt as e:  # moved aside and rebuilt; the next round reads anew
+                log.warning("sglang probe skipped a round", extra={"error": str(e)})
             self._stop.wait(self.interval)
 
     def poll(self) -> None:

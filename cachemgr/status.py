@@ -164,6 +164,8 @@ class AuditTotals:
 
     def refresh(self, conn: sqlite3.Connection) -> dict[tuple[str, str], AuditTotal]:
         with self._lock:
+            if conn.execute("SELECT coalesce(max(id), 0) FROM audit").fetchone()[0] < self.last_id:
+                self.last_id = 0  # a DB rebuilt from disk: its ids start over, the totals go on
             rows = conn.execute(
                 "SELECT max(id), action, reason, count(*), sum(pages), sum(bytes) FROM audit"
                 " WHERE id > ? GROUP BY action, reason",

@@ -6,10 +6,8 @@ from the disk, so it favours speed (synchronous=NORMAL) over surviving a power c
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import operator
-import os
 import re
 import sqlite3
 import time
@@ -21,9 +19,10 @@ from pathlib import Path
 
 from cachemgr import reserve
 from cachemgr._dirscan import page_digest
-from cachemgr.errors import StateError
-from cachemgr.layout import DB_SUFFIXES, db_files, recover_lock
-from cachemgr.safefs import open_file, refuse_non_regular
+from cachemgr.dbfile import FileId, file_id, is_corrupt, path_lock, quarantine, quick_check
+from cachemgr.errors import StateCorrupt, StateError
+from cachemgr.layout import db_files
+from cachemgr.safefs import refuse_non_regular
 
 log = logging.getLogger(__name__)
 _MIGRATION_RE = re.compile(r"(\d{4})_[a-z0-9_]+\.sql")
@@ -124,50 +123,13 @@ def migrate(conn: sqlite3.Connection, migrations: list[Migration] | None = None)
 def _open_migrated(path: Path) -> sqlite3.Connection:
     conn = connect(path)
     try:
-        migrate(conn)
+        if pending(conn, bundled_migrations()):
+            with path_lock(path):  # two openers of a fresh DB: one migrates, one sees it done
+                migrate(conn)
     except BaseException:
         conn.close()
         raise
     return conn
-
-
-def _corrupt(e: BaseException | None) -> bool:
-    """Whether SQLite said the file is not a database or is malformed (not: newer schema)."""
-    while e is not None:
-        if isinstance(e, sqlite3.DatabaseError):
-            code = getattr(e, "sqlite_errorcode", None)
-            return code in (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT) or any(
-                m in str(e) for m in ("file is not a database", "disk image is malformed")
-            )
-        e = e.__cause__
-    return False
-
-
-def _recover(path: Path) -> sqlite3.Connection:
-    """Move a corrupt DB (and its -wal/-shm) to <name>.corrupt-<unix time>; open a fresh one.
-
-    Under a lock of its own, re-checking first: two processes finding the same corrupt file
-    must not move aside the fresh DB the first one made. The caller rebuilds from disk.
-    """
-    lock = open_file(recover_lock(path), os.O_RDWR | os.O_CREAT)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            return _open_migrated(path)
-        except (StateError, sqlite3.DatabaseError) as e:
-            if not _corrupt(e):
-                raise
-        aside = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
-        for suffix in DB_SUFFIXES:
-            with suppress(FileNotFoundError):
-                os.rename(f"{path}{suffix}", f"{aside}{suffix}")
-        log.warning(
-            "state DB was corrupt; moved it aside and started a fresh one, rebuilt from disk",
-            extra={"moved_to": str(aside)},
-        )
-        return _open_migrated(path)
-    finally:
-        os.close(lock)
 
 
 def _open_with_room(path: Path) -> sqlite3.Connection:
@@ -188,28 +150,91 @@ def _open_with_room(path: Path) -> sqlite3.Connection:
 
 
 class Store:
-    """A migrated connection to the state DB, with the queries shared across modules."""
+    """A migrated connection to the state DB, with the queries shared across modules.
 
-    def __init__(self, conn: sqlite3.Connection) -> None:
-        self.conn = conn
+    It remembers which file it opened: `follow_path` reopens when the path names another
+    file (the DB was deleted, or moved aside as corrupt by any process); `guard` (and leaving
+    a `with Store.open(...)` block) turns a corrupt-DB error into StateCorrupt after moving
+    the file aside, so the next use starts a fresh DB that the disk rebuilds.
+    """
+
+    def __init__(self, conn: sqlite3.Connection, path: Path, opened: FileId | None) -> None:
+        self.conn, self.path, self.opened = conn, path, opened
 
     @classmethod
-    def open(cls, path: Path, *, recover: bool = True) -> Store:
+    def open(cls, path: Path, *, recover: bool = True, check: bool = False) -> Store:
         """Open and migrate; a file that is not a SQLite DB (or a corrupt one) is moved aside
-        and a fresh DB started, unless `recover` is off. A DB newer than the code is refused."""
+        and a fresh DB started, unless `recover` is off. A DB newer than the code is refused.
+        `check` runs PRAGMA quick_check first (see dbfile.quick_check for its cost)."""
         # SQLite opens by path and follows links: refuse one planted at its files first.
         refuse_non_regular(db_files(path))
-        try:
-            conn = _open_with_room(path)
-        except (StateError, sqlite3.DatabaseError) as e:
-            if not (recover and _corrupt(e)):
-                raise
-            conn = _recover(path)
-        reserve.keep(path.parent)
-        return cls(conn)
+        for _ in range(3):
+            before = file_id(path)
+            try:
+                conn = _open_with_room(path)
+            except (StateError, sqlite3.DatabaseError) as e:
+                if not (recover and is_corrupt(e)):
+                    raise
+                quarantine(path, before, e)
+                continue
+            try:
+                if check:
+                    quick_check(conn)
+            except sqlite3.DatabaseError as e:
+                conn.close()
+                if not recover:
+                    raise StateCorrupt(f"state DB {path} is corrupt: {e}") from e
+                quarantine(path, before, e)
+                continue
+            after = file_id(path)
+            if before is None or before == after:  # else replaced while opening: open again
+                reserve.keep(path.parent)
+                return cls(conn, path, after)
+            conn.close()
+        raise StateError(f"cannot open state DB {path}: corrupt or replaced at every attempt")
 
     def close(self) -> None:
         self.conn.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        self.close()
+        if exc is not None:
+            self._raise_if_corrupt(exc)
+
+    @contextmanager
+    def guard(self) -> Iterator[None]:
+        """Statements run inside raise StateCorrupt, not a raw sqlite3 error, if the DB is
+        corrupt; the file is moved aside first (the next open or `follow_path` starts anew)."""
+        try:
+            yield
+        except (sqlite3.DatabaseError, StateError) as e:
+            self._raise_if_corrupt(e)
+            raise
+
+    def _raise_if_corrupt(self, exc: BaseException) -> None:
+        if isinstance(exc, StateCorrupt) or not is_corrupt(exc):
+            return
+        aside = quarantine(self.path, self.opened, exc)
+        where = f"moved it to {aside.name}" if aside else "another process moved it aside"
+        raise StateCorrupt(
+            f"state DB {self.path} is corrupt ({exc}); {where}: a fresh one is rebuilt from "
+            "disk on next use (bindings are lost: the next init of each server restores them)"
+        ) from exc
+
+    def follow_path(self) -> bool:
+        """Reopen if the path no longer names the file open (deleted, moved aside, replaced);
+        True if it did. A process writing an unlinked DB would split the state in two."""
+        if file_id(self.path) == self.opened:
+            return False
+        fresh = Store.open(self.path)
+        old, self.conn, self.opened = self.conn, fresh.conn, fresh.opened
+        # SQLite sees the old file moved and neither checkpoints nor deletes -wal/-shm by name.
+        old.close()
+        log.info("state DB file replaced or deleted; reopened it", extra={"db": str(self.path)})
+        return True
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
@@ -218,7 +243,8 @@ class Store:
         try:
             yield self.conn
         except BaseException:
-            self.conn.rollback()
+            with suppress(sqlite3.Error):  # a corrupt or vanished DB: the cause is what matters
+                self.conn.rollback()
             raise
         self.conn.execute("COMMIT")
 

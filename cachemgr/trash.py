@@ -176,11 +176,8 @@ def drain_in_background(
     def run() -> None:
         outcome: DeleteReport | BaseException
         try:
-            store = Store.open(layout.db_path)
-            try:
+            with Store.open(layout.db_path) as store:
                 outcome = drain_trash(layout, store, actor=actor, pacer=pacer)
-            finally:
-                store.close()
         except Exception as e:  # handed to on_done: a thread has nobody else to tell
             log.error("trash deletion failed", extra={"error": str(e)})
             outcome = e

@@ -39,13 +39,10 @@ def refuse_file_root(layout: Layout) -> None:
 @contextmanager
 def opened_store(layout: Layout) -> Iterator[Store]:
     """The state DB, with namespaces found on disk but unknown to it registered."""
-    store = Store.open(layout.db_path)
-    try:
+    with Store.open(layout.db_path) as store:
         if layout.ns_root.is_dir():
             adopt_from_disk(layout, store)
         yield store
-    finally:
-        store.close()
 
 
 def human_bytes(n: float) -> str:

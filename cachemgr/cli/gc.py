@@ -80,14 +80,11 @@ def gc(app: AppContext, /, dry_run: bool, as_json: bool, yes: bool, **limits: An
                 click.confirm("free space is below the floor: delete the oldest pages first?",
                               abort=True, err=True)  # fmt: skip
             floor = free_floor(layout, policy, disk_usage=usage, pacer=Pacer(policy.delete_rate))
-        store = Store.open(layout.db_path)
-        try:
+        with Store.open(layout.db_path) as store:  # a corrupt DB: moved aside, the CLI retries
             if floor is not None:
                 audit_floor(store, floor, "cli")
             _run(GcRunner(store, layout, policy, leadership=leadership), floor, dry_run, yes,
                  as_json)  # fmt: skip
-        finally:
-            store.close()
     finally:
         leadership.release()
 

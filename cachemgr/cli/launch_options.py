@@ -92,16 +92,13 @@ class LaunchRequest:
         """The identity, using the state DB's digest cache and a progress bar on a terminal."""
         layout = Layout.at(settings.root, settings.state_dir)
         layout.ensure()
-        store = Store.open(layout.db_path)
-        try:
+        with Store.open(layout.db_path) as store:
             return compute_identity(
                 self.launch_args(),
                 self.identity_options(settings),
                 cache=DigestCache(store),
                 progress=terminal_progress,
             )
-        finally:
-            store.close()
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from cachemgr import __version__, logs, reserve
-from cachemgr.errors import CachemgrError
+from cachemgr.errors import CachemgrError, StateCorrupt, StateError
 from cachemgr.settings import Settings, load_settings
 
 
@@ -83,8 +83,13 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point: run the CLI, turning cachemgr errors into one line and an exit code."""
     _register()
     try:
-        # Without standalone mode click hands back ctx.exit(code) as a return value.
-        rv = cli.main(args=argv, prog_name="cachemgr", standalone_mode=False)
+        try:
+            # Without standalone mode click hands back ctx.exit(code) as a return value.
+            rv = cli.main(args=argv, prog_name="cachemgr", standalone_mode=False)
+        except StateCorrupt:
+            # The corrupt DB was moved aside (a warning said where): once more on a fresh DB,
+            # which the command rebuilds from the disk as it opens it.
+            rv = cli.main(args=argv, prog_name="cachemgr", standalone_mode=False)
         sys.exit(rv if isinstance(rv, int) else 0)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
@@ -99,11 +104,15 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(e.exit_code)
     except (OSError, sqlite3.Error) as e:
         # A full disk can fail any write; it is the operator's situation, not a bug to trace.
-        if not reserve.is_disk_full(e):
+        if reserve.is_disk_full(e):
+            click.echo(f"cachemgr: error: no space left on the device: {e}; "
+                       "free space with `cachemgr gc --yes`", err=True)  # fmt: skip
+            sys.exit(1)
+        if not isinstance(e, sqlite3.Error):
             raise
-        click.echo(f"cachemgr: error: no space left on the device: {e}; "
-                   "free space with `cachemgr gc --yes`", err=True)  # fmt: skip
-        sys.exit(1)
+        # The state DB failed in a way no module turned into a message.
+        click.echo(f"cachemgr: error: state DB: {e}", err=True)
+        sys.exit(StateError.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
     except BrokenPipeError:

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from cachemgr.cli.common import human_bytes, refuse_file_root
+from cachemgr.cli.common import human_bytes, opened_store, refuse_file_root
 from cachemgr.cli.main import AppContext, pass_app
 from cachemgr.dirscan import scan_usage
 from cachemgr.doctor import disk_state, filesystem_line
@@ -25,7 +25,6 @@ from cachemgr.gcpolicy import DiskUsage, GcPolicy
 from cachemgr.layout import Layout
 from cachemgr.settings import Settings
 from cachemgr.status import NamespaceStatus, namespace_statuses
-from cachemgr.store import Store
 
 
 def from_daemon(settings: Settings, timeout: float = 1.0) -> dict[str, Any] | None:
@@ -54,14 +53,11 @@ def _same_root(reported: object, root: Path) -> bool:
 def from_disk(settings: Settings) -> dict[str, Any]:
     """The same report without a daemon: pages and bytes counted on disk, history from the DB."""
     layout = Layout.at(settings.root, settings.state_dir)
-    if not layout.db_path.exists():
+    if not (layout.db_path.exists() or layout.ns_root.is_dir()):
         statuses: list[NamespaceStatus] = []
-    else:
-        store = Store.open(layout.db_path)
-        try:
+    else:  # a lost DB (or one moved aside as corrupt) learns the namespaces from the disk
+        with opened_store(layout) as store:
             statuses = namespace_statuses(store.conn, layout)
-        finally:
-            store.close()
     out = []
     for s in statuses:
         if s.has_dir:
