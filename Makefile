@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 
 # The venv is rebuilt when pyproject.toml changes; the install compiles the C scanner again
 # when its source changes.
-$(VENV)/.installed: pyproject.toml hatch_build.py cachemgr/_dirscan.c
+$(VENV)/.installed: pyproject.toml hatch_build.py cachemgr/fs/_dirscan.c
 	PY=$(PY) bash scripts/build-deps.sh
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]' 2> >(grep -v "is ignored: it is neither" >&2)

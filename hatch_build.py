@@ -1,4 +1,4 @@
-"""Compile cachemgr._dirscan (C, Linux) into the package: wheels and editable installs alike.
+"""Compile cachemgr.fs._dirscan (C, Linux) into the package: wheels and editable installs alike.
 
 setuptools does the compiling (compiler, flags and the extension's file name all come from the
 Python being built for); hatchling ships the result and tags the wheel for this platform.
@@ -20,8 +20,8 @@ class DirscanBuildHook(BuildHookInterface):  # type: ignore[misc]
         from setuptools.command.build_ext import build_ext
 
         ext = Extension(
-            "cachemgr._dirscan",
-            sources=["cachemgr/_dirscan.c"],
+            "cachemgr.fs._dirscan",
+            sources=["cachemgr/fs/_dirscan.c"],
             extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra"],
             extra_link_args=["-pthread"],
         )

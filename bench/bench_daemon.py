@@ -25,11 +25,11 @@ from pathlib import Path
 
 import httpx
 
-from cachemgr.dirscan import scan_usage
-from cachemgr.index import scan_root
-from cachemgr.indexer import Indexer
+from cachemgr.daemon.indexer import Indexer
+from cachemgr.fs.dirscan import scan_usage
 from cachemgr.layout import Layout
-from cachemgr.store import Store, connect
+from cachemgr.state.index import scan_root
+from cachemgr.state.store import Store, connect
 
 NS = ["0123456789abcdef", "fedcba9876543210"]
 WRITER = r"""

@@ -18,12 +18,12 @@ import sys
 import time
 from pathlib import Path
 
-from cachemgr.gc import plan_gc
-from cachemgr.gcexec import execute_gc
-from cachemgr.gcpolicy import GcPolicy
-from cachemgr.gcrunner import needs_gc
+from cachemgr.gc.execute import execute_gc
+from cachemgr.gc.plan import plan_gc
+from cachemgr.gc.policy import GcPolicy
+from cachemgr.gc.runner import needs_gc
 from cachemgr.layout import Layout
-from cachemgr.store import Store
+from cachemgr.state.store import Store
 
 NS = "0123456789abcdef"
 PAGE = b"\0" * 1024

@@ -23,11 +23,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from cachemgr.digest_cache import DigestCache
-from cachemgr.fingerprint import IdentityOptions, compute_identity, digest_weights
-from cachemgr.hashing import default_workers
-from cachemgr.sglang_args import resolve_launch_args
-from cachemgr.store import Store
+from cachemgr.identity.digest_cache import DigestCache
+from cachemgr.identity.fingerprint import IdentityOptions, compute_identity, digest_weights
+from cachemgr.identity.hashing import default_workers
+from cachemgr.sglang.args import resolve_launch_args
+from cachemgr.state.store import Store
 
 GB = 1e9
 BLOCK = 64 << 20

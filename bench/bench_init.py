@@ -20,12 +20,12 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from cachemgr.digest_cache import DigestCache
-from cachemgr.fingerprint import IdentityOptions, compute_identity
+from cachemgr.identity.digest_cache import DigestCache
+from cachemgr.identity.fingerprint import IdentityOptions, compute_identity
 from cachemgr.layout import Layout
-from cachemgr.prelaunch import init_namespace
-from cachemgr.sglang_args import resolve_launch_args
-from cachemgr.store import Store
+from cachemgr.ns.prelaunch import init_namespace
+from cachemgr.sglang.args import resolve_launch_args
+from cachemgr.state.store import Store
 
 HOUR_AGO = time.time() - 3600
 

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 from cachemgr.layout import Layout
-from cachemgr.namespaces import ensure_namespace
-from cachemgr.purge import drain_trash, execute_purge, plan_purge
-from cachemgr.store import Store
+from cachemgr.ns.purge import drain_trash, execute_purge, plan_purge
+from cachemgr.ns.registry import ensure_namespace
+from cachemgr.state.store import Store
 
 ORDER = os.environ.get("BENCH_ORDER", "rm-first")
 

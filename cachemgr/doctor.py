@@ -12,16 +12,16 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Literal
 
-from cachemgr import reserve
 from cachemgr.cli.common import human_bytes
-from cachemgr.gc import DiskUsageFn
-from cachemgr.gcpolicy import DiskUsage, GcPolicy
+from cachemgr.fs import reserve
+from cachemgr.gc.plan import DiskUsageFn
+from cachemgr.gc.policy import DiskUsage, GcPolicy
 from cachemgr.layout import NS_ID_RE, Layout
-from cachemgr.namespaces import list_namespaces
-from cachemgr.prelaunch import STORAGE_DIR_ENV
-from cachemgr.purge import describe_trash
-from cachemgr.sglang_args import LaunchArgs
-from cachemgr.store import Store
+from cachemgr.ns.prelaunch import STORAGE_DIR_ENV
+from cachemgr.ns.purge import describe_trash
+from cachemgr.ns.registry import list_namespaces
+from cachemgr.sglang.args import LaunchArgs
+from cachemgr.state.store import Store
 
 Severity = Literal["error", "warning", "info"]
 MAX_SIZE_ENV = "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE"

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cachemgr.errors import ConfigError, UnsafePathError
-from cachemgr.safefs import open_dir, write_atomic_at
+from cachemgr.fs.safe import open_dir, write_atomic_at
 
 log = logging.getLogger(__name__)
 

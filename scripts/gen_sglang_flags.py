@@ -1,7 +1,7 @@
-"""Regenerate cachemgr/sglang_flags.py from an installed SGLang's own argument parser.
+"""Regenerate cachemgr/sglang/flags.py from an installed SGLang's own argument parser.
 
 Run with the Python of an environment where `sglang` imports (e.g. .sglang-env):
-    .sglang-env/bin/python scripts/gen_sglang_flags.py > cachemgr/sglang_flags.py
+    .sglang-env/bin/python scripts/gen_sglang_flags.py > cachemgr/sglang/flags.py
 """
 
 import argparse

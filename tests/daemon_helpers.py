@@ -14,11 +14,11 @@ from typing import Any, TypeVar
 
 import httpx
 
-from cachemgr.daemon import Daemon
+from cachemgr.daemon.lifecycle import Daemon
 from cachemgr.layout import Layout
-from cachemgr.namespaces import bind, ensure_namespace
+from cachemgr.ns.registry import bind, ensure_namespace
 from cachemgr.settings import Settings
-from cachemgr.store import Store
+from cachemgr.state.store import Store
 
 T = TypeVar("T")
 NS_A = "0123456789abcdef"

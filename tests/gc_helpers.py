@@ -8,13 +8,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cachemgr.gc import GcPlan, plan_gc
-from cachemgr.gcexec import GcReport, execute_gc
-from cachemgr.gcpolicy import GcPolicy
-from cachemgr.indexer import PageEvents
+from cachemgr.daemon.indexer import PageEvents
+from cachemgr.daemon.watcher import Kind
+from cachemgr.gc.execute import GcReport, execute_gc
+from cachemgr.gc.plan import GcPlan, plan_gc
+from cachemgr.gc.policy import GcPolicy
 from cachemgr.layout import Layout
-from cachemgr.store import Store
-from cachemgr.watcher import Kind
+from cachemgr.state.store import Store
 
 NS = "0123456789abcdef"
 NS2 = "fedcba9876543210"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from cachemgr.cli.main import main
 from cachemgr.layout import Layout
-from cachemgr.namespaces import bind, ensure_namespace
-from cachemgr.store import Store
+from cachemgr.ns.registry import bind, ensure_namespace
+from cachemgr.state.store import Store
 
 PAGE_BYTES = 100
 

@@ -7,8 +7,8 @@ import os
 import time
 from pathlib import Path
 
+from cachemgr.fs.leadership import Leadership
 from cachemgr.layout import Layout
-from cachemgr.leader import Leadership
 from cachemgr.settings import load_settings
 from tests.daemon_helpers import (
     NS_A,

@@ -14,11 +14,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cachemgr.daemon import Daemon
+from cachemgr.daemon.indexer import leadership_files
+from cachemgr.daemon.lifecycle import Daemon
 from cachemgr.errors import StateError
-from cachemgr.indexer import leadership_files
+from cachemgr.fs.leadership import Leadership
 from cachemgr.layout import Layout
-from cachemgr.leader import Leadership
 from cachemgr.settings import Settings
 from tests.daemon_helpers import NS_A, page_name, register_namespace, store_page, wait_for
 

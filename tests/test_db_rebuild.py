@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from cachemgr.daemon.indexer import Indexer
 from cachemgr.errors import StateError
-from cachemgr.indexer import Indexer
 from cachemgr.layout import Layout
-from cachemgr.store import Store, connect
+from cachemgr.state.store import Store, connect
 from tests.nsfixtures import cli, page_name
 from tests.test_gc_race import init, state_of
 from tests.test_identity import make_model

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from cachemgr.deletion import Pacer, delete_dir, delete_files
 from cachemgr.errors import UnsafePathError
+from cachemgr.fs.deletion import Pacer, delete_dir, delete_files
 
 KEY = "ab" * 32
 PAGES = [f"{KEY[:-2]}{i:02x}_m_0_1.bin" for i in range(5)]

@@ -142,9 +142,7 @@ def check_wheel(wheel: Path, site: Path) -> None:
     }
     assert expected and shipped == expected
     # The extension in the wheel imports and scans (not the one in the repo's source tree).
-    probe = (
-        "import cachemgr._dirscan as d, os; print(d.__file__); print(d.scan(os.open('.', 0), 2)[1])"
-    )
+    probe = "import cachemgr.fs._dirscan as d, os; print(d.__file__); print(d.scan(os.open('.', 0), 2)[1])"
     out = subprocess.run(
         [sys.executable, "-c", probe], cwd=site, capture_output=True, text=True, check=True,
         timeout=60,
@@ -175,6 +173,6 @@ def test_dockerignore_keeps_the_context_small() -> None:
     patterns = ignore_patterns()
     for heavy in [".git", ".venv/bin/python", ".sglang-env", "tests/conftest.py", "bench"]:
         assert dockerignore_excludes(patterns, heavy), heavy
-    for needed in ["pyproject.toml", "cachemgr/store.py", "migrations/0001_initial.sql"]:
+    for needed in ["pyproject.toml", "cachemgr/state/store.py", "migrations/0001_initial.sql"]:
         assert not dockerignore_excludes(patterns, needed), needed
     assert dockerignore_excludes(patterns, "cachemgr/__pycache__/store.cpython-311.pyc")

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cachemgr import _dirscan
-from cachemgr._dirscan import page_digest
-from cachemgr.dirscan import TEMPS, Usage, list_files, scan_usage, usual_size
 from cachemgr.errors import UnsafePathError
+from cachemgr.fs import _dirscan
+from cachemgr.fs._dirscan import page_digest
+from cachemgr.fs.dirscan import TEMPS, Usage, list_files, scan_usage, usual_size
 from cachemgr.layout import FileKind, Layout, classify
 from tests.nsfixtures import page_name
 

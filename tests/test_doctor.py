@@ -9,7 +9,7 @@ import pytest
 
 from cachemgr.doctor import exit_code, is_hybrid, launch_env, lint, parse_size
 from cachemgr.layout import Layout
-from cachemgr.sglang_args import resolve_launch_args
+from cachemgr.sglang.args import resolve_launch_args
 from tests.nsfixtures import cli
 
 FILE = "sglang serve --enable-hierarchical-cache --hicache-storage-backend file"

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from cachemgr.gcexec import CHUNK, execute_gc
-from cachemgr.gcrunner import needs_gc
-from cachemgr.index import scan_root
-from cachemgr.indexer import PageEvents
-from cachemgr.store import Store
-from cachemgr.watcher import Kind
+from cachemgr.daemon.indexer import PageEvents
+from cachemgr.daemon.watcher import Kind
+from cachemgr.gc.execute import CHUNK, execute_gc
+from cachemgr.gc.runner import needs_gc
+from cachemgr.state.index import scan_root
+from cachemgr.state.store import Store
 from tests.gc_helpers import NS, NS2, T0, Tree, evicted, page, policy, temp
 
 SYS = [page(i) for i in range(4)]

@@ -9,21 +9,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cachemgr.gcpolicy import GcPolicy
-from cachemgr.gcrunner import GcRunner
+from cachemgr.fs.leadership import Leadership
+from cachemgr.gc.policy import GcPolicy
+from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
-from cachemgr.leader import Leadership
-from cachemgr.store import Store
+from cachemgr.state.store import Store
 from tests.gc_helpers import NS, Tree, page
 
 # A daemon stand-in: takes GC leadership, says so, waits for a line, then runs GC once.
 DAEMON = """
 import json, sys, time
 from pathlib import Path
-from cachemgr.gcpolicy import GcPolicy
-from cachemgr.gcrunner import GcRunner
+from cachemgr.gc.policy import GcPolicy
+from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
-from cachemgr.store import Store
+from cachemgr.state.store import Store
 layout = Layout.at(Path(sys.argv[1]))
 store = Store.open(layout.db_path)
 runner = GcRunner(store, layout, GcPolicy(max_bytes=5_000, min_age=0, delete_rate=None))

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from cachemgr import namespaces as nsreg
-from cachemgr.gcexec import execute_gc
+from cachemgr.gc.execute import execute_gc
 from cachemgr.layout import Layout
-from cachemgr.manifest import read_manifest
-from cachemgr.purge import execute_purge, plan_purge
-from cachemgr.store import Store
+from cachemgr.ns import registry as nsreg
+from cachemgr.ns.manifest import read_manifest
+from cachemgr.ns.purge import execute_purge, plan_purge
+from cachemgr.state.store import Store
 from tests.gc_helpers import NS, T0, Tree, page, policy
 from tests.nsfixtures import cli, page_name
 from tests.test_identity import make_model

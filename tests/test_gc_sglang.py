@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from cachemgr.gcpolicy import GcPolicy
-from cachemgr.gcrunner import GcRunner
-from cachemgr.index import scan_root
-from cachemgr.leader import Leadership
+from cachemgr.fs.leadership import Leadership
+from cachemgr.gc.policy import GcPolicy
+from cachemgr.gc.runner import GcRunner
+from cachemgr.state.index import scan_root
 from tests.conftest import SGLANG_ENV, SglangDriver
 from tests.gc_helpers import NS, T0, Tree, big_disk, policy
 

@@ -11,11 +11,11 @@ import pytest
 import xxhash
 from safetensors.numpy import save_file
 
-from cachemgr import hashing
-from cachemgr.digest_cache import DigestCache
 from cachemgr.errors import IdentityError
-from cachemgr.hashing import FileStat, hash_file, hash_files
-from cachemgr.store import Store
+from cachemgr.identity import hashing
+from cachemgr.identity.digest_cache import DigestCache
+from cachemgr.identity.hashing import FileStat, hash_file, hash_files
+from cachemgr.state.store import Store
 
 HOUR_AGO = time.time() - 3600
 

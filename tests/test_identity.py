@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from cachemgr.digest_cache import DigestCache
 from cachemgr.errors import IdentityError
-from cachemgr.fingerprint import IdentityOptions, compute_identity, sglang_version
-from cachemgr.hashing import Progress
-from cachemgr.identity import Identity, diff_identities, load_record
+from cachemgr.identity.digest_cache import DigestCache
+from cachemgr.identity.fingerprint import IdentityOptions, compute_identity, sglang_version
+from cachemgr.identity.hashing import Progress
+from cachemgr.identity.record import Identity, diff_identities, load_record
 from cachemgr.layout import NS_ID_RE
-from cachemgr.sglang_args import resolve_launch_args
-from cachemgr.store import Store
+from cachemgr.sglang.args import resolve_launch_args
+from cachemgr.state.store import Store
 
 HOUR_AGO = time.time() - 3600
 NO_ENV: dict[str, str] = {}

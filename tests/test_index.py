@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from cachemgr._dirscan import page_digest
-from cachemgr.index import forget_namespace, scan_namespace, scan_root
+from cachemgr.fs._dirscan import page_digest
 from cachemgr.layout import Layout
-from cachemgr.store import Store
+from cachemgr.state.index import forget_namespace, scan_namespace, scan_root
+from cachemgr.state.store import Store
 from tests.daemon_helpers import NS_A, NS_B, page_name, store_page
 
 
@@ -122,7 +122,7 @@ def test_an_unchanged_dir_is_rescanned_without_reindexing(
     d = make_ns(layout, NS_A, 40)
     store = Store.open(layout.db_path)
     scan_namespace(store, layout, NS_A)
-    caplog.set_level(logging.INFO, logger="cachemgr.index")
+    caplog.set_level(logging.INFO, logger="cachemgr.state.index")
     report = scan_namespace(store, layout, NS_A)
     assert (report.pages, report.drift) == (40, 0)
     assert "reindexing namespace" not in caplog.text

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from cachemgr.indexer import Indexer
+from cachemgr.daemon.indexer import Indexer
+from cachemgr.daemon.watcher import Event, Watcher
+from cachemgr.fs.leadership import Leadership
 from cachemgr.layout import Layout
-from cachemgr.leader import Leadership
-from cachemgr.store import Store, connect
-from cachemgr.watcher import Event, Watcher
+from cachemgr.state.store import Store, connect
 from tests.daemon_helpers import NS_A, NS_B, page_name, read_page, store_page, wait_for
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from cachemgr.layout import Layout
-from cachemgr.namespaces import binding_of
-from cachemgr.store import Store
+from cachemgr.ns.registry import binding_of
+from cachemgr.state.store import Store
 from tests.nsfixtures import cli, cli_process, one_line_error, page_name, snapshot
 from tests.test_identity import make_model
 

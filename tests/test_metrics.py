@@ -7,15 +7,15 @@ from contextlib import contextmanager
 import pytest
 from prometheus_client import CollectorRegistry
 
-from cachemgr.gcpolicy import GcPolicy
-from cachemgr.gcrunner import GcRunner
-from cachemgr.index import scan_namespace
-from cachemgr.indexer import Counters, IndexState
+from cachemgr.daemon.indexer import Counters, IndexState
+from cachemgr.daemon.metrics import METRICS, CachemgrCollector
+from cachemgr.fs.leadership import Leadership
+from cachemgr.gc.policy import GcPolicy
+from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
-from cachemgr.leader import Leadership
-from cachemgr.metrics import METRICS, CachemgrCollector
-from cachemgr.status import DiskUsage
-from cachemgr.store import Store
+from cachemgr.state.index import scan_namespace
+from cachemgr.state.status import DiskUsage
+from cachemgr.state.store import Store
 from tests.daemon_helpers import NS_A, page_name, register_namespace, store_page
 
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from cachemgr.atomic import write_atomic
 from cachemgr.errors import ConfigError, ConflictError, StateError, UnsafePathError
+from cachemgr.fs.atomic import write_atomic
+from cachemgr.fs.locks import root_lock
 from cachemgr.layout import Layout
-from cachemgr.lock import root_lock
-from cachemgr.manifest import Manifest, read_manifest, write_manifest
-from cachemgr.namespaces import (
+from cachemgr.ns.manifest import Manifest, read_manifest, write_manifest
+from cachemgr.ns.registry import (
     bind,
     check_instance,
     ensure_namespace,
@@ -25,7 +25,7 @@ from cachemgr.namespaces import (
     list_namespaces,
     make_ns_dir,
 )
-from cachemgr.store import Store
+from cachemgr.state.store import Store
 from tests.nsfixtures import make_ns
 
 NS = "0123456789abcdef"
@@ -135,7 +135,7 @@ def test_root_lock_excludes_another_process(layout: Layout) -> None:
     holder = textwrap.dedent(f"""
         import sys
         from cachemgr.layout import Layout
-        from cachemgr.lock import root_lock
+        from cachemgr.fs.locks import root_lock
         with root_lock(Layout.at({str(layout.root)!r})):
             print("held", flush=True)
             sys.stdin.readline()

@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from cachemgr.deletion import DeleteReport
 from cachemgr.errors import ConfigError, NotFoundError, UnsafePathError
+from cachemgr.fs.deletion import DeleteReport
 from cachemgr.layout import Layout
-from cachemgr.manifest import read_manifest
-from cachemgr.namespaces import bind, binding_of, list_namespaces
-from cachemgr.purge import (
+from cachemgr.ns.manifest import read_manifest
+from cachemgr.ns.purge import (
     describe_trash,
     drain_in_background,
     drain_trash,
@@ -23,7 +22,8 @@ from cachemgr.purge import (
     plan_purge,
     purge,
 )
-from cachemgr.store import Store
+from cachemgr.ns.registry import bind, binding_of, list_namespaces
+from cachemgr.state.store import Store
 from tests.nsfixtures import PAGE_BYTES, make_ns, page_name, snapshot
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cachemgr.layout import Layout
-from cachemgr.store import Store
+from cachemgr.state.store import Store
 from tests.nsfixtures import PAGE_BYTES, cli, make_ns, one_line_error, page_name, snapshot
 
 

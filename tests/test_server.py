@@ -11,10 +11,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cachemgr.daemon import Daemon
+from cachemgr.daemon.app import openapi_document
+from cachemgr.daemon.lifecycle import Daemon
 from cachemgr.errors import ConfigError
 from cachemgr.layout import Layout
-from cachemgr.server import openapi_document
 from cachemgr.settings import Settings, load_settings
 from tests.daemon_helpers import (
     NS_A,
@@ -161,7 +161,7 @@ def test_non_loopback_needs_a_token_and_a_busy_port_is_one_line(
 def test_committed_openapi_document_matches_the_app() -> None:
     committed = (REPO / "api" / "openapi.json").read_text()
     assert json.loads(committed) == json.loads(openapi_document()), (
-        "api/openapi.json is stale: python -m cachemgr.server --dump-openapi > api/openapi.json"
+        "api/openapi.json is stale: python -m cachemgr.daemon.app --dump-openapi > api/openapi.json"
     )
 
 

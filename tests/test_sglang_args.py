@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from cachemgr import sglang_flags
 from cachemgr.errors import ConfigError
-from cachemgr.sglang_args import LaunchArgs, resolve_launch_args, scan_flags, split_command
+from cachemgr.sglang import flags as sglang_flags
+from cachemgr.sglang.args import LaunchArgs, resolve_launch_args, scan_flags, split_command
 
 REPO = Path(__file__).resolve().parent.parent
 SGLANG_ENV = Path(os.environ.get("CACHEMGR_SGLANG_ENV", REPO / ".sglang-env"))

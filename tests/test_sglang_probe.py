@@ -13,7 +13,7 @@ import pytest
 
 from cachemgr.layout import Layout
 from cachemgr.settings import load_settings
-from cachemgr.sglang_probe import ambiguities, contradictions, parse_metrics
+from cachemgr.sglang.probe import ambiguities, contradictions, parse_metrics
 from tests.daemon_helpers import (
     IDENTITY,
     NS_A,

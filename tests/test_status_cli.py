@@ -14,7 +14,7 @@ from cachemgr.cli.common import human_bytes
 from cachemgr.doctor import lint
 from cachemgr.layout import Layout
 from cachemgr.settings import load_settings
-from cachemgr.sglang_args import resolve_launch_args
+from cachemgr.sglang.args import resolve_launch_args
 from tests.daemon_helpers import (
     NS_A,
     NS_B,

@@ -6,9 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from cachemgr._dirscan import page_digest
 from cachemgr.errors import StateError
-from cachemgr.store import Migration, Store, bundled_migrations, connect, migrate, user_version
+from cachemgr.fs._dirscan import page_digest
+from cachemgr.state.store import (
+    Migration,
+    Store,
+    bundled_migrations,
+    connect,
+    migrate,
+    user_version,
+)
 
 TABLES = {"namespaces", "bindings", "pages", "digest_cache", "audit"}
 

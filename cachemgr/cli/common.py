@@ -8,15 +8,15 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from cachemgr.deletion import DeleteReport, Pacer
 from cachemgr.errors import ConfigError, NotFoundError
+from cachemgr.fs.deletion import DeleteReport, Pacer
 from cachemgr.layout import Layout
-from cachemgr.namespaces import adopt_from_disk
-from cachemgr.purge import Actor, DrainProgress, drain_trash
+from cachemgr.ns.purge import Actor, DrainProgress, drain_trash
+from cachemgr.ns.registry import adopt_from_disk
 from cachemgr.settings import Settings
-from cachemgr.store import Store
+from cachemgr.state.store import Store
 
-log = logging.getLogger("cachemgr.purge")
+log = logging.getLogger("cachemgr.ns.purge")
 
 
 def root_layout(settings: Settings, *, create: bool) -> Layout:

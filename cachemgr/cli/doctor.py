@@ -10,14 +10,15 @@ from typing import Any
 
 import click
 
-from cachemgr import model_dir, reserve
 from cachemgr.cli.common import opened_store
 from cachemgr.cli.main import AppContext, pass_app
 from cachemgr.doctor import Finding, exit_code, launch_env, lint, lint_disk, lint_root
 from cachemgr.errors import CachemgrError, StateError
-from cachemgr.gcpolicy import GcPolicy
+from cachemgr.fs import reserve
+from cachemgr.gc.policy import GcPolicy
+from cachemgr.identity import model_dir
 from cachemgr.layout import Layout
-from cachemgr.sglang_args import LaunchArgs, resolve_launch_args
+from cachemgr.sglang.args import LaunchArgs, resolve_launch_args
 
 
 @click.command("doctor")

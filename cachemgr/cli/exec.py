@@ -13,7 +13,7 @@ from cachemgr.cli.init import describe, init_options, run_init, warn_refused
 from cachemgr.cli.launch_options import LaunchRequest
 from cachemgr.cli.main import AppContext, pass_app
 from cachemgr.errors import ConfigError
-from cachemgr.prelaunch import STORAGE_DIR_ENV, OnChange
+from cachemgr.ns.prelaunch import STORAGE_DIR_ENV, OnChange
 
 
 @click.command("exec", context_settings={"allow_interspersed_args": False})

@@ -9,7 +9,7 @@ import click
 
 from cachemgr.cli.launch_options import LaunchRequest, launch_options
 from cachemgr.cli.main import AppContext, pass_app
-from cachemgr.identity import Identity, Weights, diff_identities, load_record
+from cachemgr.identity.record import Identity, Weights, diff_identities, load_record
 
 
 class _DefaultCommandGroup(click.Group):

@@ -13,21 +13,21 @@ import click
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from cachemgr import reserve
 from cachemgr.cli.common import human_bytes
 from cachemgr.cli.main import AppContext, pass_app
-from cachemgr.deletion import Pacer
-from cachemgr.deletion import Progress as ProgressFn
+from cachemgr.daemon.gcapi import GcResponse
 from cachemgr.errors import ConfigError, ConflictError
-from cachemgr.gcapi import GcResponse
-from cachemgr.gcexec import GcReport
-from cachemgr.gcfloor import audit_floor, below_floor, free_floor
-from cachemgr.gcpolicy import GcPolicy
-from cachemgr.gcrunner import GcRunner
-from cachemgr.index import scan_root
+from cachemgr.fs import reserve
+from cachemgr.fs.deletion import Pacer
+from cachemgr.fs.deletion import Progress as ProgressFn
+from cachemgr.fs.leadership import Leadership
+from cachemgr.gc.execute import GcReport
+from cachemgr.gc.floor import audit_floor, below_floor, free_floor
+from cachemgr.gc.policy import GcPolicy
+from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
-from cachemgr.leader import Leadership
-from cachemgr.store import Store
+from cachemgr.state.index import scan_root
+from cachemgr.state.store import Store
 
 _LIMITS = [
     ("--max-bytes", "gc_max_bytes", str, 'Cap on all namespaces\' page bytes ("500GB").'),
@@ -72,7 +72,7 @@ def gc(app: AppContext, /, dry_run: bool, as_json: bool, yes: bool, **limits: An
                 "nothing deleted: ask it with POST /v1/gc, or use --dry-run"
             )
         # Below the floor the DB may not open and new pages cannot be indexed: free space
-        # from a scan of the disk first (cachemgr.gcfloor), then run GC as usual.
+        # from a scan of the disk first (cachemgr.gc.floor), then run GC as usual.
         usage = reserve.usage_with_reserve(layout.state_dir)
         floor = None
         if not dry_run and below_floor(layout, policy, usage):

@@ -12,12 +12,12 @@ from typing import Any, TypeVar
 
 import click
 
-from cachemgr.atomic import write_atomic
 from cachemgr.cli.common import drain_with_progress, human_bytes, opened_store, root_layout
 from cachemgr.cli.launch_options import LaunchRequest, launch_options
 from cachemgr.cli.main import AppContext, pass_app
-from cachemgr.identity import Identity
-from cachemgr.prelaunch import (
+from cachemgr.fs.atomic import write_atomic
+from cachemgr.identity.record import Identity
+from cachemgr.ns.prelaunch import (
     STORAGE_DIR_ENV,
     InitResult,
     OnChange,
@@ -26,7 +26,7 @@ from cachemgr.prelaunch import (
     init_namespace,
     storage_dir_conflicts,
 )
-from cachemgr.sglang_args import LaunchArgs
+from cachemgr.sglang.args import LaunchArgs
 
 F = TypeVar("F", bound=Callable[..., Any])
 

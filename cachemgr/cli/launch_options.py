@@ -24,14 +24,14 @@ from typing import Any, TypeVar
 
 import click
 
-from cachemgr.digest_cache import DigestCache
-from cachemgr.fingerprint import IdentityOptions, compute_identity
-from cachemgr.hashing import Progress
-from cachemgr.identity import Identity
+from cachemgr.identity.digest_cache import DigestCache
+from cachemgr.identity.fingerprint import IdentityOptions, compute_identity
+from cachemgr.identity.hashing import Progress
+from cachemgr.identity.record import Identity
 from cachemgr.layout import Layout
 from cachemgr.settings import Settings
-from cachemgr.sglang_args import LaunchArgs, resolve_launch_args
-from cachemgr.store import Store
+from cachemgr.sglang.args import LaunchArgs, resolve_launch_args
+from cachemgr.state.store import Store
 
 F = TypeVar("F", bound=Callable[..., Any])
 PROGRESS_MIN_BYTES = 256 << 20  # below this hashing takes well under a second

@@ -11,8 +11,8 @@ import click
 
 from cachemgr.cli.common import human_bytes, opened_store, root_layout
 from cachemgr.cli.main import AppContext, pass_app
-from cachemgr.namespaces import list_namespaces
-from cachemgr.purge import describe_trash
+from cachemgr.ns.purge import describe_trash
+from cachemgr.ns.registry import list_namespaces
 
 
 @click.command("ls")

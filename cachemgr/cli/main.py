@@ -11,8 +11,9 @@ from typing import Any
 
 import click
 
-from cachemgr import __version__, logs, reserve
+from cachemgr import __version__, logs
 from cachemgr.errors import CachemgrError, StateCorrupt, StateError
+from cachemgr.fs import reserve
 from cachemgr.settings import Settings, load_settings
 
 

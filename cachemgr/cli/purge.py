@@ -11,9 +11,9 @@ import click
 
 from cachemgr.cli.common import drain_with_progress, human_bytes, opened_store, root_layout
 from cachemgr.cli.main import AppContext, pass_app
-from cachemgr.deletion import DeleteReport, Pacer
 from cachemgr.errors import CachemgrError, ConfigError
-from cachemgr.purge import (
+from cachemgr.fs.deletion import DeleteReport, Pacer
+from cachemgr.ns.purge import (
     PurgePlan,
     PurgeResult,
     PurgeTarget,
@@ -21,7 +21,7 @@ from cachemgr.purge import (
     describe_trash,
     execute_purge,
 )
-from cachemgr.purge import plan_purge as make_plan
+from cachemgr.ns.purge import plan_purge as make_plan
 
 
 @click.command("purge")

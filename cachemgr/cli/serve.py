@@ -23,7 +23,7 @@ def serve(ctx: click.Context, /, **flags: object) -> None:
     app = ctx.find_object(AppContext)
     assert app is not None
     app.overrides.update({k: v for k, v in flags.items() if v is not None})
-    from cachemgr.daemon import Daemon
+    from cachemgr.daemon.lifecycle import Daemon
 
     settings = app.settings
     logs.setup(settings.log_level, settings.log_format)  # the daemon's logs are its output

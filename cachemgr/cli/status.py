@@ -18,13 +18,13 @@ from rich.table import Table
 
 from cachemgr.cli.common import human_bytes, opened_store, refuse_file_root
 from cachemgr.cli.main import AppContext, pass_app
-from cachemgr.dirscan import scan_usage
 from cachemgr.doctor import disk_state, filesystem_line
 from cachemgr.errors import NotFoundError
-from cachemgr.gcpolicy import DiskUsage, GcPolicy
+from cachemgr.fs.dirscan import scan_usage
+from cachemgr.gc.policy import DiskUsage, GcPolicy
 from cachemgr.layout import Layout
 from cachemgr.settings import Settings
-from cachemgr.status import NamespaceStatus, namespace_statuses
+from cachemgr.state.status import NamespaceStatus, namespace_statuses
 
 
 def from_daemon(settings: Settings, timeout: float = 1.0) -> dict[str, Any] | None:

@@ -1,8 +1,8 @@
 """A full disk: the cache filled the filesystem its state DB lives on, and cachemgr must free it.
 
 Every test runs on a loop-mounted 64 MiB ext4 (`small_fs`) filled with old pages to ENOSPC.
-The mechanism under test: a space reserve in the state dir (cachemgr.reserve) released when the
-DB cannot open or write, GC's floor pass from a scan of the disk (cachemgr.gcfloor) that needs
+The mechanism under test: a space reserve in the state dir (cachemgr.fs.reserve) released when the
+DB cannot open or write, GC's floor pass from a scan of the disk (cachemgr.gc.floor) that needs
 no DB, an index writer that retries, and purge making a bound namespace's new dir first.
 """
 
@@ -25,8 +25,8 @@ import httpx
 import pytest
 
 from cachemgr.cli.common import human_bytes
+from cachemgr.fs.reserve import reserve_size
 from cachemgr.layout import RESERVE_FILE, Layout
-from cachemgr.reserve import reserve_size
 from cachemgr.settings import load_settings
 from tests.daemon_helpers import (
     NS_A,

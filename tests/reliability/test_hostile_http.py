@@ -20,9 +20,9 @@ from typing import Any
 
 import httpx
 
-from cachemgr.httpguard import MAX_BODY_BYTES
+from cachemgr.daemon.httpguard import MAX_BODY_BYTES
+from cachemgr.fs.locks import root_lock
 from cachemgr.layout import Layout
-from cachemgr.lock import root_lock
 from cachemgr.settings import load_settings
 from tests.daemon_helpers import (
     NS_A,

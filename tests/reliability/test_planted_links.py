@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from cachemgr.deletion import Pacer, delete_files
+from cachemgr.daemon.indexer import kernel_id
 from cachemgr.errors import CachemgrError
-from cachemgr.indexer import kernel_id
+from cachemgr.fs.deletion import Pacer, delete_files
 from cachemgr.layout import Layout, classify, db_files
+from cachemgr.ns.trash import drain_trash
 from cachemgr.settings import load_settings
-from cachemgr.store import Store
-from cachemgr.trash import drain_trash
+from cachemgr.state.store import Store
 from tests.daemon_helpers import running_daemon, wait_for
 from tests.nsfixtures import cli, one_line_error, page_name
 from tests.test_identity import make_model

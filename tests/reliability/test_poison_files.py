@@ -28,8 +28,8 @@ import httpx
 import pytest
 
 from cachemgr.layout import Layout
-from cachemgr.manifest import MANIFEST_MAX_BYTES
-from cachemgr.store import Store
+from cachemgr.ns.manifest import MANIFEST_MAX_BYTES
+from cachemgr.state.store import Store
 from tests.daemon_helpers import wait_for
 from tests.nsfixtures import cli, make_ns, ns_id_of
 from tests.test_identity import make_model

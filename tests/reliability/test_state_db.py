@@ -16,14 +16,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cachemgr.dbfile import file_id
 from cachemgr.errors import StateCorrupt
-from cachemgr.gcpolicy import GcPolicy
-from cachemgr.gcrunner import GcRunner
-from cachemgr.index import scan_root
+from cachemgr.gc.policy import GcPolicy
+from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
 from cachemgr.settings import Settings
-from cachemgr.store import Store
+from cachemgr.state.dbfile import file_id
+from cachemgr.state.index import scan_root
+from cachemgr.state.store import Store
 from tests.daemon_helpers import RunningDaemon, running_daemon, store_page, wait_for
 from tests.nsfixtures import cli, make_ns, page_name
 from tests.test_gc_race import NO_STORAGE_ENV

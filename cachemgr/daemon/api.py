@@ -1,0 +1,152 @@
+"""The HTTP API's request and response bodies (pydantic): what api/openapi.json describes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, Any
+
+from fastapi import Path
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.json_schema import SkipJsonSchema
+
+from cachemgr import __version__
+from cachemgr.layout import NS_ID_RE
+from cachemgr.state.status import NamespaceStatus
+
+# Anchored: JSON Schema (and pydantic) patterns match anywhere in the string.
+NS_ID_PATTERN = f"^{NS_ID_RE.pattern}$"
+INSTANCE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$"  # as namespaces.check_instance
+NsId = Annotated[str, Path(pattern=NS_ID_PATTERN, description="namespace id (16 hex digits)")]
+
+
+class Problem(BaseModel):
+    """An RFC 9457 problem detail."""
+
+    type: str = "about:blank"
+    title: str
+    status: int
+    detail: str | None = None
+    instance: str | None = None
+    errors: list[dict[str, Any]] | None = None
+    hint: str | None = None
+
+
+class Health(BaseModel):
+    status: str
+    version: str = __version__
+
+
+class Readiness(BaseModel):
+    ready: bool
+    detail: str
+
+
+class IndexInfo(BaseModel):
+    """The live index: how it was built and whether it keeps up."""
+
+    ready: bool
+    leader: bool = Field(description="this daemon watches and writes the index; others follow")
+    scans: int
+    last_scan_seconds: float
+    drift_pages: int
+    overflows: int
+    events_applied: int
+    lag_seconds: float
+
+
+class Totals(BaseModel):
+    namespaces: int
+    pages: int
+    bytes: int
+    page_reads: int
+    page_writes: int
+
+
+class Status(BaseModel):
+    """The daemon's view: per-namespace status plus totals, the index and the filesystem."""
+
+    root: str
+    version: str = __version__
+    started_at: float | None
+    uptime_seconds: float | None
+    namespaces: list[NamespaceStatus]
+    totals: Totals
+    index: IndexInfo | None
+    filesystem_avail_bytes: int | None
+    filesystem_size_bytes: int | None
+
+
+class Fingerprint(BaseModel):
+    """The identity record of a namespace, as registered by `cachemgr init`."""
+
+    namespace: str
+    digest: str
+    instances: list[str]
+    identity: dict[str, Any]
+
+
+class RequestBody(BaseModel):
+    """A request body: what would otherwise read loosely into a real purge or GC is a 422."""
+
+    # strict: the schema says boolean, so a JSON 0 or 0.0 is a 422, not a quiet `false`
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_nulls(cls, data: Any) -> Any:
+        # {"namespace": null} would mean "nothing chosen", which purges everything.
+        if isinstance(data, dict):
+            nulls = sorted(k for k, v in data.items() if v is None)
+            if nulls:
+                raise ValueError(f"null is not a value for {', '.join(nulls)}: leave it out")
+        return data
+
+
+def _unset() -> Any:
+    """An optional field's default, None, which its schema does not show (null is a 422)."""
+    return Field(None, json_schema_extra=_drop_default)
+
+
+def _drop_default(schema: dict[str, Any]) -> None:
+    del schema["default"]
+
+
+class PurgeRequest(RequestBody):
+    """Which namespaces to purge: the union of what is chosen; nothing chosen means all."""
+
+    namespace: Annotated[str, Field(pattern=NS_ID_PATTERN)] | SkipJsonSchema[None] = _unset()
+    instance: Annotated[str, Field(pattern=INSTANCE_PATTERN)] | SkipJsonSchema[None] = _unset()
+    all: bool = False
+    dry_run: bool = False
+
+
+class NamespacePurgeRequest(RequestBody):
+    dry_run: bool = False
+
+
+class PurgedNamespace(BaseModel):
+    namespace: str
+    pages: int
+    bytes: int
+    recreated: bool = Field(description="an instance is bound: the dir came back empty")
+
+
+class PurgeResponse(BaseModel):
+    """What a purge removed (or, with dry_run, would remove)."""
+
+    dry_run: bool
+    selector: str
+    purged: list[PurgedNamespace]
+    pages: int
+    bytes: int
+    message: str
+    problems: list[str] = []  # namespaces left alone (a bad manifest, a symlink), and why
+
+
+PurgeFn = Callable[[PurgeRequest], PurgeResponse]
+
+
+class GcRequest(RequestBody):
+    """A GC run now: with dry_run, what it would delete (any daemon can answer that)."""
+
+    dry_run: bool = False

@@ -1,0 +1,307 @@
+"""The HTTP API (FastAPI): health, metrics, status, purge and GC; errors as problem+json.
+
+`python -m cachemgr.daemon.app --dump-openapi` prints the OpenAPI document that is committed as
+api/openapi.json (a test fails when they differ).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path as FsPath
+from typing import Annotated, Any
+
+import anyio.to_thread
+from anyio import CapacityLimiter
+from fastapi import Body, FastAPI, Query, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic.json_schema import SkipJsonSchema
+from starlette.exceptions import HTTPException
+
+from cachemgr import __version__
+from cachemgr.daemon.api import (
+    INSTANCE_PATTERN,
+    NS_ID_PATTERN,
+    Fingerprint,
+    GcRequest,
+    Health,
+    IndexInfo,
+    NamespacePurgeRequest,
+    NsId,
+    PurgeFn,
+    PurgeRequest,
+    PurgeResponse,
+    Readiness,
+    Status,
+    Totals,
+)
+from cachemgr.daemon.apiinput import one_request
+from cachemgr.daemon.gcapi import GcResponse, SharedGcRuns
+from cachemgr.daemon.httpguard import MAX_BODY_BYTES, RequestGuard
+from cachemgr.daemon.indexer import IndexState
+from cachemgr.daemon.metrics import Reader
+from cachemgr.daemon.problems import ERRORS, install_error_handlers
+from cachemgr.errors import ConflictError, NotFoundError
+from cachemgr.gc.runner import GcRunner
+from cachemgr.layout import Layout
+from cachemgr.state.status import NamespaceStatus, disk_usage, namespace_statuses
+
+PURGE_PATHS = ("/purge", "/v1/purge")
+
+
+@dataclass
+class Backend:
+    """What the routes need from the daemon; tests build one over a temp root."""
+
+    layout: Layout
+    reader: Reader
+    registry: CollectorRegistry
+    token: str | None = None
+    index: IndexState | None = None
+    lag: Callable[[], float] = lambda: 0.0
+    purge: PurgeFn | None = None
+    after_purge: Callable[[PurgeResponse], None] = lambda r: None
+    gc: GcRunner | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def create_app(backend: Backend) -> FastAPI:
+    """The FastAPI app over `backend`."""
+    app = FastAPI(
+        title="cachemgr",
+        version=__version__,
+        description=(
+            "Sidecar API of cachemgr: SGLang HiCache L3 file cache index, metrics, purge. "
+            "POST routes need `Authorization: Bearer <token>` when the daemon has one (401 "
+            f"before anything else); a request body is a JSON object of at most {MAX_BODY_BYTES}"
+            " bytes (413); a query parameter is given once."
+        ),
+        responses={422: ERRORS[422], 500: ERRORS[500]},
+    )
+    install_error_handlers(app, PURGE_PATHS)
+    app.add_middleware(RequestGuard, token=backend.token)
+
+    def statuses() -> list[NamespaceStatus]:
+        live = backend.index.counters if backend.index is not None else None
+        with backend.reader() as conn:
+            return namespace_statuses(conn, backend.layout, live)
+
+    @app.get("/healthz", response_model=Health, tags=["health"])
+    def healthz() -> Health:
+        """Liveness: the process answers."""
+        return Health(status="ok")
+
+    @app.get(
+        "/readyz",
+        response_model=Readiness,
+        tags=["health"],
+        responses={503: {"model": Readiness, "description": "first scan not finished"}},
+    )
+    def readyz() -> Response:
+        """Readiness: the first scan finished and the index is live."""
+        ready = backend.index is not None and backend.index.ready.is_set()
+        body = Readiness(ready=ready, detail="index live" if ready else "first scan running")
+        return JSONResponse(body.model_dump(), status_code=200 if ready else 503)
+
+    @app.get(
+        "/metrics",
+        tags=["metrics"],
+        response_class=Response,
+        responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "metrics"}},
+    )
+    def metrics() -> Response:
+        """Prometheus text exposition."""
+        return Response(generate_latest(backend.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/status", response_model=Status, tags=["status"])
+    def status() -> Status:
+        """Every namespace with pages, bytes, reads, writes and identity, plus the index."""
+        found = statuses()
+        st = backend.index
+        try:
+            du = disk_usage(backend.layout.root)
+        except OSError:
+            du = None
+        now = time.time()
+        return Status(
+            root=str(backend.layout.root),
+            started_at=st.started_at if st else None,
+            uptime_seconds=now - st.started_at if st else None,
+            namespaces=found,
+            totals=Totals(
+                namespaces=len(found),
+                pages=sum(s.pages for s in found),
+                bytes=sum(s.bytes for s in found),
+                page_reads=sum(s.page_reads for s in found),
+                page_writes=sum(s.page_writes for s in found),
+            ),
+            index=_index_info(st, backend.lag) if st else None,
+            filesystem_avail_bytes=du.avail_bytes if du else None,
+            filesystem_size_bytes=du.size_bytes if du else None,
+        )
+
+    @app.get("/v1/namespaces", response_model=list[NamespaceStatus], tags=["status"])
+    def namespaces() -> list[NamespaceStatus]:
+        """Every namespace's status."""
+        return statuses()
+
+    @app.get(
+        "/v1/namespaces/{ns_id}",
+        response_model=NamespaceStatus,
+        tags=["status"],
+        responses={404: ERRORS[404]},
+    )
+    def namespace(ns_id: NsId) -> NamespaceStatus:
+        """One namespace's status."""
+        for s in statuses():
+            if s.id == ns_id:
+                return s
+        raise NotFoundError(f"no namespace {ns_id}")
+
+    @app.get(
+        "/v1/fingerprint",
+        response_model=list[Fingerprint],
+        tags=["status"],
+        responses={404: ERRORS[404]},
+    )
+    def fingerprint(
+        instance: Annotated[str | None, Query(pattern=INSTANCE_PATTERN)] = None,
+    ) -> list[Fingerprint]:
+        """Identity records of the registered namespaces (or of one instance's namespace)."""
+        return _fingerprints(backend, instance)
+
+    mutating: dict[int | str, dict[str, Any]] = {k: ERRORS[k] for k in (400, 401, 409, 413)}
+    purge_responses = {**mutating, 404: ERRORS[404]}
+    # Purges wait here as coroutines, not as worker threads blocked on the root lock.
+    purge_threads = CapacityLimiter(1)
+
+    async def run_purge(req: PurgeRequest) -> PurgeResponse:
+        if backend.purge is None:
+            raise HTTPException(501, "purge is not available in this build")
+        result = await anyio.to_thread.run_sync(backend.purge, req, limiter=purge_threads)
+        if not req.dry_run:
+            backend.after_purge(result)
+        return result
+
+    for path in PURGE_PATHS:
+
+        @app.post(path, response_model=PurgeResponse, tags=["purge"], responses=purge_responses)
+        async def purge(
+            request: Request,
+            body: Annotated[PurgeRequest | SkipJsonSchema[None], Body()] = None,
+            namespace: Annotated[str | None, Query(pattern=NS_ID_PATTERN)] = None,
+            instance: Annotated[str | None, Query(pattern=INSTANCE_PATTERN)] = None,
+            all: Annotated[bool, Query()] = False,
+            dry_run: Annotated[bool, Query()] = False,
+        ) -> PurgeResponse:
+            """Purge namespaces (body or query: namespace, instance, all, dry_run).
+
+            With nothing chosen it purges every namespace: `curl -X POST host:port/purge`.
+            A parameter may be given in the query, the body, or both with the same value.
+            """
+            query = dict(namespace=namespace, instance=instance, all=all, dry_run=dry_run)
+            return await run_purge(await one_request(request, PurgeRequest, body, **query))
+
+    @app.post(
+        "/v1/namespaces/{ns_id}/purge",
+        response_model=PurgeResponse,
+        tags=["purge"],
+        responses=purge_responses,
+    )
+    async def purge_namespace(
+        request: Request,
+        ns_id: NsId,
+        body: Annotated[NamespacePurgeRequest | SkipJsonSchema[None], Body()] = None,
+    ) -> PurgeResponse:
+        """Purge one namespace."""
+        req = await one_request(request, NamespacePurgeRequest, body)
+        return await run_purge(PurgeRequest(namespace=ns_id, dry_run=req.dry_run))
+
+    gc_runs = SharedGcRuns(backend.gc) if backend.gc is not None else None
+
+    @app.post("/v1/gc", response_model=GcResponse, tags=["gc"], responses=mutating)
+    async def gc(
+        request: Request,
+        body: Annotated[GcRequest | SkipJsonSchema[None], Body()] = None,
+        dry_run: Annotated[bool, Query()] = False,
+    ) -> GcResponse:
+        """Run GC now (a full run, with a sweep of the namespace dirs); 409 when another
+        process leads GC on this root (the answer names it). A request made while a run of the
+        same kind (dry or not) is in progress gets that run's result."""
+        req = await one_request(request, GcRequest, body, dry_run=dry_run)
+        if gc_runs is None:
+            raise ConflictError("this daemon runs no GC")
+        result = await gc_runs.run(dry_run=req.dry_run)
+        if not result.leader:
+            raise ConflictError(
+                f"another process leads GC on {backend.layout.root} ({result.holder}); "
+                "ask it, or use dry_run"
+            )
+        return result
+
+    return app
+
+
+def _index_info(st: IndexState, lag: Callable[[], float]) -> IndexInfo:
+    return IndexInfo(
+        ready=st.ready.is_set(),
+        leader=st.leader,
+        scans=st.scans,
+        last_scan_seconds=st.last_scan_seconds,
+        drift_pages=st.drift_pages,
+        overflows=st.overflows,
+        events_applied=st.events_applied,
+        lag_seconds=lag(),
+    )
+
+
+def _fingerprints(backend: Backend, instance: str | None) -> list[Fingerprint]:
+    with backend.reader() as conn:
+        rows = conn.execute(
+            "SELECT id, digest, identity_json FROM namespaces WHERE state = 'active' ORDER BY id"
+        ).fetchall()
+        bound: dict[str, list[str]] = {}
+        for inst, ns in conn.execute("SELECT instance, namespace_id FROM bindings"):
+            bound.setdefault(ns, []).append(inst)
+    out = []
+    for ns, digest, ident in rows:
+        if instance is not None and instance not in bound.get(ns, []):
+            continue
+        try:
+            record = json.loads(ident)
+        except json.JSONDecodeError:
+            record = {}
+        out.append(
+            Fingerprint(
+                namespace=ns,
+                digest=digest,
+                instances=sorted(bound.get(ns, [])),
+                identity=record if isinstance(record, dict) else {},
+            )
+        )
+    if instance is not None and not out:
+        raise NotFoundError(f"instance {instance!r} is not bound to a registered namespace")
+    return out
+
+
+def openapi_document(app: FastAPI | None = None) -> str:
+    """The app's OpenAPI document as committed in api/openapi.json."""
+    if app is None:
+        lay = Layout.at(FsPath("/nonexistent"))
+        app = create_app(Backend(layout=lay, reader=_no_reader, registry=CollectorRegistry()))
+    return json.dumps(app.openapi(), indent=2, sort_keys=True) + "\n"
+
+
+def _no_reader() -> Any:
+    raise RuntimeError("no database")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--dump-openapi"]:
+        sys.stdout.write(openapi_document())
+    else:
+        sys.exit("usage: python -m cachemgr.daemon.app --dump-openapi")

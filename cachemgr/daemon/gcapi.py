@@ -1,0 +1,112 @@
+"""The JSON shape of a GC run, for `POST /v1/gc` and `cachemgr gc --json`; GC runs for HTTP
+requests, one at a time, shared by the requests that arrive while one runs."""
+
+from __future__ import annotations
+
+import asyncio
+from functools import partial
+
+import anyio.to_thread
+from anyio import CapacityLimiter
+from pydantic import BaseModel, Field
+
+from cachemgr.gc.execute import GcReport
+from cachemgr.gc.policy import Reason
+from cachemgr.gc.runner import GcRunner
+
+
+class GcStepOut(BaseModel):
+    """One step of a GC run: one reason, one directory."""
+
+    reason: Reason
+    dir: str = Field(description="directory below the root")
+    namespace_id: str | None
+    planned_files: int
+    planned_bytes: int
+    files: int = Field(description="deleted (or, in a dry run, that would be)")
+    bytes: int
+    vanished: int = Field(description="already gone when GC got to them")
+    young: int = Field(description="kept: modified within the age limit")
+    refused: list[str] = Field(description="kept: not an SGLang page or temp regular file")
+    skipped: str | None = None
+
+
+class GcTotal(BaseModel):
+    files: int
+    bytes: int
+
+
+class GcResponse(BaseModel):
+    """The outcome of a GC run."""
+
+    leader: bool = Field(description="false: another process leads GC on this root")
+    holder: str | None = Field(None, description="the GC leader, when it is not this process")
+    dry_run: bool
+    started_at: float
+    seconds: float
+    files: int
+    bytes: int
+    by_reason: dict[Reason, GcTotal]
+    steps: list[GcStepOut]
+    warnings: list[str]
+
+    @classmethod
+    def of(cls, report: GcReport) -> GcResponse:
+        """The response for a report."""
+        return cls(
+            leader=report.leader,
+            holder=report.holder,
+            dry_run=report.dry_run,
+            started_at=report.started_at,
+            seconds=round(report.finished_at - report.started_at, 6),
+            files=report.files,
+            bytes=report.bytes,
+            by_reason={r: GcTotal(files=f, bytes=b) for r, (f, b) in report.totals().items()},
+            steps=[
+                GcStepOut(
+                    reason=s.reason,
+                    dir=s.rel_dir,
+                    namespace_id=s.namespace_id,
+                    planned_files=s.planned_files,
+                    planned_bytes=s.planned_bytes,
+                    files=s.files,
+                    bytes=s.bytes,
+                    vanished=s.vanished,
+                    young=s.young,
+                    refused=list(s.refused),
+                    skipped=s.skipped,
+                )
+                for s in report.steps
+            ],
+            warnings=list(report.warnings),
+        )
+
+
+def gc_request(runner: GcRunner, *, dry_run: bool = False, actor: str = "http") -> GcResponse:
+    """What `POST /v1/gc` does: one full run (with a sweep) by the daemon's runner."""
+    return GcResponse.of(runner.run(dry_run=dry_run, actor=actor, sweep=True))
+
+
+class SharedGcRuns:
+    """`POST /v1/gc`'s runs: one real and one dry run at most at a time, in a thread each; a
+    request arriving during a run of its kind gets that run's result.
+
+    Joining is an await, not a worker thread: sync routes run on anyio's pool of 40 threads,
+    which /healthz and /metrics share, and 50 requests queued on a 10 s GC used to take it all.
+    """
+
+    def __init__(self, runner: GcRunner) -> None:
+        self.runner = runner
+        self._running: dict[bool, asyncio.Future[GcResponse]] = {}
+        self._threads = CapacityLimiter(2)  # apart from the pool's tokens, which routes need
+
+    async def run(self, *, dry_run: bool) -> GcResponse:
+        """The result of the run of this kind in progress, or of a new one."""
+        running = self._running.get(dry_run)
+        if running is None:
+            work = partial(gc_request, self.runner, dry_run=dry_run)
+            running = asyncio.ensure_future(anyio.to_thread.run_sync(work, limiter=self._threads))
+            self._running[dry_run] = running
+            running.add_done_callback(lambda _: self._running.pop(dry_run, None))
+        # shield: a client that disconnects cancels its wait, not the run the others share
+        return await asyncio.shield(running)

@@ -1,0 +1,249 @@
+"""Prometheus metrics, computed at scrape time from the live index and the state DB.
+
+One prefix (`cachemgr_`), base units, `_total` counters, labels bounded by the number of
+namespaces (never per page). A scrape reads the small aggregate tables (namespace_stats,
+namespaces, bindings) and only the audit rows added since the last scrape, so it costs the same
+with a thousand pages or ten million. Counters that must survive restarts and include CLI
+actions (purges, evictions) are sums over the audit log; page reads/writes count since start.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
+
+from cachemgr import __version__
+from cachemgr.daemon.indexer import IndexState
+from cachemgr.errors import StateCorrupt
+from cachemgr.gc.runner import GcRunner
+from cachemgr.layout import Layout
+from cachemgr.sglang.probe import ProbeState
+from cachemgr.state.status import AuditTotals, DiskUsage, disk_usage, namespace_statuses
+
+Reader = Callable[[], AbstractContextManager[sqlite3.Connection]]
+NS = ["namespace"]
+
+# (name, help) of every metric, for docs/daemon.md and the deploy rules; keep in sync.
+METRICS: dict[str, str] = {
+    "cachemgr_up": "1 while the daemon runs",
+    "cachemgr_ready": "1 once the first scan finished and the index is live",
+    "cachemgr_build_info": "cachemgr version",
+    "cachemgr_namespace_info": "identity of each namespace and its instances",
+    "cachemgr_namespace_pages": "page files in the namespace",
+    "cachemgr_namespace_bytes": "bytes of page files in the namespace",
+    "cachemgr_page_reads_total": "page files read (L3 hits) since the daemon started",
+    "cachemgr_page_writes_total": "page files stored (L3 misses filled) since the daemon started",
+    "cachemgr_namespace_temp_files": "SGLang temp files (.<uuid>.tmp) at the last scan",
+    "cachemgr_namespace_foreign_files": "neither page nor temp files, at the last scan",
+    "cachemgr_namespace_corrupt_pages": "pages of an unusual size (truncated?), at the last scan",
+    "cachemgr_evicted_pages_total": "pages evicted by GC, by reason (audit log)",
+    "cachemgr_evicted_bytes_total": "bytes evicted by GC, by reason (audit log)",
+    "cachemgr_purges_total": "namespace purges, by reason (audit log)",
+    "cachemgr_purged_pages_total": "pages dropped by purges, by reason (audit log)",
+    "cachemgr_purged_bytes_total": "bytes dropped by purges, by reason (audit log)",
+    "cachemgr_filesystem_avail_bytes": "bytes available on the root's filesystem",
+    "cachemgr_filesystem_size_bytes": "size of the root's filesystem",
+    "cachemgr_filesystem_avail_inodes": "inodes available on the root's filesystem",
+    "cachemgr_scans_total": "namespace directory scans (initial, new dir, overflow, reconcile)",
+    "cachemgr_scan_seconds_total": "time spent scanning namespace directories",
+    "cachemgr_last_scan_duration_seconds": "duration of the last namespace scan",
+    "cachemgr_index_drift_pages_total": "index rows a rescan had to add or remove (events missed)",
+    "cachemgr_watcher_overflows_total": "inotify queue overflows (each triggers a full rescan)",
+    "cachemgr_index_events_total": "watcher events applied to the index",
+    "cachemgr_index_lag_seconds": "age of the oldest watcher event not yet applied",
+    "cachemgr_identity_mismatches_total": "SGLang servers found contradicting their namespace",
+    "cachemgr_identity_mismatch": "1 while the SGLang server contradicts its namespace",
+    "cachemgr_sglang_up": "1 if the last scrape of the SGLang server succeeded",
+    "cachemgr_sglang_storage_hit_tokens_total": "SGLang's tokens found in L3",
+    "cachemgr_sglang_prefetched_tokens_total": "SGLang's tokens loaded from L3",
+    "cachemgr_sglang_backuped_tokens_total": "SGLang's tokens written to L3",
+    "cachemgr_gc_leader": "1 while this daemon holds the root's GC lock (it alone deletes)",
+    "cachemgr_index_leader": "1 while this daemon writes the root's index (the others follow it)",
+    "cachemgr_gc_runs_total": "GC runs by result: ok, error, skipped (another process leads)",
+    "cachemgr_gc_last_success_timestamp_seconds": "when a GC cycle last ended without error "
+    "(daemon start until the first)",
+}
+
+
+def _gauge(name: str, labels: list[str] | None = None) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, METRICS[name], labels=labels)
+
+
+def _counter(name: str, labels: list[str] | None = None) -> CounterMetricFamily:
+    return CounterMetricFamily(name, METRICS[name], labels=labels)
+
+
+class CachemgrCollector(Collector):
+    """Everything cachemgr exposes; register it in a CollectorRegistry."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        reader: Reader,
+        *,
+        index: IndexState | None = None,
+        lag: Callable[[], float] = lambda: 0.0,
+        probe: ProbeState | None = None,
+        disk: Callable[[Layout], DiskUsage] = lambda lay: disk_usage(lay.root),
+        gc: GcRunner | None = None,
+    ) -> None:
+        self.layout = layout
+        self.reader = reader
+        self.index = index
+        self.lag = lag
+        self.probe = probe
+        self.disk = disk
+        self.gc = gc
+        self.audit = AuditTotals()
+
+    def describe(self) -> Iterator[Any]:
+        return iter(())  # computed at scrape time; nothing to check at registration
+
+    def collect(self) -> Iterator[Any]:
+        try:
+            with self.reader() as conn:
+                statuses = namespace_statuses(conn, self.layout)
+                audit = self.audit.refresh(conn)
+        except StateCorrupt:  # moved aside, rebuilt from disk: one scrape without DB metrics
+            statuses, audit = [], dict(self.audit.totals)
+        yield from self._namespaces(statuses)
+        yield from self._audit(audit)
+        yield from self._daemon()
+        yield from self._disk()
+        yield from self._sglang()
+        yield from self._gc()
+
+    def _namespaces(self, statuses: list[Any]) -> Iterator[Any]:
+        info = InfoMetricFamily(
+            "cachemgr_namespace",
+            METRICS["cachemgr_namespace_info"],
+            # not `instance`: Prometheus's target label would rename it `exported_instance`
+            labels=["namespace", "server_instance", "model", "kv_cache_dtype", "page_size"],
+        )
+        gauges = {
+            k: _gauge(f"cachemgr_namespace_{k}", NS)
+            for k in ("pages", "bytes", "temp_files", "foreign_files", "corrupt_pages")
+        }
+        reads = _counter("cachemgr_page_reads_total", NS)
+        writes = _counter("cachemgr_page_writes_total", NS)
+        live = self.index.counters if self.index is not None else {}
+        for s in statuses:
+            for inst in s.instances or ("",):
+                labels = [s.id, inst, s.model or "", s.kv_cache_dtype or "", str(s.page_size or "")]
+                info.add_metric(labels, {})
+            values = {
+                "pages": s.pages, "bytes": s.bytes, "temp_files": s.temp_files,
+                "foreign_files": s.foreign_files, "corrupt_pages": s.corrupt_files,
+            }  # fmt: skip
+            for k, v in values.items():
+                gauges[k].add_metric([s.id], v)
+            c = live.get(s.id)
+            reads.add_metric([s.id], c.reads if c else 0)
+            writes.add_metric([s.id], c.writes if c else 0)
+        yield info
+        yield from gauges.values()
+        yield reads
+        yield writes
+
+    def _audit(self, audit: dict[tuple[str, str], Any]) -> Iterator[Any]:
+        fams = {
+            "evict": (
+                _counter("cachemgr_evicted_pages_total", ["reason"]),
+                _counter("cachemgr_evicted_bytes_total", ["reason"]),
+            ),
+            "purge": (
+                _counter("cachemgr_purged_pages_total", ["reason"]),
+                _counter("cachemgr_purged_bytes_total", ["reason"]),
+            ),
+        }
+        purges = _counter("cachemgr_purges_total", ["reason"])
+        for (action, reason), total in sorted(audit.items()):
+            if action not in fams:
+                continue
+            pages, size = fams[action]
+            pages.add_metric([reason], total.pages)
+            size.add_metric([reason], total.bytes)
+            if action == "purge":
+                purges.add_metric([reason], total.count)
+        for pages, size in fams.values():
+            yield pages
+            yield size
+        yield purges
+
+    def _daemon(self) -> Iterator[Any]:
+        yield GaugeMetricFamily("cachemgr_up", METRICS["cachemgr_up"], value=1)
+        build = InfoMetricFamily("cachemgr_build", METRICS["cachemgr_build_info"])
+        build.add_metric([], {"version": __version__})
+        yield build
+        st = self.index
+        ready = st is not None and st.ready.is_set()
+        yield GaugeMetricFamily("cachemgr_ready", METRICS["cachemgr_ready"], value=int(ready))
+        if st is None:
+            return
+        yield GaugeMetricFamily(
+            "cachemgr_index_leader", METRICS["cachemgr_index_leader"], value=int(st.leader)
+        )
+        created = st.started_at
+        for name, value in (
+            ("cachemgr_scans_total", st.scans),
+            ("cachemgr_scan_seconds_total", st.scan_seconds_total),
+            ("cachemgr_index_drift_pages_total", st.drift_pages),
+            ("cachemgr_watcher_overflows_total", st.overflows),
+            ("cachemgr_index_events_total", st.events_applied),
+        ):
+            yield CounterMetricFamily(name, METRICS[name], value=value, created=created)
+        yield GaugeMetricFamily(
+            "cachemgr_last_scan_duration_seconds",
+            METRICS["cachemgr_last_scan_duration_seconds"],
+            value=st.last_scan_seconds,
+        )
+        yield GaugeMetricFamily(
+            "cachemgr_index_lag_seconds", METRICS["cachemgr_index_lag_seconds"], value=self.lag()
+        )
+
+    def _disk(self) -> Iterator[Any]:
+        try:
+            du = self.disk(self.layout)
+        except OSError:
+            return
+        for name, value in (
+            ("cachemgr_filesystem_avail_bytes", du.avail_bytes),
+            ("cachemgr_filesystem_size_bytes", du.size_bytes),
+            ("cachemgr_filesystem_avail_inodes", du.avail_inodes),
+        ):
+            yield GaugeMetricFamily(name, METRICS[name], value=value)
+
+    def _sglang(self) -> Iterator[Any]:
+        p = self.probe or ProbeState()
+        yield _one("cachemgr_identity_mismatches_total", p.mismatches)
+        yield GaugeMetricFamily(
+            "cachemgr_identity_mismatch", METRICS["cachemgr_identity_mismatch"], value=p.alarm
+        )
+        if self.probe is None:
+            return
+        yield GaugeMetricFamily("cachemgr_sglang_up", METRICS["cachemgr_sglang_up"], value=p.up)
+        if p.tokens is not None:
+            for key in ("storage_hit_tokens", "prefetched_tokens", "backuped_tokens"):
+                yield _one(f"cachemgr_sglang_{key}_total", getattr(p.tokens, key))
+
+    def _gc(self) -> Iterator[Any]:
+        if self.gc is None:
+            return
+        st = self.gc.stats
+        leader = int(self.gc.leadership.held)
+        yield GaugeMetricFamily("cachemgr_gc_leader", METRICS["cachemgr_gc_leader"], value=leader)
+        runs = _counter("cachemgr_gc_runs_total", ["result"])
+        for result in ("ok", "error", "skipped"):
+            runs.add_metric([result], getattr(st, result))
+        yield runs
+        name = "cachemgr_gc_last_success_timestamp_seconds"
+        yield GaugeMetricFamily(name, METRICS[name], value=st.last_success)
+
+
+def _one(name: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, METRICS[name], value=value)

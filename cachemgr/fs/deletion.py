@@ -1,0 +1,267 @@
+"""The one place files are deleted: only SGLang page and temp files, only inside the root,
+never through a symlink, paced, and with a dry run that reports exactly what would go.
+
+Directories are opened component by component from the root with O_NOFOLLOW and files are
+unlinked relative to that descriptor, so a symlink planted anywhere on the way (or swapped in
+while we work) makes the operation refuse instead of reaching outside the root.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cachemgr.errors import UnsafePathError
+from cachemgr.fs.safe import open_dir
+from cachemgr.layout import NS_DIR, FileKind, check_ns_id, classify
+
+Progress = Callable[[int, int], None]  # (files so far, bytes so far)
+Removed = Callable[[str], None]  # a name that is no longer there (deleted or vanished)
+PART = 256  # names checked at a time: the unit of the check/unlink overlap
+
+
+@dataclass(frozen=True)
+class DeleteReport:
+    """What a deletion did (or, in a dry run, would do)."""
+
+    files: int = 0
+    bytes: int = 0
+    vanished: int = 0  # gone before we got to it: someone else deleted it, not an error
+    young: int = 0  # kept: modified more recently than min_age
+    refused: tuple[str, ...] = ()  # kept: not a page/temp name, not a regular file, no access
+    dry_run: bool = False
+
+    def __add__(self, other: DeleteReport) -> DeleteReport:
+        return DeleteReport(
+            self.files + other.files,
+            self.bytes + other.bytes,
+            self.vanished + other.vanished,
+            self.young + other.young,
+            self.refused + other.refused,
+            self.dry_run or other.dry_run,
+        )
+
+
+@dataclass
+class Pacer:
+    """Caps deletions per second: a mass delete slows the next file creates for minutes
+    (FIELD_NOTES §7), so background deletion must leave room for the server's writes."""
+
+    rate: float | None = None  # files per second; None = as fast as the disk goes
+    batch: int = 256
+    sleep: Callable[[float], None] = time.sleep
+    clock: Callable[[], float] = time.monotonic
+    _count: int = field(default=0, init=False)
+    _start: float | None = field(default=None, init=False)
+
+    def tick(self) -> None:
+        """Count one deletion; every `batch` files, sleep until the rate is respected."""
+        if self._start is None:
+            self._start = self.clock()
+        self._count += 1
+        if self.rate and self._count % self.batch == 0:
+            ahead = self._count / self.rate - (self.clock() - self._start)
+            if ahead > 0:
+                self.sleep(ahead)
+
+
+def delete_files(
+    root: Path,
+    rel_dir: str,
+    names: Iterable[str],
+    *,
+    dry_run: bool = False,
+    min_age: float = 0.0,
+    pacer: Pacer | None = None,
+    progress: Progress | None = None,
+    now: Callable[[], float] = time.time,
+    removed: Removed | None = None,
+) -> DeleteReport:
+    """Delete the named page/temp files of <root>/<rel_dir>; anything else is refused.
+
+    Stops (reported in `refused`) as soon as <root>/<rel_dir> is no longer the dir it was at
+    the start: checked before each part of PART names, and whenever an unlink finds nothing.
+    `removed` hears every name that is gone afterwards (so an index can drop it); not in a
+    dry run.
+    """
+    names = list(names)
+    parts = [names[i : i + PART] for i in range(0, len(names), PART)]
+    files = size = 0
+    checked = _Checked()
+    paced = pacer is not None and bool(pacer.rate)
+    parent, _, leaf = rel_dir.rpartition("/")
+    if not leaf:
+        raise UnsafePathError(f"{rel_dir!r}: no directory to delete files from")
+    stopped = False
+    with (
+        open_dir(root, rel_dir) as fd,
+        open_dir(root, parent) as parent_fd,
+        ThreadPoolExecutor(1, "delete-check") as pool,
+    ):
+        here = _dir_id(fd)
+        # Unpaced, a helper thread checks the next part while this one unlinks: the checks'
+        # Python work overlaps the unlinks' kernel time (no GIL), so the loop runs at the
+        # disk's pace. Paced, the checks stay in step with the unlinks (no look-ahead).
+        ahead = None
+        for i, part in enumerate(parts):
+            if ahead is not None:
+                ok = ahead.result()
+            else:
+                ok = _check_part(fd, part, min_age, now, checked)
+            ahead = None
+            if not dry_run and not _still_at(root, rel_dir, here):
+                stopped = True
+                break
+            if not (dry_run or paced) and i + 1 < len(parts):
+                ahead = pool.submit(_check_part, fd, parts[i + 1], min_age, now, checked)
+            for name, nbytes in ok:
+                if not dry_run:
+                    # Through the parent and the dir's name, not `fd`: once the dir is moved
+                    # (out of the root, say), the next unlink finds nothing there and we stop.
+                    try:
+                        os.unlink(f"{leaf}/{name}", dir_fd=parent_fd)
+                    except (FileNotFoundError, NotADirectoryError):
+                        if not _still_at(root, rel_dir, here):
+                            stopped = True
+                            break
+                        checked.vanished.append(name)
+                        continue
+                    if removed is not None:
+                        removed(name)
+                    if pacer is not None:
+                        pacer.tick()
+                files += 1
+                size += nbytes
+                if progress is not None and files % 1024 == 0:
+                    progress(files, size)
+            if stopped:
+                break
+    if removed is not None and not dry_run:
+        for name in checked.vanished:
+            removed(name)
+    if progress is not None:
+        progress(files, size)
+    refused = tuple(f"{rel_dir}/{name}: {why}" for name, why in checked.refused)
+    if stopped:
+        refused += (f"{rel_dir}: moved or replaced while its files were deleted; stopped",)
+    return DeleteReport(files, size, len(checked.vanished), checked.young, refused, dry_run)
+
+
+def _dir_id(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+def _still_at(root: Path, rel_dir: str, here: tuple[int, int]) -> bool:
+    """Whether <root>/<rel_dir> is still, reached without links, the dir we delete in: a dir
+    moved out of the root keeps its descriptor, and deleting through it would follow it."""
+    try:
+        with open_dir(root, rel_dir) as fd:
+            return _dir_id(fd) == here
+    except (OSError, UnsafePathError):
+        return False
+
+
+@dataclass
+class _Checked:
+    """What checking turned away (`vanished` also gets names gone by unlink time)."""
+
+    vanished: list[str] = field(default_factory=list)
+    young: int = 0
+    refused: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _check_part(
+    dir_fd: int, names: list[str], min_age: float, now: Callable[[], float], out: _Checked
+) -> list[tuple[str, int]]:
+    """(name, size) of the names that may be deleted; the rest are tallied in `out`."""
+    ok = []
+    for name in names:
+        verdict = _check(dir_fd, name, min_age, now())
+        if isinstance(verdict, int):
+            ok.append((name, verdict))
+        elif verdict == "vanished":
+            out.vanished.append(name)
+        elif verdict == "young":
+            out.young += 1
+        else:
+            out.refused.append((name, verdict))
+    return ok
+
+
+def _check(dir_fd: int, name: str, min_age: float, now: float) -> int | str:
+    """The file's size if it may be deleted, else why not."""
+    if os.sep in name or classify(name) is FileKind.FOREIGN:
+        return "not an SGLang page or temp file name"
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return "vanished"
+    except OSError as e:
+        return f"cannot stat: {e.strerror}"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if min_age > 0 and now - st.st_mtime < min_age:  # 0: no age rule, even for future mtimes
+        return "young"
+    return st.st_size
+
+
+def _unlink(dir_fd: int, name: str) -> bool:
+    """Unlink relative to the directory descriptor; False if it was already gone."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def delete_dir(
+    root: Path,
+    rel_dir: str,
+    *,
+    dry_run: bool = False,
+    pacer: Pacer | None = None,
+    progress: Progress | None = None,
+) -> DeleteReport:
+    """Empty <root>/<rel_dir> of page/temp files and remove it if nothing else is left.
+
+    Used for namespaces renamed into .trash/: foreign files and subdirectories stay, reported.
+    """
+    with open_dir(root, rel_dir) as fd:
+        names = [e.name for e in os.scandir(fd)]
+    report = delete_files(root, rel_dir, names, dry_run=dry_run, pacer=pacer, progress=progress)
+    if dry_run or report.refused:
+        return report
+    why = remove_empty_dir(root, rel_dir)
+    return report + DeleteReport(refused=(why,)) if why else report
+
+
+def remove_empty_dir(root: Path, rel_dir: str) -> str | None:
+    """rmdir <root>/<rel_dir> (no symlinks on the way); None if gone, else why it stayed."""
+    parent, _, leaf = rel_dir.rpartition("/")
+    with open_dir(root, parent) as pfd:
+        try:
+            os.rmdir(leaf, dir_fd=pfd)
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # a writer added files meanwhile: leave it for the next run
+            return f"{rel_dir}: not removed: {e.strerror}"
+    return None
+
+
+def delete_manifest(root: Path, ns_id: str) -> bool:
+    """Remove ns/<id>.json of a namespace purged while unbound; False if it was already gone."""
+    name = f"{check_ns_id(ns_id)}.json"
+    with open_dir(root, NS_DIR) as fd:
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePathError(f"{root}/ns/{name} is not a regular file; left alone")
+        return _unlink(fd, name)

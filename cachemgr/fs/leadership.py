@@ -1,0 +1,66 @@
+"""Leadership of one root: whoever holds an exclusive flock on a lock file in the state dir
+leads (gc.lock: GC deletes; index-<boot id>.lock: the daemon indexes). The lock file is opened
+without following links: a symlink planted there is refused, never truncated through.
+
+flock belongs to the open file description, so the kernel releases it when the holder exits
+or dies, and a second descriptor, even in the same process, cannot take it meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket
+import time
+from pathlib import Path
+
+from cachemgr.errors import UnsafePathError
+from cachemgr.fs.safe import open_dir, open_file, read_regular
+
+
+class Leadership:
+    """Non-blocking leader election over one lock file; the leader keeps it until release."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def try_acquire(self) -> bool:
+        """Become the leader if nobody is; True if this process leads now."""
+        if self._fd is not None:
+            return True
+        fd = open_file(self.path, os.O_RDWR | os.O_CREAT)  # a planted link: UnsafePathError
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        note = f"pid {os.getpid()} on {socket.gethostname()} since {stamp}\n"
+        self._fd = fd
+        # Informational, and it needs a block: on a full disk leading matters more (GC frees it).
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, note.encode(), 0)
+        return True
+
+    def holder(self) -> str | None:
+        """Who leads, as the leader wrote it (informational; may be a dead leader's line)."""
+        try:
+            with open_dir(self.path.parent, "") as dir_fd:
+                raw = read_regular(dir_fd, self.path.name, 4096)
+        except (FileNotFoundError, UnsafePathError):
+            return None
+        return raw.decode("utf-8", "replace").strip() or None
+
+    def release(self) -> None:
+        """Give up leadership (process exit does the same)."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)

@@ -1,0 +1,99 @@
+"""The root lock: one writer of namespaces and bindings at a time, across processes and threads.
+
+An flock on <state_dir>/root.lock excludes other processes (init, purge, the daemon); a
+per-path re-entrant thread lock excludes other threads of this process, and lets a function
+that holds the lock call another that takes it too (flock is per open file, so taking it twice
+from one process would deadlock).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cachemgr.errors import ConfigError, ConflictError
+from cachemgr.fs.safe import open_file
+from cachemgr.layout import Layout
+
+
+@dataclass
+class _Held:
+    rlock: threading.RLock = field(default_factory=threading.RLock)
+    depth: int = 0
+    fd: int | None = None
+
+
+_held: dict[Path, _Held] = {}
+_guard = threading.Lock()
+
+
+@contextmanager
+def root_lock(
+    layout: Layout,
+    *,
+    timeout: float = 30.0,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Iterator[None]:
+    """Hold the root's lock; ConflictError naming the holder if it is not free in `timeout` s."""
+    path = layout.root_lock
+    with _guard:
+        held = _held.setdefault(path, _Held())
+    if not held.rlock.acquire(timeout=timeout):
+        raise ConflictError(f"another thread of this process holds {path} (waited {timeout:g} s)")
+    try:
+        if held.depth == 0:
+            held.fd = _flock(path, timeout, clock, sleep)
+        held.depth += 1
+        try:
+            yield
+        finally:
+            held.depth -= 1
+            if held.depth == 0 and held.fd is not None:
+                os.close(held.fd)  # closing releases the flock
+                held.fd = None
+    finally:
+        held.rlock.release()
+
+
+def _flock(
+    path: Path, timeout: float, clock: Callable[[], float], sleep: Callable[[float], None]
+) -> int:
+    """Open and exclusively flock `path`, writing our pid into it for whoever waits next."""
+    try:
+        fd = open_file(path, os.O_RDWR | os.O_CREAT)  # a planted link: UnsafePathError
+    except OSError as e:
+        raise ConfigError(f"cannot open lock {path}: {e.strerror or e}") from e
+    deadline = clock() + timeout
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN) or clock() >= deadline:
+                holder = _holder(fd)
+                os.close(fd)
+                raise ConflictError(
+                    f"{path} is held by {holder} (waited {timeout:g} s); "
+                    "another init or purge is running on this root"
+                ) from e
+            sleep(0.05)
+    # For whoever waits next; it needs a block, which a full disk may not have: then unsaid.
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock, as far as the pid its holder wrote says."""
+    pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    return f"pid {pid}" if pid.isdigit() else "another process"

@@ -1,0 +1,171 @@
+"""What GC may delete besides LRU pages: trash leftovers, stale temps, unbound namespaces, torn
+pages. Each finder is read-only and returns raw names and sizes for the planner."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+from cachemgr.errors import UnsafePathError
+from cachemgr.fs.dirscan import TEMPS, list_files, usual_size
+from cachemgr.gc.policy import GcPolicy, Reason
+from cachemgr.layout import FileKind, Layout
+from cachemgr.ns.trash import list_trash
+
+
+@dataclass(frozen=True)
+class TempFile:
+    """An SGLang `.tmp` file found in a namespace dir."""
+
+    namespace_id: str
+    name: str
+    size: int
+    mtime: float
+
+
+def list_namespace(
+    layout: Layout, ns_id: str
+) -> tuple[dict[str, tuple[int, float]], list[TempFile]]:
+    """Pages (name -> (size, mtime)) and temp files of one namespace dir; others are ignored."""
+    pages: dict[str, tuple[int, float]] = {}
+    temps: list[TempFile] = []
+    for f in list_files(layout, f"ns/{ns_id}"):
+        if f.kind is FileKind.PAGE:
+            pages[f.name] = (f.size, f.mtime)
+        else:
+            temps.append(TempFile(ns_id, f.name, f.size, f.mtime))
+    return pages, temps
+
+
+def list_temps(layout: Layout, ns_id: str, warnings: list[str]) -> list[TempFile]:
+    """The temp files of one namespace dir (pages are named, not stat'ed: a sweep is cheap);
+    none, with a warning, if the dir is no longer a safe one."""
+    try:
+        temps = list(list_files(layout, f"ns/{ns_id}", TEMPS))
+    except UnsafePathError as e:
+        warnings.append(f"ns/{ns_id} not swept: {e}")
+        return []
+    return [TempFile(ns_id, f.name, f.size, f.mtime) for f in temps]
+
+
+@dataclass(frozen=True)
+class Found:
+    """Files of one directory that one rule says can go."""
+
+    reason: Reason
+    rel_dir: str
+    namespace_id: str | None
+    names: tuple[str, ...]
+    bytes: int
+
+
+def trash_leftovers(layout: Layout, warnings: list[str]) -> list[Found]:
+    """Page and temp files of every purged namespace in .trash/ (purges not finished yet)."""
+    found: list[Found] = []
+    try:
+        entries = list_trash(layout)  # the entries trash.drain_entry deletes; others stay
+    except UnsafePathError as e:
+        warnings.append(f".trash not drained: {e}")
+        return found
+    for entry in entries:
+        try:
+            files = list(list_files(layout, f".trash/{entry}"))
+        except UnsafePathError as e:  # a symlink or a file: left for a person, reported
+            warnings.append(f".trash/{entry} skipped: {e}")
+            continue
+        names = tuple(sorted(f.name for f in files))
+        size = sum(f.size for f in files)
+        found.append(Found("trash", f".trash/{entry}", entry.partition(".")[0], names, size))
+    return found
+
+
+def stale_temps(temps: list[TempFile], policy: GcPolicy, now: float) -> list[Found]:
+    """Temp files older than tmp_ttl, grouped by namespace (a crashed writer's leftovers)."""
+    by_ns: dict[str, list[TempFile]] = defaultdict(list)
+    for t in temps:
+        if now - t.mtime >= policy.tmp_ttl:
+            by_ns[t.namespace_id].append(t)
+    return [
+        Found("tmp", f"ns/{ns}", ns, tuple(t.name for t in ts), sum(t.size for t in ts))
+        for ns, ts in sorted(by_ns.items())
+    ]
+
+
+def unbound_past_retention(
+    conn: sqlite3.Connection, policy: GcPolicy, now: float
+) -> list[tuple[str, Reason]]:
+    """Namespaces no instance is bound to, beyond keep_unbound or idle past unbound_ttl.
+
+    Oldest first. Idle time counts from the last activity the registry or the index saw, and
+    a namespace idle for less than min_age is never dropped (an init step may bind it next).
+    """
+    rows = conn.execute(
+        "SELECT n.id, MAX(n.last_active_at,"
+        " COALESCE((SELECT MAX(p.last_access) FROM pages p WHERE p.namespace_id = n.id), 0))"
+        " FROM namespaces n WHERE n.state = 'active'"
+        " AND NOT EXISTS (SELECT 1 FROM bindings b WHERE b.namespace_id = n.id)"
+        " ORDER BY 2 DESC, n.id"
+    ).fetchall()
+    doomed: list[tuple[str, Reason]] = []
+    for rank, (ns_id, active) in enumerate(rows):
+        idle = now - active
+        if idle < policy.min_age:
+            continue
+        if policy.unbound_ttl is not None and idle > policy.unbound_ttl:
+            doomed.append((ns_id, "ttl"))
+        elif rank >= policy.keep_unbound:
+            doomed.append((ns_id, "unbound"))
+    return doomed[::-1]
+
+
+def page_kind(name: str) -> str:
+    """What follows the page hash: pool, model and ranks; pages of one kind share a size."""
+    cut = [i for i in (name.find("."), name.find("_")) if i >= 0]
+    return name[min(cut) :] if cut else name
+
+
+def torn_pages(
+    conn: sqlite3.Connection, skip: set[str], before: float
+) -> tuple[list[Found], list[str]]:
+    """Pages whose size differs from the size most pages of their kind have.
+
+    A truncated or foreign-dtype page poisons its prefix for good: SGLang's get() fails on it
+    and set() never rewrites a file that exists (FIELD_NOTES §5); deleting it heals the cache.
+    A kind without a clear majority size is reported, not touched.
+    """
+    mixed = conn.execute(
+        "SELECT namespace_id FROM pages GROUP BY namespace_id HAVING COUNT(DISTINCT size) > 1"
+    ).fetchall()
+    found: list[Found] = []
+    warnings: list[str] = []
+    for (ns_id,) in mixed:
+        if ns_id in skip:
+            continue
+        kinds: dict[str, list[tuple[str, int, float]]] = defaultdict(list)
+        for name, size, last in conn.execute(
+            "SELECT name, size, last_access FROM pages WHERE namespace_id = ?", (ns_id,)
+        ):
+            kinds[page_kind(name)].append((name, size, last))
+        torn: list[tuple[str, int]] = []
+        for kind, pages in sorted(kinds.items()):
+            sizes = Counter(s for _, s, _ in pages)
+            if len(sizes) == 1:
+                continue
+            usual = usual_size(sizes, len(pages))
+            if usual is None:
+                warnings.append(f"ns/{ns_id}: pages *{kind} have mixed sizes; none removed")
+                continue
+            torn += [(n, s) for n, s, last in pages if s != usual and last <= before]
+        if torn:
+            torn.sort()
+            found.append(
+                Found(
+                    "corrupt",
+                    f"ns/{ns_id}",
+                    ns_id,
+                    tuple(n for n, _ in torn),
+                    sum(s for _, s in torn),
+                )
+            )
+    return found, warnings

@@ -1,0 +1,205 @@
+"""Garbage collection as a plan, then its execution (huggingface_hub's cache manager style).
+
+`plan_gc` reads the index and the disk and decides, in order: leftovers in .trash/; stale
+.tmp files; unbound namespaces past retention (oldest first); torn pages; then pages of live
+namespaces in chain-aware LRU order (cachemgr.gc.order) until each namespace cap and the root's
+budget (byte cap or free-space floor) are back under the low watermark. `execute_gc` deletes
+exactly the planned files through cachemgr.fs.deletion, so a dry run reports what a real run
+frees.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from cachemgr.errors import UnsafePathError
+from cachemgr.gc import find as gcfind
+from cachemgr.gc.find import TempFile, list_namespace, list_temps
+from cachemgr.gc.order import Candidate, eviction_order
+from cachemgr.gc.policy import ByReason, DiskUsage, GcPolicy, Reason, root_budget, tally
+from cachemgr.layout import Layout
+from cachemgr.ns import registry as nsreg
+from cachemgr.state.index import namespace_dirs
+from cachemgr.state.store import Store
+
+DiskUsageFn = Callable[[Path], tuple[int, int, int]]
+
+
+@dataclass(frozen=True)
+class GcStep:
+    """Files of one directory to delete for one reason, in the order to delete them."""
+
+    reason: Reason
+    rel_dir: str  # below the root: ns/<id> or .trash/<entry>
+    namespace_id: str | None
+    names: tuple[str, ...]
+    bytes: int  # as the index or the scan saw them
+    min_age: float  # execution re-checks mtime against this
+    remove_dir: bool = False  # the whole directory goes (trash, unbound namespace)
+
+
+@dataclass(frozen=True)
+class GcPlan(ByReason):
+    """What a GC run will delete, and the numbers that decided it."""
+
+    created_at: float
+    steps: tuple[GcStep, ...]
+    used_bytes: int  # page bytes of all namespaces in the index
+    budget_bytes: int | None  # the root's limit; None when nothing limits it
+    budget_reason: Reason
+    warnings: tuple[str, ...] = ()
+
+    def totals(self) -> dict[Reason, tuple[int, int]]:
+        """(files, bytes) per reason, in plan order."""
+        return tally((s.reason, len(s.names), s.bytes) for s in self.steps)
+
+
+def plan_gc(
+    store: Store,
+    layout: Layout,
+    policy: GcPolicy,
+    *,
+    now: float,
+    disk_usage: DiskUsageFn = shutil.disk_usage,
+    temps: Sequence[TempFile] | None = None,
+    sweep: bool = True,
+) -> GcPlan:
+    """Decide what to delete. `sweep` also lists namespace dirs for temps (unless `temps`
+    from a scan are given) and checks page sizes; without it only the index is read."""
+    with _snapshot(store.conn) as conn:
+        return _plan(conn, layout, policy, now, disk_usage, temps, sweep)
+
+
+@contextmanager
+def _snapshot(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """One read transaction, so the plan sees the index at one moment while the watcher writes."""
+    conn.execute("BEGIN")
+    try:
+        yield conn
+    finally:
+        conn.execute("COMMIT")
+
+
+def _plan(
+    conn: sqlite3.Connection,
+    layout: Layout,
+    policy: GcPolicy,
+    now: float,
+    disk_usage: DiskUsageFn,
+    temps: Sequence[TempFile] | None,
+    sweep: bool,
+) -> GcPlan:
+    usage: dict[str, int] = dict(
+        conn.execute("SELECT namespace_id, bytes FROM namespace_stats WHERE pages > 0")
+    )
+    # A dir that became a symlink (or worse) is skipped with a warning, never a failed run:
+    # GC must go on bounding everything else.
+    warnings: list[str] = []
+    trash = gcfind.trash_leftovers(layout, warnings)
+    steps: list[GcStep] = [_step(f, 0.0, remove_dir=True) for f in trash]
+    # Damaged namespaces (a bad manifest, a symlink in place of the dir) are left alone
+    # whole: not dropped as unbound, no page of theirs evicted.
+    damaged = nsreg.damaged(layout)
+    warnings += [f"ns/{ns} left alone ({state}): {why}" for ns, (state, why) in damaged.items()]
+    gone: set[str] = set(damaged)  # dropped, or unsafe: no page of theirs is evicted one by one
+    drops: list[GcStep] = []
+    for ns_id, reason in gcfind.unbound_past_retention(conn, policy, now):
+        if ns_id in gone:
+            continue
+        gone.add(ns_id)
+        try:
+            pages, ns_temps = list_namespace(layout, ns_id)
+        except UnsafePathError as e:
+            warnings.append(f"ns/{ns_id} not dropped: {e}")
+            continue
+        names = tuple(sorted([*pages, *(t.name for t in ns_temps)]))
+        size = sum(s for s, _ in pages.values()) + sum(t.size for t in ns_temps)
+        found = gcfind.Found(reason, f"ns/{ns_id}", ns_id, names, size)
+        drops.append(_step(found, policy.min_age, remove_dir=True))
+    if sweep and temps is None:
+        temps = [t for ns in namespace_dirs(layout) for t in list_temps(layout, ns, warnings)]
+    stale = gcfind.stale_temps([t for t in temps or () if t.namespace_id not in gone], policy, now)
+    steps += [_step(f, policy.tmp_ttl) for f in stale]
+    steps += drops
+    unlisted = sum(s.bytes for s in steps if s.reason in ("trash", "tmp"))
+    before = now - policy.min_age
+    if sweep:
+        torn, mixed = gcfind.torn_pages(conn, gone, before)
+        steps += [_step(f, policy.min_age) for f in torn]
+        warnings += mixed
+    taken = {(s.namespace_id, n) for s in steps if s.reason == "corrupt" for n in s.names}
+    live = {ns: b for ns, b in usage.items() if ns not in gone}
+    for s in steps:
+        if s.reason == "corrupt" and s.namespace_id is not None:
+            live[s.namespace_id] -= s.bytes
+    if policy.namespace_max_bytes is not None:
+        cap = policy.namespace_max_bytes
+        for ns_id, used in sorted(live.items()):
+            if used > cap * policy.high_watermark:
+                need = used - int(cap * policy.low_watermark)
+                victims = _pick(conn, [ns_id], need, before, taken, policy)
+                live[ns_id] -= sum(c.size for c in victims)
+                steps += _evictions("cap", victims, policy.min_age)
+    used_all = sum(usage.values())
+    disk = DiskUsage(*disk_usage(layout.root))
+    budget = root_budget(policy, used_all + unlisted, disk)
+    left = sum(live.values())
+    if budget.over(left, policy.high_watermark):
+        need = budget.excess(left, policy.low_watermark)
+        victims = _pick(conn, list(live), need, before, taken, policy)
+        steps += _evictions(budget.reason, victims, policy.min_age)
+        short = need - sum(c.size for c in victims)
+        if short > 0:
+            warnings.append(
+                f"{budget.reason}: {short} bytes still over the low watermark; "
+                f"nothing else is older than min_age ({policy.min_age:g}s)"
+            )
+    limit = None if budget.limit == float("inf") else int(budget.limit)
+    return GcPlan(now, tuple(steps), used_all, limit, budget.reason, tuple(warnings))
+
+
+def _step(f: gcfind.Found, min_age: float, *, remove_dir: bool = False) -> GcStep:
+    return GcStep(f.reason, f.rel_dir, f.namespace_id, f.names, f.bytes, min_age, remove_dir)
+
+
+def _pick(
+    conn: sqlite3.Connection,
+    ns_ids: list[str],
+    need: int,
+    before: float,
+    taken: set[tuple[str | None, str]],
+    policy: GcPolicy,
+) -> list[Candidate]:
+    """Pages to evict, in order, until `need` bytes; `taken` grows with the choice."""
+    out: list[Candidate] = []
+    freed = 0
+    if need <= 0:
+        return out
+    order = eviction_order(
+        conn, ns_ids, before=before, gap=policy.burst_gap, span=policy.burst_span
+    )
+    for c in order:
+        if (c.namespace_id, c.name) in taken:
+            continue
+        taken.add((c.namespace_id, c.name))
+        out.append(c)
+        freed += c.size
+        if freed >= need:
+            break
+    return out
+
+
+def _evictions(reason: Reason, victims: list[Candidate], min_age: float) -> list[GcStep]:
+    """One step per namespace, names in eviction order, namespaces in order of first victim."""
+    by_ns: dict[str, list[Candidate]] = {}
+    for c in victims:
+        by_ns.setdefault(c.namespace_id, []).append(c)
+    return [
+        GcStep(reason, f"ns/{ns}", ns, tuple(c.name for c in cs), sum(c.size for c in cs), min_age)
+        for ns, cs in by_ns.items()
+    ]

@@ -1,0 +1,275 @@
+"""GC runs: the cheap "anything to do?" check, the daemon's loop, and one-off runs.
+
+A cycle with nothing to delete reads a few aggregate rows (kept by triggers on the page
+index), one statvfs and the .trash/ directory: no scan of the pages or their files. Listing
+namespace dirs (stale temps) and checking page sizes happen every sweep_interval.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from cachemgr.errors import CachemgrError, StateCorrupt, UnsafePathError
+from cachemgr.fs import reserve
+from cachemgr.fs.deletion import Pacer, Progress
+from cachemgr.fs.leadership import Leadership
+from cachemgr.gc import find as gcfind
+from cachemgr.gc.execute import GcReport, execute_gc
+from cachemgr.gc.find import TempFile
+from cachemgr.gc.floor import audit_floor, below_floor, free_floor
+from cachemgr.gc.plan import DiskUsageFn, plan_gc
+from cachemgr.gc.policy import DiskUsage, GcPolicy, Reason, root_budget
+from cachemgr.layout import Layout
+from cachemgr.ns import registry as nsreg
+from cachemgr.ns.trash import list_trash
+from cachemgr.state.store import Store
+
+log = logging.getLogger("cachemgr.gc.plan")
+RUN_GAP = 5.0  # seconds at least between two daemon runs (wakes in between are coalesced)
+
+
+def needs_gc(
+    store: Store,
+    layout: Layout,
+    policy: GcPolicy,
+    *,
+    now: float,
+    disk_usage: DiskUsageFn = shutil.disk_usage,
+) -> tuple[Reason, ...]:
+    """Why GC should run now (empty: it need not), from aggregates and statvfs only."""
+    reasons: list[Reason] = []
+    with contextlib.suppress(UnsafePathError):  # a symlinked .trash/ is GC's to report
+        if list_trash(layout):
+            reasons.append("trash")
+    conn = store.conn
+    dropped = gcfind.unbound_past_retention(conn, policy, now)
+    if dropped:  # rare (GC drops them at once), unless damaged: those are left alone
+        damaged = nsreg.damaged(layout)
+        dropped = [d for d in dropped if d[0] not in damaged]
+    reasons += sorted({r for _, r in dropped})
+    gone = {ns for ns, _ in dropped}
+    usage = {
+        ns: b
+        for ns, b in conn.execute("SELECT namespace_id, bytes FROM namespace_stats WHERE pages > 0")
+        if ns not in gone
+    }
+    cap = policy.namespace_max_bytes
+    if cap is not None and any(b > cap * policy.high_watermark for b in usage.values()):
+        reasons.append("cap")
+    budget = root_budget(policy, sum(usage.values()), DiskUsage(*disk_usage(layout.root)))
+    if budget.over(sum(usage.values()), policy.high_watermark) and budget.reason not in reasons:
+        reasons.append(budget.reason)
+    return tuple(reasons)
+
+
+@dataclass
+class GcStats:
+    """What the daemon's GC did, for metrics (ints and floats only: read without locks)."""
+
+    ok: int = 0  # runs that planned and executed (ticks with nothing to do are not runs)
+    error: int = 0  # cycles or requested runs that failed
+    skipped: int = 0  # cycles in which another process led GC
+    last_success: float = 0.0  # the last cycle or run that ended without error
+
+
+class GcRunner:
+    """Runs GC for one root: periodically, when woken (a watermark crossed), or on request.
+
+    Give it its own Store: its connection must not be shared with another thread's
+    transactions (runs and checks are serialized on it). Only the holder of the root's GC
+    leadership deletes.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        layout: Layout,
+        policy: GcPolicy,
+        *,
+        leadership: Leadership | None = None,
+        clock: Callable[[], float] = time.time,
+        disk_usage: DiskUsageFn | None = None,
+        eligible: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.store, self.layout, self.policy = store, layout, policy
+        self.leadership = leadership or Leadership(layout.gc_lock)
+        self.eligible = eligible  # False: never take the GC lock (another process should)
+        self.clock = clock
+        # As if the state DB's space reserve were allocated: taking it back keeps the floor.
+        self.disk_usage = disk_usage or reserve.usage_with_reserve(layout.state_dir)
+        self.last_sweep = float("-inf")
+        self.stats = GcStats(last_success=clock())
+        self._wake = threading.Event()
+        self._busy = threading.Lock()
+        self._stop = threading.Event()  # serve()'s: a run stops after its current chunk
+
+    @contextmanager
+    def _serialized(self) -> Iterator[None]:
+        """One check or run at a time on this runner's connection, on the DB now at the path
+        (one deleted or moved aside is reopened; one found corrupt raises StateCorrupt)."""
+        with self._busy:
+            self.store.follow_path()
+            with self.store.guard():
+                yield
+
+    def needs_gc(self) -> tuple[Reason, ...]:
+        """The cheap check (see the module docstring)."""
+        with self._serialized():
+            return needs_gc(
+                self.store, self.layout, self.policy, now=self.clock(), disk_usage=self.disk_usage
+            )
+
+    def _lead(self) -> bool:
+        return self.eligible() and self.leadership.try_acquire()
+
+    def tick(self) -> GcReport | None:
+        """One daemon cycle: run GC if a limit is crossed or a sweep is due, else nothing."""
+        if not self._lead():
+            self.stats.skipped += 1
+            return None
+        floor = self.free_floor()
+        sweep = self.clock() - self.last_sweep >= self.policy.sweep_interval
+        try:
+            idle = not sweep and not self.needs_gc()
+        except BaseException:
+            self.stats.error += 1
+            raise
+        if idle:
+            self.stats.last_success = self.clock()
+            return floor
+        return self.run(actor="auto", sweep=sweep)
+
+    def free_floor(self, actor: str = "auto") -> GcReport | None:
+        """Below the free-space floor: delete from a scan of the disk first, without the DB
+        (cachemgr.gc.floor); None if free space is over the floor or another process leads."""
+        try:
+            if not below_floor(self.layout, self.policy, self.disk_usage) or not self._lead():
+                return None
+            with self._busy:
+                report = free_floor(
+                    self.layout, self.policy, disk_usage=self.disk_usage,
+                    pacer=Pacer(rate=self.policy.delete_rate), clock=self.clock,
+                    stop=self._stop.is_set,
+                )  # fmt: skip
+        except BaseException:
+            self.stats.error += 1
+            raise
+        with self._busy:
+            self.stats.ok += 1
+            self.stats.last_success = report.finished_at
+            self._after_floor(report, actor)
+        return report
+
+    def _after_floor(self, report: GcReport, actor: str) -> None:
+        """Audit the floor pass if the DB takes writes again; take the reserve back if room."""
+        try:
+            audit_floor(self.store, report, actor)
+        except (sqlite3.Error, OSError) as e:
+            if not reserve.is_disk_full(e, self.layout.state_dir):
+                raise
+            log.warning("floor pass not audited: the state DB's filesystem is still full",
+                        extra={"files": report.files, "bytes": report.bytes})  # fmt: skip
+        reserve.keep(self.layout.state_dir)
+
+    def run(
+        self,
+        *,
+        dry_run: bool = False,
+        actor: str = "auto",
+        sweep: bool = True,
+        temps: list[TempFile] | None = None,
+        pacer: Pacer | None = None,
+        progress: Progress | None = None,
+    ) -> GcReport:
+        """Plan and execute one GC run; a non-leader reports who leads and deletes nothing.
+
+        Deletion is paced at the policy's delete_rate unless a `pacer` is given.
+        """
+        if not dry_run and not self._lead():
+            now = self.clock()
+            return GcReport(dry_run, False, now, now, holder=self.leadership.holder())
+        with self._serialized():
+            try:
+                report = self._run(dry_run, actor, sweep, temps, pacer, progress)
+            except BaseException:
+                self.stats.error += 1
+                raise
+        if not dry_run:
+            self.stats.ok += 1
+            self.stats.last_success = report.finished_at
+            reserve.keep(self.layout.state_dir)
+        return report
+
+    def _run(
+        self,
+        dry_run: bool,
+        actor: str,
+        sweep: bool,
+        temps: list[TempFile] | None,
+        pacer: Pacer | None,
+        progress: Progress | None,
+    ) -> GcReport:
+        now = self.clock()
+        plan = plan_gc(
+            self.store, self.layout, self.policy, now=now, disk_usage=self.disk_usage,
+            temps=temps, sweep=sweep,
+        )  # fmt: skip
+        if sweep and not dry_run:
+            self.last_sweep = now
+        return execute_gc(
+            plan, self.store, self.layout, dry_run=dry_run, actor=actor,
+            pacer=pacer or Pacer(rate=self.policy.delete_rate), progress=progress,
+            clock=self.clock, stop=self._stop.is_set,
+        )  # fmt: skip
+
+    def wake(self) -> None:
+        """Ask for a check now (the watcher saw the index grow past a watermark)."""
+        self._wake.set()
+
+    def serve(self, stop: threading.Event, ready: threading.Event | None = None) -> None:
+        """The daemon's GC loop: a tick at once (once `ready` is set: the index is built), then
+        every interval or when woken, until `stop` is set (set it, then wake() to end the wait).
+
+        Setting `stop` also ends a run in progress after the chunk it is deleting.
+        """
+        self._stop = stop
+        try:
+            # The index may take long to build, or fail to for lack of space: the floor,
+            # which needs neither it nor the DB, is kept meanwhile.
+            while ready is not None and not ready.wait(0.5):
+                if stop.is_set():
+                    return
+                if self._cycle(self.free_floor):
+                    stop.wait(RUN_GAP)
+            self._wake.set()
+            while not stop.is_set():
+                self._wake.wait(self.policy.interval)
+                self._wake.clear()
+                if stop.is_set():
+                    break
+                if self._cycle(self.tick):
+                    # Writes keep waking GC while a cap cannot be met (every page younger than
+                    # min_age): at most one run per gap, not one per batch of events.
+                    stop.wait(min(self.policy.interval, RUN_GAP))
+        finally:
+            self.leadership.release()
+
+    def _cycle(self, run: Callable[[], GcReport | None]) -> bool:
+        """One daemon cycle; True if it ran GC (or failed: either way, pause before the next)."""
+        try:
+            return run() is not None
+        except StateCorrupt as e:  # moved aside; the indexer rebuilds, the next cycle runs
+            log.warning("gc cycle stopped", extra={"error": str(e)})
+            return True
+        except (CachemgrError, OSError, sqlite3.Error):
+            # One failed cycle (a vanished dir, a locked DB, a full disk) must not end GC.
+            log.exception("gc cycle failed")
+            return True

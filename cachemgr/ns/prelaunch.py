@@ -1,0 +1,225 @@
+"""The pre-launch step: give an identity its namespace, bind the instance, apply the change policy.
+
+`init_namespace` is what `cachemgr init` and `cachemgr exec` run before the server starts: the
+server must never start against pages written under another identity.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Literal
+
+from pydantic import ValidationError
+
+from cachemgr.errors import ConfigError, StateError, UnsafePathError
+from cachemgr.fs.dirscan import Usage, scan_usage
+from cachemgr.fs.locks import root_lock
+from cachemgr.identity.record import Identity, diff_identities
+from cachemgr.layout import NS_ID_RE, Layout
+from cachemgr.ns import registry as nsreg
+from cachemgr.ns.manifest import read_manifest
+from cachemgr.ns.purge import Actor, execute_purge, plan_purge
+from cachemgr.sglang.args import LaunchArgs
+from cachemgr.sglang.liveuse import STORAGE_DIR_ENV as STORAGE_DIR_ENV
+from cachemgr.sglang.liveuse import live_users
+from cachemgr.state.store import Store
+
+OnChange = Literal["purge", "retain"]
+Outcome = Literal["created", "joined", "unchanged", "changed"]
+OldAction = Literal["purged", "retained", "kept"]
+
+
+@dataclass(frozen=True)
+class InitResult:
+    """What init did; the CLI turns it into one line (or JSON)."""
+
+    instance: str
+    ns_id: str
+    digest: str
+    storage_dir: Path
+    outcome: Outcome  # created: new namespace; joined: an existing one this instance was not on
+    created_dir: bool
+    previous_ns: str | None = None  # the namespace the instance was bound to before
+    changes: tuple[str, ...] = ()  # how the identity changed, e.g. "kv_cache_dtype: a → b"
+    old_action: OldAction | None = None  # kept: another instance still uses the old namespace
+    old_users: tuple[str, ...] = ()
+    old_pages: int = 0
+    old_bytes: int = 0
+
+
+def init_namespace(
+    layout: Layout,
+    store: Store,
+    identity: Identity,
+    *,
+    instance: str = "default",
+    on_change: OnChange = "purge",
+    actor: Actor = "cli",
+    now: Callable[[], float] = time.time,
+    force: bool = False,
+    in_use: Callable[[Path], list[int]] = live_users,
+) -> InitResult:
+    """Create/refresh the identity's namespace, bind `instance` to it, handle the old one.
+
+    The old namespace's files are only renamed into .trash/ here; deleting them is the
+    caller's choice (`drain_trash` now, or later by the daemon). A purge of a namespace a
+    running process on this host still uses as its storage dir is refused unless `force`.
+    """
+    nsreg.check_instance(instance)
+    layout.ensure()
+    ns = identity.ns_id
+    with root_lock(layout):
+        previous = nsreg.binding_of(store, instance)
+        if previous not in (None, ns) and on_change == "purge" and not force:
+            _refuse_live_purge(layout, store, previous, instance, in_use)
+        created = nsreg.ensure_namespace(
+            layout,
+            store,
+            ns_id=ns,
+            digest=identity.digest,
+            identity=identity.model_dump(mode="json"),
+            now=now(),
+        )
+        with store.transaction():
+            nsreg.bind(store, instance, ns, now())
+        base = InitResult(instance, ns, identity.digest, layout.ns_dir(ns), "created", created)
+        if previous is None:
+            return replace(base, outcome="created" if created else "joined")
+        if previous == ns:
+            return replace(base, outcome="unchanged", previous_ns=ns)
+        changes = tuple(_changes(layout, store, previous, identity))
+        users = nsreg.instances_of(store, previous)
+        changed = replace(base, outcome="changed", previous_ns=previous, changes=changes)
+        if on_change == "purge" and not users:
+            try:
+                plan = plan_purge(layout, store, namespace=previous)
+            except UnsafePathError:  # damaged (nsreg.damaged): left alone, ls/doctor say why
+                return replace(changed, old_action="retained")
+            execute_purge(plan, layout, store, actor=actor, reason="identity_change", now=now)
+            return replace(changed, old_action="purged", old_pages=plan.pages,
+                            old_bytes=plan.bytes)  # fmt: skip
+        usage = scan_usage(layout, f"ns/{previous}") or Usage()
+        action: OldAction = "kept" if users else "retained"
+        return replace(changed, old_action=action, old_users=users, old_pages=usage.pages,
+                        old_bytes=usage.bytes)  # fmt: skip
+
+
+def _refuse_live_purge(
+    layout: Layout,
+    store: Store,
+    old_ns: str,
+    instance: str,
+    in_use: Callable[[Path], list[int]],
+) -> None:
+    """Raise if the purge would pull a namespace from under a live server (checked before
+    anything is bound or moved, so a refusal leaves the root as it was)."""
+    if any(u != instance for u in nsreg.instances_of(store, old_ns)):
+        return  # another instance keeps it: it will not be purged anyway
+    pids = in_use(layout.ns_dir(old_ns))
+    if pids:
+        raise ConfigError(
+            f"instance {instance}'s old ns {old_ns} is in use by running process "
+            f"{', '.join(map(str, pids[:3]))} (its {STORAGE_DIR_ENV}): another server on this "
+            "root? give each server its own --instance, or pass --on-change retain; --force "
+            "purges anyway"
+        )
+
+
+def adopt_known_version(store: Store, instance: str, identity: Identity) -> Identity:
+    """An identity whose SGLang version is unknown here takes the version of the namespace
+    the instance is bound to, when that is the only difference.
+
+    `init` often runs where SGLang is not installed (an initContainer) and `exec` where it is;
+    without this the two entry points would disagree on the namespace and purge a valid cache
+    each time they alternate. A detected or explicit version is never replaced.
+    """
+    if identity.sglang_version != "unknown":
+        return identity
+    bound = nsreg.binding_of(store, instance)
+    raw = nsreg.identity_json(store, bound) if bound else None
+    if raw is None:
+        return identity
+    try:
+        old = Identity.model_validate_json(raw)
+    except ValidationError:
+        return identity  # another schema version: it differs anyway
+    if old.sglang_version == identity.sglang_version:
+        return identity
+    source = identity.source.model_copy(
+        update={"sglang_version": old.source.sglang_version, "sglang_version_from": "namespace"}
+    )
+    adopted = identity.model_copy(update={"sglang_version": old.sglang_version, "source": source})
+    return adopted if adopted.digest == old.digest else identity
+
+
+def _changes(layout: Layout, store: Store, old_ns: str, new: Identity) -> list[str]:
+    """How the identity changed since `old_ns`, from its DB row or manifest."""
+    raw = nsreg.identity_json(store, old_ns)
+    if raw is None:
+        try:
+            manifest = read_manifest(layout, old_ns)
+        except StateError:
+            manifest = None  # damaged: say only that it changed
+        raw = json.dumps(manifest.identity) if manifest else None
+    if raw is not None:
+        try:
+            return diff_identities(Identity.model_validate_json(raw), new)
+        except ValidationError:
+            pass  # written by another schema version: say only that it changed
+    return [f"identity: {old_ns} → {new.ns_id}"]
+
+
+@dataclass(frozen=True)
+class StorageDirConflict:
+    """A setting that points SGLang's file backend somewhere other than the namespace dir."""
+
+    source: str
+    path: str
+    beats_env: bool  # True: it wins even over SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR
+    ours: bool  # it points at another namespace of this root (a stale env file of ours)
+
+
+def storage_dir_conflicts(
+    args: LaunchArgs | None, storage_dir: Path, layout: Layout, env: Mapping[str, str]
+) -> list[StorageDirConflict]:
+    """What else names a storage dir. SGLang's HiCacheFile (hicache_storage.py) takes
+    SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR first, then extra-config file_storage_path."""
+    found = []
+    value = env.get(STORAGE_DIR_ENV)
+    if value and not _same(value, storage_dir):
+        found.append(StorageDirConflict(
+            f"environment variable {STORAGE_DIR_ENV}", value, True, _ours(value, layout)
+        ))  # fmt: skip
+    extra = _extra_config(args)
+    path = extra.get("file_storage_path")
+    if isinstance(path, str) and path and not _same(path, storage_dir):
+        found.append(StorageDirConflict(
+            "--hicache-storage-backend-extra-config file_storage_path", path, False,
+            _ours(path, layout),
+        ))  # fmt: skip
+    return found
+
+
+def _extra_config(args: LaunchArgs | None) -> dict[str, object]:
+    raw = args.hicache_storage_backend_extra_config if args else None
+    if not raw:
+        return {}
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _same(path: str, storage_dir: Path) -> bool:
+    return os.path.abspath(path).rstrip("/") == str(storage_dir)
+
+
+def _ours(path: str, layout: Layout) -> bool:
+    p = Path(os.path.abspath(path))
+    return p.parent == layout.ns_root and bool(NS_ID_RE.fullmatch(p.name))

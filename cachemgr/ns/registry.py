@@ -1,0 +1,297 @@
+"""The namespace registry: namespace dirs and manifests on disk, rows and bindings in the DB.
+
+The disk is the truth for what exists (a dir under <root>/ns/ with its manifest); the DB says
+which instance is bound to which namespace. Page counts come from a directory scan, because
+the daemon's index may not be running when `init`, `ls` or `purge` look.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import re
+import stat
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from cachemgr.errors import CachemgrError, ConfigError, StateError, UnsafePathError
+from cachemgr.fs.dirscan import Usage, scan_usage
+from cachemgr.fs.safe import open_dir
+from cachemgr.layout import NS_DIR, NS_ID_RE, Layout, check_ns_id
+from cachemgr.ns.manifest import Manifest, read_manifest, write_manifest
+from cachemgr.state.store import Store
+
+log = logging.getLogger(__name__)
+_MANIFEST_RE = re.compile(r"([0-9a-f]{16})\.json")
+NsState = Literal["bound", "unbound", "no-manifest", "missing-dir", "unsafe", "bad-manifest"]
+
+
+def ns_entry_kind(layout: Layout, ns_id: str) -> Literal["dir", "absent"]:
+    """Whether ns/<id> is a real directory or absent; UnsafePathError for anything else."""
+    check_ns_id(ns_id)
+    with open_dir(layout.root, "ns") as fd:
+        try:
+            st = os.stat(ns_id, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return "absent"
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafePathError(f"{layout.ns_dir(ns_id)} is a symlink; cachemgr does not follow it")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafePathError(f"{layout.ns_dir(ns_id)} is not a directory")
+    return "dir"
+
+
+def make_ns_dir(layout: Layout, ns_id: str) -> bool:
+    """Create ns/<id>/ if absent (True if created); a symlink or file in its place is refused."""
+    check_ns_id(ns_id)
+    with open_dir(layout.root, NS_DIR) as fd:
+        try:
+            os.mkdir(ns_id, 0o755, dir_fd=fd)
+            return True
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise ConfigError(f"cannot create {layout.ns_dir(ns_id)}: {e.strerror}") from e
+    ns_entry_kind(layout, ns_id)
+    return False
+
+
+def on_disk(layout: Layout) -> tuple[set[str], set[str]]:
+    """(ids with a dir or other entry under ns/, ids with a manifest); other names are ignored."""
+    dirs: set[str] = set()
+    manifests: set[str] = set()
+    try:
+        with open_dir(layout.root, "ns") as fd, os.scandir(fd) as it:
+            for entry in it:
+                if NS_ID_RE.fullmatch(entry.name):
+                    dirs.add(entry.name)
+                elif m := _MANIFEST_RE.fullmatch(entry.name):
+                    manifests.add(m.group(1))
+    except OSError as e:
+        if e.errno != errno.ENOENT:
+            raise
+    return dirs, manifests
+
+
+def damaged(layout: Layout) -> dict[str, tuple[NsState, str]]:
+    """Namespaces under ns/ that cachemgr leaves alone: id → (state, why).
+
+    `unsafe`: ns/<id> is a symlink, a FIFO, a file; `bad-manifest`: ns/<id>.json is not a
+    regular file, is larger than the manifest size limit, or does not validate. Reads each
+    manifest (a few KiB, never a FIFO), so it costs one small read per namespace.
+    """
+    entries, manifests = on_disk(layout)
+    out: dict[str, tuple[NsState, str]] = {}
+    for ns_id in sorted(manifests):
+        try:
+            read_manifest(layout, ns_id)
+        except StateError as e:
+            out[ns_id] = ("bad-manifest", str(e))
+    for ns_id in sorted(entries):
+        try:
+            ns_entry_kind(layout, ns_id)
+        except UnsafePathError as e:
+            out[ns_id] = ("unsafe", str(e))
+    return out
+
+
+def ensure_namespace(
+    layout: Layout, store: Store, *, ns_id: str, digest: str, identity: dict[str, Any], now: float
+) -> bool:
+    """Create ns/<id>/ and its manifest, or refresh its last-active time; True if created.
+
+    A manifest naming another digest under this id is refused (a 64-bit id collision, or a
+    hand edit); an unreadable one is replaced, since the id says which identity it must hold.
+    """
+    if not digest.startswith(check_ns_id(ns_id)):
+        raise ConfigError(f"namespace id {ns_id} is not a prefix of digest {digest}")
+    try:
+        old = read_manifest(layout, ns_id)
+    except StateError as e:
+        log.warning("replacing unreadable manifest", extra={"ns": ns_id, "error": str(e)})
+        old = None
+    if old is not None and old.digest != digest:
+        raise StateError(
+            f"{layout.manifest(ns_id)} holds identity {old.digest}, not {digest}; "
+            "move it aside if you edited it"
+        )
+    created = make_ns_dir(layout, ns_id)
+    manifest = old.touched(now) if old else Manifest(ns_id, digest, identity, now, now)
+    write_manifest(layout, manifest)
+    with store.transaction():
+        register(store, manifest)
+    return created
+
+
+# --- the DB side ---
+
+
+def adopt_from_disk(layout: Layout, store: Store) -> list[str]:
+    """Register namespaces whose manifest is on disk but which the DB does not know (a lost
+    or rebuilt DB); their times come from the manifest. They are unbound: the next init binds.
+
+    Returns the ids registered. An unreadable manifest is left for `ls`/doctor to report.
+    """
+    _, manifests = on_disk(layout)
+    known = {r[0] for r in store.conn.execute("SELECT id FROM namespaces")}
+    found = []
+    for ns_id in sorted(manifests - known):
+        try:
+            manifest = read_manifest(layout, ns_id)
+        except (StateError, UnsafePathError):
+            continue
+        if manifest is not None:
+            found.append(manifest)
+    if found:
+        with store.transaction():
+            for manifest in found:
+                register(store, manifest)
+        log.info("registered namespaces found on disk", extra={"ns": [m.ns_id for m in found]})
+    return [m.ns_id for m in found]
+
+
+def register(store: Store, manifest: Manifest) -> None:
+    """Insert or refresh the namespace's row from its manifest (state active)."""
+    store.conn.execute(
+        "INSERT INTO namespaces (id, digest, identity_json, created_at, last_active_at, state)"
+        " VALUES (?, ?, ?, ?, ?, 'active') ON CONFLICT(id) DO UPDATE SET"
+        " digest = excluded.digest, identity_json = excluded.identity_json,"
+        " last_active_at = excluded.last_active_at, state = 'active'",
+        (
+            manifest.ns_id,
+            manifest.digest,
+            json.dumps(manifest.identity, sort_keys=True),
+            manifest.created_at,
+            manifest.last_active_at,
+        ),
+    )
+
+
+def bind(store: Store, instance: str, ns_id: str, now: float) -> str | None:
+    """Bind `instance` to `ns_id` (registered first); returns the namespace it was bound to."""
+    check_instance(instance)
+    previous = binding_of(store, instance)
+    store.conn.execute(
+        "INSERT INTO bindings (instance, namespace_id, bound_at) VALUES (?, ?, ?)"
+        " ON CONFLICT(instance) DO UPDATE SET namespace_id = excluded.namespace_id,"
+        " bound_at = excluded.bound_at",
+        (instance, ns_id, now),
+    )
+    return previous
+
+
+def binding_of(store: Store, instance: str) -> str | None:
+    row = store.conn.execute(
+        "SELECT namespace_id FROM bindings WHERE instance = ?", (instance,)
+    ).fetchone()
+    return None if row is None else str(row[0])
+
+
+def instances_of(store: Store, ns_id: str) -> tuple[str, ...]:
+    """The instances bound to `ns_id`, sorted."""
+    rows = store.conn.execute(
+        "SELECT instance FROM bindings WHERE namespace_id = ? ORDER BY instance", (ns_id,)
+    ).fetchall()
+    return tuple(str(r[0]) for r in rows)
+
+
+def all_bindings(store: Store) -> dict[str, tuple[str, ...]]:
+    """namespace id → its bound instances."""
+    out: dict[str, list[str]] = {}
+    for inst, ns in store.conn.execute(
+        "SELECT instance, namespace_id FROM bindings ORDER BY instance"
+    ):
+        out.setdefault(str(ns), []).append(str(inst))
+    return {ns: tuple(v) for ns, v in out.items()}
+
+
+def mark_purged(store: Store, ns_id: str) -> None:
+    """An unbound namespace was purged: keep its row (history), forget its page index."""
+    store.conn.execute("UPDATE namespaces SET state = 'purged' WHERE id = ?", (ns_id,))
+    store.conn.execute("DELETE FROM pages WHERE namespace_id = ?", (ns_id,))
+
+
+def identity_json(store: Store, ns_id: str) -> str | None:
+    row = store.conn.execute("SELECT identity_json FROM namespaces WHERE id = ?", (ns_id,))
+    found = row.fetchone()
+    return None if found is None else str(found[0])
+
+
+_INSTANCE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
+
+
+def check_instance(name: str) -> str:
+    """An instance name: letters, digits and ._:@- (it shows up in tables and logs)."""
+    if not _INSTANCE_RE.fullmatch(name):
+        raise ConfigError(
+            f"invalid instance name {name!r}: use 1-128 letters, digits or ._:@- "
+            "(starting with a letter or digit)"
+        )
+    return name
+
+
+# --- listing ---
+
+
+@dataclass(frozen=True)
+class NamespaceInfo:
+    """One namespace as `ls` shows it: raw numbers, no formatting."""
+
+    ns_id: str
+    state: NsState
+    instances: tuple[str, ...]
+    model: str | None
+    kv_cache_dtype: str | None
+    page_size: int | None
+    pages: int
+    bytes: int
+    temps: int
+    created_at: float | None
+    last_active_at: float | None
+    problem: str | None = None
+
+
+def list_namespaces(layout: Layout, store: Store) -> list[NamespaceInfo]:
+    """Every namespace on disk or bound in the DB, sorted by id."""
+    dirs, manifests = on_disk(layout)
+    bound = all_bindings(store)
+    return [describe(layout, ns, bound.get(ns, ())) for ns in sorted(dirs | manifests | set(bound))]
+
+
+def describe(layout: Layout, ns_id: str, instances: tuple[str, ...]) -> NamespaceInfo:
+    """Scan one namespace; damage (a symlink, a bad manifest) becomes its state, not an error."""
+    problem: str | None = None
+    manifest: Manifest | None = None
+    usage: Usage | None = None
+    state: NsState = "bound" if instances else "unbound"
+    try:
+        manifest = read_manifest(layout, ns_id)
+    except CachemgrError as e:
+        state, problem = "bad-manifest", str(e)
+    try:
+        if ns_entry_kind(layout, ns_id) == "dir":
+            usage = scan_usage(layout, f"ns/{ns_id}")
+    except UnsafePathError as e:
+        state, problem = "unsafe", str(e)
+    if state in ("bound", "unbound"):
+        if usage is None:
+            state = "missing-dir"
+        elif manifest is None:
+            state = "no-manifest"
+    usage = usage or Usage()
+    return NamespaceInfo(
+        ns_id=ns_id,
+        state=state,
+        instances=instances,
+        model=manifest.model if manifest else None,
+        kv_cache_dtype=manifest.kv_cache_dtype if manifest else None,
+        page_size=manifest.page_size if manifest else None,
+        pages=usage.pages,
+        bytes=usage.bytes,
+        temps=usage.temps,
+        created_at=manifest.created_at if manifest else None,
+        last_active_at=manifest.last_active_at if manifest else None,
+        problem=problem,
+    )

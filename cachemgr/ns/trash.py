@@ -1,0 +1,198 @@
+"""The trash: namespaces a purge renamed into <root>/.trash/, deleted later through deletion.py.
+
+Deletion runs in the foreground (CLI, with progress), in a thread (the daemon, paced), or on
+any later run: whatever a crash or a kill -9 left behind is simply deleted again. Each entry
+that is finished gets one audit row `delete-trash` with the pages/bytes actually deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from cachemgr.errors import UnsafePathError
+from cachemgr.fs.deletion import DeleteReport, Pacer, delete_dir
+from cachemgr.fs.dirscan import scan_usage
+from cachemgr.fs.safe import open_dir
+from cachemgr.layout import Layout
+from cachemgr.state.store import Store
+
+Actor = Literal["cli", "http", "auto"]
+log = logging.getLogger(__name__)
+# <ns id>.<unique>: what purge.py names an entry; anything else in .trash/ is a person's.
+TRASH_RE = re.compile(r"(?P<ns>[0-9a-f]{16})\.(?P<unique>[0-9a-z]{1,40})")
+
+
+def list_trash(layout: Layout) -> list[str]:
+    """Names in .trash/ that a purge put there (anything else is left for a person).
+
+    UnsafePathError if .trash/ itself is a symlink or not a directory."""
+    try:
+        with open_dir(layout.root, ".trash") as fd:
+            return sorted(n for n in os.listdir(fd) if TRASH_RE.fullmatch(n))
+    except FileNotFoundError:
+        return []
+
+
+@dataclass(frozen=True)
+class TrashEntry:
+    """One purged namespace waiting in .trash/ to be deleted."""
+
+    name: str
+    ns_id: str
+    pages: int
+    bytes: int
+    problem: str | None = None  # why it cannot be deleted (a symlink), if it cannot
+
+
+def describe_trash(layout: Layout) -> list[TrashEntry]:
+    """What .trash/ holds, scanned without following symlinks; an unsafe .trash/ itself is
+    one entry named "" with its problem."""
+    out = []
+    try:
+        names = list_trash(layout)
+    except UnsafePathError as e:
+        return [TrashEntry("", "", 0, 0, str(e))]
+    for name in names:
+        ns = name.partition(".")[0]
+        try:
+            usage = scan_usage(layout, f".trash/{name}")
+        except UnsafePathError as e:
+            out.append(TrashEntry(name, ns, 0, 0, str(e)))
+            continue
+        if usage is not None:
+            out.append(TrashEntry(name, ns, usage.pages, usage.bytes))
+    return out
+
+
+@dataclass(frozen=True)
+class DrainProgress:
+    """Where a trash deletion is: totals so far across entries, and the names counted up front."""
+
+    entry: str
+    files: int
+    bytes: int
+    total_files: int
+
+
+def drain_trash(
+    layout: Layout,
+    store: Store,
+    *,
+    actor: Actor = "auto",
+    pacer: Pacer | None = None,
+    progress: Callable[[DrainProgress], None] | None = None,
+    dry_run: bool = False,
+) -> DeleteReport:
+    """Delete every purged namespace in .trash/ through deletion.py; safe to run concurrently.
+
+    An entry that is a symlink, or holds files that are not SGLang's, stays and is reported in
+    `refused`; the others are deleted and audited as `delete-trash`.
+    """
+    try:
+        entries = list_trash(layout)
+    except UnsafePathError as e:
+        return DeleteReport(refused=(str(e),), dry_run=dry_run)
+    totals = {e: _count_names(layout, e) for e in entries}
+    total = sum(totals.values())
+    report = DeleteReport(dry_run=dry_run)
+    for entry in entries:
+        tick = _ticker(progress, entry, report, total)
+        report += drain_entry(layout, store, entry, actor=actor, pacer=pacer, progress=tick,
+                              dry_run=dry_run)  # fmt: skip
+    return report
+
+
+def drain_entry(
+    layout: Layout,
+    store: Store,
+    entry: str,
+    *,
+    actor: str = "auto",
+    pacer: Pacer | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    dry_run: bool = False,
+    audit_as: tuple[str, str] = ("delete-trash", "trash"),
+) -> DeleteReport:
+    """Delete one trash entry (purge and GC both go through here) and audit it.
+
+    `audit_as` is the (action, reason) of the one audit row: GC dropping an unbound namespace
+    records its eviction there, not a second row.
+    """
+    try:
+        part = delete_dir(
+            layout.root, f".trash/{entry}", dry_run=dry_run, pacer=pacer, progress=progress
+        )
+    except UnsafePathError as e:
+        return DeleteReport(refused=(f".trash/{entry}: {e}",), dry_run=dry_run)
+    except FileNotFoundError:
+        return DeleteReport(dry_run=dry_run)  # another drain finished it
+    if not dry_run:
+        _audit_deleted(store, entry, part, actor, audit_as)
+    return part
+
+
+def _ticker(
+    progress: Callable[[DrainProgress], None] | None, entry: str, done: DeleteReport, total: int
+) -> Callable[[int, int], None] | None:
+    """Turn delete_dir's per-entry counts into totals across the whole drain."""
+    if progress is None:
+        return None
+    report = progress
+    return lambda files, size: report(
+        DrainProgress(entry, done.files + files, done.bytes + size, total)
+    )
+
+
+def _audit_deleted(
+    store: Store, entry: str, part: DeleteReport, actor: str, audit_as: tuple[str, str]
+) -> None:
+    m = TRASH_RE.fullmatch(entry)
+    with store.transaction():
+        store.audit(
+            audit_as[0],
+            namespace_id=m["ns"] if m else None,
+            reason=audit_as[1],
+            actor=actor,
+            pages=part.files,
+            bytes_=part.bytes,
+        )
+
+
+def drain_in_background(
+    layout: Layout,
+    *,
+    actor: Actor = "auto",
+    pacer: Pacer | None = None,
+    on_done: Callable[[DeleteReport | BaseException], None] | None = None,
+) -> threading.Thread:
+    """Start a daemon thread draining .trash/ with its own DB connection; returns the thread."""
+
+    def run() -> None:
+        outcome: DeleteReport | BaseException
+        try:
+            with Store.open(layout.db_path) as store:
+                outcome = drain_trash(layout, store, actor=actor, pacer=pacer)
+        except Exception as e:  # handed to on_done: a thread has nobody else to tell
+            log.error("trash deletion failed", extra={"error": str(e)})
+            outcome = e
+        if on_done is not None:
+            on_done(outcome)
+
+    thread = threading.Thread(target=run, name="cachemgr-drain-trash", daemon=True)
+    thread.start()
+    return thread
+
+
+def _count_names(layout: Layout, entry: str) -> int:
+    """How many names a trash entry holds (a listdir: ~1M names/s), for a progress total."""
+    try:
+        with open_dir(layout.root, f".trash/{entry}") as fd:
+            return len(os.listdir(fd))
+    except (OSError, UnsafePathError):
+        return 0

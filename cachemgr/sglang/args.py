@@ -1,0 +1,269 @@
+"""Read the settings that matter to the cache out of an SGLang launch command.
+
+Operators already have a command line (`sglang serve …`, `python -m sglang.launch_server …`);
+cachemgr reads the same tokens instead of asking for the values again. Only the flags below are
+kept; every other flag is skipped, including ones newer than the table in `sglang_flags`.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from cachemgr.errors import ConfigError
+from cachemgr.sglang.flags import MULTI_VALUE, NO_VALUE
+
+
+class LaunchArgs(BaseModel):
+    """What an SGLang server will run with, SGLang's defaults filled in where a flag is absent.
+
+    Defaults come from SGLang 0.5.23's sglang/srt/arg_groups/fields/<file>.py, named per field.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # fields/model.py
+    model_path: str = Field(min_length=1)
+    revision: str | None = None
+    dtype: str = "auto"
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    load_format: str = "auto"
+    trust_remote_code: bool = False
+    json_model_override_args: str = "{}"
+    # fields/serving.py; serving_hook.py resolves an absent served name to the model path.
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    # fields/spec.py
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_draft_model_revision: str | None = None
+    speculative_draft_model_quantization: str | None = None  # None: inherits quantization
+    speculative_draft_kv_cache_dtype: str | None = None  # None: follows kv_cache_dtype
+    # fields/schedule.py has page_size=None; overrides.py `_page_size_default` resolves None to
+    # 1 on CUDA/ROCm (64 on MUSA) — the default that makes the L3 file cache write-only. But
+    # the default attention backend (trtllm_mha on SM100) and model overrides can raise it, so
+    # without the flag only the server knows: see `resolved_page_size`.
+    page_size: int = Field(1, ge=1)
+    # flag: --page-size given; attention_backend: forced by an explicit backend (overrides.py
+    # `_mla_backend_page_constraints`); default: not given, SGLang resolves it on the GPU.
+    page_size_source: Literal["flag", "attention_backend", "default"] = "default"
+    # fields/exec_.py, fields/spec.py
+    attention_backend: str | None = None
+    decode_attention_backend: str | None = None
+    prefill_attention_backend: str | None = None
+    speculative_draft_attention_backend: str | None = None
+    # fields/parallel.py
+    tp_size: int = Field(1, ge=1)
+    pp_size: int = Field(1, ge=1)
+    dp_size: int = Field(1, ge=1)
+    attn_dp_size: int = Field(1, ge=1)
+    attn_cp_size: int = Field(1, ge=1)
+    dcp_size: int = Field(1, ge=1)
+    enable_dp_attention: bool = False  # deprecated spelling of attn_dp_size=dp_size
+    # fields/memory.py
+    enable_hierarchical_cache: bool = False
+    hicache_mem_layout: str = "page_first"
+    hicache_io_backend: str = "kernel"
+    hicache_storage_backend: str | None = None
+    hicache_storage_backend_extra_config: str | None = None
+    enable_page_major_kv_layout: bool = False  # kv_cache_configurator.py PageMajor* pools
+    enable_unified_memory: bool = False  # implies the page-major layout
+    # fields/exec_.py
+    mamba_ssm_dtype: str | None = None
+    mamba_track_interval: int = Field(256, ge=1)
+
+    @property
+    def resolved_page_size(self) -> int | None:
+        """The page size the server will use, or None when SGLang decides it on the GPU."""
+        return None if self.page_size_source == "default" else self.page_size
+
+    @property
+    def model_name(self) -> str:
+        """The name SGLang puts into page file names: the served name, else the model path."""
+        return self.served_model_name or self.model_path
+
+
+# Flag spellings (aliases included, from SGLang's Arg(aliases=...)) → LaunchArgs field.
+FLAGS: dict[str, str] = {
+    "--model-path": "model_path", "--model": "model_path",
+    "--revision": "revision",
+    "--dtype": "dtype",
+    "--quantization": "quantization",
+    "--kv-cache-dtype": "kv_cache_dtype",
+    "--load-format": "load_format",
+    "--trust-remote-code": "trust_remote_code",
+    "--json-model-override-args": "json_model_override_args",
+    "--enable-page-major-kv-layout": "enable_page_major_kv_layout",
+    "--enable-unified-memory": "enable_unified_memory",
+    "--served-model-name": "served_model_name",
+    "--host": "host", "--port": "port",
+    "--speculative-algorithm": "speculative_algorithm",
+    "--speculative-draft-model-path": "speculative_draft_model_path",
+    "--speculative-draft-model": "speculative_draft_model_path",
+    "--speculative-draft-model-revision": "speculative_draft_model_revision",
+    "--speculative-draft-model-quantization": "speculative_draft_model_quantization",
+    "--speculative-draft-kv-cache-dtype": "speculative_draft_kv_cache_dtype",
+    "--page-size": "page_size",
+    "--attention-backend": "attention_backend",
+    "--decode-attention-backend": "decode_attention_backend",
+    "--prefill-attention-backend": "prefill_attention_backend",
+    "--speculative-draft-attention-backend": "speculative_draft_attention_backend",
+    "--tp-size": "tp_size", "--tensor-parallel-size": "tp_size",
+    "--pp-size": "pp_size", "--pipeline-parallel-size": "pp_size",
+    "--dp-size": "dp_size", "--data-parallel-size": "dp_size",
+    "--attn-dp-size": "attn_dp_size", "--attention-data-parallel-size": "attn_dp_size",
+    "--attn-cp-size": "attn_cp_size", "--attention-context-parallel-size": "attn_cp_size",
+    "--dcp-size": "dcp_size", "--decode-context-parallel-size": "dcp_size",
+    "--enable-dp-attention": "enable_dp_attention",
+    "--enable-hierarchical-cache": "enable_hierarchical_cache",
+    "--enable-hicache": "enable_hierarchical_cache",
+    "--hicache-mem-layout": "hicache_mem_layout",
+    "--hicache-io-backend": "hicache_io_backend",
+    "--hicache-storage-backend": "hicache_storage_backend",
+    "--hicache-storage-backend-extra-config": "hicache_storage_backend_extra_config",
+    "--mamba-ssm-dtype": "mamba_ssm_dtype",
+    "--mamba-track-interval": "mamba_track_interval",
+}  # fmt: skip
+_FLAG_OF = {field: flag for flag, field in reversed(FLAGS.items())}
+
+
+def split_command(command: str | Sequence[str]) -> list[str]:
+    """A launch command as tokens; a single string is split like a POSIX shell would."""
+    if isinstance(command, str):
+        # A pasted multi-line command keeps its `\<newline>` continuations; shlex would turn
+        # each into a "\n" token.
+        return shlex.split(command.replace("\\\n", " "))
+    return list(command)
+
+
+def scan_flags(tokens: Sequence[str]) -> dict[str, str | bool]:
+    """The known flags of a command and their raw values; the last occurrence wins (as argparse).
+
+    Whatever precedes the first `--flag` (`sglang serve`, `python -m sglang.launch_server`,
+    `env VAR=1 …`) is the program. SGLang takes no positionals, so a token that does not start
+    with `--` belongs to the flag before it, unless that flag is known to take no value.
+    """
+    found: dict[str, str | bool] = {}
+    i = next((n for n, tok in enumerate(tokens) if tok.startswith("--")), len(tokens))
+    while i < len(tokens):
+        tok = tokens[i]
+        i += 1
+        if not tok.startswith("--") or tok == "--":
+            continue  # a stray token: argparse would reject it, we only skip it
+        name, eq, inline = tok.partition("=")
+        if name == "--config":
+            raise ConfigError(
+                "the launch command uses --config: cachemgr cannot read SGLang config files; "
+                "pass the flags on the command line instead"
+            )
+        value: str | bool = True
+        if eq:
+            value = inline
+        elif name not in NO_VALUE and i < len(tokens) and not tokens[i].startswith("--"):
+            value = tokens[i]
+            i += 1
+            if name in MULTI_VALUE or name not in FLAGS:
+                # Multi-value flags (`--cuda-graph-bs-prefill 64 128 …`) and unknown flags
+                # swallow the rest of their run; only the first matters and none is ours.
+                while i < len(tokens) and not tokens[i].startswith("--"):
+                    i += 1
+        if name in FLAGS:
+            found[FLAGS[name]] = value
+    return found
+
+
+def _check_types(values: Mapping[str, Any]) -> None:
+    """A value flag given without a value, or a switch given one, is the operator's error."""
+    bool_fields = {
+        "enable_dp_attention", "enable_hierarchical_cache", "trust_remote_code",
+        "enable_page_major_kv_layout", "enable_unified_memory",
+    }  # fmt: skip
+    for field, value in values.items():
+        if field in bool_fields and not isinstance(value, bool):
+            raise ConfigError(f"{_FLAG_OF[field]} takes no value (got {value!r})")
+        if field not in bool_fields and value is True:
+            raise ConfigError(f"{_FLAG_OF[field]} needs a value")
+
+
+def resolve_launch_args(
+    command: str | Sequence[str] = (), overrides: Mapping[str, Any] | None = None
+) -> LaunchArgs:
+    """LaunchArgs from a launch command, then explicit values (None = not given) on top."""
+    values: dict[str, Any] = dict(scan_flags(split_command(command)))
+    _check_types(values)
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    if not values.get("model_path"):
+        raise ConfigError(
+            "no model path: pass --model-path or an SGLang launch command after `--` "
+            "(e.g. `-- sglang serve --model-path <dir or repo id> …`)"
+        )
+    values.pop("page_size_source", None)  # derived below, never given
+    values = _apply_sglang_resolutions(values)
+    try:
+        return LaunchArgs(**values)
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = str(first["loc"][0]) if first["loc"] else "?"
+        flag = _FLAG_OF.get(field, field)
+        raise ConfigError(f"invalid {flag} {first.get('input')!r}: {first['msg']}") from None
+
+
+def _apply_sglang_resolutions(values: dict[str, Any]) -> dict[str, Any]:
+    """The rewrites SGLang applies to these flags before it builds its caches."""
+    out = dict(values)
+    # parallel_hook.py `_handle_deprecated_dp_attention`: `--dp-size N --enable-dp-attention`
+    # means N attention-DP groups and one replica.
+    if out.get("enable_dp_attention") and int(out.get("attn_dp_size", 1)) == 1:
+        out["attn_dp_size"], out["dp_size"] = out.get("dp_size", 1), 1
+    # hicache_hook.py `resolve_layout_io_compatibility`: page_first with direct I/O becomes
+    # page_first_direct.
+    if (
+        out.get("enable_hierarchical_cache")
+        and out.get("hicache_mem_layout", "page_first") == "page_first"
+        and out.get("hicache_io_backend") == "direct"
+    ):
+        out["hicache_mem_layout"] = "page_first_direct"
+    # serving_hook.py: an unset draft quantization inherits the target's, then `unquant` is
+    # the explicit spelling of "no quantization" for either.
+    if out.get("speculative_draft_model_quantization") is None:
+        out["speculative_draft_model_quantization"] = out.get("quantization")
+    for key in ("quantization", "speculative_draft_model_quantization"):
+        if out.get(key) == "unquant":
+            out[key] = None
+    out["page_size_source"] = "flag" if out.get("page_size") is not None else "default"
+    forced = _backend_page_size(out, _int_or_none(out.get("page_size")))
+    if forced is not None:
+        out["page_size"], out["page_size_source"] = forced, "attention_backend"
+    return out
+
+
+def _int_or_none(value: Any) -> int | None:
+    try:
+        return None if value is None else int(value)
+    except (TypeError, ValueError):
+        return None  # LaunchArgs reports the bad value
+
+
+def _backend_page_size(values: Mapping[str, Any], page: int | None) -> int | None:
+    """The page size an explicit attention backend forces (overrides.py
+    `_mla_backend_page_constraints`, applied after model overrides), None if it forces none."""
+    main = {values.get("attention_backend"), values.get("decode_attention_backend")}
+    every = main | {values.get("prefill_attention_backend")}
+    new = page
+    if "flashmla" in main:
+        new = 64
+    if "trtllm_mla" in main and new not in (32, 64):
+        new = 64
+    if "cutedsl_mla" in every and new not in (32, 64):
+        new = 64
+    mha = every | {values.get("speculative_draft_attention_backend")}
+    if "trtllm_mha" in mha and new not in (16, 32, 64, 128):
+        new = 64
+    if "hpc_ops" in every and new != 64:
+        new = 64
+    return new if new != page else None

@@ -1,0 +1,190 @@
+"""The page index on disk → in the state DB: scans that make the `pages` table agree with the
+files, without resetting what it knows about pages that stay.
+
+A scan first counts the directory in C (cachemgr.fs.dirscan: pages, bytes and a digest of every
+(name, size)); when the index's trigger-kept totals and digest equal those, the index already
+matches and nothing else is read — the usual case on a restart or a periodic reconcile. Only
+when they differ are the page names listed and the rows fixed (`_reindex`). A scan only lists
+and stats: it never opens a page file (an open would count as a hit).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cachemgr.fs.dirscan import PAGES, Usage, list_files, scan_usage
+from cachemgr.layout import NS_ID_RE, Layout
+from cachemgr.ns.registry import adopt_from_disk
+from cachemgr.state.store import Store
+
+log = logging.getLogger(__name__)
+BATCH = 10_000
+SCAN_BATCH = 10_000  # rows per reindex transaction: other writers (GC, purge) get turns
+PROGRESS_EVERY = 200_000  # rows between two progress lines of a long reindex
+
+
+@dataclass(frozen=True)
+class ScanReport:
+    """What one namespace dir held and what the scan changed in the index."""
+
+    namespace_id: str
+    pages: int = 0
+    bytes: int = 0
+    temp_files: int = 0
+    foreign_files: int = 0
+    corrupt_files: int = 0
+    added: int = 0  # pages indexed that the index did not know
+    removed: int = 0  # index rows whose file was gone
+    seconds: float = 0.0
+
+    @property
+    def drift(self) -> int:
+        """Rows the scan had to fix: zero when the watcher kept the index exact."""
+        return self.added + self.removed
+
+
+def namespace_dirs(layout: Layout) -> list[str]:
+    """Ids of the namespace directories under <root>/ns (symlinks and strays ignored)."""
+    try:
+        entries = list(os.scandir(layout.ns_root))
+    except FileNotFoundError:
+        return []
+    return sorted(
+        e.name for e in entries if NS_ID_RE.fullmatch(e.name) and e.is_dir(follow_symlinks=False)
+    )
+
+
+def scan_namespace(
+    store: Store, layout: Layout, ns_id: str, *, now: Callable[[], float] = time.time
+) -> ScanReport:
+    """Make the index of `ns_id` equal its directory; known pages keep their recency."""
+    t0 = time.perf_counter()
+    usage = scan_usage(layout, f"ns/{ns_id}") or Usage()
+    added = removed = 0
+    if not _matches(store.conn, ns_id, usage):
+        log.info("reindexing namespace", extra={"namespace": ns_id, "pages": usage.pages})
+        added, removed = _reindex(store, layout, ns_id, now)
+    report = ScanReport(
+        ns_id, usage.pages, usage.bytes, usage.temps, usage.other, usage.corrupt,
+        added=added, removed=removed, seconds=time.perf_counter() - t0,
+    )  # fmt: skip
+    with store.transaction() as conn:
+        _record_scan(conn, report, now())
+    return report
+
+
+def _matches(conn: sqlite3.Connection, ns_id: str, usage: Usage) -> bool:
+    """Whether the index holds exactly the pages (names and sizes) the scan found."""
+    row = conn.execute(
+        "SELECT pages, bytes, digest FROM namespace_stats WHERE namespace_id = ?", (ns_id,)
+    ).fetchone()
+    return tuple(row or (0, 0, 0)) == (usage.pages, usage.bytes, usage.digest)
+
+
+def _reindex(store: Store, layout: Layout, ns_id: str, now: Callable[[], float]) -> tuple[int, int]:
+    """Make the rows of `ns_id` those of its page files: (rows added, rows removed).
+
+    The names go to a private temp table first, which SQLite sorts; rows then reach `pages`
+    in primary-key order, SCAN_BATCH per transaction, so each B-tree page is written about
+    once instead of once per batch (names are random hashes) and other writers get turns.
+    """
+    conn = store.conn
+    # A 64 MiB page cache (default 2 MiB) keeps the B-tree pages a bulk upsert revisits in
+    # memory, for a bounded amount of RSS.
+    conn.execute("PRAGMA cache_size = -65536")
+    # The temp table is private and rebuilt every time: journaling it would copy each page it
+    # reuses before writing it (a second reindex ran 10x slower on its temp inserts).
+    conn.execute("PRAGMA temp.journal_mode = OFF")
+    conn.execute("DROP TABLE IF EXISTS temp.scan_rows")
+    conn.execute("CREATE TEMP TABLE scan_rows (name TEXT, size INTEGER, mtime REAL)")
+    at = now()
+    conn.executemany(
+        "INSERT INTO temp.scan_rows VALUES (?, ?, ?)",
+        ((f.name, f.size, min(f.mtime, at)) for f in list_files(layout, f"ns/{ns_id}", PAGES)),
+    )
+    conn.execute("CREATE INDEX temp.scan_rows_name ON scan_rows (name)")
+    before = _count(conn, ns_id)
+    with store.transaction():
+        removed = conn.execute(
+            "DELETE FROM pages WHERE namespace_id = ? AND name NOT IN (SELECT name FROM scan_rows)",
+            (ns_id,),
+        ).rowcount
+    # A page first seen by a scan gets its mtime as created/last access: the best guess there
+    # is (SGLang never rewrites a page) and it keeps GC order sane on a first install. Pages
+    # already indexed keep their recency; only a changed size is written.
+    upsert = (
+        "INSERT INTO pages (namespace_id, name, size, created_at, last_access)"
+        " SELECT ?, name, size, mtime, mtime FROM scan_rows WHERE name > ? ORDER BY name LIMIT ?"
+        " ON CONFLICT (namespace_id, name) DO UPDATE SET size = excluded.size"
+        " WHERE size != excluded.size"
+    )
+    last, done = "", 0
+    while True:
+        with store.transaction():
+            end = conn.execute(
+                "SELECT max(name), count(*) FROM"
+                " (SELECT name FROM scan_rows WHERE name > ? ORDER BY name LIMIT ?)",
+                (last, SCAN_BATCH),
+            ).fetchone()
+            if not end[1]:
+                break
+            conn.execute(upsert, (ns_id, last, SCAN_BATCH))
+        last, done = end[0], done + end[1]
+        if done % PROGRESS_EVERY < end[1]:
+            log.info("reindex progress", extra={"namespace": ns_id, "rows": done})
+    conn.execute("DROP TABLE temp.scan_rows")
+    return _count(conn, ns_id) - before + removed, removed
+
+
+def _count(conn: sqlite3.Connection, ns_id: str) -> int:
+    row = conn.execute("SELECT pages FROM namespace_stats WHERE namespace_id = ?", (ns_id,))
+    found = row.fetchone()
+    return int(found[0]) if found else 0
+
+
+def _record_scan(conn: sqlite3.Connection, r: ScanReport, at: float) -> None:
+    conn.execute(
+        "INSERT INTO namespace_stats (namespace_id, temp_files, foreign_files, corrupt_files,"
+        " scanned_at) VALUES (?, ?, ?, ?, ?) ON CONFLICT (namespace_id) DO UPDATE SET"
+        " temp_files = excluded.temp_files, foreign_files = excluded.foreign_files,"
+        " corrupt_files = excluded.corrupt_files, scanned_at = excluded.scanned_at",
+        (r.namespace_id, r.temp_files, r.foreign_files, r.corrupt_files, at),
+    )
+
+
+def forget_namespace(store: Store, ns_id: str) -> int:
+    """Drop the index rows of a namespace whose directory is gone; lifetime counters stay."""
+    removed = 0
+    while True:
+        with store.transaction() as conn:
+            n = conn.execute(
+                "DELETE FROM pages WHERE namespace_id = ? AND name IN"
+                " (SELECT name FROM pages WHERE namespace_id = ? LIMIT ?)",
+                (ns_id, ns_id, BATCH),
+            ).rowcount
+        removed += n
+        if n < BATCH:
+            return removed
+
+
+def scan_root(
+    store: Store, layout: Layout, *, now: Callable[[], float] = time.time
+) -> list[ScanReport]:
+    """Scan every namespace dir and forget index rows of namespaces that no longer exist.
+
+    Namespaces with a manifest the DB does not know (it was lost) are registered first.
+    """
+    adopt_from_disk(layout, store)
+    present = namespace_dirs(layout)
+    reports = [scan_namespace(store, layout, ns, now=now) for ns in present]
+    stale = {
+        r[0] for r in store.conn.execute("SELECT namespace_id FROM namespace_stats WHERE pages > 0")
+    } - set(present)
+    for ns in sorted(stale):
+        forget_namespace(store, ns)
+    return reports

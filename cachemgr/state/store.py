@@ -1,0 +1,267 @@
+"""The state DB: SQLite in WAL mode, its schema applied from numbered migrations/*.sql files.
+
+The DB is an index of what is on disk plus history (bindings, audit); it can always be rebuilt
+from the disk, so it favours speed (synchronous=NORMAL) over surviving a power cut.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import re
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from cachemgr.errors import StateCorrupt, StateError
+from cachemgr.fs import reserve
+from cachemgr.fs._dirscan import page_digest
+from cachemgr.fs.safe import refuse_non_regular
+from cachemgr.layout import db_files
+from cachemgr.state.dbfile import FileId, file_id, is_corrupt, path_lock, quarantine, quick_check
+
+log = logging.getLogger(__name__)
+_MIGRATION_RE = re.compile(r"(\d{4})_[a-z0-9_]+\.sql")
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    sql: str
+
+
+def bundled_migrations() -> list[Migration]:
+    """The migrations shipped with this code, in order (migrations/ is packaged inside)."""
+    folder = resources.files("cachemgr") / "migrations"
+    found = []
+    for entry in folder.iterdir():
+        m = _MIGRATION_RE.fullmatch(entry.name)
+        if m:
+            found.append(Migration(int(m.group(1)), entry.name, entry.read_text("utf-8")))
+    found.sort(key=lambda mig: mig.version)
+    versions = [mig.version for mig in found]
+    if versions != list(range(1, len(found) + 1)):
+        raise StateError(f"migrations are not numbered 1..n without gaps: {versions}")
+    return found
+
+
+def connect(path: Path) -> sqlite3.Connection:
+    """Open the DB with the pragmas every connection needs; transactions are explicit."""
+    try:
+        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("PRAGMA foreign_keys=ON")
+        _register_functions(conn)
+    except sqlite3.Error as e:
+        raise StateError(f"cannot open state DB {path}: {e}") from e
+    conn.row_factory = sqlite3.Row
+    return conn
+
+
+class _XorAgg:
+    """XOR of a column: how a namespace's page digests combine (order-free, self-inverse)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def step(self, value: int) -> None:
+        self.value ^= value
+
+    def finalize(self) -> int:
+        return self.value
+
+
+def _register_functions(conn: sqlite3.Connection) -> None:
+    """The functions the `pages` triggers keep namespace_stats.digest with (migration 0004)."""
+    conn.create_function("cachemgr_page_digest", 2, page_digest, deterministic=True)
+    conn.create_function("cachemgr_xor", 2, operator.xor, deterministic=True)
+    conn.create_aggregate("cachemgr_xor_agg", 1, _XorAgg)
+
+
+def user_version(conn: sqlite3.Connection) -> int:
+    return int(conn.execute("PRAGMA user_version").fetchone()[0])
+
+
+def pending(conn: sqlite3.Connection, migrations: list[Migration]) -> list[Migration]:
+    """Migrations not yet applied; refuses a DB newer than the code."""
+    current = user_version(conn)
+    latest = migrations[-1].version if migrations else 0
+    if current > latest:
+        raise StateError(
+            f"state DB is at schema version {current}, newer than this cachemgr knows "
+            f"({latest}); upgrade cachemgr or point --state-dir elsewhere"
+        )
+    return [m for m in migrations if m.version > current]
+
+
+def migrate(conn: sqlite3.Connection, migrations: list[Migration] | None = None) -> list[int]:
+    """Apply pending migrations, each in one transaction with its user_version bump."""
+    applied = []
+    for mig in pending(conn, bundled_migrations() if migrations is None else migrations):
+        try:
+            # executescript() commits any open transaction first, so the script carries its
+            # own BEGIN/COMMIT and a failure leaves it open for the rollback below.
+            conn.executescript(
+                f"BEGIN IMMEDIATE;\n{mig.sql}\n;PRAGMA user_version = {mig.version};\nCOMMIT;"
+            )
+        except sqlite3.Error as e:
+            if conn.in_transaction:
+                conn.rollback()
+            raise StateError(
+                f"migration {mig.name} failed: {e}; DB left at its prior version"
+            ) from e
+        applied.append(mig.version)
+    return applied
+
+
+def _open_migrated(path: Path) -> sqlite3.Connection:
+    conn = connect(path)
+    try:
+        if pending(conn, bundled_migrations()):
+            with path_lock(path):  # two openers of a fresh DB: one migrates, one sees it done
+                migrate(conn)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _open_with_room(path: Path) -> sqlite3.Connection:
+    """Open; on a full filesystem give the state dir's reserve back and try once more."""
+    try:
+        return _open_migrated(path)
+    except (StateError, sqlite3.DatabaseError) as e:
+        if not reserve.is_disk_full(e, path.parent):
+            raise
+        if reserve.release(path.parent):
+            with suppress(StateError, sqlite3.DatabaseError):
+                return _open_migrated(path)
+        free = reserve.free_bytes(path.parent)
+        raise StateError(
+            f"cannot open state DB {path}: its filesystem is full ({free} bytes free); "
+            "free space with `cachemgr gc --yes` (it works without the DB) or move --state-dir"
+        ) from e
+
+
+class Store:
+    """A migrated connection to the state DB, with the queries shared across modules.
+
+    It remembers which file it opened: `follow_path` reopens when the path names another
+    file (the DB was deleted, or moved aside as corrupt by any process); `guard` (and leaving
+    a `with Store.open(...)` block) turns a corrupt-DB error into StateCorrupt after moving
+    the file aside, so the next use starts a fresh DB that the disk rebuilds.
+    """
+
+    def __init__(self, conn: sqlite3.Connection, path: Path, opened: FileId | None) -> None:
+        self.conn, self.path, self.opened = conn, path, opened
+
+    @classmethod
+    def open(cls, path: Path, *, recover: bool = True, check: bool = False) -> Store:
+        """Open and migrate; a file that is not a SQLite DB (or a corrupt one) is moved aside
+        and a fresh DB started, unless `recover` is off. A DB newer than the code is refused.
+        `check` runs PRAGMA quick_check first (see dbfile.quick_check for its cost)."""
+        # SQLite opens by path and follows links: refuse one planted at its files first.
+        refuse_non_regular(db_files(path))
+        for _ in range(3):
+            before = file_id(path)
+            try:
+                conn = _open_with_room(path)
+            except (StateError, sqlite3.DatabaseError) as e:
+                if not (recover and is_corrupt(e)):
+                    raise
+                quarantine(path, before, e)
+                continue
+            try:
+                if check:
+                    quick_check(conn)
+            except sqlite3.DatabaseError as e:
+                conn.close()
+                if not recover:
+                    raise StateCorrupt(f"state DB {path} is corrupt: {e}") from e
+                quarantine(path, before, e)
+                continue
+            after = file_id(path)
+            if before is None or before == after:  # else replaced while opening: open again
+                reserve.keep(path.parent)
+                return cls(conn, path, after)
+            conn.close()
+        raise StateError(f"cannot open state DB {path}: corrupt or replaced at every attempt")
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        self.close()
+        if exc is not None:
+            self._raise_if_corrupt(exc)
+
+    @contextmanager
+    def guard(self) -> Iterator[None]:
+        """Statements run inside raise StateCorrupt, not a raw sqlite3 error, if the DB is
+        corrupt; the file is moved aside first (the next open or `follow_path` starts anew)."""
+        try:
+            yield
+        except (sqlite3.DatabaseError, StateError) as e:
+            self._raise_if_corrupt(e)
+            raise
+
+    def _raise_if_corrupt(self, exc: BaseException) -> None:
+        if isinstance(exc, StateCorrupt) or not is_corrupt(exc):
+            return
+        aside = quarantine(self.path, self.opened, exc)
+        where = f"moved it to {aside.name}" if aside else "another process moved it aside"
+        raise StateCorrupt(
+            f"state DB {self.path} is corrupt ({exc}); {where}: a fresh one is rebuilt from "
+            "disk on next use (bindings are lost: the next init of each server restores them)"
+        ) from exc
+
+    def follow_path(self) -> bool:
+        """Reopen if the path no longer names the file open (deleted, moved aside, replaced);
+        True if it did. A process writing an unlinked DB would split the state in two."""
+        if file_id(self.path) == self.opened:
+            return False
+        fresh = Store.open(self.path)
+        old, self.conn, self.opened = self.conn, fresh.conn, fresh.opened
+        # SQLite sees the old file moved and neither checkpoints nor deletes -wal/-shm by name.
+        old.close()
+        log.info("state DB file replaced or deleted; reopened it", extra={"db": str(self.path)})
+        return True
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """BEGIN IMMEDIATE … COMMIT, rolled back on any exception."""
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.conn
+        except BaseException:
+            with suppress(sqlite3.Error):  # a corrupt or vanished DB: the cause is what matters
+                self.conn.rollback()
+            raise
+        self.conn.execute("COMMIT")
+
+    def audit(
+        self,
+        action: str,
+        *,
+        namespace_id: str | None,
+        reason: str,
+        actor: str,
+        pages: int = 0,
+        bytes_: int = 0,
+        at: float | None = None,
+    ) -> None:
+        """Record a destructive action (purge, eviction batch) and why."""
+        self.conn.execute(
+            "INSERT INTO audit (at, action, namespace_id, reason, actor, pages, bytes)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (time.time() if at is None else at, action, namespace_id, reason, actor, pages, bytes_),
+        )
