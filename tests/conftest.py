@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +18,7 @@ import pytest
 
 from cachemgr.layout import Layout
 from cachemgr.settings import Settings, load_settings
+from cachemgr.state.store import Store
 
 REPO = Path(__file__).resolve().parent.parent
 SGLANG_ENV = Path(os.environ.get("CACHEMGR_SGLANG_ENV", REPO / ".sglang-env"))
@@ -36,6 +40,55 @@ def layout(root: Path) -> Layout:
     lay = Layout.at(root)
     lay.ensure()
     return lay
+
+
+@pytest.fixture
+def store(layout: Layout) -> Iterator[Store]:
+    """The root's state DB, closed after the test."""
+    s = Store.open(layout.db_path)
+    yield s
+    s.close()
+
+
+# A worker told to stop may take a moment to notice (a batch interval, a poll timeout).
+_THREAD_GRACE = 5.0
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads_or_fds() -> Iterator[None]:
+    """Fail a test that leaves a thread running or a file descriptor open.
+
+    Session- and module-scoped fixtures (the SGLang driver's pipes, a shared daemon) are set
+    up before this function-scoped fixture and torn down after it, so they are in `before`.
+    """
+    threads_before = set(threading.enumerate())
+    fds_before = _open_fds()
+    yield
+    deadline = time.monotonic() + _THREAD_GRACE
+    for t in set(threading.enumerate()) - threads_before:
+        t.join(max(0.0, deadline - time.monotonic()))
+    threads = [t.name for t in set(threading.enumerate()) - threads_before]
+    fds = _new_fds(fds_before)
+    if fds:
+        gc.collect()  # an fd held only by unreachable objects is closed by the collector
+        fds = _new_fds(fds_before)
+    assert not threads, f"threads left running: {threads}"
+    assert not fds, f"file descriptors left open: {fds}"
+
+
+def _open_fds() -> dict[int, str]:
+    """fd -> what it points at, for this process."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except FileNotFoundError:  # the fd listdir itself used, closed by now
+            continue
+    return out
+
+
+def _new_fds(before: dict[int, str]) -> dict[int, str]:
+    return {fd: target for fd, target in _open_fds().items() if before.get(fd) != target}
 
 
 @pytest.fixture

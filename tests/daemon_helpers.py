@@ -1,5 +1,5 @@
 """Helpers for the daemon tests: page files written the way SGLang writes them, a running
-daemon on a loopback port, and polling with a deadline."""
+daemon on a loopback port."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 
@@ -19,8 +19,8 @@ from cachemgr.layout import Layout
 from cachemgr.ns.registry import bind, ensure_namespace
 from cachemgr.settings import Settings
 from cachemgr.state.store import Store
+from tests.polling import wait_for
 
-T = TypeVar("T")
 NS_A = "0123456789abcdef"
 NS_B = "fedcba9876543210"
 
@@ -41,20 +41,6 @@ def read_page(ns_dir: Path, name: str) -> None:
     """Read a page like HiCacheFile.get: open, read, close."""
     with open(ns_dir / name, "rb") as f:
         f.read()
-
-
-def wait_for(
-    probe: Callable[[], T], until: Callable[[T], bool], timeout: float = 10.0, every: float = 0.05
-) -> T:
-    """Poll `probe` until `until(value)`; fail with the last value after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if until(value):
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s; last value: {value!r}")
-        time.sleep(every)
 
 
 class RunningDaemon:

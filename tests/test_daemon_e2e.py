@@ -23,8 +23,8 @@ from tests.daemon_helpers import (
     register_namespace,
     running_daemon,
     store_page,
-    wait_for,
 )
+from tests.polling import wait_for
 from tests.test_server import metric
 
 

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 from cachemgr.fs.leadership import Leadership
@@ -16,9 +15,9 @@ from tests.daemon_helpers import (
     register_namespace,
     running_daemon,
     store_page,
-    wait_for,
 )
 from tests.nsfixtures import cli_process
+from tests.polling import wait_for
 from tests.test_server import metric
 
 PAGE = 1000
@@ -38,7 +37,7 @@ def _root(tmp_path: Path, pages: int) -> tuple[Layout, Path]:
 def test_eviction_woken_by_writes_while_metrics_keep_answering(tmp_path: Path) -> None:
     """Writes push the index past the cap's high watermark: the indexer wakes GC at once (the
     interval is an hour), it evicts paced down to the low watermark, and every /metrics
-    scrape meanwhile answers 200 promptly."""
+    scrape meanwhile answers 200, some of them mid-eviction."""
     layout, d = _root(tmp_path, 1000)
     settings = load_settings(
         root=layout.root, gc_max_bytes=2_000_000, gc_min_age=0, gc_interval=3600,
@@ -47,24 +46,25 @@ def test_eviction_woken_by_writes_while_metrics_keep_answering(tmp_path: Path) -
     with running_daemon(settings) as dm:
         for i in range(1000, 4000):
             store_page(d, page_name(i), PAGE)
-        slowest, polls, seen = 0.0, 0, set()
-        deadline = time.monotonic() + 60
-        while True:
-            t0 = time.monotonic()
+        seen: list[float | None] = []
+
+        def scrape() -> tuple[str, float | None]:
             r = dm.get("/metrics")
-            slowest = max(slowest, time.monotonic() - t0)
             assert r.status_code == 200
-            polls += 1
             pages = metric(r.text, "cachemgr_namespace_pages", namespace=NS_A)
-            seen.add(pages)
-            if pages is not None and pages <= 1900 and pages == len(os.listdir(d)):
-                break
-            assert time.monotonic() < deadline, f"pages stuck at {pages}"
-            time.sleep(0.02)
-        assert slowest < 1.0, f"a scrape took {slowest:.2f}s while GC evicted"
-        assert any(1700 < p < 4000 for p in seen), "no scrape landed during the eviction"
-        assert metric(r.text, "cachemgr_gc_leader") == 1
-        assert metric(r.text, "cachemgr_evicted_pages_total", reason="cap") == 4000 - pages
+            seen.append(pages)
+            return r.text, pages
+
+        text, pages = wait_for(
+            scrape, lambda tp: tp[1] is not None and tp[1] <= 1900 and tp[1] == len(os.listdir(d)),
+            timeout=60, every=0.02, what="GC to evict under the high watermark",
+        )  # fmt: skip
+        assert pages is not None
+        # A count strictly between the start and the end: a scrape was answered mid-eviction,
+        # not queued behind it. (How fast scrapes are then is bench/bench_daemon.py's to say.)
+        assert any(p is not None and 1700 < p < 4000 for p in seen), "no scrape during eviction"
+        assert metric(text, "cachemgr_gc_leader") == 1
+        assert metric(text, "cachemgr_evicted_pages_total", reason="cap") == 4000 - pages
         # Under the high watermark (1900 pages of 1 kB), and a run evicts down to the low one
         # (1700): more only if writes landed after its plan. All writes form one burst, in
         # which the live index's access order makes GC drop the latest first (chain tails):
@@ -141,8 +141,12 @@ def test_a_second_daemon_on_the_root_follows_for_the_index_and_gc(tmp_path: Path
     settings = load_settings(root=layout.root, gc_interval=0.1)
     with running_daemon(settings) as first, running_daemon(settings) as second:
         wait_for(lambda: metric(first.get("/metrics").text, "cachemgr_gc_leader"), bool)
-        time.sleep(0.5)  # a few GC intervals: the follower must not have taken gc.lock
-        text = second.get("/metrics").text
+        # The follower's GC loop has run and found gc.lock taken, more than once.
+        text = wait_for(
+            lambda: second.get("/metrics").text,
+            lambda t: (metric(t, "cachemgr_gc_runs_total", result="skipped") or 0) >= 2,
+            what="the follower's GC cycles",
+        )
         assert metric(text, "cachemgr_index_leader") == 0
         assert metric(text, "cachemgr_gc_leader") == 0
         assert metric(first.get("/metrics").text, "cachemgr_index_leader") == 1

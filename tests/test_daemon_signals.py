@@ -20,7 +20,8 @@ from cachemgr.errors import StateError
 from cachemgr.fs.leadership import Leadership
 from cachemgr.layout import Layout
 from cachemgr.settings import Settings
-from tests.daemon_helpers import NS_A, page_name, register_namespace, store_page, wait_for
+from tests.daemon_helpers import NS_A, page_name, register_namespace, store_page
+from tests.polling import wait_for
 
 
 def _lag(url: str) -> float:
@@ -134,4 +135,7 @@ def test_a_failed_index_writer_stops_the_daemon_with_an_error(tmp_path: Path) ->
     (error,) = failed
     assert isinstance(error, StateError) and "the index writer failed" in str(error)
     index_lock, _ = leadership_files(layout)  # nothing is left holding the root's locks
-    assert index_lock.try_acquire() and Leadership(layout.state_dir / "gc.lock").try_acquire()
+    gc_lock = Leadership(layout.state_dir / "gc.lock")
+    assert index_lock.try_acquire() and gc_lock.try_acquire()
+    index_lock.release()
+    gc_lock.release()

@@ -7,9 +7,8 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from tests.deploy_promql import (
     render,
     rule_exprs,
 )
+from tests.polling import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 PROM = REPO / "deploy" / "prometheus"
@@ -56,14 +56,6 @@ def write_page(ns_dir: Path, n: int) -> None:
 def read_page(ns_dir: Path, n: int) -> None:
     with open(ns_dir / f"{n:064x}_qwen3-8b_0_1.bin", "rb") as f:
         f.read()
-
-
-def poll(check: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 @dataclass(frozen=True)
@@ -117,11 +109,12 @@ def scrapes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
                 except httpx.TransportError:
                     return proc.poll() is not None  # exited: fail below, not by timeout
 
-            poll(ready, "the daemon's /readyz")
+            wait_for(ready, timeout=20, what="the daemon's /readyz")
             assert proc.poll() is None, (base / "daemon.log").read_text()
-            poll(
-                lambda: scrape().get("cachemgr_namespace_pages", namespace=ns_a).value == 4, "scan"
-            )
+            wait_for(
+                lambda: scrape().get("cachemgr_namespace_pages", namespace=ns_a).value == 4,
+                timeout=20, what="the scan",
+            )  # fmt: skip
             first = scrape()
             for n in range(4, 10):
                 write_page(root / "ns" / ns_a, n)
@@ -137,7 +130,7 @@ def scrapes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
                 writes = e.get("cachemgr_page_writes_total", namespace=ns_a).value
                 return (reads, writes) == (2, 6) and bool(e.all("cachemgr_purges_total"))
 
-            poll(counted, "2 reads, 6 writes and a purge in /metrics")
+            wait_for(counted, timeout=20, what="2 reads, 6 writes and a purge in /metrics")
             yield Live(first, scrape(), ns_a)
     finally:
         proc.terminate()

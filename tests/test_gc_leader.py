@@ -107,6 +107,8 @@ def test_a_runner_that_may_not_lead_never_takes_the_lock(tmp_path: Path) -> None
         runner = GcRunner(store, layout, GcPolicy(), eligible=lambda: False)
         assert runner.tick() is None and runner.stats.skipped == 1
         assert runner.run(sweep=True).leader is False and not runner.leadership.held
-        assert Leadership(layout.state_dir / "gc.lock").try_acquire()  # free for the leader
+        other = Leadership(layout.state_dir / "gc.lock")
+        assert other.try_acquire()  # free for the leader
+        other.release()
     finally:
         store.close()

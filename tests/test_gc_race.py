@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from cachemgr.ns.purge import execute_purge, plan_purge
 from cachemgr.state.store import Store
 from tests.gc_helpers import NS, T0, Tree, page, policy
 from tests.nsfixtures import cli, page_name
+from tests.polling import wait_for
 from tests.test_identity import make_model
 
 NO_STORAGE_ENV = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": ""}
@@ -51,6 +51,14 @@ def state_of(root: Path, ns: str) -> tuple[str, tuple[str, ...]]:
         store.close()
 
 
+def _deleting(ns_dir: Path, pages: int, gc: subprocess.Popen[str]) -> bool:
+    """Whether GC has started deleting the dir's pages; fails at once if GC exited before."""
+    if not ns_dir.is_dir() or len(os.listdir(ns_dir)) < pages:
+        return True
+    assert gc.poll() is None, gc.communicate()
+    return False
+
+
 def test_init_rebinding_during_a_slow_gc_keeps_its_namespace(root: Path, tmp_path: Path) -> None:
     model = make_model(tmp_path / "model")
     old = str(init(root, model, 64)["ns_id"])
@@ -64,10 +72,7 @@ def test_init_rebinding_during_a_slow_gc_keeps_its_namespace(root: Path, tmp_pat
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 60
-        while (root / "ns" / old).is_dir() and len(os.listdir(root / "ns" / old)) == 600:
-            assert time.monotonic() < deadline and gc.poll() is None, gc.communicate()
-            time.sleep(0.05)
+        wait_for(lambda: _deleting(root / "ns" / old, 600, gc), timeout=60, what="GC to delete")
         assert init(root, model, 64)["ns_id"] == old  # bound again while GC deletes
         _, err = gc.communicate(timeout=60)
     finally:

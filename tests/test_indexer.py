@@ -16,14 +16,8 @@ from cachemgr.daemon.watcher import Event, Watcher
 from cachemgr.fs.leadership import Leadership
 from cachemgr.layout import Layout
 from cachemgr.state.store import Store, connect
-from tests.daemon_helpers import NS_A, NS_B, page_name, read_page, store_page, wait_for
-
-
-@pytest.fixture
-def store(layout: Layout) -> Iterator[Store]:
-    s = Store.open(layout.db_path)
-    yield s
-    s.close()
+from tests.daemon_helpers import NS_A, NS_B, page_name, read_page, store_page
+from tests.polling import wait_for
 
 
 def start(store: Store, layout: Layout, watcher: Watcher | None = None) -> Indexer:
@@ -263,8 +257,10 @@ def test_a_failed_index_writer_lets_another_daemon_take_over(store: Store, layou
     ix.start()
     wait_for(lambda: failed, bool)
     assert ix.error is failed[0] and not ix.state.ready.is_set()
-    assert Leadership(lock).try_acquire()  # released on the way out, not held by a dead thread
     ix.stop()
+    other = Leadership(lock)
+    assert other.try_acquire()  # released on the way out, not held by a dead thread
+    other.release()
 
 
 def test_a_follower_taking_over_is_not_ready_until_its_own_rescan_ends(

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,13 +28,6 @@ from cachemgr.state.store import Store
 from tests.nsfixtures import make_ns
 
 NS = "0123456789abcdef"
-
-
-@pytest.fixture
-def store(layout: Layout) -> Iterator[Store]:
-    s = Store.open(layout.db_path)
-    yield s
-    s.close()
 
 
 def test_manifest_round_trips_and_leaves_no_temp(layout: Layout) -> None:

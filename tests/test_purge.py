@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,13 +24,6 @@ from cachemgr.ns.purge import (
 from cachemgr.ns.registry import bind, binding_of, list_namespaces
 from cachemgr.state.store import Store
 from tests.nsfixtures import PAGE_BYTES, make_ns, page_name, snapshot
-
-
-@pytest.fixture
-def store(layout: Layout) -> Iterator[Store]:
-    s = Store.open(layout.db_path)
-    yield s
-    s.close()
 
 
 def audit_rows(store: Store) -> list[tuple[str, str, str, str, int, int]]:

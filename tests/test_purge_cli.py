@@ -7,8 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,13 +14,7 @@ import pytest
 from cachemgr.layout import Layout
 from cachemgr.state.store import Store
 from tests.nsfixtures import PAGE_BYTES, cli, make_ns, one_line_error, page_name, snapshot
-
-
-@pytest.fixture
-def store(layout: Layout) -> Iterator[Store]:
-    s = Store.open(layout.db_path)
-    yield s
-    s.close()
+from tests.polling import wait_for
 
 
 def test_purge_without_yes_and_no_terminal_refuses(layout: Layout, store: Store) -> None:
@@ -167,18 +159,23 @@ def test_kill_9_during_deletion_then_rerun_finishes(
 
 def _wait_for_partial_deletion(trash: Path, total: int) -> int:
     """Poll until the trash entry exists and has lost some files; return how many remain."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        entries = os.listdir(trash)
-        if entries:
-            try:
-                left = len(os.listdir(trash / entries[0]))
-            except FileNotFoundError:
-                return 0
-            if left < total:
-                return left
-        time.sleep(0.002)
-    raise AssertionError("deletion never started")
+    left = wait_for(
+        lambda: _left_in_trash(trash), lambda n: n is not None and n < total,
+        timeout=60, what="the deletion to start", every=0.002,
+    )  # fmt: skip
+    assert left is not None
+    return left
+
+
+def _left_in_trash(trash: Path) -> int | None:
+    """Files left in the one trash entry (0 once it is gone); None before the purge made it."""
+    entries = os.listdir(trash)
+    if not entries:
+        return None
+    try:
+        return len(os.listdir(trash / entries[0]))
+    except FileNotFoundError:
+        return 0
 
 
 def test_purge_counts_bytes_in_table_units(layout: Layout, store: Store) -> None:

@@ -24,8 +24,8 @@ from tests.daemon_helpers import (
     register_namespace,
     running_daemon,
     store_page,
-    wait_for,
 )
+from tests.polling import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 PROBLEM = "application/problem+json"

@@ -21,8 +21,8 @@ from tests.daemon_helpers import (
     register_namespace,
     running_daemon,
     store_page,
-    wait_for,
 )
+from tests.polling import wait_for
 from tests.test_server import metric
 
 # As sglang/srt/observability/metrics_collector.py (0.5.23) exposes them, two TP ranks.
