@@ -12,16 +12,17 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Literal
 
-from cachemgr.cli.common import human_bytes
 from cachemgr.fs import reserve
 from cachemgr.gc.plan import DiskUsageFn
 from cachemgr.gc.policy import DiskUsage, GcPolicy
+from cachemgr.units import human_bytes
 from cachemgr.layout import NS_ID_RE, Layout
 from cachemgr.ns.prelaunch import STORAGE_DIR_ENV
 from cachemgr.ns.purge import describe_trash
 from cachemgr.ns.registry import list_namespaces
 from cachemgr.sglang.args import LaunchArgs
 from cachemgr.state.store import Store
+from cachemgr.units import human_bytes
 
 Severity = Literal["error", "warning", "info"]
 MAX_SIZE_ENV = "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE"

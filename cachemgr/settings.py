@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import tomllib
 from contextvars import ContextVar
 from datetime import timedelta
@@ -24,29 +23,13 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from cachemgr.errors import ConfigError
 from cachemgr.layout import STATE_DIR
+from cachemgr.units import parse_duration
 
 ENV_PREFIX = "CACHEMGR_"
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["auto", "json", "text"]
 
-_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)([smhdw])", re.IGNORECASE)
-_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-
-
-def _parse_duration(value: Any) -> Any:
-    """Accept "90s", "5m", "1h30m", "7d" besides pydantic's seconds and ISO 8601 forms."""
-    if not isinstance(value, str):
-        return value
-    text = value.strip().replace(" ", "")
-    if re.fullmatch(r"\d+(\.\d+)?", text):  # env vars and flags arrive as strings
-        return timedelta(seconds=float(text))
-    if not text or not re.fullmatch(r"(\d+(\.\d+)?[smhdw])+", text, re.IGNORECASE):
-        return value  # let pydantic parse (or reject) it
-    total = sum(float(n) * _UNIT_SECONDS[u.lower()] for n, u in _DURATION_RE.findall(text))
-    return timedelta(seconds=total)
-
-
-Duration = Annotated[timedelta, BeforeValidator(_parse_duration)]
+Duration = Annotated[timedelta, BeforeValidator(parse_duration)]
 
 # The config file path is known only at run time (a CLI flag), but pydantic-settings builds
 # its sources from the class; a context variable hands the path to the file source.

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from cachemgr.cli.common import human_bytes
 from cachemgr.doctor import lint
 from cachemgr.layout import Layout
 from cachemgr.settings import load_settings
 from cachemgr.sglang.args import resolve_launch_args
+from cachemgr.units import human_bytes
 from tests.daemon_helpers import (
     NS_A,
     NS_B,

@@ -1,4 +1,4 @@
-"""Pieces the namespace commands share: opening the root, sizes for people, trash progress."""
+"""Pieces the namespace commands share: opening the root, trash progress."""
 
 from __future__ import annotations
 
@@ -43,19 +43,6 @@ def opened_store(layout: Layout) -> Iterator[Store]:
         if layout.ns_root.is_dir():
             adopt_from_disk(layout, store)
         yield store
-
-
-def human_bytes(n: float) -> str:
-    """Bytes for people in decimal units, as disks are sold and `du --si` prints: 15.4 GB.
-
-    The one byte formatter of the CLI, doctor and status: every size reads the same everywhere.
-    """
-    size = float(n)
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(size) < 1000 or unit == "TB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1000
-    raise AssertionError("unreachable")
 
 
 def drain_with_progress(

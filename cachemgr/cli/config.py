@@ -6,7 +6,7 @@ import json
 
 import click
 
-from cachemgr.cli.main import AppContext, pass_app
+from cachemgr.cli.context import AppContext, pass_app
 from cachemgr.layout import Layout
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from cachemgr.cli.common import opened_store
-from cachemgr.cli.main import AppContext, pass_app
+from cachemgr.cli.context import AppContext, pass_app
 from cachemgr.doctor import Finding, exit_code, launch_env, lint, lint_disk, lint_root
 from cachemgr.errors import CachemgrError, StateError
 from cachemgr.fs import reserve

@@ -9,9 +9,9 @@ from collections.abc import Mapping
 
 import click
 
+from cachemgr.cli.context import AppContext, pass_app
 from cachemgr.cli.init import describe, init_options, run_init, warn_refused
 from cachemgr.cli.launch_options import LaunchRequest
-from cachemgr.cli.main import AppContext, pass_app
 from cachemgr.errors import ConfigError
 from cachemgr.ns.prelaunch import STORAGE_DIR_ENV, OnChange
 

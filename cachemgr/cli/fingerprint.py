@@ -7,8 +7,8 @@ from typing import Any
 
 import click
 
+from cachemgr.cli.context import AppContext, pass_app
 from cachemgr.cli.launch_options import LaunchRequest, launch_options
-from cachemgr.cli.main import AppContext, pass_app
 from cachemgr.identity.record import Identity, Weights, diff_identities, load_record
 
 

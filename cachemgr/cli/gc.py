@@ -13,8 +13,7 @@ import click
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from cachemgr.cli.common import human_bytes
-from cachemgr.cli.main import AppContext, pass_app
+from cachemgr.cli.context import AppContext, pass_app
 from cachemgr.daemon.gcapi import GcResponse
 from cachemgr.errors import ConfigError, ConflictError
 from cachemgr.fs import reserve
@@ -26,8 +25,10 @@ from cachemgr.gc.floor import audit_floor, below_floor, free_floor
 from cachemgr.gc.policy import GcPolicy
 from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
+from cachemgr.ns.registry import adopt_from_disk
 from cachemgr.state.index import scan_root
 from cachemgr.state.store import Store
+from cachemgr.units import human_bytes
 
 _LIMITS = [
     ("--max-bytes", "gc_max_bytes", str, 'Cap on all namespaces\' page bytes ("500GB").'),
@@ -90,6 +91,7 @@ def gc(app: AppContext, /, dry_run: bool, as_json: bool, yes: bool, **limits: An
 
 
 def _run(runner: GcRunner, floor: GcReport | None, dry_run: bool, yes: bool, as_json: bool) -> None:
+    adopt_from_disk(runner.layout, runner.store)  # a lost DB forgot them; the disk did not
     scan_root(runner.store, runner.layout)  # no daemon may be watching: bring the index in line
     if dry_run or not yes:
         preview = runner.run(dry_run=True, actor="cli")

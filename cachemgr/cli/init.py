@@ -12,9 +12,9 @@ from typing import Any, TypeVar
 
 import click
 
-from cachemgr.cli.common import drain_with_progress, human_bytes, opened_store, root_layout
+from cachemgr.cli.common import drain_with_progress, opened_store, root_layout
+from cachemgr.cli.context import AppContext, pass_app
 from cachemgr.cli.launch_options import LaunchRequest, launch_options
-from cachemgr.cli.main import AppContext, pass_app
 from cachemgr.fs.atomic import write_atomic
 from cachemgr.identity.record import Identity
 from cachemgr.ns.prelaunch import (
@@ -27,6 +27,7 @@ from cachemgr.ns.prelaunch import (
     storage_dir_conflicts,
 )
 from cachemgr.sglang.args import LaunchArgs
+from cachemgr.units import human_bytes
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -9,10 +9,11 @@ import time
 
 import click
 
-from cachemgr.cli.common import human_bytes, opened_store, root_layout
-from cachemgr.cli.main import AppContext, pass_app
+from cachemgr.cli.common import opened_store, root_layout
+from cachemgr.cli.context import AppContext, pass_app
 from cachemgr.ns.purge import describe_trash
 from cachemgr.ns.registry import list_namespaces
+from cachemgr.units import human_bytes
 
 
 @click.command("ls")

@@ -5,39 +5,15 @@ from __future__ import annotations
 import os
 import sqlite3
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import click
 
-from cachemgr import __version__, logs
+from cachemgr import __version__
+from cachemgr.cli.context import AppContext
 from cachemgr.errors import CachemgrError, StateCorrupt, StateError
 from cachemgr.fs import reserve
-from cachemgr.settings import Settings, load_settings
-
-
-@dataclass
-class AppContext:
-    """What global options say; settings are built on first use so bad ones fail once."""
-
-    config_file: Path | None
-    overrides: dict[str, Any]
-    _settings: Settings | None = field(default=None, repr=False)
-
-    @property
-    def settings(self) -> Settings:
-        if self._settings is None:
-            self._settings = load_settings(self.config_file, **self.overrides)
-            # A one-shot command prints its result; its info logs would only repeat it on
-            # stderr, so they show when asked for (flag, env, file). `serve` logs at the level.
-            asked = "log_level" in self._settings.model_fields_set
-            level = self._settings.log_level if asked else "warning"
-            logs.setup(level, self._settings.log_format)
-        return self._settings
-
-
-pass_app = click.make_pass_decorator(AppContext)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -72,8 +48,8 @@ def version() -> None:
 
 def _register() -> None:
     """Attach the subcommands; each lives in its own module under cachemgr.cli."""
-    # Imported here so `cachemgr --help` stays fast and a module's import cost is paid by
-    # the command that needs it.
+    # Imported when main() runs, not with this module: importing `cli` alone stays cheap. Every
+    # run, `--help` included, imports all the commands (the help lists each one's summary).
     from cachemgr.cli import commands
 
     for command in commands.ALL:

@@ -9,8 +9,8 @@ import time
 
 import click
 
-from cachemgr.cli.common import drain_with_progress, human_bytes, opened_store, root_layout
-from cachemgr.cli.main import AppContext, pass_app
+from cachemgr.cli.common import drain_with_progress, opened_store, root_layout
+from cachemgr.cli.context import AppContext, pass_app
 from cachemgr.errors import CachemgrError, ConfigError
 from cachemgr.fs.deletion import DeleteReport, Pacer
 from cachemgr.ns.purge import (
@@ -22,6 +22,7 @@ from cachemgr.ns.purge import (
     execute_purge,
 )
 from cachemgr.ns.purge import plan_purge as make_plan
+from cachemgr.units import human_bytes
 
 
 @click.command("purge")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from cachemgr import logs
-from cachemgr.cli.main import AppContext
+from cachemgr.cli.context import AppContext
 
 
 @click.command()

@@ -16,8 +16,8 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from cachemgr.cli.common import human_bytes, opened_store, refuse_file_root
-from cachemgr.cli.main import AppContext, pass_app
+from cachemgr.cli.common import opened_store, refuse_file_root
+from cachemgr.cli.context import AppContext, pass_app
 from cachemgr.doctor import disk_state, filesystem_line
 from cachemgr.errors import NotFoundError
 from cachemgr.fs.dirscan import scan_usage
@@ -25,6 +25,7 @@ from cachemgr.gc.policy import DiskUsage, GcPolicy
 from cachemgr.layout import Layout
 from cachemgr.settings import Settings
 from cachemgr.state.status import NamespaceStatus, namespace_statuses
+from cachemgr.units import human_age, human_bytes
 
 
 def from_daemon(settings: Settings, timeout: float = 1.0) -> dict[str, Any] | None:
@@ -69,13 +70,7 @@ def from_disk(settings: Settings) -> dict[str, Any]:
 
 
 def _ago(ts: float | None) -> str:
-    if not ts:
-        return "never"
-    s = max(0.0, time.time() - ts)
-    for unit, span in (("d", 86400), ("h", 3600), ("m", 60)):
-        if s >= span:
-            return f"{s / span:.0f}{unit} ago"
-    return f"{s:.0f}s ago"
+    return f"{human_age(time.time() - ts)} ago" if ts else "never"
 
 
 # Left to right; the first ones go when the table is wider than the terminal (never the id).

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 from cachemgr.fs.dirscan import PAGES, Usage, list_files, scan_usage
 from cachemgr.layout import NS_ID_RE, Layout
-from cachemgr.ns.registry import adopt_from_disk
 from cachemgr.state.store import Store
 
 log = logging.getLogger(__name__)
@@ -177,9 +176,9 @@ def scan_root(
 ) -> list[ScanReport]:
     """Scan every namespace dir and forget index rows of namespaces that no longer exist.
 
-    Namespaces with a manifest the DB does not know (it was lost) are registered first.
+    The index does not know the registry: a caller that may hold a lost DB registers the
+    namespaces found on disk first (cachemgr.ns.registry.adopt_from_disk).
     """
-    adopt_from_disk(layout, store)
     present = namespace_dirs(layout)
     reports = [scan_namespace(store, layout, ns, now=now) for ns in present]
     stale = {
