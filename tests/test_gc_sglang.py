@@ -88,6 +88,7 @@ def test_cap_holds_and_recent_prefixes_keep_hitting(sglang: SglangDriver, root: 
             assert work.stranded(old) == [], f"session {old} has unusable pages at step {step}"
     assert written * PAGE_BYTES >= 3 * cap  # the workload wrote 3x the cap
     assert all(not os.path.exists(work.dir / (k + SUFFIX)) for k in work.keys[0][4:])
+    runner.leadership.release()
     tree.store.close()
 
 
@@ -110,6 +111,7 @@ def test_a_torn_page_is_removed_and_sglang_heals(sglang: SglangDriver, root: Pat
     assert (got["hit_pages"], got["errors"]) == (4, [])  # a gap in the chain is a plain miss
     assert sglang.write(h, tokens)["stored"] == 1
     assert sglang.read(h, tokens)["correct"] == 10
+    runner.leadership.release()
     tree.store.close()
 
 
@@ -155,4 +157,5 @@ def test_a_page_deleted_between_exists_and_get_is_a_miss(root: Path) -> None:
     proc.stdin.close()
     assert proc.wait(timeout=60) == 0
     proc.stdout.close()
+    runner.leadership.release()
     tree.store.close()

@@ -267,7 +267,7 @@ def test_flag_table_is_current() -> None:
         timeout=240,
         check=True,
     )
-    committed = (REPO / "cachemgr" / "sglang_flags.py").read_text()
+    committed = (REPO / "cachemgr" / "sglang" / "flags.py").read_text()
     assert out.stdout.strip() == committed.strip()
 
 
