@@ -15,7 +15,6 @@ from typing import Any, Literal
 from cachemgr.fs import reserve
 from cachemgr.gc.plan import DiskUsageFn
 from cachemgr.gc.policy import DiskUsage, GcPolicy
-from cachemgr.units import human_bytes
 from cachemgr.layout import NS_ID_RE, Layout
 from cachemgr.ns.prelaunch import STORAGE_DIR_ENV
 from cachemgr.ns.purge import describe_trash

@@ -24,10 +24,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cachemgr.cli.common import human_bytes
 from cachemgr.fs.reserve import reserve_size
 from cachemgr.layout import RESERVE_FILE, Layout
 from cachemgr.settings import load_settings
+from cachemgr.units import human_bytes
 from tests.daemon_helpers import (
     NS_A,
     NS_B,
