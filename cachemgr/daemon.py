@@ -33,6 +33,7 @@ from cachemgr.gcpolicy import GcPolicy
 from cachemgr.gcrunner import GcRunner, needs_gc
 from cachemgr.indexer import Indexer, leadership_files
 from cachemgr.layout import Layout
+from cachemgr.lock import root_lock
 from cachemgr.metrics import CachemgrCollector
 from cachemgr.server import Backend, create_app
 from cachemgr.settings import Settings
@@ -80,24 +81,16 @@ def purge_function(layout: Layout, after: Callable[[], None]) -> PurgeFn:
     def run(req: PurgeRequest) -> PurgeResponse:
         store = Store.open(layout.db_path)
         try:
-            plan = _plan(layout, store, req)
-            if not req.dry_run:
-                purge_mod.execute_purge(plan, layout, store, actor="http", reason="manual")
+            selector, targets = (_would_purge if req.dry_run else _purge_now)(layout, store, req)
         finally:
             store.close()
         if not req.dry_run:
             after()
-        targets = [
-            PurgedNamespace(
-                namespace=t.ns_id, pages=t.pages, bytes=t.bytes, recreated=bool(t.instances)
-            )
-            for t in plan.targets
-        ]
         verb = "would purge" if req.dry_run else "purged"
-        pages, size = plan.pages, plan.bytes
+        pages, size = sum(t.pages for t in targets), sum(t.bytes for t in targets)
         return PurgeResponse(
             dry_run=req.dry_run,
-            selector=plan.selector,
+            selector=selector,
             purged=targets,
             pages=pages,
             bytes=size,
@@ -105,6 +98,31 @@ def purge_function(layout: Layout, after: Callable[[], None]) -> PurgeFn:
         )
 
     return run
+
+
+Targets = tuple[str, list[PurgedNamespace]]  # a plan's selector, and what it (would) purge
+
+
+def _would_purge(layout: Layout, store: Store, req: PurgeRequest) -> Targets:
+    plan = _plan(layout, store, req)
+    return plan.selector, [
+        PurgedNamespace(
+            namespace=t.ns_id, pages=t.pages, bytes=t.bytes, recreated=bool(t.instances)
+        )
+        for t in plan.targets
+    ]
+
+
+def _purge_now(layout: Layout, store: Store, req: PurgeRequest) -> Targets:
+    """Plan and purge under one hold of the root lock: a purge racing this one (CLI, HTTP) is
+    wholly before or after it, and the later one finds nothing left to do."""
+    with root_lock(layout):
+        plan = _plan(layout, store, req)
+        result = purge_mod.execute_purge(plan, layout, store, actor="http", reason="manual")
+    return plan.selector, [
+        PurgedNamespace(namespace=p.ns_id, pages=p.pages, bytes=p.bytes, recreated=p.recreated)
+        for p in result.purged
+    ]
 
 
 def _plan(layout: Layout, store: Store, req: PurgeRequest) -> purge_mod.PurgePlan:

@@ -290,11 +290,8 @@ def _own_temps(layout: Layout) -> list[Finding]:
     """Temp files of cachemgr's own atomic writes that a kill -9 left (GC removes them)."""
     what = "{} is a temp file a killed cachemgr write left ({} bytes)"
     fix = "`cachemgr gc` removes it once older than gc_tmp_ttl, or remove it by hand"
-    return [
-        Finding("warning", "own-temp-left", what.format(layout.root / t.rel_dir / t.name, t.size),
-                fix)  # fmt: skip
-        for t in own_temps(layout)
-    ]
+    paths = [(layout.root / t.rel_dir / t.name, t.size) for t in own_temps(layout)]
+    return [Finding("warning", "own-temp-left", what.format(*p), fix) for p in paths]
 
 
 def _corrupt_db_copies(layout: Layout) -> list[Finding]:

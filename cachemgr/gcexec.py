@@ -145,10 +145,7 @@ def _run_step(
             dry_run=dry_run,
         )  # fmt: skip
         tally.add(r)
-        return replace(
-            base, files=r.files, bytes=r.bytes, vanished=r.vanished, young=r.young,
-            refused=r.refused,
-        )  # fmt: skip
+        return _done(base, r)
     if step.namespace_id is None and step.reason == "tmp":
         return _sweep_own_temps(step, base, store, layout, dry_run, actor, clock)
     total = DeleteReport(dry_run=dry_run)
@@ -175,10 +172,14 @@ def _run_step(
         if not dry_run:
             _record_chunk(store, step, gone, r, actor, clock())
         _pace(pacer, r.files)
+    return _done(base, total)
+
+
+def _done(base: StepResult, r: DeleteReport) -> StepResult:
+    """The step's result once `r` is what its deletion did."""
     return replace(
-        base, files=total.files, bytes=total.bytes, vanished=total.vanished,
-        young=total.young, refused=total.refused,
-    )  # fmt: skip
+        base, files=r.files, bytes=r.bytes, vanished=r.vanished, young=r.young, refused=r.refused
+    )
 
 
 def _pace(pacer: Pacer | None, files: int) -> None:
@@ -222,14 +223,9 @@ def _sweep_own_temps(
         layout.root, step.rel_dir, step.names, older_than=step.min_age, now=clock,
         dry_run=dry_run,
     )  # fmt: skip
-    if not dry_run and r.files:
-        with store.transaction():
-            store.audit(
-                "evict", namespace_id=None, reason="tmp", actor=actor, pages=r.files,
-                bytes_=r.bytes, at=clock(),
-            )  # fmt: skip
-    return replace(base, files=r.files, bytes=r.bytes, vanished=r.vanished, young=r.young,
-                   refused=r.refused)  # fmt: skip
+    if not dry_run:
+        _record_chunk(store, step, [], r, actor, clock())  # no index rows: only the audit
+    return _done(base, r)
 
 
 def _drop_namespace(
@@ -280,9 +276,7 @@ def _drop_namespace(
         min_age=step.min_age, audit_as=None,
     )  # fmt: skip
     tally.add(r)
-    return replace(
-        base, files=r.files, bytes=r.bytes, vanished=r.vanished, young=r.young, refused=r.refused
-    )
+    return _done(base, r)
 
 
 def _put_back(layout: Layout, entry: str, ns_id: str) -> str:

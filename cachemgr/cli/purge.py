@@ -85,6 +85,8 @@ def purge(
                "deleted": dataclasses.asdict(report) if report else None}  # fmt: skip
         click.echo(json.dumps(out, indent=2))
     else:
+        if plan.targets and not result.purged:
+            click.echo("nothing left to purge: another purge got there first")
         _show_result(result, report, elapsed)
     if report is not None and report.refused:
         raise CachemgrError(

@@ -16,8 +16,7 @@ from pathlib import Path
 import httpx
 
 from cachemgr.gc import plan_gc
-from cachemgr.gcexec import execute_gc
-AUDIT_CHUNK = 256
+from cachemgr.gcexec import CHUNK, execute_gc
 from cachemgr.gcpolicy import GcPolicy
 from cachemgr.gcrunner import GcRunner
 from cachemgr.index import scan_root
@@ -81,7 +80,9 @@ def test_gc_leaves_an_unbound_namespace_with_young_pages_in_place(tmp_path: Path
     layout, store = _root(tmp_path)
     d = _unbound_ns(layout, store, NS_A, 50, OLD)
     _rewrite(d, [page_name(i) for i in range(50)], time.time() - 8)
-    runner = GcRunner(store, layout, GcPolicy(min_age=20, keep_unbound=0, unbound_ttl=None, delete_rate=None))
+    runner = GcRunner(
+        store, layout, GcPolicy(min_age=20, keep_unbound=0, unbound_ttl=None, delete_rate=None)
+    )
     report = runner.run(actor="cli")
     assert report.files == 0
     assert len(os.listdir(d)) == 50 and layout.manifest(NS_A).is_file()
@@ -157,7 +158,7 @@ def test_a_gc_killed_mid_eviction_audited_exactly_what_it_evicted(tmp_path: Path
     finally:
         conn.close()
     assert rows + audited == total  # rows and their audit leave in one transaction
-    assert 0 <= gone - audited <= AUDIT_CHUNK, (gone, audited)
+    assert 0 <= gone - audited <= CHUNK, (gone, audited)
 
 
 # --- cachemgr's own temp files -------------------------------------------------------------------
@@ -216,7 +217,9 @@ def _purge_cli(root: Path, *selector: str) -> subprocess.Popen[str]:
     )  # fmt: skip
 
 
-def _race(url: str, root: Path, selector: tuple[str, str]) -> tuple[list[str], list[httpx.Response]]:
+def _race(
+    url: str, root: Path, selector: tuple[str, str]
+) -> tuple[list[str], list[httpx.Response]]:
     """Four CLI purges started at once, and four HTTP clients purging the same thing over and
     over until the last CLI is done: (each CLI's stdout, every HTTP answer)."""
     flag, value = selector
