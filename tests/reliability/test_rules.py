@@ -164,6 +164,23 @@ def test_a_gc_killed_mid_eviction_audited_exactly_what_it_evicted(tmp_path: Path
 # --- cachemgr's own temp files -------------------------------------------------------------------
 
 
+def _killed_at_rename(layout: Layout, name: str) -> Path:
+    """Write ns/<name> as a manifest is written, in a process SIGKILLed at the rename: the
+    temp file it leaves behind."""
+    code = (
+        "import os, signal, sys\n"
+        "from pathlib import Path\n"
+        "from cachemgr.safefs import open_dir, write_atomic_at\n"
+        "os.rename = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
+        "with open_dir(Path(sys.argv[1]), 'ns') as fd:\n"
+        "    write_atomic_at(fd, sys.argv[2], b'{}')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code, str(layout.root), name], timeout=60)
+    assert run.returncode == -signal.SIGKILL
+    (left,) = layout.ns_root.glob(f".{name}.*.tmp-cachemgr")
+    return left
+
+
 def test_own_temps_left_by_a_killed_write_are_reported_and_swept(
     tmp_path: Path, victim: Path
 ) -> None:
@@ -173,13 +190,15 @@ def test_own_temps_left_by_a_killed_write_are_reported_and_swept(
     layout, store = _root(tmp_path)
     store.close()
     ns = layout.ns_root
-    left = ns / f".{NS_A}.json.0123456789ab.tmp-cachemgr"
+    left = _killed_at_rename(layout, f"{NS_A}.json")
     at_root = layout.root / ".CACHEDIR.TAG.ba9876543210.tmp-cachemgr"
     young = ns / f".{NS_B}.json.aaaaaaaaaaaa.tmp-cachemgr"
     not_ours = ns / f".{NS_A}.json.tmp"
+    look_alike = ns / ".notes.tmp-cachemgr"  # not write_atomic_at's shape: no 12 hex digits
     link = ns / f".{NS_B}.json.bbbbbbbbbbbb.tmp-cachemgr"
     a_dir = ns / f".{NS_B}.json.cccccccccccc.tmp-cachemgr"
-    for path in (left, at_root, young, not_ours):
+    os.utime(left, (OLD, OLD))
+    for path in (at_root, young, not_ours, look_alike):
         path.write_text("{}")
         os.utime(path, (OLD, OLD) if path is not young else None)
     link.symlink_to(victim / "precious.txt")
@@ -199,7 +218,8 @@ def test_own_temps_left_by_a_killed_write_are_reported_and_swept(
     out = cli("--root", str(layout.root), "gc", "--yes", "--tmp-ttl", "1h", "--min-age", "0")
     assert out.returncode == 0, out.stdout + out.stderr
     assert not left.exists() and not at_root.exists()
-    assert young.exists() and not_ours.exists() and link.is_symlink() and a_dir.is_dir()
+    assert young.exists() and not_ours.exists() and look_alike.exists()
+    assert link.is_symlink() and a_dir.is_dir()
     after = cli("--root", str(layout.root), "doctor").stdout
     assert [ln for ln in after.splitlines() if "own-temp" in ln and str(young) in ln] == [
         ln for ln in after.splitlines() if "own-temp" in ln
