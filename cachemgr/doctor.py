@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from cachemgr.fs import reserve
+from cachemgr.gc.find import own_temps
 from cachemgr.gc.plan import DiskUsageFn
 from cachemgr.gc.policy import DiskUsage, GcPolicy
 from cachemgr.layout import NS_ID_RE, Layout
@@ -285,7 +286,15 @@ def lint_root(layout: Layout, store: Store) -> list[Finding]:
             what = f".trash/{entry.name} still holds {entry.pages:,} pages of an unfinished purge"
             fix = "cachemgr purge --unbound --yes (or let the daemon finish it)"
             found.append(Finding("warning", "trash-left", what, fix))
-    return found + _corrupt_db_copies(layout)
+    return found + _own_temps(layout) + _corrupt_db_copies(layout)
+
+
+def _own_temps(layout: Layout) -> list[Finding]:
+    """Temp files of cachemgr's own atomic writes that a kill -9 left (GC removes them)."""
+    what = "{} is a temp file a killed cachemgr write left ({} bytes)"
+    fix = "`cachemgr gc` removes it once older than gc_tmp_ttl, or remove it by hand"
+    paths = [(layout.root / t.rel_dir / t.name, t.size) for t in own_temps(layout)]
+    return [Finding("warning", "own-temp-left", what.format(*p), fix) for p in paths]
 
 
 DiskState = Literal["ok", "low", "full"]

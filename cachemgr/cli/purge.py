@@ -88,6 +88,8 @@ def purge(
                "problems": left}  # fmt: skip
         click.echo(json.dumps(out, indent=2))
     else:
+        if plan.targets and not result.purged:
+            click.echo("nothing left to purge: another purge got there first")
         _show_result(result, report, elapsed)
     _fail_if_left_alone(left)
 

@@ -31,6 +31,7 @@ from cachemgr.daemon.app import Backend, create_app
 from cachemgr.daemon.indexer import Indexer, kernel_id, leadership_files
 from cachemgr.daemon.metrics import CachemgrCollector
 from cachemgr.errors import ConfigError, StateError
+from cachemgr.fs.locks import root_lock
 from cachemgr.fs.safe import refuse_non_regular
 from cachemgr.gc.floor import open_freeing
 from cachemgr.gc.policy import GcPolicy
@@ -81,30 +82,58 @@ def purge_function(layout: Layout, after: Callable[[], None]) -> PurgeFn:
 
     def run(req: PurgeRequest) -> PurgeResponse:
         with Store.open(layout.db_path) as store:
-            plan = _plan(layout, store, req)
-            if not req.dry_run:
-                purge_mod.execute_purge(plan, layout, store, actor="http", reason="manual")
+            selector, targets, problems = (_would_purge if req.dry_run else _purge_now)(
+                layout, store, req
+            )
         if not req.dry_run:
             after()
-        targets = [
-            PurgedNamespace(
-                namespace=t.ns_id, pages=t.pages, bytes=t.bytes, recreated=bool(t.instances)
-            )
-            for t in plan.targets
-        ]
         verb = "would purge" if req.dry_run else "purged"
-        pages, size = plan.pages, plan.bytes
+        pages, size = sum(t.pages for t in targets), sum(t.bytes for t in targets)
         return PurgeResponse(
             dry_run=req.dry_run,
-            selector=plan.selector,
+            selector=selector,
             purged=targets,
             pages=pages,
             bytes=size,
             message=f"{verb} {len(targets)} namespace(s): {pages} pages, {size} bytes",
-            problems=list(plan.problems),
+            problems=problems,
         )
 
     return run
+
+
+# A plan's selector, what it (would) purge, and what it left alone (damaged namespaces).
+Targets = tuple[str, list[PurgedNamespace], list[str]]
+
+
+def _would_purge(layout: Layout, store: Store, req: PurgeRequest) -> Targets:
+    plan = _plan(layout, store, req)
+    return (
+        plan.selector,
+        [
+            PurgedNamespace(
+                namespace=t.ns_id, pages=t.pages, bytes=t.bytes, recreated=bool(t.instances)
+            )
+            for t in plan.targets
+        ],
+        list(plan.problems),
+    )
+
+
+def _purge_now(layout: Layout, store: Store, req: PurgeRequest) -> Targets:
+    """Plan and purge under one hold of the root lock: a purge racing this one (CLI, HTTP) is
+    wholly before or after it, and the later one finds nothing left to do."""
+    with root_lock(layout):
+        plan = _plan(layout, store, req)
+        result = purge_mod.execute_purge(plan, layout, store, actor="http", reason="manual")
+    return (
+        plan.selector,
+        [
+            PurgedNamespace(namespace=p.ns_id, pages=p.pages, bytes=p.bytes, recreated=p.recreated)
+            for p in result.purged
+        ],
+        list(plan.problems),
+    )
 
 
 def _plan(layout: Layout, store: Store, req: PurgeRequest) -> purge_mod.PurgePlan:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cachemgr.errors import UnsafePathError
-from cachemgr.fs.safe import open_dir
+from cachemgr.fs.safe import is_own_temp, open_dir
 from cachemgr.layout import NS_DIR, FileKind, check_ns_id, classify
 
 Progress = Callable[[int, int], None]  # (files so far, bytes so far)
@@ -121,14 +121,15 @@ def delete_files(
                 ahead = pool.submit(_check_part, fd, parts[i + 1], min_age, now, checked)
             for name, nbytes in ok:
                 if not dry_run:
-                    # Through the parent and the dir's name, not `fd`: once the dir is moved
-                    # (out of the root, say), the next unlink finds nothing there and we stop.
+                    # Through `fd` (a path through the dir's name could follow a link swapped
+                    # in for it), but only while the parent still holds this very dir under
+                    # its name: a dir moved away (out of the root, say) stops us at once.
+                    if not _entry_is(parent_fd, leaf, here):
+                        stopped = True
+                        break
                     try:
-                        os.unlink(f"{leaf}/{name}", dir_fd=parent_fd)
-                    except (FileNotFoundError, NotADirectoryError):
-                        if not _still_at(root, rel_dir, here):
-                            stopped = True
-                            break
+                        os.unlink(name, dir_fd=fd)
+                    except FileNotFoundError:
                         checked.vanished.append(name)
                         continue
                     if removed is not None:
@@ -157,6 +158,15 @@ def _dir_id(fd: int) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
+def _entry_is(parent_fd: int, leaf: str, here: tuple[int, int]) -> bool:
+    """Whether `leaf` in `parent_fd` is (not a link to) the dir identified by `here`."""
+    try:
+        st = os.stat(leaf, dir_fd=parent_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == here
+
+
 def _still_at(root: Path, rel_dir: str, here: tuple[int, int]) -> bool:
     """Whether <root>/<rel_dir> is still, reached without links, the dir we delete in: a dir
     moved out of the root keeps its descriptor, and deleting through it would follow it."""
@@ -165,6 +175,10 @@ def _still_at(root: Path, rel_dir: str, here: tuple[int, int]) -> bool:
             return _dir_id(fd) == here
     except (OSError, UnsafePathError):
         return False
+
+
+def _sglang_file(name: str) -> bool:
+    return os.sep not in name and classify(name) is not FileKind.FOREIGN
 
 
 @dataclass
@@ -177,12 +191,17 @@ class _Checked:
 
 
 def _check_part(
-    dir_fd: int, names: list[str], min_age: float, now: Callable[[], float], out: _Checked
+    dir_fd: int,
+    names: list[str],
+    min_age: float,
+    now: Callable[[], float],
+    out: _Checked,
+    ours: Callable[[str], bool] = _sglang_file,
 ) -> list[tuple[str, int]]:
     """(name, size) of the names that may be deleted; the rest are tallied in `out`."""
     ok = []
     for name in names:
-        verdict = _check(dir_fd, name, min_age, now())
+        verdict = _check(dir_fd, name, min_age, now(), ours)
         if isinstance(verdict, int):
             ok.append((name, verdict))
         elif verdict == "vanished":
@@ -194,9 +213,22 @@ def _check_part(
     return ok
 
 
-def _check(dir_fd: int, name: str, min_age: float, now: float) -> int | str:
-    """The file's size if it may be deleted, else why not."""
-    if os.sep in name or classify(name) is FileKind.FOREIGN:
+def too_young(mtime: float, min_age: float, now: float) -> bool:
+    """Whether a file modified at `mtime` is kept by the min-age rule (a future mtime is young;
+    min_age 0 means no age rule at all)."""
+    return min_age > 0 and now - mtime < min_age
+
+
+def _check(
+    dir_fd: int,
+    name: str,
+    min_age: float,
+    now: float,
+    ours: Callable[[str], bool] = _sglang_file,
+) -> int | str:
+    """The file's size if it may be deleted, else why not. `ours` identifies the names this
+    deletion may touch at all (SGLang's page and temp names, unless told otherwise)."""
+    if os.sep in name or not ours(name):
         return "not an SGLang page or temp file name"
     try:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
@@ -206,7 +238,7 @@ def _check(dir_fd: int, name: str, min_age: float, now: float) -> int | str:
         return f"cannot stat: {e.strerror}"
     if not stat.S_ISREG(st.st_mode):
         return "not a regular file"
-    if min_age > 0 and now - st.st_mtime < min_age:  # 0: no age rule, even for future mtimes
+    if too_young(st.st_mtime, min_age, now):
         return "young"
     return st.st_size
 
@@ -225,17 +257,21 @@ def delete_dir(
     rel_dir: str,
     *,
     dry_run: bool = False,
+    min_age: float = 0.0,
     pacer: Pacer | None = None,
     progress: Progress | None = None,
 ) -> DeleteReport:
     """Empty <root>/<rel_dir> of page/temp files and remove it if nothing else is left.
 
-    Used for namespaces renamed into .trash/: foreign files and subdirectories stay, reported.
+    Used for namespaces renamed into .trash/: foreign files and subdirectories stay, reported;
+    files younger than `min_age` stay too (and so does the dir).
     """
     with open_dir(root, rel_dir) as fd:
         names = [e.name for e in os.scandir(fd)]
-    report = delete_files(root, rel_dir, names, dry_run=dry_run, pacer=pacer, progress=progress)
-    if dry_run or report.refused:
+    report = delete_files(
+        root, rel_dir, names, dry_run=dry_run, min_age=min_age, pacer=pacer, progress=progress
+    )
+    if dry_run or report.refused or report.young:
         return report
     why = remove_empty_dir(root, rel_dir)
     return report + DeleteReport(refused=(why,)) if why else report
@@ -265,3 +301,28 @@ def delete_manifest(root: Path, ns_id: str) -> bool:
         if not stat.S_ISREG(st.st_mode):
             raise UnsafePathError(f"{root}/ns/{name} is not a regular file; left alone")
         return _unlink(fd, name)
+
+
+def delete_own_temps(
+    root: Path,
+    rel_dir: str,
+    names: Iterable[str],
+    *,
+    older_than: float,
+    now: Callable[[], float] = time.time,
+    dry_run: bool = False,
+) -> DeleteReport:
+    """Delete temp files cachemgr's own atomic writes left in <root>/<rel_dir> (a kill -9
+    between write and rename): only names `safefs.is_own_temp` recognises, only regular files,
+    only older than `older_than` seconds (a younger one may be a write in progress)."""
+    files = size = 0
+    checked = _Checked()
+    with open_dir(root, rel_dir) as fd:
+        ok = _check_part(fd, list(names), older_than, now, checked, ours=is_own_temp)
+        for name, nbytes in ok:
+            if not (dry_run or _unlink(fd, name)):
+                checked.vanished.append(name)
+                continue
+            files, size = files + 1, size + nbytes
+    refused = tuple(f"{rel_dir}/{name}: {why}" for name, why in checked.refused)
+    return DeleteReport(files, size, len(checked.vanished), checked.young, refused, dry_run)

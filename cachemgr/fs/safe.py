@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import secrets
 import stat
 from collections.abc import Iterable, Iterator
@@ -23,6 +24,7 @@ from cachemgr.errors import UnsafePathError
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _TEMP_SUFFIX = ".tmp-cachemgr"  # write_atomic_at's temp names: .<name>.<12 hex>.tmp-cachemgr
+_OWN_TEMP_RE = re.compile(r"\.[^/\x00]+\.[0-9a-f]{12}" + re.escape(_TEMP_SUFFIX))
 
 
 @contextmanager
@@ -150,5 +152,6 @@ def write_atomic_at(dir_fd: int, name: str, data: bytes, *, mode: int = 0o644) -
 
 
 def is_own_temp(name: str) -> bool:
-    """Whether `name` is a temp file write_atomic_at left behind (a kill -9 mid-write)."""
-    return name.startswith(".") and name.endswith(_TEMP_SUFFIX)
+    """Whether `name` is a temp file write_atomic_at left behind (a kill -9 mid-write): exactly
+    its shape, so that GC, which deletes these, never takes a look-alike."""
+    return _OWN_TEMP_RE.fullmatch(name) is not None

@@ -6,12 +6,20 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from cachemgr.errors import UnsafePathError
-from cachemgr.fs.deletion import DeleteReport, Pacer, Progress, delete_files
+from cachemgr.fs.deletion import (
+    DeleteReport,
+    Pacer,
+    Progress,
+    delete_files,
+    delete_own_temps,
+    too_young,
+)
+from cachemgr.fs.dirscan import list_files
 from cachemgr.fs.locks import root_lock
+from cachemgr.fs.safe import open_dir
 from cachemgr.gc.plan import GcPlan, GcStep
 from cachemgr.gc.policy import ByReason, Reason, tally
 from cachemgr.layout import Layout
@@ -20,7 +28,10 @@ from cachemgr.ns.trash import drain_entry
 from cachemgr.state.store import Store
 
 log = logging.getLogger("cachemgr.gc.plan")
-CHUNK = 4096  # names per delete call: index rows are dropped per chunk, one transaction each
+
+# Names per delete call: each chunk's index rows and its audit row are written in one
+# transaction once its files are gone, so a kill -9 leaves at most one chunk unaudited.
+CHUNK = 256
 
 
 @dataclass(frozen=True)
@@ -127,7 +138,7 @@ def _run_step(
     if step.reason in ("unbound", "ttl") and _bound(store, step.namespace_id):
         return replace(base, skipped="a server bound this namespace after the plan was made")
     if step.reason in ("unbound", "ttl") and step.remove_dir and step.namespace_id and not dry_run:
-        return _drop_namespace(step, base, store, layout, actor, pacer, tally)
+        return _drop_namespace(step, base, store, layout, actor, pacer, tally, clock)
     if step.reason == "trash":  # the same path as a purge's own drain, audited there
         entry = step.rel_dir.removeprefix(".trash/")
         r = drain_entry(
@@ -135,50 +146,87 @@ def _run_step(
             dry_run=dry_run,
         )  # fmt: skip
         tally.add(r)
-        return replace(
-            base, files=r.files, bytes=r.bytes, vanished=r.vanished, young=r.young,
-            refused=r.refused,
-        )  # fmt: skip
+        return _done(base, r)
+    if step.namespace_id is None and step.reason == "tmp":
+        return _sweep_own_temps(step, base, store, layout, dry_run, actor, clock)
     total = DeleteReport(dry_run=dry_run)
-    # Index rows are dropped by a helper thread while the next chunk is unlinked: both wait
-    # in the kernel or SQLite without the GIL, so on two cores the index costs no delete rate.
-    # Only that thread touches the connection until it is joined below.
-    forget = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gc-index")
-    pending: list[Future[None]] = []
-    try:
-        for i in range(0, len(step.names), CHUNK):
-            if stop():
-                base = replace(base, skipped="stopped: the daemon is shutting down")
-                break
-            gone: list[str] = []
-            before = _dir_id(layout, step.rel_dir)
-            r = delete_files(
-                layout.root, step.rel_dir, step.names[i : i + CHUNK], dry_run=dry_run,
-                min_age=step.min_age, pacer=pacer, progress=tally.offset(), now=clock,
-                removed=gone.append,
-            )  # fmt: skip
-            tally.add(r)
-            total += r
-            if before is None or _dir_id(layout, step.rel_dir) != before:
-                # A purge renamed the dir away meanwhile: what was unlinked may lie in .trash/
-                # and the purge dropped those rows; rows now are the new dir's, so keep them.
-                base = replace(base, skipped="the namespace was purged during GC")
-                break
-            pending.append(forget.submit(_forget, store, step.namespace_id, step.rel_dir, gone))
-        forget.shutdown(wait=True)
-        for done in pending:
-            done.result()  # an index failure surfaces here, not lost in the thread
-    finally:
-        forget.shutdown(wait=True)
-        if not dry_run and (total.files or total.bytes):
+    for i in range(0, len(step.names), CHUNK):
+        if stop():
+            base = replace(base, skipped="stopped: the daemon is shutting down")
+            break
+        gone: list[str] = []
+        before = _dir_id(layout, step.rel_dir)
+        # Unpaced here, paced below once the chunk is recorded: a kill -9 during the pacer's
+        # sleep (where a paced run spends its time) then finds audit and index exact.
+        r = delete_files(
+            layout.root, step.rel_dir, step.names[i : i + CHUNK], dry_run=dry_run,
+            min_age=step.min_age, progress=tally.offset(), now=clock, removed=gone.append,
+        )  # fmt: skip
+        tally.add(r)
+        total += r
+        if before is None or _dir_id(layout, step.rel_dir) != before:
+            # A purge renamed the dir away meanwhile: what was unlinked may lie in .trash/
+            # and the purge dropped those rows and audited its pages; rows now are the new
+            # dir's, so keep them.
+            base = replace(base, skipped="the namespace was purged during GC")
+            break
+        if not dry_run:
+            _record_chunk(store, step, gone, r, actor, clock())
+        _pace(pacer, r.files)
+    return _done(base, total)
+
+
+def _done(base: StepResult, r: DeleteReport) -> StepResult:
+    """The step's result once `r` is what its deletion did."""
+    return replace(
+        base, files=r.files, bytes=r.bytes, vanished=r.vanished, young=r.young, refused=r.refused
+    )
+
+
+def _pace(pacer: Pacer | None, files: int) -> None:
+    """Count `files` deletions on the pacer, sleeping there if they came too fast."""
+    if pacer is not None:
+        for _ in range(files):
+            pacer.tick()
+
+
+def _record_chunk(
+    store: Store, step: GcStep, gone: list[str], r: DeleteReport, actor: str, at: float
+) -> None:
+    """Drop the index rows of a deleted chunk and audit it, in one transaction: whenever a
+    kill -9 lands, the audit holds exactly the evictions whose rows left the index."""
+    if not (gone or r.files):
+        return
+    with store.transaction() as conn:
+        if gone and step.namespace_id is not None and step.rel_dir.startswith("ns/"):
+            conn.executemany(
+                "DELETE FROM pages WHERE namespace_id = ? AND name = ?",
+                [(step.namespace_id, n) for n in gone],
+            )
+        if r.files:
             store.audit(
                 "evict", namespace_id=step.namespace_id, reason=step.reason, actor=actor,
-                pages=total.files, bytes_=total.bytes, at=clock(),
+                pages=r.files, bytes_=r.bytes, at=at,
             )  # fmt: skip
-    return replace(
-        base, files=total.files, bytes=total.bytes, vanished=total.vanished,
-        young=total.young, refused=total.refused,
+
+
+def _sweep_own_temps(
+    step: GcStep,
+    base: StepResult,
+    store: Store,
+    layout: Layout,
+    dry_run: bool,
+    actor: str,
+    clock: Callable[[], float],
+) -> StepResult:
+    """Delete temps cachemgr's own atomic writes left (gcfind.own_temps), audited as `tmp`."""
+    r = delete_own_temps(
+        layout.root, step.rel_dir, step.names, older_than=step.min_age, now=clock,
+        dry_run=dry_run,
     )  # fmt: skip
+    if not dry_run:
+        _record_chunk(store, step, [], r, actor, clock())  # no index rows: only the audit
+    return _done(base, r)
 
 
 def _drop_namespace(
@@ -189,12 +237,16 @@ def _drop_namespace(
     actor: str,
     pacer: Pacer | None,
     tally: _Tally,
+    clock: Callable[[], float],
 ) -> StepResult:
     """Drop an unbound namespace as a purge does: under the root lock, re-check that no server
     bound it, rename its dir into .trash/ (constant time), and only then delete from there.
 
     Deleting inside ns/<id> would race an init that binds it meanwhile (its server would
     find its pages gone and its dir removed); init takes the same lock, so the two serialize.
+    Min-age is checked on the renamed dir, where no writer can add a file any more: one file
+    younger than min_age and the dir goes back, the drop deferred whole (the namespace is
+    left exactly as it was, to be dropped by a later run once its files are old enough).
     """
     ns_id = step.namespace_id
     assert ns_id is not None
@@ -202,20 +254,42 @@ def _drop_namespace(
         if _bound(store, ns_id):
             return replace(base, skipped="a server bound this namespace after the plan was made")
         entry = rename_to_trash(layout, ns_id, recreate=False)
+        held = list(list_files(layout, f".trash/{entry}")) if entry else []
+        now = clock()
+        young = sum(too_young(f.mtime, step.min_age, now) for f in held)
+        if entry is not None and young:
+            why = _put_back(layout, entry, ns_id)
+            return replace(base, young=young, skipped=f"{young} files younger than min_age "
+                           f"({step.min_age:g}s): drop deferred{why}")  # fmt: skip
         with store.transaction() as conn:
             drop_unbound(layout, store, ns_id)
             # Its rows go with it, under the lock: a fresh dir an init makes next has its own.
             conn.execute("DELETE FROM pages WHERE namespace_id = ?", (ns_id,))
+            if held:  # audited as its rows leave the index, like each chunk of an eviction
+                store.audit(
+                    "evict", namespace_id=ns_id, reason=step.reason, actor=actor,
+                    pages=len(held), bytes_=sum(f.size for f in held), at=now,
+                )  # fmt: skip
     if entry is None:
         return base  # no dir: nothing to delete, the registry is in line
     r = drain_entry(
         layout, store, entry, actor=actor, pacer=pacer, progress=tally.offset(),
-        audit_as=("evict", step.reason),
+        min_age=step.min_age, audit_as=None,
     )  # fmt: skip
     tally.add(r)
-    return replace(
-        base, files=r.files, bytes=r.bytes, vanished=r.vanished, young=r.young, refused=r.refused
-    )
+    return _done(base, r)
+
+
+def _put_back(layout: Layout, entry: str, ns_id: str) -> str:
+    """Rename .trash/<entry> back to ns/<id> (under the root lock); '' or why it stayed."""
+    with open_dir(layout.root, "ns") as ns_fd, open_dir(layout.root, ".trash") as trash_fd:
+        try:
+            os.rename(entry, ns_id, src_dir_fd=trash_fd, dst_dir_fd=ns_fd)
+        except OSError as e:  # ns/<id> recreated meanwhile and not empty
+            log.warning("gc could not put a namespace back", extra={"entry": entry,
+                        "error": e.strerror})  # fmt: skip
+            return f"; left in .trash/{entry}: {e.strerror}"
+    return ""
 
 
 def _dir_id(layout: Layout, rel_dir: str) -> tuple[int, int] | None:
@@ -230,16 +304,6 @@ def _dir_id(layout: Layout, rel_dir: str) -> tuple[int, int] | None:
 def _bound(store: Store, ns_id: str | None) -> bool:
     row = store.conn.execute("SELECT 1 FROM bindings WHERE namespace_id = ?", (ns_id,)).fetchone()
     return row is not None
-
-
-def _forget(store: Store, ns_id: str | None, rel_dir: str, names: list[str]) -> None:
-    """Drop index rows of files that are gone (trash dirs have none)."""
-    if not names or ns_id is None or not rel_dir.startswith("ns/"):
-        return
-    with store.transaction() as conn:
-        conn.executemany(
-            "DELETE FROM pages WHERE namespace_id = ? AND name = ?", [(ns_id, n) for n in names]
-        )
 
 
 def _log_summary(report: GcReport, actor: str) -> None:

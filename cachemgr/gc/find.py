@@ -3,12 +3,16 @@ pages. Each finder is read-only and returns raw names and sizes for the planner.
 
 from __future__ import annotations
 
+import os
 import sqlite3
+import stat
 from collections import Counter, defaultdict
+from contextlib import suppress
 from dataclasses import dataclass
 
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs.dirscan import TEMPS, list_files, usual_size
+from cachemgr.fs.safe import is_own_temp, open_dir
 from cachemgr.gc.policy import GcPolicy, Reason
 from cachemgr.layout import FileKind, Layout
 from cachemgr.ns.trash import list_trash
@@ -60,6 +64,37 @@ class Found:
     bytes: int
 
 
+OWN_TEMP_DIRS = (".", "ns")  # where write_atomic_at writes below the root (CACHEDIR.TAG, manifests)
+
+
+@dataclass(frozen=True)
+class OwnTemp:
+    """A temp file cachemgr's own atomic write left (a kill -9 between write and rename)."""
+
+    rel_dir: str  # one of OWN_TEMP_DIRS
+    name: str
+    size: int
+    mtime: float
+
+
+def own_temps(layout: Layout) -> list[OwnTemp]:
+    """cachemgr's own temp files below the root that are regular files (nothing followed)."""
+    found = []
+    for rel in OWN_TEMP_DIRS:
+        try:
+            with open_dir(layout.root, rel) as fd, os.scandir(fd) as entries:
+                for entry in entries:
+                    if not is_own_temp(entry.name):
+                        continue
+                    with suppress(FileNotFoundError):
+                        st = entry.stat(follow_symlinks=False)
+                        if stat.S_ISREG(st.st_mode):
+                            found.append(OwnTemp(rel, entry.name, st.st_size, st.st_mtime))
+        except FileNotFoundError:
+            continue
+    return found
+
+
 def trash_leftovers(layout: Layout, warnings: list[str]) -> list[Found]:
     """Page and temp files of every purged namespace in .trash/ (purges not finished yet)."""
     found: list[Found] = []
@@ -89,6 +124,18 @@ def stale_temps(temps: list[TempFile], policy: GcPolicy, now: float) -> list[Fou
     return [
         Found("tmp", f"ns/{ns}", ns, tuple(t.name for t in ts), sum(t.size for t in ts))
         for ns, ts in sorted(by_ns.items())
+    ]
+
+
+def stale_own_temps(layout: Layout, policy: GcPolicy, now: float) -> list[Found]:
+    """cachemgr's own temps older than tmp_ttl, per dir; `namespace_id` None marks them."""
+    by_dir: dict[str, list[OwnTemp]] = defaultdict(list)
+    for t in own_temps(layout):
+        if now - t.mtime >= policy.tmp_ttl:
+            by_dir[t.rel_dir].append(t)
+    return [
+        Found("tmp", rel, None, tuple(sorted(t.name for t in ts)), sum(t.size for t in ts))
+        for rel, ts in sorted(by_dir.items())
     ]
 
 

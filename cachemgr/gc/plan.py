@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cachemgr.errors import UnsafePathError
+from cachemgr.fs.deletion import too_young
 from cachemgr.gc import find as gcfind
 from cachemgr.gc.find import TempFile, list_namespace, list_temps
 from cachemgr.gc.order import Candidate, eviction_order
@@ -117,6 +118,13 @@ def _plan(
         except UnsafePathError as e:
             warnings.append(f"ns/{ns_id} not dropped: {e}")
             continue
+        young = sum(too_young(m, policy.min_age, now) for _, m in pages.values()) + sum(
+            too_young(t.mtime, policy.min_age, now) for t in ns_temps
+        )
+        if young:  # the whole namespace waits: a drop never leaves part of one behind
+            gone.discard(ns_id)
+            warnings.append(f"ns/{ns_id} not dropped yet: {young} files younger than min_age")
+            continue
         names = tuple(sorted([*pages, *(t.name for t in ns_temps)]))
         size = sum(s for s, _ in pages.values()) + sum(t.size for t in ns_temps)
         found = gcfind.Found(reason, f"ns/{ns_id}", ns_id, names, size)
@@ -124,7 +132,9 @@ def _plan(
     if sweep and temps is None:
         temps = [t for ns in namespace_dirs(layout) for t in list_temps(layout, ns, warnings)]
     stale = gcfind.stale_temps([t for t in temps or () if t.namespace_id not in gone], policy, now)
-    steps += [_step(f, policy.tmp_ttl) for f in stale]
+    if sweep:
+        stale += gcfind.stale_own_temps(layout, policy, now)
+    steps += [_step(f, max(policy.tmp_ttl, policy.min_age)) for f in stale]
     steps += drops
     unlisted = sum(s.bytes for s in steps if s.reason in ("trash", "tmp"))
     before = now - policy.min_age

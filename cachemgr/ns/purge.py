@@ -187,8 +187,8 @@ def execute_purge(
             instances = nsreg.instances_of(store, target.ns_id)
             if instances and plan.only_unbound:
                 continue
-            if target.has_dir and nsreg.ns_entry_kind(layout, target.ns_id) == "absent":
-                continue  # another purge (an init, GC) moved it since the plan, and audited it
+            if _done_meanwhile(layout, target, bound=bool(instances)):
+                continue  # another purge (an init, GC) got there since the plan, and audited it
             trash_name = rename_to_trash(layout, target.ns_id, recreate=bool(instances))
             removed = False
             with store.transaction():
@@ -211,6 +211,17 @@ def execute_purge(
                 )
             )
     return PurgeResult(purged=tuple(done), actor=actor, reason=reason, at=now())
+
+
+def _done_meanwhile(layout: Layout, target: PurgeTarget, *, bound: bool) -> bool:
+    """Whether a target planned before the root lock was taken has nothing left to purge:
+    its dir moved away, or (bound) recreated empty, or (unbound) gone with its manifest."""
+    if nsreg.ns_entry_kind(layout, target.ns_id) == "absent":
+        return target.has_dir or not (bound or os.path.lexists(layout.manifest(target.ns_id)))
+    if not bound:
+        return False
+    with open_dir(layout.root, f"ns/{target.ns_id}") as fd, os.scandir(fd) as entries:
+        return next(entries, None) is None
 
 
 def drop_unbound(layout: Layout, store: Store, ns_id: str) -> bool:

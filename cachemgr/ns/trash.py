@@ -117,22 +117,25 @@ def drain_entry(
     pacer: Pacer | None = None,
     progress: Callable[[int, int], None] | None = None,
     dry_run: bool = False,
-    audit_as: tuple[str, str] = ("delete-trash", "trash"),
+    min_age: float = 0.0,
+    audit_as: tuple[str, str] | None = ("delete-trash", "trash"),
 ) -> DeleteReport:
     """Delete one trash entry (purge and GC both go through here) and audit it.
 
-    `audit_as` is the (action, reason) of the one audit row: GC dropping an unbound namespace
-    records its eviction there, not a second row.
+    `audit_as` is the (action, reason) of the one audit row, None for none: GC dropping an
+    unbound namespace audited its eviction when it renamed the dir here. Files younger than
+    `min_age` stay (GC's drops pass its min_age; a purge's drain deletes everything).
     """
     try:
         part = delete_dir(
-            layout.root, f".trash/{entry}", dry_run=dry_run, pacer=pacer, progress=progress
-        )
+            layout.root, f".trash/{entry}", dry_run=dry_run, min_age=min_age, pacer=pacer,
+            progress=progress,
+        )  # fmt: skip
     except UnsafePathError as e:
         return DeleteReport(refused=(f".trash/{entry}: {e}",), dry_run=dry_run)
     except FileNotFoundError:
         return DeleteReport(dry_run=dry_run)  # another drain finished it
-    if not dry_run:
+    if not dry_run and audit_as is not None:
         _audit_deleted(store, entry, part, actor, audit_as)
     return part
 
