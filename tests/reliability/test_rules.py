@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from cachemgr.gc.execute import CHUNK, execute_gc
+from cachemgr.gc.execute import CHUNK, GcReport, execute_gc
 from cachemgr.gc.plan import plan_gc
 from cachemgr.gc.policy import GcPolicy
 from cachemgr.gc.runner import GcRunner
@@ -74,16 +74,24 @@ def _state(store: Store, ns: str) -> str:
 # --- min-age on every deletion path -----------------------------------------------------------
 
 
+def _gc(store: Store, layout: Layout, policy: GcPolicy) -> GcReport:
+    """One real GC run, as `cachemgr gc` does it; the GC lock is released afterwards."""
+    runner = GcRunner(store, layout, policy)
+    try:
+        return runner.run(actor="cli")
+    finally:
+        runner.leadership.release()
+
+
 def test_gc_leaves_an_unbound_namespace_with_young_pages_in_place(tmp_path: Path) -> None:
     """The reported case: 50 pages 8 s old, min_age 20 s, an unbound namespace past retention
     whose index says it is idle: the real runner must not drop it."""
     layout, store = _root(tmp_path)
     d = _unbound_ns(layout, store, NS_A, 50, OLD)
     _rewrite(d, [page_name(i) for i in range(50)], time.time() - 8)
-    runner = GcRunner(
+    report = _gc(
         store, layout, GcPolicy(min_age=20, keep_unbound=0, unbound_ttl=None, delete_rate=None)
     )
-    report = runner.run(actor="cli")
     assert report.files == 0
     assert len(os.listdir(d)) == 50 and layout.manifest(NS_A).is_file()
     assert _state(store, NS_A) == "active" and _audit(store, "evict") == []
@@ -109,7 +117,7 @@ def test_a_drop_planned_before_pages_turned_young_is_deferred_whole(tmp_path: Pa
     assert rows[0] == 100
     # Once they are old enough the same namespace goes, audited once with what it held.
     _rewrite(d, [page_name(i) for i in range(50)], time.time() - 30)
-    assert GcRunner(store, layout, pol).run(actor="cli").files == 100
+    assert _gc(store, layout, pol).files == 100
     assert not d.exists() and _audit(store, "evict") == [(NS_A, "unbound", 100)]
 
 
@@ -120,8 +128,7 @@ def test_stale_temps_wait_for_min_age_even_with_a_shorter_tmp_ttl(tmp_path: Path
     for path, mtime in ((young, time.time() - 8), (old, OLD)):
         path.write_bytes(b"t")
         os.utime(path, (mtime, mtime))
-    runner = GcRunner(store, layout, GcPolicy(min_age=20, tmp_ttl=1, delete_rate=None))
-    assert runner.run(actor="cli").files == 1
+    assert _gc(store, layout, GcPolicy(min_age=20, tmp_ttl=1, delete_rate=None)).files == 1
     assert young.exists() and not old.exists()
 
 
