@@ -1,4 +1,5 @@
-"""The on-disk layout under the root, and what SGLang's file names in a namespace mean.
+"""The on-disk layout under the root: every path under it (what an engine's file names inside a
+namespace dir mean is its format's business: cachemgr.backends).
 
 <root>/CACHEDIR.TAG    tells backup tools to skip the cache
 <root>/ns/<id>/        SGLang's storage dir for one identity (only SGLang writes here)
@@ -12,7 +13,6 @@ its path from here, and the planted-link tests plant a symlink at each of them.
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import re
@@ -182,97 +182,3 @@ def check_ns_id(ns_id: str) -> str:
     if not NS_ID_RE.fullmatch(ns_id):
         raise UnsafePathError(f"not a namespace id: {ns_id!r} (expected 16 lowercase hex digits)")
     return ns_id
-
-
-class FileKind(enum.Enum):
-    PAGE = "page"
-    TEMP = "temp"
-    FOREIGN = "foreign"
-
-
-# SGLang's HiCacheFile (sglang/srt/mem_cache/hicache_storage.py, 0.5.23) names a page
-#   <key>[.<pool>]_<model>[_<tp_rank>_<tp_size>][_<pp_size>_<pp_rank>][_cp<r>_<s>]
-#       [_tp<tp>_dcp<r>_<s>_page<n>].bin
-# where <key> is a sha256 hex page hash, <pool> a non-KV pool (PoolName), <model> the served
-# model name with "/" replaced by "-", and the rank pair is absent for MLA models.
-# Writes go through ".<uuid4 hex>.tmp" and os.replace.
-POOLS = (
-    "deepseek_v4_c1_indexer_scale", "deepseek_v4_c2_indexer_scale",
-    "deepseek_v4_c4_indexer_scale", "deepseek_v4_c1_indexer", "deepseek_v4_c2_indexer",
-    "deepseek_v4_c4_indexer", "deepseek_v4_c1", "deepseek_v4_c2", "deepseek_v4_c4",
-    "auxiliary_swa", "indexer", "mamba", "swa",
-)  # fmt: skip
-PAGE_RE = re.compile(
-    r"(?P<key>[0-9a-f]{16,128})"
-    rf"(?:\.(?P<pool>{'|'.join(POOLS)}))?"
-    # not a name os.fsdecode() had to escape (\udc80-\udcff): SGLang writes UTF-8 names
-    r"_(?P<model>[^/\x00\udc80-\udcff]+?)"
-    r"(?:_(?P<tp_rank>\d+)_(?P<tp_size>\d+))?"
-    r"(?:_(?P<pp_size>\d+)_(?P<pp_rank>\d+))?"
-    r"(?:_cp(?P<cp_rank>\d+)_(?P<cp_size>\d+))?"
-    r"(?:_tp(?P<dcp_tp>\d+)_dcp(?P<dcp_rank>\d+)_(?P<dcp_size>\d+)_page(?P<dcp_page>\d+))?"
-    r"\.bin"
-)
-TEMP_RE = re.compile(r"\.[0-9a-f]{32}\.tmp")
-TEMP_PREFIX = "."  # every temp name starts with it, no page name does (PAGE_RE: a hex key)
-
-
-@dataclass(frozen=True)
-class PageName:
-    """The parts of one SGLang page file name; `str()` gives the name back."""
-
-    key: str
-    model: str
-    pool: str | None = None
-    tp_rank: int | None = None
-    tp_size: int | None = None
-    pp_size: int | None = None
-    pp_rank: int | None = None
-    cp_rank: int | None = None
-    cp_size: int | None = None
-    dcp: tuple[int, int, int, int] | None = None  # (tp_size, dcp_rank, dcp_size, page_size)
-
-    def __str__(self) -> str:
-        s = self.key + (f".{self.pool}" if self.pool else "") + f"_{self.model}"
-        if self.tp_rank is not None:
-            s += f"_{self.tp_rank}_{self.tp_size}"
-        if self.pp_size is not None:
-            s += f"_{self.pp_size}_{self.pp_rank}"
-        if self.cp_rank is not None:
-            s += f"_cp{self.cp_rank}_{self.cp_size}"
-        if self.dcp is not None:
-            s += "_tp{}_dcp{}_{}_page{}".format(*self.dcp)
-        return s + ".bin"
-
-
-def parse_page_name(name: str) -> PageName | None:
-    """Parse an SGLang page file name; None for anything else."""
-    m = PAGE_RE.fullmatch(name)
-    if m is None:
-        return None
-    g = m.groupdict()
-
-    def num(k: str) -> int | None:
-        return int(g[k]) if g[k] is not None else None
-
-    dcp = None
-    if g["dcp_tp"] is not None:
-        dcp = (int(g["dcp_tp"]), int(g["dcp_rank"]), int(g["dcp_size"]), int(g["dcp_page"]))
-    return PageName(
-        key=g["key"], model=g["model"], pool=g["pool"],
-        tp_rank=num("tp_rank"), tp_size=num("tp_size"),
-        pp_size=num("pp_size"), pp_rank=num("pp_rank"),
-        cp_rank=num("cp_rank"), cp_size=num("cp_size"), dcp=dcp,
-    )  # fmt: skip
-
-
-def classify(name: str) -> FileKind:
-    """What a directory entry's name says it is. Only PAGE and TEMP may ever be deleted."""
-    # Pages first: they are nearly every name GC sees, and the two patterns are disjoint
-    # (.bin vs .tmp), so the order changes no verdict. Not parse_page_name: GC classifies
-    # every file it deletes.
-    if PAGE_RE.fullmatch(name):
-        return FileKind.PAGE
-    if TEMP_RE.fullmatch(name):
-        return FileKind.TEMP
-    return FileKind.FOREIGN

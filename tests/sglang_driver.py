@@ -6,6 +6,7 @@ whole test session. Requests and replies:
   write: handle, tokens [[seed, n], ...], page_size, dtype, elems, tag, pool
          -> keys, stored, skipped, failed
   read:  the same fields -> hit_pages, read, correct, wrong, errors
+  pools: -> names (PoolName's values: the extra memory pools a page may have files for)
 Page keys are SGLang's own chained page hashes of the token ids; a page's bytes are a
 deterministic function of (key, tag, dtype) so a reader can tell its own bytes from others'.
 """
@@ -20,7 +21,7 @@ import zlib
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
+from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig, PoolName
 from sglang.srt.mem_cache.utils import get_hash_str
 
 DTYPES = {
@@ -113,7 +114,11 @@ def op_read(req: dict[str, Any]) -> dict[str, Any]:
             "errors": errors}  # fmt: skip
 
 
-OPS = {"open": op_open, "write": op_write, "read": op_read}
+def op_pools(req: dict[str, Any]) -> dict[str, Any]:
+    return {"names": [p.value for p in PoolName]}
+
+
+OPS = {"open": op_open, "write": op_write, "read": op_read, "pools": op_pools}
 
 
 def main() -> None:

@@ -31,7 +31,7 @@ def test_deletes_pages_and_temps_only(tree: Path) -> None:
     assert report.bytes == 600
     assert os.listdir(tree / "ns" / "0123456789abcdef") == ["notes.txt"]
     assert report.refused == (
-        "ns/0123456789abcdef/notes.txt: not an SGLang page or temp file name",
+        "ns/0123456789abcdef/notes.txt: not a page or temp file name of SGLang HiCacheFile",
     )
 
 

@@ -32,6 +32,7 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cachemgr.backends import FileFormat
 from cachemgr.daemon.watcher import Event, Kind, Watcher
 from cachemgr.errors import StateCorrupt, StateError, UnsafePathError
 from cachemgr.fs import reserve
@@ -39,6 +40,7 @@ from cachemgr.fs.leadership import Leadership
 from cachemgr.fs.safe import open_dir, open_file
 from cachemgr.layout import Layout
 from cachemgr.ns.registry import adopt_from_disk
+from cachemgr.sglang.hicache import HICACHE_FILE
 from cachemgr.state.index import BATCH, ScanReport, forget_namespace, namespace_dirs, scan_namespace
 from cachemgr.state.store import Store
 
@@ -90,8 +92,8 @@ class PageEvents:
     the largest stored value, so the order survives a restart.
     """
 
-    def __init__(self, store: Store, layout: Layout) -> None:
-        self.store, self.layout = store, layout
+    def __init__(self, store: Store, layout: Layout, fmt: FileFormat = HICACHE_FILE) -> None:
+        self.store, self.layout, self.fmt = store, layout, fmt
         self._next: int | None = None  # read at first use, on the thread that applies
 
     def apply(self, events: list[Event], *, now: float) -> dict[str, list[int]]:
@@ -125,8 +127,8 @@ class PageEvents:
         upserts, deletes = self._settle(touched, seqs, now)
         with self.store.transaction() as conn:
             conn.executemany(
-                "INSERT INTO pages (namespace_id, name, size, created_at, last_access, access_seq)"
-                " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (namespace_id, name) DO UPDATE"
+                "INSERT INTO pages (namespace_id, name, size, created_at, last_access, access_seq,"
+                " key_len) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (namespace_id, name) DO UPDATE"
                 " SET size = excluded.size, last_access = max(last_access, excluded.last_access),"
                 " access_seq = max(access_seq, excluded.access_seq)",
                 upserts,
@@ -143,7 +145,7 @@ class PageEvents:
 
     def _settle(
         self, touched: dict[tuple[str, str], bool], seqs: dict[tuple[str, str], int], now: float
-    ) -> tuple[list[tuple[str, str, int, float, float, int]], list[tuple[str, str]]]:
+    ) -> tuple[list[tuple[str, str, int, float, float, int, int]], list[tuple[str, str]]]:
         """Split touched pages into rows to upsert (file exists) and rows to delete."""
         upserts, deletes = [], []
         for (ns, name), stored in touched.items():
@@ -153,7 +155,8 @@ class PageEvents:
                 deletes.append((ns, name))
                 continue
             seen = now if stored else min(st.st_mtime, now)
-            upserts.append((ns, name, st.st_size, seen, seen, seqs.get((ns, name), 0)))
+            key_len = self.fmt.key_len(name) or len(name)  # the watcher passes pages only
+            upserts.append((ns, name, st.st_size, seen, seen, seqs.get((ns, name), 0), key_len))
         return upserts, deletes
 
 
@@ -193,10 +196,11 @@ class Indexer:
         self.clock = clock
         self.state = IndexState()
         self.watcher = watcher if watcher is not None else Watcher(layout)
+        self.fmt = self.watcher.fmt  # what the names in a namespace dir mean
         self.leadership = leadership  # None: this process alone indexes the root
         self.ready_marker = ready_marker  # exists while the leader's index is live
         self.follow_interval = max(batch_interval, 0.05)
-        self.pages = PageEvents(store, layout)
+        self.pages = PageEvents(store, layout, self.fmt)
         self.on_applied: Callable[[], None] | None = None  # after each batch of page events
         # after a namespace dir left ns/: a purge by any process moved it into .trash/
         self.on_namespace_gone: Callable[[str], None] | None = None
@@ -294,7 +298,7 @@ class Indexer:
             try:
                 with self.store.guard():
                     self.store.follow_path()
-                    self.pages = PageEvents(self.store, self.layout)  # after earlier seqs
+                    self.pages = PageEvents(self.store, self.layout, self.fmt)  # after earlier seqs
                     self._scan_all(first=first)
                 return
             except StateCorrupt:
@@ -439,7 +443,7 @@ class Indexer:
         if not self.watcher.watch(ns):
             return None
         try:
-            report = scan_namespace(self.store, self.layout, ns, now=self.clock)
+            report = scan_namespace(self.store, self.layout, ns, now=self.clock, fmt=self.fmt)
         except UnsafePathError as e:  # replaced by a symlink since it was watched
             log.error("namespace dir not scanned", extra={"namespace": ns, "error": str(e)})
             return None

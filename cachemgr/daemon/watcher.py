@@ -1,4 +1,4 @@
-"""Page events from inotify: stores, deletions and reads of SGLang page files, per namespace.
+"""Page events from inotify: stores, deletions and reads of page files, per namespace.
 
 Built on watchdog's inotify layer (`InotifyFD` and its `WatchCallback` protocol) rather than
 `InotifyObserver`: the observer turns each kernel event into several Python objects, pairs
@@ -7,8 +7,8 @@ moves through a 0.5 s delay queue and dispatches through two more threads, which
 reads the kernel queue and appends plain tuples to a deque, and only the event kinds that
 matter are asked of the kernel:
 
-* IN_MOVED_TO a `.bin`      a page store (SGLang writes `.<uuid>.tmp`, then os.replace)
-* IN_CLOSE_NOWRITE a `.bin` a page read (one per read; IN_OPEN would only double the work)
+* IN_MOVED_TO a page        a page store (SGLang writes a temp file, then os.replace)
+* IN_CLOSE_NOWRITE a page   a page read (one per read; IN_OPEN would only double the work)
 * IN_DELETE / IN_MOVED_FROM a page deleted or moved away
 * on <root>/ns: a namespace dir created, moved in, moved away or deleted
 
@@ -36,7 +36,9 @@ from watchdog.observers.inotify_c import (
     WatchDescriptor,
 )
 
-from cachemgr.layout import NS_ID_RE, PAGE_RE, Layout
+from cachemgr.backends import FileFormat
+from cachemgr.layout import NS_ID_RE, Layout
+from cachemgr.sglang.hicache import HICACHE_FILE
 
 log = logging.getLogger(__name__)
 C = InotifyConstants
@@ -65,16 +67,17 @@ class _NamespaceWatch:
     ns_id: str
     emit: Callable[[Event], None]
     clock: Callable[[], float]
+    fmt: FileFormat
     wd: int = -1
     dead: bool = False
 
     def on_event(self, event: InotifyEvent) -> None:
         mask, name = event.mask, event.name
-        if self.dead or mask & C.IN_ISDIR or not name.endswith(b".bin"):
+        if self.dead or mask & C.IN_ISDIR:
             return
         page = os.fsdecode(name)
-        if not PAGE_RE.fullmatch(page):
-            return  # "notes.bin", a non-UTF-8 name: not SGLang's, never in the index
+        if not page.endswith(self.fmt.page_suffix) or self.fmt.key_len(page) is None:
+            return  # a temp renamed away, "notes.bin", a non-UTF-8 name: never in the index
         if mask & C.IN_CLOSE_NOWRITE:
             kind = Kind.READ
         elif mask & C.IN_MOVED_TO:
@@ -128,6 +131,7 @@ class Watcher:
     layout: Layout
     queue: deque[Event] = field(default_factory=deque)
     clock: Callable[[], float] = time.monotonic
+    fmt: FileFormat = HICACHE_FILE
     running: bool = field(default=False, init=False)
     _fd: InotifyFD | None = field(default=None, init=False)
     _watches: dict[str, _NamespaceWatch] = field(default_factory=dict, init=False)
@@ -160,7 +164,7 @@ class Watcher:
             current = self._watches.get(ns_id)
         if current is not None and not current.dead:
             return True  # a second callback on the same watch would count every event twice
-        cb = _NamespaceWatch(ns_id, self.emit, self.clock)
+        cb = _NamespaceWatch(ns_id, self.emit, self.clock, self.fmt)
         path = os.fsencode(self.layout.ns_dir(ns_id))
         try:
             cb.wd = self._fd.add_callback(path, Mask(_NS_MASK | _FLAGS), cb, CallbackId(id(cb)))

@@ -1,17 +1,19 @@
 /* cachemgr.fs._dirscan: list one directory and stat every entry, on several threads, without the
- * GIL; return per-name-shape aggregates instead of a Python object per file.
+ * GIL; return per-name-shape aggregates instead of a Python object per file, and the number of
+ * distinct pages (page keys) among the files.
  *
  * Why C: the index must stat every page (sizes are the metric), and a Python loop over
  * os.stat tops out at ~0.4x `du -sb` (os.stat ~3 us + a regex ~2.4 us per file). Here the
  * stats run on `threads` threads and no Python object is made per file, so a million-page
  * namespace is summarised faster than `du` walks it.
  *
- * Names are grouped by *shape*: a leading run of 16..128 lowercase hex digits (SGLang's page
- * key) is replaced by sixteen '0's, so every page of one model/rank/pool falls into one group,
- * and the 32 hex digits of a temp file's ".<uuid>" by '0's, so temps share one group too.
- * Python classifies each group once (cachemgr.layout) -- the verdict of a name and of its shape
- * are the same, because a page key must be followed by a non-hex '.' or '_', and a temp name
- * is '.', exactly 32 hex digits, ".tmp".
+ * Names are grouped by *shape* (the caller's format gives the rules, cachemgr.backends.ScanRules):
+ * a leading run of key_min..key_max lowercase hex digits (the page key) is replaced by key_min
+ * '0's, so every page of one model/rank/pool falls into one group, and the temp_hex hex digits
+ * after a leading temp_lead by '0's, so such temps share one group too. The caller's kind_of
+ * classifies each shape once, with the GIL, when it is first seen -- the format guarantees the
+ * verdict of a name and of its shape are the same. Files of one page share its key, so the
+ * pages are the distinct keys among files whose shape is a page's (a set of 64-bit key hashes).
  *
  * Safety: the caller opens the directory (cachemgr.fs.deletion.open_dir: no symlink on the way);
  * entries are stat'ed with AT_SYMLINK_NOFOLLOW; nothing is opened, written or deleted.
@@ -32,9 +34,7 @@
 #define CHUNK 65536       /* entries stat'ed per round: bounds memory for huge directories */
 #define MAX_THREADS 16
 #define MAX_SIZES 1024    /* distinct sizes tracked per group; more go to `untracked` */
-#define KEY_MIN 16
-#define KEY_MAX 128
-#define TEMP_HEX 32
+#define RULE_MAX 128 /* longest key_min or temp_hex accepted (Ent.skip is 8 bits) */
 
 enum kind { GONE = 0, REGULAR = 1, OTHER = 2 };
 
@@ -48,6 +48,7 @@ typedef struct {
     int64_t size;
     uint64_t digest;   /* page_digest(name, size) */
     uint64_t shape_hash;
+    uint64_t key_hash; /* of the page key (the whole name if it has none): one page, one hash */
 } Ent;
 
 typedef struct {
@@ -63,6 +64,7 @@ typedef struct {
     uint64_t digest;
     SizeCount *sizes; /* grown on demand: most groups (a foreign name) hold one size */
     int nsizes, capsizes;
+    int kind; /* kind_of(shape): 1 is a page */
 } Group;
 
 typedef struct {
@@ -71,8 +73,15 @@ typedef struct {
 } Groups;
 
 enum prefix { PLAIN = 0, PAGE_KEY = 1, TEMP_KEY = 2 };
-static const char *const PREFIX[] = {"", "0000000000000000", ".00000000000000000000000000000000"};
-static const size_t PREFIX_LEN[] = {0, KEY_MIN, 1 + TEMP_HEX};
+enum { PAGE = 1 }; /* cachemgr.backends.FileKind.PAGE */
+
+/* The format's shape rules, and the shape prefix each rule puts in place of what it replaces. */
+typedef struct {
+    size_t key_min, key_max, temp_hex;
+    char temp_lead;
+    char prefix[3][RULE_MAX + 2];
+    size_t prefix_len[3];
+} Rules;
 #define FNV_SEED 0xcbf29ce484222325ULL
 
 /* FNV-1a, then a 64-bit finaliser (splitmix64) so near-identical names spread over all bits. */
@@ -105,24 +114,66 @@ static size_t hex_run(const char *s, size_t n) {
     return i;
 }
 
-/* A name's shape: PREFIX[prefix] + name[skip:]. */
-static void shape_of(Ent *e) {
+/* A name's shape: prefix[prefix] + name[skip:]; and the hash of its page key. */
+static void shape_of(const Rules *r, Ent *e) {
     size_t hex = hex_run(e->name, e->len);
     e->prefix = PLAIN, e->skip = 0;
-    if (hex >= KEY_MIN && hex <= KEY_MAX) {
+    if (hex >= r->key_min && hex <= r->key_max) {
         e->prefix = PAGE_KEY, e->skip = (uint8_t)hex;
-    } else if (e->name[0] == '.' && hex_run(e->name + 1, e->len - 1) == TEMP_HEX) {
-        e->prefix = TEMP_KEY, e->skip = 1 + TEMP_HEX;
+    } else if (e->name[0] == r->temp_lead && hex_run(e->name + 1, e->len - 1) == r->temp_hex) {
+        e->prefix = TEMP_KEY, e->skip = (uint8_t)(1 + r->temp_hex);
     }
-    uint64_t h = fnv(PREFIX[e->prefix], PREFIX_LEN[e->prefix], FNV_SEED);
+    uint64_t h = fnv(r->prefix[e->prefix], r->prefix_len[e->prefix], FNV_SEED);
     e->shape_hash = mix(fnv(e->name + e->skip, e->len - e->skip, h));
+    e->key_hash = mix(fnv(e->name, e->prefix == PAGE_KEY ? hex : e->len, FNV_SEED));
 }
 
-static int shape_equals(const Group *x, const Ent *e) {
-    size_t rest = (size_t)(e->len - e->skip), head = PREFIX_LEN[e->prefix];
+static int shape_equals(const Rules *r, const Group *x, const Ent *e) {
+    size_t rest = (size_t)(e->len - e->skip), head = r->prefix_len[e->prefix];
     return x->hash == e->shape_hash && x->keylen == head + rest &&
-           memcmp(x->key, PREFIX[e->prefix], head) == 0 &&
+           memcmp(x->key, r->prefix[e->prefix], head) == 0 &&
            memcmp(x->key + head, e->name + e->skip, rest) == 0;
+}
+
+/* A set of 64-bit key hashes (0 marks a free slot): how many distinct pages there are. */
+typedef struct {
+    uint64_t *slots;
+    size_t cap, used;
+} KeySet;
+
+static int keyset_grow(KeySet *s) {
+    size_t cap = s->cap ? s->cap * 2 : 1024;
+    uint64_t *slots = calloc(cap, sizeof *slots);
+    if (!slots)
+        return -1;
+    for (size_t i = 0; i < s->cap; i++) {
+        uint64_t h = s->slots[i];
+        if (!h)
+            continue;
+        size_t j = h & (cap - 1);
+        while (slots[j])
+            j = (j + 1) & (cap - 1);
+        slots[j] = h;
+    }
+    free(s->slots);
+    s->slots = slots;
+    s->cap = cap;
+    return 0;
+}
+
+/* Add `h`: 1 if it is new, 0 if it was there, -1 when out of memory. */
+static int keyset_add(KeySet *s, uint64_t h) {
+    if ((s->used + 1) * 2 > s->cap && keyset_grow(s) < 0)
+        return -1;
+    h = h ? h : 1;
+    size_t j = h & (s->cap - 1);
+    for (; s->slots[j]; j = (j + 1) & (s->cap - 1)) {
+        if (s->slots[j] == h)
+            return 0;
+    }
+    s->slots[j] = h;
+    s->used++;
+    return 1;
 }
 
 static void groups_free(Groups *g) {
@@ -156,16 +207,17 @@ static int groups_grow(Groups *g) {
     return 0;
 }
 
-/* The group of `e`'s shape, created on first sight; NULL when out of memory. */
-static Group *group_of(Groups *g, const Ent *e) {
+/* The group of `e`'s shape, created (kind -1: not classified yet) on first sight; NULL when out
+ * of memory. */
+static Group *group_of(Groups *g, const Rules *r, const Ent *e) {
     if ((g->used + 1) * 2 > g->cap && groups_grow(g) < 0)
         return NULL;
     size_t j = e->shape_hash & (g->cap - 1);
     for (Group *x; (x = g->slots[j]); j = (j + 1) & (g->cap - 1)) {
-        if (shape_equals(x, e))
+        if (shape_equals(r, x, e))
             return x;
     }
-    size_t rest = (size_t)(e->len - e->skip), head = PREFIX_LEN[e->prefix];
+    size_t rest = (size_t)(e->len - e->skip), head = r->prefix_len[e->prefix];
     Group *x = calloc(1, sizeof *x);
     char *key = malloc(head + rest + 1);
     if (!x || !key) {
@@ -173,12 +225,13 @@ static Group *group_of(Groups *g, const Ent *e) {
         free(key);
         return NULL;
     }
-    memcpy(key, PREFIX[e->prefix], head);
+    memcpy(key, r->prefix[e->prefix], head);
     memcpy(key + head, e->name + e->skip, rest);
     key[head + rest] = '\0';
     x->key = key;
     x->keylen = head + rest;
     x->hash = e->shape_hash;
+    x->kind = -1;
     g->slots[j] = x;
     g->used++;
     return x;
@@ -210,6 +263,7 @@ static void group_add(Group *x, const Ent *e) {
 
 typedef struct {
     int dirfd;
+    const Rules *rules;
     Ent *ents;
     size_t n, first, step;
 } Job;
@@ -232,7 +286,7 @@ static void *stat_slice(void *arg) {
         e->size = st.st_size;
         if (e->kind == REGULAR) {
             e->digest = page_digest(e->name, e->len, e->size);
-            shape_of(e);
+            shape_of(job->rules, e);
         }
     }
     return NULL;
@@ -245,10 +299,10 @@ typedef struct {
 } Crew;
 
 /* Start `threads` threads on ents[0..n); a thread that cannot start is run at join time. */
-static void crew_start(Crew *c, int dirfd, Ent *ents, size_t n, int threads) {
+static void crew_start(Crew *c, int dirfd, const Rules *r, Ent *ents, size_t n, int threads) {
     c->started = 0;
     for (int t = 0; t < threads; t++) {
-        c->jobs[t] = (Job){dirfd, ents, n, (size_t)t, (size_t)threads};
+        c->jobs[t] = (Job){dirfd, r, ents, n, (size_t)t, (size_t)threads};
         if (c->started == t && pthread_create(&c->tid[t], NULL, stat_slice, &c->jobs[t]) == 0)
             c->started++;
     }
@@ -262,15 +316,34 @@ static void crew_join(Crew *c, int threads) {
 }
 
 typedef struct {
+    Rules rules;
+    PyObject *kind_of;   /* shape -> FileKind, called with the GIL */
+    PyThreadState *save; /* this thread's state while the GIL is released */
     Groups groups;
+    KeySet keys; /* of the page files seen */
     int64_t other, gone;
-    int err; /* errno of a failure, 0 if none */
+    int err;    /* errno of a failure, 0 if none */
+    int py_err; /* kind_of raised: its exception is pending */
 } Totals;
+
+/* kind_of(shape) for a group seen the first time; takes the GIL for the call. */
+static void classify(Group *x, Totals *tot) {
+    PyEval_RestoreThread(tot->save);
+    PyObject *shape = PyUnicode_DecodeFSDefaultAndSize(x->key, (Py_ssize_t)x->keylen);
+    PyObject *kind = shape ? PyObject_CallOneArg(tot->kind_of, shape) : NULL;
+    long k = kind ? PyLong_AsLong(kind) : -1;
+    if (k == -1 && PyErr_Occurred())
+        tot->py_err = 1;
+    Py_XDECREF(kind);
+    Py_XDECREF(shape);
+    tot->save = PyEval_SaveThread();
+    x->kind = (int)k;
+}
 
 /* Read up to CHUNK entries into `ents`; returns how many, 0 at the end. */
 static size_t read_chunk(DIR *dir, Ent *ents, Totals *tot) {
     size_t n = 0;
-    while (n < CHUNK && !tot->err) {
+    while (n < CHUNK && !tot->err && !tot->py_err) {
         errno = 0;
         struct dirent *d = readdir(dir);
         if (!d) {
@@ -299,13 +372,15 @@ static size_t read_chunk(DIR *dir, Ent *ents, Totals *tot) {
 static void tally(Ent *ents, size_t n, Totals *tot) {
     for (size_t i = 0; i < n; i++) {
         Ent *e = &ents[i];
-        if (tot->err) {
+        if (tot->err || tot->py_err) {
             /* keep freeing */
         } else if (e->kind == REGULAR) {
-            Group *x = group_of(&tot->groups, e);
+            Group *x = group_of(&tot->groups, &tot->rules, e);
+            if (x && x->kind < 0)
+                classify(x, tot);
             if (x)
                 group_add(x, e);
-            else
+            if (!x || (x->kind == PAGE && keyset_add(&tot->keys, e->key_hash) < 0))
                 tot->err = ENOMEM;
         } else if (e->kind == OTHER) {
             tot->other++;
@@ -317,7 +392,7 @@ static void tally(Ent *ents, size_t n, Totals *tot) {
 }
 
 /* Walk `dirfd`, reading the next chunk of names while the threads stat the current one; runs
- * without the GIL. Takes ownership of dirfd. */
+ * without the GIL (but for classify()). Takes ownership of dirfd. */
 static void walk(int dirfd, int threads, Totals *tot) {
     DIR *dir = fdopendir(dirfd);
     if (!dir) {
@@ -333,7 +408,7 @@ static void walk(int dirfd, int threads, Totals *tot) {
         size_t n = read_chunk(dir, cur, tot);
         while (n) {
             Crew crew;
-            crew_start(&crew, dirfd, cur, n, threads);
+            crew_start(&crew, dirfd, &tot->rules, cur, n, threads);
             size_t m = read_chunk(dir, next, tot);
             crew_join(&crew, threads);
             tally(cur, n, tot);
@@ -368,36 +443,66 @@ static PyObject *group_tuple(const Group *x) {
         Py_DECREF(sizes);
         return NULL;
     }
-    return Py_BuildValue("(NLLLLN)", key, (long long)x->count, (long long)x->bytes,
+    return Py_BuildValue("(NiLLLLN)", key, x->kind, (long long)x->count, (long long)x->bytes,
                          (long long)(int64_t)x->digest, (long long)x->untracked, sizes);
 }
 
 PyDoc_STRVAR(scan_doc,
-"scan(dir_fd, threads) -> (groups, other, gone)\n\n"
+"scan(dir_fd, threads, rules, kind_of) -> (groups, other, gone, pages)\n\n"
 "List the open directory `dir_fd` and stat every entry (not following symlinks) on\n"
-"`threads` threads. `groups` is a list of (shape, files, bytes, digest, untracked,\n"
-"{size: files}) for the regular files, one per name shape (a leading 16..128-hex-digit key,\n"
-"or the 32 hex digits after a leading '.', replaced by '0's); `digest` is the XOR of\n"
-"page_digest(name, size) over the group and\n"
-"`untracked` counts files whose size was not among the first 1024 distinct ones. `other`\n"
-"counts entries that are not regular files, `gone` those deleted between listing and stat.");
+"`threads` threads. `rules` is (key_min, key_max, temp_lead, temp_hex) (see\n"
+"cachemgr.backends.ScanRules). `groups` is a list of (shape, kind, files, bytes, digest,\n"
+"untracked, {size: files}) for the regular files, one per name shape (a leading\n"
+"key_min..key_max-hex-digit key, or the temp_hex hex digits after a leading temp_lead,\n"
+"replaced by '0's); `kind` is kind_of(shape), called once per shape with the GIL;\n"
+"`digest` is the XOR of page_digest(name, size) over the group and `untracked` counts files\n"
+"whose size was not among the first 1024 distinct ones. `other` counts entries that are not\n"
+"regular files, `gone` those deleted between listing and stat, and `pages` the distinct keys\n"
+"among the files of kind 1 (a page).");
+
+/* Parse (key_min, key_max, temp_lead, temp_hex) and lay out the shape prefixes; 0 on error. */
+static int parse_rules(PyObject *arg, Rules *r) {
+    int key_min, key_max, temp_hex, lead;
+    if (!PyArg_ParseTuple(arg, "iiCi", &key_min, &key_max, &lead, &temp_hex))
+        return 0;
+    if (key_min < 1 || key_max < key_min || key_max > 255 || key_min > RULE_MAX ||
+        temp_hex < 1 || temp_hex > RULE_MAX || lead < 1 || lead > 127) {
+        PyErr_SetString(PyExc_ValueError, "scan rules out of range");
+        return 0;
+    }
+    *r = (Rules){.key_min = (size_t)key_min, .key_max = (size_t)key_max,
+                 .temp_hex = (size_t)temp_hex, .temp_lead = (char)lead};
+    memset(r->prefix[PAGE_KEY], '0', r->key_min);
+    r->prefix_len[PAGE_KEY] = r->key_min;
+    r->prefix[TEMP_KEY][0] = r->temp_lead;
+    memset(r->prefix[TEMP_KEY] + 1, '0', r->temp_hex);
+    r->prefix_len[TEMP_KEY] = 1 + r->temp_hex;
+    return 1;
+}
 
 static PyObject *scan(PyObject *Py_UNUSED(self), PyObject *args) {
     int dirfd, threads;
-    if (!PyArg_ParseTuple(args, "ii", &dirfd, &threads))
+    PyObject *rules, *kind_of;
+    if (!PyArg_ParseTuple(args, "iiO!O", &dirfd, &threads, &PyTuple_Type, &rules, &kind_of))
         return NULL;
     if (threads < 1 || threads > MAX_THREADS)
         return PyErr_Format(PyExc_ValueError, "threads must be 1..%d", MAX_THREADS);
     Totals tot = {0};
-    Py_BEGIN_ALLOW_THREADS
+    if (!parse_rules(rules, &tot.rules))
+        return NULL;
+    tot.kind_of = kind_of;
+    tot.save = PyEval_SaveThread();
     int fd = fcntl(dirfd, F_DUPFD_CLOEXEC, 0); /* closedir() closes it; the caller keeps dirfd */
     if (fd < 0)
         tot.err = errno;
     else
         walk(fd, threads, &tot);
-    Py_END_ALLOW_THREADS
-    if (tot.err) {
+    PyEval_RestoreThread(tot.save);
+    free(tot.keys.slots);
+    if (tot.err || tot.py_err) {
         groups_free(&tot.groups);
+        if (tot.py_err)
+            return NULL;
         errno = tot.err;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
@@ -413,7 +518,8 @@ static PyObject *scan(PyObject *Py_UNUSED(self), PyObject *args) {
     groups_free(&tot.groups);
     if (!list)
         return NULL;
-    return Py_BuildValue("(NLL)", list, (long long)tot.other, (long long)tot.gone);
+    return Py_BuildValue("(NLLn)", list, (long long)tot.other, (long long)tot.gone,
+                         (Py_ssize_t)tot.keys.used);
 }
 
 PyDoc_STRVAR(digest_doc,

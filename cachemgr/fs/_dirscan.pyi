@@ -1,6 +1,11 @@
 # Types of the C extension built from _dirscan.c.
+from collections.abc import Callable
 
-Group = tuple[str, int, int, int, int, dict[int, int]]
+# (shape, kind, files, bytes, digest, untracked, {size: files})
+Group = tuple[str, int, int, int, int, int, dict[int, int]]
+Rules = tuple[int, int, str, int]  # (key_min, key_max, temp_lead, temp_hex)
 
-def scan(dir_fd: int, threads: int, /) -> tuple[list[Group], int, int]: ...
+def scan(
+    dir_fd: int, threads: int, rules: Rules, kind_of: Callable[[str], int], /
+) -> tuple[list[Group], int, int, int]: ...
 def page_digest(name: str, size: int, /) -> int: ...

@@ -1,5 +1,6 @@
-"""The one place files are deleted: only SGLang page and temp files, only inside the root,
-never through a symlink, paced, and with a dry run that reports exactly what would go.
+"""The one place files are deleted: only page and temp files (as the caller's file format names
+them), only inside the root, never through a symlink, paced, and with a dry run that reports
+exactly what would go.
 
 Directories are opened component by component from the root with O_NOFOLLOW and files are
 unlinked relative to that descriptor, so a symlink planted anywhere on the way (or swapped in
@@ -16,9 +17,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cachemgr.backends import FileFormat, FileKind
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs.safe import is_own_temp, open_dir
-from cachemgr.layout import NS_DIR, FileKind, check_ns_id, classify
+from cachemgr.layout import NS_DIR, check_ns_id
+from cachemgr.sglang.hicache import HICACHE_FILE
 
 Progress = Callable[[int, int], None]  # (files so far, bytes so far)
 Removed = Callable[[str], None]  # a name that is no longer there (deleted or vanished)
@@ -81,6 +84,7 @@ def delete_files(
     progress: Progress | None = None,
     now: Callable[[], float] = time.time,
     removed: Removed | None = None,
+    fmt: FileFormat = HICACHE_FILE,
 ) -> DeleteReport:
     """Delete the named page/temp files of <root>/<rel_dir>; anything else is refused.
 
@@ -94,6 +98,7 @@ def delete_files(
     files = size = 0
     checked = _Checked()
     paced = pacer is not None and bool(pacer.rate)
+    ours = _names_of(fmt)
     parent, _, leaf = rel_dir.rpartition("/")
     if not leaf:
         raise UnsafePathError(f"{rel_dir!r}: no directory to delete files from")
@@ -112,13 +117,13 @@ def delete_files(
             if ahead is not None:
                 ok = ahead.result()
             else:
-                ok = _check_part(fd, part, min_age, now, checked)
+                ok = _check_part(fd, part, min_age, now, checked, ours)
             ahead = None
             if not dry_run and not _still_at(root, rel_dir, here):
                 stopped = True
                 break
             if not (dry_run or paced) and i + 1 < len(parts):
-                ahead = pool.submit(_check_part, fd, parts[i + 1], min_age, now, checked)
+                ahead = pool.submit(_check_part, fd, parts[i + 1], min_age, now, checked, ours)
             for name, nbytes in ok:
                 if not dry_run:
                     # Through `fd` (a path through the dir's name could follow a link swapped
@@ -177,8 +182,14 @@ def _still_at(root: Path, rel_dir: str, here: tuple[int, int]) -> bool:
         return False
 
 
-def _sglang_file(name: str) -> bool:
-    return os.sep not in name and classify(name) is not FileKind.FOREIGN
+# Which names a deletion may touch at all, and how a refusal describes them.
+Names = tuple[Callable[[str], bool], str]
+OWN_TEMPS: Names = (is_own_temp, "a cachemgr temp file name")
+
+
+def _names_of(fmt: FileFormat) -> Names:
+    return (lambda name: fmt.classify(name) is not FileKind.FOREIGN,
+            f"a page or temp file name of {fmt.name}")  # fmt: skip
 
 
 @dataclass
@@ -196,7 +207,7 @@ def _check_part(
     min_age: float,
     now: Callable[[], float],
     out: _Checked,
-    ours: Callable[[str], bool] = _sglang_file,
+    ours: Names,
 ) -> list[tuple[str, int]]:
     """(name, size) of the names that may be deleted; the rest are tallied in `out`."""
     ok = []
@@ -219,17 +230,11 @@ def too_young(mtime: float, min_age: float, now: float) -> bool:
     return min_age > 0 and now - mtime < min_age
 
 
-def _check(
-    dir_fd: int,
-    name: str,
-    min_age: float,
-    now: float,
-    ours: Callable[[str], bool] = _sglang_file,
-) -> int | str:
-    """The file's size if it may be deleted, else why not. `ours` identifies the names this
-    deletion may touch at all (SGLang's page and temp names, unless told otherwise)."""
-    if os.sep in name or not ours(name):
-        return "not an SGLang page or temp file name"
+def _check(dir_fd: int, name: str, min_age: float, now: float, ours: Names) -> int | str:
+    """The file's size if it may be deleted, else why not."""
+    accepts, what = ours
+    if os.sep in name or not accepts(name):
+        return f"not {what}"
     try:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
@@ -260,6 +265,7 @@ def delete_dir(
     min_age: float = 0.0,
     pacer: Pacer | None = None,
     progress: Progress | None = None,
+    fmt: FileFormat = HICACHE_FILE,
 ) -> DeleteReport:
     """Empty <root>/<rel_dir> of page/temp files and remove it if nothing else is left.
 
@@ -269,7 +275,8 @@ def delete_dir(
     with open_dir(root, rel_dir) as fd:
         names = [e.name for e in os.scandir(fd)]
     report = delete_files(
-        root, rel_dir, names, dry_run=dry_run, min_age=min_age, pacer=pacer, progress=progress
+        root, rel_dir, names, dry_run=dry_run, min_age=min_age, pacer=pacer, progress=progress,
+        fmt=fmt,
     )
     if dry_run or report.refused or report.young:
         return report
@@ -318,7 +325,7 @@ def delete_own_temps(
     files = size = 0
     checked = _Checked()
     with open_dir(root, rel_dir) as fd:
-        ok = _check_part(fd, list(names), older_than, now, checked, ours=is_own_temp)
+        ok = _check_part(fd, list(names), older_than, now, checked, OWN_TEMPS)
         for name, nbytes in ok:
             if not (dry_run or _unlink(fd, name)):
                 checked.vanished.append(name)

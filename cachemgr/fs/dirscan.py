@@ -6,8 +6,10 @@ from `scan_usage`; every listing of the files themselves (index rows, what GC ma
 open a page (an open would look like a hit) and never follow a symlink.
 
 `scan_usage` is the hot one (a million-page namespace, at every daemon start): the listing and
-the stat of every entry run in C (`_dirscan.c`) on a few threads without the GIL, and Python
-classifies each *name shape* once (cachemgr.layout), not each file.
+the stat of every entry run in C (`_dirscan.c`) on a few threads without the GIL, and the
+format (cachemgr.backends) classifies each *name shape* once, not each file.
+
+What the names mean is the caller's `fmt`: SGLang's HiCacheFile unless told otherwise.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from cachemgr.backends import FileFormat, FileKind
 from cachemgr.fs import _dirscan
 from cachemgr.fs.safe import open_dir
-from cachemgr.layout import TEMP_PREFIX, FileKind, Layout, classify
+from cachemgr.layout import Layout
+from cachemgr.sglang.hicache import HICACHE_FILE
 
 # stat() is a syscall with little CPU in it: two threads per core keep the kernel busy.
 THREADS = max(1, min(8, 2 * len(os.sched_getaffinity(0))))
@@ -28,36 +32,40 @@ THREADS = max(1, min(8, 2 * len(os.sched_getaffinity(0))))
 
 @dataclass(frozen=True)
 class Usage:
-    """What a scan of one directory found: SGLang pages and temps, and anything else."""
+    """What a scan of one directory found: pages and temps, and anything else."""
 
-    pages: int = 0
-    bytes: int = 0  # of the pages
+    pages: int = 0  # logical pages: the files of one page (pools, ranks) count once
+    bytes: int = 0  # of all page files
+    files: int = 0  # page files
     temps: int = 0
     temp_bytes: int = 0
     other: int = 0  # foreign names, subdirectories, symlinks: never deleted, never counted
-    corrupt: int = 0  # pages off the usual size of their kind (torn): see usual_size
-    digest: int = 0  # XOR of page_digest(name, size) over the pages: equals the index's or not
+    corrupt: int = 0  # page files off the usual size of their kind (torn): see usual_size
+    digest: int = 0  # XOR of page_digest(name, size) over the page files: equals the index's?
 
 
-def scan_usage(layout: Layout, rel_dir: str) -> Usage | None:
+def scan_usage(layout: Layout, rel_dir: str, fmt: FileFormat = HICACHE_FILE) -> Usage | None:
     """Count and size what is in <root>/<rel_dir>; None if it is absent."""
+    r = fmt.scan
     try:
         with open_dir(layout.root, rel_dir) as fd:
-            groups, other, _gone = _dirscan.scan(fd, THREADS)
+            # a shape's verdict is its names' verdict (ScanRules)
+            groups, other, _gone, pages = _dirscan.scan(
+                fd, THREADS, (r.key_min, r.key_max, r.temp_lead, r.temp_hex), fmt.classify
+            )
     except FileNotFoundError:
         return None
-    pages = size = temps = temp_size = digest = corrupt = 0
-    for shape, files, nbytes, group_digest, _untracked, sizes in groups:
-        kind = classify(shape)  # a shape's verdict is its names' verdict (see _dirscan.c)
-        if kind is FileKind.PAGE:
-            pages, size, digest = pages + files, size + nbytes, digest ^ group_digest
-            usual = usual_size(sizes, files)
-            corrupt += 0 if usual is None else files - sizes[usual]
-        elif kind is FileKind.TEMP:
-            temps, temp_size = temps + files, temp_size + nbytes
+    files = size = temps = temp_size = digest = corrupt = 0
+    for _shape, kind, count, nbytes, group_digest, _untracked, sizes in groups:
+        if kind == FileKind.PAGE:
+            files, size, digest = files + count, size + nbytes, digest ^ group_digest
+            usual = usual_size(sizes, count)
+            corrupt += 0 if usual is None else count - sizes[usual]
+        elif kind == FileKind.TEMP:
+            temps, temp_size = temps + count, temp_size + nbytes
         else:
-            other += files
-    return Usage(pages, size, temps, temp_size, other, corrupt, digest)
+            other += count
+    return Usage(pages, size, files, temps, temp_size, other, corrupt, digest)
 
 
 def usual_size(sizes: Mapping[int, int], pages: int) -> int | None:
@@ -78,6 +86,7 @@ class Listed(NamedTuple):
     name: str
     size: int
     mtime: float
+    key_len: int  # of a page file: its name's first key_len characters name its page; temps 0
 
 
 PAGES = frozenset({FileKind.PAGE})
@@ -86,23 +95,26 @@ DELETABLE = PAGES | TEMPS  # the only kinds anything may delete
 
 
 def list_files(
-    layout: Layout, rel_dir: str, kinds: frozenset[FileKind] = DELETABLE
+    layout: Layout,
+    rel_dir: str,
+    kinds: frozenset[FileKind] = DELETABLE,
+    fmt: FileFormat = HICACHE_FILE,
 ) -> Iterator[Listed]:
-    """The SGLang files of these kinds in <root>/<rel_dir> that are regular files; nothing if
-    the dir is absent. Foreign names, subdirectories and symlinks are never listed; only the
+    """The files of these kinds in <root>/<rel_dir> that are regular files; nothing if the
+    dir is absent. Foreign names, subdirectories and symlinks are never listed; only the
     names of the kinds asked for are stat'ed."""
-    # Temps start with "." and pages never do: GC's sweep for stale temps looks at a
-    # million-page dir without a regex per page (that held the GIL ~1.5 s, and /metrics p99
-    # went from 9 to 50 ms while it ran).
+    # GC's sweep for stale temps looks at a million-page dir without a regex per page (that
+    # held the GIL ~1.5 s, and /metrics p99 went from 9 to 50 ms while it ran).
     temps_only = FileKind.PAGE not in kinds
     try:
         with open_dir(layout.root, rel_dir) as fd, os.scandir(fd) as entries:
             # scandir, not listdir: a million names as one list would be ~110 MB at once.
             for entry in entries:
                 name = entry.name
-                if temps_only and not name.startswith(TEMP_PREFIX):
+                if temps_only and not fmt.maybe_temp(name):
                     continue
-                kind = classify(name)
+                key_len = fmt.key_len(name)
+                kind = FileKind.PAGE if key_len is not None else fmt.classify(name)
                 if kind not in kinds:
                     continue
                 try:
@@ -110,6 +122,6 @@ def list_files(
                 except FileNotFoundError:
                     continue  # deleted since listdir
                 if stat.S_ISREG(st.st_mode):
-                    yield Listed(kind, name, st.st_size, st.st_mtime)
+                    yield Listed(kind, name, st.st_size, st.st_mtime, key_len or 0)
     except FileNotFoundError:
         return

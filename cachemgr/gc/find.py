@@ -10,11 +10,12 @@ from collections import Counter, defaultdict
 from contextlib import suppress
 from dataclasses import dataclass
 
+from cachemgr.backends import FileKind
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs.dirscan import TEMPS, list_files, usual_size
 from cachemgr.fs.safe import is_own_temp, open_dir
 from cachemgr.gc.policy import GcPolicy, Reason
-from cachemgr.layout import FileKind, Layout
+from cachemgr.layout import Layout
 from cachemgr.ns.trash import list_trash
 
 
@@ -166,20 +167,15 @@ def unbound_past_retention(
     return doomed[::-1]
 
 
-def page_kind(name: str) -> str:
-    """What follows the page hash: pool, model and ranks; pages of one kind share a size."""
-    cut = [i for i in (name.find("."), name.find("_")) if i >= 0]
-    return name[min(cut) :] if cut else name
-
-
 def torn_pages(
     conn: sqlite3.Connection, skip: set[str], before: float
 ) -> tuple[list[Found], list[str]]:
-    """Pages whose size differs from the size most pages of their kind have.
+    """Pages with a file whose size differs from the size most files of its kind have.
 
     A truncated or foreign-dtype page poisons its prefix for good: SGLang's get() fails on it
     and set() never rewrites a file that exists (FIELD_NOTES §5); deleting it heals the cache.
-    A kind without a clear majority size is reported, not touched.
+    The page goes whole (its other files are useless without it). A kind (what follows the
+    key: pool, model, ranks) without a clear majority size is reported, not touched.
     """
     mixed = conn.execute(
         "SELECT namespace_id FROM pages GROUP BY namespace_id HAVING COUNT(DISTINCT size) > 1"
@@ -189,30 +185,30 @@ def torn_pages(
     for (ns_id,) in mixed:
         if ns_id in skip:
             continue
-        kinds: dict[str, list[tuple[str, int, float]]] = defaultdict(list)
-        for name, size, last in conn.execute(
-            "SELECT name, size, last_access FROM pages WHERE namespace_id = ?", (ns_id,)
+        kinds: dict[str, list[tuple[str, int]]] = defaultdict(list)
+        pages: dict[str, list[tuple[str, int, float]]] = defaultdict(list)
+        for name, size, last, key_len in conn.execute(
+            "SELECT name, size, last_access, key_len FROM pages WHERE namespace_id = ?", (ns_id,)
         ):
-            kinds[page_kind(name)].append((name, size, last))
-        torn: list[tuple[str, int]] = []
-        for kind, pages in sorted(kinds.items()):
-            sizes = Counter(s for _, s, _ in pages)
+            kinds[name[key_len:]].append((name, size))
+            pages[name[:key_len]].append((name, size, last))
+        torn: set[str] = set()  # keys
+        for kind, files in sorted(kinds.items()):
+            sizes = Counter(s for _, s in files)
             if len(sizes) == 1:
                 continue
-            usual = usual_size(sizes, len(pages))
+            usual = usual_size(sizes, len(files))
             if usual is None:
                 warnings.append(f"ns/{ns_id}: pages *{kind} have mixed sizes; none removed")
                 continue
-            torn += [(n, s) for n, s, last in pages if s != usual and last <= before]
-        if torn:
-            torn.sort()
+            torn |= {name[: len(name) - len(kind)] for name, s in files if s != usual}
+        doomed = sorted(
+            f for key in torn if max(last for _, _, last in pages[key]) <= before
+            for f in pages[key]
+        )  # fmt: skip
+        if doomed:
+            names = tuple(n for n, _, _ in doomed)
             found.append(
-                Found(
-                    "corrupt",
-                    f"ns/{ns_id}",
-                    ns_id,
-                    tuple(n for n, _ in torn),
-                    sum(s for _, s in torn),
-                )
+                Found("corrupt", f"ns/{ns_id}", ns_id, names, sum(s for _, s, _ in doomed))
             )
     return found, warnings

@@ -12,6 +12,10 @@ The index does not know the chains, but it knows the order of accesses. Here:
   A chain's head is read at least as often as its tail (reading the tail means reading the
   head) and before it, so tails go before heads, and pages shared by many sessions (the
   system prompt) go last.
+
+GC evicts pages, not files: every file of one page (an extra pool's part, each rank's file:
+cachemgr.backends) goes together, and a page is as recent as its most recently used file (a
+pool read only for a prefix's last page must not drag the page's hot KV file out early).
 """
 
 from __future__ import annotations
@@ -25,21 +29,57 @@ from typing import NamedTuple
 class Candidate(NamedTuple):
     """One page that may be evicted, with what the index knows of its use."""
 
-    last_access: float
+    last_access: float  # of its most recently used file
     access_seq: int
     namespace_id: str
-    name: str
-    size: int
-    reads: int
+    names: tuple[str, ...]  # all its files
+    size: int  # of all its files
+    reads: int  # of its most read file
 
 
-def _rows(conn: sqlite3.Connection, ns_id: str, before: float) -> Iterator[Candidate]:
+# A page's files: the names that start with its key and have a key that long (a longer key may
+# start the same way). char(1114111) sorts after any character a name can hold.
+_FILES = (
+    "SELECT name, size, last_access, access_seq, reads FROM pages WHERE namespace_id = ?1"
+    " AND name >= ?2 AND name < ?2 || char(1114111) AND key_len = length(?2)"
+)
+File = tuple[str, int, float, int, int]  # (name, size, last_access, access_seq, reads)
+_DONE = (float("inf"), 0)  # a page already yielded: its other files are skipped
+
+
+def page_files(conn: sqlite3.Connection, ns_id: str, key: str) -> list[File]:
+    """Every indexed file of one page (`key`: cachemgr.backends)."""
+    return conn.execute(_FILES, (ns_id, key)).fetchall()
+
+
+def _pages(conn: sqlite3.Connection, ns_id: str, before: float) -> Iterator[Candidate]:
+    """The pages of `ns_id` last used at or before `before`, least recently used first.
+
+    Files stream by recency; a page is yielded when its most recent file comes by, so a page
+    with a file used after `before` never is. Memory: the pages seen but not yet due.
+    """
     cur = conn.execute(
-        "SELECT last_access, access_seq, namespace_id, name, size, reads FROM pages"
+        "SELECT last_access, access_seq, name, key_len FROM pages"
         " WHERE namespace_id = ? AND last_access <= ? ORDER BY last_access, access_seq",
         (ns_id, before),
     )
-    return (Candidate(*row) for row in cur)
+    due: dict[str, tuple[float, int]] = {}  # key -> recency of its page, once looked up
+    for last, seq, name, key_len in cur:
+        key = name[:key_len]
+        when = due.get(key)
+        if when is not None and when != (last, seq):
+            continue  # comes later, or came already
+        files = page_files(conn, ns_id, key)
+        top = max((f[2], f[3]) for f in files)
+        if top != (last, seq):
+            due[key] = top
+            continue
+        if len(files) > 1:
+            due[key] = _DONE
+        yield Candidate(
+            last, seq, ns_id, tuple(f[0] for f in files), sum(f[1] for f in files),
+            max(f[4] for f in files),
+        )  # fmt: skip
 
 
 def bursts(stream: Iterable[Candidate], gap: float, span: float) -> Iterator[list[Candidate]]:
@@ -73,7 +113,7 @@ def eviction_order(
 
     Lazy: one index-ordered cursor per namespace, merged; memory is one burst at a time.
     """
-    streams = [_rows(conn, ns, before) for ns in sorted(set(namespace_ids))]
+    streams = [_pages(conn, ns, before) for ns in sorted(set(namespace_ids))]
     merged = heapq.merge(*streams, key=lambda c: (c.last_access, c.access_seq))
     for burst in bursts(merged, gap, span):
         burst.sort(key=_within_burst)

@@ -185,7 +185,7 @@ def _pick(
     taken: set[tuple[str | None, str]],
     policy: GcPolicy,
 ) -> list[Candidate]:
-    """Pages to evict, in order, until `need` bytes; `taken` grows with the choice."""
+    """Pages to evict, in order, until `need` bytes; `taken` (files) grows with the choice."""
     out: list[Candidate] = []
     freed = 0
     if need <= 0:
@@ -194,9 +194,10 @@ def _pick(
         conn, ns_ids, before=before, gap=policy.burst_gap, span=policy.burst_span
     )
     for c in order:
-        if (c.namespace_id, c.name) in taken:
-            continue
-        taken.add((c.namespace_id, c.name))
+        files = {(c.namespace_id, n) for n in c.names}
+        if not files.isdisjoint(taken):
+            continue  # a torn file's page: the whole page is in a step already
+        taken |= files
         out.append(c)
         freed += c.size
         if freed >= need:
@@ -210,6 +211,13 @@ def _evictions(reason: Reason, victims: list[Candidate], min_age: float) -> list
     for c in victims:
         by_ns.setdefault(c.namespace_id, []).append(c)
     return [
-        GcStep(reason, f"ns/{ns}", ns, tuple(c.name for c in cs), sum(c.size for c in cs), min_age)
+        GcStep(
+            reason,
+            f"ns/{ns}",
+            ns,
+            tuple(n for c in cs for n in c.names),
+            sum(c.size for c in cs),
+            min_age,
+        )
         for ns, cs in by_ns.items()
     ]

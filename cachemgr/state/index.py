@@ -1,8 +1,8 @@
 """The page index on disk → in the state DB: scans that make the `pages` table agree with the
 files, without resetting what it knows about pages that stay.
 
-A scan first counts the directory in C (cachemgr.fs.dirscan: pages, bytes and a digest of every
-(name, size)); when the index's trigger-kept totals and digest equal those, the index already
+A scan first counts the directory in C (cachemgr.fs.dirscan: pages, files, bytes and a digest of
+every (name, size)); when the index's trigger-kept totals and digest equal those, the index already
 matches and nothing else is read — the usual case on a restart or a periodic reconcile. Only
 when they differ are the page names listed and the rows fixed (`_reindex`). A scan only lists
 and stats: it never opens a page file (an open would count as a hit).
@@ -17,8 +17,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cachemgr.backends import FileFormat
 from cachemgr.fs.dirscan import PAGES, Usage, list_files, scan_usage
 from cachemgr.layout import NS_ID_RE, Layout
+from cachemgr.sglang.hicache import HICACHE_FILE
 from cachemgr.state.store import Store
 
 log = logging.getLogger(__name__)
@@ -34,10 +36,11 @@ class ScanReport:
     namespace_id: str
     pages: int = 0
     bytes: int = 0
+    files: int = 0
     temp_files: int = 0
     foreign_files: int = 0
     corrupt_files: int = 0
-    added: int = 0  # pages indexed that the index did not know
+    added: int = 0  # page files indexed that the index did not know
     removed: int = 0  # index rows whose file was gone
     seconds: float = 0.0
 
@@ -59,17 +62,22 @@ def namespace_dirs(layout: Layout) -> list[str]:
 
 
 def scan_namespace(
-    store: Store, layout: Layout, ns_id: str, *, now: Callable[[], float] = time.time
+    store: Store,
+    layout: Layout,
+    ns_id: str,
+    *,
+    now: Callable[[], float] = time.time,
+    fmt: FileFormat = HICACHE_FILE,
 ) -> ScanReport:
     """Make the index of `ns_id` equal its directory; known pages keep their recency."""
     t0 = time.perf_counter()
-    usage = scan_usage(layout, f"ns/{ns_id}") or Usage()
+    usage = scan_usage(layout, f"ns/{ns_id}", fmt) or Usage()
     added = removed = 0
     if not _matches(store.conn, ns_id, usage):
         log.info("reindexing namespace", extra={"namespace": ns_id, "pages": usage.pages})
-        added, removed = _reindex(store, layout, ns_id, now)
+        added, removed = _reindex(store, layout, ns_id, now, fmt)
     report = ScanReport(
-        ns_id, usage.pages, usage.bytes, usage.temps, usage.other, usage.corrupt,
+        ns_id, usage.pages, usage.bytes, usage.files, usage.temps, usage.other, usage.corrupt,
         added=added, removed=removed, seconds=time.perf_counter() - t0,
     )  # fmt: skip
     with store.transaction() as conn:
@@ -78,14 +86,16 @@ def scan_namespace(
 
 
 def _matches(conn: sqlite3.Connection, ns_id: str, usage: Usage) -> bool:
-    """Whether the index holds exactly the pages (names and sizes) the scan found."""
+    """Whether the index holds exactly the page files (names and sizes) the scan found."""
     row = conn.execute(
-        "SELECT pages, bytes, digest FROM namespace_stats WHERE namespace_id = ?", (ns_id,)
+        "SELECT pages, files, bytes, digest FROM namespace_stats WHERE namespace_id = ?", (ns_id,)
     ).fetchone()
-    return tuple(row or (0, 0, 0)) == (usage.pages, usage.bytes, usage.digest)
+    return tuple(row or (0, 0, 0, 0)) == (usage.pages, usage.files, usage.bytes, usage.digest)
 
 
-def _reindex(store: Store, layout: Layout, ns_id: str, now: Callable[[], float]) -> tuple[int, int]:
+def _reindex(
+    store: Store, layout: Layout, ns_id: str, now: Callable[[], float], fmt: FileFormat
+) -> tuple[int, int]:
     """Make the rows of `ns_id` those of its page files: (rows added, rows removed).
 
     The names go to a private temp table first, which SQLite sorts; rows then reach `pages`
@@ -100,11 +110,14 @@ def _reindex(store: Store, layout: Layout, ns_id: str, now: Callable[[], float])
     # reuses before writing it (a second reindex ran 10x slower on its temp inserts).
     conn.execute("PRAGMA temp.journal_mode = OFF")
     conn.execute("DROP TABLE IF EXISTS temp.scan_rows")
-    conn.execute("CREATE TEMP TABLE scan_rows (name TEXT, size INTEGER, mtime REAL)")
+    conn.execute(
+        "CREATE TEMP TABLE scan_rows (name TEXT, size INTEGER, mtime REAL, key_len INTEGER)"
+    )
     at = now()
+    files = list_files(layout, f"ns/{ns_id}", PAGES, fmt)
     conn.executemany(
-        "INSERT INTO temp.scan_rows VALUES (?, ?, ?)",
-        ((f.name, f.size, min(f.mtime, at)) for f in list_files(layout, f"ns/{ns_id}", PAGES)),
+        "INSERT INTO temp.scan_rows VALUES (?, ?, ?, ?)",
+        ((f.name, f.size, min(f.mtime, at), f.key_len) for f in files),
     )
     conn.execute("CREATE INDEX temp.scan_rows_name ON scan_rows (name)")
     before = _count(conn, ns_id)
@@ -117,8 +130,9 @@ def _reindex(store: Store, layout: Layout, ns_id: str, now: Callable[[], float])
     # is (SGLang never rewrites a page) and it keeps GC order sane on a first install. Pages
     # already indexed keep their recency; only a changed size is written.
     upsert = (
-        "INSERT INTO pages (namespace_id, name, size, created_at, last_access)"
-        " SELECT ?, name, size, mtime, mtime FROM scan_rows WHERE name > ? ORDER BY name LIMIT ?"
+        "INSERT INTO pages (namespace_id, name, size, created_at, last_access, key_len)"
+        " SELECT ?, name, size, mtime, mtime, key_len FROM scan_rows WHERE name > ?"
+        " ORDER BY name LIMIT ?"
         " ON CONFLICT (namespace_id, name) DO UPDATE SET size = excluded.size"
         " WHERE size != excluded.size"
     )
@@ -141,7 +155,7 @@ def _reindex(store: Store, layout: Layout, ns_id: str, now: Callable[[], float])
 
 
 def _count(conn: sqlite3.Connection, ns_id: str) -> int:
-    row = conn.execute("SELECT pages FROM namespace_stats WHERE namespace_id = ?", (ns_id,))
+    row = conn.execute("SELECT files FROM namespace_stats WHERE namespace_id = ?", (ns_id,))
     found = row.fetchone()
     return int(found[0]) if found else 0
 
