@@ -23,6 +23,7 @@ from cachemgr.gc.plan import plan_gc
 from cachemgr.gc.policy import GcPolicy
 from cachemgr.gc.runner import needs_gc
 from cachemgr.layout import Layout
+from cachemgr.sglang.hicache import HICACHE_FILE
 from cachemgr.state.store import Store
 
 NS = "0123456789abcdef"
@@ -52,9 +53,12 @@ def index(layout: Layout, files: list[str]) -> Store:
     t0 = 1_000_000.0
     with store.transaction() as conn:
         conn.executemany(
-            "INSERT INTO pages (namespace_id, name, size, created_at, last_access, access_seq)"
-            " VALUES (?, ?, ?, ?, ?, ?)",
-            ((NS, n, len(PAGE), t0, t0 + i * 0.01, i) for i, n in enumerate(files)),
+            "INSERT INTO pages (namespace_id, name, size, created_at, last_access, access_seq,"
+            " key_len) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (
+                (NS, n, len(PAGE), t0, t0 + i * 0.01, i, HICACHE_FILE.key_len(n))
+                for i, n in enumerate(files)
+            ),
         )
     return store
 

@@ -143,8 +143,8 @@ def check_wheel(wheel: Path, site: Path) -> None:
     assert expected and shipped == expected
     # The extension in the wheel imports and scans (not the one in the repo's source tree).
     probe = (
-        "import cachemgr.fs._dirscan as d, os; "
-        "print(d.__file__); print(d.scan(os.open('.', 0), 2)[1])"
+        "import cachemgr.fs._dirscan as d, os; print(d.__file__);"
+        " print(d.scan(os.open('.', 0), 2, (16, 128, '.', 32), lambda shape: 0)[1])"
     )
     out = subprocess.run(
         [sys.executable, "-c", probe], cwd=site, capture_output=True, text=True, check=True,

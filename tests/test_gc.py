@@ -113,9 +113,9 @@ def test_what_is_not_an_sglang_file_is_never_deleted(tree: Tree, tmp_path: Path)
     # A poisoned index that lists them all as old pages, and a cap that wants everything gone
     with tree.store.transaction() as conn:
         conn.executemany(
-            "INSERT INTO pages (namespace_id, name, size, created_at, last_access)"
-            " VALUES (?, ?, 10, ?, ?)",
-            [(NS, n, old, old) for n in (page(1), "notes.txt", page(2))],
+            "INSERT INTO pages (namespace_id, name, size, created_at, last_access, key_len)"
+            " VALUES (?, ?, 10, ?, ?, ?)",
+            [(NS, n, old, old, len(n)) for n in (page(1), "notes.txt", page(2))],
         )
     tree.write(NS, A[:1], at=old)
     plan = tree.plan(policy(max_bytes=1, min_free_percent=0), now=T0)
