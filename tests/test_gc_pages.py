@@ -3,18 +3,25 @@ counts it once, GC evicts it whole and orders it by its most recently used file.
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
+from cachemgr.daemon.metrics import CachemgrCollector
+from cachemgr.layout import Layout
 from cachemgr.state.index import scan_namespace
-from cachemgr.state.store import bundled_migrations, connect, migrate
+from cachemgr.state.store import Store, bundled_migrations, connect, migrate
 from tests.conftest import SglangDriver
+from tests.daemon_helpers import register_namespace, store_page
 from tests.gc_helpers import NS, T0, Tree, evicted, page, policy
+from tests.nsfixtures import cli
 
 
 def files_of(i: int) -> list[str]:
@@ -148,3 +155,27 @@ def test_pages_sglang_writes_with_pools_on_two_ranks_count_once(
     tree.execute(plan, now=now)
     left = os.listdir(d)
     assert all(sum(n.startswith(k) for n in left) in (0, 4) for k in keys)  # no partial page
+
+
+def test_ls_status_and_metrics_count_pages_not_files(layout: Layout) -> None:
+    d = register_namespace(layout, NS, instance="gpu0")
+    for i in range(3):
+        for name in files_of(i):
+            store_page(d, name, 10)
+    out = cli("--root", str(layout.root), "ls", "--json")
+    assert out.returncode == 0, out.stderr
+    (ns,) = json.loads(out.stdout)["namespaces"]
+    assert (ns["pages"], ns["bytes"]) == (3, 120)
+    out = cli("--root", str(layout.root), "status", "--json", "--port", "1")
+    assert out.returncode == 0, out.stderr
+    (ns,) = json.loads(out.stdout)["namespaces"]
+    assert (ns["pages"], ns["bytes"]) == (3, 120)
+    store = Store.open(layout.db_path)
+    try:
+        scan_namespace(store, layout, NS)
+        reg = CollectorRegistry(auto_describe=False)
+        reg.register(CachemgrCollector(layout, lambda: nullcontext(store.conn)))
+        assert reg.get_sample_value("cachemgr_namespace_pages", {"namespace": NS}) == 3
+        assert reg.get_sample_value("cachemgr_namespace_bytes", {"namespace": NS}) == 120
+    finally:
+        store.close()

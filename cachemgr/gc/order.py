@@ -59,12 +59,19 @@ def _pages(conn: sqlite3.Connection, ns_id: str, before: float) -> Iterator[Cand
     with a file used after `before` never is. Memory: the pages seen but not yet due.
     """
     cur = conn.execute(
-        "SELECT last_access, access_seq, name, key_len FROM pages"
-        " WHERE namespace_id = ? AND last_access <= ? ORDER BY last_access, access_seq",
+        "SELECT last_access, access_seq, name, key_len, size, reads, (SELECT count(*)"
+        " FROM pages p WHERE p.namespace_id = f.namespace_id"
+        " AND p.name >= substr(f.name, 1, f.key_len)"
+        " AND p.name < substr(f.name, 1, f.key_len) || char(1114111) AND p.key_len = f.key_len)"
+        " FROM pages f WHERE namespace_id = ? AND last_access <= ?"
+        " ORDER BY last_access, access_seq",
         (ns_id, before),
     )
     due: dict[str, tuple[float, int]] = {}  # key -> recency of its page, once looked up
-    for last, seq, name, key_len in cur:
+    for last, seq, name, key_len, size, reads, count in cur:
+        if count == 1:  # most pages: no other file to wait for or take along
+            yield Candidate(last, seq, ns_id, (name,), size, reads)
+            continue
         key = name[:key_len]
         when = due.get(key)
         if when is not None and when != (last, seq):
@@ -74,8 +81,7 @@ def _pages(conn: sqlite3.Connection, ns_id: str, before: float) -> Iterator[Cand
         if top != (last, seq):
             due[key] = top
             continue
-        if len(files) > 1:
-            due[key] = _DONE
+        due[key] = _DONE
         yield Candidate(
             last, seq, ns_id, tuple(f[0] for f in files), sum(f[1] for f in files),
             max(f[4] for f in files),
