@@ -71,11 +71,6 @@ class FileFormat:
         m = self.page.fullmatch(name)
         return None if m is None else m.end("key")
 
-    def page_key(self, name: str) -> str | None:
-        """The page a page file belongs to (its key); None if `name` is not a page file."""
-        n = self.key_len(name)
-        return None if n is None else name[:n]
-
     def maybe_temp(self, name: str) -> bool:
         """False only for names that cannot be temps: the cheap filter before `classify`."""
         return not name.endswith(self.page_suffix)
