@@ -185,12 +185,12 @@ def torn_pages(
     for (ns_id,) in mixed:
         if ns_id in skip:
             continue
-        kinds: dict[str, list[tuple[str, int]]] = defaultdict(list)
-        pages: dict[str, list[tuple[str, int, float]]] = defaultdict(list)
+        kinds: dict[str, list[tuple[str, int]]] = defaultdict(list)  # kind -> (key, size)
+        pages: dict[str, list[tuple[str, int, float]]] = defaultdict(list)  # key -> files
         for name, size, last, key_len in conn.execute(
             "SELECT name, size, last_access, key_len FROM pages WHERE namespace_id = ?", (ns_id,)
         ):
-            kinds[name[key_len:]].append((name, size))
+            kinds[name[key_len:]].append((name[:key_len], size))
             pages[name[:key_len]].append((name, size, last))
         torn: set[str] = set()  # keys
         for kind, files in sorted(kinds.items()):
@@ -201,7 +201,7 @@ def torn_pages(
             if usual is None:
                 warnings.append(f"ns/{ns_id}: pages *{kind} have mixed sizes; none removed")
                 continue
-            torn |= {name[: len(name) - len(kind)] for name, s in files if s != usual}
+            torn |= {key for key, s in files if s != usual}
         doomed = sorted(
             f for key in torn if max(last for _, _, last in pages[key]) <= before
             for f in pages[key]

@@ -43,11 +43,11 @@ _FILES = (
     "SELECT name, size, last_access, access_seq, reads FROM pages WHERE namespace_id = ?1"
     " AND name >= ?2 AND name < ?2 || char(1114111) AND key_len = length(?2)"
 )
-File = tuple[str, int, float, int, int]  # (name, size, last_access, access_seq, reads)
+_File = tuple[str, int, float, int, int]  # (name, size, last_access, access_seq, reads)
 _DONE = (float("inf"), 0)  # a page already yielded: its other files are skipped
 
 
-def page_files(conn: sqlite3.Connection, ns_id: str, key: str) -> list[File]:
+def _page_files(conn: sqlite3.Connection, ns_id: str, key: str) -> list[_File]:
     """Every indexed file of one page (`key`: cachemgr.backends)."""
     return conn.execute(_FILES, (ns_id, key)).fetchall()
 
@@ -56,7 +56,7 @@ def _pages(conn: sqlite3.Connection, ns_id: str, before: float) -> Iterator[Cand
     """The pages of `ns_id` last used at or before `before`, least recently used first.
 
     Files stream by recency; a page is yielded when its most recent file comes by, so a page
-    with a file used after `before` never is. Memory: the pages seen but not yet due.
+    with a file used after `before` never is. Memory: the pages of several files seen so far.
     """
     cur = conn.execute(
         "SELECT last_access, access_seq, name, key_len, size, reads, (SELECT count(*)"
@@ -76,7 +76,7 @@ def _pages(conn: sqlite3.Connection, ns_id: str, before: float) -> Iterator[Cand
         when = due.get(key)
         if when is not None and when != (last, seq):
             continue  # comes later, or came already
-        files = page_files(conn, ns_id, key)
+        files = _page_files(conn, ns_id, key)
         top = max((f[2], f[3]) for f in files)
         if top != (last, seq):
             due[key] = top
