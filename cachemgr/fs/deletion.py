@@ -275,7 +275,13 @@ def delete_dir(
     with open_dir(root, rel_dir) as fd:
         names = [e.name for e in os.scandir(fd)]
     report = delete_files(
-        root, rel_dir, names, dry_run=dry_run, min_age=min_age, pacer=pacer, progress=progress,
+        root,
+        rel_dir,
+        names,
+        dry_run=dry_run,
+        min_age=min_age,
+        pacer=pacer,
+        progress=progress,
         fmt=fmt,
     )
     if dry_run or report.refused or report.young:

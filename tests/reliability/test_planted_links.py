@@ -19,12 +19,14 @@ from pathlib import Path
 
 import pytest
 
+from cachemgr.backends import FileKind
 from cachemgr.daemon.indexer import kernel_id
 from cachemgr.errors import CachemgrError
 from cachemgr.fs.deletion import Pacer, delete_files
-from cachemgr.layout import Layout, classify, db_files
+from cachemgr.layout import Layout, db_files
 from cachemgr.ns.trash import drain_trash
 from cachemgr.settings import load_settings
+from cachemgr.sglang.hicache import HICACHE_FILE
 from cachemgr.state.store import Store
 from tests.daemon_helpers import running_daemon, wait_for
 from tests.nsfixtures import cli, one_line_error, page_name
@@ -73,7 +75,7 @@ def on_disk(layout: Layout) -> set[Path]:
                 dirnames[:] = []
             for name in dirnames + filenames:
                 if here.parent == layout.ns_root and here != layout.ns_root:
-                    assert classify(name).value != "foreign", here / name
+                    assert HICACHE_FILE.classify(name) is not FileKind.FOREIGN, here / name
                     continue
                 found.add(here / name)
     return found
