@@ -22,12 +22,13 @@ from cachemgr import namespaces as nsreg
 from cachemgr.deletion import Pacer, Progress
 from cachemgr.errors import CachemgrError, StateCorrupt, UnsafePathError
 from cachemgr.gc import DiskUsageFn, plan_gc
-from cachemgr.gcexec import GcReport, execute_gc
+from cachemgr.gcexec import GcReport, InUse, execute_gc
 from cachemgr.gcfind import TempFile
 from cachemgr.gcfloor import audit_floor, below_floor, free_floor
 from cachemgr.gcpolicy import DiskUsage, GcPolicy, Reason, root_budget
 from cachemgr.layout import Layout
 from cachemgr.leader import Leadership
+from cachemgr.liveuse import live_users
 from cachemgr.store import Store
 from cachemgr.trash import list_trash
 
@@ -97,8 +98,10 @@ class GcRunner:
         clock: Callable[[], float] = time.time,
         disk_usage: DiskUsageFn | None = None,
         eligible: Callable[[], bool] = lambda: True,
+        in_use: InUse = live_users,
     ) -> None:
         self.store, self.layout, self.policy = store, layout, policy
+        self.in_use = in_use  # who uses a namespace dir right now (execute_gc)
         self.leadership = leadership or Leadership(layout.gc_lock)
         self.eligible = eligible  # False: never take the GC lock (another process should)
         self.clock = clock
@@ -226,7 +229,7 @@ class GcRunner:
         return execute_gc(
             plan, self.store, self.layout, dry_run=dry_run, actor=actor,
             pacer=pacer or Pacer(rate=self.policy.delete_rate), progress=progress,
-            clock=self.clock, stop=self._stop.is_set,
+            clock=self.clock, stop=self._stop.is_set, in_use=self.in_use,
         )  # fmt: skip
 
     def wake(self) -> None:
