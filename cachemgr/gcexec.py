@@ -143,11 +143,11 @@ def _run_step(
     in_use: InUse,
 ) -> StepResult:
     base = StepResult(step.reason, step.rel_dir, step.namespace_id, len(step.names), step.bytes)
-    kept = step.reason in ("unbound", "ttl") and _kept(store, layout, step.namespace_id, in_use)
-    if kept:
-        return replace(base, skipped=kept)
     if step.reason in ("unbound", "ttl") and step.remove_dir and step.namespace_id and not dry_run:
         return _drop_namespace(step, base, store, layout, actor, pacer, tally, clock, in_use)
+    kept = step.reason in ("unbound", "ttl") and _kept(store, layout, step.namespace_id, in_use)
+    if kept:  # a dry run says what the drop would find under the lock
+        return replace(base, skipped=kept)
     if step.reason == "trash":  # the same path as a purge's own drain, audited there
         entry = step.rel_dir.removeprefix(".trash/")
         r = drain_entry(

@@ -275,3 +275,27 @@ def test_the_daemon_rebuilds_bindings_and_its_gc_keeps_them(
         assert {ns: pages_in(layout, ns) for ns in servers.values()} == dict.fromkeys(
             servers.values(), PAGES
         )
+
+
+def test_damaged_binding_files_are_rewritten_from_the_db_or_reported(
+    root: Path, servers: dict[str, str], victim: Path
+) -> None:
+    """A FIFO or a link where a binding file goes is replaced from the DB, never opened or
+    followed; a bad file of an instance the DB does not know is reported by doctor."""
+    layout = Layout.at(root)
+    layout.binding("srv-a").unlink()
+    os.mkfifo(layout.binding("srv-a"))
+    layout.binding("srv-b").unlink()
+    layout.binding("srv-b").symlink_to(victim / "precious.txt")
+    layout.binding("ghost").write_text('{"version": 1, "instance": "ghost", "ns_id": "../x"}')
+    assert ls_bindings(root) == expected_ls(servers)
+    for inst in ("srv-a", "srv-b"):
+        path = layout.binding(inst)
+        assert not path.is_symlink() and json.loads(path.read_text())["ns_id"] == servers[inst]
+    out = cli("--root", str(root), "doctor", "--json")
+    found = [f for f in json.loads(out.stdout) if f["code"] == "binding-unreadable"]
+    assert [f["message"] for f in found] == [
+        f"{layout.binding('ghost')}: ns_id '../x' is not a namespace id"
+    ]
+    delete_db(layout)
+    assert ls_bindings(root) == expected_ls(servers)
