@@ -17,6 +17,7 @@ from cachemgr.gc.find import own_temps
 from cachemgr.gc.plan import DiskUsageFn
 from cachemgr.gc.policy import DiskUsage, GcPolicy
 from cachemgr.layout import NS_ID_RE, Layout
+from cachemgr.ns.bindings import read_bindings
 from cachemgr.ns.prelaunch import STORAGE_DIR_ENV
 from cachemgr.ns.purge import describe_trash
 from cachemgr.ns.registry import list_namespaces
@@ -266,7 +267,8 @@ def _extra_config(args: LaunchArgs) -> dict[str, Any]:
 
 
 def lint_root(layout: Layout, store: Store) -> list[Finding]:
-    """Damage under the root: namespaces in a bad state, trash an earlier run left."""
+    """Damage under the root: namespaces in a bad state, trash an earlier run left, binding
+    files that cannot be read."""
     found = []
     hands_off = "inspect it by hand; cachemgr will not touch it"
     for ns in list_namespaces(layout, store):
@@ -286,6 +288,9 @@ def lint_root(layout: Layout, store: Store) -> list[Finding]:
             what = f".trash/{entry.name} still holds {entry.pages:,} pages of an unfinished purge"
             fix = "cachemgr purge --unbound --yes (or let the daemon finish it)"
             found.append(Finding("warning", "trash-left", what, fix))
+    for problem in read_bindings(layout)[1]:  # those the DB knows were rewritten on open
+        fix = "run init for that instance again (it rewrites the file), or move it away"
+        found.append(Finding("warning", "binding-unreadable", problem, fix))
     return found + _own_temps(layout) + _corrupt_db_copies(layout)
 
 

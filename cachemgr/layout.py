@@ -4,6 +4,7 @@ namespace dir mean is its format's business: cachemgr.backends).
 <root>/CACHEDIR.TAG    tells backup tools to skip the cache
 <root>/ns/<id>/        SGLang's storage dir for one identity (only SGLang writes here)
 <root>/ns/<id>.json    manifest of that identity
+<root>/ns/<instance>.bind  the namespace that instance is bound to (bindings.py)
 <root>/.trash/         namespaces renamed away by a purge, deleted in the background
 <root>/.cachemgr/      state DB and locks (movable with --state-dir)
 
@@ -30,9 +31,11 @@ STATE_DIR = ".cachemgr"  # the default state dir, inside the root
 TAG_FILE = "CACHEDIR.TAG"
 RESERVE_FILE = "space-reserve"
 DB_FILE = "state.db"
+BIND_SUFFIX = ".bind"
 # SQLite's own files beside the DB (WAL mode; a rollback journal while the mode is switched)
 DB_SUFFIXES = ("", "-wal", "-shm", "-journal")
 NS_ID_RE = re.compile(r"[0-9a-f]{16}")
+INSTANCE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 CACHEDIR_TAG = (
     "Signature: 8a477f597d28d172789f06886806bc55\n"
     "# This file is a cache directory tag created by cachemgr.\n"
@@ -106,14 +109,17 @@ class Layout:
         return (*self.lock_files(boot_id), self.index_ready(boot_id), *db_files(self.db_path),
                 recover_lock(self.db_path), self.reserve)  # fmt: skip
 
-    def written(self, boot_id: str, ns_ids: tuple[str, ...] = ()) -> tuple[Path, ...]:
+    def written(
+        self, boot_id: str, ns_ids: tuple[str, ...] = (), instances: tuple[str, ...] = ()
+    ) -> tuple[Path, ...]:
         """Every path cachemgr creates or writes under the root and the state dir, for the
-        given namespaces: dirs first (parents before children), then files.
+        given namespaces and instances: dirs first (parents before children), then files.
 
         Not listed, as their names are never predictable: temp files (.<name>.<hex>.tmp-cachemgr,
         O_EXCL), .trash/<id>.<unique> entries and <db>.corrupt-<time> copies (rename targets).
         """
-        files = (self.tag, *self.state_files(boot_id), *map(self.manifest, ns_ids))
+        files = (self.tag, *self.state_files(boot_id), *map(self.manifest, ns_ids),
+                 *map(self.binding, instances))  # fmt: skip
         return (*self.written_dirs(ns_ids), *files)
 
     def written_dirs(self, ns_ids: tuple[str, ...] = ()) -> tuple[Path, ...]:
@@ -126,6 +132,11 @@ class Layout:
 
     def manifest(self, ns_id: str) -> Path:
         return self.ns_root / f"{check_ns_id(ns_id)}.json"
+
+    def binding(self, instance: str) -> Path:
+        """The durable copy of `instance`'s binding (bindings.py); never a namespace's name:
+        a namespace is 16 hex digits, this ends in .bind."""
+        return self.ns_root / f"{check_instance(instance)}{BIND_SUFFIX}"
 
     def ensure(self) -> None:
         """Create the skeleton (idempotent), never through a symlink: one planted at a dir is
@@ -182,3 +193,14 @@ def check_ns_id(ns_id: str) -> str:
     if not NS_ID_RE.fullmatch(ns_id):
         raise UnsafePathError(f"not a namespace id: {ns_id!r} (expected 16 lowercase hex digits)")
     return ns_id
+
+
+def check_instance(name: str) -> str:
+    """An instance name: letters, digits and ._:@- (it shows up in tables, logs and as a file
+    name under ns/); anything else is a ConfigError."""
+    if not INSTANCE_RE.fullmatch(name):
+        raise ConfigError(
+            f"invalid instance name {name!r}: use 1-128 letters, digits or ._:@- "
+            "(starting with a letter or digit)"
+        )
+    return name

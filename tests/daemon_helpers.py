@@ -117,7 +117,7 @@ def register_namespace(
         )  # fmt: skip
         if instance is not None:
             with store.transaction():
-                bind(store, instance, ns_id, time.time())
+                bind(layout, store, instance, ns_id, time.time())
     finally:
         store.close()
     return layout.ns_dir(ns_id)

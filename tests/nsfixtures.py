@@ -46,7 +46,7 @@ def make_ns(
         (layout.ns_dir(ns) / page_name(i, name)).write_bytes(bytes([i % 256]) * PAGE_BYTES)
     if instance is not None:
         with store.transaction():
-            bind(store, instance, ns, time.time())
+            bind(layout, store, instance, ns, time.time())
     return ns
 
 

@@ -1,4 +1,5 @@
-"""The state DB is an index of the disk: lost or corrupt, it is rebuilt from the manifests."""
+"""The state DB is an index of the disk: lost or corrupt, it is rebuilt from the manifests and
+the binding files (tests/reliability/test_bindings_survive.py has the bindings' own tests)."""
 
 from __future__ import annotations
 
@@ -25,13 +26,17 @@ def old_ns(root: Path, tmp_path: Path) -> str:
     return ns
 
 
-def lose_db(root: Path) -> None:
+def lose_db(root: Path, *, binding_too: bool = False) -> None:
+    """Delete the DB; `binding_too`: and the binding file, as on a root bound by a cachemgr
+    older than binding files, so that nothing on disk says the namespace is in use."""
     for f in (root / ".cachemgr").glob("state.db*"):
         f.unlink()
+    if binding_too:
+        (root / "ns" / "default.bind").unlink()
 
 
 def test_gc_reclaims_a_namespace_the_lost_db_forgot(root: Path, old_ns: str) -> None:
-    lose_db(root)
+    lose_db(root, binding_too=True)
     out = cli("--root", str(root), "gc", "--yes", "--min-age", "0",
               env={"CACHEMGR_GC_KEEP_UNBOUND": "0"})  # fmt: skip
     assert out.returncode == 0, out.stderr
@@ -42,7 +47,7 @@ def test_gc_reclaims_a_namespace_the_lost_db_forgot(root: Path, old_ns: str) -> 
 
 def test_ls_lists_a_forgotten_namespace_as_unbound_with_its_times(root: Path, old_ns: str) -> None:
     manifest = json.loads((root / "ns" / f"{old_ns}.json").read_text())
-    lose_db(root)
+    lose_db(root, binding_too=True)
     out = cli("--root", str(root), "ls", "--json")
     assert out.returncode == 0, out.stderr
     (ns,) = json.loads(out.stdout)["namespaces"]
@@ -87,9 +92,9 @@ def test_a_garbage_db_is_moved_aside_and_rebuilt(root: Path, old_ns: str) -> Non
     (aside,) = state.glob("state.db.corrupt-*[0-9]")
     assert aside.read_bytes().startswith(b"this is not sqlite")
     assert (state / f"{aside.name}-wal").read_bytes() == b"junk"
-    assert json.loads(out.stdout)["namespaces"][0]["state"] == "unbound"
-    again = init(root, root.parent / "model", 64)  # the model of `old_ns`: init re-binds it
-    assert (again["ns_id"], again["outcome"]) == (old_ns, "joined")
+    assert json.loads(out.stdout)["namespaces"][0]["state"] == "bound"  # from its binding file
+    again = init(root, root.parent / "model", 64)  # the model of `old_ns`: still its own
+    assert (again["ns_id"], again["outcome"]) == (old_ns, "unchanged")
 
 
 def test_a_newer_db_is_refused_not_moved_aside(tmp_path: Path) -> None:

@@ -103,7 +103,7 @@ def test_a_namespace_bound_while_gc_drops_it_is_untouched(tree: Tree) -> None:
         nsreg.ensure_namespace(tree.layout, tree.store, ns_id=NS, digest=NS * 4, identity={},
                                now=T0 + 100)  # fmt: skip
         with tree.store.transaction():
-            nsreg.bind(tree.store, "default", NS, T0 + 100)
+            nsreg.bind(tree.layout, tree.store, "default", NS, T0 + 100)
 
     report = execute_gc(plan, tree.store, tree.layout, progress=bind_once, clock=lambda: T0 + 100)
     assert bound and report.files == 20
@@ -122,7 +122,7 @@ def test_plan_then_bind_then_execute_leaves_the_namespace(tree: Tree) -> None:
     tree.write(NS, [page(i) for i in range(5)], at=T0)
     plan = tree.plan(policy(keep_unbound=0), now=T0 + 100)
     with tree.store.transaction():
-        nsreg.bind(tree.store, "default", NS, T0 + 100)
+        nsreg.bind(tree.layout, tree.store, "default", NS, T0 + 100)
     report = tree.execute(plan, now=T0 + 100)
     assert report.steps[0].skipped and report.files == 0
     assert tree.files(NS) == {page(i) for i in range(5)}

@@ -116,8 +116,8 @@ def test_list_shows_states(layout: Layout, store: Store, tmp_path: Path) -> None
 def test_bindings(layout: Layout, store: Store) -> None:
     a = make_ns(layout, store, "a")
     with store.transaction():
-        assert bind(store, "two", a, 1.0) is None
-        assert bind(store, "one", a, 1.0) is None
+        assert bind(layout, store, "two", a, 1.0) is None
+        assert bind(layout, store, "one", a, 1.0) is None
     assert instances_of(store, a) == ("one", "two")
     with pytest.raises(ConfigError):
         check_instance("../etc")

@@ -99,7 +99,7 @@ def test_unbound_plan_skips_a_namespace_bound_since(layout: Layout, store: Store
     b = make_ns(layout, store, "b", pages=2)
     plan = plan_purge(layout, store, unbound=True)
     with store.transaction():
-        bind(store, "late", b, 0.0)
+        bind(layout, store, "late", b, 0.0)
     assert execute_purge(plan, layout, store, actor="auto", reason="unbound").purged == ()
     assert len(os.listdir(layout.ns_dir(b))) == 2
 

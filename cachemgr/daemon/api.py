@@ -10,12 +10,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from cachemgr import __version__
-from cachemgr.layout import NS_ID_RE
+from cachemgr.layout import INSTANCE_RE, NS_ID_RE
 from cachemgr.state.status import NamespaceStatus
 
 # Anchored: JSON Schema (and pydantic) patterns match anywhere in the string.
 NS_ID_PATTERN = f"^{NS_ID_RE.pattern}$"
-INSTANCE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$"  # as namespaces.check_instance
+INSTANCE_PATTERN = f"^{INSTANCE_RE.pattern}$"
 NsId = Annotated[str, Path(pattern=NS_ID_PATTERN, description="namespace id (16 hex digits)")]
 
 

@@ -7,6 +7,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs.deletion import (
@@ -23,12 +24,14 @@ from cachemgr.fs.safe import open_dir
 from cachemgr.gc.plan import GcPlan, GcStep
 from cachemgr.gc.policy import ByReason, Reason, tally
 from cachemgr.layout import Layout
+from cachemgr.ns.bindings import bound_by_files
 from cachemgr.ns.purge import drop_unbound, rename_to_trash
 from cachemgr.ns.trash import drain_entry
+from cachemgr.sglang.liveuse import live_users
 from cachemgr.state.store import Store
 
 log = logging.getLogger("cachemgr.gc.plan")
-
+InUse = Callable[[Path], list[int]]  # the pids using a dir as their storage dir (liveuse.py)
 # Names per delete call: each chunk's index rows and its audit row are written in one
 # transaction once its files are gone, so a kill -9 leaves at most one chunk unaudited.
 CHUNK = 256
@@ -98,10 +101,12 @@ def execute_gc(
     progress: Progress | None = None,
     clock: Callable[[], float] = time.time,
     stop: Callable[[], bool] = lambda: False,
+    in_use: InUse = live_users,
 ) -> GcReport:
     """Run the plan's steps in order; a dry run stats the same files and deletes none.
 
-    `stop()` true (a shutdown) ends the run after the chunk being deleted.
+    `stop()` true (a shutdown) ends the run after the chunk being deleted. `in_use` names the
+    running processes whose storage dir a namespace is (none may lose it as unbound).
     """
     started = clock()
     tally = _Tally(progress)
@@ -110,7 +115,9 @@ def execute_gc(
         if stop():
             break
         try:
-            result = _run_step(step, store, layout, dry_run, actor, pacer, tally, clock, stop)
+            result = _run_step(
+                step, store, layout, dry_run, actor, pacer, tally, clock, stop, in_use
+            )
         except UnsafePathError as e:  # its dir became a symlink: the other steps still run
             log.warning("gc step refused", extra={"dir": step.rel_dir, "error": str(e)})
             result = StepResult(
@@ -133,12 +140,14 @@ def _run_step(
     tally: _Tally,
     clock: Callable[[], float],
     stop: Callable[[], bool],
+    in_use: InUse,
 ) -> StepResult:
     base = StepResult(step.reason, step.rel_dir, step.namespace_id, len(step.names), step.bytes)
-    if step.reason in ("unbound", "ttl") and _bound(store, step.namespace_id):
-        return replace(base, skipped="a server bound this namespace after the plan was made")
     if step.reason in ("unbound", "ttl") and step.remove_dir and step.namespace_id and not dry_run:
-        return _drop_namespace(step, base, store, layout, actor, pacer, tally, clock)
+        return _drop_namespace(step, base, store, layout, actor, pacer, tally, clock, in_use)
+    kept = step.reason in ("unbound", "ttl") and _kept(store, layout, step.namespace_id, in_use)
+    if kept:  # a dry run says what the drop would find under the lock
+        return replace(base, skipped=kept)
     if step.reason == "trash":  # the same path as a purge's own drain, audited there
         entry = step.rel_dir.removeprefix(".trash/")
         r = drain_entry(
@@ -238,9 +247,10 @@ def _drop_namespace(
     pacer: Pacer | None,
     tally: _Tally,
     clock: Callable[[], float],
+    in_use: InUse,
 ) -> StepResult:
     """Drop an unbound namespace as a purge does: under the root lock, re-check that no server
-    bound it, rename its dir into .trash/ (constant time), and only then delete from there.
+    uses it, rename its dir into .trash/ (constant time), and only then delete from there.
 
     Deleting inside ns/<id> would race an init that binds it meanwhile (its server would
     find its pages gone and its dir removed); init takes the same lock, so the two serialize.
@@ -251,8 +261,8 @@ def _drop_namespace(
     ns_id = step.namespace_id
     assert ns_id is not None
     with root_lock(layout):
-        if _bound(store, ns_id):
-            return replace(base, skipped="a server bound this namespace after the plan was made")
+        if kept := _kept(store, layout, ns_id, in_use):
+            return replace(base, skipped=kept)
         entry = rename_to_trash(layout, ns_id, recreate=False)
         held = list(list_files(layout, f".trash/{entry}")) if entry else []
         now = clock()
@@ -301,9 +311,17 @@ def _dir_id(layout: Layout, rel_dir: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def _bound(store: Store, ns_id: str | None) -> bool:
+def _kept(store: Store, layout: Layout, ns_id: str | None, in_use: InUse) -> str | None:
+    """Why an unbound namespace stays after all: a server bound it since the plan was made (in
+    the DB, or in a binding file the DB has not read back yet), or a running process on this
+    host has it as its storage dir (a server started before its instance moved elsewhere)."""
     row = store.conn.execute("SELECT 1 FROM bindings WHERE namespace_id = ?", (ns_id,)).fetchone()
-    return row is not None
+    if ns_id is None or row is not None or ns_id in bound_by_files(layout):
+        return "a server bound this namespace after the plan was made"
+    pids = in_use(layout.ns_dir(ns_id))
+    if pids:
+        return f"a running process uses it as its storage dir (pid {', '.join(map(str, pids[:3]))})"
+    return None
 
 
 def _log_summary(report: GcReport, actor: str) -> None:

@@ -22,7 +22,7 @@ from cachemgr.fs import reserve
 from cachemgr.fs.deletion import Pacer, Progress
 from cachemgr.fs.leadership import Leadership
 from cachemgr.gc import find as gcfind
-from cachemgr.gc.execute import GcReport, execute_gc
+from cachemgr.gc.execute import GcReport, InUse, execute_gc
 from cachemgr.gc.find import TempFile
 from cachemgr.gc.floor import audit_floor, below_floor, free_floor
 from cachemgr.gc.plan import DiskUsageFn, plan_gc
@@ -30,6 +30,7 @@ from cachemgr.gc.policy import DiskUsage, GcPolicy, Reason, root_budget
 from cachemgr.layout import Layout
 from cachemgr.ns import registry as nsreg
 from cachemgr.ns.trash import list_trash
+from cachemgr.sglang.liveuse import live_users
 from cachemgr.state.store import Store
 
 log = logging.getLogger("cachemgr.gc.plan")
@@ -98,8 +99,10 @@ class GcRunner:
         clock: Callable[[], float] = time.time,
         disk_usage: DiskUsageFn | None = None,
         eligible: Callable[[], bool] = lambda: True,
+        in_use: InUse = live_users,
     ) -> None:
         self.store, self.layout, self.policy = store, layout, policy
+        self.in_use = in_use  # who uses a namespace dir right now (execute_gc)
         self.leadership = leadership or Leadership(layout.gc_lock)
         self.eligible = eligible  # False: never take the GC lock (another process should)
         self.clock = clock
@@ -227,7 +230,7 @@ class GcRunner:
         return execute_gc(
             plan, self.store, self.layout, dry_run=dry_run, actor=actor,
             pacer=pacer or Pacer(rate=self.policy.delete_rate), progress=progress,
-            clock=self.clock, stop=self._stop.is_set,
+            clock=self.clock, stop=self._stop.is_set, in_use=self.in_use,
         )  # fmt: skip
 
     def wake(self) -> None:

@@ -117,19 +117,19 @@ def parse_manifest(raw: bytes, ns_id: str, *, where: str) -> Manifest:
         ns_id=ns_id,
         digest=digest,
         identity=identity,
-        created_at=_timestamp(data, "created_at", where),
-        last_active_at=_timestamp(data, "last_active_at", where),
+        created_at=timestamp(data, "created_at", f"manifest {where}"),
+        last_active_at=timestamp(data, "last_active_at", f"manifest {where}"),
         cachemgr_version=version_str,
     )
 
 
-def _timestamp(data: dict[str, Any], key: str, where: str) -> float:
+def timestamp(data: dict[str, Any], key: str, where: str) -> float:
     """A Unix time between 1970 and 9999: NaN, 1e308, a string or a bool is refused (they
     would reach the DB as NULL, or overflow when shown as a date)."""
     value = data.get(key)
     if isinstance(value, (int, float)) and type(value) is not bool and 0 <= value <= MAX_TIMESTAMP:
         return float(value)
-    raise StateError(f"manifest {where}: {key} is {value!r:.40}, not a time since 1970")
+    raise StateError(f"{where}: {key} is {value!r:.40}, not a time since 1970")
 
 
 def _depth(value: object) -> int:

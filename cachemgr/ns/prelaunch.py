@@ -86,7 +86,7 @@ def init_namespace(
             now=now(),
         )
         with store.transaction():
-            nsreg.bind(store, instance, ns, now())
+            nsreg.bind(layout, store, instance, ns, now())
         base = InitResult(instance, ns, identity.digest, layout.ns_dir(ns), "created", created)
         if previous is None:
             return replace(base, outcome="created" if created else "joined")

@@ -1,8 +1,9 @@
 """The namespace registry: namespace dirs and manifests on disk, rows and bindings in the DB.
 
 The disk is the truth for what exists (a dir under <root>/ns/ with its manifest); the DB says
-which instance is bound to which namespace. Page counts come from a directory scan, because
-the daemon's index may not be running when `init`, `ls` or `purge` look.
+which instance is bound to which namespace, and keeps a durable copy of each binding on disk
+(bindings.py) to be rebuilt from. Page counts come from a directory scan, because the daemon's
+index may not be running when `init`, `ls` or `purge` look.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from cachemgr.errors import CachemgrError, ConfigError, StateError, UnsafePathEr
 from cachemgr.fs.dirscan import Usage, scan_usage
 from cachemgr.fs.safe import open_dir
 from cachemgr.layout import NS_DIR, NS_ID_RE, Layout, check_ns_id
+from cachemgr.layout import check_instance as check_instance  # nsreg.check_instance callers
+from cachemgr.ns import bindings
 from cachemgr.ns.manifest import Manifest, read_manifest, write_manifest
 from cachemgr.state.store import Store
 
@@ -130,7 +133,8 @@ def ensure_namespace(
 
 def adopt_from_disk(layout: Layout, store: Store) -> list[str]:
     """Register namespaces whose manifest is on disk but which the DB does not know (a lost
-    or rebuilt DB); their times come from the manifest. They are unbound: the next init binds.
+    or rebuilt DB), their times from the manifest, and bind the instances the DB does not know
+    from their binding files, in one transaction; then bring those files in line with the DB.
 
     Returns the ids registered. An unreadable manifest is left for `ls`/doctor to report.
     """
@@ -144,11 +148,19 @@ def adopt_from_disk(layout: Layout, store: Store) -> list[str]:
             continue
         if manifest is not None:
             found.append(manifest)
-    if found:
+    files, problems = bindings.read_bindings(layout)
+    in_db = bindings.db_bindings(store)
+    lost = {i: b for i, b in files.items() if i not in in_db}
+    if found or lost:
         with store.transaction():
             for manifest in found:
                 register(store, manifest)
-        log.info("registered namespaces found on disk", extra={"ns": [m.ns_id for m in found]})
+            restored = bindings.restore(store, lost)
+        log.info("registered namespaces found on disk",
+                 extra={"ns": [m.ns_id for m in found], "bound": restored})  # fmt: skip
+    if problems:
+        log.warning("binding files left alone", extra={"problems": problems})
+    bindings.write_down(layout, store, files)
     return [m.ns_id for m in found]
 
 
@@ -169,8 +181,11 @@ def register(store: Store, manifest: Manifest) -> None:
     )
 
 
-def bind(store: Store, instance: str, ns_id: str, now: float) -> str | None:
-    """Bind `instance` to `ns_id` (registered first); returns the namespace it was bound to."""
+def bind(layout: Layout, store: Store, instance: str, ns_id: str, now: float) -> str | None:
+    """Bind `instance` to `ns_id` (registered first); returns the namespace it was bound to.
+
+    Call inside a transaction: the binding file is written before the commit, so a failed
+    write (a full disk) leaves the DB as it was."""
     check_instance(instance)
     previous = binding_of(store, instance)
     store.conn.execute(
@@ -179,6 +194,7 @@ def bind(store: Store, instance: str, ns_id: str, now: float) -> str | None:
         " bound_at = excluded.bound_at",
         (instance, ns_id, now),
     )
+    bindings.write_binding(layout, bindings.Binding(instance, ns_id, now))
     return previous
 
 
@@ -217,19 +233,6 @@ def identity_json(store: Store, ns_id: str) -> str | None:
     row = store.conn.execute("SELECT identity_json FROM namespaces WHERE id = ?", (ns_id,))
     found = row.fetchone()
     return None if found is None else str(found[0])
-
-
-_INSTANCE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
-
-
-def check_instance(name: str) -> str:
-    """An instance name: letters, digits and ._:@- (it shows up in tables and logs)."""
-    if not _INSTANCE_RE.fullmatch(name):
-        raise ConfigError(
-            f"invalid instance name {name!r}: use 1-128 letters, digits or ._:@- "
-            "(starting with a letter or digit)"
-        )
-    return name
 
 
 # --- listing ---

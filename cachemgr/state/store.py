@@ -221,7 +221,7 @@ class Store:
         where = f"moved it to {aside.name}" if aside else "another process moved it aside"
         raise StateCorrupt(
             f"state DB {self.path} is corrupt ({exc}); {where}: a fresh one is rebuilt from "
-            "disk on next use (bindings are lost: the next init of each server restores them)"
+            "disk on next use (bindings from their files beside the manifests)"
         ) from exc
 
     def follow_path(self) -> bool:

@@ -35,7 +35,7 @@ from tests.test_identity import make_model
 BOOT = kernel_id()
 PLACEHOLDER = "0" * 16  # stands for the namespace init creates, unknown until it runs
 _SKELETON = Layout.at(Path("/R"))
-WRITTEN = [str(p.relative_to("/R")) for p in _SKELETON.written(BOOT, (PLACEHOLDER,))]
+WRITTEN = [str(p.relative_to("/R")) for p in _SKELETON.written(BOOT, (PLACEHOLDER,), ("default",))]
 DIRS = {str(p.relative_to("/R")) for p in _SKELETON.written_dirs((PLACEHOLDER,))}
 CMD = "sglang serve --enable-hierarchical-cache --hicache-storage-backend file --page-size 64"
 NO_STORAGE_ENV = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": ""}
@@ -86,7 +86,7 @@ def test_layout_lists_every_path_a_real_run_writes(tmp_path: Path, model: Path) 
     ns = initialized_root(root, model)
     layout = Layout.at(root)
     settings = load_settings(root=root, log_format="json")
-    written = set(layout.written(BOOT, (ns,)))
+    written = set(layout.written(BOOT, (ns,), ("default",)))
     assert cli("--root", str(root), "gc", "--yes").returncode == 0
     with running_daemon(settings):
         seen_live = on_disk(layout)
