@@ -27,6 +27,7 @@ import httpx
 
 from cachemgr.daemon.indexer import Indexer
 from cachemgr.fs.dirscan import scan_usage
+from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 from cachemgr.state.index import scan_root
 from cachemgr.state.store import Store, connect
@@ -211,7 +212,7 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="cachemgr-bench-", dir=os.environ.get("BENCH_DIR")))
     try:
         layout = Layout.at(base / "root")
-        layout.ensure()
+        create_root(layout)
         t, _ = timed(make_tree, layout, n)
         print(f"made {n:,} page files in {t:.1f} s ({n / t:,.0f}/s)")
         bench_scan(layout, n)

@@ -14,6 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 from cachemgr.ns.purge import drain_trash, execute_purge, plan_purge
 from cachemgr.ns.registry import ensure_namespace
@@ -41,7 +42,7 @@ def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 200_000
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
         layout = Layout.at(Path(tmp) / "root")
-        layout.ensure()
+        create_root(layout)
         store = Store.open(layout.db_path)
         ns = "0123456789abcdef"
         ensure_namespace(layout, store, ns_id=ns, digest=ns * 2, identity={}, now=time.time())

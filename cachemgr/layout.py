@@ -14,16 +14,12 @@ its path from here, and the planted-link tests plant a symlink at each of them.
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from cachemgr.errors import ConfigError, UnsafePathError
-from cachemgr.fs.safe import open_dir, write_atomic_at
-
-log = logging.getLogger(__name__)
 
 NS_DIR = "ns"
 TRASH_DIR = ".trash"
@@ -123,7 +119,7 @@ class Layout:
         return (*self.written_dirs(ns_ids), *files)
 
     def written_dirs(self, ns_ids: tuple[str, ...] = ()) -> tuple[Path, ...]:
-        """The dirs among `written`: made by ensure() and init, renamed by purge."""
+        """The dirs among `written`: made by create_root() and init, renamed by purge."""
         return (self.ns_root, self.trash, self.state_dir, *map(self.ns_dir, ns_ids))
 
     def ns_dir(self, ns_id: str) -> Path:
@@ -137,45 +133,6 @@ class Layout:
         """The durable copy of `instance`'s binding (bindings.py); never a namespace's name:
         a namespace is 16 hex digits, this ends in .bind."""
         return self.ns_root / f"{check_instance(instance)}{BIND_SUFFIX}"
-
-    def ensure(self) -> None:
-        """Create the skeleton (idempotent), never through a symlink: one planted at a dir is
-        an UnsafePathError; an unusable root is a ConfigError."""
-        state = _relative(self.state_dir, self.root)
-        try:
-            for base, rel in ((self.root, NS_DIR), state):
-                with open_dir(base, rel, create=True):
-                    pass
-                if not os.access(base / rel, os.W_OK | os.X_OK):
-                    raise ConfigError(
-                        f"{base / rel} is not writable by this user (uid {os.getuid()})"
-                    )
-            # A planted .trash/ only stops purges (which report it) and GC's trash step: the
-            # rest of the root stays usable, so it is not a reason to refuse the root.
-            try:
-                with open_dir(self.root, TRASH_DIR, create=True):
-                    pass
-            except UnsafePathError as e:
-                log.warning("trash left alone: %s", e)
-            self._tag()
-        except OSError as e:
-            raise ConfigError(f"cannot use root {self.root}: {e.strerror or e}") from e
-
-    def _tag(self) -> None:
-        """Write CACHEDIR.TAG unless something (even a dangling link) has that name already."""
-        with open_dir(self.root, "") as fd:
-            try:
-                os.stat(TAG_FILE, dir_fd=fd, follow_symlinks=False)
-            except FileNotFoundError:
-                write_atomic_at(fd, TAG_FILE, CACHEDIR_TAG.encode("ascii"))
-
-
-def _relative(path: Path, base: Path) -> tuple[Path, str]:
-    """(base, rel) to open `path` from: from `base` when it lies inside, so that a symlink at
-    any component below `base` is refused; else from its own parent (the operator's path)."""
-    if path.is_relative_to(base) and path != base:
-        return base, str(path.relative_to(base))
-    return path.parent, path.name
 
 
 def db_files(db: Path) -> tuple[Path, ...]:

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 from cachemgr.settings import Settings, load_settings
 from cachemgr.state.store import Store
@@ -38,7 +39,7 @@ def settings(root: Path) -> Settings:
 @pytest.fixture
 def layout(root: Path) -> Layout:
     lay = Layout.at(root)
-    lay.ensure()
+    create_root(lay)
     return lay
 
 

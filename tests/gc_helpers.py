@@ -10,6 +10,7 @@ from pathlib import Path
 
 from cachemgr.daemon.indexer import PageEvents
 from cachemgr.daemon.watcher import Kind
+from cachemgr.fs.root import create_root
 from cachemgr.gc.execute import GcReport, execute_gc
 from cachemgr.gc.plan import GcPlan, plan_gc
 from cachemgr.gc.policy import GcPolicy
@@ -59,7 +60,7 @@ class Tree:
     @classmethod
     def at(cls, root: Path) -> Tree:
         layout = Layout.at(root)
-        layout.ensure()
+        create_root(layout)
         return cls(layout, Store.open(layout.db_path))
 
     def dir(self, ns: str) -> Path:

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, settings
 from schemathesis import Case
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
+from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 from cachemgr.settings import load_settings
 from tests.daemon_helpers import (
@@ -32,7 +33,7 @@ schema = schemathesis.openapi.from_path(REPO / "api" / "openapi.json")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
     root = Path(tmp_path_factory.mktemp("fuzz")) / "root"
     layout = Layout.at(root)
-    layout.ensure()
+    create_root(layout)
     d = register_namespace(layout, NS_A, instance="gpu0")
     store_page(d, page_name(0))
     with running_daemon(load_settings(root=root)) as dm:

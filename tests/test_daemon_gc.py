@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from cachemgr.fs.leadership import Leadership
+from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 from cachemgr.settings import load_settings
 from tests.daemon_helpers import (
@@ -27,7 +28,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 def _root(tmp_path: Path, pages: int) -> tuple[Layout, Path]:
     layout = Layout.at(tmp_path / "root")
-    layout.ensure()
+    create_root(layout)
     d = register_namespace(layout, NS_A, instance="gpu0")
     for i in range(pages):
         store_page(d, page_name(i), PAGE)

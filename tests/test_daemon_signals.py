@@ -18,6 +18,7 @@ from cachemgr.daemon.indexer import leadership_files
 from cachemgr.daemon.lifecycle import Daemon
 from cachemgr.errors import StateError
 from cachemgr.fs.leadership import Leadership
+from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 from cachemgr.settings import Settings
 from tests.daemon_helpers import NS_A, page_name, register_namespace, store_page
@@ -44,7 +45,7 @@ def test_a_signal_applies_the_last_batch_closes_the_db_and_exits_0(
     tmp_path: Path, sig: signal.Signals
 ) -> None:
     layout = Layout.at(tmp_path / "root")
-    layout.ensure()
+    create_root(layout)
     ns_dir = register_namespace(layout, NS_A)
     env = {
         **os.environ,
@@ -113,7 +114,7 @@ def test_a_failed_index_writer_stops_the_daemon_with_an_error(tmp_path: Path) ->
     """A daemon whose index is dead must not look alive: it stops, and `serve` reports it
     (the CLI turns that into one line and a non-zero exit; Kubernetes restarts the sidecar)."""
     layout = Layout.at(tmp_path / "root")
-    layout.ensure()
+    create_root(layout)
     ns_dir = register_namespace(layout, NS_A)
     daemon = Daemon(Settings(root=layout.root, port=0))
     daemon.start()

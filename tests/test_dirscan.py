@@ -19,6 +19,7 @@ from cachemgr.errors import UnsafePathError
 from cachemgr.fs import _dirscan
 from cachemgr.fs._dirscan import page_digest
 from cachemgr.fs.dirscan import TEMPS, Usage, list_files, scan_usage, usual_size
+from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 from cachemgr.sglang.hicache import HICACHE_FILE
 from tests.nsfixtures import page_name
@@ -207,7 +208,7 @@ def test_any_names_classify_as_the_format_says(
     """Grouping by shape never changes a verdict: the C scan agrees with the format's classify()
     per name, and counts the pages the format's keys make."""
     layout = Layout.at(Path(tempfile.mkdtemp(dir=tmp_path)))
-    layout.ensure()
+    create_root(layout)
     d = ns_dir(layout)
     for i, name in enumerate(sorted(names)):
         (d / name).write_bytes(b"b" * sizes[i % len(sizes)])

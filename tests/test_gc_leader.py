@@ -24,6 +24,7 @@ from cachemgr.gc.policy import GcPolicy
 from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
 from cachemgr.state.store import Store
+from cachemgr.fs.root import create_root
 layout = Layout.at(Path(sys.argv[1]))
 store = Store.open(layout.db_path)
 runner = GcRunner(store, layout, GcPolicy(max_bytes=5_000, min_age=0, delete_rate=None))
@@ -101,7 +102,7 @@ def test_leadership_passes_on_when_the_leader_dies(root: Path) -> None:
 def test_a_runner_that_may_not_lead_never_takes_the_lock(tmp_path: Path) -> None:
     """In the daemon only an index leader leads GC (its watcher is what wakes GC)."""
     layout = Layout.at(tmp_path / "root")
-    layout.ensure()
+    create_root(layout)
     store = Store.open(layout.db_path)
     try:
         runner = GcRunner(store, layout, GcPolicy(), eligible=lambda: False)

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from cachemgr.errors import ConfigError, UnsafePathError
+from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 
 
@@ -25,8 +26,8 @@ def test_root_that_is_a_symlink_is_refused(tmp_path: Path) -> None:
 
 def test_ensure_creates_skeleton_and_cachedir_tag(tmp_path: Path) -> None:
     lay = Layout.at(tmp_path / "r")
-    lay.ensure()
-    lay.ensure()
+    create_root(lay)
+    create_root(lay)
     assert (tmp_path / "r" / "ns").is_dir()
     assert (tmp_path / "r" / ".trash").is_dir()
     assert (tmp_path / "r" / ".cachemgr").is_dir()
@@ -36,4 +37,4 @@ def test_ensure_creates_skeleton_and_cachedir_tag(tmp_path: Path) -> None:
 def test_unusable_root_is_a_config_error(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="cannot use root"):
-        Layout.at(tmp_path / "file" / "root").ensure()
+        create_root(Layout.at(tmp_path / "file" / "root"))

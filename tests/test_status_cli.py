@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from cachemgr.doctor import lint
+from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 from cachemgr.settings import load_settings
 from cachemgr.sglang.args import resolve_launch_args
@@ -86,7 +87,7 @@ def test_status_of_a_missing_root_is_an_error_not_an_empty_table(tmp_path: Path)
 def test_status_of_another_root_ignores_the_daemon_serving_this_one(tmp_path: Path) -> None:
     served, other = Layout.at(tmp_path / "served"), Layout.at(tmp_path / "other")
     for lay, ns in ((served, NS_A), (other, NS_B)):
-        lay.ensure()
+        create_root(lay)
         store_page(register_namespace(lay, ns, instance="gpu0"), page_name(1), 1000)
     with running_daemon(load_settings(root=served.root)) as dm:
         port = str(dm.daemon.port)

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 
 from cachemgr.errors import ConfigError, NotFoundError
 from cachemgr.fs.deletion import DeleteReport, Pacer
+from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 from cachemgr.ns.purge import Actor, DrainProgress, drain_trash
 from cachemgr.ns.registry import adopt_from_disk
@@ -24,7 +25,7 @@ def root_layout(settings: Settings, *, create: bool) -> Layout:
     layout = Layout.at(settings.root, settings.state_dir)
     refuse_file_root(layout)
     if create:
-        layout.ensure()
+        create_root(layout)
     elif not layout.root.is_dir():
         raise NotFoundError(f"no cache root at {layout.root} (cachemgr init creates it)")
     return layout

@@ -7,6 +7,7 @@ import json
 import click
 
 from cachemgr.cli.context import AppContext, pass_app
+from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 
 
@@ -18,7 +19,7 @@ def config(app: AppContext, as_json: bool, check: bool) -> None:
     """Show the effective settings (flags > CACHEMGR_* env > config file > defaults)."""
     settings = app.settings
     if check:
-        Layout.at(settings.root, settings.state_dir).ensure()
+        create_root(Layout.at(settings.root, settings.state_dir))
     shown = settings.model_dump(mode="json")
     shown["token"] = "**********" if settings.token else None
     shown["state_dir"] = str(settings.state_path)

@@ -20,6 +20,7 @@ from cachemgr.fs import reserve
 from cachemgr.fs.deletion import Pacer
 from cachemgr.fs.deletion import Progress as ProgressFn
 from cachemgr.fs.leadership import Leadership
+from cachemgr.fs.root import create_root
 from cachemgr.gc.execute import GcReport
 from cachemgr.gc.floor import audit_floor, below_floor, free_floor
 from cachemgr.gc.policy import GcPolicy
@@ -63,7 +64,7 @@ def gc(app: AppContext, /, dry_run: bool, as_json: bool, yes: bool, **limits: An
     if not (dry_run or yes or sys.stdin.isatty()):
         raise ConfigError("gc deletes files: pass --yes when not on a terminal (or --dry-run)")
     layout = Layout.at(settings.root, settings.state_dir)
-    layout.ensure()
+    create_root(layout)
     policy = GcPolicy.from_settings(settings)
     leadership = Leadership(layout.gc_lock)
     try:

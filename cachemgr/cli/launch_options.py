@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import click
 
+from cachemgr.fs.root import create_root
 from cachemgr.identity.digest_cache import DigestCache
 from cachemgr.identity.fingerprint import IdentityOptions, compute_identity
 from cachemgr.identity.hashing import Progress
@@ -91,7 +92,7 @@ class LaunchRequest:
     def compute_identity(self, settings: Settings) -> Identity:
         """The identity, using the state DB's digest cache and a progress bar on a terminal."""
         layout = Layout.at(settings.root, settings.state_dir)
-        layout.ensure()
+        create_root(layout)
         with Store.open(layout.db_path) as store:
             return compute_identity(
                 self.launch_args(),

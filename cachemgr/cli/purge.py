@@ -13,6 +13,7 @@ from cachemgr.cli.common import drain_with_progress, opened_store, root_layout
 from cachemgr.cli.context import AppContext, pass_app
 from cachemgr.errors import CachemgrError, ConfigError
 from cachemgr.fs.deletion import DeleteReport, Pacer
+from cachemgr.fs.root import create_root
 from cachemgr.ns.purge import (
     PurgePlan,
     PurgeResult,
@@ -62,7 +63,7 @@ def purge(
     Trash left by an earlier run (a crash, --no-wait) is deleted too.
     """
     layout = root_layout(app.settings, create=False)
-    layout.ensure()
+    create_root(layout)
     with opened_store(layout) as store:
         plan = make_plan(
             layout, store, namespace=namespace, instance=instance, all=all_, unbound=unbound

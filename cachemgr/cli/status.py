@@ -23,8 +23,8 @@ from cachemgr.errors import NotFoundError
 from cachemgr.fs.dirscan import scan_usage
 from cachemgr.gc.policy import DiskUsage, GcPolicy
 from cachemgr.layout import Layout
+from cachemgr.ns.status import NamespaceStatus, namespace_statuses
 from cachemgr.settings import Settings
-from cachemgr.state.status import NamespaceStatus, namespace_statuses
 from cachemgr.units import human_age, human_bytes
 
 

@@ -11,7 +11,7 @@ from pydantic.json_schema import SkipJsonSchema
 
 from cachemgr import __version__
 from cachemgr.layout import INSTANCE_RE, NS_ID_RE
-from cachemgr.state.status import NamespaceStatus
+from cachemgr.ns.status import NamespaceStatus
 
 # Anchored: JSON Schema (and pydantic) patterns match anywhere in the string.
 NS_ID_PATTERN = f"^{NS_ID_RE.pattern}$"

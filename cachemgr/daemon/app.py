@@ -48,7 +48,8 @@ from cachemgr.daemon.problems import ERRORS, install_error_handlers
 from cachemgr.errors import ConflictError, NotFoundError
 from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
-from cachemgr.state.status import NamespaceStatus, disk_usage, namespace_statuses
+from cachemgr.ns.status import NamespaceStatus, namespace_statuses
+from cachemgr.state.status import bindings_by_namespace, disk_usage
 
 PURGE_PATHS = ("/purge", "/v1/purge")
 
@@ -264,12 +265,10 @@ def _fingerprints(backend: Backend, instance: str | None) -> list[Fingerprint]:
         rows = conn.execute(
             "SELECT id, digest, identity_json FROM namespaces WHERE state = 'active' ORDER BY id"
         ).fetchall()
-        bound: dict[str, list[str]] = {}
-        for inst, ns in conn.execute("SELECT instance, namespace_id FROM bindings"):
-            bound.setdefault(ns, []).append(inst)
+        bound = bindings_by_namespace(conn)
     out = []
     for ns, digest, ident in rows:
-        if instance is not None and instance not in bound.get(ns, []):
+        if instance is not None and instance not in bound.get(ns, ()):
             continue
         try:
             record = json.loads(ident)
@@ -279,7 +278,7 @@ def _fingerprints(backend: Backend, instance: str | None) -> list[Fingerprint]:
             Fingerprint(
                 namespace=ns,
                 digest=digest,
-                instances=sorted(bound.get(ns, [])),
+                instances=list(bound.get(ns, ())),
                 identity=record if isinstance(record, dict) else {},
             )
         )

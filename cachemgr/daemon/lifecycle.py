@@ -32,6 +32,7 @@ from cachemgr.daemon.indexer import Indexer, kernel_id, leadership_files
 from cachemgr.daemon.metrics import CachemgrCollector
 from cachemgr.errors import ConfigError, StateError
 from cachemgr.fs.locks import root_lock
+from cachemgr.fs.root import create_root
 from cachemgr.fs.safe import refuse_non_regular
 from cachemgr.gc.floor import open_freeing
 from cachemgr.gc.policy import GcPolicy
@@ -212,7 +213,7 @@ class Daemon:
         """Bind, open the DB, start watching and indexing; returns before the first scan ends."""
         self.sock = bind_socket(self.settings.host, self.settings.port)
         try:  # a root refused (a planted link, say) must not leave the port bound
-            self.layout.ensure()
+            create_root(self.layout)
             # Its threads take these locks later, where a refusal would only be a log line.
             refuse_non_regular(self.layout.lock_files(kernel_id()))
             self.gc_policy = GcPolicy.from_settings(self.settings)

@@ -22,8 +22,9 @@ from cachemgr.daemon.indexer import IndexState
 from cachemgr.errors import StateCorrupt
 from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
+from cachemgr.ns.status import namespace_statuses
 from cachemgr.sglang.probe import ProbeState
-from cachemgr.state.status import AuditTotals, DiskUsage, disk_usage, namespace_statuses
+from cachemgr.state.status import AuditTotals, DiskUsage, disk_usage
 
 Reader = Callable[[], AbstractContextManager[sqlite3.Connection]]
 NS = ["namespace"]

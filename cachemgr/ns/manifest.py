@@ -45,20 +45,35 @@ class Manifest:
 
     @property
     def model(self) -> str | None:
-        """The served model name from the identity record, if it has one."""
-        source = self.identity.get("source")
-        name = source.get("served_model_name") if isinstance(source, dict) else None
-        return name if isinstance(name, str) else None
+        return identity_model(self.identity)
 
     @property
     def kv_cache_dtype(self) -> str | None:
-        dtype = self.identity.get("kv_cache_dtype")
-        return dtype if isinstance(dtype, str) else None
+        return identity_kv_cache_dtype(self.identity)
 
     @property
     def page_size(self) -> int | None:
-        page = self.identity.get("page_size")
-        return page if type(page) is int else None
+        return identity_page_size(self.identity)
+
+
+# The Manifest properties, for an identity record read from elsewhere (the DB's copy of it).
+
+
+def identity_model(identity: dict[str, Any]) -> str | None:
+    """The served model name from an identity record, if it has one."""
+    source = identity.get("source")
+    name = source.get("served_model_name") if isinstance(source, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def identity_kv_cache_dtype(identity: dict[str, Any]) -> str | None:
+    dtype = identity.get("kv_cache_dtype")
+    return dtype if isinstance(dtype, str) else None
+
+
+def identity_page_size(identity: dict[str, Any]) -> int | None:
+    page = identity.get("page_size")
+    return page if type(page) is int else None
 
 
 def write_manifest(layout: Layout, manifest: Manifest) -> None:

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from cachemgr.errors import ConfigError, StateError, UnsafePathError
 from cachemgr.fs.dirscan import Usage, scan_usage
 from cachemgr.fs.locks import root_lock
+from cachemgr.fs.root import create_root
 from cachemgr.identity.record import Identity, diff_identities
 from cachemgr.layout import NS_ID_RE, Layout
 from cachemgr.ns import registry as nsreg
@@ -71,7 +72,7 @@ def init_namespace(
     running process on this host still uses as its storage dir is refused unless `force`.
     """
     nsreg.check_instance(instance)
-    layout.ensure()
+    create_root(layout)
     ns = identity.ns_id
     with root_lock(layout):
         previous = nsreg.binding_of(store, instance)

@@ -24,6 +24,7 @@ from cachemgr.layout import NS_DIR, NS_ID_RE, Layout, check_ns_id
 from cachemgr.layout import check_instance as check_instance  # nsreg.check_instance callers
 from cachemgr.ns import bindings
 from cachemgr.ns.manifest import Manifest, read_manifest, write_manifest
+from cachemgr.state.status import bindings_by_namespace
 from cachemgr.state.store import Store
 
 log = logging.getLogger(__name__)
@@ -213,16 +214,6 @@ def instances_of(store: Store, ns_id: str) -> tuple[str, ...]:
     return tuple(str(r[0]) for r in rows)
 
 
-def all_bindings(store: Store) -> dict[str, tuple[str, ...]]:
-    """namespace id → its bound instances."""
-    out: dict[str, list[str]] = {}
-    for inst, ns in store.conn.execute(
-        "SELECT instance, namespace_id FROM bindings ORDER BY instance"
-    ):
-        out.setdefault(str(ns), []).append(str(inst))
-    return {ns: tuple(v) for ns, v in out.items()}
-
-
 def mark_purged(store: Store, ns_id: str) -> None:
     """An unbound namespace was purged: keep its row (history), forget its page index."""
     store.conn.execute("UPDATE namespaces SET state = 'purged' WHERE id = ?", (ns_id,))
@@ -259,7 +250,7 @@ class NamespaceInfo:
 def list_namespaces(layout: Layout, store: Store) -> list[NamespaceInfo]:
     """Every namespace on disk or bound in the DB, sorted by id."""
     dirs, manifests = on_disk(layout)
-    bound = all_bindings(store)
+    bound = bindings_by_namespace(store.conn)
     return [describe(layout, ns, bound.get(ns, ())) for ns in sorted(dirs | manifests | set(bound))]
 
 

@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from cachemgr.fs.reserve import reserve_size
+from cachemgr.fs.root import create_root
 from cachemgr.layout import RESERVE_FILE, Layout
 from cachemgr.settings import load_settings
 from cachemgr.units import human_bytes
@@ -49,7 +50,7 @@ def make_full_root(fs: Path, *, state_dir: Path | None = None, reserve: bool = T
     """A root with a bound namespace (A, instance gpu0) and an unbound one (B), filled to
     ENOSPC with old pages of A; `reserve=False` is a root made before the reserve existed."""
     layout = Layout.at(fs / "root", state_dir)
-    layout.ensure()
+    create_root(layout)
     register_namespace(layout, NS_A, instance="gpu0")
     register_namespace(layout, NS_B)
     if not reserve:

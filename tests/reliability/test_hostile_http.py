@@ -22,6 +22,7 @@ import httpx
 
 from cachemgr.daemon.httpguard import MAX_BODY_BYTES
 from cachemgr.fs.locks import root_lock
+from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 from cachemgr.settings import load_settings
 from tests.daemon_helpers import (
@@ -106,7 +107,7 @@ def test_huge_bodies_are_refused_before_they_are_read(tmp_path: Path, free_port:
     """1 GiB bodies, with and without a token, declared or chunked: the daemon answers 401 or
     413 after at most the cap, and its peak RSS stays flat (it was +2 GiB per body)."""
     layout = Layout.at(tmp_path / "root")
-    layout.ensure()
+    create_root(layout)
     register_namespace(layout, NS_A)
     with daemon_process(layout, free_port, CACHEMGR_TOKEN=TOKEN) as (pid, url):
         warm = httpx.post(f"{url}/v1/gc", params={"dry_run": "true"}, headers=AUTH, timeout=30)
@@ -130,7 +131,7 @@ def test_huge_bodies_are_refused_before_they_are_read(tmp_path: Path, free_port:
 
 def test_a_body_up_to_the_cap_is_read_and_one_byte_more_is_413(tmp_path: Path) -> None:
     layout = Layout.at(tmp_path / "root")
-    layout.ensure()
+    create_root(layout)
     register_namespace(layout, NS_A)
     with running_daemon(load_settings(root=layout.root)) as dm:
         body = b'{"dry_run": true}'
@@ -150,7 +151,7 @@ def test_a_body_up_to_the_cap_is_read_and_one_byte_more_is_413(tmp_path: Path) -
 
 def test_401_comes_before_422(tmp_path: Path) -> None:
     layout = Layout.at(tmp_path / "root")
-    layout.ensure()
+    create_root(layout)
     with running_daemon(load_settings(root=layout.root, token=TOKEN)) as dm:
         for route in ("/v1/gc", "/v1/purge", f"/v1/namespaces/{NS_A}/purge"):
             for content in (b"[not json", b'{"bogus": 1}', b"null"):
@@ -205,7 +206,7 @@ def test_malformed_requests_are_422_and_delete_nothing(tmp_path: Path) -> None:
     """Duplicate or contradictory parameters, null/array/string bodies, nulls, unknown fields
     and typos: each a 422 problem, and no file, trash entry or audit row changes."""
     layout = Layout.at(tmp_path / "root")
-    layout.ensure()
+    create_root(layout)
     ns = register_namespace(layout, NS_A, instance="gpu0")
     for i in range(5):
         store_page(ns, page_name(i))
@@ -260,7 +261,7 @@ def test_gc_requests_during_a_gc_join_it_and_leave_health_free(
     real ones get the running run's result (one run), the dry runs share one dry run, and
     /healthz and /metrics answer promptly throughout (they took 34.6 s)."""
     layout = Layout.at(tmp_path / "root")
-    layout.ensure()
+    create_root(layout)
     register_namespace(layout, NS_A, instance="gpu0")
     env = {"CACHEMGR_GC_INTERVAL": "1h", "CACHEMGR_GC_DELETE_RATE": "300"}
     with (
@@ -298,7 +299,7 @@ def test_purges_waiting_on_the_root_lock_leave_health_free(tmp_path: Path, free_
     """Another process holds the root lock: 50 purges and 20 dry runs wait without pinning a
     worker thread each, then the first purges the namespace and the rest find it gone."""
     layout = Layout.at(tmp_path / "root")
-    layout.ensure()
+    create_root(layout)
     ns = register_namespace(layout, NS_A)
     for i in range(10):
         store_page(ns, page_name(i))

@@ -23,6 +23,7 @@ from cachemgr.backends import FileKind
 from cachemgr.daemon.indexer import kernel_id
 from cachemgr.errors import CachemgrError
 from cachemgr.fs.deletion import Pacer, delete_files
+from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout, db_files
 from cachemgr.ns.trash import drain_trash
 from cachemgr.settings import load_settings
@@ -179,14 +180,14 @@ def test_cachedir_tag_link_is_left_alone(tmp_path: Path, victim: Path) -> None:
     layout = Layout.at(tmp_path / "root")
     layout.root.mkdir()
     layout.tag.symlink_to(victim / "no-such-tag")
-    layout.ensure()
+    create_root(layout)
     assert os.readlink(layout.tag) == str(victim / "no-such-tag")
     assert not (victim / "no-such-tag").exists()
 
 
 def test_state_db_link_is_refused_before_sqlite_opens_it(tmp_path: Path, victim: Path) -> None:
     layout = Layout.at(tmp_path / "root")
-    layout.ensure()
+    create_root(layout)
     for link in db_files(layout.db_path):
         link.symlink_to(victim / "state.db")
         with pytest.raises(CachemgrError, match="symlink or not a regular file"):
@@ -236,7 +237,7 @@ def assert_nothing_deleted_after_move(away: Path, at_move: list[set[str]]) -> No
 
 def test_drain_stops_when_its_trash_entry_leaves_the_root(tmp_path: Path) -> None:
     layout = Layout.at(tmp_path / "root")
-    layout.ensure()
+    create_root(layout)
     entry = layout.trash / f"{'b' * 16}.moved"
     fill(entry, N_PAGES)
     outside = tmp_path / "outside"
@@ -256,7 +257,7 @@ def test_drain_stops_when_its_trash_entry_leaves_the_root(tmp_path: Path) -> Non
 
 def test_gc_deletion_stops_when_its_namespace_dir_leaves_the_root(tmp_path: Path) -> None:
     root = tmp_path / "root"
-    Layout.at(root).ensure()
+    create_root(Layout.at(root))
     ns_dir = root / "ns" / ("c" * 16)
     fill(ns_dir, N_PAGES)
     away = tmp_path / "outside"

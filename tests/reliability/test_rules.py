@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 
+from cachemgr.fs.root import create_root
 from cachemgr.gc.execute import CHUNK, GcReport, execute_gc
 from cachemgr.gc.plan import plan_gc
 from cachemgr.gc.policy import GcPolicy
@@ -39,7 +40,7 @@ OLD = time.time() - 30 * 86400
 
 def _root(tmp_path: Path) -> tuple[Layout, Store]:
     layout = Layout.at(tmp_path / "root")
-    layout.ensure()
+    create_root(layout)
     return layout, Store.open(layout.db_path)
 
 
@@ -281,7 +282,7 @@ def test_racing_cli_and_http_purges_audit_one_purge(tmp_path: Path) -> None:
     namespace) at once: one `purge` row each with the real page count, every other purge
     purges nothing, and the bound instance keeps its dir."""
     layout = Layout.at(tmp_path / "root")
-    layout.ensure()
+    create_root(layout)
     bound = register_namespace(layout, NS_A, instance="gpu0")
     unbound = register_namespace(layout, NS_B)
     for d, n in ((bound, 40), (unbound, 25)):

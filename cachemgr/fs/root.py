@@ -1,0 +1,52 @@
+"""Creating a cache root's skeleton (the names and paths are cachemgr.layout's)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from cachemgr.errors import ConfigError, UnsafePathError
+from cachemgr.fs.safe import open_dir, write_atomic_at
+from cachemgr.layout import CACHEDIR_TAG, NS_DIR, TAG_FILE, TRASH_DIR, Layout
+
+log = logging.getLogger(__name__)
+
+
+def create_root(layout: Layout) -> None:
+    """Create the skeleton (idempotent), never through a symlink: one planted at a dir is
+    an UnsafePathError; an unusable root is a ConfigError."""
+    state = _relative(layout.state_dir, layout.root)
+    try:
+        for base, rel in ((layout.root, NS_DIR), state):
+            with open_dir(base, rel, create=True):
+                pass
+            if not os.access(base / rel, os.W_OK | os.X_OK):
+                raise ConfigError(f"{base / rel} is not writable by this user (uid {os.getuid()})")
+        # A planted .trash/ only stops purges (which report it) and GC's trash step: the
+        # rest of the root stays usable, so it is not a reason to refuse the root.
+        try:
+            with open_dir(layout.root, TRASH_DIR, create=True):
+                pass
+        except UnsafePathError as e:
+            log.warning("trash left alone: %s", e)
+        _tag(layout.root)
+    except OSError as e:
+        raise ConfigError(f"cannot use root {layout.root}: {e.strerror or e}") from e
+
+
+def _tag(root: Path) -> None:
+    """Write CACHEDIR.TAG unless something (even a dangling link) has that name already."""
+    with open_dir(root, "") as fd:
+        try:
+            os.stat(TAG_FILE, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            write_atomic_at(fd, TAG_FILE, CACHEDIR_TAG.encode("ascii"))
+
+
+def _relative(path: Path, base: Path) -> tuple[Path, str]:
+    """(base, rel) to open `path` from: from `base` when it lies inside, so that a symlink at
+    any component below `base` is refused; else from its own parent (the operator's path)."""
+    if path.is_relative_to(base) and path != base:
+        return base, str(path.relative_to(base))
+    return path.parent, path.name

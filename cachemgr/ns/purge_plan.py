@@ -1,0 +1,98 @@
+"""Planning a purge: which namespaces a selector picks, and what each holds now (purge.py
+executes the plan)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cachemgr.errors import ConfigError, NotFoundError, UnsafePathError
+from cachemgr.fs.dirscan import scan_usage
+from cachemgr.layout import Layout, check_ns_id
+from cachemgr.ns import registry as nsreg
+from cachemgr.ns.trash import list_trash
+from cachemgr.state.status import bindings_by_namespace
+from cachemgr.state.store import Store
+
+
+@dataclass(frozen=True)
+class PurgeTarget:
+    """One namespace a plan would purge, with what it holds now."""
+
+    ns_id: str
+    pages: int
+    bytes: int
+    instances: tuple[str, ...]  # bound now: its dir is recreated empty
+    has_dir: bool
+    has_manifest: bool
+
+
+@dataclass(frozen=True)
+class PurgePlan:
+    """What a purge would do: the namespaces, and trash left by earlier runs to finish."""
+
+    targets: tuple[PurgeTarget, ...]
+    trash: tuple[str, ...]
+    selector: str
+    only_unbound: bool = False  # a target bound since the plan was made is then skipped
+    problems: tuple[str, ...] = ()  # selected namespaces left alone (nsreg.damaged), and why
+
+    @property
+    def pages(self) -> int:
+        return sum(t.pages for t in self.targets)
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.bytes for t in self.targets)
+
+
+def plan_purge(
+    layout: Layout,
+    store: Store,
+    *,
+    namespace: str | None = None,
+    instance: str | None = None,
+    all: bool = False,
+    unbound: bool = False,
+    count: bool = True,
+) -> PurgePlan:
+    """Which namespaces a purge selects; exactly one selector. `count=False` skips the scan."""
+    chosen = [namespace is not None, instance is not None, all, unbound]
+    if sum(chosen) != 1:
+        raise ConfigError("choose exactly one of --namespace, --instance, --all, --unbound")
+    dirs, manifests = nsreg.on_disk(layout)
+    bound = bindings_by_namespace(store.conn)
+    damaged = nsreg.damaged(layout)
+    if namespace is not None:
+        ids = [check_ns_id(namespace)]
+        if namespace not in dirs | manifests | set(bound):
+            raise NotFoundError(f"no namespace {namespace} under {layout.ns_root}")
+        if namespace in damaged:
+            raise UnsafePathError(f"ns {namespace} is left alone: {damaged[namespace][1]}")
+        selector = f"namespace {namespace}"
+    elif instance is not None:
+        ns = nsreg.binding_of(store, nsreg.check_instance(instance))
+        if ns is None:
+            raise NotFoundError(f"instance {instance!r} is not bound to a namespace")
+        ids, selector = [ns], f"instance {instance}"
+    elif all:
+        ids, selector = sorted(dirs | manifests | set(bound)), "all"
+    else:
+        ids, selector = sorted((dirs | manifests) - set(bound)), "unbound"
+    # A damaged namespace is skipped and reported; the others are purged all the same.
+    problems = tuple(f"ns/{ns}: {damaged[ns][1]}" for ns in ids if ns in damaged)
+    targets = tuple(
+        _target(layout, ns, bound.get(ns, ()), ns in manifests, count)
+        for ns in ids
+        if ns not in damaged
+    )
+    trash = tuple(list_trash(layout))
+    return PurgePlan(targets, trash, selector, only_unbound=unbound, problems=problems)
+
+
+def _target(
+    layout: Layout, ns_id: str, instances: tuple[str, ...], has_manifest: bool, count: bool
+) -> PurgeTarget:
+    has_dir = nsreg.ns_entry_kind(layout, ns_id) == "dir"  # refuses a symlink before any change
+    usage = scan_usage(layout, f"ns/{ns_id}") if has_dir and count else None
+    pages, size = (usage.pages, usage.bytes) if usage else (0, 0)
+    return PurgeTarget(ns_id, pages, size, instances, has_dir, has_manifest)

@@ -1,0 +1,139 @@
+"""Per-namespace status from the state DB, the manifests and the names under <root>/ns (and
+the daemon's live counters when it runs).
+
+It reads small tables (namespace_stats, namespaces, bindings) and never the pages table, so it
+stays cheap with millions of pages.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict, computed_field
+
+from cachemgr.errors import StateError
+from cachemgr.layout import Layout
+from cachemgr.ns import registry as nsreg
+from cachemgr.ns.manifest import (
+    identity_kv_cache_dtype,
+    identity_model,
+    identity_page_size,
+    read_manifest,
+)
+from cachemgr.state.index import namespace_dirs
+from cachemgr.state.status import bindings_by_namespace
+
+
+class LiveCounts(Protocol):
+    reads: int
+    writes: int
+
+
+class NamespaceStatus(BaseModel):
+    """One namespace: its pages on disk, how often they were read and stored, its identity."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    # active | purged | unregistered (a dir without a manifest row), or, left alone
+    # by every command: bad-manifest | unsafe (ns/<id> is not a real dir)
+    state: str
+    problem: str | None = None  # why a bad-manifest or unsafe namespace is left alone
+    has_dir: bool
+    pages: int
+    bytes: int
+    page_reads: int  # lifetime, as observed by the watcher
+    page_writes: int
+    reads_since_start: int | None = None  # None when no daemon is running
+    writes_since_start: int | None = None
+    last_read_at: float | None = None
+    last_write_at: float | None = None
+    temp_files: int = 0
+    foreign_files: int = 0
+    corrupt_files: int = 0
+    scanned_at: float | None = None
+    instances: tuple[str, ...] = ()
+    model: str | None = None
+    kv_cache_dtype: str | None = None
+    page_size: int | None = None
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def hit_ratio(self) -> float | None:
+        """Page reads / (reads + writes), lifetime; None before any activity."""
+        total = self.page_reads + self.page_writes
+        return self.page_reads / total if total else None
+
+
+def identity_record(identity_json: str | None) -> dict[str, Any]:
+    """The identity record in a namespace row's JSON; {} for a missing or damaged one."""
+    try:
+        record = json.loads(identity_json) if identity_json else {}
+    except (ValueError, RecursionError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _manifest_identity(layout: Layout, ns_id: str) -> dict[str, Any]:
+    try:
+        manifest = read_manifest(layout, ns_id)
+    except StateError:
+        return {}  # reported as the namespace's state
+    return manifest.identity if manifest is not None else {}
+
+
+def namespace_statuses(
+    conn: sqlite3.Connection,
+    layout: Layout,
+    live: Mapping[str, LiveCounts] | None = None,
+) -> list[NamespaceStatus]:
+    """Every namespace with a dir, pages in the index, or an active registry row."""
+    stats = {r["namespace_id"]: r for r in conn.execute("SELECT * FROM namespace_stats")}
+    registry = {r["id"]: r for r in conn.execute("SELECT id, state, identity_json FROM namespaces")}
+    bindings = bindings_by_namespace(conn)
+    dirs = set(namespace_dirs(layout))
+    damaged = nsreg.damaged(layout)
+    ids = dirs | set(damaged) | {ns for ns, r in stats.items() if r["pages"] > 0}
+    ids |= {ns for ns, r in registry.items() if r["state"] != "purged"} | set(bindings)
+    out = []
+    for ns in sorted(ids):
+        s, reg = stats.get(ns), registry.get(ns)
+        ident = (
+            identity_record(reg["identity_json"]) if reg is not None
+            else _manifest_identity(layout, ns)
+        )  # fmt: skip
+        counts = live.get(ns) if live is not None else None
+        registered = reg["state"] if reg is not None else "unregistered"
+        state, problem = damaged.get(ns, (registered, None))
+        out.append(
+            NamespaceStatus(
+                id=ns,
+                state=state,
+                problem=problem,
+                has_dir=ns in dirs,
+                pages=_get(s, "pages"),
+                bytes=_get(s, "bytes"),
+                page_reads=_get(s, "page_reads"),
+                page_writes=_get(s, "page_writes"),
+                reads_since_start=None if live is None else (counts.reads if counts else 0),
+                writes_since_start=None if live is None else (counts.writes if counts else 0),
+                last_read_at=s["last_read_at"] if s else None,
+                last_write_at=s["last_write_at"] if s else None,
+                temp_files=_get(s, "temp_files"),
+                foreign_files=_get(s, "foreign_files"),
+                corrupt_files=_get(s, "corrupt_files"),
+                scanned_at=s["scanned_at"] if s else None,
+                instances=bindings.get(ns, ()),
+                model=identity_model(ident),
+                kv_cache_dtype=identity_kv_cache_dtype(ident),
+                page_size=identity_page_size(ident),
+            )
+        )
+    return out
+
+
+def _get(row: sqlite3.Row | None, key: str) -> int:
+    return int(row[key]) if row is not None and row[key] is not None else 0
