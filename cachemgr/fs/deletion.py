@@ -17,9 +17,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cachemgr.backends import FileFormat, FileKind
+from cachemgr.backends import FileFormat
 from cachemgr.errors import UnsafePathError
-from cachemgr.fs.safe import is_own_temp, open_dir
+from cachemgr.fs.deletecheck import (
+    OWN_TEMPS,
+    Checked,
+    check_part,
+    dir_id,
+    entry_is,
+    names_of,
+    still_at,
+)
+from cachemgr.fs.safe import open_dir
 from cachemgr.layout import NS_DIR, check_ns_id
 from cachemgr.sglang.hicache import HICACHE_FILE
 
@@ -96,9 +105,9 @@ def delete_files(
     names = list(names)
     parts = [names[i : i + PART] for i in range(0, len(names), PART)]
     files = size = 0
-    checked = _Checked()
+    checked = Checked()
     paced = pacer is not None and bool(pacer.rate)
-    ours = _names_of(fmt)
+    ours = names_of(fmt)
     parent, _, leaf = rel_dir.rpartition("/")
     if not leaf:
         raise UnsafePathError(f"{rel_dir!r}: no directory to delete files from")
@@ -108,7 +117,7 @@ def delete_files(
         open_dir(root, parent) as parent_fd,
         ThreadPoolExecutor(1, "delete-check") as pool,
     ):
-        here = _dir_id(fd)
+        here = dir_id(fd)
         # Unpaced, a helper thread checks the next part while this one unlinks: the checks'
         # Python work overlaps the unlinks' kernel time (no GIL), so the loop runs at the
         # disk's pace. Paced, the checks stay in step with the unlinks (no look-ahead).
@@ -117,19 +126,19 @@ def delete_files(
             if ahead is not None:
                 ok = ahead.result()
             else:
-                ok = _check_part(fd, part, min_age, now, checked, ours)
+                ok = check_part(fd, part, min_age, now, checked, ours)
             ahead = None
-            if not dry_run and not _still_at(root, rel_dir, here):
+            if not dry_run and not still_at(root, rel_dir, here):
                 stopped = True
                 break
             if not (dry_run or paced) and i + 1 < len(parts):
-                ahead = pool.submit(_check_part, fd, parts[i + 1], min_age, now, checked, ours)
+                ahead = pool.submit(check_part, fd, parts[i + 1], min_age, now, checked, ours)
             for name, nbytes in ok:
                 if not dry_run:
                     # Through `fd` (a path through the dir's name could follow a link swapped
                     # in for it), but only while the parent still holds this very dir under
                     # its name: a dir moved away (out of the root, say) stops us at once.
-                    if not _entry_is(parent_fd, leaf, here):
+                    if not entry_is(parent_fd, leaf, here):
                         stopped = True
                         break
                     try:
@@ -156,96 +165,6 @@ def delete_files(
     if stopped:
         refused += (f"{rel_dir}: moved or replaced while its files were deleted; stopped",)
     return DeleteReport(files, size, len(checked.vanished), checked.young, refused, dry_run)
-
-
-def _dir_id(fd: int) -> tuple[int, int]:
-    st = os.fstat(fd)
-    return st.st_dev, st.st_ino
-
-
-def _entry_is(parent_fd: int, leaf: str, here: tuple[int, int]) -> bool:
-    """Whether `leaf` in `parent_fd` is (not a link to) the dir identified by `here`."""
-    try:
-        st = os.stat(leaf, dir_fd=parent_fd, follow_symlinks=False)
-    except OSError:
-        return False
-    return (st.st_dev, st.st_ino) == here
-
-
-def _still_at(root: Path, rel_dir: str, here: tuple[int, int]) -> bool:
-    """Whether <root>/<rel_dir> is still, reached without links, the dir we delete in: a dir
-    moved out of the root keeps its descriptor, and deleting through it would follow it."""
-    try:
-        with open_dir(root, rel_dir) as fd:
-            return _dir_id(fd) == here
-    except (OSError, UnsafePathError):
-        return False
-
-
-# Which names a deletion may touch at all, and how a refusal describes them.
-Names = tuple[Callable[[str], bool], str]
-OWN_TEMPS: Names = (is_own_temp, "a cachemgr temp file name")
-
-
-def _names_of(fmt: FileFormat) -> Names:
-    return (lambda name: fmt.classify(name) is not FileKind.FOREIGN,
-            f"a page or temp file name of {fmt.name}")  # fmt: skip
-
-
-@dataclass
-class _Checked:
-    """What checking turned away (`vanished` also gets names gone by unlink time)."""
-
-    vanished: list[str] = field(default_factory=list)
-    young: int = 0
-    refused: list[tuple[str, str]] = field(default_factory=list)
-
-
-def _check_part(
-    dir_fd: int,
-    names: list[str],
-    min_age: float,
-    now: Callable[[], float],
-    out: _Checked,
-    ours: Names,
-) -> list[tuple[str, int]]:
-    """(name, size) of the names that may be deleted; the rest are tallied in `out`."""
-    ok = []
-    for name in names:
-        verdict = _check(dir_fd, name, min_age, now(), ours)
-        if isinstance(verdict, int):
-            ok.append((name, verdict))
-        elif verdict == "vanished":
-            out.vanished.append(name)
-        elif verdict == "young":
-            out.young += 1
-        else:
-            out.refused.append((name, verdict))
-    return ok
-
-
-def too_young(mtime: float, min_age: float, now: float) -> bool:
-    """Whether a file modified at `mtime` is kept by the min-age rule (a future mtime is young;
-    min_age 0 means no age rule at all)."""
-    return min_age > 0 and now - mtime < min_age
-
-
-def _check(dir_fd: int, name: str, min_age: float, now: float, ours: Names) -> int | str:
-    """The file's size if it may be deleted, else why not."""
-    accepts, what = ours
-    if os.sep in name or not accepts(name):
-        return f"not {what}"
-    try:
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return "vanished"
-    except OSError as e:
-        return f"cannot stat: {e.strerror}"
-    if not stat.S_ISREG(st.st_mode):
-        return "not a regular file"
-    if too_young(st.st_mtime, min_age, now):
-        return "young"
-    return st.st_size
 
 
 def _unlink(dir_fd: int, name: str) -> bool:
@@ -329,9 +248,9 @@ def delete_own_temps(
     between write and rename): only names `safefs.is_own_temp` recognises, only regular files,
     only older than `older_than` seconds (a younger one may be a write in progress)."""
     files = size = 0
-    checked = _Checked()
+    checked = Checked()
     with open_dir(root, rel_dir) as fd:
-        ok = _check_part(fd, list(names), older_than, now, checked, OWN_TEMPS)
+        ok = check_part(fd, list(names), older_than, now, checked, OWN_TEMPS)
         for name, nbytes in ok:
             if not (dry_run or _unlink(fd, name)):
                 checked.vanished.append(name)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cachemgr.errors import UnsafePathError
-from cachemgr.fs.deletion import too_young
+from cachemgr.fs.deletecheck import too_young
 from cachemgr.gc import find as gcfind
 from cachemgr.gc.find import TempFile, list_namespace, list_temps
 from cachemgr.gc.order import Candidate, eviction_order
