@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -206,7 +205,7 @@ def _storage(
     disk_free: Callable[[Path], int],
 ) -> list[Finding]:
     found: list[Finding] = []
-    extra = _extra_config(args)
+    extra = args.extra_config
     # HiCacheFile: the env var first, then extra-config file_storage_path, then its default.
     storage = env.get(STORAGE_DIR_ENV) or extra.get("file_storage_path") or SGLANG_DEFAULT_DIR
     path = Path(os.path.abspath(str(storage)))
@@ -255,15 +254,6 @@ def _storage(
                 )
             )
     return found
-
-
-def _extra_config(args: LaunchArgs) -> dict[str, Any]:
-    raw = args.hicache_storage_backend_extra_config
-    try:
-        data = json.loads(raw) if raw else {}
-    except json.JSONDecodeError:
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def lint_root(layout: Layout, store: Store) -> list[Finding]:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from cachemgr.fs.leadership import Leadership
+from cachemgr.fs.root import create_root
 from cachemgr.gc.policy import GcPolicy
 from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
@@ -24,7 +25,6 @@ from cachemgr.gc.policy import GcPolicy
 from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
 from cachemgr.state.store import Store
-from cachemgr.fs.root import create_root
 layout = Layout.at(Path(sys.argv[1]))
 store = Store.open(layout.db_path)
 runner = GcRunner(store, layout, GcPolicy(max_bytes=5_000, min_age=0, delete_rate=None))

@@ -10,13 +10,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cachemgr.errors import UnsafePathError
+from cachemgr.fs.deletecheck import too_young
 from cachemgr.fs.deletion import (
     DeleteReport,
     Pacer,
     Progress,
     delete_files,
     delete_own_temps,
-    too_young,
 )
 from cachemgr.fs.dirscan import list_files
 from cachemgr.fs.locks import root_lock

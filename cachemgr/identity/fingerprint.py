@@ -189,16 +189,9 @@ def digest_weights(
     return WeightsRecord(mode="fast" if fast else "full", algo=algo, files=files)
 
 
-def _tp_lcm_size(extra_config: str | None) -> int | None:
+def _tp_lcm_size(args: LaunchArgs) -> int | None:
     """`tp_lcm_size` from --hicache-storage-backend-extra-config (cache_controller.py)."""
-    if not extra_config:
-        return None
-    try:
-        value = json.loads(extra_config).get("tp_lcm_size")
-    except (json.JSONDecodeError, AttributeError):
-        raise IdentityError(
-            f"--hicache-storage-backend-extra-config is not a JSON object: {extra_config!r}"
-        ) from None
+    value = args.extra_config.get("tp_lcm_size")
     return int(value) if value is not None else None
 
 
@@ -276,7 +269,7 @@ def compute_identity(
         sglang_version=version,
         storage=Storage(
             key_scheme=FILE_KEY_SCHEME,
-            tp_lcm_size=_tp_lcm_size(args.hicache_storage_backend_extra_config),
+            tp_lcm_size=_tp_lcm_size(args),
         ),
         salt=opts.salt,
         source=Source(

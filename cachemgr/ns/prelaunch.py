@@ -196,7 +196,7 @@ def storage_dir_conflicts(
         found.append(StorageDirConflict(
             f"environment variable {STORAGE_DIR_ENV}", value, True, _ours(value, layout)
         ))  # fmt: skip
-    extra = _extra_config(args)
+    extra = args.extra_config if args else {}
     path = extra.get("file_storage_path")
     if isinstance(path, str) and path and not _same(path, storage_dir):
         found.append(StorageDirConflict(
@@ -204,17 +204,6 @@ def storage_dir_conflicts(
             _ours(path, layout),
         ))  # fmt: skip
     return found
-
-
-def _extra_config(args: LaunchArgs | None) -> dict[str, object]:
-    raw = args.hicache_storage_backend_extra_config if args else None
-    if not raw:
-        return {}
-    try:
-        data = json.loads(raw)
-    except json.JSONDecodeError:
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _same(path: str, storage_dir: Path) -> bool:

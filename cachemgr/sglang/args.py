@@ -7,6 +7,7 @@ kept; every other flag is skipped, including ones newer than the table in `sglan
 
 from __future__ import annotations
 
+import json
 import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -81,6 +82,11 @@ class LaunchArgs(BaseModel):
     def resolved_page_size(self) -> int | None:
         """The page size the server will use, or None when SGLang decides it on the GPU."""
         return None if self.page_size_source == "default" else self.page_size
+
+    @property
+    def extra_config(self) -> dict[str, Any]:
+        """--hicache-storage-backend-extra-config, parsed (parse_extra_config)."""
+        return parse_extra_config(self.hicache_storage_backend_extra_config)
 
     @property
     def model_name(self) -> str:
@@ -204,6 +210,7 @@ def resolve_launch_args(
         )
     values.pop("page_size_source", None)  # derived below, never given
     values = _apply_sglang_resolutions(values)
+    parse_extra_config(values.get("hicache_storage_backend_extra_config"))  # refused here, once
     try:
         return LaunchArgs(**values)
     except ValidationError as e:
@@ -211,6 +218,23 @@ def resolve_launch_args(
         field = str(first["loc"][0]) if first["loc"] else "?"
         flag = _FLAG_OF.get(field, field)
         raise ConfigError(f"invalid {flag} {first.get('input')!r}: {first['msg']}") from None
+
+
+def parse_extra_config(raw: str | None) -> dict[str, Any]:
+    """--hicache-storage-backend-extra-config as the JSON object SGLang reads, {} if absent.
+    Anything else is a ConfigError: SGLang would fail on it at start (json.loads in its
+    cache controller), and a value read as {} would hide its file_storage_path and max_size."""
+    if not raw:
+        return {}
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        data = None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"--hicache-storage-backend-extra-config is not a JSON object: {raw!r:.80}"
+        )
+    return data
 
 
 def _apply_sglang_resolutions(values: dict[str, Any]) -> dict[str, Any]:
