@@ -166,6 +166,14 @@ def test_extra_config_storage_path_warns(root: Path, model: Path) -> None:
     assert "file_storage_path is /srv/hicache: SGLang uses it unless" in out.stderr
 
 
+def test_extra_config_that_is_not_json_is_one_line(root: Path, model: Path) -> None:
+    launch = [*CMD.split(), "--model-path", str(model), "--hicache-storage-backend-extra-config",
+              "{file_storage_path: /srv}"]  # fmt: skip
+    out = cli("--root", str(root), "init", "--", *launch, env=NO_STORAGE_ENV)
+    assert "--hicache-storage-backend-extra-config is not a JSON object" in one_line_error(out)
+    assert not Layout.at(root).ns_root.exists() or not any(Layout.at(root).ns_root.iterdir())
+
+
 CHILD = textwrap.dedent("""
     import os, signal, sys
     print(os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"], os.getpid(), sys.argv[1:])

@@ -295,3 +295,18 @@ def test_page_size_resolution(flags: str, page: int | None, source: str) -> None
 def test_explicit_page_size_option_counts_as_a_flag() -> None:
     args = resolve_launch_args("sglang serve --model-path m", {"page_size": 64})
     assert (args.resolved_page_size, args.page_size_source) == (64, "flag")
+
+
+@pytest.mark.parametrize("value", ["{not json", "[1, 2]", '"a string"', "null"])
+def test_extra_config_that_is_not_a_json_object_is_refused_when_resolved(value: str) -> None:
+    # SGLang would fail on it at start; read as {} it would hide a file_storage_path.
+    with pytest.raises(ConfigError, match="--hicache-storage-backend-extra-config is not a JSON"):
+        resolve_launch_args(["--model-path", "/m", "--hicache-storage-backend-extra-config", value])
+
+
+def test_extra_config_is_parsed_once_for_every_reader() -> None:
+    args = resolve_launch_args(
+        ["--model-path", "/m", "--hicache-storage-backend-extra-config", '{"tp_lcm_size": 4}']
+    )
+    assert args.extra_config == {"tp_lcm_size": 4}
+    assert resolve_launch_args(["--model-path", "/m"]).extra_config == {}
