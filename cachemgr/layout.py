@@ -4,7 +4,7 @@ namespace dir mean is its format's business: cachemgr.backends).
 <root>/CACHEDIR.TAG    tells backup tools to skip the cache
 <root>/ns/<id>/        SGLang's storage dir for one identity (only SGLang writes here)
 <root>/ns/<id>.json    manifest of that identity
-<root>/ns/<instance>.bind  the namespace that instance is bound to (bindings.py)
+<root>/ns/<instance>.bind  the namespace that instance is bound to (ns/bindings.py)
 <root>/.trash/         namespaces renamed away by a purge, deleted in the background
 <root>/.cachemgr/      state DB and locks (movable with --state-dir)
 
@@ -75,16 +75,16 @@ class Layout:
 
     @property
     def root_lock(self) -> Path:
-        """flock'd by init, purge and the daemon while they change namespaces (lock.py)."""
+        """flock'd by init, purge and the daemon while they change namespaces (fs/locks.py)."""
         return self.state_dir / "root.lock"
 
     @property
     def gc_lock(self) -> Path:
-        """flock'd by the process that leads GC (leader.py)."""
+        """flock'd by the process that leads GC (fs/leadership.py)."""
         return self.state_dir / "gc.lock"
 
     def index_lock(self, boot_id: str) -> Path:
-        """flock'd by the daemon that indexes the root on kernel `boot_id` (indexer.py)."""
+        """flock'd by the daemon that indexes the root on kernel `boot_id` (daemon/indexer.py)."""
         return self.state_dir / f"index-{boot_id}.lock"
 
     def index_ready(self, boot_id: str) -> Path:
@@ -93,7 +93,7 @@ class Layout:
 
     @property
     def reserve(self) -> Path:
-        """Disk space held for the state DB, released when the filesystem is full (reserve.py)."""
+        """Disk space held for the state DB, released when the filesystem is full (fs/reserve.py)."""
         return self.state_dir / RESERVE_FILE
 
     def lock_files(self, boot_id: str) -> tuple[Path, ...]:
@@ -130,7 +130,7 @@ class Layout:
         return self.ns_root / f"{check_ns_id(ns_id)}.json"
 
     def binding(self, instance: str) -> Path:
-        """The durable copy of `instance`'s binding (bindings.py); never a namespace's name:
+        """The durable copy of `instance`'s binding (ns/bindings.py); never a namespace's name:
         a namespace is 16 hex digits, this ends in .bind."""
         return self.ns_root / f"{check_instance(instance)}{BIND_SUFFIX}"
 
@@ -141,7 +141,7 @@ def db_files(db: Path) -> tuple[Path, ...]:
 
 
 def recover_lock(db: Path) -> Path:
-    """flock'd while a corrupt DB is moved aside (store.py)."""
+    """flock'd while a corrupt DB is moved aside (state/dbfile.py)."""
     return db.with_name(db.name + ".recover-lock")
 
 

@@ -323,11 +323,6 @@ def test_empty_shard_and_empty_dir(model: Path, tmp_path: Path) -> None:
         ident(f"--model-path {model}")
 
 
-def test_summary(model: Path) -> None:
-    rec = ident(f"--model-path {model} --served-model-name tiny --page-size 64")
-    assert rec.summary == ("tiny", "bfloat16", 64)
-
-
 def test_page_size_origin_is_recorded(tmp_path: Path) -> None:
     plain = make_model(tmp_path / "plain")
     rec = ident(f"--model-path {plain}")

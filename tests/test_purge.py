@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,6 @@ from cachemgr.layout import Layout
 from cachemgr.ns.manifest import read_manifest
 from cachemgr.ns.purge import (
     describe_trash,
-    drain_in_background,
     drain_trash,
     execute_purge,
     list_trash,
@@ -168,25 +166,6 @@ def test_dry_run_drain_deletes_nothing(layout: Layout, store: Store) -> None:
     report = drain_trash(layout, store, dry_run=True)
     assert (report.files, report.dry_run) == (3, True)
     assert len(list_trash(layout)) == 1
-
-
-def test_background_drain_finishes(layout: Layout, store: Store) -> None:
-    for name in ("a", "b"):
-        ns = make_ns(layout, store, name, pages=50)
-        purge(layout, store, actor="http", reason="manual", namespace=ns)
-    done: list[DeleteReport | BaseException] = []
-    finished = threading.Event()
-    thread = drain_in_background(
-        layout, actor="http", on_done=lambda r: (done.append(r), finished.set())
-    )
-    assert finished.wait(30)
-    thread.join(5)
-    assert isinstance(done[0], DeleteReport) and done[0].files == 100
-    assert list_trash(layout) == []
-    deleted = store.conn.execute(
-        "SELECT sum(pages) FROM audit WHERE action = 'delete-trash' AND actor = 'http'"
-    ).fetchone()[0]
-    assert deleted == 100
 
 
 def test_progress_reports_totals(layout: Layout, store: Store) -> None:

@@ -466,7 +466,7 @@ class Indexer:
 
 
 def _add_lifetime(conn: sqlite3.Connection, ns: str, reads: int, writes: int, now: float) -> None:
-    """Add a batch's reads/writes to the namespace's lifetime totals (both tables)."""
+    """Add a batch's reads/writes to the namespace's lifetime totals; mark it active."""
     last_read = now if reads else None
     last_write = now if writes else None
     conn.execute(
@@ -479,7 +479,7 @@ def _add_lifetime(conn: sqlite3.Connection, ns: str, reads: int, writes: int, no
         (ns, reads, writes, last_read, last_write),
     )
     conn.execute(
-        "UPDATE namespaces SET page_reads = page_reads + ?, page_writes = page_writes + ?,"
-        " last_active_at = max(last_active_at, ?) WHERE id = ?",
-        (reads, writes, now, ns),
+        # namespaces.page_reads/page_writes (migration 0001) are no longer kept: nothing read them.
+        "UPDATE namespaces SET last_active_at = max(last_active_at, ?) WHERE id = ?",
+        (now, ns),
     )

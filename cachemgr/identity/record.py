@@ -130,11 +130,6 @@ class Identity(BaseModel):
         """The namespace id: the digest's first 16 hex digits (layout.NS_ID_RE)."""
         return self.digest[:16]
 
-    @property
-    def summary(self) -> tuple[str, str, int | None]:
-        """(model, kv dtype, page size): the columns a table of namespaces shows."""
-        return (self.source.served_model_name, self.kv_cache_dtype, self.page_size)
-
 
 def load_record(path: Path) -> Identity:
     """An identity from a manifest (`{"identity": {...}, ...}`) or a bare record file."""

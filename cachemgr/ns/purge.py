@@ -37,7 +37,6 @@ from cachemgr.ns.trash import (  # re-exported: purge and trash are one API for 
     DrainProgress,
     TrashEntry,
     describe_trash,
-    drain_in_background,
     drain_trash,
     list_trash,
 )
@@ -53,7 +52,6 @@ __all__ = [
     "Reason",
     "TrashEntry",
     "describe_trash",
-    "drain_in_background",
     "drain_trash",
     "drop_unbound",
     "execute_purge",

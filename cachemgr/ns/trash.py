@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -165,31 +164,6 @@ def _audit_deleted(
             pages=part.files,
             bytes_=part.bytes,
         )
-
-
-def drain_in_background(
-    layout: Layout,
-    *,
-    actor: Actor = "auto",
-    pacer: Pacer | None = None,
-    on_done: Callable[[DeleteReport | BaseException], None] | None = None,
-) -> threading.Thread:
-    """Start a daemon thread draining .trash/ with its own DB connection; returns the thread."""
-
-    def run() -> None:
-        outcome: DeleteReport | BaseException
-        try:
-            with Store.open(layout.db_path) as store:
-                outcome = drain_trash(layout, store, actor=actor, pacer=pacer)
-        except Exception as e:  # handed to on_done: a thread has nobody else to tell
-            log.error("trash deletion failed", extra={"error": str(e)})
-            outcome = e
-        if on_done is not None:
-            on_done(outcome)
-
-    thread = threading.Thread(target=run, name="cachemgr-drain-trash", daemon=True)
-    thread.start()
-    return thread
 
 
 def _count_names(layout: Layout, entry: str) -> int:
