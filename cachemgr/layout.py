@@ -93,7 +93,7 @@ class Layout:
 
     @property
     def reserve(self) -> Path:
-        """Disk space held for the state DB, released when the filesystem is full (fs/reserve.py)."""
+        """Disk space held for the state DB, released on a full filesystem (fs/reserve.py)."""
         return self.state_dir / RESERVE_FILE
 
     def lock_files(self, boot_id: str) -> tuple[Path, ...]:
