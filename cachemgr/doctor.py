@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from cachemgr.fs import reserve
+from cachemgr.fs.usage import DiskUsage, DiskUsageFn
 from cachemgr.gc.find import own_temps
-from cachemgr.gc.plan import DiskUsageFn
-from cachemgr.gc.policy import DiskUsage, GcPolicy
+from cachemgr.gc.policy import GcPolicy
 from cachemgr.layout import NS_ID_RE, Layout
 from cachemgr.ns.bindings import read_bindings
 from cachemgr.ns.prelaunch import STORAGE_DIR_ENV

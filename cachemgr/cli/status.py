@@ -21,7 +21,8 @@ from cachemgr.cli.context import AppContext, pass_app
 from cachemgr.doctor import disk_state, filesystem_line
 from cachemgr.errors import NotFoundError
 from cachemgr.fs.dirscan import scan_usage
-from cachemgr.gc.policy import DiskUsage, GcPolicy
+from cachemgr.fs.usage import DiskUsage
+from cachemgr.gc.policy import GcPolicy
 from cachemgr.layout import Layout
 from cachemgr.settings import Settings
 from cachemgr.state.status import NamespaceStatus, namespace_statuses

@@ -21,9 +21,9 @@ from cachemgr.errors import StateError, UnsafePathError
 from cachemgr.fs import reserve
 from cachemgr.fs.deletion import DeleteReport, Pacer, delete_dir, delete_files
 from cachemgr.fs.leadership import Leadership
+from cachemgr.fs.usage import DiskUsage, DiskUsageFn
 from cachemgr.gc import find as gcfind
-from cachemgr.gc.plan import DiskUsageFn
-from cachemgr.gc.policy import DiskUsage, GcPolicy, root_budget
+from cachemgr.gc.policy import GcPolicy, root_budget
 from cachemgr.gc.step import GcReport, GcStep, StepResult
 from cachemgr.layout import Layout
 from cachemgr.state.index import namespace_dirs

@@ -12,24 +12,22 @@ from __future__ import annotations
 
 import shutil
 import sqlite3
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs.deletion import too_young
+from cachemgr.fs.usage import DiskUsage, DiskUsageFn
 from cachemgr.gc import find as gcfind
 from cachemgr.gc.find import TempFile, list_namespace, list_temps
 from cachemgr.gc.order import Candidate, eviction_order
-from cachemgr.gc.policy import ByReason, DiskUsage, GcPolicy, GcReason, over_limits, tally
+from cachemgr.gc.policy import ByReason, GcPolicy, GcReason, over_limits, tally
 from cachemgr.gc.step import GcStep
 from cachemgr.layout import Layout
 from cachemgr.ns import registry as nsreg
 from cachemgr.state.index import namespace_dirs
 from cachemgr.state.store import Store
-
-DiskUsageFn = Callable[[Path], tuple[int, int, int]]
 
 
 @dataclass(frozen=True)

@@ -7,19 +7,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
+from cachemgr.fs.usage import DiskUsage
 from cachemgr.settings import Settings
 
 # Why GC deletes a file: the metric label and the audit reason of an eviction (a purge has
 # its own reasons, ns.purge.PurgeReason: why a whole namespace was renamed away).
 GcReason = Literal["trash", "tmp", "ttl", "unbound", "corrupt", "cap", "free_space"]
-
-
-class DiskUsage(NamedTuple):
-    """What shutil.disk_usage returns: bytes of the root's filesystem."""
-
-    total: int
-    used: int
-    free: int
 
 
 @dataclass(frozen=True)

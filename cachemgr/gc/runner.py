@@ -21,13 +21,14 @@ from cachemgr.errors import CachemgrError, StateCorrupt, UnsafePathError
 from cachemgr.fs import reserve
 from cachemgr.fs.deletion import Pacer, Progress
 from cachemgr.fs.leadership import Leadership
+from cachemgr.fs.usage import DiskUsage, DiskUsageFn
 from cachemgr.gc import find as gcfind
 from cachemgr.gc.drop import InUse
 from cachemgr.gc.execute import execute_gc
 from cachemgr.gc.find import TempFile
 from cachemgr.gc.floor import audit_floor, below_floor, free_floor
-from cachemgr.gc.plan import DiskUsageFn, plan_gc
-from cachemgr.gc.policy import DiskUsage, GcPolicy, GcReason, over_limits
+from cachemgr.gc.plan import plan_gc
+from cachemgr.gc.policy import GcPolicy, GcReason, over_limits
 from cachemgr.gc.step import GcReport
 from cachemgr.layout import Layout
 from cachemgr.ns import registry as nsreg

@@ -7,7 +7,6 @@ names under <root>/ns, never the pages table, so it stays cheap with millions of
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import threading
 from collections.abc import Mapping
@@ -178,20 +177,6 @@ class AuditTotals:
                 )
                 self.last_id = max(self.last_id, int(top))
             return dict(self.totals)
-
-
-@dataclass(frozen=True)
-class DiskUsage:
-    """The root's filesystem: bytes free to unprivileged users and its size."""
-
-    avail_bytes: int
-    size_bytes: int
-    avail_inodes: int
-
-
-def disk_usage(path: str | os.PathLike[str]) -> DiskUsage:
-    st = os.statvfs(path)
-    return DiskUsage(st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize, st.f_favail)
 
 
 def as_jsonable(statuses: list[NamespaceStatus]) -> list[dict[str, Any]]:
