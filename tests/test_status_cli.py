@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cachemgr.doctor import lint
+from cachemgr.doctor.launch import lint
 from cachemgr.layout import Layout
 from cachemgr.settings import load_settings
 from cachemgr.sglang.args import resolve_launch_args

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from cachemgr.cli.common import opened_store, refuse_file_root
 from cachemgr.cli.context import AppContext, pass_app
-from cachemgr.doctor import disk_state, filesystem_line
+from cachemgr.doctor.root import disk_state, filesystem_line
 from cachemgr.errors import NotFoundError
 from cachemgr.fs.dirscan import scan_usage
 from cachemgr.fs.usage import DiskUsage
