@@ -138,6 +138,11 @@ def _temp_age(policy: GcPolicy) -> float:
     return max(policy.tmp_ttl, policy.min_age)
 
 
+def namespace_bytes(conn: sqlite3.Connection) -> dict[str, int]:
+    """Page bytes of each namespace with pages, from the index's aggregates (no page scan)."""
+    return dict(conn.execute("SELECT namespace_id, bytes FROM namespace_stats WHERE pages > 0"))
+
+
 def unbound_past_retention(
     conn: sqlite3.Connection, policy: GcPolicy, now: float
 ) -> list[tuple[str, GcReason]]:

@@ -81,9 +81,7 @@ def _plan(
     temps: Sequence[TempFile] | None,
     sweep: bool,
 ) -> GcPlan:
-    usage: dict[str, int] = dict(
-        conn.execute("SELECT namespace_id, bytes FROM namespace_stats WHERE pages > 0")
-    )
+    usage = gcfind.namespace_bytes(conn)
     # A dir that became a symlink (or worse) is skipped with a warning, never a failed run:
     # GC must go on bounding everything else.
     warnings: list[str] = []

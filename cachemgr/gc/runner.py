@@ -60,11 +60,7 @@ def needs_gc(
         dropped = [d for d in dropped if d[0] not in damaged]
     reasons += sorted({r for _, r in dropped})
     gone = {ns for ns, _ in dropped}
-    usage = {
-        ns: b
-        for ns, b in conn.execute("SELECT namespace_id, bytes FROM namespace_stats WHERE pages > 0")
-        if ns not in gone
-    }
+    usage = {ns: b for ns, b in gcfind.namespace_bytes(conn).items() if ns not in gone}
     limits = over_limits(policy, usage, DiskUsage(*disk_usage(layout.root)))
     if limits.namespaces:
         reasons.append("cap")
