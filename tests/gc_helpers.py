@@ -11,9 +11,10 @@ from pathlib import Path
 from cachemgr.daemon.indexer import PageEvents
 from cachemgr.daemon.watcher import Kind
 from cachemgr.fs.root import create_root
-from cachemgr.gc.execute import GcReport, execute_gc
+from cachemgr.gc.execute import execute_gc
 from cachemgr.gc.plan import GcPlan, plan_gc
 from cachemgr.gc.policy import GcPolicy
+from cachemgr.gc.step import GcReport
 from cachemgr.layout import Layout
 from cachemgr.state.store import Store
 

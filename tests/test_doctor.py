@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cachemgr.doctor import exit_code, is_hybrid, launch_env, lint, parse_size
+from cachemgr.doctor.finding import exit_code
+from cachemgr.doctor.launch import is_hybrid, launch_env, lint, parse_size
 from cachemgr.layout import Layout
 from cachemgr.sglang.args import resolve_launch_args
 from tests.nsfixtures import cli

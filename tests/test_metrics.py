@@ -10,11 +10,11 @@ from prometheus_client import CollectorRegistry
 from cachemgr.daemon.indexer import Counters, IndexState
 from cachemgr.daemon.metrics import METRICS, CachemgrCollector
 from cachemgr.fs.leadership import Leadership
+from cachemgr.fs.usage import DiskUsage
 from cachemgr.gc.policy import GcPolicy
 from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
 from cachemgr.state.index import scan_namespace
-from cachemgr.state.status import DiskUsage
 from cachemgr.state.store import Store
 from tests.daemon_helpers import NS_A, page_name, register_namespace, store_page
 
@@ -28,7 +28,12 @@ def registry_for(
 
     reg = CollectorRegistry(auto_describe=False)
     reg.register(
-        CachemgrCollector(layout, reader, index=index, disk=lambda _: DiskUsage(1000, 5000, 7))
+        CachemgrCollector(
+            layout,
+            reader,
+            index=index,
+            disk=lambda _: DiskUsage(total=5000, used=4000, free=1000, free_inodes=7),
+        )
     )
     return reg
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cachemgr.doctor import lint
+from cachemgr.doctor.launch import lint
 from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 from cachemgr.settings import load_settings

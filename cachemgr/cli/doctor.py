@@ -12,7 +12,9 @@ import click
 
 from cachemgr.cli.common import opened_store
 from cachemgr.cli.context import AppContext, pass_app
-from cachemgr.doctor import Finding, exit_code, launch_env, lint, lint_disk, lint_root
+from cachemgr.doctor.finding import Finding, exit_code
+from cachemgr.doctor.launch import launch_env, lint
+from cachemgr.doctor.root import lint_disk, lint_root
 from cachemgr.errors import CachemgrError, StateError
 from cachemgr.fs import reserve
 from cachemgr.gc.policy import GcPolicy

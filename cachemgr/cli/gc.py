@@ -21,10 +21,10 @@ from cachemgr.fs.deletion import Pacer
 from cachemgr.fs.deletion import Progress as ProgressFn
 from cachemgr.fs.leadership import Leadership
 from cachemgr.fs.root import create_root
-from cachemgr.gc.execute import GcReport
 from cachemgr.gc.floor import audit_floor, below_floor, free_floor
 from cachemgr.gc.policy import GcPolicy
 from cachemgr.gc.runner import GcRunner
+from cachemgr.gc.step import GcReport
 from cachemgr.layout import Layout
 from cachemgr.ns.registry import adopt_from_disk
 from cachemgr.state.index import scan_root

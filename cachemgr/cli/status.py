@@ -18,10 +18,11 @@ from rich.table import Table
 
 from cachemgr.cli.common import opened_store, refuse_file_root
 from cachemgr.cli.context import AppContext, pass_app
-from cachemgr.doctor import disk_state, filesystem_line
+from cachemgr.doctor.root import disk_state, filesystem_line
 from cachemgr.errors import NotFoundError
 from cachemgr.fs.dirscan import scan_usage
-from cachemgr.gc.policy import DiskUsage, GcPolicy
+from cachemgr.fs.usage import DiskUsage
+from cachemgr.gc.policy import GcPolicy
 from cachemgr.layout import Layout
 from cachemgr.ns.status import NamespaceStatus, namespace_statuses
 from cachemgr.settings import Settings

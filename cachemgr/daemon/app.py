@@ -46,10 +46,11 @@ from cachemgr.daemon.indexer import IndexState
 from cachemgr.daemon.metrics import Reader
 from cachemgr.daemon.problems import ERRORS, install_error_handlers
 from cachemgr.errors import ConflictError, NotFoundError
+from cachemgr.fs.usage import disk_usage
 from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
 from cachemgr.ns.status import NamespaceStatus, namespace_statuses
-from cachemgr.state.status import bindings_by_namespace, disk_usage
+from cachemgr.state.status import bindings_by_namespace
 
 PURGE_PATHS = ("/purge", "/v1/purge")
 
@@ -141,8 +142,8 @@ def create_app(backend: Backend) -> FastAPI:
                 page_writes=sum(s.page_writes for s in found),
             ),
             index=_index_info(st, backend.lag) if st else None,
-            filesystem_avail_bytes=du.avail_bytes if du else None,
-            filesystem_size_bytes=du.size_bytes if du else None,
+            filesystem_avail_bytes=du.free if du else None,
+            filesystem_size_bytes=du.total if du else None,
         )
 
     @app.get("/v1/namespaces", response_model=list[NamespaceStatus], tags=["status"])

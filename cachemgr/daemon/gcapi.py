@@ -10,15 +10,15 @@ import anyio.to_thread
 from anyio import CapacityLimiter
 from pydantic import BaseModel, Field
 
-from cachemgr.gc.execute import GcReport
-from cachemgr.gc.policy import Reason
+from cachemgr.gc.policy import GcReason
 from cachemgr.gc.runner import GcRunner
+from cachemgr.gc.step import GcReport, StepResult
 
 
 class GcStepOut(BaseModel):
     """One step of a GC run: one reason, one directory."""
 
-    reason: Reason
+    reason: GcReason
     dir: str = Field(description="directory below the root")
     namespace_id: str | None
     planned_files: int
@@ -29,6 +29,23 @@ class GcStepOut(BaseModel):
     young: int = Field(description="kept: modified within the age limit")
     refused: list[str] = Field(description="kept: not an SGLang page or temp regular file")
     skipped: str | None = None
+
+    @classmethod
+    def of(cls, s: StepResult) -> GcStepOut:
+        """The JSON shape of one step's result."""
+        return cls(
+            reason=s.reason,
+            dir=s.rel_dir,
+            namespace_id=s.namespace_id,
+            planned_files=s.planned_files,
+            planned_bytes=s.planned_bytes,
+            files=s.files,
+            bytes=s.bytes,
+            vanished=s.vanished,
+            young=s.young,
+            refused=list(s.refused),
+            skipped=s.skipped,
+        )
 
 
 class GcTotal(BaseModel):
@@ -46,7 +63,7 @@ class GcResponse(BaseModel):
     seconds: float
     files: int
     bytes: int
-    by_reason: dict[Reason, GcTotal]
+    by_reason: dict[GcReason, GcTotal]
     steps: list[GcStepOut]
     warnings: list[str]
 
@@ -62,22 +79,7 @@ class GcResponse(BaseModel):
             files=report.files,
             bytes=report.bytes,
             by_reason={r: GcTotal(files=f, bytes=b) for r, (f, b) in report.totals().items()},
-            steps=[
-                GcStepOut(
-                    reason=s.reason,
-                    dir=s.rel_dir,
-                    namespace_id=s.namespace_id,
-                    planned_files=s.planned_files,
-                    planned_bytes=s.planned_bytes,
-                    files=s.files,
-                    bytes=s.bytes,
-                    vanished=s.vanished,
-                    young=s.young,
-                    refused=list(s.refused),
-                    skipped=s.skipped,
-                )
-                for s in report.steps
-            ],
+            steps=[GcStepOut.of(s) for s in report.steps],
             warnings=list(report.warnings),
         )
 

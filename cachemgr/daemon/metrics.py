@@ -20,11 +20,12 @@ from prometheus_client.registry import Collector
 from cachemgr import __version__
 from cachemgr.daemon.indexer import IndexState
 from cachemgr.errors import StateCorrupt
+from cachemgr.fs.usage import DiskUsage, disk_usage
 from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
 from cachemgr.ns.status import namespace_statuses
 from cachemgr.sglang.probe import ProbeState
-from cachemgr.state.status import AuditTotals, DiskUsage, disk_usage
+from cachemgr.state.status import AuditTotals
 
 Reader = Callable[[], AbstractContextManager[sqlite3.Connection]]
 NS = ["namespace"]
@@ -213,9 +214,9 @@ class CachemgrCollector(Collector):
         except OSError:
             return
         for name, value in (
-            ("cachemgr_filesystem_avail_bytes", du.avail_bytes),
-            ("cachemgr_filesystem_size_bytes", du.size_bytes),
-            ("cachemgr_filesystem_avail_inodes", du.avail_inodes),
+            ("cachemgr_filesystem_avail_bytes", du.free),
+            ("cachemgr_filesystem_size_bytes", du.total),
+            ("cachemgr_filesystem_avail_inodes", du.free_inodes),
         ):
             yield GaugeMetricFamily(name, METRICS[name], value=value)
 

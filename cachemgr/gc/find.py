@@ -1,5 +1,5 @@
 """What GC may delete besides LRU pages: trash leftovers, stale temps, unbound namespaces, torn
-pages. Each finder is read-only and returns raw names and sizes for the planner."""
+pages. Each finder is read-only and returns the steps that would delete what it found."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from cachemgr.backends import FileKind
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs.dirscan import TEMPS, list_files, usual_size
 from cachemgr.fs.safe import is_own_temp, open_dir
-from cachemgr.gc.policy import GcPolicy, Reason
+from cachemgr.gc.policy import GcPolicy, GcReason
+from cachemgr.gc.step import GcStep
 from cachemgr.layout import Layout
 from cachemgr.ns.trash import list_trash
 
@@ -54,17 +55,6 @@ def list_temps(layout: Layout, ns_id: str, warnings: list[str]) -> list[TempFile
     return [TempFile(ns_id, f.name, f.size, f.mtime) for f in temps]
 
 
-@dataclass(frozen=True)
-class Found:
-    """Files of one directory that one rule says can go."""
-
-    reason: Reason
-    rel_dir: str
-    namespace_id: str | None
-    names: tuple[str, ...]
-    bytes: int
-
-
 OWN_TEMP_DIRS = (".", "ns")  # where write_atomic_at writes below the root (CACHEDIR.TAG, manifests)
 
 
@@ -96,9 +86,9 @@ def own_temps(layout: Layout) -> list[OwnTemp]:
     return found
 
 
-def trash_leftovers(layout: Layout, warnings: list[str]) -> list[Found]:
+def trash_leftovers(layout: Layout, warnings: list[str]) -> list[GcStep]:
     """Page and temp files of every purged namespace in .trash/ (purges not finished yet)."""
-    found: list[Found] = []
+    found: list[GcStep] = []
     try:
         entries = list_trash(layout)  # the entries trash.drain_entry deletes; others stay
     except UnsafePathError as e:
@@ -112,37 +102,50 @@ def trash_leftovers(layout: Layout, warnings: list[str]) -> list[Found]:
             continue
         names = tuple(sorted(f.name for f in files))
         size = sum(f.size for f in files)
-        found.append(Found("trash", f".trash/{entry}", entry.partition(".")[0], names, size))
+        ns_id = entry.partition(".")[0]
+        found.append(GcStep("trash", f".trash/{entry}", ns_id, names, size, remove_dir=True))
     return found
 
 
-def stale_temps(temps: list[TempFile], policy: GcPolicy, now: float) -> list[Found]:
+def stale_temps(temps: list[TempFile], policy: GcPolicy, now: float) -> list[GcStep]:
     """Temp files older than tmp_ttl, grouped by namespace (a crashed writer's leftovers)."""
     by_ns: dict[str, list[TempFile]] = defaultdict(list)
     for t in temps:
         if now - t.mtime >= policy.tmp_ttl:
             by_ns[t.namespace_id].append(t)
     return [
-        Found("tmp", f"ns/{ns}", ns, tuple(t.name for t in ts), sum(t.size for t in ts))
+        GcStep("tmp", f"ns/{ns}", ns, tuple(t.name for t in ts), sum(t.size for t in ts),
+               _temp_age(policy))
         for ns, ts in sorted(by_ns.items())
-    ]
+    ]  # fmt: skip
 
 
-def stale_own_temps(layout: Layout, policy: GcPolicy, now: float) -> list[Found]:
+def stale_own_temps(layout: Layout, policy: GcPolicy, now: float) -> list[GcStep]:
     """cachemgr's own temps older than tmp_ttl, per dir; `namespace_id` None marks them."""
     by_dir: dict[str, list[OwnTemp]] = defaultdict(list)
     for t in own_temps(layout):
         if now - t.mtime >= policy.tmp_ttl:
             by_dir[t.rel_dir].append(t)
     return [
-        Found("tmp", rel, None, tuple(sorted(t.name for t in ts)), sum(t.size for t in ts))
+        GcStep("tmp", rel, None, tuple(sorted(t.name for t in ts)), sum(t.size for t in ts),
+               _temp_age(policy))
         for rel, ts in sorted(by_dir.items())
-    ]
+    ]  # fmt: skip
+
+
+def _temp_age(policy: GcPolicy) -> float:
+    """The age a temp must still have when deleted: a writer may have touched it since."""
+    return max(policy.tmp_ttl, policy.min_age)
+
+
+def namespace_bytes(conn: sqlite3.Connection) -> dict[str, int]:
+    """Page bytes of each namespace with pages, from the index's aggregates (no page scan)."""
+    return dict(conn.execute("SELECT namespace_id, bytes FROM namespace_stats WHERE pages > 0"))
 
 
 def unbound_past_retention(
     conn: sqlite3.Connection, policy: GcPolicy, now: float
-) -> list[tuple[str, Reason]]:
+) -> list[tuple[str, GcReason]]:
     """Namespaces no instance is bound to, beyond keep_unbound or idle past unbound_ttl.
 
     Oldest first. Idle time counts from the last activity the registry or the index saw, and
@@ -155,7 +158,7 @@ def unbound_past_retention(
         " AND NOT EXISTS (SELECT 1 FROM bindings b WHERE b.namespace_id = n.id)"
         " ORDER BY 2 DESC, n.id"
     ).fetchall()
-    doomed: list[tuple[str, Reason]] = []
+    doomed: list[tuple[str, GcReason]] = []
     for rank, (ns_id, active) in enumerate(rows):
         idle = now - active
         if idle < policy.min_age:
@@ -168,8 +171,8 @@ def unbound_past_retention(
 
 
 def torn_pages(
-    conn: sqlite3.Connection, skip: set[str], before: float
-) -> tuple[list[Found], list[str]]:
+    conn: sqlite3.Connection, skip: set[str], policy: GcPolicy, now: float
+) -> tuple[list[GcStep], list[str]]:
     """Pages with a file whose size differs from the size most files of its kind have.
 
     A truncated or foreign-dtype page poisons its prefix for good: SGLang's get() fails on it
@@ -180,8 +183,9 @@ def torn_pages(
     mixed = conn.execute(
         "SELECT namespace_id FROM pages GROUP BY namespace_id HAVING COUNT(DISTINCT size) > 1"
     ).fetchall()
-    found: list[Found] = []
+    found: list[GcStep] = []
     warnings: list[str] = []
+    before = now - policy.min_age
     for (ns_id,) in mixed:
         if ns_id in skip:
             continue
@@ -208,7 +212,6 @@ def torn_pages(
         )  # fmt: skip
         if doomed:
             names = tuple(n for n, _, _ in doomed)
-            found.append(
-                Found("corrupt", f"ns/{ns_id}", ns_id, names, sum(s for _, s, _ in doomed))
-            )
+            size = sum(s for _, s, _ in doomed)
+            found.append(GcStep("corrupt", f"ns/{ns_id}", ns_id, names, size, policy.min_age))
     return found, warnings

@@ -21,10 +21,10 @@ from cachemgr.errors import StateError, UnsafePathError
 from cachemgr.fs import reserve
 from cachemgr.fs.deletion import DeleteReport, Pacer, delete_dir, delete_files
 from cachemgr.fs.leadership import Leadership
+from cachemgr.fs.usage import DiskUsage, DiskUsageFn
 from cachemgr.gc import find as gcfind
-from cachemgr.gc.execute import GcReport, StepResult
-from cachemgr.gc.plan import DiskUsageFn, GcStep
-from cachemgr.gc.policy import DiskUsage, GcPolicy, root_budget
+from cachemgr.gc.policy import GcPolicy, root_budget
+from cachemgr.gc.step import GcReport, GcStep, StepResult
 from cachemgr.layout import Layout
 from cachemgr.state.index import namespace_dirs
 from cachemgr.state.store import Store
@@ -44,8 +44,7 @@ def plan_floor(
 ) -> tuple[list[GcStep], list[str]]:
     """Steps that bring free space back over the floor, from a listing of the disk alone."""
     warnings: list[str] = []
-    trash = gcfind.trash_leftovers(layout, warnings)
-    steps = [GcStep("trash", f.rel_dir, f.namespace_id, f.names, f.bytes, 0.0, True) for f in trash]
+    steps = gcfind.trash_leftovers(layout, warnings)
     pages: list[tuple[float, str, str, int]] = []  # (mtime, ns, name, size)
     for ns in namespace_dirs(layout):
         try:
@@ -100,8 +99,7 @@ def free_floor(
                 )  # fmt: skip
         except (UnsafePathError, FileNotFoundError) as e:
             r = DeleteReport(refused=(f"{step.rel_dir}: {e}",))
-        planned = (step.reason, step.rel_dir, step.namespace_id, len(step.names), step.bytes)
-        results.append(StepResult(*planned, r.files, r.bytes, r.vanished, r.young, r.refused))
+        results.append(StepResult(step).done(r))
     report = GcReport(False, True, started, clock(), tuple(results), tuple(warnings))
     log.warning(
         "free space was below the floor; deleted from a scan of the disk",

@@ -12,36 +12,22 @@ from __future__ import annotations
 
 import shutil
 import sqlite3
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs.deletecheck import too_young
+from cachemgr.fs.usage import DiskUsage, DiskUsageFn
 from cachemgr.gc import find as gcfind
 from cachemgr.gc.find import TempFile, list_namespace, list_temps
 from cachemgr.gc.order import Candidate, eviction_order
-from cachemgr.gc.policy import ByReason, DiskUsage, GcPolicy, Reason, root_budget, tally
+from cachemgr.gc.policy import ByReason, GcPolicy, GcReason, over_limits, tally
+from cachemgr.gc.step import GcStep
 from cachemgr.layout import Layout
 from cachemgr.ns import registry as nsreg
 from cachemgr.state.index import namespace_dirs
 from cachemgr.state.store import Store
-
-DiskUsageFn = Callable[[Path], tuple[int, int, int]]
-
-
-@dataclass(frozen=True)
-class GcStep:
-    """Files of one directory to delete for one reason, in the order to delete them."""
-
-    reason: Reason
-    rel_dir: str  # below the root: ns/<id> or .trash/<entry>
-    namespace_id: str | None
-    names: tuple[str, ...]
-    bytes: int  # as the index or the scan saw them
-    min_age: float  # execution re-checks mtime against this
-    remove_dir: bool = False  # the whole directory goes (trash, unbound namespace)
 
 
 @dataclass(frozen=True)
@@ -52,10 +38,10 @@ class GcPlan(ByReason):
     steps: tuple[GcStep, ...]
     used_bytes: int  # page bytes of all namespaces in the index
     budget_bytes: int | None  # the root's limit; None when nothing limits it
-    budget_reason: Reason
+    budget_reason: GcReason
     warnings: tuple[str, ...] = ()
 
-    def totals(self) -> dict[Reason, tuple[int, int]]:
+    def totals(self) -> dict[GcReason, tuple[int, int]]:
         """(files, bytes) per reason, in plan order."""
         return tally((s.reason, len(s.names), s.bytes) for s in self.steps)
 
@@ -95,14 +81,12 @@ def _plan(
     temps: Sequence[TempFile] | None,
     sweep: bool,
 ) -> GcPlan:
-    usage: dict[str, int] = dict(
-        conn.execute("SELECT namespace_id, bytes FROM namespace_stats WHERE pages > 0")
-    )
+    usage = gcfind.namespace_bytes(conn)
     # A dir that became a symlink (or worse) is skipped with a warning, never a failed run:
     # GC must go on bounding everything else.
     warnings: list[str] = []
     trash = gcfind.trash_leftovers(layout, warnings)
-    steps: list[GcStep] = [_step(f, 0.0, remove_dir=True) for f in trash]
+    steps: list[GcStep] = list(trash)
     # Damaged namespaces (a bad manifest, a symlink in place of the dir) are left alone
     # whole: not dropped as unbound, no page of theirs evicted.
     damaged = nsreg.damaged(layout)
@@ -127,43 +111,39 @@ def _plan(
             continue
         names = tuple(sorted([*pages, *(t.name for t in ns_temps)]))
         size = sum(s for s, _ in pages.values()) + sum(t.size for t in ns_temps)
-        found = gcfind.Found(reason, f"ns/{ns_id}", ns_id, names, size)
-        drops.append(_step(found, policy.min_age, remove_dir=True))
+        drops.append(GcStep(reason, f"ns/{ns_id}", ns_id, names, size, policy.min_age, True))
     if sweep and temps is None:
         temps = [t for ns in namespace_dirs(layout) for t in list_temps(layout, ns, warnings)]
     stale = gcfind.stale_temps([t for t in temps or () if t.namespace_id not in gone], policy, now)
     if sweep:
         stale += gcfind.stale_own_temps(layout, policy, now)
-    steps += [_step(f, max(policy.tmp_ttl, policy.min_age)) for f in stale]
+    steps += stale
     steps += drops
     unlisted = sum(s.bytes for s in steps if s.reason in ("trash", "tmp"))
     before = now - policy.min_age
     if sweep:
-        torn, mixed = gcfind.torn_pages(conn, gone, before)
-        steps += [_step(f, policy.min_age) for f in torn]
+        torn, mixed = gcfind.torn_pages(conn, gone, policy, now)
+        steps += torn
         warnings += mixed
     taken = {(s.namespace_id, n) for s in steps if s.reason == "corrupt" for n in s.names}
     live = {ns: b for ns, b in usage.items() if ns not in gone}
     for s in steps:
         if s.reason == "corrupt" and s.namespace_id is not None:
             live[s.namespace_id] -= s.bytes
-    if policy.namespace_max_bytes is not None:
-        cap = policy.namespace_max_bytes
-        for ns_id, used in sorted(live.items()):
-            if used > cap * policy.high_watermark:
-                need = used - int(cap * policy.low_watermark)
-                victims = _pick(conn, [ns_id], need, before, taken, policy)
-                live[ns_id] -= sum(c.size for c in victims)
-                steps += _evictions("cap", victims, policy.min_age)
     used_all = sum(usage.values())
+    counted = used_all + unlisted
     disk = DiskUsage(*disk_usage(layout.root))
-    budget = root_budget(policy, used_all + unlisted, disk)
-    left = sum(live.values())
-    if budget.over(left, policy.high_watermark):
-        need = budget.excess(left, policy.low_watermark)
-        victims = _pick(conn, list(live), need, before, taken, policy)
+    limits = over_limits(policy, live, disk, counted=counted)
+    for ns_id, need in limits.namespaces.items():
+        victims = _pick(conn, [ns_id], need, before, taken, policy)
+        live[ns_id] -= sum(c.size for c in victims)
+        steps += _evictions("cap", victims, policy.min_age)
+    # What the caps evict counts toward the root's budget: ask again with what is left.
+    budget, excess = limits.budget, over_limits(policy, live, disk, counted=counted).root
+    if excess is not None:
+        victims = _pick(conn, list(live), excess, before, taken, policy)
         steps += _evictions(budget.reason, victims, policy.min_age)
-        short = need - sum(c.size for c in victims)
+        short = excess - sum(c.size for c in victims)
         if short > 0:
             warnings.append(
                 f"{budget.reason}: {short} bytes still over the low watermark; "
@@ -171,10 +151,6 @@ def _plan(
             )
     limit = None if budget.limit == float("inf") else int(budget.limit)
     return GcPlan(now, tuple(steps), used_all, limit, budget.reason, tuple(warnings))
-
-
-def _step(f: gcfind.Found, min_age: float, *, remove_dir: bool = False) -> GcStep:
-    return GcStep(f.reason, f.rel_dir, f.namespace_id, f.names, f.bytes, min_age, remove_dir)
 
 
 def _pick(
@@ -205,7 +181,7 @@ def _pick(
     return out
 
 
-def _evictions(reason: Reason, victims: list[Candidate], min_age: float) -> list[GcStep]:
+def _evictions(reason: GcReason, victims: list[Candidate], min_age: float) -> list[GcStep]:
     """One step per namespace, names in eviction order, namespaces in order of first victim."""
     by_ns: dict[str, list[Candidate]] = {}
     for c in victims:

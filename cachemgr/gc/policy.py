@@ -3,23 +3,16 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
+from cachemgr.fs.usage import DiskUsage
 from cachemgr.settings import Settings
 
-# Why a file was deleted; the metric label and the audit reason.
-Reason = Literal["trash", "tmp", "ttl", "unbound", "corrupt", "cap", "free_space"]
-REASONS: tuple[Reason, ...] = ("trash", "tmp", "ttl", "unbound", "corrupt", "cap", "free_space")
-
-
-class DiskUsage(NamedTuple):
-    """What shutil.disk_usage returns: bytes of the root's filesystem."""
-
-    total: int
-    used: int
-    free: int
+# Why GC deletes a file: the metric label and the audit reason of an eviction (a purge has
+# its own reasons, ns.purge.PurgeReason: why a whole namespace was renamed away).
+GcReason = Literal["trash", "tmp", "ttl", "unbound", "corrupt", "cap", "free_space"]
 
 
 @dataclass(frozen=True)
@@ -75,7 +68,7 @@ class Budget(NamedTuple):
     """How many bytes the root's pages may use, and which limit sets it."""
 
     limit: float  # math.inf when nothing limits the root
-    reason: Reason
+    reason: GcReason
 
     def over(self, used: int, high: float) -> bool:
         return used > self.limit * high
@@ -98,10 +91,38 @@ def root_budget(policy: GcPolicy, used: int, disk: DiskUsage) -> Budget:
     return Budget(cap, "cap")
 
 
+class Limits(NamedTuple):
+    """What is over which limit, and by how much: the bytes to evict to get back down to the
+    low watermark, for each limit over its high watermark."""
+
+    namespaces: dict[str, int]  # namespace -> excess over its cap; only those over it
+    budget: Budget  # the root's
+    root: int | None  # excess over the root's budget; None: under its high watermark
+
+
+def over_limits(
+    policy: GcPolicy, live: Mapping[str, int], disk: DiskUsage, *, counted: int | None = None
+) -> Limits:
+    """The limits `live` (page bytes per namespace GC may evict from) is over.
+
+    The root budget counts `counted` bytes as used (by default all of `live`): the plan also
+    counts what it deletes otherwise (dropped namespaces, trash, temps), which is free space
+    to come. Pure arithmetic on aggregates: the cheap check and the plan both use it.
+    """
+    cap, high, low = policy.namespace_max_bytes, policy.high_watermark, policy.low_watermark
+    over_cap: dict[str, int] = {}
+    if cap is not None:
+        over_cap = {ns: b - int(cap * low) for ns, b in sorted(live.items()) if b > cap * high}
+    left = sum(live.values())
+    budget = root_budget(policy, left if counted is None else counted, disk)
+    root = budget.excess(left, low) if budget.over(left, high) else None
+    return Limits(over_cap, budget, root)
+
+
 class ByReason:
     """Totals of a GC plan or report, from its `totals()`: (files, bytes) per reason."""
 
-    def totals(self) -> dict[Reason, tuple[int, int]]:
+    def totals(self) -> dict[GcReason, tuple[int, int]]:
         raise NotImplementedError
 
     @property
@@ -113,9 +134,9 @@ class ByReason:
         return sum(b for _, b in self.totals().values())
 
 
-def tally(rows: Iterable[tuple[Reason, int, int]]) -> dict[Reason, tuple[int, int]]:
+def tally(rows: Iterable[tuple[GcReason, int, int]]) -> dict[GcReason, tuple[int, int]]:
     """(files, bytes) per reason, in first-seen order, from (reason, files, bytes) rows."""
-    out: dict[Reason, tuple[int, int]] = {}
+    out: dict[GcReason, tuple[int, int]] = {}
     for reason, files, size in rows:
         f, b = out.get(reason, (0, 0))
         out[reason] = (f + files, b + size)

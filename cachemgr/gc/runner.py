@@ -21,12 +21,15 @@ from cachemgr.errors import CachemgrError, StateCorrupt, UnsafePathError
 from cachemgr.fs import reserve
 from cachemgr.fs.deletion import Pacer, Progress
 from cachemgr.fs.leadership import Leadership
+from cachemgr.fs.usage import DiskUsage, DiskUsageFn
 from cachemgr.gc import find as gcfind
-from cachemgr.gc.execute import GcReport, InUse, execute_gc
+from cachemgr.gc.drop import InUse
+from cachemgr.gc.execute import execute_gc
 from cachemgr.gc.find import TempFile
 from cachemgr.gc.floor import audit_floor, below_floor, free_floor
-from cachemgr.gc.plan import DiskUsageFn, plan_gc
-from cachemgr.gc.policy import DiskUsage, GcPolicy, Reason, root_budget
+from cachemgr.gc.plan import plan_gc
+from cachemgr.gc.policy import GcPolicy, GcReason, over_limits
+from cachemgr.gc.step import GcReport
 from cachemgr.layout import Layout
 from cachemgr.ns import registry as nsreg
 from cachemgr.ns.trash import list_trash
@@ -44,9 +47,9 @@ def needs_gc(
     *,
     now: float,
     disk_usage: DiskUsageFn = shutil.disk_usage,
-) -> tuple[Reason, ...]:
+) -> tuple[GcReason, ...]:
     """Why GC should run now (empty: it need not), from aggregates and statvfs only."""
-    reasons: list[Reason] = []
+    reasons: list[GcReason] = []
     with contextlib.suppress(UnsafePathError):  # a symlinked .trash/ is GC's to report
         if list_trash(layout):
             reasons.append("trash")
@@ -57,17 +60,12 @@ def needs_gc(
         dropped = [d for d in dropped if d[0] not in damaged]
     reasons += sorted({r for _, r in dropped})
     gone = {ns for ns, _ in dropped}
-    usage = {
-        ns: b
-        for ns, b in conn.execute("SELECT namespace_id, bytes FROM namespace_stats WHERE pages > 0")
-        if ns not in gone
-    }
-    cap = policy.namespace_max_bytes
-    if cap is not None and any(b > cap * policy.high_watermark for b in usage.values()):
+    usage = {ns: b for ns, b in gcfind.namespace_bytes(conn).items() if ns not in gone}
+    limits = over_limits(policy, usage, DiskUsage(*disk_usage(layout.root)))
+    if limits.namespaces:
         reasons.append("cap")
-    budget = root_budget(policy, sum(usage.values()), DiskUsage(*disk_usage(layout.root)))
-    if budget.over(sum(usage.values()), policy.high_watermark) and budget.reason not in reasons:
-        reasons.append(budget.reason)
+    if limits.root is not None and limits.budget.reason not in reasons:
+        reasons.append(limits.budget.reason)
     return tuple(reasons)
 
 
@@ -123,7 +121,7 @@ class GcRunner:
             with self.store.guard():
                 yield
 
-    def needs_gc(self) -> tuple[Reason, ...]:
+    def needs_gc(self) -> tuple[GcReason, ...]:
         """The cheap check (see the module docstring)."""
         with self._serialized():
             return needs_gc(

@@ -46,10 +46,10 @@ __all__ = [
     "Actor",
     "DrainProgress",
     "PurgePlan",
+    "PurgeReason",
     "PurgeResult",
     "PurgeTarget",
     "Purged",
-    "Reason",
     "TrashEntry",
     "describe_trash",
     "drain_trash",
@@ -61,7 +61,7 @@ __all__ = [
     "rename_to_trash",
 ]  # fmt: skip
 
-Reason = Literal["identity_change", "manual", "unbound", "mismatch"]
+PurgeReason = Literal["identity_change", "manual", "unbound", "mismatch"]
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class Purged:
 class PurgeResult:
     purged: tuple[Purged, ...]
     actor: Actor
-    reason: Reason
+    reason: PurgeReason
     at: float
 
 
@@ -90,7 +90,7 @@ def execute_purge(
     store: Store,
     *,
     actor: Actor,
-    reason: Reason,
+    reason: PurgeReason,
     now: Callable[[], float] = time.time,
 ) -> PurgeResult:
     """Rename each target into .trash/ (recreating bound ones empty), audit; no file deleted."""
@@ -204,7 +204,7 @@ def purge(
     store: Store,
     *,
     actor: Actor,
-    reason: Reason,
+    reason: PurgeReason,
     namespace: str | None = None,
     instance: str | None = None,
     all: bool = False,

@@ -5,7 +5,6 @@ also reads manifests, is cachemgr.ns.status.
 
 from __future__ import annotations
 
-import os
 import sqlite3
 import threading
 from dataclasses import dataclass, field
@@ -52,17 +51,3 @@ class AuditTotals:
                 )
                 self.last_id = max(self.last_id, int(top))
             return dict(self.totals)
-
-
-@dataclass(frozen=True)
-class DiskUsage:
-    """The root's filesystem: bytes free to unprivileged users and its size."""
-
-    avail_bytes: int
-    size_bytes: int
-    avail_inodes: int
-
-
-def disk_usage(path: str | os.PathLike[str]) -> DiskUsage:
-    st = os.statvfs(path)
-    return DiskUsage(st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize, st.f_favail)

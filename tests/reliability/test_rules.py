@@ -16,10 +16,11 @@ from pathlib import Path
 import httpx
 
 from cachemgr.fs.root import create_root
-from cachemgr.gc.execute import CHUNK, GcReport, execute_gc
+from cachemgr.gc.execute import CHUNK, execute_gc
 from cachemgr.gc.plan import plan_gc
 from cachemgr.gc.policy import GcPolicy
 from cachemgr.gc.runner import GcRunner
+from cachemgr.gc.step import GcReport
 from cachemgr.layout import Layout
 from cachemgr.ns.registry import ensure_namespace
 from cachemgr.settings import load_settings

@@ -1,0 +1,25 @@
+"""What a doctor check reports, and the exit code a list of them makes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+Severity = Literal["error", "warning", "info"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem: how bad, a stable code, what is wrong, how to fix it."""
+
+    severity: Severity
+    code: str
+    message: str
+    fix: str
+
+
+def exit_code(findings: Sequence[Finding]) -> int:
+    """0 clean, 1 warnings, 2 errors."""
+    severities = {f.severity for f in findings}
+    return 2 if "error" in severities else 1 if "warning" in severities else 0

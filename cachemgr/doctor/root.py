@@ -1,0 +1,96 @@
+"""Lint a cache root: damaged namespaces, trash and temps left behind, a full filesystem."""
+
+from __future__ import annotations
+
+import shutil
+from typing import Literal
+
+from cachemgr.doctor.finding import Finding
+from cachemgr.fs import reserve
+from cachemgr.fs.usage import DiskUsage, DiskUsageFn
+from cachemgr.gc.find import own_temps
+from cachemgr.gc.policy import GcPolicy
+from cachemgr.layout import Layout
+from cachemgr.ns.bindings import read_bindings
+from cachemgr.ns.purge import describe_trash
+from cachemgr.ns.registry import list_namespaces
+from cachemgr.state.store import Store
+from cachemgr.units import human_bytes
+
+
+def lint_root(layout: Layout, store: Store) -> list[Finding]:
+    """Damage under the root: namespaces in a bad state, trash an earlier run left, binding
+    files that cannot be read."""
+    found = []
+    hands_off = "inspect it by hand; cachemgr will not touch it"
+    for ns in list_namespaces(layout, store):
+        if ns.state in ("unsafe", "bad-manifest"):
+            found.append(
+                Finding("error", f"ns-{ns.state}", f"ns {ns.ns_id}: {ns.problem}", hands_off)
+            )
+        elif ns.state == "no-manifest":
+            what = f"{layout.ns_dir(ns.ns_id)} has no manifest: nobody knows who wrote its pages"
+            fix = f"cachemgr purge --namespace {ns.ns_id}"
+            found.append(Finding("warning", "ns-no-manifest", what, fix))
+    for entry in describe_trash(layout):
+        if entry.problem:
+            what = f".trash/{entry.name}: {entry.problem}"
+            found.append(Finding("error", "trash-unsafe", what, hands_off))
+        else:
+            what = f".trash/{entry.name} still holds {entry.pages:,} pages of an unfinished purge"
+            fix = "cachemgr purge --unbound --yes (or let the daemon finish it)"
+            found.append(Finding("warning", "trash-left", what, fix))
+    for problem in read_bindings(layout)[1]:  # those the DB knows were rewritten on open
+        fix = "run init for that instance again (it rewrites the file), or move it away"
+        found.append(Finding("warning", "binding-unreadable", problem, fix))
+    return found + _own_temps(layout) + _corrupt_db_copies(layout)
+
+
+def _own_temps(layout: Layout) -> list[Finding]:
+    """Temp files of cachemgr's own atomic writes that a kill -9 left (GC removes them)."""
+    what = "{} is a temp file a killed cachemgr write left ({} bytes)"
+    fix = "`cachemgr gc` removes it once older than gc_tmp_ttl, or remove it by hand"
+    paths = [(layout.root / t.rel_dir / t.name, t.size) for t in own_temps(layout)]
+    return [Finding("warning", "own-temp-left", what.format(*p), fix) for p in paths]
+
+
+DiskState = Literal["ok", "low", "full"]
+
+
+def disk_state(disk: DiskUsage, policy: GcPolicy) -> tuple[DiskState, int]:
+    """Full: less free than GC's floor (or than the state DB needs to open); low: under 1.5
+    times that. With the limit in bytes."""
+    limit = max(policy.floor(disk), reserve.reserve_size(disk.total))
+    state: DiskState = "full" if disk.free < limit else "low" if disk.free < limit * 1.5 else "ok"
+    return state, limit
+
+
+def lint_disk(
+    layout: Layout, policy: GcPolicy, usage: DiskUsageFn = shutil.disk_usage
+) -> list[Finding]:
+    """A full root filesystem is an error, a nearly full one a warning (see disk_state)."""
+    disk = DiskUsage(*usage(layout.root))
+    state, limit = disk_state(disk, policy)
+    what = f"{filesystem_line(disk)}; GC keeps {human_bytes(limit)} free"
+    fix = "cachemgr gc --yes frees it down to the floor (the daemon does by itself); or add space"
+    if state == "full":
+        return [Finding("error", "disk-full", f"the root's filesystem is full: {what}", fix)]
+    if state == "low":
+        return [Finding("warning", "disk-low", f"the root's filesystem is low: {what}", fix)]
+    return []
+
+
+def filesystem_line(disk: DiskUsage) -> str:
+    """`3.6 MB free of 57.4 MB (6.3%)`: how full a filesystem is, for people."""
+    pct = 100 * disk.free / disk.total if disk.total else 0.0
+    return f"{human_bytes(disk.free)} free of {human_bytes(disk.total)} ({pct:.1f}%)"
+
+
+def _corrupt_db_copies(layout: Layout) -> list[Finding]:
+    """State DBs found corrupt and moved aside (store.py) take disk space until someone looks."""
+    db = layout.db_path
+    aside = db.parent.glob(f"{db.name}.corrupt-*")  # and their -wal/-shm, not listed twice
+    copies = sorted(p for p in aside if p.name.rpartition("-")[2].isdigit())
+    what = "{} is a state DB found corrupt and moved aside; the index was rebuilt from disk"
+    fix = "keep it for a bug report, or remove {} (and its -wal/-shm)"
+    return [Finding("warning", "state-db-corrupt", what.format(p), fix.format(p)) for p in copies]

@@ -1,0 +1,101 @@
+"""Dropping an unbound namespace during GC: under the root lock, after re-checking that no
+server bound it since the plan and no running process uses it."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+from cachemgr.fs.deletecheck import too_young
+from cachemgr.fs.deletion import Pacer, Progress
+from cachemgr.fs.dirscan import list_files
+from cachemgr.fs.locks import root_lock
+from cachemgr.fs.safe import open_dir
+from cachemgr.gc.step import GcStep, StepResult
+from cachemgr.layout import Layout
+from cachemgr.ns.bindings import bound_by_files
+from cachemgr.ns.purge import drop_unbound, rename_to_trash
+from cachemgr.ns.trash import drain_entry
+from cachemgr.state.store import Store
+
+log = logging.getLogger("cachemgr.gc.plan")
+InUse = Callable[[Path], list[int]]  # the pids using a dir as their storage dir (liveuse.py)
+
+
+def drop_namespace(
+    step: GcStep,
+    base: StepResult,
+    store: Store,
+    layout: Layout,
+    actor: str,
+    pacer: Pacer | None,
+    progress: Progress | None,
+    clock: Callable[[], float],
+    in_use: InUse,
+) -> StepResult:
+    """Drop an unbound namespace as a purge does: under the root lock, re-check that no server
+    uses it, rename its dir into .trash/ (constant time), and only then delete from there.
+
+    Deleting inside ns/<id> would race an init that binds it meanwhile (its server would
+    find its pages gone and its dir removed); init takes the same lock, so the two serialize.
+    Min-age is checked on the renamed dir, where no writer can add a file any more: one file
+    younger than min_age and the dir goes back, the drop deferred whole (the namespace is
+    left exactly as it was, to be dropped by a later run once its files are old enough).
+    """
+    ns_id = step.namespace_id
+    assert ns_id is not None
+    with root_lock(layout):
+        if why := kept(store, layout, ns_id, in_use):
+            return replace(base, skipped=why)
+        entry = rename_to_trash(layout, ns_id, recreate=False)
+        held = list(list_files(layout, f".trash/{entry}")) if entry else []
+        now = clock()
+        young = sum(too_young(f.mtime, step.min_age, now) for f in held)
+        if entry is not None and young:
+            why = _put_back(layout, entry, ns_id)
+            return replace(base, young=young, skipped=f"{young} files younger than min_age "
+                           f"({step.min_age:g}s): drop deferred{why}")  # fmt: skip
+        with store.transaction() as conn:
+            drop_unbound(layout, store, ns_id)
+            # Its rows go with it, under the lock: a fresh dir an init makes next has its own.
+            conn.execute("DELETE FROM pages WHERE namespace_id = ?", (ns_id,))
+            if held:  # audited as its rows leave the index, like each chunk of an eviction
+                store.audit(
+                    "evict", namespace_id=ns_id, reason=step.reason, actor=actor,
+                    pages=len(held), bytes_=sum(f.size for f in held), at=now,
+                )  # fmt: skip
+    if entry is None:
+        return base  # no dir: nothing to delete, the registry is in line
+    r = drain_entry(
+        layout, store, entry, actor=actor, pacer=pacer, progress=progress,
+        min_age=step.min_age, audit_as=None,
+    )  # fmt: skip
+    return base.done(r)
+
+
+def _put_back(layout: Layout, entry: str, ns_id: str) -> str:
+    """Rename .trash/<entry> back to ns/<id> (under the root lock); '' or why it stayed."""
+    with open_dir(layout.root, "ns") as ns_fd, open_dir(layout.root, ".trash") as trash_fd:
+        try:
+            os.rename(entry, ns_id, src_dir_fd=trash_fd, dst_dir_fd=ns_fd)
+        except OSError as e:  # ns/<id> recreated meanwhile and not empty
+            log.warning("gc could not put a namespace back", extra={"entry": entry,
+                        "error": e.strerror})  # fmt: skip
+            return f"; left in .trash/{entry}: {e.strerror}"
+    return ""
+
+
+def kept(store: Store, layout: Layout, ns_id: str | None, in_use: InUse) -> str | None:
+    """Why an unbound namespace stays after all: a server bound it since the plan was made (in
+    the DB, or in a binding file the DB has not read back yet), or a running process on this
+    host has it as its storage dir (a server started before its instance moved elsewhere)."""
+    row = store.conn.execute("SELECT 1 FROM bindings WHERE namespace_id = ?", (ns_id,)).fetchone()
+    if ns_id is None or row is not None or ns_id in bound_by_files(layout):
+        return "a server bound this namespace after the plan was made"
+    pids = in_use(layout.ns_dir(ns_id))
+    if pids:
+        return f"a running process uses it as its storage dir (pid {', '.join(map(str, pids[:3]))})"
+    return None
