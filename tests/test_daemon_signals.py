@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cachemgr.daemon.indexer import leadership_files
+from cachemgr.daemon.index_leader import leadership_files
 from cachemgr.daemon.lifecycle import Daemon
 from cachemgr.errors import StateError
 from cachemgr.fs.leadership import Leadership
