@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cachemgr.daemon.indexer import PageEvents
+from cachemgr.daemon.page_events import PageEvents
 from cachemgr.daemon.watcher import Kind
 from cachemgr.fs.root import create_root
 from cachemgr.gc.execute import execute_gc

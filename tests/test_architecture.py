@@ -23,7 +23,7 @@ LAYERS: list[set[str]] = [
     {"identity"},
     {"state"},
     {"fs"},
-    {"layout", "backends", "sglang", "settings", "logs", "units", ""},  # "": cachemgr/__init__.py
+    {"layout", "backends", "sglang", "settings", "logs", "units", "worker", ""},  # "": __init__
     {"errors"},
 ]
 ENTRY_POINTS = {"cli", "daemon", "__main__"}  # what only a process entry may import

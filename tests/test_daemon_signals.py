@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cachemgr.daemon.indexer import leadership_files
+from cachemgr.daemon.index_leader import leadership_files
 from cachemgr.daemon.lifecycle import Daemon
 from cachemgr.errors import StateError
 from cachemgr.fs.leadership import Leadership
@@ -110,7 +110,9 @@ def test_a_second_signal_cuts_the_wait_for_in_flight_requests_short(settings: Se
         daemon.stop()
 
 
-def test_a_failed_index_writer_stops_the_daemon_with_an_error(tmp_path: Path) -> None:
+def test_a_failed_index_writer_stops_the_daemon_with_an_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A daemon whose index is dead must not look alive: it stops, and `serve` reports it
     (the CLI turns that into one line and a non-zero exit; Kubernetes restarts the sidecar)."""
     layout = Layout.at(tmp_path / "root")
@@ -135,6 +137,9 @@ def test_a_failed_index_writer_stops_the_daemon_with_an_error(tmp_path: Path) ->
     assert not thread.is_alive()
     (error,) = failed
     assert isinstance(error, StateError) and "the index writer failed" in str(error)
+    assert not daemon.indexer.up and daemon.gc.up  # the index thread died, and said so once
+    died = [r for r in caplog.records if r.getMessage() == "worker died"]
+    assert [getattr(r, "worker", None) for r in died] == ["index"]
     index_lock, _ = leadership_files(layout)  # nothing is left holding the root's locks
     gc_lock = Leadership(layout.state_dir / "gc.lock")
     assert index_lock.try_acquire() and gc_lock.try_acquire()

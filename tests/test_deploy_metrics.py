@@ -338,6 +338,8 @@ def test_alerts_fire_on_the_daemons_real_series(scrapes: Live, tmp_path: Path) -
     writes = target(e.get("cachemgr_page_writes_total", namespace=ns_id))
     purges = target(e.all("cachemgr_purges_total")[0])
     leader = target(e.get("cachemgr_gc_leader"))
+    gc_up_sample = e.get("cachemgr_worker_up", worker="gc")
+    gc_up, worker = target(gc_up_sample), {**TARGET, **dict(gc_up_sample.labels)}
     gc_ok = target(e.get("cachemgr_gc_last_success_timestamp_seconds"))
     info_sample = e.get("cachemgr_namespace_info", namespace=ns_id)
     info = target(info_sample, page_size="1")
@@ -353,6 +355,10 @@ def test_alerts_fire_on_the_daemons_real_series(scrapes: Live, tmp_path: Path) -
         alert_test("CachemgrDown", {up: "1x10"}, "8m", []),
         alert_test("CachemgrNotReady", {ready: "0x20"}, "16m", [expect("CachemgrNotReady", node)]),
         alert_test("CachemgrNotReady", {ready: "0 0 1x20"}, "16m", []),
+        alert_test(
+            "CachemgrWorkerDead", {gc_up: "1 0x5"}, "4m", [expect("CachemgrWorkerDead", worker)]
+        ),
+        alert_test("CachemgrWorkerDead", {gc_up: "1x5"}, "4m", []),
         alert_test(
             "CachemgrIdentityMismatch",
             {mismatch: "0 0 1 1"},

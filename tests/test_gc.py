@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cachemgr.daemon.indexer import PageEvents
+from cachemgr.daemon.page_events import PageEvents
 from cachemgr.daemon.watcher import Kind
 from cachemgr.gc.execute import CHUNK, execute_gc
 from cachemgr.gc.runner import needs_gc

@@ -16,6 +16,7 @@ from cachemgr.daemon.watcher import Event, Watcher
 from cachemgr.fs.leadership import Leadership
 from cachemgr.layout import Layout
 from cachemgr.state.store import Store, connect
+from cachemgr.worker import Worker
 from tests.daemon_helpers import NS_A, NS_B, page_name, read_page, store_page
 from tests.polling import wait_for
 
@@ -42,6 +43,14 @@ def ns_stats(conn: sqlite3.Connection, ns: str) -> tuple[int, ...]:
         (ns,),
     ).fetchone()
     return tuple(row) if row else (0, 0, 0, 0)
+
+
+def scanned_at(conn: sqlite3.Connection, ns: str) -> float:
+    """When the indexer last scanned the namespace dir (0: never); it watches it before."""
+    row = conn.execute(
+        "SELECT scanned_at FROM namespace_stats WHERE namespace_id = ?", (ns,)
+    ).fetchone()
+    return float(row[0] or 0) if row else 0.0
 
 
 def test_stores_reads_and_deletes_reach_the_index(
@@ -75,16 +84,17 @@ def test_new_namespace_dirs_are_picked_up_and_moved_ones_forgotten(
     try:
         d = layout.ns_dir(NS_B)
         d.mkdir()
-        wait_for(ix.watcher.watched, lambda w: NS_B in w)
+        wait_for(lambda: scanned_at(reader, NS_B), bool)  # watched: its stores count as writes
         for i in range(7):
             store_page(d, page_name(i))
         wait_for(lambda: ns_stats(reader, NS_B), lambda s: s == (7, 7 * 1024, 0, 7))
         # A purge renames the dir into .trash/ and recreates it empty; the trash is then
         # deleted, and those deletions must not touch the new namespace dir's index.
+        before = scanned_at(reader, NS_B)
         os.rename(d, layout.trash / f"{NS_B}.x")
         d.mkdir()
         wait_for(lambda: ns_stats(reader, NS_B)[:2], lambda s: s == (0, 0))
-        wait_for(ix.watcher.watched, lambda w: NS_B in w)
+        wait_for(lambda: scanned_at(reader, NS_B), lambda t: t > before)  # the new dir's watch
         store_page(d, page_name(0))
         for f in (layout.trash / f"{NS_B}.x").iterdir():
             f.unlink()
@@ -250,13 +260,15 @@ def test_a_second_daemon_follows_and_takes_over_when_the_first_stops(
 
 def test_a_failed_index_writer_lets_another_daemon_take_over(store: Store, layout: Layout) -> None:
     lock = layout.state_dir / "index.lock"
-    failed: list[BaseException] = []
-    ix = Indexer(store, layout, batch_interval=0.05, leadership=Leadership(lock))
-    ix.on_error = failed.append
+    died: list[Worker] = []
+    ix = Indexer(
+        store, layout, batch_interval=0.05, leadership=Leadership(lock), on_death=died.append
+    )
     store.close()  # the writer's first scan fails on a closed DB
     ix.start()
-    wait_for(lambda: failed, bool)
-    assert ix.error is failed[0] and not ix.state.ready.is_set()
+    wait_for(lambda: died, bool)
+    assert died == [ix] and not ix.up and ix.error is not None
+    assert not ix.state.ready.is_set()
     ix.stop()
     other = Leadership(lock)
     assert other.try_acquire()  # released on the way out, not held by a dead thread

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 import pytest
 from prometheus_client import CollectorRegistry
 
-from cachemgr.daemon.indexer import Counters, IndexState
+from cachemgr.daemon.index_state import Counters, IndexState
 from cachemgr.daemon.metrics import METRICS, CachemgrCollector
 from cachemgr.fs.leadership import Leadership
 from cachemgr.fs.usage import DiskUsage

@@ -10,65 +10,38 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path as FsPath
 from typing import Annotated, Any
 
-import anyio.to_thread
-from anyio import CapacityLimiter
 from fastapi import Body, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic.json_schema import SkipJsonSchema
-from starlette.exceptions import HTTPException
 
 from cachemgr import __version__
 from cachemgr.daemon.api import (
     INSTANCE_PATTERN,
-    NS_ID_PATTERN,
     Fingerprint,
     GcRequest,
     Health,
     IndexInfo,
-    NamespacePurgeRequest,
     NsId,
-    PurgeFn,
-    PurgeRequest,
-    PurgeResponse,
     Readiness,
     Status,
     Totals,
 )
 from cachemgr.daemon.apiinput import one_request
+from cachemgr.daemon.backend import Backend
 from cachemgr.daemon.gcapi import GcResponse, SharedGcRuns
 from cachemgr.daemon.httpguard import MAX_BODY_BYTES, RequestGuard
-from cachemgr.daemon.indexer import IndexState
-from cachemgr.daemon.metrics import Reader
+from cachemgr.daemon.index_state import IndexState
 from cachemgr.daemon.problems import ERRORS, install_error_handlers
+from cachemgr.daemon.purge_routes import PURGE_PATHS, add_purge_routes
 from cachemgr.errors import ConflictError, NotFoundError
 from cachemgr.fs.usage import disk_usage
-from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
 from cachemgr.ns.status import NamespaceStatus, namespace_statuses
 from cachemgr.state.status import bindings_by_namespace
-
-PURGE_PATHS = ("/purge", "/v1/purge")
-
-
-@dataclass
-class Backend:
-    """What the routes need from the daemon; tests build one over a temp root."""
-
-    layout: Layout
-    reader: Reader
-    registry: CollectorRegistry
-    token: str | None = None
-    index: IndexState | None = None
-    lag: Callable[[], float] = lambda: 0.0
-    purge: PurgeFn | None = None
-    after_purge: Callable[[PurgeResponse], None] = lambda r: None
-    gc: GcRunner | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def create_app(backend: Backend) -> FastAPI:
@@ -101,13 +74,14 @@ def create_app(backend: Backend) -> FastAPI:
         "/readyz",
         response_model=Readiness,
         tags=["health"],
-        responses={503: {"model": Readiness, "description": "first scan not finished"}},
+        responses={
+            503: {"model": Readiness, "description": "first scan not finished, or a worker died"}
+        },
     )
     def readyz() -> Response:
-        """Readiness: the first scan finished and the index is live."""
-        ready = backend.index is not None and backend.index.ready.is_set()
-        body = Readiness(ready=ready, detail="index live" if ready else "first scan running")
-        return JSONResponse(body.model_dump(), status_code=200 if ready else 503)
+        """Readiness: the first scan finished, the index is live and no worker thread died."""
+        body = _readiness(backend)
+        return JSONResponse(body.model_dump(), status_code=200 if body.ready else 503)
 
     @app.get(
         "/metrics",
@@ -177,52 +151,7 @@ def create_app(backend: Backend) -> FastAPI:
         return _fingerprints(backend, instance)
 
     mutating: dict[int | str, dict[str, Any]] = {k: ERRORS[k] for k in (400, 401, 409, 413)}
-    purge_responses = {**mutating, 404: ERRORS[404]}
-    # Purges wait here as coroutines, not as worker threads blocked on the root lock.
-    purge_threads = CapacityLimiter(1)
-
-    async def run_purge(req: PurgeRequest) -> PurgeResponse:
-        if backend.purge is None:
-            raise HTTPException(501, "purge is not available in this build")
-        result = await anyio.to_thread.run_sync(backend.purge, req, limiter=purge_threads)
-        if not req.dry_run:
-            backend.after_purge(result)
-        return result
-
-    for path in PURGE_PATHS:
-
-        @app.post(path, response_model=PurgeResponse, tags=["purge"], responses=purge_responses)
-        async def purge(
-            request: Request,
-            body: Annotated[PurgeRequest | SkipJsonSchema[None], Body()] = None,
-            namespace: Annotated[str | None, Query(pattern=NS_ID_PATTERN)] = None,
-            instance: Annotated[str | None, Query(pattern=INSTANCE_PATTERN)] = None,
-            all: Annotated[bool, Query()] = False,
-            dry_run: Annotated[bool, Query()] = False,
-        ) -> PurgeResponse:
-            """Purge namespaces (body or query: namespace, instance, all, dry_run).
-
-            With nothing chosen it purges every namespace: `curl -X POST host:port/purge`.
-            A parameter may be given in the query, the body, or both with the same value.
-            """
-            query = dict(namespace=namespace, instance=instance, all=all, dry_run=dry_run)
-            return await run_purge(await one_request(request, PurgeRequest, body, **query))
-
-    @app.post(
-        "/v1/namespaces/{ns_id}/purge",
-        response_model=PurgeResponse,
-        tags=["purge"],
-        responses=purge_responses,
-    )
-    async def purge_namespace(
-        request: Request,
-        ns_id: NsId,
-        body: Annotated[NamespacePurgeRequest | SkipJsonSchema[None], Body()] = None,
-    ) -> PurgeResponse:
-        """Purge one namespace."""
-        req = await one_request(request, NamespacePurgeRequest, body)
-        return await run_purge(PurgeRequest(namespace=ns_id, dry_run=req.dry_run))
-
+    add_purge_routes(app, backend, {**mutating, 404: ERRORS[404]})
     gc_runs = SharedGcRuns(backend.gc) if backend.gc is not None else None
 
     @app.post("/v1/gc", response_model=GcResponse, tags=["gc"], responses=mutating)
@@ -246,6 +175,14 @@ def create_app(backend: Backend) -> FastAPI:
         return result
 
     return app
+
+
+def _readiness(backend: Backend) -> Readiness:
+    dead = [f"{w.name} worker died: {w.error}" for w in backend.workers if not w.up]
+    if dead:
+        return Readiness(ready=False, detail="; ".join(dead))
+    ready = backend.index is not None and backend.index.ready.is_set()
+    return Readiness(ready=ready, detail="index live" if ready else "first scan running")
 
 
 def _index_info(st: IndexState, lag: Callable[[], float]) -> IndexInfo:

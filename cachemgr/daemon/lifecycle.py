@@ -10,28 +10,28 @@ is deleting, the index thread applies its last batch, the DB is closed and the e
 
 from __future__ import annotations
 
-import errno
-import ipaddress
 import logging
 import os
 import signal
 import socket
-import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from cachemgr.daemon.api import PurgedNamespace, PurgeFn, PurgeRequest, PurgeResponse
-from cachemgr.daemon.app import Backend, create_app
-from cachemgr.daemon.indexer import Indexer, kernel_id, leadership_files
+from cachemgr.daemon.app import create_app
+from cachemgr.daemon.backend import Backend
+from cachemgr.daemon.index_leader import kernel_id, leadership_files
+from cachemgr.daemon.index_state import IndexState
+from cachemgr.daemon.indexer import Indexer
 from cachemgr.daemon.metrics import CachemgrCollector
+from cachemgr.daemon.purge_routes import purge_function
+from cachemgr.daemon.serving import Reader, Server, bind_socket, is_loopback
 from cachemgr.errors import ConfigError, StateError
-from cachemgr.fs.locks import root_lock
 from cachemgr.fs.root import create_root
 from cachemgr.fs.safe import refuse_non_regular
 from cachemgr.gc.floor import open_freeing
@@ -42,152 +42,11 @@ from cachemgr.ns import purge as purge_mod
 from cachemgr.settings import Settings
 from cachemgr.sglang.probe import ProbeLoop, ProbeState
 from cachemgr.state.store import Store
+from cachemgr.worker import Worker
 
 log = logging.getLogger(__name__)
 GC_STOP_SECONDS = 15.0  # a GC run stops after its current chunk; a trash entry may take longer
-
-
-def is_loopback(host: str) -> bool:
-    """True for localhost and loopback addresses; binding anything else needs a token."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """Bind the listening socket now, so a busy port fails fast with one line (exit 2)."""
-    if ":" in host:
-        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-    else:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    # Accepted sockets inherit it: without it a keep-alive client waits out the 40 ms delayed
-    # ACK on every response uvicorn writes in two sends (headers, then body).
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        why = "is in use" if e.errno == errno.EADDRINUSE else f"cannot be bound: {e.strerror}"
-        raise ConfigError(f"port {port} on {host} {why}") from None
-    sock.listen(128)
-    sock.set_inheritable(True)
-    return sock
-
-
-def purge_function(layout: Layout, after: Callable[[], None]) -> PurgeFn:
-    """Purge through cachemgr.ns.purge: rename now; `after` (wake GC) deletes .trash/ later."""
-
-    def run(req: PurgeRequest) -> PurgeResponse:
-        with Store.open(layout.db_path) as store:
-            selector, targets, problems = (_would_purge if req.dry_run else _purge_now)(
-                layout, store, req
-            )
-        if not req.dry_run:
-            after()
-        verb = "would purge" if req.dry_run else "purged"
-        pages, size = sum(t.pages for t in targets), sum(t.bytes for t in targets)
-        return PurgeResponse(
-            dry_run=req.dry_run,
-            selector=selector,
-            purged=targets,
-            pages=pages,
-            bytes=size,
-            message=f"{verb} {len(targets)} namespace(s): {pages} pages, {size} bytes",
-            problems=problems,
-        )
-
-    return run
-
-
-# A plan's selector, what it (would) purge, and what it left alone (damaged namespaces).
-Targets = tuple[str, list[PurgedNamespace], list[str]]
-
-
-def _would_purge(layout: Layout, store: Store, req: PurgeRequest) -> Targets:
-    plan = _plan(layout, store, req)
-    return (
-        plan.selector,
-        [
-            PurgedNamespace(
-                namespace=t.ns_id, pages=t.pages, bytes=t.bytes, recreated=bool(t.instances)
-            )
-            for t in plan.targets
-        ],
-        list(plan.problems),
-    )
-
-
-def _purge_now(layout: Layout, store: Store, req: PurgeRequest) -> Targets:
-    """Plan and purge under one hold of the root lock: a purge racing this one (CLI, HTTP) is
-    wholly before or after it, and the later one finds nothing left to do."""
-    with root_lock(layout):
-        plan = _plan(layout, store, req)
-        result = purge_mod.execute_purge(plan, layout, store, actor="http", reason="manual")
-    return (
-        plan.selector,
-        [
-            PurgedNamespace(namespace=p.ns_id, pages=p.pages, bytes=p.bytes, recreated=p.recreated)
-            for p in result.purged
-        ],
-        list(plan.problems),
-    )
-
-
-def _plan(layout: Layout, store: Store, req: PurgeRequest) -> purge_mod.PurgePlan:
-    """One plan for the union of the request's selectors (none, or all=true: everything)."""
-    if req.all or not (req.namespace or req.instance):
-        return purge_mod.plan_purge(layout, store, all=True)
-    plans = []
-    if req.namespace:
-        plans.append(purge_mod.plan_purge(layout, store, namespace=req.namespace))
-    if req.instance:
-        plans.append(purge_mod.plan_purge(layout, store, instance=req.instance))
-    targets = {t.ns_id: t for p in plans for t in p.targets}
-    return purge_mod.PurgePlan(
-        tuple(targets[ns] for ns in sorted(targets)),
-        plans[0].trash,
-        " + ".join(p.selector for p in plans),
-        problems=tuple(sorted({x for p in plans for x in p.problems})),
-    )
-
-
-class Reader:
-    """One read connection shared by HTTP threads and scrapes (sqlite3 objects need a lock).
-
-    Always on the DB at the path (one deleted or moved aside is reopened); a corrupt one
-    raises StateCorrupt (HTTP 503) after it is moved aside, and the next read starts anew.
-    """
-
-    def __init__(self, layout: Layout) -> None:
-        self._store = Store.open(layout.db_path)
-        self._lock = threading.Lock()
-
-    @contextmanager
-    def __call__(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            self._store.follow_path()
-            with self._store.guard():
-                yield self._store.conn
-
-    def close(self) -> None:
-        with self._lock:
-            self._store.close()
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its signal handling: the daemon owns SIGTERM/SIGINT.
-
-    uvicorn re-raises the signal it caught once its own shutdown ends, which kills the process
-    before `Daemon.stop` can apply the last batch and close the DB.
-    """
-
-    @contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
+PROBE_STOP_SECONDS = 10.0  # one poll's HTTP timeouts
 
 
 class Daemon:
@@ -206,6 +65,7 @@ class Daemon:
         self.probe = ProbeState() if settings.sglang_url else None
         self.sock: socket.socket | None = None
         self.server: uvicorn.Server | None = None
+        self.prober: ProbeLoop | None = None
         self._started = False
         self._signals = 0
 
@@ -223,17 +83,7 @@ class Daemon:
             self.sock.close()
             raise
         self.reader = Reader(self.layout)
-        leadership, ready_marker = leadership_files(self.layout)
-        self.indexer = Indexer(
-            self.store,
-            self.layout,
-            batch_interval=self.settings.batch_interval,
-            reconcile_interval=self.settings.reconcile_interval or float("inf"),
-            leadership=leadership,
-            ready_marker=ready_marker,
-        )
-        self.indexer.on_error = self._index_failed
-        self._start_gc()
+        self._build_workers()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(
             CachemgrCollector(
@@ -243,6 +93,7 @@ class Daemon:
                 lag=self.indexer.lag,
                 probe=self.probe,
                 gc=self.gc,
+                workers=self.workers,
             )
         )
         self.backend = Backend(
@@ -255,6 +106,7 @@ class Daemon:
             purge=purge_function(self.layout, self.gc.wake),
             after_purge=lambda _: self.indexer.request_rescan(),
             gc=self.gc,
+            workers=self.workers,
         )
         self.app = create_app(self.backend)
         config = uvicorn.Config(
@@ -264,44 +116,50 @@ class Daemon:
             lifespan="off",
             timeout_graceful_shutdown=10,
         )
-        self.server = _Server(config)
-        self.indexer.start()
-        self._gc_thread.start()  # first cycle once the index is built; drains .trash/ too
+        self.server = Server(config)
+        for worker in self.workers:  # GC's first cycle waits for the index; drains .trash/ too
+            worker.start()
+        self._started = True
+        log.info("daemon started", extra={"root": str(self.layout.root), "port": self.port})
+
+    def _build_workers(self) -> None:
+        """The index writer, GC (its own thread and connection) and the SGLang probe, wired
+        to each other; not started."""
+        index = IndexState()
+        self.gc_store = Store.open(self.layout.db_path)
+        # GC is led by an index leader: only its watcher wakes GC (watermarks, a CLI purge).
+        self.gc = GcRunner(
+            self.gc_store, self.layout, self.gc_policy, eligible=lambda: index.leader,
+            ready=index.ready, on_death=self._worker_died,
+        )  # fmt: skip
+        leadership, ready_marker = leadership_files(self.layout)
+        self.indexer = Indexer(
+            self.store,
+            self.layout,
+            batch_interval=self.settings.batch_interval,
+            reconcile_interval=self.settings.reconcile_interval or float("inf"),
+            leadership=leadership,
+            ready_marker=ready_marker,
+            state=index,
+            on_applied=self._check_watermarks,
+            # A CLI purge (or init --no-wait) renames into .trash/ from another process: GC
+            # deletes it now rather than at the next interval.
+            on_namespace_gone=lambda _ns: self.gc.wake(),
+            # A full disk stops index writes (they are retried): GC's floor pass frees it.
+            on_disk_full=self.gc.wake,
+            on_death=self._worker_died,
+        )
         if self.probe is not None and self.settings.sglang_url:
-            self.prober: ProbeLoop | None = ProbeLoop(
+            self.prober = ProbeLoop(
                 self.settings.sglang_url,
                 instance=self.settings.instance,
                 reader=self.reader,
                 on_mismatch=self._purge_mismatch,
                 interval=self.settings.sglang_poll_interval,
                 state=self.probe,
+                on_death=self._worker_died,
             )
-            self.prober.start()
-        else:
-            self.prober = None
-        self._started = True
-        log.info("daemon started", extra={"root": str(self.layout.root), "port": self.port})
-
-    def _start_gc(self) -> None:
-        """GC on its own thread and connection; the indexer wakes it past a watermark."""
-        self.gc_store = Store.open(self.layout.db_path)
-        # GC is led by an index leader: only its watcher wakes GC (watermarks, a CLI purge).
-        self.gc = GcRunner(
-            self.gc_store, self.layout, self.gc_policy, eligible=lambda: self.indexer.state.leader
-        )
-        self._gc_stop = threading.Event()
-        self._gc_thread = threading.Thread(
-            target=self.gc.serve,
-            args=(self._gc_stop, self.indexer.state.ready),
-            name="cachemgr-gc",
-            daemon=True,
-        )
-        self.indexer.on_applied = self._check_watermarks
-        # A CLI purge (or init --no-wait) renames into .trash/ from another process: GC
-        # deletes it now rather than at the next interval.
-        self.indexer.on_namespace_gone = lambda _ns: self.gc.wake()
-        # A full disk stops index writes (they are retried): GC's floor pass frees it.
-        self.indexer.on_disk_full = self.gc.wake
+        self.workers: list[Worker] = [self.indexer, self.gc, *filter(None, [self.prober])]
 
     def _check_watermarks(self) -> None:
         """After a batch (on the index thread, its connection): wake GC if a limit is crossed.
@@ -332,9 +190,10 @@ class Daemon:
         if self.indexer.error is not None:
             raise StateError(f"the index writer failed: {self.indexer.error}")
 
-    def _index_failed(self, error: BaseException) -> None:
-        """On the index thread: a daemon whose index is dead must not look alive."""
-        if self.server is not None:
+    def _worker_died(self, worker: Worker) -> None:
+        """On the dead worker's thread (it logged why): /readyz and cachemgr_worker_up say so.
+        A daemon whose index is dead must not look alive: it exits non-zero."""
+        if worker is self.indexer and self.server is not None:
             self.server.should_exit = True
 
     @contextmanager
@@ -380,14 +239,11 @@ class Daemon:
             return
         self._started = False
         if self.prober is not None:
-            self.prober.stop()
-        self._gc_stop.set()
-        self.gc.wake()
-        self._gc_thread.join(GC_STOP_SECONDS)
-        if self._gc_thread.is_alive():  # a trash entry still being deleted; resumed next start
-            log.warning("gc still deleting at shutdown; leaving it")
-        else:
+            self.prober.stop(PROBE_STOP_SECONDS)
+        if self.gc.stop(GC_STOP_SECONDS):
             self.gc_store.close()
+        else:  # a trash entry still being deleted; resumed next start
+            log.warning("gc still deleting at shutdown; leaving it")
         self.indexer.stop()
         self.reader.close()
         self.store.close()

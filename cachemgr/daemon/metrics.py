@@ -10,7 +10,7 @@ actions (purges, evictions) are sums over the audit log; page reads/writes count
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from cachemgr import __version__
-from cachemgr.daemon.indexer import IndexState
+from cachemgr.daemon.index_state import IndexState
 from cachemgr.errors import StateCorrupt
 from cachemgr.fs.usage import DiskUsage, disk_usage
 from cachemgr.gc.runner import GcRunner
@@ -26,6 +26,7 @@ from cachemgr.layout import Layout
 from cachemgr.ns.status import namespace_statuses
 from cachemgr.sglang.probe import ProbeState
 from cachemgr.state.status import AuditTotals
+from cachemgr.worker import Worker
 
 Reader = Callable[[], AbstractContextManager[sqlite3.Connection]]
 NS = ["namespace"]
@@ -34,6 +35,7 @@ NS = ["namespace"]
 METRICS: dict[str, str] = {
     "cachemgr_up": "1 while the daemon runs",
     "cachemgr_ready": "1 once the first scan finished and the index is live",
+    "cachemgr_worker_up": "1 while the daemon's worker thread runs; 0 once it died of an error",
     "cachemgr_build_info": "cachemgr version",
     "cachemgr_namespace_info": "identity of each namespace and its instances",
     "cachemgr_namespace_pages": "page files in the namespace",
@@ -93,7 +95,9 @@ class CachemgrCollector(Collector):
         probe: ProbeState | None = None,
         disk: Callable[[Layout], DiskUsage] = lambda lay: disk_usage(lay.root),
         gc: GcRunner | None = None,
+        workers: Sequence[Worker] = (),
     ) -> None:
+        self.workers = workers
         self.layout = layout
         self.reader = reader
         self.index = index
@@ -185,6 +189,10 @@ class CachemgrCollector(Collector):
         st = self.index
         ready = st is not None and st.ready.is_set()
         yield GaugeMetricFamily("cachemgr_ready", METRICS["cachemgr_ready"], value=int(ready))
+        up = _gauge("cachemgr_worker_up", ["worker"])
+        for w in self.workers:
+            up.add_metric([w.name], int(w.up))
+        yield up
         if st is None:
             return
         yield GaugeMetricFamily(

@@ -196,10 +196,6 @@ class Watcher:
                 cb.dead = True
         self.emit((Kind.NS_GONE, ns_id, "", self.clock()))
 
-    def watched(self) -> list[str]:
-        with self._lock:
-            return sorted(ns for ns, cb in self._watches.items() if not cb.dead)
-
     def _remove(self, cb: _NamespaceWatch) -> None:
         if self._fd is not None and cb.wd >= 0:
             self._fd.remove_callbacks([(WatchDescriptor(cb.wd), CallbackId(id(cb)))])

@@ -35,6 +35,7 @@ from cachemgr.ns import registry as nsreg
 from cachemgr.ns.trash import list_trash
 from cachemgr.sglang.liveuse import live_users
 from cachemgr.state.store import Store
+from cachemgr.worker import DeathHandler, Worker
 
 log = logging.getLogger("cachemgr.gc.plan")
 RUN_GAP = 5.0  # seconds at least between two daemon runs (wakes in between are coalesced)
@@ -79,12 +80,13 @@ class GcStats:
     last_success: float = 0.0  # the last cycle or run that ended without error
 
 
-class GcRunner:
+class GcRunner(Worker):
     """Runs GC for one root: periodically, when woken (a watermark crossed), or on request.
 
     Give it its own Store: its connection must not be shared with another thread's
     transactions (runs and checks are serialized on it). Only the holder of the root's GC
-    leadership deletes.
+    leadership deletes. `start()` runs the daemon's loop on a thread (cycles begin once
+    `ready` is set: the index is built); `stop()` ends a run after the chunk it is deleting.
     """
 
     def __init__(
@@ -98,7 +100,11 @@ class GcRunner:
         disk_usage: DiskUsageFn | None = None,
         eligible: Callable[[], bool] = lambda: True,
         in_use: InUse = live_users,
+        ready: threading.Event | None = None,
+        on_death: DeathHandler | None = None,
     ) -> None:
+        super().__init__("gc", on_death=on_death)
+        self.ready = ready
         self.store, self.layout, self.policy = store, layout, policy
         self.in_use = in_use  # who uses a namespace dir right now (execute_gc)
         self.leadership = leadership or Leadership(layout.gc_lock)
@@ -110,7 +116,6 @@ class GcRunner:
         self.stats = GcStats(last_success=clock())
         self._wake = threading.Event()
         self._busy = threading.Lock()
-        self._stop = threading.Event()  # serve()'s: a run stops after its current chunk
 
     @contextmanager
     def _serialized(self) -> Iterator[None]:
@@ -158,7 +163,7 @@ class GcRunner:
                 report = free_floor(
                     self.layout, self.policy, disk_usage=self.disk_usage,
                     pacer=Pacer(rate=self.policy.delete_rate), clock=self.clock,
-                    stop=self._stop.is_set,
+                    stop=self._stopping.is_set,
                 )  # fmt: skip
         except BaseException:
             self.stats.error += 1
@@ -228,20 +233,20 @@ class GcRunner:
         return execute_gc(
             plan, self.store, self.layout, dry_run=dry_run, actor=actor,
             pacer=pacer or Pacer(rate=self.policy.delete_rate), progress=progress,
-            clock=self.clock, stop=self._stop.is_set, in_use=self.in_use,
+            clock=self.clock, stop=self._stopping.is_set, in_use=self.in_use,
         )  # fmt: skip
 
     def wake(self) -> None:
         """Ask for a check now (the watcher saw the index grow past a watermark)."""
         self._wake.set()
 
-    def serve(self, stop: threading.Event, ready: threading.Event | None = None) -> None:
-        """The daemon's GC loop: a tick at once (once `ready` is set: the index is built), then
-        every interval or when woken, until `stop` is set (set it, then wake() to end the wait).
+    def _interrupt(self) -> None:
+        self.wake()
 
-        Setting `stop` also ends a run in progress after the chunk it is deleting.
-        """
-        self._stop = stop
+    def _loop(self) -> None:
+        """The daemon's GC loop: a tick at once (once `ready` is set), then every interval or
+        when woken, until stopped."""
+        stop, ready = self._stopping, self.ready
         try:
             # The index may take long to build, or fail to for lack of space: the floor,
             # which needs neither it nor the DB, is kept meanwhile.

@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import sqlite3
-import threading
 import urllib.request
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -23,6 +22,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from cachemgr.errors import StateCorrupt
+from cachemgr.worker import DeathHandler, Worker
 
 log = logging.getLogger(__name__)
 TOKEN_COUNTERS = {
@@ -140,7 +140,7 @@ def ambiguities(info: dict[str, Any], identity: dict[str, Any]) -> list[str]:
 MismatchHandler = Callable[[str, list[str]], None]
 
 
-class ProbeLoop:
+class ProbeLoop(Worker):
     """Polls the SGLang server; a contradiction with its namespace's identity is handed to
     `on_mismatch` (the daemon purges that namespace) and raises the alarm in `state`."""
 
@@ -153,31 +153,27 @@ class ProbeLoop:
         on_mismatch: MismatchHandler,
         interval: float = 15.0,
         state: ProbeState | None = None,
+        on_death: DeathHandler | None = None,
     ) -> None:
+        super().__init__("probe", on_death=on_death)
         self.url = url
         self.instance = instance
         self.reader = reader
         self.on_mismatch = on_mismatch
         self.interval = interval
         self.state = state if state is not None else ProbeState()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="cachemgr-sglang", daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(10)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
             try:
                 self.poll()
             except StateCorrupt as e:  # moved aside and rebuilt; the next round reads anew
                 log.warning("sglang probe skipped a round", extra={"error": str(e)})
-            self._stop.wait(self.interval)
+            self._stopping.wait(self.interval)
+
+    def _died(self, error: BaseException) -> None:
+        # Nobody polls any more: the last scrape's "up" would be stale from now on.
+        self.state.up, self.state.last_error = False, f"probe died: {error}"
 
     def poll(self) -> None:
         """One round: scrape /metrics, read /server_info, compare with the identity."""

@@ -186,18 +186,27 @@ def forget_namespace(store: Store, ns_id: str) -> int:
 
 
 def scan_root(
-    store: Store, layout: Layout, *, now: Callable[[], float] = time.time
+    store: Store,
+    layout: Layout,
+    *,
+    now: Callable[[], float] = time.time,
+    scan: Callable[[str], ScanReport | None] | None = None,
+    forgetting: Callable[[str], None] = lambda ns: None,
 ) -> list[ScanReport]:
     """Scan every namespace dir and forget index rows of namespaces that no longer exist.
 
+    `scan` replaces scan_namespace for one namespace (the daemon's watches it first; None: not
+    scanned); `forgetting` runs before a namespace's rows are forgotten (its watch is dropped).
     The index does not know the registry: a caller that may hold a lost DB registers the
     namespaces found on disk first (cachemgr.ns.registry.adopt_from_disk).
     """
+    scan_one = scan or (lambda ns: scan_namespace(store, layout, ns, now=now))
     present = namespace_dirs(layout)
-    reports = [scan_namespace(store, layout, ns, now=now) for ns in present]
+    reports = [r for r in map(scan_one, present) if r is not None]
     stale = {
         r[0] for r in store.conn.execute("SELECT namespace_id FROM namespace_stats WHERE pages > 0")
     } - set(present)
     for ns in sorted(stale):
+        forgetting(ns)
         forget_namespace(store, ns)
     return reports

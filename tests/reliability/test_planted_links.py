@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from cachemgr.backends import FileKind
-from cachemgr.daemon.indexer import kernel_id
+from cachemgr.daemon.index_leader import kernel_id
 from cachemgr.errors import CachemgrError
 from cachemgr.fs.deletion import Pacer, delete_files
 from cachemgr.fs.root import create_root

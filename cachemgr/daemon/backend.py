@@ -1,0 +1,31 @@
+"""What the HTTP routes need from the daemon, in one object."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+
+from cachemgr.daemon.api import PurgeFn, PurgeResponse
+from cachemgr.daemon.index_state import IndexState
+from cachemgr.daemon.metrics import Reader
+from cachemgr.gc.runner import GcRunner
+from cachemgr.layout import Layout
+from cachemgr.worker import Worker
+
+
+@dataclass
+class Backend:
+    """What the routes need from the daemon; tests build one over a temp root."""
+
+    layout: Layout
+    reader: Reader
+    registry: CollectorRegistry
+    token: str | None = None
+    index: IndexState | None = None
+    lag: Callable[[], float] = lambda: 0.0
+    purge: PurgeFn | None = None
+    after_purge: Callable[[PurgeResponse], None] = lambda r: None
+    gc: GcRunner | None = None
+    workers: Sequence[Worker] = ()  # their deaths fail /readyz
