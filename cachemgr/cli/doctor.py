@@ -10,14 +10,12 @@ from typing import Any
 
 import click
 
-from cachemgr.cli.common import opened_store
 from cachemgr.cli.context import AppContext, pass_app
 from cachemgr.doctor import Finding, exit_code, launch_env, lint, lint_disk, lint_root
-from cachemgr.errors import CachemgrError, StateError
-from cachemgr.fs import reserve
+from cachemgr.errors import CachemgrError
 from cachemgr.gc.policy import GcPolicy
 from cachemgr.identity import model_dir
-from cachemgr.layout import Layout
+from cachemgr.ns.root import existing_layout, reading_store
 from cachemgr.sglang.args import LaunchArgs, resolve_launch_args
 
 
@@ -33,7 +31,7 @@ def doctor(app: AppContext, as_json: bool, launch_cmd: tuple[str, ...]) -> None:
     own file evictor next to cachemgr's GC, no hierarchical cache or another backend.
     """
     settings = app.settings
-    layout = Layout.at(settings.root, settings.state_dir)
+    layout = existing_layout(settings)
     findings: list[Finding] = []
     if launch_cmd:
         args = resolve_launch_args(launch_cmd)
@@ -45,15 +43,9 @@ def doctor(app: AppContext, as_json: bool, launch_cmd: tuple[str, ...]) -> None:
             model_config=_model_config(args, env),
             cap_bytes=int(settings.gc_max_bytes) if settings.gc_max_bytes else None,
         )
-    if layout.root.is_dir():
-        findings += lint_disk(layout, GcPolicy.from_settings(settings))
-        try:
-            with opened_store(layout) as store:
-                findings += lint_root(layout, store)
-        except StateError as e:
-            if not reserve.is_disk_full(e, layout.state_dir):
-                raise
-            findings.append(Finding("error", "state-db-full", str(e), "free space first"))
+    findings += lint_disk(layout, GcPolicy.from_settings(settings))
+    with reading_store(layout) as store:
+        findings += lint_root(layout, store)
     if as_json:
         click.echo(json.dumps([dataclasses.asdict(f) for f in findings], indent=2))
     else:
