@@ -15,6 +15,7 @@ from cachemgr.doctor import Finding, exit_code, launch_env, lint, lint_disk, lin
 from cachemgr.errors import CachemgrError
 from cachemgr.gc.policy import GcPolicy
 from cachemgr.identity import model_dir
+from cachemgr.layout import Layout
 from cachemgr.ns.root import existing_layout, reading_store
 from cachemgr.sglang.args import LaunchArgs, resolve_launch_args
 
@@ -31,7 +32,9 @@ def doctor(app: AppContext, as_json: bool, launch_cmd: tuple[str, ...]) -> None:
     own file evictor next to cachemgr's GC, no hierarchical cache or another backend.
     """
     settings = app.settings
-    layout = existing_layout(settings)
+    layout = Layout.at(settings.root, settings.state_dir)
+    if not launch_cmd:  # a launch is linted without a root; the root alone needs one
+        existing_layout(settings)
     findings: list[Finding] = []
     if launch_cmd:
         args = resolve_launch_args(launch_cmd)
@@ -43,9 +46,10 @@ def doctor(app: AppContext, as_json: bool, launch_cmd: tuple[str, ...]) -> None:
             model_config=_model_config(args, env),
             cap_bytes=int(settings.gc_max_bytes) if settings.gc_max_bytes else None,
         )
-    findings += lint_disk(layout, GcPolicy.from_settings(settings))
-    with reading_store(layout) as store:
-        findings += lint_root(layout, store)
+    if layout.root.is_dir():
+        findings += lint_disk(layout, GcPolicy.from_settings(settings))
+        with reading_store(layout) as store:
+            findings += lint_root(layout, store)
     if as_json:
         click.echo(json.dumps([dataclasses.asdict(f) for f in findings], indent=2))
     else:

@@ -7,29 +7,37 @@ there was none, no -wal/-shm files, no space reserve, no row changed under a run
 
 from __future__ import annotations
 
-import logging
 import sqlite3
 from pathlib import Path
 
+from cachemgr.state.dbfile import FileId, file_id, is_corrupt, quick_check
 from cachemgr.state.store import Store, connect, migrate
-
-log = logging.getLogger(__name__)
 
 
 def snapshot(path: Path) -> Store:
     """The DB at `path` copied into memory and migrated there; an empty one if there is none
-    or it cannot be read (the caller learns the namespaces from disk, as after a lost DB)."""
+    (the caller learns the namespaces from disk, as after a lost DB).
+
+    A corrupt DB is the one write: it is moved aside and started afresh, as every command
+    does (Store.open), so that the daemon and the next command do not trip on it again.
+    """
     mem = connect(Path(":memory:"))
-    if path.is_file():
-        try:
-            _copy(path, mem)
-        except sqlite3.Error as e:
-            log.warning("state DB unreadable, using the disk alone", extra={"db": str(path),
-                        "error": str(e)})  # fmt: skip
-            mem.close()
-            mem = connect(Path(":memory:"))
-    migrate(mem)
-    return Store(mem, path, None)
+    copied: FileId | None = None
+    try:
+        if path.is_file():
+            try:
+                _copy(path, mem)
+            except sqlite3.DatabaseError as e:
+                if not is_corrupt(e):
+                    raise
+                Store.open(path, check=True).close()  # moved aside (a warning says where), fresh DB
+                _copy(path, mem)
+            copied = file_id(path)  # a corruption found later moves this file aside
+        migrate(mem)
+    except BaseException:
+        mem.close()
+        raise
+    return Store(mem, path, copied)
 
 
 def _copy(path: Path, into: sqlite3.Connection) -> None:
@@ -42,3 +50,6 @@ def _copy(path: Path, into: sqlite3.Connection) -> None:
         src.backup(into)
     finally:
         src.close()
+    # The copy is page by page, sound or not; checked here (in memory, cheap) so a corrupt
+    # DB is handled now, as Store.open does, not by a statement halfway through a command.
+    quick_check(into)
