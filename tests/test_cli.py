@@ -109,6 +109,7 @@ def test_empty_root_is_one_line_error_and_touches_nothing(tmp_path: Path) -> Non
 
 
 def test_one_shot_commands_log_only_when_asked(tmp_path: Path) -> None:
+    (tmp_path / "r").mkdir()
     quiet = run("--root", str(tmp_path / "r"), "gc", "--dry-run")
     assert quiet.returncode == 0, quiet.stderr
     assert "would delete 0 files" in quiet.stdout

@@ -47,6 +47,7 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 def test_default_output_is_ns_id_and_digest(
     capsys: pytest.CaptureFixture[str], root: Path, model: Path
 ) -> None:
+    root.mkdir(exist_ok=True)  # on a root that exists (fingerprint creates none)
     code, out, _ = run(capsys, "--root", str(root), "fingerprint", "--model-path", str(model))
     assert code == 0
     lines = dict(line.split() for line in out.splitlines())

@@ -1,49 +1,18 @@
-"""Pieces the namespace commands share: opening the root, trash progress."""
+"""Pieces the namespace commands share: trash deletion with progress."""
 
 from __future__ import annotations
 
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
-from cachemgr.errors import ConfigError, NotFoundError
 from cachemgr.fs.deletion import DeleteReport, Pacer
-from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 from cachemgr.ns.purge import Actor, DrainProgress, drain_trash
-from cachemgr.ns.registry import adopt_from_disk
-from cachemgr.settings import Settings
 from cachemgr.state.store import Store
 
 log = logging.getLogger("cachemgr.ns.purge")
-
-
-def root_layout(settings: Settings, *, create: bool) -> Layout:
-    """The root's layout; created if asked, else it must exist already."""
-    layout = Layout.at(settings.root, settings.state_dir)
-    refuse_file_root(layout)
-    if create:
-        create_root(layout)
-    elif not layout.root.is_dir():
-        raise NotFoundError(f"no cache root at {layout.root} (cachemgr init creates it)")
-    return layout
-
-
-def refuse_file_root(layout: Layout) -> None:
-    """A root that exists but is not a directory is a config mistake (exit 2), not an empty root."""
-    if layout.root.exists() and not layout.root.is_dir():
-        raise ConfigError(f"cache root {layout.root} is not a directory")
-
-
-@contextmanager
-def opened_store(layout: Layout) -> Iterator[Store]:
-    """The state DB, with namespaces found on disk but unknown to it registered."""
-    with Store.open(layout.db_path) as store:
-        if layout.ns_root.is_dir():
-            adopt_from_disk(layout, store)
-        yield store
 
 
 def drain_with_progress(

@@ -1,23 +1,31 @@
-"""What every command receives: the global options, and the settings built from them once."""
+"""What every command receives: the global options, and the settings built from them once.
+
+Flags that stand for a setting are declared with `setting_option`: its value goes straight
+into the settings overrides (flags > CACHEMGR_* env > config file > defaults), and the command
+reads `app.settings` — the one way a flag is resolved against its setting, for every command.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
 from cachemgr import logs
 from cachemgr.settings import Settings, load_settings
 
+F = TypeVar("F", bound=Callable[..., Any])
+
 
 @dataclass
 class AppContext:
     """What global options say; settings are built on first use so bad ones fail once."""
 
-    config_file: Path | None
-    overrides: dict[str, Any]
+    config_file: Path | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
     _settings: Settings | None = field(default=None, repr=False)
 
     @property
@@ -33,3 +41,18 @@ class AppContext:
 
 
 pass_app = click.make_pass_decorator(AppContext)
+
+
+def setting_option(*flags: str, setting: str, **kwargs: Any) -> Callable[[F], F]:
+    """A flag that overrides the setting named `setting`; the command does not get its value.
+
+    Also accepted as `--<setting-with-dashes>`, the name settings errors mention.
+    """
+
+    def override(ctx: click.Context, _param: click.Parameter, value: Any) -> None:
+        if value is not None:
+            ctx.ensure_object(AppContext).overrides[setting] = value
+
+    alias = "--" + setting.replace("_", "-")
+    names = [*flags, *([alias] if alias not in flags else []), setting]
+    return click.option(*names, callback=override, expose_value=False, default=None, **kwargs)

@@ -10,16 +10,15 @@ from typing import Any
 
 import click
 
-from cachemgr.cli.common import opened_store
 from cachemgr.cli.context import AppContext, pass_app
 from cachemgr.doctor.finding import Finding, exit_code
 from cachemgr.doctor.launch import launch_env, lint
 from cachemgr.doctor.root import lint_disk, lint_root
-from cachemgr.errors import CachemgrError, StateError
-from cachemgr.fs import reserve
+from cachemgr.errors import CachemgrError
 from cachemgr.gc.policy import GcPolicy
 from cachemgr.identity import model_dir
 from cachemgr.layout import Layout
+from cachemgr.ns.root import existing_layout, reading_store
 from cachemgr.sglang.args import LaunchArgs, resolve_launch_args
 
 
@@ -36,6 +35,8 @@ def doctor(app: AppContext, as_json: bool, launch_cmd: tuple[str, ...]) -> None:
     """
     settings = app.settings
     layout = Layout.at(settings.root, settings.state_dir)
+    if not launch_cmd:  # a launch is linted without a root; the root alone needs one
+        existing_layout(settings)
     findings: list[Finding] = []
     if launch_cmd:
         args = resolve_launch_args(launch_cmd)
@@ -49,13 +50,8 @@ def doctor(app: AppContext, as_json: bool, launch_cmd: tuple[str, ...]) -> None:
         )
     if layout.root.is_dir():
         findings += lint_disk(layout, GcPolicy.from_settings(settings))
-        try:
-            with opened_store(layout) as store:
-                findings += lint_root(layout, store)
-        except StateError as e:
-            if not reserve.is_disk_full(e, layout.state_dir):
-                raise
-            findings.append(Finding("error", "state-db-full", str(e), "free space first"))
+        with reading_store(layout) as store:
+            findings += lint_root(layout, store)
     if as_json:
         click.echo(json.dumps([dataclasses.asdict(f) for f in findings], indent=2))
     else:

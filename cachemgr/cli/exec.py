@@ -13,7 +13,7 @@ from cachemgr.cli.context import AppContext, pass_app
 from cachemgr.cli.init import describe, init_options, run_init, warn_refused
 from cachemgr.cli.launch_options import LaunchRequest
 from cachemgr.errors import ConfigError
-from cachemgr.ns.prelaunch import STORAGE_DIR_ENV, OnChange
+from cachemgr.ns.prelaunch import STORAGE_DIR_ENV
 
 
 @click.command("exec", context_settings={"allow_interspersed_args": False})
@@ -22,8 +22,6 @@ from cachemgr.ns.prelaunch import STORAGE_DIR_ENV, OnChange
 def exec_(
     app: AppContext,
     launch: LaunchRequest,
-    instance: str | None,
-    on_change: OnChange | None,
     wait: bool,
     force: bool,
 ) -> None:
@@ -38,7 +36,7 @@ def exec_(
     if not launch.command:
         raise ConfigError("exec needs the server command after `--` (e.g. -- sglang serve …)")
     program = resolve_program(launch.command[0], os.environ)
-    run = run_init(app, launch, instance=instance, on_change=on_change, wait=wait, force=force)
+    run = run_init(app, launch, wait=wait, force=force)
     for c in run.conflicts:
         if c.beats_env and not c.ours:
             raise ConfigError(

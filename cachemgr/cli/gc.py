@@ -13,7 +13,7 @@ import click
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from cachemgr.cli.context import AppContext, pass_app
+from cachemgr.cli.context import AppContext, pass_app, setting_option
 from cachemgr.daemon.gcapi import GcResponse
 from cachemgr.errors import ConfigError, ConflictError
 from cachemgr.fs import reserve
@@ -25,8 +25,8 @@ from cachemgr.gc.floor import audit_floor, below_floor, free_floor
 from cachemgr.gc.policy import GcPolicy
 from cachemgr.gc.runner import GcRunner
 from cachemgr.gc.step import GcReport
-from cachemgr.layout import Layout
 from cachemgr.ns.registry import adopt_from_disk
+from cachemgr.ns.root import existing_layout, reading_store
 from cachemgr.state.index import scan_root
 from cachemgr.state.store import Store
 from cachemgr.units import human_bytes
@@ -43,9 +43,8 @@ _LIMITS = [
 
 
 def _limit_options(f: Any) -> Any:
-    for flag, field, kind, text in reversed(_LIMITS):
-        alias = "--" + field.replace("_", "-")  # the name settings errors mention
-        f = click.option(flag, alias, field, type=kind, default=None, help=text)(f)
+    for flag, setting, kind, text in reversed(_LIMITS):
+        f = setting_option(flag, setting=setting, type=kind, help=text)(f)
     return f
 
 
@@ -55,20 +54,23 @@ def _limit_options(f: Any) -> Any:
 @click.option("--yes", "-y", is_flag=True, help="Delete without asking.")
 @_limit_options
 @pass_app
-def gc(app: AppContext, /, dry_run: bool, as_json: bool, yes: bool, **limits: Any) -> None:
+def gc(app: AppContext, /, dry_run: bool, as_json: bool, yes: bool) -> None:
     """Delete what the GC policy says must go: leftovers in .trash/, stale .tmp files,
     unbound namespaces past retention, torn pages, then least recently used pages until
     under the caps and the free-space floor."""
-    app.overrides.update({k: v for k, v in limits.items() if v is not None})
     settings = app.settings
     if not (dry_run or yes or sys.stdin.isatty()):
         raise ConfigError("gc deletes files: pass --yes when not on a terminal (or --dry-run)")
-    layout = Layout.at(settings.root, settings.state_dir)
-    create_root(layout)
+    layout = existing_layout(settings)
     policy = GcPolicy.from_settings(settings)
+    if dry_run:  # in a copy of the DB: the scan and the plan write nothing under the root
+        with reading_store(layout) as store:
+            _run(GcRunner(store, layout, policy), None, dry_run, yes, as_json)
+        return
+    create_root(layout)
     leadership = Leadership(layout.gc_lock)
     try:
-        if not dry_run and not leadership.try_acquire():
+        if not leadership.try_acquire():
             raise ConflictError(
                 f"another process leads GC on {layout.root} ({leadership.holder()}); "
                 "nothing deleted: ask it with POST /v1/gc, or use --dry-run"
@@ -77,7 +79,7 @@ def gc(app: AppContext, /, dry_run: bool, as_json: bool, yes: bool, **limits: An
         # from a scan of the disk first (cachemgr.gc.floor), then run GC as usual.
         usage = reserve.usage_with_reserve(layout.state_dir)
         floor = None
-        if not dry_run and below_floor(layout, policy, usage):
+        if below_floor(layout, policy, usage):
             if not yes:
                 click.confirm("free space is below the floor: delete the oldest pages first?",
                               abort=True, err=True)  # fmt: skip

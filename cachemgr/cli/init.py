@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import shlex
@@ -12,21 +13,15 @@ from typing import Any, TypeVar
 
 import click
 
-from cachemgr.cli.common import drain_with_progress, opened_store, root_layout
-from cachemgr.cli.context import AppContext, pass_app
+from cachemgr.cli.common import drain_with_progress
+from cachemgr.cli.context import AppContext, pass_app, setting_option
 from cachemgr.cli.launch_options import LaunchRequest, launch_options
 from cachemgr.fs.atomic import write_atomic
 from cachemgr.identity.record import Identity
-from cachemgr.ns.prelaunch import (
-    STORAGE_DIR_ENV,
-    InitResult,
-    OnChange,
-    StorageDirConflict,
-    adopt_known_version,
-    init_namespace,
-    storage_dir_conflicts,
-)
-from cachemgr.sglang.args import LaunchArgs
+from cachemgr.ns import init as ns_init
+from cachemgr.ns.init import InitRun
+from cachemgr.ns.prelaunch import STORAGE_DIR_ENV, InitResult, StorageDirConflict
+from cachemgr.ns.root import created_layout
 from cachemgr.units import human_bytes
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -42,13 +37,19 @@ def init_options(f: F) -> F:
             help="Delete a purged namespace's files before returning (default), or leave them "
             "in .trash/ for the daemon or the next run.",
         ),
-        click.option(
+        setting_option(
             "--on-change",
+            setting="on_change",
             type=click.Choice(["purge", "retain"]),
             help="When the identity changed: purge the old namespace (default, unless another "
             "instance uses it) or retain it.",
         ),
-        click.option("--instance", metavar="NAME", help="Server instance name (default: default)."),
+        setting_option(
+            "--instance",
+            setting="instance",
+            metavar="NAME",
+            help="Server instance name (default: default).",
+        ),
         click.option(
             "--force",
             is_flag=True,
@@ -61,47 +62,22 @@ def init_options(f: F) -> F:
     return f
 
 
-@dataclasses.dataclass(frozen=True)
-class InitRun:
-    """An init that ran: its result, the launch args if a command was given, what to warn."""
-
-    result: InitResult
-    args: LaunchArgs | None
-    conflicts: tuple[StorageDirConflict, ...]
-    trash_refused: tuple[str, ...]
-
-
-def run_init(
-    app: AppContext,
-    launch: LaunchRequest,
-    *,
-    instance: str | None,
-    on_change: OnChange | None,
-    wait: bool,
-    force: bool = False,
-) -> InitRun:
-    """Compute the identity, init its namespace, delete what was purged if asked."""
+def run_init(app: AppContext, launch: LaunchRequest, *, wait: bool, force: bool) -> InitRun:
+    """Create the root, compute the identity, init its namespace (cachemgr.ns.init)."""
     settings = app.settings
-    layout = root_layout(settings, create=True)
-    identity = launch.compute_identity(settings)
-    args = launch.launch_args() if launch.command else None
-    name = settings.instance if instance is None else instance
-    with opened_store(layout) as store:
-        identity = adopt_known_version(store, name, identity)
-        _warn_version(identity)
-        result = init_namespace(
-            layout,
-            store,
-            identity,
-            instance=name,
-            on_change=on_change or settings.on_change,
-            force=force,
-        )
-        refused: tuple[str, ...] = ()
-        if wait and result.old_action == "purged":
-            refused = drain_with_progress(layout, store, actor="cli").refused
-    conflicts = storage_dir_conflicts(args, result.storage_dir, layout, os.environ)
-    return InitRun(result, args, tuple(conflicts), refused)
+    layout = created_layout(settings)
+    run = ns_init.run_init(
+        layout,
+        launch.compute_identity(settings),
+        launch.launch_args() if launch.command else None,
+        instance=settings.instance,
+        on_change=settings.on_change,
+        environ=os.environ,
+        force=force,
+        drain=functools.partial(drain_with_progress, actor="cli") if wait else None,
+    )
+    _warn_version(run.identity)
+    return run
 
 
 def _warn_version(identity: Identity) -> None:
@@ -162,8 +138,6 @@ def env_line(result: InitResult) -> str:
 def init(
     app: AppContext,
     launch: LaunchRequest,
-    instance: str | None,
-    on_change: OnChange | None,
     wait: bool,
     force: bool,
     print_env: bool,
@@ -175,7 +149,7 @@ def init(
     Pass the SGLang launch command after `--` (or the identity options); the namespace dir
     is what SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR must name for the server.
     """
-    run = run_init(app, launch, instance=instance, on_change=on_change, wait=wait, force=force)
+    run = run_init(app, launch, wait=wait, force=force)
     hands_env = print_env or env_file is not None
     warnings = [_conflict_warning(c, hands_env) for c in run.conflicts]
     warnings = [w for w in warnings if w]

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import click
 
+from cachemgr.cli.context import setting_option
 from cachemgr.fs.root import create_root
 from cachemgr.identity.digest_cache import DigestCache
 from cachemgr.identity.fingerprint import IdentityOptions, compute_identity
@@ -66,10 +67,8 @@ class LaunchRequest:
 
     overrides: dict[str, Any]
     command: tuple[str, ...]
-    salt: str | None = None
     fast: bool = False
     sglang_version: str | None = None
-    version_granularity: str | None = None
     _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def launch_args(self) -> LaunchArgs:
@@ -80,26 +79,33 @@ class LaunchRequest:
         return args
 
     def identity_options(self, settings: Settings) -> IdentityOptions:
-        """Identity knobs: these options over the settings (config file, CACHEMGR_* env)."""
+        """Identity knobs: these options, and the settings (--salt and the granularity are
+        settings flags, so they are in `settings` already)."""
         return IdentityOptions(
-            salt=self.salt if self.salt is not None else settings.identity_salt,
+            salt=settings.identity_salt,
             fast=self.fast,
             sglang_version=self.sglang_version,
-            version_granularity=self.version_granularity or settings.sglang_version_granularity,
+            version_granularity=settings.sglang_version_granularity,
             hash_workers=settings.hash_workers,
         )
 
     def compute_identity(self, settings: Settings) -> Identity:
-        """The identity, using the state DB's digest cache and a progress bar on a terminal."""
+        """The identity, using the root's digest cache if there is a root, and a progress bar
+        on a terminal."""
         layout = Layout.at(settings.root, settings.state_dir)
+        if not layout.root.is_dir():  # the identity does not depend on a root: none is made
+            return self._compute(settings, None)
         create_root(layout)
         with Store.open(layout.db_path) as store:
-            return compute_identity(
-                self.launch_args(),
-                self.identity_options(settings),
-                cache=DigestCache(store),
-                progress=terminal_progress,
-            )
+            return self._compute(settings, DigestCache(store))
+
+    def _compute(self, settings: Settings, cache: DigestCache | None) -> Identity:
+        return compute_identity(
+            self.launch_args(),
+            self.identity_options(settings),
+            cache=cache,
+            progress=terminal_progress,
+        )
 
 
 @contextlib.contextmanager
@@ -138,23 +144,24 @@ def launch_options(f: F) -> F:
         kwargs["launch"] = LaunchRequest(
             overrides=overrides,
             command=tuple(kwargs.pop("launch_cmd")),
-            salt=kwargs.pop("salt"),
             fast=kwargs.pop("fast"),
             sglang_version=kwargs.pop("sglang_version"),
-            version_granularity=kwargs.pop("sglang_version_granularity"),
         )
         return f(*args, **kwargs)
 
     decorators = [
         click.argument("launch_cmd", nargs=-1, type=click.UNPROCESSED, metavar="[-- LAUNCH_CMD…]"),
-        click.option(
+        setting_option(
             "--sglang-version-granularity",
+            setting="sglang_version_granularity",
             type=click.Choice(["major.minor", "full", "none"]),
             help="How much of the SGLang version counts (default major.minor).",
         ),
         click.option("--sglang-version", help="SGLang version (default: the installed one)."),
         click.option("--fast", is_flag=True, help="Hash safetensors headers + sizes only."),
-        click.option("--salt", help="Operator salt mixed into the identity."),
+        setting_option(
+            "--salt", setting="identity_salt", help="Operator salt mixed into the identity."
+        ),
         *(
             click.option(opt, name, type=typ, default=None, help=help_)
             for opt, name, typ, help_ in reversed(_SGLANG_OPTIONS)

@@ -9,10 +9,10 @@ import time
 
 import click
 
-from cachemgr.cli.common import opened_store, root_layout
 from cachemgr.cli.context import AppContext, pass_app
 from cachemgr.ns.purge import describe_trash
 from cachemgr.ns.registry import list_namespaces
+from cachemgr.ns.root import existing_layout, reading_store
 from cachemgr.units import human_bytes
 
 
@@ -21,8 +21,8 @@ from cachemgr.units import human_bytes
 @pass_app
 def ls(app: AppContext, as_json: bool) -> None:
     """List namespaces: id, instances, model, KV dtype, page size, pages, bytes, state."""
-    layout = root_layout(app.settings, create=False)
-    with opened_store(layout) as store:
+    layout = existing_layout(app.settings)
+    with reading_store(layout) as store:
         found = list_namespaces(layout, store)
     trash = describe_trash(layout)
     if as_json:

@@ -6,12 +6,11 @@ import os
 import sqlite3
 import sys
 from pathlib import Path
-from typing import Any
 
 import click
 
 from cachemgr import __version__
-from cachemgr.cli.context import AppContext
+from cachemgr.cli.context import AppContext, setting_option
 from cachemgr.errors import CachemgrError, StateCorrupt, StateError
 from cachemgr.fs import reserve
 
@@ -25,19 +24,21 @@ from cachemgr.fs import reserve
     help="TOML config file (env CACHEMGR_CONFIG).",
 )
 # Kept as strings (click.Path would turn "" into "."): Settings rejects an empty directory.
-@click.option("--root", type=click.Path(), help="Cache root directory.")
-@click.option("--state-dir", type=click.Path(), help="State DB directory.")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
-@click.option("--log-format", type=click.Choice(["auto", "json", "text"]))
+@setting_option("--root", setting="root", type=click.Path(), help="Cache root directory.")
+@setting_option("--state-dir", setting="state_dir", type=click.Path(), help="State DB directory.")
+@setting_option(
+    "--log-level", setting="log_level", type=click.Choice(["debug", "info", "warning", "error"])
+)
+@setting_option("--log-format", setting="log_format", type=click.Choice(["auto", "json", "text"]))
 @click.version_option(__version__, "--version", prog_name="cachemgr")
 @click.pass_context
-def cli(ctx: click.Context, /, config_file: Path | None, **overrides: Any) -> None:
+def cli(ctx: click.Context, /, config_file: Path | None) -> None:
     """Keep SGLang's HiCache L3 file cache valid, bounded and observable.
 
     Settings come from flags, CACHEMGR_* environment variables and a TOML config file,
     in that order of precedence.
     """
-    ctx.obj = AppContext(config_file=config_file, overrides=overrides)
+    ctx.ensure_object(AppContext).config_file = config_file
 
 
 @cli.command()

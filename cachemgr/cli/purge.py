@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import sys
 import time
 
 import click
 
-from cachemgr.cli.common import drain_with_progress, opened_store, root_layout
+from cachemgr.cli.common import drain_with_progress
 from cachemgr.cli.context import AppContext, pass_app
 from cachemgr.errors import CachemgrError, ConfigError
 from cachemgr.fs.deletion import DeleteReport, Pacer
@@ -23,6 +24,7 @@ from cachemgr.ns.purge import (
     execute_purge,
 )
 from cachemgr.ns.purge import plan_purge as make_plan
+from cachemgr.ns.root import existing_layout, opened_store, reading_store
 from cachemgr.units import human_bytes
 
 
@@ -62,15 +64,18 @@ def purge(
 
     Trash left by an earlier run (a crash, --no-wait) is deleted too.
     """
-    layout = root_layout(app.settings, create=False)
-    create_root(layout)
+    layout = existing_layout(app.settings)
+    select = functools.partial(
+        make_plan, namespace=namespace, instance=instance, all=all_, unbound=unbound
+    )
+    if dry_run:
+        with reading_store(layout) as store:
+            plan = select(layout, store)
+        _show_plan(plan, layout_trash=describe_trash(layout), as_json=as_json)
+        return
+    create_root(layout)  # a root whose ns/ or .trash/ went missing still purges
     with opened_store(layout) as store:
-        plan = make_plan(
-            layout, store, namespace=namespace, instance=instance, all=all_, unbound=unbound
-        )
-        if dry_run:
-            _show_plan(plan, layout_trash=describe_trash(layout), as_json=as_json)
-            return
+        plan = select(layout, store)
         if plan.targets and not yes:
             _confirm(plan)
         result = execute_purge(plan, layout, store, actor="cli", reason="manual")

@@ -16,15 +16,13 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from cachemgr.cli.common import opened_store, refuse_file_root
-from cachemgr.cli.context import AppContext, pass_app
+from cachemgr.cli.context import AppContext, pass_app, setting_option
 from cachemgr.doctor.root import disk_state, filesystem_line
 from cachemgr.errors import NotFoundError
-from cachemgr.fs.dirscan import scan_usage
 from cachemgr.fs.usage import DiskUsage
 from cachemgr.gc.policy import GcPolicy
 from cachemgr.layout import Layout
-from cachemgr.ns.status import NamespaceStatus, namespace_statuses
+from cachemgr.ns.root import refuse_file_root, status_from_disk
 from cachemgr.settings import Settings
 from cachemgr.units import human_age, human_bytes
 
@@ -50,24 +48,6 @@ def _same_root(reported: object, root: Path) -> bool:
         return reported == str(root) or os.path.samefile(reported, root)
     except OSError:
         return False
-
-
-def from_disk(settings: Settings) -> dict[str, Any]:
-    """The same report without a daemon: pages and bytes counted on disk, history from the DB."""
-    layout = Layout.at(settings.root, settings.state_dir)
-    if not (layout.db_path.exists() or layout.ns_root.is_dir()):
-        statuses: list[NamespaceStatus] = []
-    else:  # a lost DB (or one moved aside as corrupt) learns the namespaces from the disk
-        with opened_store(layout) as store:
-            statuses = namespace_statuses(store.conn, layout)
-    out = []
-    for s in statuses:
-        if s.has_dir:
-            m = scan_usage(layout, f"ns/{s.id}")
-            if m is not None:
-                s = s.model_copy(update={"pages": m.pages, "bytes": m.bytes, "temp_files": m.temps})
-        out.append(s.model_dump(mode="json"))
-    return {"root": str(layout.root), "source": "disk", "namespaces": out}
 
 
 def _ago(ts: float | None) -> str:
@@ -120,12 +100,13 @@ def render(report: dict[str, Any], console: Console) -> None:
 
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
-@click.option("--host", help="Where the daemon listens (default: settings host).")
-@click.option("--port", type=int, help="The daemon's port (default: settings port).")
+@setting_option("--host", setting="host", help="Where the daemon listens (default: settings host).")
+@setting_option(
+    "--port", setting="port", type=int, help="The daemon's port (default: settings port)."
+)
 @pass_app
-def status(app: AppContext, as_json: bool, host: str | None, port: int | None) -> None:
+def status(app: AppContext, as_json: bool) -> None:
     """Pages, bytes, reads, writes and hit ratio per namespace (from the daemon if it runs)."""
-    app.overrides.update({k: v for k, v in {"host": host, "port": port}.items() if v is not None})
     settings = app.settings
     layout = Layout.at(settings.root, settings.state_dir)
     refuse_file_root(layout)
@@ -142,7 +123,7 @@ def status(app: AppContext, as_json: bool, host: str | None, port: int | None) -
     elif not layout.root.is_dir():
         raise NotFoundError(f"no cache root at {layout.root} (init or serve creates it)")
     else:
-        report = from_disk(settings)
+        report = status_from_disk(layout)
     report["filesystem"] = _filesystem(layout, settings)
     if as_json:
         click.echo(json.dumps(report, indent=2))

@@ -1,0 +1,59 @@
+"""The pre-launch workflow `init` and `exec` run: the identity's namespace, old one purged."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+from cachemgr.fs.deletion import DeleteReport
+from cachemgr.identity.record import Identity
+from cachemgr.layout import Layout
+from cachemgr.ns.prelaunch import (
+    InitResult,
+    OnChange,
+    StorageDirConflict,
+    adopt_known_version,
+    init_namespace,
+    storage_dir_conflicts,
+)
+from cachemgr.ns.root import opened_store
+from cachemgr.sglang.args import LaunchArgs
+from cachemgr.state.store import Store
+
+Drain = Callable[[Layout, Store], DeleteReport]
+
+
+@dataclasses.dataclass(frozen=True)
+class InitRun:
+    """An init that ran: its result, the identity used (its version possibly adopted from
+    the instance's namespace), the launch args if a command was given, what to warn about."""
+
+    result: InitResult
+    identity: Identity
+    args: LaunchArgs | None
+    conflicts: tuple[StorageDirConflict, ...]
+    trash_refused: tuple[str, ...]
+
+
+def run_init(
+    layout: Layout,
+    identity: Identity,
+    args: LaunchArgs | None,
+    *,
+    instance: str,
+    on_change: OnChange,
+    environ: Mapping[str, str],
+    force: bool = False,
+    drain: Drain | None = None,
+) -> InitRun:
+    """Init the identity's namespace for `instance`; `drain` deletes what was purged now."""
+    with opened_store(layout) as store:
+        identity = adopt_known_version(store, instance, identity)
+        result = init_namespace(
+            layout, store, identity, instance=instance, on_change=on_change, force=force
+        )
+        refused: tuple[str, ...] = ()
+        if drain is not None and result.old_action == "purged":
+            refused = drain(layout, store).refused
+    conflicts = storage_dir_conflicts(args, result.storage_dir, layout, environ)
+    return InitRun(result, identity, args, tuple(conflicts), refused)
