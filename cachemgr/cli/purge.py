@@ -95,7 +95,8 @@ def purge(
         click.echo(json.dumps(out, indent=2))
     else:
         if plan.targets and not result.purged:
-            click.echo("nothing left to purge: another purge got there first")
+            # A bound namespace whose dir is already empty has nothing to rename away.
+            click.echo("nothing to purge: already empty, or another purge got there first")
         _show_result(result, report, elapsed)
     _fail_if_left_alone(left)
 

@@ -71,7 +71,10 @@ def _open_nofollow(name: str, dir_fd: int | None, shown: Path) -> int:
 
 def open_regular(dir_fd: int, name: str, flags: int, mode: int = 0o644) -> int:
     """Open `name` in `dir_fd` only if it is (or is created as) a regular file; never follows a
-    symlink, never blocks on a FIFO. UnsafePathError for anything else."""
+    symlink, never blocks on a FIFO, never opens for writing a file with other hard links
+    (O_TRUNC is refused: it would act before the checks). UnsafePathError for anything else."""
+    if flags & os.O_TRUNC:
+        raise ValueError("open_regular: O_TRUNC would truncate before the checks")
     if os.sep in name or name in ("", ".", ".."):
         raise UnsafePathError(f"{name!r} is not a plain file name")
     try:
@@ -81,9 +84,15 @@ def open_regular(dir_fd: int, name: str, flags: int, mode: int = 0o644) -> int:
         if e.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.ENOTDIR):
             raise UnsafePathError(f"{name}: a symlink or not a regular file; left alone") from e
         raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise UnsafePathError(f"{name}: not a regular file; left alone")
+    if flags & (os.O_WRONLY | os.O_RDWR) and st.st_nlink > 1:
+        # A hard link planted at our name shares its inode with a file elsewhere: writing
+        # (a lock note, the reserve's fallocate) would change that file. Ours never have two.
+        os.close(fd)
+        raise UnsafePathError(f"{name}: has {st.st_nlink} hard links; cachemgr does not write it")
     return fd
 
 
@@ -91,23 +100,29 @@ def open_file(path: Path, flags: int, mode: int = 0o644) -> int:
     """open_regular() of `path` in its dir, which is opened without following a symlink (and
     made, with O_CREAT): for the state dir's files, whose dir a person could replace by a link."""
     with open_dir(path.parent, "", create=bool(flags & os.O_CREAT)) as dir_fd:
-        return open_regular(dir_fd, path.name, flags, mode)
+        try:
+            return open_regular(dir_fd, path.name, flags, mode)
+        except UnsafePathError as e:
+            raise UnsafePathError(
+                f"{path.parent}/{e} (move it away, or point --state-dir elsewhere)"
+            ) from e
 
 
 def refuse_non_regular(paths: Iterable[Path]) -> None:
-    """UnsafePathError if any of `paths` exists as anything but a regular file (a symlink, a
-    FIFO, a dir): for files another library opens by path (SQLite), which we cannot make
-    refuse links itself. Each path's dir is opened (made if absent) without following links."""
+    """UnsafePathError if any of `paths` exists as anything but a regular file with one link (a
+    symlink, a hard link, a FIFO, a dir): for files another library opens by path (SQLite),
+    which we cannot make refuse links itself. Each path's dir is opened (made if absent)
+    without following links."""
     for path in paths:
         with open_dir(path.parent, "", create=True) as dir_fd:
             try:
                 st = os.stat(path.name, dir_fd=dir_fd, follow_symlinks=False)
             except FileNotFoundError:
                 continue
-        if not stat.S_ISREG(st.st_mode):
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
             raise UnsafePathError(
-                f"{path} is a symlink or not a regular file; cachemgr does not open it "
-                "(move it away, or point --state-dir elsewhere)"
+                f"{path} is a symlink, a hard link or not a regular file; cachemgr does not "
+                "open it (move it away, or point --state-dir elsewhere)"
             )
 
 

@@ -39,6 +39,7 @@ from cachemgr.worker import DeathHandler, Worker
 
 log = logging.getLogger("cachemgr.gc.plan")
 RUN_GAP = 5.0  # seconds at least between two daemon runs (wakes in between are coalesced)
+FLOOR_CHECK = 5.0  # seconds between two statvfs checks of the free-space floor
 
 
 def needs_gc(
@@ -255,13 +256,21 @@ class GcRunner(Worker):
                     return
                 if self._cycle(self.free_floor):
                     stop.wait(RUN_GAP)
-            self._wake.set()
+            next_tick = time.monotonic()  # a tick at once
             while not stop.is_set():
-                self._wake.wait(self.policy.interval)
+                wait = min(next_tick - time.monotonic(), FLOOR_CHECK)
+                woken = self._wake.wait(max(wait, 0.0))
                 self._wake.clear()
                 if stop.is_set():
                     break
-                if self._cycle(self.tick):
+                if woken or time.monotonic() >= next_tick:
+                    next_tick = time.monotonic() + self.policy.interval
+                    ran = self._cycle(self.tick)
+                else:
+                    # Anything may fill the filesystem, not only pages the watcher sees (a
+                    # writer outside the cache, files SGLang wrote in place): one statvfs.
+                    ran = self._cycle(self.free_floor)
+                if ran:
                     # Writes keep waking GC while a cap cannot be met (every page younger than
                     # min_age): at most one run per gap, not one per batch of events.
                     stop.wait(min(self.policy.interval, RUN_GAP))

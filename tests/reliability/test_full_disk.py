@@ -32,6 +32,7 @@ from cachemgr.units import human_bytes
 from tests.daemon_helpers import (
     NS_A,
     NS_B,
+    RunningDaemon,
     page_name,
     register_namespace,
     running_daemon,
@@ -260,3 +261,49 @@ def test_daemon_frees_a_full_disk_twice_and_serves_metrics_throughout(
             f"{took2:.2f} s; index retries on ENOSPC: {retries}; /metrics x{len(poller.latencies)}"
             f" max {worst * 1000:.0f} ms"
         )
+
+
+def fill_outside_the_cache(fs: Path) -> None:
+    """Another program fills the filesystem: no event the watcher could see."""
+    with open(fs / "other-app.log", "ab") as f:
+        try:
+            while True:
+                f.write(os.urandom(64 << 10))
+                f.flush()
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+
+
+def gc_settled(d: RunningDaemon, quiet: float = 7.0, timeout: float = 90.0) -> None:
+    """Wait until the daemon's GC has done no run for `quiet` seconds (> RUN_GAP): a run's
+    own deletions wake it again, which would hide whether anything else does."""
+    deadline = time.monotonic() + timeout
+    runs, since = d.daemon.gc.stats.ok, time.monotonic()
+    while time.monotonic() - since < quiet:
+        assert time.monotonic() < deadline, "GC never settled"
+        time.sleep(0.2)
+        if d.daemon.gc.stats.ok != runs:
+            runs, since = d.daemon.gc.stats.ok, time.monotonic()
+
+
+def test_daemon_frees_a_disk_filled_by_another_program_without_waiting_for_its_interval(
+    small_fs: Path, tmp_path: Path
+) -> None:
+    """The free-space floor is checked every few seconds (one statvfs), not only when the
+    watcher sees pages or an index write fails: with the state DB elsewhere (so no write
+    fails) and gc_interval at an hour, space is still freed within seconds."""
+    layout = make_full_root(small_fs, state_dir=tmp_path / "state")
+    settings = load_settings(
+        root=layout.root, state_dir=layout.state_dir, log_format="json",
+        gc_min_free_percent=FLOOR_PERCENT, gc_interval="1h",
+    )  # fmt: skip
+    with running_daemon(settings) as d:
+        for _ in range(2):
+            gc_settled(d)  # nothing left to wake it: no run pending, no deletion in flight
+            before = pages_on_disk(layout, NS_A)
+            fill_outside_the_cache(small_fs)
+            assert free(layout) < floor(layout)
+            wait_for(lambda: free(layout), lambda f: f >= floor(layout), timeout=30)
+            assert pages_on_disk(layout, NS_A) < before  # pages went; the other file stays
+        assert (small_fs / "other-app.log").stat().st_size > 0

@@ -172,6 +172,29 @@ def test_a_link_planted_at_a_written_path_is_never_followed(
     worked_or_refused("purge", cli("--root", str(root), "purge", "--all", "--yes"))
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "rel", [r for r in WRITTEN if r not in DIRS], ids=lambda r: r.replace(BOOT, "<boot>")
+)
+def test_a_hard_link_planted_at_a_written_file_is_never_written_through(
+    tmp_path: Path, model: Path, victim: Path, rel: str
+) -> None:
+    """A hard link shares its inode with a file outside: writing it in place (a lock note,
+    the reserve's fallocate, SQLite) would change that file. Replacing it (an atomic rename)
+    is fine; writing through it never is."""
+    root = tmp_path / "root"
+    ns = initialized_root(root, model)
+    path = root / rel.replace(PLACEHOLDER, ns)
+    if path.is_symlink() or path.exists():
+        path.unlink()
+    os.link(victim / _existing_victim_file(path.name), path)
+    worked_or_refused("init", init(root, model))
+    for argv in (("ls",), ("status",), ("doctor",), ("gc", "--yes")):
+        worked_or_refused(argv[0], cli("--root", str(root), *argv))
+    serve_briefly(root)
+    worked_or_refused("purge", cli("--root", str(root), "purge", "--all", "--yes"))
+
+
 def _existing_victim_file(name: str) -> str:
     return "state.db" if name.startswith("state.db") else "gc.lock"
 
@@ -190,7 +213,7 @@ def test_state_db_link_is_refused_before_sqlite_opens_it(tmp_path: Path, victim:
     create_root(layout)
     for link in db_files(layout.db_path):
         link.symlink_to(victim / "state.db")
-        with pytest.raises(CachemgrError, match="symlink or not a regular file"):
+        with pytest.raises(CachemgrError, match="a symlink, a hard link or not a regular file"):
             Store.open(layout.db_path)
         link.unlink()
     Store.open(layout.db_path).close()
