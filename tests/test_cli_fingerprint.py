@@ -145,6 +145,22 @@ def test_errors_are_one_line(
     one_line_error(code, err, "is not an identity record")
 
 
+@pytest.mark.timeout(30)
+def test_diff_refuses_poisoned_record_files(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A FIFO is refused, not waited on; a huge file is not read; deep nesting is one line."""
+    os.mkfifo(tmp_path / "fifo.json")
+    (tmp_path / "deep.json").write_text("[" * 200_000)
+    with open(tmp_path / "huge.json", "wb") as f:
+        f.truncate(2 << 20)
+    for name, why in (("fifo", "not a regular file"), ("deep", "nested too deeply"),
+                      ("huge", "larger than")):  # fmt: skip
+        path = str(tmp_path / f"{name}.json")
+        code, _, err = run(capsys, "fingerprint", "diff", path, path)
+        one_line_error(code, err, why)
+
+
 def test_console_script_end_to_end(root: Path, model: Path) -> None:
     """The installed entry point, in a subprocess: same digest as in-process, exit 0."""
     out = subprocess.run(

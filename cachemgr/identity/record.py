@@ -9,13 +9,15 @@ copies of a model at different paths are the same identity). The namespace id is
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Literal
 
 import xxhash
 from pydantic import BaseModel, ConfigDict, ValidationError, computed_field
 
-from cachemgr.errors import ConfigError
+from cachemgr.errors import ConfigError, UnsafePathError
+from cachemgr.fs.safe import read_regular
 
 # 2: page_size may be null (resolved by the server); model_override_args, load_format and
 # page_major_kv_layout added.
@@ -131,14 +133,27 @@ class Identity(BaseModel):
         return self.digest[:16]
 
 
+RECORD_MAX_BYTES = 1 << 20  # a record is a few KiB; a manifest holding one, not much more
+
+
 def load_record(path: Path) -> Identity:
     """An identity from a manifest (`{"identity": {...}, ...}`) or a bare record file."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:  # a FIFO is refused, not waited on; a huge file is not read past the limit
+            raw = read_regular(dir_fd, path.name, RECORD_MAX_BYTES)
+        finally:
+            os.close(dir_fd)
     except OSError as e:
         raise ConfigError(f"cannot read {path}: {e.strerror or e}") from e
+    except UnsafePathError as e:
+        raise ConfigError(f"cannot read {path}: {e}") from e
+    try:
+        data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"{path} is not JSON: {e}") from e
+    except RecursionError:
+        raise ConfigError(f"{path} is not an identity record: nested too deeply") from None
     if isinstance(data, dict) and isinstance(data.get("identity"), dict):
         data = data["identity"]
     if isinstance(data, dict) and data.get("schema_version", SCHEMA_VERSION) != SCHEMA_VERSION:
