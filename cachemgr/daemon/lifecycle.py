@@ -41,6 +41,7 @@ from cachemgr.layout import Layout
 from cachemgr.ns import purge as purge_mod
 from cachemgr.settings import Settings
 from cachemgr.sglang.probe import ProbeLoop, ProbeState
+from cachemgr.state import registry_sql
 from cachemgr.state.store import Store
 from cachemgr.worker import Worker
 
@@ -153,13 +154,18 @@ class Daemon:
             self.prober = ProbeLoop(
                 self.settings.sglang_url,
                 instance=self.settings.instance,
-                reader=self.reader,
+                bound=self._bound_namespace,
                 on_mismatch=self._purge_mismatch,
                 interval=self.settings.sglang_poll_interval,
                 state=self.probe,
                 on_death=self._worker_died,
             )
         self.workers: list[Worker] = [self.indexer, self.gc, *filter(None, [self.prober])]
+
+    def _bound_namespace(self, instance: str) -> tuple[str, str, int] | None:
+        """The prober's lookup: (id, identity_json, indexed pages) of the instance's namespace."""
+        with self.reader() as conn:
+            return registry_sql.bound_namespace(conn, instance)
 
     def _check_watermarks(self) -> None:
         """After a batch (on the index thread, its connection): wake GC if a limit is crossed.

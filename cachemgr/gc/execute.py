@@ -16,6 +16,7 @@ from cachemgr.gc.step import GcReport, GcStep, StepResult
 from cachemgr.layout import Layout
 from cachemgr.ns.trash import drain_entry
 from cachemgr.sglang.liveuse import live_users
+from cachemgr.state import pages_sql
 from cachemgr.state.store import Store
 
 log = logging.getLogger("cachemgr.gc.plan")
@@ -155,10 +156,7 @@ def _record_chunk(
         return
     with store.transaction() as conn:
         if gone and step.namespace_id is not None and step.rel_dir.startswith("ns/"):
-            conn.executemany(
-                "DELETE FROM pages WHERE namespace_id = ? AND name = ?",
-                [(step.namespace_id, n) for n in gone],
-            )
+            pages_sql.delete_pages(conn, [(step.namespace_id, n) for n in gone])
         if r.files:
             store.audit(
                 "evict", namespace_id=step.namespace_id, reason=step.reason, actor=actor,

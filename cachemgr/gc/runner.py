@@ -34,6 +34,7 @@ from cachemgr.layout import Layout
 from cachemgr.ns import registry as nsreg
 from cachemgr.ns.trash import list_trash
 from cachemgr.sglang.liveuse import live_users
+from cachemgr.state import pages_sql
 from cachemgr.state.store import Store
 from cachemgr.worker import DeathHandler, Worker
 
@@ -62,7 +63,7 @@ def needs_gc(
         dropped = [d for d in dropped if d[0] not in damaged]
     reasons += sorted({r for _, r in dropped})
     gone = {ns for ns, _ in dropped}
-    usage = {ns: b for ns, b in gcfind.namespace_bytes(conn).items() if ns not in gone}
+    usage = {ns: b for ns, b in pages_sql.namespace_bytes(conn).items() if ns not in gone}
     limits = over_limits(policy, usage, DiskUsage(*disk_usage(layout.root)))
     if limits.namespaces:
         reasons.append("cap")
