@@ -105,7 +105,7 @@ def test_a_runner_that_may_not_lead_never_takes_the_lock(tmp_path: Path) -> None
     create_root(layout)
     store = Store.open(layout.db_path)
     try:
-        runner = GcRunner(store, layout, GcPolicy(), eligible=lambda: False)
+        runner = GcRunner(layout, store, GcPolicy(), eligible=lambda: False)
         assert runner.tick() is None and runner.stats.skipped == 1
         assert runner.run(sweep=True).leader is False and not runner.leadership.held
         other = Leadership(layout.state_dir / "gc.lock")

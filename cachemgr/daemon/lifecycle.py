@@ -130,13 +130,13 @@ class Daemon:
         self.gc_store = Store.open(self.layout.db_path)
         # GC is led by an index leader: only its watcher wakes GC (watermarks, a CLI purge).
         self.gc = GcRunner(
-            self.gc_store, self.layout, self.gc_policy, eligible=lambda: index.leader,
+            self.layout, self.gc_store, self.gc_policy, eligible=lambda: index.leader,
             ready=index.ready, on_death=self._worker_died,
         )  # fmt: skip
         leadership, ready_marker = leadership_files(self.layout)
         self.indexer = Indexer(
-            self.store,
             self.layout,
+            self.store,
             batch_interval=self.settings.batch_interval,
             reconcile_interval=self.settings.reconcile_interval or float("inf"),
             leadership=leadership,
@@ -174,7 +174,7 @@ class Daemon:
         once per batch_interval. Not gated on leadership: a wake on a non-leader costs one
         flock attempt, and gating would drop a crossing seen before the lock is first taken.
         """
-        reasons = needs_gc(self.store, self.layout, self.gc_policy, now=time.time())
+        reasons = needs_gc(self.layout, self.store, self.gc_policy, now=time.time())
         # Not for .trash/ alone: purges wake GC themselves, and an entry GC must refuse (a
         # symlink) would otherwise wake it on every batch; the interval retries it.
         if set(reasons) - {"trash"}:

@@ -28,7 +28,7 @@ class PageEvents:
     the largest stored value, so the order survives a restart.
     """
 
-    def __init__(self, store: Store, layout: Layout, fmt: FileFormat = HICACHE_FILE) -> None:
+    def __init__(self, layout: Layout, store: Store, fmt: FileFormat = HICACHE_FILE) -> None:
         self.store, self.layout, self.fmt = store, layout, fmt
         self._next: int | None = None  # read at first use, on the thread that applies
 

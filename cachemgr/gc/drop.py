@@ -29,8 +29,8 @@ InUse = Callable[[Path], list[int]]  # the pids using a dir as their storage dir
 def drop_namespace(
     step: GcStep,
     base: StepResult,
-    store: Store,
     layout: Layout,
+    store: Store,
     actor: str,
     pacer: Pacer | None,
     progress: Progress | None,
@@ -49,7 +49,7 @@ def drop_namespace(
     ns_id = step.namespace_id
     assert ns_id is not None
     with root_lock(layout):
-        if why := kept(store, layout, ns_id, in_use):
+        if why := kept(layout, store, ns_id, in_use):
             return replace(base, skipped=why)
         entry = rename_to_trash(layout, ns_id, recreate=False)
         held = list(list_files(layout, f".trash/{entry}")) if entry else []
@@ -89,7 +89,7 @@ def _put_back(layout: Layout, entry: str, ns_id: str) -> str:
     return ""
 
 
-def kept(store: Store, layout: Layout, ns_id: str | None, in_use: InUse) -> str | None:
+def kept(layout: Layout, store: Store, ns_id: str | None, in_use: InUse) -> str | None:
     """Why an unbound namespace stays after all: a server bound it since the plan was made (in
     the DB, or in a binding file the DB has not read back yet), or a running process on this
     host has it as its storage dir (a server started before its instance moved elsewhere)."""

@@ -46,8 +46,8 @@ class _Tally:
 
 def execute_gc(
     plan: GcPlan,
-    store: Store,
     layout: Layout,
+    store: Store,
     *,
     dry_run: bool = False,
     actor: str = "cli",
@@ -70,7 +70,7 @@ def execute_gc(
             break
         try:
             result = _run_step(
-                step, store, layout, dry_run, actor, pacer, tally, clock, stop, in_use
+                step, layout, store, dry_run, actor, pacer, tally, clock, stop, in_use
             )
         except UnsafePathError as e:  # its dir became a symlink: the other steps still run
             log.warning("gc step refused", extra={"dir": step.rel_dir, "error": str(e)})
@@ -83,8 +83,8 @@ def execute_gc(
 
 def _run_step(
     step: GcStep,
-    store: Store,
     layout: Layout,
+    store: Store,
     dry_run: bool,
     actor: str,
     pacer: Pacer | None,
@@ -96,11 +96,11 @@ def _run_step(
     base = StepResult(step)
     if step.reason in ("unbound", "ttl") and step.remove_dir and step.namespace_id and not dry_run:
         result = drop_namespace(
-            step, base, store, layout, actor, pacer, tally.offset(), clock, in_use
+            step, base, layout, store, actor, pacer, tally.offset(), clock, in_use
         )
         tally.add(result)
         return result
-    why = step.reason in ("unbound", "ttl") and kept(store, layout, step.namespace_id, in_use)
+    why = step.reason in ("unbound", "ttl") and kept(layout, store, step.namespace_id, in_use)
     if why:  # a dry run says what the drop would find under the lock
         return replace(base, skipped=why)
     if step.reason == "trash":  # the same path as a purge's own drain, audited there
@@ -112,7 +112,7 @@ def _run_step(
         tally.add(r)
         return base.done(r)
     if step.namespace_id is None and step.reason == "tmp":
-        return _sweep_own_temps(step, base, store, layout, dry_run, actor, clock)
+        return _sweep_own_temps(step, base, layout, store, dry_run, actor, clock)
     total = DeleteReport(dry_run=dry_run)
     for i in range(0, len(step.names), CHUNK):
         if stop():
@@ -167,8 +167,8 @@ def _record_chunk(
 def _sweep_own_temps(
     step: GcStep,
     base: StepResult,
-    store: Store,
     layout: Layout,
+    store: Store,
     dry_run: bool,
     actor: str,
     clock: Callable[[], float],

@@ -47,8 +47,8 @@ class GcPlan(ByReason):
 
 
 def plan_gc(
-    store: Store,
     layout: Layout,
+    store: Store,
     policy: GcPolicy,
     *,
     now: float,

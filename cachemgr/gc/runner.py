@@ -44,8 +44,8 @@ FLOOR_CHECK = 5.0  # seconds between two statvfs checks of the free-space floor
 
 
 def needs_gc(
-    store: Store,
     layout: Layout,
+    store: Store,
     policy: GcPolicy,
     *,
     now: float,
@@ -93,8 +93,8 @@ class GcRunner(Worker):
 
     def __init__(
         self,
-        store: Store,
         layout: Layout,
+        store: Store,
         policy: GcPolicy,
         *,
         leadership: Leadership | None = None,
@@ -132,7 +132,7 @@ class GcRunner(Worker):
         """The cheap check (see the module docstring)."""
         with self._serialized():
             return needs_gc(
-                self.store, self.layout, self.policy, now=self.clock(), disk_usage=self.disk_usage
+                self.layout, self.store, self.policy, now=self.clock(), disk_usage=self.disk_usage
             )
 
     def _lead(self) -> bool:
@@ -227,13 +227,13 @@ class GcRunner(Worker):
     ) -> GcReport:
         now = self.clock()
         plan = plan_gc(
-            self.store, self.layout, self.policy, now=now, disk_usage=self.disk_usage,
+            self.layout, self.store, self.policy, now=now, disk_usage=self.disk_usage,
             temps=temps, sweep=sweep,
         )  # fmt: skip
         if sweep and not dry_run:
             self.last_sweep = now
         return execute_gc(
-            plan, self.store, self.layout, dry_run=dry_run, actor=actor,
+            plan, self.layout, self.store, dry_run=dry_run, actor=actor,
             pacer=pacer or Pacer(rate=self.policy.delete_rate), progress=progress,
             clock=self.clock, stop=self._stopping.is_set, in_use=self.in_use,
         )  # fmt: skip
