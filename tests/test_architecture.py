@@ -174,3 +174,30 @@ def test_only_the_state_layer_runs_sql(module: str) -> None:
     SQL; they still own the transaction (`with store.transaction():`)."""
     lines = sql_calls(MODULES[module].read_text(encoding="utf-8"))
     assert not lines, f"{module} runs SQL itself at lines {lines}: move it to cachemgr.state"
+
+
+def store_before_layout(source: str) -> list[str]:
+    """Functions whose parameters put a Store before a Layout."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            kinds = [ast.unparse(a.annotation) for a in node.args.args if a.annotation]
+            if (
+                "Store" in kinds
+                and "Layout" in kinds
+                and kinds.index("Store") < kinds.index("Layout")
+            ):
+                found.append(node.name)
+    return found
+
+
+def test_the_order_walk_sees_store_before_layout() -> None:
+    assert store_before_layout("def f(s: Store, l: Layout) -> None: ...") == ["f"]
+    assert store_before_layout("def g(l: Layout, s: Store) -> None: ...") == []
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_layout_comes_before_store(module: str) -> None:
+    """One argument order everywhere: (layout, store, ...)."""
+    wrong = store_before_layout(MODULES[module].read_text(encoding="utf-8"))
+    assert not wrong, f"{module}: {wrong} take (store, layout); use (layout, store)"
