@@ -27,7 +27,7 @@ from cachemgr.layout import Layout
 from cachemgr.state.store import Store
 layout = Layout.at(Path(sys.argv[1]))
 store = Store.open(layout.db_path)
-runner = GcRunner(store, layout, GcPolicy(max_bytes=5_000, min_age=0, delete_rate=None))
+runner = GcRunner(layout, store, GcPolicy(max_bytes=5_000, min_age=0, delete_rate=None))
 print(json.dumps({"leader": runner.leadership.try_acquire()}), flush=True)
 sys.stdin.readline()
 report = runner.run(actor="auto")
