@@ -56,7 +56,7 @@ class Tree:
     rec: PageEvents = field(init=False)
 
     def __post_init__(self) -> None:
-        self.rec = PageEvents(self.store, self.layout)
+        self.rec = PageEvents(self.layout, self.store)
 
     @classmethod
     def at(cls, root: Path) -> Tree:
@@ -103,10 +103,10 @@ class Tree:
 
     def plan(self, pol: GcPolicy, *, now: float, **kw: object) -> GcPlan:
         kw.setdefault("disk_usage", big_disk)
-        return plan_gc(self.store, self.layout, pol, now=now, **kw)  # type: ignore[arg-type]
+        return plan_gc(self.layout, self.store, pol, now=now, **kw)  # type: ignore[arg-type]
 
     def execute(self, plan: GcPlan, *, now: float, dry_run: bool = False) -> GcReport:
-        return execute_gc(plan, self.store, self.layout, dry_run=dry_run, clock=lambda: now)
+        return execute_gc(plan, self.layout, self.store, dry_run=dry_run, clock=lambda: now)
 
 
 def evicted(plan: GcPlan, reason: str | None = None) -> list[str]:

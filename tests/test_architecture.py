@@ -146,3 +146,58 @@ def test_the_cycle_check_finds_a_loop() -> None:
 def test_module_is_at_most_300_lines(module: str) -> None:
     lines = len(MODULES[module].read_text(encoding="utf-8").splitlines())
     assert lines <= MAX_LINES, f"{module} has {lines} lines"
+
+
+SQL_CALLS = {"execute", "executemany", "executescript"}
+SQL_HOME = "state"  # the layer that owns the SQL: named statements in cachemgr.state.*_sql
+
+
+def sql_calls(source: str) -> list[int]:
+    """Lines of `<anything>.execute(...)` and friends: a statement run on a connection."""
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in SQL_CALLS
+    ]
+
+
+def test_the_sql_walk_sees_a_statement() -> None:
+    src = "def f(store):\n    store.conn.execute('SELECT 1')\n    c.executemany(q, rows)\n"
+    assert sql_calls(src) == [2, 3]
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if top(m) != SQL_HOME))
+def test_only_the_state_layer_runs_sql(module: str) -> None:
+    """Callers name the query (cachemgr.state.registry_sql, pages_sql, …) instead of writing
+    SQL; they still own the transaction (`with store.transaction():`)."""
+    lines = sql_calls(MODULES[module].read_text(encoding="utf-8"))
+    assert not lines, f"{module} runs SQL itself at lines {lines}: move it to cachemgr.state"
+
+
+def store_before_layout(source: str) -> list[str]:
+    """Functions whose parameters put a Store before a Layout."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            kinds = [ast.unparse(a.annotation) for a in node.args.args if a.annotation]
+            if (
+                "Store" in kinds
+                and "Layout" in kinds
+                and kinds.index("Store") < kinds.index("Layout")
+            ):
+                found.append(node.name)
+    return found
+
+
+def test_the_order_walk_sees_store_before_layout() -> None:
+    assert store_before_layout("def f(s: Store, l: Layout) -> None: ...") == ["f"]
+    assert store_before_layout("def g(l: Layout, s: Store) -> None: ...") == []
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_layout_comes_before_store(module: str) -> None:
+    """One argument order everywhere: (layout, store, ...)."""
+    wrong = store_before_layout(MODULES[module].read_text(encoding="utf-8"))
+    assert not wrong, f"{module}: {wrong} take (store, layout); use (layout, store)"

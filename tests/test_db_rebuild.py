@@ -63,7 +63,7 @@ def test_the_daemons_first_scan_registers_forgotten_namespaces(root: Path, old_n
     lose_db(root)
     layout = Layout.at(root)
     store = Store.open(layout.db_path)
-    ix = Indexer(store, layout, batch_interval=0.05)
+    ix = Indexer(layout, store, batch_interval=0.05)
     ix.start()
     try:
         assert ix.state.ready.wait(10)

@@ -227,12 +227,12 @@ def test_needs_gc_reads_aggregates_that_follow_the_index(tree: Tree) -> None:
     tree.write(NS2, B[:2], at=T0, size=300)
     pol = policy(max_bytes=6_000)
     kw = {"now": T0 + 1, "disk_usage": lambda _: (10**12, 0, 10**12)}
-    assert needs_gc(tree.store, tree.layout, pol, **kw) == ("cap",)
+    assert needs_gc(tree.layout, tree.store, pol, **kw) == ("cap",)
     tree.execute(tree.plan(pol, now=T0 + 1), now=T0 + 1)
-    assert needs_gc(tree.store, tree.layout, pol, **kw) == ()
+    assert needs_gc(tree.layout, tree.store, pol, **kw) == ()
     tree.write(NS, [A[0]], at=T0 + 2, size=5000)  # rewritten bigger: the resize trigger
     (tree.layout.trash / f"{NS2}.x").mkdir()
-    assert needs_gc(tree.store, tree.layout, pol, **kw) == ("trash", "cap")
+    assert needs_gc(tree.layout, tree.store, pol, **kw) == ("trash", "cap")
     sums = "SELECT namespace_id, COUNT(*), SUM(size) FROM pages GROUP BY namespace_id"
     usage = "SELECT namespace_id, pages, bytes FROM namespace_stats WHERE pages > 0 ORDER BY 1"
     conn = tree.store.conn
@@ -255,7 +255,7 @@ def test_scan_brings_the_index_in_line_and_keeps_recency(tree: Tree) -> None:
     for name in B:
         (tree.dir(NS2) / name).unlink()
     tree.dir(NS2).rmdir()
-    reports = scan_root(tree.store, tree.layout, now=lambda: T0 + 5)
+    reports = scan_root(tree.layout, tree.store, now=lambda: T0 + 5)
     assert [(r.namespace_id, r.added, r.removed) for r in reports] == [(NS, 1, 1)]
     rows = tree.store.conn.execute("SELECT name, last_access, reads, access_seq, size FROM pages")
     got = {r[0]: tuple(r[1:]) for r in rows}
@@ -271,7 +271,7 @@ def test_event_sequence_follows_observation_order_and_resumes(tree: Tree) -> Non
     tree.rec.apply([(Kind.READ, NS, A[3], 0.0), (Kind.READ, NS, A[1], 0.0)], now=T0 + 1)
     seqs = dict(tree.store.conn.execute("SELECT name, access_seq FROM pages"))
     assert seqs[A[0]] < seqs[A[2]] < seqs[A[3]] < seqs[A[1]]  # one counter, event order
-    again = PageEvents(Store.open(tree.layout.db_path), tree.layout)
+    again = PageEvents(tree.layout, Store.open(tree.layout.db_path))
     again.apply([(Kind.READ, NS, A[0], 0.0)], now=T0 + 2)
     seqs = dict(tree.store.conn.execute("SELECT name, access_seq FROM pages"))
     assert seqs[A[0]] > max(seqs[n] for n in A[1:])
@@ -285,7 +285,7 @@ def test_a_stop_ends_the_run_after_the_chunk_being_deleted(tree: Tree) -> None:
     plan = tree.plan(policy(max_bytes=1), now=T0 + 1)
     checks = iter([False, False])  # the step, then its first chunk; stop after that
     report = execute_gc(
-        plan, tree.store, tree.layout, clock=lambda: T0 + 1, stop=lambda: next(checks, True)
+        plan, tree.layout, tree.store, clock=lambda: T0 + 1, stop=lambda: next(checks, True)
     )
     (step,) = report.steps
     assert step.files == CHUNK and step.skipped and step.skipped.startswith("stopped")

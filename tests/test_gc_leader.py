@@ -27,7 +27,7 @@ from cachemgr.layout import Layout
 from cachemgr.state.store import Store
 layout = Layout.at(Path(sys.argv[1]))
 store = Store.open(layout.db_path)
-runner = GcRunner(store, layout, GcPolicy(max_bytes=5_000, min_age=0, delete_rate=None))
+runner = GcRunner(layout, store, GcPolicy(max_bytes=5_000, min_age=0, delete_rate=None))
 print(json.dumps({"leader": runner.leadership.try_acquire()}), flush=True)
 sys.stdin.readline()
 report = runner.run(actor="auto")
@@ -105,7 +105,7 @@ def test_a_runner_that_may_not_lead_never_takes_the_lock(tmp_path: Path) -> None
     create_root(layout)
     store = Store.open(layout.db_path)
     try:
-        runner = GcRunner(store, layout, GcPolicy(), eligible=lambda: False)
+        runner = GcRunner(layout, store, GcPolicy(), eligible=lambda: False)
         assert runner.tick() is None and runner.stats.skipped == 1
         assert runner.run(sweep=True).leader is False and not runner.leadership.held
         other = Leadership(layout.state_dir / "gc.lock")

@@ -60,7 +60,7 @@ def test_the_index_counts_one_page_per_key_and_bytes_of_every_file(tree: Tree) -
     tree.stored(NS, files_of(1), at=T0 + 6)
     assert stats(tree) == (2, 7, 700)
     # the scan finds the index right as it is: nothing to reindex
-    report = scan_namespace(tree.store, tree.layout, NS)
+    report = scan_namespace(tree.layout, tree.store, NS)
     assert (report.pages, report.files, report.bytes, report.drift) == (2, 7, 700, 0)
 
 
@@ -70,7 +70,7 @@ def test_a_reindex_counts_pages_as_the_events_do(tree: Tree) -> None:
     with tree.store.transaction() as conn:
         conn.execute("DELETE FROM pages")  # a lost index: the scan rebuilds it from the disk
     assert stats(tree) == (0, 0, 0)
-    report = scan_namespace(tree.store, tree.layout, NS)
+    report = scan_namespace(tree.layout, tree.store, NS)
     assert report.added == 16 and stats(tree) == (4, 16, 160)
 
 
@@ -145,7 +145,7 @@ def test_pages_sglang_writes_with_pools_on_two_ranks_count_once(
         sglang.write(h, [[3, 256]], pool="mamba")
     names = os.listdir(d)
     assert len(keys) == 4 and len(names) == 16
-    report = scan_namespace(tree.store, tree.layout, NS)
+    report = scan_namespace(tree.layout, tree.store, NS)
     assert (report.pages, report.files) == (4, 16)
     assert stats(tree)[:2] == (4, 16)
     now = time.time() + 1  # the scan dated the pages by their mtime
@@ -172,7 +172,7 @@ def test_ls_status_and_metrics_count_pages_not_files(layout: Layout) -> None:
     assert (ns["pages"], ns["bytes"]) == (3, 120)
     store = Store.open(layout.db_path)
     try:
-        scan_namespace(store, layout, NS)
+        scan_namespace(layout, store, NS)
         reg = CollectorRegistry(auto_describe=False)
         reg.register(CachemgrCollector(layout, lambda: nullcontext(store.conn)))
         assert reg.get_sample_value("cachemgr_namespace_pages", {"namespace": NS}) == 3

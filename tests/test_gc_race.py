@@ -105,7 +105,7 @@ def test_a_namespace_bound_while_gc_drops_it_is_untouched(tree: Tree) -> None:
         with tree.store.transaction():
             nsreg.bind(tree.layout, tree.store, "default", NS, T0 + 100)
 
-    report = execute_gc(plan, tree.store, tree.layout, progress=bind_once, clock=lambda: T0 + 100)
+    report = execute_gc(plan, tree.layout, tree.store, progress=bind_once, clock=lambda: T0 + 100)
     assert bound and report.files == 20
     assert tree.files(NS) == set()  # a fresh empty dir: init's create path
     manifest = read_manifest(tree.layout, NS)
@@ -158,7 +158,7 @@ def test_eviction_racing_a_purge_keeps_the_new_dirs_index_rows(tree: Tree) -> No
         tree.write(NS, [victim], at=T0 + 100)
 
     report = execute_gc(
-        plan, tree.store, tree.layout, progress=purge_and_rewrite, clock=lambda: T0 + 100
+        plan, tree.layout, tree.store, progress=purge_and_rewrite, clock=lambda: T0 + 100
     )
     assert purged and tree.files(NS) == {victim}
     rows = tree.store.conn.execute("SELECT name FROM pages WHERE namespace_id = ?", (NS,))

@@ -67,7 +67,7 @@ def test_cap_holds_and_recent_prefixes_keep_hitting(sglang: SglangDriver, root: 
     pol = policy(max_bytes=cap, min_age=5, sweep_interval=1e9)
     tree = Tree.at(root)
     now = [time.time()]  # SGLang's files get real mtimes: the fake clock runs ahead of them
-    runner = GcRunner(tree.store, tree.layout, pol, clock=lambda: now[0], disk_usage=big_disk)
+    runner = GcRunner(tree.layout, tree.store, pol, clock=lambda: now[0], disk_usage=big_disk)
     work = Workload(sglang, tree, runner)
     schedule = []  # two sessions at a time: s's first 4 turns alternate with s-1's last 4
     for s in range(9):
@@ -103,8 +103,8 @@ def test_a_torn_page_is_removed_and_sglang_heals(sglang: SglangDriver, root: Pat
     assert sglang.read(h, tokens)["errors"]  # SGLang: short read, the batch is a miss
     assert sglang.write(h, tokens)["stored"] == 0  # and it never rewrites a file that exists
     now = time.time() + 1
-    scan_root(tree.store, tree.layout, now=lambda: now)
-    runner = GcRunner(tree.store, tree.layout, policy(), clock=lambda: now, disk_usage=big_disk)
+    scan_root(tree.layout, tree.store, now=lambda: now)
+    runner = GcRunner(tree.layout, tree.store, policy(), clock=lambda: now, disk_usage=big_disk)
     report = runner.run(actor="cli")
     assert report.totals() == {"corrupt": (1, PAGE_BYTES // 2)}
     got = sglang.read(h, tokens)
@@ -144,10 +144,10 @@ def test_a_page_deleted_between_exists_and_get_is_a_miss(root: Path) -> None:
     assert proc.stdin is not None and proc.stdout is not None
     assert json.loads(proc.stdout.readline()) == {"exists": [True, True, True]}
     now = time.time() + 1
-    scan_root(tree.store, tree.layout, now=lambda: now)
+    scan_root(tree.layout, tree.store, now=lambda: now)
     tree.read(NS, [f"{i:064x}_m_0_1.bin" for i in range(3)], at=now)  # read in chain order
     runner = GcRunner(
-        tree.store, tree.layout, GcPolicy(max_bytes=2 * PAGE_BYTES, min_age=0, delete_rate=None),
+        tree.layout, tree.store, GcPolicy(max_bytes=2 * PAGE_BYTES, min_age=0, delete_rate=None),
         clock=lambda: now + 10, disk_usage=big_disk, leadership=Leadership(root / "gc.lock"),
     )  # fmt: skip
     assert runner.run(actor="auto").files == 2  # down to 85% of 2 pages: the tail two go

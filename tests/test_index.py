@@ -45,7 +45,7 @@ def test_scan_indexes_every_page_with_its_size_and_mtime(layout: Layout) -> None
     d = make_ns(layout, NS_A, 25)
     os.utime(d / page_name(3), (1000.0, 1000.0))
     store = Store.open(layout.db_path)
-    report = scan_namespace(store, layout, NS_A)
+    report = scan_namespace(layout, store, NS_A)
     assert (report.pages, report.bytes, report.added, report.removed) == (25, 25_000, 25, 0)
     got = pages(store, NS_A)
     assert len(got) == 25 and {s for s, _, _ in got.values()} == {1000}
@@ -56,13 +56,13 @@ def test_scan_indexes_every_page_with_its_size_and_mtime(layout: Layout) -> None
 def test_rescan_keeps_recency_of_pages_that_stay_and_drops_gone_ones(layout: Layout) -> None:
     d = make_ns(layout, NS_A, 10)
     store = Store.open(layout.db_path)
-    scan_namespace(store, layout, NS_A)
+    scan_namespace(layout, store, NS_A)
     store.conn.execute(
         "UPDATE pages SET last_access = 5e9, reads = 7 WHERE name = ?", (page_name(1),)
     )
     (d / page_name(2)).unlink()
     store_page(d, page_name(99), 500)
-    report = scan_namespace(store, layout, NS_A)
+    report = scan_namespace(layout, store, NS_A)
     assert (report.added, report.removed, report.pages) == (1, 1, 10)
     got = pages(store, NS_A)
     assert got[page_name(1)][1:] == (5e9, 7)
@@ -78,7 +78,7 @@ def test_scan_counts_temp_foreign_and_odd_sized_pages(layout: Layout) -> None:
     (d / page_name(50)).write_bytes(b"short")  # a truncated page
     os.symlink(d / page_name(0), d / page_name(51))
     store = Store.open(layout.db_path)
-    report = scan_namespace(store, layout, NS_A)
+    report = scan_namespace(layout, store, NS_A)
     assert report.temp_files == 1
     assert report.foreign_files == 3  # notes.txt, sub/, the symlink
     assert report.corrupt_files == 1
@@ -89,9 +89,9 @@ def test_scan_root_forgets_namespaces_whose_dir_is_gone(layout: Layout) -> None:
     make_ns(layout, NS_A, 3)
     d = make_ns(layout, NS_B, 4)
     store = Store.open(layout.db_path)
-    assert sorted(r.namespace_id for r in scan_root(store, layout)) == [NS_A, NS_B]
+    assert sorted(r.namespace_id for r in scan_root(layout, store)) == [NS_A, NS_B]
     os.rename(d, layout.trash / NS_B)
-    scan_root(store, layout)
+    scan_root(layout, store)
     assert pages(store, NS_B) == {} and stats(store, NS_B) == (0, 0)
     assert stats(store, NS_A) == (3, 3000)
 
@@ -99,7 +99,7 @@ def test_scan_root_forgets_namespaces_whose_dir_is_gone(layout: Layout) -> None:
 def test_aggregates_follow_any_writer_of_the_pages_table(layout: Layout) -> None:
     make_ns(layout, NS_A, 30)
     store = Store.open(layout.db_path)
-    scan_namespace(store, layout, NS_A)
+    scan_namespace(layout, store, NS_A)
     # GC and purge delete rows on their own connections: the triggers keep the totals exact.
     other = Store.open(layout.db_path)
     with other.transaction() as conn:
@@ -110,7 +110,7 @@ def test_aggregates_follow_any_writer_of_the_pages_table(layout: Layout) -> None
     assert digest(store, NS_A) == reduce(
         lambda d, r: d ^ page_digest(r[0], r[1][0]), pages(store, NS_A).items(), 0
     )
-    report = scan_namespace(store, layout, NS_A)
+    report = scan_namespace(layout, store, NS_A)
     assert (report.added, report.removed) == (1, 0) and stats(store, NS_A) == (30, 30_000)
     assert forget_namespace(store, NS_A) == 30
     assert stats(store, NS_A) == (0, 0) and digest(store, NS_A) == 0
@@ -121,13 +121,13 @@ def test_an_unchanged_dir_is_rescanned_without_reindexing(
 ) -> None:
     d = make_ns(layout, NS_A, 40)
     store = Store.open(layout.db_path)
-    scan_namespace(store, layout, NS_A)
+    scan_namespace(layout, store, NS_A)
     caplog.set_level(logging.INFO, logger="cachemgr.state.index")
-    report = scan_namespace(store, layout, NS_A)
+    report = scan_namespace(layout, store, NS_A)
     assert (report.pages, report.drift) == (40, 0)
     assert "reindexing namespace" not in caplog.text
     # Same count and bytes, another name (a rename while nobody watched): the digest tells.
     os.rename(d / page_name(5), d / page_name(500))
-    report = scan_namespace(store, layout, NS_A)
+    report = scan_namespace(layout, store, NS_A)
     assert (report.added, report.removed) == (1, 1) and "reindexing namespace" in caplog.text
     assert page_name(500) in pages(store, NS_A) and page_name(5) not in pages(store, NS_A)

@@ -21,8 +21,8 @@ from tests.daemon_helpers import NS_A, NS_B, page_name, read_page, store_page
 from tests.polling import wait_for
 
 
-def start(store: Store, layout: Layout, watcher: Watcher | None = None) -> Indexer:
-    ix = Indexer(store, layout, batch_interval=0.05, watcher=watcher)
+def start(layout: Layout, store: Store, watcher: Watcher | None = None) -> Indexer:
+    ix = Indexer(layout, store, batch_interval=0.05, watcher=watcher)
     ix.start()
     assert ix.state.ready.wait(10)
     return ix
@@ -59,7 +59,7 @@ def test_stores_reads_and_deletes_reach_the_index(
     d = layout.ns_dir(NS_A)
     d.mkdir()
     store_page(d, page_name(0))
-    ix = start(store, layout)
+    ix = start(layout, store)
     try:
         for i in range(1, 21):
             store_page(d, page_name(i), 2048)
@@ -80,7 +80,7 @@ def test_stores_reads_and_deletes_reach_the_index(
 def test_new_namespace_dirs_are_picked_up_and_moved_ones_forgotten(
     store: Store, layout: Layout, reader: sqlite3.Connection
 ) -> None:
-    ix = start(store, layout)
+    ix = start(layout, store)
     try:
         d = layout.ns_dir(NS_B)
         d.mkdir()
@@ -122,7 +122,7 @@ def test_a_kernel_queue_overflow_is_counted_and_repaired_by_a_rescan(
     d.mkdir()
     store_page(d, page_name(0))
     watcher = SlowWatcher(layout)
-    ix = start(store, layout, watcher)
+    ix = start(layout, store, watcher)
     try:
         limit = int(Path("/proc/sys/fs/inotify/max_queued_events").read_text())
         store_page(d, page_name(1))  # the inotify thread now blocks in emit()
@@ -151,14 +151,14 @@ def test_restart_rebuilds_the_same_index_without_resetting_recency(
     d.mkdir()
     for i in range(30):
         store_page(d, page_name(i))
-    ix = start(store, layout)
+    ix = start(layout, store)
     read_page(d, page_name(3))
     wait_for(lambda: ns_stats(reader, NS_A)[2], lambda r: r == 1)
     ix.stop()
     before = dict(reader.execute("SELECT name, last_access FROM pages"))
     (d / page_name(0)).unlink()  # while the daemon is down
     store_page(d, page_name(30))
-    ix = start(store, layout)
+    ix = start(layout, store)
     try:
         after = dict(reader.execute("SELECT name, last_access FROM pages"))
         assert set(after) == set(before) - {page_name(0)} | {page_name(30)}
@@ -175,7 +175,7 @@ def test_reads_and_stores_get_access_seq_in_the_order_seen(
     batch (one last_access for all) it is what tells GC a chain's head from its tail."""
     d = layout.ns_dir(NS_A)
     d.mkdir()
-    ix = start(store, layout)
+    ix = start(layout, store)
     try:
         for i in range(5):
             store_page(d, page_name(i))
@@ -189,7 +189,7 @@ def test_reads_and_stores_get_access_seq_in_the_order_seen(
         ix.stop()
     order = sorted(seqs, key=seqs.__getitem__)
     assert order == [page_name(i) for i in (0, 2, 4, 3, 1)]
-    ix = start(store, layout)  # a restart resumes after the largest stored value
+    ix = start(layout, store)  # a restart resumes after the largest stored value
     try:
         read_page(d, page_name(0))
         wait_for(
@@ -222,12 +222,12 @@ def test_a_second_daemon_follows_and_takes_over_when_the_first_stops(
     d.mkdir()
     lock, marker = layout.state_dir / "index.lock", layout.state_dir / "index.ready"
     first = Indexer(
-        store, layout, batch_interval=0.05, leadership=Leadership(lock), ready_marker=marker
+        layout, store, batch_interval=0.05, leadership=Leadership(lock), ready_marker=marker
     )
     second_store = Store.open(layout.db_path)
     gated = GatedLeadership(lock)
     second = Indexer(
-        second_store, layout, batch_interval=0.05, leadership=gated, ready_marker=marker
+        layout, second_store, batch_interval=0.05, leadership=gated, ready_marker=marker
     )
     first.start()
     assert first.state.ready.wait(10) and first.state.leader and marker.exists()
@@ -262,7 +262,7 @@ def test_a_failed_index_writer_lets_another_daemon_take_over(store: Store, layou
     lock = layout.state_dir / "index.lock"
     died: list[Worker] = []
     ix = Indexer(
-        store, layout, batch_interval=0.05, leadership=Leadership(lock), on_death=died.append
+        layout, store, batch_interval=0.05, leadership=Leadership(lock), on_death=died.append
     )
     store.close()  # the writer's first scan fails on a closed DB
     ix.start()
@@ -281,13 +281,13 @@ def test_a_follower_taking_over_is_not_ready_until_its_own_rescan_ends(
     layout.ns_dir(NS_A).mkdir()
     lock, marker = layout.state_dir / "index.lock", layout.state_dir / "index.ready"
     first = Indexer(
-        store, layout, batch_interval=0.05, leadership=Leadership(lock), ready_marker=marker
+        layout, store, batch_interval=0.05, leadership=Leadership(lock), ready_marker=marker
     )
     first.start()
     assert first.state.ready.wait(10)
     second_store = Store.open(layout.db_path)
     second = Indexer(
-        second_store, layout, batch_interval=0.05, leadership=Leadership(lock), ready_marker=marker
+        layout, second_store, batch_interval=0.05, leadership=Leadership(lock), ready_marker=marker
     )
     scanning, release = threading.Event(), threading.Event()
     scan_all = second._scan_all
@@ -318,7 +318,7 @@ def test_names_that_are_not_pages_never_reach_the_index(
 ) -> None:
     d = layout.ns_dir(NS_A)
     d.mkdir()
-    ix = start(store, layout)
+    ix = start(layout, store)
     try:
         odd = os.path.join(os.fsencode(d), b"%064x" % 7 + b"_m\xff_0_1.bin")  # not UTF-8
         for name in (odd, os.path.join(os.fsencode(d), b"notes.bin")):

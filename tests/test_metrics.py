@@ -43,7 +43,7 @@ def test_values_come_from_the_index_the_audit_log_and_the_disk(layout: Layout) -
     for i in range(3):
         store_page(d, page_name(i), 100)
     store = Store.open(layout.db_path)
-    scan_namespace(store, layout, NS_A)
+    scan_namespace(layout, store, NS_A)
     state = IndexState(counters={NS_A: Counters(reads=5, writes=2)})
     state.ready.set()
     reg = registry_for(layout, store, state)
@@ -80,7 +80,7 @@ def test_gc_metrics_follow_the_runner(layout: Layout) -> None:
     """Leadership, runs by result and the last success come from the daemon's GcRunner."""
     store = Store.open(layout.db_path)
     clock = [1000.0]
-    runner = GcRunner(store, layout, GcPolicy(min_free_percent=0.0), clock=lambda: clock[0])
+    runner = GcRunner(layout, store, GcPolicy(min_free_percent=0.0), clock=lambda: clock[0])
 
     @contextmanager
     def reader() -> Iterator[sqlite3.Connection]:

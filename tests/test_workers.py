@@ -83,7 +83,7 @@ def test_a_dead_gc_thread_fails_readyz_and_its_metric(
 ) -> None:
     caplog.set_level(logging.ERROR, logger="cachemgr.worker")
     died: list[Worker] = []
-    runner = GcRunner(store, layout, GcPolicy(), eligible=never_eligible, on_death=died.append)
+    runner = GcRunner(layout, store, GcPolicy(), eligible=never_eligible, on_death=died.append)
     reader = Reader(layout)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(CachemgrCollector(layout, reader, workers=[runner]))

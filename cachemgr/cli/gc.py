@@ -65,7 +65,7 @@ def gc(app: AppContext, /, dry_run: bool, as_json: bool, yes: bool) -> None:
     policy = GcPolicy.from_settings(settings)
     if dry_run:  # in a copy of the DB: the scan and the plan write nothing under the root
         with reading_store(layout) as store:
-            _run(GcRunner(store, layout, policy), None, dry_run, yes, as_json)
+            _run(GcRunner(layout, store, policy), None, dry_run, yes, as_json)
         return
     create_root(layout)
     leadership = Leadership(layout.gc_lock)
@@ -87,7 +87,7 @@ def gc(app: AppContext, /, dry_run: bool, as_json: bool, yes: bool) -> None:
         with Store.open(layout.db_path) as store:  # a corrupt DB: moved aside, the CLI retries
             if floor is not None:
                 audit_floor(store, floor, "cli")
-            _run(GcRunner(store, layout, policy, leadership=leadership), floor, dry_run, yes,
+            _run(GcRunner(layout, store, policy, leadership=leadership), floor, dry_run, yes,
                  as_json)  # fmt: skip
     finally:
         leadership.release()
@@ -95,7 +95,7 @@ def gc(app: AppContext, /, dry_run: bool, as_json: bool, yes: bool) -> None:
 
 def _run(runner: GcRunner, floor: GcReport | None, dry_run: bool, yes: bool, as_json: bool) -> None:
     adopt_from_disk(runner.layout, runner.store)  # a lost DB forgot them; the disk did not
-    scan_root(runner.store, runner.layout)  # no daemon may be watching: bring the index in line
+    scan_root(runner.layout, runner.store)  # no daemon may be watching: bring the index in line
     if dry_run or not yes:
         preview = runner.run(dry_run=True, actor="cli")
         if dry_run or preview.files == 0:

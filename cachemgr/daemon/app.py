@@ -41,6 +41,7 @@ from cachemgr.errors import ConflictError, NotFoundError
 from cachemgr.fs.usage import disk_usage
 from cachemgr.layout import Layout
 from cachemgr.ns.status import NamespaceStatus, namespace_statuses
+from cachemgr.state import registry_sql
 from cachemgr.state.status import bindings_by_namespace
 
 
@@ -200,9 +201,7 @@ def _index_info(st: IndexState, lag: Callable[[], float]) -> IndexInfo:
 
 def _fingerprints(backend: Backend, instance: str | None) -> list[Fingerprint]:
     with backend.reader() as conn:
-        rows = conn.execute(
-            "SELECT id, digest, identity_json FROM namespaces WHERE state = 'active' ORDER BY id"
-        ).fetchall()
+        rows = registry_sql.active_namespaces(conn)
         bound = bindings_by_namespace(conn)
     out = []
     for ns, digest, ident in rows:

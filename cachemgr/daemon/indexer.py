@@ -49,8 +49,8 @@ class Indexer(Worker):
 
     def __init__(
         self,
-        store: Store,
         layout: Layout,
+        store: Store,
         *,
         batch_interval: float = 0.25,
         reconcile_interval: float = 600.0,
@@ -76,7 +76,7 @@ class Indexer(Worker):
         self.leadership = leadership  # None: this process alone indexes the root
         self.ready_marker = ready_marker  # exists while the leader's index is live
         self.follow_interval = max(batch_interval, 0.05)
-        self.pages = PageEvents(store, layout, self.fmt)
+        self.pages = PageEvents(layout, store, self.fmt)
         self.on_applied = on_applied
         self.on_namespace_gone = on_namespace_gone
         self.on_disk_full = on_disk_full
@@ -164,7 +164,7 @@ class Indexer(Worker):
             try:
                 with self.store.guard():
                     self.store.follow_path()
-                    self.pages = PageEvents(self.store, self.layout, self.fmt)  # after earlier seqs
+                    self.pages = PageEvents(self.layout, self.store, self.fmt)  # after earlier seqs
                     self._scan_all(first=first)
                 return
             except StateCorrupt:
@@ -256,8 +256,8 @@ class Indexer(Worker):
     def _scan_all(self, *, first: bool) -> None:
         adopt_from_disk(self.layout, self.store)  # a lost DB forgot them; the disk did not
         scan_root(
-            self.store,
             self.layout,
+            self.store,
             scan=lambda ns: self._scan(ns, first=first),
             forgetting=self.watcher.unwatch,
         )
@@ -268,7 +268,7 @@ class Indexer(Worker):
         if not self.watcher.watch(ns):
             return None
         try:
-            report = scan_namespace(self.store, self.layout, ns, now=self.clock, fmt=self.fmt)
+            report = scan_namespace(self.layout, self.store, ns, now=self.clock, fmt=self.fmt)
         except UnsafePathError as e:  # replaced by a symlink since it was watched
             log.error("namespace dir not scanned", extra={"namespace": ns, "error": str(e)})
             return None

@@ -41,6 +41,7 @@ from cachemgr.layout import Layout
 from cachemgr.ns import purge as purge_mod
 from cachemgr.settings import Settings
 from cachemgr.sglang.probe import ProbeLoop, ProbeState
+from cachemgr.state import registry_sql
 from cachemgr.state.store import Store
 from cachemgr.worker import Worker
 
@@ -129,13 +130,13 @@ class Daemon:
         self.gc_store = Store.open(self.layout.db_path)
         # GC is led by an index leader: only its watcher wakes GC (watermarks, a CLI purge).
         self.gc = GcRunner(
-            self.gc_store, self.layout, self.gc_policy, eligible=lambda: index.leader,
+            self.layout, self.gc_store, self.gc_policy, eligible=lambda: index.leader,
             ready=index.ready, on_death=self._worker_died,
         )  # fmt: skip
         leadership, ready_marker = leadership_files(self.layout)
         self.indexer = Indexer(
-            self.store,
             self.layout,
+            self.store,
             batch_interval=self.settings.batch_interval,
             reconcile_interval=self.settings.reconcile_interval or float("inf"),
             leadership=leadership,
@@ -153,13 +154,18 @@ class Daemon:
             self.prober = ProbeLoop(
                 self.settings.sglang_url,
                 instance=self.settings.instance,
-                reader=self.reader,
+                bound=self._bound_namespace,
                 on_mismatch=self._purge_mismatch,
                 interval=self.settings.sglang_poll_interval,
                 state=self.probe,
                 on_death=self._worker_died,
             )
         self.workers: list[Worker] = [self.indexer, self.gc, *filter(None, [self.prober])]
+
+    def _bound_namespace(self, instance: str) -> tuple[str, str, int] | None:
+        """The prober's lookup: (id, identity_json, indexed pages) of the instance's namespace."""
+        with self.reader() as conn:
+            return registry_sql.bound_namespace(conn, instance)
 
     def _check_watermarks(self) -> None:
         """After a batch (on the index thread, its connection): wake GC if a limit is crossed.
@@ -168,7 +174,7 @@ class Daemon:
         once per batch_interval. Not gated on leadership: a wake on a non-leader costs one
         flock attempt, and gating would drop a crossing seen before the lock is first taken.
         """
-        reasons = needs_gc(self.store, self.layout, self.gc_policy, now=time.time())
+        reasons = needs_gc(self.layout, self.store, self.gc_policy, now=time.time())
         # Not for .trash/ alone: purges wake GC themselves, and an entry GC must refuse (a
         # symlink) would otherwise wake it on every batch; the interval retries it.
         if set(reasons) - {"trash"}:

@@ -9,13 +9,13 @@ reads bump the page's `reads` and `last_access`, and every read and store takes 
 from __future__ import annotations
 
 import os
-import sqlite3
 from collections import Counter
 
 from cachemgr.backends import FileFormat
 from cachemgr.daemon.watcher import Event, Kind
 from cachemgr.layout import Layout
 from cachemgr.sglang.hicache import HICACHE_FILE
+from cachemgr.state import pages_sql
 from cachemgr.state.store import Store
 
 
@@ -28,7 +28,7 @@ class PageEvents:
     the largest stored value, so the order survives a restart.
     """
 
-    def __init__(self, store: Store, layout: Layout, fmt: FileFormat = HICACHE_FILE) -> None:
+    def __init__(self, layout: Layout, store: Store, fmt: FileFormat = HICACHE_FILE) -> None:
         self.store, self.layout, self.fmt = store, layout, fmt
         self._next: int | None = None  # read at first use, on the thread that applies
 
@@ -37,8 +37,7 @@ class PageEvents:
         if not events:
             return {}
         if self._next is None:
-            row = self.store.conn.execute("SELECT COALESCE(MAX(access_seq), 0) FROM pages")
-            self._next = int(row.fetchone()[0]) + 1
+            self._next = pages_sql.max_access_seq(self.store.conn) + 1
         touched: dict[tuple[str, str], bool] = {}  # (ns, name) -> stored in this batch
         reads: Counter[tuple[str, str]] = Counter()
         seqs: dict[tuple[str, str], int] = {}  # (ns, name) -> sequence of its last access
@@ -62,21 +61,11 @@ class PageEvents:
         self._next = seq
         upserts, deletes = self._settle(touched, seqs, now)
         with self.store.transaction() as conn:
-            conn.executemany(
-                "INSERT INTO pages (namespace_id, name, size, created_at, last_access, access_seq,"
-                " key_len) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (namespace_id, name) DO UPDATE"
-                " SET size = excluded.size, last_access = max(last_access, excluded.last_access),"
-                " access_seq = max(access_seq, excluded.access_seq)",
-                upserts,
-            )
-            conn.executemany("DELETE FROM pages WHERE namespace_id = ? AND name = ?", deletes)
-            conn.executemany(
-                "UPDATE pages SET reads = reads + ?, last_access = max(last_access, ?),"
-                " access_seq = max(access_seq, ?) WHERE namespace_id = ? AND name = ?",
-                ((n, now, seqs[key], *key) for key, n in reads.items()),
-            )
+            pages_sql.upsert_pages(conn, upserts)
+            pages_sql.delete_pages(conn, deletes)
+            pages_sql.add_reads(conn, ((n, now, seqs[key], *key) for key, n in reads.items()))
             for ns, (r, w) in per_ns.items():
-                _add_lifetime(conn, ns, r, w, now)
+                pages_sql.add_lifetime(conn, ns, r, w, now)
         return per_ns
 
     def _settle(
@@ -94,23 +83,3 @@ class PageEvents:
             key_len = self.fmt.key_len(name) or len(name)  # the watcher passes pages only
             upserts.append((ns, name, st.st_size, seen, seen, seqs.get((ns, name), 0), key_len))
         return upserts, deletes
-
-
-def _add_lifetime(conn: sqlite3.Connection, ns: str, reads: int, writes: int, now: float) -> None:
-    """Add a batch's reads/writes to the namespace's lifetime totals (both tables)."""
-    last_read = now if reads else None
-    last_write = now if writes else None
-    conn.execute(
-        "INSERT INTO namespace_stats (namespace_id, page_reads, page_writes, last_read_at,"
-        " last_write_at) VALUES (?, ?, ?, ?, ?) ON CONFLICT (namespace_id) DO UPDATE SET"
-        " page_reads = page_reads + excluded.page_reads,"
-        " page_writes = page_writes + excluded.page_writes,"
-        " last_read_at = coalesce(excluded.last_read_at, last_read_at),"
-        " last_write_at = coalesce(excluded.last_write_at, last_write_at)",
-        (ns, reads, writes, last_read, last_write),
-    )
-    conn.execute(
-        # namespaces.page_reads/page_writes (migration 0001) are no longer kept: nothing read them.
-        "UPDATE namespaces SET last_active_at = max(last_active_at, ?) WHERE id = ?",
-        (now, ns),
-    )

@@ -19,6 +19,7 @@ from cachemgr.layout import Layout
 from cachemgr.ns.bindings import bound_by_files
 from cachemgr.ns.purge import drop_unbound, rename_to_trash
 from cachemgr.ns.trash import drain_entry
+from cachemgr.state import pages_sql, registry_sql
 from cachemgr.state.store import Store
 
 log = logging.getLogger("cachemgr.gc.plan")
@@ -28,8 +29,8 @@ InUse = Callable[[Path], list[int]]  # the pids using a dir as their storage dir
 def drop_namespace(
     step: GcStep,
     base: StepResult,
-    store: Store,
     layout: Layout,
+    store: Store,
     actor: str,
     pacer: Pacer | None,
     progress: Progress | None,
@@ -48,7 +49,7 @@ def drop_namespace(
     ns_id = step.namespace_id
     assert ns_id is not None
     with root_lock(layout):
-        if why := kept(store, layout, ns_id, in_use):
+        if why := kept(layout, store, ns_id, in_use):
             return replace(base, skipped=why)
         entry = rename_to_trash(layout, ns_id, recreate=False)
         held = list(list_files(layout, f".trash/{entry}")) if entry else []
@@ -61,7 +62,7 @@ def drop_namespace(
         with store.transaction() as conn:
             drop_unbound(layout, store, ns_id)
             # Its rows go with it, under the lock: a fresh dir an init makes next has its own.
-            conn.execute("DELETE FROM pages WHERE namespace_id = ?", (ns_id,))
+            pages_sql.delete_namespace_pages(conn, ns_id)
             if held:  # audited as its rows leave the index, like each chunk of an eviction
                 store.audit(
                     "evict", namespace_id=ns_id, reason=step.reason, actor=actor,
@@ -88,12 +89,11 @@ def _put_back(layout: Layout, entry: str, ns_id: str) -> str:
     return ""
 
 
-def kept(store: Store, layout: Layout, ns_id: str | None, in_use: InUse) -> str | None:
+def kept(layout: Layout, store: Store, ns_id: str | None, in_use: InUse) -> str | None:
     """Why an unbound namespace stays after all: a server bound it since the plan was made (in
     the DB, or in a binding file the DB has not read back yet), or a running process on this
     host has it as its storage dir (a server started before its instance moved elsewhere)."""
-    row = store.conn.execute("SELECT 1 FROM bindings WHERE namespace_id = ?", (ns_id,)).fetchone()
-    if ns_id is None or row is not None or ns_id in bound_by_files(layout):
+    if ns_id is None or registry_sql.is_bound(store.conn, ns_id) or ns_id in bound_by_files(layout):
         return "a server bound this namespace after the plan was made"
     pids = in_use(layout.ns_dir(ns_id))
     if pids:

@@ -16,6 +16,7 @@ from cachemgr.gc.step import GcReport, GcStep, StepResult
 from cachemgr.layout import Layout
 from cachemgr.ns.trash import drain_entry
 from cachemgr.sglang.liveuse import live_users
+from cachemgr.state import pages_sql
 from cachemgr.state.store import Store
 
 log = logging.getLogger("cachemgr.gc.plan")
@@ -45,8 +46,8 @@ class _Tally:
 
 def execute_gc(
     plan: GcPlan,
-    store: Store,
     layout: Layout,
+    store: Store,
     *,
     dry_run: bool = False,
     actor: str = "cli",
@@ -69,7 +70,7 @@ def execute_gc(
             break
         try:
             result = _run_step(
-                step, store, layout, dry_run, actor, pacer, tally, clock, stop, in_use
+                step, layout, store, dry_run, actor, pacer, tally, clock, stop, in_use
             )
         except UnsafePathError as e:  # its dir became a symlink: the other steps still run
             log.warning("gc step refused", extra={"dir": step.rel_dir, "error": str(e)})
@@ -82,8 +83,8 @@ def execute_gc(
 
 def _run_step(
     step: GcStep,
-    store: Store,
     layout: Layout,
+    store: Store,
     dry_run: bool,
     actor: str,
     pacer: Pacer | None,
@@ -95,11 +96,11 @@ def _run_step(
     base = StepResult(step)
     if step.reason in ("unbound", "ttl") and step.remove_dir and step.namespace_id and not dry_run:
         result = drop_namespace(
-            step, base, store, layout, actor, pacer, tally.offset(), clock, in_use
+            step, base, layout, store, actor, pacer, tally.offset(), clock, in_use
         )
         tally.add(result)
         return result
-    why = step.reason in ("unbound", "ttl") and kept(store, layout, step.namespace_id, in_use)
+    why = step.reason in ("unbound", "ttl") and kept(layout, store, step.namespace_id, in_use)
     if why:  # a dry run says what the drop would find under the lock
         return replace(base, skipped=why)
     if step.reason == "trash":  # the same path as a purge's own drain, audited there
@@ -111,7 +112,7 @@ def _run_step(
         tally.add(r)
         return base.done(r)
     if step.namespace_id is None and step.reason == "tmp":
-        return _sweep_own_temps(step, base, store, layout, dry_run, actor, clock)
+        return _sweep_own_temps(step, base, layout, store, dry_run, actor, clock)
     total = DeleteReport(dry_run=dry_run)
     for i in range(0, len(step.names), CHUNK):
         if stop():
@@ -155,10 +156,7 @@ def _record_chunk(
         return
     with store.transaction() as conn:
         if gone and step.namespace_id is not None and step.rel_dir.startswith("ns/"):
-            conn.executemany(
-                "DELETE FROM pages WHERE namespace_id = ? AND name = ?",
-                [(step.namespace_id, n) for n in gone],
-            )
+            pages_sql.delete_pages(conn, [(step.namespace_id, n) for n in gone])
         if r.files:
             store.audit(
                 "evict", namespace_id=step.namespace_id, reason=step.reason, actor=actor,
@@ -169,8 +167,8 @@ def _record_chunk(
 def _sweep_own_temps(
     step: GcStep,
     base: StepResult,
-    store: Store,
     layout: Layout,
+    store: Store,
     dry_run: bool,
     actor: str,
     clock: Callable[[], float],

@@ -18,6 +18,7 @@ from cachemgr.gc.policy import GcPolicy, GcReason
 from cachemgr.gc.step import GcStep
 from cachemgr.layout import Layout
 from cachemgr.ns.trash import list_trash
+from cachemgr.state import pages_sql
 
 
 @dataclass(frozen=True)
@@ -138,11 +139,6 @@ def _temp_age(policy: GcPolicy) -> float:
     return max(policy.tmp_ttl, policy.min_age)
 
 
-def namespace_bytes(conn: sqlite3.Connection) -> dict[str, int]:
-    """Page bytes of each namespace with pages, from the index's aggregates (no page scan)."""
-    return dict(conn.execute("SELECT namespace_id, bytes FROM namespace_stats WHERE pages > 0"))
-
-
 def unbound_past_retention(
     conn: sqlite3.Connection, policy: GcPolicy, now: float
 ) -> list[tuple[str, GcReason]]:
@@ -151,13 +147,7 @@ def unbound_past_retention(
     Oldest first. Idle time counts from the last activity the registry or the index saw, and
     a namespace idle for less than min_age is never dropped (an init step may bind it next).
     """
-    rows = conn.execute(
-        "SELECT n.id, MAX(n.last_active_at,"
-        " COALESCE((SELECT MAX(p.last_access) FROM pages p WHERE p.namespace_id = n.id), 0))"
-        " FROM namespaces n WHERE n.state = 'active'"
-        " AND NOT EXISTS (SELECT 1 FROM bindings b WHERE b.namespace_id = n.id)"
-        " ORDER BY 2 DESC, n.id"
-    ).fetchall()
+    rows = pages_sql.unbound_by_activity(conn)
     doomed: list[tuple[str, GcReason]] = []
     for rank, (ns_id, active) in enumerate(rows):
         idle = now - active
@@ -180,20 +170,16 @@ def torn_pages(
     The page goes whole (its other files are useless without it). A kind (what follows the
     key: pool, model, ranks) without a clear majority size is reported, not touched.
     """
-    mixed = conn.execute(
-        "SELECT namespace_id FROM pages GROUP BY namespace_id HAVING COUNT(DISTINCT size) > 1"
-    ).fetchall()
+    mixed = pages_sql.namespaces_with_mixed_sizes(conn)
     found: list[GcStep] = []
     warnings: list[str] = []
     before = now - policy.min_age
-    for (ns_id,) in mixed:
+    for ns_id in mixed:
         if ns_id in skip:
             continue
         kinds: dict[str, list[tuple[str, int]]] = defaultdict(list)  # kind -> (key, size)
         pages: dict[str, list[tuple[str, int, float]]] = defaultdict(list)  # key -> files
-        for name, size, last, key_len in conn.execute(
-            "SELECT name, size, last_access, key_len FROM pages WHERE namespace_id = ?", (ns_id,)
-        ):
+        for name, size, last, key_len in pages_sql.namespace_files(conn, ns_id):
             kinds[name[key_len:]].append((name[:key_len], size))
             pages[name[:key_len]].append((name, size, last))
         torn: set[str] = set()  # keys

@@ -25,6 +25,8 @@ import sqlite3
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
+from cachemgr.state import pages_sql
+
 
 class Candidate(NamedTuple):
     """One page that may be evicted, with what the index knows of its use."""
@@ -37,19 +39,7 @@ class Candidate(NamedTuple):
     reads: int  # of its most read file
 
 
-# A page's files: the names that start with its key and have a key that long (a longer key may
-# start the same way). char(1114111) sorts after any character a name can hold.
-_FILES = (
-    "SELECT name, size, last_access, access_seq, reads FROM pages WHERE namespace_id = ?1"
-    " AND name >= ?2 AND name < ?2 || char(1114111) AND key_len = length(?2)"
-)
-_File = tuple[str, int, float, int, int]  # (name, size, last_access, access_seq, reads)
 _DONE = (float("inf"), 0)  # a page already yielded: its other files are skipped
-
-
-def _page_files(conn: sqlite3.Connection, ns_id: str, key: str) -> list[_File]:
-    """Every indexed file of one page (`key`: cachemgr.backends)."""
-    return conn.execute(_FILES, (ns_id, key)).fetchall()
 
 
 def _pages(conn: sqlite3.Connection, ns_id: str, before: float) -> Iterator[Candidate]:
@@ -58,15 +48,7 @@ def _pages(conn: sqlite3.Connection, ns_id: str, before: float) -> Iterator[Cand
     Files stream by recency; a page is yielded when its most recent file comes by, so a page
     with a file used after `before` never is. Memory: the pages of several files seen so far.
     """
-    cur = conn.execute(
-        "SELECT last_access, access_seq, name, key_len, size, reads, (SELECT count(*)"
-        " FROM pages p WHERE p.namespace_id = f.namespace_id"
-        " AND p.name >= substr(f.name, 1, f.key_len)"
-        " AND p.name < substr(f.name, 1, f.key_len) || char(1114111) AND p.key_len = f.key_len)"
-        " FROM pages f WHERE namespace_id = ? AND last_access <= ?"
-        " ORDER BY last_access, access_seq",
-        (ns_id, before),
-    )
+    cur = pages_sql.files_by_recency(conn, ns_id, before)
     due: dict[str, tuple[float, int]] = {}  # key -> recency of its page, once looked up
     for last, seq, name, key_len, size, reads, count in cur:
         if count == 1:  # most pages: no other file to wait for or take along
@@ -76,7 +58,7 @@ def _pages(conn: sqlite3.Connection, ns_id: str, before: float) -> Iterator[Cand
         when = due.get(key)
         if when is not None and when != (last, seq):
             continue  # comes later, or came already
-        files = _page_files(conn, ns_id, key)
+        files = pages_sql.page_files(conn, ns_id, key)
         top = max((f[2], f[3]) for f in files)
         if top != (last, seq):
             due[key] = top

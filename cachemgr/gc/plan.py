@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import shutil
 import sqlite3
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cachemgr.errors import UnsafePathError
@@ -26,8 +25,9 @@ from cachemgr.gc.policy import ByReason, GcPolicy, GcReason, over_limits, tally
 from cachemgr.gc.step import GcStep
 from cachemgr.layout import Layout
 from cachemgr.ns import registry as nsreg
+from cachemgr.state import pages_sql
 from cachemgr.state.index import namespace_dirs
-from cachemgr.state.store import Store
+from cachemgr.state.store import Store, read_snapshot
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,8 @@ class GcPlan(ByReason):
 
 
 def plan_gc(
-    store: Store,
     layout: Layout,
+    store: Store,
     policy: GcPolicy,
     *,
     now: float,
@@ -58,18 +58,8 @@ def plan_gc(
 ) -> GcPlan:
     """Decide what to delete. `sweep` also lists namespace dirs for temps (unless `temps`
     from a scan are given) and checks page sizes; without it only the index is read."""
-    with _snapshot(store.conn) as conn:
+    with read_snapshot(store.conn) as conn:
         return _plan(conn, layout, policy, now, disk_usage, temps, sweep)
-
-
-@contextmanager
-def _snapshot(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
-    """One read transaction, so the plan sees the index at one moment while the watcher writes."""
-    conn.execute("BEGIN")
-    try:
-        yield conn
-    finally:
-        conn.execute("COMMIT")
 
 
 def _plan(
@@ -81,7 +71,7 @@ def _plan(
     temps: Sequence[TempFile] | None,
     sweep: bool,
 ) -> GcPlan:
-    usage = gcfind.namespace_bytes(conn)
+    usage = pages_sql.namespace_bytes(conn)
     # A dir that became a symlink (or worse) is skipped with a warning, never a failed run:
     # GC must go on bounding everything else.
     warnings: list[str] = []

@@ -34,6 +34,7 @@ from cachemgr.layout import Layout
 from cachemgr.ns import registry as nsreg
 from cachemgr.ns.trash import list_trash
 from cachemgr.sglang.liveuse import live_users
+from cachemgr.state import pages_sql
 from cachemgr.state.store import Store
 from cachemgr.worker import DeathHandler, Worker
 
@@ -43,8 +44,8 @@ FLOOR_CHECK = 5.0  # seconds between two statvfs checks of the free-space floor
 
 
 def needs_gc(
-    store: Store,
     layout: Layout,
+    store: Store,
     policy: GcPolicy,
     *,
     now: float,
@@ -62,7 +63,7 @@ def needs_gc(
         dropped = [d for d in dropped if d[0] not in damaged]
     reasons += sorted({r for _, r in dropped})
     gone = {ns for ns, _ in dropped}
-    usage = {ns: b for ns, b in gcfind.namespace_bytes(conn).items() if ns not in gone}
+    usage = {ns: b for ns, b in pages_sql.namespace_bytes(conn).items() if ns not in gone}
     limits = over_limits(policy, usage, DiskUsage(*disk_usage(layout.root)))
     if limits.namespaces:
         reasons.append("cap")
@@ -92,8 +93,8 @@ class GcRunner(Worker):
 
     def __init__(
         self,
-        store: Store,
         layout: Layout,
+        store: Store,
         policy: GcPolicy,
         *,
         leadership: Leadership | None = None,
@@ -131,7 +132,7 @@ class GcRunner(Worker):
         """The cheap check (see the module docstring)."""
         with self._serialized():
             return needs_gc(
-                self.store, self.layout, self.policy, now=self.clock(), disk_usage=self.disk_usage
+                self.layout, self.store, self.policy, now=self.clock(), disk_usage=self.disk_usage
             )
 
     def _lead(self) -> bool:
@@ -226,13 +227,13 @@ class GcRunner(Worker):
     ) -> GcReport:
         now = self.clock()
         plan = plan_gc(
-            self.store, self.layout, self.policy, now=now, disk_usage=self.disk_usage,
+            self.layout, self.store, self.policy, now=now, disk_usage=self.disk_usage,
             temps=temps, sweep=sweep,
         )  # fmt: skip
         if sweep and not dry_run:
             self.last_sweep = now
         return execute_gc(
-            plan, self.store, self.layout, dry_run=dry_run, actor=actor,
+            plan, self.layout, self.store, dry_run=dry_run, actor=actor,
             pacer=pacer or Pacer(rate=self.policy.delete_rate), progress=progress,
             clock=self.clock, stop=self._stopping.is_set, in_use=self.in_use,
         )  # fmt: skip

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from cachemgr.identity.hashing import FileStat
+from cachemgr.state import digest_sql
 from cachemgr.state.store import Store
 
 # A file written within this many seconds of being hashed may be written again in the same
@@ -32,12 +33,9 @@ class DigestCache:
         paths = list(files)
         for start in range(0, len(paths), _BATCH):
             batch = paths[start : start + _BATCH]
-            rows = self.store.conn.execute(
-                "SELECT path, dev, ino, size, mtime_ns, digest FROM digest_cache"
-                f" WHERE algo = ? AND path IN ({','.join('?' * len(batch))})",
-                (algo, *batch),
-            )
-            for path, dev, ino, size, mtime_ns, digest in rows:
+            for path, dev, ino, size, mtime_ns, digest in digest_sql.cached_digests(
+                self.store.conn, algo, batch
+            ):
                 if files[path] == FileStat(dev, ino, size, mtime_ns):
                     hits[path] = digest
         return hits
@@ -52,10 +50,5 @@ class DigestCache:
         ]
         if rows:
             with self.store.transaction() as conn:
-                conn.executemany(
-                    "INSERT OR REPLACE INTO digest_cache"
-                    " (path, algo, dev, ino, size, mtime_ns, digest, hashed_at)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    rows,
-                )
+                digest_sql.remember_digests(conn, rows)
         return len(rows)

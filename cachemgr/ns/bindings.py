@@ -35,6 +35,7 @@ from cachemgr.fs.locks import root_lock
 from cachemgr.fs.safe import open_dir, read_regular, write_atomic_at
 from cachemgr.layout import BIND_SUFFIX, INSTANCE_RE, NS_DIR, NS_ID_RE, Layout
 from cachemgr.ns.manifest import timestamp
+from cachemgr.state import registry_sql
 from cachemgr.state.store import Store
 
 log = logging.getLogger(__name__)
@@ -109,8 +110,7 @@ def parse_binding(raw: bytes, instance: str) -> Binding:
 
 def db_bindings(store: Store) -> dict[str, Binding]:
     """instance → binding, as the DB has them."""
-    rows = store.conn.execute("SELECT instance, namespace_id, bound_at FROM bindings")
-    return {str(i): Binding(str(i), str(ns), float(at)) for i, ns, at in rows}
+    return {i: Binding(i, ns, at) for i, ns, at in registry_sql.all_bindings(store.conn)}
 
 
 def restore(store: Store, files: dict[str, Binding]) -> list[str]:
@@ -120,12 +120,7 @@ def restore(store: Store, files: dict[str, Binding]) -> list[str]:
     An instance bound meanwhile (an init) keeps its binding: the file may be older."""
     restored = []
     for b in files.values():
-        cur = store.conn.execute(
-            "INSERT INTO bindings (instance, namespace_id, bound_at)"
-            " SELECT ?, id, ? FROM namespaces WHERE id = ? ON CONFLICT(instance) DO NOTHING",
-            (b.instance, b.bound_at, b.ns_id),
-        )
-        if cur.rowcount:
+        if registry_sql.bind_if_new(store.conn, b.instance, b.ns_id, b.bound_at):
             restored.append(b.instance)
     return restored
 

@@ -40,6 +40,7 @@ from cachemgr.ns.trash import (  # re-exported: purge and trash are one API for 
     drain_trash,
     list_trash,
 )
+from cachemgr.state import pages_sql
 from cachemgr.state.store import Store
 
 __all__ = [
@@ -109,7 +110,7 @@ def execute_purge(
                 if not instances:
                     removed = drop_unbound(layout, store, target.ns_id)
                 else:
-                    store.conn.execute("DELETE FROM pages WHERE namespace_id = ?", (target.ns_id,))
+                    pages_sql.delete_namespace_pages(store.conn, target.ns_id)
                 store.audit(
                     "purge",
                     namespace_id=target.ns_id,

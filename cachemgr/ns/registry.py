@@ -24,6 +24,8 @@ from cachemgr.layout import NS_DIR, NS_ID_RE, Layout, check_ns_id
 from cachemgr.layout import check_instance as check_instance  # nsreg.check_instance callers
 from cachemgr.ns import bindings
 from cachemgr.ns.manifest import Manifest, read_manifest, write_manifest
+from cachemgr.state import pages_sql
+from cachemgr.state import registry_sql as sql
 from cachemgr.state.status import bindings_by_namespace
 from cachemgr.state.store import Store
 
@@ -140,7 +142,7 @@ def adopt_from_disk(layout: Layout, store: Store) -> list[str]:
     Returns the ids registered. An unreadable manifest is left for `ls`/doctor to report.
     """
     _, manifests = on_disk(layout)
-    known = {r[0] for r in store.conn.execute("SELECT id FROM namespaces")}
+    known = sql.namespace_ids(store.conn)
     found = []
     for ns_id in sorted(manifests - known):
         try:
@@ -167,11 +169,8 @@ def adopt_from_disk(layout: Layout, store: Store) -> list[str]:
 
 def register(store: Store, manifest: Manifest) -> None:
     """Insert or refresh the namespace's row from its manifest (state active)."""
-    store.conn.execute(
-        "INSERT INTO namespaces (id, digest, identity_json, created_at, last_active_at, state)"
-        " VALUES (?, ?, ?, ?, ?, 'active') ON CONFLICT(id) DO UPDATE SET"
-        " digest = excluded.digest, identity_json = excluded.identity_json,"
-        " last_active_at = excluded.last_active_at, state = 'active'",
+    sql.upsert_namespace(
+        store.conn,
         (
             manifest.ns_id,
             manifest.digest,
@@ -189,41 +188,28 @@ def bind(layout: Layout, store: Store, instance: str, ns_id: str, now: float) ->
     write (a full disk) leaves the DB as it was."""
     check_instance(instance)
     previous = binding_of(store, instance)
-    store.conn.execute(
-        "INSERT INTO bindings (instance, namespace_id, bound_at) VALUES (?, ?, ?)"
-        " ON CONFLICT(instance) DO UPDATE SET namespace_id = excluded.namespace_id,"
-        " bound_at = excluded.bound_at",
-        (instance, ns_id, now),
-    )
+    sql.upsert_binding(store.conn, instance, ns_id, now)
     bindings.write_binding(layout, bindings.Binding(instance, ns_id, now))
     return previous
 
 
 def binding_of(store: Store, instance: str) -> str | None:
-    row = store.conn.execute(
-        "SELECT namespace_id FROM bindings WHERE instance = ?", (instance,)
-    ).fetchone()
-    return None if row is None else str(row[0])
+    return sql.binding_of(store.conn, instance)
 
 
 def instances_of(store: Store, ns_id: str) -> tuple[str, ...]:
     """The instances bound to `ns_id`, sorted."""
-    rows = store.conn.execute(
-        "SELECT instance FROM bindings WHERE namespace_id = ? ORDER BY instance", (ns_id,)
-    ).fetchall()
-    return tuple(str(r[0]) for r in rows)
+    return sql.instances_of(store.conn, ns_id)
 
 
 def mark_purged(store: Store, ns_id: str) -> None:
     """An unbound namespace was purged: keep its row (history), forget its page index."""
-    store.conn.execute("UPDATE namespaces SET state = 'purged' WHERE id = ?", (ns_id,))
-    store.conn.execute("DELETE FROM pages WHERE namespace_id = ?", (ns_id,))
+    sql.mark_namespace_purged(store.conn, ns_id)
+    pages_sql.delete_namespace_pages(store.conn, ns_id)
 
 
 def identity_json(store: Store, ns_id: str) -> str | None:
-    row = store.conn.execute("SELECT identity_json FROM namespaces WHERE id = ?", (ns_id,))
-    found = row.fetchone()
-    return None if found is None else str(found[0])
+    return sql.identity_json(store.conn, ns_id)
 
 
 # --- listing ---

@@ -23,6 +23,7 @@ from cachemgr.ns.manifest import (
     identity_page_size,
     read_manifest,
 )
+from cachemgr.state import pages_sql, registry_sql
 from cachemgr.state.index import namespace_dirs
 from cachemgr.state.status import bindings_by_namespace
 
@@ -91,8 +92,8 @@ def namespace_statuses(
     live: Mapping[str, LiveCounts] | None = None,
 ) -> list[NamespaceStatus]:
     """Every namespace with a dir, pages in the index, or an active registry row."""
-    stats = {r["namespace_id"]: r for r in conn.execute("SELECT * FROM namespace_stats")}
-    registry = {r["id"]: r for r in conn.execute("SELECT id, state, identity_json FROM namespaces")}
+    stats = {r["namespace_id"]: r for r in pages_sql.namespace_stats_rows(conn)}
+    registry = {r["id"]: r for r in registry_sql.registry_rows(conn)}
     bindings = bindings_by_namespace(conn)
     dirs = set(namespace_dirs(layout))
     damaged = nsreg.damaged(layout)

@@ -12,10 +12,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sqlite3
 import urllib.request
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,6 +136,9 @@ def ambiguities(info: dict[str, Any], identity: dict[str, Any]) -> list[str]:
 
 
 MismatchHandler = Callable[[str, list[str]], None]
+# The state DB sits above this package: the daemon passes the lookup of the namespace the
+# instance is bound to, as (id, identity_json, indexed pages) (cachemgr.state.registry_sql).
+BoundLookup = Callable[[str], tuple[str, str, int] | None]
 
 
 class ProbeLoop(Worker):
@@ -149,7 +150,7 @@ class ProbeLoop(Worker):
         url: str,
         *,
         instance: str,
-        reader: Callable[[], AbstractContextManager[sqlite3.Connection]],
+        bound: BoundLookup,
         on_mismatch: MismatchHandler,
         interval: float = 15.0,
         state: ProbeState | None = None,
@@ -158,7 +159,7 @@ class ProbeLoop(Worker):
         super().__init__("probe", on_death=on_death)
         self.url = url
         self.instance = instance
-        self.reader = reader
+        self.bound = bound
         self.on_mismatch = on_mismatch
         self.interval = interval
         self.state = state if state is not None else ProbeState()
@@ -214,17 +215,11 @@ class ProbeLoop(Worker):
 
     def _namespace(self) -> tuple[str, dict[str, Any], int] | None:
         """The namespace the instance is bound to, its identity record, and its page count."""
-        with self.reader() as conn:
-            row = conn.execute(
-                "SELECT n.id, n.identity_json, coalesce(s.pages, 0) FROM bindings b"
-                " JOIN namespaces n ON n.id = b.namespace_id"
-                " LEFT JOIN namespace_stats s ON s.namespace_id = n.id WHERE b.instance = ?",
-                (self.instance,),
-            ).fetchone()
+        row = self.bound(self.instance)
         if row is None:
             return None
         try:
             identity = json.loads(row[1])
         except json.JSONDecodeError:
             return None
-        return (str(row[0]), identity, int(row[2])) if isinstance(identity, dict) else None
+        return (row[0], identity, row[2]) if isinstance(identity, dict) else None

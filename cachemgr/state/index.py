@@ -62,8 +62,8 @@ def namespace_dirs(layout: Layout) -> list[str]:
 
 
 def scan_namespace(
-    store: Store,
     layout: Layout,
+    store: Store,
     ns_id: str,
     *,
     now: Callable[[], float] = time.time,
@@ -75,7 +75,7 @@ def scan_namespace(
     added = removed = 0
     if not _matches(store.conn, ns_id, usage):
         log.info("reindexing namespace", extra={"namespace": ns_id, "pages": usage.pages})
-        added, removed = _reindex(store, layout, ns_id, now, fmt)
+        added, removed = _reindex(layout, store, ns_id, now, fmt)
     report = ScanReport(
         ns_id, usage.pages, usage.bytes, usage.files, usage.temps, usage.other, usage.corrupt,
         added=added, removed=removed, seconds=time.perf_counter() - t0,
@@ -94,7 +94,7 @@ def _matches(conn: sqlite3.Connection, ns_id: str, usage: Usage) -> bool:
 
 
 def _reindex(
-    store: Store, layout: Layout, ns_id: str, now: Callable[[], float], fmt: FileFormat
+    layout: Layout, store: Store, ns_id: str, now: Callable[[], float], fmt: FileFormat
 ) -> tuple[int, int]:
     """Make the rows of `ns_id` those of its page files: (rows added, rows removed).
 
@@ -186,8 +186,8 @@ def forget_namespace(store: Store, ns_id: str) -> int:
 
 
 def scan_root(
-    store: Store,
     layout: Layout,
+    store: Store,
     *,
     now: Callable[[], float] = time.time,
     scan: Callable[[str], ScanReport | None] | None = None,
@@ -200,7 +200,7 @@ def scan_root(
     The index does not know the registry: a caller that may hold a lost DB registers the
     namespaces found on disk first (cachemgr.ns.registry.adopt_from_disk).
     """
-    scan_one = scan or (lambda ns: scan_namespace(store, layout, ns, now=now))
+    scan_one = scan or (lambda ns: scan_namespace(layout, store, ns, now=now))
     present = namespace_dirs(layout)
     reports = [r for r in map(scan_one, present) if r is not None]
     stale = {

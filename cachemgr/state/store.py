@@ -149,6 +149,17 @@ def _open_with_room(path: Path) -> sqlite3.Connection:
         ) from e
 
 
+@contextmanager
+def read_snapshot(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """One read transaction (BEGIN … COMMIT), so a reader sees the DB at one moment while
+    another connection writes (the GC plan while the watcher indexes)."""
+    conn.execute("BEGIN")
+    try:
+        yield conn
+    finally:
+        conn.execute("COMMIT")
+
+
 class Store:
     """A migrated connection to the state DB, with the queries shared across modules.
 

@@ -52,7 +52,7 @@ def _unbound_ns(layout: Layout, store: Store, ns: str, pages: int, mtime: float)
     for i in range(pages):
         (d / page_name(i)).write_bytes(b"\x01" * 100)
         os.utime(d / page_name(i), (mtime, mtime))
-    scan_root(store, layout)
+    scan_root(layout, store)
     return d
 
 
@@ -76,9 +76,9 @@ def _state(store: Store, ns: str) -> str:
 # --- min-age on every deletion path -----------------------------------------------------------
 
 
-def _gc(store: Store, layout: Layout, policy: GcPolicy) -> GcReport:
+def _gc(layout: Layout, store: Store, policy: GcPolicy) -> GcReport:
     """One real GC run, as `cachemgr gc` does it; the GC lock is released afterwards."""
-    runner = GcRunner(store, layout, policy)
+    runner = GcRunner(layout, store, policy)
     try:
         return runner.run(actor="cli")
     finally:
@@ -92,7 +92,7 @@ def test_gc_leaves_an_unbound_namespace_with_young_pages_in_place(tmp_path: Path
     d = _unbound_ns(layout, store, NS_A, 50, OLD)
     _rewrite(d, [page_name(i) for i in range(50)], time.time() - 8)
     report = _gc(
-        store, layout, GcPolicy(min_age=20, keep_unbound=0, unbound_ttl=None, delete_rate=None)
+        layout, store, GcPolicy(min_age=20, keep_unbound=0, unbound_ttl=None, delete_rate=None)
     )
     assert report.files == 0
     assert len(os.listdir(d)) == 50 and layout.manifest(NS_A).is_file()
@@ -106,10 +106,10 @@ def test_a_drop_planned_before_pages_turned_young_is_deferred_whole(tmp_path: Pa
     layout, store = _root(tmp_path)
     d = _unbound_ns(layout, store, NS_A, 100, OLD)
     pol = GcPolicy(min_age=20, keep_unbound=0, unbound_ttl=None, delete_rate=None)
-    plan = plan_gc(store, layout, pol, now=time.time())
+    plan = plan_gc(layout, store, pol, now=time.time())
     assert [s.reason for s in plan.steps] == ["unbound"]
     _rewrite(d, [page_name(i) for i in range(50)], time.time() - 8)
-    report = execute_gc(plan, store, layout)
+    report = execute_gc(plan, layout, store)
     (step,) = report.steps
     assert step.files == 0 and step.young == 50 and step.skipped and "min_age" in step.skipped
     assert len(os.listdir(d)) == 100 and layout.manifest(NS_A).is_file()
@@ -119,7 +119,7 @@ def test_a_drop_planned_before_pages_turned_young_is_deferred_whole(tmp_path: Pa
     assert rows[0] == 100
     # Once they are old enough the same namespace goes, audited once with what it held.
     _rewrite(d, [page_name(i) for i in range(50)], time.time() - 30)
-    assert _gc(store, layout, pol).files == 100
+    assert _gc(layout, store, pol).files == 100
     assert not d.exists() and _audit(store, "evict") == [(NS_A, "unbound", 100)]
 
 
@@ -130,7 +130,7 @@ def test_stale_temps_wait_for_min_age_even_with_a_shorter_tmp_ttl(tmp_path: Path
     for path, mtime in ((young, time.time() - 8), (old, OLD)):
         path.write_bytes(b"t")
         os.utime(path, (mtime, mtime))
-    assert _gc(store, layout, GcPolicy(min_age=20, tmp_ttl=1, delete_rate=None)).files == 1
+    assert _gc(layout, store, GcPolicy(min_age=20, tmp_ttl=1, delete_rate=None)).files == 1
     assert young.exists() and not old.exists()
 
 

@@ -58,7 +58,7 @@ def populated(layout: Layout) -> dict[str, int]:
     store = Store.open(layout.db_path)
     found = {make_ns(layout, store, f"model{i}", pages=PAGES): PAGES for i in range(3)}
     make_ns(layout, store, "model0", pages=PAGES, instance="srv0")
-    scan_root(store, layout)
+    scan_root(layout, store)
     store.close()
     assert layout.db_path.stat().st_size > 30_000
     return found
@@ -186,7 +186,7 @@ def test_gc_finding_corruption_moves_it_aside_and_runs_on_the_fresh_db(
     layout: Layout, populated: dict[str, int], settings: Settings
 ) -> None:
     store = Store.open(layout.db_path)
-    runner = GcRunner(store, layout, GcPolicy.from_settings(settings))
+    runner = GcRunner(layout, store, GcPolicy.from_settings(settings))
     try:
         random_past_header(layout.db_path)
         with pytest.raises(StateCorrupt):

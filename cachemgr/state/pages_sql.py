@@ -1,0 +1,138 @@
+"""The statements on the page index: the `pages` table and the per-namespace aggregates its
+triggers keep in `namespace_stats`. Callers own the transaction (Store.transaction); these
+only run statements on the connection they are given. Full scans live in cachemgr.state.index.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterable, Iterator
+
+# (namespace, name, size, created_at, last_access, access_seq, key_len)
+PageRow = tuple[str, str, int, float, float, int, int]
+ReadRow = tuple[int, float, int, str, str]  # (reads, at, access_seq, namespace, name)
+PageFile = tuple[str, int, float, int, int]  # (name, size, last_access, access_seq, reads)
+
+
+def delete_namespace_pages(conn: sqlite3.Connection, ns_id: str) -> None:
+    """Forget every indexed page of a namespace in one statement (lifetime counters stay)."""
+    conn.execute("DELETE FROM pages WHERE namespace_id = ?", (ns_id,))
+
+
+def delete_pages(conn: sqlite3.Connection, pages: Iterable[tuple[str, str]]) -> None:
+    """Forget the index rows of these (namespace, name) pages."""
+    conn.executemany("DELETE FROM pages WHERE namespace_id = ? AND name = ?", pages)
+
+
+def max_access_seq(conn: sqlite3.Connection) -> int:
+    """The largest access sequence number stored (0 for an empty index)."""
+    return int(conn.execute("SELECT COALESCE(MAX(access_seq), 0) FROM pages").fetchone()[0])
+
+
+def upsert_pages(conn: sqlite3.Connection, rows: Iterable[PageRow]) -> None:
+    """Index pages seen on disk; a known page keeps its newest access and takes the new size."""
+    conn.executemany(
+        "INSERT INTO pages (namespace_id, name, size, created_at, last_access, access_seq,"
+        " key_len) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (namespace_id, name) DO UPDATE"
+        " SET size = excluded.size, last_access = max(last_access, excluded.last_access),"
+        " access_seq = max(access_seq, excluded.access_seq)",
+        rows,
+    )
+
+
+def add_reads(conn: sqlite3.Connection, rows: Iterable[ReadRow]) -> None:
+    """Count reads of indexed pages and move their last access and sequence forward."""
+    conn.executemany(
+        "UPDATE pages SET reads = reads + ?, last_access = max(last_access, ?),"
+        " access_seq = max(access_seq, ?) WHERE namespace_id = ? AND name = ?",
+        rows,
+    )
+
+
+def add_lifetime(conn: sqlite3.Connection, ns: str, reads: int, writes: int, now: float) -> None:
+    """Add a batch's reads/writes to the namespace's lifetime totals (both tables)."""
+    last_read = now if reads else None
+    last_write = now if writes else None
+    conn.execute(
+        "INSERT INTO namespace_stats (namespace_id, page_reads, page_writes, last_read_at,"
+        " last_write_at) VALUES (?, ?, ?, ?, ?) ON CONFLICT (namespace_id) DO UPDATE SET"
+        " page_reads = page_reads + excluded.page_reads,"
+        " page_writes = page_writes + excluded.page_writes,"
+        " last_read_at = coalesce(excluded.last_read_at, last_read_at),"
+        " last_write_at = coalesce(excluded.last_write_at, last_write_at)",
+        (ns, reads, writes, last_read, last_write),
+    )
+    conn.execute(
+        # namespaces.page_reads/page_writes (migration 0001) are no longer kept: nothing read them.
+        "UPDATE namespaces SET last_active_at = max(last_active_at, ?) WHERE id = ?",
+        (now, ns),
+    )
+
+
+def namespace_stats_rows(conn: sqlite3.Connection) -> list[sqlite3.Row]:
+    """Every namespace_stats row, whole (status reads them by column name)."""
+    return conn.execute("SELECT * FROM namespace_stats").fetchall()
+
+
+def namespace_bytes(conn: sqlite3.Connection) -> dict[str, int]:
+    """Page bytes of each namespace with pages, from the index's aggregates (no page scan)."""
+    return dict(conn.execute("SELECT namespace_id, bytes FROM namespace_stats WHERE pages > 0"))
+
+
+def unbound_by_activity(conn: sqlite3.Connection) -> list[tuple[str, float]]:
+    """(id, last activity) of each active namespace no instance is bound to, latest first.
+
+    Activity is the later of the registry's last_active_at and the index's newest access."""
+    return conn.execute(
+        "SELECT n.id, MAX(n.last_active_at,"
+        " COALESCE((SELECT MAX(p.last_access) FROM pages p WHERE p.namespace_id = n.id), 0))"
+        " FROM namespaces n WHERE n.state = 'active'"
+        " AND NOT EXISTS (SELECT 1 FROM bindings b WHERE b.namespace_id = n.id)"
+        " ORDER BY 2 DESC, n.id"
+    ).fetchall()
+
+
+def namespaces_with_mixed_sizes(conn: sqlite3.Connection) -> list[str]:
+    """Namespaces whose indexed files do not all have one size."""
+    return [
+        str(r[0])
+        for r in conn.execute(
+            "SELECT namespace_id FROM pages GROUP BY namespace_id HAVING COUNT(DISTINCT size) > 1"
+        )
+    ]
+
+
+def namespace_files(conn: sqlite3.Connection, ns_id: str) -> Iterator[tuple[str, int, float, int]]:
+    """(name, size, last_access, key_len) of every indexed file of a namespace, streamed."""
+    return conn.execute(
+        "SELECT name, size, last_access, key_len FROM pages WHERE namespace_id = ?", (ns_id,)
+    )
+
+
+# A page's files: the names that start with its key and have a key that long (a longer key may
+# start the same way). char(1114111) sorts after any character a name can hold.
+_FILES = (
+    "SELECT name, size, last_access, access_seq, reads FROM pages WHERE namespace_id = ?1"
+    " AND name >= ?2 AND name < ?2 || char(1114111) AND key_len = length(?2)"
+)
+
+
+def page_files(conn: sqlite3.Connection, ns_id: str, key: str) -> list[PageFile]:
+    """Every indexed file of one page (`key`: cachemgr.backends)."""
+    return conn.execute(_FILES, (ns_id, key)).fetchall()
+
+
+def files_by_recency(
+    conn: sqlite3.Connection, ns_id: str, before: float
+) -> Iterator[tuple[float, int, str, int, int, int, int]]:
+    """(last_access, access_seq, name, key_len, size, reads, files of its page) of each file
+    of `ns_id` last used at or before `before`, least recently used first, streamed."""
+    return conn.execute(
+        "SELECT last_access, access_seq, name, key_len, size, reads, (SELECT count(*)"
+        " FROM pages p WHERE p.namespace_id = f.namespace_id"
+        " AND p.name >= substr(f.name, 1, f.key_len)"
+        " AND p.name < substr(f.name, 1, f.key_len) || char(1114111) AND p.key_len = f.key_len)"
+        " FROM pages f WHERE namespace_id = ? AND last_access <= ?"
+        " ORDER BY last_access, access_seq",
+        (ns_id, before),
+    )
