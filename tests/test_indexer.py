@@ -331,6 +331,10 @@ def test_names_that_are_not_pages_never_reach_the_index(
             os.unlink(name)
         store_page(d, page_name(1))
         wait_for(lambda: ns_stats(reader, NS_A), lambda s: s == (1, 1024, 0, 1))
-        assert ix.error is None and ix.state.counters[NS_A].writes == 1
+        # The in-memory counters are bumped just after the batch commits: wait for them too.
+        counted = wait_for(
+            lambda: ix.state.counters.get(NS_A), lambda c: c is not None and c.writes
+        )
+        assert ix.error is None and counted.writes == 1
     finally:
         ix.stop()
