@@ -103,6 +103,12 @@ def eviction_order(
     """
     streams = [_pages(conn, ns, before) for ns in sorted(set(namespace_ids))]
     merged = heapq.merge(*streams, key=lambda c: (c.last_access, c.access_seq))
-    for burst in bursts(merged, gap, span):
+    yield from order_stream(merged, gap=gap, span=span)
+
+
+def order_stream(stream: Iterable[Candidate], *, gap: float, span: float) -> Iterator[Candidate]:
+    """A stream of pages, least recently used first, in the order to evict them (the policy
+    alone, without the index: bench/sim_policy.py runs it on a simulated trace)."""
+    for burst in bursts(stream, gap, span):
         burst.sort(key=_within_burst)
         yield from burst

@@ -1,0 +1,355 @@
+"""Eviction policy simulator (issue #13, item 5).
+
+A generated multi-session agent trace (Zipf session popularity, a shared system prefix, chat
+histories that grow by a few pages a turn and sometimes reset, a server restart halfway) served
+as SGLang serves it: each request looks its page chain up, hits the longest *contiguous* prefix
+on disk, reads it, and writes the rest through (a page already on disk is skipped, as
+`HiCacheFile.set` does). Before each page write, if the disk would go over the cap, the policy
+evicts down to 0.9 x cap (SGLang's `LRUFileEvictor.reserve` with `eviction_ratio` 0.9). Pages
+are all one size; W = pages written with no cap.
+
+Policies:
+
+* `lru`: page LRU by last access (SGLang's evictor while it runs; no restart);
+* `lru-mtime`: the same, but at the restart the order is rebuilt from first-write time (SGLang
+  seeds its LRU from mtime; reads and skipped re-writes never touch mtime);
+* `cachemgr`: cachemgr's current order, the REAL `cachemgr.gc.order.order_stream` (what
+  `eviction_order` runs on the index's stream) fed one `Candidate` per page with the
+  `last_access` / `access_seq` / `reads` the daemon's index would hold, timestamps from a
+  simulated clock at the given request rate, `burst_gap` / `burst_span` from `GcPolicy`'s
+  defaults, `min_age` 0. Eviction is immediate (the daemon's GC-run lag is not modelled): this
+  measures the order alone. The index survives the restart;
+* `clairvoyant`: evict the page whose next lookup is farthest away (Belady);
+* `no cap`.
+
+    .venv/bin/python bench/sim_policy.py [--sessions N --requests M --seed S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from cachemgr.gc import order as gc_order
+from cachemgr.gc.policy import GcPolicy
+
+EVICTION_RATIO = 0.9  # SGLang's default eviction_ratio (and the issue's low watermark)
+RATES = (0.1, 100.0)  # simulated requests per second for the cachemgr policy
+
+
+@dataclass(frozen=True)
+class Trace:
+    parent: list[int]  # parent page of each page (-1: the first page of the system prefix)
+    requests: list[tuple[int, ...]]  # the page chain each request looks up
+    restart_at: int  # index of the first request after the server restart
+
+    @property
+    def pages(self) -> int:
+        return len(self.parent)
+
+
+def make_trace(
+    sessions: int,
+    requests: int,
+    seed: int,
+    *,
+    sys_pages: int = 32,
+    zipf: float = 0.8,
+    grow: tuple[int, int] = (2, 8),
+    reset_p: float = 0.05,
+    max_hist: int = 256,
+) -> Trace:
+    """A seeded agent trace; page ids grow along every chain (a parent's id < its child's)."""
+    rng = random.Random(seed)
+    parent: list[int] = []
+
+    def new_page(par: int) -> int:
+        parent.append(par)
+        return len(parent) - 1
+
+    prefix: list[int] = []
+    for _ in range(sys_pages):
+        prefix.append(new_page(prefix[-1] if prefix else -1))
+    weights = [1.0 / (rank + 1) ** zipf for rank in range(sessions)]
+    order = list(range(sessions))
+    rng.shuffle(order)  # popularity rank is not session number
+    hist: list[list[int]] = [[] for _ in range(sessions)]
+    chains: list[tuple[int, ...]] = []
+    for rank in rng.choices(range(sessions), weights, k=requests):
+        h = hist[order[rank]]
+        if h and (len(h) >= max_hist or rng.random() < reset_p):
+            h.clear()  # a new conversation: a new chain after the system prompt
+        tail = h[-1] if h else prefix[-1]
+        for _ in range(rng.randint(*grow)):
+            tail = new_page(tail)
+            h.append(tail)
+        chains.append((*prefix, *h))
+    return Trace(parent, chains, requests // 2)
+
+
+class Policy:
+    """What the evictor sees: reads (hits), writes, skipped writes, a restart; it picks victims."""
+
+    name = ""
+
+    def read(self, page: int, i: int) -> None: ...
+
+    def write(self, page: int, i: int) -> None: ...
+
+    def skip(self, page: int, i: int) -> None: ...
+
+    def restart(self, i: int) -> None: ...
+
+    def victims(self, n: int, i: int, disk: set[int]) -> list[int]:
+        raise NotImplementedError
+
+
+class Lru(Policy):
+    name = "lru"
+
+    def __init__(self) -> None:
+        self.lru: OrderedDict[int, None] = OrderedDict()
+
+    def read(self, page: int, i: int) -> None:
+        self.lru.move_to_end(page)
+
+    skip = read  # `set` of a page that exists touches the evictor
+
+    def write(self, page: int, i: int) -> None:
+        self.lru[page] = None
+
+    def victims(self, n: int, i: int, disk: set[int]) -> list[int]:
+        return [self.lru.popitem(last=False)[0] for _ in range(n)]
+
+
+class LruMtime(Lru):
+    name = "lru-mtime"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mtime: dict[int, int] = {}
+
+    def write(self, page: int, i: int) -> None:
+        super().write(page, i)
+        self.mtime[page] = i
+
+    def restart(self, i: int) -> None:
+        self.lru = OrderedDict((p, None) for p in sorted(self.lru, key=self.mtime.__getitem__))
+
+
+OrderFn = Callable[..., Iterator[gc_order.Candidate]]
+
+
+class Cachemgr(Policy):
+    """The index's view of each page, ordered by cachemgr's real code."""
+
+    def __init__(self, rate: float, order_fn: OrderFn | None = None) -> None:
+        self.name = f"cachemgr @{rate:g}/s"
+        self.rate = rate
+        gc = GcPolicy()
+        self.gap, self.span, self.min_age = gc.burst_gap, gc.burst_span, 0.0
+        self.order_fn = order_fn or gc_order.order_stream
+        self.seq = 0
+        self.state: dict[int, tuple[float, int, int]] = {}  # page -> (last, seq, reads)
+        self.evicted: list[int] = []  # every victim, in order (for tests)
+
+    def _next(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def read(self, page: int, i: int) -> None:
+        reads = self.state[page][2]
+        self.state[page] = (i / self.rate, self._next(), reads + 1)
+
+    def write(self, page: int, i: int) -> None:
+        self.state[page] = (i / self.rate, self._next(), 0)  # a new index row
+
+    def victims(self, n: int, i: int, disk: set[int]) -> list[int]:
+        before = i / self.rate - self.min_age
+        rows = sorted((last, seq, reads, p) for p, (last, seq, reads) in self.state.items())
+        stream = (
+            gc_order.Candidate(last, seq, "ns", (str(p),), 1, reads)
+            for last, seq, reads, p in rows
+            if last <= before
+        )
+        out: list[int] = []
+        for c in self.order_fn(stream, gap=self.gap, span=self.span):
+            out.append(int(c.names[0]))
+            if len(out) == n:
+                break
+        for p in out:
+            del self.state[p]
+        self.evicted += out
+        return out
+
+
+class Clairvoyant(Policy):
+    """Belady: evict the page whose next lookup comes last (never again: first)."""
+
+    name = "clairvoyant"
+
+    def __init__(self, trace: Trace) -> None:
+        self.uses: dict[int, list[int]] = {}
+        for i, chain in enumerate(trace.requests):
+            for p in chain:
+                self.uses.setdefault(p, []).append(i)
+        self.pos: dict[int, int] = {}  # page -> index into uses of its current lookup
+        self.nxt: dict[int, float] = {}
+        self.heap: list[tuple[float, int]] = []
+
+    def _seen(self, page: int, i: int) -> None:
+        uses = self.uses[page]
+        k = self.pos.get(page, -1) + 1
+        while uses[k] < i:
+            k += 1
+        self.pos[page] = k
+        nxt = float(uses[k + 1]) if k + 1 < len(uses) else float("inf")
+        self.nxt[page] = nxt
+        heapq.heappush(self.heap, (-nxt, page))
+
+    read = write = skip = _seen
+
+    def victims(self, n: int, i: int, disk: set[int]) -> list[int]:
+        out: list[int] = []
+        while len(out) < n:
+            neg, p = heapq.heappop(self.heap)
+            if p in disk and p not in out and self.nxt.get(p) == -neg:
+                out.append(p)
+        return out
+
+
+@dataclass(frozen=True)
+class Result:
+    policy: str
+    cap: int | None
+    hits: int
+    lookups: int
+    unusable_end: int
+    unusable_avg: float
+    max_on_disk: int
+    evicted: int
+
+    @property
+    def ratio(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+def unusable(disk: set[int], parent: Sequence[int]) -> int:
+    """Pages on disk behind a missing page of their chain (ids grow along a chain)."""
+    ok: set[int] = set()
+    for p in sorted(disk):
+        par = parent[p]
+        if par < 0 or par in ok:
+            ok.add(p)
+    return len(disk) - len(ok)
+
+
+def serve(trace: Trace, policy: Policy | None, cap: int | None, samples: int = 100) -> Result:
+    """Replay the trace against one policy under one cap (None: no cap)."""
+    disk: set[int] = set()
+    target = int(cap * EVICTION_RATIO) - 1 if cap else 0
+    hits = lookups = max_on_disk = evicted = 0
+    every = max(1, len(trace.requests) // samples)
+    unusable_sum = unusable_n = 0
+    for i, chain in enumerate(trace.requests):
+        if i == trace.restart_at and policy is not None:
+            policy.restart(i)
+        lookups += len(chain)
+        n = 0
+        while n < len(chain) and chain[n] in disk:
+            n += 1
+        hits += n
+        for p in chain[:n]:
+            if policy is not None:
+                policy.read(p, i)
+        for p in chain[n:]:
+            if p in disk:  # behind a missing page: `set` skips it
+                if policy is not None:
+                    policy.skip(p, i)
+                continue
+            if cap is not None and policy is not None and len(disk) + 1 > cap:
+                victims = policy.victims(len(disk) - target, i, disk)
+                if not disk.issuperset(victims) or len(set(victims)) != len(victims):
+                    raise AssertionError(f"{policy.name} evicted pages not on disk")
+                disk.difference_update(victims)
+                evicted += len(victims)
+                if len(disk) + 1 > cap:
+                    raise AssertionError(f"{policy.name} left {len(disk)} pages, cap {cap}")
+            disk.add(p)
+            max_on_disk = max(max_on_disk, len(disk))
+            if policy is not None:
+                policy.write(p, i)
+        if i % every == every - 1:
+            unusable_sum += unusable(disk, trace.parent)
+            unusable_n += 1
+    name = policy.name if policy is not None else "no cap"
+    avg = unusable_sum / unusable_n if unusable_n else 0.0
+    return Result(name, cap, hits, lookups, unusable(disk, trace.parent), avg, max_on_disk, evicted)
+
+
+def policies(trace: Trace, rates: Iterable[float] = RATES) -> list[Callable[[], Policy]]:
+    makers: list[Callable[[], Policy]] = [Lru, LruMtime]
+    makers += [lambda r=r: Cachemgr(r) for r in rates]
+    makers.append(lambda: Clairvoyant(trace))
+    return makers
+
+
+def run(trace: Trace, rates: Iterable[float] = RATES) -> list[Result]:
+    """No cap, then every policy at W/3 and W/2."""
+    nocap = serve(trace, None, None)
+    out = [nocap]
+    for div in (3, 2):
+        cap = trace.pages // div
+        out += [serve(trace, make(), cap) for make in policies(trace, rates)]
+    return out
+
+
+def table(trace: Trace, results: list[Result]) -> str:
+    w = trace.pages
+    lines = [
+        "| policy | cap | page hit ratio | of LRU→clairvoyant gap | unusable at end |"
+        " unusable avg | max on disk / cap |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    base = {r.cap: r.ratio for r in results if r.policy == "lru"}
+    best = {r.cap: r.ratio for r in results if r.policy == "clairvoyant"}
+    for r in results:
+        cap = "none" if r.cap is None else f"W/{round(w / r.cap)} ({r.cap})"
+        gap = "" if r.cap is None or best[r.cap] == base[r.cap] else (
+            f"{(r.ratio - base[r.cap]) / (best[r.cap] - base[r.cap]):+.0%}"
+        )  # fmt: skip
+        fill = "" if r.cap is None else f"{r.max_on_disk / r.cap:.2f}"
+        lines.append(
+            f"| {r.policy} | {cap} | {r.ratio:.3f} | {gap} | {r.unusable_end} |"
+            f" {r.unusable_avg:.0f} | {fill} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sessions", type=int, default=500)
+    ap.add_argument("--requests", type=int, default=4000)
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args(argv)
+    t0 = time.monotonic()
+    trace = make_trace(args.sessions, args.requests, args.seed)
+    results = run(trace)
+    lookups = sum(len(c) for c in trace.requests)
+    print(
+        f"trace: {args.sessions} sessions, {args.requests} requests, seed {args.seed};"
+        f" W = {trace.pages} pages, {lookups} page lookups; restart before request"
+        f" {trace.restart_at}; burst_gap {GcPolicy().burst_gap:g}s,"
+        f" burst_span {GcPolicy().burst_span:g}s"
+    )
+    print(table(trace, results))
+    print(f"({time.monotonic() - t0:.1f}s)")
+
+
+if __name__ == "__main__":
+    main()
