@@ -147,6 +147,15 @@ def test_print_env_and_env_file(root: Path, model: Path, tmp_path: Path) -> None
     assert [p.name for p in tmp_path.iterdir() if "tmp" in p.name] == []  # no temp left
 
 
+def test_an_env_file_in_a_missing_dir_is_refused_before_anything_is_made(
+    root: Path, model: Path, tmp_path: Path
+) -> None:
+    out = init(root, model, "--env-file", str(tmp_path / "no-such-dir" / "hicache.env"))
+    assert out.returncode == 2
+    assert "is not a directory" in one_line_error(out)
+    assert not root.exists()
+
+
 def test_storage_dir_env_pointing_elsewhere_warns(root: Path, model: Path) -> None:
     out = init(root, model, env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": "/srv/old"})
     assert out.returncode == 0, out.stderr

@@ -101,3 +101,50 @@ def test_the_dry_runs_still_see_the_work(used_root: Path) -> None:
     assert dry["files"] >= 1
     real = json.loads(cli("--root", str(used_root), "gc", "--yes", "--json", env=WORK_DUE).stdout)
     assert real["files"] == dry["files"]
+
+
+@pytest.mark.parametrize("command", sorted(READ_ONLY))
+@pytest.mark.parametrize("damage", ["missing", "stale"])
+def test_binding_files_out_of_line_are_not_rewritten_by_a_reader(
+    used_root: Path, command: str, damage: str
+) -> None:
+    """Bringing binding files in line with the DB is a write: `init`, `gc` and the daemon do
+    it, a reading command never does (nor does it touch root.lock)."""
+    bind = used_root / "ns" / "default.bind"
+    if damage == "missing":
+        bind.unlink()
+    else:
+        bind.write_text(bind.read_text().replace('"ns_id": "', '"ns_id": "0', 1)[:-1] + "\n")
+    before = tree(used_root)
+    out = cli("--root", str(used_root), *READ_ONLY[command], env=WORK_DUE)
+    assert "Traceback" not in out.stderr
+    assert tree(used_root) == before
+
+
+def test_fingerprint_writes_nothing_in_an_existing_dir_or_a_used_root(
+    tmp_path: Path, used_root: Path
+) -> None:
+    """An existing directory is not made a root (a typo like --root ~ must not tag a home
+    dir), and a root's digest cache is read from a copy: nothing changes."""
+    model = make_model(tmp_path / "model-fp")
+    empty = tmp_path / "just-a-dir"
+    empty.mkdir()
+    for root in (empty, used_root):
+        before = tree(root)
+        out = cli("--root", str(root), "fingerprint", "--model-path", str(model))
+        assert out.returncode == 0, out.stderr
+        assert tree(root) == before
+
+
+@pytest.mark.parametrize("command", sorted(READ_ONLY))
+def test_a_file_where_a_dir_should_be_is_one_line(
+    used_root: Path, tmp_path: Path, command: str
+) -> None:
+    """--state-dir naming a file: one line naming it, exit 2, never a traceback."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    out = cli("--root", str(used_root), "--state-dir", str(afile), *READ_ONLY[command])
+    assert "Traceback" not in out.stderr, out.stderr
+    if out.returncode not in (0, 1):  # doctor may report it as a finding instead
+        assert out.returncode == 2
+        one_line_error(out)

@@ -174,3 +174,31 @@ def test_a_server_launched_without_init_gets_its_namespace_purged(
         assert metric(text, "cachemgr_identity_mismatches_total") == 1
         wait_for(lambda: dm.namespaces()[NS_A]["pages"], lambda n: n == 0)
         assert d.is_dir() and not any(d.iterdir())  # bound: recreated empty for the server
+
+
+@pytest.mark.parametrize("bad", ["x", 1e400, {"a": 1}], ids=["string", "huge", "object"])
+def test_a_malformed_server_info_is_down_not_a_dead_probe(
+    layout: Layout, fake_sglang: tuple[str, dict[str, Any]], bad: object
+) -> None:
+    """A value of the wrong type in /server_info reads as "sglang down"; the probe keeps
+    polling (a dead worker would keep the sidecar not-ready until a restart)."""
+    url, info = fake_sglang
+    info["page_size"] = bad
+    info["kv_cache_dtype"] = bad
+    d = register_namespace(layout, NS_A, instance="gpu0", identity=with_page_from("flag", 64))
+    store_page(d, page_name(0))
+    settings = load_settings(
+        root=layout.root, sglang_url=url, sglang_poll_interval=0.05, instance="gpu0"
+    )
+    with running_daemon(settings) as dm:
+        assert dm.daemon.probe is not None
+        probe = dm.daemon.probe
+        wait_for(lambda: probe.last_error or "", lambda e: "cannot read" in e)
+        assert metric(dm.get("/metrics").text, "cachemgr_sglang_up") == 0
+        info.update(SERVER_INFO)  # the server answers sanely again: up, and nothing purged
+        text = wait_for(
+            lambda: dm.get("/metrics").text, lambda t: metric(t, "cachemgr_sglang_up") == 1
+        )
+        assert metric(text, "cachemgr_worker_up", worker="probe") == 1
+        assert dm.get("/readyz").status_code == 200
+    assert len(list(d.iterdir())) == 1

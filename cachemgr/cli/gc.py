@@ -94,7 +94,8 @@ def gc(app: AppContext, /, dry_run: bool, as_json: bool, yes: bool) -> None:
 
 
 def _run(runner: GcRunner, floor: GcReport | None, dry_run: bool, yes: bool, as_json: bool) -> None:
-    adopt_from_disk(runner.layout, runner.store)  # a lost DB forgot them; the disk did not
+    # A lost DB forgot them; the disk did not (a dry run works on a copy: no file is written).
+    adopt_from_disk(runner.layout, runner.store, write_files=not dry_run)
     scan_root(runner.layout, runner.store)  # no daemon may be watching: bring the index in line
     if dry_run or not yes:
         preview = runner.run(dry_run=True, actor="cli")

@@ -16,6 +16,7 @@ import click
 from cachemgr.cli.common import drain_with_progress
 from cachemgr.cli.context import AppContext, pass_app, setting_option
 from cachemgr.cli.launch_options import LaunchRequest, launch_options
+from cachemgr.errors import ConfigError
 from cachemgr.fs.atomic import write_atomic
 from cachemgr.identity.record import Identity
 from cachemgr.ns import init as ns_init
@@ -68,7 +69,7 @@ def run_init(app: AppContext, launch: LaunchRequest, *, wait: bool, force: bool)
     layout = created_layout(settings)
     run = ns_init.run_init(
         layout,
-        launch.compute_identity(settings),
+        launch.compute_identity(settings, writes=True),
         launch.launch_args() if launch.command else None,
         instance=settings.instance,
         on_change=settings.on_change,
@@ -149,6 +150,8 @@ def init(
     Pass the SGLang launch command after `--` (or the identity options); the namespace dir
     is what SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR must name for the server.
     """
+    if env_file is not None and not env_file.parent.is_dir():  # before anything is made
+        raise ConfigError(f"--env-file {env_file}: {env_file.parent} is not a directory")
     run = run_init(app, launch, wait=wait, force=force)
     hands_env = print_env or env_file is not None
     warnings = [_conflict_warning(c, hands_env) for c in run.conflicts]

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
+import sqlite3
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -25,6 +27,7 @@ from typing import Any, TypeVar
 import click
 
 from cachemgr.cli.context import setting_option
+from cachemgr.errors import CachemgrError
 from cachemgr.fs.root import create_root
 from cachemgr.identity.digest_cache import DigestCache
 from cachemgr.identity.fingerprint import IdentityOptions, compute_identity
@@ -33,10 +36,12 @@ from cachemgr.identity.record import Identity
 from cachemgr.layout import Layout
 from cachemgr.settings import Settings
 from cachemgr.sglang.args import LaunchArgs, resolve_launch_args
+from cachemgr.state.snapshot import snapshot
 from cachemgr.state.store import Store
 
 F = TypeVar("F", bound=Callable[..., Any])
 PROGRESS_MIN_BYTES = 256 << 20  # below this hashing takes well under a second
+log = logging.getLogger(__name__)
 
 # (option, LaunchArgs field, type, help) — named as SGLang names them where it is short.
 _SGLANG_OPTIONS: list[tuple[str, str, Any, str]] = [
@@ -89,15 +94,21 @@ class LaunchRequest:
             hash_workers=settings.hash_workers,
         )
 
-    def compute_identity(self, settings: Settings) -> Identity:
-        """The identity, using the root's digest cache if there is a root, and a progress bar
-        on a terminal."""
+    def compute_identity(self, settings: Settings, *, writes: bool = False) -> Identity:
+        """The identity, with a progress bar on a terminal and the root's digest cache: `init`
+        (`writes`) keeps what it hashed there; `fingerprint` reads a copy of it, if the root
+        has a state DB, and writes nothing (the identity does not depend on a root)."""
         layout = Layout.at(settings.root, settings.state_dir)
-        if not layout.root.is_dir():  # the identity does not depend on a root: none is made
+        if writes:
+            create_root(layout)
+            with Store.open(layout.db_path) as store:
+                return self._compute(settings, DigestCache(store))
+        try:
+            with snapshot(layout.db_path) as copy:
+                return self._compute(settings, DigestCache(copy))
+        except (OSError, sqlite3.Error, CachemgrError) as e:  # unreadable, newer: no cache
+            log.debug("digest cache not used", extra={"error": str(e)})
             return self._compute(settings, None)
-        create_root(layout)
-        with Store.open(layout.db_path) as store:
-            return self._compute(settings, DigestCache(store))
 
     def _compute(self, settings: Settings, cache: DigestCache | None) -> Identity:
         return compute_identity(

@@ -80,20 +80,28 @@ def main(argv: list[str] | None = None) -> None:
     except CachemgrError as e:
         click.echo(f"cachemgr: error: {e}", err=True)
         sys.exit(e.exit_code)
-    except (OSError, sqlite3.Error) as e:
-        # A full disk can fail any write; it is the operator's situation, not a bug to trace.
-        if reserve.is_disk_full(e):
-            click.echo(f"cachemgr: error: no space left on the device: {e}; "
-                       "free space with `cachemgr gc --yes`", err=True)  # fmt: skip
-            sys.exit(1)
-        if not isinstance(e, sqlite3.Error):
-            raise
-        # The state DB failed in a way no module turned into a message.
-        click.echo(f"cachemgr: error: state DB: {e}", err=True)
-        sys.exit(StateError.exit_code)
-    except KeyboardInterrupt:
-        sys.exit(130)
     except BrokenPipeError:
         # `cachemgr ls | head`: the reader left; say nothing and don't let Python complain.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)
+    except (OSError, sqlite3.Error) as e:
+        sys.exit(_os_error(e))
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+def _os_error(e: OSError | sqlite3.Error) -> int:
+    """One line for a failure no module turned into a message; the exit code."""
+    if reserve.is_disk_full(e):
+        # A full disk can fail any write; it is the operator's situation, not a bug to trace.
+        click.echo(f"cachemgr: error: no space left on the device: {e}; "
+                   "free space with `cachemgr gc --yes`", err=True)  # fmt: skip
+        return 1
+    if isinstance(e, sqlite3.Error):
+        click.echo(f"cachemgr: error: state DB: {e}", err=True)
+        return StateError.exit_code
+    # A path in a state cachemgr did not expect (a file where a dir should be, a dir this
+    # user may not read): say which, as a setting that points at the wrong place would.
+    where = f"{e.filename}: " if e.filename else ""
+    click.echo(f"cachemgr: error: {where}{e.strerror or e}", err=True)
+    return 2

@@ -134,10 +134,11 @@ def ensure_namespace(
 # --- the DB side ---
 
 
-def adopt_from_disk(layout: Layout, store: Store) -> list[str]:
+def adopt_from_disk(layout: Layout, store: Store, *, write_files: bool = True) -> list[str]:
     """Register namespaces whose manifest is on disk but which the DB does not know (a lost
     or rebuilt DB), their times from the manifest, and bind the instances the DB does not know
-    from their binding files, in one transaction; then bring those files in line with the DB.
+    from their binding files, in one transaction; then bring those files in line with the DB
+    (unless `write_files` is off: read-only commands, working on a copy, write nothing).
 
     Returns the ids registered. An unreadable manifest is left for `ls`/doctor to report.
     """
@@ -163,7 +164,8 @@ def adopt_from_disk(layout: Layout, store: Store) -> list[str]:
                  extra={"ns": [m.ns_id for m in found], "bound": restored})  # fmt: skip
     if problems:
         log.warning("binding files left alone", extra={"problems": problems})
-    bindings.write_down(layout, store, files)
+    if write_files:
+        bindings.write_down(layout, store, files)
     return [m.ns_id for m in found]
 
 

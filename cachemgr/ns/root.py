@@ -81,5 +81,5 @@ def reading_store(layout: Layout) -> Iterator[Store]:
     the namespaces found on disk registered in it; nothing under the root is written."""
     with snapshot(layout.db_path) as store:
         if layout.ns_root.is_dir():
-            adopt_from_disk(layout, store)
+            adopt_from_disk(layout, store, write_files=False)
         yield store

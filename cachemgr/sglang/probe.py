@@ -191,9 +191,15 @@ class ProbeLoop(Worker):
             return
         ns, identity, pages = found
         st.namespace = ns
-        diffs = contradictions(info, identity)
+        try:
+            diffs = contradictions(info, identity)
+            soft = [] if diffs else ambiguities(info, identity)
+        except (TypeError, ValueError, OverflowError) as e:
+            # A value of the wrong type in /server_info ("page_size": "x", 1e400, {}): not
+            # the SGLang server we know how to read; say so and poll again, never die of it.
+            st.up, st.last_error = False, f"/server_info has a value cachemgr cannot read: {e}"
+            return
         if not diffs:
-            soft = ambiguities(info, identity)
             st.alarm = bool(soft)
             if soft:
                 log.warning(
