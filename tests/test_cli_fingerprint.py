@@ -52,10 +52,15 @@ def test_default_output_is_ns_id_and_digest(
     assert code == 0
     lines = dict(line.split() for line in out.splitlines())
     assert NS_ID_RE.fullmatch(lines["ns_id"]) and lines["digest"].startswith(lines["ns_id"])
-    # The digest cache lives in the state DB under the root.
+    assert not (root / ".cachemgr").exists()  # fingerprint reads; it makes no state DB
+    # `init` keeps its hashes in the digest cache (the state DB under the root); a
+    # fingerprint after it reads them from a copy and comes to the same identity.
+    assert run(capsys, "--root", str(root), "init", "--model-path", str(model))[0] == 0
     with sqlite3.connect(root / ".cachemgr" / "state.db") as db:
         rows = db.execute("SELECT count(*) FROM digest_cache WHERE algo = 'xxh3-128'").fetchone()
     assert rows[0] == 3
+    code, again, _ = run(capsys, "--root", str(root), "fingerprint", "--model-path", str(model))
+    assert (code, again) == (0, out)
 
 
 def test_launch_command_after_dashes_and_options_win(

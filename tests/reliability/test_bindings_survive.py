@@ -210,12 +210,15 @@ def test_bindings_of_an_older_root_are_written_down_before_the_db_is_lost(
     root: Path, servers: dict[str, str]
 ) -> None:
     """A root whose bindings only its DB knows (written by an older cachemgr): the next
-    command writes them beside the manifests, so a later loss of the DB keeps them."""
+    command that writes (init, purge, gc, the daemon; never a reading one) writes them beside
+    the manifests, so a later loss of the DB keeps them."""
     layout = Layout.at(root)
     files = {inst: layout.binding(inst) for inst in servers}
     for path in files.values():
         path.unlink()
     assert ls_bindings(root) == expected_ls(servers)
+    assert not any(path.exists() for path in files.values())  # ls only read
+    assert cli("--root", str(root), "gc", "--yes").returncode == 0
     assert all(path.is_file() for path in files.values())
     delete_db(layout)
     assert ls_bindings(root) == expected_ls(servers)
@@ -229,6 +232,7 @@ def test_the_db_wins_over_a_stale_binding_file(root: Path, servers: dict[str, st
     data = json.loads(path.read_text())
     path.write_text(json.dumps({**data, "ns_id": servers["srv-b"]}))
     assert ls_bindings(root) == expected_ls(servers)
+    assert cli("--root", str(root), "gc", "--yes").returncode == 0
     assert json.loads(path.read_text())["ns_id"] == servers["srv-a"]
 
 
@@ -289,6 +293,7 @@ def test_damaged_binding_files_are_rewritten_from_the_db_or_reported(
     layout.binding("srv-b").symlink_to(victim / "precious.txt")
     layout.binding("ghost").write_text('{"version": 1, "instance": "ghost", "ns_id": "../x"}')
     assert ls_bindings(root) == expected_ls(servers)
+    assert cli("--root", str(root), "gc", "--yes").returncode == 0  # a writer repairs them
     for inst in ("srv-a", "srv-b"):
         path = layout.binding(inst)
         assert not path.is_symlink() and json.loads(path.read_text())["ns_id"] == servers[inst]
