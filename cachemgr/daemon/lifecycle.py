@@ -174,7 +174,9 @@ class Daemon:
         once per batch_interval. Not gated on leadership: a wake on a non-leader costs one
         flock attempt, and gating would drop a crossing seen before the lock is first taken.
         """
-        reasons = needs_gc(self.layout, self.store, self.gc_policy, now=time.time())
+        reasons = needs_gc(
+            self.layout, self.store, self.gc_policy, now=time.time(), disk_usage=self.gc.disk_usage
+        )
         # Not for .trash/ alone: purges wake GC themselves, and an entry GC must refuse (a
         # symlink) would otherwise wake it on every batch; the interval retries it.
         if set(reasons) - {"trash"}:

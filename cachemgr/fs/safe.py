@@ -131,14 +131,14 @@ def read_regular(dir_fd: int, name: str, limit: int) -> bytes:
     larger than `limit` bytes (it is never read past the limit)."""
     fd = open_regular(dir_fd, name, os.O_RDONLY)
     try:
-        data = os.read(fd, limit + 1)
-        chunks = [data]
-        while data and sum(map(len, chunks)) <= limit:
-            data = os.read(fd, limit + 1 - sum(map(len, chunks)))
-            chunks.append(data)
+        raw = b""
+        while len(raw) <= limit:  # one byte past the limit is enough to refuse it
+            chunk = os.read(fd, limit + 1 - len(raw))
+            if not chunk:
+                break
+            raw += chunk
     finally:
         os.close(fd)
-    raw = b"".join(chunks)
     if len(raw) > limit:
         raise UnsafePathError(f"{name}: larger than {limit} bytes; left alone")
     return raw
