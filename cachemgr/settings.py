@@ -117,8 +117,10 @@ class Settings(BaseSettings):
     gc_tmp_ttl: Duration = Field(
         timedelta(hours=1), description="remove SGLang .tmp files older than this (crashed writes)"
     )
+    # 0 by default: SGLang writes a page to a temp file and renames it (never a torn page), and
+    # a page unlinked while a reader has it open reads whole (tests/test_gc_sglang.py).
     gc_min_age: Duration = Field(
-        timedelta(minutes=2), description="never delete a page written or read more recently"
+        timedelta(0), description="never delete a page written or read more recently"
     )
     gc_interval: Duration = Field(
         timedelta(seconds=60), description="how often the daemon checks whether GC is needed"

@@ -24,6 +24,7 @@ from cachemgr.daemon.watcher import Event, Kind, Watcher
 from cachemgr.errors import StateCorrupt, StateError, UnsafePathError
 from cachemgr.fs import reserve
 from cachemgr.fs.leadership import Leadership
+from cachemgr.gc.chains import ChainModel
 from cachemgr.layout import Layout
 from cachemgr.ns.registry import adopt_from_disk
 from cachemgr.state.index import BATCH, ScanReport, forget_namespace, scan_namespace, scan_root
@@ -59,6 +60,7 @@ class Indexer(Worker):
         leadership: Leadership | None = None,
         ready_marker: Path | None = None,
         state: IndexState | None = None,
+        model: ChainModel | None = None,
         on_applied: Callable[[], None] = _nothing,
         on_namespace_gone: Callable[[str], None] = _nothing,
         on_disk_full: Callable[[], None] = _nothing,
@@ -76,7 +78,10 @@ class Indexer(Worker):
         self.leadership = leadership  # None: this process alone indexes the root
         self.ready_marker = ready_marker  # exists while the leader's index is live
         self.follow_interval = max(batch_interval, 0.05)
-        self.pages = PageEvents(layout, store, self.fmt)
+        # What GC evicts by: every indexed page and its learned chain, kept by this thread.
+        self.model = model if model is not None else ChainModel(self.fmt)
+        self._loaded: set[str] = set()  # namespaces the model holds as the index does
+        self.pages = PageEvents(layout, store, self.fmt, self.model)
         self.on_applied = on_applied
         self.on_namespace_gone = on_namespace_gone
         self.on_disk_full = on_disk_full
@@ -164,7 +169,9 @@ class Indexer(Worker):
             try:
                 with self.store.guard():
                     self.store.follow_path()
-                    self.pages = PageEvents(self.layout, self.store, self.fmt)  # after earlier seqs
+                    # after earlier seqs; every namespace is loaded again from this DB
+                    self.pages = PageEvents(self.layout, self.store, self.fmt, self.model)
+                    self._loaded.clear()
                     self._scan_all(first=first)
                 return
             except StateCorrupt:
@@ -241,6 +248,7 @@ class Indexer(Worker):
         elif kind is Kind.NS_GONE:
             self.watcher.unwatch(ns)
             if not self.layout.ns_dir(ns).is_dir():
+                self._forget_model(ns)
                 removed = forget_namespace(self.store, ns)
                 log.info("namespace dir gone", extra={"namespace": ns, "pages": removed})
             self.on_namespace_gone(ns)  # even if a purge recreated it empty
@@ -259,8 +267,16 @@ class Indexer(Worker):
             self.layout,
             self.store,
             scan=lambda ns: self._scan(ns, first=first),
-            forgetting=self.watcher.unwatch,
+            forgetting=self._forget,
         )
+
+    def _forget(self, ns: str) -> None:
+        self.watcher.unwatch(ns)
+        self._forget_model(ns)
+
+    def _forget_model(self, ns: str) -> None:
+        self.model.forget(ns)
+        self._loaded.discard(ns)
 
     def _scan(self, ns: str, *, first: bool) -> ScanReport | None:
         # Watch first, then list: an event racing the scan is applied after it and settled
@@ -272,6 +288,9 @@ class Indexer(Worker):
         except UnsafePathError as e:  # replaced by a symlink since it was watched
             log.error("namespace dir not scanned", extra={"namespace": ns, "error": str(e)})
             return None
+        if first or report.drift or ns not in self._loaded:
+            self.model.load(self.store.conn, ns)  # the scan changed what the model knew
+            self._loaded.add(ns)
         st = self.state
         st.scans += 1
         st.scan_seconds_total += report.seconds

@@ -34,6 +34,7 @@ from cachemgr.daemon.serving import Reader, Server, bind_socket, is_loopback
 from cachemgr.errors import ConfigError, StateError
 from cachemgr.fs.root import create_root
 from cachemgr.fs.safe import refuse_non_regular
+from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.floor import open_freeing
 from cachemgr.gc.policy import GcPolicy
 from cachemgr.gc.runner import GcRunner, needs_gc
@@ -127,11 +128,12 @@ class Daemon:
         """The index writer, GC (its own thread and connection) and the SGLang probe, wired
         to each other; not started."""
         index = IndexState()
+        model = ChainModel()  # the index (its watcher) reads the default file format too
         self.gc_store = Store.open(self.layout.db_path)
         # GC is led by an index leader: only its watcher wakes GC (watermarks, a CLI purge).
         self.gc = GcRunner(
             self.layout, self.gc_store, self.gc_policy, eligible=lambda: index.leader,
-            ready=index.ready, on_death=self._worker_died,
+            ready=index.ready, model=model, on_death=self._worker_died,
         )  # fmt: skip
         leadership, ready_marker = leadership_files(self.layout)
         self.indexer = Indexer(
@@ -142,6 +144,7 @@ class Daemon:
             leadership=leadership,
             ready_marker=ready_marker,
             state=index,
+            model=model,
             on_applied=self._check_watermarks,
             # A CLI purge (or init --no-wait) renames into .trash/ from another process: GC
             # deletes it now rather than at the next interval.

@@ -22,9 +22,15 @@ a CLI run builds one from the index (`load`), where the learned links are stored
 
 from __future__ import annotations
 
+import os
+import sqlite3
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from cachemgr.backends import FileFormat
+from cachemgr.sglang.hicache import HICACHE_FILE
+from cachemgr.state import pages_sql
 
 PageId = tuple[str, str]  # (namespace id, page key)
 CONFIDENCE_MAX = 3  # agreeing reads a link may bank against later contrary evidence
@@ -54,7 +60,8 @@ class ChainModel:
     Thread-safe: the index thread observes, the GC thread reads an order (`lock`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, fmt: FileFormat = HICACHE_FILE) -> None:
+        self.fmt = fmt  # what the names in a namespace dir mean
         self.pages: dict[PageId, Page] = {}
         self.kids: dict[PageId, set[str]] = {}  # pred id -> keys of its children on disk
         self._prev: dict[tuple[str, str], str] = {}  # (ns, file suffix) -> last page key
@@ -89,6 +96,23 @@ class ChainModel:
             if seq > page.last:
                 page.last, page.last_time = seq, at
 
+    @classmethod
+    def from_index(cls, conn: sqlite3.Connection, ns_ids: Iterable[str]) -> ChainModel:
+        """A model of these namespaces as the index holds them."""
+        model = cls()
+        for ns in ns_ids:
+            model.load(conn, ns)
+        return model
+
+    def load(self, conn: sqlite3.Connection, ns: str) -> None:
+        """(Re)build a namespace's pages from the index: after a scan changed it, at start-up,
+        or for a one-off GC run. The order of accesses within it is not stored: only links."""
+        with self.lock:
+            self.forget(ns)
+            for name, key_len, size, at, seq, reads, pred, born in pages_sql.chain_rows(conn, ns):
+                self.add(ns, name, key_len, size, seq=seq, at=at, pred=pred, born=born,
+                         reads=reads)  # fmt: skip
+
     def remove(self, ns: str, names: Iterable[tuple[str, int]]) -> None:
         """Forget files (name, key_len) that are gone; a page goes with its last file."""
         with self.lock:
@@ -100,6 +124,12 @@ class ChainModel:
                 page.files.pop(name, None)
                 if not page.files:
                     self._drop(pid, page)
+
+    def forget_gone(self, ns: str, ns_dir: str, names: Iterable[str]) -> None:
+        """Forget those of these files of `ns` (in `ns_dir`) that are gone: after GC deleted
+        them, before the watcher's events say so (a run right after must not pick them)."""
+        gone = [n for n in names if not os.path.lexists(os.path.join(ns_dir, n))]
+        self.remove(ns, [(n, self.fmt.key_len(n) or len(n)) for n in gone])
 
     def forget(self, ns: str) -> None:
         """Forget a whole namespace (its dir is gone)."""

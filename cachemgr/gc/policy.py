@@ -13,6 +13,8 @@ from cachemgr.settings import Settings
 # Why GC deletes a file: the metric label and the audit reason of an eviction (a purge has
 # its own reasons, ns.purge.PurgeReason: why a whole namespace was renamed away).
 GcReason = Literal["trash", "tmp", "ttl", "unbound", "corrupt", "cap", "free_space"]
+# Evictions that keep a limit while the server writes: they keep up with it (unpaced).
+KEEPING: frozenset[GcReason] = frozenset({"cap", "free_space"})
 
 
 @dataclass(frozen=True)
@@ -28,14 +30,10 @@ class GcPolicy:
     keep_unbound: int = 2
     unbound_ttl: float | None = 7 * 86400.0
     tmp_ttl: float = 3600.0
-    min_age: float = 120.0
+    min_age: float = 0.0
     interval: float = 60.0
     sweep_interval: float = 3600.0
     delete_rate: float | None = 2000.0
-    # Accesses closer than burst_gap apart belong to one burst (one request reading its prefix
-    # front to back); a burst is cut after burst_span so steady traffic still ages.
-    burst_gap: float = 5.0
-    burst_span: float = 60.0
 
     @classmethod
     def from_settings(cls, s: Settings) -> GcPolicy:

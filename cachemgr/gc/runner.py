@@ -23,12 +23,13 @@ from cachemgr.fs.deletion import Pacer, Progress
 from cachemgr.fs.leadership import Leadership
 from cachemgr.fs.usage import DiskUsage, DiskUsageFn
 from cachemgr.gc import find as gcfind
+from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.drop import InUse
 from cachemgr.gc.execute import execute_gc
 from cachemgr.gc.find import TempFile
 from cachemgr.gc.floor import audit_floor, below_floor, free_floor
-from cachemgr.gc.plan import plan_gc
-from cachemgr.gc.policy import GcPolicy, GcReason, over_limits
+from cachemgr.gc.plan import GcPlan, plan_gc
+from cachemgr.gc.policy import KEEPING, GcPolicy, GcReason, over_limits
 from cachemgr.gc.step import GcReport
 from cachemgr.layout import Layout
 from cachemgr.ns import registry as nsreg
@@ -103,9 +104,11 @@ class GcRunner(Worker):
         eligible: Callable[[], bool] = lambda: True,
         in_use: InUse = live_users,
         ready: threading.Event | None = None,
+        model: ChainModel | None = None,
         on_death: DeathHandler | None = None,
     ) -> None:
         super().__init__("gc", on_death=on_death)
+        self.model = model  # the index's live chain model (None: built per run from the DB)
         self.ready = ready
         self.store, self.layout, self.policy = store, layout, policy
         self.in_use = in_use  # who uses a namespace dir right now (execute_gc)
@@ -228,15 +231,28 @@ class GcRunner(Worker):
         now = self.clock()
         plan = plan_gc(
             self.layout, self.store, self.policy, now=now, disk_usage=self.disk_usage,
-            temps=temps, sweep=sweep,
+            temps=temps, sweep=sweep, model=self.model,
         )  # fmt: skip
         if sweep and not dry_run:
             self.last_sweep = now
-        return execute_gc(
+        report = execute_gc(
             plan, self.layout, self.store, dry_run=dry_run, actor=actor,
-            pacer=pacer or Pacer(rate=self.policy.delete_rate), progress=progress,
+            pacer=pacer or self._pacer(plan), progress=progress,
             clock=self.clock, stop=self._stopping.is_set, in_use=self.in_use,
         )  # fmt: skip
+        if self.model is not None and not dry_run:
+            for step in plan.steps:
+                if step.namespace_id is not None and step.reason in KEEPING:
+                    ns_dir = str(self.layout.ns_dir(step.namespace_id))
+                    self.model.forget_gone(step.namespace_id, ns_dir, step.names)
+        return report
+
+    def _pacer(self, plan: GcPlan) -> Pacer:
+        """Keeping a cap or the floor keeps up with the writer: unpaced. Mass work (trash,
+        unbound namespaces, retention) goes at delete_rate, so the disk stays responsive."""
+        if all(s.reason in KEEPING for s in plan.steps):
+            return Pacer(rate=None)
+        return Pacer(rate=self.policy.delete_rate)
 
     def wake(self) -> None:
         """Ask for a check now (the watcher saw the index grow past a watermark)."""
@@ -266,22 +282,25 @@ class GcRunner(Worker):
                     break
                 if woken or time.monotonic() >= next_tick:
                     next_tick = time.monotonic() + self.policy.interval
-                    ran = self._cycle(self.tick)
+                    stuck = self._cycle(self.tick)
                 else:
                     # Anything may fill the filesystem, not only pages the watcher sees (a
                     # writer outside the cache, files SGLang wrote in place): one statvfs.
-                    ran = self._cycle(self.free_floor)
-                if ran:
+                    stuck = self._cycle(self.free_floor)
+                if stuck:
                     # Writes keep waking GC while a cap cannot be met (every page younger than
-                    # min_age): at most one run per gap, not one per batch of events.
+                    # min_age): at most one run per gap, not one per batch of events. A run that
+                    # freed space is not held back: cap-keeping keeps up with the writer.
                     stop.wait(min(self.policy.interval, RUN_GAP))
         finally:
             self.leadership.release()
 
     def _cycle(self, run: Callable[[], GcReport | None]) -> bool:
-        """One daemon cycle; True if it ran GC (or failed: either way, pause before the next)."""
+        """One daemon cycle; True if it ran GC and freed nothing, or failed: pause before the
+        next."""
         try:
-            return run() is not None
+            report = run()
+            return report is not None and report.files == 0
         except StateCorrupt as e:  # moved aside; the indexer rebuilds, the next cycle runs
             log.warning("gc cycle stopped", extra={"error": str(e)})
             return True
