@@ -36,8 +36,7 @@ FULL_RETRY = 1.0  # seconds between retries of a write the full disk refused
 BUILD_ATTEMPTS = 3  # a fresh DB found corrupt again: the disk or SQLite is failing, stop
 
 
-def _nothing(*_: object) -> None:
-    pass
+def _nothing(*_: object) -> None: ...
 
 
 class Indexer(Worker):
@@ -248,7 +247,7 @@ class Indexer(Worker):
         elif kind is Kind.NS_GONE:
             self.watcher.unwatch(ns)
             if not self.layout.ns_dir(ns).is_dir():
-                self._forget_model(ns)
+                self._forget(ns)
                 removed = forget_namespace(self.store, ns)
                 log.info("namespace dir gone", extra={"namespace": ns, "pages": removed})
             self.on_namespace_gone(ns)  # even if a purge recreated it empty
@@ -258,6 +257,7 @@ class Indexer(Worker):
             c = self.state.counter(ns)
             c.reads += r
             c.writes += w
+        self.state.note_stored(self.pages.stored_bytes, time.monotonic())
         if events:
             self.on_applied()
 
@@ -272,9 +272,6 @@ class Indexer(Worker):
 
     def _forget(self, ns: str) -> None:
         self.watcher.unwatch(ns)
-        self._forget_model(ns)
-
-    def _forget_model(self, ns: str) -> None:
         self.model.forget(ns)
         self._loaded.discard(ns)
 
@@ -291,19 +288,5 @@ class Indexer(Worker):
         if first or report.drift or ns not in self._loaded:
             self.model.load(self.store.conn, ns)  # the scan changed what the model knew
             self._loaded.add(ns)
-        st = self.state
-        st.scans += 1
-        st.scan_seconds_total += report.seconds
-        st.last_scan_seconds = report.seconds
-        if not first and report.drift:
-            st.drift_pages += report.drift
-            log.info(
-                "scan corrected the index",
-                extra={"namespace": ns, "added": report.added, "removed": report.removed},
-            )
-        # At start-up one line per namespace: the progress of a large root's first scan.
-        (log.info if first else log.debug)(
-            "scanned namespace",
-            extra={"namespace": ns, "pages": report.pages, "seconds": round(report.seconds, 3)},
-        )
+        self.state.record_scan(report, first=first)
         return report

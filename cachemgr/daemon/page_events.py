@@ -36,6 +36,7 @@ class PageEvents:
         self.store, self.layout, self.fmt = store, layout, fmt
         self.model = model if model is not None else ChainModel()
         self._next: int | None = None  # read at first use, on the thread that applies
+        self.stored_bytes = 0  # of every page file stored so far (the writer's pace)
 
     def apply(self, events: list[Event], *, now: float) -> dict[str, list[int]]:
         """Apply events in the order seen; returns [reads, writes] per namespace."""
@@ -100,6 +101,7 @@ class PageEvents:
                 continue
             seen = now if stored else min(st.st_mtime, now)
             seq = seqs.get((ns, name), 0)
+            self.stored_bytes += st.st_size if stored else 0
             self.model.add(ns, name, key_len, st.st_size, seq=seq, at=seen)
             upserts.append(
                 (ns, name, st.st_size, seen, seen, seq, key_len, preds.get((ns, name)), seq)

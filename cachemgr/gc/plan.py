@@ -59,12 +59,14 @@ def plan_gc(
     temps: Sequence[TempFile] | None = None,
     sweep: bool = True,
     model: ChainModel | None = None,
+    ahead: int = 0,
 ) -> GcPlan:
     """Decide what to delete. `sweep` also lists namespace dirs for temps (unless `temps`
     from a scan are given) and checks page sizes; without it only the index is read.
-    `model`: the daemon's live chain model (None: built from the index if pages must go)."""
+    `model`: the daemon's live chain model (None: built from the index if pages must go);
+    `ahead`: bytes the writer adds before the run is done (cachemgr.gc.policy.over_limits)."""
     with read_snapshot(store.conn) as conn:
-        return _plan(conn, layout, policy, now, disk_usage, temps, sweep, model)
+        return _plan(conn, layout, policy, now, disk_usage, temps, sweep, model, ahead)
 
 
 def _plan(
@@ -76,6 +78,7 @@ def _plan(
     temps: Sequence[TempFile] | None,
     sweep: bool,
     model: ChainModel | None,
+    ahead: int,
 ) -> GcPlan:
     usage = pages_sql.namespace_bytes(conn)
     # A dir that became a symlink (or worse) is skipped with a warning, never a failed run:
@@ -129,7 +132,7 @@ def _plan(
     used_all = sum(usage.values())
     counted = used_all + unlisted
     disk = DiskUsage(*disk_usage(layout.root))
-    limits = over_limits(policy, live, disk, counted=counted)
+    limits = over_limits(policy, live, disk, counted=counted, ahead=ahead)
     chains = model
     if chains is None:  # a one-off run reads the page rows only if pages must go
         over = bool(limits.namespaces) or limits.root is not None
@@ -139,7 +142,8 @@ def _plan(
         live[ns_id] -= sum(c.size for c in victims)
         steps += _evictions("cap", victims, policy.min_age)
     # What the caps evict counts toward the root's budget: ask again with what is left.
-    budget, excess = limits.budget, over_limits(policy, live, disk, counted=counted).root
+    budget = limits.budget
+    excess = over_limits(policy, live, disk, counted=counted, ahead=ahead).root
     if excess is not None:
         victims = _pick(chains, list(live), excess, before, taken)
         steps += _evictions(budget.reason, victims, policy.min_age)

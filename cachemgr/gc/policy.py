@@ -99,13 +99,20 @@ class Limits(NamedTuple):
 
 
 def over_limits(
-    policy: GcPolicy, live: Mapping[str, int], disk: DiskUsage, *, counted: int | None = None
+    policy: GcPolicy,
+    live: Mapping[str, int],
+    disk: DiskUsage,
+    *,
+    counted: int | None = None,
+    ahead: int = 0,
 ) -> Limits:
     """The limits `live` (page bytes per namespace GC may evict from) is over.
 
     The root budget counts `counted` bytes as used (by default all of `live`): the plan also
     counts what it deletes otherwise (dropped namespaces, trash, temps), which is free space
-    to come. Pure arithmetic on aggregates: the cheap check and the plan both use it.
+    to come. `ahead`: bytes the writer will have added by the time GC has freed space (the
+    daemon's estimate), counted against the root's budget so the cap holds while it writes.
+    Pure arithmetic on aggregates: the cheap check and the plan both use it.
     """
     cap, high, low = policy.namespace_max_bytes, policy.high_watermark, policy.low_watermark
     over_cap: dict[str, int] = {}
@@ -113,7 +120,7 @@ def over_limits(
         over_cap = {ns: b - int(cap * low) for ns, b in sorted(live.items()) if b > cap * high}
     left = sum(live.values())
     budget = root_budget(policy, left if counted is None else counted, disk)
-    root = budget.excess(left, low) if budget.over(left, high) else None
+    root = budget.excess(left + ahead, low) if budget.over(left + ahead, high) else None
     return Limits(over_cap, budget, root)
 
 
