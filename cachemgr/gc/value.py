@@ -87,9 +87,11 @@ def _segments(
         if _live_kids(model, pid, taken):
             continue
         path, top, last, stranded = _walk(model, pid, taken)
-        if max(pages[p].last_time for p in path) > before:
-            continue  # a page used within min_age: its ancestors wait with it
-        raw.append((path, top, last, stranded))
+        # A page used within min_age stays, and so do its ancestors; pages below it may go.
+        young = next((i for i, p in enumerate(path) if pages[p].last_time > before), None)
+        if young == 0:
+            continue
+        raw.append((path[:young], top, last, stranded))
     returns = [(last - top.born, top.reads) for _, top, last, _ in raw if top.reads > 0]
     prior = sum(d for d, _ in returns) / sum(n for _, n in returns) if returns else 1.0
     odds = END / (1 - END)
