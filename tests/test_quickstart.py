@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -77,17 +78,25 @@ def _ready(url: str, daemon: subprocess.Popen[str]) -> bool:
         return False
 
 
+# As the README says: system-wide as root, or for one user below $HOME.
+INSTALLS = {"root": "", "user": "PREFIX=$HOME/.local"}
+
+
 @pytest.mark.root_only
+@pytest.mark.parametrize("who", INSTALLS)
 def test_readme_quick_start_ends_with_cachemgr_status_in_a_new_shell(
-    fresh_machine: int, tmp_path: Path, free_port: int
+    fresh_machine: int, tmp_path: Path, free_port: int, who: str
 ) -> None:
     # `make test` is this suite; the others are run as written, each in a new shell.
     assert quick_start_commands() == ["make run", "make test", "make install", "cachemgr status"]
+    assert f"{INSTALLS['user']} when not root" in (REPO / "README.md").read_text()
     # A stale venv would be rebuilt by `make install` with another python: set it up first.
     fresh = subprocess.run(["make", "-q", ".venv/.installed"], cwd=REPO, check=False)
     assert fresh.returncode == 0, "the venv is out of date: run `make .venv/.installed` first"
     home = tmp_path / "home"
     home.mkdir()
+    if who == "user":  # a new account's ~/.profile: puts ~/.local/bin on the PATH if it exists
+        shutil.copy("/etc/skel/.profile", home)
     sh = Shells(fresh_machine, home, free_port)
     log = tmp_path / "make-run.log"
     with open(log, "w") as out, subprocess.Popen(
@@ -97,28 +106,30 @@ def test_readme_quick_start_ends_with_cachemgr_status_in_a_new_shell(
         try:
             url = f"http://127.0.0.1:{free_port}"
             wait_for(lambda: _ready(url, daemon), timeout=60, what="the daemon of `make run`")
-            installed = sh.run("make install", cwd=REPO)
+            installed = sh.run(f"make install {INSTALLS[who]}", cwd=REPO)
             assert installed.returncode == 0, installed.stderr
             status = sh.run("cachemgr status", cwd=home)
             assert status.returncode == 0, status.stderr
             # The title (folded at 80 columns: no terminal) names the daemon's root as source.
             title = "".join(status.stdout.split("┏")[0].split())
             assert title == f"cachemgr—{home}/.cache/cachemgr(fromdaemon)", status.stdout
-            assert_bash_completes(sh)
+            prefix = "/usr/local" if who == "root" else "$HOME/.local"
+            assert_bash_completes(sh, f"{prefix}/share/bash-completion/completions/cachemgr")
+            assert sh.run(f"make uninstall {INSTALLS[who]}", cwd=REPO).returncode == 0
+            assert sh.run("command -v cachemgr", cwd=home).returncode == 1
         finally:
             os.killpg(daemon.pid, signal.SIGINT)  # Ctrl+C in the terminal of `make run`
             daemon.wait(timeout=60)
     assert "Traceback" not in log.read_text()
 
 
-def assert_bash_completes(sh: Shells) -> None:
+def assert_bash_completes(sh: Shells, script: str) -> None:
     """The completion `make install` wrote completes a subcommand, as bash would ask it."""
-    script = (
-        "source /usr/local/share/bash-completion/completions/cachemgr"
-        " && COMP_WORDS=(cachemgr sta) COMP_CWORD=1 && _cachemgr_completion cachemgr"
-        ' && printf "%s\\n" "${COMPREPLY[@]}"'
+    complete = (
+        f"source {script} && COMP_WORDS=(cachemgr sta) COMP_CWORD=1"
+        ' && _cachemgr_completion cachemgr && printf "%s\\n" "${COMPREPLY[@]}"'
     )
-    done = sh.run(script, cwd=sh.home)
+    done = sh.run(complete, cwd=sh.home)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["status"]
 
