@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 # Empty: the daemon serves the root every cachemgr command uses by default (settings: root).
 ROOT ?=
-# /usr/local/bin is on every login shell's PATH; PREFIX=$$HOME/.local installs for one user.
+# /usr/local/bin is on every login shell's PATH; PREFIX=$HOME/.local installs for one user.
 PREFIX ?= /usr/local
 COMPLETIONS := $(PREFIX)/share/bash-completion/completions
 PYTEST_ARGS ?=
