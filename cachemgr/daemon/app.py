@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 from fastapi import Body, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic.json_schema import SkipJsonSchema
 
@@ -46,8 +47,11 @@ from cachemgr.state.status import bindings_by_namespace
 
 
 def create_app(backend: Backend) -> FastAPI:
-    """The FastAPI app over `backend`."""
-    app = FastAPI(
+    """The FastAPI app over `backend`; /docs loads Swagger UI from the daemon itself, not a
+    CDN (a GPU host is often air-gapped)."""
+    app = FastAPIOffline(
+        # No ReDoc: its page fetches a logo from its vendor's CDN whatever it is given.
+        redoc_url=None,
         title="cachemgr",
         version=__version__,
         description=(
