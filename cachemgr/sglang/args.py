@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cachemgr.errors import ConfigError
-from cachemgr.sglang.flags import MULTI_VALUE, NO_VALUE
+from cachemgr.sglang.flags import CHOICES, INTEGER, MULTI_VALUE, NO_VALUE, SGLANG_VERSION
 
 
 class LaunchArgs(BaseModel):
@@ -196,6 +196,23 @@ def _check_types(values: Mapping[str, Any]) -> None:
             raise ConfigError(f"{_FLAG_OF[field]} needs a value")
 
 
+def _check_values(values: Mapping[str, Any]) -> None:
+    """Refuse what SGLang's parser refuses (a choice not in its list, a non-integer), before
+    anything acts on it: `--kv-cache-dtype fp9_bogus` must not become a namespace that purges
+    the good one."""
+    for field, value in values.items():
+        flag = _FLAG_OF.get(field, field)
+        if field in CHOICES and value not in CHOICES[field]:
+            valid = ", ".join(CHOICES[field])
+            raise ConfigError(f"invalid {flag} {value!r}: SGLang {SGLANG_VERSION} accepts {valid}")
+        if field in INTEGER and isinstance(value, str):
+            try:
+                int(value)  # what argparse's type=int does
+            except ValueError:
+                msg = f"invalid {flag} {value!r}: SGLang {SGLANG_VERSION} takes an integer"
+                raise ConfigError(msg) from None
+
+
 def resolve_launch_args(
     command: str | Sequence[str] = (), overrides: Mapping[str, Any] | None = None
 ) -> LaunchArgs:
@@ -203,6 +220,7 @@ def resolve_launch_args(
     values: dict[str, Any] = dict(scan_flags(split_command(command)))
     _check_types(values)
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    _check_values(values)
     if not values.get("model_path"):
         raise ConfigError(
             "no model path: pass --model-path or an SGLang launch command after `--` "
