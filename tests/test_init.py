@@ -126,7 +126,7 @@ def test_two_instances_coexist_and_a_shared_old_namespace_is_kept(root: Path, mo
     keep = snapshot(Path(str(two["storage_dir"])))
     # "three" joins one's namespace, then moves away: one still uses it, so it stays.
     assert init_json(root, model, "--instance", "three")["outcome"] == "joined"
-    moved = init_json(root, model, "--instance", "three", kv="float16")
+    moved = init_json(root, model, "--instance", "three", kv="fp8_e5m2")
     assert (moved["old_action"], moved["old_users"]) == ("kept", ["one"])
     assert len(os.listdir(Path(str(one["storage_dir"])))) == 3
     out = cli("--root", str(root), "purge", "--instance", "one", "--yes")
@@ -258,7 +258,7 @@ def test_a_refused_trash_entry_warns_and_init_still_succeeds(root: Path, model: 
     a = init_json(root, model)
     fill(Path(str(a["storage_dir"])), 2)
     (Path(str(a["storage_dir"])) / "link").symlink_to(model)  # not ours to delete
-    for kv in ("fp8_e4m3", "float16"):  # the leftover must not fail every later init
+    for kv in ("fp8_e4m3", "fp8_e5m2"):  # the leftover must not fail every later init
         out = init(root, model, kv=kv)
         assert out.returncode == 0, out.stderr
         (warning,) = [ln for ln in out.stderr.splitlines() if ".trash/" in ln]

@@ -15,7 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cachemgr.errors import ConfigError
-from cachemgr.sglang.flags import CHOICES, INTEGER, MULTI_VALUE, NO_VALUE, SGLANG_VERSION
+from cachemgr.sglang.argcheck import check_types, check_values
+from cachemgr.sglang.flags import MULTI_VALUE, NO_VALUE
 
 
 class LaunchArgs(BaseModel):
@@ -183,44 +184,14 @@ def scan_flags(tokens: Sequence[str]) -> dict[str, str | bool]:
     return found
 
 
-def _check_types(values: Mapping[str, Any]) -> None:
-    """A value flag given without a value, or a switch given one, is the operator's error."""
-    bool_fields = {
-        "enable_dp_attention", "enable_hierarchical_cache", "trust_remote_code",
-        "enable_page_major_kv_layout", "enable_unified_memory",
-    }  # fmt: skip
-    for field, value in values.items():
-        if field in bool_fields and not isinstance(value, bool):
-            raise ConfigError(f"{_FLAG_OF[field]} takes no value (got {value!r})")
-        if field not in bool_fields and value is True:
-            raise ConfigError(f"{_FLAG_OF[field]} needs a value")
-
-
-def _check_values(values: Mapping[str, Any]) -> None:
-    """Refuse what SGLang's parser refuses (a choice not in its list, a non-integer), before
-    anything acts on it: `--kv-cache-dtype fp9_bogus` must not become a namespace that purges
-    the good one."""
-    for field, value in values.items():
-        flag = _FLAG_OF.get(field, field)
-        if field in CHOICES and value not in CHOICES[field]:
-            valid = ", ".join(CHOICES[field])
-            raise ConfigError(f"invalid {flag} {value!r}: SGLang {SGLANG_VERSION} accepts {valid}")
-        if field in INTEGER and isinstance(value, str):
-            try:
-                int(value)  # what argparse's type=int does
-            except ValueError:
-                msg = f"invalid {flag} {value!r}: SGLang {SGLANG_VERSION} takes an integer"
-                raise ConfigError(msg) from None
-
-
 def resolve_launch_args(
     command: str | Sequence[str] = (), overrides: Mapping[str, Any] | None = None
 ) -> LaunchArgs:
     """LaunchArgs from a launch command, then explicit values (None = not given) on top."""
     values: dict[str, Any] = dict(scan_flags(split_command(command)))
-    _check_types(values)
+    check_types(values, _FLAG_OF)
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    _check_values(values)
+    check_values(values, _FLAG_OF)
     if not values.get("model_path"):
         raise ConfigError(
             "no model path: pass --model-path or an SGLang launch command after `--` "
