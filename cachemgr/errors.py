@@ -48,6 +48,12 @@ class NotFoundError(CachemgrError):
     title = "not found"
 
 
+class ModelNotFoundError(NotFoundError, IdentityError):
+    """The model the identity needs is not there: not found (exit 1), and an identity error."""
+
+    title = "model not found"
+
+
 class UnsafePathError(CachemgrError):
     """A path would leave the root or cross a symlink; nothing was touched."""
 

@@ -276,7 +276,7 @@ def test_exec_of_a_missing_program_fails_before_touching_the_cache(root: Path, m
     launch = ["sglang-typo-xyz", "serve", "--model-path", str(model), "--page-size", "64",
               "--kv-cache-dtype", "fp8_e4m3"]  # fmt: skip
     out = cli_process("--root", str(root), "exec", "--", *launch, env=NO_STORAGE_ENV)
-    assert "cannot run 'sglang-typo-xyz'" in one_line_error(out) and out.returncode == 2
+    assert "cannot run 'sglang-typo-xyz'" in one_line_error(out) and out.returncode == 1
     assert snapshot(root / "ns") == before
     assert audit(root) == []
 
