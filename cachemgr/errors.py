@@ -17,6 +17,10 @@ class ConfigError(CachemgrError):
     title = "invalid configuration"
 
 
+class PortInUseError(ConfigError):
+    """The HTTP port is taken (by a cachemgr daemon or another program)."""
+
+
 class StateError(CachemgrError):
     """The state database cannot be used (newer than this code, corrupt, failed migration)."""
 
