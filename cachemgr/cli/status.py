@@ -130,6 +130,8 @@ def status(app: AppContext, as_json: bool) -> None:
     else:
         render(report, Console())
         click.echo(_filesystem_text(report["filesystem"]))
+        for note in report.get("left_for_a_person") or ():  # an older daemon has none
+            click.echo(f"warning: {note}")
 
 
 def _filesystem(layout: Layout, settings: Settings) -> dict[str, Any]:

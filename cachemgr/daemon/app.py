@@ -42,6 +42,7 @@ from cachemgr.errors import CachemgrError, ConflictError, NotFoundError
 from cachemgr.fs.usage import disk_usage
 from cachemgr.layout import Layout
 from cachemgr.ns.status import NamespaceStatus, namespace_statuses
+from cachemgr.ns.trash import left_for_people
 from cachemgr.state import registry_sql
 from cachemgr.state.status import bindings_by_namespace
 
@@ -120,6 +121,7 @@ def create_app(backend: Backend) -> FastAPI:
             index=_index_info(st, backend.lag) if st else None,
             filesystem_avail_bytes=du.free if du else None,
             filesystem_size_bytes=du.total if du else None,
+            left_for_a_person=left_for_people(backend.layout),
         )
 
     @app.get("/v1/namespaces", response_model=list[NamespaceStatus], tags=["status"])
