@@ -12,6 +12,7 @@ from cachemgr.fs.safe import open_dir, write_atomic_at
 from cachemgr.layout import CACHEDIR_TAG, NS_DIR, TAG_FILE, TRASH_DIR, Layout
 
 log = logging.getLogger(__name__)
+WRITE_REFUSED = (errno.EROFS, errno.EACCES, errno.EPERM)  # the errors `unwritable` explains
 
 
 def create_root(layout: Layout) -> None:
@@ -26,7 +27,7 @@ def create_root(layout: Layout) -> None:
                 pass
             why = unwritable(target)
             if why:
-                raise ConfigError(why)
+                raise ConfigError(f"cannot use root {layout.root}: {why}")
         # A planted .trash/ only stops purges (which report it) and GC's trash step: the
         # rest of the root stays usable, so it is not a reason to refuse the root.
         try:
@@ -39,9 +40,6 @@ def create_root(layout: Layout) -> None:
     except OSError as e:
         why = unwritable(target) if e.errno in WRITE_REFUSED else None
         raise ConfigError(f"cannot use root {layout.root}: {why or e.strerror or e}") from e
-
-
-WRITE_REFUSED = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 def unwritable(path: Path) -> str | None:
