@@ -21,7 +21,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from cachemgr.errors import ConfigError
+from cachemgr.errors import ConfigError, NotFoundError
 from cachemgr.layout import STATE_DIR
 from cachemgr.units import parse_duration
 
@@ -186,7 +186,8 @@ class _TomlFileSource(PydanticBaseSettingsSource):
         try:
             data = tomllib.loads(path.read_text(encoding="utf-8"))
         except OSError as e:
-            raise ConfigError(f"config file {path}: {e.strerror or e}") from e
+            cls = NotFoundError if isinstance(e, FileNotFoundError) else ConfigError
+            raise cls(f"config file {path}: {e.strerror or e}") from e
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"config file {path}: not valid TOML ({e})") from e
         table = data.get("cachemgr", data)
