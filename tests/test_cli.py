@@ -80,7 +80,7 @@ def test_precedence_flag_over_env_over_file(tmp_path: Path) -> None:
     env = {"CACHEMGR_PORT": "2222", "CACHEMGR_HOST": "127.0.0.3"}
     out = run("--config", str(cfg), "--log-level", "error", "config", "--json", env=env)
     assert out.returncode == 0, out.stderr
-    shown = json.loads(out.stdout)
+    shown = json.loads(out.stdout)["settings"]
     assert shown["port"] == 2222  # env beats file
     assert shown["host"] == "127.0.0.3"
     assert shown["log_level"] == "error"  # flag beats file
