@@ -34,6 +34,9 @@ def ls(app: AppContext, as_json: bool, wide: bool) -> None:
         }
         click.echo(json.dumps(out, indent=2))
         return
+    if not found and not trash:
+        click.echo(f"no namespaces under {layout.root}")
+        return
     rows = [
         {"id": n.ns_id, "instances": ", ".join(n.instances) or "-", "model": n.model or "?",
          "kv dtype": n.kv_cache_dtype or "?", "page": str(n.page_size or "?"),

@@ -77,7 +77,11 @@ def _cells(ns: dict[str, Any]) -> dict[str, str]:
 
 def render(report: dict[str, Any], *, wide: bool = False) -> None:
     """The table people read at a glance, fitted to the output width (all of it with `wide`)."""
-    title = f"cachemgr — {report['root']} (from {report.get('source', 'daemon')})"
+    source = f"(from {report.get('source', 'daemon')})"
+    if not report["namespaces"]:
+        click.echo(f"no namespaces under {report['root']} {source}")
+        return
+    title = f"cachemgr — {report['root']} {source}"
     rows = [_cells(ns) for ns in report["namespaces"]]
     print_fitted(title, COLUMNS, rows, DROP_ORDER, wide=wide)
 
