@@ -59,8 +59,8 @@ def _two_namespaces(layout: Layout) -> None:
         store_page(d, page_name(1), 2_500_000)
 
 
-# A narrow terminal; piped with no COLUMNS (80); a wide terminal.
-@pytest.mark.parametrize("columns", ["80", "", "200"])
+# Narrow terminals (58: the note wraps at "kv dtype"); piped, no COLUMNS (80); a wide one.
+@pytest.mark.parametrize("columns", ["58", "80", "", "200"])
 def test_status_fits_the_width_and_keeps_the_columns_that_matter(
     layout: Layout, columns: str
 ) -> None:
@@ -79,8 +79,10 @@ def test_status_fits_the_width_and_keeps_the_columns_that_matter(
         assert shown == list(ALL_STATUS) and "not shown" not in stdout, stdout
     else:  # not silently: the last line names what went and how to see it
         assert left_out, stdout
-        note = " ".join(line for line in lines if not line.startswith(("┏", "┃", "┡", "│", "└")))
+        notes = [line for line in lines if not line.startswith(("┏", "┃", "┡", "│", "└"))]
+        note = " ".join(notes)
         assert f"not shown at {width} columns (--wide shows all): {', '.join(left_out)}" in note
+        assert all(any(name in line for line in notes) for name in left_out), notes  # unbroken
 
 
 @pytest.mark.parametrize("columns", ["80", ""])

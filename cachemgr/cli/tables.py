@@ -85,5 +85,7 @@ def print_fitted(
     Console(width=max(width, needed)).print(table)
     hidden = [c.name for c in columns if c not in kept]
     if hidden:
-        note = f"not shown at {width} columns (--wide shows all): {', '.join(hidden)}"
-        click.echo(textwrap.fill(note, width))
+        # A no-break space keeps "kv dtype" on one line (textwrap splits at ASCII spaces only).
+        names = ", ".join(name.replace(" ", "\N{NO-BREAK SPACE}") for name in hidden)
+        note = textwrap.fill(f"not shown at {width} columns (--wide shows all): {names}", width)
+        click.echo(note.replace("\N{NO-BREAK SPACE}", " "))
