@@ -110,9 +110,10 @@ def test_readme_quick_start_ends_with_cachemgr_status_in_a_new_shell(
             assert installed.returncode == 0, installed.stderr
             status = sh.run("cachemgr status", cwd=home)
             assert status.returncode == 0, status.stderr
-            # The title (folded at 80 columns: no terminal) names the daemon's root as source.
-            title = "".join(status.stdout.split("┏")[0].split())
-            assert title == f"cachemgr—{home}/.cache/cachemgr(fromdaemon)", status.stdout
+            # The first line names the daemon's root as the source (a fresh root: no namespaces).
+            first = status.stdout.splitlines()[0]
+            want = f"no namespaces under {home}/.cache/cachemgr (from daemon)"
+            assert first == want, status.stdout
             prefix = "/usr/local" if who == "root" else "$HOME/.local"
             assert_bash_completes(sh, f"{prefix}/share/bash-completion/completions/cachemgr")
             assert sh.run(f"make uninstall {INSTALLS[who]}", cwd=REPO).returncode == 0
