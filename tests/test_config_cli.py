@@ -52,7 +52,7 @@ def test_config_shows_durations_as_written_and_where_each_value_came_from(
     assert out.returncode == 0, out.stderr
     assert "PT" not in out.stdout and "P7D" not in out.stdout, out.stdout
     rows = _rows(out.stdout)
-    assert rows["gc_min_age"] == ["2m", "default"]
+    assert rows["gc_sweep_interval"] == ["1h", "default"]
     assert rows["gc_interval"] == ["1m", "default"]
     assert rows["gc_tmp_ttl"] == ["1h30m", f"file {cfg}"]
     assert rows["gc_unbound_ttl"] == ["1d12h", "env CACHEMGR_GC_UNBOUND_TTL"]
@@ -71,8 +71,8 @@ def test_config_json_gives_values_and_sources(
     assert out.returncode == 0, out.stderr
     shown = json.loads(out.stdout)
     assert shown["config_file"] == str(cfg)
-    assert shown["settings"]["gc_min_age"] == "2m" and shown["settings"]["port"] == 2222
-    assert shown["sources"]["gc_min_age"] == "default"
+    assert shown["settings"]["gc_sweep_interval"] == "1h" and shown["settings"]["port"] == 2222
+    assert shown["sources"]["gc_sweep_interval"] == "default"
     assert shown["sources"]["port"] == "env" and shown["sources"]["gc_tmp_ttl"] == "file"
     assert shown["sources"]["log_level"] == "flag"
     assert set(shown["sources"]) == set(shown["settings"])
