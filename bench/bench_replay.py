@@ -50,7 +50,7 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -364,8 +364,12 @@ def table(rows: list[Row], w: dict[tuple[str, int], int]) -> str:
         " max on disk / cap | unusable at end | page files at end | achieved req/s | notes |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    base = {(r.cfg.rate, r.cfg.tp, r.cfg.cap_div): r.ratio for r in rows if r.cfg.evictor == "sglang"}
-    for r in sorted(rows, key=lambda r: (r.cfg.rate == 0, r.cfg.rate, r.cfg.tp, -(r.cfg.cap_div or 99))):
+    base = {
+        (r.cfg.rate, r.cfg.tp, r.cfg.cap_div): r.ratio for r in rows if r.cfg.evictor == "sglang"
+    }
+    for r in sorted(
+        rows, key=lambda r: (r.cfg.rate == 0, r.cfg.rate, r.cfg.tp, -(r.cfg.cap_div or 99))
+    ):
         c = r.cfg
         rate = "full" if c.rate == 0 else f"~{c.rate:g}"
         cap = "none" if r.cap is None else f"W/{c.cap_div} ({r.cap / 1e6:.1f} MB)"
@@ -390,7 +394,9 @@ def table(rows: list[Row], w: dict[tuple[str, int], int]) -> str:
 
 def machine_line(sglang_python: Path, load0: float) -> str:
     queue = Path("/proc/sys/fs/inotify/max_queued_events")
-    sglang = sorted(sglang_python.parent.parent.glob("lib/python*/site-packages/sglang-*.dist-info"))
+    sglang = sorted(
+        sglang_python.parent.parent.glob("lib/python*/site-packages/sglang-*.dist-info")
+    )
     version = sglang[0].name.removesuffix(".dist-info").split("-")[1] if sglang else "?"
     return (
         f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} cpus,"
@@ -400,10 +406,16 @@ def machine_line(sglang_python: Path, load0: float) -> str:
     )
 
 
+def floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",")]
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
-    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     ap.add_argument("--quick", action="store_true", help="one small configuration (< 60 s)")
     ap.add_argument("--sessions", type=int, default=500, help="full-speed trace")
     ap.add_argument("--requests", type=int, default=4000, help="full-speed trace")
@@ -418,16 +430,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--sample-ms", type=float, default=25.0)
     ap.add_argument("--jobs", type=int, default=8, help="paced runs at once")
     ap.add_argument("--full-jobs", type=int, default=1, help="full-speed runs at once")
-    ap.add_argument("--daemon-env", action="append", default=[], metavar="KEY=VALUE",
-                    help="a daemon setting (gc_interval=0.5 or CACHEMGR_GC_INTERVAL=0.5)")
-    ap.add_argument("--sglang-env", type=Path, default=Path(
-        os.environ.get("CACHEMGR_SGLANG_ENV", REPO / ".sglang-env")))
+    ap.add_argument(
+        "--daemon-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a daemon setting (gc_interval=0.5 or CACHEMGR_GC_INTERVAL=0.5)",
+    )
+    ap.add_argument(
+        "--sglang-env",
+        type=Path,
+        default=Path(os.environ.get("CACHEMGR_SGLANG_ENV", REPO / ".sglang-env")),
+    )
     ap.add_argument("--workdir", type=Path, help="keep the runs' roots and logs here")
     args = ap.parse_args(argv)
     if args.quick:
         args.sessions, args.requests, args.rates, args.caps, args.tp = 40, 300, [0.0], [3], [1]
         args.full_jobs = 2  # two small runs side by side
-    return args  # fmt: skip
+    return args
 
 
 @contextmanager
