@@ -186,6 +186,9 @@ COUNTERS = {  # daemon metrics worth a note: name -> label filter
 }
 
 
+DIED = "daemon exits on its own"
+
+
 class DaemonProc:
     """`cachemgr serve` in a subprocess on a loopback port; restartable."""
 
@@ -224,6 +227,9 @@ class DaemonProc:
     def stop(self) -> None:
         """Scrape the counters, then SIGTERM (as a service manager stops it) and wait."""
         assert self.proc is not None
+        if self.proc.poll() is not None:  # it died mid-run: the row says so
+            self.counters[DIED] = self.counters.get(DIED, 0.0) + 1
+            return
         try:
             text = httpx.get(f"{self.url}/metrics", timeout=10).text
             for name, labels in COUNTERS.items():
@@ -306,7 +312,7 @@ class Bench:
                 result = self._replay(job, worker_env(cfg, cap), log, daemon)
             finally:
                 sampler.stop()
-                if daemon is not None and daemon.proc is not None and daemon.proc.poll() is None:
+                if daemon is not None and daemon.proc is not None:
                     daemon.stop()
         return Row(
             cfg, cap, result["hits"], result["lookups"], sampler.max_bytes, sampler.last_bytes,
@@ -400,6 +406,8 @@ def table(rows: list[Row], w: dict[tuple[str, int], int]) -> str:
                 f"daemon: {r.daemon.get('cachemgr_gc_runs_total', 0):.0f} GC runs,"
                 f" {r.daemon.get('cachemgr_evicted_pages_total', 0):.0f} pages evicted"
             )
+        if r.daemon.get(DIED):
+            notes.append(f"**the daemon died {r.daemon[DIED]:.0f}x** (see its log)")
         overflows = r.daemon.get("cachemgr_watcher_overflows_total")
         if overflows:
             notes.append(f"{overflows:.0f} inotify overflows")
