@@ -50,7 +50,8 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from itertools import repeat
 from pathlib import Path
 from typing import IO, Any
 
@@ -132,7 +133,7 @@ class Sampler(threading.Thread):
         self._halt = threading.Event()
 
     def sample(self) -> None:
-        n = sum(name.endswith(".bin") for name in os.listdir(self.dir))
+        n = sum(map(str.endswith, os.listdir(self.dir), repeat(".bin")))  # the loop in C
         self.last_bytes = n * self.page_bytes
         self.max_bytes = max(self.max_bytes, self.last_bytes)
         self.samples += 1
@@ -378,7 +379,22 @@ def run_matrix(bench: Bench, args: argparse.Namespace) -> list[Row]:
     return [row for rows in done for row in rows]
 
 
-def table(rows: list[Row], w: dict[tuple[str, int], int]) -> str:
+EVICTORS = ("none", "sglang", "cachemgr")
+
+
+def order(r: Row) -> tuple[Any, ...]:
+    """Each trace's uncapped runs first, then by rate, TP, cap (tightest first), evictor."""
+    c = r.cfg
+    return (
+        c.trace == "full",
+        c.rate if r.cap else -1,
+        c.tp,
+        -(c.cap_div or 0),
+        EVICTORS.index(c.evictor),
+    )
+
+
+def table(rows: list[Row]) -> str:
     lines = [
         "| req/s | TP | cap | evictor | page hit ratio | after restart | Δ vs SGLang |"
         " max on disk / cap | unusable at end | page files at end | achieved req/s | notes |",
@@ -387,15 +403,14 @@ def table(rows: list[Row], w: dict[tuple[str, int], int]) -> str:
     base = {
         (r.cfg.rate, r.cfg.tp, r.cfg.cap_div): r.ratio for r in rows if r.cfg.evictor == "sglang"
     }
-    for r in sorted(
-        rows, key=lambda r: (r.cfg.rate == 0, r.cfg.rate, r.cfg.tp, -(r.cfg.cap_div or 99))
-    ):
+    for r in sorted(rows, key=order):
         c = r.cfg
         rate = "full" if c.rate == 0 else f"~{c.rate:g}"
+        rate = f"({c.trace} trace)" if r.cap is None else rate
         cap = "none" if r.cap is None else f"W/{c.cap_div} ({r.cap / 1e6:.1f} MB)"
         key = (c.rate, c.tp, c.cap_div)
         delta = f"{r.ratio - base[key]:+.3f}" if c.evictor == "cachemgr" and key in base else ""
-        fill = f"{r.max_bytes / r.cap:.2f}" if r.cap else f"W = {w[c.trace, c.tp] / 1e6:.1f} MB"
+        fill = f"{r.max_bytes / r.cap:.2f}" if r.cap else f"W = {r.end_bytes / 1e6:.1f} MB"
         notes = [f"sampled every {r.sample_s * 1000:.0f} ms"]
         if r.races:
             notes.append(f"{r.races} pages gone between exists and get")
@@ -471,6 +486,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=Path(os.environ.get("CACHEMGR_SGLANG_ENV", REPO / ".sglang-env")),
     )
     ap.add_argument("--workdir", type=Path, help="keep the runs' roots and logs here")
+    ap.add_argument("--json", type=Path, help="also write every row's numbers here")
     args = ap.parse_args(argv)
     if args.quick:
         args.sessions, args.requests, args.rates, args.caps, args.tp = 40, 300, [0.0], [3], [1]
@@ -505,7 +521,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         sample_s = {"full": args.sample_ms / 1000, "paced": args.paced_sample_ms / 1000}
         bench = Bench(work, python, paths, args.page_bytes, sample_s, tuple(args.daemon_env))
         rows = run_matrix(bench, args)
-    w = {(r.cfg.trace, r.cfg.tp): r.end_bytes for r in rows if r.cap is None}
     sessions = {"full": args.sessions, "paced": args.paced_sessions}
     for name, trace in traces.items():
         if any(r.cfg.trace == name for r in rows):
@@ -514,7 +529,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 f" seed {args.seed}, {trace.pages} pages of {args.page_bytes} B per rank,"
                 f" restart before request {trace.restart_at}"
             )
-    print(table(rows, w))
+    print(table(rows))
+    if args.json is not None:
+        args.json.write_text(json.dumps([asdict(r) for r in sorted(rows, key=order)], indent=1))
     print(machine_line(python, load0))
     print(f"({time.monotonic() - t0:.0f} s)")
 
