@@ -1,12 +1,17 @@
 SHELL := /bin/bash
-# Two entry points on a fresh machine: `make run` (the daemon on a local root) and `make test`.
+# Two entry points on a fresh machine: `make run` (the daemon) and `make test`; `make install`
+# puts the `cachemgr` command on the PATH.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-ROOT ?= $(CURDIR)/.cachemgr-data
+# Empty: the daemon serves the root every cachemgr command uses by default (settings: root).
+ROOT ?=
+# /usr/local/bin is on every login shell's PATH; PREFIX=$HOME/.local installs for one user.
+PREFIX ?= /usr/local
+COMPLETIONS := $(PREFIX)/share/bash-completion/completions
 PYTEST_ARGS ?=
 
-.PHONY: run test lint deps sglang-env bench clean
+.PHONY: run install uninstall test lint deps sglang-env bench clean
 
 # The venv is rebuilt when pyproject.toml changes; the install compiles the C scanner again
 # when its source changes.
@@ -17,7 +22,17 @@ $(VENV)/.installed: pyproject.toml hatch_build.py cachemgr/fs/_dirscan.c
 	touch $@
 
 run: $(VENV)/.installed
-	$(BIN)/cachemgr --root $(ROOT) serve
+	$(BIN)/cachemgr $(if $(ROOT),--root $(ROOT)) serve
+
+# A link to the venv's command (its scripts name the venv's python, so it runs from anywhere)
+# and bash completion where bash-completion looks for it.
+install: $(VENV)/.installed
+	mkdir -p $(PREFIX)/bin $(COMPLETIONS)
+	ln -sfn $(CURDIR)/$(BIN)/cachemgr $(PREFIX)/bin/cachemgr
+	_CACHEMGR_COMPLETE=bash_source $(BIN)/cachemgr > $(COMPLETIONS)/cachemgr
+
+uninstall:
+	rm -f $(PREFIX)/bin/cachemgr $(COMPLETIONS)/cachemgr
 
 deps:
 	bash scripts/test-deps.sh

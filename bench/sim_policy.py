@@ -13,12 +13,10 @@ Policies:
 * `lru`: page LRU by last access (SGLang's evictor while it runs; no restart);
 * `lru-mtime`: the same, but at the restart the order is rebuilt from first-write time (SGLang
   seeds its LRU from mtime; reads and skipped re-writes never touch mtime);
-* `cachemgr`: cachemgr's current order, the REAL `cachemgr.gc.order.order_stream` (what
-  `eviction_order` runs on the index's stream) fed one `Candidate` per page with the
-  `last_access` / `access_seq` / `reads` the daemon's index would hold, timestamps from a
-  simulated clock at the given request rate, `burst_gap` / `burst_span` from `GcPolicy`'s
-  defaults, `min_age` 0. Eviction is immediate (the daemon's GC-run lag is not modelled): this
-  measures the order alone. The index survives the restart;
+* `cachemgr`: cachemgr's REAL chain model and order (`cachemgr.gc.chains`, `cachemgr.gc.value`)
+  fed the page events its index would see, at two request rates (its clock is the event
+  sequence, so both give the same result). Eviction is immediate, as the daemon's continuous
+  eviction; the model survives the restart (the index keeps it);
 * `clairvoyant`: evict the page whose next lookup is farthest away (Belady);
 * `no cap`.
 
@@ -32,11 +30,13 @@ import heapq
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import islice
+from math import inf
 
-from cachemgr.gc import order as gc_order
-from cachemgr.gc.policy import GcPolicy
+from cachemgr.gc.chains import ChainModel
+from cachemgr.gc.value import eviction_order
 
 EVICTION_RATIO = 0.9  # SGLang's default eviction_ratio (and the issue's low watermark)
 RATES = (0.1, 100.0)  # simulated requests per second for the cachemgr policy
@@ -142,50 +142,41 @@ class LruMtime(Lru):
         self.lru = OrderedDict((p, None) for p in sorted(self.lru, key=self.mtime.__getitem__))
 
 
-OrderFn = Callable[..., Iterator[gc_order.Candidate]]
-
-
 class Cachemgr(Policy):
-    """The index's view of each page, ordered by cachemgr's real code."""
+    """cachemgr's real model and order (cachemgr.gc.chains, cachemgr.gc.value), fed the events
+    its index would see: one read per hit, one write per stored page, nothing for a page `set`
+    skips (it only checks that the file exists). Its clock is the event sequence: the rate
+    only moves the wall-clock times, which min_age (0 here) alone reads."""
 
-    def __init__(self, rate: float, order_fn: OrderFn | None = None) -> None:
+    def __init__(self, rate: float) -> None:
         self.name = f"cachemgr @{rate:g}/s"
         self.rate = rate
-        gc = GcPolicy()
-        self.gap, self.span, self.min_age = gc.burst_gap, gc.burst_span, 0.0
-        self.order_fn = order_fn or gc_order.order_stream
+        self.model = ChainModel()
         self.seq = 0
-        self.state: dict[int, tuple[float, int, int]] = {}  # page -> (last, seq, reads)
         self.evicted: list[int] = []  # every victim, in order (for tests)
 
-    def _next(self) -> int:
+    def _event(self, page: int, i: int, observe: Callable[..., object]) -> None:
         self.seq += 1
-        return self.seq
+        observe("ns", _name(page), KEY_LEN, seq=self.seq, at=i / self.rate)
 
     def read(self, page: int, i: int) -> None:
-        reads = self.state[page][2]
-        self.state[page] = (i / self.rate, self._next(), reads + 1)
+        self._event(page, i, self.model.observe_read)
 
     def write(self, page: int, i: int) -> None:
-        self.state[page] = (i / self.rate, self._next(), 0)  # a new index row
+        self._event(page, i, self.model.observe_write)
 
     def victims(self, n: int, i: int, disk: set[int]) -> list[int]:
-        before = i / self.rate - self.min_age
-        rows = sorted((last, seq, reads, p) for p, (last, seq, reads) in self.state.items())
-        stream = (
-            gc_order.Candidate(last, seq, "ns", (str(p),), 1, reads)
-            for last, seq, reads, p in rows
-            if last <= before
-        )
-        out: list[int] = []
-        for c in self.order_fn(stream, gap=self.gap, span=self.span):
-            out.append(int(c.names[0]))
-            if len(out) == n:
-                break
-        for p in out:
-            del self.state[p]
+        out = [int(v.key, 16) for v in islice(eviction_order(self.model, before=inf), n)]
+        self.model.remove("ns", ((_name(p), KEY_LEN) for p in out))
         self.evicted += out
         return out
+
+
+KEY_LEN = 8
+
+
+def _name(page: int) -> str:
+    return f"{page:08x}_model_0_1.bin"
 
 
 class Clairvoyant(Policy):
@@ -344,8 +335,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(
         f"trace: {args.sessions} sessions, {args.requests} requests, seed {args.seed};"
         f" W = {trace.pages} pages, {lookups} page lookups; restart before request"
-        f" {trace.restart_at}; burst_gap {GcPolicy().burst_gap:g}s,"
-        f" burst_span {GcPolicy().burst_span:g}s"
+        f" {trace.restart_at}"
     )
     print(table(trace, results))
     print(f"({time.monotonic() - t0:.1f}s)")

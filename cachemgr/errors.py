@@ -17,6 +17,10 @@ class ConfigError(CachemgrError):
     title = "invalid configuration"
 
 
+class PortInUseError(ConfigError):
+    """The HTTP port is taken (by a cachemgr daemon or another program)."""
+
+
 class StateError(CachemgrError):
     """The state database cannot be used (newer than this code, corrupt, failed migration)."""
 
@@ -46,6 +50,12 @@ class NotFoundError(CachemgrError):
     exit_code = 1
     http_status = 404
     title = "not found"
+
+
+class ModelNotFoundError(NotFoundError, IdentityError):
+    """The model the identity needs is not there: not found (exit 1), and an identity error."""
+
+    title = "model not found"
 
 
 class UnsafePathError(CachemgrError):

@@ -21,7 +21,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from cachemgr.errors import ConfigError
+from cachemgr.errors import ConfigError, NotFoundError
 from cachemgr.layout import STATE_DIR
 from cachemgr.units import parse_duration
 
@@ -117,8 +117,10 @@ class Settings(BaseSettings):
     gc_tmp_ttl: Duration = Field(
         timedelta(hours=1), description="remove SGLang .tmp files older than this (crashed writes)"
     )
+    # 0 by default: SGLang writes a page to a temp file and renames it (never a torn page), and
+    # a page unlinked while a reader has it open reads whole (tests/test_gc_sglang.py).
     gc_min_age: Duration = Field(
-        timedelta(minutes=2), description="never delete a page written or read more recently"
+        timedelta(0), description="never delete a page written or read more recently"
     )
     gc_interval: Duration = Field(
         timedelta(seconds=60), description="how often the daemon checks whether GC is needed"
@@ -184,7 +186,8 @@ class _TomlFileSource(PydanticBaseSettingsSource):
         try:
             data = tomllib.loads(path.read_text(encoding="utf-8"))
         except OSError as e:
-            raise ConfigError(f"config file {path}: {e.strerror or e}") from e
+            cls = NotFoundError if isinstance(e, FileNotFoundError) else ConfigError
+            raise cls(f"config file {path}: {e.strerror or e}") from e
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"config file {path}: not valid TOML ({e})") from e
         table = data.get("cachemgr", data)

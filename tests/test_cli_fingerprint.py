@@ -130,8 +130,8 @@ def test_diff_of_records_and_manifests(
     assert (code, out.strip()) == (0, "same identity")
 
 
-def one_line_error(code: int, err: str, needle: str) -> None:
-    assert code == 2, err
+def one_line_error(code: int, err: str, needle: str, exit_code: int = 2) -> None:
+    assert code == exit_code, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("cachemgr: error: "), err
     assert needle in lines[0]
@@ -144,7 +144,7 @@ def test_errors_are_one_line(
     one_line_error(code, err, "no model path")
     missing = tmp_path / "no-such-model"
     code, _, err = run(capsys, "--root", str(root), "fingerprint", "--model-path", str(missing))
-    one_line_error(code, err, f"model directory {missing} does not exist")
+    one_line_error(code, err, f"model directory {missing} does not exist", exit_code=1)
     (tmp_path / "junk.json").write_text("[1, 2]")
     code, _, err = run(capsys, "fingerprint", "diff", str(tmp_path / "junk.json"), "/nonexistent")
     one_line_error(code, err, "is not an identity record")

@@ -77,11 +77,13 @@ def test_eviction_woken_by_writes_while_metrics_keep_answering(tmp_path: Path) -
         assert metric(text, "cachemgr_gc_leader") == 1
         assert metric(text, "cachemgr_evicted_pages_total", reason="cap") == 4000 - pages
         # Under the high watermark (1900 pages of 1 kB), and a run evicts down to the low one
-        # (1700): more only if writes landed after its plan. All writes form one burst, in
-        # which the live index's access order makes GC drop the latest first (chain tails):
-        # the first 1700 pages written all survive.
-        assert pages >= 1700
-        assert {page_name(i) for i in range(1700)} <= set(os.listdir(d))
+        # (1700), less what it expects the writer to add before it is done (a few batches of
+        # these writes at most). The pages written while it ran read as one chain: its tail
+        # goes first, so what stays of it is a prefix.
+        assert pages >= 1500
+        left = set(os.listdir(d))
+        chain = [page_name(i) in left for i in range(1000, 4000)]
+        assert chain == sorted(chain, reverse=True)
 
 
 def test_gc_route_needs_the_token_and_the_leadership(tmp_path: Path) -> None:

@@ -10,8 +10,8 @@ import pytest
 
 from cachemgr.daemon.page_events import PageEvents
 from cachemgr.daemon.watcher import Kind
+from cachemgr.gc.check import needs_gc
 from cachemgr.gc.execute import CHUNK, execute_gc
-from cachemgr.gc.runner import needs_gc
 from cachemgr.state.index import scan_root
 from cachemgr.state.store import Store
 from tests.gc_helpers import NS, NS2, T0, Tree, evicted, page, policy, temp

@@ -159,3 +159,68 @@ def test_a_page_deleted_between_exists_and_get_is_a_miss(root: Path) -> None:
     proc.stdout.close()
     runner.leadership.release()
     tree.store.close()
+
+
+CHURN = """
+import json, os, sys, threading, torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
+cfg = HiCacheStorageConfig(
+    tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+    is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+    model_name="m", dcp_size=1, dcp_rank=0, logical_page_size=None)
+d = sys.argv[1]
+b = HiCacheFile(cfg, file_path=d)
+keys = ["%064x" % i for i in range(32)]
+def value(i):
+    return torch.arange(256 * 1024, dtype=torch.float32) + i  # 1 MiB: reads take a while
+for i, k in enumerate(keys):
+    b.set(k, value(i))
+# A page unlinked while SGLang holds it open reads whole (the inode lives until closed):
+path = os.path.join(d, keys[0] + "_m_0_1.bin")
+f = open(path, "rb", buffering=0)
+os.unlink(path)
+whole = f.read() == value(0).numpy().tobytes()
+f.close()
+b.set(keys[0], value(0))
+# Deleting pages as fast as possible while the server reads them (GC with min_age 0):
+stop = threading.Event()
+def delete():
+    while not stop.is_set():
+        for k in keys:
+            try:
+                os.unlink(os.path.join(d, k + "_m_0_1.bin"))
+            except FileNotFoundError:
+                pass
+            b.set(k, value(keys.index(k)))  # the server writes it again (temp + rename)
+t = threading.Thread(target=delete)
+t.start()
+hits = misses = wrong = 0
+for _ in range(30):
+    got = b.batch_get(keys, [torch.empty(256 * 1024, dtype=torch.float32) for _ in keys])
+    for i, g in enumerate(got):
+        if g is None:
+            misses += 1
+        elif torch.equal(g, value(i)):
+            hits += 1
+        else:
+            wrong += 1
+stop.set()
+t.join()
+print(json.dumps({"whole": whole, "hits": hits, "misses": misses, "wrong": wrong}), flush=True)
+"""
+
+
+def test_min_age_zero_is_safe_deleting_under_sglang_reads_is_a_miss(tmp_path: Path) -> None:
+    """Why gc_min_age defaults to 0: SGLang writes a page to a temp file and renames it (never
+    a torn page), and a page deleted while it is being read reads whole; deleted before the
+    open, it is a miss. So deleting a page whatever its age never gives SGLang wrong bytes."""
+    out = subprocess.run(
+        [str(SGLANG_ENV / "bin" / "python"), "-c", CHURN, str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+        env={k: v for k, v in os.environ.items() if not k.startswith("SGLANG_")},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["whole"] is True
+    assert got["wrong"] == 0  # never a short or foreign read passed off as a page
+    assert got["hits"] > 0 and got["misses"] > 0  # both happened: the race was real

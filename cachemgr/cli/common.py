@@ -1,4 +1,4 @@
-"""Pieces the namespace commands share: trash deletion with progress."""
+"""Pieces the namespace commands share: trash deletion with progress, the yes/no prompt."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import logging
 import sys
 import time
 from collections.abc import Callable
+
+import click
 
 from cachemgr.fs.deletion import DeleteReport, Pacer
 from cachemgr.layout import Layout
@@ -63,3 +65,11 @@ def _drain_with_bar(
             bar.update(task, completed=p.files, total=p.total_files or None)
 
         return drain_trash(layout, store, actor=actor, pacer=pacer, progress=tick)
+
+
+def ask(question: str, *, declined: str) -> None:
+    """Ask on the terminal; "no" says `declined` and exits 1 (a decision, not an error and not
+    an interrupt: Ctrl-C or a closed stdin stays 130)."""
+    if not click.confirm(question, err=True):
+        click.echo(declined, err=True)
+        raise click.exceptions.Exit(1)

@@ -11,14 +11,17 @@ from typing import Any
 import click
 
 from cachemgr.cli.context import AppContext, pass_app
+from cachemgr.cli.launch_options import LaunchRequest
 from cachemgr.doctor.finding import Finding, exit_code
 from cachemgr.doctor.launch import launch_env, lint
 from cachemgr.doctor.root import lint_disk, lint_root
 from cachemgr.errors import CachemgrError
 from cachemgr.gc.policy import GcPolicy
 from cachemgr.identity import model_dir
+from cachemgr.identity.record import Identity
 from cachemgr.layout import Layout
 from cachemgr.ns.root import existing_layout, reading_store
+from cachemgr.settings import Settings
 from cachemgr.sglang.args import LaunchArgs, resolve_launch_args
 
 
@@ -30,8 +33,9 @@ def doctor(app: AppContext, as_json: bool, launch_cmd: tuple[str, ...]) -> None:
     """Check a launch (and the root) for HiCache pitfalls; exit 0 clean, 1 warnings, 2 errors.
 
     Checks: page size 1 with the file backend, mamba track interval vs page size on hybrid
-    models, a storage dir cachemgr does not manage, a cap larger than the free space, SGLang's
-    own file evictor next to cachemgr's GC, no hierarchical cache or another backend.
+    models, a storage dir cachemgr does not manage, one that holds another identity's pages or
+    pages of no recorded identity, a cap larger than the free space, SGLang's own file evictor
+    next to cachemgr's GC, no hierarchical cache or another backend.
     """
     settings = app.settings
     layout = Layout.at(settings.root, settings.state_dir)
@@ -47,6 +51,8 @@ def doctor(app: AppContext, as_json: bool, launch_cmd: tuple[str, ...]) -> None:
             env=env,
             model_config=_model_config(args, env),
             cap_bytes=int(settings.gc_max_bytes) if settings.gc_max_bytes else None,
+            identity=lambda: _identity(settings, launch_cmd),
+            command=launch_cmd,
         )
     if layout.root.is_dir():
         findings += lint_disk(layout, GcPolicy.from_settings(settings))
@@ -60,6 +66,15 @@ def doctor(app: AppContext, as_json: bool, launch_cmd: tuple[str, ...]) -> None:
         if not findings:
             click.echo("no problems found" + ("" if launch_cmd else " (pass `-- <launch cmd>`)"))
     raise SystemExit(exit_code(findings))
+
+
+def _identity(settings: Settings, launch_cmd: tuple[str, ...]) -> Identity | None:
+    """The launch's identity as `fingerprint` computes it (the root's digest cache, read from
+    a copy), or None when it cannot be computed here (the model is elsewhere)."""
+    try:
+        return LaunchRequest(overrides={}, command=launch_cmd).compute_identity(settings)
+    except CachemgrError:
+        return None
 
 
 def _model_config(args: LaunchArgs, env: Mapping[str, str]) -> dict[str, Any] | None:

@@ -12,7 +12,7 @@ import click
 from cachemgr.cli.context import AppContext, pass_app
 from cachemgr.cli.init import describe, init_options, run_init, warn_refused
 from cachemgr.cli.launch_options import LaunchRequest
-from cachemgr.errors import ConfigError
+from cachemgr.errors import ConfigError, NotFoundError
 from cachemgr.ns.prelaunch import STORAGE_DIR_ENV
 
 
@@ -65,9 +65,9 @@ def resolve_program(name: str, env: Mapping[str, str]) -> str:
     """The executable `name` runs, looked up on the PATH the server will get.
 
     Checked before init so a typo (`sglang-typo serve …`) leaves the cache untouched instead
-    of purging a namespace for a server that never starts. Exit 2 like every usage error.
+    of purging a namespace for a server that never starts. Not found: exit 1.
     """
     found = shutil.which(name, path=env.get("PATH", os.defpath))
     if found is None:
-        raise ConfigError(f"cannot run {name!r}: no such executable on PATH; nothing was changed")
+        raise NotFoundError(f"cannot run {name!r}: no such executable on PATH; nothing was changed")
     return found

@@ -13,6 +13,7 @@ import click
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from cachemgr.cli.common import ask
 from cachemgr.cli.context import AppContext, pass_app, setting_option
 from cachemgr.daemon.gcapi import GcResponse
 from cachemgr.errors import ConfigError, ConflictError
@@ -81,8 +82,8 @@ def gc(app: AppContext, /, dry_run: bool, as_json: bool, yes: bool) -> None:
         floor = None
         if below_floor(layout, policy, usage):
             if not yes:
-                click.confirm("free space is below the floor: delete the oldest pages first?",
-                              abort=True, err=True)  # fmt: skip
+                ask("free space is below the floor: delete the oldest pages first?",
+                    declined="nothing deleted")  # fmt: skip
             floor = free_floor(layout, policy, disk_usage=usage, pacer=Pacer(policy.delete_rate))
         with Store.open(layout.db_path) as store:  # a corrupt DB: moved aside, the CLI retries
             if floor is not None:
@@ -103,7 +104,7 @@ def _run(runner: GcRunner, floor: GcReport | None, dry_run: bool, yes: bool, as_
             _show(_joined(floor, preview), as_json)
             return
         _show(preview, as_json=False)
-        click.confirm("Delete these files?", abort=True, err=True)
+        ask("Delete these files?", declined="nothing deleted")
     with _progress(enabled=sys.stderr.isatty() and not as_json) as report_progress:
         report = runner.run(actor="cli", progress=report_progress)
     _show(_joined(floor, report), as_json)

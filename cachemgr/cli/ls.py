@@ -52,7 +52,7 @@ def ls(app: AppContext, as_json: bool) -> None:
     for t in trash:
         table.add_row(
             t.name, "-", "", "", "", f"{t.pages:,}", human_bytes(t.bytes), "", "",
-            "deleting (in .trash)" if t.problem is None else f"unsafe: {t.problem}",
+            f"unsafe: {t.problem}" if t.problem else t.left_for_a_person or "deleting (in .trash)",
         )  # fmt: skip
     # Piped output keeps whole ids and names instead of rich's 80-column default.
     Console(width=None if sys.stdout.isatty() else 220).print(table)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import sqlite3
 import sys
@@ -13,6 +14,7 @@ from cachemgr import __version__
 from cachemgr.cli.context import AppContext, setting_option
 from cachemgr.errors import CachemgrError, StateCorrupt, StateError
 from cachemgr.fs import reserve
+from cachemgr.fs.root import unwritable
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -24,8 +26,14 @@ from cachemgr.fs import reserve
     help="TOML config file (env CACHEMGR_CONFIG).",
 )
 # Kept as strings (click.Path would turn "" into "."): Settings rejects an empty directory.
-@setting_option("--root", setting="root", type=click.Path(), help="Cache root directory.")
-@setting_option("--state-dir", setting="state_dir", type=click.Path(), help="State DB directory.")
+# Not checked for access here: click's check is a usage error; the command says in one line
+# what it could not do.
+@setting_option(
+    "--root", setting="root", type=click.Path(readable=False), help="Cache root directory."
+)
+@setting_option(
+    "--state-dir", setting="state_dir", type=click.Path(readable=False), help="State DB directory."
+)
 @setting_option(
     "--log-level", setting="log_level", type=click.Choice(["debug", "info", "warning", "error"])
 )
@@ -101,7 +109,13 @@ def _os_error(e: OSError | sqlite3.Error) -> int:
         click.echo(f"cachemgr: error: state DB: {e}", err=True)
         return StateError.exit_code
     # A path in a state cachemgr did not expect (a file where a dir should be, a dir this
-    # user may not read): say which, as a setting that points at the wrong place would.
-    where = f"{e.filename}: " if e.filename else ""
-    click.echo(f"cachemgr: error: {where}{e.strerror or e}", err=True)
+    # user may not read, a read-only mount): say which, as a setting that points at the wrong
+    # place would.
+    if e.errno == errno.EROFS and e.filename:
+        message = unwritable(Path(os.fsdecode(e.filename))) or f"{e.filename}: read-only filesystem"
+    else:
+        where = f"{e.filename}: " if e.filename else ""
+        who = f" (uid {os.getuid()})" if e.errno in (errno.EACCES, errno.EPERM) else ""
+        message = f"{where}{e.strerror or e}{who}"
+    click.echo(f"cachemgr: error: {message}", err=True)
     return 2

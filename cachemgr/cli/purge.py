@@ -10,7 +10,7 @@ import time
 
 import click
 
-from cachemgr.cli.common import drain_with_progress
+from cachemgr.cli.common import ask, drain_with_progress
 from cachemgr.cli.context import AppContext, pass_app
 from cachemgr.errors import CachemgrError, ConfigError
 from cachemgr.fs.deletion import DeleteReport, Pacer
@@ -118,10 +118,9 @@ def _confirm(plan: PurgePlan) -> None:
         raise ConfigError("purge deletes files: pass --yes to confirm (stdin is not a terminal)")
     for t in plan.targets:
         click.echo(_target_line(t), err=True)
-    click.confirm(
+    ask(
         f"purge {len(plan.targets)} namespace(s), {plan.pages:,} pages, {human_bytes(plan.bytes)}?",
-        abort=True,
-        err=True,
+        declined="nothing purged",
     )
 
 

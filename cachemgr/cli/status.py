@@ -39,7 +39,7 @@ def from_daemon(settings: Settings, timeout: float = 1.0) -> dict[str, Any] | No
     return data if isinstance(data, dict) and "namespaces" in data else None
 
 
-def _same_root(reported: object, root: Path) -> bool:
+def same_root(reported: object, root: Path) -> bool:
     """Whether the daemon serves this root: the same path (a daemon on another host, asked
     with --host, has no directory here) or the same directory spelled another way."""
     if not isinstance(reported, str):
@@ -111,7 +111,7 @@ def status(app: AppContext, as_json: bool) -> None:
     layout = Layout.at(settings.root, settings.state_dir)
     refuse_file_root(layout)
     report = from_daemon(settings)
-    if report is not None and not _same_root(report.get("root"), layout.root):
+    if report is not None and not same_root(report.get("root"), layout.root):
         click.echo(
             f"cachemgr: the daemon on {settings.host}:{settings.port} serves {report.get('root')},"
             f" not {layout.root}; counting from disk",
@@ -130,6 +130,8 @@ def status(app: AppContext, as_json: bool) -> None:
     else:
         render(report, Console())
         click.echo(_filesystem_text(report["filesystem"]))
+        for note in report.get("left_for_a_person") or ():  # an older daemon has none
+            click.echo(f"warning: {note}")
 
 
 def _filesystem(layout: Layout, settings: Settings) -> dict[str, Any]:

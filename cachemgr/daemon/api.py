@@ -74,6 +74,11 @@ class Status(BaseModel):
     index: IndexInfo | None
     filesystem_avail_bytes: int | None
     filesystem_size_bytes: int | None
+    left_for_a_person: list[str] = Field(
+        default_factory=list,
+        description="purged namespaces in .trash/ that deletion cannot finish (foreign files): "
+        "`.trash/<entry>: left for a person: N foreign files, e.g. <path>`",
+    )
 
 
 class Fingerprint(BaseModel):

@@ -15,10 +15,12 @@ from typing import Annotated, Any
 
 from fastapi import Body, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic.json_schema import SkipJsonSchema
 
 from cachemgr import __version__
+from cachemgr.daemon import mutationlog
 from cachemgr.daemon.api import (
     INSTANCE_PATTERN,
     Fingerprint,
@@ -37,17 +39,21 @@ from cachemgr.daemon.httpguard import MAX_BODY_BYTES, RequestGuard
 from cachemgr.daemon.index_state import IndexState
 from cachemgr.daemon.problems import ERRORS, install_error_handlers
 from cachemgr.daemon.purge_routes import PURGE_PATHS, add_purge_routes
-from cachemgr.errors import ConflictError, NotFoundError
+from cachemgr.errors import CachemgrError, ConflictError, NotFoundError
 from cachemgr.fs.usage import disk_usage
 from cachemgr.layout import Layout
 from cachemgr.ns.status import NamespaceStatus, namespace_statuses
+from cachemgr.ns.trash import left_for_people
 from cachemgr.state import registry_sql
 from cachemgr.state.status import bindings_by_namespace
 
 
 def create_app(backend: Backend) -> FastAPI:
-    """The FastAPI app over `backend`."""
-    app = FastAPI(
+    """The FastAPI app over `backend`; /docs loads Swagger UI from the daemon itself, not a
+    CDN (a GPU host is often air-gapped)."""
+    app = FastAPIOffline(
+        # No ReDoc: its page fetches a logo from its vendor's CDN whatever it is given.
+        redoc_url=None,
         title="cachemgr",
         version=__version__,
         description=(
@@ -119,6 +125,7 @@ def create_app(backend: Backend) -> FastAPI:
             index=_index_info(st, backend.lag) if st else None,
             filesystem_avail_bytes=du.free if du else None,
             filesystem_size_bytes=du.total if du else None,
+            left_for_a_person=left_for_people(backend.layout),
         )
 
     @app.get("/v1/namespaces", response_model=list[NamespaceStatus], tags=["status"])
@@ -165,9 +172,18 @@ def create_app(backend: Backend) -> FastAPI:
         process leads GC on this root (the answer names it). A request made while a run of the
         same kind (dry or not) is in progress gets that run's result."""
         req = await one_request(request, GcRequest, body, dry_run=dry_run)
+        try:
+            result = await _gc(req.dry_run)
+        except CachemgrError as e:
+            mutationlog.failed(request, "gc", e)
+            raise
+        mutationlog.collected(request, result)
+        return result
+
+    async def _gc(dry_run: bool) -> GcResponse:
         if gc_runs is None:
             raise ConflictError("this daemon runs no GC")
-        result = await gc_runs.run(dry_run=req.dry_run)
+        result = await gc_runs.run(dry_run=dry_run)
         if not result.leader:
             raise ConflictError(
                 f"another process leads GC on {backend.layout.root} ({result.holder}); "

@@ -17,6 +17,7 @@ from urllib.parse import parse_qsl
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from cachemgr.daemon import mutationlog
 from cachemgr.daemon.problems import invalid_request, problem
 
 # The largest valid body (a purge by instance) is under 300 bytes; this leaves room for
@@ -56,6 +57,8 @@ class RequestGuard:
             except _Disconnected:
                 return  # nobody to answer
         if refusal is not None:
+            if scope["method"] not in SAFE_METHODS:
+                mutationlog.refused(scope, refusal.status_code)
             await refusal(scope, receive, send)
             return
         await self.app(scope, receive, send)

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
+
+from cachemgr.state.index import ScanReport
+
+log = logging.getLogger("cachemgr.daemon.indexer")
 
 
 @dataclass
@@ -31,9 +36,36 @@ class IndexState:
     leader: bool = False  # this process watches and writes the index (see the module doc)
     disk_full: bool = False  # the last write failed for lack of space; retried
     disk_full_retries: int = 0
+    write_rate: float = 0.0  # bytes of pages stored per second, smoothed over batches
+    _stored: tuple[int, float] | None = None  # (bytes stored so far, when) at the last batch
 
     def counter(self, ns_id: str) -> Counters:
         got = self.counters.get(ns_id)
         if got is None:
             got = self.counters[ns_id] = Counters()
         return got
+
+    def note_stored(self, total: int, at: float) -> None:
+        """After a batch: `total` bytes stored so far, at monotonic time `at`."""
+        if self._stored is not None and at > self._stored[1]:
+            rate = (total - self._stored[0]) / (at - self._stored[1])
+            self.write_rate = 0.5 * self.write_rate + 0.5 * rate
+        self._stored = (total, at)
+
+    def record_scan(self, report: ScanReport, *, first: bool) -> None:
+        """Count a namespace scan; one that corrected the index after the first says so."""
+        self.scans += 1
+        self.scan_seconds_total += report.seconds
+        self.last_scan_seconds = report.seconds
+        ns = report.namespace_id
+        if not first and report.drift:
+            self.drift_pages += report.drift
+            log.info(
+                "scan corrected the index",
+                extra={"namespace": ns, "added": report.added, "removed": report.removed},
+            )
+        # At start-up one line per namespace: the progress of a large root's first scan.
+        (log.info if first else log.debug)(
+            "scanned namespace",
+            extra={"namespace": ns, "pages": report.pages, "seconds": round(report.seconds, 3)},
+        )

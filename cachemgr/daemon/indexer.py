@@ -24,6 +24,7 @@ from cachemgr.daemon.watcher import Event, Kind, Watcher
 from cachemgr.errors import StateCorrupt, StateError, UnsafePathError
 from cachemgr.fs import reserve
 from cachemgr.fs.leadership import Leadership
+from cachemgr.gc.chains import ChainModel
 from cachemgr.layout import Layout
 from cachemgr.ns.registry import adopt_from_disk
 from cachemgr.state.index import BATCH, ScanReport, forget_namespace, scan_namespace, scan_root
@@ -35,8 +36,7 @@ FULL_RETRY = 1.0  # seconds between retries of a write the full disk refused
 BUILD_ATTEMPTS = 3  # a fresh DB found corrupt again: the disk or SQLite is failing, stop
 
 
-def _nothing(*_: object) -> None:
-    pass
+def _nothing(*_: object) -> None: ...
 
 
 class Indexer(Worker):
@@ -59,6 +59,7 @@ class Indexer(Worker):
         leadership: Leadership | None = None,
         ready_marker: Path | None = None,
         state: IndexState | None = None,
+        model: ChainModel | None = None,
         on_applied: Callable[[], None] = _nothing,
         on_namespace_gone: Callable[[str], None] = _nothing,
         on_disk_full: Callable[[], None] = _nothing,
@@ -76,7 +77,10 @@ class Indexer(Worker):
         self.leadership = leadership  # None: this process alone indexes the root
         self.ready_marker = ready_marker  # exists while the leader's index is live
         self.follow_interval = max(batch_interval, 0.05)
-        self.pages = PageEvents(layout, store, self.fmt)
+        # What GC evicts by: every indexed page and its learned chain, kept by this thread.
+        self.model = model if model is not None else ChainModel(self.fmt)
+        self._loaded: set[str] = set()  # namespaces the model holds as the index does
+        self.pages = PageEvents(layout, store, self.fmt, self.model)
         self.on_applied = on_applied
         self.on_namespace_gone = on_namespace_gone
         self.on_disk_full = on_disk_full
@@ -164,7 +168,9 @@ class Indexer(Worker):
             try:
                 with self.store.guard():
                     self.store.follow_path()
-                    self.pages = PageEvents(self.layout, self.store, self.fmt)  # after earlier seqs
+                    # after earlier seqs; every namespace is loaded again from this DB
+                    self.pages = PageEvents(self.layout, self.store, self.fmt, self.model)
+                    self._loaded.clear()
                     self._scan_all(first=first)
                 return
             except StateCorrupt:
@@ -241,6 +247,7 @@ class Indexer(Worker):
         elif kind is Kind.NS_GONE:
             self.watcher.unwatch(ns)
             if not self.layout.ns_dir(ns).is_dir():
+                self._forget(ns)
                 removed = forget_namespace(self.store, ns)
                 log.info("namespace dir gone", extra={"namespace": ns, "pages": removed})
             self.on_namespace_gone(ns)  # even if a purge recreated it empty
@@ -250,6 +257,7 @@ class Indexer(Worker):
             c = self.state.counter(ns)
             c.reads += r
             c.writes += w
+        self.state.note_stored(self.pages.stored_bytes, time.monotonic())
         if events:
             self.on_applied()
 
@@ -259,8 +267,13 @@ class Indexer(Worker):
             self.layout,
             self.store,
             scan=lambda ns: self._scan(ns, first=first),
-            forgetting=self.watcher.unwatch,
+            forgetting=self._forget,
         )
+
+    def _forget(self, ns: str) -> None:
+        self.watcher.unwatch(ns)
+        self.model.forget(ns)
+        self._loaded.discard(ns)
 
     def _scan(self, ns: str, *, first: bool) -> ScanReport | None:
         # Watch first, then list: an event racing the scan is applied after it and settled
@@ -272,19 +285,8 @@ class Indexer(Worker):
         except UnsafePathError as e:  # replaced by a symlink since it was watched
             log.error("namespace dir not scanned", extra={"namespace": ns, "error": str(e)})
             return None
-        st = self.state
-        st.scans += 1
-        st.scan_seconds_total += report.seconds
-        st.last_scan_seconds = report.seconds
-        if not first and report.drift:
-            st.drift_pages += report.drift
-            log.info(
-                "scan corrected the index",
-                extra={"namespace": ns, "added": report.added, "removed": report.removed},
-            )
-        # At start-up one line per namespace: the progress of a large root's first scan.
-        (log.info if first else log.debug)(
-            "scanned namespace",
-            extra={"namespace": ns, "pages": report.pages, "seconds": round(report.seconds, 3)},
-        )
+        if first or report.drift or ns not in self._loaded:
+            self.model.load(self.store.conn, ns)  # the scan changed what the model knew
+            self._loaded.add(ns)
+        self.state.record_scan(report, first=first)
         return report

@@ -34,9 +34,11 @@ from cachemgr.daemon.serving import Reader, Server, bind_socket, is_loopback
 from cachemgr.errors import ConfigError, StateError
 from cachemgr.fs.root import create_root
 from cachemgr.fs.safe import refuse_non_regular
+from cachemgr.gc.chains import ChainModel
+from cachemgr.gc.check import needs_gc
 from cachemgr.gc.floor import open_freeing
 from cachemgr.gc.policy import GcPolicy
-from cachemgr.gc.runner import GcRunner, needs_gc
+from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
 from cachemgr.ns import purge as purge_mod
 from cachemgr.settings import Settings
@@ -127,11 +129,15 @@ class Daemon:
         """The index writer, GC (its own thread and connection) and the SGLang probe, wired
         to each other; not started."""
         index = IndexState()
+        batch = self.settings.batch_interval
+        model = ChainModel()  # the index (its watcher) reads the default file format too
         self.gc_store = Store.open(self.layout.db_path)
         # GC is led by an index leader: only its watcher wakes GC (watermarks, a CLI purge).
         self.gc = GcRunner(
             self.layout, self.gc_store, self.gc_policy, eligible=lambda: index.leader,
-            ready=index.ready, on_death=self._worker_died,
+            ready=index.ready, model=model, on_death=self._worker_died,
+            # Written before GC has freed room for it: up to two batches and one run.
+            ahead=lambda: int(index.write_rate * (2 * batch + self.gc.run_seconds)),
         )  # fmt: skip
         leadership, ready_marker = leadership_files(self.layout)
         self.indexer = Indexer(
@@ -142,6 +148,7 @@ class Daemon:
             leadership=leadership,
             ready_marker=ready_marker,
             state=index,
+            model=model,
             on_applied=self._check_watermarks,
             # A CLI purge (or init --no-wait) renames into .trash/ from another process: GC
             # deletes it now rather than at the next interval.
@@ -175,8 +182,9 @@ class Daemon:
         flock attempt, and gating would drop a crossing seen before the lock is first taken.
         """
         reasons = needs_gc(
-            self.layout, self.store, self.gc_policy, now=time.time(), disk_usage=self.gc.disk_usage
-        )
+            self.layout, self.store, self.gc_policy, now=time.time(),
+            disk_usage=self.gc.disk_usage, ahead=self.gc.ahead(),
+        )  # fmt: skip
         # Not for .trash/ alone: purges wake GC themselves, and an entry GC must refuse (a
         # symlink) would otherwise wake it on every batch; the interval retries it.
         if set(reasons) - {"trash"}:

@@ -3,7 +3,8 @@
 Page stores and deletions are settled by a stat of the file at apply time (the disk is the
 truth, so a create+delete inside one batch, or an event seen twice, needs no ordering care);
 reads bump the page's `reads` and `last_access`, and every read and store takes the next
-`access_seq` (GC's order inside a burst).
+`access_seq`: the clock of the chain model (cachemgr.gc.chains), which sees every event in
+order and learns which page continues which; its links are stored with the rows.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections import Counter
 
 from cachemgr.backends import FileFormat
 from cachemgr.daemon.watcher import Event, Kind
+from cachemgr.gc.chains import ChainModel
 from cachemgr.layout import Layout
 from cachemgr.sglang.hicache import HICACHE_FILE
 from cachemgr.state import pages_sql
@@ -22,15 +24,19 @@ from cachemgr.state.store import Store
 class PageEvents:
     """Applies page events to the index, giving each read and write a global sequence number.
 
-    A request reads its pages front to back and writes new ones after them, so the sequence
-    tells GC which pages of a burst are further down a prefix chain (cachemgr.gc.order); the clock
-    does not (a burst of thousands of reads shares one batch time). The counter resumes after
-    the largest stored value, so the order survives a restart.
+    The sequence is the chain model's clock, not the wall clock (a burst of thousands of reads
+    shares one batch time, and the order must not depend on the request rate). The counter
+    resumes after the largest stored value, so the order survives a restart.
     """
 
-    def __init__(self, layout: Layout, store: Store, fmt: FileFormat = HICACHE_FILE) -> None:
+    def __init__(
+        self, layout: Layout, store: Store, fmt: FileFormat = HICACHE_FILE,
+        model: ChainModel | None = None,
+    ) -> None:  # fmt: skip
         self.store, self.layout, self.fmt = store, layout, fmt
+        self.model = model if model is not None else ChainModel()
         self._next: int | None = None  # read at first use, on the thread that applies
+        self.stored_bytes = 0  # of every page file stored so far (the writer's pace)
 
     def apply(self, events: list[Event], *, now: float) -> dict[str, list[int]]:
         """Apply events in the order seen; returns [reads, writes] per namespace."""
@@ -41,45 +47,63 @@ class PageEvents:
         touched: dict[tuple[str, str], bool] = {}  # (ns, name) -> stored in this batch
         reads: Counter[tuple[str, str]] = Counter()
         seqs: dict[tuple[str, str], int] = {}  # (ns, name) -> sequence of its last access
+        preds: dict[tuple[str, str], str] = {}  # (ns, name) -> its page's learned predecessor
         per_ns: dict[str, list[int]] = {}  # ns -> [reads, writes]
         seq = self._next
         for kind, ns, name, _ in events:
             tally = per_ns.setdefault(ns, [0, 0])
             key = (ns, name)
+            if kind is Kind.GONE:
+                touched[key] = touched.get(key, False)
+                continue
+            key_len = self.fmt.key_len(name) or len(name)  # the watcher passes pages only
             if kind is Kind.READ:
                 reads[key] += 1
                 tally[0] += 1
-                seqs[key] = seq
-                seq += 1
+                pred = self.model.observe_read(ns, name, key_len, seq=seq, at=now)
             else:
-                stored = kind is Kind.WRITE
-                touched[key] = touched.get(key, False) or stored
-                tally[1] += stored
-                if stored:
-                    seqs[key] = seq
-                    seq += 1
+                touched[key] = True
+                tally[1] += 1
+                pred = self.model.observe_write(ns, name, key_len, seq=seq, at=now)
+            if pred is not None:
+                preds[key] = pred
+            seqs[key] = seq
+            seq += 1
         self._next = seq
-        upserts, deletes = self._settle(touched, seqs, now)
+        upserts, deletes = self._settle(touched, seqs, preds, now)
         with self.store.transaction() as conn:
             pages_sql.upsert_pages(conn, upserts)
             pages_sql.delete_pages(conn, deletes)
             pages_sql.add_reads(conn, ((n, now, seqs[key], *key) for key, n in reads.items()))
+            pages_sql.set_preds(conn, ((p, *key) for key, p in preds.items() if key in reads))
             for ns, (r, w) in per_ns.items():
                 pages_sql.add_lifetime(conn, ns, r, w, now)
         return per_ns
 
     def _settle(
-        self, touched: dict[tuple[str, str], bool], seqs: dict[tuple[str, str], int], now: float
-    ) -> tuple[list[tuple[str, str, int, float, float, int, int]], list[tuple[str, str]]]:
-        """Split touched pages into rows to upsert (file exists) and rows to delete."""
-        upserts, deletes = [], []
+        self,
+        touched: dict[tuple[str, str], bool],
+        seqs: dict[tuple[str, str], int],
+        preds: dict[tuple[str, str], str],
+        now: float,
+    ) -> tuple[list[pages_sql.PageRow], list[tuple[str, str]]]:
+        """Split touched pages into rows to upsert (file exists) and rows to delete; the model
+        takes the sizes found and forgets the files that are gone."""
+        upserts: list[pages_sql.PageRow] = []
+        deletes: list[tuple[str, str]] = []
         for (ns, name), stored in touched.items():
+            key_len = self.fmt.key_len(name) or len(name)  # the watcher passes pages only
             try:
                 st = os.stat(os.path.join(self.layout.ns_root, ns, name), follow_symlinks=False)
             except (FileNotFoundError, NotADirectoryError):
                 deletes.append((ns, name))
+                self.model.remove(ns, [(name, key_len)])
                 continue
             seen = now if stored else min(st.st_mtime, now)
-            key_len = self.fmt.key_len(name) or len(name)  # the watcher passes pages only
-            upserts.append((ns, name, st.st_size, seen, seen, seqs.get((ns, name), 0), key_len))
+            seq = seqs.get((ns, name), 0)
+            self.stored_bytes += st.st_size if stored else 0
+            self.model.add(ns, name, key_len, st.st_size, seq=seq, at=seen)
+            upserts.append(
+                (ns, name, st.st_size, seen, seen, seq, key_len, preds.get((ns, name)), seq)
+            )
         return upserts, deletes

@@ -14,6 +14,7 @@ from fastapi import Body, FastAPI, Query, Request
 from pydantic.json_schema import SkipJsonSchema
 from starlette.exceptions import HTTPException
 
+from cachemgr.daemon import mutationlog
 from cachemgr.daemon.api import (
     INSTANCE_PATTERN,
     NS_ID_PATTERN,
@@ -26,6 +27,7 @@ from cachemgr.daemon.api import (
 )
 from cachemgr.daemon.apiinput import one_request
 from cachemgr.daemon.backend import Backend
+from cachemgr.errors import CachemgrError
 from cachemgr.fs.locks import root_lock
 from cachemgr.layout import Layout
 from cachemgr.ns import purge as purge_mod
@@ -41,10 +43,15 @@ def add_purge_routes(
     # Purges wait here as coroutines, not as worker threads blocked on the root lock.
     purge_threads = CapacityLimiter(1)
 
-    async def run_purge(req: PurgeRequest) -> PurgeResponse:
+    async def run_purge(request: Request, req: PurgeRequest) -> PurgeResponse:
         if backend.purge is None:
             raise HTTPException(501, "purge is not available in this build")
-        result = await anyio.to_thread.run_sync(backend.purge, req, limiter=purge_threads)
+        try:
+            result = await anyio.to_thread.run_sync(backend.purge, req, limiter=purge_threads)
+        except CachemgrError as e:
+            mutationlog.failed(request, "purge", e)
+            raise
+        mutationlog.purged(request, result)
         if not req.dry_run:
             backend.after_purge(result)
         return result
@@ -66,7 +73,7 @@ def add_purge_routes(
             A parameter may be given in the query, the body, or both with the same value.
             """
             query = dict(namespace=namespace, instance=instance, all=all, dry_run=dry_run)
-            return await run_purge(await one_request(request, PurgeRequest, body, **query))
+            return await run_purge(request, await one_request(request, PurgeRequest, body, **query))
 
     @app.post(
         "/v1/namespaces/{ns_id}/purge",
@@ -81,7 +88,7 @@ def add_purge_routes(
     ) -> PurgeResponse:
         """Purge one namespace."""
         req = await one_request(request, NamespacePurgeRequest, body)
-        return await run_purge(PurgeRequest(namespace=ns_id, dry_run=req.dry_run))
+        return await run_purge(request, PurgeRequest(namespace=ns_id, dry_run=req.dry_run))
 
 
 def purge_function(layout: Layout, after: Callable[[], None]) -> PurgeFn:

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import uvicorn
 
-from cachemgr.errors import ConfigError
+from cachemgr.errors import ConfigError, PortInUseError
 from cachemgr.layout import Layout
 from cachemgr.state.store import Store
 
@@ -41,8 +41,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        why = "is in use" if e.errno == errno.EADDRINUSE else f"cannot be bound: {e.strerror}"
-        raise ConfigError(f"port {port} on {host} {why}") from None
+        if e.errno == errno.EADDRINUSE:
+            raise PortInUseError(f"port {port} on {host} is in use") from None
+        raise ConfigError(f"port {port} on {host} cannot be bound: {e.strerror}") from None
     sock.listen(128)
     sock.set_inheritable(True)
     return sock

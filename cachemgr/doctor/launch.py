@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 from collections.abc import Callable, Mapping, Sequence
@@ -11,13 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from cachemgr.doctor.finding import Finding
-from cachemgr.layout import NS_ID_RE, Layout
-from cachemgr.ns.prelaunch import STORAGE_DIR_ENV
+from cachemgr.doctor.storage import lint_storage_identity, managed_ns, storage_dir
+from cachemgr.identity.record import Identity
+from cachemgr.layout import Layout
 from cachemgr.sglang.args import LaunchArgs
 from cachemgr.units import human_bytes
 
 MAX_SIZE_ENV = "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE"
-SGLANG_DEFAULT_DIR = "/tmp/hicache"  # HiCacheFile's file_path default (hicache_storage.py)
 # Substrings of architectures / model_type of hybrid Mamba/linear-attention models
 # (sglang/srt/configs/hybrid_arch.py and model configs).
 _HYBRID_NAMES = (
@@ -87,8 +86,11 @@ def lint(
     model_config: Mapping[str, Any] | None,
     cap_bytes: int | None = None,
     disk_free: Callable[[Path], int] = free_bytes,
+    identity: Callable[[], Identity | None] = lambda: None,
+    command: Sequence[str] = (),
 ) -> list[Finding]:
-    """Every finding for a launch; `model_config` is config.json if the model dir is local."""
+    """Every finding for a launch; `model_config` is config.json if the model dir is local,
+    `identity` computes the launch's identity (None if it cannot), `command` is the launch."""
     found: list[Finding] = []
     file_backend = args.enable_hierarchical_cache and args.hicache_storage_backend == "file"
     if not args.enable_hierarchical_cache:
@@ -115,6 +117,7 @@ def lint(
     found += _mamba(args, model_config)
     if file_backend:
         found += _storage(args, layout, env, cap_bytes, disk_free)
+        found += lint_storage_identity(storage_dir(args, env), layout, identity, command)
     return found
 
 
@@ -181,11 +184,8 @@ def _storage(
 ) -> list[Finding]:
     found: list[Finding] = []
     extra = args.extra_config
-    # HiCacheFile: the env var first, then extra-config file_storage_path, then its default.
-    storage = env.get(STORAGE_DIR_ENV) or extra.get("file_storage_path") or SGLANG_DEFAULT_DIR
-    path = Path(os.path.abspath(str(storage)))
-    managed = path.parent == layout.ns_root and NS_ID_RE.fullmatch(path.name) is not None
-    if not managed:
+    path = storage_dir(args, env)
+    if managed_ns(path, layout) is None:
         found.append(
             Finding(
                 "warning",

@@ -36,6 +36,15 @@ def lint_root(layout: Layout, store: Store) -> list[Finding]:
         if entry.problem:
             what = f".trash/{entry.name}: {entry.problem}"
             found.append(Finding("error", "trash-unsafe", what, hands_off))
+        elif entry.left_for_a_person:
+            # purge and GC leave foreign files (and so the entry): a person must look.
+            what = f".trash/{entry.name}: {entry.left_for_a_person}"
+            fix = (
+                f"inspect {entry.example} (and the rest of {layout.trash / entry.name}), remove "
+                f"what is not SGLang's by hand; then `cachemgr --root {layout.root} gc --yes` "
+                "deletes the pages and the entry"
+            )
+            found.append(Finding("warning", "trash-foreign", what, fix))
         else:
             what = f".trash/{entry.name} still holds {entry.pages:,} pages of an unfinished purge"
             fix = "cachemgr purge --unbound --yes (or let the daemon finish it)"

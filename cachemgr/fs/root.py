@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from pathlib import Path
@@ -11,18 +12,22 @@ from cachemgr.fs.safe import open_dir, write_atomic_at
 from cachemgr.layout import CACHEDIR_TAG, NS_DIR, TAG_FILE, TRASH_DIR, Layout
 
 log = logging.getLogger(__name__)
+WRITE_REFUSED = (errno.EROFS, errno.EACCES, errno.EPERM)  # the errors `unwritable` explains
 
 
 def create_root(layout: Layout) -> None:
     """Create the skeleton (idempotent), never through a symlink: one planted at a dir is
     an UnsafePathError; an unusable root is a ConfigError."""
     state = _relative(layout.state_dir, layout.root)
+    target = layout.root
     try:
         for base, rel in ((layout.root, NS_DIR), state):
+            target = base / rel
             with open_dir(base, rel, create=True):
                 pass
-            if not os.access(base / rel, os.W_OK | os.X_OK):
-                raise ConfigError(f"{base / rel} is not writable by this user (uid {os.getuid()})")
+            why = unwritable(target)
+            if why:
+                raise ConfigError(f"cannot use root {layout.root}: {why}")
         # A planted .trash/ only stops purges (which report it) and GC's trash step: the
         # rest of the root stays usable, so it is not a reason to refuse the root.
         try:
@@ -30,9 +35,27 @@ def create_root(layout: Layout) -> None:
                 pass
         except UnsafePathError as e:
             log.warning("trash left alone: %s", e)
+        target = layout.root
         _tag(layout.root)
     except OSError as e:
-        raise ConfigError(f"cannot use root {layout.root}: {e.strerror or e}") from e
+        why = unwritable(target) if e.errno in WRITE_REFUSED else None
+        raise ConfigError(f"cannot use root {layout.root}: {why or e.strerror or e}") from e
+
+
+def unwritable(path: Path) -> str | None:
+    """Why this user cannot create files in `path` (or in its nearest existing ancestor): a
+    read-only filesystem, or the permissions; None if it can. Root passes every permission
+    check, so only the read-only case can explain a refusal to root."""
+    while not os.path.lexists(path) and path != path.parent:
+        path = path.parent
+    try:
+        if os.statvfs(path).f_flag & os.ST_RDONLY:
+            return f"{path} is on a read-only filesystem"
+    except OSError:
+        pass  # unreadable: the access check below says so
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"{path} is not writable by this user (uid {os.getuid()})"
+    return None
 
 
 def _tag(root: Path) -> None:

@@ -17,7 +17,7 @@ from cachemgr.fs.safe import is_own_temp, open_dir
 from cachemgr.gc.policy import GcPolicy, GcReason
 from cachemgr.gc.step import GcStep
 from cachemgr.layout import Layout
-from cachemgr.ns.trash import list_trash
+from cachemgr.ns.trash import foreign_in, left_note, list_trash
 from cachemgr.state import pages_sql
 
 
@@ -101,6 +101,9 @@ def trash_leftovers(layout: Layout, warnings: list[str]) -> list[GcStep]:
         except UnsafePathError as e:  # a symlink or a file: left for a person, reported
             warnings.append(f".trash/{entry} skipped: {e}")
             continue
+        foreign, example = foreign_in(layout, entry)
+        if foreign:  # deletion leaves them, and with them the entry: say so on every run
+            warnings.append(f".trash/{entry}: {left_note(foreign, example)}")
         names = tuple(sorted(f.name for f in files))
         size = sum(f.size for f in files)
         ns_id = entry.partition(".")[0]

@@ -2,8 +2,10 @@
 
 `plan_gc` reads the index and the disk and decides, in order: leftovers in .trash/; stale
 .tmp files; unbound namespaces past retention (oldest first); torn pages; then pages of live
-namespaces in chain-aware LRU order (cachemgr.gc.order) until each namespace cap and the root's
-budget (byte cap or free-space floor) are back under the low watermark. `execute_gc` deletes
+namespaces in the order over learned chains (cachemgr.gc.value: tails before heads, least
+valuable chains first) until each namespace cap and the root's budget (byte cap or free-space
+floor) are back under the low watermark. The daemon plans from its live chain model; a one-off
+run builds one from the index. `execute_gc` deletes
 exactly the planned files through cachemgr.fs.deletion, so a dry run reports what a real run
 frees.
 """
@@ -19,10 +21,11 @@ from cachemgr.errors import UnsafePathError
 from cachemgr.fs.deletecheck import too_young
 from cachemgr.fs.usage import DiskUsage, DiskUsageFn
 from cachemgr.gc import find as gcfind
+from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.find import TempFile, list_namespace, list_temps
-from cachemgr.gc.order import Candidate, eviction_order
 from cachemgr.gc.policy import ByReason, GcPolicy, GcReason, over_limits, tally
 from cachemgr.gc.step import GcStep
+from cachemgr.gc.value import Victim, eviction_order
 from cachemgr.layout import Layout
 from cachemgr.ns import registry as nsreg
 from cachemgr.state import pages_sql
@@ -55,11 +58,15 @@ def plan_gc(
     disk_usage: DiskUsageFn = shutil.disk_usage,
     temps: Sequence[TempFile] | None = None,
     sweep: bool = True,
+    model: ChainModel | None = None,
+    ahead: int = 0,
 ) -> GcPlan:
     """Decide what to delete. `sweep` also lists namespace dirs for temps (unless `temps`
-    from a scan are given) and checks page sizes; without it only the index is read."""
+    from a scan are given) and checks page sizes; without it only the index is read.
+    `model`: the daemon's live chain model (None: built from the index if pages must go);
+    `ahead`: bytes the writer adds before the run is done (cachemgr.gc.policy.over_limits)."""
     with read_snapshot(store.conn) as conn:
-        return _plan(conn, layout, policy, now, disk_usage, temps, sweep)
+        return _plan(conn, layout, policy, now, disk_usage, temps, sweep, model, ahead)
 
 
 def _plan(
@@ -70,6 +77,8 @@ def _plan(
     disk_usage: DiskUsageFn,
     temps: Sequence[TempFile] | None,
     sweep: bool,
+    model: ChainModel | None,
+    ahead: int,
 ) -> GcPlan:
     usage = pages_sql.namespace_bytes(conn)
     # A dir that became a symlink (or worse) is skipped with a warning, never a failed run:
@@ -123,15 +132,20 @@ def _plan(
     used_all = sum(usage.values())
     counted = used_all + unlisted
     disk = DiskUsage(*disk_usage(layout.root))
-    limits = over_limits(policy, live, disk, counted=counted)
+    limits = over_limits(policy, live, disk, counted=counted, ahead=ahead)
+    chains = model
+    if chains is None:  # a one-off run reads the page rows only if pages must go
+        over = bool(limits.namespaces) or limits.root is not None
+        chains = ChainModel.from_index(conn, sorted(live) if over else [])
     for ns_id, need in limits.namespaces.items():
-        victims = _pick(conn, [ns_id], need, before, taken, policy)
+        victims = _pick(chains, [ns_id], need, before, taken)
         live[ns_id] -= sum(c.size for c in victims)
         steps += _evictions("cap", victims, policy.min_age)
     # What the caps evict counts toward the root's budget: ask again with what is left.
-    budget, excess = limits.budget, over_limits(policy, live, disk, counted=counted).root
+    budget = limits.budget
+    excess = over_limits(policy, live, disk, counted=counted, ahead=ahead).root
     if excess is not None:
-        victims = _pick(conn, list(live), excess, before, taken, policy)
+        victims = _pick(chains, list(live), excess, before, taken)
         steps += _evictions(budget.reason, victims, policy.min_age)
         short = excess - sum(c.size for c in victims)
         if short > 0:
@@ -144,22 +158,18 @@ def _plan(
 
 
 def _pick(
-    conn: sqlite3.Connection,
+    model: ChainModel,
     ns_ids: list[str],
     need: int,
     before: float,
     taken: set[tuple[str | None, str]],
-    policy: GcPolicy,
-) -> list[Candidate]:
+) -> list[Victim]:
     """Pages to evict, in order, until `need` bytes; `taken` (files) grows with the choice."""
-    out: list[Candidate] = []
+    out: list[Victim] = []
     freed = 0
     if need <= 0:
         return out
-    order = eviction_order(
-        conn, ns_ids, before=before, gap=policy.burst_gap, span=policy.burst_span
-    )
-    for c in order:
+    for c in eviction_order(model, ns_ids, before=before):
         files = {(c.namespace_id, n) for n in c.names}
         if not files.isdisjoint(taken):
             continue  # a torn file's page: the whole page is in a step already
@@ -171,9 +181,9 @@ def _pick(
     return out
 
 
-def _evictions(reason: GcReason, victims: list[Candidate], min_age: float) -> list[GcStep]:
+def _evictions(reason: GcReason, victims: list[Victim], min_age: float) -> list[GcStep]:
     """One step per namespace, names in eviction order, namespaces in order of first victim."""
-    by_ns: dict[str, list[Candidate]] = {}
+    by_ns: dict[str, list[Victim]] = {}
     for c in victims:
         by_ns.setdefault(c.namespace_id, []).append(c)
     return [

@@ -13,6 +13,8 @@ from cachemgr.settings import Settings
 # Why GC deletes a file: the metric label and the audit reason of an eviction (a purge has
 # its own reasons, ns.purge.PurgeReason: why a whole namespace was renamed away).
 GcReason = Literal["trash", "tmp", "ttl", "unbound", "corrupt", "cap", "free_space"]
+# Evictions that keep a limit while the server writes: they keep up with it (unpaced).
+KEEPING: frozenset[GcReason] = frozenset({"cap", "free_space"})
 
 
 @dataclass(frozen=True)
@@ -28,14 +30,10 @@ class GcPolicy:
     keep_unbound: int = 2
     unbound_ttl: float | None = 7 * 86400.0
     tmp_ttl: float = 3600.0
-    min_age: float = 120.0
+    min_age: float = 0.0
     interval: float = 60.0
     sweep_interval: float = 3600.0
     delete_rate: float | None = 2000.0
-    # Accesses closer than burst_gap apart belong to one burst (one request reading its prefix
-    # front to back); a burst is cut after burst_span so steady traffic still ages.
-    burst_gap: float = 5.0
-    burst_span: float = 60.0
 
     @classmethod
     def from_settings(cls, s: Settings) -> GcPolicy:
@@ -101,13 +99,20 @@ class Limits(NamedTuple):
 
 
 def over_limits(
-    policy: GcPolicy, live: Mapping[str, int], disk: DiskUsage, *, counted: int | None = None
+    policy: GcPolicy,
+    live: Mapping[str, int],
+    disk: DiskUsage,
+    *,
+    counted: int | None = None,
+    ahead: int = 0,
 ) -> Limits:
     """The limits `live` (page bytes per namespace GC may evict from) is over.
 
     The root budget counts `counted` bytes as used (by default all of `live`): the plan also
     counts what it deletes otherwise (dropped namespaces, trash, temps), which is free space
-    to come. Pure arithmetic on aggregates: the cheap check and the plan both use it.
+    to come. `ahead`: bytes the writer will have added by the time GC has freed space (the
+    daemon's estimate), counted against the root's budget so the cap holds while it writes.
+    Pure arithmetic on aggregates: the cheap check and the plan both use it.
     """
     cap, high, low = policy.namespace_max_bytes, policy.high_watermark, policy.low_watermark
     over_cap: dict[str, int] = {}
@@ -115,7 +120,7 @@ def over_limits(
         over_cap = {ns: b - int(cap * low) for ns, b in sorted(live.items()) if b > cap * high}
     left = sum(live.values())
     budget = root_budget(policy, left if counted is None else counted, disk)
-    root = budget.excess(left, low) if budget.over(left, high) else None
+    root = budget.excess(left + ahead, low) if budget.over(left + ahead, high) else None
     return Limits(over_cap, budget, root)
 
 

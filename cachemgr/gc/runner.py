@@ -1,15 +1,15 @@
-"""GC runs: the cheap "anything to do?" check, the daemon's loop, and one-off runs.
+"""GC runs: the daemon's loop and one-off runs.
 
-A cycle with nothing to delete reads a few aggregate rows (kept by triggers on the page
-index), one statvfs and the .trash/ directory: no scan of the pages or their files. Listing
-namespace dirs (stale temps) and checking page sizes happen every sweep_interval.
+A cycle with nothing to delete is the cheap check (cachemgr.gc.check): no scan of the pages
+or their files. Listing namespace dirs (stale temps) and checking page sizes happen every
+sweep_interval. Keeping a cap or the free-space floor is continuous: the index wakes GC when
+a batch of writes crosses a watermark (or is about to), and a run that freed space is followed
+at once by the next if the writer is still ahead.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import shutil
 import sqlite3
 import threading
 import time
@@ -17,59 +17,28 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from cachemgr.errors import CachemgrError, StateCorrupt, UnsafePathError
+from cachemgr.errors import CachemgrError, StateCorrupt
 from cachemgr.fs import reserve
 from cachemgr.fs.deletion import Pacer, Progress
 from cachemgr.fs.leadership import Leadership
-from cachemgr.fs.usage import DiskUsage, DiskUsageFn
-from cachemgr.gc import find as gcfind
+from cachemgr.fs.usage import DiskUsageFn
+from cachemgr.gc.chains import ChainModel
+from cachemgr.gc.check import needs_gc
 from cachemgr.gc.drop import InUse
 from cachemgr.gc.execute import execute_gc
 from cachemgr.gc.find import TempFile
 from cachemgr.gc.floor import audit_floor, below_floor, free_floor
-from cachemgr.gc.plan import plan_gc
-from cachemgr.gc.policy import GcPolicy, GcReason, over_limits
+from cachemgr.gc.plan import GcPlan, plan_gc
+from cachemgr.gc.policy import KEEPING, GcPolicy, GcReason
 from cachemgr.gc.step import GcReport
 from cachemgr.layout import Layout
-from cachemgr.ns import registry as nsreg
-from cachemgr.ns.trash import list_trash
 from cachemgr.sglang.liveuse import live_users
-from cachemgr.state import pages_sql
 from cachemgr.state.store import Store
 from cachemgr.worker import DeathHandler, Worker
 
 log = logging.getLogger("cachemgr.gc.plan")
 RUN_GAP = 5.0  # seconds at least between two daemon runs (wakes in between are coalesced)
 FLOOR_CHECK = 5.0  # seconds between two statvfs checks of the free-space floor
-
-
-def needs_gc(
-    layout: Layout,
-    store: Store,
-    policy: GcPolicy,
-    *,
-    now: float,
-    disk_usage: DiskUsageFn = shutil.disk_usage,
-) -> tuple[GcReason, ...]:
-    """Why GC should run now (empty: it need not), from aggregates and statvfs only."""
-    reasons: list[GcReason] = []
-    with contextlib.suppress(UnsafePathError):  # a symlinked .trash/ is GC's to report
-        if list_trash(layout):
-            reasons.append("trash")
-    conn = store.conn
-    dropped = gcfind.unbound_past_retention(conn, policy, now)
-    if dropped:  # rare (GC drops them at once), unless damaged: those are left alone
-        damaged = nsreg.damaged(layout)
-        dropped = [d for d in dropped if d[0] not in damaged]
-    reasons += sorted({r for _, r in dropped})
-    gone = {ns for ns, _ in dropped}
-    usage = {ns: b for ns, b in pages_sql.namespace_bytes(conn).items() if ns not in gone}
-    limits = over_limits(policy, usage, DiskUsage(*disk_usage(layout.root)))
-    if limits.namespaces:
-        reasons.append("cap")
-    if limits.root is not None and limits.budget.reason not in reasons:
-        reasons.append(limits.budget.reason)
-    return tuple(reasons)
 
 
 @dataclass
@@ -103,9 +72,14 @@ class GcRunner(Worker):
         eligible: Callable[[], bool] = lambda: True,
         in_use: InUse = live_users,
         ready: threading.Event | None = None,
+        model: ChainModel | None = None,
+        ahead: Callable[[], int] = lambda: 0,
         on_death: DeathHandler | None = None,
     ) -> None:
         super().__init__("gc", on_death=on_death)
+        self.model = model  # the index's live chain model (None: built per run from the DB)
+        self.ahead = ahead  # bytes the writer adds while GC frees space (the daemon's estimate)
+        self.run_seconds = 0.0  # how long the last run took
         self.ready = ready
         self.store, self.layout, self.policy = store, layout, policy
         self.in_use = in_use  # who uses a namespace dir right now (execute_gc)
@@ -132,8 +106,9 @@ class GcRunner(Worker):
         """The cheap check (see the module docstring)."""
         with self._serialized():
             return needs_gc(
-                self.layout, self.store, self.policy, now=self.clock(), disk_usage=self.disk_usage
-            )
+                self.layout, self.store, self.policy, now=self.clock(),
+                disk_usage=self.disk_usage, ahead=self.ahead(),
+            )  # fmt: skip
 
     def _lead(self) -> bool:
         return self.eligible() and self.leadership.try_acquire()
@@ -225,18 +200,32 @@ class GcRunner(Worker):
         pacer: Pacer | None,
         progress: Progress | None,
     ) -> GcReport:
-        now = self.clock()
+        now, t0 = self.clock(), time.monotonic()
         plan = plan_gc(
             self.layout, self.store, self.policy, now=now, disk_usage=self.disk_usage,
-            temps=temps, sweep=sweep,
+            temps=temps, sweep=sweep, model=self.model, ahead=self.ahead(),
         )  # fmt: skip
         if sweep and not dry_run:
             self.last_sweep = now
-        return execute_gc(
+        report = execute_gc(
             plan, self.layout, self.store, dry_run=dry_run, actor=actor,
-            pacer=pacer or Pacer(rate=self.policy.delete_rate), progress=progress,
+            pacer=pacer or self._pacer(plan), progress=progress,
             clock=self.clock, stop=self._stopping.is_set, in_use=self.in_use,
         )  # fmt: skip
+        self.run_seconds = time.monotonic() - t0
+        if self.model is not None and not dry_run:
+            for step in plan.steps:
+                if step.namespace_id is not None and step.reason in KEEPING:
+                    ns_dir = str(self.layout.ns_dir(step.namespace_id))
+                    self.model.forget_gone(step.namespace_id, ns_dir, step.names)
+        return report
+
+    def _pacer(self, plan: GcPlan) -> Pacer:
+        """Keeping a cap or the floor keeps up with the writer: unpaced. Mass work (trash,
+        unbound namespaces, retention) goes at delete_rate, so the disk stays responsive."""
+        if all(s.reason in KEEPING for s in plan.steps):
+            return Pacer(rate=None)
+        return Pacer(rate=self.policy.delete_rate)
 
     def wake(self) -> None:
         """Ask for a check now (the watcher saw the index grow past a watermark)."""
@@ -266,22 +255,25 @@ class GcRunner(Worker):
                     break
                 if woken or time.monotonic() >= next_tick:
                     next_tick = time.monotonic() + self.policy.interval
-                    ran = self._cycle(self.tick)
+                    stuck = self._cycle(self.tick)
                 else:
                     # Anything may fill the filesystem, not only pages the watcher sees (a
                     # writer outside the cache, files SGLang wrote in place): one statvfs.
-                    ran = self._cycle(self.free_floor)
-                if ran:
+                    stuck = self._cycle(self.free_floor)
+                if stuck:
                     # Writes keep waking GC while a cap cannot be met (every page younger than
-                    # min_age): at most one run per gap, not one per batch of events.
+                    # min_age): at most one run per gap, not one per batch of events. A run that
+                    # freed space is not held back: cap-keeping keeps up with the writer.
                     stop.wait(min(self.policy.interval, RUN_GAP))
         finally:
             self.leadership.release()
 
     def _cycle(self, run: Callable[[], GcReport | None]) -> bool:
-        """One daemon cycle; True if it ran GC (or failed: either way, pause before the next)."""
+        """One daemon cycle; True if it ran GC and freed nothing, or failed: pause before the
+        next."""
         try:
-            return run() is not None
+            report = run()
+            return report is not None and report.files == 0
         except StateCorrupt as e:  # moved aside; the indexer rebuilds, the next cycle runs
             log.warning("gc cycle stopped", extra={"error": str(e)})
             return True

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from cachemgr.errors import IdentityError
+from cachemgr.errors import IdentityError, ModelNotFoundError
 
 # Weight file suffixes: what SGLang's loaders glob (model_loader/loader.py: *.safetensors, *.bin,
 # *.pt; gguf files by path) plus the other common checkpoint formats, to err on the safe side.
@@ -53,7 +53,7 @@ def locate_model(
     if local.exists():
         raise IdentityError(f"model path {path} is not a directory")
     if not _looks_like_repo_id(path):
-        raise IdentityError(f"model directory {path} does not exist")
+        raise ModelNotFoundError(f"model directory {path} does not exist")
     hub = hf_hub_cache(env)
     repo = hub / ("models--" + path.replace("/", "--"))
     rev = revision or "main"
@@ -63,13 +63,13 @@ def locate_model(
         try:
             commit = (repo / "refs" / rev).read_text(encoding="ascii").strip()
         except OSError:
-            raise IdentityError(
+            raise ModelNotFoundError(
                 f"model {path} is not a local directory and not in the Hugging Face cache "
                 f"{hub} (no {repo.name}/refs/{rev}); download it first or pass its directory"
             ) from None
     snapshot = repo / "snapshots" / commit
     if not snapshot.is_dir():
-        raise IdentityError(f"model {path}: HF cache snapshot {snapshot} is missing")
+        raise ModelNotFoundError(f"model {path}: HF cache snapshot {snapshot} is missing")
     return snapshot
 
 

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import xxhash
 from pydantic import BaseModel, ConfigDict, ValidationError, computed_field
 
-from cachemgr.errors import ConfigError, UnsafePathError
+from cachemgr.errors import ConfigError, NotFoundError, UnsafePathError
 from cachemgr.fs.safe import read_regular
 
 # 2: page_size may be null (resolved by the server); model_override_args, load_format and
@@ -145,7 +145,8 @@ def load_record(path: Path) -> Identity:
         finally:
             os.close(dir_fd)
     except OSError as e:
-        raise ConfigError(f"cannot read {path}: {e.strerror or e}") from e
+        cls = NotFoundError if isinstance(e, FileNotFoundError) else ConfigError
+        raise cls(f"cannot read {path}: {e.strerror or e}") from e
     except UnsafePathError as e:
         raise ConfigError(f"cannot read {path}: {e}") from e
     try:

@@ -149,7 +149,13 @@ def adopt_known_version(store: Store, instance: str, identity: Identity) -> Iden
         old = Identity.model_validate_json(raw)
     except ValidationError:
         return identity  # another schema version: it differs anyway
-    if old.sglang_version == identity.sglang_version:
+    return with_version_of(identity, old)
+
+
+def with_version_of(identity: Identity, old: Identity) -> Identity:
+    """`identity` with `old`'s SGLang version if its own is unknown and that is the only
+    difference (see adopt_known_version), else `identity` unchanged."""
+    if identity.sglang_version != "unknown" or old.sglang_version == identity.sglang_version:
         return identity
     source = identity.source.model_copy(
         update={"sglang_version": old.source.sglang_version, "sglang_version_from": "namespace"}

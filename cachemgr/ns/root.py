@@ -16,6 +16,7 @@ from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 from cachemgr.ns.registry import adopt_from_disk
 from cachemgr.ns.status import NamespaceStatus, namespace_statuses
+from cachemgr.ns.trash import left_for_people
 from cachemgr.settings import Settings
 from cachemgr.state.snapshot import snapshot
 from cachemgr.state.store import Store
@@ -72,7 +73,8 @@ def status_from_disk(layout: Layout) -> dict[str, Any]:
             if m is not None:
                 s = s.model_copy(update={"pages": m.pages, "bytes": m.bytes, "temp_files": m.temps})
         out.append(s.model_dump(mode="json"))
-    return {"root": str(layout.root), "source": "disk", "namespaces": out}
+    return {"root": str(layout.root), "source": "disk", "namespaces": out,
+            "left_for_a_person": left_for_people(layout)}  # fmt: skip
 
 
 @contextmanager

@@ -14,11 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from cachemgr.backends import FileKind
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs.deletion import DeleteReport, Pacer, delete_dir
 from cachemgr.fs.dirscan import scan_usage
 from cachemgr.fs.safe import open_dir
 from cachemgr.layout import Layout
+from cachemgr.sglang.hicache import HICACHE_FILE
 from cachemgr.state.store import Store
 
 Actor = Literal["cli", "http", "auto"]
@@ -47,6 +49,49 @@ class TrashEntry:
     pages: int
     bytes: int
     problem: str | None = None  # why it cannot be deleted (a symlink), if it cannot
+    foreign: int = 0  # names that are not SGLang's pages or temps: deletion leaves them
+    example: str | None = None  # the full path of one of them
+
+    @property
+    def left_for_a_person(self) -> str | None:
+        """What stops cachemgr finishing this entry, said for the person who must, or None."""
+        return left_note(self.foreign, self.example) if self.foreign else None
+
+
+def left_note(foreign: int, example: str | None) -> str:
+    """`left for a person: 2 foreign files, e.g. <path>`: the one wording everywhere."""
+    files = "file" if foreign == 1 else "files"
+    return f"left for a person: {foreign:,} foreign {files}, e.g. {example}"
+
+
+def foreign_in(layout: Layout, entry: str) -> tuple[int, str | None]:
+    """How many names in .trash/<entry> deletion will leave (not an SGLang page or temp
+    regular file), and the full path of one; (0, None) if none or the entry is gone."""
+    usage = scan_usage(layout, f".trash/{entry}")
+    if usage is None or not usage.other:
+        return 0, None
+    return usage.other, _foreign_example(layout, entry)
+
+
+def _foreign_example(layout: Layout, entry: str) -> str | None:
+    try:
+        with open_dir(layout.root, f".trash/{entry}") as fd, os.scandir(fd) as names:
+            for item in names:
+                kind = HICACHE_FILE.classify(item.name)
+                if kind is FileKind.FOREIGN or not item.is_file(follow_symlinks=False):
+                    return str(layout.trash / entry / item.name)
+    except FileNotFoundError:
+        pass  # finished (or moved) since it was counted
+    return None
+
+
+def left_for_people(layout: Layout) -> list[str]:
+    """`.trash/<entry>: left for a person: …` for each entry deletion cannot finish."""
+    return [
+        f".trash/{t.name}: {t.left_for_a_person}"
+        for t in describe_trash(layout)
+        if t.left_for_a_person
+    ]
 
 
 def describe_trash(layout: Layout) -> list[TrashEntry]:
@@ -65,7 +110,8 @@ def describe_trash(layout: Layout) -> list[TrashEntry]:
             out.append(TrashEntry(name, ns, 0, 0, str(e)))
             continue
         if usage is not None:
-            out.append(TrashEntry(name, ns, usage.pages, usage.bytes))
+            example = _foreign_example(layout, name) if usage.other else None
+            out.append(TrashEntry(name, ns, usage.pages, usage.bytes, None, usage.other, example))
     return out
 
 

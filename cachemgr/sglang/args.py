@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cachemgr.errors import ConfigError
+from cachemgr.sglang.argcheck import check_types, check_values
 from cachemgr.sglang.flags import MULTI_VALUE, NO_VALUE
 
 
@@ -183,26 +184,14 @@ def scan_flags(tokens: Sequence[str]) -> dict[str, str | bool]:
     return found
 
 
-def _check_types(values: Mapping[str, Any]) -> None:
-    """A value flag given without a value, or a switch given one, is the operator's error."""
-    bool_fields = {
-        "enable_dp_attention", "enable_hierarchical_cache", "trust_remote_code",
-        "enable_page_major_kv_layout", "enable_unified_memory",
-    }  # fmt: skip
-    for field, value in values.items():
-        if field in bool_fields and not isinstance(value, bool):
-            raise ConfigError(f"{_FLAG_OF[field]} takes no value (got {value!r})")
-        if field not in bool_fields and value is True:
-            raise ConfigError(f"{_FLAG_OF[field]} needs a value")
-
-
 def resolve_launch_args(
     command: str | Sequence[str] = (), overrides: Mapping[str, Any] | None = None
 ) -> LaunchArgs:
     """LaunchArgs from a launch command, then explicit values (None = not given) on top."""
     values: dict[str, Any] = dict(scan_flags(split_command(command)))
-    _check_types(values)
+    check_types(values, _FLAG_OF)
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    check_values(values, _FLAG_OF)
     if not values.get("model_path"):
         raise ConfigError(
             "no model path: pass --model-path or an SGLang launch command after `--` "

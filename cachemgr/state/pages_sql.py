@@ -8,8 +8,8 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Iterable, Iterator
 
-# (namespace, name, size, created_at, last_access, access_seq, key_len)
-PageRow = tuple[str, str, int, float, float, int, int]
+# (namespace, name, size, created_at, last_access, access_seq, key_len, pred key, born_seq)
+PageRow = tuple[str, str, int, float, float, int, int, str | None, int]
 ReadRow = tuple[int, float, int, str, str]  # (reads, at, access_seq, namespace, name)
 PageFile = tuple[str, int, float, int, int]  # (name, size, last_access, access_seq, reads)
 
@@ -30,13 +30,34 @@ def max_access_seq(conn: sqlite3.Connection) -> int:
 
 
 def upsert_pages(conn: sqlite3.Connection, rows: Iterable[PageRow]) -> None:
-    """Index pages seen on disk; a known page keeps its newest access and takes the new size."""
+    """Index pages seen on disk; a known page keeps its newest access and takes the new size
+    (and a chain link, if it had none)."""
     conn.executemany(
         "INSERT INTO pages (namespace_id, name, size, created_at, last_access, access_seq,"
-        " key_len) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (namespace_id, name) DO UPDATE"
+        " key_len, pred, born_seq) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        " ON CONFLICT (namespace_id, name) DO UPDATE"
         " SET size = excluded.size, last_access = max(last_access, excluded.last_access),"
-        " access_seq = max(access_seq, excluded.access_seq)",
+        " access_seq = max(access_seq, excluded.access_seq),"
+        " pred = coalesce(pred, excluded.pred)",
         rows,
+    )
+
+
+def set_preds(conn: sqlite3.Connection, rows: Iterable[tuple[str, str, str]]) -> None:
+    """Store relearned chain links: (pred key, namespace, file name)."""
+    conn.executemany("UPDATE pages SET pred = ? WHERE namespace_id = ? AND name = ?", rows)
+
+
+# (name, key_len, size, last_access, access_seq, reads, pred, born_seq)
+ChainRow = tuple[str, int, int, float, int, int, str | None, int]
+
+
+def chain_rows(conn: sqlite3.Connection, ns_id: str) -> Iterator[ChainRow]:
+    """What the chain model keeps of each indexed file of a namespace, streamed."""
+    return conn.execute(
+        "SELECT name, key_len, size, last_access, access_seq, reads, pred, born_seq"
+        " FROM pages WHERE namespace_id = ?",
+        (ns_id,),
     )
 
 

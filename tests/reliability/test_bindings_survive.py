@@ -27,7 +27,7 @@ from tests.nsfixtures import cli, page_name
 from tests.test_identity import make_model
 from tests.test_init import init_json
 
-SERVERS = {"srv-a": "bfloat16", "srv-b": "fp8_e4m3", "srv-c": "float16"}
+SERVERS = {"srv-a": "bfloat16", "srv-b": "fp8_e4m3", "srv-c": "mxfp8"}
 PAGES = 4
 HOUR_AGO = time.time() - 3600
 # GC as strict as it gets: anything unbound and idle a second is past retention.

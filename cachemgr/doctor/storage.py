@@ -1,0 +1,102 @@
+"""What the storage dir a launch would use holds: pages of this identity, of another, or of
+one nobody recorded. The failure cachemgr exists for is a server hitting the last two."""
+
+from __future__ import annotations
+
+import os
+import shlex
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from cachemgr.doctor.finding import Finding
+from cachemgr.errors import CachemgrError
+from cachemgr.fs.dirscan import scan_usage
+from cachemgr.identity.record import Identity, diff_identities
+from cachemgr.layout import NS_ID_RE, Layout
+from cachemgr.ns.manifest import read_manifest
+from cachemgr.ns.prelaunch import STORAGE_DIR_ENV, with_version_of
+from cachemgr.sglang.args import LaunchArgs
+
+SGLANG_DEFAULT_DIR = "/tmp/hicache"  # HiCacheFile's file_path default (hicache_storage.py)
+
+
+def storage_dir(args: LaunchArgs, env: Mapping[str, str]) -> Path:
+    """The dir HiCacheFile will use: the env var first, then extra-config file_storage_path,
+    then its default."""
+    storage = env.get(STORAGE_DIR_ENV) or args.extra_config.get("file_storage_path")
+    return Path(os.path.abspath(str(storage or SGLANG_DEFAULT_DIR)))
+
+
+def managed_ns(path: Path, layout: Layout) -> str | None:
+    """The namespace id if `path` is <root>/ns/<id>, else None."""
+    if path.parent == layout.ns_root and NS_ID_RE.fullmatch(path.name):
+        return path.name
+    return None
+
+
+def lint_storage_identity(
+    path: Path,
+    layout: Layout,
+    identity: Callable[[], Identity | None],
+    command: Sequence[str],
+) -> list[Finding]:
+    """A manifest of another identity, or pages with no manifest, in the launch's storage dir.
+    `identity` is called only when there is a manifest to compare with (it may hash weights)."""
+    pages = _pages(path)
+    ns_id = managed_ns(path, layout)
+    try:
+        manifest = read_manifest(layout, ns_id) if ns_id else None
+    except CachemgrError:
+        return []  # a damaged manifest: lint_root reports it with the namespace
+    exec_cmd = f"cachemgr --root {layout.root} exec -- {shlex.join(command)}"
+    if manifest is None:
+        if not pages:
+            return []
+        purge = (
+            f"`cachemgr --root {layout.root} purge --namespace {ns_id} --yes`"
+            if ns_id
+            else f"`find {path} -maxdepth 1 -name '*.bin' -delete` (it is not under the root)"
+        )
+        init = f"cachemgr --root {layout.root} init -- {shlex.join(command)}"
+        return [
+            Finding(
+                "error",
+                "storage-unknown-identity",
+                f"storage dir {path} has {pages:,} pages and no manifest: unknown identity, "
+                "pages written under another model, KV dtype or page size would be served as hits",
+                f"adopt it with `{init}` or purge it: {purge}",
+            )
+        ]
+    mine = identity()
+    if mine is None:
+        return []  # the model is not here to hash: model-not-local says so
+    try:
+        theirs = Identity.model_validate(manifest.identity)
+    except ValidationError:
+        theirs = None  # another schema version: only the digest can be compared
+    if theirs is not None:
+        mine = with_version_of(mine, theirs)
+    if mine.digest == manifest.digest:
+        return []
+    changes = diff_identities(theirs, mine) if theirs else [f"identity: {manifest.digest}"]
+    return [
+        Finding(
+            "error",
+            "storage-identity-mismatch",
+            f"storage dir {path} belongs to another identity ({'; '.join(changes)}) and holds "
+            f"{pages:,} pages: the server would serve them as hits and mix its own in",
+            f"start the server with `{exec_cmd}` (its own namespace), or point "
+            f"{STORAGE_DIR_ENV} at this identity's namespace",
+        )
+    ]
+
+
+def _pages(path: Path) -> int:
+    """Page files in `path` (0 if it is absent or cannot be read)."""
+    try:
+        usage = scan_usage(Layout.at(path.parent), path.name)
+    except (OSError, CachemgrError):
+        return 0
+    return usage.pages if usage else 0

@@ -1,0 +1,48 @@
+"""The cheap "anything to do?" check GC makes before planning: a few aggregate rows (kept by
+triggers on the page index), one statvfs and a listing of .trash/."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+
+from cachemgr.errors import UnsafePathError
+from cachemgr.fs.usage import DiskUsage, DiskUsageFn
+from cachemgr.gc import find as gcfind
+from cachemgr.gc.policy import GcPolicy, GcReason, over_limits
+from cachemgr.layout import Layout
+from cachemgr.ns import registry as nsreg
+from cachemgr.ns.trash import list_trash
+from cachemgr.state import pages_sql
+from cachemgr.state.store import Store
+
+
+def needs_gc(
+    layout: Layout,
+    store: Store,
+    policy: GcPolicy,
+    *,
+    now: float,
+    disk_usage: DiskUsageFn = shutil.disk_usage,
+    ahead: int = 0,
+) -> tuple[GcReason, ...]:
+    """Why GC should run now (empty: it need not), from aggregates and statvfs only;
+    `ahead`: bytes about to be written (cachemgr.gc.policy.over_limits)."""
+    reasons: list[GcReason] = []
+    with contextlib.suppress(UnsafePathError):  # a symlinked .trash/ is GC's to report
+        if list_trash(layout):
+            reasons.append("trash")
+    conn = store.conn
+    dropped = gcfind.unbound_past_retention(conn, policy, now)
+    if dropped:  # rare (GC drops them at once), unless damaged: those are left alone
+        damaged = nsreg.damaged(layout)
+        dropped = [d for d in dropped if d[0] not in damaged]
+    reasons += sorted({r for _, r in dropped})
+    gone = {ns for ns, _ in dropped}
+    usage = {ns: b for ns, b in pages_sql.namespace_bytes(conn).items() if ns not in gone}
+    limits = over_limits(policy, usage, DiskUsage(*disk_usage(layout.root)), ahead=ahead)
+    if limits.namespaces:
+        reasons.append("cap")
+    if limits.root is not None and limits.budget.reason not in reasons:
+        reasons.append(limits.budget.reason)
+    return tuple(reasons)

@@ -1,0 +1,167 @@
+"""The chain model learns which page continues which from the order of accesses alone, and
+the value order evicts tails before heads, ended or rare chains before returning ones."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+from cachemgr.gc.chains import ChainModel
+from cachemgr.gc.value import eviction_order
+from cachemgr.state import pages_sql
+from cachemgr.state.store import Store
+
+SUFFIX = "_m_0_1.bin"  # rank 0 of 1
+KEY_LEN = 64
+
+
+def key(n: int) -> str:
+    return f"{n:064x}"
+
+
+class Stream:
+    """Feeds a model what the index sees: reads and writes in order, one clock tick each."""
+
+    def __init__(self, model: ChainModel) -> None:
+        self.model = model
+        self.seq: Iterator[int] = itertools.count(1)
+
+    def read(self, *pages: int, suffix: str = SUFFIX, ns: str = "ns") -> None:
+        for p in pages:
+            self.model.observe_read(ns, key(p) + suffix, KEY_LEN, seq=next(self.seq), at=0.0)
+
+    def write(self, *pages: int, suffix: str = SUFFIX, ns: str = "ns") -> None:
+        for p in pages:
+            name = key(p) + suffix
+            self.model.observe_write(ns, name, KEY_LEN, seq=next(self.seq), at=0.0)
+            self.model.add(ns, name, KEY_LEN, 100, seq=0, at=0.0)  # the stat at settle
+
+    def request(self, hits: list[int], new: list[int]) -> None:
+        """One SGLang request: its prefix read head to tail, then its new pages written."""
+        self.read(*hits)
+        self.write(*new)
+
+
+def preds(model: ChainModel) -> dict[int, int | None]:
+    return {
+        int(k, 16): None if p.pred is None else int(p.pred, 16) for (_, k), p in model.pages.items()
+    }
+
+
+def order(model: ChainModel, before: float = math.inf) -> list[int]:
+    return [int(v.key, 16) for v in eviction_order(model, before=before)]
+
+
+def test_links_are_learned_from_one_request_and_its_return() -> None:
+    model = ChainModel()
+    s = Stream(model)
+    s.request([], [1, 2, 3])  # a system prompt
+    s.request([1, 2, 3], [10, 11])  # session A's first turn
+    s.request([1, 2, 3, 10, 11], [12])  # A returns
+    assert preds(model) == {1: None, 2: 1, 3: 2, 10: 3, 11: 10, 12: 11}
+
+
+def test_interleaved_requests_are_repaired_by_later_reads() -> None:
+    model = ChainModel()
+    s = Stream(model)
+    s.request([], [1, 2])
+    # A and B run concurrently: both prefetches read, then both write back.
+    s.read(1, 2)
+    s.read(1, 2)
+    s.write(10, 11)  # A: 10's first guess is 2 (right)
+    s.read(1, 2, 10, 11)  # A returns before B has written: B's pages come after A's reads
+    s.write(20, 21)  # B: 20's first guess is 11 (wrong: A's page)
+    s.write(12)  # A's new page: guessed 21 (wrong)
+    assert preds(model)[20] == 11 and preds(model)[12] == 21
+    s.request([1, 2, 20, 21], [])  # B reads its prefix: 20 follows 2
+    s.request([1, 2, 10, 11, 12], [])
+    assert preds(model) == {1: None, 2: 1, 10: 2, 11: 10, 20: 2, 21: 20, 12: 11}
+
+
+def test_each_rank_is_its_own_stream() -> None:
+    model = ChainModel()
+    s = Stream(model)
+    ranks = ["_m_0_2.bin", "_m_1_2.bin"]
+    # Two ranks' I/O threads interleave file by file; each rank's order is still the chain's.
+    for p in (1, 2, 3):
+        for r in ranks:
+            s.write(p, suffix=r)
+    assert preds(model) == {1: None, 2: 1, 3: 2}
+    assert all(len(page.files) == 2 for page in model.pages.values())
+
+
+def test_a_link_that_would_close_a_cycle_is_refused() -> None:
+    model = ChainModel()
+    s = Stream(model)
+    s.request([], [1, 2, 3])
+    # The next request reads 1 right after 3 (the last page of the previous one):
+    s.read(1, 2, 3)
+    s.read(1)
+    assert preds(model)[1] is None  # never 3: 1 is 3's ancestor
+
+
+def test_tails_go_before_heads_and_shared_pages_last() -> None:
+    model = ChainModel()
+    s = Stream(model)
+    s.request([], [1, 2])  # shared prefix
+    s.request([1, 2], [10, 11, 12])  # A
+    s.request([1, 2], [20, 21])  # B
+    got = order(model)
+    assert got[-2:] == [2, 1]  # the shared prefix goes once nothing hangs on it
+    for chain in ([10, 11, 12], [20, 21]):
+        positions = [got.index(p) for p in chain]
+        assert positions == sorted(positions, reverse=True)  # tail first
+
+
+def test_a_chain_that_keeps_returning_outlives_one_that_went_quiet() -> None:
+    model = ChainModel()
+    s = Stream(model)
+    s.request([], [1])
+    s.request([1], [10])  # A: one visit
+    s.request([1], [20])  # B: visits again and again
+    for n in range(21, 30):
+        s.request([1, *range(20, n)], [n])
+    got = order(model)
+    assert got.index(10) < got.index(29)
+    assert got[0] == 10  # the chain seen once and quiet since goes first
+
+
+def test_pages_behind_a_confirmed_gap_go_first() -> None:
+    model = ChainModel()
+    s = Stream(model)
+    s.request([], [1, 2, 3])
+    s.request([1, 2, 3], [])  # the links are confirmed by a read
+    s.request([1, 2, 3], [])
+    model.remove("ns", [(key(2) + SUFFIX, KEY_LEN)])  # 2 deleted by someone else
+    got = order(model)
+    assert got[0] == 3  # unusable: SGLang stops at the gap
+
+
+def test_min_age_holds_a_page_and_its_ancestors() -> None:
+    model = ChainModel()
+    model.add("ns", key(1) + SUFFIX, KEY_LEN, 100, seq=1, at=10.0)
+    model.add("ns", key(2) + SUFFIX, KEY_LEN, 100, seq=2, at=20.0, pred=key(1))
+    assert order(model, before=15.0) == []  # 2 is young, and 1 must outlive it
+    assert order(model, before=25.0) == [2, 1]
+
+
+def test_the_model_survives_a_restart_through_the_index(tmp_path: Path) -> None:
+    model = ChainModel()
+    s = Stream(model)
+    s.request([], [1, 2, 3])
+    s.request([1, 2, 3], [4])
+    rows = [
+        ("ns", name, size, 0.0, 0.0, page.last, KEY_LEN, page.pred, page.born)
+        for (_, _k), page in model.pages.items()
+        for name, size in page.files.items()
+    ]
+    with Store.open(tmp_path / "state.db") as store:
+        with store.transaction() as conn:
+            pages_sql.upsert_pages(conn, rows)
+            reads = [(p.reads, 0.0, p.last, "ns", n) for p in model.pages.values() for n in p.files]
+            pages_sql.add_reads(conn, reads)
+        again = ChainModel.from_index(store.conn, ["ns"])
+    assert preds(again) == preds(model)
+    assert order(again) == order(model)

@@ -1,0 +1,92 @@
+"""The daemon learns prefix chains from the pages a server reads and writes, keeps the cap
+at once when writes cross it, evicts tails first and quiet chains first, and remembers what
+it learned across a restart."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+from cachemgr.fs.root import create_root
+from cachemgr.layout import Layout
+from cachemgr.settings import Settings, load_settings
+from tests.daemon_helpers import (
+    NS_A,
+    page_name,
+    read_page,
+    register_namespace,
+    running_daemon,
+    store_page,
+)
+from tests.polling import wait_for
+
+PAGE = 1000
+SYSTEM = [1, 2, 3, 4]  # a system prompt every session starts with
+
+
+class Server:
+    """Reads and writes pages as SGLang's HiCacheFile does for one request at a time."""
+
+    def __init__(self, d: Path) -> None:
+        self.d = d
+
+    def request(self, chain: list[int]) -> None:
+        """Hits: the longest prefix on disk, read head to tail; the rest is written."""
+        n = 0
+        while n < len(chain) and (self.d / page_name(chain[n])).exists():
+            n += 1
+        for p in chain[:n]:
+            read_page(self.d, page_name(p))
+        for p in chain[n:]:
+            store_page(self.d, page_name(p), PAGE)
+
+    def on_disk(self) -> set[int]:
+        return {int(n[:64], 16) for n in (p.name for p in self.d.iterdir()) if n.endswith(".bin")}
+
+
+def _settings(layout: Layout, cap_pages: int) -> Settings:
+    return load_settings(
+        root=layout.root, gc_max_bytes=cap_pages * PAGE, gc_high_watermark=1.0,
+        gc_low_watermark=0.9, gc_interval=3600, batch_interval=0.05,
+    )  # fmt: skip
+
+
+def _db_preds(layout: Layout) -> dict[int, int | None]:
+    with sqlite3.connect(layout.db_path) as conn:
+        rows = conn.execute("SELECT name, pred FROM pages").fetchall()
+    return {int(n[:64], 16): None if p is None else int(p, 16) for n, p in rows}
+
+
+def test_chains_are_learned_and_evicted_tails_first_quiet_chains_first(tmp_path: Path) -> None:
+    layout = Layout.at(tmp_path / "root")
+    create_root(layout)
+    d = register_namespace(layout, NS_A, instance="gpu0")
+    server = Server(d)
+    once = [*SYSTEM, 100, 101, 102, 103]  # a session seen once
+    hot = [*SYSTEM, *range(200, 206)]  # a session that keeps returning
+    with running_daemon(_settings(layout, cap_pages=40)) as dm:
+        server.request(once)
+        for turn in range(1, 4):
+            server.request(hot[: 4 + 2 * turn])
+        applied = dm.daemon.indexer.state
+        wait_for(lambda: applied.events_applied, lambda n: n >= 28, timeout=30, what="events")
+        # Later sessions push the cache over its cap of 40 pages.
+        for s in range(5):
+            server.request(hot)  # the hot session keeps returning meanwhile
+            server.request([*SYSTEM, *range(1000 * (s + 1), 1000 * (s + 1) + 8)])
+        on_disk = wait_for(server.on_disk, lambda p: len(p) <= 40, timeout=30, what="the cap")
+        assert set(hot) <= on_disk  # the returning chain stayed whole
+        assert not set(once[4:]) & on_disk  # the chain seen once went first
+        # Whatever stays is a usable prefix: no page on disk behind a missing one.
+        for chain in [once, hot, *[[*SYSTEM, *range(k, k + 8)] for k in range(1000, 6000, 1000)]]:
+            present = [p in on_disk for p in chain]
+            assert present == sorted(present, reverse=True), chain
+        learned = wait_for(lambda: _db_preds(layout), lambda p: p.get(205) == 204, timeout=30)
+    assert learned[200] == SYSTEM[-1] and learned[2] == 1
+    # A restart keeps the links: the model is rebuilt from the index.
+    with running_daemon(_settings(layout, cap_pages=40)) as dm:
+        model = dm.daemon.indexer.model
+        wait_for(lambda: len(model.pages), lambda n: n >= len(on_disk) - 8, timeout=30)
+        with model.lock:
+            pred = {int(k, 16): p.pred for (_, k), p in model.pages.items()}
+        assert pred[205] == f"{204:064x}" and pred[200] == f"{4:064x}"
