@@ -153,14 +153,15 @@ def test_the_model_survives_a_restart_through_the_index(tmp_path: Path) -> None:
     s.request([], [1, 2, 3])
     s.request([1, 2, 3], [4])
     rows = [
-        ("ns", name, size, 0.0, 0.0, page.last, KEY_LEN, page.pred, page.born)
-        for (_, _k), page in model.pages.items()
-        for name, size in page.files.items()
+        ("ns", k + suffix, size, 0.0, 0.0, page.last, KEY_LEN, page.pred, page.born)
+        for (_, k), page in model.pages.items()
+        for suffix, size in page.files
     ]
     with Store.open(tmp_path / "state.db") as store:
         with store.transaction() as conn:
             pages_sql.upsert_pages(conn, rows)
-            reads = [(p.reads, 0.0, p.last, "ns", n) for p in model.pages.values() for n in p.files]
+            reads = [(p.reads, 0.0, p.last, "ns", n) for (_, k), p in model.pages.items()
+                     for n in p.names(k)]  # fmt: skip
             pages_sql.add_reads(conn, reads)
         again = ChainModel.from_index(store.conn, ["ns"])
     assert preds(again) == preds(model)

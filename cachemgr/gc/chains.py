@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import sys
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cachemgr.backends import FileFormat
 from cachemgr.sglang.hicache import HICACHE_FILE
@@ -46,16 +47,21 @@ class Page:
     last: int  # access sequence of its latest read or write
     last_time: float  # wall-clock time of that access (only for min_age)
     reads: int = 0
-    files: dict[str, int] = field(default_factory=dict)  # file name -> size
     conf: int = 0  # agreeing reads banked for `pred`
+    # (name after the key, size) of each file; the suffixes are interned: a million pages of
+    # one namespace share a handful of them.
+    files: tuple[tuple[str, int], ...] = ()
 
     @property
     def size(self) -> int:
-        return sum(self.files.values())
+        return sum(size for _, size in self.files)
+
+    def names(self, key: str) -> tuple[str, ...]:
+        return tuple(sorted(key + suffix for suffix, _ in self.files))
 
 
 class ChainModel:
-    """Every indexed page, its learned chain link, and its children on disk.
+    """Every indexed page, its learned chain link, and how many children it has on disk.
 
     Thread-safe: the index thread observes, the GC thread reads an order (`lock`).
     """
@@ -63,7 +69,9 @@ class ChainModel:
     def __init__(self, fmt: FileFormat = HICACHE_FILE) -> None:
         self.fmt = fmt  # what the names in a namespace dir mean
         self.pages: dict[PageId, Page] = {}
-        self.kids: dict[PageId, set[str]] = {}  # pred id -> keys of its children on disk
+        self.kids: dict[PageId, int] = {}  # pred id -> its children on disk (> 0)
+        self.leaves: set[PageId] = set()  # pages on disk with no child on disk
+        self.clock = 0  # the largest access sequence seen
         self._prev: dict[tuple[str, str], str] = {}  # (ns, file suffix) -> last page key
         self.lock = threading.RLock()
 
@@ -81,20 +89,26 @@ class ChainModel:
         pred: str | None = None,
         born: int | None = None,
         reads: int = 0,
+        trusted: bool = False,
     ) -> None:
-        """Index one file (a page's first file creates the page; a known page keeps its use)."""
-        pid = (ns, name[:key_len])
+        """Index one file (a page's first file creates the page; a known page keeps its use).
+        `trusted`: `pred` comes from the index, where no link closes a cycle."""
+        key, suffix = name[:key_len], sys.intern(name[key_len:])
+        pid = (ns, key)
         with self.lock:
             page = self.pages.get(pid)
             if page is None:
                 page = self.pages[pid] = Page(None, seq if born is None else born, seq, at)
-                self._link(pid, page, pred)
+                if pid not in self.kids:
+                    self.leaves.add(pid)
+                self._link(pid, page, pred, trusted)
             elif page.pred is None and pred is not None:
-                self._link(pid, page, pred)
-            page.files[name] = size
+                self._link(pid, page, pred, trusted)
+            page.files = (*(f for f in page.files if f[0] != suffix), (suffix, size))
             page.reads = max(page.reads, reads)
             if seq > page.last:
                 page.last, page.last_time = seq, at
+            self.clock = max(self.clock, seq)
 
     @classmethod
     def from_index(cls, conn: sqlite3.Connection, ns_ids: Iterable[str]) -> ChainModel:
@@ -111,7 +125,7 @@ class ChainModel:
             self.forget(ns)
             for name, key_len, size, at, seq, reads, pred, born in pages_sql.chain_rows(conn, ns):
                 self.add(ns, name, key_len, size, seq=seq, at=at, pred=pred, born=born,
-                         reads=reads)  # fmt: skip
+                         reads=reads, trusted=True)  # fmt: skip
 
     def remove(self, ns: str, names: Iterable[tuple[str, int]]) -> None:
         """Forget files (name, key_len) that are gone; a page goes with its last file."""
@@ -121,7 +135,7 @@ class ChainModel:
                 page = self.pages.get(pid)
                 if page is None:
                     continue
-                page.files.pop(name, None)
+                page.files = tuple(f for f in page.files if f[0] != name[key_len:])
                 if not page.files:
                     self._drop(pid, page)
 
@@ -140,6 +154,7 @@ class ChainModel:
 
     def _drop(self, pid: PageId, page: Page) -> None:
         del self.pages[pid]
+        self.leaves.discard(pid)
         if page.pred is not None:
             self._unkid(pid, page.pred)
         # Its children keep their link: if the page is written again they hang on it again.
@@ -181,16 +196,18 @@ class ChainModel:
             self._link((ns, key), page, prev)
             return page.pred if page.pred != before else None
 
-    def _link(self, pid: PageId, page: Page, pred: str | None) -> None:
+    def _link(self, pid: PageId, page: Page, pred: str | None, trusted: bool = False) -> None:
         """Make `pred` the page's predecessor unless that closes a cycle."""
         ns = pid[0]
-        if pred is not None and self._is_ancestor(ns, pid[1], pred):
+        if pred is not None and not trusted and self._is_ancestor(ns, pid[1], pred):
             return
         if page.pred is not None:
             self._unkid(pid, page.pred)
         page.pred, page.conf = pred, 0
         if pred is not None:
-            self.kids.setdefault((ns, pred), set()).add(pid[1])
+            above = (ns, pred)
+            self.kids[above] = self.kids.get(above, 0) + 1
+            self.leaves.discard(above)
 
     def _is_ancestor(self, ns: str, key: str, start: str) -> bool:
         """Whether `key` is `start` or one of its ancestors."""
@@ -205,17 +222,16 @@ class ChainModel:
         return True  # too deep to tell: refuse
 
     def _unkid(self, pid: PageId, pred: str) -> None:
-        kids = self.kids.get((pid[0], pred))
-        if kids is not None:
-            kids.discard(pid[1])
-            if not kids:
-                del self.kids[(pid[0], pred)]
+        above = (pid[0], pred)
+        left = self.kids.get(above, 0) - 1
+        if left > 0:
+            self.kids[above] = left
+            return
+        self.kids.pop(above, None)
+        if above in self.pages:
+            self.leaves.add(above)
 
     # -- reading ----------------------------------------------------------------------------------
-
-    def children(self, pid: PageId) -> int:
-        """Children of a page that are on disk."""
-        return len(self.kids.get(pid, ()))
 
     def bytes_by_namespace(self) -> dict[str, int]:
         with self.lock:

@@ -61,40 +61,35 @@ def eviction_order(
     """
     wanted = None if namespace_ids is None else set(namespace_ids)
     with model.lock:
-        taken: set[PageId] = set()
-        while True:
-            segments = _segments(model, wanted, taken, before)
-            if not segments:
-                return
-            for seg in segments:
+        gone: dict[PageId, int] = {}  # page -> its children already in the order
+        leaves = [p for p in model.leaves if wanted is None or p[0] in wanted]
+        while leaves:
+            exposed: list[PageId] = []
+            for seg in _segments(model, leaves, gone, before):
                 for pid in seg.path:
                     page = model.pages[pid]
-                    taken.add(pid)
-                    yield Victim(pid[0], pid[1], tuple(sorted(page.files)), page.size,
-                                 page.last_time)  # fmt: skip
+                    yield Victim(pid[0], pid[1], page.names(pid[1]), page.size, page.last_time)
+                above = model.pages[seg.path[-1]].pred
+                if above is not None:
+                    up = (seg.path[-1][0], above)
+                    gone[up] = gone.get(up, 0) + 1
+                    if gone[up] == model.kids.get(up, 0) and up in model.pages:
+                        exposed.append(up)  # its last child went: its segment is next
+            leaves = exposed
 
 
 def _segments(
-    model: ChainModel, wanted: set[str] | None, taken: set[PageId], before: float
+    model: ChainModel, leaves: list[PageId], gone: dict[PageId, int], before: float
 ) -> list[_Segment]:
-    """Every evictable segment, in the order to evict them."""
-    pages, now = model.pages, 0
+    """The segments of these leaves that may go, in the order to evict them."""
     raw: list[tuple[list[PageId], Page, int, bool]] = []
-    for pid, page in pages.items():
-        now = max(now, page.last)
-        if pid in taken or (wanted is not None and pid[0] not in wanted):
-            continue
-        if _live_kids(model, pid, taken):
-            continue
-        path, top, last, stranded = _walk(model, pid, taken)
-        # A page used within min_age stays, and so do its ancestors; pages below it may go.
-        young = next((i for i, p in enumerate(path) if pages[p].last_time > before), None)
-        if young == 0:
-            continue
-        raw.append((path[:young], top, last, stranded))
+    for leaf in leaves:
+        path, top, last, stranded = _walk(model, leaf, gone, before)
+        if path:
+            raw.append((path, top, last, stranded))
     returns = [(last - top.born, top.reads) for _, top, last, _ in raw if top.reads > 0]
     prior = sum(d for d, _ in returns) / sum(n for _, n in returns) if returns else 1.0
-    odds = END / (1 - END)
+    odds, now = END / (1 - END), model.clock
     out = []
     for path, top, last, stranded in raw:
         if stranded:
@@ -108,27 +103,29 @@ def _segments(
     return out
 
 
-def _live_kids(model: ChainModel, pid: PageId, taken: set[PageId]) -> bool:
-    kids = model.kids.get(pid, ())
-    return any((pid[0], k) not in taken for k in kids)
-
-
 def _walk(
-    model: ChainModel, leaf: PageId, taken: set[PageId]
+    model: ChainModel, leaf: PageId, gone: dict[PageId, int], before: float
 ) -> tuple[list[PageId], Page, int, bool]:
-    """The leaf's segment: (path leaf first, its top page, latest use, stranded)."""
+    """The leaf's segment: (the pages that may go, leaf first; its top page; its latest use;
+    stranded). A page used after `before` stays, and so does everything above it."""
     pages = model.pages
-    path, page = [leaf], pages[leaf]
+    page = pages[leaf]
+    path: list[PageId] = []
+    young = False
     last = page.last
-    while page.pred is not None:
-        pred = (leaf[0], page.pred)
-        above = pages.get(pred)
-        if above is None or pred in taken:
-            # A confirmed link to a page that is gone: nothing below the gap can be loaded.
-            return path, page, last, page.conf > 0 and above is None
-        if model.children(pred) != 1:
-            break
-        path.append(pred)
-        page = above
+    at = leaf
+    while True:
+        young = young or page.last_time > before
+        if not young:
+            path.append(at)
         last = max(last, page.last)
-    return path, page, last, False
+        if page.pred is None:
+            return path, page, last, False
+        above_id = (at[0], page.pred)
+        above = pages.get(above_id)
+        if above is None:
+            # A confirmed link to a page that is gone: nothing below the gap can be loaded.
+            return path, page, last, page.conf > 0 and not young
+        if model.kids.get(above_id, 0) - gone.get(above_id, 0) != 1:
+            return path, page, last, False  # a branch point: the segment ends below it
+        at, page = above_id, above
