@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import math
 import random
 import time
 from collections import OrderedDict
@@ -36,7 +37,7 @@ from itertools import islice
 from math import inf
 
 from cachemgr.gc.chains import ChainModel
-from cachemgr.gc.value import eviction_order
+from cachemgr.gc.value import END, eviction_order
 
 EVICTION_RATIO = 0.9  # SGLang's default eviction_ratio (and the issue's low watermark)
 RATES = (0.1, 100.0)  # simulated requests per second for the cachemgr policy
@@ -47,6 +48,7 @@ class Trace:
     parent: list[int]  # parent page of each page (-1: the first page of the system prefix)
     requests: list[tuple[int, ...]]  # the page chain each request looks up
     restart_at: int  # index of the first request after the server restart
+    weight: list[float]  # each page's session's popularity (inf: the system prefix); oracles
 
     @property
     def pages(self) -> int:
@@ -68,8 +70,11 @@ def make_trace(
     rng = random.Random(seed)
     parent: list[int] = []
 
-    def new_page(par: int) -> int:
+    weight: list[float] = []
+
+    def new_page(par: int, w: float = float("inf")) -> int:
         parent.append(par)
+        weight.append(w)
         return len(parent) - 1
 
     prefix: list[int] = []
@@ -86,10 +91,10 @@ def make_trace(
             h.clear()  # a new conversation: a new chain after the system prompt
         tail = h[-1] if h else prefix[-1]
         for _ in range(rng.randint(*grow)):
-            tail = new_page(tail)
+            tail = new_page(tail, weights[rank])
             h.append(tail)
         chains.append((*prefix, *h))
-    return Trace(parent, chains, requests // 2)
+    return Trace(parent, chains, requests // 2, weight)
 
 
 class Policy:
@@ -214,6 +219,55 @@ class Clairvoyant(Policy):
         return out
 
 
+class Oracle(Policy):
+    """Bounds for an online policy, tails first as cachemgr: told each page's session's true
+    popularity (`rate`: value = popularity x P(alive) after its silence, the estimate cachemgr
+    makes from what it sees), or also which pages will never be looked up again (`ended`:
+    those first, then least recently used). Not cachemgr's code: what it could do knowing more."""
+
+    def __init__(self, trace: Trace, knows_ended: bool) -> None:
+        self.name = "oracle: ended chains" if knows_ended else "oracle: true rate"
+        self.trace, self.knows_ended = trace, knows_ended
+        self.last: dict[int, int] = {}
+        self.final = {p: i for i, chain in enumerate(trace.requests) for p in chain}
+        total = sum(set(trace.weight) - {float("inf")})
+        self.per_request = {w: w / total for w in set(trace.weight)}  # P(a request is it)
+
+    def read(self, page: int, i: int) -> None:
+        self.last[page] = i
+
+    write = read
+
+    def _key(self, page: int, i: int) -> tuple[float, int]:
+        last = self.last[page]
+        if self.knows_ended:
+            return (0.0 if self.final[page] <= i else 1.0, last)
+        rate = self.per_request[self.trace.weight[page]]
+        silence = min(rate * (i - last), 700.0)
+        return (rate / (1 + END / (1 - END) * math.exp(silence)), last)
+
+    def victims(self, n: int, i: int, disk: set[int]) -> list[int]:
+        parent = self.trace.parent
+        kids: dict[int, int] = {}
+        for p in disk:
+            if parent[p] in disk:
+                kids[parent[p]] = kids.get(parent[p], 0) + 1
+        heap = [(self._key(p, i), p) for p in disk if p not in kids]
+        heapq.heapify(heap)
+        out: list[int] = []
+        while len(out) < n:
+            _, p = heapq.heappop(heap)
+            out.append(p)
+            up = parent[p]
+            if up in kids:
+                kids[up] -= 1
+                if not kids[up]:
+                    heapq.heappush(heap, (self._key(up, i), up))
+        for p in out:
+            del self.last[p]
+        return out
+
+
 @dataclass(frozen=True)
 class Result:
     policy: str
@@ -286,6 +340,7 @@ def serve(trace: Trace, policy: Policy | None, cap: int | None, samples: int = 1
 def policies(trace: Trace, rates: Iterable[float] = RATES) -> list[Callable[[], Policy]]:
     makers: list[Callable[[], Policy]] = [Lru, LruMtime]
     makers += [lambda r=r: Cachemgr(r) for r in rates]
+    makers += [lambda: Oracle(trace, False), lambda: Oracle(trace, True)]
     makers.append(lambda: Clairvoyant(trace))
     return makers
 

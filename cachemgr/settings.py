@@ -19,7 +19,12 @@ from pydantic import (
     field_validator,
 )
 from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 from cachemgr.errors import ConfigError, NotFoundError
 from cachemgr.layout import STATE_DIR
@@ -28,6 +33,7 @@ from cachemgr.units import parse_duration
 ENV_PREFIX = "CACHEMGR_"
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["auto", "json", "text"]
+Source = Literal["flag", "env", "file", "default"]
 
 Duration = Annotated[timedelta, BeforeValidator(parse_duration)]
 
@@ -205,6 +211,24 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
         raise ConfigError(_describe(e, config_file)) from None
     finally:
         _config_file.reset(token)
+
+
+def setting_sources(config_file: Path | None, overrides: dict[str, Any]) -> dict[str, Source]:
+    """Where each setting's value came from, by the precedence load_settings applies."""
+    token = _config_file.set(config_file)
+    try:
+        from_file = _TomlFileSource(Settings)()
+    finally:
+        _config_file.reset(token)
+    from_env = EnvSettingsSource(Settings)()
+    flags = {k for k, v in overrides.items() if v is not None}
+
+    def source(name: str) -> Source:
+        if name in flags:
+            return "flag"
+        return "env" if name in from_env else "file" if name in from_file else "default"
+
+    return {name: source(name) for name in Settings.model_fields}
 
 
 def _describe(error: ValidationError, config_file: Path | None) -> str:

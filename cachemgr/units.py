@@ -23,6 +23,21 @@ def parse_duration(value: Any) -> Any:
     return timedelta(seconds=total)
 
 
+def format_duration(value: timedelta) -> str:
+    """A duration as the docs and the config sample write it, and parse_duration reads it back:
+    90 seconds → "1m30s", a week → "7d"."""
+    left = value.total_seconds()
+    sign, left = ("-", -left) if left < 0 else ("", left)
+    parts = []
+    for unit in ("d", "h", "m"):
+        whole, left = divmod(left, _UNIT_SECONDS[unit])
+        if whole:
+            parts.append(f"{whole:.0f}{unit}")
+    if left or not parts:
+        parts.append(f"{left:.6f}".rstrip("0").rstrip(".") + "s")  # timedelta's resolution
+    return sign + "".join(parts)
+
+
 def human_bytes(n: float) -> str:
     """Bytes for people in decimal units, as disks are sold and `du --si` prints: 15.4 GB.
 

@@ -79,8 +79,6 @@ class Exposition:
             if fam.type == "info":
                 names.add(f"{fam.name}_info")
             for s in fam.samples:
-                if s.name.endswith("_created"):
-                    continue
                 names.add(s.name)
                 samples.append(Sample(s.name, tuple(sorted(s.labels.items())), float(s.value)))
         labels = {k for s in samples for k, _ in s.labels}

@@ -80,7 +80,7 @@ def test_precedence_flag_over_env_over_file(tmp_path: Path) -> None:
     env = {"CACHEMGR_PORT": "2222", "CACHEMGR_HOST": "127.0.0.3"}
     out = run("--config", str(cfg), "--log-level", "error", "config", "--json", env=env)
     assert out.returncode == 0, out.stderr
-    shown = json.loads(out.stdout)
+    shown = json.loads(out.stdout)["settings"]
     assert shown["port"] == 2222  # env beats file
     assert shown["host"] == "127.0.0.3"
     assert shown["log_level"] == "error"  # flag beats file
@@ -112,7 +112,7 @@ def test_one_shot_commands_log_only_when_asked(tmp_path: Path) -> None:
     (tmp_path / "r").mkdir()
     quiet = run("--root", str(tmp_path / "r"), "gc", "--dry-run")
     assert quiet.returncode == 0, quiet.stderr
-    assert "would delete 0 files" in quiet.stdout
+    assert quiet.stdout == "nothing to delete\n"
     assert quiet.stderr == ""
     asked = run(
         "--root", str(tmp_path / "r"), "gc", "--dry-run", env={"CACHEMGR_LOG_LEVEL": "info"}

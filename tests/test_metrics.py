@@ -6,6 +6,7 @@ from contextlib import contextmanager
 
 import pytest
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from cachemgr.daemon.index_state import Counters, IndexState
 from cachemgr.daemon.metrics import METRICS, CachemgrCollector
@@ -14,9 +15,11 @@ from cachemgr.fs.usage import DiskUsage
 from cachemgr.gc.policy import GcPolicy
 from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
+from cachemgr.settings import load_settings
 from cachemgr.state.index import scan_namespace
 from cachemgr.state.store import Store
-from tests.daemon_helpers import NS_A, page_name, register_namespace, store_page
+from tests.daemon_helpers import NS_A, page_name, register_namespace, running_daemon, store_page
+from tests.polling import wait_for
 
 
 def registry_for(
@@ -116,3 +119,18 @@ def test_gc_metrics_follow_the_runner(layout: Layout) -> None:
     assert v("cachemgr_gc_last_success_timestamp_seconds") == 2060.0
     runner.leadership.release()
     store.close()
+
+
+def test_a_scrape_of_the_real_daemon_has_no_created_series(layout: Layout) -> None:
+    """`*_created` gauges are noise for dashboards; the counters themselves stay."""
+    d = register_namespace(layout, NS_A, instance="gpu0")
+    store_page(d, page_name(1), 100)
+    with running_daemon(load_settings(root=layout.root)) as dm:
+        assert dm.post("/v1/gc").status_code == 200  # counters with a sample each
+        wait_for(lambda: dm.get("/metrics").text, lambda t: "cachemgr_scans_total" in t)
+        text = dm.get("/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    counters = [name for name, f in families.items() if f.type == "counter"]
+    assert "cachemgr_scans" in counters and "cachemgr_page_reads" in counters, sorted(families)
+    created = [line for line in text.splitlines() if "_created" in line]
+    assert created == [], created

@@ -62,7 +62,7 @@ def test_ls_json_and_table(layout: Layout, store: Store) -> None:
     assert (rows[a]["pages"], rows[a]["bytes"], rows[a]["page_size"]) == (3, 300, 64)
     assert rows[b]["state"] == "unbound" and rows[b]["kv_cache_dtype"] == "fp8_e4m3"
     assert rows["c" * 16]["state"] == "no-manifest"
-    table = cli("--root", str(layout.root), "ls")
+    table = cli("--root", str(layout.root), "ls", "--wide")
     assert table.returncode == 0, table.stderr
     assert a in table.stdout and "fp8_e4m3" in table.stdout and "300 B" in table.stdout
 

@@ -26,24 +26,95 @@ from tests.daemon_helpers import (
 )
 from tests.nsfixtures import cli_process, one_line_error
 
+ALL_STATUS = ("namespace", "model", "kv dtype", "page", "instances", "pages", "size", "reads",
+              "writes", "hit ratio", "last write")  # fmt: skip
+MUST_STAY = ("namespace", "pages", "size", "reads", "hit ratio")
 
-@pytest.mark.parametrize("columns", ["80", ""])  # a narrow terminal; piped with no COLUMNS
-def test_status_table_shows_whole_ids_at_80_columns(layout: Layout, columns: str) -> None:
-    for ns in (NS_A, NS_B):
-        d = register_namespace(layout, ns, instance=f"gpu-{ns[:4]}")
-        store_page(d, page_name(1), 2_500_000)
+
+def _run(layout: Layout, columns: str, *args: str) -> tuple[list[str], str]:
+    """The CLI as a process with stdout a pipe, COLUMNS set or ("") unset; lines and stdout.
+
+    The lines are those after the title (the root path, as long as pytest makes it).
+    """
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
     if columns:
         env["COLUMNS"] = columns
-    # --port 1: nothing listens there, so the report comes from the disk. stdout is a pipe.
-    argv = [sys.executable, "-m", "cachemgr", "--root", str(layout.root), "status", "--port", "1"]
+    argv = [sys.executable, "-m", "cachemgr", "--root", str(layout.root), *args]
     out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
-    assert lines and max(len(line) for line in lines) <= 80, out.stdout
+    title, *lines = out.stdout.splitlines()
+    assert str(layout.root) in title, out.stdout
+    return lines, out.stdout
+
+
+def _header(lines: list[str]) -> list[str]:
+    """The column names of a rich table's header row (the first row between ┃ bars)."""
+    row = next(line for line in lines if line.startswith("┃"))
+    return [cell.strip() for cell in row.strip("┃").split("┃")]
+
+
+def _two_namespaces(layout: Layout) -> None:
+    for ns in (NS_A, NS_B):
+        d = register_namespace(layout, ns, instance=f"gpu-{ns[:4]}-with-a-long-instance-name")
+        store_page(d, page_name(1), 2_500_000)
+
+
+# Narrow terminals (58: the note wraps at "kv dtype"); piped, no COLUMNS (80); a wide one.
+@pytest.mark.parametrize("columns", ["58", "80", "", "200"])
+def test_status_fits_the_width_and_keeps_the_columns_that_matter(
+    layout: Layout, columns: str
+) -> None:
+    _two_namespaces(layout)
+    # --port 1: nothing listens there, so the report comes from the disk. stdout is a pipe.
+    lines, stdout = _run(layout, columns, "status", "--port", "1")
+    width = int(columns or 80)
+    assert max(len(line) for line in lines) <= width, stdout
+    shown = _header(lines)
+    assert set(MUST_STAY) <= set(shown), stdout
     for ns in (NS_A, NS_B):
         (row,) = [line for line in lines if ns in line]
-        assert "2.5 MB" in row and "…" not in row, out.stdout
+        assert "2.5 MB" in row and "…" not in row, stdout
+    left_out = [c for c in ALL_STATUS if c not in shown]
+    if width >= 200:
+        assert shown == list(ALL_STATUS) and "not shown" not in stdout, stdout
+    else:  # not silently: the last line names what went and how to see it
+        assert left_out, stdout
+        notes = [line for line in lines if not line.startswith(("┏", "┃", "┡", "│", "└"))]
+        note = " ".join(notes)
+        assert f"not shown at {width} columns (--wide shows all): {', '.join(left_out)}" in note
+        assert all(any(name in line for line in notes) for name in left_out), notes  # unbroken
+
+
+@pytest.mark.parametrize("columns", ["80", ""])
+def test_status_wide_shows_every_column_at_any_width(layout: Layout, columns: str) -> None:
+    _two_namespaces(layout)
+    lines, stdout = _run(layout, columns, "status", "--port", "1", "--wide")
+    assert _header(lines) == list(ALL_STATUS) and "not shown" not in stdout, stdout
+    (row,) = [line for line in lines if NS_A in line]
+    assert f"gpu-{NS_A[:4]}-with-a-long-instance-name" in row, stdout
+
+
+ALL_LS = ("id", "instances", "model", "kv dtype", "page", "pages", "size", "created",
+          "last active", "state")  # fmt: skip
+
+
+@pytest.mark.parametrize("columns", ["80", "", "200"])
+def test_ls_fits_the_width(layout: Layout, columns: str) -> None:
+    _two_namespaces(layout)
+    lines, stdout = _run(layout, columns, "ls")
+    width = int(columns or 80)
+    assert max(len(line) for line in lines) <= width, stdout
+    shown = _header(lines)
+    assert {"id", "pages", "size", "state"} <= set(shown), stdout
+    for ns in (NS_A, NS_B):
+        (row,) = [line for line in lines if ns in line]
+        assert "2.5 MB" in row and "bound" in row and "…" not in row, stdout
+    if width >= 200:
+        assert shown == list(ALL_LS) and "not shown" not in stdout, stdout
+    else:
+        assert "(--wide shows all)" in stdout, stdout
+    wide, stdout = _run(layout, columns, "ls", "--wide")
+    assert _header(wide) == list(ALL_LS), stdout
 
 
 def test_status_and_ls_on_a_regular_file_root_are_one_line(tmp_path: Path) -> None:

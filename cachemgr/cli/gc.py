@@ -138,8 +138,11 @@ def _show(report: GcReport, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(GcResponse.of(report).model_dump(mode="json"), indent=2))
         return
-    verb = "would delete" if report.dry_run else "deleted"
-    click.echo(f"{verb} {report.files:,} files, {human_bytes(report.bytes)}")
+    if report.files:
+        verb = "would delete" if report.dry_run else "deleted"
+        click.echo(f"{verb} {report.files:,} files, {human_bytes(report.bytes)}")
+    else:
+        click.echo("nothing to delete")
     totals = report.totals()
     if totals:
         click.echo(f"  {'reason':<11} {'files':>10} {'bytes':>10}")

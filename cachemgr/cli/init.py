@@ -20,7 +20,7 @@ from cachemgr.errors import ConfigError
 from cachemgr.fs.atomic import write_atomic
 from cachemgr.identity.record import Identity
 from cachemgr.ns import init as ns_init
-from cachemgr.ns.init import InitRun
+from cachemgr.ns.init import InitRun, sglang_missing
 from cachemgr.ns.prelaunch import STORAGE_DIR_ENV, InitResult, StorageDirConflict
 from cachemgr.ns.root import created_layout
 from cachemgr.units import human_bytes
@@ -77,26 +77,25 @@ def run_init(app: AppContext, launch: LaunchRequest, *, wait: bool, force: bool)
         force=force,
         drain=functools.partial(drain_with_progress, actor="cli") if wait else None,
     )
-    _warn_version(run.identity)
+    warning = version_warning(run.identity)
+    if warning is not None and not run.sglang_missing_told:
+        click.echo(f"cachemgr: warning: {warning}", err=True)
     return run
 
 
-def _warn_version(identity: Identity) -> None:
-    """One stderr line when the SGLang version could not be detected, with the fix."""
-    src = identity.source
-    if identity.sglang_version == "unknown":
-        click.echo(
-            "cachemgr: warning: SGLang is not installed here, so the identity's SGLang version "
-            "is 'unknown'; pass --sglang-version (e.g. 0.5.23) so init and exec agree",
-            err=True,
+def version_warning(identity: Identity) -> str | None:
+    """What to say when no installed SGLang gave the identity its version, with the fix."""
+    if not sglang_missing(identity):
+        return None
+    if identity.source.sglang_version_from == "namespace":
+        return (
+            f"SGLang is not installed here; using version {identity.sglang_version} of the "
+            "instance's namespace (pass --sglang-version to be explicit)"
         )
-    elif src.sglang_version_from == "namespace":
-        click.echo(
-            f"cachemgr: warning: SGLang is not installed here; using version "
-            f"{identity.sglang_version} of the instance's namespace (pass --sglang-version "
-            "to be explicit)",
-            err=True,
-        )
+    return (
+        "SGLang is not installed here, so the identity's SGLang version is 'unknown'; pass "
+        "--sglang-version (e.g. 0.5.23) so init and exec agree"
+    )
 
 
 def describe(result: InitResult) -> str:
@@ -169,7 +168,8 @@ def init(
             "storage_dir": storage,
             "message": describe(run.result),
             "env": {STORAGE_DIR_ENV: storage},
-            "warnings": warnings,
+            # Said on stderr once per root; a machine reading this gets it every time.
+            "warnings": [w for w in (version_warning(run.identity), *warnings) if w],
         }
         click.echo(json.dumps(out, indent=2))
     elif print_env:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import time
 
 import click
 
 from cachemgr.cli.context import AppContext, pass_app
+from cachemgr.cli.tables import Column, print_fitted
 from cachemgr.ns.purge import describe_trash
 from cachemgr.ns.registry import list_namespaces
 from cachemgr.ns.root import existing_layout, reading_store
@@ -18,8 +18,9 @@ from cachemgr.units import human_bytes
 
 @click.command("ls")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for machines (raw bytes).")
+@click.option("--wide", is_flag=True, help="Every column, however wide the table gets.")
 @pass_app
-def ls(app: AppContext, as_json: bool) -> None:
+def ls(app: AppContext, as_json: bool, wide: bool) -> None:
     """List namespaces: id, instances, model, KV dtype, page size, pages, bytes, state."""
     layout = existing_layout(app.settings)
     with reading_store(layout) as store:
@@ -33,29 +34,34 @@ def ls(app: AppContext, as_json: bool) -> None:
         }
         click.echo(json.dumps(out, indent=2))
         return
-    from rich.console import Console
-    from rich.table import Table
+    if not found and not trash:
+        click.echo(f"no namespaces under {layout.root}")
+        return
+    rows = [
+        {"id": n.ns_id, "instances": ", ".join(n.instances) or "-", "model": n.model or "?",
+         "kv dtype": n.kv_cache_dtype or "?", "page": str(n.page_size or "?"),
+         "pages": f"{n.pages:,}", "size": human_bytes(n.bytes), "created": _when(n.created_at),
+         "last active": _when(n.last_active_at),
+         "state": n.state if n.problem is None else f"{n.state}: {n.problem}"}
+        for n in found
+    ] + [
+        {"id": t.name, "instances": "-", "model": "", "kv dtype": "", "page": "",
+         "pages": f"{t.pages:,}", "size": human_bytes(t.bytes), "created": "", "last active": "",
+         "state": f"unsafe: {t.problem}" if t.problem
+                  else t.left_for_a_person or "deleting (in .trash)"}
+        for t in trash
+    ]  # fmt: skip
+    print_fitted(f"namespaces under {layout.root}", COLUMNS, rows, DROP_ORDER, wide=wide)
 
-    table = Table(title=f"namespaces under {layout.root}", title_justify="left")
-    for col in ("id", "instances", "model", "kv dtype", "page", "pages", "size"):
-        right = col in ("page", "pages", "size")
-        table.add_column(col, justify="right" if right else "left", no_wrap=col != "model")
-    for col in ("created", "last active", "state"):
-        table.add_column(col)
-    for n in found:
-        table.add_row(
-            n.ns_id, ", ".join(n.instances) or "-", n.model or "?", n.kv_cache_dtype or "?",
-            str(n.page_size or "?"), f"{n.pages:,}", human_bytes(n.bytes),
-            _when(n.created_at), _when(n.last_active_at),
-            n.state if n.problem is None else f"{n.state}: {n.problem}",
-        )  # fmt: skip
-    for t in trash:
-        table.add_row(
-            t.name, "-", "", "", "", f"{t.pages:,}", human_bytes(t.bytes), "", "",
-            f"unsafe: {t.problem}" if t.problem else t.left_for_a_person or "deleting (in .trash)",
-        )  # fmt: skip
-    # Piped output keeps whole ids and names instead of rich's 80-column default.
-    Console(width=None if sys.stdout.isatty() else 220).print(table)
+
+# id, pages, size and state always stay; instances, model and state fold first.
+COLUMNS = (
+    Column("id"), Column("instances", flexible=True), Column("model", flexible=True),
+    Column("kv dtype"), Column("page", right=True), Column("pages", right=True),
+    Column("size", right=True), Column("created"), Column("last active"),
+    Column("state", flexible=True),
+)  # fmt: skip
+DROP_ORDER = ("created", "page", "kv dtype", "last active", "instances", "model")
 
 
 def _when(ts: float | None) -> str:

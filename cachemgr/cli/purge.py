@@ -94,10 +94,7 @@ def purge(
                "problems": left}  # fmt: skip
         click.echo(json.dumps(out, indent=2))
     else:
-        if plan.targets and not result.purged:
-            # A bound namespace whose dir is already empty has nothing to rename away.
-            click.echo("nothing to purge: already empty, or another purge got there first")
-        _show_result(result, report, elapsed)
+        _show_result(plan, result, report, elapsed)
     _fail_if_left_alone(left)
 
 
@@ -150,12 +147,19 @@ def _show_plan(plan: PurgePlan, *, layout_trash: list[TrashEntry], as_json: bool
     click.echo("dry run: nothing changed")
 
 
-def _show_result(result: PurgeResult, report: DeleteReport | None, elapsed: float) -> None:
+def _show_result(
+    plan: PurgePlan, result: PurgeResult, report: DeleteReport | None, elapsed: float
+) -> None:
     for p in result.purged:
         tail = "recreated empty" if p.recreated else "manifest removed"
         click.echo(f"purged ns {p.ns_id} ({p.pages:,} pages, {human_bytes(p.bytes)}): {tail}")
     if report is None:
         click.echo("files left in .trash/ for the daemon or the next purge (--no-wait)")
-    elif report.files or not result.purged:
+    elif report.files:
         click.echo(f"deleted {report.files:,} files ({human_bytes(report.bytes)}) "
                    f"in {elapsed:.1f} s")  # fmt: skip
+    elif plan.targets and not result.purged:
+        # A bound namespace whose dir is already empty has nothing to rename away.
+        click.echo("nothing to purge: already empty, or another purge got there first")
+    elif not result.purged:
+        click.echo(f"nothing to purge ({plan.selector})")

@@ -12,11 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.console import Console
-from rich.measure import Measurement
-from rich.table import Table
 
 from cachemgr.cli.context import AppContext, pass_app, setting_option
+from cachemgr.cli.tables import Column, print_fitted
 from cachemgr.doctor.root import disk_state, filesystem_line
 from cachemgr.errors import NotFoundError
 from cachemgr.fs.usage import DiskUsage
@@ -54,11 +52,15 @@ def _ago(ts: float | None) -> str:
     return f"{human_age(time.time() - ts)} ago" if ts else "never"
 
 
-# Left to right; the first ones go when the table is wider than the terminal (never the id).
-COLUMNS = ("namespace", "model", "kv dtype", "page", "instances", "pages", "size", "reads",
-           "writes", "hit ratio", "last write")  # fmt: skip
-DROP_ORDER = ("kv dtype", "page", "last write", "instances", "writes", "reads", "model")
-RIGHT = {"pages", "size", "reads", "writes", "hit ratio", "last write"}
+# Left to right. namespace, pages, size, reads and hit ratio always stay; the flexible ones
+# shorten first, then the others go in DROP_ORDER while the table is wider than the output.
+COLUMNS = (
+    Column("namespace"), Column("model", flexible=True), Column("kv dtype"),
+    Column("page", right=True), Column("instances", flexible=True), Column("pages", right=True),
+    Column("size", right=True), Column("reads", right=True), Column("writes", right=True),
+    Column("hit ratio", right=True), Column("last write", right=True),
+)  # fmt: skip
+DROP_ORDER = ("kv dtype", "page", "last write", "instances", "model", "writes")
 
 
 def _cells(ns: dict[str, Any]) -> dict[str, str]:
@@ -66,46 +68,33 @@ def _cells(ns: dict[str, Any]) -> dict[str, str]:
     return {
         "namespace": ns["id"], "model": ns.get("model") or "?",
         "kv dtype": ns.get("kv_cache_dtype") or "?", "page": str(ns.get("page_size") or "?"),
-        "instances": ",".join(ns.get("instances") or []) or "-", "pages": f"{ns['pages']:,}",
+        "instances": ", ".join(ns.get("instances") or []) or "-", "pages": f"{ns['pages']:,}",
         "size": human_bytes(ns["bytes"]), "reads": f"{ns['page_reads']:,}",
         "writes": f"{ns['page_writes']:,}", "hit ratio": "-" if ratio is None else f"{ratio:.1%}",
         "last write": _ago(ns.get("last_write_at")),
     }  # fmt: skip
 
 
-def _table(report: dict[str, Any], columns: list[str]) -> Table:
-    src = report.get("source", "daemon")
-    table = Table(title=f"cachemgr — {report['root']} (from {src})", title_justify="left")
-    for col in columns:
-        # no_wrap: rich would otherwise squeeze a 16-char id to "e52…"
-        table.add_column(col, justify="right" if col in RIGHT else "left", no_wrap=True)
-    for ns in report["namespaces"]:
-        cells = _cells(ns)
-        table.add_row(*(cells[c] for c in columns))
-    return table
-
-
-def render(report: dict[str, Any], console: Console) -> None:
-    """The table people read at a glance; columns dropped until it fits, never cut."""
-    columns = list(COLUMNS)
-    table = _table(report, columns)
-    unbounded = console.options.update_width(10_000)  # the width it wants, not what is left
-    for col in DROP_ORDER:
-        if Measurement.get(console, unbounded, table).maximum <= console.width:
-            break
-        columns.remove(col)
-        table = _table(report, columns)
-    console.print(table)
+def render(report: dict[str, Any], *, wide: bool = False) -> None:
+    """The table people read at a glance, fitted to the output width (all of it with `wide`)."""
+    source = f"(from {report.get('source', 'daemon')})"
+    if not report["namespaces"]:
+        click.echo(f"no namespaces under {report['root']} {source}")
+        return
+    title = f"cachemgr — {report['root']} {source}"
+    rows = [_cells(ns) for ns in report["namespaces"]]
+    print_fitted(title, COLUMNS, rows, DROP_ORDER, wide=wide)
 
 
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
+@click.option("--wide", is_flag=True, help="Every column, however wide the table gets.")
 @setting_option("--host", setting="host", help="Where the daemon listens (default: settings host).")
 @setting_option(
     "--port", setting="port", type=int, help="The daemon's port (default: settings port)."
 )
 @pass_app
-def status(app: AppContext, as_json: bool) -> None:
+def status(app: AppContext, as_json: bool, wide: bool) -> None:
     """Pages, bytes, reads, writes and hit ratio per namespace (from the daemon if it runs)."""
     settings = app.settings
     layout = Layout.at(settings.root, settings.state_dir)
@@ -128,7 +117,7 @@ def status(app: AppContext, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
-        render(report, Console())
+        render(report, wide=wide)
         click.echo(_filesystem_text(report["filesystem"]))
         for note in report.get("left_for_a_person") or ():  # an older daemon has none
             click.echo(f"warning: {note}")

@@ -28,6 +28,7 @@ class Problem(BaseModel):
     detail: str | None = None
     instance: str | None = None
     errors: list[dict[str, Any]] | None = None
+    allow: list[str] | None = None  # with a 405: the methods the route takes
     hint: str | None = None
 
 

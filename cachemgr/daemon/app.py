@@ -38,7 +38,7 @@ from cachemgr.daemon.gcapi import GcResponse, SharedGcRuns
 from cachemgr.daemon.httpguard import MAX_BODY_BYTES, RequestGuard
 from cachemgr.daemon.index_state import IndexState
 from cachemgr.daemon.problems import ERRORS, install_error_handlers
-from cachemgr.daemon.purge_routes import PURGE_PATHS, add_purge_routes
+from cachemgr.daemon.purge_routes import add_purge_routes
 from cachemgr.errors import CachemgrError, ConflictError, NotFoundError
 from cachemgr.fs.usage import disk_usage
 from cachemgr.layout import Layout
@@ -64,7 +64,7 @@ def create_app(backend: Backend) -> FastAPI:
         ),
         responses={422: ERRORS[422], 500: ERRORS[500]},
     )
-    install_error_handlers(app, PURGE_PATHS)
+    install_error_handlers(app)
     app.add_middleware(RequestGuard, token=backend.token)
 
     def statuses() -> list[NamespaceStatus]:

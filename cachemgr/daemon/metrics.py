@@ -198,7 +198,9 @@ class CachemgrCollector(Collector):
         yield GaugeMetricFamily(
             "cachemgr_index_leader", METRICS["cachemgr_index_leader"], value=int(st.leader)
         )
-        created = st.started_at
+        # No `created`: each would add a `*_created` gauge per counter, noise for dashboards.
+        # (prometheus_client.disable_created_metrics() covers its Counter class, not a
+        # collector's families: a family has one only when given one.)
         for name, value in (
             ("cachemgr_scans_total", st.scans),
             ("cachemgr_scan_seconds_total", st.scan_seconds_total),
@@ -206,7 +208,7 @@ class CachemgrCollector(Collector):
             ("cachemgr_watcher_overflows_total", st.overflows),
             ("cachemgr_index_events_total", st.events_applied),
         ):
-            yield CounterMetricFamily(name, METRICS[name], value=value, created=created)
+            yield CounterMetricFamily(name, METRICS[name], value=value)
         yield GaugeMetricFamily(
             "cachemgr_last_scan_duration_seconds",
             METRICS["cachemgr_last_scan_duration_seconds"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -59,7 +60,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-def install_error_handlers(app: FastAPI, purge_paths: tuple[str, ...]) -> None:
+def install_error_handlers(app: FastAPI) -> None:
     """Every error the app raises leaves as problem+json."""
 
     @app.exception_handler(CachemgrError)
@@ -72,13 +73,22 @@ def install_error_handlers(app: FastAPI, purge_paths: tuple[str, ...]) -> None:
 
     @app.exception_handler(HTTPException)
     def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        hint = None
-        if exc.status_code == 405 and request.url.path in purge_paths:
-            hint = f"use POST, e.g. curl -X POST http://HOST:PORT{request.url.path}"
         title = {401: "unauthorized", 404: "not found", 405: "method not allowed"}.get(
             exc.status_code, "error"
         )
-        resp = problem(exc.status_code, title, str(exc.detail), request.url.path, hint=hint)
+        path = request.url.path
+        more = _method_hint(path, exc.headers) if exc.status_code == 405 else {}
+        resp = problem(exc.status_code, title, str(exc.detail), path, **more)
         if exc.headers:
             resp.headers.update(exc.headers)
         return resp
+
+
+def _method_hint(path: str, headers: Mapping[str, str] | None) -> dict[str, Any]:
+    """The methods the route takes (Starlette's Allow header) and how to call it with one:
+    `curl host:port/v1/gc` is a GET, and GC, like every change, takes a POST."""
+    allow = sorted(m.strip() for m in (headers or {}).get("Allow", "").split(",") if m.strip())
+    if not allow:
+        return {}
+    hint = f"use {' or '.join(allow)}, e.g. curl -X {allow[0]} http://HOST:PORT{path}"
+    return {"allow": allow, "hint": hint}

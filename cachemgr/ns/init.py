@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Mapping
 
 from cachemgr.fs.deletion import DeleteReport
@@ -18,6 +19,7 @@ from cachemgr.ns.prelaunch import (
 )
 from cachemgr.ns.root import opened_store
 from cachemgr.sglang.args import LaunchArgs
+from cachemgr.state.notices import first_time
 from cachemgr.state.store import Store
 
 Drain = Callable[[Layout, Store], DeleteReport]
@@ -33,6 +35,16 @@ class InitRun:
     args: LaunchArgs | None
     conflicts: tuple[StorageDirConflict, ...]
     trash_refused: tuple[str, ...]
+    # SGLang is not installed here, and this root has been told so before: a host where init
+    # runs apart from SGLang (an initContainer) would otherwise hear it on every start.
+    sglang_missing_told: bool = False
+
+
+def sglang_missing(identity: Identity) -> bool:
+    """Whether the identity needs SGLang's version and no installed SGLang (nor an option)
+    gave it: it is 'unknown', or borrowed from the instance's namespace."""
+    src = identity.source
+    return identity.sglang_version == "unknown" or src.sglang_version_from == "namespace"
 
 
 def run_init(
@@ -55,5 +67,6 @@ def run_init(
         refused: tuple[str, ...] = ()
         if drain is not None and result.old_action == "purged":
             refused = drain(layout, store).refused
+        told = sglang_missing(identity) and not first_time(store, "sglang-missing", time.time())
     conflicts = storage_dir_conflicts(args, result.storage_dir, layout, environ)
-    return InitRun(result, identity, args, tuple(conflicts), refused)
+    return InitRun(result, identity, args, tuple(conflicts), refused, told)
