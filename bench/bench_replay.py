@@ -69,6 +69,7 @@ WORKER = REPO / "bench" / "replay_worker.py"
 CACHEMGR = Path(sys.executable).parent / "cachemgr"
 NS = "5eb1a7c0ffee0001"
 INSTANCE = "replay"
+LOW = 0.9  # SGLang's default eviction_ratio, and the daemon's low watermark here
 IDENTITY = {
     "kv_cache_dtype": "bfloat16",
     "page_size": 64,
@@ -104,6 +105,7 @@ class Row:
     races: int
     set_failures: int
     sample_s: float  # mean time between samples
+    min_full: int | None  # least bytes on disk once they first reached the low watermark
     daemon: dict[str, float]  # daemon counters summed over its two lives
 
     @property
@@ -124,11 +126,15 @@ class Sampler(threading.Thread):
     last sample, at the end, sums the real sizes with cachemgr's scanner and checks that.
     """
 
-    def __init__(self, layout: Layout, page_bytes: int, interval: float) -> None:
+    def __init__(self, layout: Layout, page_bytes: int, interval: float, full: int) -> None:
         super().__init__(name="replay-sampler", daemon=True)
         self.layout, self.page_bytes, self.interval = layout, page_bytes, interval
         self.dir = layout.ns_dir(NS)
         self.max_bytes = self.last_bytes = self.samples = 0
+        self.full = full  # from the first sample at or above this many bytes on, track the least
+        self.min_full: int | None = None
+        self.series: list[tuple[float, int]] = []  # (seconds since start, bytes) per sample
+        self.marks: list[tuple[float, str]] = []  # (seconds since start, what happened)
         self.started = self.ended = 0.0
         self._halt = threading.Event()
 
@@ -136,10 +142,19 @@ class Sampler(threading.Thread):
         n = sum(map(str.endswith, os.listdir(self.dir), repeat(".bin")))  # the loop in C
         self.last_bytes = n * self.page_bytes
         self.max_bytes = max(self.max_bytes, self.last_bytes)
+        if self.min_full is not None:
+            self.min_full = min(self.min_full, self.last_bytes)
+        elif self.last_bytes >= self.full:
+            self.min_full = self.last_bytes
         self.samples += 1
+        self.series.append((time.monotonic() - self.started, self.last_bytes))
+
+    def start(self) -> None:
+        self.started = time.monotonic()
+        super().start()
 
     def run(self) -> None:
-        self.started = next_at = time.monotonic()
+        next_at = self.started
         while not self._halt.wait(max(0.0, next_at - time.monotonic())):
             next_at += self.interval
             self.sample()
@@ -153,6 +168,15 @@ class Sampler(threading.Thread):
         if usage is not None and usage.bytes != usage.files * self.page_bytes:
             raise RuntimeError(f"page files of another size than {self.page_bytes} B: {usage}")
         self.max_bytes = max(self.max_bytes, self.last_bytes)
+
+    def mark(self, what: str) -> None:
+        self.marks.append((time.monotonic() - self.started, what))
+
+    def write(self, path: Path) -> None:
+        """The bytes on disk over time as CSV (the marks as comments), for a plot."""
+        lines = [f"# {t:.3f} s: {what}" for t, what in self.marks] + ["seconds,bytes"]
+        lines += [f"{t:.3f},{n}" for t, n in self.series]
+        path.write_text("\n".join(lines) + "\n")
 
     @property
     def mean_interval(self) -> float:
@@ -263,7 +287,7 @@ def daemon_env(layout: Layout, cap: int, extra: Sequence[str]) -> dict[str, str]
         "CACHEMGR_ROOT": str(layout.root), "CACHEMGR_INSTANCE": INSTANCE,
         "CACHEMGR_LOG_LEVEL": "warning", "CACHEMGR_LOG_FORMAT": "text",
         "CACHEMGR_GC_MAX_BYTES": str(cap), "CACHEMGR_GC_HIGH_WATERMARK": "1.0",
-        "CACHEMGR_GC_LOW_WATERMARK": "0.9", "CACHEMGR_GC_MIN_AGE": "0",
+        "CACHEMGR_GC_LOW_WATERMARK": str(LOW), "CACHEMGR_GC_MIN_AGE": "0",
         "CACHEMGR_GC_DELETE_RATE": "1e9", "CACHEMGR_GC_INTERVAL": "1",
     })  # fmt: skip
     for item in extra:
@@ -307,23 +331,31 @@ class Bench:
                 assert cap is not None
                 daemon = DaemonProc(layout, daemon_env(layout, cap, self.daemon_extra), log)
                 daemon.start()
-            sampler = Sampler(layout, self.page_bytes, self.sample_s[cfg.trace])
+            # full = the low watermark: what both evictors evict down to (the cap at most)
+            full = int((cap or 0) * LOW) or sys.maxsize
+            sampler = Sampler(layout, self.page_bytes, self.sample_s[cfg.trace], full)
             sampler.start()
             try:
-                result = self._replay(job, worker_env(cfg, cap), log, daemon)
+                result = self._replay(job, worker_env(cfg, cap), log, daemon, sampler)
             finally:
                 sampler.stop()
+                sampler.write(run_dir / "samples.csv")
                 if daemon is not None and daemon.proc is not None:
                     daemon.stop()
         return Row(
             cfg, cap, result["hits"], result["lookups"], sampler.max_bytes, sampler.last_bytes,
             result["files_end"], result["unusable_end"], result["requests"] / result["elapsed"],
-            result["races"], result["set_failures"], sampler.mean_interval,
+            result["races"], result["set_failures"], sampler.mean_interval, sampler.min_full,
             daemon.counters if daemon else {},
         )  # fmt: skip
 
     def _replay(
-        self, job: Path, env: dict[str, str], log: IO[str], daemon: DaemonProc | None
+        self,
+        job: Path,
+        env: dict[str, str],
+        log: IO[str],
+        daemon: DaemonProc | None,
+        sampler: Sampler,
     ) -> dict[str, Any]:
         proc = subprocess.Popen(
             [str(self.sglang_python), str(WORKER), str(job)], env=env, text=True,
@@ -334,9 +366,11 @@ class Bench:
             for line in proc.stdout:
                 msg = json.loads(line)
                 if "restart" in msg:
+                    sampler.mark("server stopped")
                     if daemon is not None:  # the server and its sidecar restart together
                         daemon.stop()
                         daemon.start()
+                    sampler.mark("server starts again")
                     proc.stdin.write("go\n")
                     proc.stdin.flush()
                 elif "result" in msg:
@@ -397,8 +431,9 @@ def order(r: Row) -> tuple[Any, ...]:
 def table(rows: list[Row]) -> str:
     lines = [
         "| req/s | TP | cap | evictor | page hit ratio | after restart | Δ vs SGLang |"
-        " max on disk / cap | unusable at end | page files at end | achieved req/s | notes |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        " max on disk / cap | min once full | unusable at end | page files at end |"
+        " achieved req/s | notes |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     base = {
         (r.cfg.rate, r.cfg.tp, r.cfg.cap_div): r.ratio for r in rows if r.cfg.evictor == "sglang"
@@ -411,6 +446,7 @@ def table(rows: list[Row]) -> str:
         key = (c.rate, c.tp, c.cap_div)
         delta = f"{r.ratio - base[key]:+.3f}" if c.evictor == "cachemgr" and key in base else ""
         fill = f"{r.max_bytes / r.cap:.2f}" if r.cap else f"W = {r.end_bytes / 1e6:.1f} MB"
+        least = f"{r.min_full / r.cap:.2f}" if r.cap and r.min_full is not None else ""
         notes = [f"sampled every {r.sample_s * 1000:.0f} ms"]
         if r.races:
             notes.append(f"{r.races} pages gone between exists and get")
@@ -428,8 +464,8 @@ def table(rows: list[Row]) -> str:
             notes.append(f"{overflows:.0f} inotify overflows")
         lines.append(
             f"| {rate} | {c.tp} | {cap} | {c.evictor if r.cap else 'no cap'} | {r.ratio:.3f} |"
-            f" {r.ratio_after:.3f} | {delta} | {fill} | {r.unusable_end} | {r.files_end} |"
-            f" {r.rate:.1f} | {'; '.join(notes)} |"
+            f" {r.ratio_after:.3f} | {delta} | {fill} | {least} | {r.unusable_end} |"
+            f" {r.files_end} | {r.rate:.1f} | {'; '.join(notes)} |"
         )
     return "\n".join(lines)
 
