@@ -17,19 +17,24 @@ bytes written with no cap, W, are tens of MB. Two evictors on the same trace:
   "off" value), a short `gc_interval`; `--daemon-env KEY=VALUE` adds or overrides settings.
   At the restart the daemon is restarted too (SIGTERM, start again).
 
-Per row: page hit ratio (pages loaded / pages looked up), the most page bytes ever on disk / cap
-(a sampler sums page file sizes every `--sample-ms` over the whole run), page files on disk at
-the end that no request can load (a page before them in their chain, or their page on another
-rank, is missing), and for cachemgr the difference to SGLang's hit ratio. Caps are fractions
-of W, measured by an uncapped run of the same trace first.
+Per row: page hit ratio (pages loaded / pages looked up; also after the restart alone), the
+most page bytes ever on disk / cap (a sampler sums page file sizes every `--sample-ms` over the
+whole run) and the least once they first reached 0.9 x cap (over-eviction), page files on disk
+at the end that no request can load (a page before them in their chain, or their page on
+another rank, is missing), and for cachemgr the difference to SGLang's hit ratio. Caps are
+fractions of W, measured by an uncapped run of the same trace first. With `--workdir` each
+run's root, logs (the daemon's too) and `samples.csv` (bytes on disk over time) are kept.
 
 Paced runs (`--rates`, requests/s; 0 = as fast as SGLang's class goes) use a smaller trace
 (`--paced-sessions`, `--paced-requests`) and run concurrently (`--jobs`), each on its own root
 and port; full-speed runs go one at a time (`--full-jobs`) so they do not share the CPU.
 
-    .venv/bin/python bench/bench_replay.py            # the matrix: caps W/3, W/2; ~2 and full
-                                                      # speed; TP 1 and 2 (~15 min)
-    .venv/bin/python bench/bench_replay.py --quick    # one small configuration (< 60 s)
+    .venv/bin/python bench/bench_replay.py            # the matrix: caps W/3, W/2; ~2 req/s and
+                                                      # full speed; TP 1 and 2 (15-20 min on a
+                                                      # shared 2-core VM at load 5-20)
+    .venv/bin/python bench/bench_replay.py --quick    # one small configuration (25-40 s)
+
+The .sglang-env is `$CACHEMGR_SGLANG_ENV` or ./.sglang-env (`--sglang-env`; `make sglang-env`).
 """
 
 from __future__ import annotations
