@@ -48,7 +48,7 @@ lint: $(VENV)/.installed
 test: $(VENV)/.installed deps sglang-env lint
 	$(BIN)/pytest $(PYTEST_ARGS)
 
-bench: $(VENV)/.installed
+bench: $(VENV)/.installed sglang-env
 	@ls bench/bench_*.py | xargs -n1 $(BIN)/python
 
 clean:
