@@ -156,6 +156,7 @@ class Cachemgr(Policy):
     def __init__(self, rate: float) -> None:
         self.name = f"cachemgr @{rate:g}/s"
         self.rate = rate
+        # Nothing is in flight when the simulator evicts: it serves one request at a time.
         self.model = ChainModel()
         self.seq = 0
         self.evicted: list[int] = []  # every victim, in order (for tests)

@@ -34,7 +34,7 @@ from cachemgr.daemon.serving import Reader, Server, bind_socket, is_loopback
 from cachemgr.errors import ConfigError, StateError
 from cachemgr.fs.root import create_root
 from cachemgr.fs.safe import refuse_non_regular
-from cachemgr.gc.chains import ChainModel
+from cachemgr.gc.chains import IN_FLIGHT, ChainModel
 from cachemgr.gc.check import needs_gc
 from cachemgr.gc.floor import open_freeing
 from cachemgr.gc.policy import GcPolicy
@@ -130,7 +130,8 @@ class Daemon:
         to each other; not started."""
         index = IndexState()
         batch = self.settings.batch_interval
-        model = ChainModel()  # the index (its watcher) reads the default file format too
+        # The index (its watcher) reads the default file format too.
+        model = ChainModel(in_flight=IN_FLIGHT)
         self.gc_store = Store.open(self.layout.db_path)
         # GC is led by an index leader: only its watcher wakes GC (watermarks, a CLI purge).
         self.gc = GcRunner(

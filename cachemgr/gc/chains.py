@@ -36,6 +36,12 @@ from cachemgr.state import pages_sql
 PageId = tuple[str, str]  # (namespace id, page key)
 CONFIDENCE_MAX = 3  # agreeing reads a link may bank against later contrary evidence
 CYCLE_WALK = 100_000  # ancestors walked at most to refuse a cycle (chains are far shorter)
+# Accesses (of any page) since a page's last use during which the live daemon deems it in
+# flight: its request may still be writing the pages that continue it (or another rank's file
+# of it); deleting it then would strand those behind a gap. Counted in accesses (any rate),
+# and only for IN_FLIGHT_SECONDS: when the writer stops, nothing stays in flight.
+IN_FLIGHT = 1024
+IN_FLIGHT_SECONDS = 2.0
 
 
 @dataclass(slots=True)
@@ -66,8 +72,9 @@ class ChainModel:
     Thread-safe: the index thread observes, the GC thread reads an order (`lock`).
     """
 
-    def __init__(self, fmt: FileFormat = HICACHE_FILE) -> None:
+    def __init__(self, fmt: FileFormat = HICACHE_FILE, *, in_flight: int = 0) -> None:
         self.fmt = fmt  # what the names in a namespace dir mean
+        self.in_flight = in_flight  # the last accesses whose pages GC leaves alone
         self.pages: dict[PageId, Page] = {}
         self.kids: dict[PageId, int] = {}  # pred id -> its children on disk (> 0)
         self.leaves: set[PageId] = set()  # pages on disk with no child on disk
@@ -171,6 +178,7 @@ class ChainModel:
             self.add(ns, name, key_len, 0, seq=seq, at=at, pred=guess)
             page = self.pages[(ns, key)]
             page.last, page.last_time = seq, at
+            self.clock = max(self.clock, seq)
             return page.pred
 
     def observe_read(self, ns: str, name: str, key_len: int, *, seq: int, at: float) -> str | None:
@@ -184,6 +192,7 @@ class ChainModel:
                 return None
             page.reads += 1
             page.last, page.last_time = seq, at
+            self.clock = max(self.clock, seq)
             if prev is None or prev == key:
                 return None
             if page.pred == prev:

@@ -138,14 +138,14 @@ def _plan(
         over = bool(limits.namespaces) or limits.root is not None
         chains = ChainModel.from_index(conn, sorted(live) if over else [])
     for ns_id, need in limits.namespaces.items():
-        victims = _pick(chains, [ns_id], need, before, taken)
+        victims = _pick(chains, [ns_id], need, before, taken, now)
         live[ns_id] -= sum(c.size for c in victims)
         steps += _evictions("cap", victims, policy.min_age)
     # What the caps evict counts toward the root's budget: ask again with what is left.
     budget = limits.budget
     excess = over_limits(policy, live, disk, counted=counted, ahead=ahead).root
     if excess is not None:
-        victims = _pick(chains, list(live), excess, before, taken)
+        victims = _pick(chains, list(live), excess, before, taken, now)
         steps += _evictions(budget.reason, victims, policy.min_age)
         short = excess - sum(c.size for c in victims)
         if short > 0:
@@ -163,13 +163,14 @@ def _pick(
     need: int,
     before: float,
     taken: set[tuple[str | None, str]],
+    now: float,
 ) -> list[Victim]:
     """Pages to evict, in order, until `need` bytes; `taken` (files) grows with the choice."""
     out: list[Victim] = []
     freed = 0
     if need <= 0:
         return out
-    for c in eviction_order(model, ns_ids, before=before):
+    for c in eviction_order(model, ns_ids, before=before, now=now):
         files = {(c.namespace_id, n) for n in c.names}
         if not files.isdisjoint(taken):
             continue  # a torn file's page: the whole page is in a step already

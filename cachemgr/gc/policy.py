@@ -120,6 +120,9 @@ def over_limits(
         over_cap = {ns: b - int(cap * low) for ns, b in sorted(live.items()) if b > cap * high}
     left = sum(live.values())
     budget = root_budget(policy, left if counted is None else counted, disk)
+    if budget.limit != math.inf:
+        # At most half the watermarks' gap: a run must not empty the cache for a burst.
+        ahead = min(ahead, int(budget.limit * (high - low) / 2))
     root = budget.excess(left + ahead, low) if budget.over(left + ahead, high) else None
     return Limits(over_cap, budget, root)
 

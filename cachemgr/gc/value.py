@@ -28,7 +28,7 @@ import math
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
-from cachemgr.gc.chains import ChainModel, Page, PageId
+from cachemgr.gc.chains import IN_FLIGHT_SECONDS, ChainModel, Page, PageId
 
 END = 0.1  # prior probability that a conversation ends at a return
 _MAX_EXP = 700.0  # e^700 is near float's limit: the chain is as good as ended
@@ -52,10 +52,15 @@ class _Segment(NamedTuple):
 
 
 def eviction_order(
-    model: ChainModel, namespace_ids: Iterable[str] | None = None, *, before: float
+    model: ChainModel,
+    namespace_ids: Iterable[str] | None = None,
+    *,
+    before: float,
+    now: float = math.inf,
 ) -> Iterator[Victim]:
     """Pages of these namespaces (None: all) in the order to evict them, none of them used
-    after `before` (wall clock, min_age) and none before a page still in use after it.
+    after `before` (wall clock, min_age) and none before a page still in use after it, nor
+    one in flight at wall-clock time `now` (cachemgr.gc.chains.IN_FLIGHT).
 
     Lazy: segments are valued when the previous ones are used up; the caller stops when it
     has enough. Holds the model's lock while it is consumed.
@@ -64,9 +69,13 @@ def eviction_order(
     with model.lock:
         gone: dict[PageId, int] = {}  # page -> its children already in the order
         leaves = [p for p in model.leaves if wanted is None or p[0] in wanted]
+        # In flight: the last accesses, at most a tenth of the pages (a small cache must still
+        # be able to meet its cap when the writer stops).
+        recent = (model.clock - min(model.in_flight, len(model.pages) // 10),
+                  now - IN_FLIGHT_SECONDS)  # fmt: skip
         while leaves:
             exposed: list[PageId] = []
-            for seg in _segments(model, leaves, gone, before):
+            for seg in _segments(model, leaves, gone, before, recent):
                 for pid in seg.path:
                     page = model.pages[pid]
                     yield Victim(pid[0], pid[1], page.names(pid[1]), page.size, page.last_time)
@@ -80,12 +89,16 @@ def eviction_order(
 
 
 def _segments(
-    model: ChainModel, leaves: list[PageId], gone: dict[PageId, int], before: float
+    model: ChainModel,
+    leaves: list[PageId],
+    gone: dict[PageId, int],
+    before: float,
+    recent: tuple[int, float],
 ) -> list[_Segment]:
     """The segments of these leaves that may go, in the order to evict them."""
     raw: list[tuple[list[PageId], Page, int, bool]] = []
     for leaf in leaves:
-        path, top, last, stranded = _walk(model, leaf, gone, before)
+        path, top, last, stranded = _walk(model, leaf, gone, before, recent)
         if path:
             raw.append((path, top, last, stranded))
     returns = [(last - top.born, top.reads) for _, top, last, _ in raw if top.reads > 0]
@@ -106,10 +119,15 @@ def _segments(
 
 
 def _walk(
-    model: ChainModel, leaf: PageId, gone: dict[PageId, int], before: float
+    model: ChainModel,
+    leaf: PageId,
+    gone: dict[PageId, int],
+    before: float,
+    recent: tuple[int, float],
 ) -> tuple[list[PageId], Page, int, bool]:
     """The leaf's segment: (the pages that may go, leaf first; its top page; its latest use;
-    stranded). A page used after `before` stays, and so does everything above it."""
+    stranded). A page used after `before` (wall clock) or in flight (used after access
+    `recent[0]` and after time `recent[1]`) stays, and so does everything above it."""
     pages = model.pages
     page = pages[leaf]
     path: list[PageId] = []
@@ -117,7 +135,11 @@ def _walk(
     last = page.last
     at = leaf
     while True:
-        young = young or page.last_time > before
+        young = (
+            young
+            or page.last_time > before
+            or (page.last > recent[0] and page.last_time > recent[1])
+        )
         if not young:
             path.append(at)
         last = max(last, page.last)
