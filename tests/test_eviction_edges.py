@@ -8,11 +8,14 @@ from pathlib import Path
 import pytest
 
 from cachemgr.daemon.indexer import Indexer
+from cachemgr.gc import chains
+from cachemgr.gc.chains import ChainModel
 from cachemgr.layout import Layout
 from cachemgr.state.store import Store
 from tests.daemon_helpers import NS_A, page_name, store_page
 from tests.gc_helpers import NS, T0, Tree, evicted, page, policy
 from tests.polling import wait_for
+from tests.test_chains import Stream, preds
 
 
 @pytest.fixture
@@ -60,3 +63,19 @@ def test_the_writers_pace_stays_a_pace_when_the_index_is_rebuilt(
         assert ix.state.write_rate >= 0
     finally:
         ix.stop()
+
+
+def test_a_deep_chain_is_learned_whole_at_the_cost_of_a_shallow_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A long context at a small page size makes chains thousands of pages deep. A new tail
+    # page has no child, so linking it cannot close a cycle: no walk up its chain (which made
+    # learning a chain quadratic: 94 s for 20,000 pages) and no depth limit.
+    monkeypatch.setattr(chains, "CYCLE_WALK", 100)
+    model = ChainModel()
+    s = Stream(model)
+    s.request([], list(range(1, 1001)))
+    assert preds(model) == {1: None, **{p: p - 1 for p in range(2, 1001)}}
+    s.read(1, 2)  # a shallow cycle is still refused
+    s.read(1)
+    assert preds(model)[1] is None

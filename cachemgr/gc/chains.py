@@ -197,9 +197,11 @@ class ChainModel:
             return page.pred if page.pred != before else None
 
     def _link(self, pid: PageId, page: Page, pred: str | None, trusted: bool = False) -> None:
-        """Make `pred` the page's predecessor unless that closes a cycle."""
+        """Make `pred` the page's predecessor unless that closes a cycle. Only a page with a
+        child on disk can be an ancestor: a new tail links without a walk up its chain."""
         ns = pid[0]
-        if pred is not None and not trusted and self._is_ancestor(ns, pid[1], pred):
+        walk = pid in self.kids or pred == pid[1]
+        if pred is not None and not trusted and walk and self._is_ancestor(ns, pid[1], pred):
             return
         if page.pred is not None:
             self._unkid(pid, page.pred)
