@@ -79,3 +79,60 @@ def test_a_deep_chain_is_learned_whole_at_the_cost_of_a_shallow_one(
     s.read(1, 2)  # a shallow cycle is still refused
     s.read(1)
     assert preds(model)[1] is None
+
+
+def test_sessions_without_a_shared_prefix_stay_separate_chains() -> None:
+    # No system prompt shared: a chain's head is read (or written) first in its request, right
+    # after another request's pages. That is no evidence of a link; linked, every session hung
+    # under the previous one's tail and cold sessions went newest first (worse than LRU in
+    # bench/sim_policy.py with sys_pages=0: -11% of the LRU->clairvoyant gap at W/3).
+    model = ChainModel()
+    s = Stream(model)
+    chain = {"a": [1, 2, 3], "b": [10, 11, 12], "c": [20, 21, 22], "d": [30, 31, 32]}
+    for x in "abcd":
+        s.request([], chain[x])
+    for x in "badcabdbab":  # no session follows the same one twice in a row
+        s.request(chain[x], [])
+    truth = {p: (c[i - 1] if i else None) for c in chain.values() for i, p in enumerate(c)}
+    assert preds(model) == truth
+
+
+def test_a_wrong_guess_is_repaired_on_every_rank_and_a_head_stays_unlinked() -> None:
+    # TP 2: each rank's I/O thread reads every page of a request, so one request gives the same
+    # evidence twice; only a second request may confirm it.
+    model = ChainModel()
+    s = Stream(model)
+    ranks = ["_m_0_2.bin", "_m_1_2.bin"]
+
+    def read(*pages: int) -> None:
+        for p in pages:
+            for r in ranks:
+                s.read(p, suffix=r)
+
+    for p in (60, 1, 2, 50, 3):  # 3's first guess is 50 (another session's page written between)
+        for r in ranks:
+            s.write(p, suffix=r)
+    read(50)  # a request of 50's session, then one of 1-2-3
+    read(1, 2, 3)
+    assert preds(model)[3] is None  # doubted, not relinked yet
+    read(60)  # another session's request
+    read(1, 2, 3)
+    assert preds(model)[3] == 2 and preds(model)[2] == 1 and preds(model)[1] is None
+
+
+def test_a_dropped_link_is_dropped_in_the_index_too(tree: Tree) -> None:
+    # Session B's first page was written right after session A's pages: its first guess
+    # links it under A. Reads drop that link; a restart (the model built from the index) must
+    # not bring it back.
+    a, b = [page(i) for i in (1, 2)], [page(i) for i in (10, 11)]
+    tree.write(NS, a, at=T0)
+    tree.write(NS, b, at=T0 + 1)
+    tree.read(NS, [page(50)], at=T0 + 2)  # (an unknown page: only moves the stream on)
+    tree.read(NS, b, at=T0 + 3)
+    row = tree.store.conn.execute(
+        "SELECT pred FROM pages WHERE namespace_id = ? AND name = ?", (NS, b[0])
+    ).fetchone()
+    assert row[0] is None
+    model = ChainModel.from_index(tree.store.conn, [NS])
+    assert model.pages[(NS, b[0][:64])].pred is None
+    assert model.pages[(NS, b[1][:64])].pred == b[0][:64]

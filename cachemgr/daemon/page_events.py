@@ -47,7 +47,8 @@ class PageEvents:
         touched: dict[tuple[str, str], bool] = {}  # (ns, name) -> stored in this batch
         reads: Counter[tuple[str, str]] = Counter()
         seqs: dict[tuple[str, str], int] = {}  # (ns, name) -> sequence of its last access
-        preds: dict[tuple[str, str], str] = {}  # (ns, name) -> its page's learned predecessor
+        # (ns, name) -> its page's learned predecessor (None: a link dropped), where it changed
+        preds: dict[tuple[str, str], str | None] = {}
         per_ns: dict[str, list[int]] = {}  # ns -> [reads, writes]
         seq = self._next
         for kind, ns, name, _ in events:
@@ -60,13 +61,15 @@ class PageEvents:
             if kind is Kind.READ:
                 reads[key] += 1
                 tally[0] += 1
-                pred = self.model.observe_read(ns, name, key_len, seq=seq, at=now)
+                changed, pred = self.model.observe_read(ns, name, key_len, seq=seq, at=now)
+                if changed:
+                    preds[key] = pred
             else:
                 touched[key] = True
                 tally[1] += 1
                 pred = self.model.observe_write(ns, name, key_len, seq=seq, at=now)
-            if pred is not None:
-                preds[key] = pred
+                if pred is not None:
+                    preds[key] = pred
             seqs[key] = seq
             seq += 1
         self._next = seq
@@ -84,7 +87,7 @@ class PageEvents:
         self,
         touched: dict[tuple[str, str], bool],
         seqs: dict[tuple[str, str], int],
-        preds: dict[tuple[str, str], str],
+        preds: dict[tuple[str, str], str | None],
         now: float,
     ) -> tuple[list[pages_sql.PageRow], list[tuple[str, str]]]:
         """Split touched pages into rows to upsert (file exists) and rows to delete; the model
