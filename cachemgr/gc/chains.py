@@ -9,9 +9,10 @@ which, but the access stream does. One I/O thread per rank reads a request's hit
   rank's files) most likely continues P: that is its first guess of a predecessor;
 * a page **read** right after P is evidence for P; a link that keeps losing to other evidence
   is dropped (a majority vote with a small counter), and a new one is made only when two
-  requests in a row (contrary reads of one stream) agree on it. So an order mixed up by concurrent requests is repaired
-  as reads arrive, and a chain's first page, read (or written) right after whatever request
-  came before, stays unlinked: that evidence is never the same twice;
+  requests in a row (contrary reads of one stream) agree on it. So an order mixed up by
+  concurrent requests is repaired as reads arrive, and a chain's first page, read (or
+  written) right after whatever request came before, stays unlinked: that evidence is
+  rarely the same twice;
 * a link that would close a cycle is refused (the shared system prompt, an ancestor of every
   chain, never gets a session's page as its predecessor).
 
