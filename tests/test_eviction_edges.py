@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,10 +11,11 @@ import pytest
 from cachemgr.daemon.indexer import Indexer
 from cachemgr.gc import chains
 from cachemgr.gc.chains import ChainModel
+from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
 from cachemgr.state.store import Store
 from tests.daemon_helpers import NS_A, page_name, store_page
-from tests.gc_helpers import NS, T0, Tree, evicted, page, policy
+from tests.gc_helpers import NS, T0, Tree, big_disk, evicted, page, policy, temp
 from tests.polling import wait_for
 from tests.test_chains import Stream, preds
 
@@ -136,3 +138,23 @@ def test_a_dropped_link_is_dropped_in_the_index_too(tree: Tree) -> None:
     model = ChainModel.from_index(tree.store.conn, [NS])
     assert model.pages[(NS, b[0][:64])].pred is None
     assert model.pages[(NS, b[1][:64])].pred == b[0][:64]
+
+
+def test_a_paced_run_does_not_count_as_the_time_gc_needs_to_keep_the_cap(tree: Tree) -> None:
+    # The daemon counts what the writer adds while GC frees room as its pace times the last
+    # run's duration (`ahead`). A paced run (stale temps, a dropped namespace, retention) may
+    # take minutes: counted, the cap runs after it would evict that many minutes of writes.
+    for i in range(40):
+        path = tree.dir(NS) / temp(i)
+        path.write_bytes(b"t")
+        os.utime(path, (T0, T0))
+    pol = policy(max_bytes=5000, delete_rate=200.0, tmp_ttl=60.0)
+    runner = GcRunner(tree.layout, tree.store, pol, clock=lambda: T0 + 3600, disk_usage=big_disk)
+    try:
+        assert runner.run().totals() == {"tmp": (40, 40)}  # paced
+        assert runner.run_seconds == 0.0  # no cap-keeping run yet
+        tree.write(NS, [page(i) for i in range(10)], at=T0)
+        assert runner.run(sweep=False).totals()["cap"][0] > 0
+        assert runner.run_seconds > 0.0
+    finally:
+        runner.leadership.release()
