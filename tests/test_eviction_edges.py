@@ -158,3 +158,20 @@ def test_a_paced_run_does_not_count_as_the_time_gc_needs_to_keep_the_cap(tree: T
         assert runner.run_seconds > 0.0
     finally:
         runner.leadership.release()
+
+
+def test_a_relearned_link_is_stored_for_every_file_of_the_page(tree: Tree) -> None:
+    # TP 2: every page has a file per rank; both ranks read it, but only the first read of a
+    # request changes the link. The index must hold the new link in every file's row, or a
+    # restart brings back the old one from the row of the file that did not change it.
+    def files(i: int) -> list[str]:
+        return [page(i), page(i).replace("_0_1.bin", "_1_2.bin")]
+
+    for i in (1, 2, 10, 11):  # 10's first guess is 2: it was written right after it
+        tree.write(NS, files(i), at=T0 + i)
+    tree.read(NS, files(50), at=T0 + 20)  # (another request: moves both streams on)
+    tree.read(NS, [f for i in (10, 11) for f in files(i)], at=T0 + 21)
+    live = tree.rec.model.pages[(NS, page(10)[:64])]
+    assert live.pred is None
+    model = ChainModel.from_index(tree.store.conn, [NS])
+    assert model.pages[(NS, page(10)[:64])].pred is None

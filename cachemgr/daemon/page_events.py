@@ -56,12 +56,12 @@ class PageEvents:
         self._observe(b, events[len(b.events) :], now)
         upserts, deletes, stored = self._settle(b.touched, b.seqs, b.preds, now)
         self._unsaved = b
-        reads, seqs, preds = b.reads, b.seqs, b.preds
+        reads, seqs = b.reads, b.seqs
         with self.store.transaction() as conn:
             pages_sql.upsert_pages(conn, upserts)
             pages_sql.delete_pages(conn, deletes)
             pages_sql.add_reads(conn, ((n, now, seqs[key], *key) for key, n in reads.items()))
-            pages_sql.set_preds(conn, ((p, *key) for key, p in preds.items() if key in reads))
+            pages_sql.set_preds(conn, ((p, *key) for key, p in b.relinks.items()))
             for ns, (r, w) in b.per_ns.items():
                 pages_sql.add_lifetime(conn, ns, r, w, now)
         self._unsaved = None
@@ -85,8 +85,8 @@ class PageEvents:
                 b.reads[key] += 1
                 tally[0] += 1
                 changed, pred = self.model.observe_read(ns, name, key_len, seq=seq, at=now)
-                if changed:
-                    b.preds[key] = pred
+                if changed:  # stored in every file's row: each is the page's on a restart
+                    b.relinks.update(((ns, n), pred) for n in self.model.names(ns, name[:key_len]))
             else:
                 b.touched[key] = True
                 tally[1] += 1
@@ -101,7 +101,7 @@ class PageEvents:
         self,
         touched: dict[tuple[str, str], bool],
         seqs: dict[tuple[str, str], int],
-        preds: dict[tuple[str, str], str | None],
+        preds: dict[tuple[str, str], str],
         now: float,
     ) -> tuple[list[pages_sql.PageRow], list[tuple[str, str]], int]:
         """Split touched pages into rows to upsert (file exists) and rows to delete, and count
@@ -135,6 +135,7 @@ class _Batch:
     touched: dict[tuple[str, str], bool] = field(default_factory=dict)  # -> stored in it
     reads: Counter[tuple[str, str]] = field(default_factory=Counter)
     seqs: dict[tuple[str, str], int] = field(default_factory=dict)  # -> its last access's seq
-    # (ns, name) -> its page's learned predecessor (None: a link dropped), where it changed
-    preds: dict[tuple[str, str], str | None] = field(default_factory=dict)
+    preds: dict[tuple[str, str], str] = field(default_factory=dict)  # -> a write's first guess
+    # (ns, name) -> its page's predecessor relearned from reads (None: the link dropped)
+    relinks: dict[tuple[str, str], str | None] = field(default_factory=dict)
     per_ns: dict[str, list[int]] = field(default_factory=dict)  # ns -> [reads, writes]

@@ -246,6 +246,12 @@ class ChainModel:
 
     # -- reading ----------------------------------------------------------------------------------
 
+    def names(self, ns: str, key: str) -> tuple[str, ...]:
+        """The file names of a page (none if it is not known)."""
+        with self.lock:
+            page = self.pages.get((ns, key))
+            return page.names(key) if page is not None else ()
+
     def bytes_by_namespace(self) -> dict[str, int]:
         with self.lock:
             out: dict[str, int] = {}
