@@ -13,6 +13,7 @@ from cachemgr.gc import chains
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
+from cachemgr.state.index import scan_namespace
 from cachemgr.state.store import Store
 from tests.daemon_helpers import NS_A, page_name, store_page
 from tests.gc_helpers import NS, T0, Tree, big_disk, evicted, page, policy, temp
@@ -175,3 +176,18 @@ def test_a_relearned_link_is_stored_for_every_file_of_the_page(tree: Tree) -> No
     assert live.pred is None
     model = ChainModel.from_index(tree.store.conn, [NS])
     assert model.pages[(NS, page(10)[:64])].pred is None
+
+
+def test_an_index_rebuilt_from_disk_evicts_the_oldest_files_first(tree: Tree) -> None:
+    # The DB was lost: a scan knows no access order and no chains, only each file's mtime.
+    # The chain value ties for every page then; the files' times must still say what goes.
+    d = tree.dir(NS)
+    for i in range(10):
+        (d / page(i)).write_bytes(b"\0" * 1000)
+        at = T0 + (7 * i) % 10  # not in name order
+        os.utime(d / page(i), (at, at))
+    tree.add_namespace(NS, active=T0, bound=True)
+    scan_namespace(tree.layout, tree.store, NS, now=lambda: T0 + 100)
+    plan = tree.plan(policy(max_bytes=10_000, high_watermark=0.5, low_watermark=0.5), now=T0 + 100)
+    by_age = sorted(range(10), key=lambda i: (7 * i) % 10)
+    assert evicted(plan, "cap") == [page(i) for i in by_age[:5]]

@@ -47,6 +47,7 @@ class Victim(NamedTuple):
 class _Segment(NamedTuple):
     value: float
     last: int
+    when: float  # wall clock of its latest use: what orders pages only a scan saw (seq 0)
     path: list[PageId]  # leaf first
 
 
@@ -92,14 +93,15 @@ def _segments(
     odds, now = END / (1 - END), model.clock
     out = []
     for path, top, last, stranded in raw:
+        when = max(model.pages[p].last_time for p in path)
         if stranded:
-            out.append(_Segment(-1.0, last, path))
+            out.append(_Segment(-1.0, last, when, path))
             continue
         rate = (top.reads + 1) / (last - top.born + max(prior, 1.0))
         silence = rate * (now - last)
         alive = 0.0 if silence > _MAX_EXP else 1 / (1 + odds * math.exp(silence))
-        out.append(_Segment(rate * alive, last, path))
-    out.sort(key=lambda s: (s.value, s.last))
+        out.append(_Segment(rate * alive, last, when, path))
+    out.sort(key=lambda s: (s.value, s.last, s.when))
     return out
 
 
