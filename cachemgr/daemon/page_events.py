@@ -54,8 +54,8 @@ class PageEvents:
         if b is None or events[: len(b.events)] != b.events:
             b = _Batch()
         self._observe(b, events[len(b.events) :], now)
-        upserts, deletes, stored = self._settle(b.touched, b.seqs, b.preds, now)
         self._unsaved = b
+        upserts, deletes, stored = self._settle(b.touched, b.seqs, b.preds, now)
         reads, seqs = b.reads, b.seqs
         with self.store.transaction() as conn:
             pages_sql.upsert_pages(conn, upserts)
