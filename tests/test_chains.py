@@ -77,6 +77,9 @@ def test_interleaved_requests_are_repaired_by_later_reads() -> None:
     assert preds(model)[20] == 11 and preds(model)[12] == 21
     s.request([1, 2, 20, 21], [])  # B reads its prefix: 20 follows 2
     s.request([1, 2, 10, 11, 12], [])
+    assert preds(model)[20] is None and preds(model)[12] is None  # doubted
+    s.request([1, 2, 20, 21], [])  # a second request agrees: relinked
+    s.request([1, 2, 10, 11, 12], [])
     assert preds(model) == {1: None, 2: 1, 10: 2, 11: 10, 20: 2, 21: 20, 12: 11}
 
 

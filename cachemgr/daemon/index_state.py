@@ -46,8 +46,9 @@ class IndexState:
         return got
 
     def note_stored(self, total: int, at: float) -> None:
-        """After a batch: `total` bytes stored so far, at monotonic time `at`."""
-        if self._stored is not None and at > self._stored[1]:
+        """After a batch: `total` bytes stored so far, at monotonic time `at`. A smaller total
+        is a count started again (the index was rebuilt): no pace from it, never a negative one."""
+        if self._stored is not None and at > self._stored[1] and total >= self._stored[0]:
             rate = (total - self._stored[0]) / (at - self._stored[1])
             self.write_rate = 0.5 * self.write_rate + 0.5 * rate
         self._stored = (total, at)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from dataclasses import dataclass, field
 
 from cachemgr.backends import FileFormat
 from cachemgr.daemon.watcher import Event, Kind
@@ -37,48 +38,64 @@ class PageEvents:
         self.model = model if model is not None else ChainModel()
         self._next: int | None = None  # read at first use, on the thread that applies
         self.stored_bytes = 0  # of every page file stored so far (the writer's pace)
+        self._unsaved: _Batch | None = None  # observed, refused by the DB: applied again
 
     def apply(self, events: list[Event], *, now: float) -> dict[str, list[int]]:
-        """Apply events in the order seen; returns [reads, writes] per namespace."""
+        """Apply events in the order seen; returns [reads, writes] per namespace.
+
+        A batch the DB refused (a full disk) comes again, in front of newer events: the model
+        saw it already, so only what follows it is observed (else every retry would count its
+        reads again and link its first page to its last)."""
         if not events:
             return {}
         if self._next is None:
             self._next = pages_sql.max_access_seq(self.store.conn) + 1
-        touched: dict[tuple[str, str], bool] = {}  # (ns, name) -> stored in this batch
-        reads: Counter[tuple[str, str]] = Counter()
-        seqs: dict[tuple[str, str], int] = {}  # (ns, name) -> sequence of its last access
-        preds: dict[tuple[str, str], str] = {}  # (ns, name) -> its page's learned predecessor
-        per_ns: dict[str, list[int]] = {}  # ns -> [reads, writes]
-        seq = self._next
-        for kind, ns, name, _ in events:
-            tally = per_ns.setdefault(ns, [0, 0])
-            key = (ns, name)
-            if kind is Kind.GONE:
-                touched[key] = touched.get(key, False)
-                continue
-            key_len = self.fmt.key_len(name) or len(name)  # the watcher passes pages only
-            if kind is Kind.READ:
-                reads[key] += 1
-                tally[0] += 1
-                pred = self.model.observe_read(ns, name, key_len, seq=seq, at=now)
-            else:
-                touched[key] = True
-                tally[1] += 1
-                pred = self.model.observe_write(ns, name, key_len, seq=seq, at=now)
-            if pred is not None:
-                preds[key] = pred
-            seqs[key] = seq
-            seq += 1
-        self._next = seq
-        upserts, deletes = self._settle(touched, seqs, preds, now)
+        b = self._unsaved
+        if b is None or events[: len(b.events)] != b.events:
+            b = _Batch()
+        self._observe(b, events[len(b.events) :], now)
+        self._unsaved = b
+        upserts, deletes, stored = self._settle(b.touched, b.seqs, b.preds, now)
+        reads, seqs = b.reads, b.seqs
         with self.store.transaction() as conn:
             pages_sql.upsert_pages(conn, upserts)
             pages_sql.delete_pages(conn, deletes)
             pages_sql.add_reads(conn, ((n, now, seqs[key], *key) for key, n in reads.items()))
-            pages_sql.set_preds(conn, ((p, *key) for key, p in preds.items() if key in reads))
-            for ns, (r, w) in per_ns.items():
+            pages_sql.set_preds(conn, ((p, *key) for key, p in b.relinks.items()))
+            for ns, (r, w) in b.per_ns.items():
                 pages_sql.add_lifetime(conn, ns, r, w, now)
-        return per_ns
+        self._unsaved = None
+        self.stored_bytes += stored
+        return b.per_ns
+
+    def _observe(self, b: _Batch, events: list[Event], now: float) -> None:
+        """Feed events to the model in order, each read and write taking the next sequence."""
+        seq = self._next
+        assert seq is not None
+        for ev in events:
+            kind, ns, name, _ = ev
+            b.events.append(ev)
+            tally = b.per_ns.setdefault(ns, [0, 0])
+            key = (ns, name)
+            if kind is Kind.GONE:
+                b.touched[key] = b.touched.get(key, False)
+                continue
+            key_len = self.fmt.key_len(name) or len(name)  # the watcher passes pages only
+            if kind is Kind.READ:
+                b.reads[key] += 1
+                tally[0] += 1
+                changed, pred = self.model.observe_read(ns, name, key_len, seq=seq, at=now)
+                if changed:  # stored in every file's row: each is the page's on a restart
+                    b.relinks.update(((ns, n), pred) for n in self.model.names(ns, name[:key_len]))
+            else:
+                b.touched[key] = True
+                tally[1] += 1
+                pred = self.model.observe_write(ns, name, key_len, seq=seq, at=now)
+                if pred is not None:
+                    b.preds[key] = pred
+            b.seqs[key] = seq
+            seq += 1
+        self._next = seq
 
     def _settle(
         self,
@@ -86,9 +103,10 @@ class PageEvents:
         seqs: dict[tuple[str, str], int],
         preds: dict[tuple[str, str], str],
         now: float,
-    ) -> tuple[list[pages_sql.PageRow], list[tuple[str, str]]]:
-        """Split touched pages into rows to upsert (file exists) and rows to delete; the model
-        takes the sizes found and forgets the files that are gone."""
+    ) -> tuple[list[pages_sql.PageRow], list[tuple[str, str]], int]:
+        """Split touched pages into rows to upsert (file exists) and rows to delete, and count
+        the bytes stored; the model takes the sizes found and forgets the files that are gone."""
+        stored_bytes = 0
         upserts: list[pages_sql.PageRow] = []
         deletes: list[tuple[str, str]] = []
         for (ns, name), stored in touched.items():
@@ -101,9 +119,23 @@ class PageEvents:
                 continue
             seen = now if stored else min(st.st_mtime, now)
             seq = seqs.get((ns, name), 0)
-            self.stored_bytes += st.st_size if stored else 0
+            stored_bytes += st.st_size if stored else 0
             self.model.add(ns, name, key_len, st.st_size, seq=seq, at=seen)
             upserts.append(
                 (ns, name, st.st_size, seen, seen, seq, key_len, preds.get((ns, name)), seq)
             )
-        return upserts, deletes
+        return upserts, deletes, stored_bytes
+
+
+@dataclass
+class _Batch:
+    """What the model learned from a batch of events, until the index has it too."""
+
+    events: list[Event] = field(default_factory=list)
+    touched: dict[tuple[str, str], bool] = field(default_factory=dict)  # -> stored in it
+    reads: Counter[tuple[str, str]] = field(default_factory=Counter)
+    seqs: dict[tuple[str, str], int] = field(default_factory=dict)  # -> its last access's seq
+    preds: dict[tuple[str, str], str] = field(default_factory=dict)  # -> a write's first guess
+    # (ns, name) -> its page's predecessor relearned from reads (None: the link dropped)
+    relinks: dict[tuple[str, str], str | None] = field(default_factory=dict)
+    per_ns: dict[str, list[int]] = field(default_factory=dict)  # ns -> [reads, writes]

@@ -7,9 +7,12 @@ which, but the access stream does. One I/O thread per rank reads a request's hit
 
 * a page **written** right after page P of the same stream (namespace and file suffix: one
   rank's files) most likely continues P: that is its first guess of a predecessor;
-* a page **read** right after P is evidence for P; a guess that keeps losing to other evidence is
-  replaced (a majority vote with a small counter), so the first guess of a chain's first page,
-  or an order mixed up by concurrent requests, is repaired as reads arrive;
+* a page **read** right after P is evidence for P; a link that keeps losing to other evidence
+  is dropped (a majority vote with a small counter), and a new one is made only when two
+  requests in a row (contrary reads of one stream) agree on it. So an order mixed up by
+  concurrent requests is repaired as reads arrive, and a chain's first page, read (or
+  written) right after whatever request came before, stays unlinked: that evidence is
+  rarely the same twice;
 * a link that would close a cycle is refused (the shared system prompt, an ancestor of every
   chain, never gets a session's page as its predecessor).
 
@@ -54,6 +57,9 @@ class Page:
     last_time: float  # wall-clock time of that access (only for min_age)
     reads: int = 0
     conf: int = 0  # agreeing reads banked for `pred`
+    # (predecessor, file suffix) the last contrary read named, and in which stream (one rank's
+    # files: every rank reads a request's pages, so two ranks agreeing is one request's word)
+    cand: tuple[str, str] | None = None
     # (name after the key, size) of each file; the suffixes are interned: a million pages of
     # one namespace share a handful of them.
     files: tuple[tuple[str, int], ...] = ()
@@ -181,38 +187,45 @@ class ChainModel:
             self.clock = max(self.clock, seq)
             return page.pred
 
-    def observe_read(self, ns: str, name: str, key_len: int, *, seq: int, at: float) -> str | None:
-        """A file was read; returns its page's new predecessor if this read changed it."""
+    def observe_read(
+        self, ns: str, name: str, key_len: int, *, seq: int, at: float
+    ) -> tuple[bool, str | None]:
+        """A file was read; returns (whether this read changed its page's predecessor, the
+        predecessor now)."""
         key, stream = name[:key_len], (ns, name[key_len:])
         with self.lock:
             prev = self._prev.get(stream)
             self._prev[stream] = key
             page = self.pages.get((ns, key))
             if page is None:
-                return None
+                return False, None
             page.reads += 1
             page.last, page.last_time = seq, at
             self.clock = max(self.clock, seq)
+            before = page.pred
             if prev is None or prev == key:
-                return None
+                return False, before
             if page.pred == prev:
                 page.conf = min(page.conf + 1, CONFIDENCE_MAX)
-                return None
-            if page.conf > 0:
+            elif page.conf > 0:
                 page.conf -= 1
-                return None
-            before = page.pred
-            self._link((ns, key), page, prev)
-            return page.pred if page.pred != before else None
+            elif page.cand == (prev, stream[1]):  # two requests in a row name the same page
+                self._link((ns, key), page, prev)
+            elif page.cand is None or page.cand[0] != prev:  # (another rank: the same word)
+                page.cand = (prev, stream[1])
+                self._link((ns, key), page, None)
+            return page.pred != before, page.pred
 
     def _link(self, pid: PageId, page: Page, pred: str | None, trusted: bool = False) -> None:
-        """Make `pred` the page's predecessor unless that closes a cycle."""
+        """Make `pred` the page's predecessor unless that closes a cycle. Only a page with a
+        child on disk can be an ancestor: a new tail links without a walk up its chain."""
         ns = pid[0]
-        if pred is not None and not trusted and self._is_ancestor(ns, pid[1], pred):
+        walk = pid in self.kids or pred == pid[1]
+        if pred is not None and not trusted and walk and self._is_ancestor(ns, pid[1], pred):
             return
         if page.pred is not None:
             self._unkid(pid, page.pred)
-        page.pred, page.conf = pred, 0
+        page.pred, page.conf, page.cand = pred, 0, page.cand if pred is None else None
         if pred is not None:
             above = (ns, pred)
             self.kids[above] = self.kids.get(above, 0) + 1
@@ -241,6 +254,12 @@ class ChainModel:
             self.leaves.add(above)
 
     # -- reading ----------------------------------------------------------------------------------
+
+    def names(self, ns: str, key: str) -> tuple[str, ...]:
+        """The file names of a page (none if it is not known)."""
+        with self.lock:
+            page = self.pages.get((ns, key))
+            return page.names(key) if page is not None else ()
 
     def bytes_by_namespace(self) -> dict[str, int]:
         with self.lock:

@@ -12,6 +12,7 @@ frees.
 
 from __future__ import annotations
 
+import math
 import shutil
 import sqlite3
 from collections.abc import Sequence
@@ -119,7 +120,9 @@ def _plan(
     steps += stale
     steps += drops
     unlisted = sum(s.bytes for s in steps if s.reason in ("trash", "tmp"))
-    before = now - policy.min_age
+    # No age rule at all without min_age: an access time in the future (a clock stepped back,
+    # a previous leader's clock ahead) must not make a page unevictable (cf. too_young).
+    before = now - policy.min_age if policy.min_age > 0 else math.inf
     if sweep:
         torn, mixed = gcfind.torn_pages(conn, gone, policy, now)
         steps += torn

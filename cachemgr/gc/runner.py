@@ -79,7 +79,7 @@ class GcRunner(Worker):
         super().__init__("gc", on_death=on_death)
         self.model = model  # the index's live chain model (None: built per run from the DB)
         self.ahead = ahead  # bytes the writer adds while GC frees space (the daemon's estimate)
-        self.run_seconds = 0.0  # how long the last run took
+        self.run_seconds = 0.0  # how long the last run that only kept a limit took
         self.ready = ready
         self.store, self.layout, self.policy = store, layout, policy
         self.in_use = in_use  # who uses a namespace dir right now (execute_gc)
@@ -212,7 +212,8 @@ class GcRunner(Worker):
             pacer=pacer or self._pacer(plan), progress=progress,
             clock=self.clock, stop=self._stopping.is_set, in_use=self.in_use,
         )  # fmt: skip
-        self.run_seconds = time.monotonic() - t0
+        if _keeping(plan) and not dry_run:  # a paced run's minutes are not cap-keeping's
+            self.run_seconds = time.monotonic() - t0
         if self.model is not None and not dry_run:
             for step in plan.steps:
                 if step.namespace_id is not None and step.reason in KEEPING:
@@ -223,7 +224,7 @@ class GcRunner(Worker):
     def _pacer(self, plan: GcPlan) -> Pacer:
         """Keeping a cap or the floor keeps up with the writer: unpaced. Mass work (trash,
         unbound namespaces, retention) goes at delete_rate, so the disk stays responsive."""
-        if all(s.reason in KEEPING for s in plan.steps):
+        if _keeping(plan):
             return Pacer(rate=None)
         return Pacer(rate=self.policy.delete_rate)
 
@@ -281,3 +282,8 @@ class GcRunner(Worker):
             # One failed cycle (a vanished dir, a locked DB, a full disk) must not end GC.
             log.exception("gc cycle failed")
             return True
+
+
+def _keeping(plan: GcPlan) -> bool:
+    """Whether the plan only keeps a cap or the free-space floor (unpaced: see _pacer)."""
+    return all(s.reason in KEEPING for s in plan.steps)

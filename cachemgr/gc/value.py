@@ -47,7 +47,7 @@ class Victim(NamedTuple):
 class _Segment(NamedTuple):
     value: float
     last: int
-    last_time: float  # ties (pages only a scan has seen: no access yet) go oldest mtime first
+    when: float  # wall clock of its latest use: what orders pages only a scan saw (seq 0)
     path: list[PageId]  # leaf first
 
 
@@ -114,7 +114,7 @@ def _segments(
         silence = rate * (now - last)
         alive = 0.0 if silence > _MAX_EXP else 1 / (1 + odds * math.exp(silence))
         out.append(_Segment(rate * alive, last, when, path))
-    out.sort(key=lambda s: (s.value, s.last, s.last_time))
+    out.sort(key=lambda s: (s.value, s.last, s.when))
     return out
 
 

@@ -43,8 +43,8 @@ def upsert_pages(conn: sqlite3.Connection, rows: Iterable[PageRow]) -> None:
     )
 
 
-def set_preds(conn: sqlite3.Connection, rows: Iterable[tuple[str, str, str]]) -> None:
-    """Store relearned chain links: (pred key, namespace, file name)."""
+def set_preds(conn: sqlite3.Connection, rows: Iterable[tuple[str | None, str, str]]) -> None:
+    """Store relearned chain links: (pred key or None for none, namespace, file name)."""
     conn.executemany("UPDATE pages SET pred = ? WHERE namespace_id = ? AND name = ?", rows)
 
 
