@@ -13,9 +13,10 @@ import takes 10-20 s here) serves many requests. Requests and replies:
   unlink: handle, tokens, index -> path (deletes that block's file, as an evictor would)
   files:  root_dir -> bin, tmp, config, other (regular files below root_dir, by kind)
 Run `python tests/vllm_driver.py --demo ROOT_DIR` for the scenarios in docs/vllm-notes.md.
-Block keys are vLLM's own chained block hashes (hash_block_tokens, NONE_HASH from the hash
-function's fixed seed); a block's bytes are a deterministic function of (key, tag), so a
-reader can tell its own bytes from another writer's.
+Block keys are vLLM's own chained block hashes (hash_block_tokens; NONE_HASH is re-seeded at
+each open: fixed for sha256, random for xxhash unless PYTHONHASHSEED is set); a block's
+bytes are a deterministic function of (key, tag), so a reader can tell its own bytes from
+another writer's.
 """
 
 from __future__ import annotations
