@@ -1,4 +1,5 @@
-"""Compile cachemgr.fs._dirscan and cachemgr.fs._unlink (C, Linux) into the package: wheels and editable installs alike.
+"""Compile cachemgr.fs._dirscan and _unlink (C, Linux) into the package: wheels and editable
+installs alike.
 
 setuptools does the compiling (compiler, flags and the extension's file name all come from the
 Python being built for); hatchling ships the result and tags the wheel for this platform.

@@ -37,7 +37,7 @@ Removed = Callable[[str], None]  # a name that is no longer there (deleted or va
 PART = 256  # names checked and unlinked per call into C: how often the root path is re-checked
 # Unlinks at once, unpaced: on one thread the kernel's work per unlink is serialised on waits
 # (journal, inode eviction); a few threads in one dir ran 1.5-10x one (bench/RESULTS.md).
-THREADS = 4
+THREADS = 8
 
 
 @dataclass(frozen=True)
