@@ -139,9 +139,11 @@ class CachemgrRun:
         time.sleep(IDLE_S)  # scrapes of the idle daemon, to compare with
         gc = self.daemon.gc
         gc.policy = dataclasses.replace(gc.policy, max_bytes=1, low_watermark=0.5)
-        t0 = time.monotonic()
+        t0, wall = time.monotonic(), time.time()
         report = gc.run(actor="bench", sweep=False, pacer=Pacer(rate=None))
         t1 = time.monotonic()
+        execute = report.finished_at - report.started_at
+        print(f"  (plan {report.started_at - wall:.2f} s, execute {execute:.2f} s)", flush=True)
         out, _ = poller.communicate("", timeout=60)
         scrapes = json.loads(out)
         self.latencies = [s for t, s in scrapes if t0 <= t <= t1]

@@ -186,7 +186,7 @@ def test_threads_stop_before_any_unlink_once_the_dir_left_its_parent(tree: Path)
     try:
         other = os.stat(tree)  # the entry must be (dev, inode) of ns/<id>; this is not it
         results, moved = unlink_batch(
-            dir_fd, parent_fd, ns.name, other.st_dev, other.st_ino, PAGES, 0.0, 0.0, 8, False
+            dir_fd, parent_fd, ns.name, other.st_dev, other.st_ino, PAGES, 0.0, 0.0, 8, 0, False
         )
     finally:
         os.close(dir_fd)

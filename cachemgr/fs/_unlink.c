@@ -25,7 +25,9 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #define MAX_THREADS 16
@@ -34,7 +36,7 @@
 enum status { DELETED, VANISHED, YOUNG, NOT_REGULAR, STAT_ERROR, UNLINK_ERROR, NOT_REACHED };
 
 typedef struct {
-    int dir_fd, parent_fd, dry_run;
+    int dir_fd, parent_fd, dry_run, nice;
     const char *leaf;
     dev_t dev;
     ino_t ino;
@@ -99,6 +101,9 @@ static void one(Batch *b, size_t i) {
 
 static void *worker(void *arg) {
     Batch *b = arg;
+    /* Per thread on Linux; best effort (a failure only leaves the thread at the caller's). */
+    if (b->nice != 0)
+        setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), b->nice);
     for (;;) {
         if (atomic_load(&b->stop))
             break;
@@ -110,26 +115,31 @@ static void *worker(void *arg) {
     return NULL;
 }
 
-/* Run the batch on `threads` threads, this one among them: if a thread cannot be started,
- * the ones running finish the batch. */
+/* Run the batch on `threads` new threads at `nice` (the caller's own priority stays), or on
+ * this one if none can be started. */
 static void run(Batch *b, int threads) {
     pthread_t tids[MAX_THREADS];
     int started = 0;
-    while (started < threads - 1 && pthread_create(&tids[started], NULL, worker, b) == 0)
+    while (started < threads && pthread_create(&tids[started], NULL, worker, b) == 0)
         started++;
-    worker(b);
+    if (started == 0) {
+        b->nice = 0;
+        worker(b);
+    }
     for (int t = 0; t < started; t++)
         pthread_join(tids[t], NULL);
 }
 
 PyDoc_STRVAR(unlink_batch_doc,
-    "unlink_batch(dir_fd, parent_fd, leaf, dev, ino, names, min_age, now, threads, dry_run)\n"
+    "unlink_batch(dir_fd, parent_fd, leaf, dev, ino, names, min_age, now, threads, nice,\n"
+    "             dry_run)\n"
     "-> (list of (status, value) per name, moved: bool)\n\n"
     "Check and unlink `names` relative to dir_fd, whose entry `leaf` in parent_fd must stay\n"
     "the dir (dev, ino); parent_fd -1: no such check. Status: 0 deleted (value: size),\n"
     "1 vanished, 2 young, 3 not a regular file, 4 stat error (errno), 5 unlink error (errno;\n"
     "stops the batch), 6 not reached (the batch stopped first). `moved`: the dir left its\n"
-    "parent's entry. Names must be UTF-8 (the caller's shape check admits ASCII only).");
+    "parent's entry. The work runs on `threads` threads at niceness `nice`. Names must be\n"
+    "UTF-8 (the caller's shape check admits ASCII only).");
 
 static PyObject *unlink_batch(PyObject *Py_UNUSED(self), PyObject *args) {
     Batch b;
@@ -137,8 +147,8 @@ static PyObject *unlink_batch(PyObject *Py_UNUSED(self), PyObject *args) {
     unsigned long long dev, ino;
     int threads;
     memset(&b, 0, sizeof b);
-    if (!PyArg_ParseTuple(args, "iisKKOddip", &b.dir_fd, &b.parent_fd, &b.leaf, &dev, &ino,
-                          &seq_arg, &b.min_age, &b.now, &threads, &b.dry_run))
+    if (!PyArg_ParseTuple(args, "iisKKOddiip", &b.dir_fd, &b.parent_fd, &b.leaf, &dev, &ino,
+                          &seq_arg, &b.min_age, &b.now, &threads, &b.nice, &b.dry_run))
         return NULL;
     b.dev = (dev_t)dev, b.ino = (ino_t)ino;
     if (threads < 1 || threads > MAX_THREADS) {

@@ -11,6 +11,7 @@ def unlink_batch(
     min_age: float,
     now: float,
     threads: int,
+    nice: int,
     dry_run: bool,
     /,
 ) -> tuple[list[tuple[int, int]], bool]: ...

@@ -55,6 +55,9 @@ class Checked:
 # What _unlink.unlink_batch says of each name.
 DELETED, VANISHED, YOUNG, NOT_REGULAR, STAT_ERROR, UNLINK_ERROR, NOT_REACHED = range(7)
 NO_PARENT = -1  # Where.parent_fd of a dir with no parent to check (cachemgr's own temp dirs)
+# The unlinking threads' niceness: on a busy machine they yield the CPU to the daemon's HTTP
+# thread (a /metrics scrape during a mass eviction) and to SGLang's own threads.
+NICE = 10
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,7 @@ def check_and_unlink(
     shaped = [n for n in names if os.sep not in n and accepts(n)]
     results, moved = unlink_batch(
         where.fd, where.parent_fd, where.leaf, *where.here, shaped, min_age, now, threads,
-        dry_run,
+        NICE, dry_run,
     )  # fmt: skip
     verdicts = dict(zip(shaped, results, strict=True))
     ok = []
