@@ -152,8 +152,8 @@ def test_unpaced_parts_on_threads_delete_exactly_what_the_dry_run_counts(
     pages, stay = _mixed_dir(ns, outside, 3 * PART + 17)
     names = sorted(pages | stay)
     dry = delete_files(tree, "ns/0123456789abcdef", names, dry_run=True)
-    gone: list[str] = []
-    real = delete_files(tree, "ns/0123456789abcdef", names, removed=gone.append)
+    gone: dict[str, int | None] = {}
+    real = delete_files(tree, "ns/0123456789abcdef", names, removed=gone.__setitem__)
     assert (dry.files, dry.bytes) == (real.files, real.bytes) == (len(pages), 10 * len(pages))
     assert set(os.listdir(ns)) == stay and set(gone) == pages
     assert sorted(real.refused) == sorted(dry.refused) and len(real.refused) == 4
@@ -166,10 +166,10 @@ def test_a_failed_unlink_stops_the_run_after_reporting_what_went(tree: Path) -> 
     ns = tree / "ns" / "0123456789abcdef"
     stuck = ns / PAGES[2]
     subprocess.run(["chattr", "+i", str(stuck)], check=True)
-    gone: list[str] = []
+    gone: dict[str, int | None] = {}
     try:
         with pytest.raises(PermissionError):
-            delete_files(tree, "ns/0123456789abcdef", [*PAGES, TEMP], removed=gone.append)
+            delete_files(tree, "ns/0123456789abcdef", [*PAGES, TEMP], removed=gone.__setitem__)
     finally:
         subprocess.run(["chattr", "-i", str(stuck)], check=True)
     left = set(os.listdir(ns))

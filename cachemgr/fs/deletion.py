@@ -33,7 +33,8 @@ from cachemgr.layout import NS_DIR, check_ns_id
 from cachemgr.sglang.hicache import HICACHE_FILE
 
 Progress = Callable[[int, int], None]  # (files so far, bytes so far)
-Removed = Callable[[str], None]  # a name that is no longer there (deleted or vanished)
+# A name that is no longer there, with the bytes its deletion freed (None: it had vanished).
+Removed = Callable[[str, int | None], None]
 PART = 256  # names checked and unlinked per call into C: how often the root path is re-checked
 # Unlinks at once, unpaced: on one thread the kernel's work per unlink is serialised on waits
 # (journal, inode eviction); a few threads in one dir ran 1.5-10x one (bench/RESULTS.md).
@@ -103,7 +104,8 @@ def delete_files(
     Stops (reported in `refused`) as soon as <root>/<rel_dir> is no longer the dir it was at
     the start: checked before each part of names (from the root, no link followed) and, by
     its entry in its parent, before each unlink. `removed` hears every name that is gone
-    afterwards (so an index can drop it); not in a dry run.
+    afterwards (so an index can drop it); not in a dry run. An unlink the kernel refuses (not
+    a vanished file) is raised once `removed` has heard everything gone before it.
     """
     names = list(names)
     paced = pacer is not None and bool(pacer.rate)
@@ -130,20 +132,20 @@ def delete_files(
             for name, nbytes in ok:
                 if not dry_run:
                     if removed is not None:
-                        removed(name)
+                        removed(name, nbytes)
                     if pacer is not None:
                         pacer.tick()
                 files += 1
                 size += nbytes
                 if progress is not None and files % 1024 == 0:
                     progress(files, size)
-            if checked.error is not None:
-                raise checked.error
-            if stopped:
+            if stopped or checked.error is not None:
                 break
     if removed is not None and not dry_run:
         for name in checked.vanished:
-            removed(name)
+            removed(name, None)
+    if checked.error is not None:
+        raise checked.error
     if progress is not None:
         progress(files, size)
     refused = tuple(f"{rel_dir}/{name}: {why}" for name, why in checked.refused)
