@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 from pathlib import Path
@@ -8,7 +9,7 @@ import pytest
 
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs._unlink import unlink_batch
-from cachemgr.fs.deletecheck import NOT_REACHED
+from cachemgr.fs.deletecheck import NOT_REACHED, STAT_ERROR
 from cachemgr.fs.deletion import PART, Pacer, delete_dir, delete_files
 
 KEY = "ab" * 32
@@ -193,3 +194,14 @@ def test_threads_stop_before_any_unlink_once_the_dir_left_its_parent(tree: Path)
         os.close(parent_fd)
     assert moved and {s for s, _ in results} == {NOT_REACHED}
     assert set(PAGES) <= set(os.listdir(ns))
+
+
+def test_a_name_with_a_nul_never_reaches_the_shorter_name(tree: Path) -> None:
+    """The kernel would read "page\\0x" as "page": the C batch refuses such a name outright."""
+    ns = tree / "ns" / "0123456789abcdef"
+    fd = os.open(ns, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        results, _ = unlink_batch(fd, -1, "", 0, 0, [PAGES[0] + "\0x"], 0.0, 0.0, 1, 0, False)
+    finally:
+        os.close(fd)
+    assert results == [(STAT_ERROR, errno.EINVAL)] and (ns / PAGES[0]).exists()

@@ -63,7 +63,9 @@ static int still_here(const Batch *b) {
 static void one(Batch *b, size_t i) {
     const char *name = b->names[i];
     struct stat st;
-    if (strchr(name, '/') != NULL) { /* the caller refuses these: never reached */
+    /* NULL: the name held a NUL (below); a '/' would leave dir_fd. The caller's shape check
+     * refuses both first. */
+    if (name == NULL || strchr(name, '/') != NULL) {
         b->status[i] = STAT_ERROR, b->value[i] = EINVAL;
         return;
     }
@@ -169,9 +171,12 @@ static PyObject *unlink_batch(PyObject *Py_UNUSED(self), PyObject *args) {
     }
     for (Py_ssize_t i = 0; i < b.n; i++) {
         /* valid while `seq` holds the str: until the end of this call */
-        b.names[i] = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(seq, i));
-        if (b.names[i] == NULL)
+        Py_ssize_t len;
+        const char *name = PyUnicode_AsUTF8AndSize(PySequence_Fast_GET_ITEM(seq, i), &len);
+        if (name == NULL)
             goto done;
+        /* a NUL inside would make the kernel see a shorter name: another file */
+        b.names[i] = (Py_ssize_t)strlen(name) == len ? name : NULL;
         b.status[i] = NOT_REACHED;
     }
     if (threads > b.n)
