@@ -205,3 +205,8 @@ def test_a_name_with_a_nul_never_reaches_the_shorter_name(tree: Path) -> None:
     finally:
         os.close(fd)
     assert results == [(STAT_ERROR, errno.EINVAL)] and (ns / PAGES[0]).exists()
+
+
+def test_a_name_given_twice_is_deleted_once_and_counted_once(tree: Path) -> None:
+    report = delete_files(tree, "ns/0123456789abcdef", [PAGES[0], PAGES[1], PAGES[0]])
+    assert (report.files, report.bytes, report.vanished) == (2, 200, 1)

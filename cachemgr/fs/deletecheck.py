@@ -91,15 +91,16 @@ def check_and_unlink(
     another reason than a vanished file ends the part in `out.error`).
     """
     accepts, what = ours
-    shaped = [n for n in names if os.sep not in n and accepts(n)]
+    fits = [os.sep not in n and accepts(n) for n in names]
+    shaped = [n for n, fit in zip(names, fits, strict=True) if fit]
     results, moved = unlink_batch(
         where.fd, where.parent_fd, where.leaf, *where.here, shaped, min_age, now, threads,
         NICE, dry_run,
     )  # fmt: skip
-    verdicts = dict(zip(shaped, results, strict=True))
+    verdicts = iter(results)  # in the order of `shaped` (a name given twice gets two)
     ok = []
-    for name in names:
-        status, value = verdicts.get(name, (None, 0))
+    for name, fit in zip(names, fits, strict=True):
+        status, value = next(verdicts) if fit else (None, 0)
         if status is None:
             out.refused.append((name, f"not {what}"))
         elif status == DELETED:
