@@ -13,9 +13,9 @@ PYTEST_ARGS ?=
 
 .PHONY: run install uninstall test lint deps sglang-env bench clean
 
-# The venv is rebuilt when pyproject.toml changes; the install compiles the C scanner again
-# when its source changes.
-$(VENV)/.installed: pyproject.toml hatch_build.py cachemgr/fs/_dirscan.c
+# The venv is rebuilt when pyproject.toml changes; the install compiles the C helpers again
+# when its sources change.
+$(VENV)/.installed: pyproject.toml hatch_build.py cachemgr/fs/_dirscan.c cachemgr/fs/_unlink.c
 	PY=$(PY) bash scripts/build-deps.sh
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]' 2> >(grep -v "is ignored: it is neither" >&2)

@@ -1,4 +1,5 @@
-"""Compile cachemgr.fs._dirscan (C, Linux) into the package: wheels and editable installs alike.
+"""Compile cachemgr.fs._dirscan and _unlink (C, Linux) into the package: wheels and editable
+installs alike.
 
 setuptools does the compiling (compiler, flags and the extension's file name all come from the
 Python being built for); hatchling ships the result and tags the wheel for this platform.
@@ -19,17 +20,21 @@ class DirscanBuildHook(BuildHookInterface):  # type: ignore[misc]
         from setuptools import Distribution, Extension
         from setuptools.command.build_ext import build_ext
 
-        ext = Extension(
-            "cachemgr.fs._dirscan",
-            sources=["cachemgr/fs/_dirscan.c"],
-            extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra"],
-            extra_link_args=["-pthread"],
-        )
-        cmd = build_ext(Distribution({"ext_modules": [ext]}))
+        exts = [
+            Extension(
+                f"cachemgr.fs.{name}",
+                sources=[f"cachemgr/fs/{name}.c"],
+                extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra"],
+                extra_link_args=["-pthread"],
+            )
+            for name in ("_dirscan", "_unlink")
+        ]
+        cmd = build_ext(Distribution({"ext_modules": exts}))
         cmd.inplace = True  # next to its source, where an editable install imports it from
         cmd.ensure_finalized()
         cmd.run()
-        built = Path(cmd.get_ext_fullpath(ext.name)).relative_to(Path.cwd())
-        build_data["force_include"][str(built)] = str(built)
+        for ext in exts:
+            built = Path(cmd.get_ext_fullpath(ext.name)).relative_to(Path.cwd())
+            build_data["force_include"][str(built)] = str(built)
         build_data["pure_python"] = False
         build_data["infer_tag"] = True

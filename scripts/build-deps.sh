@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What installing cachemgr needs besides Python: a C compiler and the Python headers (the
-# directory scanner, cachemgr/fs/_dirscan.c, is compiled at install). Installed with apt if
-# missing; PY is the interpreter the venv is made from.
+# directory scanner, cachemgr/fs/_dirscan.c, and the batch unlink, cachemgr/fs/_unlink.c, are
+# compiled at install). Installed with apt if missing; PY is the interpreter the venv is made
+# from.
 set -euo pipefail
 PY=${PY:-python3}
 missing=()

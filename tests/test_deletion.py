@@ -1,12 +1,16 @@
 from __future__ import annotations
 
+import errno
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from cachemgr.errors import UnsafePathError
-from cachemgr.fs.deletion import Pacer, delete_dir, delete_files
+from cachemgr.fs._unlink import unlink_batch
+from cachemgr.fs.deletecheck import NOT_REACHED, STAT_ERROR
+from cachemgr.fs.deletion import PART, Pacer, delete_dir, delete_files
 
 KEY = "ab" * 32
 PAGES = [f"{KEY[:-2]}{i:02x}_m_0_1.bin" for i in range(5)]
@@ -121,3 +125,88 @@ def test_pacer_sleeps_to_hold_the_rate() -> None:
         pacer.tick()
     # 30 files at 100/s take 0.3 s: with a frozen clock each batch of 10 waits its 0.1 s share
     assert slept == pytest.approx([0.1, 0.2, 0.3])
+
+
+def _mixed_dir(ns: Path, outside: Path, n: int) -> tuple[set[str], set[str]]:
+    """n pages across several parts, with a link, a dir, a FIFO and a foreign file named among
+    them; (names to delete, names that must stay)."""
+    pages = {f"{i:064x}_m_0_1.bin" for i in range(n)}
+    for name in pages:
+        (ns / name).write_bytes(b"p" * 10)
+    link, a_dir, fifo = (f"{'e' * 63}{c}_m_0_1.bin" for c in "012")
+    (ns / link).symlink_to(outside)
+    (ns / a_dir).mkdir()
+    os.mkfifo(ns / fifo)
+    return pages, {link, a_dir, fifo, "notes.txt"}
+
+
+def test_unpaced_parts_on_threads_delete_exactly_what_the_dry_run_counts(
+    tree: Path, tmp_path: Path
+) -> None:
+    """Several parts, unlinked on several threads: each file still gets every check, and the
+    dry run counts what the real run then deletes."""
+    ns = tree / "ns" / "0123456789abcdef"
+    for name in [*PAGES, TEMP]:
+        (ns / name).unlink()
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"precious")
+    pages, stay = _mixed_dir(ns, outside, 3 * PART + 17)
+    names = sorted(pages | stay)
+    dry = delete_files(tree, "ns/0123456789abcdef", names, dry_run=True)
+    gone: dict[str, int | None] = {}
+    real = delete_files(tree, "ns/0123456789abcdef", names, removed=gone.__setitem__)
+    assert (dry.files, dry.bytes) == (real.files, real.bytes) == (len(pages), 10 * len(pages))
+    assert set(os.listdir(ns)) == stay and set(gone) == pages
+    assert sorted(real.refused) == sorted(dry.refused) and len(real.refused) == 4
+    assert outside.read_bytes() == b"precious"
+
+
+def test_a_failed_unlink_stops_the_run_after_reporting_what_went(tree: Path) -> None:
+    """An unlink refused by the kernel (an immutable file, EPERM even for root) is raised, but
+    only once `removed` has heard every file already gone (the index must drop those)."""
+    ns = tree / "ns" / "0123456789abcdef"
+    stuck = ns / PAGES[2]
+    subprocess.run(["chattr", "+i", str(stuck)], check=True)
+    gone: dict[str, int | None] = {}
+    try:
+        with pytest.raises(PermissionError):
+            delete_files(tree, "ns/0123456789abcdef", [*PAGES, TEMP], removed=gone.__setitem__)
+    finally:
+        subprocess.run(["chattr", "-i", str(stuck)], check=True)
+    left = set(os.listdir(ns))
+    assert PAGES[2] in left
+    assert set(gone) == {*PAGES, TEMP} - left  # every file gone was reported, no other
+
+
+def test_threads_stop_before_any_unlink_once_the_dir_left_its_parent(tree: Path) -> None:
+    """The C batch's location guard: with the parent's entry no longer this dir, no thread
+    unlinks anything and every name is reported not reached."""
+    ns = tree / "ns" / "0123456789abcdef"
+    dir_fd = os.open(ns, os.O_RDONLY | os.O_DIRECTORY)
+    parent_fd = os.open(tree / "ns", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        other = os.stat(tree)  # the entry must be (dev, inode) of ns/<id>; this is not it
+        results, moved = unlink_batch(
+            dir_fd, parent_fd, ns.name, other.st_dev, other.st_ino, PAGES, 0.0, 0.0, 8, 0, False
+        )
+    finally:
+        os.close(dir_fd)
+        os.close(parent_fd)
+    assert moved and {s for s, _ in results} == {NOT_REACHED}
+    assert set(PAGES) <= set(os.listdir(ns))
+
+
+def test_a_name_with_a_nul_never_reaches_the_shorter_name(tree: Path) -> None:
+    """The kernel would read "page\\0x" as "page": the C batch refuses such a name outright."""
+    ns = tree / "ns" / "0123456789abcdef"
+    fd = os.open(ns, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        results, _ = unlink_batch(fd, -1, "", 0, 0, [PAGES[0] + "\0x"], 0.0, 0.0, 1, 0, False)
+    finally:
+        os.close(fd)
+    assert results == [(STAT_ERROR, errno.EINVAL)] and (ns / PAGES[0]).exists()
+
+
+def test_a_name_given_twice_is_deleted_once_and_counted_once(tree: Path) -> None:
+    report = delete_files(tree, "ns/0123456789abcdef", [PAGES[0], PAGES[1], PAGES[0]])
+    assert (report.files, report.bytes, report.vanished) == (2, 200, 1)

@@ -131,7 +131,7 @@ def test_build_stage_makes_a_wheel_with_migrations_from_the_context(tmp_path: Pa
 
 
 def check_wheel(wheel: Path, site: Path) -> None:
-    """A platform wheel with every migration inside, whose compiled scanner imports and scans."""
+    """A platform wheel with every migration inside, whose compiled helpers import and run."""
     assert "-linux_" in wheel.name
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
@@ -143,14 +143,16 @@ def check_wheel(wheel: Path, site: Path) -> None:
     assert expected and shipped == expected
     # The extension in the wheel imports and scans (not the one in the repo's source tree).
     probe = (
-        "import cachemgr.fs._dirscan as d, os; print(d.__file__);"
+        "import cachemgr.fs._dirscan as d, cachemgr.fs._unlink as u, os; print(d.__file__);"
+        " print(u.__file__); print(u.unlink_batch(os.open('.', 0), -1, '', 0, 0, [], 0, 0, 1, 0,"
+        " True));"
         " print(d.scan(os.open('.', 0), 2, (16, 128, '.', 32), lambda shape: 0)[1])"
     )
     out = subprocess.run(
         [sys.executable, "-c", probe], cwd=site, capture_output=True, text=True, check=True,
         timeout=60,
     )  # fmt: skip
-    assert out.stdout.splitlines()[0].startswith(str(site / "cachemgr"))
+    assert all(line.startswith(str(site / "cachemgr")) for line in out.stdout.splitlines()[:2])
 
 
 def test_a_wheel_built_from_the_sdist_has_the_scanner_and_migrations(tmp_path: Path) -> None:

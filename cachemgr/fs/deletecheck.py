@@ -1,33 +1,25 @@
 """What a deletion checks: which names it may touch and which files (the per-file checks),
-and that the dir it deletes in is still where it was (the location guard). deletion.py drives
-the unlinks.
+and that the dir it deletes in is still where it was (the location guard). The per-file checks
+and the unlinks run in C (_unlink.c), a part of names at a time, without the GIL; deletion.py
+drives the parts.
 """
 
 from __future__ import annotations
 
 import os
-import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cachemgr.backends import FileFormat, FileKind
 from cachemgr.errors import UnsafePathError
+from cachemgr.fs._unlink import unlink_batch
 from cachemgr.fs.safe import is_own_temp, open_dir
 
 
 def dir_id(fd: int) -> tuple[int, int]:
     st = os.fstat(fd)
     return st.st_dev, st.st_ino
-
-
-def entry_is(parent_fd: int, leaf: str, here: tuple[int, int]) -> bool:
-    """Whether `leaf` in `parent_fd` is (not a link to) the dir identified by `here`."""
-    try:
-        st = os.stat(leaf, dir_fd=parent_fd, follow_symlinks=False)
-    except OSError:
-        return False
-    return (st.st_dev, st.st_ino) == here
 
 
 def still_at(root: Path, rel_dir: str, here: tuple[int, int]) -> bool:
@@ -57,50 +49,77 @@ class Checked:
     vanished: list[str] = field(default_factory=list)
     young: int = 0
     refused: list[tuple[str, str]] = field(default_factory=list)
+    error: OSError | None = None  # an unlink failed (not for a vanished file): the run stops
 
 
-def check_part(
-    dir_fd: int,
+# What _unlink.unlink_batch says of each name.
+DELETED, VANISHED, YOUNG, NOT_REGULAR, STAT_ERROR, UNLINK_ERROR, NOT_REACHED = range(7)
+NO_PARENT = -1  # Where.parent_fd of a dir with no parent to check (cachemgr's own temp dirs)
+# The unlinking threads' niceness: on a busy machine they yield the CPU to the daemon's HTTP
+# thread (a /metrics scrape during a mass eviction) and to SGLang's own threads.
+NICE = 10
+
+
+@dataclass(frozen=True)
+class Where:
+    """The dir a deletion works in: its descriptor, and the entry (`leaf` in `parent_fd`) that
+    must still be that very dir (`here`: device, inode) before each unlink."""
+
+    fd: int
+    parent_fd: int
+    leaf: str
+    here: tuple[int, int]
+
+
+def check_and_unlink(
+    where: Where,
     names: list[str],
+    *,
     min_age: float,
-    now: Callable[[], float],
+    now: float,
+    threads: int,
+    dry_run: bool,
     out: Checked,
     ours: Names,
-) -> list[tuple[str, int]]:
-    """(name, size) of the names that may be deleted; the rest are tallied in `out`."""
+) -> tuple[list[tuple[str, int]], bool]:
+    """Check each name and unlink those that pass (not in a dry run): (name, size) of those,
+    and whether the dir left its parent's entry (the rest of the part is then not reached).
+
+    The name's shape is checked here; in C, per file: a regular file (lstat, no link
+    followed), older than `min_age` (0: no age rule), the dir still in its place, then unlinkat
+    relative to the dir's descriptor. The rest are tallied in `out` (an unlink that fails for
+    another reason than a vanished file ends the part in `out.error`).
+    """
+    accepts, what = ours
+    fits = [os.sep not in n and accepts(n) for n in names]
+    shaped = [n for n, fit in zip(names, fits, strict=True) if fit]
+    results, moved = unlink_batch(
+        where.fd, where.parent_fd, where.leaf, *where.here, shaped, min_age, now, threads,
+        NICE, dry_run,
+    )  # fmt: skip
+    verdicts = iter(results)  # in the order of `shaped` (a name given twice gets two)
     ok = []
-    for name in names:
-        verdict = check_name(dir_fd, name, min_age, now(), ours)
-        if isinstance(verdict, int):
-            ok.append((name, verdict))
-        elif verdict == "vanished":
+    for name, fit in zip(names, fits, strict=True):
+        status, value = next(verdicts) if fit else (None, 0)
+        if status is None:
+            out.refused.append((name, f"not {what}"))
+        elif status == DELETED:
+            ok.append((name, value))
+        elif status == VANISHED:
             out.vanished.append(name)
-        elif verdict == "young":
+        elif status == YOUNG:
             out.young += 1
-        else:
-            out.refused.append((name, verdict))
-    return ok
+        elif status == NOT_REGULAR:
+            out.refused.append((name, "not a regular file"))
+        elif status == STAT_ERROR:
+            out.refused.append((name, f"cannot stat: {os.strerror(value)}"))
+        elif status == UNLINK_ERROR:
+            out.error = OSError(value, os.strerror(value), name)
+        # else NOT_REACHED: the part stopped first (the dir moved, or an unlink failed)
+    return ok, moved
 
 
 def too_young(mtime: float, min_age: float, now: float) -> bool:
     """Whether a file modified at `mtime` is kept by the min-age rule (a future mtime is young;
     min_age 0 means no age rule at all)."""
     return min_age > 0 and now - mtime < min_age
-
-
-def check_name(dir_fd: int, name: str, min_age: float, now: float, ours: Names) -> int | str:
-    """The file's size if it may be deleted, else why not."""
-    accepts, what = ours
-    if os.sep in name or not accepts(name):
-        return f"not {what}"
-    try:
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return "vanished"
-    except OSError as e:
-        return f"cannot stat: {e.strerror}"
-    if not stat.S_ISREG(st.st_mode):
-        return "not a regular file"
-    if too_young(st.st_mtime, min_age, now):
-        return "young"
-    return st.st_size

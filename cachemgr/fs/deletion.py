@@ -13,18 +13,18 @@ import os
 import stat
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cachemgr.backends import FileFormat
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs.deletecheck import (
+    NO_PARENT,
     OWN_TEMPS,
     Checked,
-    check_part,
+    Where,
+    check_and_unlink,
     dir_id,
-    entry_is,
     names_of,
     still_at,
 )
@@ -33,8 +33,12 @@ from cachemgr.layout import NS_DIR, check_ns_id
 from cachemgr.sglang.hicache import HICACHE_FILE
 
 Progress = Callable[[int, int], None]  # (files so far, bytes so far)
-Removed = Callable[[str], None]  # a name that is no longer there (deleted or vanished)
-PART = 256  # names checked at a time: the unit of the check/unlink overlap
+# A name that is no longer there, with the bytes its deletion freed (None: it had vanished).
+Removed = Callable[[str, int | None], None]
+PART = 256  # names checked and unlinked per call into C: how often the root path is re-checked
+# Unlinks at once, unpaced: on one thread the kernel's work per unlink is serialised on waits
+# (journal, inode eviction); a few threads in one dir ran 1.5-10x one (bench/RESULTS.md).
+THREADS = 8
 
 
 @dataclass(frozen=True)
@@ -98,67 +102,50 @@ def delete_files(
     """Delete the named page/temp files of <root>/<rel_dir>; anything else is refused.
 
     Stops (reported in `refused`) as soon as <root>/<rel_dir> is no longer the dir it was at
-    the start: checked before each part of PART names, and whenever an unlink finds nothing.
-    `removed` hears every name that is gone afterwards (so an index can drop it); not in a
-    dry run.
+    the start: checked before each part of names (from the root, no link followed) and, by
+    its entry in its parent, before each unlink. `removed` hears every name that is gone
+    afterwards (so an index can drop it); not in a dry run. An unlink the kernel refuses (not
+    a vanished file) is raised once `removed` has heard everything gone before it.
     """
     names = list(names)
-    parts = [names[i : i + PART] for i in range(0, len(names), PART)]
+    paced = pacer is not None and bool(pacer.rate)
+    # Unpaced, parts of PART names are unlinked on THREADS threads; paced, a part is one
+    # pacer batch on one thread, so the pacer's sleeps fall between parts.
+    step = min(PART, pacer.batch) if pacer is not None and paced else PART
     files = size = 0
     checked = Checked()
-    paced = pacer is not None and bool(pacer.rate)
     ours = names_of(fmt)
     parent, _, leaf = rel_dir.rpartition("/")
     if not leaf:
         raise UnsafePathError(f"{rel_dir!r}: no directory to delete files from")
     stopped = False
-    with (
-        open_dir(root, rel_dir) as fd,
-        open_dir(root, parent) as parent_fd,
-        ThreadPoolExecutor(1, "delete-check") as pool,
-    ):
-        here = dir_id(fd)
-        # Unpaced, a helper thread checks the next part while this one unlinks: the checks'
-        # Python work overlaps the unlinks' kernel time (no GIL), so the loop runs at the
-        # disk's pace. Paced, the checks stay in step with the unlinks (no look-ahead).
-        ahead = None
-        for i, part in enumerate(parts):
-            if ahead is not None:
-                ok = ahead.result()
-            else:
-                ok = check_part(fd, part, min_age, now, checked, ours)
-            ahead = None
-            if not dry_run and not still_at(root, rel_dir, here):
+    with open_dir(root, rel_dir) as fd, open_dir(root, parent) as parent_fd:
+        where = Where(fd, parent_fd, leaf, dir_id(fd))
+        for i in range(0, len(names), step):
+            if not dry_run and not still_at(root, rel_dir, where.here):
                 stopped = True
                 break
-            if not (dry_run or paced) and i + 1 < len(parts):
-                ahead = pool.submit(check_part, fd, parts[i + 1], min_age, now, checked, ours)
+            ok, stopped = check_and_unlink(
+                where, names[i : i + step], min_age=min_age, now=now(),
+                threads=1 if paced else THREADS, dry_run=dry_run, out=checked, ours=ours,
+            )  # fmt: skip
             for name, nbytes in ok:
                 if not dry_run:
-                    # Through `fd` (a path through the dir's name could follow a link swapped
-                    # in for it), but only while the parent still holds this very dir under
-                    # its name: a dir moved away (out of the root, say) stops us at once.
-                    if not entry_is(parent_fd, leaf, here):
-                        stopped = True
-                        break
-                    try:
-                        os.unlink(name, dir_fd=fd)
-                    except FileNotFoundError:
-                        checked.vanished.append(name)
-                        continue
                     if removed is not None:
-                        removed(name)
+                        removed(name, nbytes)
                     if pacer is not None:
                         pacer.tick()
                 files += 1
                 size += nbytes
                 if progress is not None and files % 1024 == 0:
                     progress(files, size)
-            if stopped:
+            if stopped or checked.error is not None:
                 break
     if removed is not None and not dry_run:
         for name in checked.vanished:
-            removed(name)
+            removed(name, None)
+    if checked.error is not None:
+        raise checked.error
     if progress is not None:
         progress(files, size)
     refused = tuple(f"{rel_dir}/{name}: {why}" for name, why in checked.refused)
@@ -247,14 +234,15 @@ def delete_own_temps(
     """Delete temp files cachemgr's own atomic writes left in <root>/<rel_dir> (a kill -9
     between write and rename): only names `safefs.is_own_temp` recognises, only regular files,
     only older than `older_than` seconds (a younger one may be a write in progress)."""
-    files = size = 0
     checked = Checked()
     with open_dir(root, rel_dir) as fd:
-        ok = check_part(fd, list(names), older_than, now, checked, OWN_TEMPS)
-        for name, nbytes in ok:
-            if not (dry_run or _unlink(fd, name)):
-                checked.vanished.append(name)
-                continue
-            files, size = files + 1, size + nbytes
+        ok, _ = check_and_unlink(
+            Where(fd, NO_PARENT, "", dir_id(fd)), list(names), min_age=older_than, now=now(),
+            threads=1, dry_run=dry_run, out=checked, ours=OWN_TEMPS,
+        )  # fmt: skip
+    if checked.error is not None:
+        raise checked.error
     refused = tuple(f"{rel_dir}/{name}: {why}" for name, why in checked.refused)
-    return DeleteReport(files, size, len(checked.vanished), checked.young, refused, dry_run)
+    return DeleteReport(
+        len(ok), sum(n for _, n in ok), len(checked.vanished), checked.young, refused, dry_run
+    )

@@ -118,14 +118,20 @@ def _run_step(
         if stop():
             base = replace(base, skipped="stopped: the daemon is shutting down")
             break
-        gone: list[str] = []
+        gone: dict[str, int | None] = {}
         before = _dir_id(layout, step.rel_dir)
         # Unpaced here, paced below once the chunk is recorded: a kill -9 during the pacer's
         # sleep (where a paced run spends its time) then finds audit and index exact.
-        r = delete_files(
-            layout.root, step.rel_dir, step.names[i : i + CHUNK], dry_run=dry_run,
-            min_age=step.min_age, progress=tally.offset(), now=clock, removed=gone.append,
-        )  # fmt: skip
+        try:
+            r = delete_files(
+                layout.root, step.rel_dir, step.names[i : i + CHUNK], dry_run=dry_run,
+                min_age=step.min_age, progress=tally.offset(), now=clock,
+                removed=gone.__setitem__,
+            )  # fmt: skip
+        except OSError:  # an unlink refused: what went before it is recorded all the same
+            if not dry_run and _dir_id(layout, step.rel_dir) == before:
+                _record_chunk(store, step, list(gone), _freed(gone), actor, clock())
+            raise
         tally.add(r)
         total += r
         if before is None or _dir_id(layout, step.rel_dir) != before:
@@ -135,9 +141,15 @@ def _run_step(
             base = replace(base, skipped="the namespace was purged during GC")
             break
         if not dry_run:
-            _record_chunk(store, step, gone, r, actor, clock())
+            _record_chunk(store, step, list(gone), r, actor, clock())
         _pace(pacer, r.files)
     return base.done(total)
+
+
+def _freed(gone: dict[str, int | None]) -> DeleteReport:
+    """Files and bytes deleted, from what `delete_files` reported gone (vanished: None)."""
+    sizes = [b for b in gone.values() if b is not None]
+    return DeleteReport(len(sizes), sum(sizes))
 
 
 def _pace(pacer: Pacer | None, files: int) -> None:

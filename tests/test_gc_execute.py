@@ -1,0 +1,44 @@
+"""Carrying out a GC plan when the kernel refuses an unlink: what went is still recorded."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cachemgr.gc.execute import CHUNK, execute_gc
+from tests.gc_helpers import NS, T0, Tree, page, policy
+
+
+@pytest.fixture
+def tree(root: Path) -> Iterator[Tree]:
+    t = Tree.at(root)
+    yield t
+    t.store.close()
+
+
+def test_a_refused_unlink_fails_the_run_with_index_and_audit_exact(tree: Tree) -> None:
+    """An immutable page (EPERM even for root) mid-chunk: the run raises, and every page
+    deleted before it, in that chunk too, has left the index and is audited."""
+    names = [page(i) for i in range(3 * CHUNK)]
+    tree.write(NS, names, at=T0, size=10)
+    plan = tree.plan(policy(max_bytes=1), now=T0 + 1)
+    (step,) = plan.steps
+    stuck = tree.layout.ns_dir(NS) / step.names[CHUNK + CHUNK // 2]
+    subprocess.run(["chattr", "+i", str(stuck)], check=True)
+    try:
+        with pytest.raises(PermissionError):
+            execute_gc(plan, tree.layout, tree.store, clock=lambda: T0 + 1)
+    finally:
+        subprocess.run(["chattr", "-i", str(stuck)], check=True)
+    on_disk = tree.files(NS)
+    assert stuck.name in on_disk and len(on_disk) < 2 * CHUNK  # it stopped in chunk 2
+    indexed = {n for (n,) in tree.store.conn.execute("SELECT name FROM pages")}
+    assert indexed == on_disk
+    audited = tree.store.conn.execute("SELECT SUM(pages), SUM(bytes) FROM audit")
+    assert tuple(audited.fetchone()) == (
+        len(names) - len(on_disk),
+        10 * (len(names) - len(on_disk)),
+    )
