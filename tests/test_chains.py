@@ -8,7 +8,9 @@ import math
 from collections.abc import Iterator
 from pathlib import Path
 
+from cachemgr.fs.usage import DiskUsage
 from cachemgr.gc.chains import ChainModel
+from cachemgr.gc.policy import GcPolicy, over_limits
 from cachemgr.gc.value import eviction_order
 from cachemgr.state import pages_sql
 from cachemgr.state.store import Store
@@ -148,6 +150,35 @@ def test_min_age_holds_a_page_and_its_ancestors() -> None:
     model.add("ns", key(2) + SUFFIX, KEY_LEN, 100, seq=2, at=20.0, pred=key(1))
     assert order(model, before=15.0) == []  # 2 is young, and 1 must outlive it
     assert order(model, before=25.0) == [2, 1]
+
+
+def test_a_page_in_flight_keeps_its_chain_until_the_writer_moves_on_or_stops() -> None:
+    model = ChainModel(in_flight=5)
+    for n in range(1, 101):  # 100 unrelated pages, long done
+        model.add("ns", key(n) + SUFFIX, KEY_LEN, 100, seq=n, at=0.0)
+    model.add("ns", key(200) + SUFFIX, KEY_LEN, 100, seq=101, at=100.0)
+    model.add("ns", key(201) + SUFFIX, KEY_LEN, 100, seq=102, at=100.0, pred=key(200))
+    # 201 was written by a request that may still be writing what follows it: it and its
+    # prefix stay; the rest may go.
+    got = [int(v.key, 16) for v in eviction_order(model, before=math.inf, now=100.5)]
+    assert 200 not in got and 201 not in got and len(got) == 100
+    # Two seconds later nothing is in flight, even if no access came since (the writer stopped).
+    got = [int(v.key, 16) for v in eviction_order(model, before=math.inf, now=102.5)]
+    assert got.index(201) < got.index(200)
+    # Five more accesses and it is no longer among the last ones, whatever the time.
+    for n in range(1, 6):
+        model.observe_read("ns", key(n) + SUFFIX, KEY_LEN, seq=102 + n, at=100.5)
+    got = [int(v.key, 16) for v in eviction_order(model, before=math.inf, now=100.5)]
+    assert 201 in got
+
+
+def test_the_writers_pace_counts_at_most_half_the_watermarks_gap() -> None:
+    policy = GcPolicy(max_bytes=1000, high_watermark=1.0, low_watermark=0.9)
+    disk = DiskUsage(10**12, 10**11, 10**11)
+    assert over_limits(policy, {"ns": 960}, disk).root is None
+    # At most 50 bytes ahead (half of 1.0 - 0.9): over, and down to 900 - 50, never further.
+    assert over_limits(policy, {"ns": 960}, disk, ahead=10**6).root == 110
+    assert over_limits(policy, {"ns": 960}, disk, ahead=20).root is None
 
 
 def test_the_model_survives_a_restart_through_the_index(tmp_path: Path) -> None:
