@@ -122,7 +122,7 @@ def over_limits(
     budget = root_budget(policy, left if counted is None else counted, disk)
     if budget.limit != math.inf:
         # At most half the watermarks' gap: a run must not empty the cache for a burst.
-        ahead = min(ahead, int(budget.limit * (high - low) / 2))
+        ahead = min(ahead, round(budget.limit * (high - low) / 2))
     root = budget.excess(left + ahead, low) if budget.over(left + ahead, high) else None
     return Limits(over_cap, budget, root)
 
