@@ -55,7 +55,7 @@ class PageEvents:
             b = _Batch()
         self._observe(b, events[len(b.events) :], now)
         self._unsaved = b
-        upserts, deletes, stored = self._settle(b.touched, b.seqs, b.preds, now)
+        upserts, deletes, stored = self._settle(b, now)
         reads, seqs = b.reads, b.seqs
         with self.store.transaction() as conn:
             pages_sql.upsert_pages(conn, upserts)
@@ -77,10 +77,11 @@ class PageEvents:
             b.events.append(ev)
             tally = b.per_ns.setdefault(ns, [0, 0])
             key = (ns, name)
+            key_len = self.fmt.key_len(name) or len(name)  # the watcher passes pages only
             if kind is Kind.GONE:
                 b.touched[key] = b.touched.get(key, False)
+                b.key_lens[key] = key_len
                 continue
-            key_len = self.fmt.key_len(name) or len(name)  # the watcher passes pages only
             if kind is Kind.READ:
                 b.reads[key] += 1
                 tally[0] += 1
@@ -89,6 +90,7 @@ class PageEvents:
                     b.relinks.update(((ns, n), pred) for n in self.model.names(ns, name[:key_len]))
             else:
                 b.touched[key] = True
+                b.key_lens[key] = key_len
                 tally[1] += 1
                 pred = self.model.observe_write(ns, name, key_len, seq=seq, at=now)
                 if pred is not None:
@@ -98,19 +100,15 @@ class PageEvents:
         self._next = seq
 
     def _settle(
-        self,
-        touched: dict[tuple[str, str], bool],
-        seqs: dict[tuple[str, str], int],
-        preds: dict[tuple[str, str], str],
-        now: float,
+        self, b: _Batch, now: float
     ) -> tuple[list[pages_sql.PageRow], list[tuple[str, str]], int]:
         """Split touched pages into rows to upsert (file exists) and rows to delete, and count
         the bytes stored; the model takes the sizes found and forgets the files that are gone."""
         stored_bytes = 0
         upserts: list[pages_sql.PageRow] = []
         deletes: list[tuple[str, str]] = []
-        for (ns, name), stored in touched.items():
-            key_len = self.fmt.key_len(name) or len(name)  # the watcher passes pages only
+        for (ns, name), stored in b.touched.items():
+            key_len = b.key_lens[(ns, name)]
             try:
                 st = os.stat(os.path.join(self.layout.ns_root, ns, name), follow_symlinks=False)
             except (FileNotFoundError, NotADirectoryError):
@@ -118,11 +116,11 @@ class PageEvents:
                 self.model.remove(ns, [(name, key_len)])
                 continue
             seen = now if stored else min(st.st_mtime, now)
-            seq = seqs.get((ns, name), 0)
+            seq = b.seqs.get((ns, name), 0)
             stored_bytes += st.st_size if stored else 0
             self.model.add(ns, name, key_len, st.st_size, seq=seq, at=seen)
             upserts.append(
-                (ns, name, st.st_size, seen, seen, seq, key_len, preds.get((ns, name)), seq)
+                (ns, name, st.st_size, seen, seen, seq, key_len, b.preds.get((ns, name)), seq)
             )
         return upserts, deletes, stored_bytes
 
@@ -133,6 +131,7 @@ class _Batch:
 
     events: list[Event] = field(default_factory=list)
     touched: dict[tuple[str, str], bool] = field(default_factory=dict)  # -> stored in it
+    key_lens: dict[tuple[str, str], int] = field(default_factory=dict)  # of the touched names
     reads: Counter[tuple[str, str]] = field(default_factory=Counter)
     seqs: dict[tuple[str, str], int] = field(default_factory=dict)  # -> its last access's seq
     preds: dict[tuple[str, str], str] = field(default_factory=dict)  # -> a write's first guess

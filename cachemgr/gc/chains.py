@@ -181,11 +181,8 @@ class ChainModel:
             prev = self._prev.get(stream)
             self._prev[stream] = key
             guess = prev if prev is not None and prev != key else None
-            self.add(ns, name, key_len, 0, seq=seq, at=at, pred=guess)
-            page = self.pages[(ns, key)]
-            page.last, page.last_time = seq, at
-            self.clock = max(self.clock, seq)
-            return page.pred
+            self.add(ns, name, key_len, 0, seq=seq, at=at, pred=guess)  # moves `last` on too
+            return self.pages[(ns, key)].pred
 
     def observe_read(
         self, ns: str, name: str, key_len: int, *, seq: int, at: float
@@ -260,10 +257,3 @@ class ChainModel:
         with self.lock:
             page = self.pages.get((ns, key))
             return page.names(key) if page is not None else ()
-
-    def bytes_by_namespace(self) -> dict[str, int]:
-        with self.lock:
-            out: dict[str, int] = {}
-            for (ns, _), page in self.pages.items():
-                out[ns] = out.get(ns, 0) + page.size
-            return out

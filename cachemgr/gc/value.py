@@ -7,7 +7,7 @@ segment are read together (a request reads its whole prefix), so they share one 
 
     value = rate × P(alive)
 
-* rate: the segment's uses per access-sequence step, (uses - 1 + 1) / (last - first + b), from
+* rate: the segment's uses per access-sequence step, (returns + 1) / (last - first + b), from
   its top page (its reads count every return of the chain); b, the prior, is the mean interval
   between returns over all segments that came back, so a chain seen once is worth about one
   typical return;
@@ -103,7 +103,7 @@ def _segments(
             raw.append((path, top, last, stranded))
     returns = [(last - top.born, top.reads) for _, top, last, _ in raw if top.reads > 0]
     prior = sum(d for d, _ in returns) / sum(n for _, n in returns) if returns else 1.0
-    odds, now = END / (1 - END), model.clock
+    odds, clock = END / (1 - END), model.clock
     out = []
     for path, top, last, stranded in raw:
         when = max(model.pages[p].last_time for p in path)
@@ -111,7 +111,7 @@ def _segments(
             out.append(_Segment(-1.0, last, when, path))
             continue
         rate = (top.reads + 1) / (last - top.born + max(prior, 1.0))
-        silence = rate * (now - last)
+        silence = rate * (clock - last)
         alive = 0.0 if silence > _MAX_EXP else 1 / (1 + odds * math.exp(silence))
         out.append(_Segment(rate * alive, last, when, path))
     out.sort(key=lambda s: (s.value, s.last, s.when))
