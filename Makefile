@@ -11,7 +11,7 @@ PREFIX ?= /usr/local
 COMPLETIONS := $(PREFIX)/share/bash-completion/completions
 PYTEST_ARGS ?=
 
-.PHONY: run install uninstall test lint deps sglang-env bench clean
+.PHONY: run install uninstall test lint deps sglang-env vllm-env bench clean
 
 # The venv is rebuilt when pyproject.toml changes; the install compiles the C helpers again
 # when its sources change.
@@ -40,16 +40,19 @@ deps:
 sglang-env:
 	bash scripts/sglang-env.sh
 
+vllm-env:
+	bash scripts/vllm-env.sh
+
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: $(VENV)/.installed deps sglang-env lint
+test: $(VENV)/.installed deps sglang-env vllm-env lint
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed sglang-env
 	@ls bench/bench_*.py | xargs -n1 $(BIN)/python
 
 clean:
-	rm -rf $(VENV) .sglang-env .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .sglang-env .vllm-env .pytest_cache .mypy_cache .ruff_cache

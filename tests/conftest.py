@@ -1,4 +1,5 @@
-"""Fixtures shared by the suite: real temp roots, free ports, and SGLang's own file backend."""
+"""Fixtures shared by the suite: real temp roots, free ports, and the engines' own cache tiers
+(SGLang's HiCacheFile, vLLM's file-system tier), each driven in its own environment."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from cachemgr.state.store import Store
 
 REPO = Path(__file__).resolve().parent.parent
 SGLANG_ENV = Path(os.environ.get("CACHEMGR_SGLANG_ENV", REPO / ".sglang-env"))
+VLLM_ENV = Path(os.environ.get("CACHEMGR_VLLM_ENV", REPO / ".vllm-env"))
 
 
 @pytest.fixture
@@ -108,8 +110,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class SglangDriver:
-    """A client of tests/sglang_driver.py running SGLang's HiCacheFile in .sglang-env."""
+class JsonLineDriver:
+    """A client of a driver script (tests/*_driver.py) that runs an engine's own classes in the
+    engine's environment and answers one JSON line per request."""
 
     def __init__(self, proc: subprocess.Popen[str]) -> None:
         self.proc = proc
@@ -119,7 +122,7 @@ class SglangDriver:
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"sglang driver exited with {self.proc.wait()}")
+            raise RuntimeError(f"{self.proc.args} exited with {self.proc.wait()}")
         return line
 
     def call(self, op: str, **req: Any) -> dict[str, Any]:
@@ -128,8 +131,34 @@ class SglangDriver:
         self.proc.stdin.flush()
         resp: dict[str, Any] = json.loads(self._readline())
         if "error" in resp:
-            raise RuntimeError(f"sglang driver: {resp['error']}")
+            raise RuntimeError(f"driver {op}: {resp['error']}")
         return resp
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        assert self.proc.stdout is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+        self.proc.stdout.close()
+
+
+def start_driver(env: Path, builder: str, script: str, env_prefix: str) -> subprocess.Popen[str]:
+    """Run tests/<script> with `env`'s python, without the engine's own env variables."""
+    python = env / "bin" / "python"
+    if not python.exists():
+        pytest.fail(f"{env} is missing: run scripts/{builder} (make test does)")
+    return subprocess.Popen(
+        [str(python), str(REPO / "tests" / script)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=sys.stderr,
+        text=True,
+        env={k: v for k, v in os.environ.items() if not k.startswith(env_prefix)},
+    )
+
+
+class SglangDriver(JsonLineDriver):
+    """tests/sglang_driver.py running SGLang's HiCacheFile in .sglang-env."""
 
     def open(self, storage_dir: Path, model: str = "Qwen/Qwen3-8B", **cfg: Any) -> int:
         """A HiCacheFile on `storage_dir`, as one TP rank of a server would create it."""
@@ -141,13 +170,6 @@ class SglangDriver:
     def read(self, handle: int, tokens: list[list[int]], **kw: Any) -> dict[str, Any]:
         return self.call("read", handle=handle, tokens=tokens, **_page_defaults(kw))
 
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        assert self.proc.stdout is not None
-        self.proc.stdin.close()
-        self.proc.wait(timeout=30)
-        self.proc.stdout.close()
-
 
 def _page_defaults(kw: dict[str, Any]) -> dict[str, Any]:
     return {"page_size": 64, "dtype": "bfloat16", "elems": 512, "tag": "A", **kw}
@@ -156,17 +178,24 @@ def _page_defaults(kw: dict[str, Any]) -> dict[str, Any]:
 @pytest.fixture(scope="session")
 def sglang() -> Iterator[SglangDriver]:
     """SGLang's own file backend in a subprocess; the env is built by scripts/sglang-env.sh."""
-    python = SGLANG_ENV / "bin" / "python"
-    if not python.exists():
-        pytest.fail(f"{SGLANG_ENV} is missing: run scripts/sglang-env.sh (make test does)")
-    proc = subprocess.Popen(
-        [str(python), str(REPO / "tests" / "sglang_driver.py")],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=sys.stderr,
-        text=True,
-        env={k: v for k, v in os.environ.items() if not k.startswith("SGLANG_")},
-    )
-    driver = SglangDriver(proc)
+    driver = SglangDriver(start_driver(SGLANG_ENV, "sglang-env.sh", "sglang_driver.py", "SGLANG_"))
+    yield driver
+    driver.close()
+
+
+class VllmDriver(JsonLineDriver):
+    """tests/vllm_driver.py running vLLM's FileSystemTierManager in .vllm-env; its docstring
+    lists the requests (open, store, lookup, load, close, unlink, files)."""
+
+    def open(self, root_dir: Path, model: str = "Qwen/Qwen3-0.6B", **cfg: Any) -> dict[str, Any]:
+        """A tier on `root_dir` (vLLM's `secondary_tiers[fs].root_dir`), as a server builds it."""
+        return self.call("open", root_dir=str(root_dir), model=model, **cfg)
+
+
+@pytest.fixture(scope="session")
+def vllm() -> Iterator[VllmDriver]:
+    """vLLM's own file-system KV tier in a subprocess; the env is built by scripts/vllm-env.sh.
+    Its import takes 10-20 s, so one process serves the session."""
+    driver = VllmDriver(start_driver(VLLM_ENV, "vllm-env.sh", "vllm_driver.py", "VLLM_"))
     yield driver
     driver.close()

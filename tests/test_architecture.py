@@ -23,7 +23,17 @@ LAYERS: list[set[str]] = [
     {"identity"},
     {"state"},
     {"fs"},
-    {"layout", "backends", "sglang", "settings", "logs", "units", "worker", ""},  # "": __init__
+    {
+        "layout",
+        "backends",
+        "sglang",
+        "vllm",
+        "settings",
+        "logs",
+        "units",
+        "worker",
+        "",
+    },  # "": __init__
     {"errors"},
 ]
 ENTRY_POINTS = {"cli", "daemon", "__main__"}  # what only a process entry may import
