@@ -7,9 +7,9 @@ Run with the Python of an environment where `sglang` imports (e.g. .sglang-env):
 import argparse
 import ast
 import importlib.metadata
-import textwrap
 from pathlib import Path
 
+from flagtable import BY_FIELD, choice_lines, read_table, words
 from sglang.srt.server_args import ServerArgs
 
 ARGS_PY = Path(__file__).resolve().parent.parent / "cachemgr" / "sglang" / "args.py"
@@ -30,42 +30,9 @@ def launch_fields() -> set[str]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
-    no_value: set[str] = set()
-    multi: set[str] = set()
-    choices: dict[str, list[str]] = {}
-    integer: set[str] = set()
-    ours = launch_fields()
-    for action in parser._actions:
-        if action.nargs == 0:
-            no_value.update(action.option_strings)
-        elif action.nargs in ("+", "*"):
-            multi.update(action.option_strings)
-        # Only the settings cachemgr reads (LaunchArgs fields are named as SGLang's dests).
-        if action.dest in ours and action.nargs != 0:
-            if action.choices:
-                choices[action.dest] = [str(c) for c in action.choices]
-            if action.type is int:
-                integer.add(action.dest)
-    no_value -= {"-h", "--help"}
+    # Only the settings cachemgr reads (LaunchArgs fields are named as SGLang's dests).
+    table = read_table(parser._actions, launch_fields())
     version = importlib.metadata.version("sglang")
-
-    def block(names: set[str]) -> str:
-        text = textwrap.fill(
-            " ".join(sorted(names)), 92, break_on_hyphens=False, break_long_words=False
-        )
-        return textwrap.indent(text, "    ")
-
-    choice_lines = "\n".join(
-        textwrap.fill(
-            f"{dest}: {' '.join(values)}",
-            96,
-            initial_indent="    ",
-            subsequent_indent="        ",
-            break_on_hyphens=False,
-            break_long_words=False,
-        )
-        for dest, values in sorted(choices.items())
-    )
 
     print(f'''"""Which SGLang {version} server flags take no value, which take several, and which
 values SGLang accepts for the settings cachemgr reads.
@@ -77,43 +44,35 @@ Flags missing here (newer SGLang) fall back to the rule in sglang_args.py.
 # store_true, BooleanOptionalAction and store_const flags: never followed by a value.
 NO_VALUE = frozenset(
     """
-{block(no_value)}
+{words(table.no_value)}
     """.split()  # noqa: SIM905 (a word list reads better than 186 quoted strings)
 )
 
 # nargs="+" / "*" flags: every following non-flag token is theirs.
 MULTI_VALUE = frozenset(
     """
-{block(multi)}
+{words(table.multi)}
     """.split()  # noqa: SIM905
 )
 
 SGLANG_VERSION = "{version}"
 
 
-def _by_field(text: str) -> dict[str, tuple[str, ...]]:
-    """`field: value value …` entries (wrapped freely) as a dict of tuples."""
-    out: dict[str, list[str]] = {{}}
-    for word in text.split():
-        if word.endswith(":"):
-            field = out.setdefault(word[:-1], [])
-        else:
-            field.append(word)
-    return {{name: tuple(values) for name, values in out.items()}}
+{BY_FIELD}
 
 
 # The `choices` of SGLang's parser for the settings cachemgr reads, by LaunchArgs field (named
 # as SGLang's dests): any other value SGLang refuses.
 CHOICES = _by_field(
     """
-{choice_lines}
+{choice_lines(table.choices)}
     """
 )
 
 # Fields SGLang parses with int(): "64.0" or "1.5" is refused.
 INTEGER = frozenset(
     """
-{block(integer)}
+{words(table.integer)}
     """.split()  # noqa: SIM905
 )''')
 
