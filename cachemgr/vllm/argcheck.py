@@ -1,0 +1,90 @@
+"""Refuse a vLLM launch's values the way vLLM's parser would, before anything acts on them:
+`--kv-cache-dtype fp9_bogus` must not become a namespace that purges the good one.
+
+`flag_of` maps a VllmLaunchArgs field to the flag that sets it, for the message.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from cachemgr.errors import ConfigError
+from cachemgr.vllm.flags import CHOICES, INTEGER, VLLM_VERSION
+from cachemgr.vllm.tier import EXTRA, TIERS
+
+_BOOL_FIELDS = frozenset({"trust_remote_code"})
+_HUMAN = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT]?)")
+
+
+def check(values: Mapping[str, Any], flag_of: Mapping[str, str]) -> None:
+    """A switch given a value, a value flag without one, a choice vLLM does not list, an int
+    flag that int() refuses: one ConfigError naming the flag."""
+    for field, value in values.items():
+        flag = flag_of.get(field, field)
+        if field in _BOOL_FIELDS:
+            if not isinstance(value, bool):
+                raise ConfigError(f"{flag} takes no value (got {value!r})")
+            continue
+        if value is True:
+            raise ConfigError(f"{flag} needs a value")
+        if field in CHOICES and value not in CHOICES[field]:
+            valid = ", ".join(CHOICES[field])
+            raise ConfigError(f"invalid {flag} {value!r}: vLLM {VLLM_VERSION} accepts {valid}")
+        if field in INTEGER:
+            try:
+                int(value)  # argparse's type=int
+            except ValueError:
+                raise ConfigError(
+                    f"invalid {flag} {value!r}: vLLM {VLLM_VERSION} takes an integer"
+                ) from None
+
+
+def max_model_len(raw: str | None) -> int | None:
+    """--max-model-len as vLLM's human_readable_int_or_auto reads it (32k = 32000,
+    32K = 32768); None for absent, auto and -1 (the model's own length)."""
+    if raw is None or raw.strip() == "-1" or raw.strip().lower() == "auto":
+        return None
+    m = _HUMAN.fullmatch(raw.strip())
+    if m is None or (m[2].isupper() and not m[1].isdigit()) or (not m[2] and "." in m[1]):
+        raise ConfigError(f"invalid --max-model-len {raw!r}: vLLM takes 4096, 32k, 32K or auto")
+    if not m[2]:
+        return int(m[1])
+    if m[2].isupper():
+        return int(m[1]) * 2 ** (10 * "KMGT".index(m[2]) + 10)
+    return int(float(m[1]) * 10 ** (3 * "kmgt".index(m[2]) + 3))
+
+
+def _json_object(flag: str, raw: str) -> dict[str, Any]:
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        data = None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{flag} is not a JSON object: {raw!r:.80}")
+    return data
+
+
+def hf_overrides(raw: str | None) -> str | None:
+    """--hf-overrides as canonical JSON (key order and spaces don't count); None if empty."""
+    data = _json_object("--hf-overrides", raw) if raw else {}
+    return json.dumps(data, sort_keys=True, separators=(",", ":")) if data else None
+
+
+def kv_transfer_config(raw: str | None) -> dict[str, Any] | None:
+    """--kv-transfer-config parsed, its tier list checked as vLLM's TieringOffloadingSpec
+    checks it (a list of objects, each with a "type")."""
+    if raw is None:
+        return None
+    config = _json_object("--kv-transfer-config", raw)
+    extra = config.get(EXTRA, {})
+    if not isinstance(extra, dict):
+        raise ConfigError(f"--kv-transfer-config: {EXTRA} is not a JSON object")
+    tiers = extra.get(TIERS, [])
+    if not isinstance(tiers, list) or not all(isinstance(t, dict) for t in tiers):
+        raise ConfigError(f"--kv-transfer-config: {EXTRA}.{TIERS} is not a list of objects")
+    if any(not isinstance(t.get("type"), str) for t in tiers):
+        raise ConfigError(f'--kv-transfer-config: a {TIERS} entry has no "type"')
+    return config

@@ -1,0 +1,156 @@
+"""Read the settings that matter to the cache out of a vLLM launch command.
+
+`vllm serve <model> …` or `python -m vllm.entrypoints.openai.api_server --model <model> …`:
+the command goes through vLLM's argv rewrites (cachemgr.vllm.argv) and then the flag table
+generated from vLLM's parser (cachemgr.vllm.flags); every flag not below is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from cachemgr.errors import ConfigError
+from cachemgr.vllm import argcheck
+from cachemgr.vllm.argv import ReadConfig, VllmCommand, prepass, read_yaml_config, split_vllm
+from cachemgr.vllm.flags import ALIASES, MULTI_VALUE, NO_VALUE
+from cachemgr.vllm.tier import FsTier, fs_tier
+
+# The KV layout is an environment variable, not a flag (vllm/envs.py).
+KV_LAYOUT_ENV = "VLLM_KV_CACHE_LAYOUT"
+
+
+class VllmLaunchArgs(BaseModel):
+    """What a vLLM server will run with; defaults are vLLM 0.33.0's (engine/arg_utils.py)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field(min_length=1)
+    revision: str | None = None
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    block_size: int | None = Field(None, ge=1)  # None: the platform picks (16 on CUDA)
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    decode_context_parallel_size: int = Field(1, ge=1)
+    prefill_context_parallel_size: int = Field(1, ge=1)
+    max_model_len: int | None = None  # None: from the model's config (absent, auto, -1)
+    hf_overrides: str | None = None  # canonical JSON
+    quantization: str | None = None
+    prefix_caching_hash_algo: str = "sha256"
+    served_model_name: str | None = None
+    load_format: str = "auto"
+    download_dir: str | None = None
+    trust_remote_code: bool = False
+    kv_cache_layout: str | None = None  # VLLM_KV_CACHE_LAYOUT, from the launch or environment
+    kv_transfer_config: str | None = None  # canonical JSON
+    tier: FsTier | None = None  # the fs secondary tier of --kv-transfer-config, if any
+
+
+# Long flag (after the pre-pass: dashes) → VllmLaunchArgs field; short ones via ALIASES.
+FLAGS: dict[str, str] = {
+    "--model": "model",
+    "--revision": "revision",
+    "--dtype": "dtype",
+    "--kv-cache-dtype": "kv_cache_dtype",
+    "--block-size": "block_size",
+    "--tensor-parallel-size": "tensor_parallel_size",
+    "--pipeline-parallel-size": "pipeline_parallel_size",
+    "--decode-context-parallel-size": "decode_context_parallel_size",
+    "--prefill-context-parallel-size": "prefill_context_parallel_size",
+    "--max-model-len": "max_model_len",
+    "--hf-overrides": "hf_overrides",
+    "--quantization": "quantization",
+    "--prefix-caching-hash-algo": "prefix_caching_hash_algo",
+    "--kv-transfer-config": "kv_transfer_config",
+    "--served-model-name": "served_model_name",
+    "--load-format": "load_format",
+    "--download-dir": "download_dir",
+    "--trust-remote-code": "trust_remote_code",
+    "--no-trust-remote-code": "trust_remote_code",
+}
+FLAG_OF = {f: flag for flag, f in reversed(FLAGS.items())} | {"model": "model"}
+_NEGATIVE = re.compile(r"-\d")  # argparse reads `-1` as a value when no flag looks like it
+
+
+def _is_flag(tok: str) -> bool:
+    return tok.startswith("-") and tok != "-" and not _NEGATIVE.match(tok)
+
+
+def scan_flags(args: Sequence[str], serve: bool) -> dict[str, str | bool]:
+    """The known flags of pre-passed `args` and their raw values, the last occurrence winning
+    (as argparse); `vllm serve`'s first positional is the model."""
+    found: dict[str, str | bool] = {}
+    i = 1 if serve else 0  # skip the `serve` subcommand
+    while i < len(args):
+        tok = args[i]
+        i += 1
+        if not _is_flag(tok):
+            if serve and "model_tag" not in found:
+                found["model_tag"] = tok  # argparse: the first positional
+            continue
+        name, eq, inline = tok.partition("=")
+        name = ALIASES.get(name, name)
+        value: str | bool = True
+        if eq:
+            value = inline
+        elif name not in NO_VALUE and i < len(args) and not _is_flag(args[i]):
+            value = args[i]
+            i += 1
+            if name in MULTI_VALUE:  # --served-model-name a b: the first one names it
+                while i < len(args) and not _is_flag(args[i]):
+                    i += 1
+        if name in FLAGS:
+            found[FLAGS[name]] = False if name.startswith("--no-") else value
+    return found
+
+
+def is_vllm_launch(command: Sequence[str]) -> bool:
+    """Whether a launch command starts vLLM (`vllm serve`, the api_server module)."""
+    return split_vllm(command) is not None
+
+
+def resolve_vllm_args(
+    command: Sequence[str],
+    environ: dict[str, str] | None = None,
+    read_config: ReadConfig = read_yaml_config,
+) -> VllmLaunchArgs:
+    """VllmLaunchArgs from a vLLM launch command; ConfigError for what vLLM would refuse."""
+    cmd = split_vllm(command)
+    if cmd is None:
+        raise ConfigError("not a vLLM launch (expected `vllm serve …` or `python -m "
+                          "vllm.entrypoints.openai.api_server …`)")  # fmt: skip
+    values: dict[str, Any] = dict(scan_flags(prepass(cmd, NO_VALUE, read_config), cmd.serve))
+    positional = values.pop("model_tag", None)
+    if positional is not None:
+        values["model"] = positional  # serve.py: model_tag wins over --model
+    argcheck.check(values, FLAG_OF)
+    if not values.get("model"):
+        raise ConfigError("no model: `vllm serve <model> …` (or --model for the api_server)")
+    values["max_model_len"] = argcheck.max_model_len(values.get("max_model_len"))
+    values["hf_overrides"] = argcheck.hf_overrides(values.get("hf_overrides"))
+    config = argcheck.kv_transfer_config(values.get("kv_transfer_config"))
+    values["tier"] = fs_tier(config)
+    values["kv_transfer_config"] = _canonical(config)
+    values["kv_cache_layout"] = _env_value(cmd, environ or {}, KV_LAYOUT_ENV)
+    try:
+        return VllmLaunchArgs(**values)
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = str(first["loc"][0]) if first["loc"] else "?"
+        raise ConfigError(
+            f"invalid {FLAG_OF.get(field, field)} {first.get('input')!r}: {first['msg']}"
+        ) from None
+
+
+def _canonical(data: dict[str, Any] | None) -> str | None:
+    return None if data is None else json.dumps(data, sort_keys=True, separators=(",", ":"))
+
+
+def _env_value(cmd: VllmCommand, environ: dict[str, str], name: str) -> str | None:
+    """A variable as the server gets it: set in the launch (`env A=1 vllm …`) or inherited."""
+    return cmd.env.get(name, environ.get(name)) or None
