@@ -72,9 +72,10 @@ def _identity(settings: Settings, launch_cmd: tuple[str, ...]) -> Identity | Non
     """The launch's identity as `fingerprint` computes it (the root's digest cache, read from
     a copy), or None when it cannot be computed here (the model is elsewhere)."""
     try:
-        return LaunchRequest(overrides={}, command=launch_cmd).compute_identity(settings)
+        ident = LaunchRequest(overrides={}, command=launch_cmd).compute_identity(settings)
     except CachemgrError:
         return None
+    return ident if isinstance(ident, Identity) else None
 
 
 def _model_config(args: LaunchArgs, env: Mapping[str, str]) -> dict[str, Any] | None:

@@ -10,10 +10,11 @@ from collections.abc import Mapping
 import click
 
 from cachemgr.cli.context import AppContext, pass_app
-from cachemgr.cli.init import describe, init_options, run_init, warn_refused
+from cachemgr.cli.init import describe, init_options, run_init, vllm_command, warn_refused
 from cachemgr.cli.launch_options import LaunchRequest
 from cachemgr.errors import ConfigError, NotFoundError
 from cachemgr.ns.prelaunch import STORAGE_DIR_ENV
+from cachemgr.vllm.args import VllmLaunchArgs
 
 
 @click.command("exec", context_settings={"allow_interspersed_args": False})
@@ -30,8 +31,11 @@ def exec_(
     The server gets SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR set to its namespace dir; its
     signals and exit code are its own (cachemgr is gone once it starts). Example:
     `cachemgr exec -- sglang serve --model-path M --page-size 64 --enable-hierarchical-cache
-    --hicache-storage-backend file`. A program that is not found on PATH is an error (exit 2)
-    before anything in the cache is touched.
+    --hicache-storage-backend file`. A vLLM launch (`-- vllm serve M --kv-transfer-config
+    '{…}'`) gets its fs tier's root_dir rewritten to the namespace dir instead, in the form
+    it was given (JSON, dotted keys; a --config file's tier is overridden on the command
+    line). A program that is not found on PATH is an error (exit 1) before anything in the
+    cache is touched.
     """
     if not launch.command:
         raise ConfigError("exec needs the server command after `--` (e.g. -- sglang serve …)")
@@ -51,8 +55,11 @@ def exec_(
             )
     click.echo(describe(run.result), err=True)
     warn_refused(run.trash_refused)
-    env = {**os.environ, STORAGE_DIR_ENV: str(run.result.storage_dir)}
-    argv = list(launch.command)
+    if isinstance(run.args, VllmLaunchArgs):
+        env, argv = dict(os.environ), vllm_command(launch, run.result)
+    else:
+        env = {**os.environ, STORAGE_DIR_ENV: str(run.result.storage_dir)}
+        argv = list(launch.command)
     sys.stdout.flush()
     sys.stderr.flush()
     try:

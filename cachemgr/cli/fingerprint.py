@@ -9,6 +9,7 @@ import click
 
 from cachemgr.cli.context import AppContext, pass_app
 from cachemgr.cli.launch_options import LaunchRequest, launch_options
+from cachemgr.identity.engines import AnyIdentity
 from cachemgr.identity.record import Identity, Weights, diff_identities, load_record
 
 
@@ -87,7 +88,7 @@ def diff(a: Path, b: Path) -> None:
     click.echo("same identity")
 
 
-def explain_identity(ident: Identity) -> str:
+def explain_identity(ident: AnyIdentity) -> str:
     """Every component, one per line, with the weights' files listed under them."""
     rows: list[tuple[str, Any]] = [
         ("ns_id", ident.ns_id),
@@ -98,21 +99,21 @@ def explain_identity(ident: Identity) -> str:
     data = ident.model_dump(
         mode="json", exclude={"source", "digest", "ns_id", "schema_version", "weights"}
     )
-    data.pop("draft_weights")
+    data.pop("draft_weights", None)
     for key, value in data.items():
         if isinstance(value, dict):
             rows += [(f"{key}.{k}", v) for k, v in value.items()]
         else:
             rows.append((key, value))
-    src = ident.source
-    rows.append(
-        ("sglang_version (from)", f"{src.sglang_version or '?'} ({src.sglang_version_from})")
-    )
-    rows.append(("page_size (from)", src.page_size_from))
+    full = ident.engine_version_full or "?"
+    rows.append((f"{ident.VERSION_FIELD} (from)", f"{full} ({ident.engine_version_from})"))
+    if isinstance(ident, Identity):
+        rows.append(("page_size (from)", ident.source.page_size_from))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {'none' if v is None else v}" for k, v in rows]
     lines += _explain_weights("weights", ident.weights)
-    if ident.draft_weights is not None:
+    if isinstance(ident, Identity) and ident.draft_weights is not None:
+        src = ident.source
         lines.append(f"draft model  {src.draft_model_path} ({src.draft_model_dir})")
         lines += _explain_weights("draft_weights", ident.draft_weights)
     return "\n".join(lines)

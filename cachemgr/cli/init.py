@@ -1,4 +1,5 @@
-"""`cachemgr init`: the step before `sglang serve` — the right namespace dir, purged on change."""
+"""`cachemgr init`: the step before `sglang serve` / `vllm serve` — the right namespace dir,
+purged on change."""
 
 from __future__ import annotations
 
@@ -18,12 +19,14 @@ from cachemgr.cli.context import AppContext, pass_app, setting_option
 from cachemgr.cli.launch_options import LaunchRequest, launch_options
 from cachemgr.errors import ConfigError
 from cachemgr.fs.atomic import write_atomic
-from cachemgr.identity.record import Identity
+from cachemgr.identity.engines import AnyIdentity
 from cachemgr.ns import init as ns_init
-from cachemgr.ns.init import InitRun, sglang_missing
+from cachemgr.ns.init import InitRun, engine_missing
 from cachemgr.ns.prelaunch import STORAGE_DIR_ENV, InitResult, StorageDirConflict
 from cachemgr.ns.root import created_layout
 from cachemgr.units import human_bytes
+from cachemgr.vllm.args import VllmLaunchArgs
+from cachemgr.vllm.rewrite import ROOT_DIR_ENV, point_root_dir
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -64,13 +67,17 @@ def init_options(f: F) -> F:
 
 
 def run_init(app: AppContext, launch: LaunchRequest, *, wait: bool, force: bool) -> InitRun:
-    """Create the root, compute the identity, init its namespace (cachemgr.ns.init)."""
+    """Check the launch, create the root, compute the identity, init its namespace
+    (cachemgr.ns.init). A launch refused here leaves the root as it was (or absent)."""
     settings = app.settings
+    args = launch.engine_args() if launch.command else None
+    if isinstance(args, VllmLaunchArgs):
+        check_vllm_launch(launch, args)
     layout = created_layout(settings)
     run = ns_init.run_init(
         layout,
         launch.compute_identity(settings, writes=True),
-        launch.launch_args() if launch.command else None,
+        args,
         instance=settings.instance,
         on_change=settings.on_change,
         environ=os.environ,
@@ -78,23 +85,41 @@ def run_init(app: AppContext, launch: LaunchRequest, *, wait: bool, force: bool)
         drain=functools.partial(drain_with_progress, actor="cli") if wait else None,
     )
     warning = version_warning(run.identity)
-    if warning is not None and not run.sglang_missing_told:
+    if warning is not None and not run.engine_missing_told:
         click.echo(f"cachemgr: warning: {warning}", err=True)
     return run
 
 
-def version_warning(identity: Identity) -> str | None:
-    """What to say when no installed SGLang gave the identity its version, with the fix."""
-    if not sglang_missing(identity):
-        return None
-    if identity.source.sglang_version_from == "namespace":
-        return (
-            f"SGLang is not installed here; using version {identity.sglang_version} of the "
-            "instance's namespace (pass --sglang-version to be explicit)"
+def check_vllm_launch(launch: LaunchRequest, args: VllmLaunchArgs) -> None:
+    """A vLLM launch must have an fs tier cachemgr can point at its namespace dir."""
+    if args.tier is None:
+        raise ConfigError(
+            "the vLLM launch has no fs tier: add --kv-transfer-config with "
+            'kv_connector_extra_config.secondary_tiers [{"type": "fs", "root_dir": …}] '
+            "(docs/vllm.md); cachemgr would have nothing to manage"
         )
+    point_root_dir(launch.command, "/cachemgr-check", dict(os.environ))  # refuses before init
+
+
+def vllm_command(launch: LaunchRequest, result: InitResult) -> list[str]:
+    """The vLLM launch with its fs tier's root_dir set to the namespace dir."""
+    return point_root_dir(launch.command, str(result.storage_dir), dict(os.environ))
+
+
+def version_warning(identity: AnyIdentity) -> str | None:
+    """What to say when no installed engine gave the identity its version, with the fix."""
+    if not engine_missing(identity):
+        return None
+    name, option = identity.ENGINE_NAME, f"--{identity.ENGINE}-version"
+    if identity.engine_version_from == "namespace":
+        return (
+            f"{name} is not installed here; using version {identity.engine_version} of the "
+            f"instance's namespace (pass {option} to be explicit)"
+        )
+    example = "0.33.0" if identity.ENGINE == "vllm" else "0.5.23"
     return (
-        "SGLang is not installed here, so the identity's SGLang version is 'unknown'; pass "
-        "--sglang-version (e.g. 0.5.23) so init and exec agree"
+        f"{name} is not installed here, so the identity's {name} version is 'unknown'; pass "
+        f"{option} (e.g. {example}) so init and exec agree"
     )
 
 
@@ -121,17 +146,28 @@ def describe(result: InitResult) -> str:
     return f"identity changed ({shown}): {what}; now {ns}"
 
 
-def env_line(result: InitResult) -> str:
-    return f"{STORAGE_DIR_ENV}={shlex.quote(str(result.storage_dir))}"
+def env_name(run: InitRun) -> str:
+    """The variable init hands the namespace dir in: SGLang reads its own; a vLLM launch
+    puts it into its fs tier's root_dir (docs/vllm.md)."""
+    return ROOT_DIR_ENV if isinstance(run.args, VllmLaunchArgs) else STORAGE_DIR_ENV
+
+
+def env_line(run: InitRun) -> str:
+    return f"{env_name(run)}={shlex.quote(str(run.result.storage_dir))}"
 
 
 @click.command("init")
 @init_options
-@click.option("--print-env", is_flag=True, help=f"Print {STORAGE_DIR_ENV}=… on stdout.")
+@click.option(
+    "--print-env",
+    is_flag=True,
+    help=f"Print {STORAGE_DIR_ENV}=… ({ROOT_DIR_ENV}=… for vLLM) on stdout.",
+)
 @click.option(
     "--env-file",
     type=click.Path(path_type=Path, dir_okay=False),
-    help=f"Write {STORAGE_DIR_ENV}=… to this file (atomically), e.g. for an initContainer.",
+    help=f"Write {STORAGE_DIR_ENV}=… ({ROOT_DIR_ENV}=… for vLLM) to this file (atomically), "
+    "e.g. for an initContainer.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @pass_app
@@ -147,7 +183,9 @@ def init(
     """Prepare the cache for a server: its identity's namespace dir, purged if it changed.
 
     Pass the SGLang launch command after `--` (or the identity options); the namespace dir
-    is what SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR must name for the server.
+    is what SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR must name for the server. For a vLLM
+    launch (`-- vllm serve M … --kv-transfer-config '{…}'`) it is what the fs tier's root_dir
+    must name; `--json` prints the launch rewritten that way ("command").
     """
     if env_file is not None and not env_file.parent.is_dir():  # before anything is made
         raise ConfigError(f"--env-file {env_file}: {env_file.parent} is not a directory")
@@ -155,8 +193,11 @@ def init(
     hands_env = print_env or env_file is not None
     warnings = [_conflict_warning(c, hands_env) for c in run.conflicts]
     warnings = [w for w in warnings if w]
+    command = vllm_command(launch, run.result) if isinstance(run.args, VllmLaunchArgs) else None
+    if isinstance(run.args, VllmLaunchArgs) and not hands_env:
+        warnings += _root_dir_warning(run.args, run.result)
     if env_file is not None:
-        write_atomic(env_file, (env_line(run.result) + "\n").encode())
+        write_atomic(env_file, (env_line(run) + "\n").encode())
     machine = as_json or print_env
     for w in warnings:
         click.echo(f"cachemgr: warning: {w}", err=True)
@@ -167,14 +208,25 @@ def init(
             **dataclasses.asdict(run.result),
             "storage_dir": storage,
             "message": describe(run.result),
-            "env": {STORAGE_DIR_ENV: storage},
+            "env": {env_name(run): storage},
+            **({"command": command} if command is not None else {}),
             # Said on stderr once per root; a machine reading this gets it every time.
             "warnings": [w for w in (version_warning(run.identity), *warnings) if w],
         }
         click.echo(json.dumps(out, indent=2))
     elif print_env:
-        click.echo(env_line(run.result))
+        click.echo(env_line(run))
     warn_refused(run.trash_refused)
+
+
+def _root_dir_warning(args: VllmLaunchArgs, result: InitResult) -> list[str]:
+    root = args.tier.root_dir if args.tier else None
+    if root is None or os.path.abspath(root).rstrip("/") == str(result.storage_dir):
+        return []
+    return [
+        f"the launch's fs tier root_dir is {root}, not the namespace dir: start the server "
+        'with `cachemgr exec -- <launch>`, or with --json\'s "command"'
+    ]
 
 
 def _conflict_warning(c: StorageDirConflict, hands_env: bool) -> str | None:

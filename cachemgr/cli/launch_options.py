@@ -10,7 +10,8 @@ Usage in a command module::
         ident = launch.compute_identity(app.settings)
 
 The command then accepts `--model-path X --kv-cache-dtype fp8_e4m3 …` and/or a launch command
-after `--` (`cachemgr init -- sglang serve --model-path X …`); explicit options win.
+after `--` (`cachemgr init -- sglang serve --model-path X …`); explicit options win. A vLLM
+launch (`-- vllm serve M …`, cachemgr.vllm.args) takes no SGLang options: its command says all.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import sqlite3
 import sys
 from collections.abc import Callable, Iterator
@@ -27,17 +29,19 @@ from typing import Any, TypeVar
 import click
 
 from cachemgr.cli.context import setting_option
-from cachemgr.errors import CachemgrError
+from cachemgr.errors import CachemgrError, ConfigError
 from cachemgr.fs.root import create_root
 from cachemgr.identity.digest_cache import DigestCache
+from cachemgr.identity.engines import AnyIdentity
 from cachemgr.identity.fingerprint import IdentityOptions, compute_identity
 from cachemgr.identity.hashing import Progress
-from cachemgr.identity.record import Identity
+from cachemgr.identity.vllm import compute_vllm_identity
 from cachemgr.layout import Layout
 from cachemgr.settings import Settings
 from cachemgr.sglang.args import LaunchArgs, resolve_launch_args
 from cachemgr.state.snapshot import snapshot
 from cachemgr.state.store import Store
+from cachemgr.vllm.args import VllmLaunchArgs, is_vllm_launch, resolve_vllm_args
 
 F = TypeVar("F", bound=Callable[..., Any])
 PROGRESS_MIN_BYTES = 256 << 20  # below this hashing takes well under a second
@@ -74,7 +78,13 @@ class LaunchRequest:
     command: tuple[str, ...]
     fast: bool = False
     sglang_version: str | None = None
+    vllm_version: str | None = None
     _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def is_vllm(self) -> bool:
+        """Whether the launch command starts vLLM rather than SGLang."""
+        return is_vllm_launch(self.command)
 
     def launch_args(self) -> LaunchArgs:
         """The SGLang settings: the launch command's values with explicit options on top."""
@@ -83,6 +93,21 @@ class LaunchRequest:
         args: LaunchArgs = self._cache["args"]
         return args
 
+    def vllm_args(self) -> VllmLaunchArgs:
+        """The vLLM settings of the launch command (the server's environment included)."""
+        if "vllm" not in self._cache:
+            given = sorted(k for k, v in self.overrides.items() if v is not None)
+            if given:
+                flag = "--" + given[0].replace("_", "-")
+                raise ConfigError(f"{flag} is an SGLang option: put vLLM's in its command")
+            self._cache["vllm"] = resolve_vllm_args(self.command, dict(os.environ))
+        args: VllmLaunchArgs = self._cache["vllm"]
+        return args
+
+    def engine_args(self) -> LaunchArgs | VllmLaunchArgs:
+        """The launch's settings, for whichever engine it starts."""
+        return self.vllm_args() if self.is_vllm else self.launch_args()
+
     def identity_options(self, settings: Settings) -> IdentityOptions:
         """Identity knobs: these options, and the settings (--salt and the granularity are
         settings flags, so they are in `settings` already)."""
@@ -90,11 +115,12 @@ class LaunchRequest:
             salt=settings.identity_salt,
             fast=self.fast,
             sglang_version=self.sglang_version,
+            vllm_version=self.vllm_version,
             version_granularity=settings.sglang_version_granularity,
             hash_workers=settings.hash_workers,
         )
 
-    def compute_identity(self, settings: Settings, *, writes: bool = False) -> Identity:
+    def compute_identity(self, settings: Settings, *, writes: bool = False) -> AnyIdentity:
         """The identity, with a progress bar on a terminal and the root's digest cache: `init`
         (`writes`) keeps what it hashed there; `fingerprint` reads a copy of it, if the root
         has a state DB, and writes nothing (the identity does not depend on a root)."""
@@ -110,7 +136,14 @@ class LaunchRequest:
             log.debug("digest cache not used", extra={"error": str(e)})
             return self._compute(settings, None)
 
-    def _compute(self, settings: Settings, cache: DigestCache | None) -> Identity:
+    def _compute(self, settings: Settings, cache: DigestCache | None) -> AnyIdentity:
+        if self.is_vllm:
+            return compute_vllm_identity(
+                self.vllm_args(),
+                self.identity_options(settings),
+                cache=cache,
+                progress=terminal_progress,
+            )
         return compute_identity(
             self.launch_args(),
             self.identity_options(settings),
@@ -157,6 +190,7 @@ def launch_options(f: F) -> F:
             command=tuple(kwargs.pop("launch_cmd")),
             fast=kwargs.pop("fast"),
             sglang_version=kwargs.pop("sglang_version"),
+            vllm_version=kwargs.pop("vllm_version"),
         )
         return f(*args, **kwargs)
 
@@ -169,6 +203,7 @@ def launch_options(f: F) -> F:
             help="How much of the SGLang version counts (default major.minor).",
         ),
         click.option("--sglang-version", help="SGLang version (default: the installed one)."),
+        click.option("--vllm-version", help="vLLM version (default: the installed one)."),
         click.option("--fast", is_flag=True, help="Hash safetensors headers + sizes only."),
         setting_option(
             "--salt", setting="identity_salt", help="Operator salt mixed into the identity."

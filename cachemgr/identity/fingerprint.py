@@ -77,6 +77,7 @@ class IdentityOptions(BaseModel):
     salt: str = ""
     fast: bool = False
     sglang_version: str | None = None  # explicit; else the installed sglang, else "unknown"
+    vllm_version: str | None = None  # the same for a vLLM launch
     version_granularity: VersionGranularity = "major.minor"
     hash_workers: int = 0  # 0: hashing.default_workers()
 

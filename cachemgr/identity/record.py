@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import xxhash
 from pydantic import BaseModel, ConfigDict, ValidationError, computed_field
@@ -90,10 +90,60 @@ class Source(BaseModel):
     page_size_from: Literal["flag", "attention_backend", "server", "unknown"] = "unknown"
 
 
-class Identity(BaseModel):
-    """An immutable, versioned identity record."""
+class Digested(BaseModel):
+    """What every engine's identity record shares: the digest over all but `source`, and a
+    version of the engine (`VERSION_FIELD`, also in `source` with its `…_from`)."""
+
+    ENGINE: ClassVar[str]
+    VERSION_FIELD: ClassVar[str]
+    ENGINE_NAME: ClassVar[str]  # as people write it
+
+    def canonical(self) -> bytes:
+        """The bytes the digest is taken over: sorted keys, no whitespace, `source` left out."""
+        data = self.model_dump(mode="json", exclude={"source", "digest", "ns_id"})
+        return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def digest(self) -> str:
+        """xxh3-128 of the canonical encoding, 32 hex digits."""
+        return xxhash.xxh3_128_hexdigest(self.canonical())
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def ns_id(self) -> str:
+        """The namespace id: the digest's first 16 hex digits (layout.NS_ID_RE)."""
+        return self.digest[:16]
+
+    @property
+    def engine_version(self) -> str:
+        return str(getattr(self, self.VERSION_FIELD))
+
+    @property
+    def engine_version_full(self) -> str | None:
+        """The full version string in `source`, when known."""
+        full = getattr(self.__dict__["source"], self.VERSION_FIELD)
+        return None if full is None else str(full)
+
+    @property
+    def engine_version_from(self) -> str:
+        return str(getattr(self.__dict__["source"], f"{self.VERSION_FIELD}_from"))
+
+    def with_engine_version(self, version: str, full: str | None) -> Digested:
+        """This record with another engine version, taken from a namespace (prelaunch.py)."""
+        source = self.__dict__["source"].model_copy(
+            update={self.VERSION_FIELD: full, f"{self.VERSION_FIELD}_from": "namespace"}
+        )
+        return self.model_copy(update={self.VERSION_FIELD: version, "source": source})
+
+
+class Identity(Digested):
+    """An immutable, versioned identity record of an SGLang server."""
 
     model_config = ConfigDict(frozen=True, extra="ignore")  # ignore: digest/ns_id are derived
+    ENGINE: ClassVar[str] = "sglang"  # no `engine` key in the record: absent means SGLang
+    VERSION_FIELD: ClassVar[str] = "sglang_version"
+    ENGINE_NAME: ClassVar[str] = "SGLang"
 
     schema_version: Literal[2] = 2
     weights: Weights
@@ -114,23 +164,6 @@ class Identity(BaseModel):
     storage: Storage
     salt: str = ""
     source: Source
-
-    def canonical(self) -> bytes:
-        """The bytes the digest is taken over: sorted keys, no whitespace, `source` left out."""
-        data = self.model_dump(mode="json", exclude={"source", "digest", "ns_id"})
-        return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-
-    @computed_field  # type: ignore[prop-decorator]
-    @property
-    def digest(self) -> str:
-        """xxh3-128 of the canonical encoding, 32 hex digits."""
-        return xxhash.xxh3_128_hexdigest(self.canonical())
-
-    @computed_field  # type: ignore[prop-decorator]
-    @property
-    def ns_id(self) -> str:
-        """The namespace id: the digest's first 16 hex digits (layout.NS_ID_RE)."""
-        return self.digest[:16]
 
 
 RECORD_MAX_BYTES = 1 << 20  # a record is a few KiB; a manifest holding one, not much more
@@ -170,13 +203,13 @@ def load_record(path: Path) -> Identity:
         raise ConfigError(f"{path} is not an identity record: {where}: {first['msg']}") from None
 
 
-def diff_identities(a: Identity, b: Identity) -> list[str]:
+def diff_identities(a: Digested, b: Digested) -> list[str]:
     """Human lines saying how `b` differs from `a`; empty when the digests are equal."""
     if a.digest == b.digest:
         return []
     lines: list[str] = []
     for key in ("weights", "draft_weights"):
-        lines += _diff_weights(key, getattr(a, key), getattr(b, key))
+        lines += _diff_weights(key, getattr(a, key, None), getattr(b, key, None))
     flat_a, flat_b = _flatten(a), _flatten(b)
     for key in sorted(flat_a.keys() | flat_b.keys()):
         va, vb = flat_a.get(key), flat_b.get(key)
@@ -185,12 +218,12 @@ def diff_identities(a: Identity, b: Identity) -> list[str]:
     return lines or [f"identity: {a.digest} → {b.digest}"]
 
 
-def _flatten(ident: Identity) -> dict[str, Any]:
+def _flatten(ident: Digested) -> dict[str, Any]:
     """Scalar components as dotted keys; weights are compared per file instead."""
     data = ident.model_dump(
         mode="json", exclude={"source", "digest", "ns_id", "weights", "draft_weights"}
     )
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"engine": ident.ENGINE}
     for key, value in data.items():
         if isinstance(value, dict):
             out.update({f"{key}.{k}": v for k, v in value.items()})

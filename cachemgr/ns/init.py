@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from cachemgr.fs.deletion import DeleteReport
-from cachemgr.identity.record import Identity
+from cachemgr.identity.engines import AnyIdentity
 from cachemgr.layout import Layout
 from cachemgr.ns.prelaunch import (
     InitResult,
@@ -21,6 +21,7 @@ from cachemgr.ns.root import opened_store
 from cachemgr.sglang.args import LaunchArgs
 from cachemgr.state.notices import first_time
 from cachemgr.state.store import Store
+from cachemgr.vllm.args import VllmLaunchArgs
 
 Drain = Callable[[Layout, Store], DeleteReport]
 
@@ -31,26 +32,25 @@ class InitRun:
     the instance's namespace), the launch args if a command was given, what to warn about."""
 
     result: InitResult
-    identity: Identity
-    args: LaunchArgs | None
+    identity: AnyIdentity
+    args: LaunchArgs | VllmLaunchArgs | None
     conflicts: tuple[StorageDirConflict, ...]
     trash_refused: tuple[str, ...]
-    # SGLang is not installed here, and this root has been told so before: a host where init
-    # runs apart from SGLang (an initContainer) would otherwise hear it on every start.
-    sglang_missing_told: bool = False
+    # The engine is not installed here, and this root has been told so before: a host where
+    # init runs apart from it (an initContainer) would otherwise hear it on every start.
+    engine_missing_told: bool = False
 
 
-def sglang_missing(identity: Identity) -> bool:
-    """Whether the identity needs SGLang's version and no installed SGLang (nor an option)
-    gave it: it is 'unknown', or borrowed from the instance's namespace."""
-    src = identity.source
-    return identity.sglang_version == "unknown" or src.sglang_version_from == "namespace"
+def engine_missing(identity: AnyIdentity) -> bool:
+    """Whether no installed engine (nor an option) gave the identity its engine version: it
+    is 'unknown', or borrowed from the instance's namespace."""
+    return identity.engine_version == "unknown" or identity.engine_version_from == "namespace"
 
 
 def run_init(
     layout: Layout,
-    identity: Identity,
-    args: LaunchArgs | None,
+    identity: AnyIdentity,
+    args: LaunchArgs | VllmLaunchArgs | None,
     *,
     instance: str,
     on_change: OnChange,
@@ -67,6 +67,9 @@ def run_init(
         refused: tuple[str, ...] = ()
         if drain is not None and result.old_action == "purged":
             refused = drain(layout, store).refused
-        told = sglang_missing(identity) and not first_time(store, "sglang-missing", time.time())
-    conflicts = storage_dir_conflicts(args, result.storage_dir, layout, environ)
+        notice = f"{identity.ENGINE}-missing"  # "sglang-missing" as before vLLM came
+        told = engine_missing(identity) and not first_time(store, notice, time.time())
+    conflicts: list[StorageDirConflict] = []
+    if not isinstance(args, VllmLaunchArgs):  # vLLM's dir is in its command (vllm.rewrite)
+        conflicts = storage_dir_conflicts(args, result.storage_dir, layout, environ)
     return InitRun(result, identity, args, tuple(conflicts), refused, told)

@@ -12,15 +12,14 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
-
-from pydantic import ValidationError
+from typing import Literal, TypeVar
 
 from cachemgr.errors import ConfigError, StateError, UnsafePathError
 from cachemgr.fs.dirscan import Usage, scan_usage
 from cachemgr.fs.locks import root_lock
 from cachemgr.fs.root import create_root
-from cachemgr.identity.record import Identity, diff_identities
+from cachemgr.identity.engines import AnyIdentity, parse_identity
+from cachemgr.identity.record import Digested, diff_identities
 from cachemgr.layout import NS_ID_RE, Layout
 from cachemgr.ns import registry as nsreg
 from cachemgr.ns.manifest import read_manifest
@@ -31,6 +30,7 @@ from cachemgr.sglang.liveuse import live_users
 from cachemgr.state.store import Store
 
 OnChange = Literal["purge", "retain"]
+IdentityT = TypeVar("IdentityT", bound=Digested)
 Outcome = Literal["created", "joined", "unchanged", "changed"]
 OldAction = Literal["purged", "retained", "kept"]
 
@@ -56,7 +56,7 @@ class InitResult:
 def init_namespace(
     layout: Layout,
     store: Store,
-    identity: Identity,
+    identity: AnyIdentity,
     *,
     instance: str = "default",
     on_change: OnChange = "purge",
@@ -131,40 +131,45 @@ def _refuse_live_purge(
         )
 
 
-def adopt_known_version(store: Store, instance: str, identity: Identity) -> Identity:
-    """An identity whose SGLang version is unknown here takes the version of the namespace
+def adopt_known_version(store: Store, instance: str, identity: AnyIdentity) -> AnyIdentity:
+    """An identity whose engine version is unknown here takes the version of the namespace
     the instance is bound to, when that is the only difference.
 
-    `init` often runs where SGLang is not installed (an initContainer) and `exec` where it is;
-    without this the two entry points would disagree on the namespace and purge a valid cache
-    each time they alternate. A detected or explicit version is never replaced.
+    `init` often runs where the engine is not installed (an initContainer) and `exec` where
+    it is; without this the two entry points would disagree on the namespace and purge a
+    valid cache each time they alternate. A detected or explicit version is never replaced.
     """
-    if identity.sglang_version != "unknown":
+    if identity.engine_version != "unknown":
         return identity
     bound = nsreg.binding_of(store, instance)
     raw = nsreg.identity_json(store, bound) if bound else None
-    if raw is None:
-        return identity
-    try:
-        old = Identity.model_validate_json(raw)
-    except ValidationError:
-        return identity  # another schema version: it differs anyway
-    return with_version_of(identity, old)
+    old = _parse(raw) if raw is not None else None
+    return identity if old is None else with_version_of(identity, old)
 
 
-def with_version_of(identity: Identity, old: Identity) -> Identity:
-    """`identity` with `old`'s SGLang version if its own is unknown and that is the only
+def with_version_of(identity: IdentityT, old: Digested) -> IdentityT:
+    """`identity` with `old`'s engine version if its own is unknown and that is the only
     difference (see adopt_known_version), else `identity` unchanged."""
-    if identity.sglang_version != "unknown" or old.sglang_version == identity.sglang_version:
+    if (
+        type(old) is not type(identity)
+        or identity.engine_version != "unknown"
+        or old.engine_version == identity.engine_version
+    ):
         return identity
-    source = identity.source.model_copy(
-        update={"sglang_version": old.source.sglang_version, "sglang_version_from": "namespace"}
-    )
-    adopted = identity.model_copy(update={"sglang_version": old.sglang_version, "source": source})
-    return adopted if adopted.digest == old.digest else identity
+    adopted = identity.with_engine_version(old.engine_version, old.engine_version_full)
+    return adopted if adopted.digest == old.digest else identity  # type: ignore[return-value]
 
 
-def _changes(layout: Layout, store: Store, old_ns: str, new: Identity) -> list[str]:
+def _parse(raw: str) -> AnyIdentity | None:
+    """An identity record from the DB's JSON copy; None if another schema wrote it."""
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    return parse_identity(data) if isinstance(data, dict) else None
+
+
+def _changes(layout: Layout, store: Store, old_ns: str, new: AnyIdentity) -> list[str]:
     """How the identity changed since `old_ns`, from its DB row or manifest."""
     raw = nsreg.identity_json(store, old_ns)
     if raw is None:
@@ -173,11 +178,9 @@ def _changes(layout: Layout, store: Store, old_ns: str, new: Identity) -> list[s
         except StateError:
             manifest = None  # damaged: say only that it changed
         raw = json.dumps(manifest.identity) if manifest else None
-    if raw is not None:
-        try:
-            return diff_identities(Identity.model_validate_json(raw), new)
-        except ValidationError:
-            pass  # written by another schema version: say only that it changed
+    old = _parse(raw) if raw is not None else None
+    if old is not None:  # else written by another schema version: say only that it changed
+        return diff_identities(old, new)
     return [f"identity: {old_ns} → {new.ns_id}"]
 
 

@@ -53,8 +53,8 @@ def max_model_len(raw: str | None) -> int | None:
     if not m[2]:
         return int(m[1])
     if m[2].isupper():
-        return int(m[1]) * 2 ** (10 * "KMGT".index(m[2]) + 10)
-    return int(float(m[1]) * 10 ** (3 * "kmgt".index(m[2]) + 3))
+        return int(m[1]) << (10 * ("KMGT".index(m[2]) + 1))
+    return int(float(m[1]) * {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}[m[2]])
 
 
 def _json_object(flag: str, raw: str) -> dict[str, Any]:

@@ -71,7 +71,7 @@ def split_vllm(tokens: Sequence[str]) -> VllmCommand | None:
 
 def read_yaml_config(path: str) -> dict[str, Any]:
     """A `--config` file as vLLM reads it (yaml.safe_load of a .yaml/.yml mapping)."""
-    import yaml  # only a --config launch pays for it
+    import yaml  # type: ignore[import-untyped]  # only a --config launch pays for it
 
     if path.rsplit(".", 1)[-1] not in ("yaml", "yml"):
         raise ConfigError(f"--config {path}: vLLM reads only .yaml/.yml config files")

@@ -19,6 +19,9 @@ from cachemgr.vllm.argv import ReadConfig, _dashes, _dotted_value, read_yaml_con
 from cachemgr.vllm.tier import with_root_dir
 
 FLAG = "--kv-transfer-config"
+# What `cachemgr init --env-file/--print-env` names the namespace dir for a vLLM launch: a
+# wrapper script puts it into the fs tier's root_dir (vLLM reads no such variable itself).
+ROOT_DIR_ENV = "CACHEMGR_VLLM_ROOT_DIR"
 
 
 def point_root_dir(

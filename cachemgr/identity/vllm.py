@@ -1,0 +1,159 @@
+"""The identity of a vLLM server's fs-tier blocks: what vLLM's own folder digest leaves out.
+
+vLLM 0.33.0 names a folder by a digest of the model name, KV dtype, block sizes, parallel
+sizes and layer names (kv_offload/file_mapper.py). It leaves out the weights' content, the
+revision, quantization, `--hf-overrides` (RoPE), `max_model_len`, the KV layout when it is
+not canonical, the block hash algorithm and the vLLM version (docs/vllm.md): a change of
+any of them keeps the folder and serves stale blocks. This record holds them all; its
+namespace dir becomes the tier's `root_dir`, so any change moves the server to a new one.
+
+The record carries `"engine": "vllm"`: readers of a manifest pick the file format from it
+(absent: SGLang, whose record schema is untouched).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from collections.abc import Callable, Mapping
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from cachemgr.identity import model_dir
+from cachemgr.identity.digest_cache import DigestCache
+from cachemgr.identity.fingerprint import (
+    WEIGHT_LOAD_FORMATS,
+    IdentityOptions,
+    ProgressFactory,
+    digest_weights,
+    normalize_dtype,
+    sglang_version,
+)
+from cachemgr.identity.record import Digested, Weights
+from cachemgr.vllm.args import VllmLaunchArgs
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class VllmTopology(BaseModel):
+    """How the KV is cut across ranks (data-parallel replicas share blocks: no dp_size)."""
+
+    model_config = _FROZEN
+    tp_size: int = 1
+    pp_size: int = 1
+    pcp_size: int = 1
+    dcp_size: int = 1
+
+
+class VllmSource(BaseModel):
+    """Where the values came from; informative, not part of the digest."""
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+    model_path: str  # as given: vLLM's folder name is made of it
+    model_dir: str
+    served_model_name: str
+    kv_cache_dtype_arg: str = "auto"
+    root_dir_arg: str | None = None  # the fs tier's root_dir in the launch, before cachemgr's
+    vllm_version: str | None = None
+    vllm_version_from: Literal["option", "installed", "unknown", "namespace"] = "unknown"
+
+
+class VllmIdentity(Digested):
+    """An immutable, versioned identity record of a vLLM server's fs tier."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")  # ignore: digest/ns_id are derived
+    ENGINE: ClassVar[str] = "vllm"
+    VERSION_FIELD: ClassVar[str] = "vllm_version"
+    ENGINE_NAME: ClassVar[str] = "vLLM"
+
+    engine: Literal["vllm"] = "vllm"
+    schema_version: Literal[1] = 1
+    weights: Weights
+    revision: str | None = None
+    dtype: str
+    kv_cache_dtype: str
+    block_size: int | None  # None: the platform's default (16 on CUDA), not known here
+    kv_cache_layout: str  # VLLM_KV_CACHE_LAYOUT; "default" when unset
+    topology: VllmTopology
+    quantization: str | None = None
+    hf_overrides: str | None = None  # canonical JSON
+    max_model_len: int | None = None  # None: the model's own
+    prefix_caching_hash_algo: str = "sha256"
+    load_format: str | None = None  # only when it does not load the model dir's weights
+    vllm_version: str
+    salt: str = ""
+    source: VllmSource
+
+
+def installed_vllm_version() -> str | None:
+    """The version of an importable `vllm` distribution, if one is installed here."""
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def run_dtype(dtype_arg: str, config: Mapping[str, object]) -> str:
+    """The model dtype: the flag, else the checkpoint's (vLLM's `auto`)."""
+    if dtype_arg.lower() != "auto":
+        return normalize_dtype(dtype_arg)
+    found = model_dir.config_dtype(config)
+    return normalize_dtype(found) if found else "unknown"
+
+
+def compute_vllm_identity(
+    args: VllmLaunchArgs,
+    options: IdentityOptions | None = None,
+    *,
+    cache: DigestCache | None = None,
+    env: Mapping[str, str] = os.environ,
+    progress: ProgressFactory | None = None,
+    installed: Callable[[], str | None] = installed_vllm_version,
+) -> VllmIdentity:
+    """The identity of a vLLM server started with `args`, its model files read from disk."""
+    opts = options or IdentityOptions()
+    hub_env = {**env, "HF_HUB_CACHE": args.download_dir} if args.download_dir else env
+    directory = model_dir.locate_model(args.model, args.revision, env=hub_env)
+    config = model_dir.read_json(directory / "config.json")
+    dtype = run_dtype(args.dtype, config)
+    # vLLM's `auto` KV dtype is the model dtype (offloading/config.py); an explicit one is
+    # kept as written, as vLLM's own digest keeps it (fp8 and fp8_e4m3 are two folders).
+    kv = dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    version, full, version_from = sglang_version(
+        opts.vllm_version, opts.version_granularity, installed
+    )
+    weights = digest_weights(
+        directory, fast=opts.fast, cache=cache, workers=opts.hash_workers, progress=progress,
+        code=args.trust_remote_code,
+    )  # fmt: skip
+    return VllmIdentity(
+        weights=weights,
+        revision=args.revision,
+        dtype=dtype,
+        kv_cache_dtype=kv,
+        block_size=args.block_size,
+        kv_cache_layout=args.kv_cache_layout or "default",
+        topology=VllmTopology(
+            tp_size=args.tensor_parallel_size,
+            pp_size=args.pipeline_parallel_size,
+            pcp_size=args.prefill_context_parallel_size,
+            dcp_size=args.decode_context_parallel_size,
+        ),
+        quantization=args.quantization,
+        hf_overrides=args.hf_overrides,
+        max_model_len=args.max_model_len,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+        load_format=None if args.load_format in WEIGHT_LOAD_FORMATS else args.load_format,
+        vllm_version=version,
+        salt=opts.salt,
+        source=VllmSource(
+            model_path=args.model,
+            model_dir=str(directory),
+            served_model_name=args.served_model_name or args.model,
+            kv_cache_dtype_arg=args.kv_cache_dtype,
+            root_dir_arg=args.tier.root_dir if args.tier else None,
+            vllm_version=full,
+            vllm_version_from=version_from,
+        ),
+    )
