@@ -52,6 +52,7 @@ class VllmCommand:
 
 def split_vllm(tokens: Sequence[str]) -> VllmCommand | None:
     """The vLLM command in `tokens`, None if they do not launch vLLM."""
+    tokens = list(tokens)
     env: dict[str, str] = {}
     i = 0
     while i < len(tokens) and (tokens[i] == "env" or _ENV_ASSIGN.fullmatch(tokens[i])):

@@ -1,0 +1,240 @@
+"""`cachemgr init` / `exec` / `fingerprint` on vLLM launches: the argv pre-pass, the identity,
+the fs tier's root_dir rewrite, refusals before anything is made (real CLI, real model dirs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cachemgr.identity.record import Identity
+from cachemgr.vllm.flags import CHOICES
+from tests.nsfixtures import cli, one_line_error
+from tests.test_identity import make_model
+from tests.vllm_launch import launch, root_dir_of, tier_config, vinit, vinit_json
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    return make_model(tmp_path / "model")
+
+
+@pytest.fixture
+def fake_vllm(tmp_path: Path) -> dict[str, str]:
+    """An environment whose PATH has a `vllm` that prints the argv it got, as JSON."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    fake = bindir / "vllm"
+    fake.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    fake.chmod(0o755)
+    return {"PATH": f"{bindir}:{os.environ['PATH']}"}
+
+
+def fingerprint(command: list[str], tmp_path: Path) -> dict[str, object]:
+    out = cli("--root", str(tmp_path / "fp-root"), "fingerprint", "--json", "--", *command)
+    assert out.returncode == 0, out.stderr
+    data: dict[str, object] = json.loads(out.stdout)
+    return data
+
+
+def test_the_sglang_record_digest_is_unchanged() -> None:
+    """The digest of an SGLang record of the existing schema, pinned: namespaces made before
+    vLLM support must keep their ids."""
+    record = {
+        "schema_version": 2,
+        "weights": {"mode": "full", "algo": "xxh3-128", "files": [
+            {"name": "config.json", "size": 100, "digest": "ab" * 16},
+            {"name": "model.safetensors", "size": 4096, "digest": "cd" * 16}]},
+        "kv_cache_dtype": "fp8_e4m3", "dtype": "bfloat16", "page_size": 64,
+        "hicache_mem_layout": "page_first", "topology": {"tp_size": 2},
+        "sglang_version": "0.5", "storage": {"key_scheme": "k"},
+        "source": {"model_path": "/m", "model_dir": "/m", "served_model_name": "m"},
+    }  # fmt: skip
+    ident = Identity.model_validate(record)
+    assert ident.digest == "81382c037f07d6a020dea7db4b649f9c"
+    assert "engine" not in ident.model_dump()
+
+
+def test_init_makes_a_vllm_namespace_and_rewrites_the_tier(root: Path, model: Path) -> None:
+    result = vinit_json(root, launch(model, "--kv-cache-dtype", "fp8"), "--vllm-version", "0.33.0")
+    ns_dir = root / "ns" / result["ns_id"]
+    assert result["outcome"] == "created" and ns_dir.is_dir()
+    assert root_dir_of(result["command"]) == str(ns_dir)
+    assert result["env"] == {"CACHEMGR_VLLM_ROOT_DIR": str(ns_dir)}
+    manifest = json.loads((root / "ns" / f"{result['ns_id']}.json").read_text())
+    identity = manifest["identity"]
+    assert identity["engine"] == "vllm"  # the contract with the file-format side
+    assert (identity["kv_cache_dtype"], identity["vllm_version"]) == ("fp8", "0.33")
+    assert identity["source"]["root_dir_arg"] == "/srv/kv"
+
+
+def _forms(model: Path, tmp_path: Path) -> dict[str, list[str]]:
+    cfg = tier_config()
+    tiers = json.dumps(cfg["kv_connector_extra_config"]["secondary_tiers"])
+    yaml_file = tmp_path / "serve.yaml"
+    yaml_file.write_text(
+        "kv_cache_dtype: fp8\nmax-model-len: 32k\n"
+        "hf_overrides:\n  rope_scaling:\n    factor: 4\n"
+        f"kv-transfer-config: {json.dumps(cfg)}\n"
+    )
+    plain = launch(model, "--kv-cache-dtype", "fp8", "--max-model-len", "32000",
+                   "--hf-overrides", '{"rope_scaling": {"factor": 4}}', "-tp", "2")  # fmt: skip
+    return {
+        "plain": plain,
+        "underscores": launch(model, "--kv_cache_dtype=fp8", "--max_model_len", "32k",
+                              "--hf_overrides", '{"rope_scaling":{"factor":4}}',
+                              "--tensor_parallel_size", "2"),  # fmt: skip
+        "dotted": ["vllm", "serve", str(model), "--kv-cache-dtype", "fp8", "-tp", "2",
+                   "--max-model-len=32k", "--hf-overrides.rope_scaling.factor", "4",
+                   "--kv-transfer-config.kv_connector", "OffloadingConnector",
+                   "--kv-transfer-config.kv_connector_extra_config.secondary_tiers", tiers],
+        "config": ["vllm", "serve", str(model), "--config", str(yaml_file), "-tp", "2"],
+        "model_flag": ["vllm", "serve", "-tp", "2", "--model", str(model), *plain[3:]],
+        "api_server": [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                       "--model", str(model), *plain[3:]],
+    }  # fmt: skip
+
+
+def test_the_prepass_forms_give_the_plain_forms_identity(model: Path, tmp_path: Path) -> None:
+    forms = _forms(model, tmp_path)
+    digests = {name: fingerprint(cmd, tmp_path)["digest"] for name, cmd in forms.items()}
+    assert len(set(digests.values())) == 1, digests
+    # …and one setting of it differs from the plain form's, to show the forms are read at all.
+    other = fingerprint([*forms["dotted"][:-4], "--hf-overrides.rope_scaling.factor", "8"],
+                        tmp_path)  # fmt: skip
+    assert other["digest"] != digests["plain"]
+
+
+@pytest.mark.parametrize("form", ["dotted", "config", "underscores"])
+def test_each_form_gets_its_tier_pointed_at_the_namespace(
+    root: Path, model: Path, tmp_path: Path, form: str
+) -> None:
+    result = vinit_json(root, _forms(model, tmp_path)[form])
+    ns_dir = str(root / "ns" / result["ns_id"])
+    command = result["command"]
+    if form == "dotted":  # rewritten in place, still a dotted key
+        at = command.index("--kv-transfer-config.kv_connector_extra_config.secondary_tiers")
+        assert json.loads(command[at + 1]) == [{"type": "fs", "root_dir": ns_dir}]
+    elif form == "config":  # the file is left alone; the command line overrides it
+        given = _forms(model, tmp_path)["config"]
+        assert command[: len(given)] == given and root_dir_of(command) == ns_dir
+    else:
+        assert any(a.startswith("--kv_transfer_config=") or a == "--kv-transfer-config"
+                   for a in command) and root_dir_of(command) == ns_dir  # fmt: skip
+
+
+CHANGES = {
+    "kv_cache_dtype": (["--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "fp8_e5m2"]),
+    "block_size": (["--block-size", "16"], ["--block-size", "32"]),
+    "topology.tp_size": (["-tp", "1"], ["-tp", "2"]),
+    "quantization": ([], ["-q", "fp8"]),
+    "hf_overrides": ([], ["--hf-overrides.rope_scaling.factor", "4"]),
+    "max_model_len": (["--max-model-len", "8k"], ["--max-model-len", "16k"]),
+    "prefix_caching_hash_algo": ([], ["--prefix-caching-hash-algo", "xxhash"]),
+    "dtype": (["--dtype", "bfloat16"], ["--dtype", "float16"]),
+    "kv_cache_layout": ([], ["env", "VLLM_KV_CACHE_LAYOUT=HND"]),
+}
+
+
+@pytest.mark.parametrize("component", sorted(CHANGES))
+def test_a_changed_component_gets_a_new_namespace_and_purges_the_old(
+    root: Path, model: Path, component: str
+) -> None:
+    before, after = CHANGES[component]
+
+    def command(flags: list[str]) -> list[str]:
+        env = flags[:2] if flags[:1] == ["env"] else []
+        return [*env, *launch(model, *flags[len(env) :])]
+
+    first = vinit_json(root, command(before), "--vllm-version", "0.33.0")
+    (root / "ns" / first["ns_id"] / "stale.bin").write_bytes(b"x")
+    second = vinit_json(root, command(after), "--vllm-version", "0.33.0")
+    assert second["outcome"] == "changed" and second["ns_id"] != first["ns_id"]
+    assert any(c.startswith(f"{component}:") for c in second["changes"]), second["changes"]
+    assert component in second["message"] and "purged ns" in second["message"]
+    assert not (root / "ns" / first["ns_id"]).exists()
+
+
+def test_a_new_vllm_version_is_a_new_namespace(root: Path, model: Path) -> None:
+    first = vinit_json(root, launch(model), "--vllm-version", "0.33.0")
+    second = vinit_json(root, launch(model), "--vllm-version", "0.34.1")
+    assert second["changes"] == ["vllm_version: 0.33 → 0.34"]
+    assert not (root / "ns" / first["ns_id"]).exists()
+
+
+def test_the_same_launch_twice_keeps_its_namespace(root: Path, model: Path) -> None:
+    first = vinit_json(root, launch(model))
+    (root / "ns" / first["ns_id"] / "block.bin").write_bytes(b"x")
+    again = vinit_json(root, launch(model, "--port", "8001", "--served-model-name", "a", "b"))
+    assert (again["outcome"], again["ns_id"]) == ("unchanged", first["ns_id"])
+    assert (root / "ns" / first["ns_id"] / "block.bin").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--kv-cache-dtype", "fp9_bogus"], "invalid --kv-cache-dtype 'fp9_bogus': vLLM 0.33.0"),
+        (["--block-size", "16.0"], "invalid --block-size '16.0': vLLM 0.33.0 takes an integer"),
+        (["--max-model-len", "1.5K"], "invalid --max-model-len '1.5K'"),
+        (["--kv-transfer-config", "{not json"], "--kv-transfer-config is not a JSON object"),
+        (["--kv-transfer-config.kv_connector_extra_config.secondary_tiers", '{"type": "fs"}'],
+         "secondary_tiers is not a list of objects"),
+        (["--hf-overrides", "[1]"], "--hf-overrides is not a JSON object"),
+        (["--kv-cache-dtype"], "--kv-cache-dtype needs a value"),
+    ],
+)  # fmt: skip
+def test_a_bad_value_is_one_line_exit_2_and_nothing_is_made(
+    tmp_path: Path, model: Path, fake_vllm: dict[str, str], flags: list[str], says: str
+) -> None:
+    root = tmp_path / "root"
+    for command in ("init", "exec"):
+        out = cli("--root", str(root), command, "--", *launch(model), *flags, env=fake_vllm)
+        assert out.returncode == 2 and says in one_line_error(out), out.stderr
+        assert not root.exists()
+    assert len(CHOICES["kv_cache_dtype"]) == 22
+
+
+def test_a_bad_value_leaves_an_existing_namespace_alone(root: Path, model: Path) -> None:
+    first = vinit_json(root, launch(model))
+    (root / "ns" / first["ns_id"] / "block.bin").write_bytes(b"x")
+    out = vinit(root, launch(model, "--kv-cache-dtype", "fp9_bogus"))
+    assert out.returncode == 2
+    assert (root / "ns" / first["ns_id"] / "block.bin").exists()
+
+
+def test_a_launch_without_an_fs_tier_is_refused(tmp_path: Path, model: Path) -> None:
+    root = tmp_path / "root"
+    no_fs = tier_config()
+    no_fs["kv_connector_extra_config"]["secondary_tiers"] = [{"type": "obj", "bucket": "b"}]
+    for command in (["vllm", "serve", str(model)], launch(model, config=no_fs)):
+        out = vinit(root, command)
+        assert out.returncode == 2 and "has no fs tier" in one_line_error(out)
+        assert not root.exists()
+
+
+def test_sglang_options_with_a_vllm_launch_are_refused(tmp_path: Path, model: Path) -> None:
+    out = cli("--root", str(tmp_path / "r"), "init", "--page-size", "64", "--", *launch(model))
+    assert out.returncode == 2 and "--page-size is an SGLang option" in one_line_error(out)
+
+
+def test_exec_runs_vllm_with_the_tier_pointed_at_the_namespace(
+    root: Path, model: Path, fake_vllm: dict[str, str]
+) -> None:
+    tiers = json.dumps(tier_config()["kv_connector_extra_config"]["secondary_tiers"])
+    command = ["vllm", "serve", str(model), "--kv-transfer-config.kv_connector", "Offloading",
+               "--kv-transfer-config.kv_connector_extra_config.secondary_tiers", tiers]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "cachemgr", "--root", str(root), "exec", "--", *command],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, **fake_vllm},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    argv = json.loads(proc.stdout)
+    (ns,) = [p for p in (root / "ns").iterdir() if p.is_dir()]
+    assert argv[:4] == [*command[1:4], "Offloading"]
+    assert json.loads(argv[-1]) == [{"type": "fs", "root_dir": str(ns)}]
+    assert f"created ns {ns.name}" in proc.stderr
