@@ -83,11 +83,11 @@ def _forms(model: Path, tmp_path: Path) -> dict[str, list[str]]:
     )
     plain = launch(model, "--kv-cache-dtype", "fp8", "--max-model-len", "32000",
                    "--hf-overrides", '{"rope_scaling": {"factor": 4}}', "-tp", "2")  # fmt: skip
-    return {
+    forms = {
         "plain": plain,
         "underscores": launch(model, "--kv_cache_dtype=fp8", "--max_model_len", "32k",
                               "--hf_overrides", '{"rope_scaling":{"factor":4}}',
-                              "--tensor_parallel_size", "2"),  # fmt: skip
+                              "--tensor_parallel_size", "2"),
         "dotted": ["vllm", "serve", str(model), "--kv-cache-dtype", "fp8", "-tp", "2",
                    "--max-model-len=32k", "--hf-overrides.rope_scaling.factor", "4",
                    "--kv-transfer-config.kv_connector", "OffloadingConnector",
@@ -97,6 +97,7 @@ def _forms(model: Path, tmp_path: Path) -> dict[str, list[str]]:
         "api_server": [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                        "--model", str(model), *plain[3:]],
     }  # fmt: skip
+    return forms
 
 
 def test_the_prepass_forms_give_the_plain_forms_identity(model: Path, tmp_path: Path) -> None:
