@@ -91,6 +91,7 @@ def _forms(model: Path, tmp_path: Path) -> dict[str, list[str]]:
         "dotted": ["vllm", "serve", str(model), "--kv-cache-dtype", "fp8", "-tp", "2",
                    "--max-model-len=32k", "--hf-overrides.rope_scaling.factor", "4",
                    "--kv-transfer-config.kv_connector", "OffloadingConnector",
+                   "--kv-transfer-config.kv_role=kv_both",
                    "--kv-transfer-config.kv_connector_extra_config.secondary_tiers", tiers],
         "config": ["vllm", "serve", str(model), "--config", str(yaml_file), "-tp", "2"],
         "model_flag": ["vllm", "serve", "-tp", "2", "--model", str(model), *plain[3:]],
@@ -105,8 +106,7 @@ def test_the_prepass_forms_give_the_plain_forms_identity(model: Path, tmp_path: 
     digests = {name: fingerprint(cmd, tmp_path)["digest"] for name, cmd in forms.items()}
     assert len(set(digests.values())) == 1, digests
     # …and one setting of it differs from the plain form's, to show the forms are read at all.
-    other = fingerprint([*forms["dotted"][:-4], "--hf-overrides.rope_scaling.factor", "8"],
-                        tmp_path)  # fmt: skip
+    other = fingerprint([*forms["dotted"], "--hf-overrides.rope_scaling.factor", "8"], tmp_path)
     assert other["digest"] != digests["plain"]
 
 
@@ -185,6 +185,8 @@ def test_the_same_launch_twice_keeps_its_namespace(root: Path, model: Path) -> N
         (["--kv-transfer-config.kv_connector_extra_config.secondary_tiers", '{"type": "fs"}'],
          "secondary_tiers is not a list of objects"),
         (["--hf-overrides", "[1]"], "--hf-overrides is not a JSON object"),
+        (["--kv-transfer-config", json.dumps({**tier_config(), "kv_role": "kv_nobody"})],
+         "kv_role 'kv_nobody' is not one of"),
         (["--kv-cache-dtype"], "--kv-cache-dtype needs a value"),
     ],
 )  # fmt: skip
@@ -227,6 +229,7 @@ def test_exec_runs_vllm_with_the_tier_pointed_at_the_namespace(
 ) -> None:
     tiers = json.dumps(tier_config()["kv_connector_extra_config"]["secondary_tiers"])
     command = ["vllm", "serve", str(model), "--kv-transfer-config.kv_connector", "Offloading",
+               "--kv-transfer-config.kv_role", "kv_both",
                "--kv-transfer-config.kv_connector_extra_config.secondary_tiers", tiers]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-m", "cachemgr", "--root", str(root), "exec", "--", *command],

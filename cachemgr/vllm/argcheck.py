@@ -16,6 +16,7 @@ from cachemgr.vllm.flags import CHOICES, INTEGER, VLLM_VERSION
 from cachemgr.vllm.tier import EXTRA, TIERS
 
 _BOOL_FIELDS = frozenset({"trust_remote_code"})
+KV_ROLES = ("kv_producer", "kv_both", "kv_consumer")
 _HUMAN = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT]?)")
 
 
@@ -79,6 +80,13 @@ def kv_transfer_config(raw: str | None) -> dict[str, Any] | None:
     if raw is None:
         return None
     config = _json_object("--kv-transfer-config", raw)
+    # KVTransferConfig's validator (vllm/config/kv_transfer.py)
+    if config.get("kv_connector") is not None and config.get("kv_role") not in KV_ROLES:
+        roles = ", ".join(KV_ROLES)
+        raise ConfigError(
+            f"--kv-transfer-config: kv_role {config.get('kv_role')!r} is not one of {roles} "
+            "(vLLM needs one with kv_connector)"
+        )
     extra = config.get(EXTRA, {})
     if not isinstance(extra, dict):
         raise ConfigError(f"--kv-transfer-config: {EXTRA} is not a JSON object")
