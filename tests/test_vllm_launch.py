@@ -13,7 +13,7 @@ import pytest
 
 from cachemgr.identity.record import Identity
 from cachemgr.vllm.flags import CHOICES
-from tests.nsfixtures import cli, one_line_error
+from tests.nsfixtures import cli, cli_process, one_line_error
 from tests.test_identity import make_model
 from tests.vllm_launch import launch, root_dir_of, tier_config, vinit, vinit_json
 
@@ -242,3 +242,39 @@ def test_exec_runs_vllm_with_the_tier_pointed_at_the_namespace(
     assert argv[:4] == [*command[1:4], "Offloading"]
     assert json.loads(argv[-1]) == [{"type": "fs", "root_dir": str(ns)}]
     assert f"created ns {ns.name}" in proc.stderr
+
+
+def test_init_without_vllm_keeps_the_namespace_made_where_it_is_installed(
+    root: Path, model: Path, tmp_path: Path
+) -> None:
+    site = tmp_path / "site" / "vllm-0.33.0.dist-info"  # `vllm` installed: metadata only
+    site.mkdir(parents=True)
+    (site / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0\n")
+    installed = {"PYTHONPATH": str(site.parent)}
+    first = cli_process("--root", str(root), "init", "--json", "--", *launch(model), env=installed)
+    assert first.returncode == 0, first.stderr
+    assert not [w for w in json.loads(first.stdout)["warnings"] if "not installed" in w]
+    # The same server, now prepared where vLLM is not installed (an initContainer).
+    out = vinit(root, launch(model), "--json")
+    assert out.returncode == 0, out.stderr
+    again = json.loads(out.stdout)
+    assert (again["outcome"], again["ns_id"]) == ("unchanged", json.loads(first.stdout)["ns_id"])
+    assert "vLLM is not installed here; using version 0.33 of the instance's namespace" in (
+        out.stderr
+    )
+
+
+def test_an_undetectable_vllm_version_is_said_with_the_fix(root: Path, model: Path) -> None:
+    out = vinit(root, launch(model))
+    assert out.returncode == 0, out.stderr
+    (said,) = [ln for ln in out.stderr.splitlines() if "vLLM version" in ln]
+    assert "--vllm-version (e.g. 0.33.0)" in said
+
+
+def test_init_says_when_the_launch_would_bypass_the_namespace(root: Path, model: Path) -> None:
+    out = vinit(root, launch(model))
+    (ns,) = [p for p in (root / "ns").iterdir() if p.is_dir()]
+    assert f"created ns {ns.name}" in out.stdout
+    assert "the launch's fs tier root_dir is /srv/kv, not the namespace dir" in out.stderr
+    env = vinit(root, launch(model), "--print-env")
+    assert env.stdout.strip() == f"CACHEMGR_VLLM_ROOT_DIR={ns}" and "root_dir is" not in env.stderr
