@@ -15,14 +15,17 @@ from cachemgr.cli.launch_options import LaunchRequest
 from cachemgr.doctor.finding import Finding, exit_code
 from cachemgr.doctor.launch import launch_env, lint
 from cachemgr.doctor.root import lint_disk, lint_root
+from cachemgr.doctor.vllm import lint_vllm
 from cachemgr.errors import CachemgrError
 from cachemgr.gc.policy import GcPolicy
 from cachemgr.identity import model_dir
+from cachemgr.identity.engines import AnyIdentity
 from cachemgr.identity.record import Identity
 from cachemgr.layout import Layout
 from cachemgr.ns.root import existing_layout, reading_store
 from cachemgr.settings import Settings
 from cachemgr.sglang.args import LaunchArgs, resolve_launch_args
+from cachemgr.vllm.args import is_vllm_launch, resolve_vllm_args
 
 
 @click.command("doctor")
@@ -35,14 +38,25 @@ def doctor(app: AppContext, as_json: bool, launch_cmd: tuple[str, ...]) -> None:
     Checks: page size 1 with the file backend, mamba track interval vs page size on hybrid
     models, a storage dir cachemgr does not manage, one that holds another identity's pages or
     pages of no recorded identity, a cap larger than the free space, SGLang's own file evictor
-    next to cachemgr's GC, no hierarchical cache or another backend.
+    next to cachemgr's GC, no hierarchical cache or another backend. For a vLLM launch: no fs
+    tier, no cap anywhere, a root_dir outside the root, shared by several models' servers, or
+    holding another identity's blocks.
     """
     settings = app.settings
     layout = Layout.at(settings.root, settings.state_dir)
     if not launch_cmd:  # a launch is linted without a root; the root alone needs one
         existing_layout(settings)
     findings: list[Finding] = []
-    if launch_cmd:
+    cap = int(settings.gc_max_bytes) if settings.gc_max_bytes else None
+    if launch_cmd and is_vllm_launch(launch_cmd):
+        findings += lint_vllm(
+            resolve_vllm_args(launch_cmd, dict(os.environ)),
+            layout=layout,
+            cap_bytes=cap,
+            identity=lambda: _identity(settings, launch_cmd),
+            command=launch_cmd,
+        )
+    elif launch_cmd:
         args = resolve_launch_args(launch_cmd)
         env = {**os.environ, **launch_env(launch_cmd)}
         findings += lint(
@@ -50,8 +64,8 @@ def doctor(app: AppContext, as_json: bool, launch_cmd: tuple[str, ...]) -> None:
             layout=layout,
             env=env,
             model_config=_model_config(args, env),
-            cap_bytes=int(settings.gc_max_bytes) if settings.gc_max_bytes else None,
-            identity=lambda: _identity(settings, launch_cmd),
+            cap_bytes=cap,
+            identity=lambda: _sglang(_identity(settings, launch_cmd)),
             command=launch_cmd,
         )
     if layout.root.is_dir():
@@ -68,13 +82,16 @@ def doctor(app: AppContext, as_json: bool, launch_cmd: tuple[str, ...]) -> None:
     raise SystemExit(exit_code(findings))
 
 
-def _identity(settings: Settings, launch_cmd: tuple[str, ...]) -> Identity | None:
+def _identity(settings: Settings, launch_cmd: tuple[str, ...]) -> AnyIdentity | None:
     """The launch's identity as `fingerprint` computes it (the root's digest cache, read from
     a copy), or None when it cannot be computed here (the model is elsewhere)."""
     try:
-        ident = LaunchRequest(overrides={}, command=launch_cmd).compute_identity(settings)
+        return LaunchRequest(overrides={}, command=launch_cmd).compute_identity(settings)
     except CachemgrError:
         return None
+
+
+def _sglang(ident: AnyIdentity | None) -> Identity | None:
     return ident if isinstance(ident, Identity) else None
 
 
