@@ -64,7 +64,10 @@ def test_init_makes_a_vllm_namespace_and_rewrites_the_tier(root: Path, model: Pa
     ns_dir = root / "ns" / result["ns_id"]
     assert result["outcome"] == "created" and ns_dir.is_dir()
     assert root_dir_of(result["command"]) == str(ns_dir)
-    assert result["env"] == {"CACHEMGR_VLLM_ROOT_DIR": str(ns_dir)}
+    env = result["env"]
+    assert env["CACHEMGR_VLLM_ROOT_DIR"] == str(ns_dir)
+    pointed = tier_config(str(ns_dir))  # the launch's whole config, its tier pointed there
+    assert json.loads(env["CACHEMGR_VLLM_KV_TRANSFER_CONFIG"]) == pointed
     manifest = json.loads((root / "ns" / f"{result['ns_id']}.json").read_text())
     identity = manifest["identity"]
     assert identity["engine"] == "vllm"  # the contract with the file-format side
@@ -277,4 +280,6 @@ def test_init_says_when_the_launch_would_bypass_the_namespace(root: Path, model:
     assert f"created ns {ns.name}" in out.stdout
     assert "the launch's fs tier root_dir is /srv/kv, not the namespace dir" in out.stderr
     env = vinit(root, launch(model), "--print-env")
-    assert env.stdout.strip() == f"CACHEMGR_VLLM_ROOT_DIR={ns}" and "root_dir is" not in env.stderr
+    lines = env.stdout.splitlines()
+    assert lines[0] == f"CACHEMGR_VLLM_ROOT_DIR={ns}" and "root_dir is" not in env.stderr
+    assert lines[1].startswith("CACHEMGR_VLLM_KV_TRANSFER_CONFIG='{")

@@ -26,7 +26,7 @@ from cachemgr.ns.prelaunch import STORAGE_DIR_ENV, InitResult, StorageDirConflic
 from cachemgr.ns.root import created_layout
 from cachemgr.units import human_bytes
 from cachemgr.vllm.args import VllmLaunchArgs
-from cachemgr.vllm.rewrite import ROOT_DIR_ENV, point_root_dir
+from cachemgr.vllm.rewrite import KV_CONFIG_ENV, ROOT_DIR_ENV, point_root_dir, pointed_config
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -146,14 +146,18 @@ def describe(result: InitResult) -> str:
     return f"identity changed ({shown}): {what}; now {ns}"
 
 
-def env_name(run: InitRun) -> str:
-    """The variable init hands the namespace dir in: SGLang reads its own; a vLLM launch
-    puts it into its fs tier's root_dir (docs/vllm.md)."""
-    return ROOT_DIR_ENV if isinstance(run.args, VllmLaunchArgs) else STORAGE_DIR_ENV
+def env_values(launch: LaunchRequest, run: InitRun) -> dict[str, str]:
+    """The variables init hands the namespace dir in: SGLang reads its own; a vLLM launch
+    needs it in its fs tier's root_dir, so it gets its --kv-transfer-config too (docs/vllm.md)."""
+    storage = str(run.result.storage_dir)
+    if not isinstance(run.args, VllmLaunchArgs):
+        return {STORAGE_DIR_ENV: storage}
+    config = pointed_config(launch.command, storage, dict(os.environ))
+    return {ROOT_DIR_ENV: storage, KV_CONFIG_ENV: config}
 
 
-def env_line(run: InitRun) -> str:
-    return f"{env_name(run)}={shlex.quote(str(run.result.storage_dir))}"
+def env_lines(launch: LaunchRequest, run: InitRun) -> str:
+    return "".join(f"{k}={shlex.quote(v)}\n" for k, v in env_values(launch, run).items())
 
 
 @click.command("init")
@@ -161,13 +165,13 @@ def env_line(run: InitRun) -> str:
 @click.option(
     "--print-env",
     is_flag=True,
-    help=f"Print {STORAGE_DIR_ENV}=… ({ROOT_DIR_ENV}=… for vLLM) on stdout.",
+    help=f"Print {STORAGE_DIR_ENV}=… (for vLLM {ROOT_DIR_ENV}=… and {KV_CONFIG_ENV}=…) "
+    "on stdout.",
 )
 @click.option(
     "--env-file",
     type=click.Path(path_type=Path, dir_okay=False),
-    help=f"Write {STORAGE_DIR_ENV}=… ({ROOT_DIR_ENV}=… for vLLM) to this file (atomically), "
-    "e.g. for an initContainer.",
+    help="Write what --print-env prints to this file (atomically), e.g. for an initContainer.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @pass_app
@@ -197,7 +201,7 @@ def init(
     if isinstance(run.args, VllmLaunchArgs) and not hands_env:
         warnings += _root_dir_warning(run.args, run.result)
     if env_file is not None:
-        write_atomic(env_file, (env_line(run) + "\n").encode())
+        write_atomic(env_file, env_lines(launch, run).encode())
     machine = as_json or print_env
     for w in warnings:
         click.echo(f"cachemgr: warning: {w}", err=True)
@@ -208,14 +212,14 @@ def init(
             **dataclasses.asdict(run.result),
             "storage_dir": storage,
             "message": describe(run.result),
-            "env": {env_name(run): storage},
+            "env": env_values(launch, run),
             **({"command": command} if command is not None else {}),
             # Said on stderr once per root; a machine reading this gets it every time.
             "warnings": [w for w in (version_warning(run.identity), *warnings) if w],
         }
         click.echo(json.dumps(out, indent=2))
     elif print_env:
-        click.echo(env_line(run))
+        click.echo(env_lines(launch, run), nl=False)
     warn_refused(run.trash_refused)
 
 

@@ -22,6 +22,9 @@ FLAG = "--kv-transfer-config"
 # What `cachemgr init --env-file/--print-env` names the namespace dir for a vLLM launch: a
 # wrapper script puts it into the fs tier's root_dir (vLLM reads no such variable itself).
 ROOT_DIR_ENV = "CACHEMGR_VLLM_ROOT_DIR"
+# …and the launch's whole --kv-transfer-config with that root_dir, for a server command that
+# passes it as is: `vllm serve … --kv-transfer-config "$CACHEMGR_VLLM_KV_TRANSFER_CONFIG"`.
+KV_CONFIG_ENV = "CACHEMGR_VLLM_KV_TRANSFER_CONFIG"
 
 
 def point_root_dir(
@@ -57,6 +60,15 @@ def point_root_dir(
     if _root_of(out, environ, read_config) != root_dir:
         raise ConfigError(f"cannot point the launch's fs tier at {root_dir}: change it by hand")
     return out
+
+
+def pointed_config(
+    command: Sequence[str], root_dir: str, environ: dict[str, str] | None = None
+) -> str:
+    """The launch's effective --kv-transfer-config as JSON, its fs tier at `root_dir`."""
+    raw = resolve_vllm_args(command, environ).kv_transfer_config or "{}"
+    config, _ = with_root_dir(json.loads(raw), root_dir)
+    return json.dumps(config, separators=(",", ":"))
 
 
 def _rewritten(name: str, raw: str, root_dir: str) -> str | None:
