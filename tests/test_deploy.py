@@ -31,13 +31,13 @@ def compose_client() -> list[str] | None:
     return ["docker-compose"] if shutil.which("docker-compose") else None
 
 
-def compose_config(**env: str) -> subprocess.CompletedProcess[str]:
+def compose_config(path: Path = COMPOSE, **env: str) -> subprocess.CompletedProcess[str]:
     """`compose config` with exactly these deploy variables set (none from the caller's env)."""
     client = compose_client()
     assert client, "no compose client: scripts/test-deps.sh installs Debian's docker-compose"
     base = {k: v for k, v in os.environ.items() if k not in {"CACHEMGR_TOKEN", "MODELS_DIR"}}
     return subprocess.run(
-        [*client, "-f", str(COMPOSE), "config"],
+        [*client, "-f", str(path), "config"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -165,8 +165,7 @@ def env_lines(launch: LaunchRequest, run: InitRun) -> str:
 @click.option(
     "--print-env",
     is_flag=True,
-    help=f"Print {STORAGE_DIR_ENV}=… (for vLLM {ROOT_DIR_ENV}=… and {KV_CONFIG_ENV}=…) "
-    "on stdout.",
+    help=f"Print {STORAGE_DIR_ENV}=… (for vLLM {ROOT_DIR_ENV}=… and {KV_CONFIG_ENV}=…) on stdout.",
 )
 @click.option(
     "--env-file",
