@@ -8,14 +8,13 @@ import shlex
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from cachemgr.doctor.finding import Finding
 from cachemgr.errors import CachemgrError
 from cachemgr.fs.dirscan import scan_usage
+from cachemgr.identity.engines import AnyIdentity, parse_identity
 from cachemgr.identity.record import Identity, diff_identities
 from cachemgr.layout import NS_ID_RE, Layout
-from cachemgr.ns.manifest import read_manifest
+from cachemgr.ns.manifest import Manifest, read_manifest
 from cachemgr.ns.prelaunch import STORAGE_DIR_ENV, with_version_of
 from cachemgr.sglang.args import LaunchArgs
 
@@ -72,15 +71,9 @@ def lint_storage_identity(
     mine = identity()
     if mine is None:
         return []  # the model is not here to hash: model-not-local says so
-    try:
-        theirs = Identity.model_validate(manifest.identity)
-    except ValidationError:
-        theirs = None  # another schema version: only the digest can be compared
-    if theirs is not None:
-        mine = with_version_of(mine, theirs)
-    if mine.digest == manifest.digest:
+    changes = changes_since(manifest, mine)
+    if not changes:
         return []
-    changes = diff_identities(theirs, mine) if theirs else [f"identity: {manifest.digest}"]
     return [
         Finding(
             "error",
@@ -91,6 +84,17 @@ def lint_storage_identity(
             f"{STORAGE_DIR_ENV} at this identity's namespace",
         )
     ]
+
+
+def changes_since(manifest: Manifest, mine: AnyIdentity) -> list[str]:
+    """How `mine` differs from the identity `manifest` records, [] when it is the same (its
+    engine version adopted as init would adopt it)."""
+    theirs = parse_identity(manifest.identity)  # None: another schema, compare digests only
+    if theirs is not None:
+        mine = with_version_of(mine, theirs)
+    if mine.digest == manifest.digest:
+        return []
+    return diff_identities(theirs, mine) if theirs else [f"identity: {manifest.digest}"]
 
 
 def _pages(path: Path) -> int:

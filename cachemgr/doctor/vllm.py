@@ -11,14 +11,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from cachemgr.doctor.finding import Finding
-from cachemgr.doctor.storage import managed_ns
+from cachemgr.doctor.storage import changes_since, managed_ns
 from cachemgr.errors import CachemgrError
 from cachemgr.fs.safe import open_dir, read_regular
-from cachemgr.identity.engines import AnyIdentity, parse_identity
-from cachemgr.identity.record import diff_identities
+from cachemgr.identity.engines import AnyIdentity
 from cachemgr.layout import Layout
 from cachemgr.ns.manifest import read_manifest
-from cachemgr.ns.prelaunch import with_version_of
 from cachemgr.vllm.args import VllmLaunchArgs
 
 # vLLM's folder for one model and configuration: <model, "/" → "_">_<digest12> (file_mapper.py)
@@ -117,14 +115,9 @@ def _identity_mismatch(
     except CachemgrError:
         return []  # a damaged manifest: lint_root reports it with the namespace
     mine = identity() if manifest is not None else None
-    if manifest is None or mine is None:
+    changes = changes_since(manifest, mine) if manifest is not None and mine is not None else []
+    if not changes:
         return []
-    theirs = parse_identity(manifest.identity)
-    if theirs is not None:
-        mine = with_version_of(mine, theirs)
-    if mine.digest == manifest.digest:
-        return []
-    changes = diff_identities(theirs, mine) if theirs else [f"identity: {manifest.digest}"]
     return [
         Finding(
             "error",
