@@ -191,6 +191,11 @@ def test_the_same_launch_twice_keeps_its_namespace(root: Path, model: Path) -> N
         (["--kv-transfer-config", json.dumps({**tier_config(), "kv_role": "kv_nobody"})],
          "kv_role 'kv_nobody' is not one of"),
         (["--kv-cache-dtype"], "--kv-cache-dtype needs a value"),
+        (["--kv-transfer-config.kv_connector_extra_config.secondary_tiers",
+          '[{"type": "fs", "root_dir": "/a"}, {"type": "fs", "root_dir": "/b"}]'],
+         "has 2 fs tiers: cachemgr manages one per server"),
+        (["--kv-transfer-config.kv_connector_extra_config.secondary_tiers", '[{"type": "fs"}]'],
+         'the fs tier has no "root_dir" string'),
     ],
 )  # fmt: skip
 def test_a_bad_value_is_one_line_exit_2_and_nothing_is_made(

@@ -200,7 +200,7 @@ def launch_options(f: F) -> F:
             "--sglang-version-granularity",
             setting="sglang_version_granularity",
             type=click.Choice(["major.minor", "full", "none"]),
-            help="How much of the SGLang version counts (default major.minor).",
+            help="How much of the SGLang (or vLLM) version counts (default major.minor).",
         ),
         click.option("--sglang-version", help="SGLang version (default: the installed one)."),
         click.option("--vllm-version", help="vLLM version (default: the installed one)."),
