@@ -288,3 +288,21 @@ def test_init_says_when_the_launch_would_bypass_the_namespace(root: Path, model:
     lines = env.stdout.splitlines()
     assert lines[0] == f"CACHEMGR_VLLM_ROOT_DIR={ns}" and "root_dir is" not in env.stderr
     assert lines[1].startswith("CACHEMGR_VLLM_KV_TRANSFER_CONFIG='{")
+
+
+def test_purging_a_namespace_a_running_vllm_uses_is_refused(root: Path, model: Path) -> None:
+    first = vinit_json(root, launch(model))
+    # A server started with init's command: its argv names the namespace dir (as JSON).
+    server = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()", *first["command"]],
+        stdin=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        out = vinit(root, launch(model, "--kv-cache-dtype", "fp8"))
+        assert out.returncode == 2 and f"in use by running process {server.pid}" in (
+            one_line_error(out)
+        )
+        assert Path(first["storage_dir"]).is_dir()
+    finally:
+        server.communicate("", timeout=30)
+    assert vinit_json(root, launch(model, "--kv-cache-dtype", "fp8"))["old_action"] == "purged"

@@ -125,7 +125,7 @@ def _refuse_live_purge(
     if pids:
         raise ConfigError(
             f"instance {instance}'s old ns {old_ns} is in use by running process "
-            f"{', '.join(map(str, pids[:3]))} (its {STORAGE_DIR_ENV}): another server on this "
+            f"{', '.join(map(str, pids[:3]))} (its storage dir): another server on this "
             "root? give each server its own --instance, or pass --on-change retain; --force "
             "purges anyway"
         )

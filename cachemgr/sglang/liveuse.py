@@ -1,9 +1,12 @@
-"""Which running processes on this host use a namespace dir as their SGLang storage dir.
+"""Which running processes on this host use a namespace dir as their SGLang storage dir, or
+as their vLLM fs tier's root_dir.
 
 Before `init` purges a namespace on an identity change it asks this: a live process whose
-environment names the dir is a server still writing it (typically a second server on the same
-root under the same instance name), and purging would destroy its cache under it. A server that
-was stopped for the restart is gone from /proc, so the common restart is not affected.
+environment names the dir (SGLang), or one of whose arguments holds it as a JSON string (vLLM's
+`--kv-transfer-config` with `"root_dir": "<dir>"`), is a server still writing it (typically a
+second server on the same root under the same instance name), and purging would destroy its
+cache under it. A server that was stopped for the restart is gone from /proc, so the common
+restart is not affected.
 """
 
 from __future__ import annotations
@@ -27,14 +30,24 @@ def _ancestors(proc: Path, pid: int) -> set[int]:
     return seen
 
 
+def _in_argv(pid_dir: Path, quoted: bytes) -> bool:
+    """Whether an argument of the process holds `quoted` (the dir as a JSON string)."""
+    try:
+        return quoted in (pid_dir / "cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def live_users(ns_dir: Path, proc: Path = Path("/proc")) -> list[int]:
-    """PIDs whose environment sets SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR to `ns_dir`.
+    """PIDs whose environment sets SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR to `ns_dir`, or
+    whose arguments hold `"ns_dir"` (a vLLM launch cachemgr pointed there).
 
     This process and its ancestors are left out. Processes we may not read (other users when
     not root, other PID namespaces) are not seen: a safety net for one host, not a lock.
     """
     want = os.path.normpath(os.path.abspath(ns_dir))
     prefix = (STORAGE_DIR_ENV + "=").encode()
+    quoted = os.fsencode(f'"{want}"')
     mine = _ancestors(proc, os.getpid())
     found = []
     try:
@@ -54,4 +67,7 @@ def live_users(ns_dir: Path, proc: Path = Path("/proc")) -> list[int]:
                 if value and os.path.normpath(os.path.abspath(value)) == want:
                     found.append(int(name))
                 break
+        else:
+            if _in_argv(proc / name, quoted):
+                found.append(int(name))
     return sorted(found)
