@@ -47,10 +47,13 @@ def store(vllm: VllmDriver, result: dict[str, Any], model: str, kv_dtype: str) -
 
 
 def old_blocks_found(vllm: VllmDriver, result: dict[str, Any], model: str, kv_dtype: str) -> int:
-    """Blocks the new server finds when it asks exactly as the old one stored them."""
+    """Blocks the new server finds (lookup) or loads when it asks exactly as the old one
+    stored them."""
     handle = serve(vllm, result, model, kv_dtype)
     try:
-        return hits(vllm, handle)
+        found = hits(vllm, handle)
+        loaded = vllm.call("load", handle=handle, tokens=PROMPT, tag="old", req=f"l{next(_requests)}")
+        return found + int(loaded["loaded"])
     finally:
         vllm.call("close", handle=handle)
 
