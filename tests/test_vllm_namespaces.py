@@ -52,7 +52,8 @@ def old_blocks_found(vllm: VllmDriver, result: dict[str, Any], model: str, kv_dt
     handle = serve(vllm, result, model, kv_dtype)
     try:
         found = hits(vllm, handle)
-        loaded = vllm.call("load", handle=handle, tokens=PROMPT, tag="old", req=f"l{next(_requests)}")
+        req = f"l{next(_requests)}"
+        loaded = vllm.call("load", handle=handle, tokens=PROMPT, tag="old", req=req)
         return found + int(loaded["loaded"])
     finally:
         vllm.call("close", handle=handle)
