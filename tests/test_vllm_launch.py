@@ -306,3 +306,17 @@ def test_purging_a_namespace_a_running_vllm_uses_is_refused(root: Path, model: P
     finally:
         server.communicate("", timeout=30)
     assert vinit_json(root, launch(model, "--kv-cache-dtype", "fp8"))["old_action"] == "purged"
+
+
+def test_a_vllm_config_file_that_is_missing_or_not_yaml_is_one_line(
+    tmp_path: Path, model: Path
+) -> None:
+    root = tmp_path / "root"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("kv-cache-dtype: [unclosed\n")
+    cases = [("missing.yaml", 1, "No such file"), (str(bad), 2, "is not YAML"),
+             ("serve.json", 2, "reads only .yaml/.yml")]  # fmt: skip
+    for path, code, says in cases:
+        out = vinit(root, ["vllm", "serve", str(model), "--config", path])
+        assert out.returncode == code and says in one_line_error(out), out.stderr
+    assert not root.exists()

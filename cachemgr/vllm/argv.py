@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cachemgr.errors import ConfigError
+from cachemgr.errors import ConfigError, NotFoundError
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 _ENV_ASSIGN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
@@ -79,8 +79,9 @@ def read_yaml_config(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
-    except OSError as e:
-        raise ConfigError(f"--config {path}: {e.strerror or e}") from e
+    except OSError as e:  # a missing file is "not found" (exit 1), as a missing model dir
+        cls = NotFoundError if isinstance(e, FileNotFoundError) else ConfigError
+        raise cls(f"--config {path}: {e.strerror or e}") from e
     except yaml.YAMLError as e:
         raise ConfigError(f"--config {path} is not YAML: {str(e).splitlines()[0]}") from e
     if not isinstance(data, dict):
