@@ -97,7 +97,7 @@ def config_args(data: dict[str, Any], no_value: frozenset[str]) -> list[str]:
         if isinstance(value, bool):
             if value:
                 out.append(f"--{key}")
-            elif _dashes(f"--no-{key}") in no_value:
+            elif dashes(f"--no-{key}") in no_value:
                 out.append(f"--no-{key}")
         elif isinstance(value, list):
             if value:
@@ -149,7 +149,8 @@ def _splice_config(args: list[str], no_value: frozenset[str], read: ReadConfig) 
     return rest[:keep] + spliced + rest[keep:]
 
 
-def _dashes(name: str) -> str:
+def dashes(name: str) -> str:
+    """A flag name as vLLM reads it: `_` → `-` up to its first `.` (`--kv_transfer_config`)."""
     return _NAME_PART.sub(lambda m: m.group(0).replace("_", "-"), name, count=1)
 
 
@@ -158,7 +159,7 @@ def _rename(args: list[str]) -> list[str]:
     for i, arg in enumerate(args):
         if arg.startswith("--"):
             key, eq, value = arg.partition("=")
-            out.append(_dashes(key) + eq + value)
+            out.append(dashes(key) + eq + value)
         elif arg.startswith("-O") and arg != "-O":
             out += ["--optimization-level", arg[3:] if arg[2] == "=" else arg[2:]]
         elif arg == "-O" and args[i + 1 : i + 2] in (["0"], ["1"], ["2"], ["3"]):
@@ -189,7 +190,7 @@ def _merge_dotted(args: list[str]) -> list[str]:
         if name.endswith("+"):
             name, raw = name[:-1], json.dumps(raw.split(","))
         flag, *keys = name.split(".")
-        value: Any = _dotted_value(raw)
+        value: Any = dotted_value(raw)
         for key in reversed(keys):
             value = {key: value}
         _update(merged.setdefault(flag, {}), value)
@@ -198,7 +199,7 @@ def _merge_dotted(args: list[str]) -> list[str]:
     return out
 
 
-def _dotted_value(raw: str) -> Any:
+def dotted_value(raw: str) -> Any:
     """JSON, else a human-readable integer (`80g`), else the string itself."""
     try:
         return json.loads(raw)

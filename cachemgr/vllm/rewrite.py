@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from cachemgr.errors import ConfigError
 from cachemgr.vllm.args import resolve_vllm_args
-from cachemgr.vllm.argv import ReadConfig, _dashes, _dotted_value, read_yaml_config, split_vllm
+from cachemgr.vllm.argv import ReadConfig, dashes, dotted_value, read_yaml_config, split_vllm
 from cachemgr.vllm.tier import with_root_dir
 
 FLAG = "--kv-transfer-config"
@@ -35,14 +35,13 @@ def point_root_dir(
 ) -> list[str]:
     """`command` with its fs tier's root_dir set to `root_dir`; ConfigError if it has none."""
     cmd = split_vllm(command)
-    before = resolve_vllm_args(command, environ, read_config)
-    if cmd is None or before.tier is None:
+    if cmd is None or resolve_vllm_args(command, environ, read_config).tier is None:
         raise ConfigError(f"the launch has no fs tier in {FLAG}: nothing to point at {root_dir}")
     args = list(cmd.args)
     i = 0
     while i < len(args):
         key, eq, inline = args[i].partition("=")
-        name = _dashes(key) if key.startswith("--") else key
+        name = dashes(key) if key.startswith("--") else key
         if name != FLAG and not name.startswith(FLAG + "."):
             i += 1
             continue
@@ -54,19 +53,20 @@ def point_root_dir(
         i = at + 1
     out = [*cmd.prefix, *args]
     if _root_of(out, environ, read_config) != root_dir:  # set only in the --config file
-        raw = resolve_vllm_args(out, environ, read_config).kv_transfer_config or "{}"
-        config, _ = with_root_dir(json.loads(raw), root_dir)
-        out += [FLAG, json.dumps(config)]
+        out += [FLAG, pointed_config(out, root_dir, environ, read_config)]
     if _root_of(out, environ, read_config) != root_dir:
         raise ConfigError(f"cannot point the launch's fs tier at {root_dir}: change it by hand")
     return out
 
 
 def pointed_config(
-    command: Sequence[str], root_dir: str, environ: dict[str, str] | None = None
+    command: Sequence[str],
+    root_dir: str,
+    environ: dict[str, str] | None = None,
+    read_config: ReadConfig = read_yaml_config,
 ) -> str:
     """The launch's effective --kv-transfer-config as JSON, its fs tier at `root_dir`."""
-    raw = resolve_vllm_args(command, environ).kv_transfer_config or "{}"
+    raw = resolve_vllm_args(command, environ, read_config).kv_transfer_config or "{}"
     config, _ = with_root_dir(json.loads(raw), root_dir)
     return json.dumps(config, separators=(",", ":"))
 
@@ -81,7 +81,7 @@ def _rewritten(name: str, raw: str, root_dir: str) -> str | None:
     else:
         if name.endswith("+"):
             return None  # `key+ a,b` appends strings: it cannot hold a tier object
-        value = _dotted_value(raw)
+        value = dotted_value(raw)
     new, hit = with_root_dir(value, root_dir)
     return json.dumps(new) if hit else None
 
