@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -178,3 +179,50 @@ def test_the_prepass_reads_what_vllms_parser_reads(tmp_path: Path) -> None:
                                      if overrides else None)  # fmt: skip
         (fs,) = [t for t in theirs["tiers"] if t["type"] == "fs"]
         assert ours.tier is not None and ours.tier.root_dir == fs["root_dir"], argv
+
+
+def exec_vllm(root: Path, command: list[str], op: str, tmp_path: Path) -> dict[str, Any]:
+    """`cachemgr exec -- COMMAND` where `vllm` is tests/vllm_serve_stub.py: vLLM's own parser
+    and fs tier, storing or loading one prompt's blocks (op)."""
+    bindir = tmp_path / "bin"
+    if not bindir.exists():
+        bindir.mkdir()
+        stub = bindir / "vllm"
+        script = Path(__file__).with_name("vllm_serve_stub.py")
+        stub.write_text(f'#!/bin/sh\nexec "{VLLM_ENV}/bin/python" "{script}" "$@"\n')
+        stub.chmod(0o755)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "CACHEMGR_"))}
+    env = {**clean, "PATH": f"{bindir}:{os.environ['PATH']}", "STUB_OP": op}
+    out = subprocess.run(
+        [sys.executable, "-m", "cachemgr", "--root", str(root), "exec", "--", *command],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    result: dict[str, Any] = json.loads(out.stdout.splitlines()[-1])
+    result["said"] = out.stderr
+    return result
+
+
+def test_exec_runs_vllm_on_its_namespace_and_a_restart_loads_its_blocks(
+    root: Path, tmp_path: Path
+) -> None:
+    """The whole path: exec rewrites the dotted tier, vLLM's parser reads it, vLLM's tier
+    writes below the namespace; the same launch loads every block, a weights change none."""
+    model = make_model(tmp_path / "model")
+    tiers = json.dumps([{"type": "fs", "root_dir": "/srv/kv"}])
+    command = ["vllm", "serve", str(model), "--kv_cache_dtype", "fp8_e4m3",
+               "--kv-transfer-config.kv_connector", "OffloadingConnector",
+               "--kv-transfer-config.kv_role", "kv_both",
+               "--kv-transfer-config.kv_connector_extra_config.secondary_tiers", tiers]  # fmt: skip
+    stored = exec_vllm(root, command, "store", tmp_path)
+    (ns,) = [p for p in (root / "ns").iterdir() if p.is_dir()]
+    assert stored["root_dir"] == str(ns) and stored["stored"] == 4
+    assert Path(stored["base_path"]).parent == ns  # vLLM's folder inside the namespace
+    again = exec_vllm(root, command, "load", tmp_path)
+    assert "identity unchanged" in again["said"]
+    assert (again["loaded"], again["correct"]) == (4, 4)
+    save_file({"layers.0.weight": make_tensor()}, str(model / "model-00001-of-00003.safetensors"))
+    changed = exec_vllm(root, command, "load", tmp_path)
+    assert "weights: model-00001-of-00003.safetensors changed" in changed["said"]
+    assert changed["root_dir"] != str(ns) and changed["loaded"] == 0
+    assert not ns.exists()
