@@ -5,9 +5,13 @@
 2. event ingestion: a tmp+rename writer in another process as fast as it can go, the live
    index keeping up (lag, overflows, drift reported);
 3. `/metrics` and `/v1/status` latency (p50/p99) against `cachemgr serve` with N pages
-   indexed, and the daemon's RSS.
+   indexed, and the daemon's RSS;
+4. (`--model N`, alone) the chain model at N pages: an index of N pages in learned chains,
+   `cachemgr serve` restarted over it: ready time, RSS steady, and the time to the first
+   eviction when a cap is crossed (the order comes from the model loaded at start).
 
 Usage: python bench/bench_daemon.py [N_PAGES] [N_EVENTS]   (defaults 200000 50000)
+       python bench/bench_daemon.py --model N_PAGES
 """
 
 from __future__ import annotations
@@ -150,6 +154,107 @@ def bench_events(layout: Layout, n: int) -> None:
     print(f"(fs.inotify.max_queued_events = {queue})")
 
 
+CHAIN = 64  # pages a chain
+BRANCH = 4  # of every 4 chains, 3 continue a page of the chain before (a shared prefix)
+
+
+def _chain_rows(n: int) -> list[tuple[str | None, int, int, int, str, str]]:
+    """(pred, access_seq, born_seq, reads, namespace, name) of make_tree's pages as chains."""
+    rows = []
+    for k, ns in enumerate(NS):
+        mine = range(k, n, len(NS))
+        for j, i in enumerate(mine):
+            c, at = divmod(j, CHAIN)
+            if at:
+                pred = f"{mine[j - 1]:064x}"
+            elif c % BRANCH:
+                pred = f"{mine[j - CHAIN // 2 - 1]:064x}"  # the middle of the chain before
+            else:
+                pred = None
+            rows.append((pred, i + 1, i + 1, c % 5, ns, f"{i:064x}_Qwen-Qwen3-8B_0_1.bin"))
+    return rows
+
+
+def _tails(layout: Layout, n: int) -> list[Path]:
+    """The last page of every chain: the leaves, of which the first victim is one."""
+    return [
+        layout.ns_dir(ns) / f"{mine[j]:064x}_Qwen-Qwen3-8B_0_1.bin"
+        for k, ns in enumerate(NS)
+        for mine in [range(k, n, len(NS))]
+        for j in range(CHAIN - 1, len(mine), CHAIN)
+    ]
+
+
+def status_kib(pid: int, field: str) -> int:
+    line = next(
+        line
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+        if line.startswith(field)
+    )
+    return int(line.split()[1])
+
+
+def start_daemon(layout: Layout, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], float]:
+    """`cachemgr serve` on a free port; returns it and how long it took to be ready."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cachemgr", "--root", str(layout.root), "--log-level", "warning",
+         "serve", "--port", str(port)],
+        stderr=subprocess.DEVNULL, env={**os.environ, **env},
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+        while True:
+            try:
+                if client.get("/readyz").status_code == 200:
+                    return proc, time.perf_counter() - t0
+            except httpx.TransportError:
+                pass
+            time.sleep(0.02)
+
+
+def bench_model(layout: Layout, n: int) -> None:
+    print(f"\n## the chain model at {n:,} pages: restarts of `cachemgr serve`")
+    store = Store.open(layout.db_path)
+    took, _ = timed(lambda: scan_root(layout, store))
+    rows = _chain_rows(n)
+    with store.transaction() as conn:
+        conn.executemany(
+            "UPDATE pages SET pred = ?, access_seq = ?, born_seq = ?, reads = ?"
+            " WHERE namespace_id = ? AND name = ?",
+            rows,
+        )
+    del rows
+    store.close()
+    print(f"index built in {took:.1f} s; chains of {CHAIN} pages, 3 in 4 branching off another")
+    proc, ready = start_daemon(layout, {})
+    try:
+        time.sleep(10)  # GC's first cycle (nothing over a limit) and the index settle
+        rss, hwm = status_kib(proc.pid, "VmRSS"), status_kib(proc.pid, "VmHWM")
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    print(f"restart, no cap: ready {ready:.2f} s; RSS {rss / 1024:.0f} MiB steady "
+          f"(peak {hwm / 1024:.0f} MiB)")  # fmt: skip
+    tails = _tails(layout, n)
+    cap = {"CACHEMGR_GC_MAX_BYTES": str(n * 1024 * 99 // 100), "CACHEMGR_GC_MIN_AGE": "0s"}
+    t0 = time.perf_counter()
+    proc, ready = start_daemon(layout, cap)
+    try:
+        while all(t.exists() for t in tails):
+            time.sleep(0.02)
+        first = time.perf_counter() - t0
+        time.sleep(10)
+        rss, hwm = status_kib(proc.pid, "VmRSS"), status_kib(proc.pid, "VmHWM")
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    print(
+        f"restart over a cap 1% below usage: ready {ready:.2f} s, first page evicted "
+        f"{first:.2f} s after start; RSS {rss / 1024:.0f} MiB (peak {hwm / 1024:.0f} MiB)"
+    )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -205,6 +310,8 @@ def bench_http(layout: Layout, n: int, requests: int = 400) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--model"]:
+        return model_main(int(sys.argv[2]))
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 200_000
     events = int(sys.argv[2]) if len(sys.argv) > 2 else 50_000
     print(f"# cachemgr daemon bench — {platform.node()}, {os.cpu_count()} cores, "
@@ -218,6 +325,20 @@ def main() -> None:
         bench_scan(layout, n)
         bench_http(layout, n)
         bench_events(layout, events)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def model_main(n: int) -> None:
+    print(f"# cachemgr chain model bench — {platform.node()}, {os.cpu_count()} cores, "
+          f"Python {platform.python_version()}")  # fmt: skip
+    base = Path(tempfile.mkdtemp(prefix="cachemgr-bench-", dir=os.environ.get("BENCH_DIR")))
+    try:
+        layout = Layout.at(base / "root")
+        create_root(layout)
+        t, _ = timed(make_tree, layout, n)
+        print(f"made {n:,} page files in {t:.1f} s ({n / t:,.0f}/s)")
+        bench_model(layout, n)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
