@@ -108,7 +108,8 @@ class ChainModel:
         elif st.pred[s] == NONE and pred is not None:
             self._link(s, pred, trusted)
         old = st.file_sets[st.files[s]]
-        st.files[s] = st.file_set((*(f for f in old if f[0] != suffix), (suffix, size)))
+        new = (*(f for f in old if f[0] != suffix), (suffix, size)) if old else ((suffix, size),)
+        st.files[s] = st.file_set(new)
         if reads > st.reads[s]:
             st.reads[s] = reads
         if seq > st.last[s]:

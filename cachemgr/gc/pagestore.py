@@ -21,6 +21,8 @@ GHOST = -1  # files id of a slot that is not a page on disk
 NONE = -1  # no slot (no predecessor, empty bucket)
 _DEAD = -2  # a bucket whose slot was freed (probing goes on past it)
 KEY_BYTES = 32  # 64 hex digits
+GROW = 1024  # slots the columns grow by at a time
+_FILL = {(c, v): array(c, [v]) * GROW for c, v in [("i", NONE), *((c, 0) for c in "iqbdI")]}
 Files = tuple[tuple[str, int], ...]  # (name after the key, size) of each file of a page
 PageId = tuple[str, str]  # (namespace id, page key)
 
@@ -82,7 +84,8 @@ class PageStore:
         self.suffixes: dict[str, int] = {}  # stream suffix -> its number
         self.file_sets: list[Files] = []
         self._file_ids: dict[Files, int] = {}
-        self._free = array("i")
+        self._free = array("i")  # released slots, to reuse
+        self.top = 0  # slots handed out (the columns may hold more, for the next ones)
         self._table = array("i", [NONE]) * 8
         self._filled = 0  # buckets not empty (live or dead)
         self.count = 0  # pages on disk
@@ -96,11 +99,12 @@ class PageStore:
     def find(self, ns: str, key: str) -> int:
         """The slot of (ns, key), or NONE."""
         n = self.ns_num.get(ns)
-        return NONE if n is None else self._probe(n, key, _pack(key))[0]
+        return NONE if n is None else self._probe(n, key)[0]
 
-    def _probe(self, n: int, key: str, raw: bytes | None) -> tuple[int, int]:
-        """(the slot of key `raw` (packed) or `key` in namespace `n`, or NONE; if NONE, the
-        bucket to put it in)."""
+    def _probe(self, n: int, key: str) -> tuple[int, int, bytes | None]:
+        """(the slot of `key` in namespace `n`, or NONE; if NONE, the bucket to put it in;
+        the key packed)."""
+        raw = _pack(key)
         table, mask, ns, keys, odd = self._table, len(self._table) - 1, self.ns, self.keys, self.odd
         i = hash(key if raw is None else raw) + n & mask
         free = NONE
@@ -112,9 +116,9 @@ class PageStore:
                 if raw is None
                 else keys[s * KEY_BYTES : (s + 1) * KEY_BYTES] == raw and s not in odd
             ):
-                return s, i
+                return s, i, raw
             i = i + 1 & mask
-        return NONE, i if free == NONE else free
+        return NONE, i if free == NONE else free, raw
 
     def ensure(self, ns: str, key: str) -> int:
         """The slot of (ns, key): a new ghost if it has none."""
@@ -125,8 +129,7 @@ class PageStore:
             self.ns_pages.append(0)
         if 3 * (self._filled + 1) > 2 * len(self._table):
             self.reserve(0)
-        raw = _pack(key)
-        s, i = self._probe(n, key, raw)
+        s, i, raw = self._probe(n, key)
         if s == NONE:
             s = self._new_slot(n, key, raw)
             self._filled += self._table[i] == NONE
@@ -136,29 +139,31 @@ class PageStore:
     def _new_slot(self, n: int, key: str, raw: bytes | None) -> int:
         if self._free:
             s = self._free.pop()
-            self.keys[s * KEY_BYTES : (s + 1) * KEY_BYTES] = raw or bytes(KEY_BYTES)
-            self.ns[s], self.kids[s], self.kidx[s] = n, 0, 0
+            self.kids[s] = self.kidx[s] = 0
             self.files[s], self.leaf_at[s] = GHOST, NONE
         else:
-            s = len(self.ns)
-            self.keys += raw or bytes(KEY_BYTES)
-            self.ns.append(n)
-            for col in (self.pred, self.cand_sfx, self.files, self.leaf_at):
-                col.append(NONE)
-            for col in (
-                self.born,
-                self.last,
-                self.reads,
-                self.conf,
-                self.cand,
-                self.kids,
-                self.kidx,
-            ):
-                col.append(0)
-            self.time.append(0.0)
+            if self.top == len(self.ns):
+                self._grow()
+            s = self.top
+            self.top += 1
+        self.ns[s] = n
         if raw is None:
             self.odd[s] = key
+        else:
+            self.keys[s * KEY_BYTES : (s + 1) * KEY_BYTES] = raw
         return s
+
+    def _grow(self) -> None:
+        """Room for GROW more slots in every column, filled as a new ghost's: one call a column
+        per GROW pages, not one per page (and no temporary the size of a column: freeing one
+        that big makes malloc keep the next ones in its heap, where they fragment)."""
+        self.keys += bytes(KEY_BYTES * GROW)
+        for col in (self.pred, self.cand_sfx, self.files, self.leaf_at):
+            col.extend(_FILL["i", NONE])
+        for col in (self.ns, self.born, self.last, self.reads, self.conf, self.cand,
+                    self.kids, self.kidx):  # fmt: skip
+            col.extend(_FILL[col.typecode, 0])
+        self.time.extend(_FILL["d", 0])
 
     def _place(self, s: int) -> None:
         odd = self.odd.get(s) if self.odd else None
@@ -172,14 +177,15 @@ class PageStore:
         table[i] = s
 
     def reserve(self, more: int) -> None:
-        """A new table, at most half full with every slot in use and `more` (dead buckets go)."""
-        size, live = 8, len(self.ns) - len(self._free) + 1 + more
+        """A new table, at most half full with every slot in use and `more` (its dead buckets
+        go), so that it does not double and rehash as they come."""
+        size, live = 8, self.top - len(self._free) + 1 + more
         while size < 2 * live:
             size *= 2
         self._table = array("i", [NONE]) * size
         self._filled = 0
         free = set(self._free)
-        for s in range(len(self.ns)):
+        for s in range(self.top):
             if s not in free:
                 self._place(s)
 
@@ -249,7 +255,7 @@ class PageStore:
         if n is None or not self.ns_pages[n]:
             return
         ns_col, files = self.ns, self.files
-        for s in range(len(ns_col)):
+        for s in range(self.top):
             if ns_col[s] == n and files[s] != GHOST:
                 yield s
 
