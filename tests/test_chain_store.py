@@ -154,3 +154,17 @@ def test_the_first_eviction_after_a_restart_orders_what_the_index_loaded(tmp_pat
     assert keys(restarted) == keys(live)
     assert keys(restarted)[-1] == key(0)  # the returning chain's head goes last
     assert len(restarted.segments) == len(live.segments) == 30
+
+
+def test_a_forgotten_namespace_leaves_nothing_behind() -> None:
+    model = ChainModel()
+    chains(model, 300, 30)
+    model.add("other", key(1) + SUFFIX, 64, 10, seq=1000, at=0.0, pred=key(0))  # a ghost above
+    model.forget(NS)
+    assert len(model.pages) == 1 and model.names(NS, key(5)) == ()
+    model.add("third", key(5) + SUFFIX, 64, 10, seq=1001, at=0.0)  # takes NS's number again
+    assert model.names("third", key(5)) == (key(5) + SUFFIX,) and model.names(NS, key(5)) == ()
+    assert sorted(model.pages) == [("other", key(1)), ("third", key(5))]
+    assert keys(model) == [key(1), key(5)]
+    model.forget("other")  # its page and the ghost it named go: every slot is free again
+    assert model.store.top - len(model.store._free) == 1

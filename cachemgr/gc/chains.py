@@ -167,6 +167,7 @@ class ChainModel:
         with self.lock:
             for s in list(self.store.slots(ns)):
                 self._drop(s)
+            self.store.forget_ns(ns)
             self._prev = {s: k for s, k in self._prev.items() if s[0] != ns}
 
     def _drop(self, s: int) -> None:

@@ -12,6 +12,7 @@ A ghost lives while it has children (`kids[s] > 0`); then its slot is reused.
 
 from __future__ import annotations
 
+import re
 import threading
 from array import array
 from collections.abc import Iterator, Mapping
@@ -22,7 +23,8 @@ NONE = -1  # no slot (no predecessor, empty bucket)
 _DEAD = -2  # a bucket whose slot was freed (probing goes on past it)
 KEY_BYTES = 32  # 64 hex digits
 GROW = 1024  # slots the columns grow by at a time
-_FILL = {(c, v): array(c, [v]) * GROW for c, v in [("i", NONE), *((c, 0) for c in "iqbdI")]}
+_ONE = re.compile(b"\x01")
+_FILL = {(c, v): array(c, [v]) * GROW for c, v in [("i", NONE), *((c, 0) for c in "iqbdH")]}
 Files = tuple[tuple[str, int], ...]  # (name after the key, size) of each file of a page
 PageId = tuple[str, str]  # (namespace id, page key)
 
@@ -64,7 +66,7 @@ class PageStore:
     def __init__(self) -> None:
         self.keys = bytearray()  # KEY_BYTES per slot
         self.odd: dict[int, str] = {}  # slot -> key, for keys `_pack` cannot pack
-        self.ns = array("I")  # namespace number (self.ns_names)
+        self.ns = array("H")  # namespace number (self.ns_names; numbers are reused)
         self.pred = array("i")  # slot of the page before it in its chain, or NONE
         self.born = array("q")  # access sequence of its first write
         self.last = array("q")  # access sequence of its latest use
@@ -76,11 +78,12 @@ class PageStore:
         self.files = array("i")  # id of its interned files, or GHOST
         self.kids = array("i")  # children on disk
         self.kidx = array("i")  # XOR of their slots: the child itself when there is one
-        self.leaf_at = array("i")  # index in self.leaves, or NONE
-        self.leaves = array("i")  # slots of the leaves, in no order
+        self.leaf = bytearray()  # 1 for a leaf
         self.ns_names: list[str] = []
         self.ns_num: dict[str, int] = {}
         self.ns_pages: list[int] = []  # pages on disk per namespace number
+        self.ns_slots: list[int] = []  # slots (pages and ghosts) per namespace number
+        self._free_ns: list[int] = []  # numbers of namespaces forgotten, to reuse
         self.suffixes: dict[str, int] = {}  # stream suffix -> its number
         self.file_sets: list[Files] = []
         self._file_ids: dict[Files, int] = {}
@@ -124,9 +127,12 @@ class PageStore:
         """The slot of (ns, key): a new ghost if it has none."""
         n = self.ns_num.get(ns)
         if n is None:
-            n = self.ns_num[ns] = len(self.ns_names)
-            self.ns_names.append(ns)
-            self.ns_pages.append(0)
+            n = self.ns_num[ns] = self._free_ns.pop() if self._free_ns else len(self.ns_names)
+            if n == len(self.ns_names):
+                self.ns_names.append(ns)
+                self.ns_pages.append(0)
+                self.ns_slots.append(0)
+            self.ns_names[n] = ns
         if 3 * (self._filled + 1) > 2 * len(self._table):
             self.reserve(0)
         s, i, raw = self._probe(n, key)
@@ -140,13 +146,14 @@ class PageStore:
         if self._free:
             s = self._free.pop()
             self.kids[s] = self.kidx[s] = 0
-            self.files[s], self.leaf_at[s] = GHOST, NONE
+            self.files[s], self.leaf[s] = GHOST, 0
         else:
             if self.top == len(self.ns):
                 self._grow()
             s = self.top
             self.top += 1
         self.ns[s] = n
+        self.ns_slots[n] += 1
         if raw is None:
             self.odd[s] = key
         else:
@@ -158,7 +165,8 @@ class PageStore:
         per GROW pages, not one per page (and no temporary the size of a column: freeing one
         that big makes malloc keep the next ones in its heap, where they fragment)."""
         self.keys += bytes(KEY_BYTES * GROW)
-        for col in (self.pred, self.cand_sfx, self.files, self.leaf_at):
+        self.leaf += bytes(GROW)
+        for col in (self.pred, self.cand_sfx, self.files):
             col.extend(_FILL["i", NONE])
         for col in (self.ns, self.born, self.last, self.reads, self.conf, self.cand,
                     self.kids, self.kidx):  # fmt: skip
@@ -200,6 +208,15 @@ class PageStore:
         table[i] = _DEAD
         self.pred[s] = NONE
         self._free.append(s)
+        self.ns_slots[self.ns[s]] -= 1
+
+    def forget_ns(self, ns: str) -> None:
+        """Give a namespace's number back once it holds no slot (its pages are forgotten)."""
+        n = self.ns_num.get(ns)
+        if n is not None and not self.ns_slots[n]:
+            del self.ns_num[ns]
+            self.ns_names[n] = ""
+            self._free_ns.append(n)
 
     # -- pages ----------------------------------------------------------------------------------
 
@@ -236,18 +253,15 @@ class PageStore:
     def names(self, s: int) -> tuple[str, ...]:
         return self.page(s).names(self.key(s))
 
+    def leaves(self) -> list[int]:
+        """The slots of the leaves, in slot order (found by a scan in C: a byte a slot)."""
+        return [m.start() for m in _ONE.finditer(self.leaf)]
+
     def add_leaf(self, s: int) -> None:
-        if self.leaf_at[s] == NONE:
-            self.leaf_at[s] = len(self.leaves)
-            self.leaves.append(s)
+        self.leaf[s] = 1
 
     def drop_leaf(self, s: int) -> None:
-        at = self.leaf_at[s]
-        if at != NONE:
-            last = self.leaves.pop()
-            if last != s:
-                self.leaves[at], self.leaf_at[last] = last, at
-            self.leaf_at[s] = NONE
+        self.leaf[s] = 0
 
     def slots(self, ns: str) -> Iterator[int]:
         """Every page on disk of a namespace."""

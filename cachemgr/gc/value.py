@@ -72,7 +72,7 @@ def eviction_order(
     with model.lock:
         wanted = None if namespace_ids is None else {st.ns_num.get(n) for n in namespace_ids}
         gone: dict[int, int] = {}  # slot -> its children already in the order
-        leaves = [s for s in st.leaves if wanted is None or st.ns[s] in wanted]
+        leaves = [s for s in st.leaves() if wanted is None or st.ns[s] in wanted]
         # In flight: the last accesses, at most a tenth of the pages (a small cache must still
         # be able to meet its cap when the writer stops).
         recent = (model.clock - min(model.in_flight, st.count // 10),
