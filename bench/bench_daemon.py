@@ -86,14 +86,14 @@ def bench_scan(layout: Layout, n: int) -> None:
     if layout.db_path.exists():
         layout.db_path.unlink()
     store = Store.open(layout.db_path)
-    first, reports = timed(scan_root, store, layout)
-    again, _ = timed(scan_root, store, layout)
+    first, reports = timed(scan_root, layout, store)
+    again, _ = timed(scan_root, layout, store)
     # Pages come and go while the daemon is down: the digest differs, the rows are fixed.
     changed = max(1, n // 1000)
     d = layout.ns_dir(NS[0])
     for i in range(0, 2 * changed, 2):
         os.rename(d / f"{i:064x}_Qwen-Qwen3-8B_0_1.bin", d / f"{i:064x}_Qwen-Qwen3-8B_0_2.bin")
-    drift, drift_reports = timed(scan_root, store, layout)
+    drift, drift_reports = timed(scan_root, layout, store)
     store.close()
     assert sum(r.drift for r in drift_reports) == 2 * changed  # type: ignore[attr-defined]
     pages = sum(r.pages for r in reports)  # type: ignore[attr-defined]
@@ -119,7 +119,7 @@ def bench_events(layout: Layout, n: int) -> None:
     d = layout.ns_dir(ns)
     d.mkdir()
     store = Store.open(layout.db_path)
-    ix = Indexer(store, layout, reconcile_interval=float("inf"))
+    ix = Indexer(layout, store, reconcile_interval=float("inf"))
     ix.start()
     ix.state.ready.wait()
     reader = connect(layout.db_path)
@@ -195,8 +195,8 @@ def status_kib(pid: int, field: str) -> int:
     return int(line.split()[1])
 
 
-def start_daemon(layout: Layout, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], float]:
-    """`cachemgr serve` on a free port; returns it and how long it took to be ready."""
+def start_daemon(layout: Layout, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], int, float]:
+    """`cachemgr serve` on a free port; returns it, the port and how long it took to be ready."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "cachemgr", "--root", str(layout.root), "--log-level", "warning",
@@ -210,7 +210,7 @@ def start_daemon(layout: Layout, env: dict[str, str]) -> tuple[subprocess.Popen[
                 raise RuntimeError(f"cachemgr serve exited with {proc.returncode}")
             try:
                 if client.get("/readyz").status_code == 200:
-                    return proc, time.perf_counter() - t0
+                    return proc, port, time.perf_counter() - t0
             except httpx.TransportError:
                 pass
             time.sleep(0.02)
@@ -241,7 +241,7 @@ def index_chains(layout: Layout, n: int) -> None:
 def restarts(layout: Layout, n: int) -> None:
     """Two restarts over make_tree's `n` pages in chains: without a cap, then with one a little
     under the usage (about 1.5% of the pages go: down to the low watermark)."""
-    proc, ready = start_daemon(layout, {})
+    proc, _, ready = start_daemon(layout, {})
     try:
         time.sleep(10)  # GC's first cycle (nothing over a limit) and the index settle
         rss, hwm = status_kib(proc.pid, "VmRSS"), status_kib(proc.pid, "VmHWM")
@@ -256,7 +256,7 @@ def restarts(layout: Layout, n: int) -> None:
     cap = {"CACHEMGR_GC_MAX_BYTES": str(int(used / 0.955)), "CACHEMGR_GC_MIN_AGE": "0s",
            "CACHEMGR_GC_HIGH_WATERMARK": "0.95", "CACHEMGR_GC_LOW_WATERMARK": "0.94"}  # fmt: skip
     t0 = time.perf_counter()
-    proc, ready = start_daemon(layout, cap)
+    proc, _, ready = start_daemon(layout, cap)
     try:
         while all(t.exists() for t in tails):
             time.sleep(0.02)
@@ -280,23 +280,9 @@ def free_port() -> int:
 
 def bench_http(layout: Layout, n: int, requests: int = 400) -> None:
     print(f"\n## HTTP latency against `cachemgr serve` with {n:,} pages indexed")
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cachemgr", "--root", str(layout.root), "--log-level", "warning",
-         "serve", "--port", str(port)],
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    proc, port, took = start_daemon(layout, {})
     try:
         client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
-        t0 = time.perf_counter()
-        while True:
-            try:
-                if client.get("/readyz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.02)
-        took = time.perf_counter() - t0
         totals = client.get("/v1/status").json()["totals"]
         assert totals["pages"] == n, totals  # the rebuilt index agrees with the disk
         print(f"ready {took:.2f} s after start (a restart: the index is already there); "
@@ -309,17 +295,8 @@ def bench_http(layout: Layout, n: int, requests: int = 400) -> None:
                 lat.append((time.perf_counter() - t) * 1000)
             q = statistics.quantiles(lat, n=100)
             print(f"{path}: p50 {q[49]:.1f} ms, p99 {q[98]:.1f} ms ({requests} requests)")
-        rss = next(
-            line.split()[1]
-            for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
-            if line.startswith("VmRSS")
-        )
-        hwm = next(
-            line.split()[1]
-            for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
-            if line.startswith("VmHWM")
-        )
-        print(f"daemon RSS {int(rss) / 1024:.0f} MiB (peak {int(hwm) / 1024:.0f} MiB)")
+        rss, hwm = status_kib(proc.pid, "VmRSS"), status_kib(proc.pid, "VmHWM")
+        print(f"daemon RSS {rss / 1024:.0f} MiB (peak {hwm / 1024:.0f} MiB)")
         client.close()
     finally:
         proc.terminate()
@@ -327,10 +304,10 @@ def bench_http(layout: Layout, n: int, requests: int = 400) -> None:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--model"]:
-        return model_main(int(sys.argv[2]))
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 200_000
-    events = int(sys.argv[2]) if len(sys.argv) > 2 else 50_000
+    model = sys.argv[1:2] == ["--model"]
+    args = sys.argv[2:] if model else sys.argv[1:]
+    n = int(args[0]) if args else 200_000
+    events = int(args[1]) if len(args) > 1 else 50_000
     print(f"# cachemgr daemon bench — {platform.node()}, {os.cpu_count()} cores, "
           f"{platform.platform()}, Python {platform.python_version()}")  # fmt: skip
     base = Path(tempfile.mkdtemp(prefix="cachemgr-bench-", dir=os.environ.get("BENCH_DIR")))
@@ -339,23 +316,12 @@ def main() -> None:
         create_root(layout)
         t, _ = timed(make_tree, layout, n)
         print(f"made {n:,} page files in {t:.1f} s ({n / t:,.0f}/s)")
+        if model:
+            bench_model(layout, n)
+            return
         bench_scan(layout, n)
         bench_http(layout, n)
         bench_events(layout, events)
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-
-
-def model_main(n: int) -> None:
-    print(f"# cachemgr chain model bench — {platform.node()}, {os.cpu_count()} cores, "
-          f"Python {platform.python_version()}")  # fmt: skip
-    base = Path(tempfile.mkdtemp(prefix="cachemgr-bench-", dir=os.environ.get("BENCH_DIR")))
-    try:
-        layout = Layout.at(base / "root")
-        create_root(layout)
-        t, _ = timed(make_tree, layout, n)
-        print(f"made {n:,} page files in {t:.1f} s ({n / t:,.0f}/s)")
-        bench_model(layout, n)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
