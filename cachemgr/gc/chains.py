@@ -128,8 +128,9 @@ class ChainModel:
     def load(self, conn: sqlite3.Connection, ns: str) -> None:
         """(Re)build a namespace's pages from the index: after a scan changed it, at start-up,
         or for a one-off GC run. The order of accesses within it is not stored: only links."""
-        intern, put, clock = sys.intern, self._put, self.clock
+        intern, put = sys.intern, self._put
         with self.lock:
+            clock = self.clock
             self.forget(ns)
             self.store.reserve(pages_sql.file_count(conn, ns))  # no table doubling as it loads
             for name, key_len, size, at, seq, reads, pred, born in pages_sql.chain_rows(conn, ns):

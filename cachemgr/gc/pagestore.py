@@ -1,9 +1,10 @@
 """The chain model's pages as integer slots in parallel typed arrays: no Python object per page.
 
-A dict of page objects costs ~680 bytes a page (a million pages: 680 MB); here a page is one
-slot in a dozen `array`s and 32 bytes of its key (a 64-hex-digit key, SGLang's sha256, packed
-to bytes), found through an open-addressing table of slot numbers (4 bytes a bucket). Keys of
-another shape (shorter or uppercase hex, other formats) are kept as strings on the side.
+A dict of page objects cost 700-800 bytes a page (a million pages: ~800 MB); here a page is
+one slot in a dozen `array`s and 32 bytes of its key (a 64-hex-digit key, SGLang's sha256,
+packed to bytes), found through an open-addressing table of slot numbers (4 bytes a bucket):
+~103 bytes a page. Keys of another shape (shorter or uppercase hex, other formats) are kept as
+strings on the side.
 
 A slot is either a page on disk (`files[s] >= 0`, the id of its interned (suffix, size) files)
 or a *ghost* (`files[s] == GHOST`): a key that pages on disk still name as their predecessor.
@@ -73,7 +74,9 @@ class PageStore:
         self.time = array("d")  # wall-clock time of that use
         self.reads = array("i")
         self.conf = array("b")  # agreeing reads banked for `pred`
-        self.cand = array("q")  # hash of the predecessor the last contrary read named
+        # The predecessor the last contrary read named, as the hash of its key (only compared:
+        # a 64-bit collision is the one way this differs from keeping the key itself).
+        self.cand = array("q")
         self.cand_sfx = array("i")  # ... and the suffix number of its stream, or NONE
         self.files = array("i")  # id of its interned files, or GHOST
         self.kids = array("i")  # children on disk
