@@ -5,9 +5,13 @@
 2. event ingestion: a tmp+rename writer in another process as fast as it can go, the live
    index keeping up (lag, overflows, drift reported);
 3. `/metrics` and `/v1/status` latency (p50/p99) against `cachemgr serve` with N pages
-   indexed, and the daemon's RSS.
+   indexed, and the daemon's RSS;
+4. (`--model N`, alone) the chain model at N pages: an index of N pages in learned chains,
+   `cachemgr serve` restarted over it: ready time, RSS steady, and the time to the first
+   eviction when a cap is crossed (the order comes from the model loaded at start).
 
 Usage: python bench/bench_daemon.py [N_PAGES] [N_EVENTS]   (defaults 200000 50000)
+       python bench/bench_daemon.py --model N_PAGES
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from cachemgr.daemon.indexer import Indexer
 from cachemgr.fs.dirscan import scan_usage
 from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
+from cachemgr.state import pages_sql
 from cachemgr.state.index import scan_root
 from cachemgr.state.store import Store, connect
 
@@ -81,14 +86,14 @@ def bench_scan(layout: Layout, n: int) -> None:
     if layout.db_path.exists():
         layout.db_path.unlink()
     store = Store.open(layout.db_path)
-    first, reports = timed(scan_root, store, layout)
-    again, _ = timed(scan_root, store, layout)
+    first, reports = timed(scan_root, layout, store)
+    again, _ = timed(scan_root, layout, store)
     # Pages come and go while the daemon is down: the digest differs, the rows are fixed.
     changed = max(1, n // 1000)
     d = layout.ns_dir(NS[0])
     for i in range(0, 2 * changed, 2):
         os.rename(d / f"{i:064x}_Qwen-Qwen3-8B_0_1.bin", d / f"{i:064x}_Qwen-Qwen3-8B_0_2.bin")
-    drift, drift_reports = timed(scan_root, store, layout)
+    drift, drift_reports = timed(scan_root, layout, store)
     store.close()
     assert sum(r.drift for r in drift_reports) == 2 * changed  # type: ignore[attr-defined]
     pages = sum(r.pages for r in reports)  # type: ignore[attr-defined]
@@ -114,7 +119,7 @@ def bench_events(layout: Layout, n: int) -> None:
     d = layout.ns_dir(ns)
     d.mkdir()
     store = Store.open(layout.db_path)
-    ix = Indexer(store, layout, reconcile_interval=float("inf"))
+    ix = Indexer(layout, store, reconcile_interval=float("inf"))
     ix.start()
     ix.state.ready.wait()
     reader = connect(layout.db_path)
@@ -150,6 +155,123 @@ def bench_events(layout: Layout, n: int) -> None:
     print(f"(fs.inotify.max_queued_events = {queue})")
 
 
+CHAIN = 64  # pages a chain
+BRANCH = 4  # of every 4 chains, 3 continue a page of the chain before (a shared prefix)
+
+
+def _chain_rows(n: int) -> list[tuple[str | None, int, int, int, str, str]]:
+    """(pred, access_seq, born_seq, reads, namespace, name) of make_tree's pages as chains."""
+    rows = []
+    for k, ns in enumerate(NS):
+        mine = range(k, n, len(NS))
+        for j, i in enumerate(mine):
+            c, at = divmod(j, CHAIN)
+            if at:
+                pred = f"{mine[j - 1]:064x}"
+            elif c % BRANCH:
+                pred = f"{mine[j - CHAIN // 2 - 1]:064x}"  # the middle of the chain before
+            else:
+                pred = None
+            rows.append((pred, i + 1, i + 1, c % 5, ns, f"{i:064x}_Qwen-Qwen3-8B_0_1.bin"))
+    return rows
+
+
+def _tails(layout: Layout, n: int) -> list[Path]:
+    """The last page of every chain: the leaves, of which the first victim is one."""
+    return [
+        layout.ns_dir(ns) / f"{mine[j]:064x}_Qwen-Qwen3-8B_0_1.bin"
+        for k, ns in enumerate(NS)
+        for mine in [range(k, n, len(NS))]
+        for j in range(CHAIN - 1, len(mine), CHAIN)
+    ]
+
+
+def status_kib(pid: int, field: str) -> int:
+    line = next(
+        line
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+        if line.startswith(field)
+    )
+    return int(line.split()[1])
+
+
+def start_daemon(layout: Layout, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], int, float]:
+    """`cachemgr serve` on a free port; returns it, the port and how long it took to be ready."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cachemgr", "--root", str(layout.root), "--log-level", "warning",
+         "serve", "--port", str(port)],
+        stderr=subprocess.DEVNULL, env={**os.environ, **env},
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"cachemgr serve exited with {proc.returncode}")
+            try:
+                if client.get("/readyz").status_code == 200:
+                    return proc, port, time.perf_counter() - t0
+            except httpx.TransportError:
+                pass
+            time.sleep(0.02)
+
+
+def bench_model(layout: Layout, n: int) -> None:
+    print(f"\n## the chain model at {n:,} pages: restarts of `cachemgr serve`")
+    index_chains(layout, n)
+    restarts(layout, n)
+
+
+def index_chains(layout: Layout, n: int) -> None:
+    """Index make_tree's pages, then give them chains as the daemon would have learned."""
+    store = Store.open(layout.db_path)
+    took, _ = timed(lambda: scan_root(layout, store))
+    rows = _chain_rows(n)
+    with store.transaction() as conn:
+        conn.executemany(
+            "UPDATE pages SET pred = ?, access_seq = ?, born_seq = ?, reads = ?"
+            " WHERE namespace_id = ? AND name = ?",
+            rows,
+        )
+    del rows
+    store.close()
+    print(f"index built in {took:.1f} s; chains of {CHAIN} pages, 3 in 4 branching off another")
+
+
+def restarts(layout: Layout, n: int) -> None:
+    """Two restarts over make_tree's `n` pages in chains: without a cap, then with one a little
+    under the usage (about 1.5% of the pages go: down to the low watermark)."""
+    proc, _, ready = start_daemon(layout, {})
+    try:
+        time.sleep(10)  # GC's first cycle (nothing over a limit) and the index settle
+        rss, hwm = status_kib(proc.pid, "VmRSS"), status_kib(proc.pid, "VmHWM")
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    print(f"restart, no cap: ready {ready:.2f} s; RSS {rss / 1024:.0f} MiB steady "
+          f"(peak {hwm / 1024:.0f} MiB)")  # fmt: skip
+    tails = [t for t in _tails(layout, n) if t.exists()]
+    with Store.open(layout.db_path) as store:
+        used = sum(pages_sql.namespace_bytes(store.conn).values())
+    cap = {"CACHEMGR_GC_MAX_BYTES": str(int(used / 0.955)), "CACHEMGR_GC_MIN_AGE": "0s",
+           "CACHEMGR_GC_HIGH_WATERMARK": "0.95", "CACHEMGR_GC_LOW_WATERMARK": "0.94"}  # fmt: skip
+    t0 = time.perf_counter()
+    proc, _, ready = start_daemon(layout, cap)
+    try:
+        while all(t.exists() for t in tails):
+            time.sleep(0.02)
+        first = time.perf_counter() - t0
+        time.sleep(10)
+        rss, hwm = status_kib(proc.pid, "VmRSS"), status_kib(proc.pid, "VmHWM")
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    print(
+        f"restart over a cap of usage / 0.955: ready {ready:.2f} s, first page evicted "
+        f"{first:.2f} s after start; RSS {rss / 1024:.0f} MiB (peak {hwm / 1024:.0f} MiB)"
+    )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -158,23 +280,9 @@ def free_port() -> int:
 
 def bench_http(layout: Layout, n: int, requests: int = 400) -> None:
     print(f"\n## HTTP latency against `cachemgr serve` with {n:,} pages indexed")
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cachemgr", "--root", str(layout.root), "--log-level", "warning",
-         "serve", "--port", str(port)],
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    proc, port, took = start_daemon(layout, {})
     try:
         client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
-        t0 = time.perf_counter()
-        while True:
-            try:
-                if client.get("/readyz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.02)
-        took = time.perf_counter() - t0
         totals = client.get("/v1/status").json()["totals"]
         assert totals["pages"] == n, totals  # the rebuilt index agrees with the disk
         print(f"ready {took:.2f} s after start (a restart: the index is already there); "
@@ -187,17 +295,8 @@ def bench_http(layout: Layout, n: int, requests: int = 400) -> None:
                 lat.append((time.perf_counter() - t) * 1000)
             q = statistics.quantiles(lat, n=100)
             print(f"{path}: p50 {q[49]:.1f} ms, p99 {q[98]:.1f} ms ({requests} requests)")
-        rss = next(
-            line.split()[1]
-            for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
-            if line.startswith("VmRSS")
-        )
-        hwm = next(
-            line.split()[1]
-            for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
-            if line.startswith("VmHWM")
-        )
-        print(f"daemon RSS {int(rss) / 1024:.0f} MiB (peak {int(hwm) / 1024:.0f} MiB)")
+        rss, hwm = status_kib(proc.pid, "VmRSS"), status_kib(proc.pid, "VmHWM")
+        print(f"daemon RSS {rss / 1024:.0f} MiB (peak {hwm / 1024:.0f} MiB)")
         client.close()
     finally:
         proc.terminate()
@@ -205,8 +304,10 @@ def bench_http(layout: Layout, n: int, requests: int = 400) -> None:
 
 
 def main() -> None:
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 200_000
-    events = int(sys.argv[2]) if len(sys.argv) > 2 else 50_000
+    model = sys.argv[1:2] == ["--model"]
+    args = sys.argv[2:] if model else sys.argv[1:]
+    n = int(args[0]) if args else 200_000
+    events = int(args[1]) if len(args) > 1 else 50_000
     print(f"# cachemgr daemon bench — {platform.node()}, {os.cpu_count()} cores, "
           f"{platform.platform()}, Python {platform.python_version()}")  # fmt: skip
     base = Path(tempfile.mkdtemp(prefix="cachemgr-bench-", dir=os.environ.get("BENCH_DIR")))
@@ -215,6 +316,9 @@ def main() -> None:
         create_root(layout)
         t, _ = timed(make_tree, layout, n)
         print(f"made {n:,} page files in {t:.1f} s ({n / t:,.0f}/s)")
+        if model:
+            bench_model(layout, n)
+            return
         bench_scan(layout, n)
         bench_http(layout, n)
         bench_events(layout, events)

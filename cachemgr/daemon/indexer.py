@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from cachemgr.daemon import heap
 from cachemgr.daemon.index_leader import lead, mark_ready
 from cachemgr.daemon.index_state import IndexState
 from cachemgr.daemon.page_events import PageEvents
@@ -288,5 +289,6 @@ class Indexer(Worker):
         if first or report.drift or ns not in self._loaded:
             self.model.load(self.store.conn, ns)  # the scan changed what the model knew
             self._loaded.add(ns)
+            heap.trim()  # what the scan and the load freed (cachemgr.daemon.heap)
         self.state.record_scan(report, first=first)
         return report

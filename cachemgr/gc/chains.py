@@ -20,7 +20,8 @@ A page with no known predecessor is a chain of its own: it is still evicted by i
 model knows only pages the index holds; its clock is the index's access sequence, never the
 wall clock, so a trace replayed at any request rate teaches it the same chains and the same
 order (cachemgr.gc.value). The daemon keeps one live model (fed by cachemgr.daemon.page_events);
-a CLI run builds one from the index (`load`), where the learned links are stored.
+a CLI run builds one from the index (`load`), where the learned links are stored. Its pages
+live in a compact store (cachemgr.gc.pagestore): ~100 bytes a page, not a Python object each.
 """
 
 from __future__ import annotations
@@ -29,14 +30,13 @@ import os
 import sqlite3
 import sys
 import threading
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 
 from cachemgr.backends import FileFormat
+from cachemgr.gc.pagestore import GHOST, NONE, Page, PageId, PageStore, PagesView
 from cachemgr.sglang.hicache import HICACHE_FILE
 from cachemgr.state import pages_sql
 
-PageId = tuple[str, str]  # (namespace id, page key)
 CONFIDENCE_MAX = 3  # agreeing reads a link may bank against later contrary evidence
 CYCLE_WALK = 100_000  # ancestors walked at most to refuse a cycle (chains are far shorter)
 # Accesses (of any page) since a page's last use during which the live daemon deems it in
@@ -45,31 +45,7 @@ CYCLE_WALK = 100_000  # ancestors walked at most to refuse a cycle (chains are f
 # and only for IN_FLIGHT_SECONDS: when the writer stops, nothing stays in flight.
 IN_FLIGHT = 1024
 IN_FLIGHT_SECONDS = 2.0
-
-
-@dataclass(slots=True)
-class Page:
-    """One logical page (all its files): its learned predecessor and its use, in access seqs."""
-
-    pred: str | None  # key of the page before it in its chain (same namespace)
-    born: int  # access sequence of its first write (or of when the index first saw it)
-    last: int  # access sequence of its latest read or write
-    last_time: float  # wall-clock time of that access (only for min_age)
-    reads: int = 0
-    conf: int = 0  # agreeing reads banked for `pred`
-    # (predecessor, file suffix) the last contrary read named, and in which stream (one rank's
-    # files: every rank reads a request's pages, so two ranks agreeing is one request's word)
-    cand: tuple[str, str] | None = None
-    # (name after the key, size) of each file; the suffixes are interned: a million pages of
-    # one namespace share a handful of them.
-    files: tuple[tuple[str, int], ...] = ()
-
-    @property
-    def size(self) -> int:
-        return sum(size for _, size in self.files)
-
-    def names(self, key: str) -> tuple[str, ...]:
-        return tuple(sorted(key + suffix for suffix, _ in self.files))
+DIRTY_MAX = 65_536  # pages changed between two orders past which all segments are walked again
 
 
 class ChainModel:
@@ -81,12 +57,19 @@ class ChainModel:
     def __init__(self, fmt: FileFormat = HICACHE_FILE, *, in_flight: int = 0) -> None:
         self.fmt = fmt  # what the names in a namespace dir mean
         self.in_flight = in_flight  # the last accesses whose pages GC leaves alone
-        self.pages: dict[PageId, Page] = {}
-        self.kids: dict[PageId, int] = {}  # pred id -> its children on disk (> 0)
-        self.leaves: set[PageId] = set()  # pages on disk with no child on disk
+        self.store = PageStore()
         self.clock = 0  # the largest access sequence seen
         self._prev: dict[tuple[str, str], str] = {}  # (ns, file suffix) -> last page key
+        # The eviction order's segments as of its last run (cachemgr.gc.value): leaf slot ->
+        # (top slot, latest use, latest wall-clock use), and the slots changed since.
+        self.segments: dict[int, tuple[int, int, float]] = {}
+        self.dirty: set[int] = set()
         self.lock = threading.RLock()
+
+    @property
+    def pages(self) -> Mapping[PageId, Page]:
+        """A read-only view of the pages on disk (copies, for tests and reports)."""
+        return PagesView(self.store, self.lock)
 
     # -- building -----------------------------------------------------------------------------
 
@@ -107,21 +90,32 @@ class ChainModel:
         """Index one file (a page's first file creates the page; a known page keeps its use).
         `trusted`: `pred` comes from the index, where no link closes a cycle."""
         key, suffix = name[:key_len], sys.intern(name[key_len:])
-        pid = (ns, key)
+        st = self.store
         with self.lock:
-            page = self.pages.get(pid)
-            if page is None:
-                page = self.pages[pid] = Page(None, seq if born is None else born, seq, at)
-                if pid not in self.kids:
-                    self.leaves.add(pid)
-                self._link(pid, page, pred, trusted)
-            elif page.pred is None and pred is not None:
-                self._link(pid, page, pred, trusted)
-            page.files = (*(f for f in page.files if f[0] != suffix), (suffix, size))
-            page.reads = max(page.reads, reads)
-            if seq > page.last:
-                page.last, page.last_time = seq, at
+            s = self._put(ns, key, suffix, size, seq, at, pred, born, reads, trusted)
+            if not st.kids[s]:
+                st.add_leaf(s)  # (a no-op for a page that was a leaf already)
             self.clock = max(self.clock, seq)
+
+    def _put(self, ns: str, key: str, suffix: str, size: int, seq: int, at: float,
+             pred: str | None, born: int | None, reads: int, trusted: bool) -> int:  # fmt: skip
+        """`add` but for the leaf set and the clock (a load fixes those once at its end)."""
+        st = self.store
+        s = st.ensure(ns, key)
+        if st.files[s] == GHOST:
+            st.start(s, seq if born is None else born, seq, at)
+            self._link(s, pred, trusted)
+        elif st.pred[s] == NONE and pred is not None:
+            self._link(s, pred, trusted)
+        old = st.file_sets[st.files[s]]
+        new = (*(f for f in old if f[0] != suffix), (suffix, size)) if old else ((suffix, size),)
+        st.files[s] = st.file_set(new)
+        if reads > st.reads[s]:
+            st.reads[s] = reads
+        if seq > st.last[s]:
+            st.last[s], st.time[s] = seq, at
+        self._mark(s)
+        return s
 
     @classmethod
     def from_index(cls, conn: sqlite3.Connection, ns_ids: Iterable[str]) -> ChainModel:
@@ -134,23 +128,34 @@ class ChainModel:
     def load(self, conn: sqlite3.Connection, ns: str) -> None:
         """(Re)build a namespace's pages from the index: after a scan changed it, at start-up,
         or for a one-off GC run. The order of accesses within it is not stored: only links."""
+        intern, put = sys.intern, self._put
         with self.lock:
+            clock = self.clock
             self.forget(ns)
+            self.store.reserve(pages_sql.file_count(conn, ns))  # no table doubling as it loads
             for name, key_len, size, at, seq, reads, pred, born in pages_sql.chain_rows(conn, ns):
-                self.add(ns, name, key_len, size, seq=seq, at=at, pred=pred, born=born,
-                         reads=reads, trusted=True)  # fmt: skip
+                put(ns, name[:key_len], intern(name[key_len:]), size, seq, at, pred, born, reads,
+                    True)  # fmt: skip
+                clock = max(clock, seq)
+            self.clock = clock
+            kids = self.store.kids
+            for s in self.store.slots(ns):
+                if not kids[s]:
+                    self.store.add_leaf(s)
 
     def remove(self, ns: str, names: Iterable[tuple[str, int]]) -> None:
         """Forget files (name, key_len) that are gone; a page goes with its last file."""
+        st = self.store
         with self.lock:
             for name, key_len in names:
-                pid = (ns, name[:key_len])
-                page = self.pages.get(pid)
-                if page is None:
+                s = st.find(ns, name[:key_len])
+                if not st.present(s):
                     continue
-                page.files = tuple(f for f in page.files if f[0] != name[key_len:])
-                if not page.files:
-                    self._drop(pid, page)
+                suffix = name[key_len:]
+                files = tuple(f for f in st.file_sets[st.files[s]] if f[0] != suffix)
+                st.files[s] = st.file_set(files)
+                if not files:
+                    self._drop(s)
 
     def forget_gone(self, ns: str, ns_dir: str, names: Iterable[str]) -> None:
         """Forget those of these files of `ns` (in `ns_dir`) that are gone: after GC deleted
@@ -161,16 +166,24 @@ class ChainModel:
     def forget(self, ns: str) -> None:
         """Forget a whole namespace (its dir is gone)."""
         with self.lock:
-            for pid in [p for p in self.pages if p[0] == ns]:
-                self._drop(pid, self.pages[pid])
+            for s in list(self.store.slots(ns)):
+                self._drop(s)
+            self.store.forget_ns(ns)
             self._prev = {s: k for s, k in self._prev.items() if s[0] != ns}
 
-    def _drop(self, pid: PageId, page: Page) -> None:
-        del self.pages[pid]
-        self.leaves.discard(pid)
-        if page.pred is not None:
-            self._unkid(pid, page.pred)
+    def _drop(self, s: int) -> None:
+        st = self.store
+        st.drop_leaf(s)
+        st.files[s] = GHOST
+        st.count -= 1
+        st.ns_pages[st.ns[s]] -= 1
+        if st.pred[s] != NONE:
+            self._unkid(s, st.pred[s])
+            st.pred[s] = NONE
+        self._mark(s)
         # Its children keep their link: if the page is written again they hang on it again.
+        if not st.kids[s]:
+            st.release(s)
 
     # -- learning from the access stream --------------------------------------------------------
 
@@ -182,7 +195,7 @@ class ChainModel:
             self._prev[stream] = key
             guess = prev if prev is not None and prev != key else None
             self.add(ns, name, key_len, 0, seq=seq, at=at, pred=guess)  # moves `last` on too
-            return self.pages[(ns, key)].pred
+            return self._pred_key(self.store.find(ns, key))
 
     def observe_read(
         self, ns: str, name: str, key_len: int, *, seq: int, at: float
@@ -190,70 +203,95 @@ class ChainModel:
         """A file was read; returns (whether this read changed its page's predecessor, the
         predecessor now)."""
         key, stream = name[:key_len], (ns, name[key_len:])
+        st = self.store
         with self.lock:
             prev = self._prev.get(stream)
             self._prev[stream] = key
-            page = self.pages.get((ns, key))
-            if page is None:
+            s = st.find(ns, key)
+            if not st.present(s):
                 return False, None
-            page.reads += 1
-            page.last, page.last_time = seq, at
+            st.reads[s] += 1
+            st.last[s], st.time[s] = seq, at
+            self._mark(s)
             self.clock = max(self.clock, seq)
-            before = page.pred
+            before = st.pred[s]
             if prev is None or prev == key:
-                return False, before
-            if page.pred == prev:
-                page.conf = min(page.conf + 1, CONFIDENCE_MAX)
-            elif page.conf > 0:
-                page.conf -= 1
-            elif page.cand == (prev, stream[1]):  # two requests in a row name the same page
-                self._link((ns, key), page, prev)
-            elif page.cand is None or page.cand[0] != prev:  # (another rank: the same word)
-                page.cand = (prev, stream[1])
-                self._link((ns, key), page, None)
-            return page.pred != before, page.pred
+                return False, self._pred_key(s)
+            # The last contrary read is kept as (hash of its key, its stream's suffix number).
+            sfx = st.suffixes.setdefault(stream[1], len(st.suffixes))
+            if before != NONE and st.key(before) == prev:
+                st.conf[s] = min(st.conf[s] + 1, CONFIDENCE_MAX)
+            elif st.conf[s] > 0:
+                st.conf[s] -= 1
+            elif st.cand_sfx[s] == sfx and st.cand[s] == hash(prev):  # two requests agree
+                self._link(s, prev)
+            elif st.cand_sfx[s] == NONE or st.cand[s] != hash(prev):  # (another rank: the same)
+                st.cand[s], st.cand_sfx[s] = hash(prev), sfx
+                self._link(s, None)
+            return st.pred[s] != before, self._pred_key(s)
 
-    def _link(self, pid: PageId, page: Page, pred: str | None, trusted: bool = False) -> None:
+    def _mark(self, s: int) -> None:
+        """Page `s` changed: the segment it is in (and its own, if a leaf) must be walked again."""
+        if self.segments:  # (nothing to invalidate while nothing is known)
+            self.dirty.add(s)
+            if len(self.dirty) > DIRTY_MAX:
+                self.segments.clear()
+                self.dirty.clear()
+
+    def _pred_key(self, s: int) -> str | None:
+        return self.store.pred_key(s)
+
+    def _link(self, s: int, pred: str | None, trusted: bool = False) -> None:
         """Make `pred` the page's predecessor unless that closes a cycle. Only a page with a
         child on disk can be an ancestor: a new tail links without a walk up its chain."""
-        ns = pid[0]
-        walk = pid in self.kids or pred == pid[1]
-        if pred is not None and not trusted and walk and self._is_ancestor(ns, pid[1], pred):
+        st = self.store
+        ns = st.ns_names[st.ns[s]]
+        walk = pred is not None and not trusted and (st.kids[s] or pred == st.key(s))
+        if walk and self._is_ancestor(s, st.find(ns, str(pred))):
             return
-        if page.pred is not None:
-            self._unkid(pid, page.pred)
-        page.pred, page.conf, page.cand = pred, 0, page.cand if pred is None else None
-        if pred is not None:
-            above = (ns, pred)
-            self.kids[above] = self.kids.get(above, 0) + 1
-            self.leaves.discard(above)
+        if st.pred[s] != NONE:
+            self._unkid(s, st.pred[s])
+        st.pred[s], st.conf[s] = NONE, 0
+        self._mark(s)
+        if pred is None:
+            return
+        st.cand_sfx[s] = NONE
+        above = st.ensure(ns, pred)
+        st.pred[s] = above
+        if st.kids[above] == 1:
+            self._mark(st.kidx[above])  # its only child's segment ends below it from now on
+        st.kids[above] += 1
+        st.kidx[above] ^= s
+        self._mark(above)
+        st.drop_leaf(above)
 
-    def _is_ancestor(self, ns: str, key: str, start: str) -> bool:
-        """Whether `key` is `start` or one of its ancestors."""
-        at: str | None = start
+    def _is_ancestor(self, s: int, start: int) -> bool:
+        """Whether slot `s` is `start` or one of its ancestors."""
+        st, at = self.store, start
         for _ in range(CYCLE_WALK):
-            if at is None:
+            if at == NONE:
                 return False
-            if at == key:
+            if at == s:
                 return True
-            page = self.pages.get((ns, at))
-            at = page.pred if page is not None else None
+            at = st.pred[at] if st.files[at] != GHOST else NONE
         return True  # too deep to tell: refuse
 
-    def _unkid(self, pid: PageId, pred: str) -> None:
-        above = (pid[0], pred)
-        left = self.kids.get(above, 0) - 1
-        if left > 0:
-            self.kids[above] = left
+    def _unkid(self, s: int, above: int) -> None:
+        st = self.store
+        st.kids[above] -= 1
+        st.kidx[above] ^= s
+        self._mark(above)  # (its segment, and its only child's if one is left, change)
+        if st.kids[above]:
             return
-        self.kids.pop(above, None)
-        if above in self.pages:
-            self.leaves.add(above)
+        if st.files[above] != GHOST:
+            st.add_leaf(above)
+        else:
+            st.release(above)
 
     # -- reading ----------------------------------------------------------------------------------
 
     def names(self, ns: str, key: str) -> tuple[str, ...]:
         """The file names of a page (none if it is not known)."""
         with self.lock:
-            page = self.pages.get((ns, key))
-            return page.names(key) if page is not None else ()
+            s = self.store.find(ns, key)
+            return self.store.names(s) if self.store.present(s) else ()

@@ -28,10 +28,12 @@ import math
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
-from cachemgr.gc.chains import IN_FLIGHT_SECONDS, ChainModel, Page, PageId
+from cachemgr.gc.chains import IN_FLIGHT_SECONDS, ChainModel
+from cachemgr.gc.pagestore import GHOST, NONE, PageStore
 
 END = 0.1  # prior probability that a conversation ends at a return
 _MAX_EXP = 700.0  # e^700 is near float's limit: the chain is as good as ended
+CACHED = 16  # pages a segment has at least for the next order to read it, not walk it
 
 
 class Victim(NamedTuple):
@@ -48,7 +50,8 @@ class _Segment(NamedTuple):
     value: float
     last: int
     when: float  # wall clock of its latest use: what orders pages only a scan saw (seq 0)
-    path: list[PageId]  # leaf first
+    leaf: int
+    path: list[int] | None  # slots, leaf first; None: the whole segment, walked when it goes
 
 
 def eviction_order(
@@ -65,91 +68,118 @@ def eviction_order(
     Lazy: segments are valued when the previous ones are used up; the caller stops when it
     has enough. Holds the model's lock while it is consumed.
     """
-    wanted = None if namespace_ids is None else set(namespace_ids)
+    st = model.store
     with model.lock:
-        gone: dict[PageId, int] = {}  # page -> its children already in the order
-        leaves = [p for p in model.leaves if wanted is None or p[0] in wanted]
+        wanted = None if namespace_ids is None else {st.ns_num.get(n) for n in namespace_ids}
+        gone: dict[int, int] = {}  # slot -> its children already in the order
+        leaves = [s for s in st.leaves() if wanted is None or st.ns[s] in wanted]
         # In flight: the last accesses, at most a tenth of the pages (a small cache must still
         # be able to meet its cap when the writer stops).
-        recent = (model.clock - min(model.in_flight, len(model.pages) // 10),
+        recent = (model.clock - min(model.in_flight, st.count // 10),
                   now - IN_FLIGHT_SECONDS)  # fmt: skip
+        _settle(model)
+        cache: dict[int, tuple[int, int, float]] | None = model.segments
         while leaves:
-            exposed: list[PageId] = []
-            for seg in _segments(model, leaves, gone, before, recent):
-                for pid in seg.path:
-                    page = model.pages[pid]
-                    yield Victim(pid[0], pid[1], page.names(pid[1]), page.size, page.last_time)
-                above = model.pages[seg.path[-1]].pred
-                if above is not None:
-                    up = (seg.path[-1][0], above)
+            exposed: list[int] = []
+            for seg in _segments(st, model.clock, leaves, gone, before, recent, cache):
+                path = seg.path
+                if path is None:  # (all its pages go: nothing in it is young or in flight)
+                    path = _walk(st, seg.leaf, {}, math.inf, (model.clock, math.inf))[0]
+                for s in path:
+                    yield Victim(st.ns_names[st.ns[s]], st.key(s), st.names(s), st.size(s),
+                                 st.time[s])  # fmt: skip
+                up = st.pred[path[-1]]
+                if up != NONE:
                     gone[up] = gone.get(up, 0) + 1
-                    if gone[up] == model.kids.get(up, 0) and up in model.pages:
+                    if gone[up] == st.kids[up] and st.files[up] != GHOST:
                         exposed.append(up)  # its last child went: its segment is next
-            leaves = exposed
+            leaves, cache = exposed, None  # (later rounds count the segments gone: walked)
+
+
+def _settle(model: ChainModel) -> None:
+    """Forget the segments that changed since the last order: the segment of each page
+    changed is found down its single children (the XOR of a page's children is its child)."""
+    st, cache = model.store, model.segments
+    seen: set[int] = set()
+    for s in model.dirty:
+        cache.pop(s, None)  # (it is no leaf any more, or its segment changed)
+        while st.kids[s] == 1 and s not in seen:
+            seen.add(s)
+            s = st.kidx[s]
+        cache.pop(s, None)
+    model.dirty.clear()
 
 
 def _segments(
-    model: ChainModel,
-    leaves: list[PageId],
-    gone: dict[PageId, int],
+    st: PageStore,
+    clock: int,
+    leaves: list[int],
+    gone: dict[int, int],
     before: float,
     recent: tuple[int, float],
+    cache: dict[int, tuple[int, int, float]] | None,
 ) -> list[_Segment]:
-    """The segments of these leaves that may go, in the order to evict them."""
-    raw: list[tuple[list[PageId], Page, int, bool]] = []
+    """The segments of these leaves that may go, in the order to evict them. `cache`: the
+    segments known of the last order (whole, none gone), read instead of walked, and kept."""
+    raw: list[tuple[int, list[int] | None, int, int, float, bool]] = []
     for leaf in leaves:
-        path, top, last, stranded = _walk(model, leaf, gone, before, recent)
+        known = cache.get(leaf) if cache is not None else None
+        if known is not None:
+            top, last, when = known
+            if when <= before and (last <= recent[0] or when <= recent[1]):  # none is young
+                stranded = st.pred[top] != NONE and st.files[st.pred[top]] == GHOST
+                raw.append((leaf, None, top, last, when, stranded and st.conf[top] > 0))
+                continue
+        path, top, last, stranded = _walk(st, leaf, gone, before, recent)
         if path:
-            raw.append((path, top, last, stranded))
-    returns = [(last - top.born, top.reads) for _, top, last, _ in raw if top.reads > 0]
+            when = max(st.time[p] for p in path)
+            raw.append((leaf, path, top, last, when, stranded))
+            if cache is not None and len(path) > CACHED and path[-1] == top:
+                cache[leaf] = (top, last, when)  # (the whole segment: none of it is young)
+    reads, born = st.reads, st.born
+    returns = [(last - born[top], reads[top]) for _, _, top, last, _, _ in raw if reads[top] > 0]
     prior = sum(d for d, _ in returns) / sum(n for _, n in returns) if returns else 1.0
-    odds, clock = END / (1 - END), model.clock
+    odds = END / (1 - END)
     out = []
-    for path, top, last, stranded in raw:
-        when = max(model.pages[p].last_time for p in path)
+    for leaf, walked, top, last, when, stranded in raw:
         if stranded:
-            out.append(_Segment(-1.0, last, when, path))
+            out.append(_Segment(-1.0, last, when, leaf, walked))
             continue
-        rate = (top.reads + 1) / (last - top.born + max(prior, 1.0))
+        rate = (reads[top] + 1) / (last - born[top] + max(prior, 1.0))
         silence = rate * (clock - last)
         alive = 0.0 if silence > _MAX_EXP else 1 / (1 + odds * math.exp(silence))
-        out.append(_Segment(rate * alive, last, when, path))
+        out.append(_Segment(rate * alive, last, when, leaf, walked))
     out.sort(key=lambda s: (s.value, s.last, s.when))
     return out
 
 
 def _walk(
-    model: ChainModel,
-    leaf: PageId,
-    gone: dict[PageId, int],
+    st: PageStore,
+    leaf: int,
+    gone: dict[int, int],
     before: float,
     recent: tuple[int, float],
-) -> tuple[list[PageId], Page, int, bool]:
+) -> tuple[list[int], int, int, bool]:
     """The leaf's segment: (the pages that may go, leaf first; its top page; its latest use;
     stranded). A page used after `before` (wall clock) or in flight (used after access
     `recent[0]` and after time `recent[1]`) stays, and so does everything above it."""
-    pages = model.pages
-    page = pages[leaf]
-    path: list[PageId] = []
+    pred, files, kids, last_col, time_col = st.pred, st.files, st.kids, st.last, st.time
+    path: list[int] = []
     young = False
-    last = page.last
+    last = last_col[leaf]
     at = leaf
     while True:
-        young = (
-            young
-            or page.last_time > before
-            or (page.last > recent[0] and page.last_time > recent[1])
-        )
+        t = time_col[at]
+        young = young or t > before or (last_col[at] > recent[0] and t > recent[1])
         if not young:
             path.append(at)
-        last = max(last, page.last)
-        if page.pred is None:
-            return path, page, last, False
-        above_id = (at[0], page.pred)
-        above = pages.get(above_id)
-        if above is None:
+        last = max(last, last_col[at])
+        above = pred[at]
+        if above == NONE:
+            return path, at, last, False
+        if files[above] == GHOST:
             # A confirmed link to a page that is gone: nothing below the gap can be loaded.
-            return path, page, last, page.conf > 0 and not young
-        if model.kids.get(above_id, 0) - gone.get(above_id, 0) != 1:
-            return path, page, last, False  # a branch point: the segment ends below it
-        at, page = above_id, above
+            return path, at, last, st.conf[at] > 0 and not young
+        if kids[above] - gone.get(above, 0) != 1:
+            return path, at, last, False  # a branch point: the segment ends below it
+        at = above

@@ -61,6 +61,12 @@ def chain_rows(conn: sqlite3.Connection, ns_id: str) -> Iterator[ChainRow]:
     )
 
 
+def file_count(conn: sqlite3.Connection, ns_id: str) -> int:
+    """How many files of a namespace the index holds (its aggregate: no page scan)."""
+    row = conn.execute("SELECT pages FROM namespace_stats WHERE namespace_id = ?", (ns_id,))
+    return int((row.fetchone() or (0,))[0])
+
+
 def add_reads(conn: sqlite3.Connection, rows: Iterable[ReadRow]) -> None:
     """Count reads of indexed pages and move their last access and sequence forward."""
     conn.executemany(

@@ -1,0 +1,300 @@
+"""The chain model's pages as integer slots in parallel typed arrays: no Python object per page.
+
+A dict of page objects cost 700-800 bytes a page (a million pages: ~800 MB); here a page is
+one slot in a dozen `array`s and 32 bytes of its key (a 64-hex-digit key, SGLang's sha256,
+packed to bytes), found through an open-addressing table of slot numbers (4 bytes a bucket):
+~103 bytes a page. Keys of another shape (shorter or uppercase hex, other formats) are kept as
+strings on the side.
+
+A slot is either a page on disk (`files[s] >= 0`, the id of its interned (suffix, size) files)
+or a *ghost* (`files[s] == GHOST`): a key that pages on disk still name as their predecessor.
+A ghost lives while it has children (`kids[s] > 0`); then its slot is reused.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from array import array
+from collections.abc import Iterator, Mapping
+from typing import NamedTuple
+
+GHOST = -1  # files id of a slot that is not a page on disk
+NONE = -1  # no slot (no predecessor, empty bucket)
+_DEAD = -2  # a bucket whose slot was freed (probing goes on past it)
+KEY_BYTES = 32  # 64 hex digits
+GROW = 1024  # slots the columns grow by at a time
+_ONE = re.compile(b"\x01")
+_FILL = {(c, v): array(c, [v]) * GROW for c, v in [("i", NONE), *((c, 0) for c in "iqbdH")]}
+Files = tuple[tuple[str, int], ...]  # (name after the key, size) of each file of a page
+PageId = tuple[str, str]  # (namespace id, page key)
+
+
+def _pack(key: str) -> bytes | None:
+    """The 32 bytes of a 64-digit lowercase hex key, or None for a key of another shape."""
+    if len(key) != 2 * KEY_BYTES or not (key.islower() or key.isdigit()):
+        return None  # (bytes.fromhex would take uppercase digits: they would not round-trip)
+    try:
+        raw = bytes.fromhex(key)
+    except ValueError:
+        return None
+    return raw if len(raw) == KEY_BYTES else None  # (it skips spaces)
+
+
+class Page(NamedTuple):
+    """What the model knows of one logical page (all its files), in access seqs: a copy."""
+
+    pred: str | None  # key of the page before it in its chain (same namespace)
+    born: int  # access sequence of its first write (or of when the index first saw it)
+    last: int  # access sequence of its latest read or write
+    last_time: float  # wall-clock time of that access (only for min_age)
+    reads: int
+    conf: int  # agreeing reads banked for `pred`
+    files: Files  # (name after the key, size) of each file
+
+    @property
+    def size(self) -> int:
+        return sum(size for _, size in self.files)
+
+    def names(self, key: str) -> tuple[str, ...]:
+        return tuple(sorted(key + suffix for suffix, _ in self.files))
+
+
+class PageStore:
+    """Slots, their columns, the key → slot table and the set of leaves (pages on disk that
+    no page on disk continues). Not thread-safe: the chain model holds its lock."""
+
+    def __init__(self) -> None:
+        self.keys = bytearray()  # KEY_BYTES per slot
+        self.odd: dict[int, str] = {}  # slot -> key, for keys `_pack` cannot pack
+        self.ns = array("H")  # namespace number (self.ns_names; numbers are reused)
+        self.pred = array("i")  # slot of the page before it in its chain, or NONE
+        self.born = array("q")  # access sequence of its first write
+        self.last = array("q")  # access sequence of its latest use
+        self.time = array("d")  # wall-clock time of that use
+        self.reads = array("i")
+        self.conf = array("b")  # agreeing reads banked for `pred`
+        # The predecessor the last contrary read named, as the hash of its key (only compared:
+        # a 64-bit collision is the one way this differs from keeping the key itself).
+        self.cand = array("q")
+        self.cand_sfx = array("i")  # ... and the suffix number of its stream, or NONE
+        self.files = array("i")  # id of its interned files, or GHOST
+        self.kids = array("i")  # children on disk
+        self.kidx = array("i")  # XOR of their slots: the child itself when there is one
+        self.leaf = bytearray()  # 1 for a leaf
+        self.ns_names: list[str] = []
+        self.ns_num: dict[str, int] = {}
+        self.ns_pages: list[int] = []  # pages on disk per namespace number
+        self.ns_slots: list[int] = []  # slots (pages and ghosts) per namespace number
+        self._free_ns: list[int] = []  # numbers of namespaces forgotten, to reuse
+        self.suffixes: dict[str, int] = {}  # stream suffix -> its number
+        self.file_sets: list[Files] = []
+        self._file_ids: dict[Files, int] = {}
+        self._free = array("i")  # released slots, to reuse
+        self.top = 0  # slots handed out (the columns may hold more, for the next ones)
+        self._table = array("i", [NONE]) * 8
+        self._filled = 0  # buckets not empty (live or dead)
+        self.count = 0  # pages on disk
+
+    # -- keys -----------------------------------------------------------------------------------
+
+    def key(self, s: int) -> str:
+        odd = self.odd.get(s) if self.odd else None
+        return odd if odd is not None else self.keys[s * KEY_BYTES : (s + 1) * KEY_BYTES].hex()
+
+    def find(self, ns: str, key: str) -> int:
+        """The slot of (ns, key), or NONE."""
+        n = self.ns_num.get(ns)
+        return NONE if n is None else self._probe(n, key)[0]
+
+    def _probe(self, n: int, key: str) -> tuple[int, int, bytes | None]:
+        """(the slot of `key` in namespace `n`, or NONE; if NONE, the bucket to put it in;
+        the key packed)."""
+        raw = _pack(key)
+        table, mask, ns, keys, odd = self._table, len(self._table) - 1, self.ns, self.keys, self.odd
+        i = hash(key if raw is None else raw) + n & mask
+        free = NONE
+        while (s := table[i]) != NONE:
+            if s < 0:
+                free = i if free == NONE else free
+            elif ns[s] == n and (
+                odd.get(s) == key
+                if raw is None
+                else keys[s * KEY_BYTES : (s + 1) * KEY_BYTES] == raw and s not in odd
+            ):
+                return s, i, raw
+            i = i + 1 & mask
+        return NONE, i if free == NONE else free, raw
+
+    def ensure(self, ns: str, key: str) -> int:
+        """The slot of (ns, key): a new ghost if it has none."""
+        n = self.ns_num.get(ns)
+        if n is None:
+            n = self.ns_num[ns] = self._free_ns.pop() if self._free_ns else len(self.ns_names)
+            if n == len(self.ns_names):
+                self.ns_names.append(ns)
+                self.ns_pages.append(0)
+                self.ns_slots.append(0)
+            self.ns_names[n] = ns
+        if 3 * (self._filled + 1) > 2 * len(self._table):
+            self.reserve(0)
+        s, i, raw = self._probe(n, key)
+        if s == NONE:
+            s = self._new_slot(n, key, raw)
+            self._filled += self._table[i] == NONE
+            self._table[i] = s
+        return s
+
+    def _new_slot(self, n: int, key: str, raw: bytes | None) -> int:
+        if self._free:
+            s = self._free.pop()
+            self.kids[s] = self.kidx[s] = 0
+            self.files[s], self.leaf[s] = GHOST, 0
+        else:
+            if self.top == len(self.ns):
+                self._grow()
+            s = self.top
+            self.top += 1
+        self.ns[s] = n
+        self.ns_slots[n] += 1
+        if raw is None:
+            self.odd[s] = key
+        else:
+            self.keys[s * KEY_BYTES : (s + 1) * KEY_BYTES] = raw
+        return s
+
+    def _grow(self) -> None:
+        """Room for GROW more slots in every column, filled as a new ghost's: one call a column
+        per GROW pages, not one per page (and no temporary the size of a column: freeing one
+        that big makes malloc keep the next ones in its heap, where they fragment)."""
+        self.keys += bytes(KEY_BYTES * GROW)
+        self.leaf += bytes(GROW)
+        for col in (self.pred, self.cand_sfx, self.files):
+            col.extend(_FILL["i", NONE])
+        for col in (self.ns, self.born, self.last, self.reads, self.conf, self.cand,
+                    self.kids, self.kidx):  # fmt: skip
+            col.extend(_FILL[col.typecode, 0])
+        self.time.extend(_FILL["d", 0])
+
+    def _place(self, s: int) -> None:
+        odd = self.odd.get(s) if self.odd else None
+        h = hash(odd if odd is not None else bytes(self.keys[s * KEY_BYTES : (s + 1) * KEY_BYTES]))
+        table, mask = self._table, len(self._table) - 1
+        i = h + self.ns[s] & mask
+        while table[i] >= 0:
+            i = i + 1 & mask
+        if table[i] == NONE:
+            self._filled += 1
+        table[i] = s
+
+    def reserve(self, more: int) -> None:
+        """A new table, at most half full with every slot in use and `more` (its dead buckets
+        go), so that it does not double and rehash as they come."""
+        size, live = 8, self.top - len(self._free) + 1 + more
+        while size < 2 * live:
+            size *= 2
+        self._table = array("i", [NONE]) * size
+        self._filled = 0
+        free = set(self._free)
+        for s in range(self.top):
+            if s not in free:
+                self._place(s)
+
+    def release(self, s: int) -> None:
+        """Free a ghost's slot (it has no children left)."""
+        odd = self.odd.pop(s, None)
+        h = hash(odd if odd is not None else bytes(self.keys[s * KEY_BYTES : (s + 1) * KEY_BYTES]))
+        table, mask = self._table, len(self._table) - 1
+        i = h + self.ns[s] & mask
+        while table[i] != s:
+            i = i + 1 & mask
+        table[i] = _DEAD
+        self.pred[s] = NONE
+        self._free.append(s)
+        self.ns_slots[self.ns[s]] -= 1
+
+    def forget_ns(self, ns: str) -> None:
+        """Give a namespace's number back once it holds no slot (its pages are forgotten)."""
+        n = self.ns_num.get(ns)
+        if n is not None and not self.ns_slots[n]:
+            del self.ns_num[ns]
+            self.ns_names[n] = ""
+            self._free_ns.append(n)
+
+    # -- pages ----------------------------------------------------------------------------------
+
+    def start(self, s: int, born: int, seq: int, at: float) -> None:
+        """Make a ghost a page on disk, with no file yet and no link (kids stay)."""
+        self.born[s], self.last[s], self.time[s] = born, seq, at
+        self.pred[s], self.reads[s], self.conf[s], self.cand_sfx[s] = NONE, 0, 0, NONE
+        self.files[s] = self.file_set(())
+        self.count += 1
+        self.ns_pages[self.ns[s]] += 1
+
+    def present(self, s: int) -> bool:
+        return s >= 0 and self.files[s] != GHOST
+
+    def file_set(self, files: Files) -> int:
+        """The id of this interned set of files (a namespace has a handful of them)."""
+        fid = self._file_ids.get(files)
+        if fid is None:
+            fid = self._file_ids[files] = len(self.file_sets)
+            self.file_sets.append(files)
+        return fid
+
+    def pred_key(self, s: int) -> str | None:
+        p = self.pred[s]
+        return None if p == NONE else self.key(p)
+
+    def page(self, s: int) -> Page:
+        return Page(self.pred_key(s), self.born[s], self.last[s], self.time[s], self.reads[s],
+                    self.conf[s], self.file_sets[self.files[s]])  # fmt: skip
+
+    def size(self, s: int) -> int:
+        return sum(size for _, size in self.file_sets[self.files[s]])
+
+    def names(self, s: int) -> tuple[str, ...]:
+        return self.page(s).names(self.key(s))
+
+    def leaves(self) -> list[int]:
+        """The slots of the leaves, in slot order (found by a scan in C: a byte a slot)."""
+        return [m.start() for m in _ONE.finditer(self.leaf)]
+
+    def add_leaf(self, s: int) -> None:
+        self.leaf[s] = 1
+
+    def drop_leaf(self, s: int) -> None:
+        self.leaf[s] = 0
+
+    def slots(self, ns: str) -> Iterator[int]:
+        """Every page on disk of a namespace."""
+        n = self.ns_num.get(ns)
+        if n is None or not self.ns_pages[n]:
+            return
+        ns_col, files = self.ns, self.files
+        for s in range(self.top):
+            if ns_col[s] == n and files[s] != GHOST:
+                yield s
+
+
+class PagesView(Mapping[PageId, Page]):
+    """A read-only view of a store's pages on disk by (namespace, key): copies of each."""
+
+    def __init__(self, store: PageStore, lock: threading.RLock) -> None:
+        self._store, self._lock = store, lock
+
+    def __getitem__(self, pid: PageId) -> Page:
+        with self._lock:
+            s = self._store.find(*pid)
+            if not self._store.present(s):
+                raise KeyError(pid)
+            return self._store.page(s)
+
+    def __iter__(self) -> Iterator[PageId]:
+        st = self._store
+        with self._lock:
+            ids = [(ns, st.key(s)) for ns in st.ns_names for s in st.slots(ns)]
+        return iter(ids)
+
+    def __len__(self) -> int:
+        return self._store.count

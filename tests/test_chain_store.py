@@ -1,0 +1,170 @@
+"""The chain model's compact page store: a fraction of the memory of a Python object per page,
+the same eviction order, and segments kept between orders (a GC run after the first walks only
+what changed) without changing a single victim."""
+
+from __future__ import annotations
+
+import math
+import random
+import tracemalloc
+from pathlib import Path
+
+from cachemgr.gc.chains import ChainModel
+from cachemgr.gc.value import CACHED, eviction_order
+from cachemgr.state import pages_sql
+from cachemgr.state.store import Store
+
+SUFFIX = "_Qwen-Qwen3-8B_0_1.bin"
+NS = "0123456789abcdef"
+
+
+def key(n: int) -> str:
+    return f"{n * 2654435761 % (1 << 64):064x}"  # 64 hex digits, as SGLang's sha256 keys
+
+
+def chains(model: ChainModel, pages: int, length: int) -> None:
+    """`pages` pages in chains of `length`, as a load from the index adds them."""
+    for i in range(pages):
+        pred = None if i % length == 0 else key(i - 1)
+        model.add(NS, key(i) + SUFFIX, 64, 1024, seq=i + 1, at=float(i), pred=pred, born=i + 1,
+                  reads=i // length % 4, trusted=True)  # fmt: skip
+
+
+def keys(model: ChainModel, *, before: float = math.inf, now: float = math.inf) -> list[str]:
+    return [v.key for v in eviction_order(model, before=before, now=now)]
+
+
+def test_a_page_costs_about_a_hundred_bytes() -> None:
+    n = 20_000
+    tracemalloc.start()
+    try:
+        model = ChainModel()
+        chains(model, n, 50)
+        used = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    # A dict of page objects took ~680 bytes a page (bench/RESULTS.md); the arrays, the packed
+    # keys and the key table take ~110 at 20K (the table is sized in powers of two).
+    assert used / n < 160, used / n
+    assert len(model.pages) == n
+    page = model.pages[(NS, key(7))]
+    assert page.pred == key(6) and page.files == ((SUFFIX, 1024),) and page.reads == 0
+
+
+def test_keys_of_another_shape_are_kept_as_they_are() -> None:
+    model = ChainModel()
+    odd = ["00ab", "ABCDEF" + "0" * 58, "a" * 63 + " ", "0" * 64]
+    for i, k in enumerate(odd):
+        model.add(NS, k + SUFFIX, len(k), 10, seq=i + 1, at=0.0, pred=odd[i - 1] if i else None)
+    assert {k for _, k in model.pages} == set(odd)
+    assert keys(model) == odd[::-1]  # one chain: tail first
+    assert model.names(NS, "ABCDEF" + "0" * 58) == ("ABCDEF" + "0" * 58 + SUFFIX,)
+    assert model.names(NS, "abcdef" + "0" * 58) == ()  # not the same key
+
+
+class Twin:
+    """Two models fed the same events; the reference forgets its segments before each order,
+    so it walks every page as an order did before segments were kept."""
+
+    def __init__(self, in_flight: int) -> None:
+        self.live, self.ref = ChainModel(in_flight=in_flight), ChainModel(in_flight=in_flight)
+        self.seq = 0
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        def both(*args: object, **kw: object) -> object:
+            getattr(self.ref, name)(*args, **kw)
+            return getattr(self.live, name)(*args, **kw)
+
+        return both
+
+    def orders(self, **kw: float) -> tuple[list[str], list[str]]:
+        self.ref.segments.clear()
+        self.ref.dirty.clear()
+        return keys(self.live, **kw), keys(self.ref, **kw)
+
+
+def test_kept_segments_never_change_the_order() -> None:
+    rng = random.Random(7)
+    twin = Twin(in_flight=30)
+    sessions: list[list[int]] = [[] for _ in range(12)]
+    fresh = iter(range(1, 10**6))
+    for step in range(400):
+        twin.seq += 1
+        t = float(twin.seq)
+        s = rng.randrange(len(sessions))
+        suffix = SUFFIX if rng.random() < 0.9 else "_Qwen-Qwen3-8B_1_2.bin"
+        for p in sessions[s]:  # a request: its prefix read head to tail ...
+            twin.seq += 1
+            twin.observe_read(NS, key(p) + suffix, 64, seq=twin.seq, at=t)
+        for _ in range(rng.randrange(1, 9)):  # ... and its new pages written
+            p = next(fresh)
+            sessions[s].append(p)
+            twin.seq += 1
+            twin.observe_write(NS, key(p) + suffix, 64, seq=twin.seq, at=t)
+            twin.add(NS, key(p) + suffix, 64, 100, seq=0, at=t)
+        if rng.random() < 0.03:  # a new chat on a shared prefix
+            sessions[s] = sessions[rng.randrange(len(sessions))][: rng.randrange(1, 8)]
+        if rng.random() < 0.03 and sessions[s]:  # someone deletes a page in the middle
+            twin.remove(NS, [(key(rng.choice(sessions[s])) + SUFFIX, 64)])
+        live, ref = twin.orders(before=t - rng.choice([-math.inf, 3, 50]), now=t + rng.random() * 3)
+        assert live == ref, step
+        if step % 5 == 0:  # GC: the head of the order goes
+            twin.remove(NS, [(n, 64) for k in live[: rng.randrange(1, 30)]
+                             for n in twin.live.names(NS, k)])  # fmt: skip
+    assert twin.live.segments  # long segments were read, not walked, by the later orders
+    assert max(len(c) for c in sessions) > CACHED
+
+
+def test_an_order_after_the_first_walks_only_the_segments_that_changed() -> None:
+    model = ChainModel()
+    chains(model, 40 * 100, 100)  # 40 chains of 100 pages
+    first = keys(model)
+    known = dict(model.segments)
+    assert len(known) == 40  # every segment walked once, and kept
+    gone = first[:150]  # the first chain to go, and half the next
+    model.remove(NS, [(k + SUFFIX, 64) for k in gone])
+    last = {key(i): i for i in range(4000)}[first[-1]]  # the head of the chain that goes last
+    model.add(NS, key(last + 5) + SUFFIX, 64, 1024, seq=10**6, at=1e6)  # that chain is read
+    again = keys(model)
+    # The next order read 37 segments as they were (the same objects), walked the 2 changed.
+    kept = [leaf for leaf, seg in known.items() if model.segments.get(leaf) is seg]
+    assert len(kept) == 37 and len(model.segments) == 39
+    model.segments.clear()  # walking every page gives the same order
+    assert keys(model) == again and sorted(again) == sorted(set(first) - set(gone))
+
+
+def test_the_first_eviction_after_a_restart_orders_what_the_index_loaded(tmp_path: Path) -> None:
+    live = ChainModel()
+    chains(live, 30 * 40, 40)
+    for p in (5, 6, 7):  # chain 0 returns: it stays longest
+        live.observe_read(NS, key(p) + SUFFIX, 64, seq=2000 + p, at=2000.0 + p)
+    rows = [
+        (NS, k + suffix, size, 0.0, page.last_time, page.last, 64, page.pred, page.born)
+        for (_, k), page in live.pages.items()
+        for suffix, size in page.files
+    ]
+    with Store.open(tmp_path / "state.db") as store:
+        with store.transaction() as conn:
+            pages_sql.upsert_pages(conn, rows)
+            pages_sql.add_reads(conn, [(p.reads, p.last_time, p.last, NS, k + SUFFIX)
+                                       for (_, k), p in live.pages.items()])  # fmt: skip
+        restarted = ChainModel.from_index(store.conn, [NS])
+    # No order was kept across the restart: the loaded pages give it, victim for victim.
+    assert not restarted.segments
+    assert keys(restarted) == keys(live)
+    assert keys(restarted)[-1] == key(0)  # the returning chain's head goes last
+    assert len(restarted.segments) == len(live.segments) == 30
+
+
+def test_a_forgotten_namespace_leaves_nothing_behind() -> None:
+    model = ChainModel()
+    chains(model, 300, 30)
+    model.add("other", key(1) + SUFFIX, 64, 10, seq=1000, at=0.0, pred=key(0))  # a ghost above
+    model.forget(NS)
+    assert len(model.pages) == 1 and model.names(NS, key(5)) == ()
+    model.add("third", key(5) + SUFFIX, 64, 10, seq=1001, at=0.0)  # takes NS's number again
+    assert model.names("third", key(5)) == (key(5) + SUFFIX,) and model.names(NS, key(5)) == ()
+    assert sorted(model.pages) == [("other", key(1)), ("third", key(5))]
+    assert keys(model) == [key(1), key(5)]
+    model.forget("other")  # its page and the ghost it named go: every slot is free again
+    assert model.store.top - len(model.store._free) == 1
