@@ -132,12 +132,15 @@ class Watcher:
     queue: deque[Event] = field(default_factory=deque)
     clock: Callable[[], float] = time.monotonic
     fmt: FileFormat = HICACHE_FILE
+    on_store: Callable[[], None] = lambda: None  # on the inotify thread, for each page store
     running: bool = field(default=False, init=False)
     _fd: InotifyFD | None = field(default=None, init=False)
     _watches: dict[str, _NamespaceWatch] = field(default_factory=dict, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
     def emit(self, event: Event) -> None:
+        if event[0] is Kind.WRITE:
+            self.on_store()
         self.queue.append(event)
 
     def start(self) -> None:

@@ -252,6 +252,16 @@ class ChainModel:
 
     # -- reading ----------------------------------------------------------------------------------
 
+    def lineage(self, pid: PageId) -> set[PageId]:
+        """The page and its known ancestors (on disk or not)."""
+        ns, out = pid[0], {pid}
+        with self.lock:
+            page = self.pages.get(pid)
+            while page is not None and page.pred is not None and len(out) < CYCLE_WALK:
+                out.add((ns, page.pred))
+                page = self.pages.get((ns, page.pred))
+        return out
+
     def names(self, ns: str, key: str) -> tuple[str, ...]:
         """The file names of a page (none if it is not known)."""
         with self.lock:

@@ -1,0 +1,58 @@
+"""Page stores the watcher has seen and the index has not applied yet.
+
+The index applies events in batches (every `batch_interval`, then however long the batch takes:
+a full-speed SGLang reads ten times more pages than it stores, and each read is applied too),
+so what it counts lags the disk by a batch or more. Those bytes are on disk already: GC counts
+them against the cap (`pending`), and the inotify thread wakes GC as soon as they would take
+the cache past its high watermark, instead of the index noticing after its next batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+
+from cachemgr.backends import FileFormat
+from cachemgr.daemon.watcher import Event, Kind
+from cachemgr.gc.chains import PageId
+
+
+class StoreBacklog:
+    """Counts page stores seen (inotify thread) and applied (index thread): ints, each written
+    by one thread, read by any without a lock."""
+
+    def __init__(self, wake: Callable[[], None] = lambda: None) -> None:
+        self.wake = wake
+        self.seen = 0  # page stores the watcher queued
+        self.applied = 0  # of those, applied to the index
+        self.page_bytes = 0  # the largest page file the index has seen stored
+        # Bytes that may still be stored before GC must run (set after each batch's check;
+        # inf until then, and once GC was woken until the next check).
+        self.room = math.inf
+
+    def stored(self) -> None:
+        """A page store was queued (on the inotify thread): wake GC once past the room."""
+        self.seen += 1
+        if (self.seen - self.applied) * self.page_bytes > self.room:
+            self.room = math.inf  # one wake: the next check after a batch sets it again
+            self.wake()
+
+    def done(self, stores: int, page_bytes: int) -> None:
+        """The index applied `stores` page stores; its largest page file has `page_bytes`."""
+        self.applied += stores
+        self.page_bytes = max(self.page_bytes, page_bytes)
+
+    def bytes(self) -> int:
+        """Bytes stored that the index does not count yet (an estimate: page files are of one
+        size per model, and the largest is taken)."""
+        return max(0, self.seen - self.applied) * self.page_bytes
+
+
+def queued_pages(queue: deque[Event], fmt: FileFormat) -> set[PageId]:
+    """Pages read or stored whose events the index has not applied yet: in flight, though the
+    chain model does not know it (a request reading a prefix goes on to store what continues
+    it). Called on GC's thread; the inotify thread keeps appending meanwhile."""
+    events = list(queue)  # one C call under the GIL: a consistent copy
+    names = {(ns, name) for kind, ns, name, _ in events if kind is Kind.READ or kind is Kind.WRITE}
+    return {(ns, name[: fmt.key_len(name) or len(name)]) for ns, name in names}
