@@ -131,6 +131,7 @@ class CachemgrRun:
         print(f"  (daemon ready on {n:,} pages in {time.perf_counter() - t:.1f} s)", flush=True)
         self.latencies: list[float] = []
         self.idle: list[float] = []
+        self.planning: list[float] = []  # the scrapes during the run's planning alone
 
     def __call__(self) -> None:
         poller = subprocess.Popen(
@@ -151,6 +152,8 @@ class CachemgrRun:
         scrapes = json.loads(out)
         self.latencies = [s for t, s in scrapes if t0 <= t <= t1]
         self.idle = [s for t, s in scrapes if idle <= t < t0]
+        planned = t0 + (report.started_at - wall)
+        self.planning = [s for t, s in scrapes if t0 <= t < planned]
         assert report.files == self.n, report
 
     def close(self) -> None:
@@ -206,6 +209,7 @@ def one_round(
     lat = cachemgr.latencies
     print(f"  /metrics idle before:          {scrapes(cachemgr.idle)}")
     print(f"  /metrics during cachemgr's run: {scrapes(lat)}")
+    print(f"    of which while it planned:  {scrapes(cachemgr.planning)}")
     print(f"  load average after: {os.getloadavg()[0]:.2f}", flush=True)
     shutil.rmtree(work, ignore_errors=True)
     return rates, lat
