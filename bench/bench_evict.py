@@ -131,7 +131,8 @@ class CachemgrRun:
         print(f"  (daemon ready on {n:,} pages in {time.perf_counter() - t:.1f} s)", flush=True)
         self.latencies: list[float] = []
         self.idle: list[float] = []
-        self.planning: list[float] = []  # the scrapes during the run's planning alone
+        self.planning: list[float] = []  # the scrapes while the run planned
+        self.deleting: list[float] = []  # and while it deleted
 
     def __call__(self) -> None:
         poller = subprocess.Popen(
@@ -154,6 +155,7 @@ class CachemgrRun:
         self.idle = [s for t, s in scrapes if idle <= t < t0]
         planned = t0 + (report.started_at - wall)
         self.planning = [s for t, s in scrapes if t0 <= t < planned]
+        self.deleting = [s for t, s in scrapes if planned <= t <= t1]
         assert report.files == self.n, report
 
     def close(self) -> None:
@@ -209,7 +211,8 @@ def one_round(
     lat = cachemgr.latencies
     print(f"  /metrics idle before:          {scrapes(cachemgr.idle)}")
     print(f"  /metrics during cachemgr's run: {scrapes(lat)}")
-    print(f"    of which while it planned:  {scrapes(cachemgr.planning)}")
+    print(f"    while it planned:            {scrapes(cachemgr.planning)}")
+    print(f"    while it deleted:            {scrapes(cachemgr.deleting)}")
     print(f"  load average after: {os.getloadavg()[0]:.2f}", flush=True)
     shutil.rmtree(work, ignore_errors=True)
     return rates, lat

@@ -13,7 +13,9 @@ from pathlib import Path
 from cachemgr.daemon.backlog import queued_pages
 from cachemgr.daemon.watcher import Event, Watcher
 from cachemgr.fs.root import create_root
+from cachemgr.fs.usage import DiskUsage
 from cachemgr.gc.chains import ChainModel
+from cachemgr.gc.policy import GcPolicy, headroom, over_limits
 from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
 from cachemgr.settings import load_settings
@@ -148,3 +150,14 @@ def test_a_scrape_runs_no_sql(tmp_path: Path) -> None:
         with dm.daemon.reader() as conn:
             conn.set_trace_callback(None)
     assert by_thread and set(by_thread) == {"cachemgr-metrics"}
+
+
+def test_the_writers_pace_starts_a_run_early_but_deepens_it_by_half_the_gap() -> None:
+    cap = GcPolicy(max_bytes=1000, high_watermark=1.0, low_watermark=0.9)  # a gap of 100 bytes
+    disk = DiskUsage(10**12, 10**11, 10**11)
+    # 80 bytes will come while GC runs: at 930 it must start, and it goes down to 900 - 50.
+    assert over_limits(cap, {"ns": 930}, disk, ahead=80).root == 80
+    assert headroom(cap, 930, disk, ahead=80) == -10
+    assert over_limits(cap, {"ns": 910}, disk, ahead=80).root is None
+    # Stored but not indexed yet: on disk already, counted whole.
+    assert over_limits(cap, {"ns": 800}, disk, pending=250).root == 150
