@@ -11,11 +11,12 @@ import threading
 from collections import deque
 from pathlib import Path
 
-from cachemgr.daemon.backlog import queued_pages
+from cachemgr.daemon.backlog import Flight, queued_pages
 from cachemgr.daemon.watcher import Event, Watcher
 from cachemgr.fs.root import create_root
 from cachemgr.fs.usage import DiskUsage
 from cachemgr.gc.chains import ChainModel
+from cachemgr.gc.execute import execute_gc
 from cachemgr.gc.policy import GcPolicy, headroom, over_limits
 from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
@@ -168,3 +169,28 @@ def test_the_writers_pace_starts_a_run_early_but_deepens_it_by_half_the_gap() ->
     assert over_limits(cap, {"ns": 910}, disk, ahead=80).root is None
     # Stored but not indexed yet: on disk already, counted whole.
     assert over_limits(cap, {"ns": 800}, disk, pending=250).root == 150
+
+
+def test_a_chain_a_request_reads_while_gc_deletes_stays_from_the_next_chunk_on(
+    tmp_path: Path,
+) -> None:
+    tree = Tree.at(tmp_path / "root")
+    watcher = Watcher(tree.layout)
+    try:
+        tree.write(NS, [page(i) for i in range(1, 7)], at=T0)  # one chain: 1 <- 2 <- ... <- 6
+        model = ChainModel.from_index(tree.store.conn, [NS])
+        plan = tree.plan(policy(max_bytes=100, low_watermark=0.1), now=T0 + 100, model=model)
+        assert evicted(plan) == [page(i) for i in range(6, 0, -1)]  # tail first, all of it
+        watcher.start()
+        assert watcher.watch(NS)
+        flight = Flight(watcher, model)()  # taken when GC plans
+        # After the plan a request looks the chain up (a stat: no event) and reads it head to
+        # tail; GC has not deleted a chunk yet. Page 3 was read: it and its prefix stay.
+        with open(tree.layout.ns_dir(NS) / page(3), "rb") as f:
+            f.read()
+        wait_for(lambda: watcher.accessed, bool)
+        execute_gc(plan, tree.layout, tree.store, clock=lambda: T0 + 100, keep=flight.keep)
+    finally:
+        watcher.stop()
+        tree.store.close()
+    assert tree.files(NS) == {page(1), page(2), page(3)}

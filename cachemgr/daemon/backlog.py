@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
+from itertools import islice
 
 from cachemgr.backends import FileFormat
-from cachemgr.daemon.watcher import Event, Kind
-from cachemgr.gc.chains import PageId
+from cachemgr.daemon.watcher import Event, Kind, Watcher
+from cachemgr.gc.chains import ChainModel, PageId
+from cachemgr.gc.execute import InFlight
 
 
 class StoreBacklog:
@@ -56,3 +59,55 @@ def queued_pages(queue: deque[Event], fmt: FileFormat) -> set[PageId]:
     events = list(queue)  # one C call under the GIL: a consistent copy
     names = {(ns, name) for kind, ns, name, _ in events if kind is Kind.READ or kind is Kind.WRITE}
     return {(ns, name[: fmt.key_len(name) or len(name)]) for ns, name in names}
+
+
+class Flight:
+    """What is in flight that the chain model has not seen, for GC (cachemgr.gc.execute.InFlight):
+    at a plan, the pages with queued reads or stores; before each chunk it deletes, the pages a
+    request read or stored since the plan, with their ancestors. A request that looked a
+    prefix up (a stat: no event) reads it head to tail right after, so a chain it reaches is
+    kept from the next chunk on instead of being cut behind the pages it already loaded."""
+
+    def __init__(self, watcher: Watcher, model: ChainModel) -> None:
+        self.watcher, self.model = watcher, model
+
+    def __call__(self) -> InFlight:
+        mark, pages = self.watcher.accessed, _Pages(self.model.fmt)
+        queued = queued_pages(self.watcher.queue, self.model.fmt)
+        return InFlight(queued, partial(self._keep, mark, pages))
+
+    def _keep(
+        self, mark: int, pages: _Pages, ns: str, names: Sequence[str], start: int
+    ) -> set[str]:
+        seen = self.watcher.accessed - mark
+        if seen <= 0:
+            return set()
+        # One C call under the GIL (a consistent copy); a few older ones too: appends race the
+        # count, and an access counted twice only keeps more.
+        recent = list(islice(reversed(self.watcher.accesses), seen + 64))
+        planned = pages.of(names)
+        reached = {pages.key(name) for n_ns, name in recent if n_ns == ns}
+        keys: set[str] = set()
+        for key in reached.intersection(planned):
+            keys |= {k for _, k in self.model.lineage((ns, key))}
+        return {n for k in keys.intersection(planned) for i, n in planned[k] if i >= start}
+
+
+class _Pages:
+    """Page keys of file names, and of a step's names by key (computed once per step)."""
+
+    def __init__(self, fmt: FileFormat) -> None:
+        self.fmt = fmt
+        self._steps: dict[int, dict[str, list[tuple[int, str]]]] = {}
+
+    def key(self, name: str) -> str:
+        return name[: self.fmt.key_len(name) or len(name)]
+
+    def of(self, names: Sequence[str]) -> dict[str, list[tuple[int, str]]]:
+        """key -> [(position, name)] of a step's names."""
+        got = self._steps.get(id(names))
+        if got is None:
+            got = self._steps[id(names)] = {}
+            for i, name in enumerate(names):
+                got.setdefault(self.key(name), []).append((i, name))
+        return got

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry
 
 from cachemgr.daemon.app import create_app
 from cachemgr.daemon.backend import Backend
-from cachemgr.daemon.backlog import StoreBacklog, queued_pages
+from cachemgr.daemon.backlog import Flight, StoreBacklog
 from cachemgr.daemon.index_leader import kernel_id, leadership_files
 from cachemgr.daemon.index_state import IndexState
 from cachemgr.daemon.indexer import Indexer
@@ -139,11 +139,10 @@ class Daemon:
         self.gc = GcRunner(
             self.layout, self.gc_store, self.gc_policy, eligible=lambda: index.leader,
             ready=index.ready, model=model, on_death=self._worker_died,
-            # Written while GC frees room for it (its last run's length); what the index has
-            # not applied yet is counted as it is, not estimated.
+            # Written while a run frees room; what the index has not applied: counted, not guessed.
             ahead=lambda: int(index.write_rate * self.gc.run_seconds),
             pending=self.backlog.bytes,
-            busy=lambda: queued_pages(self.indexer.watcher.queue, self.indexer.fmt),
+            in_flight=lambda: self.flight(),
             after_run=self._rearm,
         )  # fmt: skip
         leadership, ready_marker = leadership_files(self.layout)
@@ -165,6 +164,7 @@ class Daemon:
             on_disk_full=self.gc.wake,
             on_death=self._worker_died,
         )
+        self.flight = Flight(self.indexer.watcher, model)
         if self.probe is not None and self.settings.sglang_url:
             self.prober = ProbeLoop(
                 self.settings.sglang_url,

@@ -14,7 +14,7 @@ import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -23,10 +23,10 @@ from cachemgr.fs import reserve
 from cachemgr.fs.deletion import Pacer, Progress
 from cachemgr.fs.leadership import Leadership
 from cachemgr.fs.usage import DiskUsageFn
-from cachemgr.gc.chains import ChainModel, PageId
+from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.check import needs_gc
 from cachemgr.gc.drop import InUse
-from cachemgr.gc.execute import execute_gc
+from cachemgr.gc.execute import InFlight, execute_gc
 from cachemgr.gc.find import TempFile
 from cachemgr.gc.floor import audit_floor, below_floor, free_floor
 from cachemgr.gc.plan import GcPlan, plan_gc
@@ -76,7 +76,7 @@ class GcRunner(Worker):
         model: ChainModel | None = None,
         ahead: Callable[[], int] = lambda: 0,
         pending: Callable[[], int] = lambda: 0,
-        busy: Callable[[], Collection[PageId]] = lambda: (),
+        in_flight: Callable[[], InFlight] = InFlight,
         after_run: Callable[[], None] = lambda: None,
         on_death: DeathHandler | None = None,
     ) -> None:
@@ -84,7 +84,7 @@ class GcRunner(Worker):
         self.model = model  # the index's live chain model (None: built per run from the DB)
         self.ahead = ahead  # bytes the writer adds while GC frees space (the daemon's estimate)
         self.pending = pending  # bytes stored that the index does not count yet
-        self.busy = busy  # pages accessed that the model has not seen yet (in flight)
+        self.in_flight = in_flight  # what is in use that the model has not seen (at a plan)
         self.after_run = after_run  # after each run that deleted (the room it left changed)
         self.run_seconds = 0.0  # how long the last run that only kept a limit took
         self.ready = ready
@@ -208,18 +208,18 @@ class GcRunner(Worker):
         pacer: Pacer | None,
         progress: Progress | None,
     ) -> GcReport:
-        now, t0 = self.clock(), time.monotonic()
+        now, t0, flight = self.clock(), time.monotonic(), self.in_flight()
         plan = plan_gc(
             self.layout, self.store, self.policy, now=now, disk_usage=self.disk_usage,
             temps=temps, sweep=sweep, model=self.model, ahead=self.ahead(), pending=self.pending(),
-            busy=self.busy() if self.model is not None else (),
+            busy=flight.queued,
         )  # fmt: skip
         if sweep and not dry_run:
             self.last_sweep = now
         report = execute_gc(
             plan, self.layout, self.store, dry_run=dry_run, actor=actor,
             pacer=pacer or self._pacer(plan), progress=progress,
-            clock=self.clock, stop=self._stopping.is_set, in_use=self.in_use,
+            clock=self.clock, stop=self._stopping.is_set, in_use=self.in_use, keep=flight.keep,
         )  # fmt: skip
         if _keeping(plan) and not dry_run:  # a paced run's minutes are not cap-keeping's
             # The longest recent run, decaying: a quick one must not start the next late.
