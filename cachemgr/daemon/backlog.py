@@ -1,10 +1,12 @@
-"""Page stores the watcher has seen and the index has not applied yet.
+"""What the watcher has seen and the index (and its chain model) not yet: for GC.
 
 The index applies events in batches (every `batch_interval`, then however long the batch takes:
 a full-speed SGLang reads ten times more pages than it stores, and each read is applied too),
-so what it counts lags the disk by a batch or more. Those bytes are on disk already: GC counts
-them against the cap (`pending`), and the inotify thread wakes GC as soon as they would take
-the cache past its high watermark, instead of the index noticing after its next batch.
+so what it counts lags the disk by a batch or more. Page stores in that lag are on disk
+already: GC counts them against the cap (`StoreBacklog`, `pending`), and the inotify thread
+wakes GC as soon as they would take the cache past its high watermark, instead of the index
+noticing after its next batch. Pages read or stored in that lag, or while a run deletes, are in
+use though the chain model does not know it yet (`Flight`): GC leaves them and their ancestors.
 """
 
 from __future__ import annotations
