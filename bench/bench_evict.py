@@ -2,6 +2,9 @@
 `find -delete` on fresh identical copies of the same file set, and /metrics latency meanwhile.
 
 usage: python bench/bench_evict.py [N=250000] [namespaces=1] [rounds=1] [workdir=bench/out/evict]
+                                   [peers=rm,find]
+
+`peers=none` times the daemon alone (and its /metrics latency): one tree to build.
 
 cachemgr's run: the daemon (uvicorn on a loopback port, its index thread watching the root)
 starts on a root holding the N pages in `namespaces` namespace dirs, indexes them with no cap,
@@ -128,6 +131,8 @@ class CachemgrRun:
         print(f"  (daemon ready on {n:,} pages in {time.perf_counter() - t:.1f} s)", flush=True)
         self.latencies: list[float] = []
         self.idle: list[float] = []
+        self.planning: list[float] = []  # the scrapes while the run planned
+        self.deleting: list[float] = []  # and while it deleted
 
     def __call__(self) -> None:
         poller = subprocess.Popen(
@@ -148,6 +153,9 @@ class CachemgrRun:
         scrapes = json.loads(out)
         self.latencies = [s for t, s in scrapes if t0 <= t <= t1]
         self.idle = [s for t, s in scrapes if idle <= t < t0]
+        planned = t0 + (report.started_at - wall)
+        self.planning = [s for t, s in scrapes if t0 <= t < planned]
+        self.deleting = [s for t, s in scrapes if planned <= t <= t1]
         assert report.files == self.n, report
 
     def close(self) -> None:
@@ -172,14 +180,20 @@ def timed(label: str, fn: object, n: int) -> float:
     return n / secs
 
 
-def one_round(n: int, k: int, work: Path, r: int) -> tuple[dict[str, float], list[float]]:
-    """Build three identical trees, then time the three deleters (order rotated by r)."""
+PEERS = {"rm": "rm -rf", "find": "find -delete"}
+
+
+def one_round(
+    n: int, k: int, work: Path, r: int, peers: list[str]
+) -> tuple[dict[str, float], list[float]]:
+    """Build identical trees, then time the deleters (order rotated by r)."""
     shutil.rmtree(work, ignore_errors=True)
     files, namespaces = names(n), ns_ids(k)
     t = time.perf_counter()
-    for tree in ("cachemgr", "rm", "find"):
+    for tree in ("cachemgr", *peers):
         make_tree(work / tree, files, namespaces)
-    print(f"built 3 trees of {n:,} pages in {k} namespace(s) in {time.perf_counter() - t:.1f} s")
+    took = time.perf_counter() - t
+    print(f"built {1 + len(peers)} trees of {n:,} pages in {k} namespace(s) in {took:.1f} s")
     cachemgr = CachemgrRun(work / "cachemgr", namespaces, n)
     contenders = {
         "cachemgr": cachemgr,
@@ -187,8 +201,8 @@ def one_round(n: int, k: int, work: Path, r: int) -> tuple[dict[str, float], lis
         "find -delete": lambda: subprocess.run(
             ["find", str(work / "find" / "ns"), "-type", "f", "-delete"], check=True),
     }  # fmt: skip
-    order = list(contenders)
-    order = order[r % 3 :] + order[: r % 3]
+    order = ["cachemgr", *(PEERS[p] for p in peers)]
+    order = order[r % len(order) :] + order[: r % len(order)]
     print(f"round {r + 1}: load average {os.getloadavg()[0]:.2f}", flush=True)
     try:
         rates = {label: timed(label, contenders[label], n) for label in order}
@@ -197,6 +211,8 @@ def one_round(n: int, k: int, work: Path, r: int) -> tuple[dict[str, float], lis
     lat = cachemgr.latencies
     print(f"  /metrics idle before:          {scrapes(cachemgr.idle)}")
     print(f"  /metrics during cachemgr's run: {scrapes(lat)}")
+    print(f"    while it planned:            {scrapes(cachemgr.planning)}")
+    print(f"    while it deleted:            {scrapes(cachemgr.deleting)}")
     print(f"  load average after: {os.getloadavg()[0]:.2f}", flush=True)
     shutil.rmtree(work, ignore_errors=True)
     return rates, lat
@@ -207,6 +223,7 @@ def main() -> None:
     k = int(sys.argv[2]) if len(sys.argv) > 2 else 1
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     work = Path(sys.argv[4] if len(sys.argv) > 4 else "bench/out/evict").resolve()
+    peers = [p for p in (sys.argv[5] if len(sys.argv) > 5 else "rm,find").split(",") if p in PEERS]
     print(
         f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} cpus, "
         f"{platform.system()} {platform.release()}; Python {platform.python_version()}"
@@ -214,17 +231,18 @@ def main() -> None:
     results: dict[str, list[float]] = {}
     latencies: list[float] = []
     for r in range(rounds):
-        rates, lat = one_round(n, k, work, r)
+        rates, lat = one_round(n, k, work, r, peers)
         latencies += lat
         for label, rate in rates.items():
             results.setdefault(label, []).append(rate)
     med = {label: statistics.median(rates) for label, rates in results.items()}
     for label, rate in med.items():
         print(f"median {label:<14} {rate:>10,.0f} files/s over {rounds} round(s)")
-    for peer in ("rm -rf", "find -delete"):
+    for peer in (PEERS[p] for p in peers):
         print(f"cachemgr / {peer} = {med['cachemgr'] / med[peer]:.2f}")
-    best = max(med["find -delete"], med["rm -rf"])
-    print(f"cachemgr / faster peer = {med['cachemgr'] / best:.2f} (target >= 0.9)")
+    if peers:
+        best = max(med[PEERS[p]] for p in peers)
+        print(f"cachemgr / faster peer = {med['cachemgr'] / best:.2f} (target >= 0.9)")
     print(f"/metrics during cachemgr's runs: {scrapes(latencies)} (target p99 <= 20 ms)")
 
 

@@ -21,7 +21,7 @@ class Worker:
     """One named daemon thread, built (not started) with the worker."""
 
     def __init__(self, name: str, *, on_death: DeathHandler | None = None) -> None:
-        self.name = name  # "index", "gc", "probe": the metric label and the /readyz word
+        self.name = name  # "index", "gc", "probe", "metrics": the metric label and the /readyz word
         self.error: BaseException | None = None  # set once, by the thread that died of it
         self._on_death = on_death
         self._stopping = threading.Event()

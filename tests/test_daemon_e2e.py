@@ -84,9 +84,11 @@ def test_daemon_counts_what_sglang_did_and_purge_empties_it(
         assert body["pages"] == sum(e["pages"] for e in expected.values())
         assert "purged 2 namespace(s)" in body["message"]
         wait_for(seen, lambda s: all(v["pages"] == v["bytes"] == 0 for v in s.values()))
-        text = dm.get("/metrics").text
-        assert metric(text, "cachemgr_namespace_pages", namespace=NS_A) == 0
-        assert metric(text, "cachemgr_purges_total", reason="manual") == 2
+        text = wait_for(  # /metrics shows a snapshot the daemon refreshes soon after a purge
+            lambda: dm.get("/metrics").text,
+            lambda t: metric(t, "cachemgr_purges_total", reason="manual") == 2
+            and metric(t, "cachemgr_namespace_pages", namespace=NS_A) == 0,
+        )
         assert metric(text, "cachemgr_purged_pages_total", reason="manual") == body["pages"]
         assert all(on_disk(d) == (0, 0) for d in dirs.values())  # recreated empty: bound
         # SGLang keeps writing to its (recreated) dir; the index follows.

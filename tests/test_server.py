@@ -62,10 +62,13 @@ def test_health_status_and_metrics_follow_the_disk(settings: Settings, layout: L
         assert ns["instances"] == ["gpu0"] and ns["hit_ratio"] == pytest.approx(3 / 9)
         one = dm.get(f"/v1/namespaces/{NS_A}").json()
         assert one["pages"] == 10
-        text = dm.get("/metrics").text
-        assert metric(text, "cachemgr_namespace_pages", namespace=NS_A) == 10
+        # /metrics shows a snapshot the daemon refreshes soon after each batch
+        text = wait_for(
+            lambda: dm.get("/metrics").text,
+            lambda t: metric(t, "cachemgr_namespace_pages", namespace=NS_A) == 10
+            and metric(t, "cachemgr_page_reads_total", namespace=NS_A) == 3,
+        )
         assert metric(text, "cachemgr_namespace_bytes", namespace=NS_A) == 40960
-        assert metric(text, "cachemgr_page_reads_total", namespace=NS_A) == 3
         assert metric(text, "cachemgr_page_writes_total", namespace=NS_A) == 6
         assert metric(text, "cachemgr_ready") == 1
         info = dict(namespace=NS_A, server_instance="gpu0", model="Qwen/Qwen3-8B", page_size="64")

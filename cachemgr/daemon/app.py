@@ -96,8 +96,10 @@ def create_app(backend: Backend) -> FastAPI:
         response_class=Response,
         responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "metrics"}},
     )
-    def metrics() -> Response:
+    async def metrics() -> Response:
         """Prometheus text exposition."""
+        # On the event loop, not a worker thread: in the daemon it renders a snapshot held in
+        # memory (cachemgr.daemon.refresher), so nothing here blocks.
         return Response(generate_latest(backend.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/status", response_model=Status, tags=["status"])

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cachemgr.daemon import heap
+from cachemgr.daemon.backlog import StoreBacklog
 from cachemgr.daemon.index_leader import lead, mark_ready
 from cachemgr.daemon.index_state import IndexState
 from cachemgr.daemon.page_events import PageEvents
@@ -43,9 +44,10 @@ def _nothing(*_: object) -> None: ...
 class Indexer(Worker):
     """Runs the scan + watch + apply loop on its own thread; `stop()` finishes the batch.
 
-    `on_applied` runs after each batch of page events, `on_namespace_gone` after a namespace
-    dir left ns/ (a purge by any process moved it into .trash/), `on_disk_full` when a write
-    failed for lack of space (free some now); all on this thread.
+    `on_applied` runs once the index is built and after each batch of page events,
+    `on_namespace_gone` after a namespace dir left ns/ (a purge by any process moved it into
+    .trash/), `on_disk_full` when a write failed for lack of space (free some now); all on
+    this thread.
     """
 
     def __init__(
@@ -61,6 +63,7 @@ class Indexer(Worker):
         ready_marker: Path | None = None,
         state: IndexState | None = None,
         model: ChainModel | None = None,
+        backlog: StoreBacklog | None = None,
         on_applied: Callable[[], None] = _nothing,
         on_namespace_gone: Callable[[str], None] = _nothing,
         on_disk_full: Callable[[], None] = _nothing,
@@ -73,7 +76,9 @@ class Indexer(Worker):
         self.reconcile_interval = reconcile_interval
         self.clock = clock
         self.state = state if state is not None else IndexState()
+        self.backlog = backlog if backlog is not None else StoreBacklog()  # stores not applied
         self.watcher = watcher if watcher is not None else Watcher(layout)
+        self.watcher.on_store = self.backlog.stored
         self.fmt = self.watcher.fmt  # what the names in a namespace dir mean
         self.leadership = leadership  # None: this process alone indexes the root
         self.ready_marker = ready_marker  # exists while the leader's index is live
@@ -81,7 +86,7 @@ class Indexer(Worker):
         # What GC evicts by: every indexed page and its learned chain, kept by this thread.
         self.model = model if model is not None else ChainModel(self.fmt)
         self._loaded: set[str] = set()  # namespaces the model holds as the index does
-        self.pages = PageEvents(layout, store, self.fmt, self.model)
+        self.pages = PageEvents(layout, store, self.fmt, self.model, self.backlog)
         self.on_applied = on_applied
         self.on_namespace_gone = on_namespace_gone
         self.on_disk_full = on_disk_full
@@ -126,6 +131,7 @@ class Indexer(Worker):
             self.state.ready.set()
             took = round(time.perf_counter() - t0, 3)
             log.info("index ready", extra={"scans": self.state.scans, "seconds": took})
+            self.on_applied()  # the index as built may be over a limit already
             self._next_reconcile = time.monotonic() + self.reconcile_interval
             pause = self.batch_interval
             while not self._stopping.wait(pause):
@@ -167,10 +173,10 @@ class Indexer(Worker):
         moved aside (Store.guard) and the scan starts over on a fresh one."""
         for _ in range(BUILD_ATTEMPTS):
             try:
-                with self.store.guard():
-                    self.store.follow_path()
+                with (store := self.store).guard():
+                    store.follow_path()
                     # after earlier seqs; every namespace is loaded again from this DB
-                    self.pages = PageEvents(self.layout, self.store, self.fmt, self.model)
+                    self.pages = PageEvents(self.layout, store, self.fmt, self.model, self.backlog)
                     self._loaded.clear()
                     self._scan_all(first=first)
                 return
@@ -286,6 +292,8 @@ class Indexer(Worker):
         except UnsafePathError as e:  # replaced by a symlink since it was watched
             log.error("namespace dir not scanned", extra={"namespace": ns, "error": str(e)})
             return None
+        if report.pages:  # the size of the pages to come, before a store is applied
+            self.backlog.done(0, -(-report.bytes // report.pages))
         if first or report.drift or ns not in self._loaded:
             self.model.load(self.store.conn, ns)  # the scan changed what the model knew
             self._loaded.add(ns)

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+import sqlite3
 import threading
 import time
 from collections.abc import Iterator
@@ -25,17 +26,19 @@ from prometheus_client import CollectorRegistry
 
 from cachemgr.daemon.app import create_app
 from cachemgr.daemon.backend import Backend
+from cachemgr.daemon.backlog import Flight, StoreBacklog
 from cachemgr.daemon.index_leader import kernel_id, leadership_files
 from cachemgr.daemon.index_state import IndexState
 from cachemgr.daemon.indexer import Indexer
 from cachemgr.daemon.metrics import CachemgrCollector
 from cachemgr.daemon.purge_routes import purge_function
+from cachemgr.daemon.refresher import Refresher
 from cachemgr.daemon.serving import Reader, Server, bind_socket, is_loopback
 from cachemgr.errors import ConfigError, StateError
 from cachemgr.fs.root import create_root
 from cachemgr.fs.safe import refuse_non_regular
 from cachemgr.gc.chains import IN_FLIGHT, ChainModel
-from cachemgr.gc.check import needs_gc
+from cachemgr.gc.check import needs_gc, room
 from cachemgr.gc.floor import open_freeing
 from cachemgr.gc.policy import GcPolicy
 from cachemgr.gc.runner import GcRunner
@@ -50,6 +53,7 @@ from cachemgr.worker import Worker
 log = logging.getLogger(__name__)
 GC_STOP_SECONDS = 15.0  # a GC run stops after its current chunk; a trash entry may take longer
 PROBE_STOP_SECONDS = 10.0  # one poll's HTTP timeouts
+REFRESH_STOP_SECONDS = 10.0  # one snapshot of the DB (a few small queries)
 
 
 class Daemon:
@@ -88,17 +92,14 @@ class Daemon:
         self.reader = Reader(self.layout)
         self._build_workers()
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(
-            CachemgrCollector(
-                self.layout,
-                self.reader,
-                index=self.indexer.state,
-                lag=self.indexer.lag,
-                probe=self.probe,
-                gc=self.gc,
-                workers=self.workers,
-            )
-        )
+        collector = CachemgrCollector(
+            self.layout, self.reader, index=self.indexer.state, lag=self.indexer.lag,
+            probe=self.probe, gc=self.gc, workers=self.workers, cached=True,
+        )  # fmt: skip
+        self.registry.register(collector)
+        # Scrapes render a snapshot this thread keeps (cachemgr.daemon.refresher).
+        self.refresher = Refresher(collector.refresh, on_death=self._worker_died)
+        self.workers.append(self.refresher)
         self.backend = Backend(
             layout=self.layout,
             reader=self.reader,
@@ -107,7 +108,7 @@ class Daemon:
             index=self.indexer.state,
             lag=self.indexer.lag,
             purge=purge_function(self.layout, self.gc.wake),
-            after_purge=lambda _: self.indexer.request_rescan(),
+            after_purge=self._after_purge,
             gc=self.gc,
             workers=self.workers,
         )
@@ -129,16 +130,20 @@ class Daemon:
         """The index writer, GC (its own thread and connection) and the SGLang probe, wired
         to each other; not started."""
         index = IndexState()
-        batch = self.settings.batch_interval
         # The index (its watcher) reads the default file format too.
         model = ChainModel(in_flight=IN_FLIGHT)
+        # Stores not applied yet: GC counts them; past the room left, the watcher wakes GC.
+        self.backlog = StoreBacklog(wake=lambda: self.gc.wake())
         self.gc_store = Store.open(self.layout.db_path)
         # GC is led by an index leader: only its watcher wakes GC (watermarks, a CLI purge).
         self.gc = GcRunner(
             self.layout, self.gc_store, self.gc_policy, eligible=lambda: index.leader,
             ready=index.ready, model=model, on_death=self._worker_died,
-            # Written before GC has freed room for it: up to two batches and one run.
-            ahead=lambda: int(index.write_rate * (2 * batch + self.gc.run_seconds)),
+            # Written while a run frees room; what the index has not applied: counted, not guessed.
+            ahead=lambda: int(index.write_rate * self.gc.run_seconds),
+            pending=self.backlog.bytes,
+            in_flight=lambda: self.flight(),
+            after_run=self._rearm,
         )  # fmt: skip
         leadership, ready_marker = leadership_files(self.layout)
         self.indexer = Indexer(
@@ -150,14 +155,16 @@ class Daemon:
             ready_marker=ready_marker,
             state=index,
             model=model,
+            backlog=self.backlog,
             on_applied=self._check_watermarks,
             # A CLI purge (or init --no-wait) renames into .trash/ from another process: GC
             # deletes it now rather than at the next interval.
-            on_namespace_gone=lambda _ns: self.gc.wake(),
+            on_namespace_gone=self._namespace_gone,
             # A full disk stops index writes (they are retried): GC's floor pass frees it.
             on_disk_full=self.gc.wake,
             on_death=self._worker_died,
         )
+        self.flight = Flight(self.indexer.watcher, model)
         if self.probe is not None and self.settings.sglang_url:
             self.prober = ProbeLoop(
                 self.settings.sglang_url,
@@ -175,6 +182,27 @@ class Daemon:
         with self.reader() as conn:
             return registry_sql.bound_namespace(conn, instance)
 
+    def _rearm(self) -> None:
+        """After a GC run (on its thread): the room it left, so the watcher wakes GC again
+        without waiting for the index's next batch."""
+        with self.reader() as conn:
+            self._set_room(conn)
+        self.refresher.kick()
+
+    def _set_room(self, conn: sqlite3.Connection) -> None:
+        """What the watcher may see stored before it wakes GC itself."""
+        self.backlog.room = room(
+            self.layout, conn, self.gc_policy, disk_usage=self.gc.disk_usage, ahead=self.gc.ahead()
+        )
+
+    def _after_purge(self, _: object) -> None:
+        self.indexer.request_rescan()
+        self.refresher.kick()
+
+    def _namespace_gone(self, _ns: str) -> None:
+        self.gc.wake()
+        self.refresher.kick()
+
     def _check_watermarks(self) -> None:
         """After a batch (on the index thread, its connection): wake GC if a limit is crossed.
 
@@ -184,12 +212,14 @@ class Daemon:
         """
         reasons = needs_gc(
             self.layout, self.store, self.gc_policy, now=time.time(),
-            disk_usage=self.gc.disk_usage, ahead=self.gc.ahead(),
+            disk_usage=self.gc.disk_usage, ahead=self.gc.ahead(), pending=self.backlog.bytes(),
         )  # fmt: skip
+        self._set_room(self.store.conn)
         # Not for .trash/ alone: purges wake GC themselves, and an entry GC must refuse (a
         # symlink) would otherwise wake it on every batch; the interval retries it.
         if set(reasons) - {"trash"}:
             self.gc.wake()
+        self.refresher.kick()
 
     @property
     def port(self) -> int:
@@ -262,6 +292,7 @@ class Daemon:
         else:  # a trash entry still being deleted; resumed next start
             log.warning("gc still deleting at shutdown; leaving it")
         self.indexer.stop()
+        self.refresher.stop(REFRESH_STOP_SECONDS)
         self.reader.close()
         self.store.close()
         if self.sock is not None:

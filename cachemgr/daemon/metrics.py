@@ -1,9 +1,12 @@
-"""Prometheus metrics, computed at scrape time from the live index and the state DB.
+"""Prometheus metrics from the live index, the state DB and the filesystem.
 
 One prefix (`cachemgr_`), base units, `_total` counters, labels bounded by the number of
-namespaces (never per page). A scrape reads the small aggregate tables (namespace_stats,
-namespaces, bindings) and only the audit rows added since the last scrape, so it costs the same
-with a thousand pages or ten million. Counters that must survive restarts and include CLI
+namespaces (never per page). What comes from the DB and the disk (the small aggregate tables
+namespace_stats, namespaces, bindings; the audit rows added since the last read; manifests;
+statvfs) is read into a snapshot, so it costs the same with a thousand pages or ten million.
+In the daemon a refresher thread takes the snapshot (cachemgr.daemon.refresher), and a scrape
+only renders it with the live counters: no SQL, no file read, nothing that waits for the GIL
+behind a busy GC or index thread. Counters that must survive restarts and include CLI
 actions (purges, evictions) are sums over the audit log; page reads/writes count since start.
 """
 
@@ -12,7 +15,7 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, NamedTuple
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
@@ -23,9 +26,9 @@ from cachemgr.errors import StateCorrupt
 from cachemgr.fs.usage import DiskUsage, disk_usage
 from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
-from cachemgr.ns.status import namespace_statuses
+from cachemgr.ns.status import NamespaceStatus, namespace_statuses
 from cachemgr.sglang.probe import ProbeState
-from cachemgr.state.status import AuditTotals
+from cachemgr.state.status import AuditTotal, AuditTotals
 from cachemgr.worker import Worker
 
 Reader = Callable[[], AbstractContextManager[sqlite3.Connection]]
@@ -82,6 +85,14 @@ def _counter(name: str, labels: list[str] | None = None) -> CounterMetricFamily:
     return CounterMetricFamily(name, METRICS[name], labels=labels)
 
 
+class Snapshot(NamedTuple):
+    """What a scrape shows from the DB and the disk, as last read."""
+
+    statuses: list[NamespaceStatus]
+    audit: dict[tuple[str, str], AuditTotal]
+    disk: DiskUsage | None
+
+
 class CachemgrCollector(Collector):
     """Everything cachemgr exposes; register it in a CollectorRegistry."""
 
@@ -96,7 +107,10 @@ class CachemgrCollector(Collector):
         disk: Callable[[Layout], DiskUsage] = lambda lay: disk_usage(lay.root),
         gc: GcRunner | None = None,
         workers: Sequence[Worker] = (),
+        cached: bool = False,
     ) -> None:
+        self.cached = cached  # scrapes render the last snapshot (a refresher keeps it fresh)
+        self.snapshot: Snapshot | None = None
         self.workers = workers
         self.layout = layout
         self.reader = reader
@@ -110,17 +124,27 @@ class CachemgrCollector(Collector):
     def describe(self) -> Iterator[Any]:
         return iter(())  # computed at scrape time; nothing to check at registration
 
-    def collect(self) -> Iterator[Any]:
+    def refresh(self) -> Snapshot:
+        """Read what comes from the DB and the disk (on the refresher's thread in the daemon)."""
         try:
             with self.reader() as conn:
                 statuses = namespace_statuses(conn, self.layout)
                 audit = self.audit.refresh(conn)
-        except StateCorrupt:  # moved aside, rebuilt from disk: one scrape without DB metrics
+        except StateCorrupt:  # moved aside, rebuilt from disk: one snapshot without DB metrics
             statuses, audit = [], dict(self.audit.totals)
-        yield from self._namespaces(statuses)
-        yield from self._audit(audit)
+        try:
+            disk: DiskUsage | None = self.disk(self.layout)
+        except OSError:
+            disk = None
+        self.snapshot = Snapshot(statuses, audit, disk)
+        return self.snapshot
+
+    def collect(self) -> Iterator[Any]:
+        snap = self.snapshot if self.snapshot is not None and self.cached else self.refresh()
+        yield from self._namespaces(snap.statuses)
+        yield from self._audit(snap.audit)
         yield from self._daemon()
-        yield from self._disk()
+        yield from self._disk(snap.disk)
         yield from self._sglang()
         yield from self._gc()
 
@@ -218,10 +242,8 @@ class CachemgrCollector(Collector):
             "cachemgr_index_lag_seconds", METRICS["cachemgr_index_lag_seconds"], value=self.lag()
         )
 
-    def _disk(self) -> Iterator[Any]:
-        try:
-            du = self.disk(self.layout)
-        except OSError:
+    def _disk(self, du: DiskUsage | None) -> Iterator[Any]:
+        if du is None:
             return
         for name, value in (
             ("cachemgr_filesystem_avail_bytes", du.free),

@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from cachemgr.backends import FileFormat
+from cachemgr.daemon.backlog import StoreBacklog
 from cachemgr.daemon.watcher import Event, Kind
 from cachemgr.gc.chains import ChainModel
 from cachemgr.layout import Layout
@@ -32,10 +33,11 @@ class PageEvents:
 
     def __init__(
         self, layout: Layout, store: Store, fmt: FileFormat = HICACHE_FILE,
-        model: ChainModel | None = None,
+        model: ChainModel | None = None, backlog: StoreBacklog | None = None,
     ) -> None:  # fmt: skip
         self.store, self.layout, self.fmt = store, layout, fmt
         self.model = model if model is not None else ChainModel()
+        self.backlog = backlog if backlog is not None else StoreBacklog()
         self._next: int | None = None  # read at first use, on the thread that applies
         self.stored_bytes = 0  # of every page file stored so far (the writer's pace)
         self._unsaved: _Batch | None = None  # observed, refused by the DB: applied again
@@ -55,7 +57,7 @@ class PageEvents:
             b = _Batch()
         self._observe(b, events[len(b.events) :], now)
         self._unsaved = b
-        upserts, deletes, stored = self._settle(b, now)
+        upserts, deletes, stored, largest = self._settle(b, now)
         reads, seqs = b.reads, b.seqs
         with self.store.transaction() as conn:
             pages_sql.upsert_pages(conn, upserts)
@@ -66,6 +68,7 @@ class PageEvents:
                 pages_sql.add_lifetime(conn, ns, r, w, now)
         self._unsaved = None
         self.stored_bytes += stored
+        self.backlog.done(sum(w for _, w in b.per_ns.values()), largest)
         return b.per_ns
 
     def _observe(self, b: _Batch, events: list[Event], now: float) -> None:
@@ -101,10 +104,11 @@ class PageEvents:
 
     def _settle(
         self, b: _Batch, now: float
-    ) -> tuple[list[pages_sql.PageRow], list[tuple[str, str]], int]:
+    ) -> tuple[list[pages_sql.PageRow], list[tuple[str, str]], int, int]:
         """Split touched pages into rows to upsert (file exists) and rows to delete, and count
-        the bytes stored; the model takes the sizes found and forgets the files that are gone."""
-        stored_bytes = 0
+        the bytes stored (and the largest file stored); the model takes the sizes found and
+        forgets the files that are gone."""
+        stored_bytes = largest = 0
         upserts: list[pages_sql.PageRow] = []
         deletes: list[tuple[str, str]] = []
         for (ns, name), stored in b.touched.items():
@@ -117,12 +121,14 @@ class PageEvents:
                 continue
             seen = now if stored else min(st.st_mtime, now)
             seq = b.seqs.get((ns, name), 0)
-            stored_bytes += st.st_size if stored else 0
+            if stored:
+                stored_bytes += st.st_size
+                largest = max(largest, st.st_size)
             self.model.add(ns, name, key_len, st.st_size, seq=seq, at=seen)
             upserts.append(
                 (ns, name, st.st_size, seen, seen, seq, key_len, b.preds.get((ns, name)), seq)
             )
-        return upserts, deletes, stored_bytes
+        return upserts, deletes, stored_bytes, largest
 
 
 @dataclass

@@ -45,6 +45,7 @@ C = InotifyConstants
 _NS_MASK = Mask(C.IN_MOVED_TO | C.IN_MOVED_FROM | C.IN_DELETE | C.IN_CLOSE_NOWRITE)
 _ROOT_MASK = Mask(C.IN_CREATE | C.IN_MOVED_TO | C.IN_MOVED_FROM | C.IN_DELETE)
 _FLAGS = Mask(C.IN_ONLYDIR | C.IN_DONT_FOLLOW)
+ACCESSES = 1 << 16  # page reads and stores remembered for GC (a run's worth at full speed)
 
 
 class Kind(IntEnum):
@@ -132,12 +133,25 @@ class Watcher:
     queue: deque[Event] = field(default_factory=deque)
     clock: Callable[[], float] = time.monotonic
     fmt: FileFormat = HICACHE_FILE
+    on_store: Callable[[], None] = lambda: None  # on the inotify thread, for each page store
+    # The latest page reads and stores as (namespace, name), and how many there were: what
+    # GC asks before each chunk it deletes (cachemgr.daemon.backlog.Flight).
+    accesses: deque[tuple[str, str]] = field(
+        default_factory=lambda: deque(maxlen=ACCESSES), init=False
+    )
+    accessed: int = field(default=0, init=False)
     running: bool = field(default=False, init=False)
     _fd: InotifyFD | None = field(default=None, init=False)
     _watches: dict[str, _NamespaceWatch] = field(default_factory=dict, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
     def emit(self, event: Event) -> None:
+        kind = event[0]
+        if kind is Kind.WRITE:
+            self.on_store()
+        if kind is Kind.WRITE or kind is Kind.READ:
+            self.accesses.append((event[1], event[2]))
+            self.accessed += 1
         self.queue.append(event)
 
     def start(self) -> None:

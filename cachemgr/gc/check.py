@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import sqlite3
 
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs.usage import DiskUsage, DiskUsageFn
 from cachemgr.gc import find as gcfind
-from cachemgr.gc.policy import GcPolicy, GcReason, over_limits
+from cachemgr.gc.policy import GcPolicy, GcReason, headroom, over_limits
 from cachemgr.layout import Layout
 from cachemgr.ns import registry as nsreg
 from cachemgr.ns.trash import list_trash
@@ -25,9 +26,11 @@ def needs_gc(
     now: float,
     disk_usage: DiskUsageFn = shutil.disk_usage,
     ahead: int = 0,
+    pending: int = 0,
 ) -> tuple[GcReason, ...]:
     """Why GC should run now (empty: it need not), from aggregates and statvfs only;
-    `ahead`: bytes about to be written (cachemgr.gc.policy.over_limits)."""
+    `pending`, `ahead`: bytes stored but not indexed yet, and about to be written
+    (cachemgr.gc.policy.over_limits)."""
     reasons: list[GcReason] = []
     with contextlib.suppress(UnsafePathError):  # a symlinked .trash/ is GC's to report
         if list_trash(layout):
@@ -40,9 +43,24 @@ def needs_gc(
     reasons += sorted({r for _, r in dropped})
     gone = {ns for ns, _ in dropped}
     usage = {ns: b for ns, b in pages_sql.namespace_bytes(conn).items() if ns not in gone}
-    limits = over_limits(policy, usage, DiskUsage(*disk_usage(layout.root)), ahead=ahead)
+    disk = DiskUsage(*disk_usage(layout.root))
+    limits = over_limits(policy, usage, disk, ahead=ahead, pending=pending)
     if limits.namespaces:
         reasons.append("cap")
     if limits.root is not None and limits.budget.reason not in reasons:
         reasons.append(limits.budget.reason)
     return tuple(reasons)
+
+
+def room(
+    layout: Layout,
+    conn: sqlite3.Connection,
+    policy: GcPolicy,
+    *,
+    disk_usage: DiskUsageFn = shutil.disk_usage,
+    ahead: int = 0,
+) -> float:
+    """Bytes the writer may still store before the root's budget passes its high watermark,
+    by the index (cachemgr.gc.policy.headroom)."""
+    used = sum(pages_sql.namespace_bytes(conn).values())
+    return headroom(policy, used, DiskUsage(*disk_usage(layout.root)), ahead=ahead)

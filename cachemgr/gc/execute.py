@@ -5,13 +5,16 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs.deletion import DeleteReport, Pacer, Progress, delete_files, delete_own_temps
 from cachemgr.gc.drop import InUse, drop_namespace, kept
+from cachemgr.gc.pagestore import PageId
 from cachemgr.gc.plan import GcPlan
+from cachemgr.gc.policy import KEEPING
 from cachemgr.gc.step import GcReport, GcStep, StepResult
 from cachemgr.layout import Layout
 from cachemgr.ns.trash import drain_entry
@@ -23,6 +26,17 @@ log = logging.getLogger("cachemgr.gc.plan")
 # Names per delete call: each chunk's index rows and its audit row are written in one
 # transaction once its files are gone, so a kill -9 leaves at most one chunk unaudited.
 CHUNK = 256
+# (namespace, the step's names, from which on they are not deleted yet) -> names to keep after
+# all (asked before each chunk of a step that keeps a limit: a request may have reached a page
+# since the plan).
+Keep = Callable[[str, Sequence[str], int], Collection[str]]
+
+
+class InFlight(NamedTuple):
+    """What the live daemon knows is in use beyond its chain model, when GC plans."""
+
+    queued: Collection[PageId] = ()  # pages read or stored, not applied to the model yet
+    keep: Keep | None = None  # asked before each chunk (None: nothing comes in between)
 
 
 @dataclass
@@ -56,11 +70,13 @@ def execute_gc(
     clock: Callable[[], float] = time.time,
     stop: Callable[[], bool] = lambda: False,
     in_use: InUse = live_users,
+    keep: Keep | None = None,
 ) -> GcReport:
     """Run the plan's steps in order; a dry run stats the same files and deletes none.
 
     `stop()` true (a shutdown) ends the run after the chunk being deleted. `in_use` names the
-    running processes whose storage dir a namespace is (none may lose it as unbound).
+    running processes whose storage dir a namespace is (none may lose it as unbound). `keep`:
+    before each chunk of cap-keeping, the names that must stay after all.
     """
     started = clock()
     tally = _Tally(progress)
@@ -70,8 +86,9 @@ def execute_gc(
             break
         try:
             result = _run_step(
-                step, layout, store, dry_run, actor, pacer, tally, clock, stop, in_use
-            )
+                step, layout, store, dry_run, actor, pacer, tally, clock, stop, in_use,
+                keep if step.reason in KEEPING and step.namespace_id is not None else None,
+            )  # fmt: skip
         except UnsafePathError as e:  # its dir became a symlink: the other steps still run
             log.warning("gc step refused", extra={"dir": step.rel_dir, "error": str(e)})
             result = StepResult(step, skipped=f"refused: {e}")
@@ -92,6 +109,7 @@ def _run_step(
     clock: Callable[[], float],
     stop: Callable[[], bool],
     in_use: InUse,
+    keep: Keep | None,
 ) -> StepResult:
     base = StepResult(step)
     if step.reason in ("unbound", "ttl") and step.remove_dir and step.namespace_id and not dry_run:
@@ -114,17 +132,21 @@ def _run_step(
     if step.namespace_id is None and step.reason == "tmp":
         return _sweep_own_temps(step, base, layout, store, dry_run, actor, clock)
     total = DeleteReport(dry_run=dry_run)
+    staying: set[str] = set()
     for i in range(0, len(step.names), CHUNK):
         if stop():
             base = replace(base, skipped="stopped: the daemon is shutting down")
             break
+        if keep is not None and step.namespace_id is not None:
+            staying.update(keep(step.namespace_id, step.names, i))
+        chunk = [n for n in step.names[i : i + CHUNK] if n not in staying]
         gone: dict[str, int | None] = {}
         before = _dir_id(layout, step.rel_dir)
         # Unpaced here, paced below once the chunk is recorded: a kill -9 during the pacer's
         # sleep (where a paced run spends its time) then finds audit and index exact.
         try:
             r = delete_files(
-                layout.root, step.rel_dir, step.names[i : i + CHUNK], dry_run=dry_run,
+                layout.root, step.rel_dir, chunk, dry_run=dry_run,
                 min_age=step.min_age, progress=tally.offset(), now=clock,
                 removed=gone.__setitem__,
             )  # fmt: skip

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import shutil
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from cachemgr.errors import UnsafePathError
@@ -24,6 +24,7 @@ from cachemgr.fs.usage import DiskUsage, DiskUsageFn
 from cachemgr.gc import find as gcfind
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.find import TempFile, list_namespace, list_temps
+from cachemgr.gc.pagestore import PageId
 from cachemgr.gc.policy import ByReason, GcPolicy, GcReason, over_limits, tally
 from cachemgr.gc.step import GcStep
 from cachemgr.gc.value import Victim, eviction_order
@@ -61,13 +62,19 @@ def plan_gc(
     sweep: bool = True,
     model: ChainModel | None = None,
     ahead: int = 0,
+    pending: int = 0,
+    busy: Collection[PageId] = (),
 ) -> GcPlan:
     """Decide what to delete. `sweep` also lists namespace dirs for temps (unless `temps`
     from a scan are given) and checks page sizes; without it only the index is read.
     `model`: the daemon's live chain model (None: built from the index if pages must go);
-    `ahead`: bytes the writer adds before the run is done (cachemgr.gc.policy.over_limits)."""
+    `pending`, `ahead`: bytes stored but not indexed yet, and bytes the writer adds before the
+    run is done (cachemgr.gc.policy.over_limits); `busy`: pages accessed that the model has not
+    seen yet (in flight: they and their ancestors stay)."""
     with read_snapshot(store.conn) as conn:
-        return _plan(conn, layout, policy, now, disk_usage, temps, sweep, model, ahead)
+        return _plan(
+            conn, layout, policy, now, disk_usage, temps, sweep, model, (ahead, pending), busy
+        )
 
 
 def _plan(
@@ -79,7 +86,8 @@ def _plan(
     temps: Sequence[TempFile] | None,
     sweep: bool,
     model: ChainModel | None,
-    ahead: int,
+    writer: tuple[int, int],  # (ahead, pending)
+    busy: Collection[PageId],
 ) -> GcPlan:
     usage = pages_sql.namespace_bytes(conn)
     # A dir that became a symlink (or worse) is skipped with a warning, never a failed run:
@@ -135,20 +143,21 @@ def _plan(
     used_all = sum(usage.values())
     counted = used_all + unlisted
     disk = DiskUsage(*disk_usage(layout.root))
-    limits = over_limits(policy, live, disk, counted=counted, ahead=ahead)
+    ahead, pending = writer
+    limits = over_limits(policy, live, disk, counted=counted, ahead=ahead, pending=pending)
     chains = model
     if chains is None:  # a one-off run reads the page rows only if pages must go
         over = bool(limits.namespaces) or limits.root is not None
         chains = ChainModel.from_index(conn, sorted(live) if over else [])
     for ns_id, need in limits.namespaces.items():
-        victims = _pick(chains, [ns_id], need, before, taken, now)
+        victims = _pick(chains, [ns_id], need, before, taken, now, busy)
         live[ns_id] -= sum(c.size for c in victims)
         steps += _evictions("cap", victims, policy.min_age)
     # What the caps evict counts toward the root's budget: ask again with what is left.
     budget = limits.budget
-    excess = over_limits(policy, live, disk, counted=counted, ahead=ahead).root
+    excess = over_limits(policy, live, disk, counted=counted, ahead=ahead, pending=pending).root
     if excess is not None:
-        victims = _pick(chains, list(live), excess, before, taken, now)
+        victims = _pick(chains, list(live), excess, before, taken, now, busy)
         steps += _evictions(budget.reason, victims, policy.min_age)
         short = excess - sum(c.size for c in victims)
         if short > 0:
@@ -167,13 +176,21 @@ def _pick(
     before: float,
     taken: set[tuple[str | None, str]],
     now: float,
+    busy: Collection[PageId],
 ) -> list[Victim]:
-    """Pages to evict, in order, until `need` bytes; `taken` (files) grows with the choice."""
+    """Pages to evict, in order, until `need` bytes; `taken` (files) grows with the choice.
+    A busy page stays, and so do its ancestors (they come later in the order, tails first)."""
     out: list[Victim] = []
     freed = 0
     if need <= 0:
         return out
+    kept: set[PageId] = set()
     for c in eviction_order(model, ns_ids, before=before, now=now):
+        pid = (c.namespace_id, c.key)
+        if pid in busy and pid not in kept:
+            kept |= model.lineage(pid)
+        if pid in kept:
+            continue
         files = {(c.namespace_id, n) for n in c.names}
         if not files.isdisjoint(taken):
             continue  # a torn file's page: the whole page is in a step already

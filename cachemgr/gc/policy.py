@@ -76,6 +76,23 @@ class Budget(NamedTuple):
         return max(0, used - math.floor(max(self.limit, 0) * low))
 
 
+def headroom(policy: GcPolicy, used: int, disk: DiskUsage, *, ahead: int = 0) -> float:
+    """Bytes that may still be stored before the root's budget passes its high watermark
+    (math.inf without a limit): what the watcher may see stored before it wakes GC."""
+    budget = root_budget(policy, used, disk)
+    if budget.limit == math.inf:
+        return math.inf
+    return budget.limit * policy.high_watermark - used - _bounded(policy, budget, ahead, 1.0)
+
+
+def _bounded(policy: GcPolicy, budget: Budget, ahead: int, share: float) -> int:
+    """The writer's predicted bytes, at most `share` of the watermarks' gap."""
+    if budget.limit == math.inf:
+        return ahead
+    gap = budget.limit * (policy.high_watermark - policy.low_watermark)
+    return min(ahead, round(gap * share))
+
+
 def root_budget(policy: GcPolicy, used: int, disk: DiskUsage) -> Budget:
     """The root's byte budget: its cap, or what the free-space floor leaves, whichever is less.
 
@@ -105,25 +122,28 @@ def over_limits(
     *,
     counted: int | None = None,
     ahead: int = 0,
+    pending: int = 0,
 ) -> Limits:
     """The limits `live` (page bytes per namespace GC may evict from) is over.
 
     The root budget counts `counted` bytes as used (by default all of `live`): the plan also
     counts what it deletes otherwise (dropped namespaces, trash, temps), which is free space
-    to come. `ahead`: bytes the writer will have added by the time GC has freed space (the
-    daemon's estimate), counted against the root's budget so the cap holds while it writes.
-    Pure arithmetic on aggregates: the cheap check and the plan both use it.
+    to come. `pending`: bytes already stored that the index does not count yet (the watcher
+    saw them, the index has not applied them); `ahead`: bytes the writer will add while GC
+    frees space (the daemon's estimate). Both count against the root's budget so the cap holds
+    while it writes. Pure arithmetic on aggregates: the cheap check and the plan both use it.
     """
     cap, high, low = policy.namespace_max_bytes, policy.high_watermark, policy.low_watermark
     over_cap: dict[str, int] = {}
     if cap is not None:
         over_cap = {ns: b - int(cap * low) for ns, b in sorted(live.items()) if b > cap * high}
     left = sum(live.values())
-    budget = root_budget(policy, left if counted is None else counted, disk)
-    if budget.limit != math.inf:
-        # At most half the watermarks' gap: a run must not empty the cache for a burst.
-        ahead = min(ahead, round(budget.limit * (high - low) / 2))
-    root = budget.excess(left + ahead, low) if budget.over(left + ahead, high) else None
+    budget = root_budget(policy, (left if counted is None else counted) + pending, disk)
+    used = left + pending  # pending: on disk already
+    # The writer's pace starts a run up to a whole gap early, but deepens it by at most half
+    # the gap: a run must not empty the cache for a burst.
+    over = budget.over(used + _bounded(policy, budget, ahead, 1.0), high)
+    root = budget.excess(used + _bounded(policy, budget, ahead, 0.5), low) if over else None
     return Limits(over_cap, budget, root)
 
 

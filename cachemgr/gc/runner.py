@@ -2,9 +2,10 @@
 
 A cycle with nothing to delete is the cheap check (cachemgr.gc.check): no scan of the pages
 or their files. Listing namespace dirs (stale temps) and checking page sizes happen every
-sweep_interval. Keeping a cap or the free-space floor is continuous: the index wakes GC when
-a batch of writes crosses a watermark (or is about to), and a run that freed space is followed
-at once by the next if the writer is still ahead.
+sweep_interval. Keeping a cap or the free-space floor is continuous: GC is woken when stores
+cross a watermark (or are about to), by the index after a batch or by the watcher before the
+index applied them, and a run that freed space is followed at once by the next if the writer
+is still ahead.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from cachemgr.fs.usage import DiskUsageFn
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.check import needs_gc
 from cachemgr.gc.drop import InUse
-from cachemgr.gc.execute import execute_gc
+from cachemgr.gc.execute import InFlight, execute_gc
 from cachemgr.gc.find import TempFile
 from cachemgr.gc.floor import audit_floor, below_floor, free_floor
 from cachemgr.gc.plan import GcPlan, plan_gc
@@ -74,11 +75,17 @@ class GcRunner(Worker):
         ready: threading.Event | None = None,
         model: ChainModel | None = None,
         ahead: Callable[[], int] = lambda: 0,
+        pending: Callable[[], int] = lambda: 0,
+        in_flight: Callable[[], InFlight] = InFlight,
+        after_run: Callable[[], None] = lambda: None,
         on_death: DeathHandler | None = None,
     ) -> None:
         super().__init__("gc", on_death=on_death)
         self.model = model  # the index's live chain model (None: built per run from the DB)
         self.ahead = ahead  # bytes the writer adds while GC frees space (the daemon's estimate)
+        self.pending = pending  # bytes stored that the index does not count yet
+        self.in_flight = in_flight  # what is in use that the model has not seen (at a plan)
+        self.after_run = after_run  # after each run that deleted (the room it left changed)
         self.run_seconds = 0.0  # how long the last run that only kept a limit took
         self.ready = ready
         self.store, self.layout, self.policy = store, layout, policy
@@ -107,7 +114,7 @@ class GcRunner(Worker):
         with self._serialized():
             return needs_gc(
                 self.layout, self.store, self.policy, now=self.clock(),
-                disk_usage=self.disk_usage, ahead=self.ahead(),
+                disk_usage=self.disk_usage, ahead=self.ahead(), pending=self.pending(),
             )  # fmt: skip
 
     def _lead(self) -> bool:
@@ -189,6 +196,7 @@ class GcRunner(Worker):
             self.stats.ok += 1
             self.stats.last_success = report.finished_at
             reserve.keep(self.layout.state_dir)
+            self.after_run()
         return report
 
     def _run(
@@ -200,20 +208,22 @@ class GcRunner(Worker):
         pacer: Pacer | None,
         progress: Progress | None,
     ) -> GcReport:
-        now, t0 = self.clock(), time.monotonic()
+        now, t0, flight = self.clock(), time.monotonic(), self.in_flight()
         plan = plan_gc(
             self.layout, self.store, self.policy, now=now, disk_usage=self.disk_usage,
-            temps=temps, sweep=sweep, model=self.model, ahead=self.ahead(),
+            temps=temps, sweep=sweep, model=self.model, ahead=self.ahead(), pending=self.pending(),
+            busy=flight.queued,
         )  # fmt: skip
         if sweep and not dry_run:
             self.last_sweep = now
         report = execute_gc(
             plan, self.layout, self.store, dry_run=dry_run, actor=actor,
             pacer=pacer or self._pacer(plan), progress=progress,
-            clock=self.clock, stop=self._stopping.is_set, in_use=self.in_use,
+            clock=self.clock, stop=self._stopping.is_set, in_use=self.in_use, keep=flight.keep,
         )  # fmt: skip
         if _keeping(plan) and not dry_run:  # a paced run's minutes are not cap-keeping's
-            self.run_seconds = time.monotonic() - t0
+            # The longest recent run, decaying: a quick one must not start the next late.
+            self.run_seconds = max(time.monotonic() - t0, self.run_seconds / 2)
         if self.model is not None and not dry_run:
             for step in plan.steps:
                 if step.namespace_id is not None and step.reason in KEEPING:
@@ -270,11 +280,12 @@ class GcRunner(Worker):
             self.leadership.release()
 
     def _cycle(self, run: Callable[[], GcReport | None]) -> bool:
-        """One daemon cycle; True if it ran GC and freed nothing, or failed: pause before the
-        next."""
+        """One daemon cycle; True if it ran GC, freed nothing and a limit is still crossed, or
+        failed: pause before the next. (A run with nothing to free, such as the sweep at
+        start-up, is no reason to ignore the wakes of a writer that crosses a watermark next.)"""
         try:
             report = run()
-            return report is not None and report.files == 0
+            return report is not None and report.files == 0 and bool(self.needs_gc())
         except StateCorrupt as e:  # moved aside; the indexer rebuilds, the next cycle runs
             log.warning("gc cycle stopped", extra={"error": str(e)})
             return True

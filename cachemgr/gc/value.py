@@ -16,8 +16,9 @@ segment are read together (a request reads its whole prefix), so they share one 
   after silence s is 1 / (1 + END/(1-END) · e^(rate·s)).
 
 Segments go lowest value first, each leaf to top; a segment gone exposes its branch point as a
-leaf, whose segment is valued in turn. Pages whose predecessor is known, confirmed by a read,
-and gone are unusable (SGLang stops at the gap): they go first. The clock is the access
+leaf, whose segment is valued in turn. Pages whose predecessor is known and gone (confirmed by
+a read, or never read since they were written behind it) are unusable (SGLang stops at the
+gap): they go first. The clock is the access
 sequence, so the order is the same at any request rate. Measured against LRU and a clairvoyant
 bound in bench/sim_policy.py.
 """
@@ -178,8 +179,10 @@ def _walk(
         if above == NONE:
             return path, at, last, False
         if files[above] == GHOST:
-            # A confirmed link to a page that is gone: nothing below the gap can be loaded.
-            return path, at, last, st.conf[at] > 0 and not young
+            # Its predecessor is gone: nothing below the gap can be loaded. GC never evicts a
+            # page before its children, so a deletion racing the request that wrote it (or
+            # read it) cut it off; a link no read contradicted since is trusted for that.
+            return path, at, last, (st.conf[at] > 0 or st.reads[at] == 0) and not young
         if kids[above] - gone.get(above, 0) != 1:
             return path, at, last, False  # a branch point: the segment ends below it
         at = above

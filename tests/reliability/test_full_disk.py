@@ -70,13 +70,15 @@ def fill_like_sglang(ns_dir: Path, page_bytes: int = 256 << 10) -> int:
         try:
             with open(tmp, "wb") as f:
                 f.write(os.urandom(page_bytes))
+            # The rename may need a new block for the dir (GC freeing space meanwhile lets
+            # the writer go on until it does): SGLang's set then fails and drops the temp.
+            os.replace(tmp, ns_dir / page_name(10**9 + n))
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise
             tmp.unlink(missing_ok=True)
             page_bytes //= 4
             continue
-        os.replace(tmp, ns_dir / page_name(10**9 + n))
         n += 1
     return n
 

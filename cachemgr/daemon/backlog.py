@@ -1,0 +1,116 @@
+"""What the watcher has seen and the index (and its chain model) not yet: for GC.
+
+The index applies events in batches (every `batch_interval`, then however long the batch takes:
+a full-speed SGLang reads ten times more pages than it stores, and each read is applied too),
+so what it counts lags the disk by a batch or more. Page stores in that lag are on disk
+already: GC counts them against the cap (`StoreBacklog`, `pending`), and the inotify thread
+wakes GC as soon as they would take the cache past its high watermark, instead of the index
+noticing after its next batch. Pages read or stored in that lag, or while a run deletes, are in
+use though the chain model does not know it yet (`Flight`): GC leaves them and their ancestors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from functools import partial
+from itertools import islice
+
+from cachemgr.backends import FileFormat
+from cachemgr.daemon.watcher import Event, Kind, Watcher
+from cachemgr.gc.chains import ChainModel
+from cachemgr.gc.execute import InFlight
+from cachemgr.gc.pagestore import PageId
+
+
+class StoreBacklog:
+    """Counts page stores seen (inotify thread) and applied (index thread): ints, each written
+    by one thread, read by any without a lock."""
+
+    def __init__(self, wake: Callable[[], None] = lambda: None) -> None:
+        self.wake = wake
+        self.seen = 0  # page stores the watcher queued
+        self.applied = 0  # of those, applied to the index
+        self.page_bytes = 0  # the largest page file the index has seen stored
+        # Bytes that may still be stored before GC must run (set after each batch's check;
+        # inf until then, and once GC was woken until the next check).
+        self.room = math.inf
+
+    def stored(self) -> None:
+        """A page store was queued (on the inotify thread): wake GC once past the room."""
+        self.seen += 1
+        if (self.seen - self.applied) * self.page_bytes > self.room:
+            self.room = math.inf  # one wake: the next check after a batch sets it again
+            self.wake()
+
+    def done(self, stores: int, page_bytes: int) -> None:
+        """The index applied `stores` page stores; its largest page file has `page_bytes`."""
+        self.applied += stores
+        self.page_bytes = max(self.page_bytes, page_bytes)
+
+    def bytes(self) -> int:
+        """Bytes stored that the index does not count yet (an estimate: page files are of one
+        size per model, and the largest is taken)."""
+        return max(0, self.seen - self.applied) * self.page_bytes
+
+
+def queued_pages(queue: deque[Event], fmt: FileFormat) -> set[PageId]:
+    """Pages read or stored whose events the index has not applied yet: in flight, though the
+    chain model does not know it (a request reading a prefix goes on to store what continues
+    it). Called on GC's thread; the inotify thread keeps appending meanwhile."""
+    events = list(queue)  # one C call under the GIL: a consistent copy
+    names = {(ns, name) for kind, ns, name, _ in events if kind is Kind.READ or kind is Kind.WRITE}
+    return {(ns, name[: fmt.key_len(name) or len(name)]) for ns, name in names}
+
+
+class Flight:
+    """What is in flight that the chain model has not seen, for GC (cachemgr.gc.execute.InFlight):
+    at a plan, the pages with queued reads or stores; before each chunk it deletes, the pages a
+    request read or stored since the plan, with their ancestors. A request that looked a
+    prefix up (a stat: no event) reads it head to tail right after, so a chain it reaches is
+    kept from the next chunk on instead of being cut behind the pages it already loaded."""
+
+    def __init__(self, watcher: Watcher, model: ChainModel) -> None:
+        self.watcher, self.model = watcher, model
+
+    def __call__(self) -> InFlight:
+        mark, pages = self.watcher.accessed, _Pages(self.model.fmt)
+        queued = queued_pages(self.watcher.queue, self.model.fmt)
+        return InFlight(queued, partial(self._keep, mark, pages))
+
+    def _keep(
+        self, mark: int, pages: _Pages, ns: str, names: Sequence[str], start: int
+    ) -> set[str]:
+        seen = self.watcher.accessed - mark
+        if seen <= 0:
+            return set()
+        # One C call under the GIL (a consistent copy); a few older ones too: appends race the
+        # count, and an access counted twice only keeps more.
+        recent = list(islice(reversed(self.watcher.accesses), seen + 64))
+        planned = pages.of(names)
+        reached = {pages.key(name) for n_ns, name in recent if n_ns == ns}
+        keys: set[str] = set()
+        for key in reached.intersection(planned):
+            keys |= {k for _, k in self.model.lineage((ns, key))}
+        return {n for k in keys.intersection(planned) for i, n in planned[k] if i >= start}
+
+
+class _Pages:
+    """Page keys of file names, and of a step's names by key (computed once per step)."""
+
+    def __init__(self, fmt: FileFormat) -> None:
+        self.fmt = fmt
+        self._steps: dict[int, dict[str, list[tuple[int, str]]]] = {}
+
+    def key(self, name: str) -> str:
+        return name[: self.fmt.key_len(name) or len(name)]
+
+    def of(self, names: Sequence[str]) -> dict[str, list[tuple[int, str]]]:
+        """key -> [(position, name)] of a step's names."""
+        got = self._steps.get(id(names))
+        if got is None:
+            got = self._steps[id(names)] = {}
+            for i, name in enumerate(names):
+                got.setdefault(self.key(name), []).append((i, name))
+        return got
