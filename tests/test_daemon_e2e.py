@@ -86,8 +86,10 @@ def test_daemon_counts_what_sglang_did_and_purge_empties_it(
         wait_for(seen, lambda s: all(v["pages"] == v["bytes"] == 0 for v in s.values()))
         text = wait_for(  # /metrics shows a snapshot the daemon refreshes soon after a purge
             lambda: dm.get("/metrics").text,
-            lambda t: metric(t, "cachemgr_purges_total", reason="manual") == 2
-            and metric(t, "cachemgr_namespace_pages", namespace=NS_A) == 0,
+            lambda t: (
+                metric(t, "cachemgr_purges_total", reason="manual") == 2
+                and metric(t, "cachemgr_namespace_pages", namespace=NS_A) == 0
+            ),
         )
         assert metric(text, "cachemgr_purged_pages_total", reason="manual") == body["pages"]
         assert all(on_disk(d) == (0, 0) for d in dirs.values())  # recreated empty: bound

@@ -65,8 +65,10 @@ def test_health_status_and_metrics_follow_the_disk(settings: Settings, layout: L
         # /metrics shows a snapshot the daemon refreshes soon after each batch
         text = wait_for(
             lambda: dm.get("/metrics").text,
-            lambda t: metric(t, "cachemgr_namespace_pages", namespace=NS_A) == 10
-            and metric(t, "cachemgr_page_reads_total", namespace=NS_A) == 3,
+            lambda t: (
+                metric(t, "cachemgr_namespace_pages", namespace=NS_A) == 10
+                and metric(t, "cachemgr_page_reads_total", namespace=NS_A) == 3
+            ),
         )
         assert metric(text, "cachemgr_namespace_bytes", namespace=NS_A) == 40960
         assert metric(text, "cachemgr_page_writes_total", namespace=NS_A) == 6

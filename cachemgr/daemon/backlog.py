@@ -22,6 +22,7 @@ from cachemgr.daemon.watcher import Event, Kind, Watcher
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.execute import InFlight
 from cachemgr.gc.pagestore import PageId
+from cachemgr.gc.plan import lineage
 
 
 class StoreBacklog:
@@ -92,7 +93,7 @@ class Flight:
         reached = {pages.key(name) for n_ns, name in recent if n_ns == ns}
         keys: set[str] = set()
         for key in reached.intersection(planned):
-            keys |= {k for _, k in self.model.lineage((ns, key))}
+            keys |= {k for _, k in lineage(self.model, (ns, key))}
         return {n for k in keys.intersection(planned) for i, n in planned[k] if i >= start}
 
 

@@ -290,18 +290,6 @@ class ChainModel:
 
     # -- reading ----------------------------------------------------------------------------------
 
-    def lineage(self, pid: PageId) -> set[PageId]:
-        """The page and its known ancestors (on disk or not)."""
-        ns, out = pid[0], {pid}
-        with self.lock:
-            st = self.store
-            at = st.find(ns, pid[1])
-            while at != NONE and len(out) < CYCLE_WALK:
-                at = st.pred[at]
-                if at != NONE:
-                    out.add((ns, st.key(at)))
-        return out
-
     def names(self, ns: str, key: str) -> tuple[str, ...]:
         """The file names of a page (none if it is not known)."""
         with self.lock:

@@ -22,9 +22,9 @@ from cachemgr.errors import UnsafePathError
 from cachemgr.fs.deletecheck import too_young
 from cachemgr.fs.usage import DiskUsage, DiskUsageFn
 from cachemgr.gc import find as gcfind
-from cachemgr.gc.chains import ChainModel
+from cachemgr.gc.chains import CYCLE_WALK, ChainModel
 from cachemgr.gc.find import TempFile, list_namespace, list_temps
-from cachemgr.gc.pagestore import PageId
+from cachemgr.gc.pagestore import NONE, PageId
 from cachemgr.gc.policy import ByReason, GcPolicy, GcReason, over_limits, tally
 from cachemgr.gc.step import GcStep
 from cachemgr.gc.value import Victim, eviction_order
@@ -188,7 +188,7 @@ def _pick(
     for c in eviction_order(model, ns_ids, before=before, now=now):
         pid = (c.namespace_id, c.key)
         if pid in busy and pid not in kept:
-            kept |= model.lineage(pid)
+            kept |= lineage(model, pid)
         if pid in kept:
             continue
         files = {(c.namespace_id, n) for n in c.names}
@@ -218,3 +218,14 @@ def _evictions(reason: GcReason, victims: list[Victim], min_age: float) -> list[
         )
         for ns, cs in by_ns.items()
     ]
+
+
+def lineage(model: ChainModel, pid: PageId) -> set[PageId]:
+    """The page and its known ancestors (on disk or not): what a request using it needs."""
+    with model.lock:
+        st, out, at = model.store, {pid}, model.store.find(*pid)
+        while at != NONE and len(out) < CYCLE_WALK:
+            at = st.pred[at]
+            if at != NONE:
+                out.add((pid[0], st.key(at)))
+    return out
