@@ -27,6 +27,7 @@ from cachemgr.fs.leadership import Leadership
 from cachemgr.gc.chains import ChainModel
 from cachemgr.layout import Layout
 from cachemgr.ns.registry import adopt_from_disk
+from cachemgr.sglang.hicache import HICACHE_FILE
 from cachemgr.state.index import BATCH, ScanReport, forget_namespace, scan_namespace, scan_root
 from cachemgr.state.store import Store
 from cachemgr.worker import DeathHandler, Worker
@@ -73,7 +74,7 @@ class Indexer(Worker):
         self.clock = clock
         self.state = state if state is not None else IndexState()
         self.watcher = watcher if watcher is not None else Watcher(layout)
-        self.fmt = self.watcher.fmt  # what the names in a namespace dir mean
+        self.fmt = HICACHE_FILE  # key lengths of flat names (a nested page's key is its path)
         self.leadership = leadership  # None: this process alone indexes the root
         self.ready_marker = ready_marker  # exists while the leader's index is live
         self.follow_interval = max(batch_interval, 0.05)
@@ -281,7 +282,8 @@ class Indexer(Worker):
         if not self.watcher.watch(ns):
             return None
         try:
-            report = scan_namespace(self.layout, self.store, ns, now=self.clock, fmt=self.fmt)
+            fmt = self.watcher.format_of(ns)
+            report = scan_namespace(self.layout, self.store, ns, now=self.clock, fmt=fmt)
         except UnsafePathError as e:  # replaced by a symlink since it was watched
             log.error("namespace dir not scanned", extra={"namespace": ns, "error": str(e)})
             return None

@@ -4,7 +4,10 @@ exactly what would go.
 
 Directories are opened component by component from the root with O_NOFOLLOW and files are
 unlinked relative to that descriptor, so a symlink planted anywhere on the way (or swapped in
-while we work) makes the operation refuse instead of reaching outside the root.
+while we work) makes the operation refuse instead of reaching outside the root. A nested
+format's names (paths below the namespace dir, cachemgr.backends.Nesting) must fit its dir
+levels and a vouched top dir; each dir's files then go as a flat dir's. Those dirs are never
+removed: the engine makes a hashed dir, then opens a file in it; an rmdir between would fail it.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ import os
 import stat
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from cachemgr.backends import FileFormat
 from cachemgr.errors import UnsafePathError
@@ -29,6 +33,7 @@ from cachemgr.fs.deletecheck import (
     still_at,
 )
 from cachemgr.fs.safe import open_dir
+from cachemgr.fs.tree import vouched
 from cachemgr.layout import NS_DIR, check_ns_id
 from cachemgr.sglang.hicache import HICACHE_FILE
 
@@ -99,7 +104,8 @@ def delete_files(
     removed: Removed | None = None,
     fmt: FileFormat = HICACHE_FILE,
 ) -> DeleteReport:
-    """Delete the named page/temp files of <root>/<rel_dir>; anything else is refused.
+    """Delete the named page/temp files of <root>/<rel_dir> (paths below it for a nested
+    format); anything else is refused.
 
     Stops (reported in `refused`) as soon as <root>/<rel_dir> is no longer the dir it was at
     the start: checked before each part of names (from the root, no link followed) and, by
@@ -108,6 +114,9 @@ def delete_files(
     a vanished file) is raised once `removed` has heard everything gone before it.
     """
     names = list(names)
+    if fmt.nesting is not None:
+        return _delete_nested(root, rel_dir, names, fmt, dry_run=dry_run, min_age=min_age,
+                              pacer=pacer, progress=progress, now=now, removed=removed)  # fmt: skip
     paced = pacer is not None and bool(pacer.rate)
     # Unpaced, parts of PART names are unlinked on THREADS threads; paced, a part is one
     # pacer batch on one thread, so the pacer's sleeps fall between parts.
@@ -115,6 +124,9 @@ def delete_files(
     files = size = 0
     checked = Checked()
     ours = names_of(fmt)
+    # never a path: unlinkat would walk its dirs, links and all
+    checked.refused.extend((n, f"not a file name of {fmt.name}") for n in names if "/" in n)
+    names = [n for n in names if "/" not in n]
     parent, _, leaf = rel_dir.rpartition("/")
     if not leaf:
         raise UnsafePathError(f"{rel_dir!r}: no directory to delete files from")
@@ -154,6 +166,53 @@ def delete_files(
     return DeleteReport(files, size, len(checked.vanished), checked.young, refused, dry_run)
 
 
+def _delete_nested(
+    root: Path, rel_dir: str, names: list[str], fmt: FileFormat, *, progress: Progress | None,
+    removed: Removed | None, **flat: Any,
+) -> DeleteReport:  # fmt: skip
+    """delete_files for a nested format, a dir at a time; a name whose dirs do not fit the
+    format, or whose top dir no identity file vouches for, is refused."""
+    assert fmt.nesting is not None
+    with open_dir(root, rel_dir) as fd:
+        tops = vouched(fd, fmt.nesting)
+    by_dir: dict[str, list[str]] = {}
+    bad: list[str] = []
+    for name in names:
+        where = fmt.split(name)
+        if where is None or where[0].partition("/")[0] not in tops:
+            bad.append(f"{rel_dir}/{name}: not a file of {fmt.name} in a folder it vouches for")
+        else:
+            by_dir.setdefault(where[0], []).append(where[1])
+    dry_run = bool(flat["dry_run"])
+    total = DeleteReport(refused=tuple(bad), dry_run=dry_run)
+    for sub, files in by_dir.items():
+        try:
+            total += delete_files(
+                root, f"{rel_dir}/{sub}", files, fmt=replace(fmt, nesting=None),
+                progress=_shifted(progress, total), removed=_under(removed, sub), **flat,
+            )  # fmt: skip
+        except FileNotFoundError:  # the dir went, and its files with it
+            if removed is not None and not dry_run:
+                for name in files:
+                    removed(f"{sub}/{name}", None)
+            total += DeleteReport(vanished=len(files))
+        except UnsafePathError as e:  # a link or a file planted in a dir's place: left alone
+            total += DeleteReport(refused=(f"{rel_dir}/{sub}: {e}",))
+    return total
+
+
+def _shifted(progress: Progress | None, before: DeleteReport) -> Progress | None:
+    if progress is None:
+        return None
+    return lambda files, size: progress(before.files + files, before.bytes + size)
+
+
+def _under(removed: Removed | None, sub: str) -> Removed | None:
+    if removed is None:
+        return None
+    return lambda name, size: removed(f"{sub}/{name}", size)
+
+
 def _unlink(dir_fd: int, name: str) -> bool:
     """Unlink relative to the directory descriptor; False if it was already gone."""
     try:
@@ -180,16 +239,8 @@ def delete_dir(
     """
     with open_dir(root, rel_dir) as fd:
         names = [e.name for e in os.scandir(fd)]
-    report = delete_files(
-        root,
-        rel_dir,
-        names,
-        dry_run=dry_run,
-        min_age=min_age,
-        pacer=pacer,
-        progress=progress,
-        fmt=fmt,
-    )
+    report = delete_files(root, rel_dir, names, dry_run=dry_run, min_age=min_age, pacer=pacer,
+                          progress=progress, fmt=fmt)  # fmt: skip
     if dry_run or report.refused or report.young:
         return report
     why = remove_empty_dir(root, rel_dir)

@@ -74,7 +74,9 @@ def leaves(ns_fd: int, fmt: FileFormat) -> Iterator[Leaf]:
     yield from _below(ns_fd, "", 0, dir_filter(ns_fd, fmt.nesting), len(fmt.nesting.levels))
 
 
-def _below(fd: int, path: str, level: int, ok: Callable[[int, bytes], bool], depth: int) -> Iterator[Leaf]:
+def _below(
+    fd: int, path: str, level: int, ok: Callable[[int, bytes], bool], depth: int
+) -> Iterator[Leaf]:
     if level == depth:
         yield fd, path
         return

@@ -14,7 +14,9 @@ from cachemgr.gc.drop import InUse, drop_namespace, kept
 from cachemgr.gc.plan import GcPlan
 from cachemgr.gc.step import GcReport, GcStep, StepResult
 from cachemgr.layout import Layout
+from cachemgr.ns.manifest import format_of
 from cachemgr.ns.trash import drain_entry
+from cachemgr.sglang.hicache import HICACHE_FILE
 from cachemgr.sglang.liveuse import live_users
 from cachemgr.state import pages_sql
 from cachemgr.state.store import Store
@@ -114,6 +116,7 @@ def _run_step(
     if step.namespace_id is None and step.reason == "tmp":
         return _sweep_own_temps(step, base, layout, store, dry_run, actor, clock)
     total = DeleteReport(dry_run=dry_run)
+    fmt = format_of(layout, step.namespace_id) if step.namespace_id else HICACHE_FILE
     for i in range(0, len(step.names), CHUNK):
         if stop():
             base = replace(base, skipped="stopped: the daemon is shutting down")
@@ -126,7 +129,7 @@ def _run_step(
             r = delete_files(
                 layout.root, step.rel_dir, step.names[i : i + CHUNK], dry_run=dry_run,
                 min_age=step.min_age, progress=tally.offset(), now=clock,
-                removed=gone.__setitem__,
+                removed=gone.__setitem__, fmt=fmt,
             )  # fmt: skip
         except OSError:  # an unlink refused: what went before it is recorded all the same
             if not dry_run and _dir_id(layout, step.rel_dir) == before:

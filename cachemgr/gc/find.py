@@ -17,13 +17,14 @@ from cachemgr.fs.safe import is_own_temp, open_dir
 from cachemgr.gc.policy import GcPolicy, GcReason
 from cachemgr.gc.step import GcStep
 from cachemgr.layout import Layout
+from cachemgr.ns.manifest import format_of
 from cachemgr.ns.trash import foreign_in, left_note, list_trash
 from cachemgr.state import pages_sql
 
 
 @dataclass(frozen=True)
 class TempFile:
-    """An SGLang `.tmp` file found in a namespace dir."""
+    """An engine's temp file found in a namespace dir (a path below it for a nested format)."""
 
     namespace_id: str
     name: str
@@ -37,7 +38,7 @@ def list_namespace(
     """Pages (name -> (size, mtime)) and temp files of one namespace dir; others are ignored."""
     pages: dict[str, tuple[int, float]] = {}
     temps: list[TempFile] = []
-    for f in list_files(layout, f"ns/{ns_id}"):
+    for f in list_files(layout, f"ns/{ns_id}", fmt=format_of(layout, ns_id)):
         if f.kind is FileKind.PAGE:
             pages[f.name] = (f.size, f.mtime)
         else:
@@ -49,7 +50,7 @@ def list_temps(layout: Layout, ns_id: str, warnings: list[str]) -> list[TempFile
     """The temp files of one namespace dir (pages are named, not stat'ed: a sweep is cheap);
     none, with a warning, if the dir is no longer a safe one."""
     try:
-        temps = list(list_files(layout, f"ns/{ns_id}", TEMPS))
+        temps = list(list_files(layout, f"ns/{ns_id}", TEMPS, format_of(layout, ns_id)))
     except UnsafePathError as e:
         warnings.append(f"ns/{ns_id} not swept: {e}")
         return []
