@@ -6,7 +6,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
+
+from cachemgr.layout import Layout
+from cachemgr.ns.registry import ensure_namespace
+from cachemgr.state.store import Store
 
 MODEL = "Qwen/Qwen3-0.6B"
 
@@ -46,3 +51,41 @@ def write_blocks(ns_dir: Path, folder: str, n: int, *, size: int = 4096, start: 
             os.utime(path, (mtime, mtime))
         paths.append(rel)
     return paths
+
+
+def vllm_namespace(layout: Layout, store: Store, name: str = "vllm-a") -> str:
+    """A namespace whose manifest names the vLLM engine (what `init -- vllm serve` writes)."""
+    digest = hashlib.sha256(name.encode()).hexdigest()[:32]
+    identity = {
+        "engine": "vllm",
+        "kv_cache_dtype": "bfloat16",
+        "source": {"served_model_name": name},
+    }
+    ensure_namespace(
+        layout, store, ns_id=digest[:16], digest=digest, identity=identity, now=time.time()
+    )
+    return digest[:16]
+
+
+def vllm_store(ns_dir: Path, rel: str, size: int = 4096) -> None:
+    """Store a block as vLLM's fs tier does (tiering/fs/io.py): makedirs, an O_EXCL temp, one
+    write, os.replace."""
+    dest = ns_dir / rel
+    os.makedirs(dest.parent, exist_ok=True)
+    tmp = f"{dest}_{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    try:
+        os.write(fd, b"\x02" * size)
+    finally:
+        os.close(fd)
+    os.replace(tmp, dest)
+
+
+def vllm_load(ns_dir: Path, rel: str) -> int:
+    """Read a block as vLLM does: os.open(O_RDONLY) + readv + close; the bytes read."""
+    fd = os.open(ns_dir / rel, os.O_RDONLY)
+    try:
+        buf = bytearray(os.fstat(fd).st_size)
+        return os.readv(fd, [buf])
+    finally:
+        os.close(fd)
