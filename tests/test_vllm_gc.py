@@ -1,0 +1,65 @@
+"""`cachemgr gc` (a real subprocess, no daemon) on a vLLM namespace of hand-made hashed dirs:
+the dry run says what the real run deletes, the oldest blocks and stale temps go, and
+config.json, the O_DIRECT probe, foreign files, young temps and symlink targets stay."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from cachemgr.fs.root import create_root
+from cachemgr.layout import Layout
+from cachemgr.state.store import Store
+from tests.nsfixtures import snapshot
+from tests.test_gc_cli import gc
+from tests.vllmtrees import vllm_namespace, write_blocks, write_folder
+
+T0 = 1_000_000.0
+
+
+def vllm_tree(root: Path) -> tuple[Path, list[str], Path]:
+    layout = Layout.at(root)
+    create_root(layout)
+    store = Store.open(layout.db_path)
+    try:
+        ns = vllm_namespace(layout, store)
+    finally:
+        store.close()
+    d = layout.ns_dir(ns)
+    folder = write_folder(d)
+    blocks = [b for i in range(10) for b in write_blocks(d, folder, 1, size=1000, start=i,
+                                                         mtime=T0 + 100 * i)]  # fmt: skip
+    stale = d / (blocks[0] + "_1234.tmp")  # a writer killed mid-store
+    young = d / (blocks[1] + "_99.tmp")  # a store in progress
+    for tmp, at in ((stale, T0), (young, None)):
+        tmp.write_bytes(b"t" * 10)
+        if at:
+            os.utime(tmp, (at, at))
+    probe = d / folder / ".o_direct_probe_5.tmp"
+    probe.write_bytes(b"p")
+    os.utime(probe, (T0, T0))
+    (d / folder / "notes.txt").write_text("mine")
+    outside = root.parent / "outside"
+    write_blocks(outside, folder, 3, size=1000, mtime=T0 - 1000)
+    os.symlink(outside / f"{folder}_r0", d / f"{folder}_r1")  # a rank dir that is a link
+    return d, blocks, outside
+
+
+def test_dry_run_equals_the_real_run_and_spares_what_is_not_a_block(root: Path) -> None:
+    d, blocks, outside = vllm_tree(root)
+    before_outside, before = snapshot(outside), snapshot(d)
+    dry = gc(root, "--dry-run", "--json", "--max-bytes", "5kB", "--min-age", "0")
+    assert dry.returncode == 0, dry.stderr
+    assert snapshot(d) == before  # the dry run deleted nothing
+    real = gc(root, "--yes", "--json", "--max-bytes", "5kB", "--min-age", "0")
+    assert real.returncode == 0, real.stderr
+    planned, done = json.loads(dry.stdout), json.loads(real.stdout)
+    assert (planned["files"], planned["bytes"]) == (done["files"], done["bytes"]) == (7, 6010)
+    left = sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file() or p.is_symlink())
+    folder = blocks[0].split("_r0/")[0]
+    assert left == sorted([
+        *blocks[6:], blocks[1] + "_99.tmp", f"{folder}/config.json",
+        f"{folder}/.o_direct_probe_5.tmp", f"{folder}/notes.txt", f"{folder}_r1",
+    ])  # fmt: skip
+    assert snapshot(outside) == before_outside
