@@ -44,7 +44,7 @@ class NestWatches:
 
     def __init__(self, watcher: _Watcher) -> None:
         self.watcher = watcher
-        self._subs: dict[str, list[Any]] = {}
+        self._subs: dict[str, dict[str, Any]] = {}  # namespace -> path -> its watch
         self._lock = threading.Lock()
 
     def added(self, parent: Any, name: str, *, fresh: bool = True) -> None:
@@ -66,10 +66,16 @@ class NestWatches:
             return  # gone already, or a link: never watched through
         child = replace(parent, path=f"{parent.path}{name}/", level=parent.level + 1, wd=-1,
                         dead=False, seen={})  # fmt: skip
+        with self._lock:  # its creation event and its parent's listing may both get here
+            subs = self._subs.setdefault(parent.ns_id, {})
+            old = subs.get(child.path)
+            if old is not None and not old.dead:
+                return  # a second callback on one watch would count every event twice
+            subs[child.path] = child
         if not self.watcher.add(child, layout.root / rel):
+            with self._lock:
+                self._subs.get(parent.ns_id, {}).pop(child.path, None)
             return
-        with self._lock:
-            self._subs.setdefault(parent.ns_id, []).append(child)
         self.below(child, fresh=fresh)
 
     def below(self, cb: Any, *, fresh: bool) -> None:
@@ -97,13 +103,13 @@ class NestWatches:
     def drop(self, ns_id: str) -> None:
         """Remove the watches below a namespace dir (unwatched, or watched again)."""
         with self._lock:
-            subs = self._subs.pop(ns_id, [])
-        for cb in subs:
+            subs = self._subs.pop(ns_id, {})
+        for cb in subs.values():
             cb.dead = True
             self.watcher._remove(cb)
 
     def kill(self, ns_id: str) -> None:
         """The namespace dir left <root>/ns: what its watches see now is not the namespace."""
         with self._lock:
-            for cb in self._subs.get(ns_id, []):
+            for cb in self._subs.get(ns_id, {}).values():
                 cb.dead = True
