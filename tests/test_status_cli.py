@@ -26,8 +26,8 @@ from tests.daemon_helpers import (
 )
 from tests.nsfixtures import cli_process, one_line_error
 
-ALL_STATUS = ("namespace", "engine", "model", "kv dtype", "page", "instances", "pages", "size", "reads",
-              "writes", "hit ratio", "last write")  # fmt: skip
+ALL_STATUS = ("namespace", "engine", "model", "kv dtype", "page", "instances", "pages", "size",
+              "reads", "writes", "hit ratio", "last write")  # fmt: skip
 MUST_STAY = ("namespace", "pages", "size", "reads", "hit ratio")
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 from cachemgr.state.store import Store
-from tests.nsfixtures import snapshot
+from tests.nsfixtures import cli, snapshot
 from tests.test_gc_cli import gc
 from tests.vllmtrees import vllm_namespace, write_blocks, write_folder
 
@@ -63,3 +63,35 @@ def test_dry_run_equals_the_real_run_and_spares_what_is_not_a_block(root: Path) 
         f"{folder}/.o_direct_probe_5.tmp", f"{folder}/notes.txt", f"{folder}_r1",
     ])  # fmt: skip
     assert snapshot(outside) == before_outside
+
+
+def test_purge_and_ls_see_a_vllm_namespace_and_the_trash_keeps_only_config(root: Path) -> None:
+    d, blocks, outside = vllm_tree(root)
+    ns = d.name
+    listed = json.loads(cli("--root", str(root), "ls", "--json").stdout)["namespaces"]
+    (row,) = [n for n in listed if n["ns_id"] == ns]
+    assert (row["engine"], row["pages"], row["bytes"], row["temps"]) == ("vllm", 10, 10_000, 2)
+    before_outside = snapshot(outside)
+    out = cli("--root", str(root), "purge", "--namespace", ns, "--yes", "--json")
+    got = json.loads(out.stdout)
+    assert got["result"]["purged"][0]["pages"] == 10
+    # The blocks, temps, hashed dirs and then vLLM's identity file are gone; what stays is
+    # the probe and the foreign file beside it, and the planted link (never followed).
+    (entry,) = list((root / ".trash").iterdir())
+    left = sorted(str(p.relative_to(entry)) for p in entry.rglob("*"))
+    folder = blocks[0].split("_r0/")[0]
+    assert left == sorted([folder, f"{folder}/.o_direct_probe_5.tmp", f"{folder}/notes.txt",
+                           f"{folder}_r1"])  # fmt: skip
+    assert out.returncode == 1 and "not removed: Directory not empty" in out.stderr
+    assert snapshot(outside) == before_outside
+
+
+def test_a_purged_vllm_namespace_of_blocks_only_leaves_nothing(root: Path) -> None:
+    layout = Layout.at(root)
+    create_root(layout)
+    with Store.open(layout.db_path) as store:
+        ns = vllm_namespace(layout, store)
+    write_blocks(layout.ns_dir(ns), write_folder(layout.ns_dir(ns)), 20)
+    out = cli("--root", str(root), "purge", "--namespace", ns, "--yes")
+    assert out.returncode == 0, out.stderr
+    assert list((root / ".trash").iterdir()) == []

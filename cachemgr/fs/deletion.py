@@ -26,6 +26,7 @@ from cachemgr.fs.deletecheck import (
     NO_PARENT,
     OWN_TEMPS,
     Checked,
+    Names,
     Where,
     check_and_unlink,
     dir_id,
@@ -33,7 +34,7 @@ from cachemgr.fs.deletecheck import (
     still_at,
 )
 from cachemgr.fs.safe import open_dir
-from cachemgr.fs.tree import vouched
+from cachemgr.fs.tree import by_dirs, orphan_identities, tree_names
 from cachemgr.layout import NS_DIR, check_ns_id
 from cachemgr.sglang.hicache import HICACHE_FILE
 
@@ -172,17 +173,9 @@ def _delete_nested(
 ) -> DeleteReport:  # fmt: skip
     """delete_files for a nested format, a dir at a time; a name whose dirs do not fit the
     format, or whose top dir no identity file vouches for, is refused."""
-    assert fmt.nesting is not None
     with open_dir(root, rel_dir) as fd:
-        tops = vouched(fd, fmt.nesting)
-    by_dir: dict[str, list[str]] = {}
-    bad: list[str] = []
-    for name in names:
-        where = fmt.split(name)
-        if where is None or where[0].partition("/")[0] not in tops:
-            bad.append(f"{rel_dir}/{name}: not a file of {fmt.name} in a folder it vouches for")
-        else:
-            by_dir.setdefault(where[0], []).append(where[1])
+        by_dir, bad = by_dirs(fd, names, fmt)
+    bad = [f"{rel_dir}/{name}: not a file of {fmt.name} in a folder it vouches for" for name in bad]
     dry_run = bool(flat["dry_run"])
     total = DeleteReport(refused=tuple(bad), dry_run=dry_run)
     for sub, files in by_dir.items():
@@ -231,18 +224,34 @@ def delete_dir(
     pacer: Pacer | None = None,
     progress: Progress | None = None,
     fmt: FileFormat = HICACHE_FILE,
+    now: Callable[[], float] = time.time,
 ) -> DeleteReport:
     """Empty <root>/<rel_dir> of page/temp files and remove it if nothing else is left.
 
     Used for namespaces renamed into .trash/: foreign files and subdirectories stay, reported;
-    files younger than `min_age` stay too (and so does the dir).
+    files younger than `min_age` stay too (and so does the dir). A nested format's dirs go
+    too once empty (no engine writes to a renamed dir), and then each identity file whose
+    blocks are all gone (only one that vouches for its own folder), and its folder.
     """
     with open_dir(root, rel_dir) as fd:
-        names = [e.name for e in os.scandir(fd)]
+        names, dirs = tree_names(fd, fmt)
     report = delete_files(root, rel_dir, names, dry_run=dry_run, min_age=min_age, pacer=pacer,
                           progress=progress, fmt=fmt)  # fmt: skip
     if dry_run or report.refused or report.young:
         return report
+    for sub in dirs:  # deepest first; one a writer or a person still uses stays
+        remove_empty_dir(root, f"{rel_dir}/{sub}")
+    if fmt.nesting is not None:
+        with open_dir(root, rel_dir) as fd:
+            folders = orphan_identities(fd, fmt.nesting)
+        ident = fmt.nesting.identity_file
+        ours: Names = (ident.__eq__, "an identity file")
+        for folder in folders:
+            with open_dir(root, f"{rel_dir}/{folder}") as fd:
+                where = Where(fd, NO_PARENT, "", dir_id(fd))
+                check_and_unlink(where, [ident], min_age=0, now=now(), threads=1,
+                                 dry_run=False, out=Checked(), ours=ours)  # fmt: skip
+            remove_empty_dir(root, f"{rel_dir}/{folder}")
     why = remove_empty_dir(root, rel_dir)
     return report + DeleteReport(refused=(why,)) if why else report
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import suppress
 
 from cachemgr.backends import FileFormat, Nesting
+from cachemgr.engines import FORMATS
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs.safe import DIR_FLAGS, read_regular
 
@@ -21,6 +22,7 @@ IDENTITY_LIMIT = 1 << 20  # a vLLM config.json is ~1 KB; a bigger one is not the
 
 # (fd, path below the namespace dir ending in "/"): a dir holding page files, open while yielded
 Leaf = tuple[int, str]
+ByDir = dict[str, list[str]]  # dirs below the namespace dir -> file names in it
 
 
 def vouched(ns_fd: int, nesting: Nesting) -> frozenset[str]:
@@ -96,3 +98,51 @@ def _below(
         finally:
             with suppress(OSError):
                 os.close(child)
+
+
+def by_dirs(ns_fd: int, paths: list[str], fmt: FileFormat) -> tuple[ByDir, list[str]]:
+    """Paths below namespace dir `ns_fd`, grouped by dir ({dirs: [file names]}), and those whose
+    dirs do not fit `fmt`'s nesting or whose top dir no identity file vouches for."""
+    assert fmt.nesting is not None
+    tops = vouched(ns_fd, fmt.nesting)
+    groups: ByDir = {}
+    bad: list[str] = []
+    for path in paths:
+        where = fmt.split(path)
+        if where is None or where[0].partition("/")[0] not in tops:
+            bad.append(path)
+        else:
+            groups.setdefault(where[0], []).append(where[1])
+    return groups, bad
+
+
+def tree_names(ns_fd: int, fmt: FileFormat) -> tuple[list[str], list[str]]:
+    """Every name in the dirs that may hold page files (paths below `ns_fd`), and the dirs of
+    the nesting below it, deepest first (none for a flat format)."""
+    names: list[str] = []
+    dirs: set[str] = set()
+    for fd, path in leaves(ns_fd, fmt):
+        with os.scandir(fd) as entries:
+            names += [path + e.name for e in entries]
+        parts = path.rstrip("/").split("/") if path else []
+        dirs |= {"/".join(parts[:i]) for i in range(1, len(parts) + 1)}
+    return names, sorted(dirs, key=lambda d: -d.count("/"))
+
+
+def format_in(fd: int) -> FileFormat:
+    """The format of a dir whose manifest may be gone (a purged namespace in .trash/): a nested
+    one if an identity file in it vouches for one of its dirs, else SGLang's. A wrong guess
+    deletes nothing wrongly: a flat format never enters a dir, a nested one only vouched ones."""
+    for fmt in FORMATS.values():
+        if fmt.nesting is not None and vouched(fd, fmt.nesting):
+            return fmt
+    return FORMATS["sglang"]
+
+
+def orphan_identities(ns_fd: int, nesting: Nesting) -> list[str]:
+    """The folders of namespace dir `ns_fd` whose identity file vouches for them and that no
+    top-level dir belongs to any more (their blocks are all gone)."""
+    with os.scandir(ns_fd) as entries:
+        dirs = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+    owned = {nesting.owner(d) for d in dirs if nesting.dir_ok(0, d)}
+    return [d for d in dirs if d not in owned and _vouches(ns_fd, d, nesting)]

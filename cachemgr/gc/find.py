@@ -18,7 +18,7 @@ from cachemgr.gc.policy import GcPolicy, GcReason
 from cachemgr.gc.step import GcStep
 from cachemgr.layout import Layout
 from cachemgr.ns.manifest import format_of
-from cachemgr.ns.trash import foreign_in, left_note, list_trash
+from cachemgr.ns.trash import foreign_in, left_note, list_trash, trash_format
 from cachemgr.state import pages_sql
 
 
@@ -98,7 +98,7 @@ def trash_leftovers(layout: Layout, warnings: list[str]) -> list[GcStep]:
         return found
     for entry in entries:
         try:
-            files = list(list_files(layout, f".trash/{entry}"))
+            files = list(list_files(layout, f".trash/{entry}", fmt=trash_format(layout, entry)))
         except UnsafePathError as e:  # a symlink or a file: left for a person, reported
             warnings.append(f".trash/{entry} skipped: {e}")
             continue
