@@ -195,24 +195,11 @@ def _delete_nested(
 
 
 def _shifted(progress: Progress | None, before: DeleteReport) -> Progress | None:
-    if progress is None:
-        return None
-    return lambda files, size: progress(before.files + files, before.bytes + size)
+    return progress and (lambda f, n: progress(before.files + f, before.bytes + n))
 
 
 def _under(removed: Removed | None, sub: str) -> Removed | None:
-    if removed is None:
-        return None
-    return lambda name, size: removed(f"{sub}/{name}", size)
-
-
-def _unlink(dir_fd: int, name: str) -> bool:
-    """Unlink relative to the directory descriptor; False if it was already gone."""
-    try:
-        os.unlink(name, dir_fd=dir_fd)
-    except FileNotFoundError:
-        return False
-    return True
+    return removed and (lambda name, size: removed(f"{sub}/{name}", size))
 
 
 def delete_dir(
@@ -279,7 +266,11 @@ def delete_manifest(root: Path, ns_id: str) -> bool:
             return False
         if not stat.S_ISREG(st.st_mode):
             raise UnsafePathError(f"{root}/ns/{name} is not a regular file; left alone")
-        return _unlink(fd, name)
+        try:
+            os.unlink(name, dir_fd=fd)
+        except FileNotFoundError:
+            return False
+        return True
 
 
 def delete_own_temps(
