@@ -95,3 +95,19 @@ def test_a_purged_vllm_namespace_of_blocks_only_leaves_nothing(root: Path) -> No
     out = cli("--root", str(root), "purge", "--namespace", ns, "--yes")
     assert out.returncode == 0, out.stderr
     assert list((root / ".trash").iterdir()) == []
+
+
+def test_a_second_digest_folder_of_another_block_size_is_not_torn(root: Path) -> None:
+    layout = Layout.at(root)
+    create_root(layout)
+    with Store.open(layout.db_path) as store:
+        ns = vllm_namespace(layout, store)
+    d = layout.ns_dir(ns)
+    bf16, fp8 = write_folder(d), write_folder(d, dtype="fp8_e4m3")
+    write_blocks(d, bf16, 6, size=1000, mtime=T0)
+    write_blocks(d, fp8, 3, size=500, start=100, mtime=T0)  # half the bytes: another KV dtype
+    torn = write_blocks(d, bf16, 1, size=10, start=200, mtime=T0)[0]  # a short block
+    out = gc(root, "--yes", "--json", "--min-age", "0")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["by_reason"] == {"corrupt": {"files": 1, "bytes": 10}}
+    assert not (d / torn).exists() and len(list(d.rglob("*.bin"))) == 9

@@ -11,12 +11,11 @@ from dataclasses import dataclass, replace
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs.deletion import DeleteReport, Pacer, Progress, delete_files, delete_own_temps
 from cachemgr.gc.drop import InUse, drop_namespace, kept
+from cachemgr.gc.find import step_format
 from cachemgr.gc.plan import GcPlan
 from cachemgr.gc.step import GcReport, GcStep, StepResult
 from cachemgr.layout import Layout
-from cachemgr.ns.manifest import format_of
 from cachemgr.ns.trash import drain_entry
-from cachemgr.sglang.hicache import HICACHE_FILE
 from cachemgr.sglang.liveuse import live_users
 from cachemgr.state import pages_sql
 from cachemgr.state.store import Store
@@ -116,7 +115,7 @@ def _run_step(
     if step.namespace_id is None and step.reason == "tmp":
         return _sweep_own_temps(step, base, layout, store, dry_run, actor, clock)
     total = DeleteReport(dry_run=dry_run)
-    fmt = format_of(layout, step.namespace_id) if step.namespace_id else HICACHE_FILE
+    fmt = step_format(layout, step)
     for i in range(0, len(step.names), CHUNK):
         if stop():
             base = replace(base, skipped="stopped: the daemon is shutting down")
