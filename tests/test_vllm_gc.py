@@ -71,6 +71,11 @@ def test_purge_and_ls_see_a_vllm_namespace_and_the_trash_keeps_only_config(root:
     listed = json.loads(cli("--root", str(root), "ls", "--json").stdout)["namespaces"]
     (row,) = [n for n in listed if n["ns_id"] == ns]
     assert (row["engine"], row["pages"], row["bytes"], row["temps"]) == ("vllm", 10, 10_000, 2)
+    status = json.loads(cli("--root", str(root), "status", "--port", "1", "--json").stdout)
+    (ns_row,) = [n for n in status["namespaces"] if n["id"] == ns]
+    assert (ns_row["engine"], ns_row["pages"], ns_row["temp_files"]) == ("vllm", 10, 2)
+    table = cli("--root", str(root), "status", "--port", "1", "--wide").stdout
+    assert any(ns in line and "vllm" in line for line in table.splitlines()), table
     before_outside = snapshot(outside)
     out = cli("--root", str(root), "purge", "--namespace", ns, "--yes", "--json")
     got = json.loads(out.stdout)
