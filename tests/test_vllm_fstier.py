@@ -11,6 +11,7 @@ from pathlib import Path
 from cachemgr.backends import FileKind
 from cachemgr.engines import engine_of, format_for
 from cachemgr.fs._dirscan import page_digest
+from cachemgr.fs.deletion import delete_files
 from cachemgr.fs.dirscan import TEMPS, list_files, scan_usage
 from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
@@ -113,3 +114,27 @@ def _xor(values: object) -> int:
     for v in values:  # type: ignore[attr-defined]
         out ^= v
     return out
+
+
+def test_deletion_takes_blocks_and_temps_of_vouched_dirs_only(tmp_path: Path) -> None:
+    layout, ns_dir, folder = nested_root(tmp_path)
+    blocks = write_blocks(ns_dir, folder, 6)
+    stray = "Qwen_Qwen3-0.6B_000000000000"  # no config.json vouches for it
+    strays = write_blocks(ns_dir, stray, 2)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / (key(7) + ".bin")).write_bytes(b"o")
+    link_dir = block_path(folder, key(7)).rsplit("/", 1)[0]
+    (ns_dir / link_dir).parent.mkdir(parents=True, exist_ok=True)
+    os.symlink(outside, ns_dir / link_dir)  # a hashed dir that is a link
+    asked = [*blocks, *strays, f"{folder}/config.json", block_path(folder, key(7)),
+             f"{folder}_r0/{key(1)}.bin", "../" + blocks[0]]  # fmt: skip
+    dry = delete_files(layout.root, f"ns/{NS}", asked, fmt=FMT, dry_run=True)
+    gone: list[str] = []
+    real = delete_files(layout.root, f"ns/{NS}", asked, fmt=FMT,
+                        removed=lambda name, _: gone.append(name))  # fmt: skip
+    assert (dry.files, dry.bytes, len(dry.refused)) == (real.files, real.bytes, len(real.refused))
+    assert real.files == 6 and sorted(gone) == sorted(blocks)
+    assert len(real.refused) == 6  # 2 strays, config.json, the linked dir, 2 misplaced names
+    assert all((ns_dir / s).exists() for s in strays)
+    assert (ns_dir / folder / "config.json").exists() and (outside / (key(7) + ".bin")).exists()

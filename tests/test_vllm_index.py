@@ -5,16 +5,14 @@ deletions seen; the manifest's engine decides how the dir is read."""
 from __future__ import annotations
 
 import sqlite3
-import threading
 from collections.abc import Iterator
 
 import pytest
 
-from cachemgr.daemon.indexer import Indexer
-from cachemgr.daemon.watcher import Event, Watcher
 from cachemgr.layout import Layout
 from cachemgr.state.store import Store, connect
 from tests.polling import wait_for
+from tests.test_indexer import SlowWatcher, ns_stats, start
 from tests.vllmtrees import block_path, key, vllm_load, vllm_namespace, vllm_store, write_folder
 
 SIZE = 4096
@@ -25,22 +23,6 @@ def reader(layout: Layout, store: Store) -> Iterator[sqlite3.Connection]:
     conn = connect(layout.db_path)
     yield conn
     conn.close()
-
-
-def ns_stats(conn: sqlite3.Connection, ns: str) -> tuple[int, ...]:
-    """(pages, bytes, lifetime reads, lifetime writes)."""
-    row = conn.execute(
-        "SELECT pages, bytes, page_reads, page_writes FROM namespace_stats WHERE namespace_id = ?",
-        (ns,),
-    ).fetchone()
-    return tuple(row) if row else (0, 0, 0, 0)
-
-
-def start(layout: Layout, store: Store, watcher: Watcher | None = None) -> Indexer:
-    ix = Indexer(layout, store, batch_interval=0.05, watcher=watcher)
-    ix.start()
-    assert ix.state.ready.wait(10)
-    return ix
 
 
 def test_blocks_stored_in_new_hashed_dirs_and_loaded_are_each_counted_once(
@@ -67,18 +49,6 @@ def test_blocks_stored_in_new_hashed_dirs_and_loaded_are_each_counted_once(
         ix.stop()
 
 
-class HeldWatcher(Watcher):
-    """A watcher whose inotify thread stalls on its first event, as a busy daemon's would."""
-
-    def __init__(self, layout: Layout) -> None:
-        super().__init__(layout)
-        self.release = threading.Event()
-
-    def emit(self, event: Event) -> None:
-        self.release.wait(30)
-        super().emit(event)
-
-
 def test_a_block_stored_before_its_new_dir_is_watched_is_still_counted_once(
     layout: Layout, store: Store, reader: sqlite3.Connection
 ) -> None:
@@ -87,7 +57,7 @@ def test_a_block_stored_before_its_new_dir_is_watched_is_still_counted_once(
     folder = write_folder(d)
     first = block_path(folder, key(0))
     vllm_store(d, first, SIZE)
-    watcher = HeldWatcher(layout)
+    watcher = SlowWatcher(layout)
     ix = start(layout, store, watcher)
     try:
         sibling = first[: first.rindex("/") + 1] + key(0)[:5] + "f" * 59 + ".bin"

@@ -358,19 +358,27 @@ static void classify(Group *x, Totals *tot) {
     x->kind = (int)k;
 }
 
-/* Read up to CHUNK entries into `ents`; returns how many, 0 at the end. */
-static size_t read_chunk(DIR *dir, Ent *ents, Totals *tot) {
-    size_t n = 0;
-    while (n < CHUNK && !tot->err && !tot->py_err) {
+/* The next entry of `dir` but "." and ".."; NULL at the end or on an error (in tot->err). */
+static struct dirent *next_entry(DIR *dir, Totals *tot) {
+    for (;;) {
         errno = 0;
         struct dirent *d = readdir(dir);
         if (!d) {
             tot->err = errno;
-            break;
+            return NULL;
         }
         const char *s = d->d_name;
-        if (s[0] == '.' && (!s[1] || (s[1] == '.' && !s[2])))
-            continue;
+        if (!(s[0] == '.' && (!s[1] || (s[1] == '.' && !s[2]))))
+            return d;
+    }
+}
+
+/* Read up to CHUNK entries into `ents`; returns how many, 0 at the end. */
+static size_t read_chunk(DIR *dir, Ent *ents, Totals *tot) {
+    size_t n = 0;
+    struct dirent *d;
+    while (n < CHUNK && !tot->err && !tot->py_err && (d = next_entry(dir, tot))) {
+        const char *s = d->d_name;
         size_t len = strlen(s);
         if (len > 255) { /* longer than NAME_MAX: no name cachemgr knows */
             tot->other++;
@@ -483,16 +491,9 @@ static void walk_tree(int fd0, int level, Totals *tot) {
     }
     rewinddir(dir);
     size_t at = tot->path_len;
-    while (!tot->err && !tot->py_err) {
-        errno = 0;
-        struct dirent *d = readdir(dir);
-        if (!d) {
-            tot->err = errno;
-            break;
-        }
+    struct dirent *d;
+    while (!tot->err && !tot->py_err && (d = next_entry(dir, tot))) {
         const char *s = d->d_name;
-        if (s[0] == '.' && (!s[1] || (s[1] == '.' && !s[2])))
-            continue;
         size_t len = strlen(s);
         if (at + len + 2 > PATH_MAX_LEN) {
             tot->other++;
