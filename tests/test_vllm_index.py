@@ -73,3 +73,24 @@ def test_a_block_stored_before_its_new_dir_is_watched_is_still_counted_once(
         wait_for(lambda: ns_stats(reader, ns), lambda s: s == (62, 62 * SIZE, 1, 61))
     finally:
         ix.stop()
+
+
+def test_a_vllm_namespace_made_while_the_daemon_runs_is_watched_nested(
+    layout: Layout, store: Store, reader: sqlite3.Connection
+) -> None:
+    ix = start(layout, store)
+    try:
+        # `init` makes the dir first, then writes the manifest naming the engine: the watch
+        # made on the dir's creation is redone as a nested one when the manifest lands.
+        with Store.open(layout.db_path) as other:
+            ns = vllm_namespace(layout, other)
+        d = layout.ns_dir(ns)
+        folder = write_folder(d)
+        blocks = [block_path(folder, key(i)) for i in range(40)]
+        for rel in blocks:
+            vllm_store(d, rel, SIZE)
+        wait_for(lambda: ns_stats(reader, ns), lambda s: s == (40, 40 * SIZE, 0, 40))
+        assert vllm_load(d, blocks[3]) == SIZE  # (a server loads later: its dir is watched)
+        wait_for(lambda: ns_stats(reader, ns), lambda s: s == (40, 40 * SIZE, 1, 40))
+    finally:
+        ix.stop()

@@ -131,7 +131,9 @@ class _RootWatch:
         if not event.mask & C.IN_ISDIR:
             stem, _, ext = name.partition(".")
             if event.mask & C.IN_MOVED_TO and ext == "json" and self.watcher.has(stem):
-                self.watcher.watch(stem)  # a new manifest: the engine may be another
+                # a new namespace's manifest: the engine may be another, and what its dirs hold
+                # was stored since the dir was made
+                self.watcher.watch(stem, fresh=True)
             return
         if not NS_ID_RE.fullmatch(name):
             return
@@ -199,9 +201,10 @@ class Watcher:
         with self._lock:
             return ns_id in self._watches
 
-    def watch(self, ns_id: str) -> bool:
+    def watch(self, ns_id: str, *, fresh: bool = False) -> bool:
         """Start watching a namespace dir (and, nested, every dir in it); False if it is gone.
-        Call before scanning it. Watched already with the format it has: nothing to do."""
+        Call before scanning it. Watched already with the format it has: nothing to do.
+        `fresh`: the pages found in its dirs were just stored (counted as writes)."""
         assert self._fd is not None, "start() first"
         fmt = self.format_of(ns_id)
         with self._lock:
@@ -217,7 +220,7 @@ class Watcher:
         if old is not None:
             self._remove(old)
         self.nest.drop(ns_id)
-        self.nest.below(cb, fresh=False)
+        self.nest.below(cb, fresh=fresh)
         return True
 
     def add(self, cb: _DirWatch, path: Path) -> bool:
