@@ -8,6 +8,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 from cachemgr.state.store import Store
@@ -116,3 +118,18 @@ def test_a_second_digest_folder_of_another_block_size_is_not_torn(root: Path) ->
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["by_reason"] == {"corrupt": {"files": 1, "bytes": 10}}
     assert not (d / torn).exists() and len(list(d.rglob("*.bin"))) == 9
+
+
+def test_an_unbound_vllm_namespace_is_dropped_whole(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    layout = Layout.at(root)
+    create_root(layout)
+    with Store.open(layout.db_path) as store:
+        ns = vllm_namespace(layout, store)
+    write_blocks(layout.ns_dir(ns), write_folder(layout.ns_dir(ns)), 12, size=100, mtime=T0)
+    monkeypatch.setenv("CACHEMGR_GC_KEEP_UNBOUND", "0")
+    out = gc(root, "--yes", "--json", "--min-age", "0")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["by_reason"] == {"unbound": {"files": 12, "bytes": 1200}}
+    assert not layout.ns_dir(ns).exists() and list((root / ".trash").iterdir()) == []
