@@ -94,3 +94,26 @@ def test_a_vllm_namespace_made_while_the_daemon_runs_is_watched_nested(
         wait_for(lambda: ns_stats(reader, ns), lambda s: s == (40, 40 * SIZE, 1, 40))
     finally:
         ix.stop()
+
+
+def test_a_folder_vouched_for_late_is_indexed_and_watched_at_the_next_rescan(
+    layout: Layout, store: Store, reader: sqlite3.Connection
+) -> None:
+    ns = vllm_namespace(layout, store)
+    d = layout.ns_dir(ns)
+    folder = write_folder(d)
+    config = (d / folder / "config.json").read_bytes()
+    (d / folder / "config.json").write_bytes(config[: len(config) // 2])  # a partial write
+    ix = start(layout, store)
+    try:
+        early = [block_path(folder, key(i)) for i in range(3)]
+        for rel in early:
+            vllm_store(d, rel, SIZE)
+        (d / folder / "config.json").write_bytes(config)  # vLLM's write completes
+        ix.request_rescan(ns)
+        wait_for(lambda: ns_stats(reader, ns), lambda s: s[:2] == (3, 3 * SIZE))
+        for i in range(3, 8):
+            vllm_store(d, block_path(folder, key(i)), SIZE)
+        wait_for(lambda: ns_stats(reader, ns), lambda s: s == (8, 8 * SIZE, 0, 5))
+    finally:
+        ix.stop()

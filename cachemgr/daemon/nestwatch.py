@@ -51,7 +51,8 @@ class NestWatches:
         """Dir `name` appeared in the watched dir `parent`: watch it if it is the engine's, and
         list it (`fresh`: its files were stored just now)."""
         nesting = parent.fmt.nesting
-        if nesting is None or not nesting.dir_ok(parent.level, name):
+        path = f"{parent.path}{name}/"
+        if nesting is None or not nesting.dir_ok(parent.level, name) or self.watched(parent, path):
             return
         layout = self.watcher.layout
         rel = f"ns/{parent.ns_id}/{parent.path}{name}"
@@ -64,19 +65,24 @@ class NestWatches:
                 pass
         except (OSError, UnsafePathError):
             return  # gone already, or a link: never watched through
-        child = replace(parent, path=f"{parent.path}{name}/", level=parent.level + 1, wd=-1,
-                        dead=False, seen={})  # fmt: skip
+        child = replace(parent, path=path, level=parent.level + 1, wd=-1, dead=False, seen={})
         with self._lock:  # its creation event and its parent's listing may both get here
-            subs = self._subs.setdefault(parent.ns_id, {})
-            old = subs.get(child.path)
-            if old is not None and not old.dead:
+            if self._watched(parent.ns_id, path):
                 return  # a second callback on one watch would count every event twice
-            subs[child.path] = child
+            self._subs.setdefault(parent.ns_id, {})[path] = child
         if not self.watcher.add(child, layout.root / rel):
             with self._lock:
                 self._subs.get(parent.ns_id, {}).pop(child.path, None)
             return
         self.below(child, fresh=fresh)
+
+    def watched(self, parent: Any, path: str) -> bool:
+        with self._lock:
+            return self._watched(parent.ns_id, path)
+
+    def _watched(self, ns_id: str, path: str) -> bool:
+        cb = self._subs.get(ns_id, {}).get(path)
+        return cb is not None and not cb.dead
 
     def below(self, cb: Any, *, fresh: bool) -> None:
         """Watch the engine's dirs already in `cb`'s dir; in a fresh leaf, count its pages."""

@@ -210,7 +210,10 @@ class Watcher:
         with self._lock:
             current = self._watches.get(ns_id)
         if current is not None and not current.dead and current.fmt is fmt:
-            return True  # a second callback on the same watch would count every event twice
+            # A second callback on the same watch would count every event twice; a top dir
+            # vouched for since (its identity file written late) is watched now.
+            self.nest.below(current, fresh=False)
+            return True
         cb = _DirWatch(ns_id, self, fmt)
         if not self.add(cb, self.layout.ns_dir(ns_id)):
             return False
