@@ -1,7 +1,7 @@
 """Scan and eviction over N vLLM block files in hashed subdirs (vLLM 0.33.0's fs tier layout,
 docs/vllm-notes.md) vs `du -sb` and `rm -rf`.
 
-usage: python bench/bench_vllm.py [N=1000000] [rounds=2] [workdir=bench/out/vllm]
+usage: python bench/bench_vllm.py [N=1000000] [rounds=2] [workdir=bench/out/vllm] [scan-only]
 
 The tree: one vLLM namespace, `<model>_<digest12>/config.json` and N files of 1 KiB at
 `<model>_<digest12>_r0/<h[0:3]>/<h[3:5]>_g0/<h>.bin` (h: 64 hex digits of sha256(i)), i.e.
@@ -98,6 +98,9 @@ def main() -> None:
         med = statistics.median(times)
         print(f"| {name} | {med:.2f} | {n / med:,.0f} | {statistics.median(du) / med:.2f}× |")
 
+    if sys.argv[4:] == ["scan-only"]:
+        shutil.rmtree(work, ignore_errors=True)
+        return
     names = [f.name for f in list_files(layout, f"ns/{NS}", PAGES, VLLM_FS_TIER)]
     rm, gc = [], []
     for r in range(rounds):
