@@ -83,6 +83,10 @@ def test_scan_and_listing_see_the_blocks_in_vouched_hashed_dirs_only(tmp_path: P
     linked = blocks[1][: -len(key(1)) - 4] + key(1)[:5] + "0" * 59 + ".bin"
     os.symlink(outside / blocks[1], ns_dir / linked)
 
+    # a level-1 name one level down (the scanner remembers each level's verdicts apart)
+    hhh = blocks[2].split("/")[1]
+    (ns_dir / f"{folder}_r0" / hhh / hhh).mkdir()
+    (ns_dir / f"{folder}_r0" / hhh / hhh / (key(2) + ".bin")).write_bytes(b"m")
     usage = scan_usage(layout, f"ns/{NS}", FMT)
     assert usage is not None
     assert (usage.pages, usage.files, usage.bytes) == (40, 40, 40 * 4096)

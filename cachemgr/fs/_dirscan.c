@@ -82,6 +82,15 @@ typedef struct {
 } Groups;
 
 enum prefix { PLAIN = 0, PAGE_KEY = 1, TEMP_KEY = 2 };
+
+#define VERDICTS 16384 /* cached dir_ok answers: 4096 + 256·groups names in vLLM's layout */
+typedef struct {
+    uint64_t hash; /* 0: a free slot */
+    int level;
+    int8_t ok;
+    uint8_t len;
+    char name[256];
+} Verdict;
 enum { PAGE = 1 }; /* cachemgr.backends.FileKind.PAGE */
 
 /* The format's shape rules, and the shape prefix each rule puts in place of what it replaces. */
@@ -333,6 +342,8 @@ typedef struct {
     int threads, levels;
     PyObject *kind_of;   /* shape -> FileKind, called with the GIL */
     PyObject *dir_ok;    /* (level, name) -> bool for the dirs above the files; NULL: no levels */
+    Verdict *verdicts;   /* dir_ok's answers so far, VERDICTS slots (NULL: none kept) */
+    size_t nverdicts;
     Ent *cur, *next;     /* the chunk being stat'ed and the one being read */
     char path[PATH_MAX_LEN]; /* the current dir below the scanned one, '/'-terminated */
     size_t path_len;
@@ -443,13 +454,26 @@ static void walk(int dirfd, Totals *tot) {
     closedir(dir);
 }
 
-/* dir_ok(level, name), with the GIL: 1 keep, 0 skip, -1 it raised. */
+/* dir_ok(level, name), with the GIL: 1 keep, 0 skip, -1 it raised. A hashed layout repeats
+ * a few thousand dir names across a million dirs, so each (level, name) is asked once. */
 static int dir_ok(Totals *tot, int level, const char *name, size_t len) {
+    uint64_t h = mix(fnv(name, len, FNV_SEED + (uint64_t)level)) | 1;
+    size_t j = h & (VERDICTS - 1);
+    for (Verdict *v; tot->verdicts && (v = &tot->verdicts[j])->hash; j = (j + 1) & (VERDICTS - 1)) {
+        if (v->hash == h && v->level == level && v->len == len && !memcmp(v->name, name, len))
+            return v->ok;
+    }
     PyEval_RestoreThread(tot->save);
     PyObject *ok = PyObject_CallFunction(tot->dir_ok, "iy#", level, name, (Py_ssize_t)len);
     int r = ok ? PyObject_IsTrue(ok) : -1;
     Py_XDECREF(ok);
     tot->save = PyEval_SaveThread();
+    if (r >= 0 && tot->verdicts && tot->nverdicts * 2 < VERDICTS && len < 256) {
+        Verdict *v = &tot->verdicts[j];
+        *v = (Verdict){.hash = h, .level = level, .ok = (int8_t)r, .len = (uint8_t)len};
+        memcpy(v->name, name, len);
+        tot->nverdicts++;
+    }
     return r;
 }
 
@@ -587,6 +611,7 @@ static PyObject *scan(PyObject *Py_UNUSED(self), PyObject *args) {
     tot.dir_ok = levels ? ok : NULL;
     tot.cur = malloc(CHUNK * sizeof *tot.cur);
     tot.next = malloc(CHUNK * sizeof *tot.next);
+    tot.verdicts = levels ? calloc(VERDICTS, sizeof *tot.verdicts) : NULL; /* NULL: uncached */
     tot.save = PyEval_SaveThread();
     int fd = fcntl(dirfd, F_DUPFD_CLOEXEC, 0); /* closedir() closes it; the caller keeps dirfd */
     if (fd < 0)
@@ -599,6 +624,7 @@ static PyObject *scan(PyObject *Py_UNUSED(self), PyObject *args) {
     PyEval_RestoreThread(tot.save);
     free(tot.cur);
     free(tot.next);
+    free(tot.verdicts);
     free(tot.keys.slots);
     if (tot.err || tot.py_err) {
         groups_free(&tot.groups);
