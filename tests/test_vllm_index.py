@@ -39,6 +39,9 @@ def test_blocks_stored_in_new_hashed_dirs_and_loaded_are_each_counted_once(
         blocks = [block_path(folder, key(i)) for i in range(300)]
         for rel in blocks:
             vllm_store(d, rel, SIZE)
+        # A load comes after the store was seen (a read in a dir whose watch the inotify
+        # thread has not added yet is not seen: docs/daemon.md).
+        wait_for(lambda: ns_stats(reader, ns), lambda s: s == (301, 301 * SIZE, 0, 300))
         for rel in [*blocks[:120], old]:
             assert vllm_load(d, rel) == SIZE
         wait_for(lambda: ns_stats(reader, ns), lambda s: s == (301, 301 * SIZE, 121, 300))
