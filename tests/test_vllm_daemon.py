@@ -48,17 +48,6 @@ def on_disk(ns_dir: Path) -> list[Path]:
 def test_metrics_count_the_blocks_vllm_stored_and_loaded(vllm: VllmDriver, tmp_path: Path) -> None:
     layout, ns_dir = vllm_root(tmp_path)
     with running_daemon(settings(layout)) as dm:
-        tier = vllm.open(ns_dir, block_tokens=16, dtype="bfloat16", slots=128)["handle"]
-        try:
-            stored = [vllm.call("store", handle=tier, tokens=blocks(s, 12), tag="a")["stored"]
-                      for s in range(5)]  # fmt: skip
-            again = vllm.call("store", handle=tier, tokens=blocks(0, 12), tag="a")  # skipped
-            loaded = [vllm.call("load", handle=tier, tokens=blocks(s, 12), tag="a", req=f"r{s}")
-                      for s in (1, 3)]  # fmt: skip
-        finally:
-            vllm.call("close", handle=tier)
-        assert stored == [12] * 5 and again["skipped"] == 12
-        assert [(r["loaded"], r["correct"]) for r in loaded] == [(12, 12)] * 2
 
         def counts() -> tuple[float | None, ...]:
             text = dm.get("/metrics").text
@@ -66,6 +55,19 @@ def test_metrics_count_the_blocks_vllm_stored_and_loaded(vllm: VllmDriver, tmp_p
                 "cachemgr_page_writes_total", "cachemgr_page_reads_total",
                 "cachemgr_namespace_pages", "cachemgr_namespace_bytes"))  # fmt: skip
 
+        tier = vllm.open(ns_dir, block_tokens=16, dtype="bfloat16", slots=128)["handle"]
+        try:
+            stored = [vllm.call("store", handle=tier, tokens=blocks(s, 12), tag="a")["stored"]
+                      for s in range(5)]  # fmt: skip
+            again = vllm.call("store", handle=tier, tokens=blocks(0, 12), tag="a")  # skipped
+            # (a server loads a block long after its store: its dir is watched by then)
+            wait_for(counts, lambda c: c == (60, 0, 60, 60 * BLOCK), timeout=30, what="stores")
+            loaded = [vllm.call("load", handle=tier, tokens=blocks(s, 12), tag="a", req=f"r{s}")
+                      for s in (1, 3)]  # fmt: skip
+        finally:
+            vllm.call("close", handle=tier)
+        assert stored == [12] * 5 and again["skipped"] == 12
+        assert [(r["loaded"], r["correct"]) for r in loaded] == [(12, 12)] * 2
         wait_for(counts, lambda c: c == (60, 24, 60, 60 * BLOCK), timeout=30, what="metrics")
         info = dm.namespaces()[NS]
         assert info["engine"] == "vllm"
