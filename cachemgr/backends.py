@@ -12,12 +12,18 @@ build on:
 * every file of one logical page shares that key, and only those do (extra memory pools, tensor-
   parallel ranks: a page is usable only while all of them are on disk), so the page is the group
   of files with one key: it is counted once and evicted whole.
+
+A format whose page files sit in subdirectories of the namespace dir (vLLM's hashed dirs) says
+so in its `Nesting`: the dir names of each level and which top-level dirs are the engine's own.
+Such a page is then named by its path below the namespace dir ("a_r0/0f3/a1_g0/<hash>.bin");
+its key is that whole path: one file is one page, and the dirs are part of its name.
 """
 
 from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -46,6 +52,27 @@ class ScanRules:
 
 
 @dataclass(frozen=True)
+class Nesting:
+    """The dirs between a namespace dir and the page files: one name pattern per level.
+
+    A top-level dir is the engine's only if an identity file vouches for it: `owner` names the
+    sibling dir that holds `identity_file` for a top-level dir name, and `vouches(owner, bytes)`
+    says whether that file's content is the one that names `owner`. Anything else (a dir a
+    person made, one whose identity file is missing, partial or another's) is foreign: nothing
+    in it is counted as a page or ever deleted.
+    """
+
+    levels: tuple[re.Pattern[str], ...]
+    owner: Callable[[str], str]
+    identity_file: str
+    vouches: Callable[[str, bytes], bool]
+
+    def dir_ok(self, level: int, name: str) -> bool:
+        """Whether a dir name fits `level` (the top level's vouching is the caller's)."""
+        return self.levels[level].fullmatch(name) is not None
+
+
+@dataclass(frozen=True)
 class FileFormat:
     """One engine's naming of the files in a storage directory."""
 
@@ -56,6 +83,22 @@ class FileFormat:
     # a million-name dir without a regex per name (that held the GIL ~1.5 s).
     page_suffix: str
     scan: ScanRules
+    nesting: Nesting | None = None  # None: the page files sit in the namespace dir itself
+
+    def split(self, path: str) -> tuple[str, str] | None:
+        """(dirs, file name) of a path below a namespace dir whose dirs fit the nesting (each
+        level's pattern, nothing more, nothing less); None for any other path."""
+        dirs, _, name = path.rpartition("/")
+        parts = dirs.split("/") if dirs else []
+        levels = self.nesting.levels if self.nesting else ()
+        if len(parts) != len(levels) or not all(map(re.Pattern.fullmatch, levels, parts)):
+            return None
+        return dirs, name
+
+    def classify_path(self, path: str) -> FileKind:
+        """What a path below a namespace dir is: its name's kind if its dirs fit the nesting."""
+        where = self.split(path)
+        return FileKind.FOREIGN if where is None else self.classify(where[1])
 
     def classify(self, name: str) -> FileKind:
         """What `name` is. Pages first: nearly every name is one, and the patterns are disjoint."""

@@ -28,6 +28,7 @@ LAYERS: list[set[str]] = [
         "backends",
         "sglang",
         "vllm",
+        "engines",
         "settings",
         "logs",
         "units",

@@ -400,7 +400,7 @@ def test_alerts_fire_on_the_daemons_real_series(scrapes: Live, tmp_path: Path) -
             "CachemgrCacheWriteOnly",
             {pages: "100+10x90", reads: "0x90"},
             "70m",
-            [expect("CachemgrCacheWriteOnly", ns)],
+            [expect("CachemgrCacheWriteOnly", {**ns, "engine": "sglang"})],
         ),
         alert_test("CachemgrCacheWriteOnly", {pages: "100+10x90", reads: "0+1x90"}, "70m", []),
         # A day of 75% hits, then none for 5 hours while writes go on: collapsed, unless purged.

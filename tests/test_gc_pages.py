@@ -176,7 +176,13 @@ def test_ls_status_and_metrics_count_pages_not_files(layout: Layout) -> None:
         scan_namespace(layout, store, NS)
         reg = CollectorRegistry(auto_describe=False)
         reg.register(CachemgrCollector(layout, lambda: nullcontext(store.conn)))
-        assert reg.get_sample_value("cachemgr_namespace_pages", {"namespace": NS}) == 3
-        assert reg.get_sample_value("cachemgr_namespace_bytes", {"namespace": NS}) == 120
+        assert (
+            reg.get_sample_value("cachemgr_namespace_pages", {"namespace": NS, "engine": "sglang"})
+            == 3
+        )
+        assert (
+            reg.get_sample_value("cachemgr_namespace_bytes", {"namespace": NS, "engine": "sglang"})
+            == 120
+        )
     finally:
         store.close()

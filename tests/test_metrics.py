@@ -51,10 +51,10 @@ def test_values_come_from_the_index_the_audit_log_and_the_disk(layout: Layout) -
     state.ready.set()
     reg = registry_for(layout, store, state)
     v = reg.get_sample_value
-    assert v("cachemgr_namespace_pages", {"namespace": NS_A}) == 3
-    assert v("cachemgr_namespace_bytes", {"namespace": NS_A}) == 300
-    assert v("cachemgr_page_reads_total", {"namespace": NS_A}) == 5
-    assert v("cachemgr_page_writes_total", {"namespace": NS_A}) == 2
+    assert v("cachemgr_namespace_pages", {"namespace": NS_A, "engine": "sglang"}) == 3
+    assert v("cachemgr_namespace_bytes", {"namespace": NS_A, "engine": "sglang"}) == 300
+    assert v("cachemgr_page_reads_total", {"namespace": NS_A, "engine": "sglang"}) == 5
+    assert v("cachemgr_page_writes_total", {"namespace": NS_A, "engine": "sglang"}) == 2
     assert v("cachemgr_ready") == 1 and v("cachemgr_filesystem_avail_bytes") == 1000
     assert v("cachemgr_purges_total", {"reason": "manual"}) is None
     with store.transaction():

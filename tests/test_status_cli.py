@@ -26,8 +26,8 @@ from tests.daemon_helpers import (
 )
 from tests.nsfixtures import cli_process, one_line_error
 
-ALL_STATUS = ("namespace", "model", "kv dtype", "page", "instances", "pages", "size", "reads",
-              "writes", "hit ratio", "last write")  # fmt: skip
+ALL_STATUS = ("namespace", "engine", "model", "kv dtype", "page", "instances", "pages", "size",
+              "reads", "writes", "hit ratio", "last write")  # fmt: skip
 MUST_STAY = ("namespace", "pages", "size", "reads", "hit ratio")
 
 
@@ -94,7 +94,7 @@ def test_status_wide_shows_every_column_at_any_width(layout: Layout, columns: st
     assert f"gpu-{NS_A[:4]}-with-a-long-instance-name" in row, stdout
 
 
-ALL_LS = ("id", "instances", "model", "kv dtype", "page", "pages", "size", "created",
+ALL_LS = ("id", "instances", "engine", "model", "kv dtype", "page", "pages", "size", "created",
           "last active", "state")  # fmt: skip
 
 

@@ -21,7 +21,7 @@ from cachemgr.units import human_bytes
 @click.option("--wide", is_flag=True, help="Every column, however wide the table gets.")
 @pass_app
 def ls(app: AppContext, as_json: bool, wide: bool) -> None:
-    """List namespaces: id, instances, model, KV dtype, page size, pages, bytes, state."""
+    """List namespaces: id, instances, engine, model, KV dtype, page size, pages, bytes, state."""
     layout = existing_layout(app.settings)
     with reading_store(layout) as store:
         found = list_namespaces(layout, store)
@@ -38,14 +38,15 @@ def ls(app: AppContext, as_json: bool, wide: bool) -> None:
         click.echo(f"no namespaces under {layout.root}")
         return
     rows = [
-        {"id": n.ns_id, "instances": ", ".join(n.instances) or "-", "model": n.model or "?",
+        {"id": n.ns_id, "instances": ", ".join(n.instances) or "-", "engine": n.engine,
+         "model": n.model or "?",
          "kv dtype": n.kv_cache_dtype or "?", "page": str(n.page_size or "?"),
          "pages": f"{n.pages:,}", "size": human_bytes(n.bytes), "created": _when(n.created_at),
          "last active": _when(n.last_active_at),
          "state": n.state if n.problem is None else f"{n.state}: {n.problem}"}
         for n in found
     ] + [
-        {"id": t.name, "instances": "-", "model": "", "kv dtype": "", "page": "",
+        {"id": t.name, "instances": "-", "engine": "", "model": "", "kv dtype": "", "page": "",
          "pages": f"{t.pages:,}", "size": human_bytes(t.bytes), "created": "", "last active": "",
          "state": f"unsafe: {t.problem}" if t.problem
                   else t.left_for_a_person or "deleting (in .trash)"}
@@ -56,12 +57,13 @@ def ls(app: AppContext, as_json: bool, wide: bool) -> None:
 
 # id, pages, size and state always stay; instances, model and state fold first.
 COLUMNS = (
-    Column("id"), Column("instances", flexible=True), Column("model", flexible=True),
-    Column("kv dtype"), Column("page", right=True), Column("pages", right=True),
+    Column("id"), Column("instances", flexible=True), Column("engine"),
+    Column("model", flexible=True), Column("kv dtype"), Column("page", right=True),
+    Column("pages", right=True),
     Column("size", right=True), Column("created"), Column("last active"),
     Column("state", flexible=True),
 )  # fmt: skip
-DROP_ORDER = ("created", "page", "kv dtype", "last active", "instances", "model")
+DROP_ORDER = ("created", "page", "kv dtype", "last active", "engine", "instances", "model")
 
 
 def _when(ts: float | None) -> str:

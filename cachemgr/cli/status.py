@@ -55,18 +55,19 @@ def _ago(ts: float | None) -> str:
 # Left to right. namespace, pages, size, reads and hit ratio always stay; the flexible ones
 # shorten first, then the others go in DROP_ORDER while the table is wider than the output.
 COLUMNS = (
-    Column("namespace"), Column("model", flexible=True), Column("kv dtype"),
+    Column("namespace"), Column("engine"), Column("model", flexible=True), Column("kv dtype"),
     Column("page", right=True), Column("instances", flexible=True), Column("pages", right=True),
     Column("size", right=True), Column("reads", right=True), Column("writes", right=True),
     Column("hit ratio", right=True), Column("last write", right=True),
 )  # fmt: skip
-DROP_ORDER = ("kv dtype", "page", "last write", "instances", "model", "writes")
+DROP_ORDER = ("kv dtype", "page", "last write", "engine", "instances", "model", "writes")
 
 
 def _cells(ns: dict[str, Any]) -> dict[str, str]:
     ratio = ns.get("hit_ratio")
     return {
-        "namespace": ns["id"], "model": ns.get("model") or "?",
+        "namespace": ns["id"], "engine": ns.get("engine") or "sglang",
+        "model": ns.get("model") or "?",
         "kv dtype": ns.get("kv_cache_dtype") or "?", "page": str(ns.get("page_size") or "?"),
         "instances": ", ".join(ns.get("instances") or []) or "-", "pages": f"{ns['pages']:,}",
         "size": human_bytes(ns["bytes"]), "reads": f"{ns['page_reads']:,}",

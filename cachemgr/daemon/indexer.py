@@ -29,6 +29,7 @@ from cachemgr.fs.leadership import Leadership
 from cachemgr.gc.chains import ChainModel
 from cachemgr.layout import Layout
 from cachemgr.ns.registry import adopt_from_disk
+from cachemgr.sglang.hicache import HICACHE_FILE
 from cachemgr.state.index import BATCH, ScanReport, forget_namespace, scan_namespace, scan_root
 from cachemgr.state.store import Store
 from cachemgr.worker import DeathHandler, Worker
@@ -79,7 +80,7 @@ class Indexer(Worker):
         self.backlog = backlog if backlog is not None else StoreBacklog()  # stores not applied
         self.watcher = watcher if watcher is not None else Watcher(layout)
         self.watcher.on_store = self.backlog.stored
-        self.fmt = self.watcher.fmt  # what the names in a namespace dir mean
+        self.fmt = HICACHE_FILE  # key lengths of flat names (a nested page's key is its path)
         self.leadership = leadership  # None: this process alone indexes the root
         self.ready_marker = ready_marker  # exists while the leader's index is live
         self.follow_interval = max(batch_interval, 0.05)
@@ -288,7 +289,8 @@ class Indexer(Worker):
         if not self.watcher.watch(ns):
             return None
         try:
-            report = scan_namespace(self.layout, self.store, ns, now=self.clock, fmt=self.fmt)
+            fmt = self.watcher.format_of(ns)
+            report = scan_namespace(self.layout, self.store, ns, now=self.clock, fmt=fmt)
         except UnsafePathError as e:  # replaced by a symlink since it was watched
             log.error("namespace dir not scanned", extra={"namespace": ns, "error": str(e)})
             return None

@@ -32,7 +32,7 @@ from cachemgr.state.status import AuditTotal, AuditTotals
 from cachemgr.worker import Worker
 
 Reader = Callable[[], AbstractContextManager[sqlite3.Connection]]
-NS = ["namespace"]
+NS_ENGINE = ["namespace", "engine"]  # "sglang" or "vllm": which engine's cache it is
 
 # (name, help) of every metric, for docs/daemon.md and the deploy rules; keep in sync.
 METRICS: dict[str, str] = {
@@ -45,7 +45,7 @@ METRICS: dict[str, str] = {
     "cachemgr_namespace_bytes": "bytes of page files in the namespace",
     "cachemgr_page_reads_total": "page files read (L3 hits) since the daemon started",
     "cachemgr_page_writes_total": "page files stored (L3 misses filled) since the daemon started",
-    "cachemgr_namespace_temp_files": "SGLang temp files (.<uuid>.tmp) at the last scan",
+    "cachemgr_namespace_temp_files": "the engine's temp files (stores in progress or crashed)",
     "cachemgr_namespace_foreign_files": "neither page nor temp files, at the last scan",
     "cachemgr_namespace_corrupt_pages": "pages of an unusual size (truncated?), at the last scan",
     "cachemgr_evicted_pages_total": "pages evicted by GC, by reason (audit log)",
@@ -153,28 +153,30 @@ class CachemgrCollector(Collector):
             "cachemgr_namespace",
             METRICS["cachemgr_namespace_info"],
             # not `instance`: Prometheus's target label would rename it `exported_instance`
-            labels=["namespace", "server_instance", "model", "kv_cache_dtype", "page_size"],
+            labels=[*NS_ENGINE, "server_instance", "model", "kv_cache_dtype", "page_size"],
         )
         gauges = {
-            k: _gauge(f"cachemgr_namespace_{k}", NS)
+            k: _gauge(f"cachemgr_namespace_{k}", NS_ENGINE)
             for k in ("pages", "bytes", "temp_files", "foreign_files", "corrupt_pages")
         }
-        reads = _counter("cachemgr_page_reads_total", NS)
-        writes = _counter("cachemgr_page_writes_total", NS)
+        reads = _counter("cachemgr_page_reads_total", NS_ENGINE)
+        writes = _counter("cachemgr_page_writes_total", NS_ENGINE)
         live = self.index.counters if self.index is not None else {}
         for s in statuses:
             for inst in s.instances or ("",):
-                labels = [s.id, inst, s.model or "", s.kv_cache_dtype or "", str(s.page_size or "")]
+                labels = [s.id, s.engine, inst, s.model or "", s.kv_cache_dtype or "",
+                          str(s.page_size or "")]  # fmt: skip
                 info.add_metric(labels, {})
             values = {
                 "pages": s.pages, "bytes": s.bytes, "temp_files": s.temp_files,
                 "foreign_files": s.foreign_files, "corrupt_pages": s.corrupt_files,
             }  # fmt: skip
+            ids = [s.id, s.engine]
             for k, v in values.items():
-                gauges[k].add_metric([s.id], v)
+                gauges[k].add_metric(ids, v)
             c = live.get(s.id)
-            reads.add_metric([s.id], c.reads if c else 0)
-            writes.add_metric([s.id], c.writes if c else 0)
+            reads.add_metric(ids, c.reads if c else 0)
+            writes.add_metric(ids, c.writes if c else 0)
         yield info
         yield from gauges.values()
         yield reads

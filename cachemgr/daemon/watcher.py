@@ -10,7 +10,12 @@ matter are asked of the kernel:
 * IN_MOVED_TO a page        a page store (SGLang writes a temp file, then os.replace)
 * IN_CLOSE_NOWRITE a page   a page read (one per read; IN_OPEN would only double the work)
 * IN_DELETE / IN_MOVED_FROM a page deleted or moved away
-* on <root>/ns: a namespace dir created, moved in, moved away or deleted
+* on <root>/ns: a namespace dir created, moved in, moved away or deleted, and a manifest
+  written (its engine may make the dir a nested one)
+
+A nested format (vLLM's hashed dirs, cachemgr.backends.Nesting) gets a watch on every dir of
+the tree (cachemgr.daemon.nestwatch): inotify is not recursive, and the engine makes its dirs
+on the fly, each just before a file is stored in it.
 
 A kernel queue overflow (IN_Q_OVERFLOW, which watchdog only logs) becomes an OVERFLOW event so
 the index rescans instead of drifting silently.
@@ -26,6 +31,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
+from pathlib import Path
 
 from watchdog.observers.inotify_c import (
     CallbackId,
@@ -37,13 +43,15 @@ from watchdog.observers.inotify_c import (
 )
 
 from cachemgr.backends import FileFormat
+from cachemgr.daemon.nestwatch import NestWatches
 from cachemgr.layout import NS_ID_RE, Layout
-from cachemgr.sglang.hicache import HICACHE_FILE
+from cachemgr.ns.manifest import format_of
 
 log = logging.getLogger(__name__)
 C = InotifyConstants
 _NS_MASK = Mask(C.IN_MOVED_TO | C.IN_MOVED_FROM | C.IN_DELETE | C.IN_CLOSE_NOWRITE)
 _ROOT_MASK = Mask(C.IN_CREATE | C.IN_MOVED_TO | C.IN_MOVED_FROM | C.IN_DELETE)
+_TREE_MASK = Mask(C.IN_CREATE | C.IN_MOVED_TO)  # a dir above a nested format's files
 _FLAGS = Mask(C.IN_ONLYDIR | C.IN_DONT_FOLLOW)
 ACCESSES = 1 << 16  # page reads and stores remembered for GC (a run's worth at full speed)
 
@@ -57,35 +65,54 @@ class Kind(IntEnum):
     OVERFLOW = 6
 
 
-# (kind, namespace id, file name, time.monotonic() when seen)
+# (kind, namespace id, file name (a path below the namespace dir), time.monotonic() when seen)
 Event = tuple[Kind, str, str, float]
+# How long a page a new dir's listing found hides the rename event the kernel may still hold
+# for it (the file was stored between the watch and the listing): counted once, not twice.
+SEEN_FOR = 5.0
 
 
 @dataclass(eq=False)
-class _NamespaceWatch:
-    """The callback of one namespace dir's watch; dead once the dir was moved or deleted."""
+class _DirWatch:
+    """The callback of one watched dir of a namespace: the namespace dir itself, or (nested
+    format) one of its dirs `path` below it at `level`; dead once moved or deleted."""
 
     ns_id: str
-    emit: Callable[[Event], None]
-    clock: Callable[[], float]
+    watcher: Watcher
     fmt: FileFormat
+    path: str = ""  # "" or "<dir>/.../" below the namespace dir
+    level: int = 0  # of the dirs its entries are: 0 in the namespace dir
     wd: int = -1
     dead: bool = False
+    seen: dict[str, float] = field(default_factory=dict)  # found by listing a new dir
+
+    @property
+    def leaf(self) -> bool:
+        """Whether page files sit here (not a dir above them)."""
+        return self.level == (len(self.fmt.nesting.levels) if self.fmt.nesting else 0)
 
     def on_event(self, event: InotifyEvent) -> None:
-        mask, name = event.mask, event.name
-        if self.dead or mask & C.IN_ISDIR:
+        mask, name = event.mask, os.fsdecode(event.name)
+        if self.dead:
             return
-        page = os.fsdecode(name)
-        if not page.endswith(self.fmt.page_suffix) or self.fmt.key_len(page) is None:
+        if mask & C.IN_ISDIR:
+            if not self.leaf and mask & (C.IN_CREATE | C.IN_MOVED_TO):
+                self.watcher.nest.added(self, name)
+            return
+        if not self.leaf:
+            return
+        if not name.endswith(self.fmt.page_suffix) or self.fmt.key_len(name) is None:
             return  # a temp renamed away, "notes.bin", a non-UTF-8 name: never in the index
+        now = self.watcher.clock()
         if mask & C.IN_CLOSE_NOWRITE:
             kind = Kind.READ
         elif mask & C.IN_MOVED_TO:
             kind = Kind.WRITE
+            if self.seen and self.seen.pop(name, -SEEN_FOR) > now - SEEN_FOR:
+                return  # the listing of this new dir counted it already
         else:
             kind = Kind.GONE
-        self.emit((kind, self.ns_id, page, self.clock()))
+        self.watcher.emit((kind, self.ns_id, self.path + name, now))
 
     def on_watch_deleted(self, wd: WatchDescriptor) -> None:
         self.dead = True
@@ -101,9 +128,14 @@ class _RootWatch:
     watcher: Watcher
 
     def on_event(self, event: InotifyEvent) -> None:
-        if not event.mask & C.IN_ISDIR:
-            return  # manifests and their temp files
         name = os.fsdecode(event.name)
+        if not event.mask & C.IN_ISDIR:
+            stem, _, ext = name.partition(".")
+            if event.mask & C.IN_MOVED_TO and ext == "json" and self.watcher.has(stem):
+                # a new namespace's manifest: the engine may be another, and what its dirs hold
+                # was stored since the dir was made
+                self.watcher.watch(stem, fresh=True)
+            return
         if not NS_ID_RE.fullmatch(name):
             return
         if event.mask & (C.IN_CREATE | C.IN_MOVED_TO):
@@ -132,7 +164,8 @@ class Watcher:
     layout: Layout
     queue: deque[Event] = field(default_factory=deque)
     clock: Callable[[], float] = time.monotonic
-    fmt: FileFormat = HICACHE_FILE
+    # which format a namespace's dir follows; read again when its manifest is written
+    formats: Callable[[Layout, str], FileFormat] = format_of
     on_store: Callable[[], None] = lambda: None  # on the inotify thread, for each page store
     # The latest page reads and stores as (namespace, name), and how many there were: what
     # GC asks before each chunk it deletes (cachemgr.daemon.backlog.Flight).
@@ -142,8 +175,12 @@ class Watcher:
     accessed: int = field(default=0, init=False)
     running: bool = field(default=False, init=False)
     _fd: InotifyFD | None = field(default=None, init=False)
-    _watches: dict[str, _NamespaceWatch] = field(default_factory=dict, init=False)
+    _watches: dict[str, _DirWatch] = field(default_factory=dict, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    nest: NestWatches = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.nest = NestWatches(self)
 
     def emit(self, event: Event) -> None:
         kind = event[0]
@@ -171,26 +208,50 @@ class Watcher:
             self._fd.join()
             self._fd = None
 
-    def watch(self, ns_id: str) -> bool:
-        """Start watching a namespace dir; False if it is gone. Call before scanning it."""
+    def format_of(self, ns_id: str) -> FileFormat:
+        return self.formats(self.layout, ns_id)
+
+    def has(self, ns_id: str) -> bool:
+        with self._lock:
+            return ns_id in self._watches
+
+    def watch(self, ns_id: str, *, fresh: bool = False) -> bool:
+        """Start watching a namespace dir (and, nested, every dir in it); False if it is gone.
+        Call before scanning it. Watched already with the format it has: nothing to do.
+        `fresh`: the pages found in its dirs were just stored (counted as writes)."""
         assert self._fd is not None, "start() first"
+        fmt = self.format_of(ns_id)
         with self._lock:
             current = self._watches.get(ns_id)
-        if current is not None and not current.dead:
-            return True  # a second callback on the same watch would count every event twice
-        cb = _NamespaceWatch(ns_id, self.emit, self.clock, self.fmt)
-        path = os.fsencode(self.layout.ns_dir(ns_id))
-        try:
-            cb.wd = self._fd.add_callback(path, Mask(_NS_MASK | _FLAGS), cb, CallbackId(id(cb)))
-        except OSError as e:
-            if e.errno == 28:  # ENOSPC from inotify_add_watch: fs.inotify.max_user_watches
-                log.error("inotify watch limit reached", extra={"sysctl": "max_user_watches"})
+        if current is not None and not current.dead and current.fmt is fmt:
+            # A second callback on the same watch would count every event twice; a top dir
+            # vouched for since (its identity file written late) is watched now.
+            self.nest.below(current, fresh=False)
+            return True
+        cb = _DirWatch(ns_id, self, fmt)
+        if not self.add(cb, self.layout.ns_dir(ns_id)):
             return False
         with self._lock:
             old = self._watches.pop(ns_id, None)
             self._watches[ns_id] = cb
         if old is not None:
             self._remove(old)
+        self.nest.drop(ns_id)
+        self.nest.below(cb, fresh=fresh)
+        return True
+
+    def add(self, cb: _DirWatch, path: Path) -> bool:
+        """Add the kernel watch of `cb` on `path`; False if that dir is gone or no watch is
+        left (fs.inotify.max_user_watches, logged)."""
+        assert self._fd is not None, "start() first"
+        mask = _NS_MASK if cb.leaf else _TREE_MASK
+        try:
+            cb.wd = self._fd.add_callback(os.fsencode(path), Mask(mask | _FLAGS), cb,
+                                          CallbackId(id(cb)))  # fmt: skip
+        except OSError as e:
+            if e.errno == 28:  # ENOSPC from inotify_add_watch: fs.inotify.max_user_watches
+                log.error("inotify watch limit reached", extra={"sysctl": "max_user_watches"})
+            return False
         return True
 
     def unwatch(self, ns_id: str) -> None:
@@ -200,6 +261,7 @@ class Watcher:
         if cb is not None:
             cb.dead = True
             self._remove(cb)
+        self.nest.drop(ns_id)
 
     def mark_gone(self, ns_id: str) -> None:
         """Called on the inotify thread when a namespace dir leaves <root>/ns."""
@@ -208,8 +270,9 @@ class Watcher:
             if cb is not None:
                 # Later events of that watch describe the dir in .trash/, not the namespace.
                 cb.dead = True
+        self.nest.kill(ns_id)
         self.emit((Kind.NS_GONE, ns_id, "", self.clock()))
 
-    def _remove(self, cb: _NamespaceWatch) -> None:
+    def _remove(self, cb: _DirWatch) -> None:
         if self._fd is not None and cb.wd >= 0:
             self._fd.remove_callbacks([(WatchDescriptor(cb.wd), CallbackId(id(cb)))])

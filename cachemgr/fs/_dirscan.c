@@ -15,6 +15,12 @@
  * verdict of a name and of its shape are the same. Files of one page share its key, so the
  * pages are the distinct keys among files whose shape is a page's (a set of 64-bit key hashes).
  *
+ * Nested layouts (vLLM's hashed dirs): with `levels` > 0 the files are `levels` directories
+ * below `dir_fd`; each subdirectory is kept only if dir_ok(level, name) says so (with the GIL)
+ * and is opened with O_NOFOLLOW|O_DIRECTORY from its parent's descriptor, never through a link.
+ * Everything else at the upper levels counts as `other`. A file's digest and page key are then
+ * those of its path below `dir_fd` ("a_r0/0f3/a1_g0/<hash>.bin"), as the index names it.
+ *
  * Safety: the caller opens the directory (cachemgr.fs.deletion.open_dir: no symlink on the way);
  * entries are stat'ed with AT_SYMLINK_NOFOLLOW; nothing is opened, written or deleted.
  */
@@ -35,6 +41,9 @@
 #define MAX_THREADS 16
 #define MAX_SIZES 1024    /* distinct sizes tracked per group; more go to `untracked` */
 #define RULE_MAX 128 /* longest key_min or temp_hex accepted (Ent.skip is 8 bits) */
+#define SMALL 256    /* a dir with fewer entries is stat'ed on the calling thread */
+#define MAX_LEVELS 8
+#define PATH_MAX_LEN 4096
 
 enum kind { GONE = 0, REGULAR = 1, OTHER = 2 };
 
@@ -73,6 +82,15 @@ typedef struct {
 } Groups;
 
 enum prefix { PLAIN = 0, PAGE_KEY = 1, TEMP_KEY = 2 };
+
+#define VERDICTS 16384 /* cached dir_ok answers: 4096 + 256·groups names in vLLM's layout */
+typedef struct {
+    uint64_t hash; /* 0: a free slot */
+    int level;
+    int8_t ok;
+    uint8_t len;
+    char name[256];
+} Verdict;
 enum { PAGE = 1 }; /* cachemgr.backends.FileKind.PAGE */
 
 /* The format's shape rules, and the shape prefix each rule puts in place of what it replaces. */
@@ -103,8 +121,8 @@ static uint64_t fnv(const char *s, size_t n, uint64_t h) {
 
 /* The digest of one (page name, size): XOR-summed per namespace by the scan and, through
  * page_digest(), by the state DB's triggers; equal digests mean the index matches the dir. */
-static uint64_t page_digest(const char *name, size_t len, int64_t size) {
-    return mix(fnv(name, len, FNV_SEED) ^ mix((uint64_t)size + 0x9e3779b97f4a7c15ULL));
+static uint64_t page_digest(uint64_t seed, const char *name, size_t len, int64_t size) {
+    return mix(fnv(name, len, seed) ^ mix((uint64_t)size + 0x9e3779b97f4a7c15ULL));
 }
 
 static size_t hex_run(const char *s, size_t n) {
@@ -115,7 +133,7 @@ static size_t hex_run(const char *s, size_t n) {
 }
 
 /* A name's shape: prefix[prefix] + name[skip:]; and the hash of its page key. */
-static void shape_of(const Rules *r, Ent *e) {
+static void shape_of(const Rules *r, uint64_t seed, Ent *e) {
     size_t hex = hex_run(e->name, e->len);
     e->prefix = PLAIN, e->skip = 0;
     if (hex >= r->key_min && hex <= r->key_max) {
@@ -125,7 +143,7 @@ static void shape_of(const Rules *r, Ent *e) {
     }
     uint64_t h = fnv(r->prefix[e->prefix], r->prefix_len[e->prefix], FNV_SEED);
     e->shape_hash = mix(fnv(e->name + e->skip, e->len - e->skip, h));
-    e->key_hash = mix(fnv(e->name, e->prefix == PAGE_KEY ? hex : e->len, FNV_SEED));
+    e->key_hash = mix(fnv(e->name, e->prefix == PAGE_KEY ? hex : e->len, seed));
 }
 
 static int shape_equals(const Rules *r, const Group *x, const Ent *e) {
@@ -264,6 +282,7 @@ static void group_add(Group *x, const Ent *e) {
 typedef struct {
     int dirfd;
     const Rules *rules;
+    uint64_t seed; /* fnv of the dir's path below the scanned dir: names hash as full paths */
     Ent *ents;
     size_t n, first, step;
 } Job;
@@ -285,8 +304,8 @@ static void *stat_slice(void *arg) {
         e->kind = S_ISREG(st.st_mode) ? REGULAR : OTHER;
         e->size = st.st_size;
         if (e->kind == REGULAR) {
-            e->digest = page_digest(e->name, e->len, e->size);
-            shape_of(job->rules, e);
+            e->digest = page_digest(job->seed, e->name, e->len, e->size);
+            shape_of(job->rules, job->seed, e);
         }
     }
     return NULL;
@@ -299,11 +318,14 @@ typedef struct {
 } Crew;
 
 /* Start `threads` threads on ents[0..n); a thread that cannot start is run at join time. */
-static void crew_start(Crew *c, int dirfd, const Rules *r, Ent *ents, size_t n, int threads) {
+static void crew_start(Crew *c, int dirfd, const Rules *r, uint64_t seed, Ent *ents, size_t n,
+                       int threads) {
     c->started = 0;
     for (int t = 0; t < threads; t++) {
-        c->jobs[t] = (Job){dirfd, r, ents, n, (size_t)t, (size_t)threads};
-        if (c->started == t && pthread_create(&c->tid[t], NULL, stat_slice, &c->jobs[t]) == 0)
+        c->jobs[t] = (Job){dirfd, r, seed, ents, n, (size_t)t, (size_t)threads};
+        /* a small dir is not worth a thread: the join runs it here */
+        if (n >= SMALL && c->started == t &&
+            pthread_create(&c->tid[t], NULL, stat_slice, &c->jobs[t]) == 0)
             c->started++;
     }
 }
@@ -317,7 +339,14 @@ static void crew_join(Crew *c, int threads) {
 
 typedef struct {
     Rules rules;
+    int threads, levels;
     PyObject *kind_of;   /* shape -> FileKind, called with the GIL */
+    PyObject *dir_ok;    /* (level, name) -> bool for the dirs above the files; NULL: no levels */
+    Verdict *verdicts;   /* dir_ok's answers so far, VERDICTS slots (NULL: none kept) */
+    size_t nverdicts;
+    Ent *cur, *next;     /* the chunk being stat'ed and the one being read */
+    char path[PATH_MAX_LEN]; /* the current dir below the scanned one, '/'-terminated */
+    size_t path_len;
     PyThreadState *save; /* this thread's state while the GIL is released */
     Groups groups;
     KeySet keys; /* of the page files seen */
@@ -340,19 +369,27 @@ static void classify(Group *x, Totals *tot) {
     x->kind = (int)k;
 }
 
-/* Read up to CHUNK entries into `ents`; returns how many, 0 at the end. */
-static size_t read_chunk(DIR *dir, Ent *ents, Totals *tot) {
-    size_t n = 0;
-    while (n < CHUNK && !tot->err && !tot->py_err) {
+/* The next entry of `dir` but "." and ".."; NULL at the end or on an error (in tot->err). */
+static struct dirent *next_entry(DIR *dir, Totals *tot) {
+    for (;;) {
         errno = 0;
         struct dirent *d = readdir(dir);
         if (!d) {
             tot->err = errno;
-            break;
+            return NULL;
         }
         const char *s = d->d_name;
-        if (s[0] == '.' && (!s[1] || (s[1] == '.' && !s[2])))
-            continue;
+        if (!(s[0] == '.' && (!s[1] || (s[1] == '.' && !s[2]))))
+            return d;
+    }
+}
+
+/* Read up to CHUNK entries into `ents`; returns how many, 0 at the end. */
+static size_t read_chunk(DIR *dir, Ent *ents, Totals *tot) {
+    size_t n = 0;
+    struct dirent *d;
+    while (n < CHUNK && !tot->err && !tot->py_err && (d = next_entry(dir, tot))) {
+        const char *s = d->d_name;
         size_t len = strlen(s);
         if (len > 255) { /* longer than NAME_MAX: no name cachemgr knows */
             tot->other++;
@@ -391,35 +428,110 @@ static void tally(Ent *ents, size_t n, Totals *tot) {
     }
 }
 
-/* Walk `dirfd`, reading the next chunk of names while the threads stat the current one; runs
- * without the GIL (but for classify()). Takes ownership of dirfd. */
-static void walk(int dirfd, int threads, Totals *tot) {
+/* Walk the files of `dirfd`, reading the next chunk of names while the threads stat the
+ * current one; runs without the GIL (but for classify()). Takes ownership of dirfd. */
+static void walk(int dirfd, Totals *tot) {
     DIR *dir = fdopendir(dirfd);
     if (!dir) {
         tot->err = errno;
         close(dirfd);
         return;
     }
-    rewinddir(dir); /* the descriptor is a dup: start at the top whatever its offset */
-    Ent *cur = malloc(CHUNK * sizeof *cur), *next = malloc(CHUNK * sizeof *next);
-    if (!cur || !next) {
-        tot->err = ENOMEM;
-    } else {
-        size_t n = read_chunk(dir, cur, tot);
-        while (n) {
-            Crew crew;
-            crew_start(&crew, dirfd, &tot->rules, cur, n, threads);
-            size_t m = read_chunk(dir, next, tot);
-            crew_join(&crew, threads);
-            tally(cur, n, tot);
-            Ent *t = cur;
-            cur = next;
-            next = t;
-            n = m;
-        }
+    rewinddir(dir); /* the descriptor may be a dup: start at the top whatever its offset */
+    uint64_t seed = fnv(tot->path, tot->path_len, FNV_SEED);
+    size_t n = read_chunk(dir, tot->cur, tot);
+    while (n) {
+        Crew crew;
+        crew_start(&crew, dirfd, &tot->rules, seed, tot->cur, n, tot->threads);
+        size_t m = read_chunk(dir, tot->next, tot);
+        crew_join(&crew, tot->threads);
+        tally(tot->cur, n, tot);
+        Ent *t = tot->cur;
+        tot->cur = tot->next;
+        tot->next = t;
+        n = m;
     }
-    free(cur);
-    free(next);
+    closedir(dir);
+}
+
+/* dir_ok(level, name), with the GIL: 1 keep, 0 skip, -1 it raised. A hashed layout repeats
+ * a few thousand dir names across a million dirs, so each (level, name) is asked once. */
+static int dir_ok(Totals *tot, int level, const char *name, size_t len) {
+    uint64_t h = mix(fnv(name, len, FNV_SEED + (uint64_t)level)) | 1;
+    size_t j = h & (VERDICTS - 1);
+    for (Verdict *v; tot->verdicts && (v = &tot->verdicts[j])->hash; j = (j + 1) & (VERDICTS - 1)) {
+        if (v->hash == h && v->level == level && v->len == len && !memcmp(v->name, name, len))
+            return v->ok;
+    }
+    PyEval_RestoreThread(tot->save);
+    PyObject *ok = PyObject_CallFunction(tot->dir_ok, "iy#", level, name, (Py_ssize_t)len);
+    int r = ok ? PyObject_IsTrue(ok) : -1;
+    Py_XDECREF(ok);
+    tot->save = PyEval_SaveThread();
+    if (r >= 0 && tot->verdicts && tot->nverdicts * 2 < VERDICTS && len < 256) {
+        Verdict *v = &tot->verdicts[j];
+        *v = (Verdict){.hash = h, .level = level, .ok = (int8_t)r, .len = (uint8_t)len};
+        memcpy(v->name, name, len);
+        tot->nverdicts++;
+    }
+    return r;
+}
+
+/* Open subdirectory `name` of `dirfd` if it is a dir dir_ok keeps: its fd, or -1 (counted). */
+static int open_sub(int dirfd, const struct dirent *d, int level, Totals *tot) {
+    size_t len = strlen(d->d_name);
+    if (d->d_type != DT_DIR && d->d_type != DT_UNKNOWN) {
+        tot->other++;
+        return -1;
+    }
+    int ok = dir_ok(tot, level, d->d_name, len);
+    if (ok < 0) {
+        tot->py_err = 1;
+        return -1;
+    }
+    int fd = ok ? openat(dirfd, d->d_name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC) : -1;
+    if (fd < 0) { /* not kept, a symlink or a file (ELOOP, ENOTDIR), or gone since listed */
+        if (ok && errno == ENOENT)
+            tot->gone++;
+        else if (ok && errno != ELOOP && errno != ENOTDIR)
+            tot->err = errno;
+        else
+            tot->other++;
+    }
+    return fd;
+}
+
+/* Walk `levels - level` dirs down to the files; takes ownership of dirfd. */
+static void walk_tree(int fd0, int level, Totals *tot) {
+    if (level == tot->levels) {
+        walk(fd0, tot);
+        return;
+    }
+    DIR *dir = fdopendir(fd0);
+    if (!dir) {
+        tot->err = errno;
+        close(fd0);
+        return;
+    }
+    rewinddir(dir);
+    size_t at = tot->path_len;
+    struct dirent *d;
+    while (!tot->err && !tot->py_err && (d = next_entry(dir, tot))) {
+        const char *s = d->d_name;
+        size_t len = strlen(s);
+        if (at + len + 2 > PATH_MAX_LEN) {
+            tot->other++;
+            continue;
+        }
+        int fd = open_sub(fd0, d, level, tot);
+        if (fd < 0)
+            continue;
+        memcpy(tot->path + at, s, len);
+        tot->path[at + len] = '/';
+        tot->path_len = at + len + 1;
+        walk_tree(fd, level + 1, tot);
+        tot->path_len = at;
+    }
     closedir(dir);
 }
 
@@ -448,7 +560,7 @@ static PyObject *group_tuple(const Group *x) {
 }
 
 PyDoc_STRVAR(scan_doc,
-"scan(dir_fd, threads, rules, kind_of) -> (groups, other, gone, pages)\n\n"
+"scan(dir_fd, threads, rules, kind_of, levels=0, dir_ok=None) -> (groups, other, gone, pages)\n\n"
 "List the open directory `dir_fd` and stat every entry (not following symlinks) on\n"
 "`threads` threads. `rules` is (key_min, key_max, temp_lead, temp_hex) (see\n"
 "cachemgr.backends.ScanRules). `groups` is a list of (shape, kind, files, bytes, digest,\n"
@@ -458,7 +570,9 @@ PyDoc_STRVAR(scan_doc,
 "`digest` is the XOR of page_digest(name, size) over the group and `untracked` counts files\n"
 "whose size was not among the first 1024 distinct ones. `other` counts entries that are not\n"
 "regular files, `gone` those deleted between listing and stat, and `pages` the distinct keys\n"
-"among the files of kind 1 (a page).");
+"among the files of kind 1 (a page). With `levels` > 0 the files are that many dirs down,\n"
+"through the subdirectories dir_ok(level, name: bytes) keeps (never a symlink); digests and\n"
+"page keys are then of the paths below dir_fd.");
 
 /* Parse (key_min, key_max, temp_lead, temp_hex) and lay out the shape prefixes; 0 on error. */
 static int parse_rules(PyObject *arg, Rules *r) {
@@ -481,23 +595,36 @@ static int parse_rules(PyObject *arg, Rules *r) {
 }
 
 static PyObject *scan(PyObject *Py_UNUSED(self), PyObject *args) {
-    int dirfd, threads;
-    PyObject *rules, *kind_of;
-    if (!PyArg_ParseTuple(args, "iiO!O", &dirfd, &threads, &PyTuple_Type, &rules, &kind_of))
+    int dirfd, threads, levels = 0;
+    PyObject *rules, *kind_of, *ok = Py_None;
+    if (!PyArg_ParseTuple(args, "iiO!O|iO", &dirfd, &threads, &PyTuple_Type, &rules, &kind_of,
+                          &levels, &ok))
         return NULL;
     if (threads < 1 || threads > MAX_THREADS)
         return PyErr_Format(PyExc_ValueError, "threads must be 1..%d", MAX_THREADS);
-    Totals tot = {0};
+    if (levels < 0 || levels > MAX_LEVELS || (levels && ok == Py_None))
+        return PyErr_Format(PyExc_ValueError, "levels must be 0..%d, with dir_ok", MAX_LEVELS);
+    Totals tot = {0}; /* 4 KiB of path: fine on this stack */
     if (!parse_rules(rules, &tot.rules))
         return NULL;
-    tot.kind_of = kind_of;
+    tot.threads = threads, tot.levels = levels, tot.kind_of = kind_of;
+    tot.dir_ok = levels ? ok : NULL;
+    tot.cur = malloc(CHUNK * sizeof *tot.cur);
+    tot.next = malloc(CHUNK * sizeof *tot.next);
+    tot.verdicts = levels ? calloc(VERDICTS, sizeof *tot.verdicts) : NULL; /* NULL: uncached */
     tot.save = PyEval_SaveThread();
     int fd = fcntl(dirfd, F_DUPFD_CLOEXEC, 0); /* closedir() closes it; the caller keeps dirfd */
     if (fd < 0)
         tot.err = errno;
-    else
-        walk(fd, threads, &tot);
+    else if (!tot.cur || !tot.next) {
+        tot.err = ENOMEM;
+        close(fd);
+    } else
+        walk_tree(fd, 0, &tot);
     PyEval_RestoreThread(tot.save);
+    free(tot.cur);
+    free(tot.next);
+    free(tot.verdicts);
     free(tot.keys.slots);
     if (tot.err || tot.py_err) {
         groups_free(&tot.groups);
@@ -531,7 +658,8 @@ static PyObject *py_page_digest(PyObject *Py_UNUSED(self), PyObject *args) {
     long long size;
     if (!PyArg_ParseTuple(args, "O&L", PyUnicode_FSConverter, &name, &size))
         return NULL;
-    uint64_t d = page_digest(PyBytes_AS_STRING(name), (size_t)PyBytes_GET_SIZE(name), size);
+    uint64_t d =
+        page_digest(FNV_SEED, PyBytes_AS_STRING(name), (size_t)PyBytes_GET_SIZE(name), size);
     Py_DECREF(name);
     return PyLong_FromLongLong((long long)(int64_t)d);
 }

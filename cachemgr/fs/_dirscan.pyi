@@ -6,6 +6,12 @@ Group = tuple[str, int, int, int, int, int, dict[int, int]]
 Rules = tuple[int, int, str, int]  # (key_min, key_max, temp_lead, temp_hex)
 
 def scan(
-    dir_fd: int, threads: int, rules: Rules, kind_of: Callable[[str], int], /
+    dir_fd: int,
+    threads: int,
+    rules: Rules,
+    kind_of: Callable[[str], int],
+    levels: int = 0,
+    dir_ok: Callable[[int, bytes], bool] | None = None,
+    /,
 ) -> tuple[list[Group], int, int, int]: ...
 def page_digest(name: str, size: int, /) -> int: ...

@@ -4,7 +4,10 @@ exactly what would go.
 
 Directories are opened component by component from the root with O_NOFOLLOW and files are
 unlinked relative to that descriptor, so a symlink planted anywhere on the way (or swapped in
-while we work) makes the operation refuse instead of reaching outside the root.
+while we work) makes the operation refuse instead of reaching outside the root. A nested
+format's names (paths below the namespace dir, cachemgr.backends.Nesting) must fit its dir
+levels and a vouched top dir; each dir's files then go as a flat dir's. Those dirs are never
+removed: the engine makes a hashed dir, then opens a file in it; an rmdir between would fail it.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ import os
 import stat
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from cachemgr.backends import FileFormat
 from cachemgr.errors import UnsafePathError
@@ -22,6 +26,7 @@ from cachemgr.fs.deletecheck import (
     NO_PARENT,
     OWN_TEMPS,
     Checked,
+    Names,
     Where,
     check_and_unlink,
     dir_id,
@@ -29,6 +34,7 @@ from cachemgr.fs.deletecheck import (
     still_at,
 )
 from cachemgr.fs.safe import open_dir
+from cachemgr.fs.tree import by_dirs, orphan_identities, tree_names
 from cachemgr.layout import NS_DIR, check_ns_id
 from cachemgr.sglang.hicache import HICACHE_FILE
 
@@ -99,7 +105,8 @@ def delete_files(
     removed: Removed | None = None,
     fmt: FileFormat = HICACHE_FILE,
 ) -> DeleteReport:
-    """Delete the named page/temp files of <root>/<rel_dir>; anything else is refused.
+    """Delete the named page/temp files of <root>/<rel_dir> (paths below it for a nested
+    format); anything else is refused.
 
     Stops (reported in `refused`) as soon as <root>/<rel_dir> is no longer the dir it was at
     the start: checked before each part of names (from the root, no link followed) and, by
@@ -108,6 +115,9 @@ def delete_files(
     a vanished file) is raised once `removed` has heard everything gone before it.
     """
     names = list(names)
+    if fmt.nesting is not None:
+        return _delete_nested(root, rel_dir, names, fmt, dry_run=dry_run, min_age=min_age,
+                              pacer=pacer, progress=progress, now=now, removed=removed)  # fmt: skip
     paced = pacer is not None and bool(pacer.rate)
     # Unpaced, parts of PART names are unlinked on THREADS threads; paced, a part is one
     # pacer batch on one thread, so the pacer's sleeps fall between parts.
@@ -115,6 +125,9 @@ def delete_files(
     files = size = 0
     checked = Checked()
     ours = names_of(fmt)
+    # never a path: unlinkat would walk its dirs, links and all
+    checked.refused.extend((n, f"not a file name of {fmt.name}") for n in names if "/" in n)
+    names = [n for n in names if "/" not in n]
     parent, _, leaf = rel_dir.rpartition("/")
     if not leaf:
         raise UnsafePathError(f"{rel_dir!r}: no directory to delete files from")
@@ -154,13 +167,39 @@ def delete_files(
     return DeleteReport(files, size, len(checked.vanished), checked.young, refused, dry_run)
 
 
-def _unlink(dir_fd: int, name: str) -> bool:
-    """Unlink relative to the directory descriptor; False if it was already gone."""
-    try:
-        os.unlink(name, dir_fd=dir_fd)
-    except FileNotFoundError:
-        return False
-    return True
+def _delete_nested(
+    root: Path, rel_dir: str, names: list[str], fmt: FileFormat, *, progress: Progress | None,
+    removed: Removed | None, **flat: Any,
+) -> DeleteReport:  # fmt: skip
+    """delete_files for a nested format, a dir at a time; a name whose dirs do not fit the
+    format, or whose top dir no identity file vouches for, is refused."""
+    with open_dir(root, rel_dir) as fd:
+        by_dir, bad = by_dirs(fd, names, fmt)
+    bad = [f"{rel_dir}/{name}: not a file of {fmt.name} in a folder it vouches for" for name in bad]
+    dry_run = bool(flat["dry_run"])
+    total = DeleteReport(refused=tuple(bad), dry_run=dry_run)
+    for sub, files in by_dir.items():
+        try:
+            total += delete_files(
+                root, f"{rel_dir}/{sub}", files, fmt=replace(fmt, nesting=None),
+                progress=_shifted(progress, total), removed=_under(removed, sub), **flat,
+            )  # fmt: skip
+        except FileNotFoundError:  # the dir went, and its files with it
+            if removed is not None and not dry_run:
+                for name in files:
+                    removed(f"{sub}/{name}", None)
+            total += DeleteReport(vanished=len(files))
+        except UnsafePathError as e:  # a link or a file planted in a dir's place: left alone
+            total += DeleteReport(refused=(f"{rel_dir}/{sub}: {e}",))
+    return total
+
+
+def _shifted(progress: Progress | None, before: DeleteReport) -> Progress | None:
+    return progress and (lambda f, n: progress(before.files + f, before.bytes + n))
+
+
+def _under(removed: Removed | None, sub: str) -> Removed | None:
+    return removed and (lambda name, size: removed(f"{sub}/{name}", size))
 
 
 def delete_dir(
@@ -172,26 +211,34 @@ def delete_dir(
     pacer: Pacer | None = None,
     progress: Progress | None = None,
     fmt: FileFormat = HICACHE_FILE,
+    now: Callable[[], float] = time.time,
 ) -> DeleteReport:
     """Empty <root>/<rel_dir> of page/temp files and remove it if nothing else is left.
 
     Used for namespaces renamed into .trash/: foreign files and subdirectories stay, reported;
-    files younger than `min_age` stay too (and so does the dir).
+    files younger than `min_age` stay too (and so does the dir). A nested format's dirs go
+    too once empty (no engine writes to a renamed dir), and then each identity file whose
+    blocks are all gone (only one that vouches for its own folder), and its folder.
     """
     with open_dir(root, rel_dir) as fd:
-        names = [e.name for e in os.scandir(fd)]
-    report = delete_files(
-        root,
-        rel_dir,
-        names,
-        dry_run=dry_run,
-        min_age=min_age,
-        pacer=pacer,
-        progress=progress,
-        fmt=fmt,
-    )
+        names, dirs = tree_names(fd, fmt)
+    report = delete_files(root, rel_dir, names, dry_run=dry_run, min_age=min_age, pacer=pacer,
+                          progress=progress, fmt=fmt)  # fmt: skip
     if dry_run or report.refused or report.young:
         return report
+    for sub in dirs:  # deepest first; one a writer or a person still uses stays
+        remove_empty_dir(root, f"{rel_dir}/{sub}")
+    if fmt.nesting is not None:
+        with open_dir(root, rel_dir) as fd:
+            folders = orphan_identities(fd, fmt.nesting)
+        ident = fmt.nesting.identity_file
+        ours: Names = (ident.__eq__, "an identity file")
+        for folder in folders:
+            with open_dir(root, f"{rel_dir}/{folder}") as fd:
+                where = Where(fd, NO_PARENT, "", dir_id(fd))
+                check_and_unlink(where, [ident], min_age=0, now=now(), threads=1,
+                                 dry_run=False, out=Checked(), ours=ours)  # fmt: skip
+            remove_empty_dir(root, f"{rel_dir}/{folder}")
     why = remove_empty_dir(root, rel_dir)
     return report + DeleteReport(refused=(why,)) if why else report
 
@@ -219,7 +266,11 @@ def delete_manifest(root: Path, ns_id: str) -> bool:
             return False
         if not stat.S_ISREG(st.st_mode):
             raise UnsafePathError(f"{root}/ns/{name} is not a regular file; left alone")
-        return _unlink(fd, name)
+        try:
+            os.unlink(name, dir_fd=fd)
+        except FileNotFoundError:
+            return False
+        return True
 
 
 def delete_own_temps(

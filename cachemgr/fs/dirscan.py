@@ -9,7 +9,9 @@ open a page (an open would look like a hit) and never follow a symlink.
 the stat of every entry run in C (`_dirscan.c`) on a few threads without the GIL, and the
 format (cachemgr.backends) classifies each *name shape* once, not each file.
 
-What the names mean is the caller's `fmt`: SGLang's HiCacheFile unless told otherwise.
+What the names mean is the caller's `fmt`: SGLang's HiCacheFile unless told otherwise. A
+nested format's pages are found in the dirs its `Nesting` allows (cachemgr.fs.tree) and named
+by their path below `rel_dir`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import NamedTuple
 from cachemgr.backends import FileFormat, FileKind
 from cachemgr.fs import _dirscan
 from cachemgr.fs.safe import open_dir
+from cachemgr.fs.tree import dir_filter, leaves
 from cachemgr.layout import Layout
 from cachemgr.sglang.hicache import HICACHE_FILE
 
@@ -46,12 +49,13 @@ class Usage:
 
 def scan_usage(layout: Layout, rel_dir: str, fmt: FileFormat = HICACHE_FILE) -> Usage | None:
     """Count and size what is in <root>/<rel_dir>; None if it is absent."""
-    r = fmt.scan
+    r, nest = fmt.scan, fmt.nesting
     try:
         with open_dir(layout.root, rel_dir) as fd:
+            levels = (len(nest.levels), dir_filter(fd, nest)) if nest else ()
             # a shape's verdict is its names' verdict (ScanRules)
             groups, other, _gone, pages = _dirscan.scan(
-                fd, THREADS, (r.key_min, r.key_max, r.temp_lead, r.temp_hex), fmt.classify
+                fd, THREADS, (r.key_min, r.key_max, r.temp_lead, r.temp_hex), fmt.classify, *levels
             )
     except FileNotFoundError:
         return None
@@ -100,28 +104,37 @@ def list_files(
     kinds: frozenset[FileKind] = DELETABLE,
     fmt: FileFormat = HICACHE_FILE,
 ) -> Iterator[Listed]:
-    """The files of these kinds in <root>/<rel_dir> that are regular files; nothing if the
-    dir is absent. Foreign names, subdirectories and symlinks are never listed; only the
-    names of the kinds asked for are stat'ed."""
+    """The files of these kinds in <root>/<rel_dir> (in the dirs of a nested format: named by
+    their path below it) that are regular files; nothing if the dir is absent. Foreign names,
+    other subdirectories and symlinks are never listed; only the names of the kinds asked for
+    are stat'ed."""
     # GC's sweep for stale temps looks at a million-page dir without a regex per page (that
     # held the GIL ~1.5 s, and /metrics p99 went from 9 to 50 ms while it ran).
-    temps_only = FileKind.PAGE not in kinds
     try:
-        with open_dir(layout.root, rel_dir) as fd, os.scandir(fd) as entries:
-            # scandir, not listdir: a million names as one list would be ~110 MB at once.
-            for entry in entries:
-                name = entry.name
-                if temps_only and not fmt.maybe_temp(name):
-                    continue
-                key_len = fmt.key_len(name)
-                kind = FileKind.PAGE if key_len is not None else fmt.classify(name)
-                if kind not in kinds:
-                    continue
-                try:
-                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                except FileNotFoundError:
-                    continue  # deleted since listdir
-                if stat.S_ISREG(st.st_mode):
-                    yield Listed(kind, name, st.st_size, st.st_mtime, key_len or 0)
+        with open_dir(layout.root, rel_dir) as top:
+            for fd, path in leaves(top, fmt):
+                yield from _list_dir(fd, path, kinds, fmt)
     except FileNotFoundError:
         return
+
+
+def _list_dir(fd: int, path: str, kinds: frozenset[FileKind], fmt: FileFormat) -> Iterator[Listed]:
+    temps_only = FileKind.PAGE not in kinds
+    # scandir, not listdir: a million names as one list would be ~110 MB at once.
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            name = entry.name
+            if temps_only and not fmt.maybe_temp(name):
+                continue
+            key_len = fmt.key_len(name)
+            kind = FileKind.PAGE if key_len is not None else fmt.classify(name)
+            if kind not in kinds:
+                continue
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # deleted since listdir
+            if stat.S_ISREG(st.st_mode):
+                # a nested page's key is its whole path (cachemgr.backends)
+                klen = len(path) + len(name) if path and key_len else key_len or 0
+                yield Listed(kind, path + name, st.st_size, st.st_mtime, klen)

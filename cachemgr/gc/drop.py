@@ -18,7 +18,7 @@ from cachemgr.gc.step import GcStep, StepResult
 from cachemgr.layout import Layout
 from cachemgr.ns.bindings import bound_by_files
 from cachemgr.ns.purge import drop_unbound, rename_to_trash
-from cachemgr.ns.trash import drain_entry
+from cachemgr.ns.trash import drain_entry, trash_format
 from cachemgr.state import pages_sql, registry_sql
 from cachemgr.state.store import Store
 
@@ -52,7 +52,8 @@ def drop_namespace(
         if why := kept(layout, store, ns_id, in_use):
             return replace(base, skipped=why)
         entry = rename_to_trash(layout, ns_id, recreate=False)
-        held = list(list_files(layout, f".trash/{entry}")) if entry else []
+        trash = f".trash/{entry}"
+        held = list(list_files(layout, trash, fmt=trash_format(layout, entry))) if entry else []
         now = clock()
         young = sum(too_young(f.mtime, step.min_age, now) for f in held)
         if entry is not None and young:

@@ -12,6 +12,7 @@ from typing import NamedTuple
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs.deletion import DeleteReport, Pacer, Progress, delete_files, delete_own_temps
 from cachemgr.gc.drop import InUse, drop_namespace, kept
+from cachemgr.gc.find import step_format
 from cachemgr.gc.pagestore import PageId
 from cachemgr.gc.plan import GcPlan
 from cachemgr.gc.policy import KEEPING
@@ -133,6 +134,7 @@ def _run_step(
         return _sweep_own_temps(step, base, layout, store, dry_run, actor, clock)
     total = DeleteReport(dry_run=dry_run)
     staying: set[str] = set()
+    fmt = step_format(layout, step)
     for i in range(0, len(step.names), CHUNK):
         if stop():
             base = replace(base, skipped="stopped: the daemon is shutting down")
@@ -148,7 +150,7 @@ def _run_step(
             r = delete_files(
                 layout.root, step.rel_dir, chunk, dry_run=dry_run,
                 min_age=step.min_age, progress=tally.offset(), now=clock,
-                removed=gone.__setitem__,
+                removed=gone.__setitem__, fmt=fmt,
             )  # fmt: skip
         except OSError:  # an unlink refused: what went before it is recorded all the same
             if not dry_run and _dir_id(layout, step.rel_dir) == before:

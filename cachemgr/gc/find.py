@@ -10,20 +10,22 @@ from collections import Counter, defaultdict
 from contextlib import suppress
 from dataclasses import dataclass
 
-from cachemgr.backends import FileKind
+from cachemgr.backends import FileFormat, FileKind
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs.dirscan import TEMPS, list_files, usual_size
 from cachemgr.fs.safe import is_own_temp, open_dir
 from cachemgr.gc.policy import GcPolicy, GcReason
 from cachemgr.gc.step import GcStep
 from cachemgr.layout import Layout
-from cachemgr.ns.trash import foreign_in, left_note, list_trash
+from cachemgr.ns.manifest import format_of
+from cachemgr.ns.trash import foreign_in, left_note, list_trash, trash_format
+from cachemgr.sglang.hicache import HICACHE_FILE
 from cachemgr.state import pages_sql
 
 
 @dataclass(frozen=True)
 class TempFile:
-    """An SGLang `.tmp` file found in a namespace dir."""
+    """An engine's temp file found in a namespace dir (a path below it for a nested format)."""
 
     namespace_id: str
     name: str
@@ -37,7 +39,7 @@ def list_namespace(
     """Pages (name -> (size, mtime)) and temp files of one namespace dir; others are ignored."""
     pages: dict[str, tuple[int, float]] = {}
     temps: list[TempFile] = []
-    for f in list_files(layout, f"ns/{ns_id}"):
+    for f in list_files(layout, f"ns/{ns_id}", fmt=format_of(layout, ns_id)):
         if f.kind is FileKind.PAGE:
             pages[f.name] = (f.size, f.mtime)
         else:
@@ -49,7 +51,7 @@ def list_temps(layout: Layout, ns_id: str, warnings: list[str]) -> list[TempFile
     """The temp files of one namespace dir (pages are named, not stat'ed: a sweep is cheap);
     none, with a warning, if the dir is no longer a safe one."""
     try:
-        temps = list(list_files(layout, f"ns/{ns_id}", TEMPS))
+        temps = list(list_files(layout, f"ns/{ns_id}", TEMPS, format_of(layout, ns_id)))
     except UnsafePathError as e:
         warnings.append(f"ns/{ns_id} not swept: {e}")
         return []
@@ -97,7 +99,7 @@ def trash_leftovers(layout: Layout, warnings: list[str]) -> list[GcStep]:
         return found
     for entry in entries:
         try:
-            files = list(list_files(layout, f".trash/{entry}"))
+            files = list(list_files(layout, f".trash/{entry}", fmt=trash_format(layout, entry)))
         except UnsafePathError as e:  # a symlink or a file: left for a person, reported
             warnings.append(f".trash/{entry} skipped: {e}")
             continue
@@ -109,6 +111,13 @@ def trash_leftovers(layout: Layout, warnings: list[str]) -> list[GcStep]:
         ns_id = entry.partition(".")[0]
         found.append(GcStep("trash", f".trash/{entry}", ns_id, names, size, remove_dir=True))
     return found
+
+
+def step_format(layout: Layout, step: GcStep) -> FileFormat:
+    """The file format of the dir a step deletes in (a namespace's, or a trash entry's)."""
+    if step.rel_dir.startswith(".trash/"):
+        return trash_format(layout, step.rel_dir.removeprefix(".trash/"))
+    return format_of(layout, step.namespace_id) if step.namespace_id else HICACHE_FILE
 
 
 def stale_temps(temps: list[TempFile], policy: GcPolicy, now: float) -> list[GcStep]:
@@ -183,7 +192,9 @@ def torn_pages(
         kinds: dict[str, list[tuple[str, int]]] = defaultdict(list)  # kind -> (key, size)
         pages: dict[str, list[tuple[str, int, float]]] = defaultdict(list)  # key -> files
         for name, size, last, key_len in pages_sql.namespace_files(conn, ns_id):
-            kinds[name[key_len:]].append((name[:key_len], size))
+            # a nested page's top dir is part of its kind (vLLM: another digest, another size)
+            top = name.partition("/")[0] if "/" in name else ""
+            kinds[top + name[key_len:]].append((name[:key_len], size))
             pages[name[:key_len]].append((name, size, last))
         torn: set[str] = set()  # keys
         for kind, files in sorted(kinds.items()):

@@ -90,12 +90,13 @@ def free_floor(
         if stop():
             break
         try:
+            fmt = gcfind.step_format(layout, step)
             if step.remove_dir:
-                r = delete_dir(layout.root, step.rel_dir, pacer=pacer)
+                r = delete_dir(layout.root, step.rel_dir, pacer=pacer, fmt=fmt)
             else:
                 r = delete_files(
                     layout.root, step.rel_dir, step.names, min_age=step.min_age, pacer=pacer,
-                    now=clock,
+                    now=clock, fmt=fmt,
                 )  # fmt: skip
         except (UnsafePathError, FileNotFoundError) as e:
             r = DeleteReport(refused=(f"{step.rel_dir}: {e}",))

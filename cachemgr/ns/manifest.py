@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from cachemgr import __version__
+from cachemgr.backends import FileFormat
+from cachemgr.engines import format_for
 from cachemgr.errors import ConfigError, StateError, UnsafePathError
 from cachemgr.fs.safe import open_dir, read_regular, write_atomic_at
 from cachemgr.layout import NS_DIR, Layout, check_ns_id
@@ -101,6 +103,17 @@ def read_manifest(layout: Layout, ns_id: str) -> Manifest | None:
     except OSError as e:
         raise StateError(f"cannot read manifest {where}: {e.strerror}") from e
     return parse_manifest(raw, ns_id, where=str(where))
+
+
+def format_of(layout: Layout, ns_id: str) -> FileFormat:
+    """The file format of namespace `ns_id`'s dir, from its manifest's engine; SGLang's if the
+    manifest is absent or unreadable. A wrong guess misreads nothing as a page: a flat scan
+    never enters a subdir, and a nested one lists no file of the namespace dir itself."""
+    try:
+        m = read_manifest(layout, ns_id)
+    except StateError:
+        m = None
+    return format_for(m.identity if m else None)
 
 
 def parse_manifest(raw: bytes, ns_id: str, *, where: str) -> Manifest:

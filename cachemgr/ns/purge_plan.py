@@ -9,6 +9,7 @@ from cachemgr.errors import ConfigError, NotFoundError, UnsafePathError
 from cachemgr.fs.dirscan import scan_usage
 from cachemgr.layout import Layout, check_ns_id
 from cachemgr.ns import registry as nsreg
+from cachemgr.ns.manifest import format_of
 from cachemgr.ns.trash import list_trash
 from cachemgr.state.status import bindings_by_namespace
 from cachemgr.state.store import Store
@@ -93,6 +94,7 @@ def _target(
     layout: Layout, ns_id: str, instances: tuple[str, ...], has_manifest: bool, count: bool
 ) -> PurgeTarget:
     has_dir = nsreg.ns_entry_kind(layout, ns_id) == "dir"  # refuses a symlink before any change
-    usage = scan_usage(layout, f"ns/{ns_id}") if has_dir and count else None
+    fmt = format_of(layout, ns_id)
+    usage = scan_usage(layout, f"ns/{ns_id}", fmt) if has_dir and count else None
     pages, size = (usage.pages, usage.bytes) if usage else (0, 0)
     return PurgeTarget(ns_id, pages, size, instances, has_dir, has_manifest)

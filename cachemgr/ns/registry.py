@@ -17,6 +17,7 @@ import stat
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from cachemgr.engines import Engine, engine_of, format_for
 from cachemgr.errors import CachemgrError, ConfigError, StateError, UnsafePathError
 from cachemgr.fs.dirscan import Usage, scan_usage
 from cachemgr.fs.safe import open_dir
@@ -224,6 +225,7 @@ class NamespaceInfo:
     ns_id: str
     state: NsState
     instances: tuple[str, ...]
+    engine: Engine
     model: str | None
     kv_cache_dtype: str | None
     page_size: int | None
@@ -252,9 +254,10 @@ def describe(layout: Layout, ns_id: str, instances: tuple[str, ...]) -> Namespac
         manifest = read_manifest(layout, ns_id)
     except CachemgrError as e:
         state, problem = "bad-manifest", str(e)
+    identity = manifest.identity if manifest else None
     try:
         if ns_entry_kind(layout, ns_id) == "dir":
-            usage = scan_usage(layout, f"ns/{ns_id}")
+            usage = scan_usage(layout, f"ns/{ns_id}", format_for(identity))
     except UnsafePathError as e:
         state, problem = "unsafe", str(e)
     if state in ("bound", "unbound"):
@@ -267,6 +270,7 @@ def describe(layout: Layout, ns_id: str, instances: tuple[str, ...]) -> Namespac
         ns_id=ns_id,
         state=state,
         instances=instances,
+        engine=engine_of(identity),
         model=manifest.model if manifest else None,
         kv_cache_dtype=manifest.kv_cache_dtype if manifest else None,
         page_size=manifest.page_size if manifest else None,

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from cachemgr.engines import FORMATS
 from cachemgr.errors import ConfigError, NotFoundError
 from cachemgr.fs.dirscan import scan_usage
 from cachemgr.fs.root import create_root
@@ -69,7 +70,7 @@ def status_from_disk(layout: Layout) -> dict[str, Any]:
     out = []
     for s in statuses:
         if s.has_dir:
-            m = scan_usage(layout, f"ns/{s.id}")
+            m = scan_usage(layout, f"ns/{s.id}", FORMATS[s.engine])
             if m is not None:
                 s = s.model_copy(update={"pages": m.pages, "bytes": m.bytes, "temp_files": m.temps})
         out.append(s.model_dump(mode="json"))

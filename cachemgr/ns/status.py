@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, computed_field
 
+from cachemgr.engines import Engine, engine_of
 from cachemgr.errors import StateError
 from cachemgr.layout import Layout
 from cachemgr.ns import registry as nsreg
@@ -57,6 +58,7 @@ class NamespaceStatus(BaseModel):
     corrupt_files: int = 0
     scanned_at: float | None = None
     instances: tuple[str, ...] = ()
+    engine: Engine = "sglang"  # which engine's cache it is (its identity record says)
     model: str | None = None
     kv_cache_dtype: str | None = None
     page_size: int | None = None
@@ -128,6 +130,7 @@ def namespace_statuses(
                 corrupt_files=_get(s, "corrupt_files"),
                 scanned_at=s["scanned_at"] if s else None,
                 instances=bindings.get(ns, ()),
+                engine=engine_of(ident),
                 model=identity_model(ident),
                 kv_cache_dtype=identity_kv_cache_dtype(ident),
                 page_size=identity_page_size(ident),

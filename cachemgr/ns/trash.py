@@ -10,15 +10,18 @@ from __future__ import annotations
 import logging
 import os
 import re
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
-from cachemgr.backends import FileKind
+from cachemgr.backends import FileFormat, FileKind
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs.deletion import DeleteReport, Pacer, delete_dir
 from cachemgr.fs.dirscan import scan_usage
 from cachemgr.fs.safe import open_dir
+from cachemgr.fs.tree import format_in, tree_names
 from cachemgr.layout import Layout
 from cachemgr.sglang.hicache import HICACHE_FILE
 from cachemgr.state.store import Store
@@ -67,7 +70,7 @@ def left_note(foreign: int, example: str | None) -> str:
 def foreign_in(layout: Layout, entry: str) -> tuple[int, str | None]:
     """How many names in .trash/<entry> deletion will leave (not an SGLang page or temp
     regular file), and the full path of one; (0, None) if none or the entry is gone."""
-    usage = scan_usage(layout, f".trash/{entry}")
+    usage = scan_usage(layout, f".trash/{entry}", trash_format(layout, entry))
     if usage is None or not usage.other:
         return 0, None
     return usage.other, _foreign_example(layout, entry)
@@ -75,11 +78,17 @@ def foreign_in(layout: Layout, entry: str) -> tuple[int, str | None]:
 
 def _foreign_example(layout: Layout, entry: str) -> str | None:
     try:
-        with open_dir(layout.root, f".trash/{entry}") as fd, os.scandir(fd) as names:
-            for item in names:
-                kind = HICACHE_FILE.classify(item.name)
-                if kind is FileKind.FOREIGN or not item.is_file(follow_symlinks=False):
-                    return str(layout.trash / entry / item.name)
+        with open_dir(layout.root, f".trash/{entry}") as fd:
+            fmt = format_in(fd)
+            names, _ = tree_names(fd, fmt)
+            if fmt.nesting is not None:  # what stays above the blocks: the identity files
+                names += [str(Path(d.name, fmt.nesting.identity_file)) for d in os.scandir(fd)
+                          if d.is_dir(follow_symlinks=False)]  # fmt: skip
+            for name in names:
+                kind = fmt.classify_path(name)
+                mode = os.lstat(layout.trash / entry / name).st_mode
+                if kind is FileKind.FOREIGN or not stat.S_ISREG(mode):
+                    return str(layout.trash / entry / name)
     except FileNotFoundError:
         pass  # finished (or moved) since it was counted
     return None
@@ -105,7 +114,7 @@ def describe_trash(layout: Layout) -> list[TrashEntry]:
     for name in names:
         ns = name.partition(".")[0]
         try:
-            usage = scan_usage(layout, f".trash/{name}")
+            usage = scan_usage(layout, f".trash/{name}", trash_format(layout, name))
         except UnsafePathError as e:
             out.append(TrashEntry(name, ns, 0, 0, str(e)))
             continue
@@ -174,7 +183,7 @@ def drain_entry(
     try:
         part = delete_dir(
             layout.root, f".trash/{entry}", dry_run=dry_run, min_age=min_age, pacer=pacer,
-            progress=progress,
+            progress=progress, fmt=trash_format(layout, entry),
         )  # fmt: skip
     except UnsafePathError as e:
         return DeleteReport(refused=(f".trash/{entry}: {e}",), dry_run=dry_run)
@@ -210,6 +219,15 @@ def _audit_deleted(
             pages=part.files,
             bytes_=part.bytes,
         )
+
+
+def trash_format(layout: Layout, entry: str) -> FileFormat:
+    """The file format of a trash entry (its manifest may be gone: cachemgr.fs.tree.format_in)."""
+    try:
+        with open_dir(layout.root, f".trash/{entry}") as fd:
+            return format_in(fd)
+    except (OSError, UnsafePathError):
+        return HICACHE_FILE  # gone, or a link: whatever reads it next refuses it
 
 
 def _count_names(layout: Layout, entry: str) -> int:

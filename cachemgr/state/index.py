@@ -10,6 +10,7 @@ and stats: it never opens a page file (an open would count as a hit).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sqlite3
@@ -18,9 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cachemgr.backends import FileFormat
+from cachemgr.engines import format_for
 from cachemgr.fs.dirscan import PAGES, Usage, list_files, scan_usage
 from cachemgr.layout import NS_ID_RE, Layout
-from cachemgr.sglang.hicache import HICACHE_FILE
+from cachemgr.state.registry_sql import identity_json
 from cachemgr.state.store import Store
 
 log = logging.getLogger(__name__)
@@ -67,10 +69,12 @@ def scan_namespace(
     ns_id: str,
     *,
     now: Callable[[], float] = time.time,
-    fmt: FileFormat = HICACHE_FILE,
+    fmt: FileFormat | None = None,
 ) -> ScanReport:
-    """Make the index of `ns_id` equal its directory; known pages keep their recency."""
+    """Make the index of `ns_id` equal its directory; known pages keep their recency. The
+    format defaults to that of the engine the registry's identity record names."""
     t0 = time.perf_counter()
+    fmt = fmt or engine_format(store.conn, ns_id)
     usage = scan_usage(layout, f"ns/{ns_id}", fmt) or Usage()
     added = removed = 0
     if not _matches(store.conn, ns_id, usage):
@@ -83,6 +87,16 @@ def scan_namespace(
     with store.transaction() as conn:
         _record_scan(conn, report, now())
     return report
+
+
+def engine_format(conn: sqlite3.Connection, ns_id: str) -> FileFormat:
+    """The file format of a registered namespace (SGLang's if unregistered or unreadable)."""
+    raw = identity_json(conn, ns_id)
+    try:
+        identity = json.loads(raw) if raw else None
+    except ValueError:
+        identity = None
+    return format_for(identity if isinstance(identity, dict) else None)
 
 
 def _matches(conn: sqlite3.Connection, ns_id: str, usage: Usage) -> bool:

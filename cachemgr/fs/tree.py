@@ -1,0 +1,148 @@
+"""The dirs of a nested namespace (a format with a `Nesting`: vLLM's hashed dirs), walked
+without ever following a symlink: each dir is opened with O_NOFOLLOW|O_DIRECTORY from its
+parent's descriptor, and only dirs whose names fit their level are entered.
+
+A top-level dir is entered only if its identity file vouches for it (`vouched`); that file is
+read through `safe.read_regular` (a regular file, no link, bounded size), never written.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable, Iterator
+from contextlib import suppress
+
+from cachemgr.backends import FileFormat, Nesting
+from cachemgr.engines import FORMATS
+from cachemgr.errors import UnsafePathError
+from cachemgr.fs.safe import DIR_FLAGS, read_regular
+
+IDENTITY_LIMIT = 1 << 20  # a vLLM config.json is ~1 KB; a bigger one is not the engine's
+
+# (fd, path below the namespace dir ending in "/"): a dir holding page files, open while yielded
+Leaf = tuple[int, str]
+ByDir = dict[str, list[str]]  # dirs below the namespace dir -> file names in it
+
+
+def vouched(ns_fd: int, nesting: Nesting) -> frozenset[str]:
+    """The top-level dirs of the namespace dir `ns_fd` that are the engine's: their name fits
+    the top level and their owner's identity file says so."""
+    found = set()
+    verdicts: dict[str, bool] = {}
+    with os.scandir(ns_fd) as entries:
+        for entry in entries:
+            if not nesting.dir_ok(0, entry.name) or not entry.is_dir(follow_symlinks=False):
+                continue
+            owner = nesting.owner(entry.name)
+            if owner not in verdicts:
+                verdicts[owner] = _vouches(ns_fd, owner, nesting)
+            if verdicts[owner]:
+                found.add(entry.name)
+    return frozenset(found)
+
+
+def _vouches(ns_fd: int, owner: str, nesting: Nesting) -> bool:
+    try:
+        fd = os.open(owner, DIR_FLAGS, dir_fd=ns_fd)
+    except OSError:
+        return False  # absent, a symlink, a file: nothing vouches
+    try:
+        raw = read_regular(fd, nesting.identity_file, IDENTITY_LIMIT)
+    except (OSError, UnsafePathError):
+        return False
+    finally:
+        os.close(fd)
+    return nesting.vouches(owner, raw)
+
+
+def dir_filter(ns_fd: int, nesting: Nesting) -> Callable[[int, bytes], bool]:
+    """The scanner's dir_ok for namespace dir `ns_fd`: each level's pattern, and vouching."""
+    tops = vouched(ns_fd, nesting)
+
+    def ok(level: int, raw: bytes) -> bool:
+        name = os.fsdecode(raw)
+        return name in tops if level == 0 else nesting.dir_ok(level, name)
+
+    return ok
+
+
+def leaves(ns_fd: int, fmt: FileFormat) -> Iterator[Leaf]:
+    """Every dir of namespace dir `ns_fd` that may hold page files, depth first; the namespace
+    dir itself for a flat format. Each fd is closed once the next one is asked for."""
+    if fmt.nesting is None:
+        yield ns_fd, ""
+        return
+    yield from _below(ns_fd, "", 0, dir_filter(ns_fd, fmt.nesting), len(fmt.nesting.levels))
+
+
+def _below(
+    fd: int, path: str, level: int, ok: Callable[[int, bytes], bool], depth: int
+) -> Iterator[Leaf]:
+    if level == depth:
+        yield fd, path
+        return
+    with os.scandir(fd) as entries:
+        names = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+    for name in names:
+        if not ok(level, os.fsencode(name)):
+            continue
+        try:
+            child = os.open(name, DIR_FLAGS, dir_fd=fd)
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+                continue  # gone since listed, or swapped for a link: never entered
+            raise
+        try:
+            yield from _below(child, f"{path}{name}/", level + 1, ok, depth)
+        finally:
+            with suppress(OSError):
+                os.close(child)
+
+
+def by_dirs(ns_fd: int, paths: list[str], fmt: FileFormat) -> tuple[ByDir, list[str]]:
+    """Paths below namespace dir `ns_fd`, grouped by dir ({dirs: [file names]}), and those whose
+    dirs do not fit `fmt`'s nesting or whose top dir no identity file vouches for."""
+    assert fmt.nesting is not None
+    tops = vouched(ns_fd, fmt.nesting)
+    groups: ByDir = {}
+    bad: list[str] = []
+    for path in paths:
+        where = fmt.split(path)
+        if where is None or where[0].partition("/")[0] not in tops:
+            bad.append(path)
+        else:
+            groups.setdefault(where[0], []).append(where[1])
+    return groups, bad
+
+
+def tree_names(ns_fd: int, fmt: FileFormat) -> tuple[list[str], list[str]]:
+    """Every name in the dirs that may hold page files (paths below `ns_fd`), and the dirs of
+    the nesting below it, deepest first (none for a flat format)."""
+    names: list[str] = []
+    dirs: set[str] = set()
+    for fd, path in leaves(ns_fd, fmt):
+        with os.scandir(fd) as entries:
+            names += [path + e.name for e in entries]
+        parts = path.rstrip("/").split("/") if path else []
+        dirs |= {"/".join(parts[:i]) for i in range(1, len(parts) + 1)}
+    return names, sorted(dirs, key=lambda d: -d.count("/"))
+
+
+def format_in(fd: int) -> FileFormat:
+    """The format of a dir whose manifest may be gone (a purged namespace in .trash/): a nested
+    one if an identity file in it vouches for one of its dirs, else SGLang's. A wrong guess
+    deletes nothing wrongly: a flat format never enters a dir, a nested one only vouched ones."""
+    for fmt in FORMATS.values():
+        if fmt.nesting is not None and vouched(fd, fmt.nesting):
+            return fmt
+    return FORMATS["sglang"]
+
+
+def orphan_identities(ns_fd: int, nesting: Nesting) -> list[str]:
+    """The folders of namespace dir `ns_fd` whose identity file vouches for them and that no
+    top-level dir belongs to any more (their blocks are all gone)."""
+    with os.scandir(ns_fd) as entries:
+        dirs = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+    owned = {nesting.owner(d) for d in dirs if nesting.dir_ok(0, d)}
+    return [d for d in dirs if d not in owned and _vouches(ns_fd, d, nesting)]

@@ -1,0 +1,122 @@
+"""The live index of a vLLM namespace (nested hashed dirs) against real inotify events: blocks
+stored as vLLM stores them, in dirs made on the fly, counted once each; loads counted as reads;
+deletions seen; the manifest's engine decides how the dir is read."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+
+import pytest
+
+from cachemgr.layout import Layout
+from cachemgr.state.store import Store, connect
+from tests.polling import wait_for
+from tests.test_indexer import SlowWatcher, ns_stats, start
+from tests.vllmtrees import block_path, key, vllm_load, vllm_namespace, vllm_store, write_folder
+
+SIZE = 4096
+
+
+@pytest.fixture
+def reader(layout: Layout, store: Store) -> Iterator[sqlite3.Connection]:
+    conn = connect(layout.db_path)
+    yield conn
+    conn.close()
+
+
+def test_blocks_stored_in_new_hashed_dirs_and_loaded_are_each_counted_once(
+    layout: Layout, store: Store, reader: sqlite3.Connection
+) -> None:
+    ns = vllm_namespace(layout, store)
+    d = layout.ns_dir(ns)
+    folder = write_folder(d)
+    old = block_path(folder, key(10_000))
+    vllm_store(d, old, SIZE)  # before the daemon: indexed by the scan, not a write
+    ix = start(layout, store)
+    try:
+        wait_for(lambda: ns_stats(reader, ns), lambda s: s[:2] == (1, SIZE))
+        blocks = [block_path(folder, key(i)) for i in range(300)]
+        for rel in blocks:
+            vllm_store(d, rel, SIZE)
+        # A load comes after the store was seen (a read in a dir whose watch the inotify
+        # thread has not added yet is not seen: docs/daemon.md).
+        wait_for(lambda: ns_stats(reader, ns), lambda s: s == (301, 301 * SIZE, 0, 300))
+        for rel in [*blocks[:120], old]:
+            assert vllm_load(d, rel) == SIZE
+        wait_for(lambda: ns_stats(reader, ns), lambda s: s == (301, 301 * SIZE, 121, 300))
+        (d / blocks[0]).unlink()
+        wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (300, 300 * SIZE))
+
+    finally:
+        ix.stop()
+
+
+def test_a_block_stored_before_its_new_dir_is_watched_is_still_counted_once(
+    layout: Layout, store: Store, reader: sqlite3.Connection
+) -> None:
+    ns = vllm_namespace(layout, store)
+    d = layout.ns_dir(ns)
+    folder = write_folder(d)
+    first = block_path(folder, key(0))
+    vllm_store(d, first, SIZE)
+    watcher = SlowWatcher(layout)
+    ix = start(layout, store, watcher)
+    try:
+        sibling = first[: first.rindex("/") + 1] + key(0)[:5] + "f" * 59 + ".bin"
+        vllm_store(d, sibling, SIZE)  # a watched dir: its event blocks the inotify thread
+        # Every dir below is made, and its block stored, before any watch on it exists.
+        later = [block_path(folder, key(i)) for i in range(1, 60)]
+        for rel in later:
+            vllm_store(d, rel, SIZE)
+        watcher.release.set()
+        wait_for(lambda: ns_stats(reader, ns), lambda s: s == (61, 61 * SIZE, 0, 60))
+        vllm_store(d, block_path(folder, key(500)), SIZE)  # and the new dirs are watched now
+        assert vllm_load(d, later[5]) == SIZE
+        wait_for(lambda: ns_stats(reader, ns), lambda s: s == (62, 62 * SIZE, 1, 61))
+    finally:
+        ix.stop()
+
+
+def test_a_vllm_namespace_made_while_the_daemon_runs_is_watched_nested(
+    layout: Layout, store: Store, reader: sqlite3.Connection
+) -> None:
+    ix = start(layout, store)
+    try:
+        # `init` makes the dir first, then writes the manifest naming the engine: the watch
+        # made on the dir's creation is redone as a nested one when the manifest lands.
+        with Store.open(layout.db_path) as other:
+            ns = vllm_namespace(layout, other)
+        d = layout.ns_dir(ns)
+        folder = write_folder(d)
+        blocks = [block_path(folder, key(i)) for i in range(40)]
+        for rel in blocks:
+            vllm_store(d, rel, SIZE)
+        wait_for(lambda: ns_stats(reader, ns), lambda s: s == (40, 40 * SIZE, 0, 40))
+        assert vllm_load(d, blocks[3]) == SIZE  # (a server loads later: its dir is watched)
+        wait_for(lambda: ns_stats(reader, ns), lambda s: s == (40, 40 * SIZE, 1, 40))
+    finally:
+        ix.stop()
+
+
+def test_a_folder_vouched_for_late_is_indexed_and_watched_at_the_next_rescan(
+    layout: Layout, store: Store, reader: sqlite3.Connection
+) -> None:
+    ns = vllm_namespace(layout, store)
+    d = layout.ns_dir(ns)
+    folder = write_folder(d)
+    config = (d / folder / "config.json").read_bytes()
+    (d / folder / "config.json").write_bytes(config[: len(config) // 2])  # a partial write
+    ix = start(layout, store)
+    try:
+        early = [block_path(folder, key(i)) for i in range(3)]
+        for rel in early:
+            vllm_store(d, rel, SIZE)
+        (d / folder / "config.json").write_bytes(config)  # vLLM's write completes
+        ix.request_rescan(ns)
+        wait_for(lambda: ns_stats(reader, ns), lambda s: s[:2] == (3, 3 * SIZE))
+        for i in range(3, 8):
+            vllm_store(d, block_path(folder, key(i)), SIZE)
+        wait_for(lambda: ns_stats(reader, ns), lambda s: s == (8, 8 * SIZE, 0, 5))
+    finally:
+        ix.stop()
