@@ -18,6 +18,8 @@
  * Nested layouts (vLLM's hashed dirs): with `levels` > 0 the files are `levels` directories
  * below `dir_fd`; each subdirectory is kept only if dir_ok(level, name) says so (with the GIL)
  * and is opened with O_NOFOLLOW|O_DIRECTORY from its parent's descriptor, never through a link.
+ * A dir on another mount than `dir_fd` (a filesystem or a bind mount an operator put there) is
+ * never entered either: it is not the engine's, whatever its name.
  * Everything else at the upper levels counts as `other`. A file's digest and page key are then
  * those of its path below `dir_fd` ("a_r0/0f3/a1_g0/<hash>.bin"), as the index names it.
  *
@@ -340,6 +342,7 @@ typedef struct {
     Groups groups;
     KeySet keys; /* of the page files seen */
     int64_t other, gone;
+    uint64_t mnt; /* the mount of the scanned dir: dirs below on another are not entered */
     int err;    /* errno of a failure, 0 if none */
     int py_err; /* kind_of raised: its exception is pending */
 } Totals;
@@ -435,6 +438,14 @@ static void walk(int dirfd, Totals *tot) {
     closedir(dir);
 }
 
+/* The mount id of an open file (statx STATX_MNT_ID); 0 if the kernel cannot say. */
+static uint64_t mount_of(int fd) {
+    struct statx stx;
+    if (statx(fd, "", AT_EMPTY_PATH, STATX_MNT_ID, &stx) != 0 || !(stx.stx_mask & STATX_MNT_ID))
+        return 0;
+    return stx.stx_mnt_id;
+}
+
 /* dir_ok(level, name), with the GIL: 1 keep, 0 skip, -1 it raised. */
 static int dir_ok(Totals *tot, int level, const char *name, size_t len) {
     PyEval_RestoreThread(tot->save);
@@ -465,6 +476,10 @@ static int open_sub(int dirfd, const struct dirent *d, int level, Totals *tot) {
             tot->err = errno;
         else
             tot->other++;
+    } else if (mount_of(fd) != tot->mnt) { /* a mount point: another filesystem's files */
+        close(fd);
+        tot->other++;
+        return -1;
     }
     return fd;
 }
@@ -593,8 +608,10 @@ static PyObject *scan(PyObject *Py_UNUSED(self), PyObject *args) {
     else if (!tot.cur || !tot.next) {
         tot.err = ENOMEM;
         close(fd);
-    } else
+    } else {
+        tot.mnt = mount_of(fd);
         walk_tree(fd, 0, &tot);
+    }
     PyEval_RestoreThread(tot.save);
     free(tot.cur);
     free(tot.next);
@@ -637,8 +654,21 @@ static PyObject *py_page_digest(PyObject *Py_UNUSED(self), PyObject *args) {
     return PyLong_FromLongLong((long long)(int64_t)d);
 }
 
+PyDoc_STRVAR(mount_doc,
+"mount_id(fd) -> int\n\n"
+"The id of the mount the open file `fd` is on (statx STATX_MNT_ID; 0 if unknown): two dirs\n"
+"on one filesystem may still be on two mounts (a bind mount), which st_dev does not tell.");
+
+static PyObject *py_mount_id(PyObject *Py_UNUSED(self), PyObject *args) {
+    int fd;
+    if (!PyArg_ParseTuple(args, "i", &fd))
+        return NULL;
+    return PyLong_FromUnsignedLongLong(mount_of(fd));
+}
+
 static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS, scan_doc},
+    {"mount_id", py_mount_id, METH_VARARGS, mount_doc},
     {"page_digest", py_page_digest, METH_VARARGS, digest_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -1,6 +1,7 @@
 """The dirs of a nested namespace (a format with a `Nesting`: vLLM's hashed dirs), walked
 without ever following a symlink: each dir is opened with O_NOFOLLOW|O_DIRECTORY from its
-parent's descriptor, and only dirs whose names fit their level are entered.
+parent's descriptor, and only dirs whose names fit their level are entered, never one on
+another mount than the namespace dir (a filesystem or bind mount put there is not the engine's).
 
 A top-level dir is entered only if its identity file vouches for it (`vouched`); that file is
 read through `safe.read_regular` (a regular file, no link, bounded size), never written.
@@ -16,6 +17,7 @@ from contextlib import suppress
 from cachemgr.backends import FileFormat, Nesting
 from cachemgr.engines import FORMATS
 from cachemgr.errors import UnsafePathError
+from cachemgr.fs._dirscan import mount_id
 from cachemgr.fs.safe import DIR_FLAGS, read_regular
 
 IDENTITY_LIMIT = 1 << 20  # a vLLM config.json is ~1 KB; a bigger one is not the engine's
@@ -73,11 +75,12 @@ def leaves(ns_fd: int, fmt: FileFormat) -> Iterator[Leaf]:
     if fmt.nesting is None:
         yield ns_fd, ""
         return
-    yield from _below(ns_fd, "", 0, dir_filter(ns_fd, fmt.nesting), len(fmt.nesting.levels))
+    ok, depth = dir_filter(ns_fd, fmt.nesting), len(fmt.nesting.levels)
+    yield from _below(ns_fd, "", 0, ok, depth, mount_id(ns_fd))
 
 
 def _below(
-    fd: int, path: str, level: int, ok: Callable[[int, bytes], bool], depth: int
+    fd: int, path: str, level: int, ok: Callable[[int, bytes], bool], depth: int, mnt: int
 ) -> Iterator[Leaf]:
     if level == depth:
         yield fd, path
@@ -93,8 +96,11 @@ def _below(
             if e.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
                 continue  # gone since listed, or swapped for a link: never entered
             raise
+        if mount_id(child) != mnt:  # a mount point: never entered
+            os.close(child)
+            continue
         try:
-            yield from _below(child, f"{path}{name}/", level + 1, ok, depth)
+            yield from _below(child, f"{path}{name}/", level + 1, ok, depth, mnt)
         finally:
             with suppress(OSError):
                 os.close(child)

@@ -1,0 +1,81 @@
+"""A vLLM namespace's hashed dirs as a hostile co-tenant or an operator's bad day leaves them:
+another filesystem mounted in a hashed dir, names that nearly match a block's. GC (a real
+`cachemgr gc` process), its dry run and a purge delete only vLLM's blocks and temps."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from cachemgr.fs.deletion import delete_files
+from cachemgr.fs.root import create_root
+from cachemgr.layout import Layout
+from cachemgr.state.store import Store
+from cachemgr.vllm.fstier import VLLM_FS_TIER
+from tests.nsfixtures import cli, snapshot
+from tests.test_gc_cli import gc
+from tests.vllmtrees import block_path, key, vllm_namespace, write_blocks, write_folder
+
+T0 = 1_000_000.0
+
+
+def vllm_ns(root: Path, blocks: int = 3) -> tuple[Path, str, list[str]]:
+    layout = Layout.at(root)
+    create_root(layout)
+    with Store.open(layout.db_path) as store:
+        ns = vllm_namespace(layout, store)
+    d = layout.ns_dir(ns)
+    folder = write_folder(d)
+    return d, folder, write_blocks(d, folder, blocks, size=100, mtime=T0)
+
+
+@contextmanager
+def mounted(source: Path, at: Path, root: Path) -> Iterator[None]:
+    """`source` bind-mounted at `at` (root only); unmounted wherever below `root` it went (a
+    purge moves it into .trash/) whatever happens."""
+    at.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "--bind", str(source), str(at)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot bind-mount here: {done.stderr.decode().strip()}")
+    try:
+        yield
+    finally:
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            if (point := line.split()[1]).startswith(f"{root}/"):
+                subprocess.run(["umount", "-l", point], check=True)
+
+
+def deletes_all(root: Path) -> tuple[dict[str, int], dict[str, int]]:
+    """A dry run and a real run of GC with a cap of 0: what each says it deleted."""
+    args = ("--json", "--max-bytes", "0", "--min-age", "0")
+    dry, real = gc(root, "--dry-run", *args), gc(root, "--yes", *args)
+    assert dry.returncode == 0 and real.returncode == 0, dry.stderr + real.stderr
+    return json.loads(dry.stdout), json.loads(real.stdout)
+
+
+def test_a_filesystem_mounted_in_a_hashed_dir_is_never_entered(root: Path, tmp_path: Path) -> None:
+    d, folder, _ = vllm_ns(root)
+    other = tmp_path / "other-fs"  # say, a disk an operator mounted there to look at
+    other.mkdir()
+    k = key(100)
+    (other / f"{k}.bin").write_bytes(b"not in the cache")
+    os.utime(other / f"{k}.bin", (T0, T0))
+    before = snapshot(other)
+    with mounted(other, d / block_path(folder, k).rpartition("/")[0], root):
+        dry, real = deletes_all(root)
+        assert snapshot(other) == before
+        assert (dry["files"], real["files"]) == (3, 3)
+        # named outright (an index row, say), the file is refused, not deleted
+        rel = f"ns/{d.name}"
+        got = delete_files(root, rel, [block_path(folder, k)], fmt=VLLM_FS_TIER)
+        assert got.files == 0 and "another mount" in got.refused[0], got
+        assert snapshot(other) == before
+        out = cli("--root", str(root), "purge", "--namespace", d.name, "--yes", "--json")
+        assert json.loads(out.stdout)["result"]["purged"][0]["pages"] == 0, out.stdout
+        assert snapshot(other) == before
