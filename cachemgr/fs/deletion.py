@@ -36,7 +36,7 @@ from cachemgr.fs.deletecheck import (
     still_at,
 )
 from cachemgr.fs.safe import open_dir
-from cachemgr.fs.tree import by_dirs, orphan_identities, tree_names
+from cachemgr.fs.tree import by_dirs, on_mount, orphan_identities, tree_names
 from cachemgr.layout import NS_DIR, check_ns_id
 from cachemgr.sglang.hicache import HICACHE_FILE
 
@@ -183,9 +183,7 @@ def _delete_nested(
     total = DeleteReport(refused=tuple(bad), dry_run=dry_run)
     for sub, files in by_dir.items():
         try:
-            with open_dir(root, f"{rel_dir}/{sub}") as fd:
-                if mount_id(fd) != mnt:
-                    raise UnsafePathError("on another mount than its namespace dir")
+            on_mount(root, f"{rel_dir}/{sub}", mnt)
             total += delete_files(
                 root, f"{rel_dir}/{sub}", files, fmt=replace(fmt, nesting=None),
                 progress=_shifted(progress, total), removed=_under(removed, sub), **flat,

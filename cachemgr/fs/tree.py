@@ -13,12 +13,13 @@ import errno
 import os
 from collections.abc import Callable, Iterator
 from contextlib import suppress
+from pathlib import Path
 
 from cachemgr.backends import FileFormat, Nesting
 from cachemgr.engines import FORMATS
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs._dirscan import mount_id
-from cachemgr.fs.safe import DIR_FLAGS, read_regular
+from cachemgr.fs.safe import DIR_FLAGS, open_dir, read_regular
 
 IDENTITY_LIMIT = 1 << 20  # a vLLM config.json is ~1 KB; a bigger one is not the engine's
 
@@ -104,6 +105,13 @@ def _below(
         finally:
             with suppress(OSError):
                 os.close(child)
+
+
+def on_mount(root: Path, rel: str, mnt: int) -> None:
+    """UnsafePathError unless <root>/<rel> (opened without links) is on mount `mnt`."""
+    with open_dir(root, rel) as fd:
+        if mount_id(fd) != mnt:
+            raise UnsafePathError("on another mount than its namespace dir")
 
 
 def by_dirs(ns_fd: int, paths: list[str], fmt: FileFormat) -> tuple[ByDir, list[str]]:
