@@ -4,9 +4,11 @@ deletions seen; the manifest's engine decides how the dir is read."""
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -102,4 +104,38 @@ def test_a_block_stored_before_its_new_dir_is_watched_is_still_counted_once(
         assert vllm_load(d, later[5]) == SIZE
         wait_for(lambda: ns_stats(reader, ns), lambda s: s == (62, 62 * SIZE, 1, 61))
     finally:
+        ix.stop()
+
+
+def test_after_an_overflow_blocks_stored_in_dirs_made_during_it_are_still_counted(
+    layout: Layout, store: Store, reader: sqlite3.Connection
+) -> None:
+    ns = vllm_namespace(layout, store)
+    d = layout.ns_dir(ns)
+    folder = write_folder(d)
+    first = block_path(folder, key(0))
+    pair = [first, first[: first.rindex("/") + 1] + key(0)[:5] + "f" * 59 + ".bin"]
+    for rel in pair:
+        vllm_store(d, rel, SIZE)
+    watcher = HeldWatcher(layout)
+    ix = start(layout, store, watcher)
+    try:
+        limit = int(Path("/proc/sys/fs/inotify/max_queued_events").read_text())
+        wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (2, 2 * SIZE))
+        vllm_load(d, first)  # a watched dir's event: the inotify thread now blocks
+        for i in range(2 * limit):  # reads until the kernel queue overflows (see test_indexer)
+            os.close(os.open(d / pair[i % 2], os.O_RDONLY))
+        # dirs the kernel can no longer report: their watches come from the rescan or never
+        during = [block_path(folder, key(i)) for i in range(1, 30)]
+        for rel in during:
+            vllm_store(d, rel, SIZE)
+        watcher.release.set()
+        wait_for(lambda: ix.state.overflows, lambda n: n >= 1, timeout=30)
+        wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (31, 31 * SIZE), timeout=30)
+        # a second block in a dir made during the overflow, live (no reconcile is due)
+        twin = during[3][: during[3].rindex("/") + 1] + key(4)[:5] + "e" * 59 + ".bin"
+        vllm_store(d, twin, SIZE)
+        wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (32, 32 * SIZE), timeout=10)
+    finally:
+        watcher.release.set()
         ix.stop()

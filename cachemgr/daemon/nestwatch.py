@@ -5,7 +5,8 @@ the dir. vLLM makes a hashed dir and stores a file in it at once, so a file can 
 dir's watch exists: a dir that appears is listed right after its watch is added, and what the
 listing finds is counted as stored (`fresh`); a rename the kernel reports for a file the listing
 counted already is dropped (watcher.SEEN_FOR). The dirs present when a namespace is first
-watched are watched without counting their files: the index scan finds those.
+watched, or scanned again (an inotify overflow lost their creation), are watched without
+counting their files: the index scan finds those.
 
 Only dirs whose names fit their level are watched, a top dir only if its identity file vouches
 for it, and each dir is first opened from the root without following a link: a symlink planted
@@ -69,9 +70,14 @@ class NestWatches:
         with self._lock:  # its creation event and its parent's listing may both get here
             subs = self._subs.setdefault(parent.ns_id, {})
             old = subs.get(child.path)
-            if old is not None and not old.dead:
-                return  # a second callback on one watch would count every event twice
-            subs[child.path] = child
+            if old is None or old.dead:
+                subs[child.path] = child
+        if old is not None and not old.dead:
+            # a second callback on one watch would count every event twice; a rescan (after
+            # an overflow, say) still looks below it for dirs made while events were lost
+            if not fresh:
+                self.below(old, fresh=False)
+            return
         if not self.watcher.add(child, layout.root / rel):
             with self._lock:
                 self._subs.get(parent.ns_id, {}).pop(child.path, None)

@@ -207,7 +207,10 @@ class Watcher:
         with self._lock:
             current = self._watches.get(ns_id)
         if current is not None and not current.dead and current.fmt is fmt:
-            return True  # a second callback on the same watch would count every event twice
+            # a second callback on the same watch would count every event twice; dirs made
+            # while the kernel's queue overflowed get theirs
+            self.nest.below(current, fresh=False)
+            return True
         cb = _DirWatch(ns_id, self, fmt)
         if not self.add(cb, self.layout.ns_dir(ns_id)):
             return False
