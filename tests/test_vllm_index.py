@@ -5,6 +5,7 @@ deletions seen; the manifest's engine decides how the dir is read."""
 from __future__ import annotations
 
 import os
+import shutil
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -138,4 +139,29 @@ def test_after_an_overflow_blocks_stored_in_dirs_made_during_it_are_still_counte
         wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (32, 32 * SIZE), timeout=10)
     finally:
         watcher.release.set()
+        ix.stop()
+
+
+def test_a_hashed_dir_removed_and_made_again_is_watched_again(
+    layout: Layout, store: Store, reader: sqlite3.Connection
+) -> None:
+    ns = vllm_namespace(layout, store)
+    d = layout.ns_dir(ns)
+    folder = write_folder(d)
+    rel = block_path(folder, key(0))
+    vllm_store(d, rel, SIZE)
+    ix = start(layout, store)
+    try:
+        wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (1, SIZE))
+        for _ in range(20):  # a person's rm -r, and vLLM's next store, again and again
+            shutil.rmtree(d / f"{folder}_r0")
+            wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (0, 0))
+            vllm_store(d, rel, SIZE)
+            wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (1, SIZE))
+        sibling = rel[: rel.rindex("/") + 1] + key(0)[:5] + "f" * 59 + ".bin"
+        vllm_store(d, sibling, SIZE)  # in the dir made last: watched
+        wait_for(lambda: ns_stats(reader, ns)[:3], lambda s: s == (2, 2 * SIZE, 0))
+        assert vllm_load(d, rel) == SIZE
+        wait_for(lambda: ns_stats(reader, ns)[2], lambda r: r == 1)
+    finally:
         ix.stop()

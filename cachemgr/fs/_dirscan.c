@@ -472,7 +472,8 @@ static int open_sub(int dirfd, const struct dirent *d, int level, Totals *tot) {
     if (fd < 0) { /* not kept, a symlink or a file (ELOOP, ENOTDIR), or gone since listed */
         if (ok && errno == ENOENT)
             tot->gone++;
-        else if (ok && errno != ELOOP && errno != ENOTDIR)
+        /* an unreadable dir (EACCES: someone's chmod) is not entered: the rest still counts */
+        else if (ok && errno != ELOOP && errno != ENOTDIR && errno != EACCES && errno != EPERM)
             tot->err = errno;
         else
             tot->other++;

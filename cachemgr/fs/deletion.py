@@ -193,7 +193,7 @@ def _delete_nested(
                 for name in files:
                     removed(f"{sub}/{name}", None)
             total += DeleteReport(vanished=len(files))
-        except UnsafePathError as e:  # a link or a file planted in a dir's place: left alone
+        except (UnsafePathError, PermissionError) as e:  # a link, a file, a dir we may not write
             total += DeleteReport(refused=(f"{rel_dir}/{sub}: {e}",))
     return total
 

@@ -132,8 +132,8 @@ def _list_dir(fd: int, path: str, kinds: frozenset[FileKind], fmt: FileFormat) -
                 continue
             try:
                 st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            except FileNotFoundError:
-                continue  # deleted since listdir
+            except (FileNotFoundError, PermissionError):
+                continue  # deleted since listdir, or in a dir we may list but not search
             if stat.S_ISREG(st.st_mode):
                 # a nested page's key is its whole path (cachemgr.backends)
                 klen = len(path) + len(name) if path and key_len else key_len or 0

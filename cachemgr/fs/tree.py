@@ -94,8 +94,8 @@ def _below(
         try:
             child = os.open(name, DIR_FLAGS, dir_fd=fd)
         except OSError as e:
-            if e.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
-                continue  # gone since listed, or swapped for a link: never entered
+            if e.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR, errno.EACCES, errno.EPERM):
+                continue  # gone since listed, swapped for a link, unreadable: never entered
             raise
         if mount_id(child) != mnt:  # a mount point: never entered
             os.close(child)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -79,3 +81,56 @@ def test_a_filesystem_mounted_in_a_hashed_dir_is_never_entered(root: Path, tmp_p
         out = cli("--root", str(root), "purge", "--namespace", d.name, "--yes", "--json")
         assert json.loads(out.stdout)["result"]["purged"][0]["pages"] == 0, out.stdout
         assert snapshot(other) == before
+
+
+def without_dac(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`cachemgr ARGS` as root without the capabilities that bypass file modes, as a daemon
+    running as the cache's owner would: a chmod 000 dir is then unreadable to it."""
+    caps = "-dac_override,-dac_read_search"
+    return subprocess.run(
+        ["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}", "--", sys.executable, "-m",
+         "cachemgr", "--root", str(root), "--log-level", "error", *args],
+        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="root, setpriv")
+@pytest.mark.parametrize("mode", [0o000, 0o444])  # not readable; readable, not searchable
+def test_an_unreadable_hashed_dir_is_left_alone_and_the_rest_is_collected(
+    root: Path, mode: int
+) -> None:
+    d, _, blocks = vllm_ns(root, blocks=4)
+    locked = d / blocks[0].rpartition("/")[0]  # a co-tenant's chmod, another user's umask
+    locked.chmod(mode)
+    try:
+        ls = without_dac(root, "ls", "--json")
+        assert ls.returncode == 0, ls.stderr
+        (row,) = json.loads(ls.stdout)["namespaces"]
+        assert (row["pages"], row["bytes"]) == (3, 300)
+        args = ("--json", "--max-bytes", "0", "--min-age", "0")
+        dry, real = (
+            without_dac(root, "gc", "--dry-run", *args),
+            without_dac(root, "gc", "--yes", *args),
+        )
+        assert dry.returncode == 0 and real.returncode == 0, dry.stderr + real.stderr
+        assert json.loads(dry.stdout)["files"] == json.loads(real.stdout)["files"] == 3
+    finally:
+        locked.chmod(0o755)
+    assert [p.name for p in d.rglob("*.bin")] == [blocks[0].rpartition("/")[2]]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="root, setpriv")
+def test_a_hashed_dir_gc_may_not_write_stops_only_its_own_deletions(root: Path) -> None:
+    d, _, blocks = vllm_ns(root, blocks=4)
+    for i, rel in enumerate(blocks):  # the read-only dir's block is the oldest: deleted first
+        os.utime(d / rel, (T0 + i, T0 + i))
+    locked = d / blocks[0].rpartition("/")[0]
+    locked.chmod(0o555)
+    try:
+        real = without_dac(root, "gc", "--yes", "--json", "--max-bytes", "0", "--min-age", "0")
+    finally:
+        locked.chmod(0o755)
+    assert real.returncode != 2, real.stderr  # not an error that ends the run
+    got = json.loads(real.stdout)
+    assert got["files"] == 3 and "Permission denied" in got["steps"][0]["refused"][0], got
+    assert [p.name for p in d.rglob("*.bin")] == [blocks[0].rpartition("/")[2]]
