@@ -8,8 +8,9 @@
  * namespace is summarised faster than `du` walks it.
  *
  * Names are grouped by *shape* (the caller's format gives the rules, cachemgr.backends.ScanRules):
- * a leading run of key_min..key_max lowercase hex digits (the page key) is replaced by key_min
- * '0's, so every page of one model/rank/pool falls into one group, and the temp_hex hex digits
+ * a leading run of key_min..key_max lowercase hex digits (the page key) is replaced by as many
+ * '0's, so every page of one model/rank/pool falls into one group (keys of another length, in
+ * another: a format may take some lengths only), and the temp_hex hex digits
  * after a leading temp_lead by '0's, so such temps share one group too. The caller's kind_of
  * classifies each shape once, with the GIL, when it is first seen -- the format guarantees the
  * verdict of a name and of its shape are the same. Files of one page share its key, so the
@@ -42,7 +43,7 @@
 #define CHUNK 65536       /* entries stat'ed per round: bounds memory for huge directories */
 #define MAX_THREADS 16
 #define MAX_SIZES 1024    /* distinct sizes tracked per group; more go to `untracked` */
-#define RULE_MAX 128 /* longest key_min or temp_hex accepted (Ent.skip is 8 bits) */
+#define RULE_MAX 128 /* longest key_max or temp_hex accepted (Ent.skip is 8 bits) */
 #define SMALL 256    /* a dir with fewer entries is stat'ed on the calling thread */
 #define MAX_LEVELS 8
 #define PATH_MAX_LEN 4096
@@ -90,8 +91,7 @@ enum { PAGE = 1 }; /* cachemgr.backends.FileKind.PAGE */
 typedef struct {
     size_t key_min, key_max, temp_hex;
     char temp_lead;
-    char prefix[3][RULE_MAX + 2];
-    size_t prefix_len[3];
+    char prefix[3][RULE_MAX + 2]; /* a shape's first `Ent.skip` characters */
 } Rules;
 #define FNV_SEED 0xcbf29ce484222325ULL
 
@@ -134,13 +134,13 @@ static void shape_of(const Rules *r, uint64_t seed, Ent *e) {
     } else if (e->name[0] == r->temp_lead && hex_run(e->name + 1, e->len - 1) == r->temp_hex) {
         e->prefix = TEMP_KEY, e->skip = (uint8_t)(1 + r->temp_hex);
     }
-    uint64_t h = fnv(r->prefix[e->prefix], r->prefix_len[e->prefix], FNV_SEED);
+    uint64_t h = fnv(r->prefix[e->prefix], e->skip, FNV_SEED);
     e->shape_hash = mix(fnv(e->name + e->skip, e->len - e->skip, h));
     e->key_hash = mix(fnv(e->name, e->prefix == PAGE_KEY ? hex : e->len, seed));
 }
 
 static int shape_equals(const Rules *r, const Group *x, const Ent *e) {
-    size_t rest = (size_t)(e->len - e->skip), head = r->prefix_len[e->prefix];
+    size_t rest = (size_t)(e->len - e->skip), head = e->skip;
     return x->hash == e->shape_hash && x->keylen == head + rest &&
            memcmp(x->key, r->prefix[e->prefix], head) == 0 &&
            memcmp(x->key + head, e->name + e->skip, rest) == 0;
@@ -228,7 +228,7 @@ static Group *group_of(Groups *g, const Rules *r, const Ent *e) {
         if (shape_equals(r, x, e))
             return x;
     }
-    size_t rest = (size_t)(e->len - e->skip), head = r->prefix_len[e->prefix];
+    size_t rest = (size_t)(e->len - e->skip), head = e->skip;
     Group *x = calloc(1, sizeof *x);
     char *key = malloc(head + rest + 1);
     if (!x || !key) {
@@ -570,18 +570,16 @@ static int parse_rules(PyObject *arg, Rules *r) {
     int key_min, key_max, temp_hex, lead;
     if (!PyArg_ParseTuple(arg, "iiCi", &key_min, &key_max, &lead, &temp_hex))
         return 0;
-    if (key_min < 1 || key_max < key_min || key_max > 255 || key_min > RULE_MAX ||
+    if (key_min < 1 || key_max < key_min || key_max > RULE_MAX ||
         temp_hex < 1 || temp_hex > RULE_MAX || lead < 1 || lead > 127) {
         PyErr_SetString(PyExc_ValueError, "scan rules out of range");
         return 0;
     }
     *r = (Rules){.key_min = (size_t)key_min, .key_max = (size_t)key_max,
                  .temp_hex = (size_t)temp_hex, .temp_lead = (char)lead};
-    memset(r->prefix[PAGE_KEY], '0', r->key_min);
-    r->prefix_len[PAGE_KEY] = r->key_min;
+    memset(r->prefix[PAGE_KEY], '0', r->key_max); /* a shape keeps its key's length */
     r->prefix[TEMP_KEY][0] = r->temp_lead;
     memset(r->prefix[TEMP_KEY] + 1, '0', r->temp_hex);
-    r->prefix_len[TEMP_KEY] = 1 + r->temp_hex;
     return 1;
 }
 

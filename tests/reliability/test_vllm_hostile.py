@@ -134,3 +134,23 @@ def test_a_hashed_dir_gc_may_not_write_stops_only_its_own_deletions(root: Path) 
     got = json.loads(real.stdout)
     assert got["files"] == 3 and "Permission denied" in got["steps"][0]["refused"][0], got
     assert [p.name for p in d.rglob("*.bin")] == [blocks[0].rpartition("/")[2]]
+
+
+def test_names_that_nearly_match_a_block_are_neither_counted_nor_deleted(root: Path) -> None:
+    d, _, blocks = vllm_ns(root, blocks=2)
+    leaf = d / blocks[0].rpartition("/")[0]
+    k = blocks[0].rpartition("/")[2][:64]
+    # vLLM's hashes are 32 (xxhash) or 64 (sha256) hex digits; nothing else is its block
+    near = [f"{k[:63]}.bin", f"{k[:33]}.bin", f"{k}0.bin", f"{k.upper()}.bin", f"{k}.bin.tmp",
+            f"{k[:40]}.bin_7.tmp", f"{k}.bin_x.tmp", f"{k}.bin_.tmp"]  # fmt: skip
+    for name in near:
+        (leaf / name).write_bytes(b"near")
+        os.utime(leaf / name, (T0, T0))
+    xx = f"{k[:32]}.bin"  # an xxhash block beside them is one
+    (leaf / xx).write_bytes(b"x" * 100)
+    os.utime(leaf / xx, (T0, T0))
+    (row,) = json.loads(cli("--root", str(root), "ls", "--json").stdout)["namespaces"]
+    assert (row["pages"], row["bytes"], row["temps"]) == (3, 300, 0)
+    dry, real = deletes_all(root)
+    assert (dry["files"], dry["bytes"]) == (real["files"], real["bytes"]) == (3, 300)
+    assert sorted(p.name for p in leaf.iterdir()) == sorted(near)
