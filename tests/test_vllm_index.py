@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import sqlite3
+import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -165,3 +166,36 @@ def test_a_hashed_dir_removed_and_made_again_is_watched_again(
         wait_for(lambda: ns_stats(reader, ns)[2], lambda r: r == 1)
     finally:
         ix.stop()
+
+
+def test_a_hashed_dir_on_another_mount_is_not_watched(
+    layout: Layout, store: Store, reader: sqlite3.Connection, tmp_path: Path
+) -> None:
+    ns = vllm_namespace(layout, store)
+    d = layout.ns_dir(ns)
+    folder = write_folder(d)
+    vllm_store(d, block_path(folder, key(0)), SIZE)
+    ix = start(layout, store)
+    other = tmp_path / "other-fs"
+    other.mkdir()
+    rel = block_path(folder, key(1))
+    at = d / rel.rpartition("/")[0]
+    at.parent.mkdir(parents=True)
+    at.mkdir()  # made empty, then a bind mount over it: the watch would be on the mount's dir
+    mounted = subprocess.run(["mount", "--bind", str(other), str(at)], capture_output=True)
+    if mounted.returncode != 0:
+        ix.stop()
+        pytest.skip(f"cannot bind-mount here: {mounted.stderr.decode().strip()}")
+    try:
+        vllm_store(d, rel, SIZE)  # lands on the other filesystem
+        vllm_store(d, block_path(folder, key(2)), SIZE)  # a dir made after it: watched
+        wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (2, 2 * SIZE))
+        ix.stop()
+        ix = start(layout, store)  # a scan from scratch agrees, and watches what it scans
+        wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (2, 2 * SIZE))
+        vllm_store(d, rel[: rel.rindex("/") + 1] + key(1)[:5] + "e" * 59 + ".bin", SIZE)
+        vllm_store(d, block_path(folder, key(3)), SIZE)  # reported after the one above
+        wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (3, 3 * SIZE))
+    finally:
+        ix.stop()
+        subprocess.run(["umount", "-l", str(at)], check=True)

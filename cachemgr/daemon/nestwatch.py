@@ -9,8 +9,8 @@ watched, or scanned again (an inotify overflow lost their creation), are watched
 counting their files: the index scan finds those.
 
 Only dirs whose names fit their level are watched, a top dir only if its identity file vouches
-for it, and each dir is first opened from the root without following a link: a symlink planted
-in the tree is never watched through.
+for it, and each dir is first opened from the root without following a link and must be on the
+namespace dir's mount: a symlink planted in the tree, or a mount, is never watched through.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from cachemgr.errors import UnsafePathError
+from cachemgr.fs._dirscan import mount_id
 from cachemgr.fs.safe import open_dir
-from cachemgr.fs.tree import vouched
+from cachemgr.fs.tree import on_mount, vouched
 from cachemgr.layout import Layout
 
 WRITE = 1  # watcher.Kind.WRITE (not imported: the watcher imports this module)
@@ -57,14 +58,12 @@ class NestWatches:
         layout = self.watcher.layout
         rel = f"ns/{parent.ns_id}/{parent.path}{name}"
         try:
-            if parent.level == 0:
-                with open_dir(layout.root, f"ns/{parent.ns_id}") as ns_fd:
-                    if name not in vouched(ns_fd, nesting):
-                        return
-            with open_dir(layout.root, rel):  # no link on the way
-                pass
+            with open_dir(layout.root, f"ns/{parent.ns_id}") as ns_fd:
+                if parent.level == 0 and name not in vouched(ns_fd, nesting):
+                    return
+                on_mount(layout.root, rel, mount_id(ns_fd))  # no link on the way, no mount
         except (OSError, UnsafePathError):
-            return  # gone already, or a link: never watched through
+            return  # gone already, a link, another mount: never watched through
         child = replace(parent, path=f"{parent.path}{name}/", level=parent.level + 1, wd=-1,
                         dead=False, seen={})  # fmt: skip
         with self._lock:  # its creation event and its parent's listing may both get here
