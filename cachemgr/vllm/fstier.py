@@ -43,14 +43,15 @@ GROUP_DIR_RE = re.compile(r"[0-9a-f]{2}_g\d{1,6}")
 
 def folder_digest(config: bytes) -> str | None:
     """The folder name vLLM gives the identity in a config.json's bytes; None if they are not a
-    complete JSON object of that shape (a partial write: vLLM writes it non-atomically)."""
+    complete JSON object of that shape (a partial write: vLLM writes it non-atomically; or a
+    hostile one: "[[[..." a hundred thousand deep)."""
     try:
         fields = json.loads(config)
-    except (ValueError, UnicodeDecodeError):
+        if not isinstance(fields, dict) or not isinstance(fields.get("model_name"), str):
+            return None
+        canon = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
-    if not isinstance(fields, dict) or not isinstance(fields.get("model_name"), str):
-        return None
-    canon = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     digest = hashlib.sha256(canon).hexdigest()[:DIGEST_HEX]
     return f"{fields['model_name'].replace('/', '_')}_{digest}"
 

@@ -154,3 +154,19 @@ def test_names_that_nearly_match_a_block_are_neither_counted_nor_deleted(root: P
     dry, real = deletes_all(root)
     assert (dry["files"], dry["bytes"]) == (real["files"], real["bytes"]) == (3, 300)
     assert sorted(p.name for p in leaf.iterdir()) == sorted(near)
+
+
+def test_a_config_json_nested_too_deeply_vouches_for_nothing_and_fails_nothing(
+    root: Path,
+) -> None:
+    d, _, _ = vllm_ns(root)
+    evil = write_folder(d, model="evil/m")
+    (kept,) = write_blocks(d, evil, 1, size=100, start=50, mtime=T0)
+    (d / evil / "config.json").write_text("[" * 100_000 + "]" * 100_000)  # json: RecursionError
+    ls = cli("--root", str(root), "ls", "--json")
+    assert ls.returncode == 0, ls.stderr
+    (row,) = json.loads(ls.stdout)["namespaces"]
+    assert (row["pages"], row["bytes"]) == (3, 300)
+    dry, real = deletes_all(root)
+    assert dry["files"] == real["files"] == 3
+    assert (d / kept).is_file()
