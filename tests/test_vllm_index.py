@@ -199,3 +199,27 @@ def test_a_hashed_dir_on_another_mount_is_not_watched(
     finally:
         ix.stop()
         subprocess.run(["umount", "-l", str(at)], check=True)
+
+
+def test_a_hashed_dir_moved_out_of_the_namespace_leaves_the_index(
+    layout: Layout, store: Store, reader: sqlite3.Connection, tmp_path: Path
+) -> None:
+    ns = vllm_namespace(layout, store)
+    d = layout.ns_dir(ns)
+    folder = write_folder(d)
+    blocks = [block_path(folder, key(i)) for i in range(40)]
+    for rel in blocks:
+        vllm_store(d, rel, SIZE)
+    ix = start(layout, store)
+    try:
+        wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (40, 40 * SIZE))
+        os.rename(d / f"{folder}_r0", tmp_path / "aside")  # an operator's mv, a backup
+        wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (0, 0), timeout=10)
+        # and what happens in the dir moved away is not the namespace's any more
+        vllm_store(
+            tmp_path / "aside", blocks[0].partition("/")[2].replace(key(0)[5:9], "0000"), SIZE
+        )
+        vllm_store(d, blocks[1], SIZE)  # reported after the one above
+        wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (1, SIZE), timeout=10)
+    finally:
+        ix.stop()

@@ -105,6 +105,17 @@ class NestWatches:
                     cb.seen[name] = now
                     self.watcher.emit((WRITE, cb.ns_id, cb.path + name, now))
 
+    def moved(self, parent: Any, name: str) -> None:
+        """Dir `name` left the watched dir `parent`: what its watches (and those below it)
+        see now is not the namespace's."""
+        gone = f"{parent.path}{name}/"
+        with self._lock:
+            subs = self._subs.get(parent.ns_id, {})
+            left = [subs.pop(p) for p in [p for p in subs if p.startswith(gone)]]
+        for cb in left:
+            cb.dead = True
+            self.watcher._remove(cb)
+
     def drop(self, ns_id: str) -> None:
         """Remove the watches below a namespace dir (unwatched, or watched again)."""
         with self._lock:

@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 C = InotifyConstants
 _NS_MASK = Mask(C.IN_MOVED_TO | C.IN_MOVED_FROM | C.IN_DELETE | C.IN_CLOSE_NOWRITE)
 _ROOT_MASK = Mask(C.IN_CREATE | C.IN_MOVED_TO | C.IN_MOVED_FROM | C.IN_DELETE)
-_TREE_MASK = Mask(C.IN_CREATE | C.IN_MOVED_TO)  # a dir above a nested format's files
+_TREE_MASK = Mask(C.IN_CREATE | C.IN_MOVED_TO | C.IN_MOVED_FROM)  # a dir above the files
 _FLAGS = Mask(C.IN_ONLYDIR | C.IN_DONT_FOLLOW)
 
 
@@ -97,6 +97,10 @@ class _DirWatch:
         if mask & C.IN_ISDIR:
             if not self.leaf and mask & (C.IN_CREATE | C.IN_MOVED_TO):
                 self.watcher.nest.added(self, name)
+            elif not self.leaf and mask & C.IN_MOVED_FROM:
+                self.watcher.nest.moved(self, name)
+                # its files left without an event each (an mv, not an rm -r): scan again
+                self.watcher.emit((Kind.NS_ADDED, self.ns_id, "", self.watcher.clock()))
             return
         if not self.leaf:
             return
