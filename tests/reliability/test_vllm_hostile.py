@@ -4,6 +4,7 @@ another filesystem mounted in a hashed dir, names that nearly match a block's. G
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -20,7 +21,7 @@ from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 from cachemgr.state.store import Store
 from cachemgr.vllm.fstier import VLLM_FS_TIER
-from tests.nsfixtures import cli, snapshot
+from tests.nsfixtures import cli, cli_process, snapshot
 from tests.test_gc_cli import gc
 from tests.vllmtrees import block_path, key, vllm_namespace, write_blocks, write_folder
 
@@ -170,3 +171,35 @@ def test_a_config_json_nested_too_deeply_vouches_for_nothing_and_fails_nothing(
     dry, real = deletes_all(root)
     assert dry["files"] == real["files"] == 3
     assert (d / kept).is_file()
+
+
+def fill_with_blocks(ns_dir: Path, folder: str, size: int = 256 << 10) -> int:
+    """vLLM blocks (old mtimes, so no min-age keeps them) until ENOSPC; how many."""
+    n = 0
+    while True:
+        path = ns_dir / block_path(folder, key(n))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(b"\0" * size)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            path.unlink(missing_ok=True)
+            return n
+        os.utime(path, (T0 + n, T0 + n))
+        n += 1
+
+
+def test_the_floor_pass_frees_a_disk_vllm_filled(small_fs: Path) -> None:
+    """The full-disk pass (cachemgr.gc.floor: a scan, no DB) deletes vLLM's blocks too."""
+    root = small_fs / "root"
+    d, folder, _ = vllm_ns(root, blocks=0)
+    assert fill_with_blocks(d, folder) > 100
+    out = cli_process("--root", str(root), "gc", "--yes", "--json",
+                      env={"CACHEMGR_GC_MIN_FREE_PERCENT": "20"})  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    floor = [s for s in json.loads(out.stdout)["steps"] if s["reason"] == "free_space"]
+    assert floor and not any(s["refused"] for s in floor), floor
+    disk = shutil.disk_usage(root)
+    assert disk.free >= disk.total * 0.2
