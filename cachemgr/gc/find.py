@@ -164,6 +164,14 @@ def unbound_past_retention(
     return doomed[::-1]
 
 
+def _kind(name: str, key_len: int) -> str:
+    """What a page's files share the size of: what follows the key, and for a nested format
+    (a path) its top dir too. vLLM sizes its blocks per digest folder, and one namespace may
+    hold two folders (fields vLLM's digest covers and cachemgr's identity does not)."""
+    top, slash, _ = name.partition("/")
+    return f"{top}/*{name[key_len:]}" if slash else name[key_len:]
+
+
 def torn_pages(
     conn: sqlite3.Connection, skip: set[str], policy: GcPolicy, now: float
 ) -> tuple[list[GcStep], list[str]]:
@@ -184,7 +192,7 @@ def torn_pages(
         kinds: dict[str, list[tuple[str, int]]] = defaultdict(list)  # kind -> (key, size)
         pages: dict[str, list[tuple[str, int, float]]] = defaultdict(list)  # key -> files
         for name, size, last, key_len in pages_sql.namespace_files(conn, ns_id):
-            kinds[name[key_len:]].append((name[:key_len], size))
+            kinds[_kind(name, key_len)].append((name[:key_len], size))
             pages[name[:key_len]].append((name, size, last))
         torn: set[str] = set()  # keys
         for kind, files in sorted(kinds.items()):

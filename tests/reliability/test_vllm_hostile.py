@@ -203,3 +203,15 @@ def test_the_floor_pass_frees_a_disk_vllm_filled(small_fs: Path) -> None:
     assert floor and not any(s["refused"] for s in floor), floor
     disk = shutil.disk_usage(root)
     assert disk.free >= disk.total * 0.2
+
+
+def test_blocks_of_another_folder_with_another_size_are_not_torn(root: Path) -> None:
+    """Two digest folders in one namespace (vLLM's digest covers fields cachemgr's identity
+    need not: blocks_per_file, say): each folder's blocks have their own size, none is torn."""
+    d, _, blocks = vllm_ns(root, blocks=6)
+    other = write_folder(d, dtype="fp8")
+    bigger = write_blocks(d, other, 2, size=400, start=100, mtime=T0)
+    out = gc(root, "--yes", "--json", "--min-age", "0")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["files"] == 0
+    assert all((d / rel).is_file() for rel in [*blocks, *bigger])
