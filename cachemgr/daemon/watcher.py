@@ -155,6 +155,7 @@ class _RootWatch:
             )
 
     def on_queue_overflow(self) -> None:
+        self.watcher.overflowed()
         self.watcher.emit((Kind.OVERFLOW, "", "", self.watcher.clock()))
 
 
@@ -171,6 +172,8 @@ class Watcher:
     _fd: InotifyFD | None = field(default=None, init=False)
     _watches: dict[str, _DirWatch] = field(default_factory=dict, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    # watched before an overflow: dirs made since may have lost their creation event
+    _stale: set[str] = field(default_factory=set, init=False)
     nest: NestWatches = field(init=False)
 
     def __post_init__(self) -> None:
@@ -199,6 +202,12 @@ class Watcher:
     def format_of(self, ns_id: str) -> FileFormat:
         return self.formats(self.layout, ns_id)
 
+    def overflowed(self) -> None:
+        """The kernel dropped events: every watched namespace's dirs are listed again by the
+        rescan that follows (a walk of every dir: only then, not at each reconcile)."""
+        with self._lock:
+            self._stale |= set(self._watches)
+
     def has(self, ns_id: str) -> bool:
         with self._lock:
             return ns_id in self._watches
@@ -211,9 +220,12 @@ class Watcher:
         with self._lock:
             current = self._watches.get(ns_id)
         if current is not None and not current.dead and current.fmt is fmt:
-            # a second callback on the same watch would count every event twice; dirs made
-            # while the kernel's queue overflowed get theirs
-            self.nest.below(current, fresh=False)
+            # a second callback on the same watch would count every event twice
+            with self._lock:
+                stale = ns_id in self._stale
+                self._stale.discard(ns_id)
+            if stale:  # dirs made while the kernel's queue overflowed get their watches
+                self.nest.below(current, fresh=False)
             return True
         cb = _DirWatch(ns_id, self, fmt)
         if not self.add(cb, self.layout.ns_dir(ns_id)):
