@@ -49,7 +49,7 @@ class NestWatches:
         self._subs: dict[str, dict[str, Any]] = {}  # namespace -> path -> its watch
         self._lock = threading.Lock()
 
-    def added(self, parent: Any, name: str, *, fresh: bool = True) -> None:
+    def added(self, parent: Any, name: str, *, fresh: bool = True, deep: bool = False) -> None:
         """Dir `name` appeared in the watched dir `parent`: watch it if it is the engine's, and
         list it (`fresh`: its files were stored just now)."""
         nesting = parent.fmt.nesting
@@ -72,10 +72,10 @@ class NestWatches:
             if old is None or old.dead:
                 subs[child.path] = child
         if old is not None and not old.dead:
-            # a second callback on one watch would count every event twice; a rescan (after
-            # an overflow, say) still looks below it for dirs made while events were lost
-            if not fresh:
-                self.below(old, fresh=False)
+            # a second callback on one watch would count every event twice; `deep` (a rescan
+            # after an overflow) still looks below it for dirs made while events were lost
+            if deep:
+                self.below(old, fresh=False, deep=True)
             return
         if not self.watcher.add(child, layout.root / rel):
             with self._lock:
@@ -83,7 +83,7 @@ class NestWatches:
             return
         self.below(child, fresh=fresh)
 
-    def below(self, cb: Any, *, fresh: bool) -> None:
+    def below(self, cb: Any, *, fresh: bool, deep: bool = False) -> None:
         """Watch the engine's dirs already in `cb`'s dir; in a fresh leaf, count its pages."""
         if cb.fmt.nesting is None:
             return
@@ -96,7 +96,7 @@ class NestWatches:
         if not cb.leaf:
             for name, mode in found:
                 if stat.S_ISDIR(mode):
-                    self.added(cb, name, fresh=fresh)
+                    self.added(cb, name, fresh=fresh, deep=deep)
             return
         if fresh:
             now = self.watcher.clock()

@@ -220,12 +220,13 @@ class Watcher:
         with self._lock:
             current = self._watches.get(ns_id)
         if current is not None and not current.dead and current.fmt is fmt:
-            # a second callback on the same watch would count every event twice
+            # A second callback on the same watch would count every event twice. A top dir
+            # vouched for since is watched now; after an overflow, every dir made meanwhile
+            # (a walk of the whole tree: only then)
             with self._lock:
                 stale = ns_id in self._stale
                 self._stale.discard(ns_id)
-            if stale:  # dirs made while the kernel's queue overflowed get their watches
-                self.nest.below(current, fresh=False)
+            self.nest.below(current, fresh=False, deep=stale)
             return True
         cb = _DirWatch(ns_id, self, fmt)
         if not self.add(cb, self.layout.ns_dir(ns_id)):
