@@ -10,7 +10,7 @@ from collections import Counter, defaultdict
 from contextlib import suppress
 from dataclasses import dataclass
 
-from cachemgr.backends import FileKind
+from cachemgr.backends import FileFormat, FileKind
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs.dirscan import TEMPS, list_files, usual_size
 from cachemgr.fs.safe import is_own_temp, open_dir
@@ -19,6 +19,7 @@ from cachemgr.gc.step import GcStep
 from cachemgr.layout import Layout
 from cachemgr.ns.manifest import format_of
 from cachemgr.ns.trash import foreign_in, left_note, list_trash, trash_format
+from cachemgr.sglang.hicache import HICACHE_FILE
 from cachemgr.state import pages_sql
 
 
@@ -112,6 +113,13 @@ def trash_leftovers(layout: Layout, warnings: list[str]) -> list[GcStep]:
     return found
 
 
+def step_format(layout: Layout, step: GcStep) -> FileFormat:
+    """The file format of the dir a step deletes in (a namespace's, or a trash entry's)."""
+    if step.rel_dir.startswith(".trash/"):
+        return trash_format(layout, step.rel_dir.removeprefix(".trash/"))
+    return format_of(layout, step.namespace_id) if step.namespace_id else HICACHE_FILE
+
+
 def stale_temps(temps: list[TempFile], policy: GcPolicy, now: float) -> list[GcStep]:
     """Temp files older than tmp_ttl, grouped by namespace (a crashed writer's leftovers)."""
     by_ns: dict[str, list[TempFile]] = defaultdict(list)
@@ -164,14 +172,6 @@ def unbound_past_retention(
     return doomed[::-1]
 
 
-def _kind(name: str, key_len: int) -> str:
-    """What a page's files share the size of: what follows the key, and for a nested format
-    (a path) its top dir too. vLLM sizes its blocks per digest folder, and one namespace may
-    hold two folders (fields vLLM's digest covers and cachemgr's identity does not)."""
-    top, slash, _ = name.partition("/")
-    return f"{top}/*{name[key_len:]}" if slash else name[key_len:]
-
-
 def torn_pages(
     conn: sqlite3.Connection, skip: set[str], policy: GcPolicy, now: float
 ) -> tuple[list[GcStep], list[str]]:
@@ -192,7 +192,9 @@ def torn_pages(
         kinds: dict[str, list[tuple[str, int]]] = defaultdict(list)  # kind -> (key, size)
         pages: dict[str, list[tuple[str, int, float]]] = defaultdict(list)  # key -> files
         for name, size, last, key_len in pages_sql.namespace_files(conn, ns_id):
-            kinds[_kind(name, key_len)].append((name[:key_len], size))
+            # a nested page's top dir is part of its kind (vLLM: another digest, another size)
+            top = name.partition("/")[0] if "/" in name else ""
+            kinds[top + name[key_len:]].append((name[:key_len], size))
             pages[name[:key_len]].append((name, size, last))
         torn: set[str] = set()  # keys
         for kind, files in sorted(kinds.items()):

@@ -26,8 +26,6 @@ from cachemgr.gc import find as gcfind
 from cachemgr.gc.policy import GcPolicy, root_budget
 from cachemgr.gc.step import GcReport, GcStep, StepResult
 from cachemgr.layout import Layout
-from cachemgr.ns.manifest import format_of
-from cachemgr.ns.trash import trash_format
 from cachemgr.state.index import namespace_dirs
 from cachemgr.state.store import Store
 
@@ -92,15 +90,13 @@ def free_floor(
         if stop():
             break
         try:
-            # each dir read with its engine's format: vLLM's blocks are paths in hashed dirs
+            fmt = gcfind.step_format(layout, step)
             if step.remove_dir:
-                fmt = trash_format(layout, step.rel_dir.partition("/")[2])
                 r = delete_dir(layout.root, step.rel_dir, pacer=pacer, fmt=fmt)
             else:
-                assert step.namespace_id is not None  # plan_floor: a namespace's pages
                 r = delete_files(
                     layout.root, step.rel_dir, step.names, min_age=step.min_age, pacer=pacer,
-                    now=clock, fmt=format_of(layout, step.namespace_id),
+                    now=clock, fmt=fmt,
                 )  # fmt: skip
         except (UnsafePathError, FileNotFoundError) as e:
             r = DeleteReport(refused=(f"{step.rel_dir}: {e}",))
