@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from cachemgr.errors import UnsafePathError
-from cachemgr.fs._dirscan import mount_id
 from cachemgr.fs.safe import open_dir
 from cachemgr.fs.tree import on_mount, vouched
 from cachemgr.layout import Layout
@@ -58,10 +57,11 @@ class NestWatches:
         layout = self.watcher.layout
         rel = f"ns/{parent.ns_id}/{parent.path}{name}"
         try:
-            with open_dir(layout.root, f"ns/{parent.ns_id}") as ns_fd:
-                if parent.level == 0 and name not in vouched(ns_fd, nesting):
-                    return
-                on_mount(layout.root, rel, mount_id(ns_fd))  # no link on the way, no mount
+            if parent.level == 0:
+                with open_dir(layout.root, f"ns/{parent.ns_id}") as ns_fd:
+                    if name not in vouched(ns_fd, nesting):
+                        return
+            on_mount(layout.root, f"ns/{parent.ns_id}", f"{parent.path}{name}")  # no link, no mount
         except (OSError, UnsafePathError):
             return  # gone already, a link, another mount: never watched through
         child = replace(parent, path=f"{parent.path}{name}/", level=parent.level + 1, wd=-1,

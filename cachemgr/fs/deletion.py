@@ -6,9 +6,8 @@ Directories are opened component by component from the root with O_NOFOLLOW and 
 unlinked relative to that descriptor, so a symlink planted anywhere on the way (or swapped in
 while we work) makes the operation refuse instead of reaching outside the root. A nested
 format's names (paths below the namespace dir, cachemgr.backends.Nesting) must fit its dir
-levels and a vouched top dir, and be on the namespace dir's mount; each dir's files then go
-as a flat dir's. Those dirs are never removed: the engine makes a hashed dir, then opens a
-file in it; an rmdir between would fail it.
+levels and a vouched top dir; each dir's files then go as a flat dir's. Those dirs are never
+removed: the engine makes a hashed dir, then opens a file in it; an rmdir between would fail it.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from typing import Any
 
 from cachemgr.backends import FileFormat
 from cachemgr.errors import UnsafePathError
-from cachemgr.fs._dirscan import mount_id
 from cachemgr.fs.deletecheck import (
     NO_PARENT,
     OWN_TEMPS,
@@ -177,13 +175,12 @@ def _delete_nested(
     format, or whose top dir no identity file vouches for, is refused."""
     with open_dir(root, rel_dir) as fd:
         by_dir, bad = by_dirs(fd, names, fmt)
-        mnt = mount_id(fd)
     bad = [f"{rel_dir}/{name}: not a file of {fmt.name} in a folder it vouches for" for name in bad]
     dry_run = bool(flat["dry_run"])
     total = DeleteReport(refused=tuple(bad), dry_run=dry_run)
     for sub, files in by_dir.items():
         try:
-            on_mount(root, f"{rel_dir}/{sub}", mnt)
+            on_mount(root, rel_dir, sub)  # not another filesystem or bind mount put there
             total += delete_files(
                 root, f"{rel_dir}/{sub}", files, fmt=replace(fmt, nesting=None),
                 progress=_shifted(progress, total), removed=_under(removed, sub), **flat,

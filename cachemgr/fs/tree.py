@@ -107,10 +107,11 @@ def _below(
                 os.close(child)
 
 
-def on_mount(root: Path, rel: str, mnt: int) -> None:
-    """UnsafePathError unless <root>/<rel> (opened without links) is on mount `mnt`."""
-    with open_dir(root, rel) as fd:
-        if mount_id(fd) != mnt:
+def on_mount(root: Path, ns_rel: str, sub: str) -> None:
+    """UnsafePathError unless dir `sub` of namespace dir <root>/<ns_rel> is on its mount (both
+    opened without links)."""
+    with open_dir(root, ns_rel) as ns_fd, open_dir(root, f"{ns_rel}/{sub}") as fd:
+        if mount_id(fd) != mount_id(ns_fd):
             raise UnsafePathError("on another mount than its namespace dir")
 
 
