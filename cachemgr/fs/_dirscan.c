@@ -125,6 +125,14 @@ static size_t hex_run(const char *s, size_t n) {
     return i;
 }
 
+/* The mount id of an open file (statx STATX_MNT_ID); 0 if the kernel cannot say. */
+static uint64_t mount_of(int fd) {
+    struct statx stx;
+    if (statx(fd, "", AT_EMPTY_PATH, STATX_MNT_ID, &stx) != 0 || !(stx.stx_mask & STATX_MNT_ID))
+        return 0;
+    return stx.stx_mnt_id;
+}
+
 /* A name's shape: prefix[prefix] + name[skip:]; and the hash of its page key. */
 static void shape_of(const Rules *r, uint64_t seed, Ent *e) {
     size_t hex = hex_run(e->name, e->len);
@@ -436,14 +444,6 @@ static void walk(int dirfd, Totals *tot) {
         n = m;
     }
     closedir(dir);
-}
-
-/* The mount id of an open file (statx STATX_MNT_ID); 0 if the kernel cannot say. */
-static uint64_t mount_of(int fd) {
-    struct statx stx;
-    if (statx(fd, "", AT_EMPTY_PATH, STATX_MNT_ID, &stx) != 0 || !(stx.stx_mask & STATX_MNT_ID))
-        return 0;
-    return stx.stx_mnt_id;
 }
 
 /* dir_ok(level, name), with the GIL: 1 keep, 0 skip, -1 it raised. */
