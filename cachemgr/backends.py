@@ -39,8 +39,8 @@ class FileKind(enum.IntEnum):
 class ScanRules:
     """How the C scanner folds names into *shapes*, so Python classifies each shape once.
 
-    A name's shape replaces its key (a leading run of `key_min`..`key_max` hex digits) by
-    zeros, or, for a name that is `temp_lead` then exactly `temp_hex` hex digits, those
+    A name's shape replaces its key (a leading run of `key_min`..`key_max` hex digits) by as
+    many zeros, or, for a name that is `temp_lead` then exactly `temp_hex` hex digits, those
     digits: all pages of one kind share a shape, and so do such temps. The format's patterns
     must give a shape the verdict they give each of its names (tests/test_dirscan.py checks).
     """

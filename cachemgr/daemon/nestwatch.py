@@ -5,11 +5,12 @@ the dir. vLLM makes a hashed dir and stores a file in it at once, so a file can 
 dir's watch exists: a dir that appears is listed right after its watch is added, and what the
 listing finds is counted as stored (`fresh`); a rename the kernel reports for a file the listing
 counted already is dropped (watcher.SEEN_FOR). The dirs present when a namespace is first
-watched are watched without counting their files: the index scan finds those.
+watched, or scanned again (an inotify overflow lost their creation), are watched without
+counting their files: the index scan finds those.
 
 Only dirs whose names fit their level are watched, a top dir only if its identity file vouches
-for it, and each dir is first opened from the root without following a link: a symlink planted
-in the tree is never watched through.
+for it, and each dir is first opened from the root without following a link and must be on the
+namespace dir's mount: a symlink planted in the tree, or a mount, is never watched through.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any, Protocol
 
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs.safe import open_dir
-from cachemgr.fs.tree import vouched
+from cachemgr.fs.tree import on_mount, vouched
 from cachemgr.layout import Layout
 
 WRITE = 1  # watcher.Kind.WRITE (not imported: the watcher imports this module)
@@ -47,12 +48,20 @@ class NestWatches:
         self._subs: dict[str, dict[str, Any]] = {}  # namespace -> path -> its watch
         self._lock = threading.Lock()
 
-    def added(self, parent: Any, name: str, *, fresh: bool = True) -> None:
+    def added(self, parent: Any, name: str, *, fresh: bool = True, deep: bool = False) -> None:
         """Dir `name` appeared in the watched dir `parent`: watch it if it is the engine's, and
         list it (`fresh`: its files were stored just now)."""
         nesting = parent.fmt.nesting
         path = f"{parent.path}{name}/"
-        if nesting is None or not nesting.dir_ok(parent.level, name) or self.watched(parent, path):
+        if nesting is None or not nesting.dir_ok(parent.level, name):
+            return
+        with self._lock:
+            old = self._watched(parent.ns_id, path)
+        if old is not None:
+            # a second callback on one watch would count every event twice; `deep` (a rescan
+            # after an overflow) still looks below it for dirs made while events were lost
+            if deep:
+                self.below(old, fresh=False, deep=True)
             return
         layout = self.watcher.layout
         rel = f"ns/{parent.ns_id}/{parent.path}{name}"
@@ -61,10 +70,9 @@ class NestWatches:
                 with open_dir(layout.root, f"ns/{parent.ns_id}") as ns_fd:
                     if name not in vouched(ns_fd, nesting):
                         return
-            with open_dir(layout.root, rel):  # no link on the way
-                pass
+            on_mount(layout.root, f"ns/{parent.ns_id}", f"{parent.path}{name}")  # no link, no mount
         except (OSError, UnsafePathError):
-            return  # gone already, or a link: never watched through
+            return  # gone already, a link, another mount: never watched through
         child = replace(parent, path=path, level=parent.level + 1, wd=-1, dead=False, seen={})
         with self._lock:  # its creation event and its parent's listing may both get here
             if self._watched(parent.ns_id, path):
@@ -76,15 +84,12 @@ class NestWatches:
             return
         self.below(child, fresh=fresh)
 
-    def watched(self, parent: Any, path: str) -> bool:
-        with self._lock:
-            return self._watched(parent.ns_id, path)
-
-    def _watched(self, ns_id: str, path: str) -> bool:
+    def _watched(self, ns_id: str, path: str) -> Any:
+        """The live watch of dir `path` of namespace `ns_id`, if any."""
         cb = self._subs.get(ns_id, {}).get(path)
-        return cb is not None and not cb.dead
+        return cb if cb is not None and not cb.dead else None
 
-    def below(self, cb: Any, *, fresh: bool) -> None:
+    def below(self, cb: Any, *, fresh: bool, deep: bool = False) -> None:
         """Watch the engine's dirs already in `cb`'s dir; in a fresh leaf, count its pages."""
         if cb.fmt.nesting is None:
             return
@@ -97,7 +102,7 @@ class NestWatches:
         if not cb.leaf:
             for name, mode in found:
                 if stat.S_ISDIR(mode):
-                    self.added(cb, name, fresh=fresh)
+                    self.added(cb, name, fresh=fresh, deep=deep)
             return
         if fresh:
             now = self.watcher.clock()
@@ -105,6 +110,17 @@ class NestWatches:
                 if stat.S_ISREG(mode) and cb.fmt.key_len(name) is not None:
                     cb.seen[name] = now
                     self.watcher.emit((WRITE, cb.ns_id, cb.path + name, now))
+
+    def moved(self, parent: Any, name: str) -> None:
+        """Dir `name` left the watched dir `parent`: what its watches (and those below it)
+        see now is not the namespace's."""
+        gone = f"{parent.path}{name}/"
+        with self._lock:
+            subs = self._subs.get(parent.ns_id, {})
+            left = [subs.pop(p) for p in [p for p in subs if p.startswith(gone)]]
+        for cb in left:
+            cb.dead = True
+            self.watcher._remove(cb)
 
     def drop(self, ns_id: str) -> None:
         """Remove the watches below a namespace dir (unwatched, or watched again)."""

@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 C = InotifyConstants
 _NS_MASK = Mask(C.IN_MOVED_TO | C.IN_MOVED_FROM | C.IN_DELETE | C.IN_CLOSE_NOWRITE)
 _ROOT_MASK = Mask(C.IN_CREATE | C.IN_MOVED_TO | C.IN_MOVED_FROM | C.IN_DELETE)
-_TREE_MASK = Mask(C.IN_CREATE | C.IN_MOVED_TO)  # a dir above a nested format's files
+_TREE_MASK = Mask(C.IN_CREATE | C.IN_MOVED_TO | C.IN_MOVED_FROM)  # a dir above the files
 _FLAGS = Mask(C.IN_ONLYDIR | C.IN_DONT_FOLLOW)
 ACCESSES = 1 << 16  # page reads and stores remembered for GC (a run's worth at full speed)
 
@@ -98,6 +98,10 @@ class _DirWatch:
         if mask & C.IN_ISDIR:
             if not self.leaf and mask & (C.IN_CREATE | C.IN_MOVED_TO):
                 self.watcher.nest.added(self, name)
+            elif not self.leaf and mask & C.IN_MOVED_FROM:
+                self.watcher.nest.moved(self, name)
+                # its files left without an event each (an mv, not an rm -r): scan again
+                self.watcher.emit((Kind.NS_ADDED, self.ns_id, "", self.watcher.clock()))
             return
         if not self.leaf:
             return
@@ -154,6 +158,7 @@ class _RootWatch:
             )
 
     def on_queue_overflow(self) -> None:
+        self.watcher.overflowed()
         self.watcher.emit((Kind.OVERFLOW, "", "", self.watcher.clock()))
 
 
@@ -177,6 +182,8 @@ class Watcher:
     _fd: InotifyFD | None = field(default=None, init=False)
     _watches: dict[str, _DirWatch] = field(default_factory=dict, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    # watched before an overflow: dirs made since may have lost their creation event
+    _stale: set[str] = field(default_factory=set, init=False)
     nest: NestWatches = field(init=False)
 
     def __post_init__(self) -> None:
@@ -211,6 +218,12 @@ class Watcher:
     def format_of(self, ns_id: str) -> FileFormat:
         return self.formats(self.layout, ns_id)
 
+    def overflowed(self) -> None:
+        """The kernel dropped events: every watched namespace's dirs are listed again by the
+        rescan that follows (a walk of every dir: only then, not at each reconcile)."""
+        with self._lock:
+            self._stale |= set(self._watches)
+
     def has(self, ns_id: str) -> bool:
         with self._lock:
             return ns_id in self._watches
@@ -224,9 +237,13 @@ class Watcher:
         with self._lock:
             current = self._watches.get(ns_id)
         if current is not None and not current.dead and current.fmt is fmt:
-            # A second callback on the same watch would count every event twice; a top dir
-            # vouched for since (its identity file written late) is watched now.
-            self.nest.below(current, fresh=False)
+            # A second callback on the same watch would count every event twice. A top dir
+            # vouched for since is watched now; after an overflow, every dir made meanwhile
+            # (a walk of the whole tree: only then)
+            with self._lock:
+                stale = ns_id in self._stale
+                self._stale.discard(ns_id)
+            self.nest.below(current, fresh=False, deep=stale)
             return True
         cb = _DirWatch(ns_id, self, fmt)
         if not self.add(cb, self.layout.ns_dir(ns_id)):

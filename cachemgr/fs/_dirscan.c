@@ -8,8 +8,9 @@
  * namespace is summarised faster than `du` walks it.
  *
  * Names are grouped by *shape* (the caller's format gives the rules, cachemgr.backends.ScanRules):
- * a leading run of key_min..key_max lowercase hex digits (the page key) is replaced by key_min
- * '0's, so every page of one model/rank/pool falls into one group, and the temp_hex hex digits
+ * a leading run of key_min..key_max lowercase hex digits (the page key) is replaced by as many
+ * '0's, so every page of one model/rank/pool falls into one group (keys of another length, in
+ * another: a format may take some lengths only), and the temp_hex hex digits
  * after a leading temp_lead by '0's, so such temps share one group too. The caller's kind_of
  * classifies each shape once, with the GIL, when it is first seen -- the format guarantees the
  * verdict of a name and of its shape are the same. Files of one page share its key, so the
@@ -18,6 +19,8 @@
  * Nested layouts (vLLM's hashed dirs): with `levels` > 0 the files are `levels` directories
  * below `dir_fd`; each subdirectory is kept only if dir_ok(level, name) says so (with the GIL)
  * and is opened with O_NOFOLLOW|O_DIRECTORY from its parent's descriptor, never through a link.
+ * A dir on another mount than `dir_fd` (a filesystem or a bind mount an operator put there) is
+ * never entered either: it is not the engine's, whatever its name.
  * Everything else at the upper levels counts as `other`. A file's digest and page key are then
  * those of its path below `dir_fd` ("a_r0/0f3/a1_g0/<hash>.bin"), as the index names it.
  *
@@ -40,7 +43,7 @@
 #define CHUNK 65536       /* entries stat'ed per round: bounds memory for huge directories */
 #define MAX_THREADS 16
 #define MAX_SIZES 1024    /* distinct sizes tracked per group; more go to `untracked` */
-#define RULE_MAX 128 /* longest key_min or temp_hex accepted (Ent.skip is 8 bits) */
+#define RULE_MAX 128 /* longest key_max or temp_hex accepted (Ent.skip is 8 bits) */
 #define SMALL 256    /* a dir with fewer entries is stat'ed on the calling thread */
 #define MAX_LEVELS 8
 #define PATH_MAX_LEN 4096
@@ -97,8 +100,7 @@ enum { PAGE = 1 }; /* cachemgr.backends.FileKind.PAGE */
 typedef struct {
     size_t key_min, key_max, temp_hex;
     char temp_lead;
-    char prefix[3][RULE_MAX + 2];
-    size_t prefix_len[3];
+    char prefix[3][RULE_MAX + 2]; /* a shape's first `Ent.skip` characters */
 } Rules;
 #define FNV_SEED 0xcbf29ce484222325ULL
 
@@ -132,6 +134,14 @@ static size_t hex_run(const char *s, size_t n) {
     return i;
 }
 
+/* The mount id of an open file (statx STATX_MNT_ID); 0 if the kernel cannot say. */
+static uint64_t mount_of(int fd) {
+    struct statx stx;
+    if (statx(fd, "", AT_EMPTY_PATH, STATX_MNT_ID, &stx) != 0 || !(stx.stx_mask & STATX_MNT_ID))
+        return 0;
+    return stx.stx_mnt_id;
+}
+
 /* A name's shape: prefix[prefix] + name[skip:]; and the hash of its page key. */
 static void shape_of(const Rules *r, uint64_t seed, Ent *e) {
     size_t hex = hex_run(e->name, e->len);
@@ -141,13 +151,13 @@ static void shape_of(const Rules *r, uint64_t seed, Ent *e) {
     } else if (e->name[0] == r->temp_lead && hex_run(e->name + 1, e->len - 1) == r->temp_hex) {
         e->prefix = TEMP_KEY, e->skip = (uint8_t)(1 + r->temp_hex);
     }
-    uint64_t h = fnv(r->prefix[e->prefix], r->prefix_len[e->prefix], FNV_SEED);
+    uint64_t h = fnv(r->prefix[e->prefix], e->skip, FNV_SEED);
     e->shape_hash = mix(fnv(e->name + e->skip, e->len - e->skip, h));
     e->key_hash = mix(fnv(e->name, e->prefix == PAGE_KEY ? hex : e->len, seed));
 }
 
 static int shape_equals(const Rules *r, const Group *x, const Ent *e) {
-    size_t rest = (size_t)(e->len - e->skip), head = r->prefix_len[e->prefix];
+    size_t rest = (size_t)(e->len - e->skip), head = e->skip;
     return x->hash == e->shape_hash && x->keylen == head + rest &&
            memcmp(x->key, r->prefix[e->prefix], head) == 0 &&
            memcmp(x->key + head, e->name + e->skip, rest) == 0;
@@ -235,7 +245,7 @@ static Group *group_of(Groups *g, const Rules *r, const Ent *e) {
         if (shape_equals(r, x, e))
             return x;
     }
-    size_t rest = (size_t)(e->len - e->skip), head = r->prefix_len[e->prefix];
+    size_t rest = (size_t)(e->len - e->skip), head = e->skip;
     Group *x = calloc(1, sizeof *x);
     char *key = malloc(head + rest + 1);
     if (!x || !key) {
@@ -351,6 +361,7 @@ typedef struct {
     Groups groups;
     KeySet keys; /* of the page files seen */
     int64_t other, gone;
+    uint64_t mnt; /* the mount of the scanned dir: dirs below on another are not entered */
     int err;    /* errno of a failure, 0 if none */
     int py_err; /* kind_of raised: its exception is pending */
 } Totals;
@@ -493,10 +504,15 @@ static int open_sub(int dirfd, const struct dirent *d, int level, Totals *tot) {
     if (fd < 0) { /* not kept, a symlink or a file (ELOOP, ENOTDIR), or gone since listed */
         if (ok && errno == ENOENT)
             tot->gone++;
-        else if (ok && errno != ELOOP && errno != ENOTDIR)
+        /* an unreadable dir (EACCES: someone's chmod) is not entered: the rest still counts */
+        else if (ok && errno != ELOOP && errno != ENOTDIR && errno != EACCES && errno != EPERM)
             tot->err = errno;
         else
             tot->other++;
+    } else if (mount_of(fd) != tot->mnt) { /* a mount point: another filesystem's files */
+        close(fd);
+        tot->other++;
+        return -1;
     }
     return fd;
 }
@@ -579,18 +595,16 @@ static int parse_rules(PyObject *arg, Rules *r) {
     int key_min, key_max, temp_hex, lead;
     if (!PyArg_ParseTuple(arg, "iiCi", &key_min, &key_max, &lead, &temp_hex))
         return 0;
-    if (key_min < 1 || key_max < key_min || key_max > 255 || key_min > RULE_MAX ||
+    if (key_min < 1 || key_max < key_min || key_max > RULE_MAX ||
         temp_hex < 1 || temp_hex > RULE_MAX || lead < 1 || lead > 127) {
         PyErr_SetString(PyExc_ValueError, "scan rules out of range");
         return 0;
     }
     *r = (Rules){.key_min = (size_t)key_min, .key_max = (size_t)key_max,
                  .temp_hex = (size_t)temp_hex, .temp_lead = (char)lead};
-    memset(r->prefix[PAGE_KEY], '0', r->key_min);
-    r->prefix_len[PAGE_KEY] = r->key_min;
+    memset(r->prefix[PAGE_KEY], '0', r->key_max); /* a shape keeps its key's length */
     r->prefix[TEMP_KEY][0] = r->temp_lead;
     memset(r->prefix[TEMP_KEY] + 1, '0', r->temp_hex);
-    r->prefix_len[TEMP_KEY] = 1 + r->temp_hex;
     return 1;
 }
 
@@ -619,8 +633,10 @@ static PyObject *scan(PyObject *Py_UNUSED(self), PyObject *args) {
     else if (!tot.cur || !tot.next) {
         tot.err = ENOMEM;
         close(fd);
-    } else
+    } else {
+        tot.mnt = mount_of(fd);
         walk_tree(fd, 0, &tot);
+    }
     PyEval_RestoreThread(tot.save);
     free(tot.cur);
     free(tot.next);
@@ -664,8 +680,21 @@ static PyObject *py_page_digest(PyObject *Py_UNUSED(self), PyObject *args) {
     return PyLong_FromLongLong((long long)(int64_t)d);
 }
 
+PyDoc_STRVAR(mount_doc,
+"mount_id(fd) -> int\n\n"
+"The id of the mount the open file `fd` is on (statx STATX_MNT_ID; 0 if unknown): two dirs\n"
+"on one filesystem may still be on two mounts (a bind mount), which st_dev does not tell.");
+
+static PyObject *py_mount_id(PyObject *Py_UNUSED(self), PyObject *args) {
+    int fd;
+    if (!PyArg_ParseTuple(args, "i", &fd))
+        return NULL;
+    return PyLong_FromUnsignedLongLong(mount_of(fd));
+}
+
 static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS, scan_doc},
+    {"mount_id", py_mount_id, METH_VARARGS, mount_doc},
     {"page_digest", py_page_digest, METH_VARARGS, digest_doc},
     {NULL, NULL, 0, NULL},
 };

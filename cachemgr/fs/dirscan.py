@@ -134,6 +134,10 @@ def _list_dir(fd: int, path: str, kinds: frozenset[FileKind], fmt: FileFormat) -
                 st = os.stat(name, dir_fd=fd, follow_symlinks=False)
             except FileNotFoundError:
                 continue  # deleted since listdir
+            except PermissionError:
+                if not path:
+                    raise
+                continue  # a hashed dir we may list but not search: the rest still counts
             if stat.S_ISREG(st.st_mode):
                 # a nested page's key is its whole path (cachemgr.backends)
                 klen = len(path) + len(name) if path and key_len else key_len or 0

@@ -1,6 +1,7 @@
 """The dirs of a nested namespace (a format with a `Nesting`: vLLM's hashed dirs), walked
 without ever following a symlink: each dir is opened with O_NOFOLLOW|O_DIRECTORY from its
-parent's descriptor, and only dirs whose names fit their level are entered.
+parent's descriptor, and only dirs whose names fit their level are entered, never one on
+another mount than the namespace dir (a filesystem or bind mount put there is not the engine's).
 
 A top-level dir is entered only if its identity file vouches for it (`vouched`); that file is
 read through `safe.read_regular` (a regular file, no link, bounded size), never written.
@@ -12,11 +13,13 @@ import errno
 import os
 from collections.abc import Callable, Iterator
 from contextlib import suppress
+from pathlib import Path
 
 from cachemgr.backends import FileFormat, Nesting
 from cachemgr.engines import FORMATS
 from cachemgr.errors import UnsafePathError
-from cachemgr.fs.safe import DIR_FLAGS, read_regular
+from cachemgr.fs._dirscan import mount_id
+from cachemgr.fs.safe import DIR_FLAGS, open_dir, read_regular
 
 IDENTITY_LIMIT = 1 << 20  # a vLLM config.json is ~1 KB; a bigger one is not the engine's
 
@@ -73,11 +76,12 @@ def leaves(ns_fd: int, fmt: FileFormat) -> Iterator[Leaf]:
     if fmt.nesting is None:
         yield ns_fd, ""
         return
-    yield from _below(ns_fd, "", 0, dir_filter(ns_fd, fmt.nesting), len(fmt.nesting.levels))
+    ok, depth = dir_filter(ns_fd, fmt.nesting), len(fmt.nesting.levels)
+    yield from _below(ns_fd, "", 0, ok, depth, mount_id(ns_fd))
 
 
 def _below(
-    fd: int, path: str, level: int, ok: Callable[[int, bytes], bool], depth: int
+    fd: int, path: str, level: int, ok: Callable[[int, bytes], bool], depth: int, mnt: int
 ) -> Iterator[Leaf]:
     if level == depth:
         yield fd, path
@@ -90,14 +94,25 @@ def _below(
         try:
             child = os.open(name, DIR_FLAGS, dir_fd=fd)
         except OSError as e:
-            if e.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
-                continue  # gone since listed, or swapped for a link: never entered
+            if e.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR, errno.EACCES, errno.EPERM):
+                continue  # gone since listed, swapped for a link, unreadable: never entered
             raise
+        if mount_id(child) != mnt:  # a mount point: never entered
+            os.close(child)
+            continue
         try:
-            yield from _below(child, f"{path}{name}/", level + 1, ok, depth)
+            yield from _below(child, f"{path}{name}/", level + 1, ok, depth, mnt)
         finally:
             with suppress(OSError):
                 os.close(child)
+
+
+def on_mount(root: Path, ns_rel: str, sub: str) -> None:
+    """UnsafePathError unless dir `sub` of namespace dir <root>/<ns_rel> is on its mount (both
+    opened without links)."""
+    with open_dir(root, ns_rel) as ns_fd, open_dir(root, f"{ns_rel}/{sub}") as fd:
+        if mount_id(fd) != mount_id(ns_fd):
+            raise UnsafePathError("on another mount than its namespace dir")
 
 
 def by_dirs(ns_fd: int, paths: list[str], fmt: FileFormat) -> tuple[ByDir, list[str]]:

@@ -29,11 +29,12 @@ from cachemgr.backends import FileFormat, Nesting, ScanRules
 
 IDENTITY_FILE = "config.json"
 DIGEST_HEX = 12
-# vLLM writes 32 or 64 hex digits; the scanner folds every 32..64-digit key into one shape, so
-# the pattern takes the same range (a shape's verdict must be each of its names').
-_KEY = r"(?P<key>[0-9a-f]{32,64})"
-PAGE_RE = re.compile(_KEY + r"\.bin")
-TEMP_RE = re.compile(r"[0-9a-f]{32,64}\.bin_\d{1,20}\.tmp")
+# vLLM writes 32 (xxhash) or 64 (sha256) hex digits and nothing else: a 63-digit ".bin" is not
+# its block. The scanner folds each key length into its own shape, so a shape's verdict is
+# still each of its names'.
+_HEX = r"(?:[0-9a-f]{32}|[0-9a-f]{64})"
+PAGE_RE = re.compile(rf"(?P<key>{_HEX})\.bin")
+TEMP_RE = re.compile(rf"{_HEX}\.bin_\d{{1,20}}\.tmp")
 FOLDER_RE = re.compile(rf"(?P<model>[^/\x00]+)_(?P<digest>[0-9a-f]{{{DIGEST_HEX}}})")
 RANK_DIR_RE = re.compile(rf"(?P<folder>[^/\x00]+_[0-9a-f]{{{DIGEST_HEX}}})_r(?P<rank>\d{{1,6}})")
 HASH3_DIR_RE = re.compile(r"[0-9a-f]{3}")
@@ -42,14 +43,15 @@ GROUP_DIR_RE = re.compile(r"[0-9a-f]{2}_g\d{1,6}")
 
 def folder_digest(config: bytes) -> str | None:
     """The folder name vLLM gives the identity in a config.json's bytes; None if they are not a
-    complete JSON object of that shape (a partial write: vLLM writes it non-atomically)."""
+    complete JSON object of that shape (a partial write: vLLM writes it non-atomically; or a
+    hostile one: "[[[..." a hundred thousand deep)."""
     try:
         fields = json.loads(config)
-    except (ValueError, UnicodeDecodeError):
+        if not isinstance(fields, dict) or not isinstance(fields.get("model_name"), str):
+            return None
+        canon = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
-    if not isinstance(fields, dict) or not isinstance(fields.get("model_name"), str):
-        return None
-    canon = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     digest = hashlib.sha256(canon).hexdigest()[:DIGEST_HEX]
     return f"{fields['model_name'].replace('/', '_')}_{digest}"
 

@@ -1,0 +1,138 @@
+"""The live index of a vLLM namespace as an operator's bad day or a hostile co-tenant leaves
+its hashed dirs: an inotify overflow while dirs are made, a dir removed and made again, a dir
+moved out, another filesystem mounted in a hashed dir."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sqlite3
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from cachemgr.layout import Layout
+from cachemgr.state.store import Store
+from tests.polling import wait_for
+from tests.test_indexer import SlowWatcher, ns_stats, reader, start
+from tests.vllmtrees import block_path, key, vllm_load, vllm_namespace, vllm_store, write_folder
+
+SIZE = 4096
+__all__ = ["reader"]  # the fixture
+
+
+def test_after_an_overflow_blocks_stored_in_dirs_made_during_it_are_still_counted(
+    layout: Layout, store: Store, reader: sqlite3.Connection
+) -> None:
+    ns = vllm_namespace(layout, store)
+    d = layout.ns_dir(ns)
+    folder = write_folder(d)
+    first = block_path(folder, key(0))
+    pair = [first, first[: first.rindex("/") + 1] + key(0)[:5] + "f" * 59 + ".bin"]
+    for rel in pair:
+        vllm_store(d, rel, SIZE)
+    watcher = SlowWatcher(layout)
+    ix = start(layout, store, watcher)
+    try:
+        limit = int(Path("/proc/sys/fs/inotify/max_queued_events").read_text())
+        wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (2, 2 * SIZE))
+        vllm_load(d, first)  # a watched dir's event: the inotify thread now blocks
+        for i in range(2 * limit):  # reads until the kernel queue overflows (see test_indexer)
+            os.close(os.open(d / pair[i % 2], os.O_RDONLY))
+        # dirs the kernel can no longer report: their watches come from the rescan or never
+        during = [block_path(folder, key(i)) for i in range(1, 30)]
+        for rel in during:
+            vllm_store(d, rel, SIZE)
+        watcher.release.set()
+        wait_for(lambda: ix.state.overflows, lambda n: n >= 1, timeout=30)
+        wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (31, 31 * SIZE), timeout=30)
+        # a second block in a dir made during the overflow, live (no reconcile is due)
+        twin = during[3][: during[3].rindex("/") + 1] + key(4)[:5] + "e" * 59 + ".bin"
+        vllm_store(d, twin, SIZE)
+        wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (32, 32 * SIZE), timeout=10)
+    finally:
+        watcher.release.set()
+        ix.stop()
+
+
+def test_a_hashed_dir_removed_and_made_again_is_watched_again(
+    layout: Layout, store: Store, reader: sqlite3.Connection
+) -> None:
+    ns = vllm_namespace(layout, store)
+    d = layout.ns_dir(ns)
+    folder = write_folder(d)
+    rel = block_path(folder, key(0))
+    vllm_store(d, rel, SIZE)
+    ix = start(layout, store)
+    try:
+        wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (1, SIZE))
+        for _ in range(20):  # a person's rm -r, and vLLM's next store, again and again
+            shutil.rmtree(d / f"{folder}_r0")
+            wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (0, 0))
+            vllm_store(d, rel, SIZE)
+            wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (1, SIZE))
+        sibling = rel[: rel.rindex("/") + 1] + key(0)[:5] + "f" * 59 + ".bin"
+        vllm_store(d, sibling, SIZE)  # in the dir made last: watched
+        wait_for(lambda: ns_stats(reader, ns)[:3], lambda s: s == (2, 2 * SIZE, 0))
+        assert vllm_load(d, rel) == SIZE
+        wait_for(lambda: ns_stats(reader, ns)[2], lambda r: r == 1)
+    finally:
+        ix.stop()
+
+
+def test_a_hashed_dir_on_another_mount_is_not_watched(
+    layout: Layout, store: Store, reader: sqlite3.Connection, tmp_path: Path
+) -> None:
+    ns = vllm_namespace(layout, store)
+    d = layout.ns_dir(ns)
+    folder = write_folder(d)
+    vllm_store(d, block_path(folder, key(0)), SIZE)
+    ix = start(layout, store)
+    other = tmp_path / "other-fs"
+    other.mkdir()
+    rel = block_path(folder, key(1))
+    at = d / rel.rpartition("/")[0]
+    at.parent.mkdir(parents=True)
+    at.mkdir()  # made empty, then a bind mount over it: the watch would be on the mount's dir
+    mounted = subprocess.run(["mount", "--bind", str(other), str(at)], capture_output=True)
+    if mounted.returncode != 0:
+        ix.stop()
+        pytest.skip(f"cannot bind-mount here: {mounted.stderr.decode().strip()}")
+    try:
+        vllm_store(d, rel, SIZE)  # lands on the other filesystem
+        vllm_store(d, block_path(folder, key(2)), SIZE)  # a dir made after it: watched
+        wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (2, 2 * SIZE))
+        ix.stop()
+        ix = start(layout, store)  # a scan from scratch agrees, and watches what it scans
+        wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (2, 2 * SIZE))
+        vllm_store(d, rel[: rel.rindex("/") + 1] + key(1)[:5] + "e" * 59 + ".bin", SIZE)
+        vllm_store(d, block_path(folder, key(3)), SIZE)  # reported after the one above
+        wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (3, 3 * SIZE))
+    finally:
+        ix.stop()
+        subprocess.run(["umount", "-l", str(at)], check=True)
+
+
+def test_a_hashed_dir_moved_out_of_the_namespace_leaves_the_index(
+    layout: Layout, store: Store, reader: sqlite3.Connection, tmp_path: Path
+) -> None:
+    ns = vllm_namespace(layout, store)
+    d = layout.ns_dir(ns)
+    folder = write_folder(d)
+    blocks = [block_path(folder, key(i)) for i in range(40)]
+    for rel in blocks:
+        vllm_store(d, rel, SIZE)
+    ix = start(layout, store)
+    try:
+        wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (40, 40 * SIZE))
+        os.rename(d / f"{folder}_r0", tmp_path / "aside")  # an operator's mv, a backup
+        wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (0, 0), timeout=10)
+        # and what happens in the dir moved away is not the namespace's any more
+        vllm_store(
+            tmp_path / "aside", blocks[0].partition("/")[2].replace(key(0)[5:9], "0000"), SIZE
+        )
+        vllm_store(d, blocks[1], SIZE)  # reported after the one above
+        wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (1, SIZE), timeout=10)
+    finally:
+        ix.stop()
