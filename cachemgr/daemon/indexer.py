@@ -3,9 +3,8 @@
 Only this thread writes the page index while the daemon runs; the inotify thread only appends
 to a deque. Every `batch_interval` the queue is drained and applied in 10K-event transactions
 (cachemgr.daemon.page_events). After each batch `on_applied` runs (the daemon's cheap GC
-check). An inotify overflow, a new namespace dir and the periodic reconcile all
-become scans, so any drift is bounded and counted. Several daemons may serve one root:
-cachemgr.daemon.index_leader says which of them writes.
+check). An inotify overflow, a new namespace dir and the periodic reconcile all become scans,
+so drift is bounded and counted. cachemgr.daemon.index_leader says which daemon writes.
 """
 
 from __future__ import annotations
@@ -45,10 +44,9 @@ def _nothing(*_: object) -> None: ...
 class Indexer(Worker):
     """Runs the scan + watch + apply loop on its own thread; `stop()` finishes the batch.
 
-    `on_applied` runs once the index is built and after each batch of page events,
-    `on_namespace_gone` after a namespace dir left ns/ (a purge by any process moved it into
-    .trash/), `on_disk_full` when a write failed for lack of space (free some now); all on
-    this thread.
+    On this thread: `on_applied` once the index is built and after each batch of page events,
+    `on_namespace_gone` after a namespace dir left ns/ (any process's purge moved it to .trash/),
+    `on_disk_full` when a write failed for lack of space (free some now).
     """
 
     def __init__(
@@ -89,10 +87,8 @@ class Indexer(Worker):
         self._loaded: set[str] = set()  # namespaces the model holds as the index does
         self.pages = PageEvents(layout, store, self.fmt, self.model, self.backlog)
         self.on_applied = on_applied
-        self.on_namespace_gone = on_namespace_gone
-        self.on_disk_full = on_disk_full
-        self._rescan: set[str] = set()
-        self._rescan_lock = threading.Lock()
+        self.on_namespace_gone, self.on_disk_full = on_namespace_gone, on_disk_full
+        self._rescan, self._rescan_lock = set[str](), threading.Lock()
         self._next_reconcile = float("inf")  # set once the first scan is done
 
     def stop(self, timeout: float = 30.0) -> bool:
