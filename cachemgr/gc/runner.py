@@ -274,8 +274,11 @@ class GcRunner(Worker):
                 if stuck:
                     # Writes keep waking GC while a cap cannot be met (every page younger than
                     # min_age): at most one run per gap, not one per batch of events. A run that
-                    # freed space is not held back: cap-keeping keeps up with the writer.
+                    # freed space is not held back: cap-keeping keeps up with the writer. The
+                    # limit is still crossed: try again after the gap, woken or not (what held
+                    # the pages back, a request in flight, passes without another write).
                     stop.wait(min(self.policy.interval, RUN_GAP))
+                    next_tick = min(next_tick, time.monotonic())
         finally:
             self.leadership.release()
 

@@ -22,7 +22,7 @@ from cachemgr.identity.engines import AnyIdentity, parse_identity
 from cachemgr.identity.record import Digested, diff_identities
 from cachemgr.layout import NS_ID_RE, Layout
 from cachemgr.ns import registry as nsreg
-from cachemgr.ns.manifest import read_manifest
+from cachemgr.ns.manifest import format_of, read_manifest
 from cachemgr.ns.purge import Actor, execute_purge, plan_purge
 from cachemgr.sglang.args import LaunchArgs
 from cachemgr.sglang.liveuse import STORAGE_DIR_ENV as STORAGE_DIR_ENV
@@ -104,7 +104,7 @@ def init_namespace(
             execute_purge(plan, layout, store, actor=actor, reason="identity_change", now=now)
             return replace(changed, old_action="purged", old_pages=plan.pages,
                             old_bytes=plan.bytes)  # fmt: skip
-        usage = scan_usage(layout, f"ns/{previous}") or Usage()
+        usage = scan_usage(layout, f"ns/{previous}", format_of(layout, previous)) or Usage()
         action: OldAction = "kept" if users else "retained"
         return replace(changed, old_action=action, old_users=users, old_pages=usage.pages,
                         old_bytes=usage.bytes)  # fmt: skip
