@@ -194,3 +194,20 @@ def test_a_chain_a_request_reads_while_gc_deletes_stays_from_the_next_chunk_on(
         watcher.stop()
         tree.store.close()
     assert tree.files(NS) == {page(1), page(2), page(3)}
+
+
+def test_a_limit_still_crossed_after_a_stuck_run_is_tried_again_without_a_wake(
+    tmp_path: Path,
+) -> None:
+    """Every page too young to go (min_age): the run frees nothing and GC pauses. The writer
+    has stopped, so nothing wakes GC again; once the pages are old enough, the retry after the
+    pause frees them, not the next interval an hour later."""
+    layout = Layout.at(tmp_path / "root")
+    create_root(layout)
+    d = register_namespace(layout, NS_A, instance="gpu0")
+    cfg = load_settings(root=layout.root, batch_interval=0.05, gc_interval=3600,
+                        gc_max_bytes=4096, gc_min_age=1.0, gc_delete_rate=None)  # fmt: skip
+    with running_daemon(cfg):
+        for i in range(8):
+            store_page(d, page_name(i))
+        wait_for(lambda: page_bytes(d), lambda b: b <= 4096, timeout=30, what="the retry")
