@@ -60,13 +60,5 @@ def choice_lines(choices: dict[str, list[str]]) -> str:
     )
 
 
-# The helper the generated module uses to read its CHOICES text back.
-BY_FIELD = '''def _by_field(text: str) -> dict[str, tuple[str, ...]]:
-    """`field: value value …` entries (wrapped freely) as a dict of tuples."""
-    out: dict[str, list[str]] = {}
-    for word in text.split():
-        if word.endswith(":"):
-            field = out.setdefault(word[:-1], [])
-        else:
-            field.append(word)
-    return {name: tuple(values) for name, values in out.items()}'''
+# What the generated module imports to read its CHOICES text back (cachemgr/flagtext.py).
+IMPORTS = "from cachemgr.flagtext import by_field"

@@ -7,7 +7,7 @@ Importing vLLM's parser costs ~10 s and ~540 MB, so cachemgr reads this table, n
 
 import importlib.metadata
 
-from flagtable import BY_FIELD, choice_lines, read_table, words
+from flagtable import IMPORTS, choice_lines, read_table, words
 from vllm.entrypoints.common.cli_args import make_arg_parser
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -61,6 +61,8 @@ vLLM's FlexibleArgumentParser rewrites argv first (`_` = `-` in flag names, `--c
 does the same before these tables are consulted.
 """
 
+{IMPORTS}
+
 VLLM_VERSION = "{version}"
 
 # store_true, BooleanOptionalAction and store_const flags: never followed by a value.
@@ -82,12 +84,8 @@ ALIASES = {{
 {alias_lines}
 }}
 
-
-{BY_FIELD}
-
-
 # The accepted values of the settings cachemgr reads, by argparse dest.
-CHOICES = _by_field(
+CHOICES = by_field(
     """
 {choice_lines(table.choices)}
     """

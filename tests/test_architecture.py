@@ -26,6 +26,7 @@ LAYERS: list[set[str]] = [
     {
         "layout",
         "backends",
+        "flagtext",
         "sglang",
         "vllm",
         "engines",

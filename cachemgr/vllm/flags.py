@@ -7,6 +7,8 @@ vLLM's FlexibleArgumentParser rewrites argv first (`_` = `-` in flag names, `--c
 does the same before these tables are consulted.
 """
 
+from cachemgr.flagtext import by_field
+
 VLLM_VERSION = "0.33.0"
 
 # store_true, BooleanOptionalAction and store_const flags: never followed by a value.
@@ -93,20 +95,8 @@ ALIASES = {
     "-tp": "--tensor-parallel-size",
 }
 
-
-def _by_field(text: str) -> dict[str, tuple[str, ...]]:
-    """`field: value value …` entries (wrapped freely) as a dict of tuples."""
-    out: dict[str, list[str]] = {}
-    for word in text.split():
-        if word.endswith(":"):
-            field = out.setdefault(word[:-1], [])
-        else:
-            field.append(word)
-    return {name: tuple(values) for name, values in out.items()}
-
-
 # The accepted values of the settings cachemgr reads, by argparse dest.
-CHOICES = _by_field(
+CHOICES = by_field(
     """
     dtype: auto bfloat16 float float16 float32 half
     kv_cache_dtype: auto bfloat16 float16 fp8 fp8_ds_mla fp8_e4m3 fp8_e5m2 fp8_inc
