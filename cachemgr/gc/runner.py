@@ -272,11 +272,8 @@ class GcRunner(Worker):
                     # writer outside the cache, files SGLang wrote in place): one statvfs.
                     stuck = self._cycle(self.free_floor)
                 if stuck:
-                    # Writes keep waking GC while a cap cannot be met (every page younger than
-                    # min_age): at most one run per gap, not one per batch of events. A run that
-                    # freed space is not held back: cap-keeping keeps up with the writer. The
-                    # limit is still crossed: try again after the gap, woken or not (what held
-                    # the pages back, a request in flight, passes without another write).
+                    # A cap not met (pages younger than min_age, or in flight): one run per gap,
+                    # not one per batch of events; one after it, woken or not (they age alone).
                     stop.wait(min(self.policy.interval, RUN_GAP))
                     next_tick = min(next_tick, time.monotonic())
         finally:
