@@ -69,6 +69,12 @@ def test_a_kv_dtype_change_loads_no_old_block(vllm: VllmDriver, root: Path, tmp_
     assert old_blocks_found(vllm, second, str(model), "fp8_e5m2") == 0
     assert old_blocks_found(vllm, second, str(model), "fp8_e4m3") == 0
     assert not Path(first["storage_dir"]).exists()
+    assert (second["old_action"], second["old_pages"]) == ("purged", 4)  # counted as vLLM's
+    # GC drains the purged namespace: its blocks, hashed dirs and identity files all go.
+    gc = subprocess.run([sys.executable, "-m", "cachemgr", "--root", str(root), "gc", "--yes"],
+                        capture_output=True, text=True, check=False)  # fmt: skip
+    assert gc.returncode == 0, gc.stderr
+    assert list((root / ".trash").iterdir()) == []
 
 
 def test_a_revision_change_loads_no_old_block(vllm: VllmDriver, root: Path, tmp_path: Path) -> None:
