@@ -117,6 +117,12 @@ def test_a_folder_vouched_for_late_is_indexed_and_watched_at_the_next_rescan(
         wait_for(lambda: ns_stats(reader, ns), lambda s: s[:2] == (3, 3 * SIZE))
         for i in range(3, 8):
             vllm_store(d, block_path(folder, key(i)), SIZE)
-        wait_for(lambda: ns_stats(reader, ns), lambda s: s == (8, 8 * SIZE, 0, 5))
+        # The five later stores are counted as writes. The three early ones are too when the
+        # watcher handles their dirs' creation after config.json was completed (a loaded box):
+        # then it lists those new dirs as just stored, before the rescan finds them.
+        got = wait_for(
+            lambda: ns_stats(reader, ns), lambda s: s[:3] == (8, 8 * SIZE, 0) and s[3] >= 5
+        )
+        assert got[3] in (5, 8)
     finally:
         ix.stop()
