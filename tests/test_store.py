@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import sqlite3
+import threading
 from functools import reduce
 from pathlib import Path
 
@@ -93,3 +94,26 @@ def test_index_digest_migration_sums_the_rows_already_there(tmp_path: Path) -> N
     migrate(conn)
     want = reduce(lambda d, r: d ^ page_digest(r[1], r[2]), rows, 0)
     assert tuple(conn.execute("SELECT pages, digest FROM namespace_stats").fetchone()) == (20, want)
+
+
+def test_threads_creating_one_db_at_once_all_open_it(tmp_path: Path) -> None:
+    """A DB deleted under the daemon is re-created by whichever thread reads or writes next (the
+    index, the metrics snapshot, HTTP): the switch to WAL must not fail the ones that lose."""
+    errors: list[BaseException] = []
+    for round_ in range(20):
+        path = tmp_path / f"state{round_}.db"
+        barrier = threading.Barrier(4)
+
+        def open_one(path: Path = path, barrier: threading.Barrier = barrier) -> None:
+            barrier.wait()
+            try:
+                connect(path).close()
+            except StateError as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=open_one) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert errors == []

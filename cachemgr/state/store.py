@@ -54,14 +54,33 @@ def connect(path: Path) -> sqlite3.Connection:
     """Open the DB with the pragmas every connection needs; transactions are explicit."""
     try:
         conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10)
-        conn.execute("PRAGMA journal_mode=WAL")
+    except sqlite3.Error as e:
+        raise StateError(f"cannot open state DB {path}: {e}") from e
+    try:
+        _set_wal(conn)
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA foreign_keys=ON")
         _register_functions(conn)
     except sqlite3.Error as e:
+        conn.close()
         raise StateError(f"cannot open state DB {path}: {e}") from e
     conn.row_factory = sqlite3.Row
     return conn
+
+
+def _set_wal(conn: sqlite3.Connection, wait: float = 10.0) -> None:
+    """Switch to WAL. A DB another thread is creating at the same moment (both reopening one
+    deleted under the daemon) refuses the switch with "database is locked" at once, without
+    the busy timeout: retry within `wait` seconds."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
 
 
 class _XorAgg:
