@@ -61,8 +61,7 @@ def connect(path: Path) -> sqlite3.Connection:
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA foreign_keys=ON")
         _register_functions(conn)
-    except sqlite3.Error as e:
-        conn.close()
+    except sqlite3.Error as e:  # left open: closing it may delete a -wal file to be kept
         raise StateError(f"cannot open state DB {path}: {e}") from e
     conn.row_factory = sqlite3.Row
     return conn
