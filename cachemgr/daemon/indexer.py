@@ -25,6 +25,7 @@ from cachemgr.daemon.watcher import Event, Kind, Watcher
 from cachemgr.errors import StateCorrupt, StateError, UnsafePathError
 from cachemgr.fs import reserve
 from cachemgr.fs.leadership import Leadership
+from cachemgr.gc import snapshot
 from cachemgr.gc.chains import ChainModel
 from cachemgr.layout import Layout
 from cachemgr.ns.registry import adopt_from_disk
@@ -85,6 +86,7 @@ class Indexer(Worker):
         # What GC evicts by: every indexed page and its learned chain, kept by this thread.
         self.model = model if model is not None else ChainModel(self.fmt)
         self._loaded: set[str] = set()  # namespaces the model holds as the index does
+        self.save_model = True  # at a clean stop (False: GC may still change the index)
         self.pages = PageEvents(layout, store, self.fmt, self.model, self.backlog)
         self.on_applied = on_applied
         self.on_namespace_gone, self.on_disk_full = on_namespace_gone, on_disk_full
@@ -134,7 +136,9 @@ class Indexer(Worker):
             while not self._stopping.wait(pause):
                 ok = self._written(lambda: self._survive_corruption(self._tick))
                 pause = self.batch_interval if ok else FULL_RETRY
-            self._written(lambda: self._survive_corruption(self.apply_pending))
+            done = self._written(lambda: self._survive_corruption(self.apply_pending))
+            if done and self.save_model and self.state.ready.is_set():  # for the next start
+                snapshot.save(self.model, self.layout.model_snapshot, self.store)
         finally:
             if self.state.leader and self.leadership is not None:
                 mark_ready(self.ready_marker, False)
@@ -174,7 +178,8 @@ class Indexer(Worker):
                     store.follow_path()
                     # after earlier seqs; every namespace is loaded again from this DB
                     self.pages = PageEvents(self.layout, store, self.fmt, self.model, self.backlog)
-                    self._loaded.clear()
+                    # (the model as of the last clean stop, if that is still the index)
+                    self._loaded = snapshot.restore(self.model, self.layout.model_snapshot, store)
                     self._scan_all(first=first)
                 return
             except StateCorrupt:
@@ -259,20 +264,15 @@ class Indexer(Worker):
     def _apply_pages(self, events: list[Event]) -> None:
         for ns, (r, w) in self.pages.apply(events, now=self.clock()).items():
             c = self.state.counter(ns)
-            c.reads += r
-            c.writes += w
+            c.reads, c.writes = c.reads + r, c.writes + w
         self.state.note_stored(self.pages.stored_bytes, time.monotonic())
         if events:
             self.on_applied()
 
     def _scan_all(self, *, first: bool) -> None:
         adopt_from_disk(self.layout, self.store)  # a lost DB forgot them; the disk did not
-        scan_root(
-            self.layout,
-            self.store,
-            scan=lambda ns: self._scan(ns, first=first),
-            forgetting=self._forget,
-        )
+        scan_root(self.layout, self.store, scan=lambda ns: self._scan(ns, first=first),
+                  forgetting=self._forget)  # fmt: skip
 
     def _forget(self, ns: str) -> None:
         self.watcher.unwatch(ns)
@@ -292,7 +292,7 @@ class Indexer(Worker):
             return None
         if report.pages:  # the size of the pages to come, before a store is applied
             self.backlog.done(0, -(-report.bytes // report.pages))
-        if first or report.drift or ns not in self._loaded:
+        if report.drift or ns not in self._loaded:
             self.model.load(self.store.conn, ns)  # the scan changed what the model knew
             self._loaded.add(ns)
             heap.trim()  # what the scan and the load freed (cachemgr.daemon.heap)

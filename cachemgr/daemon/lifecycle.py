@@ -130,8 +130,7 @@ class Daemon:
         """The index writer, GC (its own thread and connection) and the SGLang probe, wired
         to each other; not started."""
         index = IndexState()
-        # The index (its watcher) reads the default file format too.
-        model = ChainModel(in_flight=IN_FLIGHT)
+        model = ChainModel(in_flight=IN_FLIGHT)  # (the index's watcher reads the default format)
         # Stores not applied yet: GC counts them; past the room left, the watcher wakes GC.
         self.backlog = StoreBacklog(wake=lambda: self.gc.wake())
         self.gc_store = Store.open(self.layout.db_path)
@@ -289,8 +288,9 @@ class Daemon:
             self.prober.stop(PROBE_STOP_SECONDS)
         if self.gc.stop(GC_STOP_SECONDS):
             self.gc_store.close()
-        else:  # a trash entry still being deleted; resumed next start
+        else:  # still deleting a trash entry (resumed next start): it may change the index
             log.warning("gc still deleting at shutdown; leaving it")
+            self.indexer.save_model = False  # so no model snapshot (cachemgr.gc.snapshot)
         self.indexer.stop()
         self.refresher.stop(REFRESH_STOP_SECONDS)
         self.reader.close()

@@ -33,7 +33,8 @@ import threading
 from collections.abc import Iterable, Mapping
 
 from cachemgr.backends import FileFormat
-from cachemgr.gc.pagestore import GHOST, NONE, Page, PageId, PageStore, PagesView
+from cachemgr.gc.pagestore import GHOST, NONE, Page, PageId, PageStore
+from cachemgr.gc.pageview import PagesView
 from cachemgr.sglang.hicache import HICACHE_FILE
 from cachemgr.state import pages_sql
 
