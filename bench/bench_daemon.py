@@ -8,7 +8,8 @@
    indexed, and the daemon's RSS;
 4. (`--model N`, alone) the chain model at N pages: an index of N pages in learned chains,
    `cachemgr serve` restarted over it: ready time, RSS steady, and the time to the first
-   eviction when a cap is crossed (the order comes from the model loaded at start).
+   eviction when a cap is crossed, with the model from the snapshot the last stop saved and,
+   as the peer, loaded from the index (BENCH_SNAPSHOT_FIRST=0 runs the peer first).
 
 Usage: python bench/bench_daemon.py [N_PAGES] [N_EVENTS]   (defaults 200000 50000)
        python bench/bench_daemon.py --model N_PAGES
@@ -239,17 +240,39 @@ def index_chains(layout: Layout, n: int) -> None:
 
 
 def restarts(layout: Layout, n: int) -> None:
-    """Two restarts over make_tree's `n` pages in chains: without a cap, then with one a little
-    under the usage (about 1.5% of the pages go: down to the low watermark)."""
-    proc, _, ready = start_daemon(layout, {})
-    try:
-        time.sleep(10)  # GC's first cycle (nothing over a limit) and the index settle
-        rss, hwm = status_kib(proc.pid, "VmRSS"), status_kib(proc.pid, "VmHWM")
-    finally:
-        proc.terminate()
-        proc.wait(60)
-    print(f"restart, no cap: ready {ready:.2f} s; RSS {rss / 1024:.0f} MiB steady "
-          f"(peak {hwm / 1024:.0f} MiB)")  # fmt: skip
+    """Restarts over make_tree's `n` pages in chains: the first loads the model from the index
+    (no snapshot yet: as every start did before snapshots), the next from the snapshot its
+    stop saved; then with a cap a little under the usage (about 1.5% of the pages go: down to
+    the low watermark), from a snapshot and, as the peer, with it deleted (loaded from the
+    index), in rotating order."""
+    for label in ("model loaded from the index", "model from the snapshot"):
+        proc, _, ready = start_daemon(layout, {})
+        try:
+            time.sleep(10)  # GC's first cycle (nothing over a limit) and the index settle
+            rss, hwm = status_kib(proc.pid, "VmRSS"), status_kib(proc.pid, "VmHWM")
+        finally:
+            stop(proc, layout)
+        print(f"restart, no cap, {label}: ready {ready:.2f} s; RSS {rss / 1024:.0f} MiB steady "
+              f"(peak {hwm / 1024:.0f} MiB)")  # fmt: skip
+    runs = [True, False] if os.environ.get("BENCH_SNAPSHOT_FIRST", "1") == "1" else [False, True]
+    for snapshot in runs:
+        if not snapshot:
+            layout.model_snapshot.unlink()  # (its stamp in the index is then of no file)
+        label = "model from the snapshot" if snapshot else "model loaded from the index"
+        capped_restart(layout, n, label)
+
+
+def stop(proc: subprocess.Popen[bytes], layout: Layout) -> None:
+    """SIGTERM, as systemd or kubelet stop it: the daemon saves its model on the way out."""
+    t = time.perf_counter()
+    proc.terminate()
+    proc.wait(60)
+    print(f"  (stopped in {time.perf_counter() - t:.2f} s; snapshot "
+          f"{layout.model_snapshot.stat().st_size / 2**20:.0f} MiB)")  # fmt: skip
+
+
+def capped_restart(layout: Layout, n: int, label: str) -> None:
+    """A restart over a cap of usage / 0.955: ready, first page evicted, RSS after that."""
     tails = [t for t in _tails(layout, n) if t.exists()]
     with Store.open(layout.db_path) as store:
         used = sum(pages_sql.namespace_bytes(store.conn).values())
@@ -261,14 +284,15 @@ def restarts(layout: Layout, n: int) -> None:
         while all(t.exists() for t in tails):
             time.sleep(0.02)
         first = time.perf_counter() - t0
+        rss_first = status_kib(proc.pid, "VmRSS")
         time.sleep(10)
         rss, hwm = status_kib(proc.pid, "VmRSS"), status_kib(proc.pid, "VmHWM")
     finally:
-        proc.terminate()
-        proc.wait(60)
+        stop(proc, layout)
     print(
-        f"restart over a cap of usage / 0.955: ready {ready:.2f} s, first page evicted "
-        f"{first:.2f} s after start; RSS {rss / 1024:.0f} MiB (peak {hwm / 1024:.0f} MiB)"
+        f"restart over a cap of usage / 0.955, {label}: ready {ready:.2f} s, first page "
+        f"evicted {first:.2f} s after start; RSS {rss_first / 1024:.0f} MiB right after it, "
+        f"{rss / 1024:.0f} MiB 10 s later (peak {hwm / 1024:.0f} MiB)"
     )
 
 

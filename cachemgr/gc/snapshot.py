@@ -28,8 +28,9 @@ import struct
 import sys
 import zlib
 from array import array
+from io import BufferedReader
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from cachemgr.errors import CachemgrError
 from cachemgr.fs.atomic import write_atomic
@@ -70,7 +71,11 @@ def save(model: ChainModel, path: Path, store: Store) -> None:
             crc = 0
             for part in parts:
                 crc = zlib.crc32(part, crc)
-            write_atomic(path, [*parts, memoryview(_CRC.pack(crc))], mode=0o600)
+            try:
+                write_atomic(path, [*parts, memoryview(_CRC.pack(crc))], mode=0o600)
+            finally:
+                for part in parts:
+                    part.release()  # (a column with a view on it could not grow)
             pages_sql.set_model_stamp(conn, token)
     except (sqlite3.Error, OSError, CachemgrError) as e:  # the next start loads the index
         log.warning("chain model not saved", extra={"path": str(path), "error": str(e)})
@@ -81,11 +86,14 @@ def save(model: ChainModel, path: Path, store: Store) -> None:
 def _encode(model: ChainModel, token: str) -> list[memoryview]:
     st, top = model.store, model.store.top
     segs = model.segments  # leaf -> (top, latest use, its wall clock)
-    seg_cols = [array("i", segs), *(array(c, (v[i] for v in segs.values()))
-                                    for i, (_, c) in enumerate(_SEGMENTS[1:]))]  # fmt: skip
-    body: list[array[Any] | bytearray] = [
-        st.keys[: top * KEY_BYTES], st.leaf[:top], *(getattr(st, c)[:top] for c in _SAVED),
-        st.freed, st.table, *seg_cols, array("i", model.dirty),
+    seg_cols: list[array[Any]] = [array("i", segs)]
+    seg_cols += [array(c, (v[i] for v in segs.values())) for i, (_, c) in enumerate(_SEGMENTS[1:])]
+    # Views, not copies, of the columns (they hold room for more slots past `top`).
+    body = [
+        memoryview(st.keys)[: top * KEY_BYTES], memoryview(st.leaf)[:top],
+        *(memoryview(getattr(st, c))[:top] for c in _SAVED), memoryview(st.freed),
+        memoryview(st.table), *(memoryview(c) for c in seg_cols),
+        memoryview(array("i", model.dirty)),
     ]  # fmt: skip
     header = {
         "version": VERSION, "token": token, **_layout(), "top": top, "count": st.count,
@@ -96,7 +104,7 @@ def _encode(model: ChainModel, token: str) -> list[memoryview]:
         "odd": sorted(st.odd.items()),
     }  # fmt: skip
     raw = json.dumps(header).encode()
-    return [memoryview(MAGIC + _LEN.pack(len(raw)) + raw), *(memoryview(b) for b in body)]
+    return [memoryview(MAGIC + _LEN.pack(len(raw)) + raw), *body]
 
 
 def restore(model: ChainModel, path: Path, store: Store) -> set[str]:
@@ -120,12 +128,12 @@ def restore(model: ChainModel, path: Path, store: Store) -> set[str]:
 class _Reader:
     """Reads a snapshot's parts in order, with the CRC of what it read so far."""
 
-    def __init__(self, f: BinaryIO) -> None:
+    def __init__(self, f: BufferedReader) -> None:
         self.f, self.crc = f, 0
 
-    def bytes(self, n: int) -> bytes:
-        raw = self.f.read(n)
-        if len(raw) != n:
+    def bytes(self, n: int) -> bytearray:
+        raw = bytearray(n)  # (read into: no second copy of the keys)
+        if self.f.readinto(raw) != n:
             raise SnapshotInvalid("truncated")
         self.crc = zlib.crc32(raw, self.crc)
         return raw
@@ -137,7 +145,7 @@ class _Reader:
         return out
 
 
-def _read(model: ChainModel, f: BinaryIO, token: str) -> None:
+def _read(model: ChainModel, f: BufferedReader, token: str) -> None:
     r = _Reader(f)
     if r.bytes(len(MAGIC)) != MAGIC:
         raise SnapshotInvalid("not a chain model snapshot")
@@ -148,7 +156,7 @@ def _read(model: ChainModel, f: BinaryIO, token: str) -> None:
     if size < 8 or size & (size - 1):
         raise SnapshotInvalid("bad key table size")
     st = PageStore()
-    st.keys, st.leaf = bytearray(r.bytes(top * KEY_BYTES)), bytearray(r.bytes(top))
+    st.keys, st.leaf = r.bytes(top * KEY_BYTES), r.bytes(top)
     for c in _SAVED:
         setattr(st, c, r.array(getattr(st, c).typecode, top))
     st.cand, st.cand_sfx = array("q", bytes(8 * top)), array("i", [NONE]) * top
