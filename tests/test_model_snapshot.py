@@ -244,3 +244,32 @@ def test_the_stamp_goes_with_any_change_to_the_index(store: Store) -> None:
     with store.transaction() as conn:
         assert pages_sql.take_model_stamp(conn) == "t"
         assert pages_sql.take_model_stamp(conn) is None
+
+
+def test_files_changed_while_the_daemon_was_down_are_applied_to_the_snapshot(
+    tmp_path: Path,
+) -> None:
+    """The server writes on while the daemon restarts: the start-up scan finds new files and
+    files gone, and the restored model takes just those (its learned votes stay), ending as a
+    load from the index would (but for what only the live model knew)."""
+    layout = Layout.at(tmp_path / "root")
+    create_root(layout)
+    d = register_namespace(layout, NS_A, instance="gpu0")
+    with running_daemon(_settings(layout)) as dm:
+        accessed = _sessions(d, 1, 6)
+        state = dm.daemon.indexer.state
+        wait_for(lambda: state.events_applied, lambda n: n >= accessed, timeout=30)
+    for i in range(3):
+        write_page(d, page_name(9000 + i))  # while no daemon watches
+    (d / page_name(100 * 3 + LONG - 1)).unlink()  # a tail gone (another evictor)
+    with running_daemon(_settings(layout)) as dm:
+        model = dm.daemon.indexer.model
+        with model.lock:
+            got, want = pages(model), pages(_index_model(layout))
+        # (born: the live model has a page's first write; the index, the seq of the last
+        # access of the batch that stored it, cachemgr/daemon/page_events.py)
+        assert {p: g._replace(conf=0, born=0) for p, g in got.items()} == {
+            p: w._replace(born=0) for p, w in want.items()
+        }
+        assert (NS_A, f"{9001:064x}") in got and (NS_A, f"{300 + LONG - 1:064x}") not in got
+        assert any(p.conf for p in got.values())  # not loaded again: the votes are the saved ones

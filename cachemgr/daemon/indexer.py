@@ -39,9 +39,6 @@ FULL_RETRY = 1.0  # seconds between retries of a write the full disk refused
 BUILD_ATTEMPTS = 3  # a fresh DB found corrupt again: the disk or SQLite is failing, stop
 
 
-def _nothing(*_: object) -> None: ...
-
-
 class Indexer(Worker):
     """Runs the scan + watch + apply loop on its own thread; `stop()` finishes the batch.
 
@@ -64,9 +61,9 @@ class Indexer(Worker):
         state: IndexState | None = None,
         model: ChainModel | None = None,
         backlog: StoreBacklog | None = None,
-        on_applied: Callable[[], None] = _nothing,
-        on_namespace_gone: Callable[[str], None] = _nothing,
-        on_disk_full: Callable[[], None] = _nothing,
+        on_applied: Callable[[], None] = lambda: None,
+        on_namespace_gone: Callable[[str], None] = lambda _: None,
+        on_disk_full: Callable[[], None] = lambda: None,
         on_death: DeathHandler | None = None,
     ) -> None:
         super().__init__("index", on_death=on_death)
@@ -85,7 +82,8 @@ class Indexer(Worker):
         self.follow_interval = max(batch_interval, 0.05)
         # What GC evicts by: every indexed page and its learned chain, kept by this thread.
         self.model = model if model is not None else ChainModel(self.fmt)
-        self._loaded: set[str] = set()  # namespaces the model holds as the index does
+        # Namespaces the model holds as the index does; those from a snapshot not scanned since.
+        self._loaded, self._restored = set[str](), set[str]()
         self.save_model = True  # at a clean stop (False: GC may still change the index)
         self.pages = PageEvents(layout, store, self.fmt, self.model, self.backlog)
         self.on_applied = on_applied
@@ -178,8 +176,8 @@ class Indexer(Worker):
                     store.follow_path()
                     # after earlier seqs; every namespace is loaded again from this DB
                     self.pages = PageEvents(self.layout, store, self.fmt, self.model, self.backlog)
-                    # (the model as of the last clean stop, if that is still the index)
-                    self._loaded = snapshot.restore(self.model, self.layout.model_snapshot, store)
+                    restored = snapshot.restore(self.model, self.layout.model_snapshot, store)
+                    self._restored, self._loaded = restored, set(restored)
                     self._scan_all(first=first)
                 return
             except StateCorrupt:
@@ -189,10 +187,8 @@ class Indexer(Worker):
     def _tick(self) -> None:
         """One batch interval: follow the DB file, apply the queue, reconcile when due."""
         if self.store.follow_path():  # deleted, moved aside as corrupt, or replaced by a CLI
-            log.warning(
-                "state DB file replaced, deleted or moved aside; rebuilding the index from disk",
-                extra={"db": str(self.store.path)},
-            )
+            log.warning("state DB file replaced, deleted or moved aside; rebuilding the index "
+                        "from disk", extra={"db": str(self.store.path)})  # fmt: skip
             self._build(first=True)
         self.apply_pending()
         if time.monotonic() >= self._next_reconcile:
@@ -284,15 +280,19 @@ class Indexer(Worker):
         # by a stat, so nothing falls between the two.
         if not self.watcher.watch(ns):
             return None
+        fresh = ns in self._restored  # (from a snapshot: the scan says what changed, exactly)
         try:
-            fmt = self.watcher.format_of(ns)
-            report = scan_namespace(self.layout, self.store, ns, now=self.clock, fmt=fmt)
+            report = scan_namespace(self.layout, self.store, ns, now=self.clock,
+                                    fmt=self.watcher.format_of(ns), changes=fresh)  # fmt: skip
         except UnsafePathError as e:  # replaced by a symlink since it was watched
             log.error("namespace dir not scanned", extra={"namespace": ns, "error": str(e)})
             return None
         if report.pages:  # the size of the pages to come, before a store is applied
             self.backlog.done(0, -(-report.bytes // report.pages))
-        if report.drift or ns not in self._loaded:
+        self._restored.discard(ns)
+        if report.changes is not None:  # (what changed while the daemon was down)
+            snapshot.apply_scan(self.model, ns, report.changes)
+        elif report.drift or ns not in self._loaded:
             self.model.load(self.store.conn, ns)  # the scan changed what the model knew
             self._loaded.add(ns)
             heap.trim()  # what the scan and the load freed (cachemgr.daemon.heap)

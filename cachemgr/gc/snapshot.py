@@ -38,6 +38,7 @@ from cachemgr.fs.safe import open_file
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.pagestore import COLUMNS, KEY_BYTES, NONE, PageStore
 from cachemgr.state import pages_sql
+from cachemgr.state.index import ScanChanges
 from cachemgr.state.store import Store
 
 log = logging.getLogger(__name__)
@@ -176,3 +177,13 @@ def _read(model: ChainModel, f: BufferedReader, token: str) -> None:
         model.store, model.clock = st, h["clock"]
         model.segments = {k: (t, la, w) for k, t, la, w in zip(*segs, strict=True)}
         model.dirty = set(dirty)
+
+
+def apply_scan(model: ChainModel, ns: str, changes: ScanChanges) -> None:
+    """Bring a namespace of a restored model up to date with a start-up scan that changed its
+    index (the server wrote or something deleted files while the daemon was down): as a load
+    from the index would, without reading every row."""
+    new, gone = changes
+    model.remove(ns, gone)
+    for name, key_len, size, mtime in new:  # (rows a scan adds: never used, no link yet)
+        model.add(ns, name, key_len, size, seq=0, at=mtime, born=0)
