@@ -99,7 +99,7 @@ class Layout:
 
     @property
     def model_snapshot(self) -> Path:
-        """The daemon's chain model as of its last clean stop (cachemgr/gc/snapshot.py)."""
+        """The daemon's chain model as of its last clean stop (cachemgr/gc/modelfile.py)."""
         return self.state_dir / MODEL_FILE
 
     def lock_files(self, boot_id: str) -> tuple[Path, ...]:

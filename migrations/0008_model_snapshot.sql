@@ -1,4 +1,4 @@
--- The daemon's chain model, saved at shutdown next to the DB (cachemgr/gc/snapshot.py), is
+-- The daemon's chain model, saved at shutdown next to the DB (cachemgr/gc/modelfile.py), is
 -- valid only while the index is exactly what it was then. `model_stamp` holds the token of
 -- that snapshot file; any change to `pages` afterwards (a CLI scan, gc or purge, another
 -- daemon) deletes it, so a start-up finds either the token of a snapshot of this very index

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from cachemgr.fs.root import create_root
-from cachemgr.gc import snapshot
+from cachemgr.gc import modelfile
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.pagestore import Page, PageId
 from cachemgr.gc.value import eviction_order
@@ -51,14 +51,14 @@ def saved_model(tmp_path: Path, store: Store) -> tuple[ChainModel, Path]:
     victims(model)  # fills the segment cache
     model.observe_read(NS, f"{7 * 2654435761:064x}" + SUFFIX, 64, seq=6000, at=2.0)  # (dirty)
     path = tmp_path / "chain-model.snapshot"
-    snapshot.save(model, path, store)
+    modelfile.save(model, path, store)
     return model, path
 
 
 def test_a_restored_model_is_the_saved_one(tmp_path: Path, store: Store) -> None:
     model, path = saved_model(tmp_path, store)
     restored = ChainModel()
-    assert snapshot.restore(restored, path, store) == {NS}
+    assert modelfile.restore(restored, path, store) == {NS}
     assert pages(restored) == pages(model)  # links, recency, reads, votes, files
     assert restored.segments == model.segments and restored.dirty == model.dirty
     assert restored.clock == model.clock
@@ -69,7 +69,7 @@ def test_a_restored_model_is_the_saved_one(tmp_path: Path, store: Store) -> None
         m.remove(NS, [("00ab" + SUFFIX, 4)])
     assert pages(restored) == pages(model) and victims(restored) == victims(model)
     # The start-up took the stamp: the same file is not used twice.
-    assert snapshot.restore(ChainModel(), path, store) == set()
+    assert modelfile.restore(ChainModel(), path, store) == set()
 
 
 def _truncate(path: Path, store: Store) -> None:
@@ -97,7 +97,7 @@ def _index_changed(path: Path, store: Store) -> None:
 
 def _older_file(path: Path, store: Store) -> None:
     old = path.read_bytes()
-    snapshot.save(ChainModel(), path, store)  # a later stop stamped the index for its file
+    modelfile.save(ChainModel(), path, store)  # a later stop stamped the index for its file
     path.write_bytes(old)
 
 
@@ -114,7 +114,7 @@ def test_a_damaged_or_stale_snapshot_is_not_used(
     _, path = saved_model(tmp_path, store)
     damage(path, store)
     model = ChainModel()
-    assert snapshot.restore(model, path, store) == set()
+    assert modelfile.restore(model, path, store) == set()
     assert not model.pages and not model.segments  # left as it was: the caller loads the index
 
 

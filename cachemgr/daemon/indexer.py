@@ -25,7 +25,7 @@ from cachemgr.daemon.watcher import Event, Kind, Watcher
 from cachemgr.errors import StateCorrupt, StateError, UnsafePathError
 from cachemgr.fs import reserve
 from cachemgr.fs.leadership import Leadership
-from cachemgr.gc import snapshot
+from cachemgr.gc import modelfile
 from cachemgr.gc.chains import ChainModel
 from cachemgr.layout import Layout
 from cachemgr.ns.registry import adopt_from_disk
@@ -136,7 +136,7 @@ class Indexer(Worker):
                 pause = self.batch_interval if ok else FULL_RETRY
             done = self._written(lambda: self._survive_corruption(self.apply_pending))
             if done and self.save_model and self.state.ready.is_set():  # for the next start
-                snapshot.save(self.model, self.layout.model_snapshot, self.store)
+                modelfile.save(self.model, self.layout.model_snapshot, self.store)
         finally:
             if self.state.leader and self.leadership is not None:
                 mark_ready(self.ready_marker, False)
@@ -176,7 +176,7 @@ class Indexer(Worker):
                     store.follow_path()
                     # after earlier seqs; every namespace is loaded again from this DB
                     self.pages = PageEvents(self.layout, store, self.fmt, self.model, self.backlog)
-                    restored = snapshot.restore(self.model, self.layout.model_snapshot, store)
+                    restored = modelfile.restore(self.model, self.layout.model_snapshot, store)
                     self._restored, self._loaded = restored, set(restored)
                     self._scan_all(first=first)
                 return
@@ -291,7 +291,7 @@ class Indexer(Worker):
             self.backlog.done(0, -(-report.bytes // report.pages))
         self._restored.discard(ns)
         if report.changes is not None:  # (what changed while the daemon was down)
-            snapshot.apply_scan(self.model, ns, report.changes)
+            modelfile.apply_scan(self.model, ns, report.changes)
         elif report.drift or ns not in self._loaded:
             self.model.load(self.store.conn, ns)  # the scan changed what the model knew
             self._loaded.add(ns)

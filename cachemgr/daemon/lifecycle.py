@@ -290,7 +290,7 @@ class Daemon:
             self.gc_store.close()
         else:  # still deleting a trash entry (resumed next start): it may change the index
             log.warning("gc still deleting at shutdown; leaving it")
-            self.indexer.save_model = False  # so no model snapshot (cachemgr.gc.snapshot)
+            self.indexer.save_model = False  # so no model snapshot (cachemgr.gc.modelfile)
         self.indexer.stop()
         self.refresher.stop(REFRESH_STOP_SECONDS)
         self.reader.close()

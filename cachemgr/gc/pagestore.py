@@ -26,7 +26,7 @@ KEY_BYTES = 32  # 64 hex digits
 GROW = 1024  # slots the columns grow by at a time
 _ONE = re.compile(b"\x01")
 _FILL = {(c, v): array(c, [v]) * GROW for c, v in [("i", NONE), *((c, 0) for c in "iqbdH")]}
-# A slot's columns (arrays of one typecode each), as a snapshot saves them (cachemgr.gc.snapshot).
+# A slot's columns (one typecode each), in the order the model file has them (gc/modelfile.py).
 COLUMNS = ("ns", "pred", "born", "last", "time", "reads", "conf", "cand", "cand_sfx", "files",
            "kids", "kidx")  # fmt: skip
 Files = tuple[tuple[str, int], ...]  # (name after the key, size) of each file of a page
@@ -46,7 +46,7 @@ def _pack(key: str) -> bytes | None:
 
 def _hash(raw: bytes | None, key: str) -> int:
     """A key's hash, the same in every process (Python's own is salted per process): the key
-    table is saved with the model (cachemgr.gc.snapshot) and loaded, not rebuilt."""
+    table is saved with the model (cachemgr.gc.modelfile) and loaded, not rebuilt."""
     return zlib.crc32(key.encode() if raw is None else raw)
 
 
