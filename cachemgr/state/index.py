@@ -178,6 +178,7 @@ def _reindex(
         if done % PROGRESS_EVERY < end[1]:
             log.info("reindex progress", extra={"namespace": ns_id, "rows": done})
     conn.execute("DROP TABLE temp.scan_rows")
+    conn.execute("PRAGMA cache_size = -2000")  # (SQLite's default: the big one is freed)
     return _count(conn, ns_id) - before + removed, removed, diff
 
 
