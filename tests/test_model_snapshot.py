@@ -5,6 +5,7 @@ the model is then loaded from the index, exactly as without a snapshot (also aft
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -82,6 +83,28 @@ def _garble(path: Path, store: Store) -> None:
     path.write_bytes(bytes(raw))
 
 
+def _header(path: Path, change: dict[str, int]) -> None:
+    """Change header fields, keeping the header's length field right (the CRC is not)."""
+    raw = path.read_bytes()
+    start = len(modelfile.MAGIC) + 8
+    end = start + int.from_bytes(raw[start - 8 : start], "little")
+    header = json.loads(raw[start:end]) | change
+    new = json.dumps(header).encode()
+    path.write_bytes(raw[: start - 8] + len(new).to_bytes(8, "little") + new + raw[end:])
+
+
+def _huge_length(path: Path, store: Store) -> None:
+    _header(path, {"top": 10**12})  # (never allocated: longer than the file)
+
+
+def _huge_array(path: Path, store: Store) -> None:
+    _header(path, {"table": 2**40})
+
+
+def _short_array(path: Path, store: Store) -> None:
+    _header(path, {"segments": 1})  # the arrays after it read shifted: the CRC fails
+
+
 def _append(path: Path, store: Store) -> None:
     path.write_bytes(path.read_bytes() + b"\0")
 
@@ -106,7 +129,18 @@ def _missing(path: Path, store: Store) -> None:
 
 
 @pytest.mark.parametrize(
-    "damage", [_truncate, _garble, _append, _index_changed, _older_file, _missing]
+    "damage",
+    [
+        _truncate,
+        _garble,
+        _huge_length,
+        _huge_array,
+        _short_array,
+        _append,
+        _index_changed,
+        _older_file,
+        _missing,
+    ],
 )
 def test_a_damaged_or_stale_snapshot_is_not_used(
     tmp_path: Path, store: Store, damage: Callable[[Path, Store], None]

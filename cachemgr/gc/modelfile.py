@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
 import sqlite3
 import struct
@@ -130,9 +131,16 @@ class _Reader:
     """Reads a snapshot's parts in order, with the CRC of what it read so far."""
 
     def __init__(self, f: BufferedReader) -> None:
-        self.f, self.crc = f, 0
+        self.f, self.crc, self.left = f, 0, os.fstat(f.fileno()).st_size
+
+    def _take(self, n: int) -> None:
+        """Refuse a length the file cannot hold before allocating it (a garbled header)."""
+        if not 0 <= n <= self.left:
+            raise SnapshotInvalid("truncated, or a length garbled")
+        self.left -= n
 
     def bytes(self, n: int) -> bytearray:
+        self._take(n)
         raw = bytearray(n)  # (read into: no second copy of the keys)
         if self.f.readinto(raw) != n:
             raise SnapshotInvalid("truncated")
@@ -141,6 +149,7 @@ class _Reader:
 
     def array(self, typecode: str, n: int) -> array[Any]:
         out = array(typecode)
+        self._take(n * out.itemsize)
         out.fromfile(self.f, n)  # (EOFError if short)
         self.crc = zlib.crc32(memoryview(out), self.crc)
         return out
