@@ -24,7 +24,6 @@ from types import FrameType
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from cachemgr.daemon import heap
 from cachemgr.daemon.app import create_app
 from cachemgr.daemon.backend import Backend
 from cachemgr.daemon.backlog import Flight, StoreBacklog
@@ -157,7 +156,8 @@ class Daemon:
             model=model,
             backlog=self.backlog,
             on_applied=self._check_watermarks,
-            # A CLI purge (init --no-wait) moved a dir to .trash/: GC deletes it now, not later.
+            # A CLI purge (or init --no-wait) renames into .trash/ from another process: GC
+            # deletes it now rather than at the next interval.
             on_namespace_gone=self._namespace_gone,
             # A full disk stops index writes (they are retried): GC's floor pass frees it.
             on_disk_full=self.gc.wake,
@@ -182,17 +182,17 @@ class Daemon:
             return registry_sql.bound_namespace(conn, instance)
 
     def _rearm(self) -> None:
-        """After a GC run that deleted (on its thread): the room it left, so the watcher wakes
-        GC again without waiting for the index's next batch; the heap its plan freed goes back."""
+        """After a GC run (on its thread): the room it left, so the watcher wakes GC again
+        without waiting for the index's next batch."""
         with self.reader() as conn:
             self._set_room(conn)
         self.refresher.kick()
-        heap.trim()
 
     def _set_room(self, conn: sqlite3.Connection) -> None:
         """What the watcher may see stored before it wakes GC itself."""
-        self.backlog.room = room(self.layout, conn, self.gc_policy, disk_usage=self.gc.disk_usage,
-                                 ahead=self.gc.ahead())  # fmt: skip
+        self.backlog.room = room(
+            self.layout, conn, self.gc_policy, disk_usage=self.gc.disk_usage, ahead=self.gc.ahead()
+        )
 
     def _after_purge(self, _: object) -> None:
         self.indexer.request_rescan()
