@@ -17,6 +17,7 @@ Usage: python bench/bench_daemon.py [N_PAGES] [N_EVENTS]   (defaults 200000 5000
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import shutil
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from itertools import islice
 from pathlib import Path
 
 import httpx
@@ -33,9 +35,13 @@ import httpx
 from cachemgr.daemon.indexer import Indexer
 from cachemgr.fs.dirscan import scan_usage
 from cachemgr.fs.root import create_root
+from cachemgr.gc import modelfile
+from cachemgr.gc.chains import ChainModel
+from cachemgr.gc.value import eviction_order
 from cachemgr.layout import Layout
 from cachemgr.state import pages_sql
-from cachemgr.state.index import scan_root
+from cachemgr.state.dbfile import quick_check
+from cachemgr.state.index import scan_namespace, scan_root
 from cachemgr.state.store import Store, connect
 
 NS = ["0123456789abcdef", "fedcba9876543210"]
@@ -220,7 +226,42 @@ def start_daemon(layout: Layout, env: dict[str, str]) -> tuple[subprocess.Popen[
 def bench_model(layout: Layout, n: int) -> None:
     print(f"\n## the chain model at {n:,} pages: restarts of `cachemgr serve`")
     index_chains(layout, n)
+    start_breakdown(layout)
     restarts(layout, n)
+
+
+def start_breakdown(layout: Layout) -> None:
+    """What a start does, step by step, in this process: the checks and scans a start runs,
+    then the model loaded from the index against the model file, and the first order of each."""
+    print("where a start's time goes (in-process):")
+    took, _ = timed(lambda: subprocess.run([sys.executable, "-c", "import cachemgr.cli.main, "
+                                            "cachemgr.daemon.lifecycle"], check=True))  # fmt: skip
+    print(f"  python + the daemon's imports: {took:.2f} s")
+    store = Store.open(layout.db_path)
+    took, _ = timed(quick_check, store.conn)
+    print(f"  PRAGMA quick_check (once at start): {took:.2f} s")
+    model = ChainModel()
+    for ns in NS:
+        took, report = timed(lambda ns=ns: scan_namespace(layout, store, ns))
+        load, _ = timed(model.load, store.conn, ns)
+        print(f"  {ns}: scan {took:.2f} s (drift {report.drift}), load from the index {load:.2f} s")
+    first = first_order(model)
+    path = layout.state_dir / "bench-model.snapshot"
+    took, _ = timed(modelfile.save, model, path, store)
+    restored = ChainModel()
+    back, _ = timed(modelfile.restore, restored, path, store)
+    print(f"  model file: saved in {took:.2f} s ({path.stat().st_size / 2**20:.0f} MiB), "
+          f"restored in {back:.2f} s")  # fmt: skip
+    print(f"  first order (1,000 victims): {first:.2f} s after a load from the index, "
+          f"{first_order(restored):.2f} s after a restore; "
+          f"the next one {first_order(restored):.2f} s")  # fmt: skip
+    path.unlink()
+    store.close()
+
+
+def first_order(model: ChainModel) -> float:
+    took, _ = timed(lambda: list(islice(eviction_order(model, before=math.inf), 1000)))
+    return took
 
 
 def index_chains(layout: Layout, n: int) -> None:
