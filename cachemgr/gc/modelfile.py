@@ -148,10 +148,15 @@ class _Reader:
         return raw
 
     def array(self, typecode: str, n: int) -> array[Any]:
-        out = array(typecode)
-        self._take(n * out.itemsize)
-        out.fromfile(self.f, n)  # (EOFError if short)
-        self.crc = zlib.crc32(memoryview(out), self.crc)
+        self._take(n * array(typecode).itemsize)
+        # Read into the array itself: fromfile would read into a bytes object of its size
+        # first, and a freed block that big is heap the daemon's RSS keeps.
+        out = array(typecode, [0]) * n
+        view = memoryview(out).cast("B")
+        if self.f.readinto(view) != len(view):
+            raise SnapshotInvalid("truncated")
+        self.crc = zlib.crc32(view, self.crc)
+        view.release()
         return out
 
 
