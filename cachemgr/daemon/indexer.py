@@ -295,6 +295,6 @@ class Indexer(Worker):
         elif report.drift or ns not in self._loaded:
             self.model.load(self.store.conn, ns)  # the scan changed what the model knew
             self._loaded.add(ns)
-            heap.trim()  # what the scan and the load freed (cachemgr.daemon.heap)
+        heap.trim()  # what the scan and a load freed (cachemgr.daemon.heap)
         self.state.record_scan(report, first=first)
         return report
