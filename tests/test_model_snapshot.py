@@ -26,7 +26,14 @@ from cachemgr.layout import Layout
 from cachemgr.settings import Settings, load_settings
 from cachemgr.state import pages_sql
 from cachemgr.state.store import Store
-from tests.daemon_helpers import NS_A, page_name, read_page, register_namespace, running_daemon
+from tests.daemon_helpers import (
+    NS_A,
+    RunningDaemon,
+    page_name,
+    read_page,
+    register_namespace,
+    running_daemon,
+)
 from tests.daemon_helpers import store_page as write_page
 from tests.polling import wait_for
 from tests.test_chain_store import NS, SUFFIX, chains
@@ -181,15 +188,24 @@ def _index_model(layout: Layout) -> ChainModel:
         return ChainModel.from_index(conn, [NS_A])
 
 
-def test_a_restart_keeps_chains_recency_and_order(tmp_path: Path) -> None:
+def _root(tmp_path: Path) -> tuple[Layout, Path]:
     layout = Layout.at(tmp_path / "root")
     create_root(layout)
-    d = register_namespace(layout, NS_A, instance="gpu0")
+    return layout, register_namespace(layout, NS_A, instance="gpu0")
+
+
+def _serve(dm: RunningDaemon, d: Path, first: int, n: int) -> ChainModel:
+    """`n` sessions through a running daemon, applied; its model."""
+    accessed = _sessions(d, first, n)
+    state = dm.daemon.indexer.state
+    wait_for(lambda: state.events_applied, lambda k: k >= accessed, timeout=30)
+    return dm.daemon.indexer.model
+
+
+def test_a_restart_keeps_chains_recency_and_order(tmp_path: Path) -> None:
+    layout, d = _root(tmp_path)
     with running_daemon(_settings(layout)) as dm:
-        accessed = _sessions(d, 1, 12)
-        state = dm.daemon.indexer.state
-        wait_for(lambda: state.events_applied, lambda n: n >= accessed, timeout=30)
-        model = dm.daemon.indexer.model
+        model = _serve(dm, d, 1, 12)
         with model.lock:
             before, order = pages(model), victims(model)  # (the order fills its segments)
             segments = dict(model.segments)
@@ -210,14 +226,11 @@ def test_a_restart_keeps_chains_recency_and_order(tmp_path: Path) -> None:
 
 
 def test_a_garbled_snapshot_gives_the_model_of_the_index(tmp_path: Path) -> None:
-    layout = Layout.at(tmp_path / "root")
-    create_root(layout)
-    d = register_namespace(layout, NS_A, instance="gpu0")
+    layout, d = _root(tmp_path)
     with running_daemon(_settings(layout)) as dm:
-        accessed = _sessions(d, 1, 6)
-        state = dm.daemon.indexer.state
-        wait_for(lambda: state.events_applied, lambda n: n >= accessed, timeout=30)
-    _garble(layout.model_snapshot, Store.open(layout.db_path))
+        _serve(dm, d, 1, 6)
+    with Store.open(layout.db_path) as store:
+        _garble(layout.model_snapshot, store)
     with running_daemon(_settings(layout)) as dm:
         model = dm.daemon.indexer.model
         with model.lock:
@@ -229,13 +242,9 @@ def test_a_garbled_snapshot_gives_the_model_of_the_index(tmp_path: Path) -> None
 def test_after_kill_9_the_model_is_loaded_from_the_index(tmp_path: Path) -> None:
     """A daemon killed leaves no stamp (it took it at start): the snapshot of the stop before
     is stale, and the next start loads what the killed daemon stored in the index."""
-    layout = Layout.at(tmp_path / "root")
-    create_root(layout)
-    d = register_namespace(layout, NS_A, instance="gpu0")
+    layout, d = _root(tmp_path)
     with running_daemon(_settings(layout)) as dm:  # a clean stop: a snapshot of 3 + LONG pages
-        accessed = _sessions(d, 1, 1)
-        state = dm.daemon.indexer.state
-        wait_for(lambda: state.events_applied, lambda n: n >= accessed, timeout=30)
+        _serve(dm, d, 1, 1)
     stale = layout.model_snapshot.read_bytes()
     proc = subprocess.Popen(
         [sys.executable, "-m", "cachemgr", "--root", str(layout.root), "serve", "--port", "0"],
@@ -286,13 +295,9 @@ def test_files_changed_while_the_daemon_was_down_are_applied_to_the_snapshot(
     """The server writes on while the daemon restarts: the start-up scan finds new files and
     files gone, and the restored model takes just those (its learned votes stay), ending as a
     load from the index would (but for what only the live model knew)."""
-    layout = Layout.at(tmp_path / "root")
-    create_root(layout)
-    d = register_namespace(layout, NS_A, instance="gpu0")
+    layout, d = _root(tmp_path)
     with running_daemon(_settings(layout)) as dm:
-        accessed = _sessions(d, 1, 6)
-        state = dm.daemon.indexer.state
-        wait_for(lambda: state.events_applied, lambda n: n >= accessed, timeout=30)
+        _serve(dm, d, 1, 6)
     for i in range(3):
         write_page(d, page_name(9000 + i))  # while no daemon watches
     (d / page_name(100 * 3 + LONG - 1)).unlink()  # a tail gone (another evictor)
