@@ -312,3 +312,24 @@ def test_files_changed_while_the_daemon_was_down_are_applied_to_the_snapshot(
         }
         assert (NS_A, f"{9001:064x}") in got and (NS_A, f"{300 + LONG - 1:064x}") not in got
         assert any(p.conf for p in got.values())  # not loaded again: the votes are the saved ones
+
+
+def test_no_snapshot_takes_the_last_of_the_disk(tmp_path: Path, store: Store) -> None:
+    """The state dir is usually on the cache's filesystem, where the server writes: a file
+    that would leave less than 3x its size free is not written (the next start loads)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)], check=True)
+    try:
+        model = ChainModel()
+        chains(model, 20_000, 40)  # a file of ~2.3 MB
+        modelfile.save(model, small / "chain-model.snapshot", store)
+        assert not list(small.iterdir())  # nothing written, not even a temp file
+        assert modelfile.restore(ChainModel(), small / "chain-model.snapshot", store) == set()
+        chains(model := ChainModel(), 2_000, 40)  # ~0.3 MB: room enough
+        modelfile.save(model, small / "chain-model.snapshot", store)
+        assert modelfile.restore(ChainModel(), small / "chain-model.snapshot", store) == {NS}
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)

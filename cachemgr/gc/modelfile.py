@@ -20,10 +20,12 @@ index after the start-up scan (cachemgr.daemon.indexer), like today.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import secrets
+import shutil
 import sqlite3
 import struct
 import sys
@@ -49,6 +51,7 @@ _LEN = struct.Struct("<Q")  # the header's length, after the magic
 _CRC = struct.Struct("<I")  # the CRC-32 of everything before it, at the end
 _SAVED = tuple(c for c in COLUMNS if c not in ("cand", "cand_sfx"))  # (salted hashes: not kept)
 _SEGMENTS = (("leaf", "i"), ("top", "i"), ("last", "q"), ("when", "d"))
+ROOM = 4  # times the file's size that must be free to write it: it never takes the disk's last
 
 
 class SnapshotInvalid(ValueError):
@@ -70,10 +73,13 @@ def save(model: ChainModel, path: Path, store: Store) -> None:
         # other process changes `pages` in between (a change after the stamp takes it away).
         with store.transaction() as conn, model.lock:
             parts = _encode(model, token)
-            crc = 0
-            for part in parts:
-                crc = zlib.crc32(part, crc)
             try:
+                size = sum(part.nbytes for part in parts)
+                if shutil.disk_usage(path.parent).free < ROOM * size:  # (the server writes there)
+                    raise OSError(errno.ENOSPC, f"less than {ROOM}x its {size} bytes free")
+                crc = 0
+                for part in parts:
+                    crc = zlib.crc32(part, crc)
                 write_atomic(path, [*parts, memoryview(_CRC.pack(crc))], mode=0o600)
             finally:
                 for part in parts:
