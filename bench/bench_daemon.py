@@ -247,7 +247,7 @@ def start_breakdown(layout: Layout) -> None:
         print(f"  {ns}: scan {took:.2f} s (drift {report.drift}), load from the index {load:.2f} s")
     first = first_order(model)
     path = layout.state_dir / "bench-model.snapshot"
-    took, _ = timed(modelfile.save, model, path, store)
+    took, _ = timed(modelfile.save, model, path, store, NS)
     restored = ChainModel()
     back, _ = timed(modelfile.restore, restored, path, store)
     print(f"  model file: saved in {took:.2f} s ({path.stat().st_size / 2**20:.0f} MiB), "

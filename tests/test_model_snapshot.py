@@ -59,7 +59,7 @@ def saved_model(tmp_path: Path, store: Store) -> tuple[ChainModel, Path]:
     victims(model)  # fills the segment cache
     model.observe_read(NS, f"{7 * 2654435761:064x}" + SUFFIX, 64, seq=6000, at=2.0)  # (dirty)
     path = tmp_path / "chain-model.snapshot"
-    modelfile.save(model, path, store)
+    modelfile.save(model, path, store, [NS])
     return model, path
 
 
@@ -127,7 +127,7 @@ def _index_changed(path: Path, store: Store) -> None:
 
 def _older_file(path: Path, store: Store) -> None:
     old = path.read_bytes()
-    modelfile.save(ChainModel(), path, store)  # a later stop stamped the index for its file
+    modelfile.save(ChainModel(), path, store, [])  # a later stop stamped the index for its file
     path.write_bytes(old)
 
 
@@ -325,11 +325,21 @@ def test_no_snapshot_takes_the_last_of_the_disk(tmp_path: Path, store: Store) ->
     try:
         model = ChainModel()
         chains(model, 20_000, 40)  # a file of ~2.3 MB
-        modelfile.save(model, small / "chain-model.snapshot", store)
+        modelfile.save(model, small / "chain-model.snapshot", store, [NS])
         assert not list(small.iterdir())  # nothing written, not even a temp file
         assert modelfile.restore(ChainModel(), small / "chain-model.snapshot", store) == set()
         chains(model := ChainModel(), 2_000, 40)  # ~0.3 MB: room enough
-        modelfile.save(model, small / "chain-model.snapshot", store)
+        modelfile.save(model, small / "chain-model.snapshot", store, [NS])
         assert modelfile.restore(ChainModel(), small / "chain-model.snapshot", store) == {NS}
     finally:
         subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+def test_only_namespaces_the_model_held_as_the_index_does_are_restored(
+    tmp_path: Path, store: Store
+) -> None:
+    model = ChainModel()
+    chains(model, 100, 10)
+    model.add("other", "ab" * 32 + SUFFIX, 64, 1, seq=500, at=0.0)  # (its scan had failed)
+    modelfile.save(model, tmp_path / "m", store, [NS])
+    assert modelfile.restore(ChainModel(), tmp_path / "m", store) == {NS}  # "other": loaded

@@ -136,7 +136,7 @@ class Indexer(Worker):
                 pause = self.batch_interval if ok else FULL_RETRY
             done = self._written(lambda: self._survive_corruption(self.apply_pending))
             if done and self.save_model and self.state.ready.is_set():  # for the next start
-                modelfile.save(self.model, self.layout.model_snapshot, self.store)
+                modelfile.save(self.model, self.layout.model_snapshot, self.store, self._loaded)
         finally:
             if self.state.leader and self.leadership is not None:
                 mark_ready(self.ready_marker, False)

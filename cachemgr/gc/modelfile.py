@@ -31,6 +31,7 @@ import struct
 import sys
 import zlib
 from array import array
+from collections.abc import Iterable
 from io import BufferedReader
 from pathlib import Path
 from typing import Any
@@ -63,16 +64,16 @@ def _layout() -> dict[str, Any]:
     return {"order": sys.byteorder, "sizes": {c: array(c).itemsize for c in "bHiqd"}}
 
 
-def save(model: ChainModel, path: Path, store: Store) -> None:
+def save(model: ChainModel, path: Path, store: Store, exact: Iterable[str]) -> None:
     """Write the model to `path` and stamp the index with the file's token (a failure is logged:
-    the next start loads the index). The caller makes sure the model is the index's: every
-    event applied, nothing else changing either (GC stopped)."""
+    the next start loads the index). The caller makes sure the model is the index's for the
+    namespaces `exact`: every event applied, nothing else changing either (GC stopped)."""
     token = secrets.token_hex(16)
     try:
         # The index's write lock from before the model is read until the stamp is in: no
         # other process changes `pages` in between (a change after the stamp takes it away).
         with store.transaction() as conn, model.lock:
-            parts = _encode(model, token)
+            parts = _encode(model, token, sorted(exact))
             try:
                 size = sum(part.nbytes for part in parts)
                 if shutil.disk_usage(path.parent).free < ROOM * size:  # (the server writes there)
@@ -91,7 +92,7 @@ def save(model: ChainModel, path: Path, store: Store) -> None:
     log.info("chain model saved", extra={"pages": model.store.count, "path": str(path)})
 
 
-def _encode(model: ChainModel, token: str) -> list[memoryview]:
+def _encode(model: ChainModel, token: str, exact: list[str]) -> list[memoryview]:
     st, top = model.store, model.store.top
     segs = model.segments  # leaf -> (top, latest use, its wall clock)
     seg_cols: list[array[Any]] = [array("i", segs)]
@@ -109,7 +110,7 @@ def _encode(model: ChainModel, token: str) -> list[memoryview]:
         "table": len(st.table), "segments": len(segs), "dirty": len(model.dirty),
         "ns_names": st.ns_names, "ns_pages": st.ns_pages, "ns_slots": st.ns_slots,
         "free_ns": st.free_ns, "suffixes": st.suffixes, "file_sets": st.file_sets,
-        "odd": sorted(st.odd.items()),
+        "odd": sorted(st.odd.items()), "exact": exact,
     }  # fmt: skip
     raw = json.dumps(header).encode()
     return [memoryview(MAGIC + _LEN.pack(len(raw)) + raw), *body]
@@ -117,20 +118,21 @@ def _encode(model: ChainModel, token: str) -> list[memoryview]:
 
 def restore(model: ChainModel, path: Path, store: Store) -> set[str]:
     """Replace the model with the snapshot at `path` if it is valid for this index; returns
-    the namespaces it holds (none: the caller loads them from the index). Takes the stamp."""
+    the namespaces it holds as the index does (the others: the caller loads them from the
+    index). Takes the stamp."""
     with store.transaction() as conn:
         token = pages_sql.take_model_stamp(conn)
     if token is None:
         return set()
     try:
         with open(open_file(path, 0), "rb") as f:  # (O_RDONLY, no symlink followed)
-            _read(model, f, token)
+            exact = _read(model, f, token)
     except (OSError, EOFError, ValueError, KeyError, TypeError, CachemgrError) as e:
         log.warning("chain model snapshot not used; loading from the index",
                     extra={"path": str(path), "error": str(e)})  # fmt: skip
         return set()
     log.info("chain model restored", extra={"pages": model.store.count, "path": str(path)})
-    return {n for n in model.store.ns_names if n}
+    return exact
 
 
 class _Reader:
@@ -166,7 +168,7 @@ class _Reader:
         return out
 
 
-def _read(model: ChainModel, f: BufferedReader, token: str) -> None:
+def _read(model: ChainModel, f: BufferedReader, token: str) -> set[str]:
     r = _Reader(f)
     if r.bytes(len(MAGIC)) != MAGIC:
         raise SnapshotInvalid("not a chain model snapshot")
@@ -180,7 +182,7 @@ def _read(model: ChainModel, f: BufferedReader, token: str) -> None:
     st.keys, st.leaf = r.bytes(top * KEY_BYTES), r.bytes(top)
     for c in _SAVED:
         setattr(st, c, r.array(getattr(st, c).typecode, top))
-    st.cand, st.cand_sfx = array("q", bytes(8 * top)), array("i", [NONE]) * top
+    st.cand, st.cand_sfx = array("q", [0]) * top, array("i", [NONE]) * top
     st.freed, st.table = r.array("i", h["freed"]), r.array("i", size)
     segs = [r.array(c, h["segments"]) for _, c in _SEGMENTS]
     dirty = r.array("i", h["dirty"])
@@ -197,6 +199,7 @@ def _read(model: ChainModel, f: BufferedReader, token: str) -> None:
         model.store, model.clock = st, h["clock"]
         model.segments = {k: (t, la, w) for k, t, la, w in zip(*segs, strict=True)}
         model.dirty = set(dirty)
+    return set(h["exact"]) & set(st.ns_num)
 
 
 def apply_scan(model: ChainModel, ns: str, changes: ScanChanges) -> None:
