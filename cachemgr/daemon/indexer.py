@@ -85,7 +85,7 @@ class Indexer(Worker):
         # What GC evicts by: every indexed page and its learned chain, kept by this thread.
         self.model = model if model is not None else ChainModel(self.fmt)
         self._loaded: set[str] = set()  # namespaces the model holds as the index does
-        self.pages = PageEvents(layout, store, self.fmt, self.model, self.backlog)
+        self.pages = PageEvents(layout, store, self.model, self.backlog, self.watcher.formats)
         self.on_applied = on_applied
         self.on_namespace_gone, self.on_disk_full = on_namespace_gone, on_disk_full
         self._rescan, self._rescan_lock = set[str](), threading.Lock()
@@ -173,7 +173,9 @@ class Indexer(Worker):
                 with (store := self.store).guard():
                     store.follow_path()
                     # after earlier seqs; every namespace is loaded again from this DB
-                    self.pages = PageEvents(self.layout, store, self.fmt, self.model, self.backlog)
+                    self.pages = PageEvents(
+                        self.layout, store, self.model, self.backlog, self.watcher.formats
+                    )
                     self._loaded.clear()
                     self._scan_all(first=first)
                 return

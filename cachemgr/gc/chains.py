@@ -187,14 +187,17 @@ class ChainModel:
 
     # -- learning from the access stream --------------------------------------------------------
 
-    def observe_write(self, ns: str, name: str, key_len: int, *, seq: int, at: float) -> str | None:
-        """A file was stored; returns its page's predecessor (the first guess, to persist)."""
+    def observe_write(
+        self, ns: str, name: str, key_len: int, *, seq: int, at: float, guess: bool = True
+    ) -> str | None:
+        """A file was stored; returns its page's predecessor (to persist). Without `guess` (a
+        format whose store order is no evidence: vLLM's) a page never read has none."""
         key, stream = name[:key_len], (ns, name[key_len:])
         with self.lock:
             prev = self._prev.get(stream)
-            self._prev[stream] = key
-            guess = prev if prev is not None and prev != key else None
-            self.add(ns, name, key_len, 0, seq=seq, at=at, pred=guess)  # moves `last` on too
+            self._prev[stream] = key  # (a read right after still reads it as its predecessor)
+            pred = prev if guess and prev is not None and prev != key else None
+            self.add(ns, name, key_len, 0, seq=seq, at=at, pred=pred)  # moves `last` on too
             return self._pred_key(self.store.find(ns, key))
 
     def observe_read(
