@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -133,3 +134,26 @@ def test_an_unbound_vllm_namespace_is_dropped_whole(
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["by_reason"] == {"unbound": {"files": 12, "bytes": 1200}}
     assert not layout.ns_dir(ns).exists() and list((root / ".trash").iterdir()) == []
+
+
+def test_a_dry_run_counts_nothing_in_a_hashed_dir_the_real_run_cannot_delete_in(
+    root: Path,
+) -> None:
+    """A hashed dir that refuses unlinks (immutable here: EPERM even for root; another user's
+    chmod for a non-root daemon): the dry run plans and counts as the real run, which refuses
+    that dir's blocks and deletes the rest."""
+    d, blocks, _ = vllm_tree(root)
+    stuck = (d / blocks[0]).parent
+    subprocess.run(["chattr", "+i", str(stuck)], check=True)
+    try:
+        dry = gc(root, "--dry-run", "--json", "--max-bytes", "5kB", "--min-age", "0")
+        real = gc(root, "--yes", "--json", "--max-bytes", "5kB", "--min-age", "0")
+    finally:
+        subprocess.run(["chattr", "-i", str(stuck)], check=True)
+    assert dry.returncode == real.returncode == 0, dry.stderr + real.stderr
+    planned, done = json.loads(dry.stdout), json.loads(real.stdout)
+    assert (planned["files"], planned["bytes"]) == (done["files"], done["bytes"]) == (5, 5000)
+    assert (d / blocks[0]).exists() and (d / (blocks[0] + "_1234.tmp")).exists()
+    assert not any((d / b).exists() for b in blocks[1:6])
+    refused = [[r for step in out["steps"] for r in step["refused"]] for out in (planned, done)]
+    assert refused[0] == refused[1] and "may not unlink" in refused[0][0]
