@@ -24,7 +24,7 @@ from tests.conftest import VllmDriver
 from tests.daemon_helpers import page_name, register_namespace, running_daemon, store_page
 from tests.polling import wait_for
 from tests.test_vllm_daemon import BLOCK, NS, blocks, on_disk, settings, vllm_root
-from tests.vllmtrees import block_path, key, vllm_namespace, vllm_store, write_folder
+from tests.vllmtrees import block_path, key, vllm_store, vllm_tree
 
 PROMPT = 8  # blocks of each prompt
 
@@ -41,9 +41,7 @@ def test_a_vllm_namespace_links_by_loads_and_an_sglang_one_by_stores_too(
 ) -> None:
     """The index of a vLLM namespace makes no guess from store order; two loads that agree
     link. An SGLang namespace's stores are still its first guess."""
-    ns = vllm_namespace(layout, store)
-    d = layout.ns_dir(ns)
-    folder = write_folder(d)
+    ns, d, folder = vllm_tree(layout, store)
     a, b = ([block_path(folder, key(i)) for i in r] for r in (range(4), range(4, 8)))
     sglang = register_namespace(layout, "00000000000000c3", identity=None)
     pages = [page_name(i) for i in range(3)]
