@@ -115,7 +115,7 @@ def test_queued_pages_are_the_reads_and_stores_not_applied(tmp_path: Path) -> No
         store_page(d, page_name(2))  # a store
         os.unlink(d / page_name(3))  # a deletion: not an access
         q: deque[Event] = wait_for(lambda: watcher.queue, lambda q: len(q) >= 3)
-        got = queued_pages(q, HICACHE_FILE)
+        got = queued_pages(q, lambda ns: HICACHE_FILE)
     finally:
         watcher.stop()
     assert got == {(NS_A, page_name(1)[:64]), (NS_A, page_name(2)[:64])}

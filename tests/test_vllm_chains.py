@@ -17,7 +17,6 @@ import pytest
 
 from cachemgr.daemon.page_events import PageEvents
 from cachemgr.daemon.watcher import Kind
-from cachemgr.gc.chains import ChainModel
 from cachemgr.layout import Layout
 from cachemgr.state.store import Store
 from tests.conftest import VllmDriver
@@ -49,7 +48,7 @@ def test_a_vllm_namespace_links_by_loads_and_an_sglang_one_by_stores_too(
         vllm_store(d, rel)
     for name in pages:
         store_page(sglang, name)
-    events = PageEvents(layout, store, ChainModel())
+    events = PageEvents(layout, store)  # its model reads each namespace's format
     stores = [(Kind.WRITE, ns, rel, 0.0) for rel in a + b]
     events.apply([*stores, *((Kind.WRITE, sglang.name, n, 0.0) for n in pages)], now=time.time())
     assert preds(layout, ns) == dict.fromkeys(a + b)

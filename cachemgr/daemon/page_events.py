@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from cachemgr.backends import FileFormat
 from cachemgr.daemon.backlog import StoreBacklog
-from cachemgr.daemon.watcher import Event, Kind
+from cachemgr.daemon.events import Event, Kind
 from cachemgr.gc.chains import ChainModel
 from cachemgr.layout import Layout
 from cachemgr.ns.manifest import format_of
 from cachemgr.state import pages_sql
 from cachemgr.state.store import Store
-
-Formats = Callable[[Layout, str], FileFormat]
 
 
 class PageEvents:
@@ -36,12 +34,11 @@ class PageEvents:
 
     def __init__(
         self, layout: Layout, store: Store, model: ChainModel | None = None,
-        backlog: StoreBacklog | None = None, formats: Formats = format_of,
+        backlog: StoreBacklog | None = None,
     ) -> None:  # fmt: skip
         self.store, self.layout = store, layout
-        self.formats = formats  # a namespace's file format (its manifest's engine)
+        self.model = model if model is not None else ChainModel(partial(format_of, layout))
         self._fmt: dict[str, FileFormat] = {}  # of each namespace seen: an id names one engine
-        self.model = model if model is not None else ChainModel()
         self.backlog = backlog if backlog is not None else StoreBacklog()
         self._next: int | None = None  # read at first use, on the thread that applies
         self.stored_bytes = 0  # of every page file stored so far (the writer's pace)
@@ -85,7 +82,7 @@ class PageEvents:
             b.events.append(ev)
             tally = b.per_ns.setdefault(ns, [0, 0])
             key = (ns, name)
-            fmt = self._fmt.get(ns) or self._fmt.setdefault(ns, self.formats(self.layout, ns))
+            fmt = self._fmt.get(ns) or self._fmt.setdefault(ns, self.model.formats(ns))
             key_len = fmt.key_len(name) or len(name)  # pages only; a nested page's key: its path
             if kind is Kind.GONE:
                 b.touched[key] = b.touched.get(key, False)
