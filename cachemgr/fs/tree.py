@@ -122,7 +122,7 @@ def may_unlink_in(root: Path, ns_rel: str, sub: str) -> None:
     on_mount(root, ns_rel, sub)
     with open_dir(root, f"{ns_rel}/{sub}") as fd:
         if not os.access(".", os.W_OK | os.X_OK, dir_fd=fd, effective_ids=True):
-            raise PermissionError(errno.EACCES, "this process may not unlink files in it")
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
 
 
 def by_dirs(ns_fd: int, paths: list[str], fmt: FileFormat) -> tuple[ByDir, list[str]]:
