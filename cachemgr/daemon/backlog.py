@@ -42,6 +42,15 @@ class StoreBacklog:
     def stored(self) -> None:
         """A page store was queued (on the inotify thread): wake GC once past the room."""
         self.seen += 1
+        self._past_room()
+
+    def rearm(self, room: float) -> None:
+        """The room left, after a batch's check or a GC run. Stores seen while the run went on
+        may be past it already: they wake GC now, as no later store may come to do it."""
+        self.room = room
+        self._past_room()
+
+    def _past_room(self) -> None:
         if (self.seen - self.applied) * self.page_bytes > self.room:
             self.room = math.inf  # one wake: the next check after a batch sets it again
             self.wake()

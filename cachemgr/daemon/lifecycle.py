@@ -191,9 +191,9 @@ class Daemon:
 
     def _set_room(self, conn: sqlite3.Connection) -> None:
         """What the watcher may see stored before it wakes GC itself."""
-        self.backlog.room = room(
+        self.backlog.rearm(room(
             self.layout, conn, self.gc_policy, disk_usage=self.gc.disk_usage, ahead=self.gc.ahead()
-        )
+        ))  # fmt: skip
 
     def _after_purge(self, _: object) -> None:
         self.indexer.request_rescan()

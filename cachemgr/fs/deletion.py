@@ -180,7 +180,7 @@ def _delete_nested(
     total = DeleteReport(refused=tuple(bad), dry_run=dry_run)
     for sub, files in by_dir.items():
         try:
-            may_unlink_in(root, rel_dir, sub)  # not another filesystem or bind mount put there
+            may_unlink_in(root, rel_dir, sub)  # its mount, and unlinks allowed: a dry run asks too
             total += delete_files(
                 root, f"{rel_dir}/{sub}", files, fmt=replace(fmt, nesting=None),
                 progress=_shifted(progress, total), removed=_under(removed, sub), **flat,
