@@ -18,18 +18,19 @@ from pathlib import Path
 
 from cachemgr.daemon import heap
 from cachemgr.daemon.backlog import StoreBacklog
+from cachemgr.daemon.events import Event, Kind
 from cachemgr.daemon.index_leader import lead, mark_ready
 from cachemgr.daemon.index_state import IndexState
 from cachemgr.daemon.page_events import PageEvents
-from cachemgr.daemon.watcher import Event, Kind, Watcher
+from cachemgr.daemon.watcher import Watcher
 from cachemgr.errors import StateCorrupt, StateError, UnsafePathError
 from cachemgr.fs import reserve
 from cachemgr.fs.leadership import Leadership
 from cachemgr.gc import modelfile
 from cachemgr.gc.chains import ChainModel
 from cachemgr.layout import Layout
+from cachemgr.ns.manifest import format_of
 from cachemgr.ns.registry import adopt_from_disk
-from cachemgr.sglang.hicache import HICACHE_FILE
 from cachemgr.state.index import BATCH, ScanReport, forget_namespace, scan_namespace, scan_root
 from cachemgr.state.store import Store
 from cachemgr.worker import DeathHandler, Worker
@@ -76,16 +77,15 @@ class Indexer(Worker):
         self.backlog = backlog if backlog is not None else StoreBacklog()  # stores not applied
         self.watcher = watcher if watcher is not None else Watcher(layout)
         self.watcher.on_store = self.backlog.stored
-        self.fmt = HICACHE_FILE  # key lengths of flat names (a nested page's key is its path)
         self.leadership = leadership  # None: this process alone indexes the root
         self.ready_marker = ready_marker  # exists while the leader's index is live
         self.follow_interval = max(batch_interval, 0.05)
         # What GC evicts by: every indexed page and its learned chain, kept by this thread.
-        self.model = model if model is not None else ChainModel(self.fmt)
+        self.model = model if model is not None else ChainModel(lambda ns: format_of(layout, ns))
         # Namespaces the model holds as the index does; those from a snapshot not scanned since.
         self._loaded, self._restored = set[str](), set[str]()
         self.save_model = True  # at a clean stop (False: GC may still change the index)
-        self.pages = PageEvents(layout, store, self.fmt, self.model, self.backlog)
+        self.pages = PageEvents(layout, store, self.model, self.backlog)
         self.on_applied = on_applied
         self.on_namespace_gone, self.on_disk_full = on_namespace_gone, on_disk_full
         self._rescan, self._rescan_lock = set[str](), threading.Lock()
@@ -175,7 +175,7 @@ class Indexer(Worker):
                 with (store := self.store).guard():
                     store.follow_path()
                     # after earlier seqs; every namespace is loaded again from this DB
-                    self.pages = PageEvents(self.layout, store, self.fmt, self.model, self.backlog)
+                    self.pages = PageEvents(self.layout, store, self.model, self.backlog)
                     restored = modelfile.restore(self.model, self.layout.model_snapshot, store)
                     self._restored, self._loaded = restored, set(restored)
                     self._scan_all(first=first)

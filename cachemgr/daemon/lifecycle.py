@@ -44,6 +44,7 @@ from cachemgr.gc.policy import GcPolicy
 from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
 from cachemgr.ns import purge as purge_mod
+from cachemgr.ns.manifest import format_of
 from cachemgr.settings import Settings
 from cachemgr.sglang.probe import ProbeLoop, ProbeState
 from cachemgr.state import registry_sql
@@ -130,7 +131,7 @@ class Daemon:
         """The index writer, GC (its own thread and connection) and the SGLang probe, wired
         to each other; not started."""
         index = IndexState()
-        model = ChainModel(in_flight=IN_FLIGHT)  # (the index's watcher reads the default format)
+        model = ChainModel(lambda ns: format_of(self.layout, ns), in_flight=IN_FLIGHT)
         # Stores not applied yet: GC counts them; past the room left, the watcher wakes GC.
         self.backlog = StoreBacklog(wake=lambda: self.gc.wake())
         self.gc_store = Store.open(self.layout.db_path)
@@ -190,9 +191,9 @@ class Daemon:
 
     def _set_room(self, conn: sqlite3.Connection) -> None:
         """What the watcher may see stored before it wakes GC itself."""
-        self.backlog.room = room(
+        self.backlog.rearm(room(
             self.layout, conn, self.gc_policy, disk_usage=self.gc.disk_usage, ahead=self.gc.ahead()
-        )
+        ))  # fmt: skip
 
     def _after_purge(self, _: object) -> None:
         self.indexer.request_rescan()

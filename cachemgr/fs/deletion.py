@@ -34,7 +34,7 @@ from cachemgr.fs.deletecheck import (
     still_at,
 )
 from cachemgr.fs.safe import open_dir
-from cachemgr.fs.tree import by_dirs, on_mount, orphan_identities, tree_names
+from cachemgr.fs.tree import by_dirs, may_unlink_in, orphan_identities, tree_names
 from cachemgr.layout import NS_DIR, check_ns_id
 from cachemgr.sglang.hicache import HICACHE_FILE
 
@@ -180,7 +180,7 @@ def _delete_nested(
     total = DeleteReport(refused=tuple(bad), dry_run=dry_run)
     for sub, files in by_dir.items():
         try:
-            on_mount(root, rel_dir, sub)  # not another filesystem or bind mount put there
+            may_unlink_in(root, rel_dir, sub)  # its mount, and unlinks allowed: a dry run asks too
             total += delete_files(
                 root, f"{rel_dir}/{sub}", files, fmt=replace(fmt, nesting=None),
                 progress=_shifted(progress, total), removed=_under(removed, sub), **flat,
