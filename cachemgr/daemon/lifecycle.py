@@ -117,7 +117,7 @@ class Daemon:
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=10)  # fmt: skip
         self.server = Server(config)
-        heap.exempt_startup()  # all of the above lives as long as the daemon: GC pauses shrink
+        heap.start_serving()  # all of the above lives as long as the daemon: out of GC's way
         for worker in self.workers:  # GC's first cycle waits for the index; drains .trash/ too
             worker.start()
         self._started = True
@@ -295,5 +295,5 @@ class Daemon:
         self.store.close()
         if self.sock is not None:
             self.sock.close()
-        heap.release()
+        heap.stop_serving()
         log.info("daemon stopped")
