@@ -26,6 +26,7 @@ bound in bench/sim_policy.py.
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Iterable, Iterator
 from heapq import heappop, heappush
 from typing import NamedTuple
@@ -53,7 +54,10 @@ class _Segment(NamedTuple):
     last: int
     when: float  # wall clock of its latest use: what orders pages only a scan saw (seq 0)
     leaf: int
-    path: tuple[int, ...] | None  # slots, leaf first; None: the whole segment, walked when it goes
+    # Slots, leaf first, as an int array's bytes (neither an int object per page, which in a
+    # million-page order outlived it in RSS, nor an object the collector tracks); None: the
+    # whole segment, walked when it goes.
+    path: bytes | None
 
 
 def eviction_order(
@@ -86,9 +90,10 @@ def eviction_order(
             for seg in _lowest_first(
                 _segments(st, model.clock, leaves, gone, before, recent, cache)
             ):
-                path = seg.path
-                if path is None:  # (all its pages go: nothing in it is young or in flight)
+                if seg.path is None:  # (all its pages go: nothing in it is young or in flight)
                     path = _walk(st, seg.leaf, {}, math.inf, (model.clock, math.inf))[0]
+                else:
+                    path = array("i", seg.path)
                 for s in path:
                     yield Victim(st.ns_names[st.ns[s]], st.key(s), st.names(s), st.size(s),
                                  st.time[s])  # fmt: skip
@@ -126,7 +131,7 @@ def _segments(
     """The segments of these leaves that may go, valued, in leaf order (`_lowest_first` gives
     the order to evict them). `cache`: the segments known of the last order (whole, none gone),
     read instead of walked, and kept."""
-    raw: list[tuple[int, tuple[int, ...] | None, int, int, float, bool]] = []
+    raw: list[tuple[int, bytes | None, int, int, float, bool]] = []
     for leaf in leaves:
         known = cache.get(leaf) if cache is not None else None
         if known is not None:
@@ -138,7 +143,7 @@ def _segments(
         path, top, last, stranded = _walk(st, leaf, gone, before, recent)
         if path:
             when = max(st.time[p] for p in path)
-            raw.append((leaf, path, top, last, when, stranded))
+            raw.append((leaf, path.tobytes(), top, last, when, stranded))
             if cache is not None and len(path) > CACHED and path[-1] == top:
                 cache[leaf] = (top, last, when)  # (the whole segment: none of it is young)
     reads, born = st.reads, st.born
@@ -161,11 +166,11 @@ def _lowest_first(segments: Iterable[_Segment]) -> Iterator[_Segment]:
 
     Neither step holds the GIL long while another thread waits for it (a /metrics scrape):
     the heap grows one push at a time, where one sort or heapify of a mass eviction's 250,000
-    segments is a single C call of hundreds of ms; and it holds plain tuples of numbers,
-    which the cyclic garbage collector stops tracking, where 250,000 live `_Segment`s (or
-    lists) would each make its full collections, which hold the GIL too, that much longer
-    (bench/RESULTS.md)."""
-    heap: list[tuple[float, int, float, int, int, tuple[int, ...] | None]] = []
+    segments is a single C call of hundreds of ms; and it holds plain tuples of numbers (and
+    bytes), which the cyclic garbage collector stops tracking, where 250,000 live
+    `_Segment`s (or lists) would each make its full collections, which hold the GIL too, that
+    much longer (bench/RESULTS.md)."""
+    heap: list[tuple[float, int, float, int, int, bytes | None]] = []
     for i, s in enumerate(segments):
         heappush(heap, (s.value, s.last, s.when, i, s.leaf, s.path))
     while heap:
@@ -179,12 +184,12 @@ def _walk(
     gone: dict[int, int],
     before: float,
     recent: tuple[int, float],
-) -> tuple[tuple[int, ...], int, int, bool]:
+) -> tuple[array[int], int, int, bool]:
     """The leaf's segment: (the pages that may go, leaf first; its top page; its latest use;
     stranded). A page used after `before` (wall clock) or in flight (used after access
     `recent[0]` and after time `recent[1]`) stays, and so does everything above it."""
     pred, files, kids, last_col, time_col = st.pred, st.files, st.kids, st.last, st.time
-    path: list[int] = []
+    path = array("i")
     young = False
     last = last_col[leaf]
     at = leaf
@@ -196,12 +201,12 @@ def _walk(
         last = max(last, last_col[at])
         above = pred[at]
         if above == NONE:
-            return tuple(path), at, last, False
+            return path, at, last, False
         if files[above] == GHOST:
             # Its predecessor is gone: nothing below the gap can be loaded. GC never evicts a
             # page before its children, so a deletion racing the request that wrote it (or
             # read it) cut it off; a link no read contradicted since is trusted for that.
-            return tuple(path), at, last, (st.conf[at] > 0 or st.reads[at] == 0) and not young
+            return path, at, last, (st.conf[at] > 0 or st.reads[at] == 0) and not young
         if kids[above] - gone.get(above, 0) != 1:
-            return tuple(path), at, last, False  # a branch point: the segment ends below it
+            return path, at, last, False  # a branch point: the segment ends below it
         at = above
