@@ -4,9 +4,9 @@ waits for the GIL.
 glibc's malloc keeps memory freed at the top of its heap once large blocks have been freed
 (its trim threshold rises with them, up to 64 MiB), so after loading a million-page
 namespace into the chain model (a few objects per row, all freed) the daemon's RSS stayed
-~40 MiB above what it holds; a GC run's plan leaves some too (the daemon trims after each:
-~10 MiB at a million pages). `trim` (`malloc_trim(0)`) returns it (bench/RESULTS.md).
-Elsewhere (musl, macOS) it is a no-op.
+~40 MiB above what it holds; a GC run's plan leaves a few MiB too (the daemon trims after
+each run). `trim` (`malloc_trim(0)`) returns it (bench/RESULTS.md). Elsewhere (musl, macOS) it
+is a no-op.
 
 Python's cyclic garbage collector, on its full collections, traverses every object it tracks
 in one C call that holds the GIL: in an idle daemon, ~76,000 objects (its modules, classes,
