@@ -2,7 +2,7 @@
 `find -delete` on fresh identical copies of the same file set, and /metrics latency meanwhile.
 
 usage: python bench/bench_evict.py [N=250000] [namespaces=1] [rounds=1] [workdir=bench/out/evict]
-                                   [peers=rm,find]
+                                   [peers=rm,find] [first=0]
 
 `peers=none` times the daemon alone (and its /metrics latency): one tree to build.
 
@@ -14,6 +14,8 @@ scrapes /metrics every POLL_MS, as Prometheus would (more often). The time is th
 
 The machine may be shared: with several rounds the order of the three rotates, so contention
 that comes and goes (and the slowdown a mass delete leaves behind) lands on each in turn.
+`first` numbers the first round, to go on rotating across runs (an A/B of two code versions
+run one after the other, each with its peers).
 """
 
 from __future__ import annotations
@@ -224,13 +226,14 @@ def main() -> None:
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     work = Path(sys.argv[4] if len(sys.argv) > 4 else "bench/out/evict").resolve()
     peers = [p for p in (sys.argv[5] if len(sys.argv) > 5 else "rm,find").split(",") if p in PEERS]
+    first = int(sys.argv[6]) if len(sys.argv) > 6 else 0
     print(
         f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} cpus, "
         f"{platform.system()} {platform.release()}; Python {platform.python_version()}"
     )
     results: dict[str, list[float]] = {}
     latencies: list[float] = []
-    for r in range(rounds):
+    for r in range(first, first + rounds):
         rates, lat = one_round(n, k, work, r, peers)
         latencies += lat
         for label, rate in rates.items():

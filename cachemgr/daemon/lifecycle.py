@@ -24,6 +24,7 @@ from types import FrameType
 import uvicorn
 from prometheus_client import CollectorRegistry
 
+from cachemgr.daemon import heap
 from cachemgr.daemon.app import create_app
 from cachemgr.daemon.backend import Backend
 from cachemgr.daemon.backlog import Flight, StoreBacklog
@@ -114,14 +115,10 @@ class Daemon:
             workers=self.workers,
         )
         self.app = create_app(self.backend)
-        config = uvicorn.Config(
-            self.app,
-            log_level="warning",
-            access_log=False,
-            lifespan="off",
-            timeout_graceful_shutdown=10,
-        )
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=10)  # fmt: skip
         self.server = Server(config)
+        heap.start_serving()  # all of the above lives as long as the daemon: out of GC's way
         for worker in self.workers:  # GC's first cycle waits for the index; drains .trash/ too
             worker.start()
         self._started = True
@@ -184,10 +181,11 @@ class Daemon:
 
     def _rearm(self) -> None:
         """After a GC run (on its thread): the room it left, so the watcher wakes GC again
-        without waiting for the index's next batch."""
+        without waiting for the index's next batch; and the heap its plan freed, given back."""
         with self.reader() as conn:
             self._set_room(conn)
         self.refresher.kick()
+        heap.trim()  # (well under a ms, without the GIL: bench/RESULTS.md)
 
     def _set_room(self, conn: sqlite3.Connection) -> None:
         """What the watcher may see stored before it wakes GC itself."""
@@ -298,4 +296,5 @@ class Daemon:
         self.store.close()
         if self.sock is not None:
             self.sock.close()
+        heap.stop_serving()
         log.info("daemon stopped")

@@ -26,7 +26,9 @@ bound in bench/sim_policy.py.
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Iterable, Iterator
+from heapq import heappop, heappush
 from typing import NamedTuple
 
 from cachemgr.gc.chains import IN_FLIGHT_SECONDS, ChainModel
@@ -52,7 +54,10 @@ class _Segment(NamedTuple):
     last: int
     when: float  # wall clock of its latest use: what orders pages only a scan saw (seq 0)
     leaf: int
-    path: list[int] | None  # slots, leaf first; None: the whole segment, walked when it goes
+    # Slots, leaf first, as an int array's bytes (neither an int object per page, which in a
+    # million-page order outlived it in RSS, nor an object the collector tracks); None: the
+    # whole segment, walked when it goes.
+    path: bytes | None
 
 
 def eviction_order(
@@ -82,10 +87,13 @@ def eviction_order(
         cache: dict[int, tuple[int, int, float]] | None = model.segments
         while leaves:
             exposed: list[int] = []
-            for seg in _segments(st, model.clock, leaves, gone, before, recent, cache):
-                path = seg.path
-                if path is None:  # (all its pages go: nothing in it is young or in flight)
+            for seg in _lowest_first(
+                _segments(st, model.clock, leaves, gone, before, recent, cache)
+            ):
+                if seg.path is None:  # (all its pages go: nothing in it is young or in flight)
                     path = _walk(st, seg.leaf, {}, math.inf, (model.clock, math.inf))[0]
+                else:
+                    path = array("i", seg.path)
                 for s in path:
                     yield Victim(st.ns_names[st.ns[s]], st.key(s), st.names(s), st.size(s),
                                  st.time[s])  # fmt: skip
@@ -119,10 +127,11 @@ def _segments(
     before: float,
     recent: tuple[int, float],
     cache: dict[int, tuple[int, int, float]] | None,
-) -> list[_Segment]:
-    """The segments of these leaves that may go, in the order to evict them. `cache`: the
-    segments known of the last order (whole, none gone), read instead of walked, and kept."""
-    raw: list[tuple[int, list[int] | None, int, int, float, bool]] = []
+) -> Iterator[_Segment]:
+    """The segments of these leaves that may go, valued, in leaf order (`_lowest_first` gives
+    the order to evict them). `cache`: the segments known of the last order (whole, none gone),
+    read instead of walked, and kept."""
+    raw: list[tuple[int, bytes | None, int, int, float, bool]] = []
     for leaf in leaves:
         known = cache.get(leaf) if cache is not None else None
         if known is not None:
@@ -134,24 +143,39 @@ def _segments(
         path, top, last, stranded = _walk(st, leaf, gone, before, recent)
         if path:
             when = max(st.time[p] for p in path)
-            raw.append((leaf, path, top, last, when, stranded))
+            raw.append((leaf, path.tobytes(), top, last, when, stranded))
             if cache is not None and len(path) > CACHED and path[-1] == top:
                 cache[leaf] = (top, last, when)  # (the whole segment: none of it is young)
     reads, born = st.reads, st.born
     returns = [(last - born[top], reads[top]) for _, _, top, last, _, _ in raw if reads[top] > 0]
     prior = sum(d for d, _ in returns) / sum(n for _, n in returns) if returns else 1.0
     odds = END / (1 - END)
-    out = []
     for leaf, walked, top, last, when, stranded in raw:
         if stranded:
-            out.append(_Segment(-1.0, last, when, leaf, walked))
+            yield _Segment(-1.0, last, when, leaf, walked)
             continue
         rate = (reads[top] + 1) / (last - born[top] + max(prior, 1.0))
         silence = rate * (clock - last)
         alive = 0.0 if silence > _MAX_EXP else 1 / (1 + odds * math.exp(silence))
-        out.append(_Segment(rate * alive, last, when, leaf, walked))
-    out.sort(key=lambda s: (s.value, s.last, s.when))
-    return out
+        yield _Segment(rate * alive, last, when, leaf, walked)
+
+
+def _lowest_first(segments: Iterable[_Segment]) -> Iterator[_Segment]:
+    """The segments lowest (value, last, when) first, equal ones in the order given (a
+    stable sort's order), found lazily: the caller stops when it has freed enough.
+
+    Neither step holds the GIL long while another thread waits for it (a /metrics scrape):
+    the heap grows one push at a time, where one sort or heapify of a mass eviction's 250,000
+    segments is a single C call of hundreds of ms; and it holds plain tuples of numbers (and
+    bytes), which the cyclic garbage collector stops tracking, where 250,000 live
+    `_Segment`s (or lists) would each make its full collections, which hold the GIL too, that
+    much longer (bench/RESULTS.md)."""
+    heap: list[tuple[float, int, float, int, int, bytes | None]] = []
+    for i, s in enumerate(segments):
+        heappush(heap, (s.value, s.last, s.when, i, s.leaf, s.path))
+    while heap:
+        value, last, when, _, leaf, path = heappop(heap)
+        yield _Segment(value, last, when, leaf, path)
 
 
 def _walk(
@@ -160,12 +184,12 @@ def _walk(
     gone: dict[int, int],
     before: float,
     recent: tuple[int, float],
-) -> tuple[list[int], int, int, bool]:
+) -> tuple[array[int], int, int, bool]:
     """The leaf's segment: (the pages that may go, leaf first; its top page; its latest use;
     stranded). A page used after `before` (wall clock) or in flight (used after access
     `recent[0]` and after time `recent[1]`) stays, and so does everything above it."""
     pred, files, kids, last_col, time_col = st.pred, st.files, st.kids, st.last, st.time
-    path: list[int] = []
+    path = array("i")
     young = False
     last = last_col[leaf]
     at = leaf
