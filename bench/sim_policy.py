@@ -20,7 +20,12 @@ Policies:
 * `clairvoyant`: evict the page whose next lookup is farthest away (Belady);
 * `no cap`.
 
-    .venv/bin/python bench/sim_policy.py [--sessions N --requests M --seed S]
+Trace shapes (`--shape`, one generator, different parameters): `default`, the trace of the
+earlier tables (500 sessions, Zipf 0.8, 32-page prefix, 2-8 pages a turn, reset p 0.05), and
+`pressured`, calibrated to issue #13's figures (no cap ~0.96, LRU ~0.86 at W/3, clairvoyant
+~0.93 / ~0.96): fewer, flatter-popularity sessions with longer conversations.
+
+    .venv/bin/python bench/sim_policy.py [--shape NAME --sessions N --requests M --seed S]
 """
 
 from __future__ import annotations
@@ -35,12 +40,34 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from math import inf
+from typing import Any
 
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.value import END, eviction_order
 
 EVICTION_RATIO = 0.9  # SGLang's default eviction_ratio (and the issue's low watermark)
 RATES = (0.1, 100.0)  # simulated requests per second for the cachemgr policy
+
+
+@dataclass(frozen=True)
+class Shape:
+    """make_trace's parameters for one kind of workload: sessions and requests of the full
+    trace and of the smaller one bench_replay.py paces at ~2 req/s, and the generator's knobs."""
+
+    sessions: int
+    requests: int
+    paced_sessions: int
+    paced_requests: int
+    knobs: dict[str, Any]
+
+
+SHAPES = {
+    "default": Shape(500, 4000, 120, 1000, {}),
+    # Issue #13's trace: no cap ~0.96, LRU ~0.86 (W/3), clairvoyant ~0.93 (W/3) / ~0.96 (W/2).
+    "pressured": Shape(
+        150, 4000, 40, 1000, {"zipf": 0.6, "grow": (2, 6), "reset_p": 0.02, "sys_pages": 48}
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -380,16 +407,19 @@ def table(trace: Trace, results: list[Result]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sessions", type=int, default=500)
-    ap.add_argument("--requests", type=int, default=4000)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="default")
+    ap.add_argument("--sessions", type=int, help="default: the shape's")
+    ap.add_argument("--requests", type=int, help="default: the shape's")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args(argv)
     t0 = time.monotonic()
-    trace = make_trace(args.sessions, args.requests, args.seed)
+    shape = SHAPES[args.shape]
+    sessions, requests = args.sessions or shape.sessions, args.requests or shape.requests
+    trace = make_trace(sessions, requests, args.seed, **shape.knobs)
     results = run(trace)
     lookups = sum(len(c) for c in trace.requests)
     print(
-        f"trace: {args.sessions} sessions, {args.requests} requests, seed {args.seed};"
+        f"trace {args.shape!r}: {sessions} sessions, {requests} requests, seed {args.seed};"
         f" W = {trace.pages} pages, {lookups} page lookups; restart before request"
         f" {trace.restart_at}"
     )
