@@ -183,12 +183,14 @@ class Cachemgr(Policy):
     def __init__(self, rate: float) -> None:
         self.name = f"cachemgr @{rate:g}/s"
         self.rate = rate
-        # Nothing is in flight when the simulator evicts: it serves one request at a time.
         self.model = ChainModel()
         self.seq = 0
+        self.request = (-1, 0)  # the request being served, and the sequence before it
         self.evicted: list[int] = []  # every victim, in order (for tests)
 
     def _event(self, page: int, i: int, observe: Callable[..., object]) -> None:
+        if i != self.request[0]:
+            self.request = (i, self.seq)
         self.seq += 1
         observe("ns", _name(page), KEY_LEN, seq=self.seq, at=i / self.rate)
 
@@ -199,7 +201,11 @@ class Cachemgr(Policy):
         self._event(page, i, self.model.observe_write)
 
     def victims(self, n: int, i: int, disk: set[int]) -> list[int]:
-        out = [int(v.key, 16) for v in islice(eviction_order(self.model, before=inf), n)]
+        # In flight, as in the daemon: the pages of the request being served (it may write
+        # more behind them). The same accesses at any rate: its pages are all "now".
+        self.model.in_flight = self.seq - self.request[1] if i == self.request[0] else 0
+        order = eviction_order(self.model, before=inf, now=i / self.rate)
+        out = [int(v.key, 16) for v in islice(order, n)]
         self.model.remove("ns", ((_name(p), KEY_LEN) for p in out))
         self.evicted += out
         return out

@@ -33,16 +33,16 @@ import threading
 from collections.abc import Iterable, Mapping
 
 from cachemgr.backends import FileFormat
+from cachemgr.gc.history import History
 from cachemgr.gc.pagestore import GHOST, NONE, Page, PageId, PageStore, PagesView
 from cachemgr.sglang.hicache import HICACHE_FILE
 from cachemgr.state import pages_sql
 
 CONFIDENCE_MAX = 3  # agreeing reads a link may bank against later contrary evidence
 CYCLE_WALK = 100_000  # ancestors walked at most to refuse a cycle (chains are far shorter)
-# Accesses (of any page) since a page's last use during which the live daemon deems it in
-# flight: its request may still be writing the pages that continue it (or another rank's file
-# of it); deleting it then would strand those behind a gap. Counted in accesses (any rate),
-# and only for IN_FLIGHT_SECONDS: when the writer stops, nothing stays in flight.
+# Accesses (of any page) since a page's last use while the daemon deems it in flight: its request
+# may still write pages continuing it (or another rank's file of it), stranded if it went. In
+# accesses (any rate), and only for IN_FLIGHT_SECONDS: when the writer stops, none is in flight.
 IN_FLIGHT = 1024
 IN_FLIGHT_SECONDS = 2.0
 DIRTY_MAX = 65_536  # pages changed between two orders past which all segments are walked again
@@ -58,6 +58,7 @@ class ChainModel:
         self.fmt = fmt  # what the names in a namespace dir mean
         self.in_flight = in_flight  # the last accesses whose pages GC leaves alone
         self.store = PageStore()
+        self.history = History()  # evicted chain heads, for when their chain comes back
         self.clock = 0  # the largest access sequence seen
         self._prev: dict[tuple[str, str], str] = {}  # (ns, file suffix) -> last page key
         # The eviction order's segments as of its last run (cachemgr.gc.value): leaf slot ->
@@ -105,6 +106,7 @@ class ChainModel:
         if st.files[s] == GHOST:
             st.start(s, seq if born is None else born, seq, at)
             self._link(s, pred, trusted)
+            self.history.returned(st, s)
         elif st.pred[s] == NONE and pred is not None:
             self._link(s, pred, trusted)
         old = st.file_sets[st.files[s]]
@@ -155,11 +157,12 @@ class ChainModel:
                 files = tuple(f for f in st.file_sets[st.files[s]] if f[0] != suffix)
                 st.files[s] = st.file_set(files)
                 if not files:
+                    self.history.evicted(st, s)
                     self._drop(s)
 
     def forget_gone(self, ns: str, ns_dir: str, names: Iterable[str]) -> None:
-        """Forget those of these files of `ns` (in `ns_dir`) that are gone: after GC deleted
-        them, before the watcher's events say so (a run right after must not pick them)."""
+        """Forget those files of `ns` (in `ns_dir`) that are gone: GC deleted them (a run right
+        after must not pick them; the watcher's events come later)."""
         gone = [n for n in names if not os.path.lexists(os.path.join(ns_dir, n))]
         self.remove(ns, [(n, self.fmt.key_len(n) or len(n)) for n in gone])
 

@@ -33,7 +33,7 @@ from cachemgr.gc.chains import IN_FLIGHT_SECONDS, ChainModel
 from cachemgr.gc.pagestore import GHOST, NONE, PageStore
 
 END = 0.1  # prior probability that a conversation ends at a return
-_MAX_EXP = 700.0  # e^700 is near float's limit: the chain is as good as ended
+SHAPE_MIN, SHAPE_MAX = 0.05, 50.0  # bounds of the fitted prior's shape (few chains: noisy)
 CACHED = 16  # pages a segment has at least for the next order to read it, not walk it
 
 
@@ -138,20 +138,42 @@ def _segments(
             if cache is not None and len(path) > CACHED and path[-1] == top:
                 cache[leaf] = (top, last, when)  # (the whole segment: none of it is young)
     reads, born = st.reads, st.born
-    returns = [(last - born[top], reads[top]) for _, _, top, last, _, _ in raw if reads[top] > 0]
-    prior = sum(d for d, _ in returns) / sum(n for _, n in returns) if returns else 1.0
-    odds = END / (1 - END)
+    prior = _prior([(reads[top], clock - born[top]) for _, _, top, _, _, _ in raw])
     out = []
     for leaf, walked, top, last, when, stranded in raw:
-        if stranded:
-            out.append(_Segment(-1.0, last, when, leaf, walked))
-            continue
-        rate = (reads[top] + 1) / (last - born[top] + max(prior, 1.0))
-        silence = rate * (clock - last)
-        alive = 0.0 if silence > _MAX_EXP else 1 / (1 + odds * math.exp(silence))
-        out.append(_Segment(rate * alive, last, when, leaf, walked))
+        worth = -1.0 if stranded else _value(prior, reads[top], last - born[top], clock - last)
+        out.append(_Segment(worth, last, when, leaf, walked))
     out.sort(key=lambda s: (s.value, s.last, s.when))
     return out
+
+
+def _prior(chains: list[tuple[int, int]]) -> tuple[float, float]:
+    """The Gamma(shape, rate) prior of a chain's return rate, fitted to all segments' (returns,
+    exposure) by the method of moments (empirical Bayes): its mean is the pooled rate, its
+    spread what the counts vary by beyond Poisson noise."""
+    n = sum(c for c, _ in chains)
+    t = sum(e for _, e in chains)
+    if not n or not t:
+        return 1.0, 1.0  # nothing came back yet: every chain looks alike
+    mean = n / t
+    excess = sum((c - mean * e) ** 2 - mean * e for c, e in chains)
+    spread = sum(e * e for _, e in chains)
+    shape = (
+        min(max(mean * mean * spread / excess, SHAPE_MIN), SHAPE_MAX) if excess > 0 else SHAPE_MAX
+    )
+    return shape, shape / mean
+
+
+def _value(prior: tuple[float, float], returns: int, span: int, silence: int) -> float:
+    """A segment's expected hits per page per step from now: the rate of returns that continue
+    its chain. Its return rate is Gamma(α + returns, β + span) after `span` steps of use; a
+    return ends the chain with probability END; after `silence` steps without one, the chain is
+    alive with the odds (no return yet : a return that ended it), and its rate is the mean
+    rate given that silence."""
+    a, b = prior[0] + returns, prior[1] + span
+    quiet = math.exp(-a * math.log1p(silence / b))  # P(no return in the silence)
+    alive = quiet / (quiet + END * (1.0 - quiet))
+    return (1.0 - END) * alive * a / (b + silence)
 
 
 def _walk(
