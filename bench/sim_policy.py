@@ -46,7 +46,8 @@ from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.value import END, eviction_order
 
 EVICTION_RATIO = 0.9  # SGLang's default eviction_ratio (and the issue's low watermark)
-RATES = (0.1, 100.0)  # simulated requests per second for the cachemgr policy
+RATES = (0.1, 100.0)
+ORACLES = ("rate", "ended", "rate+ended")  # simulated requests per second for the cachemgr policy
 
 
 @dataclass(frozen=True)
@@ -254,14 +255,15 @@ class Clairvoyant(Policy):
 
 
 class Oracle(Policy):
-    """Bounds for an online policy, tails first as cachemgr: told each page's session's true
-    popularity (`rate`: value = popularity x P(alive) after its silence, the estimate cachemgr
-    makes from what it sees), or also which pages will never be looked up again (`ended`:
-    those first, then least recently used). Not cachemgr's code: what it could do knowing more."""
+    """Bounds for an online policy, tails first as cachemgr, told what it cannot see: each
+    page's session's true popularity (`rate`: value = popularity x P(alive) after its silence,
+    the estimate cachemgr makes from what it sees), which pages will never be looked up again
+    (`ended`: those first, then least recently used), or both (`rate+ended`: ended chains
+    first, then the least popular). Not cachemgr's code: what it could do knowing more."""
 
-    def __init__(self, trace: Trace, knows_ended: bool) -> None:
-        self.name = "oracle: ended chains" if knows_ended else "oracle: true rate"
-        self.trace, self.knows_ended = trace, knows_ended
+    def __init__(self, trace: Trace, knows: str) -> None:
+        self.name = f"oracle: {knows}"
+        self.trace, self.knows = trace, knows
         self.last: dict[int, int] = {}
         self.final = {p: i for i, chain in enumerate(trace.requests) for p in chain}
         total = sum(set(trace.weight) - {float("inf")})
@@ -274,9 +276,12 @@ class Oracle(Policy):
 
     def _key(self, page: int, i: int) -> tuple[float, int]:
         last = self.last[page]
-        if self.knows_ended:
-            return (0.0 if self.final[page] <= i else 1.0, last)
+        ended = self.final[page] <= i
         rate = self.per_request[self.trace.weight[page]]
+        if self.knows == "ended":
+            return (0.0 if ended else 1.0, last)
+        if self.knows == "rate+ended":
+            return (0.0 if ended else rate, last)
         silence = min(rate * (i - last), 700.0)
         return (rate / (1 + END / (1 - END) * math.exp(silence)), last)
 
@@ -374,7 +379,7 @@ def serve(trace: Trace, policy: Policy | None, cap: int | None, samples: int = 1
 def policies(trace: Trace, rates: Iterable[float] = RATES) -> list[Callable[[], Policy]]:
     makers: list[Callable[[], Policy]] = [Lru, LruMtime]
     makers += [lambda r=r: Cachemgr(r) for r in rates]
-    makers += [lambda: Oracle(trace, False), lambda: Oracle(trace, True)]
+    makers += [lambda k=k: Oracle(trace, k) for k in ORACLES]
     makers.append(lambda: Clairvoyant(trace))
     return makers
 

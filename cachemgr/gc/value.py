@@ -32,7 +32,7 @@ from typing import NamedTuple
 from cachemgr.gc.chains import IN_FLIGHT_SECONDS, ChainModel
 from cachemgr.gc.pagestore import GHOST, NONE, PageStore
 
-END = 0.1  # prior probability that a conversation ends at a return
+END = 0.05  # probability that a conversation ends at a return (moves on to a new chain)
 SHAPE_MIN, SHAPE_MAX = 0.05, 50.0  # bounds of the fitted prior's shape (few chains: noisy)
 CACHED = 16  # pages a segment has at least for the next order to read it, not walk it
 
