@@ -5,15 +5,16 @@ prefix. Leaves are grouped into *segments*: the leaf and its ancestors up to the
 shared with another chain (a branch point such as the end of a system prompt). All pages of a
 segment are read together (a request reads its whole prefix), so they share one value:
 
-    value = rate × P(alive)
+    value = (1 - END) × P(alive) × rate   (expected hits per page per access-sequence step)
 
-* rate: the segment's uses per access-sequence step, (returns + 1) / (last - first + b), from
-  its top page (its reads count every return of the chain); b, the prior, is the mean interval
-  between returns over all segments that came back, so a chain seen once is worth about one
-  typical return;
+from its top page (its reads count every return of the chain; cachemgr.gc.history gives an
+evicted chain that comes back its record again):
+
+* rate: returns are Poisson with a rate drawn from a Gamma prior fitted to all segments
+  (empirical Bayes, `_prior`); after n returns in `span` steps and `silence` steps without
+  one, its mean is (α + n) / (β + span + silence);
 * P(alive): a conversation ends at any return with probability END (it moves on to a new
-  chain); a chain silent for longer than its rate makes likely has probably ended: the posterior
-  after silence s is 1 / (1 + END/(1-END) · e^(rate·s)).
+  chain); with q the chance of no return in the silence, q / (q + END · (1 - q)).
 
 Segments go lowest value first, each leaf to top; a segment gone exposes its branch point as a
 leaf, whose segment is valued in turn. Pages whose predecessor is known and gone (confirmed by
