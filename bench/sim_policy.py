@@ -16,7 +16,9 @@ Policies:
 * `cachemgr`: cachemgr's REAL chain model and order (`cachemgr.gc.chains`, `cachemgr.gc.value`)
   fed the page events its index would see, at two request rates (its clock is the event
   sequence, so both give the same result). Eviction is immediate, as the daemon's continuous
-  eviction; the model survives the restart (the index keeps it);
+  eviction; the model survives the restart (the index keeps it), but for the memory of
+  evicted chains (cachemgr.gc.history: in memory only, lost);
+* oracles (`Oracle`): tails first as cachemgr, told what it cannot see;
 * `clairvoyant`: evict the page whose next lookup is farthest away (Belady);
 * `no cap`.
 
@@ -43,6 +45,7 @@ from math import inf
 from typing import Any
 
 from cachemgr.gc.chains import ChainModel
+from cachemgr.gc.history import History
 from cachemgr.gc.value import END, eviction_order
 
 EVICTION_RATIO = 0.9  # SGLang's default eviction_ratio (and the low watermark)
@@ -200,6 +203,11 @@ class Cachemgr(Policy):
 
     def write(self, page: int, i: int) -> None:
         self._event(page, i, self.model.observe_write)
+
+    def restart(self, i: int) -> None:
+        # The index keeps the pages, their links and use; what the daemon remembers of evicted
+        # chains is in memory only.
+        self.model.history = History()
 
     def victims(self, n: int, i: int, disk: set[int]) -> list[int]:
         # In flight, as in the daemon: the pages of the request being served (it may write
