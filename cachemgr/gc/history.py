@@ -4,7 +4,7 @@ its returns so far say how often it comes back. Without this memory a popular ch
 once restarts as unknown, and cachemgr.gc.value (which values a segment by its head's returns
 and age) would rank it as any new chain.
 
-Bounded: the oldest entries are forgotten first (~200 bytes each). In memory only: a daemon
+Bounded: the oldest entries are forgotten first (~380 bytes each). In memory only: a daemon
 restart forgets them (the index keeps the pages on disk, not the evicted).
 """
 
@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 from cachemgr.gc.pagestore import GHOST, NONE, PageStore
 
-REMEMBER = 65_536  # evicted chain heads remembered at most
+REMEMBER = 16_384  # evicted chain heads remembered at most (~6 MB: the daemon's RSS budget)
 
 
 class History:
