@@ -33,6 +33,7 @@ and port; full-speed runs go one at a time (`--full-jobs`) so they do not share 
                                                       # full speed; TP 1 and 2 (15-20 min on a
                                                       # shared 2-core VM at load 5-20)
     .venv/bin/python bench/bench_replay.py --quick    # one small configuration (25-40 s)
+    .venv/bin/python bench/bench_replay.py --shape pressured   # issue #13's trace shape
 
 The .sglang-env is `$CACHEMGR_SGLANG_ENV` or ./.sglang-env (`--sglang-env`; `make sglang-env`).
 """
@@ -61,7 +62,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import httpx
-from sim_policy import Trace, make_trace
+from sim_policy import SHAPES, Trace, make_trace
 
 from cachemgr.fs.dirscan import scan_usage
 from cachemgr.fs.root import create_root
@@ -500,10 +501,11 @@ def ints(text: str) -> list[int]:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one small configuration (< 60 s)")
-    ap.add_argument("--sessions", type=int, default=500, help="full-speed trace")
-    ap.add_argument("--requests", type=int, default=4000, help="full-speed trace")
-    ap.add_argument("--paced-sessions", type=int, default=120)
-    ap.add_argument("--paced-requests", type=int, default=1000)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="default", help="trace shape")
+    ap.add_argument("--sessions", type=int, help="full-speed trace (default: the shape's)")
+    ap.add_argument("--requests", type=int, help="full-speed trace (default: the shape's)")
+    ap.add_argument("--paced-sessions", type=int)
+    ap.add_argument("--paced-requests", type=int)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--rates", type=floats, default=[2.0, 0.0], help="req/s, 0: full speed")
     ap.add_argument("--caps", type=ints, default=[3, 2], help="cap = W / each")
@@ -529,6 +531,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--workdir", type=Path, help="keep the runs' roots and logs here")
     ap.add_argument("--json", type=Path, help="also write every row's numbers here")
     args = ap.parse_args(argv)
+    shape = SHAPES[args.shape]
+    args.sessions = args.sessions or shape.sessions
+    args.requests = args.requests or shape.requests
+    args.paced_sessions = args.paced_sessions or shape.paced_sessions
+    args.paced_requests = args.paced_requests or shape.paced_requests
     if args.quick:
         args.sessions, args.requests, args.rates, args.caps, args.tp = 40, 300, [0.0], [3], [1]
         args.full_jobs = 2  # two small runs side by side
@@ -551,9 +558,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     python = args.sglang_env / "bin" / "python"
     if not python.exists():
         raise SystemExit(f"{args.sglang_env} is missing: run scripts/sglang-env.sh")
+    knobs = SHAPES[args.shape].knobs
     traces = {
-        "full": make_trace(args.sessions, args.requests, args.seed),
-        "paced": make_trace(args.paced_sessions, args.paced_requests, args.seed),
+        "full": make_trace(args.sessions, args.requests, args.seed, **knobs),
+        "paced": make_trace(args.paced_sessions, args.paced_requests, args.seed, **knobs),
     }
     with workdir(args.workdir) as work:
         paths = {name: work / f"trace-{name}.json" for name in traces}
@@ -566,7 +574,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     for name, trace in traces.items():
         if any(r.cfg.trace == name for r in rows):
             print(
-                f"trace {name!r}: {sessions[name]} sessions, {len(trace.requests)} requests,"
+                f"trace {name!r} ({args.shape}): {sessions[name]} sessions,"
+                f" {len(trace.requests)} requests,"
                 f" seed {args.seed}, {trace.pages} pages of {args.page_bytes} B per rank,"
                 f" restart before request {trace.restart_at}"
             )

@@ -16,11 +16,18 @@ Policies:
 * `cachemgr`: cachemgr's REAL chain model and order (`cachemgr.gc.chains`, `cachemgr.gc.value`)
   fed the page events its index would see, at two request rates (its clock is the event
   sequence, so both give the same result). Eviction is immediate, as the daemon's continuous
-  eviction; the model survives the restart (the index keeps it);
+  eviction; the model survives the restart (the index keeps it), but for the memory of
+  evicted chains (cachemgr.gc.history: in memory only, lost);
+* oracles (`Oracle`): tails first as cachemgr, told what it cannot see;
 * `clairvoyant`: evict the page whose next lookup is farthest away (Belady);
 * `no cap`.
 
-    .venv/bin/python bench/sim_policy.py [--sessions N --requests M --seed S]
+Trace shapes (`--shape`, one generator, different parameters): `default`, the trace of the
+earlier tables (500 sessions, Zipf 0.8, 32-page prefix, 2-8 pages a turn, reset p 0.05), and
+`pressured`, calibrated to issue #13's figures (no cap ~0.96, LRU ~0.86 at W/3, clairvoyant
+~0.93 / ~0.96): fewer, flatter-popularity sessions with longer conversations.
+
+    .venv/bin/python bench/sim_policy.py [--shape NAME --sessions N --requests M --seed S]
 """
 
 from __future__ import annotations
@@ -35,12 +42,36 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from math import inf
+from typing import Any
 
 from cachemgr.gc.chains import ChainModel
+from cachemgr.gc.history import History
 from cachemgr.gc.value import END, eviction_order
 
 EVICTION_RATIO = 0.9  # SGLang's default eviction_ratio (and the issue's low watermark)
-RATES = (0.1, 100.0)  # simulated requests per second for the cachemgr policy
+RATES = (0.1, 100.0)
+ORACLES = ("rate", "ended", "rate+ended")  # simulated requests per second for the cachemgr policy
+
+
+@dataclass(frozen=True)
+class Shape:
+    """make_trace's parameters for one kind of workload: sessions and requests of the full
+    trace and of the smaller one bench_replay.py paces at ~2 req/s, and the generator's knobs."""
+
+    sessions: int
+    requests: int
+    paced_sessions: int
+    paced_requests: int
+    knobs: dict[str, Any]
+
+
+SHAPES = {
+    "default": Shape(500, 4000, 120, 1000, {}),
+    # Issue #13's trace: no cap ~0.96, LRU ~0.86 (W/3), clairvoyant ~0.93 (W/3) / ~0.96 (W/2).
+    "pressured": Shape(
+        150, 4000, 40, 1000, {"zipf": 0.6, "grow": (2, 6), "reset_p": 0.02, "sys_pages": 48}
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -156,12 +187,14 @@ class Cachemgr(Policy):
     def __init__(self, rate: float) -> None:
         self.name = f"cachemgr @{rate:g}/s"
         self.rate = rate
-        # Nothing is in flight when the simulator evicts: it serves one request at a time.
         self.model = ChainModel()
         self.seq = 0
+        self.request = (-1, 0)  # the request being served, and the sequence before it
         self.evicted: list[int] = []  # every victim, in order (for tests)
 
     def _event(self, page: int, i: int, observe: Callable[..., object]) -> None:
+        if i != self.request[0]:
+            self.request = (i, self.seq)
         self.seq += 1
         observe("ns", _name(page), KEY_LEN, seq=self.seq, at=i / self.rate)
 
@@ -171,8 +204,17 @@ class Cachemgr(Policy):
     def write(self, page: int, i: int) -> None:
         self._event(page, i, self.model.observe_write)
 
+    def restart(self, i: int) -> None:
+        # The index keeps the pages, their links and use; what the daemon remembers of evicted
+        # chains is in memory only.
+        self.model.history = History()
+
     def victims(self, n: int, i: int, disk: set[int]) -> list[int]:
-        out = [int(v.key, 16) for v in islice(eviction_order(self.model, before=inf), n)]
+        # In flight, as in the daemon: the pages of the request being served (it may write
+        # more behind them). The same accesses at any rate: its pages are all "now".
+        self.model.in_flight = self.seq - self.request[1] if i == self.request[0] else 0
+        order = eviction_order(self.model, before=inf, now=i / self.rate)
+        out = [int(v.key, 16) for v in islice(order, n)]
         self.model.remove("ns", ((_name(p), KEY_LEN) for p in out))
         self.evicted += out
         return out
@@ -221,14 +263,15 @@ class Clairvoyant(Policy):
 
 
 class Oracle(Policy):
-    """Bounds for an online policy, tails first as cachemgr: told each page's session's true
-    popularity (`rate`: value = popularity x P(alive) after its silence, the estimate cachemgr
-    makes from what it sees), or also which pages will never be looked up again (`ended`:
-    those first, then least recently used). Not cachemgr's code: what it could do knowing more."""
+    """Bounds for an online policy, tails first as cachemgr, told what it cannot see: each
+    page's session's true popularity (`rate`: value = popularity x P(alive) after its silence,
+    the estimate cachemgr makes from what it sees), which pages will never be looked up again
+    (`ended`: those first, then least recently used), or both (`rate+ended`: ended chains
+    first, then the least popular). Not cachemgr's code: what it could do knowing more."""
 
-    def __init__(self, trace: Trace, knows_ended: bool) -> None:
-        self.name = "oracle: ended chains" if knows_ended else "oracle: true rate"
-        self.trace, self.knows_ended = trace, knows_ended
+    def __init__(self, trace: Trace, knows: str) -> None:
+        self.name = f"oracle: {knows}"
+        self.trace, self.knows = trace, knows
         self.last: dict[int, int] = {}
         self.final = {p: i for i, chain in enumerate(trace.requests) for p in chain}
         total = sum(set(trace.weight) - {float("inf")})
@@ -241,9 +284,12 @@ class Oracle(Policy):
 
     def _key(self, page: int, i: int) -> tuple[float, int]:
         last = self.last[page]
-        if self.knows_ended:
-            return (0.0 if self.final[page] <= i else 1.0, last)
+        ended = self.final[page] <= i
         rate = self.per_request[self.trace.weight[page]]
+        if self.knows == "ended":
+            return (0.0 if ended else 1.0, last)
+        if self.knows == "rate+ended":
+            return (0.0 if ended else rate, last)
         silence = min(rate * (i - last), 700.0)
         return (rate / (1 + END / (1 - END) * math.exp(silence)), last)
 
@@ -341,7 +387,7 @@ def serve(trace: Trace, policy: Policy | None, cap: int | None, samples: int = 1
 def policies(trace: Trace, rates: Iterable[float] = RATES) -> list[Callable[[], Policy]]:
     makers: list[Callable[[], Policy]] = [Lru, LruMtime]
     makers += [lambda r=r: Cachemgr(r) for r in rates]
-    makers += [lambda: Oracle(trace, False), lambda: Oracle(trace, True)]
+    makers += [lambda k=k: Oracle(trace, k) for k in ORACLES]
     makers.append(lambda: Clairvoyant(trace))
     return makers
 
@@ -380,16 +426,19 @@ def table(trace: Trace, results: list[Result]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sessions", type=int, default=500)
-    ap.add_argument("--requests", type=int, default=4000)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="default")
+    ap.add_argument("--sessions", type=int, help="default: the shape's")
+    ap.add_argument("--requests", type=int, help="default: the shape's")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args(argv)
     t0 = time.monotonic()
-    trace = make_trace(args.sessions, args.requests, args.seed)
+    shape = SHAPES[args.shape]
+    sessions, requests = args.sessions or shape.sessions, args.requests or shape.requests
+    trace = make_trace(sessions, requests, args.seed, **shape.knobs)
     results = run(trace)
     lookups = sum(len(c) for c in trace.requests)
     print(
-        f"trace: {args.sessions} sessions, {args.requests} requests, seed {args.seed};"
+        f"trace {args.shape!r}: {sessions} sessions, {requests} requests, seed {args.seed};"
         f" W = {trace.pages} pages, {lookups} page lookups; restart before request"
         f" {trace.restart_at}"
     )

@@ -136,8 +136,9 @@ def test_an_order_after_the_first_walks_only_the_segments_that_changed() -> None
 def test_the_first_eviction_after_a_restart_orders_what_the_index_loaded(tmp_path: Path) -> None:
     live = ChainModel()
     chains(live, 30 * 40, 40)
-    for p in (5, 6, 7):  # chain 0 returns: it stays longest
-        live.observe_read(NS, key(p) + SUFFIX, 64, seq=2000 + p, at=2000.0 + p)
+    for seq in range(2000, 2120, 40):  # chain 0 returns thrice (read head to tail): it stays
+        for p in range(40):
+            live.observe_read(NS, key(p) + SUFFIX, 64, seq=seq + p, at=seq + p)
     rows = [
         (NS, k + suffix, size, 0.0, page.last_time, page.last, 64, page.pred, page.born)
         for (_, k), page in live.pages.items()

@@ -145,7 +145,11 @@ def test_a_page_deleted_between_exists_and_get_is_a_miss(root: Path) -> None:
     assert json.loads(proc.stdout.readline()) == {"exists": [True, True, True]}
     now = time.time() + 1
     scan_root(tree.layout, tree.store, now=lambda: now)
-    tree.read(NS, [f"{i:064x}_m_0_1.bin" for i in range(3)], at=now)  # read in chain order
+    names = [f"{i:064x}_m_0_1.bin" for i in range(3)]
+    # The stores as the watcher reports them, head to tail: the index learns the chain's links
+    # (pages known only from a scan have none, and are ordered by their use alone).
+    tree.stored(NS, names, at=now)
+    tree.read(NS, names, at=now)  # read in chain order
     runner = GcRunner(
         tree.layout, tree.store, GcPolicy(max_bytes=2 * PAGE_BYTES, min_age=0, delete_rate=None),
         clock=lambda: now + 10, disk_usage=big_disk, leadership=Leadership(root / "gc.lock"),

@@ -91,12 +91,16 @@ def test_the_real_model_and_order_run_and_the_rate_does_not_matter(trace) -> Non
     assert known and all(trace.parent[page] == int(pred, 16) for page, pred in known)
 
 
-def test_it_beats_lru_on_the_full_trace() -> None:
-    """The table's claim, on the committed trace's parameters (about 10 s)."""
-    trace = sim.make_trace(500, 4000, 1)
-    for div in (3, 2):
+@pytest.mark.parametrize("shape", sorted(sim.SHAPES))
+def test_it_beats_lru_on_both_trace_shapes(shape: str) -> None:
+    """The table's claim, on the committed shapes (about 10 s each): a sixth of the LRU →
+    clairvoyant gap at W/3 at least (measured: 21% and 27%), never below LRU at W/2."""
+    s = sim.SHAPES[shape]
+    trace = sim.make_trace(s.sessions, s.requests, 1, **s.knobs)
+    for div, share in ((3, 1 / 6), (2, 0.0)):
         cap = trace.pages // div
         ours = sim.serve(trace, sim.Cachemgr(1.0), cap)
         lru = sim.serve(trace, sim.Lru(), cap)
-        assert ours.ratio > lru.ratio + 0.003, (div, ours.ratio, lru.ratio)
+        best = sim.serve(trace, sim.Clairvoyant(trace), cap)
+        assert ours.ratio > lru.ratio + share * (best.ratio - lru.ratio), (div, ours, lru, best)
         assert ours.unusable_end == 0 < lru.unusable_end + 1

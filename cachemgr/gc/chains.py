@@ -33,6 +33,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 
 from cachemgr.backends import FileFormat
+from cachemgr.gc.history import History
 from cachemgr.gc.pagestore import GHOST, NONE, Page, PageId, PageStore
 from cachemgr.gc.pageview import PagesView
 from cachemgr.sglang.hicache import HICACHE_FILE
@@ -40,10 +41,9 @@ from cachemgr.state import pages_sql
 
 CONFIDENCE_MAX = 3  # agreeing reads a link may bank against later contrary evidence
 CYCLE_WALK = 100_000  # ancestors walked at most to refuse a cycle (chains are far shorter)
-# Accesses (of any page) since a page's last use during which the live daemon deems it in
-# flight: its request may still be writing the pages that continue it (or another rank's file
-# of it); deleting it then would strand those behind a gap. Counted in accesses (any rate),
-# and only for IN_FLIGHT_SECONDS: when the writer stops, nothing stays in flight.
+# Accesses (of any page) since a page's last use while the daemon deems it in flight: its request
+# may still write pages continuing it (or another rank's file of it), stranded if it went. In
+# accesses (any rate), and only for IN_FLIGHT_SECONDS: when the writer stops, none is in flight.
 IN_FLIGHT = 1024
 IN_FLIGHT_SECONDS = 2.0
 Formats = Callable[[str], FileFormat]  # a namespace's file format
@@ -60,6 +60,7 @@ class ChainModel:
         self.formats = formats  # what the names in a namespace's dir mean (its engine's format)
         self.in_flight = in_flight  # the last accesses whose pages GC leaves alone
         self.store = PageStore()
+        self.history = History()  # evicted chain heads, for when their chain comes back
         self.clock = 0  # the largest access sequence seen
         self._prev: dict[tuple[str, str], str] = {}  # (ns, file suffix) -> last page key
         # The eviction order's segments as of its last run (cachemgr.gc.value): leaf slot ->
@@ -107,6 +108,7 @@ class ChainModel:
         if st.files[s] == GHOST:
             st.start(s, seq if born is None else born, seq, at)
             self._link(s, pred, trusted)
+            self.history.returned(st, s)
         elif st.pred[s] == NONE and pred is not None:
             self._link(s, pred, trusted)
         old = st.file_sets[st.files[s]]
@@ -157,11 +159,11 @@ class ChainModel:
                 files = tuple(f for f in st.file_sets[st.files[s]] if f[0] != suffix)
                 st.files[s] = st.file_set(files)
                 if not files:
+                    self.history.evicted(st, s)
                     self._drop(s)
 
     def forget_gone(self, ns: str, ns_dir: str, names: Iterable[str]) -> None:
-        """Forget those of these files of `ns` (in `ns_dir`) that are gone: after GC deleted
-        them, before the watcher's events say so (a run right after must not pick them)."""
+        """Forget these files of `ns` (in `ns_dir`) that GC deleted, before the watcher says so."""
         key_len = self.formats(ns).key_len  # (a nested page's key is its path)
         gone = [n for n in names if not os.path.lexists(os.path.join(ns_dir, n))]
         self.remove(ns, [(n, key_len(n) or len(n)) for n in gone])
@@ -177,8 +179,7 @@ class ChainModel:
     def _drop(self, s: int) -> None:
         st = self.store
         st.drop_leaf(s)
-        st.files[s] = GHOST
-        st.count -= 1
+        st.files[s], st.count = GHOST, st.count - 1
         st.ns_pages[st.ns[s]] -= 1
         if st.pred[s] != NONE:
             self._unkid(s, st.pred[s])

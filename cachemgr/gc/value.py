@@ -5,15 +5,16 @@ prefix. Leaves are grouped into *segments*: the leaf and its ancestors up to the
 shared with another chain (a branch point such as the end of a system prompt). All pages of a
 segment are read together (a request reads its whole prefix), so they share one value:
 
-    value = rate × P(alive)
+    value = (1 - END) × P(alive) × rate   (expected hits per page per access-sequence step)
 
-* rate: the segment's uses per access-sequence step, (returns + 1) / (last - first + b), from
-  its top page (its reads count every return of the chain); b, the prior, is the mean interval
-  between returns over all segments that came back, so a chain seen once is worth about one
-  typical return;
+from its top page (its reads count every return of the chain; cachemgr.gc.history gives an
+evicted chain that comes back its record again):
+
+* rate: returns are Poisson with a rate drawn from a Gamma prior fitted to all segments
+  (empirical Bayes, `_prior`); after n returns in `span` steps and `silence` steps without
+  one, its mean is (α + n) / (β + span + silence);
 * P(alive): a conversation ends at any return with probability END (it moves on to a new
-  chain); a chain silent for longer than its rate makes likely has probably ended: the posterior
-  after silence s is 1 / (1 + END/(1-END) · e^(rate·s)).
+  chain); with q the chance of no return in the silence, q / (q + END · (1 - q)).
 
 Segments go lowest value first, each leaf to top; a segment gone exposes its branch point as a
 leaf, whose segment is valued in turn. Pages whose predecessor is known and gone (confirmed by
@@ -34,8 +35,8 @@ from typing import NamedTuple
 from cachemgr.gc.chains import IN_FLIGHT_SECONDS, ChainModel
 from cachemgr.gc.pagestore import GHOST, NONE, PageStore
 
-END = 0.1  # prior probability that a conversation ends at a return
-_MAX_EXP = 700.0  # e^700 is near float's limit: the chain is as good as ended
+END = 0.05  # probability that a conversation ends at a return (moves on to a new chain)
+SHAPE_MIN, SHAPE_MAX = 0.05, 50.0  # bounds of the fitted prior's shape (few chains: noisy)
 CACHED = 16  # pages a segment has at least for the next order to read it, not walk it
 
 
@@ -147,17 +148,10 @@ def _segments(
             if cache is not None and len(path) > CACHED and path[-1] == top:
                 cache[leaf] = (top, last, when)  # (the whole segment: none of it is young)
     reads, born = st.reads, st.born
-    returns = [(last - born[top], reads[top]) for _, _, top, last, _, _ in raw if reads[top] > 0]
-    prior = sum(d for d, _ in returns) / sum(n for _, n in returns) if returns else 1.0
-    odds = END / (1 - END)
+    prior = _prior([(reads[top], clock - born[top]) for _, _, top, _, _, _ in raw])
     for leaf, walked, top, last, when, stranded in raw:
-        if stranded:
-            yield _Segment(-1.0, last, when, leaf, walked)
-            continue
-        rate = (reads[top] + 1) / (last - born[top] + max(prior, 1.0))
-        silence = rate * (clock - last)
-        alive = 0.0 if silence > _MAX_EXP else 1 / (1 + odds * math.exp(silence))
-        yield _Segment(rate * alive, last, when, leaf, walked)
+        worth = -1.0 if stranded else _value(prior, reads[top], last - born[top], clock - last)
+        yield _Segment(worth, last, when, leaf, walked)
 
 
 def _lowest_first(segments: Iterable[_Segment]) -> Iterator[_Segment]:
@@ -176,6 +170,35 @@ def _lowest_first(segments: Iterable[_Segment]) -> Iterator[_Segment]:
     while heap:
         value, last, when, _, leaf, path = heappop(heap)
         yield _Segment(value, last, when, leaf, path)
+
+
+def _prior(chains: list[tuple[int, int]]) -> tuple[float, float]:
+    """The Gamma(shape, rate) prior of a chain's return rate, fitted to all segments' (returns,
+    exposure) by the method of moments (empirical Bayes): its mean is the pooled rate, its
+    spread what the counts vary by beyond Poisson noise."""
+    n = sum(c for c, _ in chains)
+    t = sum(e for _, e in chains)
+    if not n or not t:
+        return 1.0, 1.0  # nothing came back yet: every chain looks alike
+    mean = n / t
+    excess = sum((c - mean * e) ** 2 - mean * e for c, e in chains)
+    spread = sum(e * e for _, e in chains)
+    shape = (
+        min(max(mean * mean * spread / excess, SHAPE_MIN), SHAPE_MAX) if excess > 0 else SHAPE_MAX
+    )
+    return shape, shape / mean
+
+
+def _value(prior: tuple[float, float], returns: int, span: int, silence: int) -> float:
+    """A segment's expected hits per page per step from now: the rate of returns that continue
+    its chain. Its return rate is Gamma(α + returns, β + span) after `span` steps of use; a
+    return ends the chain with probability END; after `silence` steps without one, the chain is
+    alive with the odds (no return yet : a return that ended it), and its rate is the mean
+    rate given that silence."""
+    a, b = prior[0] + returns, prior[1] + span
+    quiet = math.exp(-a * math.log1p(silence / b))  # P(no return in the silence)
+    alive = quiet / (quiet + END * (1.0 - quiet))
+    return (1.0 - END) * alive * a / (b + silence)
 
 
 def _walk(

@@ -1,0 +1,100 @@
+"""How the order values a chain (cachemgr.gc.value, cachemgr.gc.history): by its returns and
+age (a Gamma-Poisson estimate pooled over all chains), its silence, and what is remembered of
+it after its head was evicted, not by the recency of its last page alone."""
+
+from __future__ import annotations
+
+import math
+
+from cachemgr.gc.chains import ChainModel
+from cachemgr.gc.history import History
+from cachemgr.gc.value import _prior, _value
+from tests.test_chains import KEY_LEN, SUFFIX, Stream, key, order
+
+
+def evict(model: ChainModel, *pages: int) -> None:
+    """What GC does: the files go, the model forgets them."""
+    model.remove("ns", [(key(p) + SUFFIX, KEY_LEN) for p in pages])
+
+
+def test_a_chain_written_and_never_read_goes_before_an_older_chain_read_many_times() -> None:
+    model = ChainModel()
+    s = Stream(model)
+    s.request([], [1, 2])  # the system prompt
+    for chain in range(100, 110):  # ten one-off chains: most chains are never read again
+        s.request([1, 2], [chain])
+    s.request([1, 2], [20])  # A: a conversation that keeps coming back
+    for n in range(21, 32):
+        s.request([1, 2, *range(20, n)], [n])
+    s.request([1, 2], [40, 41, 42])  # B: written after A's last use, never read
+    got = order(model)
+    assert got.index(42) < got.index(31)  # page LRU would evict A's pages first
+    assert [got.index(p) for p in (42, 41, 40)] == sorted(got.index(p) for p in (40, 41, 42))
+
+
+def test_a_returning_evicted_chain_keeps_its_history() -> None:
+    model = ChainModel()
+    s = Stream(model)
+    s.request([], [1, 2])
+    for chain in range(100, 110):
+        s.request([1, 2], [chain])
+    s.request([1, 2], [20])  # A returns ten times
+    for n in range(21, 31):
+        s.request([1, 2, *range(20, n)], [n])
+    evict(model, *range(30, 19, -1))  # GC took all of A, tail first
+    s.request([1, 2], [20, 21, 22])  # A comes back: SGLang writes it again from its head
+    s.request([1, 2], [50, 51, 52])  # C: a new chain, its last use more recent than A's
+    got = order(model)
+    assert got.index(52) < got.index(22)  # A is known to return; C is not
+    assert model.pages["ns", key(20)].reads == 11  # its ten returns, and this one
+
+
+def test_a_new_chain_the_history_does_not_know_is_valued_as_any_new_chain() -> None:
+    model = ChainModel()
+    s = Stream(model)
+    s.request([], [1, 2])
+    s.request([1, 2], [20])
+    s.request([1, 2], [30])
+    evict(model, 20)  # never read: nothing to remember
+    s.request([1, 2], [20])
+    assert model.pages["ns", key(20)].reads == 0
+
+
+def test_a_page_written_again_behind_a_gap_is_still_reaped_first() -> None:
+    model = ChainModel()
+    s = Stream(model)
+    s.request([], [1, 2, 3])
+    s.read(99)  # (other sessions' requests in between: 1 does not always follow 3)
+    s.request([1, 2, 3], [])
+    evict(model, 3)
+    s.read(98)
+    s.read(1, 2)  # a request reads the prefix, and GC deletes 2 right after
+    evict(model, 2)
+    s.write(3)  # the request writes 3 behind the gap: unusable
+    assert model.pages["ns", key(3)].reads == 0
+    assert order(model)[0] == 3
+
+
+def test_the_history_is_bounded_oldest_first() -> None:
+    model = ChainModel()
+    model.history = History(size=2)
+    s = Stream(model)
+    s.request([], [1])
+    s.request([1], [40])  # (a chain that stays: 1 remains a branch point)
+    for chain in (10, 20, 30):
+        s.request([1], [chain])
+        s.request([1, chain], [])
+    evict(model, 10, 20, 30)
+    s.request([1], [10])  # forgotten: the two most recent evictions are remembered
+    s.request([1], [30])
+    assert model.pages["ns", key(10)].reads == 0
+    assert model.pages["ns", key(30)].reads == 2  # its return, and this one
+
+
+def test_silence_lowers_a_chains_value_and_returns_raise_it() -> None:
+    prior = _prior([(0, 1000), (1, 1000), (5, 1000), (20, 1000)])
+    shape, rate = prior
+    assert shape > 0 and math.isclose(shape / rate, 26 / 4000)  # the pooled rate
+    assert _value(prior, 5, 500, 0) > _value(prior, 5, 500, 100) > _value(prior, 5, 500, 5000)
+    assert _value(prior, 10, 500, 100) > _value(prior, 2, 500, 100)
+    assert _value(prior, 0, 0, 10**12) >= 0.0  # no overflow, however long the silence
