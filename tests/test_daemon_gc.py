@@ -123,6 +123,8 @@ def test_purge_over_http_is_drained_by_gc(tmp_path: Path) -> None:
     """One owner of .trash/: the purge wakes GC, whose trash step deletes and audits it."""
     layout, _ = _root(tmp_path, 20)
     with running_daemon(load_settings(root=layout.root, gc_interval=3600)) as dm:
+        # GC's start-up run is over (else it, not a wake, could drain the purge)
+        wait_for(lambda: metric(dm.get("/metrics").text, "cachemgr_gc_runs_total", result="ok"))
         r = dm.post("/v1/purge", json={"namespace": NS_A})
         assert r.status_code == 200
         wait_for(lambda: list(layout.trash.iterdir()), lambda left: not left)
