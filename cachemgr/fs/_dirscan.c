@@ -34,6 +34,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -265,16 +266,8 @@ static Group *group_of(Groups *g, const Rules *r, const Ent *e) {
     return x;
 }
 
-static void group_add(Group *x, const Ent *e) {
-    x->count++;
-    x->bytes += e->size;
-    x->digest ^= e->digest;
-    for (int i = 0; i < x->nsizes; i++) {
-        if (x->sizes[i].size == e->size) {
-            x->sizes[i].count++;
-            return;
-        }
-    }
+/* Room for one more distinct size in x's list (grown up to MAX_SIZES); 0 if there is none. */
+static int size_room(Group *x) {
     if (x->nsizes == x->capsizes && x->capsizes < MAX_SIZES) {
         int cap = x->capsizes ? x->capsizes * 2 : 1;
         SizeCount *grown = realloc(x->sizes, (size_t)cap * sizeof *grown);
@@ -283,10 +276,28 @@ static void group_add(Group *x, const Ent *e) {
             x->capsizes = cap;
         }
     }
-    if (x->nsizes < x->capsizes)
-        x->sizes[x->nsizes++] = (SizeCount){e->size, 1};
+    return x->nsizes < x->capsizes;
+}
+
+/* Count `count` files of `size` among x's sizes (as untracked if the list is full). */
+static void size_add(Group *x, int64_t size, int64_t count) {
+    for (int i = 0; i < x->nsizes; i++) {
+        if (x->sizes[i].size == size) {
+            x->sizes[i].count += count;
+            return;
+        }
+    }
+    if (size_room(x))
+        x->sizes[x->nsizes++] = (SizeCount){size, count};
     else
-        x->untracked++;
+        x->untracked += count;
+}
+
+static void group_add(Group *x, const Ent *e) {
+    x->count++;
+    x->bytes += e->size;
+    x->digest ^= e->digest;
+    size_add(x, e->size, 1);
 }
 
 typedef struct {
@@ -350,6 +361,7 @@ static void crew_join(Crew *c, int threads) {
 typedef struct {
     Rules rules;
     int threads, levels;
+    int split; /* the level whose subdirs are walked on `threads` threads; -1: none */
     PyObject *kind_of;   /* shape -> FileKind, called with the GIL */
     PyObject *dir_ok;    /* (level, name) -> bool for the dirs above the files; NULL: no levels */
     Verdict *verdicts;   /* dir_ok's answers so far, VERDICTS slots (NULL: none kept) */
@@ -489,18 +501,18 @@ static int dir_ok(Totals *tot, int level, const char *name, size_t len) {
 }
 
 /* Open subdirectory `name` of `dirfd` if it is a dir dir_ok keeps: its fd, or -1 (counted). */
-static int open_sub(int dirfd, const struct dirent *d, int level, Totals *tot) {
-    size_t len = strlen(d->d_name);
-    if (d->d_type != DT_DIR && d->d_type != DT_UNKNOWN) {
+static int open_sub(int dirfd, const char *name, size_t len, unsigned char d_type, int level,
+                    Totals *tot) {
+    if (d_type != DT_DIR && d_type != DT_UNKNOWN) {
         tot->other++;
         return -1;
     }
-    int ok = dir_ok(tot, level, d->d_name, len);
+    int ok = dir_ok(tot, level, name, len);
     if (ok < 0) {
         tot->py_err = 1;
         return -1;
     }
-    int fd = ok ? openat(dirfd, d->d_name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC) : -1;
+    int fd = ok ? openat(dirfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC) : -1;
     if (fd < 0) { /* not kept, a symlink or a file (ELOOP, ENOTDIR), or gone since listed */
         if (ok && errno == ENOENT)
             tot->gone++;
@@ -517,6 +529,199 @@ static int open_sub(int dirfd, const struct dirent *d, int level, Totals *tot) {
     return fd;
 }
 
+static void walk_tree(int fd0, int level, Totals *tot);
+
+/* Enter subdirectory `name` of `dirfd` (at `level`) if it is one to walk, and walk it. */
+static void enter(int dirfd, const char *name, unsigned char d_type, int level, Totals *tot) {
+    size_t at = tot->path_len, len = strlen(name);
+    if (at + len + 2 > PATH_MAX_LEN) {
+        tot->other++;
+        return;
+    }
+    int fd = open_sub(dirfd, name, len, d_type, level, tot);
+    if (fd < 0)
+        return;
+    memcpy(tot->path + at, name, len);
+    tot->path[at + len] = '/';
+    tot->path_len = at + len + 1;
+    walk_tree(fd, level + 1, tot);
+    tot->path_len = at;
+}
+
+/* The parallel walk (`threads` > 1, nested layouts): vLLM's hashed layout has a dir per block
+ * or so, so the stat threads of walk() never start and the walk is one openat + getdents per
+ * dir, on one thread. Instead the subdirs of each dir at level `split` (a rank dir's 4,096
+ * `<hhh>` dirs) are shared out to `threads` walkers, this thread one of them, each with totals
+ * of its own merged into the caller's at the end: the same groups, counts and key set as one
+ * walker makes (sizes past a group's first MAX_SIZES distinct ones aside: which ones count as
+ * `untracked` depends on the order files are met). Each walker opens its subdirs from the
+ * shared dir's descriptor exactly as walk_tree() does (open_sub: O_NOFOLLOW, dir_ok, mount
+ * check), and calls dir_ok and kind_of with the GIL like this thread (a Python thread state
+ * of its own; an exception it raised is re-raised by the caller). */
+typedef struct {
+    char *name;
+    unsigned char d_type;
+} Item;
+
+typedef struct {
+    int fd, level;
+    Item *items;
+    size_t n;
+    atomic_size_t next;
+    atomic_int stop; /* a walker failed: the others take no more subdirs */
+} Pool;
+
+typedef struct {
+    Pool *pool;
+    Totals tot;
+    PyObject *exc[3]; /* the exception its dir_ok or kind_of raised */
+} Walker;
+
+/* A walker's totals: the caller's rules and callbacks, nothing found yet; 0 if out of memory. */
+static int totals_like(Totals *t, const Totals *of) {
+    *t = (Totals){.rules = of->rules, .threads = of->threads, .levels = of->levels, .split = -1,
+                  .kind_of = of->kind_of, .dir_ok = of->dir_ok, .mnt = of->mnt,
+                  .path_len = of->path_len};
+    memcpy(t->path, of->path, of->path_len);
+    t->cur = malloc(CHUNK * sizeof *t->cur);
+    t->next = malloc(CHUNK * sizeof *t->next);
+    t->verdicts = calloc(VERDICTS, sizeof *t->verdicts);
+    return t->cur && t->next && t->verdicts;
+}
+
+static void totals_free(Totals *t) {
+    free(t->cur);
+    free(t->next);
+    free(t->verdicts);
+    free(t->keys.slots);
+    groups_free(&t->groups);
+}
+
+static void pool_run(Pool *p, Totals *tot) {
+    while (!atomic_load(&p->stop) && !tot->err && !tot->py_err) {
+        size_t i = atomic_fetch_add(&p->next, 1);
+        if (i >= p->n)
+            return;
+        enter(p->fd, p->items[i].name, p->items[i].d_type, p->level, tot);
+    }
+    atomic_store(&p->stop, 1);
+}
+
+static void *walker_main(void *arg) {
+    Walker *w = arg;
+    PyGILState_STATE g = PyGILState_Ensure();
+    w->tot.save = PyEval_SaveThread();
+    pool_run(w->pool, &w->tot);
+    PyEval_RestoreThread(w->tot.save);
+    if (w->tot.py_err)
+        PyErr_Fetch(&w->exc[0], &w->exc[1], &w->exc[2]);
+    PyGILState_Release(g);
+    return NULL;
+}
+
+/* Add group `x` of another walker to `g` (taking it if `g` has no group of its shape); 0 if out
+ * of memory. */
+static int group_merge(Groups *g, Group *x) {
+    if ((g->used + 1) * 2 > g->cap && groups_grow(g) < 0)
+        return 0;
+    size_t j = x->hash & (g->cap - 1);
+    Group *y;
+    for (; (y = g->slots[j]); j = (j + 1) & (g->cap - 1)) {
+        if (y->hash == x->hash && y->keylen == x->keylen && !memcmp(y->key, x->key, x->keylen))
+            break;
+    }
+    if (!y) {
+        g->slots[j] = x;
+        g->used++;
+        return 1;
+    }
+    y->kind = y->kind < 0 ? x->kind : y->kind;
+    y->untracked += x->untracked;
+    for (int i = 0; i < x->nsizes; i++)
+        size_add(y, x->sizes[i].size, x->sizes[i].count);
+    y->count += x->count;
+    y->bytes += x->bytes;
+    y->digest ^= x->digest;
+    free(x->key);
+    free(x->sizes);
+    free(x);
+    return 1;
+}
+
+/* Fold walker totals `from` into `into`; `from` is left empty. */
+static void totals_merge(Totals *into, Totals *from) {
+    into->other += from->other;
+    into->gone += from->gone;
+    into->err = into->err ? into->err : from->err;
+    for (size_t i = 0; i < from->groups.cap; i++) {
+        Group *x = from->groups.slots[i];
+        from->groups.slots[i] = NULL;
+        if (x && !group_merge(&into->groups, x)) {
+            into->err = ENOMEM;
+            free(x->key), free(x->sizes), free(x);
+        }
+    }
+    for (size_t i = 0; i < from->keys.cap && !into->err; i++) {
+        if (from->keys.slots[i] && keyset_add(&into->keys, from->keys.slots[i]) < 0)
+            into->err = ENOMEM;
+    }
+}
+
+/* Walk the subdirs of `dir` (at `level`) on tot->threads walkers, this thread one of them. */
+static void walk_split(DIR *dir, int level, Totals *tot) {
+    Pool p = {.fd = dirfd(dir), .level = level};
+    size_t cap = 0;
+    struct dirent *d;
+    while (!tot->err && (d = next_entry(dir, tot))) {
+        if (p.n == cap) {
+            cap = cap ? cap * 2 : 256;
+            Item *grown = realloc(p.items, cap * sizeof *grown);
+            if (!grown) {
+                tot->err = ENOMEM;
+                break;
+            }
+            p.items = grown;
+        }
+        p.items[p.n] = (Item){strdup(d->d_name), d->d_type};
+        if (!p.items[p.n++].name)
+            tot->err = ENOMEM;
+    }
+    pthread_t tid[MAX_THREADS];
+    int extra = tot->threads - 1, started = 0;
+    Walker *w = tot->err ? NULL : calloc((size_t)extra, sizeof *w);
+    for (; w && started < extra; started++) { /* a walker that cannot start: the rest walk */
+        w[started].pool = &p;
+        if (!totals_like(&w[started].tot, tot) ||
+            pthread_create(&tid[started], NULL, walker_main, &w[started]) != 0) {
+            totals_free(&w[started].tot);
+            break;
+        }
+    }
+    if (!tot->err)
+        pool_run(&p, tot);
+    for (int t = 0; t < started; t++)
+        pthread_join(tid[t], NULL);
+    PyEval_RestoreThread(tot->save); /* the first exception is re-raised, the others dropped */
+    for (int t = 0; t < started; t++) {
+        PyObject **exc = w[t].exc;
+        if (exc[0] && !tot->py_err) {
+            PyErr_Restore(exc[0], exc[1], exc[2]);
+            tot->py_err = 1;
+        } else {
+            Py_XDECREF(exc[0]), Py_XDECREF(exc[1]), Py_XDECREF(exc[2]);
+        }
+    }
+    tot->save = PyEval_SaveThread();
+    for (int t = 0; t < started; t++) {
+        totals_merge(tot, &w[t].tot);
+        totals_free(&w[t].tot);
+    }
+    for (size_t i = 0; i < p.n; i++)
+        free(p.items[i].name);
+    free(p.items);
+    free(w);
+}
+
 /* Walk `levels - level` dirs down to the files; takes ownership of dirfd. */
 static void walk_tree(int fd0, int level, Totals *tot) {
     if (level == tot->levels) {
@@ -530,23 +735,12 @@ static void walk_tree(int fd0, int level, Totals *tot) {
         return;
     }
     rewinddir(dir);
-    size_t at = tot->path_len;
-    struct dirent *d;
-    while (!tot->err && !tot->py_err && (d = next_entry(dir, tot))) {
-        const char *s = d->d_name;
-        size_t len = strlen(s);
-        if (at + len + 2 > PATH_MAX_LEN) {
-            tot->other++;
-            continue;
-        }
-        int fd = open_sub(fd0, d, level, tot);
-        if (fd < 0)
-            continue;
-        memcpy(tot->path + at, s, len);
-        tot->path[at + len] = '/';
-        tot->path_len = at + len + 1;
-        walk_tree(fd, level + 1, tot);
-        tot->path_len = at;
+    if (level == tot->split) {
+        walk_split(dir, level, tot);
+    } else {
+        struct dirent *d;
+        while (!tot->err && !tot->py_err && (d = next_entry(dir, tot)))
+            enter(fd0, d->d_name, d->d_type, level, tot);
     }
     closedir(dir);
 }
@@ -622,6 +816,8 @@ static PyObject *scan(PyObject *Py_UNUSED(self), PyObject *args) {
     if (!parse_rules(rules, &tot.rules))
         return NULL;
     tot.threads = threads, tot.levels = levels, tot.kind_of = kind_of;
+    /* nested: the dirs just above the leaf dirs' parents (vLLM: a rank dir) are split */
+    tot.split = threads > 1 && levels ? (levels > 1 ? levels - 2 : 0) : -1;
     tot.dir_ok = levels ? ok : NULL;
     tot.cur = malloc(CHUNK * sizeof *tot.cur);
     tot.next = malloc(CHUNK * sizeof *tot.next);
@@ -636,6 +832,7 @@ static PyObject *scan(PyObject *Py_UNUSED(self), PyObject *args) {
     } else {
         tot.mnt = mount_of(fd);
         walk_tree(fd, 0, &tot);
+        lseek(dirfd, 0, SEEK_SET); /* the dup shared its offset: leave the caller's at the top */
     }
     PyEval_RestoreThread(tot.save);
     free(tot.cur);
