@@ -39,6 +39,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #define CHUNK 65536       /* entries stat'ed per round: bounds memory for huge directories */
@@ -48,6 +49,7 @@
 #define SMALL 256    /* a dir with fewer entries is stat'ed on the calling thread */
 #define MAX_LEVELS 8
 #define PATH_MAX_LEN 4096
+#define DENTS 32768 /* getdents64 buffer per level, as glibc's readdir */
 
 enum kind { GONE = 0, REGULAR = 1, OTHER = 2 };
 
@@ -369,6 +371,7 @@ typedef struct {
     Ent *cur, *next;     /* the chunk being stat'ed and the one being read */
     char path[PATH_MAX_LEN]; /* the current dir below the scanned one, '/'-terminated */
     size_t path_len;
+    char *dents[MAX_LEVELS + 1]; /* a getdents buffer per level (Dir), allocated when used */
     PyThreadState *save; /* this thread's state while the GIL is released */
     Groups groups;
     KeySet keys; /* of the page files seen */
@@ -392,15 +395,46 @@ static void classify(Group *x, Totals *tot) {
     x->kind = (int)k;
 }
 
+/* A directory read with getdents64 into a buffer of the walker's, one per level: a DIR would
+ * cost an fstat, an fcntl and a 32 KiB allocation per dir (fdopendir), in vLLM's layout nearly
+ * one per block. */
+typedef struct {
+    uint64_t d_ino;
+    int64_t d_off;
+    unsigned short d_reclen;
+    unsigned char d_type;
+    char d_name[];
+} Dirent;
+
+typedef struct {
+    int fd;
+    char *buf; /* DENTS bytes */
+    long len, pos;
+} Dir;
+
+/* Dir `fd` (at `level`: its buffer) from its first entry; 0 if out of memory (fd stays open). */
+static int dir_open(Dir *dir, int fd, int level, Totals *tot) {
+    if (!tot->dents[level] && !(tot->dents[level] = malloc(DENTS))) {
+        tot->err = ENOMEM;
+        return 0;
+    }
+    *dir = (Dir){.fd = fd, .buf = tot->dents[level]};
+    return 1;
+}
+
 /* The next entry of `dir` but "." and ".."; NULL at the end or on an error (in tot->err). */
-static struct dirent *next_entry(DIR *dir, Totals *tot) {
+static Dirent *next_entry(Dir *dir, Totals *tot) {
     for (;;) {
-        errno = 0;
-        struct dirent *d = readdir(dir);
-        if (!d) {
-            tot->err = errno;
-            return NULL;
+        if (dir->pos >= dir->len) {
+            long n = syscall(SYS_getdents64, dir->fd, dir->buf, DENTS);
+            if (n <= 0) {
+                tot->err = n < 0 ? errno : 0;
+                return NULL;
+            }
+            dir->len = n, dir->pos = 0;
         }
+        Dirent *d = (Dirent *)(dir->buf + dir->pos);
+        dir->pos += d->d_reclen;
         const char *s = d->d_name;
         if (!(s[0] == '.' && (!s[1] || (s[1] == '.' && !s[2]))))
             return d;
@@ -408,9 +442,9 @@ static struct dirent *next_entry(DIR *dir, Totals *tot) {
 }
 
 /* Read up to CHUNK entries into `ents`; returns how many, 0 at the end. */
-static size_t read_chunk(DIR *dir, Ent *ents, Totals *tot) {
+static size_t read_chunk(Dir *dir, Ent *ents, Totals *tot) {
     size_t n = 0;
-    struct dirent *d;
+    Dirent *d;
     while (n < CHUNK && !tot->err && !tot->py_err && (d = next_entry(dir, tot))) {
         const char *s = d->d_name;
         size_t len = strlen(s);
@@ -454,19 +488,17 @@ static void tally(Ent *ents, size_t n, Totals *tot) {
 /* Walk the files of `dirfd`, reading the next chunk of names while the threads stat the
  * current one; runs without the GIL (but for classify()). Takes ownership of dirfd. */
 static void walk(int dirfd, Totals *tot) {
-    DIR *dir = fdopendir(dirfd);
-    if (!dir) {
-        tot->err = errno;
+    Dir dir;
+    if (!dir_open(&dir, dirfd, tot->levels, tot)) {
         close(dirfd);
         return;
     }
-    rewinddir(dir); /* the descriptor may be a dup: start at the top whatever its offset */
     uint64_t seed = fnv(tot->path, tot->path_len, FNV_SEED);
-    size_t n = read_chunk(dir, tot->cur, tot);
+    size_t n = read_chunk(&dir, tot->cur, tot);
     while (n) {
         Crew crew;
         crew_start(&crew, dirfd, &tot->rules, seed, tot->cur, n, tot->threads);
-        size_t m = read_chunk(dir, tot->next, tot);
+        size_t m = read_chunk(&dir, tot->next, tot);
         crew_join(&crew, tot->threads);
         tally(tot->cur, n, tot);
         Ent *t = tot->cur;
@@ -474,7 +506,7 @@ static void walk(int dirfd, Totals *tot) {
         tot->next = t;
         n = m;
     }
-    closedir(dir);
+    close(dirfd);
 }
 
 /* dir_ok(level, name), with the GIL: 1 keep, 0 skip, -1 it raised. A hashed layout repeats
@@ -590,6 +622,8 @@ static int totals_like(Totals *t, const Totals *of) {
 }
 
 static void totals_free(Totals *t) {
+    for (int i = 0; i <= MAX_LEVELS; i++)
+        free(t->dents[i]);
     free(t->cur);
     free(t->next);
     free(t->verdicts);
@@ -668,10 +702,10 @@ static void totals_merge(Totals *into, Totals *from) {
 }
 
 /* Walk the subdirs of `dir` (at `level`) on tot->threads walkers, this thread one of them. */
-static void walk_split(DIR *dir, int level, Totals *tot) {
-    Pool p = {.fd = dirfd(dir), .level = level};
+static void walk_split(Dir *dir, int level, Totals *tot) {
+    Pool p = {.fd = dir->fd, .level = level};
     size_t cap = 0;
-    struct dirent *d;
+    Dirent *d;
     while (!tot->err && (d = next_entry(dir, tot))) {
         if (p.n == cap) {
             cap = cap ? cap * 2 : 256;
@@ -728,21 +762,19 @@ static void walk_tree(int fd0, int level, Totals *tot) {
         walk(fd0, tot);
         return;
     }
-    DIR *dir = fdopendir(fd0);
-    if (!dir) {
-        tot->err = errno;
+    Dir dir;
+    if (!dir_open(&dir, fd0, level, tot)) {
         close(fd0);
         return;
     }
-    rewinddir(dir);
     if (level == tot->split) {
-        walk_split(dir, level, tot);
+        walk_split(&dir, level, tot);
     } else {
-        struct dirent *d;
-        while (!tot->err && !tot->py_err && (d = next_entry(dir, tot)))
+        Dirent *d;
+        while (!tot->err && !tot->py_err && (d = next_entry(&dir, tot)))
             enter(fd0, d->d_name, d->d_type, level, tot);
     }
-    closedir(dir);
+    close(fd0);
 }
 
 static PyObject *group_tuple(const Group *x) {
@@ -823,7 +855,7 @@ static PyObject *scan(PyObject *Py_UNUSED(self), PyObject *args) {
     tot.next = malloc(CHUNK * sizeof *tot.next);
     tot.verdicts = levels ? calloc(VERDICTS, sizeof *tot.verdicts) : NULL; /* NULL: uncached */
     tot.save = PyEval_SaveThread();
-    int fd = fcntl(dirfd, F_DUPFD_CLOEXEC, 0); /* closedir() closes it; the caller keeps dirfd */
+    int fd = fcntl(dirfd, F_DUPFD_CLOEXEC, 0); /* walk_tree() closes it; the caller keeps dirfd */
     if (fd < 0)
         tot.err = errno;
     else if (!tot.cur || !tot.next) {
@@ -831,10 +863,18 @@ static PyObject *scan(PyObject *Py_UNUSED(self), PyObject *args) {
         close(fd);
     } else {
         tot.mnt = mount_of(fd);
-        walk_tree(fd, 0, &tot);
-        lseek(dirfd, 0, SEEK_SET); /* the dup shared its offset: leave the caller's at the top */
+        /* a dup shares its offset: start at the top whatever it is, and leave it there */
+        if (lseek(fd, 0, SEEK_SET) < 0) {
+            tot.err = errno;
+            close(fd);
+        } else {
+            walk_tree(fd, 0, &tot);
+            lseek(dirfd, 0, SEEK_SET);
+        }
     }
     PyEval_RestoreThread(tot.save);
+    for (int i = 0; i <= MAX_LEVELS; i++)
+        free(tot.dents[i]);
     free(tot.cur);
     free(tot.next);
     free(tot.verdicts);
