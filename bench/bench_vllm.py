@@ -159,8 +159,10 @@ def main() -> None:
     work = Path(sys.argv[4] if len(sys.argv) > 4 else "bench/out/vllm").resolve()
     fs = subprocess.run(["stat", "-f", "-c", "%T", str(work.parent)], capture_output=True,
                         text=True).stdout.strip()  # fmt: skip
-    print(f"# {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
-          f"load {os.getloadavg()[0]:.1f}; {what} of {n:,} blocks on {fs}, {rounds} rounds")
+    print(
+        f"# {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
+        f"load {os.getloadavg()[0]:.1f}; {what} of {n:,} blocks on {fs}, {rounds} rounds"
+    )
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     try:

@@ -78,7 +78,7 @@ def hostile_tree(tmp_path: Path) -> tuple[Path, Path, str, list[str]]:
 
 
 def test_the_parallel_walk_finds_what_one_walker_finds(tmp_path: Path) -> None:
-    root, d, _, _ = hostile_tree(tmp_path)
+    root, _, _, _ = hostile_tree(tmp_path)
     one, *many = scans(root)
     assert all(got == one for got in many)
     usage = scan_usage(Layout.at(root), f"ns/{NS}", FMT)

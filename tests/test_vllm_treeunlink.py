@@ -16,7 +16,7 @@ from cachemgr.layout import Layout
 from cachemgr.vllm.fstier import VLLM_FS_TIER
 from tests.nsfixtures import snapshot
 from tests.test_vllm_scan_threads import NS, hostile_tree
-from tests.vllmtrees import block_path, key
+from tests.vllmtrees import key
 
 FMT = VLLM_FS_TIER
 

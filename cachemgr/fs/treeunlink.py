@@ -41,7 +41,9 @@ def check_and_unlink_dirs(
     shaped: list[list[str]] = []
     for sub, names in part:
         fits = [os.sep not in n and accepts(n) for n in names]
-        out.refused.extend((f"{sub}/{n}", f"not {what}") for n, fit in zip(names, fits) if not fit)
+        for name, fit in zip(names, fits, strict=True):
+            if not fit:
+                out.refused.append((f"{sub}/{name}", f"not {what}"))
         shaped.append([n for n, fit in zip(names, fits, strict=True) if fit])
     results, moved = unlink_tree(
         where.fd, where.parent_fd, where.leaf, *where.here, mount_id(where.fd),
