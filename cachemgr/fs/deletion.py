@@ -44,8 +44,8 @@ Progress = Callable[[int, int], None]  # (files so far, bytes so far)
 # A name that is no longer there, with the bytes its deletion freed (None: it had vanished).
 Removed = Callable[[str, int | None], None]
 PART = 256  # names checked and unlinked per call into C: how often the root path is re-checked
-# A nested format's parts are this many times larger: its C call checks every dir below the
-# namespace dir before each unlink, so the root's walk is only for the dirs above it.
+# A nested format's unpaced parts are this many times larger: its C call checks every dir
+# below the namespace dir before each unlink, so the root's walk is only for the dirs above.
 NESTED_PART = 8
 # Unlinks at once, unpaced: on one thread the kernel's work per unlink is serialised on waits
 # (journal, inode eviction); a few threads in one dir ran 1.5-10x one (bench/RESULTS.md).
@@ -134,7 +134,8 @@ def delete_files(
     stopped = False
     with open_dir(root, rel_dir) as fd, open_dir(root, parent) as parent_fd:
         where = Where(fd, parent_fd, leaf, dir_id(fd))
-        parts, unlink = _parts(fd, list(names), fmt, step, checked)
+        # nested and unpaced: larger parts (the C call re-checks the dirs below rel_dir itself)
+        parts, unlink = _parts(fd, list(names), fmt, step, 1 if paced else NESTED_PART, checked)
         for part in parts:
             if not dry_run and not still_at(root, rel_dir, where.here):
                 stopped = True
@@ -169,7 +170,7 @@ def delete_files(
 
 
 def _parts(
-    fd: int, names: list[str], fmt: FileFormat, step: int, checked: Checked
+    fd: int, names: list[str], fmt: FileFormat, step: int, grow: int, checked: Checked
 ) -> tuple[Iterator[Any], Callable[..., tuple[list[tuple[str, int]], bool]]]:
     """The parts of `names` to unlink in turn, and what unlinks one: names of the dir itself
     (never a path: unlinkat would walk its dirs, links and all), or a nested format's dirs
@@ -182,7 +183,7 @@ def _parts(
     by_dir, bad = by_dirs(fd, names, fmt)
     why = f"not a file of {fmt.name} in a folder it vouches for"
     checked.refused.extend((name, why) for name in bad)
-    return _dir_parts(sorted(by_dir.items()), step * NESTED_PART), check_and_unlink_dirs
+    return _dir_parts(sorted(by_dir.items()), step * grow), check_and_unlink_dirs
 
 
 def _dir_parts(dirs: list[tuple[str, list[str]]], step: int) -> Iterator[Part]:
