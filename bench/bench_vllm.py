@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -65,28 +66,44 @@ def build(layout: Layout, n: int) -> tuple[str, list[str]]:
     return folder, paths
 
 
-def sh(*cmd: str) -> float:
-    t = time.perf_counter()
+def sh(*cmd: str) -> None:
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    return time.perf_counter() - t
 
 
-def timed(fn: Callable[[], object]) -> float:
-    t = time.perf_counter()
+def cpu() -> float:
+    """CPU seconds (user + system) of this process's threads and its waited-for children."""
+    own, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, float]:
+    """Wall and CPU seconds of fn(): on a loaded machine the CPU time is the steadier figure."""
+    t, c = time.perf_counter(), cpu()
     fn()
-    return time.perf_counter() - t
+    return time.perf_counter() - t, cpu() - c
 
 
 def rotated(tools: list[str], r: int) -> list[str]:
     return tools[r % len(tools) :] + tools[: r % len(tools)]
 
 
-def table(n: int, times: dict[str, list[float]], peer: str) -> None:
-    print(f"| tool | median s | files/s | vs {peer} |\n| --- | ---: | ---: | ---: |")
-    base = statistics.median(times[peer])
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        print(f"| {name} | {med:.2f} | {n / med:,.0f} | {base / med:.2f}× |")
+def table(n: int, times: dict[str, list[tuple[float, float]]], peer: str) -> None:
+    print(f"| tool | median s | files/s | vs {peer} | median CPU s | CPU vs peer |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    wall = {name: statistics.median(w for w, _ in ts) for name, ts in times.items()}
+    work = {name: statistics.median(c for _, c in ts) for name, ts in times.items()}
+    for name in times:
+        print(f"| {name} | {wall[name]:.2f} | {n / wall[name]:,.0f} | "
+              f"{wall[peer] / wall[name]:.2f}× | {work[name]:.2f} | "
+              f"{work[peer] / work[name]:.2f}× |")  # fmt: skip
+
+
+def line(times: dict[str, list[tuple[float, float]]], name: str) -> str:
+    wall, work = times[name][-1]
+    return f"{name} {wall:.2f} s ({work:.2f} s CPU)"
 
 
 def scan(work: Path, n: int, rounds: int) -> None:
@@ -108,11 +125,11 @@ def scan(work: Path, n: int, rounds: int) -> None:
         f"cachemgr scan_usage ({walkers} walkers)": lambda: usage(walkers),
         "cachemgr scan_usage (1 walker)": lambda: usage(1),
     }
-    times: dict[str, list[float]] = {name: [] for name in tools}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in tools}
     for r in range(rounds):
         for name in rotated(list(tools), r):
             times[name].append(timed(tools[name]))
-        print(f"# round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items())
+        print(f"# round {r + 1}: " + ", ".join(line(times, k) for k in times)
               + f"; load {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
     print("\n## scan (warm page cache)\n")
     table(n, times, "du -sb NS_DIR")
@@ -133,7 +150,7 @@ def evict(work: Path, n: int, rounds: int) -> None:
         "rm -rf RANK_DIR": lambda folder, _p: sh("rm", "-rf", str(d / f"{folder}_r0")),
         "cachemgr delete_files": lambda _f, paths: cachemgr(paths),
     }
-    times: dict[str, list[float]] = {name: [] for name in tools}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in tools}
     for r in range(rounds):
         for name in rotated(list(tools), r):
             shutil.rmtree(layout.root, ignore_errors=True)
@@ -145,8 +162,8 @@ def evict(work: Path, n: int, rounds: int) -> None:
             left = subprocess.run(["find", str(d), "-name", "*.bin", "-print", "-quit"],
                                   capture_output=True, text=True).stdout  # fmt: skip
             assert not left, f"{name} left blocks: {left}"
-            print(f"# round {r + 1}, {name}: {times[name][-1]:.2f} s (tree built and synced "
-                  f"in {built:.0f} s); load {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+            print(f"# round {r + 1}, {line(times, name)} (tree built and synced in {built:.0f} s); "
+                  f"load {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
     shutil.rmtree(layout.root, ignore_errors=True)
     print("\n## eviction of every block (a fresh tree each, unpaced)\n")
     table(n, times, "find NS_DIR -name '*.bin' -delete")
