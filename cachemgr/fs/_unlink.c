@@ -59,46 +59,42 @@ static int still_here(const Batch *b) {
     return st.st_dev == b->dev && st.st_ino == b->ino;
 }
 
-/* Steps 1-3 for name i; the status and value go to the batch's arrays. */
-static void one(Batch *b, size_t i) {
-    const char *name = b->names[i];
+/* Steps 1-3 for `name` in dir_fd, step 2 being here(ctx): the status (NOT_REACHED: the dir
+ * moved, nothing unlinked), with *value the size (DELETED) or an errno (the errors). */
+static int check_one(int dir_fd, const char *name, double min_age, double now, int dry_run,
+                     int (*here)(const void *), const void *ctx, long long *value) {
     struct stat st;
-    /* NULL: the name held a NUL (below); a '/' would leave dir_fd. The caller's shape check
-     * refuses both first. */
-    if (name == NULL || strchr(name, '/') != NULL) {
-        b->status[i] = STAT_ERROR, b->value[i] = EINVAL;
-        return;
-    }
-    if (fstatat(b->dir_fd, name, &st, AT_SYMLINK_NOFOLLOW) != 0) {
-        b->status[i] = errno == ENOENT ? VANISHED : STAT_ERROR, b->value[i] = errno;
-        return;
-    }
-    if (!S_ISREG(st.st_mode)) {
-        b->status[i] = NOT_REGULAR;
-        return;
-    }
+    /* NULL: the name held a NUL (see unlink_batch); a '/' would leave dir_fd. The caller's
+     * shape check refuses both first. */
+    if (name == NULL || strchr(name, '/') != NULL)
+        return *value = EINVAL, STAT_ERROR;
+    if (fstatat(dir_fd, name, &st, AT_SYMLINK_NOFOLLOW) != 0)
+        return *value = errno, errno == ENOENT ? VANISHED : STAT_ERROR;
+    if (!S_ISREG(st.st_mode))
+        return NOT_REGULAR;
     double mtime = (double)st.st_mtim.tv_sec + (double)st.st_mtim.tv_nsec * 1e-9;
-    if (b->min_age > 0 && b->now - mtime < b->min_age) {
-        b->status[i] = YOUNG;
-        return;
+    if (min_age > 0 && now - mtime < min_age)
+        return YOUNG;
+    if (!dry_run) {
+        if (!here(ctx))
+            return NOT_REACHED;
+        if (unlinkat(dir_fd, name, 0) != 0)
+            return *value = errno, errno == ENOENT ? VANISHED : UNLINK_ERROR;
     }
-    if (!b->dry_run) {
-        if (!still_here(b)) {
-            atomic_store(&b->moved, 1);
-            atomic_store(&b->stop, 1);
-            return; /* stays NOT_REACHED */
-        }
-        if (unlinkat(b->dir_fd, name, 0) != 0) {
-            if (errno == ENOENT) {
-                b->status[i] = VANISHED;
-                return;
-            }
-            b->status[i] = UNLINK_ERROR, b->value[i] = errno;
-            atomic_store(&b->stop, 1);
-            return;
-        }
-    }
-    b->status[i] = DELETED, b->value[i] = (long long)st.st_size;
+    return *value = (long long)st.st_size, DELETED;
+}
+
+static int batch_here(const void *b) { return still_here(b); }
+
+/* Name i of the batch; an unlink error or a moved dir stops the batch. */
+static void one(Batch *b, size_t i) {
+    int status = check_one(b->dir_fd, b->names[i], b->min_age, b->now, b->dry_run, batch_here, b,
+                           &b->value[i]);
+    if (status == NOT_REACHED)
+        atomic_store(&b->moved, 1);
+    if (status == NOT_REACHED || status == UNLINK_ERROR)
+        atomic_store(&b->stop, 1);
+    b->status[i] = status;
 }
 
 static void *worker(void *arg) {
@@ -314,45 +310,30 @@ static int chain_here(const Chain *c, const Tree *t) {
     return 1;
 }
 
-/* Steps 1-3 for the names of dir d, opened in `c`. */
+typedef struct {
+    const Chain *chain;
+    const Tree *tree;
+} Place;
+
+static int chain_here_of(const void *p) {
+    const Place *at = p;
+    return chain_here(at->chain, at->tree);
+}
+
+/* Steps 1-3 for the names of dir d, opened in `c`: an unlink error stops the dir, a moved
+ * dir all. */
 static void tree_dir(Tree *t, Chain *c, Py_ssize_t d) {
-    int leaf = c->fd[c->depth - 1];
+    Place at = {c, t};
     for (Py_ssize_t i = t->first[d]; i < t->first[d + 1] && !atomic_load(&t->stop); i++) {
-        const char *name = t->names[i];
-        struct stat st;
-        if (name == NULL || strchr(name, '/') != NULL) {
-            t->status[i] = STAT_ERROR, t->value[i] = EINVAL;
-            continue;
+        int status = check_one(c->fd[c->depth - 1], t->names[i], t->min_age, t->now, t->dry_run,
+                               chain_here_of, &at, &t->value[i]);
+        if (status == NOT_REACHED) {
+            atomic_store(&t->moved, 1);
+            atomic_store(&t->stop, 1);
         }
-        if (fstatat(leaf, name, &st, AT_SYMLINK_NOFOLLOW) != 0) {
-            t->status[i] = errno == ENOENT ? VANISHED : STAT_ERROR, t->value[i] = errno;
-            continue;
-        }
-        if (!S_ISREG(st.st_mode)) {
-            t->status[i] = NOT_REGULAR;
-            continue;
-        }
-        double mtime = (double)st.st_mtim.tv_sec + (double)st.st_mtim.tv_nsec * 1e-9;
-        if (t->min_age > 0 && t->now - mtime < t->min_age) {
-            t->status[i] = YOUNG;
-            continue;
-        }
-        if (!t->dry_run) {
-            if (!chain_here(c, t)) {
-                atomic_store(&t->moved, 1);
-                atomic_store(&t->stop, 1);
-                return; /* stays NOT_REACHED */
-            }
-            if (unlinkat(leaf, name, 0) != 0) {
-                if (errno == ENOENT) {
-                    t->status[i] = VANISHED;
-                    continue;
-                }
-                t->status[i] = UNLINK_ERROR, t->value[i] = errno;
-                return; /* the rest of this dir: NOT_REACHED */
-            }
-        }
-        t->status[i] = DELETED, t->value[i] = (long long)st.st_size;
+        t->status[i] = status;
+        if (status == NOT_REACHED || status == UNLINK_ERROR)
+            return;
     }
 }
 
