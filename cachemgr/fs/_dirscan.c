@@ -21,7 +21,8 @@
  * and is opened with O_NOFOLLOW|O_DIRECTORY from its parent's descriptor, never through a link.
  * A dir on another mount than `dir_fd` (a filesystem or a bind mount an operator put there) is
  * never entered either: it is not the engine's, whatever its name.
- * Everything else at the upper levels counts as `other`. A file's digest and page key are then
+ * Everything else at the upper levels counts as `other`. With threads > 1 the subtrees below
+ * each dir two levels above the files are shared out to as many walkers (walk_split, below). A file's digest and page key are then
  * those of its path below `dir_fd` ("a_r0/0f3/a1_g0/<hash>.bin"), as the index names it.
  *
  * Safety: the caller opens the directory (cachemgr.fs.deletion.open_dir: no symlink on the way);
@@ -814,7 +815,8 @@ PyDoc_STRVAR(scan_doc,
 "regular files, `gone` those deleted between listing and stat, and `pages` the distinct keys\n"
 "among the files of kind 1 (a page). With `levels` > 0 the files are that many dirs down,\n"
 "through the subdirectories dir_ok(level, name: bytes) keeps (never a symlink); digests and\n"
-"page keys are then of the paths below dir_fd.");
+"page keys are then of the paths below dir_fd, and with `threads` > 1 the subtrees of each\n"
+"dir two levels above the files are walked on `threads` threads (same result).");
 
 /* Parse (key_min, key_max, temp_lead, temp_hex) and lay out the shape prefixes; 0 on error. */
 static int parse_rules(PyObject *arg, Rules *r) {

@@ -259,7 +259,7 @@ static unsigned long long mnt_of(int fd) {
 }
 
 /* Open `path` (components below the top) into `c`, keeping the components it shares with
- * the dir open before; DIR_OK or why not. */
+ * the dir open before; DIR_OK if we may unlink in it, or why not. */
 static int chain_open(Chain *c, const Tree *t, const char *path) {
     int k = 0;
     const char *p = path;
@@ -290,7 +290,13 @@ static int chain_open(Chain *c, const Tree *t, const char *path) {
         p = end ? end + 1 : p + len;
     }
     chain_cut(c, k);
-    return k ? DIR_OK : ENOENT;
+    if (k == 0)
+        return ENOENT;
+    /* unlinks in it allowed (write and search for our effective ids, not immutable): asked in
+     * a dry run too, so that it counts no file the real run is refused */
+    if (faccessat(c->fd[k - 1], ".", W_OK | X_OK, AT_EACCESS) != 0)
+        return errno;
+    return DIR_OK;
 }
 
 /* Whether the top is still in its parent and every component of `c` in its own. */
