@@ -8,7 +8,8 @@
    indexed, and the daemon's RSS;
 4. (`--model N`, alone) the chain model at N pages: an index of N pages in learned chains,
    `cachemgr serve` restarted over it: ready time, RSS steady, and the time to the first
-   eviction when a cap is crossed (the order comes from the model loaded at start).
+   eviction when a cap is crossed, with the model from the snapshot the last stop saved and,
+   as the peer, loaded from the index (BENCH_SNAPSHOT_FIRST=0 runs the peer first).
 
 Usage: python bench/bench_daemon.py [N_PAGES] [N_EVENTS]   (defaults 200000 50000)
        python bench/bench_daemon.py --model N_PAGES
@@ -16,6 +17,7 @@ Usage: python bench/bench_daemon.py [N_PAGES] [N_EVENTS]   (defaults 200000 5000
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import shutil
@@ -25,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from itertools import islice
 from pathlib import Path
 
 import httpx
@@ -32,9 +35,13 @@ import httpx
 from cachemgr.daemon.indexer import Indexer
 from cachemgr.fs.dirscan import scan_usage
 from cachemgr.fs.root import create_root
+from cachemgr.gc import modelfile
+from cachemgr.gc.chains import ChainModel
+from cachemgr.gc.value import eviction_order
 from cachemgr.layout import Layout
 from cachemgr.state import pages_sql
-from cachemgr.state.index import scan_root
+from cachemgr.state.dbfile import quick_check
+from cachemgr.state.index import scan_namespace, scan_root
 from cachemgr.state.store import Store, connect
 
 NS = ["0123456789abcdef", "fedcba9876543210"]
@@ -219,7 +226,42 @@ def start_daemon(layout: Layout, env: dict[str, str]) -> tuple[subprocess.Popen[
 def bench_model(layout: Layout, n: int) -> None:
     print(f"\n## the chain model at {n:,} pages: restarts of `cachemgr serve`")
     index_chains(layout, n)
+    start_breakdown(layout)
     restarts(layout, n)
+
+
+def start_breakdown(layout: Layout) -> None:
+    """What a start does, step by step, in this process: the checks and scans a start runs,
+    then the model loaded from the index against the model file, and the first order of each."""
+    print("where a start's time goes (in-process):")
+    took, _ = timed(lambda: subprocess.run([sys.executable, "-c", "import cachemgr.cli.main, "
+                                            "cachemgr.daemon.lifecycle"], check=True))  # fmt: skip
+    print(f"  python + the daemon's imports: {took:.2f} s")
+    store = Store.open(layout.db_path)
+    took, _ = timed(quick_check, store.conn)
+    print(f"  PRAGMA quick_check (once at start): {took:.2f} s")
+    model = ChainModel()
+    for ns in NS:
+        took, report = timed(lambda ns=ns: scan_namespace(layout, store, ns))
+        load, _ = timed(model.load, store.conn, ns)
+        print(f"  {ns}: scan {took:.2f} s (drift {report.drift}), load from the index {load:.2f} s")
+    first = first_order(model)
+    path = layout.state_dir / "bench-model.snapshot"
+    took, _ = timed(modelfile.save, model, path, store, NS)
+    restored = ChainModel()
+    back, _ = timed(modelfile.restore, restored, path, store)
+    print(f"  model file: saved in {took:.2f} s ({path.stat().st_size / 2**20:.0f} MiB), "
+          f"restored in {back:.2f} s")  # fmt: skip
+    print(f"  first order (1,000 victims): {first:.2f} s after a load from the index, "
+          f"{first_order(restored):.2f} s after a restore; "
+          f"the next one {first_order(restored):.2f} s")  # fmt: skip
+    path.unlink()
+    store.close()
+
+
+def first_order(model: ChainModel) -> float:
+    took, _ = timed(lambda: list(islice(eviction_order(model, before=math.inf), 1000)))
+    return took
 
 
 def index_chains(layout: Layout, n: int) -> None:
@@ -239,17 +281,39 @@ def index_chains(layout: Layout, n: int) -> None:
 
 
 def restarts(layout: Layout, n: int) -> None:
-    """Two restarts over make_tree's `n` pages in chains: without a cap, then with one a little
-    under the usage (about 1.5% of the pages go: down to the low watermark)."""
-    proc, _, ready = start_daemon(layout, {})
-    try:
-        time.sleep(10)  # GC's first cycle (nothing over a limit) and the index settle
-        rss, hwm = status_kib(proc.pid, "VmRSS"), status_kib(proc.pid, "VmHWM")
-    finally:
-        proc.terminate()
-        proc.wait(60)
-    print(f"restart, no cap: ready {ready:.2f} s; RSS {rss / 1024:.0f} MiB steady "
-          f"(peak {hwm / 1024:.0f} MiB)")  # fmt: skip
+    """Restarts over make_tree's `n` pages in chains: the first loads the model from the index
+    (no snapshot yet: as every start did before snapshots), the next from the snapshot its
+    stop saved; then with a cap a little under the usage (about 1.5% of the pages go: down to
+    the low watermark), from a snapshot and, as the peer, with it deleted (loaded from the
+    index), in rotating order."""
+    for label in ("model loaded from the index", "model from the snapshot"):
+        proc, _, ready = start_daemon(layout, {})
+        try:
+            time.sleep(10)  # GC's first cycle (nothing over a limit) and the index settle
+            rss, hwm = status_kib(proc.pid, "VmRSS"), status_kib(proc.pid, "VmHWM")
+        finally:
+            stop(proc, layout)
+        print(f"restart, no cap, {label}: ready {ready:.2f} s; RSS {rss / 1024:.0f} MiB steady "
+              f"(peak {hwm / 1024:.0f} MiB)")  # fmt: skip
+    runs = [True, False] if os.environ.get("BENCH_SNAPSHOT_FIRST", "1") == "1" else [False, True]
+    for snapshot in runs:
+        if not snapshot:
+            layout.model_snapshot.unlink()  # (its stamp in the index is then of no file)
+        label = "model from the snapshot" if snapshot else "model loaded from the index"
+        capped_restart(layout, n, label)
+
+
+def stop(proc: subprocess.Popen[bytes], layout: Layout) -> None:
+    """SIGTERM, as systemd or kubelet stop it: the daemon saves its model on the way out."""
+    t = time.perf_counter()
+    proc.terminate()
+    proc.wait(60)
+    print(f"  (stopped in {time.perf_counter() - t:.2f} s; snapshot "
+          f"{layout.model_snapshot.stat().st_size / 2**20:.0f} MiB)")  # fmt: skip
+
+
+def capped_restart(layout: Layout, n: int, label: str) -> None:
+    """A restart over a cap of usage / 0.955: ready, first page evicted, RSS after that."""
     tails = [t for t in _tails(layout, n) if t.exists()]
     with Store.open(layout.db_path) as store:
         used = sum(pages_sql.namespace_bytes(store.conn).values())
@@ -261,14 +325,15 @@ def restarts(layout: Layout, n: int) -> None:
         while all(t.exists() for t in tails):
             time.sleep(0.02)
         first = time.perf_counter() - t0
+        rss_first = status_kib(proc.pid, "VmRSS")
         time.sleep(10)
         rss, hwm = status_kib(proc.pid, "VmRSS"), status_kib(proc.pid, "VmHWM")
     finally:
-        proc.terminate()
-        proc.wait(60)
+        stop(proc, layout)
     print(
-        f"restart over a cap of usage / 0.955: ready {ready:.2f} s, first page evicted "
-        f"{first:.2f} s after start; RSS {rss / 1024:.0f} MiB (peak {hwm / 1024:.0f} MiB)"
+        f"restart over a cap of usage / 0.955, {label}: ready {ready:.2f} s, first page "
+        f"evicted {first:.2f} s after start; RSS {rss_first / 1024:.0f} MiB right after it, "
+        f"{rss / 1024:.0f} MiB 10 s later (peak {hwm / 1024:.0f} MiB)"
     )
 
 

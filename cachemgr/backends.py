@@ -84,6 +84,9 @@ class FileFormat:
     page_suffix: str
     scan: ScanRules
     nesting: Nesting | None = None  # None: the page files sit in the namespace dir itself
+    # Whether a page stored right after another of its stream most likely continues it: the
+    # chain model's first guess of a predecessor (cachemgr.gc.chains). True for SGLang.
+    write_order: bool = True
 
     def split(self, path: str) -> tuple[str, str] | None:
         """(dirs, file name) of a path below a namespace dir whose dirs fit the nesting (each

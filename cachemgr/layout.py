@@ -27,6 +27,7 @@ STATE_DIR = ".cachemgr"  # the default state dir, inside the root
 TAG_FILE = "CACHEDIR.TAG"
 RESERVE_FILE = "space-reserve"
 DB_FILE = "state.db"
+MODEL_FILE = "chain-model.snapshot"
 BIND_SUFFIX = ".bind"
 # SQLite's own files beside the DB (WAL mode; a rollback journal while the mode is switched)
 DB_SUFFIXES = ("", "-wal", "-shm", "-journal")
@@ -96,6 +97,11 @@ class Layout:
         """Disk space held for the state DB, released on a full filesystem (fs/reserve.py)."""
         return self.state_dir / RESERVE_FILE
 
+    @property
+    def model_snapshot(self) -> Path:
+        """The daemon's chain model as of its last clean stop (cachemgr/gc/modelfile.py)."""
+        return self.state_dir / MODEL_FILE
+
     def lock_files(self, boot_id: str) -> tuple[Path, ...]:
         """The files the daemon flocks: a link planted at one is refused at start."""
         return self.root_lock, self.gc_lock, self.index_lock(boot_id)
@@ -103,7 +109,7 @@ class Layout:
     def state_files(self, boot_id: str) -> tuple[Path, ...]:
         """Every file cachemgr writes in the state dir."""
         return (*self.lock_files(boot_id), self.index_ready(boot_id), *db_files(self.db_path),
-                recover_lock(self.db_path), self.reserve)  # fmt: skip
+                recover_lock(self.db_path), self.reserve, self.model_snapshot)  # fmt: skip
 
     def written(
         self, boot_id: str, ns_ids: tuple[str, ...] = (), instances: tuple[str, ...] = ()

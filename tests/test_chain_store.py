@@ -167,4 +167,4 @@ def test_a_forgotten_namespace_leaves_nothing_behind() -> None:
     assert sorted(model.pages) == [("other", key(1)), ("third", key(5))]
     assert keys(model) == [key(1), key(5)]
     model.forget("other")  # its page and the ghost it named go: every slot is free again
-    assert model.store.top - len(model.store._free) == 1
+    assert model.store.top - len(model.store.freed) == 1

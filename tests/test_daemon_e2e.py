@@ -3,8 +3,9 @@ scraping it, and `curl -X POST /purge`."""
 
 from __future__ import annotations
 
+import json
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -104,10 +105,14 @@ def prometheus(tmp_path: Path, free_port: int) -> Iterator[tuple[Path, str]]:
     yield tmp_path / "prom", f"http://127.0.0.1:{free_port}"
 
 
-def start_prometheus(config_dir: Path, url: str, target: str) -> subprocess.Popen[bytes]:
+def start_prometheus(
+    config_dir: Path, url: str, target: str, rules: Sequence[Path] = ()
+) -> subprocess.Popen[bytes]:
+    """Prometheus scraping `target` as job cachemgr every second, evaluating `rules`."""
     config_dir.mkdir()
     (config_dir / "prometheus.yml").write_text(
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        f"rule_files: {json.dumps([str(r) for r in rules])}\n"
         "scrape_configs:\n  - job_name: cachemgr\n"
         f"    static_configs:\n      - targets: ['{target}']\n"
     )

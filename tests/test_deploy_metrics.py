@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -27,6 +28,9 @@ from tests.deploy_promql import (
     rule_exprs,
 )
 from tests.polling import wait_for
+from tests.test_daemon_e2e import start_prometheus
+from tests.vllm_launch import launch, vinit_json
+from tests.vllmtrees import block_path, key, vllm_load, vllm_store, write_folder
 
 REPO = Path(__file__).resolve().parent.parent
 PROM = REPO / "deploy" / "prometheus"
@@ -60,11 +64,14 @@ def read_page(ns_dir: Path, n: int) -> None:
 
 @dataclass(frozen=True)
 class Live:
-    """Two scrapes of one real daemon and the namespace the traffic went to."""
+    """Two scrapes of one real daemon, the SGLang and vLLM namespaces the traffic went to, and
+    the URL of a real Prometheus scraping the daemon with deploy/'s rules."""
 
     first: Exposition
     second: Exposition
     ns: str
+    vllm_ns: str
+    prometheus: str
 
 
 def init(root: Path, model: Path, instance: str, kv_dtype: str) -> str:
@@ -78,25 +85,53 @@ def init(root: Path, model: Path, instance: str, kv_dtype: str) -> str:
     return out.stdout.strip().rsplit("/", 1)[1]
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def prom_query(url: str, query: str) -> list[dict[str, Any]]:
+    """The result of an instant query; an error Prometheus answers fails the test."""
+    r = httpx.get(f"{url}/api/v1/query", params={"query": query}, timeout=10)
+    assert r.status_code == 200 and r.json()["status"] == "success", f"{query}: {r.text}"
+    result: list[dict[str, Any]] = r.json()["data"]["result"]
+    return result
+
+
+def prom_ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/-/ready", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
 @pytest.fixture(scope="module")
 def scrapes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
-    """A real `cachemgr serve` scraped before and after 6 page writes, 2 reads and a purge."""
+    """A real `cachemgr serve`, scraped by the test and by a real Prometheus, before and after
+    6 page writes, 2 reads and a purge in an SGLang namespace and 3 block stores and 2 loads in
+    a vLLM namespace."""
     base = tmp_path_factory.mktemp("deploy-metrics")
     root = base / "root"
     make_model(base / "model")
     ns_a = init(root, base / "model", "sglang", "fp8_e4m3")
     ns_b = init(root, base / "model", "old", "bfloat16")
+    vllm = vinit_json(root, launch(base / "model"), "--instance", "vllm", "--vllm-version", "0.33")
+    ns_v, v_dir = vllm["ns_id"], root / "ns" / vllm["ns_id"]
+    folder = write_folder(v_dir)
+    blocks = [block_path(folder, key(i)) for i in range(6)]
     for ns, pages in ((ns_a, 4), (ns_b, 2)):
         for n in range(pages):
             write_page(root / "ns" / ns, n)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    for rel in blocks[:3]:
+        vllm_store(v_dir, rel)
+    port, prom_dir, prom_url = free_port(), base / "prometheus", f"http://127.0.0.1:{free_port()}"
     log = (base / "daemon.log").open("w")
     argv = [sys.executable, "-m", "cachemgr", "--root", str(root), "--log-format", "json"]
     proc = subprocess.Popen(
         [*argv, "serve", "--port", str(port), "--token", TOKEN], stdout=log, stderr=log
     )
+    prom: subprocess.Popen[bytes] | None = None
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
 
@@ -112,27 +147,45 @@ def scrapes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
             wait_for(ready, timeout=20, what="the daemon's /readyz")
             assert proc.poll() is None, (base / "daemon.log").read_text()
             wait_for(
-                lambda: scrape().get("cachemgr_namespace_pages", namespace=ns_a).value == 4,
+                lambda: [scrape().get("cachemgr_namespace_pages", namespace=ns).value
+                         for ns in (ns_a, ns_v)] == [4, 3],
                 timeout=20, what="the scan",
             )  # fmt: skip
             first = scrape()
+            # Prometheus's first samples come before the traffic: its rates see all of it.
+            prom = start_prometheus(prom_dir, prom_url, f"127.0.0.1:{port}", RULE_FILES)
+            wait_for(lambda: prom_ready(prom_url), timeout=60, every=0.5, what="Prometheus")
+            wait_for(
+                lambda: prom_query(prom_url, 'cachemgr_page_writes_total{engine="vllm"}'),
+                timeout=60, every=0.5, what="Prometheus's first scrape",
+            )  # fmt: skip
             for n in range(4, 10):
                 write_page(root / "ns" / ns_a, n)
             for n in (0, 1):
                 read_page(root / "ns" / ns_a, n)
+            for rel in blocks[3:]:
+                vllm_store(v_dir, rel)
+            for rel in blocks[:2]:
+                vllm_load(v_dir, rel)
             headers = {"Authorization": f"Bearer {TOKEN}"}
             purged = http.post("/purge", json={"namespace": ns_b}, headers=headers)
             assert purged.status_code == 200, purged.text
 
             def counted() -> bool:
                 e = scrape()
-                reads = e.get("cachemgr_page_reads_total", namespace=ns_a).value
-                writes = e.get("cachemgr_page_writes_total", namespace=ns_a).value
-                return (reads, writes) == (2, 6) and bool(e.all("cachemgr_purges_total"))
+                counts = [
+                    e.get(name, namespace=ns).value
+                    for ns in (ns_a, ns_v)
+                    for name in ("cachemgr_page_reads_total", "cachemgr_page_writes_total")
+                ]
+                return counts == [2, 6, 2, 3] and bool(e.all("cachemgr_purges_total"))
 
-            wait_for(counted, timeout=20, what="2 reads, 6 writes and a purge in /metrics")
-            yield Live(first, scrape(), ns_a)
+            wait_for(counted, timeout=20, what="the reads, writes and a purge in /metrics")
+            yield Live(first, scrape(), ns_a, ns_v, prom_url)
     finally:
+        if prom is not None:
+            prom.terminate()
+            prom.wait(timeout=30)
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
@@ -190,25 +243,32 @@ def test_rules_and_dashboard_query_only_metrics_the_daemon_serves(
         assert name in used
 
 
+def fill_in(expr: str, **values: str) -> str:
+    """A dashboard query as Grafana sends it: variables filled in (all values, else `values`), a
+    variable's label_values(SELECTOR, label) as its SELECTOR."""
+    if expr.startswith("label_values("):
+        expr = expr.removeprefix("label_values(").rsplit(",", 1)[0]
+    grafana = {"__rate_interval": "5m", "instance": ".*", "engine": ".*", "namespace": ".*"}
+    for var, value in {**grafana, **values}.items():
+        expr = expr.replace(f"${var}", value)
+    return expr
+
+
 def test_dashboard_panels_cover_the_issue_and_are_valid_promql(tmp_path: Path) -> None:
     dashboard = json.loads(DASHBOARD.read_text())
     titles = " | ".join(p["title"].lower() for p in dashboard["panels"])
     for topic in [
         "pages per namespace", "bytes per namespace", "page hit ratio", "sglang token-level",
         "evicted by reason", "purges by reason", "free space", "identity timeline",
-        "watcher overflows",
+        "watcher overflows", "pages by engine", "bytes by engine", "page hit ratio by engine",
     ]:  # fmt: skip
         assert topic in titles, topic
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
     # promtool parses each query as a recording rule, Grafana's variables filled in.
-    grafana = {"$__rate_interval": "5m", "$instance": ".*", "$namespace": ".*"}
-    rules = []
-    for i, (_, expr) in enumerate(dashboard_exprs(dashboard)):
-        if expr.startswith("label_values("):
-            expr = expr.removeprefix("label_values(").rsplit(",", 1)[0]
-        for var, value in grafana.items():
-            expr = expr.replace(var, value)
-        rules.append({"record": f"dashboard_query_{i}", "expr": expr})
+    rules = [
+        {"record": f"dashboard_query_{i}", "expr": fill_in(expr)}
+        for i, (_, expr) in enumerate(dashboard_exprs(dashboard))
+    ]
     (tmp_path / "dashboard.yml").write_text(
         yaml.safe_dump({"groups": [{"name": "d", "rules": rules}]})
     )
@@ -272,8 +332,9 @@ def run_promtool_tests(tmp_path: Path, tests: list[dict[str, Any]], every: str =
 
 
 def test_recording_rules_on_real_scrapes(scrapes: Live, tmp_path: Path) -> None:
-    """The two real scrapes, 5 minutes apart: the hit ratio is 2 reads / (2 reads + 6 writes)."""
-    first, second, ns_id = scrapes.first, scrapes.second, scrapes.ns
+    """The two real scrapes, 5 minutes apart: the hit ratio is 2 reads / (2 reads + 6 writes)
+    in the SGLang namespace, 2 loads / (2 loads + 3 stores) in the vLLM one."""
+    first, second, ns_id, ns_v = scrapes.first, scrapes.second, scrapes.ns, scrapes.vllm_ns
     series = []
     for s in second.samples:
         before = [b for b in first.samples if b.name == s.name and b.labels == s.labels]
@@ -298,7 +359,10 @@ def test_recording_rules_on_real_scrapes(scrapes: Live, tmp_path: Path) -> None:
     )
     hit_ratio = "namespace:cachemgr_page_hit_ratio:rate5m"
     checks = [
-        (sel(hit_ratio, namespace=ns_id), "6m", sel(hit_ratio, namespace=ns_id, **TARGET), 0.25),
+        (sel(hit_ratio, namespace=ns_id), "6m",
+         sel(hit_ratio, namespace=ns_id, engine="sglang", **TARGET), 0.25),
+        (sel(hit_ratio, namespace=ns_v), "6m",
+         sel(hit_ratio, namespace=ns_v, engine="vllm", **TARGET), 0.4),
         ("model_name:sglang_storage_hit_ratio:rate5m", "8m",
          sel("model_name:sglang_storage_hit_ratio:rate5m", **sglang), 0.25),
         ("instance:cachemgr_filesystem_avail:ratio", "8m",
@@ -324,8 +388,9 @@ def alert_test(
 
 
 def test_alerts_fire_on_the_daemons_real_series(scrapes: Live, tmp_path: Path) -> None:
-    """Each alert, firing and quiet, on series named and labelled as the daemon exports them."""
-    e, ns_id = scrapes.second, scrapes.ns
+    """Each alert, firing and quiet, on series named and labelled as the daemon exports them:
+    the namespace alerts for an SGLang and a vLLM namespace, all quiet on both at rest."""
+    e, ns_id, ns_v = scrapes.second, scrapes.ns, scrapes.vllm_ns
     up = Sample("up", (), 0).series(**TARGET)
     ready, mismatch = target(e.get("cachemgr_ready")), target(e.get("cachemgr_identity_mismatch"))
     overflows = target(e.get("cachemgr_watcher_overflows_total"))
@@ -343,8 +408,17 @@ def test_alerts_fire_on_the_daemons_real_series(scrapes: Live, tmp_path: Path) -
     gc_ok = target(e.get("cachemgr_gc_last_success_timestamp_seconds"))
     info_sample = e.get("cachemgr_namespace_info", namespace=ns_id)
     info = target(info_sample, page_size="1")
+    v_pages = target(e.get("cachemgr_namespace_pages", namespace=ns_v))
+    v_reads = target(e.get("cachemgr_page_reads_total", namespace=ns_v))
+    v_writes = target(e.get("cachemgr_page_writes_total", namespace=ns_v))
+    v_info = target(e.get("cachemgr_namespace_info", namespace=ns_v), page_size="1")
     node = dict(TARGET)
     ns = {**TARGET, "namespace": ns_id}
+    vns = {**TARGET, "namespace": ns_v, "engine": "vllm"}
+    # Both engines' namespaces at rest (the filesystem as roomy as it is big): nothing fires.
+    at_rest = {target(s): f"{s.value!r}x30" for s in e.samples}
+    at_rest[avail] = at_rest[size]
+    assert {dict(s.labels).get("engine") for s in e.samples} >= {"sglang", "vllm"}
     # No label of cachemgr's may collide with a target label (it would become exported_*).
     assert not {k for s in e.samples for k, _ in s.labels} & set(TARGET)
     info_labels = dict(info_sample.labels)
@@ -403,12 +477,34 @@ def test_alerts_fire_on_the_daemons_real_series(scrapes: Live, tmp_path: Path) -
             [expect("CachemgrCacheWriteOnly", {**ns, "engine": "sglang"})],
         ),
         alert_test("CachemgrCacheWriteOnly", {pages: "100+10x90", reads: "0+1x90"}, "70m", []),
+        alert_test(
+            "CachemgrCacheWriteOnly",
+            {v_pages: "100+10x90", v_reads: "0x90", pages: "100+10x90", reads: "0+1x90"},
+            "70m",
+            [expect("CachemgrCacheWriteOnly", vns)],
+        ),
+        alert_test("CachemgrCacheWriteOnly", {v_pages: "100+10x90", v_reads: "0+1x90"}, "70m", []),
+        # vLLM namespaces have no page_size; one labelled 1 is still not SGLang's problem.
+        alert_test("CachemgrPageSizeOne", {v_info: "1x3"}, "2m", []),
         # A day of 75% hits, then none for 5 hours while writes go on: collapsed, unless purged.
         alert_test(
             "CachemgrHitRatioCollapsed",
             {reads: "0+30x150 4500x30", writes: "0+10x180"},
             "28h",
-            [expect("CachemgrHitRatioCollapsed", node, 0)],
+            [expect("CachemgrHitRatioCollapsed", {**node, "engine": "sglang"}, 0)],
+            interval="10m",
+        ),
+        # vLLM's ratio collapses while SGLang's namespaces keep hitting: vLLM's alone fires.
+        alert_test(
+            "CachemgrHitRatioCollapsed",
+            {
+                v_reads: "0+30x150 4500x30",
+                v_writes: "0+10x180",
+                reads: "0+30x180",
+                writes: "0+10x180",
+            },
+            "28h",
+            [expect("CachemgrHitRatioCollapsed", {**node, "engine": "vllm"}, 0)],
             interval="10m",
         ),
         alert_test(
@@ -422,7 +518,69 @@ def test_alerts_fire_on_the_daemons_real_series(scrapes: Live, tmp_path: Path) -
             "CachemgrHitRatioCollapsed", {reads: "0+30x180", writes: "0+10x180"}, "28h", [], "10m"
         ),
     ]
-    assert {t["alert_rule_test"][0]["alertname"] for t in tests} == {
-        r["alert"] for g in load_rules() for r in g["rules"] if "alert" in r
-    }
+    alerts = {r["alert"] for g in load_rules() for r in g["rules"] if "alert" in r}
+    assert {t["alert_rule_test"][0]["alertname"] for t in tests} == alerts
+    tests += [alert_test(name, at_rest, "25m", []) for name in sorted(alerts)]
     run_promtool_tests(tmp_path, tests)
+
+
+def selectors(expr: str) -> list[tuple[str, str]]:
+    """(metric, label matchers) of every `metric{...}` selector in `expr`."""
+    return re.findall(r"([a-zA-Z_:][\w:]*)\{([^}]*)\}", expr)
+
+
+def panel_expr(dashboard: dict[str, Any], title: str) -> str:
+    (panel,) = [p for p in dashboard["panels"] if p["title"] == title]
+    expr: str = panel["targets"][0]["expr"]
+    return expr
+
+
+def test_every_per_namespace_query_filters_on_engine(scrapes: Live) -> None:
+    """The `engine` variable lists the daemon's engines and narrows every query of a series that
+    has an engine label; three panels break pages, bytes and hit ratio down by engine."""
+    per_ns = {s.name for s in scrapes.second.samples if "engine" in dict(s.labels)}
+    assert {"cachemgr_namespace_pages", "cachemgr_page_reads_total"} <= per_ns
+    dashboard = json.loads(DASHBOARD.read_text())
+    (var,) = [v for v in dashboard["templating"]["list"] if v["name"] == "engine"]
+    assert var["query"]["query"] == (
+        'label_values(cachemgr_namespace_pages{job="cachemgr", instance=~"$instance"}, engine)'
+    )
+    filtered = 0
+    for where, expr in dashboard_exprs(dashboard):
+        for name, matchers in selectors(expr):
+            if name in per_ns and where != "$engine":
+                assert 'engine=~"$engine"' in matchers, f"{where}: {name}{{{matchers}}}"
+                filtered += 1
+    assert filtered >= 15
+    by_engine = [p for p in dashboard["panels"] if "by engine" in p["title"]]
+    assert len(by_engine) == 3
+    for p in by_engine:
+        (t,) = p["targets"]
+        assert t["expr"].startswith("sum by (engine)") and t["legendFormat"] == "{{engine}}"
+
+
+def test_dashboard_queries_on_a_real_prometheus_show_the_vllm_namespace(scrapes: Live) -> None:
+    """Prometheus scraping the daemon (deploy/'s rules loaded) answers every dashboard query, and
+    the per-engine panels and the engine filter show the vLLM namespace's blocks and hits."""
+    url, dashboard = scrapes.prometheus, json.loads(DASHBOARD.read_text())
+    for _, expr in dashboard_exprs(dashboard):
+        prom_query(url, fill_in(expr))  # a query Prometheus refuses fails here
+
+    def by_engine(title: str) -> dict[str, float]:
+        result = prom_query(url, fill_in(panel_expr(dashboard, title)))
+        return {r["metric"]["engine"]: float(r["value"][1]) for r in result}
+
+    (var,) = [v for v in dashboard["templating"]["list"] if v["name"] == "engine"]
+    engines = prom_query(url, fill_in(var["query"]["query"]))
+    assert {r["metric"]["engine"] for r in engines} == {"sglang", "vllm"}
+    wait_for(lambda: by_engine("Pages by engine"), lambda v: v == {"sglang": 10, "vllm": 6},
+             timeout=30, what="the last scrape in Prometheus")  # fmt: skip
+    assert by_engine("Bytes by engine")["vllm"] == 6 * 4096
+    ratio = by_engine("Page hit ratio by engine (reads / (reads + writes))")
+    assert ratio == {"sglang": pytest.approx(2 / 8), "vllm": pytest.approx(2 / 5)}
+    only_vllm = fill_in(panel_expr(dashboard, "Pages per namespace"), engine="vllm")
+    assert [r["metric"]["namespace"] for r in prom_query(url, only_vllm)] == [scrapes.vllm_ns]
+    recorded = prom_query(url, 'namespace:cachemgr_page_hit_ratio:rate5m{engine="vllm"}')
+    assert [(r["metric"]["namespace"], float(r["value"][1])) for r in recorded] == [
+        (scrapes.vllm_ns, pytest.approx(2 / 5))
+    ]

@@ -11,7 +11,7 @@ import threading
 from collections import deque
 from pathlib import Path
 
-from cachemgr.daemon.backlog import Flight, queued_pages
+from cachemgr.daemon.backlog import Flight, StoreBacklog, queued_pages
 from cachemgr.daemon.watcher import Event, Watcher
 from cachemgr.fs.root import create_root
 from cachemgr.fs.usage import DiskUsage
@@ -115,7 +115,7 @@ def test_queued_pages_are_the_reads_and_stores_not_applied(tmp_path: Path) -> No
         store_page(d, page_name(2))  # a store
         os.unlink(d / page_name(3))  # a deletion: not an access
         q: deque[Event] = wait_for(lambda: watcher.queue, lambda q: len(q) >= 3)
-        got = queued_pages(q, HICACHE_FILE)
+        got = queued_pages(q, lambda ns: HICACHE_FILE)
     finally:
         watcher.stop()
     assert got == {(NS_A, page_name(1)[:64]), (NS_A, page_name(2)[:64])}
@@ -211,3 +211,20 @@ def test_a_limit_still_crossed_after_a_stuck_run_is_tried_again_without_a_wake(
         for i in range(8):
             store_page(d, page_name(i))
         wait_for(lambda: page_bytes(d), lambda b: b <= 4096, timeout=30, what="the retry")
+
+
+def test_stores_seen_during_a_gc_run_past_the_room_it_leaves_wake_gc_again() -> None:
+    """The watcher's wake sets the room to infinity until the next check; stores seen while the
+    run goes on cannot wake GC. When the run re-arms the room and they are past it already,
+    they wake GC at once: no later store may come (a writer that stopped)."""
+    wakes: list[int] = []
+    backlog = StoreBacklog(wake=lambda: wakes.append(backlog.seen))
+    backlog.done(0, PAGE)
+    backlog.rearm(100 * PAGE)  # after the start-up scan's check
+    for _ in range(300):  # the writer's burst; GC is woken once, at the 101st store
+        backlog.stored()
+    assert wakes == [101]
+    backlog.rearm(200 * PAGE)  # the run freed room for 200 pages: 300 are pending
+    assert wakes == [101, 300]
+    backlog.rearm(400 * PAGE)  # room enough: no wake
+    assert wakes == [101, 300]

@@ -6,21 +6,33 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
+from cachemgr.settings import load_settings
 from cachemgr.state.store import Store
+from tests.daemon_helpers import running_daemon
 from tests.nsfixtures import cli, snapshot
+from tests.polling import wait_for
 from tests.test_gc_cli import gc
-from tests.vllmtrees import vllm_namespace, write_blocks, write_folder
+from tests.vllmtrees import (
+    block_path,
+    key,
+    vllm_namespace,
+    vllm_store,
+    vllm_tree,
+    write_blocks,
+    write_folder,
+)
 
 T0 = 1_000_000.0
 
 
-def vllm_tree(root: Path) -> tuple[Path, list[str], Path]:
+def planted_tree(root: Path) -> tuple[Path, list[str], Path]:
     layout = Layout.at(root)
     create_root(layout)
     store = Store.open(layout.db_path)
@@ -49,7 +61,7 @@ def vllm_tree(root: Path) -> tuple[Path, list[str], Path]:
 
 
 def test_dry_run_equals_the_real_run_and_spares_what_is_not_a_block(root: Path) -> None:
-    d, blocks, outside = vllm_tree(root)
+    d, blocks, outside = planted_tree(root)
     before_outside, before = snapshot(outside), snapshot(d)
     dry = gc(root, "--dry-run", "--json", "--max-bytes", "5kB", "--min-age", "0")
     assert dry.returncode == 0, dry.stderr
@@ -68,7 +80,7 @@ def test_dry_run_equals_the_real_run_and_spares_what_is_not_a_block(root: Path) 
 
 
 def test_purge_and_ls_see_a_vllm_namespace_and_the_trash_keeps_only_config(root: Path) -> None:
-    d, blocks, outside = vllm_tree(root)
+    d, blocks, outside = planted_tree(root)
     ns = d.name
     listed = json.loads(cli("--root", str(root), "ls", "--json").stdout)["namespaces"]
     (row,) = [n for n in listed if n["ns_id"] == ns]
@@ -133,3 +145,52 @@ def test_an_unbound_vllm_namespace_is_dropped_whole(
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["by_reason"] == {"unbound": {"files": 12, "bytes": 1200}}
     assert not layout.ns_dir(ns).exists() and list((root / ".trash").iterdir()) == []
+
+
+def test_a_dry_run_counts_nothing_in_a_hashed_dir_the_real_run_cannot_delete_in(
+    root: Path,
+) -> None:
+    """A hashed dir that refuses unlinks (immutable here: EPERM even for root; another user's
+    chmod for a non-root daemon): the dry run plans and counts as the real run, which refuses
+    that dir's blocks and deletes the rest."""
+    d, blocks, _ = planted_tree(root)
+    stuck = (d / blocks[0]).parent
+    subprocess.run(["chattr", "+i", str(stuck)], check=True)
+    try:
+        dry = gc(root, "--dry-run", "--json", "--max-bytes", "5kB", "--min-age", "0")
+        real = gc(root, "--yes", "--json", "--max-bytes", "5kB", "--min-age", "0")
+    finally:
+        subprocess.run(["chattr", "-i", str(stuck)], check=True)
+    assert dry.returncode == real.returncode == 0, dry.stderr + real.stderr
+    planned, done = json.loads(dry.stdout), json.loads(real.stdout)
+    assert (planned["files"], planned["bytes"]) == (done["files"], done["bytes"]) == (5, 5000)
+    assert (d / blocks[0]).exists() and (d / (blocks[0] + "_1234.tmp")).exists()
+    assert not any((d / b).exists() for b in blocks[1:6])
+    refused = [[r for step in out["steps"] for r in step["refused"]] for out in (planned, done)]
+    assert refused[0] == refused[1] and "Permission denied" in refused[0][0]
+
+
+def test_vllm_stores_the_index_has_not_applied_count_against_the_cap(root: Path) -> None:
+    """The daemon's GC counts blocks vLLM stored that the index has not applied yet (its
+    batch is ten seconds away), woken by the inotify thread: the cap holds, and the blocks it
+    took are the old ones (the new ones are in flight)."""
+    layout = Layout.at(root)
+    create_root(layout)
+    with Store.open(layout.db_path) as store:
+        _, d, folder = vllm_tree(layout, store)
+    write_blocks(d, folder, 900, size=1000)  # 0.9 of the cap, indexed by the start-up scan
+    settings = load_settings(
+        root=root, gc_max_bytes=1_000_000, gc_high_watermark=1.0, gc_low_watermark=0.9,
+        gc_min_age=0, gc_interval=3600, gc_delete_rate=1e9, batch_interval=10,
+    )  # fmt: skip
+    new = [block_path(folder, key(i)) for i in range(900, 1200)]
+    with running_daemon(settings) as dm:
+        for rel in new:  # 1.2 of the cap on disk
+            vllm_store(d, rel, 1000)
+
+        def on_disk() -> int:
+            return sum(p.stat().st_size for p in d.rglob("*.bin") if p.exists())
+
+        wait_for(on_disk, lambda b: b <= 1_000_000, timeout=8, what="the cap")
+        assert dm.daemon.indexer.state.events_applied == 0
+    assert all((d / rel).exists() for rel in new)

@@ -5,32 +5,30 @@ deletions seen; the manifest's engine decides how the dir is read."""
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
-
-import pytest
 
 from cachemgr.layout import Layout
-from cachemgr.state.store import Store, connect
+from cachemgr.state.store import Store
 from tests.polling import wait_for
-from tests.test_indexer import SlowWatcher, ns_stats, start
-from tests.vllmtrees import block_path, key, vllm_load, vllm_namespace, vllm_store, write_folder
+from tests.test_indexer import SlowWatcher, ns_stats, reader, start
+from tests.vllmtrees import (
+    SIZE,
+    block_path,
+    key,
+    sibling,
+    vllm_load,
+    vllm_namespace,
+    vllm_store,
+    vllm_tree,
+    write_folder,
+)
 
-SIZE = 4096
-
-
-@pytest.fixture
-def reader(layout: Layout, store: Store) -> Iterator[sqlite3.Connection]:
-    conn = connect(layout.db_path)
-    yield conn
-    conn.close()
+__all__ = ["reader"]  # the fixture
 
 
 def test_blocks_stored_in_new_hashed_dirs_and_loaded_are_each_counted_once(
     layout: Layout, store: Store, reader: sqlite3.Connection
 ) -> None:
-    ns = vllm_namespace(layout, store)
-    d = layout.ns_dir(ns)
-    folder = write_folder(d)
+    ns, d, folder = vllm_tree(layout, store)
     old = block_path(folder, key(10_000))
     vllm_store(d, old, SIZE)  # before the daemon: indexed by the scan, not a write
     ix = start(layout, store)
@@ -55,16 +53,13 @@ def test_blocks_stored_in_new_hashed_dirs_and_loaded_are_each_counted_once(
 def test_a_block_stored_before_its_new_dir_is_watched_is_still_counted_once(
     layout: Layout, store: Store, reader: sqlite3.Connection
 ) -> None:
-    ns = vllm_namespace(layout, store)
-    d = layout.ns_dir(ns)
-    folder = write_folder(d)
+    ns, d, folder = vllm_tree(layout, store)
     first = block_path(folder, key(0))
     vllm_store(d, first, SIZE)
     watcher = SlowWatcher(layout)
     ix = start(layout, store, watcher)
     try:
-        sibling = first[: first.rindex("/") + 1] + key(0)[:5] + "f" * 59 + ".bin"
-        vllm_store(d, sibling, SIZE)  # a watched dir: its event blocks the inotify thread
+        vllm_store(d, sibling(first), SIZE)  # a watched dir: its event blocks the inotify thread
         # Every dir below is made, and its block stored, before any watch on it exists.
         later = [block_path(folder, key(i)) for i in range(1, 60)]
         for rel in later:
@@ -102,9 +97,7 @@ def test_a_vllm_namespace_made_while_the_daemon_runs_is_watched_nested(
 def test_a_folder_vouched_for_late_is_indexed_and_watched_at_the_next_rescan(
     layout: Layout, store: Store, reader: sqlite3.Connection
 ) -> None:
-    ns = vllm_namespace(layout, store)
-    d = layout.ns_dir(ns)
-    folder = write_folder(d)
+    ns, d, folder = vllm_tree(layout, store)
     config = (d / folder / "config.json").read_bytes()
     (d / folder / "config.json").write_bytes(config[: len(config) // 2])  # a partial write
     ix = start(layout, store)

@@ -16,20 +16,17 @@ from cachemgr.layout import Layout
 from cachemgr.state.store import Store
 from tests.polling import wait_for
 from tests.test_indexer import SlowWatcher, ns_stats, reader, start
-from tests.vllmtrees import block_path, key, vllm_load, vllm_namespace, vllm_store, write_folder
+from tests.vllmtrees import SIZE, block_path, key, sibling, vllm_load, vllm_store, vllm_tree
 
-SIZE = 4096
 __all__ = ["reader"]  # the fixture
 
 
 def test_after_an_overflow_blocks_stored_in_dirs_made_during_it_are_still_counted(
     layout: Layout, store: Store, reader: sqlite3.Connection
 ) -> None:
-    ns = vllm_namespace(layout, store)
-    d = layout.ns_dir(ns)
-    folder = write_folder(d)
+    ns, d, folder = vllm_tree(layout, store)
     first = block_path(folder, key(0))
-    pair = [first, first[: first.rindex("/") + 1] + key(0)[:5] + "f" * 59 + ".bin"]
+    pair = [first, sibling(first)]
     for rel in pair:
         vllm_store(d, rel, SIZE)
     watcher = SlowWatcher(layout)
@@ -48,7 +45,7 @@ def test_after_an_overflow_blocks_stored_in_dirs_made_during_it_are_still_counte
         wait_for(lambda: ix.state.overflows, lambda n: n >= 1, timeout=30)
         wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (31, 31 * SIZE), timeout=30)
         # a second block in a dir made during the overflow, live (no reconcile is due)
-        twin = during[3][: during[3].rindex("/") + 1] + key(4)[:5] + "e" * 59 + ".bin"
+        twin = sibling(during[3], "e")
         vllm_store(d, twin, SIZE)
         wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (32, 32 * SIZE), timeout=10)
     finally:
@@ -59,9 +56,7 @@ def test_after_an_overflow_blocks_stored_in_dirs_made_during_it_are_still_counte
 def test_a_hashed_dir_removed_and_made_again_is_watched_again(
     layout: Layout, store: Store, reader: sqlite3.Connection
 ) -> None:
-    ns = vllm_namespace(layout, store)
-    d = layout.ns_dir(ns)
-    folder = write_folder(d)
+    ns, d, folder = vllm_tree(layout, store)
     rel = block_path(folder, key(0))
     vllm_store(d, rel, SIZE)
     ix = start(layout, store)
@@ -72,8 +67,7 @@ def test_a_hashed_dir_removed_and_made_again_is_watched_again(
             wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (0, 0))
             vllm_store(d, rel, SIZE)
             wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (1, SIZE))
-        sibling = rel[: rel.rindex("/") + 1] + key(0)[:5] + "f" * 59 + ".bin"
-        vllm_store(d, sibling, SIZE)  # in the dir made last: watched
+        vllm_store(d, sibling(rel), SIZE)  # in the dir made last: watched
         wait_for(lambda: ns_stats(reader, ns)[:3], lambda s: s == (2, 2 * SIZE, 0))
         assert vllm_load(d, rel) == SIZE
         wait_for(lambda: ns_stats(reader, ns)[2], lambda r: r == 1)
@@ -84,9 +78,7 @@ def test_a_hashed_dir_removed_and_made_again_is_watched_again(
 def test_a_hashed_dir_on_another_mount_is_not_watched(
     layout: Layout, store: Store, reader: sqlite3.Connection, tmp_path: Path
 ) -> None:
-    ns = vllm_namespace(layout, store)
-    d = layout.ns_dir(ns)
-    folder = write_folder(d)
+    ns, d, folder = vllm_tree(layout, store)
     vllm_store(d, block_path(folder, key(0)), SIZE)
     ix = start(layout, store)
     other = tmp_path / "other-fs"
@@ -106,7 +98,7 @@ def test_a_hashed_dir_on_another_mount_is_not_watched(
         ix.stop()
         ix = start(layout, store)  # a scan from scratch agrees, and watches what it scans
         wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (2, 2 * SIZE))
-        vllm_store(d, rel[: rel.rindex("/") + 1] + key(1)[:5] + "e" * 59 + ".bin", SIZE)
+        vllm_store(d, sibling(rel, "e"), SIZE)
         vllm_store(d, block_path(folder, key(3)), SIZE)  # reported after the one above
         wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (3, 3 * SIZE))
     finally:
@@ -117,9 +109,7 @@ def test_a_hashed_dir_on_another_mount_is_not_watched(
 def test_a_hashed_dir_moved_out_of_the_namespace_leaves_the_index(
     layout: Layout, store: Store, reader: sqlite3.Connection, tmp_path: Path
 ) -> None:
-    ns = vllm_namespace(layout, store)
-    d = layout.ns_dir(ns)
-    folder = write_folder(d)
+    ns, d, folder = vllm_tree(layout, store)
     blocks = [block_path(folder, key(i)) for i in range(40)]
     for rel in blocks:
         vllm_store(d, rel, SIZE)

@@ -14,6 +14,7 @@ from cachemgr.ns.registry import ensure_namespace
 from cachemgr.state.store import Store
 
 MODEL = "Qwen/Qwen3-0.6B"
+SIZE = 4096  # bytes of a hand-made block
 
 
 def write_folder(ns_dir: Path, *, model: str = MODEL, dtype: str = "bfloat16") -> str:
@@ -38,7 +39,7 @@ def key(i: int, digits: int = 64) -> str:
     return hashlib.sha256(str(i).encode()).hexdigest()[:digits]
 
 
-def write_blocks(ns_dir: Path, folder: str, n: int, *, size: int = 4096, start: int = 0,
+def write_blocks(ns_dir: Path, folder: str, n: int, *, size: int = SIZE, start: int = 0,
                  mtime: float | None = None) -> list[str]:  # fmt: skip
     """n block files; their paths below the namespace dir."""
     paths = []
@@ -67,7 +68,21 @@ def vllm_namespace(layout: Layout, store: Store, name: str = "vllm-a") -> str:
     return digest[:16]
 
 
-def vllm_store(ns_dir: Path, rel: str, size: int = 4096) -> None:
+def vllm_tree(layout: Layout, store: Store) -> tuple[str, Path, str]:
+    """A vLLM namespace with its identity folder written: (namespace id, its dir, folder)."""
+    ns = vllm_namespace(layout, store)
+    folder = write_folder(layout.ns_dir(ns))
+    return ns, layout.ns_dir(ns), folder
+
+
+def sibling(rel: str, fill: str = "f") -> str:
+    """Another block's path in the hashed dir of block path `rel` (its name's first 5 digits
+    name the dir)."""
+    head, _, name = rel.rpartition("/")
+    return f"{head}/{name[:5]}{fill * 59}.bin"
+
+
+def vllm_store(ns_dir: Path, rel: str, size: int = SIZE) -> None:
     """Store a block as vLLM's fs tier does (tiering/fs/io.py): makedirs, an O_EXCL temp, one
     write, os.replace."""
     dest = ns_dir / rel

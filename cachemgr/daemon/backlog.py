@@ -18,8 +18,9 @@ from functools import partial
 from itertools import islice
 
 from cachemgr.backends import FileFormat
-from cachemgr.daemon.watcher import Event, Kind, Watcher
-from cachemgr.gc.chains import ChainModel
+from cachemgr.daemon.events import Event, Kind
+from cachemgr.daemon.watcher import Watcher
+from cachemgr.gc.chains import ChainModel, Formats
 from cachemgr.gc.execute import InFlight
 from cachemgr.gc.pagestore import PageId
 from cachemgr.gc.plan import lineage
@@ -41,6 +42,15 @@ class StoreBacklog:
     def stored(self) -> None:
         """A page store was queued (on the inotify thread): wake GC once past the room."""
         self.seen += 1
+        self._past_room()
+
+    def rearm(self, room: float) -> None:
+        """The room left, after a batch's check or a GC run. Stores seen while the run went on
+        may be past it already: they wake GC now, as no later store may come to do it."""
+        self.room = room
+        self._past_room()
+
+    def _past_room(self) -> None:
         if (self.seen - self.applied) * self.page_bytes > self.room:
             self.room = math.inf  # one wake: the next check after a batch sets it again
             self.wake()
@@ -56,13 +66,14 @@ class StoreBacklog:
         return max(0, self.seen - self.applied) * self.page_bytes
 
 
-def queued_pages(queue: deque[Event], fmt: FileFormat) -> set[PageId]:
+def queued_pages(queue: deque[Event], formats: Formats) -> set[PageId]:
     """Pages read or stored whose events the index has not applied yet: in flight, though the
     chain model does not know it (a request reading a prefix goes on to store what continues
     it). Called on GC's thread; the inotify thread keeps appending meanwhile."""
     events = list(queue)  # one C call under the GIL: a consistent copy
     names = {(ns, name) for kind, ns, name, _ in events if kind is Kind.READ or kind is Kind.WRITE}
-    return {(ns, name[: fmt.key_len(name) or len(name)]) for ns, name in names}
+    pages = _Pages(formats)
+    return {(ns, pages.key(ns, name)) for ns, name in names}
 
 
 class Flight:
@@ -76,8 +87,8 @@ class Flight:
         self.watcher, self.model = watcher, model
 
     def __call__(self) -> InFlight:
-        mark, pages = self.watcher.accessed, _Pages(self.model.fmt)
-        queued = queued_pages(self.watcher.queue, self.model.fmt)
+        mark, pages = self.watcher.accessed, _Pages(self.model.formats)
+        queued = queued_pages(self.watcher.queue, self.model.formats)
         return InFlight(queued, partial(self._keep, mark, pages))
 
     def _keep(
@@ -89,8 +100,8 @@ class Flight:
         # One C call under the GIL (a consistent copy); a few older ones too: appends race the
         # count, and an access counted twice only keeps more.
         recent = list(islice(reversed(self.watcher.accesses), seen + 64))
-        planned = pages.of(names)
-        reached = {pages.key(name) for n_ns, name in recent if n_ns == ns}
+        planned = pages.of(ns, names)
+        reached = {pages.key(ns, name) for n_ns, name in recent if n_ns == ns}
         keys: set[str] = set()
         for key in reached.intersection(planned):
             keys |= {k for _, k in lineage(self.model, (ns, key))}
@@ -98,20 +109,23 @@ class Flight:
 
 
 class _Pages:
-    """Page keys of file names, and of a step's names by key (computed once per step)."""
+    """Page keys of file names, by their namespace's format (read once), and of a step's names
+    by key (computed once per step)."""
 
-    def __init__(self, fmt: FileFormat) -> None:
-        self.fmt = fmt
+    def __init__(self, formats: Formats) -> None:
+        self.formats = formats
+        self._fmts: dict[str, FileFormat] = {}
         self._steps: dict[int, dict[str, list[tuple[int, str]]]] = {}
 
-    def key(self, name: str) -> str:
-        return name[: self.fmt.key_len(name) or len(name)]
+    def key(self, ns: str, name: str) -> str:
+        fmt = self._fmts.get(ns) or self._fmts.setdefault(ns, self.formats(ns))
+        return name[: fmt.key_len(name) or len(name)]  # (a nested page's key is its path)
 
-    def of(self, names: Sequence[str]) -> dict[str, list[tuple[int, str]]]:
+    def of(self, ns: str, names: Sequence[str]) -> dict[str, list[tuple[int, str]]]:
         """key -> [(position, name)] of a step's names."""
         got = self._steps.get(id(names))
         if got is None:
             got = self._steps[id(names)] = {}
             for i, name in enumerate(names):
-                got.setdefault(self.key(name), []).append((i, name))
+                got.setdefault(self.key(ns, name), []).append((i, name))
         return got

@@ -18,17 +18,19 @@ from pathlib import Path
 
 from cachemgr.daemon import heap
 from cachemgr.daemon.backlog import StoreBacklog
+from cachemgr.daemon.events import Event, Kind
 from cachemgr.daemon.index_leader import lead, mark_ready
 from cachemgr.daemon.index_state import IndexState
 from cachemgr.daemon.page_events import PageEvents
-from cachemgr.daemon.watcher import Event, Kind, Watcher
+from cachemgr.daemon.watcher import Watcher
 from cachemgr.errors import StateCorrupt, StateError, UnsafePathError
 from cachemgr.fs import reserve
 from cachemgr.fs.leadership import Leadership
+from cachemgr.gc import modelfile
 from cachemgr.gc.chains import ChainModel
 from cachemgr.layout import Layout
+from cachemgr.ns.manifest import format_of
 from cachemgr.ns.registry import adopt_from_disk
-from cachemgr.sglang.hicache import HICACHE_FILE
 from cachemgr.state.index import BATCH, ScanReport, forget_namespace, scan_namespace, scan_root
 from cachemgr.state.store import Store
 from cachemgr.worker import DeathHandler, Worker
@@ -36,9 +38,6 @@ from cachemgr.worker import DeathHandler, Worker
 log = logging.getLogger(__name__)
 FULL_RETRY = 1.0  # seconds between retries of a write the full disk refused
 BUILD_ATTEMPTS = 3  # a fresh DB found corrupt again: the disk or SQLite is failing, stop
-
-
-def _nothing(*_: object) -> None: ...
 
 
 class Indexer(Worker):
@@ -63,9 +62,9 @@ class Indexer(Worker):
         state: IndexState | None = None,
         model: ChainModel | None = None,
         backlog: StoreBacklog | None = None,
-        on_applied: Callable[[], None] = _nothing,
-        on_namespace_gone: Callable[[str], None] = _nothing,
-        on_disk_full: Callable[[], None] = _nothing,
+        on_applied: Callable[[], None] = lambda: None,
+        on_namespace_gone: Callable[[str], None] = lambda _: None,
+        on_disk_full: Callable[[], None] = lambda: None,
         on_death: DeathHandler | None = None,
     ) -> None:
         super().__init__("index", on_death=on_death)
@@ -78,14 +77,15 @@ class Indexer(Worker):
         self.backlog = backlog if backlog is not None else StoreBacklog()  # stores not applied
         self.watcher = watcher if watcher is not None else Watcher(layout)
         self.watcher.on_store = self.backlog.stored
-        self.fmt = HICACHE_FILE  # key lengths of flat names (a nested page's key is its path)
         self.leadership = leadership  # None: this process alone indexes the root
         self.ready_marker = ready_marker  # exists while the leader's index is live
         self.follow_interval = max(batch_interval, 0.05)
         # What GC evicts by: every indexed page and its learned chain, kept by this thread.
-        self.model = model if model is not None else ChainModel(self.fmt)
-        self._loaded: set[str] = set()  # namespaces the model holds as the index does
-        self.pages = PageEvents(layout, store, self.fmt, self.model, self.backlog)
+        self.model = model if model is not None else ChainModel(lambda ns: format_of(layout, ns))
+        # Namespaces the model holds as the index does; those from a snapshot not scanned since.
+        self._loaded, self._restored = set[str](), set[str]()
+        self.save_model = True  # at a clean stop (False: GC may still change the index)
+        self.pages = PageEvents(layout, store, self.model, self.backlog)
         self.on_applied = on_applied
         self.on_namespace_gone, self.on_disk_full = on_namespace_gone, on_disk_full
         self._rescan, self._rescan_lock = set[str](), threading.Lock()
@@ -134,7 +134,9 @@ class Indexer(Worker):
             while not self._stopping.wait(pause):
                 ok = self._written(lambda: self._survive_corruption(self._tick))
                 pause = self.batch_interval if ok else FULL_RETRY
-            self._written(lambda: self._survive_corruption(self.apply_pending))
+            done = self._written(lambda: self._survive_corruption(self.apply_pending))
+            if done and self.save_model and self.state.ready.is_set():  # for the next start
+                modelfile.save(self.model, self.layout.model_snapshot, self.store, self._loaded)
         finally:
             if self.state.leader and self.leadership is not None:
                 mark_ready(self.ready_marker, False)
@@ -173,8 +175,9 @@ class Indexer(Worker):
                 with (store := self.store).guard():
                     store.follow_path()
                     # after earlier seqs; every namespace is loaded again from this DB
-                    self.pages = PageEvents(self.layout, store, self.fmt, self.model, self.backlog)
-                    self._loaded.clear()
+                    self.pages = PageEvents(self.layout, store, self.model, self.backlog)
+                    restored = modelfile.restore(self.model, self.layout.model_snapshot, store)
+                    self._restored, self._loaded = restored, set(restored)
                     self._scan_all(first=first)
                 return
             except StateCorrupt:
@@ -184,10 +187,8 @@ class Indexer(Worker):
     def _tick(self) -> None:
         """One batch interval: follow the DB file, apply the queue, reconcile when due."""
         if self.store.follow_path():  # deleted, moved aside as corrupt, or replaced by a CLI
-            log.warning(
-                "state DB file replaced, deleted or moved aside; rebuilding the index from disk",
-                extra={"db": str(self.store.path)},
-            )
+            log.warning("state DB file replaced, deleted or moved aside; rebuilding the index "
+                        "from disk", extra={"db": str(self.store.path)})  # fmt: skip
             self._build(first=True)
         self.apply_pending()
         if time.monotonic() >= self._next_reconcile:
@@ -259,20 +260,15 @@ class Indexer(Worker):
     def _apply_pages(self, events: list[Event]) -> None:
         for ns, (r, w) in self.pages.apply(events, now=self.clock()).items():
             c = self.state.counter(ns)
-            c.reads += r
-            c.writes += w
+            c.reads, c.writes = c.reads + r, c.writes + w
         self.state.note_stored(self.pages.stored_bytes, time.monotonic())
         if events:
             self.on_applied()
 
     def _scan_all(self, *, first: bool) -> None:
         adopt_from_disk(self.layout, self.store)  # a lost DB forgot them; the disk did not
-        scan_root(
-            self.layout,
-            self.store,
-            scan=lambda ns: self._scan(ns, first=first),
-            forgetting=self._forget,
-        )
+        scan_root(self.layout, self.store, scan=lambda ns: self._scan(ns, first=first),
+                  forgetting=self._forget)  # fmt: skip
 
     def _forget(self, ns: str) -> None:
         self.watcher.unwatch(ns)
@@ -284,17 +280,21 @@ class Indexer(Worker):
         # by a stat, so nothing falls between the two.
         if not self.watcher.watch(ns):
             return None
+        fresh = ns in self._restored  # (from a snapshot: the scan says what changed, exactly)
         try:
-            fmt = self.watcher.format_of(ns)
-            report = scan_namespace(self.layout, self.store, ns, now=self.clock, fmt=fmt)
+            report = scan_namespace(self.layout, self.store, ns, now=self.clock,
+                                    fmt=self.watcher.format_of(ns), changes=fresh)  # fmt: skip
         except UnsafePathError as e:  # replaced by a symlink since it was watched
             log.error("namespace dir not scanned", extra={"namespace": ns, "error": str(e)})
             return None
         if report.pages:  # the size of the pages to come, before a store is applied
             self.backlog.done(0, -(-report.bytes // report.pages))
-        if first or report.drift or ns not in self._loaded:
+        self._restored.discard(ns)
+        if report.changes is not None:  # (what changed while the daemon was down)
+            modelfile.apply_scan(self.model, ns, report.changes)
+        elif report.drift or ns not in self._loaded:
             self.model.load(self.store.conn, ns)  # the scan changed what the model knew
             self._loaded.add(ns)
-            heap.trim()  # what the scan and the load freed (cachemgr.daemon.heap)
+        heap.trim()  # what the scan and a load freed (cachemgr.daemon.heap)
         self.state.record_scan(report, first=first)
         return report

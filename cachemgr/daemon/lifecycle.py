@@ -44,6 +44,7 @@ from cachemgr.gc.policy import GcPolicy
 from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
 from cachemgr.ns import purge as purge_mod
+from cachemgr.ns.manifest import format_of
 from cachemgr.settings import Settings
 from cachemgr.sglang.probe import ProbeLoop, ProbeState
 from cachemgr.state import registry_sql
@@ -130,8 +131,7 @@ class Daemon:
         """The index writer, GC (its own thread and connection) and the SGLang probe, wired
         to each other; not started."""
         index = IndexState()
-        # The index (its watcher) reads the default file format too.
-        model = ChainModel(in_flight=IN_FLIGHT)
+        model = ChainModel(lambda ns: format_of(self.layout, ns), in_flight=IN_FLIGHT)
         # Stores not applied yet: GC counts them; past the room left, the watcher wakes GC.
         self.backlog = StoreBacklog(wake=lambda: self.gc.wake())
         self.gc_store = Store.open(self.layout.db_path)
@@ -191,9 +191,9 @@ class Daemon:
 
     def _set_room(self, conn: sqlite3.Connection) -> None:
         """What the watcher may see stored before it wakes GC itself."""
-        self.backlog.room = room(
+        self.backlog.rearm(room(
             self.layout, conn, self.gc_policy, disk_usage=self.gc.disk_usage, ahead=self.gc.ahead()
-        )
+        ))  # fmt: skip
 
     def _after_purge(self, _: object) -> None:
         self.indexer.request_rescan()
@@ -289,8 +289,9 @@ class Daemon:
             self.prober.stop(PROBE_STOP_SECONDS)
         if self.gc.stop(GC_STOP_SECONDS):
             self.gc_store.close()
-        else:  # a trash entry still being deleted; resumed next start
+        else:  # still deleting a trash entry (resumed next start): it may change the index
             log.warning("gc still deleting at shutdown; leaving it")
+            self.indexer.save_model = False  # so no model snapshot (cachemgr.gc.modelfile)
         self.indexer.stop()
         self.refresher.stop(REFRESH_STOP_SECONDS)
         self.reader.close()

@@ -22,12 +22,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from cachemgr.daemon.events import Kind
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs.safe import open_dir
 from cachemgr.fs.tree import on_mount, vouched
 from cachemgr.layout import Layout
-
-WRITE = 1  # watcher.Kind.WRITE (not imported: the watcher imports this module)
 
 
 class _Watcher(Protocol):
@@ -109,7 +108,7 @@ class NestWatches:
             for name, mode in found:
                 if stat.S_ISREG(mode) and cb.fmt.key_len(name) is not None:
                     cb.seen[name] = now
-                    self.watcher.emit((WRITE, cb.ns_id, cb.path + name, now))
+                    self.watcher.emit((Kind.WRITE, cb.ns_id, cb.path + name, now))
 
     def moved(self, parent: Any, name: str) -> None:
         """Dir `name` left the watched dir `parent`: what its watches (and those below it)

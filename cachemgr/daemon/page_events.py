@@ -12,13 +12,14 @@ from __future__ import annotations
 import os
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 
 from cachemgr.backends import FileFormat
 from cachemgr.daemon.backlog import StoreBacklog
-from cachemgr.daemon.watcher import Event, Kind
+from cachemgr.daemon.events import Event, Kind
 from cachemgr.gc.chains import ChainModel
 from cachemgr.layout import Layout
-from cachemgr.sglang.hicache import HICACHE_FILE
+from cachemgr.ns.manifest import format_of
 from cachemgr.state import pages_sql
 from cachemgr.state.store import Store
 
@@ -32,11 +33,12 @@ class PageEvents:
     """
 
     def __init__(
-        self, layout: Layout, store: Store, fmt: FileFormat = HICACHE_FILE,
-        model: ChainModel | None = None, backlog: StoreBacklog | None = None,
+        self, layout: Layout, store: Store, model: ChainModel | None = None,
+        backlog: StoreBacklog | None = None,
     ) -> None:  # fmt: skip
-        self.store, self.layout, self.fmt = store, layout, fmt
-        self.model = model if model is not None else ChainModel()
+        self.store, self.layout = store, layout
+        self.model = model if model is not None else ChainModel(partial(format_of, layout))
+        self._fmt: dict[str, FileFormat] = {}  # of each namespace seen: an id names one engine
         self.backlog = backlog if backlog is not None else StoreBacklog()
         self._next: int | None = None  # read at first use, on the thread that applies
         self.stored_bytes = 0  # of every page file stored so far (the writer's pace)
@@ -80,7 +82,8 @@ class PageEvents:
             b.events.append(ev)
             tally = b.per_ns.setdefault(ns, [0, 0])
             key = (ns, name)
-            key_len = self.fmt.key_len(name) or len(name)  # the watcher passes pages only
+            fmt = self._fmt.get(ns) or self._fmt.setdefault(ns, self.model.formats(ns))
+            key_len = fmt.key_len(name) or len(name)  # pages only; a nested page's key: its path
             if kind is Kind.GONE:
                 b.touched[key] = b.touched.get(key, False)
                 b.key_lens[key] = key_len
@@ -95,7 +98,9 @@ class PageEvents:
                 b.touched[key] = True
                 b.key_lens[key] = key_len
                 tally[1] += 1
-                pred = self.model.observe_write(ns, name, key_len, seq=seq, at=now)
+                pred = self.model.observe_write(
+                    ns, name, key_len, seq=seq, at=now, guess=fmt.write_order
+                )
                 if pred is not None:
                     b.preds[key] = pred
             b.seqs[key] = seq

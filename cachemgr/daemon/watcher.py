@@ -30,7 +30,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import IntEnum
 from pathlib import Path
 
 from watchdog.observers.inotify_c import (
@@ -43,6 +42,7 @@ from watchdog.observers.inotify_c import (
 )
 
 from cachemgr.backends import FileFormat
+from cachemgr.daemon.events import Event, Kind
 from cachemgr.daemon.nestwatch import NestWatches
 from cachemgr.layout import NS_ID_RE, Layout
 from cachemgr.ns.manifest import format_of
@@ -56,17 +56,6 @@ _FLAGS = Mask(C.IN_ONLYDIR | C.IN_DONT_FOLLOW)
 ACCESSES = 1 << 16  # page reads and stores remembered for GC (a run's worth at full speed)
 
 
-class Kind(IntEnum):
-    WRITE = 1
-    GONE = 2
-    READ = 3
-    NS_ADDED = 4
-    NS_GONE = 5
-    OVERFLOW = 6
-
-
-# (kind, namespace id, file name (a path below the namespace dir), time.monotonic() when seen)
-Event = tuple[Kind, str, str, float]
 # How long a page a new dir's listing found hides the rename event the kernel may still hold
 # for it (the file was stored between the watch and the listing): counted once, not twice.
 SEEN_FOR = 5.0

@@ -7,14 +7,16 @@ torn one, and after a crash the new one is there only if the rename reached the 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from cachemgr.errors import ConfigError
 from cachemgr.fs.safe import DIR_FLAGS, write_atomic_at
 
 
-def write_atomic(path: Path, data: bytes, *, mode: int = 0o644) -> None:
-    """Replace the file at `path` with `data` atomically; ConfigError if it cannot be written."""
+def write_atomic(path: Path, data: bytes | Sequence[memoryview], *, mode: int = 0o644) -> None:
+    """Replace the file at `path` with `data` (or these buffers in a row) atomically;
+    ConfigError if it cannot be written."""
     parent = path.parent
     try:
         dir_fd = os.open(parent, DIR_FLAGS)

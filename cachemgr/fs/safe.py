@@ -15,7 +15,7 @@ import os
 import re
 import secrets
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -144,16 +144,20 @@ def read_regular(dir_fd: int, name: str, limit: int) -> bytes:
     return raw
 
 
-def write_atomic_at(dir_fd: int, name: str, data: bytes, *, mode: int = 0o644) -> None:
-    """Replace `name` in `dir_fd` with `data`, atomically and durably: a temp file in the same
-    dir, fsync, rename (which replaces a planted symlink itself, never its target), fsync dir."""
+def write_atomic_at(
+    dir_fd: int, name: str, data: bytes | Sequence[memoryview], *, mode: int = 0o644
+) -> None:
+    """Replace `name` in `dir_fd` with `data` (or these buffers, one after the other: no copy
+    of them all), atomically and durably: a temp file in the same dir, fsync, rename (which
+    replaces a planted symlink itself, never its target), fsync dir."""
     tmp = f".{name}.{secrets.token_hex(6)}{_TEMP_SUFFIX}"
     fd = open_regular(dir_fd, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            for chunk in [data] if isinstance(data, bytes) else data:
+                view = memoryview(chunk).cast("B")
+                while view:
+                    view = view[os.write(fd, view) :]
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -30,10 +30,11 @@ import os
 import sqlite3
 import sys
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from cachemgr.backends import FileFormat
-from cachemgr.gc.pagestore import GHOST, NONE, Page, PageId, PageStore, PagesView
+from cachemgr.gc.pagestore import GHOST, NONE, Page, PageId, PageStore
+from cachemgr.gc.pageview import PagesView
 from cachemgr.sglang.hicache import HICACHE_FILE
 from cachemgr.state import pages_sql
 
@@ -45,6 +46,7 @@ CYCLE_WALK = 100_000  # ancestors walked at most to refuse a cycle (chains are f
 # and only for IN_FLIGHT_SECONDS: when the writer stops, nothing stays in flight.
 IN_FLIGHT = 1024
 IN_FLIGHT_SECONDS = 2.0
+Formats = Callable[[str], FileFormat]  # a namespace's file format
 DIRTY_MAX = 65_536  # pages changed between two orders past which all segments are walked again
 
 
@@ -54,8 +56,8 @@ class ChainModel:
     Thread-safe: the index thread observes, the GC thread reads an order (`lock`).
     """
 
-    def __init__(self, fmt: FileFormat = HICACHE_FILE, *, in_flight: int = 0) -> None:
-        self.fmt = fmt  # what the names in a namespace dir mean
+    def __init__(self, formats: Formats = lambda ns: HICACHE_FILE, *, in_flight: int = 0) -> None:
+        self.formats = formats  # what the names in a namespace's dir mean (its engine's format)
         self.in_flight = in_flight  # the last accesses whose pages GC leaves alone
         self.store = PageStore()
         self.clock = 0  # the largest access sequence seen
@@ -160,8 +162,9 @@ class ChainModel:
     def forget_gone(self, ns: str, ns_dir: str, names: Iterable[str]) -> None:
         """Forget those of these files of `ns` (in `ns_dir`) that are gone: after GC deleted
         them, before the watcher's events say so (a run right after must not pick them)."""
+        key_len = self.formats(ns).key_len  # (a nested page's key is its path)
         gone = [n for n in names if not os.path.lexists(os.path.join(ns_dir, n))]
-        self.remove(ns, [(n, self.fmt.key_len(n) or len(n)) for n in gone])
+        self.remove(ns, [(n, key_len(n) or len(n)) for n in gone])
 
     def forget(self, ns: str) -> None:
         """Forget a whole namespace (its dir is gone)."""
@@ -187,15 +190,17 @@ class ChainModel:
 
     # -- learning from the access stream --------------------------------------------------------
 
-    def observe_write(self, ns: str, name: str, key_len: int, *, seq: int, at: float) -> str | None:
-        """A file was stored; returns its page's predecessor (the first guess, to persist)."""
+    def observe_write(
+        self, ns: str, name: str, key_len: int, *, seq: int, at: float, guess: bool = True
+    ) -> str | None:
+        """A file was stored; returns its page's predecessor (to persist): none if not `guess`."""
         key, stream = name[:key_len], (ns, name[key_len:])
         with self.lock:
             prev = self._prev.get(stream)
-            self._prev[stream] = key
-            guess = prev if prev is not None and prev != key else None
-            self.add(ns, name, key_len, 0, seq=seq, at=at, pred=guess)  # moves `last` on too
-            return self._pred_key(self.store.find(ns, key))
+            self._prev[stream] = key  # (a read right after still reads it as its predecessor)
+            pred = prev if guess and prev is not None and prev != key else None
+            self.add(ns, name, key_len, 0, seq=seq, at=at, pred=pred)  # moves `last` on too
+            return self.store.pred_key(self.store.find(ns, key))
 
     def observe_read(
         self, ns: str, name: str, key_len: int, *, seq: int, at: float
@@ -216,7 +221,7 @@ class ChainModel:
             self.clock = max(self.clock, seq)
             before = st.pred[s]
             if prev is None or prev == key:
-                return False, self._pred_key(s)
+                return False, self.store.pred_key(s)
             # The last contrary read is kept as (hash of its key, its stream's suffix number).
             sfx = st.suffixes.setdefault(stream[1], len(st.suffixes))
             if before != NONE and st.key(before) == prev:
@@ -228,7 +233,7 @@ class ChainModel:
             elif st.cand_sfx[s] == NONE or st.cand[s] != hash(prev):  # (another rank: the same)
                 st.cand[s], st.cand_sfx[s] = hash(prev), sfx
                 self._link(s, None)
-            return st.pred[s] != before, self._pred_key(s)
+            return st.pred[s] != before, self.store.pred_key(s)
 
     def _mark(self, s: int) -> None:
         """Page `s` changed: the segment it is in (and its own, if a leaf) must be walked again."""
@@ -237,9 +242,6 @@ class ChainModel:
             if len(self.dirty) > DIRTY_MAX:
                 self.segments.clear()
                 self.dirty.clear()
-
-    def _pred_key(self, s: int) -> str | None:
-        return self.store.pred_key(s)
 
     def _link(self, s: int, pred: str | None, trusted: bool = False) -> None:
         """Make `pred` the page's predecessor unless that closes a cycle. Only a page with a

@@ -14,9 +14,9 @@ A ghost lives while it has children (`kids[s] > 0`); then its slot is reused.
 from __future__ import annotations
 
 import re
-import threading
+import zlib
 from array import array
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import NamedTuple
 
 GHOST = -1  # files id of a slot that is not a page on disk
@@ -26,6 +26,9 @@ KEY_BYTES = 32  # 64 hex digits
 GROW = 1024  # slots the columns grow by at a time
 _ONE = re.compile(b"\x01")
 _FILL = {(c, v): array(c, [v]) * GROW for c, v in [("i", NONE), *((c, 0) for c in "iqbdH")]}
+# A slot's columns (one typecode each), in the order the model file has them (gc/modelfile.py).
+COLUMNS = ("ns", "pred", "born", "last", "time", "reads", "conf", "cand", "cand_sfx", "files",
+           "kids", "kidx")  # fmt: skip
 Files = tuple[tuple[str, int], ...]  # (name after the key, size) of each file of a page
 PageId = tuple[str, str]  # (namespace id, page key)
 
@@ -39,6 +42,12 @@ def _pack(key: str) -> bytes | None:
     except ValueError:
         return None
     return raw if len(raw) == KEY_BYTES else None  # (it skips spaces)
+
+
+def _hash(raw: bytes | None, key: str) -> int:
+    """A key's hash, the same in every process (Python's own is salted per process): the key
+    table is saved with the model (cachemgr.gc.modelfile) and loaded, not rebuilt."""
+    return zlib.crc32(key.encode() if raw is None else raw)
 
 
 class Page(NamedTuple):
@@ -86,14 +95,14 @@ class PageStore:
         self.ns_num: dict[str, int] = {}
         self.ns_pages: list[int] = []  # pages on disk per namespace number
         self.ns_slots: list[int] = []  # slots (pages and ghosts) per namespace number
-        self._free_ns: list[int] = []  # numbers of namespaces forgotten, to reuse
+        self.free_ns: list[int] = []  # numbers of namespaces forgotten, to reuse
         self.suffixes: dict[str, int] = {}  # stream suffix -> its number
         self.file_sets: list[Files] = []
-        self._file_ids: dict[Files, int] = {}
-        self._free = array("i")  # released slots, to reuse
+        self.file_ids: dict[Files, int] = {}
+        self.freed = array("i")  # released slots, to reuse
         self.top = 0  # slots handed out (the columns may hold more, for the next ones)
-        self._table = array("i", [NONE]) * 8
-        self._filled = 0  # buckets not empty (live or dead)
+        self.table = array("i", [NONE]) * 8
+        self.filled = 0  # buckets not empty (live or dead)
         self.count = 0  # pages on disk
 
     # -- keys -----------------------------------------------------------------------------------
@@ -111,8 +120,8 @@ class PageStore:
         """(the slot of `key` in namespace `n`, or NONE; if NONE, the bucket to put it in;
         the key packed)."""
         raw = _pack(key)
-        table, mask, ns, keys, odd = self._table, len(self._table) - 1, self.ns, self.keys, self.odd
-        i = hash(key if raw is None else raw) + n & mask
+        table, mask, ns, keys, odd = self.table, len(self.table) - 1, self.ns, self.keys, self.odd
+        i = _hash(raw, key) + n & mask
         free = NONE
         while (s := table[i]) != NONE:
             if s < 0:
@@ -130,24 +139,24 @@ class PageStore:
         """The slot of (ns, key): a new ghost if it has none."""
         n = self.ns_num.get(ns)
         if n is None:
-            n = self.ns_num[ns] = self._free_ns.pop() if self._free_ns else len(self.ns_names)
+            n = self.ns_num[ns] = self.free_ns.pop() if self.free_ns else len(self.ns_names)
             if n == len(self.ns_names):
                 self.ns_names.append(ns)
                 self.ns_pages.append(0)
                 self.ns_slots.append(0)
             self.ns_names[n] = ns
-        if 3 * (self._filled + 1) > 2 * len(self._table):
+        if 3 * (self.filled + 1) > 2 * len(self.table):
             self.reserve(0)
         s, i, raw = self._probe(n, key)
         if s == NONE:
             s = self._new_slot(n, key, raw)
-            self._filled += self._table[i] == NONE
-            self._table[i] = s
+            self.filled += self.table[i] == NONE
+            self.table[i] = s
         return s
 
     def _new_slot(self, n: int, key: str, raw: bytes | None) -> int:
-        if self._free:
-            s = self._free.pop()
+        if self.freed:
+            s = self.freed.pop()
             self.kids[s] = self.kidx[s] = 0
             self.files[s], self.leaf[s] = GHOST, 0
         else:
@@ -176,41 +185,41 @@ class PageStore:
             col.extend(_FILL[col.typecode, 0])
         self.time.extend(_FILL["d", 0])
 
-    def _place(self, s: int) -> None:
+    def _bucket(self, s: int) -> int:
+        """The first bucket slot `s` may sit in."""
         odd = self.odd.get(s) if self.odd else None
-        h = hash(odd if odd is not None else bytes(self.keys[s * KEY_BYTES : (s + 1) * KEY_BYTES]))
-        table, mask = self._table, len(self._table) - 1
-        i = h + self.ns[s] & mask
+        raw = None if odd is not None else bytes(self.keys[s * KEY_BYTES : (s + 1) * KEY_BYTES])
+        return _hash(raw, odd or "") + self.ns[s] & len(self.table) - 1
+
+    def _place(self, s: int) -> None:
+        table, mask, i = self.table, len(self.table) - 1, self._bucket(s)
         while table[i] >= 0:
             i = i + 1 & mask
-        if table[i] == NONE:
-            self._filled += 1
+        self.filled += table[i] == NONE
         table[i] = s
 
     def reserve(self, more: int) -> None:
         """A new table, at most half full with every slot in use and `more` (its dead buckets
         go), so that it does not double and rehash as they come."""
-        size, live = 8, self.top - len(self._free) + 1 + more
+        size, live = 8, self.top - len(self.freed) + 1 + more
         while size < 2 * live:
             size *= 2
-        self._table = array("i", [NONE]) * size
-        self._filled = 0
-        free = set(self._free)
+        self.table = array("i", [NONE]) * size
+        self.filled = 0
+        free = set(self.freed)
         for s in range(self.top):
             if s not in free:
                 self._place(s)
 
     def release(self, s: int) -> None:
         """Free a ghost's slot (it has no children left)."""
-        odd = self.odd.pop(s, None)
-        h = hash(odd if odd is not None else bytes(self.keys[s * KEY_BYTES : (s + 1) * KEY_BYTES]))
-        table, mask = self._table, len(self._table) - 1
-        i = h + self.ns[s] & mask
+        table, mask, i = self.table, len(self.table) - 1, self._bucket(s)
+        self.odd.pop(s, None)
         while table[i] != s:
             i = i + 1 & mask
         table[i] = _DEAD
         self.pred[s] = NONE
-        self._free.append(s)
+        self.freed.append(s)
         self.ns_slots[self.ns[s]] -= 1
 
     def forget_ns(self, ns: str) -> None:
@@ -219,7 +228,7 @@ class PageStore:
         if n is not None and not self.ns_slots[n]:
             del self.ns_num[ns]
             self.ns_names[n] = ""
-            self._free_ns.append(n)
+            self.free_ns.append(n)
 
     # -- pages ----------------------------------------------------------------------------------
 
@@ -236,9 +245,9 @@ class PageStore:
 
     def file_set(self, files: Files) -> int:
         """The id of this interned set of files (a namespace has a handful of them)."""
-        fid = self._file_ids.get(files)
+        fid = self.file_ids.get(files)
         if fid is None:
-            fid = self._file_ids[files] = len(self.file_sets)
+            fid = self.file_ids[files] = len(self.file_sets)
             self.file_sets.append(files)
         return fid
 
@@ -275,26 +284,3 @@ class PageStore:
         for s in range(self.top):
             if ns_col[s] == n and files[s] != GHOST:
                 yield s
-
-
-class PagesView(Mapping[PageId, Page]):
-    """A read-only view of a store's pages on disk by (namespace, key): copies of each."""
-
-    def __init__(self, store: PageStore, lock: threading.RLock) -> None:
-        self._store, self._lock = store, lock
-
-    def __getitem__(self, pid: PageId) -> Page:
-        with self._lock:
-            s = self._store.find(*pid)
-            if not self._store.present(s):
-                raise KeyError(pid)
-            return self._store.page(s)
-
-    def __iter__(self) -> Iterator[PageId]:
-        st = self._store
-        with self._lock:
-            ids = [(ns, st.key(s)) for ns in st.ns_names for s in st.slots(ns)]
-        return iter(ids)
-
-    def __len__(self) -> int:
-        return self._store.count

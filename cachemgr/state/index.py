@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 BATCH = 10_000
 SCAN_BATCH = 10_000  # rows per reindex transaction: other writers (GC, purge) get turns
 PROGRESS_EVERY = 200_000  # rows between two progress lines of a long reindex
+MAX_CHANGES = 65_536  # files added or removed past which a scan does not list them
+ScanRow = tuple[str, int, int, float]  # (name, key_len, size, mtime) of a file a scan indexed
+ScanChanges = tuple[list[ScanRow], list[tuple[str, int]]]  # (indexed, removed): ScanReport
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,9 @@ class ScanReport:
     added: int = 0  # page files indexed that the index did not know
     removed: int = 0  # index rows whose file was gone
     seconds: float = 0.0
+    # If asked for and not too many: (the files it indexed or found resized, as (name,
+    # key_len, size, mtime); the (name, key_len) of the rows it removed).
+    changes: ScanChanges | None = None
 
     @property
     def drift(self) -> int:
@@ -70,19 +76,23 @@ def scan_namespace(
     *,
     now: Callable[[], float] = time.time,
     fmt: FileFormat | None = None,
+    changes: bool = False,
 ) -> ScanReport:
     """Make the index of `ns_id` equal its directory; known pages keep their recency. The
-    format defaults to that of the engine the registry's identity record names."""
+    format defaults to that of the engine the registry's identity record names. `changes`:
+    say which rows changed (ScanReport.changes), unless more than MAX_CHANGES did."""
     t0 = time.perf_counter()
     fmt = fmt or engine_format(store.conn, ns_id)
     usage = scan_usage(layout, f"ns/{ns_id}", fmt) or Usage()
     added = removed = 0
+    diff: ScanChanges | None = ([], [])
     if not _matches(store.conn, ns_id, usage):
         log.info("reindexing namespace", extra={"namespace": ns_id, "pages": usage.pages})
-        added, removed = _reindex(layout, store, ns_id, now, fmt)
+        added, removed, diff = _reindex(layout, store, ns_id, now, fmt, changes)
     report = ScanReport(
         ns_id, usage.pages, usage.bytes, usage.files, usage.temps, usage.other, usage.corrupt,
         added=added, removed=removed, seconds=time.perf_counter() - t0,
+        changes=diff if changes else None,
     )  # fmt: skip
     with store.transaction() as conn:
         _record_scan(conn, report, now())
@@ -108,9 +118,11 @@ def _matches(conn: sqlite3.Connection, ns_id: str, usage: Usage) -> bool:
 
 
 def _reindex(
-    layout: Layout, store: Store, ns_id: str, now: Callable[[], float], fmt: FileFormat
-) -> tuple[int, int]:
-    """Make the rows of `ns_id` those of its page files: (rows added, rows removed).
+    layout: Layout, store: Store, ns_id: str, now: Callable[[], float], fmt: FileFormat,
+    changes: bool,
+) -> tuple[int, int, ScanChanges | None]:  # fmt: skip
+    """Make the rows of `ns_id` those of its page files: (rows added, rows removed, and if
+    `changes` and not too many, which: ScanReport.changes).
 
     The names go to a private temp table first, which SQLite sorts; rows then reach `pages`
     in primary-key order, SCAN_BATCH per transaction, so each B-tree page is written about
@@ -135,6 +147,7 @@ def _reindex(
     )
     conn.execute("CREATE INDEX temp.scan_rows_name ON scan_rows (name)")
     before = _count(conn, ns_id)
+    diff = _diff(conn, ns_id) if changes else None
     with store.transaction():
         removed = conn.execute(
             "DELETE FROM pages WHERE namespace_id = ? AND name NOT IN (SELECT name FROM scan_rows)",
@@ -165,7 +178,23 @@ def _reindex(
         if done % PROGRESS_EVERY < end[1]:
             log.info("reindex progress", extra={"namespace": ns_id, "rows": done})
     conn.execute("DROP TABLE temp.scan_rows")
-    return _count(conn, ns_id) - before + removed, removed
+    conn.execute("PRAGMA cache_size = -2000")  # (SQLite's default: the big one is freed)
+    return _count(conn, ns_id) - before + removed, removed, diff
+
+
+def _diff(conn: sqlite3.Connection, ns_id: str) -> ScanChanges | None:
+    """The files of temp.scan_rows the index lacks or has at another size, and the rows it has
+    of no such file."""
+    new = conn.execute(
+        "SELECT name, key_len, size, mtime FROM scan_rows s WHERE NOT EXISTS (SELECT 1 FROM pages"
+        " p WHERE p.namespace_id = ? AND p.name = s.name AND p.size = s.size) LIMIT ?",
+        (ns_id, MAX_CHANGES + 1),
+    ).fetchall()
+    gone = conn.execute(
+        "SELECT name, key_len FROM pages WHERE namespace_id = ? AND name NOT IN"
+        " (SELECT name FROM scan_rows) LIMIT ?", (ns_id, MAX_CHANGES + 1),
+    ).fetchall()  # fmt: skip
+    return None if len(new) + len(gone) > MAX_CHANGES else (new, gone)
 
 
 def _count(conn: sqlite3.Connection, ns_id: str) -> int:

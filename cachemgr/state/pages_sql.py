@@ -163,3 +163,17 @@ def files_by_recency(
         " ORDER BY last_access, access_seq",
         (ns_id, before),
     )
+
+
+def take_model_stamp(conn: sqlite3.Connection) -> str | None:
+    """The token of the model snapshot this index is still exactly as of (None: none, or the
+    index changed since), taken away: the caller now owns the index (migration 0008)."""
+    row = conn.execute("SELECT token FROM model_stamp").fetchone()
+    conn.execute("DELETE FROM model_stamp")
+    return str(row[0]) if row else None
+
+
+def set_model_stamp(conn: sqlite3.Connection, token: str) -> None:
+    """Say that a model snapshot with this token matches the index as it is now."""
+    conn.execute("DELETE FROM model_stamp")
+    conn.execute("INSERT INTO model_stamp (token) VALUES (?)", (token,))

@@ -17,6 +17,14 @@ level above any page and is never a page, a temp or deletable.
 A store is makedirs + open(tmp, O_EXCL) + os.replace; nothing in vLLM removes a temp left by a
 killed writer, so GC reaps them by age. Lookup is os.path.exists; a load os.open(O_RDONLY) +
 readv + close (an IN_CLOSE_NOWRITE). A block file GC deletes under a running server is a miss.
+
+The order of stores says nothing of which block continues which across requests (`write_order`
+off): a store job writes one request's new blocks in order, but jobs follow each other with
+nothing on disk between them (the lookup of a request's prefix is a stat, a prefix found in
+GPU or CPU memory is not touched at all), and jobs on vLLM's pool of I/O threads interleave.
+Guessing from it chained unrelated prompts into one chain, and tails-first eviction then took
+the newest prompt first (tests/test_vllm_chains.py). Links come from loads alone: a request's
+hit prefix is read head to tail, one job.
 """
 
 from __future__ import annotations
@@ -80,4 +88,5 @@ VLLM_FS_TIER = FileFormat(
         identity_file=IDENTITY_FILE,
         vouches=vouches,
     ),
+    write_order=False,
 )

@@ -128,12 +128,14 @@ def test_a_hashed_dir_gc_may_not_write_stops_only_its_own_deletions(root: Path) 
     locked = d / blocks[0].rpartition("/")[0]
     locked.chmod(0o555)
     try:
+        dry = without_dac(root, "gc", "--dry-run", "--json", "--max-bytes", "0", "--min-age", "0")
         real = without_dac(root, "gc", "--yes", "--json", "--max-bytes", "0", "--min-age", "0")
     finally:
         locked.chmod(0o755)
     assert real.returncode != 2, real.stderr  # not an error that ends the run
     got = json.loads(real.stdout)
     assert got["files"] == 3 and "Permission denied" in got["steps"][0]["refused"][0], got
+    assert json.loads(dry.stdout)["files"] == 3  # the dry run counts what the real run deletes
     assert [p.name for p in d.rglob("*.bin")] == [blocks[0].rpartition("/")[2]]
 
 

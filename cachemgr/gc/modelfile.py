@@ -1,0 +1,212 @@
+"""The daemon's chain model saved next to the DB when it stops, and loaded when it starts.
+
+Loading the model from the index is one pass over every row (seconds at a million pages), and
+it loses what only the model knew: the eviction order's segments (the first order after it
+walks every page) and the learner's banked votes. So a daemon that stops cleanly writes its
+model's arrays to `<state dir>/chain-model.snapshot` (one file, written atomically), then puts
+the file's random token in the index (`model_stamp`, migration 0008). The next start uses the
+file only when all of these hold, else it loads from the index as before:
+
+* the index still holds that token: triggers delete it on any change to `pages` (a CLI scan,
+  GC or purge, another daemon), and the daemon takes it when it starts, so after a kill -9 or
+  a run that changed the index there is none;
+* the file says the same token, this format version and this machine's array layout;
+* its CRC-32 (of all of it) checks, every array has the length the header gives, and the key
+  table is a power of two long: a truncated or garbled file is refused, not trusted.
+
+Namespaces whose files changed on disk while the daemon was down are loaded again from the
+index after the start-up scan (cachemgr.daemon.indexer), like today.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import secrets
+import shutil
+import sqlite3
+import struct
+import sys
+import zlib
+from array import array
+from collections.abc import Iterable
+from io import BufferedReader
+from pathlib import Path
+from typing import Any
+
+from cachemgr.errors import CachemgrError
+from cachemgr.fs.atomic import write_atomic
+from cachemgr.fs.safe import open_file
+from cachemgr.gc.chains import ChainModel
+from cachemgr.gc.pagestore import COLUMNS, KEY_BYTES, NONE, PageStore
+from cachemgr.state import pages_sql
+from cachemgr.state.index import ScanChanges
+from cachemgr.state.store import Store
+
+log = logging.getLogger(__name__)
+MAGIC = b"cachemgr-chain-model\n"
+VERSION = 1
+_LEN = struct.Struct("<Q")  # the header's length, after the magic
+_CRC = struct.Struct("<I")  # the CRC-32 of everything before it, at the end
+_SAVED = tuple(c for c in COLUMNS if c not in ("cand", "cand_sfx"))  # (salted hashes: not kept)
+_SEGMENTS = (("leaf", "i"), ("top", "i"), ("last", "q"), ("when", "d"))
+ROOM = 4  # times the file's size that must be free to write it: it never takes the disk's last
+
+
+class SnapshotInvalid(ValueError):
+    """The file is not a snapshot this code wrote of this index."""
+
+
+def _layout() -> dict[str, Any]:
+    """What the raw arrays depend on besides the format: byte order and item sizes."""
+    return {"order": sys.byteorder, "sizes": {c: array(c).itemsize for c in "bHiqd"}}
+
+
+def save(model: ChainModel, path: Path, store: Store, exact: Iterable[str]) -> None:
+    """Write the model to `path` and stamp the index with the file's token (a failure is logged:
+    the next start loads the index). The caller makes sure the model is the index's for the
+    namespaces `exact`: every event applied, nothing else changing either (GC stopped)."""
+    token = secrets.token_hex(16)
+    try:
+        # The index's write lock from before the model is read until the stamp is in: no
+        # other process changes `pages` in between (a change after the stamp takes it away).
+        with store.transaction() as conn, model.lock:
+            parts = _encode(model, token, sorted(exact))
+            try:
+                size = sum(part.nbytes for part in parts)
+                if shutil.disk_usage(path.parent).free < ROOM * size:  # (the server writes there)
+                    raise OSError(errno.ENOSPC, f"less than {ROOM}x its {size} bytes free")
+                crc = 0
+                for part in parts:
+                    crc = zlib.crc32(part, crc)
+                write_atomic(path, [*parts, memoryview(_CRC.pack(crc))], mode=0o600)
+            finally:
+                for part in parts:
+                    part.release()  # (a column with a view on it could not grow)
+            pages_sql.set_model_stamp(conn, token)
+    except (sqlite3.Error, OSError, CachemgrError) as e:  # the next start loads the index
+        log.warning("chain model not saved", extra={"path": str(path), "error": str(e)})
+        return
+    log.info("chain model saved", extra={"pages": model.store.count, "path": str(path)})
+
+
+def _encode(model: ChainModel, token: str, exact: list[str]) -> list[memoryview]:
+    st, top = model.store, model.store.top
+    segs = model.segments  # leaf -> (top, latest use, its wall clock)
+    seg_cols: list[array[Any]] = [array("i", segs)]
+    seg_cols += [array(c, (v[i] for v in segs.values())) for i, (_, c) in enumerate(_SEGMENTS[1:])]
+    # Views, not copies, of the columns (they hold room for more slots past `top`).
+    body = [
+        memoryview(st.keys)[: top * KEY_BYTES], memoryview(st.leaf)[:top],
+        *(memoryview(getattr(st, c))[:top] for c in _SAVED), memoryview(st.freed),
+        memoryview(st.table), *(memoryview(c) for c in seg_cols),
+        memoryview(array("i", model.dirty)),
+    ]  # fmt: skip
+    header = {
+        "version": VERSION, "token": token, **_layout(), "top": top, "count": st.count,
+        "clock": model.clock, "filled": st.filled, "freed": len(st.freed),
+        "table": len(st.table), "segments": len(segs), "dirty": len(model.dirty),
+        "ns_names": st.ns_names, "ns_pages": st.ns_pages, "ns_slots": st.ns_slots,
+        "free_ns": st.free_ns, "suffixes": st.suffixes, "file_sets": st.file_sets,
+        "odd": sorted(st.odd.items()), "exact": exact,
+    }  # fmt: skip
+    raw = json.dumps(header).encode()
+    return [memoryview(MAGIC + _LEN.pack(len(raw)) + raw), *body]
+
+
+def restore(model: ChainModel, path: Path, store: Store) -> set[str]:
+    """Replace the model with the snapshot at `path` if it is valid for this index; returns
+    the namespaces it holds as the index does (the others: the caller loads them from the
+    index). Takes the stamp."""
+    with store.transaction() as conn:
+        token = pages_sql.take_model_stamp(conn)
+    if token is None:
+        return set()
+    try:
+        with open(open_file(path, 0), "rb") as f:  # (O_RDONLY, no symlink followed)
+            exact = _read(model, f, token)
+    except (OSError, EOFError, ValueError, KeyError, TypeError, CachemgrError) as e:
+        log.warning("chain model snapshot not used; loading from the index",
+                    extra={"path": str(path), "error": str(e)})  # fmt: skip
+        return set()
+    log.info("chain model restored", extra={"pages": model.store.count, "path": str(path)})
+    return exact
+
+
+class _Reader:
+    """Reads a snapshot's parts in order, with the CRC of what it read so far."""
+
+    def __init__(self, f: BufferedReader) -> None:
+        self.f, self.crc, self.left = f, 0, os.fstat(f.fileno()).st_size
+
+    def _take(self, n: int) -> None:
+        """Refuse a length the file cannot hold before allocating it (a garbled header)."""
+        if not 0 <= n <= self.left:
+            raise SnapshotInvalid("truncated, or a length garbled")
+        self.left -= n
+
+    def bytes(self, n: int) -> bytearray:
+        self._take(n)
+        raw = bytearray(n)  # (read into: no second copy of the keys)
+        if self.f.readinto(raw) != n:
+            raise SnapshotInvalid("truncated")
+        self.crc = zlib.crc32(raw, self.crc)
+        return raw
+
+    def array(self, typecode: str, n: int) -> array[Any]:
+        self._take(n * array(typecode).itemsize)
+        # Read into the array itself: fromfile would read into a bytes object of its size
+        # first, and a freed block that big is heap the daemon's RSS keeps.
+        out = array(typecode, [0]) * n
+        view = memoryview(out).cast("B")
+        if self.f.readinto(view) != len(view):
+            raise SnapshotInvalid("truncated")
+        self.crc = zlib.crc32(view, self.crc)
+        view.release()
+        return out
+
+
+def _read(model: ChainModel, f: BufferedReader, token: str) -> set[str]:
+    r = _Reader(f)
+    if r.bytes(len(MAGIC)) != MAGIC:
+        raise SnapshotInvalid("not a chain model snapshot")
+    h = json.loads(r.bytes(_LEN.unpack(r.bytes(_LEN.size))[0]))
+    if (h["version"], h["token"], h["order"], h["sizes"]) != (VERSION, token, *_layout().values()):
+        raise SnapshotInvalid("another version, machine or index")
+    top, size = h["top"], h["table"]
+    if size < 8 or size & (size - 1):
+        raise SnapshotInvalid("bad key table size")
+    st = PageStore()
+    st.keys, st.leaf = r.bytes(top * KEY_BYTES), r.bytes(top)
+    for c in _SAVED:
+        setattr(st, c, r.array(getattr(st, c).typecode, top))
+    st.cand, st.cand_sfx = array("q", [0]) * top, array("i", [NONE]) * top
+    st.freed, st.table = r.array("i", h["freed"]), r.array("i", size)
+    segs = [r.array(c, h["segments"]) for _, c in _SEGMENTS]
+    dirty = r.array("i", h["dirty"])
+    if r.f.read(_CRC.size + 1) != _CRC.pack(r.crc):
+        raise SnapshotInvalid("CRC mismatch")
+    st.top, st.count, st.filled = top, h["count"], h["filled"]
+    st.ns_names, st.ns_pages, st.ns_slots = h["ns_names"], h["ns_pages"], h["ns_slots"]
+    st.free_ns, st.suffixes = h["free_ns"], h["suffixes"]
+    st.ns_num = {n: i for i, n in enumerate(st.ns_names) if n}
+    st.file_sets = [tuple((s, z) for s, z in fs) for fs in h["file_sets"]]
+    st.file_ids = {fs: i for i, fs in enumerate(st.file_sets)}
+    st.odd = {int(s): k for s, k in h["odd"]}
+    with model.lock:
+        model.store, model.clock = st, h["clock"]
+        model.segments = {k: (t, la, w) for k, t, la, w in zip(*segs, strict=True)}
+        model.dirty = set(dirty)
+    return set(h["exact"]) & set(st.ns_num)
+
+
+def apply_scan(model: ChainModel, ns: str, changes: ScanChanges) -> None:
+    """Bring a namespace of a restored model up to date with a start-up scan that changed its
+    index (the server wrote or something deleted files while the daemon was down): as a load
+    from the index would, without reading every row."""
+    new, gone = changes
+    model.remove(ns, gone)
+    for name, key_len, size, mtime in new:  # (rows a scan adds: never used, no link yet)
+        model.add(ns, name, key_len, size, seq=0, at=mtime, born=0)

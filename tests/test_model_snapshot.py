@@ -1,0 +1,345 @@
+"""The chain model survives a daemon restart through a snapshot saved at a clean stop: chains,
+recency, the learner's votes and the eviction order's segments, so the victims after a restart
+are those before it. A snapshot that is damaged, stale or from another index is never used:
+the model is then loaded from the index, exactly as without a snapshot (also after kill -9)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from cachemgr.fs.root import create_root
+from cachemgr.gc import modelfile
+from cachemgr.gc.chains import ChainModel
+from cachemgr.gc.pagestore import Page, PageId
+from cachemgr.gc.value import eviction_order
+from cachemgr.layout import Layout
+from cachemgr.settings import Settings, load_settings
+from cachemgr.state import pages_sql
+from cachemgr.state.store import Store
+from tests.daemon_helpers import (
+    NS_A,
+    RunningDaemon,
+    page_name,
+    read_page,
+    register_namespace,
+    running_daemon,
+)
+from tests.daemon_helpers import store_page as write_page
+from tests.polling import wait_for
+from tests.test_chain_store import NS, SUFFIX, chains
+
+SYSTEM = [1, 2, 3]
+LONG = 20  # pages a session writes: a segment the order keeps (more than value.CACHED)
+
+
+def victims(model: ChainModel) -> list[tuple[str, str]]:
+    return [(v.namespace_id, v.key) for v in eviction_order(model, before=math.inf)]
+
+
+def pages(model: ChainModel) -> dict[PageId, Page]:
+    return dict(model.pages)
+
+
+def saved_model(tmp_path: Path, store: Store) -> tuple[ChainModel, Path]:
+    """A model with chains, keys of another shape and an order run (segments kept), saved."""
+    model = ChainModel()
+    chains(model, 3000, 40)
+    for i, k in enumerate(["00ab", "ABCDEF" + "0" * 58]):
+        model.add(NS, k + SUFFIX, len(k), 10, seq=5000 + i, at=1.0, pred="00ab" if i else None)
+    victims(model)  # fills the segment cache
+    model.observe_read(NS, f"{7 * 2654435761:064x}" + SUFFIX, 64, seq=6000, at=2.0)  # (dirty)
+    path = tmp_path / "chain-model.snapshot"
+    modelfile.save(model, path, store, [NS])
+    return model, path
+
+
+def test_a_restored_model_is_the_saved_one(tmp_path: Path, store: Store) -> None:
+    model, path = saved_model(tmp_path, store)
+    restored = ChainModel()
+    assert modelfile.restore(restored, path, store) == {NS}
+    assert pages(restored) == pages(model)  # links, recency, reads, votes, files
+    assert restored.segments == model.segments and restored.dirty == model.dirty
+    assert restored.clock == model.clock
+    assert victims(restored) == victims(model)
+    # It goes on learning as the saved one does (the key table and free slots came along).
+    for m in (model, restored):
+        m.add(NS, "ff" * 32 + SUFFIX, 64, 7, seq=7000, at=3.0, pred=f"{0:064x}")
+        m.remove(NS, [("00ab" + SUFFIX, 4)])
+    assert pages(restored) == pages(model) and victims(restored) == victims(model)
+    # The start-up took the stamp: the same file is not used twice.
+    assert modelfile.restore(ChainModel(), path, store) == set()
+
+
+def _truncate(path: Path, store: Store) -> None:
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def _garble(path: Path, store: Store) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) * 2 // 3] ^= 0x40  # one bit, in the arrays
+    path.write_bytes(bytes(raw))
+
+
+def _header(path: Path, change: dict[str, int]) -> None:
+    """Change header fields, keeping the header's length field right (the CRC is not)."""
+    raw = path.read_bytes()
+    start = len(modelfile.MAGIC) + 8
+    end = start + int.from_bytes(raw[start - 8 : start], "little")
+    header = json.loads(raw[start:end]) | change
+    new = json.dumps(header).encode()
+    path.write_bytes(raw[: start - 8] + len(new).to_bytes(8, "little") + new + raw[end:])
+
+
+def _huge_length(path: Path, store: Store) -> None:
+    _header(path, {"top": 10**12})  # (never allocated: longer than the file)
+
+
+def _huge_array(path: Path, store: Store) -> None:
+    _header(path, {"table": 2**40})
+
+
+def _short_array(path: Path, store: Store) -> None:
+    _header(path, {"segments": 1})  # the arrays after it read shifted: the CRC fails
+
+
+def _append(path: Path, store: Store) -> None:
+    path.write_bytes(path.read_bytes() + b"\0")
+
+
+def _index_changed(path: Path, store: Store) -> None:
+    with store.transaction() as conn:  # (any change to `pages`: here a CLI's scan finding one)
+        conn.execute(
+            "INSERT INTO pages (namespace_id, name, size, created_at, last_access, key_len)"
+            " VALUES (?, ?, 1, 0, 0, 64)",
+            (NS, "ee" * 32 + SUFFIX),
+        )
+
+
+def _older_file(path: Path, store: Store) -> None:
+    old = path.read_bytes()
+    modelfile.save(ChainModel(), path, store, [])  # a later stop stamped the index for its file
+    path.write_bytes(old)
+
+
+def _missing(path: Path, store: Store) -> None:
+    path.unlink()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        _truncate,
+        _garble,
+        _huge_length,
+        _huge_array,
+        _short_array,
+        _append,
+        _index_changed,
+        _older_file,
+        _missing,
+    ],
+)
+def test_a_damaged_or_stale_snapshot_is_not_used(
+    tmp_path: Path, store: Store, damage: Callable[[Path, Store], None]
+) -> None:
+    _, path = saved_model(tmp_path, store)
+    damage(path, store)
+    model = ChainModel()
+    assert modelfile.restore(model, path, store) == set()
+    assert not model.pages and not model.segments  # left as it was: the caller loads the index
+
+
+def _settings(layout: Layout) -> Settings:
+    return load_settings(root=layout.root, gc_interval=3600, batch_interval=0.05)
+
+
+def _sessions(d: Path, first: int, n: int) -> int:
+    """`n` sessions behind a shared system prompt, some read again: the learner's input.
+    Returns how many page files were accessed."""
+    done = 0
+    for p in SYSTEM:
+        if not (d / page_name(p)).exists():
+            write_page(d, page_name(p))
+            done += 1
+    for s in range(first, first + n):
+        chain = [100 * s + i for i in range(LONG)]
+        for p in (*SYSTEM, *chain):
+            write_page(d, page_name(p)) if p in chain else read_page(d, page_name(p))
+        done += len(SYSTEM) + len(chain)
+        if s % 3 == 0:  # a session that returns: its prefix is read head to tail
+            for p in (*SYSTEM, *chain):
+                read_page(d, page_name(p))
+            done += len(SYSTEM) + len(chain)
+    return done
+
+
+def _index_model(layout: Layout) -> ChainModel:
+    with sqlite3.connect(layout.db_path) as conn:
+        return ChainModel.from_index(conn, [NS_A])
+
+
+def _root(tmp_path: Path) -> tuple[Layout, Path]:
+    layout = Layout.at(tmp_path / "root")
+    create_root(layout)
+    return layout, register_namespace(layout, NS_A, instance="gpu0")
+
+
+def _serve(dm: RunningDaemon, d: Path, first: int, n: int) -> ChainModel:
+    """`n` sessions through a running daemon, applied; its model."""
+    accessed = _sessions(d, first, n)
+    state = dm.daemon.indexer.state
+    wait_for(lambda: state.events_applied, lambda k: k >= accessed, timeout=30)
+    return dm.daemon.indexer.model
+
+
+def test_a_restart_keeps_chains_recency_and_order(tmp_path: Path) -> None:
+    layout, d = _root(tmp_path)
+    with running_daemon(_settings(layout)) as dm:
+        model = _serve(dm, d, 1, 12)
+        with model.lock:
+            before, order = pages(model), victims(model)  # (the order fills its segments)
+            segments = dict(model.segments)
+    assert len(before) == len(SYSTEM) + LONG * 12 and segments
+    assert sum(p.pred is not None for p in before.values()) >= LONG * 12  # chains were learned
+    assert layout.model_snapshot.is_file()
+    with running_daemon(_settings(layout)) as dm:
+        model = dm.daemon.indexer.model
+        with model.lock:
+            assert pages(model) == before  # chains, recency, reads, the learner's votes
+            assert model.segments == segments  # the first order walks no segment again
+            assert victims(model) == order
+        # It learns on from there: a new session is indexed and linked.
+        _sessions(d, 20, 1)
+        wait_for(lambda: model.pages.get((NS_A, f"{2019:064x}")), bool, timeout=30)
+    with running_daemon(_settings(layout)) as dm:  # and that is saved at the next stop again
+        assert (NS_A, f"{2019:064x}") in dm.daemon.indexer.model.pages
+
+
+def test_a_garbled_snapshot_gives_the_model_of_the_index(tmp_path: Path) -> None:
+    layout, d = _root(tmp_path)
+    with running_daemon(_settings(layout)) as dm:
+        _serve(dm, d, 1, 6)
+    with Store.open(layout.db_path) as store:
+        _garble(layout.model_snapshot, store)
+    with running_daemon(_settings(layout)) as dm:
+        model = dm.daemon.indexer.model
+        with model.lock:
+            assert pages(model) == pages(_index_model(layout))
+            assert victims(model) == victims(_index_model(layout))
+            assert len(model.pages) == len(SYSTEM) + LONG * 6
+
+
+def test_after_kill_9_the_model_is_loaded_from_the_index(tmp_path: Path) -> None:
+    """A daemon killed leaves no stamp (it took it at start): the snapshot of the stop before
+    is stale, and the next start loads what the killed daemon stored in the index."""
+    layout, d = _root(tmp_path)
+    with running_daemon(_settings(layout)) as dm:  # a clean stop: a snapshot of 3 + LONG pages
+        _serve(dm, d, 1, 1)
+    stale = layout.model_snapshot.read_bytes()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cachemgr", "--root", str(layout.root), "serve", "--port", "0"],
+        env={**os.environ, "CACHEMGR_BATCH_INTERVAL": "0.05"}, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        with Store.open(layout.db_path) as store:  # the killed daemon took the stamp at start
+            wait_for(lambda: store.conn.execute("SELECT count(*) FROM model_stamp").fetchone(),
+                     lambda r: r[0] == 0, timeout=60, what="the daemon's start")  # fmt: skip
+        _sessions(d, 2, 6)
+        wait_for(lambda: _index_model(layout).pages, lambda p: len(p) == 3 + LONG * 7, timeout=60)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    assert layout.model_snapshot.read_bytes() == stale  # nothing was saved
+    with running_daemon(_settings(layout)) as dm:
+        model = dm.daemon.indexer.model
+        with model.lock:
+            assert pages(model) == pages(_index_model(layout))
+            assert len(model.pages) == 3 + LONG * 7
+            assert victims(model) == victims(_index_model(layout))
+
+
+def test_the_stamp_goes_with_any_change_to_the_index(store: Store) -> None:
+    for change in (
+        "INSERT INTO pages (namespace_id, name, size, created_at, last_access, key_len)"
+        " VALUES ('n', 'k_x', 1, 0, 0, 1)",
+        "UPDATE pages SET reads = reads + 1",
+        "UPDATE pages SET pred = 'j'",
+        "DELETE FROM pages",
+    ):
+        with store.transaction() as conn:
+            pages_sql.set_model_stamp(conn, "t")
+        with store.transaction() as conn:
+            conn.execute(change)
+        with store.transaction() as conn:
+            assert pages_sql.take_model_stamp(conn) is None, change
+    with store.transaction() as conn:
+        pages_sql.set_model_stamp(conn, "t")
+    with store.transaction() as conn:
+        assert pages_sql.take_model_stamp(conn) == "t"
+        assert pages_sql.take_model_stamp(conn) is None
+
+
+def test_files_changed_while_the_daemon_was_down_are_applied_to_the_snapshot(
+    tmp_path: Path,
+) -> None:
+    """The server writes on while the daemon restarts: the start-up scan finds new files and
+    files gone, and the restored model takes just those (its learned votes stay), ending as a
+    load from the index would (but for what only the live model knew)."""
+    layout, d = _root(tmp_path)
+    with running_daemon(_settings(layout)) as dm:
+        _serve(dm, d, 1, 6)
+    for i in range(3):
+        write_page(d, page_name(9000 + i))  # while no daemon watches
+    (d / page_name(100 * 3 + LONG - 1)).unlink()  # a tail gone (another evictor)
+    with running_daemon(_settings(layout)) as dm:
+        model = dm.daemon.indexer.model
+        with model.lock:
+            got, want = pages(model), pages(_index_model(layout))
+        # (born: the live model has a page's first write; the index, the seq of the last
+        # access of the batch that stored it, cachemgr/daemon/page_events.py)
+        assert {p: g._replace(conf=0, born=0) for p, g in got.items()} == {
+            p: w._replace(born=0) for p, w in want.items()
+        }
+        assert (NS_A, f"{9001:064x}") in got and (NS_A, f"{300 + LONG - 1:064x}") not in got
+        assert any(p.conf for p in got.values())  # not loaded again: the votes are the saved ones
+
+
+def test_no_snapshot_takes_the_last_of_the_disk(tmp_path: Path, store: Store) -> None:
+    """The state dir is usually on the cache's filesystem, where the server writes: a file
+    that would leave less than 3x its size free is not written (the next start loads)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)], check=True)
+    try:
+        model = ChainModel()
+        chains(model, 20_000, 40)  # a file of ~2.3 MB
+        modelfile.save(model, small / "chain-model.snapshot", store, [NS])
+        assert not list(small.iterdir())  # nothing written, not even a temp file
+        assert modelfile.restore(ChainModel(), small / "chain-model.snapshot", store) == set()
+        chains(model := ChainModel(), 2_000, 40)  # ~0.3 MB: room enough
+        modelfile.save(model, small / "chain-model.snapshot", store, [NS])
+        assert modelfile.restore(ChainModel(), small / "chain-model.snapshot", store) == {NS}
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+def test_only_namespaces_the_model_held_as_the_index_does_are_restored(
+    tmp_path: Path, store: Store
+) -> None:
+    model = ChainModel()
+    chains(model, 100, 10)
+    model.add("other", "ab" * 32 + SUFFIX, 64, 1, seq=500, at=0.0)  # (its scan had failed)
+    modelfile.save(model, tmp_path / "m", store, [NS])
+    assert modelfile.restore(ChainModel(), tmp_path / "m", store) == {NS}  # "other": loaded
