@@ -292,11 +292,10 @@ static int chain_open(Chain *c, const Tree *t, const char *path) {
     chain_cut(c, k);
     if (k == 0)
         return ENOENT;
-    /* unlinks in it allowed (write and search for our effective ids, not immutable): asked in
-     * a dry run too, so that it counts no file the real run is refused */
-    if (faccessat(c->fd[k - 1], ".", W_OK | X_OK, AT_EACCESS) != 0)
-        return errno;
-    return DIR_OK;
+    /* unlinks in it allowed (write and search for our effective ids, not immutable, not a
+     * read-only mount): asked in a dry run too, so that it counts no file the real run is
+     * refused; any "no" reads as EACCES (what a refused unlink reports) */
+    return faccessat(c->fd[k - 1], ".", W_OK | X_OK, AT_EACCESS) == 0 ? DIR_OK : EACCES;
 }
 
 /* Whether the top is still in its parent and every component of `c` in its own. */
