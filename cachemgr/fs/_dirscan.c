@@ -21,7 +21,8 @@
  * and is opened with O_NOFOLLOW|O_DIRECTORY from its parent's descriptor, never through a link.
  * A dir on another mount than `dir_fd` (a filesystem or a bind mount an operator put there) is
  * never entered either: it is not the engine's, whatever its name.
- * Everything else at the upper levels counts as `other`. A file's digest and page key are then
+ * Everything else at the upper levels counts as `other`. With threads > 1 the subtrees below
+ * each dir two levels above the files are shared out to as many walkers (walk_split, below). A file's digest and page key are then
  * those of its path below `dir_fd` ("a_r0/0f3/a1_g0/<hash>.bin"), as the index names it.
  *
  * Safety: the caller opens the directory (cachemgr.fs.deletion.open_dir: no symlink on the way);
@@ -34,10 +35,12 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #define CHUNK 65536       /* entries stat'ed per round: bounds memory for huge directories */
@@ -47,6 +50,7 @@
 #define SMALL 256    /* a dir with fewer entries is stat'ed on the calling thread */
 #define MAX_LEVELS 8
 #define PATH_MAX_LEN 4096
+#define DENTS 32768 /* getdents64 buffer per level, as glibc's readdir */
 
 enum kind { GONE = 0, REGULAR = 1, OTHER = 2 };
 
@@ -265,16 +269,8 @@ static Group *group_of(Groups *g, const Rules *r, const Ent *e) {
     return x;
 }
 
-static void group_add(Group *x, const Ent *e) {
-    x->count++;
-    x->bytes += e->size;
-    x->digest ^= e->digest;
-    for (int i = 0; i < x->nsizes; i++) {
-        if (x->sizes[i].size == e->size) {
-            x->sizes[i].count++;
-            return;
-        }
-    }
+/* Room for one more distinct size in x's list (grown up to MAX_SIZES); 0 if there is none. */
+static int size_room(Group *x) {
     if (x->nsizes == x->capsizes && x->capsizes < MAX_SIZES) {
         int cap = x->capsizes ? x->capsizes * 2 : 1;
         SizeCount *grown = realloc(x->sizes, (size_t)cap * sizeof *grown);
@@ -283,10 +279,28 @@ static void group_add(Group *x, const Ent *e) {
             x->capsizes = cap;
         }
     }
-    if (x->nsizes < x->capsizes)
-        x->sizes[x->nsizes++] = (SizeCount){e->size, 1};
+    return x->nsizes < x->capsizes;
+}
+
+/* Count `count` files of `size` among x's sizes (as untracked if the list is full). */
+static void size_add(Group *x, int64_t size, int64_t count) {
+    for (int i = 0; i < x->nsizes; i++) {
+        if (x->sizes[i].size == size) {
+            x->sizes[i].count += count;
+            return;
+        }
+    }
+    if (size_room(x))
+        x->sizes[x->nsizes++] = (SizeCount){size, count};
     else
-        x->untracked++;
+        x->untracked += count;
+}
+
+static void group_add(Group *x, const Ent *e) {
+    x->count++;
+    x->bytes += e->size;
+    x->digest ^= e->digest;
+    size_add(x, e->size, 1);
 }
 
 typedef struct {
@@ -350,6 +364,7 @@ static void crew_join(Crew *c, int threads) {
 typedef struct {
     Rules rules;
     int threads, levels;
+    int split; /* the level whose subdirs are walked on `threads` threads; -1: none */
     PyObject *kind_of;   /* shape -> FileKind, called with the GIL */
     PyObject *dir_ok;    /* (level, name) -> bool for the dirs above the files; NULL: no levels */
     Verdict *verdicts;   /* dir_ok's answers so far, VERDICTS slots (NULL: none kept) */
@@ -357,6 +372,7 @@ typedef struct {
     Ent *cur, *next;     /* the chunk being stat'ed and the one being read */
     char path[PATH_MAX_LEN]; /* the current dir below the scanned one, '/'-terminated */
     size_t path_len;
+    char *dents[MAX_LEVELS + 1]; /* a getdents buffer per level (Dir), allocated when used */
     PyThreadState *save; /* this thread's state while the GIL is released */
     Groups groups;
     KeySet keys; /* of the page files seen */
@@ -380,15 +396,46 @@ static void classify(Group *x, Totals *tot) {
     x->kind = (int)k;
 }
 
+/* A directory read with getdents64 into a buffer of the walker's, one per level: a DIR would
+ * cost an fstat, an fcntl and a 32 KiB allocation per dir (fdopendir), in vLLM's layout nearly
+ * one per block. */
+typedef struct {
+    uint64_t d_ino;
+    int64_t d_off;
+    unsigned short d_reclen;
+    unsigned char d_type;
+    char d_name[];
+} Dirent;
+
+typedef struct {
+    int fd;
+    char *buf; /* DENTS bytes */
+    long len, pos;
+} Dir;
+
+/* Dir `fd` (at `level`: its buffer) from its first entry; 0 if out of memory (fd stays open). */
+static int dir_open(Dir *dir, int fd, int level, Totals *tot) {
+    if (!tot->dents[level] && !(tot->dents[level] = malloc(DENTS))) {
+        tot->err = ENOMEM;
+        return 0;
+    }
+    *dir = (Dir){.fd = fd, .buf = tot->dents[level]};
+    return 1;
+}
+
 /* The next entry of `dir` but "." and ".."; NULL at the end or on an error (in tot->err). */
-static struct dirent *next_entry(DIR *dir, Totals *tot) {
+static Dirent *next_entry(Dir *dir, Totals *tot) {
     for (;;) {
-        errno = 0;
-        struct dirent *d = readdir(dir);
-        if (!d) {
-            tot->err = errno;
-            return NULL;
+        if (dir->pos >= dir->len) {
+            long n = syscall(SYS_getdents64, dir->fd, dir->buf, DENTS);
+            if (n <= 0) {
+                tot->err = n < 0 ? errno : 0;
+                return NULL;
+            }
+            dir->len = n, dir->pos = 0;
         }
+        Dirent *d = (Dirent *)(dir->buf + dir->pos);
+        dir->pos += d->d_reclen;
         const char *s = d->d_name;
         if (!(s[0] == '.' && (!s[1] || (s[1] == '.' && !s[2]))))
             return d;
@@ -396,9 +443,9 @@ static struct dirent *next_entry(DIR *dir, Totals *tot) {
 }
 
 /* Read up to CHUNK entries into `ents`; returns how many, 0 at the end. */
-static size_t read_chunk(DIR *dir, Ent *ents, Totals *tot) {
+static size_t read_chunk(Dir *dir, Ent *ents, Totals *tot) {
     size_t n = 0;
-    struct dirent *d;
+    Dirent *d;
     while (n < CHUNK && !tot->err && !tot->py_err && (d = next_entry(dir, tot))) {
         const char *s = d->d_name;
         size_t len = strlen(s);
@@ -442,19 +489,17 @@ static void tally(Ent *ents, size_t n, Totals *tot) {
 /* Walk the files of `dirfd`, reading the next chunk of names while the threads stat the
  * current one; runs without the GIL (but for classify()). Takes ownership of dirfd. */
 static void walk(int dirfd, Totals *tot) {
-    DIR *dir = fdopendir(dirfd);
-    if (!dir) {
-        tot->err = errno;
+    Dir dir;
+    if (!dir_open(&dir, dirfd, tot->levels, tot)) {
         close(dirfd);
         return;
     }
-    rewinddir(dir); /* the descriptor may be a dup: start at the top whatever its offset */
     uint64_t seed = fnv(tot->path, tot->path_len, FNV_SEED);
-    size_t n = read_chunk(dir, tot->cur, tot);
+    size_t n = read_chunk(&dir, tot->cur, tot);
     while (n) {
         Crew crew;
         crew_start(&crew, dirfd, &tot->rules, seed, tot->cur, n, tot->threads);
-        size_t m = read_chunk(dir, tot->next, tot);
+        size_t m = read_chunk(&dir, tot->next, tot);
         crew_join(&crew, tot->threads);
         tally(tot->cur, n, tot);
         Ent *t = tot->cur;
@@ -462,7 +507,7 @@ static void walk(int dirfd, Totals *tot) {
         tot->next = t;
         n = m;
     }
-    closedir(dir);
+    close(dirfd);
 }
 
 /* dir_ok(level, name), with the GIL: 1 keep, 0 skip, -1 it raised. A hashed layout repeats
@@ -489,18 +534,18 @@ static int dir_ok(Totals *tot, int level, const char *name, size_t len) {
 }
 
 /* Open subdirectory `name` of `dirfd` if it is a dir dir_ok keeps: its fd, or -1 (counted). */
-static int open_sub(int dirfd, const struct dirent *d, int level, Totals *tot) {
-    size_t len = strlen(d->d_name);
-    if (d->d_type != DT_DIR && d->d_type != DT_UNKNOWN) {
+static int open_sub(int dirfd, const char *name, size_t len, unsigned char d_type, int level,
+                    Totals *tot) {
+    if (d_type != DT_DIR && d_type != DT_UNKNOWN) {
         tot->other++;
         return -1;
     }
-    int ok = dir_ok(tot, level, d->d_name, len);
+    int ok = dir_ok(tot, level, name, len);
     if (ok < 0) {
         tot->py_err = 1;
         return -1;
     }
-    int fd = ok ? openat(dirfd, d->d_name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC) : -1;
+    int fd = ok ? openat(dirfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC) : -1;
     if (fd < 0) { /* not kept, a symlink or a file (ELOOP, ENOTDIR), or gone since listed */
         if (ok && errno == ENOENT)
             tot->gone++;
@@ -517,38 +562,220 @@ static int open_sub(int dirfd, const struct dirent *d, int level, Totals *tot) {
     return fd;
 }
 
+static void walk_tree(int fd0, int level, Totals *tot);
+
+/* Enter subdirectory `name` of `dirfd` (at `level`) if it is one to walk, and walk it. */
+static void enter(int dirfd, const char *name, unsigned char d_type, int level, Totals *tot) {
+    size_t at = tot->path_len, len = strlen(name);
+    if (at + len + 2 > PATH_MAX_LEN) {
+        tot->other++;
+        return;
+    }
+    int fd = open_sub(dirfd, name, len, d_type, level, tot);
+    if (fd < 0)
+        return;
+    memcpy(tot->path + at, name, len);
+    tot->path[at + len] = '/';
+    tot->path_len = at + len + 1;
+    walk_tree(fd, level + 1, tot);
+    tot->path_len = at;
+}
+
+/* The parallel walk (`threads` > 1, nested layouts): vLLM's hashed layout has a dir per block
+ * or so, so the stat threads of walk() never start and the walk is one openat + getdents per
+ * dir, on one thread. Instead the subdirs of each dir at level `split` (a rank dir's 4,096
+ * `<hhh>` dirs) are shared out to `threads` walkers, this thread one of them, each with totals
+ * of its own merged into the caller's at the end: the same groups, counts and key set as one
+ * walker makes (sizes past a group's first MAX_SIZES distinct ones aside: which ones count as
+ * `untracked` depends on the order files are met). Each walker opens its subdirs from the
+ * shared dir's descriptor exactly as walk_tree() does (open_sub: O_NOFOLLOW, dir_ok, mount
+ * check), and calls dir_ok and kind_of with the GIL like this thread (a Python thread state
+ * of its own; an exception it raised is re-raised by the caller). */
+typedef struct {
+    char *name;
+    unsigned char d_type;
+} Item;
+
+typedef struct {
+    int fd, level;
+    Item *items;
+    size_t n;
+    atomic_size_t next;
+    atomic_int stop; /* a walker failed: the others take no more subdirs */
+} Pool;
+
+typedef struct {
+    Pool *pool;
+    Totals tot;
+    PyObject *exc[3]; /* the exception its dir_ok or kind_of raised */
+} Walker;
+
+/* A walker's totals: the caller's rules and callbacks, nothing found yet; 0 if out of memory. */
+static int totals_like(Totals *t, const Totals *of) {
+    *t = (Totals){.rules = of->rules, .threads = of->threads, .levels = of->levels, .split = -1,
+                  .kind_of = of->kind_of, .dir_ok = of->dir_ok, .mnt = of->mnt,
+                  .path_len = of->path_len};
+    memcpy(t->path, of->path, of->path_len);
+    t->cur = malloc(CHUNK * sizeof *t->cur);
+    t->next = malloc(CHUNK * sizeof *t->next);
+    t->verdicts = calloc(VERDICTS, sizeof *t->verdicts);
+    return t->cur && t->next && t->verdicts;
+}
+
+static void totals_free(Totals *t) {
+    for (int i = 0; i <= MAX_LEVELS; i++)
+        free(t->dents[i]);
+    free(t->cur);
+    free(t->next);
+    free(t->verdicts);
+    free(t->keys.slots);
+    groups_free(&t->groups);
+}
+
+static void pool_run(Pool *p, Totals *tot) {
+    while (!atomic_load(&p->stop) && !tot->err && !tot->py_err) {
+        size_t i = atomic_fetch_add(&p->next, 1);
+        if (i >= p->n)
+            return;
+        enter(p->fd, p->items[i].name, p->items[i].d_type, p->level, tot);
+    }
+    atomic_store(&p->stop, 1);
+}
+
+static void *walker_main(void *arg) {
+    Walker *w = arg;
+    PyGILState_STATE g = PyGILState_Ensure();
+    w->tot.save = PyEval_SaveThread();
+    pool_run(w->pool, &w->tot);
+    PyEval_RestoreThread(w->tot.save);
+    if (w->tot.py_err)
+        PyErr_Fetch(&w->exc[0], &w->exc[1], &w->exc[2]);
+    PyGILState_Release(g);
+    return NULL;
+}
+
+/* Add group `x` of another walker to `g` (taking it if `g` has no group of its shape); 0 if out
+ * of memory. */
+static int group_merge(Groups *g, Group *x) {
+    if ((g->used + 1) * 2 > g->cap && groups_grow(g) < 0)
+        return 0;
+    size_t j = x->hash & (g->cap - 1);
+    Group *y;
+    for (; (y = g->slots[j]); j = (j + 1) & (g->cap - 1)) {
+        if (y->hash == x->hash && y->keylen == x->keylen && !memcmp(y->key, x->key, x->keylen))
+            break;
+    }
+    if (!y) {
+        g->slots[j] = x;
+        g->used++;
+        return 1;
+    }
+    y->kind = y->kind < 0 ? x->kind : y->kind;
+    y->untracked += x->untracked;
+    for (int i = 0; i < x->nsizes; i++)
+        size_add(y, x->sizes[i].size, x->sizes[i].count);
+    y->count += x->count;
+    y->bytes += x->bytes;
+    y->digest ^= x->digest;
+    free(x->key);
+    free(x->sizes);
+    free(x);
+    return 1;
+}
+
+/* Fold walker totals `from` into `into`; `from` is left empty. */
+static void totals_merge(Totals *into, Totals *from) {
+    into->other += from->other;
+    into->gone += from->gone;
+    into->err = into->err ? into->err : from->err;
+    for (size_t i = 0; i < from->groups.cap; i++) {
+        Group *x = from->groups.slots[i];
+        from->groups.slots[i] = NULL;
+        if (x && !group_merge(&into->groups, x)) {
+            into->err = ENOMEM;
+            free(x->key), free(x->sizes), free(x);
+        }
+    }
+    for (size_t i = 0; i < from->keys.cap && !into->err; i++) {
+        if (from->keys.slots[i] && keyset_add(&into->keys, from->keys.slots[i]) < 0)
+            into->err = ENOMEM;
+    }
+}
+
+/* Walk the subdirs of `dir` (at `level`) on tot->threads walkers, this thread one of them. */
+static void walk_split(Dir *dir, int level, Totals *tot) {
+    Pool p = {.fd = dir->fd, .level = level};
+    size_t cap = 0;
+    Dirent *d;
+    while (!tot->err && (d = next_entry(dir, tot))) {
+        if (p.n == cap) {
+            cap = cap ? cap * 2 : 256;
+            Item *grown = realloc(p.items, cap * sizeof *grown);
+            if (!grown) {
+                tot->err = ENOMEM;
+                break;
+            }
+            p.items = grown;
+        }
+        p.items[p.n] = (Item){strdup(d->d_name), d->d_type};
+        if (!p.items[p.n++].name)
+            tot->err = ENOMEM;
+    }
+    pthread_t tid[MAX_THREADS];
+    int extra = tot->threads - 1, started = 0;
+    Walker *w = tot->err ? NULL : calloc((size_t)extra, sizeof *w);
+    for (; w && started < extra; started++) { /* a walker that cannot start: the rest walk */
+        w[started].pool = &p;
+        if (!totals_like(&w[started].tot, tot) ||
+            pthread_create(&tid[started], NULL, walker_main, &w[started]) != 0) {
+            totals_free(&w[started].tot);
+            break;
+        }
+    }
+    if (!tot->err)
+        pool_run(&p, tot);
+    for (int t = 0; t < started; t++)
+        pthread_join(tid[t], NULL);
+    PyEval_RestoreThread(tot->save); /* the first exception is re-raised, the others dropped */
+    for (int t = 0; t < started; t++) {
+        PyObject **exc = w[t].exc;
+        if (exc[0] && !tot->py_err) {
+            PyErr_Restore(exc[0], exc[1], exc[2]);
+            tot->py_err = 1;
+        } else {
+            Py_XDECREF(exc[0]), Py_XDECREF(exc[1]), Py_XDECREF(exc[2]);
+        }
+    }
+    tot->save = PyEval_SaveThread();
+    for (int t = 0; t < started; t++) {
+        totals_merge(tot, &w[t].tot);
+        totals_free(&w[t].tot);
+    }
+    for (size_t i = 0; i < p.n; i++)
+        free(p.items[i].name);
+    free(p.items);
+    free(w);
+}
+
 /* Walk `levels - level` dirs down to the files; takes ownership of dirfd. */
 static void walk_tree(int fd0, int level, Totals *tot) {
     if (level == tot->levels) {
         walk(fd0, tot);
         return;
     }
-    DIR *dir = fdopendir(fd0);
-    if (!dir) {
-        tot->err = errno;
+    Dir dir;
+    if (!dir_open(&dir, fd0, level, tot)) {
         close(fd0);
         return;
     }
-    rewinddir(dir);
-    size_t at = tot->path_len;
-    struct dirent *d;
-    while (!tot->err && !tot->py_err && (d = next_entry(dir, tot))) {
-        const char *s = d->d_name;
-        size_t len = strlen(s);
-        if (at + len + 2 > PATH_MAX_LEN) {
-            tot->other++;
-            continue;
-        }
-        int fd = open_sub(fd0, d, level, tot);
-        if (fd < 0)
-            continue;
-        memcpy(tot->path + at, s, len);
-        tot->path[at + len] = '/';
-        tot->path_len = at + len + 1;
-        walk_tree(fd, level + 1, tot);
-        tot->path_len = at;
+    if (level == tot->split) {
+        walk_split(&dir, level, tot);
+    } else {
+        Dirent *d;
+        while (!tot->err && !tot->py_err && (d = next_entry(&dir, tot)))
+            enter(fd0, d->d_name, d->d_type, level, tot);
     }
-    closedir(dir);
+    close(fd0);
 }
 
 static PyObject *group_tuple(const Group *x) {
@@ -588,7 +815,8 @@ PyDoc_STRVAR(scan_doc,
 "regular files, `gone` those deleted between listing and stat, and `pages` the distinct keys\n"
 "among the files of kind 1 (a page). With `levels` > 0 the files are that many dirs down,\n"
 "through the subdirectories dir_ok(level, name: bytes) keeps (never a symlink); digests and\n"
-"page keys are then of the paths below dir_fd.");
+"page keys are then of the paths below dir_fd, and with `threads` > 1 the subtrees of each\n"
+"dir two levels above the files are walked on `threads` threads (same result).");
 
 /* Parse (key_min, key_max, temp_lead, temp_hex) and lay out the shape prefixes; 0 on error. */
 static int parse_rules(PyObject *arg, Rules *r) {
@@ -622,12 +850,14 @@ static PyObject *scan(PyObject *Py_UNUSED(self), PyObject *args) {
     if (!parse_rules(rules, &tot.rules))
         return NULL;
     tot.threads = threads, tot.levels = levels, tot.kind_of = kind_of;
+    /* nested: the dirs just above the leaf dirs' parents (vLLM: a rank dir) are split */
+    tot.split = threads > 1 && levels ? (levels > 1 ? levels - 2 : 0) : -1;
     tot.dir_ok = levels ? ok : NULL;
     tot.cur = malloc(CHUNK * sizeof *tot.cur);
     tot.next = malloc(CHUNK * sizeof *tot.next);
     tot.verdicts = levels ? calloc(VERDICTS, sizeof *tot.verdicts) : NULL; /* NULL: uncached */
     tot.save = PyEval_SaveThread();
-    int fd = fcntl(dirfd, F_DUPFD_CLOEXEC, 0); /* closedir() closes it; the caller keeps dirfd */
+    int fd = fcntl(dirfd, F_DUPFD_CLOEXEC, 0); /* walk_tree() closes it; the caller keeps dirfd */
     if (fd < 0)
         tot.err = errno;
     else if (!tot.cur || !tot.next) {
@@ -635,9 +865,18 @@ static PyObject *scan(PyObject *Py_UNUSED(self), PyObject *args) {
         close(fd);
     } else {
         tot.mnt = mount_of(fd);
-        walk_tree(fd, 0, &tot);
+        /* a dup shares its offset: start at the top whatever it is, and leave it there */
+        if (lseek(fd, 0, SEEK_SET) < 0) {
+            tot.err = errno;
+            close(fd);
+        } else {
+            walk_tree(fd, 0, &tot);
+            lseek(dirfd, 0, SEEK_SET);
+        }
     }
     PyEval_RestoreThread(tot.save);
+    for (int i = 0; i <= MAX_LEVELS; i++)
+        free(tot.dents[i]);
     free(tot.cur);
     free(tot.next);
     free(tot.verdicts);

@@ -59,46 +59,42 @@ static int still_here(const Batch *b) {
     return st.st_dev == b->dev && st.st_ino == b->ino;
 }
 
-/* Steps 1-3 for name i; the status and value go to the batch's arrays. */
-static void one(Batch *b, size_t i) {
-    const char *name = b->names[i];
+/* Steps 1-3 for `name` in dir_fd, step 2 being here(ctx): the status (NOT_REACHED: the dir
+ * moved, nothing unlinked), with *value the size (DELETED) or an errno (the errors). */
+static int check_one(int dir_fd, const char *name, double min_age, double now, int dry_run,
+                     int (*here)(const void *), const void *ctx, long long *value) {
     struct stat st;
-    /* NULL: the name held a NUL (below); a '/' would leave dir_fd. The caller's shape check
-     * refuses both first. */
-    if (name == NULL || strchr(name, '/') != NULL) {
-        b->status[i] = STAT_ERROR, b->value[i] = EINVAL;
-        return;
-    }
-    if (fstatat(b->dir_fd, name, &st, AT_SYMLINK_NOFOLLOW) != 0) {
-        b->status[i] = errno == ENOENT ? VANISHED : STAT_ERROR, b->value[i] = errno;
-        return;
-    }
-    if (!S_ISREG(st.st_mode)) {
-        b->status[i] = NOT_REGULAR;
-        return;
-    }
+    /* NULL: the name held a NUL (see unlink_batch); a '/' would leave dir_fd. The caller's
+     * shape check refuses both first. */
+    if (name == NULL || strchr(name, '/') != NULL)
+        return *value = EINVAL, STAT_ERROR;
+    if (fstatat(dir_fd, name, &st, AT_SYMLINK_NOFOLLOW) != 0)
+        return *value = errno, errno == ENOENT ? VANISHED : STAT_ERROR;
+    if (!S_ISREG(st.st_mode))
+        return NOT_REGULAR;
     double mtime = (double)st.st_mtim.tv_sec + (double)st.st_mtim.tv_nsec * 1e-9;
-    if (b->min_age > 0 && b->now - mtime < b->min_age) {
-        b->status[i] = YOUNG;
-        return;
+    if (min_age > 0 && now - mtime < min_age)
+        return YOUNG;
+    if (!dry_run) {
+        if (!here(ctx))
+            return NOT_REACHED;
+        if (unlinkat(dir_fd, name, 0) != 0)
+            return *value = errno, errno == ENOENT ? VANISHED : UNLINK_ERROR;
     }
-    if (!b->dry_run) {
-        if (!still_here(b)) {
-            atomic_store(&b->moved, 1);
-            atomic_store(&b->stop, 1);
-            return; /* stays NOT_REACHED */
-        }
-        if (unlinkat(b->dir_fd, name, 0) != 0) {
-            if (errno == ENOENT) {
-                b->status[i] = VANISHED;
-                return;
-            }
-            b->status[i] = UNLINK_ERROR, b->value[i] = errno;
-            atomic_store(&b->stop, 1);
-            return;
-        }
-    }
-    b->status[i] = DELETED, b->value[i] = (long long)st.st_size;
+    return *value = (long long)st.st_size, DELETED;
+}
+
+static int batch_here(const void *b) { return still_here(b); }
+
+/* Name i of the batch; an unlink error or a moved dir stops the batch. */
+static void one(Batch *b, size_t i) {
+    int status = check_one(b->dir_fd, b->names[i], b->min_age, b->now, b->dry_run, batch_here, b,
+                           &b->value[i]);
+    if (status == NOT_REACHED)
+        atomic_store(&b->moved, 1);
+    if (status == NOT_REACHED || status == UNLINK_ERROR)
+        atomic_store(&b->stop, 1);
+    b->status[i] = status;
 }
 
 static void *worker(void *arg) {
@@ -204,15 +200,308 @@ done:
     return out;
 }
 
+/* unlink_tree: the same checks and unlinks for the files of many dirs below one top dir (a
+ * nested format's namespace dir: vLLM's hashed dirs hold a block or two each, so a C call, a
+ * thread start and a walk from the root per dir cost more than the unlinks). Each dir's path
+ * below the top is opened a component at a time from its parent's descriptor with
+ * O_NOFOLLOW|O_DIRECTORY, and never entered if it is on another mount than the top (a
+ * filesystem or bind mount put there); consecutive dirs share the opens of their common
+ * components. Step 2 then checks, before each unlink, that every component is still the dir
+ * it opened in its parent's entry, and the top in its own parent. A dir that cannot be opened
+ * is reported and skipped; an unlink error stops its dir only; a moved dir stops everything. */
+
+#define MAX_DEPTH 8
+
+/* Why a dir's files were not reached: DIR_OK, or the errno of its open, or DIR_MOUNT. */
+enum { DIR_OK = 0, DIR_MOUNT = -1 };
+
+typedef struct {
+    int top_fd, parent_fd, dry_run, nice;
+    const char *leaf;
+    dev_t dev;
+    ino_t ino;
+    unsigned long long mnt;
+    double min_age, now;
+    Py_ssize_t ndirs;
+    const char **dirs;
+    Py_ssize_t *first; /* dir d's names are names[first[d] .. first[d + 1]) */
+    const char **names;
+    int *dir_status;   /* DIR_OK, an errno, DIR_MOUNT */
+    int *status;
+    long long *value;
+    atomic_size_t next; /* the next run of dirs to take */
+    atomic_int stop;
+    atomic_int moved;
+} Tree;
+
+#define RUN 64 /* dirs a thread takes at once: neighbours share their upper dirs' opens */
+
+/* The open components of one thread's current dir. */
+typedef struct {
+    int depth;
+    int fd[MAX_DEPTH];
+    const char *name[MAX_DEPTH]; /* into the dir's path: valid while the path is */
+    size_t len[MAX_DEPTH];
+    dev_t dev[MAX_DEPTH];
+    ino_t ino[MAX_DEPTH];
+} Chain;
+
+static void chain_cut(Chain *c, int depth) {
+    while (c->depth > depth)
+        close(c->fd[--c->depth]);
+}
+
+static unsigned long long mnt_of(int fd) {
+    struct statx stx;
+    if (statx(fd, "", AT_EMPTY_PATH, STATX_MNT_ID, &stx) != 0 || !(stx.stx_mask & STATX_MNT_ID))
+        return 0;
+    return stx.stx_mnt_id;
+}
+
+/* Open `path` (components below the top) into `c`, keeping the components it shares with
+ * the dir open before; DIR_OK if we may unlink in it, or why not. */
+static int chain_open(Chain *c, const Tree *t, const char *path) {
+    int k = 0;
+    const char *p = path;
+    while (*p) {
+        const char *end = strchr(p, '/');
+        size_t len = end ? (size_t)(end - p) : strlen(p);
+        if (k == MAX_DEPTH || len == 0 || len > 255)
+            return chain_cut(c, k), ENAMETOOLONG;
+        if (!(k < c->depth && c->len[k] == len && !memcmp(c->name[k], p, len))) {
+            chain_cut(c, k);
+            char comp[256];
+            memcpy(comp, p, len);
+            comp[len] = '\0';
+            int parent = k ? c->fd[k - 1] : t->top_fd;
+            int fd = openat(parent, comp, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+            if (fd < 0)
+                return errno;
+            struct stat st;
+            if (mnt_of(fd) != t->mnt || fstat(fd, &st) != 0) {
+                close(fd);
+                return DIR_MOUNT;
+            }
+            c->fd[k] = fd, c->name[k] = p, c->len[k] = len;
+            c->dev[k] = st.st_dev, c->ino[k] = st.st_ino;
+            c->depth = k + 1;
+        }
+        k++;
+        p = end ? end + 1 : p + len;
+    }
+    chain_cut(c, k);
+    if (k == 0)
+        return ENOENT;
+    /* unlinks in it allowed (write and search for our effective ids, not immutable, not a
+     * read-only mount): asked in a dry run too, so that it counts no file the real run is
+     * refused; any "no" reads as EACCES (what a refused unlink reports) */
+    return faccessat(c->fd[k - 1], ".", W_OK | X_OK, AT_EACCESS) == 0 ? DIR_OK : EACCES;
+}
+
+/* Whether the top is still in its parent and every component of `c` in its own. */
+static int chain_here(const Chain *c, const Tree *t) {
+    struct stat st;
+    if (fstatat(t->parent_fd, t->leaf, &st, AT_SYMLINK_NOFOLLOW) != 0 || st.st_dev != t->dev ||
+        st.st_ino != t->ino)
+        return 0;
+    for (int k = 0; k < c->depth; k++) {
+        char comp[256];
+        memcpy(comp, c->name[k], c->len[k]);
+        comp[c->len[k]] = '\0';
+        if (fstatat(k ? c->fd[k - 1] : t->top_fd, comp, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
+            st.st_dev != c->dev[k] || st.st_ino != c->ino[k])
+            return 0;
+    }
+    return 1;
+}
+
+typedef struct {
+    const Chain *chain;
+    const Tree *tree;
+} Place;
+
+static int chain_here_of(const void *p) {
+    const Place *at = p;
+    return chain_here(at->chain, at->tree);
+}
+
+/* Steps 1-3 for the names of dir d, opened in `c`: an unlink error stops the dir, a moved
+ * dir all. */
+static void tree_dir(Tree *t, Chain *c, Py_ssize_t d) {
+    Place at = {c, t};
+    for (Py_ssize_t i = t->first[d]; i < t->first[d + 1] && !atomic_load(&t->stop); i++) {
+        int status = check_one(c->fd[c->depth - 1], t->names[i], t->min_age, t->now, t->dry_run,
+                               chain_here_of, &at, &t->value[i]);
+        if (status == NOT_REACHED) {
+            atomic_store(&t->moved, 1);
+            atomic_store(&t->stop, 1);
+        }
+        t->status[i] = status;
+        if (status == NOT_REACHED || status == UNLINK_ERROR)
+            return;
+    }
+}
+
+static void *tree_worker(void *arg) {
+    Tree *t = arg;
+    if (t->nice != 0)
+        setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), t->nice);
+    Chain c = {0};
+    while (!atomic_load(&t->stop)) {
+        size_t from = atomic_fetch_add(&t->next, RUN);
+        if (from >= (size_t)t->ndirs)
+            break;
+        for (Py_ssize_t d = (Py_ssize_t)from; d < t->ndirs && d < (Py_ssize_t)(from + RUN); d++) {
+            if (atomic_load(&t->stop))
+                break;
+            t->dir_status[d] = t->dirs[d] ? chain_open(&c, t, t->dirs[d]) : EINVAL;
+            if (t->dir_status[d] == DIR_OK)
+                tree_dir(t, &c, d);
+        }
+    }
+    chain_cut(&c, 0);
+    return NULL;
+}
+
+PyDoc_STRVAR(unlink_tree_doc,
+    "unlink_tree(top_fd, parent_fd, leaf, dev, ino, mnt, dirs, names, min_age, now, threads,\n"
+    "            nice, dry_run)\n"
+    "-> (list of (dir_status, list of (status, value) per name) per dir, moved: bool)\n\n"
+    "unlink_batch for the names[i] of each dir dirs[i], a path below top_fd (whose entry\n"
+    "`leaf` in parent_fd must stay the dir (dev, ino)), each opened a component at a time\n"
+    "with O_NOFOLLOW and never on another mount than `mnt`. dir_status: 0 opened, an errno\n"
+    "(its open failed), -1 on another mount, -2 not reached; its names are then not reached\n"
+    "(6). Before each unlink every component is checked in its parent's entry. An unlink\n"
+    "error stops its dir only; a moved dir stops all.");
+
+/* The UTF-8 of str `s` (valid while `s` is), NULL if it holds a NUL (another name to the
+ * kernel); -1 sets an exception. */
+static int utf8_of(PyObject *s, const char **out) {
+    Py_ssize_t len;
+    const char *u = PyUnicode_AsUTF8AndSize(s, &len);
+    if (u == NULL)
+        return -1;
+    *out = (Py_ssize_t)strlen(u) == len ? u : NULL;
+    return 0;
+}
+
+static PyObject *tree_result(const Tree *t) {
+    PyObject *out = PyList_New(t->ndirs);
+    for (Py_ssize_t d = 0; out && d < t->ndirs; d++) {
+        PyObject *names = PyList_New(t->first[d + 1] - t->first[d]);
+        for (Py_ssize_t i = t->first[d]; names && i < t->first[d + 1]; i++) {
+            PyObject *item = Py_BuildValue("(iL)", t->status[i], t->value[i]);
+            if (item == NULL)
+                Py_CLEAR(names);
+            else
+                PyList_SET_ITEM(names, i - t->first[d], item);
+        }
+        PyObject *dir = names ? Py_BuildValue("(iN)", t->dir_status[d], names) : NULL;
+        if (dir == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, d, dir);
+    }
+    return out ? Py_BuildValue("(NO)", out, atomic_load(&t->moved) ? Py_True : Py_False) : NULL;
+}
+
+static PyObject *unlink_tree(PyObject *Py_UNUSED(self), PyObject *args) {
+    Tree t;
+    PyObject *dirs_arg, *names_arg, *out = NULL;
+    unsigned long long dev, ino;
+    int threads;
+    memset(&t, 0, sizeof t);
+    if (!PyArg_ParseTuple(args, "iisKKKOOddiip", &t.top_fd, &t.parent_fd, &t.leaf, &dev, &ino,
+                          &t.mnt, &dirs_arg, &names_arg, &t.min_age, &t.now, &threads, &t.nice,
+                          &t.dry_run))
+        return NULL;
+    t.dev = (dev_t)dev, t.ino = (ino_t)ino;
+    if (threads < 1 || threads > MAX_THREADS) {
+        PyErr_SetString(PyExc_ValueError, "threads must be 1..16");
+        return NULL;
+    }
+    PyObject *dirs = PySequence_Fast(dirs_arg, "dirs must be a sequence");
+    PyObject *lists = dirs ? PySequence_Fast(names_arg, "names must be a sequence") : NULL;
+    PyObject **per_dir = NULL; /* each dir's names, as a fast sequence */
+    if (lists == NULL)
+        goto done;
+    t.ndirs = PySequence_Fast_GET_SIZE(dirs);
+    if (PySequence_Fast_GET_SIZE(lists) != t.ndirs) {
+        PyErr_SetString(PyExc_ValueError, "one list of names per dir");
+        goto done;
+    }
+    per_dir = PyMem_Calloc((size_t)t.ndirs + 1, sizeof *per_dir);
+    t.dirs = PyMem_Calloc((size_t)t.ndirs + 1, sizeof *t.dirs);
+    t.first = PyMem_Calloc((size_t)t.ndirs + 1, sizeof *t.first);
+    t.dir_status = PyMem_Calloc((size_t)t.ndirs + 1, sizeof *t.dir_status);
+    if (!per_dir || !t.dirs || !t.first || !t.dir_status) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t d = 0; d < t.ndirs; d++) {
+        per_dir[d] = PySequence_Fast(PySequence_Fast_GET_ITEM(lists, d), "names of a dir");
+        if (per_dir[d] == NULL || utf8_of(PySequence_Fast_GET_ITEM(dirs, d), &t.dirs[d]) < 0)
+            goto done;
+        t.first[d + 1] = t.first[d] + PySequence_Fast_GET_SIZE(per_dir[d]);
+        t.dir_status[d] = -2;
+    }
+    Py_ssize_t n = t.first[t.ndirs];
+    t.names = PyMem_Calloc((size_t)n + 1, sizeof *t.names);
+    t.status = PyMem_Calloc((size_t)n + 1, sizeof *t.status);
+    t.value = PyMem_Calloc((size_t)n + 1, sizeof *t.value);
+    if (!t.names || !t.status || !t.value) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t d = 0; d < t.ndirs; d++) {
+        for (Py_ssize_t i = t.first[d]; i < t.first[d + 1]; i++) {
+            PyObject *name = PySequence_Fast_GET_ITEM(per_dir[d], i - t.first[d]);
+            if (utf8_of(name, &t.names[i]) < 0)
+                goto done;
+            t.status[i] = NOT_REACHED;
+        }
+    }
+    size_t runs = ((size_t)t.ndirs + RUN - 1) / RUN;
+    if ((size_t)threads > runs)
+        threads = runs > 0 ? (int)runs : 1;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_t tids[MAX_THREADS];
+    int started = 0;
+    while (started < threads && pthread_create(&tids[started], NULL, tree_worker, &t) == 0)
+        started++;
+    if (started == 0) {
+        t.nice = 0;
+        tree_worker(&t);
+    }
+    for (int i = 0; i < started; i++)
+        pthread_join(tids[i], NULL);
+    Py_END_ALLOW_THREADS
+    out = tree_result(&t);
+done:
+    for (Py_ssize_t d = 0; per_dir && d < t.ndirs; d++)
+        Py_XDECREF(per_dir[d]);
+    PyMem_Free(per_dir);
+    PyMem_Free(t.dirs);
+    PyMem_Free(t.first);
+    PyMem_Free(t.dir_status);
+    PyMem_Free(t.names);
+    PyMem_Free(t.status);
+    PyMem_Free(t.value);
+    Py_XDECREF(lists);
+    Py_XDECREF(dirs);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"unlink_batch", unlink_batch, METH_VARARGS, unlink_batch_doc},
+    {"unlink_tree", unlink_tree, METH_VARARGS, unlink_tree_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "cachemgr.fs._unlink",
-    .m_doc = "Checked unlinks of a batch of names in one directory, without the GIL.",
+    .m_doc = "Checked unlinks of a batch of names in one directory or a tree, without the GIL.",
     .m_size = -1,
     .m_methods = methods,
 };

@@ -15,3 +15,19 @@ def unlink_batch(
     dry_run: bool,
     /,
 ) -> tuple[list[tuple[int, int]], bool]: ...
+def unlink_tree(
+    top_fd: int,
+    parent_fd: int,
+    leaf: str,
+    dev: int,
+    ino: int,
+    mnt: int,
+    dirs: Sequence[str],
+    names: Sequence[Sequence[str]],
+    min_age: float,
+    now: float,
+    threads: int,
+    nice: int,
+    dry_run: bool,
+    /,
+) -> tuple[list[tuple[int, list[tuple[int, int]]]], bool]: ...

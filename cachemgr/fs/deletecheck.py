@@ -98,25 +98,31 @@ def check_and_unlink(
         NICE, dry_run,
     )  # fmt: skip
     verdicts = iter(results)  # in the order of `shaped` (a name given twice gets two)
-    ok = []
+    ok: list[tuple[str, int]] = []
     for name, fit in zip(names, fits, strict=True):
-        status, value = next(verdicts) if fit else (None, 0)
-        if status is None:
+        if fit:
+            tally(name, *next(verdicts), ok, out)
+        else:
             out.refused.append((name, f"not {what}"))
-        elif status == DELETED:
-            ok.append((name, value))
-        elif status == VANISHED:
-            out.vanished.append(name)
-        elif status == YOUNG:
-            out.young += 1
-        elif status == NOT_REGULAR:
-            out.refused.append((name, "not a regular file"))
-        elif status == STAT_ERROR:
-            out.refused.append((name, f"cannot stat: {os.strerror(value)}"))
-        elif status == UNLINK_ERROR:
-            out.error = OSError(value, os.strerror(value), name)
-        # else NOT_REACHED: the part stopped first (the dir moved, or an unlink failed)
     return ok, moved
+
+
+def tally(name: str, status: int, value: int, ok: list[tuple[str, int]], out: Checked) -> None:
+    """Put one name's outcome from _unlink (status, value) in `ok` (deleted: name, size) or
+    `out`."""
+    if status == DELETED:
+        ok.append((name, value))
+    elif status == VANISHED:
+        out.vanished.append(name)
+    elif status == YOUNG:
+        out.young += 1
+    elif status == NOT_REGULAR:
+        out.refused.append((name, "not a regular file"))
+    elif status == STAT_ERROR:
+        out.refused.append((name, f"cannot stat: {os.strerror(value)}"))
+    elif status == UNLINK_ERROR and out.error is None:
+        out.error = OSError(value, os.strerror(value), name)
+    # else NOT_REACHED: the part stopped first (the dir moved, or an unlink failed)
 
 
 def too_young(mtime: float, min_age: float, now: float) -> bool:

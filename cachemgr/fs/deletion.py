@@ -6,8 +6,9 @@ Directories are opened component by component from the root with O_NOFOLLOW and 
 unlinked relative to that descriptor, so a symlink planted anywhere on the way (or swapped in
 while we work) makes the operation refuse instead of reaching outside the root. A nested
 format's names (paths below the namespace dir, cachemgr.backends.Nesting) must fit its dir
-levels and a vouched top dir; each dir's files then go as a flat dir's. Those dirs are never
-removed: the engine makes a hashed dir, then opens a file in it; an rmdir between would fail it.
+levels and a vouched top dir; many dirs' files go in one call into C (cachemgr.fs.treeunlink).
+Those dirs are never removed: the engine makes a hashed dir, then opens a file in it; an rmdir
+between would fail it.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from __future__ import annotations
 import os
 import stat
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,8 @@ from cachemgr.fs.deletecheck import (
     still_at,
 )
 from cachemgr.fs.safe import open_dir
-from cachemgr.fs.tree import by_dirs, may_unlink_in, orphan_identities, tree_names
+from cachemgr.fs.tree import by_dirs, orphan_identities, tree_names
+from cachemgr.fs.treeunlink import Part, check_and_unlink_dirs
 from cachemgr.layout import NS_DIR, check_ns_id
 from cachemgr.sglang.hicache import HICACHE_FILE
 
@@ -42,6 +44,9 @@ Progress = Callable[[int, int], None]  # (files so far, bytes so far)
 # A name that is no longer there, with the bytes its deletion freed (None: it had vanished).
 Removed = Callable[[str, int | None], None]
 PART = 256  # names checked and unlinked per call into C: how often the root path is re-checked
+# A nested format's unpaced parts are this many times larger: its C call checks every dir
+# below the namespace dir before each unlink, so the root's walk is only for the dirs above.
+NESTED_PART = 8
 # Unlinks at once, unpaced: on one thread the kernel's work per unlink is serialised on waits
 # (journal, inode eviction); a few threads in one dir ran 1.5-10x one (bench/RESULTS.md).
 THREADS = 8
@@ -106,41 +111,38 @@ def delete_files(
     fmt: FileFormat = HICACHE_FILE,
 ) -> DeleteReport:
     """Delete the named page/temp files of <root>/<rel_dir> (paths below it for a nested
-    format); anything else is refused.
+    format, whose dirs must fit its levels and a top dir an identity file vouches for);
+    anything else is refused.
 
     Stops (reported in `refused`) as soon as <root>/<rel_dir> is no longer the dir it was at
     the start: checked before each part of names (from the root, no link followed) and, by
-    its entry in its parent, before each unlink. `removed` hears every name that is gone
-    afterwards (so an index can drop it); not in a dry run. An unlink the kernel refuses (not
-    a vanished file) is raised once `removed` has heard everything gone before it.
+    its entry in its parent (and, nested, each dir below it by its own), before each unlink.
+    `removed` hears every name that is gone afterwards (so an index can drop it); not in a
+    dry run. An unlink the kernel refuses (not a vanished file) is raised once `removed` has
+    heard everything gone before it.
     """
-    names = list(names)
-    if fmt.nesting is not None:
-        return _delete_nested(root, rel_dir, names, fmt, dry_run=dry_run, min_age=min_age,
-                              pacer=pacer, progress=progress, now=now, removed=removed)  # fmt: skip
     paced = pacer is not None and bool(pacer.rate)
     # Unpaced, parts of PART names are unlinked on THREADS threads; paced, a part is one
     # pacer batch on one thread, so the pacer's sleeps fall between parts.
     step = min(PART, pacer.batch) if pacer is not None and paced else PART
-    files = size = 0
     checked = Checked()
     ours = names_of(fmt)
-    # never a path: unlinkat would walk its dirs, links and all
-    checked.refused.extend((n, f"not a file name of {fmt.name}") for n in names if "/" in n)
-    names = [n for n in names if "/" not in n]
     parent, _, leaf = rel_dir.rpartition("/")
     if not leaf:
         raise UnsafePathError(f"{rel_dir!r}: no directory to delete files from")
+    files = size = 0
     stopped = False
     with open_dir(root, rel_dir) as fd, open_dir(root, parent) as parent_fd:
         where = Where(fd, parent_fd, leaf, dir_id(fd))
-        for i in range(0, len(names), step):
+        # nested and unpaced: larger parts (the C call re-checks the dirs below rel_dir itself)
+        parts, unlink = _parts(fd, list(names), fmt, step, 1 if paced else NESTED_PART, checked)
+        for part in parts:
             if not dry_run and not still_at(root, rel_dir, where.here):
                 stopped = True
                 break
-            ok, stopped = check_and_unlink(
-                where, names[i : i + step], min_age=min_age, now=now(),
-                threads=1 if paced else THREADS, dry_run=dry_run, out=checked, ours=ours,
+            ok, stopped = unlink(
+                where, part, min_age=min_age, now=now(), threads=1 if paced else THREADS,
+                dry_run=dry_run, out=checked, ours=ours,
             )  # fmt: skip
             for name, nbytes in ok:
                 if not dry_run:
@@ -167,40 +169,34 @@ def delete_files(
     return DeleteReport(files, size, len(checked.vanished), checked.young, refused, dry_run)
 
 
-def _delete_nested(
-    root: Path, rel_dir: str, names: list[str], fmt: FileFormat, *, progress: Progress | None,
-    removed: Removed | None, **flat: Any,
-) -> DeleteReport:  # fmt: skip
-    """delete_files for a nested format, a dir at a time; a name whose dirs do not fit the
-    format, or whose top dir no identity file vouches for, is refused."""
-    with open_dir(root, rel_dir) as fd:
-        by_dir, bad = by_dirs(fd, names, fmt)
-    bad = [f"{rel_dir}/{name}: not a file of {fmt.name} in a folder it vouches for" for name in bad]
-    dry_run = bool(flat["dry_run"])
-    total = DeleteReport(refused=tuple(bad), dry_run=dry_run)
-    for sub, files in by_dir.items():
-        try:
-            may_unlink_in(root, rel_dir, sub)  # its mount, and unlinks allowed: a dry run asks too
-            total += delete_files(
-                root, f"{rel_dir}/{sub}", files, fmt=replace(fmt, nesting=None),
-                progress=_shifted(progress, total), removed=_under(removed, sub), **flat,
-            )  # fmt: skip
-        except FileNotFoundError:  # the dir went, and its files with it
-            if removed is not None and not dry_run:
-                for name in files:
-                    removed(f"{sub}/{name}", None)
-            total += DeleteReport(vanished=len(files))
-        except (UnsafePathError, PermissionError) as e:  # a link, a file, a dir we may not write
-            total += DeleteReport(refused=(f"{rel_dir}/{sub}: {e}",))
-    return total
+def _parts(
+    fd: int, names: list[str], fmt: FileFormat, step: int, grow: int, checked: Checked
+) -> tuple[Iterator[Any], Callable[..., tuple[list[tuple[str, int]], bool]]]:
+    """The parts of `names` to unlink in turn, and what unlinks one: names of the dir itself
+    (never a path: unlinkat would walk its dirs, links and all), or a nested format's dirs
+    with their names, in order of their paths (neighbours share their upper dirs' opens)."""
+    if fmt.nesting is None:
+        why = f"not a file name of {fmt.name}"
+        checked.refused.extend((n, why) for n in names if "/" in n)
+        names = [n for n in names if "/" not in n]
+        return (names[i : i + step] for i in range(0, len(names), step)), check_and_unlink
+    by_dir, bad = by_dirs(fd, names, fmt)
+    why = f"not a file of {fmt.name} in a folder it vouches for"
+    checked.refused.extend((name, why) for name in bad)
+    return _dir_parts(sorted(by_dir.items()), step * grow), check_and_unlink_dirs
 
 
-def _shifted(progress: Progress | None, before: DeleteReport) -> Progress | None:
-    return progress and (lambda f, n: progress(before.files + f, before.bytes + n))
-
-
-def _under(removed: Removed | None, sub: str) -> Removed | None:
-    return removed and (lambda name, size: removed(f"{sub}/{name}", size))
+def _dir_parts(dirs: list[tuple[str, list[str]]], step: int) -> Iterator[Part]:
+    part: Part = []
+    count = 0
+    for sub, files in dirs:
+        part.append((sub, files))
+        count += len(files)
+        if count >= step:
+            yield part
+            part, count = [], 0
+    if part:
+        yield part
 
 
 def delete_dir(

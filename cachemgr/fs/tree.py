@@ -115,16 +115,6 @@ def on_mount(root: Path, ns_rel: str, sub: str) -> None:
             raise UnsafePathError("on another mount than its namespace dir")
 
 
-def may_unlink_in(root: Path, ns_rel: str, sub: str) -> None:
-    """`on_mount`, and PermissionError unless this process may unlink in that dir: write and
-    search permission for its effective ids, no immutable flag (faccessat; a sticky dir's other
-    owners aside). A dry run asks too, so it counts no file its real run is refused."""
-    on_mount(root, ns_rel, sub)
-    with open_dir(root, f"{ns_rel}/{sub}") as fd:
-        if not os.access(".", os.W_OK | os.X_OK, dir_fd=fd, effective_ids=True):
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
-
-
 def by_dirs(ns_fd: int, paths: list[str], fmt: FileFormat) -> tuple[ByDir, list[str]]:
     """Paths below namespace dir `ns_fd`, grouped by dir ({dirs: [file names]}), and those whose
     dirs do not fit `fmt`'s nesting or whose top dir no identity file vouches for."""

@@ -1,0 +1,73 @@
+"""What a deletion checks in a nested format's dirs (vLLM's hashed dirs), for many dirs at once:
+the names' shape here, then in C (_unlink.unlink_tree), without the GIL: each dir opened a
+component at a time from the namespace dir (no symlink, not on another mount), and per file
+the checks of deletecheck.check_and_unlink plus every component still in its parent's entry.
+
+vLLM's layout holds a block or two per dir: a C call (and a walk from the root) per dir cost
+more than the unlinks did (bench/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+from cachemgr.fs._dirscan import mount_id
+from cachemgr.fs._unlink import unlink_tree
+from cachemgr.fs.deletecheck import NICE, UNLINK_ERROR, Checked, Names, Where, tally
+
+Part = list[tuple[str, list[str]]]  # (dir below the namespace dir, file names in it)
+ON_ANOTHER_MOUNT, NOT_REACHED_DIR = -1, -2  # unlink_tree's dir statuses besides errnos
+# The user's own doing (a chmod, a link or a file where a dir should be): that dir stays,
+# reported; any other failure ends the run, as in a flat dir.
+REFUSED_DIR = {errno.EACCES, errno.EPERM, errno.ELOOP, errno.ENOTDIR, ON_ANOTHER_MOUNT}
+REFUSED_UNLINK = {errno.EACCES, errno.EPERM}
+
+
+def check_and_unlink_dirs(
+    where: Where,
+    part: Part,
+    *,
+    min_age: float,
+    now: float,
+    threads: int,
+    dry_run: bool,
+    out: Checked,
+    ours: Names,
+) -> tuple[list[tuple[str, int]], bool]:
+    """check_and_unlink for the files of several dirs below `where` (names come back as paths
+    below it): (path, size) of those deleted, and whether a dir left its parent's entry."""
+    accepts, what = ours
+    shaped: list[list[str]] = []
+    for sub, names in part:
+        fits = [os.sep not in n and accepts(n) for n in names]
+        for name, fit in zip(names, fits, strict=True):
+            if not fit:
+                out.refused.append((f"{sub}/{name}", f"not {what}"))
+        shaped.append([n for n, fit in zip(names, fits, strict=True) if fit])
+    results, moved = unlink_tree(
+        where.fd, where.parent_fd, where.leaf, *where.here, mount_id(where.fd),
+        [sub for sub, _ in part], shaped, min_age, now, threads, NICE, dry_run,
+    )  # fmt: skip
+    ok: list[tuple[str, int]] = []
+    for (sub, _), names, (dir_status, verdicts) in zip(part, shaped, results, strict=True):
+        if dir_status == errno.ENOENT:  # the dir went, and its files with it
+            out.vanished.extend(f"{sub}/{n}" for n in names)
+        elif dir_status in REFUSED_DIR:
+            out.refused.append((sub, _why_not(dir_status)))
+        elif dir_status not in (0, NOT_REACHED_DIR) and out.error is None:
+            out.error = OSError(dir_status, os.strerror(dir_status), sub)
+        for name, (status, value) in zip(names, verdicts, strict=True):
+            if status == UNLINK_ERROR and value in REFUSED_UNLINK:  # a dir we may not write in
+                out.refused.append((f"{sub}/{name}", f"cannot unlink: {os.strerror(value)}"))
+            else:
+                tally(f"{sub}/{name}", status, value, ok, out)
+    return ok, moved
+
+
+def _why_not(dir_status: int) -> str:
+    if dir_status == ON_ANOTHER_MOUNT:
+        return "on another mount than its namespace dir; not entered"
+    if dir_status in (errno.ELOOP, errno.ENOTDIR):
+        return "not a directory (a symlink?); not entered"
+    return f"not entered: {os.strerror(dir_status)}"

@@ -1,0 +1,81 @@
+"""Deleting a vLLM namespace's blocks many hashed dirs per call into C (cachemgr.fs.treeunlink,
+_unlink.unlink_tree): only blocks and temps of vouched dirs, never through a symlink at any
+level, a dry run that says what the real run does, and a stop when a dir is moved away."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from cachemgr.fs._dirscan import mount_id
+from cachemgr.fs._unlink import unlink_tree
+from cachemgr.fs.deletecheck import NOT_REACHED
+from cachemgr.fs.deletion import Pacer, delete_files
+from cachemgr.fs.dirscan import list_files
+from cachemgr.layout import Layout
+from cachemgr.vllm.fstier import VLLM_FS_TIER
+from tests.nsfixtures import snapshot
+from tests.test_vllm_scan_threads import NS, hostile_tree
+from tests.vllmtrees import key
+
+FMT = VLLM_FS_TIER
+
+
+def test_blocks_and_temps_go_and_nothing_else_dry_run_alike(tmp_path: Path) -> None:
+    root, d, folder, blocks = hostile_tree(tmp_path)
+    listed = [f.name for f in list_files(Layout.at(root), f"ns/{NS}", fmt=FMT)]
+    assert len(listed) == 291  # 290 blocks and a temp
+    rank = f"{folder}_r0"
+    hhh = blocks[3].split("/")[1]
+    hostile = [
+        f"{rank}/fff/{blocks[2].split('/', 2)[2]}",  # through a linked <hhh> dir
+        f"{rank}/{hhh}/ff_g0/{key(4)}.bin",  # through a linked leaf dir
+        f"{blocks[5].rpartition('/')[0]}/{key(9999)}.bin",  # a block name that is a link
+        f"{rank}/{hhh}/zz_g0/{key(0)}.bin",  # a dir that does not fit its level
+        f"{folder}_r2/{blocks[0].split('/', 1)[1]}",  # a rank dir that is a link
+        f"{rank}/{key(0)}.bin",  # a block name at a dir level
+        f"{blocks[0].rpartition('/')[0]}/{key(0)[:63]}.bin",  # not a block name
+        f"{folder}/config.json",
+    ]
+    outside, before = tmp_path / "outside", snapshot(tmp_path / "outside")
+    keep = {p for p in snapshot(d) if p not in listed}
+    dry = delete_files(root, f"ns/{NS}", [*listed, *hostile], fmt=FMT, dry_run=True)
+    real = delete_files(root, f"ns/{NS}", [*listed, *hostile], fmt=FMT)
+    assert (dry.files, dry.bytes, dry.refused) == (real.files, real.bytes, real.refused)
+    assert real.files == 291 and len(real.refused) == len(hostile), real.refused
+    assert snapshot(outside) == before
+    assert set(snapshot(d)) == keep
+
+
+def test_a_top_dir_no_longer_in_its_parent_stops_every_unlink(tmp_path: Path) -> None:
+    root, d, _, blocks = hostile_tree(tmp_path)
+    dirs = sorted({b.rpartition("/")[0] for b in blocks})
+    names = [[b.rpartition("/")[2] for b in blocks if b.startswith(s + "/")] for s in dirs]
+    top = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    parent = os.open(d.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        other = os.stat(root)  # the entry must be (dev, inode) of ns/<id>; this is not it
+        results, moved = unlink_tree(top, parent, d.name, other.st_dev, other.st_ino,
+                                     mount_id(top), dirs, names, 0.0, 0.0, 8, 0, False)  # fmt: skip
+    finally:
+        os.close(top)
+        os.close(parent)
+    assert moved
+    assert {s for _, verdicts in results for s, _ in verdicts} == {NOT_REACHED}
+    assert all((d / b).is_file() for b in blocks)
+
+
+def test_a_rank_dir_swapped_for_a_link_mid_run_is_not_followed(tmp_path: Path) -> None:
+    root, d, folder, blocks = hostile_tree(tmp_path)
+    rank, away = d / f"{folder}_r0", tmp_path / "moved-away"
+
+    def swap(_: float) -> None:  # between two parts: what a co-tenant's mv + ln -s does
+        if not away.exists():
+            rank.rename(away)
+            rank.symlink_to(away)
+
+    pacer = Pacer(rate=1e-3, batch=1, sleep=swap)
+    report = delete_files(root, f"ns/{NS}", blocks, fmt=FMT, pacer=pacer)
+    left = sum((away / b.split("/", 1)[1]).is_file() for b in blocks)
+    assert report.files + left == len(blocks) and left > 200
+    assert any("not a directory" in why for why in report.refused), report.refused
