@@ -343,3 +343,35 @@ def test_only_namespaces_the_model_held_as_the_index_does_are_restored(
     model.add("other", "ab" * 32 + SUFFIX, 64, 1, seq=500, at=0.0)  # (its scan had failed)
     modelfile.save(model, tmp_path / "m", store, [NS])
     assert modelfile.restore(ChainModel(), tmp_path / "m", store) == {NS}  # "other": loaded
+
+
+def test_a_save_killed_midway_leaves_no_temp_file_for_ever(tmp_path: Path) -> None:
+    """A kill -9 during the save at a stop (a supervisor's stop timeout runs out just then)
+    leaves write_atomic's temp file, as big as the model, in the state dir on the server's
+    filesystem: the next save removes it. Only that: not a symlink of its shape (nor its
+    target), not another file's temp, not one young enough to be a save in progress."""
+    layout, d = _root(tmp_path)
+    with running_daemon(_settings(layout)) as dm:
+        _serve(dm, d, 1, 2)
+    state = layout.state_dir
+    killed = state / f".{layout.model_snapshot.name}.0123456789ab.tmp-cachemgr"
+    killed.write_bytes(layout.model_snapshot.read_bytes()[:5000])  # a save cut short
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"not cachemgr's")
+    link = state / f".{layout.model_snapshot.name}.ba9876543210.tmp-cachemgr"
+    link.symlink_to(outside)
+    other = state / ".state.db.0123456789ab.tmp-cachemgr"
+    other.write_bytes(b"x")
+    young = state / f".{layout.model_snapshot.name}.00000000000a.tmp-cachemgr"
+    young.write_bytes(b"x")
+    hour_ago = os.stat(killed).st_mtime - 3600
+    for p in (killed, other):
+        os.utime(p, (hour_ago, hour_ago))
+    os.utime(link, (hour_ago, hour_ago), follow_symlinks=False)
+    with running_daemon(_settings(layout)) as dm:
+        _serve(dm, d, 3, 1)
+    assert not killed.exists()
+    assert link.is_symlink() and outside.read_bytes() == b"not cachemgr's"
+    assert other.exists() and young.exists()
+    with sqlite3.connect(layout.db_path) as conn:  # and the snapshot was saved (stamped)
+        assert conn.execute("SELECT count(*) FROM model_stamp").fetchone() == (1,)
