@@ -135,6 +135,14 @@ def _missing(path: Path, store: Store) -> None:
     path.unlink()
 
 
+def _symlink(path: Path, store: Store) -> None:
+    """The valid file moved out of the state dir and a link to it put in its place."""
+    away = path.parent / "elsewhere"
+    away.mkdir()
+    path.rename(away / path.name)
+    path.symlink_to(away / path.name)
+
+
 @pytest.mark.parametrize(
     "damage",
     [
@@ -147,6 +155,7 @@ def _missing(path: Path, store: Store) -> None:
         _index_changed,
         _older_file,
         _missing,
+        _symlink,
     ],
 )
 def test_a_damaged_or_stale_snapshot_is_not_used(
@@ -333,6 +342,16 @@ def test_no_snapshot_takes_the_last_of_the_disk(tmp_path: Path, store: Store) ->
         assert modelfile.restore(ChainModel(), small / "chain-model.snapshot", store) == {NS}
     finally:
         subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+def test_a_save_replaces_a_link_at_its_path_not_its_target(tmp_path: Path, store: Store) -> None:
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"not cachemgr's")
+    path = tmp_path / "chain-model.snapshot"
+    path.symlink_to(outside)
+    modelfile.save(ChainModel(), path, store, [])
+    assert outside.read_bytes() == b"not cachemgr's"
+    assert not path.is_symlink() and path.read_bytes().startswith(modelfile.MAGIC)
 
 
 def test_only_namespaces_the_model_held_as_the_index_does_are_restored(
