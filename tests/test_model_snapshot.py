@@ -108,6 +108,12 @@ def _huge_array(path: Path, store: Store) -> None:
     _header(path, {"table": 2**40})
 
 
+def _huge_sparse(path: Path, store: Store) -> None:
+    """A length the file holds, as a hole: more memory than the machine has."""
+    _header(path, {"table": 2**40})
+    os.truncate(path, 2**43)
+
+
 def _short_array(path: Path, store: Store) -> None:
     _header(path, {"segments": 1})  # the arrays after it read shifted: the CRC fails
 
@@ -150,6 +156,7 @@ def _symlink(path: Path, store: Store) -> None:
         _garble,
         _huge_length,
         _huge_array,
+        _huge_sparse,
         _short_array,
         _append,
         _index_changed,

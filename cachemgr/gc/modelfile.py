@@ -145,7 +145,9 @@ def restore(model: ChainModel, path: Path, store: Store) -> set[str]:
     try:
         with open(open_file(path, 0), "rb") as f:  # (O_RDONLY, no symlink followed)
             exact = _read(model, f, token)
-    except (OSError, EOFError, ValueError, KeyError, TypeError, CachemgrError) as e:
+    # MemoryError: a length within a file with holes (a sparse file planted or grown there)
+    # that no machine holds; the lengths of a file we wrote fit in the memory it came from.
+    except (OSError, EOFError, ValueError, KeyError, TypeError, MemoryError, CachemgrError) as e:
         log.warning("chain model snapshot not used; loading from the index",
                     extra={"path": str(path), "error": str(e)})  # fmt: skip
         return set()
