@@ -105,7 +105,10 @@ def _sweep_temps(path: Path) -> None:
         with open_dir(path.parent, "") as fd, os.scandir(fd) as entries:
             names = [e.name for e in entries if e.name.startswith(prefix) and is_own_temp(e.name)]
         if names:
-            delete_own_temps(path.parent, "", names, older_than=STALE_TEMP)
+            r = delete_own_temps(path.parent, "", names, older_than=STALE_TEMP)
+            if r.files:
+                log.info("chain model temp files of killed saves deleted",
+                         extra={"files": r.files, "bytes": r.bytes})  # fmt: skip
     except (OSError, CachemgrError) as e:  # (the save goes on: the write says if it can)
         log.warning("chain model temp files not removed", extra={"error": str(e)})
 
