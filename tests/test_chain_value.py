@@ -5,10 +5,16 @@ it after its head was evicted, not by the recency of its last page alone."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
+from cachemgr.daemon.events import Kind
+from cachemgr.daemon.page_events import PageEvents
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.history import History
-from cachemgr.gc.value import _prior, _value
+from cachemgr.gc.value import _prior, _value, eviction_order
+from cachemgr.state.index import scan_namespace
+from cachemgr.state.store import Store
+from tests.gc_helpers import NS, Tree, page
 from tests.test_chains import KEY_LEN, SUFFIX, Stream, key, order
 
 
@@ -98,3 +104,53 @@ def test_silence_lowers_a_chains_value_and_returns_raise_it() -> None:
     assert _value(prior, 5, 500, 0) > _value(prior, 5, 500, 100) > _value(prior, 5, 500, 5000)
     assert _value(prior, 10, 500, 100) > _value(prior, 2, 500, 100)
     assert _value(prior, 0, 0, 10**12) >= 0.0  # no overflow, however long the silence
+
+
+def test_a_chain_back_after_the_index_was_rebuilt_is_valued_without_error(tmp_path: Path) -> None:
+    """The state DB deleted or moved aside as corrupt while the daemon runs: the index thread
+    rebuilds it from disk and feeds the same model (cachemgr.daemon.indexer._build), whose
+    history remembers chain heads by the access sequence of before. A remembered chain that
+    comes back must neither take a birth after its last use (the order divided by zero or
+    valued it below nothing) nor stop the order."""
+    tree = Tree.at(tmp_path / "root")
+    names = [page(0, model="head"), *(page(i) for i in range(1, 60))]  # 0: a stream of its own
+    tree.write(NS, names[10:], at=1.0)  # the clock moves on: the head is born late
+    tree.write(NS, names[:1], at=2.0)
+    for t in range(3):
+        tree.read(NS, names[:1], at=3.0 + t)
+    model = tree.rec.model
+    (tree.layout.ns_dir(NS) / names[0]).unlink()
+    tree.rec.apply([(Kind.GONE, NS, names[0], 0.0)], now=7.0)  # remembered: read thrice
+    tree.store.close()
+    tree.layout.db_path.unlink()  # the DB lost: a fresh one, rebuilt from disk
+    tree.store = Store.open(tree.layout.db_path)
+    try:
+        _after_rebuild(tree, model, names[0])
+    finally:
+        tree.store.close()
+
+
+def _after_rebuild(tree: Tree, model: ChainModel, name: str) -> None:
+    tree.rec = PageEvents(tree.layout, tree.store, model)
+    scan_namespace(tree.layout, tree.store, NS, now=lambda: 8.0)
+    model.load(tree.store.conn, NS)
+    tree.write(NS, [name], at=9.0)  # the chain comes back
+    head = model.pages[NS, f"{0:064x}"]
+    assert head.reads == 4 and head.born <= head.last
+    assert len(list(eviction_order(model, before=math.inf))) == 51
+
+
+def test_an_index_row_born_after_its_last_use_does_not_stop_the_order(tmp_path: Path) -> None:
+    """An index edited by hand or damaged short of corrupt: a page whose birth comes after
+    its last access. The order counts no exposure for it rather than divide by zero."""
+    tree = Tree.at(tmp_path / "root")
+    try:
+        tree.write(NS, [page(1, model="a")], at=1.0)
+        tree.write(NS, [page(2, model="b")], at=2.0)
+        with tree.store.transaction() as conn:
+            conn.execute("UPDATE pages SET born_seq = access_seq + 1 WHERE name = ?",
+                         (page(1, model="a"),))  # fmt: skip
+        model = ChainModel.from_index(tree.store.conn, [NS])
+    finally:
+        tree.store.close()
+    assert [v.key for v in eviction_order(model, before=math.inf)] == [f"{1:064x}", f"{2:064x}"]

@@ -31,3 +31,24 @@ def test_a_serving_daemon_keeps_start_up_objects_out_of_full_collections(
         del tracked
     assert gc.get_freeze_count() == 0  # stopped: all of it is the collector's again
     assert sys.getswitchinterval() == before
+
+
+def test_a_daemon_stopping_leaves_another_one_serving_as_it_was(tmp_path: Path) -> None:
+    """Two daemons in one process (as in tests, or an embedding): the first to stop must not
+    take the 1 ms switch interval and the frozen start-up objects from the one still serving;
+    the last to stop gives both back."""
+    before = sys.getswitchinterval()
+    roots = []
+    for name in ("a", "b"):
+        layout = Layout.at(tmp_path / name)
+        create_root(layout)
+        store_page(register_namespace(layout, NS_A, instance="gpu0"), page_name(0))
+        roots.append(layout.root)
+    with running_daemon(load_settings(root=roots[0])) as first:
+        with running_daemon(load_settings(root=roots[1])) as second:
+            assert second.get("/metrics").status_code == 200
+        assert first.get("/metrics").status_code == 200
+        assert sys.getswitchinterval() == 0.001
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
+    assert sys.getswitchinterval() == before

@@ -108,6 +108,12 @@ def _huge_array(path: Path, store: Store) -> None:
     _header(path, {"table": 2**40})
 
 
+def _huge_sparse(path: Path, store: Store) -> None:
+    """A length the file holds, as a hole: more memory than the machine has."""
+    _header(path, {"table": 2**40})
+    os.truncate(path, 2**43)
+
+
 def _short_array(path: Path, store: Store) -> None:
     _header(path, {"segments": 1})  # the arrays after it read shifted: the CRC fails
 
@@ -135,6 +141,14 @@ def _missing(path: Path, store: Store) -> None:
     path.unlink()
 
 
+def _symlink(path: Path, store: Store) -> None:
+    """The valid file moved out of the state dir and a link to it put in its place."""
+    away = path.parent / "elsewhere"
+    away.mkdir()
+    path.rename(away / path.name)
+    path.symlink_to(away / path.name)
+
+
 @pytest.mark.parametrize(
     "damage",
     [
@@ -142,11 +156,13 @@ def _missing(path: Path, store: Store) -> None:
         _garble,
         _huge_length,
         _huge_array,
+        _huge_sparse,
         _short_array,
         _append,
         _index_changed,
         _older_file,
         _missing,
+        _symlink,
     ],
 )
 def test_a_damaged_or_stale_snapshot_is_not_used(
@@ -335,6 +351,16 @@ def test_no_snapshot_takes_the_last_of_the_disk(tmp_path: Path, store: Store) ->
         subprocess.run(["umount", "-l", str(small)], check=False)
 
 
+def test_a_save_replaces_a_link_at_its_path_not_its_target(tmp_path: Path, store: Store) -> None:
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"not cachemgr's")
+    path = tmp_path / "chain-model.snapshot"
+    path.symlink_to(outside)
+    modelfile.save(ChainModel(), path, store, [])
+    assert outside.read_bytes() == b"not cachemgr's"
+    assert not path.is_symlink() and path.read_bytes().startswith(modelfile.MAGIC)
+
+
 def test_only_namespaces_the_model_held_as_the_index_does_are_restored(
     tmp_path: Path, store: Store
 ) -> None:
@@ -343,3 +369,35 @@ def test_only_namespaces_the_model_held_as_the_index_does_are_restored(
     model.add("other", "ab" * 32 + SUFFIX, 64, 1, seq=500, at=0.0)  # (its scan had failed)
     modelfile.save(model, tmp_path / "m", store, [NS])
     assert modelfile.restore(ChainModel(), tmp_path / "m", store) == {NS}  # "other": loaded
+
+
+def test_a_save_killed_midway_leaves_no_temp_file_for_ever(tmp_path: Path) -> None:
+    """A kill -9 during the save at a stop (a supervisor's stop timeout runs out just then)
+    leaves write_atomic's temp file, as big as the model, in the state dir on the server's
+    filesystem: the next save removes it. Only that: not a symlink of its shape (nor its
+    target), not another file's temp, not one young enough to be a save in progress."""
+    layout, d = _root(tmp_path)
+    with running_daemon(_settings(layout)) as dm:
+        _serve(dm, d, 1, 2)
+    state = layout.state_dir
+    killed = state / f".{layout.model_snapshot.name}.0123456789ab.tmp-cachemgr"
+    killed.write_bytes(layout.model_snapshot.read_bytes()[:5000])  # a save cut short
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"not cachemgr's")
+    link = state / f".{layout.model_snapshot.name}.ba9876543210.tmp-cachemgr"
+    link.symlink_to(outside)
+    other = state / ".state.db.0123456789ab.tmp-cachemgr"
+    other.write_bytes(b"x")
+    young = state / f".{layout.model_snapshot.name}.00000000000a.tmp-cachemgr"
+    young.write_bytes(b"x")
+    hour_ago = os.stat(killed).st_mtime - 3600
+    for p in (killed, other):
+        os.utime(p, (hour_ago, hour_ago))
+    os.utime(link, (hour_ago, hour_ago), follow_symlinks=False)
+    with running_daemon(_settings(layout)) as dm:
+        _serve(dm, d, 3, 1)
+    assert not killed.exists()
+    assert link.is_symlink() and outside.read_bytes() == b"not cachemgr's"
+    assert other.exists() and young.exists()
+    with sqlite3.connect(layout.db_path) as conn:  # and the snapshot was saved (stamped)
+        assert conn.execute("SELECT count(*) FROM model_stamp").fetchone() == (1,)

@@ -119,3 +119,29 @@ def test_a_folder_vouched_for_late_is_indexed_and_watched_at_the_next_rescan(
         assert got[3] in (5, 8)
     finally:
         ix.stop()
+
+
+def test_a_manifest_damaged_while_the_daemon_runs_keeps_the_namespace_indexed(
+    layout: Layout, store: Store, reader: sqlite3.Connection
+) -> None:
+    """The manifest says the namespace is vLLM's. Damaged later (an operator's edit, a newer
+    cachemgr's version) it says nothing: the next rescan must not read the dir as SGLang's
+    (a flat dir of no page) and drop every block from the index and the chain model, where
+    GC would never find them again; the format last read stays."""
+    ns, d, folder = vllm_tree(layout, store)
+    blocks = [block_path(folder, key(i)) for i in range(5)]
+    for rel in blocks:
+        vllm_store(d, rel, SIZE)
+    ix = start(layout, store)
+    try:
+        wait_for(lambda: ns_stats(reader, ns), lambda s: s[:2] == (5, 5 * SIZE))
+        layout.manifest(ns).write_text("{not json")
+        scans = ix.state.scans
+        ix.request_rescan(ns)
+        wait_for(lambda: ix.state.scans, lambda n: n > scans, what="the rescan")
+        assert ns_stats(reader, ns)[:2] == (5, 5 * SIZE)
+        assert len([p for p in ix.model.pages if p[0] == ns]) == 5
+        vllm_store(d, block_path(folder, key(5)), SIZE)  # and it is still watched nested
+        wait_for(lambda: ns_stats(reader, ns), lambda s: s[:2] == (6, 6 * SIZE))
+    finally:
+        ix.stop()

@@ -28,6 +28,7 @@ import ctypes
 import ctypes.util
 import gc
 import sys
+import threading
 
 
 def _malloc_trim() -> ctypes._NamedFuncPointer | None:
@@ -47,7 +48,8 @@ def trim() -> None:
 
 
 SWITCH_INTERVAL = 0.001  # seconds a thread runs Python before a waiting one gets the GIL
-_DEFAULT_SWITCH = sys.getswitchinterval()
+_serving = [0, sys.getswitchinterval()]  # daemons serving in this process; the interval before
+_lock = threading.Lock()
 
 
 def start_serving() -> None:
@@ -55,12 +57,20 @@ def start_serving() -> None:
     The objects are still freed when nothing refers to them; only cycles among them that are
     (or become) garbage stay until `stop_serving` (start-up garbage is small: a `gc.collect()`
     first would add its own pause to every start, and a test process starts hundreds)."""
-    gc.freeze()
-    sys.setswitchinterval(SWITCH_INTERVAL)
+    with _lock:
+        if not _serving[0]:
+            _serving[1] = sys.getswitchinterval()
+        _serving[0] += 1
+        gc.freeze()
+        sys.setswitchinterval(SWITCH_INTERVAL)
 
 
 def stop_serving() -> None:
-    """Undo `start_serving` (the daemon stops: in a process that goes on, as a test's, what
-    the daemon left in cycles is collected again)."""
-    gc.unfreeze()
-    sys.setswitchinterval(_DEFAULT_SWITCH)
+    """Undo `start_serving` once the last daemon of the process stops (in a process that goes
+    on, as a test's, what the daemons left in cycles is collected again); one still serving
+    keeps both."""
+    with _lock:
+        _serving[0] = max(_serving[0] - 1, 0)
+        if not _serving[0]:
+            gc.unfreeze()
+            sys.setswitchinterval(_serving[1])

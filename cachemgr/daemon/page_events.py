@@ -52,8 +52,8 @@ class PageEvents:
         reads again and link its first page to its last)."""
         if not events:
             return {}
-        if self._next is None:
-            self._next = pages_sql.max_access_seq(self.store.conn) + 1
+        if self._next is None:  # (never below the model's: it outlives a DB rebuilt from disk)
+            self._next = max(pages_sql.max_access_seq(self.store.conn), self.model.clock) + 1
         b = self._unsaved
         if b is None or events[: len(b.events)] != b.events:
             b = _Batch()

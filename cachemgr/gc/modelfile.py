@@ -38,7 +38,8 @@ from typing import Any
 
 from cachemgr.errors import CachemgrError
 from cachemgr.fs.atomic import write_atomic
-from cachemgr.fs.safe import open_file
+from cachemgr.fs.deletion import delete_own_temps
+from cachemgr.fs.safe import is_own_temp, open_dir, open_file
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.pagestore import COLUMNS, KEY_BYTES, NONE, PageStore
 from cachemgr.state import pages_sql
@@ -53,6 +54,7 @@ _CRC = struct.Struct("<I")  # the CRC-32 of everything before it, at the end
 _SAVED = tuple(c for c in COLUMNS if c not in ("cand", "cand_sfx"))  # (salted hashes: not kept)
 _SEGMENTS = (("leaf", "i"), ("top", "i"), ("last", "q"), ("when", "d"))
 ROOM = 4  # times the file's size that must be free to write it: it never takes the disk's last
+STALE_TEMP = 600.0  # seconds unchanged after which a temp file of the model is a dead save's
 
 
 class SnapshotInvalid(ValueError):
@@ -75,6 +77,7 @@ def save(model: ChainModel, path: Path, store: Store, exact: Iterable[str]) -> N
         with store.transaction() as conn, model.lock:
             parts = _encode(model, token, sorted(exact))
             try:
+                _sweep_temps(path)
                 size = sum(part.nbytes for part in parts)
                 if shutil.disk_usage(path.parent).free < ROOM * size:  # (the server writes there)
                     raise OSError(errno.ENOSPC, f"less than {ROOM}x its {size} bytes free")
@@ -90,6 +93,24 @@ def save(model: ChainModel, path: Path, store: Store, exact: Iterable[str]) -> N
         log.warning("chain model not saved", extra={"path": str(path), "error": str(e)})
         return
     log.info("chain model saved", extra={"pages": model.store.count, "path": str(path)})
+
+
+def _sweep_temps(path: Path) -> None:
+    """Delete the temp files of saves killed midway (a supervisor's stop timeout runs out
+    while the model is written): each is as big as the model, and nothing else removes them
+    from the state dir. Only this file's, only regular files, only old ones (one changed
+    lately may be a save in progress of a daemon of another machine on the same state dir)."""
+    prefix = f".{path.name}."
+    try:
+        with open_dir(path.parent, "") as fd, os.scandir(fd) as entries:
+            names = [e.name for e in entries if e.name.startswith(prefix) and is_own_temp(e.name)]
+        if names:
+            r = delete_own_temps(path.parent, "", names, older_than=STALE_TEMP)
+            if r.files:
+                log.info("chain model temp files of killed saves deleted",
+                         extra={"files": r.files, "bytes": r.bytes})  # fmt: skip
+    except (OSError, CachemgrError) as e:  # (the save goes on: the write says if it can)
+        log.warning("chain model temp files not removed", extra={"error": str(e)})
 
 
 def _encode(model: ChainModel, token: str, exact: list[str]) -> list[memoryview]:
@@ -127,7 +148,9 @@ def restore(model: ChainModel, path: Path, store: Store) -> set[str]:
     try:
         with open(open_file(path, 0), "rb") as f:  # (O_RDONLY, no symlink followed)
             exact = _read(model, f, token)
-    except (OSError, EOFError, ValueError, KeyError, TypeError, CachemgrError) as e:
+    # MemoryError: a length within a file with holes (a sparse file planted or grown there)
+    # that no machine holds; the lengths of a file we wrote fit in the memory it came from.
+    except (OSError, EOFError, ValueError, KeyError, TypeError, MemoryError, CachemgrError) as e:
         log.warning("chain model snapshot not used; loading from the index",
                     extra={"path": str(path), "error": str(e)})  # fmt: skip
         return set()

@@ -148,9 +148,12 @@ def _segments(
             if cache is not None and len(path) > CACHED and path[-1] == top:
                 cache[leaf] = (top, last, when)  # (the whole segment: none of it is young)
     reads, born = st.reads, st.born
-    prior = _prior([(reads[top], clock - born[top]) for _, _, top, _, _, _ in raw])
+    # (A birth after the last use, from an index edited or damaged, counts as none: a negative
+    # exposure would make the prior's rate, and so the value, meaningless or undefined.)
+    prior = _prior([(reads[top], max(clock - born[top], 0)) for _, _, top, _, _, _ in raw])
     for leaf, walked, top, last, when, stranded in raw:
-        worth = -1.0 if stranded else _value(prior, reads[top], last - born[top], clock - last)
+        span = max(last - born[top], 0)
+        worth = -1.0 if stranded else _value(prior, reads[top], span, clock - last)
         yield _Segment(worth, last, when, leaf, walked)
 
 

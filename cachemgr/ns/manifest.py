@@ -105,15 +105,26 @@ def read_manifest(layout: Layout, ns_id: str) -> Manifest | None:
     return parse_manifest(raw, ns_id, where=str(where))
 
 
+# The format each manifest gave when last read, for the time it cannot be read (damaged):
+# a namespace id names one engine, and a vLLM dir read as SGLang's would lose its index.
+_LAST_READ: dict[str, FileFormat] = {}
+
+
 def format_of(layout: Layout, ns_id: str) -> FileFormat:
     """The file format of namespace `ns_id`'s dir, from its manifest's engine; SGLang's if the
-    manifest is absent or unreadable. A wrong guess misreads nothing as a page: a flat scan
-    never enters a subdir, and a nested one lists no file of the namespace dir itself."""
+    manifest is absent, or unreadable and not read before in this process. A wrong guess
+    misreads nothing as a page: a flat scan never enters a subdir, and a nested one lists no
+    file of the namespace dir itself (but it finds none of its pages either)."""
+    where = str(layout.manifest(ns_id))
     try:
         m = read_manifest(layout, ns_id)
     except StateError:
-        m = None
-    return format_for(m.identity if m else None)
+        return _LAST_READ.get(where) or format_for(None)
+    if m is None:
+        _LAST_READ.pop(where, None)  # (purged: a namespace of that id may come back anew)
+        return format_for(None)
+    fmt = _LAST_READ[where] = format_for(m.identity)
+    return fmt
 
 
 def parse_manifest(raw: bytes, ns_id: str, *, where: str) -> Manifest:
