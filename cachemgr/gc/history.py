@@ -38,8 +38,8 @@ class History:
         """Page `s` was written again (its link set): a remembered head's chain came back. It
         keeps its returns, plus this one, and its age. Not a page behind a gap: one there
         stays unread (cachemgr.gc.value reaps such a page first)."""
-        if _below_gap_or_inside(st, s):
-            return
+        if not self._heads or _below_gap_or_inside(st, s):
+            return  # (empty at every start: a load of a million pages builds no key for it)
         known = self._heads.pop((st.ns_names[st.ns[s]], st.key(s)), None)
         if known is not None:
             st.reads[s], st.born[s] = known[0] + 1, known[1]
