@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
 import tomllib
+from collections.abc import Mapping
 from contextvars import ContextVar
 from datetime import timedelta
 from pathlib import Path
@@ -312,6 +314,40 @@ def setting_sources(config_file: Path | None, overrides: dict[str, Any]) -> dict
         return "env" if name in from_env else "file" if name in from_file else "default"
 
     return {name: source(name) for name in Settings.model_fields}
+
+
+# CACHEMGR_* variables that are not settings: the config file's path (a global flag's env),
+# what `init`/`exec` hand a vLLM launch (cachemgr.vllm.rewrite), and the engine envs the
+# tests, scripts and bench use.
+OTHER_ENV_VARS = frozenset(
+    {
+        "CACHEMGR_CONFIG",
+        "CACHEMGR_VLLM_ROOT_DIR",
+        "CACHEMGR_VLLM_KV_TRANSFER_CONFIG",
+        "CACHEMGR_SGLANG_ENV",
+        "CACHEMGR_VLLM_ENV",
+    }
+)
+
+
+def unknown_env_vars(environ: Mapping[str, str]) -> list[str]:
+    """One line per CACHEMGR_* variable cachemgr does not read, with the name it may mean.
+
+    A misspelt variable is otherwise ignored in silence, while the same typo in the TOML
+    file is an error; env names are case-insensitive, as pydantic-settings reads them.
+    """
+    known = {ENV_PREFIX + name.upper() for name in Settings.model_fields} | OTHER_ENV_VARS
+    lines = []
+    for name in sorted(environ):
+        upper = name.upper()
+        if not upper.startswith(ENV_PREFIX) or upper in known:
+            continue
+        # Compared without the prefix they all share, which would make any two names close.
+        tails = sorted(k.removeprefix(ENV_PREFIX) for k in known)
+        close = difflib.get_close_matches(upper.removeprefix(ENV_PREFIX), tails, n=1, cutoff=0.75)
+        hint = f"; did you mean {ENV_PREFIX}{close[0]}?" if close else " (not a cachemgr setting)"
+        lines.append(f"environment variable {name} is ignored{hint}")
+    return lines
 
 
 def _describe(error: ValidationError, config_file: Path | None) -> str:

@@ -3,6 +3,7 @@ one line naming the field and the value, from an env var, the TOML file or a fla
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from cachemgr.cli.main import main
+from cachemgr.settings import unknown_env_vars
 from cachemgr.units import parse_duration
 
 # (setting, a value as an env var or flag gives it, what the message says about it)
@@ -216,3 +218,36 @@ def test_a_duration_in_no_form_lists_the_forms(
     (line,) = err
     assert "invalid character" not in line, line  # pydantic's message said nothing useful
     assert '"2 minutes"' in line and '"1h30m"' in line and '"PT5M"' in line, line
+
+
+def test_a_misspelt_env_var_is_warned_once_with_the_name_it_may_mean(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("CACHEMGR_GCMAXBYTES", "100kB")
+    monkeypatch.setenv("CACHEMGR_WHATEVER", "1")
+    monkeypatch.setenv("CACHEMGR_SGLANG_ENV", "/opt/sglang-env")  # the tests' own variable
+    monkeypatch.setenv("CACHEMGR_LOG_FORMAT", "json")
+    code, err = _run(["--root", str(tmp_path / "r"), "config"], capsys)
+    assert code == 0, err
+    messages = [json.loads(line)["msg"] for line in err]
+    assert messages == [
+        "environment variable CACHEMGR_GCMAXBYTES is ignored; did you mean CACHEMGR_GC_MAX_BYTES?",
+        "environment variable CACHEMGR_WHATEVER is ignored (not a cachemgr setting)",
+    ]
+    code, err = _run(["--root", str(tmp_path / "r"), "config"], capsys)
+    assert code == 0 and err == []  # once per process
+
+
+def test_every_cachemgr_variable_the_repo_uses_is_known() -> None:
+    """The variables cachemgr, its tests, scripts and deploy files set are never warned about."""
+    repo = Path(__file__).resolve().parent.parent
+    listed = subprocess.run(
+        ["git", "grep", "-ohE", r"\bCACHEMGR_[A-Z0-9_]+", "--", f":!tests/{Path(__file__).name}"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    used = {name for name in listed if not name.endswith("_")}  # a prefix in prose: CACHEMGR_*
+    assert "CACHEMGR_SGLANG_ENV" in used
+    assert unknown_env_vars(dict.fromkeys(used, "x")) == []
