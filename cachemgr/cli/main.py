@@ -12,6 +12,7 @@ import click
 
 from cachemgr import __version__
 from cachemgr.cli.context import AppContext, setting_option
+from cachemgr.cli.hints import no_such_option_hint
 from cachemgr.errors import CachemgrError, StateCorrupt, StateError
 from cachemgr.fs import reserve
 from cachemgr.fs.root import unwritable
@@ -79,6 +80,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(rv if isinstance(rv, int) else 0)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
+    except click.NoSuchOption as e:
+        hint = no_such_option_hint(e, cli, sys.argv[1:] if argv is None else argv)
+        # With a hint, Click's own guess ("Did you mean --reconcile-interval?") is left out.
+        shown = click.NoSuchOption(e.option_name, f"{e.message} {hint}", ctx=e.ctx) if hint else e
+        shown.show()
+        sys.exit(shown.exit_code)
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
