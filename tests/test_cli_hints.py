@@ -3,6 +3,8 @@ or a setting the command takes no flag for (its env var and config key)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from cachemgr.cli.main import main
@@ -73,3 +75,16 @@ def test_other_unknown_options_keep_clicks_message(
     argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert _error(argv, capsys) == says
+
+
+def test_the_top_level_help_and_the_api_docs_name_both_engines(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from cachemgr.daemon.app import openapi_document
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    summary = " ".join(capsys.readouterr().out.split("Options:")[0].split())
+    assert "SGLang" in summary and "vLLM" in summary, summary
+    info = json.loads(openapi_document())["info"]
+    assert "SGLang" in info["description"] and "vLLM" in info["description"], info

@@ -42,7 +42,8 @@ from cachemgr.fs.root import unwritable
 @click.version_option(__version__, "--version", prog_name="cachemgr")
 @click.pass_context
 def cli(ctx: click.Context, /, config_file: Path | None) -> None:
-    """Keep SGLang's HiCache L3 file cache valid, bounded and observable.
+    """Keep the on-disk KV cache tier of SGLang (HiCache L3 file backend) and vLLM (fs tier)
+    valid, bounded and observable.
 
     Settings come from flags, CACHEMGR_* environment variables and a TOML config file,
     in that order of precedence.

@@ -57,7 +57,8 @@ def create_app(backend: Backend) -> FastAPI:
         title="cachemgr",
         version=__version__,
         description=(
-            "Sidecar API of cachemgr: SGLang HiCache L3 file cache index, metrics, purge. "
+            "Sidecar API of cachemgr, for the on-disk KV cache tier of SGLang (HiCache L3 file "
+            "backend) and vLLM (fs tier): page index, metrics, GC, purge. "
             "POST routes need `Authorization: Bearer <token>` when the daemon has one (401 "
             f"before anything else); a request body is a JSON object of at most {MAX_BODY_BYTES}"
             " bytes (413); a query parameter is given once."
