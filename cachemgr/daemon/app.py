@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path as FsPath
 from typing import Annotated, Any
@@ -112,11 +111,10 @@ def create_app(backend: Backend) -> FastAPI:
             du = disk_usage(backend.layout.root)
         except OSError:
             du = None
-        now = time.time()
         return Status(
             root=str(backend.layout.root),
             started_at=st.started_at if st else None,
-            uptime_seconds=now - st.started_at if st else None,
+            uptime_seconds=st.uptime() if st else None,
             namespaces=found,
             totals=Totals(
                 namespaces=len(found),
