@@ -29,6 +29,10 @@ class StateError(CachemgrError):
     title = "state database error"
 
 
+class StateDiskFull(StateError):
+    """The state DB's filesystem is full; the CLI says the fix that fits where the root is."""
+
+
 class StateCorrupt(StateError):
     """The state DB was found corrupt and moved aside; the next use rebuilds it from disk."""
 

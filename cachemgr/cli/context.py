@@ -35,6 +35,11 @@ class AppContext:
     _settings: Settings | None = field(default=None, repr=False)
 
     @property
+    def loaded(self) -> Settings | None:
+        """The settings if a command built them (None before, or if they were invalid)."""
+        return self._settings
+
+    @property
     def settings(self) -> Settings:
         if self._settings is None:
             self._settings = load_settings(self.config_file, **self.overrides)
