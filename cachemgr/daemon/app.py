@@ -160,7 +160,7 @@ def create_app(backend: Backend) -> FastAPI:
         return _fingerprints(backend, instance)
 
     mutating: dict[int | str, dict[str, Any]] = {k: ERRORS[k] for k in (400, 401, 409, 413)}
-    add_purge_routes(app, backend, {**mutating, 404: ERRORS[404]})
+    add_purge_routes(app, backend, {**mutating, 404: ERRORS[404], 503: ERRORS[503]})
     gc_runs = SharedGcRuns(backend.gc) if backend.gc is not None else None
 
     @app.post("/v1/gc", response_model=GcResponse, tags=["gc"], responses=mutating)
