@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
