@@ -1,3 +1,3 @@
-"""cachemgr: keeps SGLang's HiCache L3 file cache valid, bounded and observable."""
+"""cachemgr: keeps the on-disk KV cache tier of SGLang and vLLM valid, bounded and observable."""
 
 __version__ = "0.1.0"

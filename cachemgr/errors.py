@@ -21,12 +21,26 @@ class PortInUseError(ConfigError):
     """The HTTP port is taken (by a cachemgr daemon or another program)."""
 
 
+class RootNotWritable(CachemgrError):
+    """The cache root cannot be written (a read-only mount, permissions): nothing was changed.
+
+    Not the request's fault, nor a setting's: the server cannot do it now (HTTP 503)."""
+
+    exit_code = 2
+    http_status = 503
+    title = "cache root not writable"
+
+
 class StateError(CachemgrError):
     """The state database cannot be used (newer than this code, corrupt, failed migration)."""
 
     exit_code = 2
     http_status = 500
     title = "state database error"
+
+
+class StateDiskFull(StateError):
+    """The state DB's filesystem is full; the CLI says the fix that fits where the root is."""
 
 
 class StateCorrupt(StateError):

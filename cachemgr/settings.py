@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import difflib
+import json
 import os
+import re
 import tomllib
+from collections.abc import Mapping
 from contextvars import ContextVar
 from datetime import timedelta
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import (
     BeforeValidator,
@@ -37,6 +42,21 @@ Source = Literal["flag", "env", "file", "default"]
 
 Duration = Annotated[timedelta, BeforeValidator(parse_duration)]
 
+# Bounds that keep a value from breaking what uses it: past 100 years a duration overflows the
+# datetime arithmetic of every command; SQLite holds byte counts as signed 64-bit integers.
+HUNDRED_YEARS = timedelta(days=36525)
+HUNDRED_YEARS_SECONDS = HUNDRED_YEARS.total_seconds()
+MAX_BYTES = 2**63 - 1
+# The shortest each duration may be: 0 for an age or a TTL; a period run in a loop is at least
+# 0.1 s (0 would busy-loop a core).
+_DURATION_FLOORS = {
+    "gc_unbound_ttl": timedelta(0),
+    "gc_tmp_ttl": timedelta(0),
+    "gc_min_age": timedelta(0),
+    "gc_interval": timedelta(seconds=0.1),
+    "gc_sweep_interval": timedelta(seconds=0.1),
+}
+
 # The config file path is known only at run time (a CLI flag), but pydantic-settings builds
 # its sources from the class; a context variable hands the path to the file source.
 _config_file: ContextVar[Path | None] = ContextVar("cachemgr_config_file", default=None)
@@ -51,13 +71,16 @@ def default_root() -> Path:
 class Settings(BaseSettings):
     """Everything cachemgr can be told; built once at start and passed down."""
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
+    # No inf or nan: "inf" seconds between polls is a sleep that raises, nan passes no bound.
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, extra="forbid", frozen=True, allow_inf_nan=False
+    )
 
     root: Path = Field(default_factory=default_root, description="cache root directory")
     state_dir: Path | None = Field(
         None, description="state DB directory (default <root>/.cachemgr)"
     )
-    host: str = Field("127.0.0.1", description="HTTP bind address")
+    host: str = Field("127.0.0.1", min_length=1, description="HTTP bind address")
     port: int = Field(9477, ge=0, le=65535, description="HTTP port (0 picks a free one)")
     token: SecretStr | None = Field(None, description="bearer token for mutating HTTP routes")
     log_level: LogLevel = Field("info", description="log threshold")
@@ -84,26 +107,33 @@ class Settings(BaseSettings):
     )
     # --- daemon ---
     batch_interval: float = Field(
-        0.25, gt=0, le=10, description="seconds between applying watcher events to the index"
+        0.25, ge=0.01, le=10, description="seconds between applying watcher events to the index"
     )
     reconcile_interval: float = Field(
-        600.0, ge=0, description="seconds between full rescans that bound index drift (0: never)"
+        600.0,
+        ge=0,
+        le=HUNDRED_YEARS_SECONDS,
+        description="seconds between full rescans that bound index drift (0: never)",
     )
     sglang_url: str | None = Field(
         None, description="SGLang server base URL to scrape /metrics and check /server_info"
     )
     sglang_poll_interval: float = Field(
-        15.0, gt=0, description="seconds between polls of the SGLang server"
+        15.0, ge=0.01, le=86400, description="seconds between polls of the SGLang server"
     )
     # --- gc ---
     gc_max_bytes: ByteSize | None = Field(
-        None, description='cap on the page bytes of all namespaces under the root ("500GB")'
+        None,
+        le=MAX_BYTES,
+        description='cap on the page bytes of all namespaces under the root ("500GB")',
     )
     gc_namespace_max_bytes: ByteSize | None = Field(
-        None, description="cap on the page bytes of any one namespace"
+        None, le=MAX_BYTES, description="cap on the page bytes of any one namespace"
     )
     gc_min_free_bytes: ByteSize = Field(
-        ByteSize(0), description="keep at least this much free on the root's filesystem"
+        ByteSize(0),
+        le=MAX_BYTES,
+        description="keep at least this much free on the root's filesystem",
     )
     gc_min_free_percent: float = Field(
         5.0, ge=0, lt=100, description="keep at least this percent of the filesystem free"
@@ -115,7 +145,10 @@ class Settings(BaseSettings):
         0.85, gt=0, lt=1, description="evict down to this fraction of a cap"
     )
     gc_keep_unbound: int = Field(
-        2, ge=0, description="keep this many most recent namespaces no server is bound to"
+        2,
+        ge=0,
+        le=1_000_000,
+        description="keep this many most recent namespaces no server is bound to",
     )
     gc_unbound_ttl: Duration | None = Field(
         timedelta(days=7), description="drop an unbound namespace idle for longer than this"
@@ -135,7 +168,10 @@ class Settings(BaseSettings):
         timedelta(hours=1), description="how often GC lists namespace dirs for temp and torn files"
     )
     gc_delete_rate: float | None = Field(
-        2000.0, gt=0, description="files deleted per second at most (unset: as fast as the disk)"
+        2000.0,
+        ge=1,
+        le=1e9,
+        description="files deleted per second at most (unset: as fast as the disk)",
     )
 
     @field_validator("root", "state_dir", mode="before")
@@ -155,11 +191,36 @@ class Settings(BaseSettings):
             raise ValueError(f"must be below gc_high_watermark ({high})")
         return low
 
-    @field_validator("gc_tmp_ttl", "gc_min_age", "gc_interval", "gc_sweep_interval")
+    @field_validator(*_DURATION_FLOORS)
     @classmethod
-    def _positive_duration(cls, value: timedelta) -> timedelta:
-        if value.total_seconds() < 0:
-            raise ValueError("must not be negative")
+    def _duration_in_range(cls, value: timedelta | None, info: ValidationInfo) -> Any:
+        floor = _DURATION_FLOORS[info.field_name or ""]
+        if value is None:
+            return value
+        if value < floor:
+            raise ValueError(
+                "must not be negative"
+                if not floor
+                else f"must be at least {floor.total_seconds():g}s"
+            )
+        if value > HUNDRED_YEARS:
+            raise ValueError("must be at most 100 years (36525d)")
+        return value
+
+    @field_validator("reconcile_interval")
+    @classmethod
+    def _never_or_a_second(cls, value: float) -> float:
+        # A full rescan lists every file under the root: more often than once a second is a
+        # rescan that never ends.
+        if 0 < value < 1:
+            raise ValueError("must be 0 (never) or at least 1 second")
+        return value
+
+    @field_validator("sglang_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"https?://[^/\s]", value):
+            raise ValueError('must be an http:// or https:// URL, e.g. "http://127.0.0.1:30000"')
         return value
 
     @property
@@ -199,7 +260,31 @@ class _TomlFileSource(PydanticBaseSettingsSource):
         table = data.get("cachemgr", data)
         if not isinstance(table, dict):
             raise ConfigError(f"config file {path}: [cachemgr] must be a table")
+        for name, value in table.items():
+            if name in Settings.model_fields:
+                _check_toml_type(name, value, path)
         return table
+
+
+# What a TOML value may be for each type of setting. TOML has types, so the file is held to
+# them: pydantic would read `port = true` as port 1 (env vars and flags are text, parsed as is).
+_TOML_TYPES: dict[Any, tuple[tuple[type, ...], str]] = {
+    int: ((int,), "an integer"),
+    float: ((int, float), "a number"),
+    ByteSize: ((int, str), 'a size: a number of bytes or a string such as "500GB"'),
+    timedelta: ((int, float, str), 'a duration: seconds or a string such as "5m"'),
+}
+
+
+def _check_toml_type(name: str, value: Any, path: Path) -> None:
+    """Refuse a TOML value of the wrong type for setting `name`, in one line naming both."""
+    annotation = Settings.model_fields[name].annotation
+    if get_origin(annotation) in (Union, UnionType):  # X | None: TOML has no null
+        annotation = next(a for a in get_args(annotation) if a is not type(None))
+    kinds, wanted = _TOML_TYPES.get(annotation, ((str,), "a string"))
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        shown = json.dumps(value, default=str)
+        raise ConfigError(f"invalid {name} in {path}: {shown}: must be {wanted}")
 
 
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
@@ -229,6 +314,40 @@ def setting_sources(config_file: Path | None, overrides: dict[str, Any]) -> dict
         return "env" if name in from_env else "file" if name in from_file else "default"
 
     return {name: source(name) for name in Settings.model_fields}
+
+
+# CACHEMGR_* variables that are not settings: the config file's path (a global flag's env),
+# what `init`/`exec` hand a vLLM launch (cachemgr.vllm.rewrite), and the engine envs the
+# tests, scripts and bench use.
+OTHER_ENV_VARS = frozenset(
+    {
+        "CACHEMGR_CONFIG",
+        "CACHEMGR_VLLM_ROOT_DIR",
+        "CACHEMGR_VLLM_KV_TRANSFER_CONFIG",
+        "CACHEMGR_SGLANG_ENV",
+        "CACHEMGR_VLLM_ENV",
+    }
+)
+
+
+def unknown_env_vars(environ: Mapping[str, str]) -> list[str]:
+    """One line per CACHEMGR_* variable cachemgr does not read, with the name it may mean.
+
+    A misspelt variable is otherwise ignored in silence, while the same typo in the TOML
+    file is an error; env names are case-insensitive, as pydantic-settings reads them.
+    """
+    known = {ENV_PREFIX + name.upper() for name in Settings.model_fields} | OTHER_ENV_VARS
+    lines = []
+    for name in sorted(environ):
+        upper = name.upper()
+        if not upper.startswith(ENV_PREFIX) or upper in known:
+            continue
+        # Compared without the prefix they all share, which would make any two names close.
+        tails = sorted(k.removeprefix(ENV_PREFIX) for k in known)
+        close = difflib.get_close_matches(upper.removeprefix(ENV_PREFIX), tails, n=1, cutoff=0.75)
+        hint = f"; did you mean {ENV_PREFIX}{close[0]}?" if close else " (not a cachemgr setting)"
+        lines.append(f"environment variable {name} is ignored{hint}")
+    return lines
 
 
 def _describe(error: ValidationError, config_file: Path | None) -> str:

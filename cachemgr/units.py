@@ -6,21 +6,57 @@ import re
 from datetime import timedelta
 from typing import Any
 
-_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)([smhdw])", re.IGNORECASE)
+from pydantic import TypeAdapter, ValidationError
+
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+# The words people write for each unit ("2 minutes", "90 sec", "1 hour 30 min"), by unit.
+_UNIT_WORDS = {
+    "s": ("s", "sec", "secs", "second", "seconds"),
+    "m": ("m", "min", "mins", "minute", "minutes"),
+    "h": ("h", "hr", "hrs", "hour", "hours"),
+    "d": ("d", "day", "days"),
+    "w": ("w", "wk", "wks", "week", "weeks"),
+}
+_UNIT_OF = {word: unit for unit, words in _UNIT_WORDS.items() for word in words}
+_PART_RE = re.compile(r"(\d+(?:\.\d+)?|\.\d+)\s*([a-z]+)\s*,?\s*", re.IGNORECASE)
+DURATION_FORMS = (
+    'a duration: seconds ("90"), a number and a unit ("90s", "5m", "2 minutes", "1h30m", '
+    '"1 hour 30 min", "7d", "2w"), or ISO 8601 ("PT5M")'
+)
+_PYDANTIC_TIMEDELTA: TypeAdapter[timedelta] = TypeAdapter(timedelta)
 
 
 def parse_duration(value: Any) -> Any:
-    """Accept "90s", "5m", "1h30m", "7d" besides pydantic's seconds and ISO 8601 forms."""
+    """Accept "90s", "5m", "2 minutes", "1h30m", "7d" besides seconds and ISO 8601 ("PT5M").
+
+    A text in none of these forms is a ValueError that lists them: pydantic's own message
+    ("invalid character in hour" for "2 minutes") does not say what would have worked.
+    """
     if not isinstance(value, str):
         return value
-    text = value.strip().replace(" ", "")
-    if re.fullmatch(r"\d+(\.\d+)?", text):  # env vars and flags arrive as strings
-        return timedelta(seconds=float(text))
-    if not text or not re.fullmatch(r"(\d+(\.\d+)?[smhdw])+", text, re.IGNORECASE):
-        return value  # let pydantic parse (or reject) it
-    total = sum(float(n) * _UNIT_SECONDS[u.lower()] for n, u in _DURATION_RE.findall(text))
-    return timedelta(seconds=total)
+    text = value.strip()
+    sign, body = (-1, text[1:].lstrip()) if text.startswith("-") else (1, text)
+    try:
+        seconds = _seconds(body)
+        if seconds is not None:
+            return timedelta(seconds=sign * seconds)
+        return _PYDANTIC_TIMEDELTA.validate_python(text)  # ISO 8601, "[D] HH:MM:SS"
+    except OverflowError:
+        raise ValueError("too long a duration (at most 100 years)") from None
+    except ValidationError:
+        raise ValueError(f"not {DURATION_FORMS}") from None
+
+
+def _seconds(text: str) -> float | None:
+    """The seconds `text` says in cachemgr's own forms, or None if it is in none of them."""
+    if re.fullmatch(r"\d+(\.\d+)?|\.\d+", text):  # env vars and flags arrive as strings
+        return float(text)
+    parts = _PART_RE.findall(text)
+    if not parts or "".join(m.group(0) for m in _PART_RE.finditer(text)) != text:
+        return None
+    if any(word.lower() not in _UNIT_OF for _, word in parts):
+        return None
+    return sum(float(n) * _UNIT_SECONDS[_UNIT_OF[w.lower()]] for n, w in parts)
 
 
 def format_duration(value: timedelta) -> str:

@@ -20,6 +20,8 @@ from tests.daemon_helpers import (
     running_daemon,
     store_page,
 )
+from tests.nsfixtures import cli_process
+from tests.polling import wait_for
 
 
 class Lines(logging.Handler):
@@ -73,3 +75,36 @@ def test_purge_logs_who_and_what(layout: Layout, http_log: Lines) -> None:
     assert refused["msg"] == "http request refused" and refused["status"] == 401
     assert gc["msg"] == "http gc" and gc["dry_run"] is True and "files" in gc and "bytes" in gc
     assert all(line["client"] for line in http_log.lines)
+
+
+@pytest.mark.parametrize("via", ["http", "cli"])
+def test_a_purged_namespace_leaves_its_real_counts_in_the_index_log(
+    layout: Layout, via: str
+) -> None:
+    """The purge takes the index rows with the dir; the indexer's line used to say pages 0."""
+
+    d = register_namespace(layout, NS_A)
+    for i in range(3):
+        store_page(d, page_name(i), size=100)
+    logger, handler = logging.getLogger("cachemgr.daemon.indexer"), Lines()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        with running_daemon(load_settings(root=layout.root, gc_interval=3600)) as dm:
+            wait_for(lambda: dm.namespaces().get(NS_A, {}).get("pages"), lambda n: n == 3)
+            if via == "http":
+                assert dm.post(f"/v1/namespaces/{NS_A}/purge").status_code == 200
+            else:
+                out = cli_process("--root", str(layout.root), "purge", "--namespace", NS_A, "-y")
+                assert out.returncode == 0, out.stderr
+
+            def gone() -> list[dict[str, object]]:
+                return [x for x in handler.lines if x["msg"] == "namespace dir gone"]
+
+            (line,) = wait_for(gone, lambda lines: len(lines) == 1, timeout=30)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert (line["namespace"], line["pages"], line["bytes"]) == (NS_A, 3, 300), line
+    assert str(line["removed_by"]).startswith("purge (manual, "), line

@@ -193,3 +193,15 @@ def test_http_client_sees_transport_close_after_shutdown(settings: Settings) -> 
         url = dm.url
     with pytest.raises(httpx.TransportError):
         httpx.get(url + "/healthz", timeout=2)
+
+
+def test_uptime_stays_positive_when_the_wall_clock_steps_back(layout: Layout) -> None:
+    """Uptime is measured on the monotonic clock; a step back (NTP, an operator's `date -s`)
+    made `uptime_seconds` negative when it was the wall clock's now minus the start."""
+    with running_daemon(load_settings(root=layout.root, gc_interval=3600)) as dm:
+        state = dm.daemon.indexer.state
+        # What the wall clock stepping back an hour after the start looks like from here.
+        state.started_at += 3600
+        status = dm.status()
+        assert status["started_at"] == state.started_at
+        assert 0 <= status["uptime_seconds"] < 600, status["uptime_seconds"]

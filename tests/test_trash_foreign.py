@@ -84,3 +84,23 @@ def test_the_daemon_warns_in_gc_done_and_the_api(layout: Layout, left: tuple[Pat
         logger.setLevel(level)
     done = [r for r in records if r.getMessage() == "gc done"]
     assert done and all(note(entry, foreign) in r.__dict__["warnings"] for r in done)
+
+
+def test_foreign_files_between_vllm_dirs_get_a_real_example(layout: Layout, store: Store) -> None:
+    """Names at a level deletion does not list (below a rank dir, above the block dirs) used
+    to give `left for a person: 13 foreign files, e.g. None`."""
+    from cachemgr.ns.trash import describe_trash, left_for_people
+    from tests.vllmtrees import vllm_tree, write_blocks
+
+    ns, ns_dir, folder = vllm_tree(layout, store)
+    (block,) = write_blocks(ns_dir, folder, 1)
+    middle = (ns_dir / block).parent.parent  # <folder>_r0/<3 hex>/
+    for i in range(13):
+        (middle / f"notes{i}.txt").write_text("a person's notes\n")
+    out = cli("--root", str(layout.root), "purge", "--namespace", ns, "--yes")
+    assert out.returncode == 1, out.stderr
+    (entry,) = describe_trash(layout)
+    assert entry.example is not None and Path(entry.example).is_file(), entry
+    assert Path(entry.example).is_relative_to(layout.trash / entry.name)
+    (line,) = left_for_people(layout)
+    assert "e.g. None" not in line and line.endswith(f"e.g. {entry.example}"), line

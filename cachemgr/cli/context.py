@@ -7,6 +7,8 @@ reads `app.settings` — the one way a flag is resolved against its setting, for
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,9 +17,13 @@ from typing import Any, TypeVar
 import click
 
 from cachemgr import logs
-from cachemgr.settings import Settings, load_settings
+from cachemgr.settings import Settings, load_settings, unknown_env_vars
 
 F = TypeVar("F", bound=Callable[..., Any])
+log = logging.getLogger(__name__)
+# Names already warned about: a command run again in the same process (main()'s retry after a
+# corrupt state DB) does not say it twice.
+_warned_env: set[str] = set()
 
 
 @dataclass
@@ -29,6 +35,11 @@ class AppContext:
     _settings: Settings | None = field(default=None, repr=False)
 
     @property
+    def loaded(self) -> Settings | None:
+        """The settings if a command built them (None before, or if they were invalid)."""
+        return self._settings
+
+    @property
     def settings(self) -> Settings:
         if self._settings is None:
             self._settings = load_settings(self.config_file, **self.overrides)
@@ -37,7 +48,15 @@ class AppContext:
             asked = "log_level" in self._settings.model_fields_set
             level = self._settings.log_level if asked else "warning"
             logs.setup(level, self._settings.log_format)
+            _warn_unknown_env()
         return self._settings
+
+
+def _warn_unknown_env() -> None:
+    for line in unknown_env_vars(os.environ):
+        if line not in _warned_env:
+            _warned_env.add(line)
+            log.warning(line)
 
 
 pass_app = click.make_pass_decorator(AppContext)

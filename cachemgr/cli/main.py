@@ -12,9 +12,11 @@ import click
 
 from cachemgr import __version__
 from cachemgr.cli.context import AppContext, setting_option
-from cachemgr.errors import CachemgrError, StateCorrupt, StateError
+from cachemgr.cli.hints import no_such_option_hint
+from cachemgr.errors import CachemgrError, StateCorrupt, StateDiskFull, StateError
 from cachemgr.fs import reserve
 from cachemgr.fs.root import unwritable
+from cachemgr.settings import Settings
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -41,7 +43,8 @@ from cachemgr.fs.root import unwritable
 @click.version_option(__version__, "--version", prog_name="cachemgr")
 @click.pass_context
 def cli(ctx: click.Context, /, config_file: Path | None) -> None:
-    """Keep SGLang's HiCache L3 file cache valid, bounded and observable.
+    """Keep the on-disk KV cache tier of SGLang (HiCache L3 file backend) and vLLM (fs tier)
+    valid, bounded and observable.
 
     Settings come from flags, CACHEMGR_* environment variables and a TOML config file,
     in that order of precedence.
@@ -68,17 +71,24 @@ def _register() -> None:
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the CLI, turning cachemgr errors into one line and an exit code."""
     _register()
+    app = AppContext()  # kept here: an error's message may need the settings the run used
     try:
         try:
             # Without standalone mode click hands back ctx.exit(code) as a return value.
-            rv = cli.main(args=argv, prog_name="cachemgr", standalone_mode=False)
+            rv = cli.main(args=argv, prog_name="cachemgr", standalone_mode=False, obj=app)
         except StateCorrupt:
             # The corrupt DB was moved aside (a warning said where): once more on a fresh DB,
             # which the command rebuilds from the disk as it opens it.
-            rv = cli.main(args=argv, prog_name="cachemgr", standalone_mode=False)
+            rv = cli.main(args=argv, prog_name="cachemgr", standalone_mode=False, obj=app)
         sys.exit(rv if isinstance(rv, int) else 0)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
+    except click.NoSuchOption as e:
+        hint = no_such_option_hint(e, cli, sys.argv[1:] if argv is None else argv)
+        # With a hint, Click's own guess ("Did you mean --reconcile-interval?") is left out.
+        shown = click.NoSuchOption(e.option_name, f"{e.message} {hint}", ctx=e.ctx) if hint else e
+        shown.show()
+        sys.exit(shown.exit_code)
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
@@ -86,24 +96,52 @@ def main(argv: list[str] | None = None) -> None:
         click.echo("cachemgr: aborted", err=True)
         sys.exit(130)
     except CachemgrError as e:
-        click.echo(f"cachemgr: error: {e}", err=True)
+        fix = f"; {disk_full_fix(app.loaded, None)}" if isinstance(e, StateDiskFull) else ""
+        click.echo(f"cachemgr: error: {e}{fix}", err=True)
         sys.exit(e.exit_code)
     except BrokenPipeError:
         # `cachemgr ls | head`: the reader left; say nothing and don't let Python complain.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)
     except (OSError, sqlite3.Error) as e:
-        sys.exit(_os_error(e))
+        sys.exit(_os_error(e, app.loaded))
     except KeyboardInterrupt:
         sys.exit(130)
 
 
-def _os_error(e: OSError | sqlite3.Error) -> int:
+def disk_full_fix(settings: Settings | None, where: str | bytes | None) -> str:
+    """How to get space back for a write that failed at `where` (the state dir if unknown):
+    GC frees space on the root's filesystem only, so it is the fix only when they share it."""
+    if settings is None:
+        return "free space on that filesystem"
+    state = settings.state_path
+    path = Path(os.fsdecode(where)) if where else state
+    move = " or move --state-dir" if path.is_relative_to(state) else ""
+    if _filesystem(path) == _filesystem(settings.root):
+        return f"free space with `cachemgr gc --yes` (it works without the state DB){move}"
+    return (
+        f"{path} is not on the root's filesystem ({settings.root}), where GC frees space: "
+        f"free space on its own filesystem{move}"
+    )
+
+
+def _filesystem(path: Path) -> int | None:
+    """The device of `path`, or of its nearest ancestor that exists."""
+    for p in (path, *path.parents):
+        try:
+            return os.stat(p).st_dev
+        except OSError:
+            continue
+    return None
+
+
+def _os_error(e: OSError | sqlite3.Error, settings: Settings | None) -> int:
     """One line for a failure no module turned into a message; the exit code."""
     if reserve.is_disk_full(e):
         # A full disk can fail any write; it is the operator's situation, not a bug to trace.
-        click.echo(f"cachemgr: error: no space left on the device: {e}; "
-                   "free space with `cachemgr gc --yes`", err=True)  # fmt: skip
+        where = e.filename if isinstance(e, OSError) else None
+        fix = disk_full_fix(settings, where)
+        click.echo(f"cachemgr: error: no space left on the device: {e}; {fix}", err=True)
         return 1
     if isinstance(e, sqlite3.Error):
         click.echo(f"cachemgr: error: state DB: {e}", err=True)

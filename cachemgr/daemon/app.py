@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path as FsPath
 from typing import Annotated, Any
@@ -57,7 +56,8 @@ def create_app(backend: Backend) -> FastAPI:
         title="cachemgr",
         version=__version__,
         description=(
-            "Sidecar API of cachemgr: SGLang HiCache L3 file cache index, metrics, purge. "
+            "Sidecar API of cachemgr, for the on-disk KV cache tier of SGLang (HiCache L3 file "
+            "backend) and vLLM (fs tier): page index, metrics, GC, purge. "
             "POST routes need `Authorization: Bearer <token>` when the daemon has one (401 "
             f"before anything else); a request body is a JSON object of at most {MAX_BODY_BYTES}"
             " bytes (413); a query parameter is given once."
@@ -111,11 +111,10 @@ def create_app(backend: Backend) -> FastAPI:
             du = disk_usage(backend.layout.root)
         except OSError:
             du = None
-        now = time.time()
         return Status(
             root=str(backend.layout.root),
             started_at=st.started_at if st else None,
-            uptime_seconds=now - st.started_at if st else None,
+            uptime_seconds=st.uptime() if st else None,
             namespaces=found,
             totals=Totals(
                 namespaces=len(found),
@@ -161,7 +160,7 @@ def create_app(backend: Backend) -> FastAPI:
         return _fingerprints(backend, instance)
 
     mutating: dict[int | str, dict[str, Any]] = {k: ERRORS[k] for k in (400, 401, 409, 413)}
-    add_purge_routes(app, backend, {**mutating, 404: ERRORS[404]})
+    add_purge_routes(app, backend, {**mutating, 404: ERRORS[404], 503: ERRORS[503]})
     gc_runs = SharedGcRuns(backend.gc) if backend.gc is not None else None
 
     @app.post("/v1/gc", response_model=GcResponse, tags=["gc"], responses=mutating)

@@ -24,7 +24,10 @@ class Counters:
 class IndexState:
     """What the writer knows, for metrics and the API (read without locks: ints only)."""
 
-    started_at: float = field(default_factory=time.time)
+    started_at: float = field(default_factory=time.time)  # wall clock: when, for people
+    # Uptime is measured on the monotonic clock: the wall clock may step back (NTP, an operator)
+    # and make `now - started_at` negative.
+    started_monotonic: float = field(default_factory=time.monotonic)
     ready: threading.Event = field(default_factory=threading.Event)
     counters: dict[str, Counters] = field(default_factory=dict)
     overflows: int = 0
@@ -38,6 +41,10 @@ class IndexState:
     disk_full_retries: int = 0
     write_rate: float = 0.0  # bytes of pages stored per second, smoothed over batches
     _stored: tuple[int, float] | None = None  # (bytes stored so far, when) at the last batch
+
+    def uptime(self) -> float:
+        """Seconds since the daemon started, never negative whatever the wall clock does."""
+        return time.monotonic() - self.started_monotonic
 
     def counter(self, ns_id: str) -> Counters:
         got = self.counters.get(ns_id)

@@ -31,7 +31,14 @@ from cachemgr.gc.chains import ChainModel
 from cachemgr.layout import Layout
 from cachemgr.ns.manifest import format_of
 from cachemgr.ns.registry import adopt_from_disk
-from cachemgr.state.index import BATCH, ScanReport, forget_namespace, scan_namespace, scan_root
+from cachemgr.state.index import (
+    BATCH,
+    ScanReport,
+    forget_namespace,
+    last_removal,
+    scan_namespace,
+    scan_root,
+)
 from cachemgr.state.store import Store
 from cachemgr.worker import DeathHandler, Worker
 
@@ -253,9 +260,15 @@ class Indexer(Worker):
             self.watcher.unwatch(ns)
             if not self.layout.ns_dir(ns).is_dir():
                 self._forget(ns)
-                removed = forget_namespace(self.store, ns)
-                log.info("namespace dir gone", extra={"namespace": ns, "pages": removed})
+                self._log_gone(ns, forget_namespace(self.store, ns))
             self.on_namespace_gone(ns)  # even if a purge recreated it empty
+
+    def _log_gone(self, ns: str, removed: int) -> None:
+        # A purge or a GC drop took the rows with the dir, so the index removes none: the
+        # audit row it wrote says what the namespace held.
+        audited = last_removal(self.store, ns) if removed == 0 else None
+        counts = audited or {"pages": removed, "removed_by": "outside cachemgr"}
+        log.info("namespace dir gone", extra={"namespace": ns, **counts})
 
     def _apply_pages(self, events: list[Event]) -> None:
         for ns, (r, w) in self.pages.apply(events, now=self.clock()).items():

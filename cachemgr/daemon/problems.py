@@ -56,6 +56,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         413: "request body larger than the limit",
         422: "invalid request",
         500: "internal error",
+        503: "the cache root cannot be written now (read-only, permissions)",
     }.items()
 }
 

@@ -94,6 +94,48 @@ def _flock(
 
 
 def _holder(fd: int) -> str:
-    """Who holds the lock, as far as the pid its holder wrote says."""
-    pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-    return f"pid {pid}" if pid.isdigit() else "another process"
+    """Who holds the lock: the kernel's word (/proc/locks) first, else the pid written in it.
+
+    The written pid is the last cachemgr holder's, often this very process (the daemon took
+    the lock for an earlier purge): a process that flocks the file without writing (a
+    person's `flock`, a backup tool) would go unnamed, and the message would name us."""
+    pids = flock_holders(fd)
+    if pids:
+        return ", ".join(describe_pid(pid) for pid in pids)
+    written = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    if written.isdigit() and int(written) != os.getpid():
+        return describe_pid(int(written))
+    return "another process"
+
+
+def flock_holders(fd: int, locks: Path = Path("/proc/locks")) -> list[int]:
+    """The pids that hold an flock on the file open at `fd`, as /proc/locks lists them (the
+    kernel reports them in the reader's pid namespace); [] if it cannot be read."""
+    st = os.fstat(fd)
+    here = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    try:
+        text = locks.read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return []
+    pids = []
+    # "1: FLOCK  ADVISORY  WRITE 4242 08:01:131074 0 EOF"; a waiter's line has "->" second.
+    for fields in (line.split() for line in text.splitlines()):
+        if len(fields) < 6 or fields[1] != "FLOCK":
+            continue
+        try:
+            major, minor, inode = fields[5].split(":")
+            found = (int(major, 16), int(minor, 16), int(inode))
+        except ValueError:
+            continue
+        if found == here and fields[4].isdigit() and int(fields[4]) not in pids:
+            pids.append(int(fields[4]))
+    return pids
+
+
+def describe_pid(pid: int) -> str:
+    """`pid 4242 (flock)`: the pid with its command name, if it can be read."""
+    try:
+        comm = Path(f"/proc/{pid}/comm").read_text(encoding="utf-8", errors="replace").strip()
+    except OSError:
+        return f"pid {pid}"
+    return f"pid {pid} ({comm})"

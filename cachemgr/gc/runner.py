@@ -99,6 +99,7 @@ class GcRunner(Worker):
         self.stats = GcStats(last_success=clock())
         self._wake = threading.Event()
         self._busy = threading.Lock()
+        self._failing: str | None = None  # what the last cycle failed of, until one succeeds
 
     @contextmanager
     def _serialized(self) -> Iterator[None]:
@@ -285,14 +286,31 @@ class GcRunner(Worker):
         start-up, is no reason to ignore the wakes of a writer that crosses a watermark next.)"""
         try:
             report = run()
-            return report is not None and report.files == 0 and bool(self.needs_gc())
+            stuck = report is not None and report.files == 0 and bool(self.needs_gc())
         except StateCorrupt as e:  # moved aside; the indexer rebuilds, the next cycle runs
             log.warning("gc cycle stopped", extra={"error": str(e)})
             return True
-        except (CachemgrError, OSError, sqlite3.Error):
+        except (CachemgrError, OSError, sqlite3.Error) as e:
             # One failed cycle (a vanished dir, a locked DB, a full disk) must not end GC.
-            log.exception("gc cycle failed")
+            self._failed(e)
             return True
+        if self._failing is not None:
+            log.info("gc cycle succeeded again", extra={"after": self._failing})
+            self._failing = None
+        return stuck
+
+    def _failed(self, error: Exception) -> None:
+        """One line when cycles start failing of something new, not a traceback each cycle
+        (a read-only root fails every 5 s the same way); the traceback at debug level."""
+        kind = type(error).__name__
+        what = f"{kind} errno {error.errno}" if isinstance(error, OSError) else f"{kind}: {error}"
+        if what != self._failing:
+            self._failing = what
+            log.warning(
+                "gc cycle failed; said again only when the failure changes",
+                extra={"error": str(error), "kind": kind},
+            )
+        log.debug("gc cycle failed", exc_info=True)
 
 
 def _keeping(plan: GcPlan) -> bool:

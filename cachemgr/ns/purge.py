@@ -16,6 +16,7 @@ records only what the resuming run deleted.
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import stat
@@ -24,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from cachemgr.errors import CachemgrError, ConfigError, UnsafePathError
+from cachemgr.errors import CachemgrError, ConfigError, RootNotWritable, UnsafePathError
 from cachemgr.fs import reserve
 from cachemgr.fs.deletion import delete_manifest
 from cachemgr.fs.locks import root_lock
@@ -169,9 +170,8 @@ def rename_to_trash(layout: Layout, ns_id: str, *, recreate: bool) -> str | None
             try:
                 os.rename(ns_id, trash_name, src_dir_fd=ns_fd, dst_dir_fd=trash_fd)
             except OSError as e:
-                raise ConfigError(
-                    f"cannot move {layout.ns_dir(ns_id)} into {layout.trash}: {e.strerror}"
-                ) from e
+                what = f"cannot move {layout.ns_dir(ns_id)} into {layout.trash}: {e.strerror}"
+                raise _cannot(what, e) from e
         if fresh is not None:
             os.rename(fresh, ns_id, src_dir_fd=trash_fd, dst_dir_fd=ns_fd)
     return trash_name if st is not None else None
@@ -197,7 +197,14 @@ def _no_room(layout: Layout, e: OSError) -> CachemgrError:
             f"no space on {layout.root} to recreate a bound namespace's dir; nothing moved: "
             "free space first (`cachemgr gc --yes`, or purge unbound namespaces)"
         )
-    return ConfigError(f"cannot create a dir in {layout.trash}: {e.strerror}")
+    return _cannot(f"cannot create a dir in {layout.trash}: {e.strerror}", e)
+
+
+def _cannot(what: str, e: OSError) -> CachemgrError:
+    """A read-only or forbidden root is the root's state, not a bad setting or request."""
+    if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return RootNotWritable(f"{what}; nothing was moved")
+    return ConfigError(what)
 
 
 def purge(

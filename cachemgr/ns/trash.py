@@ -85,12 +85,35 @@ def _foreign_example(layout: Layout, entry: str) -> str | None:
                 names += [str(Path(d.name, fmt.nesting.identity_file)) for d in os.scandir(fd)
                           if d.is_dir(follow_symlinks=False)]  # fmt: skip
             for name in names:
-                kind = fmt.classify_path(name)
-                mode = os.lstat(layout.trash / entry / name).st_mode
-                if kind is FileKind.FOREIGN or not stat.S_ISREG(mode):
+                if _left_alone(layout.trash / entry, name, fmt):
                     return str(layout.trash / entry / name)
     except FileNotFoundError:
-        pass  # finished (or moved) since it was counted
+        return None  # finished (or moved) since it was counted
+    # Not in the dirs deletion walks (a name between a vLLM rank dir and its block dirs): the
+    # first such name anywhere in the entry, so the note never says "e.g. None".
+    return _first_left_alone(layout.trash / entry, fmt)
+
+
+def _left_alone(top: Path, rel: str, fmt: FileFormat) -> bool:
+    """Whether deletion leaves `rel` below `top`: a foreign name, or not a regular file."""
+    try:
+        mode = os.lstat(top / rel).st_mode
+    except FileNotFoundError:
+        return False  # a rank dir has no identity file; a file deleted since it was listed
+    return fmt.classify_path(rel) is FileKind.FOREIGN or not stat.S_ISREG(mode)
+
+
+def _first_left_alone(top: Path, fmt: FileFormat) -> str | None:
+    """The first name below `top` deletion leaves, by a walk that never follows a link nor
+    enters another mount (a bind mount is not the entry's)."""
+    dev = os.lstat(top).st_dev
+    for here, dirs, files in os.walk(top):
+        links = [d for d in dirs if os.path.islink(os.path.join(here, d))]
+        dirs[:] = sorted(d for d in dirs if os.lstat(os.path.join(here, d)).st_dev == dev)
+        for name in sorted(files) + links:
+            rel = os.path.relpath(os.path.join(here, name), top)
+            if _left_alone(top, rel, fmt):
+                return os.path.join(here, name)
     return None
 
 

@@ -228,6 +228,24 @@ def forget_namespace(store: Store, ns_id: str) -> int:
             return removed
 
 
+# The audit rows that mean a namespace dir went as a whole: a purge, or GC dropping an unbound
+# namespace (its TTL or the keep count); other evictions take pages, not the dir.
+_REMOVALS_SQL = (
+    "SELECT action, reason, actor, pages, bytes FROM audit WHERE namespace_id = ?"
+    " AND (action = 'purge' OR (action = 'evict' AND reason IN ('ttl', 'unbound')))"
+    " ORDER BY id DESC LIMIT 1"
+)
+
+
+def last_removal(store: Store, ns_id: str) -> dict[str, object] | None:
+    """What the audit says took the namespace's dir away, with the pages and bytes it held."""
+    row = store.conn.execute(_REMOVALS_SQL, (ns_id,)).fetchone()
+    if row is None:
+        return None
+    action, reason, actor, pages, size = row
+    return {"pages": pages, "bytes": size, "removed_by": f"{action} ({reason}, {actor})"}
+
+
 def scan_root(
     layout: Layout,
     store: Store,

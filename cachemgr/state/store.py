@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from cachemgr.errors import StateCorrupt, StateError
+from cachemgr.errors import StateCorrupt, StateDiskFull, StateError
 from cachemgr.fs import reserve
 from cachemgr.fs._dirscan import page_digest
 from cachemgr.fs.safe import refuse_non_regular
@@ -161,9 +161,10 @@ def _open_with_room(path: Path) -> sqlite3.Connection:
             with suppress(StateError, sqlite3.DatabaseError):
                 return _open_migrated(path)
         free = reserve.free_bytes(path.parent)
-        raise StateError(
-            f"cannot open state DB {path}: its filesystem is full ({free} bytes free); "
-            "free space with `cachemgr gc --yes` (it works without the DB) or move --state-dir"
+        # The fix depends on whether the root shares this filesystem (GC frees space only
+        # there): the CLI, which knows the root, adds it.
+        raise StateDiskFull(
+            f"cannot open state DB {path}: its filesystem is full ({free} bytes free)"
         ) from e
 
 

@@ -1,0 +1,99 @@
+"""A root whose filesystem turns read-only under the daemon: GC says so in one line, once, not
+a traceback every cycle; a purge answers a problem titled for what it is (not "invalid
+configuration"), and moves nothing."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from cachemgr.logs import JsonFormatter
+from cachemgr.settings import load_settings
+from tests.daemon_helpers import NS_A, page_name, register_namespace, running_daemon, store_page
+from tests.nsfixtures import cli, one_line_error
+from tests.polling import wait_for
+
+
+class Lines(logging.Handler):
+    """Log records as the daemon's JSON formatter writes them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(JsonFormatter())
+        self.lines: list[dict[str, object]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(json.loads(self.format(record)))
+
+
+@contextmanager
+def read_only(mnt: Path) -> Iterator[None]:
+    subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(mnt)], check=True)
+
+
+@pytest.fixture
+def gc_log() -> Iterator[Lines]:
+    logger, handler = logging.getLogger("cachemgr.gc.plan"), Lines()  # the runner logs as this
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def test_a_read_only_root_is_one_gc_line_and_a_true_purge_problem(
+    small_fs: Path, tmp_path: Path, gc_log: Lines
+) -> None:
+    # The state DB elsewhere: the root's filesystem holds no file open for writing, so it can
+    # be remounted read-only under the running daemon, as an operator or a failing disk would.
+    settings = load_settings(
+        root=small_fs / "root",
+        state_dir=tmp_path / "state",
+        gc_interval=1,
+        gc_max_bytes=1000,
+        gc_min_age=2,
+    )
+    with running_daemon(settings) as dm:
+        ns_dir = register_namespace(dm.daemon.layout, NS_A)
+        for i in range(20):
+            store_page(ns_dir, page_name(i), 1000)
+        wait_for(lambda: dm.namespaces().get(NS_A, {}).get("pages"), lambda n: n == 20)
+        before = dm.daemon.gc.stats.error
+        with read_only(small_fs):
+            # Pages age past min_age and every cycle tries to evict: three failed cycles at
+            # least (one each RUN_GAP, 5 s).
+            wait_for(lambda: dm.daemon.gc.stats.error - before, lambda n: n >= 3, timeout=60)
+            answer = dm.post(f"/v1/namespaces/{NS_A}/purge")
+            out = cli(
+                "--root",
+                str(settings.root),
+                "--state-dir",
+                str(settings.state_dir),
+                "purge",
+                "--namespace",
+                NS_A,
+                "--yes",
+            )
+    failed = [x for x in gc_log.lines if str(x["msg"]).startswith("gc cycle failed")]
+    assert len(failed) == 1, failed
+    assert "exc" not in failed[0] and "Read-only file system" in str(failed[0]["error"])
+    assert answer.status_code == 503, answer.text
+    problem = answer.json()
+    assert problem["title"] == "cache root not writable", problem
+    assert "Read-only file system; nothing was moved" in problem["detail"], problem
+    assert out.returncode == 2
+    assert "is on a read-only filesystem" in one_line_error(out)  # the CLI checks the root first
+    assert sorted(p.name for p in ns_dir.iterdir()) == sorted(page_name(i) for i in range(20))
