@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from cachemgr.cli.context import AppContext, pass_app
+from cachemgr.cli.init import version_warning
 from cachemgr.cli.launch_options import LaunchRequest, launch_options
 from cachemgr.identity.engines import AnyIdentity
 from cachemgr.identity.record import Identity, Weights, diff_identities, load_record
@@ -64,6 +65,9 @@ def compute(app: AppContext, launch: LaunchRequest, as_json: bool, explain: bool
     --kv-cache-dtype fp8_e4m3 --page-size 64`), explicit options, or both; options win.
     """
     ident = launch.compute_identity(app.settings)
+    warning = version_warning(ident)
+    if warning is not None:  # an 'unknown' version is said each time it enters an identity
+        click.echo(f"cachemgr: warning: {warning}", err=True)
     if as_json:
         click.echo(ident.model_dump_json(indent=2))
     elif explain:
