@@ -55,7 +55,7 @@ def calls(python: Path) -> int:
     return len(counter.read_text().splitlines()) if counter.exists() else 0
 
 
-def version_from(out_json: str) -> tuple[str, str]:
+def version_from(out_json: str) -> tuple[str | None, str]:
     source = json.loads(out_json)["source"]
     return source["sglang_version"], source["sglang_version_from"]
 
