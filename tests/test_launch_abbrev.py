@@ -26,9 +26,12 @@ from cachemgr.vllm import flags as vllm_flags
 from tests.conftest import SGLANG_ENV, VLLM_ENV
 
 SGLANG_BOOLS = {
-    "enable_dp_attention", "enable_hierarchical_cache", "trust_remote_code",
-    "enable_page_major_kv_layout", "enable_unified_memory",
-}  # fmt: skip
+    "enable_dp_attention",
+    "enable_hierarchical_cache",
+    "trust_remote_code",
+    "enable_page_major_kv_layout",
+    "enable_unified_memory",
+}
 SGLANG_JSON = {"json_model_override_args", "hicache_storage_backend_extra_config"}
 VLLM_VALUES = {
     "max_model_len": "32k",
@@ -82,9 +85,14 @@ SGLANG_PARSE = textwrap.dedent("""
 def _run(python: str, script: str, argvs: list[list[str]]) -> list[Any]:
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
     real = subprocess.run(
-        [python, "-c", script], input=json.dumps(argvs),
-        capture_output=True, text=True, env=env, timeout=600, check=True,
-    )  # fmt: skip
+        [python, "-c", script],
+        input=json.dumps(argvs),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=True,
+    )
     result: list[Any] = json.loads(real.stdout)
     return result
 

@@ -46,13 +46,16 @@ def test_exec_with_an_abbreviated_kv_dtype_runs_in_the_fp8_namespace(
     fp8 = init_ns(root, model, "--page-size", "64", "--kv-cache-dtype", "fp8_e4m3")
     child = tmp_path / "child.py"
     child.write_text(CHILD)
+    server = [sys.executable, str(child), "--model-path", str(model), "--page-si", "64"]
+    server += ["--enable-hierarchical-cache", "--hicache-storage-backend", "file"]
+    server += ["--kv-cache-dtyp", "fp8_e4m3"]
     proc = subprocess.run(
-        [sys.executable, "-m", "cachemgr", "--root", str(root), "exec", "--",
-         sys.executable, str(child), "--model-path", str(model), "--page-si", "64",
-         "--enable-hierarchical-cache", "--hicache-storage-backend", "file",
-         "--kv-cache-dtyp", "fp8_e4m3"],
-        capture_output=True, text=True, env={**os.environ, **NO_STORAGE_ENV}, timeout=120,
-    )  # fmt: skip
+        [sys.executable, "-m", "cachemgr", "--root", str(root), "exec", "--", *server],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **NO_STORAGE_ENV},
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split(" ", 1)[0] == fp8["storage_dir"]
     assert "identity unchanged" in proc.stderr

@@ -73,8 +73,8 @@ def test_an_entry_points_shebang_names_the_python(tmp_path: Path, model: Path) -
     python = fake_venv(tmp_path / "venv", "sglang", "0.7.2")
     path = f"{python.parent}:{os.environ['PATH']}"
     launch = ["env", "A=1", "sglang", "serve", "--model-path", str(model)]
-    out = cli("--root", str(tmp_path / "r"), "fingerprint", "--json", "--", *launch,
-              env={"PATH": path})  # fmt: skip
+    root = str(tmp_path / "r")
+    out = cli("--root", root, "fingerprint", "--json", "--", *launch, env={"PATH": path})
     assert out.returncode == 0, out.stderr
     assert version_from(out.stdout) == ("0.7.2", "installed")
 
