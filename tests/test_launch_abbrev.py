@@ -173,6 +173,15 @@ def _vllm_short_cases() -> list[dict[str, Any]]:
 def test_every_abbreviation_reads_as_vllms_parser_reads_it() -> None:
     flags = {f: field for f, field in vllm_args.FLAGS.items() if field != "model"}
     cases = _cases(flags, _vllm_value) + _vllm_short_cases()
+    # vLLM's own rewrite first: `_` is `-` in a flag's name (`--max_model_le`).
+    cases += [
+        {
+            "field": c["field"],
+            "tokens": ["--" + c["tokens"][0][2:].replace("-", "_"), *c["tokens"][1:]],
+        }
+        for c in _cases(flags, _vllm_value)
+        if c["tokens"][0].startswith("--")
+    ]
     base = ["serve", "/m"]
     argvs = [[*base, *c["tokens"]] for c in cases]
     theirs = _run(str(VLLM_ENV / "bin" / "python"), VLLM_PARSE, argvs)
