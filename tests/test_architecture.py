@@ -28,6 +28,7 @@ LAYERS: list[set[str]] = [
         "backends",
         "flagtext",
         "argprefix",
+        "launchenv",
         "sglang",
         "vllm",
         "engines",

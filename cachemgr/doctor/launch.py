@@ -19,6 +19,7 @@ from cachemgr.doctor.storage import (
     under_exec,
 )
 from cachemgr.identity.record import Identity
+from cachemgr.launchenv import split_env
 from cachemgr.layout import Layout
 from cachemgr.sglang.args import LaunchArgs
 from cachemgr.units import human_bytes
@@ -30,20 +31,11 @@ _HYBRID_NAMES = (
     "mamba", "nemotronh", "nemotron_h", "falconh1", "falcon_h1", "lfm2", "jamba", "zaya",
     "qwen3next", "qwen3_next", "kimilinear", "kimi_linear", "granitemoehybrid", "inkling",
 )  # fmt: skip
-_ENV_ASSIGN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
 
 
 def launch_env(command: Sequence[str]) -> dict[str, str]:
     """`VAR=value` assignments before the program (`env A=1 sglang serve …`)."""
-    out: dict[str, str] = {}
-    for tok in command:
-        if tok == "env":
-            continue
-        if not _ENV_ASSIGN.fullmatch(tok):
-            break
-        key, _, value = tok.partition("=")
-        out[key] = value
-    return out
+    return split_env(command)[0]
 
 
 def parse_size(value: str) -> int | None:

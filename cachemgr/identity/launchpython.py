@@ -22,12 +22,12 @@ from pathlib import Path
 
 from cachemgr.identity.digest_cache import DigestCache
 from cachemgr.identity.hashing import FileStat
+from cachemgr.launchenv import split_env
 
 log = logging.getLogger(__name__)
 
 ASK_TIMEOUT = 10.0  # a cold venv on a slow disk; the usual answer takes ~0.1 s
 _PYTHON = re.compile(r"python(\d+(\.\d+)*)?")
-_ENV_ASSIGN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
 # pip's launcher for an interpreter path too long for a shebang: `#!/bin/sh` then this line.
 _TRAMPOLINE = re.compile(r"'''exec' '?([^' ]+)")
 _ASK = (
@@ -50,14 +50,9 @@ class LaunchPython:
 def launch_python(command: Sequence[str], environ: Mapping[str, str]) -> LaunchPython | None:
     """The Python that `command` runs: its program if that is a python, else the one its
     shebang names (`env VAR=1` in front applied); None if it names none."""
-    env = dict(environ)
     tokens = list(command)
-    i = 0
-    while i < len(tokens) and (tokens[i] == "env" or _ENV_ASSIGN.fullmatch(tokens[i])):
-        if tokens[i] != "env":
-            key, _, value = tokens[i].partition("=")
-            env[key] = value
-        i += 1
+    assigned, i = split_env(tokens)
+    env = {**environ, **assigned}
     program = _which(tokens[i], env) if i < len(tokens) else None
     if program is None:
         return None
