@@ -16,12 +16,14 @@ class FlagTable:
     multi: set[str] = field(default_factory=set)  # nargs "+" / "*"
     choices: dict[str, list[str]] = field(default_factory=dict)  # by dest
     integer: set[str] = field(default_factory=set)  # dests parsed with int()
+    options: set[str] = field(default_factory=set)  # every option string, for argparse's prefixes
 
 
 def read_table(actions: Iterable[argparse.Action], dests: set[str]) -> FlagTable:
     """Every action's arity; choices and int types only for `dests` (the settings read)."""
     table = FlagTable()
     for action in actions:
+        table.options.update(action.option_strings)
         if action.nargs == 0:
             table.no_value.update(action.option_strings)
         elif action.nargs in ("+", "*"):

@@ -79,6 +79,14 @@ MULTI_VALUE = frozenset(
     """.split()  # noqa: SIM905
 )
 
+# Every option string the parser knows: argparse reads any unique prefix of one as that one
+# (allow_abbrev), and refuses any other flag (cachemgr/argprefix.py).
+OPTIONS = frozenset(
+    """
+{words(table.options)}
+    """.split()  # noqa: SIM905
+)
+
 # Short spellings of the flags cachemgr reads.
 ALIASES = {{
 {alias_lines}

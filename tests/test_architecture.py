@@ -27,6 +27,8 @@ LAYERS: list[set[str]] = [
         "layout",
         "backends",
         "flagtext",
+        "argprefix",
+        "launchenv",
         "sglang",
         "vllm",
         "engines",

@@ -176,3 +176,30 @@ def test_console_script_end_to_end(root: Path, model: Path) -> None:
     rec = json.loads(out.stdout)
     assert rec["page_size"] == 64 and NS_ID_RE.fullmatch(rec["ns_id"])
     assert "Traceback" not in out.stderr
+
+
+def test_diff_takes_namespace_ids(
+    capsys: pytest.CaptureFixture[str], root: Path, model: Path, tmp_path: Path
+) -> None:
+    launch = ["sglang", "serve", "--model-path", str(model), "--page-size", "64"]
+    base = ["--root", str(root)]
+    env = os.environ.pop("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", None)
+    try:
+        ids = []
+        for kv in ("bfloat16", "fp8_e4m3"):
+            init = [*base, "init", "--instance", kv, "--json", "--", *launch]
+            code, out, err = run(capsys, *init, "--kv-cache-dtype", kv)
+            assert code == 0, err
+            ids.append(json.loads(out)["ns_id"])
+    finally:
+        if env is not None:
+            os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = env
+    code, out, _ = run(capsys, *base, "fingerprint", "diff", *ids)
+    assert (code, out.splitlines()) == (1, ["kv_cache_dtype: bfloat16 → fp8_e4m3"])
+    record = tmp_path / "b.json"  # an id and a record file mix
+    fp8 = [*launch, "--kv-cache-dtype", "fp8_e4m3"]
+    record.write_text(run(capsys, *base, "fingerprint", "--json", "--", *fp8)[1])
+    code, out, _ = run(capsys, *base, "fingerprint", "diff", ids[1], str(record))
+    assert (code, out.strip()) == (0, "same identity")
+    code, _, err = run(capsys, *base, "fingerprint", "diff", ids[0], "0123456789abcdef")
+    one_line_error(code, err, f"0123456789abcdef is neither a file nor a namespace of {root}", 1)

@@ -12,6 +12,7 @@ from cachemgr.doctor.launch import is_hybrid, launch_env, lint, parse_size
 from cachemgr.layout import Layout
 from cachemgr.sglang.args import resolve_launch_args
 from tests.nsfixtures import cli
+from tests.test_identity import make_model
 
 FILE = "sglang serve --enable-hierarchical-cache --hicache-storage-backend file"
 
@@ -171,3 +172,17 @@ def test_helpers() -> None:
     assert launch_env(["env", "A=1", "B=x=y", "sglang", "C=2"]) == {"A": "1", "B": "x=y"}
     assert is_hybrid({"model_type": "qwen3_next"}) and not is_hybrid({"model_type": "llama"})
     assert exit_code([]) == 0
+
+
+def test_the_launch_given_to_exec_is_not_unmanaged(root: Path, tmp_path: Path) -> None:
+    # exec and init set the storage dir to the launch's namespace: doctor on the same launch
+    # (its own env says nothing of it) lints that namespace, not SGLang's default dir.
+    model = make_model(tmp_path / "weights")
+    launch = f"{FILE} --page-size 64 --model-path {model}"
+    assert doctor(root, launch) == (1, ["unmanaged-dir"])  # never run under exec here
+    no_env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": ""}
+    made = cli("--root", str(root), "init", "--", *launch.split(), env=no_env)
+    assert made.returncode == 0, made.stderr
+    assert doctor(root, launch) == (0, ["exec-namespace"])
+    # Another KV dtype is another identity, with no namespace yet.
+    assert doctor(root, f"{launch} --kv-cache-dtype fp8_e4m3") == (1, ["unmanaged-dir"])

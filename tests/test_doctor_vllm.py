@@ -43,6 +43,16 @@ def test_a_namespace_root_dir_of_this_identity_is_clean(root: Path, model: Path)
     assert doctor(root, result["command"], CAP)[:2] == (0, [])
 
 
+def test_the_launch_given_to_exec_is_not_unmanaged(root: Path, model: Path) -> None:
+    # exec points the tier's root_dir at the launch's namespace: doctor on the same launch
+    # lints that namespace once init or exec made it, not the root_dir the command names.
+    assert doctor(root, launch(model), CAP)[:2] == (1, ["unmanaged-root-dir"])
+    vinit_json(root, launch(model))
+    code, codes, findings = doctor(root, launch(model), CAP)
+    assert (code, codes) == (0, ["exec-namespace"])
+    assert "started without it, it would use /srv/kv" in findings[0]["message"]
+
+
 def test_a_root_dir_of_another_identity_is_an_error(root: Path, model: Path) -> None:
     result = vinit_json(root, launch(model, "--kv-cache-dtype", "fp8"))
     other = [*result["command"], "--kv-cache-dtype", "fp8_e5m2"]

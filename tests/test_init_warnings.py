@@ -1,4 +1,6 @@
-"""The "SGLang is not installed here" warning: once per root on stderr, always in --json."""
+"""The "SGLang is not installed here" warning: an 'unknown' version is said every time it
+enters an identity, on stderr and in --json; a version borrowed from the instance's namespace
+is said once per root."""
 
 from __future__ import annotations
 
@@ -7,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.nsfixtures import cli
+from tests.nsfixtures import cli, cli_process
 from tests.test_identity import make_model
-from tests.test_init import CMD, NO_STORAGE_ENV, run_exec
+from tests.test_init import CMD, NO_STORAGE_ENV, fake_installed_sglang, run_exec
 
 MISSING = "SGLang is not installed here"
 
@@ -32,23 +34,37 @@ def _said(stderr: str) -> int:
     return sum(MISSING in line for line in stderr.splitlines())
 
 
-def test_sglang_missing_is_said_once_per_root(tmp_path: Path, model: Path) -> None:
+def test_an_unknown_version_is_said_every_time(tmp_path: Path, model: Path) -> None:
     first, second = tmp_path / "first", tmp_path / "second"
     assert _said(_init(first, model, "a")[1]) == 1
-    # The next init and exec on the same root (another instance: its own identity) stay quiet.
-    assert _said(_init(first, model, "b")[1]) == 0
-    assert _said(_init(first, model, "a")[1]) == 0
+    # The next init and exec on the same root say it again: each identity has it.
+    assert _said(_init(first, model, "b")[1]) == 1
+    assert _said(_init(first, model, "a")[1]) == 1
     proc, _, err = run_exec(first, model, tmp_path, {})
-    assert proc.returncode == 0 and _said(err) == 0, err
-    # Another root has not heard it yet.
+    assert proc.returncode == 0 and _said(err) == 1, err
     proc, _, err = run_exec(second, model, tmp_path, {})
     assert proc.returncode == 0 and _said(err) == 1, err
+    launch = [*CMD.split(), "--model-path", str(model)]
+    for _ in range(2):
+        out = cli("--root", str(first), "fingerprint", "--", *launch)
+        assert out.returncode == 0 and _said(out.stderr) == 1, out.stderr
+
+
+def test_a_borrowed_version_is_said_once_per_root(tmp_path: Path, model: Path) -> None:
+    root = tmp_path / "root"
+    launch = [*CMD.split(), "--model-path", str(model)]
+    installed = fake_installed_sglang(tmp_path / "site", "0.5.23")
+    made = cli_process("--root", str(root), "init", "--", *launch, env=installed)
+    assert made.returncode == 0, made.stderr
+    borrowed = "using version 0.5 of the instance's namespace"
+    said = [borrowed in _init(root, model, "default")[1] for _ in range(2)]
+    assert said == [True, False]
 
 
 def test_json_warnings_carry_it_every_time(tmp_path: Path, model: Path) -> None:
     root = tmp_path / "root"
-    for run in range(2):
+    for _ in range(2):
         stdout, stderr = _init(root, model, "a", "--json")
         warnings = json.loads(stdout)["warnings"]
         assert [w for w in warnings if MISSING in w] and "--sglang-version" in warnings[0]
-        assert _said(stderr) == (1 if run == 0 else 0), stderr
+        assert _said(stderr) == 1, stderr

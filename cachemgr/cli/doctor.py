@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Mapping
@@ -53,7 +54,7 @@ def doctor(app: AppContext, as_json: bool, launch_cmd: tuple[str, ...]) -> None:
             resolve_vllm_args(launch_cmd, dict(os.environ)),
             layout=layout,
             cap_bytes=cap,
-            identity=lambda: _identity(settings, launch_cmd),
+            identity=functools.cache(lambda: _identity(settings, launch_cmd)),
             command=launch_cmd,
         )
     elif launch_cmd:
@@ -65,7 +66,7 @@ def doctor(app: AppContext, as_json: bool, launch_cmd: tuple[str, ...]) -> None:
             env=env,
             model_config=_model_config(args, env),
             cap_bytes=cap,
-            identity=lambda: _sglang(_identity(settings, launch_cmd)),
+            identity=functools.cache(lambda: _sglang(_identity(settings, launch_cmd))),
             command=launch_cmd,
         )
     if layout.root.is_dir():

@@ -8,9 +8,12 @@ from typing import Any
 import click
 
 from cachemgr.cli.context import AppContext, pass_app
+from cachemgr.cli.init import version_warning
 from cachemgr.cli.launch_options import LaunchRequest, launch_options
+from cachemgr.errors import NotFoundError
 from cachemgr.identity.engines import AnyIdentity
 from cachemgr.identity.record import Identity, Weights, diff_identities, load_record
+from cachemgr.layout import NS_ID_RE, Layout
 
 
 class _DefaultCommandGroup(click.Group):
@@ -64,6 +67,9 @@ def compute(app: AppContext, launch: LaunchRequest, as_json: bool, explain: bool
     --kv-cache-dtype fp8_e4m3 --page-size 64`), explicit options, or both; options win.
     """
     ident = launch.compute_identity(app.settings)
+    warning = version_warning(ident)
+    if warning is not None:  # an 'unknown' version is said each time it enters an identity
+        click.echo(f"cachemgr: warning: {warning}", err=True)
     if as_json:
         click.echo(ident.model_dump_json(indent=2))
     elif explain:
@@ -73,19 +79,33 @@ def compute(app: AppContext, launch: LaunchRequest, as_json: bool, explain: bool
 
 
 @fingerprint.command("diff")
-@click.argument("a", type=click.Path(path_type=Path, dir_okay=False))
-@click.argument("b", type=click.Path(path_type=Path, dir_okay=False))
-def diff(a: Path, b: Path) -> None:
+@click.argument("a")
+@click.argument("b")
+@pass_app
+def diff(app: AppContext, a: str, b: str) -> None:
     """Say how identity B differs from A; exit 0 if the same, 1 if not.
 
-    A and B are namespace manifests (<root>/ns/<id>.json) or identity records (--json output).
+    A and B are namespace ids of the root, namespace manifests (<root>/ns/<id>.json) or
+    identity records (--json output).
     """
-    lines = diff_identities(load_record(a), load_record(b))
+    layout = Layout.at(app.settings.root, app.settings.state_dir)
+    lines = diff_identities(_record(layout, a), _record(layout, b))
     for line in lines:
         click.echo(line)
     if lines:
         raise click.exceptions.Exit(1)
     click.echo("same identity")
+
+
+def _record(layout: Layout, given: str) -> Identity:
+    """A record or manifest file, else the manifest of the root's namespace of that id."""
+    path = Path(given)
+    if not NS_ID_RE.fullmatch(given) or path.exists():
+        return load_record(path)
+    manifest = layout.manifest(given)
+    if not manifest.is_file():
+        raise NotFoundError(f"{given} is neither a file nor a namespace of {layout.root}")
+    return load_record(manifest)
 
 
 def explain_identity(ident: AnyIdentity) -> str:

@@ -33,9 +33,14 @@ from cachemgr.errors import CachemgrError, ConfigError
 from cachemgr.fs.root import create_root
 from cachemgr.identity.digest_cache import DigestCache
 from cachemgr.identity.engines import AnyIdentity
-from cachemgr.identity.fingerprint import IdentityOptions, compute_identity
+from cachemgr.identity.fingerprint import (
+    IdentityOptions,
+    compute_identity,
+    installed_sglang_version,
+)
 from cachemgr.identity.hashing import Progress
-from cachemgr.identity.vllm import compute_vllm_identity
+from cachemgr.identity.launchpython import installed_version, launch_python
+from cachemgr.identity.vllm import compute_vllm_identity, installed_vllm_version
 from cachemgr.layout import Layout
 from cachemgr.settings import Settings
 from cachemgr.sglang.args import LaunchArgs, resolve_launch_args
@@ -143,13 +148,28 @@ class LaunchRequest:
                 self.identity_options(settings),
                 cache=cache,
                 progress=terminal_progress,
+                installed=self._installed("vllm", installed_vllm_version, cache),
             )
         return compute_identity(
             self.launch_args(),
             self.identity_options(settings),
             cache=cache,
             progress=terminal_progress,
+            installed=self._installed("sglang", installed_sglang_version, cache),
         )
+
+    def _installed(
+        self, dist: str, here: Callable[[], str | None], cache: DigestCache | None
+    ) -> Callable[[], str | None]:
+        """The engine's version as the launch's own Python has it (the engine's venv), else
+        as this one has it."""
+        python = launch_python(self.command, os.environ)
+
+        def version() -> str | None:
+            found = installed_version(python, dist, cache) if python is not None else None
+            return found or here()
+
+        return version
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shlex
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal, InvalidOperation
@@ -10,8 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from cachemgr.doctor.finding import Finding
-from cachemgr.doctor.storage import lint_storage_identity, managed_ns, storage_dir
+from cachemgr.doctor.storage import (
+    exec_namespace,
+    lint_storage_identity,
+    managed_ns,
+    storage_dir,
+    under_exec,
+)
 from cachemgr.identity.record import Identity
+from cachemgr.launchenv import split_env
 from cachemgr.layout import Layout
 from cachemgr.sglang.args import LaunchArgs
 from cachemgr.units import human_bytes
@@ -23,20 +31,11 @@ _HYBRID_NAMES = (
     "mamba", "nemotronh", "nemotron_h", "falconh1", "falcon_h1", "lfm2", "jamba", "zaya",
     "qwen3next", "qwen3_next", "kimilinear", "kimi_linear", "granitemoehybrid", "inkling",
 )  # fmt: skip
-_ENV_ASSIGN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
 
 
 def launch_env(command: Sequence[str]) -> dict[str, str]:
     """`VAR=value` assignments before the program (`env A=1 sglang serve …`)."""
-    out: dict[str, str] = {}
-    for tok in command:
-        if tok == "env":
-            continue
-        if not _ENV_ASSIGN.fullmatch(tok):
-            break
-        key, _, value = tok.partition("=")
-        out[key] = value
-    return out
+    return split_env(command)[0]
 
 
 def parse_size(value: str) -> int | None:
@@ -116,8 +115,14 @@ def lint(
         found += _page_size(args)
     found += _mamba(args, model_config)
     if file_backend:
-        found += _storage(args, layout, env, cap_bytes, disk_free)
-        found += lint_storage_identity(storage_dir(args, env), layout, identity, command)
+        given = storage_dir(args, env)
+        ns_id = None if managed_ns(given, layout) else exec_namespace(layout, identity)
+        path = given if ns_id is None else layout.ns_dir(ns_id)
+        if ns_id is not None:
+            exec_cmd = f"cachemgr --root {layout.root} exec -- {shlex.join(command)}"
+            found.append(under_exec(layout, ns_id, given, exec_cmd))
+        found += _storage(args, layout, path, env, cap_bytes, disk_free)
+        found += lint_storage_identity(path, layout, identity, command)
     return found
 
 
@@ -178,13 +183,13 @@ def _mamba(args: LaunchArgs, config: Mapping[str, Any] | None) -> list[Finding]:
 def _storage(
     args: LaunchArgs,
     layout: Layout,
+    path: Path,
     env: Mapping[str, str],
     cap: int | None,
     disk_free: Callable[[Path], int],
 ) -> list[Finding]:
     found: list[Finding] = []
     extra = args.extra_config
-    path = storage_dir(args, env)
     if managed_ns(path, layout) is None:
         found.append(
             Finding(

@@ -35,6 +35,30 @@ def managed_ns(path: Path, layout: Layout) -> str | None:
     return None
 
 
+def exec_namespace(layout: Layout, identity: Callable[[], AnyIdentity | None]) -> str | None:
+    """The namespace `cachemgr exec` gives a launch: its identity's, once init or exec made it
+    under this root; None before that, or when the identity cannot be computed here."""
+    if not layout.ns_root.is_dir():
+        return None
+    mine = identity()
+    if mine is None or not layout.manifest(mine.ns_id).is_file():
+        return None
+    return mine.ns_id if layout.ns_dir(mine.ns_id).is_dir() else None
+
+
+def under_exec(layout: Layout, ns_id: str, given: Path, exec_cmd: str) -> Finding:
+    """`cachemgr exec` points the launch's storage at its namespace, so the dir the command
+    names by itself is not the one its server uses under exec."""
+    return Finding(
+        "info",
+        "exec-namespace",
+        f"under `cachemgr exec` this launch gets its namespace {ns_id} "
+        f"({layout.ns_dir(ns_id)}); started without it, it would use {given}, which cachemgr "
+        "does not manage",
+        f"start it with `{exec_cmd}`",
+    )
+
+
 def lint_storage_identity(
     path: Path,
     layout: Layout,

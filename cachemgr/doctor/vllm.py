@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from cachemgr.doctor.finding import Finding
-from cachemgr.doctor.storage import changes_since, managed_ns
+from cachemgr.doctor.storage import changes_since, exec_namespace, managed_ns, under_exec
 from cachemgr.errors import CachemgrError
 from cachemgr.fs.safe import open_dir, read_regular
 from cachemgr.identity.engines import AnyIdentity
@@ -44,9 +44,14 @@ def lint_vllm(
                 "(docs/vllm.md)",
             )
         ]
-    path = Path(os.path.abspath(args.tier.root_dir))
+    given = Path(os.path.abspath(args.tier.root_dir))
     exec_cmd = f"cachemgr --root {layout.root} exec -- {shlex.join(command)}"
     found: list[Finding] = []
+    # exec rewrites root_dir to the launch's namespace (vllm/rewrite.py)
+    exec_ns = None if managed_ns(given, layout) else exec_namespace(layout, identity)
+    path = given if exec_ns is None else layout.ns_dir(exec_ns)
+    if exec_ns is not None:
+        found.append(under_exec(layout, exec_ns, given, exec_cmd))
     if cap_bytes is None:
         found.append(
             Finding(

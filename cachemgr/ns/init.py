@@ -36,8 +36,9 @@ class InitRun:
     args: LaunchArgs | VllmLaunchArgs | None
     conflicts: tuple[StorageDirConflict, ...]
     trash_refused: tuple[str, ...]
-    # The engine is not installed here, and this root has been told so before: a host where
-    # init runs apart from it (an initContainer) would otherwise hear it on every start.
+    # The version was borrowed from the instance's namespace, and this root has been told so
+    # before: a host where init runs apart from the engine (an initContainer) would otherwise
+    # hear it on every start. An 'unknown' version is never "told": it is said every time.
     engine_missing_told: bool = False
 
 
@@ -68,7 +69,8 @@ def run_init(
         if drain is not None and result.old_action == "purged":
             refused = drain(layout, store).refused
         notice = f"{identity.ENGINE}-missing"  # "sglang-missing" as before vLLM came
-        told = engine_missing(identity) and not first_time(store, notice, time.time())
+        borrowed = identity.engine_version_from == "namespace"
+        told = borrowed and not first_time(store, notice, time.time())
     conflicts: list[StorageDirConflict] = []
     if not isinstance(args, VllmLaunchArgs):  # vLLM's dir is in its command (vllm.rewrite)
         conflicts = storage_dir_conflicts(args, result.storage_dir, layout, environ)

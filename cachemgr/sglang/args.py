@@ -1,8 +1,9 @@
 """Read the settings that matter to the cache out of an SGLang launch command.
 
 Operators already have a command line (`sglang serve …`, `python -m sglang.launch_server …`);
-cachemgr reads the same tokens instead of asking for the values again. Only the flags below are
-kept; every other flag is skipped, including ones newer than the table in `sglang_flags`.
+cachemgr reads the same tokens instead of asking for the values again, as SGLang's parser reads
+them (unique prefixes included). Only the flags below are kept; every other flag SGLang knows is
+skipped, and one it does not know is refused, as SGLang refuses it.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from cachemgr.argprefix import read_option
 from cachemgr.errors import ConfigError
 from cachemgr.sglang.argcheck import check_types, check_values
-from cachemgr.sglang.flags import MULTI_VALUE, NO_VALUE
+from cachemgr.sglang.flags import MULTI_VALUE, NO_VALUE, OPTIONS, SGLANG_VERSION
 
 
 class LaunchArgs(BaseModel):
@@ -137,6 +139,7 @@ FLAGS: dict[str, str] = {
     "--mamba-track-interval": "mamba_track_interval",
 }  # fmt: skip
 _FLAG_OF = {field: flag for flag, field in reversed(FLAGS.items())}
+ENGINE = f"SGLang {SGLANG_VERSION}"
 
 
 def split_command(command: str | Sequence[str]) -> list[str]:
@@ -152,36 +155,55 @@ def scan_flags(tokens: Sequence[str]) -> dict[str, str | bool]:
     """The known flags of a command and their raw values; the last occurrence wins (as argparse).
 
     Whatever precedes the first `--flag` (`sglang serve`, `python -m sglang.launch_server`,
-    `env VAR=1 …`) is the program. SGLang takes no positionals, so a token that does not start
-    with `--` belongs to the flag before it, unless that flag is known to take no value.
+    `env VAR=1 …`) is the program. Each token is read as SGLang's argparse reads it: a unique
+    prefix is its flag, an ambiguous prefix or a flag SGLang lacks is a ConfigError. SGLang
+    takes no positionals, so a stray value is skipped (SGLang refuses it; it sets nothing).
     """
     found: dict[str, str | bool] = {}
-    i = next((n for n, tok in enumerate(tokens) if tok.startswith("--")), len(tokens))
-    while i < len(tokens):
-        tok = tokens[i]
+    start = next((n for n, tok in enumerate(tokens) if tok.startswith("--")), len(tokens))
+    args = _without_model_type(tokens[start:])
+    args = args[: args.index("--")] if "--" in args else args  # after it: positionals only
+    i = 0
+    while i < len(args):
+        option = read_option(args[i], OPTIONS, ENGINE)
         i += 1
-        if not tok.startswith("--") or tok == "--":
-            continue  # a stray token: argparse would reject it, we only skip it
-        name, eq, inline = tok.partition("=")
-        if name == "--config":
+        if option is None:
+            continue
+        if option.name == "--config":
             raise ConfigError(
                 "the launch command uses --config: cachemgr cannot read SGLang config files; "
                 "pass the flags on the command line instead"
             )
         value: str | bool = True
-        if eq:
-            value = inline
-        elif name not in NO_VALUE and i < len(tokens) and not tokens[i].startswith("--"):
-            value = tokens[i]
+        if option.explicit is not None:
+            value = option.explicit
+        elif option.name not in NO_VALUE and i < len(args) and _is_value(args[i]):
+            value = args[i]
             i += 1
-            if name in MULTI_VALUE or name not in FLAGS:
-                # Multi-value flags (`--cuda-graph-bs-prefill 64 128 …`) and unknown flags
-                # swallow the rest of their run; only the first matters and none is ours.
-                while i < len(tokens) and not tokens[i].startswith("--"):
-                    i += 1
-        if name in FLAGS:
-            found[FLAGS[name]] = value
+            while option.name in MULTI_VALUE and i < len(args) and _is_value(args[i]):
+                i += 1  # `--cuda-graph-bs 64 128 …`: the rest of the run is its own
+        if option.name in FLAGS:
+            found[FLAGS[option.name]] = value
     return found
+
+
+def _is_value(token: str) -> bool:
+    return read_option(token, OPTIONS, ENGINE) is None
+
+
+def _without_model_type(args: Sequence[str]) -> list[str]:
+    """`sglang serve` takes `--model-type` (exactly that spelling) out before its parser runs
+    (cli/serve.py `_extract_model_type_override`)."""
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        if args[i] == "--model-type":
+            i += 2
+            continue
+        if not args[i].startswith("--model-type="):
+            out.append(args[i])
+        i += 1
+    return out
 
 
 def resolve_launch_args(

@@ -2,22 +2,23 @@
 
 `vllm serve <model> …` or `python -m vllm.entrypoints.openai.api_server --model <model> …`:
 the command goes through vLLM's argv rewrites (cachemgr.vllm.argv) and then the flag table
-generated from vLLM's parser (cachemgr.vllm.flags); every flag not below is skipped.
+generated from vLLM's parser (cachemgr.vllm.flags), read as its argparse reads them (unique
+prefixes included); every other flag vLLM knows is skipped, one it does not know refused.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from cachemgr.argprefix import read_option
 from cachemgr.errors import ConfigError
 from cachemgr.vllm import argcheck
 from cachemgr.vllm.argv import ReadConfig, VllmCommand, prepass, read_yaml_config, split_vllm
-from cachemgr.vllm.flags import ALIASES, MULTI_VALUE, NO_VALUE
+from cachemgr.vllm.flags import ALIASES, MULTI_VALUE, NO_VALUE, OPTIONS, VLLM_VERSION
 from cachemgr.vllm.tier import FsTier, fs_tier
 
 # The KV layout is an environment variable, not a flag (vllm/envs.py).
@@ -74,36 +75,39 @@ FLAGS: dict[str, str] = {
     "--no-trust-remote-code": "trust_remote_code",
 }
 FLAG_OF = {f: flag for flag, f in reversed(FLAGS.items())} | {"model": "model"}
-_NEGATIVE = re.compile(r"-\d")  # argparse reads `-1` as a value when no flag looks like it
+ENGINE = f"vLLM {VLLM_VERSION}"
 
 
-def _is_flag(tok: str) -> bool:
-    return tok.startswith("-") and tok != "-" and not _NEGATIVE.match(tok)
+def _is_value(tok: str) -> bool:
+    return read_option(tok, OPTIONS, ENGINE) is None
 
 
 def scan_flags(args: Sequence[str], serve: bool) -> dict[str, str | bool]:
     """The known flags of pre-passed `args` and their raw values, the last occurrence winning
-    (as argparse); `vllm serve`'s first positional is the model."""
+    (as argparse); `vllm serve`'s first positional is the model. Each token is read as vLLM's
+    argparse reads it: a unique prefix is its flag, an ambiguous prefix or a flag vLLM lacks is
+    a ConfigError."""
     found: dict[str, str | bool] = {}
     i = 1 if serve else 0  # skip the `serve` subcommand
     while i < len(args):
         tok = args[i]
         i += 1
-        if not _is_flag(tok):
+        if tok == "--":  # argparse: only positionals follow
+            break
+        option = read_option(tok, OPTIONS, ENGINE)
+        if option is None:
             if serve and "model_tag" not in found:
                 found["model_tag"] = tok  # argparse: the first positional
             continue
-        name, eq, inline = tok.partition("=")
-        name = ALIASES.get(name, name)
+        name = ALIASES.get(option.name, option.name)
         value: str | bool = True
-        if eq:
-            value = inline
-        elif name not in NO_VALUE and i < len(args) and not _is_flag(args[i]):
+        if option.explicit is not None:
+            value = option.explicit
+        elif name not in NO_VALUE and i < len(args) and _is_value(args[i]):
             value = args[i]
             i += 1
-            if name in MULTI_VALUE:  # --served-model-name a b: the first one names it
-                while i < len(args) and not _is_flag(args[i]):
-                    i += 1
+            while name in MULTI_VALUE and i < len(args) and _is_value(args[i]):
+                i += 1  # --served-model-name a b: the first one names it
         if name in FLAGS:
             found[FLAGS[name]] = False if name.startswith("--no-") else value
     return found

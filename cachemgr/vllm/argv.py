@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cachemgr.errors import ConfigError, NotFoundError
+from cachemgr.launchenv import split_env
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-_ENV_ASSIGN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
 _PYTHON = re.compile(r"python(\d+(\.\d+)*)?")
 _NAME_PART = re.compile(r"(?<=--)[^.]*")  # vLLM's: from the first -- to the first .
 _HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
@@ -53,13 +53,7 @@ class VllmCommand:
 def split_vllm(tokens: Sequence[str]) -> VllmCommand | None:
     """The vLLM command in `tokens`, None if they do not launch vLLM."""
     tokens = list(tokens)
-    env: dict[str, str] = {}
-    i = 0
-    while i < len(tokens) and (tokens[i] == "env" or _ENV_ASSIGN.fullmatch(tokens[i])):
-        if tokens[i] != "env":
-            key, _, value = tokens[i].partition("=")
-            env[key] = value
-        i += 1
+    env, i = split_env(tokens)
     if i >= len(tokens):
         return None
     program = os.path.basename(tokens[i])
