@@ -169,9 +169,7 @@ def test_an_unlink_the_kernel_refuses_is_a_permission_refusal(tree: Path) -> Non
     subprocess.run(["chattr", "+i", str(stuck)], check=True)
     gone: dict[str, int | None] = {}
     try:
-        report = delete_files(
-            tree, "ns/0123456789abcdef", [*PAGES, TEMP], removed=gone.__setitem__
-        )
+        report = delete_files(tree, "ns/0123456789abcdef", [*PAGES, TEMP], removed=gone.__setitem__)
     finally:
         subprocess.run(["chattr", "-i", str(stuck)], check=True)
     left = set(os.listdir(ns))
