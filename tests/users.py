@@ -47,13 +47,16 @@ class User:
     umask: int = 0o002
 
     def become(self) -> None:
-        """Drop this (root) process to the user, for good (a Popen preexec_fn, or a fork)."""
+        """Drop this (root) process to the user, for good (a Popen preexec_fn, or a fork); for
+        uid 0 (an engine container's root) only the umask changes."""
+        os.umask(self.umask)
+        if self.uid == 0:
+            return
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_KEEPCAPS, 1, 0, 0, 0)
         os.setgroups(list(self.gids))
         os.setgid(self.gids[0])
         os.setuid(self.uid)
-        os.umask(self.umask)
         header = (ctypes.c_uint32 * 2)(CAPABILITY_V3, 0)
         data = (ctypes.c_uint32 * 6)(READ_SEARCH, READ_SEARCH, READ_SEARCH, 0, 0, 0)
         if libc.capset(header, data) == 0:  # without it, only a reachable interpreter works
