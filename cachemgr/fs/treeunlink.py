@@ -14,7 +14,7 @@ import os
 
 from cachemgr.fs._dirscan import mount_id
 from cachemgr.fs._unlink import unlink_tree
-from cachemgr.fs.deletecheck import DENIED, NICE, Checked, Names, Where, tally
+from cachemgr.fs.deletecheck import DENIED, NICE, Checked, Names, RefusalReason, Where, tally
 
 Part = list[tuple[str, list[str]]]  # (dir below the namespace dir, file names in it)
 ON_ANOTHER_MOUNT, NOT_REACHED_DIR = -1, -2  # unlink_tree's dir statuses besides errnos
@@ -53,7 +53,7 @@ def check_and_unlink_dirs(
         if dir_status == errno.ENOENT:  # the dir went, and its files with it
             out.vanished.extend(f"{sub}/{n}" for n in names)
         elif dir_status in REFUSED_DIR:
-            reason = "permission" if dir_status in DENIED else "unsafe"
+            reason: RefusalReason = "permission" if dir_status in DENIED else "unsafe"
             out.refuse(sub, _why_not(dir_status), reason, files=len(names))
         elif dir_status not in (0, NOT_REACHED_DIR) and out.error is None:
             out.error = OSError(dir_status, os.strerror(dir_status), sub)
