@@ -16,11 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cachemgr.cli.main import main
 from tests.conftest import SGLANG_ENV, SglangDriver, start_driver
 from tests.polling import wait_for
 from tests.test_identity import make_model
-from tests.users import User, cli_as, needs_root, process_as, shared_dir, shared_root
+from tests.users import User, cli_as, daemon_as, needs_root, shared_dir, shared_root
 
 pytestmark = [pytest.mark.sglang, needs_root]
 CMGR = User(uid=23001, gids=(23001,))  # `useradd --system cachemgr`, UMask=0002 in its unit
@@ -54,19 +53,12 @@ def _writer() -> Iterator[SglangDriver]:
     driver.close()
 
 
-def daemon(root: Path, port: int) -> None:
-    """`cachemgr serve` as cachemgr.service runs it (the cap from its config)."""
-    os.environ.update(
-        CACHEMGR_GC_MAX_BYTES=str(CAP), CACHEMGR_GC_INTERVAL="0.5", CACHEMGR_GC_MIN_AGE="0s"
-    )
-    main(["--log-format", "json", "--root", str(root), "serve", "--port", str(port)])
-
-
-def ready(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+# cachemgr.service's settings (the cap from its config; quicker cycles for the test).
+DAEMON_ENV = {
+    "CACHEMGR_GC_MAX_BYTES": str(CAP),
+    "CACHEMGR_GC_INTERVAL": "0.5",
+    "CACHEMGR_GC_MIN_AGE": "0s",
+}
 
 
 def init(root: Path, model: Path) -> Path:
@@ -84,13 +76,11 @@ def on_disk(ns_dir: Path) -> int:
 
 @pytest.mark.parametrize("order", ["daemon-first", "init-first"])
 def test_two_user_deploy_holds_the_cap(order: str, writer: SglangDriver, free_port: int) -> None:
-    url = f"http://127.0.0.1:{free_port}"
     with shared_dir("cachemgr-two-users-") as top:
         model = make_model(top / "model")
         root = shared_root(top, owner=CMGR.uid, group=CMGR.gids[0])
         storage = init(root, model) if order == "init-first" else None
-        with process_as(CMGR, lambda: daemon(root, free_port)):
-            wait_for(lambda: ready(url), timeout=60, what="the daemon as uid 23001")
+        with daemon_as(CMGR, root, free_port, DAEMON_ENV) as url:
             storage = storage or init(root, model)
             ns_dir = storage
             st = ns_dir.stat()

@@ -17,14 +17,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cachemgr.cli.main import main
 from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 from tests.conftest import VLLM_ENV, VllmDriver, start_driver
 from tests.daemon_helpers import register_namespace
 from tests.polling import wait_for
 from tests.test_server import metric
-from tests.users import User, as_user, cli_as, needs_root, process_as, shared_dir, shared_root
+from tests.users import User, as_user, cli_as, daemon_as, needs_root, shared_dir, shared_root
 
 pytestmark = [pytest.mark.vllm, needs_root]
 REPO = Path(__file__).resolve().parent.parent
@@ -79,20 +78,13 @@ def prepare(root: Path) -> tuple[Path, Path]:
     return good, bad
 
 
-def daemon(root: Path, port: int) -> None:
-    """The sidecar: `cachemgr serve` with the examples' kind of cap (smaller, for the test)."""
-    os.environ.update(
-        CACHEMGR_GC_NAMESPACE_MAX_BYTES=str(CAP), CACHEMGR_GC_INTERVAL="0.5",
-        CACHEMGR_GC_MIN_AGE="0s", CACHEMGR_BATCH_INTERVAL="0.05",
-    )  # fmt: skip
-    main(["--log-format", "json", "--root", str(root), "serve", "--port", str(port)])
-
-
-def ready(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+# The sidecar's settings: the examples' kind of cap (smaller), quicker cycles for the test.
+DAEMON_ENV = {
+    "CACHEMGR_GC_NAMESPACE_MAX_BYTES": str(CAP),
+    "CACHEMGR_GC_INTERVAL": "0.5",
+    "CACHEMGR_GC_MIN_AGE": "0s",
+    "CACHEMGR_BATCH_INTERVAL": "0.05",
+}
 
 
 def on_disk(ns_dir: Path) -> int:
@@ -116,12 +108,10 @@ def hashed_dirs(ns_dir: Path) -> list[os.stat_result]:
 def test_the_examples_users_keep_the_cap_and_umask_022_is_loud(
     writers: dict[str, VllmDriver], free_port: int, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    url = f"http://127.0.0.1:{free_port}"
     with shared_dir("cachemgr-vllm-users-") as top:
         root = shared_root(top, owner=0, group=10001)  # fsGroup's volume root: 2775 root:10001
         good, bad = as_user(CACHEMGR, lambda: prepare(root))
-        with process_as(CACHEMGR, lambda: daemon(root, free_port)):
-            wait_for(lambda: ready(url), timeout=60, what="the sidecar as uid 10001")
+        with daemon_as(CACHEMGR, root, free_port, DAEMON_ENV) as url:
             write(writers["engine"], good)
             write(writers["forced"], bad)
             held = "GC to hold the cap on the blocks vLLM wrote as root with umask 0002"

@@ -26,9 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
 import pytest
 
+from cachemgr.cli.main import main
 from tests.nsfixtures import cli
+from tests.polling import wait_for
 
 T = TypeVar("T")
 PR_SET_KEEPCAPS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE = 8, 47, 2
@@ -135,3 +138,25 @@ def shared_root(parent: Path, owner: int, group: int, mode: int = 0o2775) -> Pat
     os.chown(root, owner, group)
     os.chmod(root, mode)
     return root
+
+
+@contextmanager
+def daemon_as(user: User, root: Path, port: int, env: dict[str, str]) -> Iterator[str]:
+    """`cachemgr serve` on `root` as `user` (its settings from `env`, as a unit's
+    Environment= gives them), ready; yields its URL."""
+
+    def serve() -> None:
+        os.environ.update(env)
+        main(["--log-format", "json", "--root", str(root), "serve", "--port", str(port)])
+
+    url = f"http://127.0.0.1:{port}"
+    with process_as(user, serve):
+        wait_for(lambda: _ready(url), timeout=60, what=f"the daemon as uid {user.uid}")
+        yield url
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
