@@ -80,6 +80,12 @@ class UnsafePathError(CachemgrError):
     title = "unsafe path"
 
 
+class LimitNotHeld(CachemgrError):
+    """A GC run could not delete what a cap or the free-space floor needed (refusals)."""
+
+    exit_code = 1
+
+
 class ConflictError(CachemgrError):
     """Another process holds what this operation needs (a lock, a running purge)."""
 

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -21,6 +21,9 @@ from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 from cachemgr.settings import Settings, load_settings
 from cachemgr.state.store import Store
+
+if TYPE_CHECKING:
+    from tests.users import User
 
 REPO = Path(__file__).resolve().parent.parent
 SGLANG_ENV = Path(os.environ.get("CACHEMGR_SGLANG_ENV", REPO / ".sglang-env"))
@@ -148,8 +151,11 @@ class JsonLineDriver:
         self.proc.stdout.close()
 
 
-def start_driver(env: Path, builder: str, script: str, env_prefix: str) -> subprocess.Popen[str]:
-    """Run tests/<script> with `env`'s python, without the engine's own env variables."""
+def start_driver(
+    env: Path, builder: str, script: str, env_prefix: str, user: User | None = None
+) -> subprocess.Popen[str]:
+    """Run tests/<script> with `env`'s python, without the engine's own env variables (as
+    `user`, if given: the deploy tests)."""
     python = env / "bin" / "python"
     if not python.exists():
         pytest.fail(f"{env} is missing: run scripts/{builder} (make test does)")
@@ -160,6 +166,7 @@ def start_driver(env: Path, builder: str, script: str, env_prefix: str) -> subpr
         stderr=sys.stderr,
         text=True,
         env={k: v for k, v in os.environ.items() if not k.startswith(env_prefix)},
+        preexec_fn=user.become if user is not None else None,
     )
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs._unlink import unlink_batch
-from cachemgr.fs.deletecheck import NOT_REACHED, STAT_ERROR
+from cachemgr.fs.deletecheck import NOT_REACHED, STAT_ERROR, reason_of
 from cachemgr.fs.deletion import PART, Pacer, delete_dir, delete_files
 
 KEY = "ab" * 32
@@ -161,21 +161,22 @@ def test_unpaced_parts_on_threads_delete_exactly_what_the_dry_run_counts(
     assert outside.read_bytes() == b"precious"
 
 
-def test_a_failed_unlink_stops_the_run_after_reporting_what_went(tree: Path) -> None:
-    """An unlink refused by the kernel (an immutable file, EPERM even for root) is raised, but
-    only once `removed` has heard every file already gone (the index must drop those)."""
+def test_an_unlink_the_kernel_refuses_is_a_permission_refusal(tree: Path) -> None:
+    """An unlink refused by the kernel (an immutable file, EPERM even for root) keeps that
+    file, reported as a `permission` refusal; the others go and `removed` hears each."""
     ns = tree / "ns" / "0123456789abcdef"
     stuck = ns / PAGES[2]
     subprocess.run(["chattr", "+i", str(stuck)], check=True)
     gone: dict[str, int | None] = {}
     try:
-        with pytest.raises(PermissionError):
-            delete_files(tree, "ns/0123456789abcdef", [*PAGES, TEMP], removed=gone.__setitem__)
+        report = delete_files(tree, "ns/0123456789abcdef", [*PAGES, TEMP], removed=gone.__setitem__)
     finally:
         subprocess.run(["chattr", "-i", str(stuck)], check=True)
     left = set(os.listdir(ns))
     assert PAGES[2] in left
     assert set(gone) == {*PAGES, TEMP} - left  # every file gone was reported, no other
+    assert [reason_of(r) for r in report.refused] == ["permission"]
+    assert PAGES[2] in report.refused[0] and "Operation not permitted" in report.refused[0]
 
 
 def test_threads_stop_before_any_unlink_once_the_dir_left_its_parent(tree: Path) -> None:

@@ -406,6 +406,8 @@ def test_alerts_fire_on_the_daemons_real_series(scrapes: Live, tmp_path: Path) -
     gc_up_sample = e.get("cachemgr_worker_up", worker="gc")
     gc_up, worker = target(gc_up_sample), {**TARGET, **dict(gc_up_sample.labels)}
     gc_ok = target(e.get("cachemgr_gc_last_success_timestamp_seconds"))
+    refused_sample = e.get("cachemgr_gc_refused_files_total", reason="permission")
+    refused, refused_labels = target(refused_sample), {**TARGET, **dict(refused_sample.labels)}
     info_sample = e.get("cachemgr_namespace_info", namespace=ns_id)
     info = target(info_sample, page_size="1")
     v_pages = target(e.get("cachemgr_namespace_pages", namespace=ns_v))
@@ -456,6 +458,14 @@ def test_alerts_fire_on_the_daemons_real_series(scrapes: Live, tmp_path: Path) -
         ),
         alert_test("CachemgrGCFailing", {leader: "1x70", gc_ok: "0+60x70"}, "45m", []),
         alert_test("CachemgrGCFailing", {leader: "0x70", gc_ok: "0x70"}, "45m", []),
+        # 80 pages refused once (a writer's umask 022): it fires, and is quiet 15m on.
+        alert_test(
+            "CachemgrGCRefusedFiles",
+            {refused: "0 0 80x10"},
+            "5m",
+            [expect("CachemgrGCRefusedFiles", refused_labels, 80)],
+        ),
+        alert_test("CachemgrGCRefusedFiles", {refused: "0 0 80x30"}, "25m", []),
         alert_test(
             "CachemgrWatcherOverflow",
             {overflows: "0 0 0 1 1 1"},

@@ -15,6 +15,7 @@ from cachemgr.cli.context import AppContext, pass_app
 from cachemgr.cli.launch_options import LaunchRequest
 from cachemgr.doctor.finding import Finding, exit_code
 from cachemgr.doctor.launch import launch_env, lint
+from cachemgr.doctor.permissions import lint_deletable
 from cachemgr.doctor.root import lint_disk, lint_root
 from cachemgr.doctor.vllm import lint_vllm
 from cachemgr.errors import CachemgrError
@@ -41,7 +42,7 @@ def doctor(app: AppContext, as_json: bool, launch_cmd: tuple[str, ...]) -> None:
     pages of no recorded identity, a cap larger than the free space, SGLang's own file evictor
     next to cachemgr's GC, no hierarchical cache or another backend. For a vLLM launch: no fs
     tier, no cap anywhere, a root_dir outside the root, shared by several models' servers, or
-    holding another identity's blocks.
+    holding another identity's blocks. For the root: pages GC's user cannot delete.
     """
     settings = app.settings
     layout = Layout.at(settings.root, settings.state_dir)
@@ -73,6 +74,7 @@ def doctor(app: AppContext, as_json: bool, launch_cmd: tuple[str, ...]) -> None:
         findings += lint_disk(layout, GcPolicy.from_settings(settings))
         with reading_store(layout) as store:
             findings += lint_root(layout, store)
+        findings += lint_deletable(layout)
     if as_json:
         click.echo(json.dumps([dataclasses.asdict(f) for f in findings], indent=2))
     else:

@@ -16,7 +16,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from cachemgr.cli.common import ask
 from cachemgr.cli.context import AppContext, pass_app, setting_option
 from cachemgr.daemon.gcapi import GcResponse
-from cachemgr.errors import ConfigError, ConflictError
+from cachemgr.errors import ConfigError, ConflictError, LimitNotHeld
 from cachemgr.fs import reserve
 from cachemgr.fs.deletion import Pacer
 from cachemgr.fs.deletion import Progress as ProgressFn
@@ -107,7 +107,14 @@ def _run(runner: GcRunner, floor: GcReport | None, dry_run: bool, yes: bool, as_
         ask("Delete these files?", declined="nothing deleted")
     with _progress(enabled=sys.stderr.isatty() and not as_json) as report_progress:
         report = runner.run(actor="cli", progress=report_progress)
-    _show(_joined(floor, report), as_json)
+    joined = _joined(floor, report)
+    _show(joined, as_json)
+    if not joined.held:
+        refused = sum(joined.refused_files().values())
+        raise LimitNotHeld(
+            f"the limit was not held: {refused:,} files GC had to delete could not be "
+            "(see the warnings above; `cachemgr doctor` says how to fix it)"
+        )
 
 
 def _joined(floor: GcReport | None, report: GcReport) -> GcReport:

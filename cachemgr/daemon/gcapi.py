@@ -27,7 +27,9 @@ class GcStepOut(BaseModel):
     bytes: int
     vanished: int = Field(description="already gone when GC got to them")
     young: int = Field(description="kept: modified within the age limit")
-    refused: list[str] = Field(description="kept: not an SGLang page or temp regular file")
+    refused: list[str] = Field(
+        description="kept: not a page or temp regular file, or the kernel refused the unlink"
+    )
     skipped: str | None = None
 
     @classmethod
@@ -66,6 +68,10 @@ class GcResponse(BaseModel):
     by_reason: dict[GcReason, GcTotal]
     steps: list[GcStepOut]
     warnings: list[str]
+    held: bool = Field(
+        description="false: a cap or the free-space floor needed files gone that could not be "
+        "deleted (see warnings and each step's refused)"
+    )
 
     @classmethod
     def of(cls, report: GcReport) -> GcResponse:
@@ -81,6 +87,7 @@ class GcResponse(BaseModel):
             by_reason={r: GcTotal(files=f, bytes=b) for r, (f, b) in report.totals().items()},
             steps=[GcStepOut.of(s) for s in report.steps],
             warnings=list(report.warnings),
+            held=report.held,
         )
 
 

@@ -71,7 +71,10 @@ METRICS: dict[str, str] = {
     "cachemgr_sglang_backuped_tokens_total": "SGLang's tokens written to L3",
     "cachemgr_gc_leader": "1 while this daemon holds the root's GC lock (it alone deletes)",
     "cachemgr_index_leader": "1 while this daemon writes the root's index (the others follow it)",
-    "cachemgr_gc_runs_total": "GC runs by result: ok, error, skipped (another process leads)",
+    "cachemgr_gc_runs_total": "GC runs by result: ok, error, skipped (another process leads), "
+    "short (files a cap or the floor needed gone could not be deleted)",
+    "cachemgr_gc_refused_files_total": "files GC meant to delete and had to keep, by reason "
+    "(permission: the kernel refused, e.g. a writer's dir without the group's write)",
     "cachemgr_gc_last_success_timestamp_seconds": "when a GC cycle last ended without error "
     "(daemon start until the first)",
 }
@@ -274,9 +277,13 @@ class CachemgrCollector(Collector):
         leader = int(self.gc.leadership.held)
         yield GaugeMetricFamily("cachemgr_gc_leader", METRICS["cachemgr_gc_leader"], value=leader)
         runs = _counter("cachemgr_gc_runs_total", ["result"])
-        for result in ("ok", "error", "skipped"):
+        for result in ("ok", "error", "skipped", "short"):
             runs.add_metric([result], getattr(st, result))
         yield runs
+        refused = _counter("cachemgr_gc_refused_files_total", ["reason"])
+        for reason, files in st.refused.items():
+            refused.add_metric([reason], files)
+        yield refused
         name = "cachemgr_gc_last_success_timestamp_seconds"
         yield GaugeMetricFamily(name, METRICS[name], value=st.last_success)
 

@@ -86,13 +86,21 @@ static int check_one(int dir_fd, const char *name, double min_age, double now, i
 
 static int batch_here(const void *b) { return still_here(b); }
 
-/* Name i of the batch; an unlink error or a moved dir stops the batch. */
+/* Whether an unlink error ends the batch: EACCES and EPERM (a dir we may not write in, an
+ * immutable file, another owner's file in a sticky dir) keep that file only, and the caller
+ * reports each one; any other error stops. */
+static int stops(int status, long long value) {
+    return status == NOT_REACHED ||
+           (status == UNLINK_ERROR && value != EACCES && value != EPERM);
+}
+
+/* Name i of the batch; an unlink error (see stops) or a moved dir stops the batch. */
 static void one(Batch *b, size_t i) {
     int status = check_one(b->dir_fd, b->names[i], b->min_age, b->now, b->dry_run, batch_here, b,
                            &b->value[i]);
     if (status == NOT_REACHED)
         atomic_store(&b->moved, 1);
-    if (status == NOT_REACHED || status == UNLINK_ERROR)
+    if (stops(status, b->value[i]))
         atomic_store(&b->stop, 1);
     b->status[i] = status;
 }
@@ -325,8 +333,8 @@ static int chain_here_of(const void *p) {
     return chain_here(at->chain, at->tree);
 }
 
-/* Steps 1-3 for the names of dir d, opened in `c`: an unlink error stops the dir, a moved
- * dir all. */
+/* Steps 1-3 for the names of dir d, opened in `c`: an unlink error (see stops) stops the dir,
+ * a moved dir all. */
 static void tree_dir(Tree *t, Chain *c, Py_ssize_t d) {
     Place at = {c, t};
     for (Py_ssize_t i = t->first[d]; i < t->first[d + 1] && !atomic_load(&t->stop); i++) {
@@ -337,7 +345,7 @@ static void tree_dir(Tree *t, Chain *c, Py_ssize_t d) {
             atomic_store(&t->stop, 1);
         }
         t->status[i] = status;
-        if (status == NOT_REACHED || status == UNLINK_ERROR)
+        if (stops(status, t->value[i]))
             return;
     }
 }

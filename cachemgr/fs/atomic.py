@@ -11,10 +11,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from cachemgr.errors import ConfigError
-from cachemgr.fs.safe import DIR_FLAGS, write_atomic_at
+from cachemgr.fs.safe import DIR_FLAGS, FILE_MODE, write_atomic_at
 
 
-def write_atomic(path: Path, data: bytes | Sequence[memoryview], *, mode: int = 0o644) -> None:
+def write_atomic(path: Path, data: bytes | Sequence[memoryview], *, mode: int = FILE_MODE) -> None:
     """Replace the file at `path` with `data` (or these buffers in a row) atomically;
     ConfigError if it cannot be written."""
     parent = path.parent

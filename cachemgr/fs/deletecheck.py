@@ -6,10 +6,12 @@ drives the parts.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from cachemgr.backends import FileFormat, FileKind
 from cachemgr.errors import UnsafePathError
@@ -42,14 +44,53 @@ def names_of(fmt: FileFormat) -> Names:
             f"a page or temp file name of {fmt.name}")  # fmt: skip
 
 
+# Why a deletion kept a file, for metrics (a bounded label): `permission` is the deploy's doing
+# (a dir the deleter may not write in: another user's umask 022, chattr +i, a sticky dir of
+# another owner), the others are files that are not the engine's or not where they should be.
+RefusalReason = Literal["permission", "not_ours", "not_regular", "unsafe", "other"]
+REFUSAL_REASONS: tuple[RefusalReason, ...] = (
+    "permission", "not_ours", "not_regular", "unsafe", "other",
+)  # fmt: skip
+DENIED = {errno.EACCES, errno.EPERM}  # an unlink or a dir the kernel does not let us touch
+
+
+class Refusal(str):
+    """Why one file (or a dir of `files`) was kept: reads as its message; `reason` is the
+    bounded label, `files` how many files it kept."""
+
+    reason: RefusalReason
+    files: int
+
+    def __new__(cls, text: str, reason: RefusalReason = "other", files: int = 1) -> Refusal:
+        self = super().__new__(cls, text)
+        self.reason, self.files = reason, files
+        return self
+
+    def at(self, text: str) -> Refusal:
+        """The same refusal with another message (the path put in front)."""
+        return Refusal(text, self.reason, self.files)
+
+
+def reason_of(refusal: str) -> RefusalReason:
+    """The label of a refusal (`other` for a plain message)."""
+    return refusal.reason if isinstance(refusal, Refusal) else "other"
+
+
+def files_of(refusal: str) -> int:
+    return refusal.files if isinstance(refusal, Refusal) else 1
+
+
 @dataclass
 class Checked:
     """What checking turned away (`vanished` also gets names gone by unlink time)."""
 
     vanished: list[str] = field(default_factory=list)
     young: int = 0
-    refused: list[tuple[str, str]] = field(default_factory=list)
+    refused: list[tuple[str, Refusal]] = field(default_factory=list)
     error: OSError | None = None  # an unlink failed (not for a vanished file): the run stops
+
+    def refuse(self, name: str, why: str, reason: RefusalReason, files: int = 1) -> None:
+        self.refused.append((name, Refusal(why, reason, files)))
 
 
 # What _unlink.unlink_batch says of each name.
@@ -103,7 +144,7 @@ def check_and_unlink(
         if fit:
             tally(name, *next(verdicts), ok, out)
         else:
-            out.refused.append((name, f"not {what}"))
+            out.refuse(name, f"not {what}", "not_ours")
     return ok, moved
 
 
@@ -117,12 +158,18 @@ def tally(name: str, status: int, value: int, ok: list[tuple[str, int]], out: Ch
     elif status == YOUNG:
         out.young += 1
     elif status == NOT_REGULAR:
-        out.refused.append((name, "not a regular file"))
+        out.refuse(name, "not a regular file", "not_regular")
     elif status == STAT_ERROR:
-        out.refused.append((name, f"cannot stat: {os.strerror(value)}"))
+        out.refuse(name, f"cannot stat: {os.strerror(value)}", _denied_or(value, "other"))
+    elif status == UNLINK_ERROR and value in DENIED:  # a dir we may not write in: kept, loudly
+        out.refuse(name, f"cannot unlink: {os.strerror(value)}", "permission")
     elif status == UNLINK_ERROR and out.error is None:
         out.error = OSError(value, os.strerror(value), name)
     # else NOT_REACHED: the part stopped first (the dir moved, or an unlink failed)
+
+
+def _denied_or(value: int, reason: RefusalReason) -> RefusalReason:
+    return "permission" if value in DENIED else reason
 
 
 def too_young(mtime: float, min_age: float, now: float) -> bool:

@@ -28,6 +28,7 @@ from cachemgr.fs.deletecheck import (
     OWN_TEMPS,
     Checked,
     Names,
+    Refusal,
     Where,
     check_and_unlink,
     dir_id,
@@ -163,9 +164,10 @@ def delete_files(
         raise checked.error
     if progress is not None:
         progress(files, size)
-    refused = tuple(f"{rel_dir}/{name}: {why}" for name, why in checked.refused)
+    refused = tuple(why.at(f"{rel_dir}/{name}: {why}") for name, why in checked.refused)
     if stopped:
-        refused += (f"{rel_dir}: moved or replaced while its files were deleted; stopped",)
+        moved = f"{rel_dir}: moved or replaced while its files were deleted; stopped"
+        refused += (Refusal(moved, "unsafe"),)
     return DeleteReport(files, size, len(checked.vanished), checked.young, refused, dry_run)
 
 
@@ -177,12 +179,15 @@ def _parts(
     with their names, in order of their paths (neighbours share their upper dirs' opens)."""
     if fmt.nesting is None:
         why = f"not a file name of {fmt.name}"
-        checked.refused.extend((n, why) for n in names if "/" in n)
+        for n in names:
+            if "/" in n:
+                checked.refuse(n, why, "not_ours")
         names = [n for n in names if "/" not in n]
         return (names[i : i + step] for i in range(0, len(names), step)), check_and_unlink
     by_dir, bad = by_dirs(fd, names, fmt)
     why = f"not a file of {fmt.name} in a folder it vouches for"
-    checked.refused.extend((name, why) for name in bad)
+    for name in bad:
+        checked.refuse(name, why, "not_ours")
     return _dir_parts(sorted(by_dir.items()), step * grow), check_and_unlink_dirs
 
 
@@ -290,7 +295,7 @@ def delete_own_temps(
         )  # fmt: skip
     if checked.error is not None:
         raise checked.error
-    refused = tuple(f"{rel_dir}/{name}: {why}" for name, why in checked.refused)
+    refused = tuple(why.at(f"{rel_dir}/{name}: {why}") for name, why in checked.refused)
     return DeleteReport(
         len(ok), sum(n for _, n in ok), len(checked.vanished), checked.young, refused, dry_run
     )

@@ -41,7 +41,7 @@ class Leadership:
             os.close(fd)
             return False
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        note = f"pid {os.getpid()} on {socket.gethostname()} since {stamp}\n"
+        note = f"pid {os.getpid()} uid {os.geteuid()} on {socket.gethostname()} since {stamp}\n"
         self._fd = fd
         # Informational, and it needs a block: on a full disk leading matters more (GC frees it).
         with contextlib.suppress(OSError):

@@ -25,6 +25,12 @@ DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _TEMP_SUFFIX = ".tmp-cachemgr"  # write_atomic_at's temp names: .<name>.<12 hex>.tmp-cachemgr
 _OWN_TEMP_RE = re.compile(r"\.[^/\x00]+\.[0-9a-f]{12}" + re.escape(_TEMP_SUFFIX))
+# Modes that leave the permissions to the deploy: the process umask takes bits away (UMask=0002
+# keeps the group's write, which the daemon needs to delete an engine's pages and the engine's
+# `init` to write the state DB), and a setgid parent passes its group and setgid bit on to a
+# new dir (the kernel's rule). A fixed 0o755 made every shared-group deploy fail.
+DIR_MODE = 0o777
+FILE_MODE = 0o666
 
 
 @contextmanager
@@ -57,7 +63,12 @@ def _mkdir(name: str, dir_fd: int | None) -> None:
     # mkdir never follows a symlink in its last component: one there is EEXIST, and the
     # O_NOFOLLOW open that comes next refuses it.
     with contextlib.suppress(FileExistsError):
-        os.mkdir(name, 0o755, dir_fd=dir_fd)
+        make_dir(name, dir_fd)
+
+
+def make_dir(name: str, dir_fd: int | None) -> None:
+    """mkdir `name` in `dir_fd` with the deploy's permissions (see DIR_MODE)."""
+    os.mkdir(name, DIR_MODE, dir_fd=dir_fd)
 
 
 def _open_nofollow(name: str, dir_fd: int | None, shown: Path) -> int:
@@ -69,7 +80,7 @@ def _open_nofollow(name: str, dir_fd: int | None, shown: Path) -> int:
         raise
 
 
-def open_regular(dir_fd: int, name: str, flags: int, mode: int = 0o644) -> int:
+def open_regular(dir_fd: int, name: str, flags: int, mode: int = FILE_MODE) -> int:
     """Open `name` in `dir_fd` only if it is (or is created as) a regular file; never follows a
     symlink, never blocks on a FIFO, never opens for writing a file with other hard links
     (O_TRUNC is refused: it would act before the checks). UnsafePathError for anything else."""
@@ -96,7 +107,7 @@ def open_regular(dir_fd: int, name: str, flags: int, mode: int = 0o644) -> int:
     return fd
 
 
-def open_file(path: Path, flags: int, mode: int = 0o644) -> int:
+def open_file(path: Path, flags: int, mode: int = FILE_MODE) -> int:
     """open_regular() of `path` in its dir, which is opened without following a symlink (and
     made, with O_CREAT): for the state dir's files, whose dir a person could replace by a link."""
     with open_dir(path.parent, "", create=bool(flags & os.O_CREAT)) as dir_fd:
@@ -145,7 +156,7 @@ def read_regular(dir_fd: int, name: str, limit: int) -> bytes:
 
 
 def write_atomic_at(
-    dir_fd: int, name: str, data: bytes | Sequence[memoryview], *, mode: int = 0o644
+    dir_fd: int, name: str, data: bytes | Sequence[memoryview], *, mode: int = FILE_MODE
 ) -> None:
     """Replace `name` in `dir_fd` with `data` (or these buffers, one after the other: no copy
     of them all), atomically and durably: a temp file in the same dir, fsync, rename (which

@@ -14,14 +14,13 @@ import os
 
 from cachemgr.fs._dirscan import mount_id
 from cachemgr.fs._unlink import unlink_tree
-from cachemgr.fs.deletecheck import NICE, UNLINK_ERROR, Checked, Names, Where, tally
+from cachemgr.fs.deletecheck import DENIED, NICE, Checked, Names, RefusalReason, Where, tally
 
 Part = list[tuple[str, list[str]]]  # (dir below the namespace dir, file names in it)
 ON_ANOTHER_MOUNT, NOT_REACHED_DIR = -1, -2  # unlink_tree's dir statuses besides errnos
 # The user's own doing (a chmod, a link or a file where a dir should be): that dir stays,
 # reported; any other failure ends the run, as in a flat dir.
-REFUSED_DIR = {errno.EACCES, errno.EPERM, errno.ELOOP, errno.ENOTDIR, ON_ANOTHER_MOUNT}
-REFUSED_UNLINK = {errno.EACCES, errno.EPERM}
+REFUSED_DIR = {*DENIED, errno.ELOOP, errno.ENOTDIR, ON_ANOTHER_MOUNT}
 
 
 def check_and_unlink_dirs(
@@ -43,7 +42,7 @@ def check_and_unlink_dirs(
         fits = [os.sep not in n and accepts(n) for n in names]
         for name, fit in zip(names, fits, strict=True):
             if not fit:
-                out.refused.append((f"{sub}/{name}", f"not {what}"))
+                out.refuse(f"{sub}/{name}", f"not {what}", "not_ours")
         shaped.append([n for n, fit in zip(names, fits, strict=True) if fit])
     results, moved = unlink_tree(
         where.fd, where.parent_fd, where.leaf, *where.here, mount_id(where.fd),
@@ -54,14 +53,12 @@ def check_and_unlink_dirs(
         if dir_status == errno.ENOENT:  # the dir went, and its files with it
             out.vanished.extend(f"{sub}/{n}" for n in names)
         elif dir_status in REFUSED_DIR:
-            out.refused.append((sub, _why_not(dir_status)))
+            reason: RefusalReason = "permission" if dir_status in DENIED else "unsafe"
+            out.refuse(sub, _why_not(dir_status), reason, files=len(names))
         elif dir_status not in (0, NOT_REACHED_DIR) and out.error is None:
             out.error = OSError(dir_status, os.strerror(dir_status), sub)
         for name, (status, value) in zip(names, verdicts, strict=True):
-            if status == UNLINK_ERROR and value in REFUSED_UNLINK:  # a dir we may not write in
-                out.refused.append((f"{sub}/{name}", f"cannot unlink: {os.strerror(value)}"))
-            else:
-                tally(f"{sub}/{name}", status, value, ok, out)
+            tally(f"{sub}/{name}", status, value, ok, out)
     return ok, moved
 
 

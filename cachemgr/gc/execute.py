@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from cachemgr.errors import UnsafePathError
+from cachemgr.fs.deletecheck import files_of, reason_of
 from cachemgr.fs.deletion import DeleteReport, Pacer, Progress, delete_files, delete_own_temps
 from cachemgr.gc.drop import InUse, drop_namespace, kept
 from cachemgr.gc.find import step_format
@@ -94,9 +95,33 @@ def execute_gc(
             log.warning("gc step refused", extra={"dir": step.rel_dir, "error": str(e)})
             result = StepResult(step, skipped=f"refused: {e}")
         results.append(result)
-    report = GcReport(dry_run, True, started, clock(), tuple(results), plan.warnings)
+    warnings = plan.warnings + tuple(refusal_warning(r) for r in results if r.refused)
+    report = GcReport(dry_run, True, started, clock(), tuple(results), warnings)
     _log_summary(report, actor)
     return report
+
+
+def refusal_warning(result: StepResult) -> str:
+    """One line for the files a step had to keep: how many, why, one example and, when the
+    kernel refused (another user's dir without the group's write), the fix."""
+    by_reason: dict[str, int] = {}
+    for refusal in result.refused:
+        by_reason[reason_of(refusal)] = by_reason.get(reason_of(refusal), 0) + files_of(refusal)
+    counts = ", ".join(f"{n} {reason}" for reason, n in sorted(by_reason.items()))
+    line = (
+        f"{sum(by_reason.values())} files in {result.rel_dir} cannot be deleted by uid "
+        f"{os.geteuid()} ({counts}), e.g. {result.refused[0]}"
+    )
+    if "permission" in by_reason:
+        line += f"; {PERMISSION_FIX}"
+    return line
+
+
+# What to do about files the kernel does not let GC delete (see `cachemgr doctor`).
+PERMISSION_FIX = (
+    "the writer makes dirs the daemon's group cannot write (its umask is 022?): run the engine "
+    "with umask 0002 in the daemon's group (docs/deploy.md), then `chmod -R g+w` its dirs"
+)
 
 
 def _run_step(
@@ -230,11 +255,13 @@ def _dir_id(layout: Layout, rel_dir: str) -> tuple[int, int] | None:
 
 def _log_summary(report: GcReport, actor: str) -> None:
     by_reason = {r: {"files": f, "bytes": b} for r, (f, b) in report.totals().items()}
-    log.info(
+    refused = report.refused_files()
+    log.log(
+        logging.WARNING if refused else logging.INFO,
         "gc dry run" if report.dry_run else "gc done",
         extra={
             "actor": actor, "files": report.files, "bytes": report.bytes,
             "by_reason": by_reason, "seconds": round(report.finished_at - report.started_at, 3),
-            "warnings": list(report.warnings),
+            "held": report.held, "refused": refused, "warnings": list(report.warnings),
         },
     )  # fmt: skip

@@ -16,10 +16,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cachemgr.errors import CachemgrError, StateCorrupt
 from cachemgr.fs import reserve
+from cachemgr.fs.deletecheck import REFUSAL_REASONS, RefusalReason
 from cachemgr.fs.deletion import Pacer, Progress
 from cachemgr.fs.leadership import Leadership
 from cachemgr.fs.usage import DiskUsageFn
@@ -44,12 +45,27 @@ FLOOR_CHECK = 5.0  # seconds between two statvfs checks of the free-space floor
 
 @dataclass
 class GcStats:
-    """What the daemon's GC did, for metrics (ints and floats only: read without locks)."""
+    """What the daemon's GC did, for metrics (read without locks: ints, floats, and a dict
+    whose keys never change)."""
 
     ok: int = 0  # runs that planned and executed (ticks with nothing to do are not runs)
     error: int = 0  # cycles or requested runs that failed
     skipped: int = 0  # cycles in which another process led GC
-    last_success: float = 0.0  # the last cycle or run that ended without error
+    short: int = 0  # runs that could not delete what a cap or the floor needed (refusals)
+    last_success: float = 0.0  # the last cycle or run that ended without error or refusal
+    refused: dict[RefusalReason, int] = field(
+        default_factory=lambda: dict.fromkeys(REFUSAL_REASONS, 0)
+    )  # files runs meant to delete and had to keep, per reason
+
+    def count(self, report: GcReport) -> None:
+        """One run that executed: `ok`, or `short` if it held no limit it had to hold."""
+        for reason, files in report.refused_files().items():
+            self.refused[reason] += files
+        if report.held:
+            self.ok += 1
+            self.last_success = report.finished_at
+        else:
+            self.short += 1
 
 
 class GcRunner(Worker):
@@ -154,8 +170,7 @@ class GcRunner(Worker):
             self.stats.error += 1
             raise
         with self._busy:
-            self.stats.ok += 1
-            self.stats.last_success = report.finished_at
+            self.stats.count(report)
             self._after_floor(report, actor)
         return report
 
@@ -194,8 +209,7 @@ class GcRunner(Worker):
                 self.stats.error += 1
                 raise
         if not dry_run:
-            self.stats.ok += 1
-            self.stats.last_success = report.finished_at
+            self.stats.count(report)
             reserve.keep(self.layout.state_dir)
             self.after_run()
         return report

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from cachemgr.fs.deletecheck import RefusalReason, files_of, reason_of
 from cachemgr.fs.deletion import DeleteReport
-from cachemgr.gc.policy import ByReason, GcReason, tally
+from cachemgr.gc.policy import KEEPING, ByReason, GcReason, tally
 
 
 @dataclass(frozen=True)
@@ -77,3 +78,17 @@ class GcReport(ByReason):
     def totals(self) -> dict[GcReason, tuple[int, int]]:
         """(files, bytes) per reason."""
         return tally((s.reason, s.files, s.bytes) for s in self.steps)
+
+    def refused_files(self) -> dict[RefusalReason, int]:
+        """Files kept although the run meant to delete them, per refusal reason."""
+        out: dict[RefusalReason, int] = {}
+        for step in self.steps:
+            for refusal in step.refused:
+                out[reason_of(refusal)] = out.get(reason_of(refusal), 0) + files_of(refusal)
+        return out
+
+    @property
+    def held(self) -> bool:
+        """False when a step keeping a cap or the floor could not delete what it had to: the
+        run did not hold the limit it was asked to hold (not an `ok` run)."""
+        return not any(s.refused for s in self.steps if s.reason in KEEPING)

@@ -29,7 +29,7 @@ from cachemgr.errors import CachemgrError, ConfigError, RootNotWritable, UnsafeP
 from cachemgr.fs import reserve
 from cachemgr.fs.deletion import delete_manifest
 from cachemgr.fs.locks import root_lock
-from cachemgr.fs.safe import open_dir
+from cachemgr.fs.safe import make_dir, open_dir
 from cachemgr.layout import NS_DIR, TRASH_DIR, Layout
 from cachemgr.ns import registry as nsreg
 from cachemgr.ns.purge_plan import PurgePlan, PurgeTarget, plan_purge  # re-exported
@@ -180,12 +180,12 @@ def rename_to_trash(layout: Layout, ns_id: str, *, recreate: bool) -> str | None
 def _empty_dir(layout: Layout, dir_fd: int, name: str) -> str:
     """mkdir `name` in `dir_fd`; on a full disk, once more after giving the DB's reserve back."""
     try:
-        os.mkdir(name, 0o755, dir_fd=dir_fd)
+        make_dir(name, dir_fd)
     except OSError as e:
         if not (reserve.is_disk_full(e) and reserve.release(layout.state_dir)):
             raise _no_room(layout, e) from e
         try:
-            os.mkdir(name, 0o755, dir_fd=dir_fd)
+            make_dir(name, dir_fd)
         except OSError as again:
             raise _no_room(layout, again) from again
     return name

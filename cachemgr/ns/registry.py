@@ -20,7 +20,7 @@ from typing import Any, Literal
 from cachemgr.engines import Engine, engine_of, format_for
 from cachemgr.errors import CachemgrError, ConfigError, StateError, UnsafePathError
 from cachemgr.fs.dirscan import Usage, scan_usage
-from cachemgr.fs.safe import open_dir
+from cachemgr.fs.safe import make_dir, open_dir
 from cachemgr.layout import NS_DIR, NS_ID_RE, Layout, check_ns_id
 from cachemgr.layout import check_instance as check_instance  # nsreg.check_instance callers
 from cachemgr.ns import bindings
@@ -55,7 +55,7 @@ def make_ns_dir(layout: Layout, ns_id: str) -> bool:
     check_ns_id(ns_id)
     with open_dir(layout.root, NS_DIR) as fd:
         try:
-            os.mkdir(ns_id, 0o755, dir_fd=fd)
+            make_dir(ns_id, fd)
             return True
         except FileExistsError:
             pass

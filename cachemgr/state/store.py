@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import os
 import re
 import sqlite3
 import time
@@ -20,7 +21,7 @@ from pathlib import Path
 from cachemgr.errors import StateCorrupt, StateDiskFull, StateError
 from cachemgr.fs import reserve
 from cachemgr.fs._dirscan import page_digest
-from cachemgr.fs.safe import refuse_non_regular
+from cachemgr.fs.safe import open_file, refuse_non_regular
 from cachemgr.layout import db_files
 from cachemgr.state.dbfile import FileId, file_id, is_corrupt, path_lock, quarantine, quick_check
 
@@ -139,6 +140,7 @@ def migrate(conn: sqlite3.Connection, migrations: list[Migration] | None = None)
 
 
 def _open_migrated(path: Path) -> sqlite3.Connection:
+    _create(path)
     conn = connect(path)
     try:
         if pending(conn, bundled_migrations()):
@@ -148,6 +150,18 @@ def _open_migrated(path: Path) -> sqlite3.Connection:
         conn.close()
         raise
     return conn
+
+
+def _create(path: Path) -> None:
+    """Make an absent DB file ourselves: SQLite makes it 0644 whatever the umask, and then an
+    engine's `init` in the daemon's group (UMask=0002) could not write it (its -wal and -shm
+    take the DB's mode)."""
+    try:
+        os.close(open_file(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise StateError(f"cannot open state DB {path}: {e.strerror or e}") from e
 
 
 def _open_with_room(path: Path) -> sqlite3.Connection:

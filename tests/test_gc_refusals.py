@@ -1,0 +1,106 @@
+"""Pages GC may not delete are loud: the daemon's runner counts a short run and the refused
+files by reason (the metric), `cachemgr gc` exits 1 with the warning, and `doctor` finds the
+pages GC's user cannot delete. (With real engines and real users: test_deploy_vllm_users.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from cachemgr.daemon.metrics import CachemgrCollector
+from cachemgr.fs.leadership import Leadership
+from cachemgr.gc.runner import GcRunner
+from tests.gc_helpers import NS, NS2, T0, Tree, big_disk, page, policy
+from tests.nsfixtures import cli
+from tests.users import needs_root
+
+
+@contextmanager
+def immutable(path: Path) -> Iterator[None]:
+    """chattr +i: EPERM on unlink even for root (what another user's dir is to the daemon)."""
+    subprocess.run(["chattr", "+i", str(path)], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+def test_a_refused_page_makes_a_short_run_and_feeds_the_metric(root: Path) -> None:
+    tree = Tree.at(root)
+    names = [page(i) for i in range(4)]
+    tree.write(NS, names, at=T0, size=1000)
+    runner = GcRunner(tree.layout, tree.store, policy(max_bytes=1), disk_usage=big_disk)
+
+    @contextmanager
+    def reader() -> Iterator[sqlite3.Connection]:
+        yield tree.store.conn
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(CachemgrCollector(tree.layout, reader, gc=runner))
+    before = runner.stats.last_success
+    with immutable(tree.dir(NS) / names[0]):
+        report = runner.run(actor="auto")
+    assert not report.held and tree.files(NS) == {names[0]}
+    assert any("cannot be deleted by uid 0 (1 permission)" in w for w in report.warnings)
+    v = reg.get_sample_value
+    assert v("cachemgr_gc_refused_files_total", {"reason": "permission"}) == 1
+    assert v("cachemgr_gc_refused_files_total", {"reason": "not_ours"}) == 0
+    assert v("cachemgr_gc_runs_total", {"result": "short"}) == 1
+    assert v("cachemgr_gc_runs_total", {"result": "ok"}) == 0
+    assert runner.stats.last_success == before  # a short run is no success
+    runner.leadership.release()
+    tree.store.close()
+
+
+def test_gc_cli_exits_1_when_the_cap_is_not_held(root: Path) -> None:
+    tree = Tree.at(root)
+    names = [page(i) for i in range(4)]
+    tree.write(NS, names, at=T0, size=1000)
+    tree.store.close()
+    with immutable(tree.dir(NS) / names[1]):
+        out = cli(
+            "--root", str(root), "gc", "--yes", "--json", "--max-bytes", "1", "--min-age", "0"
+        )
+    assert out.returncode == 1, out.stderr
+    report = json.loads(out.stdout)
+    assert report["held"] is False
+    assert report["warnings"][0].startswith(f"1 files in ns/{NS} cannot be deleted by uid 0")
+    assert "cachemgr: error: the limit was not held: 1 files" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@needs_root
+def test_doctor_finds_pages_gc_user_cannot_delete(root: Path) -> None:
+    """GC's user is the uid in the GC lock, in the root's group (the deploy's setgid root); a
+    namespace dir of another uid without the group's write (a writer's umask 022) is a
+    finding, a group-writable one is not."""
+    tree = Tree.at(root)
+    tree.write(NS, [page(i) for i in range(3)], at=T0)
+    tree.write(NS2, [page(i) for i in range(3)], at=T0)
+    tree.store.close()
+    gc_uid, gc_gid, writer = 23011, 23011, 23012
+    os.chown(root, 0, gc_gid)
+    lock = Leadership(tree.layout.gc_lock)
+    assert lock.try_acquire()
+    lock.release()
+    tree.layout.gc_lock.write_text(f"pid 1 uid {gc_uid} on host since then\n")
+    for ns, mode in ((NS, 0o2755), (NS2, 0o2775)):
+        os.chown(tree.dir(ns), writer, gc_gid)
+        os.chmod(tree.dir(ns), mode)
+    out = cli("--root", str(root), "doctor", "--json")
+    findings = [f for f in json.loads(out.stdout) if f["code"] == "gc-cannot-delete"]
+    assert out.returncode == 2, out.stdout
+    (finding,) = findings
+    assert finding["message"].startswith(
+        f"3 pages in ns {NS} cannot be deleted by uid {gc_uid} (GC's user): "
+        f"{tree.dir(NS)} is mode 2755, uid {writer}, gid {gc_gid}"
+    )
+    assert "the writer's umask is 022" in finding["message"]
+    assert f"chmod -R g+w {tree.dir(NS)}" in finding["fix"]
