@@ -118,12 +118,28 @@ def _drop_default(schema: dict[str, Any]) -> None:
 
 
 class PurgeRequest(RequestBody):
-    """Which namespaces to purge: the union of what is chosen; nothing chosen means all."""
+    """Which namespaces to purge: a namespace, an instance's (both: the union), or `all: true`.
+
+    Nothing chosen, `all: false`, or `all` with a namespace or instance is a 400: a request
+    that does not say "everything" never reaches it.
+    """
 
     namespace: Annotated[str, Field(pattern=NS_ID_PATTERN)] | SkipJsonSchema[None] = _unset()
     instance: Annotated[str, Field(pattern=INSTANCE_PATTERN)] | SkipJsonSchema[None] = _unset()
     all: bool = False
     dry_run: bool = False
+
+    def selector_problem(self) -> str | None:
+        """Why this request chooses no namespace, or contradicts itself; None if it is clear."""
+        given = self.model_fields_set
+        chosen = [name for name in ("namespace", "instance") if name in given]
+        if "all" in given and not self.all:
+            return "all=false selects nothing: give all=true, a namespace or an instance"
+        if self.all and chosen:
+            return f"all=true contradicts {' and '.join(chosen)}: give one or the other"
+        if not self.all and not chosen:
+            return "nothing chosen to purge: give a namespace, an instance, or all=true"
+        return None
 
 
 class NamespacePurgeRequest(RequestBody):

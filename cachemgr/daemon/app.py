@@ -62,7 +62,7 @@ def create_app(backend: Backend) -> FastAPI:
             f"before anything else); a request body is a JSON object of at most {MAX_BODY_BYTES}"
             " bytes (413); a query parameter is given once."
         ),
-        responses={422: ERRORS[422], 500: ERRORS[500]},
+        responses={400: ERRORS[400], 422: ERRORS[422], 500: ERRORS[500]},
     )
     install_error_handlers(app)
     app.add_middleware(RequestGuard, token=backend.token)

@@ -33,14 +33,24 @@ def problem(
     )
 
 
+# Errors that make a request ambiguous rather than mistyped: a 400 naming the parameter. A
+# misspelt key (`{"namepsace": …}`) or a key given twice must never read as a default.
+AMBIGUOUS = frozenset({"extra_forbidden", "repeated", "duplicate_key"})
+
+
 def invalid_request(
     errors: list[dict[str, Any]], instance: str, headers: dict[str, str] | None = None
 ) -> JSONResponse:
-    """The 422 for a request that does not match the API; `errors` as pydantic reports them."""
+    """The 422 for a request that does not match the API (a 400 if a parameter is unknown or
+    given twice); `errors` as pydantic reports them."""
     found = [
         {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
         for e in errors
     ]
+    ambiguous = [e for e in found if e["type"] in AMBIGUOUS]
+    if ambiguous:
+        named = ", ".join(".".join(str(p) for p in e["loc"]) + f": {e['msg']}" for e in ambiguous)
+        return problem(400, "bad request", named, instance, headers, errors=found)
     detail = "the request does not match the API"
     return problem(422, "invalid request", detail, instance, headers, errors=found)
 
@@ -49,7 +59,7 @@ def invalid_request(
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": Problem, "content": {PROBLEM: {}}, "description": desc}
     for code, desc in {
-        400: "bad request",
+        400: "bad request: a parameter unknown or given twice, or a purge that chooses nothing",
         401: "missing or wrong bearer token",
         404: "not found",
         409: "conflict",
@@ -73,9 +83,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        title = {401: "unauthorized", 404: "not found", 405: "method not allowed"}.get(
-            exc.status_code, "error"
-        )
+        title = {
+            400: "bad request: a parameter unknown or given twice, or a purge that chooses nothing", 401: "unauthorized", 404: "not found", 405: "method not allowed",
+        }.get(exc.status_code, "error")  # fmt: skip
         path = request.url.path
         more = _method_hint(path, exc.headers) if exc.status_code == 405 else {}
         resp = problem(exc.status_code, title, str(exc.detail), path, **more)
