@@ -70,6 +70,9 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
+TITLES = {400: "bad request", 401: "unauthorized", 404: "not found", 405: "method not allowed"}
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every error the app raises leaves as problem+json."""
 
@@ -83,9 +86,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        title = {
-            400: "bad request: a parameter unknown or given twice, or a purge that chooses nothing", 401: "unauthorized", 404: "not found", 405: "method not allowed",
-        }.get(exc.status_code, "error")  # fmt: skip
+        title = TITLES.get(exc.status_code, "error")
         path = request.url.path
         more = _method_hint(path, exc.headers) if exc.status_code == 405 else {}
         resp = problem(exc.status_code, title, str(exc.detail), path, **more)
