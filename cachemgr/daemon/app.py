@@ -37,7 +37,7 @@ from cachemgr.daemon.backend import Backend
 from cachemgr.daemon.gcapi import GcResponse, SharedGcRuns
 from cachemgr.daemon.httpguard import MAX_BODY_BYTES, RequestGuard
 from cachemgr.daemon.index_state import IndexState
-from cachemgr.daemon.problems import ERRORS, install_error_handlers
+from cachemgr.daemon.problems import ERRORS, InternalErrors, install_error_handlers
 from cachemgr.daemon.purge_routes import add_purge_routes
 from cachemgr.errors import CachemgrError, ConflictError, NotFoundError
 from cachemgr.fs.usage import disk_usage
@@ -66,6 +66,7 @@ def create_app(backend: Backend) -> FastAPI:
     )
     install_error_handlers(app)
     app.add_middleware(RequestGuard, token=backend.token)
+    app.add_middleware(InternalErrors)  # added last: outermost, around the guard too
 
     def statuses() -> list[NamespaceStatus]:
         live = backend.index.counters if backend.index is not None else None

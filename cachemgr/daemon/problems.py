@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import traceback
 from collections.abc import Mapping
 from typing import Any
 
@@ -9,11 +11,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cachemgr.daemon.api import Problem
 from cachemgr.errors import CachemgrError
 
 PROBLEM = "application/problem+json"
+log = logging.getLogger(__name__)
 
 
 def problem(
@@ -103,3 +107,41 @@ def _method_hint(path: str, headers: Mapping[str, str] | None) -> dict[str, Any]
         return {}
     hint = f"use {' or '.join(allow)}, e.g. curl -X {allow[0]} http://HOST:PORT{path}"
     return {"allow": allow, "hint": hint}
+
+
+class InternalErrors:
+    """The outermost net (a pure ASGI middleware): an exception no handler answered is a
+    problem+json 500 and one log line, not Starlette's text/plain 500 with a traceback in the
+    log and the client's keep-alive connection dropped. A response already begun cannot be
+    replaced: that one is left to the server, which closes the connection."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            if started:
+                raise
+            error = f"{type(exc).__name__}: {exc}"[:300]
+            where = {"method": scope["method"], "route": scope["path"], "where": _where(exc)}
+            log.error("http request failed", extra={**where, "error": error})
+            detail = f"the daemon failed on this request ({error}); its log has the line"
+            await problem(500, "internal error", detail, scope["path"])(scope, receive, send)
+
+
+def _where(exc: BaseException) -> str:
+    """file:line of the frame that raised, for the log line (the traceback stays out)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "unknown"
