@@ -75,6 +75,9 @@ class Status(BaseModel):
     index: IndexInfo | None
     filesystem_avail_bytes: int | None
     filesystem_size_bytes: int | None
+    gc_limits: GcLimits | None = Field(
+        None, description="the limits this daemon's GC keeps (null: it runs no GC)"
+    )
     left_for_a_person: list[str] = Field(
         default_factory=list,
         description="purged namespaces in .trash/ that deletion cannot finish (foreign files): "
@@ -168,7 +171,42 @@ class PurgeResponse(BaseModel):
 PurgeFn = Callable[[PurgeRequest], PurgeResponse]
 
 
+ByteText = Annotated[int | str, Field(description='bytes, or a size as settings take it ("10MB")')]
+DurationText = Annotated[
+    float | str, Field(description='seconds, or a duration as settings take it ("2m", "1h30m")')
+]
+
+
 class GcRequest(RequestBody):
-    """A GC run now: with dry_run, what it would delete (any daemon can answer that)."""
+    """A GC run now: with dry_run, what it would delete (any daemon can answer that).
+
+    The other fields are one-off limits for this run only, the limits `cachemgr gc` takes as
+    flags, checked as the settings check them (a bad one is a 422 naming it); a limit left
+    out is the daemon's own.
+    """
 
     dry_run: bool = False
+    max_bytes: ByteText | SkipJsonSchema[None] = _unset()
+    namespace_max_bytes: ByteText | SkipJsonSchema[None] = _unset()
+    min_free_bytes: ByteText | SkipJsonSchema[None] = _unset()
+    min_free_percent: float | SkipJsonSchema[None] = _unset()
+    min_age: DurationText | SkipJsonSchema[None] = _unset()
+    tmp_ttl: DurationText | SkipJsonSchema[None] = _unset()
+    delete_rate: float | SkipJsonSchema[None] = _unset()
+
+    def limits(self) -> dict[str, Any]:
+        """The one-off limits given, by their settings' names (gc_max_bytes, …)."""
+        given = self.model_fields_set - {"dry_run"}
+        return {f"gc_{name}": getattr(self, name) for name in sorted(given)}
+
+
+class GcLimits(BaseModel):
+    """The limits a daemon's GC keeps, from its settings: bytes, percent, seconds, files/s."""
+
+    max_bytes: int | None
+    namespace_max_bytes: int | None
+    min_free_bytes: int
+    min_free_percent: float
+    min_age_seconds: float
+    tmp_ttl_seconds: float
+    delete_rate: float | None = Field(description="files per second at most; null: unpaced")
