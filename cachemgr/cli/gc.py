@@ -16,7 +16,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from cachemgr.cli.common import ask
 from cachemgr.cli.context import AppContext, pass_app, setting_option
-from cachemgr.cli.status import from_daemon, same_root
+from cachemgr.cli.status import daemon_url, from_daemon, same_root
 from cachemgr.daemon.gcapi import GcResponse
 from cachemgr.errors import ConfigError, ConflictError
 from cachemgr.fs import reserve
@@ -102,14 +102,13 @@ def _ask_the_leader(settings: Settings, overrides: dict[str, Any]) -> str:
     flags gave as POST /v1/gc's one-off limits (checked there as here)."""
     limits = {s: overrides[s] for _, s, _, _ in _LIMITS if overrides.get(s) is not None}
     body = json.dumps({s.removeprefix("gc_"): v for s, v in limits.items()})
-    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
     served = from_daemon(settings)
     if served is None or not same_root(served.get("root"), settings.root):
         return f"ask its daemon with POST /v1/gc and the body {body}"
     # Double quotes: the shell expands the token's variable, and the token stays off screen.
     auth = ' -H "Authorization: Bearer $CACHEMGR_TOKEN"' if settings.token else ""
     rest = ["-H", "Content-Type: application/json", "-d", body]
-    url = f"http://{host}:{settings.port}/v1/gc"
+    url = f"{daemon_url(settings)}/v1/gc"
     return f"ask the daemon: curl -X POST{auth} {shlex.join([*rest, url])}"
 
 
