@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import Path
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from cachemgr import __version__
@@ -171,10 +171,24 @@ class PurgeResponse(BaseModel):
 PurgeFn = Callable[[PurgeRequest], PurgeResponse]
 
 
-ByteText = Annotated[int | str, Field(description='bytes, or a size as settings take it ("10MB")')]
-DurationText = Annotated[
-    float | str, Field(description='seconds, or a duration as settings take it ("2m", "1h30m")')
+def _integral(value: Any) -> Any:
+    """5.0 as 5: JSON Schema counts it an integer, and strict mode would refuse it."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+ByteText = Annotated[
+    Annotated[int, Field(ge=0)] | str,
+    BeforeValidator(_integral),
+    Field(description='bytes, or a size as settings take it ("10MB")'),
 ]
+DurationText = Annotated[
+    Annotated[float, Field(ge=0)] | str,
+    Field(description='seconds, or a duration as settings take it ("2m", "1h30m")'),
+]
+# The settings' bounds, for the schema; the settings model checks them again (a test keeps
+# the two the same).
+Percent = Annotated[float, Field(ge=0, lt=100)]
+Rate = Annotated[float, Field(gt=0)]
 
 
 class GcRequest(RequestBody):
@@ -189,10 +203,10 @@ class GcRequest(RequestBody):
     max_bytes: ByteText | SkipJsonSchema[None] = _unset()
     namespace_max_bytes: ByteText | SkipJsonSchema[None] = _unset()
     min_free_bytes: ByteText | SkipJsonSchema[None] = _unset()
-    min_free_percent: float | SkipJsonSchema[None] = _unset()
+    min_free_percent: Percent | SkipJsonSchema[None] = _unset()
     min_age: DurationText | SkipJsonSchema[None] = _unset()
     tmp_ttl: DurationText | SkipJsonSchema[None] = _unset()
-    delete_rate: float | SkipJsonSchema[None] = _unset()
+    delete_rate: Rate | SkipJsonSchema[None] = _unset()
 
     def limits(self) -> dict[str, Any]:
         """The one-off limits given, by their settings' names (gc_max_bytes, …)."""
