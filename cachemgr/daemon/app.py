@@ -181,9 +181,8 @@ def create_app(backend: Backend) -> FastAPI:
         (`{"max_bytes": "10MB"}`) hold for this run only. A request made while a run of the
         same kind (dry or not, the same limits) is in progress gets that run's result."""
         req = await one_request(request, GcRequest, body, dry_run=dry_run)
-        policy = _one_off_policy(backend, req)
         try:
-            result = await _gc(req.dry_run, policy)
+            result = await _gc(req.dry_run, _one_off_policy(backend, req))
         except CachemgrError as e:
             mutationlog.failed(request, "gc", e)
             raise
