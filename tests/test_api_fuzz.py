@@ -12,7 +12,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 from schemathesis import Case
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
@@ -130,6 +130,16 @@ def _named(pairs: list[tuple[str, Any]]) -> set[str] | None:
     return named | {by_instance.get(str(v), "") for k, v in chosen if k == "instance"}
 
 
+def _as_query_reads(name: str, value: Any) -> Any:
+    """A query value as the route reads it: "true", "1", "yes" or "on" is a true boolean."""
+    if name not in ("all", "dry_run") or isinstance(value, bool):
+        return value
+    try:
+        return TypeAdapter(bool).validate_python(value)
+    except ValidationError:
+        return value  # a 422
+
+
 def _pages(layout: Layout) -> dict[str, int]:
     return {ns: len(list(layout.ns_dir(ns).glob("*.bin"))) for ns in BOUND}
 
@@ -211,12 +221,13 @@ def _purge_within_its_selectors(
     assert r.status_code < 500, r.text
     after = _pages(layout)
     purged = {ns for ns in BOUND if after[ns] < before[ns]}
-    named = _named(body + query)
+    named = _named(body + [(k, _as_query_reads(k, v)) for k, v in query])
     if named is not None:
         assert purged <= named | also, (route, body, query, r.text)
     keys = [k for k, _ in body]
     if len(keys) != len(set(keys)):
         assert r.status_code == 400 and not purged, (route, body, r.text)
-    if r.status_code != 200 or any(v is True for k, v in body + query if k == "dry_run"):
+    dry = [v for k, v in body + query if k == "dry_run"]
+    if r.status_code != 200 or any(_as_query_reads("dry_run", v) is True for v in dry):
         assert not purged, (route, body, query, r.text)
     return r.status_code
