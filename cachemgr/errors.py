@@ -17,6 +17,15 @@ class ConfigError(CachemgrError):
     title = "invalid configuration"
 
 
+class BadRequestError(CachemgrError):
+    """An HTTP request that is well-formed but says nothing clear (a purge that chooses no
+    namespace, or contradicts itself): refused before anything is done."""
+
+    exit_code = 2
+    http_status = 400
+    title = "bad request"
+
+
 class PortInUseError(ConfigError):
     """The HTTP port is taken (by a cachemgr daemon or another program)."""
 

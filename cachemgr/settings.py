@@ -298,6 +298,13 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
         _config_file.reset(token)
 
 
+def one_off(settings: Settings, overrides: dict[str, Any]) -> Settings:
+    """`settings` with `overrides` (by setting name), checked as load_settings checks a flag;
+    raises pydantic's ValidationError, whose locations name the settings. No source is read
+    again: the environment and the file said what they say in `settings`."""
+    return Settings.model_validate({**settings.model_dump(), **overrides})
+
+
 def setting_sources(config_file: Path | None, overrides: dict[str, Any]) -> dict[str, Source]:
     """Where each setting's value came from, by the precedence load_settings applies."""
     token = _config_file.set(config_file)

@@ -78,7 +78,7 @@ def test_daemon_counts_what_sglang_did_and_purge_empties_it(
         # Every SGLang call has returned: the daemon must agree within about one batch.
         wait_for(seen, lambda s: s == expected, timeout=4 * settings.batch_interval + 1)
 
-        r = dm.post("/purge")  # curl -X POST host:port/purge
+        r = dm.post("/purge", params={"all": True})  # curl -X POST host:port/purge?all=true
         assert r.status_code == 200, r.text
         body = r.json()
         assert sorted(p["namespace"] for p in body["purged"]) == [NS_A, NS_B]

@@ -56,7 +56,10 @@ def test_purge_logs_who_and_what(layout: Layout, http_log: Lines) -> None:
             store_page(d, page_name(i), size=100)
     with running_daemon(load_settings(root=layout.root, token="s3cret")) as dm:
         auth = {"Authorization": "Bearer s3cret"}
-        assert dm.post("/purge", params={"dry_run": True}, headers=auth).status_code == 200
+        assert (
+            dm.post("/purge", params={"dry_run": True, "all": True}, headers=auth).status_code
+            == 200
+        )
         assert dm.post(f"/v1/namespaces/{NS_A}/purge", headers=auth).status_code == 200
         assert dm.post("/purge", params={"namespace": "0" * 16}, headers=auth).status_code == 404
         assert dm.post("/purge").status_code == 401

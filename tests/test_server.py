@@ -99,20 +99,21 @@ def test_errors_are_problem_json(settings: Settings, layout: Layout) -> None:
         assert r.status_code == 404 and r.json()["title"] == "not found"
         r = dm.get("/v1/namespaces/NOT-AN-ID")
         assert r.status_code == 422 and r.json()["errors"][0]["loc"][0] == "path"
-        r = dm.post("/v1/purge", json={"namespace": NS_A, "bogus": 1})
-        assert r.status_code == 422 and r.headers["content-type"] == PROBLEM
+        r = dm.post("/v1/purge", json={"namespace": NS_A, "bogus": 1})  # unknown: a 400
+        assert r.status_code == 400 and r.headers["content-type"] == PROBLEM
         r = dm.post("/v1/purge", json={"namespace": NS_B})
         assert r.status_code == 404 and "no namespace" in r.json()["detail"]
 
 
 def test_mutating_routes_need_the_token(settings: Settings, layout: Layout) -> None:
     register_namespace(layout, NS_A)
+    dry = {"dry_run": True, "all": True}
     with running_daemon(load_settings(root=layout.root, token="s3cret")) as dm:
-        r = dm.post("/purge", params={"dry_run": True})
+        r = dm.post("/purge", params=dry)
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
-        r = dm.post("/purge", params={"dry_run": True}, headers={"Authorization": "Bearer nope"})
+        r = dm.post("/purge", params=dry, headers={"Authorization": "Bearer nope"})
         assert r.status_code == 401
-        ok = dm.post("/purge", params={"dry_run": True}, headers={"Authorization": "Bearer s3cret"})
+        ok = dm.post("/purge", params=dry, headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200 and ok.json()["dry_run"] is True
         assert dm.get("/v1/status").status_code == 200  # reads stay open
 
@@ -126,7 +127,8 @@ def test_purge_bodies_take_only_json_booleans(settings: Settings, layout: Layout
                 r = dm.post(route, json={"dry_run": value})
                 assert r.status_code == 422, (route, value, r.text)
                 assert r.headers["content-type"] == "application/problem+json"
-            ok = dm.post(route, json={"dry_run": True})
+            chosen = {} if "namespaces" in route else {"all": True}
+            ok = dm.post(route, json={"dry_run": True, **chosen})
             assert ok.status_code == 200 and ok.json()["dry_run"] is True
         assert dm.post("/v1/purge", json={"all": 1, "dry_run": True}).status_code == 422
         assert dm.namespaces()[NS_A]["id"] == NS_A  # nothing was purged
@@ -141,7 +143,7 @@ def test_non_ascii_tokens_are_compared_not_a_500(settings: Settings, layout: Lay
         assert r.json()["status"] == 401
     with running_daemon(load_settings(root=layout.root, token="sécret✓")) as dm:
         good = {"Authorization": "Bearer sécret✓".encode()}
-        ok = dm.post("/purge", params={"dry_run": True}, headers=good)
+        ok = dm.post("/purge", params={"dry_run": True, "all": True}, headers=good)
         assert ok.status_code == 200 and ok.json()["dry_run"] is True
         bad = dm.post("/purge", params={"dry_run": True}, headers={"Authorization": "Bearer s"})
         assert bad.status_code == 401

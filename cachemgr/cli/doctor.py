@@ -13,6 +13,7 @@ import click
 
 from cachemgr.cli.context import AppContext, pass_app
 from cachemgr.cli.launch_options import LaunchRequest
+from cachemgr.cli.status import from_daemon, same_root
 from cachemgr.doctor.finding import Finding, exit_code
 from cachemgr.doctor.launch import launch_env, lint
 from cachemgr.doctor.permissions import lint_deletable
@@ -49,7 +50,8 @@ def doctor(app: AppContext, as_json: bool, launch_cmd: tuple[str, ...]) -> None:
     if not launch_cmd:  # a launch is linted without a root; the root alone needs one
         existing_layout(settings)
     findings: list[Finding] = []
-    cap = int(settings.gc_max_bytes) if settings.gc_max_bytes else None
+    policy = served_policy(settings)
+    cap = policy.max_bytes
     if launch_cmd and is_vllm_launch(launch_cmd):
         findings += lint_vllm(
             resolve_vllm_args(launch_cmd, dict(os.environ)),
@@ -71,7 +73,7 @@ def doctor(app: AppContext, as_json: bool, launch_cmd: tuple[str, ...]) -> None:
             command=launch_cmd,
         )
     if layout.root.is_dir():
-        findings += lint_disk(layout, GcPolicy.from_settings(settings))
+        findings += lint_disk(layout, policy)
         with reading_store(layout) as store:
             findings += lint_root(layout, store)
         findings += lint_deletable(layout)
@@ -83,6 +85,25 @@ def doctor(app: AppContext, as_json: bool, launch_cmd: tuple[str, ...]) -> None:
         if not findings:
             click.echo("no problems found" + ("" if launch_cmd else " (pass `-- <launch cmd>`)"))
     raise SystemExit(exit_code(findings))
+
+
+def served_policy(settings: Settings) -> GcPolicy:
+    """The GC limits that hold on the root: those of the daemon serving it, when one answers
+    (its env or file may set a cap this shell does not see), else this process's settings."""
+    policy = GcPolicy.from_settings(settings)
+    served = from_daemon(settings)
+    if served is None or not same_root(served.get("root"), settings.root):
+        return policy
+    limits = served.get("gc_limits")
+    if not isinstance(limits, dict):  # a daemon that runs no GC, or an older one
+        return policy
+    return dataclasses.replace(
+        policy,
+        max_bytes=limits.get("max_bytes"),
+        namespace_max_bytes=limits.get("namespace_max_bytes"),
+        min_free_bytes=limits.get("min_free_bytes", policy.min_free_bytes),
+        min_free_percent=limits.get("min_free_percent", policy.min_free_percent),
+    )
 
 
 def _identity(settings: Settings, launch_cmd: tuple[str, ...]) -> AnyIdentity | None:

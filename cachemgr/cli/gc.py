@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,6 +16,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from cachemgr.cli.common import ask
 from cachemgr.cli.context import AppContext, pass_app, setting_option
+from cachemgr.cli.status import daemon_url, from_daemon, same_root
 from cachemgr.daemon.gcapi import GcResponse
 from cachemgr.errors import ConfigError, ConflictError, LimitNotHeld
 from cachemgr.fs import reserve
@@ -28,6 +30,7 @@ from cachemgr.gc.runner import GcRunner
 from cachemgr.gc.step import GcReport
 from cachemgr.ns.registry import adopt_from_disk
 from cachemgr.ns.root import existing_layout, reading_store
+from cachemgr.settings import Settings
 from cachemgr.state.index import scan_root
 from cachemgr.state.store import Store
 from cachemgr.units import human_bytes
@@ -74,7 +77,7 @@ def gc(app: AppContext, /, dry_run: bool, as_json: bool, yes: bool) -> None:
         if not leadership.try_acquire():
             raise ConflictError(
                 f"another process leads GC on {layout.root} ({leadership.holder()}); "
-                "nothing deleted: ask it with POST /v1/gc, or use --dry-run"
+                f"nothing deleted: {_ask_the_leader(settings, app.overrides)}, or use --dry-run"
             )
         # Below the floor the DB may not open and new pages cannot be indexed: free space
         # from a scan of the disk first (cachemgr.gc.floor), then run GC as usual.
@@ -92,6 +95,21 @@ def gc(app: AppContext, /, dry_run: bool, as_json: bool, yes: bool) -> None:
                  as_json)  # fmt: skip
     finally:
         leadership.release()
+
+
+def _ask_the_leader(settings: Settings, overrides: dict[str, Any]) -> str:
+    """How to run this GC through the daemon that leads: the exact curl, with the limits the
+    flags gave as POST /v1/gc's one-off limits (checked there as here)."""
+    limits = {s: overrides[s] for _, s, _, _ in _LIMITS if overrides.get(s) is not None}
+    body = json.dumps({s.removeprefix("gc_"): v for s, v in limits.items()})
+    served = from_daemon(settings)
+    if served is None or not same_root(served.get("root"), settings.root):
+        return f"ask its daemon with POST /v1/gc and the body {body}"
+    # Double quotes: the shell expands the token's variable, and the token stays off screen.
+    auth = ' -H "Authorization: Bearer $CACHEMGR_TOKEN"' if settings.token else ""
+    rest = ["-H", "Content-Type: application/json", "-d", body]
+    url = f"{daemon_url(settings)}/v1/gc"
+    return f"ask the daemon: curl -X POST{auth} {shlex.join([*rest, url])}"
 
 
 def _run(runner: GcRunner, floor: GcReport | None, dry_run: bool, yes: bool, as_json: bool) -> None:

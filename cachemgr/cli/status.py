@@ -25,10 +25,15 @@ from cachemgr.settings import Settings
 from cachemgr.units import human_age, human_bytes
 
 
+def daemon_url(settings: Settings) -> str:
+    """Where this host reaches the daemon the settings describe (a wildcard bind: loopback)."""
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+    return f"http://{host}:{settings.port}"
+
+
 def from_daemon(settings: Settings, timeout: float = 1.0) -> dict[str, Any] | None:
     """The running daemon's /v1/status, or None if nothing answers on host:port."""
-    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
-    url = f"http://{host}:{settings.port}/v1/status"
+    url = f"{daemon_url(settings)}/v1/status"
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
             data: dict[str, Any] = json.loads(resp.read())

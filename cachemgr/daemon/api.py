@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import Path
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from cachemgr import __version__
@@ -75,6 +75,9 @@ class Status(BaseModel):
     index: IndexInfo | None
     filesystem_avail_bytes: int | None
     filesystem_size_bytes: int | None
+    gc_limits: GcLimits | None = Field(
+        None, description="the limits this daemon's GC keeps (null: it runs no GC)"
+    )
     left_for_a_person: list[str] = Field(
         default_factory=list,
         description="purged namespaces in .trash/ that deletion cannot finish (foreign files): "
@@ -118,12 +121,28 @@ def _drop_default(schema: dict[str, Any]) -> None:
 
 
 class PurgeRequest(RequestBody):
-    """Which namespaces to purge: the union of what is chosen; nothing chosen means all."""
+    """Which namespaces to purge: a namespace, an instance's (both: the union), or `all: true`.
+
+    Nothing chosen, `all: false`, or `all` with a namespace or instance is a 400: a request
+    that does not say "everything" never reaches it.
+    """
 
     namespace: Annotated[str, Field(pattern=NS_ID_PATTERN)] | SkipJsonSchema[None] = _unset()
     instance: Annotated[str, Field(pattern=INSTANCE_PATTERN)] | SkipJsonSchema[None] = _unset()
     all: bool = False
     dry_run: bool = False
+
+    def selector_problem(self) -> str | None:
+        """Why this request chooses no namespace, or contradicts itself; None if it is clear."""
+        given = self.model_fields_set
+        chosen = [name for name in ("namespace", "instance") if name in given]
+        if "all" in given and not self.all:
+            return "all=false selects nothing: give all=true, a namespace or an instance"
+        if self.all and chosen:
+            return f"all=true contradicts {' and '.join(chosen)}: give one or the other"
+        if not self.all and not chosen:
+            return "nothing chosen to purge: give a namespace, an instance, or all=true"
+        return None
 
 
 class NamespacePurgeRequest(RequestBody):
@@ -152,7 +171,56 @@ class PurgeResponse(BaseModel):
 PurgeFn = Callable[[PurgeRequest], PurgeResponse]
 
 
+def _integral(value: Any) -> Any:
+    """5.0 as 5: JSON Schema counts it an integer, and strict mode would refuse it."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+ByteText = Annotated[
+    Annotated[int, Field(ge=0)] | str,
+    BeforeValidator(_integral),
+    Field(description='bytes, or a size as settings take it ("10MB")'),
+]
+DurationText = Annotated[
+    Annotated[float, Field(ge=0)] | str,
+    Field(description='seconds, or a duration as settings take it ("2m", "1h30m")'),
+]
+# The settings' bounds, for the schema; the settings model checks them again (a test keeps
+# the two the same).
+Percent = Annotated[float, Field(ge=0, lt=100)]
+Rate = Annotated[float, Field(gt=0)]
+
+
 class GcRequest(RequestBody):
-    """A GC run now: with dry_run, what it would delete (any daemon can answer that)."""
+    """A GC run now: with dry_run, what it would delete (any daemon can answer that).
+
+    The other fields are one-off limits for this run only, the limits `cachemgr gc` takes as
+    flags, checked as the settings check them (a bad one is a 422 naming it); a limit left
+    out is the daemon's own.
+    """
 
     dry_run: bool = False
+    max_bytes: ByteText | SkipJsonSchema[None] = _unset()
+    namespace_max_bytes: ByteText | SkipJsonSchema[None] = _unset()
+    min_free_bytes: ByteText | SkipJsonSchema[None] = _unset()
+    min_free_percent: Percent | SkipJsonSchema[None] = _unset()
+    min_age: DurationText | SkipJsonSchema[None] = _unset()
+    tmp_ttl: DurationText | SkipJsonSchema[None] = _unset()
+    delete_rate: Rate | SkipJsonSchema[None] = _unset()
+
+    def limits(self) -> dict[str, Any]:
+        """The one-off limits given, by their settings' names (gc_max_bytes, …)."""
+        given = self.model_fields_set - {"dry_run"}
+        return {f"gc_{name}": getattr(self, name) for name in sorted(given)}
+
+
+class GcLimits(BaseModel):
+    """The limits a daemon's GC keeps, from its settings: bytes, percent, seconds, files/s."""
+
+    max_bytes: int | None
+    namespace_max_bytes: int | None
+    min_free_bytes: int
+    min_free_percent: float
+    min_age_seconds: float
+    tmp_ttl_seconds: float
+    delete_rate: float | None = Field(description="files per second at most; null: unpaced")

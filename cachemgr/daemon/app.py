@@ -13,9 +13,11 @@ from pathlib import Path as FsPath
 from typing import Annotated, Any
 
 from fastapi import Body, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import ValidationError
 from pydantic.json_schema import SkipJsonSchema
 
 from cachemgr import __version__
@@ -33,16 +35,18 @@ from cachemgr.daemon.api import (
 )
 from cachemgr.daemon.apiinput import one_request
 from cachemgr.daemon.backend import Backend
-from cachemgr.daemon.gcapi import GcResponse, SharedGcRuns
+from cachemgr.daemon.gcapi import GcResponse, SharedGcRuns, gc_limits
 from cachemgr.daemon.httpguard import MAX_BODY_BYTES, RequestGuard
 from cachemgr.daemon.index_state import IndexState
-from cachemgr.daemon.problems import ERRORS, install_error_handlers
+from cachemgr.daemon.problems import ERRORS, InternalErrors, install_error_handlers
 from cachemgr.daemon.purge_routes import add_purge_routes
 from cachemgr.errors import CachemgrError, ConflictError, NotFoundError
 from cachemgr.fs.usage import disk_usage
+from cachemgr.gc.policy import GcPolicy
 from cachemgr.layout import Layout
 from cachemgr.ns.status import NamespaceStatus, namespace_statuses
 from cachemgr.ns.trash import left_for_people
+from cachemgr.settings import one_off
 from cachemgr.state import registry_sql
 from cachemgr.state.status import bindings_by_namespace
 
@@ -62,10 +66,11 @@ def create_app(backend: Backend) -> FastAPI:
             f"before anything else); a request body is a JSON object of at most {MAX_BODY_BYTES}"
             " bytes (413); a query parameter is given once."
         ),
-        responses={422: ERRORS[422], 500: ERRORS[500]},
+        responses={400: ERRORS[400], 422: ERRORS[422], 500: ERRORS[500]},
     )
     install_error_handlers(app)
     app.add_middleware(RequestGuard, token=backend.token)
+    app.add_middleware(InternalErrors)  # added last: outermost, around the guard too
 
     def statuses() -> list[NamespaceStatus]:
         live = backend.index.counters if backend.index is not None else None
@@ -126,6 +131,7 @@ def create_app(backend: Backend) -> FastAPI:
             index=_index_info(st, backend.lag) if st else None,
             filesystem_avail_bytes=du.free if du else None,
             filesystem_size_bytes=du.total if du else None,
+            gc_limits=gc_limits(backend.gc.policy) if backend.gc is not None else None,
             left_for_a_person=left_for_people(backend.layout),
         )
 
@@ -170,22 +176,23 @@ def create_app(backend: Backend) -> FastAPI:
         dry_run: Annotated[bool, Query()] = False,
     ) -> GcResponse:
         """Run GC now (a full run, with a sweep of the namespace dirs); 409 when another
-        process leads GC on this root (the answer names it). A request made while a run of the
-        same kind (dry or not) is in progress gets that run's result."""
+        process leads GC on this root (the answer names it). One-off limits in the body
+        (`{"max_bytes": "10MB"}`) hold for this run only. A request made while a run of the
+        same kind (dry or not, the same limits) is in progress gets that run's result."""
         req = await one_request(request, GcRequest, body, dry_run=dry_run)
         try:
-            result = await _gc(req.dry_run)
+            result = await _gc(req.dry_run, _one_off_policy(backend, req))
         except CachemgrError as e:
             mutationlog.failed(request, "gc", e)
             raise
         mutationlog.collected(request, result)
         return result
 
-    async def _gc(dry_run: bool) -> GcResponse:
+    async def _gc(dry_run: bool, policy: GcPolicy | None) -> GcResponse:
         if gc_runs is None:
             raise ConflictError("this daemon runs no GC")
-        result = await gc_runs.run(dry_run=dry_run)
-        if not result.leader:
+        result = await gc_runs.run(dry_run=dry_run, policy=policy)
+        if not result.leader and not dry_run:
             raise ConflictError(
                 f"another process leads GC on {backend.layout.root} ({result.holder}); "
                 "ask it, or use dry_run"
@@ -193,6 +200,25 @@ def create_app(backend: Backend) -> FastAPI:
         return result
 
     return app
+
+
+def _one_off_policy(backend: Backend, req: GcRequest) -> GcPolicy | None:
+    """The policy of a run with the request's one-off limits, checked as the settings check a
+    `cachemgr gc` flag (a 422 naming the field); None without any."""
+    limits = req.limits()
+    if not limits:
+        return None
+    if backend.settings is None or backend.gc is None:
+        raise ConflictError("this daemon runs no GC")
+    try:
+        settings = one_off(backend.settings, limits)
+    except ValidationError as e:
+        errors = [
+            {**err, "loc": ("body", *(str(p).removeprefix("gc_") for p in err["loc"]))}
+            for err in e.errors(include_url=False, include_context=False)
+        ]
+        raise RequestValidationError(errors) from None
+    return GcPolicy.from_settings(settings)
 
 
 def _readiness(backend: Backend) -> Readiness:

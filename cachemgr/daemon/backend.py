@@ -12,6 +12,7 @@ from cachemgr.daemon.index_state import IndexState
 from cachemgr.daemon.metrics import Reader
 from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
+from cachemgr.settings import Settings
 from cachemgr.worker import Worker
 
 
@@ -28,4 +29,5 @@ class Backend:
     purge: PurgeFn | None = None
     after_purge: Callable[[PurgeResponse], None] = lambda r: None
     gc: GcRunner | None = None
+    settings: Settings | None = None  # what one-off GC limits are checked against
     workers: Sequence[Worker] = ()  # their deaths fail /readyz

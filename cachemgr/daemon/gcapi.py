@@ -10,7 +10,8 @@ import anyio.to_thread
 from anyio import CapacityLimiter
 from pydantic import BaseModel, Field
 
-from cachemgr.gc.policy import GcReason
+from cachemgr.daemon.api import GcLimits
+from cachemgr.gc.policy import GcPolicy, GcReason
 from cachemgr.gc.runner import GcRunner
 from cachemgr.gc.step import GcReport, StepResult
 
@@ -91,14 +92,31 @@ class GcResponse(BaseModel):
         )
 
 
-def gc_request(runner: GcRunner, *, dry_run: bool = False, actor: str = "http") -> GcResponse:
-    """What `POST /v1/gc` does: one full run (with a sweep) by the daemon's runner."""
-    return GcResponse.of(runner.run(dry_run=dry_run, actor=actor, sweep=True))
+def gc_request(
+    runner: GcRunner, *, dry_run: bool = False, actor: str = "http", policy: GcPolicy | None = None
+) -> GcResponse:
+    """What `POST /v1/gc` does: one full run (with a sweep) by the daemon's runner, under
+    `policy` (one-off limits) or the runner's own."""
+    return GcResponse.of(runner.run(dry_run=dry_run, actor=actor, sweep=True, policy=policy))
+
+
+def gc_limits(policy: GcPolicy) -> GcLimits:
+    """The limits a policy keeps, as /v1/status shows them."""
+    return GcLimits(
+        max_bytes=policy.max_bytes,
+        namespace_max_bytes=policy.namespace_max_bytes,
+        min_free_bytes=policy.min_free_bytes,
+        min_free_percent=policy.min_free_percent,
+        min_age_seconds=policy.min_age,
+        tmp_ttl_seconds=policy.tmp_ttl,
+        delete_rate=policy.delete_rate,
+    )
 
 
 class SharedGcRuns:
-    """`POST /v1/gc`'s runs: one real and one dry run at most at a time, in a thread each; a
-    request arriving during a run of its kind gets that run's result.
+    """`POST /v1/gc`'s runs: one real and one dry run at most at a time for each set of
+    limits, in a thread each; a request arriving during a run of its kind (dry or not, the
+    same limits) gets that run's result.
 
     Joining is an await, not a worker thread: sync routes run on anyio's pool of 40 threads,
     which /healthz and /metrics share, and 50 requests queued on a 10 s GC used to take it all.
@@ -106,16 +124,17 @@ class SharedGcRuns:
 
     def __init__(self, runner: GcRunner) -> None:
         self.runner = runner
-        self._running: dict[bool, asyncio.Future[GcResponse]] = {}
+        self._running: dict[tuple[bool, GcPolicy | None], asyncio.Future[GcResponse]] = {}
         self._threads = CapacityLimiter(2)  # apart from the pool's tokens, which routes need
 
-    async def run(self, *, dry_run: bool) -> GcResponse:
+    async def run(self, *, dry_run: bool, policy: GcPolicy | None = None) -> GcResponse:
         """The result of the run of this kind in progress, or of a new one."""
-        running = self._running.get(dry_run)
+        kind = (dry_run, policy)
+        running = self._running.get(kind)
         if running is None:
-            work = partial(gc_request, self.runner, dry_run=dry_run)
+            work = partial(gc_request, self.runner, dry_run=dry_run, policy=policy)
             running = asyncio.ensure_future(anyio.to_thread.run_sync(work, limiter=self._threads))
-            self._running[dry_run] = running
-            running.add_done_callback(lambda _: self._running.pop(dry_run, None))
+            self._running[kind] = running
+            running.add_done_callback(lambda _: self._running.pop(kind, None))
         # shield: a client that disconnects cancels its wait, not the run the others share
         return await asyncio.shield(running)

@@ -112,6 +112,7 @@ class Daemon:
             purge=purge_function(self.layout, self.gc.wake),
             after_purge=self._after_purge,
             gc=self.gc,
+            settings=self.settings,
             workers=self.workers,
         )
         self.app = create_app(self.backend)

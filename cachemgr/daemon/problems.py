@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import traceback
 from collections.abc import Mapping
 from typing import Any
 
@@ -9,11 +11,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cachemgr.daemon.api import Problem
 from cachemgr.errors import CachemgrError
 
 PROBLEM = "application/problem+json"
+log = logging.getLogger(__name__)
 
 
 def problem(
@@ -33,14 +37,24 @@ def problem(
     )
 
 
+# Errors that make a request ambiguous rather than mistyped: a 400 naming the parameter. A
+# misspelt key (`{"namepsace": …}`) or a key given twice must never read as a default.
+AMBIGUOUS = frozenset({"extra_forbidden", "repeated", "duplicate_key"})
+
+
 def invalid_request(
     errors: list[dict[str, Any]], instance: str, headers: dict[str, str] | None = None
 ) -> JSONResponse:
-    """The 422 for a request that does not match the API; `errors` as pydantic reports them."""
+    """The 422 for a request that does not match the API (a 400 if a parameter is unknown or
+    given twice); `errors` as pydantic reports them."""
     found = [
         {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
         for e in errors
     ]
+    ambiguous = [e for e in found if e["type"] in AMBIGUOUS]
+    if ambiguous:
+        named = ", ".join(".".join(str(p) for p in e["loc"]) + f": {e['msg']}" for e in ambiguous)
+        return problem(400, "bad request", named, instance, headers, errors=found)
     detail = "the request does not match the API"
     return problem(422, "invalid request", detail, instance, headers, errors=found)
 
@@ -49,7 +63,7 @@ def invalid_request(
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": Problem, "content": {PROBLEM: {}}, "description": desc}
     for code, desc in {
-        400: "bad request",
+        400: "bad request: a parameter unknown or given twice, or a purge that chooses nothing",
         401: "missing or wrong bearer token",
         404: "not found",
         409: "conflict",
@@ -59,6 +73,9 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         503: "the cache root cannot be written now (read-only, permissions)",
     }.items()
 }
+
+
+TITLES = {400: "bad request", 401: "unauthorized", 404: "not found", 405: "method not allowed"}
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -74,9 +91,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        title = {401: "unauthorized", 404: "not found", 405: "method not allowed"}.get(
-            exc.status_code, "error"
-        )
+        title = TITLES.get(exc.status_code, "error")
         path = request.url.path
         more = _method_hint(path, exc.headers) if exc.status_code == 405 else {}
         resp = problem(exc.status_code, title, str(exc.detail), path, **more)
@@ -93,3 +108,41 @@ def _method_hint(path: str, headers: Mapping[str, str] | None) -> dict[str, Any]
         return {}
     hint = f"use {' or '.join(allow)}, e.g. curl -X {allow[0]} http://HOST:PORT{path}"
     return {"allow": allow, "hint": hint}
+
+
+class InternalErrors:
+    """The outermost net (a pure ASGI middleware): an exception no handler answered is a
+    problem+json 500 and one log line, not Starlette's text/plain 500 with a traceback in the
+    log and the client's keep-alive connection dropped. A response already begun cannot be
+    replaced: that one is left to the server, which closes the connection."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            if started:
+                raise
+            error = f"{type(exc).__name__}: {exc}"[:300]
+            where = {"method": scope["method"], "route": scope["path"], "where": _where(exc)}
+            log.error("http request failed", extra={**where, "error": error})
+            detail = f"the daemon failed on this request ({error}); its log has the line"
+            await problem(500, "internal error", detail, scope["path"])(scope, receive, send)
+
+
+def _where(exc: BaseException) -> str:
+    """file:line of the frame that raised, for the log line (the traceback stays out)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "unknown"

@@ -27,7 +27,7 @@ from cachemgr.daemon.api import (
 )
 from cachemgr.daemon.apiinput import one_request
 from cachemgr.daemon.backend import Backend
-from cachemgr.errors import CachemgrError
+from cachemgr.errors import BadRequestError, CachemgrError
 from cachemgr.fs.locks import root_lock
 from cachemgr.layout import Layout
 from cachemgr.ns import purge as purge_mod
@@ -47,6 +47,9 @@ def add_purge_routes(
         if backend.purge is None:
             raise HTTPException(501, "purge is not available in this build")
         try:
+            refusal = req.selector_problem()
+            if refusal is not None:
+                raise BadRequestError(refusal)
             result = await anyio.to_thread.run_sync(backend.purge, req, limiter=purge_threads)
         except CachemgrError as e:
             mutationlog.failed(request, "purge", e)
@@ -69,7 +72,8 @@ def add_purge_routes(
         ) -> PurgeResponse:
             """Purge namespaces (body or query: namespace, instance, all, dry_run).
 
-            With nothing chosen it purges every namespace: `curl -X POST host:port/purge`.
+            Every namespace only with `all=true`: `curl -X POST 'host:port/purge?all=true'`.
+            Nothing chosen, `all=false`, or `all` with a namespace or instance is a 400.
             A parameter may be given in the query, the body, or both with the same value.
             """
             query = dict(namespace=namespace, instance=instance, all=all, dry_run=dry_run)
@@ -151,9 +155,12 @@ def _purge_now(layout: Layout, store: Store, req: PurgeRequest) -> Targets:
 
 
 def _plan(layout: Layout, store: Store, req: PurgeRequest) -> purge_mod.PurgePlan:
-    """One plan for the union of the request's selectors (none, or all=true: everything)."""
-    if req.all or not (req.namespace or req.instance):
+    """One plan for the union of the request's selectors (all=true: everything)."""
+    if req.all:
         return purge_mod.plan_purge(layout, store, all=True)
+    refusal = req.selector_problem()
+    if refusal is not None:  # the route refuses it first; a plan never guesses "everything"
+        raise BadRequestError(refusal)
     plans = []
     if req.namespace:
         plans.append(purge_mod.plan_purge(layout, store, namespace=req.namespace))

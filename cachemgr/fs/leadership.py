@@ -49,6 +49,21 @@ class Leadership:
             os.pwrite(fd, note.encode(), 0)
         return True
 
+    def led_elsewhere(self) -> bool:
+        """Whether another process leads now, asked without leading: a shared lock, taken and
+        dropped at once, fails only while someone holds the exclusive one. Creates nothing."""
+        try:
+            fd = open_file(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return False  # never led: nobody made the lock file
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # closing drops the shared lock if it was taken
+        return False
+
     def holder(self) -> str | None:
         """Who leads, as the leader wrote it (informational; may be a dead leader's line)."""
         try:

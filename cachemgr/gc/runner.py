@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cachemgr.errors import CachemgrError, StateCorrupt
 from cachemgr.fs import reserve
@@ -194,20 +194,25 @@ class GcRunner(Worker):
         temps: list[TempFile] | None = None,
         pacer: Pacer | None = None,
         progress: Progress | None = None,
+        policy: GcPolicy | None = None,
     ) -> GcReport:
-        """Plan and execute one GC run; a non-leader reports who leads and deletes nothing.
+        """Plan and execute one GC run; a non-leader reports who leads and deletes nothing
+        (a dry run plans all the same, and says who leads).
 
-        Deletion is paced at the policy's delete_rate unless a `pacer` is given.
+        Deletion is paced at the policy's delete_rate unless a `pacer` is given; `policy`
+        replaces the runner's own for this run (one-off limits).
         """
         if not dry_run and not self._lead():
             now = self.clock()
             return GcReport(dry_run, False, now, now, holder=self.leadership.holder())
         with self._serialized():
             try:
-                report = self._run(dry_run, actor, sweep, temps, pacer, progress)
+                report = self._run(dry_run, actor, sweep, temps, pacer, progress, policy)
             except BaseException:
                 self.stats.error += 1
                 raise
+        if dry_run and not self.leadership.held and self.leadership.led_elsewhere():
+            return replace(report, leader=False, holder=self.leadership.holder())
         if not dry_run:
             self.stats.count(report)
             reserve.keep(self.layout.state_dir)
@@ -222,10 +227,12 @@ class GcRunner(Worker):
         temps: list[TempFile] | None,
         pacer: Pacer | None,
         progress: Progress | None,
+        policy: GcPolicy | None,
     ) -> GcReport:
+        policy = policy or self.policy
         now, t0, flight = self.clock(), time.monotonic(), self.in_flight()
         plan = plan_gc(
-            self.layout, self.store, self.policy, now=now, disk_usage=self.disk_usage,
+            self.layout, self.store, policy, now=now, disk_usage=self.disk_usage,
             temps=temps, sweep=sweep, model=self.model, ahead=self.ahead(), pending=self.pending(),
             busy=flight.queued,
         )  # fmt: skip
@@ -233,7 +240,7 @@ class GcRunner(Worker):
             self.last_sweep = now
         report = execute_gc(
             plan, self.layout, self.store, dry_run=dry_run, actor=actor,
-            pacer=pacer or self._pacer(plan), progress=progress,
+            pacer=pacer or _pacer(plan, policy), progress=progress,
             clock=self.clock, stop=self._stopping.is_set, in_use=self.in_use, keep=flight.keep,
         )  # fmt: skip
         if _keeping(plan) and not dry_run:  # a paced run's minutes are not cap-keeping's
@@ -245,13 +252,6 @@ class GcRunner(Worker):
                     ns_dir = str(self.layout.ns_dir(step.namespace_id))
                     self.model.forget_gone(step.namespace_id, ns_dir, step.names)
         return report
-
-    def _pacer(self, plan: GcPlan) -> Pacer:
-        """Keeping a cap or the floor keeps up with the writer: unpaced. Mass work (trash,
-        unbound namespaces, retention) goes at delete_rate, so the disk stays responsive."""
-        if _keeping(plan):
-            return Pacer(rate=None)
-        return Pacer(rate=self.policy.delete_rate)
 
     def wake(self) -> None:
         """Ask for a check now (the watcher saw the index grow past a watermark)."""
@@ -325,6 +325,14 @@ class GcRunner(Worker):
                 extra={"error": str(error), "kind": kind},
             )
         log.debug("gc cycle failed", exc_info=True)
+
+
+def _pacer(plan: GcPlan, policy: GcPolicy) -> Pacer:
+    """Keeping a cap or the floor keeps up with the writer: unpaced. Mass work (trash,
+    unbound namespaces, retention) goes at delete_rate, so the disk stays responsive."""
+    if _keeping(plan):
+        return Pacer(rate=None)
+    return Pacer(rate=policy.delete_rate)
 
 
 def _keeping(plan: GcPlan) -> bool:
