@@ -188,7 +188,7 @@ DurationText = Annotated[
 # The settings' bounds, for the schema; the settings model checks them again (a test keeps
 # the two the same).
 Percent = Annotated[float, Field(ge=0, lt=100)]
-Rate = Annotated[float, Field(gt=0)]
+Rate = Annotated[float, Field(ge=1, le=1e9)]
 
 
 class GcRequest(RequestBody):
