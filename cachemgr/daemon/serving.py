@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import logging
 import socket
 import sqlite3
 import threading
@@ -11,10 +12,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import uvicorn
+from starlette.types import ASGIApp
 
+from cachemgr.daemon.connections import ConnectionBudget, ConnectionGuard, GuardedH11Protocol
 from cachemgr.errors import ConfigError, PortInUseError
 from cachemgr.layout import Layout
+from cachemgr.settings import Settings
 from cachemgr.state.store import Store
+
+log = logging.getLogger(__name__)
+# Also the most connections asyncio accepts per wake-up (cachemgr.daemon.connections): a short
+# queue for a sidecar with a few clients, and a small batch of fds not yet counted.
+LISTEN_BACKLOG = 64
+ACCEPT_QUEUE = 4096  # the kernel caps it at net.core.somaxconn
 
 
 def is_loopback(host: str) -> bool:
@@ -44,9 +54,45 @@ def bind_socket(host: str, port: int) -> socket.socket:
         if e.errno == errno.EADDRINUSE:
             raise PortInUseError(f"port {port} on {host} is in use") from None
         raise ConfigError(f"port {port} on {host} cannot be bound: {e.strerror}") from None
-    sock.listen(128)
+    sock.listen(LISTEN_BACKLOG)
     sock.set_inheritable(True)
     return sock
+
+
+def uvicorn_config(app: ASGIApp, settings: Settings, budget: ConnectionBudget) -> uvicorn.Config:
+    """uvicorn with its connections capped and every request's read timed.
+
+    uvicorn's own limit_concurrency is not used: it counts every open connection, half-sent
+    ones too, so a flood at it would have every real request answered 503.
+    """
+    guard = ConnectionGuard(budget.cap)
+    protocol = GuardedH11Protocol.bound(guard, settings.http_header_timeout)
+    log.info(
+        "HTTP connection limits",
+        extra={
+            "max_connections": guard.cap,
+            "nofile": budget.soft_limit,
+            "fds_open": budget.open_now,
+            "fd_reserve": budget.reserve,
+            "header_timeout": settings.http_header_timeout,
+        },
+    )
+    if guard.cap < settings.http_max_connections:
+        log.warning(
+            "the open-file limit lowers the HTTP connection cap",
+            extra={"max_connections": guard.cap, "wanted": settings.http_max_connections},
+        )
+    return uvicorn.Config(
+        app,
+        http=protocol,
+        ws="none",
+        backlog=LISTEN_BACKLOG,
+        timeout_keep_alive=settings.http_keep_alive_timeout,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=10,
+    )
 
 
 class Reader:
@@ -82,3 +128,11 @@ class Server(uvicorn.Server):
     @contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        # asyncio listened with `backlog`, its accept batch; the kernel's queue may be longer
+        # (it costs no fds): a burst of connections then waits in it instead of being dropped,
+        # so a fresh client is not sent back to SYN retries (1 s, then 3 s).
+        for sock in sockets or []:
+            sock.listen(ACCEPT_QUEUE)

@@ -52,13 +52,16 @@ def limited_daemon(layout: Layout, port: int, log: Path) -> Iterator[subprocess.
         "CACHEMGR_GC_INTERVAL": "1s",
     }
     argv = [sys.executable, "-m", "cachemgr", "--root", str(layout.root), "serve"]
-    with log.open("wb") as err, subprocess.Popen(
-        [*argv, "--port", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=err,
-        env=env,
-        preexec_fn=_limit_nofile,
-    ) as proc:
+    with (
+        log.open("wb") as err,
+        subprocess.Popen(
+            [*argv, "--port", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env=env,
+            preexec_fn=_limit_nofile,
+        ) as proc,
+    ):
         try:
             wait_for(lambda: _ready(port, proc), bool, timeout=30, what="the daemon ready")
             yield proc
@@ -94,7 +97,16 @@ def _open_fds(pid: int) -> int:
 
 
 def _pages_on_disk(ns_dir: Path) -> list[int]:
-    return [e.stat().st_size for e in os.scandir(ns_dir) if e.name.endswith(".bin")]
+    """The sizes of the namespace's pages (GC may delete one between listing and stat)."""
+    sizes = []
+    with os.scandir(ns_dir) as entries:
+        for entry in entries:
+            try:
+                if entry.name.endswith(".bin"):
+                    sizes.append(entry.stat().st_size)
+            except FileNotFoundError:
+                continue
+    return sizes
 
 
 def test_a_slowloris_flood_under_ulimit_1024_starves_nothing(
