@@ -3,8 +3,8 @@ connections (a partial request head each, reopened as soon as the daemon closes 
 take the fds the index writer, the watcher, SQLite and GC need, nor shut out a fresh client.
 
 The hold is HOLD_SECONDS, not the issue's 60 s, to fit CI: every timeout involved is far
-shorter (the header timeout and keep-alive 5 s by default), so the daemon closes and replaces
-the flood's connections several times over within it.
+shorter (the header timeout and keep-alive, 5 s by default), so each of the flood's
+connections is closed by the daemon well within it.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
@@ -109,6 +110,7 @@ def _pages_on_disk(ns_dir: Path) -> list[int]:
     return sizes
 
 
+@pytest.mark.timeout(90)  # ~40 s: a 30 s hold, the start, the last checks
 def test_a_slowloris_flood_under_ulimit_1024_starves_nothing(
     tmp_path: Path, free_port: int
 ) -> None:
@@ -119,7 +121,7 @@ def test_a_slowloris_flood_under_ulimit_1024_starves_nothing(
     slow = [sys.executable, "-m", "tests.reliability.slowloris"]
     log = tmp_path / "daemon.log"
     with limited_daemon(layout, free_port, log) as daemon:
-        argv = [*slow, str(free_port), str(FLOOD), str(HOLD_SECONDS + 20)]
+        argv = [*slow, str(free_port), str(FLOOD), str(HOLD_SECONDS + 5)]
         with subprocess.Popen(argv, stdout=subprocess.PIPE) as flood:
             try:
                 assert flood.stdout is not None
@@ -134,17 +136,23 @@ def test_a_slowloris_flood_under_ulimit_1024_starves_nothing(
                 )
                 metrics = httpx.get(f"{url}/metrics", timeout=10).text
                 assert daemon.poll() is None, "the daemon exited during the flood"
+                attack = json.loads(flood.stdout.readline())  # after its hold
             finally:
-                flood.send_signal(signal.SIGTERM)
+                if flood.poll() is None:
+                    flood.kill()
         assert httpx.get(f"{url}/healthz", timeout=5).status_code == 200
     err = log.read_bytes()
     ok = metric(metrics, "cachemgr_gc_runs_total", result="ok")
-    print(json.dumps(seen))
+    print(json.dumps({**seen, **attack}))
     assert b"Too many open files" not in err, err.decode(errors="replace")[-2000:]
     assert b"Traceback" not in err, err.decode(errors="replace")[-2000:]
     assert seen["written"] > 1000 and (ok or 0) >= 2, seen
     assert seen["max_healthz_s"] < PROMPT, seen
-    assert seen["max_fds"] < NOFILE - 100, seen  # room left for the index, SQLite and GC
+    assert seen["max_fds"] < NOFILE - 200, seen  # room left for the index, SQLite and GC
+    # The daemon closed what it took, past the cap or past the header timeout; a few the
+    # kernel never queued (SYN-ACKs unanswered) are the client's alone and hold no fd here.
+    assert attack["held_at_end"] <= FLOOD // 100, attack
+    assert attack["max_held"] > 2000, attack  # the flood did reach the daemon's limits
 
 
 def _indexed(url: str) -> int | None:
