@@ -65,17 +65,16 @@ def test_a_kept_alive_connection_gets_a_new_deadline_for_each_request(tmp_path: 
     settings = load_settings(
         root=tmp_path / "root", http_header_timeout=HEADER_TIMEOUT, http_keep_alive_timeout=30
     )
-    with running_daemon(settings) as dm:
-        with _connect(dm.daemon.port) as sock:
-            for _ in range(3):  # each whole request in time, spread past one deadline
-                sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-                response = http.client.HTTPResponse(sock)
-                response.begin()
-                assert response.status == 200 and response.read()
-                time.sleep(HEADER_TIMEOUT * 0.6)
-            # uvicorn cancels its keep-alive timer at the next byte: half a head still expires
-            sock.sendall(b"GET /healthz HTTP/1.1\r\n")
-            took = _closed_after(sock)
+    with running_daemon(settings) as dm, _connect(dm.daemon.port) as sock:
+        for _ in range(3):  # each whole request in time, spread past one deadline
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            response = http.client.HTTPResponse(sock)
+            response.begin()
+            assert response.status == 200 and response.read()
+            time.sleep(HEADER_TIMEOUT * 0.6)
+        # uvicorn cancels its keep-alive timer at the next byte: half a head still expires
+        sock.sendall(b"GET /healthz HTTP/1.1\r\n")
+        took = _closed_after(sock)
     assert took < HEADER_TIMEOUT + 3, took
 
 
