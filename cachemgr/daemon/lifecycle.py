@@ -28,21 +28,14 @@ from cachemgr.daemon import heap
 from cachemgr.daemon.app import create_app
 from cachemgr.daemon.backend import Backend
 from cachemgr.daemon.backlog import Flight, StoreBacklog
-from cachemgr.daemon.connections import ConnectionBudget, open_fds, raise_nofile_limit
+from cachemgr.daemon.connections import raise_nofile_limit
 from cachemgr.daemon.index_leader import kernel_id, leadership_files
 from cachemgr.daemon.index_state import IndexState
 from cachemgr.daemon.indexer import Indexer
 from cachemgr.daemon.metrics import CachemgrCollector
 from cachemgr.daemon.purge_routes import purge_function
 from cachemgr.daemon.refresher import Refresher
-from cachemgr.daemon.serving import (
-    LISTEN_BACKLOG,
-    Reader,
-    Server,
-    bind_socket,
-    is_loopback,
-    uvicorn_config,
-)
+from cachemgr.daemon.serving import Reader, Server, bind_socket, is_loopback, uvicorn_config
 from cachemgr.errors import ConfigError, StateError
 from cachemgr.fs.root import create_root
 from cachemgr.fs.safe import refuse_non_regular
@@ -124,14 +117,7 @@ class Daemon:
             workers=self.workers,
         )
         self.app = create_app(self.backend)
-        budget = ConnectionBudget(
-            soft_limit=self.nofile,
-            open_now=open_fds(),
-            reserve=self.settings.http_fd_reserve,
-            backlog=LISTEN_BACKLOG,
-            wanted=self.settings.http_max_connections,
-        )
-        self.server = Server(uvicorn_config(self.app, self.settings, budget))
+        self.server = Server(uvicorn_config(self.app, self.settings, self.nofile))
         heap.start_serving()  # all of the above lives as long as the daemon: out of GC's way
         for worker in self.workers:  # GC's first cycle waits for the index; drains .trash/ too
             worker.start()

@@ -14,7 +14,12 @@ from contextlib import contextmanager
 import uvicorn
 from starlette.types import ASGIApp
 
-from cachemgr.daemon.connections import ConnectionBudget, ConnectionGuard, GuardedH11Protocol
+from cachemgr.daemon.connections import (
+    ConnectionBudget,
+    ConnectionGuard,
+    GuardedH11Protocol,
+    open_fds,
+)
 from cachemgr.errors import ConfigError, PortInUseError
 from cachemgr.layout import Layout
 from cachemgr.settings import Settings
@@ -59,12 +64,20 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def uvicorn_config(app: ASGIApp, settings: Settings, budget: ConnectionBudget) -> uvicorn.Config:
-    """uvicorn with its connections capped and every request's read timed.
+def uvicorn_config(app: ASGIApp, settings: Settings, nofile: int) -> uvicorn.Config:
+    """uvicorn with its connections capped below `nofile` (the soft RLIMIT_NOFILE, less the
+    fds open now and the reserve) and every request's read timed.
 
     uvicorn's own limit_concurrency is not used: it counts every open connection, half-sent
     ones too, so a flood at it would have every real request answered 503.
     """
+    budget = ConnectionBudget(
+        soft_limit=nofile,
+        open_now=open_fds(),
+        reserve=settings.http_fd_reserve,
+        backlog=LISTEN_BACKLOG,
+        wanted=settings.http_max_connections,
+    )
     guard = ConnectionGuard(budget.cap)
     protocol = GuardedH11Protocol.bound(guard, settings.http_header_timeout)
     log.info(
