@@ -12,14 +12,17 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from cachemgr.daemon.connections import ACCEPT_BATCHES, MIN_CAP, ConnectionBudget
 from cachemgr.settings import load_settings
 from tests.daemon_helpers import running_daemon
 from tests.polling import wait_for
+from tests.test_server import metric
 
 HEADER_TIMEOUT = 0.5
+CLOSED = "cachemgr_http_connections_closed_total"
 
 
 def _connect(port: int, send: bytes = b"") -> socket.socket:
@@ -58,7 +61,9 @@ def test_a_request_not_all_in_within_the_header_timeout_is_closed(
     settings = load_settings(root=tmp_path / "root", http_header_timeout=HEADER_TIMEOUT)
     with running_daemon(settings) as dm:
         took = _closed_after(_connect(dm.daemon.port, send))
+        closed = metric(dm.get("/metrics").text, CLOSED, reason="header_timeout")
     assert HEADER_TIMEOUT * 0.9 <= took < HEADER_TIMEOUT + 3, took
+    assert closed == 1
 
 
 def test_a_kept_alive_connection_gets_a_new_deadline_for_each_request(tmp_path: Path) -> None:
@@ -94,6 +99,9 @@ def test_at_the_cap_a_fresh_client_replaces_the_oldest_idle_connection(tmp_path:
             with pytest.raises(BlockingIOError):  # the others are still open
                 sock.recv(1)
             sock.close()
+        text = httpx.get(f"{dm.url}/metrics", timeout=10).text
+    assert metric(text, CLOSED, reason="evicted") == 1
+    assert metric(text, "cachemgr_http_connections_max") == MIN_CAP
 
 
 def _open(daemon: object) -> int:

@@ -22,15 +22,20 @@ import os
 import resource
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import h11
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from cachemgr.daemon.metrics import METRICS
 
 log = logging.getLogger(__name__)
 
 CloseReason = Literal["header_timeout", "evicted", "refused"]
+CLOSE_REASONS: tuple[CloseReason, ...] = ("header_timeout", "evicted", "refused")
 # asyncio accepts up to the listen backlog per wake-up and creates each protocol a few loop
 # turns later, so up to a few backlogs' worth of fds are open before the guard sees them.
 ACCEPT_BATCHES = 4
@@ -112,6 +117,25 @@ class ConnectionGuard:
                 "HTTP connection cap reached: closing idle connections",
                 extra={"cap": self.cap, "closed": dict(self.closed)},
             )
+
+
+class ConnectionMetrics:
+    """A Prometheus collector of the guard's counts (live: a scrape reads three numbers)."""
+
+    def __init__(self, guard: ConnectionGuard) -> None:
+        self.guard = guard
+
+    def collect(self) -> Iterator[Any]:
+        for name, value in (
+            ("cachemgr_http_connections", self.guard.open),
+            ("cachemgr_http_connections_max", self.guard.cap),
+        ):
+            yield GaugeMetricFamily(name, METRICS[name], value=value)
+        name = "cachemgr_http_connections_closed_total"
+        closed = CounterMetricFamily(name, METRICS[name], labels=["reason"])
+        for reason in CLOSE_REASONS:
+            closed.add_metric([reason], self.guard.closed[reason])
+        yield closed
 
 
 class GuardedH11Protocol(H11Protocol):

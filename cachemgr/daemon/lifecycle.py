@@ -117,7 +117,7 @@ class Daemon:
             workers=self.workers,
         )
         self.app = create_app(self.backend)
-        self.server = Server(uvicorn_config(self.app, self.settings, self.nofile))
+        self.server = Server(uvicorn_config(self.app, self.settings, self.nofile, self.registry))
         heap.start_serving()  # all of the above lives as long as the daemon: out of GC's way
         for worker in self.workers:  # GC's first cycle waits for the index; drains .trash/ too
             worker.start()

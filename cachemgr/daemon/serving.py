@@ -12,11 +12,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import uvicorn
+from prometheus_client import CollectorRegistry
 from starlette.types import ASGIApp
 
 from cachemgr.daemon.connections import (
     ConnectionBudget,
     ConnectionGuard,
+    ConnectionMetrics,
     GuardedH11Protocol,
     open_fds,
 )
@@ -64,9 +66,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def uvicorn_config(app: ASGIApp, settings: Settings, nofile: int) -> uvicorn.Config:
+def uvicorn_config(
+    app: ASGIApp, settings: Settings, nofile: int, registry: CollectorRegistry
+) -> uvicorn.Config:
     """uvicorn with its connections capped below `nofile` (the soft RLIMIT_NOFILE, less the
-    fds open now and the reserve) and every request's read timed.
+    fds open now and the reserve) and every request's read timed; their counts in `registry`.
 
     uvicorn's own limit_concurrency is not used: it counts every open connection, half-sent
     ones too, so a flood at it would have every real request answered 503.
@@ -79,6 +83,7 @@ def uvicorn_config(app: ASGIApp, settings: Settings, nofile: int) -> uvicorn.Con
         wanted=settings.http_max_connections,
     )
     guard = ConnectionGuard(budget.cap)
+    registry.register(ConnectionMetrics(guard))
     protocol = GuardedH11Protocol.bound(guard, settings.http_header_timeout)
     log.info(
         "HTTP connection limits",

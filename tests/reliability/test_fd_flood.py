@@ -153,6 +153,9 @@ def test_a_slowloris_flood_under_ulimit_1024_starves_nothing(
     # kernel never queued (SYN-ACKs unanswered) are the client's alone and hold no fd here.
     assert attack["held_at_end"] <= FLOOD // 100, attack
     assert attack["max_held"] > 2000, attack  # the flood did reach the daemon's limits
+    closed = "cachemgr_http_connections_closed_total"
+    assert (metric(metrics, closed, reason="evicted") or 0) > 1000  # at the cap
+    assert (metric(metrics, closed, reason="header_timeout") or 0) > 100  # the last ones held
 
 
 def _indexed(url: str) -> int | None:
