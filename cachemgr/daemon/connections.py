@@ -90,6 +90,27 @@ class ConnectionGuard:
         self._clock = clock
         self._warned = float("-inf")
 
+    @classmethod
+    def within(cls, budget: ConnectionBudget) -> ConnectionGuard:
+        """A guard at the budget's cap, logged (with a warning if the open-file limit lowered
+        it below http_max_connections)."""
+        guard = cls(budget.cap)
+        log.info(
+            "HTTP connection limits",
+            extra={
+                "max_connections": guard.cap,
+                "nofile": budget.soft_limit,
+                "fds_open": budget.open_now,
+                "fd_reserve": budget.reserve,
+            },
+        )
+        if guard.cap < budget.wanted:
+            log.warning(
+                "the open-file limit lowers the HTTP connection cap",
+                extra={"max_connections": guard.cap, "wanted": budget.wanted},
+            )
+        return guard
+
     @property
     def open(self) -> int:
         return len(self._open)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import ipaddress
-import logging
 import socket
 import sqlite3
 import threading
@@ -27,7 +26,6 @@ from cachemgr.layout import Layout
 from cachemgr.settings import Settings
 from cachemgr.state.store import Store
 
-log = logging.getLogger(__name__)
 # Also the most connections asyncio accepts per wake-up (cachemgr.daemon.connections): a short
 # queue for a sidecar with a few clients, and a small batch of fds not yet counted.
 LISTEN_BACKLOG = 64
@@ -82,24 +80,9 @@ def uvicorn_config(
         backlog=LISTEN_BACKLOG,
         wanted=settings.http_max_connections,
     )
-    guard = ConnectionGuard(budget.cap)
+    guard = ConnectionGuard.within(budget)
     registry.register(ConnectionMetrics(guard))
     protocol = GuardedH11Protocol.bound(guard, settings.http_header_timeout)
-    log.info(
-        "HTTP connection limits",
-        extra={
-            "max_connections": guard.cap,
-            "nofile": budget.soft_limit,
-            "fds_open": budget.open_now,
-            "fd_reserve": budget.reserve,
-            "header_timeout": settings.http_header_timeout,
-        },
-    )
-    if guard.cap < settings.http_max_connections:
-        log.warning(
-            "the open-file limit lowers the HTTP connection cap",
-            extra={"max_connections": guard.cap, "wanted": settings.http_max_connections},
-        )
     return uvicorn.Config(
         app,
         http=protocol,
