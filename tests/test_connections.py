@@ -15,7 +15,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cachemgr.daemon.connections import ACCEPT_BATCHES, MIN_CAP, ConnectionBudget
+from cachemgr.daemon.connections import (
+    ACCEPT_BATCHES,
+    MIN_CAP,
+    ConnectionBudget,
+    ConnectionGuard,
+)
 from cachemgr.settings import load_settings
 from tests.daemon_helpers import running_daemon
 from tests.polling import wait_for
@@ -106,6 +111,33 @@ def test_at_the_cap_a_fresh_client_replaces_the_oldest_idle_connection(tmp_path:
 
 def _open(daemon: object) -> int:
     return len(daemon.server.server_state.connections)  # type: ignore[attr-defined]
+
+
+class Conn:
+    """A connection as the guard sees it: waiting for its client or busy with a request."""
+
+    def __init__(self, waiting: bool) -> None:
+        self.busy = not waiting
+        self.closed = False
+
+    def waiting(self) -> bool:
+        return not self.busy
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_at_the_cap_the_oldest_waiting_connection_goes_and_a_busy_one_stays() -> None:
+    guard = ConnectionGuard(cap=3)
+    busy, idle_old, idle_new = Conn(waiting=False), Conn(waiting=True), Conn(waiting=True)
+    for conn in (busy, idle_old, idle_new):
+        assert guard.admit(conn)
+    fresh = Conn(waiting=True)
+    assert guard.admit(fresh) and idle_old.closed
+    assert not busy.closed and not idle_new.closed and guard.open == 3
+    idle_new.busy = fresh.busy = True  # every one runs a request: the next is refused
+    assert not guard.admit(Conn(waiting=True))
+    assert guard.open == 3 and guard.closed == {"evicted": 1, "refused": 1}
 
 
 def test_the_cap_leaves_the_reserve_and_accepts_batches_free() -> None:

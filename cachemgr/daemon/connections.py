@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 import h11
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -80,13 +80,21 @@ class ConnectionBudget:
         return max(MIN_CAP, min(self.wanted, room))
 
 
+class Tracked(Protocol):
+    """What the guard needs of a connection."""
+
+    def waiting(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
 class ConnectionGuard:
     """The open connections, oldest first; at the cap a new one takes an idle one's place."""
 
     def __init__(self, cap: int, clock: Any = time.monotonic) -> None:
         self.cap = cap
         self.closed: Counter[CloseReason] = Counter()
-        self._open: dict[GuardedH11Protocol, None] = {}
+        self._open: dict[Tracked, None] = {}
         self._clock = clock
         self._warned = float("-inf")
 
@@ -115,7 +123,7 @@ class ConnectionGuard:
     def open(self) -> int:
         return len(self._open)
 
-    def admit(self, conn: GuardedH11Protocol) -> bool:
+    def admit(self, conn: Tracked) -> bool:
         """Count a new connection in; False if it must be closed (every other one is busy)."""
         if len(self._open) >= self.cap:
             victim = next((c for c in self._open if c.waiting()), None)
@@ -123,11 +131,12 @@ class ConnectionGuard:
                 self.count_closed("refused")
                 return False
             self.release(victim)
-            victim.close("evicted")
+            victim.close()
+            self.count_closed("evicted")
         self._open[conn] = None
         return True
 
-    def release(self, conn: GuardedH11Protocol) -> None:
+    def release(self, conn: Tracked) -> None:
         self._open.pop(conn, None)
 
     def count_closed(self, reason: CloseReason) -> None:
@@ -198,9 +207,8 @@ class GuardedH11Protocol(H11Protocol):
         """True while the connection waits for its client: a request not all in, or idle."""
         return self.conn.their_state in (h11.IDLE, h11.SEND_BODY)
 
-    def close(self, reason: CloseReason) -> None:
+    def close(self) -> None:
         self._disarm()
-        self.guard.count_closed(reason)
         if not self.transport.is_closing():
             self.transport.close()
 
@@ -216,4 +224,5 @@ class GuardedH11Protocol(H11Protocol):
         self._deadline = None
         if self.waiting():
             self.guard.release(self)
-            self.close("header_timeout")
+            self.guard.count_closed("header_timeout")
+            self.close()
