@@ -22,7 +22,7 @@ import os
 import resource
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol
 
@@ -91,7 +91,7 @@ class Tracked(Protocol):
 class ConnectionGuard:
     """The open connections, oldest first; at the cap a new one takes an idle one's place."""
 
-    def __init__(self, cap: int, clock: Any = time.monotonic) -> None:
+    def __init__(self, cap: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.cap = cap
         self.closed: Counter[CloseReason] = Counter()
         self._open: dict[Tracked, None] = {}

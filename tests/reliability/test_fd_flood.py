@@ -28,6 +28,7 @@ from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 from tests.daemon_helpers import NS_A, page_name, register_namespace, store_page
 from tests.polling import wait_for
+from tests.reliability.test_hostile_http import _ready
 from tests.test_server import metric
 
 NOFILE = 1024
@@ -64,7 +65,12 @@ def limited_daemon(layout: Layout, port: int, log: Path) -> Iterator[subprocess.
         ) as proc,
     ):
         try:
-            wait_for(lambda: _ready(port, proc), bool, timeout=30, what="the daemon ready")
+            wait_for(
+                lambda: _ready(f"http://127.0.0.1:{port}", proc),
+                bool,
+                timeout=30,
+                what="the daemon ready",
+            )
             yield proc
         finally:
             if proc.poll() is None:
@@ -73,14 +79,6 @@ def limited_daemon(layout: Layout, port: int, log: Path) -> Iterator[subprocess.
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-
-
-def _ready(port: int, proc: subprocess.Popen[bytes]) -> bool:
-    assert proc.poll() is None, "the daemon exited"
-    try:
-        return httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 def _healthz_seconds(url: str) -> float:
@@ -142,6 +140,7 @@ def test_a_slowloris_flood_under_ulimit_1024_starves_nothing(
                     flood.kill()
         assert httpx.get(f"{url}/healthz", timeout=5).status_code == 200
     err = log.read_bytes()
+    assert daemon.returncode == 0, err.decode(errors="replace")[-2000:]  # stopped by SIGTERM
     ok = metric(metrics, "cachemgr_gc_runs_total", result="ok")
     print(json.dumps({**seen, **attack}))
     assert b"Too many open files" not in err, err.decode(errors="replace")[-2000:]
