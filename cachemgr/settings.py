@@ -121,6 +121,30 @@ class Settings(BaseSettings):
     sglang_poll_interval: float = Field(
         15.0, ge=0.01, le=86400, description="seconds between polls of the SGLang server"
     )
+    http_max_connections: int = Field(
+        1024,
+        ge=8,
+        le=1_000_000,
+        description="open HTTP connections at most (fewer if RLIMIT_NOFILE less the reserve "
+        "leaves less room); at the cap a new one replaces the oldest idle one",
+    )
+    http_fd_reserve: int = Field(
+        256,
+        ge=64,
+        le=1_000_000,
+        description="file descriptors no HTTP connection may take: the index, watcher, SQLite "
+        "and GC's",
+    )
+    http_header_timeout: float = Field(
+        5.0,
+        gt=0,
+        le=300,
+        description="seconds a client has to send a whole request once it connects or starts "
+        "one (slow or half-sent requests are closed)",
+    )
+    http_keep_alive_timeout: int = Field(
+        5, ge=1, le=300, description="seconds an idle keep-alive HTTP connection stays open"
+    )
     # --- gc ---
     gc_max_bytes: ByteSize | None = Field(
         None,

@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
+from cachemgr.daemon.connections import ConnectionBudget
+from cachemgr.daemon.serving import LISTEN_BACKLOG
 from cachemgr.settings import Settings, load_settings
 
 REPO = Path(__file__).resolve().parent.parent
@@ -78,6 +80,23 @@ def test_compose_runs_init_before_the_daemon_and_the_server(compose: dict[str, A
     assert args["cachemgr-init"] == args["sglang"] and "--page-size 64" in args["sglang"]
     version = svc["cachemgr-init"]["environment"]["SGLANG_VERSION"]
     assert svc["sglang"]["image"] == f"lmsysorg/sglang:v{version}-cu129"
+
+
+def full_cap_fits(soft: int, hard: int) -> bool:
+    """True if a daemon under these nofile limits gets the default connection cap, with the
+    reserve free and room to spare for what it holds open at start (100 fds: ~15 measured)."""
+    fields = Settings.model_fields
+    wanted = fields["http_max_connections"].default
+    reserve = fields["http_fd_reserve"].default
+    budget = ConnectionBudget(hard, 100, reserve, LISTEN_BACKLOG, wanted)
+    return soft == hard and budget.cap == wanted
+
+
+def test_compose_gives_the_daemon_open_files_for_its_connection_cap(
+    compose: dict[str, Any],
+) -> None:
+    nofile = compose["services"]["cachemgr"]["ulimits"]["nofile"]
+    assert full_cap_fits(int(nofile["soft"]), int(nofile["hard"])), nofile
 
 
 def test_compose_shares_the_cache_volume_and_reserves_a_gpu(compose: dict[str, Any]) -> None:
@@ -157,6 +176,11 @@ def test_daemon_unit_is_hardened_around_the_cache_root() -> None:
     assert svc["User"] == "cachemgr" and svc["Restart"] == "on-failure"
     assert svc["ExecStart"].endswith("cachemgr serve")
     assert svc["Environment"] == "CACHEMGR_CONFIG=/etc/cachemgr/cachemgr.toml"
+
+
+def test_daemon_unit_gives_open_files_for_the_connection_cap() -> None:
+    limit = int(unit(SYSTEMD / "cachemgr.service")["Service"]["LimitNOFILE"])  # soft = hard
+    assert full_cap_fits(limit, limit)
 
 
 def test_dropin_inits_the_exact_command_the_unit_starts() -> None:

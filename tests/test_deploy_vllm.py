@@ -15,7 +15,7 @@ import yaml
 
 from cachemgr.settings import Settings
 from tests.deploy_model import make_model
-from tests.test_deploy import DEPLOY, compose_config
+from tests.test_deploy import DEPLOY, compose_config, full_cap_fits
 from tests.test_deploy_kubernetes import K8S_VERSIONS, Doc, one, pod_containers, render
 from tests.test_deploy_launch import Host
 
@@ -118,6 +118,12 @@ def test_compose_init_service_then_server(tmp_path: Path) -> None:
     host.run(unescape(init["entrypoint"] + init["command"]), {**config, **image_env})
     host.run(unescape(server["entrypoint"] + server["command"]), config)
     check_started(host, host.root, config)
+
+
+def test_compose_gives_the_daemon_open_files_for_its_connection_cap() -> None:
+    compose: dict[str, Any] = yaml.safe_load(compose_config(COMPOSE, CACHEMGR_TOKEN="t").stdout)
+    nofile = compose["services"]["cachemgr"]["ulimits"]["nofile"]
+    assert full_cap_fits(int(nofile["soft"]), int(nofile["hard"])), nofile
 
 
 def test_every_cachemgr_variable_is_a_setting(docs: list[Doc]) -> None:

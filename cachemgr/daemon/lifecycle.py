@@ -28,13 +28,14 @@ from cachemgr.daemon import heap
 from cachemgr.daemon.app import create_app
 from cachemgr.daemon.backend import Backend
 from cachemgr.daemon.backlog import Flight, StoreBacklog
+from cachemgr.daemon.connections import raise_nofile_limit
 from cachemgr.daemon.index_leader import kernel_id, leadership_files
 from cachemgr.daemon.index_state import IndexState
 from cachemgr.daemon.indexer import Indexer
 from cachemgr.daemon.metrics import CachemgrCollector
 from cachemgr.daemon.purge_routes import purge_function
 from cachemgr.daemon.refresher import Refresher
-from cachemgr.daemon.serving import Reader, Server, bind_socket, is_loopback
+from cachemgr.daemon.serving import Reader, Server, bind_socket, is_loopback, uvicorn_config
 from cachemgr.errors import ConfigError, StateError
 from cachemgr.fs.root import create_root
 from cachemgr.fs.safe import refuse_non_regular
@@ -80,6 +81,7 @@ class Daemon:
 
     def start(self) -> None:
         """Bind, open the DB, start watching and indexing; returns before the first scan ends."""
+        self.nofile, _ = raise_nofile_limit()  # before anything opens a file
         self.sock = bind_socket(self.settings.host, self.settings.port)
         try:  # a root refused (a planted link, say) must not leave the port bound
             create_root(self.layout)
@@ -116,9 +118,7 @@ class Daemon:
             workers=self.workers,
         )
         self.app = create_app(self.backend)
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=10)  # fmt: skip
-        self.server = Server(config)
+        self.server = Server(uvicorn_config(self.app, self.settings, self.nofile, self.registry))
         heap.start_serving()  # all of the above lives as long as the daemon: out of GC's way
         for worker in self.workers:  # GC's first cycle waits for the index; drains .trash/ too
             worker.start()

@@ -77,6 +77,10 @@ METRICS: dict[str, str] = {
     "(permission: the kernel refused, e.g. a writer's dir without the group's write)",
     "cachemgr_gc_last_success_timestamp_seconds": "when a GC cycle last ended without error "
     "(daemon start until the first)",
+    "cachemgr_http_connections": "open HTTP connections",
+    "cachemgr_http_connections_max": "the cap on open HTTP connections (below the open-file limit)",
+    "cachemgr_http_connections_closed_total": "HTTP connections the daemon closed, by reason: "
+    "header_timeout, evicted (at the cap, for a new one), refused (at the cap, all busy)",
 }
 
 

@@ -11,10 +11,25 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import uvicorn
+from prometheus_client import CollectorRegistry
+from starlette.types import ASGIApp
 
+from cachemgr.daemon.connections import (
+    ConnectionBudget,
+    ConnectionGuard,
+    ConnectionMetrics,
+    GuardedH11Protocol,
+    open_fds,
+)
 from cachemgr.errors import ConfigError, PortInUseError
 from cachemgr.layout import Layout
+from cachemgr.settings import Settings
 from cachemgr.state.store import Store
+
+# Also the most connections asyncio accepts per wake-up (cachemgr.daemon.connections): a short
+# queue for a sidecar with a few clients, and a small batch of fds not yet counted.
+LISTEN_BACKLOG = 64
+ACCEPT_QUEUE = 4096  # the kernel caps it at net.core.somaxconn
 
 
 def is_loopback(host: str) -> bool:
@@ -44,9 +59,41 @@ def bind_socket(host: str, port: int) -> socket.socket:
         if e.errno == errno.EADDRINUSE:
             raise PortInUseError(f"port {port} on {host} is in use") from None
         raise ConfigError(f"port {port} on {host} cannot be bound: {e.strerror}") from None
-    sock.listen(128)
+    sock.listen(LISTEN_BACKLOG)
     sock.set_inheritable(True)
     return sock
+
+
+def uvicorn_config(
+    app: ASGIApp, settings: Settings, nofile: int, registry: CollectorRegistry
+) -> uvicorn.Config:
+    """uvicorn with its connections capped below `nofile` (the soft RLIMIT_NOFILE, less the
+    fds open now and the reserve) and every request's read timed; their counts in `registry`.
+
+    uvicorn's own limit_concurrency is not used: it counts every open connection, half-sent
+    ones too, so a flood at it would have every real request answered 503.
+    """
+    budget = ConnectionBudget(
+        soft_limit=nofile,
+        open_now=open_fds(),
+        reserve=settings.http_fd_reserve,
+        backlog=LISTEN_BACKLOG,
+        wanted=settings.http_max_connections,
+    )
+    guard = ConnectionGuard.within(budget)
+    registry.register(ConnectionMetrics(guard))
+    protocol = GuardedH11Protocol.bound(guard, settings.http_header_timeout)
+    return uvicorn.Config(
+        app,
+        http=protocol,
+        ws="none",
+        backlog=LISTEN_BACKLOG,
+        timeout_keep_alive=settings.http_keep_alive_timeout,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=10,
+    )
 
 
 class Reader:
@@ -82,3 +129,11 @@ class Server(uvicorn.Server):
     @contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        # asyncio listened with `backlog`, its accept batch; the kernel's queue may be longer
+        # (it costs no fds): a burst of connections then waits in it instead of being dropped,
+        # so a fresh client is not sent back to SYN retries (1 s, then 3 s).
+        for sock in sockets or []:
+            sock.listen(ACCEPT_QUEUE)
