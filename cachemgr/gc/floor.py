@@ -46,7 +46,10 @@ def plan_floor(
     warnings: list[str] = []
     steps = gcfind.trash_leftovers(layout, warnings)
     pages: list[tuple[float, str, str, int]] = []  # (mtime, ns, name, size)
+    alone = gcfind.left_alone(layout, warnings)
     for ns in namespace_dirs(layout):
+        if ns in alone:
+            continue
         try:
             found, _ = gcfind.list_namespace(layout, ns)
         except UnsafePathError as e:

@@ -29,7 +29,6 @@ from cachemgr.gc.policy import ByReason, GcPolicy, GcReason, over_limits, tally
 from cachemgr.gc.step import GcStep
 from cachemgr.gc.value import eviction_order
 from cachemgr.layout import Layout
-from cachemgr.ns import registry as nsreg
 from cachemgr.state import pages_sql
 from cachemgr.state.index import namespace_dirs
 from cachemgr.state.store import Store, read_snapshot
@@ -97,9 +96,7 @@ def _plan(
     steps: list[GcStep] = list(trash)
     # Damaged namespaces (a bad manifest, a symlink in place of the dir) are left alone
     # whole: not dropped as unbound, no page of theirs evicted.
-    damaged = nsreg.damaged(layout)
-    warnings += [f"ns/{ns} left alone ({state}): {why}" for ns, (state, why) in damaged.items()]
-    gone: set[str] = set(damaged)  # dropped, or unsafe: no page of theirs is evicted one by one
+    gone = gcfind.left_alone(layout, warnings)  # and dropped: no page evicted one by one
     drops: list[GcStep] = []
     for ns_id, reason in gcfind.unbound_past_retention(conn, policy, now):
         if ns_id in gone:

@@ -194,8 +194,8 @@ def test_a_namespace_on_another_mount_is_left_alone_and_reported(
     doctor = cli_process("--root", str(root.layout.root), "doctor", "--json")
     assert "another mount" in doctor.stdout, doctor.stdout + doctor.stderr
     ls = json.loads(run(root, "ls", "--json").stdout)
-    (row,) = [n for n in ls["namespaces"] if n["id"] == root.sg]
-    assert row["pages"] == 0, row  # the victim's pages are not counted as ours
+    (row,) = [n for n in ls["namespaces"] if n["ns_id"] == root.sg]
+    assert row["state"] == "unsafe" and row["pages"] == 0, row  # no victim page is ours
 
 
 @pytest.mark.parametrize("where", SITES)
