@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from cachemgr.fs.deletion import PART, delete_files
 from cachemgr.fs.root import create_root
 from cachemgr.gc.floor import free_floor
 from cachemgr.gc.policy import GcPolicy
@@ -30,7 +31,7 @@ from tests.daemon_helpers import running_daemon
 from tests.nsfixtures import cli_process, make_ns
 from tests.polling import wait_for
 from tests.reliability.conftest import snapshot
-from tests.vllmtrees import block_path, key, vllm_namespace, write_blocks, write_folder
+from tests.vllmtrees import key, vllm_namespace, write_blocks, write_folder
 
 OLD = 1_000_000_000.0  # every file's mtime: no min-age keeps anything
 Bind = Callable[[Path, Path], None]
@@ -218,3 +219,31 @@ def test_the_daemons_gc_never_deletes_through_a_bind_mount(
         )
         time.sleep(1.5)  # a few more cycles: none may reach a victim
     assert snapshot(victim) == before
+
+
+def test_a_mount_put_over_a_namespace_dir_mid_deletion_stops_it(tmp_path: Path, bind: Bind) -> None:
+    """Checked before every part of names, not only at the start: a victim mounted over the dir
+    after the first part has gone is never reached through it."""
+    layout = Layout.at(tmp_path / "root")
+    create_root(layout)
+    with Store.open(layout.db_path) as store:
+        ns = make_ns(layout, store, "sg", pages=0)
+    d = layout.ns_dir(ns)
+    names = [f"{i:064x}_mfoo_0_1.bin" for i in range(3 * PART)]
+    for n in names:
+        (d / n).write_bytes(b"p")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    for n in names:  # the very names still to delete
+        (victim / n).write_bytes(b"v")
+    before = snapshot(victim)
+    heard: list[str] = []
+
+    def removed(name: str, _size: int | None) -> None:
+        heard.append(name)
+        if len(heard) == 1:
+            bind(victim, d)
+
+    got = delete_files(layout.root, f"ns/{ns}", names, removed=removed)
+    assert snapshot(victim) == before
+    assert got.files == PART and "stopped" in got.refused[-1], got
