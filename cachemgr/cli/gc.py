@@ -6,7 +6,6 @@ import json
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import Any
 
 import click
@@ -24,7 +23,7 @@ from cachemgr.fs.leadership import Leadership
 from cachemgr.fs.root import create_root
 from cachemgr.gc.floor import audit_floor, below_floor, free_floor
 from cachemgr.gc.policy import GcPolicy
-from cachemgr.gc.runner import GcRunner
+from cachemgr.gc.runner import GcRunner, joined
 from cachemgr.gc.step import GcReport
 from cachemgr.ns.registry import adopt_from_disk
 from cachemgr.ns.root import existing_layout, reading_store
@@ -101,23 +100,13 @@ def _run(runner: GcRunner, floor: GcReport | None, dry_run: bool, yes: bool, as_
     if dry_run or not yes:
         preview = runner.run(dry_run=True, actor="cli")
         if dry_run or preview.files == 0:
-            _show(_joined(floor, preview), as_json)
+            _show(joined(floor, preview), as_json)
             return
         _show(preview, as_json=False)
         ask("Delete these files?", declined="nothing deleted")
     with _progress(enabled=sys.stderr.isatty() and not as_json) as report_progress:
         report = runner.run(actor="cli", progress=report_progress)
-    _show(_joined(floor, report), as_json)
-
-
-def _joined(floor: GcReport | None, report: GcReport) -> GcReport:
-    """One report for a floor pass and the run after it."""
-    if floor is None:
-        return report
-    return replace(
-        report, started_at=floor.started_at, steps=floor.steps + report.steps,
-        warnings=floor.warnings + report.warnings,
-    )  # fmt: skip
+    _show(joined(floor, report), as_json)
 
 
 @contextmanager

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cachemgr.errors import CachemgrError, StateCorrupt
 from cachemgr.fs import reserve
@@ -29,7 +29,7 @@ from cachemgr.gc.drop import InUse
 from cachemgr.gc.execute import InFlight, execute_gc
 from cachemgr.gc.find import TempFile
 from cachemgr.gc.floor import audit_floor, below_floor, free_floor
-from cachemgr.gc.plan import GcPlan, plan_gc
+from cachemgr.gc.plan import Earlier, GcPlan, plan_gc
 from cachemgr.gc.policy import KEEPING, GcPolicy, GcReason
 from cachemgr.gc.step import GcReport
 from cachemgr.layout import Layout
@@ -181,14 +181,21 @@ class GcRunner(Worker):
     ) -> GcReport:
         """Plan and execute one GC run; a non-leader reports who leads and deletes nothing.
 
-        Deletion is paced at the policy's delete_rate unless a `pacer` is given.
+        Below the free-space floor, the floor pass (cachemgr.gc.floor) goes first, and a dry
+        run plans it too: the plan after it counts its files as gone, so the dry run lists
+        what the real run deletes. Deletion is paced at the policy's delete_rate unless a
+        `pacer` is given.
         """
         if not dry_run and not self._lead():
             now = self.clock()
             return GcReport(dry_run, False, now, now, holder=self.leadership.holder())
+        floor = self._floor_first(dry_run, actor)
+        after = Earlier.of([r.step for r in floor.steps]) if floor else Earlier()
         with self._serialized():
             try:
-                report = self._run(dry_run, actor, sweep, temps, pacer, progress)
+                report = joined(
+                    floor, self._run(dry_run, actor, sweep, temps, pacer, progress, after)
+                )
             except BaseException:
                 self.stats.error += 1
                 raise
@@ -199,6 +206,17 @@ class GcRunner(Worker):
             self.after_run()
         return report
 
+    def _floor_first(self, dry_run: bool, actor: str) -> GcReport | None:
+        """The floor pass a run starts with (checked only, in a dry run); None if free space
+        is over the floor."""
+        if not dry_run:
+            return self.free_floor(actor)
+        if not below_floor(self.layout, self.policy, self.disk_usage):
+            return None
+        return free_floor(
+            self.layout, self.policy, disk_usage=self.disk_usage, clock=self.clock, dry_run=True
+        )
+
     def _run(
         self,
         dry_run: bool,
@@ -207,12 +225,13 @@ class GcRunner(Worker):
         temps: list[TempFile] | None,
         pacer: Pacer | None,
         progress: Progress | None,
+        after: Earlier,
     ) -> GcReport:
         now, t0, flight = self.clock(), time.monotonic(), self.in_flight()
         plan = plan_gc(
             self.layout, self.store, self.policy, now=now, disk_usage=self.disk_usage,
             temps=temps, sweep=sweep, model=self.model, ahead=self.ahead(), pending=self.pending(),
-            busy=flight.queued,
+            busy=flight.queued, after=after,
         )  # fmt: skip
         if sweep and not dry_run:
             self.last_sweep = now
@@ -293,6 +312,18 @@ class GcRunner(Worker):
             # One failed cycle (a vanished dir, a locked DB, a full disk) must not end GC.
             log.exception("gc cycle failed")
             return True
+
+
+def joined(floor: GcReport | None, report: GcReport) -> GcReport:
+    """One report for a floor pass and the run after it."""
+    if floor is None:
+        return report
+    return replace(
+        report,
+        started_at=floor.started_at,
+        steps=floor.steps + report.steps,
+        warnings=floor.warnings + report.warnings,
+    )
 
 
 def _keeping(plan: GcPlan) -> bool:
