@@ -15,6 +15,7 @@ import os
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -137,50 +138,58 @@ def victim_for(where: str, base: Path) -> Path:
     return vllm_victim(base, shape[where])
 
 
+@dataclass(frozen=True)
+class Mounted:
+    """A root with a victim mounted at one site, and the victim's bytes before."""
+
+    root: Root
+    where: str
+    victim: Path
+    before: dict[str, tuple[int, int, str]]
+
+    def unchanged(self) -> None:
+        assert snapshot(self.victim) == self.before, f"a victim mounted at {self.where} changed"
+
+
+@pytest.fixture(params=SITES)
+def site(request: pytest.FixtureRequest, tmp_path: Path, bind: Bind) -> Mounted:
+    root = Root(tmp_path)
+    victim = victim_for(request.param, tmp_path / "victim")
+    before = snapshot(victim)
+    bind(victim, root.site(request.param))
+    return Mounted(root, request.param, victim, before)
+
+
 def run(root: Root, *args: str) -> subprocess.CompletedProcess[str]:
     out = cli_process("--root", str(root.layout.root), *args)
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stdout + out.stderr
     return out
 
 
-@pytest.mark.parametrize("where", SITES)
-def test_gc_never_deletes_through_a_bind_mount(tmp_path: Path, bind: Bind, where: str) -> None:
-    root = Root(tmp_path)
-    victim = victim_for(where, tmp_path / "victim")
-    before = snapshot(victim)
-    bind(victim, root.site(where))
+def test_gc_never_deletes_through_a_bind_mount(site: Mounted) -> None:
+    root = site.root
     dry = json.loads(run(root, "gc", "--dry-run", "--json", "--max-bytes", "1").stdout)
     real = json.loads(run(root, "gc", "--yes", "--json", "--max-bytes", "1").stdout)
-    assert snapshot(victim) == before
+    site.unchanged()
     assert dry["files"] == real["files"], (dry, real)
-    if where.endswith("-ns"):  # left alone and said so
+    if site.where.endswith("-ns"):  # left alone and said so
         assert any("another mount" in w for w in real["warnings"]), real
 
 
-@pytest.mark.parametrize("where", SITES)
-def test_purge_never_deletes_through_a_bind_mount(tmp_path: Path, bind: Bind, where: str) -> None:
-    root = Root(tmp_path)
-    victim = victim_for(where, tmp_path / "victim")
-    before = snapshot(victim)
-    bind(victim, root.site(where))
+def test_purge_never_deletes_through_a_bind_mount(site: Mounted) -> None:
+    root = site.root
     out = cli_process("--root", str(root.layout.root), "purge", "--all", "--yes", "--json")
     assert "Traceback" not in out.stderr, out.stderr
-    assert snapshot(victim) == before
+    site.unchanged()
 
 
-@pytest.mark.parametrize("where", SITES)
-def test_the_floor_pass_never_deletes_through_a_bind_mount(
-    tmp_path: Path, bind: Bind, where: str
-) -> None:
-    root = Root(tmp_path)
-    victim = victim_for(where, tmp_path / "victim")
-    before = snapshot(victim)
-    bind(victim, root.site(where))
+def test_the_floor_pass_never_deletes_through_a_bind_mount(site: Mounted) -> None:
+    root = site.root
     full = GcPolicy(min_free_bytes=1 << 40)  # a floor no disk meets: everything must go
     report = free_floor(root.layout, full, disk_usage=lambda _: (1 << 30, 1 << 30, 0))
-    assert snapshot(victim) == before
+    site.unchanged()
     assert report.files > 0  # the rest of the root was freed
-    if where.endswith("-ns"):
+    if site.where.endswith("-ns"):
         assert any("another mount" in w for w in report.warnings), report.warnings
 
 
@@ -199,16 +208,10 @@ def test_a_namespace_on_another_mount_is_left_alone_and_reported(
     assert row["state"] == "unsafe" and row["pages"] == 0, row  # no victim page is ours
 
 
-@pytest.mark.parametrize("where", SITES)
-def test_the_daemons_gc_never_deletes_through_a_bind_mount(
-    tmp_path: Path, bind: Bind, where: str
-) -> None:
+def test_the_daemons_gc_never_deletes_through_a_bind_mount(site: Mounted) -> None:
     """The daemon's GC with a cap of one byte: the rest of the root is collected, and no
     victim byte changes."""
-    root = Root(tmp_path)
-    victim = victim_for(where, tmp_path / "victim")
-    before = snapshot(victim)
-    bind(victim, root.site(where))
+    root = site.root
     settings = Settings(root=root.layout.root, gc_max_bytes=1, gc_interval=0.5, gc_min_age=0)
     with running_daemon(settings) as dm:
         wait_for(
@@ -218,7 +221,7 @@ def test_the_daemons_gc_never_deletes_through_a_bind_mount(
             what="GC to collect the root's pages",
         )
         time.sleep(1.5)  # a few more cycles: none may reach a victim
-    assert snapshot(victim) == before
+    site.unchanged()
 
 
 def test_a_mount_put_over_a_namespace_dir_mid_deletion_stops_it(tmp_path: Path, bind: Bind) -> None:

@@ -16,6 +16,7 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -145,7 +146,7 @@ def files_below(top: Path) -> set[str]:
     return {str(p.relative_to(top)) for p in top.rglob("*") if p.is_file()}
 
 
-def dry_then_real(layout: Layout, *args: str) -> tuple[dict, dict]:  # type: ignore[type-arg]
+def dry_then_real(layout: Layout, *args: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """`gc --dry-run` then `gc --yes` with these limits: both JSON reports, once each has been
     checked against the other and against the disk."""
     common = ("--root", str(layout.root), "gc", "--json", "--min-age", "0", *args)
@@ -157,7 +158,7 @@ def dry_then_real(layout: Layout, *args: str) -> tuple[dict, dict]:  # type: ign
     assert real.returncode == 0, real.stderr
     d, r = json.loads(dry.stdout), json.loads(real.stdout)
 
-    def steps(report: dict) -> list[tuple[str, str, int, int]]:  # type: ignore[type-arg]
+    def steps(report: dict[str, Any]) -> list[tuple[str, str, int, int]]:
         return [(s["reason"], s["dir"], s["files"], s["bytes"]) for s in report["steps"]]
 
     assert steps(d) == steps(r), (d, r)
