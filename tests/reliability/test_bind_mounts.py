@@ -197,12 +197,14 @@ def test_a_namespace_on_another_mount_is_left_alone_and_reported(
     tmp_path: Path, bind: Bind
 ) -> None:
     root = Root(tmp_path)
-    victim = sglang_victim(tmp_path / "victim")
-    bind(victim, root.site("sglang-ns"))
+    bind(sglang_victim(tmp_path / "victim"), root.site("sglang-ns"))
+    bind(sglang_victim(tmp_path / "victim-2"), root.site("trash-entry"))
     state, why = damaged(root.layout)[root.sg]
     assert state == "unsafe" and "another mount" in why, why
     doctor = cli_process("--root", str(root.layout.root), "doctor", "--json")
-    assert "another mount" in doctor.stdout, doctor.stdout + doctor.stderr
+    codes = {f["code"]: f["message"] for f in json.loads(doctor.stdout)}
+    assert "another mount" in codes["ns-unsafe"], codes
+    assert "another mount" in codes["trash-unsafe"], codes
     ls = json.loads(run(root, "ls", "--json").stdout)
     (row,) = [n for n in ls["namespaces"] if n["ns_id"] == root.sg]
     assert row["state"] == "unsafe" and row["pages"] == 0, row  # no victim page is ours
