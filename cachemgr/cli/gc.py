@@ -98,15 +98,15 @@ def _run(runner: GcRunner, floor: GcReport | None, dry_run: bool, yes: bool, as_
     adopt_from_disk(runner.layout, runner.store, write_files=not dry_run)
     scan_root(runner.layout, runner.store)  # no daemon may be watching: bring the index in line
     if dry_run or not yes:
-        preview = runner.run(dry_run=True, actor="cli")
+        preview = runner.run(dry_run=True, actor="cli")  # a --dry-run plans the floor pass too
         if dry_run or preview.files == 0:
             _show(joined(floor, preview), as_json)
             return
         _show(preview, as_json=False)
         ask("Delete these files?", declined="nothing deleted")
     with _progress(enabled=sys.stderr.isatty() and not as_json) as report_progress:
-        report = runner.run(actor="cli", progress=report_progress)
-    _show(joined(floor, report), as_json)
+        report = runner.run(actor="cli", progress=report_progress, floor=floor)
+    _show(report, as_json)
 
 
 @contextmanager

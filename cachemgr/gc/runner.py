@@ -178,19 +178,25 @@ class GcRunner(Worker):
         temps: list[TempFile] | None = None,
         pacer: Pacer | None = None,
         progress: Progress | None = None,
+        floor: GcReport | None = None,
     ) -> GcReport:
         """Plan and execute one GC run; a non-leader reports who leads and deletes nothing.
 
         Below the free-space floor, the floor pass (cachemgr.gc.floor) goes first, and a dry
         run plans it too: the plan after it counts its files as gone, so the dry run lists
-        what the real run deletes. Deletion is paced at the policy's delete_rate unless a
-        `pacer` is given.
+        what the real run deletes. `floor`: the pass the caller made already (the CLI, before
+        it opened the DB), not made again; either is in the report. Deletion is paced at the
+        policy's delete_rate unless a `pacer` is given.
         """
         if not dry_run and not self._lead():
             now = self.clock()
             return GcReport(dry_run, False, now, now, holder=self.leadership.holder())
-        floor = self._floor_first(dry_run, actor)
-        after = Earlier.of([r.step for r in floor.steps]) if floor else Earlier()
+        if floor is None:
+            floor = self._floor_first(dry_run, actor)
+        # Planned only: the plan counts its files gone. Done: the disk (and a scan) says so.
+        after = Earlier()
+        if floor is not None and floor.dry_run:
+            after = Earlier.of([r.step for r in floor.steps])
         with self._serialized():
             try:
                 report = joined(

@@ -125,6 +125,14 @@ def floor_out_of_reach(layout: Layout) -> tuple[str, ...]:
     return ("--min-free-percent", "99.9")
 
 
+def floor_with_young_pages(layout: Layout) -> tuple[str, ...]:
+    """Out of reach, and some pages too young to go: both runs take the old ones only."""
+    d = _bound(layout, "a", 5, size=1000)
+    for i in range(5, 8):
+        (d / page_name(i, "a")).write_bytes(b"n" * 1000)
+    return ("--min-free-percent", "99.9", "--min-age", "1h")
+
+
 def everything(layout: Layout) -> tuple[str, ...]:
     trash(layout)
     temps(layout)
@@ -137,7 +145,18 @@ def everything(layout: Layout) -> tuple[str, ...]:
 
 CASES: dict[str, Callable[[Layout], tuple[str, ...]]] = {
     f.__name__: f
-    for f in (trash, temps, unbound, idle, torn, cap, namespace_cap, floor_out_of_reach, everything)
+    for f in (
+        trash,
+        temps,
+        unbound,
+        idle,
+        torn,
+        cap,
+        namespace_cap,
+        floor_out_of_reach,
+        floor_with_young_pages,
+        everything,
+    )
 }
 ENV = {"CACHEMGR_GC_KEEP_UNBOUND": "1", "CACHEMGR_GC_UNBOUND_TTL": "30d"}
 
@@ -191,6 +210,7 @@ def test_the_dry_run_lists_what_the_real_run_deletes(layout: Layout, case: str) 
         "cap": {"cap"},
         "namespace_cap": {"cap"},
         "floor_out_of_reach": {"free_space"},
+        "floor_with_young_pages": {"free_space"},
         "everything": {"trash", "tmp", "unbound", "ttl", "corrupt", "cap"},
     }[case]
     assert set(real["by_reason"]) == expected, real["by_reason"]
