@@ -104,13 +104,22 @@ def plan_gc(
     `model`: the daemon's live chain model (None: built from the index if pages must go);
     `pending`, `ahead`: bytes stored but not indexed yet, and bytes the writer adds before the
     run is done (cachemgr.gc.policy.over_limits); `busy`: pages accessed that the model has not
-    seen yet (in flight: they and their ancestors stay); `after`: what a pass before this
-    plan's deletes first (a dry run's floor pass)."""
+    seen yet (in flight: they and their ancestors stay); `after`: what a pass made before
+    this plan deletes (a dry run's floor pass)."""
     with read_snapshot(store.conn) as conn:
         return _plan(
-            conn, layout, policy, now, disk_usage, temps, sweep, model, (ahead, pending), busy,
+            conn,
+            layout,
+            policy,
+            now,
+            disk_usage,
+            temps,
+            sweep,
+            model,
+            (ahead, pending),
+            busy,
             after,
-        )  # fmt: skip
+        )
 
 
 def _plan(

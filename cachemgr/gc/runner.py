@@ -328,7 +328,7 @@ def joined(floor: GcReport | None, report: GcReport) -> GcReport:
         report,
         started_at=floor.started_at,
         steps=floor.steps + report.steps,
-        warnings=floor.warnings + report.warnings,
+        warnings=tuple(dict.fromkeys(floor.warnings + report.warnings)),  # each said once
     )
 
 
