@@ -7,7 +7,6 @@ import shlex
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import Any
 
 import click
@@ -26,7 +25,7 @@ from cachemgr.fs.leadership import Leadership
 from cachemgr.fs.root import create_root
 from cachemgr.gc.floor import audit_floor, below_floor, free_floor
 from cachemgr.gc.policy import GcPolicy
-from cachemgr.gc.runner import GcRunner
+from cachemgr.gc.runner import GcRunner, joined
 from cachemgr.gc.step import GcReport
 from cachemgr.ns.registry import adopt_from_disk
 from cachemgr.ns.root import existing_layout, reading_store
@@ -117,32 +116,21 @@ def _run(runner: GcRunner, floor: GcReport | None, dry_run: bool, yes: bool, as_
     adopt_from_disk(runner.layout, runner.store, write_files=not dry_run)
     scan_root(runner.layout, runner.store)  # no daemon may be watching: bring the index in line
     if dry_run or not yes:
-        preview = runner.run(dry_run=True, actor="cli")
+        preview = runner.run(dry_run=True, actor="cli")  # a --dry-run plans the floor pass too
         if dry_run or preview.files == 0:
-            _show(_joined(floor, preview), as_json)
+            _show(joined(floor, preview), as_json)
             return
         _show(preview, as_json=False)
         ask("Delete these files?", declined="nothing deleted")
     with _progress(enabled=sys.stderr.isatty() and not as_json) as report_progress:
-        report = runner.run(actor="cli", progress=report_progress)
-    joined = _joined(floor, report)
-    _show(joined, as_json)
-    if not joined.held:
-        refused = sum(joined.refused_files().values())
+        report = runner.run(actor="cli", progress=report_progress, floor=floor)
+    _show(report, as_json)
+    if not report.held:
+        refused = sum(report.refused_files().values())
         raise LimitNotHeld(
             f"the limit was not held: {refused:,} files GC had to delete could not be "
             "(see the warnings above; `cachemgr doctor` says how to fix it)"
         )
-
-
-def _joined(floor: GcReport | None, report: GcReport) -> GcReport:
-    """One report for a floor pass and the run after it."""
-    if floor is None:
-        return report
-    return replace(
-        report, started_at=floor.started_at, steps=floor.steps + report.steps,
-        warnings=floor.warnings + report.warnings,
-    )  # fmt: skip
 
 
 @contextmanager

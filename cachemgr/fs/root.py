@@ -23,7 +23,8 @@ def create_root(layout: Layout) -> None:
     try:
         for base, rel in ((layout.root, NS_DIR), state):
             target = base / rel
-            with open_dir(base, rel, create=True):
+            # the state dir may be a mount of its own (the DB off the cache's disk)
+            with open_dir(base, rel, create=True, any_mount=rel != NS_DIR):
                 pass
             why = unwritable(target)
             if why:

@@ -4,7 +4,9 @@ leaving it: the one primitive every read, write and delete of cachemgr goes thro
 Directories are opened component by component from the base with O_NOFOLLOW, and files
 relative to that descriptor with O_NOFOLLOW and O_NONBLOCK, then checked with fstat: a symlink
 planted anywhere on the way (or swapped in while we work) is refused instead of followed, and a
-FIFO or device is refused instead of blocking us for ever.
+FIFO or device is refused instead of blocking us for ever. A dir on another mount than the base
+(a filesystem or a bind mount put there) is the edge: never entered. A bind mount of a dir on
+the same filesystem has the base's st_dev, so the mount id tells it (statx STATX_MNT_ID).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from cachemgr.errors import UnsafePathError
+from cachemgr.fs._dirscan import mount_id
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -34,8 +37,12 @@ FILE_MODE = 0o666
 
 
 @contextmanager
-def open_dir(base: Path, rel: str, *, create: bool = False) -> Iterator[int]:
-    """A descriptor for <base>/<rel>, refusing '..', absolute parts and symlinks on the way.
+def open_dir(
+    base: Path, rel: str, *, create: bool = False, any_mount: bool = False
+) -> Iterator[int]:
+    """A descriptor for <base>/<rel>, refusing '..', absolute parts, symlinks and mount points
+    on the way (`any_mount`: a dir on another mount is fine: the state dir, the operator's
+    choice).
 
     `create`: make the missing dirs first, one component at a time, never through a symlink
     (base's own parents are the operator's path, made as they come).
@@ -48,13 +55,49 @@ def open_dir(base: Path, rel: str, *, create: bool = False) -> Iterator[int]:
         _mkdir(str(base), None)
     fd = _open_nofollow(str(base), None, base)
     try:
-        for part in parts:
+        mount = mount_of(fd)
+        for i, part in enumerate(parts):
             if create:
                 _mkdir(part, fd)
             child = _open_nofollow(part, fd, base / rel)
             os.close(fd)
             fd = child
+            if not any_mount and mount_of(fd) != mount:
+                where = base.joinpath(*parts[: i + 1])
+                raise UnsafePathError(f"{where}: on another mount than {base}; not entered")
         yield fd
+    finally:
+        os.close(fd)
+
+
+def mount_of(fd: int) -> tuple[int, int]:
+    """(st_dev, mount id) of an open dir: two dirs on one mount have the same."""
+    mnt = mount_id(fd) or _fdinfo_mount(fd)
+    return os.fstat(fd).st_dev, mnt
+
+
+def _fdinfo_mount(fd: int) -> int:
+    """The mount id /proc says of `fd`, for a kernel whose statx has no STATX_MNT_ID (< 5.8);
+    0 if /proc cannot say either (then st_dev alone decides)."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}") as f:
+            for line in f:
+                if line.startswith("mnt_id:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def on_other_mount(dir_fd: int, name: str) -> bool:
+    """Whether dir `name` in `dir_fd` is a mount point (on another mount than `dir_fd`); False
+    if it is not a dir reached without a link (the caller's own checks say what it is)."""
+    try:
+        fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
+    except OSError:
+        return False
+    try:
+        return mount_of(fd) != mount_of(dir_fd)
     finally:
         os.close(fd)
 

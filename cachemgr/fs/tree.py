@@ -19,7 +19,7 @@ from cachemgr.backends import FileFormat, Nesting
 from cachemgr.engines import FORMATS
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs._dirscan import mount_id
-from cachemgr.fs.safe import DIR_FLAGS, open_dir, read_regular
+from cachemgr.fs.safe import DIR_FLAGS, mount_of, open_dir, read_regular
 
 IDENTITY_LIMIT = 1 << 20  # a vLLM config.json is ~1 KB; a bigger one is not the engine's
 
@@ -51,6 +51,8 @@ def _vouches(ns_fd: int, owner: str, nesting: Nesting) -> bool:
     except OSError:
         return False  # absent, a symlink, a file: nothing vouches
     try:
+        if mount_of(fd) != mount_of(ns_fd):  # a dir mounted there: its identity file is not ours
+            return False
         raw = read_regular(fd, nesting.identity_file, IDENTITY_LIMIT)
     except (OSError, UnsafePathError):
         return False

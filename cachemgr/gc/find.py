@@ -17,6 +17,7 @@ from cachemgr.fs.safe import is_own_temp, open_dir
 from cachemgr.gc.policy import GcPolicy, GcReason
 from cachemgr.gc.step import GcStep
 from cachemgr.layout import Layout
+from cachemgr.ns import registry as nsreg
 from cachemgr.ns.manifest import format_of
 from cachemgr.ns.trash import foreign_in, left_note, list_trash, trash_format
 from cachemgr.sglang.hicache import HICACHE_FILE
@@ -45,6 +46,14 @@ def list_namespace(
         else:
             temps.append(TempFile(ns_id, f.name, f.size, f.mtime))
     return pages, temps
+
+
+def left_alone(layout: Layout, warnings: list[str]) -> set[str]:
+    """Namespaces GC leaves alone whole (a bad manifest; a symlink, a file or a mount point in
+    place of the dir), each said in `warnings`."""
+    damaged = nsreg.damaged(layout)
+    warnings += [f"ns/{ns} left alone ({state}): {why}" for ns, (state, why) in damaged.items()]
+    return set(damaged)
 
 
 def list_temps(layout: Layout, ns_id: str, warnings: list[str]) -> list[TempFile]:

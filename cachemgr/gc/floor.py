@@ -46,7 +46,10 @@ def plan_floor(
     warnings: list[str] = []
     steps = gcfind.trash_leftovers(layout, warnings)
     pages: list[tuple[float, str, str, int]] = []  # (mtime, ns, name, size)
+    alone = gcfind.left_alone(layout, warnings)
     for ns in namespace_dirs(layout):
+        if ns in alone:
+            continue
         try:
             found, _ = gcfind.list_namespace(layout, ns)
         except UnsafePathError as e:
@@ -81,33 +84,47 @@ def free_floor(
     pacer: Pacer | None = None,
     clock: Callable[[], float] = time.time,
     stop: Callable[[], bool] = lambda: False,
+    dry_run: bool = False,
 ) -> GcReport:
-    """Plan from a scan and delete (see the module doc); no DB is read or written."""
+    """Plan from a scan and delete (see the module doc); no DB is read or written. A dry run
+    checks the same files and deletes none."""
     started = clock()
     steps, warnings = plan_floor(layout, policy, now=started, disk_usage=disk_usage)
     results = []
     for step in steps:
         if stop():
             break
-        try:
-            fmt = gcfind.step_format(layout, step)
-            if step.remove_dir:
-                r = delete_dir(layout.root, step.rel_dir, pacer=pacer, fmt=fmt)
-            else:
-                r = delete_files(
-                    layout.root, step.rel_dir, step.names, min_age=step.min_age, pacer=pacer,
-                    now=clock, fmt=fmt,
-                )  # fmt: skip
-        except (UnsafePathError, FileNotFoundError) as e:
-            r = DeleteReport(refused=(f"{step.rel_dir}: {e}",))
-        results.append(StepResult(step).done(r))
-    report = GcReport(False, True, started, clock(), tuple(results), tuple(warnings))
+        results.append(StepResult(step).done(_delete(layout, step, pacer, clock, dry_run)))
+    report = GcReport(dry_run, True, started, clock(), tuple(results), tuple(warnings))
+    seconds = round(report.finished_at - started, 3)
     log.warning(
-        "free space was below the floor; deleted from a scan of the disk",
-        extra={"files": report.files, "bytes": report.bytes,
-               "seconds": round(report.finished_at - started, 3)},
-    )  # fmt: skip
+        f"free space {'is' if dry_run else 'was'} below the floor; "
+        f"{'would delete' if dry_run else 'deleted'} from a scan of the disk",
+        extra={"files": report.files, "bytes": report.bytes, "seconds": seconds},
+    )
     return report
+
+
+def _delete(
+    layout: Layout, step: GcStep, pacer: Pacer | None, clock: Callable[[], float], dry_run: bool
+) -> DeleteReport:
+    """Carry out one floor step (a dry run: check its files only)."""
+    try:
+        fmt = gcfind.step_format(layout, step)
+        if step.remove_dir:
+            return delete_dir(layout.root, step.rel_dir, pacer=pacer, fmt=fmt, dry_run=dry_run)
+        return delete_files(
+            layout.root,
+            step.rel_dir,
+            step.names,
+            min_age=step.min_age,
+            pacer=pacer,
+            now=clock,
+            fmt=fmt,
+            dry_run=dry_run,
+        )
+    except (UnsafePathError, FileNotFoundError) as e:
+        return DeleteReport(refused=(f"{step.rel_dir}: {e}",), dry_run=dry_run)
 
 
 def open_freeing(layout: Layout, policy: GcPolicy, actor: str, *, check: bool = False) -> Store:

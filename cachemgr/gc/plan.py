@@ -16,7 +16,7 @@ import math
 import shutil
 import sqlite3
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs.deletecheck import too_young
@@ -29,7 +29,6 @@ from cachemgr.gc.policy import ByReason, GcPolicy, GcReason, over_limits, tally
 from cachemgr.gc.step import GcStep
 from cachemgr.gc.value import eviction_order
 from cachemgr.layout import Layout
-from cachemgr.ns import registry as nsreg
 from cachemgr.state import pages_sql
 from cachemgr.state.index import namespace_dirs
 from cachemgr.state.store import Store, read_snapshot
@@ -51,6 +50,40 @@ class GcPlan(ByReason):
         return tally((s.reason, len(s.names), s.bytes) for s in self.steps)
 
 
+@dataclass(frozen=True)
+class Earlier:
+    """What an earlier pass of the same run deletes first (the floor pass's, planned in a dry
+    run): the plan counts its files as gone and their bytes as free, as the real run finds the
+    disk after that pass (by file sizes, not the blocks they held)."""
+
+    files: frozenset[tuple[str, str]] = frozenset()  # (rel_dir, name)
+    dirs: frozenset[str] = frozenset()  # the dirs it removes whole (trash entries)
+    by_namespace: tuple[tuple[str, int], ...] = ()  # page bytes of each namespace's steps
+
+    @classmethod
+    def of(cls, steps: Sequence[GcStep]) -> Earlier:
+        """The files these steps delete."""
+        by_ns: dict[str, int] = {}
+        for s in steps:
+            if s.namespace_id is not None and s.rel_dir.startswith("ns/"):
+                by_ns[s.namespace_id] = by_ns.get(s.namespace_id, 0) + s.bytes
+        return cls(
+            frozenset((s.rel_dir, n) for s in steps for n in s.names),
+            frozenset(s.rel_dir for s in steps if s.remove_dir),
+            tuple(sorted(by_ns.items())),
+        )
+
+    def freed(self, disk: DiskUsage, trash: int) -> DiskUsage:
+        """`disk` once these files (and `trash` bytes of trash entries) are gone."""
+        gone = sum(b for _, b in self.by_namespace) + trash
+        return disk._replace(used=disk.used - gone, free=disk.free + gone)
+
+    def without(self, step: GcStep, sizes: dict[str, int]) -> GcStep:
+        """`step` less the files deleted before it (`sizes`: its files' bytes)."""
+        names = tuple(n for n in step.names if (step.rel_dir, n) not in self.files)
+        return replace(step, names=names, bytes=sum(sizes.get(n, 0) for n in names))
+
+
 def plan_gc(
     layout: Layout,
     store: Store,
@@ -64,16 +97,28 @@ def plan_gc(
     ahead: int = 0,
     pending: int = 0,
     busy: Collection[PageId] = (),
+    after: Earlier = Earlier(),
 ) -> GcPlan:
     """Decide what to delete. `sweep` also lists namespace dirs for temps (unless `temps`
     from a scan are given) and checks page sizes; without it only the index is read.
     `model`: the daemon's live chain model (None: built from the index if pages must go);
     `pending`, `ahead`: bytes stored but not indexed yet, and bytes the writer adds before the
     run is done (cachemgr.gc.policy.over_limits); `busy`: pages accessed that the model has not
-    seen yet (in flight: they and their ancestors stay)."""
+    seen yet (in flight: they and their ancestors stay); `after`: what a pass made before
+    this plan deletes (a dry run's floor pass)."""
     with read_snapshot(store.conn) as conn:
         return _plan(
-            conn, layout, policy, now, disk_usage, temps, sweep, model, (ahead, pending), busy
+            conn,
+            layout,
+            policy,
+            now,
+            disk_usage,
+            temps,
+            sweep,
+            model,
+            (ahead, pending),
+            busy,
+            after,
         )
 
 
@@ -88,18 +133,21 @@ def _plan(
     model: ChainModel | None,
     writer: tuple[int, int],  # (ahead, pending)
     busy: Collection[PageId],
+    after: Earlier,
 ) -> GcPlan:
     usage = pages_sql.namespace_bytes(conn)
+    for ns_id, gone_bytes in after.by_namespace:
+        if ns_id in usage:
+            usage[ns_id] -= gone_bytes
     # A dir that became a symlink (or worse) is skipped with a warning, never a failed run:
     # GC must go on bounding everything else.
     warnings: list[str] = []
     trash = gcfind.trash_leftovers(layout, warnings)
-    steps: list[GcStep] = list(trash)
+    steps = [s for s in trash if s.rel_dir not in after.dirs]
+    freed_trash = sum(s.bytes for s in trash if s.rel_dir in after.dirs)
     # Damaged namespaces (a bad manifest, a symlink in place of the dir) are left alone
     # whole: not dropped as unbound, no page of theirs evicted.
-    damaged = nsreg.damaged(layout)
-    warnings += [f"ns/{ns} left alone ({state}): {why}" for ns, (state, why) in damaged.items()]
-    gone: set[str] = set(damaged)  # dropped, or unsafe: no page of theirs is evicted one by one
+    gone = gcfind.left_alone(layout, warnings)  # and dropped: no page evicted one by one
     drops: list[GcStep] = []
     for ns_id, reason in gcfind.unbound_past_retention(conn, policy, now):
         if ns_id in gone:
@@ -118,8 +166,9 @@ def _plan(
             warnings.append(f"ns/{ns_id} not dropped yet: {young} files younger than min_age")
             continue
         names = tuple(sorted([*pages, *(t.name for t in ns_temps)]))
-        size = sum(s for s, _ in pages.values()) + sum(t.size for t in ns_temps)
-        drops.append(GcStep(reason, f"ns/{ns_id}", ns_id, names, size, policy.min_age, True))
+        sizes = {n: s for n, (s, _) in pages.items()} | {t.name: t.size for t in ns_temps}
+        drop = GcStep(reason, f"ns/{ns_id}", ns_id, names, 0, policy.min_age, True)
+        drops.append(after.without(drop, sizes))
     if sweep and temps is None:
         temps = [t for ns in namespace_dirs(layout) for t in list_temps(layout, ns, warnings)]
     stale = gcfind.stale_temps([t for t in temps or () if t.namespace_id not in gone], policy, now)
@@ -133,16 +182,17 @@ def _plan(
     before = now - policy.min_age if policy.min_age > 0 else math.inf
     if sweep:
         torn, mixed = gcfind.torn_pages(conn, gone, policy, now)
-        steps += torn
+        steps += [after.without(s, _sizes(conn, s)) for s in torn] if after.files else torn
         warnings += mixed
     taken = {(s.namespace_id, n) for s in steps if s.reason == "corrupt" for n in s.names}
+    taken |= {(rel.removeprefix("ns/"), n) for rel, n in after.files if rel.startswith("ns/")}
     live = {ns: b for ns, b in usage.items() if ns not in gone}
     for s in steps:
         if s.reason == "corrupt" and s.namespace_id is not None:
             live[s.namespace_id] -= s.bytes
     used_all = sum(usage.values())
     counted = used_all + unlisted
-    disk = DiskUsage(*disk_usage(layout.root))
+    disk = after.freed(DiskUsage(*disk_usage(layout.root)), freed_trash)
     ahead, pending = writer
     limits = over_limits(policy, live, disk, counted=counted, ahead=ahead, pending=pending)
     chains = model
@@ -167,6 +217,12 @@ def _plan(
             )
     limit = None if budget.limit == float("inf") else int(budget.limit)
     return GcPlan(now, tuple(steps), used_all, limit, budget.reason, tuple(warnings))
+
+
+def _sizes(conn: sqlite3.Connection, step: GcStep) -> dict[str, int]:
+    """The indexed size of each file of a namespace's step."""
+    assert step.namespace_id is not None
+    return {n: size for n, size, _, _ in pages_sql.namespace_files(conn, step.namespace_id)}
 
 
 @dataclass

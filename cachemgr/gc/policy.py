@@ -89,7 +89,9 @@ def _bounded(policy: GcPolicy, budget: Budget, ahead: int, share: float) -> int:
     """The writer's predicted bytes, at most `share` of the watermarks' gap."""
     if budget.limit == math.inf:
         return ahead
-    gap = budget.limit * (policy.high_watermark - policy.low_watermark)
+    # A floor the disk cannot meet even empty gives a negative budget: no gap, not a negative
+    # one (which took the writer's bytes off the excess, and a run planned nothing to free).
+    gap = max(budget.limit, 0) * (policy.high_watermark - policy.low_watermark)
     return min(ahead, round(gap * share))
 
 

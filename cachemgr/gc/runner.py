@@ -30,7 +30,7 @@ from cachemgr.gc.drop import InUse
 from cachemgr.gc.execute import InFlight, execute_gc
 from cachemgr.gc.find import TempFile
 from cachemgr.gc.floor import audit_floor, below_floor, free_floor
-from cachemgr.gc.plan import GcPlan, plan_gc
+from cachemgr.gc.plan import Earlier, GcPlan, plan_gc
 from cachemgr.gc.policy import KEEPING, GcPolicy, GcReason
 from cachemgr.gc.step import GcReport
 from cachemgr.layout import Layout
@@ -154,18 +154,23 @@ class GcRunner(Worker):
             return floor
         return self.run(actor="auto", sweep=sweep)
 
-    def free_floor(self, actor: str = "auto") -> GcReport | None:
+    def free_floor(self, actor: str = "auto", policy: GcPolicy | None = None) -> GcReport | None:
         """Below the free-space floor: delete from a scan of the disk first, without the DB
-        (cachemgr.gc.floor); None if free space is over the floor or another process leads."""
+        (cachemgr.gc.floor); None if free space is over the floor or another process leads.
+        `policy` replaces the runner's own for this pass (one-off limits)."""
+        policy = policy or self.policy
         try:
-            if not below_floor(self.layout, self.policy, self.disk_usage) or not self._lead():
+            if not below_floor(self.layout, policy, self.disk_usage) or not self._lead():
                 return None
             with self._busy:
                 report = free_floor(
-                    self.layout, self.policy, disk_usage=self.disk_usage,
-                    pacer=Pacer(rate=self.policy.delete_rate), clock=self.clock,
+                    self.layout,
+                    policy,
+                    disk_usage=self.disk_usage,
+                    pacer=Pacer(rate=policy.delete_rate),
+                    clock=self.clock,
                     stop=self._stopping.is_set,
-                )  # fmt: skip
+                )
         except BaseException:
             self.stats.error += 1
             raise
@@ -195,19 +200,32 @@ class GcRunner(Worker):
         pacer: Pacer | None = None,
         progress: Progress | None = None,
         policy: GcPolicy | None = None,
+        floor: GcReport | None = None,
     ) -> GcReport:
         """Plan and execute one GC run; a non-leader reports who leads and deletes nothing
         (a dry run plans all the same, and says who leads).
 
-        Deletion is paced at the policy's delete_rate unless a `pacer` is given; `policy`
-        replaces the runner's own for this run (one-off limits).
+        Below the free-space floor, the floor pass (cachemgr.gc.floor) goes first, and a dry
+        run plans it too: the plan after it counts its files as gone, so the dry run lists
+        what the real run deletes. `floor`: the pass the caller made already (the CLI, before
+        it opened the DB), not made again; either is in the report. Deletion is paced at the
+        policy's delete_rate unless a `pacer` is given; `policy` replaces the runner's own for
+        this run (one-off limits).
         """
         if not dry_run and not self._lead():
             now = self.clock()
             return GcReport(dry_run, False, now, now, holder=self.leadership.holder())
+        if floor is None:
+            floor = self._floor_first(dry_run, actor, policy or self.policy)
+        # Planned only: the plan counts its files gone. Done: the disk (and a scan) says so.
+        after = Earlier()
+        if floor is not None and floor.dry_run:
+            after = Earlier.of([r.step for r in floor.steps])
         with self._serialized():
             try:
-                report = self._run(dry_run, actor, sweep, temps, pacer, progress, policy)
+                report = joined(
+                    floor, self._run(dry_run, actor, sweep, temps, pacer, progress, policy, after)
+                )
             except BaseException:
                 self.stats.error += 1
                 raise
@@ -219,6 +237,17 @@ class GcRunner(Worker):
             self.after_run()
         return report
 
+    def _floor_first(self, dry_run: bool, actor: str, policy: GcPolicy) -> GcReport | None:
+        """The floor pass a run starts with (checked only, in a dry run); None if free space
+        is over the floor."""
+        if not dry_run:
+            return self.free_floor(actor, policy)
+        if not below_floor(self.layout, policy, self.disk_usage):
+            return None
+        return free_floor(
+            self.layout, policy, disk_usage=self.disk_usage, clock=self.clock, dry_run=True
+        )
+
     def _run(
         self,
         dry_run: bool,
@@ -228,13 +257,14 @@ class GcRunner(Worker):
         pacer: Pacer | None,
         progress: Progress | None,
         policy: GcPolicy | None,
+        after: Earlier,
     ) -> GcReport:
         policy = policy or self.policy
         now, t0, flight = self.clock(), time.monotonic(), self.in_flight()
         plan = plan_gc(
             self.layout, self.store, policy, now=now, disk_usage=self.disk_usage,
             temps=temps, sweep=sweep, model=self.model, ahead=self.ahead(), pending=self.pending(),
-            busy=flight.queued,
+            busy=flight.queued, after=after,
         )  # fmt: skip
         if sweep and not dry_run:
             self.last_sweep = now
@@ -333,6 +363,18 @@ def _pacer(plan: GcPlan, policy: GcPolicy) -> Pacer:
     if _keeping(plan):
         return Pacer(rate=None)
     return Pacer(rate=policy.delete_rate)
+
+
+def joined(floor: GcReport | None, report: GcReport) -> GcReport:
+    """One report for a floor pass and the run after it."""
+    if floor is None:
+        return report
+    return replace(
+        report,
+        started_at=floor.started_at,
+        steps=floor.steps + report.steps,
+        warnings=tuple(dict.fromkeys(floor.warnings + report.warnings)),  # each said once
+    )
 
 
 def _keeping(plan: GcPlan) -> bool:

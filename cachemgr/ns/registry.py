@@ -20,7 +20,7 @@ from typing import Any, Literal
 from cachemgr.engines import Engine, engine_of, format_for
 from cachemgr.errors import CachemgrError, ConfigError, StateError, UnsafePathError
 from cachemgr.fs.dirscan import Usage, scan_usage
-from cachemgr.fs.safe import make_dir, open_dir
+from cachemgr.fs.safe import make_dir, on_other_mount, open_dir
 from cachemgr.layout import NS_DIR, NS_ID_RE, Layout, check_ns_id
 from cachemgr.layout import check_instance as check_instance  # nsreg.check_instance callers
 from cachemgr.ns import bindings
@@ -36,13 +36,19 @@ NsState = Literal["bound", "unbound", "no-manifest", "missing-dir", "unsafe", "b
 
 
 def ns_entry_kind(layout: Layout, ns_id: str) -> Literal["dir", "absent"]:
-    """Whether ns/<id> is a real directory or absent; UnsafePathError for anything else."""
+    """Whether ns/<id> is a real directory or absent; UnsafePathError for anything else (a
+    mount point too: another filesystem's or dir's files are not the engine's to lose)."""
     check_ns_id(ns_id)
     with open_dir(layout.root, "ns") as fd:
         try:
             st = os.stat(ns_id, dir_fd=fd, follow_symlinks=False)
         except FileNotFoundError:
             return "absent"
+        if stat.S_ISDIR(st.st_mode) and on_other_mount(fd, ns_id):
+            raise UnsafePathError(
+                f"{layout.ns_dir(ns_id)} is a mount point (another filesystem or a bind "
+                "mount): on another mount than the root; cachemgr does not enter it"
+            )
     if stat.S_ISLNK(st.st_mode):
         raise UnsafePathError(f"{layout.ns_dir(ns_id)} is a symlink; cachemgr does not follow it")
     if not stat.S_ISDIR(st.st_mode):

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from cachemgr.backends import FileFormat
 from cachemgr.engines import format_for
 from cachemgr.fs.dirscan import PAGES, Usage, list_files, scan_usage
-from cachemgr.layout import NS_ID_RE, Layout
+from cachemgr.fs.safe import on_other_mount, open_dir
+from cachemgr.layout import NS_DIR, NS_ID_RE, Layout
 from cachemgr.state.registry_sql import identity_json
 from cachemgr.state.store import Store
 
@@ -59,14 +60,14 @@ class ScanReport:
 
 
 def namespace_dirs(layout: Layout) -> list[str]:
-    """Ids of the namespace directories under <root>/ns (symlinks and strays ignored)."""
+    """Ids of the namespace directories under <root>/ns (symlinks, mount points and strays
+    ignored: the pages of a dir mounted there are not ours to index or delete)."""
     try:
-        entries = list(os.scandir(layout.ns_root))
+        with open_dir(layout.root, NS_DIR) as fd, os.scandir(fd) as it:
+            dirs = [e.name for e in it if e.is_dir(follow_symlinks=False)]
+            return sorted(n for n in dirs if NS_ID_RE.fullmatch(n) and not on_other_mount(fd, n))
     except FileNotFoundError:
         return []
-    return sorted(
-        e.name for e in entries if NS_ID_RE.fullmatch(e.name) and e.is_dir(follow_symlinks=False)
-    )
 
 
 def scan_namespace(
