@@ -53,6 +53,16 @@ def open_dir(base: Path, rel: str, *, create: bool = False) -> Iterator[int]:
         os.close(fd)
 
 
+@contextmanager
+def open_dir_at(dir_fd: int, name: str) -> Iterator[int]:
+    """A descriptor for the dir `name` in `dir_fd`, never through a symlink."""
+    fd = _open_nofollow(name, dir_fd, Path(name))
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
 def _mkdir(name: str, dir_fd: int | None) -> None:
     # mkdir never follows a symlink in its last component: one there is EEXIST, and the
     # O_NOFOLLOW open that comes next refuses it.

@@ -29,7 +29,8 @@ from cachemgr.errors import CachemgrError, ConfigError, RootNotWritable, UnsafeP
 from cachemgr.fs import reserve
 from cachemgr.fs.deletion import delete_manifest
 from cachemgr.fs.locks import root_lock
-from cachemgr.fs.safe import open_dir
+from cachemgr.fs.safe import open_dir, open_dir_at, write_atomic_at
+from cachemgr.fs.tree import identities
 from cachemgr.layout import NS_DIR, TRASH_DIR, Layout
 from cachemgr.ns import registry as nsreg
 from cachemgr.ns.purge_plan import PurgePlan, PurgeTarget, plan_purge  # re-exported
@@ -166,6 +167,8 @@ def rename_to_trash(layout: Layout, ns_id: str, *, recreate: bool) -> str | None
         if st is not None and not stat.S_ISDIR(st.st_mode):
             raise UnsafePathError(f"{layout.ns_dir(ns_id)} is not a directory; left alone")
         fresh = _empty_dir(layout, trash_fd, f"{trash_name}n") if recreate else None
+        if fresh is not None and st is not None:
+            _carry_identities(ns_fd, ns_id, trash_fd, fresh)
         if st is not None:
             try:
                 os.rename(ns_id, trash_name, src_dir_fd=ns_fd, dst_dir_fd=trash_fd)
@@ -175,6 +178,20 @@ def rename_to_trash(layout: Layout, ns_id: str, *, recreate: bool) -> str | None
         if fresh is not None:
             os.rename(fresh, ns_id, src_dir_fd=trash_fd, dst_dir_fd=ns_fd)
     return trash_name if st is not None else None
+
+
+def _carry_identities(ns_fd: int, ns_id: str, trash_fd: int, fresh: str) -> None:
+    """Copy the identity files of ns/<id> (vLLM's `<model>_<digest>/config.json`) into its
+    empty successor before it takes the name. vLLM writes that file only at start, and only
+    if absent: without it the server's later blocks are never vouched for, never indexed and
+    never evicted. Only files that vouch for their own folder are copied."""
+    with open_dir_at(ns_fd, ns_id) as old:
+        found = identities(old)
+    with open_dir_at(trash_fd, fresh) as new:
+        for folder, (name, raw) in found.items():
+            os.mkdir(folder, 0o755, dir_fd=new)
+            with open_dir_at(new, folder) as fd:
+                write_atomic_at(fd, name, raw)
 
 
 def _empty_dir(layout: Layout, dir_fd: int, name: str) -> str:
