@@ -43,7 +43,7 @@ from cachemgr.fs.usage import disk_usage
 from cachemgr.layout import Layout
 from cachemgr.ns.status import NamespaceStatus, namespace_statuses
 from cachemgr.ns.trash import left_for_people
-from cachemgr.state import registry_sql
+from cachemgr.state import busy, registry_sql
 from cachemgr.state.status import bindings_by_namespace
 
 
@@ -200,7 +200,10 @@ def _readiness(backend: Backend) -> Readiness:
     if dead:
         return Readiness(ready=False, detail="; ".join(dead))
     ready = backend.index is not None and backend.index.ready.is_set()
-    return Readiness(ready=ready, detail="index live" if ready else "first scan running")
+    detail = "index live" if ready else "first scan running"
+    # Degraded, still ready: writes wait and catch up (a 503 would take SGLang's pod out).
+    locked = busy.LOCKS.degraded()
+    return Readiness(ready=ready, detail=f"{detail}; {locked}" if locked else detail)
 
 
 def _index_info(st: IndexState, lag: Callable[[], float]) -> IndexInfo:

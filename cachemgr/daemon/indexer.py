@@ -23,7 +23,7 @@ from cachemgr.daemon.index_leader import lead, mark_ready
 from cachemgr.daemon.index_state import IndexState
 from cachemgr.daemon.page_events import PageEvents
 from cachemgr.daemon.watcher import Watcher
-from cachemgr.errors import StateCorrupt, StateError, UnsafePathError
+from cachemgr.errors import StateCorrupt, StateError, StateLocked, UnsafePathError
 from cachemgr.fs import reserve
 from cachemgr.fs.leadership import Leadership
 from cachemgr.gc import modelfile
@@ -154,10 +154,13 @@ class Indexer(Worker):
         self.state.ready.clear()  # a dead index is not live
 
     def _written(self, write: Callable[[], object]) -> bool:
-        """Run `write`; False if the disk was too full for it (retried later: events that
-        were not applied are back in the queue, and GC is told to free space)."""
+        """Run `write`; False if the disk was too full for it or another connection held the
+        DB's write lock past the store's patience (retried later: events that were not
+        applied are back in the queue; on a full disk GC is told to free space)."""
         try:
             write()
+        except StateLocked:  # said once by cachemgr.state.busy; the queue waits meanwhile
+            return False
         except (sqlite3.Error, OSError) as e:
             if not reserve.is_disk_full(e, self.layout.state_dir):
                 raise

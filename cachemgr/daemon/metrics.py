@@ -28,6 +28,7 @@ from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
 from cachemgr.ns.status import NamespaceStatus, namespace_statuses
 from cachemgr.sglang.probe import ProbeState
+from cachemgr.state import busy
 from cachemgr.state.status import AuditTotal, AuditTotals
 from cachemgr.worker import Worker
 
@@ -69,6 +70,10 @@ METRICS: dict[str, str] = {
     "cachemgr_sglang_storage_hit_tokens_total": "SGLang's tokens found in L3",
     "cachemgr_sglang_prefetched_tokens_total": "SGLang's tokens loaded from L3",
     "cachemgr_sglang_backuped_tokens_total": "SGLang's tokens written to L3",
+    "cachemgr_state_db_locked": "1 while a write of this daemon waits for another connection's "
+    "write lock on the state DB",
+    "cachemgr_state_db_lock_wait_seconds_total": "time this daemon's writes spent waiting for "
+    "another connection's write lock on the state DB",
     "cachemgr_gc_leader": "1 while this daemon holds the root's GC lock (it alone deletes)",
     "cachemgr_index_leader": "1 while this daemon writes the root's index (the others follow it)",
     "cachemgr_gc_runs_total": "GC runs by result: ok, error, skipped (another process leads)",
@@ -219,6 +224,9 @@ class CachemgrCollector(Collector):
         for w in self.workers:
             up.add_metric([w.name], int(w.up))
         yield up
+        name = "cachemgr_state_db_locked"
+        yield GaugeMetricFamily(name, METRICS[name], value=int(busy.LOCKS.waiting > 0))
+        yield _one("cachemgr_state_db_lock_wait_seconds_total", busy.LOCKS.seconds())
         if st is None:
             return
         yield GaugeMetricFamily(

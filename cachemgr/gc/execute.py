@@ -190,7 +190,9 @@ def _record_chunk(
     kill -9 lands, the audit holds exactly the evictions whose rows left the index."""
     if not (gone or r.files):
         return
-    with store.transaction() as conn:
+    # The files are gone: wait out a foreign write lock however long it is held (GC stops
+    # here, one chunk ahead), so the index and audit never miss what was deleted.
+    with store.transaction(patience=float("inf")) as conn:
         if gone and step.namespace_id is not None and step.rel_dir.startswith("ns/"):
             pages_sql.delete_pages(conn, [(step.namespace_id, n) for n in gone])
         if r.files:

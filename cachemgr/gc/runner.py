@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from cachemgr.errors import CachemgrError, StateCorrupt
+from cachemgr.errors import CachemgrError, StateCorrupt, StateLocked
 from cachemgr.fs import reserve
 from cachemgr.fs.deletion import Pacer, Progress
 from cachemgr.fs.leadership import Leadership
@@ -287,7 +287,9 @@ class GcRunner(Worker):
         try:
             report = run()
             stuck = report is not None and report.files == 0 and bool(self.needs_gc())
-        except StateCorrupt as e:  # moved aside; the indexer rebuilds, the next cycle runs
+        except (StateCorrupt, StateLocked) as e:
+            # Moved aside (the indexer rebuilds), or locked by another process (said once by
+            # cachemgr.state.busy): the next cycle runs.
             log.warning("gc cycle stopped", extra={"error": str(e)})
             return True
         except (CachemgrError, OSError, sqlite3.Error) as e:

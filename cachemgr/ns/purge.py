@@ -100,34 +100,49 @@ def execute_purge(
     done: list[Purged] = []
     with root_lock(layout):
         for target in plan.targets:
-            # Bindings are re-read under the lock: the plan may be older than a concurrent init.
-            instances = nsreg.instances_of(store, target.ns_id)
-            if instances and plan.only_unbound:
-                continue
-            if _done_meanwhile(layout, target, bound=bool(instances)):
-                continue  # another purge (an init, GC) got there since the plan, and audited it
-            trash_name = rename_to_trash(layout, target.ns_id, recreate=bool(instances))
-            removed = False
-            with store.transaction():
-                if not instances:
-                    removed = drop_unbound(layout, store, target.ns_id)
-                else:
-                    pages_sql.delete_namespace_pages(store.conn, target.ns_id)
-                store.audit(
-                    "purge",
-                    namespace_id=target.ns_id,
-                    reason=reason,
-                    actor=actor,
-                    pages=target.pages,
-                    bytes_=target.bytes,
-                    at=now(),
-                )
-            done.append(
-                Purged(
-                    target.ns_id, trash_name, bool(instances), removed, target.pages, target.bytes
-                )
-            )
+            purged = _purge_one(plan, target, layout, store, actor=actor, reason=reason, at=now)
+            if purged is not None:
+                done.append(purged)
     return PurgeResult(purged=tuple(done), actor=actor, reason=reason, at=now())
+
+
+def _purge_one(
+    plan: PurgePlan,
+    target: PurgeTarget,
+    layout: Layout,
+    store: Store,
+    *,
+    actor: Actor,
+    reason: PurgeReason,
+    at: Callable[[], float],
+) -> Purged | None:
+    """Purge one target in one write transaction, taken before anything moves: a DB another
+    process holds locked fails the purge before the rename (StateLocked, nothing changed), and
+    once the rename (the commit point) is done, its rows and audit are written in the
+    transaction already held, before the caller answers. None: nothing left to do."""
+    with store.transaction():
+        # Bindings are re-read under the lock: the plan may be older than a concurrent init.
+        instances = nsreg.instances_of(store, target.ns_id)
+        if instances and plan.only_unbound:
+            return None
+        if _done_meanwhile(layout, target, bound=bool(instances)):
+            return None  # another purge (an init, GC) got there since the plan, and audited it
+        trash_name = rename_to_trash(layout, target.ns_id, recreate=bool(instances))
+        removed = False
+        if not instances:
+            removed = drop_unbound(layout, store, target.ns_id)
+        else:
+            pages_sql.delete_namespace_pages(store.conn, target.ns_id)
+        store.audit(
+            "purge",
+            namespace_id=target.ns_id,
+            reason=reason,
+            actor=actor,
+            pages=target.pages,
+            bytes_=target.bytes,
+            at=at(),
+        )
+    return Purged(target.ns_id, trash_name, bool(instances), removed, target.pages, target.bytes)
 
 
 def _done_meanwhile(layout: Layout, target: PurgeTarget, *, bound: bool) -> bool:
