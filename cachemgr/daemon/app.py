@@ -201,9 +201,11 @@ def _readiness(backend: Backend) -> Readiness:
         return Readiness(ready=False, detail="; ".join(dead))
     ready = backend.index is not None and backend.index.ready.is_set()
     detail = "index live" if ready else "first scan running"
-    # Degraded, still ready: writes wait and catch up (a 503 would take SGLang's pod out).
-    locked = busy.LOCKS.degraded()
-    return Readiness(ready=ready, detail=f"{detail}; {locked}" if locked else detail)
+    # Degraded, still ready: writes wait and catch up, the other namespaces are served (a
+    # 503 would take SGLang's pod out of service).
+    unusable = backend.quarantine.degraded() if backend.quarantine is not None else None
+    said = [detail, *filter(None, [busy.LOCKS.degraded(), unusable])]
+    return Readiness(ready=ready, detail="; ".join(said))
 
 
 def _index_info(st: IndexState, lag: Callable[[], float]) -> IndexInfo:

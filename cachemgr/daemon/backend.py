@@ -12,6 +12,7 @@ from cachemgr.daemon.index_state import IndexState
 from cachemgr.daemon.metrics import Reader
 from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
+from cachemgr.ns.quarantine import Quarantine
 from cachemgr.worker import Worker
 
 
@@ -29,3 +30,4 @@ class Backend:
     after_purge: Callable[[PurgeResponse], None] = lambda r: None
     gc: GcRunner | None = None
     workers: Sequence[Worker] = ()  # their deaths fail /readyz
+    quarantine: Quarantine | None = None  # what the daemon cannot use: /readyz says so

@@ -18,6 +18,7 @@ from cachemgr.gc.plan import GcPlan
 from cachemgr.gc.policy import KEEPING
 from cachemgr.gc.step import GcReport, GcStep, StepResult
 from cachemgr.layout import Layout
+from cachemgr.ns.quarantine import is_denied
 from cachemgr.ns.trash import drain_entry
 from cachemgr.sglang.liveuse import live_users
 from cachemgr.state import pages_sql
@@ -93,6 +94,11 @@ def execute_gc(
         except UnsafePathError as e:  # its dir became a symlink: the other steps still run
             log.warning("gc step refused", extra={"dir": step.rel_dir, "error": str(e)})
             result = StepResult(step, skipped=f"refused: {e}")
+        except OSError as e:  # another user's dir: the other steps still run (the caller
+            if not is_denied(e):  # says so once: cachemgr.ns.quarantine)
+                raise
+            log.debug("gc step denied", extra={"dir": step.rel_dir, "error": str(e)})
+            result = StepResult(step, skipped=f"denied: {e.strerror}", denied=str(e))
         results.append(result)
     report = GcReport(dry_run, True, started, clock(), tuple(results), plan.warnings)
     _log_summary(report, actor)

@@ -33,6 +33,7 @@ from cachemgr.gc.plan import GcPlan, plan_gc
 from cachemgr.gc.policy import KEEPING, GcPolicy, GcReason
 from cachemgr.gc.step import GcReport
 from cachemgr.layout import Layout
+from cachemgr.ns.quarantine import Quarantine
 from cachemgr.sglang.liveuse import live_users
 from cachemgr.state.store import Store
 from cachemgr.worker import DeathHandler, Worker
@@ -78,9 +79,12 @@ class GcRunner(Worker):
         pending: Callable[[], int] = lambda: 0,
         in_flight: Callable[[], InFlight] = InFlight,
         after_run: Callable[[], None] = lambda: None,
+        quarantine: Quarantine | None = None,
         on_death: DeathHandler | None = None,
     ) -> None:
         super().__init__("gc", on_death=on_death)
+        # Namespaces whose pages this process may not delete: said once, tried each run.
+        self.quarantine = quarantine if quarantine is not None else Quarantine()
         self.model = model  # the index's live chain model (None: built per run from the DB)
         self.ahead = ahead  # bytes the writer adds while GC frees space (the daemon's estimate)
         self.pending = pending  # bytes stored that the index does not count yet
@@ -197,8 +201,20 @@ class GcRunner(Worker):
             self.stats.ok += 1
             self.stats.last_success = report.finished_at
             reserve.keep(self.layout.state_dir)
+            self._note_denied(report)
             self.after_run()
         return report
+
+    def _note_denied(self, report: GcReport) -> None:
+        """Hold aside the namespaces a step was denied in; clear those it deleted in."""
+        for r in report.steps:
+            ns = r.namespace_id
+            if ns is None or not r.rel_dir.startswith("ns/"):
+                continue
+            if r.denied is not None:
+                self.quarantine.mark(ns, "not-writable", r.denied)
+            elif r.files:
+                self.quarantine.clear(ns, "not-writable")
 
     def _run(
         self,
