@@ -31,8 +31,10 @@ def test_a_purge_while_bound_keeps_the_tier_vouched_and_under_its_cap(
         identity = config.read_bytes()
         try:
             vllm.call("store", handle=tier, tokens=blocks(1, 8), tag="a")
-            pages = lambda: metric(dm.get("/metrics").text, "cachemgr_namespace_pages",
-                                   namespace=NS)  # fmt: skip
+
+            def pages() -> float | None:
+                return metric(dm.get("/metrics").text, "cachemgr_namespace_pages", namespace=NS)
+
             wait_for(pages, lambda n: n == 8, timeout=30, what="the first stores indexed")
             r = dm.post("/v1/purge", json={"namespace": NS})
             assert r.status_code == 200, r.text

@@ -27,9 +27,9 @@ from cachemgr.daemon.watcher import Watcher
 from cachemgr.errors import StateCorrupt, StateError, StateLocked, UnsafePathError
 from cachemgr.fs import reserve
 from cachemgr.fs.leadership import Leadership
+from cachemgr.fs.safe import open_dir
 from cachemgr.gc import modelfile
 from cachemgr.gc.chains import ChainModel
-from cachemgr.fs.safe import open_dir
 from cachemgr.layout import NS_DIR, Layout
 from cachemgr.ns.manifest import format_of
 from cachemgr.ns.quarantine import ROOT, Quarantine, is_denied

@@ -49,10 +49,15 @@ def holders(db: Path, locks: Path = PROC_LOCKS) -> list[int]:
     for line in text.splitlines():
         parts = line.split()
         # "1: POSIX  ADVISORY  WRITE 1234 fe:00:5678 120 120" (blocked waiters start with "->")
-        if len(parts) >= 8 and parts[1] in ("POSIX", "OFDLCK") and parts[3] == "WRITE":
-            if parts[5] == dev and int(parts[6]) <= _SHM_WRITE_LOCK <= _end(parts[7]):
-                with suppress(ValueError):
-                    found.append(int(parts[4]))
+        if (
+            len(parts) >= 8
+            and parts[1] in ("POSIX", "OFDLCK")
+            and parts[3] == "WRITE"
+            and parts[5] == dev
+            and int(parts[6]) <= _SHM_WRITE_LOCK <= _end(parts[7])
+        ):
+            with suppress(ValueError):
+                found.append(int(parts[4]))
     return sorted(set(found))
 
 

@@ -26,7 +26,7 @@ import pytest
 
 from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
-from tests.daemon_helpers import NS_A, NS_B, page_name, register_namespace, store_page
+from tests.daemon_helpers import NS_A, page_name, register_namespace, store_page
 from tests.polling import wait_for
 from tests.reliability.conftest import snapshot
 from tests.test_server import metric
