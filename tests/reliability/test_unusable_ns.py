@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,7 +27,7 @@ import pytest
 
 from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
-from tests.daemon_helpers import NS_A, page_name, register_namespace, store_page
+from tests.daemon_helpers import NS_A, NS_B, page_name, register_namespace, store_page
 from tests.polling import wait_for
 from tests.reliability.conftest import snapshot
 from tests.test_server import metric
@@ -163,3 +164,77 @@ def test_a_namespace_of_another_user_is_quarantined_and_the_others_keep_their_ca
     )  # fmt: skip
     x.chmod(mode)
     assert NS_X in doctor.stdout and "cannot" in doctor.stdout, doctor.stdout
+
+
+def indexed_pages(d: Daemon, ns: str) -> float | None:
+    return d.metric("cachemgr_namespace_pages", namespace=ns)
+
+
+def test_a_namespace_made_unreadable_mid_run_is_held_aside_until_readable_again(
+    base: Path, free_port: int
+) -> None:
+    layout = Layout.at(base / "root")
+    z = register_namespace(layout, NS_B, instance="sglang-b")
+    fill(z, 0, 20)
+    log = base / "daemon.log"
+    with daemon(layout.root, free_port, log) as d:
+        wait_for(lambda: indexed_pages(d, NS_B), lambda n: n == 20, timeout=30, what="B indexed")
+        z.chmod(0o000)  # the reconcile (every 1 s here) finds it so
+        wait_for(lambda: d.metric("cachemgr_namespace_unusable", namespace=NS_B,
+                                  reason="unreadable"), lambda v: v == 1, timeout=30,
+                 what="B unusable")  # fmt: skip
+        fill(layout.ns_dir(NS_A), 1000, 300)  # A's cap is kept meanwhile
+        wait_for(lambda: held(layout.ns_dir(NS_A)), lambda n: n <= CAP, timeout=60,
+                 what="A's cap")  # fmt: skip
+        assert f"namespace {NS_B} unreadable" in d.http.get("/readyz").json()["detail"]
+        assert indexed_pages(d, NS_B) == 20  # its rows are kept while it cannot be read
+        z.chmod(0o755)
+        fill(z, 20, 5)
+        wait_for(lambda: indexed_pages(d, NS_B), lambda n: n == 25, timeout=30,
+                 what="B indexed again")  # fmt: skip
+        wait_for(lambda: d.metric("cachemgr_namespace_unusable", namespace=NS_B,
+                                  reason="unreadable"), lambda v: v is None, timeout=30,
+                 what="B usable again")  # fmt: skip
+        assert d.alive()
+    assert d.proc.returncode == 0
+    assert len(lines(log, "namespace unusable; skipped")) == 1
+    assert len(lines(log, "namespace usable again")) == 1
+
+
+def test_a_root_made_unreadable_mid_run_keeps_the_daemon_up_and_it_recovers(
+    base: Path, free_port: int
+) -> None:
+    layout = Layout.at(base / "root")
+    a = layout.ns_dir(NS_A)
+    fill(a, 0, 20)
+    log = base / "daemon.log"
+    with daemon(layout.root, free_port, log) as d:
+        wait_for(lambda: indexed_pages(d, NS_A), lambda n: n == 20, timeout=30, what="A indexed")
+        layout.ns_root.chmod(0o000)
+        wait_for(lambda: d.metric("cachemgr_root_unusable"), lambda v: v == 1, timeout=30,
+                 what="the root unusable")  # fmt: skip
+        detail = d.http.get("/readyz").json()["detail"]
+        assert "root unreadable" in detail, detail
+        deadline = time.monotonic() + 12  # more than two retries and GC floor checks (5 s)
+        while time.monotonic() < deadline:
+            assert d.alive()
+            time.sleep(0.5)
+        layout.ns_root.chmod(0o755)
+        fill(a, 20, 5)
+        wait_for(lambda: indexed_pages(d, NS_A), lambda n: n == 25, timeout=30,
+                 what="A indexed again")  # fmt: skip
+        wait_for(lambda: d.metric("cachemgr_root_unusable"), lambda v: v == 0, timeout=30,
+                 what="the root usable again")  # fmt: skip
+        assert d.alive()
+    assert d.proc.returncode == 0
+    assert len(lines(log, "root unusable; the daemon waits for it")) == 1
+    errors = [r for r in map(_json, log.read_text().splitlines()) if r.get("exc")]
+    assert errors == []  # no traceback, let alone one every 5 s
+
+
+def _json(line: str) -> dict[str, object]:
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return {}
+    return rec if isinstance(rec, dict) else {}
