@@ -19,9 +19,10 @@ def tree(root: Path) -> Iterator[Tree]:
     t.store.close()
 
 
-def test_a_refused_unlink_fails_the_run_with_index_and_audit_exact(tree: Tree) -> None:
-    """An immutable page (EPERM even for root) mid-chunk: the run raises, and every page
-    deleted before it, in that chunk too, has left the index and is audited."""
+def test_a_refused_unlink_ends_the_step_with_index_and_audit_exact(tree: Tree) -> None:
+    """An immutable page (EPERM even for root) mid-chunk: the step ends there, denied (the
+    daemon holds its namespace aside), and every page deleted before it, in that chunk too,
+    has left the index and is audited."""
     names = [page(i) for i in range(3 * CHUNK)]
     tree.write(NS, names, at=T0, size=10)
     plan = tree.plan(policy(max_bytes=1), now=T0 + 1)
@@ -29,12 +30,14 @@ def test_a_refused_unlink_fails_the_run_with_index_and_audit_exact(tree: Tree) -
     stuck = tree.layout.ns_dir(NS) / step.names[CHUNK + CHUNK // 2]
     subprocess.run(["chattr", "+i", str(stuck)], check=True)
     try:
-        with pytest.raises(PermissionError):
-            execute_gc(plan, tree.layout, tree.store, clock=lambda: T0 + 1)
+        report = execute_gc(plan, tree.layout, tree.store, clock=lambda: T0 + 1)
     finally:
         subprocess.run(["chattr", "-i", str(stuck)], check=True)
     on_disk = tree.files(NS)
     assert stuck.name in on_disk and len(on_disk) < 2 * CHUNK  # it stopped in chunk 2
+    (result,) = report.steps
+    assert result.denied is not None and "Operation not permitted" in result.denied
+    assert result.files == len(names) - len(on_disk)
     indexed = {n for (n,) in tree.store.conn.execute("SELECT name FROM pages")}
     assert indexed == on_disk
     audited = tree.store.conn.execute("SELECT SUM(pages), SUM(bytes) FROM audit")

@@ -158,10 +158,13 @@ def _run_step(
                 min_age=step.min_age, progress=tally.offset(), now=clock,
                 removed=gone.__setitem__, fmt=fmt,
             )  # fmt: skip
-        except OSError:  # an unlink refused: what went before it is recorded all the same
+        except OSError as e:  # an unlink refused: what went before it is recorded all the same
             if not dry_run and _dir_id(layout, step.rel_dir) == before:
                 _record_chunk(store, step, list(gone), _freed(gone), actor, clock())
-            raise
+            if not is_denied(e):
+                raise
+            done = base.done(total + _freed(gone))
+            return replace(done, skipped=f"denied: {e.strerror}", denied=str(e))
         tally.add(r)
         total += r
         if before is None or _dir_id(layout, step.rel_dir) != before:
