@@ -162,14 +162,19 @@ class Indexer(Worker):
         self.state.ready.clear()  # a dead index is not live
 
     def _written(self, write: Callable[[], object]) -> bool:
-        """Run `write`; False if the disk was too full for it or another connection held the
-        DB's write lock past the store's patience (retried later: events that were not
-        applied are back in the queue; on a full disk GC is told to free space)."""
+        """Run `write`; False if the disk was too full for it, another connection held the
+        DB's write lock past the store's patience, or the root became unreadable (retried
+        later: events that were not applied are back in the queue; on a full disk GC is told
+        to free space)."""
         try:
             write()
         except StateLocked:  # said once by cachemgr.state.busy; the queue waits meanwhile
             return False
         except (sqlite3.Error, OSError) as e:
+            if is_denied(e):  # the root (its state dir) made unreadable: wait for it
+                self.quarantine.mark(ROOT, "unreadable", e)
+                self._root_retry = time.monotonic() + ROOT_RETRY
+                return False
             if not reserve.is_disk_full(e, self.layout.state_dir):
                 raise
             if not self.state.disk_full:

@@ -11,6 +11,7 @@ is still ahead.
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -18,7 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from cachemgr.errors import CachemgrError, StateCorrupt, StateLocked
+from cachemgr.errors import CachemgrError, StateCorrupt
 from cachemgr.fs import reserve
 from cachemgr.fs.deletion import Pacer, Progress
 from cachemgr.fs.leadership import Leadership
@@ -33,7 +34,7 @@ from cachemgr.gc.plan import GcPlan, plan_gc
 from cachemgr.gc.policy import KEEPING, GcPolicy, GcReason
 from cachemgr.gc.step import GcReport
 from cachemgr.layout import Layout
-from cachemgr.ns.quarantine import Quarantine
+from cachemgr.ns.quarantine import ROOT, Quarantine, is_denied
 from cachemgr.sglang.liveuse import live_users
 from cachemgr.state.store import Store
 from cachemgr.worker import DeathHandler, Worker
@@ -303,13 +304,17 @@ class GcRunner(Worker):
         try:
             report = run()
             stuck = report is not None and report.files == 0 and bool(self.needs_gc())
-        except (StateCorrupt, StateLocked) as e:
-            # Moved aside (the indexer rebuilds), or locked by another process (said once by
-            # cachemgr.state.busy): the next cycle runs.
+        except StateCorrupt as e:  # moved aside; the indexer rebuilds, the next cycle runs
             log.warning("gc cycle stopped", extra={"error": str(e)})
             return True
-        except (CachemgrError, OSError, sqlite3.Error) as e:
-            # One failed cycle (a vanished dir, a locked DB, a full disk) must not end GC.
+        except OSError as e:
+            if is_denied(e) and not self._root_usable():
+                self.quarantine.mark(ROOT, "unreadable", e)  # said once; the index clears it
+            else:
+                self._failed(e)  # (a vanished dir, a full disk, a read-only root)
+            return True
+        except (CachemgrError, sqlite3.Error) as e:
+            # One failed cycle (a DB locked by another process, a full disk) must not end GC.
             self._failed(e)
             return True
         if self._failing is not None:
@@ -329,6 +334,11 @@ class GcRunner(Worker):
                 extra={"error": str(error), "kind": kind},
             )
         log.debug("gc cycle failed", exc_info=True)
+
+    def _root_usable(self) -> bool:
+        """Whether this process may still list ns/ and the state dir."""
+        dirs = (self.layout.ns_root, self.layout.state_dir)
+        return all(os.access(d, os.R_OK | os.X_OK) for d in dirs)
 
 
 def _keeping(plan: GcPlan) -> bool:

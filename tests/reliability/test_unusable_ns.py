@@ -201,16 +201,18 @@ def test_a_namespace_made_unreadable_mid_run_is_held_aside_until_readable_again(
     assert len(lines(log, "namespace usable again")) == 1
 
 
+@pytest.mark.parametrize("which", ["root", "ns"])
 def test_a_root_made_unreadable_mid_run_keeps_the_daemon_up_and_it_recovers(
-    base: Path, free_port: int
+    base: Path, free_port: int, which: str
 ) -> None:
     layout = Layout.at(base / "root")
+    top = layout.root if which == "root" else layout.ns_root
     a = layout.ns_dir(NS_A)
     fill(a, 0, 20)
     log = base / "daemon.log"
     with daemon(layout.root, free_port, log) as d:
         wait_for(lambda: indexed_pages(d, NS_A), lambda n: n == 20, timeout=30, what="A indexed")
-        layout.ns_root.chmod(0o000)
+        top.chmod(0o000)
         wait_for(lambda: d.metric("cachemgr_root_unusable"), lambda v: v == 1, timeout=30,
                  what="the root unusable")  # fmt: skip
         detail = d.http.get("/readyz").json()["detail"]
@@ -219,7 +221,7 @@ def test_a_root_made_unreadable_mid_run_keeps_the_daemon_up_and_it_recovers(
         while time.monotonic() < deadline:
             assert d.alive()
             time.sleep(0.5)
-        layout.ns_root.chmod(0o755)
+        top.chmod(0o755)
         fill(a, 20, 5)
         wait_for(lambda: indexed_pages(d, NS_A), lambda n: n == 25, timeout=30,
                  what="A indexed again")  # fmt: skip
