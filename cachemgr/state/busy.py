@@ -16,9 +16,11 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from cachemgr.fs.locks import describe_pid, file_key, proc_locks
 
 log = logging.getLogger(__name__)
 _BUSY = {sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED}
@@ -40,29 +42,19 @@ def holders(db: Path, locks: Path = PROC_LOCKS) -> list[int]:
     """Pids holding the write lock of WAL database `db` (its -shm file's writer byte), from
     /proc/locks; empty if unknown (another kernel view, a rollback-journal DB)."""
     try:
-        st = os.stat(f"{db}-shm")
-        text = locks.read_text()
+        here = file_key(os.stat(f"{db}-shm"))
     except OSError:
         return []
-    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    found = []
-    for line in text.splitlines():
-        parts = line.split()
-        # "1: POSIX  ADVISORY  WRITE 1234 fe:00:5678 120 120" (blocked waiters start with "->")
-        if (
-            len(parts) >= 8
-            and parts[1] in ("POSIX", "OFDLCK")
-            and parts[3] == "WRITE"
-            and parts[5] == dev
-            and int(parts[6]) <= _SHM_WRITE_LOCK <= _end(parts[7])
-        ):
-            with suppress(ValueError):
-                found.append(int(parts[4]))
-    return sorted(set(found))
-
-
-def _end(field_: str) -> int:
-    return 1 << 62 if field_ == "EOF" else int(field_)
+    return sorted(
+        {
+            lock.pid
+            for lock in proc_locks(locks)
+            if lock.kind in ("POSIX", "OFDLCK")
+            and lock.access == "WRITE"
+            and lock.file == here
+            and lock.start <= _SHM_WRITE_LOCK <= lock.end
+        }
+    )
 
 
 def describe_holders(db: Path) -> str:
@@ -72,14 +64,7 @@ def describe_holders(db: Path) -> str:
         return "an unknown process"
     if pids == [os.getpid()]:
         return "this process"
-    return ", ".join(f"pid {p} ({_comm(p)})" for p in pids if p != os.getpid())
-
-
-def _comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return "?"
+    return ", ".join(describe_pid(p) for p in pids if p != os.getpid())
 
 
 @dataclass
