@@ -101,3 +101,12 @@ class ConflictError(CachemgrError):
     exit_code = 1
     http_status = 409
     title = "conflict"
+
+
+class StateLocked(StateError):
+    """Another connection held the state DB's write lock for longer than this write could
+    wait; nothing was written (and nothing it would have recorded was done)."""
+
+    exit_code = 1
+    http_status = 503
+    title = "state database locked"

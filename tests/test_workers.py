@@ -4,7 +4,7 @@ cachemgr_worker_up{worker} 0, one log line; it never vanishes silently."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 import httpx
@@ -100,3 +100,23 @@ def test_a_dead_gc_thread_fails_readyz_and_its_metric(
     finally:
         assert runner.stop(5)
         reader.close()
+
+
+def test_an_unexpected_error_in_a_route_is_a_problem_json_500(layout: Layout) -> None:
+    def purge(_: object) -> NoReturn:
+        raise Broken("the purge function is broken")
+
+    async def post() -> httpx.Response:
+        transport = httpx.ASGITransport(app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return await c.post("/v1/purge", json={"all": True})
+
+    reader = Reader(layout)
+    app = create_app(Backend(layout=layout, reader=reader, registry=CollectorRegistry(),
+                             purge=purge))  # fmt: skip
+    try:
+        r = anyio.run(post)
+    finally:
+        reader.close()
+    assert r.status_code == 500 and r.headers["content-type"] == "application/problem+json"
+    assert r.json()["title"] == "internal error" and "broken" in r.json()["detail"]

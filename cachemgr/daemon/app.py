@@ -47,7 +47,7 @@ from cachemgr.layout import Layout
 from cachemgr.ns.status import NamespaceStatus, namespace_statuses
 from cachemgr.ns.trash import left_for_people
 from cachemgr.settings import one_off
-from cachemgr.state import registry_sql
+from cachemgr.state import busy, registry_sql
 from cachemgr.state.status import bindings_by_namespace
 
 
@@ -226,7 +226,12 @@ def _readiness(backend: Backend) -> Readiness:
     if dead:
         return Readiness(ready=False, detail="; ".join(dead))
     ready = backend.index is not None and backend.index.ready.is_set()
-    return Readiness(ready=ready, detail="index live" if ready else "first scan running")
+    detail = "index live" if ready else "first scan running"
+    # Degraded, still ready: writes wait and catch up, the other namespaces are served (a
+    # 503 would take SGLang's pod out of service).
+    unusable = backend.quarantine.degraded() if backend.quarantine is not None else None
+    said = [detail, *filter(None, [busy.LOCKS.degraded(), unusable])]
+    return Readiness(ready=ready, detail="; ".join(said))
 
 
 def _index_info(st: IndexState, lag: Callable[[], float]) -> IndexInfo:

@@ -12,6 +12,7 @@ from cachemgr.daemon.index_state import IndexState
 from cachemgr.daemon.metrics import Reader
 from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
+from cachemgr.ns.quarantine import Quarantine
 from cachemgr.settings import Settings
 from cachemgr.worker import Worker
 
@@ -31,3 +32,4 @@ class Backend:
     gc: GcRunner | None = None
     settings: Settings | None = None  # what one-off GC limits are checked against
     workers: Sequence[Worker] = ()  # their deaths fail /readyz
+    quarantine: Quarantine | None = None  # what the daemon cannot use: /readyz says so

@@ -77,5 +77,6 @@ def mark_ready(marker: Path | None, ready: bool) -> None:
     if ready:  # created new: the unlink at start took away whatever was planted there
         os.close(open_file(marker, os.O_WRONLY | os.O_CREAT))
         return
-    with open_dir(marker.parent, "") as dir_fd, suppress(FileNotFoundError):
+    # (PermissionError: a root made unreadable; the next leader's start removes it)
+    with suppress(FileNotFoundError, PermissionError), open_dir(marker.parent, "") as dir_fd:
         os.unlink(marker.name, dir_fd=dir_fd)  # a link itself, never its target

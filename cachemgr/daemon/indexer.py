@@ -10,6 +10,7 @@ so drift is bounded and counted. cachemgr.daemon.index_leader says which daemon 
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -23,13 +24,15 @@ from cachemgr.daemon.index_leader import lead, mark_ready
 from cachemgr.daemon.index_state import IndexState
 from cachemgr.daemon.page_events import PageEvents
 from cachemgr.daemon.watcher import Watcher
-from cachemgr.errors import StateCorrupt, StateError, UnsafePathError
+from cachemgr.errors import StateCorrupt, StateError, StateLocked, UnsafePathError
 from cachemgr.fs import reserve
 from cachemgr.fs.leadership import Leadership
+from cachemgr.fs.safe import open_dir
 from cachemgr.gc import modelfile
 from cachemgr.gc.chains import ChainModel
-from cachemgr.layout import Layout
+from cachemgr.layout import NS_DIR, Layout
 from cachemgr.ns.manifest import format_of
+from cachemgr.ns.quarantine import ROOT, Quarantine, is_denied
 from cachemgr.ns.registry import adopt_from_disk
 from cachemgr.state.index import (
     BATCH,
@@ -44,6 +47,7 @@ from cachemgr.worker import DeathHandler, Worker
 
 log = logging.getLogger(__name__)
 FULL_RETRY = 1.0  # seconds between retries of a write the full disk refused
+ROOT_RETRY = 5.0  # seconds between listings of a root found unreadable
 BUILD_ATTEMPTS = 3  # a fresh DB found corrupt again: the disk or SQLite is failing, stop
 
 
@@ -72,9 +76,13 @@ class Indexer(Worker):
         on_applied: Callable[[], None] = lambda: None,
         on_namespace_gone: Callable[[str], None] = lambda _: None,
         on_disk_full: Callable[[], None] = lambda: None,
+        quarantine: Quarantine | None = None,
         on_death: DeathHandler | None = None,
     ) -> None:
         super().__init__("index", on_death=on_death)
+        # Namespaces (or the root) this process cannot read: skipped, said once, retried.
+        self.quarantine = quarantine if quarantine is not None else Quarantine()
+        self._root_retry = 0.0  # when an unreadable root is listed again
         self.store = store
         self.layout = layout
         self.batch_interval = batch_interval
@@ -154,11 +162,19 @@ class Indexer(Worker):
         self.state.ready.clear()  # a dead index is not live
 
     def _written(self, write: Callable[[], object]) -> bool:
-        """Run `write`; False if the disk was too full for it (retried later: events that
-        were not applied are back in the queue, and GC is told to free space)."""
+        """Run `write`; False if the disk was too full for it, another connection held the
+        DB's write lock past the store's patience, or the root became unreadable (retried
+        later: events that were not applied are back in the queue; on a full disk GC is told
+        to free space)."""
         try:
             write()
+        except StateLocked:  # said once by cachemgr.state.busy; the queue waits meanwhile
+            return False
         except (sqlite3.Error, OSError) as e:
+            if is_denied(e):  # the root (its state dir) made unreadable: wait for it
+                self.quarantine.mark(ROOT, "unreadable", e)
+                self._root_retry = time.monotonic() + ROOT_RETRY
+                return False
             if not reserve.is_disk_full(e, self.layout.state_dir):
                 raise
             if not self.state.disk_full:
@@ -198,6 +214,8 @@ class Indexer(Worker):
                         "from disk", extra={"db": str(self.store.path)})  # fmt: skip
             self._build(first=True)
         self.apply_pending()
+        if ROOT in self.quarantine and time.monotonic() >= self._root_retry:
+            self._scan_all(first=False)  # back to normal once it can be listed again
         if time.monotonic() >= self._next_reconcile:
             self._scan_all(first=False)
             self._next_reconcile = time.monotonic() + self.reconcile_interval
@@ -279,9 +297,33 @@ class Indexer(Worker):
             self.on_applied()
 
     def _scan_all(self, *, first: bool) -> None:
-        adopt_from_disk(self.layout, self.store)  # a lost DB forgot them; the disk did not
-        scan_root(self.layout, self.store, scan=lambda ns: self._scan(ns, first=first),
-                  forgetting=self._forget)  # fmt: skip
+        try:
+            adopt_from_disk(self.layout, self.store)  # a lost DB forgot them; the disk did not
+            scan_root(self.layout, self.store, scan=lambda ns: self._scan(ns, first=first),
+                      forgetting=self._forget)  # fmt: skip
+        except OSError as e:  # ns/ itself cannot be listed: wait for it, the index kept
+            if not is_denied(e):
+                raise
+            self.quarantine.mark(ROOT, "unreadable", e)
+            self._root_retry = time.monotonic() + ROOT_RETRY
+            return
+        self.quarantine.clear(ROOT, "unreadable")
+
+    def _readable(self, ns: str) -> bool:
+        """Whether this process may list the namespace dir; one it may not is held aside
+        (its index rows kept as they were) until a later scan finds it readable."""
+        try:
+            with open_dir(self.layout.root, f"{NS_DIR}/{ns}") as fd, os.scandir(fd) as it:
+                next(it, None)
+        except OSError as e:
+            if is_denied(e):
+                self.quarantine.mark(ns, "unreadable", e)
+                return False
+            return True  # gone, or a symlink: watch() and the scan say so as before
+        except UnsafePathError:
+            return True
+        self.quarantine.clear(ns, "unreadable")
+        return True
 
     def _forget(self, ns: str) -> None:
         self.watcher.unwatch(ns)
@@ -291,7 +333,7 @@ class Indexer(Worker):
     def _scan(self, ns: str, *, first: bool) -> ScanReport | None:
         # Watch first, then list: an event racing the scan is applied after it and settled
         # by a stat, so nothing falls between the two.
-        if not self.watcher.watch(ns):
+        if not self._readable(ns) or not self.watcher.watch(ns):
             return None
         fresh = ns in self._restored  # (from a snapshot: the scan says what changed, exactly)
         try:
@@ -299,6 +341,11 @@ class Indexer(Worker):
                                     fmt=self.watcher.format_of(ns), changes=fresh)  # fmt: skip
         except UnsafePathError as e:  # replaced by a symlink since it was watched
             log.error("namespace dir not scanned", extra={"namespace": ns, "error": str(e)})
+            return None
+        except OSError as e:  # made unreadable since it was watched (chmod 000)
+            if not is_denied(e):
+                raise
+            self.quarantine.mark(ns, "unreadable", e)
             return None
         if report.pages:  # the size of the pages to come, before a store is applied
             self.backlog.done(0, -(-report.bytes // report.pages))

@@ -47,6 +47,7 @@ from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
 from cachemgr.ns import purge as purge_mod
 from cachemgr.ns.manifest import format_of
+from cachemgr.ns.quarantine import Quarantine
 from cachemgr.settings import Settings
 from cachemgr.sglang.probe import ProbeLoop, ProbeState
 from cachemgr.state import registry_sql
@@ -99,6 +100,7 @@ class Daemon:
         collector = CachemgrCollector(
             self.layout, self.reader, index=self.indexer.state, lag=self.indexer.lag,
             probe=self.probe, gc=self.gc, workers=self.workers, cached=True,
+            quarantine=self.quarantine,
         )  # fmt: skip
         self.registry.register(collector)
         # Scrapes render a snapshot this thread keeps (cachemgr.daemon.refresher).
@@ -116,6 +118,7 @@ class Daemon:
             gc=self.gc,
             settings=self.settings,
             workers=self.workers,
+            quarantine=self.quarantine,
         )
         self.app = create_app(self.backend)
         self.server = Server(uvicorn_config(self.app, self.settings, self.nofile, self.registry))
@@ -129,6 +132,7 @@ class Daemon:
         """The index writer, GC (its own thread and connection) and the SGLang probe, wired
         to each other; not started."""
         index = IndexState()
+        self.quarantine = Quarantine()  # what the index and GC found they cannot use
         model = ChainModel(lambda ns: format_of(self.layout, ns), in_flight=IN_FLIGHT)
         # Stores not applied yet: GC counts them; past the room left, the watcher wakes GC.
         self.backlog = StoreBacklog(wake=lambda: self.gc.wake())
@@ -142,6 +146,7 @@ class Daemon:
             pending=self.backlog.bytes,
             in_flight=lambda: self.flight(),
             after_run=self._rearm,
+            quarantine=self.quarantine,
         )  # fmt: skip
         leadership, ready_marker = leadership_files(self.layout)
         self.indexer = Indexer(
@@ -160,6 +165,7 @@ class Daemon:
             on_namespace_gone=self._namespace_gone,
             # A full disk stops index writes (they are retried): GC's floor pass frees it.
             on_disk_full=self.gc.wake,
+            quarantine=self.quarantine,
             on_death=self._worker_died,
         )
         self.flight = Flight(self.indexer.watcher, model)

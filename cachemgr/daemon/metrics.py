@@ -26,8 +26,10 @@ from cachemgr.errors import StateCorrupt
 from cachemgr.fs.usage import DiskUsage, disk_usage
 from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
+from cachemgr.ns.quarantine import ROOT, Quarantine
 from cachemgr.ns.status import NamespaceStatus, namespace_statuses
 from cachemgr.sglang.probe import ProbeState
+from cachemgr.state import busy
 from cachemgr.state.status import AuditTotal, AuditTotals
 from cachemgr.worker import Worker
 
@@ -69,6 +71,13 @@ METRICS: dict[str, str] = {
     "cachemgr_sglang_storage_hit_tokens_total": "SGLang's tokens found in L3",
     "cachemgr_sglang_prefetched_tokens_total": "SGLang's tokens loaded from L3",
     "cachemgr_sglang_backuped_tokens_total": "SGLang's tokens written to L3",
+    "cachemgr_namespace_unusable": "1 while the daemon cannot use the namespace's dir (another "
+    "user's: unreadable, or its pages not deletable); the index and GC skip it",
+    "cachemgr_root_unusable": "1 while the daemon cannot list the root's ns/ dir; it waits for it",
+    "cachemgr_state_db_locked": "1 while a write of this daemon waits for another connection's "
+    "write lock on the state DB",
+    "cachemgr_state_db_lock_wait_seconds_total": "time this daemon's writes spent waiting for "
+    "another connection's write lock on the state DB",
     "cachemgr_gc_leader": "1 while this daemon holds the root's GC lock (it alone deletes)",
     "cachemgr_index_leader": "1 while this daemon writes the root's index (the others follow it)",
     "cachemgr_gc_runs_total": "GC runs by result: ok, error, skipped (another process leads), "
@@ -115,7 +124,9 @@ class CachemgrCollector(Collector):
         gc: GcRunner | None = None,
         workers: Sequence[Worker] = (),
         cached: bool = False,
+        quarantine: Quarantine | None = None,
     ) -> None:
+        self.quarantine = quarantine
         self.cached = cached  # scrapes render the last snapshot (a refresher keeps it fresh)
         self.snapshot: Snapshot | None = None
         self.workers = workers
@@ -226,6 +237,10 @@ class CachemgrCollector(Collector):
         for w in self.workers:
             up.add_metric([w.name], int(w.up))
         yield up
+        yield from self._unusable()
+        name = "cachemgr_state_db_locked"
+        yield GaugeMetricFamily(name, METRICS[name], value=int(busy.LOCKS.waiting > 0))
+        yield _one("cachemgr_state_db_lock_wait_seconds_total", busy.LOCKS.seconds())
         if st is None:
             return
         yield GaugeMetricFamily(
@@ -250,6 +265,16 @@ class CachemgrCollector(Collector):
         yield GaugeMetricFamily(
             "cachemgr_index_lag_seconds", METRICS["cachemgr_index_lag_seconds"], value=self.lag()
         )
+
+    def _unusable(self) -> Iterator[Any]:
+        held = self.quarantine.held() if self.quarantine is not None else {}
+        family = _gauge("cachemgr_namespace_unusable", ["namespace", "reason"])
+        for ns, (reason, _) in sorted(held.items()):
+            if ns != ROOT:
+                family.add_metric([ns, reason], 1)
+        yield family
+        name = "cachemgr_root_unusable"
+        yield GaugeMetricFamily(name, METRICS[name], value=int(ROOT in held))
 
     def _disk(self, du: DiskUsage | None) -> Iterator[Any]:
         if du is None:

@@ -85,6 +85,11 @@ def install_error_handlers(app: FastAPI) -> None:
     def cachemgr_error(request: Request, exc: CachemgrError) -> JSONResponse:
         return problem(exc.http_status, exc.title, str(exc), request.url.path)
 
+    @app.exception_handler(Exception)
+    def internal(request: Request, exc: Exception) -> JSONResponse:
+        # Starlette logs the traceback after this; the client gets problem+json, not text.
+        return problem(500, "internal error", f"{type(exc).__name__}: {exc}", request.url.path)
+
     @app.exception_handler(RequestValidationError)
     def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         return invalid_request(list(exc.errors()), request.url.path)

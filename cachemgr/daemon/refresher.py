@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 
 from cachemgr.errors import CachemgrError
+from cachemgr.ns.quarantine import is_denied
 from cachemgr.worker import DeathHandler, Worker
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class Refresher(Worker):
         super().__init__("metrics", on_death=on_death)
         self.refresh, self.interval, self.gap = refresh, interval, gap
         self._kick = threading.Event()
+        self._denied = False  # the last refresh was refused access (said once)
 
     def kick(self) -> None:
         """Something the metrics show changed (a batch applied, a namespace gone)."""
@@ -46,7 +48,15 @@ class Refresher(Worker):
             self._kick.clear()
             try:
                 self.refresh()
-            except (CachemgrError, OSError, sqlite3.Error):
+                self._denied = False
+            except OSError as e:
+                if not is_denied(e):
+                    log.exception("metrics refresh failed")
+                elif not self._denied:  # an unreadable root: the index says so too, once
+                    log.warning("metrics refresh denied; the last snapshot stays",
+                                extra={"error": str(e)})  # fmt: skip
+                    self._denied = True
+            except (CachemgrError, sqlite3.Error):
                 # A locked or full DB, a vanished dir: the last snapshot stays, the next try
                 # comes at the interval.
                 log.exception("metrics refresh failed")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from typing import Literal
 
@@ -52,7 +53,36 @@ def lint_root(layout: Layout, store: Store) -> list[Finding]:
     for problem in read_bindings(layout)[1]:  # those the DB knows were rewritten on open
         fix = "run init for that instance again (it rewrites the file), or move it away"
         found.append(Finding("warning", "binding-unreadable", problem, fix))
-    return found + _own_temps(layout) + _corrupt_db_copies(layout)
+    return found + _unusable(layout) + _own_temps(layout) + _corrupt_db_copies(layout)
+
+
+def _unusable(layout: Layout) -> list[Finding]:
+    """Namespace dirs this user may not list or delete in (another user made them): the
+    daemon skips them (cachemgr.ns.quarantine), so their caps are not kept."""
+    who = f"this user (uid {os.geteuid()})"
+    fix = (
+        "give the dir to the daemon's user or group (chown/chmod g+rwx), or remove it by hand "
+        "as its owner"
+    )
+    try:
+        names = sorted(
+            e.name for e in os.scandir(layout.ns_root) if e.is_dir(follow_symlinks=False)
+        )
+    except OSError as e:
+        what = (
+            f"{layout.ns_root} cannot be listed by {who}: {e.strerror}; nothing is indexed or GCed"
+        )
+        return [Finding("error", "root-unusable", what, fix)]
+    found = []
+    for name in names:
+        path = layout.ns_root / name
+        if not os.access(path, os.R_OK | os.X_OK):
+            what = f"ns {name}: {path} cannot be read by {who}; the index and GC skip it"
+            found.append(Finding("error", "ns-unusable", what, fix))
+        elif not os.access(path, os.W_OK | os.X_OK):
+            what = f"ns {name}: {path} cannot be written by {who}; GC cannot delete its pages"
+            found.append(Finding("error", "ns-unusable", what, fix))
+    return found
 
 
 def _own_temps(layout: Layout) -> list[Finding]:

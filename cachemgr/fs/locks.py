@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from cachemgr.errors import ConfigError, ConflictError
 from cachemgr.fs.safe import open_file
@@ -108,27 +109,53 @@ def _holder(fd: int) -> str:
     return "another process"
 
 
-def flock_holders(fd: int, locks: Path = Path("/proc/locks")) -> list[int]:
-    """The pids that hold an flock on the file open at `fd`, as /proc/locks lists them (the
-    kernel reports them in the reader's pid namespace); [] if it cannot be read."""
-    st = os.fstat(fd)
-    here = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+class ProcLock(NamedTuple):
+    """One held lock as /proc/locks lists it (in the reader's pid namespace)."""
+
+    kind: str  # FLOCK, POSIX, OFDLCK
+    access: str  # READ, WRITE
+    pid: int
+    file: tuple[int, int, int]  # (major, minor, inode)
+    start: int
+    end: int  # inclusive; EOF: the largest
+
+
+def proc_locks(locks: Path = Path("/proc/locks")) -> list[ProcLock]:
+    """The held locks of the machine; [] if /proc/locks cannot be read. Waiters ("->") are
+    left out."""
     try:
         text = locks.read_text(encoding="ascii", errors="replace")
     except OSError:
         return []
-    pids = []
+    found = []
     # "1: FLOCK  ADVISORY  WRITE 4242 08:01:131074 0 EOF"; a waiter's line has "->" second.
     for fields in (line.split() for line in text.splitlines()):
-        if len(fields) < 6 or fields[1] != "FLOCK":
+        if len(fields) < 8 or fields[1] == "->":
             continue
         try:
             major, minor, inode = fields[5].split(":")
-            found = (int(major, 16), int(minor, 16), int(inode))
+            end = 1 << 63 if fields[7] == "EOF" else int(fields[7])
+            found.append(ProcLock(fields[1], fields[3], int(fields[4]),
+                                  (int(major, 16), int(minor, 16), int(inode)),
+                                  int(fields[6]), end))  # fmt: skip
         except ValueError:
             continue
-        if found == here and fields[4].isdigit() and int(fields[4]) not in pids:
-            pids.append(int(fields[4]))
+    return found
+
+
+def file_key(st: os.stat_result) -> tuple[int, int, int]:
+    """A file as /proc/locks names it."""
+    return os.major(st.st_dev), os.minor(st.st_dev), st.st_ino
+
+
+def flock_holders(fd: int, locks: Path = Path("/proc/locks")) -> list[int]:
+    """The pids that hold an flock on the file open at `fd`, as /proc/locks lists them (the
+    kernel reports them in the reader's pid namespace); [] if it cannot be read."""
+    here = file_key(os.fstat(fd))
+    pids = []
+    for lock in proc_locks(locks):
+        if lock.kind == "FLOCK" and lock.file == here and lock.pid not in pids:
+            pids.append(lock.pid)
     return pids
 
 

@@ -102,6 +102,19 @@ def on_other_mount(dir_fd: int, name: str) -> bool:
         os.close(fd)
 
 
+@contextmanager
+def open_dir_at(dir_fd: int, name: str) -> Iterator[int]:
+    """A descriptor for the dir `name` in `dir_fd`, never through a symlink nor onto another
+    mount (the edge of the root, as in open_dir)."""
+    fd = _open_nofollow(name, dir_fd, Path(name))
+    try:
+        if mount_of(fd) != mount_of(dir_fd):
+            raise UnsafePathError(f"{name}: on another mount than its parent; not entered")
+        yield fd
+    finally:
+        os.close(fd)
+
+
 def _mkdir(name: str, dir_fd: int | None) -> None:
     # mkdir never follows a symlink in its last component: one there is EEXIST, and the
     # O_NOFOLLOW open that comes next refuses it.

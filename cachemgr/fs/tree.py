@@ -46,19 +46,38 @@ def vouched(ns_fd: int, nesting: Nesting) -> frozenset[str]:
 
 
 def _vouches(ns_fd: int, owner: str, nesting: Nesting) -> bool:
+    return _identity(ns_fd, owner, nesting) is not None
+
+
+def _identity(ns_fd: int, owner: str, nesting: Nesting) -> bytes | None:
+    """The bytes of `owner`'s identity file if they vouch for it, else None."""
     try:
         fd = os.open(owner, DIR_FLAGS, dir_fd=ns_fd)
     except OSError:
-        return False  # absent, a symlink, a file: nothing vouches
+        return None  # absent, a symlink, a file: nothing vouches
     try:
         if mount_of(fd) != mount_of(ns_fd):  # a dir mounted there: its identity file is not ours
-            return False
+            return None
         raw = read_regular(fd, nesting.identity_file, IDENTITY_LIMIT)
     except (OSError, UnsafePathError):
-        return False
+        return None
     finally:
         os.close(fd)
-    return nesting.vouches(owner, raw)
+    return raw if nesting.vouches(owner, raw) else None
+
+
+def identities(ns_fd: int) -> dict[str, tuple[str, bytes]]:
+    """The identity files of namespace dir `ns_fd`, any nested format's: folder -> (file name,
+    bytes), only those that vouch for their own folder."""
+    found = {}
+    with os.scandir(ns_fd) as entries:
+        dirs = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+    for nesting in (f.nesting for f in FORMATS.values() if f.nesting is not None):
+        for name in dirs:
+            raw = _identity(ns_fd, name, nesting)
+            if raw is not None:
+                found[name] = (nesting.identity_file, raw)
+    return found
 
 
 def dir_filter(ns_fd: int, nesting: Nesting) -> Callable[[int, bytes], bool]:

@@ -51,16 +51,17 @@ def drop_namespace(
     with root_lock(layout):
         if why := kept(layout, store, ns_id, in_use):
             return replace(base, skipped=why)
-        entry = rename_to_trash(layout, ns_id, recreate=False)
-        trash = f".trash/{entry}"
-        held = list(list_files(layout, trash, fmt=trash_format(layout, entry))) if entry else []
-        now = clock()
-        young = sum(too_young(f.mtime, step.min_age, now) for f in held)
-        if entry is not None and young:
-            why = _put_back(layout, entry, ns_id)
-            return replace(base, young=young, skipped=f"{young} files younger than min_age "
-                           f"({step.min_age:g}s): drop deferred{why}")  # fmt: skip
+        # The write lock first: a DB held locked elsewhere fails the drop before the rename.
         with store.transaction() as conn:
+            entry = rename_to_trash(layout, ns_id, recreate=False)
+            trash = f".trash/{entry}"
+            held = list(list_files(layout, trash, fmt=trash_format(layout, entry))) if entry else []
+            now = clock()
+            young = sum(too_young(f.mtime, step.min_age, now) for f in held)
+            if entry is not None and young:
+                why = _put_back(layout, entry, ns_id)
+                return replace(base, young=young, skipped=f"{young} files younger than "
+                               f"min_age ({step.min_age:g}s): drop deferred{why}")  # fmt: skip
             drop_unbound(layout, store, ns_id)
             # Its rows go with it, under the lock: a fresh dir an init makes next has its own.
             pages_sql.delete_namespace_pages(conn, ns_id)

@@ -19,6 +19,7 @@ from cachemgr.gc.plan import GcPlan
 from cachemgr.gc.policy import KEEPING
 from cachemgr.gc.step import GcReport, GcStep, StepResult
 from cachemgr.layout import Layout
+from cachemgr.ns.quarantine import is_denied
 from cachemgr.ns.trash import drain_entry
 from cachemgr.sglang.liveuse import live_users
 from cachemgr.state import pages_sql
@@ -94,6 +95,11 @@ def execute_gc(
         except UnsafePathError as e:  # its dir became a symlink: the other steps still run
             log.warning("gc step refused", extra={"dir": step.rel_dir, "error": str(e)})
             result = StepResult(step, skipped=f"refused: {e}")
+        except OSError as e:  # another user's dir: the other steps still run (the caller
+            if not is_denied(e):  # says so once: cachemgr.ns.quarantine)
+                raise
+            log.debug("gc step denied", extra={"dir": step.rel_dir, "error": str(e)})
+            result = StepResult(step, skipped=f"denied: {e.strerror}", denied=str(e))
         results.append(result)
     warnings = plan.warnings + tuple(refusal_warning(r) for r in results if r.refused)
     report = GcReport(dry_run, True, started, clock(), tuple(results), warnings)
@@ -177,10 +183,13 @@ def _run_step(
                 min_age=step.min_age, progress=tally.offset(), now=clock,
                 removed=gone.__setitem__, fmt=fmt,
             )  # fmt: skip
-        except OSError:  # an unlink refused: what went before it is recorded all the same
+        except OSError as e:  # an unlink refused: what went before it is recorded all the same
             if not dry_run and _dir_id(layout, step.rel_dir) == before:
                 _record_chunk(store, step, list(gone), _freed(gone), actor, clock())
-            raise
+            if not is_denied(e):
+                raise
+            done = base.done(total + _freed(gone))
+            return replace(done, skipped=f"denied: {e.strerror}", denied=str(e))
         tally.add(r)
         total += r
         if before is None or _dir_id(layout, step.rel_dir) != before:
@@ -215,7 +224,9 @@ def _record_chunk(
     kill -9 lands, the audit holds exactly the evictions whose rows left the index."""
     if not (gone or r.files):
         return
-    with store.transaction() as conn:
+    # The files are gone: wait out a foreign write lock however long it is held (GC stops
+    # here, one chunk ahead), so the index and audit never miss what was deleted.
+    with store.transaction(patience=float("inf")) as conn:
         if gone and step.namespace_id is not None and step.rel_dir.startswith("ns/"):
             pages_sql.delete_pages(conn, [(step.namespace_id, n) for n in gone])
         if r.files:

@@ -58,10 +58,11 @@ def left_alone(layout: Layout, warnings: list[str]) -> set[str]:
 
 def list_temps(layout: Layout, ns_id: str, warnings: list[str]) -> list[TempFile]:
     """The temp files of one namespace dir (pages are named, not stat'ed: a sweep is cheap);
-    none, with a warning, if the dir is no longer a safe one."""
+    none, with a warning, if the dir is no longer a safe one or this user may not read it
+    (another user's: the index holds it aside, cachemgr.ns.quarantine)."""
     try:
         temps = list(list_files(layout, f"ns/{ns_id}", TEMPS, format_of(layout, ns_id)))
-    except UnsafePathError as e:
+    except (UnsafePathError, PermissionError) as e:
         warnings.append(f"ns/{ns_id} not swept: {e}")
         return []
     return [TempFile(ns_id, f.name, f.size, f.mtime) for f in temps]

@@ -11,6 +11,7 @@ is still ahead.
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 from cachemgr.errors import CachemgrError, StateCorrupt
 from cachemgr.fs import reserve
-from cachemgr.fs.deletecheck import REFUSAL_REASONS, RefusalReason
+from cachemgr.fs.deletecheck import REFUSAL_REASONS, RefusalReason, reason_of
 from cachemgr.fs.deletion import Pacer, Progress
 from cachemgr.fs.leadership import Leadership
 from cachemgr.fs.usage import DiskUsageFn
@@ -34,6 +35,7 @@ from cachemgr.gc.plan import Earlier, GcPlan, plan_gc
 from cachemgr.gc.policy import KEEPING, GcPolicy, GcReason
 from cachemgr.gc.step import GcReport
 from cachemgr.layout import Layout
+from cachemgr.ns.quarantine import ROOT, Quarantine, is_denied
 from cachemgr.sglang.liveuse import live_users
 from cachemgr.state.store import Store
 from cachemgr.worker import DeathHandler, Worker
@@ -94,9 +96,12 @@ class GcRunner(Worker):
         pending: Callable[[], int] = lambda: 0,
         in_flight: Callable[[], InFlight] = InFlight,
         after_run: Callable[[], None] = lambda: None,
+        quarantine: Quarantine | None = None,
         on_death: DeathHandler | None = None,
     ) -> None:
         super().__init__("gc", on_death=on_death)
+        # Namespaces whose pages this process may not delete: said once, tried each run.
+        self.quarantine = quarantine if quarantine is not None else Quarantine()
         self.model = model  # the index's live chain model (None: built per run from the DB)
         self.ahead = ahead  # bytes the writer adds while GC frees space (the daemon's estimate)
         self.pending = pending  # bytes stored that the index does not count yet
@@ -234,6 +239,7 @@ class GcRunner(Worker):
         if not dry_run:
             self.stats.count(report)
             reserve.keep(self.layout.state_dir)
+            self._note_denied(report)
             self.after_run()
         return report
 
@@ -247,6 +253,21 @@ class GcRunner(Worker):
         return free_floor(
             self.layout, policy, disk_usage=self.disk_usage, clock=self.clock, dry_run=True
         )
+
+    def _note_denied(self, report: GcReport) -> None:
+        """Hold aside the namespaces GC may not delete in (a step denied access to its dir, or
+        every file it meant to delete refused by the kernel); clear those it deleted in."""
+        for r in report.steps:
+            ns = r.namespace_id
+            if ns is None or not r.rel_dir.startswith("ns/"):
+                continue
+            refused = [x for x in r.refused if reason_of(x) == "permission"]
+            if r.denied is not None:
+                self.quarantine.mark(ns, "not-writable", r.denied)
+            elif refused and not r.files:
+                self.quarantine.mark(ns, "not-writable", refused[0])
+            elif r.files:
+                self.quarantine.clear(ns, "not-writable")
 
     def _run(
         self,
@@ -334,8 +355,14 @@ class GcRunner(Worker):
         except StateCorrupt as e:  # moved aside; the indexer rebuilds, the next cycle runs
             log.warning("gc cycle stopped", extra={"error": str(e)})
             return True
-        except (CachemgrError, OSError, sqlite3.Error) as e:
-            # One failed cycle (a vanished dir, a locked DB, a full disk) must not end GC.
+        except OSError as e:
+            if is_denied(e) and not self._root_usable():
+                self.quarantine.mark(ROOT, "unreadable", e)  # said once; the index clears it
+            else:
+                self._failed(e)  # (a vanished dir, a full disk, a read-only root)
+            return True
+        except (CachemgrError, sqlite3.Error) as e:
+            # One failed cycle (a DB locked by another process, a full disk) must not end GC.
             self._failed(e)
             return True
         if self._failing is not None:
@@ -355,6 +382,11 @@ class GcRunner(Worker):
                 extra={"error": str(error), "kind": kind},
             )
         log.debug("gc cycle failed", exc_info=True)
+
+    def _root_usable(self) -> bool:
+        """Whether this process may still list ns/ and the state dir."""
+        dirs = (self.layout.ns_root, self.layout.state_dir)
+        return all(os.access(d, os.R_OK | os.X_OK) for d in dirs)
 
 
 def _pacer(plan: GcPlan, policy: GcPolicy) -> Pacer:

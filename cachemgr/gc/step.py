@@ -34,6 +34,7 @@ class StepResult:
     young: int = 0
     refused: tuple[str, ...] = ()
     skipped: str | None = None  # why the whole step was not carried out
+    denied: str | None = None  # the kernel refused it access (another user's dir): the error
 
     @property
     def reason(self) -> GcReason:

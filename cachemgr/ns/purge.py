@@ -29,7 +29,8 @@ from cachemgr.errors import CachemgrError, ConfigError, RootNotWritable, UnsafeP
 from cachemgr.fs import reserve
 from cachemgr.fs.deletion import delete_manifest
 from cachemgr.fs.locks import root_lock
-from cachemgr.fs.safe import make_dir, open_dir
+from cachemgr.fs.safe import make_dir, open_dir, open_dir_at, write_atomic_at
+from cachemgr.fs.tree import identities
 from cachemgr.layout import NS_DIR, TRASH_DIR, Layout
 from cachemgr.ns import registry as nsreg
 from cachemgr.ns.purge_plan import PurgePlan, PurgeTarget, plan_purge  # re-exported
@@ -99,34 +100,49 @@ def execute_purge(
     done: list[Purged] = []
     with root_lock(layout):
         for target in plan.targets:
-            # Bindings are re-read under the lock: the plan may be older than a concurrent init.
-            instances = nsreg.instances_of(store, target.ns_id)
-            if instances and plan.only_unbound:
-                continue
-            if _done_meanwhile(layout, target, bound=bool(instances)):
-                continue  # another purge (an init, GC) got there since the plan, and audited it
-            trash_name = rename_to_trash(layout, target.ns_id, recreate=bool(instances))
-            removed = False
-            with store.transaction():
-                if not instances:
-                    removed = drop_unbound(layout, store, target.ns_id)
-                else:
-                    pages_sql.delete_namespace_pages(store.conn, target.ns_id)
-                store.audit(
-                    "purge",
-                    namespace_id=target.ns_id,
-                    reason=reason,
-                    actor=actor,
-                    pages=target.pages,
-                    bytes_=target.bytes,
-                    at=now(),
-                )
-            done.append(
-                Purged(
-                    target.ns_id, trash_name, bool(instances), removed, target.pages, target.bytes
-                )
-            )
+            purged = _purge_one(plan, target, layout, store, actor=actor, reason=reason, at=now)
+            if purged is not None:
+                done.append(purged)
     return PurgeResult(purged=tuple(done), actor=actor, reason=reason, at=now())
+
+
+def _purge_one(
+    plan: PurgePlan,
+    target: PurgeTarget,
+    layout: Layout,
+    store: Store,
+    *,
+    actor: Actor,
+    reason: PurgeReason,
+    at: Callable[[], float],
+) -> Purged | None:
+    """Purge one target in one write transaction, taken before anything moves: a DB another
+    process holds locked fails the purge before the rename (StateLocked, nothing changed), and
+    once the rename (the commit point) is done, its rows and audit are written in the
+    transaction already held, before the caller answers. None: nothing left to do."""
+    with store.transaction():
+        # Bindings are re-read under the lock: the plan may be older than a concurrent init.
+        instances = nsreg.instances_of(store, target.ns_id)
+        if instances and plan.only_unbound:
+            return None
+        if _done_meanwhile(layout, target, bound=bool(instances)):
+            return None  # another purge (an init, GC) got there since the plan, and audited it
+        trash_name = rename_to_trash(layout, target.ns_id, recreate=bool(instances))
+        removed = False
+        if not instances:
+            removed = drop_unbound(layout, store, target.ns_id)
+        else:
+            pages_sql.delete_namespace_pages(store.conn, target.ns_id)
+        store.audit(
+            "purge",
+            namespace_id=target.ns_id,
+            reason=reason,
+            actor=actor,
+            pages=target.pages,
+            bytes_=target.bytes,
+            at=at(),
+        )
+    return Purged(target.ns_id, trash_name, bool(instances), removed, target.pages, target.bytes)
 
 
 def _done_meanwhile(layout: Layout, target: PurgeTarget, *, bound: bool) -> bool:
@@ -166,6 +182,8 @@ def rename_to_trash(layout: Layout, ns_id: str, *, recreate: bool) -> str | None
         if st is not None and not stat.S_ISDIR(st.st_mode):
             raise UnsafePathError(f"{layout.ns_dir(ns_id)} is not a directory; left alone")
         fresh = _empty_dir(layout, trash_fd, f"{trash_name}n") if recreate else None
+        if fresh is not None and st is not None:
+            _carry_identities(ns_fd, ns_id, trash_fd, fresh)
         if st is not None:
             try:
                 os.rename(ns_id, trash_name, src_dir_fd=ns_fd, dst_dir_fd=trash_fd)
@@ -175,6 +193,20 @@ def rename_to_trash(layout: Layout, ns_id: str, *, recreate: bool) -> str | None
         if fresh is not None:
             os.rename(fresh, ns_id, src_dir_fd=trash_fd, dst_dir_fd=ns_fd)
     return trash_name if st is not None else None
+
+
+def _carry_identities(ns_fd: int, ns_id: str, trash_fd: int, fresh: str) -> None:
+    """Copy the identity files of ns/<id> (vLLM's `<model>_<digest>/config.json`) into its
+    empty successor before it takes the name. vLLM writes that file only at start, and only
+    if absent: without it the server's later blocks are never vouched for, never indexed and
+    never evicted. Only files that vouch for their own folder are copied."""
+    with open_dir_at(ns_fd, ns_id) as old:
+        found = identities(old)
+    with open_dir_at(trash_fd, fresh) as new:
+        for folder, (name, raw) in found.items():
+            make_dir(folder, new)
+            with open_dir_at(new, folder) as fd:
+                write_atomic_at(fd, name, raw)
 
 
 def _empty_dir(layout: Layout, dir_fd: int, name: str) -> str:

@@ -233,7 +233,7 @@ def _audit_deleted(
     store: Store, entry: str, part: DeleteReport, actor: str, audit_as: tuple[str, str]
 ) -> None:
     m = TRASH_RE.fullmatch(entry)
-    with store.transaction():
+    with store.transaction(patience=float("inf")):  # the files are gone: the audit must land
         store.audit(
             audit_as[0],
             namespace_id=m["ns"] if m else None,

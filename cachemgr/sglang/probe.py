@@ -19,7 +19,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from cachemgr.errors import StateCorrupt
+from cachemgr.errors import StateCorrupt, StateLocked
 from cachemgr.worker import DeathHandler, Worker
 
 log = logging.getLogger(__name__)
@@ -168,7 +168,9 @@ class ProbeLoop(Worker):
         while not self._stopping.is_set():
             try:
                 self.poll()
-            except StateCorrupt as e:  # moved aside and rebuilt; the next round reads anew
+            except (StateCorrupt, StateLocked) as e:
+                # Moved aside and rebuilt, or locked by another process (a mismatch purge
+                # changed nothing then): the next round reads anew, and purges again.
                 log.warning("sglang probe skipped a round", extra={"error": str(e)})
             self._stopping.wait(self.interval)
 

@@ -18,14 +18,17 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from cachemgr.errors import StateCorrupt, StateDiskFull, StateError
+from cachemgr.errors import StateCorrupt, StateDiskFull, StateError, StateLocked
 from cachemgr.fs import reserve
 from cachemgr.fs._dirscan import page_digest
 from cachemgr.fs.safe import open_file, refuse_non_regular
 from cachemgr.layout import db_files
+from cachemgr.state import busy
 from cachemgr.state.dbfile import FileId, file_id, is_corrupt, path_lock, quarantine, quick_check
 
 log = logging.getLogger(__name__)
+BUSY_TIMEOUT = 10.0  # seconds a statement waits for a lock (a transaction: see Store.patience)
+LOCK_POLL = 0.5  # one wait of a transaction's BEGIN: a lock held longer is counted and logged
 _MIGRATION_RE = re.compile(r"(\d{4})_[a-z0-9_]+\.sql")
 
 
@@ -54,7 +57,9 @@ def bundled_migrations() -> list[Migration]:
 def connect(path: Path) -> sqlite3.Connection:
     """Open the DB with the pragmas every connection needs; transactions are explicit."""
     try:
-        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10)
+        conn = sqlite3.connect(
+            path, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT
+        )
     except sqlite3.Error as e:
         raise StateError(f"cannot open state DB {path}: {e}") from e
     try:
@@ -204,6 +209,7 @@ class Store:
 
     def __init__(self, conn: sqlite3.Connection, path: Path, opened: FileId | None) -> None:
         self.conn, self.path, self.opened = conn, path, opened
+        self.patience = BUSY_TIMEOUT  # seconds a transaction waits for another's write lock
 
     @classmethod
     def open(cls, path: Path, *, recover: bool = True, check: bool = False) -> Store:
@@ -281,9 +287,11 @@ class Store:
         return True
 
     @contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
-        """BEGIN IMMEDIATE … COMMIT, rolled back on any exception."""
-        self.conn.execute("BEGIN IMMEDIATE")
+    def transaction(self, *, patience: float | None = None) -> Iterator[sqlite3.Connection]:
+        """BEGIN IMMEDIATE … COMMIT, rolled back on any exception. The write lock is waited
+        for up to `patience` seconds (default `self.patience`; inf: until it comes), then
+        StateLocked: nothing of the block ran."""
+        self._begin(self.patience if patience is None else patience)
         try:
             yield self.conn
         except BaseException:
@@ -291,6 +299,40 @@ class Store:
                 self.conn.rollback()
             raise
         self.conn.execute("COMMIT")
+
+    def _begin(self, patience: float) -> None:
+        """BEGIN IMMEDIATE, waiting out another connection's write lock in short busy
+        timeouts with backoff; the wait is counted, and its first logged (state.busy)."""
+        error = self._try_begin()
+        if error is None:
+            return
+        deadline = time.monotonic() + patience
+        with busy.LOCKS.wait(self.path):
+            pause = 0.05
+            while error is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StateLocked(
+                        f"state DB {self.path} is write-locked by "
+                        f"{busy.describe_holders(self.path)}; waited {patience:.0f} s and "
+                        "wrote nothing: try again once it is released"
+                    ) from error
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, 2.0)
+                error = self._try_begin()
+
+    def _try_begin(self) -> sqlite3.OperationalError | None:
+        """BEGIN IMMEDIATE with a short busy timeout; the error if another holds the lock."""
+        self.conn.execute(f"PRAGMA busy_timeout = {int(LOCK_POLL * 1000)}")
+        try:
+            self.conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as e:
+            if not busy.is_locked(e):
+                raise
+            return e
+        finally:
+            self.conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT * 1000)}")
+        return None
 
     def audit(
         self,

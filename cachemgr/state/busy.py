@@ -1,0 +1,132 @@
+"""The state DB's write lock held by someone else: telling it from other errors, naming the
+holder, and the process-wide tally that /metrics, /readyz and the log show.
+
+Another process (a person's `sqlite3 state.db` left in `BEGIN IMMEDIATE`, a backup tool, a
+CLI run) may hold the write lock for as long as it likes. Each write of this process waits
+for it in `Store.transaction` (short busy timeouts, retried with backoff); this module keeps
+count of who is waiting, since when, and who holds the lock, so that it is said once per
+episode and never kills a thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cachemgr.fs.locks import describe_pid, file_key, proc_locks
+
+log = logging.getLogger(__name__)
+_BUSY = {sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED}
+_SHM_WRITE_LOCK = 120  # WAL mode: the writer holds this byte of the -shm file (sqlite3 wal.c)
+PROC_LOCKS = Path("/proc/locks")
+
+
+def is_locked(error: BaseException) -> bool:
+    """Whether `error` is SQLite saying another connection holds a lock it needs."""
+    if not isinstance(error, sqlite3.OperationalError):
+        return False
+    code = getattr(error, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in _BUSY
+    return "locked" in str(error)  # (built without the code: the message is all there is)
+
+
+def holders(db: Path, locks: Path = PROC_LOCKS) -> list[int]:
+    """Pids holding the write lock of WAL database `db` (its -shm file's writer byte), from
+    /proc/locks; empty if unknown (another kernel view, a rollback-journal DB)."""
+    try:
+        here = file_key(os.stat(f"{db}-shm"))
+    except OSError:
+        return []
+    return sorted(
+        {
+            lock.pid
+            for lock in proc_locks(locks)
+            if lock.kind in ("POSIX", "OFDLCK")
+            and lock.access == "WRITE"
+            and lock.file == here
+            and lock.start <= _SHM_WRITE_LOCK <= lock.end
+        }
+    )
+
+
+def describe_holders(db: Path) -> str:
+    """'pid 1234 (sqlite3)', 'this process', or 'an unknown process'."""
+    pids = holders(db)
+    if not pids:
+        return "an unknown process"
+    if pids == [os.getpid()]:
+        return "this process"
+    return ", ".join(describe_pid(p) for p in pids if p != os.getpid())
+
+
+@dataclass
+class LockTally:
+    """Writers of this process waiting for the DB's write lock, and the time they waited."""
+
+    waiting: int = 0
+    episodes: int = 0  # times the count went from 0 to 1
+    seconds_done: float = 0.0  # waits that ended
+    holder: str = ""  # who held it when the current episode began
+    db: str = ""
+    _starts: list[float] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @contextmanager
+    def wait(self, db: Path) -> Iterator[None]:
+        """Around one writer's wait; the first waiter of an episode logs who holds the lock."""
+        start = time.monotonic()
+        with self._lock:
+            self.waiting += 1
+            self._starts.append(start)
+            first = self.waiting == 1
+            if first:
+                self.episodes += 1
+                self.db, self.holder = str(db), describe_holders(db)
+        if first:
+            # (This process's own other writer: a long scan; not worth a warning.)
+            (log.debug if self.holder == "this process" else log.warning)(
+                "state DB write-locked by another connection; writes wait and are retried",
+                extra={"db": str(db), "holder": self.holder},
+            )
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.waiting -= 1
+                self._starts.remove(start)
+                took = time.monotonic() - start
+                self.seconds_done += took
+                last = self.waiting == 0
+            if last:
+                (log.debug if self.holder == "this process" else log.warning)(
+                    "state DB write lock free again", extra={"db": str(db),
+                            "holder": self.holder, "seconds": round(took, 1)})  # fmt: skip
+
+    def seconds(self) -> float:
+        """Seconds writers spent waiting, the waits still running included."""
+        now = time.monotonic()
+        with self._lock:
+            return self.seconds_done + sum(now - s for s in self._starts)
+
+    def degraded(self) -> str | None:
+        """What /readyz says while a writer waits, else None."""
+        with self._lock:
+            if not self._starts:
+                return None
+            since = time.monotonic() - min(self._starts)
+            return (
+                f"state DB {self.db} write-locked by {self.holder} for {since:.0f} s; "
+                "index, GC and purges wait for it"
+            )
+
+
+# One per process, like the process's own lock table: every Store of it waits on one DB lock.
+LOCKS = LockTally()

@@ -1,0 +1,242 @@
+"""Namespaces (and a root) the daemon cannot use (issue 26, point 5): a dir another user made
+with pages in it, one the daemon cannot read, a root made unreadable while it runs. Each is
+quarantined, said in the log, in `cachemgr_namespace_unusable` and by doctor, and the other
+namespaces keep their caps; the daemon stays up and recovers when the dir can be used again.
+
+The suite runs as root, where permission bits do not bind. The daemon here runs as a real
+process whose capability bounding set lacks CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH and
+CAP_FOWNER (dropped with prctl before exec): still uid 0, so it can reach the interpreter under
+/root, but bound by every mode bit like any other user. The foreign dirs belong to a
+throwaway uid.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from cachemgr.fs.root import create_root
+from cachemgr.layout import Layout
+from tests.daemon_helpers import NS_A, NS_B, page_name, register_namespace, store_page
+from tests.polling import wait_for
+from tests.reliability.conftest import snapshot
+from tests.test_server import metric
+
+OTHER_UID = 54321  # a throwaway user: the owner of the dirs the daemon may not touch
+PAGE = 1024
+CAP = 100 * PAGE
+NS_X = "00000000000000ee"
+_DAC_CAPS = (1, 2, 3)  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER
+_PR_CAPBSET_DROP = 24
+
+
+def _without_dac() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in _DAC_CAPS:
+        if libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+class Daemon:
+    def __init__(self, proc: subprocess.Popen[str], port: int) -> None:
+        self.proc, self.http = proc, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        return metric(self.http.get("/metrics").text, name, **labels)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None and self.http.get("/healthz").status_code == 200
+
+
+@contextmanager
+def daemon(root: Path, port: int, log: Path) -> Iterator[Daemon]:
+    """`cachemgr serve` bound by mode bits (see the module doc), GC keeping a per-namespace cap."""
+    env = {**os.environ, "CACHEMGR_GC_NAMESPACE_MAX_BYTES": str(CAP), "CACHEMGR_GC_MIN_AGE": "0",
+           "CACHEMGR_BATCH_INTERVAL": "0.05", "CACHEMGR_GC_INTERVAL": "1"}  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cachemgr", "--log-format", "json", "--root", str(root),
+             "serve", "--port", str(port), "--reconcile-interval", "1"],
+            stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_without_dac, text=True,
+        )  # fmt: skip
+    d = Daemon(proc, port)
+    try:
+        wait_for(lambda: _ready(d), bool, timeout=60, what="the daemon ready")
+        yield d
+    finally:
+        d.http.close()
+        proc.terminate()
+        proc.wait(30)
+
+
+def _ready(d: Daemon) -> bool:
+    if d.proc.poll() is not None:
+        raise AssertionError(f"the daemon exited with {d.proc.returncode}")
+    try:
+        return d.http.get("/readyz").status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def lines(log: Path, message: str) -> list[dict[str, object]]:
+    found = []
+    for line in log.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("msg") == message:
+            found.append(rec)
+    return found
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> Path:
+    """A root the capability-less daemon owns (uid 0); pytest's own tmp dirs are 0700."""
+    top = tmp_path / "top"
+    top.mkdir()
+    for p in (tmp_path, top):
+        p.chmod(0o755)
+    layout = Layout.at(top / "root")
+    create_root(layout)
+    register_namespace(layout, NS_A, instance="sglang-a")
+    return top
+
+
+def foreign_ns(layout: Layout, ns: str, mode: int, pages: int = 150) -> Path:
+    """A namespace whose dir another user made (registered and bound as init would), with
+    pages in it."""
+    d = register_namespace(layout, ns, instance=f"other-{ns[-2:]}")
+    for i in range(pages):
+        store_page(d, page_name(i), PAGE)
+    for p in [d, *d.iterdir()]:
+        os.chown(p, OTHER_UID, OTHER_UID)
+    d.chmod(mode)
+    return d
+
+
+def fill(ns_dir: Path, start: int, n: int) -> None:
+    for i in range(start, start + n):
+        store_page(ns_dir, page_name(i), PAGE)
+
+
+def held(ns_dir: Path) -> int:
+    return sum(p.stat().st_size for p in ns_dir.iterdir() if p.name.endswith(".bin"))
+
+
+@pytest.mark.parametrize(("mode", "reason"), [(0o755, "not-writable"), (0o700, "unreadable")])
+def test_a_namespace_of_another_user_is_quarantined_and_the_others_keep_their_caps(
+    base: Path, free_port: int, mode: int, reason: str
+) -> None:
+    layout = Layout.at(base / "root")
+    x = foreign_ns(layout, NS_X, mode)
+    x.chmod(0o755)
+    before = snapshot(x)
+    x.chmod(mode)
+    log = base / "daemon.log"
+    with daemon(layout.root, free_port, log) as d:
+        fill(layout.ns_dir(NS_A), 1000, 300)  # 3x A's cap
+        wait_for(lambda: held(layout.ns_dir(NS_A)), lambda n: n <= CAP, timeout=60,
+                 what="A's cap")  # fmt: skip
+        wait_for(lambda: d.metric("cachemgr_namespace_unusable", namespace=NS_X, reason=reason),
+                 lambda v: v == 1, timeout=30, what="X in cachemgr_namespace_unusable")  # fmt: skip
+        assert d.http.post("/v1/gc", json={}).status_code == 200
+        assert d.alive()
+    assert d.proc.returncode == 0, log.read_text()[-3000:]
+    said = lines(log, "namespace unusable; skipped")
+    assert said and all(r["namespace"] == NS_X for r in said)
+    assert len(said) == 1  # once, not at every cycle or reconcile
+    x.chmod(0o755)
+    assert snapshot(x) == before  # nothing of the other user's changed
+    doctor = subprocess.run(
+        [sys.executable, "-m", "cachemgr", "--root", str(layout.root), "doctor"],
+        capture_output=True, text=True, preexec_fn=_without_dac, timeout=120,
+    )  # fmt: skip
+    x.chmod(mode)
+    assert NS_X in doctor.stdout and "cannot" in doctor.stdout, doctor.stdout
+
+
+def indexed_pages(d: Daemon, ns: str) -> float | None:
+    return d.metric("cachemgr_namespace_pages", namespace=ns)
+
+
+def test_a_namespace_made_unreadable_mid_run_is_held_aside_until_readable_again(
+    base: Path, free_port: int
+) -> None:
+    layout = Layout.at(base / "root")
+    z = register_namespace(layout, NS_B, instance="sglang-b")
+    fill(z, 0, 20)
+    log = base / "daemon.log"
+    with daemon(layout.root, free_port, log) as d:
+        wait_for(lambda: indexed_pages(d, NS_B), lambda n: n == 20, timeout=30, what="B indexed")
+        z.chmod(0o000)  # the reconcile (every 1 s here) finds it so
+        wait_for(lambda: d.metric("cachemgr_namespace_unusable", namespace=NS_B,
+                                  reason="unreadable"), lambda v: v == 1, timeout=30,
+                 what="B unusable")  # fmt: skip
+        fill(layout.ns_dir(NS_A), 1000, 300)  # A's cap is kept meanwhile
+        wait_for(lambda: held(layout.ns_dir(NS_A)), lambda n: n <= CAP, timeout=60,
+                 what="A's cap")  # fmt: skip
+        assert f"namespace {NS_B} unreadable" in d.http.get("/readyz").json()["detail"]
+        assert indexed_pages(d, NS_B) == 20  # its rows are kept while it cannot be read
+        z.chmod(0o755)
+        fill(z, 20, 5)
+        wait_for(lambda: indexed_pages(d, NS_B), lambda n: n == 25, timeout=30,
+                 what="B indexed again")  # fmt: skip
+        wait_for(lambda: d.metric("cachemgr_namespace_unusable", namespace=NS_B,
+                                  reason="unreadable"), lambda v: v is None, timeout=30,
+                 what="B usable again")  # fmt: skip
+        assert d.alive()
+    assert d.proc.returncode == 0
+    assert len(lines(log, "namespace unusable; skipped")) == 1
+    assert len(lines(log, "namespace usable again")) == 1
+
+
+@pytest.mark.parametrize("which", ["root", "ns"])
+def test_a_root_made_unreadable_mid_run_keeps_the_daemon_up_and_it_recovers(
+    base: Path, free_port: int, which: str
+) -> None:
+    layout = Layout.at(base / "root")
+    top = layout.root if which == "root" else layout.ns_root
+    a = layout.ns_dir(NS_A)
+    fill(a, 0, 20)
+    log = base / "daemon.log"
+    with daemon(layout.root, free_port, log) as d:
+        wait_for(lambda: indexed_pages(d, NS_A), lambda n: n == 20, timeout=30, what="A indexed")
+        top.chmod(0o000)
+        wait_for(lambda: d.metric("cachemgr_root_unusable"), lambda v: v == 1, timeout=30,
+                 what="the root unusable")  # fmt: skip
+        detail = d.http.get("/readyz").json()["detail"]
+        assert "root unreadable" in detail, detail
+        deadline = time.monotonic() + 12  # more than two retries and GC floor checks (5 s)
+        while time.monotonic() < deadline:
+            assert d.alive()
+            time.sleep(0.5)
+        top.chmod(0o755)
+        fill(a, 20, 5)
+        wait_for(lambda: indexed_pages(d, NS_A), lambda n: n == 25, timeout=30,
+                 what="A indexed again")  # fmt: skip
+        wait_for(lambda: d.metric("cachemgr_root_unusable"), lambda v: v == 0, timeout=30,
+                 what="the root usable again")  # fmt: skip
+        assert d.alive()
+    assert d.proc.returncode == 0
+    assert len(lines(log, "root unusable; the daemon waits for it")) == 1
+    errors = [r for r in map(_json, log.read_text().splitlines()) if r.get("exc")]
+    assert errors == []  # no traceback, let alone one every 5 s
+
+
+def _json(line: str) -> dict[str, object]:
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return {}
+    return rec if isinstance(rec, dict) else {}
