@@ -46,7 +46,7 @@ from typing import Any
 
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.history import History
-from cachemgr.gc.value import END, eviction_order
+from cachemgr.gc.value import END, cap_order
 
 EVICTION_RATIO = 0.9  # SGLang's default eviction_ratio (and the low watermark)
 RATES = (0.1, 100.0)
@@ -213,8 +213,15 @@ class Cachemgr(Policy):
         # In flight, as in the daemon: the pages of the request being served (it may write
         # more behind them). The same accesses at any rate: its pages are all "now".
         self.model.in_flight = self.seq - self.request[1] if i == self.request[0] else 0
-        order = eviction_order(self.model, before=inf, now=i / self.rate)
-        out = [int(v.key, 16) for v in islice(order, n)]
+        out: list[int] = []
+        chosen: set[int] = set()
+        for v, _ in cap_order(self.model, before=inf, now=i / self.rate):
+            p = int(v.key, 16)
+            if p not in chosen:  # (the second pass, past the protections, repeats the first)
+                chosen.add(p)
+                out.append(p)
+            if len(out) == n:
+                break
         self.model.remove("ns", ((_name(p), KEY_LEN) for p in out))
         self.evicted += out
         return out

@@ -77,7 +77,7 @@ def test_unusable_counts_pages_behind_a_gap() -> None:
 def test_the_real_model_and_order_run_and_the_rate_does_not_matter(trace) -> None:
     # The simulator runs cachemgr's own code, not a copy of it.
     assert sim.ChainModel is chains.ChainModel
-    assert sim.eviction_order is value.eviction_order
+    assert sim.cap_order is value.cap_order
     cap = trace.pages // 3
     slow, fast = sim.Cachemgr(0.1), sim.Cachemgr(100.0)
     r_slow, r_fast = sim.serve(trace, slow, cap), sim.serve(trace, fast, cap)

@@ -72,6 +72,10 @@ METRICS: dict[str, str] = {
     "cachemgr_gc_leader": "1 while this daemon holds the root's GC lock (it alone deletes)",
     "cachemgr_index_leader": "1 while this daemon writes the root's index (the others follow it)",
     "cachemgr_gc_runs_total": "GC runs by result: ok, error, skipped (another process leads)",
+    "cachemgr_gc_protection_overridden_total": (
+        "Pages a cap or the free-space floor evicted though min_age or in-flight protection held"
+        " them (nothing else was left to evict)"
+    ),
     "cachemgr_gc_last_success_timestamp_seconds": "when a GC cycle last ended without error "
     "(daemon start until the first)",
 }
@@ -277,6 +281,7 @@ class CachemgrCollector(Collector):
         for result in ("ok", "error", "skipped"):
             runs.add_metric([result], getattr(st, result))
         yield runs
+        yield _one("cachemgr_gc_protection_overridden_total", st.overridden)
         name = "cachemgr_gc_last_success_timestamp_seconds"
         yield GaugeMetricFamily(name, METRICS[name], value=st.last_success)
 

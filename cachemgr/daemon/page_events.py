@@ -78,7 +78,7 @@ class PageEvents:
         seq = self._next
         assert seq is not None
         for ev in events:
-            kind, ns, name, _ = ev
+            kind, ns, name, seen = ev
             b.events.append(ev)
             tally = b.per_ns.setdefault(ns, [0, 0])
             key = (ns, name)
@@ -99,7 +99,7 @@ class PageEvents:
                 b.key_lens[key] = key_len
                 tally[1] += 1
                 pred = self.model.observe_write(
-                    ns, name, key_len, seq=seq, at=now, guess=fmt.write_order
+                    ns, name, key_len, seq=seq, at=now, guess=fmt.write_order, seen=seen
                 )
                 if pred is not None:
                     b.preds[key] = pred

@@ -50,6 +50,7 @@ class GcStats:
     error: int = 0  # cycles or requested runs that failed
     skipped: int = 0  # cycles in which another process led GC
     last_success: float = 0.0  # the last cycle or run that ended without error
+    overridden: int = 0  # pages a limit took though a protection (min_age, in flight) held them
 
 
 class GcRunner(Worker):
@@ -216,6 +217,8 @@ class GcRunner(Worker):
         )  # fmt: skip
         if sweep and not dry_run:
             self.last_sweep = now
+        if not dry_run:
+            self.stats.overridden += plan.overridden
         report = execute_gc(
             plan, self.layout, self.store, dry_run=dry_run, actor=actor,
             pacer=pacer or self._pacer(plan), progress=progress,
