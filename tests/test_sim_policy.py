@@ -104,3 +104,18 @@ def test_it_beats_lru_on_both_trace_shapes(shape: str) -> None:
         best = sim.serve(trace, sim.Clairvoyant(trace), cap)
         assert ours.ratio > lru.ratio + share * (best.ratio - lru.ratio), (div, ours, lru, best)
         assert ours.unusable_end == 0 < lru.unusable_end + 1
+
+
+def test_the_order_yields_enough_victims_whatever_is_in_flight() -> None:
+    """Mooncake's synthetic trace at W/10 stopped the simulator: `cachemgr @100/s left 4392
+    pages, cap 4392`. A request whose chain is longer than the cap is being served: every
+    page on disk is its prefix, held in flight, and the order gave nothing. Protections
+    reorder victims; the cap takes what it needs."""
+    chain = tuple(range(60))
+    parent = [p - 1 for p in chain]
+    trace = sim.Trace(parent, [chain[:20], chain], restart_at=2, weight=[1.0] * len(chain))
+    for rate in sim.RATES:
+        policy = sim.Cachemgr(rate)
+        got = sim.serve(trace, policy, cap=30)
+        assert got.max_on_disk == 30
+        assert policy.evicted[:3] == [29, 28, 27]  # tails first all the same
