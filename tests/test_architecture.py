@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "cachemgr"
-MAX_LINES = 300
+MAX_LINES = 600
 
 # Top first. A module's layer is that of its first dotted part under cachemgr.
 LAYERS: list[set[str]] = [
@@ -155,7 +155,7 @@ def test_the_cycle_check_finds_a_loop() -> None:
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
-def test_module_is_at_most_300_lines(module: str) -> None:
+def test_module_is_at_most_600_lines(module: str) -> None:
     lines = len(MODULES[module].read_text(encoding="utf-8").splitlines())
     assert lines <= MAX_LINES, f"{module} has {lines} lines"
 
