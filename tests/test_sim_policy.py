@@ -16,6 +16,8 @@ from cachemgr.gc import chains, value
 
 def _load() -> ModuleType:
     path = Path(__file__).resolve().parents[1] / "bench" / "sim_policy.py"
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))  # (its own modules: sim_peers, sim_trace)
     spec = importlib.util.spec_from_file_location("sim_policy", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
