@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -121,3 +122,32 @@ def test_the_order_yields_enough_victims_whatever_is_in_flight() -> None:
         got = sim.serve(trace, policy, cap=30)
         assert got.max_on_disk == 30
         assert policy.evicted[:3] == [29, 28, 27]  # tails first all the same
+
+
+def test_a_recorded_trace_is_read_and_served_beside_its_peers(tmp_path: Path, capsys) -> None:
+    """Mooncake's JSON lines (chained block ids, ms timestamps) and Bailian's extra fields."""
+    lines = [
+        {"timestamp": 0, "input_length": 2048, "output_length": 9, "hash_ids": [7, 8, 9]},
+        {"timestamp": 5, "hash_ids": [7, 8, 9, 40], "chat_id": 1, "turn": 2, "type": "text"},
+        {"timestamp": 9, "hash_ids": [7, 50], "chat_id": 2, "parent_chat_id": -1, "type": "image"},
+    ] * 30
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    rec = sim.read_trace(path)
+    assert rec.parent == [-1, 0, 1, 2, 0]  # 7 8 9 40 50, renumbered, each after its parent
+    assert rec.requests[:3] == [(0, 1, 2), (0, 1, 2, 3), (0, 4)]
+    assert rec.timestamps[1] == 0.005 and rec.conversations == 2
+    assert rec.types == {"text": 30, "image": 30}
+    sim.main(["--trace", str(path), "--caps", "2"])
+    out = capsys.readouterr().out
+    for name in ("| lru |", "| s3-fifo |", "| arc |", "| cachemgr @100/s |", "| clairvoyant |"):
+        assert name in out
+    for r in sim.run_recorded(sim.from_recorded(rec), [2], [100.0]):
+        assert r.cap is None or r.max_on_disk <= r.cap
+
+
+def test_a_bad_trace_line_is_one_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"timestamp": 0, "hash_ids": [1]}\n{"timestamp": 1}\n')
+    with pytest.raises(SystemExit, match=r"trace.jsonl:2: not a trace line"):
+        sim.main(["--trace", str(path)])
