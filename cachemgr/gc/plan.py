@@ -152,7 +152,7 @@ def _plan(
         chains = ChainModel.from_index(conn, sorted(live) if over else [])
     overridden = 0
     for ns_id, need in limits.namespaces.items():
-        victims, forced = _pick(chains, [ns_id], need, before, taken, now, busy)
+        victims, forced = _pick(chains, [ns_id], (need, need), before, taken, now, busy)
         live[ns_id] -= sum(p.bytes for p in victims.values())
         steps += _evictions("cap", victims, policy.min_age)
         overridden += forced
@@ -160,7 +160,11 @@ def _plan(
     budget = limits.budget
     excess = over_limits(policy, live, disk, counted=counted, ahead=ahead, pending=pending).root
     if excess is not None:
-        victims, forced = _pick(chains, list(live), excess, before, taken, now, busy)
+        # Protections yield only for what the index counts: pages stored that it has not
+        # applied yet (and the writer's pace) are not in the chain model, whose order would
+        # not know what they continue (the prefix a queued store hangs on would go first).
+        indexed = budget.excess(sum(live.values()), policy.low_watermark)
+        victims, forced = _pick(chains, list(live), (excess, indexed), before, taken, now, busy)
         steps += _evictions(budget.reason, victims, policy.min_age)
         overridden += forced
         short = excess - sum(p.bytes for p in victims.values())
@@ -189,26 +193,28 @@ class _Picked:
 def _pick(
     model: ChainModel,
     ns_ids: list[str],
-    need: int,
+    need: tuple[int, int],
     before: float,
     taken: set[tuple[str | None, str]],
     now: float,
     busy: Collection[PageId],
 ) -> tuple[dict[tuple[str, bool], _Picked], int]:
-    """Pages to evict, in order, until `need` bytes, by (namespace, taken despite a
+    """Pages to evict, in order, until `need[0]` bytes, by (namespace, taken despite a
     protection) in order of first victim, and how many a protection held; `taken` (files)
     grows with the choice. A busy page stays, and so do its ancestors (they come later in the
-    order, tails first), unless nothing else is left: then the limit wins
-    (cachemgr.gc.value.cap_order).
+    order, tails first), unless nothing else is left: then the limit wins, up to `need[1]`
+    bytes in all (cachemgr.gc.value.cap_order).
 
     Only names are kept, not each `Victim`: a quarter of a million objects the garbage
     collector tracks would make its full collections, which hold the GIL, that much longer."""
     out: dict[tuple[str, bool], _Picked] = {}
     freed = forced = 0
-    if need <= 0:
+    if need[0] <= 0:
         return out, 0
     kept: set[PageId] = set()
     for c, over in cap_order(model, ns_ids, before=before, now=now):
+        if over and freed >= need[1]:
+            break
         pid = (c.namespace_id, c.key)
         if not over and pid in busy and pid not in kept:
             kept |= lineage(model, pid)
@@ -225,7 +231,7 @@ def _pick(
         picked.bytes += c.size
         freed += c.size
         forced += over
-        if freed >= need:
+        if freed >= need[0]:
             break
     return out, forced
 
