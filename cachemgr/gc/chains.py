@@ -51,7 +51,7 @@ CYCLE_WALK = 100_000  # ancestors walked at most to refuse a cycle (chains are f
 # accesses (any rate), and only for IN_FLIGHT_SECONDS: when the writer stops, none is in flight.
 IN_FLIGHT = 1024
 IN_FLIGHT_SECONDS = 2.0
-# Seconds (as the watcher saw the events) between two stores of one stream within which the
+# Seconds (by the files' mtimes) between two stores of one stream within which the
 # second continues the first: one request's `batch_set` writes its pages back to back; a
 # request's next page after a longer pause, or another request's, is not linked by its store.
 BURST_GAP = 0.005
