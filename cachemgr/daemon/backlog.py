@@ -67,22 +67,20 @@ class StoreBacklog:
 
 
 def queued_pages(queue: deque[Event], formats: Formats) -> set[PageId]:
-    """The pages requests being served may still write behind that the chain model has not
-    seen: on each stream (a rank's files) of the reads and stores queued, the last one (a
-    request reading a prefix goes on to store what continues it). Not every queued access: at
-    full speed the queue holds thousands of requests' reads, all done but the last, and each
-    page held keeps its ancestors (the cap was lost that way: bench/RESULTS.md, run F). Called
-    on GC's thread; the inotify thread keeps appending meanwhile."""
+    """Pages read or stored whose events the index has not applied yet: used just now,
+    though the chain model does not know it (a request reading a prefix goes on to store what
+    continues it). GC evicts them and their ancestors last, not never: at full speed that is
+    nearly every chain, and the cap wins (cachemgr.gc.value.cap_order). Called on GC's
+    thread; the inotify thread keeps appending meanwhile."""
     events = list(queue)  # one C call under the GIL: a consistent copy
+    names = {(ns, name) for kind, ns, name, _ in events if kind is Kind.READ or kind is Kind.WRITE}
     pages = _Pages(formats)
-    return pages.last(
-        (ns, name) for kind, ns, name, _ in events if kind is Kind.READ or kind is Kind.WRITE
-    )
+    return {(ns, pages.key(ns, name)) for ns, name in names}
 
 
 class Flight:
     """What is in flight that the chain model has not seen, for GC (cachemgr.gc.execute.InFlight):
-    at a plan, the last page each stream read or stored in the queue; before each chunk it
+    at a plan, the pages read or stored in the queue; before each chunk it
     deletes, the last page each stream read or stored since the plan, with its ancestors. A
     request that looked a prefix up (a stat: no event) reads it head to tail right after, so
     the chain it reads is kept from the next chunk on instead of being cut behind the pages

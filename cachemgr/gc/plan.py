@@ -217,7 +217,7 @@ def _pick(
             break
         pid = (c.namespace_id, c.key)
         if not over and pid in busy and pid not in kept:
-            kept |= lineage(model, pid)
+            kept |= lineage(model, pid, kept)
         if not over and pid in kept:
             continue
         files = {(c.namespace_id, n) for n in c.names}
@@ -248,12 +248,17 @@ def _evictions(
     return steps
 
 
-def lineage(model: ChainModel, pid: PageId) -> set[PageId]:
-    """The page and its known ancestors (on disk or not): what a request using it needs."""
+def lineage(model: ChainModel, pid: PageId, known: Collection[PageId] = ()) -> set[PageId]:
+    """The page and its known ancestors (on disk or not): what a request using it needs. The
+    walk stops at a page in `known` (its ancestors are there already): busy pages of one chain
+    cost one walk up it, not one each."""
     with model.lock:
         st, out, at = model.store, {pid}, model.store.find(*pid)
         while at != NONE and len(out) < CYCLE_WALK:
             at = st.pred[at]
             if at != NONE:
-                out.add((pid[0], st.key(at)))
+                up = (pid[0], st.key(at))
+                if up in known:
+                    break
+                out.add(up)
     return out
