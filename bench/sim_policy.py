@@ -40,13 +40,16 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import islice
 from math import inf
+from pathlib import Path
 from typing import Any
+
+from sim_peers import Arc, Policy, S3Fifo
+from sim_trace import Recorded, read_trace
 
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.history import History
-from cachemgr.gc.value import END, eviction_order
+from cachemgr.gc.value import END, cap_order
 
 EVICTION_RATIO = 0.9  # SGLang's default eviction_ratio (and the issue's low watermark)
 RATES = (0.1, 100.0)
@@ -128,23 +131,6 @@ def make_trace(
     return Trace(parent, chains, requests // 2, weight)
 
 
-class Policy:
-    """What the evictor sees: reads (hits), writes, skipped writes, a restart; it picks victims."""
-
-    name = ""
-
-    def read(self, page: int, i: int) -> None: ...
-
-    def write(self, page: int, i: int) -> None: ...
-
-    def skip(self, page: int, i: int) -> None: ...
-
-    def restart(self, i: int) -> None: ...
-
-    def victims(self, n: int, i: int, disk: set[int]) -> list[int]:
-        raise NotImplementedError
-
-
 class Lru(Policy):
     name = "lru"
 
@@ -213,8 +199,15 @@ class Cachemgr(Policy):
         # In flight, as in the daemon: the pages of the request being served (it may write
         # more behind them). The same accesses at any rate: its pages are all "now".
         self.model.in_flight = self.seq - self.request[1] if i == self.request[0] else 0
-        order = eviction_order(self.model, before=inf, now=i / self.rate)
-        out = [int(v.key, 16) for v in islice(order, n)]
+        out: list[int] = []
+        chosen: set[int] = set()
+        for v, _ in cap_order(self.model, before=inf, now=i / self.rate):
+            p = int(v.key, 16)
+            if p not in chosen:  # (the second pass, past the protections, repeats the first)
+                chosen.add(p)
+                out.append(p)
+            if len(out) == n:
+                break
         self.model.remove("ns", ((_name(p), KEY_LEN) for p in out))
         self.evicted += out
         return out
@@ -424,14 +417,56 @@ def table(trace: Trace, results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def from_recorded(rec: Recorded) -> Trace:
+    """A recorded trace as the simulator's: no restart (none is recorded), no popularity
+    (the oracles that need it are not run)."""
+    return Trace(rec.parent, rec.requests, len(rec.requests), [1.0] * len(rec.parent))
+
+
+def recorded_peers(trace: Trace, cap: int, rates: Iterable[float]) -> list[Policy]:
+    """LRU, S3-FIFO, ARC, cachemgr's real policy and the clairvoyant bound, for one cap."""
+    peers: list[Policy] = [Lru(), S3Fifo(cap), Arc(cap)]
+    return [*peers, *(Cachemgr(r) for r in rates), Clairvoyant(trace)]
+
+
+def run_recorded(trace: Trace, divisors: Iterable[int], rates: Iterable[float]) -> list[Result]:
+    """No cap, then the recorded-trace peers at each W/d."""
+    out = [serve(trace, None, None)]
+    for div in divisors:
+        cap = trace.pages // div
+        out += [serve(trace, p, cap) for p in recorded_peers(trace, cap, rates)]
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="default")
     ap.add_argument("--sessions", type=int, help="default: the shape's")
     ap.add_argument("--requests", type=int, help="default: the shape's")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--trace", type=Path, help="a recorded trace (Mooncake / Bailian JSON lines)")
+    ap.add_argument("--caps", default="20,10,5,3,2", help="with --trace: divisors d of W/d")
+    ap.add_argument("--rates", default="100", help="with --trace: cachemgr's request rates")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
+    if args.trace is not None:
+        try:
+            rec = read_trace(args.trace)
+            caps = [int(c) for c in args.caps.split(",")]
+            rates = [float(r) for r in args.rates.split(",")]
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"sim_policy: {e}") from None
+        trace = from_recorded(rec)
+        extra = f", {rec.conversations} conversations" if rec.conversations else ""
+        extra += f", types {dict(rec.types)}" if rec.types else ""
+        print(
+            f"trace {args.trace.name}: {len(trace.requests)} requests{extra};"
+            f" W = {trace.pages} pages, {sum(len(c) for c in trace.requests)} page lookups;"
+            f" {rec.relinked} block ids seen after another parent; no restart"
+        )
+        print(table(trace, run_recorded(trace, caps, rates)))
+        print(f"({time.monotonic() - t0:.1f}s)")
+        return
     shape = SHAPES[args.shape]
     sessions, requests = args.sessions or shape.sessions, args.requests or shape.requests
     trace = make_trace(sessions, requests, args.seed, **shape.knobs)

@@ -80,10 +80,10 @@ class Tree:
 
     def stored(self, ns: str, names: Iterable[str], *, at: float) -> None:
         """The watcher saw these page files (already on disk) stored at `at`, in this order."""
-        self.rec.apply([(Kind.WRITE, ns, n, 0.0) for n in names], now=at)
+        self.rec.apply([(Kind.WRITE, ns, n, at) for n in names], now=at)
 
     def read(self, ns: str, names: Iterable[str], *, at: float) -> None:
-        self.rec.apply([(Kind.READ, ns, n, 0.0) for n in names], now=at)
+        self.rec.apply([(Kind.READ, ns, n, at) for n in names], now=at)
 
     def files(self, ns: str) -> set[str]:
         return set(os.listdir(self.layout.ns_dir(ns)))

@@ -29,16 +29,17 @@ class Stream:
     def __init__(self, model: ChainModel) -> None:
         self.model = model
         self.seq: Iterator[int] = itertools.count(1)
+        self.at = 0.0  # the time of each access (a request's own come back to back)
 
     def read(self, *pages: int, suffix: str = SUFFIX, ns: str = "ns") -> None:
         for p in pages:
-            self.model.observe_read(ns, key(p) + suffix, KEY_LEN, seq=next(self.seq), at=0.0)
+            self.model.observe_read(ns, key(p) + suffix, KEY_LEN, seq=next(self.seq), at=self.at)
 
     def write(self, *pages: int, suffix: str = SUFFIX, ns: str = "ns") -> None:
         for p in pages:
             name = key(p) + suffix
-            self.model.observe_write(ns, name, KEY_LEN, seq=next(self.seq), at=0.0)
-            self.model.add(ns, name, KEY_LEN, 100, seq=0, at=0.0)  # the stat at settle
+            self.model.observe_write(ns, name, KEY_LEN, seq=next(self.seq), at=self.at)
+            self.model.add(ns, name, KEY_LEN, 100, seq=0, at=self.at)  # the stat at settle
 
     def request(self, hits: list[int], new: list[int]) -> None:
         """One SGLang request: its prefix read head to tail, then its new pages written."""
@@ -156,8 +157,9 @@ def test_a_page_in_flight_keeps_its_chain_until_the_writer_moves_on_or_stops() -
     model = ChainModel(in_flight=5)
     for n in range(1, 101):  # 100 unrelated pages, long done
         model.add("ns", key(n) + SUFFIX, KEY_LEN, 100, seq=n, at=0.0)
-    model.add("ns", key(200) + SUFFIX, KEY_LEN, 100, seq=101, at=100.0)
-    model.add("ns", key(201) + SUFFIX, KEY_LEN, 100, seq=102, at=100.0, pred=key(200))
+    for seq, n in ((101, 200), (102, 201)):  # a request's write burst: 200 <- 201
+        model.observe_write("ns", key(n) + SUFFIX, KEY_LEN, seq=seq, at=100.0)
+        model.add("ns", key(n) + SUFFIX, KEY_LEN, 100, seq=0, at=100.0)
     # 201 was written by a request that may still be writing what follows it: it and its
     # prefix stay; the rest may go.
     got = [int(v.key, 16) for v in eviction_order(model, before=math.inf, now=100.5)]
@@ -165,11 +167,56 @@ def test_a_page_in_flight_keeps_its_chain_until_the_writer_moves_on_or_stops() -
     # Two seconds later nothing is in flight, even if no access came since (the writer stopped).
     got = [int(v.key, 16) for v in eviction_order(model, before=math.inf, now=102.5)]
     assert got.index(201) < got.index(200)
-    # Five more accesses and it is no longer among the last ones, whatever the time.
-    for n in range(1, 6):
-        model.observe_read("ns", key(n) + SUFFIX, KEY_LEN, seq=102 + n, at=100.5)
+    # The stream's next request reads other pages: 201's request is done, whatever the time.
+    model.observe_read("ns", key(1) + SUFFIX, KEY_LEN, seq=103, at=100.5)
     got = [int(v.key, 16) for v in eviction_order(model, before=math.inf, now=100.5)]
-    assert 201 in got
+    assert 201 in got and 200 in got and 1 not in got
+
+
+def test_only_the_request_being_served_is_in_flight_not_every_recent_read() -> None:
+    """Run F: every page read lately held its whole chain, and at full speed that was nearly
+    every chain. Only the page each stream accessed last (its request may write behind it)
+    and its prefix stay."""
+    model = ChainModel(in_flight=10_000)
+    s = Stream(model)
+    for c in range(20):  # 20 chains of 10 pages, each read again since
+        s.at += 0.1
+        s.request([], [100 * c + p for p in range(10)])
+    for c in reversed(range(20)):
+        s.read(*(100 * c + p for p in range(10)))
+    got = [int(v.key, 16) for v in eviction_order(model, before=math.inf, now=s.at)]
+    assert len(got) == 190  # the last chain read (on the one stream) stays, with its prefix
+    assert not set(range(10)) & set(got)
+
+
+def test_stores_of_different_requests_are_not_one_chain() -> None:
+    """A write-only stream (unique prompts of 4 pages every 100 ms) was learned as one chain:
+    its newest pages, in flight, held every older page, and once the writer stopped, tails
+    first evicted the newest pages first. Only one request's burst of stores is a chain."""
+    model = ChainModel()
+    seq = itertools.count(1)
+    for burst in range(10):
+        for p in range(4):
+            name = key(10 * burst + p) + SUFFIX
+            at = burst * 0.1 + p * 0.0001
+            model.observe_write("ns", name, KEY_LEN, seq=next(seq), at=at, seen=at)
+            model.add("ns", name, KEY_LEN, 100, seq=0, at=at)
+    want = {10 * b + p: (10 * b + p - 1 if p else None) for b in range(10) for p in range(4)}
+    assert preds(model) == want
+    got = order(model)
+    assert got[:4] == [3, 2, 1, 0]  # the oldest request's pages first, its tail first
+    assert got[-4:] == [93, 92, 91, 90]
+
+
+def test_a_store_after_a_pause_is_a_vote_a_read_confirms() -> None:
+    model = ChainModel()
+    model.observe_write("ns", key(1) + SUFFIX, KEY_LEN, seq=1, at=0.0)
+    model.observe_write("ns", key(2) + SUFFIX, KEY_LEN, seq=2, at=1.0)  # another request?
+    assert preds(model)[2] is None
+    s = Stream(model)
+    s.seq = itertools.count(3)
+    s.read(1, 2)  # a request reads 2 right after 1: with the store's vote, two agree
+    assert preds(model)[2] == 1
 
 
 def test_the_writers_pace_counts_at_most_half_the_watermarks_gap() -> None:

@@ -4,12 +4,17 @@ it learned across a restart."""
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from pathlib import Path
 
+from cachemgr.daemon.events import Kind
+from cachemgr.daemon.page_events import PageEvents
 from cachemgr.fs.root import create_root
+from cachemgr.gc.chains import ChainModel
 from cachemgr.layout import Layout
 from cachemgr.settings import Settings, load_settings
+from cachemgr.state.store import Store
 from tests.daemon_helpers import (
     NS_A,
     page_name,
@@ -90,3 +95,22 @@ def test_chains_are_learned_and_evicted_tails_first_quiet_chains_first(tmp_path:
         with model.lock:
             pred = {int(k, 16): p.pred for (_, k), p in model.pages.items()}
         assert pred[205] == f"{204:064x}" and pred[200] == f"{4:064x}"
+
+
+def test_a_backlog_of_stores_seen_at_once_is_told_apart_by_mtime(tmp_path: Path) -> None:
+    """A daemon that lags behind the writer reads a backlog of stores at once, all seen at
+    one time: each request's burst is still its own chain (the files' mtimes say when they
+    were written), not one chain of every store."""
+    layout = Layout.at(tmp_path / "root")
+    create_root(layout)
+    d = register_namespace(layout, NS_A, instance="gpu0")
+    model = ChainModel()
+    with Store.open(layout.db_path) as store:
+        pages = PageEvents(layout, store, model=model)
+        events = []
+        for n in range(20):  # one page per request, 20 ms apart
+            store_page(d, page_name(n), PAGE)
+            os.utime(d / page_name(n), (1000 + 0.02 * n, 1000 + 0.02 * n))
+            events.append((Kind.WRITE, NS_A, page_name(n), 5.0))
+        pages.apply(events, now=2000.0)
+    assert all(p.pred is None for p in model.pages.values())

@@ -75,11 +75,24 @@ def test_min_age_protects_recent_use_and_recent_files(tree: Tree) -> None:
     tree.write(NS, A, at=T0)
     tree.read(NS, A[:2], at=T0 + 990)  # read 10 s before "now": in use
     os.utime(tree.dir(NS) / A[5], (T0 + 995, T0 + 995))  # rewritten 5 s ago, index not told
-    plan = tree.plan(policy(max_bytes=1_000, min_age=60), now=T0 + 1000)
-    assert set(evicted(plan)) == set(A[2:])
+    plan = tree.plan(policy(max_bytes=4_000, min_age=60), now=T0 + 1000)
+    assert set(evicted(plan)) == set(A[3:]) and plan.overridden == 0
     report = tree.execute(plan, now=T0 + 1000)
     assert report.steps[0].young == 1
-    assert tree.files(NS) == {*A[:2], A[5]}
+    assert tree.files(NS) == {*A[:3], A[5]}
+
+
+def test_min_age_yields_to_the_cap_when_nothing_else_is_left(tree: Tree) -> None:
+    """A protection reorders victims; it never stops the cap: the young pages go last, in a
+    step of their own without the age rule, and the plan counts them."""
+    tree.write(NS, A, at=T0)
+    tree.read(NS, A[:2], at=T0 + 990)
+    plan = tree.plan(policy(max_bytes=1_000, min_age=60), now=T0 + 1000)
+    assert evicted(plan) == [*A[2:][::-1], A[1], A[0]]  # tails first, the young last
+    assert [(s.forced, s.min_age) for s in plan.steps] == [(False, 60), (True, 0.0)]
+    assert plan.overridden == 2 and any("wins over their protection" in w for w in plan.warnings)
+    tree.execute(plan, now=T0 + 1000)
+    assert tree.files(NS) == set()
 
 
 def test_stale_temps_go_after_tmp_ttl_and_fresh_ones_never(tree: Tree) -> None:

@@ -78,12 +78,12 @@ def test_gc_evicts_whole_pages_and_leaves_none_partial(tree: Tree) -> None:
     for i in range(6):
         tree.write(NS, files_of(i), at=T0 + 10 * i)
     # 24 files of 1000 bytes over a 20,000-byte cap: down to 85% = 17,000, so 2 pages go.
-    # Written one after the other, they read as one chain: its tail goes first.
+    # Stored 10 s apart, by different requests: no chain, the oldest go first.
     plan = tree.plan(policy(max_bytes=20_000), now=T0 + 100)
-    assert sorted(evicted(plan)) == sorted(files_of(5) + files_of(4))
+    assert sorted(evicted(plan)) == sorted(files_of(0) + files_of(1))
     tree.execute(plan, now=T0 + 100)
     left = tree.files(NS)
-    assert left == {n for i in range(4) for n in files_of(i)}
+    assert left == {n for i in range(2, 6) for n in files_of(i)}
     assert stats(tree) == (4, 16, 16_000)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from itertools import islice
 
@@ -67,9 +67,11 @@ class StoreBacklog:
 
 
 def queued_pages(queue: deque[Event], formats: Formats) -> set[PageId]:
-    """Pages read or stored whose events the index has not applied yet: in flight, though the
-    chain model does not know it (a request reading a prefix goes on to store what continues
-    it). Called on GC's thread; the inotify thread keeps appending meanwhile."""
+    """Pages read or stored whose events the index has not applied yet: used just now,
+    though the chain model does not know it (a request reading a prefix goes on to store what
+    continues it). GC evicts them and their ancestors last, not never: at full speed that is
+    nearly every chain, and the cap wins (cachemgr.gc.value.cap_order). Called on GC's
+    thread; the inotify thread keeps appending meanwhile."""
     events = list(queue)  # one C call under the GIL: a consistent copy
     names = {(ns, name) for kind, ns, name, _ in events if kind is Kind.READ or kind is Kind.WRITE}
     pages = _Pages(formats)
@@ -78,10 +80,11 @@ def queued_pages(queue: deque[Event], formats: Formats) -> set[PageId]:
 
 class Flight:
     """What is in flight that the chain model has not seen, for GC (cachemgr.gc.execute.InFlight):
-    at a plan, the pages with queued reads or stores; before each chunk it deletes, the pages a
-    request read or stored since the plan, with their ancestors. A request that looked a
-    prefix up (a stat: no event) reads it head to tail right after, so a chain it reaches is
-    kept from the next chunk on instead of being cut behind the pages it already loaded."""
+    at a plan, the pages read or stored in the queue; before each chunk it
+    deletes, the last page each stream read or stored since the plan, with its ancestors. A
+    request that looked a prefix up (a stat: no event) reads it head to tail right after, so
+    the chain it reads is kept from the next chunk on instead of being cut behind the pages
+    it already loaded. One lineage per stream, not one per page read."""
 
     def __init__(self, watcher: Watcher, model: ChainModel) -> None:
         self.watcher, self.model = watcher, model
@@ -101,12 +104,10 @@ class Flight:
         # count, and an access counted twice only keeps more.
         recent = list(islice(reversed(self.watcher.accesses), seen + 64))
         planned = pages.of(ns, names)
-        reached = {pages.key(ns, name) for n_ns, name in recent if n_ns == ns}
+        reached = pages.last(((n_ns, name) for n_ns, name in reversed(recent) if n_ns == ns))
         keys: set[str] = set()
-        # (Each loop runs over the few pages reached: `set.intersection(dict)` iterates the
-        # whole step, one C call of several ms under the GIL per chunk at 250,000 pages.)
-        for key in [k for k in reached if k in planned]:
-            keys |= {k for _, k in lineage(self.model, (ns, key))}
+        for pid in reached:
+            keys |= {k for _, k in lineage(self.model, pid)}
         return {n for k in keys if k in planned for i, n in planned[k] if i >= start}
 
 
@@ -122,6 +123,15 @@ class _Pages:
     def key(self, ns: str, name: str) -> str:
         fmt = self._fmts.get(ns) or self._fmts.setdefault(ns, self.formats(ns))
         return name[: fmt.key_len(name) or len(name)]  # (a nested page's key is its path)
+
+    def last(self, accesses: Iterable[tuple[str, str]]) -> set[PageId]:
+        """The page each stream (namespace, name after the key) accessed last, of these
+        (namespace, name) accesses, oldest first."""
+        out: dict[tuple[str, str], str] = {}
+        for ns, name in accesses:
+            key = self.key(ns, name)
+            out[ns, name[len(key) :]] = key
+        return {(ns, key) for (ns, _), key in out.items()}
 
     def of(self, ns: str, names: Sequence[str]) -> dict[str, list[tuple[int, str]]]:
         """key -> [(position, name)] of a step's names."""

@@ -84,6 +84,10 @@ METRICS: dict[str, str] = {
     "short (files a cap or the floor needed gone could not be deleted)",
     "cachemgr_gc_refused_files_total": "files GC meant to delete and had to keep, by reason "
     "(permission: the kernel refused, e.g. a writer's dir without the group's write)",
+    "cachemgr_gc_protection_overridden_total": (
+        "Pages a cap or the free-space floor evicted though min_age or in-flight protection held"
+        " them (nothing else was left to evict)"
+    ),
     "cachemgr_gc_last_success_timestamp_seconds": "when a GC cycle last ended without error "
     "(daemon start until the first)",
     "cachemgr_http_connections": "open HTTP connections",
@@ -313,6 +317,7 @@ class CachemgrCollector(Collector):
         for reason, files in st.refused.items():
             refused.add_metric([reason], files)
         yield refused
+        yield _one("cachemgr_gc_protection_overridden_total", st.overridden)
         name = "cachemgr_gc_last_success_timestamp_seconds"
         yield GaugeMetricFamily(name, METRICS[name], value=st.last_success)
 

@@ -9,6 +9,7 @@ order and learns which page continues which; its links are stored with the rows.
 
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -98,14 +99,26 @@ class PageEvents:
                 b.touched[key] = True
                 b.key_lens[key] = key_len
                 tally[1] += 1
+                written = self._written(ns, name) if fmt.write_order else now
                 pred = self.model.observe_write(
-                    ns, name, key_len, seq=seq, at=now, guess=fmt.write_order
+                    ns, name, key_len, seq=seq, at=now, guess=fmt.write_order, seen=written
                 )
                 if pred is not None:
                     b.preds[key] = pred
             b.seqs[key] = seq
             seq += 1
         self._next = seq
+
+    def _written(self, ns: str, name: str) -> float:
+        """When a page file was written: its mtime, the writer's clock. It tells one request's
+        burst of stores from the next request's (cachemgr.gc.chains.BURST_GAP) however late
+        the daemon sees them: a backlog the watcher reads at once is seen all at one time.
+        A file gone already: -inf (no store after it continues it)."""
+        path = os.path.join(self.layout.ns_root, ns, name)
+        try:
+            return os.stat(path, follow_symlinks=False).st_mtime
+        except OSError:
+            return -math.inf
 
     def _settle(
         self, b: _Batch, now: float

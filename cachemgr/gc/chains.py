@@ -6,7 +6,12 @@ which, but the access stream does. One I/O thread per rank reads a request's hit
 (`batch_get`) and the backup thread writes its new pages in order right after, so:
 
 * a page **written** right after page P of the same stream (namespace and file suffix: one
-  rank's files) most likely continues P: that is its first guess of a predecessor;
+  rank's files) continues P only within one request's own write burst: P was the last page
+  of its read prefix (SGLang reads the prefix, then writes the tail), or a page of that burst
+  stored less than BURST_GAP before it. Consecutive stores of different requests are no
+  chain (a write-only stream of unique prompts once became one chain whose newest pages, in
+  flight, held every page behind them); a store after a pause is a vote only, which the next
+  read of the page behind it confirms;
 * a page **read** right after P is evidence for P; a link that keeps losing to other evidence
   is dropped (a majority vote with a small counter), and a new one is made only when two
   requests in a row (contrary reads of one stream) agree on it. So an order mixed up by
@@ -46,6 +51,10 @@ CYCLE_WALK = 100_000  # ancestors walked at most to refuse a cycle (chains are f
 # accesses (any rate), and only for IN_FLIGHT_SECONDS: when the writer stops, none is in flight.
 IN_FLIGHT = 1024
 IN_FLIGHT_SECONDS = 2.0
+# Seconds (by the files' mtimes) between two stores of one stream within which the
+# second continues the first: one request's `batch_set` writes its pages back to back; a
+# request's next page after a longer pause, or another request's, is not linked by its store.
+BURST_GAP = 0.005
 Formats = Callable[[str], FileFormat]  # a namespace's file format
 DIRTY_MAX = 65_536  # pages changed between two orders past which all segments are walked again
 
@@ -63,6 +72,8 @@ class ChainModel:
         self.history = History()  # evicted chain heads, for when their chain comes back
         self.clock = 0  # the largest access sequence seen
         self._prev: dict[tuple[str, str], str] = {}  # (ns, file suffix) -> last page key
+        # (ns, file suffix) -> when its last store was seen, if it was a store (a read: absent)
+        self._stored: dict[tuple[str, str], float] = {}
         # The eviction order's segments as of its last run (cachemgr.gc.value): leaf slot ->
         # (top slot, latest use, latest wall-clock use), and the slots changed since.
         self.segments: dict[int, tuple[int, int, float]] = {}
@@ -175,6 +186,7 @@ class ChainModel:
                 self._drop(s)
             self.store.forget_ns(ns)
             self._prev = {s: k for s, k in self._prev.items() if s[0] != ns}
+            self._stored = {s: t for s, t in self._stored.items() if s[0] != ns}
 
     def _drop(self, s: int) -> None:
         st = self.store
@@ -192,16 +204,34 @@ class ChainModel:
     # -- learning from the access stream --------------------------------------------------------
 
     def observe_write(
-        self, ns: str, name: str, key_len: int, *, seq: int, at: float, guess: bool = True
+        self,
+        ns: str,
+        name: str,
+        key_len: int,
+        *,
+        seq: int,
+        at: float,
+        guess: bool = True,
+        seen: float | None = None,
     ) -> str | None:
-        """A file was stored; returns its page's predecessor (to persist): none if not `guess`."""
+        """A file was stored (`seen`: when the watcher saw it, monotonic; default `at`);
+        returns its page's predecessor (to persist): none if not `guess`."""
         key, stream = name[:key_len], (ns, name[key_len:])
+        seen = at if seen is None else seen
+        st = self.store
         with self.lock:
             prev = self._prev.get(stream)
-            self._prev[stream] = key  # (a read right after still reads it as its predecessor)
+            stored = self._stored.get(stream)
+            self._prev[stream], self._stored[stream] = key, seen
             pred = prev if guess and prev is not None and prev != key else None
-            self.add(ns, name, key_len, 0, seq=seq, at=at, pred=pred)  # moves `last` on too
-            return self.store.pred_key(self.store.find(ns, key))
+            burst = stored is None or seen - stored <= BURST_GAP  # after a read, or back to back
+            self.add(ns, name, key_len, 0, seq=seq, at=at, pred=pred if burst else None)
+            s = st.find(ns, key)
+            if pred is not None and not burst and st.pred[s] == NONE and not st.conf[s]:
+                # A vote, as a read's: a read right after `pred` links it (two agree).
+                st.cand[s] = hash(pred)
+                st.cand_sfx[s] = st.suffixes.setdefault(stream[1], len(st.suffixes))
+            return st.pred_key(s)
 
     def observe_read(
         self, ns: str, name: str, key_len: int, *, seq: int, at: float
@@ -213,6 +243,7 @@ class ChainModel:
         with self.lock:
             prev = self._prev.get(stream)
             self._prev[stream] = key
+            self._stored.pop(stream, None)
             s = st.find(ns, key)
             if not st.present(s):
                 return False, None
@@ -292,6 +323,11 @@ class ChainModel:
             st.release(above)
 
     # -- reading ----------------------------------------------------------------------------------
+
+    def last_pages(self) -> list[tuple[tuple[str, str], str]]:
+        """((namespace, file suffix), key) of the page each stream accessed last."""
+        with self.lock:
+            return list(self._prev.items())
 
     def names(self, ns: str, key: str) -> tuple[str, ...]:
         """The file names of a page (none if it is not known)."""

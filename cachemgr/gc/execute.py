@@ -90,7 +90,7 @@ def execute_gc(
         try:
             result = _run_step(
                 step, layout, store, dry_run, actor, pacer, tally, clock, stop, in_use,
-                keep if step.reason in KEEPING and step.namespace_id is not None else None,
+                keep if step.reason in KEEPING and step.namespace_id and not step.forced else None,
             )  # fmt: skip
         except UnsafePathError as e:  # its dir became a symlink: the other steps still run
             log.warning("gc step refused", extra={"dir": step.rel_dir, "error": str(e)})

@@ -27,7 +27,7 @@ from cachemgr.gc.find import TempFile, list_namespace, list_temps
 from cachemgr.gc.pagestore import NONE, PageId
 from cachemgr.gc.policy import ByReason, GcPolicy, GcReason, over_limits, tally
 from cachemgr.gc.step import GcStep
-from cachemgr.gc.value import eviction_order
+from cachemgr.gc.value import cap_order
 from cachemgr.layout import Layout
 from cachemgr.state import pages_sql
 from cachemgr.state.index import namespace_dirs
@@ -44,6 +44,7 @@ class GcPlan(ByReason):
     budget_bytes: int | None  # the root's limit; None when nothing limits it
     budget_reason: GcReason
     warnings: tuple[str, ...] = ()
+    overridden: int = 0  # pages a protection (min_age, in flight) held that a limit took
 
     def totals(self) -> dict[GcReason, tuple[int, int]]:
         """(files, bytes) per reason, in plan order."""
@@ -199,24 +200,36 @@ def _plan(
     if chains is None:  # a one-off run reads the page rows only if pages must go
         over = bool(limits.namespaces) or limits.root is not None
         chains = ChainModel.from_index(conn, sorted(live) if over else [])
+    overridden = 0
     for ns_id, need in limits.namespaces.items():
-        victims = _pick(chains, [ns_id], need, before, taken, now, busy)
+        victims, forced = _pick(chains, [ns_id], (need, need), before, taken, now, busy)
         live[ns_id] -= sum(p.bytes for p in victims.values())
         steps += _evictions("cap", victims, policy.min_age)
+        overridden += forced
     # What the caps evict counts toward the root's budget: ask again with what is left.
     budget = limits.budget
     excess = over_limits(policy, live, disk, counted=counted, ahead=ahead, pending=pending).root
     if excess is not None:
-        victims = _pick(chains, list(live), excess, before, taken, now, busy)
+        # Protections yield only for what the index counts: pages stored that it has not
+        # applied yet (and the writer's pace) are not in the chain model, whose order would
+        # not know what they continue (the prefix a queued store hangs on would go first).
+        indexed = budget.excess(sum(live.values()), policy.low_watermark)
+        victims, forced = _pick(chains, list(live), (excess, indexed), before, taken, now, busy)
         steps += _evictions(budget.reason, victims, policy.min_age)
+        overridden += forced
         short = excess - sum(p.bytes for p in victims.values())
         if short > 0:
             warnings.append(
                 f"{budget.reason}: {short} bytes still over the low watermark; "
-                f"nothing else is older than min_age ({policy.min_age:g}s)"
+                "no other page is indexed"
             )
+    if overridden:
+        warnings.append(
+            f"{overridden} pages younger than min_age ({policy.min_age:g}s) or in flight "
+            "evicted: a limit wins over their protection"
+        )
     limit = None if budget.limit == float("inf") else int(budget.limit)
-    return GcPlan(now, tuple(steps), used_all, limit, budget.reason, tuple(warnings))
+    return GcPlan(now, tuple(steps), used_all, limit, budget.reason, tuple(warnings), overridden)
 
 
 def _sizes(conn: sqlite3.Connection, step: GcStep) -> dict[str, int]:
@@ -236,58 +249,72 @@ class _Picked:
 def _pick(
     model: ChainModel,
     ns_ids: list[str],
-    need: int,
+    need: tuple[int, int],
     before: float,
     taken: set[tuple[str | None, str]],
     now: float,
     busy: Collection[PageId],
-) -> dict[str, _Picked]:
-    """Pages to evict, in order, until `need` bytes, by namespace (in order of its first
-    victim); `taken` (files) grows with the choice. A busy page stays, and so do its ancestors
-    (they come later in the order, tails first).
+) -> tuple[dict[tuple[str, bool], _Picked], int]:
+    """Pages to evict, in order, until `need[0]` bytes, by (namespace, taken despite a
+    protection) in order of first victim, and how many a protection held; `taken` (files)
+    grows with the choice. A busy page stays, and so do its ancestors (they come later in the
+    order, tails first), unless nothing else is left: then the limit wins, up to `need[1]`
+    bytes in all (cachemgr.gc.value.cap_order).
 
     Only names are kept, not each `Victim`: a quarter of a million objects the garbage
     collector tracks would make its full collections, which hold the GIL, that much longer."""
-    out: dict[str, _Picked] = {}
-    freed = 0
-    if need <= 0:
-        return out
+    out: dict[tuple[str, bool], _Picked] = {}
+    freed = forced = 0
+    if need[0] <= 0:
+        return out, 0
     kept: set[PageId] = set()
-    for c in eviction_order(model, ns_ids, before=before, now=now):
+    for c, over in cap_order(model, ns_ids, before=before, now=now):
+        if over and freed >= need[1]:
+            break
         pid = (c.namespace_id, c.key)
-        if pid in busy and pid not in kept:
-            kept |= lineage(model, pid)
-        if pid in kept:
+        if not over and pid in busy and pid not in kept:
+            kept |= lineage(model, pid, kept)
+        if not over and pid in kept:
             continue
         files = {(c.namespace_id, n) for n in c.names}
         if not files.isdisjoint(taken):
-            continue  # a torn file's page: the whole page is in a step already
+            continue  # a torn file's page, or one the first pass took: in a step already
         taken |= files
-        picked = out.get(c.namespace_id)
+        picked = out.get((c.namespace_id, over))
         if picked is None:
-            picked = out[c.namespace_id] = _Picked([], 0)
+            picked = out[c.namespace_id, over] = _Picked([], 0)
         picked.names.extend(c.names)
         picked.bytes += c.size
         freed += c.size
-        if freed >= need:
+        forced += over
+        if freed >= need[0]:
             break
-    return out
+    return out, forced
 
 
-def _evictions(reason: GcReason, victims: dict[str, _Picked], min_age: float) -> list[GcStep]:
-    """One step per namespace, names in eviction order, namespaces in order of first victim."""
-    return [
-        GcStep(reason, f"ns/{ns}", ns, tuple(p.names), p.bytes, min_age)
-        for ns, p in victims.items()
-    ]
+def _evictions(
+    reason: GcReason, victims: dict[tuple[str, bool], _Picked], min_age: float
+) -> list[GcStep]:
+    """One step per namespace (and one more for the pages a protection held: no age rule
+    there), names in eviction order, namespaces in order of first victim."""
+    steps = []
+    for (ns, forced), p in victims.items():
+        age = 0.0 if forced else min_age
+        steps.append(GcStep(reason, f"ns/{ns}", ns, tuple(p.names), p.bytes, age, forced=forced))
+    return steps
 
 
-def lineage(model: ChainModel, pid: PageId) -> set[PageId]:
-    """The page and its known ancestors (on disk or not): what a request using it needs."""
+def lineage(model: ChainModel, pid: PageId, known: Collection[PageId] = ()) -> set[PageId]:
+    """The page and its known ancestors (on disk or not): what a request using it needs. The
+    walk stops at a page in `known` (its ancestors are there already): busy pages of one chain
+    cost one walk up it, not one each."""
     with model.lock:
         st, out, at = model.store, {pid}, model.store.find(*pid)
         while at != NONE and len(out) < CYCLE_WALK:
             at = st.pred[at]
             if at != NONE:
-                out.add((pid[0], st.key(at)))
+                up = (pid[0], st.key(at))
+                if up in known:
+                    break
+                out.add(up)
     return out

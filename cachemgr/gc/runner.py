@@ -55,6 +55,7 @@ class GcStats:
     skipped: int = 0  # cycles in which another process led GC
     short: int = 0  # runs that could not delete what a cap or the floor needed (refusals)
     last_success: float = 0.0  # the last cycle or run that ended without error or refusal
+    overridden: int = 0  # pages a limit took though a protection (min_age, in flight) held them
     refused: dict[RefusalReason, int] = field(
         default_factory=lambda: dict.fromkeys(REFUSAL_REASONS, 0)
     )  # files runs meant to delete and had to keep, per reason
@@ -289,6 +290,8 @@ class GcRunner(Worker):
         )  # fmt: skip
         if sweep and not dry_run:
             self.last_sweep = now
+        if not dry_run:
+            self.stats.overridden += plan.overridden
         report = execute_gc(
             plan, self.layout, self.store, dry_run=dry_run, actor=actor,
             pacer=pacer or _pacer(plan, policy), progress=progress,

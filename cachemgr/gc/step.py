@@ -21,6 +21,9 @@ class GcStep:
     bytes: int  # as the index or the scan saw them
     min_age: float = 0.0  # execution re-checks mtime against this
     remove_dir: bool = False  # the whole directory goes (trash, unbound namespace)
+    # Pages a protection (min_age, in flight) held that a limit takes: no check before each
+    # chunk of what requests reached since the plan (the limit wins over that too).
+    forced: bool = False
 
 
 @dataclass(frozen=True)

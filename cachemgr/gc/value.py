@@ -32,7 +32,7 @@ from collections.abc import Iterable, Iterator
 from heapq import heappop, heappush
 from typing import NamedTuple
 
-from cachemgr.gc.chains import IN_FLIGHT_SECONDS, ChainModel
+from cachemgr.gc.chains import CYCLE_WALK, IN_FLIGHT_SECONDS, ChainModel
 from cachemgr.gc.pagestore import GHOST, NONE, PageStore
 
 END = 0.05  # probability that a conversation ends at a return (moves on to a new chain)
@@ -67,10 +67,12 @@ def eviction_order(
     *,
     before: float,
     now: float = math.inf,
+    protect: bool = True,
 ) -> Iterator[Victim]:
     """Pages of these namespaces (None: all) in the order to evict them, none of them used
     after `before` (wall clock, min_age) and none before a page still in use after it, nor
-    one in flight at wall-clock time `now` (cachemgr.gc.chains.IN_FLIGHT).
+    one a request being served may still write behind at wall-clock time `now` (`in_flight`).
+    Not `protect`: every page, in the same order but for those protections.
 
     Lazy: segments are valued when the previous ones are used up; the caller stops when it
     has enough. Holds the model's lock while it is consumed.
@@ -80,19 +82,15 @@ def eviction_order(
         wanted = None if namespace_ids is None else {st.ns_num.get(n) for n in namespace_ids}
         gone: dict[int, int] = {}  # slot -> its children already in the order
         leaves = [s for s in st.leaves() if wanted is None or st.ns[s] in wanted]
-        # In flight: the last accesses, at most a tenth of the pages (a small cache must still
-        # be able to meet its cap when the writer stops).
-        recent = (model.clock - min(model.in_flight, st.count // 10),
-                  now - IN_FLIGHT_SECONDS)  # fmt: skip
+        held = in_flight(model, now) if protect else set()
+        before = before if protect else math.inf
         _settle(model)
         cache: dict[int, tuple[int, int, float]] | None = model.segments
         while leaves:
             exposed: list[int] = []
-            for seg in _lowest_first(
-                _segments(st, model.clock, leaves, gone, before, recent, cache)
-            ):
+            for seg in _lowest_first(_segments(st, model.clock, leaves, gone, before, held, cache)):
                 if seg.path is None:  # (all its pages go: nothing in it is young or in flight)
-                    path = _walk(st, seg.leaf, {}, math.inf, (model.clock, math.inf))[0]
+                    path = _walk(st, seg.leaf, {}, math.inf, set())[0]
                 else:
                     path = array("i", seg.path)
                 for s in path:
@@ -104,6 +102,46 @@ def eviction_order(
                     if gone[up] == st.kids[up] and st.files[up] != GHOST:
                         exposed.append(up)  # its last child went: its segment is next
             leaves, cache = exposed, None  # (later rounds count the segments gone: walked)
+
+
+def cap_order(
+    model: ChainModel,
+    namespace_ids: Iterable[str] | None = None,
+    *,
+    before: float,
+    now: float = math.inf,
+) -> Iterator[tuple[Victim, bool]]:
+    """What keeping a limit may take, as (victim, whether a protection yields for it): the
+    eviction order, then the whole order again without its protections (min_age, in flight),
+    so that a caller who needs more bytes than the unprotected pages hold always finds them:
+    protections reorder victims, they never stop the cap. The second pass repeats the pages
+    of the first: the caller skips those it took."""
+    ids = None if namespace_ids is None else list(namespace_ids)
+    for v in eviction_order(model, ids, before=before, now=now):
+        yield v, False
+    for v in eviction_order(model, ids, before=before, now=now, protect=False):
+        yield v, True
+
+
+def in_flight(model: ChainModel, now: float) -> set[int]:
+    """The pages a request being served may still write behind: on each stream (a rank's
+    files), the page accessed last, if that was among the model's last `in_flight` accesses
+    (at most a tenth of the pages: a small cache must still meet its cap) and less than
+    IN_FLIGHT_SECONDS before `now`, and its ancestors (its request's prefix). One walk per
+    stream, not one per page read: not every recent read is a request still running."""
+    st = model.store
+    floor = model.clock - min(model.in_flight, st.count // 10)
+    held: set[int] = set()
+    for (ns, _), key in model.last_pages():
+        at = st.find(ns, key)
+        if not st.present(at) or st.last[at] <= floor or st.time[at] <= now - IN_FLIGHT_SECONDS:
+            continue
+        for _ in range(CYCLE_WALK):
+            if at == NONE or at in held or st.files[at] == GHOST:
+                break
+            held.add(at)
+            at = st.pred[at]
+    return held
 
 
 def _settle(model: ChainModel) -> None:
@@ -126,7 +164,7 @@ def _segments(
     leaves: list[int],
     gone: dict[int, int],
     before: float,
-    recent: tuple[int, float],
+    held: set[int],
     cache: dict[int, tuple[int, int, float]] | None,
 ) -> Iterator[_Segment]:
     """The segments of these leaves that may go, valued, in leaf order (`_lowest_first` gives
@@ -137,11 +175,11 @@ def _segments(
         known = cache.get(leaf) if cache is not None else None
         if known is not None:
             top, last, when = known
-            if when <= before and (last <= recent[0] or when <= recent[1]):  # none is young
+            if when <= before and top not in held:  # none is young (held: its top is too)
                 stranded = st.pred[top] != NONE and st.files[st.pred[top]] == GHOST
                 raw.append((leaf, None, top, last, when, stranded and st.conf[top] > 0))
                 continue
-        path, top, last, stranded = _walk(st, leaf, gone, before, recent)
+        path, top, last, stranded = _walk(st, leaf, gone, before, held)
         if path:
             when = max(st.time[p] for p in path)
             raw.append((leaf, path.tobytes(), top, last, when, stranded))
@@ -209,11 +247,11 @@ def _walk(
     leaf: int,
     gone: dict[int, int],
     before: float,
-    recent: tuple[int, float],
+    held: set[int],
 ) -> tuple[array[int], int, int, bool]:
     """The leaf's segment: (the pages that may go, leaf first; its top page; its latest use;
-    stranded). A page used after `before` (wall clock) or in flight (used after access
-    `recent[0]` and after time `recent[1]`) stays, and so does everything above it."""
+    stranded). A page used after `before` (wall clock) or in flight (`held`) stays, and so
+    does everything above it."""
     pred, files, kids, last_col, time_col = st.pred, st.files, st.kids, st.last, st.time
     path = array("i")
     young = False
@@ -221,7 +259,7 @@ def _walk(
     at = leaf
     while True:
         t = time_col[at]
-        young = young or t > before or (last_col[at] > recent[0] and t > recent[1])
+        young = young or t > before or at in held
         if not young:
             path.append(at)
         last = max(last, last_col[at])
