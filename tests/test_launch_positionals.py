@@ -69,3 +69,19 @@ def test_vllms_own_parser_refuses_the_same_words() -> None:
     for argv, real in zip(kept, theirs[len(VLLM_STRAYS) :], strict=True):
         assert real != "error" and real["model"] == "m"
         assert vllm_args.resolve_vllm_args(["vllm", *argv]).model == "m"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        # `--model` and `--kv-cache-dtype fp8_e4m3` are SGLang flags too: read as SGLang's,
+        # this vLLM launch got an SGLang namespace, exit 0
+        ["nice", "-n", "5", "vllm", "serve", "--model", "/m", "--kv-cache-dtype", "fp8_e4m3"],
+        ["nohup", "python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"],
+        ["bash", "-c", "vllm serve /m --kv-cache-dtype fp8", "--model", "/m"],
+    ],
+)
+def test_a_vllm_launch_behind_a_wrapper_is_not_read_as_sglangs(command: list[str]) -> None:
+    assert not vllm_args.is_vllm_launch(command)
+    with pytest.raises(ConfigError, match="runs vLLM behind"):
+        sglang_args.resolve_launch_args(command)

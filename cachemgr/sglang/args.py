@@ -198,7 +198,22 @@ def _parser_args(tokens: Sequence[str]) -> list[str]:
         args = _without_model_type(tokens[at + 2 :])
         return ["--model-path", *args] if args and not args[0].startswith("-") else args
     start = next((n for n, tok in enumerate(tokens) if tok.startswith("--")), len(tokens))
+    _refuse_vllm(tokens[at:start])
     return _without_model_type(tokens[start:])
+
+
+def _refuse_vllm(program: Sequence[str]) -> None:
+    """A vLLM launch behind a wrapper (`nice vllm serve`, `bash -c "vllm serve …"`) is no
+    SGLang launch: read as SGLang's flags (`--model`, `--kv-cache-dtype` are both), it would
+    get an SGLang namespace and its tier's root_dir would not be the namespace's."""
+    for token in program:
+        words = token.split()
+        if any(os.path.basename(w) == "vllm" or w.startswith("vllm.") for w in words[:3]):
+            raise ConfigError(
+                f"the launch runs vLLM behind {program[0]!r}: cachemgr reads a vLLM launch "
+                "that starts with `vllm serve` or `python -m vllm.entrypoints.openai.api_server` "
+                "(after `env VAR=…`); put the wrapper in front of cachemgr instead"
+            )
 
 
 def _is_value(token: str) -> bool:
