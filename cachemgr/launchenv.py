@@ -6,14 +6,14 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-_ASSIGN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
+ASSIGN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
 
 
 def split_env(tokens: Sequence[str]) -> tuple[dict[str, str], int]:
     """(the variables set in front of the program, the index of the program's token)."""
     env: dict[str, str] = {}
     i = 0
-    while i < len(tokens) and (tokens[i] == "env" or _ASSIGN.fullmatch(tokens[i])):
+    while i < len(tokens) and (tokens[i] == "env" or ASSIGN.fullmatch(tokens[i])):
         if tokens[i] != "env":
             key, _, value = tokens[i].partition("=")
             env[key] = value

@@ -31,6 +31,9 @@ def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         (["gc", "--dry-run", "--state-dir=/s"], "cachemgr --state-dir=/s gc …"),
         (["status", "--log-level", "debug"], "cachemgr --log-level debug status …"),
         (["ls", "--config", "c.toml"], "cachemgr --config c.toml ls …"),
+        # a subcommand's hint names its whole path; the value is the misplaced one's
+        (["fingerprint", "diff", "a", "b", "--root", "X"], "cachemgr --root X fingerprint diff …"),
+        (["--root", "A", "init", "--root", "B"], "cachemgr --root B init …"),
     ],
 )
 def test_a_global_option_after_the_command_says_it_is_global(

@@ -38,6 +38,15 @@ def test_an_uncapped_tier_outside_the_root_is_named(root: Path, model: Path) -> 
     assert doctor(root, launch(model), CAP)[:2] == (1, ["unmanaged-root-dir"])
 
 
+def test_a_per_namespace_cap_is_a_cap(root: Path, model: Path) -> None:
+    # The launch's namespace is capped: its tier does not fill the disk.
+    ns_cap = {"CACHEMGR_GC_NAMESPACE_MAX_BYTES": "50GB"}
+    assert doctor(root, launch(model), ns_cap)[:2] == (1, ["unmanaged-root-dir"])
+    _, _, findings = doctor(root, launch(model))
+    (uncapped,) = [f for f in findings if f["code"] == "fs-tier-uncapped"]
+    assert "gc_namespace_max_bytes" in uncapped["message"]
+
+
 def test_a_namespace_root_dir_of_this_identity_is_clean(root: Path, model: Path) -> None:
     result = vinit_json(root, launch(model))
     assert doctor(root, result["command"], CAP)[:2] == (0, [])

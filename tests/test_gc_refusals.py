@@ -104,3 +104,67 @@ def test_doctor_finds_pages_gc_user_cannot_delete(root: Path) -> None:
     )
     assert "the writer's umask is 022" in finding["message"]
     assert f"chmod -R g+w {tree.dir(NS)}" in finding["fix"]
+
+
+def test_an_immutable_page_is_not_blamed_on_the_umask(root: Path) -> None:
+    """chattr +i refuses even root (EPERM): the group-write fix would not help, so the warning
+    names what does (lsattr / chattr -i, or a sticky dir's owner)."""
+    tree = Tree.at(root)
+    names = [page(i) for i in range(2)]
+    tree.write(NS, names, at=T0, size=1000)
+    tree.store.close()
+    with immutable(tree.dir(NS) / names[0]):
+        out = cli("--root", str(root), "gc", "--yes", "--json", "--max-bytes", "1")
+    assert out.returncode == 1, out.stderr
+    (warning,) = json.loads(out.stdout)["warnings"]
+    assert "Operation not permitted" in warning and "umask" not in warning
+    assert "chattr -i" in warning and "chmod -t" in warning
+
+
+def _gc_ran_as(tree: Tree, uid: int) -> None:
+    lock = Leadership(tree.layout.gc_lock)
+    assert lock.try_acquire()
+    lock.release()
+    tree.layout.gc_lock.write_text(f"pid 1 uid {uid} on host since then\n")
+
+
+def _cannot_delete(root: Path) -> list[dict[str, str]]:
+    out = cli("--root", str(root), "doctor", "--json")
+    found = [f for f in json.loads(out.stdout) if f["code"] == "gc-cannot-delete"]
+    assert out.returncode == (2 if found else out.returncode), out.stdout
+    return found
+
+
+@needs_root
+def test_doctor_finds_an_immutable_page_even_for_root(root: Path) -> None:
+    """GC refuses it every run (EPERM, whoever deletes): doctor must not say all is well."""
+    tree = Tree.at(root)
+    names = [page(i) for i in range(3)]
+    tree.write(NS, names, at=T0)
+    tree.store.close()
+    _gc_ran_as(tree, 0)
+    with immutable(tree.dir(NS) / names[1]):
+        (finding,) = _cannot_delete(root)
+    assert finding["message"].startswith(f"1 pages in ns {NS} cannot be deleted by uid 0")
+    assert "immutable or append-only" in finding["message"] and "umask" not in finding["message"]
+    assert "chattr -i -a" in finding["fix"]
+    assert _cannot_delete(root) == []  # flag cleared: nothing found
+
+
+@needs_root
+def test_doctor_names_a_sticky_dir_not_the_umask(root: Path) -> None:
+    """A sticky dir of uid A, pages of writer B, GC as C in the group: group write is there
+    (mode 3777), so `chmod g+w` would not help; the sticky bit is the cause."""
+    tree = Tree.at(root)
+    tree.write(NS, [page(i) for i in range(2)], at=T0)
+    tree.store.close()
+    gc_uid, owner, writer = 23021, 23022, 23023
+    os.chown(root, 0, gc_uid)
+    _gc_ran_as(tree, gc_uid)
+    os.chown(tree.dir(NS), owner, gc_uid)
+    os.chmod(tree.dir(NS), 0o3777)
+    for f in tree.dir(NS).iterdir():
+        os.chown(f, writer, gc_uid)
+    (finding,) = _cannot_delete(root)
+    assert "sticky" in finding["message"] and "umask" not in finding["message"]
+    assert f"chmod -t {tree.dir(NS)}" in finding["fix"]

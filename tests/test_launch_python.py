@@ -114,6 +114,7 @@ def test_a_python_without_the_engine_falls_back_and_warns(tmp_path: Path, model:
     [
         ("#!/usr/bin/env python3\n", "python3"),
         ("#!/usr/bin/env -S python3 -u\n", "python3"),
+        ("#!/usr/bin/env -S PYTHONUNBUFFERED=1 python3 -u\n", "python3"),  # env sets it
         (
             "#!/bin/sh\n'''exec' /long/venv/bin/python \"$0\" \"$@\"\n' '''\n",
             "/long/venv/bin/python",

@@ -140,9 +140,11 @@ def test_other_flags_are_skipped_with_their_values() -> None:
 
 
 def test_known_switch_does_not_take_the_next_token() -> None:
-    # A switch followed by a stray word: the word is not the switch's value, and the
-    # following flags still parse.
-    found = scan_flags(["--enable-hierarchical-cache", "stray", "--page-size", "16"])
+    # A switch followed by a word: the word is not the switch's value; SGLang refuses it
+    # (tests/test_launch_positionals.py), and so does cachemgr.
+    with pytest.raises(ConfigError, match="unrecognized argument 'stray'"):
+        scan_flags(["--enable-hierarchical-cache", "stray", "--page-size", "16"])
+    found = scan_flags(["--enable-hierarchical-cache", "--page-size", "16"])
     assert found == {"enable_hierarchical_cache": True, "page_size": "16"}
 
 

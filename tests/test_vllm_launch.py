@@ -97,6 +97,12 @@ def _forms(model: Path, tmp_path: Path) -> dict[str, list[str]]:
                    "--kv-transfer-config.kv_role=kv_both",
                    "--kv-transfer-config.kv_connector_extra_config.secondary_tiers", tiers],
         "config": ["vllm", "serve", str(model), "--config", str(yaml_file), "-tp", "2"],
+        # vLLM's argparse takes a unique prefix of the flag in a dotted key too
+        "abbreviated": ["vllm", "serve", str(model), "--kv-cache-dtype=fp8", "-tp", "2",
+                        "--max-model-le=32k", "--hf-overrid.rope_scaling.factor", "4",
+                        "--kv-transfer-conf.kv_connector", "OffloadingConnector",
+                        "--kv-transfer-conf.kv_role=kv_both",
+                        "--kv-transfer-conf.kv_connector_extra_config.secondary_tiers", tiers],
         "model_flag": ["vllm", "serve", "-tp", "2", "--model", str(model), *plain[3:]],
         "api_server": [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                        "--model", str(model), *plain[3:]],
@@ -113,15 +119,16 @@ def test_the_prepass_forms_give_the_plain_forms_identity(model: Path, tmp_path: 
     assert other["digest"] != digests["plain"]
 
 
-@pytest.mark.parametrize("form", ["dotted", "config", "underscores"])
+@pytest.mark.parametrize("form", ["dotted", "config", "underscores", "abbreviated"])
 def test_each_form_gets_its_tier_pointed_at_the_namespace(
     root: Path, model: Path, tmp_path: Path, form: str
 ) -> None:
     result = vinit_json(root, _forms(model, tmp_path)[form])
     ns_dir = str(root / "ns" / result["ns_id"])
     command = result["command"]
-    if form == "dotted":  # rewritten in place, still a dotted key
-        at = command.index("--kv-transfer-config.kv_connector_extra_config.secondary_tiers")
+    if form in ("dotted", "abbreviated"):  # rewritten in place, still a dotted key
+        key = "--kv-transfer-conf" + ("ig" if form == "dotted" else "")
+        at = command.index(f"{key}.kv_connector_extra_config.secondary_tiers")
         assert json.loads(command[at + 1]) == [{"type": "fs", "root_dir": ns_dir}]
     elif form == "config":  # the file is left alone; the command line overrides it
         given = _forms(model, tmp_path)["config"]

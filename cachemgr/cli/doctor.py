@@ -56,7 +56,8 @@ def doctor(app: AppContext, as_json: bool, launch_cmd: tuple[str, ...]) -> None:
         findings += lint_vllm(
             resolve_vllm_args(launch_cmd, dict(os.environ)),
             layout=layout,
-            cap_bytes=cap,
+            # either cap bounds the launch's namespace, so its tier does not fill the disk
+            cap_bytes=cap if cap is not None else policy.namespace_max_bytes,
             identity=functools.cache(lambda: _identity(settings, launch_cmd)),
             command=launch_cmd,
         )

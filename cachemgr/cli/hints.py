@@ -18,7 +18,7 @@ def no_such_option_hint(error: click.NoSuchOption, group: click.Group, argv: Seq
     if command is not group and any(flag in p.opts for p in group.params):
         return (
             f"{flag} is a global option: give it before the command, "
-            f"cachemgr {_as_given(flag, argv)} {command.name} …"
+            f"cachemgr {_as_given(flag, argv)} {_command_path(error.ctx)} …"
         )
     setting = _setting_of(flag, group)
     if setting is None or any(p.name == setting for p in command.params):
@@ -30,9 +30,19 @@ def no_such_option_hint(error: click.NoSuchOption, group: click.Group, argv: Seq
     return f"{name} has no flag for the {setting} setting: {where}{also}"
 
 
+def _command_path(ctx: click.Context | None) -> str:
+    """The subcommand as typed after `cachemgr` ("fingerprint diff")."""
+    names: list[str] = []
+    while ctx is not None and ctx.parent is not None:
+        names.append(ctx.info_name or ctx.command.name or "")
+        ctx = ctx.parent
+    return " ".join(reversed(names))
+
+
 def _as_given(flag: str, argv: Sequence[str]) -> str:
-    """The flag with the value the user gave it ("--root /srv/kv"), or a placeholder."""
-    for i, arg in enumerate(argv):
+    """The flag with the value the user gave it ("--root /srv/kv"), or a placeholder. The last
+    one is the misplaced one: a global option given in its place comes before it."""
+    for i, arg in reversed(list(enumerate(argv))):
         if arg.startswith(flag + "="):
             return arg
         if arg == flag and i + 1 < len(argv):

@@ -58,7 +58,8 @@ def lint_vllm(
                 "warning",
                 "fs-tier-uncapped",
                 "vLLM's fs tier never deletes a block (0.33.0 has no size limit) and cachemgr "
-                "has no gc_max_bytes: the disk fills until writes fail",
+                "has neither gc_max_bytes nor gc_namespace_max_bytes: the disk fills until "
+                "writes fail",
                 "set gc_max_bytes (cachemgr.toml or CACHEMGR_GC_MAX_BYTES) and run "
                 "`cachemgr serve` beside the server",
             )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -118,15 +119,24 @@ def refusal_warning(result: StepResult) -> str:
         f"{sum(by_reason.values())} files in {result.rel_dir} cannot be deleted by uid "
         f"{os.geteuid()} ({counts}), e.g. {result.refused[0]}"
     )
-    if "permission" in by_reason:
+    denied = [str(r) for r in result.refused if reason_of(r) == "permission"]
+    if any(_EPERM in r for r in denied):
+        line += f"; {EPERM_FIX}"
+    if any(_EPERM not in r for r in denied):
         line += f"; {PERMISSION_FIX}"
     return line
 
 
-# What to do about files the kernel does not let GC delete (see `cachemgr doctor`).
+# What to do about files the kernel does not let GC delete (see `cachemgr doctor`): EACCES is a
+# dir GC's user may not write in; EPERM is refused whoever writes there (root included).
 PERMISSION_FIX = (
     "the writer makes dirs the daemon's group cannot write (its umask is 022?): run the engine "
     "with umask 0002 in the daemon's group (docs/deploy.md), then `chmod -R g+w` its dirs"
+)
+_EPERM = os.strerror(errno.EPERM)
+EPERM_FIX = (
+    "the file or its dir is immutable or append-only (`lsattr -d`; `chattr -i -a`), or a "
+    "sticky dir (mode +t) of another owner (`chmod -t` it)"
 )
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from cachemgr.identity.digest_cache import DigestCache
 from cachemgr.identity.hashing import FileStat
-from cachemgr.launchenv import split_env
+from cachemgr.launchenv import ASSIGN, split_env
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,9 @@ def _shebang_python(program: Path, env: Mapping[str, str]) -> Path | None:
     if trampoline:
         words = [trampoline[1]]
     if words and os.path.basename(words[0]) == "env":
-        words = [w for w in words[1:] if not w.startswith("-")]  # `env -S python3 -u`
+        # `env -S python3 -u`, `env -S PYTHONUNBUFFERED=1 python3`: env's options and the
+        # assignments it makes come before the program
+        words = [w for w in words[1:] if not w.startswith("-") and not ASSIGN.fullmatch(w)]
         return _which(words[0], env) if words and _PYTHON.fullmatch(words[0]) else None
     if words and _PYTHON.fullmatch(os.path.basename(words[0])):
         return Path(words[0])

@@ -9,6 +9,7 @@ skipped, and one it does not know is refused, as SGLang refuses it.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -17,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cachemgr.argprefix import read_option
 from cachemgr.errors import ConfigError
+from cachemgr.launchenv import split_env
 from cachemgr.sglang.argcheck import check_types, check_values
 from cachemgr.sglang.flags import MULTI_VALUE, NO_VALUE, OPTIONS, SGLANG_VERSION
 
@@ -154,21 +156,21 @@ def split_command(command: str | Sequence[str]) -> list[str]:
 def scan_flags(tokens: Sequence[str]) -> dict[str, str | bool]:
     """The known flags of a command and their raw values; the last occurrence wins (as argparse).
 
-    Whatever precedes the first `--flag` (`sglang serve`, `python -m sglang.launch_server`,
-    `env VAR=1 …`) is the program. Each token is read as SGLang's argparse reads it: a unique
-    prefix is its flag, an ambiguous prefix or a flag SGLang lacks is a ConfigError. SGLang
-    takes no positionals, so a stray value is skipped (SGLang refuses it; it sets nothing).
+    The program is `sglang serve` (whose first word may be the model), else whatever precedes
+    the first `--flag` (`python -m sglang.launch_server`, `env VAR=1 …`). Each token is read
+    as SGLang's argparse reads it: a unique prefix is its flag; an ambiguous prefix, a flag
+    SGLang lacks, or a word no flag takes (SGLang has no positionals) is a ConfigError.
     """
     found: dict[str, str | bool] = {}
-    start = next((n for n, tok in enumerate(tokens) if tok.startswith("--")), len(tokens))
-    args = _without_model_type(tokens[start:])
-    args = args[: args.index("--")] if "--" in args else args  # after it: positionals only
+    args = _parser_args(tokens)
     i = 0
     while i < len(args):
-        option = read_option(args[i], OPTIONS, ENGINE)
+        option = None if args[i] == "--" else read_option(args[i], OPTIONS, ENGINE)
         i += 1
         if option is None:
-            continue
+            raise ConfigError(
+                f"unrecognized argument {args[i - 1]!r}: {ENGINE} refuses it (no flag takes it)"
+            )
         if option.name == "--config":
             raise ConfigError(
                 "the launch command uses --config: cachemgr cannot read SGLang config files; "
@@ -185,6 +187,33 @@ def scan_flags(tokens: Sequence[str]) -> dict[str, str | bool]:
         if option.name in FLAGS:
             found[FLAGS[option.name]] = value
     return found
+
+
+def _parser_args(tokens: Sequence[str]) -> list[str]:
+    """What SGLang's parser gets: after `sglang serve` (cli/serve.py takes `--model-type` out,
+    then reads a first word as `--model-path`), else from the first `--flag` on."""
+    _, at = split_env(tokens)
+    program = list(tokens[at : at + 2])
+    if len(program) == 2 and os.path.basename(program[0]) == "sglang" and program[1] == "serve":
+        args = _without_model_type(tokens[at + 2 :])
+        return ["--model-path", *args] if args and not args[0].startswith("-") else args
+    start = next((n for n, tok in enumerate(tokens) if tok.startswith("--")), len(tokens))
+    _refuse_vllm(tokens[at:start])
+    return _without_model_type(tokens[start:])
+
+
+def _refuse_vllm(program: Sequence[str]) -> None:
+    """A vLLM launch behind a wrapper (`nice vllm serve`, `bash -c "vllm serve …"`) is no
+    SGLang launch: read as SGLang's flags (`--model`, `--kv-cache-dtype` are both), it would
+    get an SGLang namespace and its tier's root_dir would not be the namespace's."""
+    for token in program:
+        words = token.split()
+        if any(os.path.basename(w) == "vllm" or w.startswith("vllm.") for w in words[:3]):
+            raise ConfigError(
+                f"the launch runs vLLM behind {program[0]!r}: cachemgr reads a vLLM launch "
+                "that starts with `vllm serve` or `python -m vllm.entrypoints.openai.api_server` "
+                "(after `env VAR=…`); put the wrapper in front of cachemgr instead"
+            )
 
 
 def _is_value(token: str) -> bool:

@@ -85,19 +85,24 @@ def _is_value(tok: str) -> bool:
 def scan_flags(args: Sequence[str], serve: bool) -> dict[str, str | bool]:
     """The known flags of pre-passed `args` and their raw values, the last occurrence winning
     (as argparse); `vllm serve`'s first positional is the model. Each token is read as vLLM's
-    argparse reads it: a unique prefix is its flag, an ambiguous prefix or a flag vLLM lacks is
-    a ConfigError."""
+    argparse reads it: a unique prefix is its flag; an ambiguous prefix, a flag vLLM lacks, or
+    a word no flag takes (a second positional) is a ConfigError."""
     found: dict[str, str | bool] = {}
     i = 1 if serve else 0  # skip the `serve` subcommand
+    positionals = False  # after `--`, as argparse reads it
     while i < len(args):
         tok = args[i]
         i += 1
-        if tok == "--":  # argparse: only positionals follow
-            break
-        option = read_option(tok, OPTIONS, ENGINE)
+        if tok == "--" and not positionals:
+            positionals = True
+            continue
+        option = None if positionals else read_option(tok, OPTIONS, ENGINE)
         if option is None:
-            if serve and "model_tag" not in found:
-                found["model_tag"] = tok  # argparse: the first positional
+            if not serve or "model_tag" in found:
+                raise ConfigError(
+                    f"unrecognized argument {tok!r}: {ENGINE} refuses it (no flag takes it)"
+                )
+            found["model_tag"] = tok  # argparse: the first positional
             continue
         name = ALIASES.get(option.name, option.name)
         value: str | bool = True

@@ -13,9 +13,11 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+from cachemgr.argprefix import read_option
 from cachemgr.errors import ConfigError
-from cachemgr.vllm.args import resolve_vllm_args
+from cachemgr.vllm.args import ENGINE, resolve_vllm_args
 from cachemgr.vllm.argv import ReadConfig, dashes, dotted_value, read_yaml_config, split_vllm
+from cachemgr.vllm.flags import OPTIONS
 from cachemgr.vllm.tier import with_root_dir
 
 FLAG = "--kv-transfer-config"
@@ -41,7 +43,7 @@ def point_root_dir(
     i = 0
     while i < len(args):
         key, eq, inline = args[i].partition("=")
-        name = dashes(key) if key.startswith("--") else key
+        name = _flag_name(key)
         if name != FLAG and not name.startswith(FLAG + "."):
             i += 1
             continue
@@ -69,6 +71,17 @@ def pointed_config(
     raw = resolve_vllm_args(command, environ, read_config).kv_transfer_config or "{}"
     config, _ = with_root_dir(json.loads(raw), root_dir)
     return json.dumps(config, separators=(",", ":"))
+
+
+def _flag_name(key: str) -> str:
+    """A token's flag as vLLM reads it, dotted keys kept (`--kv-transfer-conf.x` is
+    `--kv-transfer-config.x`: a unique prefix); a value as it is. The launch was read whole
+    before, so every flag here is one vLLM knows."""
+    if not key.startswith("--") or key == "--":
+        return key
+    flag, dot, rest = dashes(key).partition(".")
+    option = read_option(flag, OPTIONS, ENGINE)
+    return (option.name if option else flag) + dot + rest
 
 
 def _rewritten(name: str, raw: str, root_dir: str) -> str | None:
