@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 from cachemgr.fs.leadership import Leadership
@@ -36,6 +37,14 @@ def _root(tmp_path: Path, pages: int) -> tuple[Layout, Path]:
     return layout, d
 
 
+def _write_for_seconds(d: Path, numbers: range) -> None:
+    """The pages at 1,000/s in bursts of 100: eviction spans seconds of scrapes, not one."""
+    for i in numbers:
+        store_page(d, page_name(i), PAGE)
+        if i % 100 == 99:
+            time.sleep(0.1)
+
+
 def test_eviction_woken_by_writes_while_metrics_keep_answering(tmp_path: Path) -> None:
     """Writes push the index past the cap's high watermark: the indexer wakes GC at once (the
     interval is an hour), it evicts paced down to the low watermark, and every /metrics
@@ -48,9 +57,7 @@ def test_eviction_woken_by_writes_while_metrics_keep_answering(tmp_path: Path) -
     with running_daemon(settings) as dm:
         # Scrapes go on while the writer writes: the cap is kept as it goes (the burst is one
         # request's chain, in flight, which yields to the cap), not after it stopped.
-        writer = threading.Thread(
-            target=lambda: [store_page(d, page_name(i), PAGE) for i in range(1000, 4000)]
-        )
+        writer = threading.Thread(target=_write_for_seconds, args=(d, range(1000, 4000)))
         writer.start()
         seen: list[float | None] = []
 

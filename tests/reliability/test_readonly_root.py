@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from cachemgr.fs.leadership import Leadership
+from cachemgr.layout import Layout
 from cachemgr.logs import JsonFormatter
 from cachemgr.settings import load_settings
 from tests.daemon_helpers import NS_A, page_name, register_namespace, running_daemon, store_page
@@ -64,8 +66,11 @@ def test_a_read_only_root_is_one_gc_line_and_a_true_purge_problem(
         state_dir=tmp_path / "state",
         gc_interval=1,
         gc_max_bytes=1000,
-        gc_min_age=2,
     )
+    # The test leads GC until the root is read-only: the cap wins over every protection, so
+    # the daemon would otherwise evict the pages as soon as they are indexed.
+    held = Leadership(Layout.at(settings.root, settings.state_dir).gc_lock)
+    held.try_acquire()
     with running_daemon(settings) as dm:
         ns_dir = register_namespace(dm.daemon.layout, NS_A)
         for i in range(20):
@@ -73,8 +78,8 @@ def test_a_read_only_root_is_one_gc_line_and_a_true_purge_problem(
         wait_for(lambda: dm.namespaces().get(NS_A, {}).get("pages"), lambda n: n == 20)
         before = dm.daemon.gc.stats.error
         with read_only(small_fs):
-            # Pages age past min_age and every cycle tries to evict: three failed cycles at
-            # least (one each RUN_GAP, 5 s).
+            held.release()
+            # Every cycle tries to evict: three failed cycles at least (one each RUN_GAP, 5 s).
             wait_for(lambda: dm.daemon.gc.stats.error - before, lambda n: n >= 3, timeout=60)
             answer = dm.post(f"/v1/namespaces/{NS_A}/purge")
             out = cli(
