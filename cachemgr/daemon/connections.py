@@ -9,9 +9,10 @@ descriptors the index writer, the watcher, SQLite and GC need, nor shut out a fr
   no such timer: a connection that sends nothing, or half a head, is held for ever (its
   keep-alive timer starts only after a response and is cancelled by the next byte).
 - At the cap, a new connection makes room by closing the oldest one waiting for its client (a
-  request not all in, idle between requests, or a response it does not read), as nginx drains its reusable connections; if
-  every one is running a request, the new one is closed. Accepting always, rather than pausing
-  accept, keeps the listen queue drained: a fresh client is not stuck behind a flood's SYNs.
+  request not all in, idle between requests, or a response it does not read), as nginx drains
+  its reusable connections; if every one is running a request, the new one is closed.
+  Accepting always, rather than pausing accept, keeps the listen queue drained: a fresh client
+  is not stuck behind a flood's SYNs.
 """
 
 from __future__ import annotations
