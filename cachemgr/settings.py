@@ -137,7 +137,7 @@ class Settings(BaseSettings):
     )
     http_header_timeout: float = Field(
         5.0,
-        gt=0,
+        ge=0.5,  # shorter, a request split over two packets (a slow link, a proxy) is cut off
         le=300,
         description="seconds a client has to send a whole request once it connects or starts "
         "one (slow or half-sent requests are closed)",

@@ -31,6 +31,8 @@ OUT_OF_RANGE = [
     ("reconcile_interval", "1e12", "less than or equal to"),
     ("reconcile_interval", "nan", "finite number"),
     ("sglang_poll_interval", "0", "greater than or equal to 0.01"),
+    # 1e-300 closed every connection whose request was not in its first packet
+    ("http_header_timeout", "1e-300", "greater than or equal to 0.5"),
     ("gc_keep_unbound", "10000000", "less than or equal to 1000000"),
     ("gc_max_bytes", "10EB", "less than or equal to 9223372036854775807"),
     ("gc_namespace_max_bytes", "10EB", "less than or equal to"),

@@ -9,9 +9,10 @@ descriptors the index writer, the watcher, SQLite and GC need, nor shut out a fr
   no such timer: a connection that sends nothing, or half a head, is held for ever (its
   keep-alive timer starts only after a response and is cancelled by the next byte).
 - At the cap, a new connection makes room by closing the oldest one waiting for its client (a
-  request not all in, or idle between requests), as nginx drains its reusable connections; if
-  every one is running a request, the new one is closed. Accepting always, rather than pausing
-  accept, keeps the listen queue drained: a fresh client is not stuck behind a flood's SYNs.
+  request not all in, idle between requests, or a response it does not read), as nginx drains
+  its reusable connections; if every one is running a request, the new one is closed.
+  Accepting always, rather than pausing accept, keeps the listen queue drained: a fresh client
+  is not stuck behind a flood's SYNs.
 """
 
 from __future__ import annotations
@@ -204,8 +205,10 @@ class GuardedH11Protocol(H11Protocol):
             self._disarm()  # all of it is in: the app may take as long as it needs
 
     def waiting(self) -> bool:
-        """True while the connection waits for its client: a request not all in, or idle."""
-        return self.conn.their_state in (h11.IDLE, h11.SEND_BODY)
+        """True while the connection waits for its client: a request not all in, idle, or a
+        response the client does not read (its writes paused: pipelined requests behind it
+        would otherwise keep it busy, and unevictable, for as long as the client likes)."""
+        return self.conn.their_state in (h11.IDLE, h11.SEND_BODY) or self.flow.write_paused
 
     def close(self) -> None:
         self._disarm()

@@ -72,10 +72,13 @@ class LockTally:
     """Writers of this process waiting for the DB's write lock, and the time they waited."""
 
     waiting: int = 0
-    episodes: int = 0  # times the count went from 0 to 1
+    episodes: int = 0  # times a wait began with no episode open
     seconds_done: float = 0.0  # waits that ended
     holder: str = ""  # who held it when the current episode began
     db: str = ""
+    # When the current episode began; it ends when a waiter takes the lock, not when one
+    # gives up (a 10 s patience run out while the holder keeps it is the same episode).
+    _since: float | None = None
     _starts: list[float] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -86,9 +89,10 @@ class LockTally:
         with self._lock:
             self.waiting += 1
             self._starts.append(start)
-            first = self.waiting == 1
+            first = self._since is None
             if first:
                 self.episodes += 1
+                self._since = start
                 self.db, self.holder = str(db), describe_holders(db)
         if first:
             # (This process's own other writer: a long scan; not worth a warning.)
@@ -96,19 +100,37 @@ class LockTally:
                 "state DB write-locked by another connection; writes wait and are retried",
                 extra={"db": str(db), "holder": self.holder},
             )
+        taken = False
         try:
             yield
+            taken = True
         finally:
-            with self._lock:
-                self.waiting -= 1
-                self._starts.remove(start)
-                took = time.monotonic() - start
-                self.seconds_done += took
-                last = self.waiting == 0
-            if last:
-                (log.debug if self.holder == "this process" else log.warning)(
-                    "state DB write lock free again", extra={"db": str(db),
-                            "holder": self.holder, "seconds": round(took, 1)})  # fmt: skip
+            self._done(start, taken)
+
+    def _done(self, start: float, taken: bool) -> None:
+        """One wait over: the episode ends if it took the lock."""
+        with self._lock:
+            self.waiting -= 1
+            self._starts.remove(start)
+            self.seconds_done += time.monotonic() - start
+        if taken:
+            self.took()
+
+    def took(self) -> None:
+        """A writer has the lock: an open episode ends, said once."""
+        if self._since is None:  # (the common case, read without the lock)
+            return
+        with self._lock:
+            since, self._since = self._since, None
+        if since is not None:
+            (log.debug if self.holder == "this process" else log.warning)(
+                "state DB write lock free again",
+                extra={
+                    "db": self.db,
+                    "holder": self.holder,
+                    "seconds": round(time.monotonic() - since, 1),
+                },
+            )
 
     def seconds(self) -> float:
         """Seconds writers spent waiting, the waits still running included."""
@@ -119,9 +141,9 @@ class LockTally:
     def degraded(self) -> str | None:
         """What /readyz says while a writer waits, else None."""
         with self._lock:
-            if not self._starts:
+            if not self._starts or self._since is None:
                 return None
-            since = time.monotonic() - min(self._starts)
+            since = time.monotonic() - self._since
             return (
                 f"state DB {self.db} write-locked by {self.holder} for {since:.0f} s; "
                 "index, GC and purges wait for it"

@@ -10,8 +10,10 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+from cachemgr.errors import StateLocked
+from cachemgr.state.busy import describe_holders, is_locked
 from cachemgr.state.dbfile import FileId, file_id, is_corrupt, quick_check
-from cachemgr.state.store import Store, connect, migrate
+from cachemgr.state.store import BUSY_TIMEOUT, Store, connect, migrate
 
 
 def snapshot(path: Path) -> Store:
@@ -45,8 +47,21 @@ def _copy(path: Path, into: sqlite3.Connection) -> None:
     read as immutable; with one (a writer is open) it is read through it, which exists already."""
     has_wal = Path(f"{path}-wal").exists()
     uri = path.absolute().as_uri() + ("?mode=ro" if has_wal else "?immutable=1")
-    src = sqlite3.connect(uri, uri=True)
+    src = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT, isolation_level=None)
     try:
+        # sqlite3's backup retries a locked source for ever, without a word (a foreign
+        # `locking_mode=EXCLUSIVE` holds it as long as it likes): take the read lock here,
+        # where the busy timeout bounds the wait; the backup then reads under it.
+        try:
+            src.execute("BEGIN")
+            src.execute("SELECT count(*) FROM sqlite_master").fetchall()
+        except sqlite3.OperationalError as e:
+            if not is_locked(e):
+                raise
+            raise StateLocked(
+                f"state DB {path} is locked by {describe_holders(path)}; waited "
+                f"{BUSY_TIMEOUT:.0f} s to read it: try again once it is released"
+            ) from e
         src.backup(into)
     finally:
         src.close()

@@ -305,6 +305,7 @@ class Store:
         timeouts with backoff; the wait is counted, and its first logged (state.busy)."""
         error = self._try_begin()
         if error is None:
+            busy.LOCKS.took()  # (a give-up of an earlier wait left its episode open)
             return
         deadline = time.monotonic() + patience
         with busy.LOCKS.wait(self.path):
