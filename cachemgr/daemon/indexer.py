@@ -128,9 +128,12 @@ class Indexer(Worker):
     def _loop(self) -> None:
         try:
             took_over = lead(
-                self.leadership, self.ready_marker, self.state,
-                stopping=self._stopping, interval=self.follow_interval,
-            )  # fmt: skip
+                self.leadership,
+                self.ready_marker,
+                self.state,
+                stopping=self._stopping,
+                interval=self.follow_interval,
+            )
             if self._stopping.is_set():
                 return
             mark_ready(self.ready_marker, False)  # followers wait for this leader's first scan
@@ -178,8 +181,10 @@ class Indexer(Worker):
             if not reserve.is_disk_full(e, self.layout.state_dir):
                 raise
             if not self.state.disk_full:
-                log.error("index write failed: the disk is full; retrying as GC frees space",
-                          extra={"error": str(e)})  # fmt: skip
+                log.error(
+                    "index write failed: the disk is full; retrying as GC frees space",
+                    extra={"error": str(e)},
+                )
             self.state.disk_full = True
             self.state.disk_full_retries += 1
             reserve.release(self.layout.state_dir)
@@ -210,8 +215,10 @@ class Indexer(Worker):
     def _tick(self) -> None:
         """One batch interval: follow the DB file, apply the queue, reconcile when due."""
         if self.store.follow_path():  # deleted, moved aside as corrupt, or replaced by a CLI
-            log.warning("state DB file replaced, deleted or moved aside; rebuilding the index "
-                        "from disk", extra={"db": str(self.store.path)})  # fmt: skip
+            log.warning(
+                "state DB file replaced, deleted or moved aside; rebuilding the index from disk",
+                extra={"db": str(self.store.path)},
+            )
             self._build(first=True)
         self.apply_pending()
         if ROOT in self.quarantine and time.monotonic() >= self._root_retry:
@@ -299,8 +306,12 @@ class Indexer(Worker):
     def _scan_all(self, *, first: bool) -> None:
         try:
             adopt_from_disk(self.layout, self.store)  # a lost DB forgot them; the disk did not
-            scan_root(self.layout, self.store, scan=lambda ns: self._scan(ns, first=first),
-                      forgetting=self._forget)  # fmt: skip
+            scan_root(
+                self.layout,
+                self.store,
+                scan=lambda ns: self._scan(ns, first=first),
+                forgetting=self._forget,
+            )
         except OSError as e:  # ns/ itself cannot be listed: wait for it, the index kept
             if not is_denied(e):
                 raise
@@ -337,8 +348,14 @@ class Indexer(Worker):
             return None
         fresh = ns in self._restored  # (from a snapshot: the scan says what changed, exactly)
         try:
-            report = scan_namespace(self.layout, self.store, ns, now=self.clock,
-                                    fmt=self.watcher.format_of(ns), changes=fresh)  # fmt: skip
+            report = scan_namespace(
+                self.layout,
+                self.store,
+                ns,
+                now=self.clock,
+                fmt=self.watcher.format_of(ns),
+                changes=fresh,
+            )
         except UnsafePathError as e:  # replaced by a symlink since it was watched
             log.error("namespace dir not scanned", extra={"namespace": ns, "error": str(e)})
             return None

@@ -28,9 +28,13 @@ class Refresher(Worker):
     however often it is kicked)."""
 
     def __init__(
-        self, refresh: Callable[[], object], *, interval: float = REFRESH, gap: float = 0.05,
+        self,
+        refresh: Callable[[], object],
+        *,
+        interval: float = REFRESH,
+        gap: float = 0.05,
         on_death: DeathHandler | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__("metrics", on_death=on_death)
         self.refresh, self.interval, self.gap = refresh, interval, gap
         self._kick = threading.Event()
@@ -53,8 +57,9 @@ class Refresher(Worker):
                 if not is_denied(e):
                     log.exception("metrics refresh failed")
                 elif not self._denied:  # an unreadable root: the index says so too, once
-                    log.warning("metrics refresh denied; the last snapshot stays",
-                                extra={"error": str(e)})  # fmt: skip
+                    log.warning(
+                        "metrics refresh denied; the last snapshot stays", extra={"error": str(e)}
+                    )
                     self._denied = True
             except (CachemgrError, sqlite3.Error):
                 # A locked or full DB, a vanished dir: the last snapshot stays, the next try

@@ -40,8 +40,10 @@ OWN_TEMPS: Names = (is_own_temp, "a cachemgr temp file name")
 
 
 def names_of(fmt: FileFormat) -> Names:
-    return (lambda name: fmt.classify(name) is not FileKind.FOREIGN,
-            f"a page or temp file name of {fmt.name}")  # fmt: skip
+    return (
+        lambda name: fmt.classify(name) is not FileKind.FOREIGN,
+        f"a page or temp file name of {fmt.name}",
+    )
 
 
 # Why a deletion kept a file, for metrics (a bounded label): `permission` is the deploy's doing
@@ -49,8 +51,12 @@ def names_of(fmt: FileFormat) -> Names:
 # another owner), the others are files that are not the engine's or not where they should be.
 RefusalReason = Literal["permission", "not_ours", "not_regular", "unsafe", "other"]
 REFUSAL_REASONS: tuple[RefusalReason, ...] = (
-    "permission", "not_ours", "not_regular", "unsafe", "other",
-)  # fmt: skip
+    "permission",
+    "not_ours",
+    "not_regular",
+    "unsafe",
+    "other",
+)
 DENIED = {errno.EACCES, errno.EPERM}  # an unlink or a dir the kernel does not let us touch
 
 
@@ -135,9 +141,17 @@ def check_and_unlink(
     fits = [os.sep not in n and accepts(n) for n in names]
     shaped = [n for n, fit in zip(names, fits, strict=True) if fit]
     results, moved = unlink_batch(
-        where.fd, where.parent_fd, where.leaf, *where.here, shaped, min_age, now, threads,
-        NICE, dry_run,
-    )  # fmt: skip
+        where.fd,
+        where.parent_fd,
+        where.leaf,
+        *where.here,
+        shaped,
+        min_age,
+        now,
+        threads,
+        NICE,
+        dry_run,
+    )
     verdicts = iter(results)  # in the order of `shaped` (a name given twice gets two)
     ok: list[tuple[str, int]] = []
     for name, fit in zip(names, fits, strict=True):

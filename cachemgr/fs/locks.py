@@ -135,9 +135,16 @@ def proc_locks(locks: Path = Path("/proc/locks")) -> list[ProcLock]:
         try:
             major, minor, inode = fields[5].split(":")
             end = 1 << 63 if fields[7] == "EOF" else int(fields[7])
-            found.append(ProcLock(fields[1], fields[3], int(fields[4]),
-                                  (int(major, 16), int(minor, 16), int(inode)),
-                                  int(fields[6]), end))  # fmt: skip
+            found.append(
+                ProcLock(
+                    fields[1],
+                    fields[3],
+                    int(fields[4]),
+                    (int(major, 16), int(minor, 16), int(inode)),
+                    int(fields[6]),
+                    end,
+                )
+            )
         except ValueError:
             continue
     return found

@@ -60,22 +60,37 @@ def drop_namespace(
             young = sum(too_young(f.mtime, step.min_age, now) for f in held)
             if entry is not None and young:
                 why = _put_back(layout, entry, ns_id)
-                return replace(base, young=young, skipped=f"{young} files younger than "
-                               f"min_age ({step.min_age:g}s): drop deferred{why}")  # fmt: skip
+                return replace(
+                    base,
+                    young=young,
+                    skipped=f"{young} files younger than "
+                    f"min_age ({step.min_age:g}s): drop deferred{why}",
+                )
             drop_unbound(layout, store, ns_id)
             # Its rows go with it, under the lock: a fresh dir an init makes next has its own.
             pages_sql.delete_namespace_pages(conn, ns_id)
             if held:  # audited as its rows leave the index, like each chunk of an eviction
                 store.audit(
-                    "evict", namespace_id=ns_id, reason=step.reason, actor=actor,
-                    pages=len(held), bytes_=sum(f.size for f in held), at=now,
-                )  # fmt: skip
+                    "evict",
+                    namespace_id=ns_id,
+                    reason=step.reason,
+                    actor=actor,
+                    pages=len(held),
+                    bytes_=sum(f.size for f in held),
+                    at=now,
+                )
     if entry is None:
         return base  # no dir: nothing to delete, the registry is in line
     r = drain_entry(
-        layout, store, entry, actor=actor, pacer=pacer, progress=progress,
-        min_age=step.min_age, audit_as=None,
-    )  # fmt: skip
+        layout,
+        store,
+        entry,
+        actor=actor,
+        pacer=pacer,
+        progress=progress,
+        min_age=step.min_age,
+        audit_as=None,
+    )
     return base.done(r)
 
 
@@ -85,8 +100,9 @@ def _put_back(layout: Layout, entry: str, ns_id: str) -> str:
         try:
             os.rename(entry, ns_id, src_dir_fd=trash_fd, dst_dir_fd=ns_fd)
         except OSError as e:  # ns/<id> recreated meanwhile and not empty
-            log.warning("gc could not put a namespace back", extra={"entry": entry,
-                        "error": e.strerror})  # fmt: skip
+            log.warning(
+                "gc could not put a namespace back", extra={"entry": entry, "error": e.strerror}
+            )
             return f"; left in .trash/{entry}: {e.strerror}"
     return ""
 

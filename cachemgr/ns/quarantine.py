@@ -40,11 +40,15 @@ class Quarantine:
             new = self._held.get(key, (None, ""))[0] != reason
             self._held[key] = (reason, str(error))
         if new and key == ROOT:
-            log.error("root unusable; the daemon waits for it", extra={"reason": reason,
-                      "error": str(error)})  # fmt: skip
+            log.error(
+                "root unusable; the daemon waits for it",
+                extra={"reason": reason, "error": str(error)},
+            )
         elif new:
-            log.warning("namespace unusable; skipped", extra={"namespace": key,
-                        "reason": reason, "error": str(error)})  # fmt: skip
+            log.warning(
+                "namespace unusable; skipped",
+                extra={"namespace": key, "reason": reason, "error": str(error)},
+            )
 
     def clear(self, key: str, reason: Reason) -> None:
         """`key` was just used for what `reason` says it could not be: usable again."""
