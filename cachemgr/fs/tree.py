@@ -19,7 +19,7 @@ from cachemgr.backends import FileFormat, Nesting
 from cachemgr.engines import FORMATS
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs._dirscan import mount_id
-from cachemgr.fs.safe import DIR_FLAGS, mount_of, open_dir, read_regular
+from cachemgr.fs.safe import DIR_FLAGS, open_dir, open_dir_at, read_regular
 
 IDENTITY_LIMIT = 1 << 20  # a vLLM config.json is ~1 KB; a bigger one is not the engine's
 
@@ -52,17 +52,11 @@ def _vouches(ns_fd: int, owner: str, nesting: Nesting) -> bool:
 def _identity(ns_fd: int, owner: str, nesting: Nesting) -> bytes | None:
     """The bytes of `owner`'s identity file if they vouch for it, else None."""
     try:
-        fd = os.open(owner, DIR_FLAGS, dir_fd=ns_fd)
-    except OSError:
-        return None  # absent, a symlink, a file: nothing vouches
-    try:
-        if mount_of(fd) != mount_of(ns_fd):  # a dir mounted there: its identity file is not ours
-            return None
-        raw = read_regular(fd, nesting.identity_file, IDENTITY_LIMIT)
+        # Absent, a symlink, a file, a dir mounted there: nothing vouches.
+        with open_dir_at(ns_fd, owner) as fd:
+            raw = read_regular(fd, nesting.identity_file, IDENTITY_LIMIT)
     except (OSError, UnsafePathError):
         return None
-    finally:
-        os.close(fd)
     return raw if nesting.vouches(owner, raw) else None
 
 
@@ -130,10 +124,9 @@ def _below(
 
 def on_mount(root: Path, ns_rel: str, sub: str) -> None:
     """UnsafePathError unless dir `sub` of namespace dir <root>/<ns_rel> is on its mount (both
-    opened without links)."""
-    with open_dir(root, ns_rel) as ns_fd, open_dir(root, f"{ns_rel}/{sub}") as fd:
-        if mount_id(fd) != mount_id(ns_fd):
-            raise UnsafePathError("on another mount than its namespace dir")
+    opened without links): open_dir refuses every mount point on the way from the root."""
+    with open_dir(root, f"{ns_rel}/{sub}"):
+        pass
 
 
 def by_dirs(ns_fd: int, paths: list[str], fmt: FileFormat) -> tuple[ByDir, list[str]]:

@@ -10,21 +10,21 @@ detail, and by doctor (cachemgr.doctor.root). Whoever finds it usable again clea
 
 from __future__ import annotations
 
-import errno
 import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Literal
 
+from cachemgr.fs.deletecheck import DENIED
+
 log = logging.getLogger(__name__)
 Reason = Literal["unreadable", "not-writable"]
 ROOT = ""  # the key of the root itself (its ns/ dir cannot be listed)
-_DENIED = {errno.EACCES, errno.EPERM}
 
 
 def is_denied(error: BaseException) -> bool:
     """Whether `error` is the kernel refusing access (mode bits, an ACL, a foreign owner)."""
-    return isinstance(error, OSError) and error.errno in _DENIED
+    return isinstance(error, OSError) and error.errno in DENIED
 
 
 @dataclass
