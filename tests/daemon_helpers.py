@@ -3,6 +3,8 @@ daemon on a loopback port."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import threading
 import time
@@ -16,6 +18,7 @@ import httpx
 
 from cachemgr.daemon.lifecycle import Daemon
 from cachemgr.layout import Layout
+from cachemgr.logs import JsonFormatter
 from cachemgr.ns.registry import bind, ensure_namespace
 from cachemgr.settings import Settings
 from cachemgr.state.store import Store
@@ -121,3 +124,29 @@ def register_namespace(
     finally:
         store.close()
     return layout.ns_dir(ns_id)
+
+
+class LogLines(logging.Handler):
+    """Log records as the daemon's JSON formatter writes them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(JsonFormatter())
+        self.lines: list[dict[str, object]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(json.loads(self.format(record)))
+
+
+@contextmanager
+def captured_log(name: str) -> Iterator[LogLines]:
+    """The INFO and higher lines logger `name` writes meanwhile."""
+    logger, handler = logging.getLogger(name), LogLines()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

@@ -3,18 +3,17 @@ route, and what was done (or why nothing was)."""
 
 from __future__ import annotations
 
-import json
-import logging
 from collections.abc import Iterator
 
 import pytest
 
 from cachemgr.layout import Layout
-from cachemgr.logs import JsonFormatter
 from cachemgr.settings import load_settings
 from tests.daemon_helpers import (
     NS_A,
     NS_B,
+    LogLines,
+    captured_log,
     page_name,
     register_namespace,
     running_daemon,
@@ -24,32 +23,13 @@ from tests.nsfixtures import cli_process
 from tests.polling import wait_for
 
 
-class Lines(logging.Handler):
-    """The daemon's HTTP log lines as its JSON formatter writes them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.setFormatter(JsonFormatter())
-        self.lines: list[dict[str, object]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(json.loads(self.format(record)))
-
-
 @pytest.fixture
-def http_log() -> Iterator[Lines]:
-    logger = logging.getLogger("cachemgr.daemon.http")
-    handler, level = Lines(), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield handler
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+def http_log() -> Iterator[LogLines]:
+    with captured_log("cachemgr.daemon.http") as lines:
+        yield lines
 
 
-def test_purge_logs_who_and_what(layout: Layout, http_log: Lines) -> None:
+def test_purge_logs_who_and_what(layout: Layout, http_log: LogLines) -> None:
     for ns in (NS_A, NS_B):
         d = register_namespace(layout, ns)
         for i in range(2):
@@ -89,25 +69,18 @@ def test_a_purged_namespace_leaves_its_real_counts_in_the_index_log(
     d = register_namespace(layout, NS_A)
     for i in range(3):
         store_page(d, page_name(i), size=100)
-    logger, handler = logging.getLogger("cachemgr.daemon.indexer"), Lines()
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        with running_daemon(load_settings(root=layout.root, gc_interval=3600)) as dm:
-            wait_for(lambda: dm.namespaces().get(NS_A, {}).get("pages"), lambda n: n == 3)
-            if via == "http":
-                assert dm.post(f"/v1/namespaces/{NS_A}/purge").status_code == 200
-            else:
-                out = cli_process("--root", str(layout.root), "purge", "--namespace", NS_A, "-y")
-                assert out.returncode == 0, out.stderr
+    settings = load_settings(root=layout.root, gc_interval=3600)
+    with captured_log("cachemgr.daemon.indexer") as handler, running_daemon(settings) as dm:
+        wait_for(lambda: dm.namespaces().get(NS_A, {}).get("pages"), lambda n: n == 3)
+        if via == "http":
+            assert dm.post(f"/v1/namespaces/{NS_A}/purge").status_code == 200
+        else:
+            out = cli_process("--root", str(layout.root), "purge", "--namespace", NS_A, "-y")
+            assert out.returncode == 0, out.stderr
 
-            def gone() -> list[dict[str, object]]:
-                return [x for x in handler.lines if x["msg"] == "namespace dir gone"]
+        def gone() -> list[dict[str, object]]:
+            return [x for x in handler.lines if x["msg"] == "namespace dir gone"]
 
-            (line,) = wait_for(gone, lambda lines: len(lines) == 1, timeout=30)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+        (line,) = wait_for(gone, lambda lines: len(lines) == 1, timeout=30)
     assert (line["namespace"], line["pages"], line["bytes"]) == (NS_A, 3, 300), line
     assert str(line["removed_by"]).startswith("purge (manual, "), line

@@ -4,8 +4,6 @@ configuration"), and moves nothing."""
 
 from __future__ import annotations
 
-import json
-import logging
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,23 +13,18 @@ import pytest
 
 from cachemgr.fs.leadership import Leadership
 from cachemgr.layout import Layout
-from cachemgr.logs import JsonFormatter
 from cachemgr.settings import load_settings
-from tests.daemon_helpers import NS_A, page_name, register_namespace, running_daemon, store_page
+from tests.daemon_helpers import (
+    NS_A,
+    LogLines,
+    captured_log,
+    page_name,
+    register_namespace,
+    running_daemon,
+    store_page,
+)
 from tests.nsfixtures import cli, one_line_error
 from tests.polling import wait_for
-
-
-class Lines(logging.Handler):
-    """Log records as the daemon's JSON formatter writes them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.setFormatter(JsonFormatter())
-        self.lines: list[dict[str, object]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(json.loads(self.format(record)))
 
 
 @contextmanager
@@ -44,20 +37,13 @@ def read_only(mnt: Path) -> Iterator[None]:
 
 
 @pytest.fixture
-def gc_log() -> Iterator[Lines]:
-    logger, handler = logging.getLogger("cachemgr.gc.plan"), Lines()  # the runner logs as this
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield handler
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+def gc_log() -> Iterator[LogLines]:
+    with captured_log("cachemgr.gc.plan") as lines:  # the runner logs as this
+        yield lines
 
 
 def test_a_read_only_root_is_one_gc_line_and_a_true_purge_problem(
-    small_fs: Path, tmp_path: Path, gc_log: Lines
+    small_fs: Path, tmp_path: Path, gc_log: LogLines
 ) -> None:
     # The state DB elsewhere: the root's filesystem holds no file open for writing, so it can
     # be remounted read-only under the running daemon, as an operator or a failing disk would.
