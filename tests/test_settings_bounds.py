@@ -72,6 +72,15 @@ def test_an_out_of_range_env_var_is_one_line_exit_2(
     assert says in line, line
 
 
+def _run_with_toml(
+    line: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> tuple[int, list[str]]:
+    """`cachemgr config` with a TOML file at tmp_path/c.toml holding one setting's `line`."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"[cachemgr]\n{line}\n")
+    return _run(["--config", str(cfg), "--root", str(tmp_path / "r"), "config"], capsys)
+
+
 @pytest.mark.parametrize(
     ("line", "says"),
     [
@@ -85,9 +94,8 @@ def test_an_out_of_range_env_var_is_one_line_exit_2(
 def test_an_out_of_range_toml_value_is_one_line_exit_2(
     line: str, says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    code, err = _run_with_toml(line, tmp_path, capsys)
     cfg = tmp_path / "c.toml"
-    cfg.write_text(f"[cachemgr]\n{line}\n")
-    code, err = _run(["--config", str(cfg), "--root", str(tmp_path / "r"), "config"], capsys)
     assert code == 2
     (message,) = err
     assert message.startswith(f"cachemgr: error: invalid {line.split()[0]} "), message
@@ -116,9 +124,8 @@ def test_an_out_of_range_toml_value_is_one_line_exit_2(
 def test_a_toml_value_of_the_wrong_type_is_refused(
     line: str, says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    code, err = _run_with_toml(line, tmp_path, capsys)
     cfg = tmp_path / "c.toml"
-    cfg.write_text(f"[cachemgr]\n{line}\n")
-    code, err = _run(["--config", str(cfg), "--root", str(tmp_path / "r"), "config"], capsys)
     assert code == 2
     assert err == [f"cachemgr: error: invalid {line.split()[0]} in {cfg}: {says}"]
 
