@@ -32,7 +32,7 @@ from pathlib import Path
 
 import httpx
 
-from cachemgr.daemon.indexer import Indexer
+from cachemgr.daemon.indexer import Indexer, IndexerConfig
 from cachemgr.fs.dirscan import scan_usage
 from cachemgr.fs.root import create_root
 from cachemgr.gc import modelfile
@@ -126,7 +126,7 @@ def bench_events(layout: Layout, n: int) -> None:
     d = layout.ns_dir(ns)
     d.mkdir()
     store = Store.open(layout.db_path)
-    ix = Indexer(layout, store, reconcile_interval=float("inf"))
+    ix = Indexer(layout, store, IndexerConfig(reconcile_interval=float("inf")))
     ix.start()
     ix.state.ready.wait()
     reader = connect(layout.db_path)
@@ -155,9 +155,11 @@ def bench_events(layout: Layout, n: int) -> None:
     store.close()
     reader.close()
     print(f"writer: {rate:,.0f} stores/s; index caught up {caught_up - writer_done:.2f} s after it")
-    print(f"writes counted from events: {writes.writes if writes else 0:,} of {n:,}; "
-          f"overflows: {st.overflows}; pages fixed by rescans: {st.drift_pages}; "
-          f"max lag {max_lag:.2f} s; indexed {n / caught_up:,.0f} pages/s end to end")  # fmt: skip
+    print(
+        f"writes counted from events: {writes.writes if writes else 0:,} of {n:,}; "
+        f"overflows: {st.overflows}; pages fixed by rescans: {st.drift_pages}; "
+        f"max lag {max_lag:.2f} s; indexed {n / caught_up:,.0f} pages/s end to end"
+    )
     queue = Path("/proc/sys/fs/inotify/max_queued_events").read_text().strip()
     print(f"(fs.inotify.max_queued_events = {queue})")
 
@@ -206,10 +208,21 @@ def start_daemon(layout: Layout, env: dict[str, str]) -> tuple[subprocess.Popen[
     """`cachemgr serve` on a free port; returns it, the port and how long it took to be ready."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cachemgr", "--root", str(layout.root), "--log-level", "warning",
-         "serve", "--port", str(port)],
-        stderr=subprocess.DEVNULL, env={**os.environ, **env},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "cachemgr",
+            "--root",
+            str(layout.root),
+            "--log-level",
+            "warning",
+            "serve",
+            "--port",
+            str(port),
+        ],
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, **env},
+    )
     t0 = time.perf_counter()
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
         while True:
@@ -234,8 +247,12 @@ def start_breakdown(layout: Layout) -> None:
     """What a start does, step by step, in this process: the checks and scans a start runs,
     then the model loaded from the index against the model file, and the first order of each."""
     print("where a start's time goes (in-process):")
-    took, _ = timed(lambda: subprocess.run([sys.executable, "-c", "import cachemgr.cli.main, "
-                                            "cachemgr.daemon.lifecycle"], check=True))  # fmt: skip
+    took, _ = timed(
+        lambda: subprocess.run(
+            [sys.executable, "-c", "import cachemgr.cli.main, cachemgr.daemon.lifecycle"],
+            check=True,
+        )
+    )
     print(f"  python + the daemon's imports: {took:.2f} s")
     store = Store.open(layout.db_path)
     took, _ = timed(quick_check, store.conn)
@@ -250,11 +267,15 @@ def start_breakdown(layout: Layout) -> None:
     took, _ = timed(modelfile.save, model, path, store, NS)
     restored = ChainModel()
     back, _ = timed(modelfile.restore, restored, path, store)
-    print(f"  model file: saved in {took:.2f} s ({path.stat().st_size / 2**20:.0f} MiB), "
-          f"restored in {back:.2f} s")  # fmt: skip
-    print(f"  first order (1,000 victims): {first:.2f} s after a load from the index, "
-          f"{first_order(restored):.2f} s after a restore; "
-          f"the next one {first_order(restored):.2f} s")  # fmt: skip
+    print(
+        f"  model file: saved in {took:.2f} s ({path.stat().st_size / 2**20:.0f} MiB), "
+        f"restored in {back:.2f} s"
+    )
+    print(
+        f"  first order (1,000 victims): {first:.2f} s after a load from the index, "
+        f"{first_order(restored):.2f} s after a restore; "
+        f"the next one {first_order(restored):.2f} s"
+    )
     path.unlink()
     store.close()
 
@@ -293,8 +314,10 @@ def restarts(layout: Layout, n: int) -> None:
             rss, hwm = status_kib(proc.pid, "VmRSS"), status_kib(proc.pid, "VmHWM")
         finally:
             stop(proc, layout)
-        print(f"restart, no cap, {label}: ready {ready:.2f} s; RSS {rss / 1024:.0f} MiB steady "
-              f"(peak {hwm / 1024:.0f} MiB)")  # fmt: skip
+        print(
+            f"restart, no cap, {label}: ready {ready:.2f} s; RSS {rss / 1024:.0f} MiB steady "
+            f"(peak {hwm / 1024:.0f} MiB)"
+        )
     runs = [True, False] if os.environ.get("BENCH_SNAPSHOT_FIRST", "1") == "1" else [False, True]
     for snapshot in runs:
         if not snapshot:
@@ -308,8 +331,10 @@ def stop(proc: subprocess.Popen[bytes], layout: Layout) -> None:
     t = time.perf_counter()
     proc.terminate()
     proc.wait(60)
-    print(f"  (stopped in {time.perf_counter() - t:.2f} s; snapshot "
-          f"{layout.model_snapshot.stat().st_size / 2**20:.0f} MiB)")  # fmt: skip
+    print(
+        f"  (stopped in {time.perf_counter() - t:.2f} s; snapshot "
+        f"{layout.model_snapshot.stat().st_size / 2**20:.0f} MiB)"
+    )
 
 
 def capped_restart(layout: Layout, n: int, label: str) -> None:
@@ -317,8 +342,12 @@ def capped_restart(layout: Layout, n: int, label: str) -> None:
     tails = [t for t in _tails(layout, n) if t.exists()]
     with Store.open(layout.db_path) as store:
         used = sum(pages_sql.namespace_bytes(store.conn).values())
-    cap = {"CACHEMGR_GC_MAX_BYTES": str(int(used / 0.955)), "CACHEMGR_GC_MIN_AGE": "0s",
-           "CACHEMGR_GC_HIGH_WATERMARK": "0.95", "CACHEMGR_GC_LOW_WATERMARK": "0.94"}  # fmt: skip
+    cap = {
+        "CACHEMGR_GC_MAX_BYTES": str(int(used / 0.955)),
+        "CACHEMGR_GC_MIN_AGE": "0s",
+        "CACHEMGR_GC_HIGH_WATERMARK": "0.95",
+        "CACHEMGR_GC_LOW_WATERMARK": "0.94",
+    }
     t0 = time.perf_counter()
     proc, _, ready = start_daemon(layout, cap)
     try:
@@ -350,8 +379,10 @@ def bench_http(layout: Layout, n: int, requests: int = 400) -> None:
         client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
         totals = client.get("/v1/status").json()["totals"]
         assert totals["pages"] == n, totals  # the rebuilt index agrees with the disk
-        print(f"ready {took:.2f} s after start (a restart: the index is already there); "
-              f"pages {totals['pages']:,} = files on disk")  # fmt: skip
+        print(
+            f"ready {took:.2f} s after start (a restart: the index is already there); "
+            f"pages {totals['pages']:,} = files on disk"
+        )
         for path in ("/metrics", "/v1/status"):
             lat = []
             for _ in range(requests):
@@ -373,8 +404,10 @@ def main() -> None:
     args = sys.argv[2:] if model else sys.argv[1:]
     n = int(args[0]) if args else 200_000
     events = int(args[1]) if len(args) > 1 else 50_000
-    print(f"# cachemgr daemon bench — {platform.node()}, {os.cpu_count()} cores, "
-          f"{platform.platform()}, Python {platform.python_version()}")  # fmt: skip
+    print(
+        f"# cachemgr daemon bench — {platform.node()}, {os.cpu_count()} cores, "
+        f"{platform.platform()}, Python {platform.python_version()}"
+    )
     base = Path(tempfile.mkdtemp(prefix="cachemgr-bench-", dir=os.environ.get("BENCH_DIR")))
     try:
         layout = Layout.at(base / "root")

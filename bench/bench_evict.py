@@ -119,10 +119,16 @@ class CachemgrRun:
         store.close()
         self.n = n
         settings = Settings(
-            root=root, port=0, gc_max_bytes=None, gc_min_age=0, gc_delete_rate=None,
-            gc_min_free_percent=0, gc_keep_unbound=len(namespaces), gc_unbound_ttl=None,
+            root=root,
+            port=0,
+            gc_max_bytes=None,
+            gc_min_age=0,
+            gc_delete_rate=None,
+            gc_min_free_percent=0,
+            gc_keep_unbound=len(namespaces),
+            gc_unbound_ttl=None,
             reconcile_interval=0,
-        )  # fmt: skip
+        )
         self.daemon = Daemon(settings)
         self.daemon.start()
         self.thread = threading.Thread(target=self.daemon.serve, name="uvicorn", daemon=True)
@@ -142,8 +148,10 @@ class CachemgrRun:
         start, the idle scrapes before the run, nor its shutdown)."""
         poller = subprocess.Popen(
             [sys.executable, "-c", POLLER, f"{self.url}/metrics", str(POLL_MS / 1000)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         time.sleep(1)  # the poller's imports
         idle = time.monotonic()
         time.sleep(IDLE_S)  # scrapes of the idle daemon, to compare with
@@ -205,8 +213,9 @@ def one_round(
         "cachemgr": cachemgr,
         "rm -rf": lambda: subprocess.run(["rm", "-rf", str(work / "rm" / "ns")], check=True),
         "find -delete": lambda: subprocess.run(
-            ["find", str(work / "find" / "ns"), "-type", "f", "-delete"], check=True),
-    }  # fmt: skip
+            ["find", str(work / "find" / "ns"), "-type", "f", "-delete"], check=True
+        ),
+    }
     order = ["cachemgr", *(PEERS[p] for p in peers)]
     order = order[r % len(order) :] + order[: r % len(order)]
     print(f"round {r + 1}: load average {os.getloadavg()[0]:.2f}", flush=True)

@@ -24,9 +24,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cachemgr.identity.digest_cache import DigestCache
-from cachemgr.identity.fingerprint import IdentityOptions, compute_identity, digest_weights
+from cachemgr.identity.fingerprint import IdentityOptions, digest_weights
 from cachemgr.identity.hashing import default_workers
 from cachemgr.sglang.args import resolve_launch_args
+from cachemgr.sglang.identity import compute_identity
 from cachemgr.state.store import Store
 
 GB = 1e9
@@ -141,7 +142,7 @@ def warm_refingerprint(work: Path, shards: int = 50, runs: int = 30) -> dict[str
     store = Store.open(work / "state.db")
     cache = DigestCache(store)
     args = resolve_launch_args(f"sglang serve --model-path {model} --page-size 64")
-    opts = IdentityOptions(sglang_version="0.5.23")
+    opts = IdentityOptions(engine_version="0.5.23")
     first = compute_identity(args, opts, cache=cache)
     times = [timed(lambda: compute_identity(args, opts, cache=cache)) * 1000 for _ in range(runs)]
     assert compute_identity(args, opts, cache=cache).digest == first.digest
@@ -178,17 +179,21 @@ def main() -> None:
     try:
         tp = throughput(args, work)
         cat = tp["cat"]
-        print(f"\n{'GB/s (ratio to cat)':<31} {'cold best':>16} {'cold median':>16}"
-              f" {'warm best':>16} {'warm median':>16}")  # fmt: skip
+        print(
+            f"\n{'GB/s (ratio to cat)':<31} {'cold best':>16} {'cold median':>16}"
+            f" {'warm best':>16} {'warm median':>16}"
+        )
         for name, r in tp.items():
             if name.startswith("_"):
                 continue
             cells = [f"{r[k]:6.2f} ({r[k] / cat[k]:4.2f}x)" for k in cat]
             print(f"{name:<31} " + " ".join(f"{c:>16}" for c in cells))
         warm = warm_refingerprint(work)
-        print(f"\nwarm re-fingerprint, {warm['shards']} shards: library median "
-              f"{warm['library_median_ms']:.1f} ms (max {warm['library_max_ms']:.1f} ms); "
-              f"CLI process end to end {warm['cli_median_ms']:.0f} ms")  # fmt: skip
+        print(
+            f"\nwarm re-fingerprint, {warm['shards']} shards: library median "
+            f"{warm['library_median_ms']:.1f} ms (max {warm['library_max_ms']:.1f} ms); "
+            f"CLI process end to end {warm['cli_median_ms']:.0f} ms"
+        )
         out = Path(__file__).parent / "out"
         out.mkdir(exist_ok=True)
         (out / "bench_hash.json").write_text(json.dumps({"throughput": tp, "warm": warm}, indent=2))

@@ -21,10 +21,11 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from cachemgr.identity.digest_cache import DigestCache
-from cachemgr.identity.fingerprint import IdentityOptions, compute_identity
+from cachemgr.identity.fingerprint import IdentityOptions
 from cachemgr.layout import Layout
 from cachemgr.ns.prelaunch import init_namespace
 from cachemgr.sglang.args import resolve_launch_args
+from cachemgr.sglang.identity import compute_identity
 from cachemgr.state.store import Store
 
 HOUR_AGO = time.time() - 3600
@@ -51,8 +52,9 @@ def init_once(layout: Layout, model: Path) -> float:
     store = Store.open(layout.db_path)
     try:
         args = resolve_launch_args(f"sglang serve --model-path {model} --page-size 64")
-        ident = compute_identity(args, IdentityOptions(sglang_version="0.5.23"),
-                                 cache=DigestCache(store))  # fmt: skip
+        ident = compute_identity(
+            args, IdentityOptions(engine_version="0.5.23"), cache=DigestCache(store)
+        )
         init_namespace(layout, store, ident)
     finally:
         store.close()

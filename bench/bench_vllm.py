@@ -96,9 +96,11 @@ def table(n: int, times: dict[str, list[tuple[float, float]]], peer: str) -> Non
     wall = {name: statistics.median(w for w, _ in ts) for name, ts in times.items()}
     work = {name: statistics.median(c for _, c in ts) for name, ts in times.items()}
     for name in times:
-        print(f"| {name} | {wall[name]:.2f} | {n / wall[name]:,.0f} | "
-              f"{wall[peer] / wall[name]:.2f}× | {work[name]:.2f} | "
-              f"{work[peer] / work[name]:.2f}× |")  # fmt: skip
+        print(
+            f"| {name} | {wall[name]:.2f} | {n / wall[name]:,.0f} | "
+            f"{wall[peer] / wall[name]:.2f}× | {work[name]:.2f} | "
+            f"{work[peer] / work[name]:.2f}× |"
+        )
 
 
 def line(times: dict[str, list[tuple[float, float]]], name: str) -> str:
@@ -129,8 +131,12 @@ def scan(work: Path, n: int, rounds: int) -> None:
     for r in range(rounds):
         for name in rotated(list(tools), r):
             times[name].append(timed(tools[name]))
-        print(f"# round {r + 1}: " + ", ".join(line(times, k) for k in times)
-              + f"; load {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+        print(
+            f"# round {r + 1}: "
+            + ", ".join(line(times, k) for k in times)
+            + f"; load {os.getloadavg()[0]:.1f}",
+            flush=True,
+        )
     print("\n## scan (warm page cache)\n")
     table(n, times, "du -sb NS_DIR")
 
@@ -159,11 +165,17 @@ def evict(work: Path, n: int, rounds: int) -> None:
             sh("sync")
             built = time.perf_counter() - t
             times[name].append(timed(lambda: tools[name](folder, paths)))  # noqa: B023
-            left = subprocess.run(["find", str(d), "-name", "*.bin", "-print", "-quit"],
-                                  capture_output=True, text=True).stdout  # fmt: skip
+            left = subprocess.run(
+                ["find", str(d), "-name", "*.bin", "-print", "-quit"],
+                capture_output=True,
+                text=True,
+            ).stdout
             assert not left, f"{name} left blocks: {left}"
-            print(f"# round {r + 1}, {line(times, name)} (tree built and synced in {built:.0f} s); "
-                  f"load {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+            print(
+                f"# round {r + 1}, {line(times, name)} (tree built and synced in {built:.0f} s); "
+                f"load {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
     shutil.rmtree(layout.root, ignore_errors=True)
     print("\n## eviction of every block (a fresh tree each, unpaced)\n")
     table(n, times, "find NS_DIR -name '*.bin' -delete")
@@ -174,8 +186,9 @@ def main() -> None:
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 1_000_000
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 3
     work = Path(sys.argv[4] if len(sys.argv) > 4 else "bench/out/vllm").resolve()
-    fs = subprocess.run(["stat", "-f", "-c", "%T", str(work.parent)], capture_output=True,
-                        text=True).stdout.strip()  # fmt: skip
+    fs = subprocess.run(
+        ["stat", "-f", "-c", "%T", str(work.parent)], capture_output=True, text=True
+    ).stdout.strip()
     print(
         f"# {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
         f"load {os.getloadavg()[0]:.1f}; {what} of {n:,} blocks on {fs}, {rounds} rounds"

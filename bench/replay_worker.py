@@ -11,10 +11,14 @@ SGLang's cache controller serves it (sglang/srt/managers/cache_controller.py, 0.
 * `_page_backup`: `batch_set` of the rest of the chain, batch by batch, stopping at a failed
   batch. `set` skips a key whose file exists (touching SGLang's evictor, not the mtime).
 
-The job (a JSON file, argv[1]) names the trace file, the storage dir, the TP size, the request
-rate (0: as fast as it goes) and the page size. Output is JSON lines on stdout: `{"restart": i}`
-before the first request after the halfway restart (the driver then restarts what it must and
-writes a line on stdin; the worker drops its backends and opens fresh ones, which seed
+The job (a JSON file, argv[1]) names the trace file, the storage dir, the TP size, the speed
+of the trace's clock (`rate`; 0: as fast as it goes) and the page size. The trace gives each
+request's time in seconds (`times`): request i is served `times[i] / rate` s after the first
+(a generated trace's requests are 1 s apart, so `rate` is its requests/s; a recorded one's are
+its recorded arrivals, so `rate` is the speed-up). A request that falls behind is served at
+once. Output is JSON lines on stdout: `{"restart": i}` before request `restart_at` (a
+generated trace restarts halfway, a recorded one never: the driver then restarts what it must
+and writes a line on stdin; the worker drops its backends and opens fresh ones, which seed
 SGLang's LRU from the directory by mtime), then `{"result": {...}}`.
 """
 
@@ -49,10 +53,20 @@ def open_ranks(storage_dir: str, tp: int) -> list[HiCacheFile]:
     out = []
     for rank in range(tp):
         cfg = HiCacheStorageConfig(
-            tp_rank=rank, tp_size=tp, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-            is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
-            model_name=MODEL, dcp_size=1, dcp_rank=0, logical_page_size=None,
-        )  # fmt: skip
+            tp_rank=rank,
+            tp_size=tp,
+            pp_rank=0,
+            pp_size=1,
+            attn_cp_rank=0,
+            attn_cp_size=1,
+            is_mla_model=False,
+            enable_storage_metrics=False,
+            is_page_first_layout=True,
+            model_name=MODEL,
+            dcp_size=1,
+            dcp_rank=0,
+            logical_page_size=None,
+        )
         out.append(HiCacheFile(cfg, file_path=storage_dir))
     return out
 
@@ -96,6 +110,7 @@ class Replay:
         self.parent: list[int] = trace["parent"]
         self.requests: list[list[int]] = trace["requests"]
         self.restart_at: int = trace["restart_at"]
+        self.times: list[float] = trace["times"]
         self.dir: str = job["dir"]
         self.tp: int = job["tp"]
         self.rate: float = job["rate"]
@@ -133,26 +148,29 @@ class Replay:
                 paused += time.monotonic() - pause
                 t0 += time.monotonic() - pause  # the schedule resumes where it stopped
             if self.rate > 0:
-                delay = t0 + i / self.rate - time.monotonic()
+                delay = t0 + (self.times[i] - self.times[0]) / self.rate - time.monotonic()
                 if delay > 0:
                     time.sleep(delay)
             self.serve(ranks, i)
         elapsed = time.monotonic() - start - paused
         on_disk, unusable = self.audit()
         return {
-            "hits": self.hits, "lookups": self.lookups, "requests": len(self.requests),
-            "elapsed": elapsed, "races": self.races, "set_failures": self.set_failures,
-            "files_end": on_disk, "unusable_end": unusable,
-        }  # fmt: skip
+            "hits": self.hits,
+            "lookups": self.lookups,
+            "requests": len(self.requests),
+            "elapsed": elapsed,
+            "races": self.races,
+            "set_failures": self.set_failures,
+            "files_end": on_disk,
+            "unusable_end": unusable,
+        }
 
     def audit(self) -> tuple[int, int]:
         """Page files on disk at the end, and how many of them no request can load: a file is
         usable only if its page and every page before it in its chain are on every rank."""
         names = set(os.listdir(self.dir))
         suffixes = [f"_{MODEL.replace('/', '-')}_{r}_{self.tp}.bin" for r in range(self.tp)]
-        present = [
-            [f"{k}{suffix}" in names for k in self.keys] for suffix in suffixes
-        ]  # fmt: skip
+        present = [[f"{k}{suffix}" in names for k in self.keys] for suffix in suffixes]
         usable = [False] * len(self.parent)
         for p, par in enumerate(self.parent):  # a parent's id is below its child's
             usable[p] = all(r[p] for r in present) and (par < 0 or usable[par])

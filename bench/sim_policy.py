@@ -16,8 +16,8 @@ Policies:
 * `cachemgr`: cachemgr's REAL chain model and order (`cachemgr.gc.chains`, `cachemgr.gc.value`)
   fed the page events its index would see, at two request rates (its clock is the event
   sequence, so both give the same result). Eviction is immediate, as the daemon's continuous
-  eviction; the model survives the restart (the index keeps it), but for the memory of
-  evicted chains (cachemgr.gc.history: in memory only, lost);
+  eviction; the model survives the restart whole, as after a clean stop (the model file keeps
+  the memory of evicted chains and the adaptive order's state);
 * oracles (`Oracle`): tails first as cachemgr, told what it cannot see;
 * `clairvoyant`: evict the page whose next lookup is farthest away (Belady);
 * `no cap`.
@@ -28,6 +28,9 @@ earlier tables (500 sessions, Zipf 0.8, 32-page prefix, 2-8 pages a turn, reset 
 ~0.93 / ~0.96): fewer, flatter-popularity sessions with longer conversations.
 
     .venv/bin/python bench/sim_policy.py [--shape NAME --sessions N --requests M --seed S]
+    .venv/bin/python bench/sim_policy.py --trace bench/traces/conversation_trace.jsonl.gz
+        # a recorded trace (bench/sim_trace.py: Mooncake / Bailian JSON lines, .gz or plain);
+        # --half 1|2: only its first or second half of the requests
 """
 
 from __future__ import annotations
@@ -47,9 +50,10 @@ from typing import Any
 from sim_peers import Arc, Policy, S3Fifo
 from sim_trace import Recorded, read_trace
 
+from cachemgr.gc.adapt import ORDERS
 from cachemgr.gc.chains import ChainModel
-from cachemgr.gc.history import History
-from cachemgr.gc.value import END, cap_order
+from cachemgr.gc.returns import END
+from cachemgr.gc.value import cap_order
 
 EVICTION_RATIO = 0.9  # SGLang's default eviction_ratio (and the issue's low watermark)
 RATES = (0.1, 100.0)
@@ -83,10 +87,11 @@ class Trace:
     requests: list[tuple[int, ...]]  # the page chain each request looks up
     restart_at: int  # index of the first request after the server restart
     weight: list[float]  # each page's session's popularity (inf: the system prefix); oracles
+    looked_up: int = 0  # pages the requests look up, if not all of `parent` (`half`)
 
     @property
     def pages(self) -> int:
-        return len(self.parent)
+        return self.looked_up or len(self.parent)
 
 
 def make_trace(
@@ -170,10 +175,12 @@ class Cachemgr(Policy):
     skips (it only checks that the file exists). Its clock is the event sequence: the rate
     only moves the wall-clock times, which min_age (0 here) alone reads."""
 
-    def __init__(self, rate: float) -> None:
-        self.name = f"cachemgr @{rate:g}/s"
+    def __init__(self, rate: float, order: str | None = None) -> None:
+        self.name = f"cachemgr @{rate:g}/s" + (f", {order} only" if order else "")
         self.rate = rate
         self.model = ChainModel()
+        # One of cachemgr.gc.adapt.ORDERS followed throughout (None: the adaptive choice).
+        self.model.adapt.fixed = None if order is None else ORDERS.index(order)
         self.seq = 0
         self.request = (-1, 0)  # the request being served, and the sequence before it
         self.evicted: list[int] = []  # every victim, in order (for tests)
@@ -189,11 +196,6 @@ class Cachemgr(Policy):
 
     def write(self, page: int, i: int) -> None:
         self._event(page, i, self.model.observe_write)
-
-    def restart(self, i: int) -> None:
-        # The index keeps the pages, their links and use; what the daemon remembers of evicted
-        # chains is in memory only.
-        self.model.history = History()
 
     def victims(self, n: int, i: int, disk: set[int]) -> list[int]:
         # In flight, as in the daemon: the pages of the request being served (it may write
@@ -377,21 +379,25 @@ def serve(trace: Trace, policy: Policy | None, cap: int | None, samples: int = 1
     return Result(name, cap, hits, lookups, unusable(disk, trace.parent), avg, max_on_disk, evicted)
 
 
-def policies(trace: Trace, rates: Iterable[float] = RATES) -> list[Callable[[], Policy]]:
+def policies(
+    trace: Trace, rates: Iterable[float] = RATES, orders: Iterable[str] = ()
+) -> list[Callable[[], Policy]]:
     makers: list[Callable[[], Policy]] = [Lru, LruMtime]
     makers += [lambda r=r: Cachemgr(r) for r in rates]
+    makers += [lambda o=o: Cachemgr(max(RATES), o) for o in orders]
     makers += [lambda k=k: Oracle(trace, k) for k in ORACLES]
     makers.append(lambda: Clairvoyant(trace))
     return makers
 
 
-def run(trace: Trace, rates: Iterable[float] = RATES) -> list[Result]:
-    """No cap, then every policy at W/3 and W/2."""
+def run(trace: Trace, rates: Iterable[float] = RATES, orders: Iterable[str] = ()) -> list[Result]:
+    """No cap, then every policy at W/3 and W/2 (`orders`: also cachemgr following each of
+    these orders alone)."""
     nocap = serve(trace, None, None)
     out = [nocap]
     for div in (3, 2):
         cap = trace.pages // div
-        out += [serve(trace, make(), cap) for make in policies(trace, rates)]
+        out += [serve(trace, make(), cap) for make in policies(trace, rates, orders)]
     return out
 
 
@@ -406,9 +412,11 @@ def table(trace: Trace, results: list[Result]) -> str:
     best = {r.cap: r.ratio for r in results if r.policy == "clairvoyant"}
     for r in results:
         cap = "none" if r.cap is None else f"W/{round(w / r.cap)} ({r.cap})"
-        gap = "" if r.cap is None or best[r.cap] == base[r.cap] else (
-            f"{(r.ratio - base[r.cap]) / (best[r.cap] - base[r.cap]):+.0%}"
-        )  # fmt: skip
+        gap = (
+            ""
+            if r.cap is None or best[r.cap] == base[r.cap]
+            else (f"{(r.ratio - base[r.cap]) / (best[r.cap] - base[r.cap]):+.0%}")
+        )
         fill = "" if r.cap is None else f"{r.max_on_disk / r.cap:.2f}"
         lines.append(
             f"| {r.policy} | {cap} | {r.ratio:.3f} | {gap} | {r.unusable_end} |"
@@ -423,18 +431,33 @@ def from_recorded(rec: Recorded) -> Trace:
     return Trace(rec.parent, rec.requests, len(rec.requests), [1.0] * len(rec.parent))
 
 
-def recorded_peers(trace: Trace, cap: int, rates: Iterable[float]) -> list[Policy]:
-    """LRU, S3-FIFO, ARC, cachemgr's real policy and the clairvoyant bound, for one cap."""
-    peers: list[Policy] = [Lru(), S3Fifo(cap), Arc(cap)]
-    return [*peers, *(Cachemgr(r) for r in rates), Clairvoyant(trace)]
+def half(trace: Trace, which: int) -> Trace:
+    """The first or second half of a recorded trace's requests, replayed alone (W: the pages
+    they look up), so that a choice tuned on one half is checked on the other."""
+    n = len(trace.requests) // 2
+    requests = trace.requests[:n] if which == 1 else trace.requests[n:]
+    looked_up = {p for chain in requests for p in chain}
+    return Trace(trace.parent, requests, len(requests), trace.weight, len(looked_up))
 
 
-def run_recorded(trace: Trace, divisors: Iterable[int], rates: Iterable[float]) -> list[Result]:
+def recorded_peers(
+    trace: Trace, cap: int, rates: Iterable[float], orders: Iterable[str] = ()
+) -> list[Policy]:
+    """LRU, S3-FIFO, ARC, cachemgr's real policy (and following each of `orders` alone) and
+    the clairvoyant bound, for one cap."""
+    peers: list[Policy] = [Lru(), S3Fifo(cap), Arc(cap), *(Cachemgr(r) for r in rates)]
+    peers += [Cachemgr(max(rates), o) for o in orders]
+    return [*peers, Clairvoyant(trace)]
+
+
+def run_recorded(
+    trace: Trace, divisors: Iterable[int], rates: Iterable[float], orders: Iterable[str] = ()
+) -> list[Result]:
     """No cap, then the recorded-trace peers at each W/d."""
     out = [serve(trace, None, None)]
     for div in divisors:
         cap = trace.pages // div
-        out += [serve(trace, p, cap) for p in recorded_peers(trace, cap, rates)]
+        out += [serve(trace, p, cap) for p in recorded_peers(trace, cap, rates, orders)]
     return out
 
 
@@ -447,7 +470,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--trace", type=Path, help="a recorded trace (Mooncake / Bailian JSON lines)")
     ap.add_argument("--caps", default="20,10,5,3,2", help="with --trace: divisors d of W/d")
     ap.add_argument("--rates", default="100", help="with --trace: cachemgr's request rates")
+    ap.add_argument(
+        "--half",
+        type=int,
+        choices=(1, 2),
+        help="with --trace: replay only its first or second half",
+    )
+    ap.add_argument(
+        "--orders",
+        default="",
+        help=f"also cachemgr following each of these orders alone ({','.join(ORDERS)})",
+    )
     args = ap.parse_args(argv)
+    orders = [o for o in args.orders.split(",") if o]
+    if set(orders) - set(ORDERS):
+        raise SystemExit(f"sim_policy: --orders takes {', '.join(ORDERS)}")
     t0 = time.monotonic()
     if args.trace is not None:
         try:
@@ -456,7 +493,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             rates = [float(r) for r in args.rates.split(",")]
         except (OSError, ValueError) as e:
             raise SystemExit(f"sim_policy: {e}") from None
-        trace = from_recorded(rec)
+        trace = from_recorded(rec) if args.half is None else half(from_recorded(rec), args.half)
         extra = f", {rec.conversations} conversations" if rec.conversations else ""
         extra += f", types {dict(rec.types)}" if rec.types else ""
         print(
@@ -464,13 +501,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             f" W = {trace.pages} pages, {sum(len(c) for c in trace.requests)} page lookups;"
             f" {rec.relinked} block ids seen after another parent; no restart"
         )
-        print(table(trace, run_recorded(trace, caps, rates)))
+        print(table(trace, run_recorded(trace, caps, rates, orders)))
         print(f"({time.monotonic() - t0:.1f}s)")
         return
     shape = SHAPES[args.shape]
     sessions, requests = args.sessions or shape.sessions, args.requests or shape.requests
     trace = make_trace(sessions, requests, args.seed, **shape.knobs)
-    results = run(trace)
+    results = run(trace, orders=orders)
     lookups = sum(len(c) for c in trace.requests)
     print(
         f"trace {args.shape!r}: {sessions} sessions, {requests} requests, seed {args.seed};"

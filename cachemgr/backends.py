@@ -22,6 +22,7 @@ its key is that whole path: one file is one page, and the dirs are part of its n
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,6 +88,9 @@ class FileFormat:
     # Whether a page stored right after another of its stream most likely continues it: the
     # chain model's first guess of a predecessor (cachemgr.gc.chains). True for SGLang.
     write_order: bool = True
+    # The environment variable the server reads its storage dir from (None: its command says
+    # it): a live process whose environment sets it to a namespace dir still writes there.
+    dir_env: str | None = None
 
     def split(self, path: str) -> tuple[str, str] | None:
         """(dirs, file name) of a path below a namespace dir whose dirs fit the nesting (each
@@ -114,9 +118,18 @@ class FileFormat:
     def key_len(self, name: str) -> int | None:
         """The length of a page file's key, the prefix it shares with every file of its page;
         None if `name` is not a page file."""
-        m = self.page.fullmatch(name)
-        return None if m is None else m.end("key")
+        return _key_end(self.page, name)
 
     def maybe_temp(self, name: str) -> bool:
         """False only for names that cannot be temps: the cheap filter before `classify`."""
         return not name.endswith(self.page_suffix)
+
+
+# Names parsed, whichever format's: the watcher parses each event's name, then the index and
+# GC's in-flight check parse the same names again (a hot prefix page is read thousands of
+# times), and the page pattern's fullmatch costs ~5 us (bench/RESULTS.md). About the
+# watcher's access window (cachemgr.daemon.watcher.ACCESSES) of names.
+@functools.lru_cache(maxsize=1 << 16)
+def _key_end(page: re.Pattern[str], name: str) -> int | None:
+    m = page.fullmatch(name)
+    return None if m is None else m.end("key")

@@ -110,3 +110,12 @@ class StateLocked(StateError):
     exit_code = 1
     http_status = 503
     title = "state database locked"
+
+
+class StateUnavailable(StateError):
+    """The state dir is there but this process may not use it (mode bits, an ACL, another
+    owner); nothing was read or written. It is retried: usable again once its mode is fixed."""
+
+    exit_code = 2
+    http_status = 503
+    title = "state directory unavailable"

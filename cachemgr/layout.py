@@ -46,9 +46,12 @@ class Layout:
 
     root: Path
     state_dir: Path
+    # This node's name when the root is shared by a fleet (docs/fleet.md): its instances'
+    # names carry it (ns/bindings.py); None on a root one node has to itself.
+    node: str | None = None
 
     @classmethod
-    def at(cls, root: Path, state_dir: Path | None = None) -> Layout:
+    def at(cls, root: Path, state_dir: Path | None = None, node: str | None = None) -> Layout:
         """Lay out `root` (absolute, not a symlink); the state dir defaults to <root>/.cachemgr."""
         root = Path(os.path.abspath(root))
         if root.is_symlink():
@@ -56,7 +59,7 @@ class Layout:
                 f"root {root} is a symlink (to {os.path.realpath(root)}); pass the real path"
             )
         state = Path(os.path.abspath(state_dir)) if state_dir else root / STATE_DIR
-        return cls(root=root, state_dir=state)
+        return cls(root=root, state_dir=state, node=node)
 
     @property
     def ns_root(self) -> Path:
@@ -108,8 +111,14 @@ class Layout:
 
     def state_files(self, boot_id: str) -> tuple[Path, ...]:
         """Every file cachemgr writes in the state dir."""
-        return (*self.lock_files(boot_id), self.index_ready(boot_id), *db_files(self.db_path),
-                recover_lock(self.db_path), self.reserve, self.model_snapshot)  # fmt: skip
+        return (
+            *self.lock_files(boot_id),
+            self.index_ready(boot_id),
+            *db_files(self.db_path),
+            recover_lock(self.db_path),
+            self.reserve,
+            self.model_snapshot,
+        )
 
     def written(
         self, boot_id: str, ns_ids: tuple[str, ...] = (), instances: tuple[str, ...] = ()
@@ -120,8 +129,12 @@ class Layout:
         Not listed, as their names are never predictable: temp files (.<name>.<hex>.tmp-cachemgr,
         O_EXCL), .trash/<id>.<unique> entries and <db>.corrupt-<time> copies (rename targets).
         """
-        files = (self.tag, *self.state_files(boot_id), *map(self.manifest, ns_ids),
-                 *map(self.binding, instances))  # fmt: skip
+        files = (
+            self.tag,
+            *self.state_files(boot_id),
+            *map(self.manifest, ns_ids),
+            *map(self.binding, instances),
+        )
         return (*self.written_dirs(ns_ids), *files)
 
     def written_dirs(self, ns_ids: tuple[str, ...] = ()) -> tuple[Path, ...]:

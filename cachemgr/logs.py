@@ -10,6 +10,11 @@ from typing import Any
 
 from cachemgr.settings import LogFormat, LogLevel
 
+# Purpose loggers: named for what their lines are, not for the file that writes them, so an
+# operator filters on one stable name. Every other logger is `getLogger(__name__)`.
+# The trail of mutating HTTP calls (cachemgr.daemon.mutationlog; docs/daemon.md names it).
+HTTP_TRAIL = logging.getLogger("cachemgr.daemon.http")
+
 # Attributes every LogRecord has; anything else was passed with `extra=` and is a field.
 _STANDARD = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "taskName"}
 

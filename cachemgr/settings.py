@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
 import os
 import re
 import tomllib
@@ -22,6 +23,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
@@ -33,7 +35,7 @@ from pydantic_settings import (
 
 from cachemgr.errors import ConfigError, NotFoundError
 from cachemgr.layout import STATE_DIR
-from cachemgr.units import parse_duration
+from cachemgr.units import parse_duration, whole_bytes
 
 ENV_PREFIX = "CACHEMGR_"
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -41,6 +43,7 @@ LogFormat = Literal["auto", "json", "text"]
 Source = Literal["flag", "env", "file", "default"]
 
 Duration = Annotated[timedelta, BeforeValidator(parse_duration)]
+Bytes = Annotated[ByteSize, BeforeValidator(whole_bytes)]
 
 # Bounds that keep a value from breaking what uses it: past 100 years a duration overflows the
 # datetime arithmetic of every command; SQLite holds byte counts as signed 64-bit integers.
@@ -57,9 +60,22 @@ _DURATION_FLOORS = {
     "gc_sweep_interval": timedelta(seconds=0.1),
 }
 
+_INTEGER = re.compile(r"\s*[+-]?[0-9]+(_[0-9]+)*\s*")  # what int() reads, less the decimals
 # The config file path is known only at run time (a CLI flag), but pydantic-settings builds
 # its sources from the class; a context variable hands the path to the file source.
 _config_file: ContextVar[Path | None] = ContextVar("cachemgr_config_file", default=None)
+log = logging.getLogger(__name__)
+# Old setting name -> new one. The old name is still read (keyword, TOML key, env var, the
+# CLI's flag) with one deprecation line per process.
+RENAMED = {"sglang_version_granularity": "engine_version_granularity"}
+_warned: set[str] = set()
+
+
+def warn_renamed(old: str, new: str) -> None:
+    """The one deprecation line for an old name still in use (once per process)."""
+    if old not in _warned:
+        _warned.add(old)
+        log.warning(f"{old} is deprecated: use {new}", extra={"old": old, "new": new})
 
 
 def default_root() -> Path:
@@ -90,8 +106,9 @@ class Settings(BaseSettings):
         "",
         description="operator salt mixed into every identity (change it to force new namespaces)",
     )
-    sglang_version_granularity: Literal["major.minor", "full", "none"] = Field(
-        "major.minor", description="how much of the SGLang version is part of the identity"
+    engine_version_granularity: Literal["major.minor", "full", "none"] = Field(
+        "major.minor",
+        description="how much of the engine's (SGLang's, vLLM's) version is part of the identity",
     )
     hash_workers: int = Field(
         0, ge=0, le=64, description="threads hashing model files (0: cores + 1, at most 8)"
@@ -146,21 +163,34 @@ class Settings(BaseSettings):
         5, ge=1, le=300, description="seconds an idle keep-alive HTTP connection stays open"
     )
     # --- gc ---
-    gc_max_bytes: ByteSize | None = Field(
+    gc_max_bytes: Bytes | None = Field(
         None,
         le=MAX_BYTES,
         description='cap on the page bytes of all namespaces under the root ("500GB")',
     )
-    gc_namespace_max_bytes: ByteSize | None = Field(
+    gc_namespace_max_bytes: Bytes | None = Field(
         None, le=MAX_BYTES, description="cap on the page bytes of any one namespace"
     )
-    gc_min_free_bytes: ByteSize = Field(
+    gc_min_free_bytes: Bytes = Field(
         ByteSize(0),
         le=MAX_BYTES,
         description="keep at least this much free on the root's filesystem",
     )
     gc_min_free_percent: float = Field(
         5.0, ge=0, lt=100, description="keep at least this percent of the filesystem free"
+    )
+    gc_max_files: int | None = Field(
+        None, ge=1, le=10**12, description="cap on the page files of all namespaces under the root"
+    )
+    gc_namespace_max_files: int | None = Field(
+        None,
+        ge=1,
+        le=10**12,
+        description="cap on the page files of any one namespace (a flat one on an ext4 without "
+        "large_dir: at most 80% of the entries its dir can take, also when unset)",
+    )
+    gc_min_free_inodes_percent: float = Field(
+        5.0, ge=0, lt=100, description="keep at least this percent of the filesystem's inodes free"
     )
     gc_high_watermark: float = Field(
         0.95, gt=0, le=1, description="start evicting above this fraction of a cap"
@@ -198,6 +228,46 @@ class Settings(BaseSettings):
         description="files deleted per second at most (unset: as fast as the disk)",
     )
 
+    # --- fleet (off unless fleet_coordinator is set: docs/fleet.md) ---
+    fleet_coordinator: str | None = Field(
+        None,
+        description='the GC leader\'s lease: "etcd://HOST:PORT[,HOST:PORT...]" (etcd v3) or '
+        '"kubernetes" (a coordination.k8s.io Lease); unset: no fleet, this node alone',
+    )
+    node_name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=253,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="this node's name in the fleet (default: the hostname)",
+    )
+    fleet_lease_name: str = Field(
+        "cachemgr-gc",
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        max_length=253,
+        description="the lease one shared root's nodes elect their GC leader with (one per root)",
+    )
+    fleet_lease_namespace: str | None = Field(
+        None, description="Kubernetes namespace of the Lease (default: the pod's own)"
+    )
+    fleet_lease_ttl: float = Field(
+        10.0, ge=2, le=300, description="seconds the GC leader's lease outlives its last renewal"
+    )
+    fleet_renew_interval: float = Field(
+        2.0, ge=0.1, le=100, description="seconds between lease renewals (and campaigns)"
+    )
+    fleet_advertise_url: str | None = Field(
+        None,
+        description="the URL other nodes reach this daemon at (default http://<host>:<port>, "
+        "the hostname when bound to all addresses)",
+    )
+    fleet_buffer: int = Field(
+        100_000,
+        ge=1000,
+        le=10_000_000,
+        description="accesses a follower keeps for the leader at most (the oldest are dropped)",
+    )
+
     @field_validator("root", "state_dir", mode="before")
     @classmethod
     def _not_empty(cls, value: Any) -> Any:
@@ -205,6 +275,22 @@ class Settings(BaseSettings):
         # "the current directory".
         if isinstance(value, str) and not value.strip():
             raise ValueError("must not be empty (give a directory, e.g. /var/cache/cachemgr)")
+        return value
+
+    @field_validator(
+        "port",
+        "hash_workers",
+        "http_max_connections",
+        "http_fd_reserve",
+        "http_keep_alive_timeout",
+        "gc_keep_unbound",
+        mode="before",
+    )
+    @classmethod
+    def _whole_number(cls, value: Any) -> Any:
+        # pydantic reads "1.0" (and 1.0) as 1: CACHEMGR_PORT=1.0 would serve on port 1.
+        if isinstance(value, float) or (isinstance(value, str) and not _INTEGER.fullmatch(value)):
+            raise ValueError("must be a whole number, without a decimal point")
         return value
 
     @field_validator("gc_low_watermark")
@@ -240,12 +326,42 @@ class Settings(BaseSettings):
             raise ValueError("must be 0 (never) or at least 1 second")
         return value
 
+    @field_validator("fleet_coordinator")
+    @classmethod
+    def _coordinator(cls, value: str | None) -> str | None:
+        if value is not None and value != "kubernetes" and not value.startswith("etcd://"):
+            raise ValueError('must be "etcd://HOST:PORT[,HOST:PORT...]" or "kubernetes"')
+        return value
+
+    @field_validator("fleet_renew_interval")
+    @classmethod
+    def _renew_within_ttl(cls, value: float, info: ValidationInfo) -> float:
+        # Two renewals per lease at least: one lost request must not cost the lease.
+        ttl = info.data.get("fleet_lease_ttl")
+        if ttl is not None and value > ttl / 2:
+            raise ValueError(f"must be at most half of fleet_lease_ttl ({ttl:g}s)")
+        return value
+
     @field_validator("sglang_url")
     @classmethod
     def _http_url(cls, value: str | None) -> str | None:
         if value is not None and not re.match(r"https?://[^/\s]", value):
             raise ValueError('must be an http:// or https:// URL, e.g. "http://127.0.0.1:30000"')
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        """An old setting name (a keyword or a TOML key) as its new one; the new one wins."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for old, new in RENAMED.items():
+            if old in data:
+                warn_renamed(f"setting {old}", new)
+                value = data.pop(old)
+                data.setdefault(new, value)
+        return data
 
     @property
     def state_path(self) -> Path:
@@ -261,7 +377,25 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, _TomlFileSource(settings_cls))
+        renamed = _RenamedEnvSource(settings_cls)
+        return (init_settings, env_settings, renamed, _TomlFileSource(settings_cls))
+
+
+class _RenamedEnvSource(PydanticBaseSettingsSource):
+    """CACHEMGR_<old name> variables, read as the new setting, below its own variable."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        raise NotImplementedError  # __call__ below returns the whole mapping at once
+
+    def __call__(self) -> dict[str, Any]:
+        upper = {k.upper(): v for k, v in os.environ.items()}
+        found = {}
+        for old, new in RENAMED.items():
+            name = ENV_PREFIX + old.upper()
+            if name in upper:
+                warn_renamed(f"environment variable {name}", ENV_PREFIX + new.upper())
+                found[new] = upper[name]
+        return found
 
 
 class _TomlFileSource(PydanticBaseSettingsSource):
@@ -305,6 +439,8 @@ def _check_toml_type(name: str, value: Any, path: Path) -> None:
     annotation = Settings.model_fields[name].annotation
     if get_origin(annotation) in (Union, UnionType):  # X | None: TOML has no null
         annotation = next(a for a in get_args(annotation) if a is not type(None))
+    if get_origin(annotation) is Annotated:  # Bytes, Duration: the type under the validator
+        annotation = get_args(annotation)[0]
     kinds, wanted = _TOML_TYPES.get(annotation, ((str,), "a string"))
     if isinstance(value, bool) or not isinstance(value, kinds):
         shown = json.dumps(value, default=str)
@@ -336,7 +472,8 @@ def setting_sources(config_file: Path | None, overrides: dict[str, Any]) -> dict
         from_file = _TomlFileSource(Settings)()
     finally:
         _config_file.reset(token)
-    from_env = EnvSettingsSource(Settings)()
+    from_env = {**_RenamedEnvSource(Settings)(), **EnvSettingsSource(Settings)()}
+    from_file = {RENAMED.get(k, k): v for k, v in from_file.items()}
     flags = {k for k, v in overrides.items() if v is not None}
 
     def source(name: str) -> Source:
@@ -367,7 +504,8 @@ def unknown_env_vars(environ: Mapping[str, str]) -> list[str]:
     A misspelt variable is otherwise ignored in silence, while the same typo in the TOML
     file is an error; env names are case-insensitive, as pydantic-settings reads them.
     """
-    known = {ENV_PREFIX + name.upper() for name in Settings.model_fields} | OTHER_ENV_VARS
+    names = [*Settings.model_fields, *RENAMED]
+    known = {ENV_PREFIX + name.upper() for name in names} | OTHER_ENV_VARS
     lines = []
     for name in sorted(environ):
         upper = name.upper()

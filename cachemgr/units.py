@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import re
 from datetime import timedelta
+from decimal import Decimal
 from typing import Any
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ByteSize, TypeAdapter, ValidationError
 
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 # The words people write for each unit ("2 minutes", "90 sec", "1 hour 30 min"), by unit.
@@ -57,6 +58,29 @@ def _seconds(text: str) -> float | None:
     if any(word.lower() not in _UNIT_OF for _, word in parts):
         return None
     return sum(float(n) * _UNIT_SECONDS[_UNIT_OF[w.lower()]] for n, w in parts)
+
+
+def whole_bytes(value: Any) -> Any:
+    """Refuse a byte size that is no whole number of bytes ("1.5", "1.5B", 1.5): a ValueError.
+
+    pydantic's ByteSize truncates it: CACHEMGR_GC_MAX_BYTES=1.5 was a cap of 1 byte, a GC that
+    deletes the whole cache, where the operator meant 1.5 of some unit. The product is taken
+    exactly (Decimal): "1.1GB" is whole, though 1.1 * 1e9 is not in floating point. The value
+    goes on as given, so pydantic's messages show the operator's own text.
+    """
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(f'not a whole number of bytes (give a unit: "{value}GB")')
+    found = ByteSize.byte_string_re.fullmatch(value.strip()) if isinstance(value, str) else None
+    if found is None:
+        return value  # a number, or a text pydantic says is wrong
+    scalar, unit = found.groups()
+    multiplier = ByteSize.byte_sizes.get((unit or "b").lower())
+    if multiplier is None:
+        return value
+    if (Decimal(scalar) * Decimal(multiplier)) % 1:
+        hint = f' (give a unit: "{scalar}GB")' if unit is None else ""
+        raise ValueError(f"not a whole number of bytes{hint}")
+    return value
 
 
 def format_duration(value: timedelta) -> str:

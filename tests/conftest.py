@@ -29,6 +29,79 @@ REPO = Path(__file__).resolve().parent.parent
 SGLANG_ENV = Path(os.environ.get("CACHEMGR_SGLANG_ENV", REPO / ".sglang-env"))
 VLLM_ENV = Path(os.environ.get("CACHEMGR_VLLM_ENV", REPO / ".vllm-env"))
 
+# How full the host's disk is is not a test's business: with the default 5% floors, a CI box
+# whose /tmp has 7% free saw `disk-low` in every doctor report and its daemons' floor pass
+# delete test pages while a neighbour wrote. So the floors are off in the suite (before any
+# Settings is read; subprocesses inherit it), and the tests of the floors set their own
+# percent on a filesystem they size (reliability's `small_fs`).
+HOST_NEUTRAL = {"CACHEMGR_GC_MIN_FREE_PERCENT": "0", "CACHEMGR_GC_MIN_FREE_INODES_PERCENT": "0"}
+for _name, _value in HOST_NEUTRAL.items():
+    os.environ.setdefault(_name, _value)
+
+
+@pytest.fixture
+def no_caller_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No CACHEMGR_* of the caller's shell reaches the test, but the suite's HOST_NEUTRAL: a
+    daemon a test starts must not take the host's free space for a full disk."""
+    for name in [k for k in os.environ if k.startswith("CACHEMGR_") and k not in HOST_NEUTRAL]:
+        monkeypatch.delenv(name)
+
+
+# Files whose claims are about time: a bound on a wait, a rate the daemon keeps up with, a
+# kill that must land mid-run, what inotify's timing lets the chain model learn. They run
+# `serial` (see pytest_addoption): alone, as the suite ran before xdist, not beside the
+# parallel workers' load.
+SERIAL_FILES = {
+    "tests/reliability/test_exclusive_lock.py",
+    "tests/reliability/test_fd_flood.py",
+    "tests/reliability/test_foreign_lock.py",
+    "tests/reliability/test_full_disk.py",
+    "tests/reliability/test_hostile_http.py",
+    "tests/reliability/test_inode_floor.py",
+    "tests/reliability/test_poison_files.py",
+    "tests/reliability/test_rules.py",
+    "tests/reliability/test_stalled_readers.py",
+    "tests/reliability/test_write_only_stream.py",
+    "tests/test_bench_replay.py",
+    "tests/test_connections.py",
+    "tests/test_daemon_chains.py",
+    "tests/test_daemon_signals.py",
+    "tests/test_fleet_procs.py",
+    "tests/test_fleet_sglang.py",
+    "tests/test_gc_keeps_up.py",
+    "tests/test_model_snapshot.py",
+    "tests/test_vllm_chains.py",
+    "tests/test_vllm_gc.py",
+}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--serial",
+        choices=("include", "exclude", "only"),
+        default="include",
+        help="the `serial` tests (timing claims): run them too (default), leave them out (make "
+        "test's parallel pass), or run only them (its second pass, in one process)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks the SERIAL_FILES' tests `serial` and selects by --serial. (Under `make test`'s
+    xdist, --dist loadfile, each test file runs on one worker, in its own order, its module
+    fixtures set up once.)"""
+    gone = sorted(f for f in SERIAL_FILES if not (REPO / f).is_file())
+    if gone:  # a renamed file would silently run beside the workers' load
+        raise pytest.UsageError(f"SERIAL_FILES names files that are not there: {gone}")
+    for item in items:
+        if item.nodeid.split("::")[0] in SERIAL_FILES:
+            item.add_marker(pytest.mark.serial)
+    mode = config.getoption("serial")
+    if mode == "include":
+        return
+    keep = [i for i in items if (i.get_closest_marker("serial") is not None) == (mode == "only")]
+    config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+    items[:] = keep
+
 
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
@@ -152,20 +225,26 @@ class JsonLineDriver:
 
 
 def start_driver(
-    env: Path, builder: str, script: str, env_prefix: str, user: User | None = None
+    env: Path,
+    builder: str,
+    script: str,
+    env_prefix: str | tuple[str, ...],
+    user: User | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> subprocess.Popen[str]:
-    """Run tests/<script> with `env`'s python, without the engine's own env variables (as
-    `user`, if given: the deploy tests)."""
+    """Run tests/<script> with `env`'s python, without the variables named `env_prefix…` (the
+    engine's own; `()` keeps all), with `extra_env` (as `user`, if given: the deploy tests)."""
     python = env / "bin" / "python"
     if not python.exists():
         pytest.fail(f"{env} is missing: run scripts/{builder} (make test does)")
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(env_prefix)}
     return subprocess.Popen(
         [str(python), str(REPO / "tests" / script)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=sys.stderr,
         text=True,
-        env={k: v for k, v in os.environ.items() if not k.startswith(env_prefix)},
+        env={**environ, **(extra_env or {})},
         preexec_fn=user.become if user is not None else None,
     )
 
@@ -212,3 +291,41 @@ def vllm() -> Iterator[VllmDriver]:
     driver = VllmDriver(start_driver(VLLM_ENV, "vllm-env.sh", "vllm_driver.py", "VLLM_"))
     yield driver
     driver.close()
+
+
+class ScriptRunner(JsonLineDriver):
+    """tests/script_runner.py in an engine's env: the tests' scripts (the engine's own parser
+    fed argvs, the flag table generator) run there one after another, each as `python -c` or
+    `python PATH` would run it; the engine is imported once, not once per script."""
+
+    def run(
+        self,
+        script: str = "",
+        *,
+        path: Path | None = None,
+        stdin: str = "",
+        argv: list[str] | None = None,
+    ) -> str:
+        """What the script (or the file at `path`) printed; a script that fails raises."""
+        where = {"path": str(path)} if path is not None else {"script": script}
+        return str(self.call("run", stdin=stdin, argv=argv or [], **where)["stdout"])
+
+
+@pytest.fixture(scope="session")
+def sglang_scripts() -> Iterator[ScriptRunner]:
+    """SGLang's env running the tests' scripts; its import is paid once per session."""
+    runner = ScriptRunner(start_driver(SGLANG_ENV, "sglang-env.sh", "script_runner.py", ()))
+    yield runner
+    runner.close()
+
+
+@pytest.fixture(scope="session")
+def vllm_scripts() -> Iterator[ScriptRunner]:
+    """vLLM's env running the tests' scripts, on the CPU platform as the parser tests always
+    ran it; its 10-20 s import is paid once per session."""
+    proc = start_driver(
+        VLLM_ENV, "vllm-env.sh", "script_runner.py", (), extra_env={"VLLM_TARGET_DEVICE": "cpu"}
+    )
+    runner = ScriptRunner(proc)
+    yield runner
+    runner.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import threading
 import time
 import uuid
@@ -17,6 +18,7 @@ from typing import Any
 import httpx
 
 from cachemgr.daemon.lifecycle import Daemon
+from cachemgr.gc.chains import BURST_GAP
 from cachemgr.layout import Layout
 from cachemgr.logs import JsonFormatter
 from cachemgr.ns.registry import bind, ensure_namespace
@@ -28,16 +30,36 @@ NS_A = "0123456789abcdef"
 NS_B = "fedcba9876543210"
 
 
+def cli_argv(root: Path | str) -> list[str]:
+    """`cachemgr --root ROOT` in a subprocess of this interpreter, logging errors only: a
+    command's argv starts so."""
+    return [sys.executable, "-m", "cachemgr", "--root", str(root), "--log-level", "error"]
+
+
 def page_name(i: int, model: str = "Qwen-Qwen3-8B") -> str:
     return f"{i:064x}_{model}_0_1.bin"
 
 
-def store_page(ns_dir: Path, name: str, size: int = 1024) -> None:
-    """Store a page like SGLang's HiCacheFile.set: a `.<uuid>.tmp` file, then os.replace."""
+def store_page(ns_dir: Path, name: str, size: int = 1024, mtime: float | None = None) -> None:
+    """Store a page like SGLang's HiCacheFile.set: a `.<uuid>.tmp` file, then os.replace;
+    `mtime`: the file's, set before the rename (the writer's clock, as the watcher reads it)."""
     tmp = ns_dir / f".{uuid.uuid4().hex}.tmp"
     with open(tmp, "wb") as f:
         f.write(b"\x01" * size)
+    if mtime is not None:
+        os.utime(tmp, (mtime, mtime))
     os.replace(tmp, ns_dir / name)
+
+
+def store_burst(ns_dir: Path, names: list[str], size: int = 1024) -> None:
+    """Store one request's pages back to back, as SGLang's batch_set does: by their files'
+    mtimes BURST_GAP / 10 apart. The chain model links a store to the one before only within
+    BURST_GAP (cachemgr.gc.chains); a test's writer shares the GIL with the daemon it runs and
+    the CPU with CI's load, and a pause longer than that between two of its stores split a
+    request's chain, which the learner is right not to link (the tests then failed)."""
+    t0 = time.time()
+    for i, name in enumerate(names):
+        store_page(ns_dir, name, size, mtime=t0 + i * BURST_GAP / 10)
 
 
 def read_page(ns_dir: Path, name: str) -> None:
@@ -115,9 +137,13 @@ def register_namespace(
     store = Store.open(layout.db_path)
     try:
         ensure_namespace(
-            layout, store, ns_id=ns_id, digest=ns_id * 2, identity=identity or IDENTITY,
+            layout,
+            store,
+            ns_id=ns_id,
+            digest=ns_id * 2,
+            identity=identity or IDENTITY,
             now=time.time(),
-        )  # fmt: skip
+        )
         if instance is not None:
             with store.transaction():
                 bind(layout, store, instance, ns_id, time.time())

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from cachemgr.daemon.events import LOCAL, Kind
 from cachemgr.daemon.page_events import PageEvents
-from cachemgr.daemon.watcher import Kind
 from cachemgr.fs.root import create_root
+from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.execute import execute_gc
-from cachemgr.gc.plan import GcPlan, plan_gc
+from cachemgr.gc.pagestore import PageId
+from cachemgr.gc.plan import GcPlan, Live, plan_gc
 from cachemgr.gc.policy import GcPolicy
 from cachemgr.gc.step import GcReport
 from cachemgr.layout import Layout
+from cachemgr.ns.runcontext import RunContext
 from cachemgr.state.store import Store
 
 NS = "0123456789abcdef"
@@ -40,9 +44,12 @@ def big_disk(_: Path) -> tuple[int, int, int]:
 def policy(**kw: object) -> GcPolicy:
     """A policy with only what the test asks for: no age rule, no retention, no pacing."""
     base: dict[str, object] = dict(
-        min_age=0.0, keep_unbound=1000, unbound_ttl=None, min_free_percent=0.0,
+        min_age=0.0,
+        keep_unbound=1000,
+        unbound_ttl=None,
+        min_free_percent=0.0,
         delete_rate=None,
-    )  # fmt: skip
+    )
     base.update(kw)
     return GcPolicy(**base)  # type: ignore[arg-type]
 
@@ -80,10 +87,10 @@ class Tree:
 
     def stored(self, ns: str, names: Iterable[str], *, at: float) -> None:
         """The watcher saw these page files (already on disk) stored at `at`, in this order."""
-        self.rec.apply([(Kind.WRITE, ns, n, at) for n in names], now=at)
+        self.rec.apply([(Kind.WRITE, ns, n, at, LOCAL) for n in names], now=at)
 
     def read(self, ns: str, names: Iterable[str], *, at: float) -> None:
-        self.rec.apply([(Kind.READ, ns, n, at) for n in names], now=at)
+        self.rec.apply([(Kind.READ, ns, n, at, LOCAL) for n in names], now=at)
 
     def files(self, ns: str) -> set[str]:
         return set(os.listdir(self.layout.ns_dir(ns)))
@@ -101,12 +108,25 @@ class Tree:
                     (f"server-{ns}", ns, active),
                 )
 
-    def plan(self, pol: GcPolicy, *, now: float, **kw: object) -> GcPlan:
+    def plan(
+        self,
+        pol: GcPolicy,
+        *,
+        now: float,
+        model: ChainModel | None = None,
+        busy: Collection[PageId] = (),
+        **kw: object,
+    ) -> GcPlan:
         kw.setdefault("disk_usage", big_disk)
-        return plan_gc(self.layout, self.store, pol, now=now, **kw)  # type: ignore[arg-type]
+        live = Live(model=model, in_flight=busy)
+        return plan_gc(self.layout, self.store, pol, now=now, live=live, **kw)  # type: ignore[arg-type]
 
     def execute(self, plan: GcPlan, *, now: float, dry_run: bool = False) -> GcReport:
-        return execute_gc(plan, self.layout, self.store, dry_run=dry_run, clock=lambda: now)
+        return execute_gc(plan, self.run(dry_run=dry_run, clock=lambda: now))
+
+    def run(self, **kw: Any) -> RunContext:
+        """A run's context on this tree (execute_gc's)."""
+        return RunContext(self.layout, self.store, **kw)
 
 
 def evicted(plan: GcPlan, reason: str | None = None) -> list[str]:

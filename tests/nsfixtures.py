@@ -12,6 +12,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 from cachemgr.cli.main import main
 from cachemgr.layout import Layout
 from cachemgr.ns.registry import bind, ensure_namespace
@@ -61,8 +63,9 @@ def snapshot(top: Path) -> dict[str, bytes]:
     return out
 
 
-def cli(*args: str, stdin: str | None = None, env: dict[str, str] | None = None
-        ) -> subprocess.CompletedProcess[str]:  # fmt: skip
+def cli(
+    *args: str, stdin: str | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """`cachemgr ARGS` in this process (as the console script runs it), with JSON logs, no TTY.
 
     In-process keeps the suite fast; tests that need a real process (exec, kill -9) use
@@ -93,6 +96,13 @@ def cli(*args: str, stdin: str | None = None, env: dict[str, str] | None = None
     return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
+def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
+    """The CLI's `main` in this process, as click exits it: its exit code and stderr lines."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    return int(e.value.code or 0), capsys.readouterr().err.splitlines()
+
+
 @contextlib.contextmanager
 def _stdin(replacement: io.StringIO) -> Iterator[None]:
     saved, sys.stdin = sys.stdin, replacement
@@ -102,8 +112,7 @@ def _stdin(replacement: io.StringIO) -> Iterator[None]:
         sys.stdin = saved
 
 
-def cli_process(*args: str, env: dict[str, str] | None = None
-                ) -> subprocess.CompletedProcess[str]:  # fmt: skip
+def cli_process(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """`cachemgr ARGS` as a real process with JSON logs and no TTY."""
     return subprocess.run(
         [sys.executable, "-m", "cachemgr", "--log-format", "json", *args],

@@ -59,14 +59,20 @@ def storage_key(key: str, pool: str | None) -> str:
 
 def op_open(req: dict[str, Any]) -> dict[str, Any]:
     cfg = HiCacheStorageConfig(
-        tp_rank=req.get("tp_rank", 0), tp_size=req.get("tp_size", 1),
-        pp_rank=req.get("pp_rank", 0), pp_size=req.get("pp_size", 1),
-        attn_cp_rank=req.get("cp_rank", 0), attn_cp_size=req.get("cp_size", 1),
-        is_mla_model=req.get("mla", False), enable_storage_metrics=False,
-        is_page_first_layout=True, model_name=req["model"],
-        dcp_size=req.get("dcp_size", 1), dcp_rank=req.get("dcp_rank", 0),
+        tp_rank=req.get("tp_rank", 0),
+        tp_size=req.get("tp_size", 1),
+        pp_rank=req.get("pp_rank", 0),
+        pp_size=req.get("pp_size", 1),
+        attn_cp_rank=req.get("cp_rank", 0),
+        attn_cp_size=req.get("cp_size", 1),
+        is_mla_model=req.get("mla", False),
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name=req["model"],
+        dcp_size=req.get("dcp_size", 1),
+        dcp_rank=req.get("dcp_rank", 0),
         logical_page_size=req.get("logical_page_size"),
-    )  # fmt: skip
+    )
     backends.append(HiCacheFile(cfg, file_path=req["dir"]))
     return {"handle": len(backends) - 1}
 
@@ -110,8 +116,13 @@ def op_read(req: dict[str, Any]) -> dict[str, Any]:
         same = torch.equal(got.view(torch.uint8), want.view(torch.uint8))
         correct += same
         wrong += not same
-    return {"hit_pages": hit_pages, "read": read, "correct": correct, "wrong": wrong,
-            "errors": errors}  # fmt: skip
+    return {
+        "hit_pages": hit_pages,
+        "read": read,
+        "correct": correct,
+        "wrong": wrong,
+        "errors": errors,
+    }
 
 
 def op_pools(req: dict[str, Any]) -> dict[str, Any]:

@@ -56,7 +56,7 @@ def test_api_conforms_to_its_openapi_document(case: Case, daemon: RunningDaemon)
 
 
 def _query_contradicts_body(case: Case) -> bool:
-    """A field the query and the body both give, with different values: a 422 by design (a
+    """A field the query and the body both give, with different values: a 400 by design (a
     real purge or GC is never a guess), which OpenAPI cannot state across parameters and body."""
     body = case.body if isinstance(case.body, dict) else {}
     return any(

@@ -112,3 +112,22 @@ def test_the_per_namespace_route_needs_no_selector(
         assert r.status_code == 200, r.text
         assert [p["namespace"] for p in r.json()["purged"]] == [NS_B]
     assert _on_disk(layout) == {**two_namespaces, NS_B: 0}
+
+
+@pytest.mark.parametrize("route", ["/v1/gc", "/v1/purge"])
+def test_a_query_that_contradicts_the_body_is_a_400_naming_both(
+    route: str, settings: Settings, layout: Layout, two_namespaces: dict[str, int]
+) -> None:
+    """`?dry_run=true` with `{"dry_run": false}` is a real run or not: neither is guessed."""
+    body: dict[str, Any] = {"dry_run": False}
+    if route == "/v1/purge":
+        body["all"] = True
+    with running_daemon(settings) as dm:
+        r = dm.post(route, params={"dry_run": "true"}, json=body)
+        assert r.status_code == 400, r.text
+        assert r.headers["content-type"] == PROBLEM
+        detail = r.json()["detail"]
+        assert "query dry_run=true" in detail and "body dry_run=false" in detail, detail
+        assert "\n" not in detail
+        assert _on_disk(layout) == two_namespaces
+        assert set(dm.namespaces()) == {NS_A, NS_B}

@@ -26,8 +26,8 @@ def chains(model: ChainModel, pages: int, length: int) -> None:
     """`pages` pages in chains of `length`, as a load from the index adds them."""
     for i in range(pages):
         pred = None if i % length == 0 else key(i - 1)
-        model.add(NS, key(i) + SUFFIX, 64, 1024, seq=i + 1, at=float(i), pred=pred, born=i + 1,
-                  reads=i // length % 4, trusted=True)  # fmt: skip
+        row = (key(i) + SUFFIX, 64, 1024, float(i), i + 1, i // length % 4, pred, i + 1)
+        model.add_indexed(NS, row)
 
 
 def keys(model: ChainModel, *, before: float = math.inf, now: float = math.inf) -> list[str]:
@@ -109,8 +109,9 @@ def test_kept_segments_never_change_the_order() -> None:
         live, ref = twin.orders(before=t - rng.choice([-math.inf, 3, 50]), now=t + rng.random() * 3)
         assert live == ref, step
         if step % 5 == 0:  # GC: the head of the order goes
-            twin.remove(NS, [(n, 64) for k in live[: rng.randrange(1, 30)]
-                             for n in twin.live.names(NS, k)])  # fmt: skip
+            twin.remove(
+                NS, [(n, 64) for k in live[: rng.randrange(1, 30)] for n in twin.live.names(NS, k)]
+            )
     assert twin.live.segments  # long segments were read, not walked, by the later orders
     assert max(len(c) for c in sessions) > CACHED
 
@@ -147,8 +148,13 @@ def test_the_first_eviction_after_a_restart_orders_what_the_index_loaded(tmp_pat
     with Store.open(tmp_path / "state.db") as store:
         with store.transaction() as conn:
             pages_sql.upsert_pages(conn, rows)
-            pages_sql.add_reads(conn, [(p.reads, p.last_time, p.last, NS, k + SUFFIX)
-                                       for (_, k), p in live.pages.items()])  # fmt: skip
+            pages_sql.add_reads(
+                conn,
+                [
+                    (p.reads, p.last_time, p.last, NS, k + SUFFIX)
+                    for (_, k), p in live.pages.items()
+                ],
+            )
         restarted = ChainModel.from_index(store.conn, [NS])
     # No order was kept across the restart: the loaded pages give it, victim for victim.
     assert not restarted.segments

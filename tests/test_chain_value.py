@@ -7,11 +7,12 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from cachemgr.daemon.events import Kind
+from cachemgr.daemon.events import LOCAL, Kind
 from cachemgr.daemon.page_events import PageEvents
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.history import History
-from cachemgr.gc.value import _prior, _value, eviction_order
+from cachemgr.gc.returns import prior, worth
+from cachemgr.gc.value import eviction_order
 from cachemgr.state.index import scan_namespace
 from cachemgr.state.store import Store
 from tests.gc_helpers import NS, Tree, page
@@ -61,9 +62,21 @@ def test_a_new_chain_the_history_does_not_know_is_valued_as_any_new_chain() -> N
     s.request([], [1, 2])
     s.request([1, 2], [20])
     s.request([1, 2], [30])
-    evict(model, 20)  # never read: nothing to remember
+    evict(model, 20)
+    s.request([1, 2], [25])  # never on disk before: nothing to remember
+    assert model.pages["ns", key(25)].reads == 0
+
+
+def test_a_page_evicted_unread_and_written_again_comes_back_with_one_return() -> None:
+    """Wanted twice (ARC's and S3-FIFO's ghost hit): no longer on trial."""
+    model = ChainModel()
+    s = Stream(model)
+    s.request([], [1, 2])
     s.request([1, 2], [20])
-    assert model.pages["ns", key(20)].reads == 0
+    s.request([1, 2], [30])
+    evict(model, 20)  # never read
+    s.request([1, 2], [20])
+    assert model.pages["ns", key(20)].reads == 1
 
 
 def test_a_page_written_again_behind_a_gap_is_still_reaped_first() -> None:
@@ -98,12 +111,12 @@ def test_the_history_is_bounded_oldest_first() -> None:
 
 
 def test_silence_lowers_a_chains_value_and_returns_raise_it() -> None:
-    prior = _prior([(0, 1000), (1, 1000), (5, 1000), (20, 1000)])
-    shape, rate = prior
+    fitted = prior([(0, 1000), (1, 1000), (5, 1000), (20, 1000)])
+    shape, rate = fitted
     assert shape > 0 and math.isclose(shape / rate, 26 / 4000)  # the pooled rate
-    assert _value(prior, 5, 500, 0) > _value(prior, 5, 500, 100) > _value(prior, 5, 500, 5000)
-    assert _value(prior, 10, 500, 100) > _value(prior, 2, 500, 100)
-    assert _value(prior, 0, 0, 10**12) >= 0.0  # no overflow, however long the silence
+    assert worth(fitted, 5, 500, 0) > worth(fitted, 5, 500, 100) > worth(fitted, 5, 500, 5000)
+    assert worth(fitted, 10, 500, 100) > worth(fitted, 2, 500, 100)
+    assert worth(fitted, 0, 0, 10**12) >= 0.0  # no overflow, however long the silence
 
 
 def test_a_chain_back_after_the_index_was_rebuilt_is_valued_without_error(tmp_path: Path) -> None:
@@ -120,7 +133,7 @@ def test_a_chain_back_after_the_index_was_rebuilt_is_valued_without_error(tmp_pa
         tree.read(NS, names[:1], at=3.0 + t)
     model = tree.rec.model
     (tree.layout.ns_dir(NS) / names[0]).unlink()
-    tree.rec.apply([(Kind.GONE, NS, names[0], 0.0)], now=7.0)  # remembered: read thrice
+    tree.rec.apply([(Kind.GONE, NS, names[0], 0.0, LOCAL)], now=7.0)  # remembered: read thrice
     tree.store.close()
     tree.layout.db_path.unlink()  # the DB lost: a fresh one, rebuilt from disk
     tree.store = Store.open(tree.layout.db_path)
@@ -148,8 +161,9 @@ def test_an_index_row_born_after_its_last_use_does_not_stop_the_order(tmp_path: 
         tree.write(NS, [page(1, model="a")], at=1.0)
         tree.write(NS, [page(2, model="b")], at=2.0)
         with tree.store.transaction() as conn:
-            conn.execute("UPDATE pages SET born_seq = access_seq + 1 WHERE name = ?",
-                         (page(1, model="a"),))  # fmt: skip
+            conn.execute(
+                "UPDATE pages SET born_seq = access_seq + 1 WHERE name = ?", (page(1, model="a"),)
+            )
         model = ChainModel.from_index(tree.store.conn, [NS])
     finally:
         tree.store.close()

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from cachemgr.fs.usage import DiskUsage
-from cachemgr.gc.chains import ChainModel
+from cachemgr.gc.chains import ChainModel, Written
 from cachemgr.gc.policy import GcPolicy, over_limits
 from cachemgr.gc.value import eviction_order
 from cachemgr.state import pages_sql
@@ -31,14 +31,18 @@ class Stream:
         self.seq: Iterator[int] = itertools.count(1)
         self.at = 0.0  # the time of each access (a request's own come back to back)
 
-    def read(self, *pages: int, suffix: str = SUFFIX, ns: str = "ns") -> None:
-        for p in pages:
-            self.model.observe_read(ns, key(p) + suffix, KEY_LEN, seq=next(self.seq), at=self.at)
-
-    def write(self, *pages: int, suffix: str = SUFFIX, ns: str = "ns") -> None:
+    def read(self, *pages: int, suffix: str = SUFFIX, ns: str = "ns", origin: str = "") -> None:
         for p in pages:
             name = key(p) + suffix
-            self.model.observe_write(ns, name, KEY_LEN, seq=next(self.seq), at=self.at)
+            self.model.observe_read(
+                ns, name, KEY_LEN, seq=next(self.seq), at=self.at, origin=origin
+            )
+
+    def write(self, *pages: int, suffix: str = SUFFIX, ns: str = "ns", origin: str = "") -> None:
+        for p in pages:
+            name = key(p) + suffix
+            seq = next(self.seq)
+            self.model.observe_write(ns, name, KEY_LEN, seq=seq, at=self.at, origin=origin)
             self.model.add(ns, name, KEY_LEN, 100, seq=0, at=self.at)  # the stat at settle
 
     def request(self, hits: list[int], new: list[int]) -> None:
@@ -96,6 +100,31 @@ def test_each_rank_is_its_own_stream() -> None:
             s.write(p, suffix=r)
     assert preds(model) == {1: None, 2: 1, 3: 2}
     assert all(len(page.files) == 2 for page in model.pages.values())
+
+
+def test_each_node_of_a_fleet_is_its_own_stream() -> None:
+    """A fleet's leader hears the other nodes' reads and stores in their summaries, interleaved
+    with its own (cachemgr.daemon.fleet.feed): each node's requests teach their own links."""
+
+    def two_nodes(a: str, b: str) -> dict[int, int | None]:
+        model = ChainModel()
+        s = Stream(model)
+        s.request([], [1, 2])  # the system prompt
+        s.request([1, 2], [10, 11])  # session 10's first turn
+        s.request([1, 2], [20, 21])  # session 20's
+        # Node `a` serves session 10's return while node `b` serves 20's, access by access.
+        for x, y in zip([1, 2, 10, 11], [1, 2, 20, 21], strict=True):
+            s.read(x, origin=a)
+            s.read(y, origin=b)
+        s.write(12, origin=a)
+        s.write(22, origin=b)
+        return preds(model)
+
+    apart = two_nodes("", "gpu-2")
+    assert apart == {1: None, 2: 1, 10: 2, 11: 10, 12: 11, 20: 2, 21: 20, 22: 21}
+    # Heard as one stream, the same accesses link each node's new page to the other's.
+    merged = two_nodes("", "")
+    assert merged[12] == 21 and merged[22] == 12
 
 
 def test_a_link_that_would_close_a_cycle_is_refused() -> None:
@@ -199,7 +228,7 @@ def test_stores_of_different_requests_are_not_one_chain() -> None:
         for p in range(4):
             name = key(10 * burst + p) + SUFFIX
             at = burst * 0.1 + p * 0.0001
-            model.observe_write("ns", name, KEY_LEN, seq=next(seq), at=at, seen=at)
+            model.observe_write("ns", name, KEY_LEN, seq=next(seq), at=at, written=Written(at))
             model.add("ns", name, KEY_LEN, 100, seq=0, at=at)
     want = {10 * b + p: (10 * b + p - 1 if p else None) for b in range(10) for p in range(4)}
     assert preds(model) == want
@@ -241,8 +270,11 @@ def test_the_model_survives_a_restart_through_the_index(tmp_path: Path) -> None:
     with Store.open(tmp_path / "state.db") as store:
         with store.transaction() as conn:
             pages_sql.upsert_pages(conn, rows)
-            reads = [(p.reads, 0.0, p.last, "ns", n) for (_, k), p in model.pages.items()
-                     for n in p.names(k)]  # fmt: skip
+            reads = [
+                (p.reads, 0.0, p.last, "ns", n)
+                for (_, k), p in model.pages.items()
+                for n in p.names(k)
+            ]
             pages_sql.add_reads(conn, reads)
         again = ChainModel.from_index(store.conn, ["ns"])
     assert preds(again) == preds(model)

@@ -80,9 +80,21 @@ def test_explain_lists_every_component(
     capsys: pytest.CaptureFixture[str], root: Path, model: Path
 ) -> None:
     code, out, _ = run(
-        capsys, "--root", str(root), "fingerprint", "--explain", "--sglang-version", "0.5.23",
-        "--", "sglang", "serve", "--model-path", str(model), "--page-size", "64",
-    )  # fmt: skip
+        capsys,
+        "--root",
+        str(root),
+        "fingerprint",
+        "--explain",
+        "--sglang-version",
+        "0.5.23",
+        "--",
+        "sglang",
+        "serve",
+        "--model-path",
+        str(model),
+        "--page-size",
+        "64",
+    )
     assert code == 0
     for needle in (
         "kv_cache_dtype ",
@@ -159,8 +171,11 @@ def test_diff_refuses_poisoned_record_files(
     (tmp_path / "deep.json").write_text("[" * 200_000)
     with open(tmp_path / "huge.json", "wb") as f:
         f.truncate(2 << 20)
-    for name, why in (("fifo", "not a regular file"), ("deep", "nested too deeply"),
-                      ("huge", "larger than")):  # fmt: skip
+    for name, why in (
+        ("fifo", "not a regular file"),
+        ("deep", "nested too deeply"),
+        ("huge", "larger than"),
+    ):
         path = str(tmp_path / f"{name}.json")
         code, _, err = run(capsys, "fingerprint", "diff", path, path)
         one_line_error(code, err, why)
@@ -169,10 +184,26 @@ def test_diff_refuses_poisoned_record_files(
 def test_console_script_end_to_end(root: Path, model: Path) -> None:
     """The installed entry point, in a subprocess: same digest as in-process, exit 0."""
     out = subprocess.run(
-        [sys.executable, "-m", "cachemgr", "--root", str(root), "fingerprint", "--json",
-         "--", "python", "-m", "sglang.launch_server", f"--model-path={model}", "--page-size=64"],
-        capture_output=True, text=True, timeout=60, check=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "cachemgr",
+            "--root",
+            str(root),
+            "fingerprint",
+            "--json",
+            "--",
+            "python",
+            "-m",
+            "sglang.launch_server",
+            f"--model-path={model}",
+            "--page-size=64",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     rec = json.loads(out.stdout)
     assert rec["page_size"] == 64 and NS_ID_RE.fullmatch(rec["ns_id"])
     assert "Traceback" not in out.stderr

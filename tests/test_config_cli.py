@@ -99,9 +99,18 @@ def test_config_check_failure_is_one_verdict_line(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("seconds", "text"),
-    [(0, "0s"), (0.25, "0.25s"), (59, "59s"), (60, "1m"), (90, "1m30s"), (7200, "2h"),
-     (5400, "1h30m"), (86400 * 7, "7d"), (86400 + 61, "1d1m1s")],
-)  # fmt: skip
+    [
+        (0, "0s"),
+        (0.25, "0.25s"),
+        (59, "59s"),
+        (60, "1m"),
+        (90, "1m30s"),
+        (7200, "2h"),
+        (5400, "1h30m"),
+        (86400 * 7, "7d"),
+        (86400 + 61, "1d1m1s"),
+    ],
+)
 def test_format_duration_reads_back_as_the_same_duration(seconds: float, text: str) -> None:
     assert format_duration(timedelta(seconds=seconds)) == text
     assert parse_duration(text) == timedelta(seconds=seconds)

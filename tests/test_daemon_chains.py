@@ -4,14 +4,17 @@ it learned across a restart."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import sqlite3
+import time
 from pathlib import Path
 
-from cachemgr.daemon.events import Kind
+from cachemgr.daemon.events import LOCAL, Kind
 from cachemgr.daemon.page_events import PageEvents
+from cachemgr.fs._dirscan import birth_time
 from cachemgr.fs.root import create_root
-from cachemgr.gc.chains import ChainModel
+from cachemgr.gc.chains import BURST_GAP, ChainModel
 from cachemgr.layout import Layout
 from cachemgr.settings import Settings, load_settings
 from cachemgr.state.store import Store
@@ -21,6 +24,7 @@ from tests.daemon_helpers import (
     read_page,
     register_namespace,
     running_daemon,
+    store_burst,
     store_page,
 )
 from tests.polling import wait_for
@@ -42,8 +46,7 @@ class Server:
             n += 1
         for p in chain[:n]:
             read_page(self.d, page_name(p))
-        for p in chain[n:]:
-            store_page(self.d, page_name(p), PAGE)
+        store_burst(self.d, [page_name(p) for p in chain[n:]], PAGE)
 
     def on_disk(self) -> set[int]:
         return {int(n[:64], 16) for n in (p.name for p in self.d.iterdir()) if n.endswith(".bin")}
@@ -51,9 +54,13 @@ class Server:
 
 def _settings(layout: Layout, cap_pages: int) -> Settings:
     return load_settings(
-        root=layout.root, gc_max_bytes=cap_pages * PAGE, gc_high_watermark=1.0,
-        gc_low_watermark=0.9, gc_interval=3600, batch_interval=0.05,
-    )  # fmt: skip
+        root=layout.root,
+        gc_max_bytes=cap_pages * PAGE,
+        gc_high_watermark=1.0,
+        gc_low_watermark=0.9,
+        gc_interval=3600,
+        batch_interval=0.05,
+    )
 
 
 def _db_preds(layout: Layout) -> dict[int, int | None]:
@@ -111,6 +118,52 @@ def test_a_backlog_of_stores_seen_at_once_is_told_apart_by_mtime(tmp_path: Path)
         for n in range(20):  # one page per request, 20 ms apart
             store_page(d, page_name(n), PAGE)
             os.utime(d / page_name(n), (1000 + 0.02 * n, 1000 + 0.02 * n))
-            events.append((Kind.WRITE, NS_A, page_name(n), 5.0))
+            events.append((Kind.WRITE, NS_A, page_name(n), 5.0, LOCAL))
         pages.apply(events, now=2000.0)
     assert all(p.pred is None for p in model.pages.values())
+
+
+def _write_slowly(d: Path, name: str) -> None:
+    """A page written as HiCacheFile writes a big one: a temp file, written for 25 ms (its
+    mtime is when its last write() began), then renamed into place (its ctime)."""
+    tmp = d / f".{name[:8]}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(b"\x01" * PAGE)
+        f.flush()
+        time.sleep(0.025)
+        f.write(b"\x01" * PAGE)
+    os.replace(tmp, d / name)
+
+
+def _request_written_slowly(d: Path, pages: list[int]) -> list[float]:
+    """Write these pages back to back, slowly each; the gaps from each one's rename to the
+    next one's birth, by the files' own times."""
+    for n in pages:
+        _write_slowly(d, page_name(n))
+    times = [(birth_time(str(d / page_name(n))), os.stat(d / page_name(n)).st_ctime) for n in pages]
+    assert all(b is not None for b, _ in times), "the test's filesystem keeps no birth times"
+    return [b - c for (_, c), (b, _) in itertools.pairwise(times) if b is not None]
+
+
+def test_pages_of_megabytes_written_back_to_back_are_one_chain(tmp_path: Path) -> None:
+    """SGLang's 8 MiB pages are 22-33 ms apart by mtime (each takes that long to write), far
+    past BURST_GAP, yet each one's temp file is made right after the one before it was
+    renamed: a burst by birth time. The next request's page, begun 30 ms after the last one
+    was renamed, is not linked to it."""
+    layout = Layout.at(tmp_path / "root")
+    create_root(layout)
+    d = register_namespace(layout, NS_A, instance="gpu0")
+    for attempt in range(5):  # (a writer paused past BURST_GAP between two pages: again)
+        request = [10 * attempt + i for i in range(4)]
+        if max(_request_written_slowly(d, request)) <= BURST_GAP:
+            break
+    time.sleep(0.03)
+    _write_slowly(d, page_name(100))  # the next request's first page
+    model = ChainModel()
+    with Store.open(layout.db_path) as store:
+        events = [(Kind.WRITE, NS_A, page_name(n), 5.0, LOCAL) for n in [*request, 100]]
+        PageEvents(layout, store, model=model).apply(events, now=time.time())
+    mtimes = [os.stat(d / page_name(n)).st_mtime for n in request]
+    assert min(b - a for a, b in itertools.pairwise(mtimes)) > BURST_GAP  # apart by mtime
+    pred = {int(k, 16): p.pred and int(p.pred, 16) for (_, k), p in model.pages.items()}
+    assert [pred[n] for n in [*request, 100]] == [None, *request[:3], None]

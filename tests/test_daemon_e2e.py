@@ -49,8 +49,10 @@ def test_daemon_counts_what_sglang_did_and_purge_empties_it(
             NS_B: sglang.open(dirs[NS_B], model="Qwen/Qwen3-0.6B", tp_rank=1, tp_size=2),
         }
         system = [1, 640]  # a shared system prompt: 10 pages every session starts with
-        sessions = {NS_A: [[system, [100 + s, 64 * (s + 2)]] for s in range(4)],
-                    NS_B: [[system, [200 + s, 192]] for s in range(3)]}  # fmt: skip
+        sessions = {
+            NS_A: [[system, [100 + s, 64 * (s + 2)]] for s in range(4)],
+            NS_B: [[system, [200 + s, 192]] for s in range(3)],
+        }
         stored = dict.fromkeys(dirs, 0)
         read = dict.fromkeys(dirs, 0)
         for ns, segs in sessions.items():
@@ -64,11 +66,13 @@ def test_daemon_counts_what_sglang_did_and_purge_empties_it(
                 read[ns] += r["read"]
         expected = {
             ns: {
-                "pages": on_disk(d)[0], "bytes": on_disk(d)[1],
-                "reads_since_start": read[ns], "writes_since_start": stored[ns],
+                "pages": on_disk(d)[0],
+                "bytes": on_disk(d)[1],
+                "reads_since_start": read[ns],
+                "writes_since_start": stored[ns],
             }
             for ns, d in dirs.items()
-        }  # fmt: skip
+        }
         assert stored[NS_A] == 10 + sum(s + 2 for s in range(4))  # the system prompt once
 
         def seen() -> dict[str, dict[str, Any]]:

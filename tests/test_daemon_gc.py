@@ -51,9 +51,13 @@ def test_eviction_woken_by_writes_while_metrics_keep_answering(tmp_path: Path) -
     scrape meanwhile answers 200, some of them mid-eviction."""
     layout, d = _root(tmp_path, 1000)
     settings = load_settings(
-        root=layout.root, gc_max_bytes=2_000_000, gc_min_age=0, gc_interval=3600,
-        gc_delete_rate=2000, batch_interval=0.05,
-    )  # fmt: skip
+        root=layout.root,
+        gc_max_bytes=2_000_000,
+        gc_min_age=0,
+        gc_interval=3600,
+        gc_delete_rate=2000,
+        batch_interval=0.05,
+    )
     with running_daemon(settings) as dm:
         # Scrapes go on while the writer writes: the cap is kept as it goes (the burst is one
         # request's chain, in flight, which yields to the cap), not after it stopped.
@@ -160,7 +164,7 @@ def test_a_purge_by_the_cli_wakes_the_daemons_gc(tmp_path: Path) -> None:
         wait_for(lambda: dm.namespaces()[NS_A]["pages"], lambda n: n == 20)
         out = cli_process(
             "--root", str(layout.root), "purge", "--namespace", NS_A, "--yes", "--no-wait"
-        )  # fmt: skip
+        )
         assert out.returncode == 0, out.stderr
         # an hour-long interval: only a wake gets the trash deleted within the wait
         wait_for(lambda: list(layout.trash.iterdir()), lambda left: not left, timeout=20)

@@ -54,10 +54,16 @@ def test_a_signal_applies_the_last_batch_closes_the_db_and_exits_0(
         "CACHEMGR_GC_INTERVAL": "1h",
     }
     argv = [sys.executable, "-m", "cachemgr", "--root", str(layout.root), "serve", "--port", "0"]
-    with subprocess.Popen(
-        argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
-    ) as proc:
-        err = _terminate_after_writing(proc, ns_dir, sig)
+    # Its stderr to a file: read from a pipe a line at a time until "serving", then by
+    # communicate(), the lines the pipe's buffer had read ahead were lost (under load, when
+    # the start-up lines came in one read with "serving": seen as no "index ready").
+    log = tmp_path / "daemon.log"
+    with (
+        log.open("wb") as log_file,
+        subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log_file, env=env) as proc,
+    ):
+        _terminate_after_writing(proc, log, ns_dir, sig)
+    err = log.read_text()
     assert proc.returncode == 0, err
     assert "Traceback" not in err
     assert '"daemon stopped"' in err
@@ -74,27 +80,31 @@ def names() -> list[str]:
     return [page_name(i) for i in range(20)]
 
 
-def _terminate_after_writing(proc: subprocess.Popen[str], ns_dir: Path, sig: int) -> str:
-    """Wait until ready, store pages, signal while they wait for their batch; its stderr."""
+def _terminate_after_writing(
+    proc: subprocess.Popen[bytes], log: Path, ns_dir: Path, sig: int
+) -> None:
+    """Wait until ready, store pages, signal while they wait for their batch, wait for the
+    exit."""
     try:
-        assert proc.stderr is not None
-        lines = []
-        while not (lines and "serving" in lines[-1]):
-            line = proc.stderr.readline()
-            assert line, "".join(lines)
-            lines.append(line)
-        url = re.search(r"http://\S+", lines[-1]).group(0)  # type: ignore[union-attr]
+        url = wait_for(lambda: _serving_url(proc, log), timeout=60, what="the serving line")
         wait_for(lambda: _ready(url), bool, timeout=30)
         for name in names():
             store_page(ns_dir, name)
-        wait_for(lambda: _lag(url), lambda lag: lag > 0)
+        wait_for(lambda: _lag(url), lambda lag: lag > 0, timeout=30, what="events queued")
         proc.send_signal(sig)
-        _, err = proc.communicate(timeout=60)
-        return "".join(lines) + err
+        proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()
+            proc.wait()
+
+
+def _serving_url(proc: subprocess.Popen[bytes], log: Path) -> str | None:
+    """The URL `serve` says it serves on, once it has said it."""
+    text = log.read_text()
+    assert proc.poll() is None, f"serve exited with {proc.returncode}: {text}"
+    match = re.search(r"serving .* on (http://\S+)", text)
+    return match.group(1) if match else None
 
 
 def test_a_second_signal_cuts_the_wait_for_in_flight_requests_short(settings: Settings) -> None:

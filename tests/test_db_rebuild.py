@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cachemgr.daemon.indexer import Indexer
+from cachemgr.daemon.indexer import Indexer, IndexerConfig
 from cachemgr.errors import StateError
 from cachemgr.layout import Layout
 from cachemgr.state.store import Store, connect
@@ -37,8 +37,9 @@ def lose_db(root: Path, *, binding_too: bool = False) -> None:
 
 def test_gc_reclaims_a_namespace_the_lost_db_forgot(root: Path, old_ns: str) -> None:
     lose_db(root, binding_too=True)
-    out = cli("--root", str(root), "gc", "--yes", "--min-age", "0",
-              env={"CACHEMGR_GC_KEEP_UNBOUND": "0"})  # fmt: skip
+    out = cli(
+        "--root", str(root), "gc", "--yes", "--min-age", "0", env={"CACHEMGR_GC_KEEP_UNBOUND": "0"}
+    )
     assert out.returncode == 0, out.stderr
     assert not (root / "ns" / old_ns).exists()
     assert not (root / "ns" / f"{old_ns}.json").exists()
@@ -63,7 +64,7 @@ def test_the_daemons_first_scan_registers_forgotten_namespaces(root: Path, old_n
     lose_db(root)
     layout = Layout.at(root)
     store = Store.open(layout.db_path)
-    ix = Indexer(layout, store, batch_interval=0.05)
+    ix = Indexer(layout, store, IndexerConfig(batch_interval=0.05))
     ix.start()
     try:
         assert ix.state.ready.wait(10)

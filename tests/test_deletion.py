@@ -10,7 +10,7 @@ import pytest
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs._unlink import unlink_batch
 from cachemgr.fs.deletecheck import NOT_REACHED, STAT_ERROR, reason_of
-from cachemgr.fs.deletion import PART, Pacer, delete_dir, delete_files
+from cachemgr.fs.deletion import PART, Listeners, Pacer, delete_dir, delete_files
 
 KEY = "ab" * 32
 PAGES = [f"{KEY[:-2]}{i:02x}_m_0_1.bin" for i in range(5)]
@@ -154,7 +154,9 @@ def test_unpaced_parts_on_threads_delete_exactly_what_the_dry_run_counts(
     names = sorted(pages | stay)
     dry = delete_files(tree, "ns/0123456789abcdef", names, dry_run=True)
     gone: dict[str, int | None] = {}
-    real = delete_files(tree, "ns/0123456789abcdef", names, removed=gone.__setitem__)
+    real = delete_files(
+        tree, "ns/0123456789abcdef", names, listeners=Listeners(removed=gone.__setitem__)
+    )
     assert (dry.files, dry.bytes) == (real.files, real.bytes) == (len(pages), 10 * len(pages))
     assert set(os.listdir(ns)) == stay and set(gone) == pages
     assert sorted(real.refused) == sorted(dry.refused) and len(real.refused) == 4
@@ -169,7 +171,12 @@ def test_an_unlink_the_kernel_refuses_is_a_permission_refusal(tree: Path) -> Non
     subprocess.run(["chattr", "+i", str(stuck)], check=True)
     gone: dict[str, int | None] = {}
     try:
-        report = delete_files(tree, "ns/0123456789abcdef", [*PAGES, TEMP], removed=gone.__setitem__)
+        report = delete_files(
+            tree,
+            "ns/0123456789abcdef",
+            [*PAGES, TEMP],
+            listeners=Listeners(removed=gone.__setitem__),
+        )
     finally:
         subprocess.run(["chattr", "-i", str(stuck)], check=True)
     left = set(os.listdir(ns))

@@ -149,9 +149,13 @@ def check_wheel(wheel: Path, site: Path) -> None:
         " print(d.scan(os.open('.', 0), 2, (16, 128, '.', 32), lambda shape: 0)[1])"
     )
     out = subprocess.run(
-        [sys.executable, "-c", probe], cwd=site, capture_output=True, text=True, check=True,
+        [sys.executable, "-c", probe],
+        cwd=site,
+        capture_output=True,
+        text=True,
+        check=True,
         timeout=60,
-    )  # fmt: skip
+    )
     assert all(line.startswith(str(site / "cachemgr")) for line in out.stdout.splitlines()[:2])
 
 
@@ -160,16 +164,20 @@ def test_a_wheel_built_from_the_sdist_has_the_scanner_and_migrations(tmp_path: P
     dist = tmp_path / "dist"
     subprocess.run(
         [sys.executable, "-m", "build", "--sdist", "--outdir", str(dist), str(REPO)],
-        check=True, capture_output=True, timeout=300,
-    )  # fmt: skip
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (sdist,) = dist.glob("cachemgr-*.tar.gz")
     with tarfile.open(sdist) as tf:
         members = tf.getnames()
     assert not any(".hypothesis" in m or m.endswith(".so") for m in members)
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dist), str(sdist)],
-        check=True, capture_output=True, timeout=300,
-    )  # fmt: skip
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (wheel,) = dist.glob("cachemgr-*.whl")
     check_wheel(wheel, tmp_path / "site")
 

@@ -168,7 +168,18 @@ def test_every_form_gives_the_same_identity(tmp_path: Path) -> None:
     for form, args in forms.items():
         mapped = args.replace("/srv/models/", "/models/").replace("/models/", f"{tmp_path}/models/")
         cmd = ["cachemgr", "--root", str(host.root), "init", "--print-env", "--instance", form]
-        out = host.run([*cmd, "--sglang-version", "0.5.19", "--", "python3", "-m",
-                        "sglang.launch_server", *mapped.split()], {})  # fmt: skip
+        out = host.run(
+            [
+                *cmd,
+                "--sglang-version",
+                "0.5.19",
+                "--",
+                "python3",
+                "-m",
+                "sglang.launch_server",
+                *mapped.split(),
+            ],
+            {},
+        )
         ids.add(out.stdout.strip().rsplit("/", 1)[1])
     assert len(ids) == 1, forms

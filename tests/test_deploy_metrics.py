@@ -18,6 +18,7 @@ import httpx
 import pytest
 import yaml
 
+from cachemgr.daemon.fleet import FLEET_METRICS
 from tests.deploy_model import make_model
 from tests.deploy_promql import (
     Exposition,
@@ -77,11 +78,33 @@ class Live:
 def init(root: Path, model: Path, instance: str, kv_dtype: str) -> str:
     """`cachemgr init` as a deployment runs it; the namespace id it created."""
     out = subprocess.run(
-        [sys.executable, "-m", "cachemgr", "--root", str(root), "init", "--instance", instance,
-         "--print-env", "--sglang-version", "0.5.19", "--", "sglang", "serve", "--model-path",
-         str(model), "--kv-cache-dtype", kv_dtype, "--page-size", "64"],
-        capture_output=True, text=True, check=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "cachemgr",
+            "--root",
+            str(root),
+            "init",
+            "--instance",
+            instance,
+            "--print-env",
+            "--sglang-version",
+            "0.5.19",
+            "--",
+            "sglang",
+            "serve",
+            "--model-path",
+            str(model),
+            "--kv-cache-dtype",
+            kv_dtype,
+            "--page-size",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
     return out.stdout.strip().rsplit("/", 1)[1]
 
 
@@ -147,18 +170,26 @@ def scrapes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
             wait_for(ready, timeout=20, what="the daemon's /readyz")
             assert proc.poll() is None, (base / "daemon.log").read_text()
             wait_for(
-                lambda: [scrape().get("cachemgr_namespace_pages", namespace=ns).value
-                         for ns in (ns_a, ns_v)] == [4, 3],
-                timeout=20, what="the scan",
-            )  # fmt: skip
+                lambda: (
+                    [
+                        scrape().get("cachemgr_namespace_pages", namespace=ns).value
+                        for ns in (ns_a, ns_v)
+                    ]
+                    == [4, 3]
+                ),
+                timeout=20,
+                what="the scan",
+            )
             first = scrape()
             # Prometheus's first samples come before the traffic: its rates see all of it.
             prom = start_prometheus(prom_dir, prom_url, f"127.0.0.1:{port}", RULE_FILES)
             wait_for(lambda: prom_ready(prom_url), timeout=60, every=0.5, what="Prometheus")
             wait_for(
                 lambda: prom_query(prom_url, 'cachemgr_page_writes_total{engine="vllm"}'),
-                timeout=60, every=0.5, what="Prometheus's first scrape",
-            )  # fmt: skip
+                timeout=60,
+                every=0.5,
+                what="Prometheus's first scrape",
+            )
             for n in range(4, 10):
                 write_page(root / "ns" / ns_a, n)
             for n in (0, 1):
@@ -226,8 +257,11 @@ def test_rules_and_dashboard_query_only_metrics_the_daemon_serves(
 ) -> None:
     first, second = scrapes.first, scrapes.second
     recorded = {r["record"] for g in load_rules() for r in g["rules"] if "record" in r}
-    known = first.names | second.names | set(SGLANG_SERIES) | recorded | {"up"}
+    # The fleet row's series exist only in fleet mode: test_fleet_deploy checks them live.
+    fleet = set(FLEET_METRICS)
+    known = first.names | second.names | set(SGLANG_SERIES) | recorded | {"up"} | fleet
     labels = first.labels | second.labels | TARGET_LABELS | set().union(*SGLANG_SERIES.values())
+    labels |= {"node"}
     used: set[str] = set()
     for where, expr in queries():
         refs = promql_refs(expr)
@@ -258,10 +292,19 @@ def test_dashboard_panels_cover_the_issue_and_are_valid_promql(tmp_path: Path) -
     dashboard = json.loads(DASHBOARD.read_text())
     titles = " | ".join(p["title"].lower() for p in dashboard["panels"])
     for topic in [
-        "pages per namespace", "bytes per namespace", "page hit ratio", "sglang token-level",
-        "evicted by reason", "purges by reason", "free space", "identity timeline",
-        "watcher overflows", "pages by engine", "bytes by engine", "page hit ratio by engine",
-    ]:  # fmt: skip
+        "pages per namespace",
+        "bytes per namespace",
+        "page hit ratio",
+        "sglang token-level",
+        "evicted by reason",
+        "purges by reason",
+        "free space",
+        "identity timeline",
+        "watcher overflows",
+        "pages by engine",
+        "bytes by engine",
+        "page hit ratio by engine",
+    ]:
         assert topic in titles, topic
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
     # promtool parses each query as a recording rule, Grafana's variables filled in.
@@ -346,28 +389,50 @@ def test_recording_rules_on_real_scrapes(scrapes: Live, tmp_path: Path) -> None:
     sglang = {"job": "sglang", "instance": "sglang:30000", "model_name": "qwen3.8-27b"}
     tokens = {"engine_type": "unified", **sglang}
     series += [
-        {"series": sel("sglang:prompt_tokens_total", is_streaming="false", **tokens),
-         "values": "0+1000x10"},
-        {"series": sel("sglang:cached_tokens_total", cache_source="storage", **tokens),
-         "values": "0+250x10"},
-        {"series": sel("sglang:cached_tokens_total", cache_source="device", **tokens),
-         "values": "0+500x10"},
-    ]  # fmt: skip
+        {
+            "series": sel("sglang:prompt_tokens_total", is_streaming="false", **tokens),
+            "values": "0+1000x10",
+        },
+        {
+            "series": sel("sglang:cached_tokens_total", cache_source="storage", **tokens),
+            "values": "0+250x10",
+        },
+        {
+            "series": sel("sglang:cached_tokens_total", cache_source="device", **tokens),
+            "values": "0+500x10",
+        },
+    ]
     ratio = (
         second.get("cachemgr_filesystem_avail_bytes").value
         / second.get("cachemgr_filesystem_size_bytes").value
     )
     hit_ratio = "namespace:cachemgr_page_hit_ratio:rate5m"
     checks = [
-        (sel(hit_ratio, namespace=ns_id), "6m",
-         sel(hit_ratio, namespace=ns_id, engine="sglang", **TARGET), 0.25),
-        (sel(hit_ratio, namespace=ns_v), "6m",
-         sel(hit_ratio, namespace=ns_v, engine="vllm", **TARGET), 0.4),
-        ("model_name:sglang_storage_hit_ratio:rate5m", "8m",
-         sel("model_name:sglang_storage_hit_ratio:rate5m", **sglang), 0.25),
-        ("instance:cachemgr_filesystem_avail:ratio", "8m",
-         sel("instance:cachemgr_filesystem_avail:ratio", **TARGET), ratio),
-    ]  # fmt: skip
+        (
+            sel(hit_ratio, namespace=ns_id),
+            "6m",
+            sel(hit_ratio, namespace=ns_id, engine="sglang", **TARGET),
+            0.25,
+        ),
+        (
+            sel(hit_ratio, namespace=ns_v),
+            "6m",
+            sel(hit_ratio, namespace=ns_v, engine="vllm", **TARGET),
+            0.4,
+        ),
+        (
+            "model_name:sglang_storage_hit_ratio:rate5m",
+            "8m",
+            sel("model_name:sglang_storage_hit_ratio:rate5m", **sglang),
+            0.25,
+        ),
+        (
+            "instance:cachemgr_filesystem_avail:ratio",
+            "8m",
+            sel("instance:cachemgr_filesystem_avail:ratio", **TARGET),
+            ratio,
+        ),
+    ]
     tests = [
         {"expr": expr, "eval_time": at, "exp_samples": [{"labels": labels, "value": value}]}
         for expr, at, labels, value in checks
@@ -414,6 +479,7 @@ def test_alerts_fire_on_the_daemons_real_series(scrapes: Live, tmp_path: Path) -
     v_reads = target(e.get("cachemgr_page_reads_total", namespace=ns_v))
     v_writes = target(e.get("cachemgr_page_writes_total", namespace=ns_v))
     v_info = target(e.get("cachemgr_namespace_info", namespace=ns_v), page_size="1")
+    dir_ratio = target(e.get("cachemgr_namespace_dir_entries_limit_ratio", namespace=ns_id))
     node = dict(TARGET)
     ns = {**TARGET, "namespace": ns_id}
     vns = {**TARGET, "namespace": ns_v, "engine": "vllm"}
@@ -449,6 +515,14 @@ def test_alerts_fire_on_the_daemons_real_series(scrapes: Live, tmp_path: Path) -
             [expect("CachemgrDiskFreeLow", node, 1 / 32)],
         ),
         alert_test("CachemgrDiskFreeLow", {avail: f"{full}x15", size: f"{full}x15"}, "12m", []),
+        # A flat dir at 85% of its entry limit for 15 minutes; at 75% it is quiet.
+        alert_test(
+            "CachemgrDirIndexNearlyFull",
+            {dir_ratio: "0.85x15"},
+            "12m",
+            [expect("CachemgrDirIndexNearlyFull", {**ns, "engine": "sglang"}, 0.85)],
+        ),
+        alert_test("CachemgrDirIndexNearlyFull", {dir_ratio: "0.75x15"}, "12m", []),
         # The leader's last success at t=0, nothing since: at 45m it is 2700 s old.
         alert_test(
             "CachemgrGCFailing",
@@ -583,8 +657,12 @@ def test_dashboard_queries_on_a_real_prometheus_show_the_vllm_namespace(scrapes:
     (var,) = [v for v in dashboard["templating"]["list"] if v["name"] == "engine"]
     engines = prom_query(url, fill_in(var["query"]["query"]))
     assert {r["metric"]["engine"] for r in engines} == {"sglang", "vllm"}
-    wait_for(lambda: by_engine("Pages by engine"), lambda v: v == {"sglang": 10, "vllm": 6},
-             timeout=30, what="the last scrape in Prometheus")  # fmt: skip
+    wait_for(
+        lambda: by_engine("Pages by engine"),
+        lambda v: v == {"sglang": 10, "vllm": 6},
+        timeout=30,
+        what="the last scrape in Prometheus",
+    )
     assert by_engine("Bytes by engine")["vllm"] == 6 * 4096
     ratio = by_engine("Page hit ratio by engine (reads / (reads + writes))")
     assert ratio == {"sglang": pytest.approx(2 / 8), "vllm": pytest.approx(2 / 5)}

@@ -51,22 +51,40 @@ CAP = 100_000  # per namespace: each has its own writer
 
 
 def identity(name: str) -> dict[str, object]:
-    return {"engine": "vllm", "kv_cache_dtype": "bfloat16", "page_size": 16,
-            "source": {"served_model_name": name}}  # fmt: skip
+    return {
+        "engine": "vllm",
+        "kv_cache_dtype": "bfloat16",
+        "page_size": 16,
+        "source": {"served_model_name": name},
+    }
 
 
 @pytest.fixture
 def writers() -> Iterator[dict[str, VllmDriver]]:
     """vLLM's fs tier as the examples' root with umask 0002, and one forced to umask 022."""
+    users = {"engine": ENGINE, "forced": FORCED_022}
+    # Both start before either is awaited: each import of vLLM takes 10-20 s.
+    procs = {
+        name: start_driver(VLLM_ENV, "vllm-env.sh", "vllm_driver.py", "VLLM_", user)
+        for name, user in users.items()
+    }
     started: dict[str, VllmDriver] = {}
     try:
-        for name, user in (("engine", ENGINE), ("forced", FORCED_022)):
-            proc = start_driver(VLLM_ENV, "vllm-env.sh", "vllm_driver.py", "VLLM_", user)
+        for name, proc in procs.items():
             started[name] = VllmDriver(proc)
         yield started
     finally:
+        for proc in procs.values():  # both told to exit before either is waited for
+            if proc.stdin is not None:
+                proc.stdin.close()
         for driver in started.values():
             driver.close()
+        for name, proc in procs.items():
+            if name not in started:  # its peer failed first: not left running
+                proc.kill()
+                proc.wait()
+                if proc.stdout is not None:
+                    proc.stdout.close()
 
 
 def prepare(root: Path) -> tuple[Path, Path]:

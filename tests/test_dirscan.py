@@ -78,8 +78,12 @@ def test_scan_counts_pages_temps_and_others(layout: Layout) -> None:
     usage = scan_usage(layout, f"ns/{NS}")
     assert usage is not None
     assert (usage.pages, usage.bytes, usage.temps, usage.temp_bytes, usage.other) == (
-        3, 21, 6, 10, 5,
-    )  # fmt: skip
+        3,
+        21,
+        6,
+        10,
+        5,
+    )
     assert usage == reference(d)
     shapes = [g[0] for g in raw_scan(d)[0]]
     assert shapes.count("." + "0" * 32 + ".tmp") == 1 and len(shapes) == 4  # temps share one
@@ -183,11 +187,24 @@ _HEX = st.text("0123456789abcdef", min_size=0, max_size=140)
 # a few keys, so that files of one page (pools, ranks) and keys that extend others meet
 _KEYS = st.sampled_from(["a" * 16, "a" * 17, "f" * 64, "f" * 65, "0" * 128, "0" * 129])
 _TAILS = st.sampled_from(
-    ["_m_0_1.bin", ".mamba_m.bin", "_Qwen-Qwen3-8B.bin", ".bin", "_.bin", "_m_0_1.bin.tmp",
-     ".swa_x_1_2_cp0_2.bin", "", "_m", "Z_m_0_1.bin", ".nopool_m.bin", "_m_1_2.bin",
-     ".deepseek_v4_c4_indexer_state_m_0_1_2_1.bin", "_m_0_1.bin.tmp.12.345." + "c" * 32,
-     "_m_0_1.bin.tmp.12.x." + "c" * 32]
-)  # fmt: skip
+    [
+        "_m_0_1.bin",
+        ".mamba_m.bin",
+        "_Qwen-Qwen3-8B.bin",
+        ".bin",
+        "_.bin",
+        "_m_0_1.bin.tmp",
+        ".swa_x_1_2_cp0_2.bin",
+        "",
+        "_m",
+        "Z_m_0_1.bin",
+        ".nopool_m.bin",
+        "_m_1_2.bin",
+        ".deepseek_v4_c4_indexer_state_m_0_1_2_1.bin",
+        "_m_0_1.bin.tmp.12.345." + "c" * 32,
+        "_m_0_1.bin.tmp.12.x." + "c" * 32,
+    ]
+)
 _NAMES = st.one_of(
     st.builds(lambda h, t: h + t, _HEX, _TAILS),
     st.builds(lambda h, t: h + t, _KEYS, _TAILS),
@@ -235,8 +252,9 @@ def test_list_files_gives_regular_pages_and_temps_with_size_and_mtime(layout: La
     (d / page_name(3)).mkdir()
     got = {f.name: f for f in list_files(layout, f"ns/{NS}")}
     assert {(f.kind, f.name, f.size) for f in got.values()} == {
-        (FileKind.PAGE, page_name(1), 10), (FileKind.TEMP, f".{'b' * 32}.tmp", 1),
-    }  # fmt: skip
+        (FileKind.PAGE, page_name(1), 10),
+        (FileKind.TEMP, f".{'b' * 32}.tmp", 1),
+    }
     assert got[page_name(1)].mtime == 1000.0
     assert list(list_files(layout, "ns/ffffffffffffffff")) == []
 
@@ -246,12 +264,14 @@ def test_the_files_of_one_page_count_once_and_their_bytes_all(layout: Layout) ->
     d = ns_dir(layout)
     key = "e" * 64
     names = [
-        f"{key}_m_0_2.bin", f"{key}_m_1_2.bin",  # TP ranks 0 and 1
-        f"{key}.mamba_m_0_2.bin", f"{key}.mamba_m_1_2.bin",  # their mamba pool's part
+        f"{key}_m_0_2.bin",
+        f"{key}_m_1_2.bin",  # TP ranks 0 and 1
+        f"{key}.mamba_m_0_2.bin",
+        f"{key}.mamba_m_1_2.bin",  # their mamba pool's part
         f"{key}.deepseek_v4_c4_indexer_m_0_2_2_1_cp1_2.bin",  # PP and CP parts
         f"{'d' * 64}.swa_m_0_2.bin",  # a pool file whose KV file is gone: still a page
         f"{key}_m_0_2.bin.tmp.41.1399.{'a' * 32}",  # a write in progress (newer temp name)
-    ]  # fmt: skip
+    ]
     for n in names:
         (d / n).write_bytes(b"x" * 10)
     usage = scan_usage(layout, f"ns/{NS}")

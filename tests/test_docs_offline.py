@@ -30,11 +30,17 @@ def offline_chromium(url: str, tmp: Path, *args: str) -> str:
     Virtual time lets the page's scripts and requests finish without a fixed wait."""
     assert CHROMIUM is not None
     argv = [
-        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--no-first-run",
         f"--user-data-dir={tmp / 'profile'}",
         "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
-        "--virtual-time-budget=15000", *args, url,
-    ]  # fmt: skip
+        "--virtual-time-budget=15000",
+        *args,
+        url,
+    ]
     return subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True).stdout
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from cachemgr.doctor.finding import exit_code
-from cachemgr.doctor.launch import is_hybrid, launch_env, lint, parse_size
 from cachemgr.layout import Layout
 from cachemgr.sglang.args import resolve_launch_args
+from cachemgr.sglang.lint import is_hybrid, launch_env, lint, parse_size
 from tests.nsfixtures import cli
 from tests.test_identity import make_model
 
@@ -27,9 +27,19 @@ def model(tmp_path: Path) -> Path:
 
 def doctor(root: Path, command: str, env: dict[str, str] | None = None) -> tuple[int, list[str]]:
     """(exit code, codes of the findings) of `cachemgr doctor --json -- command`."""
-    out = cli("--root", str(root), "doctor", "--json", "--", *command.split(),
-              env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": "",
-                   "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE": "", **(env or {})})  # fmt: skip
+    out = cli(
+        "--root",
+        str(root),
+        "doctor",
+        "--json",
+        "--",
+        *command.split(),
+        env={
+            "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": "",
+            "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE": "",
+            **(env or {}),
+        },
+    )
     assert "Traceback" not in out.stderr, out.stderr
     return out.returncode, [f["code"] for f in json.loads(out.stdout)]
 
@@ -39,8 +49,18 @@ def managed_env(root: Path) -> dict[str, str]:
 
 
 def test_page_size_1_is_an_error_with_the_numbers(root: Path, model: Path) -> None:
-    out = cli("--root", str(root), "doctor", "--", *FILE.split(), "--page-size", "1",
-              "--model-path", str(model), env=managed_env(root))  # fmt: skip
+    out = cli(
+        "--root",
+        str(root),
+        "doctor",
+        "--",
+        *FILE.split(),
+        "--page-size",
+        "1",
+        "--model-path",
+        str(model),
+        env=managed_env(root),
+    )
     assert out.returncode == 2
     (line,) = out.stdout.splitlines()
     assert line.startswith("error   page-size-1: ")
@@ -48,8 +68,16 @@ def test_page_size_1_is_an_error_with_the_numbers(root: Path, model: Path) -> No
 
 
 def test_page_size_left_to_sglang_is_a_warning_not_an_error(root: Path, model: Path) -> None:
-    out = cli("--root", str(root), "doctor", "--", *FILE.split(), "--model-path", str(model),
-              env=managed_env(root))  # fmt: skip
+    out = cli(
+        "--root",
+        str(root),
+        "doctor",
+        "--",
+        *FILE.split(),
+        "--model-path",
+        str(model),
+        env=managed_env(root),
+    )
     assert out.returncode == 1
     (line,) = out.stdout.splitlines()
     assert line.startswith("warning page-size-unpinned: ")
@@ -112,8 +140,15 @@ def test_two_cache_owners_are_named(root: Path, model: Path) -> None:
     """SGLang's evictor and cachemgr's gc_max_bytes together: one warning naming both caps."""
     cmd = f"{FILE} --page-size 64 --model-path {model}"
     env = {**managed_env(root), "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE": "2G"}
-    out = cli("--root", str(root), "doctor", "--json", "--", *cmd.split(),
-              env={**env, "CACHEMGR_GC_MAX_BYTES": "3GB"})  # fmt: skip
+    out = cli(
+        "--root",
+        str(root),
+        "doctor",
+        "--json",
+        "--",
+        *cmd.split(),
+        env={**env, "CACHEMGR_GC_MAX_BYTES": "3GB"},
+    )
     (warning,) = [f for f in json.loads(out.stdout) if f["code"] == "sglang-evictor"]
     assert "gc_max_bytes 3.0 GB" in warning["message"] and "two owners" in warning["message"]
     out = cli("--root", str(root), "doctor", "--json", "--", *cmd.split(), env=env)
@@ -137,8 +172,14 @@ def test_cap_larger_than_free_space(root: Path, model: Path) -> None:
     assert seen == [root / "ns" / "0123456789abcdef"]
     found = lint(args, layout=layout, env=env, model_config={}, disk_free=lambda _: 10**13)
     assert "disk-smaller-than-cap" not in [f.code for f in found]
-    own = lint(args, layout=layout, env=managed_env(root), model_config={}, cap_bytes=10**12,
-               disk_free=free)  # fmt: skip
+    own = lint(
+        args,
+        layout=layout,
+        env=managed_env(root),
+        model_config={},
+        cap_bytes=10**12,
+        disk_free=free,
+    )
     assert [f.code for f in own] == ["disk-smaller-than-cap"]
 
 

@@ -19,8 +19,9 @@ def model(tmp_path: Path) -> Path:
     return make_model(tmp_path / "model")
 
 
-def doctor(root: Path, command: list[str], env: dict[str, str] | None = None
-           ) -> tuple[int, list[str], list[dict[str, str]]]:  # fmt: skip
+def doctor(
+    root: Path, command: list[str], env: dict[str, str] | None = None
+) -> tuple[int, list[str], list[dict[str, str]]]:
     out = cli("--root", str(root), "doctor", "--json", "--", *command, env=env)
     findings = json.loads(out.stdout)
     return out.returncode, sorted(f["code"] for f in findings), findings

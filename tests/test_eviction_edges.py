@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cachemgr.daemon.indexer import Indexer
+from cachemgr.daemon.indexer import Indexer, IndexerConfig
 from cachemgr.gc import chains
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.runner import GcRunner
@@ -49,7 +49,7 @@ def test_the_writers_pace_stays_a_pace_when_the_index_is_rebuilt(
     # count the cap as that much further away (`ahead`) and let the writer run over it.
     d = layout.ns_dir(NS_A)
     d.mkdir()
-    ix = Indexer(layout, store, batch_interval=0.05)
+    ix = Indexer(layout, store, IndexerConfig(batch_interval=0.05))
     ix.start()
     try:
         assert ix.state.ready.wait(10)

@@ -25,8 +25,11 @@ def on_a_terminal(args: list[str], answer: str) -> tuple[int, str]:
     primary, secondary = os.openpty()
     proc = subprocess.Popen(
         [sys.executable, "-m", "cachemgr", "--log-format", "json", *args],
-        stdin=secondary, stdout=subprocess.PIPE, stderr=secondary, cwd=REPO,
-    )  # fmt: skip
+        stdin=secondary,
+        stdout=subprocess.PIPE,
+        stderr=secondary,
+        cwd=REPO,
+    )
     os.close(secondary)
     shown = b""
     try:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from cachemgr.daemon.events import LOCAL, Kind
 from cachemgr.daemon.page_events import PageEvents
-from cachemgr.daemon.watcher import Kind
 from cachemgr.gc.check import needs_gc
 from cachemgr.gc.execute import CHUNK, execute_gc
 from cachemgr.state.index import scan_root
@@ -281,11 +281,13 @@ def test_scan_brings_the_index_in_line_and_keeps_recency(tree: Tree) -> None:
 
 def test_event_sequence_follows_observation_order_and_resumes(tree: Tree) -> None:
     tree.write(NS, A, at=T0)
-    tree.rec.apply([(Kind.READ, NS, A[3], 0.0), (Kind.READ, NS, A[1], 0.0)], now=T0 + 1)
+    tree.rec.apply(
+        [(Kind.READ, NS, A[3], 0.0, LOCAL), (Kind.READ, NS, A[1], 0.0, LOCAL)], now=T0 + 1
+    )
     seqs = dict(tree.store.conn.execute("SELECT name, access_seq FROM pages"))
     assert seqs[A[0]] < seqs[A[2]] < seqs[A[3]] < seqs[A[1]]  # one counter, event order
     again = PageEvents(tree.layout, Store.open(tree.layout.db_path))
-    again.apply([(Kind.READ, NS, A[0], 0.0)], now=T0 + 2)
+    again.apply([(Kind.READ, NS, A[0], 0.0, LOCAL)], now=T0 + 2)
     seqs = dict(tree.store.conn.execute("SELECT name, access_seq FROM pages"))
     assert seqs[A[0]] > max(seqs[n] for n in A[1:])
     again.store.close()
@@ -297,9 +299,7 @@ def test_a_stop_ends_the_run_after_the_chunk_being_deleted(tree: Tree) -> None:
     tree.write(NS, names, at=T0, size=10)
     plan = tree.plan(policy(max_bytes=1), now=T0 + 1)
     checks = iter([False, False])  # the step, then its first chunk; stop after that
-    report = execute_gc(
-        plan, tree.layout, tree.store, clock=lambda: T0 + 1, stop=lambda: next(checks, True)
-    )
+    report = execute_gc(plan, tree.run(clock=lambda: T0 + 1, stop=lambda: next(checks, True)))
     (step,) = report.steps
     assert step.files == CHUNK and step.skipped and step.skipped.startswith("stopped")
     assert len(tree.files(NS)) == 5000 - CHUNK

@@ -5,19 +5,25 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 from cachemgr.settings import load_settings
+from tests.daemon_helpers import cli_argv
 from tests.gc_helpers import NS, Tree, page, temp
 
 
 def gc(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cachemgr", "--root", str(root), "--log-level", "error", "gc",
-         *args],
-        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            *cli_argv(root),
+            "gc",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def no_daemon_root(root: Path) -> None:
@@ -74,9 +80,13 @@ def test_a_bad_limit_is_one_line_naming_the_setting(root: Path) -> None:
 
 def test_settings_parse_sizes_and_durations(root: Path) -> None:
     s = load_settings(
-        root=root, gc_max_bytes="1.5TiB", gc_tmp_ttl="1h30m", gc_unbound_ttl="7d",
-        gc_min_age=30, gc_min_free_bytes="500GB",
-    )  # fmt: skip
+        root=root,
+        gc_max_bytes="1.5TiB",
+        gc_tmp_ttl="1h30m",
+        gc_unbound_ttl="7d",
+        gc_min_age=30,
+        gc_min_free_bytes="500GB",
+    )
     assert int(s.gc_max_bytes or 0) == int(1.5 * 2**40)
     assert s.gc_tmp_ttl.total_seconds() == 5400
     assert s.gc_unbound_ttl is not None and s.gc_unbound_ttl.days == 7

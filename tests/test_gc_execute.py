@@ -30,7 +30,7 @@ def test_a_refused_unlink_is_kept_loudly_with_index_and_audit_exact(tree: Tree) 
     stuck = tree.layout.ns_dir(NS) / step.names[CHUNK + CHUNK // 2]
     subprocess.run(["chattr", "+i", str(stuck)], check=True)
     try:
-        report = execute_gc(plan, tree.layout, tree.store, clock=lambda: T0 + 1)
+        report = execute_gc(plan, tree.run(clock=lambda: T0 + 1))
     finally:
         subprocess.run(["chattr", "-i", str(stuck)], check=True)
     on_disk = tree.files(NS)

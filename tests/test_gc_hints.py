@@ -61,7 +61,7 @@ def _evictable(dm: RunningDaemon) -> None:
 
 def test_the_http_limits_are_the_cli_gc_limits() -> None:
     """One list: every limit `cachemgr gc` takes as a flag, POST /v1/gc takes in its body."""
-    flags = {setting for _, setting, _, _ in _LIMITS}
+    flags = {setting for _, setting, _ in _LIMITS}
     assert {f"gc_{name}" for name in GcRequest.model_fields} - {"gc_dry_run"} == flags
 
 
@@ -112,7 +112,7 @@ def test_a_limit_is_checked_over_http_as_the_cli_checks_it(
 ) -> None:
     by_cli = cli("--root", str(full.root), "gc", "--dry-run", flag, value)
     name = flag.removeprefix("--").replace("-", "_")
-    kind = next(k for f, _, k, _ in _LIMITS if f == flag)
+    kind = next(k for f, _, k in _LIMITS if f == flag)
     with running_daemon(_uncapped(full.root)) as dm:
         as_json = kind(value) if kind is float and _is_number(value) else value
         r = dm.post("/v1/gc", json={name: as_json, "dry_run": True})

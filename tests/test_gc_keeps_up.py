@@ -9,16 +9,20 @@ import contextlib
 import os
 import threading
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 
-from cachemgr.daemon.backlog import Flight, StoreBacklog, queued_pages
+from cachemgr.daemon.backlog import SETTLE, Flight, StoreBacklog, queued_pages
+from cachemgr.daemon.events import LOCAL, Kind
 from cachemgr.daemon.watcher import Event, Watcher
+from cachemgr.formats import DEFAULT_FORMAT
 from cachemgr.fs.root import create_root
 from cachemgr.fs.usage import DiskUsage
 from cachemgr.gc.chains import ChainModel
-from cachemgr.gc.execute import execute_gc
+from cachemgr.gc.execute import InFlight, execute_gc
+from cachemgr.gc.plan import GcPlan, Live, plan_gc
 from cachemgr.gc.policy import GcPolicy, headroom, over_limits
-from cachemgr.gc.runner import GcRunner
+from cachemgr.gc.runner import GcRunner, LiveState
 from cachemgr.layout import Layout
 from cachemgr.settings import load_settings
 from cachemgr.sglang.hicache import HICACHE_FILE
@@ -50,10 +54,15 @@ def test_stores_the_index_has_not_applied_wake_gc_and_count_against_the_cap(
     for i in range(900):  # 0.9 of the cap, indexed by the start-up scan
         store_page(d, page_name(i), PAGE)
     settings = load_settings(
-        root=layout.root, gc_max_bytes=1_000_000, gc_high_watermark=1.0,
-        gc_low_watermark=0.9, gc_min_age=0, gc_interval=3600, gc_delete_rate=1e9,
+        root=layout.root,
+        gc_max_bytes=1_000_000,
+        gc_high_watermark=1.0,
+        gc_low_watermark=0.9,
+        gc_min_age=0,
+        gc_interval=3600,
+        gc_delete_rate=1e9,
         batch_interval=10,  # the index applies nothing before the wait below ends
-    )  # fmt: skip
+    )
     with running_daemon(settings) as dm:
         for i in range(900, 1200):  # 1.2 of the cap on disk
             store_page(d, page_name(i), PAGE)
@@ -62,6 +71,17 @@ def test_stores_the_index_has_not_applied_wake_gc_and_count_against_the_cap(
         wait_for(lambda: page_bytes(d), lambda b: b <= 1_000_000, timeout=8, what="the cap")
         assert dm.daemon.indexer.state.events_applied == 0
         assert all((d / page_name(i)).exists() for i in range(900, 1200))  # the old went
+
+
+class Pending(LiveState):
+    """A daemon whose watcher saw `stored` bytes the index has not applied."""
+
+    def __init__(self, stored: int) -> None:
+        super().__init__()
+        self.stored = stored
+
+    def pending(self) -> int:
+        return self.stored
 
 
 def test_a_run_with_nothing_to_free_does_not_pause_gc(tmp_path: Path) -> None:
@@ -80,7 +100,7 @@ def test_a_run_with_nothing_to_free_does_not_pause_gc(tmp_path: Path) -> None:
         # Stores the index has not applied yet put it over: protections yield only for what
         # the index counts (the model does not know what those stores continue), so nothing
         # can go until it applies them: that run is stuck, and GC pauses.
-        runner.pending = lambda: 10**9
+        runner.live = Pending(10**9)
         assert runner._cycle(runner.tick) is True
     finally:
         runner.leadership.release()
@@ -197,37 +217,102 @@ def test_a_chain_a_request_reads_while_gc_deletes_stays_from_the_next_chunk_on(
         with open(tree.layout.ns_dir(NS) / page(3), "rb") as f:
             f.read()
         wait_for(lambda: watcher.accessed, bool)
-        execute_gc(plan, tree.layout, tree.store, clock=lambda: T0 + 100, keep=flight.keep)
+        execute_gc(plan, tree.run(clock=lambda: T0 + 100), spare=flight.spare)
     finally:
         watcher.stop()
         tree.store.close()
     assert tree.files(NS) == {page(1), page(2), page(3)}
 
 
-def test_only_each_streams_last_page_read_since_the_plan_is_kept(tmp_path: Path) -> None:
-    """Not every page read since the plan holds its chain (at full speed that was every
-    chain, and the cap was lost: run F): a request that read a chain and then another
-    request on the same stream is done with it."""
+@contextlib.contextmanager
+def _two_chains_planned(tmp_path: Path) -> Iterator[tuple[Tree, Watcher, GcPlan, InFlight]]:
+    """Chains 1 <- ... <- 6 and 11 <- ... <- 16, a plan that evicts both whole, the watcher
+    on, and what GC takes to be in flight as it plans."""
     tree = Tree.at(tmp_path / "root")
     watcher = Watcher(tree.layout)
     try:
-        tree.write(NS, [page(i) for i in range(1, 7)], at=T0)  # 1 <- 2 <- ... <- 6
-        tree.write(NS, [page(i) for i in range(11, 17)], at=T0 + 1)  # 11 <- ... <- 16
+        tree.write(NS, [page(i) for i in range(1, 7)], at=T0)
+        tree.write(NS, [page(i) for i in range(11, 17)], at=T0 + 1)
         model = ChainModel.from_index(tree.store.conn, [NS])
         plan = tree.plan(policy(max_bytes=100, low_watermark=0.1), now=T0 + 100, model=model)
         assert len(evicted(plan)) == 12
         watcher.start()
         assert watcher.watch(NS)
-        flight = Flight(watcher, model)()
-        for n in (3, 13):  # one request read up to 3, the next one up to 13
-            with open(tree.layout.ns_dir(NS) / page(n), "rb") as f:
-                f.read()
-        wait_for(lambda: watcher.accessed, lambda n: n >= 2)
-        execute_gc(plan, tree.layout, tree.store, clock=lambda: T0 + 100, keep=flight.keep)
+        yield tree, watcher, plan, Flight(watcher, model)()
     finally:
         watcher.stop()
         tree.store.close()
+
+
+def _read(tree: Tree, n: int) -> None:
+    with open(tree.layout.ns_dir(NS) / page(n), "rb") as f:
+        f.read()
+
+
+def test_only_each_streams_last_page_read_since_the_plan_is_kept(tmp_path: Path) -> None:
+    """Not every page read since the plan holds its chain (at full speed that was every
+    chain, and the cap was lost: run F): a request that read a chain and then another
+    request on the same stream is done with it."""
+    with _two_chains_planned(tmp_path) as (tree, watcher, plan, flight):
+        for n in (3, 13):  # one request read up to 3, the next one up to 13
+            _read(tree, n)
+        wait_for(lambda: watcher.accessed, lambda n: n >= 2)
+        execute_gc(plan, tree.run(clock=lambda: T0 + 100), spare=flight.spare)
     assert tree.files(NS) == {page(11), page(12), page(13)}
+
+
+def test_each_fleet_nodes_last_page_read_since_the_plan_is_kept(tmp_path: Path) -> None:
+    """A fleet's leader hears another node's reads in its summaries (cachemgr.daemon.fleet.feed)
+    beside its own: each node is its own stream, so each one's request in flight keeps its
+    chain, as two requests on one stream would not (the test above)."""
+    with _two_chains_planned(tmp_path) as (tree, watcher, plan, flight):
+        _read(tree, 3)  # this node's request
+        wait_for(lambda: watcher.accessed, lambda n: n >= 1)
+        watcher.emit((Kind.READ, NS, page(13), watcher.clock(), "gpu-2"))  # another node's
+        execute_gc(plan, tree.run(clock=lambda: T0 + 100), spare=flight.spare)
+    assert tree.files(NS) == {page(i) for i in (1, 2, 3, 11, 12, 13)}
+
+
+class _CountingFormat:
+    """The default format, counting the names whose key is parsed."""
+
+    def __init__(self) -> None:
+        self.parsed = 0
+
+    def key_len(self, name: str) -> int | None:
+        self.parsed += 1
+        return DEFAULT_FORMAT.key_len(name)
+
+
+def test_each_access_since_the_plan_is_parsed_once_not_once_per_chunk(tmp_path: Path) -> None:
+    """At full speed tens of thousands of accesses come during a run: parsing all of them
+    again before each chunk of 256 was most of a run's time, and the writer outran GC
+    (bench/RESULTS.md, the replay's cap check). The chain read last is still kept."""
+    tree = Tree.at(tmp_path / "root")
+    try:
+        tree.write(NS, [page(i) for i in range(1, 7)], at=T0)  # 1 <- 2 <- ... <- 6
+        fmt = _CountingFormat()
+        model = ChainModel.from_index(tree.store.conn, [NS])
+        model.formats = lambda ns: fmt  # type: ignore[assignment,return-value]
+        watcher = Watcher(tree.layout)  # not started: its accesses are emitted below
+        spare = Flight(watcher, model)().spare
+        assert spare is not None
+        names = [page(i) for i in range(6, 0, -1)]
+        for chunk in range(20):
+            for i in range(500):  # another stream's reads, then this one's read of page 3
+                watcher.emit((Kind.READ, NS, page(1000 + chunk * 500 + i, "other"), 0.0, LOCAL))
+            watcher.emit((Kind.READ, NS, page(3), 0.0, LOCAL))
+            fmt.parsed = 0
+            assert set(spare(NS, names, 0)) == {page(1), page(2), page(3)}
+            assert fmt.parsed <= 501 + 64 + len(names)  # the new ones (and a few older)
+        fmt.parsed = 0
+        for _ in range(20):  # a hot prefix read again and again: each name parsed once
+            for i in range(500):
+                watcher.emit((Kind.READ, NS, page(5000 + i), 0.0, LOCAL))
+            spare(NS, names, 0)
+        assert fmt.parsed <= 500 + 64
+    finally:
+        tree.store.close()
 
 
 def test_a_limit_still_crossed_after_a_stuck_run_is_tried_again_without_a_wake(
@@ -239,8 +324,14 @@ def test_a_limit_still_crossed_after_a_stuck_run_is_tried_again_without_a_wake(
     layout = Layout.at(tmp_path / "root")
     create_root(layout)
     d = register_namespace(layout, NS_A, instance="gpu0")
-    cfg = load_settings(root=layout.root, batch_interval=0.05, gc_interval=3600,
-                        gc_max_bytes=4096, gc_min_age=1.0, gc_delete_rate=None)  # fmt: skip
+    cfg = load_settings(
+        root=layout.root,
+        batch_interval=0.05,
+        gc_interval=3600,
+        gc_max_bytes=4096,
+        gc_min_age=1.0,
+        gc_delete_rate=None,
+    )
     with running_daemon(cfg):
         for i in range(8):
             store_page(d, page_name(i))
@@ -262,3 +353,151 @@ def test_stores_seen_during_a_gc_run_past_the_room_it_leaves_wake_gc_again() -> 
     assert wakes == [101, 300]
     backlog.rearm(400 * PAGE)  # room enough: no wake
     assert wakes == [101, 300]
+
+
+def test_a_cap_takes_stores_the_index_has_not_applied_once_no_indexed_page_is_left(
+    tmp_path: Path,
+) -> None:
+    """At full speed the index lags the writer by many times a small cap: GC evicted every
+    indexed page, logged 'no other page is indexed' and the cap was lost (bench/RESULTS.md,
+    the replay's cap check). The stores the watcher queued go too, newest first (a request
+    writes its chain head to tail: what is left of a burst is a usable prefix), after the
+    indexed pages; one that is not a regular file is never taken; a dry run plans the same."""
+    tree = Tree.at(tmp_path / "root")
+    try:
+        tree.write(NS, [page(i) for i in range(1, 4)], at=T0)  # indexed: 3,000 bytes
+        d = tree.dir(NS)
+        for i in range(11, 17):  # stored, not applied yet: 6,000 bytes
+            (d / page(i)).write_bytes(b"\0" * PAGE)
+        os.symlink(d / page(1), d / page(10))  # a queued "store" that is a link: never taken
+        unapplied = [(NS, page(i)) for i in (*range(16, 10, -1), 10)]  # in the order to take
+        model = ChainModel.from_index(tree.store.conn, [NS])
+        live = Live(model, pending=6000, unapplied=unapplied)
+        pol = policy(max_bytes=5000, low_watermark=0.9)  # 9,000 on disk: 4,500 must go
+        plans = [
+            plan_gc(tree.layout, tree.store, pol, now=T0 + 100, disk_usage=big_disk, live=live)
+            for _ in range(2)
+        ]
+        assert evicted(plans[0]) == evicted(plans[1])
+        assert sorted(evicted(plans[0])[:3]) == [page(i) for i in range(1, 4)]
+        assert evicted(plans[0])[3:] == [page(16), page(15)]  # the newest stores, 1,500 bytes
+        assert not any("no other page" in w for w in plans[0].warnings)
+        dry = tree.execute(plans[0], now=T0 + 100, dry_run=True)
+        real = tree.execute(plans[1], now=T0 + 100)
+    finally:
+        tree.store.close()
+    assert (dry.files, dry.bytes) == (real.files, real.bytes) == (5, 5000)
+    assert tree.files(NS) == {page(i) for i in (10, *range(11, 15))}
+    assert os.path.islink(d / page(10)) and os.path.exists(d / page(1)) is False
+
+
+def test_unapplied_stores_are_counted_at_the_backlog_size_and_checked_at_deletion(
+    tmp_path: Path,
+) -> None:
+    """The daemon's plan takes unapplied stores by the size the backlog counts them at, with
+    no stat each: a link among them is planned, then refused at deletion as any page file
+    that is not a regular file (never followed, never deleted), in the dry run as in the real
+    one; the cap is reported not held."""
+    tree = Tree.at(tmp_path / "root")
+    try:
+        tree.write(NS, [page(i) for i in range(1, 4)], at=T0)  # indexed: 3,000 bytes
+        d = tree.dir(NS)
+        for i in range(11, 17):  # stored, not applied yet: 6,000 bytes
+            (d / page(i)).write_bytes(b"\0" * PAGE)
+        os.symlink(d / page(1), d / page(10))  # the newest queued "store" is a link
+        unapplied = [(NS, page(i)) for i in (10, *range(16, 10, -1))]  # in the order to take
+        model = ChainModel.from_index(tree.store.conn, [NS])
+        live = Live(model, pending=6000, unapplied=unapplied, store_bytes=PAGE)
+        pol = policy(max_bytes=5000, low_watermark=0.9)  # 9,000 on disk: 4,500 must go
+        plans = [
+            plan_gc(tree.layout, tree.store, pol, now=T0 + 100, disk_usage=big_disk, live=live)
+            for _ in range(2)
+        ]
+        assert evicted(plans[0]) == evicted(plans[1])
+        assert evicted(plans[0])[3:] == [page(10), page(16)]  # in that order, by count
+        dry = tree.execute(plans[0], now=T0 + 100, dry_run=True)
+        real = tree.execute(plans[1], now=T0 + 100)
+    finally:
+        tree.store.close()
+    assert (dry.files, dry.bytes) == (real.files, real.bytes) == (4, 4000)
+    assert dry.refused_files() == real.refused_files()
+    assert real.refused_files()["not_regular"] == 1
+    assert not real.held
+    assert tree.files(NS) == {page(i) for i in (10, *range(11, 16))}
+    assert os.path.islink(d / page(10))
+
+
+def test_stores_gc_deleted_before_the_index_applied_them_are_not_pending() -> None:
+    """Else the next run counted them on disk still and evicted as much again; and once the
+    index applied them they are not taken off twice, whenever GC noted them (a set the index
+    pruned raced it: one noted just after the index applied it hid a store still on disk).
+    A store seen just now is told apart: its request may still be writing its burst."""
+    now = [100.0]
+    backlog = StoreBacklog(clock=lambda: now[0])
+    for i in range(10):
+        backlog.stored(NS, page(i))
+    backlog.done(0, PAGE)
+    assert backlog.bytes() == 10 * PAGE
+    stores = [(NS, page(i)) for i in range(10)]
+    assert backlog.unapplied() == (stores, set(stores))  # in the order stored; all seen just now
+    now[0] += SETTLE
+    assert backlog.unapplied() == (stores, set())
+    backlog.done(2, PAGE)  # the index applies two (GC deleted them meanwhile) ...
+    backlog.gone_early([(NS, page(i)) for i in range(4)])  # ... and GC notes 4 deleted after
+    assert backlog.bytes() == 6 * PAGE
+    assert backlog.unapplied() == (stores[4:], set())
+    backlog.done(2, PAGE)  # the index applies the other two
+    assert backlog.bytes() == 6 * PAGE and not backlog.early
+
+
+def test_stores_the_index_took_from_the_queue_but_has_not_committed_are_in_flight(
+    tmp_path: Path,
+) -> None:
+    """The index drains the whole queue, then applies it batch by batch (seconds at full
+    speed): what it holds meanwhile is in neither the queue nor the index, and GC must see it."""
+    tree = Tree.at(tmp_path / "root")
+    try:
+        model = ChainModel.from_index(tree.store.conn, [NS])
+        watcher = Watcher(tree.layout)  # not started: its events are put below
+        watcher.applying = [
+            (Kind.WRITE, NS, page(1), 0.0, LOCAL),
+            (Kind.WRITE, NS, page(2), 0.0, LOCAL),
+        ]
+        watcher.queue.extend(
+            [(Kind.WRITE, NS, page(2), 0.0, LOCAL), (Kind.WRITE, NS, page(3), 0.0, LOCAL)]
+        )
+        flight = Flight(watcher, model)()
+    finally:
+        tree.store.close()
+    assert {k for _, k in flight.queued} == {page(i)[:64] for i in (1, 2, 3)}
+
+
+def test_a_backlog_of_whole_requests_is_taken_request_by_request_tail_first(
+    tmp_path: Path,
+) -> None:
+    """Under load the index lagged a dozen requests behind a small cap: taken newest first
+    without the stores seen just now, the oldest request lost its head (settled) while its
+    tail (seen with the rest, at once) stayed, unusable. Each request's burst ends where its
+    stream reads again: whole bursts go newest first, seen just now or not; each stream's
+    last burst may still be growing and goes last, newest first, without what was seen just
+    now."""
+    tree = Tree.at(tmp_path / "root")
+    try:
+        watcher = Watcher(tree.layout)  # not started: its events are put below
+        rank1 = page(99)[:64] + "_m_1_2.bin"  # another rank's stream, its own run
+        events: list[Event] = []
+        for burst in ((1, 2, 3), (4, 5), (6, 7)):
+            events += [(Kind.READ, NS, page(0), 0.0, LOCAL)]  # the shared prefix, read
+            events += [(Kind.WRITE, NS, page(i), 0.0, LOCAL) for i in burst]
+        events.insert(3, (Kind.WRITE, NS, rank1, 0.0, LOCAL))  # rank 1 stores amid rank 0's
+        watcher.queue.extend(events)
+        stored = [(NS, n) for kind, _, n, _, _ in events if kind is Kind.WRITE]
+        flight = Flight(watcher, ChainModel.from_index(tree.store.conn, [NS]))
+        got = flight(stored, fresh={(NS, page(7))})
+    finally:
+        tree.store.close()
+    assert [n for _, n in got.stored] == [
+        *(page(i) for i in (5, 4, 3, 2, 1)),  # whole bursts, newest first
+        page(6),  # the last burst, without page 7, seen just now ...
+        rank1,  # ... and another stream's, newest first
+    ]

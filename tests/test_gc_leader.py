@@ -12,7 +12,7 @@ from pathlib import Path
 from cachemgr.fs.leadership import Leadership
 from cachemgr.fs.root import create_root
 from cachemgr.gc.policy import GcPolicy
-from cachemgr.gc.runner import GcRunner
+from cachemgr.gc.runner import GcRunner, LiveState
 from cachemgr.layout import Layout
 from cachemgr.state.store import Store
 from tests.gc_helpers import NS, Tree, page
@@ -38,9 +38,11 @@ sys.stdin.readline()
 
 def start_daemon(root: Path) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
-        [sys.executable, "-c", DAEMON, str(root)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        [sys.executable, "-c", DAEMON, str(root)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
         text=True,
-    )  # fmt: skip
+    )
     return proc
 
 
@@ -54,10 +56,26 @@ def say(proc: subprocess.Popen[str], line: str = "go") -> dict[str, object]:
 
 def cli_gc(root: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cachemgr", "--root", str(root), "gc", "--yes", "--json",
-         "--max-bytes", "5000", "--min-age", "0", "--delete-rate", "1000000"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "cachemgr",
+            "--root",
+            str(root),
+            "gc",
+            "--yes",
+            "--json",
+            "--max-bytes",
+            "5000",
+            "--min-age",
+            "0",
+            "--delete-rate",
+            "1000000",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_two_processes_exactly_one_deletes(root: Path) -> None:
@@ -99,13 +117,20 @@ def test_leadership_passes_on_when_the_leader_dies(root: Path) -> None:
     mine.release()
 
 
+class NotLeader(LiveState):
+    """A daemon that does not lead the index."""
+
+    def may_lead(self) -> bool:
+        return False
+
+
 def test_a_runner_that_may_not_lead_never_takes_the_lock(tmp_path: Path) -> None:
     """In the daemon only an index leader leads GC (its watcher is what wakes GC)."""
     layout = Layout.at(tmp_path / "root")
     create_root(layout)
     store = Store.open(layout.db_path)
     try:
-        runner = GcRunner(layout, store, GcPolicy(), eligible=lambda: False)
+        runner = GcRunner(layout, store, GcPolicy(), live=NotLeader())
         assert runner.tick() is None and runner.stats.skipped == 1
         assert runner.run(sweep=True).leader is False and not runner.leadership.held
         other = Leadership(layout.state_dir / "gc.lock")

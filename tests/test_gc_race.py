@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from cachemgr.ns import registry as nsreg
 from cachemgr.ns.manifest import read_manifest
 from cachemgr.ns.purge import execute_purge, plan_purge
 from cachemgr.state.store import Store
+from tests.daemon_helpers import cli_argv
 from tests.gc_helpers import NS, T0, Tree, page, policy
 from tests.nsfixtures import cli, page_name
 from tests.polling import wait_for
@@ -33,10 +33,28 @@ def tree(root: Path) -> Iterator[Tree]:
 
 
 def init(root: Path, model: Path, page_size: int) -> dict[str, object]:
-    launch = ["sglang", "serve", "--enable-hierarchical-cache", "--hicache-storage-backend",
-              "file", "--model-path", str(model), "--page-size", str(page_size)]  # fmt: skip
-    out = cli("--root", str(root), "init", "--json", "--on-change", "retain", "--", *launch,
-              env=NO_STORAGE_ENV)  # fmt: skip
+    launch = [
+        "sglang",
+        "serve",
+        "--enable-hierarchical-cache",
+        "--hicache-storage-backend",
+        "file",
+        "--model-path",
+        str(model),
+        "--page-size",
+        str(page_size),
+    ]
+    out = cli(
+        "--root",
+        str(root),
+        "init",
+        "--json",
+        "--on-change",
+        "retain",
+        "--",
+        *launch,
+        env=NO_STORAGE_ENV,
+    )
     assert out.returncode == 0, out.stderr
     result: dict[str, object] = json.loads(out.stdout)
     return result
@@ -66,11 +84,21 @@ def test_init_rebinding_during_a_slow_gc_keeps_its_namespace(root: Path, tmp_pat
         (root / "ns" / old / page_name(i)).write_bytes(b"k" * 10)
     assert init(root, model, 32)["ns_id"] != old  # the 64 namespace is now unbound
     gc = subprocess.Popen(
-        [sys.executable, "-m", "cachemgr", "--root", str(root), "--log-level", "error", "gc",
-         "--yes", "--min-age", "0", "--delete-rate", "200"],
-        env={**os.environ, "CACHEMGR_GC_KEEP_UNBOUND": "0"}, stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            *cli_argv(root),
+            "gc",
+            "--yes",
+            "--min-age",
+            "0",
+            "--delete-rate",
+            "200",
+        ],
+        env={**os.environ, "CACHEMGR_GC_KEEP_UNBOUND": "0"},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for(lambda: _deleting(root / "ns" / old, 600, gc), timeout=60, what="GC to delete")
         assert init(root, model, 64)["ns_id"] == old  # bound again while GC deletes
@@ -100,12 +128,13 @@ def test_a_namespace_bound_while_gc_drops_it_is_untouched(tree: Tree) -> None:
         if bound:
             return
         bound.append(True)
-        nsreg.ensure_namespace(tree.layout, tree.store, ns_id=NS, digest=NS * 4, identity={},
-                               now=T0 + 100)  # fmt: skip
+        nsreg.ensure_namespace(
+            tree.layout, tree.store, ns_id=NS, digest=NS * 4, identity={}, now=T0 + 100
+        )
         with tree.store.transaction():
             nsreg.bind(tree.layout, tree.store, "default", NS, T0 + 100)
 
-    report = execute_gc(plan, tree.layout, tree.store, progress=bind_once, clock=lambda: T0 + 100)
+    report = execute_gc(plan, tree.run(clock=lambda: T0 + 100), progress=bind_once)
     assert bound and report.files == 20
     assert tree.files(NS) == set()  # a fresh empty dir: init's create path
     manifest = read_manifest(tree.layout, NS)
@@ -153,13 +182,16 @@ def test_eviction_racing_a_purge_keeps_the_new_dirs_index_rows(tree: Tree) -> No
         if purged:
             return
         purged.append(True)
-        execute_purge(plan_purge(tree.layout, tree.store, namespace=NS), tree.layout,
-                      tree.store, actor="cli", reason="manual")  # fmt: skip
+        execute_purge(
+            plan_purge(tree.layout, tree.store, namespace=NS),
+            tree.layout,
+            tree.store,
+            actor="cli",
+            reason="manual",
+        )
         tree.write(NS, [victim], at=T0 + 100)
 
-    report = execute_gc(
-        plan, tree.layout, tree.store, progress=purge_and_rewrite, clock=lambda: T0 + 100
-    )
+    report = execute_gc(plan, tree.run(clock=lambda: T0 + 100), progress=purge_and_rewrite)
     assert purged and tree.files(NS) == {victim}
     rows = tree.store.conn.execute("SELECT name FROM pages WHERE namespace_id = ?", (NS,))
     assert [r[0] for r in rows] == [victim]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from cachemgr.daemon.metrics import CachemgrCollector
+from cachemgr.daemon.metrics import CachemgrCollector, Parts
 from cachemgr.fs.leadership import Leadership
 from cachemgr.gc.runner import GcRunner
 from tests.gc_helpers import NS, NS2, T0, Tree, big_disk, page, policy
@@ -43,7 +43,7 @@ def test_a_refused_page_makes_a_short_run_and_feeds_the_metric(root: Path) -> No
         yield tree.store.conn
 
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(CachemgrCollector(tree.layout, reader, gc=runner))
+    reg.register(CachemgrCollector(tree.layout, reader, Parts(gc=runner)))
     before = runner.stats.last_success
     with immutable(tree.dir(NS) / names[0]):
         report = runner.run(actor="auto")

@@ -138,9 +138,11 @@ def test_a_page_deleted_between_exists_and_get_is_a_miss(root: Path) -> None:
     d = tree.dir(NS)
     proc = subprocess.Popen(
         [str(SGLANG_ENV / "bin" / "python"), "-c", RACE, str(d)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
         env={k: v for k, v in os.environ.items() if not k.startswith("SGLANG_")},
-    )  # fmt: skip
+    )
     assert proc.stdin is not None and proc.stdout is not None
     assert json.loads(proc.stdout.readline()) == {"exists": [True, True, True]}
     now = time.time() + 1
@@ -151,9 +153,13 @@ def test_a_page_deleted_between_exists_and_get_is_a_miss(root: Path) -> None:
     tree.stored(NS, names, at=now)
     tree.read(NS, names, at=now)  # read in chain order
     runner = GcRunner(
-        tree.layout, tree.store, GcPolicy(max_bytes=2 * PAGE_BYTES, min_age=0, delete_rate=None),
-        clock=lambda: now + 10, disk_usage=big_disk, leadership=Leadership(root / "gc.lock"),
-    )  # fmt: skip
+        tree.layout,
+        tree.store,
+        GcPolicy(max_bytes=2 * PAGE_BYTES, min_age=0, delete_rate=None),
+        clock=lambda: now + 10,
+        disk_usage=big_disk,
+        leadership=Leadership(root / "gc.lock"),
+    )
     assert runner.run(actor="auto").files == 2  # down to 85% of 2 pages: the tail two go
     proc.stdin.write("go\n")
     proc.stdin.flush()
@@ -220,9 +226,11 @@ def test_min_age_zero_is_safe_deleting_under_sglang_reads_is_a_miss(tmp_path: Pa
     open, it is a miss. So deleting a page whatever its age never gives SGLang wrong bytes."""
     out = subprocess.run(
         [str(SGLANG_ENV / "bin" / "python"), "-c", CHURN, str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={k: v for k, v in os.environ.items() if not k.startswith("SGLANG_")},
-    )  # fmt: skip
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["whole"] is True

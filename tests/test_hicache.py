@@ -78,9 +78,10 @@ def test_parser_round_trips_names_written_by_sglang(sglang: SglangDriver, tmp_pa
         dict(model="deepseek-ai/DeepSeek-V3", mla=True),
         dict(model="m", tp_rank=1, tp_size=2, pp_rank=1, pp_size=2),
         dict(model="m", cp_rank=1, cp_size=2),
-        dict(model="ds", mla=True, tp_rank=1, tp_size=4, dcp_size=2, dcp_rank=1,
-             logical_page_size=64),
-    ]  # fmt: skip
+        dict(
+            model="ds", mla=True, tp_rank=1, tp_size=4, dcp_size=2, dcp_rank=1, logical_page_size=64
+        ),
+    ]
     for i, cfg in enumerate(configs):
         d = tmp_path / f"s{i}"
         d.mkdir()  # only TP rank 0 creates the directory
@@ -101,9 +102,12 @@ def test_parser_round_trips_names_written_by_sglang(sglang: SglangDriver, tmp_pa
 def test_every_file_of_a_page_has_its_key() -> None:
     """Pools and ranks of one page share the key; nothing else does (a longer key, a temp)."""
     files = [
-        f"{KEY}_m_0_2.bin", f"{KEY}_m_1_2.bin", f"{KEY}.mamba_m_0_2.bin",
-        f"{KEY}.deepseek_v4_c4_indexer_state_m_3_8_2_1_cp0_2.bin", f"{KEY}_DeepSeek-V3.bin",
-    ]  # fmt: skip
+        f"{KEY}_m_0_2.bin",
+        f"{KEY}_m_1_2.bin",
+        f"{KEY}.mamba_m_0_2.bin",
+        f"{KEY}.deepseek_v4_c4_indexer_state_m_3_8_2_1_cp0_2.bin",
+        f"{KEY}_DeepSeek-V3.bin",
+    ]
     assert {page_key(n) for n in files} == {KEY}
     assert page_key(f"{KEY}0_m_0_2.bin") == KEY + "0"
     assert page_key(f".{'a' * 32}.tmp") is None

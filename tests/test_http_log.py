@@ -50,8 +50,11 @@ def test_purge_logs_who_and_what(layout: Layout, http_log: LogLines) -> None:
     assert dry["msg"] == "http purge" and dry["route"] == "/purge"
     assert (dry["dry_run"], dry["namespaces"], dry["pages"]) == (True, [NS_A, NS_B], 4)
     assert (one["dry_run"], one["namespaces"], one["pages"], one["bytes"]) == (
-        False, [NS_A], 2, 200,
-    )  # fmt: skip
+        False,
+        [NS_A],
+        2,
+        200,
+    )
     assert one["route"] == f"/v1/namespaces/{NS_A}/purge"
     assert missing["msg"] == "http purge refused" and missing["status"] == 404
     assert "no namespace 0000000000000000" in str(missing["error"])

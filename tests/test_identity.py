@@ -14,13 +14,17 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from cachemgr.engines import record_file
 from cachemgr.errors import IdentityError
 from cachemgr.identity.digest_cache import DigestCache
-from cachemgr.identity.fingerprint import IdentityOptions, compute_identity, sglang_version
+from cachemgr.identity.fingerprint import IdentityOptions
+from cachemgr.identity.fingerprint import engine_version as sglang_version
 from cachemgr.identity.hashing import Progress
-from cachemgr.identity.record import Identity, diff_identities, load_record
+from cachemgr.identity.record import diff_identities
 from cachemgr.layout import NS_ID_RE
 from cachemgr.sglang.args import resolve_launch_args
+from cachemgr.sglang.identity import compute_identity
+from cachemgr.sglang.record import Identity
 from cachemgr.state.store import Store
 
 HOUR_AGO = time.time() - 3600
@@ -59,7 +63,7 @@ def age(path: Path) -> None:
 
 def ident(command: str, opts: IdentityOptions | None = None, **kw: object) -> Identity:
     return compute_identity(
-        resolve_launch_args(command), opts or IdentityOptions(sglang_version="0.5.23"), **kw
+        resolve_launch_args(command), opts or IdentityOptions(engine_version="0.5.23"), **kw
     )  # type: ignore[arg-type]
 
 
@@ -85,8 +89,8 @@ def test_record_round_trips_through_json(model: Path, tmp_path: Path) -> None:
     a = ident(f"--model-path {model} --kv-cache-dtype fp8_e4m3 --page-size 64")
     (tmp_path / "rec.json").write_text(a.model_dump_json())
     (tmp_path / "manifest.json").write_text(json.dumps({"identity": a.model_dump(mode="json")}))
-    assert load_record(tmp_path / "rec.json").digest == a.digest
-    assert load_record(tmp_path / "manifest.json") == a
+    assert record_file(tmp_path / "rec.json").digest == a.digest
+    assert record_file(tmp_path / "manifest.json") == a
 
 
 def test_any_weight_byte_changes_the_digest(model: Path) -> None:
@@ -225,8 +229,8 @@ def test_draft_weights_count(model: Path, tmp_path: Path) -> None:
 
 def test_salt_and_fast_mode_make_other_identities(model: Path) -> None:
     base = ident(f"--model-path {model}")
-    salted = ident(f"--model-path {model}", IdentityOptions(sglang_version="0.5.23", salt="x"))
-    fast = ident(f"--model-path {model}", IdentityOptions(sglang_version="0.5.23", fast=True))
+    salted = ident(f"--model-path {model}", IdentityOptions(engine_version="0.5.23", salt="x"))
+    fast = ident(f"--model-path {model}", IdentityOptions(engine_version="0.5.23", fast=True))
     assert len({base.digest, salted.digest, fast.digest}) == 3
     assert fast.weights.mode == "fast" and fast.weights.algo == "fast-v1"
     assert diff_identities(base, fast) == ["weights.mode: full → fast"]
@@ -245,7 +249,7 @@ def test_sglang_version_granularity() -> None:
 
 def test_patch_releases_share_an_identity_by_default(model: Path) -> None:
     def rec(version: str, gran: str = "major.minor") -> Identity:
-        opts = IdentityOptions(sglang_version=version, version_granularity=gran)  # type: ignore[arg-type]
+        opts = IdentityOptions(engine_version=version, version_granularity=gran)  # type: ignore[arg-type]
         return ident(f"--model-path {model}", opts)
 
     assert rec("0.5.19").digest == rec("0.5.23").digest != rec("0.6.0").digest

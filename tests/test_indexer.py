@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cachemgr.daemon.indexer import Indexer
+from cachemgr.daemon.indexer import Indexer, IndexerConfig, IndexerShared
 from cachemgr.daemon.watcher import Event, Watcher
 from cachemgr.fs.leadership import Leadership
 from cachemgr.layout import Layout
@@ -22,7 +22,7 @@ from tests.polling import wait_for
 
 
 def start(layout: Layout, store: Store, watcher: Watcher | None = None) -> Indexer:
-    ix = Indexer(layout, store, batch_interval=0.05, watcher=watcher)
+    ix = Indexer(layout, store, IndexerConfig(batch_interval=0.05), IndexerShared(watcher=watcher))
     ix.start()
     assert ix.state.ready.wait(10)
     return ix
@@ -222,12 +222,16 @@ def test_a_second_daemon_follows_and_takes_over_when_the_first_stops(
     d.mkdir()
     lock, marker = layout.state_dir / "index.lock", layout.state_dir / "index.ready"
     first = Indexer(
-        layout, store, batch_interval=0.05, leadership=Leadership(lock), ready_marker=marker
+        layout,
+        store,
+        IndexerConfig(batch_interval=0.05, leadership=Leadership(lock), ready_marker=marker),
     )
     second_store = Store.open(layout.db_path)
     gated = GatedLeadership(lock)
     second = Indexer(
-        layout, second_store, batch_interval=0.05, leadership=gated, ready_marker=marker
+        layout,
+        second_store,
+        IndexerConfig(batch_interval=0.05, leadership=gated, ready_marker=marker),
     )
     first.start()
     assert first.state.ready.wait(10) and first.state.leader and marker.exists()
@@ -262,7 +266,10 @@ def test_a_failed_index_writer_lets_another_daemon_take_over(store: Store, layou
     lock = layout.state_dir / "index.lock"
     died: list[Worker] = []
     ix = Indexer(
-        layout, store, batch_interval=0.05, leadership=Leadership(lock), on_death=died.append
+        layout,
+        store,
+        IndexerConfig(batch_interval=0.05, leadership=Leadership(lock)),
+        on_death=died.append,
     )
     store.close()  # the writer's first scan fails on a closed DB
     ix.start()
@@ -281,13 +288,17 @@ def test_a_follower_taking_over_is_not_ready_until_its_own_rescan_ends(
     layout.ns_dir(NS_A).mkdir()
     lock, marker = layout.state_dir / "index.lock", layout.state_dir / "index.ready"
     first = Indexer(
-        layout, store, batch_interval=0.05, leadership=Leadership(lock), ready_marker=marker
+        layout,
+        store,
+        IndexerConfig(batch_interval=0.05, leadership=Leadership(lock), ready_marker=marker),
     )
     first.start()
     assert first.state.ready.wait(10)
     second_store = Store.open(layout.db_path)
     second = Indexer(
-        layout, second_store, batch_interval=0.05, leadership=Leadership(lock), ready_marker=marker
+        layout,
+        second_store,
+        IndexerConfig(batch_interval=0.05, leadership=Leadership(lock), ready_marker=marker),
     )
     scanning, release = threading.Event(), threading.Event()
     scan_all = second._scan_all

@@ -159,8 +159,10 @@ def test_an_env_file_in_a_missing_dir_is_refused_before_anything_is_made(
 def test_storage_dir_env_pointing_elsewhere_warns(root: Path, model: Path) -> None:
     out = init(root, model, env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": "/srv/old"})
     assert out.returncode == 0, out.stderr
-    assert "warning: environment variable SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR is set to " \
-           "/srv/old; SGLang reads it before anything else" in out.stderr  # fmt: skip
+    assert (
+        "warning: environment variable SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR is set to "
+        "/srv/old; SGLang reads it before anything else" in out.stderr
+    )
 
 
 def test_extra_config_storage_path_warns(root: Path, model: Path) -> None:
@@ -168,16 +170,26 @@ def test_extra_config_storage_path_warns(root: Path, model: Path) -> None:
     out = init(root, model, "--hicache-storage-backend-extra-config", extra)
     # The launch command is everything after `--`: put the flag there.
     assert out.returncode != 0  # init has no such option: it belongs to the launch command
-    launch = [*CMD.split(), "--model-path", str(model), "--hicache-storage-backend-extra-config",
-              extra]  # fmt: skip
+    launch = [
+        *CMD.split(),
+        "--model-path",
+        str(model),
+        "--hicache-storage-backend-extra-config",
+        extra,
+    ]
     out = cli("--root", str(root), "init", "--", *launch, env=NO_STORAGE_ENV)
     assert out.returncode == 0, out.stderr
     assert "file_storage_path is /srv/hicache: SGLang uses it unless" in out.stderr
 
 
 def test_extra_config_that_is_not_json_is_one_line(root: Path, model: Path) -> None:
-    launch = [*CMD.split(), "--model-path", str(model), "--hicache-storage-backend-extra-config",
-              "{file_storage_path: /srv}"]  # fmt: skip
+    launch = [
+        *CMD.split(),
+        "--model-path",
+        str(model),
+        "--hicache-storage-backend-extra-config",
+        "{file_storage_path: /srv}",
+    ]
     out = cli("--root", str(root), "init", "--", *launch, env=NO_STORAGE_ENV)
     assert "--hicache-storage-backend-extra-config is not a JSON object" in one_line_error(out)
     assert not Layout.at(root).ns_root.exists() or not any(Layout.at(root).ns_root.iterdir())
@@ -193,16 +205,32 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def run_exec(root: Path, model: Path, tmp_path: Path, env: dict[str, str]
-             ) -> tuple[subprocess.Popen[str], str, str]:  # fmt: skip
+def run_exec(
+    root: Path, model: Path, tmp_path: Path, env: dict[str, str]
+) -> tuple[subprocess.Popen[str], str, str]:
     child = tmp_path / "child.py"
     child.write_text(CHILD)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cachemgr", "--root", str(root), "exec", "--",
-         sys.executable, str(child), "--model-path", str(model), "--page-size", "64"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "cachemgr",
+            "--root",
+            str(root),
+            "exec",
+            "--",
+            sys.executable,
+            str(child),
+            "--model-path",
+            str(model),
+            "--page-size",
+            "64",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, **NO_STORAGE_ENV, **env},
-    )  # fmt: skip
+    )
     out, err = proc.communicate(timeout=60)
     return proc, out, err
 
@@ -273,8 +301,16 @@ def test_exec_of_a_missing_program_fails_before_touching_the_cache(root: Path, m
     fill(Path(str(a["storage_dir"])), 3)
     before = snapshot(root / "ns")
     # A changed identity (fp8) would purge a's namespace if init ran first.
-    launch = ["sglang-typo-xyz", "serve", "--model-path", str(model), "--page-size", "64",
-              "--kv-cache-dtype", "fp8_e4m3"]  # fmt: skip
+    launch = [
+        "sglang-typo-xyz",
+        "serve",
+        "--model-path",
+        str(model),
+        "--page-size",
+        "64",
+        "--kv-cache-dtype",
+        "fp8_e4m3",
+    ]
     out = cli_process("--root", str(root), "exec", "--", *launch, env=NO_STORAGE_ENV)
     assert "cannot run 'sglang-typo-xyz'" in one_line_error(out) and out.returncode == 1
     assert snapshot(root / "ns") == before

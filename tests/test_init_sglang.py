@@ -26,8 +26,16 @@ LAUNCH = "sglang serve --enable-hierarchical-cache --hicache-storage-backend fil
 def init(root: Path, model: Path, kv: str, *extra: str) -> dict[str, object]:
     """`cachemgr init --json … -- <launch command with --kv-cache-dtype kv>`."""
     launch = [*LAUNCH.split(), "--model-path", str(model), "--kv-cache-dtype", kv]
-    out = cli("--root", str(root), "init", "--json", *extra, "--", *launch,
-              env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": ""})  # fmt: skip
+    out = cli(
+        "--root",
+        str(root),
+        "init",
+        "--json",
+        *extra,
+        "--",
+        *launch,
+        env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": ""},
+    )
     assert out.returncode == 0, out.stderr
     result: dict[str, object] = json.loads(out.stdout)
     return result
@@ -69,8 +77,11 @@ def test_init_purges_a_on_change_and_b_reads_only_its_own_bytes(
     assert sglang.write(b, PROMPT, dtype="fp8_e4m3", tag="B")["stored"] == PAGES
     warm = sglang.read(b, PROMPT, dtype="fp8_e4m3", tag="B")
     assert (warm["hit_pages"], warm["correct"], warm["wrong"], warm["errors"]) == (
-        PAGES, PAGES, 0, [],
-    )  # fmt: skip
+        PAGES,
+        PAGES,
+        0,
+        [],
+    )
 
 
 def test_two_instances_on_one_root_stay_separate(sglang: SglangDriver, tmp_path: Path) -> None:

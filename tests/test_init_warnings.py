@@ -24,8 +24,17 @@ def model(tmp_path: Path) -> Path:
 def _init(root: Path, model: Path, instance: str, *extra: str) -> tuple[str, str]:
     """`init` where SGLang is not installed (this venv has none); stdout and stderr."""
     launch = [*CMD.split(), "--model-path", str(model)]
-    out = cli("--root", str(root), "init", "--instance", instance, *extra, "--", *launch,
-              env=NO_STORAGE_ENV)  # fmt: skip
+    out = cli(
+        "--root",
+        str(root),
+        "init",
+        "--instance",
+        instance,
+        *extra,
+        "--",
+        *launch,
+        env=NO_STORAGE_ENV,
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout, out.stderr
 

@@ -27,17 +27,25 @@ def test_the_table_holds_sglangs_choices_for_identity_fields() -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        ("--kv-cache-dtype fp9_bogus", f"invalid --kv-cache-dtype 'fp9_bogus': SGLang 0.5.23 "
-         f"accepts {KV_CHOICES}"),
-        ("--dtype bf17", "invalid --dtype 'bf17': SGLang 0.5.23 accepts auto, half, float16, "
-         "bfloat16, float, float32"),
+        (
+            "--kv-cache-dtype fp9_bogus",
+            f"invalid --kv-cache-dtype 'fp9_bogus': SGLang 0.5.23 accepts {KV_CHOICES}",
+        ),
+        (
+            "--dtype bf17",
+            "invalid --dtype 'bf17': SGLang 0.5.23 accepts auto, half, float16, "
+            "bfloat16, float, float32",
+        ),
         ("--page-size 64.0", "invalid --page-size '64.0': SGLang 0.5.23 takes an integer"),
         ("--tp-size two", "invalid --tp-size 'two': SGLang 0.5.23 takes an integer"),
-        ("--hicache-mem-layout page_last", "invalid --hicache-mem-layout 'page_last': SGLang "
-         "0.5.23 accepts layer_first, page_first, page_first_direct, page_first_kv_split, "
-         "page_head"),
+        (
+            "--hicache-mem-layout page_last",
+            "invalid --hicache-mem-layout 'page_last': SGLang "
+            "0.5.23 accepts layer_first, page_first, page_first_direct, page_first_kv_split, "
+            "page_head",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_value_sglang_refuses_is_refused(flags: str, message: str) -> None:
     with pytest.raises(ConfigError) as e:
         resolve_launch_args(f"sglang serve --model-path m {flags}")

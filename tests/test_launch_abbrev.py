@@ -8,8 +8,6 @@ where the engine reads a value, cachemgr reads the same one."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +21,7 @@ from cachemgr.sglang import args as sglang_args
 from cachemgr.sglang import flags as sglang_flags
 from cachemgr.vllm import args as vllm_args
 from cachemgr.vllm import flags as vllm_flags
-from tests.conftest import SGLANG_ENV, VLLM_ENV
+from tests.conftest import ScriptRunner
 
 SGLANG_BOOLS = {
     "enable_dp_attention",
@@ -103,18 +101,9 @@ def _agree(
     assert 0 < refused < len(cases)
 
 
-def _run(python: str, script: str, argvs: list[list[str]]) -> list[Any]:
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
-    real = subprocess.run(
-        [python, "-c", script],
-        input=json.dumps(argvs),
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=True,
-    )
-    result: list[Any] = json.loads(real.stdout)
+def _run(engine: ScriptRunner, script: str, argvs: list[list[str]]) -> list[Any]:
+    """What the engine's parser, built by `script`, reads from each argv."""
+    result: list[Any] = json.loads(engine.run(script, stdin=json.dumps(argvs)))
     return result
 
 
@@ -125,11 +114,11 @@ def _sglang_value(field: str) -> str | None:
 
 
 @pytest.mark.sglang
-def test_every_abbreviation_reads_as_sglangs_parser_reads_it() -> None:
+def test_every_abbreviation_reads_as_sglangs_parser_reads_it(sglang_scripts: ScriptRunner) -> None:
     cases = _cases(sglang_args.FLAGS, _sglang_value)
     base = ["--model-path", "/m"]
     argvs = [[*base, *c["tokens"]] for c in cases]
-    theirs = _run(str(SGLANG_ENV / "bin" / "python"), SGLANG_PARSE, argvs)
+    theirs = _run(sglang_scripts, SGLANG_PARSE, argvs)
 
     def ours(argv: list[str]) -> dict[str, Any]:
         return sglang_args.resolve_launch_args(["sglang", "serve", *argv]).model_dump()
@@ -184,7 +173,7 @@ def _vllm_short_cases() -> list[dict[str, Any]]:
 
 
 @pytest.mark.vllm
-def test_every_abbreviation_reads_as_vllms_parser_reads_it() -> None:
+def test_every_abbreviation_reads_as_vllms_parser_reads_it(vllm_scripts: ScriptRunner) -> None:
     flags = {f: field for f, field in vllm_args.FLAGS.items() if field != "model"}
     cases = _cases(flags, _vllm_value) + _vllm_short_cases()
     # vLLM's own rewrite first: `_` is `-` in a flag's name (`--max_model_le`).
@@ -198,7 +187,7 @@ def test_every_abbreviation_reads_as_vllms_parser_reads_it() -> None:
     ]
     base = ["serve", "/m"]
     argvs = [[*base, *c["tokens"]] for c in cases]
-    theirs = _run(str(VLLM_ENV / "bin" / "python"), VLLM_PARSE, argvs)
+    theirs = _run(vllm_scripts, VLLM_PARSE, argvs)
 
     def ours(argv: list[str]) -> dict[str, Any]:
         read = vllm_args.resolve_vllm_args(["vllm", *argv]).model_dump()
@@ -263,13 +252,15 @@ def test_model_type_is_taken_out_as_sglang_serve_does() -> None:
 
 
 @pytest.mark.vllm
-def test_abbreviated_config_keys_read_as_vllms_parser_reads_them(tmp_path: Path) -> None:
+def test_abbreviated_config_keys_read_as_vllms_parser_reads_them(
+    tmp_path: Path, vllm_scripts: ScriptRunner
+) -> None:
     # vLLM splices a --config file's keys in as `--key value`, before argparse reads them.
     unique, ambiguous = tmp_path / "unique.yaml", tmp_path / "ambiguous.yaml"
     unique.write_text("max_model_le: 16k\nblock_si: 32\n")
     ambiguous.write_text("kv_cache_dtyp: fp8\n")
     argvs = [["serve", "/m", "--config", str(p)] for p in (unique, ambiguous)]
-    theirs = _run(str(VLLM_ENV / "bin" / "python"), VLLM_PARSE, argvs)
+    theirs = _run(vllm_scripts, VLLM_PARSE, argvs)
     ours = vllm_args.resolve_vllm_args(["vllm", *argvs[0]])
     assert (ours.max_model_len, ours.block_size) == (16000, 32)
     assert (theirs[0]["max_model_len"], theirs[0]["block_size"]) == (16000, 32)

@@ -14,7 +14,7 @@ import pytest
 from cachemgr.errors import ConfigError
 from cachemgr.sglang import args as sglang_args
 from cachemgr.vllm import args as vllm_args
-from tests.conftest import SGLANG_ENV, VLLM_ENV
+from tests.conftest import ScriptRunner
 from tests.test_launch_abbrev import SGLANG_PARSE, VLLM_PARSE, _run
 
 
@@ -43,8 +43,8 @@ def test_a_word_sglang_refuses_is_refused(argv: list[str]) -> None:
 
 
 @pytest.mark.sglang
-def test_sglangs_own_parser_refuses_the_same_words() -> None:
-    theirs = _run(str(SGLANG_ENV / "bin" / "python"), SGLANG_PARSE, SGLANG_STRAYS)
+def test_sglangs_own_parser_refuses_the_same_words(sglang_scripts: ScriptRunner) -> None:
+    theirs = _run(sglang_scripts, SGLANG_PARSE, SGLANG_STRAYS)
     assert theirs == ["error"] * len(SGLANG_STRAYS)
 
 
@@ -62,9 +62,9 @@ def test_a_word_vllm_refuses_is_refused(argv: list[str]) -> None:
 
 
 @pytest.mark.vllm
-def test_vllms_own_parser_refuses_the_same_words() -> None:
+def test_vllms_own_parser_refuses_the_same_words(vllm_scripts: ScriptRunner) -> None:
     kept: list[list[str]] = [["serve", "--dtype", "half", "m"], ["serve", "--", "m"]]
-    theirs: list[Any] = _run(str(VLLM_ENV / "bin" / "python"), VLLM_PARSE, VLLM_STRAYS + kept)
+    theirs: list[Any] = _run(vllm_scripts, VLLM_PARSE, VLLM_STRAYS + kept)
     assert theirs[: len(VLLM_STRAYS)] == ["error"] * len(VLLM_STRAYS)
     for argv, real in zip(kept, theirs[len(VLLM_STRAYS) :], strict=True):
         assert real != "error" and real["model"] == "m"

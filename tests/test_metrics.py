@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from cachemgr.daemon.index_state import Counters, IndexState
-from cachemgr.daemon.metrics import METRICS, CachemgrCollector
+from cachemgr.daemon.metrics import METRICS, CachemgrCollector, Parts
 from cachemgr.fs.leadership import Leadership
 from cachemgr.fs.usage import DiskUsage
 from cachemgr.gc.policy import GcPolicy
@@ -34,7 +34,7 @@ def registry_for(
         CachemgrCollector(
             layout,
             reader,
-            index=index,
+            Parts(index=index),
             disk=lambda _: DiskUsage(total=5000, used=4000, free=1000, free_inodes=7),
         )
     )
@@ -90,7 +90,7 @@ def test_gc_metrics_follow_the_runner(layout: Layout) -> None:
         yield store.conn
 
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(CachemgrCollector(layout, reader, gc=runner))
+    reg.register(CachemgrCollector(layout, reader, Parts(gc=runner)))
     v = reg.get_sample_value
     assert v("cachemgr_gc_leader") == 0
     assert v("cachemgr_gc_last_success_timestamp_seconds") == 1000.0  # started, nothing yet

@@ -33,6 +33,7 @@ from tests.daemon_helpers import (
     read_page,
     register_namespace,
     running_daemon,
+    store_burst,
 )
 from tests.daemon_helpers import store_page as write_page
 from tests.polling import wait_for
@@ -182,15 +183,14 @@ def _settings(layout: Layout) -> Settings:
 def _sessions(d: Path, first: int, n: int) -> int:
     """`n` sessions behind a shared system prompt, some read again: the learner's input.
     Returns how many page files were accessed."""
-    done = 0
-    for p in SYSTEM:
-        if not (d / page_name(p)).exists():
-            write_page(d, page_name(p))
-            done += 1
+    new = [p for p in SYSTEM if not (d / page_name(p)).exists()]
+    store_burst(d, [page_name(p) for p in new])
+    done = len(new)
     for s in range(first, first + n):
         chain = [100 * s + i for i in range(LONG)]
-        for p in (*SYSTEM, *chain):
-            write_page(d, page_name(p)) if p in chain else read_page(d, page_name(p))
+        for p in SYSTEM:  # the prefix read, then the request's new pages written
+            read_page(d, page_name(p))
+        store_burst(d, [page_name(p) for p in chain])
         done += len(SYSTEM) + len(chain)
         if s % 3 == 0:  # a session that returns: its prefix is read head to tail
             for p in (*SYSTEM, *chain):
@@ -264,12 +264,17 @@ def test_after_kill_9_the_model_is_loaded_from_the_index(tmp_path: Path) -> None
     stale = layout.model_snapshot.read_bytes()
     proc = subprocess.Popen(
         [sys.executable, "-m", "cachemgr", "--root", str(layout.root), "serve", "--port", "0"],
-        env={**os.environ, "CACHEMGR_BATCH_INTERVAL": "0.05"}, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        env={**os.environ, "CACHEMGR_BATCH_INTERVAL": "0.05"},
+        stderr=subprocess.DEVNULL,
+    )
     try:
         with Store.open(layout.db_path) as store:  # the killed daemon took the stamp at start
-            wait_for(lambda: store.conn.execute("SELECT count(*) FROM model_stamp").fetchone(),
-                     lambda r: r[0] == 0, timeout=60, what="the daemon's start")  # fmt: skip
+            wait_for(
+                lambda: store.conn.execute("SELECT count(*) FROM model_stamp").fetchone(),
+                lambda r: r[0] == 0,
+                timeout=60,
+                what="the daemon's start",
+            )
         _sessions(d, 2, 6)
         wait_for(lambda: _index_model(layout).pages, lambda p: len(p) == 3 + LONG * 7, timeout=60)
     finally:

@@ -108,9 +108,12 @@ def test_list_shows_states(layout: Layout, store: Store, tmp_path: Path) -> None
     (layout.ns_root / "not-an-id").mkdir()
     states = {n.ns_id: n.state for n in list_namespaces(layout, store)}
     assert states == {
-        a: "bound", b: "unbound", "c" * 16: "no-manifest", "d" * 16: "unsafe",
+        a: "bound",
+        b: "unbound",
+        "c" * 16: "no-manifest",
+        "d" * 16: "unsafe",
         "e" * 16: "bad-manifest",
-    }  # fmt: skip
+    }
 
 
 def test_bindings(layout: Layout, store: Store) -> None:
@@ -132,8 +135,9 @@ def test_root_lock_excludes_another_process(layout: Layout) -> None:
             print("held", flush=True)
             sys.stdin.readline()
     """)
-    proc = subprocess.Popen([sys.executable, "-c", holder], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", holder], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "held\n"
         with (

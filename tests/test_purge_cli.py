@@ -137,10 +137,25 @@ def test_kill_9_during_deletion_then_rerun_finishes(
     (beside / page_name(1)).write_bytes(b"precious")
     before_keep = snapshot(layout.ns_dir(keep))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cachemgr", "--log-format", "json", "--root", str(layout.root),
-         "purge", "--namespace", big, "--yes", "--rate", "2000"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "cachemgr",
+            "--log-format",
+            "json",
+            "--root",
+            str(layout.root),
+            "purge",
+            "--namespace",
+            big,
+            "--yes",
+            "--rate",
+            "2000",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+    )
     try:
         killed_at = _wait_for_partial_deletion(layout.trash, 5_000)
         proc.send_signal(signal.SIGKILL)
@@ -160,9 +175,12 @@ def test_kill_9_during_deletion_then_rerun_finishes(
 def _wait_for_partial_deletion(trash: Path, total: int) -> int:
     """Poll until the trash entry exists and has lost some files; return how many remain."""
     left = wait_for(
-        lambda: _left_in_trash(trash), lambda n: n is not None and n < total,
-        timeout=60, what="the deletion to start", every=0.002,
-    )  # fmt: skip
+        lambda: _left_in_trash(trash),
+        lambda n: n is not None and n < total,
+        timeout=60,
+        what="the deletion to start",
+        every=0.002,
+    )
     assert left is not None
     return left
 

@@ -99,10 +99,16 @@ def test_readme_quick_start_ends_with_cachemgr_status_in_a_new_shell(
         shutil.copy("/etc/skel/.profile", home)
     sh = Shells(fresh_machine, home, free_port)
     log = tmp_path / "make-run.log"
-    with open(log, "w") as out, subprocess.Popen(
-        sh.argv("make run", REPO), stdout=out, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    ) as daemon:  # fmt: skip
+    with (
+        open(log, "w") as out,
+        subprocess.Popen(
+            sh.argv("make run", REPO),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        ) as daemon,
+    ):
         try:
             url = f"http://127.0.0.1:{free_port}"
             wait_for(lambda: _ready(url, daemon), timeout=60, what="the daemon of `make run`")
@@ -137,16 +143,21 @@ def assert_bash_completes(sh: Shells, script: str) -> None:
 
 @pytest.mark.parametrize(
     ("shell", "marker"),
-    [("bash_source", "complete -o nosort -F _cachemgr_completion cachemgr"),
-     ("zsh_source", "#compdef cachemgr"),
-     ("fish_source", "complete --no-files --command cachemgr")],
-)  # fmt: skip
+    [
+        ("bash_source", "complete -o nosort -F _cachemgr_completion cachemgr"),
+        ("zsh_source", "#compdef cachemgr"),
+        ("fish_source", "complete --no-files --command cachemgr"),
+    ],
+)
 def test_completion_script_is_produced_for_each_documented_shell(shell: str, marker: str) -> None:
     readme = (REPO / "README.md").read_text()
     assert f"_CACHEMGR_COMPLETE={shell} cachemgr" in readme
     out = subprocess.run(
         [str(REPO / ".venv/bin/cachemgr")],
         env={**os.environ, "_CACHEMGR_COMPLETE": shell},
-        capture_output=True, text=True, timeout=60, check=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     assert marker in out.stdout

@@ -71,9 +71,19 @@ def used_root(tmp_path: Path) -> Path:
     for every reading command to report (and for the dry runs to plan) but not to do."""
     root, model = tmp_path / "root", make_model(tmp_path / "model")
     for page_size in ("32", "64"):  # the second init leaves the first namespace unbound
-        out = cli("--root", str(root), "init", "--json", "--on-change", "retain",
-                  "--model-path", str(model), "--page-size", page_size,
-                  env=NO_STORAGE_ENV)  # fmt: skip
+        out = cli(
+            "--root",
+            str(root),
+            "init",
+            "--json",
+            "--on-change",
+            "retain",
+            "--model-path",
+            str(model),
+            "--page-size",
+            page_size,
+            env=NO_STORAGE_ENV,
+        )
         assert out.returncode == 0, out.stderr
     ns_dir = Path(json.loads(out.stdout)["storage_dir"])
     for i in range(5):

@@ -61,8 +61,17 @@ def shared() -> Iterator[Path]:
     for path in [model, *model.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
     root = top / "used"
-    out = cli("--root", str(root), "init", "--json", "--", *CMD.split(), "--model-path",
-              str(model), env=NO_STORAGE_ENV)  # fmt: skip
+    out = cli(
+        "--root",
+        str(root),
+        "init",
+        "--json",
+        "--",
+        *CMD.split(),
+        "--model-path",
+        str(model),
+        env=NO_STORAGE_ENV,
+    )
     assert out.returncode == 0, out.stderr
     ns_dir = Path(json.loads(out.stdout)["storage_dir"])
     for i in range(3):
@@ -91,8 +100,17 @@ def read_only(shared: Path) -> Iterator[Path]:
 def run(root: Path, args: list[str], *, as_nobody: bool) -> subprocess.CompletedProcess[str]:
     """`cachemgr --root ROOT ARGS` as a process (as uid 65534 if asked), with no TTY."""
     prefix = ["setpriv", "--reuid", NOBODY, "--regid", NOBODY, "--clear-groups"]
-    argv = [*(prefix if as_nobody else []), sys.executable, "-m", "cachemgr", "--log-format",
-            "json", "--root", str(root), *args]  # fmt: skip
+    argv = [
+        *(prefix if as_nobody else []),
+        sys.executable,
+        "-m",
+        "cachemgr",
+        "--log-format",
+        "json",
+        "--root",
+        str(root),
+        *args,
+    ]
     env = {**os.environ, "HOME": str(root.parent), "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": ""}
     return subprocess.run(
         argv, capture_output=True, text=True, input="", env=env, timeout=60, cwd="/"

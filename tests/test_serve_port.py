@@ -16,8 +16,11 @@ from tests.daemon_helpers import running_daemon
 def serve(root: Path, port: int) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "cachemgr", "--root", str(root), "serve", "--port", str(port)],
-        capture_output=True, text=True, check=False, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
 
 
 def test_this_roots_daemon_already_serves_it(settings: Settings, layout: Layout) -> None:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from cachemgr.cli.main import main
 from cachemgr.settings import unknown_env_vars
 from cachemgr.units import parse_duration
+from tests.nsfixtures import run_main
 
 # (setting, a value as an env var or flag gives it, what the message says about it)
 OUT_OF_RANGE = [
@@ -38,21 +38,18 @@ OUT_OF_RANGE = [
     ("gc_namespace_max_bytes", "10EB", "less than or equal to"),
     ("gc_min_free_bytes", "10EB", "less than or equal to"),
     ("host", "", "at least 1 character"),
+    # A decimal was read as its whole part: CACHEMGR_PORT=1.0 served on port 1.
+    ("port", "1.0", "must be a whole number"),
+    ("http_keep_alive_timeout", "5.0", "must be a whole number"),
+    ("http_max_connections", "1024.0", "must be a whole number"),
+    ("http_fd_reserve", "256.0", "must be a whole number"),
+    ("gc_keep_unbound", "2.0", "must be a whole number"),
+    ("hash_workers", "4.0", "must be a whole number"),
     ("sglang_url", "localhost:30000", "http:// or https:// URL"),
 ]
 
 
-def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
-    """The CLI in this process: its exit code and its stderr lines."""
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    return int(e.value.code or 0), capsys.readouterr().err.splitlines()
-
-
-@pytest.fixture(autouse=True)
-def _no_caller_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in [k for k in os.environ if k.startswith("CACHEMGR_")]:
-        monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("no_caller_settings")
 
 
 @pytest.mark.parametrize(("name", "value", "says"), OUT_OF_RANGE)
@@ -65,7 +62,7 @@ def test_an_out_of_range_env_var_is_one_line_exit_2(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.setenv(f"CACHEMGR_{name.upper()}", value)
-    code, err = _run(["--root", str(tmp_path / "r"), "config"], capsys)
+    code, err = run_main(["--root", str(tmp_path / "r"), "config"], capsys)
     assert code == 2
     (line,) = err
     assert line.startswith(f"cachemgr: error: invalid {name} ") and f"{value!r}" in line, line
@@ -78,7 +75,7 @@ def _run_with_toml(
     """`cachemgr config` with a TOML file at tmp_path/c.toml holding one setting's `line`."""
     cfg = tmp_path / "c.toml"
     cfg.write_text(f"[cachemgr]\n{line}\n")
-    return _run(["--config", str(cfg), "--root", str(tmp_path / "r"), "config"], capsys)
+    return run_main(["--config", str(cfg), "--root", str(tmp_path / "r"), "config"], capsys)
 
 
 @pytest.mark.parametrize(
@@ -138,7 +135,7 @@ def test_toml_values_of_the_right_types_are_taken(
         "[cachemgr]\nport = 2222\nbatch_interval = 1\ngc_max_bytes = 500\n"
         'gc_namespace_max_bytes = "1GB"\ngc_min_age = 30\ngc_tmp_ttl = "2 minutes"\n'
     )
-    code, err = _run(["--config", str(cfg), "--root", str(tmp_path / "r"), "config"], capsys)
+    code, err = run_main(["--config", str(cfg), "--root", str(tmp_path / "r"), "config"], capsys)
     assert code == 0, err
 
 
@@ -159,7 +156,7 @@ def test_an_out_of_range_flag_is_one_line_exit_2(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    code, err = _run(["--root", str(tmp_path / "r"), "gc", "--dry-run", flag, value], capsys)
+    code, err = run_main(["--root", str(tmp_path / "r"), "gc", "--dry-run", flag, value], capsys)
     assert code == 2
     (line,) = err
     assert line.startswith(f"cachemgr: error: invalid {name} ") and says in line, line
@@ -170,7 +167,7 @@ def test_serve_refuses_a_busy_loop_interval_before_binding(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = ["--root", str(tmp_path / "r"), "serve", "--port", "0", "--reconcile-interval", "0.01"]
-    code, err = _run(argv, capsys)
+    code, err = run_main(argv, capsys)
     assert code == 2 and len(err) == 1 and "reconcile_interval" in err[0], err
 
 
@@ -222,7 +219,7 @@ def test_a_duration_in_no_form_lists_the_forms(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.setenv("CACHEMGR_GC_MIN_AGE", text)
-    code, err = _run(["--root", str(tmp_path / "r"), "config"], capsys)
+    code, err = run_main(["--root", str(tmp_path / "r"), "config"], capsys)
     assert code == 2
     (line,) = err
     assert "invalid character" not in line, line  # pydantic's message said nothing useful
@@ -236,14 +233,14 @@ def test_a_misspelt_env_var_is_warned_once_with_the_name_it_may_mean(
     monkeypatch.setenv("CACHEMGR_WHATEVER", "1")
     monkeypatch.setenv("CACHEMGR_SGLANG_ENV", "/opt/sglang-env")  # the tests' own variable
     monkeypatch.setenv("CACHEMGR_LOG_FORMAT", "json")
-    code, err = _run(["--root", str(tmp_path / "r"), "config"], capsys)
+    code, err = run_main(["--root", str(tmp_path / "r"), "config"], capsys)
     assert code == 0, err
     messages = [json.loads(line)["msg"] for line in err]
     assert messages == [
         "environment variable CACHEMGR_GCMAXBYTES is ignored; did you mean CACHEMGR_GC_MAX_BYTES?",
         "environment variable CACHEMGR_WHATEVER is ignored (not a cachemgr setting)",
     ]
-    code, err = _run(["--root", str(tmp_path / "r"), "config"], capsys)
+    code, err = run_main(["--root", str(tmp_path / "r"), "config"], capsys)
     assert code == 0 and err == []  # once per process
 
 

@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 
 from cachemgr.errors import ConfigError
 from cachemgr.sglang import flags as sglang_flags
 from cachemgr.sglang.args import LaunchArgs, resolve_launch_args, scan_flags, split_command
-
-REPO = Path(__file__).resolve().parent.parent
-SGLANG_ENV = Path(os.environ.get("CACHEMGR_SGLANG_ENV", REPO / ".sglang-env"))
+from tests.conftest import REPO, ScriptRunner
 
 # FIELD_NOTES §6, pasted as operators run them (continuation lines included).
 RTX4090 = r"""sglang serve --model-path Qwen3.8-27B-W4A16-AWQ \
@@ -231,25 +226,11 @@ print(json.dumps({k: v for k, v in vars(ns).items() if isinstance(v, scalar)}))
 """
 
 
-def _sglang_python() -> Path:
-    python = SGLANG_ENV / "bin" / "python"
-    if not python.exists():
-        pytest.fail(f"{SGLANG_ENV} is missing: run scripts/sglang-env.sh (make test does)")
-    return python
-
-
 @pytest.mark.sglang
 @pytest.mark.parametrize("command", [RTX4090, RTX5090])
-def test_matches_sglangs_own_argparse(command: str) -> None:
+def test_matches_sglangs_own_argparse(command: str, sglang_scripts: ScriptRunner) -> None:
     argv = split_command(command)[2:]  # after `sglang serve`
-    out = subprocess.run(
-        [str(_sglang_python()), "-c", _SGLANG_PARSE, json.dumps(argv)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=True,
-    )
-    theirs = json.loads(out.stdout)
+    theirs = json.loads(sglang_scripts.run(_SGLANG_PARSE, argv=[json.dumps(argv)]))
     ours = resolve_launch_args(command).model_dump()
     # Fields SGLang resolves later, after argparse: page_size None → 1 and the draft
     # quantization inheriting the target's; page_size_source is ours alone.
@@ -260,16 +241,10 @@ def test_matches_sglangs_own_argparse(command: str) -> None:
 
 
 @pytest.mark.sglang
-def test_flag_table_is_current() -> None:
-    out = subprocess.run(
-        [str(_sglang_python()), str(REPO / "scripts" / "gen_sglang_flags.py")],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=True,
-    )
+def test_flag_table_is_current(sglang_scripts: ScriptRunner) -> None:
+    out = sglang_scripts.run(path=REPO / "scripts" / "gen_sglang_flags.py")
     committed = (REPO / "cachemgr" / "sglang" / "flags.py").read_text()
-    assert out.stdout.strip() == committed.strip()
+    assert out.strip() == committed.strip()
 
 
 @pytest.mark.parametrize(

@@ -107,8 +107,10 @@ def test_contradictions_name_each_differing_argument() -> None:
     assert contradictions(SERVER_INFO, explicit) == []
     bad = {**SERVER_INFO, "kv_cache_dtype": "fp8_e4m3", "page_size": 1, "model_path": "/m/x"}
     assert [d.split(":")[0] for d in contradictions(bad, explicit)] == [
-        "kv_cache_dtype", "page_size", "model_path",
-    ]  # fmt: skip
+        "kv_cache_dtype",
+        "page_size",
+        "model_path",
+    ]
     assert ambiguities(bad, explicit) == []
 
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from cachemgr.doctor.launch import lint
 from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 from cachemgr.settings import load_settings
 from cachemgr.sglang.args import resolve_launch_args
+from cachemgr.sglang.lint import lint
 from cachemgr.units import human_bytes
 from tests.daemon_helpers import (
     NS_A,
@@ -26,17 +26,31 @@ from tests.daemon_helpers import (
 )
 from tests.nsfixtures import cli_process, one_line_error
 
-ALL_STATUS = ("namespace", "engine", "model", "kv dtype", "page", "instances", "pages", "size",
-              "reads", "writes", "hit ratio", "last write")  # fmt: skip
+ALL_STATUS = (
+    "namespace",
+    "engine",
+    "model",
+    "kv dtype",
+    "page",
+    "instances",
+    "pages",
+    "size",
+    "reads",
+    "writes",
+    "hit ratio",
+    "last write",
+)
 MUST_STAY = ("namespace", "pages", "size", "reads", "hit ratio")
 
 
-def _run(layout: Layout, columns: str, *args: str) -> tuple[list[str], str]:
+def _run(
+    layout: Layout, columns: str, *args: str, env: dict[str, str] | None = None
+) -> tuple[list[str], str]:
     """The CLI as a process with stdout a pipe, COLUMNS set or ("") unset; lines and stdout.
 
     The lines are those after the title (the root path, as long as pytest makes it).
     """
-    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in ("COLUMNS", "LINES")}
     if columns:
         env["COLUMNS"] = columns
     argv = [sys.executable, "-m", "cachemgr", "--root", str(layout.root), *args]
@@ -85,6 +99,17 @@ def test_status_fits_the_width_and_keeps_the_columns_that_matter(
         assert all(any(name in line for line in notes) for name in left_out), notes  # unbroken
 
 
+@pytest.mark.parametrize("columns", ["58", "80"])
+def test_a_nearly_full_filesystem_line_fits_the_width_too(layout: Layout, columns: str) -> None:
+    # A floor of 99% makes any filesystem FULL: the longest form of the line, with the floor.
+    _two_namespaces(layout)
+    floor = {"CACHEMGR_GC_MIN_FREE_PERCENT": "99"}
+    lines, stdout = _run(layout, columns, "status", "--port", "1", env=floor)
+    assert max(len(line) for line in lines) <= int(columns), stdout
+    prose = " ".join(line for line in lines if not line.startswith(("┏", "┃", "┡", "│", "└")))
+    assert "filesystem: " in prose and ": FULL (GC keeps " in prose, stdout
+
+
 @pytest.mark.parametrize("columns", ["80", ""])
 def test_status_wide_shows_every_column_at_any_width(layout: Layout, columns: str) -> None:
     _two_namespaces(layout)
@@ -94,8 +119,19 @@ def test_status_wide_shows_every_column_at_any_width(layout: Layout, columns: st
     assert f"gpu-{NS_A[:4]}-with-a-long-instance-name" in row, stdout
 
 
-ALL_LS = ("id", "instances", "engine", "model", "kv dtype", "page", "pages", "size", "created",
-          "last active", "state")  # fmt: skip
+ALL_LS = (
+    "id",
+    "instances",
+    "engine",
+    "model",
+    "kv dtype",
+    "page",
+    "pages",
+    "size",
+    "created",
+    "last active",
+    "state",
+)
 
 
 @pytest.mark.parametrize("columns", ["80", "", "200"])
@@ -130,8 +166,14 @@ def test_status_and_ls_on_a_regular_file_root_are_one_line(tmp_path: Path) -> No
 def test_one_byte_format_for_every_command(tmp_path: Path) -> None:
     """status, gc, purge, ls and doctor share one formatter: decimal units that fit the size."""
     assert [human_bytes(n) for n in (0, 999, 1000, 2_500_000, 15.4e9, 3e15, -6000)] == [
-        "0 B", "999 B", "1.0 kB", "2.5 MB", "15.4 GB", "3000.0 TB", "-6.0 kB",
-    ]  # fmt: skip
+        "0 B",
+        "999 B",
+        "1.0 kB",
+        "2.5 MB",
+        "15.4 GB",
+        "3000.0 TB",
+        "-6.0 kB",
+    ]
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"]}')
@@ -141,8 +183,14 @@ def test_one_byte_format_for_every_command(tmp_path: Path) -> None:
     )
     layout = Layout.at(tmp_path / "root")
     env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(layout.ns_root / NS_A)}
-    found = lint(args, layout=layout, env=env, model_config={}, cap_bytes=2 * 10**9,
-                 disk_free=lambda _: 500 * 10**6)  # fmt: skip
+    found = lint(
+        args,
+        layout=layout,
+        env=env,
+        model_config={},
+        cap_bytes=2 * 10**9,
+        disk_free=lambda _: 500 * 10**6,
+    )
     (disk,) = [f for f in found if f.code == "disk-smaller-than-cap"]
     assert "has 500.0 MB free, less than the cap of 2.0 GB" in disk.message
 

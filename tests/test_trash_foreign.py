@@ -70,7 +70,7 @@ def test_the_daemon_warns_in_gc_done_and_the_api(layout: Layout, left: tuple[Pat
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
-    logger = logging.getLogger("cachemgr.gc.plan")  # where gc/execute.py logs
+    logger = logging.getLogger("cachemgr.gc.execute")
     logger.addHandler(handler)
     level = logger.level
     logger.setLevel(logging.INFO)

@@ -9,9 +9,9 @@ import os
 from pathlib import Path
 
 from cachemgr.backends import FileKind
-from cachemgr.engines import engine_of, format_for
+from cachemgr.formats import engine_of, format_for
 from cachemgr.fs._dirscan import page_digest
-from cachemgr.fs.deletion import delete_files
+from cachemgr.fs.deletion import Listeners, delete_files
 from cachemgr.fs.dirscan import TEMPS, list_files, scan_usage
 from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
@@ -32,11 +32,16 @@ def test_names_block_files_temps_and_the_identity_file() -> None:
     assert FMT.classify_path(block_path(folder, key(1, 32))) is FileKind.PAGE  # xxhash
     assert FMT.classify_path(block + "_123456789.tmp") is FileKind.TEMP
     for foreign in (
-        f"{folder}/config.json", f"{folder}/.o_direct_probe_12.tmp", f"{folder}_r0/{key(1)}.bin",
-        f"{folder}_r0/abc/{key(1)}.bin", f"{folder}_r0/abc/de_g0/notes.txt",
-        f"{folder}_r0/abc/de_gx/{key(1)}.bin", f"other_r0/abc/de_g0/{key(1)}.bin",
-        f"{folder}_r0/../abc/de_g0/{key(1)}.bin", key(1) + ".bin",
-    ):  # fmt: skip
+        f"{folder}/config.json",
+        f"{folder}/.o_direct_probe_12.tmp",
+        f"{folder}_r0/{key(1)}.bin",
+        f"{folder}_r0/abc/{key(1)}.bin",
+        f"{folder}_r0/abc/de_g0/notes.txt",
+        f"{folder}_r0/abc/de_gx/{key(1)}.bin",
+        f"other_r0/abc/de_g0/{key(1)}.bin",
+        f"{folder}_r0/../abc/de_g0/{key(1)}.bin",
+        key(1) + ".bin",
+    ):
         assert FMT.classify_path(foreign) is FileKind.FOREIGN, foreign
     # SGLang's flat names are not vLLM's, and the other way round
     assert HICACHE_FILE.classify_path(block) is FileKind.FOREIGN
@@ -77,8 +82,10 @@ def test_scan_and_listing_see_the_blocks_in_vouched_hashed_dirs_only(tmp_path: P
     # symlinks planted at each level of the hashed dirs lead outside: never entered
     outside = tmp_path / "outside"
     write_blocks(outside, folder, 3)
-    os.symlink(outside / f"{folder}_r0" / block_path(folder, key(0)).split("/")[1],
-               ns_dir / f"{folder}_r0" / "fff")  # fmt: skip
+    os.symlink(
+        outside / f"{folder}_r0" / block_path(folder, key(0)).split("/")[1],
+        ns_dir / f"{folder}_r0" / "fff",
+    )
     os.symlink(outside / f"{folder}_r0", ns_dir / f"{folder}_r1")
     linked = blocks[1][: -len(key(1)) - 4] + key(1)[:5] + "0" * 59 + ".bin"
     os.symlink(outside / blocks[1], ns_dir / linked)
@@ -131,12 +138,18 @@ def test_deletion_takes_blocks_and_temps_of_vouched_dirs_only(tmp_path: Path) ->
     link_dir = block_path(folder, key(7)).rsplit("/", 1)[0]
     (ns_dir / link_dir).parent.mkdir(parents=True, exist_ok=True)
     os.symlink(outside, ns_dir / link_dir)  # a hashed dir that is a link
-    asked = [*blocks, *strays, f"{folder}/config.json", block_path(folder, key(7)),
-             f"{folder}_r0/{key(1)}.bin", "../" + blocks[0]]  # fmt: skip
+    asked = [
+        *blocks,
+        *strays,
+        f"{folder}/config.json",
+        block_path(folder, key(7)),
+        f"{folder}_r0/{key(1)}.bin",
+        "../" + blocks[0],
+    ]
     dry = delete_files(layout.root, f"ns/{NS}", asked, fmt=FMT, dry_run=True)
     gone: list[str] = []
-    real = delete_files(layout.root, f"ns/{NS}", asked, fmt=FMT,
-                        removed=lambda name, _: gone.append(name))  # fmt: skip
+    heard = Listeners(removed=lambda name, _: gone.append(name))
+    real = delete_files(layout.root, f"ns/{NS}", asked, fmt=FMT, listeners=heard)
     assert (dry.files, dry.bytes, len(dry.refused)) == (real.files, real.bytes, len(real.refused))
     assert real.files == 6 and sorted(gone) == sorted(blocks)
     assert len(real.refused) == 6  # 2 strays, config.json, the linked dir, 2 misplaced names

@@ -42,8 +42,11 @@ def planted_tree(root: Path) -> tuple[Path, list[str], Path]:
         store.close()
     d = layout.ns_dir(ns)
     folder = write_folder(d)
-    blocks = [b for i in range(10) for b in write_blocks(d, folder, 1, size=1000, start=i,
-                                                         mtime=T0 + 100 * i)]  # fmt: skip
+    blocks = [
+        b
+        for i in range(10)
+        for b in write_blocks(d, folder, 1, size=1000, start=i, mtime=T0 + 100 * i)
+    ]
     stale = d / (blocks[0] + "_1234.tmp")  # a writer killed mid-store
     young = d / (blocks[1] + "_99.tmp")  # a store in progress
     for tmp, at in ((stale, T0), (young, None)):
@@ -72,10 +75,16 @@ def test_dry_run_equals_the_real_run_and_spares_what_is_not_a_block(root: Path) 
     assert (planned["files"], planned["bytes"]) == (done["files"], done["bytes"]) == (7, 6010)
     left = sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file() or p.is_symlink())
     folder = blocks[0].split("_r0/")[0]
-    assert left == sorted([
-        *blocks[6:], blocks[1] + "_99.tmp", f"{folder}/config.json",
-        f"{folder}/.o_direct_probe_5.tmp", f"{folder}/notes.txt", f"{folder}_r1",
-    ])  # fmt: skip
+    assert left == sorted(
+        [
+            *blocks[6:],
+            blocks[1] + "_99.tmp",
+            f"{folder}/config.json",
+            f"{folder}/.o_direct_probe_5.tmp",
+            f"{folder}/notes.txt",
+            f"{folder}_r1",
+        ]
+    )
     assert snapshot(outside) == before_outside
 
 
@@ -99,8 +108,9 @@ def test_purge_and_ls_see_a_vllm_namespace_and_the_trash_keeps_only_config(root:
     (entry,) = list((root / ".trash").iterdir())
     left = sorted(str(p.relative_to(entry)) for p in entry.rglob("*"))
     folder = blocks[0].split("_r0/")[0]
-    assert left == sorted([folder, f"{folder}/.o_direct_probe_5.tmp", f"{folder}/notes.txt",
-                           f"{folder}_r1"])  # fmt: skip
+    assert left == sorted(
+        [folder, f"{folder}/.o_direct_probe_5.tmp", f"{folder}/notes.txt", f"{folder}_r1"]
+    )
     assert out.returncode == 1 and "not removed: Directory not empty" in out.stderr
     assert snapshot(outside) == before_outside
 
@@ -182,9 +192,15 @@ def test_vllm_stores_the_index_has_not_applied_count_against_the_cap(root: Path)
         _, d, folder = vllm_tree(layout, store)
     write_blocks(d, folder, 900, size=1000)  # 0.9 of the cap, indexed by the start-up scan
     settings = load_settings(
-        root=root, gc_max_bytes=1_000_000, gc_high_watermark=1.0, gc_low_watermark=0.9,
-        gc_min_age=0, gc_interval=3600, gc_delete_rate=1e9, batch_interval=10,
-    )  # fmt: skip
+        root=root,
+        gc_max_bytes=1_000_000,
+        gc_high_watermark=1.0,
+        gc_low_watermark=0.9,
+        gc_min_age=0,
+        gc_interval=3600,
+        gc_delete_rate=1e9,
+        batch_interval=10,
+    )
     new = [block_path(folder, key(i)) for i in range(900, 1200)]
     with running_daemon(settings) as dm:
         for rel in new:  # 1.2 of the cap on disk

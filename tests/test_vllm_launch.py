@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cachemgr.identity.record import Identity
+from cachemgr.sglang.record import Identity
 from cachemgr.vllm.flags import CHOICES
 from tests.nsfixtures import cli, cli_process, one_line_error
 from tests.test_identity import make_model
@@ -46,14 +46,23 @@ def test_the_sglang_record_digest_is_unchanged() -> None:
     vLLM support must keep their ids."""
     record = {
         "schema_version": 2,
-        "weights": {"mode": "full", "algo": "xxh3-128", "files": [
-            {"name": "config.json", "size": 100, "digest": "ab" * 16},
-            {"name": "model.safetensors", "size": 4096, "digest": "cd" * 16}]},
-        "kv_cache_dtype": "fp8_e4m3", "dtype": "bfloat16", "page_size": 64,
-        "hicache_mem_layout": "page_first", "topology": {"tp_size": 2},
-        "sglang_version": "0.5", "storage": {"key_scheme": "k"},
+        "weights": {
+            "mode": "full",
+            "algo": "xxh3-128",
+            "files": [
+                {"name": "config.json", "size": 100, "digest": "ab" * 16},
+                {"name": "model.safetensors", "size": 4096, "digest": "cd" * 16},
+            ],
+        },
+        "kv_cache_dtype": "fp8_e4m3",
+        "dtype": "bfloat16",
+        "page_size": 64,
+        "hicache_mem_layout": "page_first",
+        "topology": {"tp_size": 2},
+        "sglang_version": "0.5",
+        "storage": {"key_scheme": "k"},
         "source": {"model_path": "/m", "model_dir": "/m", "served_model_name": "m"},
-    }  # fmt: skip
+    }
     ident = Identity.model_validate(record)
     assert ident.digest == "81382c037f07d6a020dea7db4b649f9c"
     assert "engine" not in ident.model_dump()
@@ -84,29 +93,74 @@ def _forms(model: Path, tmp_path: Path) -> dict[str, list[str]]:
         "hf_overrides:\n  rope_scaling:\n    factor: 4\n"
         f"kv-transfer-config: {json.dumps(cfg)}\n"
     )
-    plain = launch(model, "--kv-cache-dtype", "fp8", "--max-model-len", "32000",
-                   "--hf-overrides", '{"rope_scaling": {"factor": 4}}', "-tp", "2")  # fmt: skip
+    plain = launch(
+        model,
+        "--kv-cache-dtype",
+        "fp8",
+        "--max-model-len",
+        "32000",
+        "--hf-overrides",
+        '{"rope_scaling": {"factor": 4}}',
+        "-tp",
+        "2",
+    )
     forms = {
         "plain": plain,
-        "underscores": launch(model, "--kv_cache_dtype=fp8", "--max_model_len", "32k",
-                              "--hf_overrides", '{"rope_scaling":{"factor":4}}',
-                              "--tensor_parallel_size", "2"),
-        "dotted": ["vllm", "serve", str(model), "--kv-cache-dtype", "fp8", "-tp", "2",
-                   "--max-model-len=32k", "--hf-overrides.rope_scaling.factor", "4",
-                   "--kv-transfer-config.kv_connector", "OffloadingConnector",
-                   "--kv-transfer-config.kv_role=kv_both",
-                   "--kv-transfer-config.kv_connector_extra_config.secondary_tiers", tiers],
+        "underscores": launch(
+            model,
+            "--kv_cache_dtype=fp8",
+            "--max_model_len",
+            "32k",
+            "--hf_overrides",
+            '{"rope_scaling":{"factor":4}}',
+            "--tensor_parallel_size",
+            "2",
+        ),
+        "dotted": [
+            "vllm",
+            "serve",
+            str(model),
+            "--kv-cache-dtype",
+            "fp8",
+            "-tp",
+            "2",
+            "--max-model-len=32k",
+            "--hf-overrides.rope_scaling.factor",
+            "4",
+            "--kv-transfer-config.kv_connector",
+            "OffloadingConnector",
+            "--kv-transfer-config.kv_role=kv_both",
+            "--kv-transfer-config.kv_connector_extra_config.secondary_tiers",
+            tiers,
+        ],
         "config": ["vllm", "serve", str(model), "--config", str(yaml_file), "-tp", "2"],
         # vLLM's argparse takes a unique prefix of the flag in a dotted key too
-        "abbreviated": ["vllm", "serve", str(model), "--kv-cache-dtype=fp8", "-tp", "2",
-                        "--max-model-le=32k", "--hf-overrid.rope_scaling.factor", "4",
-                        "--kv-transfer-conf.kv_connector", "OffloadingConnector",
-                        "--kv-transfer-conf.kv_role=kv_both",
-                        "--kv-transfer-conf.kv_connector_extra_config.secondary_tiers", tiers],
+        "abbreviated": [
+            "vllm",
+            "serve",
+            str(model),
+            "--kv-cache-dtype=fp8",
+            "-tp",
+            "2",
+            "--max-model-le=32k",
+            "--hf-overrid.rope_scaling.factor",
+            "4",
+            "--kv-transfer-conf.kv_connector",
+            "OffloadingConnector",
+            "--kv-transfer-conf.kv_role=kv_both",
+            "--kv-transfer-conf.kv_connector_extra_config.secondary_tiers",
+            tiers,
+        ],
         "model_flag": ["vllm", "serve", "-tp", "2", "--model", str(model), *plain[3:]],
-        "api_server": [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                       "--model", str(model), *plain[3:]],
-    }  # fmt: skip
+        "api_server": [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            *plain[3:],
+        ],
+    }
     return forms
 
 
@@ -134,8 +188,13 @@ def test_each_form_gets_its_tier_pointed_at_the_namespace(
         given = _forms(model, tmp_path)["config"]
         assert command[: len(given)] == given and root_dir_of(command) == ns_dir
     else:
-        assert any(a.startswith("--kv_transfer_config=") or a == "--kv-transfer-config"
-                   for a in command) and root_dir_of(command) == ns_dir  # fmt: skip
+        assert (
+            any(
+                a.startswith("--kv_transfer_config=") or a == "--kv-transfer-config"
+                for a in command
+            )
+            and root_dir_of(command) == ns_dir
+        )
 
 
 CHANGES = {
@@ -192,19 +251,29 @@ def test_the_same_launch_twice_keeps_its_namespace(root: Path, model: Path) -> N
         (["--block-size", "16.0"], "invalid --block-size '16.0': vLLM 0.33.0 takes an integer"),
         (["--max-model-len", "1.5K"], "invalid --max-model-len '1.5K'"),
         (["--kv-transfer-config", "{not json"], "--kv-transfer-config is not a JSON object"),
-        (["--kv-transfer-config.kv_connector_extra_config.secondary_tiers", '{"type": "fs"}'],
-         "secondary_tiers is not a list of objects"),
+        (
+            ["--kv-transfer-config.kv_connector_extra_config.secondary_tiers", '{"type": "fs"}'],
+            "secondary_tiers is not a list of objects",
+        ),
         (["--hf-overrides", "[1]"], "--hf-overrides is not a JSON object"),
-        (["--kv-transfer-config", json.dumps({**tier_config(), "kv_role": "kv_nobody"})],
-         "kv_role 'kv_nobody' is not one of"),
+        (
+            ["--kv-transfer-config", json.dumps({**tier_config(), "kv_role": "kv_nobody"})],
+            "kv_role 'kv_nobody' is not one of",
+        ),
         (["--kv-cache-dtype"], "--kv-cache-dtype needs a value"),
-        (["--kv-transfer-config.kv_connector_extra_config.secondary_tiers",
-          '[{"type": "fs", "root_dir": "/a"}, {"type": "fs", "root_dir": "/b"}]'],
-         "has 2 fs tiers: cachemgr manages one per server"),
-        (["--kv-transfer-config.kv_connector_extra_config.secondary_tiers", '[{"type": "fs"}]'],
-         'the fs tier has no "root_dir" string'),
+        (
+            [
+                "--kv-transfer-config.kv_connector_extra_config.secondary_tiers",
+                '[{"type": "fs", "root_dir": "/a"}, {"type": "fs", "root_dir": "/b"}]',
+            ],
+            "has 2 fs tiers: cachemgr manages one per server",
+        ),
+        (
+            ["--kv-transfer-config.kv_connector_extra_config.secondary_tiers", '[{"type": "fs"}]'],
+            'the fs tier has no "root_dir" string',
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_bad_value_is_one_line_exit_2_and_nothing_is_made(
     tmp_path: Path, model: Path, fake_vllm: dict[str, str], flags: list[str], says: str
 ) -> None:
@@ -243,14 +312,24 @@ def test_exec_runs_vllm_with_the_tier_pointed_at_the_namespace(
     root: Path, model: Path, fake_vllm: dict[str, str]
 ) -> None:
     tiers = json.dumps(tier_config()["kv_connector_extra_config"]["secondary_tiers"])
-    command = ["vllm", "serve", str(model), "--kv-transfer-config.kv_connector", "Offloading",
-               "--kv-transfer-config.kv_role", "kv_both",
-               "--kv-transfer-config.kv_connector_extra_config.secondary_tiers", tiers]  # fmt: skip
+    command = [
+        "vllm",
+        "serve",
+        str(model),
+        "--kv-transfer-config.kv_connector",
+        "Offloading",
+        "--kv-transfer-config.kv_role",
+        "kv_both",
+        "--kv-transfer-config.kv_connector_extra_config.secondary_tiers",
+        tiers,
+    ]
     proc = subprocess.run(
         [sys.executable, "-m", "cachemgr", "--root", str(root), "exec", "--", *command],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, **fake_vllm},
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr
     argv = json.loads(proc.stdout)
     (ns,) = [p for p in (root / "ns").iterdir() if p.is_dir()]
@@ -302,8 +381,9 @@ def test_purging_a_namespace_a_running_vllm_uses_is_refused(root: Path, model: P
     # A server started with init's command: its argv names the namespace dir (as JSON).
     server = subprocess.Popen(
         [sys.executable, "-c", "import sys; sys.stdin.read()", *first["command"]],
-        stdin=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdin=subprocess.PIPE,
+        text=True,
+    )
     try:
         out = vinit(root, launch(model, "--kv-cache-dtype", "fp8"))
         assert out.returncode == 2 and f"in use by running process {server.pid}" in (
@@ -321,8 +401,11 @@ def test_a_vllm_config_file_that_is_missing_or_not_yaml_is_one_line(
     root = tmp_path / "root"
     bad = tmp_path / "bad.yaml"
     bad.write_text("kv-cache-dtype: [unclosed\n")
-    cases = [("missing.yaml", 1, "No such file"), (str(bad), 2, "is not YAML"),
-             ("serve.json", 2, "reads only .yaml/.yml")]  # fmt: skip
+    cases = [
+        ("missing.yaml", 1, "No such file"),
+        (str(bad), 2, "is not YAML"),
+        ("serve.json", 2, "reads only .yaml/.yml"),
+    ]
     for path, code, says in cases:
         out = vinit(root, ["vllm", "serve", str(model), "--config", path])
         assert out.returncode == code and says in one_line_error(out), out.stderr

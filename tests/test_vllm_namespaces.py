@@ -19,7 +19,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from cachemgr.vllm.args import resolve_vllm_args
-from tests.conftest import VLLM_ENV, VllmDriver
+from tests.conftest import VLLM_ENV, ScriptRunner, VllmDriver
 from tests.test_identity import make_model
 from tests.vllm_launch import launch, root_dir_of, tier_config, vinit_json
 
@@ -71,8 +71,12 @@ def test_a_kv_dtype_change_loads_no_old_block(vllm: VllmDriver, root: Path, tmp_
     assert not Path(first["storage_dir"]).exists()
     assert (second["old_action"], second["old_pages"]) == ("purged", 4)  # counted as vLLM's
     # GC drains the purged namespace: its blocks, hashed dirs and identity files all go.
-    gc = subprocess.run([sys.executable, "-m", "cachemgr", "--root", str(root), "gc", "--yes"],
-                        capture_output=True, text=True, check=False)  # fmt: skip
+    gc = subprocess.run(
+        [sys.executable, "-m", "cachemgr", "--root", str(root), "gc", "--yes"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert gc.returncode == 0, gc.stderr
     assert list((root / ".trash").iterdir()) == []
 
@@ -149,7 +153,9 @@ PARSE = textwrap.dedent("""
 """)
 
 
-def test_the_prepass_reads_what_vllms_parser_reads(tmp_path: Path) -> None:
+def test_the_prepass_reads_what_vllms_parser_reads(
+    tmp_path: Path, vllm_scripts: ScriptRunner
+) -> None:
     yaml_file = tmp_path / "serve.yaml"
     yaml_file.write_text(
         "kv_cache_dtype: fp8\nmax-model-len: 16k\nblock_size: 32\n"
@@ -157,23 +163,47 @@ def test_the_prepass_reads_what_vllms_parser_reads(tmp_path: Path) -> None:
     )
     tiers = json.dumps([{"type": "fs", "root_dir": "/dotted"}])
     argvs = [
-        ["serve", "/m", "--max_model_len=32K", "-tp", "2", "--kv-cache-dtype", "fp8_e5m2",
-         "--kv_transfer_config", json.dumps(tier_config("/plain"))],
-        ["serve", "-tp", "2", "--model", "/m", "--hf-overrides.rope_scaling.factor", "4",
-         "--hf-overrides.rope_scaling.rope_type=yarn", "--max-model-len", "auto",
-         "--kv-transfer-config.kv_connector", "OffloadingConnector",
-         "--kv-transfer-config.kv_role", "kv_both",
-         "--kv-transfer-config.kv_connector_extra_config.secondary_tiers", tiers],
+        [
+            "serve",
+            "/m",
+            "--max_model_len=32K",
+            "-tp",
+            "2",
+            "--kv-cache-dtype",
+            "fp8_e5m2",
+            "--kv_transfer_config",
+            json.dumps(tier_config("/plain")),
+        ],
+        [
+            "serve",
+            "-tp",
+            "2",
+            "--model",
+            "/m",
+            "--hf-overrides.rope_scaling.factor",
+            "4",
+            "--hf-overrides.rope_scaling.rope_type=yarn",
+            "--max-model-len",
+            "auto",
+            "--kv-transfer-config.kv_connector",
+            "OffloadingConnector",
+            "--kv-transfer-config.kv_role",
+            "kv_both",
+            "--kv-transfer-config.kv_connector_extra_config.secondary_tiers",
+            tiers,
+        ],
         ["serve", "/m", "--config", str(yaml_file), "--max-model-len", "8k"],
-        ["serve", "/m", "--kv-transfer-config", json.dumps(tier_config("/first")),
-         "--kv-transfer-config.kv_connector_extra_config.secondary_tiers", tiers],
-    ]  # fmt: skip
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
-    real = subprocess.run(
-        [str(VLLM_ENV / "bin" / "python"), "-c", PARSE], input=json.dumps(argvs),
-        capture_output=True, text=True, env=env, timeout=300, check=True,
-    )  # fmt: skip
-    for argv, theirs in zip(argvs, json.loads(real.stdout), strict=True):
+        [
+            "serve",
+            "/m",
+            "--kv-transfer-config",
+            json.dumps(tier_config("/first")),
+            "--kv-transfer-config.kv_connector_extra_config.secondary_tiers",
+            tiers,
+        ],
+    ]
+    real = vllm_scripts.run(PARSE, stdin=json.dumps(argvs))
+    for argv, theirs in zip(argvs, json.loads(real), strict=True):
         ours = resolve_vllm_args(["vllm", *argv])
         assert ours.model == theirs["model"]
         assert ours.kv_cache_dtype == theirs["kv_cache_dtype"]
@@ -181,8 +211,9 @@ def test_the_prepass_reads_what_vllms_parser_reads(tmp_path: Path) -> None:
         assert ours.tensor_parallel_size == theirs["tp"]
         assert ours.block_size == theirs["block_size"]
         overrides = theirs["hf_overrides"]
-        assert ours.hf_overrides == (json.dumps(overrides, sort_keys=True, separators=(",", ":"))
-                                     if overrides else None)  # fmt: skip
+        assert ours.hf_overrides == (
+            json.dumps(overrides, sort_keys=True, separators=(",", ":")) if overrides else None
+        )
         (fs,) = [t for t in theirs["tiers"] if t["type"] == "fs"]
         assert ours.tier is not None and ours.tier.root_dir == fs["root_dir"], argv
 
@@ -201,8 +232,11 @@ def exec_vllm(root: Path, command: list[str], op: str, tmp_path: Path) -> dict[s
     env = {**clean, "PATH": f"{bindir}:{os.environ['PATH']}", "STUB_OP": op}
     out = subprocess.run(
         [sys.executable, "-m", "cachemgr", "--root", str(root), "exec", "--", *command],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     result: dict[str, Any] = json.loads(out.stdout.splitlines()[-1])
     result["said"] = out.stderr
@@ -216,10 +250,19 @@ def test_exec_runs_vllm_on_its_namespace_and_a_restart_loads_its_blocks(
     writes below the namespace; the same launch loads every block, a weights change none."""
     model = make_model(tmp_path / "model")
     tiers = json.dumps([{"type": "fs", "root_dir": "/srv/kv"}])
-    command = ["vllm", "serve", str(model), "--kv_cache_dtype", "fp8_e4m3",
-               "--kv-transfer-config.kv_connector", "OffloadingConnector",
-               "--kv-transfer-config.kv_role", "kv_both",
-               "--kv-transfer-config.kv_connector_extra_config.secondary_tiers", tiers]  # fmt: skip
+    command = [
+        "vllm",
+        "serve",
+        str(model),
+        "--kv_cache_dtype",
+        "fp8_e4m3",
+        "--kv-transfer-config.kv_connector",
+        "OffloadingConnector",
+        "--kv-transfer-config.kv_role",
+        "kv_both",
+        "--kv-transfer-config.kv_connector_extra_config.secondary_tiers",
+        tiers,
+    ]
     stored = exec_vllm(root, command, "store", tmp_path)
     (ns,) = [p for p in (root / "ns").iterdir() if p.is_dir()]
     assert stored["root_dir"] == str(ns) and stored["stored"] == 4

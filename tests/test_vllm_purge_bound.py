@@ -23,8 +23,14 @@ def test_a_purge_while_bound_keeps_the_tier_vouched_and_under_its_cap(
 ) -> None:
     layout, ns_dir = vllm_root(tmp_path)
     cap_blocks = 20
-    cfg = settings(layout, gc_max_bytes=cap_blocks * BLOCK, gc_high_watermark=1.0,
-                   gc_low_watermark=0.9, gc_delete_rate=None, gc_min_age=0)  # fmt: skip
+    cfg = settings(
+        layout,
+        gc_max_bytes=cap_blocks * BLOCK,
+        gc_high_watermark=1.0,
+        gc_low_watermark=0.9,
+        gc_delete_rate=None,
+        gc_min_age=0,
+    )
     with running_daemon(cfg) as dm:
         opened = vllm.open(ns_dir, block_tokens=16, dtype="bfloat16", slots=64)
         tier, config = opened["handle"], Path(opened["config_path"])
@@ -43,10 +49,18 @@ def test_a_purge_while_bound_keeps_the_tier_vouched_and_under_its_cap(
             assert config.read_bytes() == identity  # the same bytes vLLM wrote, in place
             for s in range(2, 12):  # the same tier object: it will not write config.json again
                 assert vllm.call("store", handle=tier, tokens=blocks(s, 8), tag="a")["failed"] == 0
-            wait_for(lambda: len(on_disk(ns_dir)), lambda n: n <= cap_blocks, timeout=60,
-                     what="the cap over the blocks stored after the purge")  # fmt: skip
-            wait_for(pages, lambda n: n == len(on_disk(ns_dir)), timeout=30,
-                     what="the index equal to the disk")  # fmt: skip
+            wait_for(
+                lambda: len(on_disk(ns_dir)),
+                lambda n: n <= cap_blocks,
+                timeout=60,
+                what="the cap over the blocks stored after the purge",
+            )
+            wait_for(
+                pages,
+                lambda n: n == len(on_disk(ns_dir)),
+                timeout=30,
+                what="the index equal to the disk",
+            )
             assert dm.namespaces()[NS]["pages"] > 0
         finally:
             vllm.call("close", handle=tier)

@@ -36,9 +36,13 @@ def scans(root: Path) -> list[object]:
     with open_dir(root, f"ns/{NS}") as fd:
         for threads in THREADS:
             groups, other, gone, pages = _dirscan.scan(
-                fd, threads, (r.key_min, r.key_max, r.temp_lead, r.temp_hex), FMT.classify,
-                len(nest.levels), dir_filter(fd, nest),
-            )  # fmt: skip
+                fd,
+                threads,
+                (r.key_min, r.key_max, r.temp_lead, r.temp_hex),
+                FMT.classify,
+                len(nest.levels),
+                dir_filter(fd, nest),
+            )
             out.append((sorted(groups), other, gone, pages))
     return out
 
@@ -103,10 +107,20 @@ def test_unreadable_dirs_and_a_mount_are_skipped_alike_by_every_walker(tmp_path:
         caps = "-dac_override,-dac_read_search"
         code = f"import json; from tests.test_vllm_scan_threads import scans; print(json.dumps(scans(__import__('pathlib').Path({str(root)!r}))))"  # noqa: E501
         run = subprocess.run(
-            ["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}", "--", sys.executable,
-             "-c", code],
-            capture_output=True, text=True, timeout=60, cwd=Path(__file__).parent.parent,
-        )  # fmt: skip
+            [
+                "setpriv",
+                f"--inh-caps={caps}",
+                f"--bounding-set={caps}",
+                "--",
+                sys.executable,
+                "-c",
+                code,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=Path(__file__).parent.parent,
+        )
     finally:
         subprocess.run(["umount", "-l", str(at)], check=True)
         (rank / blocks[6].split("/")[1]).chmod(0o755)
@@ -131,5 +145,11 @@ def test_an_exception_in_a_walker_thread_reaches_the_caller(tmp_path: Path) -> N
 
         for threads in THREADS:
             with pytest.raises(LookupError):
-                _dirscan.scan(fd, threads, (r.key_min, r.key_max, r.temp_lead, r.temp_hex),
-                              FMT.classify, len(nest.levels), fails_late)  # fmt: skip
+                _dirscan.scan(
+                    fd,
+                    threads,
+                    (r.key_min, r.key_max, r.temp_lead, r.temp_hex),
+                    FMT.classify,
+                    len(nest.levels),
+                    fails_late,
+                )

@@ -10,7 +10,7 @@ from pathlib import Path
 from cachemgr.fs._dirscan import mount_id
 from cachemgr.fs._unlink import unlink_tree
 from cachemgr.fs.deletecheck import NOT_REACHED
-from cachemgr.fs.deletion import Pacer, delete_files
+from cachemgr.fs.deletion import Listeners, Pacer, delete_files
 from cachemgr.fs.dirscan import list_files
 from cachemgr.layout import Layout
 from cachemgr.vllm.fstier import VLLM_FS_TIER
@@ -55,8 +55,21 @@ def test_a_top_dir_no_longer_in_its_parent_stops_every_unlink(tmp_path: Path) ->
     parent = os.open(d.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
         other = os.stat(root)  # the entry must be (dev, inode) of ns/<id>; this is not it
-        results, moved = unlink_tree(top, parent, d.name, other.st_dev, other.st_ino,
-                                     mount_id(top), dirs, names, 0.0, 0.0, 8, 0, False)  # fmt: skip
+        results, moved = unlink_tree(
+            top,
+            parent,
+            d.name,
+            other.st_dev,
+            other.st_ino,
+            mount_id(top),
+            dirs,
+            names,
+            0.0,
+            0.0,
+            8,
+            0,
+            False,
+        )
     finally:
         os.close(top)
         os.close(parent)
@@ -75,7 +88,7 @@ def test_a_rank_dir_swapped_for_a_link_mid_run_is_not_followed(tmp_path: Path) -
             rank.symlink_to(away)
 
     pacer = Pacer(rate=1e-3, batch=1, sleep=swap)
-    report = delete_files(root, f"ns/{NS}", blocks, fmt=FMT, pacer=pacer)
+    report = delete_files(root, f"ns/{NS}", blocks, fmt=FMT, listeners=Listeners(pacer))
     left = sum((away / b.split("/", 1)[1]).is_file() for b in blocks)
     assert report.files + left == len(blocks) and left > 200
     assert any("not a directory" in why for why in report.refused), report.refused

@@ -1,9 +1,10 @@
 """The live index of a vLLM namespace as an operator's bad day or a hostile co-tenant leaves
 its hashed dirs: an inotify overflow while dirs are made, a dir removed and made again, a dir
-moved out, another filesystem mounted in a hashed dir."""
+moved out, another filesystem mounted in a hashed dir, a root mounted noatime."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sqlite3
@@ -14,6 +15,7 @@ import pytest
 
 from cachemgr.layout import Layout
 from cachemgr.state.store import Store
+from tests.nsfixtures import cli
 from tests.polling import wait_for
 from tests.test_indexer import SlowWatcher, ns_stats, reader, start
 from tests.vllmtrees import SIZE, block_path, key, sibling, vllm_load, vllm_store, vllm_tree
@@ -126,3 +128,40 @@ def test_a_hashed_dir_moved_out_of_the_namespace_leaves_the_index(
         wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (1, SIZE), timeout=10)
     finally:
         ix.stop()
+
+
+def test_on_a_noatime_root_reads_before_a_watch_are_lost_but_counted_and_said(
+    layout: Layout, store: Store, reader: sqlite3.Connection
+) -> None:
+    """noatime leaves no trace of a read: the loads made before their dirs' watches stay
+    unseen, the stores of those dirs bound them (the metric's count), and doctor says why."""
+    ns, d, folder = vllm_tree(layout, store)
+    root = str(layout.root)
+    for argv in (["--bind", root, root], ["-o", "remount,bind,noatime", root]):
+        mounted = subprocess.run(["mount", *argv], capture_output=True)
+        if mounted.returncode != 0:
+            subprocess.run(["umount", "-l", root])
+            pytest.skip(f"cannot remount noatime here: {mounted.stderr.decode().strip()}")
+    try:
+        first = block_path(folder, key(0))
+        vllm_store(d, first, SIZE)
+        watcher = SlowWatcher(layout)
+        ix = start(layout, store, watcher)
+        try:
+            vllm_store(d, sibling(first), SIZE)  # a watched dir: its event blocks the thread
+            later = [block_path(folder, key(i)) for i in range(1, 11)]
+            for rel in later:
+                vllm_store(d, rel, SIZE)
+                assert vllm_load(d, rel) == SIZE
+            watcher.release.set()
+            wait_for(lambda: ns_stats(reader, ns), lambda s: s == (12, 12 * SIZE, 0, 11))
+            assert (watcher.gaps.stores, watcher.gaps.reads) == (10, 0)
+        finally:
+            watcher.release.set()
+            ix.stop()
+        out = cli("--root", root, "doctor", "--json")
+        codes = [f["code"] for f in json.loads(out.stdout)]
+        assert (out.returncode, codes) == (1, ["root-noatime"]), out.stdout
+    finally:
+        subprocess.run(["umount", "-l", root], check=True)
+    assert "root-noatime" not in cli("--root", root, "doctor", "--json").stdout

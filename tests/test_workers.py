@@ -14,10 +14,10 @@ from prometheus_client import CollectorRegistry
 
 from cachemgr.daemon.app import create_app
 from cachemgr.daemon.backend import Backend
-from cachemgr.daemon.metrics import CachemgrCollector
+from cachemgr.daemon.metrics import CachemgrCollector, Parts
 from cachemgr.daemon.serving import Reader
 from cachemgr.gc.policy import GcPolicy
-from cachemgr.gc.runner import GcRunner
+from cachemgr.gc.runner import GcRunner, LiveState
 from cachemgr.layout import Layout
 from cachemgr.settings import load_settings
 from cachemgr.state.store import Store
@@ -69,8 +69,9 @@ class Broken(Exception):
     """What no loop of cachemgr's expects: it must end the thread, loudly."""
 
 
-def never_eligible() -> bool:
-    raise Broken("eligible() is broken")
+class NeverEligible(LiveState):
+    def may_lead(self) -> bool:
+        raise Broken("may_lead() is broken")
 
 
 async def get(app: FastAPI, path: str) -> httpx.Response:
@@ -83,14 +84,14 @@ def test_a_dead_gc_thread_fails_readyz_and_its_metric(
 ) -> None:
     caplog.set_level(logging.ERROR, logger="cachemgr.worker")
     died: list[Worker] = []
-    runner = GcRunner(layout, store, GcPolicy(), eligible=never_eligible, on_death=died.append)
+    runner = GcRunner(layout, store, GcPolicy(), live=NeverEligible(), on_death=died.append)
     reader = Reader(layout)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(CachemgrCollector(layout, reader, workers=[runner]))
+    registry.register(CachemgrCollector(layout, reader, Parts(workers=[runner])))
     app = create_app(Backend(layout=layout, reader=reader, registry=registry, workers=[runner]))
     try:
         assert registry.get_sample_value("cachemgr_worker_up", {"worker": "gc"}) == 1
-        runner.start()  # its first tick asks eligible()
+        runner.start()  # its first tick asks may_lead()
         wait_for(lambda: died, bool)
         assert died == [runner] and isinstance(runner.error, Broken)
         assert registry.get_sample_value("cachemgr_worker_up", {"worker": "gc"}) == 0
@@ -112,8 +113,9 @@ def test_an_unexpected_error_in_a_route_is_a_problem_json_500(layout: Layout) ->
             return await c.post("/v1/purge", json={"all": True})
 
     reader = Reader(layout)
-    app = create_app(Backend(layout=layout, reader=reader, registry=CollectorRegistry(),
-                             purge=purge))  # fmt: skip
+    app = create_app(
+        Backend(layout=layout, reader=reader, registry=CollectorRegistry(), purge=purge)
+    )
     try:
         r = anyio.run(post)
     finally:

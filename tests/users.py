@@ -90,8 +90,9 @@ def as_user(user: User, fn: Callable[[], T]) -> T:
     return value  # type: ignore[no-any-return]
 
 
-def cli_as(user: User, *args: str, env: dict[str, str] | None = None
-           ) -> subprocess.CompletedProcess[str]:  # fmt: skip
+def cli_as(
+    user: User, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """`cachemgr ARGS` (tests.nsfixtures.cli) as `user`."""
     return as_user(user, lambda: cli(*args, env=env))
 

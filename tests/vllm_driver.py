@@ -256,8 +256,15 @@ def op_files(req: dict[str, Any]) -> dict[str, Any]:
     return counts
 
 
-OPS = {"open": op_open, "store": op_store, "lookup": op_lookup, "load": op_load,
-       "close": op_close, "unlink": op_unlink, "files": op_files}  # fmt: skip
+OPS = {
+    "open": op_open,
+    "store": op_store,
+    "lookup": op_lookup,
+    "load": op_load,
+    "close": op_close,
+    "unlink": op_unlink,
+    "files": op_files,
+}
 
 
 def demo(root: str) -> list[dict[str, Any]]:

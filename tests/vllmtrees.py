@@ -19,10 +19,18 @@ SIZE = 4096  # bytes of a hand-made block
 
 def write_folder(ns_dir: Path, *, model: str = MODEL, dtype: str = "bfloat16") -> str:
     """Write <model>_<digest12>/config.json as vLLM does; returns the folder name."""
-    fields = {"model_name": model, "dtype": dtype, "tokens_per_hash": 16, "blocks_per_file": 1,
-              "tp_size": 1, "pp_size": 1, "pcp_size": 1, "dcp_size": 1,
-              "kv_cache_groups": [{"tokens_per_block": 16, "layer_names": ["l0"]}],
-              "inference_engine": "vllm"}  # fmt: skip
+    fields = {
+        "model_name": model,
+        "dtype": dtype,
+        "tokens_per_hash": 16,
+        "blocks_per_file": 1,
+        "tp_size": 1,
+        "pp_size": 1,
+        "pcp_size": 1,
+        "dcp_size": 1,
+        "kv_cache_groups": [{"tokens_per_block": 16, "layer_names": ["l0"]}],
+        "inference_engine": "vllm",
+    }
     canon = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     folder = f"{model.replace('/', '_')}_{hashlib.sha256(canon).hexdigest()[:12]}"
     (ns_dir / folder).mkdir(parents=True, exist_ok=True)
@@ -39,8 +47,15 @@ def key(i: int, digits: int = 64) -> str:
     return hashlib.sha256(str(i).encode()).hexdigest()[:digits]
 
 
-def write_blocks(ns_dir: Path, folder: str, n: int, *, size: int = SIZE, start: int = 0,
-                 mtime: float | None = None) -> list[str]:  # fmt: skip
+def write_blocks(
+    ns_dir: Path,
+    folder: str,
+    n: int,
+    *,
+    size: int = SIZE,
+    start: int = 0,
+    mtime: float | None = None,
+) -> list[str]:
     """n block files; their paths below the namespace dir."""
     paths = []
     for i in range(start, start + n):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import click
 
@@ -14,7 +14,7 @@ from cachemgr.layout import Layout
 from cachemgr.ns.purge import Actor, DrainProgress, drain_trash
 from cachemgr.state.store import Store
 
-log = logging.getLogger("cachemgr.ns.purge")
+log = logging.getLogger(__name__)
 
 
 def drain_with_progress(
@@ -28,9 +28,13 @@ def drain_with_progress(
     log.log(
         logging.INFO if report.files or report.refused else logging.DEBUG,
         "trash deleted",
-        extra={"files": report.files, "bytes": report.bytes, "refused": len(report.refused),
-               "seconds": round(time.monotonic() - started, 3)},
-    )  # fmt: skip
+        extra={
+            "files": report.files,
+            "bytes": report.bytes,
+            "refused": len(report.refused),
+            "seconds": round(time.monotonic() - started, 3),
+        },
+    )
     return report
 
 
@@ -42,9 +46,13 @@ def _log_every(period: float) -> Callable[[DrainProgress], None]:
             last[0] = time.monotonic()
             log.info(
                 "deleting trash",
-                extra={"entry": p.entry, "files": p.files, "total_files": p.total_files,
-                       "bytes": p.bytes},
-            )  # fmt: skip
+                extra={
+                    "entry": p.entry,
+                    "files": p.files,
+                    "total_files": p.total_files,
+                    "bytes": p.bytes,
+                },
+            )
 
     return tick
 
@@ -65,6 +73,19 @@ def _drain_with_bar(
             bar.update(task, completed=p.files, total=p.total_files or None)
 
         return drain_trash(layout, store, actor=actor, pacer=pacer, progress=tick)
+
+
+def said_not_whole(
+    namespaces: Iterable[tuple[str, str, str | None]], state_dir: str | None
+) -> bool:
+    """Warn on stderr, one line each, of what this user could not read for `ls` or `status`:
+    a namespace (id, state, problem) whose dir or manifest is `unreadable`, the state dir.
+    True if there was any: the answer is then not whole (exit 1, docs/exit-codes.md)."""
+    lines = [f"namespace {ns} {why}" for ns, state, why in namespaces if state == "unreadable"]
+    lines += [state_dir] if state_dir else []
+    for line in lines:
+        click.echo(f"cachemgr: warning: {line}", err=True)
+    return bool(lines)
 
 
 def ask(question: str, *, declined: str) -> None:

@@ -11,13 +11,16 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+from pydantic_core import PydanticUndefined
 
 from cachemgr import logs
 from cachemgr.settings import Settings, load_settings, unknown_env_vars
+from cachemgr.units import format_duration
 
 F = TypeVar("F", bound=Callable[..., Any])
 log = logging.getLogger(__name__)
@@ -62,10 +65,39 @@ def _warn_unknown_env() -> None:
 pass_app = click.make_pass_decorator(AppContext)
 
 
+class SettingOption(click.Option):
+    """A flag standing for the setting `setting`: its help is the setting's description, and
+    the default it shows is the setting's own (its value stays None: given or not)."""
+
+    def __init__(self, *args: Any, setting: str, **kwargs: Any) -> None:
+        field = Settings.model_fields[setting]
+        kwargs.setdefault("help", field.description)
+        super().__init__(*args, **kwargs)
+        self.setting = setting
+        self.setting_default = _shown(field.default)
+
+    def get_help_extra(self, ctx: click.Context) -> click.types.OptionHelpExtra:
+        extra = super().get_help_extra(ctx)
+        if self.setting_default is not None:
+            extra["default"] = self.setting_default
+        return extra
+
+
+def _shown(default: Any) -> str | None:
+    """A setting's default as the config file writes it (None: unset, or computed at run time)."""
+    if default is None or default is PydanticUndefined:
+        return None
+    if isinstance(default, timedelta):
+        return format_duration(default)
+    return str(default)
+
+
 def setting_option(*flags: str, setting: str, **kwargs: Any) -> Callable[[F], F]:
     """A flag that overrides the setting named `setting`; the command does not get its value.
 
-    Also accepted as `--<setting-with-dashes>`, the name settings errors mention.
+    Also accepted as `--<setting-with-dashes>`, the name settings errors mention. Its help is
+    the setting's description (`help=` only where the flag means more than the setting: where
+    `status` asks the daemon).
     """
 
     def override(ctx: click.Context, _param: click.Parameter, value: Any) -> None:
@@ -74,4 +106,12 @@ def setting_option(*flags: str, setting: str, **kwargs: Any) -> Callable[[F], F]
 
     alias = "--" + setting.replace("_", "-")
     names = [*flags, *([alias] if alias not in flags else []), setting]
-    return click.option(*names, callback=override, expose_value=False, default=None, **kwargs)
+    return click.option(
+        *names,
+        cls=SettingOption,
+        setting=setting,
+        callback=override,
+        expose_value=False,
+        default=None,
+        **kwargs,
+    )

@@ -6,36 +6,35 @@ import dataclasses
 import functools
 import json
 import os
-from collections.abc import Mapping
-from typing import Any
 
 import click
 
+from cachemgr import engines
 from cachemgr.cli.context import AppContext, pass_app
 from cachemgr.cli.launch_options import LaunchRequest
 from cachemgr.cli.status import from_daemon, same_root
 from cachemgr.doctor.finding import Finding, exit_code
-from cachemgr.doctor.launch import launch_env, lint
-from cachemgr.doctor.permissions import lint_deletable
-from cachemgr.doctor.root import lint_disk, lint_root
-from cachemgr.doctor.vllm import lint_vllm
+from cachemgr.doctor.permissions import SAMPLE, lint_deletable
+from cachemgr.doctor.root import lint_disk
+from cachemgr.doctor.statedir import lint_root_and_state
 from cachemgr.errors import CachemgrError
 from cachemgr.gc.policy import GcPolicy
-from cachemgr.identity import model_dir
-from cachemgr.identity.engines import AnyIdentity
-from cachemgr.identity.record import Identity
+from cachemgr.identity.record import Digested
 from cachemgr.layout import Layout
-from cachemgr.ns.root import existing_layout, reading_store
+from cachemgr.ns.root import existing_layout
 from cachemgr.settings import Settings
-from cachemgr.sglang.args import LaunchArgs, resolve_launch_args
-from cachemgr.vllm.args import is_vllm_launch, resolve_vllm_args
 
 
 @click.command("doctor")
 @click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
+@click.option(
+    "--all-pages",
+    is_flag=True,
+    help=f"Check every page's flags and owner (default: the first {SAMPLE:,} of a namespace).",
+)
 @click.argument("launch_cmd", nargs=-1, type=click.UNPROCESSED, metavar="[-- LAUNCH_CMD…]")
 @pass_app
-def doctor(app: AppContext, as_json: bool, launch_cmd: tuple[str, ...]) -> None:
+def doctor(app: AppContext, as_json: bool, all_pages: bool, launch_cmd: tuple[str, ...]) -> None:
     """Check a launch (and the root) for HiCache pitfalls; exit 0 clean, 1 warnings, 2 errors.
 
     Checks: page size 1 with the file backend, mamba track interval vs page size on hybrid
@@ -51,33 +50,18 @@ def doctor(app: AppContext, as_json: bool, launch_cmd: tuple[str, ...]) -> None:
         existing_layout(settings)
     findings: list[Finding] = []
     policy = served_policy(settings)
-    cap = policy.max_bytes
-    if launch_cmd and is_vllm_launch(launch_cmd):
-        findings += lint_vllm(
-            resolve_vllm_args(launch_cmd, dict(os.environ)),
+    if launch_cmd:
+        findings += engines.for_launch(launch_cmd).lint(
+            launch_cmd,
             layout=layout,
-            # either cap bounds the launch's namespace, so its tier does not fill the disk
-            cap_bytes=cap if cap is not None else policy.namespace_max_bytes,
+            policy=policy,
             identity=functools.cache(lambda: _identity(settings, launch_cmd)),
-            command=launch_cmd,
-        )
-    elif launch_cmd:
-        args = resolve_launch_args(launch_cmd)
-        env = {**os.environ, **launch_env(launch_cmd)}
-        findings += lint(
-            args,
-            layout=layout,
-            env=env,
-            model_config=_model_config(args, env),
-            cap_bytes=cap,
-            identity=functools.cache(lambda: _sglang(_identity(settings, launch_cmd))),
-            command=launch_cmd,
+            environ=os.environ,
         )
     if layout.root.is_dir():
         findings += lint_disk(layout, policy)
-        with reading_store(layout) as store:
-            findings += lint_root(layout, store)
-        findings += lint_deletable(layout)
+        findings += lint_root_and_state(layout)
+        findings += lint_deletable(layout, None if all_pages else SAMPLE)
     if as_json:
         click.echo(json.dumps([dataclasses.asdict(f) for f in findings], indent=2))
     else:
@@ -107,23 +91,10 @@ def served_policy(settings: Settings) -> GcPolicy:
     )
 
 
-def _identity(settings: Settings, launch_cmd: tuple[str, ...]) -> AnyIdentity | None:
+def _identity(settings: Settings, launch_cmd: tuple[str, ...]) -> Digested | None:
     """The launch's identity as `fingerprint` computes it (the root's digest cache, read from
     a copy), or None when it cannot be computed here (the model is elsewhere)."""
     try:
         return LaunchRequest(overrides={}, command=launch_cmd).compute_identity(settings)
-    except CachemgrError:
-        return None
-
-
-def _sglang(ident: AnyIdentity | None) -> Identity | None:
-    return ident if isinstance(ident, Identity) else None
-
-
-def _model_config(args: LaunchArgs, env: Mapping[str, str]) -> dict[str, Any] | None:
-    """config.json of the model if it is on disk here (a dir or the HF cache), else None."""
-    try:
-        directory = model_dir.locate_model(args.model_path, args.revision, env=env)
-        return model_dir.read_json(directory / "config.json")
     except CachemgrError:
         return None

@@ -10,11 +10,10 @@ from collections.abc import Mapping
 import click
 
 from cachemgr.cli.context import AppContext, pass_app
-from cachemgr.cli.init import describe, init_options, run_init, vllm_command, warn_refused
+from cachemgr.cli.init import describe, init_options, run_init, warn_refused
 from cachemgr.cli.launch_options import LaunchRequest
 from cachemgr.errors import ConfigError, NotFoundError
-from cachemgr.ns.prelaunch import STORAGE_DIR_ENV
-from cachemgr.vllm.args import VllmLaunchArgs
+from cachemgr.layout import Layout
 
 
 @click.command("exec", context_settings={"allow_interspersed_args": False})
@@ -41,25 +40,17 @@ def exec_(
         raise ConfigError("exec needs the server command after `--` (e.g. -- sglang serve …)")
     program = resolve_program(launch.command[0], os.environ)
     run = run_init(app, launch, wait=wait, force=force)
-    for c in run.conflicts:
-        if c.beats_env and not c.ours:
-            raise ConfigError(
-                f"{c.source} is set to {c.path}; exec would replace it with "
-                f"{run.result.storage_dir}: unset it (cachemgr owns the storage dir)"
-            )
-        if not c.beats_env:
-            click.echo(
-                f"cachemgr: warning: {c.source} {c.path} is ignored: {STORAGE_DIR_ENV} "
-                "set by cachemgr takes precedence in SGLang",
-                err=True,
-            )
+    storage_dir = run.result.storage_dir
+    layout = Layout.at(app.settings.root, app.settings.state_dir)
+    engine = launch.engine
+    warnings = engine.exec_warnings(
+        launch.engine_args(), storage_dir, layout=layout, environ=os.environ
+    )
+    for w in warnings:
+        click.echo(f"cachemgr: warning: {w}", err=True)
     click.echo(describe(run.result), err=True)
     warn_refused(run.trash_refused)
-    if isinstance(run.args, VllmLaunchArgs):
-        env, argv = dict(os.environ), vllm_command(launch, run.result)
-    else:
-        env = {**os.environ, STORAGE_DIR_ENV: str(run.result.storage_dir)}
-        argv = list(launch.command)
+    argv, env = engine.server_launch(launch.command, storage_dir, os.environ)
     sys.stdout.flush()
     sys.stderr.flush()
     try:

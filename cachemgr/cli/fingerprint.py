@@ -7,12 +7,12 @@ from typing import Any
 
 import click
 
+from cachemgr import engines
 from cachemgr.cli.context import AppContext, pass_app
 from cachemgr.cli.init import version_warning
 from cachemgr.cli.launch_options import LaunchRequest, launch_options
 from cachemgr.errors import NotFoundError
-from cachemgr.identity.engines import AnyIdentity
-from cachemgr.identity.record import Identity, Weights, diff_identities, load_record
+from cachemgr.identity.record import Digested, Weights, diff_identities
 from cachemgr.layout import NS_ID_RE, Layout
 
 
@@ -47,7 +47,7 @@ class _DefaultCommand(click.Command):
 
 @click.group("fingerprint", cls=_DefaultCommandGroup)
 def fingerprint() -> None:
-    """Compute the identity of an SGLang server's KV cache, or compare two."""
+    """Compute the identity of an SGLang or vLLM server's KV cache, or compare two."""
 
 
 @fingerprint.command(
@@ -97,18 +97,19 @@ def diff(app: AppContext, a: str, b: str) -> None:
     click.echo("same identity")
 
 
-def _record(layout: Layout, given: str) -> Identity:
-    """A record or manifest file, else the manifest of the root's namespace of that id."""
+def _record(layout: Layout, given: str) -> Digested:
+    """A record or manifest file, else the manifest of the root's namespace of that id; of
+    the engine its record names (the registry reads it)."""
     path = Path(given)
     if not NS_ID_RE.fullmatch(given) or path.exists():
-        return load_record(path)
+        return engines.record_file(path)
     manifest = layout.manifest(given)
     if not manifest.is_file():
         raise NotFoundError(f"{given} is neither a file nor a namespace of {layout.root}")
-    return load_record(manifest)
+    return engines.record_file(manifest)
 
 
-def explain_identity(ident: AnyIdentity) -> str:
+def explain_identity(ident: Digested) -> str:
     """Every component, one per line, with the weights' files listed under them."""
     rows: list[tuple[str, Any]] = [
         ("ns_id", ident.ns_id),
@@ -127,15 +128,17 @@ def explain_identity(ident: AnyIdentity) -> str:
             rows.append((key, value))
     full = ident.engine_version_full or "?"
     rows.append((f"{ident.VERSION_FIELD} (from)", f"{full} ({ident.engine_version_from})"))
-    if isinstance(ident, Identity):
-        rows.append(("page_size (from)", ident.source.page_size_from))
+    page_size_from = getattr(ident.source, "page_size_from", None)
+    if page_size_from is not None:  # the engines whose page size the server may decide
+        rows.append(("page_size (from)", page_size_from))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {'none' if v is None else v}" for k, v in rows]
     lines += _explain_weights("weights", ident.weights)
-    if isinstance(ident, Identity) and ident.draft_weights is not None:
+    draft = getattr(ident, "draft_weights", None)
+    if draft is not None:
         src = ident.source
         lines.append(f"draft model  {src.draft_model_path} ({src.draft_model_dir})")
-        lines += _explain_weights("draft_weights", ident.draft_weights)
+        lines += _explain_weights("draft_weights", draft)
     return "\n".join(lines)
 
 

@@ -16,14 +16,13 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from cachemgr.cli.common import ask
 from cachemgr.cli.context import AppContext, pass_app, setting_option
 from cachemgr.cli.status import daemon_url, from_daemon, same_root
-from cachemgr.daemon.gcapi import GcResponse
 from cachemgr.errors import ConfigError, ConflictError, LimitNotHeld
 from cachemgr.fs import reserve
 from cachemgr.fs.deletion import Pacer
 from cachemgr.fs.deletion import Progress as ProgressFn
 from cachemgr.fs.leadership import Leadership
 from cachemgr.fs.root import create_root
-from cachemgr.gc.floor import audit_floor, below_floor, free_floor
+from cachemgr.gc.floor import floor_pass
 from cachemgr.gc.policy import GcPolicy
 from cachemgr.gc.runner import GcRunner, joined
 from cachemgr.gc.step import GcReport
@@ -35,19 +34,21 @@ from cachemgr.state.store import Store
 from cachemgr.units import human_bytes
 
 _LIMITS = [
-    ("--max-bytes", "gc_max_bytes", str, 'Cap on all namespaces\' page bytes ("500GB").'),
-    ("--namespace-max-bytes", "gc_namespace_max_bytes", str, "Cap on any one namespace."),
-    ("--min-free-bytes", "gc_min_free_bytes", str, "Keep this much free on the filesystem."),
-    ("--min-free-percent", "gc_min_free_percent", float, "Keep this percent free."),
-    ("--min-age", "gc_min_age", str, 'Never delete pages used more recently ("2m").'),
-    ("--tmp-ttl", "gc_tmp_ttl", str, 'Remove .tmp files older than this ("1h").'),
-    ("--delete-rate", "gc_delete_rate", float, "Files deleted per second at most."),
+    ("--max-bytes", "gc_max_bytes", str),
+    ("--namespace-max-bytes", "gc_namespace_max_bytes", str),
+    ("--min-free-bytes", "gc_min_free_bytes", str),
+    ("--max-files", "gc_max_files", int),
+    ("--namespace-max-files", "gc_namespace_max_files", int),
+    ("--min-free-percent", "gc_min_free_percent", float),
+    ("--min-age", "gc_min_age", str),
+    ("--tmp-ttl", "gc_tmp_ttl", str),
+    ("--delete-rate", "gc_delete_rate", float),
 ]
 
 
 def _limit_options(f: Any) -> Any:
-    for flag, setting, kind, text in reversed(_LIMITS):
-        f = setting_option(flag, setting=setting, type=kind, help=text)(f)
+    for flag, setting, kind in reversed(_LIMITS):
+        f = setting_option(flag, setting=setting, type=kind)(f)
     return f
 
 
@@ -80,26 +81,34 @@ def gc(app: AppContext, /, dry_run: bool, as_json: bool, yes: bool) -> None:
             )
         # Below the floor the DB may not open and new pages cannot be indexed: free space
         # from a scan of the disk first (cachemgr.gc.floor), then run GC as usual.
-        usage = reserve.usage_with_reserve(layout.state_dir)
-        floor = None
-        if below_floor(layout, policy, usage):
-            if not yes:
-                ask("free space is below the floor: delete the oldest pages first?",
-                    declined="nothing deleted")  # fmt: skip
-            floor = free_floor(layout, policy, disk_usage=usage, pacer=Pacer(policy.delete_rate))
+        floor = floor_pass(
+            layout,
+            policy,
+            disk_usage=reserve.usage_with_reserve(layout.state_dir),
+            pacer=Pacer(policy.delete_rate),
+            gate=lambda: yes or _confirm_floor(),
+        )
         with Store.open(layout.db_path) as store:  # a corrupt DB: moved aside, the CLI retries
-            if floor is not None:
-                audit_floor(store, floor, "cli")
-            _run(GcRunner(layout, store, policy, leadership=leadership), floor, dry_run, yes,
-                 as_json)  # fmt: skip
+            runner = GcRunner(layout, store, policy, leadership=leadership)
+            try:
+                if floor is not None:
+                    runner.record_floor(floor, "cli")
+                _run(runner, floor, dry_run, yes, as_json)
+            finally:
+                runner.held.abandon()  # its rows end with this process: said
     finally:
         leadership.release()
+
+
+def _confirm_floor() -> bool:
+    ask("free space is below the floor: delete the oldest pages first?", declined="nothing deleted")
+    return True
 
 
 def _ask_the_leader(settings: Settings, overrides: dict[str, Any]) -> str:
     """How to run this GC through the daemon that leads: the exact curl, with the limits the
     flags gave as POST /v1/gc's one-off limits (checked there as here)."""
-    limits = {s: overrides[s] for _, s, _, _ in _LIMITS if overrides.get(s) is not None}
+    limits = {s: overrides[s] for _, s, _ in _LIMITS if overrides.get(s) is not None}
     body = json.dumps({s.removeprefix("gc_"): v for s, v in limits.items()})
     served = from_daemon(settings)
     if served is None or not same_root(served.get("root"), settings.root):
@@ -149,6 +158,9 @@ def _progress(*, enabled: bool) -> Iterator[ProgressFn | None]:
 
 def _show(report: GcReport, as_json: bool) -> None:
     if as_json:
+        # Imported here: the HTTP models pull in fastapi (~0.3 s), which only serve needs.
+        from cachemgr.daemon.gcapi import GcResponse
+
         click.echo(json.dumps(GcResponse.of(report).model_dump(mode="json"), indent=2))
         return
     if report.files:

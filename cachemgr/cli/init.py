@@ -14,19 +14,19 @@ from typing import Any, TypeVar
 
 import click
 
+from cachemgr import engines
 from cachemgr.cli.common import drain_with_progress
 from cachemgr.cli.context import AppContext, pass_app, setting_option
 from cachemgr.cli.launch_options import LaunchRequest, launch_options
 from cachemgr.errors import ConfigError
 from cachemgr.fs.atomic import write_atomic
-from cachemgr.identity.engines import AnyIdentity
+from cachemgr.identity.record import Digested
+from cachemgr.layout import Layout
 from cachemgr.ns import init as ns_init
 from cachemgr.ns.init import InitRun, engine_missing
-from cachemgr.ns.prelaunch import STORAGE_DIR_ENV, InitResult, StorageDirConflict
+from cachemgr.ns.prelaunch import InitResult
 from cachemgr.ns.root import created_layout
 from cachemgr.units import human_bytes
-from cachemgr.vllm.args import VllmLaunchArgs
-from cachemgr.vllm.rewrite import KV_CONFIG_ENV, ROOT_DIR_ENV, point_root_dir, pointed_config
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -45,14 +45,11 @@ def init_options(f: F) -> F:
             "--on-change",
             setting="on_change",
             type=click.Choice(["purge", "retain"]),
-            help="When the identity changed: purge the old namespace (default, unless another "
-            "instance uses it) or retain it.",
         ),
         setting_option(
             "--instance",
             setting="instance",
             metavar="NAME",
-            help="Server instance name (default: default).",
         ),
         click.option(
             "--force",
@@ -70,17 +67,14 @@ def run_init(app: AppContext, launch: LaunchRequest, *, wait: bool, force: bool)
     """Check the launch, create the root, compute the identity, init its namespace
     (cachemgr.ns.init). A launch refused here leaves the root as it was (or absent)."""
     settings = app.settings
-    args = launch.engine_args() if launch.command else None
-    if isinstance(args, VllmLaunchArgs):
-        check_vllm_launch(launch, args)
+    if launch.command:
+        launch.engine.check_launch(launch.engine_args(), launch.command, os.environ)
     layout = created_layout(settings)
     run = ns_init.run_init(
         layout,
         launch.compute_identity(settings, writes=True),
-        args,
         instance=settings.instance,
         on_change=settings.on_change,
-        environ=os.environ,
         force=force,
         drain=functools.partial(drain_with_progress, actor="cli") if wait else None,
     )
@@ -90,36 +84,20 @@ def run_init(app: AppContext, launch: LaunchRequest, *, wait: bool, force: bool)
     return run
 
 
-def check_vllm_launch(launch: LaunchRequest, args: VllmLaunchArgs) -> None:
-    """A vLLM launch must have an fs tier cachemgr can point at its namespace dir."""
-    if args.tier is None:
-        raise ConfigError(
-            "the vLLM launch has no fs tier: add --kv-transfer-config with "
-            'kv_connector_extra_config.secondary_tiers [{"type": "fs", "root_dir": …}] '
-            "(docs/vllm.md); cachemgr would have nothing to manage"
-        )
-    point_root_dir(launch.command, "/cachemgr-check", dict(os.environ))  # refuses before init
-
-
-def vllm_command(launch: LaunchRequest, result: InitResult) -> list[str]:
-    """The vLLM launch with its fs tier's root_dir set to the namespace dir."""
-    return point_root_dir(launch.command, str(result.storage_dir), dict(os.environ))
-
-
-def version_warning(identity: AnyIdentity) -> str | None:
+def version_warning(identity: Digested) -> str | None:
     """What to say when no installed engine gave the identity its version, with the fix."""
     if not engine_missing(identity):
         return None
-    name, option = identity.ENGINE_NAME, f"--{identity.ENGINE}-version"
+    engine = engines.for_record(identity)
+    name, option = engine.label, engine.version_option
     if identity.engine_version_from == "namespace":
         return (
             f"{name} is not installed here; using version {identity.engine_version} of the "
             f"instance's namespace (pass {option} to be explicit)"
         )
-    example = "0.33.0" if identity.ENGINE == "vllm" else "0.5.23"
     return (
         f"{name} is not installed here, so the identity's {name} version is 'unknown'; pass "
-        f"{option} (e.g. {example}) so init and exec agree"
+        f"{option} (e.g. {engine.version_example}) so init and exec agree"
     )
 
 
@@ -147,13 +125,8 @@ def describe(result: InitResult) -> str:
 
 
 def env_values(launch: LaunchRequest, run: InitRun) -> dict[str, str]:
-    """The variables init hands the namespace dir in: SGLang reads its own; a vLLM launch
-    needs it in its fs tier's root_dir, so it gets its --kv-transfer-config too (docs/vllm.md)."""
-    storage = str(run.result.storage_dir)
-    if not isinstance(run.args, VllmLaunchArgs):
-        return {STORAGE_DIR_ENV: storage}
-    config = pointed_config(launch.command, storage, dict(os.environ))
-    return {ROOT_DIR_ENV: storage, KV_CONFIG_ENV: config}
+    """The variables init hands the namespace dir in, as the launch's engine reads it."""
+    return launch.engine.server_env(launch.command, run.result.storage_dir, os.environ)
 
 
 def env_lines(launch: LaunchRequest, run: InitRun) -> str:
@@ -165,7 +138,9 @@ def env_lines(launch: LaunchRequest, run: InitRun) -> str:
 @click.option(
     "--print-env",
     is_flag=True,
-    help=f"Print {STORAGE_DIR_ENV}=… (for vLLM {ROOT_DIR_ENV}=… and {KV_CONFIG_ENV}=…) on stdout.",
+    help="Print the variables that hand the server its namespace dir on stdout: "
+    + "; ".join(f"for {e.label} {'=… and '.join(e.server_env_vars)}=…" for e in engines.ENGINES)
+    + ".",
 )
 @click.option(
     "--env-file",
@@ -194,11 +169,16 @@ def init(
         raise ConfigError(f"--env-file {env_file}: {env_file.parent} is not a directory")
     run = run_init(app, launch, wait=wait, force=force)
     hands_env = print_env or env_file is not None
-    warnings = [_conflict_warning(c, hands_env) for c in run.conflicts]
-    warnings = [w for w in warnings if w]
-    command = vllm_command(launch, run.result) if isinstance(run.args, VllmLaunchArgs) else None
-    if isinstance(run.args, VllmLaunchArgs) and not hands_env:
-        warnings += _root_dir_warning(run.args, run.result)
+    engine = launch.engine
+    storage_dir = run.result.storage_dir
+    warnings = engine.init_warnings(
+        launch.engine_args(),
+        storage_dir,
+        layout=Layout.at(app.settings.root, app.settings.state_dir),
+        environ=os.environ,
+        hands_env=hands_env,
+    )
+    command = engine.rewritten_command(launch.command, storage_dir, os.environ)
     if env_file is not None:
         write_atomic(env_file, env_lines(launch, run).encode())
     machine = as_json or print_env
@@ -220,36 +200,6 @@ def init(
     elif print_env:
         click.echo(env_lines(launch, run), nl=False)
     warn_refused(run.trash_refused)
-
-
-def _root_dir_warning(args: VllmLaunchArgs, result: InitResult) -> list[str]:
-    root = args.tier.root_dir if args.tier else None
-    if root is None or os.path.abspath(root).rstrip("/") == str(result.storage_dir):
-        return []
-    return [
-        f"the launch's fs tier root_dir is {root}, not the namespace dir: start the server "
-        'with `cachemgr exec -- <launch>`, or with --json\'s "command"'
-    ]
-
-
-def _conflict_warning(c: StorageDirConflict, hands_env: bool) -> str | None:
-    """What to tell about another storage dir setting; None when ours replaces it anyway."""
-    if c.beats_env:
-        if c.ours and hands_env:
-            return None  # our own env file from an earlier run: the new one replaces it
-        return (
-            f"{c.source} is set to {c.path}; SGLang reads it before anything else, so a server "
-            "started with this environment bypasses cachemgr: unset it"
-        )
-    if hands_env:
-        return (
-            f"{c.source} is {c.path}; {STORAGE_DIR_ENV} from cachemgr overrides it in SGLang, "
-            "remove it from the launch command"
-        )
-    return (
-        f"{c.source} is {c.path}: SGLang uses it unless the server gets {STORAGE_DIR_ENV} "
-        "(use --env-file, --print-env or `cachemgr exec`)"
-    )
 
 
 def warn_refused(refused: tuple[str, ...]) -> None:

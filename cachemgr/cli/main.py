@@ -30,12 +30,8 @@ from cachemgr.settings import Settings
 # Kept as strings (click.Path would turn "" into "."): Settings rejects an empty directory.
 # Not checked for access here: click's check is a usage error; the command says in one line
 # what it could not do.
-@setting_option(
-    "--root", setting="root", type=click.Path(readable=False), help="Cache root directory."
-)
-@setting_option(
-    "--state-dir", setting="state_dir", type=click.Path(readable=False), help="State DB directory."
-)
+@setting_option("--root", setting="root", type=click.Path(readable=False))
+@setting_option("--state-dir", setting="state_dir", type=click.Path(readable=False))
 @setting_option(
     "--log-level", setting="log_level", type=click.Choice(["debug", "info", "warning", "error"])
 )

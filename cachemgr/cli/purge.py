@@ -88,10 +88,13 @@ def purge(
         elapsed = time.monotonic() - started
     left = [*plan.problems, *(report.refused if report is not None else ())]
     if as_json:
-        out = {"dry_run": False, "plan": dataclasses.asdict(plan),
-               "result": dataclasses.asdict(result),
-               "deleted": dataclasses.asdict(report) if report else None,
-               "problems": left}  # fmt: skip
+        out = {
+            "dry_run": False,
+            "plan": dataclasses.asdict(plan),
+            "result": dataclasses.asdict(result),
+            "deleted": dataclasses.asdict(report) if report else None,
+            "problems": left,
+        }
         click.echo(json.dumps(out, indent=2))
     else:
         _show_result(plan, result, report, elapsed)
@@ -130,9 +133,12 @@ def _target_line(t: PurgeTarget) -> str:
 
 def _show_plan(plan: PurgePlan, *, layout_trash: list[TrashEntry], as_json: bool) -> None:
     if as_json:
-        out = {"dry_run": True, "plan": dataclasses.asdict(plan),
-               "trash": [dataclasses.asdict(t) for t in layout_trash],
-               "problems": list(plan.problems)}  # fmt: skip
+        out = {
+            "dry_run": True,
+            "plan": dataclasses.asdict(plan),
+            "trash": [dataclasses.asdict(t) for t in layout_trash],
+            "problems": list(plan.problems),
+        }
         click.echo(json.dumps(out, indent=2))
         return
     for t in plan.targets:
@@ -140,8 +146,9 @@ def _show_plan(plan: PurgePlan, *, layout_trash: list[TrashEntry], as_json: bool
     for problem in plan.problems:
         click.echo(f"would leave alone {problem}")
     for e in layout_trash:
-        click.echo(f"would finish deleting .trash/{e.name} ({e.pages:,} pages, "
-                   f"{human_bytes(e.bytes)})")  # fmt: skip
+        click.echo(
+            f"would finish deleting .trash/{e.name} ({e.pages:,} pages, {human_bytes(e.bytes)})"
+        )
     if not plan.targets and not layout_trash:
         click.echo(f"nothing to purge ({plan.selector})")
     click.echo("dry run: nothing changed")
@@ -156,8 +163,9 @@ def _show_result(
     if report is None:
         click.echo("files left in .trash/ for the daemon or the next purge (--no-wait)")
     elif report.files:
-        click.echo(f"deleted {report.files:,} files ({human_bytes(report.bytes)}) "
-                   f"in {elapsed:.1f} s")  # fmt: skip
+        click.echo(
+            f"deleted {report.files:,} files ({human_bytes(report.bytes)}) in {elapsed:.1f} s"
+        )
     elif plan.targets and not result.purged:
         # A bound namespace whose dir is already empty has nothing to rename away.
         click.echo("nothing to purge: already empty, or another purge got there first")

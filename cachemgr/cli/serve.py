@@ -14,31 +14,12 @@ from cachemgr.settings import Settings
 
 
 @click.command()
-@setting_option(
-    "--host", setting="host", help="Bind address (default 127.0.0.1; others need --token)."
-)
-@setting_option(
-    "--port", setting="port", type=int, help="HTTP port (default 9477; 0 picks a free one)."
-)
-@setting_option(
-    "--token", setting="token", help="Bearer token for mutating routes (env CACHEMGR_TOKEN)."
-)
-@setting_option(
-    "--reconcile-interval",
-    setting="reconcile_interval",
-    type=float,
-    help="Seconds between full rescans.",
-)
-@setting_option(
-    "--sglang-url",
-    setting="sglang_url",
-    help="SGLang server to scrape and check, e.g. http://127.0.0.1:30000.",
-)
-@setting_option(
-    "--instance",
-    setting="instance",
-    help="Instance name that server was initialised as (init --instance).",
-)
+@setting_option("--host", setting="host")
+@setting_option("--port", setting="port", type=int)
+@setting_option("--token", setting="token")
+@setting_option("--reconcile-interval", setting="reconcile_interval", type=float)
+@setting_option("--sglang-url", setting="sglang_url")
+@setting_option("--instance", setting="instance")
 @pass_app
 def serve(app: AppContext) -> None:
     """Run the sidecar: live page index, hit accounting, /metrics and the HTTP API."""

@@ -13,8 +13,9 @@ from typing import Any
 
 import click
 
+from cachemgr.cli.common import said_not_whole
 from cachemgr.cli.context import AppContext, pass_app, setting_option
-from cachemgr.cli.tables import Column, print_fitted
+from cachemgr.cli.tables import Column, echo_fitted, print_fitted
 from cachemgr.doctor.root import disk_state, filesystem_line
 from cachemgr.errors import NotFoundError
 from cachemgr.fs.usage import DiskUsage
@@ -42,6 +43,13 @@ def from_daemon(settings: Settings, timeout: float = 1.0) -> dict[str, Any] | No
     return data if isinstance(data, dict) and "namespaces" in data else None
 
 
+# How long status and ls wait for a daemon that accepted the connection: one busy with a scan
+# of millions of pages may answer /v1/status late, and counting on disk instead takes longer
+# (bench_scale's `status` at 2M pages took longer than `ls`, which then always counted on
+# disk: it most likely gave up on the daemon after 1 s). Nothing listening is refused at once.
+ASK_TIMEOUT = 5.0
+
+
 def same_root(reported: object, root: Path) -> bool:
     """Whether the daemon serves this root: the same path (a daemon on another host, asked
     with --host, has no directory here) or the same directory spelled another way."""
@@ -60,25 +68,39 @@ def _ago(ts: float | None) -> str:
 # Left to right. namespace, pages, size, reads and hit ratio always stay; the flexible ones
 # shorten first, then the others go in DROP_ORDER while the table is wider than the output.
 COLUMNS = (
-    Column("namespace"), Column("engine"), Column("model", flexible=True), Column("kv dtype"),
-    Column("page", right=True), Column("instances", flexible=True), Column("pages", right=True),
-    Column("size", right=True), Column("reads", right=True), Column("writes", right=True),
-    Column("hit ratio", right=True), Column("last write", right=True),
-)  # fmt: skip
+    Column("namespace"),
+    Column("engine"),
+    Column("model", flexible=True),
+    Column("kv dtype"),
+    Column("page", right=True),
+    Column("instances", flexible=True),
+    Column("pages", right=True),
+    Column("size", right=True),
+    Column("reads", right=True),
+    Column("writes", right=True),
+    Column("hit ratio", right=True),
+    Column("last write", right=True),
+)
 DROP_ORDER = ("kv dtype", "page", "last write", "engine", "instances", "model", "writes")
 
 
 def _cells(ns: dict[str, Any]) -> dict[str, str]:
     ratio = ns.get("hit_ratio")
+    counted = ns.get("state") != "unreadable"  # its dir could not be listed: unknown
     return {
-        "namespace": ns["id"], "engine": ns.get("engine") or "sglang",
+        "namespace": ns["id"],
+        "engine": ns.get("engine") or "sglang",
         "model": ns.get("model") or "?",
-        "kv dtype": ns.get("kv_cache_dtype") or "?", "page": str(ns.get("page_size") or "?"),
-        "instances": ", ".join(ns.get("instances") or []) or "-", "pages": f"{ns['pages']:,}",
-        "size": human_bytes(ns["bytes"]), "reads": f"{ns['page_reads']:,}",
-        "writes": f"{ns['page_writes']:,}", "hit ratio": "-" if ratio is None else f"{ratio:.1%}",
+        "kv dtype": ns.get("kv_cache_dtype") or "?",
+        "page": str(ns.get("page_size") or "?"),
+        "instances": ", ".join(ns.get("instances") or []) or "-",
+        "pages": f"{ns['pages']:,}" if counted else "?",
+        "size": human_bytes(ns["bytes"]) if counted else "?",
+        "reads": f"{ns['page_reads']:,}",
+        "writes": f"{ns['page_writes']:,}",
+        "hit ratio": "-" if ratio is None else f"{ratio:.1%}",
         "last write": _ago(ns.get("last_write_at")),
-    }  # fmt: skip
+    }
 
 
 def render(report: dict[str, Any], *, wide: bool = False) -> None:
@@ -105,7 +127,7 @@ def status(app: AppContext, as_json: bool, wide: bool) -> None:
     settings = app.settings
     layout = Layout.at(settings.root, settings.state_dir)
     refuse_file_root(layout)
-    report = from_daemon(settings)
+    report = from_daemon(settings, timeout=ASK_TIMEOUT)
     if report is not None and not same_root(report.get("root"), layout.root):
         click.echo(
             f"cachemgr: the daemon on {settings.host}:{settings.port} serves {report.get('root')},"
@@ -124,17 +146,19 @@ def status(app: AppContext, as_json: bool, wide: bool) -> None:
         click.echo(json.dumps(report, indent=2))
     else:
         render(report, wide=wide)
-        click.echo(_filesystem_text(report["filesystem"]))
+        echo_fitted(_filesystem_text(report["filesystem"]))
         for note in report.get("left_for_a_person") or ():  # an older daemon has none
-            click.echo(f"warning: {note}")
+            click.echo(f"warning: {note}")  # one line each: they name paths to grep for
+    listed = ((ns["id"], ns.get("state", ""), ns.get("problem")) for ns in report["namespaces"])
+    if said_not_whole(listed, report.get("state_dir_problem")):
+        raise SystemExit(1)
 
 
 def _filesystem(layout: Layout, settings: Settings) -> dict[str, Any]:
     """The root's filesystem: bytes free and total, and whether it is full (doctor's rule)."""
     disk = DiskUsage(*shutil.disk_usage(layout.root))
     state, limit = disk_state(disk, GcPolicy.from_settings(settings))
-    return {"free_bytes": disk.free, "size_bytes": disk.total, "state": state,
-            "limit_bytes": limit}  # fmt: skip
+    return {"free_bytes": disk.free, "size_bytes": disk.total, "state": state, "limit_bytes": limit}
 
 
 def _filesystem_text(fs: dict[str, Any]) -> str:

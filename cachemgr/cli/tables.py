@@ -87,5 +87,10 @@ def print_fitted(
     if hidden:
         # A no-break space keeps "kv dtype" on one line (textwrap splits at ASCII spaces only).
         names = ", ".join(name.replace(" ", "\N{NO-BREAK SPACE}") for name in hidden)
-        note = textwrap.fill(f"not shown at {width} columns (--wide shows all): {names}", width)
-        click.echo(note.replace("\N{NO-BREAK SPACE}", " "))
+        echo_fitted(f"not shown at {width} columns (--wide shows all): {names}")
+
+
+def echo_fitted(text: str) -> None:
+    """A line of prose, folded at the output width at ASCII spaces (no-break spaces hold)."""
+    filled = textwrap.fill(text, output_width(), break_long_words=False, break_on_hyphens=False)
+    click.echo(filled.replace("\N{NO-BREAK SPACE}", " "))

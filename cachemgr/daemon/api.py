@@ -189,6 +189,7 @@ DurationText = Annotated[
 # the two the same).
 Percent = Annotated[float, Field(ge=0, lt=100)]
 Rate = Annotated[float, Field(ge=1, le=1e9)]
+FileCount = Annotated[int, BeforeValidator(_integral), Field(ge=1, le=10**12)]
 
 
 class GcRequest(RequestBody):
@@ -203,6 +204,8 @@ class GcRequest(RequestBody):
     max_bytes: ByteText | SkipJsonSchema[None] = _unset()
     namespace_max_bytes: ByteText | SkipJsonSchema[None] = _unset()
     min_free_bytes: ByteText | SkipJsonSchema[None] = _unset()
+    max_files: FileCount | SkipJsonSchema[None] = _unset()
+    namespace_max_files: FileCount | SkipJsonSchema[None] = _unset()
     min_free_percent: Percent | SkipJsonSchema[None] = _unset()
     min_age: DurationText | SkipJsonSchema[None] = _unset()
     tmp_ttl: DurationText | SkipJsonSchema[None] = _unset()
@@ -215,11 +218,14 @@ class GcRequest(RequestBody):
 
 
 class GcLimits(BaseModel):
-    """The limits a daemon's GC keeps, from its settings: bytes, percent, seconds, files/s."""
+    """The limits a daemon's GC keeps, from its settings: bytes, files, percent, seconds,
+    files/s."""
 
     max_bytes: int | None
     namespace_max_bytes: int | None
     min_free_bytes: int
+    max_files: int | None = None
+    namespace_max_files: int | None = None
     min_free_percent: float
     min_age_seconds: float
     tmp_ttl_seconds: float

@@ -35,12 +35,14 @@ from cachemgr.daemon.api import (
 )
 from cachemgr.daemon.apiinput import one_request
 from cachemgr.daemon.backend import Backend
+from cachemgr.daemon.fleet import SUMMARY_MAX_BYTES, add_fleet_routes
 from cachemgr.daemon.gcapi import GcResponse, SharedGcRuns, gc_limits
 from cachemgr.daemon.httpguard import MAX_BODY_BYTES, RequestGuard
 from cachemgr.daemon.index_state import IndexState
 from cachemgr.daemon.problems import ERRORS, InternalErrors, install_error_handlers
 from cachemgr.daemon.purge_routes import add_purge_routes
 from cachemgr.errors import CachemgrError, ConflictError, NotFoundError
+from cachemgr.fleet.accesses import SUMMARY_PATH
 from cachemgr.fs.usage import disk_usage
 from cachemgr.gc.policy import GcPolicy
 from cachemgr.layout import Layout
@@ -48,6 +50,7 @@ from cachemgr.ns.status import NamespaceStatus, namespace_statuses
 from cachemgr.ns.trash import left_for_people
 from cachemgr.settings import one_off
 from cachemgr.state import busy, registry_sql
+from cachemgr.state.dbfile import unavailable
 from cachemgr.state.status import bindings_by_namespace
 
 
@@ -69,7 +72,7 @@ def create_app(backend: Backend) -> FastAPI:
         responses={400: ERRORS[400], 422: ERRORS[422], 500: ERRORS[500]},
     )
     install_error_handlers(app)
-    app.add_middleware(RequestGuard, token=backend.token)
+    app.add_middleware(RequestGuard, token=backend.token, large={SUMMARY_PATH: SUMMARY_MAX_BYTES})
     app.add_middleware(InternalErrors)  # added last: outermost, around the guard too
 
     def statuses() -> list[NamespaceStatus]:
@@ -87,7 +90,11 @@ def create_app(backend: Backend) -> FastAPI:
         response_model=Readiness,
         tags=["health"],
         responses={
-            503: {"model": Readiness, "description": "first scan not finished, or a worker died"}
+            503: {
+                "model": Readiness,
+                "description": "first scan not finished, a worker died, or the state dir "
+                "cannot be used",
+            }
         },
     )
     def readyz() -> Response:
@@ -167,9 +174,15 @@ def create_app(backend: Backend) -> FastAPI:
 
     mutating: dict[int | str, dict[str, Any]] = {k: ERRORS[k] for k in (400, 401, 409, 413)}
     add_purge_routes(app, backend, {**mutating, 404: ERRORS[404], 503: ERRORS[503]})
+    add_fleet_routes(app, backend.fleet)
     gc_runs = SharedGcRuns(backend.gc) if backend.gc is not None else None
 
-    @app.post("/v1/gc", response_model=GcResponse, tags=["gc"], responses=mutating)
+    @app.post(
+        "/v1/gc",
+        response_model=GcResponse,
+        tags=["gc"],
+        responses={**mutating, 503: ERRORS[503]},
+    )
     async def gc(
         request: Request,
         body: Annotated[GcRequest | SkipJsonSchema[None], Body()] = None,
@@ -218,7 +231,10 @@ def _one_off_policy(backend: Backend, req: GcRequest) -> GcPolicy | None:
             for err in e.errors(include_url=False, include_context=False)
         ]
         raise RequestValidationError(errors) from None
-    return GcPolicy.from_settings(settings)
+    # The root's filesystem, and so its flat-dir entry limit, is the one the daemon read at
+    # start: a request does not read the mount table and the superblock again.
+    served = backend.gc.policy.dir_entries
+    return GcPolicy.from_settings(settings, dir_limit=lambda _root: served)
 
 
 def _readiness(backend: Backend) -> Readiness:
@@ -227,11 +243,13 @@ def _readiness(backend: Backend) -> Readiness:
         return Readiness(ready=False, detail="; ".join(dead))
     ready = backend.index is not None and backend.index.ready.is_set()
     detail = "index live" if ready else "first scan running"
+    # Nothing can be indexed, collected or purged until the state dir's mode is fixed.
+    state = unavailable(backend.layout.state_dir, backend.layout.db_path)
     # Degraded, still ready: writes wait and catch up, the other namespaces are served (a
     # 503 would take SGLang's pod out of service).
     unusable = backend.quarantine.degraded() if backend.quarantine is not None else None
-    said = [detail, *filter(None, [busy.LOCKS.degraded(), unusable])]
-    return Readiness(ready=ready, detail="; ".join(said))
+    said = [detail, *filter(None, [state, busy.LOCKS.degraded(), unusable])]
+    return Readiness(ready=ready and state is None, detail="; ".join(map(str, said)))
 
 
 def _index_info(st: IndexState, lag: Callable[[], float]) -> IndexInfo:

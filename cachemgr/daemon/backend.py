@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 
 from cachemgr.daemon.api import PurgeFn, PurgeResponse
+from cachemgr.daemon.fleet import FleetNode
 from cachemgr.daemon.index_state import IndexState
 from cachemgr.daemon.metrics import Reader
 from cachemgr.gc.runner import GcRunner
@@ -33,3 +34,4 @@ class Backend:
     settings: Settings | None = None  # what one-off GC limits are checked against
     workers: Sequence[Worker] = ()  # their deaths fail /readyz
     quarantine: Quarantine | None = None  # what the daemon cannot use: /readyz says so
+    fleet: FleetNode | None = None  # fleet mode's part of this daemon (cachemgr.daemon.fleet)

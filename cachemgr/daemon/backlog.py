@@ -12,35 +12,56 @@ use though the chain model does not know it yet (`Flight`): GC leaves them and t
 from __future__ import annotations
 
 import math
+import threading
+import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from functools import partial
 from itertools import islice
 
 from cachemgr.backends import FileFormat
 from cachemgr.daemon.events import Event, Kind
-from cachemgr.daemon.watcher import Watcher
-from cachemgr.gc.chains import ChainModel, Formats
+from cachemgr.daemon.watcher import ACCESSES, Watcher
+from cachemgr.gc.chains import ChainModel, Formats, Stream
 from cachemgr.gc.execute import InFlight
 from cachemgr.gc.pagestore import PageId
 from cachemgr.gc.plan import lineage
 
+STORES = ACCESSES  # the latest stores GC may take before the index applies them
+# Seconds a store is left alone after it was seen: newest first, GC took the first page of a
+# request still writing its burst, and the rest of the burst came after it, unusable.
+SETTLE = 0.05
+
 
 class StoreBacklog:
     """Counts page stores seen (inotify thread) and applied (index thread): ints, each written
-    by one thread, read by any without a lock."""
+    by one thread, read by any without a lock; and the latest stores, numbered in the order
+    seen, which is the order the index applies them in."""
 
-    def __init__(self, wake: Callable[[], None] = lambda: None) -> None:
-        self.wake = wake
+    def __init__(
+        self, wake: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.wake, self.clock = wake, clock
         self.seen = 0  # page stores the watcher queued
         self.applied = 0  # of those, applied to the index
         self.page_bytes = 0  # the largest page file the index has seen stored
         # Bytes that may still be stored before GC must run (set after each batch's check;
         # inf until then, and once GC was woken until the next check).
         self.room = math.inf
+        # The latest stores as (number, namespace, name, when seen): those numbered `applied`
+        # and up are on disk (or deleted early), and not in the index yet.
+        self.recent: deque[tuple[int, str, str, float]] = deque(maxlen=STORES)
+        # Stores GC deleted before the index applied them -> their number: not on disk, so not
+        # counted, until the index applies them (then the number is below `applied`: dropped).
+        # A set pruned by the index's deletions raced it: a store the index applied just
+        # before GC noted it stayed "early" and hid a store still on disk (GC then idled).
+        self.early: dict[PageId, int] = {}
+        self._numbers: dict[PageId, int] = {}  # of the last `unapplied()` (GC's thread)
+        self._lock = threading.Lock()  # `early` is pruned by GC's thread and the index's
 
-    def stored(self) -> None:
+    def stored(self, ns: str = "", name: str = "") -> None:
         """A page store was queued (on the inotify thread): wake GC once past the room."""
+        self.recent.append((self.seen, ns, name, self.clock()))
         self.seen += 1
         self._past_room()
 
@@ -50,8 +71,11 @@ class StoreBacklog:
         self.room = room
         self._past_room()
 
+    def _unapplied(self) -> int:
+        return max(0, self.seen - self.applied - len(self.early))
+
     def _past_room(self) -> None:
-        if (self.seen - self.applied) * self.page_bytes > self.room:
+        if self._unapplied() * self.page_bytes > self.room:
             self.room = math.inf  # one wake: the next check after a batch sets it again
             self.wake()
 
@@ -63,7 +87,29 @@ class StoreBacklog:
     def bytes(self) -> int:
         """Bytes stored that the index does not count yet (an estimate: page files are of one
         size per model, and the largest is taken)."""
-        return max(0, self.seen - self.applied) * self.page_bytes
+        self._prune()
+        return self._unapplied() * self.page_bytes
+
+    def unapplied(self) -> tuple[list[PageId], set[PageId]]:
+        """The latest stores the index has not applied and GC did not delete, in the order
+        stored, and those of them seen less than SETTLE ago (GC's thread)."""
+        self._prune()
+        applied, settled = self.applied, self.clock() - SETTLE
+        recent = self.recent.copy()  # one C call under the GIL: a consistent copy
+        self._numbers = {(ns, n): k for k, ns, n, _ in recent if k >= applied}
+        fresh = {(ns, n) for k, ns, n, at in recent if k >= applied and at > settled}
+        return [p for p in self._numbers if p not in self.early], fresh
+
+    def gone_early(self, pages: Iterable[PageId]) -> None:
+        """GC deleted these, of the last `unapplied()`, before the index applied them."""
+        with self._lock:
+            self.early.update((p, self._numbers[p]) for p in pages if p in self._numbers)
+
+    def _prune(self) -> None:
+        applied = self.applied
+        with self._lock:
+            if any(k < applied for k in self.early.values()):
+                self.early = {p: k for p, k in self.early.items() if k >= applied}
 
 
 def queued_pages(queue: deque[Event], formats: Formats) -> set[PageId]:
@@ -72,10 +118,48 @@ def queued_pages(queue: deque[Event], formats: Formats) -> set[PageId]:
     continues it). GC evicts them and their ancestors last, not never: at full speed that is
     nearly every chain, and the cap wins (cachemgr.gc.value.cap_order). Called on GC's
     thread; the inotify thread keeps appending meanwhile."""
-    events = list(queue)  # one C call under the GIL: a consistent copy
-    names = {(ns, name) for kind, ns, name, _ in events if kind is Kind.READ or kind is Kind.WRITE}
-    pages = _Pages(formats)
+    return _queued(list(queue), _Pages(formats))  # one C call under the GIL: a consistent copy
+
+
+def _queued(events: list[Event], pages: _Pages) -> set[PageId]:
+    names = {(ns, name) for kind, ns, name, *_ in events if kind is Kind.READ or kind is Kind.WRITE}
     return {(ns, pages.key(ns, name)) for ns, name in names}
+
+
+def take_order(
+    events: Sequence[Event], stored: Sequence[PageId], fresh: Collection[PageId], pages: _Pages
+) -> list[PageId]:
+    """The stores the index has not applied, in the order a cap takes them (the last thing it
+    takes: cachemgr.gc.plan._unapplied), from the events it has not applied, in the order seen.
+
+    A request writes its new pages head to tail right after it read its prefix, so on each
+    stream (cachemgr.gc.chains.Stream) the stores up to a read of it are one request's burst,
+    or more (a writer that only writes), or the first part of one (SGLang's prefetch thread
+    reads for the next request while the backup thread writes): they go newest first, so
+    what is left of a burst is a usable prefix. A stream's last run of stores may still be
+    growing: it goes after them, newest first, without its stores seen just now (its request
+    may be writing its head: cut there, the rest it writes is unusable). Taken newest first
+    in one list without those seen just now, a backlog of whole requests under load lost its
+    oldest request's head while that request's tail, seen with the rest at once, stayed
+    behind the hole. A store no event holds any more (the index took it off the queue) goes
+    with the last runs."""
+    want = set(stored)
+    open_: dict[Stream, set[PageId]] = {}  # each stream's run of stores no read followed yet
+    closed: set[PageId] = set()
+    for kind, ns, name, _, origin in events:
+        # (reads are most events at full speed: one closes a run only while one is open)
+        if kind is Kind.READ and open_:
+            key = pages.key(ns, name)
+            run = open_.pop((ns, name[len(key) :], origin), None)
+            if run:
+                closed |= run
+        elif kind is Kind.WRITE and (ns, name) in want:
+            key = pages.key(ns, name)
+            open_.setdefault((ns, name[len(key) :], origin), set()).add((ns, name))
+    newest = list(reversed(stored))
+    return [p for p in newest if p in closed] + [
+        p for p in newest if p not in closed and p not in fresh
+    ]
 
 
 class Flight:
@@ -89,49 +173,79 @@ class Flight:
     def __init__(self, watcher: Watcher, model: ChainModel) -> None:
         self.watcher, self.model = watcher, model
 
-    def __call__(self) -> InFlight:
-        mark, pages = self.watcher.accessed, _Pages(self.model.formats)
-        queued = queued_pages(self.watcher.queue, self.model.formats)
-        return InFlight(queued, partial(self._keep, mark, pages))
+    def __call__(self, stored: Sequence[PageId] = (), fresh: Collection[PageId] = ()) -> InFlight:
+        """`stored`: the stores the index has not applied, in the order stored; `fresh`: those
+        of them seen just now (StoreBacklog.unapplied). They come back in the order a cap
+        takes them (`take_order`)."""
+        pages = _Pages(self.model.formats)  # one for the run: its names' keys are kept
+        since = _Since(self.watcher.accessed, pages)
+        # One C call each under the GIL (consistent copies), the queue first: an event the
+        # index takes from it meanwhile is in what it applies then (or in both: seen twice).
+        queue = list(self.watcher.queue)
+        events = list(self.watcher.applying) + queue
+        order = take_order(events, stored, fresh, pages) if stored else []
+        return InFlight(_queued(events, pages), partial(self._keep, since), order)
 
-    def _keep(
-        self, mark: int, pages: _Pages, ns: str, names: Sequence[str], start: int
-    ) -> set[str]:
-        seen = self.watcher.accessed - mark
-        if seen <= 0:
+    def _keep(self, since: _Since, ns: str, names: Sequence[str], start: int) -> set[str]:
+        reached = since.reached(self.watcher, ns)
+        if not reached:
             return set()
-        # One C call under the GIL (a consistent copy); a few older ones too: appends race the
-        # count, and an access counted twice only keeps more.
-        recent = list(islice(reversed(self.watcher.accesses), seen + 64))
-        planned = pages.of(ns, names)
-        reached = pages.last(((n_ns, name) for n_ns, name in reversed(recent) if n_ns == ns))
+        planned = since.pages.of(ns, names)
         keys: set[str] = set()
         for pid in reached:
             keys |= {k for _, k in lineage(self.model, pid)}
         return {n for k in keys if k in planned for i, n in planned[k] if i >= start}
 
 
+class _Since:
+    """The last page each stream accessed since a plan, brought up to date before each chunk
+    from the accesses that came since the previous one only: at full speed tens of thousands
+    come during a run, and parsing all of them again for each chunk of 256 was most of a
+    run's time (the writer outran it)."""
+
+    def __init__(self, mark: int, pages: _Pages) -> None:
+        self.mark, self.pages = mark, pages
+        self.last: dict[Stream, str] = {}  # -> the key of the page it accessed last
+
+    def reached(self, watcher: Watcher, ns: str) -> set[PageId]:
+        count = watcher.accessed
+        new = count - self.mark
+        if new > 0:
+            # copy() is one C call under the GIL (a consistent copy: a reversed() iterator
+            # made in one call and consumed in the next fails once the inotify thread appends
+            # in between); a few older ones too: appends race the count, and an access seen
+            # twice changes nothing (the newest of a stream is among them, and comes last).
+            recent = list(islice(reversed(watcher.accesses.copy()), new + 64))
+            self.pages.last(reversed(recent), self.last)
+            self.mark = count
+        return {(s_ns, key) for (s_ns, *_), key in self.last.items() if s_ns == ns}
+
+
 class _Pages:
-    """Page keys of file names, by their namespace's format (read once), and of a step's names
-    by key (computed once per step)."""
+    """Page keys of file names, by their namespace's format (read once), each name's once (a
+    run sees the same hot pages read thousands of times, and its queue holds them too), and
+    of a step's names by key (computed once per step)."""
 
     def __init__(self, formats: Formats) -> None:
         self.formats = formats
         self._fmts: dict[str, FileFormat] = {}
         self._steps: dict[int, dict[str, list[tuple[int, str]]]] = {}
+        self._keys: dict[tuple[str, str], str] = {}
 
     def key(self, ns: str, name: str) -> str:
-        fmt = self._fmts.get(ns) or self._fmts.setdefault(ns, self.formats(ns))
-        return name[: fmt.key_len(name) or len(name)]  # (a nested page's key is its path)
+        got = self._keys.get((ns, name))
+        if got is None:
+            fmt = self._fmts.get(ns) or self._fmts.setdefault(ns, self.formats(ns))
+            got = name[: fmt.key_len(name) or len(name)]  # (a nested page's key is its path)
+            self._keys[ns, name] = got
+        return got
 
-    def last(self, accesses: Iterable[tuple[str, str]]) -> set[PageId]:
-        """The page each stream (namespace, name after the key) accessed last, of these
-        (namespace, name) accesses, oldest first."""
-        out: dict[tuple[str, str], str] = {}
-        for ns, name in accesses:
+    def last(self, accesses: Iterable[tuple[str, str, str]], out: dict[Stream, str]) -> None:
+        """Into `out`: the page key each stream (cachemgr.gc.chains.Stream) accessed last, of
+        these (namespace, name, origin) accesses, oldest first."""
+        for ns, name, origin in accesses:
             key = self.key(ns, name)
-            out[ns, name[len(key) :]] = key
-        return {(ns, key) for (ns, _), key in out.items()}
+            out[ns, name[len(key) :], origin] = key
 
     def of(self, ns: str, names: Sequence[str]) -> dict[str, list[tuple[int, str]]]:
         """key -> [(position, name)] of a step's names."""

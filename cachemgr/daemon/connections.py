@@ -5,7 +5,8 @@ descriptors the index writer, the watcher, SQLite and GC need, nor shut out a fr
 - Open connections are capped at the limit less what is open at start, `http_fd_reserve`, and
   what asyncio's accept loop can take before a connection is counted (ConnectionGuard).
 - A request (head and body) must arrive within `http_header_timeout` of the connection, or of
-  its first byte after a keep-alive response (GuardedH11Protocol). uvicorn's h11 protocol has
+  its first byte after a keep-alive response, or of the response before it when it came
+  pipelined behind that one (GuardedH11Protocol). uvicorn's h11 protocol has
   no such timer: a connection that sends nothing, or half a head, is held for ever (its
   keep-alive timer starts only after a response and is cancelled by the next byte).
 - At the cap, a new connection makes room by closing the oldest one waiting for its client (a
@@ -203,6 +204,18 @@ class GuardedH11Protocol(H11Protocol):
         super().data_received(data)
         if not self.waiting():
             self._disarm()  # all of it is in: the app may take as long as it needs
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # A pipelined request's bytes came with the one just answered: no data_received will
+        # start its deadline, and half of one would live for the keep-alive timeout.
+        if self._deadline is None and not self.transport.is_closing() and self._part_in():
+            self._arm()
+
+    def _part_in(self) -> bool:
+        """Some of the next request is in, not all of it."""
+        their = self.conn.their_state
+        return their is h11.SEND_BODY or (their is h11.IDLE and bool(self.conn.trailing_data[0]))
 
     def waiting(self) -> bool:
         """True while the connection waits for its client: a request not all in, idle, or a

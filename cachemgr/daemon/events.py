@@ -7,6 +7,7 @@ int 1 is not `Kind.WRITE` (a store found by a new dir's listing then went uncoun
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import IntEnum
 
 
@@ -19,5 +20,21 @@ class Kind(IntEnum):
     OVERFLOW = 6
 
 
-# (kind, namespace id, file name (a path below the namespace dir), time.monotonic() when seen)
-Event = tuple[Kind, str, str, float]
+# Whose access stream an event is of: this node's inotify, or (in a fleet's leader) the name of
+# the node whose summary carried it. Each is one server's order of reads and stores, which the
+# chain model learns prefixes from: two nodes' streams merged into one would teach it links
+# between pages of unrelated requests (and break the links it learnt) wherever they interleave.
+LOCAL = ""
+# (kind, namespace id, file name (a path below the namespace dir), time.monotonic() when seen,
+# origin)
+Event = tuple[Kind, str, str, float, str]
+
+
+@dataclass
+class WatchGaps:
+    """What a nested namespace's new dirs held when their watches were added (inotify saw none
+    of it; cachemgr.daemon.nestwatch): page files stored, and those of them whose atime showed
+    a read. Each store not matched by a read may still have been read unseen (a noatime root)."""
+
+    stores: int = 0
+    reads: int = 0

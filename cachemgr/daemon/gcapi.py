@@ -14,6 +14,7 @@ from cachemgr.daemon.api import GcLimits
 from cachemgr.gc.policy import GcPolicy, GcReason
 from cachemgr.gc.runner import GcRunner
 from cachemgr.gc.step import GcReport, StepResult
+from cachemgr.state.dbfile import denied_as_unavailable
 
 
 class GcStepOut(BaseModel):
@@ -97,7 +98,9 @@ def gc_request(
 ) -> GcResponse:
     """What `POST /v1/gc` does: one full run (with a sweep) by the daemon's runner, under
     `policy` (one-off limits) or the runner's own."""
-    return GcResponse.of(runner.run(dry_run=dry_run, actor=actor, sweep=True, policy=policy))
+    with denied_as_unavailable(runner.layout.state_dir):
+        report = runner.run(dry_run=dry_run, actor=actor, sweep=True, policy=policy)
+    return GcResponse.of(report)
 
 
 def gc_limits(policy: GcPolicy) -> GcLimits:
@@ -106,6 +109,8 @@ def gc_limits(policy: GcPolicy) -> GcLimits:
         max_bytes=policy.max_bytes,
         namespace_max_bytes=policy.namespace_max_bytes,
         min_free_bytes=policy.min_free_bytes,
+        max_files=policy.max_files,
+        namespace_max_files=policy.namespace_max_files,
         min_free_percent=policy.min_free_percent,
         min_age_seconds=policy.min_age,
         tmp_ttl_seconds=policy.tmp_ttl,

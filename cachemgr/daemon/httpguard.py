@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -44,10 +44,17 @@ class RequestGuard:
     object (json.loads would keep the last: `{"dry_run": true, "dry_run": false}` was a real
     purge). Checked in that order."""
 
-    def __init__(self, app: ASGIApp, token: str | None, max_body: int = MAX_BODY_BYTES) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        token: str | None,
+        max_body: int = MAX_BODY_BYTES,
+        large: Mapping[str, int] | None = None,
+    ) -> None:
         self.app = app
         self.token = token.encode("utf-8") if token is not None else None
-        self.max_body = max_body
+        self.default_max_body = max_body
+        self.large = dict(large or {})  # paths whose bodies may be larger (fleet summaries)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -56,7 +63,7 @@ class RequestGuard:
         refusal = self._refuse_headers(scope)
         if refusal is None:
             try:
-                body = await self._read_body(receive)
+                body = await self._read_body(receive, self._cap(scope["path"]))
             except _TooLarge:
                 refusal = self._too_large(scope["path"])
             except _Disconnected:
@@ -87,7 +94,7 @@ class RequestGuard:
             ]
             return invalid_request(errors, path, close)
         declared = headers.get(b"content-length", b"0")
-        if declared.isdigit() and int(declared) > self.max_body:
+        if declared.isdigit() and int(declared) > self._cap(path):
             return self._too_large(path)
         return None
 
@@ -99,12 +106,15 @@ class RequestGuard:
         # matches the UTF-8 bytes a client sends.
         return scheme.lower() == b"bearer" and secrets.compare_digest(sent, self.token)
 
+    def _cap(self, path: str) -> int:
+        return self.large.get(path, self.default_max_body)
+
     def _too_large(self, path: str) -> Response:
-        detail = f"request bodies are limited to {self.max_body} bytes"
+        detail = f"request bodies are limited to {self._cap(path)} bytes"
         return problem(413, "content too large", detail, path, CLOSE)
 
-    async def _read_body(self, receive: Receive) -> bytes:
-        """Read the whole body, at most `max_body` bytes."""
+    async def _read_body(self, receive: Receive, cap: int) -> bytes:
+        """Read the whole body, at most `cap` bytes."""
         chunks: list[bytes] = []
         size, more = 0, True
         while more:
@@ -113,7 +123,7 @@ class RequestGuard:
                 raise _Disconnected
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_body:
+            if size > cap:
                 raise _TooLarge
             chunks.append(chunk)
             more = message.get("more_body", False)

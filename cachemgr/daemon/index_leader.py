@@ -23,7 +23,7 @@ from cachemgr.fs.leadership import Leadership
 from cachemgr.fs.safe import open_dir, open_file
 from cachemgr.layout import Layout
 
-log = logging.getLogger("cachemgr.daemon.indexer")
+log = logging.getLogger(__name__)
 
 
 def kernel_id() -> str:
@@ -53,8 +53,9 @@ def lead(
     if leadership is None or leadership.try_acquire():
         state.leader = True
         return False
-    log.info("another daemon indexes this root; following it",
-             extra={"holder": leadership.holder()})  # fmt: skip
+    log.info(
+        "another daemon indexes this root; following it", extra={"holder": leadership.holder()}
+    )
     while True:
         # Ready while the leader's index is built and live: it marks that with a file.
         if ready_marker is not None and ready_marker.exists():

@@ -7,9 +7,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from cachemgr.daemon.events import WatchGaps
 from cachemgr.state.index import ScanReport
 
-log = logging.getLogger("cachemgr.daemon.indexer")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -31,6 +32,7 @@ class IndexState:
     ready: threading.Event = field(default_factory=threading.Event)
     counters: dict[str, Counters] = field(default_factory=dict)
     overflows: int = 0
+    watch_gaps: WatchGaps = field(default_factory=WatchGaps)  # the watcher's (Indexer)
     scans: int = 0
     scan_seconds_total: float = 0.0
     last_scan_seconds: float = 0.0

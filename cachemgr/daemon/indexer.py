@@ -1,7 +1,7 @@
 """The live index: one writer thread that scans, then applies watcher events in batches.
 
 Only this thread writes the page index while the daemon runs; the inotify thread only appends
-to a deque. Every `batch_interval` the queue is drained and applied in 10K-event transactions
+to a deque. Every `batch_interval` the queue is drained and applied in 2K-event transactions
 (cachemgr.daemon.page_events). After each batch `on_applied` runs (the daemon's cheap GC
 check). An inotify overflow, a new namespace dir and the periodic reconcile all become scans,
 so drift is bounded and counted. cachemgr.daemon.index_leader says which daemon writes.
@@ -15,6 +15,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from cachemgr.daemon import heap
@@ -32,10 +33,9 @@ from cachemgr.gc import modelfile
 from cachemgr.gc.chains import ChainModel
 from cachemgr.layout import NS_DIR, Layout
 from cachemgr.ns.manifest import format_of
-from cachemgr.ns.quarantine import ROOT, Quarantine, is_denied
+from cachemgr.ns.quarantine import ROOT, STATE_DIR, Quarantine, denied_key, is_denied
 from cachemgr.ns.registry import adopt_from_disk
 from cachemgr.state.index import (
-    BATCH,
     ScanReport,
     forget_namespace,
     last_removal,
@@ -49,6 +49,44 @@ log = logging.getLogger(__name__)
 FULL_RETRY = 1.0  # seconds between retries of a write the full disk refused
 ROOT_RETRY = 5.0  # seconds between listings of a root found unreadable
 BUILD_ATTEMPTS = 3  # a fresh DB found corrupt again: the disk or SQLite is failing, stop
+# Page events per transaction: a batch waits for a GC run holding a cap (hooks.before_batch),
+# and a run's chunk transactions wait for a batch's; neither should wait long.
+EVENT_BATCH = 2_000
+
+
+@dataclass(frozen=True)
+class IndexerConfig:
+    """How the index writer runs: its pace, its clock, and which daemon writes the root."""
+
+    batch_interval: float = 0.25  # seconds between two batches of page events
+    reconcile_interval: float = 600.0  # seconds between two full rescans
+    clock: Callable[[], float] = time.time
+    leadership: Leadership | None = None  # None: this process alone indexes the root
+    ready_marker: Path | None = None  # exists while the leader's index is live
+
+
+@dataclass(frozen=True)
+class IndexerShared:
+    """What the index writer shares with the rest of the daemon, which builds each first
+    (None: the writer's own)."""
+
+    watcher: Watcher | None = None
+    state: IndexState | None = None  # its counters and flags, for metrics and the API
+    model: ChainModel | None = None  # what GC evicts by: every indexed page and its chain
+    backlog: StoreBacklog | None = None  # stores the watcher saw, not applied yet
+    # Namespaces (or the root) this process cannot read: skipped, said once, retried.
+    quarantine: Quarantine | None = None
+
+
+@dataclass(frozen=True)
+class IndexerHooks:
+    """What the daemon does on the index thread when the index changes (see Indexer)."""
+
+    on_applied: Callable[[], None] = lambda: None
+    on_namespace_gone: Callable[[str], None] = lambda _: None
+    on_disk_full: Callable[[], None] = lambda: None
+    # Before each batch of page events: wait (briefly) for a GC run that holds a cap.
+    before_batch: Callable[[], object] = lambda: None
 
 
 class Indexer(Worker):
@@ -63,47 +101,41 @@ class Indexer(Worker):
         self,
         layout: Layout,
         store: Store,
+        config: IndexerConfig = IndexerConfig(),
+        shared: IndexerShared = IndexerShared(),
+        hooks: IndexerHooks = IndexerHooks(),
         *,
-        batch_interval: float = 0.25,
-        reconcile_interval: float = 600.0,
-        clock: Callable[[], float] = time.time,
-        watcher: Watcher | None = None,
-        leadership: Leadership | None = None,
-        ready_marker: Path | None = None,
-        state: IndexState | None = None,
-        model: ChainModel | None = None,
-        backlog: StoreBacklog | None = None,
-        on_applied: Callable[[], None] = lambda: None,
-        on_namespace_gone: Callable[[str], None] = lambda _: None,
-        on_disk_full: Callable[[], None] = lambda: None,
-        quarantine: Quarantine | None = None,
         on_death: DeathHandler | None = None,
     ) -> None:
         super().__init__("index", on_death=on_death)
-        # Namespaces (or the root) this process cannot read: skipped, said once, retried.
-        self.quarantine = quarantine if quarantine is not None else Quarantine()
+        self.quarantine = shared.quarantine if shared.quarantine is not None else Quarantine()
         self._root_retry = 0.0  # when an unreadable root is listed again
         self.store = store
         self.layout = layout
-        self.batch_interval = batch_interval
-        self.reconcile_interval = reconcile_interval
-        self.clock = clock
-        self.state = state if state is not None else IndexState()
-        self.backlog = backlog if backlog is not None else StoreBacklog()  # stores not applied
-        self.watcher = watcher if watcher is not None else Watcher(layout)
+        self.batch_interval = config.batch_interval
+        self.reconcile_interval = config.reconcile_interval
+        self.clock = config.clock
+        self.state = shared.state if shared.state is not None else IndexState()
+        self.backlog = shared.backlog if shared.backlog is not None else StoreBacklog()
+        self.watcher = shared.watcher if shared.watcher is not None else Watcher(layout)
         self.watcher.on_store = self.backlog.stored
-        self.leadership = leadership  # None: this process alone indexes the root
-        self.ready_marker = ready_marker  # exists while the leader's index is live
-        self.follow_interval = max(batch_interval, 0.05)
-        # What GC evicts by: every indexed page and its learned chain, kept by this thread.
+        self.watcher.gaps = self.state.watch_gaps
+        self.leadership = config.leadership
+        self.ready_marker = config.ready_marker
+        self.follow_interval = max(config.batch_interval, 0.05)
+        model = shared.model
         self.model = model if model is not None else ChainModel(lambda ns: format_of(layout, ns))
         # Namespaces the model holds as the index does; those from a snapshot not scanned since.
-        self._loaded, self._restored = set[str](), set[str]()
+        self._loaded = set[str]()
+        self._restored = set[str]()
         self.save_model = True  # at a clean stop (False: GC may still change the index)
         self.pages = PageEvents(layout, store, self.model, self.backlog)
-        self.on_applied = on_applied
-        self.on_namespace_gone, self.on_disk_full = on_namespace_gone, on_disk_full
-        self._rescan, self._rescan_lock = set[str](), threading.Lock()
+        self.on_applied = hooks.on_applied
+        self.on_namespace_gone = hooks.on_namespace_gone
+        self.on_disk_full = hooks.on_disk_full
+        self.before_batch = hooks.before_batch
+        self._rescan = set[str]()
+        self._rescan_lock = threading.Lock()
         self._next_reconcile = float("inf")  # set once the first scan is done
 
     def stop(self, timeout: float = 30.0) -> bool:
@@ -174,9 +206,8 @@ class Indexer(Worker):
         except StateLocked:  # said once by cachemgr.state.busy; the queue waits meanwhile
             return False
         except (sqlite3.Error, OSError) as e:
-            if is_denied(e):  # the root (its state dir) made unreadable: wait for it
-                self.quarantine.mark(ROOT, "unreadable", e)
-                self._root_retry = time.monotonic() + ROOT_RETRY
+            if is_denied(e):  # the state dir (or ns/) made unreadable: wait for it
+                self._denied(e)
                 return False
             if not reserve.is_disk_full(e, self.layout.state_dir):
                 raise
@@ -190,10 +221,17 @@ class Indexer(Worker):
             reserve.release(self.layout.state_dir)
             self.on_disk_full()
             return False
+        self.quarantine.clear(STATE_DIR, "unreadable")
         if self.state.disk_full:
             log.warning("index writes work again")
             self.state.disk_full = False
         return True
+
+    def _denied(self, error: OSError | sqlite3.Error) -> None:
+        """Hold the state dir or the root aside, whichever refused, and list again soon."""
+        key = denied_key(self.layout)
+        self.quarantine.mark(key, "unreadable", error)
+        self._root_retry = time.monotonic() + ROOT_RETRY
 
     def _build(self, *, first: bool) -> None:
         """Scan every namespace into the DB now at the path; a DB found corrupt meanwhile is
@@ -221,7 +259,8 @@ class Indexer(Worker):
             )
             self._build(first=True)
         self.apply_pending()
-        if ROOT in self.quarantine and time.monotonic() >= self._root_retry:
+        waiting = ROOT in self.quarantine or STATE_DIR in self.quarantine
+        if waiting and time.monotonic() >= self._root_retry:
             self._scan_all(first=False)  # back to normal once it can be listed again
         if time.monotonic() >= self._next_reconcile:
             self._scan_all(first=False)
@@ -241,6 +280,7 @@ class Indexer(Worker):
         queue = self.watcher.queue
         n = len(queue)
         held: list[Event] = []  # taken from the queue, not applied yet
+        self.watcher.applying = held
         try:
             for _ in range(n):
                 ev = queue.popleft()
@@ -249,12 +289,14 @@ class Indexer(Worker):
                     self._apply_pages(held[:-1])
                     del held[:-1]
                     self._apply_namespace_event(ev)
-                    held = []
-                elif len(held) >= BATCH:
+                    held = self.watcher.applying = []
+                elif len(held) >= EVENT_BATCH:
                     self._apply_pages(held)
-                    held = []
+                    held = self.watcher.applying = []
             self._apply_pages(held)
+            self.watcher.applying = []
         except BaseException:
+            self.watcher.applying = []
             # A write the disk refused (full) is retried: its events go back in front, in order.
             queue.extendleft(reversed(held))
             raise
@@ -274,7 +316,7 @@ class Indexer(Worker):
         return n
 
     def _apply_namespace_event(self, ev: Event) -> None:
-        kind, ns, _, _ = ev
+        kind, ns, *_ = ev
         if kind is Kind.OVERFLOW:
             self.state.overflows += 1
             log.warning("inotify queue overflowed; rescanning every namespace")
@@ -296,6 +338,8 @@ class Indexer(Worker):
         log.info("namespace dir gone", extra={"namespace": ns, **counts})
 
     def _apply_pages(self, events: list[Event]) -> None:
+        if events:
+            self.before_batch()
         for ns, (r, w) in self.pages.apply(events, now=self.clock()).items():
             c = self.state.counter(ns)
             c.reads, c.writes = c.reads + r, c.writes + w
@@ -312,13 +356,13 @@ class Indexer(Worker):
                 scan=lambda ns: self._scan(ns, first=first),
                 forgetting=self._forget,
             )
-        except OSError as e:  # ns/ itself cannot be listed: wait for it, the index kept
+        except OSError as e:  # ns/ or the state dir cannot be used: wait, the index kept
             if not is_denied(e):
                 raise
-            self.quarantine.mark(ROOT, "unreadable", e)
-            self._root_retry = time.monotonic() + ROOT_RETRY
+            self._denied(e)
             return
         self.quarantine.clear(ROOT, "unreadable")
+        self.quarantine.clear(STATE_DIR, "unreadable")
 
     def _readable(self, ns: str) -> bool:
         """Whether this process may list the namespace dir; one it may not is held aside

@@ -14,7 +14,6 @@ import logging
 import os
 import signal
 import socket
-import sqlite3
 import threading
 import time
 from collections.abc import Iterator
@@ -24,33 +23,38 @@ from types import FrameType
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from cachemgr.daemon import heap
+from cachemgr import engines
+from cachemgr.daemon import heap, statewait
 from cachemgr.daemon.app import create_app
 from cachemgr.daemon.backend import Backend
-from cachemgr.daemon.backlog import Flight, StoreBacklog
 from cachemgr.daemon.connections import raise_nofile_limit
+from cachemgr.daemon.fleet import FleetCollector, FleetNode, build_fleet
+from cachemgr.daemon.gcstate import DaemonGcState
 from cachemgr.daemon.index_leader import kernel_id, leadership_files
 from cachemgr.daemon.index_state import IndexState
-from cachemgr.daemon.indexer import Indexer
-from cachemgr.daemon.metrics import CachemgrCollector
+from cachemgr.daemon.indexer import Indexer, IndexerConfig, IndexerHooks, IndexerShared
+from cachemgr.daemon.metrics import CachemgrCollector, Parts
 from cachemgr.daemon.purge_routes import purge_function
 from cachemgr.daemon.refresher import Refresher
 from cachemgr.daemon.serving import Reader, Server, bind_socket, is_loopback, uvicorn_config
+from cachemgr.daemon.watcher import Watcher
+from cachemgr.engine import Probe, ProbeHooks, ProbeState
 from cachemgr.errors import ConfigError, StateError
+from cachemgr.fleet.netfs import refuse_network_fs
 from cachemgr.fs.root import create_root
 from cachemgr.fs.safe import refuse_non_regular
 from cachemgr.gc.chains import IN_FLIGHT, ChainModel
-from cachemgr.gc.check import needs_gc, room
+from cachemgr.gc.check import needs_gc
 from cachemgr.gc.floor import open_freeing
 from cachemgr.gc.policy import GcPolicy
 from cachemgr.gc.runner import GcRunner
-from cachemgr.layout import Layout
 from cachemgr.ns import purge as purge_mod
+from cachemgr.ns.bindings import qualify
 from cachemgr.ns.manifest import format_of
 from cachemgr.ns.quarantine import Quarantine
+from cachemgr.ns.root import settings_layout
 from cachemgr.settings import Settings
-from cachemgr.sglang.probe import ProbeLoop, ProbeState
-from cachemgr.state import registry_sql
+from cachemgr.state import busy, registry_sql
 from cachemgr.state.store import Store
 from cachemgr.worker import Worker
 
@@ -58,6 +62,8 @@ log = logging.getLogger(__name__)
 GC_STOP_SECONDS = 15.0  # a GC run stops after its current chunk; a trash entry may take longer
 PROBE_STOP_SECONDS = 10.0  # one poll's HTTP timeouts
 REFRESH_STOP_SECONDS = 10.0  # one snapshot of the DB (a few small queries)
+FLEET_STOP_SECONDS = 10.0  # one coordinator request, one summary sent
+HOLD_WAIT = 0.5  # seconds at most an index batch waits for a GC run holding a cap
 
 
 class Daemon:
@@ -71,41 +77,51 @@ class Daemon:
                 "(env CACHEMGR_TOKEN) or bind 127.0.0.1"
             )
         self.settings = settings
-        self.layout = Layout.at(settings.root, settings.state_dir)
+        self.layout = settings_layout(settings)
         self.token = token
-        self.probe = ProbeState() if settings.sglang_url else None
+        self.probe: ProbeState | None = None  # the prober's, once built
         self.sock: socket.socket | None = None
         self.server: uvicorn.Server | None = None
-        self.prober: ProbeLoop | None = None
+        self.prober: Probe | None = None
         self._started = False
         self._signals = 0
+        self.fleet: FleetNode | None = None
 
     def start(self) -> None:
         """Bind, open the DB, start watching and indexing; returns before the first scan ends."""
         self.nofile, _ = raise_nofile_limit()  # before anything opens a file
         self.sock = bind_socket(self.settings.host, self.settings.port)
         try:  # a root refused (a planted link, say) must not leave the port bound
+            if self.settings.fleet_coordinator:  # SQLite's locks do not hold over NFS or FUSE
+                refuse_network_fs(self.layout.state_dir)
             create_root(self.layout)
             # Its threads take these locks later, where a refusal would only be a log line.
             refuse_non_regular(self.layout.lock_files(kernel_id()))
             self.gc_policy = GcPolicy.from_settings(self.settings)
             # Checked once: a DB damaged past its header is moved aside before anything reads it.
-            self.store = open_freeing(self.layout, self.gc_policy, actor="auto", check=True)
+            self.store = self._open_state()
         except BaseException:
             self.sock.close()
             raise
         self.reader = Reader(self.layout)
         self._build_workers()
         self.registry = CollectorRegistry(auto_describe=False)
-        collector = CachemgrCollector(
-            self.layout, self.reader, index=self.indexer.state, lag=self.indexer.lag,
-            probe=self.probe, gc=self.gc, workers=self.workers, cached=True,
+        parts = Parts(
+            index=self.indexer.state,
+            lag=self.indexer.lag,
+            probe=self.prober,
+            gc=self.gc,
+            workers=self.workers,
             quarantine=self.quarantine,
-        )  # fmt: skip
+        )
+        collector = CachemgrCollector(self.layout, self.reader, parts, cached=True)
         self.registry.register(collector)
+        if self.fleet is not None:
+            self.registry.register(FleetCollector(self.fleet))
         # Scrapes render a snapshot this thread keeps (cachemgr.daemon.refresher).
         self.refresher = Refresher(collector.refresh, on_death=self._worker_died)
         self.workers.append(self.refresher)
+        self.gc_state.refresher = self.refresher  # kicked after each GC run
         self.backend = Backend(
             layout=self.layout,
             reader=self.reader,
@@ -119,6 +135,7 @@ class Daemon:
             settings=self.settings,
             workers=self.workers,
             quarantine=self.quarantine,
+            fleet=self.fleet,
         )
         self.app = create_app(self.backend)
         self.server = Server(uvicorn_config(self.app, self.settings, self.nofile, self.registry))
@@ -128,77 +145,99 @@ class Daemon:
         self._started = True
         log.info("daemon started", extra={"root": str(self.layout.root), "port": self.port})
 
+    def _open_state(self) -> Store:
+        """The state DB; one another process keeps shut is waited for while HTTP says so."""
+
+        def opener() -> Store:
+            return open_freeing(self.layout, self.gc_policy, actor="auto", check=True)
+
+        assert self.sock is not None
+        db = self.layout.db_path
+        if not busy.shuts_out_readers(db):
+            try:
+                return opener()
+            except StateError as e:
+                if not statewait.locked(e):
+                    raise
+        return statewait.open_when_free(db, opener, self.settings, self.sock, self.nofile)
+
     def _build_workers(self) -> None:
-        """The index writer, GC (its own thread and connection) and the SGLang probe, wired
-        to each other; not started."""
-        index = IndexState()
+        """The index writer, GC (its own thread and connection) and the engine's probe, each
+        built after what it reads: the state they share first (uvicorn's `ServerState`)."""
         self.quarantine = Quarantine()  # what the index and GC found they cannot use
+        index = IndexState()
         model = ChainModel(lambda ns: format_of(self.layout, ns), in_flight=IN_FLIGHT)
-        # Stores not applied yet: GC counts them; past the room left, the watcher wakes GC.
-        self.backlog = StoreBacklog(wake=lambda: self.gc.wake())
+        watcher = Watcher(self.layout)
+        self.gc_state = DaemonGcState(index, watcher, model, self.reader, self.quarantine)
         self.gc_store = Store.open(self.layout.db_path)
-        # GC is led by an index leader: only its watcher wakes GC (watermarks, a CLI purge).
+        # Fleet mode: GC leads (deletes) only while this node holds the fleet's lease.
+        self.fleet = None
+        if self.settings.fleet_coordinator:
+            self.fleet = build_fleet(
+                self.settings,
+                self.layout,
+                self.port,
+                on_elected=self.gc_state.woken.set,
+                on_death=self._worker_died,
+            )
         self.gc = GcRunner(
-            self.layout, self.gc_store, self.gc_policy, eligible=lambda: index.leader,
-            ready=index.ready, model=model, on_death=self._worker_died,
-            # Written while a run frees room; what the index has not applied: counted, not guessed.
-            ahead=lambda: int(index.write_rate * self.gc.run_seconds),
-            pending=self.backlog.bytes,
-            in_flight=lambda: self.flight(),
-            after_run=self._rearm,
-            quarantine=self.quarantine,
-        )  # fmt: skip
+            self.layout,
+            self.gc_store,
+            self.gc_policy,
+            live=self.gc_state,
+            on_death=self._worker_died,
+            leadership=self.fleet.leadership if self.fleet is not None else None,
+        )
         leadership, ready_marker = leadership_files(self.layout)
         self.indexer = Indexer(
             self.layout,
             self.store,
-            batch_interval=self.settings.batch_interval,
-            reconcile_interval=self.settings.reconcile_interval or float("inf"),
-            leadership=leadership,
-            ready_marker=ready_marker,
-            state=index,
-            model=model,
-            backlog=self.backlog,
-            on_applied=self._check_watermarks,
-            # A CLI purge (or init --no-wait) renames into .trash/ from another process: GC
-            # deletes it now rather than at the next interval.
-            on_namespace_gone=self._namespace_gone,
-            # A full disk stops index writes (they are retried): GC's floor pass frees it.
-            on_disk_full=self.gc.wake,
-            quarantine=self.quarantine,
+            IndexerConfig(
+                batch_interval=self.settings.batch_interval,
+                reconcile_interval=self.settings.reconcile_interval or float("inf"),
+                leadership=leadership,
+                ready_marker=ready_marker,
+            ),
+            IndexerShared(
+                watcher=watcher,
+                state=index,
+                model=model,
+                backlog=self.gc_state.backlog,
+                quarantine=self.quarantine,
+            ),
+            IndexerHooks(
+                on_applied=self._check_watermarks,
+                # A CLI purge (or init --no-wait) renames into .trash/ from another process:
+                # GC deletes it now rather than at the next interval.
+                on_namespace_gone=self._namespace_gone,
+                # A full disk stops index writes (they are retried): GC's floor pass frees it.
+                on_disk_full=self.gc.wake,
+                # GC holding a cap needs the one GIL more than the index does (it takes the
+                # stores not applied yet): a batch waits for its run, a bounded time.
+                before_batch=lambda: self.gc.not_holding.wait(HOLD_WAIT),
+            ),
             on_death=self._worker_died,
         )
-        self.flight = Flight(self.indexer.watcher, model)
-        if self.probe is not None and self.settings.sglang_url:
-            self.prober = ProbeLoop(
-                self.settings.sglang_url,
-                instance=self.settings.instance,
+        # The engine whose server the settings name watches it (cachemgr.engines).
+        self.prober = engines.probe(
+            self.settings,
+            ProbeHooks(
+                instance=qualify(self.layout, self.settings.instance),
                 bound=self._bound_namespace,
                 on_mismatch=self._purge_mismatch,
-                interval=self.settings.sglang_poll_interval,
-                state=self.probe,
                 on_death=self._worker_died,
-            )
+            ),
+        )
+        self.probe = self.prober.state if self.prober is not None else None
         self.workers: list[Worker] = [self.indexer, self.gc, *filter(None, [self.prober])]
+        if self.fleet is not None:
+            self.fleet.watch(watcher)
+            self.workers += self.fleet.workers
 
     def _bound_namespace(self, instance: str) -> tuple[str, str, int] | None:
         """The prober's lookup: (id, identity_json, indexed pages) of the instance's namespace."""
         with self.reader() as conn:
             return registry_sql.bound_namespace(conn, instance)
-
-    def _rearm(self) -> None:
-        """After a GC run (on its thread): the room it left, so the watcher wakes GC again
-        without waiting for the index's next batch; and the heap its plan freed, given back."""
-        with self.reader() as conn:
-            self._set_room(conn)
-        self.refresher.kick()
-        heap.trim()  # (well under a ms, without the GIL: bench/RESULTS.md)
-
-    def _set_room(self, conn: sqlite3.Connection) -> None:
-        """What the watcher may see stored before it wakes GC itself."""
-        self.backlog.rearm(room(
-            self.layout, conn, self.gc_policy, disk_usage=self.gc.disk_usage, ahead=self.gc.ahead()
-        ))  # fmt: skip
 
     def _after_purge(self, _: object) -> None:
         self.indexer.request_rescan()
@@ -216,10 +255,15 @@ class Daemon:
         flock attempt, and gating would drop a crossing seen before the lock is first taken.
         """
         reasons = needs_gc(
-            self.layout, self.store, self.gc_policy, now=time.time(),
-            disk_usage=self.gc.disk_usage, ahead=self.gc.ahead(), pending=self.backlog.bytes(),
-        )  # fmt: skip
-        self._set_room(self.store.conn)
+            self.layout,
+            self.store,
+            self.gc_policy,
+            now=time.time(),
+            disk_usage=self.gc.disk_usage,
+            ahead=self.gc.ahead(),
+            pending=self.gc_state.backlog.bytes(),
+        )
+        self.gc_state.rearm(self.store.conn, self.gc)
         # Not for .trash/ alone: purges wake GC themselves, and an entry GC must refuse (a
         # symlink) would otherwise wake it on every batch; the interval retries it.
         if set(reasons) - {"trash"}:
@@ -297,6 +341,9 @@ class Daemon:
         else:  # still deleting a trash entry (resumed next start): it may change the index
             log.warning("gc still deleting at shutdown; leaving it")
             self.indexer.save_model = False  # so no model snapshot (cachemgr.gc.modelfile)
+        if self.fleet is not None:  # after GC: the lease is handed over once GC stopped
+            for worker in self.fleet.workers:
+                worker.stop(FLEET_STOP_SECONDS)
         self.indexer.stop()
         self.refresher.stop(REFRESH_STOP_SECONDS)
         self.reader.close()

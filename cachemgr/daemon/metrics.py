@@ -15,20 +15,23 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from cachemgr import __version__
+from cachemgr import __version__, engines
 from cachemgr.daemon.index_state import IndexState
+from cachemgr.engine import Probe, ProbeState
 from cachemgr.errors import StateCorrupt
+from cachemgr.fs.dirlimit import DirIndex
+from cachemgr.fs.dirlimit import dir_index as read_dir_index
 from cachemgr.fs.usage import DiskUsage, disk_usage
 from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
-from cachemgr.ns.quarantine import ROOT, Quarantine
+from cachemgr.ns.quarantine import ROOT, STATE_DIR, Quarantine
 from cachemgr.ns.status import NamespaceStatus, namespace_statuses
-from cachemgr.sglang.probe import ProbeState
 from cachemgr.state import busy
 from cachemgr.state.status import AuditTotal, AuditTotals
 from cachemgr.worker import Worker
@@ -58,22 +61,28 @@ METRICS: dict[str, str] = {
     "cachemgr_filesystem_avail_bytes": "bytes available on the root's filesystem",
     "cachemgr_filesystem_size_bytes": "size of the root's filesystem",
     "cachemgr_filesystem_avail_inodes": "inodes available on the root's filesystem",
+    "cachemgr_namespace_dir_entries_limit_ratio": "entries of a flat namespace dir over the "
+    "entries its filesystem takes in one dir before ENOSPC (ext4 without large_dir; absent "
+    "where no such limit is known)",
     "cachemgr_scans_total": "namespace directory scans (initial, new dir, overflow, reconcile)",
     "cachemgr_scan_seconds_total": "time spent scanning namespace directories",
     "cachemgr_last_scan_duration_seconds": "duration of the last namespace scan",
     "cachemgr_index_drift_pages_total": "index rows a rescan had to add or remove (events missed)",
     "cachemgr_watcher_overflows_total": "inotify queue overflows (each triggers a full rescan)",
     "cachemgr_index_events_total": "watcher events applied to the index",
+    "cachemgr_watch_gap_stores_total": "page files a new nested dir (vLLM's hashed dirs) held "
+    "when its watch was added: stores counted from its listing, whose reads inotify missed",
+    "cachemgr_watch_gap_reads_total": "reads of those files shown by their atime, counted late; "
+    "stores minus reads bounds the reads lost (all of them on a root mounted noatime)",
     "cachemgr_index_lag_seconds": "age of the oldest watcher event not yet applied",
     "cachemgr_identity_mismatches_total": "SGLang servers found contradicting their namespace",
     "cachemgr_identity_mismatch": "1 while the SGLang server contradicts its namespace",
-    "cachemgr_sglang_up": "1 if the last scrape of the SGLang server succeeded",
-    "cachemgr_sglang_storage_hit_tokens_total": "SGLang's tokens found in L3",
-    "cachemgr_sglang_prefetched_tokens_total": "SGLang's tokens loaded from L3",
-    "cachemgr_sglang_backuped_tokens_total": "SGLang's tokens written to L3",
+    **engines.probe_metrics(),  # each engine's probe: its server's own figures
     "cachemgr_namespace_unusable": "1 while the daemon cannot use the namespace's dir (another "
     "user's: unreadable, or its pages not deletable); the index and GC skip it",
     "cachemgr_root_unusable": "1 while the daemon cannot list the root's ns/ dir; it waits for it",
+    "cachemgr_state_dir_unusable": "1 while the daemon may not use its state dir: the index, GC "
+    "and purge wait for the DB (the pages stay, and SGLang serves them)",
     "cachemgr_state_db_locked": "1 while a write of this daemon waits for another connection's "
     "write lock on the state DB",
     "cachemgr_state_db_lock_wait_seconds_total": "time this daemon's writes spent waiting for "
@@ -90,6 +99,10 @@ METRICS: dict[str, str] = {
     ),
     "cachemgr_gc_last_success_timestamp_seconds": "when a GC cycle last ended without error "
     "(daemon start until the first)",
+    "cachemgr_gc_audit_rows_held": "audit rows of free-space floor passes the state DB took no "
+    "write of yet (written once it does)",
+    "cachemgr_gc_audit_rows_dropped_total": "held audit rows dropped past the bound "
+    "(cachemgr.gc.held.HELD_ROWS), each logged with its counts",
     "cachemgr_http_connections": "open HTTP connections",
     "cachemgr_http_connections_max": "the cap on open HTTP connections (below the open-file limit)",
     "cachemgr_http_connections_closed_total": "HTTP connections the daemon closed, by reason: "
@@ -113,6 +126,18 @@ class Snapshot(NamedTuple):
     disk: DiskUsage | None
 
 
+@dataclass(frozen=True)
+class Parts:
+    """The daemon's running parts whose state the metrics show (None or empty: not running)."""
+
+    index: IndexState | None = None
+    lag: Callable[[], float] = lambda: 0.0  # the index's, in seconds
+    probe: Probe | None = None
+    gc: GcRunner | None = None
+    workers: Sequence[Worker] = ()
+    quarantine: Quarantine | None = None
+
+
 class CachemgrCollector(Collector):
     """Everything cachemgr exposes; register it in a CollectorRegistry."""
 
@@ -120,27 +145,25 @@ class CachemgrCollector(Collector):
         self,
         layout: Layout,
         reader: Reader,
+        parts: Parts = Parts(),
         *,
-        index: IndexState | None = None,
-        lag: Callable[[], float] = lambda: 0.0,
-        probe: ProbeState | None = None,
         disk: Callable[[Layout], DiskUsage] = lambda lay: disk_usage(lay.root),
-        gc: GcRunner | None = None,
-        workers: Sequence[Worker] = (),
+        dir_index: Callable[[Layout], DirIndex | None] = lambda lay: read_dir_index(lay.root),
         cached: bool = False,
-        quarantine: Quarantine | None = None,
     ) -> None:
-        self.quarantine = quarantine
+        self.quarantine = parts.quarantine
         self.cached = cached  # scrapes render the last snapshot (a refresher keeps it fresh)
         self.snapshot: Snapshot | None = None
-        self.workers = workers
+        self.workers = parts.workers
         self.layout = layout
         self.reader = reader
-        self.index = index
-        self.lag = lag
-        self.probe = probe
+        self.index = parts.index
+        self.lag = parts.lag
+        self.probe = parts.probe
         self.disk = disk
-        self.gc = gc
+        self.gc = parts.gc
+        self.dir_index = dir_index
+        self._index: tuple[DirIndex | None] | None = None  # read once (the filesystem stays)
         self.audit = AuditTotals()
 
     def describe(self) -> Iterator[Any]:
@@ -167,7 +190,7 @@ class CachemgrCollector(Collector):
         yield from self._audit(snap.audit)
         yield from self._daemon()
         yield from self._disk(snap.disk)
-        yield from self._sglang()
+        yield from self._probe_families()
         yield from self._gc()
 
     def _namespaces(self, statuses: list[Any]) -> Iterator[Any]:
@@ -186,13 +209,22 @@ class CachemgrCollector(Collector):
         live = self.index.counters if self.index is not None else {}
         for s in statuses:
             for inst in s.instances or ("",):
-                labels = [s.id, s.engine, inst, s.model or "", s.kv_cache_dtype or "",
-                          str(s.page_size or "")]  # fmt: skip
+                labels = [
+                    s.id,
+                    s.engine,
+                    inst,
+                    s.model or "",
+                    s.kv_cache_dtype or "",
+                    str(s.page_size or ""),
+                ]
                 info.add_metric(labels, {})
             values = {
-                "pages": s.pages, "bytes": s.bytes, "temp_files": s.temp_files,
-                "foreign_files": s.foreign_files, "corrupt_pages": s.corrupt_files,
-            }  # fmt: skip
+                "pages": s.pages,
+                "bytes": s.bytes,
+                "temp_files": s.temp_files,
+                "foreign_files": s.foreign_files,
+                "corrupt_pages": s.corrupt_files,
+            }
             ids = [s.id, s.engine]
             for k, v in values.items():
                 gauges[k].add_metric(ids, v)
@@ -203,6 +235,22 @@ class CachemgrCollector(Collector):
         yield from gauges.values()
         yield reads
         yield writes
+        yield self._dir_entries(statuses)
+
+    def _dir_entries(self, statuses: list[NamespaceStatus]) -> GaugeMetricFamily:
+        """Each flat namespace dir's entries over its filesystem's one-dir limit."""
+        family = _gauge("cachemgr_namespace_dir_entries_limit_ratio", NS_ENGINE)
+        if self._index is None:
+            try:
+                self._index = (self.dir_index(self.layout),)
+            except OSError:
+                self._index = (None,)
+        index = self._index[0]
+        for s in statuses:
+            limit = s.entry_limit(index)
+            if limit:
+                family.add_metric([s.id, s.engine], s.dir_entries / limit)
+        return family
 
     def _audit(self, audit: dict[tuple[str, str], Any]) -> Iterator[Any]:
         fams = {
@@ -259,6 +307,8 @@ class CachemgrCollector(Collector):
             ("cachemgr_index_drift_pages_total", st.drift_pages),
             ("cachemgr_watcher_overflows_total", st.overflows),
             ("cachemgr_index_events_total", st.events_applied),
+            ("cachemgr_watch_gap_stores_total", st.watch_gaps.stores),
+            ("cachemgr_watch_gap_reads_total", st.watch_gaps.reads),
         ):
             yield CounterMetricFamily(name, METRICS[name], value=value)
         yield GaugeMetricFamily(
@@ -273,12 +323,16 @@ class CachemgrCollector(Collector):
     def _unusable(self) -> Iterator[Any]:
         held = self.quarantine.held() if self.quarantine is not None else {}
         family = _gauge("cachemgr_namespace_unusable", ["namespace", "reason"])
-        for ns, (reason, _) in sorted(held.items()):
-            if ns != ROOT:
+        namespaces = self.quarantine.namespaces() if self.quarantine is not None else {}
+        for ns, reasons in sorted(namespaces.items()):
+            for reason in sorted(reasons):
                 family.add_metric([ns, reason], 1)
         yield family
-        name = "cachemgr_root_unusable"
-        yield GaugeMetricFamily(name, METRICS[name], value=int(ROOT in held))
+        for name, key in (
+            ("cachemgr_root_unusable", ROOT),
+            ("cachemgr_state_dir_unusable", STATE_DIR),
+        ):
+            yield GaugeMetricFamily(name, METRICS[name], value=int(key in held))
 
     def _disk(self, du: DiskUsage | None) -> Iterator[Any]:
         if du is None:
@@ -290,18 +344,14 @@ class CachemgrCollector(Collector):
         ):
             yield GaugeMetricFamily(name, METRICS[name], value=value)
 
-    def _sglang(self) -> Iterator[Any]:
-        p = self.probe or ProbeState()
+    def _probe_families(self) -> Iterator[Any]:
+        p = self.probe.state if self.probe is not None else ProbeState()
         yield _one("cachemgr_identity_mismatches_total", p.mismatches)
         yield GaugeMetricFamily(
             "cachemgr_identity_mismatch", METRICS["cachemgr_identity_mismatch"], value=p.alarm
         )
-        if self.probe is None:
-            return
-        yield GaugeMetricFamily("cachemgr_sglang_up", METRICS["cachemgr_sglang_up"], value=p.up)
-        if p.tokens is not None:
-            for key in ("storage_hit_tokens", "prefetched_tokens", "backuped_tokens"):
-                yield _one(f"cachemgr_sglang_{key}_total", getattr(p.tokens, key))
+        if self.probe is not None:
+            yield from self.probe.families()
 
     def _gc(self) -> Iterator[Any]:
         if self.gc is None:
@@ -320,6 +370,9 @@ class CachemgrCollector(Collector):
         yield _one("cachemgr_gc_protection_overridden_total", st.overridden)
         name = "cachemgr_gc_last_success_timestamp_seconds"
         yield GaugeMetricFamily(name, METRICS[name], value=st.last_success)
+        name = "cachemgr_gc_audit_rows_held"
+        yield GaugeMetricFamily(name, METRICS[name], value=len(self.gc.held))
+        yield _one("cachemgr_gc_audit_rows_dropped_total", self.gc.held.dropped)
 
 
 def _one(name: str, value: float) -> CounterMetricFamily:

@@ -4,7 +4,6 @@ an operator reads after "who purged the cache?"."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from starlette.requests import Request
@@ -13,8 +12,9 @@ from starlette.types import Scope
 from cachemgr.daemon.api import PurgeResponse
 from cachemgr.daemon.gcapi import GcResponse
 from cachemgr.errors import CachemgrError
+from cachemgr.logs import HTTP_TRAIL
 
-log = logging.getLogger("cachemgr.daemon.http")
+log = HTTP_TRAIL
 
 
 def client_of(scope: Scope) -> str:
@@ -31,19 +31,30 @@ def purged(request: Request, result: PurgeResponse) -> None:
     """A purge (or its dry run) that was answered 200."""
     log.info(
         "http purge",
-        extra={**_who(request), "dry_run": result.dry_run, "selector": result.selector,
-               "namespaces": [p.namespace for p in result.purged], "pages": result.pages,
-               "bytes": result.bytes, "problems": result.problems},
-    )  # fmt: skip
+        extra={
+            **_who(request),
+            "dry_run": result.dry_run,
+            "selector": result.selector,
+            "namespaces": [p.namespace for p in result.purged],
+            "pages": result.pages,
+            "bytes": result.bytes,
+            "problems": result.problems,
+        },
+    )
 
 
 def collected(request: Request, result: GcResponse) -> None:
     """A GC run (or its dry run) that was answered 200."""
     log.info(
         "http gc",
-        extra={**_who(request), "dry_run": result.dry_run, "files": result.files,
-               "bytes": result.bytes, "warnings": result.warnings},
-    )  # fmt: skip
+        extra={
+            **_who(request),
+            "dry_run": result.dry_run,
+            "files": result.files,
+            "bytes": result.bytes,
+            "warnings": result.warnings,
+        },
+    )
 
 
 def failed(request: Request, what: str, error: CachemgrError) -> None:
@@ -58,6 +69,10 @@ def refused(scope: Scope, status: int) -> None:
     """A mutating call the front door refused (no token, too large) before any route."""
     log.warning(
         "http request refused",
-        extra={"client": client_of(scope), "route": scope["path"], "method": scope["method"],
-               "status": status},
-    )  # fmt: skip
+        extra={
+            "client": client_of(scope),
+            "route": scope["path"],
+            "method": scope["method"],
+            "status": status,
+        },
+    )

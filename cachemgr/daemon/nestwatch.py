@@ -4,7 +4,17 @@ inotify is not recursive: every dir of the tree needs its own watch, added as th
 the dir. vLLM makes a hashed dir and stores a file in it at once, so a file can land before its
 dir's watch exists: a dir that appears is listed right after its watch is added, and what the
 listing finds is counted as stored (`fresh`); a rename the kernel reports for a file the listing
-counted already is dropped (watcher.SEEN_FOR). The dirs present when a namespace is first
+counted already is dropped (watcher.SEEN_FOR). A read in that window (vLLM loads a block soon
+after storing it, and a loaded watcher lags its queue by seconds) has no event, and inotify
+cannot replay one: the file's atime can show it. A new leaf dir is listed once more just before
+its watch is added, and each page whose atime is past its ctime and mtime there (relatime still
+marks the first read after a store) is counted as read once. Such a read is held back until
+the inotify thread has handled all the kernel queued (at most LATE_FOR): the stores of the dirs
+made in the same lag come first, as they did, and the reads after them oldest first (the chain
+model and GC's recency go by the order of events). What stays unseen, bounded: the
+reads between that listing and the watch (microseconds, whatever the queue's lag), a page's
+second read before the watch, and every read of the window on a root mounted noatime (its files
+are the count `gaps.stores`; doctor says so). The dirs present when a namespace is first
 watched, or scanned again (an inotify overflow lost their creation), are watched without
 counting their files: the index scan finds those.
 
@@ -22,16 +32,22 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from cachemgr.daemon.events import Kind
+from cachemgr.daemon.events import LOCAL, Kind, WatchGaps
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs.safe import open_dir
 from cachemgr.fs.tree import on_mount, vouched
 from cachemgr.layout import Layout
 
+# How long a read found by a new dir's listing waits for the inotify thread to catch up, at
+# most (an endless stream of events never lets it): it goes into the index that much later.
+LATE_FOR = 1.0
+
 
 class _Watcher(Protocol):
     @property
     def layout(self) -> Layout: ...
+    @property
+    def gaps(self) -> WatchGaps: ...
     def clock(self) -> float: ...
 
     def emit(self, event: Any) -> None: ...
@@ -46,6 +62,10 @@ class NestWatches:
         self.watcher = watcher
         self._subs: dict[str, dict[str, Any]] = {}  # namespace -> path -> its watch
         self._lock = threading.Lock()
+        # reads found by listings, held back: (atime ns, namespace, name below its dir)
+        self._late: list[tuple[int, str, str]] = []
+        self._late_since = 0.0  # when the first of them was found (watcher clock)
+        self._late_lock = threading.Lock()
 
     def added(self, parent: Any, name: str, *, fresh: bool = True, deep: bool = False) -> None:
         """Dir `name` appeared in the watched dir `parent`: watch it if it is the engine's, and
@@ -73,6 +93,7 @@ class NestWatches:
         except (OSError, UnsafePathError):
             return  # gone already, a link, another mount: never watched through
         child = replace(parent, path=path, level=parent.level + 1, wd=-1, dead=False, seen={})
+        read = self._read_already(child) if fresh and child.leaf else {}
         with self._lock:  # its creation event and its parent's listing may both get here
             if self._watched(parent.ns_id, path):
                 return  # a second callback on one watch would count every event twice
@@ -81,34 +102,71 @@ class NestWatches:
             with self._lock:
                 self._subs.get(parent.ns_id, {}).pop(child.path, None)
             return
-        self.below(child, fresh=fresh)
+        self.below(child, fresh=fresh, read=read)
 
     def _watched(self, ns_id: str, path: str) -> Any:
         """The live watch of dir `path` of namespace `ns_id`, if any."""
         cb = self._subs.get(ns_id, {}).get(path)
         return cb if cb is not None and not cb.dead else None
 
-    def below(self, cb: Any, *, fresh: bool, deep: bool = False) -> None:
-        """Watch the engine's dirs already in `cb`'s dir; in a fresh leaf, count its pages."""
-        if cb.fmt.nesting is None:
-            return
+    def _list(self, cb: Any) -> list[tuple[str, os.stat_result]] | None:
+        """The entries of `cb`'s dir and their lstat; None if it cannot be listed."""
         rel = f"ns/{cb.ns_id}/{cb.path}".rstrip("/")
         try:
             with open_dir(self.watcher.layout.root, rel) as fd, os.scandir(fd) as entries:
-                found = [(e.name, e.stat(follow_symlinks=False).st_mode) for e in entries]
+                return [(e.name, e.stat(follow_symlinks=False)) for e in entries]
         except (OSError, UnsafePathError):
+            return None
+
+    def _read_already(self, cb: Any) -> dict[str, int]:
+        """The pages of a new leaf dir read since their store, by atime (ns), before its watch."""
+        return {
+            name: st.st_atime_ns
+            for name, st in self._list(cb) or ()
+            if stat.S_ISREG(st.st_mode) and st.st_atime_ns > max(st.st_mtime_ns, st.st_ctime_ns)
+        }
+
+    def below(
+        self, cb: Any, *, fresh: bool, deep: bool = False, read: dict[str, int] | None = None
+    ) -> None:
+        """Watch the engine's dirs already in `cb`'s dir; in a fresh leaf, count its pages as
+        stored, then those in `read` (found read before the watch) as read, oldest read first."""
+        if cb.fmt.nesting is None:
+            return
+        found = self._list(cb)
+        if found is None:
             return
         if not cb.leaf:
-            for name, mode in found:
-                if stat.S_ISDIR(mode):
+            for name, st in found:
+                if stat.S_ISDIR(st.st_mode):
                     self.added(cb, name, fresh=fresh, deep=deep)
             return
-        if fresh:
-            now = self.watcher.clock()
-            for name, mode in found:
-                if stat.S_ISREG(mode) and cb.fmt.key_len(name) is not None:
-                    cb.seen[name] = now
-                    self.watcher.emit((Kind.WRITE, cb.ns_id, cb.path + name, now))
+        if not fresh:
+            return
+        now = self.watcher.clock()
+        pages = [n for n, st in found if stat.S_ISREG(st.st_mode) and cb.fmt.key_len(n) is not None]
+        for name in pages:
+            cb.seen[name] = now
+            self.watcher.emit((Kind.WRITE, cb.ns_id, cb.path + name, now, LOCAL))
+        listed = set(pages)
+        reads = [(at, cb.ns_id, cb.path + n) for n, at in (read or {}).items() if n in listed]
+        with self._late_lock:
+            if reads and not self._late:
+                self._late_since = now
+            self._late += reads
+        self.watcher.gaps.stores += len(pages)
+        self.watcher.gaps.reads += len(reads)
+
+    def flush(self, *, idle: bool) -> None:
+        """Emit the reads held back, oldest read first: once the inotify thread has handled all
+        the kernel queued (`idle`), or once the first has waited LATE_FOR."""
+        now = self.watcher.clock()
+        with self._late_lock:
+            if not self._late or not (idle or now - self._late_since >= LATE_FOR):
+                return
+            late, self._late = self._late, []
+        for _, ns_id, name in sorted(late):
+            self.watcher.emit((Kind.READ, ns_id, name, now, LOCAL))
 
     def moved(self, parent: Any, name: str) -> None:
         """Dir `name` left the watched dir `parent`: what its watches (and those below it)

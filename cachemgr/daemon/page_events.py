@@ -18,7 +18,8 @@ from functools import partial
 from cachemgr.backends import FileFormat
 from cachemgr.daemon.backlog import StoreBacklog
 from cachemgr.daemon.events import Event, Kind
-from cachemgr.gc.chains import ChainModel
+from cachemgr.fs._dirscan import birth_time
+from cachemgr.gc.chains import ChainModel, Written
 from cachemgr.layout import Layout
 from cachemgr.ns.manifest import format_of
 from cachemgr.state import pages_sql
@@ -34,10 +35,14 @@ class PageEvents:
     """
 
     def __init__(
-        self, layout: Layout, store: Store, model: ChainModel | None = None,
+        self,
+        layout: Layout,
+        store: Store,
+        model: ChainModel | None = None,
         backlog: StoreBacklog | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.store, self.layout = store, layout
+        self._ns_root = str(layout.ns_root)  # (a Path built per event was a tenth of a batch)
         self.model = model if model is not None else ChainModel(partial(format_of, layout))
         self._fmt: dict[str, FileFormat] = {}  # of each namespace seen: an id names one engine
         self.backlog = backlog if backlog is not None else StoreBacklog()
@@ -58,6 +63,7 @@ class PageEvents:
         b = self._unsaved
         if b is None or events[: len(b.events)] != b.events:
             b = _Batch()
+        b.stats.clear()  # a batch applied again is settled by fresh stats
         self._observe(b, events[len(b.events) :], now)
         self._unsaved = b
         upserts, deletes, stored, largest = self._settle(b, now)
@@ -79,7 +85,7 @@ class PageEvents:
         seq = self._next
         assert seq is not None
         for ev in events:
-            kind, ns, name, _ = ev
+            kind, ns, name, _, origin = ev
             b.events.append(ev)
             tally = b.per_ns.setdefault(ns, [0, 0])
             key = (ns, name)
@@ -88,20 +94,29 @@ class PageEvents:
             if kind is Kind.GONE:
                 b.touched[key] = b.touched.get(key, False)
                 b.key_lens[key] = key_len
+                b.stats.pop(key, None)  # the stat taken at its store says nothing now
                 continue
             if kind is Kind.READ:
                 b.reads[key] += 1
                 tally[0] += 1
-                changed, pred = self.model.observe_read(ns, name, key_len, seq=seq, at=now)
+                changed, pred = self.model.observe_read(
+                    ns, name, key_len, seq=seq, at=now, origin=origin
+                )
                 if changed:  # stored in every file's row: each is the page's on a restart
                     b.relinks.update(((ns, n), pred) for n in self.model.names(ns, name[:key_len]))
             else:
                 b.touched[key] = True
                 b.key_lens[key] = key_len
                 tally[1] += 1
-                written = self._written(ns, name) if fmt.write_order else now
                 pred = self.model.observe_write(
-                    ns, name, key_len, seq=seq, at=now, guess=fmt.write_order, seen=written
+                    ns,
+                    name,
+                    key_len,
+                    seq=seq,
+                    at=now,
+                    guess=fmt.write_order,
+                    written=self._written(b, key) if fmt.write_order else None,
+                    origin=origin,
                 )
                 if pred is not None:
                     b.preds[key] = pred
@@ -109,16 +124,26 @@ class PageEvents:
             seq += 1
         self._next = seq
 
-    def _written(self, ns: str, name: str) -> float:
-        """When a page file was written: its mtime, the writer's clock. It tells one request's
-        burst of stores from the next request's (cachemgr.gc.chains.BURST_GAP) however late
-        the daemon sees them: a backlog the watcher reads at once is seen all at one time.
-        A file gone already: -inf (no store after it continues it)."""
-        path = os.path.join(self.layout.ns_root, ns, name)
+    def _written(self, b: _Batch, key: tuple[str, str]) -> Written:
+        """When a page file was written, by the writer's clock: its mtime (when its last write
+        began), birth time (when its temp file was made: None if the filesystem keeps none)
+        and ctime (when it was renamed into place). They tell one request's burst of stores
+        from the next request's (cachemgr.gc.chains.BURST_GAP) however late the daemon sees
+        them: a backlog the watcher reads at once is seen all at one time. A file gone
+        already: -inf (no store after it continues it). The stat settles the store too
+        (`_settle`), unless a later event of the batch deletes the file."""
+        st = self._stat(key)
+        b.stats[key] = st
+        if st is None:
+            return Written(-math.inf)
+        return Written(st.st_mtime, birth_time(os.path.join(self._ns_root, *key)), st.st_ctime)
+
+    def _stat(self, key: tuple[str, str]) -> os.stat_result | None:
+        """The page file's lstat; None if it is gone (or its dir is)."""
         try:
-            return os.stat(path, follow_symlinks=False).st_mtime
-        except OSError:
-            return -math.inf
+            return os.stat(os.path.join(self._ns_root, *key), follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
 
     def _settle(
         self, b: _Batch, now: float
@@ -131,9 +156,8 @@ class PageEvents:
         deletes: list[tuple[str, str]] = []
         for (ns, name), stored in b.touched.items():
             key_len = b.key_lens[(ns, name)]
-            try:
-                st = os.stat(os.path.join(self.layout.ns_root, ns, name), follow_symlinks=False)
-            except (FileNotFoundError, NotADirectoryError):
+            st = b.stats[ns, name] if (ns, name) in b.stats else self._stat((ns, name))
+            if st is None:
                 deletes.append((ns, name))
                 self.model.remove(ns, [(name, key_len)])
                 continue
@@ -162,3 +186,6 @@ class _Batch:
     # (ns, name) -> its page's predecessor relearned from reads (None: the link dropped)
     relinks: dict[tuple[str, str], str | None] = field(default_factory=dict)
     per_ns: dict[str, list[int]] = field(default_factory=dict)  # ns -> [reads, writes]
+    # (ns, name) -> its lstat at its last store in this batch (None: gone), for `_settle`:
+    # one stat per store, not two
+    stats: dict[tuple[str, str], os.stat_result | None] = field(default_factory=dict)

@@ -38,22 +38,24 @@ def problem(
 
 
 # Errors that make a request ambiguous rather than mistyped: a 400 naming the parameter. A
-# misspelt key (`{"namepsace": …}`) or a key given twice must never read as a default.
-AMBIGUOUS = frozenset({"extra_forbidden", "repeated", "duplicate_key"})
+# misspelt key (`{"namepsace": …}`), a key given twice, or a query contradicting the body
+# must never read as a default.
+AMBIGUOUS = frozenset({"extra_forbidden", "repeated", "duplicate_key", "contradiction"})
 
 
 def invalid_request(
     errors: list[dict[str, Any]], instance: str, headers: dict[str, str] | None = None
 ) -> JSONResponse:
-    """The 422 for a request that does not match the API (a 400 if a parameter is unknown or
-    given twice); `errors` as pydantic reports them."""
+    """The 422 for a request that does not match the API (a 400 if a parameter is unknown,
+    given twice, or given in the query and the body with different values); `errors` as
+    pydantic reports them."""
     found = [
         {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
         for e in errors
     ]
     ambiguous = [e for e in found if e["type"] in AMBIGUOUS]
     if ambiguous:
-        named = ", ".join(".".join(str(p) for p in e["loc"]) + f": {e['msg']}" for e in ambiguous)
+        named = ", ".join(_named(e) for e in ambiguous)
         return problem(400, "bad request", named, instance, headers, errors=found)
     detail = "the request does not match the API"
     return problem(422, "invalid request", detail, instance, headers, errors=found)
@@ -63,19 +65,28 @@ def invalid_request(
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": Problem, "content": {PROBLEM: {}}, "description": desc}
     for code, desc in {
-        400: "bad request: a parameter unknown or given twice, or a purge that chooses nothing",
+        400: "bad request: a parameter unknown or given twice, the query contradicting the "
+        "body, or a purge that chooses nothing",
         401: "missing or wrong bearer token",
         404: "not found",
         409: "conflict",
         413: "request body larger than the limit",
         422: "invalid request",
         500: "internal error",
-        503: "the cache root cannot be written now (read-only, permissions)",
+        503: "the cache root cannot be written, or the state dir used, now (read-only, "
+        "permissions, a foreign lock)",
     }.items()
 }
 
 
 TITLES = {400: "bad request", 401: "unauthorized", 404: "not found", 405: "method not allowed"}
+
+
+def _named(error: dict[str, Any]) -> str:
+    """One ambiguity in a 400's detail: where, and what (a contradiction names both places)."""
+    if error["type"] == "contradiction":
+        return str(error["msg"])
+    return ".".join(str(p) for p in error["loc"]) + f": {error['msg']}"
 
 
 def install_error_handlers(app: FastAPI) -> None:

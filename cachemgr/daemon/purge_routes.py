@@ -30,6 +30,7 @@ from cachemgr.daemon.backend import Backend
 from cachemgr.errors import BadRequestError, CachemgrError
 from cachemgr.fs.locks import root_lock
 from cachemgr.layout import Layout
+from cachemgr.ns import bindings
 from cachemgr.ns import purge as purge_mod
 from cachemgr.state.store import Store
 
@@ -156,6 +157,8 @@ def _purge_now(layout: Layout, store: Store, req: PurgeRequest) -> Targets:
 
 def _plan(layout: Layout, store: Store, req: PurgeRequest) -> purge_mod.PurgePlan:
     """One plan for the union of the request's selectors (all=true: everything)."""
+    if layout.node is not None:  # which namespaces the other nodes' servers use, as of now
+        bindings.catch_up(layout, store)
     if req.all:
         return purge_mod.plan_purge(layout, store, all=True)
     refusal = req.selector_problem()

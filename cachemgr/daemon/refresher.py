@@ -14,7 +14,7 @@ import sqlite3
 import threading
 from collections.abc import Callable
 
-from cachemgr.errors import CachemgrError
+from cachemgr.errors import CachemgrError, StateUnavailable
 from cachemgr.ns.quarantine import is_denied
 from cachemgr.worker import DeathHandler, Worker
 
@@ -53,8 +53,8 @@ class Refresher(Worker):
             try:
                 self.refresh()
                 self._denied = False
-            except OSError as e:
-                if not is_denied(e):
+            except (OSError, StateUnavailable) as e:  # (the reader's word for a denied one)
+                if isinstance(e, OSError) and not is_denied(e):
                     log.exception("metrics refresh failed")
                 elif not self._denied:  # an unreadable root: the index says so too, once
                     log.warning(

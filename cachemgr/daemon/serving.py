@@ -24,6 +24,7 @@ from cachemgr.daemon.connections import (
 from cachemgr.errors import ConfigError, PortInUseError
 from cachemgr.layout import Layout
 from cachemgr.settings import Settings
+from cachemgr.state.dbfile import denied_as_unavailable
 from cachemgr.state.store import Store
 
 # Also the most connections asyncio accepts per wake-up (cachemgr.daemon.connections): a short
@@ -105,11 +106,12 @@ class Reader:
 
     def __init__(self, layout: Layout) -> None:
         self._store = Store.open(layout.db_path)
+        self._state_dir = layout.state_dir
         self._lock = threading.Lock()
 
     @contextmanager
     def __call__(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
+        with self._lock, denied_as_unavailable(self._state_dir):
             self._store.follow_path()
             with self._store.guard():
                 yield self._store.conn

@@ -23,8 +23,11 @@ the index rescans instead of drifting silently.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
+import struct
+import termios
 import threading
 import time
 from collections import deque
@@ -42,8 +45,9 @@ from watchdog.observers.inotify_c import (
 )
 
 from cachemgr.backends import FileFormat
-from cachemgr.daemon.events import Event, Kind
+from cachemgr.daemon.events import LOCAL, Event, Kind, WatchGaps
 from cachemgr.daemon.nestwatch import NestWatches
+from cachemgr.fs.usage import atime_off
 from cachemgr.layout import NS_ID_RE, Layout
 from cachemgr.ns.manifest import format_of
 
@@ -54,6 +58,7 @@ _ROOT_MASK = Mask(C.IN_CREATE | C.IN_MOVED_TO | C.IN_MOVED_FROM | C.IN_DELETE)
 _TREE_MASK = Mask(C.IN_CREATE | C.IN_MOVED_TO | C.IN_MOVED_FROM)  # a dir above the files
 _FLAGS = Mask(C.IN_ONLYDIR | C.IN_DONT_FOLLOW)
 ACCESSES = 1 << 16  # page reads and stores remembered for GC (a run's worth at full speed)
+SHIPPED_DIR_EVENTS = (Kind.NS_GONE, Kind.NS_ADDED)  # besides accesses, for `on_access`
 
 
 # How long a page a new dir's listing found hides the rename event the kernel may still hold
@@ -90,7 +95,7 @@ class _DirWatch:
             elif not self.leaf and mask & C.IN_MOVED_FROM:
                 self.watcher.nest.moved(self, name)
                 # its files left without an event each (an mv, not an rm -r): scan again
-                self.watcher.emit((Kind.NS_ADDED, self.ns_id, "", self.watcher.clock()))
+                self.watcher.emit((Kind.NS_ADDED, self.ns_id, "", self.watcher.clock(), LOCAL))
             return
         if not self.leaf:
             return
@@ -105,7 +110,7 @@ class _DirWatch:
                 return  # the listing of this new dir counted it already
         else:
             kind = Kind.GONE
-        self.watcher.emit((kind, self.ns_id, self.path + name, now))
+        self.watcher.emit((kind, self.ns_id, self.path + name, now, LOCAL))
 
     def on_watch_deleted(self, wd: WatchDescriptor) -> None:
         self.dead = True
@@ -136,7 +141,7 @@ class _RootWatch:
             # before the index thread gets to it would otherwise be found by the scan but
             # never counted as writes.
             self.watcher.watch(name)
-            self.watcher.emit((Kind.NS_ADDED, name, "", self.watcher.clock()))
+            self.watcher.emit((Kind.NS_ADDED, name, "", self.watcher.clock(), LOCAL))
         else:
             self.watcher.mark_gone(name)
 
@@ -148,7 +153,30 @@ class _RootWatch:
 
     def on_queue_overflow(self) -> None:
         self.watcher.overflowed()
-        self.watcher.emit((Kind.OVERFLOW, "", "", self.watcher.clock()))
+        self.watcher.emit((Kind.OVERFLOW, "", "", self.watcher.clock(), LOCAL))
+
+
+class _Reader(InotifyFD):
+    """watchdog's reader loop, and after each buffer of events it handled, `caught_up` told
+    whether the kernel holds more (FIONREAD): reads a new dir's listing found wait for that."""
+
+    def __init__(self, caught_up: Callable[[bool], None]) -> None:
+        super().__init__()
+        self.caught_up = caught_up
+
+    def run(self) -> None:
+        while self.should_keep_running():
+            for event in self.read_events():
+                self.handle_event(event)
+            self.caught_up(_queued(self._inotify_fd) == 0)
+
+
+def _queued(fd: int) -> int:
+    """Bytes of events the kernel holds for inotify `fd` (0 once it is closed)."""
+    try:
+        return int(struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0])
+    except OSError:
+        return 0
 
 
 @dataclass(eq=False)
@@ -157,16 +185,25 @@ class Watcher:
 
     layout: Layout
     queue: deque[Event] = field(default_factory=deque)
+    # Events the index took from the queue and has not committed yet (its thread replaces
+    # the list, never empties it): what GC must see beside the queue (backlog.Flight).
+    applying: list[Event] = field(default_factory=list, init=False)
     clock: Callable[[], float] = time.monotonic
     # which format a namespace's dir follows; read again when its manifest is written
     formats: Callable[[Layout, str], FileFormat] = format_of
-    on_store: Callable[[], None] = lambda: None  # on the inotify thread, for each page store
-    # The latest page reads and stores as (namespace, name), and how many there were: what
-    # GC asks before each chunk it deletes (cachemgr.daemon.backlog.Flight).
-    accesses: deque[tuple[str, str]] = field(
+    # (namespace, name) of each page store, on the inotify thread
+    on_store: Callable[[str, str], None] = lambda ns, name: None
+    # Each page read or store, and each namespace dir gone or made, on the thread that saw it
+    # (fleet mode ships them to the leader, whose inotify sees only its own mount's).
+    on_access: Callable[[Event], None] | None = None
+    # The latest page reads and stores as (namespace, name, origin), and how many there were:
+    # what GC asks before each chunk it deletes (cachemgr.daemon.backlog.Flight).
+    accesses: deque[tuple[str, str, str]] = field(
         default_factory=lambda: deque(maxlen=ACCESSES), init=False
     )
     accessed: int = field(default=0, init=False)
+    # what new nested dirs held before their watches (the index's state shares it: metrics)
+    gaps: WatchGaps = field(default_factory=WatchGaps)
     running: bool = field(default=False, init=False)
     _fd: InotifyFD | None = field(default=None, init=False)
     _watches: dict[str, _DirWatch] = field(default_factory=dict, init=False)
@@ -181,21 +218,30 @@ class Watcher:
     def emit(self, event: Event) -> None:
         kind = event[0]
         if kind is Kind.WRITE:
-            self.on_store()
+            self.on_store(event[1], event[2])
         if kind is Kind.WRITE or kind is Kind.READ:
-            self.accesses.append((event[1], event[2]))
+            self.accesses.append((event[1], event[2], event[4]))
             self.accessed += 1
+            if self.on_access is not None:
+                self.on_access(event)
+        elif kind in SHIPPED_DIR_EVENTS and self.on_access is not None:
+            self.on_access(event)  # a purge through this node's mount: the leader's index too
         self.queue.append(event)
 
     def start(self) -> None:
         """Start reading inotify and watch <root>/ns (before any scan, so nothing is missed)."""
-        self._fd = InotifyFD()
+        self._fd = _Reader(lambda idle: self.nest.flush(idle=idle))
         self._fd.daemon = True
         self._fd.start()
         root = _RootWatch(self)
         path = os.fsencode(self.layout.ns_root)
         self._fd.add_callback(path, Mask(_ROOT_MASK | _FLAGS), root, CallbackId(id(root)))
         self.running = True
+        if atime_off(self.layout.ns_root):  # (cachemgr.daemon.nestwatch)
+            log.warning(
+                "root mounted noatime: reads in a new nested dir before its watch are lost",
+                extra={"root": str(self.layout.root), "metric": "cachemgr_watch_gap_stores_total"},
+            )
 
     def stop(self) -> None:
         self.running = False
@@ -252,8 +298,9 @@ class Watcher:
         assert self._fd is not None, "start() first"
         mask = _NS_MASK if cb.leaf else _TREE_MASK
         try:
-            cb.wd = self._fd.add_callback(os.fsencode(path), Mask(mask | _FLAGS), cb,
-                                          CallbackId(id(cb)))  # fmt: skip
+            cb.wd = self._fd.add_callback(
+                os.fsencode(path), Mask(mask | _FLAGS), cb, CallbackId(id(cb))
+            )
         except OSError as e:
             if e.errno == 28:  # ENOSPC from inotify_add_watch: fs.inotify.max_user_watches
                 log.error("inotify watch limit reached", extra={"sysctl": "max_user_watches"})
@@ -277,7 +324,7 @@ class Watcher:
                 # Later events of that watch describe the dir in .trash/, not the namespace.
                 cb.dead = True
         self.nest.kill(ns_id)
-        self.emit((Kind.NS_GONE, ns_id, "", self.clock()))
+        self.emit((Kind.NS_GONE, ns_id, "", self.clock(), LOCAL))
 
     def _remove(self, cb: _DirWatch) -> None:
         if self._fd is not None and cb.wd >= 0:

@@ -7,24 +7,28 @@ import shutil
 from typing import Literal
 
 from cachemgr.doctor.finding import Finding
+from cachemgr.errors import CachemgrError
 from cachemgr.fs import reserve
-from cachemgr.fs.usage import DiskUsage, DiskUsageFn
+from cachemgr.fs.usage import DiskUsage, DiskUsageFn, atime_off
 from cachemgr.gc.find import own_temps
 from cachemgr.gc.policy import GcPolicy
 from cachemgr.layout import Layout
 from cachemgr.ns.bindings import read_bindings
+from cachemgr.ns.manifest import format_of
 from cachemgr.ns.purge import describe_trash
-from cachemgr.ns.registry import list_namespaces
+from cachemgr.ns.registry import list_namespaces, on_disk
 from cachemgr.state.store import Store
 from cachemgr.units import human_bytes
 
 
-def lint_root(layout: Layout, store: Store) -> list[Finding]:
+def lint_root(layout: Layout, store: Store | None) -> list[Finding]:
     """Damage under the root: namespaces in a bad state, trash an earlier run left, binding
-    files that cannot be read."""
+    files that cannot be read. Without a store (the state DB cannot be read) the namespaces'
+    states are not checked, the rest is."""
     found = []
     hands_off = "inspect it by hand; cachemgr will not touch it"
-    for ns in list_namespaces(layout, store):
+    # Their states only: doctor reports no counts, and a scan lists millions of names.
+    for ns in list_namespaces(layout, store, counted=False) if store is not None else []:
         if ns.state in ("unsafe", "bad-manifest"):
             found.append(
                 Finding("error", f"ns-{ns.state}", f"ns {ns.ns_id}: {ns.problem}", hands_off)
@@ -53,7 +57,29 @@ def lint_root(layout: Layout, store: Store) -> list[Finding]:
     for problem in read_bindings(layout)[1]:  # those the DB knows were rewritten on open
         fix = "run init for that instance again (it rewrites the file), or move it away"
         found.append(Finding("warning", "binding-unreadable", problem, fix))
-    return found + _unusable(layout) + _own_temps(layout) + _corrupt_db_copies(layout)
+    found += _unusable(layout) + _own_temps(layout) + _corrupt_db_copies(layout)
+    return found + _no_atime(layout)
+
+
+def _no_atime(layout: Layout) -> list[Finding]:
+    """A root mounted noatime holding a nested namespace (vLLM's hashed dirs): a block read in
+    a dir the daemon does not watch yet leaves no trace (cachemgr.daemon.nestwatch)."""
+    try:
+        if not atime_off(layout.ns_root):  # (the pages' mount, as the watcher checks it)
+            return []
+        names = on_disk(layout)[0]
+    except (OSError, CachemgrError):
+        return []  # an unlistable root is said by _unusable
+    nested = sorted(ns for ns in names if format_of(layout, ns).nesting is not None)
+    if not nested:
+        return []
+    what = (
+        f"{layout.root} is mounted noatime: reads of blocks in a hashed dir made before the "
+        "daemon watched it are never counted (cachemgr_watch_gap_stores_total bounds them), so "
+        f"GC may evict a block just read as an old one (ns {', '.join(nested)})"
+    )
+    fix = "mount the root's filesystem relatime (the default) or strictatime"
+    return [Finding("warning", "root-noatime", what, fix)]
 
 
 def _unusable(layout: Layout) -> list[Finding]:
@@ -76,11 +102,29 @@ def _unusable(layout: Layout) -> list[Finding]:
     found = []
     for name in names:
         path = layout.ns_root / name
-        if not os.access(path, os.R_OK | os.X_OK):
-            what = f"ns {name}: {path} cannot be read by {who}; the index and GC skip it"
+        # Each reason said (as the daemon holds each): one may be fixed and not the other.
+        why = [
+            said
+            for mode, said in (
+                (os.R_OK | os.X_OK, "cannot be read (the index skips it)"),
+                (os.W_OK | os.X_OK, "cannot be written (GC cannot delete its pages)"),
+            )
+            if not os.access(path, mode)
+        ]
+        if why:
+            what = f"ns {name}: {path} {' and '.join(why)} by {who}"
             found.append(Finding("error", "ns-unusable", what, fix))
-        elif not os.access(path, os.W_OK | os.X_OK):
-            what = f"ns {name}: {path} cannot be written by {who}; GC cannot delete its pages"
+    return found + _unreadable_manifests(layout, who)
+
+
+def _unreadable_manifests(layout: Layout, who: str) -> list[Finding]:
+    """Manifests this user may not read: their namespaces are left alone, as a bad manifest's."""
+    fix = "give the file to the daemon's user or group (chown/chmod g+r), or fix its mode"
+    found = []
+    for ns_id in sorted(on_disk(layout)[1]):
+        path = layout.manifest(ns_id)
+        if not os.access(path, os.R_OK, follow_symlinks=False):
+            what = f"ns {ns_id}: {path} cannot be read by {who}; the namespace is left alone"
             found.append(Finding("error", "ns-unusable", what, fix))
     return found
 

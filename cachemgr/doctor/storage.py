@@ -3,29 +3,18 @@ one nobody recorded. The failure cachemgr exists for is a server hitting the las
 
 from __future__ import annotations
 
-import os
 import shlex
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from cachemgr.doctor.finding import Finding
 from cachemgr.errors import CachemgrError
 from cachemgr.fs.dirscan import scan_usage
-from cachemgr.identity.engines import AnyIdentity, parse_identity
-from cachemgr.identity.record import Identity, diff_identities
+from cachemgr.identity.engines import parse_identity
+from cachemgr.identity.record import Digested, diff_identities
 from cachemgr.layout import NS_ID_RE, Layout
 from cachemgr.ns.manifest import Manifest, read_manifest
-from cachemgr.ns.prelaunch import STORAGE_DIR_ENV, with_version_of
-from cachemgr.sglang.args import LaunchArgs
-
-SGLANG_DEFAULT_DIR = "/tmp/hicache"  # HiCacheFile's file_path default (hicache_storage.py)
-
-
-def storage_dir(args: LaunchArgs, env: Mapping[str, str]) -> Path:
-    """The dir HiCacheFile will use: the env var first, then extra-config file_storage_path,
-    then its default."""
-    storage = env.get(STORAGE_DIR_ENV) or args.extra_config.get("file_storage_path")
-    return Path(os.path.abspath(str(storage or SGLANG_DEFAULT_DIR)))
+from cachemgr.ns.prelaunch import with_version_of
 
 
 def managed_ns(path: Path, layout: Layout) -> str | None:
@@ -35,7 +24,7 @@ def managed_ns(path: Path, layout: Layout) -> str | None:
     return None
 
 
-def exec_namespace(layout: Layout, identity: Callable[[], AnyIdentity | None]) -> str | None:
+def exec_namespace(layout: Layout, identity: Callable[[], Digested | None]) -> str | None:
     """The namespace `cachemgr exec` gives a launch: its identity's, once init or exec made it
     under this root; None before that, or when the identity cannot be computed here."""
     if not layout.ns_root.is_dir():
@@ -62,12 +51,13 @@ def under_exec(layout: Layout, ns_id: str, given: Path, exec_cmd: str) -> Findin
 def lint_storage_identity(
     path: Path,
     layout: Layout,
-    identity: Callable[[], Identity | None],
+    identity: Callable[[], Digested | None],
     command: Sequence[str],
+    point_env: str,
 ) -> list[Finding]:
     """A manifest of another identity, or pages with no manifest, in the launch's storage dir.
-    `identity` is called only when there is a manifest to compare with (it may hash weights)."""
-    pages = _pages(path)
+    `identity` is called only when there is a manifest to compare with (it may hash weights);
+    `point_env` is the variable that would point the server at its namespace instead."""
     ns_id = managed_ns(path, layout)
     try:
         manifest = read_manifest(layout, ns_id) if ns_id else None
@@ -75,6 +65,7 @@ def lint_storage_identity(
         return []  # a damaged manifest: lint_root reports it with the namespace
     exec_cmd = f"cachemgr --root {layout.root} exec -- {shlex.join(command)}"
     if manifest is None:
+        pages = _pages(path)
         if not pages:
             return []
         purge = (
@@ -99,18 +90,30 @@ def lint_storage_identity(
     if not changes:
         return []
     return [
-        Finding(
-            "error",
-            "storage-identity-mismatch",
-            f"storage dir {path} belongs to another identity ({'; '.join(changes)}) and holds "
-            f"{pages:,} pages: the server would serve them as hits and mix its own in",
-            f"start the server with `{exec_cmd}` (its own namespace), or point "
-            f"{STORAGE_DIR_ENV} at this identity's namespace",
+        identity_mismatch(
+            f"storage dir {path}",
+            changes,
+            # counted only now: a namespace of millions of pages takes seconds to list
+            f" and holds {_pages(path):,} pages: the server would serve them as hits and mix "
+            "its own in",
+            f"start the server with `{exec_cmd}` (its own namespace), or point {point_env} at "
+            "this identity's namespace",
         )
     ]
 
 
-def changes_since(manifest: Manifest, mine: AnyIdentity) -> list[str]:
+def identity_mismatch(where: str, changes: Sequence[str], effect: str, fix: str) -> Finding:
+    """The finding for a dir that holds another identity's cache: `where` names the dir,
+    `changes` say how the identities differ, `effect` what the server would do with it."""
+    return Finding(
+        "error",
+        "storage-identity-mismatch",
+        f"{where} belongs to another identity ({'; '.join(changes)}){effect}",
+        fix,
+    )
+
+
+def changes_since(manifest: Manifest, mine: Digested) -> list[str]:
     """How `mine` differs from the identity `manifest` records, [] when it is the same (its
     engine version adopted as init would adopt it)."""
     theirs = parse_identity(manifest.identity)  # None: another schema, compare digests only

@@ -931,10 +931,62 @@ static PyObject *py_mount_id(PyObject *Py_UNUSED(self), PyObject *args) {
     return PyLong_FromUnsignedLongLong(mount_of(fd));
 }
 
+PyDoc_STRVAR(birth_doc,
+"birth_time(path) -> float | None\n\n"
+"When the file at `path` (not followed if a link) was created, in seconds since the epoch\n"
+"(statx STATX_BTIME); None if it is gone or the filesystem does not keep it. A file written\n"
+"to a temp name and renamed keeps its inode's: the time its writer began writing it.");
+
+static PyObject *py_birth_time(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *path;
+    if (!PyArg_ParseTuple(args, "O&", PyUnicode_FSConverter, &path))
+        return NULL;
+    struct statx stx;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = statx(AT_FDCWD, PyBytes_AS_STRING(path), AT_SYMLINK_NOFOLLOW, STATX_BTIME, &stx);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(path);
+    if (rc != 0 || !(stx.stx_mask & STATX_BTIME))
+        Py_RETURN_NONE;
+    return PyFloat_FromDouble((double)stx.stx_btime.tv_sec + stx.stx_btime.tv_nsec * 1e-9);
+}
+
+PyDoc_STRVAR(pinned_doc,
+"pinned(dir_fd, name) -> bool\n\n"
+"Whether chattr +i or +a is set on `name` in `dir_fd` (\"\" for the dir itself): no one\n"
+"unlinks it, or in it, root included. Read by statx, the file never opened (the daemon's\n"
+"watcher takes an open and close for a read of the page); False where the filesystem\n"
+"cannot say. OSError if it is gone.");
+
+static PyObject *py_pinned(PyObject *Py_UNUSED(self), PyObject *args) {
+    int fd;
+    PyObject *name;
+    if (!PyArg_ParseTuple(args, "iO&", &fd, PyUnicode_FSConverter, &name))
+        return NULL;
+    const char *path = PyBytes_AS_STRING(name);
+    int flags = AT_SYMLINK_NOFOLLOW | AT_STATX_DONT_SYNC | (*path ? 0 : AT_EMPTY_PATH);
+    struct statx stx;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = statx(fd, path, flags, STATX_TYPE, &stx);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) {
+        PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, name);
+        Py_DECREF(name);
+        return NULL;
+    }
+    Py_DECREF(name);
+    const uint64_t pinning = STATX_ATTR_IMMUTABLE | STATX_ATTR_APPEND;
+    return PyBool_FromLong((stx.stx_attributes & stx.stx_attributes_mask & pinning) != 0);
+}
+
 static PyMethodDef methods[] = {
+    {"birth_time", py_birth_time, METH_VARARGS, birth_doc},
     {"scan", scan, METH_VARARGS, scan_doc},
     {"mount_id", py_mount_id, METH_VARARGS, mount_doc},
     {"page_digest", py_page_digest, METH_VARARGS, digest_doc},
+    {"pinned", py_pinned, METH_VARARGS, pinned_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -147,6 +147,14 @@ PyDoc_STRVAR(unlink_batch_doc,
     "parent's entry. The work runs on `threads` threads at niceness `nice`. Names must be\n"
     "UTF-8 (the caller's shape check admits ASCII only).");
 
+/* Whether both entry points may run `threads` threads; else a ValueError is set. */
+static int threads_ok(int threads) {
+    if (threads >= 1 && threads <= MAX_THREADS)
+        return 1;
+    PyErr_SetString(PyExc_ValueError, "threads must be 1..16");
+    return 0;
+}
+
 static PyObject *unlink_batch(PyObject *Py_UNUSED(self), PyObject *args) {
     Batch b;
     PyObject *seq_arg;
@@ -157,10 +165,8 @@ static PyObject *unlink_batch(PyObject *Py_UNUSED(self), PyObject *args) {
                           &seq_arg, &b.min_age, &b.now, &threads, &b.nice, &b.dry_run))
         return NULL;
     b.dev = (dev_t)dev, b.ino = (ino_t)ino;
-    if (threads < 1 || threads > MAX_THREADS) {
-        PyErr_SetString(PyExc_ValueError, "threads must be 1..16");
+    if (!threads_ok(threads))
         return NULL;
-    }
     PyObject *seq = PySequence_Fast(seq_arg, "names must be a sequence");
     if (seq == NULL)
         return NULL;
@@ -285,10 +291,14 @@ static int chain_open(Chain *c, const Tree *t, const char *path) {
             int fd = openat(parent, comp, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
             if (fd < 0)
                 return errno;
+            /* A dir removed since it was opened (another drain of the same trash entry took
+             * it: on a FUSE mount its fd then answers ENOENT) is gone, not on another mount. */
             struct stat st;
-            if (mnt_of(fd) != t->mnt || fstat(fd, &st) != 0) {
+            int gone = fstat(fd, &st) != 0;
+            if (gone || mnt_of(fd) != t->mnt) {
+                int e = gone || fstat(fd, &st) != 0 ? errno : 0;
                 close(fd);
-                return DIR_MOUNT;
+                return e == ENOENT || e == ESTALE ? ENOENT : DIR_MOUNT;
             }
             c->fd[k] = fd, c->name[k] = p, c->len[k] = len;
             c->dev[k] = st.st_dev, c->ino[k] = st.st_ino;
@@ -302,8 +312,11 @@ static int chain_open(Chain *c, const Tree *t, const char *path) {
         return ENOENT;
     /* unlinks in it allowed (write and search for our effective ids, not immutable, not a
      * read-only mount): asked in a dry run too, so that it counts no file the real run is
-     * refused; any "no" reads as EACCES (what a refused unlink reports) */
-    return faccessat(c->fd[k - 1], ".", W_OK | X_OK, AT_EACCESS) == 0 ? DIR_OK : EACCES;
+     * refused; any other "no" reads as EACCES (what a refused unlink reports), but a dir
+     * removed meanwhile, as above: its files went with it, not a refusal. */
+    if (faccessat(c->fd[k - 1], ".", W_OK | X_OK, AT_EACCESS) == 0)
+        return DIR_OK;
+    return errno == ENOENT || errno == ESTALE ? ENOENT : EACCES;
 }
 
 /* Whether the top is still in its parent and every component of `c` in its own. */
@@ -424,10 +437,8 @@ static PyObject *unlink_tree(PyObject *Py_UNUSED(self), PyObject *args) {
                           &t.dry_run))
         return NULL;
     t.dev = (dev_t)dev, t.ino = (ino_t)ino;
-    if (threads < 1 || threads > MAX_THREADS) {
-        PyErr_SetString(PyExc_ValueError, "threads must be 1..16");
+    if (!threads_ok(threads))
         return NULL;
-    }
     PyObject *dirs = PySequence_Fast(dirs_arg, "dirs must be a sequence");
     PyObject *lists = dirs ? PySequence_Fast(names_arg, "names must be a sequence") : NULL;
     PyObject **per_dir = NULL; /* each dir's names, as a fast sequence */

@@ -117,41 +117,41 @@ class Where:
     leaf: str
     here: tuple[int, int]
 
+    def c_args(self) -> tuple[int, int, str, int, int]:
+        """As _unlink's calls take the dir: fd, parent fd, leaf, device, inode."""
+        return (self.fd, self.parent_fd, self.leaf, *self.here)
+
+
+@dataclass(frozen=True)
+class UnlinkRules:
+    """What a file must be to be unlinked, and how the unlinks of one part run."""
+
+    ours: Names  # the names a deletion may touch, and how to name them in a refusal
+    min_age: float = 0.0  # seconds since its last change, at `now` (0: no age rule)
+    now: float = 0.0
+    threads: int = 1
+    dry_run: bool = False
+
+    def c_args(self) -> tuple[float, float, int, int, bool]:
+        """As _unlink's calls take them, after the names: min age, now, threads, nice, dry run."""
+        return (self.min_age, self.now, self.threads, NICE, self.dry_run)
+
 
 def check_and_unlink(
-    where: Where,
-    names: list[str],
-    *,
-    min_age: float,
-    now: float,
-    threads: int,
-    dry_run: bool,
-    out: Checked,
-    ours: Names,
+    where: Where, names: list[str], rules: UnlinkRules, out: Checked
 ) -> tuple[list[tuple[str, int]], bool]:
     """Check each name and unlink those that pass (not in a dry run): (name, size) of those,
     and whether the dir left its parent's entry (the rest of the part is then not reached).
 
     The name's shape is checked here; in C, per file: a regular file (lstat, no link
-    followed), older than `min_age` (0: no age rule), the dir still in its place, then unlinkat
-    relative to the dir's descriptor. The rest are tallied in `out` (an unlink that fails for
-    another reason than a vanished file ends the part in `out.error`).
+    followed), older than `rules.min_age` (0: no age rule), the dir still in its place, then
+    unlinkat relative to the dir's descriptor. The rest are tallied in `out` (an unlink that
+    fails for another reason than a vanished file ends the part in `out.error`).
     """
-    accepts, what = ours
-    fits = [os.sep not in n and accepts(n) for n in names]
+    what = rules.ours[1]
+    fits = shaped_as(names, rules.ours)
     shaped = [n for n, fit in zip(names, fits, strict=True) if fit]
-    results, moved = unlink_batch(
-        where.fd,
-        where.parent_fd,
-        where.leaf,
-        *where.here,
-        shaped,
-        min_age,
-        now,
-        threads,
-        NICE,
-        dry_run,
-    )
+    results, moved = unlink_batch(*where.c_args(), shaped, *rules.c_args())
     verdicts = iter(results)  # in the order of `shaped` (a name given twice gets two)
     ok: list[tuple[str, int]] = []
     for name, fit in zip(names, fits, strict=True):
@@ -160,6 +160,13 @@ def check_and_unlink(
         else:
             out.refuse(name, f"not {what}", "not_ours")
     return ok, moved
+
+
+def shaped_as(names: list[str], ours: Names) -> list[bool]:
+    """Whether each name is one `ours` accepts: a name in the dir itself (a path would have
+    unlinkat walk its dirs, links and all), of the shape of the files a deletion may touch."""
+    accepts = ours[0]
+    return [os.sep not in n and accepts(n) for n in names]
 
 
 def tally(name: str, status: int, value: int, ok: list[tuple[str, int]], out: Checked) -> None:

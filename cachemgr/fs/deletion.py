@@ -23,12 +23,14 @@ from typing import Any
 
 from cachemgr.backends import FileFormat
 from cachemgr.errors import UnsafePathError
+from cachemgr.formats import DEFAULT_FORMAT
 from cachemgr.fs.deletecheck import (
     NO_PARENT,
     OWN_TEMPS,
     Checked,
     Names,
     Refusal,
+    UnlinkRules,
     Where,
     check_and_unlink,
     dir_id,
@@ -36,10 +38,9 @@ from cachemgr.fs.deletecheck import (
     still_at,
 )
 from cachemgr.fs.safe import open_dir
-from cachemgr.fs.tree import by_dirs, orphan_identities, tree_names
+from cachemgr.fs.tree import by_dirs, orphan_identities, tree_names, unowned_dirs
 from cachemgr.fs.treeunlink import Part, check_and_unlink_dirs
 from cachemgr.layout import NS_DIR, check_ns_id
-from cachemgr.sglang.hicache import HICACHE_FILE
 
 Progress = Callable[[int, int], None]  # (files so far, bytes so far)
 # A name that is no longer there, with the bytes its deletion freed (None: it had vanished).
@@ -98,6 +99,15 @@ class Pacer:
                 self.sleep(ahead)
 
 
+@dataclass(frozen=True)
+class Listeners:
+    """What hears of each file a deletion removes (none in a dry run, but `progress`)."""
+
+    pacer: Pacer | None = None  # ticked: sleeps when they come faster than its rate
+    progress: Progress | None = None  # running totals, every 1024 files and at the end
+    removed: Removed | None = None  # each name gone (so an index drops it); vanished: None
+
+
 def delete_files(
     root: Path,
     rel_dir: str,
@@ -105,11 +115,9 @@ def delete_files(
     *,
     dry_run: bool = False,
     min_age: float = 0.0,
-    pacer: Pacer | None = None,
-    progress: Progress | None = None,
     now: Callable[[], float] = time.time,
-    removed: Removed | None = None,
-    fmt: FileFormat = HICACHE_FILE,
+    fmt: FileFormat = DEFAULT_FORMAT,
+    listeners: Listeners = Listeners(),
 ) -> DeleteReport:
     """Delete the named page/temp files of <root>/<rel_dir> (paths below it for a nested
     format, whose dirs must fit its levels and a top dir an identity file vouches for);
@@ -122,6 +130,9 @@ def delete_files(
     dry run. An unlink the kernel refuses (not a vanished file) is raised once `removed` has
     heard everything gone before it.
     """
+    pacer = listeners.pacer
+    progress = listeners.progress
+    removed = listeners.removed
     paced = pacer is not None and bool(pacer.rate)
     # Unpaced, parts of PART names are unlinked on THREADS threads; paced, a part is one
     # pacer batch on one thread, so the pacer's sleeps fall between parts.
@@ -141,10 +152,8 @@ def delete_files(
             if not dry_run and not still_at(root, rel_dir, where.here):
                 stopped = True
                 break
-            ok, stopped = unlink(
-                where, part, min_age=min_age, now=now(), threads=1 if paced else THREADS,
-                dry_run=dry_run, out=checked, ours=ours,
-            )  # fmt: skip
+            rules = UnlinkRules(ours, min_age, now(), 1 if paced else THREADS, dry_run)
+            ok, stopped = unlink(where, part, rules, checked)
             for name, nbytes in ok:
                 if not dry_run:
                     if removed is not None:
@@ -157,6 +166,9 @@ def delete_files(
                     progress(files, size)
             if stopped or checked.error is not None:
                 break
+        # Moved or replaced, unless emptied: then another deletion of the same dir (a second
+        # drain of one trash entry, on this node or another) finished it and removed it.
+        stopped = stopped and not _emptied(fd)
     if removed is not None and not dry_run:
         for name in checked.vanished:
             removed(name, None)
@@ -169,6 +181,14 @@ def delete_files(
         moved = f"{rel_dir}: moved or replaced while its files were deleted; stopped"
         refused += (Refusal(moved, "unsafe"),)
     return DeleteReport(files, size, len(checked.vanished), checked.young, refused, dry_run)
+
+
+def _emptied(fd: int) -> bool:
+    """Whether the dir open as `fd` holds nothing any more (or was removed: then it did not)."""
+    try:
+        return not os.listdir(fd)
+    except FileNotFoundError:
+        return True
 
 
 def _parts(
@@ -212,7 +232,7 @@ def delete_dir(
     min_age: float = 0.0,
     pacer: Pacer | None = None,
     progress: Progress | None = None,
-    fmt: FileFormat = HICACHE_FILE,
+    fmt: FileFormat = DEFAULT_FORMAT,
     now: Callable[[], float] = time.time,
 ) -> DeleteReport:
     """Empty <root>/<rel_dir> of page/temp files and remove it if nothing else is left.
@@ -224,10 +244,29 @@ def delete_dir(
     """
     with open_dir(root, rel_dir) as fd:
         names, dirs = tree_names(fd, fmt)
-    report = delete_files(root, rel_dir, names, dry_run=dry_run, min_age=min_age, pacer=pacer,
-                          progress=progress, fmt=fmt)  # fmt: skip
+    report = delete_files(
+        root,
+        rel_dir,
+        names,
+        dry_run=dry_run,
+        min_age=min_age,
+        fmt=fmt,
+        listeners=Listeners(pacer, progress),
+    )
     if dry_run or report.refused or report.young:
         return report
+    try:
+        why = _remove_dirs(root, rel_dir, dirs, fmt, now)
+    except FileNotFoundError:  # another deletion of it removed it first: what this one
+        return report  # deleted is still its to report (and audit)
+    return report + DeleteReport(refused=(why,)) if why else report
+
+
+def _remove_dirs(
+    root: Path, rel_dir: str, dirs: list[str], fmt: FileFormat, now: Callable[[], float]
+) -> str | None:
+    """delete_dir's end, once its files are gone: its empty dirs, then (nested) each identity
+    file whose blocks are all gone and its folder, then the dir; why it stayed, if it did."""
     for sub in dirs:  # deepest first; one a writer or a person still uses stays
         remove_empty_dir(root, f"{rel_dir}/{sub}")
     if fmt.nesting is not None:
@@ -238,11 +277,14 @@ def delete_dir(
         for folder in folders:
             with open_dir(root, f"{rel_dir}/{folder}") as fd:
                 where = Where(fd, NO_PARENT, "", dir_id(fd))
-                check_and_unlink(where, [ident], min_age=0, now=now(), threads=1,
-                                 dry_run=False, out=Checked(), ours=ours)  # fmt: skip
+                check_and_unlink(where, [ident], UnlinkRules(ours, now=now()), Checked())
             remove_empty_dir(root, f"{rel_dir}/{folder}")
-    why = remove_empty_dir(root, rel_dir)
-    return report + DeleteReport(refused=(why,)) if why else report
+        # A folder whose identity file another deletion of this dir took meanwhile (it was
+        # not listed as vouched for above) is empty: an rmdir, which loses nothing.
+        with open_dir(root, rel_dir) as fd:
+            for folder in unowned_dirs(fd, fmt.nesting):
+                remove_empty_dir(root, f"{rel_dir}/{folder}")
+    return remove_empty_dir(root, rel_dir)
 
 
 def remove_empty_dir(root: Path, rel_dir: str) -> str | None:
@@ -289,10 +331,8 @@ def delete_own_temps(
     only older than `older_than` seconds (a younger one may be a write in progress)."""
     checked = Checked()
     with open_dir(root, rel_dir) as fd:
-        ok, _ = check_and_unlink(
-            Where(fd, NO_PARENT, "", dir_id(fd)), list(names), min_age=older_than, now=now(),
-            threads=1, dry_run=dry_run, out=checked, ours=OWN_TEMPS,
-        )  # fmt: skip
+        rules = UnlinkRules(OWN_TEMPS, min_age=older_than, now=now(), dry_run=dry_run)
+        ok, _ = check_and_unlink(Where(fd, NO_PARENT, "", dir_id(fd)), list(names), rules, checked)
     if checked.error is not None:
         raise checked.error
     refused = tuple(why.at(f"{rel_dir}/{name}: {why}") for name, why in checked.refused)

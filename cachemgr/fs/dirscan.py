@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from cachemgr.backends import FileFormat, FileKind
+from cachemgr.formats import DEFAULT_FORMAT
 from cachemgr.fs import _dirscan
 from cachemgr.fs.safe import open_dir
 from cachemgr.fs.tree import dir_filter, leaves
 from cachemgr.layout import Layout
-from cachemgr.sglang.hicache import HICACHE_FILE
 
 # stat() is a syscall with little CPU in it: two threads per core keep the kernel busy.
 THREADS = max(1, min(8, 2 * len(os.sched_getaffinity(0))))
@@ -47,7 +47,7 @@ class Usage:
     digest: int = 0  # XOR of page_digest(name, size) over the page files: equals the index's?
 
 
-def scan_usage(layout: Layout, rel_dir: str, fmt: FileFormat = HICACHE_FILE) -> Usage | None:
+def scan_usage(layout: Layout, rel_dir: str, fmt: FileFormat = DEFAULT_FORMAT) -> Usage | None:
     """Count and size what is in <root>/<rel_dir>; None if it is absent."""
     r, nest = fmt.scan, fmt.nesting
     try:
@@ -102,7 +102,7 @@ def list_files(
     layout: Layout,
     rel_dir: str,
     kinds: frozenset[FileKind] = DELETABLE,
-    fmt: FileFormat = HICACHE_FILE,
+    fmt: FileFormat = DEFAULT_FORMAT,
 ) -> Iterator[Listed]:
     """The files of these kinds in <root>/<rel_dir> (in the dirs of a nested format: named by
     their path below it) that are regular files; nothing if the dir is absent. Foreign names,

@@ -49,6 +49,11 @@ class Leadership:
             os.pwrite(fd, note.encode(), 0)
         return True
 
+    def fence(self) -> bool:
+        """Whether this process may delete now (asked before each chunk): a flock is the
+        kernel's, held until released. Fleet mode asks its coordinator (cachemgr.fleet)."""
+        return self.held
+
     def led_elsewhere(self) -> bool:
         """Whether another process leads now, asked without leading: a shared lock, taken and
         dropped at once, fails only while someone holds the exclusive one. Creates nothing."""

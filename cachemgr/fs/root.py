@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 from pathlib import Path
 
 from cachemgr.errors import ConfigError, UnsafePathError
-from cachemgr.fs.safe import open_dir, write_atomic_at
+from cachemgr.fs.safe import open_dir, open_file, write_atomic_at
 from cachemgr.layout import CACHEDIR_TAG, NS_DIR, TAG_FILE, TRASH_DIR, Layout
 
 log = logging.getLogger(__name__)
@@ -38,9 +39,17 @@ def create_root(layout: Layout) -> None:
             log.warning("trash left alone: %s", e)
         target = layout.root
         _tag(layout.root)
+        _gc_lock_file(layout)
     except OSError as e:
         why = unwritable(target) if e.errno in WRITE_REFUSED else None
         raise ConfigError(f"cannot use root {layout.root}: {why or e.strerror or e}") from e
+
+
+def _gc_lock_file(layout: Layout) -> None:
+    """Make the GC lock's file now: on a filesystem with no inode left, leading GC (which
+    frees inodes) must need none (a planted link is refused when GC leads)."""
+    with contextlib.suppress(OSError, UnsafePathError):
+        os.close(open_file(layout.gc_lock, os.O_RDWR | os.O_CREAT))
 
 
 def unwritable(path: Path) -> str | None:

@@ -16,8 +16,8 @@ from contextlib import suppress
 from pathlib import Path
 
 from cachemgr.backends import FileFormat, Nesting
-from cachemgr.engines import FORMATS
 from cachemgr.errors import UnsafePathError
+from cachemgr.formats import DEFAULT_FORMAT, FORMATS
 from cachemgr.fs._dirscan import mount_id
 from cachemgr.fs.safe import DIR_FLAGS, open_dir, open_dir_at, read_regular
 
@@ -165,13 +165,18 @@ def format_in(fd: int) -> FileFormat:
     for fmt in FORMATS.values():
         if fmt.nesting is not None and vouched(fd, fmt.nesting):
             return fmt
-    return FORMATS["sglang"]
+    return DEFAULT_FORMAT
 
 
 def orphan_identities(ns_fd: int, nesting: Nesting) -> list[str]:
     """The folders of namespace dir `ns_fd` whose identity file vouches for them and that no
     top-level dir belongs to any more (their blocks are all gone)."""
+    return [d for d in unowned_dirs(ns_fd, nesting) if _vouches(ns_fd, d, nesting)]
+
+
+def unowned_dirs(ns_fd: int, nesting: Nesting) -> list[str]:
+    """The dirs of namespace dir `ns_fd` that no top-level block dir belongs to."""
     with os.scandir(ns_fd) as entries:
         dirs = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
     owned = {nesting.owner(d) for d in dirs if nesting.dir_ok(0, d)}
-    return [d for d in dirs if d not in owned and _vouches(ns_fd, d, nesting)]
+    return [d for d in dirs if d not in owned]

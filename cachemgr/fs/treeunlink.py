@@ -14,7 +14,15 @@ import os
 
 from cachemgr.fs._dirscan import mount_id
 from cachemgr.fs._unlink import unlink_tree
-from cachemgr.fs.deletecheck import DENIED, NICE, Checked, Names, RefusalReason, Where, tally
+from cachemgr.fs.deletecheck import (
+    DENIED,
+    Checked,
+    RefusalReason,
+    UnlinkRules,
+    Where,
+    shaped_as,
+    tally,
+)
 
 Part = list[tuple[str, list[str]]]  # (dir below the namespace dir, file names in it)
 ON_ANOTHER_MOUNT, NOT_REACHED_DIR = -1, -2  # unlink_tree's dir statuses besides errnos
@@ -26,28 +34,21 @@ REFUSED_DIR = {*DENIED, errno.ELOOP, errno.ENOTDIR, ON_ANOTHER_MOUNT}
 def check_and_unlink_dirs(
     where: Where,
     part: Part,
-    *,
-    min_age: float,
-    now: float,
-    threads: int,
-    dry_run: bool,
+    rules: UnlinkRules,
     out: Checked,
-    ours: Names,
 ) -> tuple[list[tuple[str, int]], bool]:
     """check_and_unlink for the files of several dirs below `where` (names come back as paths
     below it): (path, size) of those deleted, and whether a dir left its parent's entry."""
-    accepts, what = ours
+    what = rules.ours[1]
     shaped: list[list[str]] = []
     for sub, names in part:
-        fits = [os.sep not in n and accepts(n) for n in names]
+        fits = shaped_as(names, rules.ours)
         for name, fit in zip(names, fits, strict=True):
             if not fit:
                 out.refuse(f"{sub}/{name}", f"not {what}", "not_ours")
         shaped.append([n for n, fit in zip(names, fits, strict=True) if fit])
-    results, moved = unlink_tree(
-        where.fd, where.parent_fd, where.leaf, *where.here, mount_id(where.fd),
-        [sub for sub, _ in part], shaped, min_age, now, threads, NICE, dry_run,
-    )  # fmt: skip
+    dirs = [sub for sub, _ in part]
+    results, moved = unlink_tree(*where.c_args(), mount_id(where.fd), dirs, shaped, *rules.c_args())
     ok: list[tuple[str, int]] = []
     for (sub, _), names, (dir_status, verdicts) in zip(part, shaped, results, strict=True):
         if dir_status == errno.ENOENT:  # the dir went, and its files with it

@@ -30,3 +30,14 @@ def disk_usage(path: str | os.PathLike[str]) -> DiskUsage:
         st.f_bavail * st.f_frsize,
         st.f_favail,
     )
+
+
+def inode_usage(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """(total, free to unprivileged users) inodes of the filesystem `path` is on."""
+    st = os.statvfs(path)
+    return st.f_files, st.f_favail
+
+
+def atime_off(path: str | os.PathLike[str]) -> bool:
+    """Whether the mount `path` is on never updates atime (noatime): a read leaves no trace."""
+    return bool(os.statvfs(path).f_flag & os.ST_NOATIME)

@@ -5,13 +5,14 @@ every earlier page of its chain is on disk. The file names do not say which page
 which, but the access stream does. One I/O thread per rank reads a request's hits head → tail
 (`batch_get`) and the backup thread writes its new pages in order right after, so:
 
-* a page **written** right after page P of the same stream (namespace and file suffix: one
-  rank's files) continues P only within one request's own write burst: P was the last page
-  of its read prefix (SGLang reads the prefix, then writes the tail), or a page of that burst
-  stored less than BURST_GAP before it. Consecutive stores of different requests are no
-  chain (a write-only stream of unique prompts once became one chain whose newest pages, in
-  flight, held every page behind them); a store after a pause is a vote only, which the next
-  read of the page behind it confirms;
+* a page **written** right after page P of the same stream (namespace, file suffix: one
+  rank's files, and node: a fleet's leader hears each other node's accesses in summaries,
+  interleaved with its own) continues P only within one request's own write burst: P was
+  the last page of its read prefix (SGLang reads the prefix, then writes the tail), or a
+  page of that burst stored less than BURST_GAP before it. Consecutive stores of different
+  requests are no chain (a write-only stream of unique prompts once became one chain whose
+  newest pages, in flight, held every page behind them); a store after a pause is a vote
+  only, which the next read of the page behind it confirms;
 * a page **read** right after P is evidence for P; a link that keeps losing to other evidence
   is dropped (a majority vote with a small counter), and a new one is made only when two
   requests in a row (contrary reads of one stream) agree on it. So an order mixed up by
@@ -26,7 +27,7 @@ model knows only pages the index holds; its clock is the index's access sequence
 wall clock, so a trace replayed at any request rate teaches it the same chains and the same
 order (cachemgr.gc.value). The daemon keeps one live model (fed by cachemgr.daemon.page_events);
 a CLI run builds one from the index (`load`), where the learned links are stored. Its pages
-live in a compact store (cachemgr.gc.pagestore): ~100 bytes a page, not a Python object each.
+live in a compact store (cachemgr.gc.pagestore): ~90 bytes a page, not a Python object each.
 """
 
 from __future__ import annotations
@@ -36,12 +37,13 @@ import sqlite3
 import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from typing import NamedTuple
 
 from cachemgr.backends import FileFormat
+from cachemgr.formats import DEFAULT_FORMAT
+from cachemgr.gc.adapt import Adaptive
 from cachemgr.gc.history import History
-from cachemgr.gc.pagestore import GHOST, NONE, Page, PageId, PageStore
-from cachemgr.gc.pageview import PagesView
-from cachemgr.sglang.hicache import HICACHE_FILE
+from cachemgr.gc.pagestore import GHOST, NONE, Page, PageId, PageStore, PagesView
 from cachemgr.state import pages_sql
 
 CONFIDENCE_MAX = 3  # agreeing reads a link may bank against later contrary evidence
@@ -51,12 +53,27 @@ CYCLE_WALK = 100_000  # ancestors walked at most to refuse a cycle (chains are f
 # accesses (any rate), and only for IN_FLIGHT_SECONDS: when the writer stops, none is in flight.
 IN_FLIGHT = 1024
 IN_FLIGHT_SECONDS = 2.0
-# Seconds (by the files' mtimes) between two stores of one stream within which the
-# second continues the first: one request's `batch_set` writes its pages back to back; a
-# request's next page after a longer pause, or another request's, is not linked by its store.
+# Seconds between two stores of one stream within which the second continues the first: one
+# request's `batch_set` writes its pages back to back; a request's next page after a longer
+# pause, or another request's, is not linked by its store. Between the two mtimes (when each
+# file's last write() began), or from the first's rename (ctime) to the second's birth time:
+# SGLang's 1 MiB pages are 3-13 ms apart by mtime on a quiet 2-core box, 8 MiB pages 22-33 ms
+# (each takes that long to write), yet each one's temp file is made within the kernel's 4 ms
+# timestamp tick of the last one's rename (bench/bench_bursts.py).
 BURST_GAP = 0.005
 Formats = Callable[[str], FileFormat]  # a namespace's file format
+# One writer's access stream: (namespace, file suffix (one rank's files), origin (whose
+# inotify saw it: cachemgr.daemon.events.LOCAL, or the fleet node whose summary carried it))
+Stream = tuple[str, str, str]
 DIRTY_MAX = 65_536  # pages changed between two orders past which all segments are walked again
+
+
+class Written(NamedTuple):
+    """When a page file was written, by the writer's clock (its file's times)."""
+
+    last: float  # its last write() began (mtime)
+    began: float | None = None  # its (temp) file was made (birth time; None: not kept)
+    placed: float | None = None  # it was renamed into place (ctime; None: at `last`)
 
 
 class ChainModel:
@@ -65,15 +82,17 @@ class ChainModel:
     Thread-safe: the index thread observes, the GC thread reads an order (`lock`).
     """
 
-    def __init__(self, formats: Formats = lambda ns: HICACHE_FILE, *, in_flight: int = 0) -> None:
+    def __init__(self, formats: Formats = lambda ns: DEFAULT_FORMAT, *, in_flight: int = 0) -> None:
         self.formats = formats  # what the names in a namespace's dir mean (its engine's format)
         self.in_flight = in_flight  # the last accesses whose pages GC leaves alone
         self.store = PageStore()
         self.history = History()  # evicted chain heads, for when their chain comes back
+        self.adapt = Adaptive()  # which eviction order to follow (cachemgr.gc.value)
         self.clock = 0  # the largest access sequence seen
-        self._prev: dict[tuple[str, str], str] = {}  # (ns, file suffix) -> last page key
-        # (ns, file suffix) -> when its last store was seen, if it was a store (a read: absent)
-        self._stored: dict[tuple[str, str], float] = {}
+        self._prev: dict[Stream, str] = {}  # -> the last page key
+        # -> when its last store was written and renamed into place (mtime, ctime), if it was a
+        # store (a read: absent)
+        self._stored: dict[Stream, tuple[float, float]] = {}
         # The eviction order's segments as of its last run (cachemgr.gc.value): leaf slot ->
         # (top slot, latest use, latest wall-clock use), and the slots changed since.
         self.segments: dict[int, tuple[int, int, float]] = {}
@@ -98,22 +117,42 @@ class ChainModel:
         at: float,
         pred: str | None = None,
         born: int | None = None,
-        reads: int = 0,
-        trusted: bool = False,
     ) -> None:
-        """Index one file (a page's first file creates the page; a known page keeps its use).
-        `trusted`: `pred` comes from the index, where no link closes a cycle."""
+        """Index one file (a page's first file creates the page; a known page keeps its use)."""
         key, suffix = name[:key_len], sys.intern(name[key_len:])
         st = self.store
         with self.lock:
-            s = self._put(ns, key, suffix, size, seq, at, pred, born, reads, trusted)
+            s = self._page(ns, key, seq, at, pred, born, False)
+            self._file(s, suffix, size, seq, at, 0)
             if not st.kids[s]:
                 st.add_leaf(s)  # (a no-op for a page that was a leaf already)
             self.clock = max(self.clock, seq)
 
-    def _put(self, ns: str, key: str, suffix: str, size: int, seq: int, at: float,
-             pred: str | None, born: int | None, reads: int, trusted: bool) -> int:  # fmt: skip
-        """`add` but for the leaf set and the clock (a load fixes those once at its end)."""
+    def add_indexed(self, ns: str, row: pages_sql.ChainRow) -> None:
+        """`add` for a file as the index holds it (the row a load reads: no copy of it is made),
+        with its read count; its link comes from the index, where no link closes a cycle."""
+        name, key_len, size, at, seq, reads, pred, born = row
+        with self.lock:
+            s = self._page(ns, name[:key_len], seq, at, pred, born, True)
+            self._file(s, sys.intern(name[key_len:]), size, seq, at, reads)
+            if not self.store.kids[s]:
+                self.store.add_leaf(s)
+            if seq > self.clock:
+                self.clock = seq
+
+    def _page(
+        self,
+        ns: str,
+        key: str,
+        seq: int,
+        at: float,
+        pred: str | None,
+        born: int | None,
+        trusted: bool,
+    ) -> int:
+        """The slot of a page with a file on disk (a ghost or a new key starts as a page now),
+        linked to `pred` if it has no link yet. `trusted`: `pred` comes from the index, where
+        no link closes a cycle."""
         st = self.store
         s = st.ensure(ns, key)
         if st.files[s] == GHOST:
@@ -122,15 +161,20 @@ class ChainModel:
             self.history.returned(st, s)
         elif st.pred[s] == NONE and pred is not None:
             self._link(s, pred, trusted)
+        return s
+
+    def _file(self, s: int, suffix: str, size: int, seq: int, at: float, reads: int) -> None:
+        """Page `s` has the file `suffix` of `size` bytes, used at `seq` (`at`), read `reads`
+        times (the index's count; a live event's: 0, the model counts its reads itself)."""
+        st = self.store
         old = st.file_sets[st.files[s]]
         new = (*(f for f in old if f[0] != suffix), (suffix, size)) if old else ((suffix, size),)
         st.files[s] = st.file_set(new)
         if reads > st.reads[s]:
-            st.reads[s] = reads
+            st.set_count("reads", s, reads)
         if seq > st.last[s]:
             st.last[s], st.time[s] = seq, at
         self._mark(s)
-        return s
 
     @classmethod
     def from_index(cls, conn: sqlite3.Connection, ns_ids: Iterable[str]) -> ChainModel:
@@ -143,20 +187,12 @@ class ChainModel:
     def load(self, conn: sqlite3.Connection, ns: str) -> None:
         """(Re)build a namespace's pages from the index: after a scan changed it, at start-up,
         or for a one-off GC run. The order of accesses within it is not stored: only links."""
-        intern, put = sys.intern, self._put
+        add = self.add_indexed
         with self.lock:
-            clock = self.clock
             self.forget(ns)
             self.store.reserve(pages_sql.file_count(conn, ns))  # no table doubling as it loads
-            for name, key_len, size, at, seq, reads, pred, born in pages_sql.chain_rows(conn, ns):
-                put(ns, name[:key_len], intern(name[key_len:]), size, seq, at, pred, born, reads,
-                    True)  # fmt: skip
-                clock = max(clock, seq)
-            self.clock = clock
-            kids = self.store.kids
-            for s in self.store.slots(ns):
-                if not kids[s]:
-                    self.store.add_leaf(s)
+            for row in pages_sql.chain_rows(conn, ns):
+                add(ns, row)
 
     def remove(self, ns: str, names: Iterable[tuple[str, int]]) -> None:
         """Forget files (name, key_len) that are gone; a page goes with its last file."""
@@ -212,33 +248,48 @@ class ChainModel:
         seq: int,
         at: float,
         guess: bool = True,
-        seen: float | None = None,
+        written: Written | None = None,
+        origin: str = "",
     ) -> str | None:
-        """A file was stored (`seen`: when the watcher saw it, monotonic; default `at`);
-        returns its page's predecessor (to persist): none if not `guess`."""
-        key, stream = name[:key_len], (ns, name[key_len:])
-        seen = at if seen is None else seen
+        """A file was stored (`written`: when, by the writer's clock; default: its last write
+        at `at`) in `origin`'s stream (Stream); returns its page's predecessor (to persist):
+        none if not `guess`."""
+        key, stream = name[:key_len], (ns, name[key_len:], origin)
+        seen, began, placed = written or Written(at)
         st = self.store
         with self.lock:
             prev = self._prev.get(stream)
             stored = self._stored.get(stream)
-            self._prev[stream], self._stored[stream] = key, seen
+            self._prev[stream] = key
+            self._stored[stream] = (seen, seen if placed is None else placed)
             pred = prev if guess and prev is not None and prev != key else None
-            burst = stored is None or seen - stored <= BURST_GAP  # after a read, or back to back
+            # After a read, or back to back: its last write began within BURST_GAP of the last
+            # one's before it (mtime), or its file was made within BURST_GAP of that one's
+            # rename (a page of megabytes takes longer than BURST_GAP to write). A file made
+            # after its mtime had its times set (utime, a copy): its mtime alone says it.
+            burst = (
+                stored is None
+                or seen - stored[0] <= BURST_GAP
+                or (began is not None and began <= seen and began - stored[1] <= BURST_GAP)
+            )
+            fresh = not st.present(st.find(ns, key))
             self.add(ns, name, key_len, 0, seq=seq, at=at, pred=pred if burst else None)
             s = st.find(ns, key)
+            up = st.pred[s]  # (its chain's record: what the order values its segment by)
+            chain = (st.reads[up], st.born[up]) if up != NONE else None
+            self.adapt.stored(st.digest(s), seq, fresh, chain)
             if pred is not None and not burst and st.pred[s] == NONE and not st.conf[s]:
                 # A vote, as a read's: a read right after `pred` links it (two agree).
                 st.cand[s] = hash(pred)
-                st.cand_sfx[s] = st.suffixes.setdefault(stream[1], len(st.suffixes))
+                st.cand_sfx[s] = st.suffix(stream[1])
             return st.pred_key(s)
 
     def observe_read(
-        self, ns: str, name: str, key_len: int, *, seq: int, at: float
+        self, ns: str, name: str, key_len: int, *, seq: int, at: float, origin: str = ""
     ) -> tuple[bool, str | None]:
-        """A file was read; returns (whether this read changed its page's predecessor, the
-        predecessor now)."""
-        key, stream = name[:key_len], (ns, name[key_len:])
+        """A file was read in `origin`'s stream (Stream); returns (whether this read changed its
+        page's predecessor, the predecessor now)."""
+        key, stream = name[:key_len], (ns, name[key_len:], origin)
         st = self.store
         with self.lock:
             prev = self._prev.get(stream)
@@ -247,15 +298,16 @@ class ChainModel:
             s = st.find(ns, key)
             if not st.present(s):
                 return False, None
-            st.reads[s] += 1
+            st.set_count("reads", s, st.reads[s] + 1)
             st.last[s], st.time[s] = seq, at
+            self.adapt.read(st.digest(s), seq)
             self._mark(s)
             self.clock = max(self.clock, seq)
             before = st.pred[s]
             if prev is None or prev == key:
                 return False, self.store.pred_key(s)
             # The last contrary read is kept as (hash of its key, its stream's suffix number).
-            sfx = st.suffixes.setdefault(stream[1], len(st.suffixes))
+            sfx = st.suffix(stream[1])
             if before != NONE and st.key(before) == prev:
                 st.conf[s] = min(st.conf[s] + 1, CONFIDENCE_MAX)
             elif st.conf[s] > 0:
@@ -294,7 +346,7 @@ class ChainModel:
         st.pred[s] = above
         if st.kids[above] == 1:
             self._mark(st.kidx[above])  # its only child's segment ends below it from now on
-        st.kids[above] += 1
+        st.set_count("kids", above, st.kids[above] + 1)
         st.kidx[above] ^= s
         self._mark(above)
         st.drop_leaf(above)
@@ -324,8 +376,8 @@ class ChainModel:
 
     # -- reading ----------------------------------------------------------------------------------
 
-    def last_pages(self) -> list[tuple[tuple[str, str], str]]:
-        """((namespace, file suffix), key) of the page each stream accessed last."""
+    def last_pages(self) -> list[tuple[Stream, str]]:
+        """(stream, key) of the page each stream (Stream) accessed last."""
         with self.lock:
             return list(self._prev.items())
 

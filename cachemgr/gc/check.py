@@ -10,7 +10,8 @@ import sqlite3
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs.usage import DiskUsage, DiskUsageFn
 from cachemgr.gc import find as gcfind
-from cachemgr.gc.policy import GcPolicy, GcReason, headroom, over_limits
+from cachemgr.gc.plan import Earlier, file_counts
+from cachemgr.gc.policy import GcPolicy, GcReason, headroom, over_file_limits, over_limits
 from cachemgr.layout import Layout
 from cachemgr.ns import registry as nsreg
 from cachemgr.ns.trash import list_trash
@@ -44,11 +45,15 @@ def needs_gc(
     gone = {ns for ns, _ in dropped}
     usage = {ns: b for ns, b in pages_sql.namespace_bytes(conn).items() if ns not in gone}
     disk = DiskUsage(*disk_usage(layout.root))
-    limits = over_limits(policy, usage, disk, ahead=ahead, pending=pending)
+    files = file_counts(conn, layout, usage, Earlier()).with_writer(ahead + pending, usage)
+    limits = over_limits(policy, usage, disk, ahead=ahead, pending=pending, files=files)
     if limits.namespaces:
         reasons.append("cap")
     if limits.root is not None and limits.budget.reason not in reasons:
         reasons.append(limits.budget.reason)
+    reasons += sorted({r for _, r in limits.namespace_files.values()} - set(reasons))
+    if limits.root_files is not None and limits.files_budget.reason not in reasons:
+        reasons.append(limits.files_budget.reason)
     return tuple(reasons)
 
 
@@ -64,3 +69,19 @@ def room(
     by the index (cachemgr.gc.policy.headroom)."""
     used = sum(pages_sql.namespace_bytes(conn).values())
     return headroom(policy, used, DiskUsage(*disk_usage(layout.root)), ahead=ahead)
+
+
+def file_room(layout: Layout, conn: sqlite3.Connection, policy: GcPolicy) -> float:
+    """Page files the writer may still store before a file cap or the inode floor passes its
+    high watermark, by the index (math.inf without such a limit): the least over the root and
+    each namespace, since the watcher does not tell which one a store goes to."""
+    files = file_counts(conn, layout, pages_sql.namespace_bytes(conn), Earlier())
+    high = policy.high_watermark
+    _, budget, _ = over_file_limits(policy, files)
+    rooms = [budget.limit * high - sum(files.live.values())]
+    flat = policy.flat_files_cap()
+    for ns, n in files.live.items():
+        cap = flat[0] if flat and ns in files.flat else policy.namespace_max_files
+        if cap is not None:
+            rooms.append(cap * high - n)
+    return max(0.0, min(rooms))

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 
 from cachemgr.fs.deletecheck import too_young
-from cachemgr.fs.deletion import Pacer, Progress
+from cachemgr.fs.deletion import Progress
 from cachemgr.fs.dirscan import list_files
 from cachemgr.fs.locks import root_lock
 from cachemgr.fs.safe import open_dir
@@ -18,25 +16,14 @@ from cachemgr.gc.step import GcStep, StepResult
 from cachemgr.layout import Layout
 from cachemgr.ns.bindings import bound_by_files
 from cachemgr.ns.purge import drop_unbound, rename_to_trash
+from cachemgr.ns.runcontext import RunContext
 from cachemgr.ns.trash import drain_entry, trash_format
 from cachemgr.state import pages_sql, registry_sql
-from cachemgr.state.store import Store
 
-log = logging.getLogger("cachemgr.gc.plan")
-InUse = Callable[[Path], list[int]]  # the pids using a dir as their storage dir (liveuse.py)
+log = logging.getLogger(__name__)
 
 
-def drop_namespace(
-    step: GcStep,
-    base: StepResult,
-    layout: Layout,
-    store: Store,
-    actor: str,
-    pacer: Pacer | None,
-    progress: Progress | None,
-    clock: Callable[[], float],
-    in_use: InUse,
-) -> StepResult:
+def drop_namespace(run: RunContext, step: GcStep, progress: Progress | None) -> StepResult:
     """Drop an unbound namespace as a purge does: under the root lock, re-check that no server
     uses it, rename its dir into .trash/ (constant time), and only then delete from there.
 
@@ -46,17 +33,20 @@ def drop_namespace(
     younger than min_age and the dir goes back, the drop deferred whole (the namespace is
     left exactly as it was, to be dropped by a later run once its files are old enough).
     """
+    layout = run.layout
+    store = run.store
+    base = StepResult(step)
     ns_id = step.namespace_id
     assert ns_id is not None
     with root_lock(layout):
-        if why := kept(layout, store, ns_id, in_use):
+        if why := why_stays(run, ns_id):
             return replace(base, skipped=why)
         # The write lock first: a DB held locked elsewhere fails the drop before the rename.
         with store.transaction() as conn:
             entry = rename_to_trash(layout, ns_id, recreate=False)
             trash = f".trash/{entry}"
             held = list(list_files(layout, trash, fmt=trash_format(layout, entry))) if entry else []
-            now = clock()
+            now = run.clock()
             young = sum(too_young(f.mtime, step.min_age, now) for f in held)
             if entry is not None and young:
                 why = _put_back(layout, entry, ns_id)
@@ -74,23 +64,14 @@ def drop_namespace(
                     "evict",
                     namespace_id=ns_id,
                     reason=step.reason,
-                    actor=actor,
+                    actor=run.actor,
                     pages=len(held),
                     bytes_=sum(f.size for f in held),
                     at=now,
                 )
     if entry is None:
         return base  # no dir: nothing to delete, the registry is in line
-    r = drain_entry(
-        layout,
-        store,
-        entry,
-        actor=actor,
-        pacer=pacer,
-        progress=progress,
-        min_age=step.min_age,
-        audit_as=None,
-    )
+    r = drain_entry(run, entry, progress=progress, min_age=step.min_age, audit_as=None)
     return base.done(r)
 
 
@@ -107,13 +88,18 @@ def _put_back(layout: Layout, entry: str, ns_id: str) -> str:
     return ""
 
 
-def kept(layout: Layout, store: Store, ns_id: str | None, in_use: InUse) -> str | None:
+def why_stays(run: RunContext, ns_id: str | None) -> str | None:
     """Why an unbound namespace stays after all: a server bound it since the plan was made (in
     the DB, or in a binding file the DB has not read back yet), or a running process on this
     host has it as its storage dir (a server started before its instance moved elsewhere)."""
-    if ns_id is None or registry_sql.is_bound(store.conn, ns_id) or ns_id in bound_by_files(layout):
+    layout = run.layout
+    if (
+        ns_id is None
+        or registry_sql.is_bound(run.store.conn, ns_id)
+        or ns_id in bound_by_files(layout)
+    ):
         return "a server bound this namespace after the plan was made"
-    pids = in_use(layout.ns_dir(ns_id))
+    pids = run.users(layout.ns_dir(ns_id))
     if pids:
         return f"a running process uses it as its storage dir (pid {', '.join(map(str, pids[:3]))})"
     return None

@@ -5,42 +5,51 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from cachemgr.errors import UnsafePathError
-from cachemgr.fs.deletecheck import files_of, reason_of
-from cachemgr.fs.deletion import DeleteReport, Pacer, Progress, delete_files, delete_own_temps
-from cachemgr.gc.drop import InUse, drop_namespace, kept
+from cachemgr.fs.deletecheck import Refusal, files_of, reason_of
+from cachemgr.fs.deletion import (
+    DeleteReport,
+    Listeners,
+    Pacer,
+    Progress,
+    delete_files,
+    delete_own_temps,
+)
+from cachemgr.gc.drop import drop_namespace, why_stays
 from cachemgr.gc.find import step_format
 from cachemgr.gc.pagestore import PageId
 from cachemgr.gc.plan import GcPlan
-from cachemgr.gc.policy import KEEPING
+from cachemgr.gc.policy import HOLDING
 from cachemgr.gc.step import GcReport, GcStep, StepResult
 from cachemgr.layout import Layout
 from cachemgr.ns.quarantine import is_denied
+from cachemgr.ns.runcontext import RunContext
 from cachemgr.ns.trash import drain_entry
-from cachemgr.sglang.liveuse import live_users
 from cachemgr.state import pages_sql
-from cachemgr.state.store import Store
 
-log = logging.getLogger("cachemgr.gc.plan")
+log = logging.getLogger(__name__)
 # Names per delete call: each chunk's index rows and its audit row are written in one
 # transaction once its files are gone, so a kill -9 leaves at most one chunk unaudited.
 CHUNK = 256
-# (namespace, the step's names, from which on they are not deleted yet) -> names to keep after
-# all (asked before each chunk of a step that keeps a limit: a request may have reached a page
+# (namespace, the step's names, from which on they are not deleted yet) -> names to spare after
+# all (asked before each chunk of a step that holds a limit: a request may have reached a page
 # since the plan).
-Keep = Callable[[str, Sequence[str], int], Collection[str]]
+Spare = Callable[[str, Sequence[str], int], Collection[str]]
 
 
 class InFlight(NamedTuple):
-    """What the live daemon knows is in use beyond its chain model, when GC plans."""
+    """The pages requests use now that the live daemon's chain model has not seen, at a plan."""
 
     queued: Collection[PageId] = ()  # pages read or stored, not applied to the model yet
-    keep: Keep | None = None  # asked before each chunk (None: nothing comes in between)
+    spare: Spare | None = None  # asked before each chunk (None: nothing comes in between)
+    # Page files stored that the index has not applied, as (namespace, name), in the order a
+    # cap takes them, the last thing it takes (cachemgr.daemon.backlog.take_order).
+    stored: Sequence[tuple[str, str]] = ()
+    stored_bytes: int = 0  # the size each of them is counted at (0: not known yet)
 
 
 @dataclass
@@ -64,38 +73,40 @@ class _Tally:
 
 def execute_gc(
     plan: GcPlan,
-    layout: Layout,
-    store: Store,
+    run: RunContext,
     *,
-    dry_run: bool = False,
-    actor: str = "cli",
-    pacer: Pacer | None = None,
     progress: Progress | None = None,
-    clock: Callable[[], float] = time.time,
-    stop: Callable[[], bool] = lambda: False,
-    in_use: InUse = live_users,
-    keep: Keep | None = None,
+    spare: Spare | None = None,
 ) -> GcReport:
     """Run the plan's steps in order; a dry run stats the same files and deletes none.
 
-    `stop()` true (a shutdown) ends the run after the chunk being deleted. `in_use` names the
-    running processes whose storage dir a namespace is (none may lose it as unbound). `keep`:
-    before each chunk of cap-keeping, the names that must stay after all.
+    `run.stop()` true (a shutdown) ends the run after the chunk being deleted. `run.fence()`
+    false (fleet mode: the GC lease is lost) ends it there too, with a warning. `run.users`
+    names the running processes whose storage dir a namespace is (none may lose it as
+    unbound). `spare`: before each chunk that holds a limit, the names to spare after all.
     """
-    started = clock()
+    fenced = [False]
+
+    def halted() -> bool:
+        if not run.dry_run and not fenced[0] and not run.fence():
+            fenced[0] = True
+        return fenced[0] or run.stop()
+
+    steps_run = replace(run, stop=halted)
+    started = run.clock()
     tally = _Tally(progress)
     results = []
     for step in plan.steps:
-        if stop():
+        if halted():
             break
+        holds = step.reason in HOLDING and step.namespace_id and not step.forced
         try:
-            result = _run_step(
-                step, layout, store, dry_run, actor, pacer, tally, clock, stop, in_use,
-                keep if step.reason in KEEPING and step.namespace_id and not step.forced else None,
-            )  # fmt: skip
-        except UnsafePathError as e:  # its dir became a symlink: the other steps still run
+            result = _run_step(steps_run, step, tally, spare if holds else None)
+        except UnsafePathError as e:  # its dir became a symlink or a mount: the other steps
             log.warning("gc step refused", extra={"dir": step.rel_dir, "error": str(e)})
-            result = StepResult(step, skipped=f"refused: {e}")
+            # still run; its files are refused, so the report warns and a cap is not held
+            whole = Refusal(str(e), "unsafe", max(1, len(step.names)))
+            result = StepResult(step, refused=(whole,), skipped=f"refused: {e}")
         except OSError as e:  # another user's dir: the other steps still run (the caller
             if not is_denied(e):  # says so once: cachemgr.ns.quarantine)
                 raise
@@ -103,8 +114,10 @@ def execute_gc(
             result = StepResult(step, skipped=f"denied: {e.strerror}", denied=str(e))
         results.append(result)
     warnings = plan.warnings + tuple(refusal_warning(r) for r in results if r.refused)
-    report = GcReport(dry_run, True, started, clock(), tuple(results), warnings)
-    _log_summary(report, actor)
+    if fenced[0]:
+        warnings += ("stopped deleting: this node no longer holds the GC lease",)
+    report = GcReport(run.dry_run, True, started, run.clock(), tuple(results), warnings)
+    _log_summary(report, run.actor)
     return report
 
 
@@ -124,6 +137,8 @@ def refusal_warning(result: StepResult) -> str:
         line += f"; {EPERM_FIX}"
     if any(_EPERM not in r for r in denied):
         line += f"; {PERMISSION_FIX}"
+    if any(_MOUNT in r for r in result.refused):
+        line += f"; {MOUNT_FIX}"
     return line
 
 
@@ -133,6 +148,8 @@ PERMISSION_FIX = (
     "the writer makes dirs the daemon's group cannot write (its umask is 022?): run the engine "
     "with umask 0002 in the daemon's group (docs/deploy.md), then `chmod -R g+w` its dirs"
 )
+_MOUNT = "on another mount than"  # (fs.safe's word for a mount point on the way)
+MOUNT_FIX = "GC never deletes across a mount: unmount it, or mount it outside the root"
 _EPERM = os.strerror(errno.EPERM)
 EPERM_FIX = (
     "the file or its dir is immutable or append-only (`lsattr -d`; `chattr -i -a`), or a "
@@ -140,48 +157,33 @@ EPERM_FIX = (
 )
 
 
-def _run_step(
-    step: GcStep,
-    layout: Layout,
-    store: Store,
-    dry_run: bool,
-    actor: str,
-    pacer: Pacer | None,
-    tally: _Tally,
-    clock: Callable[[], float],
-    stop: Callable[[], bool],
-    in_use: InUse,
-    keep: Keep | None,
-) -> StepResult:
+def _run_step(run: RunContext, step: GcStep, tally: _Tally, spare: Spare | None) -> StepResult:
+    layout = run.layout
+    dry_run = run.dry_run
     base = StepResult(step)
     if step.reason in ("unbound", "ttl") and step.remove_dir and step.namespace_id and not dry_run:
-        result = drop_namespace(
-            step, base, layout, store, actor, pacer, tally.offset(), clock, in_use
-        )
+        result = drop_namespace(run, step, tally.offset())
         tally.add(result)
         return result
-    why = step.reason in ("unbound", "ttl") and kept(layout, store, step.namespace_id, in_use)
+    why = step.reason in ("unbound", "ttl") and why_stays(run, step.namespace_id)
     if why:  # a dry run says what the drop would find under the lock
         return replace(base, skipped=why)
     if step.reason == "trash":  # the same path as a purge's own drain, audited there
         entry = step.rel_dir.removeprefix(".trash/")
-        r = drain_entry(
-            layout, store, entry, actor=actor, pacer=pacer, progress=tally.offset(),
-            dry_run=dry_run,
-        )  # fmt: skip
+        r = drain_entry(run, entry, progress=tally.offset())
         tally.add(r)
         return base.done(r)
     if step.namespace_id is None and step.reason == "tmp":
-        return _sweep_own_temps(step, base, layout, store, dry_run, actor, clock)
+        return _sweep_own_temps(run, step, base)
     total = DeleteReport(dry_run=dry_run)
     staying: set[str] = set()
     fmt = step_format(layout, step)
     for i in range(0, len(step.names), CHUNK):
-        if stop():
-            base = replace(base, skipped="stopped: the daemon is shutting down")
+        if run.stop():
+            base = replace(base, skipped="stopped: shutting down, or the GC lease was lost")
             break
-        if keep is not None and step.namespace_id is not None:
-            staying.update(keep(step.namespace_id, step.names, i))
+        if spare is not None and step.namespace_id is not None:
+            staying.update(spare(step.namespace_id, step.names, i))
         chunk = [n for n in step.names[i : i + CHUNK] if n not in staying]
         gone: dict[str, int | None] = {}
         before = _dir_id(layout, step.rel_dir)
@@ -189,13 +191,18 @@ def _run_step(
         # sleep (where a paced run spends its time) then finds audit and index exact.
         try:
             r = delete_files(
-                layout.root, step.rel_dir, chunk, dry_run=dry_run,
-                min_age=step.min_age, progress=tally.offset(), now=clock,
-                removed=gone.__setitem__, fmt=fmt,
-            )  # fmt: skip
+                layout.root,
+                step.rel_dir,
+                chunk,
+                dry_run=dry_run,
+                min_age=step.min_age,
+                now=run.clock,
+                fmt=fmt,
+                listeners=Listeners(progress=tally.offset(), removed=gone.__setitem__),
+            )
         except OSError as e:  # an unlink refused: what went before it is recorded all the same
             if not dry_run and _dir_id(layout, step.rel_dir) == before:
-                _record_chunk(store, step, list(gone), _freed(gone), actor, clock())
+                _record_chunk(run, step, list(gone), _freed(gone))
             if not is_denied(e):
                 raise
             done = base.done(total + _freed(gone))
@@ -209,8 +216,8 @@ def _run_step(
             base = replace(base, skipped="the namespace was purged during GC")
             break
         if not dry_run:
-            _record_chunk(store, step, list(gone), r, actor, clock())
-        _pace(pacer, r.files)
+            _record_chunk(run, step, list(gone), r)
+        _pace(run.pacer, r.files)
     return base.done(total)
 
 
@@ -227,13 +234,13 @@ def _pace(pacer: Pacer | None, files: int) -> None:
             pacer.tick()
 
 
-def _record_chunk(
-    store: Store, step: GcStep, gone: list[str], r: DeleteReport, actor: str, at: float
-) -> None:
+def _record_chunk(run: RunContext, step: GcStep, gone: list[str], r: DeleteReport) -> None:
     """Drop the index rows of a deleted chunk and audit it, in one transaction: whenever a
     kill -9 lands, the audit holds exactly the evictions whose rows left the index."""
     if not (gone or r.files):
         return
+    store = run.store
+    at = run.clock()
     # The files are gone: wait out a foreign write lock however long it is held (GC stops
     # here, one chunk ahead), so the index and audit never miss what was deleted.
     with store.transaction(patience=float("inf")) as conn:
@@ -241,27 +248,28 @@ def _record_chunk(
             pages_sql.delete_pages(conn, [(step.namespace_id, n) for n in gone])
         if r.files:
             store.audit(
-                "evict", namespace_id=step.namespace_id, reason=step.reason, actor=actor,
-                pages=r.files, bytes_=r.bytes, at=at,
-            )  # fmt: skip
+                "evict",
+                namespace_id=step.namespace_id,
+                reason=step.reason,
+                actor=run.actor,
+                pages=r.files,
+                bytes_=r.bytes,
+                at=at,
+            )
 
 
-def _sweep_own_temps(
-    step: GcStep,
-    base: StepResult,
-    layout: Layout,
-    store: Store,
-    dry_run: bool,
-    actor: str,
-    clock: Callable[[], float],
-) -> StepResult:
+def _sweep_own_temps(run: RunContext, step: GcStep, base: StepResult) -> StepResult:
     """Delete temps cachemgr's own atomic writes left (gcfind.own_temps), audited as `tmp`."""
     r = delete_own_temps(
-        layout.root, step.rel_dir, step.names, older_than=step.min_age, now=clock,
-        dry_run=dry_run,
-    )  # fmt: skip
-    if not dry_run:
-        _record_chunk(store, step, [], r, actor, clock())  # no index rows: only the audit
+        run.layout.root,
+        step.rel_dir,
+        step.names,
+        older_than=step.min_age,
+        now=run.clock,
+        dry_run=run.dry_run,
+    )
+    if not run.dry_run:
+        _record_chunk(run, step, [], r)  # no index rows: only the audit
     return base.done(r)
 
 
@@ -281,8 +289,13 @@ def _log_summary(report: GcReport, actor: str) -> None:
         logging.WARNING if refused else logging.INFO,
         "gc dry run" if report.dry_run else "gc done",
         extra={
-            "actor": actor, "files": report.files, "bytes": report.bytes,
-            "by_reason": by_reason, "seconds": round(report.finished_at - report.started_at, 3),
-            "held": report.held, "refused": refused, "warnings": list(report.warnings),
+            "actor": actor,
+            "files": report.files,
+            "bytes": report.bytes,
+            "by_reason": by_reason,
+            "seconds": round(report.finished_at - report.started_at, 3),
+            "held": report.held,
+            "refused": refused,
+            "warnings": list(report.warnings),
         },
-    )  # fmt: skip
+    )

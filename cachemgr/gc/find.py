@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from cachemgr.backends import FileFormat, FileKind
 from cachemgr.errors import UnsafePathError
+from cachemgr.formats import DEFAULT_FORMAT
 from cachemgr.fs.dirscan import TEMPS, list_files, usual_size
 from cachemgr.fs.safe import is_own_temp, open_dir
 from cachemgr.gc.policy import GcPolicy, GcReason
@@ -20,7 +21,6 @@ from cachemgr.layout import Layout
 from cachemgr.ns import registry as nsreg
 from cachemgr.ns.manifest import format_of
 from cachemgr.ns.trash import foreign_in, left_note, list_trash, trash_format
-from cachemgr.sglang.hicache import HICACHE_FILE
 from cachemgr.state import pages_sql
 
 
@@ -127,7 +127,7 @@ def step_format(layout: Layout, step: GcStep) -> FileFormat:
     """The file format of the dir a step deletes in (a namespace's, or a trash entry's)."""
     if step.rel_dir.startswith(".trash/"):
         return trash_format(layout, step.rel_dir.removeprefix(".trash/"))
-    return format_of(layout, step.namespace_id) if step.namespace_id else HICACHE_FILE
+    return format_of(layout, step.namespace_id) if step.namespace_id else DEFAULT_FORMAT
 
 
 def stale_temps(temps: list[TempFile], policy: GcPolicy, now: float) -> list[GcStep]:
@@ -137,10 +137,16 @@ def stale_temps(temps: list[TempFile], policy: GcPolicy, now: float) -> list[GcS
         if now - t.mtime >= policy.tmp_ttl:
             by_ns[t.namespace_id].append(t)
     return [
-        GcStep("tmp", f"ns/{ns}", ns, tuple(t.name for t in ts), sum(t.size for t in ts),
-               _temp_age(policy))
+        GcStep(
+            "tmp",
+            f"ns/{ns}",
+            ns,
+            tuple(t.name for t in ts),
+            sum(t.size for t in ts),
+            _temp_age(policy),
+        )
         for ns, ts in sorted(by_ns.items())
-    ]  # fmt: skip
+    ]
 
 
 def stale_own_temps(layout: Layout, policy: GcPolicy, now: float) -> list[GcStep]:
@@ -150,10 +156,16 @@ def stale_own_temps(layout: Layout, policy: GcPolicy, now: float) -> list[GcStep
         if now - t.mtime >= policy.tmp_ttl:
             by_dir[t.rel_dir].append(t)
     return [
-        GcStep("tmp", rel, None, tuple(sorted(t.name for t in ts)), sum(t.size for t in ts),
-               _temp_age(policy))
+        GcStep(
+            "tmp",
+            rel,
+            None,
+            tuple(sorted(t.name for t in ts)),
+            sum(t.size for t in ts),
+            _temp_age(policy),
+        )
         for rel, ts in sorted(by_dir.items())
-    ]  # fmt: skip
+    ]
 
 
 def _temp_age(policy: GcPolicy) -> float:
@@ -217,9 +229,11 @@ def torn_pages(
                 continue
             torn |= {key for key, s in files if s != usual}
         doomed = sorted(
-            f for key in torn if max(last for _, _, last in pages[key]) <= before
+            f
+            for key in torn
+            if max(last for _, _, last in pages[key]) <= before
             for f in pages[key]
-        )  # fmt: skip
+        )
         if doomed:
             names = tuple(n for n, _, _ in doomed)
             size = sum(s for _, s, _ in doomed)

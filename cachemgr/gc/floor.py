@@ -6,37 +6,65 @@ below the floor, this pass runs first: it lists .trash/ and every namespace dir,
 trash leftovers, then pages by mtime, oldest first (SGLang never rewrites a page, so its mtime
 is when it was stored), through cachemgr.fs.deletion with the usual min-age rule, until the root's
 free-space budget is back under its low watermark. It writes nothing: the caller audits the
-result when the DB takes writes again, and the index catches up through the watcher or a scan.
+result when the DB takes writes again, and drops the index rows of the pages it deleted in the
+same transaction (as GC's own chunks do): the regular plan that follows in the same run must
+not count them again, or it evicts for a cap what the pass deleted already.
+
+It does not hold a flat dir's entry limit (dir_full): a full dir index refuses new names in
+that one dir while bytes and inodes are free, so it never puts the root below the floor nor
+keeps the DB (in another dir) from opening; the regular plan after the pass holds it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import replace
 
 from cachemgr.errors import StateError, UnsafePathError
 from cachemgr.fs import reserve
-from cachemgr.fs.deletion import DeleteReport, Pacer, delete_dir, delete_files
+from cachemgr.fs.deletion import DeleteReport, Listeners, Pacer, delete_dir, delete_files
 from cachemgr.fs.leadership import Leadership
-from cachemgr.fs.usage import DiskUsage, DiskUsageFn
+from cachemgr.fs.safe import open_dir
+from cachemgr.fs.usage import DiskUsage, DiskUsageFn, inode_usage
 from cachemgr.gc import find as gcfind
-from cachemgr.gc.policy import GcPolicy, root_budget
+from cachemgr.gc.held import AuditRow, HeldAudits
+from cachemgr.gc.policy import Files, GcPolicy, GcReason, Inodes, over_file_limits, root_budget
 from cachemgr.gc.step import GcReport, GcStep, StepResult
 from cachemgr.layout import Layout
+from cachemgr.state import pages_sql
 from cachemgr.state.index import namespace_dirs
 from cachemgr.state.store import Store
 
-log = logging.getLogger("cachemgr.gc.plan")
+log = logging.getLogger(__name__)
 
 
 def below_floor(layout: Layout, policy: GcPolicy, disk_usage: DiskUsageFn) -> bool:
-    """Whether the root's filesystem has less free space than the policy's floor."""
+    """Whether the root's filesystem has less free space than the policy's floor, or fewer
+    free inodes than its inode floor."""
     disk = DiskUsage(*disk_usage(layout.root))
     floor = policy.floor(disk)
-    return floor > 0 and disk.free < floor
+    return (floor > 0 and disk.free < floor) or below_inode_floor(layout, policy)
+
+
+def below_inode_floor(layout: Layout, policy: GcPolicy) -> bool:
+    """Whether the root's filesystem has fewer free inodes than the policy's inode floor (a
+    filesystem without an inode table, total 0, has none)."""
+    inodes = Inodes(*inode_usage(layout.root))
+    floor = policy.inode_floor(inodes)
+    return floor > 0 and inodes.free < floor
+
+
+def _inode_need(layout: Layout, policy: GcPolicy, files: int) -> int:
+    """Page files to delete to bring free inodes back to the inode floor's low watermark."""
+    if not below_inode_floor(layout, policy):
+        return 0
+    inodes = Inodes(*inode_usage(layout.root))
+    return over_file_limits(policy, Files({"": files}, (), inodes))[2] or 0
 
 
 def plan_floor(
@@ -61,18 +89,23 @@ def plan_floor(
     # The floor alone: a byte cap is the regular run's business, with the index's LRU order.
     budget = root_budget(replace(policy, max_bytes=None), used + sum(s.bytes for s in steps), disk)
     need = budget.excess(used, policy.low_watermark) if budget.reason == "free_space" else 0
-    chosen: dict[str, list[tuple[str, int]]] = {}
+    need_files = _inode_need(layout, policy, len(pages))
+    chosen: dict[tuple[GcReason, str], list[tuple[str, int]]] = {}
     for mtime, ns, name, size in sorted(pages):
-        if need <= 0 or now - mtime < policy.min_age:
+        if (need <= 0 and need_files <= 0) or now - mtime < policy.min_age:
             break
-        chosen.setdefault(ns, []).append((name, size))
+        reason: GcReason = "free_space" if need > 0 else "free_inodes"
+        chosen.setdefault((reason, ns), []).append((name, size))
         need -= size
+        need_files -= 1
     if need > 0:
         warnings.append(f"free_space: {need} bytes short of the floor's low watermark")
-    for ns, picked in chosen.items():
+    if need_files > 0:
+        warnings.append(f"free_inodes: {need_files} files short of the inode floor's low watermark")
+    for (reason, ns), picked in chosen.items():
         names = tuple(n for n, _ in picked)
         size = sum(s for _, s in picked)
-        steps.append(GcStep("free_space", f"ns/{ns}", ns, names, size, policy.min_age))
+        steps.append(GcStep(reason, f"ns/{ns}", ns, names, size, policy.min_age))
     return steps, warnings
 
 
@@ -97,12 +130,69 @@ def free_floor(
         results.append(StepResult(step).done(_delete(layout, step, pacer, clock, dry_run)))
     report = GcReport(dry_run, True, started, clock(), tuple(results), tuple(warnings))
     seconds = round(report.finished_at - started, 3)
+    floors = [r.replace("_", " ") for r in ("free_space", "free_inodes") if r in report.totals()]
     log.warning(
-        f"free space {'is' if dry_run else 'was'} below the floor; "
-        f"{'would delete' if dry_run else 'deleted'} from a scan of the disk",
-        extra={"files": report.files, "bytes": report.bytes, "seconds": seconds},
+        f"{'would delete' if dry_run else 'deleted'} from a scan of the disk: "
+        f"{' and '.join(floors) or 'free space or inodes'} below the floor",
+        extra={**_deleted(report), "seconds": seconds},
     )
     return report
+
+
+def _deleted(report: GcReport) -> dict[str, object]:
+    """What a pass deleted, as its log lines say it: files, bytes, namespaces."""
+    namespaces = sorted({r.namespace_id for r in report.steps if r.files and r.namespace_id})
+    return {"files": report.files, "bytes": report.bytes, "namespaces": namespaces}
+
+
+def floor_pass(
+    layout: Layout,
+    policy: GcPolicy,
+    *,
+    disk_usage: DiskUsageFn,
+    pacer: Pacer | None = None,
+    clock: Callable[[], float] = time.time,
+    stop: Callable[[], bool] = lambda: False,
+    dry_run: bool = False,
+    gate: Callable[[], bool] = lambda: True,
+) -> GcReport | None:
+    """The pass GC's runner and the CLI make before anything needs the DB: None if free space
+    is over the floor or `gate()` is false (the runner does not lead GC; the CLI's user says
+    no), else free_floor's report. Record it with `record_floor` once the DB is open."""
+    if not below_floor(layout, policy, disk_usage) or not gate():
+        return None
+    return free_floor(
+        layout,
+        policy,
+        disk_usage=disk_usage,
+        pacer=pacer,
+        clock=clock,
+        stop=stop,
+        dry_run=dry_run,
+    )
+
+
+def record_floor(
+    layout: Layout, store: Store, report: GcReport, actor: str, held: HeldAudits
+) -> None:
+    """Audit a floor pass, after the rows `held` from earlier ones; then take the DB's space
+    reserve back if there is room. A DB that takes no write (its dir unusable, its filesystem
+    still full, its lock held elsewhere) does not lose the pass: its rows are held for the next
+    write that succeeds (cachemgr.gc.held) and it is said now; the error is raised again, but
+    for a full disk (GC goes on: it frees space)."""
+    try:
+        audit_floor(layout, store, report, actor, held)
+    except (sqlite3.Error, OSError, StateError) as e:
+        rows = floor_rows(report, actor)
+        if rows:  # (a pass that deleted nothing has nothing to hold, nor to say)
+            held.hold(rows)
+            log.warning(
+                "floor pass not audited yet: the state DB takes no writes; held until it does",
+                extra={**_deleted(report), "held_rows": len(held), "error": str(e)},
+            )
+        if not reserve.is_disk_full(e, layout.state_dir):
+            raise
+    reserve.keep(layout.state_dir)
 
 
 def _delete(
@@ -118,10 +208,10 @@ def _delete(
             step.rel_dir,
             step.names,
             min_age=step.min_age,
-            pacer=pacer,
             now=clock,
             fmt=fmt,
             dry_run=dry_run,
+            listeners=Listeners(pacer),
         )
     except (UnsafePathError, FileNotFoundError) as e:
         return DeleteReport(refused=(f"{step.rel_dir}: {e}",), dry_run=dry_run)
@@ -143,17 +233,60 @@ def open_freeing(layout: Layout, policy: GcPolicy, actor: str, *, check: bool = 
     finally:
         leadership.release()
     store = Store.open(layout.db_path, check=check)
-    audit_floor(store, report, actor)
+    audit_floor(layout, store, report, actor)
     return store
 
 
-def audit_floor(store: Store, report: GcReport, actor: str) -> None:
-    """Record a floor pass in the audit table, one row per reason (as execute_gc's steps do)."""
-    with store.transaction():
-        for reason, (files, size) in report.totals().items():
-            if files or size:
-                action = "delete-trash" if reason == "trash" else "evict"
-                store.audit(
-                    action, namespace_id=None, reason=reason, actor=actor, pages=files,
-                    bytes_=size, at=report.finished_at,
-                )  # fmt: skip
+def gone_pages(layout: Layout, report: GcReport) -> list[tuple[str, str]]:
+    """(namespace, name) of the pass's page files that are no longer on disk."""
+    gone: list[tuple[str, str]] = []
+    for r in report.steps:
+        s = r.step
+        if s.namespace_id is None or s.remove_dir or not s.rel_dir.startswith("ns/"):
+            continue
+        try:
+            with open_dir(layout.root, s.rel_dir) as fd:
+                gone += [(s.namespace_id, n) for n in s.names if not _exists(fd, n)]
+        except (OSError, UnsafePathError):
+            continue  # the dir itself is gone or unsafe: a scan of the index settles it
+    return gone
+
+
+def _exists(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def audit_floor(
+    layout: Layout, store: Store, report: GcReport, actor: str, held: HeldAudits | None = None
+) -> None:
+    """Record a floor pass in the audit table, one row per reason (as execute_gc's steps do),
+    after the rows `held` from passes the DB could not take, and drop the index rows of the
+    pages it deleted, in one transaction."""
+    gone = [] if report.dry_run else gone_pages(layout, report)
+    earlier = held.pending() if held is not None else ()
+    with store.transaction() as conn:
+        pages_sql.delete_pages(conn, gone)
+        for row in (*earlier, *floor_rows(report, actor)):
+            row.write(store)
+    if held is not None:
+        held.written(earlier)
+
+
+def floor_rows(report: GcReport, actor: str) -> tuple[AuditRow, ...]:
+    """A floor pass's audit rows: one per reason that deleted anything."""
+    return tuple(
+        AuditRow(
+            "delete-trash" if reason == "trash" else "evict",
+            reason,
+            actor,
+            files,
+            size,
+            report.finished_at,
+        )
+        for reason, (files, size) in report.totals().items()
+        if files or size
+    )

@@ -1,11 +1,13 @@
-"""What the chain model remembers of evicted chain heads. A chain whose head was evicted and
-that comes back (SGLang writes it again from its first missing page) is the same conversation:
-its returns so far say how often it comes back. Without this memory a popular chain evicted
-once restarts as unknown, and cachemgr.gc.value (which values a segment by its head's returns
-and age) would rank it as any new chain.
+"""What the chain model remembers of evicted pages. A chain whose pages were evicted and that
+comes back (SGLang writes it again from its first missing page) is the same conversation: its
+returns so far say how often it comes back. Without this memory a popular chain evicted once
+restarts as unknown, and cachemgr.gc.value (which values a segment by its top page's returns
+and age) would rank it as any new chain. A page evicted before anyone read it and written
+again comes back with one return: it was wanted twice (ARC's and S3-FIFO's ghost hit), so it
+is no longer on trial.
 
-Bounded: the oldest entries are forgotten first (~380 bytes each). In memory only: a daemon
-restart forgets them (the index keeps the pages on disk, not the evicted).
+Bounded: the oldest entries are forgotten first (~380 bytes each). A clean stop saves them in
+the model file and the next start takes them back (cachemgr.gc.modelfile).
 """
 
 from __future__ import annotations
@@ -14,19 +16,19 @@ from collections import OrderedDict
 
 from cachemgr.gc.pagestore import GHOST, NONE, PageStore
 
-REMEMBER = 16_384  # evicted chain heads remembered at most (~6 MB: the daemon's RSS budget)
+REMEMBER = 16_384  # evicted pages remembered at most (~6 MB: the daemon's RSS budget)
 
 
 class History:
-    """(namespace, key) -> (reads, born) of the chain heads evicted, oldest first."""
+    """(namespace, key) -> (reads, born) of the pages evicted, oldest first."""
 
     def __init__(self, size: int = REMEMBER) -> None:
         self.size = size
         self._heads: OrderedDict[tuple[str, str], tuple[int, int]] = OrderedDict()
 
     def evicted(self, st: PageStore, s: int) -> None:
-        """Page `s` leaves the disk: remember it if it heads a chain that was read."""
-        if not st.reads[s] or _below_gap_or_inside(st, s):
+        """Page `s` leaves the disk: remember it unless it is behind a gap (unusable)."""
+        if _below_gap(st, s):
             return
         k = (st.ns_names[st.ns[s]], st.key(s))
         self._heads[k] = (st.reads[s], st.born[s])
@@ -35,17 +37,27 @@ class History:
             self._heads.popitem(last=False)
 
     def returned(self, st: PageStore, s: int) -> None:
-        """Page `s` was written again (its link set): a remembered head's chain came back. It
+        """Page `s` was written again (its link set): a remembered page's chain came back. It
         keeps its returns, plus this one, and its age. Not a page behind a gap: one there
         stays unread (cachemgr.gc.value reaps such a page first)."""
-        if not self._heads or _below_gap_or_inside(st, s):
+        if not self._heads or _below_gap(st, s):
             return  # (empty at every start: a load of a million pages builds no key for it)
         known = self._heads.pop((st.ns_names[st.ns[s]], st.key(s)), None)
         if known is not None:
-            st.reads[s], st.born[s] = known[0] + 1, known[1]
+            st.set_count("reads", s, known[0] + 1)
+            st.born[s] = known[1]
+
+    def entries(self) -> list[tuple[str, str, int, int]]:
+        """(namespace, key, reads, born), oldest first: what the model file keeps."""
+        return [(ns, key, r, b) for (ns, key), (r, b) in self._heads.items()]
+
+    def restore(self, entries: list[tuple[str, str, int, int]]) -> None:
+        """Take saved entries back (oldest first), as many as fit."""
+        for ns, key, reads, born in entries[-self.size :]:
+            self._heads[str(ns), str(key)] = (int(reads), int(born))
 
 
-def _below_gap_or_inside(st: PageStore, s: int) -> bool:
-    """Whether `s` is no chain head: its predecessor is gone, or continues only into it."""
+def _below_gap(st: PageStore, s: int) -> bool:
+    """Whether `s` is behind a gap: its predecessor is known and gone."""
     up = st.pred[s]
-    return up != NONE and (st.files[up] == GHOST or st.kids[up] < 2)
+    return up != NONE and st.files[up] == GHOST

@@ -2,7 +2,8 @@
 
 Loading the model from the index is one pass over every row (seconds at a million pages), and
 it loses what only the model knew: the eviction order's segments (the first order after it
-walks every page) and the learner's banked votes. So a daemon that stops cleanly writes its
+walks every page), the learner's banked votes, the memory of evicted pages (cachemgr.gc.history)
+and which eviction order won (cachemgr.gc.adapt). So a daemon that stops cleanly writes its
 model's arrays to `<state dir>/chain-model.snapshot` (one file, written atomically), then puts
 the file's random token in the index (`model_stamp`, migration 0008). The next start uses the
 file only when all of these hold, else it loads from the index as before:
@@ -10,9 +11,11 @@ file only when all of these hold, else it loads from the index as before:
 * the index still holds that token: triggers delete it on any change to `pages` (a CLI scan,
   GC or purge, another daemon), and the daemon takes it when it starts, so after a kill -9 or
   a run that changed the index there is none;
-* the file says the same token, this format version and this machine's array layout;
+* the file says the same token, a format version this code reads (1: without the memory of
+  evicted pages and the order's state, which then start empty; 1 and 2: every count column at
+  its old fixed width, narrowed as it loads) and this machine's array layout;
 * its CRC-32 (of all of it) checks, every array has the length the header gives, and the key
-  table is a power of two long: a truncated or garbled file is refused, not trusted.
+  table is at most two thirds full: a truncated or garbled file is refused, not trusted.
 
 Namespaces whose files changed on disk while the daemon was down are loaded again from the
 index after the start-up scan (cachemgr.daemon.indexer), like today.
@@ -41,18 +44,23 @@ from cachemgr.fs.atomic import write_atomic
 from cachemgr.fs.deletion import delete_own_temps
 from cachemgr.fs.safe import is_own_temp, open_dir, open_file
 from cachemgr.gc.chains import ChainModel
-from cachemgr.gc.pagestore import COLUMNS, KEY_BYTES, NONE, PageStore
+from cachemgr.gc.pagestore import COLUMNS, COUNTS, KEY_BYTES, NONE, WIDER, PageStore
 from cachemgr.state import pages_sql
 from cachemgr.state.index import ScanChanges
 from cachemgr.state.store import Store
 
 log = logging.getLogger(__name__)
 MAGIC = b"cachemgr-chain-model\n"
-VERSION = 1
+# 2: the memory of evicted pages and the adaptive order's state (1: read, without); 3: each
+# column's item type in the header (the count columns widen as their values grow).
+VERSION = 3
+VERSIONS = (1, 2, 3)
 _LEN = struct.Struct("<Q")  # the header's length, after the magic
 _CRC = struct.Struct("<I")  # the CRC-32 of everything before it, at the end
 _SAVED = tuple(c for c in COLUMNS if c not in ("cand", "cand_sfx"))  # (salted hashes: not kept)
 _SEGMENTS = (("leaf", "i"), ("top", "i"), ("last", "q"), ("when", "d"))
+# The columns' item types in the files of versions 1 and 2.
+_FIXED = {"ns": "H", "reads": "i", "files": "i", "kids": "i"}
 ROOM = 4  # times the file's size that must be free to write it: it never takes the disk's last
 STALE_TEMP = 600.0  # seconds unchanged after which a temp file of the model is a dead save's
 
@@ -63,7 +71,26 @@ class SnapshotInvalid(ValueError):
 
 def _layout() -> dict[str, Any]:
     """What the raw arrays depend on besides the format: byte order and item sizes."""
-    return {"order": sys.byteorder, "sizes": {c: array(c).itemsize for c in "bHiqd"}}
+    return {"order": sys.byteorder, "sizes": {c: array(c).itemsize for c in "bBhHiqd"}}
+
+
+def _typecodes(h: dict[str, Any]) -> dict[str, str]:
+    """The saved columns' item types, as the header gives them (checked: each one a type this
+    code gives that column, of the size this machine has) or, in a file of version 1 or 2
+    without them, as those versions had them."""
+    fresh = PageStore()
+    codes: dict[str, str] | None = h.get("columns")
+    if codes is None:
+        if h["version"] >= 3:
+            raise SnapshotInvalid("no item types")
+        return {c: _FIXED.get(c, getattr(fresh, c).typecode) for c in _SAVED}
+    for c in _SAVED:
+        ok = [getattr(fresh, c).typecode]
+        while ok[-1] in WIDER and c in COUNTS:
+            ok.append(WIDER[ok[-1]])
+        if codes[c] not in ok or h["sizes"].get(codes[c]) != array(codes[c]).itemsize:
+            raise SnapshotInvalid(f"column {c}: item type {codes[c]!r}")
+    return {c: codes[c] for c in _SAVED}
 
 
 def save(model: ChainModel, path: Path, store: Store, exact: Iterable[str]) -> None:
@@ -107,32 +134,56 @@ def _sweep_temps(path: Path) -> None:
         if names:
             r = delete_own_temps(path.parent, "", names, older_than=STALE_TEMP)
             if r.files:
-                log.info("chain model temp files of killed saves deleted",
-                         extra={"files": r.files, "bytes": r.bytes})  # fmt: skip
+                log.info(
+                    "chain model temp files of killed saves deleted",
+                    extra={"files": r.files, "bytes": r.bytes},
+                )
     except (OSError, CachemgrError) as e:  # (the save goes on: the write says if it can)
         log.warning("chain model temp files not removed", extra={"error": str(e)})
 
 
 def _encode(model: ChainModel, token: str, exact: list[str]) -> list[memoryview]:
     st, top = model.store, model.store.top
+    adapt_table = model.adapt.table()
     segs = model.segments  # leaf -> (top, latest use, its wall clock)
     seg_cols: list[array[Any]] = [array("i", segs)]
     seg_cols += [array(c, (v[i] for v in segs.values())) for i, (_, c) in enumerate(_SEGMENTS[1:])]
     # Views, not copies, of the columns (they hold room for more slots past `top`).
     body = [
-        memoryview(st.keys)[: top * KEY_BYTES], memoryview(st.leaf)[:top],
-        *(memoryview(getattr(st, c))[:top] for c in _SAVED), memoryview(st.freed),
-        memoryview(st.table), *(memoryview(c) for c in seg_cols),
+        memoryview(st.keys)[: top * KEY_BYTES],
+        memoryview(st.leaf)[:top],
+        *(memoryview(getattr(st, c))[:top] for c in _SAVED),
+        memoryview(st.freed),
+        memoryview(st.table),
+        *(memoryview(c) for c in seg_cols),
         memoryview(array("i", model.dirty)),
-    ]  # fmt: skip
+        memoryview(adapt_table),
+    ]
     header = {
-        "version": VERSION, "token": token, **_layout(), "top": top, "count": st.count,
-        "clock": model.clock, "filled": st.filled, "freed": len(st.freed),
-        "table": len(st.table), "segments": len(segs), "dirty": len(model.dirty),
-        "ns_names": st.ns_names, "ns_pages": st.ns_pages, "ns_slots": st.ns_slots,
-        "free_ns": st.free_ns, "suffixes": st.suffixes, "file_sets": st.file_sets,
-        "odd": sorted(st.odd.items()), "exact": exact,
-    }  # fmt: skip
+        "version": VERSION,
+        "token": token,
+        **_layout(),
+        "columns": {c: getattr(st, c).typecode for c in _SAVED},
+        "top": top,
+        "count": st.count,
+        "clock": model.clock,
+        "filled": st.filled,
+        "freed": len(st.freed),
+        "table": len(st.table),
+        "segments": len(segs),
+        "dirty": len(model.dirty),
+        "ns_names": st.ns_names,
+        "ns_pages": st.ns_pages,
+        "ns_slots": st.ns_slots,
+        "free_ns": st.free_ns,
+        "suffixes": st.suffixes,
+        "file_sets": st.file_sets,
+        "odd": sorted(st.odd.items()),
+        "exact": exact,
+        "history": model.history.entries(),
+        "adapt": model.adapt.state(),
+        "adapt_ints": len(adapt_table),
+    }
     raw = json.dumps(header).encode()
     return [memoryview(MAGIC + _LEN.pack(len(raw)) + raw), *body]
 
@@ -151,8 +202,10 @@ def restore(model: ChainModel, path: Path, store: Store) -> set[str]:
     # MemoryError: a length within a file with holes (a sparse file planted or grown there)
     # that no machine holds; the lengths of a file we wrote fit in the memory it came from.
     except (OSError, EOFError, ValueError, KeyError, TypeError, MemoryError, CachemgrError) as e:
-        log.warning("chain model snapshot not used; loading from the index",
-                    extra={"path": str(path), "error": str(e)})  # fmt: skip
+        log.warning(
+            "chain model snapshot not used; loading from the index",
+            extra={"path": str(path), "error": str(e)},
+        )
         return set()
     log.info("chain model restored", extra={"pages": model.store.count, "path": str(path)})
     return exact
@@ -196,19 +249,28 @@ def _read(model: ChainModel, f: BufferedReader, token: str) -> set[str]:
     if r.bytes(len(MAGIC)) != MAGIC:
         raise SnapshotInvalid("not a chain model snapshot")
     h = json.loads(r.bytes(_LEN.unpack(r.bytes(_LEN.size))[0]))
-    if (h["version"], h["token"], h["order"], h["sizes"]) != (VERSION, token, *_layout().values()):
+    sizes = {c: array(c).itemsize for c in h["sizes"]}  # (older files name fewer types)
+    if h["version"] not in VERSIONS or (h["token"], h["order"], h["sizes"]) != (
+        token,
+        sys.byteorder,
+        sizes,
+    ):
         raise SnapshotInvalid("another version, machine or index")
+    codes = _typecodes(h)
     top, size = h["top"], h["table"]
-    if size < 8 or size & (size - 1):
+    if size < 8 or 3 * h["filled"] > 2 * size:  # (probing needs empty buckets)
         raise SnapshotInvalid("bad key table size")
     st = PageStore()
     st.keys, st.leaf = r.bytes(top * KEY_BYTES), r.bytes(top)
     for c in _SAVED:
-        setattr(st, c, r.array(getattr(st, c).typecode, top))
-    st.cand, st.cand_sfx = array("q", [0]) * top, array("i", [NONE]) * top
+        setattr(st, c, r.array(codes[c], top))
+    st.cand, st.cand_sfx = array("q", [0]) * top, array(COUNTS["cand_sfx"], [NONE]) * top
     st.freed, st.table = r.array("i", h["freed"]), r.array("i", size)
     segs = [r.array(c, h["segments"]) for _, c in _SEGMENTS]
     dirty = r.array("i", h["dirty"])
+    # (A version-2 file of a build before the miniatures has a table of tags: bytes.)
+    ints = h.get("adapt_ints")
+    table = r.array("q", ints) if ints is not None else r.bytes(h.get("tags", 0))
     if r.f.read(_CRC.size + 1) != _CRC.pack(r.crc):
         raise SnapshotInvalid("CRC mismatch")
     st.top, st.count, st.filled = top, h["count"], h["filled"]
@@ -217,11 +279,20 @@ def _read(model: ChainModel, f: BufferedReader, token: str) -> set[str]:
     st.ns_num = {n: i for i, n in enumerate(st.ns_names) if n}
     st.file_sets = [tuple((s, z) for s, z in fs) for fs in h["file_sets"]]
     st.file_ids = {fs: i for i, fs in enumerate(st.file_sets)}
+    if "columns" not in h:
+        st.narrow()
+    st.fit_numbers()
     st.odd = {int(s): k for s, k in h["odd"]}
     with model.lock:
         model.store, model.clock = st, h["clock"]
         model.segments = {k: (t, la, w) for k, t, la, w in zip(*segs, strict=True)}
         model.dirty = set(dirty)
+        if h["version"] < 2:
+            log.info("chain model file of version 1: no memory of evicted pages in it")
+        else:
+            model.history.restore(h["history"])
+            if isinstance(table, array):
+                model.adapt.restore(h["adapt"], table)
     return set(h["exact"]) & set(st.ns_num)
 
 

@@ -2,9 +2,10 @@
 
 A dict of page objects cost 700-800 bytes a page (a million pages: ~800 MB); here a page is
 one slot in a dozen `array`s and 32 bytes of its key (a 64-hex-digit key, SGLang's sha256,
-packed to bytes), found through an open-addressing table of slot numbers (4 bytes a bucket):
-~103 bytes a page. Keys of another shape (shorter or uppercase hex, other formats) are kept as
-strings on the side.
+packed to bytes), found through an open-addressing table of slot numbers (4 bytes a bucket,
+two to three buckets a page): ~89 bytes a page at any size (bench/RESULTS.md has where they
+go). Keys of another shape (shorter or uppercase hex, other formats) are kept as strings on
+the side.
 
 A slot is either a page on disk (`files[s] >= 0`, the id of its interned (suffix, size) files)
 or a *ghost* (`files[s] == GHOST`): a key that pages on disk still name as their predecessor.
@@ -13,11 +14,13 @@ A ghost lives while it has children (`kids[s] > 0`); then its slot is reused.
 
 from __future__ import annotations
 
+import functools
 import re
+import threading
 import zlib
 from array import array
-from collections.abc import Iterator
-from typing import NamedTuple
+from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple
 
 GHOST = -1  # files id of a slot that is not a page on disk
 NONE = -1  # no slot (no predecessor, empty bucket)
@@ -25,12 +28,35 @@ _DEAD = -2  # a bucket whose slot was freed (probing goes on past it)
 KEY_BYTES = 32  # 64 hex digits
 GROW = 1024  # slots the columns grow by at a time
 _ONE = re.compile(b"\x01")
-_FILL = {(c, v): array(c, [v]) * GROW for c, v in [("i", NONE), *((c, 0) for c in "iqbdH")]}
+# Columns of counts (of namespaces, file sets, stream suffixes, children, reads) start narrow
+# and are widened, the whole column at once, when a value outgrows their items: most of them
+# count the few shapes of a namespace's names, not its pages.
+WIDER = {"b": "h", "B": "H", "h": "i", "H": "i", "i": "q"}
+_MAX = {c: (1 << 8 * array(c).itemsize - c.islower()) - 1 for c in "bBhHiq"}
+COUNTS = {"ns": "B", "reads": "H", "cand_sfx": "b", "files": "b", "kids": "H"}  # (narrowest)
 # A slot's columns (one typecode each), in the order the model file has them (gc/modelfile.py).
-COLUMNS = ("ns", "pred", "born", "last", "time", "reads", "conf", "cand", "cand_sfx", "files",
-           "kids", "kidx")  # fmt: skip
+COLUMNS = (
+    "ns",
+    "pred",
+    "born",
+    "last",
+    "time",
+    "reads",
+    "conf",
+    "cand",
+    "cand_sfx",
+    "files",
+    "kids",
+    "kidx",
+)
 Files = tuple[tuple[str, int], ...]  # (name after the key, size) of each file of a page
 PageId = tuple[str, str]  # (namespace id, page key)
+
+
+@functools.cache
+def _fill(typecode: str, value: int) -> array[Any]:
+    """GROW items of `value`: what a column grows by."""
+    return array(typecode, [value]) * GROW
 
 
 def _pack(key: str) -> bytes | None:
@@ -76,19 +102,19 @@ class PageStore:
     def __init__(self) -> None:
         self.keys = bytearray()  # KEY_BYTES per slot
         self.odd: dict[int, str] = {}  # slot -> key, for keys `_pack` cannot pack
-        self.ns = array("H")  # namespace number (self.ns_names; numbers are reused)
+        self.ns = array(COUNTS["ns"])  # namespace number (self.ns_names; numbers are reused)
         self.pred = array("i")  # slot of the page before it in its chain, or NONE
         self.born = array("q")  # access sequence of its first write
         self.last = array("q")  # access sequence of its latest use
         self.time = array("d")  # wall-clock time of that use
-        self.reads = array("i")
+        self.reads = array(COUNTS["reads"])
         self.conf = array("b")  # agreeing reads banked for `pred`
         # The predecessor the last contrary read named, as the hash of its key (only compared:
         # a 64-bit collision is the one way this differs from keeping the key itself).
         self.cand = array("q")
-        self.cand_sfx = array("i")  # ... and the suffix number of its stream, or NONE
-        self.files = array("i")  # id of its interned files, or GHOST
-        self.kids = array("i")  # children on disk
+        self.cand_sfx = array(COUNTS["cand_sfx"])  # ... and its stream's suffix number, or NONE
+        self.files = array(COUNTS["files"])  # id of its interned files, or GHOST
+        self.kids = array(COUNTS["kids"])  # children on disk
         self.kidx = array("i")  # XOR of their slots: the child itself when there is one
         self.leaf = bytearray()  # 1 for a leaf
         self.ns_names: list[str] = []
@@ -111,6 +137,13 @@ class PageStore:
         odd = self.odd.get(s) if self.odd else None
         return odd if odd is not None else self.keys[s * KEY_BYTES : (s + 1) * KEY_BYTES].hex()
 
+    def digest(self, s: int) -> int:
+        """A hash of the slot's key, the same in every process (cachemgr.gc.adapt's tags)."""
+        odd = self.odd.get(s) if self.odd else None
+        if odd is not None:
+            return _hash(None, odd)
+        return _hash(bytes(self.keys[s * KEY_BYTES : (s + 1) * KEY_BYTES]), "")
+
     def find(self, ns: str, key: str) -> int:
         """The slot of (ns, key), or NONE."""
         n = self.ns_num.get(ns)
@@ -120,8 +153,8 @@ class PageStore:
         """(the slot of `key` in namespace `n`, or NONE; if NONE, the bucket to put it in;
         the key packed)."""
         raw = _pack(key)
-        table, mask, ns, keys, odd = self.table, len(self.table) - 1, self.ns, self.keys, self.odd
-        i = _hash(raw, key) + n & mask
+        table, size, ns, keys, odd = self.table, len(self.table), self.ns, self.keys, self.odd
+        i = (_hash(raw, key) + n) % size
         free = NONE
         while (s := table[i]) != NONE:
             if s < 0:
@@ -132,7 +165,7 @@ class PageStore:
                 else keys[s * KEY_BYTES : (s + 1) * KEY_BYTES] == raw and s not in odd
             ):
                 return s, i, raw
-            i = i + 1 & mask
+            i = (i + 1) % size
         return NONE, i if free == NONE else free, raw
 
     def ensure(self, ns: str, key: str) -> int:
@@ -144,9 +177,10 @@ class PageStore:
                 self.ns_names.append(ns)
                 self.ns_pages.append(0)
                 self.ns_slots.append(0)
+                self.fit("ns", n)
             self.ns_names[n] = ns
         if 3 * (self.filled + 1) > 2 * len(self.table):
-            self.reserve(0)
+            self.reserve(self.top // 2)  # (a third full then: it doubles, as the pages grow)
         s, i, raw = self._probe(n, key)
         if s == NONE:
             s = self._new_slot(n, key, raw)
@@ -179,32 +213,84 @@ class PageStore:
         self.keys += bytes(KEY_BYTES * GROW)
         self.leaf += bytes(GROW)
         for col in (self.pred, self.cand_sfx, self.files):
-            col.extend(_FILL["i", NONE])
-        for col in (self.ns, self.born, self.last, self.reads, self.conf, self.cand,
-                    self.kids, self.kidx):  # fmt: skip
-            col.extend(_FILL[col.typecode, 0])
-        self.time.extend(_FILL["d", 0])
+            col.extend(_fill(col.typecode, NONE))
+        for col in (
+            self.ns,
+            self.born,
+            self.last,
+            self.reads,
+            self.conf,
+            self.cand,
+            self.kids,
+            self.kidx,
+        ):
+            col.extend(_fill(col.typecode, 0))
+        self.time.extend(_fill("d", 0))
+
+    # -- column widths --------------------------------------------------------------------------
+
+    def fit(self, col: str, value: int) -> None:
+        """Widen column `col` (one of COUNTS) until `value` fits its items."""
+        c = getattr(self, col)
+        if value > _MAX[c.typecode]:
+            code = c.typecode
+            while value > _MAX[code]:
+                code = WIDER[code]
+            setattr(self, col, array(code, iter(c)))  # (not from `c`: an array of another kind)
+
+    def set_count(self, col: str, s: int, value: int) -> None:
+        """Set slot `s`'s count in `col` (reads, kids), widening the column if it outgrows it."""
+        try:
+            getattr(self, col)[s] = value
+        except OverflowError:
+            self.fit(col, value)
+            getattr(self, col)[s] = value
+
+    def narrow(self) -> None:
+        """Make the count columns as narrow as their values allow (a model file of a version
+        before narrow columns has them at their old width)."""
+        for col, code in COUNTS.items():
+            c = getattr(self, col)
+            top = max(c, default=0)
+            while top > _MAX[code]:
+                code = WIDER[code]
+            if code != c.typecode:
+                setattr(self, col, array(code, iter(c)))
+
+    def fit_numbers(self) -> None:
+        """Widen the columns of namespace, file-set and suffix numbers to hold every number
+        handed out (a loaded store's columns fit only the numbers its slots hold)."""
+        self.fit("ns", len(self.ns_names) - 1)
+        self.fit("files", len(self.file_sets) - 1)
+        self.fit("cand_sfx", len(self.suffixes) - 1)
+
+    def suffix(self, sfx: str) -> int:
+        """The number of a stream's file suffix (numbered as they come)."""
+        n = self.suffixes.get(sfx)
+        if n is None:
+            n = self.suffixes[sfx] = len(self.suffixes)
+            self.fit("cand_sfx", n)
+        return n
 
     def _bucket(self, s: int) -> int:
         """The first bucket slot `s` may sit in."""
         odd = self.odd.get(s) if self.odd else None
         raw = None if odd is not None else bytes(self.keys[s * KEY_BYTES : (s + 1) * KEY_BYTES])
-        return _hash(raw, odd or "") + self.ns[s] & len(self.table) - 1
+        return (_hash(raw, odd or "") + self.ns[s]) % len(self.table)
 
     def _place(self, s: int) -> None:
-        table, mask, i = self.table, len(self.table) - 1, self._bucket(s)
+        table, size, i = self.table, len(self.table), self._bucket(s)
         while table[i] >= 0:
-            i = i + 1 & mask
+            i = (i + 1) % size
         self.filled += table[i] == NONE
         table[i] = s
 
     def reserve(self, more: int) -> None:
-        """A new table, at most half full with every slot in use and `more` (its dead buckets
-        go), so that it does not double and rehash as they come."""
-        size, live = 8, self.top - len(self.freed) + 1 + more
-        while size < 2 * live:
-            size *= 2
-        self.table = array("i", [NONE]) * size
+        """A new table, half full with every slot in use and `more` (its dead buckets go), so
+        that it does not grow and rehash as they come. Any length (not a power of two: a
+        table that doubles past a million pages holds 2-4 buckets a page, not 2)."""
+        live = self.top - len(self.freed) + 1 + more
+        self.table = array("i", [NONE]) * max(8, 2 * live)
         self.filled = 0
         free = set(self.freed)
         for s in range(self.top):
@@ -213,10 +299,10 @@ class PageStore:
 
     def release(self, s: int) -> None:
         """Free a ghost's slot (it has no children left)."""
-        table, mask, i = self.table, len(self.table) - 1, self._bucket(s)
+        table, size, i = self.table, len(self.table), self._bucket(s)
         self.odd.pop(s, None)
         while table[i] != s:
-            i = i + 1 & mask
+            i = (i + 1) % size
         table[i] = _DEAD
         self.pred[s] = NONE
         self.freed.append(s)
@@ -249,6 +335,7 @@ class PageStore:
         if fid is None:
             fid = self.file_ids[files] = len(self.file_sets)
             self.file_sets.append(files)
+            self.fit("files", fid)
         return fid
 
     def pred_key(self, s: int) -> str | None:
@@ -256,8 +343,15 @@ class PageStore:
         return None if p == NONE else self.key(p)
 
     def page(self, s: int) -> Page:
-        return Page(self.pred_key(s), self.born[s], self.last[s], self.time[s], self.reads[s],
-                    self.conf[s], self.file_sets[self.files[s]])  # fmt: skip
+        return Page(
+            self.pred_key(s),
+            self.born[s],
+            self.last[s],
+            self.time[s],
+            self.reads[s],
+            self.conf[s],
+            self.file_sets[self.files[s]],
+        )
 
     def size(self, s: int) -> int:
         return sum(size for _, size in self.file_sets[self.files[s]])
@@ -284,3 +378,26 @@ class PageStore:
         for s in range(self.top):
             if ns_col[s] == n and files[s] != GHOST:
                 yield s
+
+
+class PagesView(Mapping[PageId, Page]):
+    """A read-only view of a store's pages on disk by (namespace, key): copies of each."""
+
+    def __init__(self, store: PageStore, lock: threading.RLock) -> None:
+        self._store, self._lock = store, lock
+
+    def __getitem__(self, pid: PageId) -> Page:
+        with self._lock:
+            s = self._store.find(*pid)
+            if not self._store.present(s):
+                raise KeyError(pid)
+            return self._store.page(s)
+
+    def __iter__(self) -> Iterator[PageId]:
+        st = self._store
+        with self._lock:
+            ids = [(ns, st.key(s)) for ns in st.ns_names for s in st.slots(ns)]
+        return iter(ids)
+
+    def __len__(self) -> int:
+        return self._store.count

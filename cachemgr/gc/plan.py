@@ -13,24 +13,37 @@ frees.
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import sqlite3
-from collections.abc import Collection, Sequence
+import stat
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs.deletecheck import too_young
-from cachemgr.fs.usage import DiskUsage, DiskUsageFn
+from cachemgr.fs.usage import DiskUsage, DiskUsageFn, inode_usage
 from cachemgr.gc import find as gcfind
 from cachemgr.gc.chains import CYCLE_WALK, ChainModel
-from cachemgr.gc.find import TempFile, list_namespace, list_temps
+from cachemgr.gc.find import list_namespace, list_temps
 from cachemgr.gc.pagestore import NONE, PageId
-from cachemgr.gc.policy import ByReason, GcPolicy, GcReason, over_limits, tally
+from cachemgr.gc.policy import (
+    HOLDING,
+    ByReason,
+    Files,
+    GcPolicy,
+    GcReason,
+    Inodes,
+    files_over,
+    over_file_limits,
+    over_limits,
+    tally,
+)
 from cachemgr.gc.step import GcStep
 from cachemgr.gc.value import cap_order
 from cachemgr.layout import Layout
 from cachemgr.state import pages_sql
-from cachemgr.state.index import namespace_dirs
+from cachemgr.state.index import engine_format, namespace_dirs
 from cachemgr.state.store import Store, read_snapshot
 
 
@@ -85,6 +98,26 @@ class Earlier:
         return replace(step, names=names, bytes=sum(sizes.get(n, 0) for n in names))
 
 
+@dataclass(frozen=True)
+class Live:
+    """What the running daemon knows beyond the index when GC plans; a one-off run knows
+    none of it (and builds a chain model from the index if pages must go)."""
+
+    model: ChainModel | None = None  # the index's live chain model
+    pending: int = 0  # bytes stored that the index does not count yet
+    ahead: int = 0  # bytes the writer adds before the run is done (policy.over_limits)
+    # Pages requests use that the model has not seen yet: they and their ancestors stay.
+    in_flight: Collection[PageId] = ()
+    # Page files stored that the index has not applied yet, as (namespace, name) in the order
+    # a cap takes them (cachemgr.daemon.backlog.take_order): at full speed the index lags the
+    # writer by seconds (many times a small cap), so a cap takes them too once no page it
+    # knows of is left (_unapplied).
+    unapplied: Sequence[PageId] = ()
+    # The size the writer's stores are counted at, as `pending` counts them (0: unknown yet):
+    # a cap takes unapplied stores by it, without a stat each (_unapplied).
+    store_bytes: int = 0
+
+
 def plan_gc(
     layout: Layout,
     store: Store,
@@ -92,35 +125,15 @@ def plan_gc(
     *,
     now: float,
     disk_usage: DiskUsageFn = shutil.disk_usage,
-    temps: Sequence[TempFile] | None = None,
     sweep: bool = True,
-    model: ChainModel | None = None,
-    ahead: int = 0,
-    pending: int = 0,
-    busy: Collection[PageId] = (),
+    live: Live = Live(),
     after: Earlier = Earlier(),
 ) -> GcPlan:
-    """Decide what to delete. `sweep` also lists namespace dirs for temps (unless `temps`
-    from a scan are given) and checks page sizes; without it only the index is read.
-    `model`: the daemon's live chain model (None: built from the index if pages must go);
-    `pending`, `ahead`: bytes stored but not indexed yet, and bytes the writer adds before the
-    run is done (cachemgr.gc.policy.over_limits); `busy`: pages accessed that the model has not
-    seen yet (in flight: they and their ancestors stay); `after`: what a pass made before
-    this plan deletes (a dry run's floor pass)."""
+    """Decide what to delete. `sweep` also lists namespace dirs for temps and checks page
+    sizes; without it only the index is read. `after`: what a pass made before this plan
+    deletes (a dry run's floor pass)."""
     with read_snapshot(store.conn) as conn:
-        return _plan(
-            conn,
-            layout,
-            policy,
-            now,
-            disk_usage,
-            temps,
-            sweep,
-            model,
-            (ahead, pending),
-            busy,
-            after,
-        )
+        return _plan(conn, layout, policy, now, disk_usage, sweep, live, after)
 
 
 def _plan(
@@ -129,11 +142,8 @@ def _plan(
     policy: GcPolicy,
     now: float,
     disk_usage: DiskUsageFn,
-    temps: Sequence[TempFile] | None,
     sweep: bool,
-    model: ChainModel | None,
-    writer: tuple[int, int],  # (ahead, pending)
-    busy: Collection[PageId],
+    daemon: Live,
     after: Earlier,
 ) -> GcPlan:
     usage = pages_sql.namespace_bytes(conn)
@@ -170,12 +180,10 @@ def _plan(
         sizes = {n: s for n, (s, _) in pages.items()} | {t.name: t.size for t in ns_temps}
         drop = GcStep(reason, f"ns/{ns_id}", ns_id, names, 0, policy.min_age, True)
         drops.append(after.without(drop, sizes))
-    if sweep and temps is None:
-        temps = [t for ns in namespace_dirs(layout) for t in list_temps(layout, ns, warnings)]
-    stale = gcfind.stale_temps([t for t in temps or () if t.namespace_id not in gone], policy, now)
     if sweep:
-        stale += gcfind.stale_own_temps(layout, policy, now)
-    steps += stale
+        temps = [t for ns in namespace_dirs(layout) for t in list_temps(layout, ns, warnings)]
+        steps += gcfind.stale_temps([t for t in temps if t.namespace_id not in gone], policy, now)
+        steps += gcfind.stale_own_temps(layout, policy, now)
     steps += drops
     unlisted = sum(s.bytes for s in steps if s.reason in ("trash", "tmp"))
     # No age rule at all without min_age: an access time in the future (a clock stepped back,
@@ -194,11 +202,15 @@ def _plan(
     used_all = sum(usage.values())
     counted = used_all + unlisted
     disk = after.freed(DiskUsage(*disk_usage(layout.root)), freed_trash)
-    ahead, pending = writer
+    ahead = daemon.ahead
+    pending = daemon.pending
+    busy = daemon.in_flight
     limits = over_limits(policy, live, disk, counted=counted, ahead=ahead, pending=pending)
-    chains = model
+    files = file_counts(conn, layout, live, after).with_writer(ahead + pending, usage)
+    chains = daemon.model
     if chains is None:  # a one-off run reads the page rows only if pages must go
         over = bool(limits.namespaces) or limits.root is not None
+        over = over or files_over(policy, files)
         chains = ChainModel.from_index(conn, sorted(live) if over else [])
     overridden = 0
     for ns_id, need in limits.namespaces.items():
@@ -214,15 +226,36 @@ def _plan(
         # applied yet (and the writer's pace) are not in the chain model, whose order would
         # not know what they continue (the prefix a queued store hangs on would go first).
         indexed = budget.excess(sum(live.values()), policy.low_watermark)
-        victims, forced = _pick(chains, list(live), (excess, indexed), before, taken, now, busy)
+        # The pages no protection holds, then the stores the index has not applied, then what
+        # a protection holds: the stores continue the chains in flight (a stream's last
+        # indexed page is the head they hang on), so they go before those heads.
+        victims, _ = _pick(chains, list(live), (excess, 0), before, taken, now, busy)
         steps += _evictions(budget.reason, victims, policy.min_age)
-        overridden += forced
-        short = excess - sum(p.bytes for p in victims.values())
+        freed = sum(p.bytes for p in victims.values())
+        short = excess - freed
+        if short > 0 and daemon.unapplied:
+            early = _unapplied(layout, daemon, short, steps, budget.reason)
+            steps += early
+            short -= sum(s.bytes for s in early)
+            overridden += sum(len(s.names) for s in early)
+        if short > 0:
+            held = (short, indexed - freed)
+            victims, forced = _pick(chains, list(live), held, before, taken, now, busy)
+            steps += _evictions(budget.reason, victims, policy.min_age)
+            overridden += forced
+            short -= sum(p.bytes for p in victims.values())
         if short > 0:
             warnings.append(
                 f"{budget.reason}: {short} bytes still over the low watermark; "
                 "no other page is indexed"
             )
+
+    def pick_files(ids: list[str], need: tuple[int, int]) -> tuple[dict[_Victims, _Picked], int]:
+        return _pick(chains, ids, need, before, taken, now, busy, True)
+
+    forced, short_files = _file_evictions(policy, files, steps, pick_files)
+    overridden += forced
+    warnings += short_files
     if overridden:
         warnings.append(
             f"{overridden} pages younger than min_age ({policy.min_age:g}s) or in flight "
@@ -230,6 +263,62 @@ def _plan(
         )
     limit = None if budget.limit == float("inf") else int(budget.limit)
     return GcPlan(now, tuple(steps), used_all, limit, budget.reason, tuple(warnings), overridden)
+
+
+def file_counts(
+    conn: sqlite3.Connection, layout: Layout, live: Collection[str], after: Earlier
+) -> Files:
+    """Page files of each live namespace by the index (less those `after` deletes), which
+    namespaces keep them in one dir, and the root filesystem's inodes (plus those `after`
+    frees): what the file limits are kept on."""
+    counts = {ns: n for ns, n in pages_sql.namespace_file_counts(conn).items() if ns in live}
+    for rel, _ in after.files:
+        ns = rel.removeprefix("ns/")
+        if rel.startswith("ns/") and ns in counts:
+            counts[ns] -= 1
+    flat = [ns for ns in counts if engine_format(conn, ns).nesting is None]
+    inodes = Inodes(*inode_usage(layout.root))
+    return Files(counts, flat, inodes._replace(free=inodes.free + len(after.files)))
+
+
+_Victims = tuple[str, bool]  # (namespace, taken despite a protection)
+Pick = Callable[[list[str], tuple[int, int]], tuple[dict[_Victims, "_Picked"], int]]
+
+
+def _file_evictions(
+    policy: GcPolicy, files: Files, steps: list[GcStep], pick: Pick
+) -> tuple[int, list[str]]:
+    """Evictions for the file caps and the inode floor (after those for bytes, which count:
+    `steps` grows with them), by `pick` in files; how many a protection held, and warnings."""
+    gone = {ns: 0 for ns in files.live}
+    for s in steps:
+        if s.namespace_id in gone and s.reason in HOLDING | {"corrupt"}:
+            gone[s.namespace_id] += len(s.names)
+    forced = 0
+    by_ns, _, _ = over_file_limits(policy, _less(files, gone))
+    for ns_id, (need, reason) in by_ns.items():
+        victims, held = pick([ns_id], (need, need))
+        gone[ns_id] += sum(len(p.names) for p in victims.values())
+        steps += _evictions(reason, victims, policy.min_age)
+        forced += held
+    _, budget, excess = over_file_limits(policy, _less(files, gone))
+    if excess is None:
+        return forced, []
+    victims, held = pick(list(files.live), (excess, excess))
+    steps += _evictions(budget.reason, victims, policy.min_age)
+    short = excess - sum(len(p.names) for p in victims.values())
+    if short > 0:
+        return forced + held, [f"{budget.reason}: {short} files still over the low watermark"]
+    return forced + held, []
+
+
+def _less(files: Files, gone: dict[str, int]) -> Files:
+    """`files` once `gone` files of each namespace are deleted (their inodes free again)."""
+    live = {ns: n - gone.get(ns, 0) for ns, n in files.live.items()}
+    inodes = files.inodes
+    if inodes is not None:
+        inodes = inodes._replace(free=inodes.free + sum(gone.values()))
+    return files._replace(live=live, inodes=inodes)
 
 
 def _sizes(conn: sqlite3.Connection, step: GcStep) -> dict[str, int]:
@@ -254,12 +343,13 @@ def _pick(
     taken: set[tuple[str | None, str]],
     now: float,
     busy: Collection[PageId],
+    by_files: bool = False,
 ) -> tuple[dict[tuple[str, bool], _Picked], int]:
     """Pages to evict, in order, until `need[0]` bytes, by (namespace, taken despite a
     protection) in order of first victim, and how many a protection held; `taken` (files)
     grows with the choice. A busy page stays, and so do its ancestors (they come later in the
     order, tails first), unless nothing else is left: then the limit wins, up to `need[1]`
-    bytes in all (cachemgr.gc.value.cap_order).
+    bytes in all (cachemgr.gc.value.cap_order). `by_files`: `need` counts files, not bytes.
 
     Only names are kept, not each `Victim`: a quarter of a million objects the garbage
     collector tracks would make its full collections, which hold the GIL, that much longer."""
@@ -285,11 +375,52 @@ def _pick(
             picked = out[c.namespace_id, over] = _Picked([], 0)
         picked.names.extend(c.names)
         picked.bytes += c.size
-        freed += c.size
+        freed += len(c.names) if by_files else c.size
         forced += over
         if freed >= need[0]:
             break
     return out, forced
+
+
+def _unapplied(
+    layout: Layout, daemon: Live, need: int, steps: Sequence[GcStep], reason: GcReason
+) -> list[GcStep]:
+    """Stores the index has not applied, in the order `daemon.unapplied` gives (each request's
+    burst tail first: what is left of one is a usable prefix), until `need` bytes, less the
+    files the other steps take. Tails a request just wrote, which the chain model has not
+    seen, with no age rule (the cap wins; those just reached are spared, as any page, before
+    each chunk). Each counts `store_bytes`, as `pending` counts it: no stat here (each let
+    the index thread take the GIL, most of a run at full speed); execution checks each as any
+    page (the name's shape, a regular file by lstat: never a link, the dir) and says what it
+    freed."""
+    taken = {(s.namespace_id, n) for s in steps for n in s.names}
+    by_ns: dict[str, tuple[list[str], list[int]]] = {}
+    got = 0
+    for ns, name in daemon.unapplied:
+        if got >= need:
+            break
+        if (ns, name) in taken or "/" in name:  # (nested formats: their pages stay indexed)
+            continue
+        size = daemon.store_bytes or _file_size(layout, ns, name)
+        if size is not None:
+            names, sizes = by_ns.setdefault(ns, ([], []))
+            names.append(name)
+            sizes.append(size)
+            got += size
+    return [
+        GcStep(reason, f"ns/{ns}", ns, tuple(names), sum(sizes), 0.0)
+        for ns, (names, sizes) in by_ns.items()
+    ]
+
+
+def _file_size(layout: Layout, ns: str, name: str) -> int | None:
+    """A regular file's size by lstat (None: gone, or not a regular file): before the index
+    applied any store, the size stores are counted at is not known yet."""
+    try:
+        st = os.lstat(layout.ns_dir(ns) / name)
+    except OSError:
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
 def _evictions(
@@ -306,7 +437,7 @@ def _evictions(
 
 def lineage(model: ChainModel, pid: PageId, known: Collection[PageId] = ()) -> set[PageId]:
     """The page and its known ancestors (on disk or not): what a request using it needs. The
-    walk stops at a page in `known` (its ancestors are there already): busy pages of one chain
+    walk stops at a page in `known` (its ancestors are there already): pages in flight of one chain
     cost one walk up it, not one each."""
     with model.lock:
         st, out, at = model.store, {pid}, model.store.find(*pid)

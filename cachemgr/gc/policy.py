@@ -3,18 +3,37 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
 from typing import Literal, NamedTuple
 
+from cachemgr.fs.dirlimit import flat_dir_limit
 from cachemgr.fs.usage import DiskUsage
 from cachemgr.settings import Settings
 
 # Why GC deletes a file: the metric label and the audit reason of an eviction (a purge has
 # its own reasons, ns.purge.PurgeReason: why a whole namespace was renamed away).
-GcReason = Literal["trash", "tmp", "ttl", "unbound", "corrupt", "cap", "free_space"]
-# Evictions that keep a limit while the server writes: they keep up with it (unpaced).
-KEEPING: frozenset[GcReason] = frozenset({"cap", "free_space"})
+# files: a file-count cap; free_inodes: the inode floor; dir_full: a flat namespace dir near
+# its filesystem's entry limit (cachemgr.fs.dirlimit).
+GcReason = Literal[
+    "trash",
+    "tmp",
+    "ttl",
+    "unbound",
+    "corrupt",
+    "cap",
+    "free_space",
+    "files",
+    "free_inodes",
+    "dir_full",
+]
+# Evictions that hold a limit while the server writes: they keep pace with it (unpaced).
+HOLDING: frozenset[GcReason] = frozenset({"cap", "free_space", "files", "free_inodes", "dir_full"})
+# Of a flat dir's entry limit, the file cap GC keeps by default: its high watermark then
+# stays under the 80% at which doctor and the alert warn.
+DIR_CAP_SHARE = 0.8
 
 
 @dataclass(frozen=True)
@@ -34,10 +53,17 @@ class GcPolicy:
     interval: float = 60.0
     sweep_interval: float = 3600.0
     delete_rate: float | None = 2000.0
+    max_files: int | None = None
+    namespace_max_files: int | None = None
+    min_free_inodes_percent: float = 0.0
+    dir_entries: int | None = None  # a flat dir's entry limit on the root's filesystem
 
     @classmethod
-    def from_settings(cls, s: Settings) -> GcPolicy:
-        """The policy the settings describe."""
+    def from_settings(
+        cls, s: Settings, *, dir_limit: Callable[[Path], int | None] = flat_dir_limit
+    ) -> GcPolicy:
+        """The policy the settings describe, with the flat-dir entry limit of the root's
+        filesystem (`dir_limit`)."""
         ttl = s.gc_unbound_ttl
         return cls(
             max_bytes=int(s.gc_max_bytes) if s.gc_max_bytes is not None else None,
@@ -55,11 +81,55 @@ class GcPolicy:
             interval=s.gc_interval.total_seconds(),
             sweep_interval=s.gc_sweep_interval.total_seconds(),
             delete_rate=s.gc_delete_rate,
+            max_files=s.gc_max_files,
+            namespace_max_files=s.gc_namespace_max_files,
+            min_free_inodes_percent=s.gc_min_free_inodes_percent,
+            dir_entries=dir_limit(s.root),
         )
 
     def floor(self, disk: DiskUsage) -> int:
         """Bytes that must stay free on the filesystem."""
         return max(self.min_free_bytes, math.ceil(disk.total * self.min_free_percent / 100))
+
+    def inode_floor(self, inodes: Inodes) -> int:
+        """Inodes that must stay free on the filesystem."""
+        return math.ceil(inodes.total * self.min_free_inodes_percent / 100)
+
+    def flat_files_cap(self) -> tuple[int, GcReason] | None:
+        """The file cap of a flat namespace (its pages in one dir), and the limit that sets
+        it: the configured cap, or DIR_CAP_SHARE of the dir's entry limit if lower."""
+        caps: list[tuple[float, GcReason]] = []
+        if self.namespace_max_files is not None:
+            caps.append((self.namespace_max_files, "files"))
+        if self.dir_entries is not None:
+            caps.append((self.dir_entries * DIR_CAP_SHARE, "dir_full"))
+        if not caps:
+            return None
+        cap, reason = min(caps)
+        return int(cap), reason
+
+
+class Inodes(NamedTuple):
+    """A filesystem's inodes (statvfs f_files, f_favail)."""
+
+    total: int
+    free: int
+
+
+class Files(NamedTuple):
+    """What the file-count limits are checked against: files per namespace (page files the
+    index counts), the namespaces whose pages sit in one dir, and the filesystem's inodes."""
+
+    live: Mapping[str, int]
+    flat: Collection[str] = ()
+    inodes: Inodes | None = None
+    ahead: int = 0  # files the writer stores before GC is done (the root's budget counts them)
+
+    def with_writer(self, bytes_ahead: int, live_bytes: Mapping[str, int]) -> Files:
+        """These counts with the writer's bytes to come (over_limits' `ahead` and `pending`)
+        as files, at the index's mean page file size."""
+        files, size = sum(self.live.values()), sum(live_bytes.values())
+        return self._replace(ahead=math.ceil(bytes_ahead * files / size) if size else 0)
 
 
 class Budget(NamedTuple):
@@ -115,6 +185,10 @@ class Limits(NamedTuple):
     namespaces: dict[str, int]  # namespace -> excess over its cap; only those over it
     budget: Budget  # the root's
     root: int | None  # excess over the root's budget; None: under its high watermark
+    # The same in files: namespace -> (files to evict, the cap's reason), and the root's.
+    namespace_files: Mapping[str, tuple[int, GcReason]] = MappingProxyType({})
+    files_budget: Budget = Budget(math.inf, "files")
+    root_files: int | None = None
 
 
 def over_limits(
@@ -125,6 +199,7 @@ def over_limits(
     counted: int | None = None,
     ahead: int = 0,
     pending: int = 0,
+    files: Files | None = None,
 ) -> Limits:
     """The limits `live` (page bytes per namespace GC may evict from) is over.
 
@@ -133,7 +208,9 @@ def over_limits(
     to come. `pending`: bytes already stored that the index does not count yet (the watcher
     saw them, the index has not applied them); `ahead`: bytes the writer will add while GC
     frees space (the daemon's estimate). Both count against the root's budget so the cap holds
-    while it writes. Pure arithmetic on aggregates: the cheap check and the plan both use it.
+    while it writes. `files`: the file counts the file caps and the inode floor are kept on,
+    with the same watermarks. Pure arithmetic on aggregates: the cheap check and the plan both
+    use it.
     """
     cap, high, low = policy.namespace_max_bytes, policy.high_watermark, policy.low_watermark
     over_cap: dict[str, int] = {}
@@ -146,7 +223,44 @@ def over_limits(
     # the gap: a run must not empty the cache for a burst.
     over = budget.over(used + _bounded(policy, budget, ahead, 1.0), high)
     root = budget.excess(used + _bounded(policy, budget, ahead, 0.5), low) if over else None
-    return Limits(over_cap, budget, root)
+    if files is None:
+        return Limits(over_cap, budget, root)
+    by_ns, files_budget, root_files = over_file_limits(policy, files)
+    return Limits(over_cap, budget, root, by_ns, files_budget, root_files)
+
+
+def over_file_limits(
+    policy: GcPolicy, files: Files
+) -> tuple[dict[str, tuple[int, GcReason]], Budget, int | None]:
+    """over_limits in files: each namespace over its file cap (a flat one's, see
+    flat_files_cap), and the root's file budget (its cap, or what the inode floor leaves) and
+    excess. A page file is one inode: freeing n files frees n inodes."""
+    high, low = policy.high_watermark, policy.low_watermark
+    by_ns: dict[str, tuple[int, GcReason]] = {}
+    flat = policy.flat_files_cap()
+    for ns, n in sorted(files.live.items()):
+        cap: tuple[float, GcReason] | None = flat if ns in files.flat else None
+        if policy.namespace_max_files is not None and ns not in files.flat:
+            cap = (policy.namespace_max_files, "files")
+        if cap is not None and n > cap[0] * high:
+            by_ns[ns] = (n - math.floor(cap[0] * low), cap[1])
+    used = sum(files.live.values())
+    budget = Budget(policy.max_files if policy.max_files is not None else math.inf, "files")
+    floor = policy.inode_floor(files.inodes) if files.inodes is not None else 0
+    if files.inodes is not None and floor > 0:
+        space = used + files.inodes.free - floor
+        if space < budget.limit:
+            budget = Budget(space, "free_inodes")
+    # As for bytes: the writer's pace starts a run up to a gap early, deepens it by half one.
+    over = budget.over(used + _bounded(policy, budget, files.ahead, 1.0), high)
+    root = budget.excess(used + _bounded(policy, budget, files.ahead, 0.5), low) if over else None
+    return by_ns, budget, root
+
+
+def files_over(policy: GcPolicy, files: Files) -> bool:
+    """Whether any file cap, or the inode floor, is over its high watermark."""
+    by_ns, _, root = over_file_limits(policy, files)
+    return bool(by_ns) or root is not None
 
 
 class ByReason:

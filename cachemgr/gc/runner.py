@@ -15,11 +15,12 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
-from cachemgr.errors import CachemgrError, StateCorrupt
+from cachemgr.errors import CachemgrError, StateCorrupt, StateError
 from cachemgr.fs import reserve
 from cachemgr.fs.deletecheck import REFUSAL_REASONS, RefusalReason, reason_of
 from cachemgr.fs.deletion import Pacer, Progress
@@ -27,20 +28,22 @@ from cachemgr.fs.leadership import Leadership
 from cachemgr.fs.usage import DiskUsageFn
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.check import needs_gc
-from cachemgr.gc.drop import InUse
 from cachemgr.gc.execute import InFlight, execute_gc
-from cachemgr.gc.find import TempFile
-from cachemgr.gc.floor import audit_floor, below_floor, free_floor
-from cachemgr.gc.plan import Earlier, GcPlan, plan_gc
-from cachemgr.gc.policy import KEEPING, GcPolicy, GcReason
+from cachemgr.gc.floor import floor_pass, record_floor
+from cachemgr.gc.held import HeldAudits
+from cachemgr.gc.pagestore import PageId
+from cachemgr.gc.plan import Earlier, GcPlan, Live, plan_gc
+from cachemgr.gc.policy import HOLDING, GcPolicy, GcReason
 from cachemgr.gc.step import GcReport
 from cachemgr.layout import Layout
-from cachemgr.ns.quarantine import ROOT, Quarantine, is_denied
-from cachemgr.sglang.liveuse import live_users
+from cachemgr.ns.bindings import catch_up
+from cachemgr.ns.liveuse import live_users
+from cachemgr.ns.quarantine import Quarantine, denied_key, is_denied
+from cachemgr.ns.runcontext import RunContext
 from cachemgr.state.store import Store
 from cachemgr.worker import DeathHandler, Worker
 
-log = logging.getLogger("cachemgr.gc.plan")
+log = logging.getLogger(__name__)
 RUN_GAP = 5.0  # seconds at least between two daemon runs (wakes in between are coalesced)
 FLOOR_CHECK = 5.0  # seconds between two statvfs checks of the free-space floor
 
@@ -71,6 +74,50 @@ class GcStats:
             self.short += 1
 
 
+class LiveState:
+    """What GC reads of the process it runs in (uvicorn's `ServerState`): this class is a
+    one-off run's; the daemon's (cachemgr.daemon.gcstate) reads its index and its watcher."""
+
+    def __init__(
+        self,
+        *,
+        model: ChainModel | None = None,
+        ready: threading.Event | None = None,
+        quarantine: Quarantine | None = None,
+    ) -> None:
+        self.model = model  # the index's live chain model (None: built per run from the DB)
+        self.ready = ready  # set once the index is built: the loop's cycles wait for it
+        # Namespaces whose pages this process may not delete: said once, tried each run.
+        self.quarantine = quarantine if quarantine is not None else Quarantine()
+        self.woken = threading.Event()  # set: a check is wanted now (a watermark crossed)
+
+    def may_lead(self) -> bool:
+        """False: never take the GC lock (another process should)."""
+        return True
+
+    def ahead(self, run_seconds: float) -> int:
+        """Bytes the writer adds while a run of `run_seconds` frees space (an estimate)."""
+        return 0
+
+    def pending(self) -> int:
+        """Bytes stored that the index does not count yet."""
+        return 0
+
+    def in_flight(self) -> InFlight:
+        """What requests use now that the chain model has not seen (taken at each plan)."""
+        return InFlight()
+
+    def gone_early(self, pages: Iterable[PageId]) -> None:
+        """A run deleted these stores before the index applied them: no longer pending."""
+
+    def users(self, ns_dir: Path) -> list[int]:
+        """The pids using a namespace dir as their storage dir (none may lose it as unbound)."""
+        return live_users(ns_dir)
+
+    def after_run(self, runner: GcRunner) -> None:
+        """After each run that deleted: the room it left changed."""
+
+
 class GcRunner(Worker):
     """Runs GC for one root: periodically, when woken (a watermark crossed), or on request.
 
@@ -86,42 +133,35 @@ class GcRunner(Worker):
         store: Store,
         policy: GcPolicy,
         *,
+        live: LiveState | None = None,
         leadership: Leadership | None = None,
         clock: Callable[[], float] = time.time,
         disk_usage: DiskUsageFn | None = None,
-        eligible: Callable[[], bool] = lambda: True,
-        in_use: InUse = live_users,
-        ready: threading.Event | None = None,
-        model: ChainModel | None = None,
-        ahead: Callable[[], int] = lambda: 0,
-        pending: Callable[[], int] = lambda: 0,
-        in_flight: Callable[[], InFlight] = InFlight,
-        after_run: Callable[[], None] = lambda: None,
-        quarantine: Quarantine | None = None,
         on_death: DeathHandler | None = None,
     ) -> None:
         super().__init__("gc", on_death=on_death)
-        # Namespaces whose pages this process may not delete: said once, tried each run.
-        self.quarantine = quarantine if quarantine is not None else Quarantine()
-        self.model = model  # the index's live chain model (None: built per run from the DB)
-        self.ahead = ahead  # bytes the writer adds while GC frees space (the daemon's estimate)
-        self.pending = pending  # bytes stored that the index does not count yet
-        self.in_flight = in_flight  # what is in use that the model has not seen (at a plan)
-        self.after_run = after_run  # after each run that deleted (the room it left changed)
-        self.run_seconds = 0.0  # how long the last run that only kept a limit took
-        self.ready = ready
-        self.store, self.layout, self.policy = store, layout, policy
-        self.in_use = in_use  # who uses a namespace dir right now (execute_gc)
+        self.live = live if live is not None else LiveState()
+        self.quarantine = self.live.quarantine
+        self.run_seconds = 0.0  # how long the last run that only held a limit took
+        self.store = store
+        self.layout = layout
+        self.policy = policy
         self.leadership = leadership or Leadership(layout.gc_lock)
-        self.eligible = eligible  # False: never take the GC lock (another process should)
         self.clock = clock
         # As if the state DB's space reserve were allocated: taking it back keeps the floor.
         self.disk_usage = disk_usage or reserve.usage_with_reserve(layout.state_dir)
         self.last_sweep = float("-inf")
         self.stats = GcStats(last_success=clock())
-        self._wake = threading.Event()
         self._busy = threading.Lock()
+        # Clear while a run that holds a cap or the floor deletes: the index writer waits for
+        # it before each batch (cachemgr.daemon.indexer), as both share one GIL and the run
+        # needs no index (it takes the stores the index has not applied too).
+        self.not_holding = threading.Event()
+        self.not_holding.set()
         self._failing: str | None = None  # what the last cycle failed of, until one succeeds
+        # Floor passes' audit rows the DB took no write of (cachemgr.gc.held): written with the
+        # next pass, or at the next floor check once it takes writes.
+        self.held = HeldAudits()
 
     @contextmanager
     def _serialized(self) -> Iterator[None]:
@@ -136,12 +176,21 @@ class GcRunner(Worker):
         """The cheap check (see the module docstring)."""
         with self._serialized():
             return needs_gc(
-                self.layout, self.store, self.policy, now=self.clock(),
-                disk_usage=self.disk_usage, ahead=self.ahead(), pending=self.pending(),
-            )  # fmt: skip
+                self.layout,
+                self.store,
+                self.policy,
+                now=self.clock(),
+                disk_usage=self.disk_usage,
+                ahead=self.ahead(),
+                pending=self.live.pending(),
+            )
+
+    def ahead(self) -> int:
+        """Bytes the writer adds while a run frees space, at the pace of the last run."""
+        return self.live.ahead(self.run_seconds)
 
     def _lead(self) -> bool:
-        return self.eligible() and self.leadership.try_acquire()
+        return self.live.may_lead() and self.leadership.try_acquire()
 
     def tick(self) -> GcReport | None:
         """One daemon cycle: run GC if a limit is crossed or a sweep is due, else nothing."""
@@ -166,35 +215,42 @@ class GcRunner(Worker):
         `policy` replaces the runner's own for this pass (one-off limits)."""
         policy = policy or self.policy
         try:
-            if not below_floor(self.layout, policy, self.disk_usage) or not self._lead():
-                return None
             with self._busy:
-                report = free_floor(
+                report = floor_pass(
                     self.layout,
                     policy,
                     disk_usage=self.disk_usage,
                     pacer=Pacer(rate=policy.delete_rate),
                     clock=self.clock,
-                    stop=self._stopping.is_set,
+                    stop=lambda: self._stopping.is_set() or not self.leadership.fence(),
+                    gate=self._lead,
                 )
         except BaseException:
             self.stats.error += 1
             raise
+        if report is None:
+            self._write_held()
+            return None
         with self._busy:
             self.stats.count(report)
-            self._after_floor(report, actor)
+            self.record_floor(report, actor)
         return report
 
-    def _after_floor(self, report: GcReport, actor: str) -> None:
-        """Audit the floor pass if the DB takes writes again; take the reserve back if room."""
-        try:
-            audit_floor(self.store, report, actor)
-        except (sqlite3.Error, OSError) as e:
-            if not reserve.is_disk_full(e, self.layout.state_dir):
-                raise
-            log.warning("floor pass not audited: the state DB's filesystem is still full",
-                        extra={"files": report.files, "bytes": report.bytes})  # fmt: skip
-        reserve.keep(self.layout.state_dir)
+    def record_floor(self, report: GcReport, actor: str) -> None:
+        """Audit a floor pass made by this runner or its caller (cachemgr.gc.floor), or hold
+        its rows until the DB takes writes."""
+        record_floor(self.layout, self.store, report, actor, self.held)
+
+    def _write_held(self) -> None:
+        """Write the audit rows held since the DB took no writes, if it takes them now (else
+        they stay held: that was said when they were, and the cycle goes on)."""
+        if not self.held:
+            return
+        with self._busy:
+            try:
+                self.held.write(self.store)
+            except (sqlite3.Error, OSError, StateError) as e:
+                log.debug("held audit rows not written yet", extra={"error": str(e)})
 
     def run(
         self,
@@ -202,7 +258,6 @@ class GcRunner(Worker):
         dry_run: bool = False,
         actor: str = "auto",
         sweep: bool = True,
-        temps: list[TempFile] | None = None,
         pacer: Pacer | None = None,
         progress: Progress | None = None,
         policy: GcPolicy | None = None,
@@ -223,15 +278,27 @@ class GcRunner(Worker):
             return GcReport(dry_run, False, now, now, holder=self.leadership.holder())
         if floor is None:
             floor = self._floor_first(dry_run, actor, policy or self.policy)
-        # Planned only: the plan counts its files gone. Done: the disk (and a scan) says so.
+        elif not dry_run:
+            self._write_held()
+        # Planned only: the plan counts its files gone. Done: the disk says so, and its pages
+        # left the index with its audit row (record_floor).
         after = Earlier()
         if floor is not None and floor.dry_run:
             after = Earlier.of([r.step for r in floor.steps])
         with self._serialized():
             try:
-                report = joined(
-                    floor, self._run(dry_run, actor, sweep, temps, pacer, progress, policy, after)
+                run = RunContext(
+                    self.layout,
+                    self.store,
+                    actor=actor,
+                    dry_run=dry_run,
+                    pacer=pacer,
+                    clock=self.clock,
+                    stop=self._stopping.is_set,
+                    fence=self.leadership.fence,
+                    users=self.live.users,
                 )
+                report = joined(floor, self._run(run, sweep, progress, policy, after))
             except BaseException:
                 self.stats.error += 1
                 raise
@@ -241,7 +308,7 @@ class GcRunner(Worker):
             self.stats.count(report)
             reserve.keep(self.layout.state_dir)
             self._note_denied(report)
-            self.after_run()
+            self.live.after_run(self)
         return report
 
     def _floor_first(self, dry_run: bool, actor: str, policy: GcPolicy) -> GcReport | None:
@@ -249,9 +316,7 @@ class GcRunner(Worker):
         is over the floor."""
         if not dry_run:
             return self.free_floor(actor, policy)
-        if not below_floor(self.layout, policy, self.disk_usage):
-            return None
-        return free_floor(
+        return floor_pass(
             self.layout, policy, disk_usage=self.disk_usage, clock=self.clock, dry_run=True
         )
 
@@ -272,44 +337,66 @@ class GcRunner(Worker):
 
     def _run(
         self,
-        dry_run: bool,
-        actor: str,
+        run: RunContext,
         sweep: bool,
-        temps: list[TempFile] | None,
-        pacer: Pacer | None,
         progress: Progress | None,
         policy: GcPolicy | None,
         after: Earlier,
     ) -> GcReport:
         policy = policy or self.policy
-        now, t0, flight = self.clock(), time.monotonic(), self.in_flight()
+        dry_run = run.dry_run
+        now = self.clock()
+        t0 = time.monotonic()
+        flight = self.live.in_flight()
+        model = self.live.model
+        live = Live(
+            model,
+            self.live.pending(),
+            self.ahead(),
+            flight.queued,
+            flight.stored,
+            flight.stored_bytes,
+        )
+        if self.layout.node is not None:  # in a fleet: whom the other nodes' servers use
+            catch_up(self.layout, self.store)
         plan = plan_gc(
-            self.layout, self.store, policy, now=now, disk_usage=self.disk_usage,
-            temps=temps, sweep=sweep, model=self.model, ahead=self.ahead(), pending=self.pending(),
-            busy=flight.queued, after=after,
-        )  # fmt: skip
+            self.layout,
+            self.store,
+            policy,
+            now=now,
+            disk_usage=self.disk_usage,
+            sweep=sweep,
+            live=live,
+            after=after,
+        )
         if sweep and not dry_run:
             self.last_sweep = now
         if not dry_run:
             self.stats.overridden += plan.overridden
-        report = execute_gc(
-            plan, self.layout, self.store, dry_run=dry_run, actor=actor,
-            pacer=pacer or _pacer(plan, policy), progress=progress,
-            clock=self.clock, stop=self._stopping.is_set, in_use=self.in_use, keep=flight.keep,
-        )  # fmt: skip
-        if _keeping(plan) and not dry_run:  # a paced run's minutes are not cap-keeping's
+        if run.pacer is None:
+            run = replace(run, pacer=_pacer(plan, policy))
+        holding = _holding(plan) and not dry_run and bool(plan.steps)
+        if holding:
+            self.not_holding.clear()
+        try:
+            report = execute_gc(plan, run, progress=progress, spare=flight.spare)
+        finally:
+            self.not_holding.set()
+        if flight.stored and not dry_run:
+            self.live.gone_early(_deleted(self.layout, plan, flight.stored))
+        if _holding(plan) and not dry_run:  # a paced run's minutes are not cap-holding's
             # The longest recent run, decaying: a quick one must not start the next late.
             self.run_seconds = max(time.monotonic() - t0, self.run_seconds / 2)
-        if self.model is not None and not dry_run:
+        if model is not None and not dry_run:
             for step in plan.steps:
-                if step.namespace_id is not None and step.reason in KEEPING:
-                    ns_dir = str(self.layout.ns_dir(step.namespace_id))
-                    self.model.forget_gone(step.namespace_id, ns_dir, step.names)
+                ns = step.namespace_id
+                if ns is not None and step.reason in HOLDING:
+                    model.forget_gone(ns, str(self.layout.ns_dir(ns)), step.names)
         return report
 
     def wake(self) -> None:
         """Ask for a check now (the watcher saw the index grow past a watermark)."""
-        self._wake.set()
+        self.live.woken.set()
 
     def _interrupt(self) -> None:
         self.wake()
@@ -317,7 +404,9 @@ class GcRunner(Worker):
     def _loop(self) -> None:
         """The daemon's GC loop: a tick at once (once `ready` is set), then every interval or
         when woken, until stopped."""
-        stop, ready = self._stopping, self.ready
+        stop = self._stopping
+        ready = self.live.ready
+        woken_event = self.live.woken
         try:
             # The index may take long to build, or fail to for lack of space: the floor,
             # which needs neither it nor the DB, is kept meanwhile.
@@ -329,8 +418,8 @@ class GcRunner(Worker):
             next_tick = time.monotonic()  # a tick at once
             while not stop.is_set():
                 wait = min(next_tick - time.monotonic(), FLOOR_CHECK)
-                woken = self._wake.wait(max(wait, 0.0))
-                self._wake.clear()
+                woken = woken_event.wait(max(wait, 0.0))
+                woken_event.clear()
                 if stop.is_set():
                     break
                 if woken or time.monotonic() >= next_tick:
@@ -346,6 +435,7 @@ class GcRunner(Worker):
                     stop.wait(min(self.policy.interval, RUN_GAP))
                     next_tick = min(next_tick, time.monotonic())
         finally:
+            self.held.abandon()
             self.leadership.release()
 
     def _cycle(self, run: Callable[[], GcReport | None]) -> bool:
@@ -360,7 +450,8 @@ class GcRunner(Worker):
             return True
         except OSError as e:
             if is_denied(e) and not self._root_usable():
-                self.quarantine.mark(ROOT, "unreadable", e)  # said once; the index clears it
+                key = denied_key(self.layout)
+                self.quarantine.mark(key, "unreadable", e)  # said once; the index clears it
             else:
                 self._failed(e)  # (a vanished dir, a full disk, a read-only root)
             return True
@@ -392,10 +483,22 @@ class GcRunner(Worker):
         return all(os.access(d, os.R_OK | os.X_OK) for d in dirs)
 
 
+def _deleted(layout: Layout, plan: GcPlan, stored: Iterable[PageId]) -> list[PageId]:
+    """Of these stores the index had not applied, those the plan took that are gone now (one
+    spared as in flight, or refused, stays on the count)."""
+    planned = {(s.namespace_id, n) for s in plan.steps for n in s.names}
+    root = str(layout.ns_root)
+    return [
+        (ns, n)
+        for ns, n in stored
+        if (ns, n) in planned and not os.path.lexists(os.path.join(root, ns, n))
+    ]
+
+
 def _pacer(plan: GcPlan, policy: GcPolicy) -> Pacer:
-    """Keeping a cap or the floor keeps up with the writer: unpaced. Mass work (trash,
+    """Holding a cap or the floor keeps pace with the writer: unpaced. Mass work (trash,
     unbound namespaces, retention) goes at delete_rate, so the disk stays responsive."""
-    if _keeping(plan):
+    if _holding(plan):
         return Pacer(rate=None)
     return Pacer(rate=policy.delete_rate)
 
@@ -412,6 +515,6 @@ def joined(floor: GcReport | None, report: GcReport) -> GcReport:
     )
 
 
-def _keeping(plan: GcPlan) -> bool:
-    """Whether the plan only keeps a cap or the free-space floor (unpaced: see _pacer)."""
-    return all(s.reason in KEEPING for s in plan.steps)
+def _holding(plan: GcPlan) -> bool:
+    """Whether the plan only holds a cap or the free-space floor (unpaced: see _pacer)."""
+    return all(s.reason in HOLDING for s in plan.steps)

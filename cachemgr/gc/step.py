@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 from cachemgr.fs.deletecheck import RefusalReason, files_of, reason_of
 from cachemgr.fs.deletion import DeleteReport
-from cachemgr.gc.policy import KEEPING, ByReason, GcReason, tally
+from cachemgr.gc.policy import HOLDING, ByReason, GcReason, tally
 
 
 @dataclass(frozen=True)
@@ -62,9 +62,13 @@ class StepResult:
     def done(self, r: DeleteReport) -> StepResult:
         """This result once `r` is what the step's deletion did."""
         return replace(
-            self, files=r.files, bytes=r.bytes, vanished=r.vanished, young=r.young,
+            self,
+            files=r.files,
+            bytes=r.bytes,
+            vanished=r.vanished,
+            young=r.young,
             refused=r.refused,
-        )  # fmt: skip
+        )
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,6 @@ class GcReport(ByReason):
 
     @property
     def held(self) -> bool:
-        """False when a step keeping a cap or the floor could not delete what it had to: the
+        """False when a step holding a cap or the floor could not delete what it had to: the
         run did not hold the limit it was asked to hold (not an `ok` run)."""
-        return not any(s.refused for s in self.steps if s.reason in KEEPING)
+        return not any(s.refused for s in self.steps if s.reason in HOLDING)

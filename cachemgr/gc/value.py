@@ -11,8 +11,8 @@ from its top page (its reads count every return of the chain; cachemgr.gc.histor
 evicted chain that comes back its record again):
 
 * rate: returns are Poisson with a rate drawn from a Gamma prior fitted to all segments
-  (empirical Bayes, `_prior`); after n returns in `span` steps and `silence` steps without
-  one, its mean is (α + n) / (β + span + silence);
+  (empirical Bayes, cachemgr.gc.returns); after n returns in `span` steps and `silence`
+  steps without one, its mean is (α + n) / (β + span + silence);
 * P(alive): a conversation ends at any return with probability END (it moves on to a new
   chain); with q the chance of no return in the silence, q / (q + END · (1 - q)).
 
@@ -22,6 +22,10 @@ a read, or never read since they were written behind it) are unusable (SGLang st
 gap): they go first. The clock is the access
 sequence, so the order is the same at any request rate. Measured against LRU and a clairvoyant
 bound in bench/sim_policy.py.
+
+That is the `value` order; the same segments are also ranked by recency alone and with a
+probation queue for pages never read, and the model follows whichever of the three has the
+best hit ratio lately as a miniature cache on a sample of the keys (cachemgr.gc.adapt).
 """
 
 from __future__ import annotations
@@ -30,13 +34,12 @@ import math
 from array import array
 from collections.abc import Iterable, Iterator
 from heapq import heappop, heappush
-from typing import NamedTuple
+from typing import Final, NamedTuple, cast
 
 from cachemgr.gc.chains import CYCLE_WALK, IN_FLIGHT_SECONDS, ChainModel
 from cachemgr.gc.pagestore import GHOST, NONE, PageStore
+from cachemgr.gc.returns import prior, worth
 
-END = 0.05  # probability that a conversation ends at a return (moves on to a new chain)
-SHAPE_MIN, SHAPE_MAX = 0.05, 50.0  # bounds of the fitted prior's shape (few chains: noisy)
 CACHED = 16  # pages a segment has at least for the next order to read it, not walk it
 
 
@@ -50,15 +53,16 @@ class Victim(NamedTuple):
     last_time: float
 
 
-class _Segment(NamedTuple):
-    value: float
-    last: int
-    when: float  # wall clock of its latest use: what orders pages only a scan saw (seq 0)
-    leaf: int
-    # Slots, leaf first, as an int array's bytes (neither an int object per page, which in a
-    # million-page order outlived it in RSS, nor an object the collector tracks); None: the
-    # whole segment, walked when it goes.
-    path: bytes | None
+# A segment as a plain tuple (the cyclic garbage collector stops tracking those, not a
+# NamedTuple): its key in each of ORDERS, then its latest use, that use's wall clock (what
+# orders pages only a scan saw, seq 0), its leaf and its path: slots, leaf first, as an int
+# array's bytes (neither an int object per page, which in a million-page order outlived it
+# in RSS, nor an object the collector tracks); None: the whole segment, walked when it goes.
+_Segment = tuple[float, float, float, int, float, int, bytes | None]
+LAST: Final = 3
+WHEN: Final = 4
+LEAF: Final = 5
+PATH: Final = 6
 
 
 def eviction_order(
@@ -74,6 +78,9 @@ def eviction_order(
     one a request being served may still write behind at wall-clock time `now` (`in_flight`).
     Not `protect`: every page, in the same order but for those protections.
 
+    Segments are ranked by the order the model follows, chosen as the order starts by the
+    orders' miniature caches (cachemgr.gc.adapt; `protect` only: the unprotected pass after a
+    protected one keeps its choice).
     Lazy: segments are valued when the previous ones are used up; the caller stops when it
     has enough. Holds the model's lock while it is consumed.
     """
@@ -86,22 +93,28 @@ def eviction_order(
         before = before if protect else math.inf
         _settle(model)
         cache: dict[int, tuple[int, int, float]] | None = model.segments
+        follow = model.adapt.choose(st.count, model.clock) if protect else model.adapt.follow
         while leaves:
             exposed: list[int] = []
-            for seg in _lowest_first(_segments(st, model.clock, leaves, gone, before, held, cache)):
-                if seg.path is None:  # (all its pages go: nothing in it is young or in flight)
-                    path = _walk(st, seg.leaf, {}, math.inf, set())[0]
-                else:
-                    path = array("i", seg.path)
+            for seg in _lowest_first(_segments(model, leaves, gone, before, held, cache), follow):
+                path = _path(st, seg)
                 for s in path:
-                    yield Victim(st.ns_names[st.ns[s]], st.key(s), st.names(s), st.size(s),
-                                 st.time[s])  # fmt: skip
+                    yield Victim(
+                        st.ns_names[st.ns[s]], st.key(s), st.names(s), st.size(s), st.time[s]
+                    )
                 up = st.pred[path[-1]]
                 if up != NONE:
                     gone[up] = gone.get(up, 0) + 1
                     if gone[up] == st.kids[up] and st.files[up] != GHOST:
                         exposed.append(up)  # its last child went: its segment is next
             leaves, cache = exposed, None  # (later rounds count the segments gone: walked)
+
+
+def _path(st: PageStore, seg: _Segment) -> array[int]:
+    walked = seg[PATH]
+    if walked is None:  # (all its pages go: nothing in it is young or in flight)
+        return _walk(st, seg[LEAF], {}, math.inf, set())[0]
+    return array("i", walked)
 
 
 def cap_order(
@@ -132,7 +145,7 @@ def in_flight(model: ChainModel, now: float) -> set[int]:
     st = model.store
     floor = model.clock - min(model.in_flight, st.count // 10)
     held: set[int] = set()
-    for (ns, _), key in model.last_pages():
+    for (ns, *_), key in model.last_pages():
         at = st.find(ns, key)
         if not st.present(at) or st.last[at] <= floor or st.time[at] <= now - IN_FLIGHT_SECONDS:
             continue
@@ -159,17 +172,17 @@ def _settle(model: ChainModel) -> None:
 
 
 def _segments(
-    st: PageStore,
-    clock: int,
+    model: ChainModel,
     leaves: list[int],
     gone: dict[int, int],
     before: float,
     held: set[int],
     cache: dict[int, tuple[int, int, float]] | None,
-) -> Iterator[_Segment]:
-    """The segments of these leaves that may go, valued, in leaf order (`_lowest_first` gives
-    the order to evict them). `cache`: the segments known of the last order (whole, none gone),
-    read instead of walked, and kept."""
+) -> list[_Segment]:
+    """The segments of these leaves that may go, keyed in every order, in leaf order
+    (`_lowest_first` gives the order to evict them). `cache`: the segments known of the last
+    order (whole, none gone), read instead of walked, and kept."""
+    st, clock = model.store, model.clock
     raw: list[tuple[int, bytes | None, int, int, float, bool]] = []
     for leaf in leaves:
         known = cache.get(leaf) if cache is not None else None
@@ -188,58 +201,37 @@ def _segments(
     reads, born = st.reads, st.born
     # (A birth after the last use, from an index edited or damaged, counts as none: a negative
     # exposure would make the prior's rate, and so the value, meaningless or undefined.)
-    prior = _prior([(reads[top], max(clock - born[top], 0)) for _, _, top, _, _, _ in raw])
+    fitted = prior([(reads[top], max(clock - born[top], 0)) for _, _, top, _, _, _ in raw])
+    # Pages not read since they were written are on trial for the accesses in which
+    # PROBATION of the pages on disk are stored (S3-FIFO's small queue); then `probation`
+    # takes them first.
+    trial_end = model.adapt.trial_end(clock, st.count)
+    out: list[_Segment] = []
     for leaf, walked, top, last, when, stranded in raw:
-        span = max(last - born[top], 0)
-        worth = -1.0 if stranded else _value(prior, reads[top], span, clock - last)
-        yield _Segment(worth, last, when, leaf, walked)
+        if stranded:
+            out.append((-1.0, -1.0, -1.0, last, when, leaf, walked))
+            continue
+        score = worth(fitted, reads[top], max(last - born[top], 0), clock - last)
+        trial = -0.5 if not reads[top] and last < trial_end else score
+        out.append((score, 0.0, trial, last, when, leaf, walked))
+    return out
 
 
-def _lowest_first(segments: Iterable[_Segment]) -> Iterator[_Segment]:
-    """The segments lowest (value, last, when) first, equal ones in the order given (a
-    stable sort's order), found lazily: the caller stops when it has freed enough.
+def _lowest_first(segments: list[_Segment], order: int) -> Iterator[_Segment]:
+    """The segments lowest (key in `order`, last, when) first, equal ones in the order given
+    (a stable sort's order), found lazily: the caller stops when it has freed enough.
 
     Neither step holds the GIL long while another thread waits for it (a /metrics scrape):
     the heap grows one push at a time, where one sort or heapify of a mass eviction's 250,000
     segments is a single C call of hundreds of ms; and it holds plain tuples of numbers (and
     bytes), which the cyclic garbage collector stops tracking, where 250,000 live
-    `_Segment`s (or lists) would each make its full collections, which hold the GIL too, that
+    NamedTuples (or lists) would each make its full collections, which hold the GIL too, that
     much longer (bench/RESULTS.md)."""
-    heap: list[tuple[float, int, float, int, int, bytes | None]] = []
+    heap: list[tuple[float, int, float, int]] = []
     for i, s in enumerate(segments):
-        heappush(heap, (s.value, s.last, s.when, i, s.leaf, s.path))
+        heappush(heap, (cast(float, s[order]), s[LAST], s[WHEN], i))
     while heap:
-        value, last, when, _, leaf, path = heappop(heap)
-        yield _Segment(value, last, when, leaf, path)
-
-
-def _prior(chains: list[tuple[int, int]]) -> tuple[float, float]:
-    """The Gamma(shape, rate) prior of a chain's return rate, fitted to all segments' (returns,
-    exposure) by the method of moments (empirical Bayes): its mean is the pooled rate, its
-    spread what the counts vary by beyond Poisson noise."""
-    n = sum(c for c, _ in chains)
-    t = sum(e for _, e in chains)
-    if not n or not t:
-        return 1.0, 1.0  # nothing came back yet: every chain looks alike
-    mean = n / t
-    excess = sum((c - mean * e) ** 2 - mean * e for c, e in chains)
-    spread = sum(e * e for _, e in chains)
-    shape = (
-        min(max(mean * mean * spread / excess, SHAPE_MIN), SHAPE_MAX) if excess > 0 else SHAPE_MAX
-    )
-    return shape, shape / mean
-
-
-def _value(prior: tuple[float, float], returns: int, span: int, silence: int) -> float:
-    """A segment's expected hits per page per step from now: the rate of returns that continue
-    its chain. Its return rate is Gamma(α + returns, β + span) after `span` steps of use; a
-    return ends the chain with probability END; after `silence` steps without one, the chain is
-    alive with the odds (no return yet : a return that ended it), and its rate is the mean
-    rate given that silence."""
-    a, b = prior[0] + returns, prior[1] + span
-    quiet = math.exp(-a * math.log1p(silence / b))  # P(no return in the silence)
-    alive = quiet / (quiet + END * (1.0 - quiet))
-    return (1.0 - END) * alive * a / (b + silence)
+        yield segments[heappop(heap)[3]]
 
 
 def _walk(

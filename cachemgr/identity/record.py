@@ -11,20 +11,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 import xxhash
 from pydantic import BaseModel, ConfigDict, ValidationError, computed_field
 
 from cachemgr.errors import ConfigError, NotFoundError, UnsafePathError
 from cachemgr.fs.safe import read_regular
-
-# 2: page_size may be null (resolved by the server); model_override_args, load_format and
-# page_major_kv_layout added.
-SCHEMA_VERSION = 2
-# How SGLang's file backend names pages (hicache_storage.py HiCacheFile): the key has no dtype,
-# layout or weights in it, which is why the namespace must. Bump when SGLang changes it.
-FILE_KEY_SCHEME = "sha256-chain_model_tprank_tpsize[_pp][_cp][_dcp].bin"
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -51,52 +44,16 @@ class Weights(BaseModel):
         return sum(f.size for f in self.files)
 
 
-class Topology(BaseModel):
-    """How each rank's share of the KV is cut (dp replicas share pages, so dp_size is absent)."""
-
-    model_config = _FROZEN
-    tp_size: int = 1
-    pp_size: int = 1
-    attn_dp_size: int = 1
-    attn_cp_size: int = 1
-    dcp_size: int = 1
-
-
-class Storage(BaseModel):
-    """How the file backend keys pages (the backend itself is always `file` here)."""
-
-    model_config = _FROZEN
-    key_scheme: str
-    tp_lcm_size: int | None = None  # extra-config key that changes how heads are split
-
-
-class Source(BaseModel):
-    """Where the values came from; informative, not part of the digest."""
-
-    model_config = ConfigDict(frozen=True, extra="allow")
-    model_path: str
-    model_dir: str
-    served_model_name: str
-    draft_model_path: str | None = None
-    draft_model_dir: str | None = None
-    kv_cache_dtype_arg: str = "auto"
-    storage_backend: str | None = None
-    sglang_version: str | None = None  # full version string, when known
-    # namespace: not detectable here, taken from the instance's namespace (prelaunch.py)
-    sglang_version_from: Literal["option", "installed", "unknown", "namespace"] = "unknown"
-    # flag: --page-size; attention_backend: forced by an explicit backend; server: SGLang
-    # decides on the GPU (flag absent, or a model whose overrides rewrite it); unknown: older
-    # record. Only flag/attention_backend page sizes may be held against a running server.
-    page_size_from: Literal["flag", "attention_backend", "server", "unknown"] = "unknown"
-
-
 class Digested(BaseModel):
     """What every engine's identity record shares: the digest over all but `source`, and a
     version of the engine (`VERSION_FIELD`, also in `source` with its `…_from`)."""
 
     ENGINE: ClassVar[str]
     VERSION_FIELD: ClassVar[str]
-    ENGINE_NAME: ClassVar[str]  # as people write it
+    if TYPE_CHECKING:  # every engine's record has them; declared by each, in its own order
+        schema_version: int
+        weights: Weights
+        source: Any
 
     def canonical(self) -> bytes:
         """The bytes the digest is taken over: sorted keys, no whitespace, `source` left out."""
@@ -137,40 +94,15 @@ class Digested(BaseModel):
         return self.model_copy(update={self.VERSION_FIELD: version, "source": source})
 
 
-class Identity(Digested):
-    """An immutable, versioned identity record of an SGLang server."""
-
-    model_config = ConfigDict(frozen=True, extra="ignore")  # ignore: digest/ns_id are derived
-    ENGINE: ClassVar[str] = "sglang"  # no `engine` key in the record: absent means SGLang
-    VERSION_FIELD: ClassVar[str] = "sglang_version"
-    ENGINE_NAME: ClassVar[str] = "SGLang"
-
-    schema_version: Literal[2] = 2
-    weights: Weights
-    draft_weights: Weights | None = None
-    kv_cache_dtype: str
-    draft_kv_cache_dtype: str | None = None
-    dtype: str
-    quantization: str | None = None
-    draft_quantization: str | None = None
-    page_size: int | None  # None: resolved by the server (see Source.page_size_from)
-    hicache_mem_layout: str
-    topology: Topology
-    mamba_ssm_dtype: str | None = None
-    model_override_args: str | None = None  # --json-model-override-args, canonical JSON
-    load_format: str | None = None  # only when it does not load the model dir's weights
-    page_major_kv_layout: bool = False  # --enable-page-major-kv-layout / --enable-unified-memory
-    sglang_version: str
-    storage: Storage
-    salt: str = ""
-    source: Source
-
-
 RECORD_MAX_BYTES = 1 << 20  # a record is a few KiB; a manifest holding one, not much more
 
 
-def load_record(path: Path) -> Identity:
-    """An identity from a manifest (`{"identity": {...}, ...}`) or a bare record file."""
+RecordT = TypeVar("RecordT", bound="Digested")
+
+
+def read_record_data(path: Path) -> Any:
+    """The identity data in a manifest (`{"identity": {...}, ...}`) or a bare record file;
+    `parse_record` makes it a record, of the class its `engine` key names."""
     try:
         dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:  # a FIFO is refused, not waited on; a huge file is not read past the limit
@@ -190,13 +122,19 @@ def load_record(path: Path) -> Identity:
         raise ConfigError(f"{path} is not an identity record: nested too deeply") from None
     if isinstance(data, dict) and isinstance(data.get("identity"), dict):
         data = data["identity"]
-    if isinstance(data, dict) and data.get("schema_version", SCHEMA_VERSION) != SCHEMA_VERSION:
+    return data
+
+
+def parse_record(path: Path, data: Any, record: type[RecordT]) -> RecordT:
+    """A `record` from the data `read_record_data` read from `path` (named in the errors)."""
+    schema = record.model_fields["schema_version"].default
+    if isinstance(data, dict) and data.get("schema_version", schema) != schema:
         raise ConfigError(
             f"{path}: identity schema version {data['schema_version']} is not one this "
-            f"cachemgr reads ({SCHEMA_VERSION})"
+            f"cachemgr reads ({schema})"
         )
     try:
-        return Identity.model_validate(data)
+        return record.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "record"

@@ -15,6 +15,15 @@ would drop namespaces that servers still use.
 - cachemgr never unbinds an instance (it only moves it), so it never deletes these files; they
   are never namespaces (a namespace is 16 hex digits, these end in .bind), and GC, purge, ls
   and doctor only ever look at namespace names.
+
+In a fleet (docs/fleet.md) the files are also how nodes learn each other's bindings: the shared
+root is the one store they all see (each state DB is node-local). An instance's name carries
+its node (`qualify`: `sglang@node-a`), so each node writes only its own instances' files and
+two nodes' servers of one name are two instances. The DB mirrors every node's bindings: its own
+as above (the DB wins), the other nodes' from their files (the files win: another node's init
+moved them), read in by `adopt_from_disk`, by `catch_up` before init counts who still uses the
+namespace it leaves, and before each GC plan and purge, and by `read_in` once more as a purge
+moves each namespace (the root lock is one node's: another node may bind while a plan is made).
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from cachemgr.errors import (
 )
 from cachemgr.fs.locks import root_lock
 from cachemgr.fs.safe import open_dir, read_regular, write_atomic_at
-from cachemgr.layout import BIND_SUFFIX, INSTANCE_RE, NS_DIR, NS_ID_RE, Layout
+from cachemgr.layout import BIND_SUFFIX, INSTANCE_RE, NS_DIR, NS_ID_RE, Layout, check_instance
 from cachemgr.ns.manifest import timestamp
 from cachemgr.state import registry_sql
 from cachemgr.state.store import Store
@@ -41,6 +50,7 @@ from cachemgr.state.store import Store
 log = logging.getLogger(__name__)
 BIND_VERSION = 1
 BIND_MAX_BYTES = 4096  # a real one is ~100 bytes
+NODE_MARK = "@"  # between an instance's name and its node's in a fleet
 REPAIR_LOCK_WAIT = 1.0  # s; a busy root lock (an init binding right now) leaves it to next time
 
 
@@ -53,8 +63,12 @@ class Binding:
     bound_at: float
 
     def to_bytes(self) -> bytes:
-        data = {"version": BIND_VERSION, "instance": self.instance, "ns_id": self.ns_id,
-                "bound_at": self.bound_at}  # fmt: skip
+        data = {
+            "version": BIND_VERSION,
+            "instance": self.instance,
+            "ns_id": self.ns_id,
+            "bound_at": self.bound_at,
+        }
         return (json.dumps(data, sort_keys=True) + "\n").encode()
 
 
@@ -113,46 +127,108 @@ def db_bindings(store: Store) -> dict[str, Binding]:
     return {i: Binding(i, ns, at) for i, ns, at in registry_sql.all_bindings(store.conn)}
 
 
-def restore(store: Store, files: dict[str, Binding]) -> list[str]:
-    """Bind each instance the DB does not know to the namespace its file names, if that is
-    registered (its manifest was read). Call inside a transaction; returns those bound.
+def qualify(layout: Layout, instance: str) -> str:
+    """The instance's name in the root: in a fleet, `<instance>@<node>` (a name that has an
+    @ already names its node: `purge --instance sglang@node-b` from node a); else `instance`."""
+    check_instance(instance)
+    if layout.node is None or NODE_MARK in instance:
+        return instance
+    qualified = f"{instance}{NODE_MARK}{layout.node}"
+    if not INSTANCE_RE.fullmatch(qualified):
+        raise ConfigError(
+            f"instance {instance!r} on node {layout.node!r}: {qualified!r} is over 128 "
+            "characters; use a shorter instance or node_name"
+        )
+    return qualified
 
-    An instance bound meanwhile (an init) keeps its binding: the file may be older."""
+
+def owned(layout: Layout, instance: str) -> bool:
+    """Whether this node writes `instance`'s binding file (all of them outside a fleet)."""
+    return layout.node is None or instance.endswith(NODE_MARK + layout.node)
+
+
+def behind(layout: Layout, store: Store, files: dict[str, Binding]) -> list[Binding]:
+    """The binding files the DB is behind on: instances it does not know, and (in a fleet)
+    other nodes' instances whose file names another namespace than the DB has."""
+    in_db = db_bindings(store)
+    return [
+        b
+        for inst, b in sorted(files.items())
+        if inst not in in_db or (not owned(layout, inst) and in_db[inst].ns_id != b.ns_id)
+    ]
+
+
+def restore(layout: Layout, store: Store, files: list[Binding]) -> list[str]:
+    """Bind each instance as its file says, if the namespace is registered (its manifest was
+    read). Call inside a transaction; returns those bound.
+
+    This node's instances are bound only if the DB has none meanwhile (an init: the file may
+    be older); another node's follow its file, which that node alone writes."""
     restored = []
-    for b in files.values():
-        if registry_sql.bind_if_new(store.conn, b.instance, b.ns_id, b.bound_at):
+    for b in files:
+        if owned(layout, b.instance):
+            done = registry_sql.bind_if_new(store.conn, b.instance, b.ns_id, b.bound_at)
+        else:
+            done = registry_sql.rebind(store.conn, b.instance, b.ns_id, b.bound_at)
+        if done:
             restored.append(b.instance)
     return restored
 
 
-def _stale(store: Store, files: dict[str, Binding]) -> list[Binding]:
-    """The DB's bindings whose file is absent, damaged, or names another namespace."""
+def catch_up(layout: Layout, store: Store) -> list[str]:
+    """Read in the binding files the DB is behind on (in a fleet: the other nodes' moves), in
+    a transaction of its own; returns the instances bound."""
+    late = _late(layout, store)
+    if not late:
+        return []
+    with store.transaction():
+        return restore(layout, store, late)
+
+
+def read_in(layout: Layout, store: Store) -> list[str]:
+    """`catch_up` inside the caller's transaction (a purge's, right before it moves a dir)."""
+    return restore(layout, store, _late(layout, store))
+
+
+def _late(layout: Layout, store: Store) -> list[Binding]:
+    """The binding files the DB is behind on."""
+    return behind(layout, store, read_bindings(layout)[0])
+
+
+def _stale(layout: Layout, store: Store, files: dict[str, Binding]) -> list[Binding]:
+    """This node's bindings in the DB whose file is absent, damaged, or names another
+    namespace."""
     return [
         b
         for inst, b in sorted(db_bindings(store).items())
-        if inst not in files or files[inst].ns_id != b.ns_id
+        if owned(layout, inst) and (inst not in files or files[inst].ns_id != b.ns_id)
     ]
 
 
 def write_down(layout: Layout, store: Store, files: dict[str, Binding]) -> None:
-    """Rewrite from the DB every binding file that differs from it (see the module docstring).
+    """Rewrite from the DB every binding file of this node's that differs from it (see the
+    module docstring).
 
     Checked again under the root lock: an init may have bound between our reads of the DB
     and of the files. A failure is logged, never raised: the DB still serves, and the next
     command tries again."""
-    if not _stale(store, files):
+    if not _stale(layout, store, files):
         return
     try:
         with root_lock(layout, timeout=REPAIR_LOCK_WAIT):
-            for binding in _stale(store, read_bindings(layout)[0]):
+            for binding in _stale(layout, store, read_bindings(layout)[0]):
                 write_binding(layout, binding)
-                log.info("binding written down from the state DB",
-                         extra={"instance": binding.instance, "ns": binding.ns_id})  # fmt: skip
+                log.info(
+                    "binding written down from the state DB",
+                    extra={"instance": binding.instance, "ns": binding.ns_id},
+                )
     except ConflictError:  # an init or purge holds it: it is binding right now
         log.info("binding files not brought in line with the state DB: root lock busy")
     except CachemgrError as e:
-        log.warning("binding files not brought in line with the state DB; retried next time",
-                    extra={"error": str(e)})  # fmt: skip
+        log.warning(
+            "binding files not brought in line with the state DB; retried next time",
+            extra={"error": str(e)},
+        )
 
 
 def bound_by_files(layout: Layout) -> set[str]:

@@ -4,24 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 from cachemgr.fs.deletion import DeleteReport
-from cachemgr.identity.engines import AnyIdentity
+from cachemgr.identity.record import Digested
 from cachemgr.layout import Layout
+from cachemgr.ns.bindings import qualify
 from cachemgr.ns.prelaunch import (
     InitResult,
     OnChange,
-    StorageDirConflict,
     adopt_known_version,
     init_namespace,
-    storage_dir_conflicts,
 )
 from cachemgr.ns.root import opened_store
-from cachemgr.sglang.args import LaunchArgs
 from cachemgr.state.notices import first_time
 from cachemgr.state.store import Store
-from cachemgr.vllm.args import VllmLaunchArgs
 
 Drain = Callable[[Layout, Store], DeleteReport]
 
@@ -29,12 +26,10 @@ Drain = Callable[[Layout, Store], DeleteReport]
 @dataclasses.dataclass(frozen=True)
 class InitRun:
     """An init that ran: its result, the identity used (its version possibly adopted from
-    the instance's namespace), the launch args if a command was given, what to warn about."""
+    the instance's namespace), what to warn about."""
 
     result: InitResult
-    identity: AnyIdentity
-    args: LaunchArgs | VllmLaunchArgs | None
-    conflicts: tuple[StorageDirConflict, ...]
+    identity: Digested
     trash_refused: tuple[str, ...]
     # The version was borrowed from the instance's namespace, and this root has been told so
     # before: a host where init runs apart from the engine (an initContainer) would otherwise
@@ -42,7 +37,7 @@ class InitRun:
     engine_missing_told: bool = False
 
 
-def engine_missing(identity: AnyIdentity) -> bool:
+def engine_missing(identity: Digested) -> bool:
     """Whether no installed engine (nor an option) gave the identity its engine version: it
     is 'unknown', or borrowed from the instance's namespace."""
     return identity.engine_version == "unknown" or identity.engine_version_from == "namespace"
@@ -50,16 +45,15 @@ def engine_missing(identity: AnyIdentity) -> bool:
 
 def run_init(
     layout: Layout,
-    identity: AnyIdentity,
-    args: LaunchArgs | VllmLaunchArgs | None,
+    identity: Digested,
     *,
     instance: str,
     on_change: OnChange,
-    environ: Mapping[str, str],
     force: bool = False,
     drain: Drain | None = None,
 ) -> InitRun:
     """Init the identity's namespace for `instance`; `drain` deletes what was purged now."""
+    instance = qualify(layout, instance)  # in a fleet: this node's instance of that name
     with opened_store(layout) as store:
         identity = adopt_known_version(store, instance, identity)
         result = init_namespace(
@@ -71,7 +65,4 @@ def run_init(
         notice = f"{identity.ENGINE}-missing"  # "sglang-missing" as before vLLM came
         borrowed = identity.engine_version_from == "namespace"
         told = borrowed and not first_time(store, notice, time.time())
-    conflicts: list[StorageDirConflict] = []
-    if not isinstance(args, VllmLaunchArgs):  # vLLM's dir is in its command (vllm.rewrite)
-        conflicts = storage_dir_conflicts(args, result.storage_dir, layout, environ)
-    return InitRun(result, identity, args, tuple(conflicts), refused, told)
+    return InitRun(result, identity, refused, told)

@@ -14,8 +14,8 @@ from typing import Any
 
 from cachemgr import __version__
 from cachemgr.backends import FileFormat
-from cachemgr.engines import format_for
 from cachemgr.errors import ConfigError, StateError, UnsafePathError
+from cachemgr.formats import format_for
 from cachemgr.fs.safe import open_dir, read_regular, write_atomic_at
 from cachemgr.layout import NS_DIR, Layout, check_ns_id
 

@@ -7,9 +7,8 @@ server must never start against pages written under another identity.
 from __future__ import annotations
 
 import json
-import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, TypeVar
@@ -18,15 +17,14 @@ from cachemgr.errors import ConfigError, StateError, UnsafePathError
 from cachemgr.fs.dirscan import Usage, scan_usage
 from cachemgr.fs.locks import root_lock
 from cachemgr.fs.root import create_root
-from cachemgr.identity.engines import AnyIdentity, parse_identity
+from cachemgr.identity.engines import parse_identity
 from cachemgr.identity.record import Digested, diff_identities
-from cachemgr.layout import NS_ID_RE, Layout
+from cachemgr.layout import Layout
+from cachemgr.ns import bindings
 from cachemgr.ns import registry as nsreg
+from cachemgr.ns.liveuse import live_users
 from cachemgr.ns.manifest import format_of, read_manifest
-from cachemgr.ns.purge import Actor, execute_purge, plan_purge
-from cachemgr.sglang.args import LaunchArgs
-from cachemgr.sglang.liveuse import STORAGE_DIR_ENV as STORAGE_DIR_ENV
-from cachemgr.sglang.liveuse import live_users
+from cachemgr.ns.purge import execute_purge, plan_purge
 from cachemgr.state.store import Store
 
 OnChange = Literal["purge", "retain"]
@@ -56,11 +54,10 @@ class InitResult:
 def init_namespace(
     layout: Layout,
     store: Store,
-    identity: AnyIdentity,
+    identity: Digested,
     *,
     instance: str = "default",
     on_change: OnChange = "purge",
-    actor: Actor = "cli",
     now: Callable[[], float] = time.time,
     force: bool = False,
     in_use: Callable[[Path], list[int]] = live_users,
@@ -94,6 +91,8 @@ def init_namespace(
         if previous == ns:
             return replace(base, outcome="unchanged", previous_ns=ns)
         changes = tuple(_changes(layout, store, previous, identity))
+        if layout.node is not None:  # another node's server may have left it meanwhile
+            bindings.catch_up(layout, store)
         users = nsreg.instances_of(store, previous)
         changed = replace(base, outcome="changed", previous_ns=previous, changes=changes)
         if on_change == "purge" and not users:
@@ -101,13 +100,17 @@ def init_namespace(
                 plan = plan_purge(layout, store, namespace=previous)
             except UnsafePathError:  # damaged (nsreg.damaged): left alone, ls/doctor say why
                 return replace(changed, old_action="retained")
-            execute_purge(plan, layout, store, actor=actor, reason="identity_change", now=now)
-            return replace(changed, old_action="purged", old_pages=plan.pages,
-                            old_bytes=plan.bytes)  # fmt: skip
+            execute_purge(plan, layout, store, actor="cli", reason="identity_change", now=now)
+            return replace(changed, old_action="purged", old_pages=plan.pages, old_bytes=plan.bytes)
         usage = scan_usage(layout, f"ns/{previous}", format_of(layout, previous)) or Usage()
         action: OldAction = "kept" if users else "retained"
-        return replace(changed, old_action=action, old_users=users, old_pages=usage.pages,
-                        old_bytes=usage.bytes)  # fmt: skip
+        return replace(
+            changed,
+            old_action=action,
+            old_users=users,
+            old_pages=usage.pages,
+            old_bytes=usage.bytes,
+        )
 
 
 def _refuse_live_purge(
@@ -131,7 +134,7 @@ def _refuse_live_purge(
         )
 
 
-def adopt_known_version(store: Store, instance: str, identity: AnyIdentity) -> AnyIdentity:
+def adopt_known_version(store: Store, instance: str, identity: Digested) -> Digested:
     """An identity whose engine version is unknown here takes the version of the namespace
     the instance is bound to, when that is the only difference.
 
@@ -160,7 +163,7 @@ def with_version_of(identity: IdentityT, old: Digested) -> IdentityT:
     return adopted if adopted.digest == old.digest else identity  # type: ignore[return-value]
 
 
-def _parse(raw: str) -> AnyIdentity | None:
+def _parse(raw: str) -> Digested | None:
     """An identity record from the DB's JSON copy; None if another schema wrote it."""
     try:
         data = json.loads(raw)
@@ -169,7 +172,7 @@ def _parse(raw: str) -> AnyIdentity | None:
     return parse_identity(data) if isinstance(data, dict) else None
 
 
-def _changes(layout: Layout, store: Store, old_ns: str, new: AnyIdentity) -> list[str]:
+def _changes(layout: Layout, store: Store, old_ns: str, new: Digested) -> list[str]:
     """How the identity changed since `old_ns`, from its DB row or manifest."""
     raw = nsreg.identity_json(store, old_ns)
     if raw is None:
@@ -182,43 +185,3 @@ def _changes(layout: Layout, store: Store, old_ns: str, new: AnyIdentity) -> lis
     if old is not None:  # else written by another schema version: say only that it changed
         return diff_identities(old, new)
     return [f"identity: {old_ns} → {new.ns_id}"]
-
-
-@dataclass(frozen=True)
-class StorageDirConflict:
-    """A setting that points SGLang's file backend somewhere other than the namespace dir."""
-
-    source: str
-    path: str
-    beats_env: bool  # True: it wins even over SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR
-    ours: bool  # it points at another namespace of this root (a stale env file of ours)
-
-
-def storage_dir_conflicts(
-    args: LaunchArgs | None, storage_dir: Path, layout: Layout, env: Mapping[str, str]
-) -> list[StorageDirConflict]:
-    """What else names a storage dir. SGLang's HiCacheFile (hicache_storage.py) takes
-    SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR first, then extra-config file_storage_path."""
-    found = []
-    value = env.get(STORAGE_DIR_ENV)
-    if value and not _same(value, storage_dir):
-        found.append(StorageDirConflict(
-            f"environment variable {STORAGE_DIR_ENV}", value, True, _ours(value, layout)
-        ))  # fmt: skip
-    extra = args.extra_config if args else {}
-    path = extra.get("file_storage_path")
-    if isinstance(path, str) and path and not _same(path, storage_dir):
-        found.append(StorageDirConflict(
-            "--hicache-storage-backend-extra-config file_storage_path", path, False,
-            _ours(path, layout),
-        ))  # fmt: skip
-    return found
-
-
-def _same(path: str, storage_dir: Path) -> bool:
-    return os.path.abspath(path).rstrip("/") == str(storage_dir)
-
-
-def _ours(path: str, layout: Layout) -> bool:
-    p = Path(os.path.abspath(path))
-    return p.parent == layout.ns_root and bool(NS_ID_RE.fullmatch(p.name))

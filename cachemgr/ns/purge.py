@@ -23,7 +23,7 @@ import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Unpack
 
 from cachemgr.errors import CachemgrError, ConfigError, RootNotWritable, UnsafePathError
 from cachemgr.fs import reserve
@@ -32,8 +32,9 @@ from cachemgr.fs.locks import root_lock
 from cachemgr.fs.safe import make_dir, open_dir, open_dir_at, write_atomic_at
 from cachemgr.fs.tree import identities
 from cachemgr.layout import NS_DIR, TRASH_DIR, Layout
+from cachemgr.ns import bindings
 from cachemgr.ns import registry as nsreg
-from cachemgr.ns.purge_plan import PurgePlan, PurgeTarget, plan_purge  # re-exported
+from cachemgr.ns.purge_plan import PurgePlan, PurgeTarget, Selector, plan_purge  # re-exported
 from cachemgr.ns.trash import (  # re-exported: purge and trash are one API for callers
     Actor,
     DrainProgress,
@@ -53,6 +54,7 @@ __all__ = [
     "PurgeResult",
     "PurgeTarget",
     "Purged",
+    "Selector",
     "TrashEntry",
     "describe_trash",
     "drain_trash",
@@ -62,7 +64,7 @@ __all__ = [
     "plan_purge",
     "purge",
     "rename_to_trash",
-]  # fmt: skip
+]
 
 PurgeReason = Literal["identity_change", "manual", "unbound", "mismatch"]
 
@@ -122,6 +124,10 @@ def _purge_one(
     transaction already held, before the caller answers. None: nothing left to do."""
     with store.transaction():
         # Bindings are re-read under the lock: the plan may be older than a concurrent init.
+        # In a fleet the lock is this node's only, and the plan took a count of every page:
+        # another node's init binds meanwhile, and only its file says so (docs/fleet.md).
+        if layout.node is not None:
+            bindings.read_in(layout, store)
         instances = nsreg.instances_of(store, target.ns_id)
         if instances and plan.only_unbound:
             return None
@@ -245,11 +251,8 @@ def purge(
     *,
     actor: Actor,
     reason: PurgeReason,
-    namespace: str | None = None,
-    instance: str | None = None,
-    all: bool = False,
-    unbound: bool = False,
     count: bool = True,
+    **selector: Unpack[Selector],
 ) -> tuple[PurgePlan, PurgeResult]:
     """Plan and execute under one hold of the root lock (for callers with no prompt between).
 
@@ -257,8 +260,5 @@ def purge(
     the rename then returns in milliseconds and the `delete-trash` audit rows carry the counts.
     """
     with root_lock(layout):
-        plan = plan_purge(
-            layout, store, namespace=namespace, instance=instance, all=all, unbound=unbound,
-            count=count,
-        )  # fmt: skip
+        plan = plan_purge(layout, store, count=count, **selector)
         return plan, execute_purge(plan, layout, store, actor=actor, reason=reason)

@@ -4,11 +4,13 @@ executes the plan)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypedDict
 
 from cachemgr.errors import ConfigError, NotFoundError, UnsafePathError
 from cachemgr.fs.dirscan import scan_usage
 from cachemgr.layout import Layout, check_ns_id
 from cachemgr.ns import registry as nsreg
+from cachemgr.ns.bindings import qualify
 from cachemgr.ns.manifest import format_of
 from cachemgr.ns.trash import list_trash
 from cachemgr.state.status import bindings_by_namespace
@@ -46,6 +48,15 @@ class PurgePlan:
         return sum(t.bytes for t in self.targets)
 
 
+class Selector(TypedDict, total=False):
+    """Which namespaces a purge takes: exactly one of these."""
+
+    namespace: str | None  # this one
+    instance: str | None  # the one this instance is bound to
+    all: bool  # every namespace
+    unbound: bool  # those no instance is bound to
+
+
 def plan_purge(
     layout: Layout,
     store: Store,
@@ -71,7 +82,8 @@ def plan_purge(
             raise UnsafePathError(f"ns {namespace} is left alone: {damaged[namespace][1]}")
         selector = f"namespace {namespace}"
     elif instance is not None:
-        ns = nsreg.binding_of(store, nsreg.check_instance(instance))
+        instance = qualify(layout, instance)  # in a fleet: this node's, unless it names one
+        ns = nsreg.binding_of(store, instance)
         if ns is None:
             raise NotFoundError(f"instance {instance!r} is not bound to a namespace")
         ids, selector = [ns], f"instance {instance}"

@@ -1,25 +1,33 @@
 """Namespaces the daemon cannot use, held aside instead of failing a scan or a GC cycle.
 
 A namespace dir another user made (0755: readable, its pages not deletable), one the daemon
-cannot read (0700 of another owner, `chmod 000`), or a root that became unreadable, is
-outside the daemon's control. The index and GC skip it and go on with the others; each entry
-is logged once when found and once when it is usable again, shown in
-`cachemgr_namespace_unusable{namespace,reason}` / `cachemgr_root_unusable`, in /readyz's
-detail, and by doctor (cachemgr.doctor.root). Whoever finds it usable again clears it.
+cannot read (0700 of another owner, `chmod 000`), a root whose ns/ became unreadable, or a
+state dir it may no longer use, is outside the daemon's control. The index and GC skip it and
+go on with the others; each entry is logged once when found and once when it is usable again,
+shown in `cachemgr_namespace_unusable{namespace,reason}` / `cachemgr_root_unusable` /
+`cachemgr_state_dir_unusable`, in /readyz's detail, and by doctor (cachemgr.doctor.root).
+Whoever finds it usable again clears it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Literal
 
 from cachemgr.fs.deletecheck import DENIED
+from cachemgr.layout import Layout
+from cachemgr.state.dbfile import unavailable
 
 log = logging.getLogger(__name__)
 Reason = Literal["unreadable", "not-writable"]
 ROOT = ""  # the key of the root itself (its ns/ dir cannot be listed)
+# The key of the state dir: the pages and ns/ are still there and SGLang serves them; only
+# what needs the DB (the index, GC, purge) waits: the root is not unusable.
+STATE_DIR = "/state-dir"
+_WHAT = {ROOT: "root", STATE_DIR: "state dir"}
 
 
 def is_denied(error: BaseException) -> bool:
@@ -27,21 +35,40 @@ def is_denied(error: BaseException) -> bool:
     return isinstance(error, OSError) and error.errno in DENIED
 
 
+def denied_key(layout: Layout) -> str:
+    """What a refused access of the index or GC says is unusable: the root if its ns/ cannot
+    be listed (a root made unreadable takes its state dir too), else the state dir if this
+    process may not use it now, else the root."""
+    if not os.access(layout.ns_root, os.R_OK | os.X_OK):
+        return ROOT
+    return STATE_DIR if unavailable(layout.state_dir, layout.db_path) is not None else ROOT
+
+
+def unreadable_problem(error: OSError) -> str:
+    """Why a namespace's pages are not known, as `ls` and `status` show it."""
+    return f"cannot be read by uid {os.geteuid()}: {error.strerror}"
+
+
 @dataclass
 class Quarantine:
-    """What is held aside now: key (a namespace id, or ROOT) -> (reason, the error seen)."""
+    """What is held aside now: key (a namespace id, or ROOT) -> {reason: the error seen}.
 
-    _held: dict[str, tuple[Reason, str]] = field(default_factory=dict)
+    One key may be held for both reasons (GC found its pages not deletable, then the index
+    found it unreadable): each is said, and cleared, on its own. Bounded: two reasons a key.
+    """
+
+    _held: dict[str, dict[Reason, str]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def mark(self, key: str, reason: Reason, error: BaseException | str) -> None:
-        """Hold `key` aside; logged only when it was not held for this reason already."""
+        """Hold `key` aside for `reason`; logged only when it was not held for it already."""
         with self._lock:
-            new = self._held.get(key, (None, ""))[0] != reason
-            self._held[key] = (reason, str(error))
-        if new and key == ROOT:
+            reasons = self._held.setdefault(key, {})
+            new = reason not in reasons
+            reasons[reason] = str(error)
+        if new and key in _WHAT:
             log.error(
-                "root unusable; the daemon waits for it",
+                f"{_WHAT[key]} unusable; the daemon waits for it",
                 extra={"reason": reason, "error": str(error)},
             )
         elif new:
@@ -51,18 +78,24 @@ class Quarantine:
             )
 
     def clear(self, key: str, reason: Reason) -> None:
-        """`key` was just used for what `reason` says it could not be: usable again."""
+        """`key` was just used for what `reason` says it could not be: usable for it again."""
         with self._lock:
-            held = self._held.get(key)
-            if held is None or held[0] != reason:
+            reasons = self._held.get(key, {})
+            if reason not in reasons:
                 return
-            del self._held[key]
-        what = "root" if key == ROOT else "namespace"
+            del reasons[reason]
+            if not reasons:
+                del self._held[key]
+        what = _WHAT.get(key, "namespace")
         log.warning(f"{what} usable again", extra={"namespace": key, "reason": reason})
 
-    def held(self) -> dict[str, tuple[Reason, str]]:
+    def namespaces(self) -> dict[str, dict[Reason, str]]:
+        """What is held aside by namespace id (the root and the state dir left out)."""
+        return {key: why for key, why in self.held().items() if key not in _WHAT}
+
+    def held(self) -> dict[str, dict[Reason, str]]:
         with self._lock:
-            return dict(self._held)
+            return {key: dict(reasons) for key, reasons in self._held.items()}
 
     def __contains__(self, key: object) -> bool:
         with self._lock:
@@ -74,7 +107,8 @@ class Quarantine:
         if not held:
             return None
         parts = [
-            f"root {why}: {err}" if key == ROOT else f"namespace {key} {why}"
-            for key, (why, err) in sorted(held.items())
+            f"{_WHAT[key]} {why}: {err}" if key in _WHAT else f"namespace {key} {why}"
+            for key, reasons in sorted(held.items())
+            for why, err in sorted(reasons.items())
         ]
         return "; ".join(parts)

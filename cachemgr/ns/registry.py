@@ -8,23 +8,26 @@ index may not be running when `init`, `ls` or `purge` look.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
 import os
 import re
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from cachemgr.engines import Engine, engine_of, format_for
 from cachemgr.errors import CachemgrError, ConfigError, StateError, UnsafePathError
+from cachemgr.formats import EngineName, engine_of, format_for
 from cachemgr.fs.dirscan import Usage, scan_usage
 from cachemgr.fs.safe import make_dir, on_other_mount, open_dir
 from cachemgr.layout import NS_DIR, NS_ID_RE, Layout, check_ns_id
 from cachemgr.layout import check_instance as check_instance  # nsreg.check_instance callers
 from cachemgr.ns import bindings
 from cachemgr.ns.manifest import Manifest, read_manifest, write_manifest
+from cachemgr.ns.quarantine import is_denied, unreadable_problem
 from cachemgr.state import pages_sql
 from cachemgr.state import registry_sql as sql
 from cachemgr.state.status import bindings_by_namespace
@@ -32,7 +35,9 @@ from cachemgr.state.store import Store
 
 log = logging.getLogger(__name__)
 _MANIFEST_RE = re.compile(r"([0-9a-f]{16})\.json")
-NsState = Literal["bound", "unbound", "no-manifest", "missing-dir", "unsafe", "bad-manifest"]
+NsState = Literal[
+    "bound", "unbound", "no-manifest", "missing-dir", "unsafe", "bad-manifest", "unreadable"
+]
 
 
 def ns_entry_kind(layout: Layout, ns_id: str) -> Literal["dir", "absent"]:
@@ -92,8 +97,9 @@ def damaged(layout: Layout) -> dict[str, tuple[NsState, str]]:
     """Namespaces under ns/ that cachemgr leaves alone: id → (state, why).
 
     `unsafe`: ns/<id> is a symlink, a FIFO, a file; `bad-manifest`: ns/<id>.json is not a
-    regular file, is larger than the manifest size limit, or does not validate. Reads each
-    manifest (a few KiB, never a FIFO), so it costs one small read per namespace.
+    regular file, is larger than the manifest size limit, or does not validate; `unreadable`:
+    this user may not read ns/<id>.json. Reads each manifest (a few KiB, never a FIFO), so it
+    costs one small read per namespace.
     """
     entries, manifests = on_disk(layout)
     out: dict[str, tuple[NsState, str]] = {}
@@ -101,13 +107,37 @@ def damaged(layout: Layout) -> dict[str, tuple[NsState, str]]:
         try:
             read_manifest(layout, ns_id)
         except StateError as e:
-            out[ns_id] = ("bad-manifest", str(e))
+            out[ns_id] = manifest_damage(e)
     for ns_id in sorted(entries):
         try:
             ns_entry_kind(layout, ns_id)
         except UnsafePathError as e:
             out[ns_id] = ("unsafe", str(e))
     return out
+
+
+def _listable(layout: Layout, ns_id: str) -> bool:
+    """Whether the namespace dir is there and can be listed and an entry stat'ed, as a scan
+    would; the OSError a scan would raise if it cannot."""
+    try:
+        with open_dir(layout.root, f"ns/{ns_id}") as fd, os.scandir(fd) as entries:
+            for entry in entries:
+                with contextlib.suppress(FileNotFoundError):  # deleted since the listing
+                    os.stat(entry.name, dir_fd=fd, follow_symlinks=False)
+                break
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def manifest_damage(error: CachemgrError) -> tuple[NsState, str]:
+    """The state and reason of a namespace whose manifest could not be read: `unreadable`
+    when the kernel refused this user (mode bits, another owner: the listing is not whole,
+    docs/exit-codes.md), else `bad-manifest` (its content or kind is wrong)."""
+    cause = error.__cause__
+    if isinstance(cause, OSError) and is_denied(cause):
+        return "unreadable", f"manifest {unreadable_problem(cause)}"
+    return "bad-manifest", str(error)
 
 
 def ensure_namespace(
@@ -160,15 +190,16 @@ def adopt_from_disk(layout: Layout, store: Store, *, write_files: bool = True) -
         if manifest is not None:
             found.append(manifest)
     files, problems = bindings.read_bindings(layout)
-    in_db = bindings.db_bindings(store)
-    lost = {i: b for i, b in files.items() if i not in in_db}
-    if found or lost:
+    late = bindings.behind(layout, store, files)
+    if found or late:
         with store.transaction():
             for manifest in found:
                 register(store, manifest)
-            restored = bindings.restore(store, lost)
-        log.info("registered namespaces found on disk",
-                 extra={"ns": [m.ns_id for m in found], "bound": restored})  # fmt: skip
+            restored = bindings.restore(layout, store, late)
+        log.info(
+            "registered namespaces found on disk",
+            extra={"ns": [m.ns_id for m in found], "bound": restored},
+        )
     if problems:
         log.warning("binding files left alone", extra={"problems": problems})
     if write_files:
@@ -231,7 +262,7 @@ class NamespaceInfo:
     ns_id: str
     state: NsState
     instances: tuple[str, ...]
-    engine: Engine
+    engine: EngineName
     model: str | None
     kv_cache_dtype: str | None
     page_size: int | None
@@ -243,15 +274,36 @@ class NamespaceInfo:
     problem: str | None = None
 
 
-def list_namespaces(layout: Layout, store: Store) -> list[NamespaceInfo]:
-    """Every namespace on disk or bound in the DB, sorted by id."""
+def list_namespaces(
+    layout: Layout,
+    store: Store,
+    *,
+    counted: bool = True,
+    known: Mapping[str, Usage] | None = None,
+) -> list[NamespaceInfo]:
+    """Every namespace on disk or bound in the DB, sorted by id. Their pages and bytes are
+    `known`'s (a running daemon's index) or counted on disk; without `counted`, the others
+    are 0 (their states alone: no dir of millions of pages is listed)."""
     dirs, manifests = on_disk(layout)
     bound = bindings_by_namespace(store.conn)
-    return [describe(layout, ns, bound.get(ns, ())) for ns in sorted(dirs | manifests | set(bound))]
+    ids = sorted(dirs | manifests | set(bound))
+    known = known or {}
+    return [
+        describe(layout, ns, bound.get(ns, ()), counted=counted, known=known.get(ns)) for ns in ids
+    ]
 
 
-def describe(layout: Layout, ns_id: str, instances: tuple[str, ...]) -> NamespaceInfo:
-    """Scan one namespace; damage (a symlink, a bad manifest) becomes its state, not an error."""
+def describe(
+    layout: Layout,
+    ns_id: str,
+    instances: tuple[str, ...],
+    *,
+    counted: bool = True,
+    known: Usage | None = None,
+) -> NamespaceInfo:
+    """Scan one namespace (or, given its usage or not `counted`, see that its dir can be
+    listed, as a scan would); damage (a symlink, a bad manifest) becomes its state, not an
+    error."""
     problem: str | None = None
     manifest: Manifest | None = None
     usage: Usage | None = None
@@ -259,13 +311,20 @@ def describe(layout: Layout, ns_id: str, instances: tuple[str, ...]) -> Namespac
     try:
         manifest = read_manifest(layout, ns_id)
     except CachemgrError as e:
-        state, problem = "bad-manifest", str(e)
+        state, problem = manifest_damage(e)
     identity = manifest.identity if manifest else None
     try:
         if ns_entry_kind(layout, ns_id) == "dir":
-            usage = scan_usage(layout, f"ns/{ns_id}", format_for(identity))
+            if counted and known is None:
+                usage = scan_usage(layout, f"ns/{ns_id}", format_for(identity))
+            elif _listable(layout, ns_id):
+                usage = known or Usage()
     except UnsafePathError as e:
         state, problem = "unsafe", str(e)
+    except OSError as e:  # another user's dir (0700, chmod 000): its pages are not known
+        if not is_denied(e):
+            raise
+        state, problem = "unreadable", unreadable_problem(e)
     if state in ("bound", "unbound"):
         if usage is None:
             state = "missing-dir"

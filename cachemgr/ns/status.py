@@ -14,8 +14,9 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, computed_field
 
-from cachemgr.engines import Engine, engine_of
 from cachemgr.errors import StateError
+from cachemgr.formats import DEFAULT_ENGINE, FORMATS, EngineName, engine_of
+from cachemgr.fs.dirlimit import DirIndex, page_name_len
 from cachemgr.layout import Layout
 from cachemgr.ns import registry as nsreg
 from cachemgr.ns.manifest import (
@@ -41,9 +42,10 @@ class NamespaceStatus(BaseModel):
 
     id: str
     # active | purged | unregistered (a dir without a manifest row), or, left alone
-    # by every command: bad-manifest | unsafe (ns/<id> is not a real dir)
+    # by every command: bad-manifest | unsafe (ns/<id> is not a real dir) | unreadable (this
+    # user may not read its dir or manifest)
     state: str
-    problem: str | None = None  # why a bad-manifest or unsafe namespace is left alone
+    problem: str | None = None  # why a bad-manifest, unsafe or unreadable one is left alone
     has_dir: bool
     pages: int
     bytes: int
@@ -58,7 +60,7 @@ class NamespaceStatus(BaseModel):
     corrupt_files: int = 0
     scanned_at: float | None = None
     instances: tuple[str, ...] = ()
-    engine: Engine = "sglang"  # which engine's cache it is (its identity record says)
+    engine: EngineName = DEFAULT_ENGINE  # which engine's cache it is (its identity record says)
     model: str | None = None
     kv_cache_dtype: str | None = None
     page_size: int | None = None
@@ -69,6 +71,18 @@ class NamespaceStatus(BaseModel):
         """Page reads / (reads + writes), lifetime; None before any activity."""
         total = self.page_reads + self.page_writes
         return self.page_reads / total if total else None
+
+    @property
+    def dir_entries(self) -> int:
+        """Entries of its dir, at the last scan: pages, temps and foreign files."""
+        return self.pages + self.temp_files + self.foreign_files
+
+    def entry_limit(self, index: DirIndex | None) -> int | None:
+        """Entries its dir takes before ENOSPC on a filesystem `index` describes, if its
+        format keeps the pages in the dir itself; None where no limit is known."""
+        if index is None or FORMATS[self.engine].nesting is not None:
+            return None
+        return index.limit(page_name_len(self.model))
 
 
 def identity_record(identity_json: str | None) -> dict[str, Any]:
@@ -105,9 +119,10 @@ def namespace_statuses(
     for ns in sorted(ids):
         s, reg = stats.get(ns), registry.get(ns)
         ident = (
-            identity_record(reg["identity_json"]) if reg is not None
+            identity_record(reg["identity_json"])
+            if reg is not None
             else _manifest_identity(layout, ns)
-        )  # fmt: skip
+        )
         counts = live.get(ns) if live is not None else None
         registered = reg["state"] if reg is not None else "unregistered"
         state, problem = damaged.get(ns, (registered, None))

@@ -18,12 +18,13 @@ from typing import Literal
 
 from cachemgr.backends import FileFormat, FileKind
 from cachemgr.errors import UnsafePathError
+from cachemgr.formats import DEFAULT_FORMAT
 from cachemgr.fs.deletion import DeleteReport, Pacer, delete_dir
 from cachemgr.fs.dirscan import scan_usage
 from cachemgr.fs.safe import open_dir
 from cachemgr.fs.tree import format_in, tree_names
 from cachemgr.layout import Layout
-from cachemgr.sglang.hicache import HICACHE_FILE
+from cachemgr.ns.runcontext import RunContext
 from cachemgr.state.store import Store
 
 Actor = Literal["cli", "http", "auto"]
@@ -82,8 +83,11 @@ def _foreign_example(layout: Layout, entry: str) -> str | None:
             fmt = format_in(fd)
             names, _ = tree_names(fd, fmt)
             if fmt.nesting is not None:  # what stays above the blocks: the identity files
-                names += [str(Path(d.name, fmt.nesting.identity_file)) for d in os.scandir(fd)
-                          if d.is_dir(follow_symlinks=False)]  # fmt: skip
+                names += [
+                    str(Path(d.name, fmt.nesting.identity_file))
+                    for d in os.scandir(fd)
+                    if d.is_dir(follow_symlinks=False)
+                ]
             for name in names:
                 if _left_alone(layout.trash / entry, name, fmt):
                     return str(layout.trash / entry / name)
@@ -178,22 +182,17 @@ def drain_trash(
     totals = {e: _count_names(layout, e) for e in entries}
     total = sum(totals.values())
     report = DeleteReport(dry_run=dry_run)
+    run = RunContext(layout, store, actor=actor, dry_run=dry_run, pacer=pacer)
     for entry in entries:
-        tick = _ticker(progress, entry, report, total)
-        report += drain_entry(layout, store, entry, actor=actor, pacer=pacer, progress=tick,
-                              dry_run=dry_run)  # fmt: skip
+        report += drain_entry(run, entry, progress=_ticker(progress, entry, report, total))
     return report
 
 
 def drain_entry(
-    layout: Layout,
-    store: Store,
+    run: RunContext,
     entry: str,
     *,
-    actor: str = "auto",
-    pacer: Pacer | None = None,
     progress: Callable[[int, int], None] | None = None,
-    dry_run: bool = False,
     min_age: float = 0.0,
     audit_as: tuple[str, str] | None = ("delete-trash", "trash"),
 ) -> DeleteReport:
@@ -203,17 +202,23 @@ def drain_entry(
     unbound namespace audited its eviction when it renamed the dir here. Files younger than
     `min_age` stay (GC's drops pass its min_age; a purge's drain deletes everything).
     """
+    dry_run = run.dry_run
     try:
         part = delete_dir(
-            layout.root, f".trash/{entry}", dry_run=dry_run, min_age=min_age, pacer=pacer,
-            progress=progress, fmt=trash_format(layout, entry),
-        )  # fmt: skip
+            run.layout.root,
+            f".trash/{entry}",
+            dry_run=dry_run,
+            min_age=min_age,
+            pacer=run.pacer,
+            progress=progress,
+            fmt=trash_format(run.layout, entry),
+        )
     except UnsafePathError as e:
         return DeleteReport(refused=(f".trash/{entry}: {e}",), dry_run=dry_run)
     except FileNotFoundError:
         return DeleteReport(dry_run=dry_run)  # another drain finished it
     if not dry_run and audit_as is not None:
-        _audit_deleted(store, entry, part, actor, audit_as)
+        _audit_deleted(run.store, entry, part, run.actor, audit_as)
     return part
 
 
@@ -250,7 +255,7 @@ def trash_format(layout: Layout, entry: str) -> FileFormat:
         with open_dir(layout.root, f".trash/{entry}") as fd:
             return format_in(fd)
     except (OSError, UnsafePathError):
-        return HICACHE_FILE  # gone, or a link: whatever reads it next refuses it
+        return DEFAULT_FORMAT  # gone, or a link: whatever reads it next refuses it
 
 
 def _count_names(layout: Layout, entry: str) -> int:

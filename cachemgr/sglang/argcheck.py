@@ -15,9 +15,12 @@ from cachemgr.sglang.flags import CHOICES, INTEGER, SGLANG_VERSION
 def check_types(values: Mapping[str, Any], flag_of: Mapping[str, str]) -> None:
     """A value flag given without a value, or a switch given one, is the operator's error."""
     bool_fields = {
-        "enable_dp_attention", "enable_hierarchical_cache", "trust_remote_code",
-        "enable_page_major_kv_layout", "enable_unified_memory",
-    }  # fmt: skip
+        "enable_dp_attention",
+        "enable_hierarchical_cache",
+        "trust_remote_code",
+        "enable_page_major_kv_layout",
+        "enable_unified_memory",
+    }
     for field, value in values.items():
         if field in bool_fields and not isinstance(value, bool):
             raise ConfigError(f"{flag_of[field]} takes no value (got {value!r})")

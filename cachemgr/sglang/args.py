@@ -101,7 +101,8 @@ class LaunchArgs(BaseModel):
 
 # Flag spellings (aliases included, from SGLang's Arg(aliases=...)) → LaunchArgs field.
 FLAGS: dict[str, str] = {
-    "--model-path": "model_path", "--model": "model_path",
+    "--model-path": "model_path",
+    "--model": "model_path",
     "--revision": "revision",
     "--dtype": "dtype",
     "--quantization": "quantization",
@@ -112,7 +113,8 @@ FLAGS: dict[str, str] = {
     "--enable-page-major-kv-layout": "enable_page_major_kv_layout",
     "--enable-unified-memory": "enable_unified_memory",
     "--served-model-name": "served_model_name",
-    "--host": "host", "--port": "port",
+    "--host": "host",
+    "--port": "port",
     "--speculative-algorithm": "speculative_algorithm",
     "--speculative-draft-model-path": "speculative_draft_model_path",
     "--speculative-draft-model": "speculative_draft_model_path",
@@ -124,12 +126,18 @@ FLAGS: dict[str, str] = {
     "--decode-attention-backend": "decode_attention_backend",
     "--prefill-attention-backend": "prefill_attention_backend",
     "--speculative-draft-attention-backend": "speculative_draft_attention_backend",
-    "--tp-size": "tp_size", "--tensor-parallel-size": "tp_size",
-    "--pp-size": "pp_size", "--pipeline-parallel-size": "pp_size",
-    "--dp-size": "dp_size", "--data-parallel-size": "dp_size",
-    "--attn-dp-size": "attn_dp_size", "--attention-data-parallel-size": "attn_dp_size",
-    "--attn-cp-size": "attn_cp_size", "--attention-context-parallel-size": "attn_cp_size",
-    "--dcp-size": "dcp_size", "--decode-context-parallel-size": "dcp_size",
+    "--tp-size": "tp_size",
+    "--tensor-parallel-size": "tp_size",
+    "--pp-size": "pp_size",
+    "--pipeline-parallel-size": "pp_size",
+    "--dp-size": "dp_size",
+    "--data-parallel-size": "dp_size",
+    "--attn-dp-size": "attn_dp_size",
+    "--attention-data-parallel-size": "attn_dp_size",
+    "--attn-cp-size": "attn_cp_size",
+    "--attention-context-parallel-size": "attn_cp_size",
+    "--dcp-size": "dcp_size",
+    "--decode-context-parallel-size": "dcp_size",
     "--enable-dp-attention": "enable_dp_attention",
     "--enable-hierarchical-cache": "enable_hierarchical_cache",
     "--enable-hicache": "enable_hierarchical_cache",
@@ -139,7 +147,7 @@ FLAGS: dict[str, str] = {
     "--hicache-storage-backend-extra-config": "hicache_storage_backend_extra_config",
     "--mamba-ssm-dtype": "mamba_ssm_dtype",
     "--mamba-track-interval": "mamba_track_interval",
-}  # fmt: skip
+}
 _FLAG_OF = {field: flag for flag, field in reversed(FLAGS.items())}
 ENGINE = f"SGLang {SGLANG_VERSION}"
 

@@ -26,18 +26,41 @@ from dataclasses import dataclass
 
 from cachemgr.backends import FileFormat, ScanRules
 
+# The dir HiCacheFile writes to, read from the server's environment before anything else.
+STORAGE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
+
 # PoolName's values but "kv" (the page's own file), as of 0.5.23. Longest first: a pool name
 # may be another's prefix ("deepseek_v4_c4" / "deepseek_v4_c4_indexer") and the first
 # alternative that matches is the one the parser reports.
-POOLS = tuple(sorted((
-    "mamba", "swa", "auxiliary_swa", "indexer",
-    "deepseek_v4_c1", "deepseek_v4_c1_indexer", "deepseek_v4_c1_indexer_scale",
-    "deepseek_v4_c2", "deepseek_v4_c2_indexer", "deepseek_v4_c2_indexer_scale",
-    "deepseek_v4_c4", "deepseek_v4_c4_indexer", "deepseek_v4_c4_indexer_scale",
-    "deepseek_v4_c128", "deepseek_v4_c4_rope", "deepseek_v4_c128_rope",
-    "deepseek_v4_c4_state", "deepseek_v4_c4_indexer_state", "deepseek_v4_c128_state",
-    "draft", "draft_indexer", "draft_swa",
-), key=lambda p: (-len(p), p)))  # fmt: skip
+POOLS = tuple(
+    sorted(
+        (
+            "mamba",
+            "swa",
+            "auxiliary_swa",
+            "indexer",
+            "deepseek_v4_c1",
+            "deepseek_v4_c1_indexer",
+            "deepseek_v4_c1_indexer_scale",
+            "deepseek_v4_c2",
+            "deepseek_v4_c2_indexer",
+            "deepseek_v4_c2_indexer_scale",
+            "deepseek_v4_c4",
+            "deepseek_v4_c4_indexer",
+            "deepseek_v4_c4_indexer_scale",
+            "deepseek_v4_c128",
+            "deepseek_v4_c4_rope",
+            "deepseek_v4_c128_rope",
+            "deepseek_v4_c4_state",
+            "deepseek_v4_c4_indexer_state",
+            "deepseek_v4_c128_state",
+            "draft",
+            "draft_indexer",
+            "draft_swa",
+        ),
+        key=lambda p: (-len(p), p),
+    )
+)
 _PAGE = (
     r"(?P<key>[0-9a-f]{16,128})"
     rf"(?:\.(?P<pool>{'|'.join(POOLS)}))?"
@@ -61,6 +84,7 @@ HICACHE_FILE = FileFormat(
     temp=TEMP_RE,
     page_suffix=".bin",
     scan=ScanRules(key_min=16, key_max=128, temp_lead=".", temp_hex=32),
+    dir_env=STORAGE_DIR_ENV,
 )
 
 
@@ -106,8 +130,14 @@ def parse_page_name(name: str) -> PageName | None:
     if g["dcp_tp"] is not None:
         dcp = (int(g["dcp_tp"]), int(g["dcp_rank"]), int(g["dcp_size"]), int(g["dcp_page"]))
     return PageName(
-        key=g["key"], model=g["model"], pool=g["pool"],
-        tp_rank=num("tp_rank"), tp_size=num("tp_size"),
-        pp_size=num("pp_size"), pp_rank=num("pp_rank"),
-        cp_rank=num("cp_rank"), cp_size=num("cp_size"), dcp=dcp,
-    )  # fmt: skip
+        key=g["key"],
+        model=g["model"],
+        pool=g["pool"],
+        tp_rank=num("tp_rank"),
+        tp_size=num("tp_size"),
+        pp_size=num("pp_size"),
+        pp_rank=num("pp_rank"),
+        cp_rank=num("cp_rank"),
+        cp_size=num("cp_size"),
+        dcp=dcp,
+    )

@@ -13,14 +13,16 @@ import json
 import logging
 import os
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from cachemgr.engine import Probe, ProbeHooks, ProbeState
 from cachemgr.errors import StateCorrupt, StateLocked
-from cachemgr.worker import DeathHandler, Worker
 
 log = logging.getLogger(__name__)
 TOKEN_COUNTERS = {
@@ -28,18 +30,13 @@ TOKEN_COUNTERS = {
     "sglang:prefetched_tokens": "prefetched_tokens",
     "sglang:backuped_tokens": "backuped_tokens",
 }
-
-
-@dataclass
-class ProbeState:
-    """What the daemon last learnt from the SGLang server (read by /metrics)."""
-
-    up: bool = False
-    tokens: SglangTokens | None = None
-    namespace: str | None = None  # the namespace the server was matched to
-    mismatches: int = 0  # identity contradictions found (each one purged its namespace)
-    alarm: bool = False  # the last check found a contradiction or an ambiguity (no purge)
-    last_error: str | None = None
+# (name, help) of the metrics the probe adds to the daemon's /metrics.
+METRICS = {
+    "cachemgr_sglang_up": "1 if the last scrape of the SGLang server succeeded",
+    "cachemgr_sglang_storage_hit_tokens_total": "SGLang's tokens found in L3",
+    "cachemgr_sglang_prefetched_tokens_total": "SGLang's tokens loaded from L3",
+    "cachemgr_sglang_backuped_tokens_total": "SGLang's tokens written to L3",
+}
 
 
 @dataclass(frozen=True)
@@ -135,34 +132,28 @@ def ambiguities(info: dict[str, Any], identity: dict[str, Any]) -> list[str]:
     return [page] if page is not None and not _explicit_page_size(identity) else []
 
 
-MismatchHandler = Callable[[str, list[str]], None]
-# The state DB sits above this package: the daemon passes the lookup of the namespace the
-# instance is bound to, as (id, identity_json, indexed pages) (cachemgr.state.registry_sql).
-BoundLookup = Callable[[str], tuple[str, str, int] | None]
-
-
-class ProbeLoop(Worker):
+class ProbeLoop(Probe):
     """Polls the SGLang server; a contradiction with its namespace's identity is handed to
-    `on_mismatch` (the daemon purges that namespace) and raises the alarm in `state`."""
+    `hooks.on_mismatch` (the daemon purges that namespace) and raises the alarm in `state`."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        instance: str,
-        bound: BoundLookup,
-        on_mismatch: MismatchHandler,
-        interval: float = 15.0,
-        state: ProbeState | None = None,
-        on_death: DeathHandler | None = None,
-    ) -> None:
-        super().__init__("probe", on_death=on_death)
+    def __init__(self, url: str, hooks: ProbeHooks, *, interval: float = 15.0) -> None:
+        super().__init__("probe", on_death=hooks.on_death)
         self.url = url
-        self.instance = instance
-        self.bound = bound
-        self.on_mismatch = on_mismatch
+        self.instance = hooks.instance
+        self.bound = hooks.bound
+        self.on_mismatch = hooks.on_mismatch
         self.interval = interval
-        self.state = state if state is not None else ProbeState()
+        self.state = ProbeState()
+        self.tokens: SglangTokens | None = None  # the last scrape's L3 token counters
+
+    def families(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "cachemgr_sglang_up", METRICS["cachemgr_sglang_up"], value=self.state.up
+        )
+        if self.tokens is not None:
+            for key in ("storage_hit_tokens", "prefetched_tokens", "backuped_tokens"):
+                name = f"cachemgr_sglang_{key}_total"
+                yield CounterMetricFamily(name, METRICS[name], value=getattr(self.tokens, key))
 
     def _loop(self) -> None:
         while not self._stopping.is_set():
@@ -176,18 +167,21 @@ class ProbeLoop(Worker):
 
     def _died(self, error: BaseException) -> None:
         # Nobody polls any more: the last scrape's "up" would be stale from now on.
-        self.state.up, self.state.last_error = False, f"probe died: {error}"
+        self.state.up = False
+        self.state.last_error = f"probe died: {error}"
 
     def poll(self) -> None:
         """One round: scrape /metrics, read /server_info, compare with the identity."""
         st = self.state
         try:
-            st.tokens = tokens(self.url)
+            self.tokens = tokens(self.url)
             info = server_info(self.url)
         except (OSError, ValueError) as e:  # URLError is an OSError; bad JSON a ValueError
-            st.up, st.last_error = False, str(e)
+            st.up = False
+            st.last_error = str(e)
             return
-        st.up, st.last_error = True, None
+        st.up = True
+        st.last_error = None
         found = self._namespace()
         if found is None:
             return
@@ -199,7 +193,8 @@ class ProbeLoop(Worker):
         except (TypeError, ValueError, OverflowError) as e:
             # A value of the wrong type in /server_info ("page_size": "x", 1e400, {}): not
             # the SGLang server we know how to read; say so and poll again, never die of it.
-            st.up, st.last_error = False, f"/server_info has a value cachemgr cannot read: {e}"
+            st.up = False
+            st.last_error = f"/server_info has a value cachemgr cannot read: {e}"
             return
         if not diffs:
             st.alarm = bool(soft)

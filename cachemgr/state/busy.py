@@ -21,10 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cachemgr.fs.locks import describe_pid, file_key, proc_locks
+from cachemgr.fs.safe import refuse_non_regular
+from cachemgr.layout import db_files
 
 log = logging.getLogger(__name__)
 _BUSY = {sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED}
 _SHM_WRITE_LOCK = 120  # WAL mode: the writer holds this byte of the -shm file (sqlite3 wal.c)
+# The DB file's lock bytes (sqlite3 os.c: PENDING_BYTE, RESERVED_BYTE, the SHARED range): a
+# write lock there shuts readers out, as `locking_mode=EXCLUSIVE` does with no -shm at all.
+_DB_LOCK_BYTES = (0x40000000, 0x400001FF)
 PROC_LOCKS = Path("/proc/locks")
 
 
@@ -39,22 +44,45 @@ def is_locked(error: BaseException) -> bool:
 
 
 def holders(db: Path, locks: Path = PROC_LOCKS) -> list[int]:
-    """Pids holding the write lock of WAL database `db` (its -shm file's writer byte), from
-    /proc/locks; empty if unknown (another kernel view, a rollback-journal DB)."""
-    try:
-        here = file_key(os.stat(f"{db}-shm"))
-    except OSError:
-        return []
+    """Pids holding the write lock of WAL database `db` (its -shm file's writer byte), or an
+    exclusive lock on the DB file itself, from /proc/locks; empty if unknown (another kernel
+    view)."""
+    wanted = []
+    for name, first, last in (
+        (f"{db}-shm", _SHM_WRITE_LOCK, _SHM_WRITE_LOCK),
+        (str(db), *_DB_LOCK_BYTES),
+    ):
+        try:
+            wanted.append((file_key(os.stat(name)), first, last))
+        except OSError:
+            continue
     return sorted(
         {
             lock.pid
             for lock in proc_locks(locks)
-            if lock.kind in ("POSIX", "OFDLCK")
-            and lock.access == "WRITE"
-            and lock.file == here
-            and lock.start <= _SHM_WRITE_LOCK <= lock.end
+            if lock.kind in ("POSIX", "OFDLCK") and lock.access == "WRITE"
+            for here, first, last in wanted
+            if lock.file == here and lock.start <= last and first <= lock.end
         }
     )
+
+
+def shuts_out_readers(db: Path) -> bool:
+    """Whether another connection holds `db` so that even a read fails (`locking_mode=
+    EXCLUSIVE`); asked without waiting, and without creating a missing DB."""
+    # SQLite opens by path and writes the -shm even to read: never through a planted link.
+    refuse_non_regular(db_files(db))
+    try:
+        conn = sqlite3.connect(f"{db.absolute().as_uri()}?mode=ro", uri=True, timeout=0)
+    except sqlite3.Error:
+        return False
+    try:
+        conn.execute("PRAGMA schema_version").fetchone()
+    except sqlite3.Error as e:
+        return is_locked(e)
+    finally:
+        conn.close()
+    return False
 
 
 def describe_holders(db: Path) -> str:

@@ -15,11 +15,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from cachemgr.errors import StateError
+from cachemgr.errors import StateError, StateUnavailable
+from cachemgr.fs.deletecheck import DENIED
 from cachemgr.fs.safe import open_file
 from cachemgr.layout import DB_SUFFIXES, recover_lock
 
-log = logging.getLogger("cachemgr.state.store")
+log = logging.getLogger(__name__)
 FileId = tuple[int, int]
 
 
@@ -57,6 +58,32 @@ def is_corrupt(e: BaseException | None) -> bool:
                 return True
         e = e.__cause__ or e.__context__
     return False
+
+
+@contextmanager
+def denied_as_unavailable(state_dir: Path) -> Iterator[None]:
+    """The kernel refusing this process a file of `state_dir` is StateUnavailable (an HTTP
+    503 naming the dir and the fix), not an internal error; other errors pass."""
+    try:
+        yield
+    except OSError as e:
+        where = os.fsdecode(e.filename) if e.filename is not None else ""
+        if e.errno not in DENIED or not where.startswith(os.fspath(state_dir)):
+            raise
+        raise StateUnavailable(
+            f"state dir {state_dir} cannot be used by uid {os.getuid()} ({e.strerror}); give "
+            "this user read, write and search on it (chmod u+rwx, or chown it)"
+        ) from e
+
+
+def unavailable(state_dir: Path, db: Path) -> StateUnavailable | None:
+    """Why the state DB at `db` cannot be reached now, else None (one stat)."""
+    try:
+        with denied_as_unavailable(state_dir):
+            file_id(db)
+    except StateUnavailable as e:
+        return e
+    return None
 
 
 def file_id(path: Path) -> FileId | None:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cachemgr.backends import FileFormat
-from cachemgr.engines import format_for
+from cachemgr.formats import format_for
 from cachemgr.fs.dirscan import PAGES, Usage, list_files, scan_usage
 from cachemgr.fs.safe import on_other_mount, open_dir
 from cachemgr.layout import NS_DIR, NS_ID_RE, Layout
@@ -91,10 +91,18 @@ def scan_namespace(
         log.info("reindexing namespace", extra={"namespace": ns_id, "pages": usage.pages})
         added, removed, diff = _reindex(layout, store, ns_id, now, fmt, changes)
     report = ScanReport(
-        ns_id, usage.pages, usage.bytes, usage.files, usage.temps, usage.other, usage.corrupt,
-        added=added, removed=removed, seconds=time.perf_counter() - t0,
+        ns_id,
+        usage.pages,
+        usage.bytes,
+        usage.files,
+        usage.temps,
+        usage.other,
+        usage.corrupt,
+        added=added,
+        removed=removed,
+        seconds=time.perf_counter() - t0,
         changes=diff if changes else None,
-    )  # fmt: skip
+    )
     with store.transaction() as conn:
         _record_scan(conn, report, now())
     return report
@@ -119,9 +127,13 @@ def _matches(conn: sqlite3.Connection, ns_id: str, usage: Usage) -> bool:
 
 
 def _reindex(
-    layout: Layout, store: Store, ns_id: str, now: Callable[[], float], fmt: FileFormat,
+    layout: Layout,
+    store: Store,
+    ns_id: str,
+    now: Callable[[], float],
+    fmt: FileFormat,
     changes: bool,
-) -> tuple[int, int, ScanChanges | None]:  # fmt: skip
+) -> tuple[int, int, ScanChanges | None]:
     """Make the rows of `ns_id` those of its page files: (rows added, rows removed, and if
     `changes` and not too many, which: ScanReport.changes).
 
@@ -193,8 +205,9 @@ def _diff(conn: sqlite3.Connection, ns_id: str) -> ScanChanges | None:
     ).fetchall()
     gone = conn.execute(
         "SELECT name, key_len FROM pages WHERE namespace_id = ? AND name NOT IN"
-        " (SELECT name FROM scan_rows) LIMIT ?", (ns_id, MAX_CHANGES + 1),
-    ).fetchall()  # fmt: skip
+        " (SELECT name FROM scan_rows) LIMIT ?",
+        (ns_id, MAX_CHANGES + 1),
+    ).fetchall()
     return None if len(new) + len(gone) > MAX_CHANGES else (new, gone)
 
 

@@ -177,3 +177,8 @@ def set_model_stamp(conn: sqlite3.Connection, token: str) -> None:
     """Say that a model snapshot with this token matches the index as it is now."""
     conn.execute("DELETE FROM model_stamp")
     conn.execute("INSERT INTO model_stamp (token) VALUES (?)", (token,))
+
+
+def namespace_file_counts(conn: sqlite3.Connection) -> dict[str, int]:
+    """Page files of each namespace with pages, from the index's aggregates (no page scan)."""
+    return dict(conn.execute("SELECT namespace_id, pages FROM namespace_stats WHERE pages > 0"))

@@ -73,6 +73,17 @@ def bind_if_new(conn: sqlite3.Connection, instance: str, ns_id: str, at: float) 
     return bool(cur.rowcount)
 
 
+def rebind(conn: sqlite3.Connection, instance: str, ns_id: str, at: float) -> bool:
+    """Bind `instance` to `ns_id`, bound or not before, if `ns_id` is registered; True if so."""
+    cur = conn.execute(
+        "INSERT INTO bindings (instance, namespace_id, bound_at)"
+        " SELECT ?, id, ? FROM namespaces WHERE id = ? ON CONFLICT(instance) DO UPDATE SET"
+        " namespace_id = excluded.namespace_id, bound_at = excluded.bound_at",
+        (instance, at, ns_id),
+    )
+    return bool(cur.rowcount)
+
+
 def binding_of(conn: sqlite3.Connection, instance: str) -> str | None:
     """The namespace `instance` is bound to, if any."""
     row = conn.execute(

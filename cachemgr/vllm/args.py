@@ -131,8 +131,10 @@ def resolve_vllm_args(
     """VllmLaunchArgs from a vLLM launch command; ConfigError for what vLLM would refuse."""
     cmd = split_vllm(command)
     if cmd is None:
-        raise ConfigError("not a vLLM launch (expected `vllm serve …` or `python -m "
-                          "vllm.entrypoints.openai.api_server …`)")  # fmt: skip
+        raise ConfigError(
+            "not a vLLM launch (expected `vllm serve …` or `python -m "
+            "vllm.entrypoints.openai.api_server …`)"
+        )
     values: dict[str, Any] = dict(scan_flags(prepass(cmd, NO_VALUE, read_config), cmd.serve))
     positional = values.pop("model_tag", None)
     if positional is not None:

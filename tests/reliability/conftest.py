@@ -13,6 +13,7 @@ import os
 import stat
 import subprocess
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -86,10 +87,24 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
     its mmapped -shm by writing one byte per 4 KiB page, so on 1 KiB blocks the rest stays a
     hole, and a full disk turns the next touch of it into SIGBUS (seen: test_full_disk.py).
     """
+    with loop_fs(tmp_path, "mnt") as mnt:
+        yield mnt
+
+
+@pytest.fixture
+def other_small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A second filesystem as `small_fs` is (a state dir apart from the root's)."""
+    with loop_fs(tmp_path, "other-mnt") as mnt:
+        yield mnt
+
+
+@contextmanager
+def loop_fs(tmp_path: Path, name: str) -> Iterator[Path]:
+    """A 64 MiB ext4 filesystem mounted at tmp_path/name (see small_fs)."""
     if os.geteuid() != 0:
         pytest.skip("mounting a loop filesystem needs root (CI runs as root)")
-    image = tmp_path / "fs.img"
-    mnt = tmp_path / "mnt"
+    image = tmp_path / f"{name}.img"
+    mnt = tmp_path / name
     mnt.mkdir()
     with open(image, "wb") as f:
         f.truncate(64 << 20)

@@ -20,13 +20,17 @@ from pathlib import Path
 
 import pytest
 
-from cachemgr.fs.deletion import PART, delete_files
+from cachemgr.fs.deletion import PART, Listeners, delete_files
 from cachemgr.fs.root import create_root
+from cachemgr.gc.execute import execute_gc
 from cachemgr.gc.floor import free_floor
+from cachemgr.gc.plan import plan_gc
 from cachemgr.gc.policy import GcPolicy
 from cachemgr.layout import Layout
 from cachemgr.ns.registry import damaged
+from cachemgr.ns.runcontext import RunContext
 from cachemgr.settings import Settings
+from cachemgr.state.index import scan_root
 from cachemgr.state.store import Store
 from tests.daemon_helpers import running_daemon
 from tests.nsfixtures import cli_process, make_ns
@@ -249,6 +253,28 @@ def test_a_mount_put_over_a_namespace_dir_mid_deletion_stops_it(tmp_path: Path, 
         if len(heard) == 1:
             bind(victim, d)
 
-    got = delete_files(layout.root, f"ns/{ns}", names, removed=removed)
+    got = delete_files(layout.root, f"ns/{ns}", names, listeners=Listeners(removed=removed))
     assert snapshot(victim) == before
     assert got.files == PART and "stopped" in got.refused[-1], got
+
+
+def test_a_mount_appearing_mid_run_is_in_the_run_reports_warnings(
+    tmp_path: Path, bind: Bind
+) -> None:
+    """A namespace dir mounted over between the plan and its step: the step is refused (only
+    the log said so, and the run counted as `ok`). Its warning names the dir and the mount, and
+    a run that could not keep its cap is not held (`cachemgr gc` exits 1 on that)."""
+    root = Root(tmp_path)
+    victim = sglang_victim(tmp_path / "victim")
+    before = snapshot(victim)
+    with Store.open(root.layout.db_path) as store:
+        scan_root(root.layout, store)
+        plan = plan_gc(root.layout, store, GcPolicy(max_bytes=1, unbound_ttl=None), now=OLD * 2)
+        assert any(s.rel_dir == f"ns/{root.sg}" and s.names for s in plan.steps), plan
+        bind(victim, root.site("sglang-ns"))
+        report = execute_gc(plan, RunContext(root.layout, store))
+    assert snapshot(victim) == before
+    said = [w for w in report.warnings if f"ns/{root.sg}" in w]
+    assert said and "another mount" in said[0] and "unmount" in said[0], report.warnings
+    assert not report.held
+    assert report.files > 0  # the other namespaces were collected

@@ -20,7 +20,7 @@ import pytest
 
 from cachemgr.layout import Layout, db_files
 from cachemgr.settings import Settings
-from cachemgr.sglang.liveuse import STORAGE_DIR_ENV
+from cachemgr.sglang.hicache import STORAGE_DIR_ENV
 from cachemgr.state.dbfile import file_id
 from tests.daemon_helpers import RunningDaemon, running_daemon, wait_for
 from tests.nsfixtures import cli, page_name
@@ -147,8 +147,10 @@ def test_purge_instance_after_a_lost_db_purges_its_namespace(
     assert out.returncode == 0, out.stderr
     assert [t["ns_id"] for t in json.loads(out.stdout)["plan"]["targets"]] == [servers["srv-b"]]
     assert {inst: pages_in(layout, ns) for inst, ns in servers.items()} == {
-        "srv-a": PAGES, "srv-b": 0, "srv-c": PAGES,
-    }  # fmt: skip
+        "srv-a": PAGES,
+        "srv-b": 0,
+        "srv-c": PAGES,
+    }
     assert ls_bindings(root) == expected_ls(servers)  # purged while bound: still bound
 
 
@@ -184,15 +186,19 @@ def user_of(root: Path) -> Iterator[Callable[[Path], subprocess.Popen[bytes]]]:
 
 
 def test_gc_never_drops_a_namespace_a_running_process_uses(
-    root: Path, model: Path, servers: dict[str, str],
+    root: Path,
+    model: Path,
+    servers: dict[str, str],
     user_of: Callable[[Path], subprocess.Popen[bytes]],
-) -> None:  # fmt: skip
+) -> None:
     layout = Layout.at(root)
     init_json(root, model, "--instance", "srv-a", "--on-change", "retain", kv="fp8_e5m2")
     old = servers["srv-a"]  # unbound now, but a server started before still writes it
     server = user_of(layout.ns_dir(old))
-    wait_for(lambda: (Path("/proc") / str(server.pid) / "environ").read_bytes(),
-             lambda env: str(layout.ns_dir(old)).encode() in env)  # fmt: skip
+    wait_for(
+        lambda: (Path("/proc") / str(server.pid) / "environ").read_bytes(),
+        lambda env: str(layout.ns_dir(old)).encode() in env,
+    )
     delete_db(layout)  # rebuilt from disk: the times GC goes by are the manifests' (old)
     report = gc(root, DROP_ALL)
     steps = [s for s in report["steps"] if s["namespace_id"] == old]  # type: ignore[attr-defined]
@@ -260,11 +266,15 @@ def test_the_daemon_rebuilds_bindings_and_its_gc_keeps_them(
     root: Path, settings: Settings, servers: dict[str, str], under_it: bool
 ) -> None:
     layout = Layout.at(root)
-    fast = settings.model_copy(update={
-        "batch_interval": 0.05, "gc_interval": timedelta(seconds=0.2),
-        "gc_sweep_interval": timedelta(seconds=0.2), "gc_min_age": timedelta(seconds=1),
-        "gc_unbound_ttl": timedelta(seconds=10),
-    })  # fmt: skip
+    fast = settings.model_copy(
+        update={
+            "batch_interval": 0.05,
+            "gc_interval": timedelta(seconds=0.2),
+            "gc_sweep_interval": timedelta(seconds=0.2),
+            "gc_min_age": timedelta(seconds=1),
+            "gc_unbound_ttl": timedelta(seconds=10),
+        }
+    )
     if not under_it:
         corrupt_db(layout)
     with running_daemon(fast) as d:

@@ -12,12 +12,12 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 from cachemgr.state.store import Store
 from tests.nsfixtures import cli_process
+from tests.polling import wait_for
 
 HOLDER = """
 import sqlite3, sys
@@ -55,20 +55,16 @@ def test_status_under_a_foreign_exclusive_lock_says_so_in_bounded_time(tmp_path:
     assert "locked" in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the daemon opens the state DB before it serves HTTP: under a foreign "
-    "locking_mode=EXCLUSIVE holder it answers nothing for ~30 s, then exits 2 "
-    "('cannot open state DB: database is locked'); a fix is to serve /healthz and a "
-    "degraded /readyz while the start waits for the DB",
-)
-def test_the_daemon_started_under_a_foreign_exclusive_lock_answers_healthz(
+def test_the_daemon_started_under_a_foreign_exclusive_lock_serves_and_starts_after_it(
     tmp_path: Path, free_port: int
 ) -> None:
+    """It used to answer nothing for ~30 s, then exit 2 ('cannot open state DB: database
+    is locked'): a supervisor restarts it for ever. Now HTTP says why it is not ready."""
     layout = Layout.at(tmp_path / "root")
     create_root(layout)
     Store.open(layout.db_path).close()
     argv = [sys.executable, "-m", "cachemgr", "--root", str(layout.root), "serve"]
+    url = f"http://127.0.0.1:{free_port}"
     with (
         subprocess.Popen(
             [sys.executable, "-c", HOLDER, str(layout.db_path)],
@@ -79,22 +75,50 @@ def test_the_daemon_started_under_a_foreign_exclusive_lock_answers_healthz(
         subprocess.Popen(
             [*argv, "--port", str(free_port)],
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
         ) as daemon,
     ):
         assert holder.stdout is not None and holder.stdin is not None
         try:
             assert holder.stdout.readline() == "held\n"
-            answered = _healthz_within(f"http://127.0.0.1:{free_port}/healthz", 20)
+            answered = _healthz_within(f"{url}/healthz", 20)
+            readyz = httpx.get(f"{url}/readyz", timeout=5)
+            metrics = httpx.get(f"{url}/metrics", timeout=5)
+            status = httpx.get(f"{url}/v1/status", timeout=5)
         finally:
             holder.stdin.write("\n")
             holder.stdin.flush()
+        try:
+            ready = wait_for(
+                lambda: _ready(f"{url}/readyz"), bool, timeout=60, what="ready after the lock"
+            )
+        finally:
             daemon.send_signal(signal.SIGTERM)
             try:
-                daemon.wait(30)
+                code = daemon.wait(30)
             except subprocess.TimeoutExpired:
                 daemon.kill()
+                code = None
+            assert daemon.stderr is not None
+            err = daemon.stderr.read()
     assert answered
+    assert readyz.status_code == 503, readyz.text
+    detail = readyz.json()["detail"]
+    assert f"pid {holder.pid}" in detail and "locked" in detail, detail
+    assert metrics.status_code == 200 and "cachemgr_state_db_locked 1.0" in metrics.text
+    assert status.status_code == 503 and f"pid {holder.pid}" in status.json()["detail"]
+    assert status.headers["content-type"] == "application/problem+json"
+    assert ready
+    assert code == 0, err
+    assert "Traceback" not in err, err
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def _healthz_within(url: str, seconds: float) -> bool:

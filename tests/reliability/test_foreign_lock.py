@@ -65,8 +65,9 @@ def writing(ns_dir: Path) -> Iterator[list[str]]:
 
 def hold_write_lock(db: Path) -> subprocess.Popen[str]:
     """The sqlite3 shell in another process, inside BEGIN IMMEDIATE once this returns."""
-    shell = subprocess.Popen(["sqlite3", "-batch", str(db)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    shell = subprocess.Popen(
+        ["sqlite3", "-batch", str(db)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert shell.stdin is not None and shell.stdout is not None
     shell.stdin.write("BEGIN IMMEDIATE;\nSELECT 'held';\n")
     shell.stdin.flush()
@@ -87,8 +88,9 @@ def audit(db: Path, action: str, ns: str) -> tuple[int, int]:
     with closing(sqlite3.connect(db)) as c:
         rows, pages = c.execute(
             "SELECT count(*), coalesce(sum(pages), 0) FROM audit WHERE action = ? AND"
-            " namespace_id = ?", (action, ns)
-        ).fetchone()  # fmt: skip
+            " namespace_id = ?",
+            (action, ns),
+        ).fetchone()
     return int(rows), int(pages)
 
 
@@ -103,16 +105,26 @@ def test_a_foreign_write_lock_longer_than_every_timeout(tmp_path: Path) -> None:
     b = register_namespace(layout, NS_B, instance="sglang-b")
     for i in range(20):
         store_page(b, page_name(i), PAGE)
-    cfg = load_settings(root=layout.root, batch_interval=0.05, gc_interval=3600, gc_min_age=0,
-                        gc_delete_rate=None, gc_namespace_max_bytes=CAP)  # fmt: skip
+    cfg = load_settings(
+        root=layout.root,
+        batch_interval=0.05,
+        gc_interval=3600,
+        gc_min_age=0,
+        gc_delete_rate=None,
+        gc_namespace_max_bytes=CAP,
+    )
     with running_daemon(cfg) as dm:
         with writing(a) as written:
             purge_during_the_lock(dm, layout, b)
         # Nothing lost: the index catches up and equals the disk, GC keeps the cap again, and
         # every eviction is audited.
         wait_for(lambda: len(files(a)) * PAGE, lambda n: n <= CAP, timeout=60, what="A's cap")
-        wait_for(lambda: indexed(layout.db_path, NS_A), lambda got: got == files(a), timeout=60,
-                 what="the index of A equal to its disk")  # fmt: skip
+        wait_for(
+            lambda: indexed(layout.db_path, NS_A),
+            lambda got: got == files(a),
+            timeout=60,
+            what="the index of A equal to its disk",
+        )
         assert dm.daemon.indexer.error is None and dm.get("/healthz").status_code == 200
     on_disk = files(a)
     assert len(written) > 500 and len(on_disk) * PAGE <= CAP
@@ -127,8 +139,12 @@ def indexed(db: Path, ns: str) -> set[str]:
 def purge_during_the_lock(dm: RunningDaemon, layout: Layout, b: Path) -> None:
     """Hold the write lock for HOLD s from a second connection, polling the daemon and purging
     B 2 s in; the purge must answer while the lock is held, done and audited or a no-op."""
-    wait_for(lambda: indexed(layout.db_path, NS_B), lambda got: len(got) == 20, timeout=30,
-             what="B indexed")  # fmt: skip
+    wait_for(
+        lambda: indexed(layout.db_path, NS_B),
+        lambda got: len(got) == 20,
+        timeout=30,
+        what="B indexed",
+    )
     b_before = files(b)
     answer: list[httpx.Response] = []
 

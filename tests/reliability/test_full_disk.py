@@ -122,12 +122,20 @@ def test_cli_gc_frees_a_full_disk_down_to_the_floor(small_fs: Path, reserve: boo
 def _commands(model: Path) -> list[list[str]]:
     launch = [*LAUNCH.split(), "--model-path", str(model)]
     return [
-        ["ls"], ["ls", "--json"], ["status", "--port", "1"], ["status", "--json", "--port", "1"],
-        ["doctor"], ["config"], ["config", "--check"], ["gc", "--dry-run"],
-        ["purge", "--all", "--dry-run"], ["purge", "--unbound", "--yes"],
-        ["fingerprint", "--", *launch], ["init", "--instance", "gpu1", "--", *launch],
+        ["ls"],
+        ["ls", "--json"],
+        ["status", "--port", "1"],
+        ["status", "--json", "--port", "1"],
+        ["doctor"],
+        ["config"],
+        ["config", "--check"],
+        ["gc", "--dry-run"],
+        ["purge", "--all", "--dry-run"],
+        ["purge", "--unbound", "--yes"],
+        ["fingerprint", "--", *launch],
+        ["init", "--instance", "gpu1", "--", *launch],
         ["gc", "--yes"],
-    ]  # fmt: skip
+    ]
 
 
 def test_every_command_on_a_full_root_is_at_worst_one_line(small_fs: Path, tmp_path: Path) -> None:
@@ -299,9 +307,12 @@ def test_daemon_frees_a_disk_filled_by_another_program_without_waiting_for_its_i
     fails) and gc_interval at an hour, space is still freed within seconds."""
     layout = make_full_root(small_fs, state_dir=tmp_path / "state")
     settings = load_settings(
-        root=layout.root, state_dir=layout.state_dir, log_format="json",
-        gc_min_free_percent=FLOOR_PERCENT, gc_interval="1h",
-    )  # fmt: skip
+        root=layout.root,
+        state_dir=layout.state_dir,
+        log_format="json",
+        gc_min_free_percent=FLOOR_PERCENT,
+        gc_interval="1h",
+    )
     with running_daemon(settings) as d:
         for _ in range(2):
             gc_settled(d)  # nothing left to wake it: no run pending, no deletion in flight

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from cachemgr.daemon.events import LOCAL, Kind
 from cachemgr.daemon.page_events import PageEvents
-from cachemgr.daemon.watcher import Kind
 from cachemgr.fs.root import create_root
 from cachemgr.gc.chains import ChainModel
 from cachemgr.layout import RESERVE_FILE, Layout
@@ -56,9 +56,9 @@ def _learn_through_a_full_disk(small_fs: Path, layout: Layout, store: Store) -> 
     chain = [page_name(i) for i in range(2000)]
     for name in chain:
         (d / name).write_bytes(b"\1" * 100)
-    pages.apply([(Kind.WRITE, NS_A, n, 0.0) for n in chain], now=1.0)
+    pages.apply([(Kind.WRITE, NS_A, n, 0.0, LOCAL) for n in chain], now=1.0)
     stored = pages.stored_bytes
-    reads = [(Kind.READ, NS_A, n, 0.0) for n in chain]
+    reads = [(Kind.READ, NS_A, n, 0.0, LOCAL) for n in chain]
     fill(small_fs / "filler")
     for _ in range(3):  # the index thread retries while GC frees space
         with pytest.raises(sqlite3.OperationalError):

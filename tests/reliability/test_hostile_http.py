@@ -117,8 +117,9 @@ def test_huge_bodies_are_refused_before_they_are_read(tmp_path: Path, free_port:
             for chunked in (False, True):
                 no_token = stream_body(free_port, path, "", GIB, chunked)
                 assert no_token[0] == 401, (path, chunked, no_token)
-                with_token = stream_body(free_port, path, f"Authorization: Bearer {TOKEN}\r\n",
-                                         GIB, chunked)  # fmt: skip
+                with_token = stream_body(
+                    free_port, path, f"Authorization: Bearer {TOKEN}\r\n", GIB, chunked
+                )
                 assert with_token[0] == 413, (path, chunked, with_token)
                 # the kernel's socket buffers take a few MiB; the daemon took at most the cap
                 assert max(no_token[1], with_token[1]) < 64 << 20
@@ -155,8 +156,12 @@ def test_401_comes_before_422(tmp_path: Path) -> None:
     with running_daemon(load_settings(root=layout.root, token=TOKEN)) as dm:
         for route in ("/v1/gc", "/v1/purge", f"/v1/namespaces/{NS_A}/purge"):
             for content in (b"[not json", b'{"bogus": 1}', b"null"):
-                r = dm.post(route, content=content, headers={"Content-Type": "application/json"},
-                            params=[("dry_run", "1"), ("dry_run", "0")])  # fmt: skip
+                r = dm.post(
+                    route,
+                    content=content,
+                    headers={"Content-Type": "application/json"},
+                    params=[("dry_run", "1"), ("dry_run", "0")],
+                )
                 assert r.status_code == 401 and r.headers["content-type"] == PROBLEM, route
                 assert r.headers["www-authenticate"] == "Bearer"
 
@@ -168,9 +173,16 @@ def _malformed(route: str) -> list[dict[str, Any]]:
         {"params": [("dry_run", "true"), ("dry_run", "true")]},
     ]
     bodies = [
-        b"null", b"[]", b'[{"dry_run": true}]', b'"dry_run"', b"1", b"true", b'{"dry_run": null}',
-        b'{"dry_run": true, "bogus": 1}', b'{"dry_run": "true"}',
-    ]  # fmt: skip
+        b"null",
+        b"[]",
+        b'[{"dry_run": true}]',
+        b'"dry_run"',
+        b"1",
+        b"true",
+        b'{"dry_run": null}',
+        b'{"dry_run": true, "bogus": 1}',
+        b'{"dry_run": "true"}',
+    ]
     cases = dupes + [{"content": b} for b in bodies]
     cases.append({"params": {"dryrun": "true"}})  # a typo: not silently a real run
     per_namespace = "/namespaces/" in route
@@ -212,8 +224,10 @@ def test_malformed_requests_are_422_and_delete_nothing(tmp_path: Path) -> None:
         store_page(ns, page_name(i))
     settings = load_settings(root=layout.root, gc_interval=3600, gc_min_age=0)
     with running_daemon(settings) as dm:
-        wait_for(lambda: metric(dm.get("/metrics").text, "cachemgr_gc_runs_total", result="ok"),
-                 lambda n: (n or 0) >= 1)  # fmt: skip
+        wait_for(
+            lambda: metric(dm.get("/metrics").text, "cachemgr_gc_runs_total", result="ok"),
+            lambda n: (n or 0) >= 1,
+        )
         entry = layout.trash / f"{NS_B}.old"  # what a real GC run deletes
         entry.mkdir()
         for i in range(3):
@@ -228,8 +242,11 @@ def test_malformed_requests_are_422_and_delete_nothing(tmp_path: Path) -> None:
                 assert r.headers["content-type"] == PROBLEM, (route, case)
                 assert (_tree(layout.root), _audit_rows(layout)) == before, (route, case)
             chosen = {"all": True} if route in ("/purge", "/v1/purge") else {}
-            dry = dm.post(route, params={"dry_run": "true"} if "namespaces" not in route else None,
-                          json={"dry_run": True, **chosen})  # fmt: skip
+            dry = dm.post(
+                route,
+                params={"dry_run": "true"} if "namespaces" not in route else None,
+                json={"dry_run": True, **chosen},
+            )
             assert dry.status_code == 200 and dry.json()["dry_run"] is True, dry.text
         assert (_tree(layout.root), _audit_rows(layout)) == before
         real = dm.post("/v1/gc", json={"dry_run": False})  # the check above can see a deletion
@@ -259,13 +276,13 @@ def _poll_while(client: httpx.Client, busy: Any, polls: int = 3) -> float:
 def test_gc_requests_during_a_gc_join_it_and_leave_health_free(
     tmp_path: Path, free_port: int
 ) -> None:
-    """A paced GC deleting 3000 files (~10 s), 50 real and 50 dry-run GC requests on top: the
+    """A paced GC deleting 3000 files (~5 s), 50 real and 50 dry-run GC requests on top: the
     real ones get the running run's result (one run), the dry runs share one dry run, and
     /healthz and /metrics answer promptly throughout (they took 34.6 s)."""
     layout = Layout.at(tmp_path / "root")
     create_root(layout)
     register_namespace(layout, NS_A, instance="gpu0")
-    env = {"CACHEMGR_GC_INTERVAL": "1h", "CACHEMGR_GC_DELETE_RATE": "300"}
+    env = {"CACHEMGR_GC_INTERVAL": "1h", "CACHEMGR_GC_DELETE_RATE": "600"}
     with (
         daemon_process(layout, free_port, **env) as (_, url),
         httpx.Client(base_url=url, timeout=60, limits=httpx.Limits(max_connections=200)) as client,
@@ -313,8 +330,9 @@ def test_purges_waiting_on_the_root_lock_leave_health_free(tmp_path: Path, free_
         audited = len(_audit_rows(layout))
         futures: list[Future[httpx.Response]] = []
         with ThreadPoolExecutor(70) as pool, root_lock(layout):
-            futures += [pool.submit(client.post, "/v1/purge", json={"namespace": NS_A})
-                        for _ in range(50)]  # fmt: skip
+            futures += [
+                pool.submit(client.post, "/v1/purge", json={"namespace": NS_A}) for _ in range(50)
+            ]
             dry = {"dry_run": "true", "all": "true"}
             futures += [pool.submit(client.post, "/purge", params=dry) for _ in range(20)]
             started = time.monotonic()

@@ -22,7 +22,7 @@ import pytest
 from cachemgr.backends import FileKind
 from cachemgr.daemon.index_leader import kernel_id
 from cachemgr.errors import CachemgrError
-from cachemgr.fs.deletion import Pacer, delete_files
+from cachemgr.fs.deletion import Listeners, Pacer, delete_files
 from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout, db_files
 from cachemgr.ns.trash import drain_trash
@@ -239,8 +239,9 @@ def move_when(
     at_move: list[set[str]] = []
 
     def run() -> None:
-        wait_for(lambda: len(os.listdir(directory)), lambda n: n <= left_at_most, timeout=60,
-                 every=0.005)  # fmt: skip
+        wait_for(
+            lambda: len(os.listdir(directory)), lambda n: n <= left_at_most, timeout=60, every=0.005
+        )
         os.rename(directory, away)
         at_move.append(set(os.listdir(away)))
 
@@ -287,7 +288,9 @@ def test_gc_deletion_stops_when_its_namespace_dir_leaves_the_root(tmp_path: Path
     mover, at_move = move_when(ns_dir, away, left_at_most=2 * N_PAGES // 3)
     names = sorted(os.listdir(ns_dir))
     try:
-        report = delete_files(root, f"ns/{'c' * 16}", names, pacer=Pacer(rate=2000, batch=1))
+        report = delete_files(
+            root, f"ns/{'c' * 16}", names, listeners=Listeners(Pacer(rate=2000, batch=1))
+        )
     finally:
         mover.join(60)
     assert_nothing_deleted_after_move(away, at_move)

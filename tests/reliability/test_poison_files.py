@@ -85,9 +85,16 @@ def _bad_manifest(layout: Layout, store: Store, name: str, write: Callable[[Path
 def _json_with(**fields: Any) -> Callable[[Path], None]:
     def write(path: Path) -> None:
         ns = path.name.removesuffix(".json")
-        data = {"ns_id": ns, "digest": ns * 2, "identity": {"kv_cache_dtype": "bfloat16"},
-                "created_at": 1.7e9, "last_active_at": 1.7e9, "manifest_version": 1,
-                "cachemgr_version": "0.1.0", **fields}  # fmt: skip
+        data = {
+            "ns_id": ns,
+            "digest": ns * 2,
+            "identity": {"kv_cache_dtype": "bfloat16"},
+            "created_at": 1.7e9,
+            "last_active_at": 1.7e9,
+            "manifest_version": 1,
+            "cachemgr_version": "0.1.0",
+            **fields,
+        }
         path.write_text(json.dumps(data))
 
     return write
@@ -379,8 +386,9 @@ def test_daemon_becomes_ready_reports_and_stops_on_the_first_sigterm(
             # GC runs (every second) drop the healthy unbound namespace and nothing else.
             if poison == "all-ns-poisons":
                 wait_for(lambda: layout.ns_dir(unbound).exists(), lambda e: not e, timeout=20)
-            states = {n["id"]: n["state"] for n in httpx.get(f"{url}/v1/status").json()[
-                "namespaces"]}  # fmt: skip
+            states = {
+                n["id"]: n["state"] for n in httpx.get(f"{url}/v1/status").json()["namespaces"]
+            }
             for t in trees:
                 assert all(states.get(ns) == t.state for ns in t.poison_ids if ns), states
             if poison == "all-ns-poisons":  # a purge over HTTP: the rest goes, poisons reported

@@ -38,7 +38,7 @@ def read_only(mnt: Path) -> Iterator[None]:
 
 @pytest.fixture
 def gc_log() -> Iterator[LogLines]:
-    with captured_log("cachemgr.gc.plan") as lines:  # the runner logs as this
+    with captured_log("cachemgr.gc.runner") as lines:
         yield lines
 
 

@@ -23,12 +23,14 @@ from cachemgr.gc.runner import GcRunner
 from cachemgr.gc.step import GcReport
 from cachemgr.layout import Layout
 from cachemgr.ns.registry import ensure_namespace
+from cachemgr.ns.runcontext import RunContext
 from cachemgr.settings import load_settings
 from cachemgr.state.index import scan_root
 from cachemgr.state.store import Store
 from tests.daemon_helpers import (
     NS_A,
     NS_B,
+    cli_argv,
     page_name,
     register_namespace,
     running_daemon,
@@ -109,7 +111,7 @@ def test_a_drop_planned_before_pages_turned_young_is_deferred_whole(tmp_path: Pa
     plan = plan_gc(layout, store, pol, now=time.time())
     assert [s.reason for s in plan.steps] == ["unbound"]
     _rewrite(d, [page_name(i) for i in range(50)], time.time() - 8)
-    report = execute_gc(plan, layout, store)
+    report = execute_gc(plan, RunContext(layout, store))
     (step,) = report.steps
     assert step.files == 0 and step.young == 50 and step.skipped and "min_age" in step.skipped
     assert len(os.listdir(d)) == 100 and layout.manifest(NS_A).is_file()
@@ -149,10 +151,21 @@ def test_a_gc_killed_mid_eviction_audited_exactly_what_it_evicted(tmp_path: Path
         os.utime(d / page_name(i), (OLD + i, OLD + i))
     store.close()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cachemgr", "--root", str(layout.root), "--log-level", "error",
-         "gc", "--yes", "--max-bytes", "1", "--min-age", "0", "--delete-rate", "1000"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        [
+            *cli_argv(layout.root),
+            "gc",
+            "--yes",
+            "--max-bytes",
+            "1",
+            "--min-age",
+            "0",
+            "--delete-rate",
+            "1000",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         wait_for(lambda: len(os.listdir(d)), lambda n: n <= total - 1200, timeout=30, every=0.01)
     finally:
@@ -240,10 +253,18 @@ def test_own_temps_left_by_a_killed_write_are_reported_and_swept(
 
 def _purge_cli(root: Path, *selector: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "cachemgr", "--root", str(root), "--log-level", "error", "purge",
-         *selector, "--yes", "--no-wait"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            *cli_argv(root),
+            "purge",
+            *selector,
+            "--yes",
+            "--no-wait",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _race(

@@ -131,18 +131,39 @@ COMMANDS: dict[str, tuple[list[str], int, Callable[[Path, dict[str, int], str], 
     "doctor": (["doctor"], 1, _doctor),
     "gc": (["gc", "--yes", "--json"], 0, _gc),
     "purge": (["purge", "--all", "--dry-run", "--json"], 0, _purge_all_dry),
-    "init": (["init", "--json", "--on-change", "retain", "--", "sglang", "serve",
-              "--enable-hierarchical-cache", "--hicache-storage-backend", "file",
-              "--model-path", "MODEL", "--page-size", "64"], 0, _init),
-}  # fmt: skip
+    "init": (
+        [
+            "init",
+            "--json",
+            "--on-change",
+            "retain",
+            "--",
+            "sglang",
+            "serve",
+            "--enable-hierarchical-cache",
+            "--hicache-storage-backend",
+            "file",
+            "--model-path",
+            "MODEL",
+            "--page-size",
+            "64",
+        ],
+        0,
+        _init,
+    ),
+}
 
 
 @pytest.mark.parametrize("damage", DAMAGE)
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_every_command_recovers_from_a_damaged_db(
-    root: Path, layout: Layout, populated: dict[str, int], tmp_path: Path,
-    damage: Callable[[Path], None], command: str,
-) -> None:  # fmt: skip
+    root: Path,
+    layout: Layout,
+    populated: dict[str, int],
+    tmp_path: Path,
+    damage: Callable[[Path], None],
+    command: str,
+) -> None:
     args, code, check = COMMANDS[command]
     args = [str(make_model(tmp_path / "model")) if a == "MODEL" else a for a in args]
     damage(layout.db_path)
@@ -239,9 +260,11 @@ def alive(d: RunningDaemon) -> None:
 
 @pytest.mark.parametrize("damage", DAMAGE)
 def test_the_daemon_starts_on_a_damaged_db(
-    layout: Layout, populated: dict[str, int], settings: Settings,
+    layout: Layout,
+    populated: dict[str, int],
+    settings: Settings,
     damage: Callable[[Path], None],
-) -> None:  # fmt: skip
+) -> None:
     damage(layout.db_path)
     with running_daemon(settings) as d:
         wait_for(lambda: serving(d, populated), bool)
@@ -284,9 +307,12 @@ def test_corruption_while_running_is_moved_aside_and_rebuilt(
 
 @pytest.mark.parametrize("cli_first", [False, True], ids=["alone", "cli-recreates-it"])
 def test_a_db_deleted_under_the_daemon_is_reopened_and_rebuilt(
-    root: Path, layout: Layout, populated: dict[str, int], daemon: RunningDaemon,
+    root: Path,
+    layout: Layout,
+    populated: dict[str, int],
+    daemon: RunningDaemon,
     cli_first: bool,
-) -> None:  # fmt: skip
+) -> None:
     wait_for(lambda: serving(daemon, populated), bool)
     before = file_id(layout.db_path)
     for suffix in ("", "-wal", "-shm"):

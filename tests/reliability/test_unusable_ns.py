@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -48,6 +48,14 @@ def _without_dac() -> None:
             raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
 
 
+def capless(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """A cachemgr command on `root`, bound by mode bits as the daemon here is."""
+    argv = [sys.executable, "-m", "cachemgr", "--root", str(root), *args]
+    return subprocess.run(
+        argv, capture_output=True, text=True, preexec_fn=_without_dac, timeout=120
+    )
+
+
 class Daemon:
     def __init__(self, proc: subprocess.Popen[str], port: int) -> None:
         self.proc, self.http = proc, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
@@ -59,17 +67,44 @@ class Daemon:
         return self.proc.poll() is None and self.http.get("/healthz").status_code == 200
 
 
+CAP_ENV = {"CACHEMGR_GC_NAMESPACE_MAX_BYTES": str(CAP)}
+
+
 @contextmanager
-def daemon(root: Path, port: int, log: Path) -> Iterator[Daemon]:
-    """`cachemgr serve` bound by mode bits (see the module doc), GC keeping a per-namespace cap."""
-    env = {**os.environ, "CACHEMGR_GC_NAMESPACE_MAX_BYTES": str(CAP), "CACHEMGR_GC_MIN_AGE": "0",
-           "CACHEMGR_BATCH_INTERVAL": "0.05", "CACHEMGR_GC_INTERVAL": "1"}  # fmt: skip
+def daemon(
+    root: Path, port: int, log: Path, settings: Mapping[str, str] = CAP_ENV
+) -> Iterator[Daemon]:
+    """`cachemgr serve` bound by mode bits (see the module doc), with `settings` (environment
+    variables: GC keeping a per-namespace cap unless told)."""
+    env = {
+        **os.environ,
+        **settings,
+        "CACHEMGR_GC_MIN_AGE": "0",
+        "CACHEMGR_BATCH_INTERVAL": "0.05",
+        "CACHEMGR_GC_INTERVAL": "1",
+    }
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "cachemgr", "--log-format", "json", "--root", str(root),
-             "serve", "--port", str(port), "--reconcile-interval", "1"],
-            stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_without_dac, text=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "cachemgr",
+                "--log-format",
+                "json",
+                "--root",
+                str(root),
+                "serve",
+                "--port",
+                str(port),
+                "--reconcile-interval",
+                "1",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=_without_dac,
+            text=True,
+        )
     d = Daemon(proc, port)
     try:
         wait_for(lambda: _ready(d), bool, timeout=60, what="the daemon ready")
@@ -153,10 +188,13 @@ def test_a_namespace_of_another_user_is_quarantined_and_the_others_keep_their_ca
     log = base / "daemon.log"
     with daemon(layout.root, free_port, log) as d:
         fill(layout.ns_dir(NS_A), 1000, 300)  # 3x A's cap
-        wait_for(lambda: held(layout.ns_dir(NS_A)), lambda n: n <= CAP, timeout=60,
-                 what="A's cap")  # fmt: skip
-        wait_for(lambda: d.metric("cachemgr_namespace_unusable", namespace=NS_X, reason=reason),
-                 lambda v: v == 1, timeout=30, what="X in cachemgr_namespace_unusable")  # fmt: skip
+        wait_for(lambda: held(layout.ns_dir(NS_A)), lambda n: n <= CAP, timeout=60, what="A's cap")
+        wait_for(
+            lambda: d.metric("cachemgr_namespace_unusable", namespace=NS_X, reason=reason),
+            lambda v: v == 1,
+            timeout=30,
+            what="X in cachemgr_namespace_unusable",
+        )
         assert d.http.post("/v1/gc", json={}).status_code == 200
         assert d.alive()
     assert d.proc.returncode == 0, log.read_text()[-3000:]
@@ -167,8 +205,11 @@ def test_a_namespace_of_another_user_is_quarantined_and_the_others_keep_their_ca
     assert snapshot(x) == before  # nothing of the other user's changed
     doctor = subprocess.run(
         [sys.executable, "-m", "cachemgr", "--root", str(layout.root), "doctor"],
-        capture_output=True, text=True, preexec_fn=_without_dac, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        preexec_fn=_without_dac,
+        timeout=120,
+    )
     x.chmod(mode)
     assert NS_X in doctor.stdout and "cannot" in doctor.stdout, doctor.stdout
 
@@ -187,21 +228,27 @@ def test_a_namespace_made_unreadable_mid_run_is_held_aside_until_readable_again(
     with daemon(layout.root, free_port, log) as d:
         wait_for(lambda: indexed_pages(d, NS_B), lambda n: n == 20, timeout=30, what="B indexed")
         z.chmod(0o000)  # the reconcile (every 1 s here) finds it so
-        wait_for(lambda: d.metric("cachemgr_namespace_unusable", namespace=NS_B,
-                                  reason="unreadable"), lambda v: v == 1, timeout=30,
-                 what="B unusable")  # fmt: skip
+        wait_for(
+            lambda: d.metric("cachemgr_namespace_unusable", namespace=NS_B, reason="unreadable"),
+            lambda v: v == 1,
+            timeout=30,
+            what="B unusable",
+        )
         fill(layout.ns_dir(NS_A), 1000, 300)  # A's cap is kept meanwhile
-        wait_for(lambda: held(layout.ns_dir(NS_A)), lambda n: n <= CAP, timeout=60,
-                 what="A's cap")  # fmt: skip
+        wait_for(lambda: held(layout.ns_dir(NS_A)), lambda n: n <= CAP, timeout=60, what="A's cap")
         assert f"namespace {NS_B} unreadable" in d.http.get("/readyz").json()["detail"]
         assert indexed_pages(d, NS_B) == 20  # its rows are kept while it cannot be read
         z.chmod(0o755)
         fill(z, 20, 5)
-        wait_for(lambda: indexed_pages(d, NS_B), lambda n: n == 25, timeout=30,
-                 what="B indexed again")  # fmt: skip
-        wait_for(lambda: d.metric("cachemgr_namespace_unusable", namespace=NS_B,
-                                  reason="unreadable"), lambda v: v is None, timeout=30,
-                 what="B usable again")  # fmt: skip
+        wait_for(
+            lambda: indexed_pages(d, NS_B), lambda n: n == 25, timeout=30, what="B indexed again"
+        )
+        wait_for(
+            lambda: d.metric("cachemgr_namespace_unusable", namespace=NS_B, reason="unreadable"),
+            lambda v: v is None,
+            timeout=30,
+            what="B usable again",
+        )
         assert d.alive()
     assert d.proc.returncode == 0
     assert len(lines(log, "namespace unusable; skipped")) == 1
@@ -220,8 +267,12 @@ def test_a_root_made_unreadable_mid_run_keeps_the_daemon_up_and_it_recovers(
     with daemon(layout.root, free_port, log) as d:
         wait_for(lambda: indexed_pages(d, NS_A), lambda n: n == 20, timeout=30, what="A indexed")
         top.chmod(0o000)
-        wait_for(lambda: d.metric("cachemgr_root_unusable"), lambda v: v == 1, timeout=30,
-                 what="the root unusable")  # fmt: skip
+        wait_for(
+            lambda: d.metric("cachemgr_root_unusable"),
+            lambda v: v == 1,
+            timeout=30,
+            what="the root unusable",
+        )
         detail = d.http.get("/readyz").json()["detail"]
         assert "root unreadable" in detail, detail
         deadline = time.monotonic() + 12  # more than two retries and GC floor checks (5 s)
@@ -230,10 +281,15 @@ def test_a_root_made_unreadable_mid_run_keeps_the_daemon_up_and_it_recovers(
             time.sleep(0.5)
         top.chmod(0o755)
         fill(a, 20, 5)
-        wait_for(lambda: indexed_pages(d, NS_A), lambda n: n == 25, timeout=30,
-                 what="A indexed again")  # fmt: skip
-        wait_for(lambda: d.metric("cachemgr_root_unusable"), lambda v: v == 0, timeout=30,
-                 what="the root usable again")  # fmt: skip
+        wait_for(
+            lambda: indexed_pages(d, NS_A), lambda n: n == 25, timeout=30, what="A indexed again"
+        )
+        wait_for(
+            lambda: d.metric("cachemgr_root_unusable"),
+            lambda v: v == 0,
+            timeout=30,
+            what="the root usable again",
+        )
         assert d.alive()
     assert d.proc.returncode == 0
     assert len(lines(log, "root unusable; the daemon waits for it")) == 1
@@ -247,3 +303,60 @@ def _json(line: str) -> dict[str, object]:
     except ValueError:
         return {}
     return rec if isinstance(rec, dict) else {}
+
+
+def test_a_namespace_unusable_for_two_reasons_is_held_for_both(base: Path, free_port: int) -> None:
+    """GC found its pages not deletable, then the index found it unreadable: the second
+    reason used to replace the first, and clearing it dropped the namespace from the gauge
+    while GC still could not delete there."""
+    layout = Layout.at(base / "root")
+    x = foreign_ns(layout, NS_X, 0o755)
+    log = base / "daemon.log"
+
+    def unusable(d: Daemon, reason: str) -> float | None:
+        return d.metric("cachemgr_namespace_unusable", namespace=NS_X, reason=reason)
+
+    with daemon(layout.root, free_port, log) as d:
+        wait_for(lambda: unusable(d, "not-writable"), _one, timeout=30, what="X not-writable")
+        x.chmod(0o000)  # the reconcile (every 1 s here) finds it so
+        try:
+            wait_for(lambda: unusable(d, "unreadable"), _one, timeout=30, what="X unreadable")
+            assert unusable(d, "not-writable") == 1  # still: both are said
+            detail = d.http.get("/readyz").json()["detail"]
+            assert f"namespace {NS_X} not-writable" in detail, detail
+            assert f"namespace {NS_X} unreadable" in detail, detail
+            doctor = capless(layout.root, "doctor", "--json")
+        finally:
+            x.chmod(0o755)
+        wait_for(lambda: unusable(d, "unreadable"), _none, timeout=30, what="X readable again")
+        assert unusable(d, "not-writable") == 1  # its pages are still not GC's to delete
+        assert d.alive()
+    assert doctor.stdout, doctor.stderr
+    (said,) = [f["message"] for f in json.loads(doctor.stdout) if NS_X in f["message"]]
+    assert "cannot be read" in said and "cannot be written" in said, said
+
+
+def _one(value: float | None) -> bool:
+    return value == 1
+
+
+def _none(value: float | None) -> bool:
+    return not value
+
+
+def test_ls_and_doctor_on_a_namespace_they_cannot_read_say_so(base: Path) -> None:
+    """Both stopped at 'Permission denied' on another user's 0700 dir, listing nothing else;
+    `ls` lists the rest, and says it in one line and exit 1 (the listing is not whole)."""
+    layout = Layout.at(base / "root")
+    foreign_ns(layout, NS_X, 0o700, pages=3)
+    ls = capless(layout.root, "ls", "--json")
+    assert ls.returncode == 1, ls.stderr
+    assert ls.stderr.splitlines() == [
+        f"cachemgr: warning: namespace {NS_X} cannot be read by uid 0: Permission denied"
+    ]
+    rows = {n["ns_id"]: n for n in json.loads(ls.stdout)["namespaces"]}
+    assert rows[NS_X]["state"] == "unreadable" and NS_A in rows, rows
+    doctor = capless(layout.root, "doctor", "--json")
+    assert doctor.stderr == "", doctor.stderr
+    codes = {f["code"] for f in json.loads(doctor.stdout)}
+    assert "ns-unusable" in codes, doctor.stdout

@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,6 +20,7 @@ from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 from cachemgr.state.store import Store
 from cachemgr.vllm.fstier import VLLM_FS_TIER
+from tests.daemon_helpers import cli_argv
 from tests.nsfixtures import cli, cli_process, snapshot
 from tests.test_gc_cli import gc
 from tests.vllmtrees import block_path, key, vllm_namespace, write_blocks, write_folder
@@ -89,10 +89,19 @@ def without_dac(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
     running as the cache's owner would: a chmod 000 dir is then unreadable to it."""
     caps = "-dac_override,-dac_read_search"
     return subprocess.run(
-        ["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}", "--", sys.executable, "-m",
-         "cachemgr", "--root", str(root), "--log-level", "error", *args],
-        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            "setpriv",
+            f"--inh-caps={caps}",
+            f"--bounding-set={caps}",
+            "--",
+            *cli_argv(root),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="root, setpriv")
@@ -144,8 +153,16 @@ def test_names_that_nearly_match_a_block_are_neither_counted_nor_deleted(root: P
     leaf = d / blocks[0].rpartition("/")[0]
     k = blocks[0].rpartition("/")[2][:64]
     # vLLM's hashes are 32 (xxhash) or 64 (sha256) hex digits; nothing else is its block
-    near = [f"{k[:63]}.bin", f"{k[:33]}.bin", f"{k}0.bin", f"{k.upper()}.bin", f"{k}.bin.tmp",
-            f"{k[:40]}.bin_7.tmp", f"{k}.bin_x.tmp", f"{k}.bin_.tmp"]  # fmt: skip
+    near = [
+        f"{k[:63]}.bin",
+        f"{k[:33]}.bin",
+        f"{k}0.bin",
+        f"{k.upper()}.bin",
+        f"{k}.bin.tmp",
+        f"{k[:40]}.bin_7.tmp",
+        f"{k}.bin_x.tmp",
+        f"{k}.bin_.tmp",
+    ]
     for name in near:
         (leaf / name).write_bytes(b"near")
         os.utime(leaf / name, (T0, T0))
@@ -198,8 +215,9 @@ def test_the_floor_pass_frees_a_disk_vllm_filled(small_fs: Path) -> None:
     root = small_fs / "root"
     d, folder, _ = vllm_ns(root, blocks=0)
     assert fill_with_blocks(d, folder) > 100
-    out = cli_process("--root", str(root), "gc", "--yes", "--json",
-                      env={"CACHEMGR_GC_MIN_FREE_PERCENT": "20"})  # fmt: skip
+    out = cli_process(
+        "--root", str(root), "gc", "--yes", "--json", env={"CACHEMGR_GC_MIN_FREE_PERCENT": "20"}
+    )
     assert out.returncode == 0, out.stderr
     floor = [s for s in json.loads(out.stdout)["steps"] if s["reason"] == "free_space"]
     assert floor and not any(s["refused"] for s in floor), floor

@@ -26,9 +26,9 @@ from cachemgr.identity.fingerprint import (
     WEIGHT_LOAD_FORMATS,
     IdentityOptions,
     ProgressFactory,
-    digest_weights,
+    engine_version,
+    model_weights,
     normalize_dtype,
-    sglang_version,
 )
 from cachemgr.identity.record import Digested, Weights
 from cachemgr.vllm.args import VllmLaunchArgs
@@ -65,7 +65,6 @@ class VllmIdentity(Digested):
     model_config = ConfigDict(frozen=True, extra="ignore")  # ignore: digest/ns_id are derived
     ENGINE: ClassVar[str] = "vllm"
     VERSION_FIELD: ClassVar[str] = "vllm_version"
-    ENGINE_NAME: ClassVar[str] = "vLLM"
 
     engine: Literal["vllm"] = "vllm"
     schema_version: Literal[1] = 1
@@ -120,13 +119,12 @@ def compute_vllm_identity(
     # vLLM's `auto` KV dtype is the model dtype (offloading/config.py); an explicit one is
     # kept as written, as vLLM's own digest keeps it (fp8 and fp8_e4m3 are two folders).
     kv = dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
-    version, full, version_from = sglang_version(
-        opts.vllm_version, opts.version_granularity, installed
+    version, full, version_from = engine_version(
+        opts.engine_version, opts.version_granularity, installed
     )
-    weights = digest_weights(
-        directory, fast=opts.fast, cache=cache, workers=opts.hash_workers, progress=progress,
-        code=args.trust_remote_code,
-    )  # fmt: skip
+    weights = model_weights(
+        directory, opts, cache=cache, progress=progress, code=args.trust_remote_code
+    )
     return VllmIdentity(
         weights=weights,
         revision=args.revision,

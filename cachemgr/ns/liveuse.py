@@ -1,8 +1,9 @@
-"""Which running processes on this host use a namespace dir as their SGLang storage dir, or
-as their vLLM fs tier's root_dir.
+"""Which running processes on this host use a namespace dir as their storage dir: named in
+their environment by a format's `dir_env` (SGLang's), or in their arguments (vLLM's fs tier's
+root_dir).
 
 Before `init` purges a namespace on an identity change it asks this: a live process whose
-environment names the dir (SGLang), or one of whose arguments holds it as a JSON string (vLLM's
+environment names the dir, or one of whose arguments holds it as a JSON string (vLLM's
 `--kv-transfer-config` with `"root_dir": "<dir>"`), is a server still writing it (typically a
 second server on the same root under the same instance name), and purging would destroy its
 cache under it. A server that was stopped for the restart is gone from /proc, so the common
@@ -14,7 +15,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-STORAGE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
+from cachemgr.formats import FORMATS
+
+# `VAR=` of each variable an engine's server reads its storage dir from.
+DIR_ENV_PREFIXES = tuple(f"{f.dir_env}=".encode() for f in FORMATS.values() if f.dir_env)
 
 
 def _ancestors(proc: Path, pid: int) -> set[int]:
@@ -39,14 +43,13 @@ def _in_argv(pid_dir: Path, quoted: bytes) -> bool:
 
 
 def live_users(ns_dir: Path, proc: Path = Path("/proc")) -> list[int]:
-    """PIDs whose environment sets SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR to `ns_dir`, or
-    whose arguments hold `"ns_dir"` (a vLLM launch cachemgr pointed there).
+    """PIDs whose environment sets a format's `dir_env` to `ns_dir`, or whose arguments hold
+    `"ns_dir"` (a vLLM launch cachemgr pointed there).
 
     This process and its ancestors are left out. Processes we may not read (other users when
     not root, other PID namespaces) are not seen: a safety net for one host, not a lock.
     """
     want = os.path.normpath(os.path.abspath(ns_dir))
-    prefix = (STORAGE_DIR_ENV + "=").encode()
     quoted = os.fsencode(f'"{want}"')
     mine = _ancestors(proc, os.getpid())
     found = []
@@ -62,8 +65,8 @@ def live_users(ns_dir: Path, proc: Path = Path("/proc")) -> list[int]:
         except OSError:
             continue  # gone, or not ours to read
         for item in environ.split(b"\0"):
-            if item.startswith(prefix):
-                value = os.fsdecode(item[len(prefix) :])
+            if item.startswith(DIR_ENV_PREFIXES):
+                value = os.fsdecode(item.partition(b"=")[2])
                 if value and os.path.normpath(os.path.abspath(value)) == want:
                     found.append(int(name))
                 break

@@ -1,7 +1,9 @@
-"""Lint an SGLang launch for the HiCache L3 file-cache pitfalls operators hit (FIELD_NOTES)."""
+"""Doctor's lint of an SGLang launch: the HiCache L3 file-cache pitfalls operators hit
+(FIELD_NOTES)."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -15,22 +17,37 @@ from cachemgr.doctor.storage import (
     exec_namespace,
     lint_storage_identity,
     managed_ns,
-    storage_dir,
     under_exec,
 )
-from cachemgr.identity.record import Identity
+from cachemgr.errors import CachemgrError
+from cachemgr.identity import model_dir
+from cachemgr.identity.record import Digested
 from cachemgr.launchenv import split_env
 from cachemgr.layout import Layout
 from cachemgr.sglang.args import LaunchArgs
+from cachemgr.sglang.hicache import STORAGE_DIR_ENV
 from cachemgr.units import human_bytes
 
 MAX_SIZE_ENV = "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE"
+DEFAULT_DIR = "/tmp/hicache"  # HiCacheFile's file_path default (hicache_storage.py)
 # Substrings of architectures / model_type of hybrid Mamba/linear-attention models
 # (sglang/srt/configs/hybrid_arch.py and model configs).
 _HYBRID_NAMES = (
-    "mamba", "nemotronh", "nemotron_h", "falconh1", "falcon_h1", "lfm2", "jamba", "zaya",
-    "qwen3next", "qwen3_next", "kimilinear", "kimi_linear", "granitemoehybrid", "inkling",
-)  # fmt: skip
+    "mamba",
+    "nemotronh",
+    "nemotron_h",
+    "falconh1",
+    "falcon_h1",
+    "lfm2",
+    "jamba",
+    "zaya",
+    "qwen3next",
+    "qwen3_next",
+    "kimilinear",
+    "kimi_linear",
+    "granitemoehybrid",
+    "inkling",
+)
 
 
 def launch_env(command: Sequence[str]) -> dict[str, str]:
@@ -51,6 +68,13 @@ def parse_size(value: str) -> int | None:
     except (InvalidOperation, ValueError):
         return None
     return size or None
+
+
+def storage_dir(args: LaunchArgs, env: Mapping[str, str]) -> Path:
+    """The dir HiCacheFile will use: the env var first, then extra-config file_storage_path,
+    then its default."""
+    storage = env.get(STORAGE_DIR_ENV) or args.extra_config.get("file_storage_path")
+    return Path(os.path.abspath(str(storage or DEFAULT_DIR)))
 
 
 def free_bytes(path: Path) -> int:
@@ -85,7 +109,7 @@ def lint(
     model_config: Mapping[str, Any] | None,
     cap_bytes: int | None = None,
     disk_free: Callable[[Path], int] = free_bytes,
-    identity: Callable[[], Identity | None] = lambda: None,
+    identity: Callable[[], Digested | None] = lambda: None,
     command: Sequence[str] = (),
 ) -> list[Finding]:
     """Every finding for a launch; `model_config` is config.json if the model dir is local,
@@ -122,7 +146,7 @@ def lint(
             exec_cmd = f"cachemgr --root {layout.root} exec -- {shlex.join(command)}"
             found.append(under_exec(layout, ns_id, given, exec_cmd))
         found += _storage(args, layout, path, env, cap_bytes, disk_free)
-        found += lint_storage_identity(path, layout, identity, command)
+        found += lint_storage_identity(path, layout, identity, command, STORAGE_DIR_ENV)
     return found
 
 
@@ -234,3 +258,12 @@ def _storage(
                 )
             )
     return found
+
+
+def model_config(args: LaunchArgs, env: Mapping[str, str]) -> dict[str, Any] | None:
+    """config.json of the model if it is on disk here (a dir or the HF cache), else None."""
+    try:
+        directory = model_dir.locate_model(args.model_path, args.revision, env=env)
+        return model_dir.read_json(directory / "config.json")
+    except CachemgrError:
+        return None

@@ -1,5 +1,6 @@
-"""Lint a vLLM launch for the fs-tier pitfalls: no cap anywhere, a root_dir cachemgr does not
-manage, one that other models' servers write to, one that holds another identity's blocks."""
+"""Doctor's lint of a vLLM launch for the fs-tier pitfalls: no cap anywhere, a root_dir
+cachemgr does not manage, one that other models' servers write to, one that holds another
+identity's blocks."""
 
 from __future__ import annotations
 
@@ -11,10 +12,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from cachemgr.doctor.finding import Finding
-from cachemgr.doctor.storage import changes_since, exec_namespace, managed_ns, under_exec
+from cachemgr.doctor.storage import (
+    changes_since,
+    exec_namespace,
+    identity_mismatch,
+    managed_ns,
+    under_exec,
+)
 from cachemgr.errors import CachemgrError
 from cachemgr.fs.safe import open_dir, read_regular
-from cachemgr.identity.engines import AnyIdentity
+from cachemgr.identity.record import Digested
 from cachemgr.layout import Layout
 from cachemgr.ns.manifest import read_manifest
 from cachemgr.vllm.args import VllmLaunchArgs
@@ -25,12 +32,12 @@ _CONFIG_MAX = 1 << 20
 _FOLDERS_READ = 1000  # a root_dir with more folders than this is read only that far
 
 
-def lint_vllm(
+def lint(
     args: VllmLaunchArgs,
     *,
     layout: Layout,
     cap_bytes: int | None,
-    identity: Callable[[], AnyIdentity | None],
+    identity: Callable[[], Digested | None],
     command: Sequence[str],
 ) -> list[Finding]:
     """Every finding for a vLLM launch; `identity` computes its identity (None if it cannot)."""
@@ -114,7 +121,7 @@ def folder_models(root_dir: Path) -> list[str]:
 
 
 def _identity_mismatch(
-    layout: Layout, ns_id: str, identity: Callable[[], AnyIdentity | None], exec_cmd: str
+    layout: Layout, ns_id: str, identity: Callable[[], Digested | None], exec_cmd: str
 ) -> list[Finding]:
     try:
         manifest = read_manifest(layout, ns_id)
@@ -125,11 +132,10 @@ def _identity_mismatch(
     if not changes:
         return []
     return [
-        Finding(
-            "error",
-            "storage-identity-mismatch",
-            f"fs tier root_dir {layout.ns_dir(ns_id)} belongs to another identity "
-            f"({'; '.join(changes[:3])}): the server would load its blocks as hits",
+        identity_mismatch(
+            f"fs tier root_dir {layout.ns_dir(ns_id)}",
+            changes[:3],
+            ": the server would load its blocks as hits",
             f"start the server with `{exec_cmd}` (its own namespace)",
         )
     ]

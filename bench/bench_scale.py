@@ -1,0 +1,586 @@
+"""The seed's directory at scale (issue 23): one flat namespace of millions of pages on a real
+ext4 on a loop device (needs root), each figure beside its peer in the same run.
+
+Modes:
+  dirlimit [--block-size B]  SGLang-named entries one flat dir takes on an ext4 made without
+                             large_dir before ENOSPC, while bytes and inodes are free.
+  run N [--layout sglang|vllm] [--evict M]
+                             N pages in one namespace: cold `du -sb` and `find -delete`
+                             against the daemon's first start to ready, a restart from the
+                             model file, RSS, the state DB, /metrics p99 during the scan and
+                             during an eviction of M pages, status/ls/doctor, doctor on the
+                             same dir unadopted, and a purge of the namespace.
+  evict N [--evict M] [--find-first]
+                             eviction only: N pages, the daemon restarted under a file cap
+                             that takes M of them (default 1M) vs a cold `find -delete` of the
+                             same tree (a copy of the same image), /metrics p99 meanwhile.
+
+Usage: python bench/bench_scale.py dirlimit [--block-size 4096]
+       python bench/bench_scale.py run 2000000 [--layout vllm] [--evict 1000000]
+       python bench/bench_scale.py evict 1200000 [--evict 1000000] [--find-first]
+Set BENCH_DIR to put the image elsewhere than /tmp (it is sparse: a few GiB at 10M pages).
+`evict`: BENCH_IMAGE=<path> keeps the built, indexed image there and starts the next run from
+it; BENCH_PYSPY=<path> writes a py-spy profile of the daemon during the eviction (py-spy on
+PATH); BENCH_SCRAPE_EVERY the seconds between /metrics scrapes (0.25).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import re
+import resource
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+from bench_daemon import free_port, status_kib
+from bench_evict import IDENTITY, POLLER, scrapes
+
+from cachemgr.fs.root import create_root
+from cachemgr.layout import Layout
+from cachemgr.ns.registry import ensure_namespace
+from cachemgr.state.store import Store
+
+MODEL = "Qwen-Qwen3-8B"
+NS = "00000000000000a1"
+PAGE = b"\x03" * 48  # inline in the inode (inline_data): the image stays small
+# The SGLang launch `doctor -- <launch>` is timed on (bench_cli.py times it too)
+LAUNCH = [
+    "python",
+    "-m",
+    "sglang.launch_server",
+    "--model-path",
+    "Qwen/Qwen3-8B",
+    "--enable-hierarchical-cache",
+    "--hicache-storage-backend",
+    "file",
+]
+
+
+def page_name(i: int) -> str:
+    """An SGLang HiCacheFile page name: a 64-hex key, the model, the TP rank and size."""
+    return f"{i:064x}_{MODEL}_0_1.bin"
+
+
+@contextlib.contextmanager
+def loop_ext4(
+    base: Path,
+    size: int,
+    *,
+    inodes: int,
+    block_size: int = 4096,
+    features: str = "inline_data",
+    fresh: bool = True,
+    keep: bool = False,
+) -> Iterator[Path]:
+    """A fresh ext4 of `size` bytes (a sparse image) with `inodes` inodes, loop-mounted
+    (`fresh` false: the image there already; `keep`: not removed after)."""
+    image, mnt = base / "fs.img", base / "mnt"
+    mnt.mkdir(exist_ok=True)
+    if fresh:
+        _mkfs(image, size, inodes, block_size, features)
+    subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+        if not keep:
+            image.unlink()
+
+
+def _mkfs(image: Path, size: int, inodes: int, block_size: int, features: str) -> None:
+    with open(image, "wb") as f:
+        f.truncate(size)
+    subprocess.run(
+        [
+            "mkfs.ext4",
+            "-q",
+            "-F",
+            "-m",
+            "0",
+            "-b",
+            str(block_size),
+            "-N",
+            str(inodes),
+            "-O",
+            features,
+            "-E",
+            "lazy_itable_init=1,lazy_journal_init=1",
+            str(image),
+        ],
+        check=True,
+    )
+
+
+def fill_dir(d: Path, limit: int | None = None) -> tuple[int, OSError | None]:
+    """Empty SGLang-named files in `d` until ENOSPC (or `limit`): how many, and the error."""
+    d.mkdir(exist_ok=True)
+    n, mode = 0, stat.S_IFREG | 0o644
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        while limit is None or n < limit:
+            try:
+                os.mknod(page_name(n), mode, dir_fd=fd)
+            except OSError as e:
+                return n, e
+            n += 1
+    finally:
+        os.close(fd)
+    return n, None
+
+
+# No journal: it does not change how a dir's hash tree fills, and on a shared disk it made the
+# fill ten times slower.
+DIRLIMIT_FS = "^large_dir,inline_data,^has_journal"
+
+
+def _image_dir(default: str | None) -> str | None:
+    """Where the loop image goes: BENCH_DIR, else `default` (None: the system's temp dir)."""
+    return os.environ.get("BENCH_DIR", default)
+
+
+def bench_dirlimit(block_size: int) -> None:
+    """The entries one flat dir takes before ENOSPC on an ext4 without large_dir."""
+    # Enough inodes and bytes that neither runs out first (the run checks it did not).
+    entries = 12_000_000 if block_size >= 4096 else 400_000
+    size = max(64 << 30, entries * 1024) if block_size >= 4096 else 2 << 30
+    print(
+        f"## flat-dir entry limit: ext4 -b {block_size} -O ^large_dir, names of "
+        f"{len(page_name(0))} bytes ({page_name(0)})"
+    )
+    with (
+        tempfile.TemporaryDirectory(prefix="cachemgr-scale-", dir=_image_dir("/dev/shm")) as b,
+        loop_ext4(
+            Path(b), size, inodes=entries, block_size=block_size, features=DIRLIMIT_FS
+        ) as mnt,
+    ):
+        t0 = time.perf_counter()
+        n, err = fill_dir(mnt / "ns")
+        took = time.perf_counter() - t0
+        st = os.statvfs(mnt)
+        dir_bytes = (mnt / "ns").stat().st_size
+    print(f"entries before the error: {n:,} ({n / took:,.0f}/s, {took:.0f} s)")
+    print(f"error: {err!r}")
+    print(
+        f"free then: {st.f_bavail * st.f_frsize / 2**30:.1f} GiB, {st.f_favail:,} inodes; "
+        f"the dir itself {dir_bytes / 2**20:.0f} MiB"
+    )
+    assert err is not None and st.f_favail > 0 and st.f_bavail > 0
+
+
+def cold() -> None:
+    """Write back and drop the page, dentry and inode caches: the next reads hit the disk."""
+    subprocess.run(["sync"], check=True)
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def timed_cmd(*cmd: str, env: dict[str, str] | None = None) -> tuple[float, str]:
+    """Seconds a command took, and its stdout (a non-zero exit is fine: doctor's 1 and 2)."""
+    t = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    return time.perf_counter() - t, out.stdout
+
+
+def write_pages(d: Path, n: int) -> None:
+    """`n` SGLang-named pages of PAGE's bytes in `d`, with old mtimes (no min_age holds them)."""
+    d.mkdir(parents=True)
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for i in range(n):
+            f = os.open(page_name(i), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=fd)
+            os.write(f, PAGE)
+            os.close(f)
+    finally:
+        os.close(fd)
+
+
+class Served:
+    """`cachemgr serve` on a loopback port, its /metrics scraped by POLLER from the start."""
+
+    def __init__(self, layout: Layout, env: dict[str, str], every: float = 0.05) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "cachemgr",
+                "--root",
+                str(layout.root),
+                "--log-level",
+                "warning",
+                "serve",
+                "--port",
+                str(self.port),
+            ],
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, **env},
+        )
+        self.poller = subprocess.Popen(
+            [sys.executable, "-c", POLLER_TOLERANT, f"{self.url}/metrics", str(every)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.ready = self._wait_ready()
+
+    def _wait_ready(self) -> float:
+        with httpx.Client(base_url=self.url, timeout=30) as client:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"cachemgr serve exited with {self.proc.returncode}")
+                with contextlib.suppress(httpx.TransportError):
+                    if client.get("/readyz").status_code == 200:
+                        return time.monotonic() - self.t0
+                time.sleep(0.05)
+
+    def rss(self) -> tuple[float, float]:
+        """RSS now and its peak, MiB."""
+        pid = self.proc.pid
+        return status_kib(pid, "VmRSS") / 1024, status_kib(pid, "VmHWM") / 1024
+
+    def scrapes(self) -> list[tuple[float, float]]:
+        """Stop the poller: (start, seconds) of each scrape, on time.monotonic()."""
+        out, _ = self.poller.communicate("", timeout=60)
+        return [tuple(x) for x in json.loads(out)]
+
+    def stop(self) -> float:
+        t = time.perf_counter()
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(300)
+        return time.perf_counter() - t
+
+
+# bench_evict's POLLER, which fails on a refused connection: the daemon is not listening yet
+# in its first tenths of a second.
+POLLER_TOLERANT = POLLER.replace(
+    "        http.get(url).raise_for_status()\n",
+    "        try:\n            http.get(url).raise_for_status()\n"
+    "        except httpx.TransportError:\n            done.wait(every); continue\n",
+)
+
+
+def between(scraped: list[tuple[float, float]], a: float, b: float) -> list[float]:
+    return [sec for t, sec in scraped if a <= t <= b]
+
+
+def files_in(path: Path) -> int:
+    """Inodes used on the filesystem: the pages, to a few (the root's own files)."""
+    st = os.statvfs(path)
+    return st.f_files - st.f_ffree
+
+
+def bench_run(n: int) -> None:
+    """The figures of issue 23 at `n` pages in one flat namespace, each beside its peer."""
+    inodes = int(n * 1.3) + 20_000
+    size = max(4 << 30, n * 2048)
+    with (
+        tempfile.TemporaryDirectory(prefix="cachemgr-scale-", dir=_image_dir("/dev/shm")) as b,
+        loop_ext4(Path(b), size, inodes=inodes) as mnt,
+    ):
+        run_on(mnt, n)
+
+
+def settle_seconds(n: int) -> float:
+    """How long a daemon is left running before its steady RSS is read: 10 s from 1M pages
+    up (the sizes RESULTS.md quotes), a second for the test's 20,000 (ready in well under one)."""
+    return min(10.0, max(1.0, n / 100_000))
+
+
+def run_on(mnt: Path, n: int) -> None:
+    plain = mnt / "plain"
+    t = time.perf_counter()
+    write_pages(plain, n)
+    print(f"made {n:,} pages in one dir in {time.perf_counter() - t:.0f} s")
+    layout = Layout.at(mnt / "root")
+    create_root(layout)
+    cold()
+    du, _ = timed_cmd("du", "-sb", str(plain))
+    cold()
+    doctor_plain, _ = timed_cmd(
+        sys.executable,
+        "-m",
+        "cachemgr",
+        "--root",
+        str(layout.root),
+        "doctor",
+        "--",
+        *LAUNCH,
+        env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(plain)},
+    )
+    print(
+        f"cold du -sb: {du:.1f} s; doctor on it unadopted (cold): {doctor_plain:.1f} s "
+        f"({doctor_plain / du:.2f}× du)"
+    )
+    os.rename(plain, layout.ns_dir(NS))
+    with Store.open(layout.db_path) as store:
+        ensure_namespace(layout, store, ns_id=NS, digest=NS * 4, identity=IDENTITY, now=time.time())
+    empty = Layout.at(mnt / "empty")
+    create_root(empty)
+    base = Served(empty, {})
+    time.sleep(settle_seconds(n) / 2)
+    base_rss = base.rss()[0]
+    base.stop()
+    base.scrapes()
+    cold()
+    first = Served(layout, {})
+
+    time.sleep(settle_seconds(n))
+    rss, peak = first.rss()
+    print(
+        f"first start, cold caches: ready {first.ready:.1f} s ({first.ready / du:.2f}× cold du); "
+        f"RSS {rss:.0f} MiB steady, {peak:.0f} MiB peak; empty daemon {base_rss:.0f} MiB: "
+        f"{(rss - base_rss) * 2**20 / n:.0f} B/page steady, {(peak - base_rss) * 2**20 / n:.0f} "
+        f"B/page peak"
+    )
+    for label, cmd in (("status", ["status"]), ("ls", ["ls"]), ("doctor", ["doctor"])):
+        took, _ = timed_cmd(sys.executable, "-m", "cachemgr", "--root", str(layout.root), *cmd)
+        print(f"`cachemgr {label}`: {took:.2f} s (daemon running)")
+    stopped = first.stop()
+    scan = between(first.scrapes(), first.t0, first.t0 + first.ready)
+    print(f"/metrics during the first scan: {scrapes(scan)}")
+    db = sum(p.stat().st_size for p in layout.state_dir.glob("state.db*"))
+    snap = layout.model_snapshot.stat().st_size if layout.model_snapshot.exists() else 0
+    print(
+        f"state DB {db / 2**20:.0f} MiB ({db / n:.0f} B/page); model file {snap / 2**20:.0f} "
+        f"MiB; stopped in {stopped:.1f} s"
+    )
+    cap = int(n * 0.75)
+    env = {"CACHEMGR_GC_MAX_FILES": str(cap), "CACHEMGR_GC_MIN_AGE": "0s"}
+    again = Served(layout, {**env, "CACHEMGR_GC_INTERVAL": "5s"})
+    t0 = time.monotonic()
+    low = floor_of(cap)
+    while files_in(mnt) > low + 100:
+        time.sleep(0.05)
+    evicted = time.monotonic() - t0
+    time.sleep(3)
+    left = len(os.listdir(layout.ns_dir(NS)))
+    rate = (n - left) / evicted
+    print(
+        f"restart from the model file, CACHEMGR_GC_MAX_FILES={cap}: ready {again.ready:.1f} s; "
+        f"evicted {n - left:,} pages in {evicted:.1f} s after ready ({rate:,.0f}/s); "
+        f"{left:,} left (cap {cap:,}, low watermark {low:,})"
+    )
+    drained = purge(layout, mnt, left)
+    again.stop()
+    print(f"/metrics during the eviction: {scrapes(between(again.scrapes(), t0, t0 + evicted))}")
+    cold()
+    took, _ = timed_cmd("find", str(layout.trash), "-type", "f", "-delete")
+    print(
+        f"find -delete of the {drained:,} left in .trash, cold: {took:.1f} s "
+        f"({drained / took:,.0f}/s); cachemgr's eviction / find -delete = "
+        f"{rate / (drained / took):.3g}"  # not .2f: a slow eviction printed 0.00
+    )
+
+
+def purge(layout: Layout, mnt: Path, pages: int) -> int:
+    """`cachemgr purge --no-wait` of the namespace while the daemon serves it: the time until
+    the dir is the server's again (empty), and the daemon's paced drain of .trash/ for a
+    while; the files left in .trash/."""
+    before = files_in(mnt)
+    took, _ = timed_cmd(
+        sys.executable,
+        "-m",
+        "cachemgr",
+        "--root",
+        str(layout.root),
+        "purge",
+        "--namespace",
+        NS,
+        "--yes",
+        "--no-wait",
+    )
+    empty = not os.listdir(layout.ns_dir(NS)) if layout.ns_dir(NS).exists() else True
+    t = time.monotonic()
+    while files_in(mnt) >= before - 10 and time.monotonic() - t < 60:
+        time.sleep(0.1)  # the GC cycle that starts the drain
+    start, t = files_in(mnt), time.monotonic()
+    time.sleep(min(15.0, pages / 4000))  # about half of them at the default rate, at most 15 s
+    rate = (start - files_in(mnt)) / (time.monotonic() - t)
+    left = files_in(mnt) - (before - pages)
+    print(
+        f"purge of the {pages:,} left: the dir {'empty' if empty else 'NOT empty'} after "
+        f"{took:.2f} s (the CLI); the daemon drains .trash/ at {rate:,.0f} files/s "
+        "(gc_delete_rate 2000)"
+    )
+    return left
+
+
+def floor_of(cap: int) -> int:
+    """The low watermark of a file cap with the default watermarks."""
+    return int(cap * 0.85)
+
+
+def bench_evict_only(n: int, evict: int, find_first: bool) -> None:
+    """Eviction of `evict` of `n` pages by the daemon's GC (a file cap) beside a cold
+    `find -delete` of the same tree: a copy of the same image, mounted in turn."""
+    inodes = int(n * 1.3) + 20_000
+    size = max(4 << 30, n * 2048)
+    saved = os.environ.get("BENCH_IMAGE")  # a built image kept there: the next run starts at it
+    with tempfile.TemporaryDirectory(prefix="cachemgr-scale-", dir=_image_dir("/dev/shm")) as b:
+        base = Path(b)
+        if saved and Path(saved).exists():
+            subprocess.run(["cp", "--sparse=always", saved, str(base / "fs.img")], check=True)
+        else:
+            build_indexed(base, n, size, inodes)
+            if saved:
+                subprocess.run(["cp", "--sparse=always", str(base / "fs.img"), saved], check=True)
+        peer = base / "peer"
+        peer.mkdir()
+        subprocess.run(["cp", "--sparse=always", str(base / "fs.img"), str(peer)], check=True)
+        for contender in ("find", "cachemgr") if find_first else ("cachemgr", "find"):
+            print(f"load {os.getloadavg()[0]:.1f} before {contender}", flush=True)
+            if contender == "find":
+                with loop_ext4(peer, size, inodes=inodes, fresh=False) as mnt:
+                    cold()
+                    cpu = children_cpu()
+                    took, _ = timed_cmd(
+                        "find", str(Layout.at(mnt / "root").ns_dir(NS)), "-type", "f", "-delete"
+                    )
+                    cpu = children_cpu() - cpu
+                    find_rate = n / took
+                    print(
+                        f"find -delete of {n:,} pages, cold: {took:.1f} s ({find_rate:,.0f}/s), "
+                        f"{cpu:.1f} CPU seconds ({cpu / n * 1e6:.0f} µs a file)"
+                    )
+            else:
+                with loop_ext4(base, size, inodes=inodes, fresh=False) as mnt:
+                    rate = evict_on(mnt, n, evict)
+    print(
+        f"cachemgr's eviction / find -delete = {rate / find_rate:.3g} "
+        f"(load {os.getloadavg()[0]:.1f})"
+    )
+
+
+def build_indexed(base: Path, n: int, size: int, inodes: int) -> None:
+    """An image at base/fs.img with `n` pages in one namespace, indexed by a first start."""
+    with loop_ext4(base, size, inodes=inodes, keep=True) as mnt:
+        layout = Layout.at(mnt / "root")
+        create_root(layout)
+        t = time.perf_counter()
+        write_pages(layout.ns_dir(NS), n)
+        print(f"made {n:,} pages in one dir in {time.perf_counter() - t:.0f} s")
+        with Store.open(layout.db_path) as store:
+            ensure_namespace(
+                layout, store, ns_id=NS, digest=NS * 4, identity=IDENTITY, now=time.time()
+            )
+        first = Served(layout, {})  # the index built once: the restart below rescans
+        print(f"first start to ready: {first.ready:.1f} s")
+        first.stop()
+        first.scrapes()
+
+
+SCRAPE_EVERY = float(os.environ.get("BENCH_SCRAPE_EVERY", "0.25"))
+# py-spy: on PATH or beside this Python (`pip install py-spy` into the venv)
+SPY = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+PYSPY = [SPY, "record", "--threads", "--rate", "40", "--format", "raw", "--native", "--idle"]
+
+
+def children_cpu() -> float:
+    """CPU seconds (user + system) of the children waited for so far."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of `pid` (by tid), and of the process."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            f = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            out[task.name] = (int(f[11]) + int(f[12])) / tick
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    out["process"] = (int(f[11]) + int(f[12])) / tick
+    return out
+
+
+def thread_names(pid: int) -> dict[str, str]:
+    """tid -> Python thread name, by py-spy dump (empty without py-spy)."""
+    try:
+        out = subprocess.run([SPY, "dump", "-p", str(pid)], capture_output=True, text=True)
+    except OSError:
+        return {}
+    return dict(re.findall(r'Thread (\d+) \(\w+\): "([^"]+)"', out.stdout))
+
+
+def evict_on(mnt: Path, n: int, evict: int) -> float:
+    """The daemon restarted under a file cap that leaves n - evict pages: files/s after ready
+    (caches dropped at ready), with /metrics latency meanwhile."""
+    layout = Layout.at(mnt / "root")
+    low = n - evict
+    cap = int(low / 0.85) + 1
+    env = {"CACHEMGR_GC_MAX_FILES": str(cap), "CACHEMGR_GC_MIN_AGE": "0s"}
+    cold()
+    # Scraped 4 times a second (Prometheus: every 15 s): 20 a second cost the daemon a
+    # fifth of its GIL time during the eviction, the bench's own load, not cachemgr's.
+    served = Served(layout, {**env, "CACHEMGR_GC_INTERVAL": "5s"}, every=SCRAPE_EVERY)
+    cold()  # the restart's rescan read every inode: the eviction starts cold, as find does
+    t0 = time.monotonic()
+    spy = os.environ.get("BENCH_PYSPY")  # a raw py-spy profile of the eviction there
+    prof = spy and subprocess.Popen([*PYSPY, "-p", str(served.proc.pid), "-o", spy])
+    cpu0 = thread_cpu(served.proc.pid)
+    while files_in(mnt) > low + 100:  # (the root's own files)
+        time.sleep(0.05)
+    took = time.monotonic() - t0
+    cpu1 = thread_cpu(served.proc.pid)
+    names = thread_names(served.proc.pid)
+    cpu = {names.get(k, k): round(v - cpu0.get(k, 0), 1) for k, v in cpu1.items()}
+    print(
+        f"CPU seconds during the eviction, by thread (process less threads: the C unlinkers; "
+        f"{cpu['process'] / evict * 1e6:.0f} µs a file in all): {cpu}"
+    )
+    if prof:
+        prof.send_signal(signal.SIGINT)
+        prof.wait()
+    time.sleep(2)
+    left = len(os.listdir(layout.ns_dir(NS)))
+    served.stop()
+    rate = (n - left) / took
+    print(
+        f"restart under CACHEMGR_GC_MAX_FILES={cap:,}: ready {served.ready:.1f} s; evicted "
+        f"{n - left:,} pages in {took:.1f} s after ready ({rate:,.0f}/s); {left:,} left "
+        f"(low watermark {floor_of(cap):,})"
+    )
+    print(f"/metrics during the eviction: {scrapes(between(served.scrapes(), t0, t0 + took))}")
+    return rate
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="mode", required=True)
+    dl = sub.add_parser("dirlimit")
+    dl.add_argument("--block-size", type=int, default=4096)
+    run = sub.add_parser("run")
+    run.add_argument("pages", type=int)
+    ev = sub.add_parser("evict")
+    ev.add_argument("pages", type=int)
+    ev.add_argument("--evict", type=int, default=1_000_000)
+    ev.add_argument("--find-first", action="store_true")
+    args = ap.parse_args()
+    print(
+        f"# cachemgr scale bench — {platform.node()}, {os.cpu_count()} cores, "
+        f"{platform.platform()}, load {os.getloadavg()[0]:.1f}"
+    )
+    if args.mode == "dirlimit":
+        bench_dirlimit(args.block_size)
+    elif args.mode == "evict":
+        bench_evict_only(args.pages, args.evict, args.find_first)
+    else:
+        bench_run(args.pages)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""What the daemon's GC reads of the running daemon (cachemgr.gc.runner.LiveState): the index's
+leadership and write rate, the stores and accesses the index has not applied yet, and the room
+left after a run."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterable
+
+from cachemgr.daemon import heap
+from cachemgr.daemon.backlog import Flight, StoreBacklog
+from cachemgr.daemon.index_state import IndexState
+from cachemgr.daemon.refresher import Refresher
+from cachemgr.daemon.serving import Reader
+from cachemgr.daemon.watcher import Watcher
+from cachemgr.gc.chains import ChainModel
+from cachemgr.gc.check import file_room, room
+from cachemgr.gc.execute import InFlight
+from cachemgr.gc.pagestore import PageId
+from cachemgr.gc.runner import GcRunner, LiveState
+from cachemgr.ns.quarantine import Quarantine
+
+
+class DaemonGcState(LiveState):
+    """Built before GC and the index writer, which share it; `refresher`: set once built (it
+    renders GC's stats, so it comes after GC)."""
+
+    def __init__(
+        self,
+        index: IndexState,
+        watcher: Watcher,
+        model: ChainModel,
+        reader: Reader,
+        quarantine: Quarantine,
+    ) -> None:
+        super().__init__(model=model, ready=index.ready, quarantine=quarantine)
+        self.index = index
+        self.reader = reader
+        # Stores not applied yet: GC counts them; past the room left, the watcher wakes GC.
+        self.backlog = StoreBacklog(wake=self.woken.set)
+        self.flight = Flight(watcher, model)
+        self.refresher: Refresher | None = None
+
+    def may_lead(self) -> bool:
+        """GC is led by an index leader: only its watcher wakes GC (watermarks, a CLI purge)."""
+        return self.index.leader
+
+    def ahead(self, run_seconds: float) -> int:
+        """Written while a run frees room, at the index's measured write rate."""
+        return int(self.index.write_rate * run_seconds)
+
+    def pending(self) -> int:
+        return self.backlog.bytes()
+
+    def in_flight(self) -> InFlight:
+        stored, fresh = self.backlog.unapplied()
+        flight = self.flight(stored, fresh)
+        queued = set(flight.queued)
+        if stored:
+            # What the stores not applied yet continue: each stream's last page the model
+            # saw (its chain looks like a tail in the model, the stores hang on it).
+            queued.update((ns, key) for (ns, *_), key in self.flight.model.last_pages())
+        return flight._replace(queued=queued, stored_bytes=self.backlog.page_bytes)
+
+    def gone_early(self, pages: Iterable[PageId]) -> None:
+        self.backlog.gone_early(pages)
+
+    def rearm(self, conn: sqlite3.Connection, runner: GcRunner) -> None:
+        """What the watcher may see stored before it wakes GC itself (after a batch's check,
+        or a run): the bytes left, or a file cap's room in bytes of the largest page seen (the
+        backlog counts stores by that size), whichever is less."""
+        ahead = runner.ahead()
+        left = room(runner.layout, conn, runner.policy, disk_usage=runner.disk_usage, ahead=ahead)
+        files = file_room(runner.layout, conn, runner.policy) * max(1, self.backlog.page_bytes)
+        self.backlog.rearm(min(left, files))
+
+    def after_run(self, runner: GcRunner) -> None:
+        """On GC's thread: the room the run left, so the watcher wakes GC again without waiting
+        for the index's next batch; and the heap its plan freed, given back."""
+        with self.reader() as conn:
+            self.rearm(conn, runner)
+        if self.refresher is not None:
+            self.refresher.kick()
+        heap.trim()  # (well under a ms, without the GIL: bench/RESULTS.md)

@@ -1,0 +1,40 @@
+"""Flat namespace dirs near their filesystem's one-dir entry limit (cachemgr.fs.dirlimit):
+past it the server's stores fail with ENOSPC while bytes and inodes are free."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from cachemgr.doctor.finding import Finding
+from cachemgr.fs.dirlimit import DirIndex
+from cachemgr.ns.status import NamespaceStatus
+
+WARN_FROM = 0.8  # as the alert (CachemgrDirIndexNearlyFull) and GC's default cap
+ERROR_FROM = 0.95
+
+
+def lint_dir_entries(statuses: Iterable[NamespaceStatus], index: DirIndex | None) -> list[Finding]:
+    """A warning for each flat namespace dir at 80% of its entry limit, an error from 95%."""
+    if index is None:
+        return []
+    found = []
+    for s in statuses:
+        limit = s.entry_limit(index)
+        entries = s.dir_entries
+        if not limit or entries < limit * WARN_FROM:
+            continue
+        how = "assumed: its superblock could not be read" if index.assumed else "read"
+        what = (
+            f"ns {s.id}: {entries:,} entries in one dir, {entries / limit:.0%} of the about "
+            f"{limit:,} an ext4 without large_dir ({how}) takes at {index.block_size} B "
+            "blocks before every store fails with ENOSPC"
+        )
+        fix = (
+            "let GC keep it (gc_namespace_max_files unset or lower: it caps a flat namespace at "
+            "80% of the limit), or `tune2fs -O large_dir` the filesystem"
+        )
+        if entries >= limit * ERROR_FROM:
+            found.append(Finding("error", "dir-index-full", what, fix))
+        else:
+            found.append(Finding("warning", "dir-index-full", what, fix))
+    return found

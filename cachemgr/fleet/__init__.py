@@ -1,0 +1,1 @@
+"""Fleet mode: one shared root, many nodes, one GC leader elected through etcd or Kubernetes."""

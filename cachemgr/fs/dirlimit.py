@@ -1,0 +1,123 @@
+"""How many entries one flat directory can take before the filesystem says ENOSPC.
+
+ext4 indexes a directory with a hash tree of at most two levels unless the filesystem has the
+`large_dir` feature (mke2fs's default features leave it out). Once the root and the one index
+block a new name hashes to are full, creating a name fails with ENOSPC, while `df` shows bytes
+and inodes free: SGLang's HiCacheFile writes every page into one dir, and its stores fail
+there. The number depends on the block size and the names' length: it is the tree's capacity
+times the fraction of it a fill reached at ENOSPC (bench/bench_scale.py dirlimit measures it
+at 1 KiB and 4 KiB blocks: bench/RESULTS.md), rounded down to the lower of the two.
+
+Whether a filesystem has `large_dir` is read from its superblock (the block device named in
+/proc/self/mountinfo). A device this user cannot read is taken to lack it, as mke2fs makes it
+by default: the limit is then `assumed`.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+from typing import NamedTuple
+
+EXT4_MAGIC = 0xEF53
+LARGE_DIR = 0x4000  # EXT4_FEATURE_INCOMPAT_LARGEDIR
+METADATA_CSUM = 0x400  # EXT4_FEATURE_RO_COMPAT_METADATA_CSUM
+# Of the tree's capacity, what a fill by SGLang-named pages reached at ENOSPC: 43.6% at 1 KiB
+# blocks, 38.1% at 4 KiB (more index blocks: the first to fill does so earlier; measured in
+# bench/RESULTS.md), less a margin for another run's hash spread.
+FILLED = 0.36
+
+
+def page_name_len(model: str | None) -> int:
+    """The length of an SGLang page name of `model` (the served name, "/" written "-"), with
+    a TP rank and size of one digit each; a typical one's without a model."""
+    return len(f"{'0' * 64}_{(model or 'Qwen/Qwen3-8B').replace('/', '-')}_0_1.bin")
+
+
+FLAT_PAGE_NAME_LEN = page_name_len(None)  # a typical page name's length
+
+
+class DirIndex(NamedTuple):
+    """What bounds a flat dir on one filesystem."""
+
+    fstype: str
+    block_size: int
+    large_dir: bool
+    assumed: bool  # the superblock could not be read: mke2fs's default (no large_dir) assumed
+    checksums: bool = True  # metadata_csum: each index block keeps 8 bytes for it
+
+    def limit(self, name_len: int = FLAT_PAGE_NAME_LEN) -> int | None:
+        """Entries of `name_len`-byte names one dir takes before ENOSPC; None: no known limit."""
+        if self.fstype != "ext4" or self.large_dir:
+            return None
+        return int(tree_capacity(self.block_size, name_len, self.checksums) * FILLED)
+
+
+def tree_capacity(block_size: int, name_len: int, checksums: bool = True) -> int:
+    """Names a full two-level ext4 hash tree holds: root slots × index slots × names a block."""
+    tail = 8 if checksums else 0  # struct dx_tail
+    root = (block_size - 32 - tail) // 8  # after ".", ".." and dx_root_info
+    node = (block_size - 8 - tail) // 8  # after the fake dirent
+    leaf = (block_size - (12 if checksums else 0)) // (8 + (name_len + 3) // 4 * 4)
+    return root * node * leaf
+
+
+def dir_index(
+    path: str | os.PathLike[str], *, mountinfo: Path = Path("/proc/self/mountinfo")
+) -> DirIndex | None:
+    """The dir index of the filesystem `path` is on; None if its mount is not found."""
+    st = os.stat(path)
+    found = _mount_of(os.major(st.st_dev), os.minor(st.st_dev), mountinfo)
+    if found is None:
+        return None
+    fstype, source = found
+    bsize = os.statvfs(path).f_bsize
+    if fstype != "ext4":
+        return DirIndex(fstype, bsize, False, False)
+    sb = read_superblock(source)
+    if sb is None:
+        return DirIndex(fstype, bsize, False, True)
+    return DirIndex(fstype, sb[0], sb[1], False, sb[2])
+
+
+def _mount_of(major: int, minor: int, mountinfo: Path) -> tuple[str, str] | None:
+    """(fstype, source) of the mount of device major:minor, from a mountinfo file."""
+    want = f"{major}:{minor}"
+    for line in mountinfo.read_text().splitlines():
+        fields = line.split()
+        if len(fields) < 3 or fields[2] != want or " - " not in line:
+            continue
+        after = line.split(" - ", 1)[1].split()
+        if len(after) >= 2:
+            return after[0], after[1]
+    return None
+
+
+def read_superblock(device: str) -> tuple[int, bool, bool] | None:
+    """(block size, large_dir, metadata_csum) from an ext2/3/4 superblock; None if the device
+    cannot be read by this user or holds none."""
+    try:
+        with open(device, "rb") as f:
+            f.seek(1024)
+            raw = f.read(0x68)
+    except OSError:
+        return None
+    if len(raw) < 0x68 or struct.unpack_from("<H", raw, 0x38)[0] != EXT4_MAGIC:
+        return None
+    log_block, incompat, ro_compat = (
+        struct.unpack_from("<I", raw, 0x18)[0],
+        struct.unpack_from("<I", raw, 0x60)[0],
+        struct.unpack_from("<I", raw, 0x64)[0],
+    )
+    return 1024 << log_block, bool(incompat & LARGE_DIR), bool(ro_compat & METADATA_CSUM)
+
+
+def flat_dir_limit(path: str | os.PathLike[str]) -> int | None:
+    """Entries of SGLang-named pages one dir under `path` takes (None: no known limit, or
+    `path` does not exist yet: the limit is read again at the next start)."""
+    try:
+        index = dir_index(path)
+    except OSError:
+        return None
+    return index.limit() if index is not None else None

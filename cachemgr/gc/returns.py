@@ -1,0 +1,43 @@
+"""How often a chain comes back: the Gamma-Poisson estimate behind the `value` order
+(cachemgr.gc.value), shared with that order's miniature (cachemgr.gc.minisim).
+
+Returns are Poisson with a rate drawn from a Gamma prior fitted to all the segments ranked
+(empirical Bayes, `prior`); a conversation ends at any return with probability END (it moves
+on to a new chain), so a long silence makes it likely over (`worth`).
+"""
+
+from __future__ import annotations
+
+import math
+
+END = 0.05  # probability that a conversation ends at a return (moves on to a new chain)
+SHAPE_MIN, SHAPE_MAX = 0.05, 50.0  # bounds of the fitted prior's shape (few chains: noisy)
+
+
+def prior(chains: list[tuple[int, int]]) -> tuple[float, float]:
+    """The Gamma(shape, rate) prior of a chain's return rate, fitted to all segments' (returns,
+    exposure) by the method of moments (empirical Bayes): its mean is the pooled rate, its
+    spread what the counts vary by beyond Poisson noise."""
+    n = sum(c for c, _ in chains)
+    t = sum(e for _, e in chains)
+    if not n or not t:
+        return 1.0, 1.0  # nothing came back yet: every chain looks alike
+    mean = n / t
+    excess = sum((c - mean * e) ** 2 - mean * e for c, e in chains)
+    spread = sum(e * e for _, e in chains)
+    shape = (
+        min(max(mean * mean * spread / excess, SHAPE_MIN), SHAPE_MAX) if excess > 0 else SHAPE_MAX
+    )
+    return shape, shape / mean
+
+
+def worth(fitted: tuple[float, float], returns: int, span: int, silence: int) -> float:
+    """A segment's expected hits per page per step from now: the rate of returns that continue
+    its chain. Its return rate is Gamma(α + returns, β + span) after `span` steps of use; a
+    return ends the chain with probability END; after `silence` steps without one, the chain is
+    alive with the odds (no return yet : a return that ended it), and its rate is the mean
+    rate given that silence."""
+    a, b = fitted[0] + returns, fitted[1] + span
+    quiet = math.exp(-a * math.log1p(silence / b))  # P(no return in the silence)
+    alive = quiet / (quiet + END * (1.0 - quiet))
+    return (1.0 - END) * alive * a / (b + silence)

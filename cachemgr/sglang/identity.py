@@ -1,0 +1,186 @@
+"""The identity of an SGLang server: its launch settings resolved as SGLang resolves them."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from cachemgr.errors import IdentityError
+from cachemgr.identity import model_dir
+from cachemgr.identity.digest_cache import DigestCache
+from cachemgr.identity.fingerprint import (
+    WEIGHT_LOAD_FORMATS,
+    IdentityOptions,
+    ProgressFactory,
+    engine_version,
+    model_weights,
+    normalize_dtype,
+)
+from cachemgr.identity.record import Weights as WeightsRecord
+from cachemgr.sglang.args import LaunchArgs
+from cachemgr.sglang.record import FILE_KEY_SCHEME, Identity, Source, Storage, Topology
+
+# Architectures whose SGLang model overrides (arg_groups/model_overrides/*.py) set page_size
+# from the GPU or attention backend, sometimes over an explicit --page-size.
+PAGE_SIZE_OVERRIDING_ARCHS = frozenset(
+    """
+    MiniMaxM3SparseForCausalLM MiniMaxM3SparseForConditionalGeneration
+    Qwen3VLForConditionalGeneration Qwen3VLMoeForConditionalGeneration
+    NemotronHForCausalLM NemotronHPuzzleForCausalLM DeepseekV4ForCausalLM
+    DeepseekV32ForCausalLM DeepseekV3ForCausalLM Dots3NoteForCausalLM
+    Glm5NextForConditionalGeneration GlmMoeDsaForCausalLM HYV4ForCausalLM HYV4ForCausalLMNextN
+    KimiK25ForConditionalGeneration LongcatFlashForCausalLM LongcatFlashForCausalLMNextN
+    MistralLarge3ForCausalLM PixtralForConditionalGeneration
+    InternS2MobiusForConditionalGeneration InternS2PreviewForConditionalGeneration
+    Qwen3NextForCausalLM Qwen3_5ForConditionalGeneration Qwen3_5MoeForConditionalGeneration
+    Qwen4ExpForConditionalGeneration
+    """.split()  # noqa: SIM905
+)
+PageSizeFrom = Literal["flag", "attention_backend", "server"]
+
+
+def model_dtype(dtype_arg: str, config: Mapping[str, Any]) -> str:
+    """The dtype SGLang runs the model in (model_config.py `_get_and_verify_dtype`)."""
+    if dtype_arg.lower() != "auto":
+        return normalize_dtype(dtype_arg)
+    found = model_dir.config_dtype(config)
+    if found is None or normalize_dtype(found) == "float32":
+        # SGLang serves float32 (or dtype-less) checkpoints in half precision; gemma in bf16.
+        return "bfloat16" if str(config.get("model_type", "")).startswith("gemma") else "float16"
+    return normalize_dtype(found)
+
+
+def kv_dtype(kv_arg: str, run_dtype: str, quant_kv_algo: str | None) -> str:
+    """The KV cache dtype (mem_cache/kv_cache_dtype.py `configure_kv_cache_dtype`, CUDA)."""
+    if kv_arg.lower() != "auto":
+        return normalize_dtype(kv_arg)
+    if quant_kv_algo is not None and quant_kv_algo.upper() == "FP8":
+        return "fp8_e4m3"  # the checkpoint carries FP8 KV scales and `auto` adopts them
+    return run_dtype
+
+
+def installed_sglang_version() -> str | None:
+    """The version of an importable `sglang` distribution, if one is installed here."""
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def page_size(args: LaunchArgs, config: Mapping[str, Any]) -> tuple[int | None, PageSizeFrom]:
+    """(page size, where it comes from); None when SGLang resolves it on the GPU.
+
+    An explicit backend's forcing is applied last by SGLang, so it is always known. Without
+    the flag, the default backend (trtllm_mha on SM100) may force 64; a model with page-size
+    overrides may rewrite even the flag — then the flag's value stays in the identity (the
+    operator's intent) but is not held against the server.
+    """
+    if args.page_size_source == "attention_backend":
+        return args.page_size, "attention_backend"
+    if args.page_size_source == "default":
+        return None, "server"
+    archs = config.get("architectures")
+    if isinstance(archs, list) and PAGE_SIZE_OVERRIDING_ARCHS & {str(a) for a in archs}:
+        return args.page_size, "server"
+    return args.page_size, "flag"
+
+
+def _tp_lcm_size(args: LaunchArgs) -> int | None:
+    """`tp_lcm_size` from --hicache-storage-backend-extra-config (cache_controller.py)."""
+    value = args.extra_config.get("tp_lcm_size")
+    return int(value) if value is not None else None
+
+
+def _override_args(raw: str) -> str | None:
+    """--json-model-override-args as canonical JSON (key order and spaces don't count)."""
+    try:
+        data = json.loads(raw or "{}")
+    except json.JSONDecodeError:
+        raise IdentityError(f"--json-model-override-args is not JSON: {raw!r}") from None
+    if not data:
+        return None
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def compute_identity(
+    args: LaunchArgs,
+    options: IdentityOptions | None = None,
+    *,
+    cache: DigestCache | None = None,
+    env: Mapping[str, str] = os.environ,
+    progress: ProgressFactory | None = None,
+    installed: Callable[[], str | None] = installed_sglang_version,
+) -> Identity:
+    """The identity of a server started with `args`, its model files read from disk."""
+    opts = options or IdentityOptions()
+
+    def weights(directory: Path) -> WeightsRecord:
+        return model_weights(
+            directory, opts, cache=cache, progress=progress, code=args.trust_remote_code
+        )
+
+    target_dir = model_dir.locate_model(args.model_path, args.revision, env=env)
+    config = model_dir.read_json(target_dir / "config.json")
+    run_dtype = model_dtype(args.dtype, config)
+    kv = kv_dtype(args.kv_cache_dtype, run_dtype, model_dir.kv_cache_quant_algo(target_dir, config))
+    draft_dir = draft_kv = draft_weights = None
+    if args.speculative_draft_model_path:
+        draft_dir = model_dir.locate_model(
+            args.speculative_draft_model_path, args.speculative_draft_model_revision, env=env
+        )
+        draft_config = model_dir.read_json(draft_dir / "config.json")
+        # spec.py: the draft's KV dtype follows --kv-cache-dtype unless set on its own.
+        draft_kv = kv_dtype(
+            args.speculative_draft_kv_cache_dtype or args.kv_cache_dtype,
+            model_dtype(args.dtype, draft_config),
+            model_dir.kv_cache_quant_algo(draft_dir, draft_config),
+        )
+        draft_weights = weights(draft_dir)
+    page, page_from = page_size(args, config)
+    version, full_version, version_from = engine_version(
+        opts.engine_version, opts.version_granularity, installed
+    )
+    return Identity(
+        weights=weights(target_dir),
+        draft_weights=draft_weights,
+        kv_cache_dtype=kv,
+        draft_kv_cache_dtype=draft_kv,
+        dtype=run_dtype,
+        quantization=args.quantization,
+        draft_quantization=args.speculative_draft_model_quantization if draft_dir else None,
+        page_size=page,
+        hicache_mem_layout=args.hicache_mem_layout,
+        topology=Topology(
+            tp_size=args.tp_size,
+            pp_size=args.pp_size,
+            attn_dp_size=args.attn_dp_size,
+            attn_cp_size=args.attn_cp_size,
+            dcp_size=args.dcp_size,
+        ),
+        mamba_ssm_dtype=normalize_dtype(args.mamba_ssm_dtype) if args.mamba_ssm_dtype else None,
+        model_override_args=_override_args(args.json_model_override_args),
+        load_format=None if args.load_format in WEIGHT_LOAD_FORMATS else args.load_format,
+        page_major_kv_layout=args.enable_page_major_kv_layout or args.enable_unified_memory,
+        sglang_version=version,
+        storage=Storage(
+            key_scheme=FILE_KEY_SCHEME,
+            tp_lcm_size=_tp_lcm_size(args),
+        ),
+        salt=opts.salt,
+        source=Source(
+            model_path=args.model_path,
+            model_dir=str(target_dir),
+            served_model_name=args.model_name,
+            draft_model_path=args.speculative_draft_model_path,
+            draft_model_dir=str(draft_dir) if draft_dir else None,
+            kv_cache_dtype_arg=args.kv_cache_dtype,
+            storage_backend=args.hicache_storage_backend,
+            sglang_version=full_version,
+            sglang_version_from=version_from,
+            page_size_from=page_from,
+        ),
+    )

@@ -1,0 +1,85 @@
+"""An inode-starved filesystem (issue 23): an ext4 of 3,000 inodes and plenty of bytes, the
+daemon on its defaults (the inode floor at 5%), and an SGLang-style writer (a temp file, then a
+rename) storing 20,000 pages at about 1,000 a second: it must see no ENOSPC."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cachemgr.fs.root import create_root
+from cachemgr.layout import Layout
+from cachemgr.settings import Settings, load_settings
+from tests.daemon_helpers import NS_A, page_name, register_namespace, running_daemon
+
+PAGES = 20_000
+RATE = 1000.0  # pages a second
+
+
+@pytest.fixture
+def few_inodes(tmp_path: Path) -> Iterator[Path]:
+    """A 256 MiB ext4 with 3,000 inodes (small pages inline in them), loop-mounted."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a loop filesystem needs root (CI runs as root)")
+    image, mnt = tmp_path / "fs.img", tmp_path / "mnt"
+    mnt.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(256 << 20)
+    subprocess.run(
+        ["mkfs.ext4", "-q", "-F", "-m", "0", "-N", "3000", "-O", "inline_data", str(image)],
+        check=True,
+    )
+    subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def store_like_sglang(d: Path, i: int) -> bool:
+    """One page as HiCacheFile stores it; False if the filesystem said ENOSPC."""
+    tmp = d / f".{uuid.uuid4().hex}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(fd, b"\x05" * 48)
+        finally:
+            os.close(fd)
+        os.replace(tmp, d / page_name(i))
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        tmp.unlink(missing_ok=True)
+        return False
+    return True
+
+
+def test_a_writer_on_3000_inodes_sees_no_enospc(few_inodes: Path) -> None:
+    layout = Layout.at(few_inodes / "root")
+    create_root(layout)
+    d = register_namespace(layout, NS_A, instance="gpu0")
+    total = os.statvfs(few_inodes).f_files
+    assert total < 3100
+    # The daemon on defaults: the inode floor's own default, not the suite's 0 (conftest).
+    floor = Settings.model_fields["gc_min_free_inodes_percent"].default
+    settings = load_settings(
+        root=layout.root, gc_min_age=0, gc_min_free_inodes_percent=floor, log_format="json"
+    )
+    failed = 0
+    with running_daemon(settings):
+        t0 = time.monotonic()
+        for i in range(PAGES):
+            failed += not store_like_sglang(d, i)
+            ahead = t0 + (i + 1) / RATE - time.monotonic()
+            if ahead > 0:
+                time.sleep(ahead)
+        took = time.monotonic() - t0
+    assert took < PAGES / RATE * 3, "the writer could not keep its pace"
+    assert failed == 0, f"{failed} of {PAGES} stores failed with ENOSPC ({took:.0f} s)"

@@ -1,0 +1,137 @@
+"""The chain model's count columns (namespace, file set and suffix numbers, children, reads)
+start a byte or two wide and widen when a value outgrows them, without changing a value; a model
+file of version 2 (every column at its old fixed width) still loads, narrowed; the key table
+takes two to three buckets a page at any size."""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from array import array
+from pathlib import Path
+
+from cachemgr.gc import modelfile
+from cachemgr.gc.chains import ChainModel
+from cachemgr.gc.pagestore import COLUMNS, KEY_BYTES
+from cachemgr.gc.value import eviction_order
+from cachemgr.state.store import Store
+from tests.test_chain_store import NS, chains, key
+
+OLD_WIDTHS = {"ns": "H", "reads": "i", "files": "i", "kids": "i"}  # versions 1 and 2
+
+
+def order(model: ChainModel) -> list[str]:
+    return [v.key for v in eviction_order(model, before=math.inf, now=math.inf)]
+
+
+def test_narrow_columns_take_a_few_bytes_a_page() -> None:
+    model = ChainModel()
+    chains(model, 2000, 50)
+    st = model.store
+    widths = {c: getattr(st, c).itemsize for c in ("ns", "files", "cand_sfx", "reads", "kids")}
+    assert widths == {"ns": 1, "files": 1, "cand_sfx": 1, "reads": 2, "kids": 2}
+
+
+def test_columns_widen_as_namespaces_file_sets_and_suffixes_grow() -> None:
+    model = ChainModel()
+    for i in range(300):  # 300 namespaces, file sets (sizes) and stream suffixes
+        ns, sfx = f"ns{i}", f"_m_{i}_1.bin"
+        model.add(ns, key(i) + sfx, 64, 1000 + i, seq=2 * i + 1, at=float(i))
+        model.observe_read(ns, key(i + 1000) + sfx, 64, seq=2 * i + 2, at=float(i))  # (no page)
+        model.observe_read(ns, key(i) + sfx, 64, seq=2 * i + 2, at=float(i))  # a contrary read
+    st = model.store
+    assert (st.ns.typecode, st.files.typecode, st.cand_sfx.typecode) == ("H", "h", "h")
+    for i in (0, 127, 128, 255, 256, 299):
+        s = st.find(f"ns{i}", key(i))
+        page = model.pages[f"ns{i}", key(i)]
+        assert page.files == ((f"_m_{i}_1.bin", 1000 + i),) and page.reads == 1
+        assert st.ns_names[st.ns[s]] == f"ns{i}" and st.cand_sfx[s] == i
+
+
+def test_a_count_past_its_width_widens_the_column() -> None:
+    model = ChainModel()
+    chains(model, 100, 10)
+    st, want = model.store, order(model)
+    s = st.find(NS, key(3))
+    st.set_count("reads", s, 70_000)
+    st.set_count("kids", st.find(NS, key(9)), 0)
+    st.set_count("kids", st.find(NS, key(9)), 3_000_000_000)
+    assert (st.reads.typecode, st.reads[s]) == ("i", 70_000)
+    assert (st.kids.typecode, st.kids[st.find(NS, key(9))]) == ("q", 3_000_000_000)
+    st.set_count("kids", st.find(NS, key(9)), 0)
+    st.set_count("reads", s, 0)
+    assert order(model) == want  # (every other value kept)
+
+
+def _as_version_2(raw: bytes) -> bytes:
+    """A file of this version rewritten as version 2 wrote it: no item types in the header,
+    every count column at its old width."""
+    start = len(modelfile.MAGIC) + 8
+    size = int.from_bytes(raw[len(modelfile.MAGIC) : start], "little")
+    header = json.loads(raw[start : start + size])
+    body, top = raw[start + size : -4], header["top"]
+    parts, at = [body[: top * (KEY_BYTES + 1)]], top * (KEY_BYTES + 1)
+    for c in (c for c in COLUMNS if c not in ("cand", "cand_sfx")):
+        code = header["columns"][c]
+        col = array(code)
+        col.frombytes(body[at : at + top * col.itemsize])
+        at += top * col.itemsize
+        parts.append(array(OLD_WIDTHS.get(c, code), iter(col)).tobytes())
+    del header["columns"]
+    header["version"], header["sizes"] = 2, {c: array(c).itemsize for c in "bHiqd"}
+    text = json.dumps(header).encode()
+    old = modelfile.MAGIC + len(text).to_bytes(8, "little") + text + b"".join(parts) + body[at:]
+    return old + zlib.crc32(old).to_bytes(4, "little")
+
+
+def test_a_version_2_model_file_loads_with_narrow_columns(
+    tmp_path: Path,
+    store: Store,
+) -> None:
+    model = ChainModel()
+    chains(model, 500, 20)
+    model.store.set_count("reads", model.store.find(NS, key(7)), 300)  # ('H', as narrow as it fits)
+    path = tmp_path / "chain-model.snapshot"
+    modelfile.save(model, path, store, [NS])
+    path.write_bytes(_as_version_2(path.read_bytes()))  # (the index keeps the save's stamp)
+    restored = ChainModel()
+    assert modelfile.restore(restored, path, store) == {NS}
+    st = restored.store
+    assert {c: getattr(st, c).typecode for c in OLD_WIDTHS} == {
+        "ns": "B",
+        "reads": "H",
+        "files": "b",
+        "kids": "H",
+    }
+    assert dict(restored.pages) == dict(model.pages) and order(restored) == order(model)
+
+
+def test_the_key_table_holds_two_to_three_buckets_a_page() -> None:
+    """Any length, not a power of two: a load sizes it at two buckets a page, and it grows
+    as pages come one at a time without passing three."""
+    model = ChainModel()
+    chains(model, 30_000, 50)
+    st = model.store
+    assert 1.5 * st.top <= len(st.table) <= 3 * st.top + 8
+    want = order(model)
+    st.reserve(0)  # (as a load from the index sizes it)
+    assert len(st.table) == 2 * (st.top + 1)
+    assert all(st.find(NS, key(i)) == i for i in range(0, 30_000, 7))
+    assert order(model) == want
+
+
+def test_a_version_2_file_s_numbers_fit_after_narrowing(tmp_path: Path, store: Store) -> None:
+    """A file set no page holds at the save (its id past every column value) still fits the
+    narrowed column when a page takes it again."""
+    model = ChainModel()
+    for i in range(200):
+        model.add(NS, key(i) + "_m_0_1.bin", 64, 1000 + i, seq=i + 1, at=0.0)  # 200 file sets
+    model.remove(NS, [(key(i) + "_m_0_1.bin", 64) for i in range(100, 200)])
+    path = tmp_path / "chain-model.snapshot"
+    modelfile.save(model, path, store, [NS])
+    path.write_bytes(_as_version_2(path.read_bytes()))
+    restored = ChainModel()
+    assert modelfile.restore(restored, path, store) == {NS}
+    restored.add(NS, key(500) + "_m_0_1.bin", 64, 1199, seq=1000, at=0.0)  # file set 199
+    assert restored.pages[NS, key(500)].files == (("_m_0_1.bin", 1199),)

@@ -1,0 +1,232 @@
+"""File-count limits (issue 23): the file caps, the inode floor and a flat dir's entry limit,
+held by the real GC on real dirs and on real loop-mounted ext4 filesystems."""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import sqlite3
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from cachemgr.daemon.metrics import CachemgrCollector
+from cachemgr.doctor.dirindex import lint_dir_entries
+from cachemgr.fs.dirlimit import DirIndex, dir_index, flat_dir_limit, tree_capacity
+from cachemgr.fs.usage import inode_usage
+from cachemgr.gc.policy import GcPolicy, Inodes
+from cachemgr.gc.runner import GcRunner
+from cachemgr.ns.status import NamespaceStatus
+from cachemgr.settings import Settings
+from tests.daemon_helpers import captured_log
+from tests.gc_helpers import NS, NS2, T0, Tree, big_disk, page, policy
+
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="loop mounts need root (CI is root)")
+
+
+@contextmanager
+def ext4(base: Path, size_mib: int, *options: str) -> Iterator[Path]:
+    """A fresh ext4 made with `options`, loop-mounted at base/mnt."""
+    image, mnt = base / "fs.img", base / "mnt"
+    mnt.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(size_mib << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", *options, str(image)], check=True)
+    subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def fill(d: Path, start: int = 0) -> int:
+    """Empty SGLang-named pages with old mtimes until ENOSPC; how many were made."""
+    d.mkdir(parents=True, exist_ok=True)
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    n = start
+    try:
+        while True:
+            try:
+                os.mknod(page(n), stat.S_IFREG | 0o644, dir_fd=fd)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+                return n - start
+            os.utime(page(n), (T0, T0), dir_fd=fd)
+            n += 1
+    finally:
+        os.close(fd)
+
+
+def indexed(root: Path, ns: str) -> Tree:
+    """A root over ns's pages as they are on disk, indexed as a scan would."""
+    tree = Tree.at(root)
+    names = sorted(os.listdir(tree.dir(ns)))
+    tree.stored(ns, names, at=T0)
+    return tree
+
+
+def ratio(tree: Tree) -> float:
+    """cachemgr_namespace_dir_entries_limit_ratio of NS, from a private registry."""
+
+    @contextmanager
+    def reader() -> Iterator[sqlite3.Connection]:
+        yield tree.store.conn
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(CachemgrCollector(tree.layout, reader))
+    labels = {"namespace": NS, "engine": "sglang"}
+    value = reg.get_sample_value("cachemgr_namespace_dir_entries_limit_ratio", labels)
+    assert value is not None
+    return value
+
+
+def status(pages: int) -> NamespaceStatus:
+    return NamespaceStatus(
+        id=NS, state="active", has_dir=True, pages=pages, bytes=0, page_reads=0, page_writes=0
+    )
+
+
+def test_doctor_warns_from_80_percent_of_the_dir_limit() -> None:
+    index = DirIndex("ext4", 4096, False, False)
+    limit = index.limit()
+    assert limit is not None
+    found = [
+        lint_dir_entries([status(math.ceil(limit * share))], index) for share in (0.79, 0.8, 0.96)
+    ]
+    assert [[f.severity for f in fs] for fs in found] == [[], ["warning"], ["error"]]
+    assert "80% of the about" in found[1][0].message
+    assert lint_dir_entries([status(limit)], DirIndex("ext4", 4096, True, False)) == []
+    assert lint_dir_entries([status(limit)], None) == []
+
+
+def test_file_caps_are_held_by_gc_like_the_byte_caps(tmp_path: Path) -> None:
+    """300 + 100 pages under a root cap of 300 files and a namespace cap of 200: each comes
+    down to its low watermark (reason `files`), and the dry run lists what the run deletes."""
+    tree = Tree.at(tmp_path / "root")
+    tree.write(NS, [page(i) for i in range(300)], at=T0)
+    tree.write(NS2, [page(i) for i in range(1000, 1100)], at=T0 + 1)
+    pol = policy(max_files=300, namespace_max_files=200)
+    dry = tree.execute(tree.plan(pol, now=T0 + 10), now=T0 + 10, dry_run=True)
+    report = tree.execute(tree.plan(pol, now=T0 + 10), now=T0 + 10)
+    assert {r.reason for r in report.steps} == {"files"}
+    assert [(s.rel_dir, s.files) for s in dry.steps] == [(s.rel_dir, s.files) for s in report.steps]
+    # NS: 300 > 200 × 0.95, down to 170; then the root: 270 > 285? no: left as it is.
+    assert len(tree.files(NS)) == 170
+    assert len(tree.files(NS2)) == 100
+    # The root's cap: 270 files over a cap of 250 go down to 212 (250 × 0.85).
+    report = tree.execute(tree.plan(policy(max_files=250), now=T0 + 20), now=T0 + 20)
+    assert len(tree.files(NS)) + len(tree.files(NS2)) == 212
+    assert report.totals()["files"][0] == 58
+
+
+def test_file_caps_come_from_the_settings(tmp_path: Path) -> None:
+    s = Settings(
+        root=tmp_path, gc_max_files=10, gc_namespace_max_files=5, gc_min_free_inodes_percent=7
+    )
+    pol = GcPolicy.from_settings(s, dir_limit=lambda _: None)
+    assert (pol.max_files, pol.namespace_max_files, pol.min_free_inodes_percent) == (10, 5, 7)
+    assert Settings.model_fields["gc_min_free_inodes_percent"].default == 5  # the suite sets 0
+
+
+def test_a_flat_namespace_is_capped_under_its_dirs_entry_limit() -> None:
+    """Unset, the namespace file cap of a flat dir is 80% of its entry limit; a configured
+    cap under that wins."""
+    pol = policy(dir_entries=1000)
+    assert pol.flat_files_cap() == (800, "dir_full")
+    assert policy(dir_entries=1000, namespace_max_files=500).flat_files_cap() == (500, "files")
+    assert policy().flat_files_cap() is None
+
+
+def test_the_limit_is_under_what_was_measured() -> None:
+    """The limit stays under the fills bench_scale measured (bench/RESULTS.md) and is none
+    with large_dir or on another filesystem."""
+    four = DirIndex("ext4", 4096, False, False).limit()
+    one = DirIndex("ext4", 1024, False, False).limit()
+    assert four is not None and one is not None
+    assert 0.9 * 4_137_269 < four < 4_137_269
+    assert one < 67_561
+    assert DirIndex("ext4", 4096, True, False).limit() is None
+    assert DirIndex("xfs", 4096, False, False).limit() is None
+    assert tree_capacity(4096, 86) == 507 * 510 * 42
+
+
+@ROOT_ONLY
+def test_large_dir_is_read_from_the_superblock(tmp_path: Path) -> None:
+    for name, feature, large in (("plain", "^large_dir", False), ("large", "large_dir", True)):
+        (tmp_path / name).mkdir()
+        with ext4(tmp_path / name, 16, "-b", "1024", "-O", feature) as mnt:
+            index = dir_index(mnt)
+            assert index == DirIndex("ext4", 1024, large, False, True)
+            assert (flat_dir_limit(mnt) is None) == large
+    assert flat_dir_limit(tmp_path / "absent") is None
+
+
+@ROOT_ONLY
+def test_a_full_dir_index_is_freed_like_a_full_disk(tmp_path: Path) -> None:
+    """A flat namespace on a 1 KiB-block ext4 without large_dir, filled until the dir index
+    says ENOSPC with bytes and inodes free: GC (defaults, no file cap set) evicts it under
+    80% of the limit for reason dir_full, its log line says so, and the server may store
+    again."""
+    with ext4(tmp_path, 256, "-b", "1024", "-N", "100000", "-O", "^large_dir") as mnt:
+        root = mnt / "root"
+        made = fill(root / "ns" / NS)
+        free_inodes = inode_usage(mnt)[1]
+        assert free_inodes > 10_000 and os.statvfs(mnt).f_bavail > 10_000
+        tree = indexed(root, NS)
+        assert ratio(tree) > 1.0
+        doctor = subprocess.run(
+            [sys.executable, "-m", "cachemgr", "--root", str(root), "doctor"],
+            capture_output=True,
+            text=True,
+        )
+        assert doctor.returncode == 2 and "error   dir-index-full: ns " in doctor.stdout
+        limit = flat_dir_limit(root)
+        pol = GcPolicy(min_free_percent=0.0, min_free_inodes_percent=0.0, dir_entries=limit)
+        assert pol.dir_entries is not None and made > pol.dir_entries
+        runner = GcRunner(tree.layout, tree.store, pol, disk_usage=big_disk)
+        dry = runner.run(dry_run=True)
+        with captured_log("cachemgr.gc.execute") as log:
+            report = runner.run()
+        runner.leadership.release()
+        assert report.totals().keys() == {"dir_full"}
+        assert report.files == dry.files > 0
+        left = len(os.listdir(root / "ns" / NS))
+        assert left == int(pol.dir_entries * 0.8 * 0.85)
+        done = [line for line in log.lines if line["msg"] == "gc done"]
+        assert "dir_full" in done[0]["by_reason"]  # type: ignore[operator]
+        assert ratio(tree) < 0.8
+        assert fill(root / "ns" / NS, start=made) > 0  # stores succeed again
+        tree.store.close()
+
+
+@ROOT_ONLY
+def test_the_inode_floor_is_kept_at_zero_free_inodes(tmp_path: Path) -> None:
+    """An ext4 of 64 inodes filled with pages until no inode is left: the floor pass, which
+    needs neither the DB nor an inode, frees inodes back over the floor (reason free_inodes),
+    and the audit row goes into the DB that was open before."""
+    with ext4(tmp_path, 32, "-N", "64") as mnt:
+        root = mnt / "root"
+        tree = Tree.at(root)  # the state DB on the same filesystem, opened before it fills
+        fill(root / "ns" / NS)
+        assert inode_usage(mnt)[1] == 0
+        pol = policy(min_free_inodes_percent=5.0)
+        runner = GcRunner(tree.layout, tree.store, pol, disk_usage=big_disk)
+        dry = runner.run(dry_run=True, sweep=False)
+        report = runner.run(sweep=False)
+        runner.leadership.release()
+        assert report.totals()["free_inodes"][0] == dry.totals()["free_inodes"][0] > 0
+        total, free = inode_usage(mnt)
+        assert free >= pol.inode_floor(Inodes(total, free)) > 0
+        assert runner.needs_gc() == ()
+        row = tree.store.conn.execute(
+            "SELECT SUM(pages) FROM audit WHERE reason = 'free_inodes'"
+        ).fetchone()
+        assert row[0] == report.files
+        tree.store.close()

@@ -1,0 +1,91 @@
+"""The file caps (gc_max_files, gc_namespace_max_files) are one-off limits of `cachemgr gc` and
+of POST /v1/gc, as the byte caps are: checked by the same settings model (a bad one is exit 2
+/ a 422 naming it), held for that run only. The real daemon on a loopback port."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from cachemgr.layout import Layout
+from cachemgr.settings import Settings, load_settings
+from tests.daemon_helpers import NS_A, page_name, register_namespace, running_daemon, store_page
+from tests.nsfixtures import cli
+from tests.test_gc_hints import _evictable
+
+PAGES = 10
+
+
+@pytest.fixture
+def full(layout: Layout) -> Layout:
+    d = register_namespace(layout, NS_A, instance="gpu0")
+    for i in range(PAGES):
+        store_page(d, page_name(i), size=1024)
+    return layout
+
+
+def _pages(layout: Layout) -> int:
+    return len(list(layout.ns_dir(NS_A).glob("*.bin")))
+
+
+def _uncapped(root: Path) -> Settings:
+    return load_settings(root=root, gc_interval=3600, gc_min_age=0)
+
+
+@pytest.mark.parametrize("flag", ["--max-files", "--namespace-max-files"])
+def test_cli_gc_takes_a_one_off_file_cap(full: Layout, flag: str) -> None:
+    planned = cli("--root", str(full.root), "gc", "--dry-run", "--json", flag, "4")
+    assert planned.returncode == 0, planned.stderr
+    assert _pages(full) == PAGES
+    out = cli("--root", str(full.root), "gc", "--yes", flag, "4", env={"CACHEMGR_GC_MIN_AGE": "0"})
+    assert out.returncode == 0, out.stderr
+    assert 0 < _pages(full) <= 4
+
+
+@pytest.mark.parametrize("name", ["max_files", "namespace_max_files"])
+def test_post_gc_takes_a_one_off_file_cap_for_that_run_only(full: Layout, name: str) -> None:
+    with running_daemon(_uncapped(full.root)) as dm:
+        _evictable(dm)
+        r = dm.post("/v1/gc", json={name: 4})
+        assert r.status_code == 200, r.text
+        assert 0 < _pages(full) <= 4
+        assert r.json()["by_reason"]["files"]["files"] == PAGES - _pages(full)
+        assert dm.status()["gc_limits"][name] is None  # the daemon's own cap is unchanged
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "-3", "lots", "10000000000000"])
+@pytest.mark.parametrize("flag", ["--max-files", "--namespace-max-files"])
+def test_a_bad_file_cap_is_refused_by_the_cli_and_over_http(
+    full: Layout, flag: str, value: str
+) -> None:
+    by_cli = cli("--root", str(full.root), "gc", "--dry-run", flag, value)
+    assert by_cli.returncode == 2 and "Traceback" not in by_cli.stderr, by_cli.stderr
+    name = flag.removeprefix("--").replace("-", "_")
+    with running_daemon(_uncapped(full.root)) as dm:
+        as_json: object = value
+        for kind in (int, float):
+            try:
+                as_json = kind(value)
+                break
+            except ValueError:
+                continue
+        r = dm.post("/v1/gc", json={name: as_json, "dry_run": True})
+    assert r.status_code == 422, r.text
+    assert r.headers["content-type"] == "application/problem+json"
+    assert name in r.json()["errors"][0]["loc"], r.text
+    assert _pages(full) == PAGES
+
+
+def test_the_curl_printed_under_the_daemon_passes_the_file_cap_it_takes(full: Layout) -> None:
+    with running_daemon(_uncapped(full.root)) as dm:
+        env = {"CACHEMGR_PORT": str(dm.daemon.port)}
+        out = cli("--root", str(full.root), "gc", "--max-files", "4", "--yes", env=env)
+        assert out.returncode == 1 and _pages(full) == PAGES, out.stderr
+        body = out.stderr.split(" -d ", 1)[1].split(" http", 1)[0]
+        assert json.loads(shlex.split(body)[0]) == {"max_files": 4}, out.stderr
+        _evictable(dm)
+        r = dm.post("/v1/gc", json=json.loads(shlex.split(body)[0]))
+        assert r.status_code == 200 and 0 < _pages(full) <= 4, r.text
