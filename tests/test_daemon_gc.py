@@ -110,7 +110,9 @@ def test_gc_route_needs_the_token_and_the_leadership(tmp_path: Path) -> None:
     other = Leadership(layout.state_dir / "gc.lock")
     assert other.try_acquire()  # another daemon on this root leads GC
     try:
-        settings = load_settings(root=layout.root, token=TOKEN, gc_interval=0.1)
+        # A run an hour apart: the start-up run is skipped, and after the release no run of
+        # the daemon's own can lead and drain the trash entry before the POST does.
+        settings = load_settings(root=layout.root, token=TOKEN, gc_interval=3600)
         with running_daemon(settings) as dm:
             assert dm.post("/v1/gc").status_code == 401
             text = wait_for(
@@ -125,7 +127,6 @@ def test_gc_route_needs_the_token_and_the_leadership(tmp_path: Path) -> None:
             dry = dm.post("/v1/gc", params={"dry_run": "true"}, headers=AUTH)
             assert dry.status_code == 200 and dry.json()["dry_run"] is True
             other.release()
-            wait_for(lambda: metric(dm.get("/metrics").text, "cachemgr_gc_leader"), bool)
             (layout.trash / f"{NS_A}.abc").mkdir()
             store_page(layout.trash / f"{NS_A}.abc", page_name(1), PAGE)
             r = dm.post("/v1/gc", json={"dry_run": False}, headers=AUTH)
@@ -134,6 +135,7 @@ def test_gc_route_needs_the_token_and_the_leadership(tmp_path: Path) -> None:
             assert body["leader"] is True and body["by_reason"]["trash"]["files"] == 1
             assert not (layout.trash / f"{NS_A}.abc").exists()
             assert len(list(d.iterdir())) == 10  # no cap: pages stay
+            wait_for(lambda: metric(dm.get("/metrics").text, "cachemgr_gc_leader"), bool)
     finally:
         other.release()
 
