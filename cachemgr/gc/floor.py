@@ -64,7 +64,7 @@ def _inode_need(layout: Layout, policy: GcPolicy, files: int) -> int:
     if not below_inode_floor(layout, policy):
         return 0
     inodes = Inodes(*inode_usage(layout.root))
-    return over_file_limits(policy, Files({"": files}, (), inodes))[2] or 0
+    return over_file_limits(policy, Files({"": files}, inodes=inodes))[2] or 0
 
 
 def plan_floor(
