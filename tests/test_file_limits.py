@@ -235,6 +235,32 @@ def test_the_inode_floor_is_kept_at_zero_free_inodes(tmp_path: Path) -> None:
 
 
 @ROOT_ONLY
+def test_the_inode_floor_pass_leaves_a_file_cap_to_the_regular_plan(tmp_path: Path) -> None:
+    """Below the inode floor with a file cap lower still: the floor pass (by mtime, no DB)
+    frees what the inode floor needs, and the regular plan evicts the rest for the cap, in
+    the index's order and under its own reason; the pass took the cap's whole excess."""
+    with ext4(tmp_path, 32, "-N", "64") as mnt:
+        root = mnt / "root"
+        tree = Tree.at(root)
+        made = fill(root / "ns" / NS)
+        tree.stored(NS, sorted(os.listdir(tree.dir(NS))), at=T0)
+        total = inode_usage(mnt)[0]
+        floor = math.ceil(total * 0.05)
+        inode_need = made - math.floor((made - floor) * 0.85)  # its files + 0 free - floor
+        pol = policy(min_free_inodes_percent=5.0, max_files=10)
+        runner = GcRunner(tree.layout, tree.store, pol, disk_usage=big_disk)
+        try:
+            dry = runner.run(dry_run=True, sweep=False)
+            report = runner.run(sweep=False)
+        finally:
+            runner.leadership.release()
+            tree.store.close()
+        assert report.totals()["free_inodes"][0] == dry.totals()["free_inodes"][0] == inode_need
+        assert report.totals()["files"][0] == dry.totals()["files"][0] == made - inode_need - 8
+        assert len(os.listdir(root / "ns" / NS)) == math.floor(10 * 0.85)
+
+
+@ROOT_ONLY
 def test_a_long_model_name_is_capped_under_its_own_dir_limit(tmp_path: Path) -> None:
     """SGLang names pages after the served model name, the model path when none is given: a
     long one fills a dir index with far fewer entries than a typical name. GC on its defaults

@@ -64,7 +64,10 @@ def _inode_need(layout: Layout, policy: GcPolicy, files: int) -> int:
     if not below_inode_floor(layout, policy):
         return 0
     inodes = Inodes(*inode_usage(layout.root))
-    return over_file_limits(policy, Files({"": files}, inodes=inodes))[2] or 0
+    # The floor alone, as for bytes: a file cap is the regular run's business, in the index's
+    # order and under its own reason (with it, this pass took its whole excess by mtime).
+    floor_only = replace(policy, max_files=None)
+    return over_file_limits(floor_only, Files({"": files}, inodes=inodes))[2] or 0
 
 
 def plan_floor(
