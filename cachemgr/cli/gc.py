@@ -40,6 +40,7 @@ _LIMITS = [
     ("--max-files", "gc_max_files", int),
     ("--namespace-max-files", "gc_namespace_max_files", int),
     ("--min-free-percent", "gc_min_free_percent", float),
+    ("--min-free-inodes-percent", "gc_min_free_inodes_percent", float),
     ("--min-age", "gc_min_age", str),
     ("--tmp-ttl", "gc_tmp_ttl", str),
     ("--delete-rate", "gc_delete_rate", float),
