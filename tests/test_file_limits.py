@@ -27,6 +27,7 @@ from cachemgr.ns.status import NamespaceStatus
 from cachemgr.settings import Settings
 from tests.daemon_helpers import IDENTITY, captured_log, register_namespace
 from tests.gc_helpers import NS, NS2, T0, Entries, Tree, big_disk, page, policy
+from tests.test_gc_refusals import immutable
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="loop mounts need root (CI is root)")
 
@@ -232,6 +233,32 @@ def test_the_inode_floor_is_kept_at_zero_free_inodes(tmp_path: Path) -> None:
         ).fetchone()
         assert row[0] == report.files
         tree.store.close()
+
+
+@ROOT_ONLY
+def test_an_inode_floor_pass_that_is_refused_says_so(tmp_path: Path) -> None:
+    """0 inodes left and every page in a dir GC may not unlink in (chattr +i): the floor pass,
+    which may be all a run can do (a CLI's DB does not open), says which files it kept and
+    how to fix it in its report and its log line, and the run counts as short."""
+    with ext4(tmp_path, 32, "-N", "64") as mnt:
+        root = mnt / "root"
+        tree = Tree.at(root)
+        fill(root / "ns" / NS)
+        tree.stored(NS, sorted(os.listdir(tree.dir(NS))), at=T0)
+        pol = policy(min_free_inodes_percent=5.0)
+        runner = GcRunner(tree.layout, tree.store, pol, disk_usage=big_disk)
+        try:
+            with immutable(tree.dir(NS)), captured_log("cachemgr.gc.floor") as log:
+                report = runner.free_floor()
+        finally:
+            runner.leadership.release()
+            tree.store.close()
+        assert report is not None and not report.held and report.files == 0
+        assert runner.stats.short == 1
+        said = [w for w in report.warnings if "cannot be deleted by uid 0" in w]
+        assert said and "chattr -i" in said[0]
+        (line,) = log.lines
+        assert line["held"] is False and line["warnings"] == list(report.warnings)
 
 
 @ROOT_ONLY
