@@ -41,6 +41,17 @@ def big_disk(_: Path) -> tuple[int, int, int]:
     return (10**15, 0, 10**15)
 
 
+@dataclass(frozen=True)
+class Entries:
+    """A flat dir's entry limit a test sets, whatever the names' length (GcPolicy.dir_entries
+    as a small filesystem's DirIndex would give it)."""
+
+    entries: int
+
+    def limit(self, name_len: int = 0) -> int:
+        return self.entries
+
+
 def policy(**kw: object) -> GcPolicy:
     """A policy with only what the test asks for: no age rule, no retention, no pacing."""
     base: dict[str, object] = dict(

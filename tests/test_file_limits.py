@@ -19,14 +19,15 @@ from prometheus_client import CollectorRegistry
 
 from cachemgr.daemon.metrics import CachemgrCollector
 from cachemgr.doctor.dirindex import lint_dir_entries
-from cachemgr.fs.dirlimit import DirIndex, dir_index, flat_dir_limit, tree_capacity
+from cachemgr.fs.dirlimit import DirIndex, dir_index, flat_dir_limit, page_name_len, tree_capacity
 from cachemgr.fs.usage import inode_usage
 from cachemgr.gc.policy import GcPolicy, Inodes
 from cachemgr.gc.runner import GcRunner
 from cachemgr.ns.status import NamespaceStatus
 from cachemgr.settings import Settings
-from tests.daemon_helpers import captured_log
-from tests.gc_helpers import NS, NS2, T0, Tree, big_disk, page, policy
+from tests.daemon_helpers import IDENTITY, captured_log, register_namespace
+from tests.gc_helpers import NS, NS2, T0, Entries, Tree, big_disk, page, policy
+from tests.test_gc_refusals import immutable
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="loop mounts need root (CI is root)")
 
@@ -46,19 +47,19 @@ def ext4(base: Path, size_mib: int, *options: str) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def fill(d: Path, start: int = 0) -> int:
-    """Empty SGLang-named pages with old mtimes until ENOSPC; how many were made."""
+def fill(d: Path, start: int = 0, model: str = "m") -> int:
+    """Empty SGLang-named pages of `model` with old mtimes until ENOSPC; how many were made."""
     d.mkdir(parents=True, exist_ok=True)
     fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
     n = start
     try:
         while True:
             try:
-                os.mknod(page(n), stat.S_IFREG | 0o644, dir_fd=fd)
+                os.mknod(page(n, model), stat.S_IFREG | 0o644, dir_fd=fd)
             except OSError as e:
                 assert e.errno == errno.ENOSPC
                 return n - start
-            os.utime(page(n), (T0, T0), dir_fd=fd)
+            os.utime(page(n, model), (T0, T0), dir_fd=fd)
             n += 1
     finally:
         os.close(fd)
@@ -130,7 +131,7 @@ def test_file_caps_come_from_the_settings(tmp_path: Path) -> None:
     s = Settings(
         root=tmp_path, gc_max_files=10, gc_namespace_max_files=5, gc_min_free_inodes_percent=7
     )
-    pol = GcPolicy.from_settings(s, dir_limit=lambda _: None)
+    pol = GcPolicy.from_settings(s, dir_index=lambda _: None)
     assert (pol.max_files, pol.namespace_max_files, pol.min_free_inodes_percent) == (10, 5, 7)
     assert Settings.model_fields["gc_min_free_inodes_percent"].default == 5  # the suite sets 0
 
@@ -138,9 +139,10 @@ def test_file_caps_come_from_the_settings(tmp_path: Path) -> None:
 def test_a_flat_namespace_is_capped_under_its_dirs_entry_limit() -> None:
     """Unset, the namespace file cap of a flat dir is 80% of its entry limit; a configured
     cap under that wins."""
-    pol = policy(dir_entries=1000)
+    pol = policy(dir_entries=Entries(1000))
     assert pol.flat_files_cap() == (800, "dir_full")
-    assert policy(dir_entries=1000, namespace_max_files=500).flat_files_cap() == (500, "files")
+    capped = policy(dir_entries=Entries(1000), namespace_max_files=500)
+    assert capped.flat_files_cap() == (500, "files")
     assert policy().flat_files_cap() is None
 
 
@@ -188,8 +190,9 @@ def test_a_full_dir_index_is_freed_like_a_full_disk(tmp_path: Path) -> None:
         )
         assert doctor.returncode == 2 and "error   dir-index-full: ns " in doctor.stdout
         limit = flat_dir_limit(root)
-        pol = GcPolicy(min_free_percent=0.0, min_free_inodes_percent=0.0, dir_entries=limit)
-        assert pol.dir_entries is not None and made > pol.dir_entries
+        index = dir_index(root)
+        pol = GcPolicy(min_free_percent=0.0, min_free_inodes_percent=0.0, dir_entries=index)
+        assert limit is not None and made > limit
         runner = GcRunner(tree.layout, tree.store, pol, disk_usage=big_disk)
         dry = runner.run(dry_run=True)
         with captured_log("cachemgr.gc.execute") as log:
@@ -198,7 +201,7 @@ def test_a_full_dir_index_is_freed_like_a_full_disk(tmp_path: Path) -> None:
         assert report.totals().keys() == {"dir_full"}
         assert report.files == dry.files > 0
         left = len(os.listdir(root / "ns" / NS))
-        assert left == int(pol.dir_entries * 0.8 * 0.85)
+        assert left == int(limit * 0.8 * 0.85)
         done = [line for line in log.lines if line["msg"] == "gc done"]
         assert "dir_full" in done[0]["by_reason"]  # type: ignore[operator]
         assert ratio(tree) < 0.8
@@ -230,3 +233,98 @@ def test_the_inode_floor_is_kept_at_zero_free_inodes(tmp_path: Path) -> None:
         ).fetchone()
         assert row[0] == report.files
         tree.store.close()
+
+
+@ROOT_ONLY
+def test_an_inode_floor_pass_that_is_refused_says_so(tmp_path: Path) -> None:
+    """0 inodes left and every page in a dir GC may not unlink in (chattr +i): the floor pass,
+    which may be all a run can do (a CLI's DB does not open), says which files it kept and
+    how to fix it in its report and its log line, and the run counts as short."""
+    with ext4(tmp_path, 32, "-N", "64") as mnt:
+        root = mnt / "root"
+        tree = Tree.at(root)
+        fill(root / "ns" / NS)
+        tree.stored(NS, sorted(os.listdir(tree.dir(NS))), at=T0)
+        pol = policy(min_free_inodes_percent=5.0)
+        runner = GcRunner(tree.layout, tree.store, pol, disk_usage=big_disk)
+        try:
+            with immutable(tree.dir(NS)), captured_log("cachemgr.gc.floor") as log:
+                report = runner.free_floor()
+        finally:
+            runner.leadership.release()
+            tree.store.close()
+        assert report is not None and not report.held and report.files == 0
+        assert runner.stats.short == 1
+        said = [w for w in report.warnings if "cannot be deleted by uid 0" in w]
+        assert said and "chattr -i" in said[0]
+        (line,) = log.lines
+        assert line["held"] is False and line["warnings"] == list(report.warnings)
+
+
+@ROOT_ONLY
+def test_the_inode_floor_pass_leaves_a_file_cap_to_the_regular_plan(tmp_path: Path) -> None:
+    """Below the inode floor with a file cap lower still: the floor pass (by mtime, no DB)
+    frees what the inode floor needs, and the regular plan evicts the rest for the cap, in
+    the index's order and under its own reason; the pass took the cap's whole excess."""
+    with ext4(tmp_path, 32, "-N", "64") as mnt:
+        root = mnt / "root"
+        tree = Tree.at(root)
+        made = fill(root / "ns" / NS)
+        tree.stored(NS, sorted(os.listdir(tree.dir(NS))), at=T0)
+        total = inode_usage(mnt)[0]
+        floor = math.ceil(total * 0.05)
+        inode_need = made - math.floor((made - floor) * 0.85)  # its files + 0 free - floor
+        pol = policy(min_free_inodes_percent=5.0, max_files=10)
+        runner = GcRunner(tree.layout, tree.store, pol, disk_usage=big_disk)
+        try:
+            dry = runner.run(dry_run=True, sweep=False)
+            report = runner.run(sweep=False)
+        finally:
+            runner.leadership.release()
+            tree.store.close()
+        assert report.totals()["free_inodes"][0] == dry.totals()["free_inodes"][0] == inode_need
+        assert report.totals()["files"][0] == dry.totals()["files"][0] == made - inode_need - 8
+        assert len(os.listdir(root / "ns" / NS)) == math.floor(10 * 0.85)
+
+
+@ROOT_ONLY
+def test_a_long_model_name_is_capped_under_its_own_dir_limit(tmp_path: Path) -> None:
+    """SGLang names pages after the served model name, the model path when none is given: a
+    long one fills a dir index with far fewer entries than a typical name. GC on its defaults
+    held the typical name's cap, so this dir was full (ENOSPC) while GC found nothing to do
+    and doctor said to let GC keep it; it must hold the cap doctor and the metric compute."""
+    model = "/models/huggingface/hub/models--Qwen--Qwen3-8B/snapshots/" + "0123456789abcdef" * 3
+    with ext4(tmp_path, 256, "-b", "1024", "-N", "100000", "-O", "^large_dir") as mnt:
+        root = mnt / "root"
+        tree = Tree.at(root)
+        try:
+            _fill_and_collect(tree, model)
+        finally:
+            tree.store.close()
+
+
+def _fill_and_collect(tree: Tree, model: str) -> None:
+    """Fill NS (pages of `model`, registered so) until ENOSPC, then run GC on its defaults."""
+    root = tree.layout.root
+    mnt = root.parent
+    identity = {**IDENTITY, "source": {**IDENTITY["source"], "served_model_name": model}}
+    register_namespace(tree.layout, NS, identity=identity)
+    made = fill(root / "ns" / NS, model=model.replace("/", "-"))
+    assert inode_usage(mnt)[1] > 10_000 and os.statvfs(mnt).f_bavail > 10_000
+    tree.stored(NS, sorted(os.listdir(tree.dir(NS))), at=T0)
+    index = dir_index(root)
+    assert index is not None
+    limit = index.limit(page_name_len(model))
+    assert limit is not None and made > limit  # the dir is full past doctor's limit
+    pol = GcPolicy.from_settings(Settings(root=root, gc_min_age=0))
+    runner = GcRunner(tree.layout, tree.store, pol, disk_usage=big_disk)
+    try:
+        dry = runner.run(dry_run=True)
+        report = runner.run()
+    finally:
+        runner.leadership.release()
+    assert report.totals().keys() == {"dir_full"}
+    assert report.files == dry.files > 0
+    assert len(os.listdir(root / "ns" / NS)) == math.floor(int(limit * 0.8) * 0.85)
+    assert ratio(tree) < 0.8
+    assert fill(root / "ns" / NS, start=made, model=model.replace("/", "-")) > 0

@@ -15,7 +15,7 @@ from cachemgr.gc.floor import below_floor, plan_floor
 from cachemgr.gc.policy import GcPolicy
 from cachemgr.gc.runner import GcRunner
 from cachemgr.gc.step import GcReport
-from tests.gc_helpers import NS, T0, Tree, page, policy
+from tests.gc_helpers import NS, T0, Entries, Tree, page, policy
 
 PAGES, SIZE = 100, 1000
 TOTAL = 10_000_000
@@ -36,7 +36,7 @@ def test_a_run_that_starts_with_a_floor_pass_holds_the_dir_limit_too(tmp_path: P
     tree = Tree.at(tmp_path / "root")
     try:
         tree.write(NS, [page(i) for i in range(PAGES)], at=T0, size=SIZE)
-        pol = policy(min_free_bytes=20_000, dir_entries=60)  # the dir's cap: 48 entries
+        pol = policy(min_free_bytes=20_000, dir_entries=Entries(60))  # the dir's cap: 48 entries
         disk = _disk(tree)
         assert below_floor(tree.layout, pol, disk)
         floor_steps, _ = plan_floor(tree.layout, pol, now=T0 + 3600, disk_usage=disk)

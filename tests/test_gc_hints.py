@@ -81,7 +81,7 @@ def test_post_gc_with_a_one_off_cap_deletes_under_it(full: Layout) -> None:
 
 
 def test_the_schema_bounds_a_limit_as_the_settings_do() -> None:
-    for name in ("min_free_percent", "delete_rate"):
+    for name in ("min_free_percent", "min_free_inodes_percent", "delete_rate"):
         schema = GcRequest.model_json_schema()["properties"][name]
         bounds = {k: v for k, v in schema.items() if k.endswith("imum")}
         settings_field = Settings.model_json_schema()["properties"][f"gc_{name}"]

@@ -40,6 +40,7 @@ _LIMITS = [
     ("--max-files", "gc_max_files", int),
     ("--namespace-max-files", "gc_namespace_max_files", int),
     ("--min-free-percent", "gc_min_free_percent", float),
+    ("--min-free-inodes-percent", "gc_min_free_inodes_percent", float),
     ("--min-age", "gc_min_age", str),
     ("--tmp-ttl", "gc_tmp_ttl", str),
     ("--delete-rate", "gc_delete_rate", float),
@@ -128,12 +129,19 @@ def _run(runner: GcRunner, floor: GcReport | None, dry_run: bool, yes: bool, as_
         preview = runner.run(dry_run=True, actor="cli")  # a --dry-run plans the floor pass too
         if dry_run or preview.files == 0:
             _show(joined(floor, preview), as_json)
+            if not dry_run:  # nothing GC may delete is no success when a limit needs files gone
+                _check_held(joined(floor, preview))
             return
         _show(preview, as_json=False)
         ask("Delete these files?", declined="nothing deleted")
     with _progress(enabled=sys.stderr.isatty() and not as_json) as report_progress:
         report = runner.run(actor="cli", progress=report_progress, floor=floor)
     _show(report, as_json)
+    _check_held(report)
+
+
+def _check_held(report: GcReport) -> None:
+    """Exit 1 (LimitNotHeld) when a step holding a limit had files refused."""
     if not report.held:
         refused = sum(report.refused_files().values())
         raise LimitNotHeld(

@@ -207,6 +207,7 @@ class GcRequest(RequestBody):
     max_files: FileCount | SkipJsonSchema[None] = _unset()
     namespace_max_files: FileCount | SkipJsonSchema[None] = _unset()
     min_free_percent: Percent | SkipJsonSchema[None] = _unset()
+    min_free_inodes_percent: Percent | SkipJsonSchema[None] = _unset()
     min_age: DurationText | SkipJsonSchema[None] = _unset()
     tmp_ttl: DurationText | SkipJsonSchema[None] = _unset()
     delete_rate: Rate | SkipJsonSchema[None] = _unset()
@@ -227,6 +228,7 @@ class GcLimits(BaseModel):
     max_files: int | None = None
     namespace_max_files: int | None = None
     min_free_percent: float
+    min_free_inodes_percent: float = 0.0
     min_age_seconds: float
     tmp_ttl_seconds: float
     delete_rate: float | None = Field(description="files per second at most; null: unpaced")

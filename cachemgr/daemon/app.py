@@ -234,7 +234,7 @@ def _one_off_policy(backend: Backend, req: GcRequest) -> GcPolicy | None:
     # The root's filesystem, and so its flat-dir entry limit, is the one the daemon read at
     # start: a request does not read the mount table and the superblock again.
     served = backend.gc.policy.dir_entries
-    return GcPolicy.from_settings(settings, dir_limit=lambda _root: served)
+    return GcPolicy.from_settings(settings, dir_index=lambda _root: served)
 
 
 def _readiness(backend: Backend) -> Readiness:

@@ -112,6 +112,7 @@ def gc_limits(policy: GcPolicy) -> GcLimits:
         max_files=policy.max_files,
         namespace_max_files=policy.namespace_max_files,
         min_free_percent=policy.min_free_percent,
+        min_free_inodes_percent=policy.min_free_inodes_percent,
         min_age_seconds=policy.min_age,
         tmp_ttl_seconds=policy.tmp_ttl,
         delete_rate=policy.delete_rate,

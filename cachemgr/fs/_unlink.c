@@ -15,7 +15,8 @@
  *      unlink, so at most one unlink per thread lands after such a move;
  *   3. unlinkat(dir_fd, name, 0): relative to the O_NOFOLLOW descriptor, never a path.
  * Names are checked for shape (page/temp, no '/') by the caller before they get here; the
- * '/' check is repeated here since a name with one would leave dir_fd. A dry run does 1 only.
+ * '/' check is repeated here since a name with one would leave dir_fd. A dry run does 1 only,
+ * then asks once whether the dir allows unlinks (faccessat).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -194,6 +195,18 @@ static PyObject *unlink_batch(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     run(&b, threads);
     Py_END_ALLOW_THREADS
+    /* A dry run unlinks nothing, so it asks the kernel whether the dir allows unlinks (write
+     * and search for our effective ids, not immutable), as unlink_tree does: each file the
+     * real run would be refused is refused with the errno its unlink would get, so the dry
+     * run counts no file the real run keeps (a cap it cannot hold reads as one). Any other
+     * "no" (a read-only mount) is the real run's error to report. */
+    if (b.dry_run && faccessat(b.dir_fd, ".", W_OK | X_OK, AT_EACCESS) != 0 &&
+        (errno == EACCES || errno == EPERM)) {
+        int denied = errno;
+        for (Py_ssize_t i = 0; i < b.n; i++)
+            if (b.status[i] == DELETED)
+                b.status[i] = UNLINK_ERROR, b.value[i] = denied;
+    }
     PyObject *list = PyList_New(b.n);
     if (list == NULL)
         goto done;

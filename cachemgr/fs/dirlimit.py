@@ -113,11 +113,17 @@ def read_superblock(device: str) -> tuple[int, bool, bool] | None:
     return 1024 << log_block, bool(incompat & LARGE_DIR), bool(ro_compat & METADATA_CSUM)
 
 
-def flat_dir_limit(path: str | os.PathLike[str]) -> int | None:
-    """Entries of SGLang-named pages one dir under `path` takes (None: no known limit, or
-    `path` does not exist yet: the limit is read again at the next start)."""
+def flat_dir_index(path: str | os.PathLike[str]) -> DirIndex | None:
+    """The dir index of the filesystem under `path` (None: its mount is not found, or `path`
+    does not exist yet: it is read again at the next start)."""
     try:
-        index = dir_index(path)
+        return dir_index(path)
     except OSError:
         return None
+
+
+def flat_dir_limit(path: str | os.PathLike[str]) -> int | None:
+    """Entries of typical SGLang page names one dir under `path` takes (None: no known limit,
+    or `path` does not exist yet)."""
+    index = flat_dir_index(path)
     return index.limit() if index is not None else None

@@ -79,9 +79,11 @@ def file_room(layout: Layout, conn: sqlite3.Connection, policy: GcPolicy) -> flo
     high = policy.high_watermark
     _, budget, _ = over_file_limits(policy, files)
     rooms = [budget.limit * high - sum(files.live.values())]
-    flat = policy.flat_files_cap()
     for ns, n in files.live.items():
-        cap = flat[0] if flat and ns in files.flat else policy.namespace_max_files
+        cap = policy.namespace_max_files
+        if ns in files.flat:
+            flat = policy.flat_files_cap(files.flat[ns])
+            cap = flat[0] if flat is not None else None
         if cap is not None:
             rooms.append(cap * high - n)
     return max(0.0, min(rooms))

@@ -32,6 +32,7 @@ from cachemgr.fs.leadership import Leadership
 from cachemgr.fs.safe import open_dir
 from cachemgr.fs.usage import DiskUsage, DiskUsageFn, inode_usage
 from cachemgr.gc import find as gcfind
+from cachemgr.gc.execute import refusal_warning
 from cachemgr.gc.held import AuditRow, HeldAudits
 from cachemgr.gc.policy import Files, GcPolicy, GcReason, Inodes, over_file_limits, root_budget
 from cachemgr.gc.step import GcReport, GcStep, StepResult
@@ -64,7 +65,10 @@ def _inode_need(layout: Layout, policy: GcPolicy, files: int) -> int:
     if not below_inode_floor(layout, policy):
         return 0
     inodes = Inodes(*inode_usage(layout.root))
-    return over_file_limits(policy, Files({"": files}, (), inodes))[2] or 0
+    # The floor alone, as for bytes: a file cap is the regular run's business, in the index's
+    # order and under its own reason (with it, this pass took its whole excess by mtime).
+    floor_only = replace(policy, max_files=None)
+    return over_file_limits(floor_only, Files({"": files}, inodes=inodes))[2] or 0
 
 
 def plan_floor(
@@ -128,13 +132,22 @@ def free_floor(
         if stop():
             break
         results.append(StepResult(step).done(_delete(layout, step, pacer, clock, dry_run)))
+    # Files kept are said as a regular run says them: with 0 inodes or bytes left, this pass
+    # may be all a run does (the DB does not open until it frees some).
+    warnings += [refusal_warning(r) for r in results if r.refused]
     report = GcReport(dry_run, True, started, clock(), tuple(results), tuple(warnings))
     seconds = round(report.finished_at - started, 3)
     floors = [r.replace("_", " ") for r in ("free_space", "free_inodes") if r in report.totals()]
     log.warning(
         f"{'would delete' if dry_run else 'deleted'} from a scan of the disk: "
         f"{' and '.join(floors) or 'free space or inodes'} below the floor",
-        extra={**_deleted(report), "seconds": seconds},
+        extra={
+            **_deleted(report),
+            "seconds": seconds,
+            "held": report.held,
+            "refused": report.refused_files(),
+            "warnings": list(report.warnings),
+        },
     )
     return report
 

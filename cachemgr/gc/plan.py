@@ -21,7 +21,9 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 
 from cachemgr.errors import UnsafePathError
+from cachemgr.formats import format_for
 from cachemgr.fs.deletecheck import too_young
+from cachemgr.fs.dirlimit import page_name_len
 from cachemgr.fs.usage import DiskUsage, DiskUsageFn, inode_usage
 from cachemgr.gc import find as gcfind
 from cachemgr.gc.chains import CYCLE_WALK, ChainModel
@@ -42,8 +44,10 @@ from cachemgr.gc.policy import (
 from cachemgr.gc.step import GcStep
 from cachemgr.gc.value import cap_order
 from cachemgr.layout import Layout
-from cachemgr.state import pages_sql
-from cachemgr.state.index import engine_format, namespace_dirs
+from cachemgr.ns.manifest import identity_model
+from cachemgr.ns.status import identity_record
+from cachemgr.state import pages_sql, registry_sql
+from cachemgr.state.index import namespace_dirs
 from cachemgr.state.store import Store, read_snapshot
 
 
@@ -276,9 +280,21 @@ def file_counts(
         ns = rel.removeprefix("ns/")
         if rel.startswith("ns/") and ns in counts:
             counts[ns] -= 1
-    flat = [ns for ns in counts if engine_format(conn, ns).nesting is None]
     inodes = Inodes(*inode_usage(layout.root))
-    return Files(counts, flat, inodes._replace(free=inodes.free + len(after.files)))
+    freed = inodes._replace(free=inodes.free + len(after.files))
+    return Files(counts, flat_names(conn, counts), freed)
+
+
+def flat_names(conn: sqlite3.Connection, namespaces: Collection[str]) -> dict[str, int]:
+    """Of these namespaces, those whose pages sit in one dir, with the length of their page
+    names: SGLang's carry the served model name its identity records, as doctor's and the
+    metric's entry limit count them (cachemgr.ns.status.NamespaceStatus.entry_limit)."""
+    out: dict[str, int] = {}
+    for ns in namespaces:
+        identity = identity_record(registry_sql.identity_json(conn, ns))
+        if format_for(identity).nesting is None:
+            out[ns] = page_name_len(identity_model(identity))
+    return out
 
 
 _Victims = tuple[str, bool]  # (namespace, taken despite a protection)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, Protocol
 
-from cachemgr.fs.dirlimit import flat_dir_limit
+from cachemgr.fs.dirlimit import FLAT_PAGE_NAME_LEN, flat_dir_index
 from cachemgr.fs.usage import DiskUsage
 from cachemgr.settings import Settings
 
@@ -36,6 +36,13 @@ HOLDING: frozenset[GcReason] = frozenset({"cap", "free_space", "files", "free_in
 DIR_CAP_SHARE = 0.8
 
 
+class EntryLimit(Protocol):
+    """How many entries one flat dir takes, by the length of their names
+    (cachemgr.fs.dirlimit.DirIndex; a test's fixed number)."""
+
+    def limit(self, name_len: int = ...) -> int | None: ...
+
+
 @dataclass(frozen=True)
 class GcPolicy:
     """The GC limits in plain numbers (bytes, seconds); built from Settings or by a test."""
@@ -56,14 +63,15 @@ class GcPolicy:
     max_files: int | None = None
     namespace_max_files: int | None = None
     min_free_inodes_percent: float = 0.0
-    dir_entries: int | None = None  # a flat dir's entry limit on the root's filesystem
+    # The root's filesystem: how many entries a flat dir takes there (None: no known limit).
+    dir_entries: EntryLimit | None = None
 
     @classmethod
     def from_settings(
-        cls, s: Settings, *, dir_limit: Callable[[Path], int | None] = flat_dir_limit
+        cls, s: Settings, *, dir_index: Callable[[Path], EntryLimit | None] = flat_dir_index
     ) -> GcPolicy:
         """The policy the settings describe, with the flat-dir entry limit of the root's
-        filesystem (`dir_limit`)."""
+        filesystem (`dir_index`)."""
         ttl = s.gc_unbound_ttl
         return cls(
             max_bytes=int(s.gc_max_bytes) if s.gc_max_bytes is not None else None,
@@ -84,7 +92,7 @@ class GcPolicy:
             max_files=s.gc_max_files,
             namespace_max_files=s.gc_namespace_max_files,
             min_free_inodes_percent=s.gc_min_free_inodes_percent,
-            dir_entries=dir_limit(s.root),
+            dir_entries=dir_index(s.root),
         )
 
     def floor(self, disk: DiskUsage) -> int:
@@ -95,14 +103,17 @@ class GcPolicy:
         """Inodes that must stay free on the filesystem."""
         return math.ceil(inodes.total * self.min_free_inodes_percent / 100)
 
-    def flat_files_cap(self) -> tuple[int, GcReason] | None:
-        """The file cap of a flat namespace (its pages in one dir), and the limit that sets
-        it: the configured cap, or DIR_CAP_SHARE of the dir's entry limit if lower."""
+    def flat_files_cap(self, name_len: int = FLAT_PAGE_NAME_LEN) -> tuple[int, GcReason] | None:
+        """The file cap of a flat namespace (its pages in one dir, named `name_len` bytes
+        long), and the limit that sets it: the configured cap, or DIR_CAP_SHARE of the dir's
+        entry limit if lower. Longer names fill a dir index sooner: a long served model name
+        (or a model path SGLang names pages after) lowers the limit well under a typical one's."""
         caps: list[tuple[float, GcReason]] = []
         if self.namespace_max_files is not None:
             caps.append((self.namespace_max_files, "files"))
-        if self.dir_entries is not None:
-            caps.append((self.dir_entries * DIR_CAP_SHARE, "dir_full"))
+        limit = self.dir_entries.limit(name_len) if self.dir_entries is not None else None
+        if limit is not None:
+            caps.append((limit * DIR_CAP_SHARE, "dir_full"))
         if not caps:
             return None
         cap, reason = min(caps)
@@ -118,10 +129,11 @@ class Inodes(NamedTuple):
 
 class Files(NamedTuple):
     """What the file-count limits are checked against: files per namespace (page files the
-    index counts), the namespaces whose pages sit in one dir, and the filesystem's inodes."""
+    index counts), the namespaces whose pages sit in one dir (with their page names' length),
+    and the filesystem's inodes."""
 
     live: Mapping[str, int]
-    flat: Collection[str] = ()
+    flat: Mapping[str, int] = MappingProxyType({})
     inodes: Inodes | None = None
     ahead: int = 0  # files the writer stores before GC is done (the root's budget counts them)
 
@@ -237,10 +249,11 @@ def over_file_limits(
     excess. A page file is one inode: freeing n files frees n inodes."""
     high, low = policy.high_watermark, policy.low_watermark
     by_ns: dict[str, tuple[int, GcReason]] = {}
-    flat = policy.flat_files_cap()
     for ns, n in sorted(files.live.items()):
-        cap: tuple[float, GcReason] | None = flat if ns in files.flat else None
-        if policy.namespace_max_files is not None and ns not in files.flat:
+        cap: tuple[float, GcReason] | None = None
+        if ns in files.flat:
+            cap = policy.flat_files_cap(files.flat[ns])
+        elif policy.namespace_max_files is not None:
             cap = (policy.namespace_max_files, "files")
         if cap is not None and n > cap[0] * high:
             by_ns[ns] = (n - math.floor(cap[0] * low), cap[1])
