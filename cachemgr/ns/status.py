@@ -18,6 +18,7 @@ from cachemgr.formats import DEFAULT_ENGINE, FORMATS, EngineName, engine_of
 from cachemgr.fs.dirlimit import DirIndex, page_name_len
 from cachemgr.layout import Layout
 from cachemgr.ns import registry as nsreg
+from cachemgr.ns.bindings import bound_now
 from cachemgr.ns.manifest import (
     identity_kv_cache_dtype,
     identity_model,
@@ -27,7 +28,6 @@ from cachemgr.ns.manifest import (
 )
 from cachemgr.state import pages_sql, registry_sql
 from cachemgr.state.index import namespace_dirs
-from cachemgr.state.status import bindings_by_namespace
 
 
 class LiveCounts(Protocol):
@@ -41,7 +41,8 @@ class NamespaceStatus(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     id: str
-    # active | purged | unregistered (a dir without a manifest row), or, left alone
+    # active (a DB row, or a manifest no row is behind yet: another node's init) | purged |
+    # unregistered (a dir with neither), or, left alone
     # by every command: bad-manifest | unsafe (ns/<id> is not a real dir) | unreadable (this
     # user may not read its dir or manifest)
     state: str
@@ -99,12 +100,13 @@ class NamespaceStatus(BaseModel):
 UNCOUNTED = dict.fromkeys(("pages", "bytes", "temp_files", "foreign_files", "corrupt_files"))
 
 
-def _manifest_identity(layout: Layout, ns_id: str) -> dict[str, Any]:
+def _manifest_identity(layout: Layout, ns_id: str) -> dict[str, Any] | None:
+    """The identity in its manifest; None without a manifest that can be read."""
     try:
         manifest = read_manifest(layout, ns_id)
     except StateError:
-        return {}  # reported as the namespace's state
-    return manifest.identity if manifest is not None else {}
+        return None  # reported as the namespace's state
+    return manifest.identity if manifest is not None else None
 
 
 def namespace_statuses(
@@ -116,7 +118,7 @@ def namespace_statuses(
     dir this process may not list is `unreadable`, its counts null."""
     stats = {r["namespace_id"]: r for r in pages_sql.namespace_stats_rows(conn)}
     registry = {r["id"]: r for r in registry_sql.registry_rows(conn)}
-    bindings = bindings_by_namespace(conn)
+    bindings = bound_now(layout, conn)
     dirs = set(namespace_dirs(layout))
     damaged = nsreg.damaged(layout)
     ids = dirs | set(damaged) | {ns for ns, r in stats.items() if r["pages"] > 0}
@@ -124,13 +126,12 @@ def namespace_statuses(
     out = []
     for ns in sorted(ids):
         s, reg = stats.get(ns), registry.get(ns)
-        ident = (
-            identity_record(reg["identity_json"])
-            if reg is not None
-            else _manifest_identity(layout, ns)
-        )
+        if reg is not None:
+            ident, registered = identity_record(reg["identity_json"]), reg["state"]
+        else:  # registered as the next read of the disk would (a daemon's is a reconcile away)
+            manifest = _manifest_identity(layout, ns)
+            ident, registered = manifest or {}, "unregistered" if manifest is None else "active"
         counts = live.get(ns) if live is not None else None
-        registered = reg["state"] if reg is not None else "unregistered"
         state, problem = damaged.get(ns, (registered, None))
         status = NamespaceStatus(
             id=ns,
