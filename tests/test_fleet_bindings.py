@@ -226,3 +226,24 @@ def test_a_purge_planned_before_another_node_binds_leaves_that_server_its_dir(
         else:
             assert [(p.ns_id, p.recreated) for p in result.purged] == [(ns, True)]
             assert b.pages(ns) == 0
+
+
+def test_a_daemon_shows_the_bindings_other_nodes_made_since_it_started(tmp_path: Path) -> None:
+    """Each daemon's /v1/status showed the other nodes' bindings as of its start (its last
+    full rescan): node1's kept node0's instance on the namespace node0 had left (and purged),
+    and none on the one it moved to, which it called unregistered. It reads the binding files
+    and manifests when asked."""
+    with bed(tmp_path, 2) as b:
+        old = b.init(0)["ns_id"]
+        with daemons(b) as ds:
+            assert ds[1].namespaces()[old]["instances"] == ["default@node0"]
+            moved = b.init(0, kv="fp8_e4m3")  # after node1's daemon read the files
+            new = moved["ns_id"]
+            assert new != old and moved["old_action"] == "purged", moved
+            seen = ds[1].namespaces()
+            assert seen[new]["instances"] == ["default@node0"], seen
+            assert seen[new]["state"] == "active", seen[new]  # its row: node0's DB
+            assert seen.get(old, {"instances": []})["instances"] == [], seen
+            assert b.init(1)["ns_id"] == old  # node1's own server, on the old identity
+            assert ds[0].namespaces()[old]["instances"] == ["default@node1"]
+            assert ds[1].namespaces()[old]["instances"] == ["default@node1"]

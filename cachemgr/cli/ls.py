@@ -70,9 +70,9 @@ def served_usage(settings: Settings, layout: Layout) -> dict[str, Usage] | None:
     if not isinstance(index, dict) or index.get("ready") is not True:
         return None  # the first scan is not done: its counts are not whole
     return {
-        ns["id"]: Usage(pages=ns["pages"], bytes=ns["bytes"], temps=ns.get("temp_files", 0))
+        ns["id"]: Usage(pages=ns["pages"], bytes=ns["bytes"], temps=ns.get("temp_files") or 0)
         for ns in report["namespaces"]
-        if ns.get("has_dir") and ns.get("state") not in UNCOUNTED
+        if ns.get("has_dir") and ns.get("state") not in UNCOUNTED and ns["pages"] is not None
     }
 
 
@@ -88,11 +88,11 @@ def _table(
             "id": n.ns_id,
             "instances": ", ".join(n.instances) or "-",
             "engine": n.engine,
-            "model": n.model or "?",
+            "model": _model(n),
             "kv dtype": n.kv_cache_dtype or "?",
             "page": str(n.page_size or "?"),
-            "pages": f"{n.pages:,}",
-            "size": human_bytes(n.bytes),
+            "pages": "?" if n.pages is None else f"{n.pages:,}",
+            "size": "?" if n.bytes is None else human_bytes(n.bytes),
             "created": _when(n.created_at),
             "last active": _when(n.last_active_at),
             "state": n.state if n.problem is None else f"{n.state}: {n.problem}",
@@ -137,6 +137,13 @@ COLUMNS = (
     Column("state", flexible=True),
 )
 DROP_ORDER = ("created", "page", "kv dtype", "last active", "engine", "instances", "model")
+
+
+def _model(n: NamespaceInfo) -> str:
+    """Its model; marked when its manifest could not be read and the DB's copy says it."""
+    if n.model is None:
+        return "?"  # its state says why (a manifest that cannot be read, none at all)
+    return f"{n.model} (registry)" if n.identity_from == "registry" else n.model
 
 
 def _when(ts: float | None) -> str:

@@ -86,7 +86,9 @@ DROP_ORDER = ("kv dtype", "page", "last write", "engine", "instances", "model", 
 
 def _cells(ns: dict[str, Any]) -> dict[str, str]:
     ratio = ns.get("hit_ratio")
-    counted = ns.get("state") != "unreadable"  # its dir could not be listed: unknown
+    # null: its dir could not be counted. Not the state: one whose manifest alone cannot be
+    # read is unreadable too, and its pages were counted.
+    counted = ns["pages"] is not None
     return {
         "namespace": ns["id"],
         "engine": ns.get("engine") or "sglang",

@@ -57,8 +57,8 @@ class IndexInfo(BaseModel):
 
 class Totals(BaseModel):
     namespaces: int
-    pages: int
-    bytes: int
+    pages: int = Field(description="of the namespaces counted (one with null pages is not)")
+    bytes: int = Field(description="of the namespaces counted (one with null bytes is not)")
     page_reads: int
     page_writes: int
 

@@ -130,8 +130,8 @@ def create_app(backend: Backend) -> FastAPI:
             namespaces=found,
             totals=Totals(
                 namespaces=len(found),
-                pages=sum(s.pages for s in found),
-                bytes=sum(s.bytes for s in found),
+                pages=sum(s.pages for s in found if s.pages is not None),
+                bytes=sum(s.bytes for s in found if s.bytes is not None),
                 page_reads=sum(s.page_reads for s in found),
                 page_writes=sum(s.page_writes for s in found),
             ),

@@ -227,7 +227,8 @@ class CachemgrCollector(Collector):
             }
             ids = [s.id, s.engine]
             for k, v in values.items():
-                gauges[k].add_metric(ids, v)
+                if v is not None:  # not counted (its dir cannot be read): no sample, not a 0
+                    gauges[k].add_metric(ids, v)
             c = live.get(s.id)
             reads.add_metric(ids, c.reads if c else 0)
             writes.add_metric(ids, c.writes if c else 0)
@@ -247,9 +248,9 @@ class CachemgrCollector(Collector):
                 self._index = (None,)
         index = self._index[0]
         for s in statuses:
-            limit = s.entry_limit(index)
-            if limit:
-                family.add_metric([s.id, s.engine], s.dir_entries / limit)
+            limit, entries = s.entry_limit(index), s.dir_entries
+            if limit and entries is not None:
+                family.add_metric([s.id, s.engine], entries / limit)
         return family
 
     def _audit(self, audit: dict[tuple[str, str], Any]) -> Iterator[Any]:

@@ -21,7 +21,7 @@ def lint_dir_entries(statuses: Iterable[NamespaceStatus], index: DirIndex | None
     for s in statuses:
         limit = s.entry_limit(index)
         entries = s.dir_entries
-        if not limit or entries < limit * WARN_FROM:
+        if not limit or entries is None or entries < limit * WARN_FROM:
             continue
         how = "assumed: its superblock could not be read" if index.assumed else "read"
         what = (

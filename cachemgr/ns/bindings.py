@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sqlite3
 from dataclasses import dataclass
 
 from cachemgr.errors import (
@@ -229,6 +230,21 @@ def write_down(layout: Layout, store: Store, files: dict[str, Binding]) -> None:
             "binding files not brought in line with the state DB; retried next time",
             extra={"error": str(e)},
         )
+
+
+def bound_now(layout: Layout, conn: sqlite3.Connection) -> dict[str, tuple[str, ...]]:
+    """namespace id → the instances bound to it, sorted: the DB's, with the binding files it
+    is behind on read over them as `catch_up` would (in a fleet, the moves other nodes made
+    since this DB last read the files: a daemon's mirror is otherwise as of its start). For
+    status: reads the files, writes nothing."""
+    bound = {inst: ns for inst, ns, _ in registry_sql.all_bindings(conn)}
+    for inst, b in read_bindings(layout)[0].items():
+        if inst not in bound or not owned(layout, inst):
+            bound[inst] = b.ns_id
+    out: dict[str, list[str]] = {}
+    for inst in sorted(bound):
+        out.setdefault(bound[inst], []).append(inst)
+    return {ns: tuple(insts) for ns, insts in out.items()}
 
 
 def bound_by_files(layout: Layout) -> set[str]:

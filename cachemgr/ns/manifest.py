@@ -61,6 +61,15 @@ class Manifest:
 # The Manifest properties, for an identity record read from elsewhere (the DB's copy of it).
 
 
+def identity_record(identity_json: str | None) -> dict[str, Any]:
+    """The identity record in a namespace row's JSON; {} for a missing or damaged one."""
+    try:
+        record = json.loads(identity_json) if identity_json else {}
+    except (ValueError, RecursionError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 def identity_model(identity: dict[str, Any]) -> str | None:
     """The served model name from an identity record, if it has one."""
     source = identity.get("source")

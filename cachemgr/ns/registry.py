@@ -26,7 +26,15 @@ from cachemgr.fs.safe import make_dir, on_other_mount, open_dir
 from cachemgr.layout import NS_DIR, NS_ID_RE, Layout, check_ns_id
 from cachemgr.layout import check_instance as check_instance  # nsreg.check_instance callers
 from cachemgr.ns import bindings
-from cachemgr.ns.manifest import Manifest, read_manifest, write_manifest
+from cachemgr.ns.manifest import (
+    Manifest,
+    identity_kv_cache_dtype,
+    identity_model,
+    identity_page_size,
+    identity_record,
+    read_manifest,
+    write_manifest,
+)
 from cachemgr.ns.quarantine import is_denied, unreadable_problem
 from cachemgr.state import pages_sql
 from cachemgr.state import registry_sql as sql
@@ -114,6 +122,18 @@ def damaged(layout: Layout) -> dict[str, tuple[NsState, str]]:
         except UnsafePathError as e:
             out[ns_id] = ("unsafe", str(e))
     return out
+
+
+def unreadable_dir(layout: Layout, ns_id: str) -> str | None:
+    """Why this user may not list ns/<id> (another user's 0700, chmod 000), as `ls` and
+    `status` say it; None when it can be listed or is not there."""
+    try:
+        _listable(layout, ns_id)
+    except OSError as e:
+        if not is_denied(e):
+            raise
+        return unreadable_problem(e)
+    return None
 
 
 def _listable(layout: Layout, ns_id: str) -> bool:
@@ -266,12 +286,17 @@ class NamespaceInfo:
     model: str | None
     kv_cache_dtype: str | None
     page_size: int | None
-    pages: int
-    bytes: int
-    temps: int
+    # None: not counted (its dir could not be read, or is not a real dir), never a 0 shown
+    # as if it were one
+    pages: int | None
+    bytes: int | None
+    temps: int | None
     created_at: float | None
     last_active_at: float | None
     problem: str | None = None
+    # Where engine, model, KV dtype and page size come from: its manifest, or, when that
+    # cannot be read, the state DB's copy of it (registered by init); None: neither.
+    identity_from: Literal["manifest", "registry"] | None = None
 
 
 def list_namespaces(
@@ -286,10 +311,19 @@ def list_namespaces(
     are 0 (their states alone: no dir of millions of pages is listed)."""
     dirs, manifests = on_disk(layout)
     bound = bindings_by_namespace(store.conn)
+    registered = {r["id"]: r["identity_json"] for r in sql.registry_rows(store.conn)}
     ids = sorted(dirs | manifests | set(bound))
     known = known or {}
     return [
-        describe(layout, ns, bound.get(ns, ()), counted=counted, known=known.get(ns)) for ns in ids
+        describe(
+            layout,
+            ns,
+            bound.get(ns, ()),
+            counted=counted,
+            known=known.get(ns),
+            registered=identity_record(registered.get(ns)),
+        )
+        for ns in ids
     ]
 
 
@@ -300,31 +334,36 @@ def describe(
     *,
     counted: bool = True,
     known: Usage | None = None,
+    registered: dict[str, Any] | None = None,
 ) -> NamespaceInfo:
     """Scan one namespace (or, given its usage or not `counted`, see that its dir can be
     listed, as a scan would); damage (a symlink, a bad manifest) becomes its state, not an
-    error."""
+    error. Its identity is its manifest's, else the `registered` copy of it (the DB's)."""
     problem: str | None = None
     manifest: Manifest | None = None
     usage: Usage | None = None
+    uncounted = False
     state: NsState = "bound" if instances else "unbound"
     try:
         manifest = read_manifest(layout, ns_id)
     except CachemgrError as e:
         state, problem = manifest_damage(e)
-    identity = manifest.identity if manifest else None
+    identity = manifest.identity if manifest else registered or None
+    identity_from: Literal["manifest", "registry"] | None = (
+        "manifest" if manifest else "registry" if identity else None
+    )
     try:
         if ns_entry_kind(layout, ns_id) == "dir":
             if counted and known is None:
                 usage = scan_usage(layout, f"ns/{ns_id}", format_for(identity))
             elif _listable(layout, ns_id):
                 usage = known or Usage()
-    except UnsafePathError as e:
-        state, problem = "unsafe", str(e)
+    except UnsafePathError as e:  # cachemgr does not enter it: its pages are not known
+        state, problem, uncounted = "unsafe", str(e), True
     except OSError as e:  # another user's dir (0700, chmod 000): its pages are not known
         if not is_denied(e):
             raise
-        state, problem = "unreadable", unreadable_problem(e)
+        state, problem, uncounted = "unreadable", unreadable_problem(e), True
     if state in ("bound", "unbound"):
         if usage is None:
             state = "missing-dir"
@@ -336,13 +375,14 @@ def describe(
         state=state,
         instances=instances,
         engine=engine_of(identity),
-        model=manifest.model if manifest else None,
-        kv_cache_dtype=manifest.kv_cache_dtype if manifest else None,
-        page_size=manifest.page_size if manifest else None,
-        pages=usage.pages,
-        bytes=usage.bytes,
-        temps=usage.temps,
+        model=identity_model(identity) if identity else None,
+        kv_cache_dtype=identity_kv_cache_dtype(identity) if identity else None,
+        page_size=identity_page_size(identity) if identity else None,
+        pages=None if uncounted else usage.pages,
+        bytes=None if uncounted else usage.bytes,
+        temps=None if uncounted else usage.temps,
         created_at=manifest.created_at if manifest else None,
         last_active_at=manifest.last_active_at if manifest else None,
         problem=problem,
+        identity_from=identity_from,
     )

@@ -95,15 +95,16 @@ def status_from_disk(layout: Layout) -> dict[str, Any]:
 
 def _counted(layout: Layout, status: NamespaceStatus) -> NamespaceStatus:
     """`status` with its pages and bytes counted on disk; a dir this user may not read (another
-    user's 0700, chmod 000) is said as its state, and the others are still counted."""
-    if not status.has_dir:
+    user's 0700, chmod 000) is said as its state, its counts null, and the others are still
+    counted."""
+    if not status.has_dir or status.pages is None:  # none, or found uncountable already
         return status
     try:
         m = scan_usage(layout, f"ns/{status.id}", FORMATS[status.engine])
-    except OSError as e:
+    except OSError as e:  # made unreadable since it was found readable
         if not is_denied(e):
             raise
-        return status.model_copy(update={"state": "unreadable", "problem": unreadable_problem(e)})
+        return status.uncounted("unreadable", unreadable_problem(e))
     if m is None:
         return status
     return status.model_copy(update={"pages": m.pages, "bytes": m.bytes, "temp_files": m.temps})

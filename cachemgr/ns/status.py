@@ -7,7 +7,6 @@ stays cheap with millions of pages.
 
 from __future__ import annotations
 
-import json
 import sqlite3
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -19,15 +18,16 @@ from cachemgr.formats import DEFAULT_ENGINE, FORMATS, EngineName, engine_of
 from cachemgr.fs.dirlimit import DirIndex, page_name_len
 from cachemgr.layout import Layout
 from cachemgr.ns import registry as nsreg
+from cachemgr.ns.bindings import bound_now
 from cachemgr.ns.manifest import (
     identity_kv_cache_dtype,
     identity_model,
     identity_page_size,
+    identity_record,
     read_manifest,
 )
 from cachemgr.state import pages_sql, registry_sql
 from cachemgr.state.index import namespace_dirs
-from cachemgr.state.status import bindings_by_namespace
 
 
 class LiveCounts(Protocol):
@@ -41,23 +41,27 @@ class NamespaceStatus(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     id: str
-    # active | purged | unregistered (a dir without a manifest row), or, left alone
+    # active (a DB row, or a manifest no row is behind yet: another node's init) | purged |
+    # unregistered (a dir with neither), or, left alone
     # by every command: bad-manifest | unsafe (ns/<id> is not a real dir) | unreadable (this
     # user may not read its dir or manifest)
     state: str
     problem: str | None = None  # why a bad-manifest, unsafe or unreadable one is left alone
     has_dir: bool
-    pages: int
-    bytes: int
+    # The counts of its dir (pages, bytes, temp, foreign and corrupt files): null when it
+    # could not be read (state unreadable) or is not a real dir (unsafe), never a 0 that
+    # was not counted
+    pages: int | None
+    bytes: int | None
     page_reads: int  # lifetime, as observed by the watcher
     page_writes: int
     reads_since_start: int | None = None  # None when no daemon is running
     writes_since_start: int | None = None
     last_read_at: float | None = None
     last_write_at: float | None = None
-    temp_files: int = 0
-    foreign_files: int = 0
-    corrupt_files: int = 0
+    temp_files: int | None = 0
+    foreign_files: int | None = 0
+    corrupt_files: int | None = 0
     scanned_at: float | None = None
     instances: tuple[str, ...] = ()
     engine: EngineName = DEFAULT_ENGINE  # which engine's cache it is (its identity record says)
@@ -73,9 +77,11 @@ class NamespaceStatus(BaseModel):
         return self.page_reads / total if total else None
 
     @property
-    def dir_entries(self) -> int:
-        """Entries of its dir, at the last scan: pages, temps and foreign files."""
-        return self.pages + self.temp_files + self.foreign_files
+    def dir_entries(self) -> int | None:
+        """Entries of its dir, at the last scan: pages, temps and foreign files; None when
+        it was not counted."""
+        counts = (self.pages, self.temp_files, self.foreign_files)
+        return None if None in counts else sum(c for c in counts if c is not None)
 
     def entry_limit(self, index: DirIndex | None) -> int | None:
         """Entries its dir takes before ENOSPC on a filesystem `index` describes, if its
@@ -84,22 +90,23 @@ class NamespaceStatus(BaseModel):
             return None
         return index.limit(page_name_len(self.model))
 
-
-def identity_record(identity_json: str | None) -> dict[str, Any]:
-    """The identity record in a namespace row's JSON; {} for a missing or damaged one."""
-    try:
-        record = json.loads(identity_json) if identity_json else {}
-    except (ValueError, RecursionError):
-        return {}
-    return record if isinstance(record, dict) else {}
+    def uncounted(self, state: str, problem: str) -> NamespaceStatus:
+        """This status for a dir whose pages could not be counted now: `state` and why, its
+        counts null (the index's last ones may be stale, and 0 would be a count not taken)."""
+        return self.model_copy(update={"state": state, "problem": problem, **UNCOUNTED})
 
 
-def _manifest_identity(layout: Layout, ns_id: str) -> dict[str, Any]:
+# What a status whose dir was not counted says of its counts.
+UNCOUNTED = dict.fromkeys(("pages", "bytes", "temp_files", "foreign_files", "corrupt_files"))
+
+
+def _manifest_identity(layout: Layout, ns_id: str) -> dict[str, Any] | None:
+    """The identity in its manifest; None without a manifest that can be read."""
     try:
         manifest = read_manifest(layout, ns_id)
     except StateError:
-        return {}  # reported as the namespace's state
-    return manifest.identity if manifest is not None else {}
+        return None  # reported as the namespace's state
+    return manifest.identity if manifest is not None else None
 
 
 def namespace_statuses(
@@ -107,10 +114,11 @@ def namespace_statuses(
     layout: Layout,
     live: Mapping[str, LiveCounts] | None = None,
 ) -> list[NamespaceStatus]:
-    """Every namespace with a dir, pages in the index, or an active registry row."""
+    """Every namespace with a dir, pages in the index, or an active registry row; one whose
+    dir this process may not list is `unreadable`, its counts null."""
     stats = {r["namespace_id"]: r for r in pages_sql.namespace_stats_rows(conn)}
     registry = {r["id"]: r for r in registry_sql.registry_rows(conn)}
-    bindings = bindings_by_namespace(conn)
+    bindings = bound_now(layout, conn)
     dirs = set(namespace_dirs(layout))
     damaged = nsreg.damaged(layout)
     ids = dirs | set(damaged) | {ns for ns, r in stats.items() if r["pages"] > 0}
@@ -118,39 +126,41 @@ def namespace_statuses(
     out = []
     for ns in sorted(ids):
         s, reg = stats.get(ns), registry.get(ns)
-        ident = (
-            identity_record(reg["identity_json"])
-            if reg is not None
-            else _manifest_identity(layout, ns)
-        )
+        if reg is not None:
+            ident, registered = identity_record(reg["identity_json"]), reg["state"]
+        else:  # registered as the next read of the disk would (a daemon's is a reconcile away)
+            manifest = _manifest_identity(layout, ns)
+            ident, registered = manifest or {}, "unregistered" if manifest is None else "active"
         counts = live.get(ns) if live is not None else None
-        registered = reg["state"] if reg is not None else "unregistered"
         state, problem = damaged.get(ns, (registered, None))
-        out.append(
-            NamespaceStatus(
-                id=ns,
-                state=state,
-                problem=problem,
-                has_dir=ns in dirs,
-                pages=_get(s, "pages"),
-                bytes=_get(s, "bytes"),
-                page_reads=_get(s, "page_reads"),
-                page_writes=_get(s, "page_writes"),
-                reads_since_start=None if live is None else (counts.reads if counts else 0),
-                writes_since_start=None if live is None else (counts.writes if counts else 0),
-                last_read_at=s["last_read_at"] if s else None,
-                last_write_at=s["last_write_at"] if s else None,
-                temp_files=_get(s, "temp_files"),
-                foreign_files=_get(s, "foreign_files"),
-                corrupt_files=_get(s, "corrupt_files"),
-                scanned_at=s["scanned_at"] if s else None,
-                instances=bindings.get(ns, ()),
-                engine=engine_of(ident),
-                model=identity_model(ident),
-                kv_cache_dtype=identity_kv_cache_dtype(ident),
-                page_size=identity_page_size(ident),
-            )
+        status = NamespaceStatus(
+            id=ns,
+            state=state,
+            problem=problem,
+            has_dir=ns in dirs,
+            pages=_get(s, "pages"),
+            bytes=_get(s, "bytes"),
+            page_reads=_get(s, "page_reads"),
+            page_writes=_get(s, "page_writes"),
+            reads_since_start=None if live is None else (counts.reads if counts else 0),
+            writes_since_start=None if live is None else (counts.writes if counts else 0),
+            last_read_at=s["last_read_at"] if s else None,
+            last_write_at=s["last_write_at"] if s else None,
+            temp_files=_get(s, "temp_files"),
+            foreign_files=_get(s, "foreign_files"),
+            corrupt_files=_get(s, "corrupt_files"),
+            scanned_at=s["scanned_at"] if s else None,
+            instances=bindings.get(ns, ()),
+            engine=engine_of(ident),
+            model=identity_model(ident),
+            kv_cache_dtype=identity_kv_cache_dtype(ident),
+            page_size=identity_page_size(ident),
         )
+        if state == "unsafe":  # not a real dir: cachemgr does not enter it
+            status = status.model_copy(update=UNCOUNTED)
+        elif ns in dirs and (why := nsreg.unreadable_dir(layout, ns)) is not None:
+            status = status.uncounted("unreadable", why)
+        out.append(status)
     return out
 
 

@@ -18,7 +18,10 @@ import pytest
 
 from cachemgr.layout import Layout
 from tests.daemon_helpers import NS_A, NS_B, page_name, register_namespace, store_page
-from tests.reliability.test_unusable_ns import base, capless
+from tests.polling import wait_for
+from tests.reliability.test_unusable_ns import base, capless, daemon
+
+PAGES = "cachemgr_namespace_pages"
 
 __all__ = ["base"]  # the fixture, used by name
 
@@ -92,6 +95,61 @@ def test_ls_and_status_say_an_unreadable_namespace_and_exit_1(base: Path, unread
     assert statuses[NS_B]["pages"] == 3, statuses[NS_B]
     findings = [f for f in json.loads(doctor.stdout) if f["code"] == "ns-unusable"]
     assert [NS_A in f["message"] for f in findings] == [True], doctor.stdout
+    ls_row, status_row = _row(runs["ls"], NS_A), _row(runs["status"], NS_A)
+    if unreadable == "dir":  # its pages were not counted: not 0, and the same in all four
+        assert [listed[NS_A][k] for k in ("pages", "bytes", "temps")] == [None] * 3, listed
+        assert statuses[NS_A]["pages"] is None and statuses[NS_A]["bytes"] is None, statuses
+        assert (ls_row["pages"], ls_row["size"]) == ("?", "?"), ls_row
+        assert (status_row["pages"], status_row["size"]) == ("?", "?"), status_row
+    else:  # the dir was counted; the model is the DB's copy of the identity, said so
+        assert listed[NS_A]["pages"] == statuses[NS_A]["pages"] == 3, (listed, statuses)
+        assert (ls_row["pages"], status_row["pages"]) == ("3", "3"), (ls_row, status_row)
+        assert listed[NS_A]["model"] == listed[NS_B]["model"] == "Qwen/Qwen3-8B", listed
+        assert listed[NS_A]["identity_from"] == "registry", listed[NS_A]
+        assert listed[NS_B]["identity_from"] == "manifest", listed[NS_B]
+        assert (ls_row["model"], ls_row["page"]) == ("Qwen/Qwen3-8B (registry)", "64"), ls_row
+
+
+def _row(out: subprocess.CompletedProcess[str], ns: str) -> dict[str, str]:
+    """The cells of `ns`'s row in a --wide table, by column header."""
+    lines = out.stdout.splitlines()
+    (header,) = [ln for ln in lines if ln.startswith("┃")]
+    (row,) = [ln for ln in lines if ln.startswith(f"│ {ns} ")]
+    names = [c.strip() for c in header.strip("┃").split("┃")]
+    return dict(zip(names, (c.strip() for c in row.strip("│").split("│")), strict=True))
+
+
+def test_the_daemon_says_a_dir_it_cannot_read_uncounted(base: Path, free_port: int) -> None:
+    """Its /v1/status called such a namespace active with 0 pages (none indexed), and
+    `status` showed that 0 and exited 0: it is unreadable, its counts null, left out of the
+    totals and the pages gauge, and `status` says it and exits 1 as it does from disk."""
+    layout = _two_namespaces(base)
+    layout.ns_dir(NS_A).chmod(0o000)
+    try:
+        with daemon(layout.root, free_port, base / "daemon.log") as d:
+            report = d.http.get("/v1/status").json()
+            # the metrics are refreshed on their own clock: B counted first, then read A
+            wait_for(lambda: d.metric(PAGES, namespace=NS_B), lambda v: v == 3, what="B's")
+            pages_a = d.metric(PAGES, namespace=NS_A)
+            as_json = capless(layout.root, "status", "--port", str(free_port), "--json")
+            table = capless(layout.root, "status", "--port", str(free_port), "--wide")
+    finally:
+        layout.ns_dir(NS_A).chmod(0o755)
+    by_id = {ns["id"]: ns for ns in report["namespaces"]}
+    assert by_id[NS_A]["state"] == "unreadable", by_id[NS_A]
+    assert by_id[NS_A]["problem"] == "cannot be read by uid 0: Permission denied", by_id[NS_A]
+    counts = ("pages", "bytes", "temp_files", "foreign_files", "corrupt_files")
+    assert [by_id[NS_A][k] for k in counts] == [None] * 5, by_id[NS_A]
+    assert by_id[NS_B]["pages"] == 3 and by_id[NS_B]["state"] == "active", by_id[NS_B]
+    assert report["totals"]["pages"] == 3 and report["totals"]["bytes"] == 3000, report["totals"]
+    assert pages_a is None  # no sample: not a 0
+    assert json.loads(as_json.stdout)["source"] == "daemon", as_json.stdout
+    assert json.loads(as_json.stdout)["namespaces"][0] == by_id[NS_A]
+    for out in (as_json, table):
+        assert out.returncode == 1, (out.args, out.stderr)
+        assert _warnings(out) == [f"namespace {NS_A} cannot be read by uid 0: Permission denied"]
+    row = _row(table, NS_A)
+    assert (row["pages"], row["size"]) == ("?", "?"), row
 
 
 def test_ls_with_every_namespace_readable_exits_0(base: Path) -> None:
