@@ -44,8 +44,7 @@ from cachemgr.gc.policy import (
 from cachemgr.gc.step import GcStep
 from cachemgr.gc.value import cap_order
 from cachemgr.layout import Layout
-from cachemgr.ns.manifest import identity_model
-from cachemgr.ns.status import identity_record
+from cachemgr.ns.manifest import identity_model, identity_record
 from cachemgr.state import pages_sql, registry_sql
 from cachemgr.state.index import namespace_dirs
 from cachemgr.state.store import Store, read_snapshot
