@@ -124,10 +124,12 @@ def feed(watcher: Watcher, node: str, batch: Sequence[Access]) -> int:
         if ns_id not in formats:
             formats[ns_id] = _format(watcher, ns_id, (now, node))
         fmt = formats[ns_id]
-        base = name.rpartition("/")[2]
-        if fmt is None or ".." in name.split("/") or fmt.key_len(base) is None:
+        # Only a name this node's own watcher could queue: its format's dirs, nothing more
+        # (no "/x", "./x", "a/../x" nor NUL: the index would count one file twice, or fail)
+        where = None if fmt is None else fmt.split(name)
+        if where is None or fmt is None or fmt.key_len(where[1]) is None:
             continue
-        if not base.endswith(fmt.page_suffix):
+        if not where[1].endswith(fmt.page_suffix):
             continue
         watcher.emit((Kind.READ if kind == "r" else Kind.WRITE, ns_id, name, now, node))
         used += 1

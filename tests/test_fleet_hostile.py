@@ -1,0 +1,92 @@
+"""A broken or hostile follower posting to the leader's POST /v1/fleet/accesses: what it sends
+is refused (problem+json 4xx) or ignored, never a crash, never a page counted twice. Real etcd,
+a real leader daemon on a bindfs node."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cachemgr.fleet.accesses import SUMMARY_PATH
+from tests.daemon_helpers import NS_A, RunningDaemon, page_name, store_page
+from tests.polling import wait_for
+from tests.test_fleet import fleet, gauge, indexed, leaders
+
+pytestmark = pytest.mark.fleet
+PAGES = 20
+
+
+@contextmanager
+def leader(tmp: Path, **kw: object) -> Iterator[RunningDaemon]:
+    """One node leading, with PAGES pages of NS_A indexed."""
+    with fleet(tmp, 1, **{"gc_interval": "1h", **kw}) as (_, mounts, (daemon,)):
+        for i in range(PAGES):
+            store_page(mounts[0] / "ns" / NS_A, page_name(i))
+        wait_for(lambda: leaders([daemon]), lambda ls: ls == [0], timeout=20)
+        wait_for(lambda: indexed(daemon), lambda n: n == PAGES, timeout=20)
+        yield daemon
+
+
+def summary(accesses: list[list[str]], **kw: Any) -> dict[str, Any]:
+    return {
+        "node": "nodeB",
+        "session": uuid.uuid4().hex,
+        "first": 1,
+        "dropped": 0,
+        "accesses": accesses,
+        **kw,
+    }
+
+
+def reads(daemon: RunningDaemon) -> int:
+    return int(daemon.namespaces()[NS_A]["page_reads"])
+
+
+def applied(daemon: RunningDaemon, before: int) -> None:
+    """Wait until a read posted after the hostile batch is applied: the batch was too."""
+    r = daemon.post(SUMMARY_PATH, json=summary([["r", NS_A, page_name(0)]]))
+    assert r.json() == {"accepted": 1}
+    wait_for(lambda: reads(daemon), lambda n: n == before + 1, timeout=20, what="the read")
+
+
+BAD_NAMES = [
+    "x\x00/" + page_name(1),  # NUL in a dir: the index's stat raised, its writer died
+    "./" + page_name(1),  # the same file as page 1, counted a second time
+    "/tmp/" + page_name(1),
+    "sub/" + page_name(1),
+    "../" + NS_A + "/" + page_name(1),
+]
+
+
+def test_names_no_watcher_makes_are_ignored_not_counted_and_not_fatal(tmp_path: Path) -> None:
+    with leader(tmp_path) as daemon:
+        before = reads(daemon)
+        for name in BAD_NAMES:
+            for kind in ("w", "r"):
+                r = daemon.post(SUMMARY_PATH, json=summary([[kind, NS_A, name]]))
+                assert r.status_code == 200, r.text
+                assert r.json() == {"accepted": 0}, name
+        applied(daemon, before)
+        assert gauge(daemon, 'cachemgr_worker_up\\{worker="index"\\}') == 1
+        assert daemon.get("/readyz").status_code == 200
+        assert indexed(daemon) == PAGES
+        assert daemon.namespaces()[NS_A]["bytes"] == PAGES * 1024
+
+
+def test_a_summary_without_the_token_is_a_401_problem(tmp_path: Path) -> None:
+    with leader(tmp_path, token="s3cret") as daemon:
+        body = summary([["r", NS_A, page_name(0)]])
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = daemon.post(SUMMARY_PATH, json=body, headers=headers)
+            assert r.status_code == 401
+            assert r.headers["content-type"] == "application/problem+json"
+        good = {"Authorization": "Bearer s3cret"}
+        r = daemon.post(SUMMARY_PATH, json=body, headers=good)
+        assert r.json() == {"accepted": 1}
+        r = daemon.post(SUMMARY_PATH, json=body, headers=good)
+        assert r.json() == {"accepted": 0}  # sent again (its answer lost): not counted twice
