@@ -90,3 +90,13 @@ def test_a_summary_without_the_token_is_a_401_problem(tmp_path: Path) -> None:
         assert r.json() == {"accepted": 1}
         r = daemon.post(SUMMARY_PATH, json=body, headers=good)
         assert r.json() == {"accepted": 0}  # sent again (its answer lost): not counted twice
+
+
+def test_a_batch_repeating_a_dir_change_rescans_the_namespace_once(tmp_path: Path) -> None:
+    with leader(tmp_path) as daemon:
+        before, scans = reads(daemon), daemon.status()["index"]["scans"]
+        r = daemon.post(SUMMARY_PATH, json=summary([["a", NS_A, ""]] * 5000))
+        assert r.status_code == 200
+        applied(daemon, before)
+        assert daemon.status()["index"]["scans"] - scans <= 1
+        assert indexed(daemon) == PAGES

@@ -115,9 +115,15 @@ def feed(watcher: Watcher, node: str, batch: Sequence[Access]) -> int:
     (a namespace made through another node's mount is watched now: this node's inotify never
     saw it made)."""
     formats: dict[str, FileFormat | None] = {}
+    dirs: dict[str, str] = {}  # each namespace's last dir change in this batch
     now, used = watcher.clock(), 0
     for kind, ns_id, name in batch:
         if kind in ("g", "a"):
+            # The same change again says nothing new, and each "a" rescans the whole dir:
+            # a batch of them (a follower's bug) would hold the index for hours on a big one.
+            if dirs.get(ns_id) == kind:
+                continue
+            dirs[ns_id] = kind
             used += _dir_changed(watcher, kind, ns_id, (now, node))
             formats.pop(ns_id, None)
             continue
