@@ -41,6 +41,10 @@ def drop_namespace(run: RunContext, step: GcStep, progress: Progress | None) -> 
     with root_lock(layout):
         if why := why_stays(run, ns_id):
             return replace(base, skipped=why)
+        # Asked again here, not only before the step: the root lock may have kept it waiting
+        # (or it was paused) past its GC lease, and the rename takes the whole namespace.
+        if run.stop():
+            return replace(base, skipped="stopped: shutting down, or the GC lease was lost")
         # The write lock first: a DB held locked elsewhere fails the drop before the rename.
         with store.transaction() as conn:
             entry = rename_to_trash(layout, ns_id, recreate=False)
