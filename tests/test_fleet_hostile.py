@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from cachemgr.fleet.accesses import SUMMARY_PATH
-from tests.daemon_helpers import NS_A, RunningDaemon, page_name, store_page
+from tests.daemon_helpers import NS_A, RunningDaemon, page_name, read_page, store_page
 from tests.polling import wait_for
 from tests.test_fleet import fleet, gauge, indexed, leaders
 
@@ -92,11 +92,26 @@ def test_a_summary_without_the_token_is_a_401_problem(tmp_path: Path) -> None:
         assert r.json() == {"accepted": 0}  # sent again (its answer lost): not counted twice
 
 
-def test_a_batch_repeating_a_dir_change_rescans_the_namespace_once(tmp_path: Path) -> None:
+def test_a_batch_repeating_dir_changes_rescans_the_namespace_at_most_twice(tmp_path: Path) -> None:
     with leader(tmp_path) as daemon:
         before, scans = reads(daemon), daemon.status()["index"]["scans"]
-        r = daemon.post(SUMMARY_PATH, json=summary([["a", NS_A, ""]] * 5000))
+        changes = [["a", NS_A, ""]] * 2500 + [["g", NS_A, ""], ["a", NS_A, ""]] * 1250
+        r = daemon.post(SUMMARY_PATH, json=summary(changes))
         assert r.status_code == 200
         applied(daemon, before)
-        assert daemon.status()["index"]["scans"] - scans <= 1
+        assert daemon.status()["index"]["scans"] - scans <= 2  # an "a", a "g" of a dir here
         assert indexed(daemon) == PAGES
+
+
+def test_a_namespace_said_gone_that_is_still_there_stays_watched(tmp_path: Path) -> None:
+    with leader(tmp_path) as daemon:
+        r = daemon.post(SUMMARY_PATH, json=summary([["g", NS_A, ""]]))
+        assert r.json() == {"accepted": 1}
+        applied(daemon, reads(daemon))
+        # this node's own read and store there still count (its watch used to end for good)
+        ns_dir = Path(daemon.daemon.settings.root) / "ns" / NS_A
+        before = reads(daemon)
+        read_page(ns_dir, page_name(3))
+        store_page(ns_dir, page_name(PAGES))
+        wait_for(lambda: reads(daemon), lambda n: n == before + 1, timeout=20, what="the read")
+        wait_for(lambda: indexed(daemon), lambda n: n == PAGES + 1, timeout=20, what="the store")

@@ -115,15 +115,16 @@ def feed(watcher: Watcher, node: str, batch: Sequence[Access]) -> int:
     (a namespace made through another node's mount is watched now: this node's inotify never
     saw it made)."""
     formats: dict[str, FileFormat | None] = {}
-    dirs: dict[str, str] = {}  # each namespace's last dir change in this batch
+    dirs: set[tuple[str, str]] = set()  # (kind, namespace) of the dir changes taken
     now, used = watcher.clock(), 0
     for kind, ns_id, name in batch:
         if kind in ("g", "a"):
-            # The same change again says nothing new, and each "a" rescans the whole dir:
-            # a batch of them (a follower's bug) would hold the index for hours on a big one.
-            if dirs.get(ns_id) == kind:
+            # Each kind once a namespace and batch: both are settled by what the dir is when
+            # the index applies them, and each rescans the whole dir; a batch of them (a
+            # follower's bug) would hold the index for hours on a big one.
+            if (kind, ns_id) in dirs:
                 continue
-            dirs[ns_id] = kind
+            dirs.add((kind, ns_id))
             used += _dir_changed(watcher, kind, ns_id, (now, node))
             formats.pop(ns_id, None)
             continue
@@ -152,6 +153,11 @@ def _dir_changed(watcher: Watcher, kind: str, ns_id: str, seen: tuple[float, str
         if not watcher.has(ns_id):
             return 0
         watcher.mark_gone(ns_id)
+        if watcher.layout.ns_dir(ns_id).is_dir():
+            # There still (recreated, or it never left: a broken follower's word): the gone
+            # event ends this node's watch of it, so watch and rescan what is there, or this
+            # node's own reads and stores in it would go unseen until a restart.
+            watcher.emit((Kind.NS_ADDED, ns_id, "", *seen))
         return 1
     if not watcher.layout.ns_dir(ns_id).is_dir():
         return 0
