@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from cachemgr.fleet.accesses import SUMMARY_PATH
+from cachemgr.fleet.accesses import MAX_NODES, SUMMARY_PATH
 from tests.daemon_helpers import NS_A, RunningDaemon, page_name, read_page, store_page
 from tests.polling import wait_for
 from tests.test_fleet import fleet, gauge, indexed, leaders
@@ -115,3 +115,20 @@ def test_a_namespace_said_gone_that_is_still_there_stays_watched(tmp_path: Path)
         store_page(ns_dir, page_name(PAGES))
         wait_for(lambda: reads(daemon), lambda n: n == before + 1, timeout=20, what="the read")
         wait_for(lambda: indexed(daemon), lambda n: n == PAGES + 1, timeout=20, what="the store")
+
+
+def test_the_leaders_own_name_and_nodes_past_the_cap_are_409_problems(tmp_path: Path) -> None:
+    with leader(tmp_path) as daemon:
+        r = daemon.post(SUMMARY_PATH, json=summary([], node="node0"))  # the leader's name
+        assert r.status_code == 409 and "own node name" in r.json()["detail"]
+        assert r.headers["content-type"] == "application/problem+json"
+        for i in range(MAX_NODES):  # a follower posting under ever new names
+            r = daemon.post(SUMMARY_PATH, json=summary([], node=f"n{i}"))
+            assert r.status_code == 200, (i, r.text)
+        r = daemon.post(SUMMARY_PATH, json=summary([], node="one-more"))
+        assert r.status_code == 409 and "nodes already" in r.json()["detail"]
+        r = daemon.post(SUMMARY_PATH, json=summary([["r", NS_A, page_name(0)]], node="n7"))
+        assert r.json() == {"accepted": 1}  # the nodes it knows still ship
+        fleet = daemon.get("/v1/fleet").json()
+        assert len(fleet["nodes"]) == MAX_NODES
+        assert "node0" not in {n["node"] for n in fleet["nodes"]}

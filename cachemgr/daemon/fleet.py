@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 from cachemgr.backends import FileFormat
 from cachemgr.daemon.events import Event, Kind
 from cachemgr.daemon.watcher import Watcher
+from cachemgr.errors import ConflictError
 from cachemgr.fleet.accesses import (
     MAX_BATCH,
     MAX_NAME,
@@ -227,7 +228,10 @@ def add_fleet_routes(app: FastAPI, fleet: FleetNode | None) -> None:
         SUMMARY_PATH,
         response_model=SummaryOut,
         tags=["fleet"],
-        responses={404: {"description": "fleet mode is off"}, 409: {"description": "not leading"}},
+        responses={
+            404: {"description": "fleet mode is off"},
+            409: {"description": "not leading; the leader's own node name; too many nodes"},
+        },
     )
     def post_accesses(summary: Annotated[SummaryIn, Body()]) -> SummaryOut:
         """Another node's page reads and stores, for the GC leader's eviction order."""
@@ -236,6 +240,10 @@ def add_fleet_routes(app: FastAPI, fleet: FleetNode | None) -> None:
         if not fleet.elector.leading():
             leader = fleet.elector.leader
             raise HTTPException(409, f"not the GC leader; leader: {leader.url if leader else None}")
+        if summary.node == fleet.elector.record.node:  # it would show as a silent node
+            raise ConflictError(
+                f"{summary.node} is this leader's own node name; give each node its own"
+            )
         accesses: list[Access] = [(k, ns, name) for k, ns, name in summary.accesses]
         got = Summary(summary.node, summary.session, summary.first, summary.dropped, accesses)
         return SummaryOut(accepted=fleet.accesses.merge(got))
