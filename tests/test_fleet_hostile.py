@@ -4,6 +4,7 @@ a real leader daemon on a bindfs node."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -132,3 +133,19 @@ def test_the_leaders_own_name_and_nodes_past_the_cap_are_409_problems(tmp_path: 
         fleet = daemon.get("/v1/fleet").json()
         assert len(fleet["nodes"]) == MAX_NODES
         assert "node0" not in {n["node"] for n in fleet["nodes"]}
+
+
+def test_stores_of_files_not_there_or_repeated_evict_no_real_page(tmp_path: Path) -> None:
+    # Room for 30 pages, 20 stored: GC counts each store the index has not applied yet as a
+    # page of the largest size, so 5,000 claimed stores used to evict all 20 real pages
+    # (a batch_interval of 3 s: GC runs, woken by the stores, before the index applies them).
+    with leader(tmp_path, gc_max_bytes=30 * 1024, gc_min_age="0s", batch_interval=3) as daemon:
+        phantoms = [["w", NS_A, page_name(10_000 + i)] for i in range(2500)]
+        repeats = [["w", NS_A, page_name(5)]] * 2500  # one real page, stored "again"
+        r = daemon.post(SUMMARY_PATH, json=summary(phantoms + repeats))
+        assert r.status_code == 200
+        applied(daemon, reads(daemon))
+        time.sleep(1)  # a GC the stores woke has run by now
+        assert len(list((tmp_path / "backing" / "ns" / NS_A).glob("*.bin"))) == PAGES
+        assert indexed(daemon) == PAGES
+        assert r.json() == {"accepted": 1}

@@ -3,10 +3,13 @@ accesses, the merging of the others' (its routes and metrics). See docs/fleet.md
 
 from __future__ import annotations
 
+import os
 import socket
+import stat
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Literal
 
 from fastapi import Body, FastAPI
@@ -117,6 +120,7 @@ def feed(watcher: Watcher, node: str, batch: Sequence[Access]) -> int:
     saw it made)."""
     formats: dict[str, FileFormat | None] = {}
     dirs: set[tuple[str, str]] = set()  # (kind, namespace) of the dir changes taken
+    stores: set[tuple[str, str]] = set()  # (namespace, name) of the stores taken
     now, used = watcher.clock(), 0
     for kind, ns_id, name in batch:
         if kind in ("g", "a"):
@@ -139,9 +143,23 @@ def feed(watcher: Watcher, node: str, batch: Sequence[Access]) -> int:
             continue
         if not where[1].endswith(fmt.page_suffix):
             continue
+        if kind == "w":
+            # A store of a file that is there, once a batch: until the index applies it, GC
+            # counts each store as a page of the largest size against the cap, so stores of
+            # files never made or gone since (a broken follower's) would evict real pages.
+            if (ns_id, name) in stores or not _is_file(watcher.layout.ns_dir(ns_id) / name):
+                continue
+            stores.add((ns_id, name))
         watcher.emit((Kind.READ if kind == "r" else Kind.WRITE, ns_id, name, now, node))
         used += 1
     return used
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _dir_changed(watcher: Watcher, kind: str, ns_id: str, seen: tuple[float, str]) -> int:
