@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,9 @@ from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 from cachemgr.settings import load_settings
 from tests.daemon_helpers import captured_log, running_daemon
-from tests.fleet_bed import free_port
+from tests.fleet_bed import bindfs_nodes, free_port, need_binaries, running_etcd
 from tests.polling import wait_for
+from tests.test_fleet import node_settings
 
 pytestmark = pytest.mark.fleet
 
@@ -89,3 +91,25 @@ def test_with_etcd_down_at_start_the_daemon_serves_leads_nothing_and_says_why(
         )
     # which endpoint, and what it said (etcd3gw's exceptions have an empty str())
     assert f"127.0.0.1:{port}: ConnectionFailedError: " in str(down[0]["error"]), down
+
+
+def test_a_second_daemon_under_the_leaders_node_name_says_so(tmp_path: Path) -> None:
+    # It would take that leader for itself: never ship its accesses, and share its instances'
+    # binding files. Real etcd, two bindfs nodes given one node_name.
+    need_binaries()
+    with ExitStack() as stack:
+        etcd = stack.enter_context(running_etcd(tmp_path))
+        mounts = stack.enter_context(bindfs_nodes(tmp_path / "backing", tmp_path / "mnt", 2))
+        create_root(Layout.at(mounts[0], tmp_path / "state0"))
+        log = stack.enter_context(captured_log("cachemgr.fleet.elector"))
+        first = stack.enter_context(
+            running_daemon(node_settings(mounts[0], tmp_path / "state0", etcd, 0))
+        )
+        wait_for(lambda: first.get("/v1/fleet").json()["leading"], bool, timeout=20)
+        stack.enter_context(running_daemon(node_settings(mounts[1], tmp_path / "state1", etcd, 0)))
+        said = wait_for(
+            lambda: [x for x in log.lines if "under this node's name" in str(x["msg"])],
+            bool,
+            timeout=10,
+        )
+        assert said[0]["level"] == "error" and said[0]["node"] == "node0"
