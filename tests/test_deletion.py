@@ -218,3 +218,22 @@ def test_a_name_with_a_nul_never_reaches_the_shorter_name(tree: Path) -> None:
 def test_a_name_given_twice_is_deleted_once_and_counted_once(tree: Path) -> None:
     report = delete_files(tree, "ns/0123456789abcdef", [PAGES[0], PAGES[1], PAGES[0]])
     assert (report.files, report.bytes, report.vanished) == (2, 200, 1)
+
+
+def test_a_stop_ends_a_dir_deletion_after_the_part_under_way(tmp_path: Path) -> None:
+    entry = tmp_path / "root" / ".trash" / "0123456789abcdef.1"
+    entry.mkdir(parents=True)
+    names = [f"{i:064x}_m_0_1.bin" for i in range(3 * PART)]
+    for name in names:
+        (entry / name).write_bytes(b"x")
+    asked: list[bool] = []
+
+    def stop() -> bool:  # yes from the second part on (a GC lease lost meanwhile)
+        asked.append(len(asked) >= 1)
+        return asked[-1]
+
+    report = delete_dir(
+        tmp_path / "root", ".trash/0123456789abcdef.1", listeners=Listeners(stop=stop)
+    )
+    assert (report.files, report.stopped, report.refused) == (PART, True, ())
+    assert len(os.listdir(entry)) == 2 * PART  # the rest, and the dir, stay for the next drain

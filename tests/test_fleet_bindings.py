@@ -15,8 +15,10 @@ from typing import Any
 import pytest
 
 from cachemgr.fs.root import create_root
+from cachemgr.gc import drop as gc_drop
 from cachemgr.layout import Layout
 from cachemgr.ns import purge as purge_mod
+from cachemgr.ns import registry as nsreg
 from cachemgr.ns.bindings import catch_up
 from cachemgr.state.store import Store
 from tests.daemon_helpers import RunningDaemon, register_namespace, running_daemon, store_page
@@ -247,3 +249,86 @@ def test_a_daemon_shows_the_bindings_other_nodes_made_since_it_started(tmp_path:
             assert b.init(1)["ns_id"] == old  # node1's own server, on the old identity
             assert ds[0].namespaces()[old]["instances"] == ["default@node1"]
             assert ds[1].namespaces()[old]["instances"] == ["default@node1"]
+
+
+def test_a_bind_between_a_purges_last_read_and_its_rename_keeps_its_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The window the root lock (one node's) leaves: node1's init binds after node0's purge
+    read the binding files for the last time, before it renames the dir. The purge reads them
+    once more after the rename (and the manifest's removal) and makes both again."""
+    with bed(tmp_path, 2) as b:
+        ns = b.init(0)["ns_id"]
+        b.init(0, "--on-change", "retain", kv="fp8_e4m3")  # node0's server leaves it
+        b.fill(0, ns, 3)
+        layout = Layout.at(b.mounts[0], b.state(0), node="node0")
+        rename = purge_mod.rename_to_trash
+
+        def bind_first(*args: Any, **kw: Any) -> str | None:
+            assert b.init(1)["instance"] == "default@node1"  # in the window: a real init
+            return rename(*args, **kw)
+
+        monkeypatch.setattr(purge_mod, "rename_to_trash", bind_first)
+        with Store.open(layout.db_path) as store:
+            result = purge_mod.purge(layout, store, actor="cli", reason="manual", namespace=ns)
+            assert [(p.ns_id, p.recreated) for p in result[1].purged] == [(ns, True)]
+            assert purge_mod.nsreg.instances_of(store, ns) == ("default@node1",)
+        assert (b.backing / "ns" / f"{ns}.json").is_file()
+        assert b.pages(ns) == 0  # its dir, empty, for node1's server
+        listed = json.loads(b.cachemgr(1, "ls", "--json"))["namespaces"]
+        assert {n["ns_id"]: n["state"] for n in listed}[ns] == "bound"
+
+
+def test_a_purge_between_an_inits_dir_check_and_its_bind_leaves_it_its_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other side of that window: node1's init made sure of the dir and manifest, then
+    node0's purge read no binding for it and moved both away, then node1 wrote its binding.
+    The init makes sure of them once more after it binds."""
+    with bed(tmp_path, 2) as b:
+        ns = b.init(0)["ns_id"]
+        b.init(0, "--on-change", "retain", kv="fp8_e4m3")  # node0's server leaves it
+        b.fill(0, ns, 3)
+        bind = nsreg.bind
+
+        def purge_first(*args: Any, **kw: Any) -> str | None:
+            monkeypatch.setattr(nsreg, "bind", bind)
+            b.cachemgr(0, "purge", "--namespace", ns, "--yes")  # a real purge, on node0
+            assert not (b.backing / "ns" / ns).exists()
+            return bind(*args, **kw)
+
+        monkeypatch.setattr(nsreg, "bind", purge_first)
+        assert b.init(1)["ns_id"] == ns
+        assert (b.backing / "ns" / f"{ns}.json").is_file()
+        assert b.pages(ns) == 0  # its dir, empty, for node1's server
+        listed = json.loads(b.cachemgr(1, "ls", "--json"))["namespaces"]
+        assert {n["ns_id"]: n["state"] for n in listed}[ns] == "bound"
+
+
+def test_a_bind_in_gcs_window_before_its_drop_renames_keeps_the_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GC's drop of an unbound namespace has the purge's window: a server on the other node
+    binds it after the leader's last read of the binding files, before the rename."""
+    with bed(tmp_path, 2) as b:
+        ns = b.init(1)["ns_id"]
+        b.init(1, "--on-change", "retain", kv="fp8_e4m3")  # node1 leaves it: unbound now
+        with daemons(b, gc_keep_unbound=0, gc_min_age="1h") as ds:
+            (lead,) = wait_for(lambda: leaders(ds), lambda ls: len(ls) == 1, timeout=20)
+            wait_for(lambda: set(ds[lead].namespaces()), lambda s: ns in s)
+            other = 1 - lead
+            rename = gc_drop.rename_to_trash
+
+            def bind_first(layout: Layout, ns_id: str, **kw: Any) -> str | None:
+                monkeypatch.setattr(gc_drop, "rename_to_trash", rename)
+                assert b.init(other, "--on-change", "retain")["ns_id"] == ns
+                return rename(layout, ns_id, **kw)
+
+            monkeypatch.setattr(gc_drop, "rename_to_trash", bind_first)
+            r = ds[lead].post("/v1/gc", json={"min_age": 0})
+            assert r.status_code == 200, r.text
+            assert [s["namespace_id"] for s in r.json()["steps"]] == [ns]  # it was dropped
+            assert (b.backing / "ns" / ns).is_dir()  # and its dir made again, empty
+            assert (b.backing / "ns" / f"{ns}.json").is_file()
+            listed = json.loads(b.cachemgr(other, "ls", "--json"))["namespaces"]
+            assert {n["ns_id"]: n["state"] for n in listed}[ns] == "bound"

@@ -22,7 +22,7 @@ import pytest
 
 from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
-from tests.daemon_helpers import NS_A, register_namespace
+from tests.daemon_helpers import NS_A, page_name, register_namespace
 from tests.fleet_bed import IN_DELETE, Etcd, Inotify, bindfs_nodes, need_binaries, running_etcd
 from tests.polling import wait_for
 
@@ -81,6 +81,17 @@ class Node:
             row = conn.execute(
                 "SELECT COALESCE(SUM(pages), 0) FROM audit WHERE action = 'evict' AND at > ?",
                 (at,),
+            ).fetchone()
+        finally:
+            conn.close()
+        return int(row[0])
+
+    def trash_deleted(self) -> int:
+        """Pages this node's audit says its trash drains deleted."""
+        conn = sqlite3.connect(Layout.at(Path("/"), self.state).db_path)
+        try:
+            row = conn.execute(
+                "SELECT COALESCE(SUM(pages), 0) FROM audit WHERE action = 'delete-trash'"
             ).fetchone()
         finally:
             conn.close()
@@ -193,3 +204,35 @@ def test_a_leader_paused_past_its_lease_deletes_nothing_after_it_resumes(tmp_pat
                 run.join(60)
             finally:
                 deletes.close()
+
+
+def test_a_leader_paused_inside_a_trash_entry_deletes_no_more_of_it_after_it_resumes(
+    tmp_path: Path,
+) -> None:
+    # One purged namespace of 3000 pages in .trash/: a paced drain of 256 files a part,
+    # ~1.3 s of pacing after each, so the pause lands inside the entry.
+    env = {"CACHEMGR_GC_DELETE_RATE": "200", "CACHEMGR_GC_INTERVAL": "1h"}
+    entry = "fedcba9876543210.t1"
+    with bed(tmp_path, 2) as (etcd, mounts):
+        purged = tmp_path / "backing" / ".trash" / entry
+        purged.mkdir(parents=True)
+        for i in range(3000):
+            (purged / page_name(i)).write_bytes(b"p")
+        with nodes(tmp_path, etcd, mounts, env) as (leader, follower):
+            # node0 drains it from its election on; only its own deletions show here
+            deletes = Inotify(mounts[0] / ".trash" / entry, IN_DELETE)
+            try:
+                seen = _until_a_chunk_is_done(deletes)
+                leader.proc.send_signal(signal.SIGSTOP)
+                assert deletes.read(settle=0.5) == []  # nothing was in flight at the stop
+                wait_for(follower.leading, bool, timeout=30, what="node1 leading")
+                leader.proc.send_signal(signal.SIGCONT)
+                time.sleep(5)  # past the pacer's sleep: node0's next part would be due
+                assert [e for e in deletes.read() if e[0] & IN_DELETE] == []
+                assert not leader.leading()
+            finally:
+                deletes.close()
+            # what it deleted before the pause is audited, and nothing more
+            audited = wait_for(leader.trash_deleted, bool, timeout=20, what="node0's audit")
+            assert 0 < audited < 3000
+            assert audited >= len(seen)

@@ -211,3 +211,19 @@ def test_gc_deletes_only_trash_entries_named_as_purge_names_them(tree: Tree, nam
     tree.execute(plan, now=T0)
     assert not purged.exists()
     assert os.listdir(kept) == [page(1)]
+
+
+def test_a_drop_whose_gc_lease_lapsed_before_its_rename_leaves_the_namespace(tree: Tree) -> None:
+    tree.add_namespace(NS, active=T0)
+    tree.write(NS, [page(i) for i in range(20)], at=T0)
+    plan = tree.plan(policy(keep_unbound=0), now=T0 + 100)
+    assert [s.reason for s in plan.steps] == ["unbound"]
+    # The step starts while this node leads; by the time it holds the root lock (a wait for
+    # it, a pause) the lease is gone: the rename would take the whole namespace.
+    answers = iter([True])
+    run = tree.run(clock=lambda: T0 + 100, fence=lambda: next(answers, False))
+    report = execute_gc(plan, run)
+    assert report.files == 0
+    assert tree.files(NS) == {page(i) for i in range(20)}
+    assert not list((tree.layout.root / ".trash").iterdir())
+    assert "this node no longer holds the GC lease" in report.warnings[-1]

@@ -1,8 +1,8 @@
 """Two drains of one trash entry at once. In a fleet only the GC leader's daemon drains .trash/
 (a follower's GC does not lead), but a `cachemgr purge` or `init` on any node drains what it
 renamed in the foreground while the leader's GC finds the same entry, and a leader that lost
-its lease finishes the entry it was deleting (a trash entry is one fenced step) while the next
-one starts on it; on one node, a CLI purge and the daemon's GC do the same.
+its lease finishes the part of the entry it was deleting (fenced per part of 256 files) while
+the next one starts on it; on one node, a CLI purge and the daemon's GC do the same.
 
 Each drain unlinks only what is still there, so no file is counted twice. But the slower one
 used to end with a false `moved or replaced while its files were deleted` refusal (an error

@@ -3,10 +3,13 @@ accesses, the merging of the others' (its routes and metrics). See docs/fleet.md
 
 from __future__ import annotations
 
+import os
 import socket
+import stat
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Literal
 
 from fastapi import Body, FastAPI
@@ -17,6 +20,7 @@ from starlette.exceptions import HTTPException
 from cachemgr.backends import FileFormat
 from cachemgr.daemon.events import Event, Kind
 from cachemgr.daemon.watcher import Watcher
+from cachemgr.errors import ConflictError
 from cachemgr.fleet.accesses import (
     MAX_BATCH,
     MAX_NAME,
@@ -115,23 +119,47 @@ def feed(watcher: Watcher, node: str, batch: Sequence[Access]) -> int:
     (a namespace made through another node's mount is watched now: this node's inotify never
     saw it made)."""
     formats: dict[str, FileFormat | None] = {}
+    dirs: set[tuple[str, str]] = set()  # (kind, namespace) of the dir changes taken
+    stores: set[tuple[str, str]] = set()  # (namespace, name) of the stores taken
     now, used = watcher.clock(), 0
     for kind, ns_id, name in batch:
         if kind in ("g", "a"):
+            # Each kind once a namespace and batch: both are settled by what the dir is when
+            # the index applies them, and each rescans the whole dir; a batch of them (a
+            # follower's bug) would hold the index for hours on a big one.
+            if (kind, ns_id) in dirs:
+                continue
+            dirs.add((kind, ns_id))
             used += _dir_changed(watcher, kind, ns_id, (now, node))
             formats.pop(ns_id, None)
             continue
         if ns_id not in formats:
             formats[ns_id] = _format(watcher, ns_id, (now, node))
         fmt = formats[ns_id]
-        base = name.rpartition("/")[2]
-        if fmt is None or ".." in name.split("/") or fmt.key_len(base) is None:
+        # Only a name this node's own watcher could queue: its format's dirs, nothing more
+        # (no "/x", "./x", "a/../x" nor NUL: the index would count one file twice, or fail)
+        where = None if fmt is None else fmt.split(name)
+        if where is None or fmt is None or fmt.key_len(where[1]) is None:
             continue
-        if not base.endswith(fmt.page_suffix):
+        if not where[1].endswith(fmt.page_suffix):
             continue
+        if kind == "w":
+            # A store of a file that is there, once a batch: until the index applies it, GC
+            # counts each store as a page of the largest size against the cap, so stores of
+            # files never made or gone since (a broken follower's) would evict real pages.
+            if (ns_id, name) in stores or not _is_file(watcher.layout.ns_dir(ns_id) / name):
+                continue
+            stores.add((ns_id, name))
         watcher.emit((Kind.READ if kind == "r" else Kind.WRITE, ns_id, name, now, node))
         used += 1
     return used
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _dir_changed(watcher: Watcher, kind: str, ns_id: str, seen: tuple[float, str]) -> int:
@@ -144,6 +172,11 @@ def _dir_changed(watcher: Watcher, kind: str, ns_id: str, seen: tuple[float, str
         if not watcher.has(ns_id):
             return 0
         watcher.mark_gone(ns_id)
+        if watcher.layout.ns_dir(ns_id).is_dir():
+            # There still (recreated, or it never left: a broken follower's word): the gone
+            # event ends this node's watch of it, so watch and rescan what is there, or this
+            # node's own reads and stores in it would go unseen until a restart.
+            watcher.emit((Kind.NS_ADDED, ns_id, "", *seen))
         return 1
     if not watcher.layout.ns_dir(ns_id).is_dir():
         return 0
@@ -213,7 +246,10 @@ def add_fleet_routes(app: FastAPI, fleet: FleetNode | None) -> None:
         SUMMARY_PATH,
         response_model=SummaryOut,
         tags=["fleet"],
-        responses={404: {"description": "fleet mode is off"}, 409: {"description": "not leading"}},
+        responses={
+            404: {"description": "fleet mode is off"},
+            409: {"description": "not leading; the leader's own node name; too many nodes"},
+        },
     )
     def post_accesses(summary: Annotated[SummaryIn, Body()]) -> SummaryOut:
         """Another node's page reads and stores, for the GC leader's eviction order."""
@@ -222,6 +258,10 @@ def add_fleet_routes(app: FastAPI, fleet: FleetNode | None) -> None:
         if not fleet.elector.leading():
             leader = fleet.elector.leader
             raise HTTPException(409, f"not the GC leader; leader: {leader.url if leader else None}")
+        if summary.node == fleet.elector.record.node:  # it would show as a silent node
+            raise ConflictError(
+                f"{summary.node} is this leader's own node name; give each node its own"
+            )
         accesses: list[Access] = [(k, ns, name) for k, ns, name in summary.accesses]
         got = Summary(summary.node, summary.session, summary.first, summary.dropped, accesses)
         return SummaryOut(accepted=fleet.accesses.merge(got))

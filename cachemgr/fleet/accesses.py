@@ -24,6 +24,7 @@ from typing import Literal
 
 import httpx
 
+from cachemgr.errors import ConflictError
 from cachemgr.fleet.elector import Elector
 from cachemgr.worker import DeathHandler, Worker
 
@@ -41,6 +42,12 @@ STORE_GAP = 0.05  # seconds at least between two requests: a burst of stores is 
 # the alert on its summary ages) tells a node with nothing to say from one it cannot hear
 HEARTBEAT = 5.0
 SUMMARY_PATH = "/v1/fleet/accesses"
+# Nodes the leader keeps an entry for (sequence numbers, metrics labels, their streams in its
+# chain model): far more than a fleet has, few enough that a follower posting ever new names
+# (a bug, a leaked token) cannot grow the leader without bound. One silent for FORGET seconds
+# makes room for a new one.
+MAX_NODES = 1024
+FORGET = 3600.0
 
 
 class AccessShipper(Worker):
@@ -189,10 +196,11 @@ class FleetAccesses:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def merge(self, summary: Summary) -> int:
-        """Take one summary; the accesses it repeats (a batch sent again) are skipped."""
+        """Take one summary; the accesses it repeats (a batch sent again) are skipped.
+        ConflictError for a node past MAX_NODES."""
         node, first, accesses = summary.node, summary.first, summary.accesses
         with self._lock:
-            seen = self.nodes.setdefault(node, NodeSeen())
+            seen = self.nodes.get(node) or self._admit(node)
             if seen.session != summary.session:
                 seen.session, seen.last_seq = summary.session, 0
             if first + len(accesses) - 1 < seen.last_seq or first <= 0:
@@ -203,6 +211,18 @@ class FleetAccesses:
             seen.last_at, seen.dropped = self.clock(), summary.dropped
             seen.accesses += len(fresh)
         return self.apply(node, fresh) if fresh else 0
+
+    def _admit(self, node: str) -> NodeSeen:
+        if len(self.nodes) >= MAX_NODES:
+            now = self.clock()
+            for name in [n for n, seen in self.nodes.items() if now - seen.last_at > FORGET]:
+                del self.nodes[name]
+        if len(self.nodes) >= MAX_NODES:
+            raise ConflictError(
+                f"the leader hears from {MAX_NODES} nodes already; {node} is not one of them"
+            )
+        seen = self.nodes[node] = NodeSeen()
+        return seen
 
     def ages(self) -> dict[str, float]:
         """Seconds since each node's last summary."""

@@ -51,6 +51,7 @@ class Elector(Worker):
         self.terms = 0  # terms this node won
         self._round_lock = threading.Lock()
         self._down_said = False
+        self._twin_said = False
 
     def leading(self) -> bool:
         """Whether this node holds the lease by its own clock (no request)."""
@@ -81,6 +82,21 @@ class Elector(Worker):
                 log.info("fleet coordinator answers again", extra={"node": self.record.node})
                 self._down_said = False
             self.coordinator_up = True
+            self._check_name()
+
+    def _check_name(self) -> None:
+        """Another daemon holding the lease under this node's name: this one would never ship
+        its accesses (it takes that leader for itself) and their instances' binding files
+        would be one; said once, as an error."""
+        leader = self.leader
+        twin = self.term is None and leader is not None and leader.node == self.record.node
+        if twin and not self._twin_said:
+            log.error(
+                "another daemon leads the fleet under this node's name; give each node its "
+                "own node_name (CACHEMGR_NODE_NAME)",
+                extra={"node": self.record.node, "leader_url": leader.url if leader else None},
+            )
+        self._twin_said = twin
 
     def _renew_or_campaign(self, sent: float) -> None:
         ttl = self.coordinator.ttl

@@ -36,21 +36,23 @@ class EtcdCoordinator:
         self._clients = [
             Etcd3Client(host, port, timeout=TIMEOUT, api_path="/v3/") for host, port in endpoints
         ]
+        self._endpoints = [f"{host}:{port}" for host, port in endpoints]
         self._current = 0
 
     def _call(self, op: Callable[[Etcd3Client], Any]) -> Any:
         """`op` on the endpoint that answered last, else on the next ones in turn."""
         error: Exception | None = None
+        why = ""
         for i in range(len(self._clients)):
             at = (self._current + i) % len(self._clients)
             try:
                 result = op(self._clients[at])
             except (Etcd3Exception, requests.RequestException) as e:
-                error = e
+                error, why = e, f"{self._endpoints[at]}: {_reason(e)}"
                 continue
             self._current = at
             return result
-        raise CoordinatorDown(f"etcd: {error}") from error
+        raise CoordinatorDown(f"etcd {why}") from error
 
     def campaign(self, record: LeaderRecord) -> Term | None:
         def attempt(client: Etcd3Client) -> Term | None:
@@ -107,3 +109,10 @@ class EtcdCoordinator:
     def close(self) -> None:
         for client in self._clients:
             client.session.close()
+
+
+def _reason(error: Exception) -> str:
+    """What went wrong, in words: etcd3gw keeps its message in `detail_text`, not in the
+    exception's args (str() of a refused connection is empty)."""
+    detail = getattr(error, "detail_text", None) or str(error)
+    return f"{type(error).__name__}: {detail}" if detail else type(error).__name__

@@ -21,6 +21,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
+from cachemgr.errors import ConfigError
 from cachemgr.fleet.coordinator import CoordinatorDown, LeaderRecord, Term
 
 URL_ANNOTATION = "cachemgr.io/leader-url"
@@ -56,7 +57,13 @@ class KubeCoordinator:
         try:
             config.load_incluster_config()  # type: ignore[no-untyped-call]
         except ConfigException:
-            config.load_kube_config()  # type: ignore[no-untyped-call]
+            try:
+                config.load_kube_config()  # type: ignore[no-untyped-call]
+            except (ConfigException, OSError) as e:  # not in a pod: a setting to fix, said once
+                raise ConfigError(
+                    'fleet_coordinator "kubernetes": no service account (not in a pod?) and '
+                    f"no usable kube config: {e}"
+                ) from e
         return cls(client.CoordinationV1Api(), name, namespace, ttl)
 
     def _call(self, op: Callable[[], Any]) -> Any:

@@ -64,6 +64,7 @@ class DeleteReport:
     young: int = 0  # kept: modified more recently than min_age
     refused: tuple[str, ...] = ()  # kept: not a page/temp name, not a regular file, no access
     dry_run: bool = False
+    stopped: bool = False  # ended early by `Listeners.stop`: the rest of the names stay
 
     def __add__(self, other: DeleteReport) -> DeleteReport:
         return DeleteReport(
@@ -73,6 +74,7 @@ class DeleteReport:
             self.young + other.young,
             self.refused + other.refused,
             self.dry_run or other.dry_run,
+            self.stopped or other.stopped,
         )
 
 
@@ -101,11 +103,15 @@ class Pacer:
 
 @dataclass(frozen=True)
 class Listeners:
-    """What hears of each file a deletion removes (none in a dry run, but `progress`)."""
+    """What hears of each file a deletion removes (none in a dry run, but `progress`), and
+    what may end it early."""
 
     pacer: Pacer | None = None  # ticked: sleeps when they come faster than its rate
     progress: Progress | None = None  # running totals, every 1024 files and at the end
     removed: Removed | None = None  # each name gone (so an index drops it); vanished: None
+    # Asked before each part: true (a shutdown; in a fleet, the GC lease lost) ends the
+    # deletion there. A leader paused inside a long deletion must not go on when it wakes.
+    stop: Callable[[], bool] | None = None
 
 
 def delete_files(
@@ -143,12 +149,15 @@ def delete_files(
     if not leaf:
         raise UnsafePathError(f"{rel_dir!r}: no directory to delete files from")
     files = size = 0
-    stopped = False
+    stopped = halted = False
     with open_dir(root, rel_dir) as fd, open_dir(root, parent) as parent_fd:
         where = Where(fd, parent_fd, leaf, dir_id(fd))
         # nested and unpaced: larger parts (the C call re-checks the dirs below rel_dir itself)
         parts, unlink = _parts(fd, list(names), fmt, step, 1 if paced else NESTED_PART, checked)
         for part in parts:
+            if listeners.stop is not None and listeners.stop():
+                halted = True
+                break
             if not dry_run and not still_at(root, rel_dir, where.here):
                 stopped = True
                 break
@@ -180,7 +189,8 @@ def delete_files(
     if stopped:
         moved = f"{rel_dir}: moved or replaced while its files were deleted; stopped"
         refused += (Refusal(moved, "unsafe"),)
-    return DeleteReport(files, size, len(checked.vanished), checked.young, refused, dry_run)
+    vanished, young = len(checked.vanished), checked.young
+    return DeleteReport(files, size, vanished, young, refused, dry_run, stopped=halted)
 
 
 def _emptied(fd: int) -> bool:
@@ -230,10 +240,9 @@ def delete_dir(
     *,
     dry_run: bool = False,
     min_age: float = 0.0,
-    pacer: Pacer | None = None,
-    progress: Progress | None = None,
     fmt: FileFormat = DEFAULT_FORMAT,
     now: Callable[[], float] = time.time,
+    listeners: Listeners = Listeners(),
 ) -> DeleteReport:
     """Empty <root>/<rel_dir> of page/temp files and remove it if nothing else is left.
 
@@ -241,6 +250,7 @@ def delete_dir(
     files younger than `min_age` stay too (and so does the dir). A nested format's dirs go
     too once empty (no engine writes to a renamed dir), and then each identity file whose
     blocks are all gone (only one that vouches for its own folder), and its folder.
+    `listeners` as delete_files'; stopped by one, the dir and the rest of its files stay.
     """
     with open_dir(root, rel_dir) as fd:
         names, dirs = tree_names(fd, fmt)
@@ -251,9 +261,9 @@ def delete_dir(
         dry_run=dry_run,
         min_age=min_age,
         fmt=fmt,
-        listeners=Listeners(pacer, progress),
+        listeners=listeners,
     )
-    if dry_run or report.refused or report.young:
+    if dry_run or report.stopped or report.refused or report.young:
         return report
     try:
         why = _remove_dirs(root, rel_dir, dirs, fmt, now)

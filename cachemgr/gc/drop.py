@@ -15,7 +15,7 @@ from cachemgr.fs.safe import open_dir
 from cachemgr.gc.step import GcStep, StepResult
 from cachemgr.layout import Layout
 from cachemgr.ns.bindings import bound_by_files
-from cachemgr.ns.purge import drop_unbound, rename_to_trash
+from cachemgr.ns.purge import drop_unbound, manifest_or_none, rebound, rename_to_trash
 from cachemgr.ns.runcontext import RunContext
 from cachemgr.ns.trash import drain_entry, trash_format
 from cachemgr.state import pages_sql, registry_sql
@@ -41,8 +41,13 @@ def drop_namespace(run: RunContext, step: GcStep, progress: Progress | None) -> 
     with root_lock(layout):
         if why := why_stays(run, ns_id):
             return replace(base, skipped=why)
+        # Asked again here, not only before the step: the root lock may have kept it waiting
+        # (or it was paused) past its GC lease, and the rename takes the whole namespace.
+        if run.stop():
+            return replace(base, skipped="stopped: shutting down, or the GC lease was lost")
         # The write lock first: a DB held locked elsewhere fails the drop before the rename.
         with store.transaction() as conn:
+            manifest = manifest_or_none(layout, ns_id)
             entry = rename_to_trash(layout, ns_id, recreate=False)
             trash = f".trash/{entry}"
             held = list(list_files(layout, trash, fmt=trash_format(layout, entry))) if entry else []
@@ -57,6 +62,9 @@ def drop_namespace(run: RunContext, step: GcStep, progress: Progress | None) -> 
                     f"min_age ({step.min_age:g}s): drop deferred{why}",
                 )
             drop_unbound(layout, store, ns_id)
+            # (a fleet: bound on another node since why_stays read the files, it gets its dir
+            # back empty; what it held was to be dropped, and is)
+            rebound(layout, store, ns_id, manifest)
             # Its rows go with it, under the lock: a fresh dir an init makes next has its own.
             pages_sql.delete_namespace_pages(conn, ns_id)
             if held:  # audited as its rows leave the index, like each chunk of an eviction

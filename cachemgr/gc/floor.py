@@ -131,7 +131,8 @@ def free_floor(
     for step in steps:
         if stop():
             break
-        results.append(StepResult(step).done(_delete(layout, step, pacer, clock, dry_run)))
+        done = _delete(layout, step, Listeners(pacer, stop=stop), clock, dry_run)
+        results.append(StepResult(step).done(done))
     # Files kept are said as a regular run says them: with 0 inodes or bytes left, this pass
     # may be all a run does (the DB does not open until it frees some).
     warnings += [refusal_warning(r) for r in results if r.refused]
@@ -209,13 +210,20 @@ def record_floor(
 
 
 def _delete(
-    layout: Layout, step: GcStep, pacer: Pacer | None, clock: Callable[[], float], dry_run: bool
+    layout: Layout,
+    step: GcStep,
+    listeners: Listeners,
+    clock: Callable[[], float],
+    dry_run: bool,
 ) -> DeleteReport:
-    """Carry out one floor step (a dry run: check its files only)."""
+    """Carry out one floor step (a dry run: check its files only); `listeners.stop` is asked
+    before each part of it, as GC's stop before each chunk."""
     try:
         fmt = gcfind.step_format(layout, step)
         if step.remove_dir:
-            return delete_dir(layout.root, step.rel_dir, pacer=pacer, fmt=fmt, dry_run=dry_run)
+            return delete_dir(
+                layout.root, step.rel_dir, fmt=fmt, dry_run=dry_run, listeners=listeners
+            )
         return delete_files(
             layout.root,
             step.rel_dir,
@@ -224,7 +232,7 @@ def _delete(
             now=clock,
             fmt=fmt,
             dry_run=dry_run,
-            listeners=Listeners(pacer),
+            listeners=listeners,
         )
     except (UnsafePathError, FileNotFoundError) as e:
         return DeleteReport(refused=(f"{step.rel_dir}: {e}",), dry_run=dry_run)

@@ -23,7 +23,8 @@ two nodes' servers of one name are two instances. The DB mirrors every node's bi
 as above (the DB wins), the other nodes' from their files (the files win: another node's init
 moved them), read in by `adopt_from_disk`, by `catch_up` before init counts who still uses the
 namespace it leaves, and before each GC plan and purge, and by `read_in` once more as a purge
-moves each namespace (the root lock is one node's: another node may bind while a plan is made).
+moves each namespace (the root lock is one node's: another node may bind while a plan is made),
+and after the move of an unbound one (`ns.purge.rebound`: a bind since that last read).
 """
 
 from __future__ import annotations

@@ -85,6 +85,17 @@ def init_namespace(
         )
         with store.transaction():
             nsreg.bind(layout, store, instance, ns, now())
+        if layout.node is not None:
+            # Another node's purge may have read the binding files just before this one was
+            # written, and moved the dir away since: made again now if so (ns.purge.rebound).
+            nsreg.ensure_namespace(
+                layout,
+                store,
+                ns_id=ns,
+                digest=identity.digest,
+                identity=identity.model_dump(mode="json"),
+                now=now(),
+            )
         base = InitResult(instance, ns, identity.digest, layout.ns_dir(ns), "created", created)
         if previous is None:
             return replace(base, outcome="created" if created else "joined")

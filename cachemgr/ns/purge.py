@@ -25,7 +25,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Unpack
 
-from cachemgr.errors import CachemgrError, ConfigError, RootNotWritable, UnsafePathError
+from cachemgr.errors import (
+    CachemgrError,
+    ConfigError,
+    RootNotWritable,
+    StateError,
+    UnsafePathError,
+)
 from cachemgr.fs import reserve
 from cachemgr.fs.deletion import delete_manifest
 from cachemgr.fs.locks import root_lock
@@ -34,6 +40,7 @@ from cachemgr.fs.tree import identities
 from cachemgr.layout import NS_DIR, TRASH_DIR, Layout
 from cachemgr.ns import bindings
 from cachemgr.ns import registry as nsreg
+from cachemgr.ns.manifest import Manifest, read_manifest, write_manifest
 from cachemgr.ns.purge_plan import PurgePlan, PurgeTarget, Selector, plan_purge  # re-exported
 from cachemgr.ns.trash import (  # re-exported: purge and trash are one API for callers
     Actor,
@@ -61,8 +68,10 @@ __all__ = [
     "drop_unbound",
     "execute_purge",
     "list_trash",
+    "manifest_or_none",
     "plan_purge",
     "purge",
+    "rebound",
     "rename_to_trash",
 ]
 
@@ -133,10 +142,13 @@ def _purge_one(
             return None
         if _done_meanwhile(layout, target, bound=bool(instances)):
             return None  # another purge (an init, GC) got there since the plan, and audited it
+        manifest = manifest_or_none(layout, target.ns_id) if not instances else None
         trash_name = rename_to_trash(layout, target.ns_id, recreate=bool(instances))
-        removed = False
+        removed, recreated = False, bool(instances)
         if not instances:
             removed = drop_unbound(layout, store, target.ns_id)
+            if rebound(layout, store, target.ns_id, manifest):
+                removed, recreated = False, True
         else:
             pages_sql.delete_namespace_pages(store.conn, target.ns_id)
         store.audit(
@@ -148,7 +160,34 @@ def _purge_one(
             bytes_=target.bytes,
             at=at(),
         )
-    return Purged(target.ns_id, trash_name, bool(instances), removed, target.pages, target.bytes)
+    return Purged(target.ns_id, trash_name, recreated, removed, target.pages, target.bytes)
+
+
+def manifest_or_none(layout: Layout, ns_id: str) -> Manifest | None:
+    """In a fleet, the manifest `rebound` may have to put back (None: none, or damaged)."""
+    if layout.node is None:
+        return None
+    try:
+        return read_manifest(layout, ns_id)
+    except StateError:
+        return None
+
+
+def rebound(layout: Layout, store: Store, ns_id: str, manifest: Manifest | None) -> bool:
+    """In a fleet, once an unbound namespace's dir and manifest are gone: whether another
+    node's init bound it since the binding files were last read; if so its dir is made again,
+    empty, with its manifest, as for a namespace purged while bound. That init makes both
+    again itself after it writes its binding file (cachemgr.ns.prelaunch): whichever of the
+    two goes second sees the other's change, so the window the root lock (one node's) leaves
+    open is closed. Call inside the purge's transaction."""
+    if layout.node is None or ns_id not in bindings.bound_by_files(layout):
+        return False  # one node: its root lock serializes every init and purge
+    nsreg.make_ns_dir(layout, ns_id)
+    if manifest is not None:
+        write_manifest(layout, manifest)
+        nsreg.register(store, manifest)
+    bindings.read_in(layout, store)
+    return True
 
 
 def _done_meanwhile(layout: Layout, target: PurgeTarget, *, bound: bool) -> bool:

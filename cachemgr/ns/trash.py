@@ -19,7 +19,7 @@ from typing import Literal
 from cachemgr.backends import FileFormat, FileKind
 from cachemgr.errors import UnsafePathError
 from cachemgr.formats import DEFAULT_FORMAT
-from cachemgr.fs.deletion import DeleteReport, Pacer, delete_dir
+from cachemgr.fs.deletion import DeleteReport, Listeners, Pacer, delete_dir
 from cachemgr.fs.dirscan import scan_usage
 from cachemgr.fs.safe import open_dir
 from cachemgr.fs.tree import format_in, tree_names
@@ -209,9 +209,9 @@ def drain_entry(
             f".trash/{entry}",
             dry_run=dry_run,
             min_age=min_age,
-            pacer=run.pacer,
-            progress=progress,
             fmt=trash_format(run.layout, entry),
+            # per part, as GC's own chunks: a leader that lost its lease stops mid-entry
+            listeners=Listeners(run.pacer, progress, stop=run.stop),
         )
     except UnsafePathError as e:
         return DeleteReport(refused=(f".trash/{entry}: {e}",), dry_run=dry_run)
