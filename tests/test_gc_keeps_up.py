@@ -278,8 +278,9 @@ def test_each_fleet_nodes_last_page_read_since_the_plan_is_kept(tmp_path: Path) 
 @pytest.mark.xfail(
     strict=True,
     reason="a chain read while GC deletes, before its links are learned, loses its middle: "
-    "only the lineage of each stream's last page is spared (branch `hole` fixes it; held "
-    "until its cost to cap-keeping at full speed is measured on a quiet box)",
+    "only the lineage of each stream's last page is spared. Sparing each stream's run of "
+    "pages read since the plan fixes it (bench/RESULTS.md, 'each stream's run'); held until "
+    "its cost to cap-keeping at full speed is measured on a quiet box",
 )
 def test_a_chain_read_while_gc_deletes_stays_whole_before_its_links_are_learned(
     tmp_path: Path,
