@@ -75,27 +75,20 @@ def init_namespace(
         previous = nsreg.binding_of(store, instance)
         if previous not in (None, ns) and on_change == "purge" and not force:
             _refuse_live_purge(layout, store, previous, instance, in_use)
-        created = nsreg.ensure_namespace(
-            layout,
-            store,
-            ns_id=ns,
-            digest=identity.digest,
-            identity=identity.model_dump(mode="json"),
-            now=now(),
-        )
+        record = identity.model_dump(mode="json")
+
+        def ensure() -> bool:
+            return nsreg.ensure_namespace(
+                layout, store, ns_id=ns, digest=identity.digest, identity=record, now=now()
+            )
+
+        created = ensure()
         with store.transaction():
             nsreg.bind(layout, store, instance, ns, now())
         if layout.node is not None:
             # Another node's purge may have read the binding files just before this one was
             # written, and moved the dir away since: made again now if so (ns.purge.rebound).
-            nsreg.ensure_namespace(
-                layout,
-                store,
-                ns_id=ns,
-                digest=identity.digest,
-                identity=identity.model_dump(mode="json"),
-                now=now(),
-            )
+            ensure()
         base = InitResult(instance, ns, identity.digest, layout.ns_dir(ns), "created", created)
         if previous is None:
             return replace(base, outcome="created" if created else "joined")
