@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from bench_daemon import start_daemon
-from bench_scale import LAUNCH, NS, PAGE, page_name
+from bench_scale import LAUNCH, NS, write_pages
 
 from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
@@ -40,16 +40,8 @@ def build(root: Path, n: int) -> Layout:
     if d.is_dir() and len(os.listdir(d)) == n:
         return layout
     create_root(layout)
-    d.mkdir(parents=True)
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
     t = time.perf_counter()
-    try:
-        for i in range(n):
-            f = os.open(page_name(i), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=fd)
-            os.write(f, PAGE)
-            os.close(f)
-    finally:
-        os.close(fd)
+    write_pages(d, n)
     with Store.open(layout.db_path) as store:
         ensure_namespace(layout, store, ns_id=NS, digest=NS * 4, identity=IDENTITY, now=time.time())
     print(f"made {n:,} pages in {time.perf_counter() - t:.0f} s")

@@ -204,22 +204,17 @@ def status_kib(pid: int, field: str) -> int:
     return int(line.split()[1])
 
 
+def serve_argv(layout: Layout, port: int) -> list[str]:
+    """`cachemgr serve` of this root on a loopback port, logging warnings and worse."""
+    root = ["--root", str(layout.root), "--log-level", "warning"]
+    return [sys.executable, "-m", "cachemgr", *root, "serve", "--port", str(port)]
+
+
 def start_daemon(layout: Layout, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], int, float]:
     """`cachemgr serve` on a free port; returns it, the port and how long it took to be ready."""
     port = free_port()
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "cachemgr",
-            "--root",
-            str(layout.root),
-            "--log-level",
-            "warning",
-            "serve",
-            "--port",
-            str(port),
-        ],
+        serve_argv(layout, port),
         stderr=subprocess.DEVNULL,
         env={**os.environ, **env},
     )

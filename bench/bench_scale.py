@@ -44,7 +44,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-from bench_daemon import free_port, status_kib
+from bench_daemon import free_port, serve_argv, status_kib
 from bench_evict import IDENTITY, POLLER, scrapes
 
 from cachemgr.fs.root import create_root
@@ -213,18 +213,7 @@ class Served:
         self.url = f"http://127.0.0.1:{self.port}"
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "cachemgr",
-                "--root",
-                str(layout.root),
-                "--log-level",
-                "warning",
-                "serve",
-                "--port",
-                str(self.port),
-            ],
+                serve_argv(layout, self.port),
             stderr=subprocess.DEVNULL,
             env={**os.environ, **env},
         )
