@@ -213,7 +213,7 @@ class Served:
         self.url = f"http://127.0.0.1:{self.port}"
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(
-                serve_argv(layout, self.port),
+            serve_argv(layout, self.port),
             stderr=subprocess.DEVNULL,
             env={**os.environ, **env},
         )
