@@ -196,7 +196,8 @@ def test_a_malformed_server_info_is_down_not_a_dead_probe(
         assert dm.daemon.probe is not None
         probe = dm.daemon.probe
         wait_for(lambda: probe.last_error or "", lambda e: "cannot read" in e)
-        assert metric(dm.get("/metrics").text, "cachemgr_sglang_up") == 0
+        # the error is set a moment before the up gauge: read it once both are written
+        wait_for(lambda: metric(dm.get("/metrics").text, "cachemgr_sglang_up"), lambda v: v == 0)
         info.update(SERVER_INFO)  # the server answers sanely again: up, and nothing purged
         text = wait_for(
             lambda: dm.get("/metrics").text, lambda t: metric(t, "cachemgr_sglang_up") == 1
