@@ -473,6 +473,8 @@ def test_alerts_fire_on_the_daemons_real_series(scrapes: Live, tmp_path: Path) -
     gc_ok = target(e.get("cachemgr_gc_last_success_timestamp_seconds"))
     refused_sample = e.get("cachemgr_gc_refused_files_total", reason="permission")
     refused, refused_labels = target(refused_sample), {**TARGET, **dict(refused_sample.labels)}
+    unmet_sample = e.get("cachemgr_gc_limits_unmet", limit="free_space")
+    unmet, unmet_labels = target(unmet_sample), {**TARGET, **dict(unmet_sample.labels)}
     info_sample = e.get("cachemgr_namespace_info", namespace=ns_id)
     info = target(info_sample, page_size="1")
     v_pages = target(e.get("cachemgr_namespace_pages", namespace=ns_v))
@@ -540,6 +542,15 @@ def test_alerts_fire_on_the_daemons_real_series(scrapes: Live, tmp_path: Path) -
             [expect("CachemgrGCRefusedFiles", refused_labels, 80)],
         ),
         alert_test("CachemgrGCRefusedFiles", {refused: "0 0 80x30"}, "25m", []),
+        # Runs end over the floor for 10 minutes: it fires; one such run between good ones
+        # (a burst GC caught up with) does not.
+        alert_test(
+            "CachemgrGCLimitNotHeld",
+            {unmet: "0 0 1x15"},
+            "14m",
+            [expect("CachemgrGCLimitNotHeld", unmet_labels, 1)],
+        ),
+        alert_test("CachemgrGCLimitNotHeld", {unmet: "0 0 1 0x15"}, "14m", []),
         alert_test(
             "CachemgrWatcherOverflow",
             {overflows: "0 0 0 1 1 1"},

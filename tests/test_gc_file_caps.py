@@ -142,14 +142,21 @@ def test_gc_on_a_terminal_exits_1_when_its_cap_cannot_be_held(full: Layout) -> N
 def test_the_inode_floor_is_a_one_off_limit_of_the_cli(full: Layout) -> None:
     """As the free-space floor's --min-free-percent: `cachemgr gc --min-free-inodes-percent`
     keeps an inode floor for that run (one no filesystem meets here: every page goes, for
-    reason free_inodes, from the floor pass), and a bad one is refused in one line."""
+    reason free_inodes, from the floor pass, and the run says it did not hold the floor), and
+    a bad one is refused in one line."""
     args = ("--root", str(full.root), "gc", "--json", "--min-free-inodes-percent")
     bad = cli(*args, "101", "--dry-run")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
     assert "less than 100" in bad.stderr
     out = cli(*args, "99.99", "--yes", env={"CACHEMGR_GC_MIN_AGE": "0"})
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["by_reason"]["free_inodes"]["files"] == PAGES
+    assert out.returncode == 1, out.stderr
+    assert "the limit was not held: free_inodes still over" in out.stderr
+    report = json.loads(out.stdout)
+    assert report["by_reason"]["free_inodes"]["files"] == PAGES
+    assert not report["held"]
+    assert [(u["limit"], u["namespace_id"], u["unit"]) for u in report["unmet"]] == [
+        ("free_inodes", None, "files")
+    ]
     assert _pages(full) == 0
 
 
@@ -163,5 +170,6 @@ def test_post_gc_takes_a_one_off_inode_floor_for_that_run_only(full: Layout) -> 
         r = dm.post("/v1/gc", json={"min_free_inodes_percent": 99.99})
         assert r.status_code == 200, r.text
         assert r.json()["by_reason"]["free_inodes"]["files"] == PAGES
+        assert not r.json()["held"] and r.json()["unmet"][0]["limit"] == "free_inodes"
         assert _pages(full) == 0
         assert dm.status()["gc_limits"]["min_free_inodes_percent"] == 0

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import json
 import os
+from typing import Any
 
 import click
 
@@ -15,7 +16,7 @@ from cachemgr.cli.launch_options import LaunchRequest
 from cachemgr.cli.status import from_daemon, same_root
 from cachemgr.doctor.finding import Finding, exit_code
 from cachemgr.doctor.permissions import SAMPLE, lint_deletable
-from cachemgr.doctor.root import lint_disk
+from cachemgr.doctor.root import lint_disk, lint_gc_unmet
 from cachemgr.doctor.statedir import lint_root_and_state
 from cachemgr.errors import CachemgrError
 from cachemgr.gc.policy import GcPolicy
@@ -49,7 +50,8 @@ def doctor(app: AppContext, as_json: bool, all_pages: bool, launch_cmd: tuple[st
     if not launch_cmd:  # a launch is linted without a root; the root alone needs one
         existing_layout(settings)
     findings: list[Finding] = []
-    policy = served_policy(settings)
+    served = _served(settings)
+    policy = served_policy(settings, served)
     if launch_cmd:
         findings += engines.for_launch(launch_cmd).lint(
             launch_cmd,
@@ -59,6 +61,7 @@ def doctor(app: AppContext, as_json: bool, all_pages: bool, launch_cmd: tuple[st
             environ=os.environ,
         )
     if layout.root.is_dir():
+        findings += lint_gc_unmet(served.get("gc_unmet", []) if served else [])
         findings += lint_disk(layout, policy)
         findings += lint_root_and_state(layout)
         findings += lint_deletable(layout, None if all_pages else SAMPLE)
@@ -72,12 +75,19 @@ def doctor(app: AppContext, as_json: bool, all_pages: bool, launch_cmd: tuple[st
     raise SystemExit(exit_code(findings))
 
 
-def served_policy(settings: Settings) -> GcPolicy:
+def _served(settings: Settings) -> dict[str, Any] | None:
+    """The /v1/status of the daemon serving this root, when one answers."""
+    served = from_daemon(settings)
+    if served is None or not same_root(served.get("root"), settings.root):
+        return None
+    return served
+
+
+def served_policy(settings: Settings, served: dict[str, Any] | None) -> GcPolicy:
     """The GC limits that hold on the root: those of the daemon serving it, when one answers
     (its env or file may set a cap this shell does not see), else this process's settings."""
     policy = GcPolicy.from_settings(settings)
-    served = from_daemon(settings)
-    if served is None or not same_root(served.get("root"), settings.root):
+    if served is None:
         return policy
     limits = served.get("gc_limits")
     if not isinstance(limits, dict):  # a daemon that runs no GC, or an older one

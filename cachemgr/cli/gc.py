@@ -141,13 +141,17 @@ def _run(runner: GcRunner, floor: GcReport | None, dry_run: bool, yes: bool, as_
 
 
 def _check_held(report: GcReport) -> None:
-    """Exit 1 (LimitNotHeld) when a step holding a limit had files refused."""
-    if not report.held:
-        refused = sum(report.refused_files().values())
-        raise LimitNotHeld(
-            f"the limit was not held: {refused:,} files GC had to delete could not be "
-            "(see the warnings above; `cachemgr doctor` says how to fix it)"
-        )
+    """Exit 1 (LimitNotHeld) when a step holding a limit had files refused, or the plan had
+    too little it may delete to hold one."""
+    if report.held:
+        return
+    refused = sum(report.refused_files().values())
+    why = [f"{refused:,} files GC had to delete could not be"] if refused else []
+    why += [f"{u.reason} still over its high watermark" for u in report.unmet]
+    raise LimitNotHeld(
+        f"the limit was not held: {'; '.join(why)} "
+        "(see the warnings above; `cachemgr doctor` says how to fix it)"
+    )
 
 
 @contextmanager

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import Path
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from cachemgr import __version__
+from cachemgr.gc.policy import GcReason
+from cachemgr.gc.step import Unmet
 from cachemgr.layout import INSTANCE_RE, NS_ID_RE
 from cachemgr.ns.status import NamespaceStatus
 
@@ -78,11 +80,37 @@ class Status(BaseModel):
     gc_limits: GcLimits | None = Field(
         None, description="the limits this daemon's GC keeps (null: it runs no GC)"
     )
+    gc_unmet: list[GcUnmet] = Field(
+        default_factory=list,
+        description="limits this daemon's last GC run left over their high watermark with "
+        "nothing else it may delete (empty: all held, or no run yet)",
+    )
     left_for_a_person: list[str] = Field(
         default_factory=list,
         description="purged namespaces in .trash/ that deletion cannot finish (foreign files): "
         "`.trash/<entry>: left for a person: N foreign files, e.g. <path>`",
     )
+
+
+class GcUnmet(BaseModel):
+    """A limit a GC run left over its high watermark, with nothing else it may delete."""
+
+    limit: GcReason = Field(description="cap, free_space, files, free_inodes or dir_full")
+    namespace_id: str | None = Field(description="null: the root's limit")
+    unit: Literal["bytes", "files"]
+    excess: int = Field(description="what would still have to go, to its low watermark")
+    message: str
+
+    @classmethod
+    def of(cls, u: Unmet) -> GcUnmet:
+        """The JSON shape of one unmet limit."""
+        return cls(
+            limit=u.reason,
+            namespace_id=u.namespace_id,
+            unit=u.unit,
+            excess=u.excess,
+            message=u.line(),
+        )
 
 
 class Fingerprint(BaseModel):

@@ -26,6 +26,7 @@ from cachemgr.daemon.api import (
     INSTANCE_PATTERN,
     Fingerprint,
     GcRequest,
+    GcUnmet,
     Health,
     IndexInfo,
     NsId,
@@ -139,6 +140,7 @@ def create_app(backend: Backend) -> FastAPI:
             filesystem_avail_bytes=du.free if du else None,
             filesystem_size_bytes=du.total if du else None,
             gc_limits=gc_limits(backend.gc.policy) if backend.gc is not None else None,
+            gc_unmet=[GcUnmet.of(u) for u in backend.gc.stats.unmet] if backend.gc else [],
             left_for_a_person=left_for_people(backend.layout),
         )
 

@@ -10,7 +10,7 @@ import anyio.to_thread
 from anyio import CapacityLimiter
 from pydantic import BaseModel, Field
 
-from cachemgr.daemon.api import GcLimits
+from cachemgr.daemon.api import GcLimits, GcUnmet
 from cachemgr.gc.policy import GcPolicy, GcReason
 from cachemgr.gc.runner import GcRunner
 from cachemgr.gc.step import GcReport, StepResult
@@ -71,8 +71,12 @@ class GcResponse(BaseModel):
     steps: list[GcStepOut]
     warnings: list[str]
     held: bool = Field(
-        description="false: a cap or the free-space floor needed files gone that could not be "
-        "deleted (see warnings and each step's refused)"
+        description="false: a cap or a floor needed files gone that could not be deleted (see "
+        "warnings and each step's refused), or GC had too little it may delete (see unmet)"
+    )
+    unmet: list[GcUnmet] = Field(
+        default_factory=list,
+        description="limits the run left over their high watermark with nothing else it may delete",
     )
 
     @classmethod
@@ -90,6 +94,7 @@ class GcResponse(BaseModel):
             steps=[GcStepOut.of(s) for s in report.steps],
             warnings=list(report.warnings),
             held=report.held,
+            unmet=[GcUnmet.of(u) for u in report.unmet],
         )
 
 

@@ -28,6 +28,7 @@ from cachemgr.errors import StateCorrupt
 from cachemgr.fs.dirlimit import DirIndex
 from cachemgr.fs.dirlimit import dir_index as read_dir_index
 from cachemgr.fs.usage import DiskUsage, disk_usage
+from cachemgr.gc.policy import HOLDING
 from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
 from cachemgr.ns.quarantine import ROOT, STATE_DIR, Quarantine
@@ -90,7 +91,11 @@ METRICS: dict[str, str] = {
     "cachemgr_gc_leader": "1 while this daemon holds the root's GC lock (it alone deletes)",
     "cachemgr_index_leader": "1 while this daemon writes the root's index (the others follow it)",
     "cachemgr_gc_runs_total": "GC runs by result: ok, error, skipped (another process leads), "
-    "short (files a cap or the floor needed gone could not be deleted)",
+    "short (a cap or a floor not held: files it needed gone could not be deleted, or GC had "
+    "too little it may delete)",
+    "cachemgr_gc_limits_unmet": "limits the last GC run left over their high watermark with "
+    "nothing else it may delete, by limit (cap, free_space, files, free_inodes, dir_full): "
+    "0 when it held them all",
     "cachemgr_gc_refused_files_total": "files GC meant to delete and had to keep, by reason "
     "(permission: the kernel refused, e.g. a writer's dir without the group's write)",
     "cachemgr_gc_protection_overridden_total": (
@@ -369,6 +374,12 @@ class CachemgrCollector(Collector):
             refused.add_metric([reason], files)
         yield refused
         yield _one("cachemgr_gc_protection_overridden_total", st.overridden)
+        unmet = GaugeMetricFamily(
+            "cachemgr_gc_limits_unmet", METRICS["cachemgr_gc_limits_unmet"], labels=["limit"]
+        )
+        for limit in sorted(HOLDING):
+            unmet.add_metric([limit], sum(u.reason == limit for u in st.unmet))
+        yield unmet
         name = "cachemgr_gc_last_success_timestamp_seconds"
         yield GaugeMetricFamily(name, METRICS[name], value=st.last_success)
         name = "cachemgr_gc_audit_rows_held"

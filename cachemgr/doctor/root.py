@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Literal
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 from cachemgr.doctor.finding import Finding
 from cachemgr.errors import CachemgrError
@@ -161,6 +162,28 @@ def lint_disk(
     if state == "low":
         return [Finding("warning", "disk-low", f"the root's filesystem is low: {what}", fix)]
     return []
+
+
+def lint_gc_unmet(unmet: Sequence[Mapping[str, Any]]) -> list[Finding]:
+    """The limits the serving daemon's last GC run could not hold (its /v1/status
+    `gc_unmet`): GC deleted all it may and the cache, or the disk, is still over them."""
+    out = []
+    for u in unmet:
+        floor = u.get("limit") in ("free_space", "free_inodes")
+        fix = _FLOOR_FIX if floor else _CAP_FIX
+        out.append(Finding("error", "gc-limit-not-held", str(u.get("message")), fix))
+    return out
+
+
+# Files GC does not manage fill the filesystem: emptying the cache would not be enough.
+_FLOOR_FIX = (
+    "free space outside the cache (`du -x` on the filesystem), give the cache its own "
+    "filesystem, or lower gc_min_free_percent / gc_min_free_bytes / gc_min_free_inodes_percent"
+)
+_CAP_FIX = (
+    "what is left is not GC's to delete: see the other findings and `cachemgr gc --dry-run`'s "
+    "warnings (a quarantined or damaged namespace, files that are not pages), or raise the cap"
+)
 
 
 def filesystem_line(disk: DiskUsage) -> str:

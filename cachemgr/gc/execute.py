@@ -116,7 +116,9 @@ def execute_gc(
     warnings = plan.warnings + tuple(refusal_warning(r) for r in results if r.refused)
     if fenced[0]:
         warnings += ("stopped deleting: this node no longer holds the GC lease",)
-    report = GcReport(run.dry_run, True, started, run.clock(), tuple(results), warnings)
+    report = GcReport(
+        run.dry_run, True, started, run.clock(), tuple(results), warnings, unmet=plan.unmet
+    )
     _log_summary(report, run.actor)
     return report
 

@@ -41,7 +41,7 @@ from cachemgr.gc.policy import (
     over_limits,
     tally,
 )
-from cachemgr.gc.step import GcStep
+from cachemgr.gc.step import GcStep, Unmet
 from cachemgr.gc.value import cap_order
 from cachemgr.layout import Layout
 from cachemgr.ns.manifest import identity_model, identity_record
@@ -61,6 +61,7 @@ class GcPlan(ByReason):
     budget_reason: GcReason
     warnings: tuple[str, ...] = ()
     overridden: int = 0  # pages a protection (min_age, in flight) held that a limit took
+    unmet: tuple[Unmet, ...] = ()  # limits it leaves over their high watermark
 
     def totals(self) -> dict[GcReason, tuple[int, int]]:
         """(files, bytes) per reason, in plan order."""
@@ -216,11 +217,17 @@ def _plan(
         over = over or files_over(policy, files)
         chains = ChainModel.from_index(conn, sorted(live) if over else [])
     overridden = 0
+    unmet: list[Unmet] = []
+    ns_cap = policy.namespace_max_bytes
     for ns_id, need in limits.namespaces.items():
         victims, forced = _pick(chains, [ns_id], (need, need), before, taken, now, busy)
         live[ns_id] -= sum(p.bytes for p in victims.values())
         steps += _evictions("cap", victims, policy.min_age)
         overridden += forced
+        if ns_cap is not None and live[ns_id] > ns_cap * policy.high_watermark:
+            unmet.append(
+                Unmet("cap", ns_id, "bytes", live[ns_id] - int(ns_cap * policy.low_watermark))
+            )
     # What the caps evict counts toward the root's budget: ask again with what is left.
     budget = limits.budget
     excess = over_limits(policy, live, disk, counted=counted, ahead=ahead, pending=pending).root
@@ -252,6 +259,13 @@ def _plan(
                 f"{budget.reason}: {short} bytes still over the low watermark; "
                 "no other page is indexed"
             )
+        # Over by the writer's predicted bytes alone is no limit missed: only what is on disk
+        # counts (sum(live) + pending, as over_limits counts it). A floor the filesystem does
+        # not meet even with no cache is missed however much of it goes.
+        left = sum(live.values()) + pending - (excess - short)
+        if budget.over(left, policy.high_watermark):
+            gap = budget.shortfall(left, policy.low_watermark)
+            unmet.append(Unmet(budget.reason, None, "bytes", gap))
 
     def pick_files(ids: list[str], need: tuple[int, int]) -> tuple[dict[_Victims, _Picked], int]:
         return _pick(chains, ids, need, before, taken, now, busy, True)
@@ -259,13 +273,24 @@ def _plan(
     forced, short_files = _file_evictions(policy, files, steps, pick_files)
     overridden += forced
     warnings += short_files
+    unmet += _files_unmet(policy, files, steps)
+    warnings += [u.line() for u in unmet]
     if overridden:
         warnings.append(
             f"{overridden} pages younger than min_age ({policy.min_age:g}s) or in flight "
             "evicted: a limit wins over their protection"
         )
     limit = None if budget.limit == float("inf") else int(budget.limit)
-    return GcPlan(now, tuple(steps), used_all, limit, budget.reason, tuple(warnings), overridden)
+    return GcPlan(
+        now,
+        tuple(steps),
+        used_all,
+        limit,
+        budget.reason,
+        tuple(warnings),
+        overridden,
+        tuple(unmet),
+    )
 
 
 def file_counts(
@@ -305,10 +330,7 @@ def _file_evictions(
 ) -> tuple[int, list[str]]:
     """Evictions for the file caps and the inode floor (after those for bytes, which count:
     `steps` grows with them), by `pick` in files; how many a protection held, and warnings."""
-    gone = {ns: 0 for ns in files.live}
-    for s in steps:
-        if s.namespace_id in gone and s.reason in HOLDING | {"corrupt"}:
-            gone[s.namespace_id] += len(s.names)
+    gone = _gone_files(files, steps)
     forced = 0
     by_ns, _, _ = over_file_limits(policy, _less(files, gone))
     for ns_id, (need, reason) in by_ns.items():
@@ -325,6 +347,29 @@ def _file_evictions(
     if short > 0:
         return forced + held, [f"{budget.reason}: {short} files still over the low watermark"]
     return forced + held, []
+
+
+def _gone_files(files: Files, steps: Sequence[GcStep]) -> dict[str, int]:
+    """Page files of each live namespace that `steps` delete (evictions and torn pages)."""
+    gone = {ns: 0 for ns in files.live}
+    for s in steps:
+        if s.namespace_id in gone and s.reason in HOLDING | {"corrupt"}:
+            gone[s.namespace_id] += len(s.names)
+    return gone
+
+
+def _files_unmet(policy: GcPolicy, files: Files, steps: Sequence[GcStep]) -> list[Unmet]:
+    """The file limits still over their high watermark once `steps` are done, counting the
+    files on disk only (not the writer's predicted ones)."""
+    left = _less(files, _gone_files(files, steps))._replace(ahead=0)
+    by_ns, budget, root = over_file_limits(policy, left)
+    out = [Unmet(reason, ns, "files", n) for ns, (n, reason) in by_ns.items()]
+    if root is not None:
+        used = sum(left.live.values())
+        out.append(
+            Unmet(budget.reason, None, "files", budget.shortfall(used, policy.low_watermark))
+        )
+    return out
 
 
 def _less(files: Files, gone: dict[str, int]) -> Files:

@@ -157,6 +157,11 @@ class Budget(NamedTuple):
         """Bytes to evict to get from `used` down to the low watermark."""
         return max(0, used - math.floor(max(self.limit, 0) * low))
 
+    def shortfall(self, used: int, low: float) -> int:
+        """As excess, but a negative limit (a floor the filesystem does not meet even with no
+        cache) counts whole: what would have to go, of the cache or beside it."""
+        return used - math.floor(min(self.limit, self.limit * low))
+
 
 def headroom(policy: GcPolicy, used: int, disk: DiskUsage, *, ahead: int = 0) -> float:
     """Bytes that may still be stored before the root's budget passes its high watermark

@@ -34,7 +34,7 @@ from cachemgr.gc.held import HeldAudits
 from cachemgr.gc.pagestore import PageId
 from cachemgr.gc.plan import Earlier, GcPlan, Live, plan_gc
 from cachemgr.gc.policy import HOLDING, GcPolicy, GcReason
-from cachemgr.gc.step import GcReport
+from cachemgr.gc.step import GcReport, Unmet
 from cachemgr.layout import Layout
 from cachemgr.ns.bindings import catch_up
 from cachemgr.ns.liveuse import live_users
@@ -62,6 +62,9 @@ class GcStats:
     refused: dict[RefusalReason, int] = field(
         default_factory=lambda: dict.fromkeys(REFUSAL_REASONS, 0)
     )  # files runs meant to delete and had to keep, per reason
+    # Limits the last planned run left over their high watermark, per reason (a floor pass
+    # between runs plans nothing and changes nothing here).
+    unmet: tuple[Unmet, ...] = ()
 
     def count(self, report: GcReport) -> None:
         """One run that executed: `ok`, or `short` if it held no limit it had to hold."""
@@ -72,6 +75,10 @@ class GcStats:
             self.last_success = report.finished_at
         else:
             self.short += 1
+
+    def planned(self, report: GcReport) -> None:
+        """A run that planned (not a floor pass): the limits it left unmet."""
+        self.unmet = report.unmet
 
 
 class LiveState:
@@ -306,6 +313,7 @@ class GcRunner(Worker):
             return replace(report, leader=False, holder=self.leadership.holder())
         if not dry_run:
             self.stats.count(report)
+            self.stats.planned(report)
             reserve.keep(self.layout.state_dir)
             self._note_denied(report)
             self.live.after_run(self)
@@ -512,6 +520,7 @@ def joined(floor: GcReport | None, report: GcReport) -> GcReport:
         started_at=floor.started_at,
         steps=floor.steps + report.steps,
         warnings=tuple(dict.fromkeys(floor.warnings + report.warnings)),  # each said once
+        unmet=floor.unmet + report.unmet,
     )
 
 

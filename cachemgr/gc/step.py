@@ -4,10 +4,44 @@ a run's report: the shapes the finders, the planner, the executors and the API s
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from cachemgr.fs.deletecheck import RefusalReason, files_of, reason_of
 from cachemgr.fs.deletion import DeleteReport
 from cachemgr.gc.policy import HOLDING, ByReason, GcReason, tally
+from cachemgr.units import human_bytes
+
+_LIMITS: dict[GcReason, str] = {
+    "cap": "byte cap",
+    "free_space": "free-space floor",
+    "files": "file cap",
+    "free_inodes": "free-inode floor",
+    "dir_full": "directory-entry limit",
+}
+
+
+@dataclass(frozen=True)
+class Unmet:
+    """A limit a plan leaves over its high watermark once everything it may delete is gone:
+    nothing else GC knows of may go (pages of a quarantined or damaged namespace, files that
+    are not pages, a floor the disk cannot meet even with no cache). The run is not `ok`."""
+
+    reason: GcReason  # which limit (one of HOLDING)
+    namespace_id: str | None  # None: the root's
+    unit: Literal["bytes", "files"]
+    # What would still have to go to bring it to its low watermark (for a floor the filesystem
+    # does not meet even with no cache, what beside the cache would have to go too).
+    excess: int
+
+    def line(self) -> str:
+        """The warning a run gives for it."""
+        scope = "the root's" if self.namespace_id is None else f"ns/{self.namespace_id}'s"
+        more = human_bytes(self.excess) if self.unit == "bytes" else f"{self.excess:,} files"
+        return (
+            f"{self.reason}: {scope} {_LIMITS.get(self.reason, self.reason)} is not held: it "
+            f"stays over its high watermark, {more} more would have to go, and GC has nothing "
+            "else it may delete (`cachemgr doctor` says why)"
+        )
 
 
 @dataclass(frozen=True)
@@ -82,6 +116,7 @@ class GcReport(ByReason):
     steps: tuple[StepResult, ...] = ()
     warnings: tuple[str, ...] = ()
     holder: str | None = None  # who leads GC when this process does not
+    unmet: tuple[Unmet, ...] = ()  # limits the plan could not bring back under (see Unmet)
 
     def totals(self) -> dict[GcReason, tuple[int, int]]:
         """(files, bytes) per reason."""
@@ -97,6 +132,8 @@ class GcReport(ByReason):
 
     @property
     def held(self) -> bool:
-        """False when a step holding a cap or the floor could not delete what it had to: the
-        run did not hold the limit it was asked to hold (not an `ok` run)."""
-        return not any(s.refused for s in self.steps if s.reason in HOLDING)
+        """False when a step holding a cap or the floor could not delete what it had to, or
+        the plan found too little it may delete to bring a limit back under its high
+        watermark: the run did not hold a limit it was asked to hold (not an `ok` run)."""
+        refused = any(s.refused for s in self.steps if s.reason in HOLDING)
+        return not refused and not self.unmet

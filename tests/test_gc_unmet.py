@@ -1,0 +1,170 @@
+"""A limit GC cannot hold with what it may delete is no `ok` run: the plan says which limit and
+how much more would have to go, `cachemgr gc` exits 1, the daemon counts the run `short`, its
+metric and /v1/status name the limit, and doctor reports it. Real files, a real state DB, the
+real daemon on a loopback port."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cachemgr.gc.chains import ChainModel
+from cachemgr.gc.step import Unmet
+from cachemgr.layout import Layout
+from cachemgr.settings import load_settings
+from tests.daemon_helpers import NS_A, page_name, register_namespace, running_daemon, store_page
+from tests.gc_helpers import NS, NS2, T0, Tree, page, policy
+from tests.nsfixtures import cli
+from tests.polling import wait_for
+
+A = [page(100 + i) for i in range(6)]
+B = [page(200 + i) for i in range(6)]
+PAGES = 10
+
+
+@pytest.fixture
+def tree(root: Path) -> Iterator[Tree]:
+    t = Tree.at(root)
+    yield t
+    t.store.close()
+
+
+def _disk(free: int) -> object:
+    """A 100 kB filesystem with `free` bytes free."""
+    return lambda _: (100_000, 100_000 - free, free)
+
+
+def test_a_floor_the_filesystem_cannot_meet_even_with_no_cache_is_unmet(tree: Tree) -> None:
+    tree.write(NS, A + B, at=T0)  # 12,000 bytes
+    # 3 kB free and half the disk must be: even with all 12 kB gone, 35 kB are missing.
+    plan = tree.plan(policy(min_free_percent=50), now=T0 + 1, disk_usage=_disk(3_000))
+    assert plan.totals() == {"free_space": (12, 12_000)}  # it still takes all it may
+    assert plan.unmet == (Unmet("free_space", None, "bytes", 35_000),)
+    assert plan.unmet[0].line() in plan.warnings
+    assert "free-space floor is not held" in plan.unmet[0].line()
+    assert "35.0 kB more would have to go" in plan.unmet[0].line()
+    report = tree.execute(plan, now=T0 + 1)
+    assert not report.held and report.unmet == plan.unmet
+    assert report.files == 12
+
+
+def test_a_floor_met_by_evicting_is_held(tree: Tree) -> None:
+    """The same disk with a floor the cache's own pages can meet: no unmet limit."""
+    tree.write(NS, A + B, at=T0)
+    # 10% of 100 kB: the cache may use 12,000 + 3,000 - 10,000 = 5,000 bytes.
+    plan = tree.plan(policy(min_free_percent=10), now=T0 + 1, disk_usage=_disk(3_000))
+    assert plan.totals() == {"free_space": (8, 8_000)}
+    assert plan.unmet == ()
+    assert tree.execute(plan, now=T0 + 1).held
+
+
+def test_a_run_that_ends_between_the_watermarks_holds_its_limit(tree: Tree) -> None:
+    """Under the high watermark but over the low one (the rest protected or not indexed): GC
+    freed less than it aimed to, and the limit held."""
+    tree.write(NS, A, at=T0)
+    # A live model that knows only the first 6 pages: the other 6 cannot be planned.
+    model = ChainModel.from_index(tree.store.conn, [NS])
+    tree.write(NS, B, at=T0)
+    plan = tree.plan(
+        policy(max_bytes=7_000, high_watermark=0.95, low_watermark=0.5), now=T0 + 1, model=model
+    )
+    assert plan.totals() == {"cap": (6, 6_000)}  # all it knows; 6,000 left of a 7,000 cap
+    assert any("still over the low watermark" in w for w in plan.warnings)
+    assert plan.unmet == ()
+
+
+def test_a_namespace_cap_whose_pages_the_model_does_not_hold_is_unmet(tree: Tree) -> None:
+    """A namespace over its cap whose pages no order can offer (the daemon's model has not
+    learned them): the cap is not held, and the plan names the namespace."""
+    tree.write(NS, A + B, at=T0)
+    tree.write(NS2, A[:2], at=T0)
+    empty = ChainModel.from_index(tree.store.conn, [])
+    plan = tree.plan(policy(namespace_max_bytes=5_000), now=T0 + 1, model=empty)
+    assert plan.steps == ()
+    assert plan.unmet == (Unmet("cap", NS, "bytes", 12_000 - math.floor(5_000 * 0.85)),)
+    assert f"ns/{NS}'s byte cap is not held" in plan.warnings[-1]
+
+
+@pytest.fixture
+def full(layout: Layout) -> Layout:
+    d = register_namespace(layout, NS_A, instance="gpu0")
+    for i in range(PAGES):
+        store_page(d, page_name(i), size=1024)
+    return layout
+
+
+def test_cli_gc_exits_1_when_the_floor_cannot_be_held(full: Layout) -> None:
+    """No filesystem has 99.99% free with a cache on it: every page goes, and the run says
+    the floor was not held (exit 1, one line, `held: false` and the limit in the JSON)."""
+    args = ("--root", str(full.root), "gc", "--json", "--min-free-percent", "99.99")
+    preview = cli(*args, "--dry-run")
+    assert preview.returncode == 0, preview.stderr  # a dry run only reports
+    assert json.loads(preview.stdout)["unmet"][0]["limit"] == "free_space"
+    assert len(list(full.ns_dir(NS_A).glob("*.bin"))) == PAGES
+    out = cli(*args, "--yes", env={"CACHEMGR_GC_MIN_AGE": "0"})
+    assert out.returncode == 1, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("cachemgr: error: the limit was not held: free_space still over")
+    assert "Traceback" not in out.stderr
+    report = json.loads(out.stdout)
+    assert not report["held"]
+    assert [(u["limit"], u["namespace_id"], u["unit"]) for u in report["unmet"]] == [
+        ("free_space", None, "bytes")
+    ]
+    assert report["unmet"][0]["excess"] > 0
+    assert list(full.ns_dir(NS_A).glob("*.bin")) == []
+
+
+def _unmet(text: str) -> dict[str, float]:
+    families = text_string_to_metric_families(text)
+    return {
+        s.labels["limit"]: s.value
+        for f in families
+        if f.name == "cachemgr_gc_limits_unmet"
+        for s in f.samples
+    }
+
+
+def test_the_daemon_says_it_cannot_hold_the_floor(full: Layout) -> None:
+    """A daemon whose free-space floor no filesystem meets: GC deletes every page, its runs
+    count `short`, `cachemgr_gc_limits_unmet{limit="free_space"}` is 1, /v1/status lists the
+    limit and doctor reports it as an error."""
+    settings = load_settings(
+        root=full.root, gc_interval=3600, gc_min_age=0, gc_min_free_percent=99.99
+    )
+    with running_daemon(settings) as dm:
+        wait_for(lambda: _unmet(dm.get("/metrics").text).get("free_space"), timeout=30)
+        metrics = dm.get("/metrics").text
+        assert _unmet(metrics) == {
+            "cap": 0,
+            "dir_full": 0,
+            "files": 0,
+            "free_inodes": 0,
+            "free_space": 1,
+        }
+        assert 'cachemgr_gc_runs_total{result="short"}' in metrics
+        short = [
+            s.value
+            for f in text_string_to_metric_families(metrics)
+            if f.name == "cachemgr_gc_runs"
+            for s in f.samples
+            if s.labels.get("result") == "short"
+        ]
+        assert short and short[0] >= 1
+        (unmet,) = dm.status()["gc_unmet"]
+        assert unmet["limit"] == "free_space" and unmet["namespace_id"] is None
+        assert "free-space floor is not held" in unmet["message"]
+        assert list(full.ns_dir(NS_A).glob("*.bin")) == []
+        env = {"CACHEMGR_PORT": str(dm.daemon.port)}
+        doc = cli("--root", str(full.root), "doctor", "--json", env=env)
+        findings = json.loads(doc.stdout)
+        codes = [f["code"] for f in findings]
+        assert "gc-limit-not-held" in codes, doc.stdout
+        (held,) = [f for f in findings if f["code"] == "gc-limit-not-held"]
+        assert held["severity"] == "error" and "free space outside the cache" in held["fix"]
+        assert doc.returncode == 2
