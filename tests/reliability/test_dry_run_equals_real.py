@@ -174,8 +174,10 @@ def dry_then_real(layout: Layout, *args: str) -> tuple[dict[str, Any], dict[str,
     assert dry.returncode == 0, dry.stderr
     assert files_below(layout.root) == before  # a dry run deletes nothing
     real = cli_process(*common, "--yes", env=ENV)
-    assert real.returncode == 0, real.stderr
     d, r = json.loads(dry.stdout), json.loads(real.stdout)
+    # A limit the dry run finds out of reach is missed by the real run too, which exits 1.
+    assert real.returncode == (0 if d["held"] else 1), real.stderr
+    assert (d["held"], _limits(d)) == (r["held"], _limits(r)), (d, r)
 
     def steps(report: dict[str, Any]) -> list[tuple[str, str, int, int]]:
         return [(s["reason"], s["dir"], s["files"], s["bytes"]) for s in report["steps"]]
@@ -187,6 +189,11 @@ def dry_then_real(layout: Layout, *args: str) -> tuple[dict[str, Any], dict[str,
     pages_gone = [g for g in gone if not g.startswith(".cachemgr") and not MANIFEST.fullmatch(g)]
     assert len(pages_gone) == r["files"], (sorted(pages_gone), r)
     return d, r
+
+
+def _limits(report: dict[str, Any]) -> list[tuple[str, str | None]]:
+    """The limits a report says were not held (how much is missing moves with the disk)."""
+    return [(u["limit"], u["namespace_id"]) for u in report["unmet"]]
 
 
 @pytest.fixture
@@ -201,6 +208,8 @@ def test_the_dry_run_lists_what_the_real_run_deletes(layout: Layout, case: str) 
     args = CASES[case](layout)
     _dry, real = dry_then_real(layout, *args)
     assert real["files"] > 0, real  # every case has something to delete
+    # Only a floor no filesystem meets is missed; every other limit is held.
+    assert real["held"] == (not case.startswith("floor_")), real
     expected = {
         "trash": {"trash"},
         "temps": {"tmp"},
