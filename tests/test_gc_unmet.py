@@ -17,14 +17,14 @@ from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.step import Unmet
 from cachemgr.layout import Layout
 from cachemgr.settings import load_settings
-from tests.daemon_helpers import NS_A, page_name, register_namespace, running_daemon, store_page
+from tests.daemon_helpers import NS_A, running_daemon
 from tests.gc_helpers import NS, NS2, T0, Tree, page, policy
 from tests.nsfixtures import cli
 from tests.polling import wait_for
+from tests.test_gc_file_caps import PAGES, full  # noqa: F401 (a fixture)
 
 A = [page(100 + i) for i in range(6)]
 B = [page(200 + i) for i in range(6)]
-PAGES = 10
 
 
 @pytest.fixture
@@ -90,15 +90,9 @@ def test_a_namespace_cap_whose_pages_the_model_does_not_hold_is_unmet(tree: Tree
     assert f"ns/{NS}'s byte cap is not held" in plan.warnings[-1]
 
 
-@pytest.fixture
-def full(layout: Layout) -> Layout:
-    d = register_namespace(layout, NS_A, instance="gpu0")
-    for i in range(PAGES):
-        store_page(d, page_name(i), size=1024)
-    return layout
-
-
-def test_cli_gc_exits_1_when_the_floor_cannot_be_held(full: Layout) -> None:
+def test_cli_gc_exits_1_when_the_floor_cannot_be_held(
+    full: Layout,  # noqa: F811 (the fixture imported above)
+) -> None:
     """No filesystem has 99.99% free with a cache on it: every page goes, and the run says
     the floor was not held (exit 1, one line, `held: false` and the limit in the JSON)."""
     args = ("--root", str(full.root), "gc", "--json", "--min-free-percent", "99.99")
@@ -130,7 +124,9 @@ def _unmet(text: str) -> dict[str, float]:
     }
 
 
-def test_the_daemon_says_it_cannot_hold_the_floor(full: Layout) -> None:
+def test_the_daemon_says_it_cannot_hold_the_floor(
+    full: Layout,  # noqa: F811 (the fixture imported above)
+) -> None:
     """A daemon whose free-space floor no filesystem meets: GC deletes every page, its runs
     count `short`, `cachemgr_gc_limits_unmet{limit="free_space"}` is 1, /v1/status lists the
     limit and doctor reports it as an error."""
