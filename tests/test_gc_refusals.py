@@ -15,11 +15,13 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from cachemgr.daemon.metrics import CachemgrCollector, Parts
+from cachemgr.fs.deletecheck import files_of, reason_of
+from cachemgr.fs.deletion import delete_files
 from cachemgr.fs.leadership import Leadership
 from cachemgr.gc.runner import GcRunner
 from tests.gc_helpers import NS, NS2, T0, Tree, big_disk, page, policy
 from tests.nsfixtures import cli
-from tests.users import needs_root
+from tests.users import User, as_user, needs_root
 
 
 @contextmanager
@@ -168,3 +170,57 @@ def test_doctor_names_a_sticky_dir_not_the_umask(root: Path) -> None:
     (finding,) = _cannot_delete(root)
     assert "sticky" in finding["message"] and "umask" not in finding["message"]
     assert f"chmod -t {tree.dir(NS)}" in finding["fix"]
+
+
+def _refusals(root: Path, names: list[str], *, dry_run: bool) -> tuple[int, dict[str, int]]:
+    """Files deleted (or that a dry run says would be) and refused, by reason, of one
+    deletion of `names` in ns/<NS>."""
+    report = delete_files(root, f"ns/{NS}", names, dry_run=dry_run)
+    by_reason: dict[str, int] = {}
+    for refusal in report.refused:
+        by_reason[reason_of(refusal)] = by_reason.get(reason_of(refusal), 0) + files_of(refusal)
+    return report.files, by_reason
+
+
+def test_a_dry_run_refuses_the_immutable_page_the_real_run_keeps(root: Path) -> None:
+    """chattr +i (and +a) refuse the unlink even to root: the dry run says so file by file,
+    so it counts exactly what the real run deletes (a cap it cannot hold reads as one)."""
+    tree = Tree.at(root)
+    names = [page(i) for i in range(4)]
+    tree.write(NS, names, at=T0, size=1000)
+    tree.store.close()
+    with immutable(tree.dir(NS) / names[1]):
+        subprocess.run(["chattr", "+a", str(tree.dir(NS) / names[2])], check=True)
+        try:
+            dry = _refusals(root, names, dry_run=True)
+            assert tree.files(NS) == set(names)  # the dry run deleted nothing
+            real = _refusals(root, names, dry_run=False)
+        finally:
+            subprocess.run(["chattr", "-a", str(tree.dir(NS) / names[2])], check=True)
+    assert dry == real == (2, {"permission": 2})
+    assert tree.files(NS) == {names[1], names[2]}
+
+
+@needs_root
+def test_a_dry_run_refuses_another_owners_page_in_a_sticky_dir(root: Path) -> None:
+    """A sticky dir of uid A (mode 3777: group write is there), pages of writer B and one of
+    GC's own user C: C may unlink only its own (the kernel's sticky check), and its dry run
+    says the same before the real run does it."""
+    tree = Tree.at(root)
+    names = [page(i) for i in range(3)]
+    tree.write(NS, names, at=T0, size=1000)
+    tree.store.close()
+    gc_uid, owner, writer = 23031, 23032, 23033
+    os.chmod(root, 0o755)
+    os.chmod(tree.layout.ns_root, 0o755)
+    os.chown(tree.dir(NS), owner, gc_uid)
+    os.chmod(tree.dir(NS), 0o3777)
+    for name in names[1:]:
+        os.chown(tree.dir(NS) / name, writer, gc_uid)
+    os.chown(tree.dir(NS) / names[0], gc_uid, gc_uid)
+    gc_user = User(gc_uid, (gc_uid,))
+    dry = as_user(gc_user, lambda: _refusals(root, names, dry_run=True))
+    assert tree.files(NS) == set(names)
+    real = as_user(gc_user, lambda: _refusals(root, names, dry_run=False))
+    assert dry == real == (1, {"permission": 2})
+    assert tree.files(NS) == set(names[1:])

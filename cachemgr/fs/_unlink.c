@@ -15,14 +15,16 @@
  *      unlink, so at most one unlink per thread lands after such a move;
  *   3. unlinkat(dir_fd, name, 0): relative to the O_NOFOLLOW descriptor, never a path.
  * Names are checked for shape (page/temp, no '/') by the caller before they get here; the
- * '/' check is repeated here since a name with one would leave dir_fd. A dry run does 1 only,
- * then asks once whether the dir allows unlinks (faccessat).
+ * '/' check is repeated here since a name with one would leave dir_fd. A dry run does 1, asks
+ * for each file what the kernel would refuse its unlink for (dry_refusal), then asks once
+ * whether the dir allows unlinks (faccessat).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/capability.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <string.h>
@@ -60,6 +62,42 @@ static int still_here(const Batch *b) {
     return st.st_dev == b->dev && st.st_ino == b->ino;
 }
 
+/* Whether this process has CAP_FOWNER, which lets it unlink another owner's file in a sticky
+ * dir (asked once: capabilities do not change while it runs). */
+static int may_fowner(void) {
+    static atomic_int known = -1;
+    int v = atomic_load(&known);
+    if (v < 0) {
+        struct __user_cap_header_struct head = {_LINUX_CAPABILITY_VERSION_3, 0};
+        struct __user_cap_data_struct data[_LINUX_CAPABILITY_U32S_3];
+        if (syscall(SYS_capget, &head, data) == 0)
+            v = (data[CAP_FOWNER / 32].effective >> (CAP_FOWNER % 32)) & 1;
+        else
+            v = geteuid() == 0;
+        atomic_store(&known, v);
+    }
+    return v;
+}
+
+/* What the kernel would refuse the unlink of `name` (`st`) in dir_fd for, file by file, as a
+ * dry run must say without unlinking (the dir's own write permission is asked once, with
+ * faccessat): EPERM for an immutable or append-only file, or another owner's file in a
+ * sticky dir this process does not own, without CAP_FOWNER (the kernel's check_sticky);
+ * 0 for none. */
+static int dry_refusal(int dir_fd, const char *name, const struct stat *st) {
+    struct statx stx;
+    unsigned long long pinned = STATX_ATTR_IMMUTABLE | STATX_ATTR_APPEND;
+    if (statx(dir_fd, name, AT_SYMLINK_NOFOLLOW, 0, &stx) == 0 &&
+        (stx.stx_attributes & stx.stx_attributes_mask & pinned))
+        return EPERM;
+    struct stat dir;
+    uid_t me = geteuid();
+    if (st->st_uid != me && fstat(dir_fd, &dir) == 0 && (dir.st_mode & S_ISVTX) &&
+        dir.st_uid != me && !may_fowner())
+        return EPERM;
+    return 0;
+}
+
 /* Steps 1-3 for `name` in dir_fd, step 2 being here(ctx): the status (NOT_REACHED: the dir
  * moved, nothing unlinked), with *value the size (DELETED) or an errno (the errors). */
 static int check_one(int dir_fd, const char *name, double min_age, double now, int dry_run,
@@ -76,7 +114,11 @@ static int check_one(int dir_fd, const char *name, double min_age, double now, i
     double mtime = (double)st.st_mtim.tv_sec + (double)st.st_mtim.tv_nsec * 1e-9;
     if (min_age > 0 && now - mtime < min_age)
         return YOUNG;
-    if (!dry_run) {
+    if (dry_run) {
+        int refused = dry_refusal(dir_fd, name, &st);
+        if (refused != 0)
+            return *value = refused, UNLINK_ERROR;
+    } else {
         if (!here(ctx))
             return NOT_REACHED;
         if (unlinkat(dir_fd, name, 0) != 0)
