@@ -14,6 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cachemgr.gc.chains import ChainModel
+from cachemgr.gc.runner import GcRunner
 from cachemgr.gc.step import Unmet
 from cachemgr.layout import Layout
 from cachemgr.settings import load_settings
@@ -61,6 +62,31 @@ def test_a_floor_met_by_evicting_is_held(tree: Tree) -> None:
     assert plan.totals() == {"free_space": (8, 8_000)}
     assert plan.unmet == ()
     assert tree.execute(plan, now=T0 + 1).held
+
+
+def test_an_unmet_limit_clears_once_it_is_no_longer_crossed(tree: Tree) -> None:
+    """The daemon's tick: a floor out of reach is unmet; once space is freed beside the cache
+    the next tick finds nothing crossed and runs nothing, and the limit is no longer unmet
+    (else the gauge, and its alert, would stay up for good)."""
+    tree.write(NS, A, at=T0)
+    free = [3_000]
+    runner = GcRunner(
+        tree.layout,
+        tree.store,
+        policy(min_free_percent=50),
+        clock=lambda: T0 + 1,
+        disk_usage=lambda _: (100_000, 100_000 - free[0], free[0]),
+    )
+    try:
+        report = runner.tick()
+        assert report is not None and not report.held
+        assert [u.reason for u in runner.stats.unmet] == ["free_space"]
+        assert runner.stats.short == 1
+        free[0] = 90_000  # someone deleted their files: the floor holds with room to spare
+        assert runner.tick() is None
+        assert runner.stats.unmet == ()
+    finally:
+        runner.leadership.release()
 
 
 def test_a_run_that_ends_between_the_watermarks_holds_its_limit(tree: Tree) -> None:

@@ -213,6 +213,7 @@ class GcRunner(Worker):
             raise
         if idle:
             self.stats.last_success = self.clock()
+            self.stats.unmet = ()  # no limit is crossed now: none is unmet
             return floor
         return self.run(actor="auto", sweep=sweep)
 
