@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from cachemgr.fs.leadership import Leadership
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.runner import GcRunner
 from cachemgr.gc.step import Unmet
@@ -67,7 +68,7 @@ def test_a_floor_met_by_evicting_is_held(tree: Tree) -> None:
 def test_an_unmet_limit_clears_once_it_is_no_longer_crossed(tree: Tree) -> None:
     """The daemon's tick: a floor out of reach is unmet; once space is freed beside the cache
     the next tick finds nothing crossed and runs nothing, and the limit is no longer unmet
-    (else the gauge, and its alert, would stay up for good)."""
+    (else the gauge, and its alert, would stay up for good); nor once another process leads."""
     tree.write(NS, A, at=T0)
     free = [3_000]
     runner = GcRunner(
@@ -85,8 +86,19 @@ def test_an_unmet_limit_clears_once_it_is_no_longer_crossed(tree: Tree) -> None:
         free[0] = 90_000  # someone deleted their files: the floor holds with room to spare
         assert runner.tick() is None
         assert runner.stats.unmet == ()
+        free[0] = 3_000
+        runner.tick()
+        assert runner.stats.unmet != ()
     finally:
         runner.leadership.release()
+    # Another process leads now: this one's last word on the limits is void.
+    other = Leadership(tree.layout.gc_lock)
+    assert other.try_acquire()
+    try:
+        assert runner.tick() is None and runner.stats.skipped == 1
+        assert runner.stats.unmet == ()
+    finally:
+        other.release()
 
 
 def test_a_run_that_ends_between_the_watermarks_holds_its_limit(tree: Tree) -> None:

@@ -203,6 +203,7 @@ class GcRunner(Worker):
         """One daemon cycle: run GC if a limit is crossed or a sweep is due, else nothing."""
         if not self._lead():
             self.stats.skipped += 1
+            self.stats.unmet = ()  # another process keeps the limits: its own gauge says
             return None
         floor = self.free_floor()
         sweep = self.clock() - self.last_sweep >= self.policy.sweep_interval
