@@ -201,11 +201,9 @@ def test_a_dry_run_refuses_the_immutable_page_the_real_run_keeps(root: Path) -> 
     assert tree.files(NS) == {names[1], names[2]}
 
 
-@needs_root
-def test_a_dry_run_refuses_another_owners_page_in_a_sticky_dir(root: Path) -> None:
+def _sticky(root: Path) -> tuple[Tree, list[str], User]:
     """A sticky dir of uid A (mode 3777: group write is there), pages of writer B and one of
-    GC's own user C: C may unlink only its own (the kernel's sticky check), and its dry run
-    says the same before the real run does it."""
+    GC's own user C (returned, with the pages' names)."""
     tree = Tree.at(root)
     names = [page(i) for i in range(3)]
     tree.write(NS, names, at=T0, size=1000)
@@ -218,9 +216,29 @@ def test_a_dry_run_refuses_another_owners_page_in_a_sticky_dir(root: Path) -> No
     for name in names[1:]:
         os.chown(tree.dir(NS) / name, writer, gc_uid)
     os.chown(tree.dir(NS) / names[0], gc_uid, gc_uid)
-    gc_user = User(gc_uid, (gc_uid,))
+    return tree, names, User(gc_uid, (gc_uid,))
+
+
+@needs_root
+def test_a_dry_run_refuses_another_owners_page_in_a_sticky_dir(root: Path) -> None:
+    """C may unlink only its own page in the sticky dir (the kernel's sticky check), and its
+    dry run says the same before the real run does it."""
+    tree, names, gc_user = _sticky(root)
     dry = as_user(gc_user, lambda: _refusals(root, names, dry_run=True))
     assert tree.files(NS) == set(names)
     real = as_user(gc_user, lambda: _refusals(root, names, dry_run=False))
     assert dry == real == (1, {"permission": 2})
     assert tree.files(NS) == set(names[1:])
+
+
+@needs_root
+def test_a_dry_run_asks_for_cap_fowner_as_the_user_it_now_is(root: Path) -> None:
+    """root's dry run may unlink anyone's page in a sticky dir (CAP_FOWNER); a process that
+    drops to a user without it afterwards (a fork that sets its uid, as a service started as
+    root does) is refused those pages, and its dry run must say so: not root's answer kept
+    from before."""
+    tree, names, gc_user = _sticky(root)
+    assert _refusals(root, names, dry_run=True) == (3, {})  # root, with CAP_FOWNER
+    dry = as_user(gc_user, lambda: _refusals(root, names, dry_run=True))
+    assert dry == (1, {"permission": 2})
+    assert tree.files(NS) == set(names)

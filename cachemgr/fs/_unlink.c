@@ -63,20 +63,14 @@ static int still_here(const Batch *b) {
 }
 
 /* Whether this process has CAP_FOWNER, which lets it unlink another owner's file in a sticky
- * dir (asked once: capabilities do not change while it runs). */
+ * dir. Asked each time, not once: a process that drops from root to a user (setuid after a
+ * fork) loses it, and root's answer kept would count files its real run is refused. */
 static int may_fowner(void) {
-    static atomic_int known = -1;
-    int v = atomic_load(&known);
-    if (v < 0) {
-        struct __user_cap_header_struct head = {_LINUX_CAPABILITY_VERSION_3, 0};
-        struct __user_cap_data_struct data[_LINUX_CAPABILITY_U32S_3];
-        if (syscall(SYS_capget, &head, data) == 0)
-            v = (data[CAP_FOWNER / 32].effective >> (CAP_FOWNER % 32)) & 1;
-        else
-            v = geteuid() == 0;
-        atomic_store(&known, v);
-    }
-    return v;
+    struct __user_cap_header_struct head = {_LINUX_CAPABILITY_VERSION_3, 0};
+    struct __user_cap_data_struct data[_LINUX_CAPABILITY_U32S_3];
+    if (syscall(SYS_capget, &head, data) == 0)
+        return (data[CAP_FOWNER / 32].effective >> (CAP_FOWNER % 32)) & 1;
+    return geteuid() == 0;
 }
 
 /* What the kernel would refuse the unlink of `name` (`st`) in dir_fd for, file by file, as a
