@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sqlite3
 import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from cachemgr.daemon.metrics import CachemgrCollector, Parts
@@ -241,4 +244,38 @@ def test_a_dry_run_asks_for_cap_fowner_as_the_user_it_now_is(root: Path) -> None
     assert _refusals(root, names, dry_run=True) == (3, {})  # root, with CAP_FOWNER
     dry = as_user(gc_user, lambda: _refusals(root, names, dry_run=True))
     assert dry == (1, {"permission": 2})
+    assert tree.files(NS) == set(names)
+
+
+_IN_A_USER_NAMESPACE = """
+import json, sys
+from pathlib import Path
+from cachemgr.fs.deletecheck import files_of
+from cachemgr.fs.deletion import delete_files
+root, rel, names = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+out = {}
+for dry in (True, False):
+    report = delete_files(root, rel, names, dry_run=dry)
+    out["dry" if dry else "real"] = [report.files, sum(map(files_of, report.refused))]
+print(json.dumps(out))
+"""
+
+
+@needs_root
+def test_a_dry_run_in_a_user_namespace_refuses_a_page_of_an_unmapped_owner(root: Path) -> None:
+    """Root in a user namespace (a rootless container: `unshare -U -r`) has CAP_FOWNER there,
+    but the kernel lets it pass the sticky rule only for a file whose uid and gid the namespace
+    maps: another writer's page (shown as the overflow uid) is refused, in the dry run too."""
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1)")
+    tree, names, _ = _sticky(root)
+    argv = ["unshare", "-U", "-r", sys.executable, "-c", _IN_A_USER_NAMESPACE]
+    out = subprocess.run(
+        [*argv, str(root), f"ns/{NS}", *names], capture_output=True, text=True, check=False
+    )
+    if out.returncode != 0 and "unshare failed" in out.stderr:
+        pytest.skip(f"no user namespaces here: {out.stderr.strip()}")
+    assert out.returncode == 0, out.stderr
+    # Two pages of writer B and one of C, none of them mapped in the namespace: each refused.
+    assert json.loads(out.stdout) == {"dry": [0, 3], "real": [0, 3]}
     assert tree.files(NS) == set(names)

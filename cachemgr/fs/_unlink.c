@@ -27,6 +27,7 @@
 #include <linux/capability.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -73,11 +74,34 @@ static int may_fowner(void) {
     return geteuid() == 0;
 }
 
+/* Whether `id` (as stat shows it) is one this process's user namespace maps (`map`:
+ * /proc/self/uid_map or gid_map): an unmapped owner shows as the overflow id, outside every
+ * range. No map to read: the initial namespace, which maps all. */
+static int id_mapped(const char *map, unsigned long id) {
+    FILE *f = fopen(map, "re");
+    if (f == NULL)
+        return 1;
+    unsigned long inside, outside, count;
+    int mapped = 0;
+    while (!mapped && fscanf(f, "%lu %lu %lu", &inside, &outside, &count) == 3)
+        mapped = id >= inside && id - inside < count;
+    fclose(f);
+    return mapped;
+}
+
+/* CAP_FOWNER over this file: the capability counts, in a user namespace (a rootless
+ * container), only for a file whose uid and gid it maps (the kernel's
+ * capable_wrt_inode_uidgid). */
+static int fowner_of(const struct stat *st) {
+    return may_fowner() && id_mapped("/proc/self/uid_map", st->st_uid) &&
+           id_mapped("/proc/self/gid_map", st->st_gid);
+}
+
 /* What the kernel would refuse the unlink of `name` (`st`) in dir_fd for, file by file, as a
  * dry run must say without unlinking (the dir's own write permission is asked once, with
  * faccessat): EPERM for an immutable or append-only file, or another owner's file in a
- * sticky dir this process does not own, without CAP_FOWNER (the kernel's check_sticky);
- * 0 for none. */
+ * sticky dir this process does not own, without CAP_FOWNER over it (the kernel's
+ * check_sticky); 0 for none. */
 static int dry_refusal(int dir_fd, const char *name, const struct stat *st) {
     struct statx stx;
     unsigned long long pinned = STATX_ATTR_IMMUTABLE | STATX_ATTR_APPEND;
@@ -87,7 +111,7 @@ static int dry_refusal(int dir_fd, const char *name, const struct stat *st) {
     struct stat dir;
     uid_t me = geteuid();
     if (st->st_uid != me && fstat(dir_fd, &dir) == 0 && (dir.st_mode & S_ISVTX) &&
-        dir.st_uid != me && !may_fowner())
+        dir.st_uid != me && !fowner_of(st))
         return EPERM;
     return 0;
 }
