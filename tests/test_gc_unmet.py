@@ -106,6 +106,21 @@ def test_a_damaged_namespace_over_its_own_cap_is_unmet(tree: Tree) -> None:
     assert plan.unmet == (Unmet("cap", NS, "bytes", 12_000 - 8_500),)
 
 
+def test_a_damaged_namespace_counts_under_the_file_caps(tree: Tree) -> None:
+    """The same in files: 18 page files under a root cap of 15, 12 of them left alone, make
+    the live ones go; under 12 they all go and the cap is unmet; a damaged namespace over the
+    namespace file cap is unmet by name (the cheap check counted them all, the plan none)."""
+    _damaged(tree)
+    plan = tree.plan(policy(max_files=15), now=T0 + 1)
+    assert plan.totals() == {"files": (6, 6_000)} and plan.unmet == ()
+    plan = tree.plan(policy(max_files=12), now=T0 + 1)
+    assert plan.totals() == {"files": (6, 6_000)}
+    assert plan.unmet == (Unmet("files", None, "files", 12 - 10),)
+    plan = tree.plan(policy(namespace_max_files=10), now=T0 + 1)
+    assert plan.steps == ()
+    assert plan.unmet == (Unmet("files", NS, "files", 12 - 8),)
+
+
 def test_an_unmet_limit_clears_once_it_is_no_longer_crossed(tree: Tree) -> None:
     """The daemon's tick: a floor out of reach is unmet; once space is freed beside the cache
     the next tick finds nothing crossed and runs nothing, and the limit is no longer unmet

@@ -216,7 +216,7 @@ def _plan(
     limits = over_limits(
         policy, live, disk, counted=counted, ahead=ahead, pending=pending, kept=kept
     )
-    files = file_counts(conn, layout, live, after).with_writer(ahead + pending, usage)
+    files = file_counts(conn, layout, live, after, alone).with_writer(ahead + pending, usage)
     chains = daemon.model
     if chains is None:  # a one-off run reads the page rows only if pages must go
         over = bool(limits.namespaces) or limits.root is not None
@@ -309,19 +309,25 @@ def _ns_cap_unmet(policy: GcPolicy, ns_id: str, used: int) -> list[Unmet]:
 
 
 def file_counts(
-    conn: sqlite3.Connection, layout: Layout, live: Collection[str], after: Earlier
+    conn: sqlite3.Connection,
+    layout: Layout,
+    live: Collection[str],
+    after: Earlier,
+    alone: Collection[str] = (),
 ) -> Files:
-    """Page files of each live namespace by the index (less those `after` deletes), which
-    namespaces keep them in one dir, and the root filesystem's inodes (plus those `after`
-    frees): what the file limits are kept on."""
-    counts = {ns: n for ns, n in pages_sql.namespace_file_counts(conn).items() if ns in live}
+    """Page files of each live namespace by the index (less those `after` deletes), and of
+    each one left `alone`, which namespaces keep them in one dir, and the root filesystem's
+    inodes (plus those `after` frees): what the file limits are kept on."""
+    indexed = pages_sql.namespace_file_counts(conn)
+    counts = {ns: n for ns, n in indexed.items() if ns in live}
+    kept = {ns: n for ns, n in indexed.items() if ns in alone}
     for rel, _ in after.files:
         ns = rel.removeprefix("ns/")
         if rel.startswith("ns/") and ns in counts:
             counts[ns] -= 1
     inodes = Inodes(*inode_usage(layout.root))
     freed = inodes._replace(free=inodes.free + len(after.files))
-    return Files(counts, flat_names(conn, counts), freed)
+    return Files(counts, flat_names(conn, [*counts, *kept]), freed, kept=kept)
 
 
 def flat_names(conn: sqlite3.Connection, namespaces: Collection[str]) -> dict[str, int]:
@@ -378,9 +384,10 @@ def _files_unmet(policy: GcPolicy, files: Files, steps: Sequence[GcStep]) -> lis
     files on disk only (not the writer's predicted ones)."""
     left = _less(files, _gone_files(files, steps))._replace(ahead=0)
     by_ns, budget, root = over_file_limits(policy, left)
-    out = [Unmet(reason, ns, "files", n) for ns, (n, reason) in by_ns.items()]
+    alone, _, _ = over_file_limits(policy, Files(left.kept, left.flat))  # no file may go
+    out = [Unmet(reason, ns, "files", n) for ns, (n, reason) in (by_ns | alone).items()]
     if root is not None:
-        used = sum(left.live.values())
+        used = left.used()
         out.append(
             Unmet(budget.reason, None, "files", budget.shortfall(used, policy.low_watermark))
         )

@@ -136,6 +136,12 @@ class Files(NamedTuple):
     flat: Mapping[str, int] = MappingProxyType({})
     inodes: Inodes | None = None
     ahead: int = 0  # files the writer stores before GC is done (the root's budget counts them)
+    # Files per namespace GC leaves alone (damaged): under the root's limits, never evicted.
+    kept: Mapping[str, int] = MappingProxyType({})
+
+    def used(self) -> int:
+        """The page files the root's limits count."""
+        return sum(self.live.values()) + sum(self.kept.values())
 
     def with_writer(self, bytes_ahead: int, live_bytes: Mapping[str, int]) -> Files:
         """These counts with the writer's bytes to come (over_limits' `ahead` and `pending`)
@@ -264,7 +270,7 @@ def over_file_limits(
             cap = (policy.namespace_max_files, "files")
         if cap is not None and n > cap[0] * high:
             by_ns[ns] = (n - math.floor(cap[0] * low), cap[1])
-    used = sum(files.live.values())
+    used = files.used()
     budget = Budget(policy.max_files if policy.max_files is not None else math.inf, "files")
     floor = policy.inode_floor(files.inodes) if files.inodes is not None else 0
     if files.inodes is not None and floor > 0:
