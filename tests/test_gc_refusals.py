@@ -204,6 +204,23 @@ def test_a_dry_run_refuses_the_immutable_page_the_real_run_keeps(root: Path) -> 
     assert tree.files(NS) == {names[1], names[2]}
 
 
+def test_a_dry_run_refuses_the_pages_of_an_append_only_dir(root: Path) -> None:
+    """chattr +a on the namespace dir: new names may come, none may go, even for root; the
+    dir is writable to faccessat, so the dry run asks for the dir's flag too."""
+    tree = Tree.at(root)
+    names = [page(i) for i in range(3)]
+    tree.write(NS, names, at=T0, size=1000)
+    tree.store.close()
+    subprocess.run(["chattr", "+a", str(tree.dir(NS))], check=True)
+    try:
+        dry = _refusals(root, names, dry_run=True)
+        real = _refusals(root, names, dry_run=False)
+    finally:
+        subprocess.run(["chattr", "-a", str(tree.dir(NS))], check=True)
+    assert dry == real == (0, {"permission": 3})
+    assert tree.files(NS) == set(names)
+
+
 def _sticky(root: Path) -> tuple[Tree, list[str], User]:
     """A sticky dir of uid A (mode 3777: group write is there), pages of writer B and one of
     GC's own user C (returned, with the pages' names)."""

@@ -99,14 +99,18 @@ static int fowner_of(const struct stat *st) {
 
 /* What the kernel would refuse the unlink of `name` (`st`) in dir_fd for, file by file, as a
  * dry run must say without unlinking (the dir's own write permission is asked once, with
- * faccessat): EPERM for an immutable or append-only file, or another owner's file in a
- * sticky dir this process does not own, without CAP_FOWNER over it (the kernel's
- * check_sticky); 0 for none. */
+ * faccessat): EPERM for an immutable or append-only file, an append-only dir, or another
+ * owner's file in a sticky dir this process does not own, without CAP_FOWNER over it (the
+ * kernel's check_sticky); 0 for none. */
 static int dry_refusal(int dir_fd, const char *name, const struct stat *st) {
     struct statx stx;
     unsigned long long pinned = STATX_ATTR_IMMUTABLE | STATX_ATTR_APPEND;
     if (statx(dir_fd, name, AT_SYMLINK_NOFOLLOW, 0, &stx) == 0 &&
         (stx.stx_attributes & stx.stx_attributes_mask & pinned))
+        return EPERM;
+    /* An append-only dir takes new names and gives none up: faccessat finds it writable. */
+    if (statx(dir_fd, "", AT_EMPTY_PATH, 0, &stx) == 0 &&
+        (stx.stx_attributes & stx.stx_attributes_mask & STATX_ATTR_APPEND))
         return EPERM;
     struct stat dir;
     uid_t me = geteuid();
