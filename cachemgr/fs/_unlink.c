@@ -89,12 +89,18 @@ static int id_mapped(const char *map, unsigned long id) {
     return mapped;
 }
 
+/* The id stat shows for one the user namespace does not map: the kernel's default overflow
+ * id (/proc/sys/kernel/overflowuid and overflowgid; a system that sets others is not told
+ * apart). Only a file showing it costs the maps' reads. */
+#define OVERFLOW_ID 65534
+
 /* CAP_FOWNER over this file: the capability counts, in a user namespace (a rootless
  * container), only for a file whose uid and gid it maps (the kernel's
  * capable_wrt_inode_uidgid). */
 static int fowner_of(const struct stat *st) {
-    return may_fowner() && id_mapped("/proc/self/uid_map", st->st_uid) &&
-           id_mapped("/proc/self/gid_map", st->st_gid);
+    return may_fowner() &&
+           (st->st_uid != OVERFLOW_ID || id_mapped("/proc/self/uid_map", st->st_uid)) &&
+           (st->st_gid != OVERFLOW_ID || id_mapped("/proc/self/gid_map", st->st_gid));
 }
 
 /* What the kernel would refuse the unlink of `name` (`st`) in dir_fd for, file by file, as a
