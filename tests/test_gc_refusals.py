@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sqlite3
 import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from cachemgr.daemon.metrics import CachemgrCollector, Parts
@@ -201,11 +204,26 @@ def test_a_dry_run_refuses_the_immutable_page_the_real_run_keeps(root: Path) -> 
     assert tree.files(NS) == {names[1], names[2]}
 
 
-@needs_root
-def test_a_dry_run_refuses_another_owners_page_in_a_sticky_dir(root: Path) -> None:
+def test_a_dry_run_refuses_the_pages_of_an_append_only_dir(root: Path) -> None:
+    """chattr +a on the namespace dir: new names may come, none may go, even for root; the
+    dir is writable to faccessat, so the dry run asks for the dir's flag too."""
+    tree = Tree.at(root)
+    names = [page(i) for i in range(3)]
+    tree.write(NS, names, at=T0, size=1000)
+    tree.store.close()
+    subprocess.run(["chattr", "+a", str(tree.dir(NS))], check=True)
+    try:
+        dry = _refusals(root, names, dry_run=True)
+        real = _refusals(root, names, dry_run=False)
+    finally:
+        subprocess.run(["chattr", "-a", str(tree.dir(NS))], check=True)
+    assert dry == real == (0, {"permission": 3})
+    assert tree.files(NS) == set(names)
+
+
+def _sticky(root: Path) -> tuple[Tree, list[str], User]:
     """A sticky dir of uid A (mode 3777: group write is there), pages of writer B and one of
-    GC's own user C: C may unlink only its own (the kernel's sticky check), and its dry run
-    says the same before the real run does it."""
+    GC's own user C (returned, with the pages' names)."""
     tree = Tree.at(root)
     names = [page(i) for i in range(3)]
     tree.write(NS, names, at=T0, size=1000)
@@ -218,9 +236,63 @@ def test_a_dry_run_refuses_another_owners_page_in_a_sticky_dir(root: Path) -> No
     for name in names[1:]:
         os.chown(tree.dir(NS) / name, writer, gc_uid)
     os.chown(tree.dir(NS) / names[0], gc_uid, gc_uid)
-    gc_user = User(gc_uid, (gc_uid,))
+    return tree, names, User(gc_uid, (gc_uid,))
+
+
+@needs_root
+def test_a_dry_run_refuses_another_owners_page_in_a_sticky_dir(root: Path) -> None:
+    """C may unlink only its own page in the sticky dir (the kernel's sticky check), and its
+    dry run says the same before the real run does it."""
+    tree, names, gc_user = _sticky(root)
     dry = as_user(gc_user, lambda: _refusals(root, names, dry_run=True))
     assert tree.files(NS) == set(names)
     real = as_user(gc_user, lambda: _refusals(root, names, dry_run=False))
     assert dry == real == (1, {"permission": 2})
     assert tree.files(NS) == set(names[1:])
+
+
+@needs_root
+def test_a_dry_run_asks_for_cap_fowner_as_the_user_it_now_is(root: Path) -> None:
+    """root's dry run may unlink anyone's page in a sticky dir (CAP_FOWNER); a process that
+    drops to a user without it afterwards (a fork that sets its uid, as a service started as
+    root does) is refused those pages, and its dry run must say so: not root's answer kept
+    from before."""
+    tree, names, gc_user = _sticky(root)
+    assert _refusals(root, names, dry_run=True) == (3, {})  # root, with CAP_FOWNER
+    dry = as_user(gc_user, lambda: _refusals(root, names, dry_run=True))
+    assert dry == (1, {"permission": 2})
+    assert tree.files(NS) == set(names)
+
+
+_IN_A_USER_NAMESPACE = """
+import json, sys
+from pathlib import Path
+from cachemgr.fs.deletecheck import files_of
+from cachemgr.fs.deletion import delete_files
+root, rel, names = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+out = {}
+for dry in (True, False):
+    report = delete_files(root, rel, names, dry_run=dry)
+    out["dry" if dry else "real"] = [report.files, sum(map(files_of, report.refused))]
+print(json.dumps(out))
+"""
+
+
+@needs_root
+def test_a_dry_run_in_a_user_namespace_refuses_a_page_of_an_unmapped_owner(root: Path) -> None:
+    """Root in a user namespace (a rootless container: `unshare -U -r`) has CAP_FOWNER there,
+    but the kernel lets it pass the sticky rule only for a file whose uid and gid the namespace
+    maps: another writer's page (shown as the overflow uid) is refused, in the dry run too."""
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1)")
+    tree, names, _ = _sticky(root)
+    argv = ["unshare", "-U", "-r", sys.executable, "-c", _IN_A_USER_NAMESPACE]
+    out = subprocess.run(
+        [*argv, str(root), f"ns/{NS}", *names], capture_output=True, text=True, check=False
+    )
+    if out.returncode != 0 and "unshare failed" in out.stderr:
+        pytest.skip(f"no user namespaces here: {out.stderr.strip()}")
+    assert out.returncode == 0, out.stderr
+    # Two pages of writer B and one of C, none of them mapped in the namespace: each refused.
+    assert json.loads(out.stdout) == {"dry": [0, 3], "real": [0, 3]}
+    assert tree.files(NS) == set(names)

@@ -65,6 +65,62 @@ def test_a_floor_met_by_evicting_is_held(tree: Tree) -> None:
     assert tree.execute(plan, now=T0 + 1).held
 
 
+def _damaged(tree: Tree) -> None:
+    """NS's 12 pages (12 kB) left alone (a bad manifest), NS2's 6 (6 kB) live."""
+    tree.write(NS, A + B, at=T0)
+    tree.write(NS2, A, at=T0)
+    (tree.layout.ns_root / f"{NS}.json").write_text("{not json")
+
+
+def test_a_damaged_namespace_filling_the_disk_is_no_free_space(tree: Tree) -> None:
+    """A namespace left alone keeps its 12 kB on the disk: they are neither free space to come
+    nor no one's. Below the floor, the live namespace's pages all go, and the floor is unmet
+    (counted as free space, they hid it: nothing planned, the run `ok`)."""
+    _damaged(tree)
+    # 10% of 100 kB must stay free, 3 kB are: NS2's 6 kB are not enough.
+    plan = tree.plan(policy(min_free_percent=10), now=T0 + 1, disk_usage=_disk(3_000))
+    assert plan.totals() == {"free_space": (6, 6_000)}
+    assert {s.namespace_id for s in plan.steps} == {NS2}
+    # The budget is 18 + 3 - 10 = 11 kB, its low watermark 9,350 bytes; 12 kB stay.
+    assert plan.unmet == (Unmet("free_space", None, "bytes", 12_000 - 9_350),)
+
+
+def test_a_damaged_namespace_counts_under_the_root_cap(tree: Tree) -> None:
+    """18 kB under a 15 kB cap, 12 kB of them left alone: the live pages make room (as the
+    cheap check, which counts every namespace, asked for); under a 12 kB cap they all go and
+    the cap is unmet, not a run `ok` with the cap exceeded."""
+    _damaged(tree)
+    plan = tree.plan(policy(max_bytes=15_000), now=T0 + 1)
+    assert plan.totals() == {"cap": (6, 6_000)} and plan.unmet == ()
+    plan = tree.plan(policy(max_bytes=12_000), now=T0 + 1)
+    assert plan.totals() == {"cap": (6, 6_000)}
+    assert plan.unmet == (Unmet("cap", None, "bytes", 12_000 - 10_200),)
+
+
+def test_a_damaged_namespace_over_its_own_cap_is_unmet(tree: Tree) -> None:
+    """A namespace left alone over the namespace cap: none of its pages may go, so its cap is
+    unmet by name; the live one under it is left be."""
+    _damaged(tree)
+    plan = tree.plan(policy(namespace_max_bytes=10_000), now=T0 + 1)
+    assert plan.steps == ()
+    assert plan.unmet == (Unmet("cap", NS, "bytes", 12_000 - 8_500),)
+
+
+def test_a_damaged_namespace_counts_under_the_file_caps(tree: Tree) -> None:
+    """The same in files: 18 page files under a root cap of 15, 12 of them left alone, make
+    the live ones go; under 12 they all go and the cap is unmet; a damaged namespace over the
+    namespace file cap is unmet by name (the cheap check counted them all, the plan none)."""
+    _damaged(tree)
+    plan = tree.plan(policy(max_files=15), now=T0 + 1)
+    assert plan.totals() == {"files": (6, 6_000)} and plan.unmet == ()
+    plan = tree.plan(policy(max_files=12), now=T0 + 1)
+    assert plan.totals() == {"files": (6, 6_000)}
+    assert plan.unmet == (Unmet("files", None, "files", 12 - 10),)
+    plan = tree.plan(policy(namespace_max_files=10), now=T0 + 1)
+    assert plan.steps == ()
+    assert plan.unmet == (Unmet("files", NS, "files", 12 - 8),)
+
+
 def test_an_unmet_limit_clears_once_it_is_no_longer_crossed(tree: Tree) -> None:
     """The daemon's tick: a floor out of reach is unmet; once space is freed beside the cache
     the next tick finds nothing crossed and runs nothing, and the limit is no longer unmet

@@ -27,6 +27,7 @@
 #include <linux/capability.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -63,37 +64,64 @@ static int still_here(const Batch *b) {
 }
 
 /* Whether this process has CAP_FOWNER, which lets it unlink another owner's file in a sticky
- * dir (asked once: capabilities do not change while it runs). */
+ * dir. Asked each time, not once: a process that drops from root to a user (setuid after a
+ * fork) loses it, and root's answer kept would count files its real run is refused. */
 static int may_fowner(void) {
-    static atomic_int known = -1;
-    int v = atomic_load(&known);
-    if (v < 0) {
-        struct __user_cap_header_struct head = {_LINUX_CAPABILITY_VERSION_3, 0};
-        struct __user_cap_data_struct data[_LINUX_CAPABILITY_U32S_3];
-        if (syscall(SYS_capget, &head, data) == 0)
-            v = (data[CAP_FOWNER / 32].effective >> (CAP_FOWNER % 32)) & 1;
-        else
-            v = geteuid() == 0;
-        atomic_store(&known, v);
-    }
-    return v;
+    struct __user_cap_header_struct head = {_LINUX_CAPABILITY_VERSION_3, 0};
+    struct __user_cap_data_struct data[_LINUX_CAPABILITY_U32S_3];
+    if (syscall(SYS_capget, &head, data) == 0)
+        return (data[CAP_FOWNER / 32].effective >> (CAP_FOWNER % 32)) & 1;
+    return geteuid() == 0;
+}
+
+/* Whether `id` (as stat shows it) is one this process's user namespace maps (`map`:
+ * /proc/self/uid_map or gid_map): an unmapped owner shows as the overflow id, outside every
+ * range. No map to read: the initial namespace, which maps all. */
+static int id_mapped(const char *map, unsigned long id) {
+    FILE *f = fopen(map, "re");
+    if (f == NULL)
+        return 1;
+    unsigned long inside, outside, count;
+    int mapped = 0;
+    while (!mapped && fscanf(f, "%lu %lu %lu", &inside, &outside, &count) == 3)
+        mapped = id >= inside && id - inside < count;
+    fclose(f);
+    return mapped;
+}
+
+/* The id stat shows for one the user namespace does not map: the kernel's default overflow
+ * id (/proc/sys/kernel/overflowuid and overflowgid; a system that sets others is not told
+ * apart). Only a file showing it costs the maps' reads. */
+#define OVERFLOW_ID 65534
+
+/* CAP_FOWNER over this file: the capability counts, in a user namespace (a rootless
+ * container), only for a file whose uid and gid it maps (the kernel's
+ * capable_wrt_inode_uidgid). */
+static int fowner_of(const struct stat *st) {
+    return may_fowner() &&
+           (st->st_uid != OVERFLOW_ID || id_mapped("/proc/self/uid_map", st->st_uid)) &&
+           (st->st_gid != OVERFLOW_ID || id_mapped("/proc/self/gid_map", st->st_gid));
 }
 
 /* What the kernel would refuse the unlink of `name` (`st`) in dir_fd for, file by file, as a
  * dry run must say without unlinking (the dir's own write permission is asked once, with
- * faccessat): EPERM for an immutable or append-only file, or another owner's file in a
- * sticky dir this process does not own, without CAP_FOWNER (the kernel's check_sticky);
- * 0 for none. */
+ * faccessat): EPERM for an immutable or append-only file, an append-only dir, or another
+ * owner's file in a sticky dir this process does not own, without CAP_FOWNER over it (the
+ * kernel's check_sticky); 0 for none. */
 static int dry_refusal(int dir_fd, const char *name, const struct stat *st) {
     struct statx stx;
     unsigned long long pinned = STATX_ATTR_IMMUTABLE | STATX_ATTR_APPEND;
     if (statx(dir_fd, name, AT_SYMLINK_NOFOLLOW, 0, &stx) == 0 &&
         (stx.stx_attributes & stx.stx_attributes_mask & pinned))
         return EPERM;
+    /* An append-only dir takes new names and gives none up: faccessat finds it writable. */
+    if (statx(dir_fd, "", AT_EMPTY_PATH, 0, &stx) == 0 &&
+        (stx.stx_attributes & stx.stx_attributes_mask & STATX_ATTR_APPEND))
+        return EPERM;
     struct stat dir;
     uid_t me = geteuid();
     if (st->st_uid != me && fstat(dir_fd, &dir) == 0 && (dir.st_mode & S_ISVTX) &&
-        dir.st_uid != me && !may_fowner())
+        dir.st_uid != me && !fowner_of(st))
         return EPERM;
     return 0;
 }

@@ -162,7 +162,8 @@ def _plan(
     freed_trash = sum(s.bytes for s in trash if s.rel_dir in after.dirs)
     # Damaged namespaces (a bad manifest, a symlink in place of the dir) are left alone
     # whole: not dropped as unbound, no page of theirs evicted.
-    gone = gcfind.left_alone(layout, warnings)  # and dropped: no page evicted one by one
+    alone = gcfind.left_alone(layout, warnings)
+    gone = set(alone)  # and dropped: no page evicted one by one
     drops: list[GcStep] = []
     for ns_id, reason in gcfind.unbound_past_retention(conn, policy, now):
         if ns_id in gone:
@@ -209,8 +210,13 @@ def _plan(
     ahead = daemon.ahead
     pending = daemon.pending
     busy = daemon.in_flight
-    limits = over_limits(policy, live, disk, counted=counted, ahead=ahead, pending=pending)
-    files = file_counts(conn, layout, live, after).with_writer(ahead + pending, usage)
+    # What is left alone stays: on the disk and under the root's limits, as the cheap check
+    # counts it (cachemgr.gc.check), but the other pages must make room for it.
+    kept = sum(usage.get(ns, 0) for ns in alone)
+    limits = over_limits(
+        policy, live, disk, counted=counted, ahead=ahead, pending=pending, kept=kept
+    )
+    files = file_counts(conn, layout, live, after, alone).with_writer(ahead + pending, usage)
     chains = daemon.model
     if chains is None:  # a one-off run reads the page rows only if pages must go
         over = bool(limits.namespaces) or limits.root is not None
@@ -218,24 +224,24 @@ def _plan(
         chains = ChainModel.from_index(conn, sorted(live) if over else [])
     overridden = 0
     unmet: list[Unmet] = []
-    ns_cap = policy.namespace_max_bytes
     for ns_id, need in limits.namespaces.items():
         victims, forced = _pick(chains, [ns_id], (need, need), before, taken, now, busy)
         live[ns_id] -= sum(p.bytes for p in victims.values())
         steps += _evictions("cap", victims, policy.min_age)
         overridden += forced
-        if ns_cap is not None and live[ns_id] > ns_cap * policy.high_watermark:
-            unmet.append(
-                Unmet("cap", ns_id, "bytes", live[ns_id] - int(ns_cap * policy.low_watermark))
-            )
+        unmet += _ns_cap_unmet(policy, ns_id, live[ns_id])
+    for ns_id in sorted(alone):  # over its own cap with no page GC may evict
+        unmet += _ns_cap_unmet(policy, ns_id, usage.get(ns_id, 0))
     # What the caps evict counts toward the root's budget: ask again with what is left.
     budget = limits.budget
-    excess = over_limits(policy, live, disk, counted=counted, ahead=ahead, pending=pending).root
+    excess = over_limits(
+        policy, live, disk, counted=counted, ahead=ahead, pending=pending, kept=kept
+    ).root
     if excess is not None:
         # Protections yield only for what the index counts: pages stored that it has not
         # applied yet (and the writer's pace) are not in the chain model, whose order would
         # not know what they continue (the prefix a queued store hangs on would go first).
-        indexed = budget.excess(sum(live.values()), policy.low_watermark)
+        indexed = budget.excess(sum(live.values()) + kept, policy.low_watermark)
         # The pages no protection holds, then the stores the index has not applied, then what
         # a protection holds: the stores continue the chains in flight (a stream's last
         # indexed page is the head they hang on), so they go before those heads.
@@ -260,9 +266,9 @@ def _plan(
                 "no other page is indexed"
             )
         # Over by the writer's predicted bytes alone is no limit missed: only what is on disk
-        # counts (sum(live) + pending, as over_limits counts it). A floor the filesystem does
-        # not meet even with no cache is missed however much of it goes.
-        left = sum(live.values()) + pending - (excess - short)
+        # counts (live, kept and pending bytes, as over_limits counts them). A floor the
+        # filesystem does not meet even with no cache is missed however much of it goes.
+        left = sum(live.values()) + kept + pending - (excess - short)
         if budget.over(left, policy.high_watermark):
             gap = budget.shortfall(left, policy.low_watermark)
             unmet.append(Unmet(budget.reason, None, "bytes", gap))
@@ -293,20 +299,35 @@ def _plan(
     )
 
 
+def _ns_cap_unmet(policy: GcPolicy, ns_id: str, used: int) -> list[Unmet]:
+    """The namespace's byte cap, if `used` (what the plan leaves of it) is over its high
+    watermark."""
+    cap = policy.namespace_max_bytes
+    if cap is None or used <= cap * policy.high_watermark:
+        return []
+    return [Unmet("cap", ns_id, "bytes", used - int(cap * policy.low_watermark))]
+
+
 def file_counts(
-    conn: sqlite3.Connection, layout: Layout, live: Collection[str], after: Earlier
+    conn: sqlite3.Connection,
+    layout: Layout,
+    live: Collection[str],
+    after: Earlier,
+    alone: Collection[str] = (),
 ) -> Files:
-    """Page files of each live namespace by the index (less those `after` deletes), which
-    namespaces keep them in one dir, and the root filesystem's inodes (plus those `after`
-    frees): what the file limits are kept on."""
-    counts = {ns: n for ns, n in pages_sql.namespace_file_counts(conn).items() if ns in live}
+    """Page files of each live namespace by the index (less those `after` deletes), and of
+    each one left `alone`, which namespaces keep them in one dir, and the root filesystem's
+    inodes (plus those `after` frees): what the file limits are kept on."""
+    indexed = pages_sql.namespace_file_counts(conn)
+    counts = {ns: n for ns, n in indexed.items() if ns in live}
+    kept = {ns: n for ns, n in indexed.items() if ns in alone}
     for rel, _ in after.files:
         ns = rel.removeprefix("ns/")
         if rel.startswith("ns/") and ns in counts:
             counts[ns] -= 1
     inodes = Inodes(*inode_usage(layout.root))
     freed = inodes._replace(free=inodes.free + len(after.files))
-    return Files(counts, flat_names(conn, counts), freed)
+    return Files(counts, flat_names(conn, [*counts, *kept]), freed, kept=kept)
 
 
 def flat_names(conn: sqlite3.Connection, namespaces: Collection[str]) -> dict[str, int]:
@@ -363,9 +384,10 @@ def _files_unmet(policy: GcPolicy, files: Files, steps: Sequence[GcStep]) -> lis
     files on disk only (not the writer's predicted ones)."""
     left = _less(files, _gone_files(files, steps))._replace(ahead=0)
     by_ns, budget, root = over_file_limits(policy, left)
-    out = [Unmet(reason, ns, "files", n) for ns, (n, reason) in by_ns.items()]
+    alone, _, _ = over_file_limits(policy, Files(left.kept, left.flat))  # no file may go
+    out = [Unmet(reason, ns, "files", n) for ns, (n, reason) in (by_ns | alone).items()]
     if root is not None:
-        used = sum(left.live.values())
+        used = left.used()
         out.append(
             Unmet(budget.reason, None, "files", budget.shortfall(used, policy.low_watermark))
         )

@@ -136,6 +136,12 @@ class Files(NamedTuple):
     flat: Mapping[str, int] = MappingProxyType({})
     inodes: Inodes | None = None
     ahead: int = 0  # files the writer stores before GC is done (the root's budget counts them)
+    # Files per namespace GC leaves alone (damaged): under the root's limits, never evicted.
+    kept: Mapping[str, int] = MappingProxyType({})
+
+    def used(self) -> int:
+        """The page files the root's limits count."""
+        return sum(self.live.values()) + sum(self.kept.values())
 
     def with_writer(self, bytes_ahead: int, live_bytes: Mapping[str, int]) -> Files:
         """These counts with the writer's bytes to come (over_limits' `ahead` and `pending`)
@@ -217,6 +223,7 @@ def over_limits(
     ahead: int = 0,
     pending: int = 0,
     files: Files | None = None,
+    kept: int = 0,
 ) -> Limits:
     """The limits `live` (page bytes per namespace GC may evict from) is over.
 
@@ -226,16 +233,17 @@ def over_limits(
     saw them, the index has not applied them); `ahead`: bytes the writer will add while GC
     frees space (the daemon's estimate). Both count against the root's budget so the cap holds
     while it writes. `files`: the file counts the file caps and the inode floor are kept on,
-    with the same watermarks. Pure arithmetic on aggregates: the cheap check and the plan both
-    use it.
+    with the same watermarks. `kept`: bytes of namespaces GC leaves alone (damaged): on disk
+    and under the root's limits like any page, but never evicted, so others' pages go. Pure
+    arithmetic on aggregates: the cheap check and the plan both use it.
     """
     cap, high, low = policy.namespace_max_bytes, policy.high_watermark, policy.low_watermark
     over_cap: dict[str, int] = {}
     if cap is not None:
         over_cap = {ns: b - int(cap * low) for ns, b in sorted(live.items()) if b > cap * high}
     left = sum(live.values())
-    budget = root_budget(policy, (left if counted is None else counted) + pending, disk)
-    used = left + pending  # pending: on disk already
+    budget = root_budget(policy, (left + kept if counted is None else counted) + pending, disk)
+    used = left + pending + kept  # pending, kept: on disk already
     # The writer's pace starts a run up to a whole gap early, but deepens it by at most half
     # the gap: a run must not empty the cache for a burst.
     over = budget.over(used + _bounded(policy, budget, ahead, 1.0), high)
@@ -262,7 +270,7 @@ def over_file_limits(
             cap = (policy.namespace_max_files, "files")
         if cap is not None and n > cap[0] * high:
             by_ns[ns] = (n - math.floor(cap[0] * low), cap[1])
-    used = sum(files.live.values())
+    used = files.used()
     budget = Budget(policy.max_files if policy.max_files is not None else math.inf, "files")
     floor = policy.inode_floor(files.inodes) if files.inodes is not None else 0
     if files.inodes is not None and floor > 0:
