@@ -10,10 +10,11 @@ ROOT ?=
 PREFIX ?= /usr/local
 COMPLETIONS := $(PREFIX)/share/bash-completion/completions
 PYTEST_ARGS ?=
-# pytest-xdist workers: 3 on CI's 2 cores, since most tests wait on daemons, processes and disks
-# rather than compute; a test file stays on one worker. The `serial` tests (claims about time)
-# run after them, alone; a pass that selects none exits 5, which is no failure here.
-PYTEST_WORKERS ?= 3
+# pytest-xdist workers: 4 on CI's 2 cores, since most tests wait on daemons, processes and disks
+# rather than compute (at 3 the pass kept the cores about half busy: bench/RESULTS.md, "CI
+# time"); a test file stays on one worker. The `serial` tests (claims about time) run after
+# them, alone; a pass that selects none exits 5, which is no failure here.
+PYTEST_WORKERS ?= 4
 # make test's set-up steps (the venv then lint, apt packages, the two engine envs) are
 # independent and mostly wait on pip and apt: run at once, they take about as long as the
 # slowest one rather than the sum (bench/RESULTS.md, "CI time").
