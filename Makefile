@@ -10,12 +10,17 @@ ROOT ?=
 PREFIX ?= /usr/local
 COMPLETIONS := $(PREFIX)/share/bash-completion/completions
 PYTEST_ARGS ?=
-# pytest-xdist workers: 3 on CI's 2 cores, since most tests wait on daemons, processes and disks
-# rather than compute; a test file stays on one worker. The `serial` tests (claims about time)
-# run after them, alone; a pass that selects none exits 5, which is no failure here.
-PYTEST_WORKERS ?= 3
+# pytest-xdist workers: 4 on CI's 2 cores, since most tests wait on daemons, processes and disks
+# rather than compute (at 3 the pass kept the cores about half busy: bench/RESULTS.md, "CI
+# time"); a test file stays on one worker. The `serial` tests (claims about time) run after
+# them, alone; a pass that selects none exits 5, which is no failure here.
+PYTEST_WORKERS ?= 4
+# make test's set-up steps (the venv then lint, apt packages, the two engine envs) are
+# independent and mostly wait on pip and apt: run at once, they take about as long as the
+# slowest one rather than the sum (bench/RESULTS.md, "CI time").
+SETUP_JOBS ?= 4
 
-.PHONY: run install uninstall test lint deps sglang-env vllm-env bench clean
+.PHONY: run install uninstall test test-setup lint deps sglang-env vllm-env bench clean
 
 # The venv is rebuilt when pyproject.toml changes; the install compiles the C helpers again
 # when its sources change.
@@ -23,6 +28,10 @@ $(VENV)/.installed: pyproject.toml hatch_build.py cachemgr/fs/_dirscan.c cachemg
 	PY=$(PY) bash scripts/build-deps.sh
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]' 2> >(grep -v "is ignored: it is neither" >&2)
+	# An editable install leaves the package uncompiled, and under PYTHONDONTWRITEBYTECODE (set
+	# on CI's machines, as in deploy/Dockerfile) every cachemgr process the tests start would
+	# compile it again.
+	$(BIN)/python -m compileall -q cachemgr
 	touch $@
 
 run: $(VENV)/.installed
@@ -52,7 +61,11 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: $(VENV)/.installed deps sglang-env vllm-env lint
+# Everything the tests need; `make test` builds it with -j (SETUP_JOBS).
+test-setup: $(VENV)/.installed deps sglang-env vllm-env lint
+
+test:
+	$(MAKE) --no-print-directory -j$(SETUP_JOBS) --output-sync=target test-setup
 	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile --serial=exclude $(PYTEST_ARGS) || [ $$? -eq 5 ]
 	$(BIN)/pytest --serial=only $(PYTEST_ARGS) || [ $$? -eq 5 ]
 

@@ -58,7 +58,6 @@ SERIAL_FILES = {
     "tests/reliability/test_full_disk.py",
     "tests/reliability/test_hostile_http.py",
     "tests/reliability/test_inode_floor.py",
-    "tests/reliability/test_poison_files.py",
     "tests/reliability/test_rules.py",
     "tests/reliability/test_stalled_readers.py",
     "tests/reliability/test_write_only_stream.py",
