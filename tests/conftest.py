@@ -71,6 +71,9 @@ SERIAL_FILES = {
     "tests/test_model_snapshot.py",
     "tests/test_vllm_chains.py",
     "tests/test_vllm_gc.py",
+    # Counts a new namespace's stores as writes only if the watcher keeps up with them (else
+    # they are found by a listing): under four workers' load it did not, once in four passes.
+    "tests/test_vllm_index.py",
 }
 
 
