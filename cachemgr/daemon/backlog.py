@@ -164,7 +164,8 @@ def take_order(
 class Flight:
     """What is in flight that the chain model has not seen, for GC (cachemgr.gc.execute.InFlight):
     at a plan, the pages read or stored in the queue; before each chunk it deletes, each
-    stream's run of pages read or stored since the plan (`_Runs`), with their ancestors. A
+    stream's run since the plan (`_Runs`: the pages its request read, the page it stored
+    last), with their ancestors. A
     request that looked a prefix up (a stat: no event) reads it head to tail right after, so
     the chain it reads is kept from the next chunk on instead of being cut behind the pages
     it already loaded. The run, not the stream's last page: a request seen at page 2 before
@@ -200,12 +201,16 @@ class Flight:
 
 
 class _Run:
-    """The pages one stream read or stored since a plan, as one request reads its prefix
-    head to tail and stores what continues it."""
+    """What one stream's request in flight uses, as seen since a plan: the pages it read (its
+    prefix, head to tail), and the page it stored last (with its ancestors, the pages it
+    stored before: a write-only stream's run never ends, and all it stored is not needed)."""
 
-    def __init__(self, key: str) -> None:
-        self.keys = {key: None}  # (a dict: in the order accessed)
-        self.stored = False  # the stream's last access was a store
+    def __init__(self) -> None:
+        self.read: dict[str, None] = {}  # (a dict: in the order read)
+        self.stored: str | None = None  # a store came after the reads: the next read ends it
+
+    def pages(self) -> list[str]:
+        return [*self.read, self.stored] if self.stored is not None else list(self.read)
 
 
 class _Runs:
@@ -233,7 +238,7 @@ class _Runs:
             # in one call and consumed in the next fails once the inotify thread appends)
             for event in self._new(self.watcher.accesses.copy()):
                 self._take(event)
-        return [(ns, k) for (s_ns, *_), run in self.runs.items() if s_ns == ns for k in run.keys]
+        return [(ns, k) for (s_ns, *_), run in self.runs.items() if s_ns == ns for k in run.pages()]
 
     def _new(self, accesses: deque[Event]) -> list[Event]:
         """The accesses after the newest one taken, oldest first (all of them if it is gone
@@ -252,23 +257,25 @@ class _Runs:
         key = self.pages.key(ns, name)
         stream = (ns, name[len(key) :], origin)
         run = self.runs.get(stream)
+        if run is None or (kind is Kind.READ and self._ends(run, ns, key)):
+            run = self.runs[stream] = _Run()
         if kind is Kind.WRITE:
-            if run is None:
-                run = self.runs[stream] = _Run(key)
-            run.keys[key] = None
-            run.stored = True
-        elif run is None or run.stored or key in run.keys or self._cut(run, ns, key):
-            self.runs[stream] = _Run(key)
+            run.stored = key
         else:
-            run.keys[key] = None
+            run.read[key] = None
 
-    def _cut(self, run: _Run, ns: str, key: str) -> bool:
-        """Whether a page read does not continue `run`: its known predecessor is not in it."""
+    def _ends(self, run: _Run, ns: str, key: str) -> bool:
+        """Whether a read of `key` begins the stream's next request: a read after a store, a
+        page read again, or one whose predecessor the model knows and the run did not read."""
+        if run.stored is not None or key in run.read:
+            return True
+        if not run.read:
+            return False
         with self.model.lock:
             st = self.model.store
             at = st.find(ns, key)
             pred = st.pred[at] if at != NONE else NONE
-            return pred != NONE and st.key(pred) not in run.keys
+            return pred != NONE and st.key(pred) not in run.read
 
 
 class _Pages:

@@ -6,7 +6,7 @@ import errno
 import logging
 import math
 import os
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -185,28 +185,46 @@ def _run_step(run: RunContext, step: GcStep, tally: _Tally, spare: Spare | None)
         return base.done(r)
     if step.namespace_id is None and step.reason == "tmp":
         return _sweep_own_temps(run, step, base)
-    total = DeleteReport(dry_run=dry_run)
-    staying: set[str] = set()
     fmt = step_format(layout, step)
+    staying: set[str] = set()
+    done, ended = _delete_chunks(run, step, _unspared(step, spare, staying), fmt, tally)
+    back = DeleteReport(dry_run=dry_run)
+    if ended is None:
+        # Pages spared since the plan yield to the limit as any protection does: tails first,
+        # in the step's order (what stays of a chain is a usable prefix), as far as it needs.
+        taken = _taken_back(step, staying, done)
+        slices = (taken[i : i + CHUNK] for i in range(0, len(taken), CHUNK))
+        back, ended = _delete_chunks(run, step, slices, fmt, tally)
+    result = replace(base.done(done + back), overridden=back.files)
+    return result if ended is None else replace(result, skipped=ended[0], denied=ended[1])
+
+
+def _unspared(step: GcStep, spare: Spare | None, staying: set[str]) -> Iterator[list[str]]:
+    """The step's names in chunks of CHUNK, less those requests reached since the plan
+    (`spare`, asked before each chunk; they gather in `staying`)."""
     for i in range(0, len(step.names), CHUNK):
-        if run.stop():
-            return replace(base.done(total), skipped=_STOPPED)
         if spare is not None and step.namespace_id is not None:
             staying.update(spare(step.namespace_id, step.names, i))
-        chunk = [n for n in step.names[i : i + CHUNK] if n not in staying]
+        yield [n for n in step.names[i : i + CHUNK] if n not in staying]
+
+
+_Ended = tuple[str, str | None]  # why a step ended early, and the kernel's refusal if it did
+
+
+def _delete_chunks(
+    run: RunContext, step: GcStep, chunks: Iterable[list[str]], fmt: FileFormat, tally: _Tally
+) -> tuple[DeleteReport, _Ended | None]:
+    """Delete these chunks of a step's names, one by one, until a stop; what they did, and
+    why the step ended if it did."""
+    total = DeleteReport(dry_run=run.dry_run)
+    for chunk in chunks:
+        if run.stop():
+            return total, (_STOPPED, None)
         r, ended = _delete_chunk(run, step, chunk, fmt, tally)
         total += r
         if ended is not None:
-            return replace(base.done(total), skipped=ended[0], denied=ended[1])
-    # Pages spared since the plan yield to the limit, as any protection does (tails first, in
-    # the step's order: what stays of a chain is a usable prefix), for what it needs of them.
-    taken = _taken_back(step, staying, total)
-    if taken and run.stop():
-        return replace(base.done(total), skipped=_STOPPED)
-    r, ended = _delete_chunk(run, step, taken, fmt, tally)
-    total += r
-    done = replace(base.done(total), overridden=r.files)
-    return done if ended is None else replace(done, skipped=ended[0], denied=ended[1])
+            return total, ended
+    return total, None
 
 
 _STOPPED = "stopped: shutting down, or the GC lease was lost"
@@ -214,7 +232,7 @@ _STOPPED = "stopped: shutting down, or the GC lease was lost"
 
 def _delete_chunk(
     run: RunContext, step: GcStep, chunk: list[str], fmt: FileFormat, tally: _Tally
-) -> tuple[DeleteReport, tuple[str, str | None] | None]:
+) -> tuple[DeleteReport, _Ended | None]:
     """Delete (or stat, in a dry run) one chunk of a step's names and record it; what it did,
     and (why the step ends, the kernel's refusal) if it ends there."""
     layout = run.layout
