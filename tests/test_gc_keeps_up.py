@@ -307,6 +307,36 @@ def test_a_chain_read_while_gc_deletes_stays_whole_before_its_links_are_learned(
         tree.store.close()
 
 
+def test_a_streams_run_ends_where_its_next_request_begins(tmp_path: Path) -> None:
+    """A request reads its prefix and stores what continues it: its pages stay while GC
+    deletes. The stream's next read begins the next request, whose pages alone stay; of what
+    a stream stores, the page stored last keeps its chain (a write-only stream's run never
+    ends: all it stored kept every chain it wrote)."""
+    tree = Tree.at(tmp_path / "root")
+    try:
+        tree.write(NS, [page(i) for i in range(1, 7)], at=T0)  # 1 <- 2 <- ... <- 6
+        tree.write(NS, [page(i) for i in range(11, 17)], at=T0 + 10)  # 11 <- ... <- 16
+        tree.write(NS, [page(21)], at=T0 + 20)
+        model = ChainModel.from_index(tree.store.conn, [NS])
+        watcher = Watcher(tree.layout)  # not started: its accesses are emitted below
+        spare = Flight(watcher, model)().spare
+        assert spare is not None
+        names = [page(i) for i in (*range(1, 7), *range(11, 17), 21)]
+
+        def then(kind: Kind, *pages: int) -> set[str]:
+            for n in pages:
+                watcher.emit((kind, NS, page(n), 0.0, LOCAL))
+            return set(spare(NS, names, 0))
+
+        assert then(Kind.READ, 1, 2, 3) | then(Kind.WRITE, 4) == {page(i) for i in range(1, 5)}
+        assert then(Kind.READ, 11) == {page(11)}  # a read after a store: the next request
+        assert then(Kind.READ, 12, 11) == {page(11)}  # a page read again
+        assert then(Kind.READ, 2) == {page(1), page(2)}  # 1, its predecessor, was not read
+        assert then(Kind.WRITE, 21, 14) == {page(i) for i in (1, 2, 11, 12, 13, 14)}
+    finally:
+        tree.store.close()
+
+
 class _Reading(LiveState):
     """A daemon whose request reads pages 1 to 5 head to tail just after GC planned, as it
     deletes its first chunk."""

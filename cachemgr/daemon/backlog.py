@@ -190,13 +190,16 @@ class Flight:
         return InFlight(_queued(events, pages), partial(self._keep, since), order)
 
     def _keep(self, since: _Runs, ns: str, names: Sequence[str], start: int) -> set[str]:
-        reached = since.reached(ns)
-        if not reached:
+        keys: set[PageId] = set()
+        # The model's lock once a chunk, not once a page: the index thread takes it for each
+        # event it applies, and a thread waiting for it waited out a batch (the GIL hands it
+        # back to the index thread, which takes the lock again first).
+        with self.model.lock:
+            for pid in reversed(since.reached(ns)):  # tails first: one walk up each chain
+                keys |= lineage(self.model, pid, keys)
+        if not keys:
             return set()
         planned = since.pages.of(ns, names)
-        keys: set[PageId] = set()
-        for pid in reversed(reached):  # tails first: one walk up each chain, not one a page
-            keys |= lineage(self.model, pid, keys)
         return {n for _, k in keys if k in planned for i, n in planned[k] if i >= start}
 
 
@@ -271,11 +274,10 @@ class _Runs:
             return True
         if not run.read:
             return False
-        with self.model.lock:
-            st = self.model.store
-            at = st.find(ns, key)
-            pred = st.pred[at] if at != NONE else NONE
-            return pred != NONE and st.key(pred) not in run.read
+        st = self.model.store  # (under the model's lock: Flight._keep)
+        at = st.find(ns, key)
+        pred = st.pred[at] if at != NONE else NONE
+        return pred != NONE and st.key(pred) not in run.read
 
 
 class _Pages:
