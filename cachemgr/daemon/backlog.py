@@ -210,6 +210,7 @@ class _Run:
 
     def __init__(self) -> None:
         self.read: dict[str, None] = {}  # (a dict: in the order read)
+        self.slots: set[int] = set()  # their slots in the model (a look-up each, not a key)
         self.stored: str | None = None  # a store came after the reads: the next read ends it
 
     def pages(self) -> list[str]:
@@ -260,24 +261,25 @@ class _Runs:
         key = self.pages.key(ns, name)
         stream = (ns, name[len(key) :], origin)
         run = self.runs.get(stream)
-        if run is None or (kind is Kind.READ and self._ends(run, ns, key)):
-            run = self.runs[stream] = _Run()
         if kind is Kind.WRITE:
+            if run is None:
+                run = self.runs[stream] = _Run()
             run.stored = key
-        else:
-            run.read[key] = None
+            return
+        at = self.model.store.find(ns, key)  # (under the model's lock: Flight._keep)
+        if run is None or self._ends(run, key, at):
+            run = self.runs[stream] = _Run()
+        run.read[key] = None
+        run.slots.add(at)
 
-    def _ends(self, run: _Run, ns: str, key: str) -> bool:
-        """Whether a read of `key` begins the stream's next request: a read after a store, a
-        page read again, or one whose predecessor the model knows and the run did not read."""
+    def _ends(self, run: _Run, key: str, at: int) -> bool:
+        """Whether a read of `key` (the model's slot `at`) begins the stream's next request:
+        a read after a store, a page read again, or one whose predecessor the model knows and
+        the run did not read."""
         if run.stored is not None or key in run.read:
             return True
-        if not run.read:
-            return False
-        st = self.model.store  # (under the model's lock: Flight._keep)
-        at = st.find(ns, key)
-        pred = st.pred[at] if at != NONE else NONE
-        return pred != NONE and st.key(pred) not in run.read
+        pred = self.model.store.pred[at] if at != NONE else NONE
+        return pred != NONE and pred not in run.slots
 
 
 class _Pages:
