@@ -21,7 +21,7 @@ from cachemgr.fs.usage import DiskUsage
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.execute import InFlight, execute_gc
 from cachemgr.gc.plan import GcPlan, Live, plan_gc
-from cachemgr.gc.policy import GcPolicy, headroom, over_limits
+from cachemgr.gc.policy import GcPolicy, headroom, over_limits, room
 from cachemgr.gc.runner import GcRunner, LiveState
 from cachemgr.layout import Layout
 from cachemgr.settings import load_settings
@@ -197,6 +197,25 @@ def test_the_writers_pace_starts_a_run_early_but_deepens_it_by_half_the_gap() ->
     assert over_limits(cap, {"ns": 910}, disk, ahead=80).root is None
     # Stored but not indexed yet: on disk already, counted whole.
     assert over_limits(cap, {"ns": 800}, disk, pending=250).root == 150
+
+
+def test_what_requests_reach_while_gc_deletes_keeps_the_gap_less_the_writers_pace(
+    tmp_path: Path,
+) -> None:
+    """Pages spared at execution may keep what the plan frees between the high watermark
+    and the low one, less what the writer's pace deepens a run by (policy.over_limits)."""
+    cap = GcPolicy(max_bytes=1000, high_watermark=1.0, low_watermark=0.9)  # a gap of 100
+    assert [room(cap, 1000, ahead=a) for a in (0, 40, 80, 500)] == [100, 100, 70, 50]
+    assert room(cap, float("inf")) == 0
+    tree = Tree.at(tmp_path / "root")
+    try:
+        tree.write(NS, [page(i) for i in range(1, 7)], at=T0)  # 6000 bytes
+        ns_cap = policy(namespace_max_bytes=10_000, high_watermark=0.5, low_watermark=0.1)
+        (step,) = tree.plan(ns_cap, now=T0 + 100).steps
+        # 5 pages go (down to 1000 bytes); the limit holds at 5000: 4000 of them may stay.
+        assert (len(step.names), step.bytes, step.room) == (5, 5000, 4000)
+    finally:
+        tree.store.close()
 
 
 def roomy(pages: int) -> GcPolicy:
