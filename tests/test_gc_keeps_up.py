@@ -9,10 +9,8 @@ import contextlib
 import os
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
-
-import pytest
 
 from cachemgr.daemon.backlog import SETTLE, Flight, StoreBacklog, queued_pages
 from cachemgr.daemon.events import LOCAL, Kind
@@ -23,7 +21,7 @@ from cachemgr.fs.usage import DiskUsage
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.execute import InFlight, execute_gc
 from cachemgr.gc.plan import GcPlan, Live, plan_gc
-from cachemgr.gc.policy import GcPolicy, headroom, over_limits
+from cachemgr.gc.policy import GcPolicy, headroom, over_limits, room
 from cachemgr.gc.runner import GcRunner, LiveState
 from cachemgr.layout import Layout
 from cachemgr.settings import load_settings
@@ -201,6 +199,32 @@ def test_the_writers_pace_starts_a_run_early_but_deepens_it_by_half_the_gap() ->
     assert over_limits(cap, {"ns": 800}, disk, pending=250).root == 150
 
 
+def test_what_requests_reach_while_gc_deletes_keeps_the_gap_less_the_writers_pace(
+    tmp_path: Path,
+) -> None:
+    """Pages spared at execution may keep what the plan frees between the high watermark
+    and the low one, less what the writer's pace deepens a run by (policy.over_limits)."""
+    cap = GcPolicy(max_bytes=1000, high_watermark=1.0, low_watermark=0.9)  # a gap of 100
+    assert [room(cap, 1000, ahead=a) for a in (0, 40, 80, 500)] == [100, 100, 70, 50]
+    assert room(cap, float("inf")) == 0
+    tree = Tree.at(tmp_path / "root")
+    try:
+        tree.write(NS, [page(i) for i in range(1, 7)], at=T0)  # 6000 bytes
+        ns_cap = policy(namespace_max_bytes=10_000, high_watermark=0.5, low_watermark=0.1)
+        (step,) = tree.plan(ns_cap, now=T0 + 100).steps
+        # 5 pages go (down to 1000 bytes); the limit holds at 5000: 4000 of them may stay.
+        assert (len(step.names), step.bytes, step.room) == (5, 5000, 4000)
+    finally:
+        tree.store.close()
+
+
+def roomy(pages: int) -> GcPolicy:
+    """A cap that `pages` pages of 1000 bytes are over and that frees nearly all of them (its
+    low watermark), with room for most of them under its high watermark: what requests reach
+    while GC deletes may stay (the limit does not need it)."""
+    return policy(max_bytes=2000 * pages, high_watermark=0.45, low_watermark=0.01)
+
+
 def test_a_chain_a_request_reads_while_gc_deletes_stays_from_the_next_chunk_on(
     tmp_path: Path,
 ) -> None:
@@ -209,7 +233,7 @@ def test_a_chain_a_request_reads_while_gc_deletes_stays_from_the_next_chunk_on(
     try:
         tree.write(NS, [page(i) for i in range(1, 7)], at=T0)  # one chain: 1 <- 2 <- ... <- 6
         model = ChainModel.from_index(tree.store.conn, [NS])
-        plan = tree.plan(policy(max_bytes=100, low_watermark=0.1), now=T0 + 100, model=model)
+        plan = tree.plan(roomy(6), now=T0 + 100, model=model)
         assert evicted(plan) == [page(i) for i in range(6, 0, -1)]  # tail first, all of it
         watcher.start()
         assert watcher.watch(NS)
@@ -236,7 +260,7 @@ def _two_chains_planned(tmp_path: Path) -> Iterator[tuple[Tree, Watcher, GcPlan,
         tree.write(NS, [page(i) for i in range(1, 7)], at=T0)
         tree.write(NS, [page(i) for i in range(11, 17)], at=T0 + 1)
         model = ChainModel.from_index(tree.store.conn, [NS])
-        plan = tree.plan(policy(max_bytes=100, low_watermark=0.1), now=T0 + 100, model=model)
+        plan = tree.plan(roomy(12), now=T0 + 100, model=model)
         assert len(evicted(plan)) == 12
         watcher.start()
         assert watcher.watch(NS)
@@ -275,13 +299,6 @@ def test_each_fleet_nodes_last_page_read_since_the_plan_is_kept(tmp_path: Path) 
     assert tree.files(NS) == {page(i) for i in (1, 2, 3, 11, 12, 13)}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a chain read while GC deletes, before its links are learned, loses its middle: "
-    "only the lineage of each stream's last page is spared. Sparing each stream's run of "
-    "pages read since the plan fixes it (bench/RESULTS.md, 'each stream's run'); held until "
-    "its cost to cap-keeping at full speed is measured on a quiet box",
-)
 def test_a_chain_read_while_gc_deletes_stays_whole_before_its_links_are_learned(
     tmp_path: Path,
 ) -> None:
@@ -306,6 +323,79 @@ def test_a_chain_read_while_gc_deletes_stays_whole_before_its_links_are_learned(
             kept |= set(spare(NS, names, 0))
         assert kept == {page(i) for i in range(1, 6)}
     finally:
+        tree.store.close()
+
+
+def test_a_streams_run_ends_where_its_next_request_begins(tmp_path: Path) -> None:
+    """A request reads its prefix and stores what continues it: its pages stay while GC
+    deletes. The stream's next read begins the next request, whose pages alone stay; of what
+    a stream stores, the page stored last keeps its chain (a write-only stream's run never
+    ends: all it stored kept every chain it wrote)."""
+    tree = Tree.at(tmp_path / "root")
+    try:
+        tree.write(NS, [page(i) for i in range(1, 7)], at=T0)  # 1 <- 2 <- ... <- 6
+        tree.write(NS, [page(i) for i in range(11, 17)], at=T0 + 10)  # 11 <- ... <- 16
+        tree.write(NS, [page(21)], at=T0 + 20)
+        model = ChainModel.from_index(tree.store.conn, [NS])
+        watcher = Watcher(tree.layout)  # not started: its accesses are emitted below
+        spare = Flight(watcher, model)().spare
+        assert spare is not None
+        names = [page(i) for i in (*range(1, 7), *range(11, 17), 21)]
+
+        def then(kind: Kind, *pages: int) -> set[str]:
+            for n in pages:
+                watcher.emit((kind, NS, page(n), 0.0, LOCAL))
+            return set(spare(NS, names, 0))
+
+        assert then(Kind.READ, 1, 2, 3) | then(Kind.WRITE, 4) == {page(i) for i in range(1, 5)}
+        assert then(Kind.READ, 11) == {page(11)}  # a read after a store: the next request
+        assert then(Kind.READ, 12, 11) == {page(11)}  # a page read again
+        assert then(Kind.READ, 2) == {page(1), page(2)}  # 1, its predecessor, was not read
+        assert then(Kind.WRITE, 21, 14) == {page(i) for i in (1, 2, 11, 12, 13, 14)}
+    finally:
+        tree.store.close()
+
+
+class _Reading(LiveState):
+    """A daemon whose request reads pages 1 to 5 head to tail just after GC planned, as it
+    deletes its first chunk."""
+
+    def __init__(self, watcher: Watcher, model: ChainModel) -> None:
+        super().__init__(model=model)
+        self.watcher = watcher
+
+    def in_flight(self) -> InFlight:
+        assert self.model is not None
+        flight = Flight(self.watcher, self.model)()
+        spare = flight.spare
+        assert spare is not None
+
+        def reached(ns: str, names: Sequence[str], start: int) -> Collection[str]:
+            if start == 0:
+                for n in range(1, 6):
+                    self.watcher.emit((Kind.READ, NS, page(n), 0.0, LOCAL))
+            return spare(ns, names, start)
+
+        return flight._replace(spare=reached)
+
+
+def test_pages_reached_while_gc_deletes_yield_to_the_cap_tails_first(tmp_path: Path) -> None:
+    """The plan frees the whole chain (down to the low watermark); a request reaches 1 to 5 as
+    GC deletes. The high watermark has room for two and a half pages: the cap takes 5, 4 and 3
+    back, tails first (1 <- 2 stays, a usable prefix), and counts them as a protection it
+    overrode (cachemgr_gc_protection_overridden_total)."""
+    tree = Tree.at(tmp_path / "root")
+    tree.write(NS, [page(i) for i in range(1, 7)], at=T0)  # one chain: 1 <- 2 <- ... <- 6
+    model = ChainModel.from_index(tree.store.conn, [NS])
+    cap = policy(max_bytes=10_000, high_watermark=0.25, low_watermark=0.001)
+    live = _Reading(Watcher(tree.layout), model)  # (not started: the reads are emitted)
+    runner = GcRunner(tree.layout, tree.store, cap, live=live, disk_usage=big_disk)
+    try:
+        runner._cycle(runner.tick)
+        assert tree.files(NS) == {page(1), page(2)}
+        assert runner.stats.overridden == 3
+    finally:
+        runner.leadership.release()
         tree.store.close()
 
 

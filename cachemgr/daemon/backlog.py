@@ -17,14 +17,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Sequence
 from functools import partial
-from itertools import islice
 
 from cachemgr.backends import FileFormat
 from cachemgr.daemon.events import Event, Kind
 from cachemgr.daemon.watcher import ACCESSES, Watcher
 from cachemgr.gc.chains import ChainModel, Formats, Stream
 from cachemgr.gc.execute import InFlight
-from cachemgr.gc.pagestore import PageId
+from cachemgr.gc.pagestore import NONE, PageId
 from cachemgr.gc.plan import lineage
 
 STORES = ACCESSES  # the latest stores GC may take before the index applies them
@@ -164,11 +163,15 @@ def take_order(
 
 class Flight:
     """What is in flight that the chain model has not seen, for GC (cachemgr.gc.execute.InFlight):
-    at a plan, the pages read or stored in the queue; before each chunk it
-    deletes, the last page each stream read or stored since the plan, with its ancestors. A
+    at a plan, the pages read or stored in the queue; before each chunk it deletes, each
+    stream's run since the plan (`_Runs`: the pages its request read, the page it stored
+    last), with their ancestors. A
     request that looked a prefix up (a stat: no event) reads it head to tail right after, so
     the chain it reads is kept from the next chunk on instead of being cut behind the pages
-    it already loaded. One lineage per stream, not one per page read."""
+    it already loaded. The run, not the stream's last page: a request seen at page 2 before
+    one chunk and at page 5 before the next kept 2 and 5, and a chain whose links the model
+    had not learned yet lost 3 and 4 (5 was left unusable behind the hole). What is spared
+    yields to a limit that needs it (cachemgr.gc.execute)."""
 
     def __init__(self, watcher: Watcher, model: ChainModel) -> None:
         self.watcher, self.model = watcher, model
@@ -178,7 +181,7 @@ class Flight:
         of them seen just now (StoreBacklog.unapplied). They come back in the order a cap
         takes them (`take_order`)."""
         pages = _Pages(self.model.formats)  # one for the run: its names' keys are kept
-        since = _Since(self.watcher.accessed, pages)
+        since = _Runs(self.watcher, self.model, pages)
         # One C call each under the GIL (consistent copies), the queue first: an event the
         # index takes from it meanwhile is in what it applies then (or in both: seen twice).
         queue = list(self.watcher.queue)
@@ -186,39 +189,97 @@ class Flight:
         order = take_order(events, stored, fresh, pages) if stored else []
         return InFlight(_queued(events, pages), partial(self._keep, since), order)
 
-    def _keep(self, since: _Since, ns: str, names: Sequence[str], start: int) -> set[str]:
-        reached = since.reached(self.watcher, ns)
-        if not reached:
+    def _keep(self, since: _Runs, ns: str, names: Sequence[str], start: int) -> set[str]:
+        keys: set[PageId] = set()
+        # The model's lock once a chunk, not once a page: the index thread takes it for each
+        # event it applies, and a thread waiting for it waited out a batch (the GIL hands it
+        # back to the index thread, which takes the lock again first).
+        with self.model.lock:
+            for pid in reversed(since.reached(ns)):  # tails first: one walk up each chain
+                keys |= lineage(self.model, pid, keys)
+        if not keys:
             return set()
         planned = since.pages.of(ns, names)
-        keys: set[str] = set()
-        for pid in reached:
-            keys |= {k for _, k in lineage(self.model, pid)}
-        return {n for k in keys if k in planned for i, n in planned[k] if i >= start}
+        return {n for _, k in keys if k in planned for i, n in planned[k] if i >= start}
 
 
-class _Since:
-    """The last page each stream accessed since a plan, brought up to date before each chunk
+class _Run:
+    """What one stream's request in flight uses, as seen since a plan: the pages it read (its
+    prefix, head to tail), and the page it stored last (with its ancestors, the pages it
+    stored before: a write-only stream's run never ends, and all it stored is not needed)."""
+
+    def __init__(self) -> None:
+        self.read: dict[str, None] = {}  # (a dict: in the order read)
+        self.slots: set[int] = set()  # their slots in the model (a look-up each, not a key)
+        self.stored: str | None = None  # a store came after the reads: the next read ends it
+
+    def pages(self) -> list[str]:
+        return [*self.read, self.stored] if self.stored is not None else list(self.read)
+
+
+class _Runs:
+    """Each stream's run of pages accessed since a plan, brought up to date before each chunk
     from the accesses that came since the previous one only: at full speed tens of thousands
     come during a run, and parsing all of them again for each chunk of 256 was most of a
-    run's time (the writer outran it)."""
+    run's time (the writer outran it). A run ends (the stream's next request began) at a read
+    after a store, a page read again, or a read of a page whose predecessor the model knows
+    and the run does not hold."""
 
-    def __init__(self, mark: int, pages: _Pages) -> None:
-        self.mark, self.pages = mark, pages
-        self.last: dict[Stream, str] = {}  # -> the key of the page it accessed last
+    def __init__(self, watcher: Watcher, model: ChainModel, pages: _Pages) -> None:
+        self.watcher, self.model, self.pages = watcher, model, pages
+        self.mark = watcher.accessed
+        self.runs: dict[Stream, _Run] = {}
+        # The newest access taken: the ones after it are new (an access is its event object,
+        # which this reference keeps alive: its id is never another's). A count alone could
+        # not say which they are: appends race it, and one taken twice reads as read again.
+        self.last: Event | None = watcher.accesses[-1] if watcher.accesses else None
 
-    def reached(self, watcher: Watcher, ns: str) -> set[PageId]:
-        count = watcher.accessed
-        new = count - self.mark
-        if new > 0:
-            # copy() is one C call under the GIL (a consistent copy: a reversed() iterator
-            # made in one call and consumed in the next fails once the inotify thread appends
-            # in between); a few older ones too: appends race the count, and an access seen
-            # twice changes nothing (the newest of a stream is among them, and comes last).
-            recent = list(islice(reversed(watcher.accesses.copy()), new + 64))
-            self.pages.last(reversed(recent), self.last)
-            self.mark = count
-        return {(s_ns, key) for (s_ns, *_), key in self.last.items() if s_ns == ns}
+    def reached(self, ns: str) -> list[PageId]:
+        """The pages of `ns` the streams' runs hold, in the order accessed."""
+        if self.watcher.accessed != self.mark:
+            self.mark = self.watcher.accessed
+            # copy() is one C call under the GIL: a consistent copy (a reversed() iterator made
+            # in one call and consumed in the next fails once the inotify thread appends)
+            for event in self._new(self.watcher.accesses.copy()):
+                self._take(event)
+        return [(ns, k) for (s_ns, *_), run in self.runs.items() if s_ns == ns for k in run.pages()]
+
+    def _new(self, accesses: deque[Event]) -> list[Event]:
+        """The accesses after the newest one taken, oldest first (all of them if it is gone
+        from the window: a run's worth at full speed came in between)."""
+        new: list[Event] = []
+        for event in reversed(accesses):
+            if event is self.last:
+                break
+            new.append(event)
+        if new:
+            self.last = new[0]
+        return new[::-1]
+
+    def _take(self, event: Event) -> None:
+        kind, ns, name, _, origin = event
+        key = self.pages.key(ns, name)
+        stream = (ns, name[len(key) :], origin)
+        run = self.runs.get(stream)
+        if kind is Kind.WRITE:
+            if run is None:
+                run = self.runs[stream] = _Run()
+            run.stored = key
+            return
+        at = self.model.store.find(ns, key)  # (under the model's lock: Flight._keep)
+        if run is None or self._ends(run, key, at):
+            run = self.runs[stream] = _Run()
+        run.read[key] = None
+        run.slots.add(at)
+
+    def _ends(self, run: _Run, key: str, at: int) -> bool:
+        """Whether a read of `key` (the model's slot `at`) begins the stream's next request:
+        a read after a store, a page read again, or one whose predecessor the model knows and
+        the run did not read."""
+        if run.stored is not None or key in run.read:
+            return True
+        pred = self.model.store.pred[at] if at != NONE else NONE
+        return pred != NONE and pred not in run.slots
 
 
 class _Pages:
@@ -239,13 +300,6 @@ class _Pages:
             got = name[: fmt.key_len(name) or len(name)]  # (a nested page's key is its path)
             self._keys[ns, name] = got
         return got
-
-    def last(self, accesses: Iterable[tuple[str, str, str]], out: dict[Stream, str]) -> None:
-        """Into `out`: the page key each stream (cachemgr.gc.chains.Stream) accessed last, of
-        these (namespace, name, origin) accesses, oldest first."""
-        for ns, name, origin in accesses:
-            key = self.key(ns, name)
-            out[ns, name[len(key) :], origin] = key
 
     def of(self, ns: str, names: Sequence[str]) -> dict[str, list[tuple[int, str]]]:
         """key -> [(position, name)] of a step's names."""

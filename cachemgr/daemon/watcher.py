@@ -196,11 +196,10 @@ class Watcher:
     # Each page read or store, and each namespace dir gone or made, on the thread that saw it
     # (fleet mode ships them to the leader, whose inotify sees only its own mount's).
     on_access: Callable[[Event], None] | None = None
-    # The latest page reads and stores as (namespace, name, origin), and how many there were:
-    # what GC asks before each chunk it deletes (cachemgr.daemon.backlog.Flight).
-    accesses: deque[tuple[str, str, str]] = field(
-        default_factory=lambda: deque(maxlen=ACCESSES), init=False
-    )
+    # The latest page reads and stores (their events: each one object, which GC tells from
+    # another seen alike), and how many there were: what GC asks before each chunk it deletes
+    # (cachemgr.daemon.backlog.Flight).
+    accesses: deque[Event] = field(default_factory=lambda: deque(maxlen=ACCESSES), init=False)
     accessed: int = field(default=0, init=False)
     # what new nested dirs held before their watches (the index's state shares it: metrics)
     gaps: WatchGaps = field(default_factory=WatchGaps)
@@ -220,7 +219,7 @@ class Watcher:
         if kind is Kind.WRITE:
             self.on_store(event[1], event[2])
         if kind is Kind.WRITE or kind is Kind.READ:
-            self.accesses.append((event[1], event[2], event[4]))
+            self.accesses.append(event)
             self.accessed += 1
             if self.on_access is not None:
                 self.on_access(event)

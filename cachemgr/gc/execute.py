@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+from cachemgr.backends import FileFormat
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs.deletecheck import Refusal, files_of, reason_of
 from cachemgr.fs.deletion import (
@@ -23,7 +25,7 @@ from cachemgr.gc.drop import drop_namespace, why_stays
 from cachemgr.gc.find import step_format
 from cachemgr.gc.pagestore import PageId
 from cachemgr.gc.plan import GcPlan
-from cachemgr.gc.policy import HOLDING
+from cachemgr.gc.policy import FILE_LIMITS, HOLDING
 from cachemgr.gc.step import GcReport, GcStep, StepResult
 from cachemgr.layout import Layout
 from cachemgr.ns.quarantine import is_denied
@@ -114,6 +116,12 @@ def execute_gc(
             result = StepResult(step, skipped=f"denied: {e.strerror}", denied=str(e))
         results.append(result)
     warnings = plan.warnings + tuple(refusal_warning(r) for r in results if r.refused)
+    overridden = sum(r.overridden for r in results)
+    if overridden:
+        warnings += (
+            f"{overridden} pages requests reached while the run deleted evicted: a limit wins "
+            "over their protection",
+        )
     if fenced[0]:
         warnings += ("stopped deleting: this node no longer holds the GC lease",)
     report = GcReport(
@@ -177,50 +185,107 @@ def _run_step(run: RunContext, step: GcStep, tally: _Tally, spare: Spare | None)
         return base.done(r)
     if step.namespace_id is None and step.reason == "tmp":
         return _sweep_own_temps(run, step, base)
-    total = DeleteReport(dry_run=dry_run)
-    staying: set[str] = set()
     fmt = step_format(layout, step)
+    staying: set[str] = set()
+    done, ended = _delete_chunks(run, step, _unspared(step, spare, staying), fmt, tally)
+    back = DeleteReport(dry_run=dry_run)
+    if ended is None:
+        # Pages spared since the plan yield to the limit as any protection does: tails first,
+        # in the step's order (what stays of a chain is a usable prefix), as far as it needs.
+        taken = _taken_back(step, staying, done)
+        slices = (taken[i : i + CHUNK] for i in range(0, len(taken), CHUNK))
+        back, ended = _delete_chunks(run, step, slices, fmt, tally)
+    result = replace(base.done(done + back), overridden=back.files)
+    return result if ended is None else replace(result, skipped=ended[0], denied=ended[1])
+
+
+def _unspared(step: GcStep, spare: Spare | None, staying: set[str]) -> Iterator[list[str]]:
+    """The step's names in chunks of CHUNK, less those requests reached since the plan
+    (`spare`, asked before each chunk; they gather in `staying`)."""
     for i in range(0, len(step.names), CHUNK):
-        if run.stop():
-            base = replace(base, skipped="stopped: shutting down, or the GC lease was lost")
-            break
         if spare is not None and step.namespace_id is not None:
             staying.update(spare(step.namespace_id, step.names, i))
-        chunk = [n for n in step.names[i : i + CHUNK] if n not in staying]
-        gone: dict[str, int | None] = {}
-        before = _dir_id(layout, step.rel_dir)
-        # Unpaced here, paced below once the chunk is recorded: a kill -9 during the pacer's
-        # sleep (where a paced run spends its time) then finds audit and index exact.
-        try:
-            r = delete_files(
-                layout.root,
-                step.rel_dir,
-                chunk,
-                dry_run=dry_run,
-                min_age=step.min_age,
-                now=run.clock,
-                fmt=fmt,
-                listeners=Listeners(progress=tally.offset(), removed=gone.__setitem__),
-            )
-        except OSError as e:  # an unlink refused: what went before it is recorded all the same
-            if not dry_run and _dir_id(layout, step.rel_dir) == before:
-                _record_chunk(run, step, list(gone), _freed(gone))
-            if not is_denied(e):
-                raise
-            done = base.done(total + _freed(gone))
-            return replace(done, skipped=f"denied: {e.strerror}", denied=str(e))
-        tally.add(r)
+        yield [n for n in step.names[i : i + CHUNK] if n not in staying]
+
+
+_Ended = tuple[str, str | None]  # why a step ended early, and the kernel's refusal if it did
+
+
+def _delete_chunks(
+    run: RunContext, step: GcStep, chunks: Iterable[list[str]], fmt: FileFormat, tally: _Tally
+) -> tuple[DeleteReport, _Ended | None]:
+    """Delete these chunks of a step's names, one by one, until a stop; what they did, and
+    why the step ended if it did."""
+    total = DeleteReport(dry_run=run.dry_run)
+    for chunk in chunks:
+        if run.stop():
+            return total, (_STOPPED, None)
+        r, ended = _delete_chunk(run, step, chunk, fmt, tally)
         total += r
-        if before is None or _dir_id(layout, step.rel_dir) != before:
-            # A purge renamed the dir away meanwhile: what was unlinked may lie in .trash/
-            # and the purge dropped those rows and audited its pages; rows now are the new
-            # dir's, so keep them.
-            base = replace(base, skipped="the namespace was purged during GC")
-            break
-        if not dry_run:
-            _record_chunk(run, step, list(gone), r)
-        _pace(run.pacer, r.files)
-    return base.done(total)
+        if ended is not None:
+            return total, ended
+    return total, None
+
+
+_STOPPED = "stopped: shutting down, or the GC lease was lost"
+
+
+def _delete_chunk(
+    run: RunContext, step: GcStep, chunk: list[str], fmt: FileFormat, tally: _Tally
+) -> tuple[DeleteReport, _Ended | None]:
+    """Delete (or stat, in a dry run) one chunk of a step's names and record it; what it did,
+    and (why the step ends, the kernel's refusal) if it ends there."""
+    layout = run.layout
+    dry_run = run.dry_run
+    if not chunk:
+        return DeleteReport(dry_run=dry_run), None
+    gone: dict[str, int | None] = {}
+    before = _dir_id(layout, step.rel_dir)
+    # Unpaced here, paced below once the chunk is recorded: a kill -9 during the pacer's
+    # sleep (where a paced run spends its time) then finds audit and index exact.
+    try:
+        r = delete_files(
+            layout.root,
+            step.rel_dir,
+            chunk,
+            dry_run=dry_run,
+            min_age=step.min_age,
+            now=run.clock,
+            fmt=fmt,
+            listeners=Listeners(progress=tally.offset(), removed=gone.__setitem__),
+        )
+    except OSError as e:  # an unlink refused: what went before it is recorded all the same
+        if not dry_run and _dir_id(layout, step.rel_dir) == before:
+            _record_chunk(run, step, list(gone), _freed(gone))
+        if not is_denied(e):
+            raise
+        return _freed(gone), (f"denied: {e.strerror}", str(e))
+    tally.add(r)
+    if before is None or _dir_id(layout, step.rel_dir) != before:
+        # A purge renamed the dir away meanwhile: what was unlinked may lie in .trash/
+        # and the purge dropped those rows and audited its pages; rows now are the new
+        # dir's, so keep them.
+        return r, ("the namespace was purged during GC", None)
+    if not dry_run:
+        _record_chunk(run, step, list(gone), r)
+    _pace(run.pacer, r.files)
+    return r, None
+
+
+def _taken_back(step: GcStep, spared: Collection[str], done: DeleteReport) -> list[str]:
+    """Of the step's names spared at execution, those its limit needs after all, tails first:
+    as many as the step falls short, less its room (GcStep.room), of what it planned to free
+    (in bytes, at its mean page size; in files for a file limit). Files already gone count as
+    freed."""
+    left = [n for n in step.names if n in spared]
+    if not left:
+        return []
+    by_files = step.reason in FILE_LIMITS
+    unit = 1.0 if by_files else step.bytes / len(step.names)
+    planned = len(step.names) if by_files else step.bytes
+    freed = (done.files if by_files else done.bytes) + done.vanished * unit
+    short = planned - step.room - freed
+    return left[: math.ceil(short / unit)] if short > 0 and unit > 0 else []
 
 
 def _freed(gone: dict[str, int | None]) -> DeleteReport:

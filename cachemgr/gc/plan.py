@@ -39,6 +39,7 @@ from cachemgr.gc.policy import (
     files_over,
     over_file_limits,
     over_limits,
+    room,
     tally,
 )
 from cachemgr.gc.step import GcStep, Unmet
@@ -227,7 +228,8 @@ def _plan(
     for ns_id, need in limits.namespaces.items():
         victims, forced = _pick(chains, [ns_id], (need, need), before, taken, now, busy)
         live[ns_id] -= sum(p.bytes for p in victims.values())
-        steps += _evictions("cap", victims, policy.min_age)
+        spare = _share(room(policy, policy.namespace_max_bytes or 0), need)
+        steps += _evictions("cap", victims, policy.min_age, spare)
         overridden += forced
         unmet += _ns_cap_unmet(policy, ns_id, live[ns_id])
     for ns_id in sorted(alone):  # over its own cap with no page GC may evict
@@ -246,7 +248,8 @@ def _plan(
         # a protection holds: the stores continue the chains in flight (a stream's last
         # indexed page is the head they hang on), so they go before those heads.
         victims, _ = _pick(chains, list(live), (excess, 0), before, taken, now, busy)
-        steps += _evictions(budget.reason, victims, policy.min_age)
+        spare = _share(room(policy, budget.limit, ahead), excess)
+        steps += _evictions(budget.reason, victims, policy.min_age, spare)
         freed = sum(p.bytes for p in victims.values())
         short = excess - freed
         if short > 0 and daemon.unapplied:
@@ -506,15 +509,22 @@ def _file_size(layout: Layout, ns: str, name: str) -> int | None:
 
 
 def _evictions(
-    reason: GcReason, victims: dict[tuple[str, bool], _Picked], min_age: float
+    reason: GcReason, victims: dict[tuple[str, bool], _Picked], min_age: float, spare: float = 0
 ) -> list[GcStep]:
     """One step per namespace (and one more for the pages a protection held: no age rule
-    there), names in eviction order, namespaces in order of first victim."""
+    there), names in eviction order, namespaces in order of first victim. `spare`: the share
+    of each step's bytes that pages spared at execution may keep (GcStep.room)."""
     steps = []
     for (ns, forced), p in victims.items():
-        age = 0.0 if forced else min_age
-        steps.append(GcStep(reason, f"ns/{ns}", ns, tuple(p.names), p.bytes, age, forced=forced))
+        age, stay = (0.0, 0) if forced else (min_age, math.floor(p.bytes * spare))
+        names = tuple(p.names)
+        steps.append(GcStep(reason, f"ns/{ns}", ns, names, p.bytes, age, forced=forced, room=stay))
     return steps
+
+
+def _share(room: int, need: int) -> float:
+    """The share of a limit's evictions that may stay, `room` of the `need` bytes."""
+    return min(1.0, room / need) if need > 0 else 0.0
 
 
 def lineage(model: ChainModel, pid: PageId, known: Collection[PageId] = ()) -> set[PageId]:

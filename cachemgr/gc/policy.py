@@ -31,6 +31,7 @@ GcReason = Literal[
 ]
 # Evictions that hold a limit while the server writes: they keep pace with it (unpaced).
 HOLDING: frozenset[GcReason] = frozenset({"cap", "free_space", "files", "free_inodes", "dir_full"})
+FILE_LIMITS: frozenset[GcReason] = frozenset({"files", "free_inodes", "dir_full"})  # (in files)
 # Of a flat dir's entry limit, the file cap GC keeps by default: its high watermark then
 # stays under the 80% at which doctor and the alert warn.
 DIR_CAP_SHARE = 0.8
@@ -186,6 +187,20 @@ def _bounded(policy: GcPolicy, budget: Budget, ahead: int, share: float) -> int:
     # one (which took the writer's bytes off the excess, and a run planned nothing to free).
     gap = max(budget.limit, 0) * (policy.high_watermark - policy.low_watermark)
     return min(ahead, round(gap * share))
+
+
+def room(policy: GcPolicy, limit: float, ahead: int = 0) -> int:
+    """Of the bytes a run over a byte `limit` frees down to the low watermark (deeper by half
+    the writer's `ahead`, see over_limits), those that may stay without the limit being over
+    its high watermark (with all of `ahead`) once the run is done: what pages requests reached
+    while it deleted may keep (cachemgr.gc.execute). About the watermarks' gap, half that at a
+    writer's full pace."""
+    if limit == math.inf:
+        return 0
+    budget = Budget(limit, "cap")
+    top, low = max(limit, 0) * policy.high_watermark, max(limit, 0) * policy.low_watermark
+    writer = _bounded(policy, budget, ahead, 1.0) - _bounded(policy, budget, ahead, 0.5)
+    return max(0, math.floor(top) - math.floor(low) - writer)
 
 
 def root_budget(policy: GcPolicy, used: int, disk: DiskUsage) -> Budget:

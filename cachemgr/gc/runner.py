@@ -392,6 +392,8 @@ class GcRunner(Worker):
             report = execute_gc(plan, run, progress=progress, spare=flight.spare)
         finally:
             self.not_holding.set()
+        if not dry_run:
+            self.stats.overridden += report.overridden
         if flight.stored and not dry_run:
             self.live.gone_early(_deleted(self.layout, plan, flight.stored))
         if _holding(plan) and not dry_run:  # a paced run's minutes are not cap-holding's

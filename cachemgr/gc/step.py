@@ -58,6 +58,10 @@ class GcStep:
     # Pages a protection (min_age, in flight) held that a limit takes: no check before each
     # chunk of what requests reached since the plan (the limit wins over that too).
     forced: bool = False
+    # Of `bytes`, how many pages spared at execution (requests reached them since the plan)
+    # may keep without the limit being over its high watermark (policy.room); the rest of
+    # what they hold the step takes after all, tails first (cachemgr.gc.execute).
+    room: int = 0
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,7 @@ class StepResult:
     refused: tuple[str, ...] = ()
     skipped: str | None = None  # why the whole step was not carried out
     denied: str | None = None  # the kernel refused it access (another user's dir): the error
+    overridden: int = 0  # pages spared at execution that the step's limit took after all
 
     @property
     def reason(self) -> GcReason:
@@ -121,6 +126,12 @@ class GcReport(ByReason):
     def totals(self) -> dict[GcReason, tuple[int, int]]:
         """(files, bytes) per reason."""
         return tally((s.reason, s.files, s.bytes) for s in self.steps)
+
+    @property
+    def overridden(self) -> int:
+        """Pages spared at execution that a limit took after all (GcPlan.overridden counts
+        those the plan took)."""
+        return sum(s.overridden for s in self.steps)
 
     def refused_files(self) -> dict[RefusalReason, int]:
         """Files kept although the run meant to delete them, per refusal reason."""
