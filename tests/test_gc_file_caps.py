@@ -172,4 +172,7 @@ def test_post_gc_takes_a_one_off_inode_floor_for_that_run_only(full: Layout) -> 
         assert r.json()["by_reason"]["free_inodes"]["files"] == PAGES
         assert not r.json()["held"] and r.json()["unmet"][0]["limit"] == "free_inodes"
         assert _pages(full) == 0
+        # A one-off limit missed is the request's answer, not the daemon's own limits' state.
+        assert dm.status()["gc_unmet"] == []
+        assert 'cachemgr_gc_limits_unmet{limit="free_inodes"} 0.0' in dm.get("/metrics").text
         assert dm.status()["gc_limits"]["min_free_inodes_percent"] == 0

@@ -315,7 +315,8 @@ class GcRunner(Worker):
             return replace(report, leader=False, holder=self.leadership.holder())
         if not dry_run:
             self.stats.count(report)
-            self.stats.planned(report)
+            if policy is None:  # one-off limits say nothing of the daemon's own
+                self.stats.planned(report)
             reserve.keep(self.layout.state_dir)
             self._note_denied(report)
             self.live.after_run(self)
