@@ -13,7 +13,7 @@ import click
 from cachemgr import engines
 from cachemgr.cli.context import AppContext, pass_app
 from cachemgr.cli.launch_options import LaunchRequest
-from cachemgr.cli.status import from_daemon, same_root
+from cachemgr.cli.status import serving_root
 from cachemgr.doctor.finding import Finding, exit_code
 from cachemgr.doctor.permissions import SAMPLE, lint_deletable
 from cachemgr.doctor.root import lint_disk, lint_gc_unmet
@@ -50,7 +50,7 @@ def doctor(app: AppContext, as_json: bool, all_pages: bool, launch_cmd: tuple[st
     if not launch_cmd:  # a launch is linted without a root; the root alone needs one
         existing_layout(settings)
     findings: list[Finding] = []
-    served = _served(settings)
+    served = serving_root(settings, settings.root)
     policy = served_policy(settings, served)
     if launch_cmd:
         findings += engines.for_launch(launch_cmd).lint(
@@ -73,14 +73,6 @@ def doctor(app: AppContext, as_json: bool, all_pages: bool, launch_cmd: tuple[st
         if not findings:
             click.echo("no problems found" + ("" if launch_cmd else " (pass `-- <launch cmd>`)"))
     raise SystemExit(exit_code(findings))
-
-
-def _served(settings: Settings) -> dict[str, Any] | None:
-    """The /v1/status of the daemon serving this root, when one answers."""
-    served = from_daemon(settings)
-    if served is None or not same_root(served.get("root"), settings.root):
-        return None
-    return served
 
 
 def served_policy(settings: Settings, served: dict[str, Any] | None) -> GcPolicy:

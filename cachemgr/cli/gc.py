@@ -15,7 +15,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from cachemgr.cli.common import ask
 from cachemgr.cli.context import AppContext, pass_app, setting_option
-from cachemgr.cli.status import daemon_url, from_daemon, same_root
+from cachemgr.cli.status import daemon_url, serving_root
 from cachemgr.errors import ConfigError, ConflictError, LimitNotHeld
 from cachemgr.fs import reserve
 from cachemgr.fs.deletion import Pacer
@@ -111,8 +111,7 @@ def _ask_the_leader(settings: Settings, overrides: dict[str, Any]) -> str:
     flags gave as POST /v1/gc's one-off limits (checked there as here)."""
     limits = {s: overrides[s] for _, s, _ in _LIMITS if overrides.get(s) is not None}
     body = json.dumps({s.removeprefix("gc_"): v for s, v in limits.items()})
-    served = from_daemon(settings)
-    if served is None or not same_root(served.get("root"), settings.root):
+    if serving_root(settings, settings.root) is None:
         return f"ask its daemon with POST /v1/gc and the body {body}"
     # Double quotes: the shell expands the token's variable, and the token stays off screen.
     auth = ' -H "Authorization: Bearer $CACHEMGR_TOKEN"' if settings.token else ""

@@ -10,7 +10,7 @@ import click
 
 from cachemgr.cli.common import said_not_whole
 from cachemgr.cli.context import AppContext, pass_app, setting_option
-from cachemgr.cli.status import ASK_TIMEOUT, from_daemon, same_root
+from cachemgr.cli.status import ASK_TIMEOUT, serving_root
 from cachemgr.cli.tables import Column, print_fitted
 from cachemgr.fs.dirscan import Usage
 from cachemgr.layout import Layout
@@ -63,8 +63,8 @@ def served_usage(settings: Settings, layout: Layout) -> dict[str, Usage] | None:
     """Pages, bytes and temps of each namespace as the daemon serving this root has them in
     its index, when one answers with its index built; None to count them on disk. A
     namespace it could not read is left out (counted here, as this user sees it)."""
-    report = from_daemon(settings, timeout=ASK_TIMEOUT)
-    if report is None or not same_root(report.get("root"), layout.root):
+    report = serving_root(settings, layout.root, ASK_TIMEOUT)
+    if report is None:
         return None
     index = report.get("index")
     if not isinstance(index, dict) or index.get("ready") is not True:

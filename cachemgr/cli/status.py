@@ -50,6 +50,14 @@ def from_daemon(settings: Settings, timeout: float = 1.0) -> dict[str, Any] | No
 ASK_TIMEOUT = 5.0
 
 
+def serving_root(settings: Settings, root: Path, timeout: float = 1.0) -> dict[str, Any] | None:
+    """The /v1/status of the daemon on host:port when it serves `root`, else None."""
+    served = from_daemon(settings, timeout)
+    if served is None or not same_root(served.get("root"), root):
+        return None
+    return served
+
+
 def same_root(reported: object, root: Path) -> bool:
     """Whether the daemon serves this root: the same path (a daemon on another host, asked
     with --host, has no directory here) or the same directory spelled another way."""
