@@ -76,10 +76,6 @@ class GcStats:
         else:
             self.short += 1
 
-    def planned(self, report: GcReport) -> None:
-        """A run that planned (not a floor pass): the limits it left unmet."""
-        self.unmet = report.unmet
-
 
 class LiveState:
     """What GC reads of the process it runs in (uvicorn's `ServerState`): this class is a
@@ -316,7 +312,7 @@ class GcRunner(Worker):
         if not dry_run:
             self.stats.count(report)
             if policy is None:  # one-off limits say nothing of the daemon's own
-                self.stats.planned(report)
+                self.stats.unmet = report.unmet
             reserve.keep(self.layout.state_dir)
             self._note_denied(report)
             self.live.after_run(self)
