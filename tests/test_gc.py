@@ -139,6 +139,8 @@ def test_what_is_not_an_sglang_file_is_never_deleted(tree: Tree, tmp_path: Path)
     assert (tree.layout.ns_root / page(3)).exists() and (tree.layout.root / page(4)).exists()
     assert (tree.layout.trash / "0123456789abcdef.1").is_symlink()
     assert len(report.steps[-1].refused) == 3
+    # what the live chain model forgets at once: the page deleted, none of those refused
+    assert report.steps[-1].gone == (A[0],)
 
 
 def busy_root(tree: Tree) -> None:
@@ -167,6 +169,8 @@ def test_dry_run_deletes_nothing_and_frees_what_the_real_run_frees(tree: Tree) -
     real = tree.execute(plan, now=T0 + 100)
     assert dry.bytes == real.bytes == plan.bytes
     assert dry.totals() == real.totals() == plan.totals()
+    cap = real.steps[-1]
+    assert [s.gone for s in dry.steps] == [()] * 5 and len(cap.gone) == cap.files > 0
     assert not (tree.layout.trash / f"{NS2}.purged").exists()
     assert not tree.layout.ns_dir(NS2).exists()
     state = tree.store.conn.execute("SELECT state FROM namespaces WHERE id = ?", (NS2,))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
@@ -462,6 +463,30 @@ def test_a_limit_still_crossed_after_a_stuck_run_is_tried_again_without_a_wake(
         for i in range(8):
             store_page(d, page_name(i))
         wait_for(lambda: page_bytes(d), lambda b: b <= 4096, timeout=30, what="the retry")
+
+
+def test_stores_wake_gc_before_the_index_has_measured_a_page(tmp_path: Path) -> None:
+    """The backlog counts stores at the largest page the index has applied: none before the
+    index's first batch, so a writer at full speed filled a small cap many times over (the
+    replay: the first wake came with 4,074 stores, 8 MB, pending). The first store's size
+    stands for them until then: here the index applies nothing for 10 s, and GC holds
+    the cap on the watcher's count alone."""
+    layout = Layout.at(tmp_path / "root")
+    create_root(layout)
+    d = register_namespace(layout, NS_A, instance="gpu0")
+    cfg = load_settings(
+        root=layout.root,
+        batch_interval=10,
+        gc_interval=3600,
+        gc_max_bytes=4096,
+        gc_min_age=0,
+        gc_delete_rate=None,
+    )
+    with running_daemon(cfg):
+        for i in range(12):
+            store_page(d, page_name(i))
+            time.sleep(0.1)  # (older than backlog.SETTLE when the wake comes)
+        wait_for(lambda: page_bytes(d), lambda b: b <= 4096, timeout=5, what="GC's wake")
 
 
 def test_stores_seen_during_a_gc_run_past_the_room_it_leaves_wake_gc_again() -> None:

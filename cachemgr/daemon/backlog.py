@@ -38,9 +38,13 @@ class StoreBacklog:
     seen, which is the order the index applies them in."""
 
     def __init__(
-        self, wake: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.monotonic
+        self,
+        wake: Callable[[], None] = lambda: None,
+        clock: Callable[[], float] = time.monotonic,
+        measure: Callable[[str, str], int] = lambda ns, name: 0,
     ) -> None:
         self.wake, self.clock = wake, clock
+        self.measure = measure  # (namespace, name) -> the stored file's size (0: gone)
         self.seen = 0  # page stores the watcher queued
         self.applied = 0  # of those, applied to the index
         self.page_bytes = 0  # the largest page file the index has seen stored
@@ -62,6 +66,11 @@ class StoreBacklog:
         """A page store was queued (on the inotify thread): wake GC once past the room."""
         self.recent.append((self.seen, ns, name, self.clock()))
         self.seen += 1
+        if not self.page_bytes:
+            # Until the index has measured a page (its first batch, which may take a second
+            # to come), the first store stands for them all: at full speed the writer fills
+            # a small cap before then, and stores of an unknown size never wake GC.
+            self.page_bytes = self.measure(ns, name)
         self._past_room()
 
     def rearm(self, room: float) -> None:

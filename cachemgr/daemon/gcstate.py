@@ -4,8 +4,11 @@ left after a run."""
 
 from __future__ import annotations
 
+import os
 import sqlite3
+import stat
 from collections.abc import Iterable
+from functools import partial
 
 from cachemgr.daemon import heap
 from cachemgr.daemon.backlog import Flight, StoreBacklog
@@ -18,6 +21,7 @@ from cachemgr.gc.check import file_room, room
 from cachemgr.gc.execute import InFlight
 from cachemgr.gc.pagestore import PageId
 from cachemgr.gc.runner import GcRunner, LiveState
+from cachemgr.layout import Layout
 from cachemgr.ns.quarantine import Quarantine
 
 
@@ -37,7 +41,7 @@ class DaemonGcState(LiveState):
         self.index = index
         self.reader = reader
         # Stores not applied yet: GC counts them; past the room left, the watcher wakes GC.
-        self.backlog = StoreBacklog(wake=self.woken.set)
+        self.backlog = StoreBacklog(wake=self.woken.set, measure=partial(_size, watcher.layout))
         self.flight = Flight(watcher, model)
         self.refresher: Refresher | None = None
 
@@ -82,3 +86,12 @@ class DaemonGcState(LiveState):
         if self.refresher is not None:
             self.refresher.kick()
         heap.trim()  # (well under a ms, without the GIL: bench/RESULTS.md)
+
+
+def _size(layout: Layout, ns: str, name: str) -> int:
+    """A stored page file's size; 0 if it is gone already (or is not a regular file)."""
+    try:
+        st = os.stat(os.path.join(layout.ns_root, ns, name), follow_symlinks=False)
+    except OSError:
+        return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) else 0

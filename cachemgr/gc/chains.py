@@ -32,7 +32,6 @@ live in a compact store (cachemgr.gc.pagestore): ~90 bytes a page, not a Python 
 
 from __future__ import annotations
 
-import os
 import sqlite3
 import sys
 import threading
@@ -209,11 +208,10 @@ class ChainModel:
                     self.history.evicted(st, s)
                     self._drop(s)
 
-    def forget_gone(self, ns: str, ns_dir: str, names: Iterable[str]) -> None:
-        """Forget these files of `ns` (in `ns_dir`) that GC deleted, before the watcher says so."""
+    def forget_gone(self, ns: str, names: Iterable[str]) -> None:
+        """Forget these files of `ns` that GC deleted, before the watcher says so."""
         key_len = self.formats(ns).key_len  # (a nested page's key is its path)
-        gone = [n for n in names if not os.path.lexists(os.path.join(ns_dir, n))]
-        self.remove(ns, [(n, key_len(n) or len(n)) for n in gone])
+        self.remove(ns, [(n, key_len(n) or len(n)) for n in names])
 
     def forget(self, ns: str) -> None:
         """Forget a whole namespace (its dir is gone)."""

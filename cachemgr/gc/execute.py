@@ -7,7 +7,7 @@ import logging
 import math
 import os
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from cachemgr.backends import FileFormat
@@ -185,17 +185,16 @@ def _run_step(run: RunContext, step: GcStep, tally: _Tally, spare: Spare | None)
         return base.done(r)
     if step.namespace_id is None and step.reason == "tmp":
         return _sweep_own_temps(run, step, base)
-    fmt = step_format(layout, step)
+    chunks = _Chunks(run, step, step_format(layout, step), tally)
     staying: set[str] = set()
-    done, ended = _delete_chunks(run, step, _unspared(step, spare, staying), fmt, tally)
+    done, ended = chunks.delete(_unspared(step, spare, staying))
     back = DeleteReport(dry_run=dry_run)
     if ended is None:
         # Pages spared since the plan yield to the limit as any protection does: tails first,
         # in the step's order (what stays of a chain is a usable prefix), as far as it needs.
         taken = _taken_back(step, staying, done)
-        slices = (taken[i : i + CHUNK] for i in range(0, len(taken), CHUNK))
-        back, ended = _delete_chunks(run, step, slices, fmt, tally)
-    result = replace(base.done(done + back), overridden=back.files)
+        back, ended = chunks.delete(taken[i : i + CHUNK] for i in range(0, len(taken), CHUNK))
+    result = replace(base.done(done + back), overridden=back.files, gone=tuple(chunks.gone))
     return result if ended is None else replace(result, skipped=ended[0], denied=ended[1])
 
 
@@ -211,65 +210,74 @@ def _unspared(step: GcStep, spare: Spare | None, staying: set[str]) -> Iterator[
 _Ended = tuple[str, str | None]  # why a step ended early, and the kernel's refusal if it did
 
 
-def _delete_chunks(
-    run: RunContext, step: GcStep, chunks: Iterable[list[str]], fmt: FileFormat, tally: _Tally
-) -> tuple[DeleteReport, _Ended | None]:
-    """Delete these chunks of a step's names, one by one, until a stop; what they did, and
-    why the step ended if it did."""
-    total = DeleteReport(dry_run=run.dry_run)
-    for chunk in chunks:
-        if run.stop():
-            return total, (_STOPPED, None)
-        r, ended = _delete_chunk(run, step, chunk, fmt, tally)
-        total += r
-        if ended is not None:
-            return total, ended
-    return total, None
+@dataclass
+class _Chunks:
+    """Deletes a step's names chunk by chunk, and keeps the names no longer on disk after."""
+
+    run: RunContext
+    step: GcStep
+    fmt: FileFormat
+    tally: _Tally
+    gone: list[str] = field(default_factory=list)  # recorded as gone (none in a dry run)
+
+    def delete(self, chunks: Iterable[list[str]]) -> tuple[DeleteReport, _Ended | None]:
+        """Delete these chunks one by one, until a stop; what they did, and why the step
+        ended if it did."""
+        total = DeleteReport(dry_run=self.run.dry_run)
+        for chunk in chunks:
+            if self.run.stop():
+                return total, (_STOPPED, None)
+            r, ended = self._delete(chunk)
+            total += r
+            if ended is not None:
+                return total, ended
+        return total, None
+
+    def _delete(self, chunk: list[str]) -> tuple[DeleteReport, _Ended | None]:
+        """Delete (or stat, in a dry run) one chunk and record it; what it did, and (why the
+        step ends, the kernel's refusal) if it ends there."""
+        run, step = self.run, self.step
+        layout = run.layout
+        if not chunk:
+            return DeleteReport(dry_run=run.dry_run), None
+        gone: dict[str, int | None] = {}
+        before = _dir_id(layout, step.rel_dir)
+        # Unpaced here, paced below once the chunk is recorded: a kill -9 during the pacer's
+        # sleep (where a paced run spends its time) then finds audit and index exact.
+        try:
+            r = delete_files(
+                layout.root,
+                step.rel_dir,
+                chunk,
+                dry_run=run.dry_run,
+                min_age=step.min_age,
+                now=run.clock,
+                fmt=self.fmt,
+                listeners=Listeners(progress=self.tally.offset(), removed=gone.__setitem__),
+            )
+        except OSError as e:  # an unlink refused: what went before it is recorded all the same
+            if not run.dry_run and _dir_id(layout, step.rel_dir) == before:
+                self._record(list(gone), _freed(gone))
+            if not is_denied(e):
+                raise
+            return _freed(gone), (f"denied: {e.strerror}", str(e))
+        self.tally.add(r)
+        if before is None or _dir_id(layout, step.rel_dir) != before:
+            # A purge renamed the dir away meanwhile: what was unlinked may lie in .trash/
+            # and the purge dropped those rows and audited its pages; rows now are the new
+            # dir's, so keep them.
+            return r, ("the namespace was purged during GC", None)
+        if not run.dry_run:
+            self._record(list(gone), r)
+        _pace(run.pacer, r.files)
+        return r, None
+
+    def _record(self, gone: list[str], r: DeleteReport) -> None:
+        _record_chunk(self.run, self.step, gone, r)
+        self.gone += gone
 
 
 _STOPPED = "stopped: shutting down, or the GC lease was lost"
-
-
-def _delete_chunk(
-    run: RunContext, step: GcStep, chunk: list[str], fmt: FileFormat, tally: _Tally
-) -> tuple[DeleteReport, _Ended | None]:
-    """Delete (or stat, in a dry run) one chunk of a step's names and record it; what it did,
-    and (why the step ends, the kernel's refusal) if it ends there."""
-    layout = run.layout
-    dry_run = run.dry_run
-    if not chunk:
-        return DeleteReport(dry_run=dry_run), None
-    gone: dict[str, int | None] = {}
-    before = _dir_id(layout, step.rel_dir)
-    # Unpaced here, paced below once the chunk is recorded: a kill -9 during the pacer's
-    # sleep (where a paced run spends its time) then finds audit and index exact.
-    try:
-        r = delete_files(
-            layout.root,
-            step.rel_dir,
-            chunk,
-            dry_run=dry_run,
-            min_age=step.min_age,
-            now=run.clock,
-            fmt=fmt,
-            listeners=Listeners(progress=tally.offset(), removed=gone.__setitem__),
-        )
-    except OSError as e:  # an unlink refused: what went before it is recorded all the same
-        if not dry_run and _dir_id(layout, step.rel_dir) == before:
-            _record_chunk(run, step, list(gone), _freed(gone))
-        if not is_denied(e):
-            raise
-        return _freed(gone), (f"denied: {e.strerror}", str(e))
-    tally.add(r)
-    if before is None or _dir_id(layout, step.rel_dir) != before:
-        # A purge renamed the dir away meanwhile: what was unlinked may lie in .trash/
-        # and the purge dropped those rows and audited its pages; rows now are the new
-        # dir's, so keep them.
-        return r, ("the namespace was purged during GC", None)
-    if not dry_run:
-        _record_chunk(run, step, list(gone), r)
-    _pace(run.pacer, r.files)
-    return r, None
 
 
 def _taken_back(step: GcStep, spared: Collection[str], done: DeleteReport) -> list[str]:

@@ -392,15 +392,15 @@ class GcRunner(Worker):
         if not dry_run:
             self.stats.overridden += report.overridden
         if flight.stored and not dry_run:
-            self.live.gone_early(_deleted(self.layout, plan, flight.stored))
+            self.live.gone_early(_deleted(report, flight.stored))
         if _holding(plan) and not dry_run:  # a paced run's minutes are not cap-holding's
             # The longest recent run, decaying: a quick one must not start the next late.
             self.run_seconds = max(time.monotonic() - t0, self.run_seconds / 2)
         if model is not None and not dry_run:
-            for step in plan.steps:
-                ns = step.namespace_id
-                if ns is not None and step.reason in HOLDING:
-                    model.forget_gone(ns, str(self.layout.ns_dir(ns)), step.names)
+            for result in report.steps:
+                ns = result.namespace_id
+                if ns is not None and result.reason in HOLDING:
+                    model.forget_gone(ns, result.gone)
         return report
 
     def wake(self) -> None:
@@ -492,16 +492,11 @@ class GcRunner(Worker):
         return all(os.access(d, os.R_OK | os.X_OK) for d in dirs)
 
 
-def _deleted(layout: Layout, plan: GcPlan, stored: Iterable[PageId]) -> list[PageId]:
-    """Of these stores the index had not applied, those the plan took that are gone now (one
-    spared as in flight, or refused, stays on the count)."""
-    planned = {(s.namespace_id, n) for s in plan.steps for n in s.names}
-    root = str(layout.ns_root)
-    return [
-        (ns, n)
-        for ns, n in stored
-        if (ns, n) in planned and not os.path.lexists(os.path.join(root, ns, n))
-    ]
+def _deleted(report: GcReport, stored: Iterable[PageId]) -> list[PageId]:
+    """Of these stores the index had not applied, those the run deleted (one spared as in
+    flight, or refused, stays on the count)."""
+    gone = {(r.namespace_id, n) for r in report.steps for n in r.gone}
+    return [page for page in stored if page in gone]
 
 
 def _pacer(plan: GcPlan, policy: GcPolicy) -> Pacer:
