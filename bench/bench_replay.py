@@ -73,7 +73,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from replay_harness import DIED, LOW, NS, DaemonProc, Sampler, daemon_env, make_root
+from replay_harness import CPU, DIED, LOW, NS, DaemonProc, Sampler, daemon_env, make_root
 from sim_policy import SHAPES, Trace, make_trace
 from sim_trace import Recorded, TraceError, read_trace
 
@@ -352,7 +352,8 @@ def table(rows: list[Row]) -> str:
         if r.daemon:
             notes.append(
                 f"daemon: {r.daemon.get('cachemgr_gc_runs_total', 0):.0f} GC runs,"
-                f" {r.daemon.get('cachemgr_evicted_pages_total', 0):.0f} pages evicted"
+                f" {r.daemon.get('cachemgr_evicted_pages_total', 0):.0f} pages evicted,"
+                f" {r.daemon.get(CPU, 0):.1f} CPU s"
             )
         if r.daemon.get(DIED):
             notes.append(f"**the daemon died {r.daemon[DIED]:.0f}x** (see its log)")

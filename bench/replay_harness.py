@@ -128,6 +128,7 @@ COUNTERS = {  # daemon metrics worth a note: name -> label filter
     "cachemgr_evicted_pages_total": 'reason="cap"',
     "cachemgr_gc_runs_total": 'result="ok"',
 }
+CPU = "cpu_seconds"  # the daemon's CPU time: what a load that slows the writer does not hide
 
 
 DIED = "daemon exits on its own"
@@ -182,6 +183,7 @@ class DaemonProc:
                     self.counters[name] = self.counters.get(name, 0.0) + got
         except httpx.HTTPError:
             pass
+        self.counters[CPU] = self.counters.get(CPU, 0.0) + cpu_seconds(self.proc.pid)
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(60)
@@ -189,6 +191,12 @@ class DaemonProc:
             self.proc.kill()
             self.proc.wait()
             raise RuntimeError(f"cachemgr serve ignored SIGTERM; see {self.log.name}") from None
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a live process (proc(5): fields 14 and 15 of its stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def metric(text: str, name: str, labels: str) -> float | None:
