@@ -18,7 +18,7 @@ from cachemgr.daemon.serving import Reader
 from cachemgr.daemon.watcher import Watcher
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.check import file_room, room
-from cachemgr.gc.execute import InFlight
+from cachemgr.gc.execute import InFlight, Unlinking
 from cachemgr.gc.pagestore import PageId
 from cachemgr.gc.runner import GcRunner, LiveState
 from cachemgr.layout import Layout
@@ -68,6 +68,10 @@ class DaemonGcState(LiveState):
 
     def gone_early(self, pages: Iterable[PageId]) -> None:
         self.backlog.gone_early(pages)
+
+    def unlinking(self) -> Unlinking:
+        """The watcher drops the deletions a run makes (the run forgets them itself)."""
+        return self.flight.watcher.own
 
     def rearm(self, conn: sqlite3.Connection, runner: GcRunner) -> None:
         """What the watcher may see stored before it wakes GC itself (after a batch's check,

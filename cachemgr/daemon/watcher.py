@@ -47,6 +47,7 @@ from watchdog.observers.inotify_c import (
 from cachemgr.backends import FileFormat
 from cachemgr.daemon.events import LOCAL, Event, Kind, WatchGaps
 from cachemgr.daemon.nestwatch import NestWatches
+from cachemgr.daemon.owndeletes import OwnDeletions
 from cachemgr.fs.usage import atime_off
 from cachemgr.layout import NS_ID_RE, Layout
 from cachemgr.ns.manifest import format_of
@@ -108,6 +109,8 @@ class _DirWatch:
             kind = Kind.WRITE
             if self.seen and self.seen.pop(name, -SEEN_FOR) > now - SEEN_FOR:
                 return  # the listing of this new dir counted it already
+        elif mask & C.IN_DELETE and self.watcher.own.take(self.ns_id, self.path + name):
+            return  # GC's own: it dropped the row, the model forgets it (daemon.owndeletes)
         else:
             kind = Kind.GONE
         self.watcher.emit((kind, self.ns_id, self.path + name, now, LOCAL))
@@ -203,6 +206,8 @@ class Watcher:
     accessed: int = field(default=0, init=False)
     # what new nested dirs held before their watches (the index's state shares it: metrics)
     gaps: WatchGaps = field(default_factory=WatchGaps)
+    # the page files GC is deleting: their deletions are not queued (daemon.owndeletes)
+    own: OwnDeletions = field(default_factory=OwnDeletions)
     running: bool = field(default=False, init=False)
     _fd: InotifyFD | None = field(default=None, init=False)
     _watches: dict[str, _DirWatch] = field(default_factory=dict, init=False)
@@ -257,6 +262,7 @@ class Watcher:
         rescan that follows (a walk of every dir: only then, not at each reconcile)."""
         with self._lock:
             self._stale |= set(self._watches)
+        self.own.clear()  # (the deletions GC expects may be among those lost)
 
     def has(self, ns_id: str) -> bool:
         with self._lock:
@@ -323,6 +329,7 @@ class Watcher:
                 # Later events of that watch describe the dir in .trash/, not the namespace.
                 cb.dead = True
         self.nest.kill(ns_id)
+        self.own.forget(ns_id)
         self.emit((Kind.NS_GONE, ns_id, "", self.clock(), LOCAL))
 
     def _remove(self, cb: _DirWatch) -> None:

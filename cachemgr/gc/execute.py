@@ -7,8 +7,9 @@ import logging
 import math
 import os
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from cachemgr.backends import FileFormat
 from cachemgr.errors import UnsafePathError
@@ -54,6 +55,16 @@ class InFlight(NamedTuple):
     stored_bytes: int = 0  # the size each of them is counted at (0: not known yet)
 
 
+class Unlinking(Protocol):
+    """Told of each chunk of a namespace's pages a run holding a limit is about to unlink, then
+    of those it did unlink (the daemon's watcher drops the deletions it was told of:
+    cachemgr.daemon.owndeletes)."""
+
+    def expect(self, ns: str, names: Sequence[str]) -> None: ...
+
+    def settle(self, ns: str, names: Sequence[str], deleted: Collection[str]) -> None: ...
+
+
 @dataclass
 class _Tally:
     """Running totals across steps, for one progress callback over the whole run."""
@@ -79,13 +90,15 @@ def execute_gc(
     *,
     progress: Progress | None = None,
     spare: Spare | None = None,
+    unlinking: Unlinking | None = None,
 ) -> GcReport:
     """Run the plan's steps in order; a dry run stats the same files and deletes none.
 
     `run.stop()` true (a shutdown) ends the run after the chunk being deleted. `run.fence()`
     false (fleet mode: the GC lease is lost) ends it there too, with a warning. `run.users`
     names the running processes whose storage dir a namespace is (none may lose it as
-    unbound). `spare`: before each chunk that holds a limit, the names to spare after all.
+    unbound). `spare`: before each chunk that holds a limit, the names to spare after all;
+    `unlinking`: told of each such chunk's unlinks.
     """
     fenced = [False]
 
@@ -101,9 +114,10 @@ def execute_gc(
     for step in plan.steps:
         if halted():
             break
-        holds = step.reason in HOLDING and step.namespace_id and not step.forced
+        holds = step.reason in HOLDING and step.namespace_id is not None
+        told = _Told(spare if holds and not step.forced else None, unlinking if holds else None)
         try:
-            result = _run_step(steps_run, step, tally, spare if holds else None)
+            result = _run_step(steps_run, step, tally, told)
         except UnsafePathError as e:  # its dir became a symlink or a mount: the other steps
             log.warning("gc step refused", extra={"dir": step.rel_dir, "error": str(e)})
             # still run; its files are refused, so the report warns and a cap is not held
@@ -167,7 +181,14 @@ EPERM_FIX = (
 )
 
 
-def _run_step(run: RunContext, step: GcStep, tally: _Tally, spare: Spare | None) -> StepResult:
+class _Told(NamedTuple):
+    """Whom a step asks before each chunk (names to spare) and tells of its unlinks."""
+
+    spare: Spare | None = None
+    unlinking: Unlinking | None = None
+
+
+def _run_step(run: RunContext, step: GcStep, tally: _Tally, told: _Told) -> StepResult:
     layout = run.layout
     dry_run = run.dry_run
     base = StepResult(step)
@@ -185,9 +206,9 @@ def _run_step(run: RunContext, step: GcStep, tally: _Tally, spare: Spare | None)
         return base.done(r)
     if step.namespace_id is None and step.reason == "tmp":
         return _sweep_own_temps(run, step, base)
-    chunks = _Chunks(run, step, step_format(layout, step), tally)
+    chunks = _Chunks(run, step, step_format(layout, step), tally, told.unlinking)
     staying: set[str] = set()
-    done, ended = chunks.delete(_unspared(step, spare, staying))
+    done, ended = chunks.delete(_unspared(step, told.spare, staying))
     back = DeleteReport(dry_run=dry_run)
     if ended is None:
         # Pages spared since the plan yield to the limit as any protection does: tails first,
@@ -218,6 +239,7 @@ class _Chunks:
     step: GcStep
     fmt: FileFormat
     tally: _Tally
+    unlinking: Unlinking | None = None
     gone: list[str] = field(default_factory=list)  # recorded as gone (none in a dry run)
 
     def delete(self, chunks: Iterable[list[str]]) -> tuple[DeleteReport, _Ended | None]:
@@ -244,6 +266,14 @@ class _Chunks:
         before = _dir_id(layout, step.rel_dir)
         # Unpaced here, paced below once the chunk is recorded: a kill -9 during the pacer's
         # sleep (where a paced run spends its time) then finds audit and index exact.
+        with self._telling(chunk, gone):
+            return self._unlink(chunk, gone, before)
+
+    def _unlink(
+        self, chunk: list[str], gone: dict[str, int | None], before: tuple[int, int] | None
+    ) -> tuple[DeleteReport, _Ended | None]:
+        run, step = self.run, self.step
+        layout = run.layout
         try:
             r = delete_files(
                 layout.root,
@@ -271,6 +301,19 @@ class _Chunks:
             self._record(list(gone), r)
         _pace(run.pacer, r.files)
         return r, None
+
+    @contextmanager
+    def _telling(self, chunk: list[str], gone: dict[str, int | None]) -> Iterator[None]:
+        """Tell `unlinking` of the chunk before its unlinks and of what they did after."""
+        ns, told = self.step.namespace_id, self.unlinking
+        if told is None or ns is None or self.run.dry_run:
+            yield
+            return
+        told.expect(ns, chunk)
+        try:
+            yield
+        finally:
+            told.settle(ns, chunk, {n for n, size in gone.items() if size is not None})
 
     def _record(self, gone: list[str], r: DeleteReport) -> None:
         _record_chunk(self.run, self.step, gone, r)

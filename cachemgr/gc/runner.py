@@ -28,7 +28,7 @@ from cachemgr.fs.leadership import Leadership
 from cachemgr.fs.usage import DiskUsageFn
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.check import needs_gc
-from cachemgr.gc.execute import InFlight, execute_gc
+from cachemgr.gc.execute import InFlight, Unlinking, execute_gc
 from cachemgr.gc.floor import floor_pass, record_floor
 from cachemgr.gc.held import HeldAudits
 from cachemgr.gc.pagestore import PageId
@@ -112,6 +112,10 @@ class LiveState:
 
     def gone_early(self, pages: Iterable[PageId]) -> None:
         """A run deleted these stores before the index applied them: no longer pending."""
+
+    def unlinking(self) -> Unlinking | None:
+        """Whom a run holding a limit tells of each chunk it unlinks (None: nobody)."""
+        return None
 
     def users(self, ns_dir: Path) -> list[int]:
         """The pids using a namespace dir as their storage dir (none may lose it as unbound)."""
@@ -386,7 +390,9 @@ class GcRunner(Worker):
         if holding:
             self.not_holding.clear()
         try:
-            report = execute_gc(plan, run, progress=progress, spare=flight.spare)
+            report = execute_gc(
+                plan, run, progress=progress, spare=flight.spare, unlinking=self.live.unlinking()
+            )
         finally:
             self.not_holding.set()
         if not dry_run:

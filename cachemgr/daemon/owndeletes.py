@@ -1,0 +1,62 @@
+"""GC's own deletions of pages, which the watcher drops instead of queueing them for the index.
+
+A run that holds a limit drops the pages' index rows with its audit row, chunk by chunk, and
+the live chain model forgets them when the run ends (cachemgr.gc.runner): the IN_DELETE the
+kernel then reports for each is no news. Queued, each cost the index a stat (which finds
+nothing), a row delete (of no row) and a model look-up, and every plan's copy of the queue
+grew by it: at full speed a third of all page events, and of an eviction of a million pages
+nearly all of them (bench/RESULTS.md).
+
+GC says which names it is about to unlink before each chunk (so an event read while the
+unlinks run is known), then which it did unlink; the others (refused, too young, gone already)
+are taken back, so a deletion someone else makes later is news again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+from cachemgr.gc.pagestore import PageId
+
+# Names expected at most. Their events come within a kernel queue's worth (16,384 by default)
+# after the unlinks, so a dict this full holds names whose events were lost (an overflow, a
+# namespace purged during the run): it starts again, and those deletions are simply applied.
+MOST = 1 << 16
+_NOT = object()
+
+
+class OwnDeletions:
+    """(namespace, name below its dir) of each page file a GC run is unlinking; dict operations
+    are atomic under the GIL: GC's thread adds and takes back, the inotify thread takes."""
+
+    def __init__(self) -> None:
+        self._names: dict[PageId, None] = {}
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def expect(self, ns: str, names: Sequence[str]) -> None:
+        """GC is about to unlink these files of `ns`."""
+        if len(self._names) + len(names) > MOST:
+            self._names.clear()
+        self._names.update(dict.fromkeys((ns, n) for n in names))
+
+    def settle(self, ns: str, names: Sequence[str], deleted: Collection[str]) -> None:
+        """Of the `names` GC meant to unlink, it unlinked `deleted`: the rest are not its own."""
+        for name in names:
+            if name not in deleted:
+                self._names.pop((ns, name), None)
+
+    def take(self, ns: str, name: str) -> bool:
+        """On the inotify thread: whether this page file's deletion is one GC made (it is
+        expected no more)."""
+        return self._names.pop((ns, name), _NOT) is not _NOT
+
+    def forget(self, ns: str) -> None:
+        """The namespace's dir left <root>/ns (a purge): its files' events will not come."""
+        for key in [k for k in self._names if k[0] == ns]:
+            self._names.pop(key, None)
+
+    def clear(self) -> None:
+        """Events were lost: whatever was expected may never come."""
+        self._names.clear()

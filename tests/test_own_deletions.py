@@ -1,0 +1,68 @@
+"""GC's own deletions are not queued for the index (cachemgr.daemon.owndeletes): a real watcher
+on a real dir, GC's real execution, and another process's deletion beside them."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from cachemgr.daemon.events import Kind
+from cachemgr.daemon.owndeletes import MOST, OwnDeletions
+from cachemgr.daemon.watcher import Watcher
+from cachemgr.gc.chains import ChainModel
+from cachemgr.gc.execute import execute_gc
+from tests.gc_helpers import NS, T0, Tree, evicted, page, policy
+from tests.polling import wait_for
+
+
+def _gone(watcher: Watcher) -> set[str]:
+    return {name for kind, ns, name, *_ in list(watcher.queue) if kind is Kind.GONE}
+
+
+def test_a_cap_run_deletes_without_queueing_its_deletions_and_others_still_are(
+    tmp_path: Path,
+) -> None:
+    """Ten pages, a cap that takes some: their IN_DELETE never reaches the queue; a page
+    someone else deletes before the run does; a page the run refused (too young) and that
+    someone deletes later is news again; nothing stays expected."""
+    tree = Tree.at(tmp_path / "root")
+    watcher = Watcher(tree.layout)
+    d = tree.dir(NS)
+    try:
+        tree.write(NS, [page(i) for i in range(1, 11)], at=T0)
+        watcher.start()
+        assert watcher.watch(NS)
+        model = ChainModel.from_index(tree.store.conn, [NS])
+        plan = tree.plan(policy(max_bytes=6000, min_age=60), now=time.time(), model=model)
+        planned = evicted(plan)
+        young, other = planned[0], next(n for n in tree.files(NS) if n not in planned)
+        assert len(planned) >= 4
+        os.utime(d / young, (time.time(), time.time()))  # written again just now: min_age
+        (d / other).unlink()  # someone else, before the run
+        report = execute_gc(plan, tree.run(), unlinking=watcher.own)
+        deleted = set(report.steps[-1].gone)
+        assert deleted == set(planned) - {young}  # refused: too young
+        (d / young).unlink()  # someone else, after the run: news again
+        wait_for(lambda: _gone(watcher), lambda g: young in g, what="the late deletion")
+        time.sleep(0.2)  # (any IN_DELETE of the run's unlinks is read by now)
+        assert _gone(watcher) == {other, young}
+        assert len(watcher.own) == 0
+    finally:
+        watcher.stop()
+        tree.store.close()
+    assert not deleted & tree.files(NS)
+
+
+def test_what_is_expected_stays_bounded_and_goes_with_lost_events() -> None:
+    own = OwnDeletions()
+    own.expect(NS, ["a", "b", "c"])
+    own.settle(NS, ["a", "b", "c"], {"a", "b"})  # c refused: not GC's after all
+    assert not own.take(NS, "c") and own.take(NS, "a") and not own.take(NS, "a")
+    own.forget(NS)  # the namespace was purged: b's event will not come
+    assert len(own) == 0
+    own.expect(NS, [str(i) for i in range(MOST - 1)])
+    own.expect(NS, ["x", "y"])  # past MOST: the older names' events were lost
+    assert len(own) == 2 and own.take(NS, "y")
+    own.clear()
+    assert not own.take(NS, "x")
