@@ -17,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Sequence
 from functools import partial
+from itertools import islice
 
 from cachemgr.backends import FileFormat
 from cachemgr.daemon.events import Event, Kind
@@ -104,8 +105,12 @@ class StoreBacklog:
         self._prune()
         applied, settled = self.applied, self.clock() - SETTLE
         recent = self.recent.copy()  # one C call under the GIL: a consistent copy
-        self._numbers = {(ns, n): k for k, ns, n, _ in recent if k >= applied}
-        fresh = {(ns, n) for k, ns, n, at in recent if k >= applied and at > settled}
+        # Numbered in the order seen: those not applied are the last ones (a backlog of a few
+        # stores must not cost a walk of the whole window at each plan).
+        tail = list(islice(reversed(recent), max(0, recent[-1][0] + 1 - applied) if recent else 0))
+        tail.reverse()
+        self._numbers = {(ns, n): k for k, ns, n, _ in tail if k >= applied}
+        fresh = {(ns, n) for k, ns, n, at in tail if k >= applied and at > settled}
         return [p for p in self._numbers if p not in self.early], fresh
 
     def gone_early(self, pages: Iterable[PageId]) -> None:
