@@ -15,6 +15,7 @@ from pathlib import Path
 
 from cachemgr.daemon.backlog import SETTLE, Flight, StoreBacklog, queued_pages
 from cachemgr.daemon.events import LOCAL, Kind
+from cachemgr.daemon.gcapi import GcResponse
 from cachemgr.daemon.watcher import Event, Watcher
 from cachemgr.formats import DEFAULT_FORMAT
 from cachemgr.fs.root import create_root
@@ -392,9 +393,12 @@ def test_pages_reached_while_gc_deletes_yield_to_the_cap_tails_first(tmp_path: P
     live = _Reading(Watcher(tree.layout), model)  # (not started: the reads are emitted)
     runner = GcRunner(tree.layout, tree.store, cap, live=live, disk_usage=big_disk)
     try:
-        runner._cycle(runner.tick)
+        report = runner.tick()
+        assert report is not None
         assert tree.files(NS) == {page(1), page(2)}
         assert runner.stats.overridden == 3
+        (step,) = GcResponse.of(report).steps  # POST /v1/gc and `cachemgr gc --json` say so
+        assert step.overridden == 3
     finally:
         runner.leadership.release()
         tree.store.close()

@@ -33,6 +33,11 @@ class GcStepOut(BaseModel):
         description="kept: not a page or temp regular file, or the kernel refused the unlink"
     )
     skipped: str | None = None
+    overridden: int = Field(
+        0,
+        description="pages requests reached while the run deleted that its limit took after all "
+        "(cachemgr_gc_protection_overridden_total counts them)",
+    )
 
     @classmethod
     def of(cls, s: StepResult) -> GcStepOut:
@@ -49,6 +54,7 @@ class GcStepOut(BaseModel):
             young=s.young,
             refused=list(s.refused),
             skipped=s.skipped,
+            overridden=s.overridden,
         )
 
 
