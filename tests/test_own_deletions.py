@@ -4,14 +4,19 @@ on a real dir, GC's real execution, and another process's deletion beside them."
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from pathlib import Path
 
 from cachemgr.daemon.events import Kind
 from cachemgr.daemon.owndeletes import MOST, OwnDeletions
 from cachemgr.daemon.watcher import Watcher
+from cachemgr.fs.root import create_root
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.execute import execute_gc
+from cachemgr.layout import Layout
+from cachemgr.settings import load_settings
+from tests.daemon_helpers import NS_A, page_name, register_namespace, running_daemon, store_page
 from tests.gc_helpers import NS, T0, Tree, evicted, page, policy
 from tests.polling import wait_for
 
@@ -66,3 +71,47 @@ def test_what_is_expected_stays_bounded_and_goes_with_lost_events() -> None:
     assert len(own) == 2 and own.take(NS, "y")
     own.clear()
     assert not own.take(NS, "x")
+
+
+def test_a_run_an_unlink_error_ends_leaves_no_deleted_page_in_the_model(tmp_path: Path) -> None:
+    """A cap run whose unlink fails of something else than a refusal (here EBUSY: a page a
+    bind mount covers; on a bad day EIO, or EROFS once ext4 remounts read-only) ends in an
+    error after some pages went: their rows left the index with the chunk, their IN_DELETE
+    were dropped as GC's own, so only the run can make the model forget them. A reconcile
+    finds the index right (no drift) and does not reload the model either."""
+    layout = Layout.at(tmp_path / "root")
+    create_root(layout)
+    d = register_namespace(layout, NS_A, instance="gpu0")
+    names = [page_name(i) for i in range(12)]
+    for i, name in enumerate(names):
+        store_page(d, name, 1024, mtime=T0 + i)
+    busy = d / names[6]  # in the middle of what the cap takes
+    (tmp_path / "cover").write_bytes(b"\x01" * 1024)
+    os.utime(tmp_path / "cover", (T0 + 6, T0 + 6))  # (what the bind mount shows)
+    subprocess.run(["mount", "--bind", str(tmp_path / "cover"), str(busy)], check=True)
+    cfg = load_settings(
+        root=layout.root,
+        gc_max_bytes=2048,
+        gc_high_watermark=1.0,
+        gc_low_watermark=0.5,
+        gc_min_age=0,
+        gc_delete_rate=None,
+        gc_interval=3600,
+        reconcile_interval=1,
+    )
+    try:
+        with running_daemon(cfg) as dm:
+            wait_for(lambda: _left(d, names), lambda left: len(left) < 12, what="a run")
+            time.sleep(2.5)  # a reconcile or two
+            model = dm.daemon.indexer.model
+            key_len = model.formats(NS_A).key_len
+            left = _left(d, names)
+            ghosts = [n for n in names if n not in left and model.names(NS_A, n[: key_len(n)])]
+            assert not ghosts, f"{len(ghosts)} pages deleted and still in the model"
+            assert busy.name in left  # (the cap took it: its unlink failed)
+    finally:
+        subprocess.run(["umount", "-l", str(busy)], check=False)
+
+
+def _left(d: Path, names: list[str]) -> set[str]:
+    return {n for n in names if os.path.lexists(d / n)}
