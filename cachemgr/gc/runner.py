@@ -389,12 +389,21 @@ class GcRunner(Worker):
         holding = _holding(plan) and not dry_run and bool(plan.steps)
         if holding:
             self.not_holding.clear()
+        gone: list[tuple[str, list[str]]] = []
         try:
             report = execute_gc(
-                plan, run, progress=progress, spare=flight.spare, unlinking=self.live.unlinking()
+                plan,
+                run,
+                progress=progress,
+                spare=flight.spare,
+                unlinking=self.live.unlinking(),
+                recorded=lambda ns, names: gone.append((ns, names)),
             )
         finally:
             self.not_holding.set()
+            if model is not None and not dry_run:  # (even after an error: Recorded)
+                for ns, names in gone:
+                    model.forget_gone(ns, names)
         if not dry_run:
             self.stats.overridden += report.overridden
         if flight.stored and not dry_run:
@@ -402,11 +411,6 @@ class GcRunner(Worker):
         if _holding(plan) and not dry_run:  # a paced run's minutes are not cap-holding's
             # The longest recent run, decaying: a quick one must not start the next late.
             self.run_seconds = max(time.monotonic() - t0, self.run_seconds / 2)
-        if model is not None and not dry_run:
-            for result in report.steps:
-                ns = result.namespace_id
-                if ns is not None and result.reason in HOLDING:
-                    model.forget_gone(ns, result.gone)
         return report
 
     def wake(self) -> None:
