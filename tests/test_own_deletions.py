@@ -6,18 +6,22 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
-from cachemgr.daemon.events import Kind
+from cachemgr.daemon.events import LOCAL, Kind
 from cachemgr.daemon.owndeletes import MOST, OwnDeletions
+from cachemgr.daemon.page_events import PageEvents
 from cachemgr.daemon.watcher import Watcher
+from cachemgr.formats import DEFAULT_FORMAT
 from cachemgr.fs.root import create_root
 from cachemgr.gc.chains import ChainModel
-from cachemgr.gc.execute import execute_gc
+from cachemgr.gc.execute import CHUNK, InFlight, execute_gc
+from cachemgr.gc.runner import GcRunner, LiveState
 from cachemgr.layout import Layout
 from cachemgr.settings import load_settings
 from tests.daemon_helpers import NS_A, page_name, register_namespace, running_daemon, store_page
-from tests.gc_helpers import NS, T0, Tree, evicted, page, policy
+from tests.gc_helpers import NS, T0, Tree, big_disk, evicted, page, policy
 from tests.polling import wait_for
 
 
@@ -115,3 +119,48 @@ def test_a_run_an_unlink_error_ends_leaves_no_deleted_page_in_the_model(tmp_path
 
 def _left(d: Path, names: list[str]) -> set[str]:
     return {n for n in names if os.path.lexists(d / n)}
+
+
+class _Restoring(LiveState):
+    """A daemon whose engine stores again, between GC's first and second chunk, a page the
+    first chunk deleted (a request recomputed the prefix GC just evicted), and whose index
+    applies that store at once (its batch came between the two chunks)."""
+
+    def __init__(self, tree: Tree, model: ChainModel) -> None:
+        super().__init__(model=model)
+        self.tree, self.pages = tree, PageEvents(tree.layout, tree.store, model=model)
+        self.again: str | None = None
+
+    def in_flight(self) -> InFlight:
+        def spare(ns: str, names: Sequence[str], start: int) -> Collection[str]:
+            if start > 0 and self.again is None:
+                self.again = names[0]
+                self.tree.write(ns, [self.again], at=time.time(), size=1000)
+                self.pages.apply([(Kind.WRITE, ns, self.again, time.time(), LOCAL)], now=T0)
+            return ()
+
+        return InFlight(spare=spare)
+
+
+def test_a_page_stored_again_during_the_run_that_deleted_it_stays_in_the_model(
+    tmp_path: Path,
+) -> None:
+    """GC deleted a page, the engine stored it again and the index applied that store while
+    the run went on: the model knows it is on disk. The run forgot what it deleted at its end,
+    after that store, and a reconcile finds the index right and does not reload the model:
+    the page stayed out of it (out of every chain, of the cap's order) until read again."""
+    tree = Tree.at(tmp_path / "root")
+    tree.write(NS, [page(i) for i in range(1, 601)], at=T0)  # three chunks' worth
+    model = ChainModel.from_index(tree.store.conn, [NS])
+    live = _Restoring(tree, model)
+    cap = policy(max_bytes=100_000, high_watermark=0.5, low_watermark=0.1)
+    runner = GcRunner(tree.layout, tree.store, cap, live=live, disk_usage=big_disk)
+    try:
+        runner._cycle(runner.tick)
+        again = live.again
+        assert again is not None and again in tree.files(NS)  # (and its row is in the index)
+        assert len(tree.files(NS)) < 600 - CHUNK  # the run went on past its first chunk
+        assert model.names(NS, again[: DEFAULT_FORMAT.key_len(again)]) == (again,)
+    finally:
+        runner.leadership.release()
+        tree.store.close()
