@@ -1,7 +1,7 @@
 """GC's own deletions of pages, which the watcher drops instead of queueing them for the index.
 
 A run that holds a limit drops the pages' index rows with its audit row, chunk by chunk, and
-the live chain model forgets them when the run ends (cachemgr.gc.runner): the IN_DELETE the
+the live chain model forgets them then too (cachemgr.gc.execute.Recorded): the IN_DELETE the
 kernel then reports for each is no news. Queued, each cost the index a stat (which finds
 nothing), a row delete (of no row) and a model look-up, and every plan's copy of the queue
 grew by it: at full speed a third of all page events, and of an eviction of a million pages

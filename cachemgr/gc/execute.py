@@ -65,8 +65,9 @@ class Unlinking(Protocol):
     def settle(self, ns: str, names: Sequence[str], deleted: Collection[str]) -> None: ...
 
 
-# (namespace, names a chunk recorded as gone): the daemon's model forgets them, however the run
-# ends (their IN_DELETE never reaches the index, and an error may end the run: Unlinking)
+# (namespace, names a chunk recorded as gone): the daemon's model forgets them with their rows
+# (their IN_DELETE never reaches the index: Unlinking). Not at the run's end: a page stored
+# again meanwhile, which the index applied, is on disk; and an error may end the run first.
 Recorded = Callable[[str, list[str]], None]
 
 

@@ -389,7 +389,6 @@ class GcRunner(Worker):
         holding = _holding(plan) and not dry_run and bool(plan.steps)
         if holding:
             self.not_holding.clear()
-        gone: list[tuple[str, list[str]]] = []
         try:
             report = execute_gc(
                 plan,
@@ -397,13 +396,10 @@ class GcRunner(Worker):
                 progress=progress,
                 spare=flight.spare,
                 unlinking=self.live.unlinking(),
-                recorded=lambda ns, names: gone.append((ns, names)),
+                recorded=None if model is None else model.forget_gone,
             )
         finally:
             self.not_holding.set()
-            if model is not None and not dry_run:  # (even after an error: Recorded)
-                for ns, names in gone:
-                    model.forget_gone(ns, names)
         if not dry_run:
             self.stats.overridden += report.overridden
         if flight.stored and not dry_run:
