@@ -8,6 +8,7 @@ import subprocess
 import time
 from collections.abc import Collection, Sequence
 from pathlib import Path
+from typing import Any
 
 from cachemgr.daemon.events import LOCAL, Kind
 from cachemgr.daemon.owndeletes import MOST, OwnDeletions
@@ -162,5 +163,65 @@ def test_a_page_stored_again_during_the_run_that_deleted_it_stays_in_the_model(
         assert len(tree.files(NS)) < 600 - CHUNK  # the run went on past its first chunk
         assert model.names(NS, again[: DEFAULT_FORMAT.key_len(again)]) == (again,)
     finally:
+        runner.leadership.release()
+        tree.store.close()
+
+
+class _Applying(LiveState):
+    """A daemon whose index is applying a batch of stores as GC plans: GC counts them, and a
+    cap takes them once nothing the index knows of is left."""
+
+    def __init__(self, watcher: Watcher, model: ChainModel, stored: list[str]) -> None:
+        super().__init__(model=model)
+        self.watcher, self.stored = watcher, [(NS, n) for n in stored]
+
+    def pending(self) -> int:
+        return 1000 * len(self.stored)
+
+    def in_flight(self) -> InFlight:
+        return InFlight(stored=self.stored, stored_bytes=1000)
+
+    def unlinking(self) -> OwnDeletions:
+        return self.watcher.own
+
+
+def test_a_store_gc_deletes_while_the_index_applies_it_leaves_no_row(tmp_path: Path) -> None:
+    """The index stat'ed a batch's stores (on disk), then GC deleted them before the batch
+    wrote their rows: the rows and the model's pages describe files that are gone. Only the
+    IN_DELETE queued behind the stores drops them again; dropped as GC's own, they stayed (and
+    counted against the cap) until the next reconcile."""
+    tree = Tree.at(tmp_path / "root")
+    d = tree.dir(NS)
+    watcher = Watcher(tree.layout)
+    model = ChainModel(lambda ns: DEFAULT_FORMAT)
+    pages = PageEvents(tree.layout, tree.store, model=model)
+    names = [page(i) for i in range(1, 7)]
+    live = _Applying(watcher, model, names)
+    cap = policy(max_bytes=4000, high_watermark=0.5, low_watermark=0.25)
+    runner = GcRunner(tree.layout, tree.store, cap, live=live, disk_usage=big_disk)
+    try:
+        watcher.start()
+        assert watcher.watch(NS)
+        for n in names:
+            store_page(d, n, 1000, mtime=T0)
+        wait_for(lambda: len(watcher.queue), lambda k: k == len(names), what="the stores")
+        batch = [watcher.queue.popleft() for _ in names]
+        settle = pages._settle
+
+        def gc_runs_meanwhile(b: Any, now: float) -> Any:  # (after the stats, before the rows)
+            runner._cycle(runner.tick)
+            return settle(b, now)
+
+        pages._settle = gc_runs_meanwhile  # type: ignore[method-assign]
+        pages.apply(batch, now=T0)
+        pages._settle = settle  # type: ignore[method-assign]
+        assert len(tree.files(NS)) < len(names)  # GC took stores while the index applied them
+        time.sleep(0.3)  # (the IN_DELETE of its unlinks are read by now)
+        pages.apply(list(watcher.queue), now=T0 + 1)  # the index's next batch
+        rows = {n for (n,) in tree.store.conn.execute("SELECT name FROM pages")}
+        assert rows == tree.files(NS)
+        assert {n for n in names if model.names(NS, n[:64])} == tree.files(NS)
+    finally:
+        watcher.stop()
         runner.leadership.release()
         tree.store.close()
