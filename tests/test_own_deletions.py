@@ -225,3 +225,37 @@ def test_a_store_gc_deletes_while_the_index_applies_it_leaves_no_row(tmp_path: P
         watcher.stop()
         runner.leadership.release()
         tree.store.close()
+
+
+def test_a_name_expected_in_a_dir_no_watch_saw_is_not_expected_for_ever(tmp_path: Path) -> None:
+    """A purge and an init of the same namespace within one index batch: the inotify thread
+    watches the new dir, then the index thread, handling the purge's NS_GONE, unwatches it
+    until the NS_ADDED after it (indexer._apply_namespace_event). GC, planning from the old
+    dir's rows (kept: the dir is back), deletes in the new one meanwhile: no IN_DELETE comes
+    for those names. Expected for ever, each would hide the next deletion of its name by
+    anyone else (the same prefix is stored again under the same hash), until MOST names or an
+    overflow; after a minute they are not GC's any more."""
+    tree = Tree.at(tmp_path / "root")
+    watcher = Watcher(tree.layout, own=OwnDeletions())
+    names = [page(i) for i in range(1, 5)]
+    try:
+        tree.write(NS, names, at=T0)
+        watcher.start()
+        assert watcher.watch(NS)
+        d = tree.dir(NS)
+        d.rename(tmp_path / "trash")  # the purge
+        tree.write(NS, names, at=T0)  # the init, and the engine storing the same prefix
+        wait_for(lambda: watcher.has(NS), bool, what="the new dir's watch")
+        watcher.unwatch(NS)  # the index thread, at the purge's NS_GONE
+        model = ChainModel.from_index(tree.store.conn, [NS])
+        plan = tree.plan(policy(max_bytes=2000, low_watermark=0.5), now=time.time(), model=model)
+        report = execute_gc(plan, tree.run(), unlinking=watcher.own)
+        gone = report.steps[-1].gone
+        assert gone and not set(gone) & tree.files(NS)
+        assert watcher.watch(NS)  # the index thread, at the NS_ADDED
+        store_page(d, gone[0], 1000)  # stored again, then deleted by someone else
+        (d / gone[0]).unlink()
+        wait_for(lambda: _gone(watcher), lambda g: gone[0] in g, what="the later deletion")
+    finally:
+        watcher.stop()
+        tree.store.close()
