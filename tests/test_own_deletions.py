@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from cachemgr.daemon.events import LOCAL, Kind
-from cachemgr.daemon.owndeletes import MOST, OwnDeletions
+from cachemgr.daemon.owndeletes import MOST, STALE, OwnDeletions
 from cachemgr.daemon.page_events import PageEvents
 from cachemgr.daemon.watcher import Watcher
 from cachemgr.formats import DEFAULT_FORMAT
@@ -235,8 +235,9 @@ def test_a_name_expected_in_a_dir_no_watch_saw_is_not_expected_for_ever(tmp_path
     for those names. Expected for ever, each would hide the next deletion of its name by
     anyone else (the same prefix is stored again under the same hash), until MOST names or an
     overflow; after a minute they are not GC's any more."""
+    now = [1000.0]
     tree = Tree.at(tmp_path / "root")
-    watcher = Watcher(tree.layout, own=OwnDeletions())
+    watcher = Watcher(tree.layout, own=OwnDeletions(clock=lambda: now[0]))
     names = [page(i) for i in range(1, 5)]
     try:
         tree.write(NS, names, at=T0)
@@ -253,6 +254,7 @@ def test_a_name_expected_in_a_dir_no_watch_saw_is_not_expected_for_ever(tmp_path
         gone = report.steps[-1].gone
         assert gone and not set(gone) & tree.files(NS)
         assert watcher.watch(NS)  # the index thread, at the NS_ADDED
+        now[0] += STALE
         store_page(d, gone[0], 1000)  # stored again, then deleted by someone else
         (d / gone[0]).unlink()
         wait_for(lambda: _gone(watcher), lambda g: gone[0] in g, what="the later deletion")
