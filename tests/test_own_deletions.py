@@ -4,15 +4,25 @@ on a real dir, GC's real execution, and another process's deletion beside them."
 from __future__ import annotations
 
 import os
+import subprocess
 import time
+from collections.abc import Collection, Sequence
 from pathlib import Path
+from typing import Any
 
-from cachemgr.daemon.events import Kind
-from cachemgr.daemon.owndeletes import MOST, OwnDeletions
+from cachemgr.daemon.events import LOCAL, Kind
+from cachemgr.daemon.owndeletes import MOST, STALE, OwnDeletions
+from cachemgr.daemon.page_events import PageEvents
 from cachemgr.daemon.watcher import Watcher
+from cachemgr.formats import DEFAULT_FORMAT
+from cachemgr.fs.root import create_root
 from cachemgr.gc.chains import ChainModel
-from cachemgr.gc.execute import execute_gc
-from tests.gc_helpers import NS, T0, Tree, evicted, page, policy
+from cachemgr.gc.execute import CHUNK, InFlight, execute_gc
+from cachemgr.gc.runner import GcRunner, LiveState
+from cachemgr.layout import Layout
+from cachemgr.settings import load_settings
+from tests.daemon_helpers import NS_A, page_name, register_namespace, running_daemon, store_page
+from tests.gc_helpers import NS, T0, Tree, big_disk, evicted, page, policy
 from tests.polling import wait_for
 
 
@@ -66,3 +76,188 @@ def test_what_is_expected_stays_bounded_and_goes_with_lost_events() -> None:
     assert len(own) == 2 and own.take(NS, "y")
     own.clear()
     assert not own.take(NS, "x")
+
+
+def test_a_run_an_unlink_error_ends_leaves_no_deleted_page_in_the_model(tmp_path: Path) -> None:
+    """A cap run whose unlink fails of something else than a refusal (here EBUSY: a page a
+    bind mount covers; on a bad day EIO, or EROFS once ext4 remounts read-only) ends in an
+    error after some pages went: their rows left the index with the chunk, their IN_DELETE
+    were dropped as GC's own, so only the run can make the model forget them. A reconcile
+    finds the index right (no drift) and does not reload the model either."""
+    layout = Layout.at(tmp_path / "root")
+    create_root(layout)
+    d = register_namespace(layout, NS_A, instance="gpu0")
+    names = [page_name(i) for i in range(12)]
+    for i, name in enumerate(names):
+        store_page(d, name, 1024, mtime=T0 + i)
+    busy = d / names[6]  # in the middle of what the cap takes
+    (tmp_path / "cover").write_bytes(b"\x01" * 1024)
+    os.utime(tmp_path / "cover", (T0 + 6, T0 + 6))  # (what the bind mount shows)
+    subprocess.run(["mount", "--bind", str(tmp_path / "cover"), str(busy)], check=True)
+    cfg = load_settings(
+        root=layout.root,
+        gc_max_bytes=2048,
+        gc_high_watermark=1.0,
+        gc_low_watermark=0.5,
+        gc_min_age=0,
+        gc_delete_rate=None,
+        gc_interval=3600,
+        reconcile_interval=1,
+    )
+    try:
+        with running_daemon(cfg) as dm:
+            wait_for(lambda: _left(d, names), lambda left: len(left) < 12, what="a run")
+            time.sleep(2.5)  # a reconcile or two
+            model = dm.daemon.indexer.model
+            key_len = model.formats(NS_A).key_len
+            left = _left(d, names)
+            ghosts = [n for n in names if n not in left and model.names(NS_A, n[: key_len(n)])]
+            assert not ghosts, f"{len(ghosts)} pages deleted and still in the model"
+            assert busy.name in left  # (the cap took it: its unlink failed)
+    finally:
+        subprocess.run(["umount", "-l", str(busy)], check=False)
+
+
+def _left(d: Path, names: list[str]) -> set[str]:
+    return {n for n in names if os.path.lexists(d / n)}
+
+
+class _Restoring(LiveState):
+    """A daemon whose engine stores again, between GC's first and second chunk, a page the
+    first chunk deleted (a request recomputed the prefix GC just evicted), and whose index
+    applies that store at once (its batch came between the two chunks)."""
+
+    def __init__(self, tree: Tree, model: ChainModel) -> None:
+        super().__init__(model=model)
+        self.tree, self.pages = tree, PageEvents(tree.layout, tree.store, model=model)
+        self.again: str | None = None
+
+    def in_flight(self) -> InFlight:
+        def spare(ns: str, names: Sequence[str], start: int) -> Collection[str]:
+            if start > 0 and self.again is None:
+                self.again = names[0]
+                self.tree.write(ns, [self.again], at=time.time(), size=1000)
+                self.pages.apply([(Kind.WRITE, ns, self.again, time.time(), LOCAL)], now=T0)
+            return ()
+
+        return InFlight(spare=spare)
+
+
+def test_a_page_stored_again_during_the_run_that_deleted_it_stays_in_the_model(
+    tmp_path: Path,
+) -> None:
+    """GC deleted a page, the engine stored it again and the index applied that store while
+    the run went on: the model knows it is on disk. The run forgot what it deleted at its end,
+    after that store, and a reconcile finds the index right and does not reload the model:
+    the page stayed out of it (out of every chain, of the cap's order) until read again."""
+    tree = Tree.at(tmp_path / "root")
+    tree.write(NS, [page(i) for i in range(1, 601)], at=T0)  # three chunks' worth
+    model = ChainModel.from_index(tree.store.conn, [NS])
+    live = _Restoring(tree, model)
+    cap = policy(max_bytes=100_000, high_watermark=0.5, low_watermark=0.1)
+    runner = GcRunner(tree.layout, tree.store, cap, live=live, disk_usage=big_disk)
+    try:
+        runner._cycle(runner.tick)
+        again = live.again
+        assert again is not None and again in tree.files(NS)  # (and its row is in the index)
+        assert len(tree.files(NS)) < 600 - CHUNK  # the run went on past its first chunk
+        assert model.names(NS, again[: DEFAULT_FORMAT.key_len(again)]) == (again,)
+    finally:
+        runner.leadership.release()
+        tree.store.close()
+
+
+class _Applying(LiveState):
+    """A daemon whose index is applying a batch of stores as GC plans: GC counts them, and a
+    cap takes them once nothing the index knows of is left."""
+
+    def __init__(self, watcher: Watcher, model: ChainModel, stored: list[str]) -> None:
+        super().__init__(model=model)
+        self.watcher, self.stored = watcher, [(NS, n) for n in stored]
+
+    def pending(self) -> int:
+        return 1000 * len(self.stored)
+
+    def in_flight(self) -> InFlight:
+        return InFlight(stored=self.stored, stored_bytes=1000)
+
+    def unlinking(self) -> OwnDeletions:
+        return self.watcher.own
+
+
+def test_a_store_gc_deletes_while_the_index_applies_it_leaves_no_row(tmp_path: Path) -> None:
+    """The index stat'ed a batch's stores (on disk), then GC deleted them before the batch
+    wrote their rows: the rows and the model's pages describe files that are gone. Only the
+    IN_DELETE queued behind the stores drops them again; dropped as GC's own, they stayed (and
+    counted against the cap) until the next reconcile."""
+    tree = Tree.at(tmp_path / "root")
+    d = tree.dir(NS)
+    watcher = Watcher(tree.layout)
+    model = ChainModel(lambda ns: DEFAULT_FORMAT)
+    pages = PageEvents(tree.layout, tree.store, model=model)
+    names = [page(i) for i in range(1, 7)]
+    live = _Applying(watcher, model, names)
+    cap = policy(max_bytes=4000, high_watermark=0.5, low_watermark=0.25)
+    runner = GcRunner(tree.layout, tree.store, cap, live=live, disk_usage=big_disk)
+    try:
+        watcher.start()
+        assert watcher.watch(NS)
+        for n in names:
+            store_page(d, n, 1000, mtime=T0)
+        wait_for(lambda: len(watcher.queue), lambda k: k == len(names), what="the stores")
+        batch = [watcher.queue.popleft() for _ in names]
+        settle = pages._settle
+
+        def gc_runs_meanwhile(b: Any, now: float) -> Any:  # (after the stats, before the rows)
+            runner._cycle(runner.tick)
+            return settle(b, now)
+
+        pages._settle = gc_runs_meanwhile  # type: ignore[method-assign]
+        pages.apply(batch, now=T0)
+        pages._settle = settle  # type: ignore[method-assign]
+        assert len(tree.files(NS)) < len(names)  # GC took stores while the index applied them
+        time.sleep(0.3)  # (the IN_DELETE of its unlinks are read by now)
+        pages.apply(list(watcher.queue), now=T0 + 1)  # the index's next batch
+        rows = {n for (n,) in tree.store.conn.execute("SELECT name FROM pages")}
+        assert rows == tree.files(NS)
+        assert {n for n in names if model.names(NS, n[:64])} == tree.files(NS)
+    finally:
+        watcher.stop()
+        runner.leadership.release()
+        tree.store.close()
+
+
+def test_a_name_expected_in_a_dir_no_watch_saw_is_not_expected_for_ever(tmp_path: Path) -> None:
+    """A purge and an init of the same namespace within one index batch: the inotify thread
+    watches the new dir, then the index thread, handling the purge's NS_GONE, unwatches it
+    until the NS_ADDED after it (indexer._apply_namespace_event). GC, planning from the old
+    dir's rows (kept: the dir is back), deletes in the new one meanwhile: no IN_DELETE comes
+    for those names. Expected for ever, each would hide the next deletion of its name by
+    anyone else (the same prefix is stored again under the same hash), until MOST names or an
+    overflow; after a minute they are not GC's any more."""
+    now = [1000.0]
+    tree = Tree.at(tmp_path / "root")
+    watcher = Watcher(tree.layout, own=OwnDeletions(clock=lambda: now[0]))
+    names = [page(i) for i in range(1, 5)]
+    try:
+        tree.write(NS, names, at=T0)
+        watcher.start()
+        assert watcher.watch(NS)
+        d = tree.dir(NS)
+        d.rename(tmp_path / "trash")  # the purge
+        tree.write(NS, names, at=T0)  # the init, and the engine storing the same prefix
+        wait_for(lambda: watcher.has(NS), bool, what="the new dir's watch")
+        watcher.unwatch(NS)  # the index thread, at the purge's NS_GONE
+        model = ChainModel.from_index(tree.store.conn, [NS])
+        plan = tree.plan(policy(max_bytes=2000, low_watermark=0.5), now=time.time(), model=model)
+        report = execute_gc(plan, tree.run(), unlinking=watcher.own)
+        gone = report.steps[-1].gone
+        assert gone and not set(gone) & tree.files(NS)
+        assert watcher.watch(NS)  # the index thread, at the NS_ADDED
+        now[0] += STALE
+        store_page(d, gone[0], 1000)  # stored again, then deleted by someone else
+        (d / gone[0]).unlink()
+        wait_for(lambda: _gone(watcher), lambda g: gone[0] in g, what="the later deletion")
+    finally:
+        watcher.stop()
+        tree.store.close()

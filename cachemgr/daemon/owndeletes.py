@@ -1,7 +1,7 @@
 """GC's own deletions of pages, which the watcher drops instead of queueing them for the index.
 
 A run that holds a limit drops the pages' index rows with its audit row, chunk by chunk, and
-the live chain model forgets them when the run ends (cachemgr.gc.runner): the IN_DELETE the
+the live chain model forgets them then too (cachemgr.gc.execute.Recorded): the IN_DELETE the
 kernel then reports for each is no news. Queued, each cost the index a stat (which finds
 nothing), a row delete (of no row) and a model look-up, and every plan's copy of the queue
 grew by it: at full speed a third of all page events, and of an eviction of a million pages
@@ -14,7 +14,8 @@ are taken back, so a deletion someone else makes later is news again.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import time
+from collections.abc import Callable, Collection, Sequence
 
 from cachemgr.gc.pagestore import PageId
 
@@ -22,15 +23,22 @@ from cachemgr.gc.pagestore import PageId
 # after the unlinks, so a dict this full holds names whose events were lost (an overflow, a
 # namespace purged during the run): it starts again, and those deletions are simply applied.
 MOST = 1 << 16
-_NOT = object()
+# Seconds after GC said so that a deletion is still taken for its own. An event comes well
+# within it, unless no watch saw the unlink (a dir unwatched for a moment, as the index thread
+# does after a purge that an init followed at once, or past the watch limit): then none comes,
+# and the next deletion of that name by anyone else (the engine stores a prefix again under
+# the same names) must not be dropped. An event later than this is queued: it costs the
+# index a stat, never a row.
+STALE = 60.0
 
 
 class OwnDeletions:
     """(namespace, name below its dir) of each page file a GC run is unlinking; dict operations
     are atomic under the GIL: GC's thread adds and takes back, the inotify thread takes."""
 
-    def __init__(self) -> None:
-        self._names: dict[PageId, None] = {}
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._names: dict[PageId, float] = {}  # -> when GC said it would unlink it
 
     def __len__(self) -> int:
         return len(self._names)
@@ -39,7 +47,7 @@ class OwnDeletions:
         """GC is about to unlink these files of `ns`."""
         if len(self._names) + len(names) > MOST:
             self._names.clear()
-        self._names.update(dict.fromkeys((ns, n) for n in names))
+        self._names.update(dict.fromkeys(((ns, n) for n in names), self.clock()))
 
     def settle(self, ns: str, names: Sequence[str], deleted: Collection[str]) -> None:
         """Of the `names` GC meant to unlink, it unlinked `deleted`: the rest are not its own."""
@@ -50,7 +58,8 @@ class OwnDeletions:
     def take(self, ns: str, name: str) -> bool:
         """On the inotify thread: whether this page file's deletion is one GC made (it is
         expected no more)."""
-        return self._names.pop((ns, name), _NOT) is not _NOT
+        at = self._names.pop((ns, name), None)
+        return at is not None and self.clock() - at < STALE
 
     def forget(self, ns: str) -> None:
         """The namespace's dir left <root>/ns (a purge): its files' events will not come."""

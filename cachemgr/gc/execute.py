@@ -65,6 +65,12 @@ class Unlinking(Protocol):
     def settle(self, ns: str, names: Sequence[str], deleted: Collection[str]) -> None: ...
 
 
+# (namespace, names a chunk recorded as gone): the daemon's model forgets them with their rows
+# (their IN_DELETE never reaches the index: Unlinking). Not at the run's end: a page stored
+# again meanwhile, which the index applied, is on disk; and an error may end the run first.
+Recorded = Callable[[str, list[str]], None]
+
+
 @dataclass
 class _Tally:
     """Running totals across steps, for one progress callback over the whole run."""
@@ -91,6 +97,7 @@ def execute_gc(
     progress: Progress | None = None,
     spare: Spare | None = None,
     unlinking: Unlinking | None = None,
+    recorded: Recorded | None = None,
 ) -> GcReport:
     """Run the plan's steps in order; a dry run stats the same files and deletes none.
 
@@ -98,7 +105,8 @@ def execute_gc(
     false (fleet mode: the GC lease is lost) ends it there too, with a warning. `run.users`
     names the running processes whose storage dir a namespace is (none may lose it as
     unbound). `spare`: before each chunk that holds a limit, the names to spare after all;
-    `unlinking`: told of each such chunk's unlinks.
+    `unlinking`: told of each such chunk's unlinks; `recorded`: of the names each such chunk
+    recorded as gone, as it does (the run may yet end in an error).
     """
     fenced = [False]
 
@@ -115,7 +123,7 @@ def execute_gc(
         if halted():
             break
         holds = step.reason in HOLDING and step.namespace_id is not None
-        told = _Told(spare if holds and not step.forced else None, unlinking if holds else None)
+        told = _Told(None if step.forced else spare, unlinking, recorded) if holds else _Told()
         try:
             result = _run_step(steps_run, step, tally, told)
         except UnsafePathError as e:  # its dir became a symlink or a mount: the other steps
@@ -182,10 +190,12 @@ EPERM_FIX = (
 
 
 class _Told(NamedTuple):
-    """Whom a step asks before each chunk (names to spare) and tells of its unlinks."""
+    """Whom a step asks before each chunk (names to spare), tells of its unlinks and of what
+    it recorded gone."""
 
     spare: Spare | None = None
     unlinking: Unlinking | None = None
+    recorded: Recorded | None = None
 
 
 def _run_step(run: RunContext, step: GcStep, tally: _Tally, told: _Told) -> StepResult:
@@ -206,7 +216,7 @@ def _run_step(run: RunContext, step: GcStep, tally: _Tally, told: _Told) -> Step
         return base.done(r)
     if step.namespace_id is None and step.reason == "tmp":
         return _sweep_own_temps(run, step, base)
-    chunks = _Chunks(run, step, step_format(layout, step), tally, told.unlinking)
+    chunks = _Chunks(run, step, step_format(layout, step), tally, told)
     staying: set[str] = set()
     done, ended = chunks.delete(_unspared(step, told.spare, staying))
     back = DeleteReport(dry_run=dry_run)
@@ -239,7 +249,7 @@ class _Chunks:
     step: GcStep
     fmt: FileFormat
     tally: _Tally
-    unlinking: Unlinking | None = None
+    told: _Told
     gone: list[str] = field(default_factory=list)  # recorded as gone (none in a dry run)
 
     def delete(self, chunks: Iterable[list[str]]) -> tuple[DeleteReport, _Ended | None]:
@@ -305,7 +315,7 @@ class _Chunks:
     @contextmanager
     def _telling(self, chunk: list[str], gone: dict[str, int | None]) -> Iterator[None]:
         """Tell `unlinking` of the chunk before its unlinks and of what they did after."""
-        ns, told = self.step.namespace_id, self.unlinking
+        ns, told = self.step.namespace_id, self.told.unlinking
         if told is None or ns is None or self.run.dry_run:
             yield
             return
@@ -318,6 +328,8 @@ class _Chunks:
     def _record(self, gone: list[str], r: DeleteReport) -> None:
         _record_chunk(self.run, self.step, gone, r)
         self.gone += gone
+        if self.told.recorded is not None and self.step.namespace_id is not None:
+            self.told.recorded(self.step.namespace_id, gone)
 
 
 _STOPPED = "stopped: shutting down, or the GC lease was lost"

@@ -15,7 +15,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -391,7 +391,12 @@ class GcRunner(Worker):
             self.not_holding.clear()
         try:
             report = execute_gc(
-                plan, run, progress=progress, spare=flight.spare, unlinking=self.live.unlinking()
+                plan,
+                run,
+                progress=progress,
+                spare=flight.spare,
+                unlinking=_Applied.of(self.live.unlinking(), flight.stored),
+                recorded=None if model is None else model.forget_gone,
             )
         finally:
             self.not_holding.set()
@@ -402,11 +407,6 @@ class GcRunner(Worker):
         if _holding(plan) and not dry_run:  # a paced run's minutes are not cap-holding's
             # The longest recent run, decaying: a quick one must not start the next late.
             self.run_seconds = max(time.monotonic() - t0, self.run_seconds / 2)
-        if model is not None and not dry_run:
-            for result in report.steps:
-                ns = result.namespace_id
-                if ns is not None and result.reason in HOLDING:
-                    model.forget_gone(ns, result.gone)
         return report
 
     def wake(self) -> None:
@@ -503,6 +503,25 @@ def _deleted(report: GcReport, stored: Iterable[PageId]) -> list[PageId]:
     flight, or refused, stays on the count)."""
     gone = {(r.namespace_id, n) for r in report.steps for n in r.gone}
     return [page for page in stored if page in gone]
+
+
+class _Applied:
+    """Tells `unlinking` of the names a run unlinks but the stores the index had not applied
+    at the plan: it may be applying one (its stat taken, its row not written yet) as GC
+    deletes it, and only the IN_DELETE queued behind the store drops that row again."""
+
+    def __init__(self, told: Unlinking, unapplied: Iterable[PageId]) -> None:
+        self.told, self.unapplied = told, set(unapplied)
+
+    @classmethod
+    def of(cls, told: Unlinking | None, unapplied: Sequence[PageId]) -> Unlinking | None:
+        return told if told is None or not unapplied else cls(told, unapplied)
+
+    def expect(self, ns: str, names: Sequence[str]) -> None:
+        self.told.expect(ns, [n for n in names if (ns, n) not in self.unapplied])
+
+    def settle(self, ns: str, names: Sequence[str], deleted: Collection[str]) -> None:
+        self.told.settle(ns, names, deleted)
 
 
 def _pacer(plan: GcPlan, policy: GcPolicy) -> Pacer:
