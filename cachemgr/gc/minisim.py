@@ -70,7 +70,7 @@ class Miniatures:
         self.lru = orders.index("recency") if "recency" in orders else -1
         self.pages: dict[int, list[int]] = {}  # digest -> [born, last, reads, held: a bit each]
         self.ghosts: OrderedDict[int, None] = OrderedDict()  # pages none holds, oldest first
-        # The digests each holds, oldest first (what breaks ties in its order).
+        # The pages each holds by digest, oldest first (what breaks ties in its order).
         self.held = self._empty()
         # Each ranked miniature's sums over its pages of reads c and birth b (c, b, cc, cb, bb):
         # the prior its order fits (cachemgr.gc.returns.Moments), kept as pages come and go.
@@ -119,7 +119,7 @@ class Miniatures:
                     sums[3] += page[_BORN]
             else:
                 page[_HELD] |= 1 << o
-                held[digest] = None
+                held[digest] = page
                 if o != lru:
                     self._tally(o, page, 1)
                 if len(held) > self.limit:
@@ -215,7 +215,7 @@ class Miniatures:
         """The `n` digests miniature `o` evicts first (ties: the least recently used, then
         the one it took first)."""
         digests = list(self.held[o])
-        pages = [self.pages[d] for d in digests]
+        pages = list(self.held[o].values())
         trial_end = -math.inf  # (`value`: no page is past a trial)
         if self.names[o] == "probation":
             trial_end = self.trial(clock, self.cap << self.shift)
@@ -261,7 +261,7 @@ class Miniatures:
         self.sums = [[0] * 5 for _ in range(self.orders)]
         self._score_from_now()
 
-    def _empty(self) -> list[dict[int, None]]:
+    def _empty(self) -> list[dict[int, list[int]]]:
         return [OrderedDict() if o == self.lru else {} for o in range(self.orders)]
 
     def _score_from_now(self) -> None:
@@ -293,9 +293,9 @@ class Miniatures:
                 self.ghosts[digest] = None
             for o in range(self.orders):
                 if page[_HELD] >> o & 1:
-                    self.held[o][digest] = None
+                    self.held[o][digest] = page
         if self.lru >= 0:  # (the table keeps no use order: the pages' latest use is it)
             lru = sorted(self.held[self.lru], key=lambda d: self.pages[d][_LAST])
-            self.held[self.lru] = OrderedDict.fromkeys(lru)
+            self.held[self.lru] = OrderedDict((d, self.pages[d]) for d in lru)
         self._retally()
         self._capacity(int(state["cap"]))
