@@ -9,6 +9,8 @@ on to a new chain), so a long silence makes it likely over (`worth`).
 from __future__ import annotations
 
 import math
+from operator import mul
+from typing import NamedTuple
 
 END = 0.05  # probability that a conversation ends at a return (moves on to a new chain)
 SHAPE_MIN, SHAPE_MAX = 0.05, 50.0  # bounds of the fitted prior's shape (few chains: noisy)
@@ -18,17 +20,39 @@ def prior(chains: list[tuple[int, int]]) -> tuple[float, float]:
     """The Gamma(shape, rate) prior of a chain's return rate, fitted to all segments' (returns,
     exposure) by the method of moments (empirical Bayes): its mean is the pooled rate, its
     spread what the counts vary by beyond Poisson noise."""
-    n = sum(c for c, _ in chains)
-    t = sum(e for _, e in chains)
-    if not n or not t:
-        return 1.0, 1.0  # nothing came back yet: every chain looks alike
-    mean = n / t
-    excess = sum((c - mean * e) ** 2 - mean * e for c, e in chains)
-    spread = sum(e * e for _, e in chains)
-    shape = (
-        min(max(mean * mean * spread / excess, SHAPE_MIN), SHAPE_MAX) if excess > 0 else SHAPE_MAX
+    returns = [c for c, _ in chains]
+    exposures = [e for _, e in chains]
+    return fitted(
+        Moments(
+            sum(returns),
+            sum(exposures),
+            sum(map(mul, returns, returns)),
+            sum(map(mul, returns, exposures)),
+            sum(map(mul, exposures, exposures)),
+        )
     )
-    return shape, shape / mean
+
+
+class Moments(NamedTuple):
+    """Sums over the segments' (returns c, exposure e) that fit the prior (`fitted`)."""
+
+    c: int
+    e: int
+    cc: int
+    ce: int
+    ee: int
+
+
+def fitted(m: Moments) -> tuple[float, float]:
+    """`prior` from the sums. In integers, exactly: with mean n/t, the excess variance
+    sum((c - mean e)^2 - mean e) is x / t^2 for the x below, so shape = mean^2 ee / excess
+    = n^2 ee / x."""
+    n, t = m.c, m.e
+    if n <= 0 or t <= 0:
+        return 1.0, 1.0  # nothing came back yet: every chain looks alike
+    x = t * t * m.cc - 2 * n * t * m.ce + n * n * m.ee - n * t * t
+    shape = min(max(n * n * m.ee / x, SHAPE_MIN), SHAPE_MAX) if x > 0 else SHAPE_MAX
+    return shape, shape * t / n
 
 
 def worth(fitted: tuple[float, float], returns: int, span: int, silence: int) -> float:
