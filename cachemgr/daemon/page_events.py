@@ -112,7 +112,7 @@ class PageEvents:
                 b.key_lens[key] = key_len
                 tally[1] += 1
                 st = b.stats[key]
-                b.sized[key] = size = 0 if st is None else st[0]
+                b.sized[key] = 0 if st is None else st[0]
                 pred = self.model.observe_write(
                     ns,
                     name,
@@ -120,9 +120,8 @@ class PageEvents:
                     seq=seq,
                     at=now,
                     guess=fmt.write_order,
-                    written=self._written(st) if fmt.write_order else None,
+                    written=self._written(st, now, fmt.write_order),
                     origin=origin,
-                    size=size,
                 )
                 if pred is not None:
                     b.preds[key] = pred
@@ -140,14 +139,17 @@ class PageEvents:
         b.stats = dict(zip(keys, stat_files(self._ns_root, list(keys)), strict=True))
 
     @staticmethod
-    def _written(st: FileTimes | None) -> Written:
+    def _written(st: FileTimes | None, now: float, times: bool) -> Written:
         """When a page file was written, by the writer's clock: its mtime (when its last write
         began), birth time (when its temp file was made: None if the filesystem keeps none)
         and ctime (when it was renamed into place). They tell one request's burst of stores
         from the next request's (cachemgr.gc.chains.BURST_GAP) however late the daemon sees
         them: a backlog the watcher reads at once is seen all at one time. A file gone
-        already: -inf (no store after it continues it)."""
-        return Written(-math.inf) if st is None else Written(st[1], st[3], st[2])
+        already: -inf (no store after it continues it). Without `times` (a format whose
+        stores are no links): written `now`, the size alone from the stat."""
+        if not times:
+            return Written(now, size=0 if st is None else st[0])
+        return Written(-math.inf) if st is None else Written(st[1], st[3], st[2], st[0])
 
     def _settle(
         self, b: _Batch, now: float

@@ -69,11 +69,12 @@ DIRTY_MAX = 65_536  # pages changed between two orders past which all segments a
 
 
 class Written(NamedTuple):
-    """When a page file was written, by the writer's clock (its file's times)."""
+    """When a page file was written, by the writer's clock (its file's times), and its size."""
 
     last: float  # its last write() began (mtime)
     began: float | None = None  # its (temp) file was made (birth time; None: not kept)
     placed: float | None = None  # it was renamed into place (ctime; None: at `last`)
+    size: int = 0  # bytes (0: not known yet, the index tells it later)
 
 
 class ChainModel:
@@ -121,21 +122,12 @@ class ChainModel:
         """Index one file (a page's first file creates the page; a known page keeps its use)."""
         with self.lock:
             s = self.store.ensure(ns, name[:key_len])
-            self._add(s, name[key_len:], size, seq, at, pred, born)
+            self._page(s, seq, at, pred, born, False)
+            self._placed(s, name[key_len:], size, seq, at)
             self.clock = max(self.clock, seq)
 
-    def _add(
-        self,
-        s: int,
-        suffix: str,
-        size: int,
-        seq: int,
-        at: float,
-        pred: str | None,
-        born: int | None,
-    ) -> None:
-        """`add` for the page at slot `s` (the key's slot: a ghost or a page)."""
-        self._page(s, seq, at, pred, born, False)
+    def _placed(self, s: int, suffix: str, size: int, seq: int, at: float) -> None:
+        """Page `s` has the file `suffix` of `size` bytes, stored at `seq` (`at`)."""
         self._file(s, sys.intern(suffix), size, seq, at, 0)
         if not self.store.kids[s]:
             self.store.add_leaf(s)  # (a no-op for a page that was a leaf already)
@@ -254,13 +246,12 @@ class ChainModel:
         guess: bool = True,
         written: Written | None = None,
         origin: str = "",
-        size: int = 0,
     ) -> str | None:
-        """A file of `size` bytes was stored (`written`: when, by the writer's clock; default:
+        """A file was stored (`written`: when, by the writer's clock, and its size; default:
         its last write at `at`) in `origin`'s stream (Stream); returns its page's predecessor
         (to persist): none if not `guess`."""
         key, stream = name[:key_len], (ns, name[key_len:], origin)
-        seen, began, placed = written or Written(at)
+        seen, began, placed, size = written or Written(at)
         st = self.store
         with self.lock:
             prev = self._prev.get(stream)
@@ -279,7 +270,8 @@ class ChainModel:
             )
             s = st.ensure(ns, key)  # (one probe of the key table for the whole store)
             fresh = st.files[s] == GHOST
-            self._add(s, stream[1], size, seq, at, pred if burst else None, None)
+            self._page(s, seq, at, pred if burst else None, None, False)
+            self._placed(s, stream[1], size, seq, at)
             self.clock = max(self.clock, seq)
             up = st.pred[s]  # (its chain's record: what the order values its segment by)
             chain = (st.reads[up], st.born[up]) if up != NONE else None
