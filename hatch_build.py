@@ -25,7 +25,7 @@ class DirscanBuildHook(BuildHookInterface):  # type: ignore[misc]
                 f"cachemgr.fs.{name}",
                 sources=[f"cachemgr/fs/{name}.c"],
                 extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra"],
-                extra_link_args=["-pthread"],
+                extra_link_args=["-pthread", "-ldl"],  # (dlopen: glibc < 2.34)
             )
             for name in ("_dirscan", "_unlink")
         ]

@@ -22,14 +22,19 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 from unittest import mock
 
 from cachemgr.daemon import page_events
 from cachemgr.daemon.events import LOCAL, Kind
+from cachemgr.fs._dirscan import stat_files
 from cachemgr.fs.root import create_root
 from cachemgr.gc.chains import ChainModel
 from cachemgr.layout import Layout
 from cachemgr.state.store import Store
+
+if TYPE_CHECKING:
+    from cachemgr.fs._dirscan import FileTimes
 
 NS = "00000000000000b1"
 SIZES = (64 << 10, 1 << 20, 8 << 20)
@@ -49,15 +54,18 @@ def write(d: Path, size: int, requests: int, pages: int, gap: float) -> list[lis
     return [[names[k] for k in keys] for keys in json.loads(out.splitlines()[-1])]
 
 
+def no_births(root: str, files: list[tuple[str, str]]) -> list[FileTimes | None]:
+    """stat_files as on a filesystem that keeps no birth time."""
+    return [st and (*st[:3], None) for st in stat_files(root, files)]
+
+
 def links(layout: Layout, order: list[list[str]], births: bool) -> tuple[int, int]:
     """(links within requests, links across them) the model learns from these stores."""
     model = ChainModel()
     events = [(Kind.WRITE, NS, n, 0.0, LOCAL) for req in order for n in req]
     with (
         Store.open(layout.db_path) as store,
-        mock.patch.object(
-            page_events, "birth_time", page_events.birth_time if births else lambda _: None
-        ),
+        mock.patch.object(page_events, "stat_files", stat_files if births else no_births),
     ):
         page_events.PageEvents(layout, store, model=model).apply(events, now=time.time())
     pred = {k: p.pred for (_, k), p in model.pages.items()}

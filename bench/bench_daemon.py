@@ -9,10 +9,15 @@
 4. (`--model N`, alone) the chain model at N pages: an index of N pages in learned chains,
    `cachemgr serve` restarted over it: ready time, RSS steady, and the time to the first
    eviction when a cap is crossed, with the model from the snapshot the last stop saved and,
-   as the peer, loaded from the index (BENCH_SNAPSHOT_FIRST=0 runs the peer first).
+   as the peer, loaded from the index (BENCH_SNAPSHOT_FIRST=0 runs the peer first);
+5. (`--apply N`, alone) the index's cost per event on a replay-like stream of N stores, in
+   this process: requests read a prefix of an earlier request's pages, then store a burst of
+   4 pages continuing it (SGLang's HiCacheFile: ~1.4 reads a store), applied by PageEvents in
+   the index's batches; the peer is the floor any index pays: one lstat and one upsert a store.
 
 Usage: python bench/bench_daemon.py [N_PAGES] [N_EVENTS]   (defaults 200000 50000)
        python bench/bench_daemon.py --model N_PAGES
+       python bench/bench_daemon.py --apply N_STORES
 """
 
 from __future__ import annotations
@@ -20,19 +25,24 @@ from __future__ import annotations
 import math
 import os
 import platform
+import random
 import shutil
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from itertools import islice
 from pathlib import Path
 
 import httpx
 
-from cachemgr.daemon.indexer import Indexer, IndexerConfig
+from cachemgr.daemon import heap
+from cachemgr.daemon.events import LOCAL, Event, Kind
+from cachemgr.daemon.indexer import EVENT_BATCH, Indexer, IndexerConfig
+from cachemgr.daemon.page_events import PageEvents
 from cachemgr.fs.dirscan import scan_usage
 from cachemgr.fs.root import create_root
 from cachemgr.gc import modelfile
@@ -394,9 +404,113 @@ def bench_http(layout: Layout, n: int, requests: int = 400) -> None:
         proc.wait(30)
 
 
+BURST = 4  # pages a request stores after its read prefix
+PREFIX_MAX = 13  # pages a request reads at most (uniform 0-13): ~1.4 reads a store
+RUNS = 3
+
+
+def replay_stream(d: Path, ns: str, stores: int) -> list[Event]:
+    """A replay's page events, its stores' files made (2 KiB): each request reads a prefix of
+    one of the last 256 requests' chains, then stores 4 pages continuing it."""
+    rng = random.Random(21)
+    data = b"\x03" * 2048
+    chains: list[list[str]] = [[]]
+    events: list[Event] = []
+    for _ in range(stores // BURST):
+        prefix = rng.choice(chains)[: rng.randint(0, PREFIX_MAX)]
+        burst = [f"{rng.getrandbits(256):064x}_Qwen-Qwen3-8B_0_1.bin" for _ in range(BURST)]
+        for name in burst:
+            fd = os.open(d / name, os.O_WRONLY | os.O_CREAT, 0o644)
+            os.write(fd, data)
+            os.close(fd)
+        events += [(Kind.READ, ns, n, 0.0, LOCAL) for n in prefix]
+        events += [(Kind.WRITE, ns, n, 0.0, LOCAL) for n in burst]
+        chains.append(prefix + burst)
+        del chains[:-256]
+    return events
+
+
+def apply_index(layout: Layout, db: Path, events: list[Event]) -> float:
+    """Seconds PageEvents takes to apply `events` in the index's batches, on a fresh DB."""
+    with Store.open(db) as store:
+        pages = PageEvents(layout, store)
+        t = time.perf_counter()
+        for i in range(0, len(events), EVENT_BATCH):
+            pages.apply(events[i : i + EVENT_BATCH], now=time.time())
+        return time.perf_counter() - t
+
+
+def apply_floor(layout: Layout, db: Path, events: list[Event]) -> float:
+    """Seconds the floor takes on the same batches: an lstat and an upsert a store."""
+    root = str(layout.ns_root)
+    with Store.open(db) as store:
+        t = time.perf_counter()
+        for i in range(0, len(events), EVENT_BATCH):
+            now, rows = time.time(), list[pages_sql.PageRow]()
+            for seq, (kind, ns, name, _, _) in enumerate(events[i : i + EVENT_BATCH], i):
+                if kind is Kind.WRITE:
+                    st = os.stat(os.path.join(root, ns, name), follow_symlinks=False)
+                    rows.append((ns, name, st.st_size, now, now, seq, 64, None, seq))
+            with store.transaction() as conn:
+                pages_sql.upsert_pages(conn, rows)
+        return time.perf_counter() - t
+
+
+class Busy:
+    """A thread running Python as long as it may, as the daemon's GC and watcher do at full
+    speed: each time the index gives the GIL up (a syscall, an SQLite step) it may wait a
+    switch interval (the daemon's, cachemgr.daemon.heap) to take it back."""
+
+    def __enter__(self) -> Busy:
+        self.stop, self.interval = False, sys.getswitchinterval()
+        sys.setswitchinterval(heap.SWITCH_INTERVAL)
+        self.thread = threading.Thread(target=self._spin)
+        self.thread.start()
+        return self
+
+    def _spin(self) -> None:
+        while not self.stop:
+            pass
+
+    def __exit__(self, *_: object) -> None:
+        self.stop = True
+        self.thread.join()
+        sys.setswitchinterval(self.interval)
+
+
+def bench_apply(layout: Layout, stores: int) -> None:
+    ns = "00000000000000aa"
+    d = layout.ns_dir(ns)
+    d.mkdir()
+    events = replay_stream(d, ns, stores)
+    reads = len(events) - stores
+    print(
+        f"\n## the index's cost per event: {stores:,} stores in bursts of {BURST}, "
+        f"{reads:,} reads ({reads / stores:.2f} a store), batches of {EVENT_BATCH:,}"
+    )
+    print(
+        "| run | load | PageEvents.apply µs/event | floor: lstat + upsert a store | "
+        "apply, a busy thread beside | floor, a busy thread beside |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    us = 1e6 / len(events)
+    for run in range(RUNS):
+        load = os.getloadavg()[0]
+        own = apply_index(layout, layout.state_dir / f"apply-{run}.db", events)
+        floor = apply_floor(layout, layout.state_dir / f"floor-{run}.db", events)
+        with Busy():
+            own_busy = apply_index(layout, layout.state_dir / f"apply-busy-{run}.db", events)
+            floor_busy = apply_floor(layout, layout.state_dir / f"floor-busy-{run}.db", events)
+        print(
+            f"| {run + 1} | {load:.2f} | {own * us:.1f} | {floor * us:.1f} | "
+            f"{own_busy * us:.1f} | {floor_busy * us:.1f} |"
+        )
+
+
 def main() -> None:
     model = sys.argv[1:2] == ["--model"]
-    args = sys.argv[2:] if model else sys.argv[1:]
+    apply = sys.argv[1:2] == ["--apply"]
+    args = sys.argv[2:] if model or apply else sys.argv[1:]
     n = int(args[0]) if args else 200_000
     events = int(args[1]) if len(args) > 1 else 50_000
     print(
@@ -407,6 +521,9 @@ def main() -> None:
     try:
         layout = Layout.at(base / "root")
         create_root(layout)
+        if apply:
+            bench_apply(layout, n)
+            return
         t, _ = timed(make_tree, layout, n)
         print(f"made {n:,} page files in {t:.1f} s ({n / t:,.0f}/s)")
         if model:

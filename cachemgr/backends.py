@@ -118,7 +118,7 @@ class FileFormat:
     def key_len(self, name: str) -> int | None:
         """The length of a page file's key, the prefix it shares with every file of its page;
         None if `name` is not a page file."""
-        return _key_end(self.page, name)
+        return _key_end(self.page.pattern, self.page.flags, name)
 
     def maybe_temp(self, name: str) -> bool:
         """False only for names that cannot be temps: the cheap filter before `classify`."""
@@ -128,8 +128,10 @@ class FileFormat:
 # Names parsed, whichever format's: the watcher parses each event's name, then the index and
 # GC's in-flight check parse the same names again (a hot prefix page is read thousands of
 # times), and the page pattern's fullmatch costs ~5 us (bench/RESULTS.md). About the
-# watcher's access window (cachemgr.daemon.watcher.ACCESSES) of names.
+# watcher's access window (cachemgr.daemon.watcher.ACCESSES) of names. Keyed by the pattern's
+# text, not the compiled pattern: a re.Pattern's hash is computed from its code at every call
+# (~1 us, most of a hit's cost); re.compile finds it again in re's own cache.
 @functools.lru_cache(maxsize=1 << 16)
-def _key_end(page: re.Pattern[str], name: str) -> int | None:
-    m = page.fullmatch(name)
+def _key_end(pattern: str, flags: int, name: str) -> int | None:
+    m = re.compile(pattern, flags).fullmatch(name)
     return None if m is None else m.end("key")

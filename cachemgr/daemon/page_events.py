@@ -10,20 +10,23 @@ order and learns which page continues which; its links are stored with the rows.
 from __future__ import annotations
 
 import math
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING
 
 from cachemgr.backends import FileFormat
 from cachemgr.daemon.backlog import StoreBacklog
 from cachemgr.daemon.events import Event, Kind
-from cachemgr.fs._dirscan import birth_time
+from cachemgr.fs._dirscan import stat_files
 from cachemgr.gc.chains import ChainModel, Written
 from cachemgr.layout import Layout
 from cachemgr.ns.manifest import format_of
 from cachemgr.state import pages_sql
 from cachemgr.state.store import Store
+
+if TYPE_CHECKING:
+    from cachemgr.fs._dirscan import FileTimes
 
 
 class PageEvents:
@@ -63,8 +66,9 @@ class PageEvents:
         b = self._unsaved
         if b is None or events[: len(b.events)] != b.events:
             b = _Batch()
-        b.stats.clear()  # a batch applied again is settled by fresh stats
-        self._observe(b, events[len(b.events) :], now)
+        new = events[len(b.events) :]
+        self._stat_all(b, new)  # (a batch applied again is settled by fresh stats)
+        self._observe(b, new, now)
         self._unsaved = b
         upserts, deletes, stored, largest = self._settle(b, now)
         reads, seqs = b.reads, b.seqs
@@ -94,7 +98,6 @@ class PageEvents:
             if kind is Kind.GONE:
                 b.touched[key] = b.touched.get(key, False)
                 b.key_lens[key] = key_len
-                b.stats.pop(key, None)  # the stat taken at its store says nothing now
                 continue
             if kind is Kind.READ:
                 b.reads[key] += 1
@@ -108,6 +111,8 @@ class PageEvents:
                 b.touched[key] = True
                 b.key_lens[key] = key_len
                 tally[1] += 1
+                st = b.stats[key]
+                b.sized[key] = 0 if st is None else st[0]
                 pred = self.model.observe_write(
                     ns,
                     name,
@@ -115,7 +120,7 @@ class PageEvents:
                     seq=seq,
                     at=now,
                     guess=fmt.write_order,
-                    written=self._written(b, key) if fmt.write_order else None,
+                    written=self._written(st, now, fmt.write_order),
                     origin=origin,
                 )
                 if pred is not None:
@@ -124,26 +129,27 @@ class PageEvents:
             seq += 1
         self._next = seq
 
-    def _written(self, b: _Batch, key: tuple[str, str]) -> Written:
+    def _stat_all(self, b: _Batch, events: list[Event]) -> None:
+        """Stat every file the batch stored or saw go, in one call that lets the GIL go once
+        (a stat each gave it up twice a store, and waited to take it back behind GC and the
+        watcher). All are taken after every event of the batch happened, as before: a store's
+        stat tells when it was written, and settles it unless it is gone by now."""
+        keys = dict.fromkeys(b.touched)
+        keys.update((ev[1:3], None) for ev in events if ev[0] is Kind.WRITE or ev[0] is Kind.GONE)
+        b.stats = dict(zip(keys, stat_files(self._ns_root, list(keys)), strict=True))
+
+    @staticmethod
+    def _written(st: FileTimes | None, now: float, times: bool) -> Written:
         """When a page file was written, by the writer's clock: its mtime (when its last write
         began), birth time (when its temp file was made: None if the filesystem keeps none)
         and ctime (when it was renamed into place). They tell one request's burst of stores
         from the next request's (cachemgr.gc.chains.BURST_GAP) however late the daemon sees
         them: a backlog the watcher reads at once is seen all at one time. A file gone
-        already: -inf (no store after it continues it). The stat settles the store too
-        (`_settle`), unless a later event of the batch deletes the file."""
-        st = self._stat(key)
-        b.stats[key] = st
-        if st is None:
-            return Written(-math.inf)
-        return Written(st.st_mtime, birth_time(os.path.join(self._ns_root, *key)), st.st_ctime)
-
-    def _stat(self, key: tuple[str, str]) -> os.stat_result | None:
-        """The page file's lstat; None if it is gone (or its dir is)."""
-        try:
-            return os.stat(os.path.join(self._ns_root, *key), follow_symlinks=False)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
+        already: -inf (no store after it continues it). Without `times` (a format whose
+        stores are no links): written `now`, the size alone from the stat."""
+        if not times:
+            return Written(now, size=0 if st is None else st[0])
+        return Written(-math.inf) if st is None else Written(st[1], st[3], st[2], st[0])
 
     def _settle(
         self, b: _Batch, now: float
@@ -156,20 +162,20 @@ class PageEvents:
         deletes: list[tuple[str, str]] = []
         for (ns, name), stored in b.touched.items():
             key_len = b.key_lens[(ns, name)]
-            st = b.stats[ns, name] if (ns, name) in b.stats else self._stat((ns, name))
+            st = b.stats[ns, name]
             if st is None:
                 deletes.append((ns, name))
                 self.model.remove(ns, [(name, key_len)])
                 continue
-            seen = now if stored else min(st.st_mtime, now)
+            size = st[0]
+            seen = now if stored else min(st[1], now)
             seq = b.seqs.get((ns, name), 0)
             if stored:
-                stored_bytes += st.st_size
-                largest = max(largest, st.st_size)
-            self.model.add(ns, name, key_len, st.st_size, seq=seq, at=seen)
-            upserts.append(
-                (ns, name, st.st_size, seen, seen, seq, key_len, b.preds.get((ns, name)), seq)
-            )
+                stored_bytes += size
+                largest = max(largest, size)
+            if not stored or b.sized[ns, name] != size:  # (else its store modelled it so)
+                self.model.add(ns, name, key_len, size, seq=seq, at=seen)
+            upserts.append((ns, name, size, seen, seen, seq, key_len, b.preds.get((ns, name)), seq))
         return upserts, deletes, stored_bytes, largest
 
 
@@ -186,6 +192,7 @@ class _Batch:
     # (ns, name) -> its page's predecessor relearned from reads (None: the link dropped)
     relinks: dict[tuple[str, str], str | None] = field(default_factory=dict)
     per_ns: dict[str, list[int]] = field(default_factory=dict)  # ns -> [reads, writes]
-    # (ns, name) -> its lstat at its last store in this batch (None: gone), for `_settle`:
-    # one stat per store, not two
-    stats: dict[tuple[str, str], os.stat_result | None] = field(default_factory=dict)
+    sized: dict[tuple[str, str], int] = field(default_factory=dict)  # -> size its store saw
+    # (ns, name) -> what its lstat said after the batch's events (None: gone): one stat per
+    # file touched, for the model's burst rule and `_settle`
+    stats: dict[tuple[str, str], FileTimes | None] = field(default_factory=dict)

@@ -32,6 +32,7 @@
 #include <Python.h>
 
 #include <dirent.h>
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -952,6 +953,102 @@ static PyObject *py_birth_time(PyObject *Py_UNUSED(self), PyObject *args) {
     return PyFloat_FromDouble((double)stx.stx_btime.tv_sec + stx.stx_btime.tv_nsec * 1e-9);
 }
 
+PyDoc_STRVAR(stat_files_doc,
+"stat_files(root, files) -> list[tuple[int, float, float, float | None] | None]\n\n"
+"(size, mtime, ctime, birth time) of each (dir, name) of `files` at `root`/dir/name (not\n"
+"followed if a link), by statx; None for one that is gone (or its dir is); the birth time is\n"
+"None where the filesystem keeps none. One call for a batch of the index's page events:\n"
+"the GIL is let go once for all the stats, not twice a file (os.stat and birth_time each\n"
+"give it up and wait to take it back behind the daemon's other threads). OSError for any\n"
+"other failure, as os.stat.");
+
+/* A file's path and what its statx said: errno 0 or the failure. */
+typedef struct {
+    PyObject *path; /* bytes */
+    struct statx stx;
+    int err;
+} Stated;
+
+static double stx_time(struct statx_timestamp t) {
+    return (double)t.tv_sec + t.tv_nsec * 1e-9; /* as os.stat's st_mtime */
+}
+
+static PyObject *stated_tuple(const Stated *f) {
+    const struct statx *x = &f->stx;
+    if (f->err)
+        Py_RETURN_NONE;
+    if (x->stx_mask & STATX_BTIME)
+        return Py_BuildValue("(Lddd)", (long long)x->stx_size, stx_time(x->stx_mtime),
+                             stx_time(x->stx_ctime), stx_time(x->stx_btime));
+    return Py_BuildValue("(LddO)", (long long)x->stx_size, stx_time(x->stx_mtime),
+                         stx_time(x->stx_ctime), Py_None);
+}
+
+/* root/dir/name as bytes in the filesystem's encoding, as os.fsencode; NULL on an error. */
+static PyObject *file_path(PyObject *root, PyObject *item) {
+    PyObject *dir, *name;
+    if (!PyArg_ParseTuple(item, "UU", &dir, &name))
+        return NULL;
+    PyObject *joined = PyUnicode_FromFormat("%U/%U/%U", root, dir, name);
+    if (joined == NULL)
+        return NULL;
+    PyObject *path = PyUnicode_EncodeFSDefault(joined);
+    Py_DECREF(joined);
+    return path;
+}
+
+static PyObject *stat_files(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *root, *files;
+    if (!PyArg_ParseTuple(args, "UO", &root, &files))
+        return NULL;
+    PyObject *seq = PySequence_Fast(files, "files must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Stated *all = PyMem_Calloc(n ? (size_t)n : 1, sizeof(Stated));
+    PyObject *out = NULL;
+    if (all == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if ((all[i].path = file_path(root, PySequence_Fast_GET_ITEM(seq, i))) == NULL)
+            goto done;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const unsigned mask = STATX_BASIC_STATS | STATX_BTIME;
+        int rc = statx(AT_FDCWD, PyBytes_AS_STRING(all[i].path), AT_SYMLINK_NOFOLLOW, mask,
+                       &all[i].stx);
+        all[i].err = rc == 0 ? 0 : errno;
+    }
+    Py_END_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int err = all[i].err;
+        if (err && err != ENOENT && err != ENOTDIR) {
+            errno = err;
+            PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, all[i].path);
+            goto done;
+        }
+    }
+    if ((out = PyList_New(n)) == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *t = stated_tuple(&all[i]);
+        if (t == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, i, t);
+    }
+done:
+    if (all != NULL)
+        for (Py_ssize_t i = 0; i < n; i++)
+            Py_XDECREF(all[i].path);
+    PyMem_Free(all);
+    Py_DECREF(seq);
+    return out;
+}
+
 PyDoc_STRVAR(pinned_doc,
 "pinned(dir_fd, name) -> bool\n\n"
 "Whether chattr +i or +a is set on `name` in `dir_fd` (\"\" for the dir itself): no one\n"
@@ -981,12 +1078,120 @@ static PyObject *py_pinned(PyObject *Py_UNUSED(self), PyObject *args) {
     return PyBool_FromLong((stx.stx_attributes & stx.stx_attributes_mask & pinning) != 0);
 }
 
+/* The SQL functions the `pages` triggers keep namespace_stats.digest with (migration 0004), in
+ * C: registered from Python, each call of a trigger (three a row stored) took the GIL in the
+ * middle of an SQLite step that had let it go, and waited up to a switch interval for it
+ * behind the daemon's GC and watcher threads (bench/RESULTS.md). The few SQLite calls they
+ * need are looked up in the very SQLite the sqlite3 module runs on (its extension's own
+ * symbols and libraries): no header, no link of our own, so a second copy of SQLite never
+ * sees its handles; if they cannot be found the caller registers the Python ones. */
+typedef struct sqlite3 sqlite3;
+typedef struct sqlite3_context sqlite3_context;
+typedef struct sqlite3_value sqlite3_value;
+typedef void (*sql_fn)(sqlite3_context *, int, sqlite3_value **);
+#define SQL_INTEGER 1
+#define SQL_TEXT 3
+#define SQL_UTF8 1
+#define SQL_DETERMINISTIC 0x800
+
+static struct {
+    int (*create_function)(sqlite3 *, const char *, int, int, void *, sql_fn, sql_fn,
+                           void (*)(sqlite3_context *), void (*)(void *));
+    int (*value_type)(sqlite3_value *);
+    const unsigned char *(*value_text)(sqlite3_value *);
+    int (*value_bytes)(sqlite3_value *);
+    long long (*value_int64)(sqlite3_value *);
+    void (*result_int64)(sqlite3_context *, long long);
+    void (*result_error)(sqlite3_context *, const char *, int);
+} sq;
+
+/* The connection object's layout in every CPython 3 (Modules/_sqlite/connection.h). */
+typedef struct {
+    PyObject_HEAD
+    sqlite3 *db;
+} Connection;
+
+static void sql_page_digest(sqlite3_context *ctx, int argc, sqlite3_value **argv) {
+    (void)argc;
+    if (sq.value_type(argv[0]) != SQL_TEXT || sq.value_type(argv[1]) != SQL_INTEGER) {
+        sq.result_error(ctx, "cachemgr_page_digest(name, size): a text and an integer", -1);
+        return;
+    }
+    const char *name = (const char *)sq.value_text(argv[0]);
+    size_t len = (size_t)sq.value_bytes(argv[0]);
+    uint64_t d = page_digest(FNV_SEED, name, len, (int64_t)sq.value_int64(argv[1]));
+    sq.result_int64(ctx, (long long)(int64_t)d);
+}
+
+static void sql_xor(sqlite3_context *ctx, int argc, sqlite3_value **argv) {
+    (void)argc;
+    if (sq.value_type(argv[0]) != SQL_INTEGER || sq.value_type(argv[1]) != SQL_INTEGER) {
+        sq.result_error(ctx, "cachemgr_xor(a, b): two integers", -1);
+        return;
+    }
+    sq.result_int64(ctx, sq.value_int64(argv[0]) ^ sq.value_int64(argv[1]));
+}
+
+/* Find SQLite's calls in `lib` (the sqlite3 module's extension, loaded already). */
+static int find_sqlite(const char *lib) {
+    if (sq.create_function != NULL)
+        return 1;
+    void *h = dlopen(lib, RTLD_LAZY | RTLD_NOLOAD);
+    if (h == NULL)
+        return 0;
+    void *f[7] = {
+        dlsym(h, "sqlite3_create_function_v2"), dlsym(h, "sqlite3_value_type"),
+        dlsym(h, "sqlite3_value_text"),         dlsym(h, "sqlite3_value_bytes"),
+        dlsym(h, "sqlite3_value_int64"),        dlsym(h, "sqlite3_result_int64"),
+        dlsym(h, "sqlite3_result_error"),
+    };
+    dlclose(h); /* (NOLOAD: the module keeps it loaded) */
+    for (int i = 0; i < 7; i++)
+        if (f[i] == NULL)
+            return 0;
+    memcpy(&sq.value_type, &f[1], sizeof f[1]);
+    memcpy(&sq.value_text, &f[2], sizeof f[2]);
+    memcpy(&sq.value_bytes, &f[3], sizeof f[3]);
+    memcpy(&sq.value_int64, &f[4], sizeof f[4]);
+    memcpy(&sq.result_int64, &f[5], sizeof f[5]);
+    memcpy(&sq.result_error, &f[6], sizeof f[6]);
+    memcpy(&sq.create_function, &f[0], sizeof f[0]);
+    return 1;
+}
+
+PyDoc_STRVAR(sql_functions_doc,
+"sql_functions(conn, lib) -> bool\n\n"
+"Register cachemgr_page_digest(name, size) and cachemgr_xor(a, b) in C on the sqlite3\n"
+"connection `conn`, using the SQLite of `lib` (the sqlite3 module's extension file): a\n"
+"trigger's call then never takes the GIL. False if `conn` is not a sqlite3.Connection or\n"
+"SQLite's calls are not found there (then register the Python ones).");
+
+static PyObject *sql_functions(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *conn;
+    const char *lib;
+    if (!PyArg_ParseTuple(args, "Os", &conn, &lib))
+        return NULL;
+    if (strcmp(Py_TYPE(conn)->tp_name, "sqlite3.Connection") != 0 || !find_sqlite(lib))
+        Py_RETURN_FALSE;
+    sqlite3 *db = ((Connection *)conn)->db;
+    if (db == NULL)
+        Py_RETURN_FALSE; /* closed */
+    const int how = SQL_UTF8 | SQL_DETERMINISTIC;
+    if (sq.create_function(db, "cachemgr_page_digest", 2, how, NULL, sql_page_digest, NULL, NULL,
+                           NULL) != 0 ||
+        sq.create_function(db, "cachemgr_xor", 2, how, NULL, sql_xor, NULL, NULL, NULL) != 0)
+        Py_RETURN_FALSE;
+    Py_RETURN_TRUE;
+}
+
 static PyMethodDef methods[] = {
     {"birth_time", py_birth_time, METH_VARARGS, birth_doc},
     {"scan", scan, METH_VARARGS, scan_doc},
     {"mount_id", py_mount_id, METH_VARARGS, mount_doc},
     {"page_digest", py_page_digest, METH_VARARGS, digest_doc},
     {"pinned", py_pinned, METH_VARARGS, pinned_doc},
+    {"stat_files", stat_files, METH_VARARGS, stat_files_doc},
+    {"sql_functions", sql_functions, METH_VARARGS, sql_functions_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,9 +1,11 @@
 # Types of the C extension built from _dirscan.c.
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 # (shape, kind, files, bytes, digest, untracked, {size: files})
 Group = tuple[str, int, int, int, int, int, dict[int, int]]
 Rules = tuple[int, int, str, int]  # (key_min, key_max, temp_lead, temp_hex)
+# (size, mtime, ctime, birth time (None: not kept)) of a file
+FileTimes = tuple[int, float, float, float | None]
 
 def scan(
     dir_fd: int,
@@ -17,4 +19,6 @@ def scan(
 def page_digest(name: str, size: int, /) -> int: ...
 def mount_id(fd: int, /) -> int: ...
 def birth_time(path: str, /) -> float | None: ...
+def stat_files(root: str, files: Sequence[tuple[str, str]], /) -> list[FileTimes | None]: ...
+def sql_functions(conn: object, lib: str, /) -> bool: ...
 def pinned(dir_fd: int, name: str, /) -> bool: ...

@@ -68,11 +68,12 @@ DIRTY_MAX = 65_536  # pages changed between two orders past which all segments a
 
 
 class Written(NamedTuple):
-    """When a page file was written, by the writer's clock (its file's times)."""
+    """When a page file was written, by the writer's clock (its file's times), and its size."""
 
     last: float  # its last write() began (mtime)
     began: float | None = None  # its (temp) file was made (birth time; None: not kept)
     placed: float | None = None  # it was renamed into place (ctime; None: at `last`)
+    size: int = 0  # bytes (0: not known yet, the index tells it later)
 
 
 class ChainModel:
@@ -118,21 +119,24 @@ class ChainModel:
         born: int | None = None,
     ) -> None:
         """Index one file (a page's first file creates the page; a known page keeps its use)."""
-        key, suffix = name[:key_len], sys.intern(name[key_len:])
-        st = self.store
         with self.lock:
-            s = self._page(ns, key, seq, at, pred, born, False)
-            self._file(s, suffix, size, seq, at, 0)
-            if not st.kids[s]:
-                st.add_leaf(s)  # (a no-op for a page that was a leaf already)
+            s = self.store.ensure(ns, name[:key_len])
+            self._page(s, seq, at, pred, born, False)
+            self._placed(s, name[key_len:], size, seq, at)
             self.clock = max(self.clock, seq)
+
+    def _placed(self, s: int, suffix: str, size: int, seq: int, at: float) -> None:
+        """Page `s` has the file `suffix` of `size` bytes, stored at `seq` (`at`)."""
+        self._file(s, sys.intern(suffix), size, seq, at, 0)
+        if not self.store.kids[s]:
+            self.store.add_leaf(s)  # (a no-op for a page that was a leaf already)
 
     def add_indexed(self, ns: str, row: pages_sql.ChainRow) -> None:
         """`add` for a file as the index holds it (the row a load reads: no copy of it is made),
         with its read count; its link comes from the index, where no link closes a cycle."""
         name, key_len, size, at, seq, reads, pred, born = row
         with self.lock:
-            s = self._page(ns, name[:key_len], seq, at, pred, born, True)
+            s = self._page(self.store.ensure(ns, name[:key_len]), seq, at, pred, born, True)
             self._file(s, sys.intern(name[key_len:]), size, seq, at, reads)
             if not self.store.kids[s]:
                 self.store.add_leaf(s)
@@ -140,20 +144,12 @@ class ChainModel:
                 self.clock = seq
 
     def _page(
-        self,
-        ns: str,
-        key: str,
-        seq: int,
-        at: float,
-        pred: str | None,
-        born: int | None,
-        trusted: bool,
+        self, s: int, seq: int, at: float, pred: str | None, born: int | None, trusted: bool
     ) -> int:
-        """The slot of a page with a file on disk (a ghost or a new key starts as a page now),
+        """Slot `s` as a page with a file on disk (a ghost or a new key starts as a page now),
         linked to `pred` if it has no link yet. `trusted`: `pred` comes from the index, where
         no link closes a cycle."""
         st = self.store
-        s = st.ensure(ns, key)
         if st.files[s] == GHOST:
             st.start(s, seq if born is None else born, seq, at)
             self._link(s, pred, trusted)
@@ -249,11 +245,11 @@ class ChainModel:
         written: Written | None = None,
         origin: str = "",
     ) -> str | None:
-        """A file was stored (`written`: when, by the writer's clock; default: its last write
-        at `at`) in `origin`'s stream (Stream); returns its page's predecessor (to persist):
-        none if not `guess`."""
+        """A file was stored (`written`: when, by the writer's clock, and its size; default:
+        its last write at `at`) in `origin`'s stream (Stream); returns its page's predecessor
+        (to persist): none if not `guess`."""
         key, stream = name[:key_len], (ns, name[key_len:], origin)
-        seen, began, placed = written or Written(at)
+        seen, began, placed, size = written or Written(at)
         st = self.store
         with self.lock:
             prev = self._prev.get(stream)
@@ -270,9 +266,11 @@ class ChainModel:
                 or seen - stored[0] <= BURST_GAP
                 or (began is not None and began <= seen and began - stored[1] <= BURST_GAP)
             )
-            fresh = not st.present(st.find(ns, key))
-            self.add(ns, name, key_len, 0, seq=seq, at=at, pred=pred if burst else None)
-            s = st.find(ns, key)
+            s = st.ensure(ns, key)  # (one probe of the key table for the whole store)
+            fresh = st.files[s] == GHOST
+            self._page(s, seq, at, pred if burst else None, None, False)
+            self._placed(s, stream[1], size, seq, at)
+            self.clock = max(self.clock, seq)
             up = st.pred[s]  # (its chain's record: what the order values its segment by)
             chain = (st.reads[up], st.born[up]) if up != NONE else None
             self.adapt.stored(st.digest(s), seq, fresh, chain)

@@ -5,6 +5,7 @@ only run statements on the connection they are given. Full scans live in cachemg
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from collections.abc import Iterable, Iterator
 
@@ -14,6 +15,50 @@ ReadRow = tuple[int, float, int, str, str]  # (reads, at, access_seq, namespace,
 PageFile = tuple[str, int, float, int, int]  # (name, size, last_access, access_seq, reads)
 
 
+def _batch(rows: Iterable[tuple[object, ...]]) -> str:
+    """Rows as one JSON array, for one statement over json_each: executemany steps each row
+    apart, and each step lets the GIL go; with the daemon's GC and watcher threads busy, the
+    index waited up to a switch interval (1 ms) to take it back, row after row (~0.4 ms a row
+    where the statement itself takes ~10 us; bench/RESULTS.md). json.dumps writes a float's
+    shortest exact digits, which SQLite reads back to the same double."""
+    return json.dumps(list(rows))
+
+
+def _fields(*names: str) -> str:
+    """The columns of a `_batch` row, named."""
+    return ", ".join(f"json_extract(value, '$[{i}]') AS {n}" for i, n in enumerate(names))
+
+
+_DELETE = (
+    "DELETE FROM pages WHERE (namespace_id, name) IN"
+    f" (SELECT {_fields('ns', 'name')} FROM json_each(?))"
+)
+_UPSERT = (
+    "INSERT INTO pages (namespace_id, name, size, created_at, last_access, access_seq,"
+    " key_len, pred, born_seq) SELECT"
+    f" {_fields('ns', 'name', 'size', 'created', 'at', 'seq', 'key_len', 'pred', 'born')}"
+    " FROM json_each(?) WHERE true"  # ("WHERE true": an upsert's SELECT must have one)
+    " ON CONFLICT (namespace_id, name) DO UPDATE"
+    " SET size = excluded.size, last_access = max(last_access, excluded.last_access),"
+    " access_seq = max(access_seq, excluded.access_seq),"
+    " pred = coalesce(pred, excluded.pred)"
+)
+_SET_PREDS = (
+    "UPDATE pages SET pred = r.pred"
+    f" FROM (SELECT {_fields('pred', 'ns', 'name')} FROM json_each(?)) AS r"
+    " WHERE pages.namespace_id = r.ns AND pages.name = r.name"
+)
+# Reads of one file in several rows add up, as row after row would.
+_ADD_READS = (
+    "UPDATE pages SET reads = reads + r.n, last_access = max(last_access, r.at),"
+    " access_seq = max(access_seq, r.seq)"
+    " FROM (SELECT ns, name, sum(n) AS n, max(at) AS at, max(seq) AS seq FROM"
+    f" (SELECT {_fields('n', 'at', 'seq', 'ns', 'name')} FROM json_each(?))"
+    " GROUP BY ns, name) AS r"
+    " WHERE pages.namespace_id = r.ns AND pages.name = r.name"
+)
+
+
 def delete_namespace_pages(conn: sqlite3.Connection, ns_id: str) -> None:
     """Forget every indexed page of a namespace in one statement (lifetime counters stay)."""
     conn.execute("DELETE FROM pages WHERE namespace_id = ?", (ns_id,))
@@ -21,7 +66,7 @@ def delete_namespace_pages(conn: sqlite3.Connection, ns_id: str) -> None:
 
 def delete_pages(conn: sqlite3.Connection, pages: Iterable[tuple[str, str]]) -> None:
     """Forget the index rows of these (namespace, name) pages."""
-    conn.executemany("DELETE FROM pages WHERE namespace_id = ? AND name = ?", pages)
+    conn.execute(_DELETE, (_batch(pages),))
 
 
 def max_access_seq(conn: sqlite3.Connection) -> int:
@@ -32,20 +77,13 @@ def max_access_seq(conn: sqlite3.Connection) -> int:
 def upsert_pages(conn: sqlite3.Connection, rows: Iterable[PageRow]) -> None:
     """Index pages seen on disk; a known page keeps its newest access and takes the new size
     (and a chain link, if it had none)."""
-    conn.executemany(
-        "INSERT INTO pages (namespace_id, name, size, created_at, last_access, access_seq,"
-        " key_len, pred, born_seq) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
-        " ON CONFLICT (namespace_id, name) DO UPDATE"
-        " SET size = excluded.size, last_access = max(last_access, excluded.last_access),"
-        " access_seq = max(access_seq, excluded.access_seq),"
-        " pred = coalesce(pred, excluded.pred)",
-        rows,
-    )
+    conn.execute(_UPSERT, (_batch(rows),))
 
 
 def set_preds(conn: sqlite3.Connection, rows: Iterable[tuple[str | None, str, str]]) -> None:
-    """Store relearned chain links: (pred key or None for none, namespace, file name)."""
-    conn.executemany("UPDATE pages SET pred = ? WHERE namespace_id = ? AND name = ?", rows)
+    """Store relearned chain links: (pred key or None for none, namespace, file name), one
+    row a file."""
+    conn.execute(_SET_PREDS, (_batch(rows),))
 
 
 # (name, key_len, size, last_access, access_seq, reads, pred, born_seq)
@@ -69,11 +107,7 @@ def file_count(conn: sqlite3.Connection, ns_id: str) -> int:
 
 def add_reads(conn: sqlite3.Connection, rows: Iterable[ReadRow]) -> None:
     """Count reads of indexed pages and move their last access and sequence forward."""
-    conn.executemany(
-        "UPDATE pages SET reads = reads + ?, last_access = max(last_access, ?),"
-        " access_seq = max(access_seq, ?) WHERE namespace_id = ? AND name = ?",
-        rows,
-    )
+    conn.execute(_ADD_READS, (_batch(rows),))
 
 
 def add_lifetime(conn: sqlite3.Connection, ns: str, reads: int, writes: int, now: float) -> None:

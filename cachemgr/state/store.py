@@ -6,6 +6,7 @@ from the disk, so it favours speed (synchronous=NORMAL) over surviving a power c
 
 from __future__ import annotations
 
+import _sqlite3
 import logging
 import operator
 import os
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from cachemgr.errors import StateCorrupt, StateDiskFull, StateError, StateLocked
 from cachemgr.fs import reserve
-from cachemgr.fs._dirscan import page_digest
+from cachemgr.fs._dirscan import page_digest, sql_functions
 from cachemgr.fs.safe import open_file, refuse_non_regular
 from cachemgr.layout import db_files
 from cachemgr.state import busy
@@ -102,9 +103,12 @@ class _XorAgg:
 
 
 def _register_functions(conn: sqlite3.Connection) -> None:
-    """The functions the `pages` triggers keep namespace_stats.digest with (migration 0004)."""
-    conn.create_function("cachemgr_page_digest", 2, page_digest, deterministic=True)
-    conn.create_function("cachemgr_xor", 2, operator.xor, deterministic=True)
+    """The functions the `pages` triggers keep namespace_stats.digest with (migration 0004):
+    in C where the sqlite3 module's SQLite can be reached (a Python one takes the GIL at each
+    call of a trigger, mid-statement: a wait behind the daemon's other threads, per row)."""
+    if not sql_functions(conn, _sqlite3.__file__):
+        conn.create_function("cachemgr_page_digest", 2, page_digest, deterministic=True)
+        conn.create_function("cachemgr_xor", 2, operator.xor, deterministic=True)
     conn.create_aggregate("cachemgr_xor_agg", 1, _XorAgg)
 
 
