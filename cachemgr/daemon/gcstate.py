@@ -24,6 +24,14 @@ from cachemgr.gc.runner import GcRunner, LiveState
 from cachemgr.layout import Layout
 from cachemgr.ns.quarantine import Quarantine
 
+# Seconds from a store that takes the cache past its high watermark to the first unlink of the
+# run it wakes: the inotify thread's lag behind the kernel's queue, the wake, the plan. At full
+# speed (5,000-10,000 page stores a second on 2 cores) the cap was passed by 5-17 % between
+# runs that each held it, about 100 ms of the writer's pace; with this lead the runs start that
+# much earlier (never earlier than the low watermark: policy._bounded) and the replays held it
+# (bench/RESULTS.md, "A lead for the reaction").
+REACTION = 0.1
+
 
 class DaemonGcState(LiveState):
     """Built before GC and the index writer, which share it; `refresher`: set once built (it
@@ -50,8 +58,9 @@ class DaemonGcState(LiveState):
         return self.index.leader
 
     def ahead(self, run_seconds: float) -> int:
-        """Written while a run frees room, at the index's measured write rate."""
-        return int(self.index.write_rate * run_seconds)
+        """Written while a run frees room, at the index's measured write rate: during the run,
+        and from the store that crosses the watermark to the run's first unlink (REACTION)."""
+        return int(self.index.write_rate * (run_seconds + REACTION))
 
     def pending(self) -> int:
         return self.backlog.bytes()
