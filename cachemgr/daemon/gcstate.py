@@ -28,8 +28,8 @@ from cachemgr.ns.quarantine import Quarantine
 # run it wakes: the inotify thread's lag behind the kernel's queue, the wake, the plan. At full
 # speed (5,000-10,000 page stores a second on 2 cores) the cap was passed by 5-17 % between
 # runs that each held it, about 100 ms of the writer's pace; with this lead the runs start that
-# much earlier (never earlier than the low watermark: policy._bounded) and the replays held it
-# (bench/RESULTS.md, "A lead for the reaction").
+# much earlier (never earlier than the low watermark: policy._bounded), and replays that kept
+# up held 0.93-0.96 x the cap (bench/RESULTS.md, "all of session 14 merged").
 REACTION = 0.1
 
 
