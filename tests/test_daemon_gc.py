@@ -63,14 +63,15 @@ def test_eviction_woken_by_writes_while_metrics_keep_answering(tmp_path: Path) -
         # request's chain, in flight, which yields to the cap), not after it stopped.
         writer = threading.Thread(target=_write_for_seconds, args=(d, range(1000, 4000)))
         writer.start()
-        seen: list[float | None] = []
+        seen: list[float | None] = []  # the evictions each scrape counted
 
         def scrape() -> tuple[str, float | None, float | None]:
             r = dm.get("/metrics")
             assert r.status_code == 200
             pages = metric(r.text, "cachemgr_namespace_pages", namespace=NS_A)
-            seen.append(pages)
-            return r.text, pages, metric(r.text, "cachemgr_evicted_pages_total", reason="cap")
+            evicted = metric(r.text, "cachemgr_evicted_pages_total", reason="cap")
+            seen.append(evicted)
+            return r.text, pages, evicted
 
         def settled(got: tuple[str, float | None, float | None]) -> bool:
             """Under the high watermark, the index agrees with the disk and every eviction is
@@ -92,13 +93,14 @@ def test_eviction_woken_by_writes_while_metrics_keep_answering(tmp_path: Path) -
             every=0.02,
             what="the writer",
         )
-        text, pages, _ = wait_for(
+        text, pages, evicted = wait_for(
             scrape, settled, timeout=60, every=0.02, what="GC to evict under the high watermark"
         )
-        assert pages is not None
-        # A count strictly between the start and the end: a scrape was answered mid-eviction,
-        # not queued behind it. Scrape latency is a benchmark's to measure (bench_daemon.py).
-        assert any(p is not None and 1700 < p < 4000 for p in seen), "no scrape during eviction"
+        assert pages is not None and evicted is not None
+        # An eviction count strictly between none and the last: a scrape was answered while GC
+        # evicted, not queued behind it (the page count need not pass the low watermark: GC
+        # starts early by the writer's pace). Scrape latency is a benchmark's (bench_daemon.py).
+        assert any(e is not None and 0 < e < evicted for e in seen), "no scrape during eviction"
         assert metric(text, "cachemgr_gc_leader") == 1
         assert metric(text, "cachemgr_evicted_pages_total", reason="cap") == 4000 - pages
         # Under the high watermark (1900 pages of 1 kB), and a run evicts down to the low one
