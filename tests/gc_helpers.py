@@ -13,7 +13,7 @@ from cachemgr.daemon.events import LOCAL, Kind
 from cachemgr.daemon.page_events import PageEvents
 from cachemgr.fs.root import create_root
 from cachemgr.gc.chains import ChainModel
-from cachemgr.gc.execute import execute_gc
+from cachemgr.gc.execute import Recorded, execute_gc
 from cachemgr.gc.pagestore import PageId
 from cachemgr.gc.plan import GcPlan, Live, plan_gc
 from cachemgr.gc.policy import GcPolicy
@@ -132,8 +132,10 @@ class Tree:
         live = Live(model=model, in_flight=busy)
         return plan_gc(self.layout, self.store, pol, now=now, live=live, **kw)  # type: ignore[arg-type]
 
-    def execute(self, plan: GcPlan, *, now: float, dry_run: bool = False) -> GcReport:
-        return execute_gc(plan, self.run(dry_run=dry_run, clock=lambda: now))
+    def execute(
+        self, plan: GcPlan, *, now: float, dry_run: bool = False, recorded: Recorded | None = None
+    ) -> GcReport:
+        return execute_gc(plan, self.run(dry_run=dry_run, clock=lambda: now), recorded=recorded)
 
     def run(self, **kw: Any) -> RunContext:
         """A run's context on this tree (execute_gc's)."""

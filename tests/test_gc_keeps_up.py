@@ -10,7 +10,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from cachemgr.daemon.backlog import SETTLE, Flight, StoreBacklog, queued_pages
@@ -24,7 +24,7 @@ from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.execute import InFlight, execute_gc
 from cachemgr.gc.plan import GcPlan, Live, plan_gc
 from cachemgr.gc.policy import GcPolicy, headroom, over_limits, room
-from cachemgr.gc.runner import GcRunner, LiveState
+from cachemgr.gc.runner import GcRunner, LiveState, _forgetting
 from cachemgr.layout import Layout
 from cachemgr.settings import load_settings
 from cachemgr.sglang.hicache import HICACHE_FILE
@@ -656,3 +656,24 @@ def test_a_backlog_of_whole_requests_is_taken_request_by_request_tail_first(
         page(6),  # the last burst, without page 7, seen just now ...
         rank1,  # ... and another stream's, newest first
     ]
+
+
+def test_stores_a_chunk_deleted_are_pending_no_more_from_that_chunk_on() -> None:
+    """Of the stores the index had not applied at the plan, those a chunk recorded gone leave
+    the backlog's count as the chunk is recorded, not when the run ends (an unlink error may
+    end it first); a name it did not take stays pending."""
+
+    class Early(LiveState):
+        def __init__(self) -> None:
+            super().__init__()
+            self.early: list[tuple[str, str]] = []
+
+        def gone_early(self, pages: Iterable[tuple[str, str]]) -> None:
+            self.early.extend(pages)
+
+    live = Early()
+    assert _forgetting(live, []) is None  # no model, nothing unapplied: nothing to tell
+    recorded = _forgetting(live, [(NS, page(1)), (NS, page(2))])
+    assert recorded is not None
+    recorded(NS, [page(2), page(3)])  # page 3 was indexed: not a pending store
+    assert live.early == [(NS, page(2))]

@@ -8,7 +8,7 @@ import math
 import os
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import NamedTuple, Protocol
 
 from cachemgr.backends import FileFormat
@@ -65,9 +65,11 @@ class Unlinking(Protocol):
     def settle(self, ns: str, names: Sequence[str], deleted: Collection[str]) -> None: ...
 
 
-# (namespace, names a chunk recorded as gone): the daemon's model forgets them with their rows
-# (their IN_DELETE never reaches the index: Unlinking). Not at the run's end: a page stored
-# again meanwhile, which the index applied, is on disk; and an error may end the run first.
+# (namespace, names a chunk of a step holding a limit recorded as gone, deleted or gone before
+# it got to them): the daemon's model forgets them with their rows (their IN_DELETE never
+# reaches the index: Unlinking), and the stores among them the index had not applied are
+# pending no more. Not at the run's end: a page stored again meanwhile, which the index
+# applied, is on disk; and an error may end the run first.
 Recorded = Callable[[str, list[str]], None]
 
 
@@ -225,7 +227,7 @@ def _run_step(run: RunContext, step: GcStep, tally: _Tally, told: _Told) -> Step
         # in the step's order (what stays of a chain is a usable prefix), as far as it needs.
         taken = _taken_back(step, staying, done)
         back, ended = chunks.delete(taken[i : i + CHUNK] for i in range(0, len(taken), CHUNK))
-    result = replace(base.done(done + back), overridden=back.files, gone=tuple(chunks.gone))
+    result = replace(base.done(done + back), overridden=back.files)
     return result if ended is None else replace(result, skipped=ended[0], denied=ended[1])
 
 
@@ -243,14 +245,13 @@ _Ended = tuple[str, str | None]  # why a step ended early, and the kernel's refu
 
 @dataclass
 class _Chunks:
-    """Deletes a step's names chunk by chunk, and keeps the names no longer on disk after."""
+    """Deletes a step's names chunk by chunk."""
 
     run: RunContext
     step: GcStep
     fmt: FileFormat
     tally: _Tally
     told: _Told
-    gone: list[str] = field(default_factory=list)  # recorded as gone (none in a dry run)
 
     def delete(self, chunks: Iterable[list[str]]) -> tuple[DeleteReport, _Ended | None]:
         """Delete these chunks one by one, until a stop; what they did, and why the step
@@ -327,7 +328,6 @@ class _Chunks:
 
     def _record(self, gone: list[str], r: DeleteReport) -> None:
         _record_chunk(self.run, self.step, gone, r)
-        self.gone += gone
         if self.told.recorded is not None and self.step.namespace_id is not None:
             self.told.recorded(self.step.namespace_id, gone)
 

@@ -28,7 +28,7 @@ from cachemgr.fs.leadership import Leadership
 from cachemgr.fs.usage import DiskUsageFn
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.check import needs_gc
-from cachemgr.gc.execute import InFlight, Unlinking, execute_gc
+from cachemgr.gc.execute import InFlight, Recorded, Unlinking, execute_gc
 from cachemgr.gc.floor import floor_pass, record_floor
 from cachemgr.gc.held import HeldAudits
 from cachemgr.gc.pagestore import PageId
@@ -396,14 +396,12 @@ class GcRunner(Worker):
                 progress=progress,
                 spare=flight.spare,
                 unlinking=_Applied.of(self.live.unlinking(), flight.stored),
-                recorded=None if model is None else model.forget_gone,
+                recorded=_forgetting(self.live, flight.stored),
             )
         finally:
             self.not_holding.set()
         if not dry_run:
             self.stats.overridden += report.overridden
-        if flight.stored and not dry_run:
-            self.live.gone_early(_deleted(report, flight.stored))
         if _holding(plan) and not dry_run:  # a paced run's minutes are not cap-holding's
             # The longest recent run, decaying: a quick one must not start the next late.
             self.run_seconds = max(time.monotonic() - t0, self.run_seconds / 2)
@@ -498,11 +496,21 @@ class GcRunner(Worker):
         return all(os.access(d, os.R_OK | os.X_OK) for d in dirs)
 
 
-def _deleted(report: GcReport, stored: Iterable[PageId]) -> list[PageId]:
-    """Of these stores the index had not applied, those the run deleted (one spared as in
-    flight, or refused, stays on the count)."""
-    gone = {(r.namespace_id, n) for r in report.steps for n in r.gone}
-    return [page for page in stored if page in gone]
+def _forgetting(live: LiveState, stored: Sequence[PageId]) -> Recorded | None:
+    """What a run does with each chunk it recorded gone: the live chain model forgets those
+    pages, and of the stores the index had not applied at the plan (`stored`), those are no
+    longer pending (one spared as in flight, or refused, stays on the count)."""
+    model, unapplied = live.model, set(stored)
+    if model is None and not unapplied:
+        return None
+
+    def recorded(ns: str, names: list[str]) -> None:
+        if model is not None:
+            model.forget_gone(ns, names)
+        if unapplied:
+            live.gone_early([(ns, n) for n in names if (ns, n) in unapplied])
+
+    return recorded
 
 
 class _Applied:

@@ -77,10 +77,6 @@ class StepResult:
     skipped: str | None = None  # why the whole step was not carried out
     denied: str | None = None  # the kernel refused it access (another user's dir): the error
     overridden: int = 0  # pages spared at execution that the step's limit took after all
-    # Names of a namespace step no longer on disk once it ran (deleted, or gone before it got
-    # to them; none in a dry run): stores the index has not applied are no longer pending
-    # (runner._deleted). The live chain model forgets them chunk by chunk (execute.Recorded).
-    gone: tuple[str, ...] = ()
 
     @property
     def reason(self) -> GcReason:
