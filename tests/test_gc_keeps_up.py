@@ -12,6 +12,7 @@ import time
 from collections import deque
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from cachemgr.daemon.backlog import SETTLE, Flight, StoreBacklog, queued_pages
 from cachemgr.daemon.events import LOCAL, Kind
@@ -26,7 +27,7 @@ from cachemgr.gc.plan import GcPlan, Live, plan_gc
 from cachemgr.gc.policy import GcPolicy, headroom, over_limits, room
 from cachemgr.gc.runner import GcRunner, LiveState, _forgetting
 from cachemgr.layout import Layout
-from cachemgr.settings import load_settings
+from cachemgr.settings import Settings, load_settings
 from cachemgr.sglang.hicache import HICACHE_FILE
 from tests.daemon_helpers import NS_A, page_name, register_namespace, running_daemon, store_page
 from tests.gc_helpers import NS, T0, Tree, big_disk, evicted, page, policy
@@ -446,23 +447,25 @@ def test_each_access_since_the_plan_is_parsed_once_not_once_per_chunk(tmp_path: 
         tree.store.close()
 
 
+def _small_cap(tmp_path: Path, **settings: Any) -> tuple[Path, Settings]:
+    """A namespace dir under a 4,096-byte cap that only writes wake GC for (an hour's
+    interval), unpaced, and the daemon's settings with these besides."""
+    layout = Layout.at(tmp_path / "root")
+    create_root(layout)
+    d = register_namespace(layout, NS_A, instance="gpu0")
+    cfg = load_settings(
+        root=layout.root, gc_interval=3600, gc_max_bytes=4096, gc_delete_rate=None, **settings
+    )
+    return d, cfg
+
+
 def test_a_limit_still_crossed_after_a_stuck_run_is_tried_again_without_a_wake(
     tmp_path: Path,
 ) -> None:
     """Every page too young to go (min_age): the run frees nothing and GC pauses. The writer
     has stopped, so nothing wakes GC again; once the pages are old enough, the retry after the
     pause frees them, not the next interval an hour later."""
-    layout = Layout.at(tmp_path / "root")
-    create_root(layout)
-    d = register_namespace(layout, NS_A, instance="gpu0")
-    cfg = load_settings(
-        root=layout.root,
-        batch_interval=0.05,
-        gc_interval=3600,
-        gc_max_bytes=4096,
-        gc_min_age=1.0,
-        gc_delete_rate=None,
-    )
+    d, cfg = _small_cap(tmp_path, batch_interval=0.05, gc_min_age=1.0)
     with running_daemon(cfg):
         for i in range(8):
             store_page(d, page_name(i))
@@ -475,17 +478,7 @@ def test_stores_wake_gc_before_the_index_has_measured_a_page(tmp_path: Path) -> 
     replay: the first wake came with 4,074 stores, 8 MB, pending). The first store's size
     stands for them until then: here the index applies nothing for 10 s, and GC holds
     the cap on the watcher's count alone."""
-    layout = Layout.at(tmp_path / "root")
-    create_root(layout)
-    d = register_namespace(layout, NS_A, instance="gpu0")
-    cfg = load_settings(
-        root=layout.root,
-        batch_interval=10,
-        gc_interval=3600,
-        gc_max_bytes=4096,
-        gc_min_age=0,
-        gc_delete_rate=None,
-    )
+    d, cfg = _small_cap(tmp_path, batch_interval=10, gc_min_age=0)
     with running_daemon(cfg):
         for i in range(12):
             store_page(d, page_name(i))
