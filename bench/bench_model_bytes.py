@@ -7,13 +7,17 @@ Builds an index of `n` pages in bench_daemon.py's chain shape (2 namespaces, 64-
 sequences 1..n), then, in a fresh process for each run: RSS after `gc.collect()` and
 `malloc_trim(0)`, the model loaded from the index, RSS again the same way, and the bytes the
 store's arrays take (`sys.getsizeof`: what each holds allocated, its spare room too); then the
-model file written and read back. Prints a line per run and the figures a page.
+model file written and read back, and a digest of the first ORDERED victims (each one's key,
+names and size) of the loaded model and of the restored one: equal digests before and after a
+change of the store say it evicts the same pages in the same order. Prints a line per run and
+the figures a page.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import math
 import os
@@ -22,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from itertools import islice
 from pathlib import Path
 
 from cachemgr.daemon import heap
@@ -33,6 +38,7 @@ from cachemgr.state.store import Store
 NS = ("00000000000000a1", "00000000000000b2")
 CHAIN = 64  # pages a chain
 BRANCH = 4  # of every 4 chains, 3 continue a page of the chain before
+ORDERED = 100_000  # victims whose digest is printed
 
 
 def _rows(n: int) -> list[tuple[object, ...]]:
@@ -80,7 +86,15 @@ def _array_bytes(model: ChainModel) -> int:
     return sum(sys.getsizeof(c) for c in [*cols, st.keys, st.leaf])
 
 
-def measure(db: Path) -> dict[str, float]:
+def _order_digest(model: ChainModel) -> str:
+    """A digest of the first ORDERED victims of the model's order."""
+    h = hashlib.sha256()
+    for v in islice(eviction_order(model, before=math.inf), ORDERED):
+        h.update(repr((v.namespace_id, v.key, v.names, v.size)).encode())
+    return h.hexdigest()[:16]
+
+
+def measure(db: Path) -> dict[str, float | str]:
     """One run, in this process: load, bytes, model file."""
     store = Store.open(db)
     before = _rss()
@@ -99,10 +113,10 @@ def measure(db: Path) -> dict[str, float]:
     restore = time.perf_counter() - t
     assert back == set(NS) and restored.store.count == pages
     t = time.perf_counter()
-    first = sum(1 for _ in zip(range(1000), eviction_order(model, before=math.inf)))
+    first = sum(1 for _ in zip(range(1000), eviction_order(model, before=math.inf), strict=False))
     order = time.perf_counter() - t
     assert first == 1000
-    out = {
+    out: dict[str, float | str] = {
         "pages": pages,
         "load_s": load,
         "rss_b_page": (after - before) / pages,
@@ -111,6 +125,8 @@ def measure(db: Path) -> dict[str, float]:
         "save_s": saved,
         "restore_s": restore,
         "first_order_s": order,
+        "order": _order_digest(model),
+        "restored_order": _order_digest(restored),
     }
     path.unlink()
     store.close()
@@ -138,7 +154,7 @@ def main() -> None:
             argv = [sys.executable, __file__, str(a.n), "--measure", str(db)]
             out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
             runs.append(json.loads(out.splitlines()[-1]))
-            print(" ".join(f"{k} {v:.3f}" for k, v in runs[-1].items()))
+            print(" ".join(f"{k} {v}" for k, v in runs[-1].items()))
         print(
             f"{a.n:,} pages: RSS {min(r['rss_b_page'] for r in runs):.1f} B a page, arrays "
             f"{runs[0]['arrays_b_page']:.1f}; load {min(r['load_s'] for r in runs):.2f} s (min), "
