@@ -16,7 +16,7 @@ file only when all of these hold, else it loads from the index as before:
   its old fixed width, 1 to 3: the access sequences 64 bits wide; each narrowed as it loads)
   and this machine's array layout;
 * its CRC-32 (of all of it) checks, every array has the length the header gives, and the key
-  table is at most two thirds full: a truncated or garbled file is refused, not trusted.
+  table is at most three quarters full: a truncated or garbled file is refused, not trusted.
 
 Namespaces whose files changed on disk while the daemon was down are loaded again from the
 index after the start-up scan (cachemgr.daemon.indexer), like today.
@@ -45,7 +45,16 @@ from cachemgr.fs.atomic import write_atomic
 from cachemgr.fs.deletion import delete_own_temps
 from cachemgr.fs.safe import is_own_temp, open_dir, open_file
 from cachemgr.gc.chains import ChainModel
-from cachemgr.gc.pagestore import COLUMNS, COUNTS, KEY_BYTES, NARROW, NONE, WIDER, PageStore
+from cachemgr.gc.pagestore import (
+    COLUMNS,
+    COUNTS,
+    FULL,
+    KEY_BYTES,
+    NARROW,
+    NONE,
+    WIDER,
+    PageStore,
+)
 from cachemgr.state import pages_sql
 from cachemgr.state.index import ScanChanges
 from cachemgr.state.store import Store
@@ -260,7 +269,7 @@ def _read(model: ChainModel, f: BufferedReader, token: str) -> set[str]:
         raise SnapshotInvalid("another version, machine or index")
     codes = _typecodes(h)
     top, size = h["top"], h["table"]
-    if size < 8 or 3 * h["filled"] > 2 * size:  # (probing needs empty buckets)
+    if size < 8 or h["filled"] > FULL * size:  # (probing needs empty buckets)
         raise SnapshotInvalid("bad key table size")
     st = PageStore()
     st.keys, st.leaf = r.bytes(top * KEY_BYTES), r.bytes(top)

@@ -3,7 +3,7 @@
 A dict of page objects cost 700-800 bytes a page (a million pages: ~800 MB); here a page is
 one slot in a dozen `array`s and 32 bytes of its key (a 64-hex-digit key, SGLang's sha256,
 packed to bytes), found through an open-addressing table of slot numbers (4 bytes a bucket,
-two to three buckets a page): ~89 bytes a page at any size (bench/RESULTS.md has where they
+1.3 to 2.3 buckets a page): ~80 bytes a page at any size (bench/RESULTS.md has where they
 go). Keys of another shape (shorter or uppercase hex, other formats) are kept as strings on
 the side.
 
@@ -28,6 +28,10 @@ _DEAD = -2  # a bucket whose slot was freed (probing goes on past it)
 KEY_BYTES = 32  # 64 hex digits
 GROW = 1024  # slots the columns grow by at a time
 _ONE = re.compile(b"\x01")
+# The key table is made 1.5 buckets a slot in use and grows past three quarters full: linear
+# probing's misses take ~8 probes at worst then, a hit ~2.5.
+SPREAD = 1.5
+FULL = 0.75
 # Columns of counts (of namespaces, file sets, stream suffixes, children, reads) start narrow
 # and are widened, the whole column at once, when a value outgrows their items: most of them
 # count the few shapes of a namespace's names, not its pages. So do the access sequences: 32
@@ -183,8 +187,8 @@ class PageStore:
                 self.ns_slots.append(0)
                 self.fit("ns", n)
             self.ns_names[n] = ns
-        if 3 * (self.filled + 1) > 2 * len(self.table):
-            self.reserve(self.top // 2)  # (a third full then: it doubles, as the pages grow)
+        if self.filled + 1 > FULL * len(self.table):
+            self.reserve(self.top // 2)  # (0.44 full then: it grows with the pages)
         s, i, raw = self._probe(n, key)
         if s == NONE:
             s = self._new_slot(n, key, raw)
@@ -290,11 +294,11 @@ class PageStore:
         table[i] = s
 
     def reserve(self, more: int) -> None:
-        """A new table, half full with every slot in use and `more` (its dead buckets go), so
-        that it does not grow and rehash as they come. Any length (not a power of two: a
-        table that doubles past a million pages holds 2-4 buckets a page, not 2)."""
+        """A new table, two thirds full with every slot in use and `more` (its dead buckets
+        go), so that it does not grow and rehash as they come. Any length (not a power of two:
+        a table that doubles past a million pages holds 2-4 buckets a page, not 1.5)."""
         live = self.top - len(self.freed) + 1 + more
-        self.table = array("i", [NONE]) * max(8, 2 * live)
+        self.table = array("i", [NONE]) * max(8, int(SPREAD * live))
         self.filled = 0
         free = set(self.freed)
         for s in range(self.top):
