@@ -9,8 +9,9 @@ sequences 1..n), then, in a fresh process for each run: RSS after `gc.collect()`
 store's arrays take (`sys.getsizeof`: what each holds allocated, its spare room too); then the
 model file written and read back, and a digest of the first ORDERED victims (each one's key,
 names and size) of the loaded model and of the restored one: equal digests before and after a
-change of the store say it evicts the same pages in the same order. Prints a line per run and
-the figures a page.
+change of the store say it evicts the same pages in the same order; and what a probe of the
+key table costs after the load (FINDS keys it holds, and as many it does not). Prints a line
+per run and the figures a page.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ NS = ("00000000000000a1", "00000000000000b2")
 CHAIN = 64  # pages a chain
 BRANCH = 4  # of every 4 chains, 3 continue a page of the chain before
 ORDERED = 100_000  # victims whose digest is printed
+FINDS = 200_000  # keys looked up, of each kind
 
 
 def _rows(n: int) -> list[tuple[object, ...]]:
@@ -94,6 +96,20 @@ def _order_digest(model: ChainModel) -> str:
     return h.hexdigest()[:16]
 
 
+def _find_us(model: ChainModel, n: int) -> tuple[float, float]:
+    """µs a `find` takes of a key the model holds, and of one it does not."""
+    find, ns = model.store.find, NS[0]
+    held = [f"{i:064x}" for i in range(0, n, 2)][:FINDS]  # (NS[0] holds the even pages)
+    absent = [f"{i:064x}" for i in range(n, n + FINDS)]
+    out = []
+    for keys in (held, absent):
+        t = time.perf_counter()
+        for k in keys:
+            find(ns, k)
+        out.append((time.perf_counter() - t) / len(keys) * 1e6)
+    return out[0], out[1]
+
+
 def measure(db: Path) -> dict[str, float | str]:
     """One run, in this process: load, bytes, model file."""
     store = Store.open(db)
@@ -103,6 +119,7 @@ def measure(db: Path) -> dict[str, float | str]:
     load = time.perf_counter() - t
     after = _rss()
     pages = model.store.count
+    hit, miss = _find_us(model, pages)
     path = db.parent / "model.snapshot"
     t = time.perf_counter()
     modelfile.save(model, path, store, NS)
@@ -125,6 +142,8 @@ def measure(db: Path) -> dict[str, float | str]:
         "save_s": saved,
         "restore_s": restore,
         "first_order_s": order,
+        "find_hit_us": hit,
+        "find_miss_us": miss,
         "order": _order_digest(model),
         "restored_order": _order_digest(restored),
     }
