@@ -15,6 +15,7 @@ from cachemgr.gc import modelfile
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.pagestore import COLUMNS, KEY_BYTES
 from cachemgr.gc.value import eviction_order
+from cachemgr.state import pages_sql
 from cachemgr.state.store import Store
 from tests.test_chain_store import NS, chains, key
 
@@ -167,6 +168,36 @@ def test_the_key_table_holds_one_and_a_third_to_two_and_a_quarter_buckets_a_page
     assert len(st.table) == int(1.5 * (st.top + 1))
     assert all(st.find(NS, key(i)) == i for i in range(0, 30_000, 7))
     assert order(model) == want
+
+
+def _with_header(raw: bytes, change: dict[str, int]) -> bytes:
+    """A file with these header fields changed, and its CRC made right again."""
+    start = len(modelfile.MAGIC) + 8
+    size = int.from_bytes(raw[len(modelfile.MAGIC) : start], "little")
+    text = json.dumps(json.loads(raw[start : start + size]) | change).encode()
+    new = modelfile.MAGIC + len(text).to_bytes(8, "little") + text + raw[start + size : -4]
+    return new + zlib.crc32(new).to_bytes(4, "little")
+
+
+def test_a_key_table_over_three_quarters_full_is_refused(tmp_path: Path, store: Store) -> None:
+    """Probing needs empty buckets: a file whose table is three quarters full is used, one
+    fuller (garbled, with a CRC that checks) is not."""
+    model = ChainModel()
+    chains(model, 500, 20)
+    path = tmp_path / "chain-model.snapshot"
+    modelfile.save(model, path, store, [NS])
+    raw, size = path.read_bytes(), len(model.store.table)
+    for filled, used in ((size * 3 // 4, {NS}), (size * 3 // 4 + 1, set())):
+        path.write_bytes(_with_header(raw, {"filled": filled}))
+        with store.transaction() as conn:
+            pages_sql.set_model_stamp(conn, _token(raw))
+        assert modelfile.restore(ChainModel(), path, store) == used
+
+
+def _token(raw: bytes) -> str:
+    start = len(modelfile.MAGIC) + 8
+    size = int.from_bytes(raw[len(modelfile.MAGIC) : start], "little")
+    return str(json.loads(raw[start : start + size])["token"])
 
 
 def test_a_version_2_file_s_numbers_fit_after_narrowing(tmp_path: Path, store: Store) -> None:
