@@ -35,7 +35,8 @@ FULL = 0.75
 # Columns of counts (of namespaces, file sets, stream suffixes, children, reads) start narrow
 # and are widened, the whole column at once, when a value outgrows their items: most of them
 # count the few shapes of a namespace's names, not its pages. So do the access sequences: 32
-# bits hold the index's first 4.3 billion accesses (days at full speed), then they take 64.
+# bits hold the index's first 4.3 billion accesses (~18 h at full speed, months at a server's
+# usual rates), then they take 64.
 WIDER = {"b": "h", "B": "H", "h": "i", "H": "i", "i": "q", "I": "q"}
 _MAX = {c: (1 << 8 * array(c).itemsize - c.islower()) - 1 for c in "bBhHiIq"}
 _MIN = {c: -(_MAX[c] + 1) if c.islower() else 0 for c in _MAX}
