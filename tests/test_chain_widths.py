@@ -1,7 +1,7 @@
 """The chain model's count columns (namespace, file set and suffix numbers, children, reads)
-start a byte or two wide and widen when a value outgrows them, without changing a value; a model
-file of version 2 (every column at its old fixed width) still loads, narrowed; the key table
-takes two to three buckets a page at any size."""
+start a byte or two wide, and its access sequences 4 bytes wide; each widens when a value
+outgrows it, without changing a value; model files of versions 2 and 3 (the columns at their
+old widths) still load, narrowed; the key table takes 1.3 to 2.3 buckets a page at any size."""
 
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ from cachemgr.gc import modelfile
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.pagestore import COLUMNS, KEY_BYTES
 from cachemgr.gc.value import eviction_order
+from cachemgr.state import pages_sql
 from cachemgr.state.store import Store
 from tests.test_chain_store import NS, chains, key
 
 OLD_WIDTHS = {"ns": "H", "reads": "i", "files": "i", "kids": "i"}  # versions 1 and 2
+OLD_SEQS = {"born": "q", "last": "q"}  # versions 1 to 3
 
 
 def order(model: ChainModel) -> list[str]:
@@ -31,6 +33,7 @@ def test_narrow_columns_take_a_few_bytes_a_page() -> None:
     st = model.store
     widths = {c: getattr(st, c).itemsize for c in ("ns", "files", "cand_sfx", "reads", "kids")}
     assert widths == {"ns": 1, "files": 1, "cand_sfx": 1, "reads": 2, "kids": 2}
+    assert (st.born.itemsize, st.last.itemsize) == (4, 4)
 
 
 def test_columns_widen_as_namespaces_file_sets_and_suffixes_grow() -> None:
@@ -54,32 +57,36 @@ def test_a_count_past_its_width_widens_the_column() -> None:
     chains(model, 100, 10)
     st, want = model.store, order(model)
     s = st.find(NS, key(3))
-    st.set_count("reads", s, 70_000)
-    st.set_count("kids", st.find(NS, key(9)), 0)
-    st.set_count("kids", st.find(NS, key(9)), 3_000_000_000)
+    st.put("reads", s, 70_000)
+    st.put("kids", st.find(NS, key(9)), 0)
+    st.put("kids", st.find(NS, key(9)), 3_000_000_000)
     assert (st.reads.typecode, st.reads[s]) == ("i", 70_000)
     assert (st.kids.typecode, st.kids[st.find(NS, key(9))]) == ("q", 3_000_000_000)
-    st.set_count("kids", st.find(NS, key(9)), 0)
-    st.set_count("reads", s, 0)
+    st.put("kids", st.find(NS, key(9)), 0)
+    st.put("reads", s, 0)
     assert order(model) == want  # (every other value kept)
 
 
-def _as_version_2(raw: bytes) -> bytes:
-    """A file of this version rewritten as version 2 wrote it: no item types in the header,
-    every count column at its old width."""
+def _as_version(raw: bytes, version: int) -> bytes:
+    """A file of this version rewritten as version 2 or 3 wrote it: the access sequences 64
+    bits wide; in version 2 also no item types in the header, every count column at its old
+    width."""
     start = len(modelfile.MAGIC) + 8
     size = int.from_bytes(raw[len(modelfile.MAGIC) : start], "little")
     header = json.loads(raw[start : start + size])
     body, top = raw[start + size : -4], header["top"]
     parts, at = [body[: top * (KEY_BYTES + 1)]], top * (KEY_BYTES + 1)
+    old = OLD_SEQS | (OLD_WIDTHS if version == 2 else {})
     for c in (c for c in COLUMNS if c not in ("cand", "cand_sfx")):
         code = header["columns"][c]
         col = array(code)
         col.frombytes(body[at : at + top * col.itemsize])
         at += top * col.itemsize
-        parts.append(array(OLD_WIDTHS.get(c, code), iter(col)).tobytes())
-    del header["columns"]
-    header["version"], header["sizes"] = 2, {c: array(c).itemsize for c in "bHiqd"}
+        parts.append(array(old.get(c, code), iter(col)).tobytes())
+        header["columns"][c] = old.get(c, code)
+    if version == 2:
+        del header["columns"]
+    header["version"], header["sizes"] = version, {c: array(c).itemsize for c in "bBhHiqd"}
     text = json.dumps(header).encode()
     old = modelfile.MAGIC + len(text).to_bytes(8, "little") + text + b"".join(parts) + body[at:]
     return old + zlib.crc32(old).to_bytes(4, "little")
@@ -91,34 +98,106 @@ def test_a_version_2_model_file_loads_with_narrow_columns(
 ) -> None:
     model = ChainModel()
     chains(model, 500, 20)
-    model.store.set_count("reads", model.store.find(NS, key(7)), 300)  # ('H', as narrow as it fits)
+    model.store.put("reads", model.store.find(NS, key(7)), 300)  # ('H', as narrow as it fits)
     path = tmp_path / "chain-model.snapshot"
     modelfile.save(model, path, store, [NS])
-    path.write_bytes(_as_version_2(path.read_bytes()))  # (the index keeps the save's stamp)
+    path.write_bytes(_as_version(path.read_bytes(), 2))  # (the index keeps the save's stamp)
     restored = ChainModel()
     assert modelfile.restore(restored, path, store) == {NS}
     st = restored.store
-    assert {c: getattr(st, c).typecode for c in OLD_WIDTHS} == {
+    assert {c: getattr(st, c).typecode for c in OLD_WIDTHS | OLD_SEQS} == {
         "ns": "B",
         "reads": "H",
         "files": "b",
         "kids": "H",
+        "born": "I",
+        "last": "I",
     }
     assert dict(restored.pages) == dict(model.pages) and order(restored) == order(model)
 
 
-def test_the_key_table_holds_two_to_three_buckets_a_page() -> None:
-    """Any length, not a power of two: a load sizes it at two buckets a page, and it grows
-    as pages come one at a time without passing three."""
+def test_a_version_3_model_file_loads_with_32_bit_sequences(tmp_path: Path, store: Store) -> None:
+    model = ChainModel()
+    chains(model, 500, 20)
+    model.observe_read(NS, key(7) + "_m_0_1.bin", 64, seq=70_000, at=9.0)
+    path = tmp_path / "chain-model.snapshot"
+    modelfile.save(model, path, store, [NS])
+    path.write_bytes(_as_version(path.read_bytes(), 3))
+    restored = ChainModel()
+    assert modelfile.restore(restored, path, store) == {NS}
+    st = restored.store
+    assert (st.born.typecode, st.last.typecode) == ("I", "I")
+    assert dict(restored.pages) == dict(model.pages) and order(restored) == order(model)
+    assert restored.pages[NS, key(7)].last == 70_000
+
+
+def test_a_sequence_past_32_bits_widens_its_column() -> None:
+    """Past 2**32 accesses (or a birth below 0 in an index edited by hand) the sequences take
+    64 bits; no value and no victim changes."""
+    model, ref = ChainModel(), ChainModel()
+    for m in (model, ref):
+        chains(m, 200, 10)
+    st = model.store
+    assert st.last.typecode == "I"
+    big = 1 << 32
+    model.observe_read(NS, key(5) + "_m_0_1.bin", 64, seq=big + 5, at=500.0)
+    model.add_indexed(NS, (key(900) + "_m_0_1.bin", 64, 1024, 501.0, big + 9, 0, key(899), -3))
+    assert (st.last.typecode, st.born.typecode) == ("q", "q")
+    assert model.pages[NS, key(5)].last == big + 5 and model.pages[NS, key(900)].born == -3
+    # The same events on a store whose columns were 64 bits wide all along.
+    ref.store.born, ref.store.last = (
+        array("q", iter(ref.store.born)),
+        array("q", iter(ref.store.last)),
+    )
+    ref.observe_read(NS, key(5) + "_m_0_1.bin", 64, seq=big + 5, at=500.0)
+    ref.add_indexed(NS, (key(900) + "_m_0_1.bin", 64, 1024, 501.0, big + 9, 0, key(899), -3))
+    assert dict(model.pages) == dict(ref.pages) and order(model) == order(ref)
+    assert model.clock == ref.clock == big + 9
+
+
+def test_the_key_table_holds_one_and_a_third_to_two_and_a_quarter_buckets_a_page() -> None:
+    """Any length, not a power of two: a load sizes it at 1.5 buckets a page, and it grows
+    as pages come one at a time, at three quarters full, to 2.25."""
     model = ChainModel()
     chains(model, 30_000, 50)
     st = model.store
-    assert 1.5 * st.top <= len(st.table) <= 3 * st.top + 8
+    assert 4 / 3 * st.top <= len(st.table) <= 2.25 * st.top + 8
+    assert st.filled <= 0.75 * len(st.table)
     want = order(model)
     st.reserve(0)  # (as a load from the index sizes it)
-    assert len(st.table) == 2 * (st.top + 1)
+    assert len(st.table) == int(1.5 * (st.top + 1))
     assert all(st.find(NS, key(i)) == i for i in range(0, 30_000, 7))
     assert order(model) == want
+
+
+def _with_header(raw: bytes, change: dict[str, int]) -> bytes:
+    """A file with these header fields changed, and its CRC made right again."""
+    start = len(modelfile.MAGIC) + 8
+    size = int.from_bytes(raw[len(modelfile.MAGIC) : start], "little")
+    text = json.dumps(json.loads(raw[start : start + size]) | change).encode()
+    new = modelfile.MAGIC + len(text).to_bytes(8, "little") + text + raw[start + size : -4]
+    return new + zlib.crc32(new).to_bytes(4, "little")
+
+
+def test_a_key_table_over_three_quarters_full_is_refused(tmp_path: Path, store: Store) -> None:
+    """Probing needs empty buckets: a file whose table is three quarters full is used, one
+    fuller (garbled, with a CRC that checks) is not."""
+    model = ChainModel()
+    chains(model, 500, 20)
+    path = tmp_path / "chain-model.snapshot"
+    modelfile.save(model, path, store, [NS])
+    raw, size = path.read_bytes(), len(model.store.table)
+    for filled, used in ((size * 3 // 4, {NS}), (size * 3 // 4 + 1, set())):
+        path.write_bytes(_with_header(raw, {"filled": filled}))
+        with store.transaction() as conn:
+            pages_sql.set_model_stamp(conn, _token(raw))
+        assert modelfile.restore(ChainModel(), path, store) == used
+
+
+def _token(raw: bytes) -> str:
+    start = len(modelfile.MAGIC) + 8
+    size = int.from_bytes(raw[len(modelfile.MAGIC) : start], "little")
+    return str(json.loads(raw[start : start + size])["token"])
 
 
 def test_a_version_2_file_s_numbers_fit_after_narrowing(tmp_path: Path, store: Store) -> None:
@@ -130,7 +209,7 @@ def test_a_version_2_file_s_numbers_fit_after_narrowing(tmp_path: Path, store: S
     model.remove(NS, [(key(i) + "_m_0_1.bin", 64) for i in range(100, 200)])
     path = tmp_path / "chain-model.snapshot"
     modelfile.save(model, path, store, [NS])
-    path.write_bytes(_as_version_2(path.read_bytes()))
+    path.write_bytes(_as_version(path.read_bytes(), 2))
     restored = ChainModel()
     assert modelfile.restore(restored, path, store) == {NS}
     restored.add(NS, key(500) + "_m_0_1.bin", 64, 1199, seq=1000, at=0.0)  # file set 199

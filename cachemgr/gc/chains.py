@@ -27,7 +27,7 @@ model knows only pages the index holds; its clock is the index's access sequence
 wall clock, so a trace replayed at any request rate teaches it the same chains and the same
 order (cachemgr.gc.value). The daemon keeps one live model (fed by cachemgr.daemon.page_events);
 a CLI run builds one from the index (`load`), where the learned links are stored. Its pages
-live in a compact store (cachemgr.gc.pagestore): ~90 bytes a page, not a Python object each.
+live in a compact store (cachemgr.gc.pagestore): ~80 bytes a page, not a Python object each.
 """
 
 from __future__ import annotations
@@ -166,9 +166,9 @@ class ChainModel:
         new = (*(f for f in old if f[0] != suffix), (suffix, size)) if old else ((suffix, size),)
         st.files[s] = st.file_set(new)
         if reads > st.reads[s]:
-            st.set_count("reads", s, reads)
+            st.put("reads", s, reads)
         if seq > st.last[s]:
-            st.last[s], st.time[s] = seq, at
+            st.used(s, seq, at)
         self._mark(s)
 
     @classmethod
@@ -294,8 +294,8 @@ class ChainModel:
             s = st.find(ns, key)
             if not st.present(s):
                 return False, None
-            st.set_count("reads", s, st.reads[s] + 1)
-            st.last[s], st.time[s] = seq, at
+            st.put("reads", s, st.reads[s] + 1)
+            st.used(s, seq, at)
             self.adapt.read(st.digest(s), seq)
             self._mark(s)
             self.clock = max(self.clock, seq)
@@ -342,7 +342,7 @@ class ChainModel:
         st.pred[s] = above
         if st.kids[above] == 1:
             self._mark(st.kidx[above])  # its only child's segment ends below it from now on
-        st.set_count("kids", above, st.kids[above] + 1)
+        st.put("kids", above, st.kids[above] + 1)
         st.kidx[above] ^= s
         self._mark(above)
         st.drop_leaf(above)

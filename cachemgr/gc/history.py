@@ -44,8 +44,8 @@ class History:
             return  # (empty at every start: a load of a million pages builds no key for it)
         known = self._heads.pop((st.ns_names[st.ns[s]], st.key(s)), None)
         if known is not None:
-            st.set_count("reads", s, known[0] + 1)
-            st.born[s] = known[1]
+            st.put("reads", s, known[0] + 1)
+            st.put("born", s, known[1])
 
     def entries(self) -> list[tuple[str, str, int, int]]:
         """(namespace, key, reads, born), oldest first: what the model file keeps."""

@@ -13,9 +13,10 @@ file only when all of these hold, else it loads from the index as before:
   a run that changed the index there is none;
 * the file says the same token, a format version this code reads (1: without the memory of
   evicted pages and the order's state, which then start empty; 1 and 2: every count column at
-  its old fixed width, narrowed as it loads) and this machine's array layout;
+  its old fixed width, 1 to 3: the access sequences 64 bits wide; each narrowed as it loads)
+  and this machine's array layout;
 * its CRC-32 (of all of it) checks, every array has the length the header gives, and the key
-  table is at most two thirds full: a truncated or garbled file is refused, not trusted.
+  table is at most three quarters full: a truncated or garbled file is refused, not trusted.
 
 Namespaces whose files changed on disk while the daemon was down are loaded again from the
 index after the start-up scan (cachemgr.daemon.indexer), like today.
@@ -44,7 +45,16 @@ from cachemgr.fs.atomic import write_atomic
 from cachemgr.fs.deletion import delete_own_temps
 from cachemgr.fs.safe import is_own_temp, open_dir, open_file
 from cachemgr.gc.chains import ChainModel
-from cachemgr.gc.pagestore import COLUMNS, COUNTS, KEY_BYTES, NONE, WIDER, PageStore
+from cachemgr.gc.pagestore import (
+    COLUMNS,
+    COUNTS,
+    FULL,
+    KEY_BYTES,
+    NARROW,
+    NONE,
+    WIDER,
+    PageStore,
+)
 from cachemgr.state import pages_sql
 from cachemgr.state.index import ScanChanges
 from cachemgr.state.store import Store
@@ -52,15 +62,16 @@ from cachemgr.state.store import Store
 log = logging.getLogger(__name__)
 MAGIC = b"cachemgr-chain-model\n"
 # 2: the memory of evicted pages and the adaptive order's state (1: read, without); 3: each
-# column's item type in the header (the count columns widen as their values grow).
-VERSION = 3
-VERSIONS = (1, 2, 3)
+# column's item type in the header (the count columns widen as their values grow); 4: the
+# access sequences' columns narrow too (32 bits until a sequence outgrows them).
+VERSION = 4
+VERSIONS = (1, 2, 3, 4)
 _LEN = struct.Struct("<Q")  # the header's length, after the magic
 _CRC = struct.Struct("<I")  # the CRC-32 of everything before it, at the end
 _SAVED = tuple(c for c in COLUMNS if c not in ("cand", "cand_sfx"))  # (salted hashes: not kept)
 _SEGMENTS = (("leaf", "i"), ("top", "i"), ("last", "q"), ("when", "d"))
 # The columns' item types in the files of versions 1 and 2.
-_FIXED = {"ns": "H", "reads": "i", "files": "i", "kids": "i"}
+_FIXED = {"ns": "H", "reads": "i", "files": "i", "kids": "i", "born": "q", "last": "q"}
 ROOM = 4  # times the file's size that must be free to write it: it never takes the disk's last
 STALE_TEMP = 600.0  # seconds unchanged after which a temp file of the model is a dead save's
 
@@ -71,7 +82,7 @@ class SnapshotInvalid(ValueError):
 
 def _layout() -> dict[str, Any]:
     """What the raw arrays depend on besides the format: byte order and item sizes."""
-    return {"order": sys.byteorder, "sizes": {c: array(c).itemsize for c in "bBhHiqd"}}
+    return {"order": sys.byteorder, "sizes": {c: array(c).itemsize for c in "bBhHiIqd"}}
 
 
 def _typecodes(h: dict[str, Any]) -> dict[str, str]:
@@ -86,7 +97,7 @@ def _typecodes(h: dict[str, Any]) -> dict[str, str]:
         return {c: _FIXED.get(c, getattr(fresh, c).typecode) for c in _SAVED}
     for c in _SAVED:
         ok = [getattr(fresh, c).typecode]
-        while ok[-1] in WIDER and c in COUNTS:
+        while ok[-1] in WIDER and c in NARROW:
             ok.append(WIDER[ok[-1]])
         if codes[c] not in ok or h["sizes"].get(codes[c]) != array(codes[c]).itemsize:
             raise SnapshotInvalid(f"column {c}: item type {codes[c]!r}")
@@ -258,7 +269,7 @@ def _read(model: ChainModel, f: BufferedReader, token: str) -> set[str]:
         raise SnapshotInvalid("another version, machine or index")
     codes = _typecodes(h)
     top, size = h["top"], h["table"]
-    if size < 8 or 3 * h["filled"] > 2 * size:  # (probing needs empty buckets)
+    if size < 8 or h["filled"] > FULL * size:  # (probing needs empty buckets)
         raise SnapshotInvalid("bad key table size")
     st = PageStore()
     st.keys, st.leaf = r.bytes(top * KEY_BYTES), r.bytes(top)
@@ -279,7 +290,7 @@ def _read(model: ChainModel, f: BufferedReader, token: str) -> set[str]:
     st.ns_num = {n: i for i, n in enumerate(st.ns_names) if n}
     st.file_sets = [tuple((s, z) for s, z in fs) for fs in h["file_sets"]]
     st.file_ids = {fs: i for i, fs in enumerate(st.file_sets)}
-    if "columns" not in h:
+    if h["version"] < 4:
         st.narrow()
     st.fit_numbers()
     st.odd = {int(s): k for s, k in h["odd"]}

@@ -3,7 +3,7 @@
 A dict of page objects cost 700-800 bytes a page (a million pages: ~800 MB); here a page is
 one slot in a dozen `array`s and 32 bytes of its key (a 64-hex-digit key, SGLang's sha256,
 packed to bytes), found through an open-addressing table of slot numbers (4 bytes a bucket,
-two to three buckets a page): ~89 bytes a page at any size (bench/RESULTS.md has where they
+1.3 to 2.3 buckets a page): ~80 bytes a page at any size (bench/RESULTS.md has where they
 go). Keys of another shape (shorter or uppercase hex, other formats) are kept as strings on
 the side.
 
@@ -28,12 +28,21 @@ _DEAD = -2  # a bucket whose slot was freed (probing goes on past it)
 KEY_BYTES = 32  # 64 hex digits
 GROW = 1024  # slots the columns grow by at a time
 _ONE = re.compile(b"\x01")
+# The key table is made 1.5 buckets a slot in use and grows past three quarters full: linear
+# probing's misses take ~8 probes at worst then, a hit ~2.5.
+SPREAD = 1.5
+FULL = 0.75
 # Columns of counts (of namespaces, file sets, stream suffixes, children, reads) start narrow
 # and are widened, the whole column at once, when a value outgrows their items: most of them
-# count the few shapes of a namespace's names, not its pages.
-WIDER = {"b": "h", "B": "H", "h": "i", "H": "i", "i": "q"}
-_MAX = {c: (1 << 8 * array(c).itemsize - c.islower()) - 1 for c in "bBhHiq"}
+# count the few shapes of a namespace's names, not its pages. So do the access sequences: 32
+# bits hold the index's first 4.3 billion accesses (~18 h at full speed, months at a server's
+# usual rates), then they take 64.
+WIDER = {"b": "h", "B": "H", "h": "i", "H": "i", "i": "q", "I": "q"}
+_MAX = {c: (1 << 8 * array(c).itemsize - c.islower()) - 1 for c in "bBhHiIq"}
+_MIN = {c: -(_MAX[c] + 1) if c.islower() else 0 for c in _MAX}
 COUNTS = {"ns": "B", "reads": "H", "cand_sfx": "b", "files": "b", "kids": "H"}  # (narrowest)
+SEQS = {"born": "I", "last": "I"}
+NARROW = COUNTS | SEQS  # the columns that widen, at their narrowest
 # A slot's columns (one typecode each), in the order the model file has them (gc/modelfile.py).
 COLUMNS = (
     "ns",
@@ -104,8 +113,8 @@ class PageStore:
         self.odd: dict[int, str] = {}  # slot -> key, for keys `_pack` cannot pack
         self.ns = array(COUNTS["ns"])  # namespace number (self.ns_names; numbers are reused)
         self.pred = array("i")  # slot of the page before it in its chain, or NONE
-        self.born = array("q")  # access sequence of its first write
-        self.last = array("q")  # access sequence of its latest use
+        self.born = array(SEQS["born"])  # access sequence of its first write
+        self.last = array(SEQS["last"])  # access sequence of its latest use
         self.time = array("d")  # wall-clock time of that use
         self.reads = array(COUNTS["reads"])
         self.conf = array("b")  # agreeing reads banked for `pred`
@@ -179,8 +188,8 @@ class PageStore:
                 self.ns_slots.append(0)
                 self.fit("ns", n)
             self.ns_names[n] = ns
-        if 3 * (self.filled + 1) > 2 * len(self.table):
-            self.reserve(self.top // 2)  # (a third full then: it doubles, as the pages grow)
+        if self.filled + 1 > FULL * len(self.table):
+            self.reserve(self.top // 2)  # (0.44 full then: it grows with the pages)
         s, i, raw = self._probe(n, key)
         if s == NONE:
             s = self._new_slot(n, key, raw)
@@ -230,16 +239,16 @@ class PageStore:
     # -- column widths --------------------------------------------------------------------------
 
     def fit(self, col: str, value: int) -> None:
-        """Widen column `col` (one of COUNTS) until `value` fits its items."""
+        """Widen column `col` (one of NARROW) until `value` fits its items."""
         c = getattr(self, col)
-        if value > _MAX[c.typecode]:
-            code = c.typecode
-            while value > _MAX[code]:
-                code = WIDER[code]
+        code = c.typecode
+        while not _MIN[code] <= value <= _MAX[code]:
+            code = WIDER[code]
+        if code != c.typecode:
             setattr(self, col, array(code, iter(c)))  # (not from `c`: an array of another kind)
 
-    def set_count(self, col: str, s: int, value: int) -> None:
-        """Set slot `s`'s count in `col` (reads, kids), widening the column if it outgrows it."""
+    def put(self, col: str, s: int, value: int) -> None:
+        """Set slot `s`'s value in column `col` (one of NARROW), widening it if it outgrows it."""
         try:
             getattr(self, col)[s] = value
         except OverflowError:
@@ -247,12 +256,12 @@ class PageStore:
             getattr(self, col)[s] = value
 
     def narrow(self) -> None:
-        """Make the count columns as narrow as their values allow (a model file of a version
-        before narrow columns has them at their old width)."""
-        for col, code in COUNTS.items():
+        """Make the narrow columns as narrow as their values allow (a model file of a version
+        before them has them at their old width)."""
+        for col, code in NARROW.items():
             c = getattr(self, col)
-            top = max(c, default=0)
-            while top > _MAX[code]:
+            low, top = min(c, default=0), max(c, default=0)
+            while not _MIN[code] <= low <= top <= _MAX[code]:
                 code = WIDER[code]
             if code != c.typecode:
                 setattr(self, col, array(code, iter(c)))
@@ -286,11 +295,11 @@ class PageStore:
         table[i] = s
 
     def reserve(self, more: int) -> None:
-        """A new table, half full with every slot in use and `more` (its dead buckets go), so
-        that it does not grow and rehash as they come. Any length (not a power of two: a
-        table that doubles past a million pages holds 2-4 buckets a page, not 2)."""
+        """A new table, two thirds full with every slot in use and `more` (its dead buckets
+        go), so that it does not grow and rehash as they come. Any length (not a power of two:
+        a table that doubles past a million pages holds 2-4 buckets a page, not 1.5)."""
         live = self.top - len(self.freed) + 1 + more
-        self.table = array("i", [NONE]) * max(8, 2 * live)
+        self.table = array("i", [NONE]) * max(8, int(SPREAD * live))
         self.filled = 0
         free = set(self.freed)
         for s in range(self.top):
@@ -320,11 +329,20 @@ class PageStore:
 
     def start(self, s: int, born: int, seq: int, at: float) -> None:
         """Make a ghost a page on disk, with no file yet and no link (kids stay)."""
-        self.born[s], self.last[s], self.time[s] = born, seq, at
+        self.put("born", s, born)
+        self.used(s, seq, at)
         self.pred[s], self.reads[s], self.conf[s], self.cand_sfx[s] = NONE, 0, 0, NONE
         self.files[s] = self.file_set(())
         self.count += 1
         self.ns_pages[self.ns[s]] += 1
+
+    def used(self, s: int, seq: int, at: float) -> None:
+        """Slot `s` was last used at access `seq`, at wall-clock time `at`."""
+        try:
+            self.last[s] = seq
+        except OverflowError:
+            self.put("last", s, seq)
+        self.time[s] = at
 
     def present(self, s: int) -> bool:
         return s >= 0 and self.files[s] != GHOST
