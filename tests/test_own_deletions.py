@@ -320,3 +320,19 @@ def _raw(wd: int, mask: int, name: bytes) -> bytes:
     """One `struct inotify_event` as the kernel writes it: the name padded with NULs."""
     padded = name + b"\0" * (16 - len(name) % 16) if name else b""
     return struct.pack("iIII", wd, mask, 0, len(padded)) + padded
+
+
+def test_a_deleted_dirs_watch_is_not_asked_about_deletions_any_more(tmp_path: Path) -> None:
+    """The namespace dir removed (an rm -r, not a purge): its watch ends, and nothing of it is
+    kept to tell GC's deletions by (a vLLM tree's thousands of dirs, made and removed)."""
+    tree = Tree.at(tmp_path / "root")
+    watcher = Watcher(tree.layout)
+    try:
+        tree.write(NS, [page(1)], at=T0)
+        watcher.start()
+        assert watcher.watch(NS) and watcher._leaves
+        subprocess.run(["rm", "-r", str(tree.dir(NS))], check=True)
+        wait_for(lambda: dict(watcher._leaves), lambda leaves: not leaves, what="the watch gone")
+    finally:
+        watcher.stop()
+        tree.store.close()

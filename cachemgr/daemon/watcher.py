@@ -116,6 +116,7 @@ class _DirWatch:
 
     def on_watch_deleted(self, wd: WatchDescriptor) -> None:
         self.dead = True
+        self.watcher.unleaf(self)
 
     def on_queue_overflow(self) -> None:
         pass  # the root watch reports it once
@@ -374,8 +375,12 @@ class Watcher:
         self.own.forget(ns_id)
         self.emit((Kind.NS_GONE, ns_id, "", self.clock(), LOCAL))
 
-    def _remove(self, cb: _DirWatch) -> None:
+    def unleaf(self, cb: _DirWatch) -> None:
+        """`cb` watches no more (its kernel watch is gone or being removed)."""
         if self._leaves.get(cb.wd) is cb:  # (a dir watched again shares its descriptor)
-            del self._leaves[cb.wd]
+            self._leaves.pop(cb.wd, None)  # (the inotify and the index threads both may)
+
+    def _remove(self, cb: _DirWatch) -> None:
+        self.unleaf(cb)
         if self._fd is not None and cb.wd >= 0:
             self._fd.remove_callbacks([(WatchDescriptor(cb.wd), CallbackId(id(cb)))])
