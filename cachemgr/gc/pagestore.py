@@ -97,6 +97,8 @@ class Page(NamedTuple):
 
 def file_names(key: str, files: Files) -> tuple[str, ...]:
     """The names of a page's files, sorted."""
+    if len(files) == 1:  # (most pages: one rank's one file)
+        return (key + files[0][0],)
     return tuple(sorted(key + suffix for suffix, _ in files))
 
 
