@@ -182,6 +182,17 @@ def test_min_age_holds_a_page_and_its_ancestors() -> None:
     assert order(model, before=25.0) == [2, 1]
 
 
+def test_pages_of_no_chain_go_oldest_first_and_young_ones_stay() -> None:
+    """Pages a scan indexed, no read has linked yet (a chain of one page each, as every page
+    of a restarted daemon's million is): each is its segment, valued without a walk."""
+    model = ChainModel()
+    for n, at in ((1, 30.0), (2, 10.0), (3, 20.0), (4, 50.0)):
+        model.add("ns", key(n) + SUFFIX, KEY_LEN, 100, seq=0, at=at)
+    assert order(model, before=40.0) == [2, 3, 1]  # 4 is younger than min_age
+    got = [(int(v.key, 16), v.names, v.size) for v in eviction_order(model, before=math.inf)]
+    assert got == [(n, (key(n) + SUFFIX,), 100) for n in (2, 3, 1, 4)]
+
+
 def test_a_page_in_flight_keeps_its_chain_until_the_writer_moves_on_or_stops() -> None:
     model = ChainModel(in_flight=5)
     for n in range(1, 101):  # 100 unrelated pages, long done

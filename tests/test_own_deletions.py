@@ -4,6 +4,7 @@ on a real dir, GC's real execution, and another process's deletion beside them."
 from __future__ import annotations
 
 import os
+import struct
 import subprocess
 import time
 from collections.abc import Collection, Sequence
@@ -13,7 +14,7 @@ from typing import Any
 from cachemgr.daemon.events import LOCAL, Kind
 from cachemgr.daemon.owndeletes import MOST, STALE, OwnDeletions
 from cachemgr.daemon.page_events import PageEvents
-from cachemgr.daemon.watcher import Watcher
+from cachemgr.daemon.watcher import C, Watcher, _Reader
 from cachemgr.formats import DEFAULT_FORMAT
 from cachemgr.fs.root import create_root
 from cachemgr.gc.chains import ChainModel
@@ -21,9 +22,11 @@ from cachemgr.gc.execute import CHUNK, InFlight, execute_gc
 from cachemgr.gc.runner import GcRunner, LiveState
 from cachemgr.layout import Layout
 from cachemgr.settings import load_settings
+from cachemgr.state.store import Store
 from tests.daemon_helpers import NS_A, page_name, register_namespace, running_daemon, store_page
 from tests.gc_helpers import NS, T0, Tree, big_disk, evicted, page, policy
 from tests.polling import wait_for
+from tests.vllmtrees import block_path, key, vllm_store, vllm_tree
 
 
 def _gone(watcher: Watcher) -> set[str]:
@@ -258,6 +261,78 @@ def test_a_name_expected_in_a_dir_no_watch_saw_is_not_expected_for_ever(tmp_path
         store_page(d, gone[0], 1000)  # stored again, then deleted by someone else
         (d / gone[0]).unlink()
         wait_for(lambda: _gone(watcher), lambda g: gone[0] in g, what="the later deletion")
+    finally:
+        watcher.stop()
+        tree.store.close()
+
+
+def test_in_a_nested_dir_its_own_deletions_are_dropped_and_others_are_not(
+    layout: Layout, store: Store
+) -> None:
+    """vLLM's hashed dirs, each its own watch: GC's deletions there are told by their path
+    below the namespace dir (the watch's dir and the event's name) and dropped as the inotify
+    buffer is read; a deletion by someone else in the same dirs, between them, is queued."""
+    ns, d, folder = vllm_tree(layout, store)
+    paths = [block_path(folder, key(i)) for i in range(40)]
+    for rel in paths:
+        vllm_store(d, rel)
+    watcher = Watcher(layout)
+    try:
+        watcher.start()
+        assert watcher.watch(ns)
+        ours, theirs = paths[:30], paths[30:]
+        watcher.own.expect(ns, ours)
+        for i, rel in enumerate(ours):
+            (d / rel).unlink()
+            if i % 10 == 0:
+                (d / theirs[i // 10]).unlink()
+        watcher.own.settle(ns, ours, set(ours))
+        want = set(theirs[:3])
+        wait_for(lambda: _gone(watcher), lambda g: g == want, what="the foreign deletions")
+        time.sleep(0.2)  # (every event of the unlinks is read by now)
+        assert _gone(watcher) == want and len(watcher.own) == 0
+    finally:
+        watcher.stop()
+
+
+def test_reading_a_buffer_drops_only_a_files_own_deletion() -> None:
+    """A kernel buffer as inotify fills it: GC's deletion of a file goes; the same name's
+    deletion in another watch, a dir's deletion, a store and an overflow stay; a global event
+    (wd -1, not an overflow) goes as watchdog drops it."""
+    own = {(1, b"a.bin")}
+    reader = _Reader(lambda idle: None, lambda wd, name: (wd, name) in own)
+    try:
+        events = [
+            (1, C.IN_DELETE, b"a.bin"),
+            (2, C.IN_DELETE, b"a.bin"),
+            (1, C.IN_DELETE | C.IN_ISDIR, b"a.bin"),
+            (1, C.IN_MOVED_TO, b"a.bin"),
+            (-1, C.IN_Q_OVERFLOW, b""),
+            (-1, C.IN_IGNORED, b""),
+        ]
+        got = reader.events(b"".join(_raw(*e) for e in events))
+    finally:
+        reader._close_resources()  # (never started: no thread to close them)
+    assert [(e.wd, e.mask, e.name) for e in got] == events[1:5]
+
+
+def _raw(wd: int, mask: int, name: bytes) -> bytes:
+    """One `struct inotify_event` as the kernel writes it: the name padded with NULs."""
+    padded = name + b"\0" * (16 - len(name) % 16) if name else b""
+    return struct.pack("iIII", wd, mask, 0, len(padded)) + padded
+
+
+def test_a_deleted_dirs_watch_is_not_asked_about_deletions_any_more(tmp_path: Path) -> None:
+    """The namespace dir removed (an rm -r, not a purge): its watch ends, and nothing of it is
+    kept to tell GC's deletions by (a vLLM tree's thousands of dirs, made and removed)."""
+    tree = Tree.at(tmp_path / "root")
+    watcher = Watcher(tree.layout)
+    try:
+        tree.write(NS, [page(1)], at=T0)
+        watcher.start()
+        assert watcher.watch(NS) and watcher._leaves
+        subprocess.run(["rm", "-r", str(tree.dir(NS))], check=True)
+        wait_for(lambda: dict(watcher._leaves), lambda leaves: not leaves, what="the watch gone")
     finally:
         watcher.stop()
         tree.store.close()

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from watchdog.observers.inotify_c import (
+    DEFAULT_EVENT_BUFFER_SIZE,
     CallbackId,
     InotifyConstants,
     InotifyEvent,
@@ -109,14 +110,13 @@ class _DirWatch:
             kind = Kind.WRITE
             if self.seen and self.seen.pop(name, -SEEN_FOR) > now - SEEN_FOR:
                 return  # the listing of this new dir counted it already
-        elif mask & C.IN_DELETE and self.watcher.own.take(self.ns_id, self.path + name):
-            return  # GC's own: it dropped the row, the model forgets it (daemon.owndeletes)
-        else:
+        else:  # (GC's own deletions never get here: Watcher.own_deletion)
             kind = Kind.GONE
         self.watcher.emit((kind, self.ns_id, self.path + name, now, LOCAL))
 
     def on_watch_deleted(self, wd: WatchDescriptor) -> None:
         self.dead = True
+        self.watcher.unleaf(self)
 
     def on_queue_overflow(self) -> None:
         pass  # the root watch reports it once
@@ -161,17 +161,48 @@ class _RootWatch:
 
 class _Reader(InotifyFD):
     """watchdog's reader loop, and after each buffer of events it handled, `caught_up` told
-    whether the kernel holds more (FIONREAD): reads a new dir's listing found wait for that."""
+    whether the kernel holds more (FIONREAD): reads a new dir's listing found wait for that.
 
-    def __init__(self, caught_up: Callable[[bool], None]) -> None:
+    GC's own deletions (`own`: a file's IN_DELETE by watch descriptor and raw name) are dropped
+    as the buffer is parsed: in an eviction nearly every event is one, and watchdog's event
+    object, its dispatch under a lock and the callback's name parsing cost each several times
+    the look-up that drops it (bench/RESULTS.md)."""
+
+    def __init__(self, caught_up: Callable[[bool], None], own: Callable[[int, bytes], bool]):
         super().__init__()
         self.caught_up = caught_up
+        self.own = own
 
     def run(self) -> None:
         while self.should_keep_running():
-            for event in self.read_events():
+            buffer = self._read_event_buffer(BUFFER)
+            for event in self.events(buffer):
                 self.handle_event(event)
             self.caught_up(_queued(self._inotify_fd) == 0)
+            if len(buffer) < BUFFER // 2:
+                # Events come one unlink or store at a time: woken for each few, the thread
+                # spends more on the wake (poll, read, FIONREAD, the GIL) than on them.
+                time.sleep(GATHER)
+
+    def events(self, buffer: bytes) -> list[InotifyEvent]:
+        """watchdog's `read_events` of one buffer (`struct inotify_event`s; the kernel's
+        global events dropped but an overflow), less GC's own deletions."""
+        out = []
+        at, end, own = 0, len(buffer), self.own
+        while at + _HEADER.size <= end:
+            wd, mask, cookie, length = _HEADER.unpack_from(buffer, at)
+            name = buffer[at + _HEADER.size : at + _HEADER.size + length].rstrip(b"\0")
+            at += _HEADER.size + length
+            if mask == C.IN_DELETE and own(wd, name):
+                continue
+            if wd != -1 or mask & C.IN_Q_OVERFLOW:
+                out.append(InotifyEvent(wd, mask, cookie, name))
+        return out
+
+
+_HEADER = struct.Struct("iIII")  # struct inotify_event before its name: wd, mask, cookie, len
+BUFFER = DEFAULT_EVENT_BUFFER_SIZE  # bytes read at once, as watchdog reads them
+GATHER = 0.002  # seconds the kernel gathers events after a small read before the next
 
 
 def _queued(fd: int) -> int:
@@ -211,6 +242,8 @@ class Watcher:
     running: bool = field(default=False, init=False)
     _fd: InotifyFD | None = field(default=None, init=False)
     _watches: dict[str, _DirWatch] = field(default_factory=dict, init=False)
+    # The dir of page files each watch descriptor watches (the latest callback on it)
+    _leaves: dict[int, _DirWatch] = field(default_factory=dict, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
     # watched before an overflow: dirs made since may have lost their creation event
     _stale: set[str] = field(default_factory=set, init=False)
@@ -234,7 +267,7 @@ class Watcher:
 
     def start(self) -> None:
         """Start reading inotify and watch <root>/ns (before any scan, so nothing is missed)."""
-        self._fd = _Reader(lambda idle: self.nest.flush(idle=idle))
+        self._fd = _Reader(lambda idle: self.nest.flush(idle=idle), self.own_deletion)
         self._fd.daemon = True
         self._fd.start()
         root = _RootWatch(self)
@@ -253,6 +286,14 @@ class Watcher:
             self._fd.stop()
             self._fd.join()
             self._fd = None
+
+    def own_deletion(self, wd: int, name: bytes) -> bool:
+        """On the inotify thread, for a file's IN_DELETE: whether GC made it (it dropped the
+        row, the model forgot the page: cachemgr.daemon.owndeletes), so it is not news."""
+        cb = self._leaves.get(wd)
+        if cb is None or cb.dead:
+            return False
+        return self.own.take(cb.ns_id, cb.path + os.fsdecode(name))
 
     def format_of(self, ns_id: str) -> FileFormat:
         return self.formats(self.layout, ns_id)
@@ -310,6 +351,8 @@ class Watcher:
             if e.errno == 28:  # ENOSPC from inotify_add_watch: fs.inotify.max_user_watches
                 log.error("inotify watch limit reached", extra={"sysctl": "max_user_watches"})
             return False
+        if cb.leaf:
+            self._leaves[cb.wd] = cb
         return True
 
     def unwatch(self, ns_id: str) -> None:
@@ -332,6 +375,12 @@ class Watcher:
         self.own.forget(ns_id)
         self.emit((Kind.NS_GONE, ns_id, "", self.clock(), LOCAL))
 
+    def unleaf(self, cb: _DirWatch) -> None:
+        """`cb` watches no more (its kernel watch is gone or being removed)."""
+        if self._leaves.get(cb.wd) is cb:  # (a dir watched again shares its descriptor)
+            self._leaves.pop(cb.wd, None)  # (the inotify and the index threads both may)
+
     def _remove(self, cb: _DirWatch) -> None:
+        self.unleaf(cb)
         if self._fd is not None and cb.wd >= 0:
             self._fd.remove_callbacks([(WatchDescriptor(cb.wd), CallbackId(id(cb)))])

@@ -192,13 +192,33 @@ static void *worker(void *arg) {
     return NULL;
 }
 
+/* Threads for one batch's workers, which need little stack: with glibc's default (8 MiB,
+ * the rlimit) 8 threads' stacks outgrow its cache of freed stacks (40 MiB), so every batch
+ * mapped and unmapped them again, on the caller's thread. */
+#define WORKER_STACK (256 * 1024)
+
+/* Start up to `threads` threads running fn(arg); how many started. */
+static int start_threads(pthread_t *tids, int threads, void *(*fn)(void *), void *arg) {
+    pthread_attr_t attr;
+    int small = pthread_attr_init(&attr) == 0;
+    if (small && pthread_attr_setstacksize(&attr, WORKER_STACK) != 0) {
+        pthread_attr_destroy(&attr);
+        small = 0;
+    }
+    int started = 0;
+    while (started < threads &&
+           pthread_create(&tids[started], small ? &attr : NULL, fn, arg) == 0)
+        started++;
+    if (small)
+        pthread_attr_destroy(&attr);
+    return started;
+}
+
 /* Run the batch on `threads` new threads at `nice` (the caller's own priority stays), or on
  * this one if none can be started. */
 static void run(Batch *b, int threads) {
     pthread_t tids[MAX_THREADS];
-    int started = 0;
-    while (started < threads && pthread_create(&tids[started], NULL, worker, b) == 0)
-        started++;
+    int started = start_threads(tids, threads, worker, b);
     if (started == 0) {
         b->nice = 0;
         worker(b);
@@ -568,9 +588,7 @@ static PyObject *unlink_tree(PyObject *Py_UNUSED(self), PyObject *args) {
         threads = runs > 0 ? (int)runs : 1;
     Py_BEGIN_ALLOW_THREADS
     pthread_t tids[MAX_THREADS];
-    int started = 0;
-    while (started < threads && pthread_create(&tids[started], NULL, tree_worker, &t) == 0)
-        started++;
+    int started = start_threads(tids, threads, tree_worker, &t);
     if (started == 0) {
         t.nice = 0;
         tree_worker(&t);

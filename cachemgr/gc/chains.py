@@ -204,9 +204,10 @@ class ChainModel:
                     self.history.evicted(st, s)
                     self._drop(s)
 
-    def forget_gone(self, ns: str, names: Iterable[str]) -> None:
-        """Forget these files of `ns` that GC deleted, before the watcher says so."""
-        key_len = self.formats(ns).key_len  # (a nested page's key is its path)
+    def forget_gone(self, ns: str, names: Iterable[str], fmt: FileFormat | None = None) -> None:
+        """Forget these files of `ns` that GC deleted, before the watcher says so (`fmt`: the
+        format its dir follows, if the caller knows it: else read from its manifest)."""
+        key_len = (fmt or self.formats(ns)).key_len  # (a nested page's key is its path)
         self.remove(ns, [(n, key_len(n) or len(n)) for n in names])
 
     def forget(self, ns: str) -> None:

@@ -101,7 +101,14 @@ class Page(NamedTuple):
         return sum(size for _, size in self.files)
 
     def names(self, key: str) -> tuple[str, ...]:
-        return tuple(sorted(key + suffix for suffix, _ in self.files))
+        return file_names(key, self.files)
+
+
+def file_names(key: str, files: Files) -> tuple[str, ...]:
+    """The names of a page's files, sorted."""
+    if len(files) == 1:  # (most pages: one rank's one file)
+        return (key + files[0][0],)
+    return tuple(sorted(key + suffix for suffix, _ in files))
 
 
 class PageStore:
@@ -375,7 +382,8 @@ class PageStore:
         return sum(size for _, size in self.file_sets[self.files[s]])
 
     def names(self, s: int) -> tuple[str, ...]:
-        return self.page(s).names(self.key(s))
+        # (not by `page`, which reads every column: an eviction asks this of each page)
+        return file_names(self.key(s), self.file_sets[self.files[s]])
 
     def leaves(self) -> list[int]:
         """The slots of the leaves, in slot order (found by a scan in C: a byte a slot)."""

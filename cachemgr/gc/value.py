@@ -34,6 +34,7 @@ import math
 from array import array
 from collections.abc import Iterable, Iterator
 from heapq import heappop, heappush
+from struct import Struct
 from typing import Final, NamedTuple, cast
 
 from cachemgr.gc.chains import CYCLE_WALK, IN_FLIGHT_SECONDS, ChainModel
@@ -183,8 +184,13 @@ def _segments(
     (`_lowest_first` gives the order to evict them). `cache`: the segments known of the last
     order (whole, none gone), read instead of walked, and kept."""
     st, clock = model.store, model.clock
+    pred, time_col, last_col = st.pred, st.time, st.last
     raw: list[tuple[int, bytes | None, int, int, float, bool]] = []
     for leaf in leaves:
+        if pred[leaf] == NONE:  # a chain of one page (a scan's, no read has linked it yet):
+            if time_col[leaf] <= before and leaf not in held:  # _walk's answer, unwalked
+                raw.append((leaf, _ONE.pack(leaf), leaf, last_col[leaf], time_col[leaf], False))
+            continue
         known = cache.get(leaf) if cache is not None else None
         if known is not None:
             top, last, when = known
@@ -215,6 +221,9 @@ def _segments(
         trial = -0.5 if not reads[top] and last < trial_end else score
         out.append((score, 0.0, trial, last, when, leaf, walked))
     return out
+
+
+_ONE = Struct("i")  # the path of a segment of one page: its slot, as an int array's bytes
 
 
 def _lowest_first(segments: list[_Segment], order: int) -> Iterator[_Segment]:
