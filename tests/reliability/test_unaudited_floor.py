@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -104,11 +105,23 @@ def test_a_floor_pass_the_state_db_takes_no_write_of_is_said_and_audited_later(
             over = shutil.disk_usage(small_fs).free >= floor
             return len(lines(log, HELD)), d.metric("cachemgr_gc_audit_rows_held"), over
 
+        def settled() -> tuple[tuple[int, float, bool], ...]:
+            """Two looks a second apart: a pass still deleting has the root over the floor
+            already but has not said so yet, and it would end after the lock is released."""
+            first = passes()
+            time.sleep(1.0)
+            return first, passes()
+
         with blocked(layout, d):  # type: ignore[operator]
             fill_with_pages(layout.ns_dir(NS_A))  # old pages, to ENOSPC: below the floor
             # A pass may run while the pages are written, and the writer take the room it
             # freed: then a second one brings the root back over the floor. Each is held.
-            wait_for(passes, lambda p: p[0] >= 1 and p[0] == p[1] and p[2], timeout=90, what=HELD)
+            wait_for(
+                settled,
+                lambda s: s[0] == s[1] and s[1][0] >= 1 and s[1][0] == s[1][1] and s[1][2],
+                timeout=90,
+                what=HELD,
+            )
             assert d.alive()
         held = lines(log, HELD)
         for h in held:
