@@ -6,7 +6,6 @@ survive a clean restart (the model file)."""
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import zlib
@@ -248,11 +247,8 @@ def test_the_memory_of_evicted_pages_and_the_choice_survive_a_restart(
 def _older_file(path: Path, store: Store, version: int) -> None:
     """Rewrite a saved model file as an older build wrote it: version 1 (no memory of evicted
     pages, no order state), or version 2 before the miniatures (shadow scores, a tag table)."""
-    raw = path.read_bytes()
-    start = len(modelfile.MAGIC) + 8
-    size = int.from_bytes(raw[len(modelfile.MAGIC) : start], "little")
-    header = json.loads(raw[start : start + size])
-    body = raw[start + size : -4 - 8 * header.pop("adapt_ints")]
+    header, body = snap.split(path.read_bytes())
+    body = body[: len(body) - 8 * header.pop("adapt_ints")]
     if version == 1:
         del header["history"], header["adapt"]
     else:
@@ -260,9 +256,7 @@ def _older_file(path: Path, store: Store, version: int) -> None:
         header["tags"] = 4096
         body += bytes(4096)
     header["version"] = version
-    text = json.dumps(header).encode()
-    old = modelfile.MAGIC + len(text).to_bytes(8, "little") + text + body
-    path.write_bytes(old + zlib.crc32(old).to_bytes(4, "little"))
+    path.write_bytes(snap.joined(header, body))
     with store.transaction() as conn:
         pages_sql.set_model_stamp(conn, header["token"])
 

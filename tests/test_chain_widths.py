@@ -5,9 +5,7 @@ old widths) still load, narrowed; the key table takes 1.3 to 2.3 buckets a page 
 
 from __future__ import annotations
 
-import json
 import math
-import zlib
 from array import array
 from pathlib import Path
 
@@ -17,6 +15,7 @@ from cachemgr.gc.pagestore import COLUMNS, KEY_BYTES
 from cachemgr.gc.value import eviction_order
 from cachemgr.state import pages_sql
 from cachemgr.state.store import Store
+from tests import test_model_snapshot as snap
 from tests.test_chain_store import NS, chains, key
 
 OLD_WIDTHS = {"ns": "H", "reads": "i", "files": "i", "kids": "i"}  # versions 1 and 2
@@ -71,10 +70,8 @@ def _as_version(raw: bytes, version: int) -> bytes:
     """A file of this version rewritten as version 2 or 3 wrote it: the access sequences 64
     bits wide; in version 2 also no item types in the header, every count column at its old
     width."""
-    start = len(modelfile.MAGIC) + 8
-    size = int.from_bytes(raw[len(modelfile.MAGIC) : start], "little")
-    header = json.loads(raw[start : start + size])
-    body, top = raw[start + size : -4], header["top"]
+    header, body = snap.split(raw)
+    top = header["top"]
     parts, at = [body[: top * (KEY_BYTES + 1)]], top * (KEY_BYTES + 1)
     old = OLD_SEQS | (OLD_WIDTHS if version == 2 else {})
     for c in (c for c in COLUMNS if c not in ("cand", "cand_sfx")):
@@ -87,9 +84,7 @@ def _as_version(raw: bytes, version: int) -> bytes:
     if version == 2:
         del header["columns"]
     header["version"], header["sizes"] = version, {c: array(c).itemsize for c in "bBhHiqd"}
-    text = json.dumps(header).encode()
-    old = modelfile.MAGIC + len(text).to_bytes(8, "little") + text + b"".join(parts) + body[at:]
-    return old + zlib.crc32(old).to_bytes(4, "little")
+    return snap.joined(header, b"".join(parts) + body[at:])
 
 
 def test_a_version_2_model_file_loads_with_narrow_columns(
@@ -172,11 +167,8 @@ def test_the_key_table_holds_one_and_a_third_to_two_and_a_quarter_buckets_a_page
 
 def _with_header(raw: bytes, change: dict[str, int]) -> bytes:
     """A file with these header fields changed, and its CRC made right again."""
-    start = len(modelfile.MAGIC) + 8
-    size = int.from_bytes(raw[len(modelfile.MAGIC) : start], "little")
-    text = json.dumps(json.loads(raw[start : start + size]) | change).encode()
-    new = modelfile.MAGIC + len(text).to_bytes(8, "little") + text + raw[start + size : -4]
-    return new + zlib.crc32(new).to_bytes(4, "little")
+    header, body = snap.split(raw)
+    return snap.joined(header | change, body)
 
 
 def test_a_key_table_over_three_quarters_full_is_refused(tmp_path: Path, store: Store) -> None:
@@ -195,9 +187,7 @@ def test_a_key_table_over_three_quarters_full_is_refused(tmp_path: Path, store: 
 
 
 def _token(raw: bytes) -> str:
-    start = len(modelfile.MAGIC) + 8
-    size = int.from_bytes(raw[len(modelfile.MAGIC) : start], "little")
-    return str(json.loads(raw[start : start + size])["token"])
+    return str(snap.split(raw)[0]["token"])
 
 
 def test_a_version_2_file_s_numbers_fit_after_narrowing(tmp_path: Path, store: Store) -> None:

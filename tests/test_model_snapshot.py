@@ -12,8 +12,10 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import zlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -89,6 +91,20 @@ def _garble(path: Path, store: Store) -> None:
     raw = bytearray(path.read_bytes())
     raw[len(raw) * 2 // 3] ^= 0x40  # one bit, in the arrays
     path.write_bytes(bytes(raw))
+
+
+def split(raw: bytes) -> tuple[dict[str, Any], bytes]:
+    """A model file's header, and the arrays after it (without the CRC at the end)."""
+    start = len(modelfile.MAGIC) + 8
+    end = start + int.from_bytes(raw[start - 8 : start], "little")
+    return json.loads(raw[start:end]), raw[end:-4]
+
+
+def joined(header: dict[str, Any], body: bytes) -> bytes:
+    """A model file of this header and these arrays, with its CRC made right."""
+    text = json.dumps(header).encode()
+    raw = modelfile.MAGIC + len(text).to_bytes(8, "little") + text + body
+    return raw + zlib.crc32(raw).to_bytes(4, "little")
 
 
 def _header(path: Path, change: dict[str, int]) -> None:
