@@ -45,6 +45,12 @@ def ns_stats(conn: sqlite3.Connection, ns: str) -> tuple[int, ...]:
     return tuple(row) if row else (0, 0, 0, 0)
 
 
+def live_counts(ix: Indexer, ns: str) -> tuple[int, int]:
+    """(reads, writes) the indexer counted live: they follow its batch's commit."""
+    c = ix.state.counters.get(ns)
+    return (c.reads, c.writes) if c else (0, 0)
+
+
 def scanned_at(conn: sqlite3.Connection, ns: str) -> float:
     """When the indexer last scanned the namespace dir (0: never); it watches it before."""
     row = conn.execute(
@@ -68,8 +74,7 @@ def test_stores_reads_and_deletes_reach_the_index(
         read_page(d, page_name(1))
         (d / page_name(20)).unlink()
         wait_for(lambda: ns_stats(reader, NS_A), lambda s: s == (20, 1024 + 19 * 2048, 6, 20))
-        counters = ix.state.counters[NS_A]
-        assert (counters.reads, counters.writes) == (6, 20)
+        wait_for(lambda: live_counts(ix, NS_A), lambda c: c == (6, 20), timeout=10)
         reads = dict(reader.execute("SELECT name, reads FROM pages WHERE reads > 0"))
         assert reads == {page_name(0): 1, page_name(1): 2, **{page_name(i): 1 for i in (2, 3, 4)}}
         assert ix.lag() == 0.0
@@ -138,7 +143,9 @@ def test_a_kernel_queue_overflow_is_counted_and_repaired_by_a_rescan(
         watcher.release.set()
         wait_for(lambda: ix.state.overflows, lambda n: n >= 1, timeout=30)
         wait_for(lambda: ns_stats(reader, NS_A)[:2], lambda s: s == (50, 50 * 1024), timeout=30)
-        assert ix.state.drift_pages >= 1  # the rescan found the stores the events missed
+        # The rescan found the stores the events missed. Its rows are committed before its
+        # report is counted (the model is reloaded in between), so wait for the count too.
+        wait_for(lambda: ix.state.drift_pages, lambda n: n >= 1, timeout=10)
     finally:
         watcher.release.set()
         ix.stop()
@@ -253,7 +260,7 @@ def test_a_second_daemon_follows_and_takes_over_when_the_first_stops(
         assert second.state.drift_pages == 5  # the takeover rescan found the gap's pages
         store_page(d, page_name(15))
         wait_for(lambda: ns_stats(reader, NS_A)[:2], lambda s: s == (16, 16 * 1024))
-        assert second.state.counters[NS_A].writes == 1  # it watches now
+        wait_for(lambda: live_counts(second, NS_A)[1], lambda n: n == 1)  # it watches now
     finally:
         first.stop()
         second.stop()
