@@ -217,3 +217,29 @@ def test_status_of_another_root_ignores_the_daemon_serving_this_one(tmp_path: Pa
     assert report["source"] == "disk" and report["root"] == str(other.root)
     assert [ns["id"] for ns in report["namespaces"]] == [NS_B]
     assert f"serves {served.root}, not {other.root}; counting from disk" in theirs.stderr
+
+
+def test_status_and_ls_say_why_they_count_on_disk_when_the_daemon_is_elsewhere(
+    tmp_path: Path,
+) -> None:
+    """A daemon indexes the root but listens on another port: the count from disk takes
+    minutes at millions of pages, so the operator is told why, and how to ask the daemon."""
+    layout = Layout.at(tmp_path / "root")
+    create_root(layout)
+    store_page(register_namespace(layout, NS_A, instance="gpu0"), page_name(1), 1000)
+    quiet = cli_process("--root", str(layout.root), "status", "--port", "1")
+    assert "counting from disk" not in quiet.stderr  # no daemon: nothing to explain
+    with running_daemon(load_settings(root=layout.root)) as dm:
+        port = str(dm.daemon.port)
+        asked = cli_process("--root", str(layout.root), "status", "--json", "--port", port)
+        for command in ("status", "ls"):
+            out = cli_process("--root", str(layout.root), command, "--json", "--port", "1")
+            assert out.returncode == 0, out.stderr
+            assert json.loads(out.stdout)["source"] == "disk"
+            [line] = [ln for ln in out.stderr.splitlines() if "counting from disk" in ln]
+            assert line.startswith(f"cachemgr: a daemon indexes {layout.root} (pid {os.getpid()}")
+            assert line.endswith(
+                "but none answered for it on 127.0.0.1:1; counting from disk"
+                " (give its --port or CACHEMGR_PORT)"
+            )
+    assert json.loads(asked.stdout)["source"] == "daemon" and asked.stderr == ""

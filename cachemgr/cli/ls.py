@@ -10,7 +10,7 @@ import click
 
 from cachemgr.cli.common import said_not_whole
 from cachemgr.cli.context import AppContext, pass_app, setting_option
-from cachemgr.cli.status import ASK_TIMEOUT, serving_root
+from cachemgr.cli.status import ASK_TIMEOUT, serving_root, unanswered
 from cachemgr.cli.tables import Column, print_fitted
 from cachemgr.fs.dirscan import Usage
 from cachemgr.layout import Layout
@@ -65,6 +65,7 @@ def served_usage(settings: Settings, layout: Layout) -> dict[str, Usage] | None:
     namespace it could not read is left out (counted here, as this user sees it)."""
     report = serving_root(settings, layout.root, ASK_TIMEOUT)
     if report is None:
+        unanswered(settings, layout)
         return None
     index = report.get("index")
     if not isinstance(index, dict) or index.get("ready") is not True:

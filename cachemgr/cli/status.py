@@ -16,8 +16,9 @@ import click
 from cachemgr.cli.common import said_not_whole
 from cachemgr.cli.context import AppContext, pass_app, setting_option
 from cachemgr.cli.tables import Column, echo_fitted, print_fitted
+from cachemgr.daemon.index_leader import leadership_files
 from cachemgr.doctor.root import disk_state, filesystem_line
-from cachemgr.errors import NotFoundError
+from cachemgr.errors import NotFoundError, UnsafePathError
 from cachemgr.fs.usage import DiskUsage
 from cachemgr.gc.policy import GcPolicy
 from cachemgr.layout import Layout
@@ -56,6 +57,24 @@ def serving_root(settings: Settings, root: Path, timeout: float = 1.0) -> dict[s
     if served is None or not same_root(served.get("root"), root):
         return None
     return served
+
+
+def unanswered(settings: Settings, layout: Layout) -> None:
+    """Say on stderr why the count is on disk when a daemon indexes this root on this host but
+    none answered for it on host:port: at millions of pages that count takes minutes (ten at
+    10M pages, bench/RESULTS.md) while the daemon's index has it at once."""
+    leadership, _ = leadership_files(layout)
+    try:
+        if not leadership.led_elsewhere():
+            return
+    except (OSError, UnsafePathError):  # an unreadable state dir: nothing to tell
+        return
+    holder = (leadership.holder() or "").split(" since ")[0] or "a process"
+    click.echo(
+        f"cachemgr: a daemon indexes {layout.root} ({holder}) but none answered for it on "
+        f"{settings.host}:{settings.port}; counting from disk (give its --port or CACHEMGR_PORT)",
+        err=True,
+    )
 
 
 def same_root(reported: object, root: Path) -> bool:
@@ -150,6 +169,7 @@ def status(app: AppContext, as_json: bool, wide: bool) -> None:
     elif not layout.root.is_dir():
         raise NotFoundError(f"no cache root at {layout.root} (init or serve creates it)")
     else:
+        unanswered(settings, layout)
         report = status_from_disk(layout)
     report["filesystem"] = _filesystem(layout, settings)
     if as_json:
