@@ -24,7 +24,7 @@ from cachemgr.layout import Layout
 from cachemgr.settings import load_settings
 from cachemgr.state.store import Store
 from tests.daemon_helpers import NS_A, page_name, register_namespace, running_daemon, store_page
-from tests.gc_helpers import NS, T0, Tree, big_disk, evicted, page, policy
+from tests.gc_helpers import NS, NS2, T0, Tree, big_disk, evicted, page, policy
 from tests.polling import wait_for
 from tests.vllmtrees import block_path, key, vllm_store, vllm_tree
 
@@ -333,6 +333,148 @@ def test_a_deleted_dirs_watch_is_not_asked_about_deletions_any_more(tmp_path: Pa
         assert watcher.watch(NS) and watcher._leaves
         subprocess.run(["rm", "-r", str(tree.dir(NS))], check=True)
         wait_for(lambda: dict(watcher._leaves), lambda leaves: not leaves, what="the watch gone")
+    finally:
+        watcher.stop()
+        tree.store.close()
+
+
+def test_reading_a_buffer_gives_what_watchdog_gives_when_nothing_is_own() -> None:
+    """The parser against watchdog's own `read_events` filter, event for event: names of no
+    bytes, padded with many NULs, not UTF-8; IN_IGNORED; an overflow and a global event."""
+    reader = _Reader(lambda idle: None, lambda wd, name: False)
+    raw = b"".join(
+        [
+            _raw(3, C.IN_DELETE, b""),
+            struct.pack("iIII", 3, C.IN_DELETE, 0, 64) + b"a.bin" + b"\0" * 59,
+            _raw(3, C.IN_DELETE, b"\xff\xfe.bin"),
+            _raw(3, C.IN_MOVED_TO, b"x" * 255),
+            _raw(3, C.IN_IGNORED, b""),
+            _raw(-1, C.IN_Q_OVERFLOW, b""),
+            _raw(-1, C.IN_UNMOUNT, b""),
+            _raw(4, C.IN_DELETE | C.IN_ISDIR, b"d"),
+        ]
+    )
+    try:
+        got = reader.events(raw)
+        want = [
+            (wd, mask, cookie, name)
+            for wd, mask, cookie, name in _Reader._parse_event_buffer(raw)
+            if wd != -1 or mask & C.IN_Q_OVERFLOW
+        ]
+    finally:
+        reader._close_resources()  # (never started: no thread to close them)
+    assert [(e.wd, e.mask, e.cookie, e.name) for e in got] == want
+    assert [e.name for e in got][:3] == [b"", b"a.bin", b"\xff\xfe.bin"] and len(got) == 7
+
+
+def test_a_same_named_block_in_another_hashed_dir_is_not_taken_for_gcs(
+    layout: Layout, store: Store
+) -> None:
+    """vLLM's layout puts the same file name in two dirs (another KV cache group): GC's
+    deletion of one is not the deletion of the other, whichever comes first."""
+    ns, d, folder = vllm_tree(layout, store)
+    ours, theirs = block_path(folder, key(7), group=0), block_path(folder, key(7), group=1)
+    assert ours.rpartition("/")[2] == theirs.rpartition("/")[2]
+    for rel in (ours, theirs):
+        vllm_store(d, rel)
+    watcher = Watcher(layout)
+    try:
+        watcher.start()
+        assert watcher.watch(ns)
+        wait_for(lambda: len(watcher._leaves), lambda n: n >= 2, what="both leaf watches")
+        watcher.own.expect(ns, [ours])
+        (d / theirs).unlink()  # someone else, first
+        wait_for(lambda: _gone(watcher), lambda g: theirs in g, what="the foreign deletion")
+        assert len(watcher.own) == 1
+        (d / ours).unlink()  # GC's
+        watcher.own.settle(ns, [ours], {ours})
+        wait_for(lambda: len(watcher.own), lambda n: n == 0, what="GC's deletion taken")
+        time.sleep(0.2)
+        assert _gone(watcher) == {theirs}
+    finally:
+        watcher.stop()
+
+
+def test_a_namespace_dir_renamed_keeps_its_watch_and_tells_own_deletions_by_the_new_name(
+    tmp_path: Path,
+) -> None:
+    """`mv ns/A ns/B`: one kernel watch, the descriptor shared by A's dead callback and B's.
+    GC's deletions in B are dropped, an operator's are queued, before and after the index
+    thread unwatches A; names GC expects under A are never taken for B's."""
+    tree = Tree.at(tmp_path / "root")
+    watcher = Watcher(tree.layout)
+    names = [page(i) for i in range(1, 7)]
+    try:
+        tree.write(NS, names, at=T0)
+        watcher.start()
+        assert watcher.watch(NS)
+        wd = next(iter(watcher._leaves))
+        os.rename(tree.dir(NS), tree.layout.ns_dir(NS2))
+        wait_for(lambda: watcher.has(NS2), bool, what="the new name's watch")
+        assert watcher._leaves[wd].ns_id == NS2
+        d = tree.layout.ns_dir(NS2)
+        watcher.own.expect(NS, [names[0]])  # (a plan of the old name's rows)
+        watcher.own.expect(NS2, [names[1]])
+        for n in names[:3]:
+            (d / n).unlink()
+        wait_for(lambda: _gone(watcher), lambda g: {names[0], names[2]} <= g, what="deletions")
+        watcher.unwatch(NS)  # the index thread, at NS's NS_GONE
+        assert watcher._leaves[wd].ns_id == NS2
+        watcher.own.expect(NS2, [names[3]])
+        for n in names[3:5]:
+            (d / n).unlink()
+        wait_for(lambda: _gone(watcher), lambda g: names[4] in g, what="the later deletion")
+        time.sleep(0.2)
+        assert _gone(watcher) == {names[0], names[2], names[4]}
+    finally:
+        watcher.stop()
+        tree.store.close()
+
+
+class _OperatorInTheChunk:
+    """GC's `unlinking`, and an operator who deletes a page the chunk refused (too young) in
+    the moment between its check and the chunk's end, read by the watcher before GC settles."""
+
+    def __init__(self, watcher: Watcher, d: Path, victim: str) -> None:
+        self.watcher, self.d, self.victim = watcher, d, victim
+
+    def expect(self, ns: str, names: Sequence[str]) -> None:
+        self.watcher.own.expect(ns, names)
+
+    def settle(self, ns: str, names: Sequence[str], deleted: Collection[str]) -> None:
+        if self.victim in names and self.victim not in deleted and (self.d / self.victim).exists():
+            (self.d / self.victim).unlink()
+            left = len(names) - len(deleted) - 1  # (every event of the chunk read)
+            wait_for(lambda: len(self.watcher.own), lambda n: n == left, what="the reads")
+        self.watcher.own.settle(ns, names, deleted)
+
+
+def test_a_page_gc_refused_and_someone_deleted_before_it_settled_leaves_no_row(
+    tmp_path: Path,
+) -> None:
+    """GC expected a page, refused it (written again: too young), and someone else deleted it
+    before the chunk settled: the watcher took that IN_DELETE for GC's, but GC deleted no such
+    file and kept its row. The deletion reaches the index all the same (a GONE, which the
+    index checks with a stat), so no row outlives its file until a reconcile."""
+    tree = Tree.at(tmp_path / "root")
+    watcher = Watcher(tree.layout)
+    d = tree.dir(NS)
+    try:
+        tree.write(NS, [page(i) for i in range(1, 11)], at=T0)
+        watcher.start()
+        assert watcher.watch(NS)
+        model = ChainModel.from_index(tree.store.conn, [NS])
+        plan = tree.plan(policy(max_bytes=6000, min_age=60), now=time.time(), model=model)
+        young = evicted(plan)[0]
+        os.utime(d / young, (time.time(), time.time()))  # written again just now: min_age
+        deleted: set[str] = set()
+        told = _OperatorInTheChunk(watcher, d, young)
+        execute_gc(plan, tree.run(), unlinking=told, recorded=lambda _, n: deleted.update(n))
+        assert young not in deleted and not (d / young).exists()
+        wait_for(lambda: _gone(watcher), lambda g: young in g, what="the operator's deletion")
+        assert len(watcher.own) == 0
+        tree.rec.apply(list(watcher.queue), now=time.time())  # the index's next batch
+        assert {n for (n,) in tree.store.conn.execute("SELECT name FROM pages")} == tree.files(NS)
     finally:
         watcher.stop()
         tree.store.close()
