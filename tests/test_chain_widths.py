@@ -204,3 +204,31 @@ def test_a_version_2_file_s_numbers_fit_after_narrowing(tmp_path: Path, store: S
     assert modelfile.restore(restored, path, store) == {NS}
     restored.add(NS, key(500) + "_m_0_1.bin", 64, 1199, seq=1000, at=0.0)  # file set 199
     assert restored.pages[NS, key(500)].files == (("_m_0_1.bin", 1199),)
+
+
+def test_sequences_at_the_32_bit_boundary_and_through_a_save(tmp_path: Path, store: Store) -> None:
+    """2**32 - 1 still fits 32 bits, 2**32 widens (the last use, the birth, each its own
+    column); a save keeps the wide columns, and the restored model goes on past them."""
+    top = (1 << 32) - 1
+    model = ChainModel()
+    chains(model, 100, 10)
+    st = model.store
+    model.observe_read(NS, key(5) + "_m_0_1.bin", 64, seq=top, at=500.0)
+    model.add_indexed(NS, (key(900) + "_m_0_1.bin", 64, 1024, 501.0, top, 0, key(899), top))
+    assert (st.last.typecode, st.born.typecode) == ("I", "I")
+    assert model.pages[NS, key(5)].last == top and model.pages[NS, key(900)].born == top
+    model.observe_read(NS, key(6) + "_m_0_1.bin", 64, seq=top + 1, at=502.0)
+    assert (st.last.typecode, st.born.typecode) == ("q", "I")
+    row = (key(901) + "_m_0_1.bin", 64, 1024, 503.0, top + 2, 0, key(900), top + 2)
+    model.add_indexed(NS, row)
+    assert st.born.typecode == "q" and model.pages[NS, key(901)].born == top + 2
+    path = tmp_path / "chain-model.snapshot"
+    modelfile.save(model, path, store, [NS])
+    restored = ChainModel()
+    assert modelfile.restore(restored, path, store) == {NS}
+    assert (restored.store.last.typecode, restored.store.born.typecode) == ("q", "q")
+    assert dict(restored.pages) == dict(model.pages) and order(restored) == order(model)
+    for i in range(2000, 4000):  # past the loaded key table's room
+        restored.add(NS, key(i) + "_m_0_1.bin", 64, 1024, seq=top + i, at=float(i))
+    assert all(restored.pages[NS, key(i)].last == top + i for i in range(2000, 4000, 97))
+    assert restored.pages[NS, key(6)].last == top + 1
