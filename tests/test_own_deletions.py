@@ -478,3 +478,27 @@ def test_a_page_gc_refused_and_someone_deleted_before_it_settled_leaves_no_row(
     finally:
         watcher.stop()
         tree.store.close()
+
+
+def test_names_of_a_chunk_the_purge_cut_short_are_not_queued_for_its_gone_dir(
+    tmp_path: Path,
+) -> None:
+    """A purge moved the namespace dir away while GC's chunk ran (its names not reached, the
+    watcher forgot what GC expected there): nothing of that chunk is queued after its
+    NS_GONE, whose rows went with the namespace."""
+    tree = Tree.at(tmp_path / "root")
+    watcher = Watcher(tree.layout)
+    names = [page(i) for i in range(1, 4)]
+    try:
+        tree.write(NS, names, at=T0)
+        watcher.start()
+        assert watcher.watch(NS)
+        watcher.own.expect(NS, names)
+        tree.dir(NS).rename(tmp_path / "trash")  # the purge
+        wait_for(lambda: [e[0] for e in watcher.queue], lambda k: Kind.NS_GONE in k, what="it")
+        watcher.own.settle(NS, names, set())  # not reached
+        time.sleep(0.1)
+        assert not _gone(watcher)
+    finally:
+        watcher.stop()
+        tree.store.close()
