@@ -502,3 +502,29 @@ def test_names_of_a_chunk_the_purge_cut_short_are_not_queued_for_its_gone_dir(
     finally:
         watcher.stop()
         tree.store.close()
+
+
+def test_gcs_deletion_a_store_again_and_an_operators_deletion_of_one_name(tmp_path: Path) -> None:
+    """GC deletes a page, the engine stores the same name again and an operator deletes it,
+    all within one read of the kernel's queue or across several: only GC's is dropped."""
+    tree = Tree.at(tmp_path / "root")
+    watcher = Watcher(tree.layout)
+    d = tree.dir(NS)
+    names = [page(i) for i in range(1, 21)]
+    try:
+        tree.write(NS, names, at=T0)
+        watcher.start()
+        assert watcher.watch(NS)
+        watcher.own.expect(NS, names)
+        for n in names:
+            (d / n).unlink()  # GC's
+            store_page(d, n, 100)  # the engine's
+            (d / n).unlink()  # the operator's
+        watcher.own.settle(NS, names, set(names))
+        wait_for(lambda: _gone(watcher), lambda g: g == set(names), what="the operator's")
+        kinds = [(k, n) for k, ns, n, *_ in list(watcher.queue) if k is not Kind.READ]
+        assert kinds == [(k, n) for n in names for k in (Kind.WRITE, Kind.GONE)]
+        assert len(watcher.own) == 0
+    finally:
+        watcher.stop()
+        tree.store.close()
