@@ -255,3 +255,20 @@ def test_the_key_table_through_churn_keeps_empty_buckets_and_finds_every_key() -
             assert st.filled == sum(1 for b in st.table if b != NONE)
             assert all(st.find(*k) == s for k, s in live.items())
     assert st.top < 2 * len(live) + 1000  # (freed slots taken again)
+
+
+def test_a_key_table_fuller_than_its_header_says_is_refused(tmp_path: Path, store: Store) -> None:
+    """The header's count of buckets in use is checked against the table itself: a table
+    with no empty bucket (garbled, with a CRC that checks) would send the first look-up of a
+    new key round it for ever, the model's lock held (the index and GC stuck behind it)."""
+    model = ChainModel()
+    chains(model, 500, 20)
+    path = tmp_path / "chain-model.snapshot"
+    modelfile.save(model, path, store, [NS])
+    header, body = snap.split(path.read_bytes())
+    at = header["top"] * (KEY_BYTES + 1) + 4 * header["freed"]
+    at += sum(header["top"] * array(header["columns"][c]).itemsize for c in header["columns"])
+    size = header["table"]
+    full = array("i", [0]) * size  # every bucket slot 0's
+    path.write_bytes(snap.joined(header, body[:at] + full.tobytes() + body[at + 4 * size :]))
+    assert modelfile.restore(ChainModel(), path, store) == set()
