@@ -181,10 +181,24 @@ def test_a_key_table_over_three_quarters_full_is_refused(tmp_path: Path, store: 
     modelfile.save(model, path, store, [NS])
     raw, size = path.read_bytes(), len(model.store.table)
     for filled, used in ((size * 3 // 4, {NS}), (size * 3 // 4 + 1, set())):
-        path.write_bytes(_with_header(raw, {"filled": filled}))
+        path.write_bytes(_with_table(raw, filled))
         with store.transaction() as conn:
             pages_sql.set_model_stamp(conn, _token(raw))
         assert modelfile.restore(ChainModel(), path, store) == used
+
+
+def _with_table(raw: bytes, filled: int) -> bytes:
+    """A file whose key table has `filled` buckets not empty (empty ones made dead), as its
+    header says, and its CRC made right again."""
+    header, body = snap.split(raw)
+    at = header["top"] * (KEY_BYTES + 1) + 4 * header["freed"]
+    at += sum(header["top"] * array(header["columns"][c]).itemsize for c in header["columns"])
+    table = array("i")
+    table.frombytes(body[at : at + 4 * header["table"]])
+    for i in [i for i, s in enumerate(table) if s == NONE][: filled - header["filled"]]:
+        table[i] = -2  # (a dead bucket)
+    header["filled"] = filled
+    return snap.joined(header, body[:at] + table.tobytes() + body[at + len(table) * 4 :])
 
 
 def _token(raw: bytes) -> str:
