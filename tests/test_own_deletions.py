@@ -19,6 +19,7 @@ from cachemgr.formats import DEFAULT_FORMAT
 from cachemgr.fs.root import create_root
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.execute import CHUNK, InFlight, execute_gc
+from cachemgr.gc.plan import GcPlan
 from cachemgr.gc.runner import GcRunner, LiveState
 from cachemgr.layout import Layout
 from cachemgr.settings import load_settings
@@ -43,11 +44,7 @@ def test_a_cap_run_deletes_without_queueing_its_deletions_and_others_still_are(
     watcher = Watcher(tree.layout)
     d = tree.dir(NS)
     try:
-        tree.write(NS, [page(i) for i in range(1, 11)], at=T0)
-        watcher.start()
-        assert watcher.watch(NS)
-        model = ChainModel.from_index(tree.store.conn, [NS])
-        plan = tree.plan(policy(max_bytes=6000, min_age=60), now=time.time(), model=model)
+        plan = _watched_cap_plan(tree, watcher)
         planned = evicted(plan)
         young, other = planned[0], next(n for n in tree.files(NS) if n not in planned)
         assert len(planned) >= 4
@@ -65,6 +62,20 @@ def test_a_cap_run_deletes_without_queueing_its_deletions_and_others_still_are(
         watcher.stop()
         tree.store.close()
     assert not deleted & tree.files(NS)
+
+
+def _watched(tree: Tree, watcher: Watcher, names: list[str]) -> None:
+    """These pages of NS written, and the watcher started on NS."""
+    tree.write(NS, names, at=T0)
+    watcher.start()
+    assert watcher.watch(NS)
+
+
+def _watched_cap_plan(tree: Tree, watcher: Watcher) -> GcPlan:
+    """Ten pages of NS, watched, and the plan of a cap (min_age 60 s) that takes some."""
+    _watched(tree, watcher, [page(i) for i in range(1, 11)])
+    model = ChainModel.from_index(tree.store.conn, [NS])
+    return tree.plan(policy(max_bytes=6000, min_age=60), now=time.time(), model=model)
 
 
 def test_what_is_expected_stays_bounded_and_goes_with_lost_events() -> None:
@@ -243,9 +254,7 @@ def test_a_name_expected_in_a_dir_no_watch_saw_is_not_expected_for_ever(tmp_path
     watcher = Watcher(tree.layout, own=OwnDeletions(clock=lambda: now[0]))
     names = [page(i) for i in range(1, 5)]
     try:
-        tree.write(NS, names, at=T0)
-        watcher.start()
-        assert watcher.watch(NS)
+        _watched(tree, watcher, names)
         d = tree.dir(NS)
         d.rename(tmp_path / "trash")  # the purge
         tree.write(NS, names, at=T0)  # the init, and the engine storing the same prefix
@@ -405,9 +414,7 @@ def test_a_namespace_dir_renamed_keeps_its_watch_and_tells_own_deletions_by_the_
     watcher = Watcher(tree.layout)
     names = [page(i) for i in range(1, 7)]
     try:
-        tree.write(NS, names, at=T0)
-        watcher.start()
-        assert watcher.watch(NS)
+        _watched(tree, watcher, names)
         wd = next(iter(watcher._leaves))
         os.rename(tree.dir(NS), tree.layout.ns_dir(NS2))
         wait_for(lambda: watcher.has(NS2), bool, what="the new name's watch")
@@ -460,11 +467,7 @@ def test_a_page_gc_refused_and_someone_deleted_before_it_settled_leaves_no_row(
     watcher = Watcher(tree.layout)
     d = tree.dir(NS)
     try:
-        tree.write(NS, [page(i) for i in range(1, 11)], at=T0)
-        watcher.start()
-        assert watcher.watch(NS)
-        model = ChainModel.from_index(tree.store.conn, [NS])
-        plan = tree.plan(policy(max_bytes=6000, min_age=60), now=time.time(), model=model)
+        plan = _watched_cap_plan(tree, watcher)
         young = evicted(plan)[0]
         os.utime(d / young, (time.time(), time.time()))  # written again just now: min_age
         deleted: set[str] = set()
@@ -490,9 +493,7 @@ def test_names_of_a_chunk_the_purge_cut_short_are_not_queued_for_its_gone_dir(
     watcher = Watcher(tree.layout)
     names = [page(i) for i in range(1, 4)]
     try:
-        tree.write(NS, names, at=T0)
-        watcher.start()
-        assert watcher.watch(NS)
+        _watched(tree, watcher, names)
         watcher.own.expect(NS, names)
         tree.dir(NS).rename(tmp_path / "trash")  # the purge
         wait_for(lambda: [e[0] for e in watcher.queue], lambda k: Kind.NS_GONE in k, what="it")
@@ -512,9 +513,7 @@ def test_gcs_deletion_a_store_again_and_an_operators_deletion_of_one_name(tmp_pa
     d = tree.dir(NS)
     names = [page(i) for i in range(1, 21)]
     try:
-        tree.write(NS, names, at=T0)
-        watcher.start()
-        assert watcher.watch(NS)
+        _watched(tree, watcher, names)
         watcher.own.expect(NS, names)
         for n in names:
             (d / n).unlink()  # GC's
