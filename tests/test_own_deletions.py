@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import struct
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Collection, Sequence
 from pathlib import Path
@@ -527,3 +529,35 @@ def test_gcs_deletion_a_store_again_and_an_operators_deletion_of_one_name(tmp_pa
     finally:
         watcher.stop()
         tree.store.close()
+
+
+def test_a_purge_while_gc_unlinks_elsewhere_does_not_break_the_inotify_thread() -> None:
+    """A namespace purged (its expected names forgotten, on the inotify thread) while a GC
+    run expects and settles chunks of another (on its thread): the forgetting never fails
+    (a RuntimeError there ended the inotify thread, and every event after it was lost)."""
+    own = OwnDeletions()
+    own.expect(NS2, [str(i) for i in range(20_000)])
+    stop, failed = threading.Event(), []
+
+    def gc_run() -> None:
+        names = [page(i) for i in range(CHUNK)]
+        while not stop.is_set():
+            own.expect(NS, names)
+            own.settle(NS, names, set())
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # (the threads take turns often, as under load)
+    runner = threading.Thread(target=gc_run)
+    runner.start()
+    try:
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and not failed:
+            try:
+                own.forget("0000000000000000")
+            except RuntimeError as e:
+                failed.append(e)
+    finally:
+        stop.set()
+        runner.join()
+        sys.setswitchinterval(switch)
+    assert not failed
