@@ -71,7 +71,9 @@ class OwnDeletions:
 
     def forget(self, ns: str) -> None:
         """The namespace's dir left <root>/ns (a purge): its files' events will not come."""
-        for key in [k for k in self._names if k[0] == ns]:
+        # (over a copy, made in one C call: GC's thread adds and takes back names meanwhile,
+        # and a dict that changes size under a loop over it raises, on the inotify thread)
+        for key in [k for k in list(self._names) if k[0] == ns]:
             self._names.pop(key, None)
 
     def clear(self) -> None:
