@@ -6,12 +6,13 @@ old widths) still load, narrowed; the key table takes 1.3 to 2.3 buckets a page 
 from __future__ import annotations
 
 import math
+import random
 from array import array
 from pathlib import Path
 
 from cachemgr.gc import modelfile
 from cachemgr.gc.chains import ChainModel
-from cachemgr.gc.pagestore import COLUMNS, KEY_BYTES
+from cachemgr.gc.pagestore import COLUMNS, KEY_BYTES, NONE, PageStore
 from cachemgr.gc.value import eviction_order
 from cachemgr.state import pages_sql
 from cachemgr.state.store import Store
@@ -180,10 +181,24 @@ def test_a_key_table_over_three_quarters_full_is_refused(tmp_path: Path, store: 
     modelfile.save(model, path, store, [NS])
     raw, size = path.read_bytes(), len(model.store.table)
     for filled, used in ((size * 3 // 4, {NS}), (size * 3 // 4 + 1, set())):
-        path.write_bytes(_with_header(raw, {"filled": filled}))
+        path.write_bytes(_with_table(raw, filled))
         with store.transaction() as conn:
             pages_sql.set_model_stamp(conn, _token(raw))
         assert modelfile.restore(ChainModel(), path, store) == used
+
+
+def _with_table(raw: bytes, filled: int) -> bytes:
+    """A file whose key table has `filled` buckets not empty (empty ones made dead), as its
+    header says, and its CRC made right again."""
+    header, body = snap.split(raw)
+    at = header["top"] * (KEY_BYTES + 1) + 4 * header["freed"]
+    at += sum(header["top"] * array(header["columns"][c]).itemsize for c in header["columns"])
+    table = array("i")
+    table.frombytes(body[at : at + 4 * header["table"]])
+    for i in [i for i, s in enumerate(table) if s == NONE][: filled - header["filled"]]:
+        table[i] = -2  # (a dead bucket)
+    header["filled"] = filled
+    return snap.joined(header, body[:at] + table.tobytes() + body[at + len(table) * 4 :])
 
 
 def _token(raw: bytes) -> str:
@@ -204,3 +219,70 @@ def test_a_version_2_file_s_numbers_fit_after_narrowing(tmp_path: Path, store: S
     assert modelfile.restore(restored, path, store) == {NS}
     restored.add(NS, key(500) + "_m_0_1.bin", 64, 1199, seq=1000, at=0.0)  # file set 199
     assert restored.pages[NS, key(500)].files == (("_m_0_1.bin", 1199),)
+
+
+def test_sequences_at_the_32_bit_boundary_and_through_a_save(tmp_path: Path, store: Store) -> None:
+    """2**32 - 1 still fits 32 bits, 2**32 widens (the last use, the birth, each its own
+    column); a save keeps the wide columns, and the restored model goes on past them."""
+    top = (1 << 32) - 1
+    model = ChainModel()
+    chains(model, 100, 10)
+    st = model.store
+    model.observe_read(NS, key(5) + "_m_0_1.bin", 64, seq=top, at=500.0)
+    model.add_indexed(NS, (key(900) + "_m_0_1.bin", 64, 1024, 501.0, top, 0, key(899), top))
+    assert (st.last.typecode, st.born.typecode) == ("I", "I")
+    assert model.pages[NS, key(5)].last == top and model.pages[NS, key(900)].born == top
+    model.observe_read(NS, key(6) + "_m_0_1.bin", 64, seq=top + 1, at=502.0)
+    assert (st.last.typecode, st.born.typecode) == ("q", "I")
+    row = (key(901) + "_m_0_1.bin", 64, 1024, 503.0, top + 2, 0, key(900), top + 2)
+    model.add_indexed(NS, row)
+    assert st.born.typecode == "q" and model.pages[NS, key(901)].born == top + 2
+    path = tmp_path / "chain-model.snapshot"
+    modelfile.save(model, path, store, [NS])
+    restored = ChainModel()
+    assert modelfile.restore(restored, path, store) == {NS}
+    assert (restored.store.last.typecode, restored.store.born.typecode) == ("q", "q")
+    assert dict(restored.pages) == dict(model.pages) and order(restored) == order(model)
+    for i in range(2000, 4000):  # past the loaded key table's room
+        restored.add(NS, key(i) + "_m_0_1.bin", 64, 1024, seq=top + i, at=float(i))
+    assert all(restored.pages[NS, key(i)].last == top + i for i in range(2000, 4000, 97))
+    assert restored.pages[NS, key(6)].last == top + 1
+
+
+def test_the_key_table_through_churn_keeps_empty_buckets_and_finds_every_key() -> None:
+    """Slots freed and taken again by the thousand (their buckets dead, then reused): the
+    count of buckets not empty stays true, at most three quarters of the table, and every
+    live key is found, odd keys and packed alike."""
+    rnd = random.Random(7)
+    st = PageStore()
+    live: dict[tuple[str, str], int] = {}
+    for step in range(30_000):
+        if live and rnd.random() < 0.48:
+            k = rnd.choice(list(live)) if step % 50 == 0 else next(iter(live))
+            st.release(live.pop(k))
+        else:
+            i = rnd.randrange(10**6)
+            k = (f"n{i % 3}", key(i) if i % 5 else f"odd{i}")
+            live[k] = st.ensure(*k)
+        assert st.filled <= 0.75 * len(st.table)
+        if step % 1000 == 0:
+            assert st.filled == sum(1 for b in st.table if b != NONE)
+            assert all(st.find(*k) == s for k, s in live.items())
+    assert st.top < 2 * len(live) + 1000  # (freed slots taken again)
+
+
+def test_a_key_table_fuller_than_its_header_says_is_refused(tmp_path: Path, store: Store) -> None:
+    """The header's count of buckets in use is checked against the table itself: a table
+    with no empty bucket (garbled, with a CRC that checks) would send the first look-up of a
+    new key round it for ever, the model's lock held (the index and GC stuck behind it)."""
+    model = ChainModel()
+    chains(model, 500, 20)
+    path = tmp_path / "chain-model.snapshot"
+    modelfile.save(model, path, store, [NS])
+    header, body = snap.split(path.read_bytes())
+    at = header["top"] * (KEY_BYTES + 1) + 4 * header["freed"]
+    at += sum(header["top"] * array(header["columns"][c]).itemsize for c in header["columns"])
+    size = header["table"]
+    full = array("i", [0]) * size  # every bucket slot 0's
+    path.write_bytes(snap.joined(header, body[:at] + full.tobytes() + body[at + 4 * size :]))
+    assert modelfile.restore(ChainModel(), path, store) == set()

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import struct
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Collection, Sequence
 from pathlib import Path
@@ -19,12 +21,13 @@ from cachemgr.formats import DEFAULT_FORMAT
 from cachemgr.fs.root import create_root
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.execute import CHUNK, InFlight, execute_gc
+from cachemgr.gc.plan import GcPlan
 from cachemgr.gc.runner import GcRunner, LiveState
 from cachemgr.layout import Layout
 from cachemgr.settings import load_settings
 from cachemgr.state.store import Store
 from tests.daemon_helpers import NS_A, page_name, register_namespace, running_daemon, store_page
-from tests.gc_helpers import NS, T0, Tree, big_disk, evicted, page, policy
+from tests.gc_helpers import NS, NS2, T0, Tree, big_disk, evicted, page, policy
 from tests.polling import wait_for
 from tests.vllmtrees import block_path, key, vllm_store, vllm_tree
 
@@ -43,11 +46,7 @@ def test_a_cap_run_deletes_without_queueing_its_deletions_and_others_still_are(
     watcher = Watcher(tree.layout)
     d = tree.dir(NS)
     try:
-        tree.write(NS, [page(i) for i in range(1, 11)], at=T0)
-        watcher.start()
-        assert watcher.watch(NS)
-        model = ChainModel.from_index(tree.store.conn, [NS])
-        plan = tree.plan(policy(max_bytes=6000, min_age=60), now=time.time(), model=model)
+        plan = _watched_cap_plan(tree, watcher)
         planned = evicted(plan)
         young, other = planned[0], next(n for n in tree.files(NS) if n not in planned)
         assert len(planned) >= 4
@@ -65,6 +64,20 @@ def test_a_cap_run_deletes_without_queueing_its_deletions_and_others_still_are(
         watcher.stop()
         tree.store.close()
     assert not deleted & tree.files(NS)
+
+
+def _watched(tree: Tree, watcher: Watcher, names: list[str]) -> None:
+    """These pages of NS written, and the watcher started on NS."""
+    tree.write(NS, names, at=T0)
+    watcher.start()
+    assert watcher.watch(NS)
+
+
+def _watched_cap_plan(tree: Tree, watcher: Watcher) -> GcPlan:
+    """Ten pages of NS, watched, and the plan of a cap (min_age 60 s) that takes some."""
+    _watched(tree, watcher, [page(i) for i in range(1, 11)])
+    model = ChainModel.from_index(tree.store.conn, [NS])
+    return tree.plan(policy(max_bytes=6000, min_age=60), now=time.time(), model=model)
 
 
 def test_what_is_expected_stays_bounded_and_goes_with_lost_events() -> None:
@@ -243,9 +256,7 @@ def test_a_name_expected_in_a_dir_no_watch_saw_is_not_expected_for_ever(tmp_path
     watcher = Watcher(tree.layout, own=OwnDeletions(clock=lambda: now[0]))
     names = [page(i) for i in range(1, 5)]
     try:
-        tree.write(NS, names, at=T0)
-        watcher.start()
-        assert watcher.watch(NS)
+        _watched(tree, watcher, names)
         d = tree.dir(NS)
         d.rename(tmp_path / "trash")  # the purge
         tree.write(NS, names, at=T0)  # the init, and the engine storing the same prefix
@@ -336,3 +347,217 @@ def test_a_deleted_dirs_watch_is_not_asked_about_deletions_any_more(tmp_path: Pa
     finally:
         watcher.stop()
         tree.store.close()
+
+
+def test_reading_a_buffer_gives_what_watchdog_gives_when_nothing_is_own() -> None:
+    """The parser against watchdog's own `read_events` filter, event for event: names of no
+    bytes, padded with many NULs, not UTF-8; IN_IGNORED; an overflow and a global event."""
+    reader = _Reader(lambda idle: None, lambda wd, name: False)
+    raw = b"".join(
+        [
+            _raw(3, C.IN_DELETE, b""),
+            struct.pack("iIII", 3, C.IN_DELETE, 0, 64) + b"a.bin" + b"\0" * 59,
+            _raw(3, C.IN_DELETE, b"\xff\xfe.bin"),
+            _raw(3, C.IN_MOVED_TO, b"x" * 255),
+            _raw(3, C.IN_IGNORED, b""),
+            _raw(-1, C.IN_Q_OVERFLOW, b""),
+            _raw(-1, C.IN_UNMOUNT, b""),
+            _raw(4, C.IN_DELETE | C.IN_ISDIR, b"d"),
+        ]
+    )
+    try:
+        got = reader.events(raw)
+        want = [
+            (wd, mask, cookie, name)
+            for wd, mask, cookie, name in _Reader._parse_event_buffer(raw)
+            if wd != -1 or mask & C.IN_Q_OVERFLOW
+        ]
+    finally:
+        reader._close_resources()  # (never started: no thread to close them)
+    assert [(e.wd, e.mask, e.cookie, e.name) for e in got] == want
+    assert [e.name for e in got][:3] == [b"", b"a.bin", b"\xff\xfe.bin"] and len(got) == 7
+
+
+def test_a_same_named_block_in_another_hashed_dir_is_not_taken_for_gcs(
+    layout: Layout, store: Store
+) -> None:
+    """vLLM's layout puts the same file name in two dirs (another KV cache group): GC's
+    deletion of one is not the deletion of the other, whichever comes first."""
+    ns, d, folder = vllm_tree(layout, store)
+    ours, theirs = block_path(folder, key(7), group=0), block_path(folder, key(7), group=1)
+    assert ours.rpartition("/")[2] == theirs.rpartition("/")[2]
+    for rel in (ours, theirs):
+        vllm_store(d, rel)
+    watcher = Watcher(layout)
+    try:
+        watcher.start()
+        assert watcher.watch(ns)
+        wait_for(lambda: len(watcher._leaves), lambda n: n >= 2, what="both leaf watches")
+        watcher.own.expect(ns, [ours])
+        (d / theirs).unlink()  # someone else, first
+        wait_for(lambda: _gone(watcher), lambda g: theirs in g, what="the foreign deletion")
+        assert len(watcher.own) == 1
+        (d / ours).unlink()  # GC's
+        watcher.own.settle(ns, [ours], {ours})
+        wait_for(lambda: len(watcher.own), lambda n: n == 0, what="GC's deletion taken")
+        time.sleep(0.2)
+        assert _gone(watcher) == {theirs}
+    finally:
+        watcher.stop()
+
+
+def test_a_namespace_dir_renamed_keeps_its_watch_and_tells_own_deletions_by_the_new_name(
+    tmp_path: Path,
+) -> None:
+    """`mv ns/A ns/B`: one kernel watch, the descriptor shared by A's dead callback and B's.
+    GC's deletions in B are dropped, an operator's are queued, before and after the index
+    thread unwatches A; names GC expects under A are never taken for B's."""
+    tree = Tree.at(tmp_path / "root")
+    watcher = Watcher(tree.layout)
+    names = [page(i) for i in range(1, 7)]
+    try:
+        _watched(tree, watcher, names)
+        wd = next(iter(watcher._leaves))
+        os.rename(tree.dir(NS), tree.layout.ns_dir(NS2))
+        wait_for(lambda: watcher.has(NS2), bool, what="the new name's watch")
+        assert watcher._leaves[wd].ns_id == NS2
+        d = tree.layout.ns_dir(NS2)
+        watcher.own.expect(NS, [names[0]])  # (a plan of the old name's rows)
+        watcher.own.expect(NS2, [names[1]])
+        for n in names[:3]:
+            (d / n).unlink()
+        wait_for(lambda: _gone(watcher), lambda g: {names[0], names[2]} <= g, what="deletions")
+        watcher.unwatch(NS)  # the index thread, at NS's NS_GONE
+        assert watcher._leaves[wd].ns_id == NS2
+        watcher.own.expect(NS2, [names[3]])
+        for n in names[3:5]:
+            (d / n).unlink()
+        wait_for(lambda: _gone(watcher), lambda g: names[4] in g, what="the later deletion")
+        time.sleep(0.2)
+        assert _gone(watcher) == {names[0], names[2], names[4]}
+    finally:
+        watcher.stop()
+        tree.store.close()
+
+
+class _OperatorInTheChunk:
+    """GC's `unlinking`, and an operator who deletes a page the chunk refused (too young) in
+    the moment between its check and the chunk's end, read by the watcher before GC settles."""
+
+    def __init__(self, watcher: Watcher, d: Path, victim: str) -> None:
+        self.watcher, self.d, self.victim = watcher, d, victim
+
+    def expect(self, ns: str, names: Sequence[str]) -> None:
+        self.watcher.own.expect(ns, names)
+
+    def settle(self, ns: str, names: Sequence[str], deleted: Collection[str]) -> None:
+        if self.victim in names and self.victim not in deleted and (self.d / self.victim).exists():
+            (self.d / self.victim).unlink()
+            left = len(names) - len(deleted) - 1  # (every event of the chunk read)
+            wait_for(lambda: len(self.watcher.own), lambda n: n == left, what="the reads")
+        self.watcher.own.settle(ns, names, deleted)
+
+
+def test_a_page_gc_refused_and_someone_deleted_before_it_settled_leaves_no_row(
+    tmp_path: Path,
+) -> None:
+    """GC expected a page, refused it (written again: too young), and someone else deleted it
+    before the chunk settled: the watcher took that IN_DELETE for GC's, but GC deleted no such
+    file and kept its row. The deletion reaches the index all the same (a GONE, which the
+    index checks with a stat), so no row outlives its file until a reconcile."""
+    tree = Tree.at(tmp_path / "root")
+    watcher = Watcher(tree.layout)
+    d = tree.dir(NS)
+    try:
+        plan = _watched_cap_plan(tree, watcher)
+        young = evicted(plan)[0]
+        os.utime(d / young, (time.time(), time.time()))  # written again just now: min_age
+        deleted: set[str] = set()
+        told = _OperatorInTheChunk(watcher, d, young)
+        execute_gc(plan, tree.run(), unlinking=told, recorded=lambda _, n: deleted.update(n))
+        assert young not in deleted and not (d / young).exists()
+        wait_for(lambda: _gone(watcher), lambda g: young in g, what="the operator's deletion")
+        assert len(watcher.own) == 0
+        tree.rec.apply(list(watcher.queue), now=time.time())  # the index's next batch
+        assert {n for (n,) in tree.store.conn.execute("SELECT name FROM pages")} == tree.files(NS)
+    finally:
+        watcher.stop()
+        tree.store.close()
+
+
+def test_names_of_a_chunk_the_purge_cut_short_are_not_queued_for_its_gone_dir(
+    tmp_path: Path,
+) -> None:
+    """A purge moved the namespace dir away while GC's chunk ran (its names not reached, the
+    watcher forgot what GC expected there): nothing of that chunk is queued after its
+    NS_GONE, whose rows went with the namespace."""
+    tree = Tree.at(tmp_path / "root")
+    watcher = Watcher(tree.layout)
+    names = [page(i) for i in range(1, 4)]
+    try:
+        _watched(tree, watcher, names)
+        watcher.own.expect(NS, names)
+        tree.dir(NS).rename(tmp_path / "trash")  # the purge
+        wait_for(lambda: [e[0] for e in watcher.queue], lambda k: Kind.NS_GONE in k, what="it")
+        watcher.own.settle(NS, names, set())  # not reached
+        time.sleep(0.1)
+        assert not _gone(watcher)
+    finally:
+        watcher.stop()
+        tree.store.close()
+
+
+def test_gcs_deletion_a_store_again_and_an_operators_deletion_of_one_name(tmp_path: Path) -> None:
+    """GC deletes a page, the engine stores the same name again and an operator deletes it,
+    all within one read of the kernel's queue or across several: only GC's is dropped."""
+    tree = Tree.at(tmp_path / "root")
+    watcher = Watcher(tree.layout)
+    d = tree.dir(NS)
+    names = [page(i) for i in range(1, 21)]
+    try:
+        _watched(tree, watcher, names)
+        watcher.own.expect(NS, names)
+        for n in names:
+            (d / n).unlink()  # GC's
+            store_page(d, n, 100)  # the engine's
+            (d / n).unlink()  # the operator's
+        watcher.own.settle(NS, names, set(names))
+        wait_for(lambda: _gone(watcher), lambda g: g == set(names), what="the operator's")
+        kinds = [(k, n) for k, ns, n, *_ in list(watcher.queue) if k is not Kind.READ]
+        assert kinds == [(k, n) for n in names for k in (Kind.WRITE, Kind.GONE)]
+        assert len(watcher.own) == 0
+    finally:
+        watcher.stop()
+        tree.store.close()
+
+
+def test_a_purge_while_gc_unlinks_elsewhere_does_not_break_the_inotify_thread() -> None:
+    """A namespace purged (its expected names forgotten, on the inotify thread) while a GC
+    run expects and settles chunks of another (on its thread): the forgetting never fails
+    (a RuntimeError there ended the inotify thread, and every event after it was lost)."""
+    own = OwnDeletions()
+    own.expect(NS2, [str(i) for i in range(20_000)])
+    stop, failed = threading.Event(), []
+
+    def gc_run() -> None:
+        names = [page(i) for i in range(CHUNK)]
+        while not stop.is_set():
+            own.expect(NS, names)
+            own.settle(NS, names, set())
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # (the threads take turns often, as under load)
+    runner = threading.Thread(target=gc_run)
+    runner.start()
+    try:
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and not failed:
+            try:
+                own.forget("0000000000000000")
+            except RuntimeError as e:
+                failed.append(e)
+    finally:
+        stop.set()
+        runner.join()
+        sys.setswitchinterval(switch)
+    assert not failed

@@ -92,3 +92,38 @@ def test_a_rank_dir_swapped_for_a_link_mid_run_is_not_followed(tmp_path: Path) -
     left = sum((away / b.split("/", 1)[1]).is_file() for b in blocks)
     assert report.files + left == len(blocks) and left > 200
     assert any("not a directory" in why for why in report.refused), report.refused
+
+
+def test_the_deepest_longest_paths_unlink_on_the_workers_small_stacks(tmp_path: Path) -> None:
+    """The workers run on 256 KiB stacks: every component and name at NAME_MAX (255 bytes),
+    eight dirs deep (2 KiB of path below the top), on eight threads, each dir opened a
+    component at a time and each component checked again before each unlink."""
+    top_dir = tmp_path / "top"
+    comps = [chr(ord("a") + k) * 255 for k in range(8)]
+    dirs = ["/".join(comps[: k + 1]) for k in range(8)]
+    names = [f"{i:03d}" + "x" * 252 for i in range(16)]
+    top_dir.mkdir()
+    top = os.open(top_dir, os.O_RDONLY | os.O_DIRECTORY)
+    parent = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for rel in dirs:
+            at = os.open(".", os.O_RDONLY | os.O_DIRECTORY, dir_fd=top)
+            for comp in rel.split("/")[:-1]:
+                at, old = os.open(comp, os.O_RDONLY | os.O_DIRECTORY, dir_fd=at), at
+                os.close(old)
+            os.mkdir(rel.rpartition("/")[2], dir_fd=at)
+            at, old = os.open(rel.rpartition("/")[2], os.O_RDONLY, dir_fd=at), at
+            os.close(old)
+            for n in names:
+                os.close(os.open(n, os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=at))
+            os.close(at)
+        st = os.stat(top_dir)
+        args = (top, parent, "top", st.st_dev, st.st_ino, mount_id(top), dirs, [names] * 8)
+        results, moved = unlink_tree(*args, 0.0, 0.0, 8, 0, False)
+        left = sum(len(files) for _, _, files, _ in os.fwalk(".", dir_fd=top))
+    finally:
+        os.close(top)
+        os.close(parent)
+    assert not moved and len(dirs[-1]) == 2047
+    assert [(s, {v for v, _ in verdicts}) for s, verdicts in results] == [(0, {0})] * 8
+    assert left == 0

@@ -9,7 +9,9 @@ nearly all of them (bench/RESULTS.md).
 
 GC says which names it is about to unlink before each chunk (so an event read while the
 unlinks run is known), then which it did unlink; the others (refused, too young, gone already)
-are taken back, so a deletion someone else makes later is news again.
+are taken back, so a deletion someone else makes later is news again. One of theirs the watcher
+took before GC said so (someone deleted a page GC had just refused as too young, while the
+chunk ran) was someone else's: it is told to `lost` (the watcher queues it after all).
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ class OwnDeletions:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self._names: dict[PageId, float] = {}  # -> when GC said it would unlink it
+        # Told, on GC's thread, of names of `ns` whose deletion was taken for GC's though GC
+        # did not unlink them (cachemgr.daemon.watcher: queued as deleted, which the index
+        # checks with a stat).
+        self.lost: Callable[[str, list[str]], None] = lambda ns, names: None
 
     def __len__(self) -> int:
         return len(self._names)
@@ -50,10 +56,12 @@ class OwnDeletions:
         self._names.update(dict.fromkeys(((ns, n) for n in names), self.clock()))
 
     def settle(self, ns: str, names: Sequence[str], deleted: Collection[str]) -> None:
-        """Of the `names` GC meant to unlink, it unlinked `deleted`: the rest are not its own."""
-        for name in names:
-            if name not in deleted:
-                self._names.pop((ns, name), None)
+        """Of the `names` GC meant to unlink, it unlinked `deleted`: the rest are not its own.
+        (The pop decides, atomically, against `take` on the inotify thread: a name the
+        watcher took already is told to `lost`; one taken back here is news when it comes.)"""
+        lost = [n for n in names if n not in deleted and self._names.pop((ns, n), None) is None]
+        if lost:
+            self.lost(ns, lost)
 
     def take(self, ns: str, name: str) -> bool:
         """On the inotify thread: whether this page file's deletion is one GC made (it is
@@ -63,7 +71,9 @@ class OwnDeletions:
 
     def forget(self, ns: str) -> None:
         """The namespace's dir left <root>/ns (a purge): its files' events will not come."""
-        for key in [k for k in self._names if k[0] == ns]:
+        # (over a copy, made in one C call: GC's thread adds and takes back names meanwhile,
+        # and a dict that changes size under a loop over it raises, on the inotify thread)
+        for key in [k for k in list(self._names) if k[0] == ns]:
             self._names.pop(key, None)
 
     def clear(self) -> None:

@@ -251,6 +251,17 @@ class Watcher:
 
     def __post_init__(self) -> None:
         self.nest = NestWatches(self)
+        self.own.lost = self._deleted_elsewhere
+
+    def _deleted_elsewhere(self, ns_id: str, names: list[str]) -> None:
+        """Deletions dropped as GC's that GC did not make (owndeletes): queued after all,
+        unless the namespace's dir left meanwhile (a purge: its rows go with it)."""
+        with self._lock:
+            cb = self._watches.get(ns_id)
+        if cb is None or cb.dead:
+            return
+        for name in names:
+            self.emit((Kind.GONE, ns_id, name, self.clock(), LOCAL))
 
     def emit(self, event: Event) -> None:
         kind = event[0]

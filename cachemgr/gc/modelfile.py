@@ -16,7 +16,8 @@ file only when all of these hold, else it loads from the index as before:
   its old fixed width, 1 to 3: the access sequences 64 bits wide; each narrowed as it loads)
   and this machine's array layout;
 * its CRC-32 (of all of it) checks, every array has the length the header gives, and the key
-  table is at most three quarters full: a truncated or garbled file is refused, not trusted.
+  table is at most three quarters full (counted in the table, not only said in the header): a
+  truncated or garbled file is refused, not trusted.
 
 Namespaces whose files changed on disk while the daemon was down are loaded again from the
 index after the start-up scan (cachemgr.daemon.indexer), like today.
@@ -284,6 +285,8 @@ def _read(model: ChainModel, f: BufferedReader, token: str) -> set[str]:
     table = r.array("q", ints) if ints is not None else r.bytes(h.get("tags", 0))
     if r.f.read(_CRC.size + 1) != _CRC.pack(r.crc):
         raise SnapshotInvalid("CRC mismatch")
+    if size - st.table.count(NONE) != h["filled"]:  # (a full table's probe would never end)
+        raise SnapshotInvalid("key table fuller than its header says")
     st.top, st.count, st.filled = top, h["count"], h["filled"]
     st.ns_names, st.ns_pages, st.ns_slots = h["ns_names"], h["ns_pages"], h["ns_slots"]
     st.free_ns, st.suffixes = h["free_ns"], h["suffixes"]

@@ -534,7 +534,7 @@ class _Applied:
         self.told.expect(ns, [n for n in names if (ns, n) not in self.unapplied])
 
     def settle(self, ns: str, names: Sequence[str], deleted: Collection[str]) -> None:
-        self.told.settle(ns, names, deleted)
+        self.told.settle(ns, [n for n in names if (ns, n) not in self.unapplied], deleted)
 
 
 def _pacer(plan: GcPlan, policy: GcPolicy) -> Pacer:
