@@ -4,8 +4,7 @@ ext4 on a loop device (needs root), each figure beside its peer in the same run.
 Modes:
   dirlimit [--block-size B]  SGLang-named entries one flat dir takes on an ext4 made without
                              large_dir before ENOSPC, while bytes and inodes are free.
-  run N [--layout sglang|vllm] [--evict M]
-                             N pages in one namespace: cold `du -sb` and `find -delete`
+  run N [--evict M]          N pages in one namespace: cold `du -sb` and `find -delete`
                              against the daemon's first start to ready, a restart from the
                              model file, RSS, the state DB, /metrics p99 during the scan and
                              during an eviction of M pages, status/ls/doctor, doctor on the
@@ -16,7 +15,7 @@ Modes:
                              same tree (a copy of the same image), /metrics p99 meanwhile.
 
 Usage: python bench/bench_scale.py dirlimit [--block-size 4096]
-       python bench/bench_scale.py run 2000000 [--layout vllm] [--evict 1000000]
+       python bench/bench_scale.py run 2000000 [--evict 1000000]
        python bench/bench_scale.py evict 1200000 [--evict 1000000] [--find-first]
 Set BENCH_DIR to put the image elsewhere than /tmp (it is sparse: a few GiB at 10M pages).
 `evict`: BENCH_IMAGE=<path> keeps the built, indexed image there and starts the next run from
@@ -271,15 +270,16 @@ def files_in(path: Path) -> int:
     return st.f_files - st.f_ffree
 
 
-def bench_run(n: int) -> None:
-    """The figures of issue 23 at `n` pages in one flat namespace, each beside its peer."""
+def bench_run(n: int, evict: int) -> None:
+    """The figures of issue 23 at `n` pages in one flat namespace, each beside its peer (the
+    restart's file cap evicts `evict` of them)."""
     inodes = int(n * 1.3) + 20_000
     size = max(4 << 30, n * 2048)
     with (
         tempfile.TemporaryDirectory(prefix="cachemgr-scale-", dir=_image_dir("/dev/shm")) as b,
         loop_ext4(Path(b), size, inodes=inodes) as mnt,
     ):
-        run_on(mnt, n)
+        run_on(mnt, n, evict)
 
 
 def settle_seconds(n: int) -> float:
@@ -288,7 +288,7 @@ def settle_seconds(n: int) -> float:
     return min(10.0, max(1.0, n / 100_000))
 
 
-def run_on(mnt: Path, n: int) -> None:
+def run_on(mnt: Path, n: int, evict: int) -> None:
     plain = mnt / "plain"
     t = time.perf_counter()
     write_pages(plain, n)
@@ -346,7 +346,7 @@ def run_on(mnt: Path, n: int) -> None:
         f"state DB {db / 2**20:.0f} MiB ({db / n:.0f} B/page); model file {snap / 2**20:.0f} "
         f"MiB; stopped in {stopped:.1f} s"
     )
-    cap = int(n * 0.75)
+    cap = cap_leaving(n - evict)
     env = {"CACHEMGR_GC_MAX_FILES": str(cap), "CACHEMGR_GC_MIN_AGE": "0s"}
     again = Served(layout, {**env, "CACHEMGR_GC_INTERVAL": "5s"})
     t0 = time.monotonic()
@@ -405,6 +405,11 @@ def purge(layout: Layout, mnt: Path, pages: int) -> int:
         "(gc_delete_rate 2000)"
     )
     return left
+
+
+def cap_leaving(low: int) -> int:
+    """The file cap whose low watermark (floor_of) is `low` files."""
+    return int(low / 0.85) + 1
 
 
 def floor_of(cap: int) -> int:
@@ -510,7 +515,7 @@ def evict_on(mnt: Path, n: int, evict: int) -> float:
     (caches dropped at ready), with /metrics latency meanwhile."""
     layout = Layout.at(mnt / "root")
     low = n - evict
-    cap = int(low / 0.85) + 1
+    cap = cap_leaving(low)
     env = {"CACHEMGR_GC_MAX_FILES": str(cap), "CACHEMGR_GC_MIN_AGE": "0s"}
     cold()
     # Scraped 4 times a second (Prometheus: every 15 s): 20 a second cost the daemon a
@@ -554,11 +559,14 @@ def main() -> None:
     dl.add_argument("--block-size", type=int, default=4096)
     run = sub.add_parser("run")
     run.add_argument("pages", type=int)
+    run.add_argument("--evict", type=int, default=1_000_000)
     ev = sub.add_parser("evict")
     ev.add_argument("pages", type=int)
     ev.add_argument("--evict", type=int, default=1_000_000)
     ev.add_argument("--find-first", action="store_true")
     args = ap.parse_args()
+    if args.mode != "dirlimit" and not 0 < args.evict < args.pages:
+        ap.error(f"--evict {args.evict} must leave some of the {args.pages} pages")
     print(
         f"# cachemgr scale bench — {platform.node()}, {os.cpu_count()} cores, "
         f"{platform.platform()}, load {os.getloadavg()[0]:.1f}"
@@ -568,7 +576,7 @@ def main() -> None:
     elif args.mode == "evict":
         bench_evict_only(args.pages, args.evict, args.find_first)
     else:
-        bench_run(args.pages)
+        bench_run(args.pages, args.evict)
 
 
 if __name__ == "__main__":
