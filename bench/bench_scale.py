@@ -46,6 +46,7 @@ import httpx
 from bench_daemon import free_port, serve_argv, status_kib
 from bench_evict import IDENTITY, POLLER, scrapes
 
+from cachemgr.fs.dirlimit import flat_dir_index
 from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 from cachemgr.ns.registry import ensure_namespace
@@ -72,6 +73,13 @@ def page_name(i: int) -> str:
     return f"{i:064x}_{MODEL}_0_1.bin"
 
 
+# large_dir always (run and evict): without it a flat dir refuses its ~4.14 millionth entry
+# (dirlimit), and a hash tree grows its third level only once two are full, so below that the
+# dir is the same. The daemon reads large_dir from the superblock and then sets no dir_full
+# cap of its own (cachemgr.fs.dirlimit): only the runs' CACHEMGR_GC_MAX_FILES evicts.
+RUN_FS = "inline_data,large_dir"
+
+
 @contextlib.contextmanager
 def loop_ext4(
     base: Path,
@@ -79,7 +87,7 @@ def loop_ext4(
     *,
     inodes: int,
     block_size: int = 4096,
-    features: str = "inline_data",
+    features: str = RUN_FS,
     fresh: bool = True,
     keep: bool = False,
 ) -> Iterator[Path]:
@@ -247,7 +255,7 @@ class Served:
     def stop(self) -> float:
         t = time.perf_counter()
         self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(300)
+        self.proc.wait(1800)  # (it saves the model file: minutes at 10M pages)
         return time.perf_counter() - t
 
 
@@ -258,6 +266,13 @@ POLLER_TOLERANT = POLLER.replace(
     "        try:\n            http.get(url).raise_for_status()\n"
     "        except httpx.TransportError:\n            done.wait(every); continue\n",
 )
+
+
+def say(line: str) -> None:
+    """A figure, with the UTC time and the load average it was taken at (the box is shared),
+    at once: a long run read as it goes, or cut short, keeps what it measured."""
+    stamp = time.strftime("%H:%M:%S", time.gmtime())
+    print(f"{line} [{stamp} UTC, load {os.getloadavg()[0]:.1f}]", flush=True)
 
 
 def between(scraped: list[tuple[float, float]], a: float, b: float) -> list[float]:
@@ -279,6 +294,8 @@ def bench_run(n: int, evict: int) -> None:
         tempfile.TemporaryDirectory(prefix="cachemgr-scale-", dir=_image_dir("/dev/shm")) as b,
         loop_ext4(Path(b), size, inodes=inodes) as mnt,
     ):
+        index = flat_dir_index(mnt)
+        say(f"dir index: {index}; flat-dir entry limit {index and index.limit()}")
         run_on(mnt, n, evict)
 
 
@@ -292,7 +309,7 @@ def run_on(mnt: Path, n: int, evict: int) -> None:
     plain = mnt / "plain"
     t = time.perf_counter()
     write_pages(plain, n)
-    print(f"made {n:,} pages in one dir in {time.perf_counter() - t:.0f} s")
+    say(f"made {n:,} pages in one dir in {time.perf_counter() - t:.0f} s")
     layout = Layout.at(mnt / "root")
     create_root(layout)
     cold()
@@ -309,7 +326,7 @@ def run_on(mnt: Path, n: int, evict: int) -> None:
         *LAUNCH,
         env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(plain)},
     )
-    print(
+    say(
         f"cold du -sb: {du:.1f} s; doctor on it unadopted (cold): {doctor_plain:.1f} s "
         f"({doctor_plain / du:.2f}× du)"
     )
@@ -328,7 +345,7 @@ def run_on(mnt: Path, n: int, evict: int) -> None:
 
     time.sleep(settle_seconds(n))
     rss, peak = first.rss()
-    print(
+    say(
         f"first start, cold caches: ready {first.ready:.1f} s ({first.ready / du:.2f}× cold du); "
         f"RSS {rss:.0f} MiB steady, {peak:.0f} MiB peak; empty daemon {base_rss:.0f} MiB: "
         f"{(rss - base_rss) * 2**20 / n:.0f} B/page steady, {(peak - base_rss) * 2**20 / n:.0f} "
@@ -336,13 +353,13 @@ def run_on(mnt: Path, n: int, evict: int) -> None:
     )
     for label, cmd in (("status", ["status"]), ("ls", ["ls"]), ("doctor", ["doctor"])):
         took, _ = timed_cmd(sys.executable, "-m", "cachemgr", "--root", str(layout.root), *cmd)
-        print(f"`cachemgr {label}`: {took:.2f} s (daemon running)")
+        say(f"`cachemgr {label}`: {took:.2f} s (daemon running)")
     stopped = first.stop()
     scan = between(first.scrapes(), first.t0, first.t0 + first.ready)
-    print(f"/metrics during the first scan: {scrapes(scan)}")
+    say(f"/metrics during the first scan: {scrapes(scan)}")
     db = sum(p.stat().st_size for p in layout.state_dir.glob("state.db*"))
     snap = layout.model_snapshot.stat().st_size if layout.model_snapshot.exists() else 0
-    print(
+    say(
         f"state DB {db / 2**20:.0f} MiB ({db / n:.0f} B/page); model file {snap / 2**20:.0f} "
         f"MiB; stopped in {stopped:.1f} s"
     )
@@ -357,17 +374,17 @@ def run_on(mnt: Path, n: int, evict: int) -> None:
     time.sleep(3)
     left = len(os.listdir(layout.ns_dir(NS)))
     rate = (n - left) / evicted
-    print(
+    say(
         f"restart from the model file, CACHEMGR_GC_MAX_FILES={cap}: ready {again.ready:.1f} s; "
         f"evicted {n - left:,} pages in {evicted:.1f} s after ready ({rate:,.0f}/s); "
         f"{left:,} left (cap {cap:,}, low watermark {low:,})"
     )
     drained = purge(layout, mnt, left)
     again.stop()
-    print(f"/metrics during the eviction: {scrapes(between(again.scrapes(), t0, t0 + evicted))}")
+    say(f"/metrics during the eviction: {scrapes(between(again.scrapes(), t0, t0 + evicted))}")
     cold()
     took, _ = timed_cmd("find", str(layout.trash), "-type", "f", "-delete")
-    print(
+    say(
         f"find -delete of the {drained:,} left in .trash, cold: {took:.1f} s "
         f"({drained / took:,.0f}/s); cachemgr's eviction / find -delete = "
         f"{rate / (drained / took):.3g}"  # not .2f: a slow eviction printed 0.00
@@ -399,7 +416,7 @@ def purge(layout: Layout, mnt: Path, pages: int) -> int:
     time.sleep(min(15.0, pages / 4000))  # about half of them at the default rate, at most 15 s
     rate = (start - files_in(mnt)) / (time.monotonic() - t)
     left = files_in(mnt) - (before - pages)
-    print(
+    say(
         f"purge of the {pages:,} left: the dir {'empty' if empty else 'NOT empty'} after "
         f"{took:.2f} s (the CLI); the daemon drains .trash/ at {rate:,.0f} files/s "
         "(gc_delete_rate 2000)"
