@@ -17,7 +17,7 @@ Modes:
 Usage: python bench/bench_scale.py dirlimit [--block-size 4096]
        python bench/bench_scale.py run 2000000 [--evict 1000000]
        python bench/bench_scale.py evict 1200000 [--evict 1000000] [--find-first]
-Set BENCH_DIR to put the image elsewhere than /tmp (it is sparse: a few GiB at 10M pages).
+Set BENCH_DIR to put the image elsewhere than /dev/shm (tmpfs: it takes RAM, ~7 GiB at 10M pages).
 `evict`: BENCH_IMAGE=<path> keeps the built, indexed image there and starts the next run from
 it; BENCH_PYSPY=<path> writes a py-spy profile of the daemon during the eviction (py-spy on
 PATH); BENCH_SCRAPE_EVERY the seconds between /metrics scrapes (0.25).
@@ -351,8 +351,13 @@ def run_on(mnt: Path, n: int, evict: int) -> None:
         f"{(rss - base_rss) * 2**20 / n:.0f} B/page steady, {(peak - base_rss) * 2**20 / n:.0f} "
         f"B/page peak"
     )
+    # The daemon's port: a command that asks the default one finds no daemon and scans the
+    # dir instead (the 2M runs' 13-245 s, and the 10M run's first figures: bench/RESULTS.md).
+    asks = {"CACHEMGR_PORT": str(first.port)}
     for label, cmd in (("status", ["status"]), ("ls", ["ls"]), ("doctor", ["doctor"])):
-        took, _ = timed_cmd(sys.executable, "-m", "cachemgr", "--root", str(layout.root), *cmd)
+        took, _ = timed_cmd(
+            sys.executable, "-m", "cachemgr", "--root", str(layout.root), *cmd, env=asks
+        )
         say(f"`cachemgr {label}`: {took:.2f} s (daemon running)")
     stopped = first.stop()
     scan = between(first.scrapes(), first.t0, first.t0 + first.ready)
@@ -363,12 +368,21 @@ def run_on(mnt: Path, n: int, evict: int) -> None:
         f"state DB {db / 2**20:.0f} MiB ({db / n:.0f} B/page); model file {snap / 2**20:.0f} "
         f"MiB; stopped in {stopped:.1f} s"
     )
-    cap = cap_leaving(n - evict)
-    env = {"CACHEMGR_GC_MAX_FILES": str(cap), "CACHEMGR_GC_MIN_AGE": "0s"}
+    evict_and_purge(mnt, n, evict)
+
+
+def evict_and_purge(mnt: Path, n: int, evict: int) -> None:
+    """The indexed root restarted under a file cap that evicts `evict` of its `n` pages, a
+    purge of what is left, and `find -delete` of that beside the eviction."""
+    layout = Layout.at(mnt / "root")
+    env = evict_env(n, evict)
+    cap = int(env["CACHEMGR_GC_MAX_FILES"])
     again = Served(layout, {**env, "CACHEMGR_GC_INTERVAL": "5s"})
     t0 = time.monotonic()
     low = floor_of(cap)
     while files_in(mnt) > low + 100:
+        if again.proc.poll() is not None:
+            raise RuntimeError(f"cachemgr serve exited with {again.proc.returncode}")
         time.sleep(0.05)
     evicted = time.monotonic() - t0
     time.sleep(3)
@@ -427,6 +441,24 @@ def purge(layout: Layout, mnt: Path, pages: int) -> int:
 def cap_leaving(low: int) -> int:
     """The file cap whose low watermark (floor_of) is `low` files."""
     return int(low / 0.85) + 1
+
+
+# A high watermark just above the low one: with the default 0.95 a cap whose low watermark
+# leaves n - m pages starts no GC unless m > 10.5% of n (the 10M run's 1M did not: it waited
+# with 10,000,000 files under a high watermark of 10,058,824).
+HIGH_WATERMARK = 0.86
+
+
+def evict_env(n: int, evict: int) -> dict[str, str]:
+    """The daemon's settings for a GC run that takes `evict` of `n` pages at once."""
+    cap = cap_leaving(n - evict)
+    if n <= cap * HIGH_WATERMARK:
+        raise ValueError(f"evicting {evict:,} of {n:,} starts no GC (high watermark)")
+    return {
+        "CACHEMGR_GC_MAX_FILES": str(cap),
+        "CACHEMGR_GC_HIGH_WATERMARK": str(HIGH_WATERMARK),
+        "CACHEMGR_GC_MIN_AGE": "0s",
+    }
 
 
 def floor_of(cap: int) -> int:
@@ -532,8 +564,8 @@ def evict_on(mnt: Path, n: int, evict: int) -> float:
     (caches dropped at ready), with /metrics latency meanwhile."""
     layout = Layout.at(mnt / "root")
     low = n - evict
-    cap = cap_leaving(low)
-    env = {"CACHEMGR_GC_MAX_FILES": str(cap), "CACHEMGR_GC_MIN_AGE": "0s"}
+    env = evict_env(n, evict)
+    cap = int(env["CACHEMGR_GC_MAX_FILES"])
     cold()
     # Scraped 4 times a second (Prometheus: every 15 s): 20 a second cost the daemon a
     # fifth of its GIL time during the eviction, the bench's own load, not cachemgr's.
