@@ -4,8 +4,7 @@ ext4 on a loop device (needs root), each figure beside its peer in the same run.
 Modes:
   dirlimit [--block-size B]  SGLang-named entries one flat dir takes on an ext4 made without
                              large_dir before ENOSPC, while bytes and inodes are free.
-  run N [--layout sglang|vllm] [--evict M]
-                             N pages in one namespace: cold `du -sb` and `find -delete`
+  run N [--evict M]          N pages in one namespace: cold `du -sb` and `find -delete`
                              against the daemon's first start to ready, a restart from the
                              model file, RSS, the state DB, /metrics p99 during the scan and
                              during an eviction of M pages, status/ls/doctor, doctor on the
@@ -16,9 +15,9 @@ Modes:
                              same tree (a copy of the same image), /metrics p99 meanwhile.
 
 Usage: python bench/bench_scale.py dirlimit [--block-size 4096]
-       python bench/bench_scale.py run 2000000 [--layout vllm] [--evict 1000000]
+       python bench/bench_scale.py run 2000000 [--evict 1000000]
        python bench/bench_scale.py evict 1200000 [--evict 1000000] [--find-first]
-Set BENCH_DIR to put the image elsewhere than /tmp (it is sparse: a few GiB at 10M pages).
+Set BENCH_DIR to put the image elsewhere than /dev/shm (tmpfs: it takes RAM, ~7 GiB at 10M pages).
 `evict`: BENCH_IMAGE=<path> keeps the built, indexed image there and starts the next run from
 it; BENCH_PYSPY=<path> writes a py-spy profile of the daemon during the eviction (py-spy on
 PATH); BENCH_SCRAPE_EVERY the seconds between /metrics scrapes (0.25).
@@ -47,6 +46,7 @@ import httpx
 from bench_daemon import free_port, serve_argv, status_kib
 from bench_evict import IDENTITY, POLLER, scrapes
 
+from cachemgr.fs.dirlimit import flat_dir_index
 from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 from cachemgr.ns.registry import ensure_namespace
@@ -73,6 +73,13 @@ def page_name(i: int) -> str:
     return f"{i:064x}_{MODEL}_0_1.bin"
 
 
+# large_dir always (run and evict): without it a flat dir refuses its ~4.14 millionth entry
+# (dirlimit), and a hash tree grows its third level only once two are full, so below that the
+# dir is the same. The daemon reads large_dir from the superblock and then sets no dir_full
+# cap of its own (cachemgr.fs.dirlimit): only the runs' CACHEMGR_GC_MAX_FILES evicts.
+RUN_FS = "inline_data,large_dir"
+
+
 @contextlib.contextmanager
 def loop_ext4(
     base: Path,
@@ -80,7 +87,7 @@ def loop_ext4(
     *,
     inodes: int,
     block_size: int = 4096,
-    features: str = "inline_data",
+    features: str = RUN_FS,
     fresh: bool = True,
     keep: bool = False,
 ) -> Iterator[Path]:
@@ -248,7 +255,7 @@ class Served:
     def stop(self) -> float:
         t = time.perf_counter()
         self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(300)
+        self.proc.wait(1800)  # (it saves the model file: minutes at 10M pages)
         return time.perf_counter() - t
 
 
@@ -261,6 +268,13 @@ POLLER_TOLERANT = POLLER.replace(
 )
 
 
+def say(line: str) -> None:
+    """A figure, with the UTC time and the load average it was taken at (the box is shared),
+    at once: a long run read as it goes, or cut short, keeps what it measured."""
+    stamp = time.strftime("%H:%M:%S", time.gmtime())
+    print(f"{line} [{stamp} UTC, load {os.getloadavg()[0]:.1f}]", flush=True)
+
+
 def between(scraped: list[tuple[float, float]], a: float, b: float) -> list[float]:
     return [sec for t, sec in scraped if a <= t <= b]
 
@@ -271,15 +285,18 @@ def files_in(path: Path) -> int:
     return st.f_files - st.f_ffree
 
 
-def bench_run(n: int) -> None:
-    """The figures of issue 23 at `n` pages in one flat namespace, each beside its peer."""
+def bench_run(n: int, evict: int) -> None:
+    """The figures of issue 23 at `n` pages in one flat namespace, each beside its peer (the
+    restart's file cap evicts `evict` of them)."""
     inodes = int(n * 1.3) + 20_000
     size = max(4 << 30, n * 2048)
     with (
         tempfile.TemporaryDirectory(prefix="cachemgr-scale-", dir=_image_dir("/dev/shm")) as b,
         loop_ext4(Path(b), size, inodes=inodes) as mnt,
     ):
-        run_on(mnt, n)
+        index = flat_dir_index(mnt)
+        say(f"dir index: {index}; flat-dir entry limit {index and index.limit()}")
+        run_on(mnt, n, evict)
 
 
 def settle_seconds(n: int) -> float:
@@ -288,11 +305,11 @@ def settle_seconds(n: int) -> float:
     return min(10.0, max(1.0, n / 100_000))
 
 
-def run_on(mnt: Path, n: int) -> None:
+def run_on(mnt: Path, n: int, evict: int) -> None:
     plain = mnt / "plain"
     t = time.perf_counter()
     write_pages(plain, n)
-    print(f"made {n:,} pages in one dir in {time.perf_counter() - t:.0f} s")
+    say(f"made {n:,} pages in one dir in {time.perf_counter() - t:.0f} s")
     layout = Layout.at(mnt / "root")
     create_root(layout)
     cold()
@@ -309,7 +326,7 @@ def run_on(mnt: Path, n: int) -> None:
         *LAUNCH,
         env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(plain)},
     )
-    print(
+    say(
         f"cold du -sb: {du:.1f} s; doctor on it unadopted (cold): {doctor_plain:.1f} s "
         f"({doctor_plain / du:.2f}× du)"
     )
@@ -328,46 +345,60 @@ def run_on(mnt: Path, n: int) -> None:
 
     time.sleep(settle_seconds(n))
     rss, peak = first.rss()
-    print(
+    say(
         f"first start, cold caches: ready {first.ready:.1f} s ({first.ready / du:.2f}× cold du); "
         f"RSS {rss:.0f} MiB steady, {peak:.0f} MiB peak; empty daemon {base_rss:.0f} MiB: "
         f"{(rss - base_rss) * 2**20 / n:.0f} B/page steady, {(peak - base_rss) * 2**20 / n:.0f} "
         f"B/page peak"
     )
+    # The daemon's port: a command that asks the default one finds no daemon and scans the
+    # dir instead (the 2M runs' 13-245 s, and the 10M run's first figures: bench/RESULTS.md).
+    asks = {"CACHEMGR_PORT": str(first.port)}
     for label, cmd in (("status", ["status"]), ("ls", ["ls"]), ("doctor", ["doctor"])):
-        took, _ = timed_cmd(sys.executable, "-m", "cachemgr", "--root", str(layout.root), *cmd)
-        print(f"`cachemgr {label}`: {took:.2f} s (daemon running)")
+        took, _ = timed_cmd(
+            sys.executable, "-m", "cachemgr", "--root", str(layout.root), *cmd, env=asks
+        )
+        say(f"`cachemgr {label}`: {took:.2f} s (daemon running)")
     stopped = first.stop()
     scan = between(first.scrapes(), first.t0, first.t0 + first.ready)
-    print(f"/metrics during the first scan: {scrapes(scan)}")
+    say(f"/metrics during the first scan: {scrapes(scan)}")
     db = sum(p.stat().st_size for p in layout.state_dir.glob("state.db*"))
     snap = layout.model_snapshot.stat().st_size if layout.model_snapshot.exists() else 0
-    print(
+    say(
         f"state DB {db / 2**20:.0f} MiB ({db / n:.0f} B/page); model file {snap / 2**20:.0f} "
         f"MiB; stopped in {stopped:.1f} s"
     )
-    cap = int(n * 0.75)
-    env = {"CACHEMGR_GC_MAX_FILES": str(cap), "CACHEMGR_GC_MIN_AGE": "0s"}
+    evict_and_purge(mnt, n, evict)
+
+
+def evict_and_purge(mnt: Path, n: int, evict: int) -> None:
+    """The indexed root restarted under a file cap that evicts `evict` of its `n` pages, a
+    purge of what is left, and `find -delete` of that beside the eviction."""
+    layout = Layout.at(mnt / "root")
+    env = evict_env(n, evict)
+    cap = int(env["CACHEMGR_GC_MAX_FILES"])
     again = Served(layout, {**env, "CACHEMGR_GC_INTERVAL": "5s"})
     t0 = time.monotonic()
     low = floor_of(cap)
     while files_in(mnt) > low + 100:
+        if again.proc.poll() is not None:
+            raise RuntimeError(f"cachemgr serve exited with {again.proc.returncode}")
         time.sleep(0.05)
     evicted = time.monotonic() - t0
     time.sleep(3)
     left = len(os.listdir(layout.ns_dir(NS)))
     rate = (n - left) / evicted
-    print(
+    say(
         f"restart from the model file, CACHEMGR_GC_MAX_FILES={cap}: ready {again.ready:.1f} s; "
         f"evicted {n - left:,} pages in {evicted:.1f} s after ready ({rate:,.0f}/s); "
         f"{left:,} left (cap {cap:,}, low watermark {low:,})"
     )
     drained = purge(layout, mnt, left)
     again.stop()
-    print(f"/metrics during the eviction: {scrapes(between(again.scrapes(), t0, t0 + evicted))}")
+    say(f"/metrics during the eviction: {scrapes(between(again.scrapes(), t0, t0 + evicted))}")
     cold()
     took, _ = timed_cmd("find", str(layout.trash), "-type", "f", "-delete")
-    print(
+    say(
         f"find -delete of the {drained:,} left in .trash, cold: {took:.1f} s "
         f"({drained / took:,.0f}/s); cachemgr's eviction / find -delete = "
         f"{rate / (drained / took):.3g}"  # not .2f: a slow eviction printed 0.00
@@ -399,12 +430,35 @@ def purge(layout: Layout, mnt: Path, pages: int) -> int:
     time.sleep(min(15.0, pages / 4000))  # about half of them at the default rate, at most 15 s
     rate = (start - files_in(mnt)) / (time.monotonic() - t)
     left = files_in(mnt) - (before - pages)
-    print(
+    say(
         f"purge of the {pages:,} left: the dir {'empty' if empty else 'NOT empty'} after "
         f"{took:.2f} s (the CLI); the daemon drains .trash/ at {rate:,.0f} files/s "
         "(gc_delete_rate 2000)"
     )
     return left
+
+
+def cap_leaving(low: int) -> int:
+    """The file cap whose low watermark (floor_of) is `low` files."""
+    return int(low / 0.85) + 1
+
+
+# A high watermark just above the low one: with the default 0.95 a cap whose low watermark
+# leaves n - m pages starts no GC unless m > 10.5% of n (the 10M run's 1M did not: it waited
+# with 10,000,000 files under a high watermark of 10,058,824).
+HIGH_WATERMARK = 0.86
+
+
+def evict_env(n: int, evict: int) -> dict[str, str]:
+    """The daemon's settings for a GC run that takes `evict` of `n` pages at once."""
+    cap = cap_leaving(n - evict)
+    if n <= cap * HIGH_WATERMARK:
+        raise ValueError(f"evicting {evict:,} of {n:,} starts no GC (high watermark)")
+    return {
+        "CACHEMGR_GC_MAX_FILES": str(cap),
+        "CACHEMGR_GC_HIGH_WATERMARK": str(HIGH_WATERMARK),
+        "CACHEMGR_GC_MIN_AGE": "0s",
+    }
 
 
 def floor_of(cap: int) -> int:
@@ -510,8 +564,8 @@ def evict_on(mnt: Path, n: int, evict: int) -> float:
     (caches dropped at ready), with /metrics latency meanwhile."""
     layout = Layout.at(mnt / "root")
     low = n - evict
-    cap = int(low / 0.85) + 1
-    env = {"CACHEMGR_GC_MAX_FILES": str(cap), "CACHEMGR_GC_MIN_AGE": "0s"}
+    env = evict_env(n, evict)
+    cap = int(env["CACHEMGR_GC_MAX_FILES"])
     cold()
     # Scraped 4 times a second (Prometheus: every 15 s): 20 a second cost the daemon a
     # fifth of its GIL time during the eviction, the bench's own load, not cachemgr's.
@@ -554,11 +608,14 @@ def main() -> None:
     dl.add_argument("--block-size", type=int, default=4096)
     run = sub.add_parser("run")
     run.add_argument("pages", type=int)
+    run.add_argument("--evict", type=int, default=1_000_000)
     ev = sub.add_parser("evict")
     ev.add_argument("pages", type=int)
     ev.add_argument("--evict", type=int, default=1_000_000)
     ev.add_argument("--find-first", action="store_true")
     args = ap.parse_args()
+    if args.mode != "dirlimit" and not 0 < args.evict < args.pages:
+        ap.error(f"--evict {args.evict} must leave some of the {args.pages} pages")
     print(
         f"# cachemgr scale bench — {platform.node()}, {os.cpu_count()} cores, "
         f"{platform.platform()}, load {os.getloadavg()[0]:.1f}"
@@ -568,7 +625,7 @@ def main() -> None:
     elif args.mode == "evict":
         bench_evict_only(args.pages, args.evict, args.find_first)
     else:
-        bench_run(args.pages)
+        bench_run(args.pages, args.evict)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ def test_dirlimit_finds_enospc_with_inodes_and_bytes_free(tmp_path: Path) -> Non
 
 
 def test_run_prints_each_figure_beside_its_peer(tmp_path: Path) -> None:
-    out = bench(tmp_path, "run", "20000")
+    out = bench(tmp_path, "run", "20000", "--evict", "5000")
     du = number(r"cold du -sb: ([\d.]+) s", out)
     assert du > 0
     assert number(r"doctor on it unadopted \(cold\): ([\d.]+) s", out) > 0
@@ -53,8 +53,9 @@ def test_run_prints_each_figure_beside_its_peer(tmp_path: Path) -> None:
         assert number(rf"`cachemgr {cmd}`: ([\d.]+) s", out) > 0
     assert number(r"/metrics during the first scan: (\d+) scrapes", out) > 0
     assert number(r"state DB (\d+) MiB", out) >= 0
-    # CACHEMGR_GC_MAX_FILES=15000 brings 20,000 pages to its low watermark, not below.
-    assert number(r"([\d,]+) left \(cap 15,000", out) == 12_750
+    # The cap that evicts 5,000 (17,648) brings 20,000 pages to its low watermark, not below.
+    assert number(r"evicted ([\d,]+) pages", out) == 5_000
+    assert number(r"([\d,]+) left \(cap 17,648", out) == 15_000
     assert number(r"/metrics during the eviction: (\d+) scrapes", out) > 0
     assert "the dir empty after" in out
     assert number(r"eviction / find -delete = ([\d.]+)", out) > 0
