@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from cachemgr.daemon.events import Kind
 from cachemgr.daemon.indexer import Indexer, IndexerConfig, IndexerShared
 from cachemgr.daemon.watcher import Event, Watcher
 from cachemgr.fs.leadership import Leadership
@@ -148,6 +149,44 @@ def test_a_kernel_queue_overflow_is_counted_and_repaired_by_a_rescan(
         wait_for(lambda: ix.state.drift_pages, lambda n: n >= 1, timeout=10)
     finally:
         watcher.release.set()
+        ix.stop()
+
+
+class FailingWatcher(Watcher):
+    """A watcher whose callback fails on the first store it sees (a bug in its handling)."""
+
+    def __init__(self, layout: Layout) -> None:
+        super().__init__(layout)
+        self.failures = 0
+
+    def emit(self, event: Event) -> None:
+        if event[0] is Kind.WRITE and not self.failures:
+            self.failures += 1
+            raise RuntimeError("a bug in an event's handling")
+        super().emit(event)
+
+
+def test_a_callback_that_raises_loses_its_events_to_a_rescan_not_the_inotify_thread(
+    store: Store, layout: Layout, reader: sqlite3.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An exception in an event's handling used to end the inotify thread without a word: no
+    store, read or deletion reached the index again until a restart. The events it lost are
+    found by a rescan, as after a kernel queue overflow, and it is said."""
+    d = layout.ns_dir(NS_A)
+    d.mkdir()
+    watcher = FailingWatcher(layout)
+    ix = start(layout, store, watcher)
+    try:
+        store_page(d, page_name(0))  # its event is lost to the failure: the rescan finds it
+        wait_for(lambda: ix.state.overflows, lambda n: n >= 1, timeout=10)
+        for i in range(1, 4):  # the thread still hears the disk
+            store_page(d, page_name(i))
+        read_page(d, page_name(3))
+        wait_for(lambda: ns_stats(reader, NS_A), lambda s: s == (4, 4 * 1024, 1, 3), timeout=10)
+        assert watcher._fd is not None and watcher._fd.is_alive()
+        said = [r for r in caplog.records if r.msg.startswith("inotify events not handled")]
+        assert len(said) == 1 and said[0].exc_info is not None
+    finally:
         ix.stop()
 
 

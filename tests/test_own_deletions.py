@@ -311,7 +311,7 @@ def test_reading_a_buffer_drops_only_a_files_own_deletion() -> None:
     deletion in another watch, a dir's deletion, a store and an overflow stay; a global event
     (wd -1, not an overflow) goes as watchdog drops it."""
     own = {(1, b"a.bin")}
-    reader = _Reader(lambda idle: None, lambda wd, name: (wd, name) in own)
+    reader = _Reader(lambda idle: None, lambda wd, name: (wd, name) in own, lambda: None)
     try:
         events = [
             (1, C.IN_DELETE, b"a.bin"),
@@ -352,7 +352,7 @@ def test_a_deleted_dirs_watch_is_not_asked_about_deletions_any_more(tmp_path: Pa
 def test_reading_a_buffer_gives_what_watchdog_gives_when_nothing_is_own() -> None:
     """The parser against watchdog's own `read_events` filter, event for event: names of no
     bytes, padded with many NULs, not UTF-8; IN_IGNORED; an overflow and a global event."""
-    reader = _Reader(lambda idle: None, lambda wd, name: False)
+    reader = _Reader(lambda idle: None, lambda wd, name: False, lambda: None)
     raw = b"".join(
         [
             _raw(3, C.IN_DELETE, b""),

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import math
 import os
 import struct
 import termios
@@ -155,8 +156,7 @@ class _RootWatch:
             )
 
     def on_queue_overflow(self) -> None:
-        self.watcher.overflowed()
-        self.watcher.emit((Kind.OVERFLOW, "", "", self.watcher.clock(), LOCAL))
+        self.watcher.lost()
 
 
 class _Reader(InotifyFD):
@@ -168,21 +168,41 @@ class _Reader(InotifyFD):
     object, its dispatch under a lock and the callback's name parsing cost each several times
     the look-up that drops it (bench/RESULTS.md)."""
 
-    def __init__(self, caught_up: Callable[[bool], None], own: Callable[[int, bytes], bool]):
+    def __init__(
+        self,
+        caught_up: Callable[[bool], None],
+        own: Callable[[int, bytes], bool],
+        failed: Callable[[], None],
+    ):
         super().__init__()
         self.caught_up = caught_up
         self.own = own
+        self.failed = failed  # events were lost: every namespace is listed again
+        self._said_at = -math.inf
 
     def run(self) -> None:
         while self.should_keep_running():
             buffer = self._read_event_buffer(BUFFER)
-            for event in self.events(buffer):
-                self.handle_event(event)
+            self._handle(buffer)
             self.caught_up(_queued(self._inotify_fd) == 0)
             if len(buffer) < BUFFER // 2:
                 # Events come one unlink or store at a time: woken for each few, the thread
                 # spends more on the wake (poll, read, FIONREAD, the GIL) than on them.
                 time.sleep(GATHER)
+
+    def _handle(self, buffer: bytes) -> None:
+        """The buffer's events, each to its callback. One that raises (a bug) must not end
+        this thread, the only one that hears the disk: what is left of the buffer is lost as
+        in an overflow, and found again the same way, by a rescan (said once a minute)."""
+        try:
+            for event in self.events(buffer):
+                self.handle_event(event)
+        except Exception:
+            now = time.monotonic()
+            if now - self._said_at >= 60:
+                self._said_at = now
+                log.exception("inotify events not handled; rescanning every namespace")
+            self.failed()
 
     def events(self, buffer: bytes) -> list[InotifyEvent]:
         """watchdog's `read_events` of one buffer (`struct inotify_event`s; the kernel's
@@ -278,7 +298,7 @@ class Watcher:
 
     def start(self) -> None:
         """Start reading inotify and watch <root>/ns (before any scan, so nothing is missed)."""
-        self._fd = _Reader(lambda idle: self.nest.flush(idle=idle), self.own_deletion)
+        self._fd = _Reader(lambda idle: self.nest.flush(idle=idle), self.own_deletion, self.lost)
         self._fd.daemon = True
         self._fd.start()
         root = _RootWatch(self)
@@ -308,6 +328,12 @@ class Watcher:
 
     def format_of(self, ns_id: str) -> FileFormat:
         return self.formats(self.layout, ns_id)
+
+    def lost(self) -> None:
+        """Events were lost (the kernel's queue overflowed, or a callback failed): the index
+        rescans every namespace (an OVERFLOW event)."""
+        self.overflowed()
+        self.emit((Kind.OVERFLOW, "", "", self.clock(), LOCAL))
 
     def overflowed(self) -> None:
         """The kernel dropped events: every watched namespace's dirs are listed again by the
