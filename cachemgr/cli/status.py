@@ -61,15 +61,15 @@ def serving_root(settings: Settings, root: Path, timeout: float = 1.0) -> dict[s
 
 def unanswered(settings: Settings, layout: Layout) -> None:
     """Say on stderr why the count is on disk when a daemon indexes this root on this host but
-    none answered for it on host:port: at millions of pages that count takes minutes (ten at
-    10M pages, bench/RESULTS.md) while the daemon's index has it at once."""
+    none answered for it on host:port: at millions of pages that count takes minutes (three
+    at 10M pages, bench/RESULTS.md) while the daemon's index has it at once."""
     leadership, _ = leadership_files(layout)
     try:
         if not leadership.led_elsewhere():
             return
+        holder = (leadership.holder() or "").split(" since ")[0] or "a process"
     except (OSError, UnsafePathError):  # an unreadable state dir: nothing to tell
         return
-    holder = (leadership.holder() or "").split(" since ")[0] or "a process"
     click.echo(
         f"cachemgr: a daemon indexes {layout.root} ({holder}) but none answered for it on "
         f"{settings.host}:{settings.port}; counting from disk (give its --port or CACHEMGR_PORT)",
