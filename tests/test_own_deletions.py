@@ -13,10 +13,14 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
+from watchdog.observers.inotify_c import InotifyFD
+
 from cachemgr.daemon.events import LOCAL, Kind
 from cachemgr.daemon.owndeletes import MOST, STALE, OwnDeletions
 from cachemgr.daemon.page_events import PageEvents
 from cachemgr.daemon.watcher import C, Watcher, _Reader
+from cachemgr.errors import ConfigError
 from cachemgr.formats import DEFAULT_FORMAT
 from cachemgr.fs.root import create_root
 from cachemgr.gc.chains import ChainModel
@@ -561,3 +565,16 @@ def test_a_purge_while_gc_unlinks_elsewhere_does_not_break_the_inotify_thread() 
         runner.join()
         sys.setswitchinterval(switch)
     assert not failed
+
+
+def test_a_watchdog_without_the_internals_the_reader_uses_refuses_to_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reader calls watchdog's private `_read_event_buffer`: a release that renamed it
+    would end the inotify thread at its first read, after the daemon said it was ready. The
+    watcher refuses to start instead, with a one-line error that names the fix."""
+    layout = Layout.at(tmp_path / "root")
+    create_root(layout)
+    monkeypatch.delattr(InotifyFD, "_read_event_buffer")
+    with pytest.raises(ConfigError, match=r"install watchdog>=7\.1,<8"):
+        Watcher(layout).start()

@@ -45,11 +45,13 @@ from watchdog.observers.inotify_c import (
     Mask,
     WatchDescriptor,
 )
+from watchdog.version import VERSION_STRING as watchdog_version
 
 from cachemgr.backends import FileFormat
 from cachemgr.daemon.events import LOCAL, Event, Kind, WatchGaps
 from cachemgr.daemon.nestwatch import NestWatches
 from cachemgr.daemon.owndeletes import OwnDeletions
+from cachemgr.errors import ConfigError
 from cachemgr.fs.usage import atime_off
 from cachemgr.layout import NS_ID_RE, Layout
 from cachemgr.ns.manifest import format_of
@@ -298,6 +300,14 @@ class Watcher:
 
     def start(self) -> None:
         """Start reading inotify and watch <root>/ns (before any scan, so nothing is missed)."""
+        if not callable(getattr(InotifyFD, "_read_event_buffer", None)):
+            # (a private method: a watchdog release may rename it, and the reader would die
+            # at its first read, after the daemon said it was ready)
+            raise ConfigError(
+                f"watchdog {watchdog_version} lacks the inotify internals the watcher reads"
+                " (InotifyFD._read_event_buffer): install watchdog>=7.1,<8 as pyproject.toml"
+                " says"
+            )
         self._fd = _Reader(lambda idle: self.nest.flush(idle=idle), self.own_deletion, self.lost)
         self._fd.daemon = True
         self._fd.start()
