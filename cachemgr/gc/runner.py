@@ -531,10 +531,14 @@ class _Applied:
         return told if told is None or not unapplied else cls(told, unapplied)
 
     def expect(self, ns: str, names: Sequence[str]) -> None:
-        self.told.expect(ns, [n for n in names if (ns, n) not in self.unapplied])
+        self.told.expect(ns, self._applied(ns, names))
 
     def settle(self, ns: str, names: Sequence[str], deleted: Collection[str]) -> None:
-        self.told.settle(ns, [n for n in names if (ns, n) not in self.unapplied], deleted)
+        self.told.settle(ns, self._applied(ns, names), deleted)
+
+    def _applied(self, ns: str, names: Sequence[str]) -> list[str]:
+        """Of `names`, those the watcher is told of: settled as they were expected."""
+        return [n for n in names if (ns, n) not in self.unapplied]
 
 
 def _pacer(plan: GcPlan, policy: GcPolicy) -> Pacer:
