@@ -23,10 +23,15 @@ from pathlib import Path
 
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs.safe import open_dir, open_regular
-from cachemgr.layout import RESERVE_FILE
+from cachemgr.layout import DB_FILE, RESERVE_FILE
 
 log = logging.getLogger(__name__)
 RESERVE_BYTES = 4 << 20  # an open (32 KiB -shm), a few thousand index rows, an audit row
+# What the DB's -wal file grows to between two checkpoints: SQLite's default autocheckpoint
+# (1,000 pages) of 4 KiB pages; a longer transaction's is truncated back to it after the next
+# checkpoint (cachemgr.state.store sets journal_size_limit). Measured on a 64 MiB filesystem:
+# a 73 KiB DB beside a 2.6 MiB -wal, which had put free space a third of a MiB under the floor.
+WAL_BYTES = 1000 * 4096
 _SQLITE_FULL = (sqlite3.SQLITE_FULL,)
 _OS_FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -124,21 +129,26 @@ def _allocate(fd: int) -> bool:
 
 
 def missing_bytes(state_dir: Path, root: Path) -> int:
-    """How much of the reserve is not allocated now, if it shares the root's filesystem (0
-    otherwise): GC plans as if it were, so allocating it again keeps the free-space floor."""
+    """How much of the state DB's room is not allocated now, if it shares the root's
+    filesystem (0 otherwise): the reserve not held and the -wal file's growth to WAL_BYTES.
+    GC plans as if both were taken, so the DB taking them keeps the free-space floor."""
     try:
         if os.stat(state_dir).st_dev != os.stat(root).st_dev:
             return 0
         want = reserve_size(shutil.disk_usage(root).total)
+        held = _allocated(state_dir / RESERVE_FILE)
+        wal = _allocated(state_dir / f"{DB_FILE}-wal")
     except OSError:
         return 0
+    return max(0, want - held) + max(0, WAL_BYTES - wal)
+
+
+def _allocated(path: Path) -> int:
+    """Bytes of blocks the file at `path` holds (0: there is none); a link is not followed."""
     try:
-        held = os.stat(state_dir / RESERVE_FILE, follow_symlinks=False).st_blocks * 512
+        return os.stat(path, follow_symlinks=False).st_blocks * 512
     except FileNotFoundError:
-        held = 0
-    except OSError:
         return 0
-    return max(0, want - held)
 
 
 def usage_with_reserve(state_dir: Path) -> Callable[[Path], tuple[int, int, int]]:

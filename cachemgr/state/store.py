@@ -66,6 +66,9 @@ def connect(path: Path) -> sqlite3.Connection:
     try:
         _set_wal(conn)
         conn.execute("PRAGMA synchronous=NORMAL")
+        # The -wal file is room GC plans for (cachemgr.fs.reserve): a long transaction's is
+        # truncated back to it once checkpointed, not kept at its peak.
+        conn.execute(f"PRAGMA journal_size_limit={reserve.WAL_BYTES}")
         conn.execute("PRAGMA foreign_keys=ON")
         _register_functions(conn)
     except sqlite3.Error as e:  # left open: closing it may delete a -wal file to be kept
