@@ -14,10 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cachemgr.daemon.index_leader import leadership_files
 from cachemgr.daemon.lifecycle import Daemon
 from cachemgr.errors import StateError
-from cachemgr.fs.leadership import Leadership
+from cachemgr.fs.leadership import Leadership, index_files
 from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 from cachemgr.settings import Settings
@@ -150,7 +149,7 @@ def test_a_failed_index_writer_stops_the_daemon_with_an_error(
     assert not daemon.indexer.up and daemon.gc.up  # the index thread died, and said so once
     died = [r for r in caplog.records if r.getMessage() == "worker died"]
     assert [getattr(r, "worker", None) for r in died] == ["index"]
-    index_lock, _ = leadership_files(layout)  # nothing is left holding the root's locks
+    index_lock, _ = index_files(layout)  # nothing is left holding the root's locks
     gc_lock = Leadership(layout.state_dir / "gc.lock")
     assert index_lock.try_acquire() and gc_lock.try_acquire()
     index_lock.release()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from cachemgr.errors import ConfigError, NotFoundError, UnsafePathError
 from cachemgr.fs.deletion import DeleteReport
 from cachemgr.layout import Layout
+from cachemgr.ns import purge_plan
 from cachemgr.ns.manifest import read_manifest
 from cachemgr.ns.purge import (
     describe_trash,
@@ -20,8 +22,13 @@ from cachemgr.ns.purge import (
     purge,
 )
 from cachemgr.ns.registry import bind, binding_of, list_namespaces
+from cachemgr.settings import load_settings
+from cachemgr.state import pages_sql
+from cachemgr.state.index import scan_root
 from cachemgr.state.store import Store
+from tests.daemon_helpers import running_daemon
 from tests.nsfixtures import PAGE_BYTES, make_ns, page_name, snapshot
+from tests.polling import wait_for
 
 
 def audit_rows(store: Store) -> list[tuple[str, str, str, str, int, int]]:
@@ -186,3 +193,61 @@ def test_uncounted_purge_still_audits_what_was_deleted(layout: Layout, store: St
         ("purge", ns, "manual", "http", 0, 0),
         ("delete-trash", ns, "trash", "http", 4, 4 * PAGE_BYTES),
     ]
+
+
+def _triggers(store: Store) -> list[tuple[str, str]]:
+    rows = store.conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'trigger'")
+    return sorted((r[0], r[1]) for r in rows)
+
+
+def _stats(store: Store, ns: str) -> tuple[int, ...]:
+    row = store.conn.execute(
+        "SELECT pages, files, bytes, digest, page_reads FROM namespace_stats"
+        " WHERE namespace_id = ?",
+        (ns,),
+    ).fetchone()
+    return tuple(row)
+
+
+@pytest.mark.parametrize("alone", [True, False], ids=["alone-truncated", "beside-another"])
+def test_a_purged_namespace_leaves_no_index_row_and_every_trigger_works_after(
+    layout: Layout, store: Store, monkeypatch: pytest.MonkeyPatch, alone: bool
+) -> None:
+    """Alone in the index (from TRUNCATE_ROWS rows) its rows go with the triggers dropped and
+    made again; beside another, row by row with the stats row set aside. Either way the
+    other namespace, the lifetime counters and the triggers are as they were."""
+    monkeypatch.setattr(pages_sql, "TRUNCATE_ROWS", 3)
+    a = make_ns(layout, store, "a", pages=5, instance="one")
+    b = make_ns(layout, store, "b", pages=0 if alone else 2)
+    scan_root(layout, store)
+    with store.transaction():
+        pages_sql.add_lifetime(store.conn, a, 7, 5, time.time())
+    triggers, other = _triggers(store), _stats(store, b)
+    purge(layout, store, actor="cli", reason="manual", namespace=a)
+    assert _triggers(store) == triggers
+    assert _stats(store, a) == (0, 0, 0, 0, 7) and _stats(store, b) == other
+    count = store.conn.execute("SELECT namespace_id, count(*) FROM pages GROUP BY 1").fetchall()
+    assert [tuple(r) for r in count] == ([] if alone else [(b, 2)])
+    (layout.ns_dir(a) / page_name(9, "a")).write_bytes(b"x" * PAGE_BYTES)
+    scan_root(layout, store)  # a store after the purge counts again: the triggers are back
+    assert _stats(store, a)[:3] == (1, 1, PAGE_BYTES)
+
+
+def test_a_plan_counts_from_the_live_index_not_the_disk(
+    layout: Layout, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon indexes the root: a purge plan takes its counts (a scan of 10M pages took 127 s
+    before the rename); with none, it scans."""
+    a = make_ns(layout, store, "a", pages=6, instance="one")
+    assert plan_purge(layout, store, namespace=a).pages == 6  # no daemon: scanned
+    with running_daemon(load_settings(root=layout.root, gc_interval=3600)) as dm:
+        wait_for(lambda: dm.namespaces()[a]["pages"], lambda n: n == 6)
+
+        def no_scan(*_: object) -> None:
+            raise AssertionError("scanned")
+
+        monkeypatch.setattr(purge_plan, "scan_usage", no_scan)
+        plan = plan_purge(layout, store, namespace=a)
+        assert (plan.pages, plan.bytes) == (6, 6 * PAGE_BYTES)
+    with pytest.raises(AssertionError, match="scanned"):  # the daemon is gone: no live index
+        plan_purge(layout, store, namespace=a)

@@ -16,9 +16,9 @@ import click
 from cachemgr.cli.common import said_not_whole
 from cachemgr.cli.context import AppContext, pass_app, setting_option
 from cachemgr.cli.tables import Column, echo_fitted, print_fitted
-from cachemgr.daemon.index_leader import leadership_files
 from cachemgr.doctor.root import disk_state, filesystem_line
 from cachemgr.errors import NotFoundError, UnsafePathError
+from cachemgr.fs.leadership import index_files
 from cachemgr.fs.usage import DiskUsage
 from cachemgr.gc.policy import GcPolicy
 from cachemgr.layout import Layout
@@ -63,7 +63,7 @@ def unanswered(settings: Settings, layout: Layout) -> None:
     """Say on stderr why the count is on disk when a daemon indexes this root on this host but
     none answered for it on host:port: at millions of pages that count takes minutes (three
     at 10M pages, bench/RESULTS.md) while the daemon's index has it at once."""
-    leadership, _ = leadership_files(layout)
+    leadership, _ = index_files(layout)
     try:
         if not leadership.led_elsewhere():
             return

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 from contextlib import suppress
 from pathlib import Path
@@ -21,23 +20,8 @@ from pathlib import Path
 from cachemgr.daemon.index_state import IndexState
 from cachemgr.fs.leadership import Leadership
 from cachemgr.fs.safe import open_dir, open_file
-from cachemgr.layout import Layout
 
 log = logging.getLogger(__name__)
-
-
-def kernel_id() -> str:
-    """The running kernel's boot id: one indexer per kernel (see the module doc)."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text(encoding="ascii").strip()
-    except OSError:
-        return socket.gethostname()
-
-
-def leadership_files(layout: Layout) -> tuple[Leadership, Path]:
-    """This kernel's index lock on the root, and the marker its leader keeps while ready."""
-    boot = kernel_id()
-    return Leadership(layout.index_lock(boot)), layout.index_ready(boot)
 
 
 def lead(

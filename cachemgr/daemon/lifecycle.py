@@ -30,7 +30,6 @@ from cachemgr.daemon.backend import Backend
 from cachemgr.daemon.connections import raise_nofile_limit
 from cachemgr.daemon.fleet import FleetCollector, FleetNode, build_fleet
 from cachemgr.daemon.gcstate import DaemonGcState
-from cachemgr.daemon.index_leader import kernel_id, leadership_files
 from cachemgr.daemon.index_state import IndexState
 from cachemgr.daemon.indexer import Indexer, IndexerConfig, IndexerHooks, IndexerShared
 from cachemgr.daemon.metrics import CachemgrCollector, Parts
@@ -41,6 +40,7 @@ from cachemgr.daemon.watcher import Watcher
 from cachemgr.engine import Probe, ProbeHooks, ProbeState
 from cachemgr.errors import ConfigError, StateError
 from cachemgr.fleet.netfs import refuse_network_fs
+from cachemgr.fs.leadership import index_files, kernel_id
 from cachemgr.fs.root import create_root
 from cachemgr.fs.safe import refuse_non_regular
 from cachemgr.gc.chains import IN_FLIGHT, ChainModel
@@ -188,7 +188,7 @@ class Daemon:
             on_death=self._worker_died,
             leadership=self.fleet.leadership if self.fleet is not None else None,
         )
-        leadership, ready_marker = leadership_files(self.layout)
+        leadership, ready_marker = index_files(self.layout)
         self.indexer = Indexer(
             self.layout,
             self.store,

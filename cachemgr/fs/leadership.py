@@ -17,6 +17,7 @@ from pathlib import Path
 
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs.safe import open_dir, open_file, read_regular
+from cachemgr.layout import Layout
 
 
 class Leadership:
@@ -84,3 +85,29 @@ class Leadership:
             fd, self._fd = self._fd, None
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
+
+
+def kernel_id() -> str:
+    """The running kernel's boot id: one indexer per kernel (cachemgr.daemon.index_leader)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text(encoding="ascii").strip()
+    except OSError:
+        return socket.gethostname()
+
+
+def index_files(layout: Layout) -> tuple[Leadership, Path]:
+    """This kernel's index lock on the root, and the marker its leader keeps while ready."""
+    boot = kernel_id()
+    return Leadership(layout.index_lock(boot)), layout.index_ready(boot)
+
+
+def index_live(layout: Layout) -> bool:
+    """Whether a daemon (this process, or another) indexes the root on this kernel now, its
+    index built: its lock held and its ready marker there (one killed leaves the marker, not
+    the lock). Its per-namespace counts (`namespace_stats`) are then the disk's, a batch
+    behind: what a purge or an init may report instead of counting millions of files."""
+    leadership, ready = index_files(layout)
+    try:
+        return leadership.led_elsewhere() and os.path.lexists(ready)
+    except (OSError, UnsafePathError):
+        return False

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Literal, TypeVar
 
 from cachemgr.errors import ConfigError, StateError, UnsafePathError
-from cachemgr.fs.dirscan import Usage, scan_usage
 from cachemgr.fs.locks import root_lock
 from cachemgr.fs.root import create_root
 from cachemgr.identity.engines import parse_identity
@@ -23,8 +22,9 @@ from cachemgr.layout import Layout
 from cachemgr.ns import bindings
 from cachemgr.ns import registry as nsreg
 from cachemgr.ns.liveuse import live_users
-from cachemgr.ns.manifest import format_of, read_manifest
+from cachemgr.ns.manifest import read_manifest
 from cachemgr.ns.purge import execute_purge, plan_purge
+from cachemgr.ns.purge_plan import page_counter
 from cachemgr.state.store import Store
 
 OnChange = Literal["purge", "retain"]
@@ -106,15 +106,9 @@ def init_namespace(
                 return replace(changed, old_action="retained")
             execute_purge(plan, layout, store, actor="cli", reason="identity_change", now=now)
             return replace(changed, old_action="purged", old_pages=plan.pages, old_bytes=plan.bytes)
-        usage = scan_usage(layout, f"ns/{previous}", format_of(layout, previous)) or Usage()
+        pages, size = page_counter(layout, store)(previous)
         action: OldAction = "kept" if users else "retained"
-        return replace(
-            changed,
-            old_action=action,
-            old_users=users,
-            old_pages=usage.pages,
-            old_bytes=usage.bytes,
-        )
+        return replace(changed, old_action=action, old_users=users, old_pages=pages, old_bytes=size)
 
 
 def _refuse_live_purge(

@@ -3,16 +3,19 @@ executes the plan)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypedDict
 
 from cachemgr.errors import ConfigError, NotFoundError, UnsafePathError
 from cachemgr.fs.dirscan import scan_usage
+from cachemgr.fs.leadership import index_live
 from cachemgr.layout import Layout, check_ns_id
 from cachemgr.ns import registry as nsreg
 from cachemgr.ns.bindings import qualify
 from cachemgr.ns.manifest import format_of
 from cachemgr.ns.trash import list_trash
+from cachemgr.state import pages_sql
 from cachemgr.state.status import bindings_by_namespace
 from cachemgr.state.store import Store
 
@@ -67,7 +70,9 @@ def plan_purge(
     unbound: bool = False,
     count: bool = True,
 ) -> PurgePlan:
-    """Which namespaces a purge selects; exactly one selector. `count=False` skips the scan."""
+    """Which namespaces a purge selects; exactly one selector. Each target's pages and bytes
+    are the live index's where a daemon indexes the root on this kernel (a scan of 10M pages
+    took 127 s before the rename), else a scan's; `count=False` skips the scan."""
     chosen = [namespace is not None, instance is not None, all, unbound]
     if sum(chosen) != 1:
         raise ConfigError("choose exactly one of --namespace, --instance, --all, --unbound")
@@ -93,8 +98,9 @@ def plan_purge(
         ids, selector = sorted((dirs | manifests) - set(bound)), "unbound"
     # A damaged namespace is skipped and reported; the others are purged all the same.
     problems = tuple(f"ns/{ns}: {damaged[ns][1]}" for ns in ids if ns in damaged)
+    counter = page_counter(layout, store) if count else indexed_counter(layout, store)
     targets = tuple(
-        _target(layout, ns, bound.get(ns, ()), ns in manifests, count)
+        _target(layout, ns, bound.get(ns, ()), ns in manifests, counter)
         for ns in ids
         if ns not in damaged
     )
@@ -102,11 +108,34 @@ def plan_purge(
     return PurgePlan(targets, trash, selector, only_unbound=unbound, problems=problems)
 
 
+Counter = Callable[[str], tuple[int, int]]  # namespace id -> (pages, bytes)
+
+
+def page_counter(layout: Layout, store: Store) -> Counter:
+    """How to count what a namespace holds: the live index's counts, else a scan of its dir."""
+    return indexed_counter(layout, store) or (lambda ns_id: _scanned(layout, ns_id))
+
+
+def indexed_counter(layout: Layout, store: Store) -> Counter | None:
+    """The live index's counts, where a daemon indexes the root on this kernel (None: none
+    does). In a fleet each node's daemon indexes what its own kernel sees: None."""
+    if layout.node is None and index_live(layout):
+        return lambda ns_id: pages_sql.namespace_usage(store.conn, ns_id)
+    return None
+
+
+def _scanned(layout: Layout, ns_id: str) -> tuple[int, int]:
+    usage = scan_usage(layout, f"ns/{ns_id}", format_of(layout, ns_id))
+    return (usage.pages, usage.bytes) if usage else (0, 0)
+
+
 def _target(
-    layout: Layout, ns_id: str, instances: tuple[str, ...], has_manifest: bool, count: bool
+    layout: Layout,
+    ns_id: str,
+    instances: tuple[str, ...],
+    has_manifest: bool,
+    counter: Counter | None,
 ) -> PurgeTarget:
     has_dir = nsreg.ns_entry_kind(layout, ns_id) == "dir"  # refuses a symlink before any change
-    fmt = format_of(layout, ns_id)
-    usage = scan_usage(layout, f"ns/{ns_id}", fmt) if has_dir and count else None
-    pages, size = (usage.pages, usage.bytes) if usage else (0, 0)
+    pages, size = counter(ns_id) if has_dir and counter else (0, 0)
     return PurgeTarget(ns_id, pages, size, instances, has_dir, has_manifest)

@@ -59,9 +59,62 @@ _ADD_READS = (
 )
 
 
+TRUNCATE_ROWS = 100_000  # from this many rows, a namespace alone in the index is truncated
+
+
 def delete_namespace_pages(conn: sqlite3.Connection, ns_id: str) -> None:
-    """Forget every indexed page of a namespace in one statement (lifetime counters stay)."""
-    conn.execute("DELETE FROM pages WHERE namespace_id = ?", (ns_id,))
+    """Forget every indexed page of a namespace (lifetime counters stay). Call inside a
+    transaction.
+
+    A row at a time, `pages_stats_delete` probes the page's other files and updates the stats
+    row for each: at 2M rows 13.6 s, and at 9M (cold) 158 s, the DB's write lock held all that
+    time. So the stats row is set aside meanwhile (each trigger then finds no row: 7.6 s at
+    2M), and a namespace holding every row of the index (the seed's one 10M-page dir) is
+    emptied with the pages triggers dropped and made again in the same transaction, which
+    lets SQLite clear the table's pages without visiting its rows (1.5 s at 2M).
+    """
+    aside = f"{ns_id}~purging"  # no namespace id has a '~' (NS_ID_RE)
+    files = file_count(conn, ns_id)
+    conn.execute(
+        "UPDATE namespace_stats SET namespace_id = ? WHERE namespace_id = ?", (aside, ns_id)
+    )
+    # (Not for a few rows: dropping a trigger makes every connection prepare its statements
+    # again.)
+    if files >= TRUNCATE_ROWS and _only_namespace(conn, ns_id):
+        triggers = conn.execute(
+            "SELECT name, sql FROM sqlite_master WHERE type = 'trigger' AND tbl_name = 'pages'"
+        ).fetchall()
+        for name, _ in triggers:
+            conn.execute(f'DROP TRIGGER "{name}"')
+        conn.execute("DELETE FROM pages")  # no WHERE, no trigger: SQLite's truncation
+        for _, sql in triggers:
+            conn.execute(sql)
+        conn.execute("DELETE FROM model_stamp")  # what the dropped trigger would have done
+    else:
+        conn.execute("DELETE FROM pages WHERE namespace_id = ?", (ns_id,))
+    conn.execute(
+        "UPDATE namespace_stats SET namespace_id = ?, pages = 0, files = 0, bytes = 0,"
+        " digest = 0 WHERE namespace_id = ?",
+        (ns_id, aside),
+    )
+
+
+def _only_namespace(conn: sqlite3.Connection, ns_id: str) -> bool:
+    """Whether every row of `pages` is this namespace's (two probes of the primary key)."""
+    row = conn.execute(
+        "SELECT EXISTS (SELECT 1 FROM pages WHERE namespace_id < ?)"
+        " OR EXISTS (SELECT 1 FROM pages WHERE namespace_id > ?)",
+        (ns_id, ns_id),
+    ).fetchone()
+    return not row[0]
+
+
+def namespace_usage(conn: sqlite3.Connection, ns_id: str) -> tuple[int, int]:
+    """The pages and bytes the index counts in a namespace ((0, 0): none)."""
+    row = conn.execute(
+        "SELECT pages, bytes FROM namespace_stats WHERE namespace_id = ?", (ns_id,)
+    ).fetchone()
+    return (int(row[0]), int(row[1])) if row else (0, 0)
 
 
 def delete_pages(conn: sqlite3.Connection, pages: Iterable[tuple[str, str]]) -> None:

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from cachemgr.backends import FileKind
-from cachemgr.daemon.index_leader import kernel_id
 from cachemgr.errors import CachemgrError
 from cachemgr.fs.deletion import Listeners, Pacer, delete_files
+from cachemgr.fs.leadership import kernel_id
 from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout, db_files
 from cachemgr.ns.trash import drain_trash
