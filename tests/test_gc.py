@@ -164,7 +164,8 @@ def test_dry_run_deletes_nothing_and_frees_what_the_real_run_frees(tree: Tree) -
     busy_root(tree)
     pol = policy(max_bytes=6_000, keep_unbound=0, tmp_ttl=60)
     plan = tree.plan(pol, now=T0 + 100)
-    assert [s.reason for s in plan.steps] == ["trash", "tmp", "unbound", "corrupt", "cap"]
+    # The limit first: a long drain must not hold it back (plan_gc)
+    assert [s.reason for s in plan.steps] == ["cap", "trash", "tmp", "unbound", "corrupt"]
     listing = sorted(os.walk(tree.layout.root))
     gone: dict[bool, list[str]] = {True: [], False: []}  # what each run recorded gone
     dry = tree.execute(plan, now=T0 + 100, dry_run=True, recorded=lambda _, n: gone[True].extend(n))
@@ -173,7 +174,7 @@ def test_dry_run_deletes_nothing_and_frees_what_the_real_run_frees(tree: Tree) -
     real = tree.execute(plan, now=T0 + 100, recorded=lambda _, n: gone[False].extend(n))
     assert dry.bytes == real.bytes == plan.bytes
     assert dry.totals() == real.totals() == plan.totals()
-    cap = real.steps[-1]
+    cap = real.steps[0]
     assert gone[True] == [] and len(gone[False]) == cap.files > 0
     assert not (tree.layout.trash / f"{NS2}.purged").exists()
     assert not tree.layout.ns_dir(NS2).exists()
@@ -189,11 +190,11 @@ def test_every_deletion_is_audited_once_per_namespace_and_reason(tree: Tree) -> 
         "SELECT action, namespace_id, reason, actor, pages, bytes FROM audit ORDER BY id"
     ).fetchall()
     assert [tuple(r) for r in rows] == [
+        ("evict", NS, "cap", "cli", 5, 5000),
         ("delete-trash", NS2, "trash", "cli", 1, 700),
         ("evict", NS, "tmp", "cli", 1, 30),
         ("evict", NS2, "unbound", "cli", 6, 6000),
         ("evict", NS, "corrupt", "cli", 1, 400),
-        ("evict", NS, "cap", "cli", 5, 5000),
     ]
 
 
@@ -327,7 +328,7 @@ def test_a_namespace_dir_turned_symlink_is_skipped_and_gc_goes_on(
     tree.layout.ns_dir(NS2).rename(elsewhere)
     tree.layout.ns_dir(NS2).symlink_to(elsewhere)
     plan = tree.plan(policy(max_bytes=6_000, keep_unbound=0, tmp_ttl=60), now=T0 + 100)
-    assert [s.reason for s in plan.steps] == ["trash", "tmp", "corrupt", "cap"]
+    assert [s.reason for s in plan.steps] == ["cap", "trash", "tmp", "corrupt"]
     left = [w for w in plan.warnings if w.startswith(f"ns/{NS2} left alone (unsafe):")]
     assert left and "symlink" in left[0]
     tree.execute(plan, now=T0 + 100)

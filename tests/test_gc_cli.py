@@ -44,8 +44,8 @@ def test_dry_run_lists_per_reason_and_deletes_nothing(root: Path) -> None:
     assert out.stdout.splitlines() == [
         "would delete 7 files, 6.0 kB",
         "  reason           files      bytes",
-        "  tmp                  1       10 B",
         "  cap                  6     6.0 kB",
+        "  tmp                  1       10 B",
     ]
     assert len(os.listdir(root / "ns" / NS)) == 11
 

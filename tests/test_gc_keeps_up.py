@@ -27,9 +27,18 @@ from cachemgr.gc.plan import GcPlan, Live, plan_gc
 from cachemgr.gc.policy import GcPolicy, headroom, over_limits, room
 from cachemgr.gc.runner import GcRunner, LiveState, _forgetting
 from cachemgr.layout import Layout
+from cachemgr.ns.purge import purge
 from cachemgr.settings import Settings, load_settings
 from cachemgr.sglang.hicache import HICACHE_FILE
-from tests.daemon_helpers import NS_A, page_name, register_namespace, running_daemon, store_page
+from cachemgr.state.store import Store
+from tests.daemon_helpers import (
+    NS_A,
+    NS_B,
+    page_name,
+    register_namespace,
+    running_daemon,
+    store_page,
+)
 from tests.gc_helpers import NS, T0, Tree, big_disk, evicted, page, policy
 from tests.polling import wait_for
 from tests.test_chains import KEY_LEN, SUFFIX, Stream, key, order
@@ -670,3 +679,44 @@ def test_stores_a_chunk_deleted_are_pending_no_more_from_that_chunk_on() -> None
     assert recorded is not None
     recorded(NS, [page(2), page(3)])  # page 3 was indexed: not a pending store
     assert live.early == [(NS, page(2))]
+
+
+def _files(d: Path) -> int:
+    with os.scandir(d) as entries:
+        return sum(1 for e in entries if e.name.endswith(".bin"))
+
+
+def test_a_purge_s_paced_drain_never_holds_a_cap_back(tmp_path: Path) -> None:
+    """A run drained .trash/ before its evictions, at delete_rate: 3,000 trash files at 100 a
+    second held a 200-page cap back for 30 s (it reached 1,981 pages). The limits go first
+    now; the drain keeps its rate and yields to a limit crossed meanwhile."""
+    layout = Layout.at(tmp_path / "root")
+    create_root(layout)
+    live = register_namespace(layout, NS_A, instance="gpu0")
+    old = register_namespace(layout, NS_B, instance="old")
+    for i in range(3000):
+        store_page(old, page_name(i, "old"), 4096)
+    with Store.open(layout.db_path) as store:  # renamed into .trash/ before the daemon starts
+        purge(layout, store, actor="cli", reason="manual", namespace=NS_B)
+    (entry,) = os.listdir(layout.trash)
+    cap = 200
+    settings = load_settings(
+        root=layout.root,
+        gc_namespace_max_bytes=cap * 4096,
+        gc_min_age=0,
+        gc_interval=3600,
+        gc_delete_rate=100,
+    )
+    most = 0
+    with running_daemon(settings):
+        t0 = time.monotonic()
+        for i in range(1000):  # ~6 s at this pace: 5 caps' worth
+            store_page(live, page_name(i), 4096)
+            if i % 10 == 0:
+                most = max(most, _files(live))
+            time.sleep(0.005)
+        took = time.monotonic() - t0
+        drained = 3000 - _files(layout.trash / entry)
+    assert most <= 1.3 * cap, f"{most} pages against a cap of {cap}"
+    # Paced all along (at most a batch of 10 over the rate at each end), and not starved.
+    assert 0.5 * 100 * took <= drained <= 100 * took + 200, f"{drained} in {took:.1f} s"

@@ -90,6 +90,12 @@ class Pacer:
     _count: int = field(default=0, init=False)
     _start: float | None = field(default=None, init=False)
 
+    def due(self) -> float:
+        """Seconds until the rate allows the next deletion (0 or less: it does now)."""
+        if not self.rate or self._start is None:
+            return 0.0
+        return self._count / self.rate - (self.clock() - self._start)
+
     def tick(self) -> None:
         """Count one deletion; every `batch` files, sleep until the rate is respected."""
         if self._start is None:

@@ -100,8 +100,14 @@ def execute_gc(
     spare: Spare | None = None,
     unlinking: Unlinking | None = None,
     recorded: Recorded | None = None,
+    after_limits: Behind | None = None,
 ) -> GcReport:
     """Run the plan's steps in order; a dry run stats the same files and deletes none.
+
+    `after_limits` (a run with no pace given): how the steps behind those that hold a limit go
+    (trash, temps, dropped namespaces: paced mass work), told `done` before them. A drain of a
+    large purge went first, at the run's pace, and held every cap and the floor back for as
+    long as it took (3,000 trash files at 100 a second: a 200-page cap reached 1,981).
 
     `run.stop()` true (a shutdown) ends the run after the chunk being deleted. `run.fence()`
     false (fleet mode: the GC lease is lost) ends it there too, with a warning. `run.users`
@@ -121,8 +127,13 @@ def execute_gc(
     started = run.clock()
     tally = _Tally(progress)
     results = []
-    for step in plan.steps:
-        if halted():
+    behind = after_limits
+    for step in plan.steps:  # those that hold a limit first (plan_gc)
+        if behind is not None and step.reason not in HOLDING:
+            behind.done()
+            steps_run = replace(run, pacer=behind.pacer, stop=_either(halted, behind.stop))
+            behind = None
+        if steps_run.stop():
             break
         holds = step.reason in HOLDING and step.namespace_id is not None
         told = _Told(None if step.forced else spare, unlinking, recorded) if holds else _Told()
@@ -189,6 +200,20 @@ EPERM_FIX = (
     "the file or its dir is immutable or append-only (`lsattr -d`; `chattr -i -a`), or a "
     "sticky dir (mode +t) of another owner (`chmod -t` it)"
 )
+
+
+class Behind(NamedTuple):
+    """How a daemon's run carries out the steps that hold no limit, behind those that do
+    (execute_gc): `done` is told when those are, and the others go at `pacer`'s rate until
+    `stop` (a limit crossed meanwhile: the next run keeps it, then goes on with them)."""
+
+    pacer: Pacer
+    stop: Callable[[], bool]
+    done: Callable[[], None]
+
+
+def _either(first: Callable[[], bool], second: Callable[[], bool]) -> Callable[[], bool]:
+    return lambda: first() or second()
 
 
 class _Told(NamedTuple):

@@ -5,9 +5,10 @@
 namespaces in the order over learned chains (cachemgr.gc.value: tails before heads, least
 valuable chains first) until each namespace cap and the root's budget (byte cap or free-space
 floor) are back under the low watermark. The daemon plans from its live chain model; a one-off
-run builds one from the index. `execute_gc` deletes
-exactly the planned files through cachemgr.fs.deletion, so a dry run reports what a real run
-frees.
+run builds one from the index. The plan lists the steps in the order they run: those that hold
+a limit first, then the rest (a purge's drain of millions of files, paced, held every cap and
+the floor back while it went first). `execute_gc` deletes exactly the planned files through
+cachemgr.fs.deletion, so a dry run reports what a real run frees.
 """
 
 from __future__ import annotations
@@ -292,7 +293,7 @@ def _plan(
     limit = None if budget.limit == float("inf") else int(budget.limit)
     return GcPlan(
         now,
-        tuple(steps),
+        tuple(sorted(steps, key=lambda s: s.reason not in HOLDING)),  # (a stable sort)
         used_all,
         limit,
         budget.reason,

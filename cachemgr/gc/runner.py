@@ -29,7 +29,7 @@ from cachemgr.fs.leadership import Leadership
 from cachemgr.fs.usage import DiskUsageFn
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.check import needs_gc
-from cachemgr.gc.execute import InFlight, Recorded, Unlinking, execute_gc
+from cachemgr.gc.execute import Behind, InFlight, Recorded, Unlinking, execute_gc
 from cachemgr.gc.floor import floor_pass, record_floor
 from cachemgr.gc.held import HeldAudits
 from cachemgr.gc.pagestore import PageId
@@ -170,6 +170,7 @@ class GcRunner(Worker):
         # Floor passes' audit rows the DB took no write of (cachemgr.gc.held): written with the
         # next pass, or at the next floor check once it takes writes.
         self.held = HeldAudits()
+        self.give_way = _Yielding(self.live.woken)
 
     @contextmanager
     def _serialized(self) -> Iterator[None]:
@@ -279,9 +280,10 @@ class GcRunner(Worker):
         Below the free-space floor, the floor pass (cachemgr.gc.floor) goes first, and a dry
         run plans it too: the plan after it counts its files as gone, so the dry run lists
         what the real run deletes. `floor`: the pass the caller made already (the CLI, before
-        it opened the DB), not made again; either is in the report. Deletion is paced at the
-        policy's delete_rate unless a `pacer` is given; `policy` replaces the runner's own for
-        this run (one-off limits).
+        it opened the DB), not made again; either is in the report. Unless a `pacer` is given
+        for all of it, the steps that hold a limit go first, unpaced, and the rest at the
+        policy's delete_rate, yielding to a limit crossed meanwhile (execute.Behind); `policy`
+        replaces the runner's own for this run (one-off limits).
         """
         if not dry_run and not self._lead():
             now = self.clock()
@@ -385,10 +387,12 @@ class GcRunner(Worker):
             self.last_sweep = now
         if not dry_run:
             self.stats.overridden += plan.overridden
-        if run.pacer is None:
-            run = replace(run, pacer=_pacer(plan, policy))
-        holding = _holding(plan) and not dry_run and bool(plan.steps)
-        if holding:
+        behind = None
+        if run.pacer is None:  # no pace asked for: the limits first, unpaced, the rest Behind
+            run = replace(run, pacer=Pacer(rate=None))
+            if not dry_run:  # (a dry run lists all a run would do, uncut)
+                behind = self.give_way.behind(policy.delete_rate, self.not_holding.set)
+        if not dry_run and any(s.reason in HOLDING for s in plan.steps):
             self.not_holding.clear()
         try:
             report = execute_gc(
@@ -398,6 +402,7 @@ class GcRunner(Worker):
                 spare=flight.spare,
                 unlinking=_Applied.of(self.live.unlinking(), flight.stored),
                 recorded=_forgetting(self.live, flight.stored),
+                after_limits=behind,
             )
         finally:
             self.not_holding.set()
@@ -497,6 +502,42 @@ class GcRunner(Worker):
         return all(os.access(d, os.R_OK | os.X_OK) for d in dirs)
 
 
+class _Yielding:
+    """A run's paced mass work (a purge's drain of millions of files) yields to a limit
+    crossed meanwhile (GC woken), and the loop runs again at once. Each run goes on with one
+    pacer, of small batches: a run takes a batch if the pace allows it now, else naps until it
+    does unless woken first (then yields), and yields at the next batch once woken. So the rate
+    holds across runs (a new pacer each run let 256 files go before its first nap: 4x a rate of
+    100), and a limit waits one small batch at most (a nap of 2.6 s let a 200-page cap reach
+    632 pages; yielding after 0.5 s, 306)."""
+
+    def __init__(self, woken: threading.Event) -> None:
+        self.woken = woken
+        self.pacer: Pacer | None = None
+        self.first = True
+        self.yielded = False
+
+    def behind(self, rate: float | None, done: Callable[[], None]) -> Behind:
+        """What one run does behind the limits: the last run's pacer if that run yielded."""
+        if not self.yielded or self.pacer is None or self.pacer.rate != rate:
+            batch = min(Pacer.batch, max(1, int(rate / 10))) if rate else Pacer.batch
+            self.pacer = Pacer(rate=rate, batch=batch, sleep=self.nap)
+        self.first, self.yielded = True, False
+        return Behind(self.pacer, self.stop, done)
+
+    def stop(self) -> bool:
+        if self.first:  # the run's first batch: if the pace allows it, or once it does
+            self.first = False
+            wait = self.pacer.due() if self.pacer is not None else 0.0
+            self.yielded = wait > 0 and self.woken.wait(wait)
+        else:
+            self.yielded = self.woken.is_set()
+        return self.yielded
+
+    def nap(self, seconds: float) -> None:
+        self.woken.wait(seconds)  # woken: `stop` yields before the next batch
+
+
 def _forgetting(live: LiveState, stored: Sequence[PageId]) -> Recorded | None:
     """What a run does with each chunk it recorded gone: the live chain model forgets those
     pages, and of the stores the index had not applied at the plan (`stored`), those are no
@@ -541,14 +582,6 @@ class _Applied:
         return [n for n in names if (ns, n) not in self.unapplied]
 
 
-def _pacer(plan: GcPlan, policy: GcPolicy) -> Pacer:
-    """Holding a cap or the floor keeps pace with the writer: unpaced. Mass work (trash,
-    unbound namespaces, retention) goes at delete_rate, so the disk stays responsive."""
-    if _holding(plan):
-        return Pacer(rate=None)
-    return Pacer(rate=policy.delete_rate)
-
-
 def joined(floor: GcReport | None, report: GcReport) -> GcReport:
     """One report for a floor pass and the run after it."""
     if floor is None:
@@ -563,5 +596,5 @@ def joined(floor: GcReport | None, report: GcReport) -> GcReport:
 
 
 def _holding(plan: GcPlan) -> bool:
-    """Whether the plan only holds a cap or the free-space floor (unpaced: see _pacer)."""
+    """Whether the plan only holds a cap or the free-space floor."""
     return all(s.reason in HOLDING for s in plan.steps)
