@@ -391,7 +391,9 @@ class GcRunner(Worker):
         if run.pacer is None:  # no pace asked for: the limits first, unpaced, the rest Behind
             run = replace(run, pacer=Pacer(rate=None))
             if not dry_run:  # (a dry run lists all a run would do, uncut)
-                behind = self.give_way.behind(policy.delete_rate, self.not_holding.set)
+                # Only the loop's own runs yield: one asked for (HTTP, the CLI) does it all.
+                give_way = self.give_way if run.actor == "auto" else _Yielding(threading.Event())
+                behind = give_way.behind(policy.delete_rate, self.not_holding.set)
         if not dry_run and any(s.reason in HOLDING for s in plan.steps):
             self.not_holding.clear()
         try:
