@@ -506,12 +506,12 @@ class GcRunner(Worker):
 
 class _Yielding:
     """A run's paced mass work (a purge's drain of millions of files) yields to a limit
-    crossed meanwhile (GC woken), and the loop runs again at once. Each run goes on with one
-    pacer, of small batches: a run takes a batch if the pace allows it now, else naps until it
-    does unless woken first (then yields), and yields at the next batch once woken. So the rate
-    holds across runs (a new pacer each run let 256 files go before its first nap: 4x a rate of
-    100), and a limit waits one small batch at most (a nap of 2.6 s let a 200-page cap reach
-    632 pages; yielding after 0.5 s, 306)."""
+    crossed meanwhile (GC woken), and the loop runs again at once. The runs that go on with it
+    share one pacer: a run takes a batch if the pace allows it now, else naps until it does
+    unless woken first (then yields), and yields at the next batch once woken. So the rate
+    holds across runs (a new pacer each run let 256 files go before its first nap: 4x a rate
+    of 100), and a limit waits for one batch's unlinks at most, never a nap (a nap of 2.6 s
+    let a 200-page cap reach 632 pages; yielding after 0.5 s, 306)."""
 
     def __init__(self, woken: threading.Event) -> None:
         self.woken = woken
@@ -522,8 +522,7 @@ class _Yielding:
     def behind(self, rate: float | None, done: Callable[[], None]) -> Behind:
         """What one run does behind the limits: the last run's pacer if that run yielded."""
         if not self.yielded or self.pacer is None or self.pacer.rate != rate:
-            batch = min(Pacer.batch, max(1, int(rate / 10))) if rate else Pacer.batch
-            self.pacer = Pacer(rate=rate, batch=batch, sleep=self.nap)
+            self.pacer = Pacer(rate=rate, sleep=self.nap)
         self.first, self.yielded = True, False
         return Behind(self.pacer, self.stop, done)
 
