@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,8 +11,10 @@ import pytest
 
 from cachemgr.daemon.events import LOCAL, Kind
 from cachemgr.daemon.page_events import PageEvents
+from cachemgr.gc import find as gcfind
 from cachemgr.gc.check import needs_gc
 from cachemgr.gc.execute import CHUNK, execute_gc
+from cachemgr.gc.find import TrashCounts
 from cachemgr.state.index import scan_root
 from cachemgr.state.store import Store
 from tests.gc_helpers import NS, NS2, T0, Tree, evicted, page, policy, temp
@@ -352,3 +355,29 @@ def test_a_bound_namespace_dir_turned_symlink_fails_its_step_not_the_run(
     assert refused.skipped is not None and "symlink" in refused.skipped
     assert sorted(os.listdir(elsewhere)) == sorted(A)  # nothing behind the symlink touched
     assert len(tree.files(NS2)) * 1000 <= 2_000  # the other namespace still brought under its cap
+
+
+def test_a_trash_entry_is_counted_once_and_then_less_what_runs_drained(tree: Tree) -> None:
+    """The daemon's runs plan again at once when they yield to a limit: a listing of every
+    trash file at each plan took 7 s at 200,000 files. An entry is scanned once."""
+    entry = tree.layout.trash / f"{NS2}.purged"
+    entry.mkdir()
+    for i in range(5):
+        (entry / page(900 + i)).write_bytes(b"t" * 700)
+    (entry / "notes.txt").write_text("mine")  # foreign: left, and said at every plan
+    counts = TrashCounts()
+    (step,) = gcfind.trash_leftovers(tree.layout, warnings := [], counts)
+    assert (step.files, step.bytes, step.names, step.remove_dir) == (5, 3500, (), True)
+    assert warnings == [
+        f".trash/{entry.name}: left for a person: 1 foreign file, e.g. {entry}/notes.txt"
+    ]
+    (entry / page(900)).unlink()  # what a run drained: known from its report, not a scan
+    counts.drained(entry.name, 1, 700)
+    (entry / page(901)).unlink()  # (another process's drain: not seen until it is gone)
+    (step,) = gcfind.trash_leftovers(tree.layout, warnings := [], counts)
+    assert (step.files, step.bytes) == (4, 2800) and len(warnings) == 1
+    assert [s.files for s in gcfind.trash_leftovers(tree.layout, [])] == [3]  # no counts: scans
+    shutil.rmtree(entry)
+    assert gcfind.trash_leftovers(tree.layout, [], counts) == []
+    entry.mkdir()  # (a name never comes back: `counts` forgot it with its entry)
+    assert [s.files for s in gcfind.trash_leftovers(tree.layout, [], counts)] == [0]

@@ -142,7 +142,7 @@ def execute_gc(
         except UnsafePathError as e:  # its dir became a symlink or a mount: the other steps
             log.warning("gc step refused", extra={"dir": step.rel_dir, "error": str(e)})
             # still run; its files are refused, so the report warns and a cap is not held
-            whole = Refusal(str(e), "unsafe", max(1, len(step.names)))
+            whole = Refusal(str(e), "unsafe", max(1, step.files))
             result = StepResult(step, refused=(whole,), skipped=f"refused: {e}")
         except OSError as e:  # another user's dir: the other steps still run (the caller
             if not is_denied(e):  # says so once: cachemgr.ns.quarantine)

@@ -67,7 +67,7 @@ class GcPlan(ByReason):
 
     def totals(self) -> dict[GcReason, tuple[int, int]]:
         """(files, bytes) per reason, in plan order."""
-        return tally((s.reason, len(s.names), s.bytes) for s in self.steps)
+        return tally((s.reason, s.files, s.bytes) for s in self.steps)
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,8 @@ class Live:
     # The size the writer's stores are counted at, as `pending` counts them (0: unknown yet):
     # a cap takes unapplied stores by it, without a stat each (_unapplied).
     store_bytes: int = 0
+    # The trash entries' counts as the runs know them (None: a scan of each at every plan).
+    trash: gcfind.TrashCounts | None = None
 
 
 def plan_gc(
@@ -159,7 +161,7 @@ def _plan(
     # A dir that became a symlink (or worse) is skipped with a warning, never a failed run:
     # GC must go on bounding everything else.
     warnings: list[str] = []
-    trash = gcfind.trash_leftovers(layout, warnings)
+    trash = gcfind.trash_leftovers(layout, warnings, daemon.trash)
     steps = [s for s in trash if s.rel_dir not in after.dirs]
     freed_trash = sum(s.bytes for s in trash if s.rel_dir in after.dirs)
     # Damaged namespaces (a bad manifest, a symlink in place of the dir) are left alone

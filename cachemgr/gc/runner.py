@@ -30,6 +30,7 @@ from cachemgr.fs.usage import DiskUsageFn
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.check import needs_gc
 from cachemgr.gc.execute import Behind, InFlight, Recorded, Unlinking, execute_gc
+from cachemgr.gc.find import TrashCounts
 from cachemgr.gc.floor import floor_pass, record_floor
 from cachemgr.gc.held import HeldAudits
 from cachemgr.gc.pagestore import PageId
@@ -171,6 +172,7 @@ class GcRunner(Worker):
         # next pass, or at the next floor check once it takes writes.
         self.held = HeldAudits()
         self.give_way = _Yielding(self.live.woken)
+        self.trash = TrashCounts()  # each trash entry scanned once, then less what runs drain
 
     @contextmanager
     def _serialized(self) -> Iterator[None]:
@@ -370,6 +372,7 @@ class GcRunner(Worker):
             flight.queued,
             flight.stored,
             flight.stored_bytes,
+            self.trash,
         )
         if self.layout.node is not None:  # in a fleet: whom the other nodes' servers use
             catch_up(self.layout, self.store)
@@ -410,6 +413,11 @@ class GcRunner(Worker):
             self.not_holding.set()
         if not dry_run:
             self.stats.overridden += report.overridden
+            for r in report.steps:
+                if r.reason == "trash":
+                    self.trash.drained(
+                        r.rel_dir.removeprefix(".trash/"), r.files + r.vanished, r.bytes
+                    )
         if _holding(plan) and not dry_run:  # a paced run's minutes are not cap-holding's
             # The longest recent run, decaying: a quick one must not start the next late.
             self.run_seconds = max(time.monotonic() - t0, self.run_seconds / 2)

@@ -62,6 +62,13 @@ class GcStep:
     # may keep without the limit being over its high watermark (policy.room); the rest of
     # what they hold the step takes after all, tails first (cachemgr.gc.execute).
     room: int = 0
+    # Files of a step whose names are not listed (a trash entry: its drain lists them).
+    count: int | None = None
+
+    @property
+    def files(self) -> int:
+        """How many files the step deletes (as planned)."""
+        return len(self.names) if self.count is None else self.count
 
 
 @dataclass(frozen=True)
@@ -92,7 +99,7 @@ class StepResult:
 
     @property
     def planned_files(self) -> int:
-        return len(self.step.names)
+        return self.step.files
 
     @property
     def planned_bytes(self) -> int:

@@ -68,16 +68,7 @@ def left_note(foreign: int, example: str | None) -> str:
     return f"left for a person: {foreign:,} foreign {files}, e.g. {example}"
 
 
-def foreign_in(layout: Layout, entry: str) -> tuple[int, str | None]:
-    """How many names in .trash/<entry> deletion will leave (not an SGLang page or temp
-    regular file), and the full path of one; (0, None) if none or the entry is gone."""
-    usage = scan_usage(layout, f".trash/{entry}", trash_format(layout, entry))
-    if usage is None or not usage.other:
-        return 0, None
-    return usage.other, _foreign_example(layout, entry)
-
-
-def _foreign_example(layout: Layout, entry: str) -> str | None:
+def foreign_example(layout: Layout, entry: str) -> str | None:
     try:
         with open_dir(layout.root, f".trash/{entry}") as fd:
             fmt = format_in(fd)
@@ -146,7 +137,7 @@ def describe_trash(layout: Layout) -> list[TrashEntry]:
             out.append(TrashEntry(name, ns, 0, 0, str(e)))
             continue
         if usage is not None:
-            example = _foreign_example(layout, name) if usage.other else None
+            example = foreign_example(layout, name) if usage.other else None
             out.append(TrashEntry(name, ns, usage.pages, usage.bytes, None, usage.other, example))
     return out
 
