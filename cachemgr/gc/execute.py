@@ -22,6 +22,7 @@ from cachemgr.fs.deletion import (
     delete_files,
     delete_own_temps,
 )
+from cachemgr.gc.behind import Behind
 from cachemgr.gc.drop import drop_namespace, why_stays
 from cachemgr.gc.find import step_format
 from cachemgr.gc.pagestore import PageId
@@ -200,16 +201,6 @@ EPERM_FIX = (
     "the file or its dir is immutable or append-only (`lsattr -d`; `chattr -i -a`), or a "
     "sticky dir (mode +t) of another owner (`chmod -t` it)"
 )
-
-
-class Behind(NamedTuple):
-    """How a daemon's run carries out the steps that hold no limit, behind those that do
-    (execute_gc): `done` is told when those are, and the others go at `pacer`'s rate until
-    `stop` (a limit crossed meanwhile: the next run keeps it, then goes on with them)."""
-
-    pacer: Pacer
-    stop: Callable[[], bool]
-    done: Callable[[], None]
 
 
 def _either(first: Callable[[], bool], second: Callable[[], bool]) -> Callable[[], bool]:

@@ -27,9 +27,10 @@ from cachemgr.fs.deletecheck import REFUSAL_REASONS, RefusalReason, reason_of
 from cachemgr.fs.deletion import Pacer, Progress
 from cachemgr.fs.leadership import Leadership
 from cachemgr.fs.usage import DiskUsageFn
+from cachemgr.gc.behind import GiveWay
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.check import needs_gc
-from cachemgr.gc.execute import Behind, InFlight, Recorded, Unlinking, execute_gc
+from cachemgr.gc.execute import InFlight, Recorded, Unlinking, execute_gc
 from cachemgr.gc.find import TrashCounts
 from cachemgr.gc.floor import floor_pass, record_floor
 from cachemgr.gc.held import HeldAudits
@@ -171,7 +172,7 @@ class GcRunner(Worker):
         # Floor passes' audit rows the DB took no write of (cachemgr.gc.held): written with the
         # next pass, or at the next floor check once it takes writes.
         self.held = HeldAudits()
-        self.give_way = _Yielding(self.live.woken)
+        self.give_way = GiveWay(self.live.woken)
         self.trash = TrashCounts()  # each trash entry scanned once, then less what runs drain
 
     @contextmanager
@@ -284,7 +285,7 @@ class GcRunner(Worker):
         what the real run deletes. `floor`: the pass the caller made already (the CLI, before
         it opened the DB), not made again; either is in the report. Unless a `pacer` is given
         for all of it, the steps that hold a limit go first, unpaced, and the rest at the
-        policy's delete_rate, yielding to a limit crossed meanwhile (execute.Behind); `policy`
+        policy's delete_rate, yielding to a limit crossed meanwhile (cachemgr.gc.behind); `policy`
         replaces the runner's own for this run (one-off limits).
         """
         if not dry_run and not self._lead():
@@ -395,7 +396,7 @@ class GcRunner(Worker):
             run = replace(run, pacer=Pacer(rate=None))
             if not dry_run:  # (a dry run lists all a run would do, uncut)
                 # Only the loop's own runs yield: one asked for (HTTP, the CLI) does it all.
-                give_way = self.give_way if run.actor == "auto" else _Yielding(threading.Event())
+                give_way = self.give_way if run.actor == "auto" else GiveWay(threading.Event())
                 behind = give_way.behind(policy.delete_rate, self.not_holding.set)
         if not dry_run and any(s.reason in HOLDING for s in plan.steps):
             self.not_holding.clear()
@@ -510,41 +511,6 @@ class GcRunner(Worker):
         """Whether this process may still list ns/ and the state dir."""
         dirs = (self.layout.ns_root, self.layout.state_dir)
         return all(os.access(d, os.R_OK | os.X_OK) for d in dirs)
-
-
-class _Yielding:
-    """A run's paced mass work (a purge's drain of millions of files) yields to a limit
-    crossed meanwhile (GC woken), and the loop runs again at once. The runs that go on with it
-    share one pacer: a run takes a batch if the pace allows it now, else naps until it does
-    unless woken first (then yields), and yields at the next batch once woken. So the rate
-    holds across runs (a new pacer each run let 256 files go before its first nap: 4x a rate
-    of 100), and a limit waits for one batch's unlinks at most, never a nap (a nap of 2.6 s
-    let a 200-page cap reach 632 pages; yielding after 0.5 s, 306)."""
-
-    def __init__(self, woken: threading.Event) -> None:
-        self.woken = woken
-        self.pacer: Pacer | None = None
-        self.first = True
-        self.yielded = False
-
-    def behind(self, rate: float | None, done: Callable[[], None]) -> Behind:
-        """What one run does behind the limits: the last run's pacer if that run yielded."""
-        if not self.yielded or self.pacer is None or self.pacer.rate != rate:
-            self.pacer = Pacer(rate=rate, sleep=self.nap)
-        self.first, self.yielded = True, False
-        return Behind(self.pacer, self.stop, done)
-
-    def stop(self) -> bool:
-        if self.first:  # the run's first batch: if the pace allows it, or once it does
-            self.first = False
-            wait = self.pacer.due() if self.pacer is not None else 0.0
-            self.yielded = wait > 0 and self.woken.wait(wait)
-        else:
-            self.yielded = self.woken.is_set()
-        return self.yielded
-
-    def nap(self, seconds: float) -> None:
-        self.woken.wait(seconds)  # woken: `stop` yields before the next batch
 
 
 def _forgetting(live: LiveState, stored: Sequence[PageId]) -> Recorded | None:
