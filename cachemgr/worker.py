@@ -58,8 +58,10 @@ class Worker:
         except BaseException as e:
             # Undone before the death shows (readyz, cachemgr_worker_up): a scrape that sees
             # the worker dead must not see its stale state (seen: sglang_up still 1 in CI).
-            self._died(e)
-            self.error = e
-            log.exception("worker died", extra={"worker": self.name, "error": str(e)})
-            if self._on_death is not None:
-                self._on_death(self)
+            try:
+                self._died(e)
+            finally:  # (one that raises must not die unseen)
+                self.error = e
+                log.exception("worker died", extra={"worker": self.name, "error": str(e)})
+                if self._on_death is not None:
+                    self._on_death(self)

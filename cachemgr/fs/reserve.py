@@ -41,6 +41,12 @@ def reserve_size(fs_bytes: int) -> int:
     return min(RESERVE_BYTES, fs_bytes // 16)
 
 
+def wal_room(fs_bytes: int) -> int:
+    """What GC plans the -wal file to grow to: WAL_BYTES, at most 1/16 of the filesystem (on
+    a smaller one it took all the free space GC saw, and every page went)."""
+    return min(WAL_BYTES, fs_bytes // 16)
+
+
 def free_bytes(path: Path) -> int:
     """Bytes an unprivileged writer can still allocate on the filesystem of `path`."""
     st = os.statvfs(path)
@@ -130,17 +136,17 @@ def _allocate(fd: int) -> bool:
 
 def missing_bytes(state_dir: Path, root: Path) -> int:
     """How much of the state DB's room is not allocated now, if it shares the root's
-    filesystem (0 otherwise): the reserve not held and the -wal file's growth to WAL_BYTES.
+    filesystem (0 otherwise): the reserve not held and the -wal file's growth to wal_room.
     GC plans as if both were taken, so the DB taking them keeps the free-space floor."""
     try:
         if os.stat(state_dir).st_dev != os.stat(root).st_dev:
             return 0
-        want = reserve_size(shutil.disk_usage(root).total)
+        total = shutil.disk_usage(root).total
         held = _allocated(state_dir / RESERVE_FILE)
         wal = _allocated(state_dir / f"{DB_FILE}-wal")
     except OSError:
         return 0
-    return max(0, want - held) + max(0, WAL_BYTES - wal)
+    return max(0, reserve_size(total) - held) + max(0, wal_room(total) - wal)
 
 
 def _allocated(path: Path) -> int:

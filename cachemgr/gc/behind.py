@@ -25,29 +25,32 @@ class Behind(NamedTuple):
 class GiveWay:
     """A run's paced mass work (a purge's drain of millions of files) yields to a limit
     crossed meanwhile (GC woken), and the loop runs again at once. The runs that go on with it
-    share one pacer: a run takes a batch if the pace allows it now, else naps until it does
-    unless woken first (then yields), and yields at the next batch once woken. So the rate
-    holds across runs (a new pacer each run let 256 files go before its first nap: 4x a rate
-    of 100), and a limit waits for one batch's unlinks at most, never a nap (a nap of 2.6 s
-    let a 200-page cap reach 632 pages; yielding after 0.5 s, 306)."""
+    share one pacer, owed at most one batch for the time between them: until a run has
+    deleted something it takes a batch once the pace allows (napping till then, unless woken
+    first: then it yields), and once it has, it yields at the next batch if woken. So the
+    drain goes on at its rate whatever wakes GC (yielding before its first batch starved it),
+    the rate holds across runs (a new pacer each run let 256 files go before its first nap: 4x
+    a rate of 100), and a limit waits for one batch's unlinks at most, never a nap (a nap of
+    2.6 s let a 200-page cap reach 632 pages; yielding after 0.5 s, 306)."""
 
     def __init__(self, woken: threading.Event) -> None:
         self.woken = woken
         self.pacer: Pacer | None = None
-        self.first = True
+        self.at = 0  # the pacer's count when the run began
         self.yielded = False
 
     def behind(self, rate: float | None, done: Callable[[], None]) -> Behind:
         """What one run does behind the limits: the last run's pacer if that run yielded."""
         if not self.yielded or self.pacer is None or self.pacer.rate != rate:
             self.pacer = Pacer(rate=rate, sleep=self.nap)
-        self.first, self.yielded = True, False
+        self.pacer.owe_at_most(self.pacer.batch)
+        self.at, self.yielded = self.pacer.count, False
         return Behind(self.pacer, self.stop, done)
 
     def stop(self) -> bool:
-        if self.first:  # the run's first batch: if the pace allows it, or once it does
-            self.first = False
-            wait = self.pacer.due() if self.pacer is not None else 0.0
+        pacer = self.pacer
+        if pacer is not None and pacer.count == self.at:  # none deleted yet by this run
+            wait = pacer.due()
             self.yielded = wait > 0 and self.woken.wait(wait)
         else:
             self.yielded = self.woken.is_set()

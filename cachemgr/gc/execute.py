@@ -138,8 +138,13 @@ def execute_gc(
             break
         holds = step.reason in HOLDING and step.namespace_id is not None
         told = _Told(None if step.forced else spare, unlinking, recorded) if holds else _Told()
+        # A drop audits all its files as it renames them away: it must not give way midway,
+        # or the rest, drained later as trash, is audited twice.
+        at_once = step.reason in ("unbound", "ttl") and step.remove_dir
         try:
-            result = _run_step(steps_run, step, tally, told)
+            result = _run_step(
+                replace(steps_run, stop=halted) if at_once else steps_run, step, tally, told
+            )
         except UnsafePathError as e:  # its dir became a symlink or a mount: the other steps
             log.warning("gc step refused", extra={"dir": step.rel_dir, "error": str(e)})
             # still run; its files are refused, so the report warns and a cap is not held

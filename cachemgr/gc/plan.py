@@ -79,6 +79,7 @@ class Earlier:
     files: frozenset[tuple[str, str]] = frozenset()  # (rel_dir, name)
     dirs: frozenset[str] = frozenset()  # the dirs it removes whole (trash entries)
     by_namespace: tuple[tuple[str, int], ...] = ()  # page bytes of each namespace's steps
+    unlisted: int = 0  # files of its steps counted, not named (trash entries): inodes freed
 
     @classmethod
     def of(cls, steps: Sequence[GcStep]) -> Earlier:
@@ -91,6 +92,7 @@ class Earlier:
             frozenset((s.rel_dir, n) for s in steps for n in s.names),
             frozenset(s.rel_dir for s in steps if s.remove_dir),
             tuple(sorted(by_ns.items())),
+            sum(s.count for s in steps if s.count is not None),
         )
 
     def freed(self, disk: DiskUsage, trash: int) -> DiskUsage:
@@ -332,7 +334,7 @@ def file_counts(
         if rel.startswith("ns/") and ns in counts:
             counts[ns] -= 1
     inodes = Inodes(*inode_usage(layout.root))
-    freed = inodes._replace(free=inodes.free + len(after.files))
+    freed = inodes._replace(free=inodes.free + len(after.files) + after.unlisted)
     return Files(counts, flat_names(conn, [*counts, *kept]), freed, kept=kept)
 
 

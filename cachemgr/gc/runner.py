@@ -248,6 +248,7 @@ class GcRunner(Worker):
         with self._busy:
             self.stats.count(report)
             self.record_floor(report, actor)
+            self._drained(report)
         return report
 
     def record_floor(self, report: GcReport, actor: str) -> None:
@@ -364,6 +365,8 @@ class GcRunner(Worker):
         dry_run = run.dry_run
         now = self.clock()
         t0 = time.monotonic()
+        if sweep:  # counted again each sweep: another process's drain is not told here
+            self.trash = TrashCounts()
         flight = self.live.in_flight()
         model = self.live.model
         live = Live(
@@ -414,15 +417,19 @@ class GcRunner(Worker):
             self.not_holding.set()
         if not dry_run:
             self.stats.overridden += report.overridden
-            for r in report.steps:
-                if r.reason == "trash":
-                    self.trash.drained(
-                        r.rel_dir.removeprefix(".trash/"), r.files + r.vanished, r.bytes
-                    )
+            self._drained(report)
         if _holding(plan) and not dry_run:  # a paced run's minutes are not cap-holding's
             # The longest recent run, decaying: a quick one must not start the next late.
             self.run_seconds = max(time.monotonic() - t0, self.run_seconds / 2)
         return report
+
+    def _drained(self, report: GcReport) -> None:
+        """What a run or floor pass drained of each trash entry leaves of its count."""
+        if report.dry_run:
+            return
+        for r in report.steps:
+            if r.reason == "trash":
+                self.trash.drained(r.rel_dir.removeprefix(".trash/"), r.files + r.vanished, r.bytes)
 
     def wake(self) -> None:
         """Ask for a check now (the watcher saw the index grow past a watermark)."""
@@ -474,7 +481,10 @@ class GcRunner(Worker):
         start-up, is no reason to ignore the wakes of a writer that crosses a watermark next.)"""
         try:
             report = run()
-            stuck = report is not None and report.files == 0 and bool(self.needs_gc())
+            # (A run that gave way to a wake deleted nothing maybe, but is not stuck: the
+            # loop runs again at once, for the limit that woke it.)
+            freed = report is None or report.files > 0 or self.give_way.yielded
+            stuck = not freed and bool(self.needs_gc())
         except StateCorrupt as e:  # moved aside; the indexer rebuilds, the next cycle runs
             log.warning("gc cycle stopped", extra={"error": str(e)})
             return True
