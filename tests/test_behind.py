@@ -1,6 +1,7 @@
 """Paced mass work behind the limits (cachemgr.gc.behind): a drain that gives way to every
-wake still goes at its rate, a pacer kept across runs banks no idle time, and a drop never
-stops midway (its files were audited as it renamed them)."""
+wake still goes at its rate, a pacer kept across runs banks no idle time, a drop never stops
+midway (its files were audited as it renamed them), and a floor pass drains trash only until
+the floor is met."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from cachemgr.fs.deletion import Pacer
 from cachemgr.gc.behind import Behind
 from cachemgr.gc.execute import execute_gc
+from cachemgr.gc.floor import floor_pass
 from cachemgr.gc.runner import GcRunner, LiveState
 from cachemgr.ns.runcontext import RunContext
 from tests.gc_helpers import NS, NS2, T0, Tree, big_disk, page, policy
@@ -94,3 +96,22 @@ def test_a_tiny_filesystem_s_wal_room_is_a_sixteenth_of_it(tmp_path: Path) -> No
 
     assert reserve.wal_room(16 << 20) == 1 << 20  # (4 MiB took all a small disk's free space)
     assert reserve.wal_room(1 << 40) == reserve.WAL_BYTES
+
+
+def test_a_floor_pass_drains_trash_only_until_the_floor_is_met(tree: Tree) -> None:
+    """It drained every trash entry whole, at delete_rate, before anything else ran: 75
+    minutes for a 9M-file purge on a full disk, no cap kept meanwhile."""
+    entry = tree.layout.trash / f"{NS2}.purged"
+    entry.mkdir()
+    for i in range(1000):
+        (entry / page(i)).write_bytes(b"t" * 1000)
+
+    def disk(_: Path) -> tuple[int, int, int]:  # 10 kB free, and what the pass frees
+        free = 10_000 + 1000 * (1000 - len(os.listdir(entry)))
+        return 10**9, 10**9 - free, free
+
+    pol = policy(min_free_bytes=50_000)
+    report = floor_pass(tree.layout, pol, disk_usage=disk, pacer=Pacer(rate=1e9, batch=16))
+    assert report is not None
+    assert [(r.reason, r.files) for r in report.steps] == [("trash", 48)]  # 3 parts of 16
+    assert len(os.listdir(entry)) == 952 and disk(tree.layout.root)[2] >= 50_000

@@ -3,12 +3,13 @@
 On a full filesystem SQLite may be unable to open or write the DB (its -shm and -wal need new
 blocks) and the index may not be built yet; deleting needs no space. So when free space is
 below the floor, this pass runs first: it lists .trash/ and every namespace dir, and deletes
-trash leftovers, then pages by mtime, oldest first (SGLang never rewrites a page, so its mtime
-is when it was stored), through cachemgr.fs.deletion with the usual min-age rule, until the root's
-free-space budget is back under its low watermark. It writes nothing: the caller audits the
-result when the DB takes writes again, and drops the index rows of the pages it deleted in the
-same transaction (as GC's own chunks do): the regular plan that follows in the same run must
-not count them again, or it evicts for a cap what the pass deleted already.
+trash leftovers (until the floor is met), then pages by mtime, oldest first (SGLang never
+rewrites a page, so its mtime is when it was stored), through cachemgr.fs.deletion with the
+usual min-age rule, until the root's free-space budget is back under its low watermark. It
+writes nothing: the caller audits the result when the DB takes writes again, and drops the
+index rows of the pages it deleted in the same transaction (as GC's own chunks do): the
+regular plan that follows in the same run must not count them again, or it evicts for a cap
+what the pass deleted already.
 
 It does not hold a flat dir's entry limit (dir_full): a full dir index refuses new names in
 that one dir while bytes and inodes are free, so it never puts the root below the floor nor
@@ -128,10 +129,18 @@ def free_floor(
     started = clock()
     steps, warnings = plan_floor(layout, policy, now=started, disk_usage=disk_usage)
     results = []
+
+    def met() -> bool:
+        """A trash entry goes only while the floor is not met: a purge of 9M files is 75
+        minutes at delete_rate, and no cap is kept meanwhile (GC's runs drain the rest behind
+        their limits)."""
+        return stop() or (not dry_run and not below_floor(layout, policy, disk_usage))
+
     for step in steps:
         if stop():
             break
-        done = _delete(layout, step, Listeners(pacer, stop=stop), clock, dry_run)
+        until = met if step.reason == "trash" else stop
+        done = _delete(layout, step, Listeners(pacer, stop=until), clock, dry_run)
         results.append(StepResult(step).done(done))
     # Files kept are said as a regular run says them: with 0 inodes or bytes left, this pass
     # may be all a run does (the DB does not open until it frees some).
