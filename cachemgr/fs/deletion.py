@@ -114,7 +114,7 @@ class Pacer:
             self._start = self.clock()
         self._count += 1
         if self.rate and self._count % self.batch == 0:
-            ahead = self._count / self.rate - (self.clock() - self._start)
+            ahead = self.due()
             if ahead > 0:
                 self.sleep(ahead)
 

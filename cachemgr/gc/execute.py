@@ -140,10 +140,9 @@ def execute_gc(
         told = _Told(None if step.forced else spare, unlinking, recorded) if holds else _Told()
         # A drop audits all its files as it renames them away: it must not give way midway,
         # or the rest, drained later as trash, is audited twice.
-        at_once = step.reason in ("unbound", "ttl") and step.remove_dir
         try:
             result = _run_step(
-                replace(steps_run, stop=halted) if at_once else steps_run, step, tally, told
+                replace(steps_run, stop=halted) if _drops(step) else steps_run, step, tally, told
             )
         except UnsafePathError as e:  # its dir became a symlink or a mount: the other steps
             log.warning("gc step refused", extra={"dir": step.rel_dir, "error": str(e)})
@@ -208,6 +207,11 @@ EPERM_FIX = (
 )
 
 
+def _drops(step: GcStep) -> bool:
+    """Whether the step drops a whole unbound namespace (cachemgr.gc.drop)."""
+    return step.reason in ("unbound", "ttl") and step.remove_dir
+
+
 def _either(first: Callable[[], bool], second: Callable[[], bool]) -> Callable[[], bool]:
     return lambda: first() or second()
 
@@ -225,7 +229,7 @@ def _run_step(run: RunContext, step: GcStep, tally: _Tally, told: _Told) -> Step
     layout = run.layout
     dry_run = run.dry_run
     base = StepResult(step)
-    if step.reason in ("unbound", "ttl") and step.remove_dir and step.namespace_id and not dry_run:
+    if _drops(step) and step.namespace_id and not dry_run:
         result = drop_namespace(run, step, tally.offset())
         tally.add(result)
         return result

@@ -14,14 +14,14 @@ from dataclasses import dataclass, replace
 from cachemgr.backends import FileFormat, FileKind
 from cachemgr.errors import UnsafePathError
 from cachemgr.formats import DEFAULT_FORMAT
-from cachemgr.fs.dirscan import TEMPS, list_files, scan_usage, usual_size
+from cachemgr.fs.dirscan import TEMPS, list_files, usual_size
 from cachemgr.fs.safe import is_own_temp, open_dir
 from cachemgr.gc.policy import GcPolicy, GcReason
 from cachemgr.gc.step import GcStep
 from cachemgr.layout import Layout
 from cachemgr.ns import registry as nsreg
 from cachemgr.ns.manifest import format_of
-from cachemgr.ns.trash import foreign_example, left_note, list_trash, trash_format
+from cachemgr.ns.trash import left_note, list_trash, scan_entry, trash_format
 from cachemgr.state import pages_sql
 
 
@@ -172,10 +172,11 @@ class TrashCounts:
 
 
 def _count(layout: Layout, entry: str) -> TrashCount | None:
-    usage = scan_usage(layout, f".trash/{entry}", trash_format(layout, entry))
-    if usage is None:
+    scanned = scan_entry(layout, entry)
+    if scanned is None:
         return None
-    note = left_note(usage.other, foreign_example(layout, entry)) if usage.other else None
+    usage, example = scanned
+    note = left_note(usage.other, example) if usage.other else None
     return TrashCount(usage.files + usage.temps, usage.bytes + usage.temp_bytes, note)
 
 

@@ -20,7 +20,7 @@ from cachemgr.backends import FileFormat, FileKind
 from cachemgr.errors import UnsafePathError
 from cachemgr.formats import DEFAULT_FORMAT
 from cachemgr.fs.deletion import DeleteReport, Listeners, Pacer, delete_dir
-from cachemgr.fs.dirscan import scan_usage
+from cachemgr.fs.dirscan import Usage, scan_usage
 from cachemgr.fs.safe import open_dir
 from cachemgr.fs.tree import format_in, tree_names
 from cachemgr.layout import Layout
@@ -68,7 +68,16 @@ def left_note(foreign: int, example: str | None) -> str:
     return f"left for a person: {foreign:,} foreign {files}, e.g. {example}"
 
 
-def foreign_example(layout: Layout, entry: str) -> str | None:
+def scan_entry(layout: Layout, entry: str) -> tuple[Usage, str | None] | None:
+    """What .trash/<entry> holds (None: it is gone), and the full path of one name in it that
+    deletion leaves, if any (UnsafePathError: a symlink or a file in its place)."""
+    usage = scan_usage(layout, f".trash/{entry}", trash_format(layout, entry))
+    if usage is None:
+        return None
+    return usage, _foreign_example(layout, entry) if usage.other else None
+
+
+def _foreign_example(layout: Layout, entry: str) -> str | None:
     try:
         with open_dir(layout.root, f".trash/{entry}") as fd:
             fmt = format_in(fd)
@@ -132,12 +141,12 @@ def describe_trash(layout: Layout) -> list[TrashEntry]:
     for name in names:
         ns = name.partition(".")[0]
         try:
-            usage = scan_usage(layout, f".trash/{name}", trash_format(layout, name))
+            scanned = scan_entry(layout, name)
         except UnsafePathError as e:
             out.append(TrashEntry(name, ns, 0, 0, str(e)))
             continue
-        if usage is not None:
-            example = foreign_example(layout, name) if usage.other else None
+        if scanned is not None:
+            usage, example = scanned
             out.append(TrashEntry(name, ns, usage.pages, usage.bytes, None, usage.other, example))
     return out
 
