@@ -56,12 +56,13 @@ class Worker:
         try:
             self._loop()
         except BaseException as e:
-            # Undone before the death shows (readyz, cachemgr_worker_up): a scrape that sees
-            # the worker dead must not see its stale state (seen: sglang_up still 1 in CI).
+            # Undone and logged before the death shows (readyz, cachemgr_worker_up): whoever
+            # sees the worker dead must not see its stale state (seen: sglang_up still 1 in CI)
+            # nor miss its log line (seen: readyz 503 before the line was written).
             try:
                 self._died(e)
             finally:  # (one that raises must not die unseen)
-                self.error = e
                 log.exception("worker died", extra={"worker": self.name, "error": str(e)})
+                self.error = e
                 if self._on_death is not None:
                     self._on_death(self)
