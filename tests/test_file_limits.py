@@ -65,6 +65,35 @@ def fill(d: Path, start: int = 0, model: str = "m") -> int:
         os.close(fd)
 
 
+def stored_of(d: Path, start: int, tries: int, model: str = "m") -> int:
+    """How many of `tries` new SGLang-named pages (numbers from `start`) the dir takes, going on
+    past ENOSPC as a server does: each refused store is one lost page, not the end."""
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    stored = 0
+    try:
+        for n in range(start, start + tries):
+            try:
+                os.mknod(page(n, model), stat.S_IFREG | 0o644, dir_fd=fd)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+                continue
+            os.utime(page(n, model), (T0, T0), dir_fd=fd)
+            stored += 1
+    finally:
+        os.close(fd)
+    return stored
+
+
+def fill_full(d: Path, model: str = "m", window: int = 1000) -> int:
+    """Fill past the first ENOSPC until the dir refuses half of a `window` of new pages (the
+    first ENOSPC is one full index block: the dir still takes ~99% of new names then); the
+    number of the next page."""
+    n = fill(d, model=model)
+    while stored_of(d, n, window, model) > window // 2:
+        n += window
+    return n + window
+
+
 def indexed(root: Path, ns: str) -> Tree:
     """A root over ns's pages as they are on disk, indexed as a scan would."""
     tree = Tree.at(root)
@@ -176,9 +205,9 @@ def test_a_full_dir_index_is_freed_like_a_full_disk(tmp_path: Path) -> None:
     says ENOSPC with bytes and inodes free: GC (defaults, no file cap set) evicts it under
     80% of the limit for reason dir_full, its log line says so, and the server may store
     again."""
-    with ext4(tmp_path, 256, "-b", "1024", "-N", "100000", "-O", "^large_dir") as mnt:
+    with ext4(tmp_path, 256, "-b", "1024", "-N", "300000", "-O", "^large_dir") as mnt:
         root = mnt / "root"
-        made = fill(root / "ns" / NS)
+        made = fill_full(root / "ns" / NS)
         free_inodes = inode_usage(mnt)[1]
         assert free_inodes > 10_000 and os.statvfs(mnt).f_bavail > 10_000
         tree = indexed(root, NS)
@@ -205,7 +234,9 @@ def test_a_full_dir_index_is_freed_like_a_full_disk(tmp_path: Path) -> None:
         done = [line for line in log.lines if line["msg"] == "gc done"]
         assert "dir_full" in done[0]["by_reason"]  # type: ignore[operator]
         assert ratio(tree) < 0.8
-        assert fill(root / "ns" / NS, start=made) > 0  # stores succeed again
+        # Stores succeed again: not every one (a name whose leaf of the index lost no page
+        # to GC is still refused: ext4 never shrinks an index), but ≥95% (measured 99%+).
+        assert stored_of(root / "ns" / NS, made, 1000) >= 950
         tree.store.close()
 
 
@@ -309,7 +340,7 @@ def _fill_and_collect(tree: Tree, model: str) -> None:
     mnt = root.parent
     identity = {**IDENTITY, "source": {**IDENTITY["source"], "served_model_name": model}}
     register_namespace(tree.layout, NS, identity=identity)
-    made = fill(root / "ns" / NS, model=model.replace("/", "-"))
+    made = fill_full(root / "ns" / NS, model=model.replace("/", "-"))
     assert inode_usage(mnt)[1] > 10_000 and os.statvfs(mnt).f_bavail > 10_000
     tree.stored(NS, sorted(os.listdir(tree.dir(NS))), at=T0)
     index = dir_index(root)
@@ -327,4 +358,4 @@ def _fill_and_collect(tree: Tree, model: str) -> None:
     assert report.files == dry.files > 0
     assert len(os.listdir(root / "ns" / NS)) == math.floor(int(limit * 0.8) * 0.85)
     assert ratio(tree) < 0.8
-    assert fill(root / "ns" / NS, start=made, model=model.replace("/", "-")) > 0
+    assert stored_of(root / "ns" / NS, made, 1000, model.replace("/", "-")) >= 950
