@@ -22,7 +22,8 @@ from tests.fleet_bed import Etcd
 from tests.polling import wait_for
 from tests.test_fleet_procs import TTL, Node, bed, nodes
 
-pytestmark = pytest.mark.fleet
+# A rate is a claim about time: run alone (CI sent 87% of it beside another test's load).
+pytestmark = [pytest.mark.fleet, pytest.mark.serial]
 RATE, SECONDS, FOLLOWERS, PAGES = 5000, 10, 3, 1000
 
 
