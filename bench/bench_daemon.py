@@ -214,9 +214,9 @@ def status_kib(pid: int, field: str) -> int:
     return int(line.split()[1])
 
 
-def serve_argv(layout: Layout, port: int) -> list[str]:
-    """`cachemgr serve` of this root on a loopback port, logging warnings and worse."""
-    root = ["--root", str(layout.root), "--log-level", "warning"]
+def serve_argv(layout: Layout, port: int, level: str = "warning") -> list[str]:
+    """`cachemgr serve` of this root on a loopback port, logging `level` and worse."""
+    root = ["--root", str(layout.root), "--log-level", level]
     return [sys.executable, "-m", "cachemgr", *root, "serve", "--port", str(port)]
 
 

@@ -21,6 +21,8 @@ Set BENCH_DIR to put the image elsewhere than /dev/shm (tmpfs: it takes RAM, ~7 
 `evict`: BENCH_IMAGE=<path> keeps the built, indexed image there and starts the next run from
 it; BENCH_PYSPY=<path> writes a py-spy profile of the daemon during the eviction (py-spy on
 PATH); BENCH_SCRAPE_EVERY the seconds between /metrics scrapes (0.25).
+`run`: BENCH_PYSPY_START=<path> a py-spy profile of the first start to ready.
+Both: BENCH_DAEMON_LOG=<dir> keeps each daemon's info log there (serve-<port>.log).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -215,15 +218,22 @@ def write_pages(d: Path, n: int) -> None:
 class Served:
     """`cachemgr serve` on a loopback port, its /metrics scraped by POLLER from the start."""
 
-    def __init__(self, layout: Layout, env: dict[str, str], every: float = 0.05) -> None:
+    def __init__(
+        self, layout: Layout, env: dict[str, str], every: float = 0.05, spy: str | None = None
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.t0 = time.monotonic()
-        self.proc = subprocess.Popen(
-            serve_argv(layout, self.port),
-            stderr=subprocess.DEVNULL,
-            env={**os.environ, **env},
-        )
+        logs = os.environ.get("BENCH_DAEMON_LOG")  # a dir: each daemon's info log there
+        out = Path(logs) / f"serve-{self.port}.log" if logs else Path(os.devnull)
+        with open(out, "wb") as err:  # (the child keeps its own copy of the fd)
+            self.proc = subprocess.Popen(
+                serve_argv(layout, self.port, level="info" if logs else "warning"),
+                stderr=err,
+                env={**os.environ, **env},
+            )
+        # A raw py-spy profile of the start to ready at `spy`.
+        self.spy = spy and subprocess.Popen([*PYSPY, "-p", str(self.proc.pid), "-o", spy])
         self.poller = subprocess.Popen(
             [sys.executable, "-c", POLLER_TOLERANT, f"{self.url}/metrics", str(every)],
             stdin=subprocess.PIPE,
@@ -231,6 +241,21 @@ class Served:
             text=True,
         )
         self.ready = self._wait_ready()
+        if self.spy:
+            self.spy.send_signal(signal.SIGINT)
+            self.spy.wait()
+        # A restart from the model file is ready before its scan of what changed while down.
+        self.verified: float | None = None
+        threading.Thread(target=self._wait_verified, daemon=True).start()
+
+    def _wait_verified(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=30) as client:
+            while self.proc.poll() is None:
+                with contextlib.suppress(httpx.TransportError):
+                    if "changed while down" not in client.get("/readyz").json()["detail"]:
+                        self.verified = time.monotonic() - self.t0
+                        return
+                time.sleep(0.1)
 
     def _wait_ready(self) -> float:
         with httpx.Client(base_url=self.url, timeout=30) as client:
@@ -341,7 +366,7 @@ def run_on(mnt: Path, n: int, evict: int) -> None:
     base.stop()
     base.scrapes()
     cold()
-    first = Served(layout, {})
+    first = Served(layout, {}, spy=os.environ.get("BENCH_PYSPY_START"))
 
     time.sleep(settle_seconds(n))
     rss, peak = first.rss()
@@ -388,8 +413,10 @@ def evict_and_purge(mnt: Path, n: int, evict: int) -> None:
     time.sleep(3)
     left = len(os.listdir(layout.ns_dir(NS)))
     rate = (n - left) / evicted
+    verified = f"{again.verified:.1f} s" if again.verified is not None else "not yet"
     say(
-        f"restart from the model file, CACHEMGR_GC_MAX_FILES={cap}: ready {again.ready:.1f} s; "
+        f"restart from the model file, CACHEMGR_GC_MAX_FILES={cap}: ready {again.ready:.1f} s "
+        f"(its scan of the dir done at {verified}); "
         f"evicted {n - left:,} pages in {evicted:.1f} s after ready ({rate:,.0f}/s); "
         f"{left:,} left (cap {cap:,}, low watermark {low:,})"
     )

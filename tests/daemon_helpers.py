@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from fastapi import FastAPI
 
 from cachemgr.daemon.lifecycle import Daemon
 from cachemgr.gc.chains import BURST_GAP
@@ -94,7 +95,8 @@ class RunningDaemon:
 
 @contextmanager
 def running_daemon(settings: Settings) -> Iterator[RunningDaemon]:
-    """Start the real daemon (uvicorn on 127.0.0.1, port 0) and wait until it is ready."""
+    """Start the real daemon (uvicorn on 127.0.0.1, port 0) and wait until it is ready and
+    its index verified (a restart from the model file is ready before it scans)."""
     daemon = Daemon(settings.model_copy(update={"port": 0}))
     daemon.start()
     thread = threading.Thread(target=daemon.serve, name="test-uvicorn", daemon=True)
@@ -111,9 +113,16 @@ def running_daemon(settings: Settings) -> Iterator[RunningDaemon]:
         assert not thread.is_alive(), "daemon did not shut down"
 
 
+async def asgi_get(app: FastAPI, path: str) -> httpx.Response:
+    """GET `path` of an app in this process (no server): `anyio.run(asgi_get, app, path)`."""
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+        return await c.get(path)
+
+
 def _ready(running: RunningDaemon) -> bool:
     try:
-        return running.get("/readyz").status_code == 200
+        ready = running.get("/readyz")
+        return ready.status_code == 200 and "changed while down" not in ready.json()["detail"]
     except httpx.TransportError:
         return False
 

@@ -153,6 +153,17 @@ def test_sidecar_binds_the_pod_ip_with_the_token_and_is_probed(docs: list[Doc]) 
     assert server["livenessProbe"]["httpGet"]["path"] == "/health"
 
 
+def test_the_sidecar_has_room_for_the_seed_s_dir(docs: list[Doc]) -> None:
+    """The seed's dir is ~11M pages: a first start indexed 10M in 620 s with a peak RSS of
+    973 MiB (bench/RESULTS.md). A startup probe that gives up sooner, or a memory limit under
+    that, restarts the sidecar into the same scan for ever."""
+    _, sidecar, _ = pod_containers(one(docs, "Deployment"))
+    probe = sidecar["startupProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] >= 3600
+    limit = sidecar["resources"]["limits"]["memory"]
+    assert limit.endswith("Gi") and int(limit[:-2]) >= 2
+
+
 def test_cachemgr_runs_locked_down_and_everything_has_requests(docs: list[Doc]) -> None:
     for c in pod_containers(one(docs, "Deployment")):
         assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]

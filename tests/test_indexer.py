@@ -3,6 +3,7 @@ appearing and leaving, a real kernel queue overflow, and a restart."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
 import threading
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cachemgr.daemon.events import Kind
-from cachemgr.daemon.indexer import Indexer, IndexerConfig, IndexerShared
+from cachemgr.daemon.indexer import Indexer, IndexerConfig, IndexerHooks, IndexerShared
 from cachemgr.daemon.watcher import Event, Watcher
 from cachemgr.fs.leadership import Leadership
 from cachemgr.layout import Layout
@@ -26,6 +27,7 @@ def start(layout: Layout, store: Store, watcher: Watcher | None = None) -> Index
     ix = Indexer(layout, store, IndexerConfig(batch_interval=0.05), IndexerShared(watcher=watcher))
     ix.start()
     assert ix.state.ready.wait(10)
+    wait_for(lambda: ix.state.verifying, lambda v: not v)  # (a restart from the model file)
     return ix
 
 
@@ -186,6 +188,69 @@ def test_a_callback_that_raises_loses_its_events_to_a_rescan_not_the_inotify_thr
         assert watcher._fd is not None and watcher._fd.is_alive()
         said = [r for r in caplog.records if r.msg.startswith("inotify events not handled")]
         assert len(said) == 1 and said[0].exc_info is not None
+    finally:
+        ix.stop()
+
+
+def test_a_restart_from_the_model_file_is_ready_before_it_scans(
+    store: Store, layout: Layout, reader: sqlite3.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A scan of every page file costs a cold `du` (155 s at 10M pages) and a sidecar's
+    readiness holds its pod out of service: a start whose model file holds the index as it is
+    is ready first, watching already, and its first tick scans for what changed while down
+    (not drift: no event was missed while it watched)."""
+    caplog.set_level(logging.INFO, logger="cachemgr.daemon.indexer")
+    d = layout.ns_dir(NS_A)
+    d.mkdir()
+    for i in range(30):
+        store_page(d, page_name(i))
+    ix = start(layout, store)
+    ix.stop()  # (a clean stop saves the model file)
+    assert layout.model_snapshot.is_file()
+    (d / page_name(0)).unlink()  # while the daemon is down
+    store_page(d, page_name(30))
+    gate = threading.Event()
+    ix = Indexer(
+        layout,
+        store,
+        IndexerConfig(batch_interval=0.05),
+        hooks=IndexerHooks(on_applied=lambda: gate.wait(10)),  # the thread waits once ready
+    )
+    ix.start()
+    try:
+        assert ix.state.ready.wait(10) and ix.state.verifying
+        assert not ix.state.scanned.is_set()  # (GC's runs wait for it)
+        names = lambda: {n for (n,) in reader.execute("SELECT name FROM pages")}  # noqa: E731
+        assert names() == {page_name(i) for i in range(30)}  # the index as it was at the stop
+        store_page(d, page_name(31))  # watched from ready on: no scan needed to find it
+        gate.set()
+        wait_for(lambda: ix.state.verifying, lambda v: not v)
+        assert ix.state.scanned.is_set() and ix.state.ready.is_set()
+        want = {page_name(i) for i in range(1, 32)}
+        wait_for(names, lambda got: got == want)
+        assert ix.state.drift_pages == 0
+        said = [r.msg for r in caplog.records if r.name == "cachemgr.daemon.indexer"]
+        assert said.index("index ready") < said.index("index verified")
+    finally:
+        ix.stop()
+
+
+def test_a_start_without_a_usable_model_file_scans_before_it_is_ready(
+    store: Store, layout: Layout, reader: sqlite3.Connection
+) -> None:
+    d = layout.ns_dir(NS_A)
+    d.mkdir()
+    for i in range(5):
+        store_page(d, page_name(i))
+    ix = start(layout, store)
+    ix.stop()
+    reader.execute("DELETE FROM model_stamp")  # another process wrote the index meanwhile
+    store_page(d, page_name(5))
+    ix = Indexer(layout, store, IndexerConfig(batch_interval=0.05))
+    ix.start()
+    try:
+        assert ix.state.ready.wait(10) and not ix.state.verifying
+        assert reader.execute("SELECT COUNT(*) FROM pages").fetchone()[0] == 6
     finally:
         ix.stop()
 

@@ -7,18 +7,24 @@ import subprocess
 import sys
 from pathlib import Path
 
+import anyio
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from cachemgr.daemon.app import openapi_document
+from cachemgr.daemon.app import create_app, openapi_document
+from cachemgr.daemon.backend import Backend
+from cachemgr.daemon.index_state import IndexState
 from cachemgr.daemon.lifecycle import Daemon
+from cachemgr.daemon.serving import Reader
 from cachemgr.errors import ConfigError
 from cachemgr.layout import Layout
 from cachemgr.settings import Settings, load_settings
 from tests.daemon_helpers import (
     NS_A,
     NS_B,
+    asgi_get,
     page_name,
     read_page,
     register_namespace,
@@ -37,6 +43,24 @@ def metric(text: str, name: str, **labels: str) -> float | None:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                 return s.value
     return None
+
+
+def test_readyz_says_a_restored_index_is_still_being_scanned(layout: Layout) -> None:
+    """Ready (a sidecar's pod serves), and saying what is not done yet."""
+    index = IndexState()
+    index.live(True, scanned=False)
+    reader = Reader(layout)
+    app = create_app(
+        Backend(layout=layout, reader=reader, registry=CollectorRegistry(), index=index)
+    )
+    try:
+        ready = anyio.run(asgi_get, app, "/readyz")
+        index.scanned.set()
+        verified = anyio.run(asgi_get, app, "/readyz")
+    finally:
+        reader.close()
+    assert ready.status_code == 200 and "restored from the model file" in ready.json()["detail"]
+    assert verified.json() == {"ready": True, "detail": "index live"}
 
 
 def test_health_status_and_metrics_follow_the_disk(settings: Settings, layout: Layout) -> None:

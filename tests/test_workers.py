@@ -9,7 +9,6 @@ from typing import Any, NoReturn
 import anyio
 import httpx
 import pytest
-from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from cachemgr.daemon.app import create_app
@@ -22,7 +21,14 @@ from cachemgr.layout import Layout
 from cachemgr.settings import load_settings
 from cachemgr.state.store import Store
 from cachemgr.worker import Worker
-from tests.daemon_helpers import NS_A, page_name, register_namespace, running_daemon, store_page
+from tests.daemon_helpers import (
+    NS_A,
+    asgi_get,
+    page_name,
+    register_namespace,
+    running_daemon,
+    store_page,
+)
 from tests.polling import wait_for
 from tests.test_server import metric
 from tests.test_sglang_probe import fake_sglang  # noqa: F401 (a fixture)
@@ -74,11 +80,6 @@ class NeverEligible(LiveState):
         raise Broken("may_lead() is broken")
 
 
-async def get(app: FastAPI, path: str) -> httpx.Response:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
-        return await c.get(path)
-
-
 def test_a_dead_gc_thread_fails_readyz_and_its_metric(
     layout: Layout, store: Store, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -95,7 +96,7 @@ def test_a_dead_gc_thread_fails_readyz_and_its_metric(
         wait_for(lambda: died, bool)
         assert died == [runner] and isinstance(runner.error, Broken)
         assert registry.get_sample_value("cachemgr_worker_up", {"worker": "gc"}) == 0
-        ready = anyio.run(get, app, "/readyz")
+        ready = anyio.run(asgi_get, app, "/readyz")
         assert ready.status_code == 503 and "gc worker died" in ready.json()["detail"]
         assert len(died_lines(caplog, "gc")) == 1
     finally:

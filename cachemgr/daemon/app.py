@@ -245,6 +245,8 @@ def _readiness(backend: Backend) -> Readiness:
         return Readiness(ready=False, detail="; ".join(dead))
     ready = backend.index is not None and backend.index.ready.is_set()
     detail = "index live" if ready else "first scan running"
+    if ready and backend.index is not None and backend.index.verifying:
+        detail = "index live, restored from the model file; scanning what changed while down"
     # Nothing can be indexed, collected or purged until the state dir's mode is fixed.
     state = unavailable(backend.layout.state_dir, backend.layout.db_path)
     # Degraded, still ready: writes wait and catch up, the other namespaces are served (a

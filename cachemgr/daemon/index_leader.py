@@ -42,15 +42,12 @@ def lead(
     )
     while True:
         # Ready while the leader's index is built and live: it marks that with a file.
-        if ready_marker is not None and ready_marker.exists():
-            state.ready.set()
-        else:
-            state.ready.clear()
+        state.live(ready_marker is not None and ready_marker.exists())
         if stopping.wait(interval):
             return False
         if leadership.try_acquire():
             log.warning("the indexing daemon is gone; taking over the index")
-            state.ready.clear()  # until this process's own rescan is done
+            state.live(False)  # until this process's own rescan is done
             state.leader = True
             return True
 

@@ -29,7 +29,10 @@ class IndexState:
     # Uptime is measured on the monotonic clock: the wall clock may step back (NTP, an operator)
     # and make `now - started_at` negative.
     started_monotonic: float = field(default_factory=time.monotonic)
-    ready: threading.Event = field(default_factory=threading.Event)
+    ready: threading.Event = field(default_factory=threading.Event)  # /readyz, cachemgr_ready
+    # The index matched the disk once since the start (GC's runs wait for it). Ready without
+    # it: restored from the model file, the scan of what changed while down still to end.
+    scanned: threading.Event = field(default_factory=threading.Event)
     counters: dict[str, Counters] = field(default_factory=dict)
     overflows: int = 0
     watch_gaps: WatchGaps = field(default_factory=WatchGaps)  # the watcher's (Indexer)
@@ -43,6 +46,22 @@ class IndexState:
     disk_full_retries: int = 0
     write_rate: float = 0.0  # bytes of pages stored per second, smoothed over batches
     _stored: tuple[int, float] | None = None  # (bytes stored so far, when) at the last batch
+
+    @property
+    def verifying(self) -> bool:
+        """Ready, restored from the model file, and scanning for what changed while down."""
+        return self.ready.is_set() and not self.scanned.is_set()
+
+    def live(self, ready: bool, *, scanned: bool = True) -> None:
+        """Set readiness, and whether the index matched the disk (`scanned`), or clear both.
+        In an order that never shows `verifying` in passing."""
+        if not ready:
+            self.ready.clear()
+            self.scanned.clear()
+            return
+        if scanned:
+            self.scanned.set()
+        self.ready.set()
 
     def uptime(self) -> float:
         """Seconds since the daemon started, never negative whatever the wall clock does."""

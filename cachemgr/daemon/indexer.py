@@ -35,6 +35,7 @@ from cachemgr.layout import NS_DIR, Layout
 from cachemgr.ns.manifest import format_of
 from cachemgr.ns.quarantine import ROOT, STATE_DIR, Quarantine, denied_key, is_denied
 from cachemgr.ns.registry import adopt_from_disk
+from cachemgr.state import pages_sql
 from cachemgr.state.index import (
     ScanReport,
     forget_namespace,
@@ -137,6 +138,7 @@ class Indexer(Worker):
         self._rescan = set[str]()
         self._rescan_lock = threading.Lock()
         self._next_reconcile = float("inf")  # set once the first scan is done
+        self._unverified = False  # ready from the model file, before the first tick's scan
 
     def stop(self, timeout: float = 30.0) -> bool:
         """Apply what is queued, stop the watcher, and return once the thread is done."""
@@ -175,11 +177,16 @@ class Indexer(Worker):
                 if self._stopping.wait(FULL_RETRY):
                     return
             mark_ready(self.ready_marker, True)
-            self.state.ready.set()
+            verifying = self._unverified
+            self.state.live(True, scanned=not verifying)
             took = round(time.perf_counter() - t0, 3)
-            log.info("index ready", extra={"scans": self.state.scans, "seconds": took})
+            log.info(
+                "index ready",
+                extra={"scans": self.state.scans, "seconds": took, "verifying": verifying},
+            )
             self.on_applied()  # the index as built may be over a limit already
-            self._next_reconcile = time.monotonic() + self.reconcile_interval
+            if not verifying:  # (else due at the first tick: _restored_live)
+                self._next_reconcile = time.monotonic() + self.reconcile_interval
             pause = self.batch_interval
             while not self._stopping.wait(pause):
                 ok = self._written(lambda: self._survive_corruption(self._tick))
@@ -194,7 +201,7 @@ class Indexer(Worker):
                 self.leadership.release()  # a follower takes over (and rescans)
 
     def _died(self, error: BaseException) -> None:
-        self.state.ready.clear()  # a dead index is not live
+        self.state.live(False)  # a dead index is not live
 
     def _written(self, write: Callable[[], object]) -> bool:
         """Run `write`; False if the disk was too full for it, another connection held the
@@ -244,11 +251,29 @@ class Indexer(Worker):
                     self.pages = PageEvents(self.layout, store, self.model, self.backlog)
                     restored = modelfile.restore(self.model, self.layout.model_snapshot, store)
                     self._restored, self._loaded = restored, set(restored)
-                    self._scan_all(first=first)
+                    if not (first and self._restored_live()):
+                        self._scan_all(first=first)
                 return
             except StateCorrupt:
                 continue
         raise StateError(f"state DB {self.store.path} was corrupt {BUILD_ATTEMPTS} times running")
+
+    def _restored_live(self) -> bool:
+        """Whether a start from the model file may be ready before it scans: the snapshot held
+        the index exactly (no other process wrote it since the last clean stop), so all that
+        can differ is what changed on disk while no daemon watched, which the first tick's
+        scan finds. A scan of every page file costs a cold `du` (155 s at 10M pages), and
+        a sidecar's readiness holds its pod (SGLang with it) out of service. The namespaces
+        the model holds are watched first: from here on nothing is missed. GC's runs wait for
+        the scan (IndexState.scanned) as for a first scan."""
+        indexed = pages_sql.namespace_bytes(self.store.conn).keys()  # (namespaces with pages)
+        if not self._restored or not self._restored >= indexed:
+            return False  # (GC would find no order for a namespace the model lacks)
+        if not all(self.watcher.watch(ns) for ns in self._restored):
+            return False
+        self._unverified = True
+        self._next_reconcile = 0.0  # the first tick scans
+        return True
 
     def _tick(self) -> None:
         """One batch interval: follow the DB file, apply the queue, reconcile when due."""
@@ -263,8 +288,13 @@ class Indexer(Worker):
         if waiting and time.monotonic() >= self._root_retry:
             self._scan_all(first=False)  # back to normal once it can be listed again
         if time.monotonic() >= self._next_reconcile:
-            self._scan_all(first=False)
+            verifying = self.state.verifying
+            self._scan_all(first=verifying)  # (downtime's changes are no drift)
             self._next_reconcile = time.monotonic() + self.reconcile_interval
+            if verifying:
+                self._unverified = False
+                self.state.scanned.set()  # GC's runs may start
+                log.info("index verified", extra={"scans": self.state.scans})
 
     def _survive_corruption(self, step: Callable[[], object]) -> None:
         """Run `step`; a corrupt DB is moved aside and rebuilt at the next tick, and the
