@@ -210,22 +210,24 @@ def test_a_restart_from_the_model_file_is_ready_before_it_scans(
     (d / page_name(0)).unlink()  # while the daemon is down
     store_page(d, page_name(30))
     gate = threading.Event()
+    marker = layout.state_dir / "index-test.ready"  # (what other processes count by)
     ix = Indexer(
         layout,
         store,
-        IndexerConfig(batch_interval=0.05),
+        IndexerConfig(batch_interval=0.05, ready_marker=marker),
         hooks=IndexerHooks(on_applied=lambda: gate.wait(10)),  # the thread waits once ready
     )
     ix.start()
     try:
         assert ix.state.ready.wait(10) and ix.state.verifying
         assert not ix.state.scanned.is_set()  # (GC's runs wait for it)
+        assert not marker.exists()  # a CLI or another daemon does not take the index as live
         names = lambda: {n for (n,) in reader.execute("SELECT name FROM pages")}  # noqa: E731
         assert names() == {page_name(i) for i in range(30)}  # the index as it was at the stop
         store_page(d, page_name(31))  # watched from ready on: no scan needed to find it
         gate.set()
         wait_for(lambda: ix.state.verifying, lambda v: not v)
-        assert ix.state.scanned.is_set() and ix.state.ready.is_set()
+        assert ix.state.scanned.is_set() and ix.state.ready.is_set() and marker.exists()
         want = {page_name(i) for i in range(1, 32)}
         wait_for(names, lambda got: got == want)
         assert ix.state.drift_pages == 0

@@ -176,8 +176,9 @@ class Indexer(Worker):
             while not self._written(lambda: self._build(first=not took_over)):
                 if self._stopping.wait(FULL_RETRY):
                     return
-            mark_ready(self.ready_marker, True)
             verifying = self._unverified
+            if not verifying:  # (else once verified: followers and CLIs count from the index)
+                mark_ready(self.ready_marker, True)
             self.state.live(True, scanned=not verifying)
             took = round(time.perf_counter() - t0, 3)
             log.info(
@@ -251,7 +252,9 @@ class Indexer(Worker):
                     self.pages = PageEvents(self.layout, store, self.model, self.backlog)
                     restored = modelfile.restore(self.model, self.layout.model_snapshot, store)
                     self._restored, self._loaded = restored, set(restored)
-                    if not (first and self._restored_live()):
+                    # (A DB replaced while this daemon runs is scanned at once, as ever.)
+                    early = first and not self.state.ready.is_set()
+                    if not (early and self._restored_live()):
                         self._scan_all(first=first)
                 return
             except StateCorrupt:
@@ -293,6 +296,7 @@ class Indexer(Worker):
             self._next_reconcile = time.monotonic() + self.reconcile_interval
             if verifying:
                 self._unverified = False
+                mark_ready(self.ready_marker, True)
                 self.state.scanned.set()  # GC's runs may start
                 log.info("index verified", extra={"scans": self.state.scans})
 
