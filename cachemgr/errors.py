@@ -40,6 +40,16 @@ class RootNotWritable(CachemgrError):
     title = "cache root not writable"
 
 
+class IndexScanning(CachemgrError):
+    """The daemon's index has not matched the disk since it started (its first scan, or the
+    scan after a restart from the model file, is running): a GC run would plan from rows that
+    may be stale. Ask again once /readyz no longer says so (HTTP 503)."""
+
+    exit_code = 2
+    http_status = 503
+    title = "index still scanning"
+
+
 class StateError(CachemgrError):
     """The state database cannot be used (newer than this code, corrupt, failed migration)."""
 

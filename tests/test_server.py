@@ -19,8 +19,11 @@ from cachemgr.daemon.index_state import IndexState
 from cachemgr.daemon.lifecycle import Daemon
 from cachemgr.daemon.serving import Reader
 from cachemgr.errors import ConfigError
+from cachemgr.gc.policy import GcPolicy
+from cachemgr.gc.runner import GcRunner
 from cachemgr.layout import Layout
 from cachemgr.settings import Settings, load_settings
+from cachemgr.state.store import Store
 from tests.daemon_helpers import (
     NS_A,
     NS_B,
@@ -45,22 +48,38 @@ def metric(text: str, name: str, **labels: str) -> float | None:
     return None
 
 
-def test_readyz_says_a_restored_index_is_still_being_scanned(layout: Layout) -> None:
-    """Ready (a sidecar's pod serves), and saying what is not done yet."""
+def test_a_restored_index_still_being_scanned_is_ready_but_runs_no_gc(
+    layout: Layout, store: Store
+) -> None:
+    """Ready (a sidecar's pod serves), saying what is not done yet; a GC run asked for over
+    HTTP would plan from rows that may be stale, so it is a 503 until the scan ends."""
     index = IndexState()
     index.live(True, scanned=False)
     reader = Reader(layout)
-    app = create_app(
-        Backend(layout=layout, reader=reader, registry=CollectorRegistry(), index=index)
+    runner = GcRunner(layout, store, GcPolicy())
+    backend = Backend(
+        layout=layout, reader=reader, registry=CollectorRegistry(), index=index, gc=runner
     )
+    app = create_app(backend)
+
+    async def post_gc() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+            return await c.post("/v1/gc")
+
     try:
         ready = anyio.run(asgi_get, app, "/readyz")
+        gc = anyio.run(post_gc)
         index.scanned.set()
         verified = anyio.run(asgi_get, app, "/readyz")
+        gc_after = anyio.run(post_gc)
     finally:
         reader.close()
+        runner.leadership.release()
     assert ready.status_code == 200 and "restored from the model file" in ready.json()["detail"]
+    assert gc.status_code == 503 and gc.headers["content-type"] == PROBLEM
+    assert gc.json()["title"] == "index still scanning"
     assert verified.json() == {"ready": True, "detail": "index live"}
+    assert gc_after.status_code == 200 and gc_after.json()["leader"] is True
 
 
 def test_health_status_and_metrics_follow_the_disk(settings: Settings, layout: Layout) -> None:
@@ -70,6 +89,7 @@ def test_health_status_and_metrics_follow_the_disk(settings: Settings, layout: L
     with running_daemon(settings) as dm:
         assert dm.get("/healthz").json()["status"] == "ok"
         assert dm.get("/readyz").json() == {"ready": True, "detail": "index live"}
+        assert dm.status()["index"]["scanned"] is True
         for i in range(4, 10):
             store_page(d, page_name(i), 4096)
         for i in range(3):
