@@ -192,6 +192,17 @@ def test_a_callback_that_raises_loses_its_events_to_a_rescan_not_the_inotify_thr
         ix.stop()
 
 
+def indexed_then_stopped(layout: Layout, store: Store, pages: int) -> Path:
+    """NS_A's dir with `pages` pages, indexed by an index writer that then stopped cleanly
+    (saving its model file)."""
+    d = layout.ns_dir(NS_A)
+    d.mkdir()
+    for i in range(pages):
+        store_page(d, page_name(i))
+    start(layout, store).stop()
+    return d
+
+
 def test_a_restart_from_the_model_file_is_ready_before_it_scans(
     store: Store, layout: Layout, reader: sqlite3.Connection, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -200,12 +211,7 @@ def test_a_restart_from_the_model_file_is_ready_before_it_scans(
     is ready first, watching already, and its first tick scans for what changed while down
     (not drift: no event was missed while it watched)."""
     caplog.set_level(logging.INFO, logger="cachemgr.daemon.indexer")
-    d = layout.ns_dir(NS_A)
-    d.mkdir()
-    for i in range(30):
-        store_page(d, page_name(i))
-    ix = start(layout, store)
-    ix.stop()  # (a clean stop saves the model file)
+    d = indexed_then_stopped(layout, store, 30)
     assert layout.model_snapshot.is_file()
     (d / page_name(0)).unlink()  # while the daemon is down
     store_page(d, page_name(30))
@@ -240,12 +246,7 @@ def test_a_restart_from_the_model_file_is_ready_before_it_scans(
 def test_a_start_without_a_usable_model_file_scans_before_it_is_ready(
     store: Store, layout: Layout, reader: sqlite3.Connection
 ) -> None:
-    d = layout.ns_dir(NS_A)
-    d.mkdir()
-    for i in range(5):
-        store_page(d, page_name(i))
-    ix = start(layout, store)
-    ix.stop()
+    d = indexed_then_stopped(layout, store, 5)
     reader.execute("DELETE FROM model_stamp")  # another process wrote the index meanwhile
     store_page(d, page_name(5))
     ix = Indexer(layout, store, IndexerConfig(batch_interval=0.05))
