@@ -244,16 +244,17 @@ class Served:
         if self.spy:
             self.spy.send_signal(signal.SIGINT)
             self.spy.wait()
-        # A restart from the model file is ready before its scan of what changed while down.
-        self.verified: float | None = None
-        threading.Thread(target=self._wait_verified, daemon=True).start()
+        # Ready before GC may run: a restart from the model file scans what changed while down,
+        # a first start loads GC's model.
+        self.settled: float | None = None
+        threading.Thread(target=self._wait_settled, daemon=True).start()
 
-    def _wait_verified(self) -> None:
+    def _wait_settled(self) -> None:
         with httpx.Client(base_url=self.url, timeout=30) as client:
             while self.proc.poll() is None:
                 with contextlib.suppress(httpx.TransportError):
-                    if "changed while down" not in client.get("/readyz").json()["detail"]:
-                        self.verified = time.monotonic() - self.t0
+                    if "GC starts after" not in client.get("/readyz").json()["detail"]:
+                        self.settled = time.monotonic() - self.t0
                         return
                 time.sleep(0.1)
 
@@ -413,10 +414,10 @@ def evict_and_purge(mnt: Path, n: int, evict: int) -> None:
     time.sleep(3)
     left = len(os.listdir(layout.ns_dir(NS)))
     rate = (n - left) / evicted
-    verified = f"{again.verified:.1f} s" if again.verified is not None else "not yet"
+    settled = f"{again.settled:.1f} s" if again.settled is not None else "not yet"
     say(
         f"restart from the model file, CACHEMGR_GC_MAX_FILES={cap}: ready {again.ready:.1f} s "
-        f"(its scan of the dir done at {verified}); "
+        f"(GC may run from {settled}); "
         f"evicted {n - left:,} pages in {evicted:.1f} s after ready ({rate:,.0f}/s); "
         f"{left:,} left (cap {cap:,}, low watermark {low:,})"
     )

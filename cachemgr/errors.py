@@ -40,14 +40,14 @@ class RootNotWritable(CachemgrError):
     title = "cache root not writable"
 
 
-class IndexScanning(CachemgrError):
-    """The daemon's index has not matched the disk since it started (its first scan, or the
-    scan after a restart from the model file, is running): a GC run would plan from rows that
-    may be stale. Ask again once /readyz no longer says so (HTTP 503)."""
+class IndexSettling(CachemgrError):
+    """The daemon's GC has not started: its index has not matched the disk since the start, or
+    GC's model of the pages is still loading. A run now would plan from rows that may be stale
+    or without an order. Ask again once /readyz no longer says so (HTTP 503)."""
 
     exit_code = 2
     http_status = 503
-    title = "index still scanning"
+    title = "index still settling"
 
 
 class StateError(CachemgrError):

@@ -96,7 +96,8 @@ class RunningDaemon:
 @contextmanager
 def running_daemon(settings: Settings) -> Iterator[RunningDaemon]:
     """Start the real daemon (uvicorn on 127.0.0.1, port 0) and wait until it is ready and
-    its index verified (a restart from the model file is ready before it scans)."""
+    its GC may run (a daemon is ready before it loads GC's model, or scans what changed while
+    it was down)."""
     daemon = Daemon(settings.model_copy(update={"port": 0}))
     daemon.start()
     thread = threading.Thread(target=daemon.serve, name="test-uvicorn", daemon=True)
@@ -122,7 +123,7 @@ async def asgi_get(app: FastAPI, path: str) -> httpx.Response:
 def _ready(running: RunningDaemon) -> bool:
     try:
         ready = running.get("/readyz")
-        return ready.status_code == 200 and "changed while down" not in ready.json()["detail"]
+        return ready.status_code == 200 and "GC starts after" not in ready.json()["detail"]
     except httpx.TransportError:
         return False
 

@@ -15,9 +15,11 @@ from cachemgr.gc import find as gcfind
 from cachemgr.gc.check import needs_gc
 from cachemgr.gc.execute import CHUNK, execute_gc
 from cachemgr.gc.find import TrashCounts
+from cachemgr.gc.runner import GcRunner
 from cachemgr.state.index import scan_root
 from cachemgr.state.store import Store
-from tests.gc_helpers import NS, NS2, T0, Tree, evicted, page, policy, temp
+from tests.daemon_helpers import captured_log
+from tests.gc_helpers import NS, NS2, T0, Tree, big_disk, evicted, page, policy, temp
 
 SYS = [page(i) for i in range(4)]
 A = [page(100 + i) for i in range(6)]
@@ -381,3 +383,24 @@ def test_a_trash_entry_is_counted_once_and_then_less_what_runs_drained(tree: Tre
     assert gcfind.trash_leftovers(tree.layout, [], counts) == []
     entry.mkdir()  # (a name never comes back: `counts` forgot it with its entry)
     assert [s.files for s in gcfind.trash_leftovers(tree.layout, [], counts)] == [0]
+
+
+def test_a_crossed_limit_is_held_before_a_due_sweep_lists_the_dirs(tree: Tree) -> None:
+    """A sweep lists every namespace dir before its plan is made (64 s at 10M pages, while a
+    restarted daemon's cap waited): a tick with both due holds the limit in a run of its own
+    first, then sweeps."""
+    tree.write(NS, [page(i) for i in range(10)], at=T0)
+    d = tree.dir(NS)
+    (d / temp(1)).write_bytes(b"partial")
+    os.utime(d / temp(1), (T0, T0))
+    pol = policy(max_bytes=6_000, tmp_ttl=60)
+    runner = GcRunner(tree.layout, tree.store, pol, disk_usage=big_disk, clock=lambda: T0 + 100)
+    try:
+        with captured_log("cachemgr.gc.execute") as log:
+            report = runner.tick()
+    finally:
+        runner.leadership.release()
+    done = [line["by_reason"] for line in log.lines if line["msg"] == "gc done"]
+    assert [set(reasons) for reasons in done] == [{"cap"}, {"tmp"}]  # type: ignore[arg-type]
+    assert report is not None and report.totals().keys() == {"cap", "tmp"}
+    assert temp(1) not in tree.files(NS) and runner.last_sweep == T0 + 100

@@ -27,7 +27,7 @@ def start(layout: Layout, store: Store, watcher: Watcher | None = None) -> Index
     ix = Indexer(layout, store, IndexerConfig(batch_interval=0.05), IndexerShared(watcher=watcher))
     ix.start()
     assert ix.state.ready.wait(10)
-    wait_for(lambda: ix.state.verifying, lambda v: not v)  # (a restart from the model file)
+    wait_for(lambda: ix.state.settling, lambda v: not v)  # (GC's model after ready)
     return ix
 
 
@@ -225,20 +225,21 @@ def test_a_restart_from_the_model_file_is_ready_before_it_scans(
     )
     ix.start()
     try:
-        assert ix.state.ready.wait(10) and ix.state.verifying
-        assert not ix.state.scanned.is_set()  # (GC's runs wait for it)
+        assert ix.state.ready.wait(10) and ix.state.settling
+        assert not ix.state.settled.is_set()  # (GC's runs wait for it)
+        assert "changed while down" in ix.state.pending
         assert not marker.exists()  # a CLI or another daemon does not take the index as live
         names = lambda: {n for (n,) in reader.execute("SELECT name FROM pages")}  # noqa: E731
         assert names() == {page_name(i) for i in range(30)}  # the index as it was at the stop
         store_page(d, page_name(31))  # watched from ready on: no scan needed to find it
         gate.set()
-        wait_for(lambda: ix.state.verifying, lambda v: not v)
-        assert ix.state.scanned.is_set() and ix.state.ready.is_set() and marker.exists()
+        wait_for(lambda: ix.state.settling, lambda v: not v)
+        assert ix.state.settled.is_set() and ix.state.ready.is_set() and marker.exists()
         want = {page_name(i) for i in range(1, 32)}
         wait_for(names, lambda got: got == want)
         assert ix.state.drift_pages == 0
         said = [r.msg for r in caplog.records if r.name == "cachemgr.daemon.indexer"]
-        assert said.index("index ready") < said.index("index verified")
+        assert said.index("index ready") < said.index("index settled")
     finally:
         ix.stop()
 
@@ -252,8 +253,9 @@ def test_a_start_without_a_usable_model_file_scans_before_it_is_ready(
     ix = Indexer(layout, store, IndexerConfig(batch_interval=0.05))
     ix.start()
     try:
-        assert ix.state.ready.wait(10) and not ix.state.verifying
+        assert ix.state.ready.wait(10)
         assert reader.execute("SELECT COUNT(*) FROM pages").fetchone()[0] == 6
+        assert "changed while down" not in ix.state.pending
     finally:
         ix.stop()
 

@@ -48,13 +48,11 @@ def metric(text: str, name: str, **labels: str) -> float | None:
     return None
 
 
-def test_a_restored_index_still_being_scanned_is_ready_but_runs_no_gc(
-    layout: Layout, store: Store
-) -> None:
-    """Ready (a sidecar's pod serves), saying what is not done yet; a GC run asked for over
-    HTTP would plan from rows that may be stale, so it is a 503 until the scan ends."""
+def test_an_index_ready_but_not_settled_runs_no_gc(layout: Layout, store: Store) -> None:
+    """Ready (a sidecar's pod serves), saying what GC waits for; a GC run asked for over HTTP
+    would plan from rows that may be stale, so it is a 503 until the index settles."""
     index = IndexState()
-    index.live(True, scanned=False)
+    index.live(True, pending="the scan of what changed while down")
     reader = Reader(layout)
     runner = GcRunner(layout, store, GcPolicy())
     backend = Backend(
@@ -69,15 +67,19 @@ def test_a_restored_index_still_being_scanned_is_ready_but_runs_no_gc(
     try:
         ready = anyio.run(asgi_get, app, "/readyz")
         gc = anyio.run(post_gc)
-        index.scanned.set()
+        index.settle()
         verified = anyio.run(asgi_get, app, "/readyz")
         gc_after = anyio.run(post_gc)
     finally:
         reader.close()
         runner.leadership.release()
-    assert ready.status_code == 200 and "restored from the model file" in ready.json()["detail"]
+    detail = ready.json()["detail"]
+    assert ready.status_code == 200 and detail.endswith(
+        "GC starts after the scan of what changed while down"
+    )
     assert gc.status_code == 503 and gc.headers["content-type"] == PROBLEM
-    assert gc.json()["title"] == "index still scanning"
+    assert gc.json()["title"] == "index still settling"
+    assert gc.json()["detail"] == "GC starts after the scan of what changed while down"
     assert verified.json() == {"ready": True, "detail": "index live"}
     assert gc_after.status_code == 200 and gc_after.json()["leader"] is True
 
@@ -89,7 +91,7 @@ def test_health_status_and_metrics_follow_the_disk(settings: Settings, layout: L
     with running_daemon(settings) as dm:
         assert dm.get("/healthz").json()["status"] == "ok"
         assert dm.get("/readyz").json() == {"ready": True, "detail": "index live"}
-        assert dm.status()["index"]["scanned"] is True
+        assert dm.status()["index"]["settled"] is True
         for i in range(4, 10):
             store_page(d, page_name(i), 4096)
         for i in range(3):

@@ -48,9 +48,10 @@ class IndexInfo(BaseModel):
     """The live index: how it was built and whether it keeps up."""
 
     ready: bool
-    scanned: bool = Field(
-        description="the index matched the disk since the start; a restart from the model file "
-        "is ready first, then scans for what changed while down (GC's runs wait for it)"
+    settled: bool = Field(
+        description="the index matched the disk since the start and GC's model of its pages is "
+        "built: GC's runs wait for it (a restart from the model file is ready first, then scans "
+        "what changed while down; a first start is ready once indexed, then loads the model)"
     )
     leader: bool = Field(description="this daemon watches and writes the index; others follow")
     scans: int

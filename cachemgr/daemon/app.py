@@ -42,7 +42,7 @@ from cachemgr.daemon.httpguard import MAX_BODY_BYTES, RequestGuard
 from cachemgr.daemon.index_state import IndexState
 from cachemgr.daemon.problems import ERRORS, InternalErrors, install_error_handlers
 from cachemgr.daemon.purge_routes import add_purge_routes
-from cachemgr.errors import CachemgrError, ConflictError, IndexScanning, NotFoundError
+from cachemgr.errors import CachemgrError, ConflictError, IndexSettling, NotFoundError
 from cachemgr.fleet.accesses import SUMMARY_PATH
 from cachemgr.fs.usage import disk_usage
 from cachemgr.gc.policy import GcPolicy
@@ -206,8 +206,8 @@ def create_app(backend: Backend) -> FastAPI:
     async def _gc(dry_run: bool, policy: GcPolicy | None) -> GcResponse:
         if gc_runs is None:
             raise ConflictError("this daemon runs no GC")
-        if backend.index is not None and not backend.index.scanned.is_set():
-            raise IndexScanning("the index is still being scanned (GET /readyz); GC waits for it")
+        if backend.index is not None and not backend.index.settled.is_set():
+            raise IndexSettling(f"GC starts after {backend.index.pending or 'the first scan'}")
         result = await gc_runs.run(dry_run=dry_run, policy=policy)
         if not result.leader and not dry_run:
             raise ConflictError(
@@ -247,8 +247,8 @@ def _readiness(backend: Backend) -> Readiness:
         return Readiness(ready=False, detail="; ".join(dead))
     ready = backend.index is not None and backend.index.ready.is_set()
     detail = "index live" if ready else "first scan running"
-    if ready and backend.index is not None and backend.index.verifying:
-        detail = "index live, restored from the model file; scanning what changed while down"
+    if ready and backend.index is not None and backend.index.settling:
+        detail = f"index live; GC starts after {backend.index.pending}"
     # Nothing can be indexed, collected or purged until the state dir's mode is fixed.
     state = unavailable(backend.layout.state_dir, backend.layout.db_path)
     # Degraded, still ready: writes wait and catch up, the other namespaces are served (a
@@ -261,7 +261,7 @@ def _readiness(backend: Backend) -> Readiness:
 def _index_info(st: IndexState, lag: Callable[[], float]) -> IndexInfo:
     return IndexInfo(
         ready=st.ready.is_set(),
-        scanned=st.scanned.is_set(),
+        settled=st.settled.is_set(),
         leader=st.leader,
         scans=st.scans,
         last_scan_seconds=st.last_scan_seconds,

@@ -45,7 +45,7 @@ class DaemonGcState(LiveState):
         reader: Reader,
         quarantine: Quarantine,
     ) -> None:
-        super().__init__(model=model, ready=index.scanned, quarantine=quarantine)
+        super().__init__(model=model, ready=index.settled, quarantine=quarantine)
         self.index = index
         self.reader = reader
         # Stores not applied yet: GC counts them; past the room left, the watcher wakes GC.

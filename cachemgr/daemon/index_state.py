@@ -30,9 +30,11 @@ class IndexState:
     # and make `now - started_at` negative.
     started_monotonic: float = field(default_factory=time.monotonic)
     ready: threading.Event = field(default_factory=threading.Event)  # /readyz, cachemgr_ready
-    # The index matched the disk once since the start (GC's runs wait for it). Ready without
-    # it: restored from the model file, the scan of what changed while down still to end.
-    scanned: threading.Event = field(default_factory=threading.Event)
+    # GC's runs wait for it: the index matched the disk since the start and GC's model of its
+    # pages is built. Ready without it: a restart from the model file scanning what changed
+    # while down, or a first start loading the model (`pending` says which).
+    settled: threading.Event = field(default_factory=threading.Event)
+    pending: str = ""  # what GC waits for while ready and not settled
     counters: dict[str, Counters] = field(default_factory=dict)
     overflows: int = 0
     watch_gaps: WatchGaps = field(default_factory=WatchGaps)  # the watcher's (Indexer)
@@ -48,20 +50,26 @@ class IndexState:
     _stored: tuple[int, float] | None = None  # (bytes stored so far, when) at the last batch
 
     @property
-    def verifying(self) -> bool:
-        """Ready, restored from the model file, and scanning for what changed while down."""
-        return self.ready.is_set() and not self.scanned.is_set()
+    def settling(self) -> bool:
+        """Ready, and GC still waits for `pending`."""
+        return self.ready.is_set() and not self.settled.is_set()
 
-    def live(self, ready: bool, *, scanned: bool = True) -> None:
-        """Set readiness, and whether the index matched the disk (`scanned`), or clear both.
-        In an order that never shows `verifying` in passing."""
+    def live(self, ready: bool, *, pending: str = "") -> None:
+        """Set readiness (settled too unless GC still waits for `pending`), or clear both; in
+        an order that never shows `settling` in passing."""
         if not ready:
             self.ready.clear()
-            self.scanned.clear()
+            self.settled.clear()
             return
-        if scanned:
-            self.scanned.set()
+        self.pending = pending
+        if not pending:
+            self.settled.set()
         self.ready.set()
+
+    def settle(self) -> None:
+        """GC may run from now on."""
+        self.settled.set()
+        self.pending = ""
 
     def uptime(self) -> float:
         """Seconds since the daemon started, never negative whatever the wall clock does."""

@@ -139,6 +139,7 @@ class Indexer(Worker):
         self._rescan_lock = threading.Lock()
         self._next_reconcile = float("inf")  # set once the first scan is done
         self._unverified = False  # ready from the model file, before the first tick's scan
+        self._unloaded = set[str]()  # indexed by the first build; GC's model loads after ready
 
     def stop(self, timeout: float = 30.0) -> bool:
         """Apply what is queued, stop the watcher, and return once the thread is done."""
@@ -176,17 +177,17 @@ class Indexer(Worker):
             while not self._written(lambda: self._build(first=not took_over)):
                 if self._stopping.wait(FULL_RETRY):
                     return
-            verifying = self._unverified
-            if not verifying:  # (else once verified: followers and CLIs count from the index)
+            pending = self._pending()
+            if not self._unverified:  # (else once verified: followers, CLIs count by it)
                 mark_ready(self.ready_marker, True)
-            self.state.live(True, scanned=not verifying)
+            self.state.live(True, pending=pending)
             took = round(time.perf_counter() - t0, 3)
             log.info(
                 "index ready",
-                extra={"scans": self.state.scans, "seconds": took, "verifying": verifying},
+                extra={"scans": self.state.scans, "seconds": took, "gc_waits_for": pending},
             )
             self.on_applied()  # the index as built may be over a limit already
-            if not verifying:  # (else due at the first tick: _restored_live)
+            if not self._unverified:  # (else due at the first tick: _restored_live)
                 self._next_reconcile = time.monotonic() + self.reconcile_interval
             pause = self.batch_interval
             while not self._stopping.wait(pause):
@@ -268,7 +269,7 @@ class Indexer(Worker):
         scan finds. A scan of every page file costs a cold `du` (155 s at 10M pages), and
         a sidecar's readiness holds its pod (SGLang with it) out of service. The namespaces
         the model holds are watched first: from here on nothing is missed. GC's runs wait for
-        the scan (IndexState.scanned) as for a first scan."""
+        the scan (IndexState.settled) as for a first scan."""
         indexed = pages_sql.namespace_bytes(self.store.conn).keys()  # (namespaces with pages)
         if not self._restored or not self._restored >= indexed:
             return False  # (GC would find no order for a namespace the model lacks)
@@ -291,14 +292,35 @@ class Indexer(Worker):
         if waiting and time.monotonic() >= self._root_retry:
             self._scan_all(first=False)  # back to normal once it can be listed again
         if time.monotonic() >= self._next_reconcile:
-            verifying = self.state.verifying
-            self._scan_all(first=verifying)  # (downtime's changes are no drift)
+            self._scan_all(first=self._unverified)  # (downtime's changes are no drift)
             self._next_reconcile = time.monotonic() + self.reconcile_interval
-            if verifying:
-                self._unverified = False
-                mark_ready(self.ready_marker, True)
-                self.state.scanned.set()  # GC's runs may start
-                log.info("index verified", extra={"scans": self.state.scans})
+            self._unverified = False
+        if self.state.settling:
+            self._settle()
+
+    def _pending(self) -> str:
+        """What GC's runs wait for once the index is ready ("": nothing)."""
+        if self._unverified:
+            return "the scan of what changed while down (restored from the model file)"
+        if self._unloaded:
+            return "its model of the pages is loaded"
+        return ""
+
+    def _settle(self) -> None:
+        """Load GC's model where the first build left it for after ready (a first start is ready
+        once its index is built: 112 s sooner at 10M pages), then let GC run."""
+        while self._unloaded:
+            self._load(next(iter(self._unloaded)))
+        if self._unverified:
+            return
+        mark_ready(self.ready_marker, True)
+        self.state.settle()
+        log.info("index settled", extra={"scans": self.state.scans})
+
+    def _load(self, ns: str) -> None:
+        self.model.load(self.store.conn, ns)
+        self._loaded.add(ns)
+        self._unloaded.discard(ns)
 
     def _survive_corruption(self, step: Callable[[], object]) -> None:
         """Run `step`; a corrupt DB is moved aside and rebuilt at the next tick, and the
@@ -447,9 +469,10 @@ class Indexer(Worker):
         self._restored.discard(ns)
         if report.changes is not None:  # (what changed while the daemon was down)
             modelfile.apply_scan(self.model, ns, report.changes)
+        elif not self.state.ready.is_set() and ns not in self._loaded:
+            self._unloaded.add(ns)  # a first build: ready first, GC's model after (_settle)
         elif report.drift or ns not in self._loaded:
-            self.model.load(self.store.conn, ns)  # the scan changed what the model knew
-            self._loaded.add(ns)
+            self._load(ns)  # the scan changed what the model knew
         heap.trim()  # what the scan and a load freed (cachemgr.daemon.heap)
         self.state.record_scan(report, first=first)
         return report
