@@ -368,11 +368,13 @@ def run_on(mnt: Path, n: int, evict: int) -> None:
     base.scrapes()
     cold()
     first = Served(layout, {}, spy=os.environ.get("BENCH_PYSPY_START"))
-
+    while first.settled is None and first.proc.poll() is None:  # (GC's model loads after ready)
+        time.sleep(0.1)
     time.sleep(settle_seconds(n))
     rss, peak = first.rss()
     say(
-        f"first start, cold caches: ready {first.ready:.1f} s ({first.ready / du:.2f}× cold du); "
+        f"first start, cold caches: ready {first.ready:.1f} s ({first.ready / du:.2f}× cold du), "
+        f"GC may run from {first.settled:.1f} s; "
         f"RSS {rss:.0f} MiB steady, {peak:.0f} MiB peak; empty daemon {base_rss:.0f} MiB: "
         f"{(rss - base_rss) * 2**20 / n:.0f} B/page steady, {(peak - base_rss) * 2**20 / n:.0f} "
         f"B/page peak"
