@@ -120,10 +120,15 @@ async def asgi_get(app: FastAPI, path: str) -> httpx.Response:
         return await c.get(path)
 
 
+def settled(ready: httpx.Response) -> bool:
+    """A /readyz answer of a daemon that is ready and whose GC may run (a daemon is ready
+    before it loads GC's model, or scans what changed while it was down)."""
+    return ready.status_code == 200 and "GC starts after" not in ready.json()["detail"]
+
+
 def _ready(running: RunningDaemon) -> bool:
     try:
-        ready = running.get("/readyz")
-        return ready.status_code == 200 and "GC starts after" not in ready.json()["detail"]
+        return settled(running.get("/readyz"))
     except httpx.TransportError:
         return False
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import anyio
@@ -13,6 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from cachemgr.daemon import app as app_module
 from cachemgr.daemon.app import create_app, openapi_document
 from cachemgr.daemon.backend import Backend
 from cachemgr.daemon.index_state import IndexState
@@ -48,9 +50,12 @@ def metric(text: str, name: str, **labels: str) -> float | None:
     return None
 
 
-def test_an_index_ready_but_not_settled_runs_no_gc(layout: Layout, store: Store) -> None:
+def test_an_index_ready_but_not_settled_runs_no_gc(
+    layout: Layout, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Ready (a sidecar's pod serves), saying what GC waits for; a GC run asked for over HTTP
-    would plan from rows that may be stale, so it is a 503 until the index settles."""
+    would plan from rows that may be stale: it waits for the index to settle (a script that
+    waited for /readyz gets its run), and is a 503 if it does not within SETTLE_WAIT."""
     index = IndexState()
     index.live(True, pending="the scan of what changed while down")
     reader = Reader(layout)
@@ -64,24 +69,25 @@ def test_an_index_ready_but_not_settled_runs_no_gc(layout: Layout, store: Store)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
             return await c.post("/v1/gc")
 
+    monkeypatch.setattr(app_module, "SETTLE_WAIT", 0.3)
     try:
         ready = anyio.run(asgi_get, app, "/readyz")
-        gc = anyio.run(post_gc)
-        index.settle()
+        gc = anyio.run(post_gc)  # never settles
+        threading.Timer(0.1, index.settle).start()
+        monkeypatch.setattr(app_module, "SETTLE_WAIT", 30.0)
+        gc_waited = anyio.run(post_gc)
         verified = anyio.run(asgi_get, app, "/readyz")
-        gc_after = anyio.run(post_gc)
     finally:
         reader.close()
         runner.leadership.release()
     detail = ready.json()["detail"]
-    assert ready.status_code == 200 and detail.endswith(
-        "GC starts after the scan of what changed while down"
-    )
+    assert ready.status_code == 200
+    assert detail.endswith("GC starts after the scan of what changed while down")
     assert gc.status_code == 503 and gc.headers["content-type"] == PROBLEM
     assert gc.json()["title"] == "index still settling"
     assert gc.json()["detail"] == "GC starts after the scan of what changed while down"
+    assert gc_waited.status_code == 200 and gc_waited.json()["leader"] is True
     assert verified.json() == {"ready": True, "detail": "index live"}
-    assert gc_after.status_code == 200 and gc_after.json()["leader"] is True
 
 
 def test_health_status_and_metrics_follow_the_disk(settings: Settings, layout: Layout) -> None:

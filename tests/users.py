@@ -30,6 +30,7 @@ import httpx
 import pytest
 
 from cachemgr.cli.main import main
+from tests.daemon_helpers import settled
 from tests.nsfixtures import cli
 from tests.polling import wait_for
 
@@ -158,6 +159,6 @@ def daemon_as(user: User, root: Path, port: int, env: dict[str, str]) -> Iterato
 
 def _ready(url: str) -> bool:
     try:
-        return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
+        return settled(httpx.get(f"{url}/readyz", timeout=2))
     except httpx.HTTPError:
         return False

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path as FsPath
 from typing import Annotated, Any
 
+import anyio
 from fastapi import Body, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -53,6 +55,9 @@ from cachemgr.settings import one_off
 from cachemgr.state import busy, registry_sql
 from cachemgr.state.dbfile import unavailable
 from cachemgr.state.status import bindings_by_namespace
+
+# Seconds POST /v1/gc waits for GC to be able to run before its 503 (the index settles).
+SETTLE_WAIT = 30.0
 
 
 def create_app(backend: Backend) -> FastAPI:
@@ -206,7 +211,7 @@ def create_app(backend: Backend) -> FastAPI:
     async def _gc(dry_run: bool, policy: GcPolicy | None) -> GcResponse:
         if gc_runs is None:
             raise ConflictError("this daemon runs no GC")
-        if backend.index is not None and not backend.index.settled.is_set():
+        if backend.index is not None and not await _settled(backend.index, SETTLE_WAIT):
             raise IndexSettling(f"GC starts after {backend.index.pending or 'the first scan'}")
         result = await gc_runs.run(dry_run=dry_run, policy=policy)
         if not result.leader and not dry_run:
@@ -217,6 +222,18 @@ def create_app(backend: Backend) -> FastAPI:
         return result
 
     return app
+
+
+async def _settled(index: IndexState, wait: float) -> bool:
+    """Whether GC may run, waiting up to `wait` seconds for it: a first start loads GC's model
+    after it is ready (a batch interval for a small root), and a script that waited for
+    /readyz should not get a 503 for that."""
+    deadline = time.monotonic() + wait
+    while not index.settled.is_set():
+        if time.monotonic() >= deadline:
+            return False
+        await anyio.sleep(0.05)
+    return True
 
 
 def _one_off_policy(backend: Backend, req: GcRequest) -> GcPolicy | None:
@@ -248,7 +265,7 @@ def _readiness(backend: Backend) -> Readiness:
     ready = backend.index is not None and backend.index.ready.is_set()
     detail = "index live" if ready else "first scan running"
     if ready and backend.index is not None and backend.index.settling:
-        detail = f"index live; GC starts after {backend.index.pending}"
+        detail = f"index live; GC starts after {backend.index.pending or 'its index settles'}"
     # Nothing can be indexed, collected or purged until the state dir's mode is fixed.
     state = unavailable(backend.layout.state_dir, backend.layout.db_path)
     # Degraded, still ready: writes wait and catch up, the other namespaces are served (a

@@ -287,6 +287,10 @@ class Indexer(Worker):
                 extra={"db": str(self.store.path)},
             )
             self._build(first=True)
+        # GC's model where the first build left it for after ready (112 s at 10M pages), before
+        # the events queued meanwhile: they teach it links and reads.
+        while self._unloaded:
+            self._load(next(iter(self._unloaded)))
         self.apply_pending()
         waiting = ROOT in self.quarantine or STATE_DIR in self.quarantine
         if waiting and time.monotonic() >= self._root_retry:
@@ -295,8 +299,10 @@ class Indexer(Worker):
             self._scan_all(first=self._unverified)  # (downtime's changes are no drift)
             self._next_reconcile = time.monotonic() + self.reconcile_interval
             self._unverified = False
-        if self.state.settling:
-            self._settle()
+        if self.state.settling and not self._unverified and not self._unloaded:
+            mark_ready(self.ready_marker, True)
+            self.state.settle()
+            log.info("index settled", extra={"scans": self.state.scans})
 
     def _pending(self) -> str:
         """What GC's runs wait for once the index is ready ("": nothing)."""
@@ -305,17 +311,6 @@ class Indexer(Worker):
         if self._unloaded:
             return "its model of the pages is loaded"
         return ""
-
-    def _settle(self) -> None:
-        """Load GC's model where the first build left it for after ready (a first start is ready
-        once its index is built: 112 s sooner at 10M pages), then let GC run."""
-        while self._unloaded:
-            self._load(next(iter(self._unloaded)))
-        if self._unverified:
-            return
-        mark_ready(self.ready_marker, True)
-        self.state.settle()
-        log.info("index settled", extra={"scans": self.state.scans})
 
     def _load(self, ns: str) -> None:
         self.model.load(self.store.conn, ns)
@@ -470,7 +465,7 @@ class Indexer(Worker):
         if report.changes is not None:  # (what changed while the daemon was down)
             modelfile.apply_scan(self.model, ns, report.changes)
         elif not self.state.ready.is_set() and ns not in self._loaded:
-            self._unloaded.add(ns)  # a first build: ready first, GC's model after (_settle)
+            self._unloaded.add(ns)  # a first build: ready first, GC's model after (_tick)
         elif report.drift or ns not in self._loaded:
             self._load(ns)  # the scan changed what the model knew
         heap.trim()  # what the scan and a load freed (cachemgr.daemon.heap)

@@ -161,6 +161,7 @@ class GcRunner(Worker):
         # As if the state DB's space reserve were allocated: taking it back keeps the floor.
         self.disk_usage = disk_usage or reserve.usage_with_reserve(layout.state_dir)
         self.last_sweep = float("-inf")
+        self._sweep_put_off = False  # a due sweep waited for a crossed limit's run (tick)
         self.stats = GcStats(last_success=clock())
         self._busy = threading.Lock()
         # Clear while a run that holds a cap or the floor deletes: the index writer waits for
@@ -221,10 +222,12 @@ class GcRunner(Worker):
             self.stats.last_success = self.clock()
             self.stats.unmet = ()  # no limit is crossed now: none is unmet
             return floor
-        if sweep and crossed:
-            # A sweep lists every namespace dir before the plan is made (64 s at 10M pages):
-            # the crossed limit is held by a run without it first.
-            return joined(self.run(actor="auto", sweep=False), self.run(actor="auto"))
+        if sweep and crossed and not self._sweep_put_off:
+            # A sweep lists every namespace dir before the plan is made: a crossed limit is
+            # held by a run without it first, and the next tick sweeps whatever is crossed.
+            self._sweep_put_off, sweep = True, False
+        elif sweep:
+            self._sweep_put_off = False
         return self.run(actor="auto", sweep=sweep)
 
     def free_floor(self, actor: str = "auto", policy: GcPolicy | None = None) -> GcReport | None:

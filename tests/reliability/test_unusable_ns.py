@@ -29,7 +29,7 @@ import pytest
 
 from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
-from tests.daemon_helpers import NS_A, NS_B, page_name, register_namespace, store_page
+from tests.daemon_helpers import NS_A, NS_B, page_name, register_namespace, settled, store_page
 from tests.polling import wait_for
 from tests.reliability.conftest import snapshot
 from tests.test_server import metric
@@ -120,7 +120,7 @@ def _ready(d: Daemon) -> bool:
     if d.proc.poll() is not None:
         raise AssertionError(f"the daemon exited with {d.proc.returncode}")
     try:
-        return d.http.get("/readyz").status_code == 200
+        return settled(d.http.get("/readyz"))
     except httpx.TransportError:
         return False
 
