@@ -458,6 +458,7 @@ def test_alerts_fire_on_the_daemons_real_series(scrapes: Live, tmp_path: Path) -
     e, ns_id, ns_v = scrapes.second, scrapes.ns, scrapes.vllm_ns
     up = Sample("up", (), 0).series(**TARGET)
     ready, mismatch = target(e.get("cachemgr_ready")), target(e.get("cachemgr_identity_mismatch"))
+    settled = target(e.get("cachemgr_index_settled"))
     overflows = target(e.get("cachemgr_watcher_overflows_total"))
     avail = target(e.get("cachemgr_filesystem_avail_bytes"))
     size_sample = e.get("cachemgr_filesystem_size_bytes")
@@ -499,6 +500,15 @@ def test_alerts_fire_on_the_daemons_real_series(scrapes: Live, tmp_path: Path) -
         alert_test("CachemgrDown", {up: "1x10"}, "8m", []),
         alert_test("CachemgrNotReady", {ready: "0x20"}, "16m", [expect("CachemgrNotReady", node)]),
         alert_test("CachemgrNotReady", {ready: "0 0 1x20"}, "16m", []),
+        alert_test(
+            "CachemgrGcNotStarted",
+            {ready: "1x40", settled: "0x40"},
+            "31m",
+            [expect("CachemgrGcNotStarted", node)],
+        ),
+        alert_test("CachemgrGcNotStarted", {ready: "1x40", settled: "0 0 1x40"}, "31m", []),
+        # Not ready at all: CachemgrNotReady says so, not this one.
+        alert_test("CachemgrGcNotStarted", {ready: "0x40", settled: "0x40"}, "31m", []),
         alert_test(
             "CachemgrWorkerDead", {gc_up: "1 0x5"}, "4m", [expect("CachemgrWorkerDead", worker)]
         ),

@@ -48,9 +48,12 @@ def test_values_come_from_the_index_the_audit_log_and_the_disk(layout: Layout) -
     store = Store.open(layout.db_path)
     scan_namespace(layout, store, NS_A)
     state = IndexState(counters={NS_A: Counters(reads=5, writes=2)})
-    state.ready.set()
+    state.live(True, pending="its model of the pages is loaded")
     reg = registry_for(layout, store, state)
     v = reg.get_sample_value
+    assert v("cachemgr_ready") == 1 and v("cachemgr_index_settled") == 0  # (GC waits)
+    state.settle()
+    assert v("cachemgr_index_settled") == 1
     assert v("cachemgr_namespace_pages", {"namespace": NS_A, "engine": "sglang"}) == 3
     assert v("cachemgr_namespace_bytes", {"namespace": NS_A, "engine": "sglang"}) == 300
     assert v("cachemgr_page_reads_total", {"namespace": NS_A, "engine": "sglang"}) == 5

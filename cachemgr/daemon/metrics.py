@@ -44,6 +44,8 @@ NS_ENGINE = ["namespace", "engine"]  # "sglang" or "vllm": which engine's cache 
 METRICS: dict[str, str] = {
     "cachemgr_up": "1 while the daemon runs",
     "cachemgr_ready": "1 once the first scan finished and the index is live",
+    "cachemgr_index_settled": "1 once GC may run: the index matched the disk since the start "
+    "and GC's model is loaded (0 while ready: the scan after a restart, or the model's load)",
     "cachemgr_worker_up": "1 while the daemon's worker thread runs; 0 once it died of an error",
     "cachemgr_build_info": "cachemgr version",
     "cachemgr_namespace_info": "identity of each namespace and its instances",
@@ -291,6 +293,9 @@ class CachemgrCollector(Collector):
         st = self.index
         ready = st is not None and st.ready.is_set()
         yield GaugeMetricFamily("cachemgr_ready", METRICS["cachemgr_ready"], value=int(ready))
+        settled = st is not None and st.settled.is_set()
+        name = "cachemgr_index_settled"
+        yield GaugeMetricFamily(name, METRICS[name], value=int(settled))
         up = _gauge("cachemgr_worker_up", ["worker"])
         for w in self.workers:
             up.add_metric([w.name], int(w.up))

@@ -165,5 +165,7 @@ class _WaitMetrics:
     def collect(self) -> Iterator[GaugeMetricFamily]:
         yield GaugeMetricFamily("cachemgr_up", METRICS["cachemgr_up"], value=1)
         yield GaugeMetricFamily("cachemgr_ready", METRICS["cachemgr_ready"], value=0)
+        name = "cachemgr_index_settled"
+        yield GaugeMetricFamily(name, METRICS[name], value=0)
         name = "cachemgr_state_db_locked"
         yield GaugeMetricFamily(name, METRICS[name], value=1)
