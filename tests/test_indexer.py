@@ -250,13 +250,16 @@ def test_a_start_without_a_usable_model_file_scans_before_it_is_ready(
     d = indexed_then_stopped(layout, store, 5)
     reader.execute("DELETE FROM model_stamp")  # another process wrote the index meanwhile
     store_page(d, page_name(5))
-    ix = Indexer(layout, store, IndexerConfig(batch_interval=0.05))
+    gate = threading.Event()
+    hooks = IndexerHooks(on_applied=lambda: gate.wait(10))  # the thread waits once ready
+    ix = Indexer(layout, store, IndexerConfig(batch_interval=0.05), hooks=hooks)
     ix.start()
     try:
         assert ix.state.ready.wait(10)
-        assert reader.execute("SELECT COUNT(*) FROM pages").fetchone()[0] == 6
+        assert reader.execute("SELECT COUNT(*) FROM pages").fetchone()[0] == 6  # scanned first
         assert "changed while down" not in ix.state.pending
     finally:
+        gate.set()
         ix.stop()
 
 

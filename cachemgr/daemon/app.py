@@ -212,7 +212,7 @@ def create_app(backend: Backend) -> FastAPI:
         if gc_runs is None:
             raise ConflictError("this daemon runs no GC")
         if backend.index is not None and not await _settled(backend.index, SETTLE_WAIT):
-            raise IndexSettling(f"GC starts after {backend.index.pending or 'the first scan'}")
+            raise IndexSettling(backend.index.gc_waits())
         result = await gc_runs.run(dry_run=dry_run, policy=policy)
         if not result.leader and not dry_run:
             raise ConflictError(
@@ -265,7 +265,7 @@ def _readiness(backend: Backend) -> Readiness:
     ready = backend.index is not None and backend.index.ready.is_set()
     detail = "index live" if ready else "first scan running"
     if ready and backend.index is not None and backend.index.settling:
-        detail = f"index live; GC starts after {backend.index.pending or 'its index settles'}"
+        detail = f"index live; {backend.index.gc_waits()}"
     # Nothing can be indexed, collected or purged until the state dir's mode is fixed.
     state = unavailable(backend.layout.state_dir, backend.layout.db_path)
     # Degraded, still ready: writes wait and catch up, the other namespaces are served (a

@@ -66,6 +66,10 @@ class IndexState:
             self.settled.set()
         self.ready.set()
 
+    def gc_waits(self) -> str:
+        """What GC's runs wait for, as /readyz and POST /v1/gc's 503 say it."""
+        return f"GC starts after {self.pending or 'the first scan'}"
+
     def settle(self) -> None:
         """GC may run from now on."""
         self.settled.set()

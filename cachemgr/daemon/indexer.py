@@ -299,7 +299,7 @@ class Indexer(Worker):
             self._scan_all(first=self._unverified)  # (downtime's changes are no drift)
             self._next_reconcile = time.monotonic() + self.reconcile_interval
             self._unverified = False
-        if self.state.settling and not self._unverified and not self._unloaded:
+        if self.state.settling and not self._pending():
             mark_ready(self.ready_marker, True)
             self.state.settle()
             log.info("index settled", extra={"scans": self.state.scans})
