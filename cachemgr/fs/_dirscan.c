@@ -63,6 +63,7 @@ typedef struct {
     uint8_t prefix; /* PLAIN, PAGE_KEY or TEMP_KEY: what replaces name[0..skip) in the shape */
     uint8_t skip;
     int64_t size;
+    double mtime;      /* as os.stat's st_mtime */
     uint64_t digest;   /* page_digest(name, size) */
     uint64_t shape_hash;
     uint64_t key_hash; /* of the page key (the whole name if it has none): one page, one hash */
@@ -82,6 +83,7 @@ typedef struct {
     SizeCount *sizes; /* grown on demand: most groups (a foreign name) hold one size */
     int nsizes, capsizes;
     int kind; /* kind_of(shape): 1 is a page */
+    int key_len; /* of a page shape when rows are stored: key_len_of(shape), 0 for none */
 } Group;
 
 typedef struct {
@@ -328,6 +330,7 @@ static void *stat_slice(void *arg) {
         }
         e->kind = S_ISREG(st.st_mode) ? REGULAR : OTHER;
         e->size = st.st_size;
+        e->mtime = (double)st.st_mtim.tv_sec + (double)st.st_mtim.tv_nsec * 1e-9;
         if (e->kind == REGULAR) {
             e->digest = page_digest(job->seed, e->name, e->len, e->size);
             shape_of(job->rules, job->seed, e);
@@ -362,11 +365,122 @@ static void crew_join(Crew *c, int threads) {
         stat_slice(&c->jobs[t]);
 }
 
+typedef struct sqlite3 sqlite3;
+typedef struct sqlite3_stmt sqlite3_stmt;
+
+/* The SQL functions the `pages` triggers keep namespace_stats.digest with (migration 0004), in
+ * C: registered from Python, each call of a trigger (three a row stored) took the GIL in the
+ * middle of an SQLite step that had let it go, and waited up to a switch interval for it
+ * behind the daemon's GC and watcher threads (bench/RESULTS.md). The few SQLite calls they
+ * need are looked up in the very SQLite the sqlite3 module runs on (its extension's own
+ * symbols and libraries): no header, no link of our own, so a second copy of SQLite never
+ * sees its handles; if they cannot be found the caller registers the Python ones. A scan
+ * stores its page rows through the same calls (Rows, below). */
+typedef struct sqlite3_context sqlite3_context;
+typedef struct sqlite3_value sqlite3_value;
+typedef void (*sql_fn)(sqlite3_context *, int, sqlite3_value **);
+#define SQL_INTEGER 1
+#define SQL_TEXT 3
+#define SQL_UTF8 1
+#define SQL_DETERMINISTIC 0x800
+#define SQL_DONE 101
+#define SQL_TRANSIENT ((void (*)(void *))-1)
+
+static struct {
+    int (*create_function)(sqlite3 *, const char *, int, int, void *, sql_fn, sql_fn,
+                           void (*)(sqlite3_context *), void (*)(void *));
+    int (*value_type)(sqlite3_value *);
+    const unsigned char *(*value_text)(sqlite3_value *);
+    int (*value_bytes)(sqlite3_value *);
+    long long (*value_int64)(sqlite3_value *);
+    void (*result_int64)(sqlite3_context *, long long);
+    void (*result_error)(sqlite3_context *, const char *, int);
+    int (*prepare)(sqlite3 *, const char *, int, sqlite3_stmt **, const char **);
+    int (*bind_text)(sqlite3_stmt *, int, const char *, int, void (*)(void *));
+    int (*bind_int64)(sqlite3_stmt *, int, long long);
+    int (*bind_double)(sqlite3_stmt *, int, double);
+    int (*step)(sqlite3_stmt *);
+    int (*reset)(sqlite3_stmt *);
+    int (*finalize)(sqlite3_stmt *);
+    const char *(*errmsg)(sqlite3 *);
+    sqlite3 *(*db_handle)(sqlite3_stmt *);
+} sq;
+
+/* The connection object's layout in every CPython 3 (Modules/_sqlite/connection.h). */
+typedef struct {
+    PyObject_HEAD
+    sqlite3 *db;
+} Connection;
+
+static void sql_page_digest(sqlite3_context *ctx, int argc, sqlite3_value **argv) {
+    (void)argc;
+    if (sq.value_type(argv[0]) != SQL_TEXT || sq.value_type(argv[1]) != SQL_INTEGER) {
+        sq.result_error(ctx, "cachemgr_page_digest(name, size): a text and an integer", -1);
+        return;
+    }
+    const char *name = (const char *)sq.value_text(argv[0]);
+    size_t len = (size_t)sq.value_bytes(argv[0]);
+    uint64_t d = page_digest(FNV_SEED, name, len, (int64_t)sq.value_int64(argv[1]));
+    sq.result_int64(ctx, (long long)(int64_t)d);
+}
+
+static void sql_xor(sqlite3_context *ctx, int argc, sqlite3_value **argv) {
+    (void)argc;
+    if (sq.value_type(argv[0]) != SQL_INTEGER || sq.value_type(argv[1]) != SQL_INTEGER) {
+        sq.result_error(ctx, "cachemgr_xor(a, b): two integers", -1);
+        return;
+    }
+    sq.result_int64(ctx, sq.value_int64(argv[0]) ^ sq.value_int64(argv[1]));
+}
+
+/* Find SQLite's calls in `lib` (the sqlite3 module's extension, loaded already). */
+static int find_sqlite(const char *lib) {
+    if (sq.create_function != NULL)
+        return 1;
+    void *h = dlopen(lib, RTLD_LAZY | RTLD_NOLOAD);
+    if (h == NULL)
+        return 0;
+    static const char *const names[] = {
+        "sqlite3_value_type",   "sqlite3_value_text",   "sqlite3_value_bytes",
+        "sqlite3_value_int64",  "sqlite3_result_int64", "sqlite3_result_error",
+        "sqlite3_prepare_v2",   "sqlite3_bind_text",    "sqlite3_bind_int64",
+        "sqlite3_bind_double",  "sqlite3_step",         "sqlite3_reset",
+        "sqlite3_finalize",     "sqlite3_errmsg",       "sqlite3_db_handle",
+    };
+    enum { N = sizeof names / sizeof *names };
+    void *f[N];
+    int found = 1;
+    for (int i = 0; i < N; i++)
+        found &= (f[i] = dlsym(h, names[i])) != NULL;
+    void *create = dlsym(h, "sqlite3_create_function_v2");
+    dlclose(h); /* (NOLOAD: the module keeps it loaded) */
+    if (!found || create == NULL)
+        return 0;
+    /* the calls in `names` order, as the fields of `sq` after create_function */
+    _Static_assert(sizeof sq == (N + 1) * sizeof(void *), "sq: one pointer per call");
+    memcpy((char *)&sq + sizeof(void *), f, sizeof f);
+    memcpy(&sq.create_function, &create, sizeof create); /* last: the "found" flag */
+    return 1;
+}
+
+
+/* Where scan(..., rows) stores a row per page file as the walk meets it: an INSERT prepared
+ * on the caller's connection, stepped by every walker in turn. */
+typedef struct {
+    sqlite3_stmt *stmt;
+    pthread_mutex_t lock;
+    double at;  /* a later mtime is stored as this (a clock set back, a copied tree) */
+    int rc;     /* SQLite's code for the first failed step, 0 if none */
+    char msg[256];
+} Rows;
+
 typedef struct {
     Rules rules;
     int threads, levels;
     int split; /* the level whose subdirs are walked on `threads` threads; -1: none */
     PyObject *kind_of;   /* shape -> FileKind, called with the GIL */
+    PyObject *key_len_of; /* page shape -> its key's length (or None), with rows only */
+    Rows *rows;          /* NULL: count only */
     PyObject *dir_ok;    /* (level, name) -> bool for the dirs above the files; NULL: no levels */
     Verdict *verdicts;   /* dir_ok's answers so far, VERDICTS slots (NULL: none kept) */
     size_t nverdicts;
@@ -391,6 +505,14 @@ static void classify(Group *x, Totals *tot) {
     long k = kind ? PyLong_AsLong(kind) : -1;
     if (k == -1 && PyErr_Occurred())
         tot->py_err = 1;
+    if (k == PAGE && tot->rows && !tot->py_err) {
+        PyObject *n = PyObject_CallOneArg(tot->key_len_of, shape);
+        long len = n == Py_None ? 0 : n ? PyLong_AsLong(n) : -1;
+        if (len == -1 && PyErr_Occurred())
+            tot->py_err = 1;
+        x->key_len = (int)len;
+        Py_XDECREF(n);
+    }
     Py_XDECREF(kind);
     Py_XDECREF(shape);
     tot->save = PyEval_SaveThread();
@@ -465,6 +587,38 @@ static size_t read_chunk(Dir *dir, Ent *ents, Totals *tot) {
     return n;
 }
 
+/* Store e's row: (its path below the scanned dir, size, mtime, key length). Walkers take
+ * turns; the first failure stops them all (tot->err) and is kept for scan() to raise. */
+static void row_add(Totals *tot, const Group *x, const Ent *e) {
+    Rows *r = tot->rows;
+    char name[PATH_MAX_LEN + 256];
+    size_t n = tot->path_len;
+    memcpy(name, tot->path, n);
+    memcpy(name + n, e->name, e->len);
+    n += e->len;
+    /* a nested page's key is its whole path (cachemgr.backends) */
+    int key_len = x->key_len && tot->path_len ? (int)n : x->key_len;
+    double mtime = e->mtime < r->at ? e->mtime : r->at;
+    pthread_mutex_lock(&r->lock);
+    if (!r->rc) {
+        sqlite3_stmt *s = r->stmt;
+        int rc = sq.bind_text(s, 1, name, (int)n, SQL_TRANSIENT);
+        rc = rc ? rc : sq.bind_int64(s, 2, e->size);
+        rc = rc ? rc : sq.bind_double(s, 3, mtime);
+        rc = rc ? rc : sq.bind_int64(s, 4, key_len);
+        rc = rc ? rc : sq.step(s);
+        if (rc != SQL_DONE) {
+            r->rc = rc ? rc : -1;
+            snprintf(r->msg, sizeof r->msg, "%s", sq.errmsg(sq.db_handle(s)));
+        }
+        sq.reset(s);
+    }
+    int failed = r->rc != 0;
+    pthread_mutex_unlock(&r->lock);
+    if (failed)
+        tot->err = EIO;
+}
+
 static void tally(Ent *ents, size_t n, Totals *tot) {
     for (size_t i = 0; i < n; i++) {
         Ent *e = &ents[i];
@@ -478,6 +632,8 @@ static void tally(Ent *ents, size_t n, Totals *tot) {
                 group_add(x, e);
             if (!x || (x->kind == PAGE && keyset_add(&tot->keys, e->key_hash) < 0))
                 tot->err = ENOMEM;
+            else if (x->kind == PAGE && tot->rows)
+                row_add(tot, x, e);
         } else if (e->kind == OTHER) {
             tot->other++;
         } else {
@@ -614,7 +770,8 @@ typedef struct {
 /* A walker's totals: the caller's rules and callbacks, nothing found yet; 0 if out of memory. */
 static int totals_like(Totals *t, const Totals *of) {
     *t = (Totals){.rules = of->rules, .threads = of->threads, .levels = of->levels, .split = -1,
-                  .kind_of = of->kind_of, .dir_ok = of->dir_ok, .mnt = of->mnt,
+                  .kind_of = of->kind_of, .key_len_of = of->key_len_of, .rows = of->rows,
+                  .dir_ok = of->dir_ok, .mnt = of->mnt,
                   .path_len = of->path_len};
     memcpy(t->path, of->path, of->path_len);
     t->cur = malloc(CHUNK * sizeof *t->cur);
@@ -804,7 +961,7 @@ static PyObject *group_tuple(const Group *x) {
 }
 
 PyDoc_STRVAR(scan_doc,
-"scan(dir_fd, threads, rules, kind_of, levels=0, dir_ok=None) -> (groups, other, gone, pages)\n\n"
+"scan(dir_fd, threads, rules, kind_of, levels=0, dir_ok=None, rows=None) -> (groups, other, gone, pages)\n\n"
 "List the open directory `dir_fd` and stat every entry (not following symlinks) on\n"
 "`threads` threads. `rules` is (key_min, key_max, temp_lead, temp_hex) (see\n"
 "cachemgr.backends.ScanRules). `groups` is a list of (shape, kind, files, bytes, digest,\n"
@@ -817,7 +974,14 @@ PyDoc_STRVAR(scan_doc,
 "among the files of kind 1 (a page). With `levels` > 0 the files are that many dirs down,\n"
 "through the subdirectories dir_ok(level, name: bytes) keeps (never a symlink); digests and\n"
 "page keys are then of the paths below dir_fd, and with `threads` > 1 the subtrees of each\n"
-"dir two levels above the files are walked on `threads` threads (same result).");
+"dir two levels above the files are walked on `threads` threads (same result).\n\n"
+"`rows` = (conn, lib, sql, at, key_len_of): also run `sql` on the sqlite3 connection `conn`\n"
+"(through the SQLite of `lib`, the sqlite3 module's extension) for each page file, bound to\n"
+"(path below dir_fd, size, min(mtime, at), key length): key_len_of(shape) for a flat page,\n"
+"the whole path's length for a nested one, 0 for a page without a key. NotImplementedError\n"
+"before any walk if SQLite's calls cannot be found; a failed step stops the walk and is\n"
+"raised as sqlite3 would (OperationalError, DatabaseError). The caller holds the\n"
+"transaction.");
 
 /* Parse (key_min, key_max, temp_lead, temp_hex) and lay out the shape prefixes; 0 on error. */
 static int parse_rules(PyObject *arg, Rules *r) {
@@ -837,18 +1001,62 @@ static int parse_rules(PyObject *arg, Rules *r) {
     return 1;
 }
 
+/* Raise SQLite's failure `rc` as the sqlite3 module would class it; NULL. */
+static PyObject *sql_error(int rc, const char *msg) {
+    PyObject *mod = PyImport_ImportModule("sqlite3");
+    int primary = rc & 0xff;
+    const char *name = primary == 11 || primary == 26 ? "DatabaseError" /* CORRUPT, NOTADB */
+                       : primary == 19                ? "IntegrityError" /* CONSTRAINT */
+                                                      : "OperationalError";
+    PyObject *exc = mod ? PyObject_GetAttrString(mod, name) : NULL;
+    if (exc)
+        PyErr_SetString(exc, msg);
+    Py_XDECREF(exc);
+    Py_XDECREF(mod);
+    return NULL;
+}
+
+/* Prepare `into` = (conn, lib, sql, at, key_len_of) for a walk that stores page rows: 0 with
+ * an exception set (NotImplementedError: SQLite's calls are out of reach from here). */
+static int rows_open(PyObject *into, Rows *r, Totals *tot) {
+    PyObject *conn, *key_len_of;
+    const char *lib, *sql;
+    double at;
+    if (!PyArg_ParseTuple(into, "OssdO", &conn, &lib, &sql, &at, &key_len_of))
+        return 0;
+    if (strcmp(Py_TYPE(conn)->tp_name, "sqlite3.Connection") != 0 || !find_sqlite(lib)) {
+        PyErr_SetString(PyExc_NotImplementedError, "SQLite's calls are not reachable from C");
+        return 0;
+    }
+    sqlite3 *db = ((Connection *)conn)->db;
+    if (db == NULL) {
+        PyErr_SetString(PyExc_ValueError, "the connection is closed");
+        return 0;
+    }
+    int rc = sq.prepare(db, sql, -1, &r->stmt, NULL);
+    if (rc != 0) {
+        sql_error(rc, sq.errmsg(db));
+        return 0;
+    }
+    pthread_mutex_init(&r->lock, NULL);
+    r->at = at;
+    tot->rows = r, tot->key_len_of = key_len_of;
+    return 1;
+}
+
 static PyObject *scan(PyObject *Py_UNUSED(self), PyObject *args) {
     int dirfd, threads, levels = 0;
-    PyObject *rules, *kind_of, *ok = Py_None;
-    if (!PyArg_ParseTuple(args, "iiO!O|iO", &dirfd, &threads, &PyTuple_Type, &rules, &kind_of,
-                          &levels, &ok))
+    PyObject *rules, *kind_of, *ok = Py_None, *into = Py_None;
+    if (!PyArg_ParseTuple(args, "iiO!O|iOO", &dirfd, &threads, &PyTuple_Type, &rules, &kind_of,
+                          &levels, &ok, &into))
         return NULL;
     if (threads < 1 || threads > MAX_THREADS)
         return PyErr_Format(PyExc_ValueError, "threads must be 1..%d", MAX_THREADS);
     if (levels < 0 || levels > MAX_LEVELS || (levels && ok == Py_None))
         return PyErr_Format(PyExc_ValueError, "levels must be 0..%d, with dir_ok", MAX_LEVELS);
     Totals tot = {0}; /* 4 KiB of path: fine on this stack */
-    if (!parse_rules(rules, &tot.rules))
+    Rows rows = {0};
+    if (!parse_rules(rules, &tot.rules) || (into != Py_None && !rows_open(into, &rows, &tot)))
         return NULL;
     tot.threads = threads, tot.levels = levels, tot.kind_of = kind_of;
     /* nested: the dirs just above the leaf dirs' parents (vLLM: a rank dir) are split */
@@ -876,6 +1084,10 @@ static PyObject *scan(PyObject *Py_UNUSED(self), PyObject *args) {
         }
     }
     PyEval_RestoreThread(tot.save);
+    if (tot.rows) {
+        sq.finalize(rows.stmt);
+        pthread_mutex_destroy(&rows.lock);
+    }
     for (int i = 0; i <= MAX_LEVELS; i++)
         free(tot.dents[i]);
     free(tot.cur);
@@ -886,6 +1098,8 @@ static PyObject *scan(PyObject *Py_UNUSED(self), PyObject *args) {
         groups_free(&tot.groups);
         if (tot.py_err)
             return NULL;
+        if (rows.rc)
+            return sql_error(rows.rc, rows.msg);
         errno = tot.err;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
@@ -1076,87 +1290,6 @@ static PyObject *py_pinned(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_DECREF(name);
     const uint64_t pinning = STATX_ATTR_IMMUTABLE | STATX_ATTR_APPEND;
     return PyBool_FromLong((stx.stx_attributes & stx.stx_attributes_mask & pinning) != 0);
-}
-
-/* The SQL functions the `pages` triggers keep namespace_stats.digest with (migration 0004), in
- * C: registered from Python, each call of a trigger (three a row stored) took the GIL in the
- * middle of an SQLite step that had let it go, and waited up to a switch interval for it
- * behind the daemon's GC and watcher threads (bench/RESULTS.md). The few SQLite calls they
- * need are looked up in the very SQLite the sqlite3 module runs on (its extension's own
- * symbols and libraries): no header, no link of our own, so a second copy of SQLite never
- * sees its handles; if they cannot be found the caller registers the Python ones. */
-typedef struct sqlite3 sqlite3;
-typedef struct sqlite3_context sqlite3_context;
-typedef struct sqlite3_value sqlite3_value;
-typedef void (*sql_fn)(sqlite3_context *, int, sqlite3_value **);
-#define SQL_INTEGER 1
-#define SQL_TEXT 3
-#define SQL_UTF8 1
-#define SQL_DETERMINISTIC 0x800
-
-static struct {
-    int (*create_function)(sqlite3 *, const char *, int, int, void *, sql_fn, sql_fn,
-                           void (*)(sqlite3_context *), void (*)(void *));
-    int (*value_type)(sqlite3_value *);
-    const unsigned char *(*value_text)(sqlite3_value *);
-    int (*value_bytes)(sqlite3_value *);
-    long long (*value_int64)(sqlite3_value *);
-    void (*result_int64)(sqlite3_context *, long long);
-    void (*result_error)(sqlite3_context *, const char *, int);
-} sq;
-
-/* The connection object's layout in every CPython 3 (Modules/_sqlite/connection.h). */
-typedef struct {
-    PyObject_HEAD
-    sqlite3 *db;
-} Connection;
-
-static void sql_page_digest(sqlite3_context *ctx, int argc, sqlite3_value **argv) {
-    (void)argc;
-    if (sq.value_type(argv[0]) != SQL_TEXT || sq.value_type(argv[1]) != SQL_INTEGER) {
-        sq.result_error(ctx, "cachemgr_page_digest(name, size): a text and an integer", -1);
-        return;
-    }
-    const char *name = (const char *)sq.value_text(argv[0]);
-    size_t len = (size_t)sq.value_bytes(argv[0]);
-    uint64_t d = page_digest(FNV_SEED, name, len, (int64_t)sq.value_int64(argv[1]));
-    sq.result_int64(ctx, (long long)(int64_t)d);
-}
-
-static void sql_xor(sqlite3_context *ctx, int argc, sqlite3_value **argv) {
-    (void)argc;
-    if (sq.value_type(argv[0]) != SQL_INTEGER || sq.value_type(argv[1]) != SQL_INTEGER) {
-        sq.result_error(ctx, "cachemgr_xor(a, b): two integers", -1);
-        return;
-    }
-    sq.result_int64(ctx, sq.value_int64(argv[0]) ^ sq.value_int64(argv[1]));
-}
-
-/* Find SQLite's calls in `lib` (the sqlite3 module's extension, loaded already). */
-static int find_sqlite(const char *lib) {
-    if (sq.create_function != NULL)
-        return 1;
-    void *h = dlopen(lib, RTLD_LAZY | RTLD_NOLOAD);
-    if (h == NULL)
-        return 0;
-    void *f[7] = {
-        dlsym(h, "sqlite3_create_function_v2"), dlsym(h, "sqlite3_value_type"),
-        dlsym(h, "sqlite3_value_text"),         dlsym(h, "sqlite3_value_bytes"),
-        dlsym(h, "sqlite3_value_int64"),        dlsym(h, "sqlite3_result_int64"),
-        dlsym(h, "sqlite3_result_error"),
-    };
-    dlclose(h); /* (NOLOAD: the module keeps it loaded) */
-    for (int i = 0; i < 7; i++)
-        if (f[i] == NULL)
-            return 0;
-    memcpy(&sq.value_type, &f[1], sizeof f[1]);
-    memcpy(&sq.value_text, &f[2], sizeof f[2]);
-    memcpy(&sq.value_bytes, &f[3], sizeof f[3]);
-    memcpy(&sq.value_int64, &f[4], sizeof f[4]);
-    memcpy(&sq.result_int64, &f[5], sizeof f[5]);
-    memcpy(&sq.result_error, &f[6], sizeof f[6]);
-    memcpy(&sq.create_function, &f[0], sizeof f[0]);
-    return 1;
 }
 
 PyDoc_STRVAR(sql_functions_doc,

@@ -1,4 +1,5 @@
 # Types of the C extension built from _dirscan.c.
+import sqlite3
 from collections.abc import Callable, Sequence
 
 # (shape, kind, files, bytes, digest, untracked, {size: files})
@@ -14,6 +15,8 @@ def scan(
     kind_of: Callable[[str], int],
     levels: int = 0,
     dir_ok: Callable[[int, bytes], bool] | None = None,
+    # (conn, lib, sql, at, key_len_of): store a row per page file as well (see the C doc)
+    rows: tuple[sqlite3.Connection, str, str, float, Callable[[str], int | None]] | None = None,
     /,
 ) -> tuple[list[Group], int, int, int]: ...
 def page_digest(name: str, size: int, /) -> int: ...

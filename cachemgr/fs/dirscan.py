@@ -16,7 +16,9 @@ by their path below `rel_dir`.
 
 from __future__ import annotations
 
+import _sqlite3
 import os
+import sqlite3
 import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -47,15 +49,31 @@ class Usage:
     digest: int = 0  # XOR of page_digest(name, size) over the page files: equals the index's?
 
 
-def scan_usage(layout: Layout, rel_dir: str, fmt: FileFormat = DEFAULT_FORMAT) -> Usage | None:
-    """Count and size what is in <root>/<rel_dir>; None if it is absent."""
+class Rows(NamedTuple):
+    """Where a scan also stores a row per page file, as it meets it: `sql` run on `conn`,
+    bound to (name below the dir, size, mtime, key_len), an mtime later than `at` stored as
+    `at`. The caller holds the transaction."""
+
+    conn: sqlite3.Connection
+    sql: str
+    at: float
+
+
+def scan_usage(
+    layout: Layout, rel_dir: str, fmt: FileFormat = DEFAULT_FORMAT, rows: Rows | None = None
+) -> Usage | None:
+    """Count and size what is in <root>/<rel_dir>; None if it is absent. With `rows`, also
+    store the page files' rows (NotImplementedError, before any walk, where the C scanner
+    cannot reach the connection's SQLite: then `list_files` is the way)."""
     r, nest = fmt.scan, fmt.nesting
+    into = rows and (rows.conn, _sqlite3.__file__, rows.sql, rows.at, fmt.key_len)
     try:
         with open_dir(layout.root, rel_dir) as fd:
-            levels = (len(nest.levels), dir_filter(fd, nest)) if nest else ()
+            depth, dir_ok = (len(nest.levels), dir_filter(fd, nest)) if nest else (0, None)
+            rules = (r.key_min, r.key_max, r.temp_lead, r.temp_hex)
             # a shape's verdict is its names' verdict (ScanRules)
             groups, other, _gone, pages = _dirscan.scan(
-                fd, THREADS, (r.key_min, r.key_max, r.temp_lead, r.temp_hex), fmt.classify, *levels
+                fd, THREADS, rules, fmt.classify, depth, dir_ok, into
             )
     except FileNotFoundError:
         return None

@@ -4,23 +4,26 @@ files, without resetting what it knows about pages that stay.
 A scan first counts the directory in C (cachemgr.fs.dirscan: pages, files, bytes and a digest of
 every (name, size)); when the index's trigger-kept totals and digest equal those, the index already
 matches and nothing else is read — the usual case on a restart or a periodic reconcile. Only
-when they differ are the page names listed and the rows fixed (`_reindex`). A scan only lists
-and stats: it never opens a page file (an open would count as a hit).
+when they differ are the page files' rows listed, by a second walk in C, and the rows fixed
+(`_reindex`); a namespace with nothing indexed yet (a first start) has its rows listed by the
+first walk. A scan only lists and stats: it never opens a page file (an open would count as
+a hit).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from cachemgr.backends import FileFormat
 from cachemgr.formats import format_for
-from cachemgr.fs.dirscan import PAGES, Usage, list_files, scan_usage
+from cachemgr.fs.dirscan import PAGES, Rows, Usage, list_files, scan_usage
 from cachemgr.fs.safe import on_other_mount, open_dir
 from cachemgr.layout import NS_DIR, NS_ID_RE, Layout
 from cachemgr.state.registry_sql import identity_json
@@ -83,13 +86,21 @@ def scan_namespace(
     format defaults to that of the engine the registry's identity record names. `changes`:
     say which rows changed (ScanReport.changes), unless more than MAX_CHANGES did."""
     t0 = time.perf_counter()
-    fmt = fmt or engine_format(store.conn, ns_id)
-    usage = scan_usage(layout, f"ns/{ns_id}", fmt) or Usage()
+    conn = store.conn
+    fmt = fmt or engine_format(conn, ns_id)
+    walk = _Walk(layout, conn, f"ns/{ns_id}", fmt, now)
     added = removed = 0
     diff: ScanChanges | None = ([], [])
-    if not _matches(store.conn, ns_id, usage):
-        log.info("reindexing namespace", extra={"namespace": ns_id, "pages": usage.pages})
-        added, removed, diff = _reindex(layout, store, ns_id, now, fmt, changes)
+    with _scan_rows(conn):
+        # Nothing indexed yet (a first start, an adopted dir): the walk that counts the dir
+        # stores its rows as well, so a ten-million-file dir is walked once, not twice.
+        fresh = _count(conn, ns_id) == 0
+        usage = walk(rows=fresh) or Usage()
+        if not _matches(conn, ns_id, usage):
+            log.info("reindexing namespace", extra={"namespace": ns_id, "pages": usage.pages})
+            if not fresh:
+                walk(rows=True)
+            added, removed, diff = _reindex(store, ns_id, changes)
     report = ScanReport(
         ns_id,
         usage.pages,
@@ -126,22 +137,51 @@ def _matches(conn: sqlite3.Connection, ns_id: str, usage: Usage) -> bool:
     return tuple(row or (0, 0, 0, 0)) == (usage.pages, usage.files, usage.bytes, usage.digest)
 
 
-def _reindex(
-    layout: Layout,
-    store: Store,
-    ns_id: str,
-    now: Callable[[], float],
-    fmt: FileFormat,
-    changes: bool,
-) -> tuple[int, int, ScanChanges | None]:
-    """Make the rows of `ns_id` those of its page files: (rows added, rows removed, and if
-    `changes` and not too many, which: ScanReport.changes).
+class _Walk:
+    """One walk of a namespace dir: its usage, and with `rows` its page files' rows in
+    temp.scan_rows (`_scan_rows`) as well."""
 
-    The names go to a private temp table first, which SQLite sorts; rows then reach `pages`
-    in primary-key order, SCAN_BATCH per transaction, so each B-tree page is written about
-    once instead of once per batch (names are random hashes) and other writers get turns.
-    """
-    conn = store.conn
+    def __init__(
+        self,
+        layout: Layout,
+        conn: sqlite3.Connection,
+        rel_dir: str,
+        fmt: FileFormat,
+        now: Callable[[], float],
+    ) -> None:
+        self.layout, self.conn, self.rel_dir, self.fmt, self.now = layout, conn, rel_dir, fmt, now
+
+    def __call__(self, *, rows: bool) -> Usage | None:
+        if not rows:
+            return scan_usage(self.layout, self.rel_dir, self.fmt)
+        # One transaction for the rows (of the temp database only: the main one is not
+        # locked, other connections write on).
+        self.conn.execute("BEGIN")
+        try:
+            usage = self._rows(self.now())
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        self.conn.execute("COMMIT")
+        return usage
+
+    def _rows(self, at: float) -> Usage | None:
+        try:
+            return scan_usage(self.layout, self.rel_dir, self.fmt, Rows(self.conn, _ROW, at))
+        except NotImplementedError:  # the C scanner cannot reach this SQLite: list in Python
+            usage = scan_usage(self.layout, self.rel_dir, self.fmt)
+            files = list_files(self.layout, self.rel_dir, PAGES, self.fmt)
+            rows = ((f.name, f.size, min(f.mtime, at), f.key_len) for f in files)
+            self.conn.executemany(_ROW, rows)
+            return usage
+
+
+_ROW = "INSERT INTO temp.scan_rows VALUES (?, ?, ?, ?)"
+
+
+@contextlib.contextmanager
+def _scan_rows(conn: sqlite3.Connection) -> Iterator[None]:
+    """A private temp table, temp.scan_rows, for the page rows a walk lists (dropped after)."""
     # A 64 MiB page cache (default 2 MiB) keeps the B-tree pages a bulk upsert revisits in
     # memory, for a bounded amount of RSS.
     conn.execute("PRAGMA cache_size = -65536")
@@ -152,12 +192,22 @@ def _reindex(
     conn.execute(
         "CREATE TEMP TABLE scan_rows (name TEXT, size INTEGER, mtime REAL, key_len INTEGER)"
     )
-    at = now()
-    files = list_files(layout, f"ns/{ns_id}", PAGES, fmt)
-    conn.executemany(
-        "INSERT INTO temp.scan_rows VALUES (?, ?, ?, ?)",
-        ((f.name, f.size, min(f.mtime, at), f.key_len) for f in files),
-    )
+    try:
+        yield
+    finally:
+        conn.execute("DROP TABLE IF EXISTS temp.scan_rows")
+        conn.execute("PRAGMA cache_size = -2000")  # (SQLite's default: the big one is freed)
+
+
+def _reindex(store: Store, ns_id: str, changes: bool) -> tuple[int, int, ScanChanges | None]:
+    """Make the rows of `ns_id` those of its page files in temp.scan_rows: (rows added, rows
+    removed, and if `changes` and not too many, which: ScanReport.changes).
+
+    SQLite sorts the listed rows by name; rows then reach `pages` in primary-key order,
+    SCAN_BATCH per transaction, so each B-tree page is written about once instead of once per
+    batch (names are random hashes) and other writers get turns.
+    """
+    conn = store.conn
     conn.execute("CREATE INDEX temp.scan_rows_name ON scan_rows (name)")
     before = _count(conn, ns_id)
     diff = _diff(conn, ns_id) if changes else None
@@ -190,8 +240,6 @@ def _reindex(
         last, done = end[0], done + end[1]
         if done % PROGRESS_EVERY < end[1]:
             log.info("reindex progress", extra={"namespace": ns_id, "rows": done})
-    conn.execute("DROP TABLE temp.scan_rows")
-    conn.execute("PRAGMA cache_size = -2000")  # (SQLite's default: the big one is freed)
     return _count(conn, ns_id) - before + removed, removed, diff
 
 
