@@ -4,18 +4,21 @@ ext4 on a loop device (needs root), each figure beside its peer in the same run.
 Modes:
   dirlimit [--block-size B]  SGLang-named entries one flat dir takes on an ext4 made without
                              large_dir before ENOSPC, while bytes and inodes are free.
-  run N [--evict M]          N pages in one namespace: cold `du -sb` and `find -delete`
+  run N [--evict M] [--layout vllm]
+                             N pages in one namespace: cold `du -sb` and `find -delete`
                              against the daemon's first start to ready, a restart from the
                              model file, RSS, the state DB, /metrics p99 during the scan and
                              during an eviction of M pages, status/ls/doctor, doctor on the
-                             same dir unadopted, and a purge of the namespace.
+                             same dir unadopted, and a purge of the namespace. `--layout
+                             vllm`: N blocks in vLLM's hashed dirs instead (vLLM 0.33.0's fs
+                             tier, as bench_vllm.py lays them out; no doctor on it unadopted).
   evict N [--evict M] [--find-first]
                              eviction only: N pages, the daemon restarted under a file cap
                              that takes M of them (default 1M) vs a cold `find -delete` of the
                              same tree (a copy of the same image), /metrics p99 meanwhile.
 
 Usage: python bench/bench_scale.py dirlimit [--block-size 4096]
-       python bench/bench_scale.py run 2000000 [--evict 1000000]
+       python bench/bench_scale.py run 2000000 [--evict 1000000] [--layout vllm]
        python bench/bench_scale.py evict 1200000 [--evict 1000000] [--find-first]
 Set BENCH_DIR to put the image elsewhere than /dev/shm (tmpfs: it takes RAM, ~7 GiB at 10M pages).
 `evict`: BENCH_IMAGE=<path> keeps the built, indexed image there and starts the next run from
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import platform
@@ -54,6 +58,7 @@ from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 from cachemgr.ns.registry import ensure_namespace
 from cachemgr.state.store import Store
+from tests.vllmtrees import write_folder
 
 MODEL = "Qwen-Qwen3-8B"
 NS = "00000000000000a1"
@@ -74,6 +79,50 @@ LAUNCH = [
 def page_name(i: int) -> str:
     """An SGLang HiCacheFile page name: a 64-hex key, the model, the TP rank and size."""
     return f"{i:064x}_{MODEL}_0_1.bin"
+
+
+# A vLLM namespace's identity, as `cachemgr init -- vllm serve` records it: its engine names
+# the file format (cachemgr.formats), so the daemon walks the hashed dirs.
+VLLM_IDENTITY = {"engine": "vllm", "kv_cache_dtype": "bfloat16", "source": {"model": MODEL}}
+
+
+def write_vllm(d: Path, n: int) -> int:
+    """`n` blocks of PAGE's bytes in vLLM's layout in `d` (the folder its config.json vouches
+    for, `<folder>_r0/<h[:3]>/<h[3:5]>_g0/<h>.bin`, h = sha256(i)): the dirs made, which GC
+    leaves (vLLM makes a block's dir, then its file) and which the inode count holds too."""
+    folder = write_folder(d)
+    made: set[str] = set()
+    for i in range(n):
+        h = hashlib.sha256(i.to_bytes(8, "little")).hexdigest()
+        sub = f"{folder}_r0/{h[:3]}/{h[3:5]}_g0"
+        if sub not in made:
+            os.makedirs(d / sub, exist_ok=True)
+            made.add(sub)
+        f = os.open(d / sub / f"{h}.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.write(f, PAGE)
+        os.close(f)
+    return len(made) + len({sub.rpartition("/")[0] for sub in made}) + 3  # (+ d, folder, rank)
+
+
+class Tree:
+    """What `run` fills its namespace with: SGLang's flat dir (the seed's) or vLLM's dirs."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.identity = VLLM_IDENTITY if kind == "vllm" else IDENTITY
+        self.dirs = 0  # the dirs `write` made, counted among the inodes in use
+
+    def write(self, d: Path, n: int) -> None:
+        if self.kind == "vllm":
+            self.dirs = write_vllm(d, n)
+        else:
+            write_pages(d, n)
+            self.dirs = 1
+
+    def files(self, mnt: Path) -> int:
+        """The files on the filesystem (its inodes in use less the tree's dirs): the pages,
+        to a few (the root's own)."""
+        return files_in(mnt) - self.dirs
 
 
 # large_dir always (run and evict): without it a flat dir refuses its ~4.14 millionth entry
@@ -311,18 +360,19 @@ def files_in(path: Path) -> int:
     return st.f_files - st.f_ffree
 
 
-def bench_run(n: int, evict: int) -> None:
-    """The figures of issue 23 at `n` pages in one flat namespace, each beside its peer (the
+def bench_run(n: int, evict: int, tree: Tree) -> None:
+    """The figures of issue 23 at `n` pages in one namespace, each beside its peer (the
     restart's file cap evicts `evict` of them)."""
-    inodes = int(n * 1.3) + 20_000
-    size = max(4 << 30, n * 2048)
+    vllm = tree.kind == "vllm"  # ~0.64 leaf dirs a block, each a block of its own
+    inodes = int(n * (2.0 if vllm else 1.3)) + 20_000
+    size = max(4 << 30, n * (6144 if vllm else 2048))
     with (
         tempfile.TemporaryDirectory(prefix="cachemgr-scale-", dir=_image_dir("/dev/shm")) as b,
         loop_ext4(Path(b), size, inodes=inodes) as mnt,
     ):
         index = flat_dir_index(mnt)
         say(f"dir index: {index}; flat-dir entry limit {index and index.limit()}")
-        run_on(mnt, n, evict)
+        run_on(mnt, n, evict, tree)
 
 
 def settle_seconds(n: int) -> float:
@@ -331,15 +381,30 @@ def settle_seconds(n: int) -> float:
     return min(10.0, max(1.0, n / 100_000))
 
 
-def run_on(mnt: Path, n: int, evict: int) -> None:
+def run_on(mnt: Path, n: int, evict: int, tree: Tree) -> None:
     plain = mnt / "plain"
     t = time.perf_counter()
-    write_pages(plain, n)
-    say(f"made {n:,} pages in one dir in {time.perf_counter() - t:.0f} s")
+    tree.write(plain, n)
+    say(f"made {n:,} pages ({tree.kind}: {tree.dirs:,} dirs) in {time.perf_counter() - t:.0f} s")
     layout = Layout.at(mnt / "root")
     create_root(layout)
     cold()
     du, _ = timed_cmd("du", "-sb", str(plain))
+    if tree.kind == "vllm":  # (doctor's launch below is SGLang's)
+        say(f"cold du -sb: {du:.1f} s")
+    else:
+        doctor_unadopted(layout, plain, du)
+    os.rename(plain, layout.ns_dir(NS))
+    with Store.open(layout.db_path) as store:
+        ensure_namespace(
+            layout, store, ns_id=NS, digest=NS * 4, identity=tree.identity, now=time.time()
+        )
+    start_and_stop(mnt, layout, n, du)
+    evict_and_purge(mnt, n, evict, tree)
+
+
+def doctor_unadopted(layout: Layout, plain: Path, du: float) -> None:
+    """`doctor -- <SGLang's launch>` on the dir before any cachemgr state knows it, cold."""
     cold()
     doctor_plain, _ = timed_cmd(
         sys.executable,
@@ -356,9 +421,10 @@ def run_on(mnt: Path, n: int, evict: int) -> None:
         f"cold du -sb: {du:.1f} s; doctor on it unadopted (cold): {doctor_plain:.1f} s "
         f"({doctor_plain / du:.2f}× du)"
     )
-    os.rename(plain, layout.ns_dir(NS))
-    with Store.open(layout.db_path) as store:
-        ensure_namespace(layout, store, ns_id=NS, digest=NS * 4, identity=IDENTITY, now=time.time())
+
+
+def start_and_stop(mnt: Path, layout: Layout, n: int, du: float) -> None:
+    """The first start (to ready, RSS, /metrics meanwhile), the CLI beside it, the stop."""
     empty = Layout.at(mnt / "empty")
     create_root(empty)
     base = Served(empty, {})
@@ -396,10 +462,9 @@ def run_on(mnt: Path, n: int, evict: int) -> None:
         f"state DB {db / 2**20:.0f} MiB ({db / n:.0f} B/page); model file {snap / 2**20:.0f} "
         f"MiB; stopped in {stopped:.1f} s"
     )
-    evict_and_purge(mnt, n, evict)
 
 
-def evict_and_purge(mnt: Path, n: int, evict: int) -> None:
+def evict_and_purge(mnt: Path, n: int, evict: int, tree: Tree) -> None:
     """The indexed root restarted under a file cap that evicts `evict` of its `n` pages, a
     purge of what is left, and `find -delete` of that beside the eviction."""
     layout = Layout.at(mnt / "root")
@@ -408,13 +473,13 @@ def evict_and_purge(mnt: Path, n: int, evict: int) -> None:
     again = Served(layout, {**env, "CACHEMGR_GC_INTERVAL": "5s"})
     t0 = time.monotonic()
     low = floor_of(cap)
-    while files_in(mnt) > low + 100:
+    while tree.files(mnt) > low + 100:
         if again.proc.poll() is not None:
             raise RuntimeError(f"cachemgr serve exited with {again.proc.returncode}")
         time.sleep(0.05)
     evicted = time.monotonic() - t0
     time.sleep(3)
-    left = len(os.listdir(layout.ns_dir(NS)))
+    left = pages_under(layout.ns_dir(NS))
     rate = (n - left) / evicted
     settled = f"{again.settled:.1f} s" if again.settled is not None else "not yet"
     say(
@@ -423,7 +488,7 @@ def evict_and_purge(mnt: Path, n: int, evict: int) -> None:
         f"evicted {n - left:,} pages in {evicted:.1f} s after ready ({rate:,.0f}/s); "
         f"{left:,} left (cap {cap:,}, low watermark {low:,})"
     )
-    drained = purge(layout, mnt, left)
+    drained = purge(layout, mnt)
     again.stop()
     say(f"/metrics during the eviction: {scrapes(between(again.scrapes(), t0, t0 + evicted))}")
     cold()
@@ -435,10 +500,21 @@ def evict_and_purge(mnt: Path, n: int, evict: int) -> None:
     )
 
 
-def purge(layout: Layout, mnt: Path, pages: int) -> int:
+def pages_under(d: Path) -> int:
+    """The page files (`*.bin`, both engines' names) below `d`."""
+    found = subprocess.run(
+        ["find", str(d), "-type", "f", "-name", "*.bin", "-printf", "."],
+        capture_output=True,
+        check=True,
+    )
+    return len(found.stdout)
+
+
+def purge(layout: Layout, mnt: Path) -> int:
     """`cachemgr purge --no-wait` of the namespace while the daemon serves it: the time until
     the dir is the server's again (empty), and the daemon's paced drain of .trash/ for a
-    while; the files left in .trash/."""
+    while (files and dirs: entries); the page files left in .trash/."""
+    pages = pages_under(layout.ns_dir(NS))
     before = files_in(mnt)
     took, _ = timed_cmd(
         sys.executable,
@@ -459,13 +535,12 @@ def purge(layout: Layout, mnt: Path, pages: int) -> int:
     start, t = files_in(mnt), time.monotonic()
     time.sleep(min(15.0, pages / 4000))  # about half of them at the default rate, at most 15 s
     rate = (start - files_in(mnt)) / (time.monotonic() - t)
-    left = files_in(mnt) - (before - pages)
     say(
         f"purge of the {pages:,} left: the dir {'empty' if empty else 'NOT empty'} after "
-        f"{took:.2f} s (the CLI); the daemon drains .trash/ at {rate:,.0f} files/s "
+        f"{took:.2f} s (the CLI); the daemon drains .trash/ at {rate:,.0f} entries/s "
         "(gc_delete_rate 2000)"
     )
-    return left
+    return pages_under(layout.trash)
 
 
 def cap_leaving(low: int) -> int:
@@ -639,6 +714,7 @@ def main() -> None:
     run = sub.add_parser("run")
     run.add_argument("pages", type=int)
     run.add_argument("--evict", type=int, default=1_000_000)
+    run.add_argument("--layout", choices=("sglang", "vllm"), default="sglang")
     ev = sub.add_parser("evict")
     ev.add_argument("pages", type=int)
     ev.add_argument("--evict", type=int, default=1_000_000)
@@ -655,7 +731,7 @@ def main() -> None:
     elif args.mode == "evict":
         bench_evict_only(args.pages, args.evict, args.find_first)
     else:
-        bench_run(args.pages, args.evict)
+        bench_run(args.pages, args.evict, Tree(args.layout))
 
 
 if __name__ == "__main__":

@@ -42,11 +42,15 @@ def test_dirlimit_finds_enospc_with_inodes_and_bytes_free(tmp_path: Path) -> Non
     assert "No space left on device" in out
 
 
-def test_run_prints_each_figure_beside_its_peer(tmp_path: Path) -> None:
-    out = bench(tmp_path, "run", "20000", "--evict", "5000")
+@pytest.mark.parametrize("layout", ["sglang", "vllm"])
+def test_run_prints_each_figure_beside_its_peer(tmp_path: Path, layout: str) -> None:
+    out = bench(tmp_path, "run", "20000", "--evict", "5000", "--layout", layout)
     du = number(r"cold du -sb: ([\d.]+) s", out)
     assert du > 0
-    assert number(r"doctor on it unadopted \(cold\): ([\d.]+) s", out) > 0
+    if layout == "sglang":  # (the launch doctor is timed on is SGLang's)
+        assert number(r"doctor on it unadopted \(cold\): ([\d.]+) s", out) > 0
+    else:  # vLLM's hashed dirs: a dir per 1-2 blocks
+        assert number(r"\(vllm: ([\d,]+) dirs\)", out) > 10_000
     assert number(r"ready ([\d.]+) s \([\d.]+× cold du\)", out) > 0
     assert number(r"RSS (\d+) MiB steady", out) > 0
     for cmd in ("status", "ls", "doctor"):
