@@ -460,6 +460,7 @@ def test_alerts_fire_on_the_daemons_real_series(scrapes: Live, tmp_path: Path) -
     ready, mismatch = target(e.get("cachemgr_ready")), target(e.get("cachemgr_identity_mismatch"))
     settled = target(e.get("cachemgr_index_settled"))
     overflows = target(e.get("cachemgr_watcher_overflows_total"))
+    refused_watches = target(e.get("cachemgr_watches_refused_total"))
     avail = target(e.get("cachemgr_filesystem_avail_bytes"))
     size_sample = e.get("cachemgr_filesystem_size_bytes")
     size, full = target(size_sample), repr(size_sample.value)
@@ -568,6 +569,15 @@ def test_alerts_fire_on_the_daemons_real_series(scrapes: Live, tmp_path: Path) -
             [expect("CachemgrWatcherOverflow", node, 1)],
         ),
         alert_test("CachemgrWatcherOverflow", {overflows: "0x20"}, "15m", []),
+        # A refusal retried at each reconcile (10m) keeps it firing; one refusal, then none for
+        # 30 minutes (the limit raised), and it is quiet.
+        alert_test(
+            "CachemgrWatchLimitReached",
+            {refused_watches: "0 0 40+40x30"},
+            "25m",
+            [expect("CachemgrWatchLimitReached", node, 960)],
+        ),
+        alert_test("CachemgrWatchLimitReached", {refused_watches: "0 0 40x40"}, "38m", []),
         alert_test(
             "CachemgrPageSizeOne",
             {info: "1x3"},

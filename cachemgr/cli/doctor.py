@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import json
 import os
+import time
 from typing import Any
 
 import click
@@ -16,7 +17,7 @@ from cachemgr.cli.launch_options import LaunchRequest
 from cachemgr.cli.status import serving_root
 from cachemgr.doctor.finding import Finding, exit_code
 from cachemgr.doctor.permissions import SAMPLE, lint_deletable
-from cachemgr.doctor.root import lint_disk, lint_gc_unmet
+from cachemgr.doctor.root import lint_disk, lint_gc_unmet, lint_watches
 from cachemgr.doctor.statedir import lint_root_and_state
 from cachemgr.errors import CachemgrError
 from cachemgr.gc.policy import GcPolicy
@@ -62,6 +63,8 @@ def doctor(app: AppContext, as_json: bool, all_pages: bool, launch_cmd: tuple[st
         )
     if layout.root.is_dir():
         findings += lint_gc_unmet(served.get("gc_unmet", []) if served else [])
+        recent = 2 * (settings.reconcile_interval or 1800)  # (the reconcile scans retry)
+        findings += lint_watches(served.get("index") if served else None, recent, time.time())
         findings += lint_disk(layout, policy)
         findings += lint_root_and_state(layout)
         findings += lint_deletable(layout, None if all_pages else SAMPLE)

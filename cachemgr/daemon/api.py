@@ -60,6 +60,11 @@ class IndexInfo(BaseModel):
     overflows: int
     events_applied: int
     lag_seconds: float
+    watches_refused: int = Field(
+        description="dirs the kernel refused an inotify watch since the start "
+        "(fs.inotify.max_user_watches): seen by the reconcile scans only, which retry the watch"
+    )
+    watch_refused_at: float | None = Field(description="unix time of the latest such refusal")
 
 
 class Totals(BaseModel):

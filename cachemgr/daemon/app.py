@@ -286,6 +286,8 @@ def _index_info(st: IndexState, lag: Callable[[], float]) -> IndexInfo:
         overflows=st.overflows,
         events_applied=st.events_applied,
         lag_seconds=lag(),
+        watches_refused=st.watch_gaps.refused,
+        watch_refused_at=st.watch_gaps.refused_at,
     )
 
 

@@ -32,9 +32,13 @@ Event = tuple[Kind, str, str, float, str]
 
 @dataclass
 class WatchGaps:
-    """What a nested namespace's new dirs held when their watches were added (inotify saw none
-    of it; cachemgr.daemon.nestwatch): page files stored, and those of them whose atime showed
-    a read. Each store not matched by a read may still have been read unseen (a noatime root)."""
+    """What inotify did not see. What a nested namespace's new dirs held when their watches
+    were added (cachemgr.daemon.nestwatch): page files stored, and those of them whose atime
+    showed a read (each store not matched by a read may still have been read unseen: a noatime
+    root). And the dirs the kernel refused a watch (fs.inotify.max_user_watches reached): what
+    happens in them is seen by the reconcile scans only."""
 
     stores: int = 0
     reads: int = 0
+    refused: int = 0  # watches refused since the start (each retried at the next reconcile)
+    refused_at: float | None = None  # wall clock of the latest refusal

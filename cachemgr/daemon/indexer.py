@@ -439,8 +439,10 @@ class Indexer(Worker):
     def _scan(self, ns: str, *, first: bool) -> ScanReport | None:
         # Watch first, then list: an event racing the scan is applied after it and settled
         # by a stat, so nothing falls between the two.
-        if not self._readable(ns) or not self.watcher.watch(ns):
+        if not self._readable(ns):
             return None
+        if not self.watcher.watch(ns) and not self.watcher.refused(ns):
+            return None  # gone (a watch refused at the kernel's limit: scanned all the same)
         fresh = ns in self._restored  # (from a snapshot: the scan says what changed, exactly)
         try:
             report = scan_namespace(

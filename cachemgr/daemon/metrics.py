@@ -77,6 +77,9 @@ METRICS: dict[str, str] = {
     "when its watch was added: stores counted from its listing, whose reads inotify missed",
     "cachemgr_watch_gap_reads_total": "reads of those files shown by their atime, counted late; "
     "stores minus reads bounds the reads lost (all of them on a root mounted noatime)",
+    "cachemgr_watches_refused_total": "dirs the kernel refused an inotify watch "
+    "(fs.inotify.max_user_watches reached): their reads and stores are seen by the reconcile "
+    "scans only, which try the watch again",
     "cachemgr_index_lag_seconds": "age of the oldest watcher event not yet applied",
     "cachemgr_identity_mismatches_total": "SGLang servers found contradicting their namespace",
     "cachemgr_identity_mismatch": "1 while the SGLang server contradicts its namespace",
@@ -320,6 +323,7 @@ class CachemgrCollector(Collector):
             ("cachemgr_index_events_total", st.events_applied),
             ("cachemgr_watch_gap_stores_total", st.watch_gaps.stores),
             ("cachemgr_watch_gap_reads_total", st.watch_gaps.reads),
+            ("cachemgr_watches_refused_total", st.watch_gaps.refused),
         ):
             yield CounterMetricFamily(name, METRICS[name], value=value)
         yield GaugeMetricFamily(

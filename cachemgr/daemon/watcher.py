@@ -58,6 +58,10 @@ from cachemgr.ns.manifest import format_of
 
 log = logging.getLogger(__name__)
 C = InotifyConstants
+# A refused watch is logged at most this often (seconds): a vLLM tree past the limit refuses
+# one a dir, hundreds of thousands in a row.
+REFUSALS_LOGGED_EVERY = 600.0
+MAX_USER_WATCHES = Path("/proc/sys/fs/inotify/max_user_watches")
 _NS_MASK = Mask(C.IN_MOVED_TO | C.IN_MOVED_FROM | C.IN_DELETE | C.IN_CLOSE_NOWRITE)
 _ROOT_MASK = Mask(C.IN_CREATE | C.IN_MOVED_TO | C.IN_MOVED_FROM | C.IN_DELETE)
 _TREE_MASK = Mask(C.IN_CREATE | C.IN_MOVED_TO | C.IN_MOVED_FROM)  # a dir above the files
@@ -269,6 +273,11 @@ class Watcher:
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
     # watched before an overflow: dirs made since may have lost their creation event
     _stale: set[str] = field(default_factory=set, init=False)
+    # namespaces a watch was refused in (the kernel's limit), and those whose own dir's was:
+    # scanned all the same, and every dir of theirs tried again at the next reconcile
+    _short: set[str] = field(default_factory=set, init=False)
+    _unwatched: set[str] = field(default_factory=set, init=False)
+    _refusal_logged: float = field(default=-math.inf, init=False)
     nest: NestWatches = field(init=False)
 
     def __post_init__(self) -> None:
@@ -366,17 +375,21 @@ class Watcher:
             current = self._watches.get(ns_id)
         if current is not None and not current.dead and current.fmt is fmt:
             # A second callback on the same watch would count every event twice. A top dir
-            # vouched for since is watched now; after an overflow, every dir made meanwhile
-            # (a walk of the whole tree: only then)
+            # vouched for since is watched now; after an overflow, every dir made meanwhile,
+            # and after a refusal every dir not watched (a walk of the whole tree: only then)
             with self._lock:
-                stale = ns_id in self._stale
+                deep = ns_id in self._stale or ns_id in self._short
                 self._stale.discard(ns_id)
-            self.nest.below(current, fresh=False, deep=stale)
+                self._short.discard(ns_id)
+            self.nest.below(current, fresh=False, deep=deep)
             return True
         cb = _DirWatch(ns_id, self, fmt)
+        with self._lock:
+            self._short.discard(ns_id)
         if not self.add(cb, self.layout.ns_dir(ns_id)):
             return False
         with self._lock:
+            self._unwatched.discard(ns_id)
             old = self._watches.pop(ns_id, None)
             self._watches[ns_id] = cb
         if old is not None:
@@ -396,16 +409,53 @@ class Watcher:
             )
         except OSError as e:
             if e.errno == 28:  # ENOSPC from inotify_add_watch: fs.inotify.max_user_watches
-                log.error("inotify watch limit reached", extra={"sysctl": "max_user_watches"})
+                self._refuse(cb)
             return False
         if cb.leaf:
             self._leaves[cb.wd] = cb
         return True
 
+    def _refuse(self, cb: _DirWatch) -> None:
+        """The kernel has no watch left for `cb`'s dir: what happens in it is seen by the
+        reconcile scans only, which try its watch again. Counted (metrics, /v1/status, doctor)
+        and logged at most every REFUSALS_LOGGED_EVERY seconds."""
+        with self._lock:
+            self._short.add(cb.ns_id)
+            if not cb.path:
+                self._unwatched.add(cb.ns_id)
+        self.gaps.refused += 1
+        self.gaps.refused_at = time.time()
+        now = self.clock()
+        if now - self._refusal_logged < REFUSALS_LOGGED_EVERY:
+            return
+        self._refusal_logged = now
+        try:
+            limit: int | None = int(MAX_USER_WATCHES.read_text())
+        except (OSError, ValueError):
+            limit = None
+        log.error(
+            "inotify watch limit reached: the reads and stores of dirs without a watch are seen"
+            " by the reconcile scans only; raise fs.inotify.max_user_watches",
+            extra={
+                "namespace": cb.ns_id,
+                "dir": cb.path,
+                "refused": self.gaps.refused,
+                "max_user_watches": limit,
+            },
+        )
+
+    def refused(self, ns_id: str) -> bool:
+        """Whether the kernel refused the namespace dir's own watch (the dir is there: scan
+        it all the same)."""
+        with self._lock:
+            return ns_id in self._unwatched
+
     def unwatch(self, ns_id: str) -> None:
         """Stop watching a namespace dir (moved to the trash or deleted)."""
         with self._lock:
             cb = self._watches.pop(ns_id, None)
+            self._short.discard(ns_id)
+            self._unwatched.discard(ns_id)
         if cb is not None:
             cb.dead = True
             self._remove(cb)

@@ -175,6 +175,28 @@ def lint_gc_unmet(unmet: Sequence[Mapping[str, Any]]) -> list[Finding]:
     return out
 
 
+def lint_watches(index: Mapping[str, Any] | None, recent: float, now: float) -> list[Finding]:
+    """The serving daemon's refused inotify watches (its /v1/status `index`), if one was
+    refused in the last `recent` seconds: the reconcile scans retry them, so a refusal that
+    lasts is that recent."""
+    at = index.get("watch_refused_at") if index else None
+    if not index or not isinstance(at, (int, float)) or now - at > recent:
+        return []
+    what = (
+        f"the kernel refused {index.get('watches_refused')} inotify watches, the latest "
+        f"{now - at:.0f} s ago (fs.inotify.max_user_watches reached): the reads and stores of "
+        "those dirs are seen by the reconcile scans only; GC's order and the hit counts miss them"
+    )
+    return [Finding("error", "inotify-watch-limit", what, _WATCHES_FIX)]
+
+
+_WATCHES_FIX = (
+    "raise the limit on the host: `sysctl -w fs.inotify.max_user_watches=1048576` and the same "
+    "line in /etc/sysctl.d/ (it is per user on the node, not per container); a vLLM cache needs "
+    "one watch per dir of its tree (docs/daemon.md)"
+)
+
+
 # Files GC does not manage fill the filesystem: emptying the cache would not be enough.
 _FLOOR_FIX = (
     "free space outside the cache (`du -x` on the filesystem), give the cache its own "

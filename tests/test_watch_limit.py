@@ -1,0 +1,156 @@
+"""The kernel's inotify watch limit reached (fs.inotify.max_user_watches: other watchers on the
+node, or a vLLM tree of a million dirs): the real daemon, in a user namespace whose own limit
+(/proc/sys/user/max_inotify_watches) is a few watches, still indexes every page, keeps the
+dirs without a watch up to date by its reconcile scans, and says so: /v1/status, the metric,
+doctor, and one log line, not one a dir."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from cachemgr.fs.root import create_root
+from cachemgr.layout import Layout
+from cachemgr.state.store import Store
+from tests.daemon_helpers import NS_A, NS_B, page_name, register_namespace, store_page
+from tests.fleet_bed import free_port
+from tests.polling import wait_for
+from tests.vllmtrees import vllm_tree, write_blocks
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("unshare") is None
+    or subprocess.run(["unshare", "-Ur", "true"], capture_output=True).returncode != 0,
+    reason="needs user namespaces (unshare -Ur): each has its own inotify watch limit",
+)
+
+
+@pytest.fixture
+def layout(tmp_path: Path) -> Layout:
+    lay = Layout.at(tmp_path / "root")
+    create_root(lay)
+    return lay
+
+
+class Limited:
+    """`cachemgr serve` with `watches` inotify watches to use, on a loopback port."""
+
+    def __init__(self, layout: Layout, watches: int, log: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        serve = [sys.executable, "-m", "cachemgr", "--root", str(layout.root), "serve"]
+        script = f'echo {watches} > /proc/sys/user/max_inotify_watches && exec "$@"'
+        env = {
+            **os.environ,
+            "CACHEMGR_LOG_FORMAT": "json",
+            "CACHEMGR_RECONCILE_INTERVAL": "2",
+            "CACHEMGR_GC_INTERVAL": "1h",
+        }
+        with log.open("wb") as err:
+            self.proc = subprocess.Popen(
+                ["unshare", "-Ur", "sh", "-c", script, "sh", *serve, "--port", str(self.port)],
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                env=env,
+            )
+        wait_for(self._ready, timeout=60, what="the daemon ready")
+
+    def _ready(self) -> bool:
+        assert self.proc.poll() is None, self.log.read_text()
+        try:
+            return httpx.get(f"{self.url}/readyz", timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def status(self) -> dict[str, Any]:
+        got: dict[str, Any] = httpx.get(f"{self.url}/v1/status", timeout=10).json()
+        return got
+
+    def pages(self, ns: str) -> int | None:
+        (got,) = [n["pages"] for n in self.status()["namespaces"] if n["id"] == ns]
+        return int(got) if got is not None else None
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        match = re.search(rf"^{name} (\S+)$", text, re.M)
+        assert match, text
+        return float(match.group(1))
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+@pytest.fixture
+def daemons(tmp_path: Path) -> Iterator[list[Limited]]:
+    running: list[Limited] = []
+    yield running
+    for d in running:
+        d.stop()
+
+
+def refusals_logged(log: Path) -> int:
+    return log.read_text().count("inotify watch limit reached")
+
+
+def test_a_namespace_refused_its_watch_is_indexed_and_kept_by_the_reconcile_scans(
+    layout: Layout, tmp_path: Path, daemons: list[Limited]
+) -> None:
+    """<root>/ns takes the one watch: both namespaces' own dirs are refused theirs. Before,
+    such a namespace was never scanned: its pages were not indexed, nor counted, nor GC's."""
+    a, b = register_namespace(layout, NS_A), register_namespace(layout, NS_B)
+    for i in range(30):
+        store_page(a, page_name(i))
+        store_page(b, page_name(i))
+    d = Limited(layout, 1, tmp_path / "serve.log")
+    daemons.append(d)
+    assert (d.pages(NS_A), d.pages(NS_B)) == (30, 30)
+    index = d.status()["index"]
+    assert index["watches_refused"] >= 2 and index["watch_refused_at"] is not None
+    assert d.metric("cachemgr_watches_refused_total") >= 2
+    for i in range(30, 40):  # no event for these: the next reconcile scan (2 s) finds them
+        store_page(a, page_name(i))
+    wait_for(lambda: d.pages(NS_A), lambda n: n == 40, timeout=30, what="the reconcile scan")
+    assert d.metric("cachemgr_watches_refused_total") > index["watches_refused"]  # retried
+    assert refusals_logged(d.log) == 1  # not one line a dir, nor one a retry
+
+    env = {**os.environ, "CACHEMGR_PORT": str(d.port)}
+    doc = subprocess.run(
+        [sys.executable, "-m", "cachemgr", "--root", str(layout.root), "doctor", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert doc.returncode == 2, doc.stdout + doc.stderr
+    (found,) = [f for f in json.loads(doc.stdout) if f["code"] == "inotify-watch-limit"]
+    assert found["severity"] == "error" and "max_user_watches" in found["fix"]
+
+
+def test_a_vllm_tree_past_the_limit_is_indexed_whole_and_its_dirs_watched_once_freed(
+    layout: Layout, tmp_path: Path, daemons: list[Limited]
+) -> None:
+    """vLLM's tree needs a watch a dir: 12 are not enough for 40 blocks' dirs. Every block is
+    indexed all the same; once the limit is lifted, the reconcile watches the rest."""
+    with Store.open(layout.db_path) as store:
+        ns, d_ns, folder = vllm_tree(layout, store)
+    write_blocks(d_ns, folder, 40)
+    d = Limited(layout, 12, tmp_path / "serve.log")
+    daemons.append(d)
+    assert d.pages(ns) == 40
+    refused = d.status()["index"]["watches_refused"]
+    assert refused > 0
+    wait_for(lambda: d.metric("cachemgr_watches_refused_total"), lambda n: n > refused, timeout=30)
+    assert refusals_logged(d.log) == 1
+    write_blocks(d_ns, folder, 10, start=100)  # in dirs without a watch: found by a reconcile
+    wait_for(lambda: d.pages(ns), lambda n: n == 50, timeout=30, what="the reconcile scan")
