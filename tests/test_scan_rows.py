@@ -28,7 +28,7 @@ from cachemgr.state.store import Store
 from cachemgr.vllm.fstier import VLLM_FS_TIER
 from tests.daemon_helpers import NS_A, page_name
 from tests.test_dirscan import _NAMES
-from tests.vllmtrees import sibling, vllm_tree, write_blocks
+from tests.vllmtrees import sibling, vllm_namespace, vllm_tree, write_blocks, write_folder
 
 ROW = "INSERT INTO temp.scan_rows VALUES (?, ?, ?, ?)"
 Row = tuple[str, int, float, int]
@@ -201,3 +201,49 @@ def test_where_c_cannot_reach_sqlite_the_rows_are_listed_in_python(
     assert store.conn.execute(query).fetchall() == want.conn.execute(query).fetchall()
     store.close()
     want.close()
+
+
+def test_a_vllm_folder_named_in_any_script_is_indexed(layout: Layout, store: Store) -> None:
+    """A nested page's key is its whole path, counted in characters (SQLite's length(), which
+    a trigger holds it to): a model name outside ASCII made every scan of such a tree fail."""
+    ns = vllm_namespace(layout, store)
+    d = layout.ns_dir(ns)
+    folder = write_folder(d, model="Qwen/通义千问-7B")
+    blocks = write_blocks(d, folder, 3)
+    report = scan_namespace(layout, store, ns)
+    assert report.added == 3
+    rows = store.conn.execute("SELECT name, key_len FROM pages WHERE namespace_id = ?", (ns,))
+    assert {tuple(r) for r in rows} == {(b, len(b)) for b in blocks}
+
+
+def test_a_dir_name_that_is_not_utf8_is_not_the_engines(layout: Layout, store: Store) -> None:
+    """The index stores paths as UTF-8 text: a folder whose name os.fsdecode() had to escape
+    (a config.json naming its model so: no vLLM writes one) is foreign, its blocks not rows."""
+    ns, d, folder = vllm_tree(layout, store)
+    write_blocks(d, folder, 2)
+    odd = write_folder(d, model="bad\udcff")
+    assert os.fsencode(odd).startswith(b"bad\xff_")
+    write_blocks(d, odd, 1)
+    assert scan_namespace(layout, store, ns).added == 2
+    assert scan_namespace(layout, store, ns).drift == 0  # and the count agrees
+
+
+def test_a_failed_commit_of_the_rows_is_the_error_raised(
+    layout: Layout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite ends a transaction itself on some failures (a full temp dir): the error raised is
+    that failure's, not a ROLLBACK's of no transaction."""
+    d = layout.ns_dir(NS_A)
+    d.mkdir()
+    (d / page_name(1)).write_bytes(b"x")
+    store = Store.open(layout.db_path)
+
+    def full(*args: object) -> object:
+        store.conn.execute("ROLLBACK")  # (as SQLite does on SQLITE_FULL)
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(index, "scan_usage", lambda *a: full() if len(a) > 3 else None)
+    with pytest.raises(sqlite3.OperationalError, match="disk is full"):
+        scan_namespace(layout, store, NS_A)
+    assert not store.conn.in_transaction
+    store.close()

@@ -587,6 +587,14 @@ static size_t read_chunk(Dir *dir, Ent *ents, Totals *tot) {
     return n;
 }
 
+/* The characters of UTF-8 text: its bytes but continuation bytes (10xxxxxx). */
+static int utf8_chars(const char *s, size_t n) {
+    int chars = 0;
+    for (size_t i = 0; i < n; i++)
+        chars += ((unsigned char)s[i] & 0xC0) != 0x80;
+    return chars;
+}
+
 /* Store e's row: (its path below the scanned dir, size, mtime, key length). Walkers take
  * turns; the first failure stops them all (tot->err) and is kept for scan() to raise. */
 static void row_add(Totals *tot, const Group *x, const Ent *e) {
@@ -596,8 +604,10 @@ static void row_add(Totals *tot, const Group *x, const Ent *e) {
     memcpy(name, tot->path, n);
     memcpy(name + n, e->name, e->len);
     n += e->len;
-    /* a nested page's key is its whole path (cachemgr.backends) */
-    int key_len = x->key_len && tot->path_len ? (int)n : x->key_len;
+    /* a nested page's key is its whole path (cachemgr.backends), counted in characters as
+     * Python and SQLite's length() count them: a model's name in a vLLM folder may be any
+     * UTF-8 (the dir patterns refuse what is not) */
+    int key_len = x->key_len && tot->path_len ? utf8_chars(name, n) : x->key_len;
     double mtime = e->mtime < r->at ? e->mtime : r->at;
     pthread_mutex_lock(&r->lock);
     if (!r->rc) {

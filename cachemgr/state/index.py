@@ -155,14 +155,16 @@ class _Walk:
         if not rows:
             return scan_usage(self.layout, self.rel_dir, self.fmt)
         # One transaction for the rows (of the temp database only: the main one is not
-        # locked, other connections write on).
+        # locked, other connections write on). Its rows are dropped with the table on a
+        # failure; SQLite may have ended the transaction itself (a full temp dir).
         self.conn.execute("BEGIN")
         try:
             usage = self._rows(self.now())
+            self.conn.execute("COMMIT")
         except BaseException:
-            self.conn.execute("ROLLBACK")
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
             raise
-        self.conn.execute("COMMIT")
         return usage
 
     def _rows(self, at: float) -> Usage | None:
