@@ -460,7 +460,7 @@ def test_alerts_fire_on_the_daemons_real_series(scrapes: Live, tmp_path: Path) -
     ready, mismatch = target(e.get("cachemgr_ready")), target(e.get("cachemgr_identity_mismatch"))
     settled = target(e.get("cachemgr_index_settled"))
     overflows = target(e.get("cachemgr_watcher_overflows_total"))
-    refused_watches = target(e.get("cachemgr_watches_refused_total"))
+    short = target(e.get("cachemgr_watch_refused_namespaces"))
     avail = target(e.get("cachemgr_filesystem_avail_bytes"))
     size_sample = e.get("cachemgr_filesystem_size_bytes")
     size, full = target(size_sample), repr(size_sample.value)
@@ -569,15 +569,14 @@ def test_alerts_fire_on_the_daemons_real_series(scrapes: Live, tmp_path: Path) -
             [expect("CachemgrWatcherOverflow", node, 1)],
         ),
         alert_test("CachemgrWatcherOverflow", {overflows: "0x20"}, "15m", []),
-        # A refusal retried at each reconcile (10m) keeps it firing; one refusal, then none for
-        # 30 minutes (the limit raised), and it is quiet.
+        # A namespace short of watches for 15m fires; one watched in full after 10m does not.
         alert_test(
             "CachemgrWatchLimitReached",
-            {refused_watches: "0 0 40+40x30"},
-            "25m",
-            [expect("CachemgrWatchLimitReached", node, 960)],
+            {short: "0 0 1x20"},
+            "18m",
+            [expect("CachemgrWatchLimitReached", node, 1)],
         ),
-        alert_test("CachemgrWatchLimitReached", {refused_watches: "0 0 40x40"}, "38m", []),
+        alert_test("CachemgrWatchLimitReached", {short: "0 0 1x10 0x10"}, "18m", []),
         alert_test(
             "CachemgrPageSizeOne",
             {info: "1x3"},

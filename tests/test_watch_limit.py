@@ -6,6 +6,7 @@ doctor, and one log line, not one a dir."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -19,6 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
+from cachemgr.daemon import nestwatch
+from cachemgr.daemon.watcher import Watcher
 from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 from cachemgr.state.store import Store
@@ -27,8 +30,9 @@ from tests.fleet_bed import free_port
 from tests.polling import wait_for
 from tests.vllmtrees import vllm_tree, write_blocks
 
-pytestmark = pytest.mark.skipif(
+userns = pytest.mark.skipif(
     shutil.which("unshare") is None
+    or shutil.which("nsenter") is None
     or subprocess.run(["unshare", "-Ur", "true"], capture_output=True).returncode != 0,
     reason="needs user namespaces (unshare -Ur): each has its own inotify watch limit",
 )
@@ -86,6 +90,12 @@ class Limited:
         assert match, text
         return float(match.group(1))
 
+    def allow(self, watches: int) -> None:
+        """Raise the user namespace's watch limit, from inside it."""
+        limit = "/proc/sys/user/max_inotify_watches"
+        script = f"echo {watches} > {limit}"
+        subprocess.run(["nsenter", "-U", "-t", str(self.proc.pid), "sh", "-c", script], check=True)
+
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(60)
@@ -103,6 +113,7 @@ def refusals_logged(log: Path) -> int:
     return log.read_text().count("inotify watch limit reached")
 
 
+@userns
 def test_a_namespace_refused_its_watch_is_indexed_and_kept_by_the_reconcile_scans(
     layout: Layout, tmp_path: Path, daemons: list[Limited]
 ) -> None:
@@ -117,7 +128,9 @@ def test_a_namespace_refused_its_watch_is_indexed_and_kept_by_the_reconcile_scan
     assert (d.pages(NS_A), d.pages(NS_B)) == (30, 30)
     index = d.status()["index"]
     assert index["watches_refused"] >= 2 and index["watch_refused_at"] is not None
+    assert index["watch_refused_namespaces"] == 2
     assert d.metric("cachemgr_watches_refused_total") >= 2
+    assert d.metric("cachemgr_watch_refused_namespaces") == 2
     for i in range(30, 40):  # no event for these: the next reconcile scan (2 s) finds them
         store_page(a, page_name(i))
     wait_for(lambda: d.pages(NS_A), lambda n: n == 40, timeout=30, what="the reconcile scan")
@@ -136,7 +149,15 @@ def test_a_namespace_refused_its_watch_is_indexed_and_kept_by_the_reconcile_scan
     (found,) = [f for f in json.loads(doc.stdout) if f["code"] == "inotify-watch-limit"]
     assert found["severity"] == "error" and "max_user_watches" in found["fix"]
 
+    d.allow(100)  # the limit raised: the next reconcile watches them, no restart
+    wait_for(lambda: d.metric("cachemgr_watch_refused_namespaces"), lambda n: n == 0, timeout=30)
+    refused = d.metric("cachemgr_watches_refused_total")
+    store_page(b, page_name(50))  # seen by its watch now
+    wait_for(lambda: d.pages(NS_B), lambda n: n == 31, timeout=30, what="the store")
+    assert d.metric("cachemgr_watches_refused_total") == refused
 
+
+@userns
 def test_a_vllm_tree_past_the_limit_is_indexed_whole_and_its_dirs_watched_once_freed(
     layout: Layout, tmp_path: Path, daemons: list[Limited]
 ) -> None:
@@ -154,3 +175,68 @@ def test_a_vllm_tree_past_the_limit_is_indexed_whole_and_its_dirs_watched_once_f
     assert refusals_logged(d.log) == 1
     write_blocks(d_ns, folder, 10, start=100)  # in dirs without a watch: found by a reconcile
     wait_for(lambda: d.pages(ns), lambda n: n == 50, timeout=30, what="the reconcile scan")
+    assert d.metric("cachemgr_watch_refused_namespaces") == 1
+    d.allow(1000)
+    wait_for(lambda: d.metric("cachemgr_watch_refused_namespaces"), lambda n: n == 0, timeout=30)
+
+
+def test_a_namespace_gone_after_its_watch_was_refused_is_not_scanned(layout: Layout) -> None:
+    """A refused namespace dir removed before its NS_GONE is applied: gone, not refused (a scan
+    of the absent dir would drop its rows with no audit of what took them)."""
+    d = register_namespace(layout, NS_A)
+    w = Watcher(layout)
+    w.start()
+    try:
+        assert w._fd is not None
+        real = w._fd.add_callback
+
+        def refuse(*args: object) -> int:
+            raise OSError(errno.ENOSPC, "no watch left")
+
+        w._fd.add_callback = refuse  # type: ignore[method-assign]
+        assert not w.watch(NS_A) and w.refused(NS_A)
+        assert w.gaps.short == 1
+        w._fd.add_callback = real  # type: ignore[method-assign]
+        shutil.rmtree(d)
+        assert not w.watch(NS_A) and not w.refused(NS_A)
+        assert w.gaps.short == 0
+    finally:
+        w.stop()
+
+
+def test_a_tree_dir_swapped_for_a_link_is_never_watched_through(
+    layout: Layout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rank dir replaced by a symlink to dirs elsewhere after it was listed: its hashed
+    dirs are watched through the descriptors opened from the listed dir, never by a path that
+    now leads out of the namespace."""
+    with Store.open(layout.db_path) as store:
+        ns, d, folder = vllm_tree(layout, store)
+    write_blocks(d, folder, 40, size=1)
+    rank = d / f"{folder}_r0"
+    hashed = sorted(os.listdir(rank))
+    foreign = tmp_path / "foreign"
+    for h in hashed:
+        (foreign / h).mkdir(parents=True)
+    real = nestwatch._own_dir
+    swapped: list[bool] = []
+
+    def own_dir(dir_fd: int, name: str) -> int:
+        if name in hashed and not swapped:  # the rank dir listed: swap it now
+            os.rename(rank, d / "moved")
+            os.symlink(foreign, rank)
+            swapped.append(True)
+        return real(dir_fd, name)
+
+    monkeypatch.setattr(nestwatch, "_own_dir", own_dir)
+    w = Watcher(layout)
+    w.start()
+    try:
+        assert w.watch(ns) and swapped
+        assert w._fd is not None
+        info = Path(f"/proc/self/fdinfo/{w._fd._inotify_fd}").read_text()
+        watched = {int(i, 16) for i in re.findall(r"^inotify wd:\S+ ino:([0-9a-f]+)", info, re.M)}
+        outside = {os.stat(foreign / h).st_ino for h in hashed}
+        assert not watched & outside  # (those it watched inside went with the move)
+    finally:
+        w.stop()

@@ -6,7 +6,6 @@ import dataclasses
 import functools
 import json
 import os
-import time
 from typing import Any
 
 import click
@@ -63,8 +62,7 @@ def doctor(app: AppContext, as_json: bool, all_pages: bool, launch_cmd: tuple[st
         )
     if layout.root.is_dir():
         findings += lint_gc_unmet(served.get("gc_unmet", []) if served else [])
-        recent = 2 * (settings.reconcile_interval or 1800)  # (the reconcile scans retry)
-        findings += lint_watches(served.get("index") if served else None, recent, time.time())
+        findings += lint_watches(served.get("index") if served else None)
         findings += lint_disk(layout, policy)
         findings += lint_root_and_state(layout)
         findings += lint_deletable(layout, None if all_pages else SAMPLE)

@@ -65,6 +65,9 @@ class IndexInfo(BaseModel):
         "(fs.inotify.max_user_watches): seen by the reconcile scans only, which retry the watch"
     )
     watch_refused_at: float | None = Field(description="unix time of the latest such refusal")
+    watch_refused_namespaces: int = Field(
+        description="namespaces with a dir refused a watch and not watched since"
+    )
 
 
 class Totals(BaseModel):

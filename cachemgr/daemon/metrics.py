@@ -80,6 +80,8 @@ METRICS: dict[str, str] = {
     "cachemgr_watches_refused_total": "dirs the kernel refused an inotify watch "
     "(fs.inotify.max_user_watches reached): their reads and stores are seen by the reconcile "
     "scans only, which try the watch again",
+    "cachemgr_watch_refused_namespaces": "namespaces with a dir the kernel refused a watch and "
+    "not watched since (the reconcile scans retry; with reconcile_interval 0, nothing does)",
     "cachemgr_index_lag_seconds": "age of the oldest watcher event not yet applied",
     "cachemgr_identity_mismatches_total": "SGLang servers found contradicting their namespace",
     "cachemgr_identity_mismatch": "1 while the SGLang server contradicts its namespace",
@@ -326,6 +328,11 @@ class CachemgrCollector(Collector):
             ("cachemgr_watches_refused_total", st.watch_gaps.refused),
         ):
             yield CounterMetricFamily(name, METRICS[name], value=value)
+        yield GaugeMetricFamily(
+            "cachemgr_watch_refused_namespaces",
+            METRICS["cachemgr_watch_refused_namespaces"],
+            value=st.watch_gaps.short,
+        )
         yield GaugeMetricFamily(
             "cachemgr_last_scan_duration_seconds",
             METRICS["cachemgr_last_scan_duration_seconds"],

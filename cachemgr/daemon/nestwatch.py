@@ -40,13 +40,14 @@ from cachemgr.fs.tree import on_mount, vouched
 from cachemgr.layout import Layout
 
 
-def _own_dir(dir_fd: int, name: str) -> bool:
-    """Whether `name` in `dir_fd` is a dir on its mount (not a link, not a mount point)."""
+def _own_dir(dir_fd: int, name: str) -> int:
+    """A descriptor of dir `name` in `dir_fd` if it is on its mount (not a link, not a mount
+    point), else -1."""
     try:
-        with open_dir_at(dir_fd, name):
-            return True
+        with open_dir_at(dir_fd, name) as fd:
+            return os.dup(fd)
     except (OSError, UnsafePathError):
-        return False
+        return -1
 
 
 # How long a read found by a new dir's listing waits for the inotify thread to catch up, at
@@ -62,7 +63,7 @@ class _Watcher(Protocol):
     def clock(self) -> float: ...
 
     def emit(self, event: Any) -> None: ...
-    def add(self, cb: Any, path: Path) -> bool: ...
+    def add(self, cb: Any, path: Path, *, at: int = -1) -> bool: ...
     def _remove(self, cb: Any) -> None: ...
 
 
@@ -85,11 +86,12 @@ class NestWatches:
         *,
         fresh: bool = True,
         deep: bool = False,
-        checked: bool = False,
+        at: int = -1,
     ) -> None:
         """Dir `name` appeared in the watched dir `parent`: watch it if it is the engine's, and
-        list it (`fresh`: its files were stored just now). `checked`: opened already from
-        its parent's descriptor, neither a link nor on another mount (`_subdirs`)."""
+        list it (`fresh`: its files were stored just now). `at`: the dir, opened already from
+        its parent's descriptor, neither a link nor on another mount (`_watch_subdirs`):
+        watched through that descriptor."""
         nesting = parent.fmt.nesting
         path = f"{parent.path}{name}/"
         if nesting is None or not nesting.dir_ok(parent.level, name):
@@ -109,7 +111,7 @@ class NestWatches:
                 with open_dir(layout.root, f"ns/{parent.ns_id}") as ns_fd:
                     if name not in vouched(ns_fd, nesting):
                         return
-            if not checked:  # no link, no mount
+            if at < 0:  # no link, no mount
                 on_mount(layout.root, f"ns/{parent.ns_id}", f"{parent.path}{name}")
         except (OSError, UnsafePathError):
             return  # gone already, a link, another mount: never watched through
@@ -119,7 +121,7 @@ class NestWatches:
             if self._watched(parent.ns_id, path):
                 return  # a second callback on one watch would count every event twice
             self._subs.setdefault(parent.ns_id, {})[path] = child
-        if not self.watcher.add(child, layout.root / rel):
+        if not self.watcher.add(child, layout.root / rel, at=at):
             with self._lock:
                 self._subs.get(parent.ns_id, {}).pop(child.path, None)
             return
@@ -139,18 +141,25 @@ class NestWatches:
         except (OSError, UnsafePathError):
             return None
 
-    def _subdirs(self, cb: Any) -> list[str]:
-        """The dirs in `cb`'s dir, each opened from its descriptor: neither a link nor on
-        another mount. A vLLM tree has ~0.64 dirs a block: from the root, each took two
-        walks of six dirs (its check and its listing), ~400 us a dir in all."""
+    def _watch_subdirs(self, cb: Any, *, fresh: bool, deep: bool) -> None:
+        """Watch the engine's dirs in `cb`'s dir, each opened from its descriptor (neither a
+        link nor on another mount: no walk from the root each) and watched through that
+        descriptor, so a dir of the path swapped for a link meanwhile leads nowhere else."""
         rel = f"ns/{cb.ns_id}/{cb.path}".rstrip("/")
         try:
             with open_dir(self.watcher.layout.root, rel) as fd:
                 with os.scandir(fd) as entries:
                     names = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
-                return [n for n in names if _own_dir(fd, n)]
+                for name in names:
+                    child = _own_dir(fd, name)
+                    if child < 0:
+                        continue
+                    try:
+                        self.added(cb, name, fresh=fresh, deep=deep, at=child)
+                    finally:
+                        os.close(child)
         except (OSError, UnsafePathError):
-            return []
+            return
 
     def _read_already(self, cb: Any) -> dict[str, int]:
         """The pages of a new leaf dir read since their store, by atime (ns), before its watch."""
@@ -168,8 +177,7 @@ class NestWatches:
         if cb.fmt.nesting is None or (cb.leaf and not fresh):
             return  # (the pages of a dir that was there are the index scan's to find)
         if not cb.leaf:
-            for name in self._subdirs(cb):
-                self.added(cb, name, fresh=fresh, deep=deep, checked=True)
+            self._watch_subdirs(cb, fresh=fresh, deep=deep)
             return
         found = self._list(cb)
         if found is None:

@@ -62,6 +62,7 @@ C = InotifyConstants
 # one a dir, hundreds of thousands in a row.
 REFUSALS_LOGGED_EVERY = 600.0
 MAX_USER_WATCHES = Path("/proc/sys/fs/inotify/max_user_watches")
+_PROC_FD = Path("/proc/self/fd")
 _NS_MASK = Mask(C.IN_MOVED_TO | C.IN_MOVED_FROM | C.IN_DELETE | C.IN_CLOSE_NOWRITE)
 _ROOT_MASK = Mask(C.IN_CREATE | C.IN_MOVED_TO | C.IN_MOVED_FROM | C.IN_DELETE)
 _TREE_MASK = Mask(C.IN_CREATE | C.IN_MOVED_TO | C.IN_MOVED_FROM)  # a dir above the files
@@ -380,13 +381,16 @@ class Watcher:
             with self._lock:
                 deep = ns_id in self._stale or ns_id in self._short
                 self._stale.discard(ns_id)
-                self._short.discard(ns_id)
+            refused = self.gaps.refused
             self.nest.below(current, fresh=False, deep=deep)
+            if deep and self.gaps.refused == refused:
+                self._all_watched(ns_id)
             return True
         cb = _DirWatch(ns_id, self, fmt)
-        with self._lock:
-            self._short.discard(ns_id)
+        refused = self.gaps.refused
         if not self.add(cb, self.layout.ns_dir(ns_id)):
+            if self.gaps.refused == refused:  # gone, not refused: nothing to watch or scan
+                self._all_watched(ns_id)
             return False
         with self._lock:
             self._unwatched.discard(ns_id)
@@ -396,17 +400,29 @@ class Watcher:
             self._remove(old)
         self.nest.drop(ns_id)
         self.nest.below(cb, fresh=fresh)
+        if self.gaps.refused == refused:
+            self._all_watched(ns_id)
         return True
 
-    def add(self, cb: _DirWatch, path: Path) -> bool:
-        """Add the kernel watch of `cb` on `path`; False if that dir is gone or no watch is
-        left (fs.inotify.max_user_watches, logged)."""
+    def _all_watched(self, ns_id: str) -> None:
+        """No watch was refused in the namespace since its dirs were last walked (another
+        namespace's refusal meanwhile keeps it flagged: one more walk, at the next reconcile)."""
+        with self._lock:
+            self._short.discard(ns_id)
+            self._unwatched.discard(ns_id)
+            self.gaps.short = len(self._short)
+
+    def add(self, cb: _DirWatch, path: Path, *, at: int = -1) -> bool:
+        """Add the kernel watch of `cb` on `path`, or on the dir open at descriptor `at`
+        (through /proc: that very dir, whatever its path leads to now); False if that dir is
+        gone or no watch is left (fs.inotify.max_user_watches, logged)."""
         assert self._fd is not None, "start() first"
         mask = _NS_MASK if cb.leaf else _TREE_MASK
+        target, flags = os.fsencode(path), _FLAGS
+        if at >= 0 and _PROC_FD.is_dir():  # (the /proc link must be followed, to the dir)
+            target, flags = os.fsencode(_PROC_FD / str(at)), Mask(C.IN_ONLYDIR)
         try:
-            cb.wd = self._fd.add_callback(
-                os.fsencode(path), Mask(mask | _FLAGS), cb, CallbackId(id(cb))
-            )
+            cb.wd = self._fd.add_callback(target, Mask(mask | flags), cb, CallbackId(id(cb)))
         except OSError as e:
             if e.errno == 28:  # ENOSPC from inotify_add_watch: fs.inotify.max_user_watches
                 self._refuse(cb)
@@ -423,6 +439,7 @@ class Watcher:
             self._short.add(cb.ns_id)
             if not cb.path:
                 self._unwatched.add(cb.ns_id)
+            self.gaps.short = len(self._short)
         self.gaps.refused += 1
         self.gaps.refused_at = time.time()
         now = self.clock()
@@ -454,8 +471,7 @@ class Watcher:
         """Stop watching a namespace dir (moved to the trash or deleted)."""
         with self._lock:
             cb = self._watches.pop(ns_id, None)
-            self._short.discard(ns_id)
-            self._unwatched.discard(ns_id)
+        self._all_watched(ns_id)  # (gone: none of its dirs is wanted now)
         if cb is not None:
             cb.dead = True
             self._remove(cb)

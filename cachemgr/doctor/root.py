@@ -175,17 +175,16 @@ def lint_gc_unmet(unmet: Sequence[Mapping[str, Any]]) -> list[Finding]:
     return out
 
 
-def lint_watches(index: Mapping[str, Any] | None, recent: float, now: float) -> list[Finding]:
-    """The serving daemon's refused inotify watches (its /v1/status `index`), if one was
-    refused in the last `recent` seconds: the reconcile scans retry them, so a refusal that
-    lasts is that recent."""
-    at = index.get("watch_refused_at") if index else None
-    if not index or not isinstance(at, (int, float)) or now - at > recent:
+def lint_watches(index: Mapping[str, Any] | None) -> list[Finding]:
+    """The serving daemon's namespaces with a dir the kernel refused an inotify watch (its
+    /v1/status `index`), not watched since."""
+    short = index.get("watch_refused_namespaces") if index else None
+    if not index or not short:
         return []
     what = (
-        f"the kernel refused {index.get('watches_refused')} inotify watches, the latest "
-        f"{now - at:.0f} s ago (fs.inotify.max_user_watches reached): the reads and stores of "
-        "those dirs are seen by the reconcile scans only; GC's order and the hit counts miss them"
+        f"{short} namespace(s) have dirs without an inotify watch: the kernel refused "
+        f"{index.get('watches_refused')} (fs.inotify.max_user_watches reached). Their reads and "
+        "stores are seen by the reconcile scans only; GC's order and the hit counts miss them"
     )
     return [Finding("error", "inotify-watch-limit", what, _WATCHES_FIX)]
 
