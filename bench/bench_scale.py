@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import os
 import platform
@@ -52,13 +51,13 @@ from pathlib import Path
 import httpx
 from bench_daemon import free_port, serve_argv, status_kib
 from bench_evict import IDENTITY, POLLER, scrapes
+from bench_vllm import write_tree
 
 from cachemgr.fs.dirlimit import flat_dir_index
 from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 from cachemgr.ns.registry import ensure_namespace
 from cachemgr.state.store import Store
-from tests.vllmtrees import write_folder
 
 MODEL = "Qwen-Qwen3-8B"
 NS = "00000000000000a1"
@@ -87,21 +86,11 @@ VLLM_IDENTITY = {"engine": "vllm", "kv_cache_dtype": "bfloat16", "source": {"mod
 
 
 def write_vllm(d: Path, n: int) -> int:
-    """`n` blocks of PAGE's bytes in vLLM's layout in `d` (the folder its config.json vouches
-    for, `<folder>_r0/<h[:3]>/<h[3:5]>_g0/<h>.bin`, h = sha256(i)): the dirs made, which GC
-    leaves (vLLM makes a block's dir, then its file) and which the inode count holds too."""
-    folder = write_folder(d)
-    made: set[str] = set()
-    for i in range(n):
-        h = hashlib.sha256(i.to_bytes(8, "little")).hexdigest()
-        sub = f"{folder}_r0/{h[:3]}/{h[3:5]}_g0"
-        if sub not in made:
-            os.makedirs(d / sub, exist_ok=True)
-            made.add(sub)
-        f = os.open(d / sub / f"{h}.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        os.write(f, PAGE)
-        os.close(f)
-    return len(made) + len({sub.rpartition("/")[0] for sub in made}) + 3  # (+ d, folder, rank)
+    """`n` blocks of PAGE's bytes in vLLM's layout in `d` (bench_vllm's tree): the dirs made,
+    `d` with them, which GC leaves (vLLM makes a block's dir, then its file) and which the
+    inode count holds too."""
+    d.mkdir(parents=True)
+    return write_tree(d, n, PAGE)[1] + 1
 
 
 class Tree:

@@ -50,20 +50,29 @@ def build(layout: Layout, n: int) -> tuple[str, list[str]]:
     create_root(layout)
     d = layout.ns_dir(NS)
     d.mkdir(parents=True)
+    paths: list[str] = []
+    folder, _ = write_tree(d, n, DATA, paths)
+    return folder, paths
+
+
+def write_tree(d: Path, n: int, data: bytes, paths: list[str] | None = None) -> tuple[str, int]:
+    """`n` blocks of `data` in vLLM's layout in namespace dir `d`: the folder its config.json
+    vouches for, `<folder>_r0/<h[:3]>/<h[3:5]>_g0/<h>.bin` (h = sha256(i)), each block's path
+    appended to `paths`. Returns the folder and the dirs made (the inodes they take)."""
     folder = write_folder(d)
     made: set[str] = set()
-    paths = []
     for i in range(n):
         h = hashlib.sha256(i.to_bytes(8, "little")).hexdigest()
         sub = f"{folder}_r0/{h[:3]}/{h[3:5]}_g0"
         if sub not in made:
             os.makedirs(d / sub, exist_ok=True)
             made.add(sub)
-        paths.append(f"{sub}/{h}.bin")
-        fd = os.open(d / paths[-1], os.O_WRONLY | os.O_CREAT, 0o644)
-        os.write(fd, DATA)
+        fd = os.open(d / sub / f"{h}.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.write(fd, data)
         os.close(fd)
-    return folder, paths
+        if paths is not None:
+            paths.append(f"{sub}/{h}.bin")
+    return folder, len(made) + len({sub.rpartition("/")[0] for sub in made}) + 2
 
 
 def sh(*cmd: str) -> None:
