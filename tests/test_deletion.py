@@ -4,13 +4,18 @@ import errno
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from cachemgr.errors import UnsafePathError
+from cachemgr.fs import deletion
 from cachemgr.fs._unlink import unlink_batch
 from cachemgr.fs.deletecheck import NOT_REACHED, STAT_ERROR, reason_of
-from cachemgr.fs.deletion import PART, Listeners, Pacer, delete_dir, delete_files
+from cachemgr.fs.deletion import PART, DeleteReport, Listeners, Pacer, delete_dir, delete_files
+from cachemgr.sglang.hicache import HICACHE_FILE
+from cachemgr.vllm.fstier import VLLM_FS_TIER
+from tests.vllmtrees import write_blocks, write_folder
 
 KEY = "ab" * 32
 PAGES = [f"{KEY[:-2]}{i:02x}_m_0_1.bin" for i in range(5)]
@@ -237,3 +242,40 @@ def test_a_stop_ends_a_dir_deletion_after_the_part_under_way(tmp_path: Path) -> 
     )
     assert (report.files, report.stopped, report.refused) == (PART, True, ())
     assert len(os.listdir(entry)) == 2 * PART  # the rest, and the dir, stay for the next drain
+
+
+@pytest.mark.parametrize("layout", ["sglang", "vllm"])
+def test_delete_dir_lists_a_big_dir_a_chunk_at_a_time_and_empties_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str
+) -> None:
+    """A purged dir of ten million files is not listed as one list (a gigabyte, held before
+    the first unlink): chunks of LISTED names, each deleted before the next is listed. All
+    of them go, the dry run says the same, and a foreign file still keeps the dir."""
+    monkeypatch.setattr(deletion, "LISTED", 7)
+    root = tmp_path / "root"
+    entry = root / ".trash" / "0123456789abcdef.1"
+    entry.mkdir(parents=True)
+    if layout == "sglang":
+        fmt, names = HICACHE_FILE, [f"{i:064x}_m_0_1.bin" for i in range(100)]
+        for name in names:
+            (entry / name).write_bytes(b"x" * 10)
+    else:
+        fmt, folder = VLLM_FS_TIER, write_folder(entry)
+        names = write_blocks(entry, folder, 100, size=10)
+    chunks: list[int] = []
+    real = deletion.delete_files
+
+    def counting(*args: Any, **kw: Any) -> DeleteReport:
+        chunks.append(len(args[2]))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(deletion, "delete_files", counting)
+    dry = delete_dir(root, ".trash/0123456789abcdef.1", fmt=fmt, dry_run=True)
+    assert max(chunks) <= 7 and sum(chunks) >= 100
+    (entry / ("zz" + names[0].rpartition("/")[2] + ".keep")).write_text("a person's")
+    report = delete_dir(root, ".trash/0123456789abcdef.1", fmt=fmt)
+    assert (dry.files, dry.bytes) == (report.files, report.bytes) == (100, 1000)
+    assert len(report.refused) == 1 and entry.is_dir()  # the foreign file keeps the dir
+    (entry / ("zz" + names[0].rpartition("/")[2] + ".keep")).unlink()
+    assert delete_dir(root, ".trash/0123456789abcdef.1", fmt=fmt).files == 0
+    assert not entry.exists()  # emptied: its dirs and the entry go

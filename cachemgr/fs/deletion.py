@@ -38,7 +38,7 @@ from cachemgr.fs.deletecheck import (
     still_at,
 )
 from cachemgr.fs.safe import open_dir
-from cachemgr.fs.tree import by_dirs, orphan_identities, tree_names, unowned_dirs
+from cachemgr.fs.tree import by_dirs, deepest_first, orphan_identities, tree_chunks, unowned_dirs
 from cachemgr.fs.treeunlink import Part, check_and_unlink_dirs
 from cachemgr.layout import NS_DIR, check_ns_id
 
@@ -52,6 +52,7 @@ NESTED_PART = 8
 # Unlinks at once, unpaced: on one thread the kernel's work per unlink is serialised on waits
 # (journal, inode eviction); a few threads in one dir ran 1.5-10x one (bench/RESULTS.md).
 THREADS = 8
+LISTED = 1 << 16  # names of a dir being emptied listed at a time (delete_dir)
 
 
 @dataclass(frozen=True)
@@ -205,8 +206,7 @@ def delete_files(
         progress(files, size)
     refused = tuple(why.at(f"{rel_dir}/{name}: {why}") for name, why in checked.refused)
     if stopped:
-        moved = f"{rel_dir}: moved or replaced while its files were deleted; stopped"
-        refused += (Refusal(moved, "unsafe"),)
+        refused += (Refusal(_moved(rel_dir), "unsafe"),)
     vanished, young = len(checked.vanished), checked.young
     return DeleteReport(files, size, vanished, young, refused, dry_run, stopped=halted)
 
@@ -270,24 +270,32 @@ def delete_dir(
     blocks are all gone (only one that vouches for its own folder), and its folder.
     `listeners` as delete_files'; stopped by one, the dir and the rest of its files stay.
     """
+    dirs: set[str] = set()
+    report = DeleteReport(dry_run=dry_run)
     with open_dir(root, rel_dir) as fd:
-        names, dirs = tree_names(fd, fmt)
-    report = delete_files(
-        root,
-        rel_dir,
-        names,
-        dry_run=dry_run,
-        min_age=min_age,
-        fmt=fmt,
-        listeners=listeners,
-    )
+        for names in tree_chunks(fd, fmt, LISTED, dirs):
+            report += delete_files(
+                root,
+                rel_dir,
+                names,
+                dry_run=dry_run,
+                min_age=min_age,
+                fmt=fmt,
+                listeners=listeners,
+            )
+            if report.stopped or _moved(rel_dir) in report.refused:
+                break  # halted, or the dir moved or replaced: the rest stays
     if dry_run or report.stopped or report.refused or report.young:
         return report
     try:
-        why = _remove_dirs(root, rel_dir, dirs, fmt, now)
+        why = _remove_dirs(root, rel_dir, deepest_first(dirs), fmt, now)
     except FileNotFoundError:  # another deletion of it removed it first: what this one
         return report  # deleted is still its to report (and audit)
     return report + DeleteReport(refused=(why,)) if why else report
+
+
+def _moved(rel_dir: str) -> str:
+    return f"{rel_dir}: moved or replaced while its files were deleted; stopped"
 
 
 def _remove_dirs(
