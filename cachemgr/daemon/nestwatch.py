@@ -40,6 +40,11 @@ from cachemgr.fs.tree import on_mount, vouched
 from cachemgr.layout import Layout
 
 
+def _rel(cb: Any) -> str:
+    """The dir a watch callback watches, relative to the root."""
+    return f"ns/{cb.ns_id}/{cb.path}".rstrip("/")
+
+
 def _own_dir(dir_fd: int, name: str) -> int:
     """A descriptor of dir `name` in `dir_fd` if it is on its mount (not a link, not a mount
     point), else -1."""
@@ -134,9 +139,8 @@ class NestWatches:
 
     def _list(self, cb: Any) -> list[tuple[str, os.stat_result]] | None:
         """The entries of `cb`'s dir and their lstat; None if it cannot be listed."""
-        rel = f"ns/{cb.ns_id}/{cb.path}".rstrip("/")
         try:
-            with open_dir(self.watcher.layout.root, rel) as fd, os.scandir(fd) as entries:
+            with open_dir(self.watcher.layout.root, _rel(cb)) as fd, os.scandir(fd) as entries:
                 return [(e.name, e.stat(follow_symlinks=False)) for e in entries]
         except (OSError, UnsafePathError):
             return None
@@ -145,9 +149,8 @@ class NestWatches:
         """Watch the engine's dirs in `cb`'s dir, each opened from its descriptor (neither a
         link nor on another mount: no walk from the root each) and watched through that
         descriptor, so a dir of the path swapped for a link meanwhile leads nowhere else."""
-        rel = f"ns/{cb.ns_id}/{cb.path}".rstrip("/")
         try:
-            with open_dir(self.watcher.layout.root, rel) as fd:
+            with open_dir(self.watcher.layout.root, _rel(cb)) as fd:
                 with os.scandir(fd) as entries:
                     names = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
                 for name in names:

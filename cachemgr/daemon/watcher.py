@@ -367,9 +367,17 @@ class Watcher:
             return ns_id in self._watches
 
     def watch(self, ns_id: str, *, fresh: bool = False) -> bool:
-        """Start watching a namespace dir (and, nested, every dir in it); False if it is gone.
-        Call before scanning it. Watched already with the format it has: nothing to do.
-        `fresh`: the pages found in its dirs were just stored (counted as writes)."""
+        """Start watching a namespace dir (and, nested, every dir in it); False if it is gone
+        or the kernel refused its watch (`refused`). Call before scanning it. Watched already
+        with the format it has: nothing to do. `fresh`: the pages found in its dirs were just
+        stored (counted as writes)."""
+        refused = self.gaps.refused
+        watched = self._watch(ns_id, fresh)
+        if self.gaps.refused == refused:  # every dir it wants is watched (or it is gone)
+            self._all_watched(ns_id)
+        return watched
+
+    def _watch(self, ns_id: str, fresh: bool) -> bool:
         assert self._fd is not None, "start() first"
         fmt = self.format_of(ns_id)
         with self._lock:
@@ -381,16 +389,10 @@ class Watcher:
             with self._lock:
                 deep = ns_id in self._stale or ns_id in self._short
                 self._stale.discard(ns_id)
-            refused = self.gaps.refused
             self.nest.below(current, fresh=False, deep=deep)
-            if deep and self.gaps.refused == refused:
-                self._all_watched(ns_id)
             return True
         cb = _DirWatch(ns_id, self, fmt)
-        refused = self.gaps.refused
         if not self.add(cb, self.layout.ns_dir(ns_id)):
-            if self.gaps.refused == refused:  # gone, not refused: nothing to watch or scan
-                self._all_watched(ns_id)
             return False
         with self._lock:
             self._unwatched.discard(ns_id)
@@ -400,8 +402,6 @@ class Watcher:
             self._remove(old)
         self.nest.drop(ns_id)
         self.nest.below(cb, fresh=fresh)
-        if self.gaps.refused == refused:
-            self._all_watched(ns_id)
         return True
 
     def _all_watched(self, ns_id: str) -> None:

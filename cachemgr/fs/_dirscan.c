@@ -433,6 +433,13 @@ static void sql_xor(sqlite3_context *ctx, int argc, sqlite3_value **argv) {
     sq.result_int64(ctx, sq.value_int64(argv[0]) ^ sq.value_int64(argv[1]));
 }
 
+/* dlsym `name` in `h` into `call`, a field of `sq`; 0 if it is not there. */
+static int find_call(void *h, const char *name, void *call) {
+    void *f = dlsym(h, name);
+    memcpy(call, &f, sizeof f); /* (a data pointer into a call pointer: POSIX's dlsym idiom) */
+    return f != NULL;
+}
+
 /* Find SQLite's calls in `lib` (the sqlite3 module's extension, loaded already). */
 static int find_sqlite(const char *lib) {
     if (sq.create_function != NULL)
@@ -440,29 +447,26 @@ static int find_sqlite(const char *lib) {
     void *h = dlopen(lib, RTLD_LAZY | RTLD_NOLOAD);
     if (h == NULL)
         return 0;
-    static const char *const names[] = {
-        "sqlite3_value_type",   "sqlite3_value_text",   "sqlite3_value_bytes",
-        "sqlite3_value_int64",  "sqlite3_result_int64", "sqlite3_result_error",
-        "sqlite3_prepare_v2",   "sqlite3_bind_text",    "sqlite3_bind_int64",
-        "sqlite3_bind_double",  "sqlite3_step",         "sqlite3_reset",
-        "sqlite3_finalize",     "sqlite3_errmsg",       "sqlite3_db_handle",
-    };
-    enum { N = sizeof names / sizeof *names };
-    void *f[N];
-    int found = 1;
-    for (int i = 0; i < N; i++)
-        found &= (f[i] = dlsym(h, names[i])) != NULL;
     void *create = dlsym(h, "sqlite3_create_function_v2");
+    int found = create != NULL && find_call(h, "sqlite3_value_type", &sq.value_type) &&
+                find_call(h, "sqlite3_value_text", &sq.value_text) &&
+                find_call(h, "sqlite3_value_bytes", &sq.value_bytes) &&
+                find_call(h, "sqlite3_value_int64", &sq.value_int64) &&
+                find_call(h, "sqlite3_result_int64", &sq.result_int64) &&
+                find_call(h, "sqlite3_result_error", &sq.result_error) &&
+                find_call(h, "sqlite3_prepare_v2", &sq.prepare) &&
+                find_call(h, "sqlite3_bind_text", &sq.bind_text) &&
+                find_call(h, "sqlite3_bind_int64", &sq.bind_int64) &&
+                find_call(h, "sqlite3_bind_double", &sq.bind_double) &&
+                find_call(h, "sqlite3_step", &sq.step) && find_call(h, "sqlite3_reset", &sq.reset) &&
+                find_call(h, "sqlite3_finalize", &sq.finalize) &&
+                find_call(h, "sqlite3_errmsg", &sq.errmsg) &&
+                find_call(h, "sqlite3_db_handle", &sq.db_handle);
     dlclose(h); /* (NOLOAD: the module keeps it loaded) */
-    if (!found || create == NULL)
-        return 0;
-    /* the calls in `names` order, as the fields of `sq` after create_function */
-    _Static_assert(sizeof sq == (N + 1) * sizeof(void *), "sq: one pointer per call");
-    memcpy((char *)&sq + sizeof(void *), f, sizeof f);
-    memcpy(&sq.create_function, &create, sizeof create); /* last: the "found" flag */
-    return 1;
+    if (found)  /* last: the flag that all of them are there */
+        memcpy(&sq.create_function, &create, sizeof create);
+    return found;
 }
-
 
 /* Where scan(..., rows) stores a row per page file as the walk meets it: an INSERT prepared
  * on the caller's connection, stepped by every walker in turn. */

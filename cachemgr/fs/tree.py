@@ -145,19 +145,12 @@ def by_dirs(ns_fd: int, paths: list[str], fmt: FileFormat) -> tuple[ByDir, list[
     return groups, bad
 
 
-def tree_names(ns_fd: int, fmt: FileFormat) -> tuple[list[str], list[str]]:
-    """Every name in the dirs that may hold page files (paths below `ns_fd`), and the dirs of
-    the nesting below it, deepest first (none for a flat format)."""
-    dirs: set[str] = set()
-    names = [name for chunk in tree_chunks(ns_fd, fmt, 1 << 16, dirs) for name in chunk]
-    return names, deepest_first(dirs)
-
-
 def tree_chunks(ns_fd: int, fmt: FileFormat, size: int, dirs: set[str]) -> Iterator[list[str]]:
-    """tree_names' names, `size` at a time, each chunk listed when asked for (a purged dir of
-    ten million files is not one list of them: a gigabyte); the dirs of the nesting met are
-    added to `dirs`. A chunk's files deleted before the next is asked for do not move the
-    names not listed yet (readdir's position holds)."""
+    """Every name in the dirs that may hold page files (paths below `ns_fd`), `size` at a
+    time, each chunk listed when asked for (a purged dir of ten million files is not one list
+    of them: a gigabyte); the dirs of the nesting met (none for a flat format) are added to
+    `dirs`. A chunk's files deleted before the next is asked for do not move the names not
+    listed yet (readdir's position holds)."""
     chunk: list[str] = []
     for fd, path in leaves(ns_fd, fmt):
         parts = path.rstrip("/").split("/") if path else []
@@ -173,6 +166,7 @@ def tree_chunks(ns_fd: int, fmt: FileFormat, size: int, dirs: set[str]) -> Itera
 
 
 def deepest_first(dirs: set[str]) -> list[str]:
+    """Dirs below a namespace dir in an order to remove them once empty: children first."""
     return sorted(dirs, key=lambda d: -d.count("/"))
 
 

@@ -11,18 +11,19 @@ import logging
 import os
 import re
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Literal
 
 from cachemgr.backends import FileFormat, FileKind
 from cachemgr.errors import UnsafePathError
 from cachemgr.formats import DEFAULT_FORMAT
-from cachemgr.fs.deletion import DeleteReport, Listeners, Pacer, delete_dir
+from cachemgr.fs.deletion import LISTED, DeleteReport, Listeners, Pacer, delete_dir
 from cachemgr.fs.dirscan import Usage, scan_usage
 from cachemgr.fs.safe import open_dir
-from cachemgr.fs.tree import format_in, tree_names
+from cachemgr.fs.tree import format_in, tree_chunks
 from cachemgr.layout import Layout
 from cachemgr.ns.runcontext import RunContext
 from cachemgr.state.store import Store
@@ -81,13 +82,10 @@ def _foreign_example(layout: Layout, entry: str) -> str | None:
     try:
         with open_dir(layout.root, f".trash/{entry}") as fd:
             fmt = format_in(fd)
-            names, _ = tree_names(fd, fmt)
+            names: Iterable[str] = chain.from_iterable(tree_chunks(fd, fmt, LISTED, set()))
             if fmt.nesting is not None:  # what stays above the blocks: the identity files
-                names += [
-                    str(Path(d.name, fmt.nesting.identity_file))
-                    for d in os.scandir(fd)
-                    if d.is_dir(follow_symlinks=False)
-                ]
+                tops = [d.name for d in os.scandir(fd) if d.is_dir(follow_symlinks=False)]
+                names = chain(names, (str(Path(t, fmt.nesting.identity_file)) for t in tops))
             for name in names:
                 if _left_alone(layout.trash / entry, name, fmt):
                     return str(layout.trash / entry / name)

@@ -43,12 +43,11 @@ DIGEST_HEX = 12
 _HEX = r"(?:[0-9a-f]{32}|[0-9a-f]{64})"
 PAGE_RE = re.compile(rf"(?P<key>{_HEX})\.bin")
 TEMP_RE = re.compile(rf"{_HEX}\.bin_\d{{1,20}}\.tmp")
-# (not a name os.fsdecode() had to escape, \udc80-\udcff: vLLM writes UTF-8 names, and the
-# index stores the paths below as UTF-8 text)
-FOLDER_RE = re.compile(rf"(?P<model>[^/\x00\udc80-\udcff]+)_(?P<digest>[0-9a-f]{{{DIGEST_HEX}}})")
-RANK_DIR_RE = re.compile(
-    rf"(?P<folder>[^/\x00\udc80-\udcff]+_[0-9a-f]{{{DIGEST_HEX}}})_r(?P<rank>\d{{1,6}})"
-)
+# A model's part of a folder name: not a name os.fsdecode() had to escape (\udc80-\udcff):
+# vLLM writes UTF-8 names, and the index stores the paths below as UTF-8 text.
+_MODEL = r"[^/\x00\udc80-\udcff]+"
+FOLDER_RE = re.compile(rf"(?P<model>{_MODEL})_(?P<digest>[0-9a-f]{{{DIGEST_HEX}}})")
+RANK_DIR_RE = re.compile(rf"(?P<folder>{_MODEL}_[0-9a-f]{{{DIGEST_HEX}}})_r(?P<rank>\d{{1,6}})")
 HASH3_DIR_RE = re.compile(r"[0-9a-f]{3}")
 GROUP_DIR_RE = re.compile(r"[0-9a-f]{2}_g\d{1,6}")
 
