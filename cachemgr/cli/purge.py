@@ -25,6 +25,7 @@ from cachemgr.ns.purge import (
 )
 from cachemgr.ns.purge import plan_purge as make_plan
 from cachemgr.ns.root import existing_layout, opened_store, reading_store
+from cachemgr.state import trash_sql
 from cachemgr.units import human_bytes
 
 
@@ -71,7 +72,8 @@ def purge(
     if dry_run:
         with reading_store(layout) as store:
             plan = select(layout, store)
-        _show_plan(plan, layout_trash=describe_trash(layout), as_json=as_json)
+            trash = describe_trash(layout, trash_sql.recorded(store.conn))
+        _show_plan(plan, layout_trash=trash, as_json=as_json)
         return
     create_root(layout)  # a root whose ns/ or .trash/ went missing still purges
     with opened_store(layout) as store:

@@ -52,7 +52,7 @@ from cachemgr.layout import Layout
 from cachemgr.ns.status import NamespaceStatus, namespace_statuses
 from cachemgr.ns.trash import left_for_people
 from cachemgr.settings import one_off
-from cachemgr.state import busy, registry_sql
+from cachemgr.state import busy, registry_sql, trash_sql
 from cachemgr.state.dbfile import unavailable
 from cachemgr.state.status import bindings_by_namespace
 
@@ -85,6 +85,10 @@ def create_app(backend: Backend) -> FastAPI:
         live = backend.index.counters if backend.index is not None else None
         with backend.reader() as conn:
             return namespace_statuses(conn, backend.layout, live)
+
+    def trash_counts() -> dict[str, tuple[int, int]]:
+        with backend.reader() as conn:
+            return trash_sql.recorded(conn)
 
     @app.get("/healthz", response_model=Health, tags=["health"])
     def healthz() -> Health:
@@ -146,7 +150,7 @@ def create_app(backend: Backend) -> FastAPI:
             filesystem_size_bytes=du.total if du else None,
             gc_limits=gc_limits(backend.gc.policy) if backend.gc is not None else None,
             gc_unmet=[GcUnmet.of(u) for u in backend.gc.stats.unmet] if backend.gc else [],
-            left_for_a_person=left_for_people(backend.layout),
+            left_for_a_person=left_for_people(backend.layout, trash_counts()),
         )
 
     @app.get("/v1/namespaces", response_model=list[NamespaceStatus], tags=["status"])

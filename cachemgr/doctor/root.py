@@ -18,6 +18,7 @@ from cachemgr.ns.bindings import read_bindings
 from cachemgr.ns.manifest import format_of
 from cachemgr.ns.purge import describe_trash
 from cachemgr.ns.registry import list_namespaces, on_disk
+from cachemgr.state import trash_sql
 from cachemgr.state.store import Store
 from cachemgr.units import human_bytes
 
@@ -38,7 +39,7 @@ def lint_root(layout: Layout, store: Store | None) -> list[Finding]:
             what = f"{layout.ns_dir(ns.ns_id)} has no manifest: nobody knows who wrote its pages"
             fix = f"cachemgr purge --namespace {ns.ns_id}"
             found.append(Finding("warning", "ns-no-manifest", what, fix))
-    for entry in describe_trash(layout):
+    for entry in describe_trash(layout, trash_sql.recorded(store.conn) if store else None):
         if entry.problem:
             what = f".trash/{entry.name}: {entry.problem}"
             found.append(Finding("error", "trash-unsafe", what, hands_off))

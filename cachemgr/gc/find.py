@@ -7,7 +7,7 @@ import os
 import sqlite3
 import stat
 from collections import Counter, defaultdict
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from contextlib import suppress
 from dataclasses import dataclass, replace
 
@@ -101,10 +101,14 @@ def own_temps(layout: Layout) -> list[OwnTemp]:
 
 
 def trash_leftovers(
-    layout: Layout, warnings: list[str], counts: TrashCounts | None = None
+    layout: Layout,
+    warnings: list[str],
+    counts: TrashCounts | None = None,
+    recorded: Mapping[str, tuple[int, int]] | None = None,
 ) -> list[GcStep]:
     """A step for each purged namespace in .trash/ (purges not finished yet): its page and
-    temp files, counted (`counts`: as the daemon's runs know them), not listed: its drain
+    temp files, counted (`recorded`: what the purges recorded, less what drains deleted
+    since; `counts`: the others, as the daemon's runs know them), not listed: its drain
     lists them (cachemgr.ns.trash.drain_entry)."""
     found: list[GcStep] = []
     try:
@@ -116,7 +120,7 @@ def trash_leftovers(
     counts.keep(entries)
     for entry in entries:
         try:
-            count = counts.of(layout, entry)
+            count = counts.of(layout, entry, recorded or {})
         except UnsafePathError as e:  # a symlink or a file: left for a person, reported
             warnings.append(f".trash/{entry} skipped: {e}")
             continue
@@ -151,8 +155,15 @@ class TrashCounts:
     def __init__(self) -> None:
         self._known: dict[str, TrashCount | None] = {}
 
-    def of(self, layout: Layout, entry: str) -> TrashCount | None:
-        """The entry's count (None: it is gone); a scan if it is not known yet."""
+    def of(
+        self, layout: Layout, entry: str, recorded: Mapping[str, tuple[int, int]]
+    ) -> TrashCount | None:
+        """The entry's count (None: it is gone): as `recorded`, else a scan if it is not known
+        yet. A recorded count names no foreign file: the drain that ends it forgets it, and
+        the scan of what is left then does (cachemgr.state.trash_sql)."""
+        if entry in recorded:  # kept by every process's drains: never counted down here
+            self._known.pop(entry, None)
+            return TrashCount(*recorded[entry], note=None)
         if entry not in self._known:
             self._known[entry] = _count(layout, entry)
         return self._known[entry]

@@ -50,7 +50,7 @@ from cachemgr.ns.trash import (  # re-exported: purge and trash are one API for 
     drain_trash,
     list_trash,
 )
-from cachemgr.state import pages_sql
+from cachemgr.state import pages_sql, trash_sql
 from cachemgr.state.store import Store
 
 __all__ = [
@@ -151,6 +151,10 @@ def _purge_one(
                 removed, recreated = False, True
         else:
             pages_sql.delete_namespace_pages(store.conn, target.ns_id)
+        # Its drain then starts without a count to take first. Not in a fleet: a node's DB
+        # is its own, and another node's drains would not count it down.
+        if trash_name is not None and target.pages and layout.node is None:
+            trash_sql.record(store.conn, trash_name, target.pages, target.bytes)
         store.audit(
             "purge",
             namespace_id=target.ns_id,

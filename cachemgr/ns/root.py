@@ -22,6 +22,7 @@ from cachemgr.ns.registry import adopt_from_disk
 from cachemgr.ns.status import NamespaceStatus, namespace_statuses
 from cachemgr.ns.trash import left_for_people
 from cachemgr.settings import Settings
+from cachemgr.state import trash_sql
 from cachemgr.state.dbfile import unavailable
 from cachemgr.state.snapshot import snapshot
 from cachemgr.state.store import Store
@@ -81,14 +82,16 @@ def status_from_disk(layout: Layout) -> dict[str, Any]:
     from the DB (a lost DB, or one moved aside as corrupt, learns the namespaces from disk)."""
     statuses: list[NamespaceStatus] = []
     missing = None
+    recorded: dict[str, tuple[int, int]] = {}
     if has_state(layout):
         with reading_what_it_can(layout, page_rows=False) as (store, missing):
             statuses = namespace_statuses(store.conn, layout)
+            recorded = trash_sql.recorded(store.conn)
     return {
         "root": str(layout.root),
         "source": "disk",
         "namespaces": [_counted(layout, s).model_dump(mode="json") for s in statuses],
-        "left_for_a_person": left_for_people(layout),
+        "left_for_a_person": left_for_people(layout, recorded),
         "state_dir_problem": missing,
     }
 

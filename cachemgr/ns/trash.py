@@ -11,7 +11,7 @@ import logging
 import os
 import re
 import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
@@ -26,6 +26,7 @@ from cachemgr.fs.safe import open_dir
 from cachemgr.fs.tree import format_in, tree_chunks
 from cachemgr.layout import Layout
 from cachemgr.ns.runcontext import RunContext
+from cachemgr.state import trash_sql
 from cachemgr.state.store import Store
 
 Actor = Literal["cli", "http", "auto"]
@@ -119,18 +120,24 @@ def _first_left_alone(top: Path, fmt: FileFormat) -> str | None:
     return None
 
 
-def left_for_people(layout: Layout) -> list[str]:
+def left_for_people(
+    layout: Layout, recorded: Mapping[str, tuple[int, int]] | None = None
+) -> list[str]:
     """`.trash/<entry>: left for a person: …` for each entry deletion cannot finish."""
     return [
         f".trash/{t.name}: {t.left_for_a_person}"
-        for t in describe_trash(layout)
+        for t in describe_trash(layout, recorded)
         if t.left_for_a_person
     ]
 
 
-def describe_trash(layout: Layout) -> list[TrashEntry]:
+def describe_trash(
+    layout: Layout, recorded: Mapping[str, tuple[int, int]] | None = None
+) -> list[TrashEntry]:
     """What .trash/ holds, scanned without following symlinks; an unsafe .trash/ itself is
-    one entry named "" with its problem."""
+    one entry named "" with its problem. An entry in `recorded` (what its purge recorded, less
+    what drains deleted: cachemgr.state.trash_sql) is not walked (a /v1/status walked 9M
+    files): its foreign names are found once the drain that ends its count is done."""
     out = []
     try:
         names = list_trash(layout)
@@ -139,10 +146,16 @@ def describe_trash(layout: Layout) -> list[TrashEntry]:
     for name in names:
         ns = name.partition(".")[0]
         try:
+            if recorded and name in recorded:
+                with open_dir(layout.root, f".trash/{name}"):  # refuses a link in its place
+                    out.append(TrashEntry(name, ns, *recorded[name]))
+                continue
             scanned = scan_entry(layout, name)
         except UnsafePathError as e:
             out.append(TrashEntry(name, ns, 0, 0, str(e)))
             continue
+        except FileNotFoundError:
+            continue  # drained since it was listed
         if scanned is not None:
             usage, example = scanned
             out.append(TrashEntry(name, ns, usage.pages, usage.bytes, None, usage.other, example))
@@ -177,7 +190,8 @@ def drain_trash(
         entries = list_trash(layout)
     except UnsafePathError as e:
         return DeleteReport(refused=(str(e),), dry_run=dry_run)
-    totals = {e: _count_names(layout, e) for e in entries}
+    recorded = trash_sql.recorded(store.conn)
+    totals = {e: recorded[e][0] if e in recorded else _count_names(layout, e) for e in entries}
     total = sum(totals.values())
     report = DeleteReport(dry_run=dry_run)
     run = RunContext(layout, store, actor=actor, dry_run=dry_run, pacer=pacer)
@@ -214,9 +228,9 @@ def drain_entry(
     except UnsafePathError as e:
         return DeleteReport(refused=(f".trash/{entry}: {e}",), dry_run=dry_run)
     except FileNotFoundError:
-        return DeleteReport(dry_run=dry_run)  # another drain finished it
-    if not dry_run and audit_as is not None:
-        _audit_deleted(run.store, entry, part, run.actor, audit_as)
+        return DeleteReport(dry_run=dry_run)  # another drain finished it (and its count)
+    if not dry_run and audit_as is not None:  # (GC's drops record no count)
+        _record_deleted(run.store, entry, part, run.actor, audit_as)
     return part
 
 
@@ -232,11 +246,17 @@ def _ticker(
     )
 
 
-def _audit_deleted(
+def _record_deleted(
     store: Store, entry: str, part: DeleteReport, actor: str, audit_as: tuple[str, str]
 ) -> None:
+    """The audit row, and the entry's count less what `part` deleted (forgotten once its
+    drain is done: what it left, foreign names, a scan counts and names)."""
     m = TRASH_RE.fullmatch(entry)
     with store.transaction(patience=float("inf")):  # the files are gone: the audit must land
+        if part.stopped or part.young:
+            trash_sql.drained(store.conn, entry, part.files, part.bytes)
+        else:
+            trash_sql.forget(store.conn, entry)
         store.audit(
             audit_as[0],
             namespace_id=m["ns"] if m else None,
@@ -257,9 +277,9 @@ def trash_format(layout: Layout, entry: str) -> FileFormat:
 
 
 def _count_names(layout: Layout, entry: str) -> int:
-    """How many names a trash entry holds (a listdir: ~1M names/s), for a progress total."""
+    """How many names a trash entry holds (read, not kept: ~1M names/s), for a progress total."""
     try:
-        with open_dir(layout.root, f".trash/{entry}") as fd:
-            return len(os.listdir(fd))
+        with open_dir(layout.root, f".trash/{entry}") as fd, os.scandir(fd) as names:
+            return sum(1 for _ in names)
     except (OSError, UnsafePathError):
         return 0
