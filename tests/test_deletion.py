@@ -273,8 +273,11 @@ def test_delete_dir_lists_a_big_dir_a_chunk_at_a_time_and_empties_it(
     dry = delete_dir(root, ".trash/0123456789abcdef.1", fmt=fmt, dry_run=True)
     assert max(chunks) <= 7 and sum(chunks) >= 100
     (entry / ("zz" + names[0].rpartition("/")[2] + ".keep")).write_text("a person's")
-    report = delete_dir(root, ".trash/0123456789abcdef.1", fmt=fmt)
+    told: list[tuple[int, int]] = []
+    heard = Listeners(progress=lambda files, size: told.append((files, size)))
+    report = delete_dir(root, ".trash/0123456789abcdef.1", fmt=fmt, listeners=heard)
     assert (dry.files, dry.bytes) == (report.files, report.bytes) == (100, 1000)
+    assert told == sorted(told) and told[-1] == (100, 1000)  # running totals, not a chunk's
     assert len(report.refused) == 1 and entry.is_dir()  # the foreign file keeps the dir
     (entry / ("zz" + names[0].rpartition("/")[2] + ".keep")).unlink()
     assert delete_dir(root, ".trash/0123456789abcdef.1", fmt=fmt).files == 0

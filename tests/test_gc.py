@@ -16,9 +16,6 @@ from cachemgr.gc.check import needs_gc
 from cachemgr.gc.execute import CHUNK, execute_gc
 from cachemgr.gc.find import TrashCounts
 from cachemgr.gc.runner import GcRunner
-from cachemgr.ns.purge import purge
-from cachemgr.ns.trash import describe_trash, drain_entry, left_for_people
-from cachemgr.state import trash_sql
 from cachemgr.state.index import scan_root
 from cachemgr.state.store import Store
 from tests.gc_helpers import NS, NS2, T0, Tree, big_disk, evicted, page, policy, temp
@@ -385,43 +382,6 @@ def test_a_trash_entry_is_counted_once_and_then_less_what_runs_drained(tree: Tre
     assert gcfind.trash_leftovers(tree.layout, [], counts) == []
     entry.mkdir()  # (a name never comes back: `counts` forgot it with its entry)
     assert [s.files for s in gcfind.trash_leftovers(tree.layout, [], counts)] == [0]
-
-
-def test_a_purge_records_its_count_so_that_its_drain_starts_without_a_walk(tree: Tree) -> None:
-    """GC counts a trash entry before it drains it, and a walk of 9M files kept a purge's drain
-    from starting for minutes. The purge records what it moved; each drain counts it down; the
-    drain that ends it forgets it, and what the entry still holds is scanned (and named)."""
-    tree.write(NS, [page(i) for i in range(600)], at=T0, size=100)
-    _, result = purge(tree.layout, tree.store, actor="cli", reason="manual", namespace=NS)
-    entry = result.purged[0].trash_name
-    assert entry is not None
-    moved = tree.layout.trash / entry
-    (moved / page(999)).write_bytes(b"x" * 100)  # a scan would count it: the record does not
-    (moved / "notes.txt").write_text("mine")  # foreign: the drain leaves it
-
-    def trash_step() -> tuple[int, int]:
-        (step,) = [s for s in tree.plan(policy(), now=T0 + 10).steps if s.reason == "trash"]
-        return step.files, step.bytes
-
-    assert trash_step() == (600, 60_000) == trash_sql.recorded(tree.store.conn)[entry]
-    (told,) = describe_trash(tree.layout, trash_sql.recorded(tree.store.conn))  # status, ls
-    assert (told.pages, told.bytes, told.foreign) == (600, 60_000, 0)
-    drain_entry(tree.run(dry_run=True), entry)
-    assert trash_step() == (600, 60_000)  # a dry run counts nothing down
-    asked = iter([False, True])  # stopped after its first part, as a shutdown stops it
-    part = drain_entry(tree.run(stop=lambda: next(asked)), entry)
-    assert part.stopped and 0 < part.files < 601
-    assert trash_step() == (600 - part.files, 60_000 - part.bytes)
-    rest = drain_entry(tree.run(), entry)
-    assert part.files + rest.files == 601 and sorted(os.listdir(moved)) == ["notes.txt"]
-    assert trash_sql.recorded(tree.store.conn) == {}
-    plan = tree.plan(policy(), now=T0 + 10)  # scanned now: no page left, the foreign file said
-    assert [(s.reason, s.files) for s in plan.steps] == [("trash", 0)]
-    note = f"left for a person: 1 foreign file, e.g. {moved}/notes.txt"
-    assert plan.warnings == (f".trash/{entry}: {note}",)
-    assert left_for_people(tree.layout, trash_sql.recorded(tree.store.conn)) == [
-        f".trash/{entry}: {note}"
-    ]
 
 
 def test_a_crossed_limit_is_held_before_a_due_sweep_lists_the_dirs(tree: Tree) -> None:

@@ -17,7 +17,7 @@ import os
 import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -281,7 +281,7 @@ def delete_dir(
                 dry_run=dry_run,
                 min_age=min_age,
                 fmt=fmt,
-                listeners=listeners,
+                listeners=_after(listeners, report),
             )
             if report.stopped or _moved(rel_dir) in report.refused:
                 break  # halted, or the dir moved or replaced: the rest stays
@@ -296,6 +296,14 @@ def delete_dir(
 
 def _moved(rel_dir: str) -> str:
     return f"{rel_dir}: moved or replaced while its files were deleted; stopped"
+
+
+def _after(listeners: Listeners, before: DeleteReport) -> Listeners:
+    """`listeners` for a chunk of a deletion, its running totals counted from `before`'s."""
+    progress = listeners.progress
+    if progress is None or not before.files:
+        return listeners
+    return replace(listeners, progress=lambda f, b: progress(before.files + f, before.bytes + b))
 
 
 def _remove_dirs(

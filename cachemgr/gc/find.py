@@ -163,7 +163,11 @@ class TrashCounts:
         the scan of what is left then does (cachemgr.state.trash_sql)."""
         if entry in recorded:  # kept by every process's drains: never counted down here
             self._known.pop(entry, None)
-            return TrashCount(*recorded[entry], note=None)
+            try:
+                with open_dir(layout.root, f".trash/{entry}"):  # refuses a link in its place
+                    return TrashCount(*recorded[entry], note=None)
+            except FileNotFoundError:
+                return None
         if entry not in self._known:
             self._known[entry] = _count(layout, entry)
         return self._known[entry]

@@ -143,6 +143,9 @@ def _purge_one(
         if _done_meanwhile(layout, target, bound=bool(instances)):
             return None  # another purge (an init, GC) got there since the plan, and audited it
         manifest = manifest_or_none(layout, target.ns_id) if not instances else None
+        # What moves, for its drain's count: the live index's now, not the plan's (a bound
+        # namespace is written to while a person reads the prompt).
+        moved = pages_sql.namespace_usage(store.conn, target.ns_id) if plan.indexed else None
         trash_name = rename_to_trash(layout, target.ns_id, recreate=bool(instances))
         removed, recreated = False, bool(instances)
         if not instances:
@@ -153,8 +156,9 @@ def _purge_one(
             pages_sql.delete_namespace_pages(store.conn, target.ns_id)
         # Its drain then starts without a count to take first. Not in a fleet: a node's DB
         # is its own, and another node's drains would not count it down.
-        if trash_name is not None and target.pages and layout.node is None:
-            trash_sql.record(store.conn, trash_name, target.pages, target.bytes)
+        pages, size = moved or (target.pages, target.bytes)
+        if trash_name is not None and pages and layout.node is None:
+            trash_sql.record(store.conn, trash_name, pages, size)
         store.audit(
             "purge",
             namespace_id=target.ns_id,

@@ -41,6 +41,7 @@ class PurgePlan:
     selector: str
     only_unbound: bool = False  # a target bound since the plan was made is then skipped
     problems: tuple[str, ...] = ()  # selected namespaces left alone (nsreg.damaged), and why
+    indexed: bool = False  # its counts are a live index's (read again as each target moves)
 
     @property
     def pages(self) -> int:
@@ -98,14 +99,22 @@ def plan_purge(
         ids, selector = sorted((dirs | manifests) - set(bound)), "unbound"
     # A damaged namespace is skipped and reported; the others are purged all the same.
     problems = tuple(f"ns/{ns}: {damaged[ns][1]}" for ns in ids if ns in damaged)
-    counter = page_counter(layout, store) if count else indexed_counter(layout, store)
+    indexed = indexed_counter(layout, store)
+    counter = indexed or (_scanner(layout) if count else None)
     targets = tuple(
         _target(layout, ns, bound.get(ns, ()), ns in manifests, counter)
         for ns in ids
         if ns not in damaged
     )
     trash = tuple(list_trash(layout))
-    return PurgePlan(targets, trash, selector, only_unbound=unbound, problems=problems)
+    return PurgePlan(
+        targets,
+        trash,
+        selector,
+        only_unbound=unbound,
+        problems=problems,
+        indexed=indexed is not None,
+    )
 
 
 Counter = Callable[[str], tuple[int, int]]  # namespace id -> (pages, bytes)
@@ -113,7 +122,7 @@ Counter = Callable[[str], tuple[int, int]]  # namespace id -> (pages, bytes)
 
 def page_counter(layout: Layout, store: Store) -> Counter:
     """How to count what a namespace holds: the live index's counts, else a scan of its dir."""
-    return indexed_counter(layout, store) or (lambda ns_id: _scanned(layout, ns_id))
+    return indexed_counter(layout, store) or _scanner(layout)
 
 
 def indexed_counter(layout: Layout, store: Store) -> Counter | None:
@@ -124,9 +133,14 @@ def indexed_counter(layout: Layout, store: Store) -> Counter | None:
     return None
 
 
-def _scanned(layout: Layout, ns_id: str) -> tuple[int, int]:
-    usage = scan_usage(layout, f"ns/{ns_id}", format_of(layout, ns_id))
-    return (usage.pages, usage.bytes) if usage else (0, 0)
+def _scanner(layout: Layout) -> Counter:
+    """Counts of a namespace by a scan of its dir."""
+
+    def scanned(ns_id: str) -> tuple[int, int]:
+        usage = scan_usage(layout, f"ns/{ns_id}", format_of(layout, ns_id))
+        return (usage.pages, usage.bytes) if usage else (0, 0)
+
+    return scanned
 
 
 def _target(

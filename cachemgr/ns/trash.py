@@ -11,14 +11,16 @@ import logging
 import os
 import re
 import stat
+import time
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import suppress
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
 from typing import Literal
 
 from cachemgr.backends import FileFormat, FileKind
-from cachemgr.errors import UnsafePathError
+from cachemgr.errors import StateLocked, UnsafePathError
 from cachemgr.formats import DEFAULT_FORMAT
 from cachemgr.fs.deletion import LISTED, DeleteReport, Listeners, Pacer, delete_dir
 from cachemgr.fs.dirscan import Usage, scan_usage
@@ -215,6 +217,8 @@ def drain_entry(
     `min_age` stay (GC's drops pass its min_age; a purge's drain deletes everything).
     """
     dry_run = run.dry_run
+    counted = not dry_run and audit_as is not None  # (GC's drops record no count)
+    count = _CountDown(run.store, entry, progress) if counted else None
     try:
         part = delete_dir(
             run.layout.root,
@@ -223,15 +227,54 @@ def drain_entry(
             min_age=min_age,
             fmt=trash_format(run.layout, entry),
             # per part, as GC's own chunks: a leader that lost its lease stops mid-entry
-            listeners=Listeners(run.pacer, progress, stop=run.stop),
+            listeners=Listeners(run.pacer, count or progress, stop=run.stop),
         )
-    except UnsafePathError as e:
-        return DeleteReport(refused=(f".trash/{entry}: {e}",), dry_run=dry_run)
-    except FileNotFoundError:
-        return DeleteReport(dry_run=dry_run)  # another drain finished it (and its count)
-    if not dry_run and audit_as is not None:  # (GC's drops record no count)
-        _record_deleted(run.store, entry, part, run.actor, audit_as)
+    except BaseException as e:
+        if count is not None:
+            count.take(patience=COUNT_PATIENCE)  # what went before the error or interrupt
+        if isinstance(e, UnsafePathError):
+            return DeleteReport(refused=(f".trash/{entry}: {e}",), dry_run=dry_run)
+        if isinstance(e, FileNotFoundError):
+            return DeleteReport(dry_run=dry_run)  # another drain finished it (and its count)
+        raise
+    if count is not None and audit_as is not None:
+        _record_deleted(run.store, entry, part, count, run.actor, audit_as)
     return part
+
+
+COUNT_EVERY = 1.0  # s: what a drain deleted is taken off its entry's count this often
+COUNT_PATIENCE = 1.0  # s: a tick waits this long for the DB's write lock, then leaves it
+
+
+class _CountDown:
+    """Takes what a drain deletes off its entry's recorded count as it goes (progress's
+    running totals, a second at a time), not only at its end: a drain killed hours into an
+    entry left the whole count, and GC's free-space floor then counted files long gone as
+    still to be freed. A tick that finds the DB locked leaves it to the next one."""
+
+    def __init__(self, store: Store, entry: str, progress: Callable[[int, int], None] | None):
+        self.store, self.entry, self.progress = store, entry, progress
+        self.seen = self.taken = (0, 0)
+        self.at = time.monotonic()
+
+    def __call__(self, files: int, size: int) -> None:
+        self.seen = (files, size)
+        if self.progress is not None:
+            self.progress(files, size)
+        if time.monotonic() - self.at >= COUNT_EVERY:
+            self.take(patience=COUNT_PATIENCE)
+
+    def take(self, *, patience: float) -> None:
+        files, size = self.seen[0] - self.taken[0], self.seen[1] - self.taken[1]
+        self.at = time.monotonic()
+        if files or size:
+            with suppress(StateLocked), self.store.transaction(patience=patience):
+                trash_sql.drained(self.store.conn, self.entry, files, size)
+                self.taken = self.seen
+
+    def rest(self, part: DeleteReport) -> tuple[int, int]:
+        """What `part` deleted that no tick took yet."""
+        return part.files - self.taken[0], part.bytes - self.taken[1]
 
 
 def _ticker(
@@ -247,14 +290,19 @@ def _ticker(
 
 
 def _record_deleted(
-    store: Store, entry: str, part: DeleteReport, actor: str, audit_as: tuple[str, str]
+    store: Store,
+    entry: str,
+    part: DeleteReport,
+    count: _CountDown,
+    actor: str,
+    audit_as: tuple[str, str],
 ) -> None:
     """The audit row, and the entry's count less what `part` deleted (forgotten once its
     drain is done: what it left, foreign names, a scan counts and names)."""
     m = TRASH_RE.fullmatch(entry)
     with store.transaction(patience=float("inf")):  # the files are gone: the audit must land
         if part.stopped or part.young:
-            trash_sql.drained(store.conn, entry, part.files, part.bytes)
+            trash_sql.drained(store.conn, entry, *count.rest(part))
         else:
             trash_sql.forget(store.conn, entry)
         store.audit(
