@@ -5,13 +5,17 @@ it after its head was evicted, not by the recency of its last page alone."""
 from __future__ import annotations
 
 import math
+import random
 from pathlib import Path
 
+import pytest
+
+from cachemgr import gil
 from cachemgr.daemon.events import LOCAL, Kind
 from cachemgr.daemon.page_events import PageEvents
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.history import History
-from cachemgr.gc.returns import prior, worth
+from cachemgr.gc.returns import Moments, fitted, prior, worth
 from cachemgr.gc.value import eviction_order
 from cachemgr.state.index import scan_namespace
 from cachemgr.state.store import Store
@@ -117,6 +121,20 @@ def test_silence_lowers_a_chains_value_and_returns_raise_it() -> None:
     assert worth(fitted, 5, 500, 0) > worth(fitted, 5, 500, 100) > worth(fitted, 5, 500, 5000)
     assert worth(fitted, 10, 500, 100) > worth(fitted, 2, 500, 100)
     assert worth(fitted, 0, 0, 10**12) >= 0.0  # no overflow, however long the silence
+
+
+def test_the_prior_summed_a_slice_at_a_time_is_the_prior_of_all_segments(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The prior's sums over 10M segments held the GIL for most of a second in one C call:
+    they are summed a slice at a time (cachemgr.gil), and come to the same sums."""
+    rng = random.Random(5)
+    chains = [(rng.choice([0, 0, 1, 3, 40]), rng.randrange(1, 10**6)) for _ in range(1000)]
+    c, e = sum(r for r, _ in chains), sum(x for _, x in chains)
+    cc, ce = sum(r * r for r, _ in chains), sum(r * x for r, x in chains)
+    whole = fitted(Moments(c, e, cc, ce, sum(x * x for _, x in chains)))
+    monkeypatch.setattr(gil, "SLICE", 7)  # 143 slices, the last one short
+    assert prior(iter(chains)) == whole != prior(chains[:-1])
 
 
 def test_a_chain_back_after_the_index_was_rebuilt_is_valued_without_error(tmp_path: Path) -> None:

@@ -34,12 +34,12 @@ import math
 from array import array
 from collections.abc import Iterable, Iterator
 from heapq import heappop, heappush
-from struct import Struct
 from typing import Final, NamedTuple, cast
 
 from cachemgr.gc.chains import CYCLE_WALK, IN_FLIGHT_SECONDS, ChainModel
 from cachemgr.gc.pagestore import GHOST, NONE, PageStore
 from cachemgr.gc.returns import prior, worth
+from cachemgr.gil import release
 
 CACHED = 16  # pages a segment has at least for the next order to read it, not walk it
 
@@ -97,18 +97,29 @@ def eviction_order(
         follow = model.adapt.choose(st.count, model.clock) if protect else model.adapt.follow
         while leaves:
             exposed: list[int] = []
-            for seg in _lowest_first(_segments(model, leaves, gone, before, held, cache), follow):
-                path = _path(st, seg)
-                for s in path:
-                    yield Victim(
-                        st.ns_names[st.ns[s]], st.key(s), st.names(s), st.size(s), st.time[s]
-                    )
-                up = st.pred[path[-1]]
-                if up != NONE:
-                    gone[up] = gone.get(up, 0) + 1
-                    if gone[up] == st.kids[up] and st.files[up] != GHOST:
-                        exposed.append(up)  # its last child went: its segment is next
+            segments = _segments(model, leaves, gone, before, held, cache)
+            release(leaves)  # (each of these frees millions of items a slice at a time)
+            try:
+                yield from _in_order(st, segments, follow, gone, exposed)
+            finally:  # the caller took what it needed: most of a mass eviction's are left
+                release(segments)
             leaves, cache = exposed, None  # (later rounds count the segments gone: walked)
+
+
+def _in_order(
+    st: PageStore, segments: list[_Segment], order: int, gone: dict[int, int], exposed: list[int]
+) -> Iterator[Victim]:
+    """The segments' pages in `order`, each leaf to top; each page left a leaf by them goes
+    to `exposed`."""
+    for seg in _lowest_first(segments, order):
+        path = _path(st, seg)
+        for s in path:
+            yield Victim(st.ns_names[st.ns[s]], st.key(s), st.names(s), st.size(s), st.time[s])
+        up = st.pred[path[-1]]
+        if up != NONE:
+            gone[up] = gone.get(up, 0) + 1
+            if gone[up] == st.kids[up] and st.files[up] != GHOST:
+                exposed.append(up)  # its last child went: its segment is next
 
 
 def _path(st: PageStore, seg: _Segment) -> array[int]:
@@ -189,7 +200,7 @@ def _segments(
     for leaf in leaves:
         if pred[leaf] == NONE:  # a chain of one page (a scan's, no read has linked it yet):
             if time_col[leaf] <= before and leaf not in held:  # _walk's answer, unwalked
-                raw.append((leaf, _ONE.pack(leaf), leaf, last_col[leaf], time_col[leaf], False))
+                raw.append((leaf, None, leaf, last_col[leaf], time_col[leaf], False))
             continue
         known = cache.get(leaf) if cache is not None else None
         if known is not None:
@@ -207,7 +218,7 @@ def _segments(
     reads, born = st.reads, st.born
     # (A birth after the last use, from an index edited or damaged, counts as none: a negative
     # exposure would make the prior's rate, and so the value, meaningless or undefined.)
-    fitted = prior([(reads[top], max(clock - born[top], 0)) for _, _, top, _, _, _ in raw])
+    fitted = prior((reads[top], max(clock - born[top], 0)) for _, _, top, _, _, _ in raw)
     # Pages not read since they were written are on trial for the accesses in which
     # PROBATION of the pages on disk are stored (S3-FIFO's small queue); then `probation`
     # takes them first.
@@ -220,10 +231,8 @@ def _segments(
         score = worth(fitted, reads[top], max(last - born[top], 0), clock - last)
         trial = -0.5 if not reads[top] and last < trial_end else score
         out.append((score, 0.0, trial, last, when, leaf, walked))
+    release(raw)
     return out
-
-
-_ONE = Struct("i")  # the path of a segment of one page: its slot, as an int array's bytes
 
 
 def _lowest_first(segments: list[_Segment], order: int) -> Iterator[_Segment]:
@@ -237,10 +246,13 @@ def _lowest_first(segments: list[_Segment], order: int) -> Iterator[_Segment]:
     NamedTuples (or lists) would each make its full collections, which hold the GIL too, that
     much longer (bench/RESULTS.md)."""
     heap: list[tuple[float, int, float, int]] = []
-    for i, s in enumerate(segments):
-        heappush(heap, (cast(float, s[order]), s[LAST], s[WHEN], i))
-    while heap:
-        yield segments[heappop(heap)[3]]
+    try:
+        for i, s in enumerate(segments):
+            heappush(heap, (cast(float, s[order]), s[LAST], s[WHEN], i))
+        while heap:
+            yield segments[heappop(heap)[3]]
+    finally:
+        release(heap)
 
 
 def _walk(
