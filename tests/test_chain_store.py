@@ -175,3 +175,23 @@ def test_a_forgotten_namespace_leaves_nothing_behind() -> None:
     assert keys(model) == [key(1), key(5)]
     model.forget("other")  # its page and the ghost it named go: every slot is free again
     assert model.store.top - len(model.store.freed) == 1
+
+
+def test_a_namespace_holding_every_slot_goes_with_the_store_as_one_a_slot_at_a_time() -> None:
+    """The one model's dir purged: its slots go with the store (9M slots a slot at a time held
+    the model's lock for most of a minute). What is left, and what comes next, is the same
+    as after a forget a slot at a time (`other`: the same namespace beside another)."""
+    whole, beside = ChainModel(), ChainModel()
+    for model in (whole, beside):
+        chains(model, 300, 30)
+    beside.add("other", key(999) + SUFFIX, 64, 10, seq=1000, at=0.0)
+    old = whole.store
+    whole.forget(NS)
+    beside.forget(NS)
+    beside.forget("other")
+    assert whole.store is not old and whole.store.top == 0 and not whole.segments
+    assert len(whole.pages) == len(beside.pages) == 0
+    assert beside.store.top - len(beside.store.freed) == 0  # (every slot free there too)
+    for model in (whole, beside):  # the namespace comes back (a bound one's dir, recreated)
+        chains(model, 60, 30)
+    assert keys(whole) == keys(beside) and len(whole.pages) == 60
