@@ -31,11 +31,6 @@ ByDir = dict[str, list[str]]  # dirs below the namespace dir -> file names in it
 def vouched(ns_fd: int, nesting: Nesting) -> frozenset[str]:
     """The top-level dirs of the namespace dir `ns_fd` that are the engine's: their name fits
     the top level and their owner's identity file says so."""
-    if os.fstat(ns_fd).st_nlink == 2:
-        # No dir in it (ext4, xfs and tmpfs count a dir's subdirs in its links; btrfs and
-        # others say 1): not listed. A purged flat dir of 9M files took 26 s to list here
-        # before its drain's first unlink.
-        return frozenset()
     found = set()
     verdicts: dict[str, bool] = {}
     with os.scandir(ns_fd) as entries:
@@ -179,10 +174,20 @@ def format_in(fd: int) -> FileFormat:
     """The format of a dir whose manifest may be gone (a purged namespace in .trash/): a nested
     one if an identity file in it vouches for one of its dirs, else SGLang's. A wrong guess
     deletes nothing wrongly: a flat format never enters a dir, a nested one only vouched ones."""
+    if _no_subdir(fd):  # (a purged flat dir of 9M files took 26 s to list for none)
+        return DEFAULT_FORMAT
     for fmt in FORMATS.values():
         if fmt.nesting is not None and vouched(fd, fmt.nesting):
             return fmt
     return DEFAULT_FORMAT
+
+
+def _no_subdir(fd: int) -> bool:
+    """Whether the dir holds no dir, known without listing it: ext4, xfs and tmpfs count a
+    dir's subdirs in its links (2 + them), and then its parent, which holds it, has 3 or more.
+    Where they are not counted (btrfs says 1; an SMB mount says 2 for every dir) it is not
+    known."""
+    return os.fstat(fd).st_nlink == 2 and os.stat("..", dir_fd=fd).st_nlink >= 3
 
 
 def orphan_identities(ns_fd: int, nesting: Nesting) -> list[str]:

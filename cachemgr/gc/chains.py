@@ -218,7 +218,7 @@ class ChainModel:
             st = self.store
             n = st.ns_num.get(ns)
             if n is not None and st.ns_slots[n] == st.top - len(st.freed):
-                self.store = PageStore()
+                st.clear()  # (in place: an order waiting for the lock holds this store)
                 self.segments.clear()
                 self.dirty.clear()
             else:

@@ -147,6 +147,10 @@ class PageStore:
         self.filled = 0  # buckets not empty (live or dead)
         self.count = 0  # pages on disk
 
+    def clear(self) -> None:
+        """Hold no slot, as a new store: those who hold this one see it emptied."""
+        self.__dict__.update(PageStore().__dict__)
+
     # -- keys -----------------------------------------------------------------------------------
 
     def key(self, s: int) -> str:
