@@ -40,6 +40,7 @@ LAYERS: list[set[str]] = [
         "settings",
         "logs",
         "units",
+        "gil",
         "worker",
         "",
     },  # "": __init__
