@@ -70,6 +70,12 @@ def connect(path: Path) -> sqlite3.Connection:
         # truncated back to it once checkpointed, not kept at its peak.
         conn.execute(f"PRAGMA journal_size_limit={reserve.WAL_BYTES}")
         conn.execute("PRAGMA foreign_keys=ON")
+        # Debian's and most distributions' SQLite is built with SECURE_DELETE on: every page
+        # a delete frees is overwritten with zeros, so truncating a 10M-page namespace's rows
+        # wrote the whole index again into the -wal (2.7 GB, past its reserve) and held the
+        # write lock 42 s, and every checkpoint then copied it back. The index holds page
+        # names and counts, nothing to scrub.
+        conn.execute("PRAGMA secure_delete=OFF")
         _register_functions(conn)
     except sqlite3.Error as e:  # left open: closing it may delete a -wal file to be kept
         raise StateError(f"cannot open state DB {path}: {e}") from e
