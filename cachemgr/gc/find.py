@@ -21,7 +21,7 @@ from cachemgr.gc.step import GcStep
 from cachemgr.layout import Layout
 from cachemgr.ns import registry as nsreg
 from cachemgr.ns.manifest import format_of
-from cachemgr.ns.trash import left_note, list_trash, scan_entry, trash_format
+from cachemgr.ns.trash import left_note, list_trash, recorded_count, scan_entry, trash_format
 from cachemgr.state import pages_sql
 
 
@@ -164,8 +164,7 @@ class TrashCounts:
         if entry in recorded:  # kept by every process's drains: never counted down here
             self._known.pop(entry, None)
             try:
-                with open_dir(layout.root, f".trash/{entry}"):  # refuses a link in its place
-                    return TrashCount(*recorded[entry], note=None)
+                return TrashCount(*recorded_count(layout, entry, recorded), note=None)
             except FileNotFoundError:
                 return None
         if entry not in self._known:

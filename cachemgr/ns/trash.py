@@ -149,8 +149,7 @@ def describe_trash(
         ns = name.partition(".")[0]
         try:
             if recorded and name in recorded:
-                with open_dir(layout.root, f".trash/{name}"):  # refuses a link in its place
-                    out.append(TrashEntry(name, ns, *recorded[name]))
+                out.append(TrashEntry(name, ns, *recorded_count(layout, name, recorded)))
                 continue
             scanned = scan_entry(layout, name)
         except UnsafePathError as e:
@@ -162,6 +161,15 @@ def describe_trash(
             usage, example = scanned
             out.append(TrashEntry(name, ns, usage.pages, usage.bytes, None, usage.other, example))
     return out
+
+
+def recorded_count(
+    layout: Layout, entry: str, recorded: Mapping[str, tuple[int, int]]
+) -> tuple[int, int]:
+    """`recorded[entry]` (files, bytes), once the entry is found a dir of its own:
+    FileNotFoundError if it is gone, UnsafePathError if a link is in its place."""
+    with open_dir(layout.root, f".trash/{entry}"):
+        return recorded[entry]
 
 
 @dataclass(frozen=True)
