@@ -1,5 +1,5 @@
-"""Compile cachemgr.fs._dirscan and _unlink (C, Linux) into the package: wheels and editable
-installs alike.
+"""Compile cachemgr.fs._dirscan and _unlink and cachemgr.gc._rank (C, Linux) into the package:
+wheels and editable installs alike.
 
 setuptools does the compiling (compiler, flags and the extension's file name all come from the
 Python being built for); hatchling ships the result and tags the wheel for this platform.
@@ -22,12 +22,13 @@ class DirscanBuildHook(BuildHookInterface):  # type: ignore[misc]
 
         exts = [
             Extension(
-                f"cachemgr.fs.{name}",
-                sources=[f"cachemgr/fs/{name}.c"],
-                extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra"],
-                extra_link_args=["-pthread", "-ldl"],  # (dlopen: glibc < 2.34)
+                f"cachemgr.{name}",
+                sources=[f"cachemgr/{name.replace('.', '/')}.c"],
+                # (no fused multiply-adds: _rank's values must be the Python path's, bit for bit)
+                extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-ffp-contract=off"],
+                extra_link_args=["-pthread", "-ldl", "-lm"],  # (dlopen: glibc < 2.34)
             )
-            for name in ("_dirscan", "_unlink")
+            for name in ("fs._dirscan", "fs._unlink", "gc._rank")
         ]
         cmd = build_ext(Distribution({"ext_modules": exts}))
         cmd.inplace = True  # next to its source, where an editable install imports it from

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What installing cachemgr needs besides Python: a C compiler and the Python headers (the
-# directory scanner, cachemgr/fs/_dirscan.c, and the batch unlink, cachemgr/fs/_unlink.c, are
-# compiled at install). Installed with apt if missing; PY is the interpreter the venv is made
+# directory scanner, cachemgr/fs/_dirscan.c, the batch unlink, cachemgr/fs/_unlink.c, and the
+# eviction order's one-page pass, cachemgr/gc/_rank.c, are compiled at install). Installed with apt if missing; PY is the interpreter the venv is made
 # from.
 set -euo pipefail
 PY=${PY:-python3}

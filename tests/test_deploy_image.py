@@ -143,9 +143,10 @@ def check_wheel(wheel: Path, site: Path) -> None:
     assert expected and shipped == expected
     # The extension in the wheel imports and scans (not the one in the repo's source tree).
     probe = (
-        "import cachemgr.fs._dirscan as d, cachemgr.fs._unlink as u, os; print(d.__file__);"
-        " print(u.__file__); print(u.unlink_batch(os.open('.', 0), -1, '', 0, 0, [], 0, 0, 1, 0,"
-        " True));"
+        "import cachemgr.fs._dirscan as d, cachemgr.fs._unlink as u, cachemgr.gc._rank as r, os;"
+        " print(d.__file__); print(u.__file__); print(r.__file__);"
+        " print(u.unlink_batch(os.open('.', 0), -1, '', 0, 0, [], 0, 0, 1, 0, True));"
+        " print(r.leaf_slots(b'\\0\\1', bytes(2), None));"
         " print(d.scan(os.open('.', 0), 2, (16, 128, '.', 32), lambda shape: 0)[1])"
     )
     out = subprocess.run(
@@ -156,7 +157,8 @@ def check_wheel(wheel: Path, site: Path) -> None:
         check=True,
         timeout=60,
     )
-    assert all(line.startswith(str(site / "cachemgr")) for line in out.stdout.splitlines()[:2])
+    assert all(line.startswith(str(site / "cachemgr")) for line in out.stdout.splitlines()[:3])
+    assert out.stdout.splitlines()[4] == repr((1).to_bytes(4, sys.byteorder))  # slot 1 a leaf
 
 
 def test_a_wheel_built_from_the_sdist_has_the_scanner_and_migrations(tmp_path: Path) -> None:

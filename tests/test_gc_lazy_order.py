@@ -1,7 +1,8 @@
 """The eviction order is selected lazily: the same victims as one stable sort of every
-segment by (value, last, when), ties included, but a caller that stops after k victims pops k
-segments off a heap, never sorts them all, and leaves no object per segment for the cyclic
-garbage collector to traverse (both hold the GIL: a /metrics scrape waits behind them)."""
+segment by (value, last, when), ties included, but a caller that stops after k victims takes k
+segments off a heap (or off C's sort of the segments of one page: cachemgr.gc._rank), never
+sorts them all in Python, and leaves no object per segment for the cyclic garbage collector to
+traverse (both hold the GIL: a /metrics scrape waits behind them)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import gc
 import math
 import random
 import sys
+from array import array
 from collections.abc import Iterator
 from contextlib import contextmanager
 from itertools import islice
@@ -16,7 +18,9 @@ from types import FrameType
 
 from cachemgr.gc.adapt import ORDERS
 from cachemgr.gc.chains import ChainModel
-from cachemgr.gc.value import LAST, WHEN, _lowest_first, _segments, eviction_order
+from cachemgr.gc.returns import prior, worth
+from cachemgr.gc.value import _leaves, _path, _segments, _walked, eviction_order
+from cachemgr.gc.value import _Ranked as Ranked
 
 SUFFIX = "_Qwen-Qwen3-8B_0_1.bin"
 NAMESPACES = ("a" * 16, "b" * 16)
@@ -43,19 +47,41 @@ def random_model(rng: random.Random) -> ChainModel:
     return model
 
 
-def test_the_lazy_selection_is_a_stable_sort_of_the_segments() -> None:
+def reference(model: ChainModel, before: float, held: set[int], order: int) -> list[Ranked]:
+    """Every segment walked and valued in Python, then sorted by (key, last, when, position):
+    what the order gives, its one-page segments valued and sorted in C included."""
+    st, clock = model.store, model.clock
+    leaves = _leaves(st, None)
+    raw = _walked(model, leaves, array("i", range(len(leaves))), {}, before, held, None)
+    fit = prior((st.reads[top], max(clock - st.born[top], 0)) for _, _, _, top, _, _, _ in raw)
+    trial_end = model.adapt.trial_end(clock, st.count)
+    out = []
+    for at, leaf, walked, top, last, when, stranded in raw:
+        value = worth(fit, st.reads[top], max(last - st.born[top], 0), clock - last)
+        trial = -0.5 if not st.reads[top] and last < trial_end else value
+        key = -1.0 if stranded else (value, 0.0, trial)[order]
+        out.append((key, last, when, at, leaf, walked))
+    return sorted(out, key=lambda s: s[:4])
+
+
+def test_the_lazy_selection_is_a_sort_of_every_segment_valued_in_python() -> None:
     rng = random.Random(13)
-    ties = 0
+    ties = one_page = 0
     for _ in range(300):
         model = random_model(rng)
         st = model.store
         before = rng.choice([math.inf, 1.5])
-        segments = _segments(model, st.leaves(), {}, before, set(), None)
+        held = set(rng.sample(range(st.top), min(st.top, rng.choice([0, 3]))))
         for order in range(len(ORDERS)):  # (each order the model may follow)
-            expected = sorted(segments, key=lambda s: (s[order], s[LAST], s[WHEN]))
-            assert list(_lowest_first(segments, order)) == expected
-        ties += len(segments) - len({(s[0], s[LAST], s[WHEN]) for s in segments})
+            expected = reference(model, before, held, order)
+            got = list(_segments(model, _leaves(st, None), {}, before, held, None, order))
+            # (the same keys to the last bit: C computes each value as returns.worth does)
+            assert [s[:5] for s in got] == [s[:5] for s in expected]
+            assert [_path(st, *s[4:]) for s in got] == [_path(st, *s[4:]) for s in expected]
+            one_page += sum(s[5] is None for s in got)
+        ties += len(expected) - len({s[:3] for s in expected})
     assert ties > 1000  # the tie-break (the leaves' order) was exercised
+    assert one_page > 10_000  # and the C path: segments of one page no chain links
 
 
 def test_every_order_holds_each_page_once_tails_first() -> None:
@@ -95,7 +121,7 @@ def one_page_segments(n: int) -> ChainModel:
     return model
 
 
-def test_the_first_victims_are_popped_not_sorted() -> None:
+def test_a_mass_evictions_first_victims_cost_no_python_call_a_segment() -> None:
     n, k = 20_000, 10
     model = one_page_segments(n)
     with c_calls() as calls:
@@ -103,12 +129,10 @@ def test_the_first_victims_are_popped_not_sorted() -> None:
         first = [v.key for v in islice(order, k)]
         order.close()  # (the plan has enough)
     assert first == [key(i) for i in sorted(range(n), key=lambda i: i * 7919 % n)[:k]]
-    # Each segment pushed once, only the k taken popped, nothing sorted or heapified (a page
-    # of several files sorts its own names; these have one each); the other orders are
-    # scored by their miniatures, not ranked here.
-    assert calls.get("heappush") == n
-    assert calls.get("heappop", 0) == k
-    assert not {"sort", "sorted", "heapify", "nsmallest"} & set(calls)
+    # Valued and sorted in C (cachemgr.gc._rank), taken one at a time: a few calls a victim
+    # (its key, names and the miniatures' scores), none a segment.
+    assert sum(calls.values()) < 50 * k
+    assert not {"heappush", "sort", "nsmallest"} & set(calls)  # (merge heapifies its 2 inputs)
 
 
 def test_a_pending_order_leaves_no_object_per_segment_for_the_garbage_collector() -> None:

@@ -22,9 +22,14 @@ SHAPE_MIN, SHAPE_MAX = 0.05, 50.0  # bounds of the fitted prior's shape (few cha
 def prior(chains: Iterable[tuple[int, int]]) -> tuple[float, float]:
     """The Gamma(shape, rate) prior of a chain's return rate, fitted to all segments' (returns,
     exposure) by the method of moments (empirical Bayes): its mean is the pooled rate, its
-    spread what the counts vary by beyond Poisson noise. Summed a slice at a time (the sums
-    of 10M segments at once held the GIL for most of a second: cachemgr.gil)."""
-    m = Moments(0, 0, 0, 0, 0)
+    spread what the counts vary by beyond Poisson noise."""
+    return fitted(moments(chains))
+
+
+def moments(chains: Iterable[tuple[int, int]], m: Moments | None = None) -> Moments:
+    """`m` (default: none) plus the sums over these (returns, exposure). Summed a slice at a
+    time (the sums of 10M segments at once held the GIL for most of a second: cachemgr.gil)."""
+    m = m or Moments(0, 0, 0, 0, 0)
     for part in slices(chains):
         returns = [c for c, _ in part]
         exposures = [e for _, e in part]
@@ -35,7 +40,7 @@ def prior(chains: Iterable[tuple[int, int]]) -> tuple[float, float]:
             m.ce + sum(map(mul, returns, exposures)),
             m.ee + sum(map(mul, exposures, exposures)),
         )
-    return fitted(m)
+    return m
 
 
 class Moments(NamedTuple):

@@ -33,12 +33,15 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Iterable, Iterator
-from heapq import heappop, heappush
-from typing import Final, NamedTuple, cast
+from heapq import heappop, heappush, merge
+from struct import Struct
+from typing import NamedTuple
 
+from cachemgr.gc import _rank
+from cachemgr.gc.adapt import ORDERS
 from cachemgr.gc.chains import CYCLE_WALK, IN_FLIGHT_SECONDS, ChainModel
 from cachemgr.gc.pagestore import GHOST, NONE, PageStore
-from cachemgr.gc.returns import prior, worth
+from cachemgr.gc.returns import Moments, fitted, moments, worth
 from cachemgr.gil import release
 
 CACHED = 16  # pages a segment has at least for the next order to read it, not walk it
@@ -54,16 +57,15 @@ class Victim(NamedTuple):
     last_time: float
 
 
-# A segment as a plain tuple (the cyclic garbage collector stops tracking those, not a
-# NamedTuple): its key in each of ORDERS, then its latest use, that use's wall clock (what
-# orders pages only a scan saw, seq 0), its leaf and its path: slots, leaf first, as an int
-# array's bytes (neither an int object per page, which in a million-page order outlived it
-# in RSS, nor an object the collector tracks); None: the whole segment, walked when it goes.
-_Segment = tuple[float, float, float, int, float, int, bytes | None]
-LAST: Final = 3
-WHEN: Final = 4
-LEAF: Final = 5
-PATH: Final = 6
+# A segment ranked, as a plain tuple (the cyclic garbage collector stops tracking those, not a
+# NamedTuple): its key in the order followed, its latest use, that use's wall clock (what
+# orders pages only a scan saw, seq 0), its leaf's position in the round's leaves (ties go in
+# leaf order), its leaf, and its path: slots, leaf first, as an int array's bytes (neither an
+# int object per page, which in a million-page order outlived it in RSS, nor an object the
+# collector tracks); None: the whole segment, walked when it goes.
+_Ranked = tuple[float, int, float, int, int, bytes | None]
+_KEY = Struct("3d")  # cachemgr.gc._rank's keys: (key, last, when) a segment
+RECENCY, PROBATION = ORDERS.index("recency"), ORDERS.index("probation")
 
 
 def eviction_order(
@@ -87,9 +89,8 @@ def eviction_order(
     """
     st = model.store
     with model.lock:
-        wanted = None if namespace_ids is None else {st.ns_num.get(n) for n in namespace_ids}
         gone: dict[int, int] = {}  # slot -> its children already in the order
-        leaves = [s for s in st.leaves() if wanted is None or st.ns[s] in wanted]
+        leaves = _leaves(st, namespace_ids)
         held = in_flight(model, now) if protect else set()
         before = before if protect else math.inf
         _settle(model)
@@ -97,22 +98,32 @@ def eviction_order(
         follow = model.adapt.choose(st.count, model.clock) if protect else model.adapt.follow
         while leaves:
             exposed: list[int] = []
-            segments = _segments(model, leaves, gone, before, held, cache)
-            release(leaves)  # (each of these frees millions of items a slice at a time)
-            try:
-                yield from _in_order(st, segments, follow, gone, exposed)
-            finally:  # the caller took what it needed: most of a mass eviction's are left
-                release(segments)
-            leaves, cache = exposed, None  # (later rounds count the segments gone: walked)
+            yield from _in_order(
+                st, _segments(model, leaves, gone, before, held, cache, follow), gone, exposed
+            )
+            leaves, cache = array("i", exposed), None  # (later rounds: segments gone, walked)
+
+
+def _leaves(st: PageStore, namespace_ids: Iterable[str] | None) -> array[int]:
+    """The slots of the leaves of these namespaces (None: all), in slot order."""
+    wanted = None
+    if namespace_ids is not None:
+        wanted = bytearray(len(st.ns_names))
+        for ns in namespace_ids:
+            if ns in st.ns_num:
+                wanted[st.ns_num[ns]] = 1
+    out = array("i")
+    out.frombytes(_rank.leaf_slots(st.leaf, st.ns, wanted))
+    return out
 
 
 def _in_order(
-    st: PageStore, segments: list[_Segment], order: int, gone: dict[int, int], exposed: list[int]
+    st: PageStore, segments: Iterator[_Ranked], gone: dict[int, int], exposed: list[int]
 ) -> Iterator[Victim]:
-    """The segments' pages in `order`, each leaf to top; each page left a leaf by them goes
-    to `exposed`."""
-    for seg in _lowest_first(segments, order):
-        path = _path(st, seg)
+    """The segments' pages, each leaf to top; each page left a leaf by them goes to
+    `exposed`."""
+    for *_, leaf, walked in segments:
+        path = _path(st, leaf, walked)
         for s in path:
             yield Victim(st.ns_names[st.ns[s]], st.key(s), st.names(s), st.size(s), st.time[s])
         up = st.pred[path[-1]]
@@ -122,10 +133,9 @@ def _in_order(
                 exposed.append(up)  # its last child went: its segment is next
 
 
-def _path(st: PageStore, seg: _Segment) -> array[int]:
-    walked = seg[PATH]
+def _path(st: PageStore, leaf: int, walked: bytes | None) -> array[int]:
     if walked is None:  # (all its pages go: nothing in it is young or in flight)
-        return _walk(st, seg[LEAF], {}, math.inf, set())[0]
+        return _walk(st, leaf, {}, math.inf, set())[0]
     return array("i", walked)
 
 
@@ -185,59 +195,99 @@ def _settle(model: ChainModel) -> None:
 
 def _segments(
     model: ChainModel,
-    leaves: list[int],
+    leaves: array[int],
     gone: dict[int, int],
     before: float,
     held: set[int],
     cache: dict[int, tuple[int, int, float]] | None,
-) -> list[_Segment]:
-    """The segments of these leaves that may go, keyed in every order, in leaf order
-    (`_lowest_first` gives the order to evict them). `cache`: the segments known of the last
-    order (whole, none gone), read instead of walked, and kept."""
+    order: int,
+) -> Iterator[_Ranked]:
+    """The segments of these leaves that may go, lowest (key in `order`, last, when) first,
+    ties in leaf order, found lazily: the caller stops when it has freed enough. `cache`: the
+    segments known of the last order (whole, none gone), read instead of walked, and kept.
+
+    A leaf no page precedes (a scan's page: every page of a restarted daemon) is a segment of
+    one page: those are split off, valued and sorted in C without the GIL (cachemgr.gc._rank:
+    at 10M pages, ~33 s of Python and ~1.5 GB of tuples before the first victim). The others
+    are walked here and heaped a push at a time (one sort of a mass eviction's segments is a
+    single C call holding the GIL for hundreds of ms), and the two merged."""
     st, clock = model.store, model.clock
-    pred, time_col, last_col = st.pred, st.time, st.last
-    raw: list[tuple[int, bytes | None, int, int, float, bool]] = []
-    for leaf in leaves:
-        if pred[leaf] == NONE:  # a chain of one page (a scan's, no read has linked it yet):
-            if time_col[leaf] <= before and leaf not in held:  # _walk's answer, unwalked
-                raw.append((leaf, None, leaf, last_col[leaf], time_col[leaf], False))
-            continue
+    one, chained, sums = _rank.split(
+        leaves, st.pred, st.time, before, array("i", sorted(held)), st.reads, st.born, clock
+    )
+    raw = _walked(model, leaves, array("i", chained), gone, before, held, cache)
+    reads, born = st.reads, st.born
+    # (A birth after the last use, from an index edited or damaged, counts as none: a negative
+    # exposure would make the prior's rate, and so the value, meaningless or undefined.)
+    chains = ((reads[top], max(clock - born[top], 0)) for _, _, _, top, _, _, _ in raw)
+    fitted_ = fitted(moments(chains, Moments(*sums)))
+    # Pages not read since they were written are on trial for the accesses in which
+    # PROBATION of the pages on disk are stored (S3-FIFO's small queue); then `probation`
+    # takes them first.
+    trial_end = model.adapt.trial_end(clock, st.count)
+    keys, ranked = _rank.rank(
+        one, leaves, reads, born, st.last, st.time, clock, trial_end, order, *fitted_
+    )
+    segments: list[_Ranked] = []
+    for at, leaf, walked, top, last, when, stranded in raw:
+        if stranded:
+            key = -1.0
+        elif order == RECENCY:
+            key = 0.0
+        elif order == PROBATION and not reads[top] and last < trial_end:
+            key = -0.5
+        else:
+            key = worth(fitted_, reads[top], max(last - born[top], 0), clock - last)
+        segments.append((key, last, when, at, leaf, walked))
+    release(raw)
+    try:
+        yield from merge(_one_page(leaves, one, keys, ranked), _lowest_first(segments))
+    finally:  # the caller took what it needed: most of a mass eviction's are left
+        release(segments)
+
+
+def _walked(
+    model: ChainModel,
+    leaves: array[int],
+    chained: array[int],
+    gone: dict[int, int],
+    before: float,
+    held: set[int],
+    cache: dict[int, tuple[int, int, float]] | None,
+) -> list[tuple[int, int, bytes | None, int, int, float, bool]]:
+    """The segments of the leaves at these positions (each continues a page), as (position,
+    leaf, its path's bytes or None for all of it, top, last, when, stranded)."""
+    st = model.store
+    raw: list[tuple[int, int, bytes | None, int, int, float, bool]] = []
+    for at in chained:
+        leaf = leaves[at]
         known = cache.get(leaf) if cache is not None else None
         if known is not None:
             top, last, when = known
             if when <= before and top not in held:  # none is young (held: its top is too)
                 stranded = st.pred[top] != NONE and st.files[st.pred[top]] == GHOST
-                raw.append((leaf, None, top, last, when, stranded and st.conf[top] > 0))
+                raw.append((at, leaf, None, top, last, when, stranded and st.conf[top] > 0))
                 continue
         path, top, last, stranded = _walk(st, leaf, gone, before, held)
         if path:
             when = max(st.time[p] for p in path)
-            raw.append((leaf, path.tobytes(), top, last, when, stranded))
+            raw.append((at, leaf, path.tobytes(), top, last, when, stranded))
             if cache is not None and len(path) > CACHED and path[-1] == top:
                 cache[leaf] = (top, last, when)  # (the whole segment: none of it is young)
-    reads, born = st.reads, st.born
-    # (A birth after the last use, from an index edited or damaged, counts as none: a negative
-    # exposure would make the prior's rate, and so the value, meaningless or undefined.)
-    fitted = prior((reads[top], max(clock - born[top], 0)) for _, _, top, _, _, _ in raw)
-    # Pages not read since they were written are on trial for the accesses in which
-    # PROBATION of the pages on disk are stored (S3-FIFO's small queue); then `probation`
-    # takes them first.
-    trial_end = model.adapt.trial_end(clock, st.count)
-    out: list[_Segment] = []
-    for leaf, walked, top, last, when, stranded in raw:
-        if stranded:
-            out.append((-1.0, -1.0, -1.0, last, when, leaf, walked))
-            continue
-        score = worth(fitted, reads[top], max(last - born[top], 0), clock - last)
-        trial = -0.5 if not reads[top] and last < trial_end else score
-        out.append((score, 0.0, trial, last, when, leaf, walked))
-    release(raw)
-    return out
+    return raw
 
 
-def _lowest_first(segments: list[_Segment], order: int) -> Iterator[_Segment]:
-    """The segments lowest (key in `order`, last, when) first, equal ones in the order given
-    (a stable sort's order), found lazily: the caller stops when it has freed enough.
+def _one_page(leaves: array[int], one: bytes, keys: bytes, ranked: bytes) -> Iterator[_Ranked]:
+    """The one-page segments `_rank.rank` sorted, as (key, last, when, position, leaf, None)."""
+    positions = memoryview(one).cast("i")
+    for j in memoryview(ranked).cast("i"):
+        key, last, when = _KEY.unpack_from(keys, j * _KEY.size)
+        at = positions[j]
+        yield key, int(last), when, at, leaves[at], None
+
+
+def _lowest_first(segments: list[_Ranked]) -> Iterator[_Ranked]:
+    """The segments lowest (key, last, when, position) first, found lazily.
 
     Neither step holds the GIL long while another thread waits for it (a /metrics scrape):
     the heap grows one push at a time, where one sort or heapify of a mass eviction's 250,000
@@ -245,12 +295,12 @@ def _lowest_first(segments: list[_Segment], order: int) -> Iterator[_Segment]:
     bytes), which the cyclic garbage collector stops tracking, where 250,000 live
     NamedTuples (or lists) would each make its full collections, which hold the GIL too, that
     much longer (bench/RESULTS.md)."""
-    heap: list[tuple[float, int, float, int]] = []
+    heap: list[tuple[float, int, float, int, int]] = []
     try:
-        for i, s in enumerate(segments):
-            heappush(heap, (cast(float, s[order]), s[LAST], s[WHEN], i))
+        for i, (key, last, when, at, _, _) in enumerate(segments):
+            heappush(heap, (key, last, when, at, i))
         while heap:
-            yield segments[heappop(heap)[3]]
+            yield segments[heappop(heap)[4]]
     finally:
         release(heap)
 
