@@ -6,7 +6,7 @@
  * with ~1.5 GB of tuples, every bytecode of it competing for the GIL with a /metrics scrape.
  * Here they are split from the chained leaves, counted into the prior's sums, valued and sorted
  * in a few passes over the model's columns (typed arrays, read through the buffer protocol),
- * 32 bytes a page while the order lasts. The caller holds the chain model's lock: nothing
+ * ~40 bytes a page while the order lasts. The caller holds the chain model's lock: nothing
  * writes the columns meanwhile, so the GIL is let go during the passes.
  *
  * Each value is the one cachemgr.gc.returns.worth gives, computed with the same operations in
@@ -30,14 +30,26 @@ typedef struct {
     char code;
 } Col;
 
+/* The item size of a native typecode (what array.array exports). */
+static Py_ssize_t size_of(char code) {
+    switch (code) {
+    case 'b': case 'B': return 1;
+    case 'h': case 'H': return sizeof(short);
+    case 'i': case 'I': return sizeof(int);
+    case 'l': case 'L': return sizeof(long);
+    case 'q': case 'Q': return sizeof(long long);
+    default: return sizeof(double);
+    }
+}
+
 static int col_open(PyObject *obj, Col *c, const char *name) {
     if (PyObject_GetBuffer(obj, &c->view, PyBUF_FORMAT | PyBUF_ND) != 0)
         return -1;
     const char *f = c->view.format ? c->view.format : "B";
-    if (*f == '@' || *f == '=')
+    if (*f == '@')
         f++;
     c->code = *f;
-    if (!strchr("bBhHiIlLqQd", c->code) || f[1] != '\0') {
+    if (!strchr("bBhHiIlLqQd", c->code) || f[1] != '\0' || c->view.itemsize != size_of(c->code)) {
         PyErr_Format(PyExc_TypeError, "%s: an array of numbers is needed, not '%s'", name, f);
         PyBuffer_Release(&c->view);
         return -1;
@@ -290,11 +302,13 @@ static double worth(double shape, double rate, long long returns, long long span
 }
 
 PyDoc_STRVAR(rank_doc,
-             "rank(one, leaves, reads, born, last, time, clock, trial_end, order, shape, rate, /)\n"
+             "rank(one, leaves, reads, born, last, time, clock, trial_end, mode, shape, rate, /)\n"
              "    -> (keys, ranked)\n\n"
              "Value each one-page segment at `one` (positions in `leaves`, from `split`) as\n"
-             "cachemgr.gc.value does: `order` 0 its worth under the prior (shape, rate), 1 none\n"
+             "cachemgr.gc.value does: `mode` 0 its worth under the prior (shape, rate), 1 none\n"
              "(recency alone), 2 its worth, or -0.5 if unread since stored before `trial_end`.\n"
+             "ValueError if a worth is not finite (a clock behind a page's use: Python's math\n"
+             "raises there too).\n"
              "`keys`: (key, last, when) as three doubles an item of `one`; `ranked`: the items'\n"
              "indices (int32), lowest (key, last, when) first, ties in leaf order.");
 
@@ -302,12 +316,12 @@ static PyObject *rank(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *one_obj, *leaves_obj, *reads_obj, *born_obj, *last_obj, *time_obj;
     long long clock;
     double trial_end, shape, rate;
-    int order;
+    int mode;
     if (!PyArg_ParseTuple(args, "OOOOOOLdidd:rank", &one_obj, &leaves_obj, &reads_obj, &born_obj,
-                          &last_obj, &time_obj, &clock, &trial_end, &order, &shape, &rate))
+                          &last_obj, &time_obj, &clock, &trial_end, &mode, &shape, &rate))
         return NULL;
-    if (order < 0 || order > 2) {
-        PyErr_Format(PyExc_ValueError, "order %d: 0, 1 or 2", order);
+    if (mode < 0 || mode > 2) {
+        PyErr_Format(PyExc_ValueError, "mode %d: 0, 1 or 2", mode);
         return NULL;
     }
     Ints one = {0}, leaves = {0};
@@ -333,21 +347,28 @@ static PyObject *rank(PyObject *Py_UNUSED(self), PyObject *args) {
         goto done;
     Key *keys = (Key *)PyBytes_AS_STRING(keys_obj);
     int32_t *ranked = (int32_t *)PyBytes_AS_STRING(ranked_obj);
+    int finite = 1;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t j = 0; j < n; j++) {
         int32_t s = leaves.v[one.v[j]];
         long long r = col_int(&reads, s), l = col_int(&last, s), b = col_int(&born, s);
         double key = 0.0;
-        if (order != 1) {
+        if (mode != 1) {
             key = worth(shape, rate, r, l - b > 0 ? l - b : 0, clock - l);
-            if (order == 2 && r == 0 && (double)l < trial_end)
+            finite &= isfinite(key) != 0;
+            if (mode == 2 && r == 0 && (double)l < trial_end)
                 key = -0.5;
         }
         keys[j] = (Key){key, (double)l, col_double(&time, s)};
         ranked[j] = (int32_t)j;
     }
-    qsort_r(ranked, (size_t)n, sizeof(int32_t), by_key, keys); /* (glibc's: a merge sort) */
+    if (finite) /* (a NaN key would leave the comparison no order: no sort at all) */
+        qsort_r(ranked, (size_t)n, sizeof(int32_t), by_key, keys); /* (glibc's: a merge sort) */
     Py_END_ALLOW_THREADS
+    if (!finite) {
+        PyErr_SetString(PyExc_ValueError, "math domain error: a page used after the clock");
+        goto done;
+    }
     out = PyTuple_Pack(2, keys_obj, ranked_obj);
 done:
     Py_XDECREF(keys_obj);

@@ -22,7 +22,7 @@ def rank(
     time: Buffer,
     clock: int,
     trial_end: float,
-    order: int,
+    mode: int,
     shape: float,
     rate: float,
     /,

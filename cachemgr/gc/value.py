@@ -66,6 +66,7 @@ class Victim(NamedTuple):
 _Ranked = tuple[float, int, float, int, int, bytes | None]
 _KEY = Struct("3d")  # cachemgr.gc._rank's keys: (key, last, when) a segment
 RECENCY, PROBATION = ORDERS.index("recency"), ORDERS.index("probation")
+_MODES = {RECENCY: 1, PROBATION: 2}  # _rank.rank's mode of each order (0: the value)
 
 
 def eviction_order(
@@ -225,8 +226,9 @@ def _segments(
     # PROBATION of the pages on disk are stored (S3-FIFO's small queue); then `probation`
     # takes them first.
     trial_end = model.adapt.trial_end(clock, st.count)
+    mode = _MODES.get(order, 0)
     keys, ranked = _rank.rank(
-        one, leaves, reads, born, st.last, st.time, clock, trial_end, order, *fitted_
+        one, leaves, reads, born, st.last, st.time, clock, trial_end, mode, *fitted_
     )
     segments: list[_Ranked] = []
     for at, leaf, walked, top, last, when, stranded in raw:
