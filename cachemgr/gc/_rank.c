@@ -122,6 +122,23 @@ static int held_has(const Ints *held, int32_t s) {
     return lo < held->n && held->v[lo] == s;
 }
 
+/* Whether every slot in `leaves` (or, with `at`, every slot at those positions of `leaves`)
+ * is in each of the k columns; IndexError if not. */
+static int in_columns(const Ints *leaves, const Ints *at, const Col *const *cols, int k) {
+    Py_ssize_t top = PY_SSIZE_T_MAX;
+    for (int i = 0; i < k; i++)
+        top = col_len(cols[i]) < top ? col_len(cols[i]) : top;
+    Py_ssize_t n = at ? at->n : leaves->n;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        int32_t p = at ? at->v[j] : (int32_t)j;
+        if (p < 0 || p >= leaves->n || leaves->v[p] < 0 || leaves->v[p] >= top) {
+            PyErr_Format(PyExc_IndexError, "leaves[%d]: no such slot", (int)p);
+            return 0;
+        }
+    }
+    return 1;
+}
+
 /* A 128-bit sum as a Python int (the prior's sums are Python ints: exact). */
 static PyObject *int128(__int128 x) {
     int neg = x < 0;
@@ -217,15 +234,9 @@ static PyObject *split(PyObject *Py_UNUSED(self), PyObject *args) {
         col_open(time_obj, &time, "time") || ints_open(held_obj, &held, "held") ||
         col_open(reads_obj, &reads, "reads") || col_open(born_obj, &born, "born"))
         goto done;
-    Py_ssize_t n = leaves.n, top = col_len(&pred);
-    if (col_len(&time) < top || col_len(&reads) < top || col_len(&born) < top)
-        top = 0; /* (checked below: every slot must be in every column) */
-    for (Py_ssize_t j = 0; j < n; j++) {
-        if (leaves.v[j] < 0 || leaves.v[j] >= top) {
-            PyErr_Format(PyExc_IndexError, "leaf %d: no such slot", (int)leaves.v[j]);
-            goto done;
-        }
-    }
+    Py_ssize_t n = leaves.n;
+    if (!in_columns(&leaves, NULL, (const Col *[]){&pred, &time, &reads, &born}, 4))
+        goto done;
     one = PyMem_RawMalloc((n ? n : 1) * sizeof(int32_t));
     chained = PyMem_RawMalloc((n ? n : 1) * sizeof(int32_t));
     if (!one || !chained) {
@@ -331,16 +342,9 @@ static PyObject *rank(PyObject *Py_UNUSED(self), PyObject *args) {
         col_open(reads_obj, &reads, "reads") || col_open(born_obj, &born, "born") ||
         col_open(last_obj, &last, "last") || col_open(time_obj, &time, "time"))
         goto done;
-    Py_ssize_t n = one.n, top = col_len(&reads);
-    if (col_len(&born) < top || col_len(&last) < top || col_len(&time) < top)
-        top = 0;
-    for (Py_ssize_t j = 0; j < n; j++) {
-        int32_t p = one.v[j];
-        if (p < 0 || p >= leaves.n || leaves.v[p] < 0 || leaves.v[p] >= top) {
-            PyErr_Format(PyExc_IndexError, "position %d: no such leaf", (int)p);
-            goto done;
-        }
-    }
+    Py_ssize_t n = one.n;
+    if (!in_columns(&leaves, &one, (const Col *[]){&reads, &born, &last, &time}, 4))
+        goto done;
     keys_obj = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(Key));
     ranked_obj = PyBytes_FromStringAndSize(NULL, n * 4);
     if (!keys_obj || !ranked_obj)
