@@ -15,7 +15,6 @@ A ghost lives while it has children (`kids[s] > 0`); then its slot is reused.
 from __future__ import annotations
 
 import functools
-import re
 import threading
 import zlib
 from array import array
@@ -27,7 +26,6 @@ NONE = -1  # no slot (no predecessor, empty bucket)
 _DEAD = -2  # a bucket whose slot was freed (probing goes on past it)
 KEY_BYTES = 32  # 64 hex digits
 GROW = 1024  # slots the columns grow by at a time
-_ONE = re.compile(b"\x01")
 # The key table is made 1.5 buckets a slot in use and grows past three quarters full: linear
 # probing's misses take ~8 probes at worst then, a hit ~2.5.
 SPREAD = 1.5
@@ -388,10 +386,6 @@ class PageStore:
     def names(self, s: int) -> tuple[str, ...]:
         # (not by `page`, which reads every column: an eviction asks this of each page)
         return file_names(self.key(s), self.file_sets[self.files[s]])
-
-    def leaves(self) -> list[int]:
-        """The slots of the leaves, in slot order (found by a scan in C: a byte a slot)."""
-        return [m.start() for m in _ONE.finditer(self.leaf)]
 
     def add_leaf(self, s: int) -> None:
         self.leaf[s] = 1

@@ -72,7 +72,7 @@ def connect(path: Path) -> sqlite3.Connection:
         conn.execute("PRAGMA foreign_keys=ON")
         # Debian's and most distributions' SQLite is built with SECURE_DELETE on: every page
         # a delete frees is overwritten with zeros, so truncating a 10M-page namespace's rows
-        # wrote the whole index again into the -wal (2.7 GB, past its reserve) and held the
+        # wrote the whole index again into the -wal (2.3 GB at 9M, past its reserve) and held the
         # write lock 42 s, and every checkpoint then copied it back. The index holds page
         # names and counts, nothing to scrub.
         conn.execute("PRAGMA secure_delete=OFF")
