@@ -105,6 +105,7 @@ def running_daemon(settings: Settings) -> Iterator[RunningDaemon]:
     running = RunningDaemon(daemon)
     try:
         wait_for(lambda: _ready(running), bool, timeout=30)
+        wait_for(lambda: _first_tick_done(daemon), bool, timeout=30, what="GC's first tick")
         yield running
     finally:
         running.http.close()
@@ -124,6 +125,14 @@ def settled(ready: httpx.Response) -> bool:
     """A /readyz answer of a daemon that is ready and whose GC may run (a daemon is ready
     before it loads GC's model, or scans what changed while it was down)."""
     return ready.status_code == 200 and "GC starts after" not in ready.json()["detail"]
+
+
+def _first_tick_done(daemon: Daemon) -> bool:
+    """GC's first tick, at once after ready, has taken the GC lock (an fd the daemon keeps
+    open until it stops) or found another process leading: a test that starts after it does
+    not see that fd as one it leaked."""
+    gc = daemon.gc
+    return gc.leadership.held or gc.stats.skipped > 0 or gc.stats.error > 0
 
 
 def _ready(running: RunningDaemon) -> bool:
