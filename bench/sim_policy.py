@@ -18,6 +18,8 @@ Policies:
   sequence, so both give the same result). Eviction is immediate, as the daemon's continuous
   eviction; the model survives the restart whole, as after a clean stop (the model file keeps
   the memory of evicted chains and the adaptive order's state);
+* `cachemgr, perfect miniatures` (`--shadowed`): the same, its order chosen by full-size
+  shadow caches, one per order, in place of the miniatures: the adaptive choice's ceiling;
 * oracles (`Oracle`): tails first as cachemgr, told what it cannot see;
 * `clairvoyant`: evict the page whose next lookup is farthest away (Belady);
 * `no cap`.
@@ -50,8 +52,9 @@ from typing import Any
 from sim_peers import Arc, Policy, S3Fifo
 from sim_trace import Recorded, read_trace
 
-from cachemgr.gc.adapt import ORDERS
+from cachemgr.gc.adapt import MARGIN, ORDERS
 from cachemgr.gc.chains import ChainModel
+from cachemgr.gc.minisim import WINDOW
 from cachemgr.gc.returns import END
 from cachemgr.gc.value import cap_order
 
@@ -215,6 +218,51 @@ class Cachemgr(Policy):
         return out
 
 
+class Shadowed(Policy):
+    """cachemgr's real order, chosen as the adaptive choice chooses (cachemgr.gc.adapt) but by
+    perfect miniatures: a full-size cache per order, each serving every request itself with
+    that order alone, scored by its hits decayed over WINDOW caps' worth of page lookups. What
+    it scores is the choice's ceiling: where it is behind an order followed alone, switching
+    costs that (the cache an order left is not the one the next would have kept), not the
+    miniatures' sample or shape."""
+
+    def __init__(self, trace: Trace, cap: int) -> None:
+        self.name = "cachemgr, perfect miniatures"
+        self.trace, self.cap = trace, cap
+        self.main = Cachemgr(max(RATES), ORDERS[0])
+        self.shadows = [(Cachemgr(max(RATES), o), set[int]()) for o in ORDERS]
+        self.scores = [0.0] * len(ORDERS)
+        self.decay = 1.0 - 1.0 / (WINDOW * cap)
+        self.follow, self.served = 0, -1
+
+    def _shadows_serve(self, i: int) -> None:
+        """The shadows serve request `i` (before the real cache does: they are independent)."""
+        while self.served < i:
+            self.served += 1
+            chain = self.trace.requests[self.served]
+            decay = self.decay ** len(chain)
+            for o, (policy, disk) in enumerate(self.shadows):
+                hits, _, _ = lookup(chain, self.served, policy, disk, self.cap)
+                self.scores[o] = self.scores[o] * decay + hits
+
+    def read(self, page: int, i: int) -> None:
+        self._shadows_serve(i)
+        self.main.read(page, i)
+
+    def write(self, page: int, i: int) -> None:
+        self._shadows_serve(i)
+        self.main.write(page, i)
+
+    def victims(self, n: int, i: int, disk: set[int]) -> list[int]:
+        self._shadows_serve(i)
+        s = self.scores
+        best = max(range(len(s)), key=lambda o: (s[o], o == self.follow))
+        if s[best] > (1.0 + MARGIN) * s[self.follow]:
+            self.follow = best
+        self.main.model.adapt.fixed = self.follow
+        return self.main.victims(n, i, disk)
+
+
 KEY_LEN = 8
 
 
@@ -336,10 +384,42 @@ def unusable(disk: set[int], parent: Sequence[int]) -> int:
     return len(disk) - len(ok)
 
 
+def lookup(
+    chain: Sequence[int], i: int, policy: Policy | None, disk: set[int], cap: int | None
+) -> tuple[int, int, int]:
+    """Request `i` served (its chain looked up, the hits read, the rest written, evicting
+    first to EVICTION_RATIO of the cap when a write would pass it): (hits, pages evicted,
+    most pages on disk)."""
+    n = 0
+    while n < len(chain) and chain[n] in disk:
+        n += 1
+    for p in chain[:n]:
+        if policy is not None:
+            policy.read(p, i)
+    evicted = most = 0
+    for p in chain[n:]:
+        if p in disk:  # behind a missing page: `set` skips it
+            if policy is not None:
+                policy.skip(p, i)
+            continue
+        if cap is not None and policy is not None and len(disk) + 1 > cap:
+            victims = policy.victims(len(disk) - (int(cap * EVICTION_RATIO) - 1), i, disk)
+            if not disk.issuperset(victims) or len(set(victims)) != len(victims):
+                raise AssertionError(f"{policy.name} evicted pages not on disk")
+            disk.difference_update(victims)
+            evicted += len(victims)
+            if len(disk) + 1 > cap:
+                raise AssertionError(f"{policy.name} left {len(disk)} pages, cap {cap}")
+        disk.add(p)
+        most = max(most, len(disk))
+        if policy is not None:
+            policy.write(p, i)
+    return n, evicted, most
+
+
 def serve(trace: Trace, policy: Policy | None, cap: int | None, samples: int = 100) -> Result:
     """Replay the trace against one policy under one cap (None: no cap)."""
     disk: set[int] = set()
-    target = int(cap * EVICTION_RATIO) - 1 if cap else 0
     hits = lookups = max_on_disk = evicted = 0
     every = max(1, len(trace.requests) // samples)
     unusable_sum = unusable_n = 0
@@ -347,30 +427,10 @@ def serve(trace: Trace, policy: Policy | None, cap: int | None, samples: int = 1
         if i == trace.restart_at and policy is not None:
             policy.restart(i)
         lookups += len(chain)
-        n = 0
-        while n < len(chain) and chain[n] in disk:
-            n += 1
+        n, gone, most = lookup(chain, i, policy, disk, cap)
         hits += n
-        for p in chain[:n]:
-            if policy is not None:
-                policy.read(p, i)
-        for p in chain[n:]:
-            if p in disk:  # behind a missing page: `set` skips it
-                if policy is not None:
-                    policy.skip(p, i)
-                continue
-            if cap is not None and policy is not None and len(disk) + 1 > cap:
-                victims = policy.victims(len(disk) - target, i, disk)
-                if not disk.issuperset(victims) or len(set(victims)) != len(victims):
-                    raise AssertionError(f"{policy.name} evicted pages not on disk")
-                disk.difference_update(victims)
-                evicted += len(victims)
-                if len(disk) + 1 > cap:
-                    raise AssertionError(f"{policy.name} left {len(disk)} pages, cap {cap}")
-            disk.add(p)
-            max_on_disk = max(max_on_disk, len(disk))
-            if policy is not None:
-                policy.write(p, i)
+        evicted += gone
+        max_on_disk = max(max_on_disk, most)
         if i % every == every - 1:
             unusable_sum += unusable(disk, trace.parent)
             unusable_n += 1
@@ -390,14 +450,21 @@ def policies(
     return makers
 
 
-def run(trace: Trace, rates: Iterable[float] = RATES, orders: Iterable[str] = ()) -> list[Result]:
+def run(
+    trace: Trace,
+    rates: Iterable[float] = RATES,
+    orders: Iterable[str] = (),
+    shadowed: bool = False,
+) -> list[Result]:
     """No cap, then every policy at W/3 and W/2 (`orders`: also cachemgr following each of
-    these orders alone)."""
+    these orders alone; `shadowed`: also its choice by perfect miniatures)."""
     nocap = serve(trace, None, None)
     out = [nocap]
     for div in (3, 2):
         cap = trace.pages // div
         out += [serve(trace, make(), cap) for make in policies(trace, rates, orders)]
+        if shadowed:
+            out.append(serve(trace, Shadowed(trace, cap), cap))
     return out
 
 
@@ -450,23 +517,33 @@ def half(trace: Trace, which: int) -> Trace:
 
 
 def recorded_peers(
-    trace: Trace, cap: int, rates: Iterable[float], orders: Iterable[str] = ()
+    trace: Trace,
+    cap: int,
+    rates: Iterable[float],
+    orders: Iterable[str] = (),
+    shadowed: bool = False,
 ) -> list[Policy]:
-    """LRU, S3-FIFO, ARC, cachemgr's real policy (and following each of `orders` alone) and
-    the clairvoyant bound, for one cap."""
+    """LRU, S3-FIFO, ARC, cachemgr's real policy (and following each of `orders` alone, and
+    choosing by perfect miniatures if `shadowed`) and the clairvoyant bound, for one cap."""
     peers: list[Policy] = [Lru(), S3Fifo(cap), Arc(cap), *(Cachemgr(r) for r in rates)]
     peers += [Cachemgr(max(rates), o) for o in orders]
+    peers += [Shadowed(trace, cap)] if shadowed else []
     return [*peers, Clairvoyant(trace)]
 
 
 def run_recorded(
-    trace: Trace, divisors: Iterable[int], rates: Iterable[float], orders: Iterable[str] = ()
+    trace: Trace,
+    divisors: Iterable[int],
+    rates: Iterable[float],
+    orders: Iterable[str] = (),
+    shadowed: bool = False,
 ) -> list[Result]:
     """No cap, then the recorded-trace peers at each W/d."""
     out = [serve(trace, None, None)]
     for div in divisors:
         cap = trace.pages // div
-        out += [serve(trace, p, cap) for p in recorded_peers(trace, cap, rates, orders)]
+        peers = recorded_peers(trace, cap, rates, orders, shadowed)
+        out += [serve(trace, p, cap) for p in peers]
     return out
 
 
@@ -490,6 +567,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         default="",
         help=f"also cachemgr following each of these orders alone ({','.join(ORDERS)})",
     )
+    ap.add_argument(
+        "--shadowed",
+        action="store_true",
+        help="also cachemgr choosing its order by perfect miniatures (full-size shadow caches,"
+        " one per order): the choice's ceiling",
+    )
     args = ap.parse_args(argv)
     orders = [o for o in args.orders.split(",") if o]
     if set(orders) - set(ORDERS):
@@ -510,13 +593,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             f" W = {trace.pages} pages, {sum(len(c) for c in trace.requests)} page lookups;"
             f" {rec.relinked} block ids seen after another parent; no restart"
         )
-        print(table(trace, run_recorded(trace, caps, rates, orders)))
+        print(table(trace, run_recorded(trace, caps, rates, orders, args.shadowed)))
         print(f"({time.monotonic() - t0:.1f}s)")
         return
     shape = SHAPES[args.shape]
     sessions, requests = args.sessions or shape.sessions, args.requests or shape.requests
     trace = make_trace(sessions, requests, args.seed, **shape.knobs)
-    results = run(trace, orders=orders)
+    results = run(trace, orders=orders, shadowed=args.shadowed)
     lookups = sum(len(c) for c in trace.requests)
     print(
         f"trace {args.shape!r}: {sessions} sessions, {requests} requests, seed {args.seed};"

@@ -142,8 +142,17 @@ def test_a_recorded_trace_is_read_and_served_beside_its_peers(tmp_path: Path, ca
     out = capsys.readouterr().out
     for name in ("| lru |", "| s3-fifo |", "| arc |", "| cachemgr @100/s |", "| clairvoyant |"):
         assert name in out
-    for r in sim.run_recorded(sim.from_recorded(rec), [2], [100.0]):
+    served = sim.from_recorded(rec)
+    results = sim.run_recorded(served, [2], [100.0], shadowed=True)
+    for r in results:
         assert r.cap is None or r.max_on_disk <= r.cap
+    # Each cachemgr row says how far it is from the best online peer at its cap.
+    best = max(r.ratio for r in results if r.policy in sim.PEERS)
+    rows = {row.split(" | ")[0]: row for row in sim.table(served, results).splitlines()}
+    ours = [r for r in results if r.policy.startswith("cachemgr")]
+    assert [r.policy for r in ours] == ["cachemgr @100/s", "cachemgr, perfect miniatures"]
+    for r in ours:
+        assert f"| {r.ratio - best:+.4f} |" in rows[f"| {r.policy}"]
 
 
 def test_a_bad_trace_line_is_one_clear_error(tmp_path: Path) -> None:

@@ -49,7 +49,7 @@ class Adaptive:
     ) -> None:
         """A file of the page with this key digest was stored at access `clock`; `fresh`: the
         page was not on disk before (else another file of it); `chain`: the (reads, birth) of
-        the page it continues, if known and in its segment (not a branch point)."""
+        the page it continues, if known."""
         if self.stores_since < 0:
             self.stores_since = clock
         self.stores += 1

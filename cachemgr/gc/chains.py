@@ -281,10 +281,8 @@ class ChainModel:
             self._page(s, seq, at, pred if burst else None, None, False)
             self._placed(s, stream[1], size, seq, at)
             self.clock = max(self.clock, seq)
-            # The record of the segment it extends, what the order values it by: none behind a
-            # branch point, where segments end (it starts one of its own).
-            up = st.pred[s]
-            chain = (st.reads[up], st.born[up]) if up != NONE and st.kids[up] == 1 else None
+            up = st.pred[s]  # (its chain's record: what the order values its segment by)
+            chain = (st.reads[up], st.born[up]) if up != NONE else None
             self.adapt.stored(st.digest(s), seq, fresh, chain)
             if pred is not None and not burst and st.pred[s] == NONE and not st.conf[s]:
                 # A vote, as a read's: a read right after `pred` links it (two agree).

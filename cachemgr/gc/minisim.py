@@ -87,8 +87,8 @@ class Miniatures:
         self, digest: int, clock: int, read: bool, chain: tuple[int, int] | None = None
     ) -> None:
         """A page with this key digest was read or stored (not on disk before) at `clock`;
-        `chain`: the (reads, birth) of the page it continues in its segment, which a page new
-        to the sample takes as its own, as the real order values a segment by its top page."""
+        `chain`: the (reads, birth) of the page it continues, which a page new to the sample
+        takes as its own, as the real order values a segment by its top page."""
         if self.shift and _mixed(digest) >> (_BITS - self.shift):
             return
         if self._weight > _RESCALE:
