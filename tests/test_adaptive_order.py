@@ -18,6 +18,7 @@ import pytest
 from cachemgr.gc import adapt, minisim, modelfile
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.history import REMEMBER
+from cachemgr.gc.returns import prior, worth
 from cachemgr.gc.value import cap_order, eviction_order
 from cachemgr.state import pages_sql
 from cachemgr.state.store import Store
@@ -128,109 +129,94 @@ def test_the_miniatures_memory_is_bounded() -> None:
     assert len(mini.pages) == 1
 
 
-def _as_the_model_holds(model: ChainModel, pages: list[int]) -> dict[int, list[int]]:
-    """The sim's pages on disk as a miniature would hold them, each with its segment now."""
-    st, held = model.store, {}
-    for p in pages:
-        s = st.find("ns", sim._name(p)[: sim.KEY_LEN])
-        segment = model._segment(s, ("", "", f"walk {p}"))  # (a stream of its own: walked)
-        held[st.digest(s)] = [st.born[s], st.last[s], 1, *segment]
-    return held
+def _ranked_afresh(mini: minisim.Miniatures, o: int, n: int, clock: int) -> list[int]:
+    """The `n` pages miniature `o` evicts first, ranked as before the costs were cut: its
+    prior summed over its pages, every page valued, all sorted (ties: use, then arrival)."""
+    held = list(mini.held[o])
+    pages = [mini.pages[d] for d in held]
+    fit = prior([(p[minisim._READS], max(clock - p[minisim._BORN], 0)) for p in pages])
+    end = mini.trial(clock, mini.cap << mini.shift) if mini.names[o] == "probation" else -1
+    keys = [
+        -0.5
+        if p[minisim._LAST] < end and not p[minisim._READS]
+        else worth(fit, p[minisim._READS], p[minisim._LAST] - p[minisim._BORN], clock - p[1])
+        for p in pages
+    ]
+    ranked = sorted(range(len(held)), key=lambda i: (keys[i], pages[i][minisim._LAST]))
+    return [held[i] for i in ranked[:n]]
 
 
-@pytest.mark.parametrize("order", ["value", "probation"])
-def test_a_miniature_evicts_what_the_real_order_evicts(order: str) -> None:
-    """Given the pages the real cache holds, each with the segment the model says, a miniature
-    picks nearly the victims the real order picks: segments valued by their top's record,
-    tails first, those with a branch point after the rest (where the real order values one
-    as its last chain goes, the two part: 57-64% at worst). Valued page by page, as before,
-    its victims were 34-35% of the real order's here (207 of 451 on the conversation trace)."""
-    trace = sim.make_trace(60, 900, seed=4, sys_pages=8)
-    cap = trace.pages // 4
-    policy = sim.Cachemgr(100.0, order)
-    victims, shared = policy.victims, []
-
-    def comparing(n: int, i: int, disk: set[int]) -> list[int]:
-        model = policy.model
-        mini = minisim.Miniatures((order,), model.adapt.trial_end)
-        mini.pages = mini.held[0] = _as_the_model_holds(model, sorted(disk))
-        mini.cap = len(disk)
-        st = model.store
-        digest = {p: st.digest(st.find("ns", sim._name(p)[: sim.KEY_LEN])) for p in disk}
-        mine = set(mini._lowest(0, n, model.clock))
-        real = victims(n, i, disk)
-        shared.append(len(mine & {digest[p] for p in real}) / n)
-        return real
-
-    policy.victims = comparing  # type: ignore[method-assign]
-    sim.serve(trace, policy, cap)
-    assert len(shared) > 50 and sum(shared) / len(shared) > 0.9 and min(shared) > 0.5
-
-
-def test_the_miniatures_stay_consistent_and_survive_a_restore() -> None:
-    """Through evictions (one that takes the page just referenced, the tail of the segment
-    it values least, while another miniature keeps it), a resample and a restore: every page
-    held is known, the ghosts are the pages none holds, `recency`'s pages stay least recently
-    used first, and a restored state holds the same pages in each miniature."""
+def test_the_miniatures_evict_what_ranking_everything_afresh_would() -> None:
+    """The cheap paths (an LRU list for `recency`, the prior's sums kept as pages come and
+    go, a partial sort, `probation` valuing none when enough are past their trial) pick the
+    victims a full ranking picks, through evictions, a resample and a restore."""
     a = adapt.Adaptive()
     mini = a.mini
     rng = random.Random(5)
     keys = [rng.getrandbits(63) for _ in range(3000)]
-    tops = keys[:40]  # (few segments: a store mostly joins one, some never read, born long ago)
     a.choose(1000, 0)
     for clock in range(1, 30_001):
-        key = keys[clock % 3000] ^ clock
         if rng.random() < 0.4:
-            top = rng.choice(tops)
-            reads, born = (0, 1) if top % 4 == 0 else (rng.randrange(1, 9), clock - 50)
-            a.stored(key, clock, True, (top, reads, born, 0))
+            a.stored(keys[clock % 3000] ^ clock, clock, True, chain=(rng.randrange(3), clock - 9))
         else:
             a.read(rng.choice(keys), clock)
         if clock % 2_500 == 0:
-            for held in mini.held:
-                assert set(held) <= set(mini.pages)
-            assert set(mini.ghosts) == {d for d, p in mini.pages.items() if not p[minisim._HELD]}
-            o = adapt.ORDERS.index("recency")
-            lasts = [mini.pages[d][minisim._LAST] for d in mini.held[o]]
-            assert lasts == sorted(lasts)  # (least recently used first)
+            for o, name in enumerate(adapt.ORDERS):
+                if name == "recency":
+                    lasts = [mini.pages[d][minisim._LAST] for d in mini.held[o]]
+                    assert lasts == sorted(lasts)  # (least recently used first)
+                    continue
+                for n in (1, 10, 100):  # (`probation`: past their trial, most often 1-10)
+                    assert mini._lowest(o, n, clock) == _ranked_afresh(mini, o, n, clock)
+                held = [mini.pages[d] for d in mini.held[o]]
+                fresh = prior([(p[minisim._READS], clock - p[minisim._BORN]) for p in held])
+                assert all(map(math.isclose, mini._prior(o, clock), fresh))
             if clock == 10_000:
-                a.choose(20_000, clock)  # (sampled at 1/4 now)
+                a.choose(20_000, clock)  # (sampled at 1/4 now: the sums follow the sample)
                 assert mini.shift == 2
             if clock == 20_000:
                 again = adapt.Adaptive()
                 again.restore(a.state(), a.table())
-                assert again.mini.pages == mini.pages
-                assert [set(h) for h in again.mini.held] == [set(h) for h in mini.held]
+                assert again.mini.sums == mini.sums
                 a, mini = again, again.mini
 
 
-def test_the_sample_sees_pages_not_files_and_each_page_its_segment() -> None:
-    """A second rank's file of a page is not a second reference; with each reference a page
-    takes its segment's record: the top's key, reads and birth (as the real order values the
-    segment), and whether it is a branch point itself."""
+def test_a_page_one_miniature_evicts_at_once_stays_known_while_another_holds_it() -> None:
+    """A page `value` values least the moment it comes in (unread, its chain born long ago) is
+    evicted from `value` at once while `recency` keeps it: it is no ghost, and forgetting
+    ghosts never drops it (it was left among the ghosts, then forgotten while held: a
+    KeyError at the next eviction)."""
+    a = adapt.Adaptive()
+    mini = a.mini
+    rng = random.Random(7)
+    a.choose(1000, 0)
+    for clock in range(1, 60_001):
+        key = rng.getrandbits(63)
+        if rng.random() < 0.5:  # (a stale chain's page: valued least at once)
+            a.stored(key, clock, True, chain=(0, 1))
+        else:
+            a.stored(key, clock, True, chain=(rng.randrange(1, 5), clock - 20))
+        if clock % 5_000 == 0:
+            for held in mini.held:
+                assert set(held) <= set(mini.pages)
+            assert set(mini.ghosts) == {d for d, p in mini.pages.items() if not p[minisim._HELD]}
+
+
+def test_the_sample_sees_pages_not_files_and_a_tail_takes_its_chains_record() -> None:
+    """A second rank's file of a page is not a second reference; a page stored behind a read
+    one starts with that one's record (as the real order values the segment by its top)."""
     model = ChainModel()
-    head, tail, other = f"{1:064x}", f"{2:064x}", f"{3:064x}"
+    head, tail = f"{1:064x}", f"{2:064x}"
     for suffix in (SUFFIX, OTHER_RANK):
         model.observe_write(NS, head + suffix, 64, seq=1, at=1.0)
     st, mini = model.store, model.adapt.mini
-    digest = {k: st.digest(st.find(NS, k)) for k in (head,)}
-    record = mini.pages[digest[head]]
+    record = mini.pages[st.digest(st.find(NS, head))]
     assert record[minisim._READS] == 0 and round(mini.refs) == 1
     for seq in (3, 4):
         model.observe_read(NS, head + SUFFIX, 64, seq=seq, at=2.0)
     model.observe_write(NS, tail + SUFFIX, 64, seq=5, at=2.0)  # (the same request's burst)
     assert model.pages[NS, tail].pred == head
-    page = mini.pages[st.digest(st.find(NS, tail))]
-    assert page[: minisim._HELD] == [5, 5] and page[minisim._TOP :] == [digest[head], 2, 1, 0]
-    # A second chain behind `head` makes it a branch point, where segments end: a page behind
-    # it is a segment of its own, and `head` says it is a branch point when next read.
-    model.observe_read(NS, head + SUFFIX, 64, seq=6, at=3.0)
-    model.observe_write(NS, other + SUFFIX, 64, seq=7, at=3.0)
-    assert model.pages[NS, other].pred == head
-    mine = st.digest(st.find(NS, other))
-    assert mini.pages[mine][minisim._TOP :] == [mine, 0, 7, 0]
-    model.observe_read(NS, head + SUFFIX, 64, seq=8, at=4.0)
-    assert mini.pages[digest[head]][minisim._TOP :] == [digest[head], 4, 1, 1]
+    assert mini.pages[st.digest(st.find(NS, tail))][: minisim._HELD] == [1, 5, 2]
 
 
 def test_victims_suffice_whatever_the_order_follows() -> None:

@@ -24,14 +24,14 @@ import math
 from array import array
 from typing import Any
 
-from cachemgr.gc.minisim import Miniatures, Segment
+from cachemgr.gc.minisim import Miniatures
 
 log = logging.getLogger(__name__)
 
 ORDERS = ("value", "recency", "probation")
 PROBATION = 0.25  # a page unread since stored is on trial while this share of the disk is stored
 MARGIN = 0.005  # share by which another miniature's hits must be more to switch to its order
-KIND = "segment miniatures"  # the saved state's kind (another: an older build's, ignored)
+KIND = "miniatures"  # the saved state's kind (another: a build before them, ignored)
 
 
 class Adaptive:
@@ -44,19 +44,21 @@ class Adaptive:
         self.stores, self.stores_since = 0, -1  # stores seen, since which access
         self.mini = Miniatures(ORDERS, self.trial_end)
 
-    def stored(self, digest: int, clock: int, fresh: bool, segment: Segment | None = None) -> None:
+    def stored(
+        self, digest: int, clock: int, fresh: bool, chain: tuple[int, int] | None = None
+    ) -> None:
         """A file of the page with this key digest was stored at access `clock`; `fresh`: the
-        page was not on disk before (else another file of it); `segment`: the page's segment
-        (cachemgr.gc.minisim.Segment), if known."""
+        page was not on disk before (else another file of it); `chain`: the (reads, birth) of
+        the page it continues, if known."""
         if self.stores_since < 0:
             self.stores_since = clock
         self.stores += 1
         if fresh:
-            self.mini.reference(digest, clock, read=False, segment=segment)
+            self.mini.reference(digest, clock, read=False, chain=chain)
 
-    def read(self, digest: int, clock: int, segment: Segment | None = None) -> None:
+    def read(self, digest: int, clock: int) -> None:
         """A file of the page with this key digest was read at access `clock`."""
-        self.mini.reference(digest, clock, read=True, segment=segment)
+        self.mini.reference(digest, clock, read=True)
 
     def span(self, pages: float, clock: int) -> float:
         """Accesses in which about this many pages are stored (inf before any store)."""

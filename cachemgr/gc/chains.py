@@ -93,9 +93,6 @@ class ChainModel:
         # -> when its last store was written and renamed into place (mtime, ctime), if it was a
         # store (a read: absent)
         self._stored: dict[Stream, tuple[float, float]] = {}
-        # -> the last page's slot and its segment's top slot (what the page after it in the
-        # stream, continuing it, shares: cachemgr.gc.minisim)
-        self._tops: dict[Stream, tuple[int, int]] = {}
         # The eviction order's segments as of its last run (cachemgr.gc.value): leaf slot ->
         # (top slot, latest use, latest wall-clock use), and the slots changed since.
         self.segments: dict[int, tuple[int, int, float]] = {}
@@ -230,7 +227,6 @@ class ChainModel:
                 st.forget_ns(ns)
             self._prev = {s: k for s, k in self._prev.items() if s[0] != ns}
             self._stored = {s: t for s, t in self._stored.items() if s[0] != ns}
-            self._tops = {s: t for s, t in self._tops.items() if s[0] != ns}
 
     def _drop(self, s: int) -> None:
         st = self.store
@@ -285,7 +281,9 @@ class ChainModel:
             self._page(s, seq, at, pred if burst else None, None, False)
             self._placed(s, stream[1], size, seq, at)
             self.clock = max(self.clock, seq)
-            self.adapt.stored(st.digest(s), seq, fresh, self._segment(s, stream))
+            up = st.pred[s]  # (its chain's record: what the order values its segment by)
+            chain = (st.reads[up], st.born[up]) if up != NONE else None
+            self.adapt.stored(st.digest(s), seq, fresh, chain)
             if pred is not None and not burst and st.pred[s] == NONE and not st.conf[s]:
                 # A vote, as a read's: a read right after `pred` links it (two agree).
                 st.cand[s] = hash(pred)
@@ -308,7 +306,7 @@ class ChainModel:
                 return False, None
             st.put("reads", s, st.reads[s] + 1)
             st.used(s, seq, at)
-            self.adapt.read(st.digest(s), seq, self._segment(s, stream))
+            self.adapt.read(st.digest(s), seq)
             self._mark(s)
             self.clock = max(self.clock, seq)
             before = st.pred[s]
@@ -326,27 +324,6 @@ class ChainModel:
                 st.cand[s], st.cand_sfx[s] = hash(prev), sfx
                 self._link(s, None)
             return st.pred[s] != before, self.store.pred_key(s)
-
-    def _segment(self, s: int, stream: Stream) -> tuple[int, int, int, int]:
-        """Page `s`'s segment, as the order would rank it now (cachemgr.gc.value: up to below
-        a branch point or a gap): its top's key digest, reads and birth, and 1 if `s` is a
-        branch point itself (minisim.Segment). A request reads and
-        writes its chain in order, so the page before it in its stream is mostly the one it
-        continues, and that one's top is its own (else its chain is walked)."""
-        st = self.store
-        above = st.pred[s]
-        last = self._tops.get(stream)
-        if last is not None and last[0] == above and st.kids[above] == 1 and st.present(above):
-            top = last[1]
-        else:
-            top = s
-            for _ in range(CYCLE_WALK):
-                above = st.pred[top]
-                if above == NONE or st.files[above] == GHOST or st.kids[above] != 1:
-                    break
-                top = above
-        self._tops[stream] = (s, top)
-        return st.digest(top), st.reads[top], st.born[top], int(st.kids[s] > 1)
 
     def _mark(self, s: int) -> None:
         """Page `s` changed: the segment it is in (and its own, if a leaf) must be walked again."""

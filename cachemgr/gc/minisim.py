@@ -12,25 +12,19 @@ miniature that holds the page, and a miss that inserts it in the others; a minia
 capacity (the pages on disk at the real cache's last plan, times the rate) evicts down to LOW
 of it in its own order, as GC does.
 
-What the orders rank by is the stream's, so the miniatures share it. The real order ranks
-*segments* (cachemgr.gc.value: a chain's pages up to below a branch point, valued together by
-their top page's record, each leaf to top), and so do the miniatures: with each reference the
-real model says the page's segment (its top page's key digest) and that top's record (its
-returns and birth: the real model's, which the memory of evicted pages gives back to a page
-written again: cachemgr.gc.history). A miniature groups the pages it holds by segment (few of
-a segment's pages are in a sparse sample, but each goes when its segment would): `value`
-evicts the lowest chain value first (cachemgr.gc.returns, its prior fitted to the
-miniature's segments, their latest use the latest of their pages'), `probation` first the
-segments unread since stored and past their trial, then as `value`; within a segment the
-pages referenced last (its tail) go first. Valued page by page instead, `value`'s miniature
-evicted a conversation's head before its tail and scored what the order does on pages with no
-links (conversation trace, W/10: 0.262, where the order itself hits 0.283; bench/RESULTS.md).
-`recency` evicts the least recently used page.
+What the orders rank by is the stream's, so the miniatures share it: a page's first reference,
+its last, and its returns since (the real model's reads, which the memory of evicted pages
+gives back to a page written again: cachemgr.gc.history, as many as it remembers, scaled by
+the rate). Each sampled page is a segment of its own (its chain's other pages are mostly not
+in the sample): `value` evicts the lowest chain value first (cachemgr.gc.returns, its prior
+fitted to the miniature's pages), `recency` the least recently used, `probation` the pages
+unread since stored and past their trial first, then as `value`.
 
 What a reference costs is the ranking (bench/bench_minisim.py): `recency` is kept in its order
-(a hit moves a page to the end), so it never ranks; `value` and `probation` group and rank
-their pages at each eviction, and `probation` values none when the segments past their trial
-are enough.
+(a hit moves a page to the end), so it never ranks; `value` and `probation` rank their pages
+at each eviction, with the prior's sums kept as pages come and go (not summed again), and
+`probation` values none when the pages past their trial are enough. Each evicts what it did
+when it ranked everything afresh, so the orders' scores are unchanged.
 """
 
 from __future__ import annotations
@@ -43,31 +37,19 @@ from collections.abc import Callable
 from itertools import islice
 from typing import Any
 
-from cachemgr.gc import _rank
 from cachemgr.gc.history import REMEMBER
-from cachemgr.gc.returns import fitted, moments
+from cachemgr.gc.returns import Moments, fitted, worth
 
 MINI_PAGES = 8192  # pages a miniature holds at most (past it the sample halves)
 MINI_MIN = MINI_PAGES // 16  # a smaller miniature is sampled again at a higher rate
 LOW = 0.9  # a miniature over its capacity evicts down to this share of it
 WINDOW = 8  # hits count for about WINDOW capacities' worth of sampled references (decay)
-# A sampled page: its first reference, its last, which miniatures hold it (a bit each), its
-# segment's top (a key digest), that top's returns and birth, and whether the page heads two
-# chains or more (1: a branch point), as of its last reference.
-_FIRST, _LAST, _HELD, _TOP, _READS, _BORN, _INNER = range(7)
+_BORN, _LAST, _READS, _HELD = range(4)
 _RESCALE = 1e100  # a reference's weight past which the sums are scaled back
 _MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: the digest's bits spread over the top ones
 _BITS = 64
-_COLUMNS = 8  # a saved page: its digest and its _FIRST.._INNER
-_PAGES = 4  # where a segment's digests start in the list `_segments` groups it in
-_VALUE, _PROBATION = 0, 2  # cachemgr.gc._rank.rank's modes
+_COLUMNS = 5  # a saved page: digest, born, last, reads, which miniatures hold it
 Trial = Callable[[int, int], float]  # (clock, pages on disk) -> the trial's start (an access)
-# A page's segment: its top's key digest, returns and birth; 1 if the page is a branch point.
-Segment = tuple[int, int, int, int]
-
-
-def _latest_use(segment: list[int]) -> int:
-    return segment[0]
 
 
 def _mixed(digest: int) -> int:
@@ -86,10 +68,13 @@ class Miniatures:
         self.limit = sys.maxsize  # pages past which a miniature evicts (`cap`, or none)
         # The miniature kept in least recently used order (a hit moves a page to its end).
         self.lru = orders.index("recency") if "recency" in orders else -1
-        self.pages: dict[int, list[int]] = {}  # digest -> [_FIRST, ..., _BORN]
+        self.pages: dict[int, list[int]] = {}  # digest -> [born, last, reads, held: a bit each]
         self.ghosts: OrderedDict[int, None] = OrderedDict()  # pages none holds, oldest first
         # The pages each holds by digest, oldest first (what breaks ties in its order).
         self.held = self._empty()
+        # Each ranked miniature's sums over its pages of reads c and birth b (c, b, cc, cb, bb):
+        # the prior its order fits (cachemgr.gc.returns.Moments), kept as pages come and go.
+        self.sums = [[0] * 5 for _ in range(self.orders)]
         # Hits and references decayed by `decay` a reference, kept as sums of weights that
         # grow by 1/decay a reference instead (the window's scores are the sums / `_weight`):
         # a reference adds to one or two sums, not scales them all.
@@ -99,10 +84,11 @@ class Miniatures:
         self._grow = 1.0 / (1.0 - 1.0 / (WINDOW * MINI_PAGES))
 
     def reference(
-        self, digest: int, clock: int, read: bool, segment: Segment | None = None
+        self, digest: int, clock: int, read: bool, chain: tuple[int, int] | None = None
     ) -> None:
         """A page with this key digest was read or stored (not on disk before) at `clock`;
-        `segment`: its segment now (None: a segment of its own, its returns counted here)."""
+        `chain`: the (reads, birth) of the page it continues, which a page new to the sample
+        takes as its own, as the real order values a segment by its top page."""
         if self.shift and _mixed(digest) >> (_BITS - self.shift):
             return
         if self._weight > _RESCALE:
@@ -112,25 +98,32 @@ class Miniatures:
         self._refs += weight
         page = self.pages.get(digest)
         if page is None:
-            page = self.pages[digest] = [clock, clock, 0, digest, int(read), clock, 0]
+            reads, born = chain if chain is not None else (int(read), clock)
+            page = self.pages[digest] = [min(born, clock), clock, reads, 0]
         else:
             if not page[_HELD]:
                 del self.ghosts[digest]
             page[_READS] += 1
             page[_LAST] = clock
-        if segment is not None:
-            page[_TOP], page[_READS], page[_BORN], page[_INNER] = segment
-        was, lru = page[_HELD], self.lru
+        was = page[_HELD]  # (an eviction below changes only its own miniature's bit)
+        lru = self.lru
         for o, held in enumerate(self.held):
             if was >> o & 1:
                 hits[o] += weight
                 if o == lru:
                     held.move_to_end(digest)  # type: ignore[attr-defined]
+                else:  # (its reads went from c - 1 to c)
+                    sums, c = self.sums[o], page[_READS]
+                    sums[0] += 1
+                    sums[2] += 2 * c - 1
+                    sums[3] += page[_BORN]
             else:
                 page[_HELD] |= 1 << o
                 held[digest] = page
-        # (Each evicts once all hold the page: one may evict it at once, a tail of a segment
-        # it values least, and it is a ghost only if none holds it.)
+                if o != lru:
+                    self._tally(o, page, 1)
+        # (Each evicts once all hold the page: one may evict it at once, valued least, while
+        # another keeps it; it is a ghost, to be forgotten, only if none holds it.)
         for o, held in enumerate(self.held):
             if len(held) > self.limit:
                 self._evict(o, clock)
@@ -185,67 +178,71 @@ class Miniatures:
         bit = 1 << o
         held = self.held[o]
         go = len(held) - int(LOW * self.cap)
-        for digest in self._lowest(o, go, clock) if o != self.lru else list(islice(held, go)):
+        ranked = o != self.lru
+        for digest in self._lowest(o, go, clock) if ranked else list(islice(held, go)):
             page = self.pages[digest]
             page[_HELD] &= ~bit
             del held[digest]
+            if ranked:
+                self._tally(o, page, -1)
             if not page[_HELD]:
                 self.ghosts[digest] = None
         while len(self.ghosts) > REMEMBER >> self.shift:
             del self.pages[self.ghosts.popitem(last=False)[0]]
 
-    def _lowest(self, o: int, n: int, clock: int) -> list[int]:
-        """The `n` digests miniature `o` evicts first: its segments lowest first, valued as
-        the real order values its one-page segments (cachemgr.gc._rank; ties: the least
-        recently used, then the one it took first), each tail first; those with a branch
-        point last (the real order ranks one once the chains below it are gone)."""
-        segs, inner = self._segments(o)
-        if self.names[o] == "probation":
-            trial_end, mode = self.trial(clock, self.cap << self.shift), _PROBATION
-            past = [g for g in segs if g[0] < trial_end and not g[1]]
-            if sum(len(g) - _PAGES for g in past) >= n:  # (they go first: none is valued)
-                return self._tails(sorted(past, key=_latest_use), n)
-        else:
-            trial_end, mode = -math.inf, _VALUE
-        last = array("q", [g[0] for g in segs])
-        reads, born = array("q", [g[1] for g in segs]), array("q", [g[2] for g in segs])
-        exposures = [max(clock - b, 0) for b in born]
-        shape, rate = fitted(moments(zip(reads, exposures, strict=True)))
-        at = array("i", range(len(segs)))
-        _, ranked = _rank.rank(
-            at, at, reads, born, last, array("d", last), clock, trial_end, mode, shape, rate
+    def _tally(self, o: int, page: list[int], sign: int) -> None:
+        """Page `page` came into ranked miniature `o` (sign 1) or left it (-1): its sums."""
+        sums, c, b = self.sums[o], page[_READS], page[_BORN]
+        sums[0] += sign * c
+        sums[1] += sign * b
+        sums[2] += sign * c * c
+        sums[3] += sign * c * b
+        sums[4] += sign * b * b
+
+    def _retally(self) -> None:
+        self.sums = [[0] * 5 for _ in range(self.orders)]
+        for o, held in enumerate(self.held):
+            for digest in held if o != self.lru else ():
+                self._tally(o, self.pages[digest], 1)
+
+    def _prior(self, o: int, clock: int) -> tuple[float, float]:
+        """The prior order `o` fits to its miniature's pages now: their exposures are
+        clock - b (no page was born after the clock)."""
+        c, b, cc, cb, bb = self.sums[o]
+        n = len(self.held[o])
+        return fitted(
+            Moments(c, n * clock - b, cc, clock * c - cb, clock * clock * n - 2 * clock * b + bb)
         )
-        order = [segs[i] for i in memoryview(ranked).cast("i")]
-        return self._tails(order + sorted(inner, key=_latest_use), n)
 
-    def _segments(self, o: int) -> tuple[list[list[int]], list[list[int]]]:
-        """Miniature `o`'s pages by segment, as [latest use, returns, birth, a branch point
-        in it (0/1), digests...] (the record the latest reference brought): those without a
-        branch point, and those with one."""
-        segments: dict[int, list[int]] = {}
-        for digest, page in self.held[o].items():
-            seg = segments.get(page[_TOP])
-            if seg is None:
-                top = page[_TOP]
-                segments[top] = [page[_LAST], page[_READS], page[_BORN], page[_INNER], digest]
-                continue
-            if page[_LAST] > seg[0]:
-                seg[0], seg[1], seg[2] = page[_LAST], page[_READS], page[_BORN]
-            seg[3] |= page[_INNER]
-            seg.append(digest)
-        groups = segments.values()
-        return [g for g in groups if not g[3]], [g for g in groups if g[3]]
+    def _lowest(self, o: int, n: int, clock: int) -> list[int]:
+        """The `n` digests miniature `o` evicts first (ties: the least recently used, then
+        the one it took first)."""
+        digests = list(self.held[o])
+        pages = list(self.held[o].values())
+        trial_end = -math.inf  # (`value`: no page is past a trial)
+        if self.names[o] == "probation":
+            trial_end = self.trial(clock, self.cap << self.shift)
+            past = [i for i, p in enumerate(pages) if p[_LAST] < trial_end and not p[_READS]]
+            if len(past) >= n:  # (they go first, oldest first: no page needs valuing)
+                past.sort(key=lambda i: pages[i][_LAST])
+                return [digests[i] for i in past[:n]]
+        keys = self._keys(pages, clock, trial_end, self._prior(o, clock))
+        least = sorted(keys)[n - 1]  # (only the pages at most this low need ranking)
+        ranked = sorted((k, pages[i][_LAST], i) for i, k in enumerate(keys) if k <= least)
+        return [digests[i] for _, _, i in ranked[:n]]
 
-    def _tails(self, segments: list[list[int]], n: int) -> list[int]:
-        """The first `n` pages of these segments in this order, each segment tail first (the
-        page it took last first)."""
-        out: list[int] = []
-        pages = self.pages
-        for g in segments:
-            out += sorted(g[_PAGES:], key=lambda d: pages[d][_FIRST], reverse=True)
-            if len(out) >= n:
-                break
-        return out[:n]
+    @staticmethod
+    def _keys(
+        pages: list[list[int]], clock: int, trial_end: float, fit: tuple[float, float]
+    ) -> list[float]:
+        """The pages' keys, lowest first to go: the chain value (with the prior `fit`), but
+        first a page unread since stored before `trial_end` (`probation`)."""
+        return [
+            -0.5
+            if p[_LAST] < trial_end and not p[_READS]
+            else worth(fit, p[_READS], max(p[_LAST] - p[_BORN], 0), clock - p[_LAST])
+            for p in pages
+        ]
 
     def _resample(self, shift: int) -> None:
         """Sample at 2^-shift: the pages out of the smaller sample are forgotten."""
@@ -256,6 +253,7 @@ class Miniatures:
                 del self.ghosts[digest]
             for held in self.held:
                 held.pop(digest, None)
+        self._retally()
 
     def _restart(self, shift: int) -> None:
         """Sample at a higher rate: the pages it adds are unknown, so start empty."""
@@ -263,6 +261,7 @@ class Miniatures:
         self.pages.clear()
         self.ghosts.clear()
         self.held = self._empty()
+        self.sums = [[0] * 5 for _ in range(self.orders)]
         self._score_from_now()
 
     def _empty(self) -> list[dict[int, list[int]]]:
@@ -301,4 +300,5 @@ class Miniatures:
         if self.lru >= 0:  # (the table keeps no use order: the pages' latest use is it)
             lru = sorted(self.held[self.lru], key=lambda d: self.pages[d][_LAST])
             self.held[self.lru] = OrderedDict((d, self.pages[d]) for d in lru)
+        self._retally()
         self._capacity(int(state["cap"]))
