@@ -326,6 +326,31 @@ class PageStore:
         self.freed.append(s)
         self.ns_slots[self.ns[s]] -= 1
 
+    def drop_ns(self, n: int) -> None:
+        """Free every slot, page or ghost, of namespace number `n` (its dir is gone): one
+        sweep of the table, not a probe of it per key (1.5 µs a slot: a 10M-page namespace
+        held the chain model's lock for ~15 s). Links never cross namespaces, so no other
+        slot's children change."""
+        table, ns = self.table, self.ns
+        dead = array("i", [s for s in table if s >= 0 and ns[s] == n])
+        for i, s in enumerate(table):
+            if s >= 0 and ns[s] == n:
+                table[i] = _DEAD
+        files, pred, leaf, odd = self.files, self.pred, self.leaf, self.odd
+        pages = 0
+        for s in dead:
+            if files[s] != GHOST:
+                files[s] = GHOST
+                pages += 1
+            pred[s] = NONE
+            leaf[s] = 0
+            if odd:
+                odd.pop(s, None)
+        self.freed.extend(dead)
+        self.count -= pages
+        self.ns_pages[n] -= pages
+        self.ns_slots[n] -= len(dead)
+
     def forget_ns(self, ns: str) -> None:
         """Give a namespace's number back once it holds no slot (its pages are forgotten)."""
         n = self.ns_num.get(ns)
