@@ -219,14 +219,11 @@ class ChainModel:
         with self.lock:
             st = self.store
             n = st.ns_num.get(ns)
-            if n is None:
-                pass
-            elif st.ns_slots[n] == st.top - len(st.freed):
-                st.clear()  # (in place: an order waiting for the lock holds this store)
-            else:
-                st.drop_ns(n)
-                st.forget_ns(ns)
             if n is not None:
+                if st.ns_slots[n] == st.top - len(st.freed):
+                    st.clear()  # (in place: an order waiting for the lock holds this store)
+                else:
+                    st.drop_ns(ns)
                 self.segments.clear()
                 self.dirty.clear()
             self._prev = {s: k for s, k in self._prev.items() if s[0] != ns}
