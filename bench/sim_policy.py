@@ -52,7 +52,7 @@ from typing import Any
 from sim_peers import Arc, Policy, S3Fifo
 from sim_trace import Recorded, read_trace
 
-from cachemgr.gc.adapt import MARGIN, ORDERS
+from cachemgr.gc.adapt import ORDERS, switched
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.minisim import WINDOW
 from cachemgr.gc.returns import END
@@ -255,10 +255,7 @@ class Shadowed(Policy):
 
     def victims(self, n: int, i: int, disk: set[int]) -> list[int]:
         self._shadows_serve(i)
-        s = self.scores
-        best = max(range(len(s)), key=lambda o: (s[o], o == self.follow))
-        if s[best] > (1.0 + MARGIN) * s[self.follow]:
-            self.follow = best
+        self.follow = switched(self.scores, self.follow)
         self.main.model.adapt.fixed = self.follow
         return self.main.victims(n, i, disk)
 

@@ -99,6 +99,13 @@ def test_the_adaptive_choice_follows_the_better_order(make, cap, better) -> None
     assert adapt.ORDERS[shadowed.follow] in better and ceiling > worse
 
 
+def test_the_order_switches_only_for_a_margin_and_ties_keep_it() -> None:
+    """The switch rule the daemon and the simulator's perfect miniatures share."""
+    assert adapt.switched([1.0, 1.0 + adapt.MARGIN / 2, 0.0], 0) == 0  # (within the margin)
+    assert adapt.switched([1.0, 1.0 + 2 * adapt.MARGIN, 0.0], 0) == 1
+    assert adapt.switched([0.5, 0.5, 0.5], 2) == 2
+
+
 def test_the_miniatures_score_the_same_whichever_order_is_followed() -> None:
     """The bias the shadow scoring had: each miniature sees the whole sampled stream, so what
     it scores is the same whether the real cache follows `value` or `recency` (the third,

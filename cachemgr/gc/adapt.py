@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 from array import array
+from collections.abc import Sequence
 from typing import Any
 
 from cachemgr.gc.minisim import Miniatures
@@ -32,6 +33,14 @@ ORDERS = ("value", "recency", "probation")
 PROBATION = 0.25  # a page unread since stored is on trial while this share of the disk is stored
 MARGIN = 0.005  # share by which another miniature's hits must be more to switch to its order
 KIND = "miniatures"  # the saved state's kind (another: a build before them, ignored)
+
+
+def switched(hits: Sequence[float], follow: int) -> int:
+    """The order to follow, given each order's recent hits and the one followed: the best, if
+    its hits are MARGIN more than the followed one's (bench/sim_policy.py's perfect
+    miniatures choose by it too)."""
+    best = max(range(len(hits)), key=lambda o: (hits[o], o == follow))
+    return best if hits[best] > (1.0 + MARGIN) * hits[follow] else follow
 
 
 class Adaptive:
@@ -81,9 +90,8 @@ class Adaptive:
         if self.fixed is not None:
             self.follow = self.fixed
             return self.follow
-        hits = self.mini.hits
-        best = max(range(len(ORDERS)), key=lambda o: (hits[o], o == self.follow))
-        if hits[best] > (1.0 + MARGIN) * hits[self.follow]:
+        best = switched(self.mini.hits, self.follow)
+        if best != self.follow:
             log.info(
                 "eviction order changed",
                 extra={"order": ORDERS[best], "was": ORDERS[self.follow], "hits": self.scores()},
