@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Collection, Iterable
@@ -25,6 +26,16 @@ from cachemgr.state.store import Store
 NS = "0123456789abcdef"
 NS2 = "fedcba9876543210"
 T0 = time.time() - 30 * 86400  # fake clocks start in the past so file mtimes can match them
+
+
+def page_bytes(d: Path) -> int:
+    """Bytes of the page files (*.bin) under `d`, at any depth (vLLM's tier nests them). A file
+    GC deletes between the listing and its stat is not on disk: it counts nothing."""
+    total = 0
+    for p in d.rglob("*.bin"):
+        with contextlib.suppress(FileNotFoundError):
+            total += p.stat().st_size
+    return total
 
 
 def page(i: int, model: str = "m", pool: str | None = None) -> str:

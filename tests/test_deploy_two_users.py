@@ -5,7 +5,6 @@ daemon started, and the daemon's GC holds the cap on the pages SGLang's user wro
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -18,6 +17,7 @@ import httpx
 import pytest
 
 from tests.conftest import SGLANG_ENV, SglangDriver, start_driver
+from tests.gc_helpers import page_bytes
 from tests.polling import wait_for
 from tests.test_identity import make_model
 from tests.users import User, cli_as, daemon_as, needs_root, shared_dir, shared_root
@@ -71,16 +71,6 @@ def init(root: Path, model: Path) -> Path:
     return Path(json.loads(out.stdout)["storage_dir"])
 
 
-def on_disk(ns_dir: Path) -> int:
-    """Bytes of the pages in ns_dir; one GC deletes while this looks is not on disk."""
-    total = 0
-    with os.scandir(ns_dir) as entries:
-        for e in entries:
-            with contextlib.suppress(FileNotFoundError):
-                total += e.stat().st_size if e.name.endswith(".bin") else 0
-    return total
-
-
 @pytest.mark.parametrize("order", ["daemon-first", "init-first"])
 def test_two_user_deploy_holds_the_cap(order: str, writer: SglangDriver, free_port: int) -> None:
     with shared_dir("cachemgr-two-users-") as top:
@@ -99,6 +89,6 @@ def test_two_user_deploy_holds_the_cap(order: str, writer: SglangDriver, free_po
                 stored = writer.write(handle, [[s, 640]])["stored"]
                 assert stored == 10
             held = "GC to hold the cap on SGLang's pages"
-            wait_for(lambda: on_disk(ns_dir), lambda n: n <= CAP, timeout=60, what=held)
+            wait_for(lambda: page_bytes(ns_dir), lambda n: n <= CAP, timeout=60, what=held)
             metrics = httpx.get(f"{url}/metrics", timeout=5).text
         assert 'cachemgr_gc_runs_total{result="error"} 0.0' in metrics

@@ -21,6 +21,7 @@ from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 from tests.conftest import VLLM_ENV, VllmDriver, start_driver
 from tests.daemon_helpers import register_namespace
+from tests.gc_helpers import page_bytes
 from tests.polling import wait_for
 from tests.test_server import metric
 from tests.users import User, as_user, cli_as, daemon_as, needs_root, shared_dir, shared_root
@@ -105,10 +106,6 @@ DAEMON_ENV = {
 }
 
 
-def on_disk(ns_dir: Path) -> int:
-    return sum(p.stat().st_size for p in ns_dir.rglob("*.bin") if p.is_file())
-
-
 def write(driver: VllmDriver, ns_dir: Path) -> None:
     """5 prompts of 12 blocks (240 kB), more than twice the cap."""
     tier = driver.open(ns_dir, block_tokens=16, dtype="bfloat16", slots=128)["handle"]
@@ -133,7 +130,7 @@ def test_the_examples_users_keep_the_cap_and_umask_022_is_loud(
             write(writers["engine"], good)
             write(writers["forced"], bad)
             held = "GC to hold the cap on the blocks vLLM wrote as root with umask 0002"
-            wait_for(lambda: on_disk(good), lambda n: n <= CAP, timeout=60, what=held)
+            wait_for(lambda: page_bytes(good), lambda n: n <= CAP, timeout=60, what=held)
 
             def refused() -> float:
                 text = httpx.get(f"{url}/metrics", timeout=5).text
@@ -142,7 +139,7 @@ def test_the_examples_users_keep_the_cap_and_umask_022_is_loud(
             wait_for(refused, lambda n: n > 0, timeout=60, what="refusals in the metric")
             text = httpx.get(f"{url}/metrics", timeout=5).text
             assert (metric(text, "cachemgr_gc_runs_total", result="short") or 0) > 0
-            assert on_disk(bad) > CAP  # the refusals were real: nothing could go there
+            assert page_bytes(bad) > CAP  # the refusals were real: nothing could go there
         assert {stat.S_IMODE(s.st_mode) for s in hashed_dirs(good)} == {0o2775}
         assert {stat.S_IMODE(s.st_mode) for s in hashed_dirs(bad)} == {0o2755}
         logs = [json.loads(ln) for ln in capfd.readouterr().err.splitlines() if ln.startswith("{")]

@@ -16,6 +16,7 @@ from cachemgr.layout import Layout
 from cachemgr.settings import load_settings
 from cachemgr.state.store import Store
 from tests.daemon_helpers import running_daemon
+from tests.gc_helpers import page_bytes
 from tests.nsfixtures import cli, snapshot
 from tests.polling import wait_for
 from tests.test_gc_cli import gc
@@ -206,9 +207,6 @@ def test_vllm_stores_the_index_has_not_applied_count_against_the_cap(root: Path)
         for rel in new:  # 1.2 of the cap on disk
             vllm_store(d, rel, 1000)
 
-        def on_disk() -> int:
-            return sum(p.stat().st_size for p in d.rglob("*.bin") if p.exists())
-
-        wait_for(on_disk, lambda b: b <= 1_000_000, timeout=8, what="the cap")
+        wait_for(lambda: page_bytes(d), lambda b: b <= 1_000_000, timeout=8, what="the cap")
         assert dm.daemon.indexer.state.events_applied == 0
     assert all((d / rel).exists() for rel in new)
