@@ -211,6 +211,43 @@ def test_a_namespace_beside_others_goes_at_once_as_a_slot_at_a_time() -> None:
     assert at_once.store.top == top and len(at_once.pages) == 500
 
 
+def test_a_small_namespace_beside_a_large_one_goes_a_page_at_a_time_keeping_segments() -> None:
+    """A sweep of the whole key table takes seconds at ten million pages: a namespace of a few
+    pages beside a large one goes a page at a time, and the segments the last order cached for
+    the large one stay cached (a sweep drops them all: the next order walks every segment
+    again). What is left is what the sweep leaves."""
+    paged, swept = ChainModel(), ChainModel()
+    for model in (paged, swept):
+        chains(model, 3000, 30)
+        _chains_in(model, "small", 40, 20, 5000)
+        keys(model)  # (the order caches every segment of more than CACHED pages)
+    small = set(paged.store.slots("small"))
+    kept = {leaf: seg for leaf, seg in paged.segments.items() if leaf not in small}
+    assert len(kept) == 100  # (the large namespace's chains)
+    paged.forget("small")
+    swept.store.drop_ns("small")
+    swept.segments.clear()
+    assert kept.items() <= paged.segments.items()
+    assert sorted(paged.pages) == sorted(swept.pages) and len(paged.pages) == 3000
+    assert keys(paged) == keys(swept)
+    assert sorted(paged.store.freed) == sorted(swept.store.freed)
+    assert "small" not in paged.store.ns_num and not list(paged.store.slots("small"))
+
+
+def test_a_namespace_is_found_among_more_than_256() -> None:
+    """Past 256 namespaces the namespace column takes two bytes a slot: its pages are found,
+    and forgotten, all the same."""
+    model = ChainModel()
+    names = [f"{i:016x}" for i in range(300)]
+    for i, ns in enumerate(names):
+        _chains_in(model, ns, 2, 2, 10 * i)
+    assert model.store.ns.itemsize > 1
+    st = model.store
+    assert [st.key(s) for s in st.slots(names[299])] == [key(2990), key(2991)]
+    model.forget(names[299])
+    assert not list(st.slots(names[299])) and len(model.pages) == 598
+
+
 def test_a_namespace_holding_every_slot_goes_with_the_store_as_one_a_slot_at_a_time() -> None:
     """The one model's dir purged: its slots go with the store (9M slots a slot at a time held
     the model's lock for most of a minute). What is left, and what comes next, is the same

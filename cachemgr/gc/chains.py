@@ -46,6 +46,10 @@ from cachemgr.gc.pagestore import GHOST, NONE, Page, PageId, PageStore, PagesVie
 from cachemgr.state import pages_sql
 
 CONFIDENCE_MAX = 3  # agreeing reads a link may bank against later contrary evidence
+# Buckets of the key table a sweep passes in the time one page's drop takes (~0.08 and ~2.7 µs,
+# bench/RESULTS.md): a namespace of fewer slots than the table over this is forgotten a page
+# at a time, a larger one in one sweep (ChainModel.forget).
+SWEEP_PER_DROP = 32
 CYCLE_WALK = 100_000  # ancestors walked at most to refuse a cycle (chains are far shorter)
 # Accesses (of any page) since a page's last use while the daemon deems it in flight: its request
 # may still write pages continuing it (or another rank's file of it), stranded if it went. In
@@ -211,15 +215,20 @@ class ChainModel:
         self.remove(ns, [(n, key_len(n) or len(n)) for n in names])
 
     def forget(self, ns: str) -> None:
-        """Forget a whole namespace (its dir is gone), its slots at once, not a slot at a
-        time: 9M slots took most of a minute, the lock held, and a purge's drain waited for
-        it to plan. One that holds every slot (the one model's dir, purged) goes with the
-        store; any other in one sweep of the store's table (the orders walk every segment
-        again next: slots of the others' cached ones may be reused)."""
+        """Forget a whole namespace (its dir is gone), under the model's lock (GC and the
+        index wait). One that holds every slot (the one model's dir, purged) goes with the
+        store. A large one beside others goes in one sweep of the store's key table (a slot
+        at a time, 9M slots took most of a minute), and the orders walk every segment again
+        next (slots of the others' cached ones may be reused); a small one a page at a time
+        (a sweep of a table of ten million pages takes seconds), the others' segments kept."""
         with self.lock:
             st = self.store
             n = st.ns_num.get(ns)
-            if n is not None:
+            if n is not None and st.ns_slots[n] * SWEEP_PER_DROP < len(st.table):
+                for s in list(st.slots(ns)):
+                    self._drop(s)
+                st.forget_ns(ns)
+            elif n is not None:
                 if st.ns_slots[n] == st.top - len(st.freed):
                     st.clear()  # (in place: an order waiting for the lock holds this store)
                 else:

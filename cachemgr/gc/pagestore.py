@@ -425,10 +425,25 @@ class PageStore:
         n = self.ns_num.get(ns)
         if n is None or not self.ns_pages[n]:
             return
-        ns_col, files = self.ns, self.files
-        for s in range(self.top):
-            if ns_col[s] == n and files[s] != GHOST:
+        files = self.files
+        for s in self._numbered(n):
+            if files[s] != GHOST:
                 yield s
+
+    def _numbered(self, n: int) -> Iterator[int]:
+        """The slots whose namespace number is `n` (freed ones may be among them). While the
+        column holds a byte a slot (up to 256 namespaces) they are found by bytes.find, at C
+        speed: a small namespace beside ten million pages in milliseconds, not a Python step
+        for every slot."""
+        col, top = self.ns, self.top
+        if col.typecode != "B":
+            yield from (s for s in range(top) if col[s] == n)
+            return
+        raw, mark = col.tobytes(), bytes((n,))
+        s = raw.find(mark, 0, top)
+        while s >= 0:
+            yield s
+            s = raw.find(mark, s + 1, top)
 
 
 class PagesView(Mapping[PageId, Page]):
