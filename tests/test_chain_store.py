@@ -10,6 +10,7 @@ import tracemalloc
 from pathlib import Path
 
 from cachemgr.gc.chains import ChainModel
+from cachemgr.gc.pagestore import NONE
 from cachemgr.gc.value import CACHED, eviction_order
 from cachemgr.state import pages_sql
 from cachemgr.state.store import Store
@@ -246,6 +247,47 @@ def test_a_namespace_is_found_among_more_than_256() -> None:
     assert [st.key(s) for s in st.slots(names[299])] == [key(2990), key(2991)]
     model.forget(names[299])
     assert not list(st.slots(names[299])) and len(model.pages) == 598
+
+
+def test_the_last_namespace_left_goes_with_the_store_whatever_its_size() -> None:
+    """A large namespace swept beside a one-page one, then that one: the store is emptied,
+    not kept at the size the large one left (~80 bytes a slot: ~800 MB after 10M pages)."""
+    model = ChainModel()
+    chains(model, 3000, 30)
+    model.add("tiny", key(99_999) + SUFFIX, 64, 10, seq=5000, at=0.0)
+    model.forget(NS)
+    old = model.store
+    model.forget("tiny")
+    assert model.store is old and old.top == 0 and not old.freed and not model.pages
+
+
+def test_a_row_naming_its_own_page_as_predecessor_links_nothing() -> None:
+    """A damaged index row whose predecessor is its own key: no link (a page its own parent
+    was freed twice when dropped, and the second free looked for its slot in the key table for
+    ever, the model's lock held: a load of its namespace, which forgets it first, hung)."""
+    model = ChainModel()
+    chains(model, 300, 30)
+    model.add_indexed("small", (key(9001) + SUFFIX, 64, 1024, 0.0, 9002, 0, key(9001), 9002))
+    st = model.store
+    s = st.find("small", key(9001))
+    assert st.pred[s] == NONE and st.kids[s] == 0
+    model.forget("small")  # (a page at a time, beside 300)
+    assert not list(st.slots("small")) and len(model.pages) == 300
+
+
+def test_a_cached_segment_cut_off_behind_a_gap_goes_first_as_a_walked_one() -> None:
+    """A segment whose top's predecessor is gone and that nobody read since (cut off by a
+    deletion) goes first, whether the order walks it or reads it from the segments the last
+    order cached (those took only a confirmed link as proof)."""
+    model = ChainModel()
+    for i in range(20):  # an older chain, read once
+        pred = key(i - 1) if i else None
+        model.add_indexed(NS, (key(i) + SUFFIX, 64, 1024, float(i), i + 1, 1, pred, i + 1))
+    for i in range(100, 120):  # behind key(99), not on disk: never read since
+        model.add_indexed(NS, (key(i) + SUFFIX, 64, 1024, float(i), i + 1, 0, key(i - 1), i + 1))
+    walked = keys(model)
+    assert model.segments and walked[0] == key(119)
+    assert keys(model) == walked
 
 
 def test_a_namespace_holding_every_slot_goes_with_the_store_as_one_a_slot_at_a_time() -> None:

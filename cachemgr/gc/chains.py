@@ -217,26 +217,32 @@ class ChainModel:
     def forget(self, ns: str) -> None:
         """Forget a whole namespace (its dir is gone), under the model's lock (GC and the
         index wait). One that holds every slot (the one model's dir, purged) goes with the
-        store. A large one beside others goes in one sweep of the store's key table (a slot
-        at a time, 9M slots took most of a minute), and the orders walk every segment again
-        next (slots of the others' cached ones may be reused); a small one a page at a time
-        (a sweep of a table of ten million pages takes seconds), the others' segments kept."""
+        store. A small one beside others goes a page at a time (a sweep of a table of ten
+        million pages takes seconds), the others' cached segments kept unless more than
+        DIRTY_MAX pages change; a larger one in one sweep of the store's key table (a slot at
+        a time, 9M slots took most of a minute), and the orders walk every segment again
+        next (slots of the others' cached ones may be reused)."""
         with self.lock:
-            st = self.store
-            n = st.ns_num.get(ns)
-            if n is not None and st.ns_slots[n] * SWEEP_PER_DROP < len(st.table):
-                for s in list(st.slots(ns)):
-                    self._drop(s)
-                st.forget_ns(ns)
-            elif n is not None:
-                if st.ns_slots[n] == st.top - len(st.freed):
-                    st.clear()  # (in place: an order waiting for the lock holds this store)
-                else:
-                    st.drop_ns(ns)
-                self.segments.clear()
-                self.dirty.clear()
+            n = self.store.ns_num.get(ns)
+            if n is not None:
+                self._forget_slots(ns, n)
             self._prev = {s: k for s, k in self._prev.items() if s[0] != ns}
             self._stored = {s: t for s, t in self._stored.items() if s[0] != ns}
+
+    def _forget_slots(self, ns: str, n: int) -> None:
+        st = self.store
+        slots, every = st.ns_slots[n], st.top - len(st.freed)
+        if slots < every and slots * SWEEP_PER_DROP < len(st.table):
+            for s in list(st.slots(ns)):
+                self._drop(s)
+            st.forget_ns(ns)
+            return
+        if slots == every:
+            st.clear()  # (in place: an order waiting for the lock holds this store)
+        else:
+            st.drop_ns(ns)
+        self.segments.clear()
+        self.dirty.clear()
 
     def _drop(self, s: int) -> None:
         st = self.store
@@ -359,6 +365,8 @@ class ChainModel:
             return
         st.cand_sfx[s] = NONE
         above = st.ensure(ns, pred)
+        if above == s:  # (a damaged index's row naming its own page: no link, not a loop)
+            return
         st.pred[s] = above
         if st.kids[above] == 1:
             self._mark(st.kidx[above])  # its only child's segment ends below it from now on

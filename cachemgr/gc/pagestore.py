@@ -15,6 +15,7 @@ A ghost lives while it has children (`kids[s] > 0`); then its slot is reused.
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import zlib
 from array import array
@@ -431,19 +432,20 @@ class PageStore:
                 yield s
 
     def _numbered(self, n: int) -> Iterator[int]:
-        """The slots whose namespace number is `n` (freed ones may be among them). While the
-        column holds a byte a slot (up to 256 namespaces) they are found by bytes.find, at C
-        speed: a small namespace beside ten million pages in milliseconds, not a Python step
-        for every slot."""
-        col, top = self.ns, self.top
-        if col.typecode != "B":
-            yield from (s for s in range(top) if col[s] == n)
-            return
-        raw, mark = col.tobytes(), bytes((n,))
-        s = raw.find(mark, 0, top)
-        while s >= 0:
-            yield s
-            s = raw.find(mark, s + 1, top)
+        """The slots whose namespace number is `n` (freed ones may be among them), found by
+        bytes.find over the column's bytes, at C speed: a small namespace beside ten million
+        pages in milliseconds, not a Python step for every slot. (A match must start at an
+        item: past 256 namespaces an item is two bytes or more.)"""
+        col = self.ns
+        size = col.itemsize
+        raw, mark, end = col.tobytes(), n.to_bytes(size, sys.byteorder), self.top * size
+        at = raw.find(mark, 0, end)
+        while at >= 0:
+            if at % size == 0:
+                yield at // size
+                at = raw.find(mark, at + size, end)
+            else:
+                at = raw.find(mark, at + 1, end)
 
 
 class PagesView(Mapping[PageId, Page]):

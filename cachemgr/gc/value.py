@@ -267,8 +267,8 @@ def _walked(
         if known is not None:
             top, last, when = known
             if when <= before and top not in held:  # none is young (held: its top is too)
-                stranded = st.pred[top] != NONE and st.files[st.pred[top]] == GHOST
-                raw.append((at, leaf, None, top, last, when, stranded and st.conf[top] > 0))
+                gap = st.pred[top] != NONE and st.files[st.pred[top]] == GHOST
+                raw.append((at, leaf, None, top, last, when, gap and _cut_off(st, top)))
                 continue
         path, top, last, stranded = _walk(st, leaf, gone, before, held)
         if path:
@@ -307,6 +307,14 @@ def _lowest_first(segments: list[_Ranked]) -> Iterator[_Ranked]:
         release(heap)
 
 
+def _cut_off(st: PageStore, top: int) -> bool:
+    """Whether a segment's top page, its predecessor gone, is cut off by it (stranded: it goes
+    first). GC never evicts a page before its children, so a deletion racing the request that
+    wrote it (or read it) cut it off; a link no read contradicted since is trusted for that:
+    one confirmed by reads, or the page's own, never read since it was written behind it."""
+    return st.conf[top] > 0 or st.reads[top] == 0
+
+
 def _walk(
     st: PageStore,
     leaf: int,
@@ -332,10 +340,8 @@ def _walk(
         if above == NONE:
             return path, at, last, False
         if files[above] == GHOST:
-            # Its predecessor is gone: nothing below the gap can be loaded. GC never evicts a
-            # page before its children, so a deletion racing the request that wrote it (or
-            # read it) cut it off; a link no read contradicted since is trusted for that.
-            return path, at, last, (st.conf[at] > 0 or st.reads[at] == 0) and not young
+            # Its predecessor is gone: nothing below the gap can be loaded.
+            return path, at, last, _cut_off(st, at) and not young
         if kids[above] - gone.get(above, 0) != 1:
             return path, at, last, False  # a branch point: the segment ends below it
         at = above
