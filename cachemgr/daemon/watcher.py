@@ -129,6 +129,9 @@ class _DirWatch:
     def on_queue_overflow(self) -> None:
         pass  # the root watch reports it once
 
+    def on_events_lost(self) -> None:
+        pass  # (watchdog 7.1.1 on: after every watch's on_queue_overflow; the root's reported it)
+
 
 @dataclass(eq=False)
 class _RootWatch:
@@ -164,6 +167,9 @@ class _RootWatch:
 
     def on_queue_overflow(self) -> None:
         self.watcher.lost()
+
+    def on_events_lost(self) -> None:
+        pass  # (watchdog 7.1.1 on: after every on_queue_overflow, which reported the loss)
 
 
 class _Reader(InotifyFD):
