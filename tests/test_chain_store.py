@@ -25,10 +25,7 @@ def key(n: int) -> str:
 
 def chains(model: ChainModel, pages: int, length: int) -> None:
     """`pages` pages in chains of `length`, as a load from the index adds them."""
-    for i in range(pages):
-        pred = None if i % length == 0 else key(i - 1)
-        row = (key(i) + SUFFIX, 64, 1024, float(i), i + 1, i // length % 4, pred, i + 1)
-        model.add_indexed(NS, row)
+    _chains_in(model, NS, pages, length, 0)
 
 
 def keys(model: ChainModel, *, before: float = math.inf, now: float = math.inf) -> list[str]:

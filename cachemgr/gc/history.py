@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from cachemgr.gc.pagestore import GHOST, NONE, PageStore
+from cachemgr.gc.pagestore import PageStore
 
 REMEMBER = 16_384  # evicted pages remembered at most (~6 MB: the daemon's RSS budget)
 
@@ -28,7 +28,7 @@ class History:
 
     def evicted(self, st: PageStore, s: int) -> None:
         """Page `s` leaves the disk: remember it unless it is behind a gap (unusable)."""
-        if _below_gap(st, s):
+        if st.below_gap(s):
             return
         k = (st.ns_names[st.ns[s]], st.key(s))
         self._heads[k] = (st.reads[s], st.born[s])
@@ -40,7 +40,7 @@ class History:
         """Page `s` was written again (its link set): a remembered page's chain came back. It
         keeps its returns, plus this one, and its age. Not a page behind a gap: one there
         stays unread (cachemgr.gc.value reaps such a page first)."""
-        if not self._heads or _below_gap(st, s):
+        if not self._heads or st.below_gap(s):
             return  # (empty at every start: a load of a million pages builds no key for it)
         known = self._heads.pop((st.ns_names[st.ns[s]], st.key(s)), None)
         if known is not None:
@@ -55,9 +55,3 @@ class History:
         """Take saved entries back (oldest first), as many as fit."""
         for ns, key, reads, born in entries[-self.size :]:
             self._heads[str(ns), str(key)] = (int(reads), int(born))
-
-
-def _below_gap(st: PageStore, s: int) -> bool:
-    """Whether `s` is behind a gap: its predecessor is known and gone."""
-    up = st.pred[s]
-    return up != NONE and st.files[up] == GHOST

@@ -384,6 +384,12 @@ class PageStore:
     def present(self, s: int) -> bool:
         return s >= 0 and self.files[s] != GHOST
 
+    def below_gap(self, s: int) -> bool:
+        """Whether `s` is behind a gap: its predecessor is known and gone (nothing below a
+        missing page can be loaded)."""
+        up = self.pred[s]
+        return up != NONE and self.files[up] == GHOST
+
     def file_set(self, files: Files) -> int:
         """The id of this interned set of files (a namespace has a handful of them)."""
         fid = self.file_ids.get(files)

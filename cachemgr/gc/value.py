@@ -267,8 +267,8 @@ def _walked(
         if known is not None:
             top, last, when = known
             if when <= before and top not in held:  # none is young (held: its top is too)
-                gap = st.pred[top] != NONE and st.files[st.pred[top]] == GHOST
-                raw.append((at, leaf, None, top, last, when, gap and _cut_off(st, top)))
+                stranded = st.below_gap(top) and _cut_off(st, top)
+                raw.append((at, leaf, None, top, last, when, stranded))
                 continue
         path, top, last, stranded = _walk(st, leaf, gone, before, held)
         if path:
