@@ -242,6 +242,8 @@ def test_a_namespace_is_found_among_more_than_256() -> None:
     assert model.store.ns.itemsize > 1
     st = model.store
     assert [st.key(s) for s in st.slots(names[299])] == [key(2990), key(2991)]
+    # (257 is bytes 01 01, also found astride 256's last item, 00 01, and 257's first)
+    assert [st.key(s) for s in st.slots(names[257])] == [key(2570), key(2571)]
     model.forget(names[299])
     assert not list(st.slots(names[299])) and len(model.pages) == 598
 
