@@ -11,8 +11,12 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tomllib
 import zipfile
 from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKERFILE = REPO / "deploy" / "Dockerfile"
@@ -188,6 +192,31 @@ def test_dockerignore_keeps_the_context_small() -> None:
     patterns = ignore_patterns()
     for heavy in [".git", ".venv/bin/python", ".sglang-env", "tests/conftest.py", "bench"]:
         assert dockerignore_excludes(patterns, heavy), heavy
-    for needed in ["pyproject.toml", "cachemgr/state/store.py", "migrations/0001_initial.sql"]:
+    needed_files = ["pyproject.toml", "constraints.txt", "cachemgr/state/store.py"]
+    for needed in [*needed_files, "migrations/0001_initial.sql"]:
         assert not dockerignore_excludes(patterns, needed), needed
     assert dockerignore_excludes(patterns, "cachemgr/__pycache__/store.cpython-311.pyc")
+
+
+def test_constraints_pin_every_declared_dependency_within_its_range() -> None:
+    """make test's venv and the image install with -c constraints.txt: a dependency added to
+    pyproject.toml without a pin, or a pin outside its declared range, is caught here, not by
+    a fresh clone's CI on the day an upstream release changes behaviour."""
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    pins = {}
+    for line in (REPO / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            req = Requirement(line)
+            (spec,) = req.specifier
+            assert spec.operator == "==", line
+            pins[canonicalize_name(req.name)] = spec.version
+    extras = declared["optional-dependencies"].values()
+    for text in [*declared["dependencies"], *(text for extra in extras for text in extra)]:
+        req = Requirement(text)
+        if req.name == "cachemgr":  # (the test extra's own `cachemgr[fleet]`)
+            continue
+        version = pins.get(canonicalize_name(req.name))
+        assert version is not None, f"{req.name}: not pinned in constraints.txt"
+        assert req.specifier.contains(version), f"{req.name}=={version} outside {req.specifier}"
+    build = [args for word, args in instructions(DOCKERFILE.read_text()) if "pip wheel" in args]
+    assert build and all("-c constraints.txt" in args for args in build)
