@@ -26,8 +26,8 @@ quiet "$pip" install -q --upgrade pip >/dev/null
 # torch first, pinned: on this project's machines pip's configured local wheel directory holds
 # the CPU build of 2.13.0; a bare "torch" requirement would pull a multi-GB CUDA build.
 quiet "$pip" install -q torch==2.13.0
-echo "torch==2.13.0" > "$env_dir/constraints.txt"
-quiet "$pip" install -q -c "$env_dir/constraints.txt" \
+# The rest at the versions the suite passed with (scripts/sglang-env.constraints.txt).
+quiet "$pip" install -q -c "$here/scripts/sglang-env.constraints.txt" \
   numpy orjson psutil pybase64 requests triton packaging pillow starlette msgspec \
   pydantic pyzmq tqdm ipython aiohttp ninja
 quiet "$pip" install -q --no-deps "sglang==$sglang_version"

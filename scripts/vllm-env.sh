@@ -6,7 +6,7 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 env_dir=${CACHEMGR_VLLM_ENV:-$here/.vllm-env}
-vllm_version=0.33.0
+vllm_version=0.34.0
 stamp="$env_dir/.complete-$vllm_version"
 
 if [ -f "$stamp" ]; then
@@ -23,7 +23,7 @@ quiet "$pip" install -q --upgrade pip >/dev/null
 # 2.13.0; vLLM's own requirement (torch==2.14.0) would pull a multi-GB CUDA build.
 quiet "$pip" install -q torch==2.13.0
 # Everything below goes in with --no-deps, so nothing can pull a CUDA torch or vLLM's ~80
-# serving dependencies; each pin is the version vLLM 0.33.0 asks for where it pins one,
+# serving dependencies; each pin is the version vLLM 0.34.0 asks for where it pins one,
 # else the one this set was verified with. The order is the order importing
 # vllm.v1.kv_offload.tiering.fs.manager asked for them (vLLM's package __init__ and
 # file_mapper's import of the KV connector pull in vllm.config, transformers, the OpenAI

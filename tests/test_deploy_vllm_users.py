@@ -1,4 +1,4 @@
-"""The shipped Kubernetes and compose examples' users, with vLLM 0.33.0's real fs tier
+"""The shipped Kubernetes and compose examples' users, with vLLM 0.34.0's real fs tier
 (tests/vllm_driver.py): cachemgr as uid 10001 (runAsUser, and in fsGroup 10001), the volume
 dir `2775 root:10001`, vLLM as root with the examples' `umask 0002`. GC keeps the cap on the
 blocks vLLM wrote. A writer forced to umask 022 (the examples before they set one) makes its

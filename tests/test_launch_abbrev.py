@@ -206,8 +206,19 @@ def test_the_issues_abbreviations_read_as_their_flags() -> None:
     assert sglang_args.resolve_launch_args("--model-path m --kv-cache-dt=fp8_e5m2").kv_cache_dtype
     vllm = vllm_args.resolve_vllm_args(["vllm", "serve", "m", "--max-model-le", "32k"])
     assert vllm.max_model_len == 32000
-    with pytest.raises(ConfigError, match=r"ambiguous flag --kv-cache-dt: vLLM 0.33.0 could"):
+    with pytest.raises(ConfigError, match=r"ambiguous flag --kv-cache-dt: vLLM 0.34.0 could"):
         vllm_args.resolve_vllm_args(["vllm", "serve", "m", "--kv-cache-dt", "fp8"])
+
+
+def test_a_launch_with_vllm_0_34_flags_reads_and_its_new_ambiguities_are_refused() -> None:
+    # Flags vLLM 0.34.0 added, of each kind: refused as unknown while the table was 0.33.0's.
+    new = ["--enable-extensible-kv-cache", "--max-num-inflight-kv-loads", "4"]
+    argv = ["vllm", "serve", "m", *new, "--no-shuffle-safetensors-files", "--kv-cache-dtype", "fp8"]
+    vllm = vllm_args.resolve_vllm_args(argv)
+    assert (vllm.model, vllm.kv_cache_dtype) == ("m", "fp8")
+    # 0.33.0 read --enable-ex as --enable-expert-parallel; 0.34.0 refuses it: so does cachemgr.
+    with pytest.raises(ConfigError, match=r"ambiguous flag --enable-ex: vLLM 0.34.0 could"):
+        vllm_args.resolve_vllm_args(["vllm", "serve", "m", "--enable-ex"])
 
 
 @pytest.mark.parametrize(

@@ -99,6 +99,6 @@ def test_a_flag_vllm_refuses_is_one_line_exit_2_and_nothing_is_made(
     launch = ["vllm", "serve", str(model), "--kv-cache-dtyp", "fp8"]
     path = f"{bindir}:{os.environ['PATH']}"
     out = cli("--root", str(root), command, "--", *launch, env={"PATH": path})
-    says = "ambiguous flag --kv-cache-dtyp: vLLM 0.33.0 could read it as --kv-cache-dtype, "
+    says = "ambiguous flag --kv-cache-dtyp: vLLM 0.34.0 could read it as --kv-cache-dtype, "
     assert out.returncode == 2 and says in one_line_error(out), out.stderr
     assert not root.exists()

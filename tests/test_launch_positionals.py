@@ -57,7 +57,7 @@ VLLM_STRAYS = [
 
 @pytest.mark.parametrize("argv", VLLM_STRAYS)
 def test_a_word_vllm_refuses_is_refused(argv: list[str]) -> None:
-    with pytest.raises(ConfigError, match=r"unrecognized argument .*: vLLM 0.33.0 refuses"):
+    with pytest.raises(ConfigError, match=r"unrecognized argument .*: vLLM 0.34.0 refuses"):
         vllm_args.resolve_vllm_args(["vllm", *argv])
 
 

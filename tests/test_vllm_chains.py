@@ -1,4 +1,4 @@
-"""The chains cachemgr learns from vLLM 0.33.0's own fs tier (FileSystemTierManager, via
+"""The chains cachemgr learns from vLLM 0.34.0's own fs tier (FileSystemTierManager, via
 tests/vllm_driver.py). vLLM stores a request's new blocks in order (one IN_MOVED_TO each; a
 block on disk already is skipped without an event) and loads a hit prefix head to tail (one
 IN_CLOSE_NOWRITE each), and nothing on disk marks where one request's store job ends and the

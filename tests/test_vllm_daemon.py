@@ -1,4 +1,4 @@
-"""cachemgr's daemon over vLLM 0.33.0's own fs tier (FileSystemTierManager, via
+"""cachemgr's daemon over vLLM 0.34.0's own fs tier (FileSystemTierManager, via
 tests/vllm_driver.py) writing into a vLLM namespace: counts in /metrics equal what vLLM stored
 and loaded, a cap holds while vLLM writes, GC leaves config.json, foreign files and whatever a
 planted symlink leads to, and a block GC deleted under the running tier is a miss."""

@@ -247,8 +247,8 @@ def test_the_same_launch_twice_keeps_its_namespace(root: Path, model: Path) -> N
 @pytest.mark.parametrize(
     ("flags", "says"),
     [
-        (["--kv-cache-dtype", "fp9_bogus"], "invalid --kv-cache-dtype 'fp9_bogus': vLLM 0.33.0"),
-        (["--block-size", "16.0"], "invalid --block-size '16.0': vLLM 0.33.0 takes an integer"),
+        (["--kv-cache-dtype", "fp9_bogus"], "invalid --kv-cache-dtype 'fp9_bogus': vLLM 0.34.0"),
+        (["--block-size", "16.0"], "invalid --block-size '16.0': vLLM 0.34.0 takes an integer"),
         (["--max-model-len", "1.5K"], "invalid --max-model-len '1.5K'"),
         (["--kv-transfer-config", "{not json"], "--kv-transfer-config is not a JSON object"),
         (
@@ -362,7 +362,7 @@ def test_an_undetectable_vllm_version_is_said_with_the_fix(root: Path, model: Pa
     out = vinit(root, launch(model))
     assert out.returncode == 0, out.stderr
     (said,) = [ln for ln in out.stderr.splitlines() if "vLLM version" in ln]
-    assert "--vllm-version (e.g. 0.33.0)" in said
+    assert "--vllm-version (e.g. 0.34.0)" in said
 
 
 def test_init_says_when_the_launch_would_bypass_the_namespace(root: Path, model: Path) -> None:

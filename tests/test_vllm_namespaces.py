@@ -1,4 +1,4 @@
-"""vLLM 0.33.0's own fs tier under `cachemgr init`: the root_dir init hands the server is
+"""vLLM 0.34.0's own fs tier under `cachemgr init`: the root_dir init hands the server is
 where vLLM's FileSystemTierManager stores and finds its blocks. After a KV dtype, revision or
 weights change the server is pointed at a new namespace and finds none of the old blocks;
 the same launch again finds all of them. And the argv pre-pass reads what vLLM's own

@@ -1,5 +1,5 @@
 """The facts about vLLM's file-system tier that cachemgr's vLLM support builds on, shown with
-vLLM 0.33.0's own FileSystemTierManager (docs/vllm-notes.md): where it puts a block, what its
+vLLM 0.34.0's own FileSystemTierManager (docs/vllm-notes.md): where it puts a block, what its
 folder name is made of, and that a restarted tier reuses the files already on disk."""
 
 from __future__ import annotations

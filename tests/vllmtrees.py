@@ -1,5 +1,5 @@
-"""Hand-made vLLM fs-tier trees (the layout vLLM 0.33.0 writes, docs/vllm-notes.md), for tests
-that need many blocks or damage vLLM itself would not make."""
+"""Hand-made vLLM fs-tier trees (the layout vLLM 0.33.0 and 0.34.0 write, docs/vllm-notes.md), for
+tests that need many blocks or damage vLLM itself would not make."""
 
 from __future__ import annotations
 

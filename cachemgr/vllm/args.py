@@ -26,7 +26,8 @@ KV_LAYOUT_ENV = "VLLM_KV_CACHE_LAYOUT"
 
 
 class VllmLaunchArgs(BaseModel):
-    """What a vLLM server will run with; defaults are vLLM 0.33.0's (engine/arg_utils.py)."""
+    """What a vLLM server will run with; defaults are vLLM 0.34.0's (engine/arg_utils.py;
+    0.33.0's are the same)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -34,7 +35,8 @@ class VllmLaunchArgs(BaseModel):
     revision: str | None = None
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
-    block_size: int | None = Field(None, ge=1)  # None: the platform picks (16 on CUDA)
+    # None: the platform picks (CUDA: 64 in vLLM 0.34, 16 before)
+    block_size: int | None = Field(None, ge=1)
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
     decode_context_parallel_size: int = Field(1, ge=1)

@@ -1,8 +1,8 @@
 """A vLLM launch command as vLLM's own parser sees it, without importing vLLM.
 
-vLLM 0.33.0's `FlexibleArgumentParser.parse_args` (vllm/utils/argparse_utils.py) rewrites
-argv before argparse reads it; `prepass` does the rewrites that can change what cachemgr
-reads, in vLLM's order:
+vLLM's `FlexibleArgumentParser.parse_args` (vllm/utils/argparse_utils.py, the same in 0.33.0
+and 0.34.0) rewrites argv before argparse reads it; `prepass` does the rewrites that can
+change what cachemgr reads, in vLLM's order:
 1. `vllm serve … --model M …` → `vllm serve M …` (the positional `model_tag`);
 2. `--config FILE.yaml` → its keys spliced in after the model, so the command line wins;
 3. `--max_model_len` → `--max-model-len` (the flag name up to its first `.`), `-O3` →

@@ -28,7 +28,7 @@ class VllmEngine(Engine[VllmLaunchArgs]):
     name = "vllm"
     label = "vLLM"
     distribution = "vllm"
-    version_example = "0.33.0"
+    version_example = "0.34.0"
     format = VLLM_FS_TIER
     record = VllmIdentity
     server_env_vars = (ROOT_DIR_ENV, KV_CONFIG_ENV)

@@ -1,5 +1,6 @@
-"""vLLM's file-system KV tier (0.33.0, `TieringOffloadingSpec` with an "fs" secondary tier) as a
-cachemgr file format (cachemgr.backends). Facts and sources: docs/vllm-notes.md.
+"""vLLM's file-system KV tier (`TieringOffloadingSpec` with an "fs" secondary tier; the same
+layout in 0.33.0 and 0.34.0) as a cachemgr file format (cachemgr.backends). Facts and
+sources: docs/vllm-notes.md.
 
 Inside its `root_dir` (a namespace dir) vLLM writes
 

@@ -1,6 +1,6 @@
 """The identity of a vLLM server's fs-tier blocks: what vLLM's own folder digest leaves out.
 
-vLLM 0.33.0 names a folder by a digest of the model name, KV dtype, block sizes, parallel
+vLLM (0.33.0, 0.34.0) names a folder by a digest of the model name, KV dtype, block sizes, parallel
 sizes and layer names (kv_offload/file_mapper.py). It leaves out the weights' content, the
 revision, quantization, `--hf-overrides` (RoPE), `max_model_len`, the KV layout when it is
 not canonical, the block hash algorithm and the vLLM version (docs/vllm.md): a change of
@@ -72,7 +72,8 @@ class VllmIdentity(Digested):
     revision: str | None = None
     dtype: str
     kv_cache_dtype: str
-    block_size: int | None  # None: the platform's default (16 on CUDA), not known here
+    # None: the platform's default (CUDA: 64 in vLLM 0.34, 16 before), not known here
+    block_size: int | None
     kv_cache_layout: str  # VLLM_KV_CACHE_LAYOUT; "default" when unset
     topology: VllmTopology
     quantization: str | None = None

@@ -64,9 +64,9 @@ def lint(
             Finding(
                 "warning",
                 "fs-tier-uncapped",
-                "vLLM's fs tier never deletes a block (0.33.0 has no size limit) and cachemgr "
-                "has neither gc_max_bytes nor gc_namespace_max_bytes: the disk fills until "
-                "writes fail",
+                "vLLM's fs tier never deletes a block (0.33.0 and 0.34.0 have no size limit) and "
+                "cachemgr has neither gc_max_bytes nor gc_namespace_max_bytes: the disk fills "
+                "until writes fail",
                 "set gc_max_bytes (cachemgr.toml or CACHEMGR_GC_MAX_BYTES) and run "
                 "`cachemgr serve` beside the server",
             )

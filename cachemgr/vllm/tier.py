@@ -1,6 +1,6 @@
 """The fs secondary tier in a vLLM launch's `--kv-transfer-config`.
 
-vLLM 0.33.0's TieringOffloadingSpec (vllm/v1/kv_offload/tiering/spec.py) reads
+vLLM's TieringOffloadingSpec (0.33.0, 0.34.0) (vllm/v1/kv_offload/tiering/spec.py) reads
 `kv_connector_extra_config.secondary_tiers`, a list of tier objects; the one with
 `"type": "fs"` writes its blocks below `root_dir` (tiering/fs/manager.py).
 """
