@@ -8,14 +8,23 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from cachemgr.sglang.record import Identity
 from cachemgr.vllm.flags import CHOICES
+from tests.conftest import ScriptRunner
 from tests.nsfixtures import cli, cli_process, one_line_error
 from tests.test_identity import make_model
-from tests.vllm_launch import launch, root_dir_of, tier_config, vinit, vinit_json
+from tests.vllm_launch import (
+    launch,
+    multi_config,
+    root_dir_of,
+    tier_config,
+    vinit,
+    vinit_json,
+)
 
 
 @pytest.fixture
@@ -410,3 +419,102 @@ def test_a_vllm_config_file_that_is_missing_or_not_yaml_is_one_line(
         out = vinit(root, ["vllm", "serve", str(model), "--config", path])
         assert out.returncode == code and says in one_line_error(out), out.stderr
     assert not root.exists()
+
+
+# What vLLM's own classes make of a --kv-transfer-config: each connector it runs (a
+# MultiConnector's children built as multi_connector.py builds them) and, for a tiering spec,
+# the root_dir of each tier TieringOffloadingSpec reads.
+VLLM_TIER_ROOTS = """
+import json, sys
+from vllm.config.kv_transfer import KVTransferConfig
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+top = KVTransferConfig(**json.loads(sys.stdin.read()))
+children = [top]
+if top.kv_connector == "MultiConnector":
+    children = [
+        KVTransferConfig(**{"engine_id": top.engine_id, **c})
+        for c in top.kv_connector_extra_config["connectors"]
+    ]
+roots = []
+for child in children:
+    if child.kv_connector_extra_config.get("spec_name") == "TieringOffloadingSpec":
+        extra = child.kv_connector_extra_config
+        for tier, cls in TieringOffloadingSpec._get_secondary_tiers(extra):
+            roots.append([child.kv_connector, cls.__name__, tier.get("root_dir")])
+print(json.dumps(roots))
+"""
+
+
+def test_init_points_the_fs_tier_of_a_multiconnector_child(root: Path, model: Path) -> None:
+    result = vinit_json(root, launch(model, config=multi_config()))
+    ns_dir = str(root / "ns" / result["ns_id"])
+    pointed = json.loads(result["env"]["CACHEMGR_VLLM_KV_TRANSFER_CONFIG"])
+    assert pointed == multi_config(ns_dir)  # the NIXL child and everything else as given
+    at = result["command"].index("--kv-transfer-config")
+    assert json.loads(result["command"][at + 1]) == pointed
+    manifest = json.loads((root / "ns" / f"{result['ns_id']}.json").read_text())
+    assert manifest["identity"]["source"]["root_dir_arg"] == "/srv/kv"
+
+
+@pytest.mark.vllm
+def test_vllm_reads_the_multiconnector_tier_where_init_pointed_it(
+    root: Path, model: Path, vllm_scripts: ScriptRunner
+) -> None:
+    result = vinit_json(root, launch(model, config=multi_config()))
+    config = result["env"]["CACHEMGR_VLLM_KV_TRANSFER_CONFIG"]
+    read = json.loads(vllm_scripts.run(VLLM_TIER_ROOTS, stdin=config))
+    ns_dir = str(root / "ns" / result["ns_id"])
+    assert read == [["OffloadingConnector", "FileSystemTierManager", ns_dir]]
+
+
+def test_exec_points_a_multiconnector_child_given_by_dotted_keys(
+    root: Path, model: Path, fake_vllm: dict[str, str]
+) -> None:
+    children = multi_config()["kv_connector_extra_config"]["connectors"]
+    command = [
+        *["vllm", "serve", str(model), "--kv-transfer-config.kv_connector", "MultiConnector"],
+        *["--kv-transfer-config.kv_role", "kv_both"],
+        *["--kv-transfer-config.kv_connector_extra_config.connectors", json.dumps(children)],
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "cachemgr", "--root", str(root), "exec", "--", *command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **fake_vllm},
+    )
+    assert proc.returncode == 0, proc.stderr
+    (ns,) = [p for p in (root / "ns").iterdir() if p.is_dir()]
+    pointed = multi_config(str(ns))["kv_connector_extra_config"]["connectors"]
+    assert json.loads(json.loads(proc.stdout)[-1]) == pointed
+
+
+def _nested(depth: int) -> dict[str, Any]:
+    """A MultiConnector `depth` levels deep around the offloading connector."""
+    config = tier_config()
+    for _ in range(depth):
+        config = {
+            "kv_connector": "MultiConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"connectors": [config]},
+        }
+    return config
+
+
+def test_multiconnector_configs_vllm_would_refuse_or_never_read_are_refused(
+    tmp_path: Path, model: Path
+) -> None:
+    bad_child = multi_config()
+    bad_child["kv_connector_extra_config"]["connectors"][1]["kv_role"] = "kv_sideways"
+    not_multi = tier_config()  # `connectors` means nothing to an OffloadingConnector
+    not_multi["kv_connector_extra_config"] = {"connectors": [tier_config()]}
+    cases = [
+        (bad_child, "--kv-transfer-config connector 1: kv_role 'kv_sideways' is not one of"),
+        (_nested(9), "--kv-transfer-config: connectors nested more than 8 deep"),
+        (not_multi, "has no fs tier"),
+    ]
+    for config, message in cases:
+        out = vinit(tmp_path / "root", launch(model, config=config))
+        assert out.returncode == 2 and message in one_line_error(out), out.stderr
+        assert not (tmp_path / "root").exists()
+    assert vinit_json(tmp_path / "ok", launch(model, config=_nested(8)))["outcome"] == "created"

@@ -24,6 +24,17 @@ def tier_config(root_dir: str = "/srv/kv") -> dict[str, Any]:
     }
 
 
+def multi_config(root_dir: str = "/srv/kv") -> dict[str, Any]:
+    """A MultiConnector's --kv-transfer-config: NIXL's transfer connector beside the
+    offloading one, whose fs tier is the second child's."""
+    nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"connectors": [nixl, tier_config(root_dir)]},
+    }
+
+
 def launch(model: str | Path, *flags: str, config: dict[str, Any] | None = None) -> list[str]:
     """`vllm serve MODEL FLAGS… --kv-transfer-config '{…}'`."""
     cfg = json.dumps(config or tier_config())

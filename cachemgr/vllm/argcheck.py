@@ -13,7 +13,7 @@ from typing import Any
 
 from cachemgr.errors import ConfigError
 from cachemgr.vllm.flags import CHOICES, INTEGER, VLLM_VERSION
-from cachemgr.vllm.tier import EXTRA, TIERS
+from cachemgr.vllm.tier import CONNECTORS, EXTRA, MULTI, NESTING, TIERS
 
 _BOOL_FIELDS = frozenset({"trust_remote_code"})
 KV_ROLES = ("kv_producer", "kv_both", "kv_consumer")
@@ -80,19 +80,33 @@ def kv_transfer_config(raw: str | None) -> dict[str, Any] | None:
     if raw is None:
         return None
     config = _json_object("--kv-transfer-config", raw)
+    _connector(config, "--kv-transfer-config", NESTING)
+    return config
+
+
+def _connector(config: dict[str, Any], where: str, nesting: int) -> None:
+    """One connector's config checked, and a MultiConnector's children (to `nesting` levels),
+    each as vLLM checks the KVTransferConfig it builds of it."""
     # KVTransferConfig's validator (vllm/config/kv_transfer.py)
     if config.get("kv_connector") is not None and config.get("kv_role") not in KV_ROLES:
         roles = ", ".join(KV_ROLES)
         raise ConfigError(
-            f"--kv-transfer-config: kv_role {config.get('kv_role')!r} is not one of {roles} "
+            f"{where}: kv_role {config.get('kv_role')!r} is not one of {roles} "
             "(vLLM needs one with kv_connector)"
         )
     extra = config.get(EXTRA, {})
     if not isinstance(extra, dict):
-        raise ConfigError(f"--kv-transfer-config: {EXTRA} is not a JSON object")
+        raise ConfigError(f"{where}: {EXTRA} is not a JSON object")
     tiers = extra.get(TIERS, [])
     if not isinstance(tiers, list) or not all(isinstance(t, dict) for t in tiers):
-        raise ConfigError(f"--kv-transfer-config: {EXTRA}.{TIERS} is not a list of objects")
+        raise ConfigError(f"{where}: {EXTRA}.{TIERS} is not a list of objects")
     if any(not isinstance(t.get("type"), str) for t in tiers):
-        raise ConfigError(f'--kv-transfer-config: a {TIERS} entry has no "type"')
-    return config
+        raise ConfigError(f'{where}: a {TIERS} entry has no "type"')
+    if config.get("kv_connector") == MULTI:
+        children = extra.get(CONNECTORS, [])
+        if not isinstance(children, list) or not all(isinstance(c, dict) for c in children):
+            raise ConfigError(f"{where}: {EXTRA}.{CONNECTORS} is not a list of objects")
+        if children and not nesting:
+            raise ConfigError(f"--kv-transfer-config: connectors nested more than {NESTING} deep")
+        for i, child in enumerate(children):
+            _connector(child, f"{where} connector {i}", nesting - 1)
