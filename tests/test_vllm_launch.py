@@ -139,6 +139,7 @@ def _forms(model: Path, tmp_path: Path) -> dict[str, list[str]]:
             "--kv-transfer-config.kv_connector",
             "OffloadingConnector",
             "--kv-transfer-config.kv_role=kv_both",
+            "--kv-transfer-config.kv_connector_extra_config.spec_name=TieringOffloadingSpec",
             "--kv-transfer-config.kv_connector_extra_config.secondary_tiers",
             tiers,
         ],
@@ -157,6 +158,7 @@ def _forms(model: Path, tmp_path: Path) -> dict[str, list[str]]:
             "--kv-transfer-conf.kv_connector",
             "OffloadingConnector",
             "--kv-transfer-conf.kv_role=kv_both",
+            "--kv-transfer-conf.kv_connector_extra_config.spec_name=TieringOffloadingSpec",
             "--kv-transfer-conf.kv_connector_extra_config.secondary_tiers",
             tiers,
         ],
@@ -253,6 +255,14 @@ def test_the_same_launch_twice_keeps_its_namespace(root: Path, model: Path) -> N
     assert (root / "ns" / first["ns_id"] / "block.bin").exists()
 
 
+# Dotted keys that make a connector whose tier list vLLM runs.
+TIERING = [
+    *["--kv-transfer-config.kv_connector", "OffloadingConnector"],
+    *["--kv-transfer-config.kv_role", "kv_both"],
+    *["--kv-transfer-config.kv_connector_extra_config.spec_name", "TieringOffloadingSpec"],
+]
+
+
 @pytest.mark.parametrize(
     ("flags", "says"),
     [
@@ -272,13 +282,18 @@ def test_the_same_launch_twice_keeps_its_namespace(root: Path, model: Path) -> N
         (["--kv-cache-dtype"], "--kv-cache-dtype needs a value"),
         (
             [
+                *TIERING,
                 "--kv-transfer-config.kv_connector_extra_config.secondary_tiers",
                 '[{"type": "fs", "root_dir": "/a"}, {"type": "fs", "root_dir": "/b"}]',
             ],
             "has 2 fs tiers: cachemgr manages one per server",
         ),
         (
-            ["--kv-transfer-config.kv_connector_extra_config.secondary_tiers", '[{"type": "fs"}]'],
+            [
+                *TIERING,
+                "--kv-transfer-config.kv_connector_extra_config.secondary_tiers",
+                '[{"type": "fs"}]',
+            ],
             'the fs tier has no "root_dir" string',
         ),
     ],
@@ -326,9 +341,11 @@ def test_exec_runs_vllm_with_the_tier_pointed_at_the_namespace(
         "serve",
         str(model),
         "--kv-transfer-config.kv_connector",
-        "Offloading",
+        "OffloadingConnector",
         "--kv-transfer-config.kv_role",
         "kv_both",
+        "--kv-transfer-config.kv_connector_extra_config.spec_name",
+        "TieringOffloadingSpec",
         "--kv-transfer-config.kv_connector_extra_config.secondary_tiers",
         tiers,
     ]
@@ -342,7 +359,7 @@ def test_exec_runs_vllm_with_the_tier_pointed_at_the_namespace(
     assert proc.returncode == 0, proc.stderr
     argv = json.loads(proc.stdout)
     (ns,) = [p for p in (root / "ns").iterdir() if p.is_dir()]
-    assert argv[:4] == [*command[1:4], "Offloading"]
+    assert argv[:4] == [*command[1:4], "OffloadingConnector"]
     assert json.loads(argv[-1]) == [{"type": "fs", "root_dir": str(ns)}]
     assert f"created ns {ns.name}" in proc.stderr
 
@@ -518,3 +535,74 @@ def test_multiconnector_configs_vllm_would_refuse_or_never_read_are_refused(
         assert out.returncode == 2 and message in one_line_error(out), out.stderr
         assert not (tmp_path / "root").exists()
     assert vinit_json(tmp_path / "ok", launch(model, config=_nested(8)))["outcome"] == "created"
+
+
+def _with_stale_nixl_tier() -> dict[str, Any]:
+    config = multi_config()
+    nixl = config["kv_connector_extra_config"]["connectors"][0]
+    nixl["kv_connector_extra_config"] = {"secondary_tiers": [{"type": "fs", "root_dir": "/old"}]}
+    return config
+
+
+def _no_spec_name() -> dict[str, Any]:
+    config = tier_config()
+    del config["kv_connector_extra_config"]["spec_name"]
+    return config
+
+
+def _fs_by_class() -> dict[str, Any]:
+    config = tier_config()
+    by_class = {
+        "type": "FileSystemTierManager",
+        "module_path": "vllm.v1.kv_offload.tiering.fs.manager",
+        "root_dir": "/srv/other",
+    }
+    config["kv_connector_extra_config"]["secondary_tiers"].append(by_class)
+    return config
+
+
+@pytest.mark.parametrize(
+    ("config", "extra", "says"),
+    [
+        (_no_spec_name(), [], "would not run its fs tier: no spec_name (CPUOffloadingSpec)"),
+        (multi_config(), ["--kv-offloading-size", "8"], "--kv-offloading-size makes vLLM run"),
+        (tier_config(), ["--kv-offloading-size", "8", "--kv-offloading-backend", "lmcache"], "run"),
+        (_fs_by_class(), [], "has 2 fs tiers"),
+        (
+            {**tier_config(), "nest": json.loads("[" * 101 + "]" * 101)},
+            [],
+            "JSON nested more than 100 levels deep",
+        ),
+    ],
+)
+def test_a_tier_vllm_would_not_run_or_a_config_it_refuses_is_refused(
+    tmp_path: Path, model: Path, config: dict[str, Any], extra: list[str], says: str
+) -> None:
+    out = vinit(tmp_path / "root", launch(model, *extra, config=config))
+    assert out.returncode == 2 and says in one_line_error(out), out.stderr
+    assert not (tmp_path / "root").exists()
+
+
+def test_the_simple_offload_connector_from_the_environment_drops_the_tier(
+    tmp_path: Path, model: Path
+) -> None:
+    command = ["env", "VLLM_USE_SIMPLE_KV_OFFLOAD=1", *launch(model, "--kv-offloading-size", "8")]
+    out = vinit(tmp_path / "root", command)
+    assert out.returncode == 2 and "its SimpleCPUOffloadConnector instead" in one_line_error(out)
+    # vLLM's own connector keeps the config's extra settings: the tier still runs.
+    assert vinit_json(tmp_path / "ok", launch(model, "--kv-offloading-size", "8"))["ns_id"]
+
+
+def test_configs_vllm_runs_a_tier_of_are_managed(root: Path, model: Path) -> None:
+    stale = vinit_json(root, launch(model, config=_with_stale_nixl_tier()))  # NIXL runs none
+    ns_dir = str(root / "ns" / stale["ns_id"])
+    pointed = json.loads(stale["env"]["CACHEMGR_VLLM_KV_TRANSFER_CONFIG"])
+    assert pointed["kv_connector_extra_config"]["connectors"][1] == tier_config(ns_dir)
+    # JSON with vLLM's human-readable numbers (`16G`), and lists nested deep beside the tier.
+    raw = json.dumps({**tier_config(), "deep": json.loads("[" * 30 + "]" * 30)})
+    human = raw.replace('"cpu_bytes_to_use": 1073741824', '"cpu_bytes_to_use": 16G')
+    assert human != raw
+    result = vinit_json(root, ["vllm", "serve", str(model), "--kv-transfer-config", human])
+    config = json.loads(result["env"]["CACHEMGR_VLLM_KV_TRANSFER_CONFIG"])
+    assert config["kv_connector_extra_config"]["cpu_bytes_to_use"] == 16 << 30
+    assert root_dir_of(result["command"]) == str(root / "ns" / result["ns_id"])

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from safetensors.numpy import save_file
 
+from cachemgr.errors import ConfigError
 from cachemgr.vllm.args import resolve_vllm_args
 from tests.conftest import VLLM_ENV, ScriptRunner, VllmDriver
 from tests.test_identity import make_model
@@ -148,6 +149,7 @@ PARSE = textwrap.dedent("""
             "tp": a.tensor_parallel_size, "block_size": a.block_size,
             "hf_overrides": a.hf_overrides or None,
             "tiers": kv.kv_connector_extra_config.get("secondary_tiers") if kv else None,
+            "connector": kv.kv_connector if kv else None,
         })
     print(json.dumps(out))
 """)
@@ -189,6 +191,8 @@ def test_the_prepass_reads_what_vllms_parser_reads(
             "OffloadingConnector",
             "--kv-transfer-config.kv_role",
             "kv_both",
+            "--kv-transfer-config.kv_connector_extra_config.spec_name",
+            "TieringOffloadingSpec",
             "--kv-transfer-config.kv_connector_extra_config.secondary_tiers",
             tiers,
         ],
@@ -203,7 +207,13 @@ def test_the_prepass_reads_what_vllms_parser_reads(
         ],
     ]
     real = vllm_scripts.run(PARSE, stdin=json.dumps(argvs))
-    for argv, theirs in zip(argvs, json.loads(real), strict=True):
+    *read, dotted_over_plain = json.loads(real)
+    # vLLM builds the flag anew from a dotted key after a whole value: no connector, so its tier
+    # would not run. cachemgr says so rather than manage a dir nothing writes to.
+    assert dotted_over_plain["connector"] is None and dotted_over_plain["tiers"]
+    with pytest.raises(ConfigError, match="vLLM would not run its fs tier: no kv_connector"):
+        resolve_vllm_args(["vllm", *argvs[-1]])
+    for argv, theirs in zip(argvs[:-1], read, strict=True):
         ours = resolve_vllm_args(["vllm", *argv])
         assert ours.model == theirs["model"]
         assert ours.kv_cache_dtype == theirs["kv_cache_dtype"]
@@ -260,6 +270,8 @@ def test_exec_runs_vllm_on_its_namespace_and_a_restart_loads_its_blocks(
         "OffloadingConnector",
         "--kv-transfer-config.kv_role",
         "kv_both",
+        "--kv-transfer-config.kv_connector_extra_config.spec_name",
+        "TieringOffloadingSpec",
         "--kv-transfer-config.kv_connector_extra_config.secondary_tiers",
         tiers,
     ]

@@ -18,6 +18,11 @@ from cachemgr.vllm.tier import CONNECTORS, EXTRA, MULTI, NESTING, TIERS
 _BOOL_FIELDS = frozenset({"trust_remote_code"})
 KV_ROLES = ("kv_producer", "kv_both", "kv_consumer")
 _HUMAN = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT]?)")
+_JSON_STRING = re.compile(r'("(?:[^"\\]|\\.)*")')
+_JSON_HUMAN = re.compile(r"\b\d+(?:\.\d+)?[kKmMgGtT]\b")
+# Lists and objects within one another a config may hold: vLLM's own JSON parser stops near
+# 200, and copying a config thousands deep would end in a RecursionError, not a message.
+JSON_DEPTH = 100
 
 
 def check(values: Mapping[str, Any], flag_of: Mapping[str, str]) -> None:
@@ -48,9 +53,20 @@ def max_model_len(raw: str | None) -> int | None:
     32K = 32768); None for absent, auto and -1 (the model's own length)."""
     if raw is None or raw.strip() == "-1" or raw.strip().lower() == "auto":
         return None
-    m = _HUMAN.fullmatch(raw.strip())
+    try:
+        return _human_int(raw.strip())
+    except ValueError:
+        raise ConfigError(
+            f"invalid --max-model-len {raw!r}: vLLM takes 4096, 32k, 32K or auto"
+        ) from None
+
+
+def _human_int(text: str) -> int:
+    """vLLM's human_readable_int (utils/argparse_utils.py): 25.6k = 25600, 2K = 2048; ValueError
+    for what it refuses (a decimal with a binary suffix among them)."""
+    m = _HUMAN.fullmatch(text)
     if m is None or (m[2].isupper() and not m[1].isdigit()) or (not m[2] and "." in m[1]):
-        raise ConfigError(f"invalid --max-model-len {raw!r}: vLLM takes 4096, 32k, 32K or auto")
+        raise ValueError(text)
     if not m[2]:
         return int(m[1])
     if m[2].isupper():
@@ -58,14 +74,37 @@ def max_model_len(raw: str | None) -> int | None:
     return int(float(m[1]) * {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}[m[2]])
 
 
+def config_json(raw: str) -> str:
+    """A config flag's JSON as vLLM reads it: its human-readable numbers outside strings
+    (`"cpu_bytes_to_use": 16G`) expanded (engine/arg_utils.py
+    `_expand_json_human_readable_numbers`); ValueError where vLLM refuses one."""
+    parts = _JSON_STRING.split(raw)
+    for i in range(0, len(parts), 2):  # (the odd ones are strings)
+        parts[i] = _JSON_HUMAN.sub(lambda m: str(_human_int(m[0])), parts[i])
+    return "".join(parts)
+
+
 def _json_object(flag: str, raw: str) -> dict[str, Any]:
     try:
-        data = json.loads(raw)
+        data = json.loads(config_json(raw) if flag == "--kv-transfer-config" else raw)
     except (ValueError, RecursionError):
         data = None
     if not isinstance(data, dict):
         raise ConfigError(f"{flag} is not a JSON object: {raw!r:.80}")
+    if _depth(data) > JSON_DEPTH:
+        raise ConfigError(f"{flag}: JSON nested more than {JSON_DEPTH} levels deep")
     return data
+
+
+def _depth(value: Any) -> int:
+    """How deep lists and objects nest in a JSON value (without recursion)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        node, depth = todo.pop()
+        if isinstance(node, dict | list):
+            deepest = max(deepest, depth)
+            todo += [(v, depth + 1) for v in (node.values() if isinstance(node, dict) else node)]
+    return deepest
 
 
 def hf_overrides(raw: str | None) -> str | None:

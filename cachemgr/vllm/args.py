@@ -19,10 +19,11 @@ from cachemgr.errors import ConfigError
 from cachemgr.vllm import argcheck
 from cachemgr.vllm.argv import ReadConfig, VllmCommand, prepass, read_yaml_config, split_vllm
 from cachemgr.vllm.flags import ALIASES, MULTI_VALUE, NO_VALUE, OPTIONS, VLLM_VERSION
-from cachemgr.vllm.tier import FsTier, fs_tier
+from cachemgr.vllm.tier import FsTier, Offloading, fs_tier
 
 # The KV layout is an environment variable, not a flag (vllm/envs.py).
 KV_LAYOUT_ENV = "VLLM_KV_CACHE_LAYOUT"
+SIMPLE_OFFLOAD_ENV = "VLLM_USE_SIMPLE_KV_OFFLOAD"  # with --kv-offloading-size: its simple connector
 
 
 class VllmLaunchArgs(BaseModel):
@@ -75,6 +76,9 @@ FLAGS: dict[str, str] = {
     "--download-dir": "download_dir",
     "--trust-remote-code": "trust_remote_code",
     "--no-trust-remote-code": "trust_remote_code",
+    # Not in the record: with a size, vLLM replaces the config's connector (cachemgr.vllm.tier).
+    "--kv-offloading-size": "kv_offloading_size",
+    "--kv-offloading-backend": "kv_offloading_backend",
 }
 FLAG_OF = {f: flag for flag, f in reversed(FLAGS.items())} | {"model": "model"}
 ENGINE = f"vLLM {VLLM_VERSION}"
@@ -147,7 +151,7 @@ def resolve_vllm_args(
     values["max_model_len"] = argcheck.max_model_len(values.get("max_model_len"))
     values["hf_overrides"] = argcheck.hf_overrides(values.get("hf_overrides"))
     config = argcheck.kv_transfer_config(values.get("kv_transfer_config"))
-    values["tier"] = fs_tier(config)
+    values["tier"] = fs_tier(config, _offloading(values, cmd, environ or {}))
     values["kv_transfer_config"] = _canonical(config)
     values["kv_cache_layout"] = _env_value(cmd, environ or {}, KV_LAYOUT_ENV)
     try:
@@ -157,6 +161,19 @@ def resolve_vllm_args(
         field = str(first["loc"][0]) if first["loc"] else "?"
         raise ConfigError(
             f"invalid {FLAG_OF.get(field, field)} {first.get('input')!r}: {first['msg']}"
+        ) from None
+
+
+def _offloading(values: dict[str, Any], cmd: VllmCommand, environ: dict[str, str]) -> Offloading:
+    """--kv-offloading-size/-backend (taken out of `values`) and VLLM_USE_SIMPLE_KV_OFFLOAD."""
+    size = values.pop("kv_offloading_size", None)
+    backend = values.pop("kv_offloading_backend", "native")
+    simple = _env_value(cmd, environ, SIMPLE_OFFLOAD_ENV) or "0"
+    try:
+        return Offloading(size, backend, bool(int(simple)))  # (vLLM's envs.py reads it so)
+    except ValueError:
+        raise ConfigError(
+            f"invalid {SIMPLE_OFFLOAD_ENV}={simple!r}: vLLM takes an integer"
         ) from None
 
 

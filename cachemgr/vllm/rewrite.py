@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from cachemgr.argprefix import read_option
 from cachemgr.errors import ConfigError
+from cachemgr.vllm.argcheck import config_json
 from cachemgr.vllm.args import ENGINE, resolve_vllm_args
 from cachemgr.vllm.argv import ReadConfig, dashes, dotted_value, read_yaml_config, split_vllm
 from cachemgr.vllm.flags import OPTIONS
@@ -88,7 +89,7 @@ def _rewritten(name: str, raw: str, root_dir: str) -> str | None:
     """The value with its fs tiers pointed at root_dir, None if it holds no fs tier."""
     if name == FLAG:
         try:
-            value = json.loads(raw)
+            value = json.loads(config_json(raw))
         except (ValueError, RecursionError):
             return None
     else:
