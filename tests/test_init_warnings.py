@@ -77,3 +77,38 @@ def test_json_warnings_carry_it_every_time(tmp_path: Path, model: Path) -> None:
         warnings = json.loads(stdout)["warnings"]
         assert [w for w in warnings if MISSING in w] and "--sglang-version" in warnings[0]
         assert _said(stderr) == 1, stderr
+
+
+NO_PAGE = "SGLang will write no page to"
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        ([], "--enable-hierarchical-cache is missing"),
+        (["--enable-hierarchical-cache"], "--hicache-storage-backend is none"),
+        (["--enable-hierarchical-cache", "--hicache-storage-backend", "nixl"], "is nixl"),
+    ],
+)
+def test_a_launch_that_writes_no_page_is_said_by_init(
+    tmp_path: Path, model: Path, flags: list[str], says: str
+) -> None:
+    root = tmp_path / "root"
+    launch = ["sglang", "serve", "--model-path", str(model), "--page-size", "64", *flags]
+    out = cli("--root", str(root), "init", "--json", "--", *launch, env=NO_STORAGE_ENV)
+    assert out.returncode == 0, out.stderr
+    made = json.loads(out.stdout)
+    (warning,) = [w for w in made["warnings"] if NO_PAGE in w]
+    assert says in warning and str(root / "ns" / made["ns_id"]) in warning
+    assert f"cachemgr: warning: {warning}" in out.stderr.splitlines()
+
+
+def test_a_launch_with_the_file_backend_is_not_warned(tmp_path: Path, model: Path) -> None:
+    stdout, stderr = _init(tmp_path / "root", model, "a", "--json")
+    assert not [w for w in json.loads(stdout)["warnings"] if NO_PAGE in w]
+    assert NO_PAGE not in stderr
+
+
+def test_exec_says_it_too(tmp_path: Path, model: Path) -> None:
+    proc, _, err = run_exec(tmp_path / "root", model, tmp_path, {})  # (no hierarchical cache)
+    assert proc.returncode == 0 and NO_PAGE in err and "is missing" in err, err

@@ -550,6 +550,12 @@ def _no_spec_name() -> dict[str, Any]:
     return config
 
 
+def _module_path_offloading() -> dict[str, Any]:
+    config = _no_spec_name()
+    module = "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector"
+    return {**config, "kv_connector_module_path": module}  # vLLM's own class: spec_name rules
+
+
 def _fs_by_class() -> dict[str, Any]:
     config = tier_config()
     by_class = {
@@ -565,6 +571,7 @@ def _fs_by_class() -> dict[str, Any]:
     ("config", "extra", "says"),
     [
         (_no_spec_name(), [], "would not run its fs tier: no spec_name (CPUOffloadingSpec)"),
+        (_module_path_offloading(), [], "no spec_name (CPUOffloadingSpec)"),
         (multi_config(), ["--kv-offloading-size", "8"], "--kv-offloading-size makes vLLM run"),
         (tier_config(), ["--kv-offloading-size", "8", "--kv-offloading-backend", "lmcache"], "run"),
         (_fs_by_class(), [], "has 2 fs tiers"),

@@ -121,12 +121,13 @@ class SGLangEngine(Engine[LaunchArgs]):
         hands_env: bool,
     ) -> list[str]:
         conflicts = storage_dir_conflicts(args, storage_dir, layout, environ)
-        return [w for w in (_conflict_warning(c, hands_env) for c in conflicts) if w]
+        told = [w for w in (_conflict_warning(c, hands_env) for c in conflicts) if w]
+        return [*_unused(args, storage_dir), *told]
 
     def exec_warnings(
         self, args: LaunchArgs, storage_dir: Path, *, layout: Layout, environ: Mapping[str, str]
     ) -> list[str]:
-        warnings = []
+        warnings = _unused(args, storage_dir)
         for c in storage_dir_conflicts(args, storage_dir, layout, environ):
             if c.beats_env and not c.ours:
                 raise ConfigError(
@@ -166,6 +167,14 @@ class SGLangEngine(Engine[LaunchArgs]):
         if not settings.sglang_url:
             return None
         return ProbeLoop(settings.sglang_url, hooks, interval=settings.sglang_poll_interval)
+
+
+def _unused(args: LaunchArgs, storage_dir: Path) -> list[str]:
+    """The warning that the server will write nothing to its namespace dir, if it will not."""
+    unused = lint.no_file_backend(args)
+    if unused is None:
+        return []
+    return [f"{unused.message}; SGLang will write no page to {storage_dir} ({unused.fix})"]
 
 
 def _conflict_warning(c: StorageDirConflict, hands_env: bool) -> str | None:

@@ -101,6 +101,27 @@ def is_hybrid(config: Mapping[str, Any]) -> bool:
     return False
 
 
+def no_file_backend(args: LaunchArgs) -> Finding | None:
+    """Why the launch would write no page to its storage dir (no L3 file backend), if so:
+    init and exec say it too, since the namespace they make would stay empty."""
+    if not args.enable_hierarchical_cache:
+        return Finding(
+            "warning",
+            "no-hicache",
+            "--enable-hierarchical-cache is missing: no L3 cache, nothing for cachemgr to do",
+            "add --enable-hierarchical-cache --hicache-storage-backend file --page-size 64",
+        )
+    if args.hicache_storage_backend != "file":
+        backend = args.hicache_storage_backend or "none"
+        return Finding(
+            "warning",
+            "not-file-backend",
+            f"--hicache-storage-backend is {backend}: cachemgr manages only the file backend",
+            "use --hicache-storage-backend file, or do not run cachemgr for this server",
+        )
+    return None
+
+
 def lint(
     args: LaunchArgs,
     *,
@@ -115,30 +136,13 @@ def lint(
     """Every finding for a launch; `model_config` is config.json if the model dir is local,
     `identity` computes the launch's identity (None if it cannot), `command` is the launch."""
     found: list[Finding] = []
-    file_backend = args.enable_hierarchical_cache and args.hicache_storage_backend == "file"
-    if not args.enable_hierarchical_cache:
-        found.append(
-            Finding(
-                "warning",
-                "no-hicache",
-                "--enable-hierarchical-cache is missing: no L3 cache, nothing for cachemgr to do",
-                "add --enable-hierarchical-cache --hicache-storage-backend file --page-size 64",
-            )
-        )
-    elif args.hicache_storage_backend != "file":
-        backend = args.hicache_storage_backend or "none"
-        found.append(
-            Finding(
-                "warning",
-                "not-file-backend",
-                f"--hicache-storage-backend is {backend}: cachemgr manages only the file backend",
-                "use --hicache-storage-backend file, or do not run cachemgr for this server",
-            )
-        )
-    if file_backend:
+    unused = no_file_backend(args)
+    if unused is not None:
+        found.append(unused)
+    else:
         found += _page_size(args)
     found += _mamba(args, model_config)
-    if file_backend:
+    if unused is None:
         given = storage_dir(args, env)
         ns_id = None if managed_ns(given, layout) else exec_namespace(layout, identity)
         path = given if ns_id is None else layout.ns_dir(ns_id)

@@ -87,14 +87,16 @@ def _tiers(connector: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _idle(connector: dict[str, Any]) -> str | None:
-    """Why vLLM would not run this connector's tier list; None if it would (an out-of-tree
-    connector or spec, from a module path, is taken at its word)."""
-    if connector.get("kv_connector_module_path"):
-        return None
+    """Why vLLM would not run this connector's tier list; None if it would. vLLM imports the
+    class `kv_connector` names from `kv_connector_module_path` when there is one: an
+    OffloadingConnector so found still takes its spec from spec_name; another class, out of
+    tree, is taken at its word (as is an out-of-tree spec from spec_module_path)."""
     name = connector.get("kv_connector")
     if name is None:
         return "no kv_connector: vLLM runs none"
     if name != OFFLOADING:
+        if connector.get("kv_connector_module_path"):
+            return None
         return f"a {name} runs no secondary_tiers (an {OFFLOADING} with spec_name {TIERING} does)"
     extra = connector.get(EXTRA) or {}
     spec = extra.get("spec_name", DEFAULT_SPEC)
