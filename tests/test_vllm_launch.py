@@ -43,6 +43,21 @@ def fake_vllm(tmp_path: Path) -> dict[str, str]:
     return {"PATH": f"{bindir}:{os.environ['PATH']}"}
 
 
+def exec_fake(
+    root: Path, command: list[str], fake_vllm: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
+    """`cachemgr exec -- COMMAND` with the `vllm` that prints its argv; it succeeded."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "cachemgr", "--root", str(root), "exec", "--", *command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **fake_vllm},
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
 def fingerprint(command: list[str], tmp_path: Path) -> dict[str, object]:
     out = cli("--root", str(tmp_path / "fp-root"), "fingerprint", "--json", "--", *command)
     assert out.returncode == 0, out.stderr
@@ -349,14 +364,7 @@ def test_exec_runs_vllm_with_the_tier_pointed_at_the_namespace(
         "--kv-transfer-config.kv_connector_extra_config.secondary_tiers",
         tiers,
     ]
-    proc = subprocess.run(
-        [sys.executable, "-m", "cachemgr", "--root", str(root), "exec", "--", *command],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, **fake_vllm},
-    )
-    assert proc.returncode == 0, proc.stderr
+    proc = exec_fake(root, command, fake_vllm)
     argv = json.loads(proc.stdout)
     (ns,) = [p for p in (root / "ns").iterdir() if p.is_dir()]
     assert argv[:4] == [*command[1:4], "OffloadingConnector"]
@@ -493,14 +501,7 @@ def test_exec_points_a_multiconnector_child_given_by_dotted_keys(
         *["--kv-transfer-config.kv_role", "kv_both"],
         *["--kv-transfer-config.kv_connector_extra_config.connectors", json.dumps(children)],
     ]
-    proc = subprocess.run(
-        [sys.executable, "-m", "cachemgr", "--root", str(root), "exec", "--", *command],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, **fake_vllm},
-    )
-    assert proc.returncode == 0, proc.stderr
+    proc = exec_fake(root, command, fake_vllm)
     (ns,) = [p for p in (root / "ns").iterdir() if p.is_dir()]
     pointed = multi_config(str(ns))["kv_connector_extra_config"]["connectors"]
     assert json.loads(json.loads(proc.stdout)[-1]) == pointed
