@@ -112,3 +112,17 @@ def test_a_launch_with_the_file_backend_is_not_warned(tmp_path: Path, model: Pat
 def test_exec_says_it_too(tmp_path: Path, model: Path) -> None:
     proc, _, err = run_exec(tmp_path / "root", model, tmp_path, {})  # (no hierarchical cache)
     assert proc.returncode == 0 and NO_PAGE in err and "is missing" in err, err
+
+
+def test_a_pd_decode_server_offloading_through_the_file_backend_is_not_warned(
+    tmp_path: Path, model: Path
+) -> None:
+    # SGLang's decode server offloads through the storage backend without hierarchical cache.
+    decode = ["--disaggregation-mode", "decode", "--hicache-storage-backend", "file"]
+    base = ["sglang", "serve", "--model-path", str(model), "--page-size", "64", *decode]
+    for offload, warned in (
+        ([], True),
+        (["--disaggregation-decode-enable-offload-kvcache"], False),
+    ):
+        out = cli("--root", str(tmp_path / "r"), "init", "--", *base, *offload, env=NO_STORAGE_ENV)
+        assert out.returncode == 0 and (NO_PAGE in out.stderr) == warned, out.stderr

@@ -17,6 +17,7 @@ def check_types(values: Mapping[str, Any], flag_of: Mapping[str, str]) -> None:
     bool_fields = {
         "enable_dp_attention",
         "enable_hierarchical_cache",
+        "disaggregation_decode_enable_offload_kvcache",
         "trust_remote_code",
         "enable_page_major_kv_layout",
         "enable_unified_memory",

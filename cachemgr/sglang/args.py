@@ -79,6 +79,10 @@ class LaunchArgs(BaseModel):
     hicache_storage_backend_extra_config: str | None = None
     enable_page_major_kv_layout: bool = False  # kv_cache_configurator.py PageMajor* pools
     enable_unified_memory: bool = False  # implies the page-major layout
+    # fields/disagg.py: a PD decode server with offloading writes through the storage backend
+    # without --enable-hierarchical-cache (managers/scheduler.py DecodeKVCacheOffloadManager).
+    disaggregation_mode: str = "null"
+    disaggregation_decode_enable_offload_kvcache: bool = False
     # fields/exec_.py
     mamba_ssm_dtype: str | None = None
     mamba_track_interval: int = Field(256, ge=1)
@@ -145,6 +149,10 @@ FLAGS: dict[str, str] = {
     "--hicache-io-backend": "hicache_io_backend",
     "--hicache-storage-backend": "hicache_storage_backend",
     "--hicache-storage-backend-extra-config": "hicache_storage_backend_extra_config",
+    "--disaggregation-mode": "disaggregation_mode",
+    "--disaggregation-decode-enable-offload-kvcache": (
+        "disaggregation_decode_enable_offload_kvcache"
+    ),
     "--mamba-ssm-dtype": "mamba_ssm_dtype",
     "--mamba-track-interval": "mamba_track_interval",
 }

@@ -294,6 +294,7 @@ CHOICES = by_field(
         fa4 flashinfer llada2_cfg_flashinfer flashmla trtllm_mla cutedsl_mla tokenspeed_mla
         trtllm_mha hpc_ops minicpm_flashattn minicpm_flashinfer aiter wave intel_amx ascend
         intel_xpu
+    disaggregation_mode: null prefill decode
     dtype: auto half float16 bfloat16 float float32
     hicache_io_backend: direct kernel kernel_ascend
     hicache_mem_layout: layer_first page_first page_first_direct page_first_kv_split page_head

@@ -104,7 +104,10 @@ def is_hybrid(config: Mapping[str, Any]) -> bool:
 def no_file_backend(args: LaunchArgs) -> Finding | None:
     """Why the launch would write no page to its storage dir (no L3 file backend), if so:
     init and exec say it too, since the namespace they make would stay empty."""
-    if not args.enable_hierarchical_cache:
+    decode_offload = (
+        args.disaggregation_mode == "decode" and args.disaggregation_decode_enable_offload_kvcache
+    )
+    if not args.enable_hierarchical_cache and not decode_offload:
         return Finding(
             "warning",
             "no-hicache",
