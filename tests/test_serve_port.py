@@ -3,10 +3,14 @@ program; one line, exit 2, and it names --port."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import subprocess
 import sys
+import types
 from pathlib import Path
+
+import pytest
 
 from cachemgr.layout import Layout
 from cachemgr.settings import Settings, load_settings
@@ -58,3 +62,20 @@ def test_another_program(layout: Layout) -> None:
         f"cachemgr: error: port {port} on 127.0.0.1 is in use by another program (not a "
         "cachemgr daemon); pick another port with --port (0 picks a free one)"
     ]
+
+
+def test_the_daemon_runs_on_asyncio_where_uvloop_is_installed(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # uvicorn's "auto" loop takes uvloop when it imports (beside vLLM it does); the fd budget
+    # counts asyncio's accepts.
+    made: list[object] = []
+
+    def new_event_loop() -> asyncio.AbstractEventLoop:
+        made.append(True)
+        return asyncio.new_event_loop()
+
+    monkeypatch.setitem(sys.modules, "uvloop", types.SimpleNamespace(new_event_loop=new_event_loop))
+    with running_daemon(settings) as dm:
+        assert dm.http.get("/healthz").status_code == 200
+    assert made == []

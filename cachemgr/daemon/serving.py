@@ -87,6 +87,11 @@ def uvicorn_config(
     return uvicorn.Config(
         app,
         http=protocol,
+        # Not "auto", which takes uvloop wherever it is installed (beside vLLM, or uvicorn's
+        # [standard] extra): libuv accepts until the queue is empty, not `backlog` a wake-up,
+        # so the fd budget above would not bound a flood, and its loop leaves two pipe fds
+        # open after a shutdown (bench/RESULTS.md has what uvloop would gain).
+        loop="asyncio",
         ws="none",
         backlog=LISTEN_BACKLOG,
         timeout_keep_alive=settings.http_keep_alive_timeout,
