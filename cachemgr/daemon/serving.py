@@ -90,7 +90,7 @@ def uvicorn_config(
         # Not "auto", which takes uvloop wherever it is installed (beside vLLM, or uvicorn's
         # [standard] extra): libuv accepts until the queue is empty, not `backlog` a wake-up,
         # so the fd budget above would not bound a flood, and its loop leaves two pipe fds
-        # open after a shutdown (bench/RESULTS.md has what uvloop would gain).
+        # open after a shutdown.
         loop="asyncio",
         ws="none",
         backlog=LISTEN_BACKLOG,
