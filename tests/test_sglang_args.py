@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import ast
 import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional
 
 import pytest
 
 from cachemgr.errors import ConfigError
 from cachemgr.sglang import flags as sglang_flags
 from cachemgr.sglang.args import LaunchArgs, resolve_launch_args, scan_flags, split_command
-from tests.conftest import REPO, ScriptRunner
+from tests.conftest import REPO, SGLANG_ENV, ScriptRunner
 
 # FIELD_NOTES §6, pasted as operators run them (continuation lines included).
 RTX4090 = r"""sglang serve --model-path Qwen3.8-27B-W4A16-AWQ \
@@ -286,3 +291,54 @@ def test_extra_config_is_parsed_once_for_every_reader() -> None:
     )
     assert args.extra_config == {"tp_lcm_size": 4}
     assert resolve_launch_args(["--model-path", "/m"]).extra_config == {}
+
+
+def sglang_extra_config_parser() -> Callable[[str], tuple[Any, ...]]:
+    """SGLang's own reader of an extra config (its cache controller's static method), taken
+    from its source: the module's imports need a GPU build."""
+    (path,) = SGLANG_ENV.glob(
+        "lib/python*/site-packages/sglang/srt/mem_cache/hybrid_cache/hybrid_cache_controller.py"
+    )
+    tree = ast.parse(path.read_text())
+    (fn,) = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef) and node.name == "parse_storage_backend_extra_config"
+    ]
+    fn.decorator_list = []
+    namespace: dict[str, Any] = {"os": os, "json": json, "Optional": Optional}
+    exec(compile(ast.Module([fn], []), str(path), "exec"), namespace)
+    parse: Callable[[str], tuple[Any, ...]] = namespace[fn.name]
+    return parse
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("ext", ["json", "toml", "yaml", "yml"])
+def test_an_extra_config_file_reads_as_sglang_reads_it(tmp_path: Path, ext: str) -> None:
+    wanted = {"file_storage_path": "/srv/l3", "max_size": 1 << 30, "tp_lcm_size": 4}
+    path = tmp_path / f"extra.{ext}"
+    sep = " =" if ext == "toml" else ":"
+    lines = [f"{k}{sep} {json.dumps(v)}" for k, v in wanted.items()]
+    path.write_text(json.dumps(wanted) if ext == "json" else "\n".join(lines) + "\n")
+    argv = ["--model-path", "/m", "--hicache-storage-backend-extra-config", f"@{path}"]
+    assert resolve_launch_args(argv).extra_config == wanted
+    assert sglang_extra_config_parser()(f"@{path}")[0] == wanted  # (what its backend gets)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "says"),
+    [
+        ("extra.txt", "{}", "SGLang reads a .json, .toml, .yaml or .yml file only"),
+        ("absent.json", None, "No such file or directory"),
+        ("extra.toml", "a = [", "not a valid toml file"),
+        ("extra.yaml", "- a list", "is not a JSON object"),
+    ],
+)
+def test_an_extra_config_file_sglang_would_fail_on_is_refused(
+    tmp_path: Path, name: str, content: str | None, says: str
+) -> None:
+    if content is not None:
+        (tmp_path / name).write_text(content)
+    argv = ["--model-path", "/m", "--hicache-storage-backend-extra-config", f"@{tmp_path / name}"]
+    with pytest.raises(ConfigError, match=says):
+        resolve_launch_args(argv)

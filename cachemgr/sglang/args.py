@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 import shlex
-from collections.abc import Mapping, Sequence
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -277,20 +279,57 @@ def resolve_launch_args(
 
 
 def parse_extra_config(raw: str | None) -> dict[str, Any]:
-    """--hicache-storage-backend-extra-config as the JSON object SGLang reads, {} if absent.
-    Anything else is a ConfigError: SGLang would fail on it at start (json.loads in its
-    cache controller), and a value read as {} would hide its file_storage_path and max_size."""
+    """--hicache-storage-backend-extra-config as the object SGLang reads, {} if absent: JSON,
+    or `@path` to a .json, .toml or .yaml file (its cache controller's
+    `parse_storage_backend_extra_config`). Anything else is a ConfigError: SGLang would fail on
+    it at start, and a value read as {} would hide its file_storage_path and max_size."""
     if not raw:
         return {}
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError):
-        data = None
+    if raw.startswith("@"):
+        data = _extra_config_file(raw[1:])
+    else:
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError):
+            data = None
     if not isinstance(data, dict):
         raise ConfigError(
             f"--hicache-storage-backend-extra-config is not a JSON object: {raw!r:.80}"
         )
     return data
+
+
+def _yaml(text: str) -> Any:
+    import yaml  # type: ignore[import-untyped]  # only an @file.yaml launch pays for it
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(str(e)) from None
+
+
+_EXTRA_READERS: dict[str, Callable[[str], Any]] = {
+    ".json": json.loads,
+    ".toml": tomllib.loads,
+    ".yaml": _yaml,
+    ".yml": _yaml,
+}
+
+
+def _extra_config_file(path: str) -> Any:
+    """The content of an `@path` extra config, read by its extension as SGLang reads it."""
+    flag = f"--hicache-storage-backend-extra-config @{path}"
+    read = _EXTRA_READERS.get(os.path.splitext(path)[1].lower())
+    if read is None:
+        raise ConfigError(f"{flag}: SGLang reads a .json, .toml, .yaml or .yml file only")
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{flag}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        return read(text)
+    except (ValueError, RecursionError):
+        raise ConfigError(f"{flag}: not a valid {os.path.splitext(path)[1][1:]} file") from None
 
 
 def _apply_sglang_resolutions(values: dict[str, Any]) -> dict[str, Any]:
