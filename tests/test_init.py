@@ -421,3 +421,17 @@ def test_the_shell_running_init_is_not_taken_for_a_server(root: Path, model: Pat
     )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["old_action"] == "purged"
+
+
+def test_the_file_storage_path_flag_warns_as_the_extra_config_does(root: Path, model: Path) -> None:
+    # SGLang gives --file-storage-path to the backend as file_storage_path when the extra config
+    # has none (unified_radix_cache.py); the extra config's own wins.
+    launch = [*CMD.split(), "--model-path", str(model), "--file-storage-path", "/srv/flag"]
+    out = cli("--root", str(root), "init", "--", *launch, env=NO_STORAGE_ENV)
+    assert out.returncode == 0, out.stderr
+    assert "--file-storage-path is /srv/flag: SGLang uses it unless" in out.stderr
+    extra = ["--hicache-storage-backend-extra-config", '{"file_storage_path": "/srv/extra"}']
+    out = cli("--root", str(root), "init", "--", *launch, *extra, env=NO_STORAGE_ENV)
+    assert out.returncode == 0, out.stderr
+    assert "file_storage_path is /srv/extra: SGLang uses it unless" in out.stderr
+    assert "/srv/flag" not in out.stderr

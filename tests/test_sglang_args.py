@@ -342,3 +342,14 @@ def test_an_extra_config_file_sglang_would_fail_on_is_refused(
     argv = ["--model-path", "/m", "--hicache-storage-backend-extra-config", f"@{tmp_path / name}"]
     with pytest.raises(ConfigError, match=says):
         resolve_launch_args(argv)
+
+
+def test_the_file_storage_path_flag_is_the_extra_configs_default_with_hierarchical_cache() -> None:
+    base = "sglang serve --model-path m --hicache-storage-backend file --file-storage-path /f"
+    assert resolve_launch_args(base).extra_config == {}  # (no hierarchical cache: not read)
+    hicache = resolve_launch_args(f"{base} --enable-hierarchical-cache")
+    assert hicache.extra_config == {"file_storage_path": "/f"}
+    extra = """ --hicache-storage-backend-extra-config '{"file_storage_path": "/e"}'"""
+    assert resolve_launch_args(f"{base} --enable-hierarchical-cache{extra}").extra_config == {
+        "file_storage_path": "/e"
+    }

@@ -79,6 +79,9 @@ class LaunchArgs(BaseModel):
     hicache_io_backend: str = "kernel"
     hicache_storage_backend: str | None = None
     hicache_storage_backend_extra_config: str | None = None
+    # fields/serving.py: the extra config's file_storage_path when it has none (hierarchical
+    # cache only: unified_radix_cache.py; the PD decode offload path does not read it)
+    file_storage_path: str | None = None
     enable_page_major_kv_layout: bool = False  # kv_cache_configurator.py PageMajor* pools
     enable_unified_memory: bool = False  # implies the page-major layout
     # fields/disagg.py: a PD decode server with offloading writes through the storage backend
@@ -96,8 +99,12 @@ class LaunchArgs(BaseModel):
 
     @property
     def extra_config(self) -> dict[str, Any]:
-        """--hicache-storage-backend-extra-config, parsed (parse_extra_config)."""
-        return parse_extra_config(self.hicache_storage_backend_extra_config)
+        """--hicache-storage-backend-extra-config as the storage backend gets it: parsed
+        (parse_extra_config), with --file-storage-path as its file_storage_path by default."""
+        extra = parse_extra_config(self.hicache_storage_backend_extra_config)
+        if self.file_storage_path and self.enable_hierarchical_cache:
+            extra.setdefault("file_storage_path", self.file_storage_path)
+        return extra
 
     @property
     def model_name(self) -> str:
@@ -151,6 +158,7 @@ FLAGS: dict[str, str] = {
     "--hicache-io-backend": "hicache_io_backend",
     "--hicache-storage-backend": "hicache_storage_backend",
     "--hicache-storage-backend-extra-config": "hicache_storage_backend_extra_config",
+    "--file-storage-path": "file_storage_path",
     "--disaggregation-mode": "disaggregation_mode",
     "--disaggregation-decode-enable-offload-kvcache": (
         "disaggregation_decode_enable_offload_kvcache"

@@ -1,8 +1,9 @@
 """What else points SGLang's file backend at a storage dir than the namespace dir init gives.
 
 SGLang's HiCacheFile (hicache_storage.py) takes SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR first,
-then the extra-config's file_storage_path: init hands the first, so an environment that sets
-it otherwise bypasses cachemgr, and an extra-config path is overridden.
+then the extra-config's file_storage_path (--file-storage-path when it has none): init hands
+the first, so an environment that sets it otherwise bypasses cachemgr, and a path in the
+launch is overridden.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cachemgr.layout import NS_ID_RE, Layout
-from cachemgr.sglang.args import LaunchArgs
+from cachemgr.sglang.args import LaunchArgs, parse_extra_config
 from cachemgr.sglang.hicache import STORAGE_DIR_ENV
 
 
@@ -42,15 +43,12 @@ def storage_dir_conflicts(
         )
     extra = args.extra_config if args else {}
     path = extra.get("file_storage_path")
-    if isinstance(path, str) and path and not _same(path, storage_dir):
-        found.append(
-            StorageDirConflict(
-                "--hicache-storage-backend-extra-config file_storage_path",
-                path,
-                False,
-                _ours(path, layout),
-            )
-        )
+    if args is not None and isinstance(path, str) and path and not _same(path, storage_dir):
+        given = parse_extra_config(args.hicache_storage_backend_extra_config)
+        source = "--file-storage-path"
+        if "file_storage_path" in given:
+            source = "--hicache-storage-backend-extra-config file_storage_path"
+        found.append(StorageDirConflict(source, path, False, _ours(path, layout)))
     return found
 
 
