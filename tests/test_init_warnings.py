@@ -126,3 +126,20 @@ def test_a_pd_decode_server_offloading_through_the_file_backend_is_not_warned(
     ):
         out = cli("--root", str(tmp_path / "r"), "init", "--", *base, *offload, env=NO_STORAGE_ENV)
         assert out.returncode == 0 and (NO_PAGE in out.stderr) == warned, out.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--enable-lmcache"], "--enable-lmcache replaces the radix cache"),
+        (["--enable-flexkv"], "FlexKV"),
+        (["--radix-cache-backend", "flexkv"], "FlexKV"),
+        (["--dllm-algorithm", "LowConfidence"], "--dllm-algorithm LowConfidence turns"),
+    ],
+)
+def test_a_cache_that_replaces_sglangs_hierarchical_cache_is_said(
+    tmp_path: Path, model: Path, flags: list[str], says: str
+) -> None:
+    launch = [*CMD.split(), "--model-path", str(model), *flags]
+    out = cli("--root", str(tmp_path / "r"), "init", "--", *launch, env=NO_STORAGE_ENV)
+    assert out.returncode == 0 and says in out.stderr and NO_PAGE in out.stderr, out.stderr

@@ -18,6 +18,8 @@ def check_types(values: Mapping[str, Any], flag_of: Mapping[str, str]) -> None:
         "enable_dp_attention",
         "enable_hierarchical_cache",
         "disaggregation_decode_enable_offload_kvcache",
+        "enable_lmcache",
+        "enable_flexkv",
         "trust_remote_code",
         "enable_page_major_kv_layout",
         "enable_unified_memory",

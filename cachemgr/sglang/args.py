@@ -84,6 +84,12 @@ class LaunchArgs(BaseModel):
     file_storage_path: str | None = None
     enable_page_major_kv_layout: bool = False  # kv_cache_configurator.py PageMajor* pools
     enable_unified_memory: bool = False  # implies the page-major layout
+    # fields/memory.py, fields/dllm: caches that replace the radix cache HiCache extends
+    # (mem_cache/registry.py), and diffusion LLMs, whose hook turns hierarchical cache off
+    enable_lmcache: bool = False
+    enable_flexkv: bool = False
+    radix_cache_backend: str | None = None
+    dllm_algorithm: str | None = None
     # fields/disagg.py: a PD decode server with offloading writes through the storage backend
     # without --enable-hierarchical-cache (managers/scheduler.py DecodeKVCacheOffloadManager).
     disaggregation_mode: str = "null"
@@ -159,6 +165,10 @@ FLAGS: dict[str, str] = {
     "--hicache-storage-backend": "hicache_storage_backend",
     "--hicache-storage-backend-extra-config": "hicache_storage_backend_extra_config",
     "--file-storage-path": "file_storage_path",
+    "--enable-lmcache": "enable_lmcache",
+    "--enable-flexkv": "enable_flexkv",
+    "--radix-cache-backend": "radix_cache_backend",
+    "--dllm-algorithm": "dllm_algorithm",
     "--disaggregation-mode": "disaggregation_mode",
     "--disaggregation-decode-enable-offload-kvcache": (
         "disaggregation_decode_enable_offload_kvcache"

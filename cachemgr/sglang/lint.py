@@ -101,6 +101,20 @@ def is_hybrid(config: Mapping[str, Any]) -> bool:
     return False
 
 
+def _radix_cache_replaced(args: LaunchArgs) -> str | None:
+    """The flag with which SGLang builds a cache other than the radix cache its hierarchical
+    cache extends (mem_cache/registry.py), or turns hierarchical cache off (dllm_hook.py)."""
+    if args.enable_lmcache:
+        return "--enable-lmcache replaces the radix cache with LMCache's"
+    if args.enable_flexkv or args.radix_cache_backend == "flexkv":
+        return "FlexKV (--enable-flexkv, --radix-cache-backend flexkv) replaces the radix cache"
+    # (another --radix-cache-backend is registered out of tree: whether it builds SGLang's
+    # hierarchical cache, only its code says)
+    if args.dllm_algorithm:
+        return f"--dllm-algorithm {args.dllm_algorithm} turns hierarchical cache off"
+    return None
+
+
 def no_file_backend(args: LaunchArgs) -> Finding | None:
     """Why the launch would write no page to its storage dir (no L3 file backend), if so:
     init and exec say it too, since the namespace they make would stay empty."""
@@ -113,6 +127,14 @@ def no_file_backend(args: LaunchArgs) -> Finding | None:
             "no-hicache",
             "--enable-hierarchical-cache is missing: no L3 cache, nothing for cachemgr to do",
             "add --enable-hierarchical-cache --hicache-storage-backend file --page-size 64",
+        )
+    replaced = _radix_cache_replaced(args)
+    if replaced is not None:
+        return Finding(
+            "warning",
+            "radix-cache-replaced",
+            f"{replaced}: SGLang builds no hierarchical cache, nothing for cachemgr to do",
+            "drop it to use SGLang's file backend, or do not run cachemgr for this server",
         )
     if args.hicache_storage_backend != "file":
         backend = args.hicache_storage_backend or "none"
