@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from cachemgr.errors import ConfigError
 from cachemgr.vllm.flags import CHOICES, INTEGER, VLLM_VERSION
-from cachemgr.vllm.tier import CONNECTORS, EXTRA, MULTI, NESTING, TIERS
+from cachemgr.vllm.tier import CONNECTORS, EXTRA, MULTI, NESTING, TIERS, too_deep
 
 _BOOL_FIELDS = frozenset({"trust_remote_code"})
 KV_ROLES = ("kv_producer", "kv_both", "kv_consumer")
@@ -74,19 +74,19 @@ def _human_int(text: str) -> int:
     return int(float(m[1]) * {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}[m[2]])
 
 
-def config_json(raw: str) -> str:
-    """A config flag's JSON as vLLM reads it: its human-readable numbers outside strings
-    (`"cpu_bytes_to_use": 16G`) expanded (engine/arg_utils.py
-    `_expand_json_human_readable_numbers`); ValueError where vLLM refuses one."""
+def config_json(raw: str) -> Any:
+    """A config flag's JSON value as vLLM reads it: its human-readable numbers outside strings
+    (`"cpu_bytes_to_use": 16G`) expanded first (engine/arg_utils.py
+    `_expand_json_human_readable_numbers`); ValueError where vLLM refuses the text."""
     parts = _JSON_STRING.split(raw)
     for i in range(0, len(parts), 2):  # (the odd ones are strings)
         parts[i] = _JSON_HUMAN.sub(lambda m: str(_human_int(m[0])), parts[i])
-    return "".join(parts)
+    return json.loads("".join(parts))
 
 
-def _json_object(flag: str, raw: str) -> dict[str, Any]:
+def _json_object(flag: str, raw: str, load: Callable[[str], Any] = json.loads) -> dict[str, Any]:
     try:
-        data = json.loads(config_json(raw) if flag == "--kv-transfer-config" else raw)
+        data = load(raw)
     except (ValueError, RecursionError):
         data = None
     if not isinstance(data, dict):
@@ -118,7 +118,7 @@ def kv_transfer_config(raw: str | None) -> dict[str, Any] | None:
     checks it (a list of objects, each with a "type")."""
     if raw is None:
         return None
-    config = _json_object("--kv-transfer-config", raw)
+    config = _json_object("--kv-transfer-config", raw, config_json)
     _connector(config, "--kv-transfer-config", NESTING)
     return config
 
@@ -146,6 +146,6 @@ def _connector(config: dict[str, Any], where: str, nesting: int) -> None:
         if not isinstance(children, list) or not all(isinstance(c, dict) for c in children):
             raise ConfigError(f"{where}: {EXTRA}.{CONNECTORS} is not a list of objects")
         if children and not nesting:
-            raise ConfigError(f"--kv-transfer-config: connectors nested more than {NESTING} deep")
+            raise too_deep()
         for i, child in enumerate(children):
             _connector(child, f"{where} connector {i}", nesting - 1)

@@ -89,7 +89,7 @@ def _rewritten(name: str, raw: str, root_dir: str) -> str | None:
     """The value with its fs tiers pointed at root_dir, None if it holds no fs tier."""
     if name == FLAG:
         try:
-            value = json.loads(config_json(raw))
+            value = config_json(raw)
         except (ValueError, RecursionError):
             return None
     else:

@@ -81,9 +81,18 @@ def _is_fs(tier: Any) -> bool:
 
 
 def _tiers(connector: dict[str, Any]) -> list[dict[str, Any]]:
-    extra = connector.get(EXTRA)
+    return _extra_tiers(connector.get(EXTRA))
+
+
+def _extra_tiers(extra: Any) -> list[dict[str, Any]]:
+    """The fs tiers of an extra config's tier list."""
     tiers = extra.get(TIERS) if isinstance(extra, dict) else None
     return [t for t in tiers if _is_fs(t)] if isinstance(tiers, list) else []
+
+
+def too_deep() -> ConfigError:
+    """The refusal of connectors nested past NESTING (argcheck's and the rewrite's)."""
+    return ConfigError(f"--kv-transfer-config: connectors nested more than {NESTING} deep")
 
 
 def _idle(connector: dict[str, Any]) -> str | None:
@@ -161,7 +170,7 @@ def _fs_tiers_in(value: Any, nesting: int = 0) -> Iterator[dict[str, Any]]:
     config, a list of tiers or of a MultiConnector's children, one tier. Only a
     MultiConnector's children are followed down, NESTING levels at most."""
     if nesting > NESTING:
-        raise ConfigError(f"--kv-transfer-config: connectors nested more than {NESTING} deep")
+        raise too_deep()
     for item in value if isinstance(value, list) else [value]:
         if not isinstance(item, dict):
             continue
@@ -172,5 +181,5 @@ def _fs_tiers_in(value: Any, nesting: int = 0) -> Iterator[dict[str, Any]]:
             if item.get("kv_connector") in (MULTI, None) and isinstance(item[EXTRA], dict):
                 yield from _fs_tiers_in(item[EXTRA].get(CONNECTORS), nesting + 1)
         elif not isinstance(value, list):  # an extra config (a dotted key's part: whose, unknown)
-            yield from _tiers({EXTRA: item})
+            yield from _extra_tiers(item)
             yield from _fs_tiers_in(item.get(CONNECTORS), nesting + 1)
