@@ -60,7 +60,13 @@ def test_connections_that_never_read_their_responses_do_not_shut_out_a_fresh_cli
         flood = [_stalled_reader(port) for _ in range(MIN_CAP)]
         try:
             wait_for(lambda: _open(dm.daemon), lambda n: n >= MIN_CAP, what="the cap filled")
-            time.sleep(3)  # past every timer (header 0.5 s, keep-alive 1 s)
+            # Each one is answered until the kernel's send buffer (autotuned to megabytes) is
+            # full; a loaded 2-core box takes longer than a fixed sleep to render that many
+            # /metrics. Then it waits for its client, as a half-sent request does.
+            wait_for(
+                lambda: _stalled(dm.daemon), lambda n: n >= MIN_CAP, timeout=120, what="stalls"
+            )
+            time.sleep(1.5)  # past every timer (header 0.5 s, keep-alive 1 s)
             took = [_healthz_seconds(port) for _ in range(3)]
         finally:
             for sock in flood:
@@ -70,6 +76,12 @@ def test_connections_that_never_read_their_responses_do_not_shut_out_a_fresh_cli
 
 def _open(daemon: object) -> int:
     return len(daemon.server.server_state.connections)  # type: ignore[attr-defined]
+
+
+def _stalled(daemon: object) -> int:
+    """Connections whose response writes are paused (their client reads nothing)."""
+    conns = list(daemon.server.server_state.connections)  # type: ignore[attr-defined]
+    return sum(1 for c in conns if c.flow.write_paused)
 
 
 @pytest.mark.parametrize(
