@@ -4,9 +4,15 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 ASSIGN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
+
+
+def server_environ(command: Sequence[str], environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment the launch's program runs with: `environ` (what cachemgr hands it), with
+    the command's own assignments over it (`env SGLANG_…=/x sglang serve …` wins over ours)."""
+    return {**environ, **split_env(command)[0]}
 
 
 def split_env(tokens: Sequence[str]) -> tuple[dict[str, str], int]:

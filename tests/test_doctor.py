@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from cachemgr.doctor.finding import exit_code
+from cachemgr.launchenv import server_environ
 from cachemgr.layout import Layout
 from cachemgr.sglang.args import resolve_launch_args
-from cachemgr.sglang.lint import is_hybrid, launch_env, lint, parse_size
+from cachemgr.sglang.lint import is_hybrid, lint, parse_size
 from tests.nsfixtures import cli
 from tests.test_identity import make_model
 
@@ -210,7 +211,8 @@ def test_helpers() -> None:
     assert parse_size("200G") == 200 * 10**9 and parse_size("1Gi") == 2**30
     assert parse_size("25.6k") == 25600 and parse_size("0") is None
     assert parse_size("") is None and parse_size("lots") is None
-    assert launch_env(["env", "A=1", "B=x=y", "sglang", "C=2"]) == {"A": "1", "B": "x=y"}
+    command = ["env", "A=1", "B=x=y", "sglang", "C=2"]
+    assert server_environ(command, {"A": "0", "D": "d"}) == {"A": "1", "B": "x=y", "D": "d"}
     assert is_hybrid({"model_type": "qwen3_next"}) and not is_hybrid({"model_type": "llama"})
     assert exit_code([]) == 0
 

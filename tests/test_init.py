@@ -206,7 +206,7 @@ CHILD = textwrap.dedent("""
 
 
 def run_exec(
-    root: Path, model: Path, tmp_path: Path, env: dict[str, str]
+    root: Path, model: Path, tmp_path: Path, env: dict[str, str], prefix: tuple[str, ...] = ()
 ) -> tuple[subprocess.Popen[str], str, str]:
     child = tmp_path / "child.py"
     child.write_text(CHILD)
@@ -219,6 +219,7 @@ def run_exec(
             str(root),
             "exec",
             "--",
+            *prefix,
             sys.executable,
             str(child),
             "--model-path",
@@ -259,6 +260,30 @@ def test_exec_refuses_a_foreign_storage_dir_env(root: Path, model: Path, tmp_pat
     )
     assert proc.returncode == 2 and out == ""
     assert err.strip().splitlines()[-1].startswith("cachemgr: error: environment variable")
+
+
+def test_exec_refuses_a_foreign_storage_dir_set_in_the_launch_itself(
+    root: Path, model: Path, tmp_path: Path
+) -> None:
+    """`env VAR=/x sglang …` sets it over what exec hands the server: SGLang would write to /x
+    while cachemgr reported the namespace (was exit 0, the server started)."""
+    prefix = ("env", "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=/srv/elsewhere")
+    proc, out, err = run_exec(root, model, tmp_path, {}, prefix)
+    assert proc.returncode == 2 and out == "", err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("cachemgr: error: environment variable") and "/srv/elsewhere" in last
+
+
+def test_exec_takes_the_namespace_dir_set_in_the_launch_itself(
+    root: Path, model: Path, tmp_path: Path
+) -> None:
+    """The same variable naming the namespace dir exec would hand: no conflict, it runs."""
+    first, out, _ = run_exec(root, model, tmp_path, {"EXIT_WITH": "0"})
+    ns_dir = out.split(" ", 1)[0]
+    prefix = ("env", f"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR={ns_dir}")
+    proc, out, err = run_exec(root, model, tmp_path, {}, prefix)
+    assert (first.returncode, proc.returncode) == (0, 0), err
+    assert out.split(" ", 1)[0] == ns_dir
 
 
 def test_exec_without_a_command_is_one_line(root: Path, model: Path) -> None:

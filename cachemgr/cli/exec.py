@@ -13,6 +13,7 @@ from cachemgr.cli.context import AppContext, pass_app
 from cachemgr.cli.init import describe, init_options, run_init, warn_refused
 from cachemgr.cli.launch_options import LaunchRequest
 from cachemgr.errors import ConfigError, NotFoundError
+from cachemgr.launchenv import server_environ
 from cachemgr.layout import Layout
 
 
@@ -44,7 +45,10 @@ def exec_(
     layout = Layout.at(app.settings.root, app.settings.state_dir)
     engine = launch.engine
     warnings = engine.exec_warnings(
-        launch.engine_args(), storage_dir, layout=layout, environ=os.environ
+        launch.engine_args(),
+        storage_dir,
+        layout=layout,
+        environ=server_environ(launch.command, os.environ),
     )
     for w in warnings:
         click.echo(f"cachemgr: warning: {w}", err=True)

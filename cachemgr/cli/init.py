@@ -21,6 +21,7 @@ from cachemgr.cli.launch_options import LaunchRequest, launch_options
 from cachemgr.errors import ConfigError
 from cachemgr.fs.atomic import write_atomic
 from cachemgr.identity.record import Digested
+from cachemgr.launchenv import server_environ
 from cachemgr.layout import Layout
 from cachemgr.ns import init as ns_init
 from cachemgr.ns.init import InitRun, engine_missing
@@ -175,7 +176,7 @@ def init(
         launch.engine_args(),
         storage_dir,
         layout=Layout.at(app.settings.root, app.settings.state_dir),
-        environ=os.environ,
+        environ=server_environ(launch.command, os.environ),
         hands_env=hands_env,
     )
     command = engine.rewritten_command(launch.command, storage_dir, os.environ)

@@ -13,6 +13,7 @@ from cachemgr.gc.policy import GcPolicy
 from cachemgr.identity.digest_cache import DigestCache
 from cachemgr.identity.fingerprint import IdentityOptions, ProgressFactory
 from cachemgr.identity.record import Digested
+from cachemgr.launchenv import server_environ
 from cachemgr.layout import Layout
 from cachemgr.settings import Settings
 from cachemgr.sglang import lint
@@ -151,7 +152,7 @@ class SGLangEngine(Engine[LaunchArgs]):
         environ: Mapping[str, str],
     ) -> list[Finding]:
         args = resolve_launch_args(command)
-        env = {**environ, **lint.launch_env(command)}
+        env = server_environ(command, environ)
         return lint.lint(
             args,
             layout=layout,

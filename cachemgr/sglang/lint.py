@@ -22,7 +22,6 @@ from cachemgr.doctor.storage import (
 from cachemgr.errors import CachemgrError
 from cachemgr.identity import model_dir
 from cachemgr.identity.record import Digested
-from cachemgr.launchenv import split_env
 from cachemgr.layout import Layout
 from cachemgr.sglang.args import LaunchArgs
 from cachemgr.sglang.hicache import STORAGE_DIR_ENV
@@ -48,11 +47,6 @@ _HYBRID_NAMES = (
     "granitemoehybrid",
     "inkling",
 )
-
-
-def launch_env(command: Sequence[str]) -> dict[str, str]:
-    """`VAR=value` assignments before the program (`env A=1 sglang serve …`)."""
-    return split_env(command)[0]
 
 
 def parse_size(value: str) -> int | None:
