@@ -195,6 +195,21 @@ def test_extra_config_that_is_not_json_is_one_line(root: Path, model: Path) -> N
     assert not Layout.at(root).ns_root.exists() or not any(Layout.at(root).ns_root.iterdir())
 
 
+@pytest.mark.parametrize("bad", ['"abc"', '"8"', "1.5", "[1]", "true"])
+def test_a_tp_lcm_size_that_is_no_whole_number_is_one_line(
+    root: Path, model: Path, bad: str
+) -> None:
+    """SGLang computes `tp_lcm_size % tp_size` with the JSON value: a string fails its start,
+    1.5 its assertion (was a ValueError or TypeError traceback, exit 1, or taken as 8 and 1)."""
+    extra = f'{{"tp_lcm_size": {bad}}}'
+    launch = [*CMD.split(), "--model-path", str(model)]
+    launch += ["--hicache-storage-backend-extra-config", extra]
+    out = cli("--root", str(root), "init", "--", *launch, env=NO_STORAGE_ENV)
+    assert "tp_lcm_size in --hicache-storage-backend-extra-config" in one_line_error(out)
+    assert out.returncode == 2
+    assert not Layout.at(root).ns_root.exists() or not any(Layout.at(root).ns_root.iterdir())
+
+
 CHILD = textwrap.dedent("""
     import os, signal, sys
     print(os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"], os.getpid(), sys.argv[1:])

@@ -202,6 +202,34 @@ def test_direct_io_turns_page_first_into_page_first_direct() -> None:
     assert args.hicache_mem_layout == "page_first_direct"
 
 
+def test_a_pd_decode_server_offloading_with_direct_io_writes_page_first_direct() -> None:
+    """Its host pool is built with the resolved layout (hicache_hook.py `handle_hicache` runs
+    for decode offload too): recorded as page_first, it shared a prefill server's namespace
+    while its pages' bytes were in another order."""
+    args = resolve_launch_args(
+        "--model-path /m --disaggregation-mode decode"
+        " --disaggregation-decode-enable-offload-kvcache --hicache-io-backend direct"
+    )
+    assert args.hicache_mem_layout == "page_first_direct"
+
+
+def test_unified_memory_takes_direct_io_back_to_page_first() -> None:
+    """`resolve_unified_memory_layout_io`: the same pages as unified memory without direct I/O."""
+    args = resolve_launch_args(
+        "--model-path /m --enable-hierarchical-cache --enable-unified-memory"
+        " --hicache-io-backend direct"
+    )
+    plain = resolve_launch_args(
+        "--model-path /m --enable-hierarchical-cache --enable-unified-memory"
+    )
+    assert args.hicache_mem_layout == plain.hicache_mem_layout == "page_first"
+
+
+def test_a_server_writing_no_page_keeps_its_layout_as_given() -> None:
+    args = resolve_launch_args("--model-path /m --hicache-io-backend direct")
+    assert args.hicache_mem_layout == "page_first"
+
+
 def test_draft_quantization_inherits_unless_set() -> None:
     inherit = resolve_launch_args("--model-path /m --quantization awq --speculative-draft-model /d")
     assert inherit.speculative_draft_model_quantization == "awq"

@@ -357,14 +357,19 @@ def _apply_sglang_resolutions(values: dict[str, Any]) -> dict[str, Any]:
     # means N attention-DP groups and one replica.
     if out.get("enable_dp_attention") and int(out.get("attn_dp_size", 1)) == 1:
         out["attn_dp_size"], out["dp_size"] = out.get("dp_size", 1), 1
-    # hicache_hook.py `resolve_layout_io_compatibility`: page_first with direct I/O becomes
-    # page_first_direct.
-    if (
-        out.get("enable_hierarchical_cache")
-        and out.get("hicache_mem_layout", "page_first") == "page_first"
-        and out.get("hicache_io_backend") == "direct"
+    # hicache_hook.py `handle_hicache`, for a server that writes pages (hierarchical cache, or
+    # a PD decode server offloading through the backend: its host pool takes the same layout):
+    # `resolve_layout_io_compatibility` makes page_first with direct I/O page_first_direct,
+    # then `resolve_unified_memory_layout_io` makes that page_first again under unified memory.
+    if out.get("enable_hierarchical_cache") or out.get(
+        "disaggregation_decode_enable_offload_kvcache"
     ):
-        out["hicache_mem_layout"] = "page_first_direct"
+        layout = out.get("hicache_mem_layout", "page_first")
+        if layout == "page_first" and out.get("hicache_io_backend") == "direct":
+            layout = "page_first_direct"
+        if layout == "page_first_direct" and out.get("enable_unified_memory"):
+            layout = "page_first"
+        out["hicache_mem_layout"] = layout
     # serving_hook.py: an unset draft quantization inherits the target's, then `unquant` is
     # the explicit spelling of "no quantization" for either.
     if out.get("speculative_draft_model_quantization") is None:

@@ -90,9 +90,20 @@ def page_size(args: LaunchArgs, config: Mapping[str, Any]) -> tuple[int | None, 
 
 
 def _tp_lcm_size(args: LaunchArgs) -> int | None:
-    """`tp_lcm_size` from --hicache-storage-backend-extra-config (cache_controller.py)."""
+    """`tp_lcm_size` from --hicache-storage-backend-extra-config (cache_controller.py). SGLang
+    takes the JSON value as is into `tp_lcm_size % tp_size`: a string fails the server's start
+    and a fraction its assertion, so anything but a whole number is refused here."""
     value = args.extra_config.get("tp_lcm_size")
-    return int(value) if value is not None else None
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        return int(value)  # (8.0 % 4 == 0: SGLang runs with it)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise IdentityError(
+            "tp_lcm_size in --hicache-storage-backend-extra-config must be a whole number,"
+            f" not {json.dumps(value)[:40]}"
+        )
+    return value
 
 
 def _override_args(raw: str) -> str | None:
