@@ -435,15 +435,42 @@ def test_a_vllm_config_file_that_is_missing_or_not_yaml_is_one_line(
     root = tmp_path / "root"
     bad = tmp_path / "bad.yaml"
     bad.write_text("kv-cache-dtype: [unclosed\n")
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"kv-cache-dtype: fp8\n\xff\xfe\n")  # (was a UnicodeDecodeError traceback)
     cases = [
         ("missing.yaml", 1, "No such file"),
         (str(bad), 2, "is not YAML"),
+        (str(binary), 2, "is not UTF-8 text"),
         ("serve.json", 2, "reads only .yaml/.yml"),
     ]
     for path, code, says in cases:
         out = vinit(root, ["vllm", "serve", str(model), "--config", path])
         assert out.returncode == code and says in one_line_error(out), out.stderr
     assert not root.exists()
+
+
+def test_a_config_file_launch_whose_model_vllm_does_not_find_is_refused_before_a_purge(
+    tmp_path: Path, model: Path
+) -> None:
+    """vLLM looks for the positional model right after `serve` before it takes --config out:
+    `serve --dtype half M --config c.yaml` and `serve --config c.yaml M` fail its start ("No
+    model specified!") unless the file names one. cachemgr took M and purged the instance's
+    namespace for a server that never started."""
+    root = tmp_path / "root"
+    good = vinit_json(root, launch(model, "--kv-cache-dtype", "fp8"))
+    conf = tmp_path / "c.yaml"
+    conf.write_text(f"kv_transfer_config: {json.dumps(tier_config())}\n")
+    for argv in (
+        ["vllm", "serve", "--dtype", "half", str(model), "--config", str(conf)],
+        ["vllm", "serve", "--config", str(conf), str(model)],
+    ):
+        out = vinit(root, argv)
+        assert out.returncode == 2 and "no model" in one_line_error(out), out.stderr
+    assert Path(str(good["storage_dir"])).is_dir()  # not purged
+    named = tmp_path / "named.yaml"
+    named.write_text(f"model: {model}\nkv_transfer_config: {json.dumps(tier_config())}\n")
+    out = vinit(root, ["vllm", "serve", "--config", str(named)])
+    assert out.returncode == 0, out.stderr
 
 
 # What vLLM's own classes make of a --kv-transfer-config: each connector it runs (a

@@ -78,6 +78,8 @@ def read_yaml_config(path: str) -> dict[str, Any]:
         raise cls(f"--config {path}: {e.strerror or e}") from e
     except yaml.YAMLError as e:
         raise ConfigError(f"--config {path} is not YAML: {str(e).splitlines()[0]}") from e
+    except UnicodeDecodeError as e:  # (vLLM opens it as UTF-8 too, and fails the same way)
+        raise ConfigError(f"--config {path} is not UTF-8 text: {e.reason} at byte {e.start}") from e
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path} is not a mapping of option names to values")
     return data
@@ -138,8 +140,16 @@ def _splice_config(args: list[str], no_value: frozenset[str], read: ReadConfig) 
     rest = args[:at] + args[at + 2 :]
     if not rest or rest[0].startswith("-"):  # the api_server module: no subcommand
         return spliced + rest
-    # `serve`: after the positional model if the command line has one, else right after serve
-    keep = 2 if len(rest) > 1 and not rest[1].startswith("-") else 1
+    # `serve`: after the positional model if the command line has one, else right after serve.
+    # vLLM looks for that model right after `serve` *before* it takes --config out (so not in
+    # `serve --config c.yaml M`), and without one there or a `model:` in the file it refuses.
+    model_in_cli = len(args) > 1 and not args[1].startswith("-")
+    if not model_in_cli and "--model" not in spliced:
+        raise ConfigError(
+            "no model: with --config, vLLM takes it right after `serve` or from the file's"
+            " `model:` key"
+        )
+    keep = 2 if model_in_cli else 1
     return rest[:keep] + spliced + rest[keep:]
 
 
