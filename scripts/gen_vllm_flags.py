@@ -5,11 +5,24 @@ Run with the Python of .vllm-env; on a host without a GPU vLLM needs to be told 
 Importing vLLM's parser costs ~10 s and ~540 MB, so cachemgr reads this table, never the parser.
 """
 
+import ast
 import importlib.metadata
+import inspect
+import os
+import typing
+from pathlib import Path
 
+import vllm
+import vllm.envs
 from flagtable import IMPORTS, choice_lines, read_table, words
+from vllm.config.cache import _LAYOUT_COMPAT_ALIASES
+from vllm.config.load import LoadConfig
+from vllm.config.model import ModelConfig
 from vllm.entrypoints.common.cli_args import make_arg_parser
+from vllm.model_executor.layers.quantization import QuantizationMethods
 from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+LAYOUT_ENV = "VLLM_KV_CACHE_LAYOUT"
 
 # The settings an identity for vLLM's fs tier needs (docs/vllm.md), by argparse dest.
 IDENTITY_DESTS = (
@@ -38,6 +51,52 @@ IDENTITY_DESTS = (
 )
 
 
+def kv_layouts() -> list[str]:
+    """The VLLM_KV_CACHE_LAYOUT values vllm/envs.py accepts: the choices its env_with_choices
+    getter closes over, each probed, and checked to be case-sensitive (cachemgr compares so)."""
+    getter = vllm.envs.environment_variables[LAYOUT_ENV]
+    choices = list(inspect.getclosurevars(getter).nonlocals["choices"])
+    saved = os.environ.get(LAYOUT_ENV)
+    try:
+        for value in choices:
+            os.environ[LAYOUT_ENV] = value
+            if getter() != value:
+                raise SystemExit(f"{LAYOUT_ENV}={value} does not read back as itself")
+        for value in ["", *(c.lower() for c in choices)]:
+            os.environ[LAYOUT_ENV] = value
+            try:
+                getter()
+            except ValueError:
+                continue
+            raise SystemExit(f"{LAYOUT_ENV}={value!r} is accepted: no longer case-sensitive")
+    finally:
+        os.environ.pop(LAYOUT_ENV, None)
+        if saved is not None:
+            os.environ[LAYOUT_ENV] = saved
+    return choices
+
+
+def load_formats() -> list[str]:
+    """The keys of model_loader's _LOAD_FORMAT_TO_MODEL_LOADER (what get_model_loader takes),
+    read from its source: importing the module needs GPU-side packages a CPU env lacks."""
+    path = Path(vllm.__file__).parent / "model_executor" / "model_loader" / "__init__.py"
+    for node in ast.parse(path.read_text()).body:
+        target = node.target if isinstance(node, ast.AnnAssign) else None
+        if isinstance(target, ast.Name) and target.id == "_LOAD_FORMAT_TO_MODEL_LOADER":
+            assert isinstance(node, ast.AnnAssign) and isinstance(node.value, ast.Dict)
+            return [ast.literal_eval(k) for k in node.value.keys if k is not None]
+    raise SystemExit(f"no _LOAD_FORMAT_TO_MODEL_LOADER in {path}")
+
+
+def check_lowercased() -> None:
+    """cachemgr lowercases --quantization and --load-format as vLLM's configs do (ModelConfig's
+    and LoadConfig's validators): fail the regeneration if vLLM stops doing so."""
+    if ModelConfig.validate_quantization_before("FP8") != "fp8":
+        raise SystemExit("vLLM no longer lowercases --quantization")
+    if LoadConfig(load_format="SAFETENSORS").load_format != "safetensors":
+        raise SystemExit("vLLM no longer lowercases --load-format")
+
+
 def main() -> None:
     parser = make_arg_parser(FlexibleArgumentParser())
     by_dest = {a.dest: a for a in parser._actions}
@@ -52,6 +111,11 @@ def main() -> None:
         aliases.update({o: longs[0] for o in strings if not o.startswith("--")})
     version = importlib.metadata.version("vllm")
     alias_lines = "\n".join(f'    "{k}": "{v}",' for k, v in sorted(aliases.items()))
+    layouts = kv_layouts()
+    check_lowercased()
+    layout_aliases = "\n".join(
+        f'    "{k}": "{v}",' for k, v in sorted(_LAYOUT_COMPAT_ALIASES.items())
+    )
     print(f'''"""Which vLLM {version} `vllm serve` flags take no value, which take several,
 and which values vLLM accepts for the settings cachemgr reads.
 
@@ -103,6 +167,28 @@ CHOICES = by_field(
 INTEGER = frozenset(
     """
 {words(table.integer)}
+    """.split()  # noqa: SIM905
+)
+
+# VLLM_KV_CACHE_LAYOUT's values (vllm/envs.py; case-sensitive, "" refused), in vLLM's order.
+KV_LAYOUTS = tuple("{" ".join(layouts)}".split())  # noqa: SIM905
+
+# Old layout name → the one vLLM reads it as (config/cache.py _LAYOUT_COMPAT_ALIASES).
+KV_LAYOUT_ALIASES = {{
+{layout_aliases}
+}}
+
+# vLLM's own --quantization methods (QuantizationMethods); a plugin may register more.
+QUANTIZATION_METHODS = frozenset(
+    """
+{words(typing.get_args(QuantizationMethods))}
+    """.split()  # noqa: SIM905
+)
+
+# vLLM's own --load-format values (model_loader's table); a plugin may register more.
+LOAD_FORMATS = frozenset(
+    """
+{words(load_formats())}
     """.split()  # noqa: SIM905
 )''')
 

@@ -17,12 +17,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from cachemgr.argprefix import read_option
 from cachemgr.errors import ConfigError
 from cachemgr.vllm import argcheck
+from cachemgr.vllm import values as vllm_values
 from cachemgr.vllm.argv import ReadConfig, VllmCommand, prepass, read_yaml_config, split_vllm
 from cachemgr.vllm.flags import ALIASES, MULTI_VALUE, NO_VALUE, OPTIONS, VLLM_VERSION
 from cachemgr.vllm.tier import FsTier, Offloading, fs_tier
 
 # The KV layout is an environment variable, not a flag (vllm/envs.py).
-KV_LAYOUT_ENV = "VLLM_KV_CACHE_LAYOUT"
+KV_LAYOUT_ENV = vllm_values.KV_LAYOUT_ENV
 SIMPLE_OFFLOAD_ENV = "VLLM_USE_SIMPLE_KV_OFFLOAD"  # with --kv-offloading-size: its simple connector
 
 
@@ -50,7 +51,8 @@ class VllmLaunchArgs(BaseModel):
     load_format: str = "auto"
     download_dir: str | None = None
     trust_remote_code: bool = False
-    kv_cache_layout: str | None = None  # VLLM_KV_CACHE_LAYOUT, from the launch or environment
+    # VLLM_KV_CACHE_LAYOUT, from the launch or environment; an alias as its old name (NHD, HND)
+    kv_cache_layout: str | None = None
     kv_transfer_config: str | None = None  # canonical JSON
     tier: FsTier | None = None  # the fs secondary tier of --kv-transfer-config, if any
 
@@ -153,7 +155,11 @@ def resolve_vllm_args(
     config = argcheck.kv_transfer_config(values.get("kv_transfer_config"))
     values["tier"] = fs_tier(config, _offloading(values, cmd, environ or {}))
     values["kv_transfer_config"] = _canonical(config)
-    values["kv_cache_layout"] = _env_value(cmd, environ or {}, KV_LAYOUT_ENV)
+    values["kv_cache_layout"] = vllm_values.kv_cache_layout(
+        _env_value(cmd, environ or {}, KV_LAYOUT_ENV)
+    )
+    values["quantization"] = vllm_values.quantization(values.get("quantization"))
+    values["load_format"] = vllm_values.load_format(values.get("load_format", "auto"))
     try:
         return VllmLaunchArgs(**values)
     except ValidationError as e:
@@ -182,5 +188,6 @@ def _canonical(data: dict[str, Any] | None) -> str | None:
 
 
 def _env_value(cmd: VllmCommand, environ: dict[str, str], name: str) -> str | None:
-    """A variable as the server gets it: set in the launch (`env A=1 vllm …`) or inherited."""
-    return cmd.env.get(name, environ.get(name)) or None
+    """A variable as the server gets it: set in the launch (`env A=1 vllm …`) or inherited;
+    set but empty is "", not None (vLLM refuses an empty VLLM_KV_CACHE_LAYOUT)."""
+    return cmd.env.get(name, environ.get(name))

@@ -15,7 +15,7 @@ from cachemgr.identity.digest_cache import DigestCache
 from cachemgr.identity.fingerprint import IdentityOptions, ProgressFactory
 from cachemgr.identity.record import Digested
 from cachemgr.layout import Layout
-from cachemgr.vllm import lint
+from cachemgr.vllm import lint, values
 from cachemgr.vllm.args import VllmLaunchArgs, is_vllm_launch, resolve_vllm_args
 from cachemgr.vllm.fstier import VLLM_FS_TIER
 from cachemgr.vllm.identity import VllmIdentity, compute_vllm_identity, installed_vllm_version
@@ -101,12 +101,14 @@ class VllmEngine(Engine[VllmLaunchArgs]):
         environ: Mapping[str, str],
         hands_env: bool,
     ) -> list[str]:
+        said = values.plugin_warnings(args.quantization, args.load_format)
         root = args.tier.root_dir if args.tier else None
         if hands_env or root is None or os.path.abspath(root).rstrip("/") == str(storage_dir):
-            return []
+            return said
         return [
+            *said,
             f"the launch's fs tier root_dir is {root}, not the namespace dir: start the server "
-            'with `cachemgr exec -- <launch>`, or with --json\'s "command"'
+            'with `cachemgr exec -- <launch>`, or with --json\'s "command"',
         ]
 
     def exec_warnings(
@@ -117,7 +119,8 @@ class VllmEngine(Engine[VllmLaunchArgs]):
         layout: Layout,
         environ: Mapping[str, str],
     ) -> list[str]:
-        return []  # exec rewrites the one place vLLM reads the dir from
+        # (no root_dir warning: exec rewrites the one place vLLM reads the dir from)
+        return values.plugin_warnings(args.quantization, args.load_format)
 
     def lint(
         self,

@@ -246,3 +246,30 @@ INTEGER = frozenset(
     prefill_context_parallel_size tensor_parallel_size
     """.split()  # noqa: SIM905
 )
+
+# VLLM_KV_CACHE_LAYOUT's values (vllm/envs.py; case-sensitive, "" refused), in vLLM's order.
+KV_LAYOUTS = tuple("LBNHC LBHNC LHBNC NHD HND BLHNC BLNHC BHLNC".split())  # noqa: SIM905
+
+# Old layout name → the one vLLM reads it as (config/cache.py _LAYOUT_COMPAT_ALIASES).
+KV_LAYOUT_ALIASES = {
+    "HND": "LBHNC",
+    "NHD": "LBNHC",
+}
+
+# vLLM's own --quantization methods (QuantizationMethods); a plugin may register more.
+QUANTIZATION_METHODS = frozenset(
+    """
+    auto_awq auto_gptq awq awq_marlin compressed-tensors deepseek_v4_fp8 experts_int8 fbgemm_fp8
+    fp8 fp8_per_block fp8_per_channel fp8_per_tensor gpt_oss_mxfp4 gptq gptq_marlin humming inc
+    int8_per_channel_weight_only lut_b_moe modelopt modelopt_fp4 modelopt_mixed modelopt_mxfp8
+    moe_wna16 mxfp4 mxfp4_hadamard32 mxfp8 nvfp4_per_token online quark torchao w4afp8
+    """.split()  # noqa: SIM905
+)
+
+# vLLM's own --load-format values (model_loader's table); a plugin may register more.
+LOAD_FORMATS = frozenset(
+    """
+    auto dummy fastsafetensors hf instanttensor ipc_cache mistral modelexpress npcache pt
+    runai_streamer runai_streamer_sharded safetensors sharded_state tensorizer
+    """.split()  # noqa: SIM905
+)

@@ -1,0 +1,200 @@
+"""The values of a vLLM launch no argparse choices check, read as vLLM 0.34.0 reads them:
+VLLM_KV_CACHE_LAYOUT (refused as vLLM refuses it; NHD/LBNHC and HND/LBHNC one identity),
+--quantization and --load-format (lowercased; one vLLM does not ship is warned about)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from cachemgr.errors import ConfigError
+from cachemgr.vllm.args import resolve_vllm_args
+from cachemgr.vllm.flags import KV_LAYOUTS, LOAD_FORMATS, QUANTIZATION_METHODS
+from tests.conftest import REPO, ScriptRunner
+from tests.nsfixtures import cli, cli_process, one_line_error
+from tests.test_identity import make_model
+from tests.vllm_launch import launch, vinit, vinit_json
+
+LAYOUT = "VLLM_KV_CACHE_LAYOUT"
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    return make_model(tmp_path / "model")
+
+
+@pytest.fixture
+def fake_vllm(tmp_path: Path) -> dict[str, str]:
+    """An environment whose PATH has a `vllm` that exits at once."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    fake = bindir / "vllm"
+    fake.write_text(f"#!{sys.executable}\n")
+    fake.chmod(0o755)
+    return {"PATH": f"{bindir}:{os.environ['PATH']}"}
+
+
+@pytest.mark.parametrize("value", ["hnd", "bogus", "Lbhnc", " HND"])
+def test_a_layout_vllm_refuses_is_one_line_exit_2_and_the_cache_is_kept(
+    root: Path, model: Path, fake_vllm: dict[str, str], value: str
+) -> None:
+    first = vinit_json(root, launch(model, "-q", "fp8"))
+    block = root / "ns" / first["ns_id"] / "block.bin"
+    block.write_bytes(b"x")
+    before = sorted(p.name for p in (root / "ns").iterdir())
+    for command in ("init", "exec"):
+        for env, prefix in (({LAYOUT: value}, []), (fake_vllm, ["env", f"{LAYOUT}={value}"])):
+            argv = [*prefix, *launch(model, "-q", "fp8")]
+            out = cli("--root", str(root), command, "--", *argv, env={**fake_vllm, **env})
+            said = one_line_error(out)
+            assert out.returncode == 2 and f"invalid {LAYOUT}={value!r}" in said
+            assert "LBNHC, LBHNC, LHBNC, NHD, HND, BLHNC, BLNHC, BHLNC" in said
+    assert block.exists() and sorted(p.name for p in (root / "ns").iterdir()) == before
+
+
+def test_an_empty_layout_is_refused_as_vllm_refuses_it(tmp_path: Path, model: Path) -> None:
+    """vLLM's env_with_choices checks a set variable, empty or not; unset is the default."""
+    root = tmp_path / "root"
+    out = vinit(root, ["env", f"{LAYOUT}=", *launch(model)])
+    assert out.returncode == 2 and f"invalid {LAYOUT}=''" in one_line_error(out)
+    assert not root.exists()
+    with pytest.raises(ConfigError, match=f"invalid {LAYOUT}=''"):
+        resolve_vllm_args(launch(model), {LAYOUT: ""})
+    assert resolve_vllm_args(launch(model), {}).kv_cache_layout is None
+
+
+@pytest.mark.parametrize(("old", "new"), [("NHD", "LBNHC"), ("HND", "LBHNC")])
+def test_a_layouts_two_names_are_one_namespace(root: Path, model: Path, old: str, new: str) -> None:
+    """vLLM reads NHD as LBNHC and HND as LBHNC (config/cache.py): renaming one must not purge
+    the cache. The identity keeps the old name, so namespaces made with it keep their id."""
+    first = vinit_json(root, ["env", f"{LAYOUT}={old}", *launch(model)])
+    (root / "ns" / first["ns_id"] / "block.bin").write_bytes(b"x")
+    again = vinit_json(root, ["env", f"{LAYOUT}={new}", *launch(model)])
+    assert (again["outcome"], again["ns_id"]) == ("unchanged", first["ns_id"])
+    assert (root / "ns" / first["ns_id"] / "block.bin").exists()
+    assert resolve_vllm_args(launch(model), {LAYOUT: new}).kv_cache_layout == old
+    other = vinit_json(root, ["env", f"{LAYOUT}=LHBNC", *launch(model)])  # a layout of its own
+    assert other["outcome"] == "changed" and other["ns_id"] != first["ns_id"]
+
+
+@pytest.mark.parametrize(
+    ("given", "same_as"),
+    [
+        (["-q", "FP8"], ["-q", "fp8"]),
+        (["--quantization=Compressed-Tensors"], ["-q", "compressed-tensors"]),
+        (["--load-format", "SAFETENSORS"], []),
+        (["--load-format", "Dummy"], ["--load-format", "dummy"]),
+    ],
+)
+def test_quantization_and_load_format_are_lowercased_as_vllm_does(
+    root: Path, model: Path, given: list[str], same_as: list[str]
+) -> None:
+    """vLLM 0.34.0 lowercases both (ModelConfig's and LoadConfig's validators): `-q FP8` runs
+    as `-q fp8`, so it is the same cache, not a purge."""
+    first = vinit_json(root, launch(model, *same_as))
+    (root / "ns" / first["ns_id"] / "block.bin").write_bytes(b"x")
+    again = vinit_json(root, launch(model, *given))
+    assert (again["outcome"], again["ns_id"]) == ("unchanged", first["ns_id"])
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["-q", "my_plugin_quant"], "--quantization 'my_plugin_quant' is not a quantization"),
+        (["--load-format", "my_loader"], "--load-format 'my_loader' is not a load format"),
+    ],
+)
+def test_a_value_vllm_does_not_ship_is_warned_not_refused(
+    root: Path, model: Path, fake_vllm: dict[str, str], flags: list[str], says: str
+) -> None:
+    """A plugin may register it (register_quantization_config, register_model_loader):
+    cachemgr cannot see plugins, so init and exec go on and say so."""
+    for run in (cli, cli_process):  # exec replaces its process: a real one
+        command = "init" if run is cli else "exec"
+        out = run("--root", str(root), command, "--", *launch(model, *flags), env=fake_vllm)
+        assert out.returncode == 0, out.stderr
+        warned = [ln for ln in out.stderr.splitlines() if "from a plugin" in ln]
+        assert len(warned) == 1 and warned[0].startswith("cachemgr: warning: "), out.stderr
+        assert says in warned[0]
+    result = vinit_json(root, launch(model, *flags))
+    assert any(says in w for w in result["warnings"])
+    plain = cli_process(
+        "--root", str(root), "exec", "--", *launch(model, "-q", "FP8"), env=fake_vllm
+    )
+    assert plain.returncode == 0 and "from a plugin" not in plain.stderr
+
+
+# vLLM's own answer for each value: does it start with it, and what does it run with.
+VLLM_READS = textwrap.dedent("""
+    import json, os, sys
+    import vllm.envs
+    from vllm.config.cache import _layout_from_name
+    from vllm.config.load import LoadConfig
+    from vllm.config.model import ModelConfig
+    import vllm.model_executor.layers.quantization as q
+    asked = json.loads(sys.stdin.read())
+    layouts = {}
+    for value in asked["layouts"]:
+        os.environ["VLLM_KV_CACHE_LAYOUT"] = value
+        try:
+            got = vllm.envs.environment_variables["VLLM_KV_CACHE_LAYOUT"]()
+            layouts[value] = _layout_from_name(got).name
+        except ValueError:
+            layouts[value] = None
+    os.environ.pop("VLLM_KV_CACHE_LAYOUT")
+    quants = {}
+    for value in asked["quantizations"]:
+        got = ModelConfig.validate_quantization_before(value)
+        quants[value] = got if got in q.QUANTIZATION_METHODS else None
+    loads = {v: LoadConfig(load_format=v).load_format for v in asked["loads"]}
+    print(json.dumps({"layouts": layouts, "quantizations": quants, "loads": loads}))
+""")
+
+
+@pytest.mark.vllm
+def test_values_read_as_vllms_own_code_reads_them(vllm_scripts: ScriptRunner, model: Path) -> None:
+    """Against vLLM 0.34.0's code: a layout it refuses cachemgr refuses, two it runs as one
+    layout are one identity; a quantization or load format is what vLLM runs with."""
+    layouts = [*KV_LAYOUTS, *(v.lower() for v in KV_LAYOUTS), "", "bogus", "HND "]
+    quants = sorted(QUANTIZATION_METHODS) + [v.upper() for v in sorted(QUANTIZATION_METHODS)]
+    loads = sorted(LOAD_FORMATS) + [v.upper() for v in sorted(LOAD_FORMATS)]
+    asked = {"layouts": layouts, "quantizations": quants, "loads": loads}
+    theirs = json.loads(vllm_scripts.run(VLLM_READS, stdin=json.dumps(asked)))
+
+    def ours(env: dict[str, str], *flags: str) -> object:
+        try:
+            return resolve_vllm_args(launch(model, *flags), env)
+        except ConfigError:
+            return None
+
+    same_layout: dict[str, set[str | None]] = {}
+    for value in layouts:
+        read = ours({LAYOUT: value})
+        assert (read is None) == (theirs["layouts"][value] is None), value
+        if read is not None:
+            same_layout.setdefault(theirs["layouts"][value], set()).add(read.kv_cache_layout)
+    assert all(len(ids) == 1 for ids in same_layout.values()), same_layout
+    assert len(same_layout) == len(set(KV_LAYOUTS)) - 2  # the two aliases
+    for value in quants:
+        assert (
+            getattr(ours({}, "-q", value), "quantization", None) == theirs["quantizations"][value]
+        )
+    for value in loads:
+        assert (
+            getattr(ours({}, "--load-format", value), "load_format", None)
+            == (theirs["loads"][value])
+        )
+
+
+@pytest.mark.vllm
+def test_flag_table_is_current(vllm_scripts: ScriptRunner) -> None:
+    """cachemgr/vllm/flags.py, layouts, quantization methods and load formats included, is
+    what scripts/gen_vllm_flags.py prints from the installed vLLM."""
+    out = vllm_scripts.run(path=REPO / "scripts" / "gen_vllm_flags.py")
+    committed = (REPO / "cachemgr" / "vllm" / "flags.py").read_text()
+    assert out.strip() == committed.strip()
