@@ -42,6 +42,7 @@ IDENTITY_DESTS = (
     "prefill_context_parallel_size",
     "max_model_len",
     "hf_overrides",
+    "hf_config_path",
     "quantization",
     "prefix_caching_hash_algo",
     "kv_transfer_config",

@@ -65,6 +65,22 @@ def fingerprint(command: list[str], tmp_path: Path) -> dict[str, object]:
     return data
 
 
+def test_hf_config_path_is_the_config_vllm_reads(model: Path, tmp_path: Path) -> None:
+    """vLLM builds the model from --hf-config-path's config.json instead of the model dir's
+    (ModelConfig: get_config(hf_config_path or model)), and its folder digest does not name
+    it: a RoPE change there shared the namespace (and vLLM's folder) with the model's own."""
+    base = fingerprint(launch(model), tmp_path)
+    config = json.loads((model / "config.json").read_text())
+    same, scaled = tmp_path / "same", tmp_path / "scaled"
+    for d, extra in ((same, {}), (scaled, {"rope_scaling": {"rope_type": "linear", "factor": 4}})):
+        d.mkdir()
+        # (another key order and spacing: the content is what counts)
+        (d / "config.json").write_text(json.dumps(dict(reversed(config.items())) | extra, indent=1))
+    assert fingerprint(launch(model, "--hf-config-path", str(same)), tmp_path) == base
+    other = fingerprint(launch(model, "--hf-config-path", str(scaled)), tmp_path)
+    assert other["ns_id"] != base["ns_id"]
+
+
 def test_the_sglang_record_digest_is_unchanged() -> None:
     """The digest of an SGLang record of the existing schema, pinned: namespaces made before
     vLLM support must keep their ids."""

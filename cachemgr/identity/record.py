@@ -55,9 +55,17 @@ class Digested(BaseModel):
         weights: Weights
         source: Any
 
+    # Fields added after records without them were made: left out of the digest while None,
+    # so every identity that does not use them keeps the namespace id it had.
+    LATER: ClassVar[frozenset[str]] = frozenset()
+
     def canonical(self) -> bytes:
-        """The bytes the digest is taken over: sorted keys, no whitespace, `source` left out."""
+        """The bytes the digest is taken over: sorted keys, no whitespace, `source` left out
+        (and a LATER field that is None)."""
         data = self.model_dump(mode="json", exclude={"source", "digest", "ns_id"})
+        for key in self.LATER:
+            if data.get(key) is None:
+                data.pop(key, None)
         return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
     @computed_field  # type: ignore[prop-decorator]

@@ -45,6 +45,7 @@ class VllmLaunchArgs(BaseModel):
     prefill_context_parallel_size: int = Field(1, ge=1)
     max_model_len: int | None = None  # None: from the model's config (absent, auto, -1)
     hf_overrides: str | None = None  # canonical JSON
+    hf_config_path: str | None = None  # the model config vLLM reads instead of the model dir's
     quantization: str | None = None
     prefix_caching_hash_algo: str = "sha256"
     served_model_name: str | None = None
@@ -70,6 +71,7 @@ FLAGS: dict[str, str] = {
     "--prefill-context-parallel-size": "prefill_context_parallel_size",
     "--max-model-len": "max_model_len",
     "--hf-overrides": "hf_overrides",
+    "--hf-config-path": "hf_config_path",
     "--quantization": "quantization",
     "--prefix-caching-hash-algo": "prefix_caching_hash_algo",
     "--kv-transfer-config": "kv_transfer_config",

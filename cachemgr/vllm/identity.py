@@ -14,10 +14,12 @@ The record carries `"engine": "vllm"`: readers of a manifest pick the file forma
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 from collections.abc import Callable, Mapping
 from typing import ClassVar, Literal
 
+import xxhash
 from pydantic import BaseModel, ConfigDict
 
 from cachemgr.identity import model_dir
@@ -65,6 +67,7 @@ class VllmIdentity(Digested):
     model_config = ConfigDict(frozen=True, extra="ignore")  # ignore: digest/ns_id are derived
     ENGINE: ClassVar[str] = "vllm"
     VERSION_FIELD: ClassVar[str] = "vllm_version"
+    LATER: ClassVar[frozenset[str]] = frozenset({"hf_config"})
 
     engine: Literal["vllm"] = "vllm"
     schema_version: Literal[1] = 1
@@ -78,6 +81,9 @@ class VllmIdentity(Digested):
     topology: VllmTopology
     quantization: str | None = None
     hf_overrides: str | None = None  # canonical JSON
+    # xxh3-128 of the model config --hf-config-path names, which vLLM reads instead of the
+    # model dir's (the weights' record hashes that one); None without the flag
+    hf_config: str | None = None
     max_model_len: int | None = None  # None: the model's own
     prefix_caching_hash_algo: str = "sha256"
     load_format: str | None = None  # only when it does not load the model dir's weights
@@ -102,6 +108,12 @@ def run_dtype(dtype_arg: str, config: Mapping[str, object]) -> str:
     return normalize_dtype(found) if found else "unknown"
 
 
+def _config_digest(config: Mapping[str, object]) -> str:
+    """A model config's content (key order and spacing do not count), as 32 hex digits."""
+    text = json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return xxhash.xxh3_128_hexdigest(text.encode())
+
+
 def compute_vllm_identity(
     args: VllmLaunchArgs,
     options: IdentityOptions | None = None,
@@ -115,7 +127,14 @@ def compute_vllm_identity(
     opts = options or IdentityOptions()
     hub_env = {**env, "HF_HUB_CACHE": args.download_dir} if args.download_dir else env
     directory = model_dir.locate_model(args.model, args.revision, env=hub_env)
-    config = model_dir.read_json(directory / "config.json")
+    # vLLM's ModelConfig: get_config(hf_config_path or model, revision=…)
+    config_dir = directory
+    if args.hf_config_path is not None:
+        config_dir = model_dir.locate_model(args.hf_config_path, args.revision, env=hub_env)
+    config = model_dir.read_json(config_dir / "config.json")
+    own_config = (
+        config if config_dir == directory else model_dir.read_json(directory / "config.json")
+    )
     dtype = run_dtype(args.dtype, config)
     # vLLM's `auto` KV dtype is the model dtype (offloading/config.py); an explicit one is
     # kept as written, as vLLM's own digest keeps it (fp8 and fp8_e4m3 are two folders).
@@ -141,6 +160,7 @@ def compute_vllm_identity(
         ),
         quantization=args.quantization,
         hf_overrides=args.hf_overrides,
+        hf_config=None if config == own_config else _config_digest(config),
         max_model_len=args.max_model_len,
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         load_format=None if args.load_format in WEIGHT_LOAD_FORMATS else args.load_format,
