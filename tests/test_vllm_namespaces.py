@@ -253,6 +253,9 @@ def exec_vllm(root: Path, command: list[str], op: str, tmp_path: Path) -> dict[s
     return result
 
 
+# Three vLLM starts (~10 s of imports each on a quiet box) took past the suite's 300 s beside
+# a loaded parallel pass.
+@pytest.mark.timeout(900)
 def test_exec_runs_vllm_on_its_namespace_and_a_restart_loads_its_blocks(
     root: Path, tmp_path: Path
 ) -> None:
