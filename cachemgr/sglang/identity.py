@@ -126,22 +126,33 @@ def compute_identity(
     progress: ProgressFactory | None = None,
     installed: Callable[[], str | None] = installed_sglang_version,
 ) -> Identity:
-    """The identity of a server started with `args`, its model files read from disk."""
+    """The identity of a server started with `args`, its model files read from disk.
+
+    `env` is the environment the server is started from; the launch's own `VAR=…` prefix
+    (`args.launch_env`) is on top of it, as the server sees it.
+    """
     opts = options or IdentityOptions()
+    server_env = {**env, **args.launch_env}  # as launchenv.server_environ builds it
 
     def weights(directory: Path) -> WeightsRecord:
         return model_weights(
             directory, opts, cache=cache, progress=progress, code=args.trust_remote_code
         )
 
-    target_dir = model_dir.locate_model(args.model_path, args.revision, env=env)
+    target_dir = model_dir.locate_model(
+        args.model_path, args.revision, env=server_env, download_dir=args.download_dir
+    )
     config = model_dir.read_json(target_dir / "config.json")
     run_dtype = model_dtype(args.dtype, config)
     kv = kv_dtype(args.kv_cache_dtype, run_dtype, model_dir.kv_cache_quant_algo(target_dir, config))
     draft_dir = draft_kv = draft_weights = None
     if args.speculative_draft_model_path:
+        # The draft's runner has the same load config: --download-dir is its cache too.
         draft_dir = model_dir.locate_model(
-            args.speculative_draft_model_path, args.speculative_draft_model_revision, env=env
+            args.speculative_draft_model_path,
+            args.speculative_draft_model_revision,
+            env=server_env,
+            download_dir=args.download_dir,
         )
         draft_config = model_dir.read_json(draft_dir / "config.json")
         # spec.py: the draft's KV dtype follows --kv-cache-dtype unless set on its own.

@@ -113,8 +113,12 @@ def compute_vllm_identity(
 ) -> VllmIdentity:
     """The identity of a vLLM server started with `args`, its model files read from disk."""
     opts = options or IdentityOptions()
-    hub_env = {**env, "HF_HUB_CACHE": args.download_dir} if args.download_dir else env
-    directory = model_dir.locate_model(args.model, args.revision, env=hub_env)
+    directory = model_dir.locate_model(
+        args.model,
+        args.revision,
+        env={**env, **args.launch_env},  # the server's, as launchenv.server_environ builds it
+        download_dir=args.download_dir,
+    )
     config = model_dir.read_json(directory / "config.json")
     dtype = run_dtype(args.dtype, config)
     # vLLM's `auto` KV dtype is the model dtype (offloading/config.py); an explicit one is
