@@ -45,6 +45,9 @@ class LaunchArgs(BaseModel):
     # The loader hands it huggingface_hub as cache_dir (model_loader/loader.py
     # `_prepare_weights`): a repo id's weights come from there, not from HF_HUB_CACHE.
     download_dir: str | None = None
+    # JSON of FP8 KV scaling factors, loaded when kv_cache_dtype is fp8_e4m3
+    # (model_runner_components/load_model_utils.py `load_kv_cache_scales`).
+    quantization_param_path: str | None = None
     # fields/serving.py; serving_hook.py resolves an absent served name to the model path.
     served_model_name: str | None = None
     host: str = "127.0.0.1"
@@ -136,6 +139,7 @@ FLAGS: dict[str, str] = {
     "--trust-remote-code": "trust_remote_code",
     "--json-model-override-args": "json_model_override_args",
     "--download-dir": "download_dir",
+    "--quantization-param-path": "quantization_param_path",
     "--enable-page-major-kv-layout": "enable_page_major_kv_layout",
     "--enable-unified-memory": "enable_unified_memory",
     "--served-model-name": "served_model_name",
@@ -386,6 +390,9 @@ def _apply_sglang_resolutions(values: dict[str, Any]) -> dict[str, Any]:
     for key in ("quantization", "speculative_draft_model_quantization"):
         if out.get(key) == "unquant":
             out[key] = None
+    # fields/model.py: nullable_str reads an empty path or "None" as no scales file.
+    if out.get("quantization_param_path") in ("", "None"):
+        out["quantization_param_path"] = None
     out["page_size_source"] = "flag" if out.get("page_size") is not None else "default"
     forced = _backend_page_size(out, _int_or_none(out.get("page_size")))
     if forced is not None:

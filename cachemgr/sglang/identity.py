@@ -22,6 +22,7 @@ from cachemgr.identity.fingerprint import (
 )
 from cachemgr.identity.record import Weights as WeightsRecord
 from cachemgr.sglang.args import LaunchArgs
+from cachemgr.sglang.kvscales import kv_cache_scales
 from cachemgr.sglang.record import FILE_KEY_SCHEME, Identity, Source, Storage, Topology
 
 # Architectures whose SGLang model overrides (arg_groups/model_overrides/*.py) set page_size
@@ -171,6 +172,7 @@ def compute_identity(
         draft_weights=draft_weights,
         kv_cache_dtype=kv,
         draft_kv_cache_dtype=draft_kv,
+        kv_cache_scales=kv_cache_scales(args),
         dtype=run_dtype,
         quantization=args.quantization,
         draft_quantization=args.speculative_draft_model_quantization if draft_dir else None,
@@ -200,6 +202,7 @@ def compute_identity(
             draft_model_path=args.speculative_draft_model_path,
             draft_model_dir=str(draft_dir) if draft_dir else None,
             kv_cache_dtype_arg=args.kv_cache_dtype,
+            kv_cache_scales_path=args.quantization_param_path,
             storage_backend=args.hicache_storage_backend,
             sglang_version=full_version,
             sglang_version_from=version_from,
