@@ -25,7 +25,7 @@ LAYERS: list[set[str]] = [
     {"engines", "engine", "sglang.engine", "sglang.probe", "vllm.engine"},
     {"gc", "doctor", "fleet", "sglang.lint", "vllm.lint"},
     {"ns"},
-    {"identity", "sglang.record", "sglang.identity", "vllm.identity"},
+    {"identity", "sglang.record", "sglang.identity", "sglang.kvscales", "vllm.identity"},
     {"state"},
     {"fs"},
     {

@@ -266,9 +266,15 @@ def test_matches_sglangs_own_argparse(command: str, sglang_scripts: ScriptRunner
     theirs = json.loads(sglang_scripts.run(_SGLANG_PARSE, argv=[json.dumps(argv)]))
     ours = resolve_launch_args(command).model_dump()
     # Fields SGLang resolves later, after argparse: page_size None → 1 and the draft
-    # quantization inheriting the target's; page_size_source is ours alone.
+    # quantization inheriting the target's; page_size_source and launch_env (the `VAR=…`
+    # prefix before the program) are ours alone.
     assert theirs["page_size"] in (None, ours["page_size"])
-    derived = {"page_size", "page_size_source", "speculative_draft_model_quantization"}
+    derived = {
+        "page_size",
+        "page_size_source",
+        "speculative_draft_model_quantization",
+        "launch_env",
+    }
     for field in set(ours) - derived:
         assert ours[field] == theirs[field], field
 

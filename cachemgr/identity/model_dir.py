@@ -44,9 +44,18 @@ def _looks_like_repo_id(path: str) -> bool:
 
 
 def locate_model(
-    path: str, revision: str | None = None, *, env: Mapping[str, str] = os.environ
+    path: str,
+    revision: str | None = None,
+    *,
+    env: Mapping[str, str] = os.environ,
+    download_dir: str | None = None,
 ) -> Path:
-    """The local directory of `path`: the directory itself, or its HF cache snapshot."""
+    """The local directory of `path`: the directory itself, or its HF cache snapshot.
+
+    `env` is the server's environment (the launch's own `VAR=…` prefix included);
+    `download_dir` its engine's --download-dir, which both SGLang's and vLLM's loaders hand
+    huggingface_hub as `cache_dir`: it replaces the hub cache the environment names.
+    """
     local = Path(path).expanduser()
     if local.is_dir():
         return local.absolute()
@@ -54,7 +63,7 @@ def locate_model(
         raise IdentityError(f"model path {path} is not a directory")
     if not _looks_like_repo_id(path):
         raise ModelNotFoundError(f"model directory {path} does not exist")
-    hub = hf_hub_cache(env)
+    hub = Path(download_dir).expanduser() if download_dir else hf_hub_cache(env)
     repo = hub / ("models--" + path.replace("/", "--"))
     rev = revision or "main"
     if _COMMIT_RE.fullmatch(rev):

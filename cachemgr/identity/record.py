@@ -50,22 +50,19 @@ class Digested(BaseModel):
 
     ENGINE: ClassVar[str]
     VERSION_FIELD: ClassVar[str]
+    # Fields added within a schema version: left out of the digest while None, so every
+    # launch that does not set them keeps the namespace id it had before they existed.
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset()
     if TYPE_CHECKING:  # every engine's record has them; declared by each, in its own order
         schema_version: int
         weights: Weights
         source: Any
 
-    # Fields added after records without them were made: left out of the digest while None,
-    # so every identity that does not use them keeps the namespace id it had.
-    LATER: ClassVar[frozenset[str]] = frozenset()
-
     def canonical(self) -> bytes:
-        """The bytes the digest is taken over: sorted keys, no whitespace, `source` left out
-        (and a LATER field that is None)."""
-        data = self.model_dump(mode="json", exclude={"source", "digest", "ns_id"})
-        for key in self.LATER:
-            if data.get(key) is None:
-                data.pop(key, None)
+        """The bytes the digest is taken over: sorted keys, no whitespace, `source` (and an
+        unset OMIT_WHEN_NONE field) left out."""
+        unset = {k for k in self.OMIT_WHEN_NONE if getattr(self, k) is None}
+        data = self.model_dump(mode="json", exclude={"source", "digest", "ns_id", *unset})
         return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
     @computed_field  # type: ignore[prop-decorator]

@@ -42,6 +42,12 @@ class LaunchArgs(BaseModel):
     load_format: str = "auto"
     trust_remote_code: bool = False
     json_model_override_args: str = "{}"
+    # The loader hands it huggingface_hub as cache_dir (model_loader/loader.py
+    # `_prepare_weights`): a repo id's weights come from there, not from HF_HUB_CACHE.
+    download_dir: str | None = None
+    # JSON of FP8 KV scaling factors, loaded when kv_cache_dtype is fp8_e4m3
+    # (model_runner_components/load_model_utils.py `load_kv_cache_scales`).
+    quantization_param_path: str | None = None
     # fields/serving.py; serving_hook.py resolves an absent served name to the model path.
     served_model_name: str | None = None
     host: str = "127.0.0.1"
@@ -97,6 +103,9 @@ class LaunchArgs(BaseModel):
     # fields/exec_.py
     mamba_ssm_dtype: str | None = None
     mamba_track_interval: int = Field(256, ge=1)
+    # Not a flag: the `VAR=value` assignments in front of the program (`env HF_HOME=… sglang
+    # serve …`), which the server's environment has on top of the one it is started from.
+    launch_env: dict[str, str] = Field(default_factory=dict)
 
     @property
     def resolved_page_size(self) -> int | None:
@@ -129,6 +138,8 @@ FLAGS: dict[str, str] = {
     "--load-format": "load_format",
     "--trust-remote-code": "trust_remote_code",
     "--json-model-override-args": "json_model_override_args",
+    "--download-dir": "download_dir",
+    "--quantization-param-path": "quantization_param_path",
     "--enable-page-major-kv-layout": "enable_page_major_kv_layout",
     "--enable-unified-memory": "enable_unified_memory",
     "--served-model-name": "served_model_name",
@@ -275,7 +286,8 @@ def resolve_launch_args(
     command: str | Sequence[str] = (), overrides: Mapping[str, Any] | None = None
 ) -> LaunchArgs:
     """LaunchArgs from a launch command, then explicit values (None = not given) on top."""
-    values: dict[str, Any] = dict(scan_flags(split_command(command)))
+    tokens = split_command(command)
+    values: dict[str, Any] = dict(scan_flags(tokens))
     check_types(values, _FLAG_OF)
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     check_values(values, _FLAG_OF)
@@ -285,6 +297,7 @@ def resolve_launch_args(
             "(e.g. `-- sglang serve --model-path <dir or repo id> …`)"
         )
     values.pop("page_size_source", None)  # derived below, never given
+    values["launch_env"] = split_env(tokens)[0]
     values = _apply_sglang_resolutions(values)
     parse_extra_config(values.get("hicache_storage_backend_extra_config"))  # refused here, once
     try:
@@ -377,6 +390,9 @@ def _apply_sglang_resolutions(values: dict[str, Any]) -> dict[str, Any]:
     for key in ("quantization", "speculative_draft_model_quantization"):
         if out.get(key) == "unquant":
             out[key] = None
+    # fields/model.py: nullable_str reads an empty path or "None" as no scales file.
+    if out.get("quantization_param_path") in ("", "None"):
+        out["quantization_param_path"] = None
     out["page_size_source"] = "flag" if out.get("page_size") is not None else "default"
     forced = _backend_page_size(out, _int_or_none(out.get("page_size")))
     if forced is not None:

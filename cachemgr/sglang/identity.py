@@ -22,6 +22,7 @@ from cachemgr.identity.fingerprint import (
 )
 from cachemgr.identity.record import Weights as WeightsRecord
 from cachemgr.sglang.args import LaunchArgs
+from cachemgr.sglang.kvscales import kv_cache_scales
 from cachemgr.sglang.record import FILE_KEY_SCHEME, Identity, Source, Storage, Topology
 
 # Architectures whose SGLang model overrides (arg_groups/model_overrides/*.py) set page_size
@@ -126,22 +127,33 @@ def compute_identity(
     progress: ProgressFactory | None = None,
     installed: Callable[[], str | None] = installed_sglang_version,
 ) -> Identity:
-    """The identity of a server started with `args`, its model files read from disk."""
+    """The identity of a server started with `args`, its model files read from disk.
+
+    `env` is the environment the server is started from; the launch's own `VAR=…` prefix
+    (`args.launch_env`) is on top of it, as the server sees it.
+    """
     opts = options or IdentityOptions()
+    server_env = {**env, **args.launch_env}  # as launchenv.server_environ builds it
 
     def weights(directory: Path) -> WeightsRecord:
         return model_weights(
             directory, opts, cache=cache, progress=progress, code=args.trust_remote_code
         )
 
-    target_dir = model_dir.locate_model(args.model_path, args.revision, env=env)
+    target_dir = model_dir.locate_model(
+        args.model_path, args.revision, env=server_env, download_dir=args.download_dir
+    )
     config = model_dir.read_json(target_dir / "config.json")
     run_dtype = model_dtype(args.dtype, config)
     kv = kv_dtype(args.kv_cache_dtype, run_dtype, model_dir.kv_cache_quant_algo(target_dir, config))
     draft_dir = draft_kv = draft_weights = None
     if args.speculative_draft_model_path:
+        # The draft's runner has the same load config: --download-dir is its cache too.
         draft_dir = model_dir.locate_model(
-            args.speculative_draft_model_path, args.speculative_draft_model_revision, env=env
+            args.speculative_draft_model_path,
+            args.speculative_draft_model_revision,
+            env=server_env,
+            download_dir=args.download_dir,
         )
         draft_config = model_dir.read_json(draft_dir / "config.json")
         # spec.py: the draft's KV dtype follows --kv-cache-dtype unless set on its own.
@@ -160,6 +172,7 @@ def compute_identity(
         draft_weights=draft_weights,
         kv_cache_dtype=kv,
         draft_kv_cache_dtype=draft_kv,
+        kv_cache_scales=kv_cache_scales(args),
         dtype=run_dtype,
         quantization=args.quantization,
         draft_quantization=args.speculative_draft_model_quantization if draft_dir else None,
@@ -189,6 +202,7 @@ def compute_identity(
             draft_model_path=args.speculative_draft_model_path,
             draft_model_dir=str(draft_dir) if draft_dir else None,
             kv_cache_dtype_arg=args.kv_cache_dtype,
+            kv_cache_scales_path=args.quantization_param_path,
             storage_backend=args.hicache_storage_backend,
             sglang_version=full_version,
             sglang_version_from=version_from,

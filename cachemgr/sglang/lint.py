@@ -286,7 +286,9 @@ def _storage(
 def model_config(args: LaunchArgs, env: Mapping[str, str]) -> dict[str, Any] | None:
     """config.json of the model if it is on disk here (a dir or the HF cache), else None."""
     try:
-        directory = model_dir.locate_model(args.model_path, args.revision, env=env)
+        directory = model_dir.locate_model(
+            args.model_path, args.revision, env=env, download_dir=args.download_dir
+        )
         return model_dir.read_json(directory / "config.json")
     except CachemgrError:
         return None

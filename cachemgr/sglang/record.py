@@ -51,6 +51,7 @@ class Source(BaseModel):
     draft_model_path: str | None = None
     draft_model_dir: str | None = None
     kv_cache_dtype_arg: str = "auto"
+    kv_cache_scales_path: str | None = None  # --quantization-param-path as given
     storage_backend: str | None = None
     sglang_version: str | None = None  # full version string, when known
     # namespace: not detectable here, taken from the instance's namespace (prelaunch.py)
@@ -67,12 +68,16 @@ class Identity(Digested):
     model_config = ConfigDict(frozen=True, extra="ignore")  # ignore: digest/ns_id are derived
     ENGINE: ClassVar[str] = "sglang"  # no `engine` key in the record: absent means SGLang
     VERSION_FIELD: ClassVar[str] = "sglang_version"
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"kv_cache_scales"})
 
     schema_version: Literal[2] = 2
     weights: Weights
     draft_weights: Weights | None = None
     kv_cache_dtype: str
     draft_kv_cache_dtype: str | None = None
+    # --quantization-param-path's FP8 KV scales, as "<algo>:<content digest>" (cachemgr.sglang
+    # .kvscales); None (and out of the digest) when SGLang loads none.
+    kv_cache_scales: str | None = None
     dtype: str
     quantization: str | None = None
     draft_quantization: str | None = None

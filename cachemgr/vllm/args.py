@@ -55,6 +55,9 @@ class VllmLaunchArgs(BaseModel):
     # VLLM_KV_CACHE_LAYOUT, from the launch or environment; an alias as its old name (NHD, HND)
     kv_cache_layout: str | None = None
     kv_transfer_config: str | None = None  # canonical JSON
+    # Not a flag: the `VAR=value` assignments in front of the program (`env HF_HOME=… vllm
+    # serve …`), which the server's environment has on top of the one it is started from.
+    launch_env: dict[str, str] = Field(default_factory=dict)
     tier: FsTier | None = None  # the fs secondary tier of --kv-transfer-config, if any
 
 
@@ -162,6 +165,7 @@ def resolve_vllm_args(
     )
     values["quantization"] = vllm_values.quantization(values.get("quantization"))
     values["load_format"] = vllm_values.load_format(values.get("load_format", "auto"))
+    values["launch_env"] = dict(cmd.env)
     try:
         return VllmLaunchArgs(**values)
     except ValidationError as e:

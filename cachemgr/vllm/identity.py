@@ -67,7 +67,7 @@ class VllmIdentity(Digested):
     model_config = ConfigDict(frozen=True, extra="ignore")  # ignore: digest/ns_id are derived
     ENGINE: ClassVar[str] = "vllm"
     VERSION_FIELD: ClassVar[str] = "vllm_version"
-    LATER: ClassVar[frozenset[str]] = frozenset({"hf_config"})
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"hf_config"})
 
     engine: Literal["vllm"] = "vllm"
     schema_version: Literal[1] = 1
@@ -125,12 +125,21 @@ def compute_vllm_identity(
 ) -> VllmIdentity:
     """The identity of a vLLM server started with `args`, its model files read from disk."""
     opts = options or IdentityOptions()
-    hub_env = {**env, "HF_HUB_CACHE": args.download_dir} if args.download_dir else env
-    directory = model_dir.locate_model(args.model, args.revision, env=hub_env)
+    directory = model_dir.locate_model(
+        args.model,
+        args.revision,
+        env={**env, **args.launch_env},  # the server's, as launchenv.server_environ builds it
+        download_dir=args.download_dir,
+    )
     # vLLM's ModelConfig: get_config(hf_config_path or model, revision=…)
     config_dir = directory
     if args.hf_config_path is not None:
-        config_dir = model_dir.locate_model(args.hf_config_path, args.revision, env=hub_env)
+        config_dir = model_dir.locate_model(
+            args.hf_config_path,
+            args.revision,
+            env={**env, **args.launch_env},
+            download_dir=args.download_dir,
+        )
     config = model_dir.read_json(config_dir / "config.json")
     own_config = (
         config if config_dir == directory else model_dir.read_json(directory / "config.json")

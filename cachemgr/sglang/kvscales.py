@@ -1,0 +1,49 @@
+"""--quantization-param-path: the FP8 KV scaling factors SGLang stores pages with.
+
+With an fp8_e4m3 KV cache, SGLang 0.5.23 loads the file's per-layer scales into each
+attention layer's k_scale/v_scale (model_runner_components/load_model_utils.py
+`load_kv_cache_scales`) and divides K and V by them before the FP8 store (memory_pool.py), so
+the same page bytes mean other values under another file. What the identity holds is the
+file's content digest: a moved copy keeps the namespace, an edited file gets a new one.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from cachemgr.errors import IdentityError
+from cachemgr.identity.hashing import ALGO_FULL, hash_file
+from cachemgr.sglang.args import LaunchArgs
+
+log = logging.getLogger(__name__)
+
+# load_kv_cache_scales reads the file only when the server's kv_cache_dtype is exactly
+# "fp8_e4m3". `auto` is in too: SGLang's model overrides turn it into fp8_e4m3 for some
+# models and GPUs (arg_groups/overrides.py: Muse Spark, DeepSeek DSA on SM100), which only the
+# server knows; a file the server then ignores only costs a namespace of its own.
+SCALED_KV_ARGS = frozenset({"fp8_e4m3", "auto"})
+
+
+def kv_cache_scales(args: LaunchArgs) -> str | None:
+    """The identity's `kv_cache_scales`: the scales file's digest when SGLang would load it,
+    None when it would not (no flag, or a KV dtype that takes no scales).
+
+    SGLang only logs an error for a file it cannot read and runs with scales of 1.0
+    (weight_utils.py `kv_cache_scales_loader`), so cachemgr warns instead of refusing; the
+    value is then `unread:<path>`, never the value of a launch without the flag: the server
+    may see a file cachemgr does not (another mount), and its pages must not be shared with
+    a launch whose scales are 1.0.
+    """
+    path = args.quantization_param_path
+    if path is None or args.kv_cache_dtype not in SCALED_KV_ARGS:
+        return None
+    try:
+        return f"{ALGO_FULL}:{hash_file(Path(path)).digest}"
+    except IdentityError as e:
+        log.warning(
+            "--quantization-param-path is not readable here: SGLang would run with FP8 KV "
+            "scaling factors of 1.0 (the identity records the file as unread)",
+            extra={"error": str(e)},
+        )
+        return f"unread:{path}"

@@ -1,0 +1,115 @@
+"""A repo id's weights are fingerprinted from the cache the server loads them from: its
+--download-dir, else the hub cache its environment names, the launch's own `env VAR=…`
+prefix included — never just the environment cachemgr itself runs in."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cachemgr.errors import ModelNotFoundError
+from cachemgr.identity.fingerprint import IdentityOptions
+from cachemgr.identity.record import Digested
+from cachemgr.sglang.args import resolve_launch_args
+from cachemgr.sglang.identity import compute_identity
+from cachemgr.vllm.args import resolve_vllm_args
+from cachemgr.vllm.identity import compute_vllm_identity
+from tests.test_identity import make_model
+from tests.vllm_launch import launch as vllm_launch
+
+COMMIT = "abc123"
+
+
+def hub_with(hub: Path, repo: str, seed: int) -> Path:
+    """An HF hub cache holding `repo` at refs/main, with weights of its own (`seed`)."""
+    entry = hub / ("models--" + repo.replace("/", "--"))
+    snapshot = make_model(entry / "snapshots" / COMMIT, seed=seed)
+    (entry / "refs").mkdir()
+    (entry / "refs" / "main").write_text(COMMIT)
+    return snapshot
+
+
+@pytest.fixture
+def hubs(tmp_path: Path) -> tuple[Path, Path]:
+    """Two hub caches with different weights under the same repo id."""
+    first, second = tmp_path / "hf_c1", tmp_path / "hf_c2"
+    hub_with(first, "org/tiny", seed=1)
+    hub_with(second, "org/tiny", seed=2)
+    return first, second
+
+
+def sglang(command: str, env: dict[str, str]) -> Digested:
+    opts = IdentityOptions(engine_version="0.5.23")
+    return compute_identity(resolve_launch_args(command), opts, env=env)
+
+
+def vllm(command: list[str], env: dict[str, str]) -> Digested:
+    opts = IdentityOptions(engine_version="0.34.0")
+    return compute_vllm_identity(resolve_vllm_args(command, env), opts, env=env)
+
+
+def test_sglang_download_dir_is_the_cache_its_weights_come_from(hubs: tuple[Path, Path]) -> None:
+    first, second = hubs
+    env = {"HF_HUB_CACHE": str(first)}
+    plain = sglang("sglang serve --model-path org/tiny --page-size 64", env)
+    moved = sglang(
+        f"sglang serve --model-path org/tiny --page-size 64 --download-dir {second}", env
+    )
+    assert plain.source.model_dir.startswith(str(first))  # no flag: the environment's cache
+    assert moved.source.model_dir.startswith(str(second))
+    assert moved.ns_id != plain.ns_id
+    assert (
+        moved.ns_id
+        == sglang("--model-path org/tiny --page-size 64", {"HF_HUB_CACHE": str(second)}).ns_id
+    )
+
+
+def test_sglang_launch_env_prefix_names_the_cache(hubs: tuple[Path, Path], tmp_path: Path) -> None:
+    first, second = hubs
+    env = {"HF_HUB_CACHE": str(first)}
+    plain = sglang("sglang serve --model-path org/tiny", env)
+    prefixed = sglang(f"env HF_HUB_CACHE={second} sglang serve --model-path org/tiny", env)
+    assert prefixed.source.model_dir.startswith(str(second))
+    assert prefixed.ns_id != plain.ns_id
+    # HF_HOME in the prefix beats the HF_HOME cachemgr runs with (HF_HUB_CACHE unset)
+    home = tmp_path / "home"
+    hub_with(home / "hub", "org/tiny", seed=2)
+    by_home = sglang(f"HF_HOME={home} python -m sglang.launch_server --model-path org/tiny", {})
+    assert by_home.source.model_dir.startswith(str(home / "hub"))
+    # an unrelated variable in the prefix changes nothing
+    other = sglang("env CUDA_VISIBLE_DEVICES=1 sglang serve --model-path org/tiny", env)
+    assert other.ns_id == plain.ns_id
+
+
+def test_sglang_model_only_in_download_dir_is_found(tmp_path: Path) -> None:
+    only = tmp_path / "dl"
+    hub_with(only, "org/only", seed=3)
+    env = {"HF_HUB_CACHE": str(tmp_path / "empty")}
+    with pytest.raises(ModelNotFoundError):
+        sglang("--model-path org/only", env)
+    found = sglang(f"--model-path org/only --download-dir {only}", env)
+    assert found.source.model_dir.startswith(str(only))
+
+
+def test_sglang_draft_model_comes_from_the_download_dir(hubs: tuple[Path, Path]) -> None:
+    first, second = hubs
+    env = {"HF_HUB_CACHE": str(first)}
+    target = make_model(second.parent / "target", seed=9)
+    draft = f"--model-path {target} --speculative-draft-model-path org/tiny"
+    plain = sglang(draft, env)
+    moved = sglang(f"{draft} --download-dir {second}", env)
+    assert moved.source.draft_model_dir is not None
+    assert moved.source.draft_model_dir.startswith(str(second))
+    assert moved.ns_id != plain.ns_id
+
+
+def test_vllm_launch_env_prefix_names_the_cache(hubs: tuple[Path, Path]) -> None:
+    first, second = hubs
+    env = {"HF_HUB_CACHE": str(first)}
+    plain = vllm(vllm_launch("org/tiny"), env)
+    prefixed = vllm(["env", f"HF_HUB_CACHE={second}", *vllm_launch("org/tiny")], env)
+    by_flag = vllm(vllm_launch("org/tiny", "--download-dir", str(second)), env)
+    assert plain.source.model_dir.startswith(str(first))
+    assert prefixed.source.model_dir.startswith(str(second))
+    assert prefixed.ns_id == by_flag.ns_id != plain.ns_id
