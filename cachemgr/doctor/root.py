@@ -17,6 +17,7 @@ from cachemgr.layout import Layout
 from cachemgr.ns.bindings import read_bindings
 from cachemgr.ns.manifest import format_of
 from cachemgr.ns.purge import describe_trash
+from cachemgr.ns.quarantine import ns_root_problem
 from cachemgr.ns.registry import list_namespaces, on_disk
 from cachemgr.state import trash_sql
 from cachemgr.state.store import Store
@@ -27,6 +28,8 @@ def lint_root(layout: Layout, store: Store | None) -> list[Finding]:
     """Damage under the root: namespaces in a bad state, trash an earlier run left, binding
     files that cannot be read. Without a store (the state DB cannot be read) the namespaces'
     states are not checked, the rest is."""
+    if ns_root_problem(layout) is not None:  # nothing under ns/ can be read: that is said
+        return _unusable(layout) + _corrupt_db_copies(layout)
     found = []
     hands_off = "inspect it by hand; cachemgr will not touch it"
     # Their states only: doctor reports no counts, and a scan lists millions of names.
@@ -92,15 +95,20 @@ def _unusable(layout: Layout) -> list[Finding]:
         "give the dir to the daemon's user or group (chown/chmod g+rwx), or remove it by hand "
         "as its owner"
     )
-    try:
-        names = sorted(
-            e.name for e in os.scandir(layout.ns_root) if e.is_dir(follow_symlinks=False)
-        )
-    except OSError as e:
-        what = (
-            f"{layout.ns_root} cannot be listed by {who}: {e.strerror}; nothing is indexed or GCed"
-        )
-        return [Finding("error", "root-unusable", what, fix)]
+    # Gone, a symlink or a file is as unusable as an unreadable dir: the daemon holds the
+    # root aside for each (cachemgr.ns.quarantine.ns_root_problem).
+    problem = ns_root_problem(layout)
+    names: list[str] = []
+    if problem is None:
+        try:
+            names = sorted(
+                e.name for e in os.scandir(layout.ns_root) if e.is_dir(follow_symlinks=False)
+            )
+        except OSError as e:  # (made unreadable since)
+            problem = f"{layout.ns_root}: {e.strerror}"
+    if problem is not None:
+        what = f"the root cannot be used by {who}: {problem}; nothing is indexed or GCed"
+        return [Finding("error", "root-unusable", what, _root_fix(layout) or fix)]
     found = []
     for name in names:
         path = layout.ns_root / name
@@ -117,6 +125,22 @@ def _unusable(layout: Layout) -> list[Finding]:
             what = f"ns {name}: {path} {' and '.join(why)} by {who}"
             found.append(Finding("error", "ns-unusable", what, fix))
     return found + _unreadable_manifests(layout, who)
+
+
+def _root_fix(layout: Layout) -> str | None:
+    """How to fix an ns/ that is not a dir (None: it is one, its mode is the problem)."""
+    path = layout.ns_root
+    if os.path.islink(path):
+        return (
+            f"put the namespaces' dir itself at {path}: a symlink is never followed (mount the "
+            "other filesystem there, or give --root the dir it leads to)"
+        )
+    if not os.path.lexists(path) or not os.path.isdir(path):
+        return (
+            f"move back the dir that was at {path}, or move what is there away and make an "
+            f"empty one as the daemon's user (`mkdir {path}`)"
+        )
+    return None
 
 
 def _unreadable_manifests(layout: Layout, who: str) -> list[Finding]:
