@@ -277,6 +277,19 @@ class Settings(BaseSettings):
             raise ValueError("must not be empty (give a directory, e.g. /var/cache/cachemgr)")
         return value
 
+    @field_validator("token", mode="before")
+    @classmethod
+    def _token_stripped(cls, value: Any) -> Any:
+        # A token read from a file keeps its newline (`kubectl create secret --from-file`,
+        # `$(cat f)` does not, an env file may), and HTTP strips a header's surrounding
+        # whitespace: one that cannot match any request. Stripped here, for the daemon and
+        # every client reading the same setting; blank is no token (refused off loopback).
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()
+        if isinstance(value, str):
+            return value.strip() or None
+        return value
+
     @field_validator(
         "port",
         "hash_workers",

@@ -15,11 +15,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cachemgr.fs.leadership import Leadership
 from cachemgr.gc.chains import ChainModel
-from cachemgr.gc.runner import GcRunner
-from cachemgr.gc.step import Unmet
+from cachemgr.gc.floor import free_floor
+from cachemgr.gc.runner import GcRunner, joined
+from cachemgr.gc.step import GcReport, Unmet
 from cachemgr.layout import Layout
 from cachemgr.settings import load_settings
-from tests.daemon_helpers import NS_A, running_daemon
+from tests.daemon_helpers import NS_A, captured_log, running_daemon
 from tests.gc_helpers import NS, NS2, T0, Tree, page, policy
 from tests.nsfixtures import cli
 from tests.polling import wait_for
@@ -53,6 +54,43 @@ def test_a_floor_the_filesystem_cannot_meet_even_with_no_cache_is_unmet(tree: Tr
     report = tree.execute(plan, now=T0 + 1)
     assert not report.held and report.unmet == plan.unmet
     assert report.files == 12
+
+
+def test_a_run_that_does_not_hold_a_limit_says_so_at_warning(tree: Tree) -> None:
+    """Its `gc done` line was INFO (only files kept made it a warning): a run short of a
+    limit read in the log as one that did its job (docs/gc.md says a warning)."""
+    tree.write(NS, A + B, at=T0)
+    plan = tree.plan(policy(min_free_percent=50), now=T0 + 1, disk_usage=_disk(3_000))
+    with captured_log("cachemgr.gc.execute") as log:
+        report = tree.execute(plan, now=T0 + 1)
+    assert not report.held
+    (done,) = [r for r in log.lines if r["msg"] == "gc done"]
+    assert done["level"] == "warning" and done["held"] is False, done
+
+
+def test_a_floor_pass_that_cannot_meet_the_floor_is_not_held(tree: Tree) -> None:
+    """The pass from a scan of the disk said `"held": true` every 5 s while
+    cachemgr_gc_limits_unmet was 1: its shortfall was a warning string, never an Unmet."""
+    tree.write(NS, A + B, at=T0)
+    with captured_log("cachemgr.gc.floor") as log:
+        report = free_floor(
+            tree.layout, policy(min_free_percent=50), disk_usage=_disk(3_000), clock=lambda: T0 + 1
+        )
+    assert report.files == 12  # it still takes all it may
+    assert not report.held
+    assert [(u.reason, u.namespace_id, u.unit) for u in report.unmet] == [
+        ("free_space", None, "bytes")
+    ]
+    (said,) = [r for r in log.lines if str(r["msg"]).startswith("deleted from a scan")]
+    assert said["held"] is False, said
+
+
+def test_a_floor_pass_and_the_run_after_it_name_an_unmet_floor_once(tree: Tree) -> None:
+    """Both plan the floor: joined, the run's word stands (the gauge counts each Unmet)."""
+    floor = GcReport(False, True, T0, T0, unmet=(Unmet("free_space", None, "bytes", 9),))
+    run = GcReport(False, True, T0, T0, unmet=(Unmet("free_space", None, "bytes", 5),))
+    assert joined(floor, run).unmet == run.unmet
+    assert joined(floor, GcReport(False, True, T0, T0)).unmet == floor.unmet
 
 
 def test_a_floor_met_by_evicting_is_held(tree: Tree) -> None:
@@ -139,7 +177,8 @@ def test_an_unmet_limit_clears_once_it_is_no_longer_crossed(tree: Tree) -> None:
         report = runner.tick()
         assert report is not None and not report.held
         assert [u.reason for u in runner.stats.unmet] == ["free_space"]
-        assert runner.stats.short == 1
+        # (each floor pass of the tick counts too: none held the floor, none is `ok`)
+        assert runner.stats.short >= 1 and runner.stats.ok == 0
         free[0] = 90_000  # someone deleted their files: the floor holds with room to spare
         assert runner.tick() is None
         assert runner.stats.unmet == ()

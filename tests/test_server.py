@@ -204,6 +204,28 @@ def test_non_ascii_tokens_are_compared_not_a_500(settings: Settings, layout: Lay
         assert bad.status_code == 401
 
 
+@pytest.mark.parametrize("raw", ["s3cret\n", "  s3cret\t", "s3cret\r\n"])
+def test_a_token_read_with_surrounding_whitespace_matches(layout: Layout, raw: str) -> None:
+    """`kubectl create secret --from-file` keeps the file's newline: the daemon took the token
+    with it, HTTP strips a header's whitespace, and every mutating request was 401."""
+    settings = load_settings(root=layout.root, token=raw)
+    assert settings.token is not None and settings.token.get_secret_value() == "s3cret"
+    with running_daemon(settings) as dm:
+        good = {"Authorization": "Bearer s3cret"}
+        ok = dm.post("/purge", params={"dry_run": True, "all": True}, headers=good)
+        assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("blank", [" ", "\n", " \t "])
+def test_a_blank_token_is_no_token(settings: Settings, blank: str) -> None:
+    """A token of a space started a daemon on 0.0.0.0 that no request could match; blank is
+    refused as the empty one is."""
+    blanked = load_settings(root=settings.root, token=blank)
+    assert blanked.token is None
+    with pytest.raises(ConfigError, match="without a token"):
+        Daemon(blanked.model_copy(update={"host": "0.0.0.0"}))
+
+
 def test_non_loopback_needs_a_token_and_a_busy_port_is_one_line(
     settings: Settings, layout: Layout
 ) -> None:

@@ -91,6 +91,9 @@ def served_policy(settings: Settings, served: dict[str, Any] | None) -> GcPolicy
         namespace_max_bytes=limits.get("namespace_max_bytes"),
         min_free_bytes=limits.get("min_free_bytes", policy.min_free_bytes),
         min_free_percent=limits.get("min_free_percent", policy.min_free_percent),
+        min_free_inodes_percent=limits.get(
+            "min_free_inodes_percent", policy.min_free_inodes_percent
+        ),
     )
 
 

@@ -33,7 +33,14 @@ from cachemgr.gc import modelfile
 from cachemgr.gc.chains import ChainModel
 from cachemgr.layout import NS_DIR, Layout
 from cachemgr.ns.manifest import format_of
-from cachemgr.ns.quarantine import ROOT, STATE_DIR, Quarantine, denied_key, is_denied
+from cachemgr.ns.quarantine import (
+    ROOT,
+    STATE_DIR,
+    Quarantine,
+    denied_key,
+    is_denied,
+    ns_root_problem,
+)
 from cachemgr.ns.registry import adopt_from_disk
 from cachemgr.state import pages_sql
 from cachemgr.state.index import (
@@ -291,6 +298,8 @@ class Indexer(Worker):
         # the events queued meanwhile: they teach it links and reads.
         while self._unloaded:
             self._load(next(iter(self._unloaded)))
+        if ROOT not in self.quarantine:
+            self._root_unusable()  # (else the retry below looks again)
         self.apply_pending()
         waiting = ROOT in self.quarantine or STATE_DIR in self.quarantine
         if waiting and time.monotonic() >= self._root_retry:
@@ -398,7 +407,23 @@ class Indexer(Worker):
         if events:
             self.on_applied()
 
+    def _root_unusable(self) -> bool:
+        """Whether <root>/ns is gone, a symlink, a file or not listable: then the root is held
+        aside (its index rows kept, as for a root made unreadable) and looked at again every
+        ROOT_RETRY. Without this a removed ns/ read as a root without namespaces, a symlinked
+        one failed every metrics refresh, and the daemon said it was healthy."""
+        problem = ns_root_problem(self.layout)
+        if problem is None:
+            return False
+        self.quarantine.mark(ROOT, "unreadable", problem)
+        self._root_retry = time.monotonic() + ROOT_RETRY
+        return True
+
     def _scan_all(self, *, first: bool) -> None:
+        if self._root_unusable():
+            return
+        if ROOT in self.quarantine:  # usable again: a new ns/ dir has no watch yet
+            self.watcher.watch_root()
         try:
             adopt_from_disk(self.layout, self.store)  # a lost DB forgot them; the disk did not
             scan_root(
@@ -411,6 +436,10 @@ class Indexer(Worker):
             if not is_denied(e):
                 raise
             self._denied(e)
+            return
+        except UnsafePathError as e:  # ns/ replaced by a symlink since it was looked at
+            self.quarantine.mark(ROOT, "unreadable", e)
+            self._root_retry = time.monotonic() + ROOT_RETRY
             return
         self.quarantine.clear(ROOT, "unreadable")
         self.quarantine.clear(STATE_DIR, "unreadable")

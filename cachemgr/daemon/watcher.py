@@ -138,6 +138,9 @@ class _RootWatch:
     """The callback of <root>/ns: namespace dirs appearing and disappearing, and overflows."""
 
     watcher: Watcher
+    wd: int = -1
+    at: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the dir it was put on
+    dead: bool = False  # the kernel removed it (that dir was deleted)
 
     def on_event(self, event: InotifyEvent) -> None:
         name = os.fsdecode(event.name)
@@ -160,6 +163,7 @@ class _RootWatch:
             self.watcher.mark_gone(name)
 
     def on_watch_deleted(self, wd: WatchDescriptor) -> None:
+        self.dead = True
         if self.watcher.running:
             log.warning(
                 "watch on the namespace root removed", extra={"root": str(self.watcher.layout.root)}
@@ -286,6 +290,7 @@ class Watcher:
     _unwatched: set[str] = field(default_factory=set, init=False)
     _refusal_logged: float = field(default=-math.inf, init=False)
     nest: NestWatches = field(init=False)
+    _root: _RootWatch | None = field(default=None, init=False)  # the watch of <root>/ns
 
     def __post_init__(self) -> None:
         self.nest = NestWatches(self)
@@ -327,15 +332,41 @@ class Watcher:
         self._fd = _Reader(lambda idle: self.nest.flush(idle=idle), self.own_deletion, self.lost)
         self._fd.daemon = True
         self._fd.start()
-        root = _RootWatch(self)
-        path = os.fsencode(self.layout.ns_root)
-        self._fd.add_callback(path, Mask(_ROOT_MASK | _FLAGS), root, CallbackId(id(root)))
+        self._root = self._add_root()
         self.running = True
         if atime_off(self.layout.ns_root):  # (cachemgr.daemon.nestwatch)
             log.warning(
                 "root mounted noatime: reads in a new nested dir before its watch are lost",
                 extra={"root": str(self.layout.root), "metric": "cachemgr_watch_gap_stores_total"},
             )
+
+    def _add_root(self) -> _RootWatch:
+        assert self._fd is not None, "start() first"
+        root = _RootWatch(self)
+        path = os.fsencode(self.layout.ns_root)
+        root.wd = self._fd.add_callback(path, Mask(_ROOT_MASK | _FLAGS), root, CallbackId(id(root)))
+        st = os.stat(self.layout.ns_root, follow_symlinks=False)
+        root.at = (st.st_dev, st.st_ino)
+        return root
+
+    def watch_root(self) -> None:
+        """<root>/ns usable again after it was removed, moved or replaced: the kernel's watch
+        stayed on the dir it was put on (gone, or moved elsewhere), so new namespace dirs in
+        the one there now would be found by the reconcile scans only. Put it on that one."""
+        old = self._root
+        try:
+            st = os.stat(self.layout.ns_root, follow_symlinks=False)
+        except OSError:
+            return  # (the index holds the root aside again)
+        if old is not None and not old.dead and old.at == (st.st_dev, st.st_ino):
+            return  # the same dir (made unreadable and readable again): its watch holds
+        try:
+            self._root = self._add_root()
+        except OSError as e:  # gone again, or a symlink again: the next retry tries again
+            log.warning("namespace root not watched", extra={"error": str(e)})
+            return
+        if old is not None and not old.dead and self._fd is not None:
+            self._fd.remove_callbacks([(WatchDescriptor(old.wd), CallbackId(id(old)))])
 
     def stop(self) -> None:
         self.running = False

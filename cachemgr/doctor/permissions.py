@@ -20,6 +20,7 @@ from cachemgr.fs.dirscan import scan_usage
 from cachemgr.fs.leadership import Leadership
 from cachemgr.layout import Layout
 from cachemgr.ns.manifest import format_of
+from cachemgr.ns.quarantine import ns_root_problem
 from cachemgr.ns.registry import on_disk
 
 _UID_RE = re.compile(r"\buid (\d+)\b")
@@ -82,7 +83,7 @@ def lint_deletable(layout: Layout, sample: int | None = SAMPLE) -> list[Finding]
     namespace's first `sample` pages (None: all) are checked one by one, and an info finding
     says where some were not."""
     deleter = gc_deleter(layout)
-    if deleter is None:
+    if deleter is None or ns_root_problem(layout) is not None:  # (said by lint_root)
         return []
     found = []
     for ns_id in sorted(on_disk(layout)[0]):

@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 from cachemgr.doctor.finding import Finding
 from cachemgr.errors import CachemgrError
 from cachemgr.fs import reserve
-from cachemgr.fs.usage import DiskUsage, DiskUsageFn, atime_off
+from cachemgr.fs.usage import DiskUsage, DiskUsageFn, atime_off, inode_usage
 from cachemgr.gc.find import own_temps
-from cachemgr.gc.policy import GcPolicy
+from cachemgr.gc.policy import GcPolicy, Inodes
 from cachemgr.layout import Layout
 from cachemgr.ns.bindings import read_bindings
 from cachemgr.ns.manifest import format_of
 from cachemgr.ns.purge import describe_trash
+from cachemgr.ns.quarantine import ns_root_problem
 from cachemgr.ns.registry import list_namespaces, on_disk
 from cachemgr.state import trash_sql
 from cachemgr.state.store import Store
@@ -27,6 +29,8 @@ def lint_root(layout: Layout, store: Store | None) -> list[Finding]:
     """Damage under the root: namespaces in a bad state, trash an earlier run left, binding
     files that cannot be read. Without a store (the state DB cannot be read) the namespaces'
     states are not checked, the rest is."""
+    if ns_root_problem(layout) is not None:  # nothing under ns/ can be read: that is said
+        return _unusable(layout) + _corrupt_db_copies(layout)
     found = []
     hands_off = "inspect it by hand; cachemgr will not touch it"
     # Their states only: doctor reports no counts, and a scan lists millions of names.
@@ -92,15 +96,20 @@ def _unusable(layout: Layout) -> list[Finding]:
         "give the dir to the daemon's user or group (chown/chmod g+rwx), or remove it by hand "
         "as its owner"
     )
-    try:
-        names = sorted(
-            e.name for e in os.scandir(layout.ns_root) if e.is_dir(follow_symlinks=False)
-        )
-    except OSError as e:
-        what = (
-            f"{layout.ns_root} cannot be listed by {who}: {e.strerror}; nothing is indexed or GCed"
-        )
-        return [Finding("error", "root-unusable", what, fix)]
+    # Gone, a symlink or a file is as unusable as an unreadable dir: the daemon holds the
+    # root aside for each (cachemgr.ns.quarantine.ns_root_problem).
+    problem = ns_root_problem(layout)
+    names: list[str] = []
+    if problem is None:
+        try:
+            names = sorted(
+                e.name for e in os.scandir(layout.ns_root) if e.is_dir(follow_symlinks=False)
+            )
+        except OSError as e:  # (made unreadable since)
+            problem = f"{layout.ns_root}: {e.strerror}"
+    if problem is not None:
+        what = f"the root cannot be used by {who}: {problem}; nothing is indexed or GCed"
+        return [Finding("error", "root-unusable", what, _root_fix(layout) or fix)]
     found = []
     for name in names:
         path = layout.ns_root / name
@@ -117,6 +126,22 @@ def _unusable(layout: Layout) -> list[Finding]:
             what = f"ns {name}: {path} {' and '.join(why)} by {who}"
             found.append(Finding("error", "ns-unusable", what, fix))
     return found + _unreadable_manifests(layout, who)
+
+
+def _root_fix(layout: Layout) -> str | None:
+    """How to fix an ns/ that is not a dir (None: it is one, its mode is the problem)."""
+    path = layout.ns_root
+    if os.path.islink(path):
+        return (
+            f"put the namespaces' dir itself at {path}: a symlink is never followed (mount the "
+            "other filesystem there, or give --root the dir it leads to)"
+        )
+    if not os.path.lexists(path) or not os.path.isdir(path):
+        return (
+            f"move back the dir that was at {path}, or move what is there away and make an "
+            f"empty one as the daemon's user (`mkdir {path}`)"
+        )
+    return None
 
 
 def _unreadable_manifests(layout: Layout, who: str) -> list[Finding]:
@@ -151,18 +176,61 @@ def disk_state(disk: DiskUsage, policy: GcPolicy) -> tuple[DiskState, int]:
 
 
 def lint_disk(
-    layout: Layout, policy: GcPolicy, usage: DiskUsageFn = shutil.disk_usage
+    layout: Layout,
+    policy: GcPolicy,
+    usage: DiskUsageFn = shutil.disk_usage,
+    inodes: InodeUsageFn = inode_usage,
 ) -> list[Finding]:
-    """A full root filesystem is an error, a nearly full one a warning (see disk_state)."""
+    """A full root filesystem is an error, a nearly full one a warning (see disk_state); the
+    same for its inodes under gc_min_free_inodes_percent (see inode_state)."""
     disk = DiskUsage(*usage(layout.root))
     state, limit = disk_state(disk, policy)
     what = f"{filesystem_line(disk)}; GC keeps {human_bytes(limit)} free"
     fix = "cachemgr gc --yes frees it down to the floor (the daemon does by itself); or add space"
+    found = []
     if state == "full":
-        return [Finding("error", "disk-full", f"the root's filesystem is full: {what}", fix)]
-    if state == "low":
-        return [Finding("warning", "disk-low", f"the root's filesystem is low: {what}", fix)]
-    return []
+        found.append(Finding("error", "disk-full", f"the root's filesystem is full: {what}", fix))
+    elif state == "low":
+        found.append(Finding("warning", "disk-low", f"the root's filesystem is low: {what}", fix))
+    return found + _lint_inodes(layout, policy, inodes)
+
+
+InodeUsageFn = Callable[[Path], tuple[int, int]]  # (total, free) inodes: usage.inode_usage
+
+
+def inode_state(total: int, free: int, policy: GcPolicy) -> tuple[DiskState, int]:
+    """As disk_state, in inodes: full under GC's inode floor, low under 1.5 times it. A
+    filesystem that reports no inode count (btrfs: made as needed) has no floor to hold."""
+    floor = policy.inode_floor(Inodes(total, free)) if total > 0 else 0
+    state: DiskState = "full" if free < floor else "low" if free < floor * 1.5 else "ok"
+    return state, floor
+
+
+def _lint_inodes(layout: Layout, policy: GcPolicy, inodes: InodeUsageFn) -> list[Finding]:
+    """The inode floor beside the bytes': `cachemgr gc` refuses the run it cannot hold it in
+    and sends the user here, where only bytes were checked ("no problems found")."""
+    total, free = inodes(layout.root)
+    state, floor = inode_state(total, free, policy)
+    if state == "ok":
+        return []
+    pct = 100 * free / total if total else 0.0
+    what = (
+        f"{free:,} inodes free of {total:,} ({pct:.1f}%); GC keeps {floor:,} free "
+        f"(gc_min_free_inodes_percent {policy.min_free_inodes_percent:g})"
+    )
+    if state == "full":
+        what = f"the root's filesystem is out of inodes: {what}"
+        return [Finding("error", "inodes-full", what, _INODES_FIX)]
+    what = f"the root's filesystem is low on inodes: {what}"
+    return [Finding("warning", "inodes-low", what, _INODES_FIX)]
+
+
+# Each page is an inode: GC frees them down to the floor, but files it does not manage count.
+_INODES_FIX = (
+    "cachemgr gc --yes frees page files down to the floor (the daemon does by itself); if "
+    "files outside the cache hold the inodes (`du -x --inodes` on the filesystem), remove "
+    "those, give the cache its own filesystem, or lower gc_min_free_inodes_percent"
+)
 
 
 def lint_gc_unmet(unmet: Sequence[Mapping[str, Any]]) -> list[Finding]:

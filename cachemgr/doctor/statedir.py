@@ -15,6 +15,7 @@ from cachemgr.doctor.root import lint_root
 from cachemgr.errors import StateUnavailable
 from cachemgr.fs.dirlimit import dir_index as read_dir_index
 from cachemgr.layout import Layout
+from cachemgr.ns.quarantine import ns_root_problem
 from cachemgr.ns.root import reading_store
 from cachemgr.ns.status import namespace_statuses
 from cachemgr.state.dbfile import denied_as_unavailable
@@ -23,6 +24,8 @@ from cachemgr.state.dbfile import denied_as_unavailable
 def lint_root_and_state(layout: Layout) -> list[Finding]:
     """`lint_root` and the flat dirs' entry counts over a copy of the state DB; or a
     `state-unreadable` finding and the checks that need no DB."""
+    if ns_root_problem(layout) is not None:  # (gone, a symlink: a read of the DB adopts from
+        return lint_root(layout, None)  # ns/ and stopped doctor at one error line)
     try:
         with (
             denied_as_unavailable(layout.state_dir),

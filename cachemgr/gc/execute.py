@@ -440,8 +440,9 @@ def _dir_id(layout: Layout, rel_dir: str) -> tuple[int, int] | None:
 def _log_summary(report: GcReport, actor: str) -> None:
     by_reason = {r: {"files": f, "bytes": b} for r, (f, b) in report.totals().items()}
     refused = report.refused_files()
+    # A limit not held is a warning as files kept are (docs/gc.md): at INFO it read as done.
     log.log(
-        logging.WARNING if refused else logging.INFO,
+        logging.WARNING if refused or not report.held else logging.INFO,
         "gc dry run" if report.dry_run else "gc done",
         extra={
             "actor": actor,

@@ -35,8 +35,16 @@ from cachemgr.fs.usage import DiskUsage, DiskUsageFn, inode_usage
 from cachemgr.gc import find as gcfind
 from cachemgr.gc.execute import refusal_warning
 from cachemgr.gc.held import AuditRow, HeldAudits
-from cachemgr.gc.policy import Files, GcPolicy, GcReason, Inodes, over_file_limits, root_budget
-from cachemgr.gc.step import GcReport, GcStep, StepResult
+from cachemgr.gc.policy import (
+    Budget,
+    Files,
+    GcPolicy,
+    GcReason,
+    Inodes,
+    over_file_limits,
+    root_budget,
+)
+from cachemgr.gc.step import GcReport, GcStep, StepResult, Unmet
 from cachemgr.layout import Layout
 from cachemgr.state import pages_sql
 from cachemgr.state.index import namespace_dirs
@@ -61,21 +69,47 @@ def below_inode_floor(layout: Layout, policy: GcPolicy) -> bool:
     return floor > 0 and inodes.free < floor
 
 
-def _inode_need(layout: Layout, policy: GcPolicy, files: int) -> int:
-    """Page files to delete to bring free inodes back to the inode floor's low watermark."""
+def _inode_budget(layout: Layout, policy: GcPolicy, files: int) -> Budget | None:
+    """The root's file budget under the inode floor alone, None when free inodes are over it.
+    A file cap is the regular run's business, in the index's order and under its own reason
+    (with it, this pass took its whole excess by mtime)."""
     if not below_inode_floor(layout, policy):
-        return 0
+        return None
     inodes = Inodes(*inode_usage(layout.root))
-    # The floor alone, as for bytes: a file cap is the regular run's business, in the index's
-    # order and under its own reason (with it, this pass took its whole excess by mtime).
     floor_only = replace(policy, max_files=None)
-    return over_file_limits(floor_only, Files({"": files}, inodes=inodes))[2] or 0
+    budget = over_file_limits(floor_only, Files({"": files}, inodes=inodes))[1]
+    return budget if budget.reason == "free_inodes" else None
+
+
+def _floors_unmet(
+    policy: GcPolicy, space: Budget | None, inodes: Budget | None, left: tuple[int, int]
+) -> tuple[Unmet, ...]:
+    """The floors still over their high watermark with `left` (bytes, files) of the pages
+    once the pass is done, as a regular run's plan says them (cachemgr.gc.plan): what would
+    still have to go, of the cache or beside it."""
+    high, low = policy.high_watermark, policy.low_watermark
+    out = []
+    if space is not None and space.over(left[0], high):
+        out.append(Unmet("free_space", None, "bytes", space.shortfall(left[0], low)))
+    if inodes is not None and inodes.over(left[1], high):
+        out.append(Unmet("free_inodes", None, "files", inodes.shortfall(left[1], low)))
+    return tuple(out)
 
 
 def plan_floor(
     layout: Layout, policy: GcPolicy, *, now: float, disk_usage: DiskUsageFn
 ) -> tuple[list[GcStep], list[str]]:
     """Steps that bring free space back over the floor, from a listing of the disk alone."""
+    steps, warnings, _ = _plan_floor(layout, policy, now=now, disk_usage=disk_usage)
+    return steps, warnings
+
+
+def _plan_floor(
+    layout: Layout, policy: GcPolicy, *, now: float, disk_usage: DiskUsageFn
+) -> tuple[list[GcStep], list[str], tuple[Unmet, ...]]:
+    """plan_floor, and the floors its steps leave unmet: what would still have to go (the
+    pass's report is not `held` then: cachemgr_gc_limits_unmet said so while its log line
+    said held)."""
     warnings: list[str] = []
     steps = gcfind.trash_leftovers(layout, warnings)
     pages: list[tuple[float, str, str, int]] = []  # (mtime, ns, name, size)
@@ -94,7 +128,9 @@ def plan_floor(
     # The floor alone: a byte cap is the regular run's business, with the index's LRU order.
     budget = root_budget(replace(policy, max_bytes=None), used + sum(s.bytes for s in steps), disk)
     need = budget.excess(used, policy.low_watermark) if budget.reason == "free_space" else 0
-    need_files = _inode_need(layout, policy, len(pages))
+    files_budget = _inode_budget(layout, policy, len(pages))
+    need_files = files_budget.excess(len(pages), policy.low_watermark) if files_budget else 0
+    freed = [0, 0]  # bytes, files
     chosen: dict[tuple[GcReason, str], list[tuple[str, int]]] = {}
     for mtime, ns, name, size in sorted(pages):
         if (need <= 0 and need_files <= 0) or now - mtime < policy.min_age:
@@ -103,15 +139,19 @@ def plan_floor(
         chosen.setdefault((reason, ns), []).append((name, size))
         need -= size
         need_files -= 1
+        freed[0], freed[1] = freed[0] + size, freed[1] + 1
     if need > 0:
         warnings.append(f"free_space: {need} bytes short of the floor's low watermark")
     if need_files > 0:
         warnings.append(f"free_inodes: {need_files} files short of the inode floor's low watermark")
+    space = budget if budget.reason == "free_space" else None
+    unmet = _floors_unmet(policy, space, files_budget, (used - freed[0], len(pages) - freed[1]))
+    warnings += [u.line() for u in unmet]
     for (reason, ns), picked in chosen.items():
         names = tuple(n for n, _ in picked)
         size = sum(s for _, s in picked)
         steps.append(GcStep(reason, f"ns/{ns}", ns, names, size, policy.min_age))
-    return steps, warnings
+    return steps, warnings, unmet
 
 
 def free_floor(
@@ -127,7 +167,7 @@ def free_floor(
     """Plan from a scan and delete (see the module doc); no DB is read or written. A dry run
     checks the same files and deletes none."""
     started = clock()
-    steps, warnings = plan_floor(layout, policy, now=started, disk_usage=disk_usage)
+    steps, warnings, unmet = _plan_floor(layout, policy, now=started, disk_usage=disk_usage)
     results = []
 
     def met() -> bool:
@@ -145,7 +185,7 @@ def free_floor(
     # Files kept are said as a regular run says them: with 0 inodes or bytes left, this pass
     # may be all a run does (the DB does not open until it frees some).
     warnings += [refusal_warning(r) for r in results if r.refused]
-    report = GcReport(dry_run, True, started, clock(), tuple(results), tuple(warnings))
+    report = GcReport(dry_run, True, started, clock(), tuple(results), tuple(warnings), unmet=unmet)
     seconds = round(report.finished_at - started, 3)
     floors = [r.replace("_", " ") for r in ("free_space", "free_inodes") if r in report.totals()]
     log.warning(

@@ -1,10 +1,11 @@
 """Namespaces the daemon cannot use, held aside instead of failing a scan or a GC cycle.
 
 A namespace dir another user made (0755: readable, its pages not deletable), one the daemon
-cannot read (0700 of another owner, `chmod 000`), a root whose ns/ became unreadable, or a
-state dir it may no longer use, is outside the daemon's control. The index and GC skip it and
-go on with the others; each entry is logged once when found and once when it is usable again,
-shown in `cachemgr_namespace_unusable{namespace,reason}` / `cachemgr_root_unusable` /
+cannot read (0700 of another owner, `chmod 000`), a root whose ns/ became unreadable, was
+removed, or was replaced by a symlink or a file (ns_root_problem), or a state dir it may no
+longer use, is outside the daemon's control. The index and GC skip it and go on with the
+others; each entry is logged once when found and once when it is usable again, shown in
+`cachemgr_namespace_unusable{namespace,reason}` / `cachemgr_root_unusable` /
 `cachemgr_state_dir_unusable`, in /readyz's detail, and by doctor (cachemgr.doctor.root).
 Whoever finds it usable again clears it.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 from dataclasses import dataclass, field
 from typing import Literal
@@ -35,11 +37,29 @@ def is_denied(error: BaseException) -> bool:
     return isinstance(error, OSError) and error.errno in DENIED
 
 
+def ns_root_problem(layout: Layout) -> str | None:
+    """Why <root>/ns cannot be the namespaces' dir now, else None: gone, a symlink (never
+    followed: its pages would be another tree's), not a dir, or not listable by this process.
+    An lstat and an access: cheap enough for every index batch."""
+    path = layout.ns_root
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        return f"{path}: {e.strerror}"
+    if stat.S_ISLNK(st.st_mode):
+        return f"{path} is a symlink (never followed)"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{path} is not a directory"
+    if not os.access(path, os.R_OK | os.X_OK):
+        return f"{path} cannot be listed by uid {os.geteuid()}"
+    return None
+
+
 def denied_key(layout: Layout) -> str:
     """What a refused access of the index or GC says is unusable: the root if its ns/ cannot
     be listed (a root made unreadable takes its state dir too), else the state dir if this
     process may not use it now, else the root."""
-    if not os.access(layout.ns_root, os.R_OK | os.X_OK):
+    if ns_root_problem(layout) is not None:
         return ROOT
     return STATE_DIR if unavailable(layout.state_dir, layout.db_path) is not None else ROOT
 

@@ -5,8 +5,10 @@ rename) storing 20,000 pages at about 1,000 a second: it must see no ENOSPC."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -83,3 +85,32 @@ def test_a_writer_on_3000_inodes_sees_no_enospc(few_inodes: Path) -> None:
         took = time.monotonic() - t0
     assert took < PAGES / RATE * 3, "the writer could not keep its pace"
     assert failed == 0, f"{failed} of {PAGES} stores failed with ENOSPC ({took:.0f} s)"
+
+
+def test_doctor_says_what_gc_cannot_hold_when_other_files_hold_the_inodes(
+    few_inodes: Path,
+) -> None:
+    """`cachemgr gc` exits 1 ("`cachemgr doctor` says how to fix it") when files outside the
+    cache leave fewer inodes free than the floor; doctor checked bytes only and said "no
+    problems found", exit 0."""
+    layout = Layout.at(few_inodes / "root")
+    create_root(layout)
+    d = register_namespace(layout, NS_A, instance="gpu0")
+    for i in range(20):
+        store_like_sglang(d, i)
+    other = few_inodes / "other"
+    other.mkdir()
+    floor = Settings.model_fields["gc_min_free_inodes_percent"].default
+    keep = os.statvfs(few_inodes).f_files * floor / 100 / 2  # half the floor left free
+    i = 0
+    while os.statvfs(few_inodes).f_favail > keep:
+        (other / str(i)).touch()
+        i += 1
+    env = {**os.environ, "CACHEMGR_GC_MIN_FREE_INODES_PERCENT": str(floor)}
+    cli = [sys.executable, "-m", "cachemgr", "--root", str(layout.root)]
+    gc = subprocess.run([*cli, "gc", "--yes"], capture_output=True, text=True, env=env)
+    assert gc.returncode == 1 and "cachemgr doctor" in gc.stderr, (gc.stdout, gc.stderr)
+    doctor = subprocess.run([*cli, "doctor", "--json"], capture_output=True, text=True, env=env)
+    assert doctor.returncode == 2, (doctor.stdout, doctor.stderr)
+    (found,) = [f for f in json.loads(doctor.stdout) if f["code"] == "inodes-full"]
+    assert "inodes free of" in found["message"] and "gc_min_free_inodes_percent" in found["fix"]

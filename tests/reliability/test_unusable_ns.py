@@ -373,3 +373,61 @@ def test_ls_and_doctor_on_a_namespace_they_cannot_read_say_so(base: Path) -> Non
     assert doctor.stderr == "", doctor.stderr
     codes = {f["code"] for f in json.loads(doctor.stdout)}
     assert "ns-unusable" in codes, doctor.stdout
+
+
+def _replace_ns(layout: Layout, how: str, aside: Path) -> None:
+    """Take <root>/ns away (to `aside`) and leave what `how` says in its place."""
+    layout.ns_root.rename(aside)
+    if how == "symlink":
+        layout.ns_root.symlink_to(aside)
+    elif how == "file":
+        layout.ns_root.write_text("not a dir\n")
+
+
+@pytest.mark.parametrize("how", ["gone", "symlink", "file"])
+def test_a_root_whose_ns_dir_is_removed_or_replaced_is_unusable_until_it_is_back(
+    base: Path, free_port: int, how: str
+) -> None:
+    """A removed or symlinked ns/ left /readyz at 'index live' and cachemgr_root_unusable at
+    0 (only a permission error counted), and a symlink failed the metrics refresh with a
+    traceback every second. It is held aside as an unreadable root is, and recovers."""
+    layout = Layout.at(base / "root")
+    a = layout.ns_dir(NS_A)
+    fill(a, 0, 20)
+    aside = base / "ns-aside"
+    log = base / "daemon.log"
+    with daemon(layout.root, free_port, log) as d:
+        wait_for(lambda: indexed_pages(d, NS_A), lambda n: n == 20, timeout=30, what="A indexed")
+        _replace_ns(layout, how, aside)
+        wait_for(
+            lambda: d.metric("cachemgr_root_unusable"), _one, timeout=30, what="the root unusable"
+        )
+        detail = d.http.get("/readyz").json()["detail"]
+        assert "root unreadable" in detail and str(layout.ns_root) in detail, detail
+        doctor = capless(layout.root, "doctor", "--json")
+        time.sleep(4)  # a few metrics refreshes (every 1 s) and a retry of the root
+        assert d.alive()
+        if how != "gone":
+            layout.ns_root.unlink()
+        aside.rename(layout.ns_root)
+        fill(a, 20, 5)
+        wait_for(
+            lambda: indexed_pages(d, NS_A), lambda n: n == 25, timeout=30, what="A indexed again"
+        )
+        wait_for(lambda: d.metric("cachemgr_root_unusable"), _zero, timeout=30, what="root usable")
+        register_namespace(layout, NS_B, instance="sglang-b")  # the new ns/ dir is watched
+        fill(layout.ns_dir(NS_B), 0, 3)
+        wait_for(lambda: indexed_pages(d, NS_B), lambda n: n == 3, timeout=30, what="B indexed")
+    assert d.proc.returncode == 0
+    assert len(lines(log, "root unusable; the daemon waits for it")) == 1
+    assert len(lines(log, "root usable again")) == 1
+    errors = [r for r in map(_json, log.read_text().splitlines()) if r.get("exc")]
+    assert errors == []  # no traceback, let alone one a second
+    assert len(lines(log, "metrics refresh failed; the last snapshot stays")) <= 1
+    (finding,) = [f for f in json.loads(doctor.stdout) if f["code"] == "root-unusable"]
+    assert str(layout.ns_root) in finding["message"], finding
+    assert doctor.returncode == 2, doctor.stderr
+
+
+def _zero(value: float | None) -> bool:
+    return value == 0
