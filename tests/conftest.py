@@ -331,3 +331,15 @@ def vllm_scripts() -> Iterator[ScriptRunner]:
     runner = ScriptRunner(proc)
     yield runner
     runner.close()
+
+
+@pytest.fixture
+def fake_vllm(tmp_path: Path) -> dict[str, str]:
+    """An environment whose PATH has a `vllm` that prints the argv it got, as JSON (what
+    `cachemgr exec` ran it with)."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    fake = bindir / "vllm"
+    fake.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    fake.chmod(0o755)
+    return {"PATH": f"{bindir}:{os.environ['PATH']}"}

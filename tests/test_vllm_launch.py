@@ -32,17 +32,6 @@ def model(tmp_path: Path) -> Path:
     return make_model(tmp_path / "model")
 
 
-@pytest.fixture
-def fake_vllm(tmp_path: Path) -> dict[str, str]:
-    """An environment whose PATH has a `vllm` that prints the argv it got, as JSON."""
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    fake = bindir / "vllm"
-    fake.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
-    fake.chmod(0o755)
-    return {"PATH": f"{bindir}:{os.environ['PATH']}"}
-
-
 def exec_fake(
     root: Path, command: list[str], fake_vllm: dict[str, str]
 ) -> subprocess.CompletedProcess[str]:

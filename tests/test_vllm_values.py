@@ -5,8 +5,6 @@ VLLM_KV_CACHE_LAYOUT (refused as vLLM refuses it; NHD/LBNHC and HND/LBHNC one id
 from __future__ import annotations
 
 import json
-import os
-import sys
 import textwrap
 from pathlib import Path
 
@@ -26,17 +24,6 @@ LAYOUT = "VLLM_KV_CACHE_LAYOUT"
 @pytest.fixture
 def model(tmp_path: Path) -> Path:
     return make_model(tmp_path / "model")
-
-
-@pytest.fixture
-def fake_vllm(tmp_path: Path) -> dict[str, str]:
-    """An environment whose PATH has a `vllm` that exits at once."""
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    fake = bindir / "vllm"
-    fake.write_text(f"#!{sys.executable}\n")
-    fake.chmod(0o755)
-    return {"PATH": f"{bindir}:{os.environ['PATH']}"}
 
 
 @pytest.mark.parametrize("value", ["hnd", "bogus", "Lbhnc", " HND"])
