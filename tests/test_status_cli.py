@@ -24,7 +24,7 @@ from tests.daemon_helpers import (
     running_daemon,
     store_page,
 )
-from tests.nsfixtures import cli_process, one_line_error
+from tests.nsfixtures import cli, cli_process, one_line_error
 
 ALL_STATUS = (
     "namespace",
@@ -243,3 +243,17 @@ def test_status_and_ls_say_why_they_count_on_disk_when_the_daemon_is_elsewhere(
                 " (give its --port or CACHEMGR_PORT)"
             )
     assert json.loads(asked.stdout)["source"] == "daemon" and asked.stderr == ""
+
+
+def test_status_without_a_daemon_counts_torn_and_foreign_files_on_disk(layout: Layout) -> None:
+    """Every count is the disk's: foreign and torn files were the DB's last scan beside fresh
+    page counts (0 with a torn page and a foreign file there, 1 torn after GC deleted it)."""
+    d = register_namespace(layout, NS_A, instance="gpu0")
+    for i in range(5):
+        store_page(d, page_name(i), 4096)
+    (d / page_name(5)).write_bytes(b"\x01" * 100)  # torn: off its kind's usual size
+    (d / "notes.txt").write_text("hi")
+    out = cli("--root", str(layout.root), "status", "--json")
+    assert out.returncode == 0, out.stderr
+    (ns,) = json.loads(out.stdout)["namespaces"]
+    assert (ns["pages"], ns["corrupt_files"], ns["foreign_files"]) == (6, 1, 1)

@@ -97,7 +97,9 @@ def status_from_disk(layout: Layout) -> dict[str, Any]:
 
 
 def _counted(layout: Layout, status: NamespaceStatus) -> NamespaceStatus:
-    """`status` with its pages and bytes counted on disk; a dir this user may not read (another
+    """`status` with its pages, bytes, temp, foreign and torn files counted on disk (all of
+    them: a count left from the DB's last scan beside fresh ones said a torn page GC had since
+    deleted and missed a foreign file put there since); a dir this user may not read (another
     user's 0700, chmod 000) is said as its state, its counts null, and the others are still
     counted."""
     if not status.has_dir or status.pages is None:  # none, or found uncountable already
@@ -110,7 +112,9 @@ def _counted(layout: Layout, status: NamespaceStatus) -> NamespaceStatus:
         return status.uncounted("unreadable", unreadable_problem(e))
     if m is None:
         return status
-    return status.model_copy(update={"pages": m.pages, "bytes": m.bytes, "temp_files": m.temps})
+    counts = {"pages": m.pages, "bytes": m.bytes, "temp_files": m.temps}
+    counts |= {"foreign_files": m.other, "corrupt_files": m.corrupt}
+    return status.model_copy(update=counts)
 
 
 @contextmanager
