@@ -43,6 +43,8 @@ IDENTITY_DESTS = (
     "max_model_len",
     "hf_overrides",
     "hf_config_path",
+    "attention_backend",
+    "attention_config",
     "quantization",
     "prefix_caching_hash_algo",
     "kv_transfer_config",

@@ -70,6 +70,27 @@ def test_hf_config_path_is_the_config_vllm_reads(model: Path, tmp_path: Path) ->
     assert other["ns_id"] != base["ns_id"]
 
 
+def test_an_attention_backend_given_is_in_the_identity(model: Path, tmp_path: Path) -> None:
+    """The backend decides the KV layout with the offloading connector (FlexAttention takes
+    only LBNHC where the connector asks LBHNC; hisparse asks BLHNC), and vLLM's folder name
+    does not say it: switching backends wrote blocks of another layout into the same folder."""
+
+    def ns(*flags: str) -> object:
+        return fingerprint(launch(model, *flags), tmp_path)["ns_id"]
+
+    plain = ns()
+    assert ns("--attention-backend", "auto") == plain
+    flex = ns("--attention-backend", "FLEX_ATTENTION")
+    assert flex != plain
+    assert ns("--attention-backend", "flex_attention") == flex
+    assert ns("-ac", '{"backend": "FLEX_ATTENTION"}') == flex
+    assert ns("--attention-config.backend", "FLEX_ATTENTION") == flex
+    assert ns("-ac", '{"hisparse_config": {}}') not in (plain, flex)
+    both = ["--attention-backend", "FLASH_ATTN", "-ac", '{"backend": "FLEX_ATTENTION"}']
+    out = cli("--root", str(tmp_path / "r"), "fingerprint", "--", *launch(model, *both))
+    assert out.returncode == 2 and "vLLM takes one" in one_line_error(out)
+
+
 def test_the_sglang_record_digest_is_unchanged() -> None:
     """The digest of an SGLang record of the existing schema, pinned: namespaces made before
     vLLM support must keep their ids."""

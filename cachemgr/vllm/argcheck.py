@@ -113,6 +113,28 @@ def hf_overrides(raw: str | None) -> str | None:
     return json.dumps(data, sort_keys=True, separators=(",", ":")) if data else None
 
 
+def attention(backend: str | None, raw_config: str | None) -> str | None:
+    """What of --attention-backend / --attention-config decides the KV cache layout vLLM's
+    attention and the offloading connector settle on (v1/attention/backends/utils.py
+    resolve_kv_cache_layout; a hisparse config makes the connector ask for BLHNC), as canonical
+    JSON; None when neither names a backend nor hisparse. Backend names as vLLM reads them
+    (AttentionConfig.validate_backend_before: upper-cased, `auto` = unset)."""
+    config = _json_object("--attention-config", raw_config) if raw_config else {}
+    given = config.get("backend")
+    if backend is not None and given is not None:
+        raise ConfigError("--attention-backend and --attention-config's backend: vLLM takes one")
+    chosen = backend if backend is not None else given
+    out: dict[str, Any] = {}
+    if isinstance(chosen, str) and chosen.lower() != "auto":
+        out["backend"] = chosen.upper()
+    per_kind = config.get("backend_per_kind")
+    if isinstance(per_kind, dict) and per_kind:
+        out["backend_per_kind"] = {k: str(v).upper() for k, v in per_kind.items()}
+    if config.get("hisparse_config") is not None:
+        out["hisparse"] = True
+    return json.dumps(out, sort_keys=True, separators=(",", ":")) if out else None
+
+
 def kv_transfer_config(raw: str | None) -> dict[str, Any] | None:
     """--kv-transfer-config parsed, its tier list checked as vLLM's TieringOffloadingSpec
     checks it (a list of objects, each with a "type")."""

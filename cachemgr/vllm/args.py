@@ -46,6 +46,7 @@ class VllmLaunchArgs(BaseModel):
     max_model_len: int | None = None  # None: from the model's config (absent, auto, -1)
     hf_overrides: str | None = None  # canonical JSON
     hf_config_path: str | None = None  # the model config vLLM reads instead of the model dir's
+    attention: str | None = None  # what of the attention flags decides the KV layout (JSON)
     quantization: str | None = None
     prefix_caching_hash_algo: str = "sha256"
     served_model_name: str | None = None
@@ -75,6 +76,9 @@ FLAGS: dict[str, str] = {
     "--max-model-len": "max_model_len",
     "--hf-overrides": "hf_overrides",
     "--hf-config-path": "hf_config_path",
+    # Not in the record as given: argcheck.attention reads what of them decides the KV layout.
+    "--attention-backend": "attention_backend",
+    "--attention-config": "attention_config",
     "--quantization": "quantization",
     "--prefix-caching-hash-algo": "prefix_caching_hash_algo",
     "--kv-transfer-config": "kv_transfer_config",
@@ -157,6 +161,9 @@ def resolve_vllm_args(
         raise ConfigError("no model: `vllm serve <model> …` (or --model for the api_server)")
     values["max_model_len"] = argcheck.max_model_len(values.get("max_model_len"))
     values["hf_overrides"] = argcheck.hf_overrides(values.get("hf_overrides"))
+    values["attention"] = argcheck.attention(
+        values.pop("attention_backend", None), values.pop("attention_config", None)
+    )
     config = argcheck.kv_transfer_config(values.get("kv_transfer_config"))
     values["tier"] = fs_tier(config, _offloading(values, cmd, environ or {}))
     values["kv_transfer_config"] = _canonical(config)

@@ -219,6 +219,7 @@ OPTIONS = frozenset(
 
 # Short spellings of the flags cachemgr reads.
 ALIASES = {
+    "-ac": "--attention-config",
     "-dcp": "--decode-context-parallel-size",
     "-dp": "--data-parallel-size",
     "-pcp": "--prefill-context-parallel-size",

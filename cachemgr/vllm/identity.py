@@ -67,7 +67,7 @@ class VllmIdentity(Digested):
     model_config = ConfigDict(frozen=True, extra="ignore")  # ignore: digest/ns_id are derived
     ENGINE: ClassVar[str] = "vllm"
     VERSION_FIELD: ClassVar[str] = "vllm_version"
-    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"hf_config"})
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"hf_config", "attention"})
 
     engine: Literal["vllm"] = "vllm"
     schema_version: Literal[1] = 1
@@ -84,6 +84,10 @@ class VllmIdentity(Digested):
     # xxh3-128 of the model config --hf-config-path names, which vLLM reads instead of the
     # model dir's (the weights' record hashes that one); None without the flag
     hf_config: str | None = None
+    # The attention backend(s) and hisparse, as given (argcheck.attention): with them vLLM may
+    # settle on another KV layout, which its folder name does not say (no canonical layout).
+    # None when left to vLLM: the platform then picks the same on every start.
+    attention: str | None = None
     max_model_len: int | None = None  # None: the model's own
     prefix_caching_hash_algo: str = "sha256"
     load_format: str | None = None  # only when it does not load the model dir's weights
@@ -170,6 +174,7 @@ def compute_vllm_identity(
         quantization=args.quantization,
         hf_overrides=args.hf_overrides,
         hf_config=None if config == own_config else _config_digest(config),
+        attention=args.attention,
         max_model_len=args.max_model_len,
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         load_format=None if args.load_format in WEIGHT_LOAD_FORMATS else args.load_format,
