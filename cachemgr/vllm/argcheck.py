@@ -121,6 +121,8 @@ def attention(backend: str | None, raw_config: str | None) -> str | None:
     (AttentionConfig.validate_backend_before: upper-cased, `auto` = unset)."""
     config = _json_object("--attention-config", raw_config) if raw_config else {}
     given = config.get("backend")
+    if isinstance(given, str) and given.lower() == "auto":
+        given = None  # (the config's validator makes it None before vLLM compares the two)
     if backend is not None and given is not None:
         raise ConfigError("--attention-backend and --attention-config's backend: vLLM takes one")
     chosen = backend if backend is not None else given
