@@ -10,6 +10,8 @@ ROOT ?=
 PREFIX ?= /usr/local
 COMPLETIONS := $(PREFIX)/share/bash-completion/completions
 PYTEST_ARGS ?=
+# Each pass ends with its slowest tests, for whoever next cuts the CI time (bench/RESULTS.md).
+DURATIONS ?= --durations=15
 # pytest-xdist workers: 4 on CI's 2 cores, since most tests wait on daemons, processes and disks
 # rather than compute (at 3 the pass kept the cores about half busy: bench/RESULTS.md, "CI
 # time"); a test file stays on one worker. The `serial` tests (claims about time) run after
@@ -67,8 +69,8 @@ test-setup: $(VENV)/.installed deps sglang-env vllm-env lint
 
 test:
 	$(MAKE) --no-print-directory -j$(SETUP_JOBS) --output-sync=target test-setup
-	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile --serial=exclude $(PYTEST_ARGS) || [ $$? -eq 5 ]
-	$(BIN)/pytest --serial=only $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile --serial=exclude $(DURATIONS) $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(BIN)/pytest --serial=only $(DURATIONS) $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 bench: $(VENV)/.installed sglang-env
 	@ls bench/bench_*.py | xargs -n1 $(BIN)/python
