@@ -56,15 +56,23 @@ def test_a_moved_copy_keeps_the_namespace_an_edit_does_not(model: Path, tmp_path
 
 
 def test_scales_count_only_where_sglang_loads_them(model: Path, tmp_path: Path) -> None:
-    """load_kv_cache_scales reads the file for fp8_e4m3 only; `auto` may become it on the
-    server (model overrides), so it counts there too."""
+    """load_kv_cache_scales reads the file for fp8_e4m3 only; `auto` becomes it for a few
+    models only (arg_groups/overrides.py), so for any other model a launch with the flag
+    keeps the namespace it had before the scales were read."""
     path = scales_file(tmp_path / "scales.json", 0.5)
     flag = f"--quantization-param-path {path}"
     for kv in ("bfloat16", "fp8_e5m2"):
         base = ident(f"--model-path {model} --kv-cache-dtype {kv}")
         assert ident(f"--model-path {model} --kv-cache-dtype {kv} {flag}").ns_id == base.ns_id
     auto = ident(f"--model-path {model}")
-    assert ident(f"--model-path {model} {flag}").ns_id != auto.ns_id
+    assert ident(f"--model-path {model} {flag}").ns_id == auto.ns_id
+    for arch, extra in (
+        ("MuseSparkForConditionalGeneration", {}),
+        ("DeepseekV32ForCausalLM", {"index_topk": 2048}),  # DSA: fp8 on SM100
+    ):
+        over = make_model(tmp_path / arch, extra_config={"architectures": [arch], **extra})
+        auto = ident(f"--model-path {over}")
+        assert ident(f"--model-path {over} {flag}").ns_id != auto.ns_id
     # nullable_str: an empty path or None is no file
     assert fp8(model, "--quantization-param-path None").ns_id == fp8(model).ns_id
 

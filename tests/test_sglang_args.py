@@ -14,6 +14,7 @@ import pytest
 from cachemgr.errors import ConfigError
 from cachemgr.sglang import flags as sglang_flags
 from cachemgr.sglang.args import LaunchArgs, resolve_launch_args, scan_flags, split_command
+from cachemgr.sglang.identity import _tp_lcm_size
 from tests.conftest import REPO, SGLANG_ENV, ScriptRunner
 
 # FIELD_NOTES §6, pasted as operators run them (continuation lines included).
@@ -387,3 +388,13 @@ def test_the_file_storage_path_flag_is_the_extra_configs_default_with_hierarchic
     assert resolve_launch_args(f"{base} --enable-hierarchical-cache{extra}").extra_config == {
         "file_storage_path": "/e"
     }
+
+
+@pytest.mark.parametrize(("value", "kept"), [("false", 0), ("true", 1), ('""', None), ("[]", None)])
+def test_a_tp_lcm_size_sglang_skips_or_runs_is_read_not_refused(value: str, kept: object) -> None:
+    """`if tp_lcm_size:` skips a falsy one; `true % 1 == 0`: the ids false and true had stay."""
+    extra = f'{{"tp_lcm_size": {value}}}'
+    args = resolve_launch_args(
+        ["--model-path", "/m", "--hicache-storage-backend-extra-config", extra]
+    )
+    assert _tp_lcm_size(args) == kept

@@ -80,6 +80,7 @@ def test_an_attention_backend_given_is_in_the_identity(model: Path, tmp_path: Pa
 
     plain = ns()
     assert ns("--attention-backend", "auto") == plain
+    assert ns("--attention-backend", "") == plain  # ("$ATTN" empty: vLLM reads it as unset)
     flex = ns("--attention-backend", "FLEX_ATTENTION")
     assert flex != plain
     assert ns("--attention-backend", "flex_attention") == flex

@@ -58,7 +58,7 @@ def test_a_purge_while_bound_keeps_the_tier_vouched_and_under_its_cap(
             wait_for(
                 pages,
                 lambda n: n == len(on_disk(ns_dir)),
-                timeout=30,
+                timeout=90,  # (beside four workers on two cores it took past 30 s, once)
                 what="the index equal to the disk",
             )
             assert dm.namespaces()[NS]["pages"] > 0

@@ -97,9 +97,11 @@ def _tp_lcm_size(args: LaunchArgs) -> int | None:
     value = args.extra_config.get("tp_lcm_size")
     if value is None:
         return None
-    if isinstance(value, float) and value.is_integer():
-        return int(value)  # (8.0 % 4 == 0: SGLang runs with it)
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool | float) and float(value).is_integer():
+        return int(value)  # (8.0 % 4 == 0: SGLang runs with it; false is skipped, true is 1)
+    if not value and isinstance(value, str | list | dict):
+        return None  # `if tp_lcm_size:`: SGLang skips an empty one
+    if not isinstance(value, int):
         raise IdentityError(
             "tp_lcm_size in --hicache-storage-backend-extra-config must be a whole number,"
             f" not {json.dumps(value)[:40]}"
@@ -172,7 +174,7 @@ def compute_identity(
         draft_weights=draft_weights,
         kv_cache_dtype=kv,
         draft_kv_cache_dtype=draft_kv,
-        kv_cache_scales=kv_cache_scales(args),
+        kv_cache_scales=kv_cache_scales(args, config),
         dtype=run_dtype,
         quantization=args.quantization,
         draft_quantization=args.speculative_draft_model_quantization if draft_dir else None,

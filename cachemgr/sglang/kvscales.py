@@ -10,7 +10,9 @@ file's content digest: a moved copy keeps the namespace, an edited file gets a n
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from cachemgr.errors import IdentityError
 from cachemgr.identity.hashing import ALGO_FULL, hash_file
@@ -19,15 +21,51 @@ from cachemgr.sglang.args import LaunchArgs
 log = logging.getLogger(__name__)
 
 # load_kv_cache_scales reads the file only when the server's kv_cache_dtype is exactly
-# "fp8_e4m3". `auto` is in too: SGLang's model overrides turn it into fp8_e4m3 for some
-# models and GPUs (arg_groups/overrides.py: Muse Spark, DeepSeek DSA on SM100), which only the
-# server knows; a file the server then ignores only costs a namespace of its own.
-SCALED_KV_ARGS = frozenset({"fp8_e4m3", "auto"})
+# "fp8_e4m3". `auto` becomes that for a few models (arg_groups/overrides.py: Muse Spark always,
+# DeepSeek DSA on SM100, a GPU only the server knows): for those `auto` counts too (a file the
+# server then ignores only costs a namespace of its own); for any other model it never does,
+# so such a launch keeps the namespace it had before the scales were read.
+SCALED_KV = "fp8_e4m3"
+AUTO_FP8_ARCHS = frozenset({"MuseSparkForConditionalGeneration"})
+# configs/model_config.py is_deepseek_dsa: the first architecture, with index_topk set
+DSA_ARCHS = frozenset(
+    {
+        "DeepseekV3ForCausalLM",
+        "DeepseekV32ForCausalLM",
+        "DeepseekV3ForCausalLMNextN",
+        "MistralLarge3ForCausalLM",
+        "PixtralForConditionalGeneration",
+        "GlmMoeDsaForCausalLM",
+        "GlmMoeDsaForCausalLMNextN",
+        "Glm5NextForConditionalGenerationNextN",
+        "Glm5NextForConditionalGeneration",
+        "LongcatFlashForCausalLM",
+        "LongcatFlashForCausalLMNextN",
+        "Dots3NoteForCausalLM",
+        "Dots3NoteForCausalLMNextN",
+        "HYV4ForCausalLM",
+        "HYV4ForCausalLMNextN",
+    }
+)
 
 
-def kv_cache_scales(args: LaunchArgs) -> str | None:
+def _scaled(kv_arg: str, config: Mapping[str, Any]) -> bool:
+    """Whether the server may run an fp8_e4m3 KV cache, and so read the scales."""
+    if kv_arg == SCALED_KV:
+        return True
+    if kv_arg != "auto":
+        return False
+    archs = config.get("architectures")
+    first = archs[0] if isinstance(archs, list) and archs else None
+    if first in AUTO_FP8_ARCHS:
+        return True
+    return first in DSA_ARCHS and config.get("index_topk") is not None
+
+
+def kv_cache_scales(args: LaunchArgs, config: Mapping[str, Any]) -> str | None:
     """The identity's `kv_cache_scales`: the scales file's digest when SGLang would load it,
-    None when it would not (no flag, or a KV dtype that takes no scales).
+    None when it would not (no flag, or a KV dtype that takes no scales); `config` is the
+    model's config.json.
 
     SGLang only logs an error for a file it cannot read and runs with scales of 1.0
     (weight_utils.py `kv_cache_scales_loader`), so cachemgr warns instead of refusing; the
@@ -36,7 +74,7 @@ def kv_cache_scales(args: LaunchArgs) -> str | None:
     a launch whose scales are 1.0.
     """
     path = args.quantization_param_path
-    if path is None or args.kv_cache_dtype not in SCALED_KV_ARGS:
+    if path is None or not _scaled(args.kv_cache_dtype, config):
         return None
     try:
         return f"{ALGO_FULL}:{hash_file(Path(path)).digest}"

@@ -123,6 +123,8 @@ def attention(backend: str | None, raw_config: str | None) -> str | None:
     given = config.get("backend")
     if isinstance(given, str) and given.lower() == "auto":
         given = None  # (the config's validator makes it None before vLLM compares the two)
+    if backend == "":
+        backend = None  # (vLLM's parser reads `--attention-backend ""` as unset: "$ATTN" empty)
     if backend is not None and given is not None:
         raise ConfigError("--attention-backend and --attention-config's backend: vLLM takes one")
     chosen = backend if backend is not None else given
