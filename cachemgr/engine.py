@@ -161,12 +161,15 @@ class Engine(ABC, Generic[ArgsT]):
         """What `init` warns about the launch's own storage settings; `hands_env`: init
         prints or writes the variables of `server_env`."""
 
+    def exec_refusal(self, args: ArgsT, *, layout: Layout, environ: Mapping[str, str]) -> None:
+        """ConfigError when a setting would send the server somewhere no namespace of this
+        root is: `exec` asks before init creates, binds or purges anything."""
+
     @abstractmethod
     def exec_warnings(
         self, args: ArgsT, storage_dir: Path, *, layout: Layout, environ: Mapping[str, str]
     ) -> list[str]:
-        """What `exec` warns about before it starts the server; ConfigError when a setting
-        would send the server elsewhere than its namespace."""
+        """What `exec` warns about before it starts the server."""
 
     @abstractmethod
     def lint(

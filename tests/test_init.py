@@ -221,7 +221,12 @@ CHILD = textwrap.dedent("""
 
 
 def run_exec(
-    root: Path, model: Path, tmp_path: Path, env: dict[str, str], prefix: tuple[str, ...] = ()
+    root: Path,
+    model: Path,
+    tmp_path: Path,
+    env: dict[str, str],
+    prefix: tuple[str, ...] = (),
+    page_size: int = 64,
 ) -> tuple[subprocess.Popen[str], str, str]:
     child = tmp_path / "child.py"
     child.write_text(CHILD)
@@ -240,7 +245,7 @@ def run_exec(
             "--model-path",
             str(model),
             "--page-size",
-            "64",
+            str(page_size),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -282,11 +287,15 @@ def test_exec_refuses_a_foreign_storage_dir_set_in_the_launch_itself(
 ) -> None:
     """`env VAR=/x sglang …` sets it over what exec hands the server: SGLang would write to /x
     while cachemgr reported the namespace (was exit 0, the server started)."""
+    first, out, _ = run_exec(root, model, tmp_path, {})
+    old = out.split(" ", 1)[0]
     prefix = ("env", "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=/srv/elsewhere")
-    proc, out, err = run_exec(root, model, tmp_path, {}, prefix)
-    assert proc.returncode == 2 and out == "", err
+    # another identity: the refusal comes before init, which would have purged the old one
+    proc, out, err = run_exec(root, model, tmp_path, {}, prefix, page_size=32)
+    assert first.returncode == 0 and proc.returncode == 2 and out == "", err
     last = err.strip().splitlines()[-1]
     assert last.startswith("cachemgr: error: environment variable") and "/srv/elsewhere" in last
+    assert Path(old).is_dir() and [p for p in (root / "ns").iterdir() if p.is_dir()] == [Path(old)]
 
 
 def test_exec_takes_the_namespace_dir_set_in_the_launch_itself(
@@ -299,6 +308,20 @@ def test_exec_takes_the_namespace_dir_set_in_the_launch_itself(
     proc, out, err = run_exec(root, model, tmp_path, {}, prefix)
     assert (first.returncode, proc.returncode) == (0, 0), err
     assert out.split(" ", 1)[0] == ns_dir
+
+
+def test_exec_points_a_stale_namespace_in_the_launch_at_the_new_one(
+    root: Path, model: Path, tmp_path: Path
+) -> None:
+    """A script that names the dir an earlier init printed: the identity changed, that
+    namespace was purged, and the command's own env would have sent the server into it."""
+    _, out, _ = run_exec(root, model, tmp_path, {})
+    old = out.split(" ", 1)[0]
+    prefix = ("env", f"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR={old}")
+    proc, out, err = run_exec(root, model, tmp_path, {}, prefix, page_size=32)
+    assert proc.returncode == 0, err
+    new = out.split(" ", 1)[0]
+    assert new != old and Path(new).parent == root / "ns" and Path(new).is_dir()
 
 
 def test_exec_without_a_command_is_one_line(root: Path, model: Path) -> None:

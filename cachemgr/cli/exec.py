@@ -40,15 +40,14 @@ def exec_(
     if not launch.command:
         raise ConfigError("exec needs the server command after `--` (e.g. -- sglang serve …)")
     program = resolve_program(launch.command[0], os.environ)
-    run = run_init(app, launch, wait=wait, force=force)
-    storage_dir = run.result.storage_dir
     layout = Layout.at(app.settings.root, app.settings.state_dir)
     engine = launch.engine
+    server_env = server_environ(launch.command, os.environ)
+    engine.exec_refusal(launch.engine_args(), layout=layout, environ=server_env)
+    run = run_init(app, launch, wait=wait, force=force)
+    storage_dir = run.result.storage_dir
     warnings = engine.exec_warnings(
-        launch.engine_args(),
-        storage_dir,
-        layout=layout,
-        environ=server_environ(launch.command, os.environ),
+        launch.engine_args(), storage_dir, layout=layout, environ=server_env
     )
     for w in warnings:
         click.echo(f"cachemgr: warning: {w}", err=True)

@@ -13,7 +13,7 @@ from cachemgr.gc.policy import GcPolicy
 from cachemgr.identity.digest_cache import DigestCache
 from cachemgr.identity.fingerprint import IdentityOptions, ProgressFactory
 from cachemgr.identity.record import Digested
-from cachemgr.launchenv import server_environ
+from cachemgr.launchenv import server_environ, split_env
 from cachemgr.layout import Layout
 from cachemgr.settings import Settings
 from cachemgr.sglang import lint
@@ -23,7 +23,11 @@ from cachemgr.sglang.identity import compute_identity, installed_sglang_version
 from cachemgr.sglang.probe import METRICS as PROBE_METRICS
 from cachemgr.sglang.probe import ProbeLoop
 from cachemgr.sglang.record import Identity
-from cachemgr.sglang.storagedir import StorageDirConflict, storage_dir_conflicts
+from cachemgr.sglang.storagedir import (
+    StorageDirConflict,
+    foreign_storage_env,
+    storage_dir_conflicts,
+)
 
 # Named as SGLang names them where it is short.
 _FLAGS = (
@@ -110,7 +114,15 @@ class SGLangEngine(Engine[LaunchArgs]):
     def server_launch(
         self, command: Sequence[str], storage_dir: Path, environ: Mapping[str, str]
     ) -> tuple[list[str], dict[str, str]]:
-        return list(command), {**environ, STORAGE_DIR_ENV: str(storage_dir)}
+        """The command with the storage dir of its own env prefix (`env VAR=… sglang …`, which
+        would win over the environment) pointed at the namespace too."""
+        ours = f"{STORAGE_DIR_ENV}={storage_dir}"
+        at = split_env(command)[1]
+        argv = [
+            ours if i < at and t.startswith(f"{STORAGE_DIR_ENV}=") else t
+            for i, t in enumerate(command)
+        ]
+        return argv, {**environ, STORAGE_DIR_ENV: str(storage_dir)}
 
     def init_warnings(
         self,
@@ -125,16 +137,19 @@ class SGLangEngine(Engine[LaunchArgs]):
         told = [w for w in (_conflict_warning(c, hands_env) for c in conflicts) if w]
         return [*_unused(args, storage_dir), *told]
 
+    def exec_refusal(self, args: LaunchArgs, *, layout: Layout, environ: Mapping[str, str]) -> None:
+        foreign = foreign_storage_env(environ, layout)
+        if foreign is not None:
+            raise ConfigError(
+                f"environment variable {STORAGE_DIR_ENV} is set to {foreign}; exec would "
+                "replace it with the namespace dir: unset it (cachemgr owns the storage dir)"
+            )
+
     def exec_warnings(
         self, args: LaunchArgs, storage_dir: Path, *, layout: Layout, environ: Mapping[str, str]
     ) -> list[str]:
         warnings = _unused(args, storage_dir)
         for c in storage_dir_conflicts(args, storage_dir, layout, environ):
-            if c.beats_env and not c.ours:
-                raise ConfigError(
-                    f"{c.source} is set to {c.path}; exec would replace it with "
-                    f"{storage_dir}: unset it (cachemgr owns the storage dir)"
-                )
             if not c.beats_env:
                 warnings.append(
                     f"{c.source} {c.path} is ignored: {STORAGE_DIR_ENV} set by cachemgr takes "

@@ -52,6 +52,13 @@ def storage_dir_conflicts(
     return found
 
 
+def foreign_storage_env(environ: Mapping[str, str], layout: Layout) -> str | None:
+    """SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR when it names a dir that is no namespace of
+    this root (one that is, a stale one of ours, exec points at the new namespace instead)."""
+    value = environ.get(STORAGE_DIR_ENV)
+    return value if value and not _ours(value, layout) else None
+
+
 def _same(path: str, storage_dir: Path) -> bool:
     return os.path.abspath(path).rstrip("/") == str(storage_dir)
 
