@@ -21,6 +21,8 @@ from vllm.config.model import ModelConfig
 from vllm.entrypoints.common.cli_args import make_arg_parser
 from vllm.model_executor.layers.quantization import QuantizationMethods
 from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from vllm.v1.kv_cache_interface import KVCacheSpecKind
 
 LAYOUT_ENV = "VLLM_KV_CACHE_LAYOUT"
 
@@ -192,6 +194,19 @@ QUANTIZATION_METHODS = frozenset(
 LOAD_FORMATS = frozenset(
     """
 {words(load_formats())}
+    """.split()  # noqa: SIM905
+)
+
+# Attention backends (AttentionBackendEnum, read upper-cased; a plugin registers as CUSTOM)
+# and the KV cache spec kinds --attention-config's backend_per_kind is keyed by.
+ATTENTION_BACKENDS = frozenset(
+    """
+{words([e.name for e in AttentionBackendEnum])}
+    """.split()  # noqa: SIM905
+)
+KV_SPEC_KINDS = frozenset(
+    """
+{words([k.value for k in KVCacheSpecKind])}
     """.split()  # noqa: SIM905
 )''')
 

@@ -90,6 +90,15 @@ def test_an_attention_backend_given_is_in_the_identity(model: Path, tmp_path: Pa
     both = ["--attention-backend", "FLASH_ATTN", "-ac", '{"backend": "FLEX_ATTENTION"}']
     out = cli("--root", str(tmp_path / "r"), "fingerprint", "--", *launch(model, *both))
     assert out.returncode == 2 and "vLLM takes one" in one_line_error(out)
+    # names vLLM's start refuses (AttentionBackendEnum, KVCacheSpecKind): refused first
+    for bad, says in (
+        (["--attention-backend", "BOGUS"], "invalid attention backend 'BOGUS'"),
+        (["--attention-backend", "flash-attn"], "invalid attention backend"),
+        (["-ac", '{"backend_per_kind": {"full_attention": "BOGUS"}}'], "invalid attention"),
+        (["-ac", '{"backend_per_kind": {"bogus": "FLASH_ATTN"}}'], "backend_per_kind key"),
+    ):
+        out = cli("--root", str(tmp_path / "r"), "fingerprint", "--", *launch(model, *bad))
+        assert out.returncode == 2 and says in one_line_error(out), bad
 
 
 def test_the_sglang_record_digest_is_unchanged() -> None:

@@ -12,7 +12,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from cachemgr.errors import ConfigError
-from cachemgr.vllm.flags import CHOICES, INTEGER, VLLM_VERSION
+from cachemgr.vllm.flags import (
+    ATTENTION_BACKENDS,
+    CHOICES,
+    INTEGER,
+    KV_SPEC_KINDS,
+    VLLM_VERSION,
+)
 from cachemgr.vllm.tier import CONNECTORS, EXTRA, MULTI, NESTING, TIERS, too_deep
 
 _BOOL_FIELDS = frozenset({"trust_remote_code"})
@@ -130,13 +136,33 @@ def attention(backend: str | None, raw_config: str | None) -> str | None:
     chosen = backend if backend is not None else given
     out: dict[str, Any] = {}
     if isinstance(chosen, str) and chosen.lower() != "auto":
-        out["backend"] = chosen.upper()
+        out["backend"] = _backend(chosen)
     per_kind = config.get("backend_per_kind")
     if isinstance(per_kind, dict) and per_kind:
-        out["backend_per_kind"] = {k: str(v).upper() for k, v in per_kind.items()}
+        out["backend_per_kind"] = {_spec_kind(k): _backend(str(v)) for k, v in per_kind.items()}
     if config.get("hisparse_config") is not None:
         out["hisparse"] = True
     return json.dumps(out, sort_keys=True, separators=(",", ":")) if out else None
+
+
+def _backend(name: str) -> str:
+    """An attention backend as vLLM reads it (upper-cased), or the ConfigError vLLM's start
+    would end in: the launch must not cost the good cache first."""
+    if name.upper() not in ATTENTION_BACKENDS:
+        raise ConfigError(
+            f"invalid attention backend {name!r}: vLLM {VLLM_VERSION} accepts auto or "
+            f"{', '.join(sorted(ATTENTION_BACKENDS))} (any case)"
+        )
+    return name.upper()
+
+
+def _spec_kind(kind: str) -> str:
+    if kind.lower() not in KV_SPEC_KINDS:
+        raise ConfigError(
+            f"invalid --attention-config backend_per_kind key {kind!r}: vLLM {VLLM_VERSION} "
+            f"takes {', '.join(sorted(KV_SPEC_KINDS))}"
+        )
+    return kind
 
 
 def kv_transfer_config(raw: str | None) -> dict[str, Any] | None:
