@@ -19,7 +19,10 @@ from vllm.config.cache import _LAYOUT_COMPAT_ALIASES
 from vllm.config.load import LoadConfig
 from vllm.config.model import ModelConfig
 from vllm.entrypoints.common.cli_args import make_arg_parser
-from vllm.model_executor.layers.quantization import QuantizationMethods
+from vllm.model_executor.layers.quantization import (
+    DEPRECATED_QUANTIZATION_METHODS,
+    QuantizationMethods,
+)
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.kv_cache_interface import KVCacheSpecKind
@@ -47,6 +50,7 @@ IDENTITY_DESTS = (
     "hf_config_path",
     "attention_backend",
     "attention_config",
+    "allow_deprecated_quantization",
     "quantization",
     "prefix_caching_hash_algo",
     "kv_transfer_config",
@@ -194,6 +198,13 @@ QUANTIZATION_METHODS = frozenset(
 LOAD_FORMATS = frozenset(
     """
 {words(load_formats())}
+    """.split()  # noqa: SIM905
+)
+
+# Those vLLM refuses without --allow-deprecated-quantization (ModelConfig).
+DEPRECATED_QUANTIZATION = frozenset(
+    """
+{words(DEPRECATED_QUANTIZATION_METHODS)}
     """.split()  # noqa: SIM905
 )
 

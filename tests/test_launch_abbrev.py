@@ -151,8 +151,11 @@ VLLM_PARSE = textwrap.dedent("""
 """)
 
 
+VLLM_BOOLS = {"trust_remote_code", "allow_deprecated_quantization"}
+
+
 def _vllm_value(field: str) -> str | None:
-    if field == "trust_remote_code":
+    if field in VLLM_BOOLS:
         return None
     return _value(field, vllm_flags.CHOICES, vllm_flags.INTEGER)
 

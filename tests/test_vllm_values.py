@@ -89,6 +89,19 @@ def test_quantization_and_load_format_are_lowercased_as_vllm_does(
     assert (again["outcome"], again["ns_id"]) == ("unchanged", first["ns_id"])
 
 
+def test_a_deprecated_quantization_needs_its_flag_as_vllm_does(root: Path, model: Path) -> None:
+    """ModelConfig refuses fbgemm_fp8 without --allow-deprecated-quantization: init made a
+    namespace and purged the instance's good one for a server that never started."""
+    good = vinit_json(root, launch(model))
+    out = vinit(root, launch(model, "-q", "FBGEMM_FP8"))
+    assert out.returncode == 2 and "--allow-deprecated-quantization" in one_line_error(out)
+    assert Path(str(good["storage_dir"])).is_dir()
+    allowed = launch(model, "-q", "fbgemm_fp8", "--allow-deprecated-quantization")
+    assert vinit_json(root, allowed)["outcome"] != "unchanged"
+    denied = launch(model, "-q", "fbgemm_fp8", "--no-allow-deprecated-quantization")
+    assert vinit(root, denied).returncode == 2
+
+
 @pytest.mark.parametrize(
     ("flags", "says"),
     [
@@ -169,7 +182,9 @@ def test_values_read_as_vllms_own_code_reads_them(vllm_scripts: ScriptRunner, mo
     assert len(same_layout) == len(set(KV_LAYOUTS)) - 2  # the two aliases
     for value in quants:
         assert (
-            getattr(ours({}, "-q", value), "quantization", None) == theirs["quantizations"][value]
+            # (allowed: the deprecated one's refusal is its own test)
+            getattr(ours({}, "-q", value, "--allow-deprecated-quantization"), "quantization", None)
+            == theirs["quantizations"][value]
         )
     for value in loads:
         assert (

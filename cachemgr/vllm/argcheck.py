@@ -21,7 +21,7 @@ from cachemgr.vllm.flags import (
 )
 from cachemgr.vllm.tier import CONNECTORS, EXTRA, MULTI, NESTING, TIERS, too_deep
 
-_BOOL_FIELDS = frozenset({"trust_remote_code"})
+_BOOL_FIELDS = frozenset({"trust_remote_code", "allow_deprecated_quantization"})
 KV_ROLES = ("kv_producer", "kv_both", "kv_consumer")
 _HUMAN = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT]?)")
 _JSON_STRING = re.compile(r'("(?:[^"\\]|\\.)*")')

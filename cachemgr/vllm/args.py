@@ -53,6 +53,7 @@ class VllmLaunchArgs(BaseModel):
     load_format: str = "auto"
     download_dir: str | None = None
     trust_remote_code: bool = False
+    allow_deprecated_quantization: bool = False  # (not in the identity: it only lets vLLM start)
     # VLLM_KV_CACHE_LAYOUT, from the launch or environment; an alias as its old name (NHD, HND)
     kv_cache_layout: str | None = None
     kv_transfer_config: str | None = None  # canonical JSON
@@ -87,6 +88,8 @@ FLAGS: dict[str, str] = {
     "--download-dir": "download_dir",
     "--trust-remote-code": "trust_remote_code",
     "--no-trust-remote-code": "trust_remote_code",
+    "--allow-deprecated-quantization": "allow_deprecated_quantization",
+    "--no-allow-deprecated-quantization": "allow_deprecated_quantization",
     # Not in the record: with a size, vLLM replaces the config's connector (cachemgr.vllm.tier).
     "--kv-offloading-size": "kv_offloading_size",
     "--kv-offloading-backend": "kv_offloading_backend",
@@ -170,7 +173,9 @@ def resolve_vllm_args(
     values["kv_cache_layout"] = vllm_values.kv_cache_layout(
         _env_value(cmd, environ or {}, KV_LAYOUT_ENV)
     )
-    values["quantization"] = vllm_values.quantization(values.get("quantization"))
+    values["quantization"] = vllm_values.quantization(
+        values.get("quantization"), bool(values.get("allow_deprecated_quantization"))
+    )
     values["load_format"] = vllm_values.load_format(values.get("load_format", "auto"))
     values["launch_env"] = dict(cmd.env)
     try:

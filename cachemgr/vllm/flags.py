@@ -275,6 +275,13 @@ LOAD_FORMATS = frozenset(
     """.split()  # noqa: SIM905
 )
 
+# Those vLLM refuses without --allow-deprecated-quantization (ModelConfig).
+DEPRECATED_QUANTIZATION = frozenset(
+    """
+    fbgemm_fp8
+    """.split()  # noqa: SIM905
+)
+
 # Attention backends (AttentionBackendEnum, read upper-cased; a plugin registers as CUSTOM)
 # and the KV cache spec kinds --attention-config's backend_per_kind is keyed by.
 ATTENTION_BACKENDS = frozenset(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from cachemgr.errors import ConfigError
 from cachemgr.vllm.flags import (
+    DEPRECATED_QUANTIZATION,
     KV_LAYOUT_ALIASES,
     KV_LAYOUTS,
     LOAD_FORMATS,
@@ -37,10 +38,17 @@ def kv_cache_layout(raw: str | None) -> str | None:
     return _LAYOUT_IDENTITY.get(raw, raw)
 
 
-def quantization(raw: str | None) -> str | None:
+def quantization(raw: str | None, allow_deprecated: bool = False) -> str | None:
     """--quantization as vLLM runs it: lowercased (ModelConfig's validator), so `-q FP8` is
-    `-q fp8`."""
-    return None if raw is None else raw.lower()
+    `-q fp8`; a deprecated method without --allow-deprecated-quantization is the ConfigError
+    vLLM's start would end in (the launch must not cost the good cache first)."""
+    quant = None if raw is None else raw.lower()
+    if quant in DEPRECATED_QUANTIZATION and not allow_deprecated:
+        raise ConfigError(
+            f"--quantization {quant} is deprecated: vLLM {VLLM_VERSION} refuses it without "
+            "--allow-deprecated-quantization"
+        )
+    return quant
 
 
 def load_format(raw: str) -> str:
