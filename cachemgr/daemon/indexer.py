@@ -245,8 +245,11 @@ class Indexer(Worker):
 
     def _denied(self, error: OSError | sqlite3.Error) -> None:
         """Hold the state dir or the root aside, whichever refused, and list again soon."""
-        key = denied_key(self.layout)
-        self.quarantine.mark(key, "unreadable", error)
+        self._hold_aside(denied_key(self.layout), error)
+
+    def _hold_aside(self, key: str, why: BaseException | str) -> None:
+        """Mark `key` (the root or the state dir) unreadable; listed again after ROOT_RETRY."""
+        self.quarantine.mark(key, "unreadable", why)
         self._root_retry = time.monotonic() + ROOT_RETRY
 
     def _build(self, *, first: bool) -> None:
@@ -415,8 +418,7 @@ class Indexer(Worker):
         problem = ns_root_problem(self.layout)
         if problem is None:
             return False
-        self.quarantine.mark(ROOT, "unreadable", problem)
-        self._root_retry = time.monotonic() + ROOT_RETRY
+        self._hold_aside(ROOT, problem)
         return True
 
     def _scan_all(self, *, first: bool) -> None:
@@ -438,8 +440,7 @@ class Indexer(Worker):
             self._denied(e)
             return
         except UnsafePathError as e:  # ns/ replaced by a symlink since it was looked at
-            self.quarantine.mark(ROOT, "unreadable", e)
-            self._root_retry = time.monotonic() + ROOT_RETRY
+            self._hold_aside(ROOT, e)
             return
         self.quarantine.clear(ROOT, "unreadable")
         self.quarantine.clear(STATE_DIR, "unreadable")

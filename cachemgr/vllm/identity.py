@@ -129,20 +129,15 @@ def compute_vllm_identity(
 ) -> VllmIdentity:
     """The identity of a vLLM server started with `args`, its model files read from disk."""
     opts = options or IdentityOptions()
+    server_env = {**env, **args.launch_env}  # as launchenv.server_environ builds it
     directory = model_dir.locate_model(
-        args.model,
-        args.revision,
-        env={**env, **args.launch_env},  # the server's, as launchenv.server_environ builds it
-        download_dir=args.download_dir,
+        args.model, args.revision, env=server_env, download_dir=args.download_dir
     )
     # vLLM's ModelConfig: get_config(hf_config_path or model, revision=…)
     config_dir = directory
     if args.hf_config_path is not None:
         config_dir = model_dir.locate_model(
-            args.hf_config_path,
-            args.revision,
-            env={**env, **args.launch_env},
-            download_dir=args.download_dir,
+            args.hf_config_path, args.revision, env=server_env, download_dir=args.download_dir
         )
     config = model_dir.read_json(config_dir / "config.json")
     own_config = (
