@@ -113,3 +113,50 @@ def test_vllm_launch_env_prefix_names_the_cache(hubs: tuple[Path, Path]) -> None
     assert plain.source.model_dir.startswith(str(first))
     assert prefixed.source.model_dir.startswith(str(second))
     assert prefixed.ns_id == by_flag.ns_id != plain.ns_id
+
+
+@pytest.mark.parametrize("value", ["1", "true", "True", "yes", "y"])
+def test_sglang_on_modelscope_never_reads_the_hf_copy_of_the_id(
+    hubs: tuple[Path, Path], tmp_path: Path, value: str
+) -> None:
+    """SGLang downloads a repo id from ModelScope then (environ.py's EnvBool): the HF cache's
+    copy of the same id may be other weights, so it is refused, not fingerprinted."""
+    first, _ = hubs
+    env = {"HF_HUB_CACHE": str(first)}
+    for launch, environ in (
+        ("sglang serve --model-path org/tiny", {**env, "SGLANG_USE_MODELSCOPE": value}),
+        (f"env SGLANG_USE_MODELSCOPE={value} sglang serve --model-path org/tiny", env),
+    ):
+        with pytest.raises(ModelNotFoundError, match="SGLANG_USE_MODELSCOPE is set"):
+            sglang(launch, environ)
+    # a draft given by id is refused the same way; a local directory is read as always
+    target = make_model(tmp_path / "target", seed=9)
+    on = {**env, "SGLANG_USE_MODELSCOPE": value}
+    with pytest.raises(ModelNotFoundError, match="ModelScope"):
+        sglang(f"--model-path {target} --speculative-draft-model-path org/tiny", on)
+    assert sglang(f"--model-path {target}", on).ns_id == sglang(f"--model-path {target}", env).ns_id
+
+
+@pytest.mark.parametrize("value", ["", "0", "false", "no"])
+def test_sglang_modelscope_off_reads_the_hf_cache(hubs: tuple[Path, Path], value: str) -> None:
+    first, _ = hubs
+    env = {"HF_HUB_CACHE": str(first)}
+    off = sglang("--model-path org/tiny", {**env, "SGLANG_USE_MODELSCOPE": value})
+    assert off.source.model_dir.startswith(str(first))
+
+
+def test_vllm_on_modelscope_never_reads_the_hf_copy_of_the_id(
+    hubs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    first, _ = hubs
+    env = {"HF_HUB_CACHE": str(first)}
+    for environ in ({**env, "VLLM_USE_MODELSCOPE": "True"}, {**env, "VLLM_USE_MODELSCOPE": " 1"}):
+        with pytest.raises(ModelNotFoundError, match="VLLM_USE_MODELSCOPE is set"):
+            vllm(vllm_launch("org/tiny"), environ)
+    with pytest.raises(ModelNotFoundError, match="ModelScope"):
+        vllm(["env", "VLLM_USE_MODELSCOPE=true", *vllm_launch("org/tiny")], env)
+    # vLLM reads only 1 and true (envs.py); a local directory is read as always
+    assert vllm(vllm_launch("org/tiny"), {**env, "VLLM_USE_MODELSCOPE": "yes"}).source.model_dir
+    local = make_model(tmp_path / "local", seed=4)
+    on = {**env, "VLLM_USE_MODELSCOPE": "1"}
+    assert vllm(vllm_launch(str(local)), on).ns_id == vllm(vllm_launch(str(local)), env).ns_id

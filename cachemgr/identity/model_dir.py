@@ -49,12 +49,15 @@ def locate_model(
     *,
     env: Mapping[str, str] = os.environ,
     download_dir: str | None = None,
+    modelscope: str | None = None,
 ) -> Path:
     """The local directory of `path`: the directory itself, or its HF cache snapshot.
 
     `env` is the server's environment (the launch's own `VAR=…` prefix included);
     `download_dir` its engine's --download-dir, which both SGLang's and vLLM's loaders hand
     huggingface_hub as `cache_dir`: it replaces the hub cache the environment names.
+    `modelscope` names the variable that makes the server download repo ids from ModelScope
+    instead, when the server's environment sets it.
     """
     local = Path(path).expanduser()
     if local.is_dir():
@@ -63,6 +66,13 @@ def locate_model(
         raise IdentityError(f"model path {path} is not a directory")
     if not _looks_like_repo_id(path):
         raise ModelNotFoundError(f"model directory {path} does not exist")
+    if modelscope:
+        # ModelScope's cache is laid out by its own client's version (and renames ids); a
+        # copy of the same id in the HF cache may be other weights: neither is safe to read.
+        raise ModelNotFoundError(
+            f"{modelscope} is set: the server downloads {path} from ModelScope, whose cache "
+            "cachemgr does not read; pass the model's local directory instead of its id"
+        )
     hub = Path(download_dir).expanduser() if download_dir else hf_hub_cache(env)
     repo = hub / ("models--" + path.replace("/", "--"))
     rev = revision or "main"

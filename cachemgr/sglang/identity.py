@@ -27,6 +27,7 @@ from cachemgr.sglang.record import FILE_KEY_SCHEME, Identity, Source, Storage, T
 
 # Architectures whose SGLang model overrides (arg_groups/model_overrides/*.py) set page_size
 # from the GPU or attention backend, sometimes over an explicit --page-size.
+MODELSCOPE_ENV = "SGLANG_USE_MODELSCOPE"
 PAGE_SIZE_OVERRIDING_ARCHS = frozenset(
     """
     MiniMaxM3SparseForCausalLM MiniMaxM3SparseForConditionalGeneration
@@ -62,6 +63,13 @@ def kv_dtype(kv_arg: str, run_dtype: str, quant_kv_algo: str | None) -> str:
     if quant_kv_algo is not None and quant_kv_algo.upper() == "FP8":
         return "fp8_e4m3"  # the checkpoint carries FP8 KV scales and `auto` adopts them
     return run_dtype
+
+
+def modelscope(env: Mapping[str, str]) -> str | None:
+    """The variable that makes SGLang fetch repo ids from ModelScope, if `env` sets it true (as
+    environ.py's EnvBool reads it; the loader's get_bool_env_var takes a subset)."""
+    on = env.get(MODELSCOPE_ENV, "").lower() in ("true", "1", "yes", "y")
+    return MODELSCOPE_ENV if on else None
 
 
 def installed_sglang_version() -> str | None:
@@ -142,8 +150,13 @@ def compute_identity(
             directory, opts, cache=cache, progress=progress, code=args.trust_remote_code
         )
 
+    scope = modelscope(server_env)
     target_dir = model_dir.locate_model(
-        args.model_path, args.revision, env=server_env, download_dir=args.download_dir
+        args.model_path,
+        args.revision,
+        env=server_env,
+        download_dir=args.download_dir,
+        modelscope=scope,
     )
     config = model_dir.read_json(target_dir / "config.json")
     run_dtype = model_dtype(args.dtype, config)
@@ -156,6 +169,7 @@ def compute_identity(
             args.speculative_draft_model_revision,
             env=server_env,
             download_dir=args.download_dir,
+            modelscope=scope,
         )
         draft_config = model_dir.read_json(draft_dir / "config.json")
         # spec.py: the draft's KV dtype follows --kv-cache-dtype unless set on its own.

@@ -36,6 +36,7 @@ from cachemgr.identity.record import Digested, Weights
 from cachemgr.vllm.args import VllmLaunchArgs
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
+MODELSCOPE_ENV = "VLLM_USE_MODELSCOPE"
 
 
 class VllmTopology(BaseModel):
@@ -118,6 +119,13 @@ def _config_digest(config: Mapping[str, object]) -> str:
     return xxhash.xxh3_128_hexdigest(text.encode())
 
 
+def modelscope(env: Mapping[str, str]) -> str | None:
+    """The variable that makes vLLM fetch repo ids from ModelScope, if `env` sets it true (as
+    envs.py reads it)."""
+    on = env.get(MODELSCOPE_ENV, "").strip().lower() in ("1", "true")
+    return MODELSCOPE_ENV if on else None
+
+
 def compute_vllm_identity(
     args: VllmLaunchArgs,
     options: IdentityOptions | None = None,
@@ -130,14 +138,19 @@ def compute_vllm_identity(
     """The identity of a vLLM server started with `args`, its model files read from disk."""
     opts = options or IdentityOptions()
     server_env = {**env, **args.launch_env}  # as launchenv.server_environ builds it
+    scope = modelscope(server_env)
     directory = model_dir.locate_model(
-        args.model, args.revision, env=server_env, download_dir=args.download_dir
+        args.model, args.revision, env=server_env, download_dir=args.download_dir, modelscope=scope
     )
     # vLLM's ModelConfig: get_config(hf_config_path or model, revision=…)
     config_dir = directory
     if args.hf_config_path is not None:
         config_dir = model_dir.locate_model(
-            args.hf_config_path, args.revision, env=server_env, download_dir=args.download_dir
+            args.hf_config_path,
+            args.revision,
+            env=server_env,
+            download_dir=args.download_dir,
+            modelscope=scope,
         )
     config = model_dir.read_json(config_dir / "config.json")
     own_config = (
