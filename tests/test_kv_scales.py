@@ -4,7 +4,6 @@ file's content (not its path) is part of the identity whenever SGLang would load
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 from pathlib import Path
 
@@ -12,7 +11,9 @@ import pytest
 
 from cachemgr.identity.record import diff_identities
 from cachemgr.sglang.record import Identity
+from tests.nsfixtures import cli, cli_process
 from tests.test_identity import ident, make_model
+from tests.test_init import CMD, NO_STORAGE_ENV
 
 
 def scales_file(path: Path, scale: float) -> Path:
@@ -89,15 +90,32 @@ def test_without_the_flag_the_record_digest_is_as_before(model: Path) -> None:
     assert Identity.model_validate(data).digest == plain.digest
 
 
-def test_an_unreadable_file_is_warned_about_not_shared(
-    model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_an_unreadable_file_is_warned_about_not_shared(model: Path, tmp_path: Path) -> None:
     """SGLang only logs an error for a file it cannot read and runs with scales of 1.0: a
     warning, not a refusal; the value still keeps the launch out of the flagless namespace
     (the server may see a file cachemgr does not)."""
     missing = tmp_path / "nope.json"
-    with caplog.at_level(logging.WARNING, logger="cachemgr"):
-        unread = fp8(model, "--quantization-param-path", str(missing))
+    unread = fp8(model, "--quantization-param-path", str(missing))
     assert unread.kv_cache_scales == f"unread:{missing}"
     assert unread.ns_id != fp8(model).ns_id
-    assert "--quantization-param-path is not readable here" in caplog.text
+
+
+def test_an_unreadable_file_is_said_where_the_other_warnings_are(
+    model: Path, tmp_path: Path
+) -> None:
+    """The warning was only a log line: `init`, `exec` and `fingerprint` say it on stderr as
+    `cachemgr: warning:` and `init --json` in its warnings, as every launch warning."""
+    missing = tmp_path / "nope.json"
+    flags = [*CMD.split()[2:], "--model-path", str(model), "--kv-cache-dtype", "fp8_e4m3"]
+    flags += ["--quantization-param-path", str(missing)]
+    said = f"--quantization-param-path {missing} is not readable here"
+    root = str(tmp_path / "root")
+    out = cli("--root", root, "init", "--json", "--", "sglang", "serve", *flags, env=NO_STORAGE_ENV)
+    assert out.returncode == 0, out.stderr
+    assert [w for w in json.loads(out.stdout)["warnings"] if said in w]
+    assert [ln for ln in out.stderr.splitlines() if ln.startswith(f"cachemgr: warning: {said}")]
+    out = cli("--root", root, "fingerprint", "--", "sglang", "serve", *flags)
+    assert out.returncode == 0 and f"cachemgr: warning: {said}" in out.stderr, out.stderr
+    # `true` stands in for the server: exec runs it once init is done
+    ran = cli_process("--root", root, "exec", "--", "true", *flags, env=NO_STORAGE_ENV)
+    assert ran.returncode == 0 and f"cachemgr: warning: {said}" in ran.stderr, ran.stderr

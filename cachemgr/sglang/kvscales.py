@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 # server then ignores only costs a namespace of its own); for any other model it never does,
 # so such a launch keeps the namespace it had before the scales were read.
 SCALED_KV = "fp8_e4m3"
+UNREAD = "unread:"  # the prefix of a file cachemgr could not read
 AUTO_FP8_ARCHS = frozenset({"MuseSparkForConditionalGeneration"})
 # configs/model_config.py is_deepseek_dsa: the first architecture, with index_topk set
 DSA_ARCHS = frozenset(
@@ -68,10 +69,10 @@ def kv_cache_scales(args: LaunchArgs, config: Mapping[str, Any]) -> str | None:
     model's config.json.
 
     SGLang only logs an error for a file it cannot read and runs with scales of 1.0
-    (weight_utils.py `kv_cache_scales_loader`), so cachemgr warns instead of refusing; the
-    value is then `unread:<path>`, never the value of a launch without the flag: the server
-    may see a file cachemgr does not (another mount), and its pages must not be shared with
-    a launch whose scales are 1.0.
+    (weight_utils.py `kv_cache_scales_loader`), so cachemgr warns instead of refusing
+    (`unread_scales_warning`); the value is then `unread:<path>`, never the value of a launch
+    without the flag: the server may see a file cachemgr does not (another mount), and its
+    pages must not be shared with a launch whose scales are 1.0.
     """
     path = args.quantization_param_path
     if path is None or not _scaled(args.kv_cache_dtype, config):
@@ -79,9 +80,15 @@ def kv_cache_scales(args: LaunchArgs, config: Mapping[str, Any]) -> str | None:
     try:
         return f"{ALGO_FULL}:{hash_file(Path(path)).digest}"
     except IdentityError as e:
-        log.warning(
-            "--quantization-param-path is not readable here: SGLang would run with FP8 KV "
-            "scaling factors of 1.0 (the identity records the file as unread)",
-            extra={"error": str(e)},
-        )
-        return f"unread:{path}"
+        log.debug("scales file not read", extra={"error": str(e)})
+        return f"{UNREAD}{path}"
+
+
+def unread_scales_warning(scales: str | None) -> str | None:
+    """The warning for an identity's `kv_cache_scales` that records an unread file, else None."""
+    if scales is None or not scales.startswith(UNREAD):
+        return None
+    return (
+        f"--quantization-param-path {scales.removeprefix(UNREAD)} is not readable here: SGLang "
+        "would run with FP8 KV scaling factors of 1.0 (the identity records the file as unread)"
+    )
