@@ -324,7 +324,7 @@ CHOICES = by_field(
 # Fields SGLang parses with int(): "64.0" or "1.5" is refused.
 INTEGER = frozenset(
     """
-    attn_cp_size attn_dp_size dcp_size dp_size mamba_track_interval page_size port pp_size
-    tp_size
+    attn_cp_size attn_dp_size dcp_size dp_size dwdp_size mamba_track_interval page_size port
+    pp_size tp_size
     """.split()  # noqa: SIM905
 )
