@@ -22,7 +22,7 @@ from cachemgr.identity.fingerprint import (
 )
 from cachemgr.identity.record import Weights as WeightsRecord
 from cachemgr.sglang.args import LaunchArgs
-from cachemgr.sglang.kvscales import kv_cache_scales
+from cachemgr.sglang.kvscales import check_scales_loadable, kv_cache_scales
 from cachemgr.sglang.record import FILE_KEY_SCHEME, Identity, Source, Storage, Topology
 
 # Architectures whose SGLang model overrides (arg_groups/model_overrides/*.py) set page_size
@@ -146,6 +146,7 @@ def compute_identity(
         args.model_path, args.revision, env=server_env, download_dir=args.download_dir
     )
     config = model_dir.read_json(target_dir / "config.json")
+    check_scales_loadable(args, config, server_env)  # before the weights are hashed
     run_dtype = model_dtype(args.dtype, config)
     kv = kv_dtype(args.kv_cache_dtype, run_dtype, model_dir.kv_cache_quant_algo(target_dir, config))
     draft_dir = draft_kv = draft_weights = None
