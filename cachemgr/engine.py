@@ -148,6 +148,11 @@ class Engine(ABC, Generic[ArgsT]):
         """The launch rewritten to use the namespace dir, when the dir is in its command."""
         return None
 
+    def identity_warnings(self, identity: Digested) -> list[str]:
+        """What the identity itself tells the operator (a file recorded as unread), said by
+        every command that computes it, as the launch's other warnings are."""
+        return []
+
     @abstractmethod
     def init_warnings(
         self,

@@ -10,6 +10,7 @@ import importlib.metadata
 from pathlib import Path
 
 from flagtable import IMPORTS, choice_lines, read_table, words
+from modelclasses import ModelClasses
 from sglang.srt.server_args import ServerArgs
 
 ARGS_PY = Path(__file__).resolve().parent.parent / "cachemgr" / "sglang" / "args.py"
@@ -33,6 +34,9 @@ def main() -> None:
     # Only the settings cachemgr reads (LaunchArgs fields are named as SGLang's dests).
     table = read_table(parser._actions, launch_fields())
     version = importlib.metadata.version("sglang")
+    classes = ModelClasses()
+    archs = classes.entries()
+    scaled = [a for a, (m, n) in archs.items() if classes.has_method(m, n, "load_kv_cache_scales")]
 
     print(f'''"""Which SGLang {version} server flags take no value, which take several, and which
 values SGLang accepts for the settings cachemgr reads.
@@ -79,6 +83,23 @@ CHOICES = by_field(
 INTEGER = frozenset(
     """
 {words(table.integer)}
+    """.split()  # noqa: SIM905
+)
+
+# Every architecture SGLang's model registry serves (models/registry.py: each model module's
+# EntryClass, by class name), read from the models' source (scripts/modelclasses.py).
+MODEL_ARCHS = frozenset(
+    """
+{words(archs)}
+    """.split()  # noqa: SIM905
+)
+
+# The architectures whose model class has load_kv_cache_scales, its own or inherited: with an
+# fp8_e4m3 KV cache and --quantization-param-path, SGLang refuses to start any other
+# (model_runner_components/load_model_utils.py `load_kv_cache_scales`).
+KV_SCALES_ARCHS = frozenset(
+    """
+{words(scaled)}
     """.split()  # noqa: SIM905
 )''')
 

@@ -4,15 +4,19 @@ file's content (not its path) is part of the identity whenever SGLang would load
 from __future__ import annotations
 
 import json
-import logging
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 
+from cachemgr.errors import ConfigError
 from cachemgr.identity.record import diff_identities
+from cachemgr.sglang.kvscales import EXTERNAL_MODELS_ENV
 from cachemgr.sglang.record import Identity
+from tests.nsfixtures import cli, cli_process, one_line_error
 from tests.test_identity import ident, make_model
+from tests.test_init import CMD, NO_STORAGE_ENV
 
 
 def scales_file(path: Path, scale: float) -> Path:
@@ -66,13 +70,13 @@ def test_scales_count_only_where_sglang_loads_them(model: Path, tmp_path: Path) 
         assert ident(f"--model-path {model} --kv-cache-dtype {kv} {flag}").ns_id == base.ns_id
     auto = ident(f"--model-path {model}")
     assert ident(f"--model-path {model} {flag}").ns_id == auto.ns_id
-    for arch, extra in (
-        ("MuseSparkForConditionalGeneration", {}),
-        ("DeepseekV32ForCausalLM", {"index_topk": 2048}),  # DSA: fp8 on SM100
-    ):
-        over = make_model(tmp_path / arch, extra_config={"architectures": [arch], **extra})
-        auto = ident(f"--model-path {over}")
-        assert ident(f"--model-path {over} {flag}").ns_id != auto.ns_id
+    # DSA: fp8 on SM100 (Muse Spark's `auto` is always fp8, and its class takes no scales:
+    # test_scales_on_a_model_class_without_their_loader_are_refused)
+    dsa = make_model(
+        tmp_path / "dsa",
+        extra_config={"architectures": ["DeepseekV32ForCausalLM"], "index_topk": 2048},
+    )
+    assert ident(f"--model-path {dsa} {flag}").ns_id != ident(f"--model-path {dsa}").ns_id
     # nullable_str: an empty path or None is no file
     assert fp8(model, "--quantization-param-path None").ns_id == fp8(model).ns_id
 
@@ -89,15 +93,89 @@ def test_without_the_flag_the_record_digest_is_as_before(model: Path) -> None:
     assert Identity.model_validate(data).digest == plain.digest
 
 
-def test_an_unreadable_file_is_warned_about_not_shared(
-    model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_an_unreadable_file_is_warned_about_not_shared(model: Path, tmp_path: Path) -> None:
     """SGLang only logs an error for a file it cannot read and runs with scales of 1.0: a
     warning, not a refusal; the value still keeps the launch out of the flagless namespace
     (the server may see a file cachemgr does not)."""
     missing = tmp_path / "nope.json"
-    with caplog.at_level(logging.WARNING, logger="cachemgr"):
-        unread = fp8(model, "--quantization-param-path", str(missing))
+    unread = fp8(model, "--quantization-param-path", str(missing))
     assert unread.kv_cache_scales == f"unread:{missing}"
     assert unread.ns_id != fp8(model).ns_id
-    assert "--quantization-param-path is not readable here" in caplog.text
+
+
+def test_an_unreadable_file_is_said_where_the_other_warnings_are(
+    model: Path, tmp_path: Path
+) -> None:
+    """The warning was only a log line: `init`, `exec` and `fingerprint` say it on stderr as
+    `cachemgr: warning:` and `init --json` in its warnings, as every launch warning."""
+    missing = tmp_path / "nope.json"
+    flags = [*CMD.split()[2:], "--model-path", str(model), "--kv-cache-dtype", "fp8_e4m3"]
+    flags += ["--quantization-param-path", str(missing)]
+    said = f"--quantization-param-path {missing} is not readable here"
+    root = str(tmp_path / "root")
+    out = cli("--root", root, "init", "--json", "--", "sglang", "serve", *flags, env=NO_STORAGE_ENV)
+    assert out.returncode == 0, out.stderr
+    assert [w for w in json.loads(out.stdout)["warnings"] if said in w]
+    assert [ln for ln in out.stderr.splitlines() if ln.startswith(f"cachemgr: warning: {said}")]
+    out = cli("--root", root, "fingerprint", "--", "sglang", "serve", *flags)
+    assert out.returncode == 0 and f"cachemgr: warning: {said}" in out.stderr, out.stderr
+    # `true` stands in for the server: exec runs it once init is done
+    ran = cli_process("--root", root, "exec", "--", "true", *flags, env=NO_STORAGE_ENV)
+    assert ran.returncode == 0 and f"cachemgr: warning: {said}" in ran.stderr, ran.stderr
+
+
+def arch_model(tmp_path: Path, *archs: str) -> Path:
+    return make_model(tmp_path / "-".join(archs), extra_config={"architectures": list(archs)})
+
+
+def test_scales_on_a_model_class_without_their_loader_are_refused(tmp_path: Path) -> None:
+    """load_model_utils.py `load_kv_cache_scales` raises for an fp8_e4m3 KV cache with a
+    scales file when the model class has no load_kv_cache_scales: SGLang never starts, so
+    the launch is refused before init instead of getting a namespace."""
+    path = scales_file(tmp_path / "scales.json", 0.5)
+    flag = f"--quantization-param-path {path}"
+    refused = {
+        "MixtralForCausalLM": "SGLang's MixtralForCausalLM cannot load",
+        "NoSuchForCausalLM": "the Transformers backend (NoSuchForCausalLM) cannot load",
+    }
+    for arch, says in refused.items():
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            fp8(arch_model(tmp_path, arch), flag)
+    muse = arch_model(tmp_path, "MuseSparkForConditionalGeneration")  # `auto` is fp8 there
+    with pytest.raises(ConfigError, match="MuseSparkForConditionalGeneration cannot load"):
+        ident(f"--model-path {muse} {flag}")
+    # the class of the first architecture the registry serves loads them (LlamaForCausalLM's
+    # subclasses too), and no other KV dtype reads the file
+    assert fp8(arch_model(tmp_path, "NoSuchForCausalLM", "LlamaForCausalLM"), flag).kv_cache_scales
+    assert fp8(arch_model(tmp_path, "MistralForCausalLM"), flag).kv_cache_scales
+    mixtral = tmp_path / "MixtralForCausalLM"
+    assert ident(f"--model-path {mixtral} --kv-cache-dtype bfloat16 {flag}").kv_cache_scales is None
+    # an external model package may register any class: not refused
+    external = f"env {EXTERNAL_MODELS_ENV}=my_models sglang serve --model-path {mixtral}"
+    assert ident(f"{external} --kv-cache-dtype fp8_e4m3 {flag}").kv_cache_scales
+
+
+def test_a_refused_scales_launch_keeps_the_good_namespace(tmp_path: Path) -> None:
+    """init made a namespace for it and purged the instance's good one, for a server that
+    never started."""
+    mixtral = arch_model(tmp_path, "MixtralForCausalLM")
+    path = scales_file(tmp_path / "scales.json", 0.5)
+    launch = ["sglang", "serve", *CMD.split()[2:], "--model-path", str(mixtral)]
+    launch += ["--kv-cache-dtype", "fp8_e4m3"]
+    root = str(tmp_path / "root")
+    good = cli("--root", root, "init", "--json", "--", *launch, env=NO_STORAGE_ENV)
+    assert good.returncode == 0, good.stderr
+    out = cli(
+        "--root",
+        root,
+        "init",
+        "--",
+        *launch,
+        "--quantization-param-path",
+        str(path),
+        env=NO_STORAGE_ENV,
+    )
+    assert out.returncode == 2 and "cannot load KV cache scaling factors" in one_line_error(out)
+    assert Path(json.loads(good.stdout)["storage_dir"]).is_dir()
+    again = cli("--root", root, "init", "--json", "--", *launch, env=NO_STORAGE_ENV)
+    assert json.loads(again.stdout)["outcome"] == "unchanged"

@@ -110,6 +110,8 @@ def _run(engine: ScriptRunner, script: str, argvs: list[list[str]]) -> list[Any]
 def _sglang_value(field: str) -> str | None:
     if field in SGLANG_BOOLS:
         return None
+    if field == "dwdp_size":
+        return "0"  # not the default, and no DWDP: 2 alone is refused (it must equal --tp-size)
     return _value(field, sglang_flags.CHOICES, sglang_flags.INTEGER)
 
 

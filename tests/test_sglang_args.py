@@ -16,6 +16,7 @@ from cachemgr.sglang import flags as sglang_flags
 from cachemgr.sglang.args import LaunchArgs, resolve_launch_args, scan_flags, split_command
 from cachemgr.sglang.identity import _tp_lcm_size
 from tests.conftest import REPO, SGLANG_ENV, ScriptRunner
+from tests.test_identity import ident, make_model
 
 # FIELD_NOTES §6, pasted as operators run them (continuation lines included).
 RTX4090 = r"""sglang serve --model-path Qwen3.8-27B-W4A16-AWQ \
@@ -194,6 +195,37 @@ def test_bad_values_are_config_errors(command: str, needle: str) -> None:
 def test_deprecated_dp_attention_becomes_attention_dp() -> None:
     args = resolve_launch_args("--model-path /m --tp-size 4 --dp-size 4 --enable-dp-attention")
     assert (args.attn_dp_size, args.dp_size) == (4, 1)
+
+
+def test_dwdp_makes_every_tp_rank_an_attention_dp_group(tmp_path: Path) -> None:
+    """parallel_hook.py `handle_dwdp` sets attn_dp_size to the DWDP size: each rank then
+    writes all KV heads under attention-TP rank 0 of 1, not its 1/tp share under its TP
+    rank. Read as plain TP, a DWDP server shared the TP server's namespace."""
+    model = make_model(tmp_path / "model")
+    dwdp = ident(f"--model-path {model} --tp-size 4 --dwdp-size 4")
+    assert dwdp.topology == ident(f"--model-path {model} --tp-size 4 --attn-dp-size 4").topology
+    assert dwdp.ns_id != ident(f"--model-path {model} --tp-size 4").ns_id
+    # SGLang ignores a DWDP size up to 1
+    assert (
+        ident(f"--model-path {model} --dwdp-size 1").ns_id == ident(f"--model-path {model}").ns_id
+    )
+    args = resolve_launch_args("--model-path /m --tp-size 2 --dp-size 2 --dwdp-size 2")
+    assert (args.attn_dp_size, args.dp_size) == (2, 1)
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        ("--tp-size 4 --dwdp-size 2", "must equal --tp-size"),
+        ("--tp-size 2 --pp-size 2 --dwdp-size 2", "needs --pp-size 1"),
+        ("--tp-size 2 --dwdp-size 2 --disaggregation-mode decode", "null or prefill"),
+        ("--tp-size 2 --dwdp-size 2 --speculative-algorithm EAGLE", "speculative"),
+    ],
+)
+def test_a_dwdp_launch_sglang_refuses_is_refused(flags: str, needle: str) -> None:
+    """handle_dwdp's assertions stop the server at start: refused before init purges."""
+    with pytest.raises(ConfigError, match=needle):
+        resolve_launch_args(f"--model-path /m {flags}")
 
 
 def test_direct_io_turns_page_first_into_page_first_direct() -> None:

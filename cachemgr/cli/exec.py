@@ -46,7 +46,7 @@ def exec_(
     engine.exec_refusal(launch.engine_args(), layout=layout, environ=server_env)
     run = run_init(app, launch, wait=wait, force=force)
     storage_dir = run.result.storage_dir
-    warnings = engine.exec_warnings(
+    warnings = engine.identity_warnings(run.identity) + engine.exec_warnings(
         launch.engine_args(), storage_dir, layout=layout, environ=server_env
     )
     for w in warnings:

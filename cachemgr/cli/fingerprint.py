@@ -67,9 +67,10 @@ def compute(app: AppContext, launch: LaunchRequest, as_json: bool, explain: bool
     --kv-cache-dtype fp8_e4m3 --page-size 64`), explicit options, or both; options win.
     """
     ident = launch.compute_identity(app.settings)
-    warning = version_warning(ident)
-    if warning is not None:  # an 'unknown' version is said each time it enters an identity
-        click.echo(f"cachemgr: warning: {warning}", err=True)
+    # an 'unknown' version is said each time it enters an identity
+    for warning in (version_warning(ident), *launch.engine.identity_warnings(ident)):
+        if warning is not None:
+            click.echo(f"cachemgr: warning: {warning}", err=True)
     if as_json:
         click.echo(ident.model_dump_json(indent=2))
     elif explain:

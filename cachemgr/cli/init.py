@@ -172,7 +172,7 @@ def init(
     hands_env = print_env or env_file is not None
     engine = launch.engine
     storage_dir = run.result.storage_dir
-    warnings = engine.init_warnings(
+    warnings = engine.identity_warnings(run.identity) + engine.init_warnings(
         launch.engine_args(),
         storage_dir,
         layout=Layout.at(app.settings.root, app.settings.state_dir),

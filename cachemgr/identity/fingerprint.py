@@ -86,7 +86,7 @@ def _no_progress(_total: int) -> Iterator[hashing.Progress | None]:
 
 
 def digest_weights(
-    directory: Path,
+    model: Path,
     *,
     fast: bool = False,
     cache: DigestCache | None = None,
@@ -94,8 +94,9 @@ def digest_weights(
     progress: ProgressFactory | None = None,
     code: bool = False,
 ) -> WeightsRecord:
-    """Digest every identity file of a model dir, reusing cached digests of unchanged files."""
-    names = model_dir.identity_files(directory, code=code)
+    """Digest every identity file of a model dir (or single GGUF file), reusing cached
+    digests of unchanged files."""
+    directory, names = model_dir.identity_files(model, code=code)
     real = {name: Path(os.path.realpath(directory / name)) for name in names}
     stats = {name: hashing.stat_regular(directory / name) for name in names}
     for name, st in stats.items():
@@ -120,17 +121,18 @@ def digest_weights(
 
 
 def model_weights(
-    directory: Path,
+    model: Path,
     options: IdentityOptions,
     *,
     cache: DigestCache | None,
     progress: ProgressFactory | None,
     code: bool,
 ) -> WeightsRecord:
-    """A model dir's weights as every engine's identity records them: digested the way the
-    operator's `options` say (fast or full, how many hashing threads); `code`: remote code."""
+    """A model dir's (or single GGUF file's) weights as every engine's identity records
+    them: digested the way the operator's `options` say (fast or full, how many hashing
+    threads); `code`: remote code."""
     return digest_weights(
-        directory,
+        model,
         fast=options.fast,
         cache=cache,
         workers=options.hash_workers,

@@ -27,6 +27,7 @@ CONFIG_FILES = frozenset(
     }
 )
 _COMMIT_RE = re.compile(r"[0-9a-f]{40}")
+GGUF_MAGIC = b"GGUF"
 
 
 def hf_hub_cache(env: Mapping[str, str]) -> Path:
@@ -92,8 +93,34 @@ def locate_model(
     return snapshot
 
 
-def identity_files(model_dir: Path, *, code: bool = False) -> list[str]:
-    """Names of the weight and config files in `model_dir` (top level, as SGLang loads them).
+def gguf_file(path: str) -> Path | None:
+    """`path` as a single GGUF checkpoint file, told as SGLang tells one (hf_transformers/
+    common.py `check_gguf_file`: a file named *.gguf, or one that starts with the GGUF
+    magic); None for anything else."""
+    local = Path(path).expanduser()
+    if not local.is_file():
+        return None
+    if local.suffix != ".gguf":
+        try:
+            with local.open("rb") as f:
+                if f.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
+                    return None
+        except OSError:
+            return None  # not one cachemgr can tell: locate_model says what the path is
+    return local.absolute()
+
+
+def _listdir(directory: Path) -> list[str]:
+    try:
+        return os.listdir(directory)
+    except OSError as e:
+        raise IdentityError(f"cannot list model directory {directory}: {e.strerror or e}") from e
+
+
+def identity_files(model: Path, *, code: bool = False) -> tuple[Path, list[str]]:
+    """The directory a model's weight and config files are in, and their names: the top
+    level of a model dir, as SGLang loads it, or a single GGUF file (`gguf_file`) and what
+    is read beside it.
 
     With `code` (the server runs with --trust-remote-code) the model's own `*.py` files
     (modeling_*.py, configuration_*.py, …) count too: they compute the KV a page holds.
@@ -101,10 +128,9 @@ def identity_files(model_dir: Path, *, code: bool = False) -> list[str]:
     Entries are matched by name, not type, so a broken symlink or a directory named like a
     shard is reported when it is hashed instead of being silently left out.
     """
-    try:
-        names = os.listdir(model_dir)
-    except OSError as e:
-        raise IdentityError(f"cannot list model directory {model_dir}: {e.strerror or e}") from e
+    if model.is_file():
+        return model.parent, _gguf_files(model, code)
+    names = _listdir(model)
     chosen = sorted(
         n
         for n in names
@@ -113,11 +139,20 @@ def identity_files(model_dir: Path, *, code: bool = False) -> list[str]:
     )
     if not any(n.endswith(WEIGHT_SUFFIXES) for n in chosen):
         raise IdentityError(
-            f"no weight files ({', '.join('*' + s for s in WEIGHT_SUFFIXES)}) in {model_dir}"
+            f"no weight files ({', '.join('*' + s for s in WEIGHT_SUFFIXES)}) in {model}"
         )
     if "config.json" not in chosen and not any(n.endswith(".gguf") for n in chosen):
-        raise IdentityError(f"no config.json in {model_dir}")
-    return chosen
+        raise IdentityError(f"no config.json in {model}")
+    return model, chosen
+
+
+def _gguf_files(gguf: Path, code: bool) -> list[str]:
+    """A single GGUF file's identity files: the file (not the other quantizations often
+    beside it), and a config.json beside it, which SGLang's get_config reads instead of
+    the file's own metadata (hf_transformers/config.py), with the code it may name."""
+    beside = _listdir(gguf.parent)
+    read = [n for n in beside if n == "config.json" or (code and n.endswith(".py"))]
+    return sorted({gguf.name, *read})
 
 
 def read_json(path: Path) -> dict[str, Any]:

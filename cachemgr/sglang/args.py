@@ -79,6 +79,9 @@ class LaunchArgs(BaseModel):
     attn_cp_size: int = Field(1, ge=1)
     dcp_size: int = Field(1, ge=1)
     enable_dp_attention: bool = False  # deprecated spelling of attn_dp_size=dp_size
+    # Not in the identity itself: above 1 it becomes attn_dp_size (see _apply_dwdp); SGLang
+    # ignores any value up to 1, so there is no lower bound.
+    dwdp_size: int = 1
     # fields/memory.py
     enable_hierarchical_cache: bool = False
     hicache_mem_layout: str = "page_first"
@@ -169,6 +172,7 @@ FLAGS: dict[str, str] = {
     "--dcp-size": "dcp_size",
     "--decode-context-parallel-size": "dcp_size",
     "--enable-dp-attention": "enable_dp_attention",
+    "--dwdp-size": "dwdp_size",
     "--enable-hierarchical-cache": "enable_hierarchical_cache",
     "--enable-hicache": "enable_hierarchical_cache",
     "--hicache-mem-layout": "hicache_mem_layout",
@@ -370,6 +374,7 @@ def _apply_sglang_resolutions(values: dict[str, Any]) -> dict[str, Any]:
     # means N attention-DP groups and one replica.
     if out.get("enable_dp_attention") and int(out.get("attn_dp_size", 1)) == 1:
         out["attn_dp_size"], out["dp_size"] = out.get("dp_size", 1), 1
+    _apply_dwdp(out)
     # hicache_hook.py `handle_hicache`, for a server that writes pages (hierarchical cache, or
     # a PD decode server offloading through the backend: its host pool takes the same layout):
     # `resolve_layout_io_compatibility` makes page_first with direct I/O page_first_direct,
@@ -398,6 +403,29 @@ def _apply_sglang_resolutions(values: dict[str, Any]) -> dict[str, Any]:
     if forced is not None:
         out["page_size"], out["page_size_source"] = forced, "attention_backend"
     return out
+
+
+def _apply_dwdp(values: dict[str, Any]) -> None:
+    """parallel_hook.py `handle_dwdp` (after the deprecated DP-attention spelling): a DWDP
+    group makes every TP rank its own attention-DP group, so a rank's pages hold all KV heads
+    and are keyed as attention-TP rank 0 of 1 (cache_controller.py
+    `_generate_storage_config`): the topology of `--attn-dp-size <tp>`. What its assertions
+    refuse at start is refused here, before init purges anything."""
+    dwdp = _int_or_none(values.get("dwdp_size"))
+    if dwdp is None or dwdp <= 1:
+        return
+    tp = _int_or_none(values.get("tp_size", 1))
+    if dwdp != tp:
+        raise ConfigError(f"--dwdp-size {dwdp} must equal --tp-size ({tp}): SGLang refuses it")
+    if _int_or_none(values.get("pp_size", 1)) != 1:
+        raise ConfigError("--dwdp-size needs --pp-size 1: SGLang refuses it")
+    if values.get("disaggregation_mode", "null") not in ("null", "prefill"):
+        raise ConfigError(
+            "--dwdp-size needs --disaggregation-mode null or prefill: SGLang refuses it"
+        )
+    if values.get("speculative_algorithm") is not None:
+        raise ConfigError("--dwdp-size does not work with speculative decoding: SGLang refuses it")
+    values["attn_dp_size"], values["dp_size"] = dwdp, 1
 
 
 def _int_or_none(value: Any) -> int | None:

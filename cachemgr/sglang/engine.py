@@ -20,6 +20,7 @@ from cachemgr.sglang import lint
 from cachemgr.sglang.args import LaunchArgs, resolve_launch_args
 from cachemgr.sglang.hicache import HICACHE_FILE, STORAGE_DIR_ENV
 from cachemgr.sglang.identity import compute_identity, installed_sglang_version
+from cachemgr.sglang.kvscales import unread_scales_warning
 from cachemgr.sglang.probe import METRICS as PROBE_METRICS
 from cachemgr.sglang.probe import ProbeLoop
 from cachemgr.sglang.record import Identity
@@ -123,6 +124,12 @@ class SGLangEngine(Engine[LaunchArgs]):
             for i, t in enumerate(command)
         ]
         return argv, {**environ, STORAGE_DIR_ENV: str(storage_dir)}
+
+    def identity_warnings(self, identity: Digested) -> list[str]:
+        if not isinstance(identity, Identity):
+            return []
+        said = unread_scales_warning(identity.kv_cache_scales)
+        return [said] if said else []
 
     def init_warnings(
         self,

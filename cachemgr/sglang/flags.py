@@ -324,7 +324,117 @@ CHOICES = by_field(
 # Fields SGLang parses with int(): "64.0" or "1.5" is refused.
 INTEGER = frozenset(
     """
-    attn_cp_size attn_dp_size dcp_size dp_size mamba_track_interval page_size port pp_size
-    tp_size
+    attn_cp_size attn_dp_size dcp_size dp_size dwdp_size mamba_track_interval page_size port
+    pp_size tp_size
+    """.split()  # noqa: SIM905
+)
+
+# Every architecture SGLang's model registry serves (models/registry.py: each model module's
+# EntryClass, by class name), read from the models' source (scripts/modelclasses.py).
+MODEL_ARCHS = frozenset(
+    """
+    AfmoeForCausalLM ApertusForCausalLM ArceeForCausalLM BaichuanForCausalLM
+    BailingMM2NativeForConditionalGeneration BailingMMNativeForConditionalGeneration
+    BailingMoEForCausalLM BailingMoeForCausalLM BailingMoeForCausalLMNextN
+    BailingMoeV2ForCausalLM BailingMoeV2_5ForCausalLM BailingMoeV3ForCausalLM
+    BailingMoeV3VLForConditionalGeneration BeamForCausalLM BertForSequenceClassification
+    BertModel CLIPModel ChatGLMModel Cohere2ForCausalLM Cohere2MoeForCausalLM
+    Cohere2VisionForConditionalGeneration CohereForCausalLM Contriever
+    Cosmos3EdgeForConditionalGeneration Cosmos3ForConditionalGeneration DFlash2BeamDraftModel
+    DFlash2DraftModel DFlashDraftModel DFlashLagunaForCausalLM DSparkDraftModel
+    DSparkMiniMaxDraftModel DbrxForCausalLM DeciLMForCausalLM DeepseekForCausalLM
+    DeepseekOCRForCausalLM DeepseekV2ForCausalLM DeepseekV32ForCausalLM DeepseekV3ForCausalLM
+    DeepseekV3ForCausalLMNextN DeepseekV4ForCausalLM DeepseekV4ForCausalLMDSpark
+    DeepseekV4ForCausalLMNextN DeepseekVL2ForCausalLM DiffusionGemmaForBlockDiffusion
+    Dots3NoteForCausalLM Dots3NoteForCausalLMNextN DotsOCRForCausalLM DotsVLMForCausalLM
+    Eagle3DeepseekV2ForCausalLM EmbeddingGemma2Model EmbeddingGemmaModel Ernie4_5_ForCausalLM
+    Ernie4_5_MoeForCausalLM Ernie4_5_MoeForCausalLMMTP Ernie4_5_VLMoeForConditionalGeneration
+    Exaone4ForCausalLM ExaoneForCausalLM ExaoneMoEForCausalLM ExaoneMoEForCausalLMMTP
+    ExaoneMoeForCausalLM FalconH1ForCausalLM FalconMambaForCausalLM GPT2LMHeadModel
+    GPTBigCodeForCausalLM GPTJForCausalLM Gemma2ForCausalLM Gemma2ForSequenceClassification
+    Gemma3ForCausalLM Gemma3ForConditionalGeneration Gemma3nForCausalLM
+    Gemma3nForConditionalGeneration Gemma4AssistantForCausalLM Gemma4ForCausalLM
+    Gemma4ForConditionalGeneration Gemma4UnifiedAssistantForCausalLM
+    Gemma4UnifiedForConditionalGeneration GemmaForCausalLM GigaChat35ForCausalLM
+    GigaChat35ForCausalLMNextN Glm4ForCausalLM Glm4MoeForCausalLM Glm4MoeForCausalLMNextN
+    Glm4MoeLiteForCausalLM Glm4MoeLiteForCausalLMNextN Glm4vForConditionalGeneration
+    Glm4vMoeForConditionalGeneration Glm5NextForConditionalGeneration
+    Glm5NextForConditionalGenerationNextN GlmAsrForConditionalGeneration
+    GlmImageForConditionalGeneration GlmMoeDsaForCausalLM GlmMoeDsaForCausalLMNextN
+    GlmOcrForConditionalGeneration GlmOcrForConditionalGenerationNextN GptOssForCausalLM
+    GraniteForCausalLM GraniteMoeForCausalLM GraniteMoeHybridForCausalLM
+    GraniteMoeSWAForCausalLM GraniteMoeSharedForCausalLM GraniteSWAForCausalLM Grok1ForCausalLM
+    Grok1ModelForCausalLM HYV3ForCausalLM HYV3ForCausalLMNextN HYV4ForCausalLM
+    HYV4ForCausalLMNextN HrmTextForCausalLM HunYuanDenseV1ForCausalLM HunYuanMoEV1ForCausalLM
+    IQuestCoderForCausalLM IQuestLoopCoderForCausalLM IQuestQ1ForCausalLM IQuestQ1MTP
+    InklingForConditionalGeneration InklingForConditionalGenerationMTP InternLM2ForCausalLM
+    InternLM2ForRewardModel InternLM3ForCausalLM InternS1ForConditionalGeneration
+    InternS1ProForConditionalGeneration InternS2MobiusForConditionalGeneration
+    InternS2PreviewForConditionalGeneration InternVLChatModel JetNemotronForCausalLM
+    JetVLMForConditionalGeneration K2HorizonForCausalLM KimiK25ForConditionalGeneration
+    KimiK3ForConditionalGeneration KimiK3LinearForCausalLM KimiLinearForCausalLM
+    KimiVLForConditionalGeneration LLaDA2MoeModelLM LagunaForCausalLM Lfm2BidirectionalModel
+    Lfm2DSparkDraftModel Lfm2ForCausalLM Lfm2MoeForCausalLM Lfm2VlForConditionalGeneration
+    LiLiCorrDraftModel LightOnOCRForConditionalGeneration LingDSparkModel Llama4ForCausalLM
+    Llama4ForConditionalGeneration LlamaEmbeddingModel LlamaForCausalLM LlamaForCausalLMEagle
+    LlamaForCausalLMEagle3 LlamaForClassification LlamaForSequenceClassification
+    LlamaForSequenceClassificationWithNormal_Weights LlavaForConditionalGeneration
+    LlavaLlamaForCausalLM LlavaMistralForCausalLM LlavaQwenForCausalLM LlavaVidForCausalLM
+    LocateAnythingForConditionalGeneration LongcatFlashForCausalLM LongcatFlashForCausalLMNextN
+    Mamba2ForCausalLM MambaForCausalLM MellumForCausalLM MiDashengLMModel MiMoForCausalLM
+    MiMoMTP MiMoV2ASRForCausalLM MiMoV2FlashForCausalLM MiMoV2ForCausalLM MiMoV2MTP
+    MindSporeForCausalLM MiniCPM3ForCausalLM MiniCPMForCausalLM MiniCPMO MiniCPMSALAForCausalLM
+    MiniCPMV MiniCPMV4_6ForConditionalGeneration MiniCPMV4_7ForConditionalGeneration
+    MiniMaxDFlash2DraftModel MiniMaxM2ForCausalLM MiniMaxM3SparseForCausalLM
+    MiniMaxM3SparseForConditionalGeneration Ministral3ForCausalLM
+    Mistral3ForConditionalGeneration MistralForCausalLM MistralForCausalLMEagle
+    MistralLarge3ForCausalLM MistralLarge3ForCausalLMEagle MistralModel MixtralForCausalLM
+    MllamaForConditionalGeneration MossVLForConditionalGeneration MultiModalityCausalLM
+    MuseGlimmerAssistantModel MuseGlimmerForCausalLM MuseGlimmerForConditionalGeneration
+    MuseSparkForConditionalGeneration NVILAForConditionalGeneration
+    NVILALiteForConditionalGeneration NanbeigeForCausalLM NanbeigeForSequenceClassification
+    NemotronHForCausalLM NemotronHForCausalLMMTP NemotronHPuzzleForCausalLM
+    NemotronH_Nano_Omni_Reasoning_V3 NemotronH_Nano_VL_V2 NemotronH_Omni_Reasoning_V3
+    OPTForCausalLM Olmo2ForCausalLM OlmoForCausalLM OlmoeForCausalLM OrionForCausalLM
+    POINTSV15ChatModel PaddleOCRVLForConditionalGeneration PersimmonForCausalLM Phi3ForCausalLM
+    Phi3SmallForCausalLM Phi4MMForCausalLM PhiForCausalLM PhiMoEForCausalLM
+    PixtralForConditionalGeneration PixtralVisionModel QWenLMHeadModel QuantMixtralForCausalLM
+    Qwen2AudioForConditionalGeneration Qwen2ForCausalLM Qwen2ForCausalLMEagle
+    Qwen2ForRewardModel Qwen2ForSequenceClassification Qwen2MoeForCausalLM
+    Qwen2VLForConditionalGeneration Qwen2_5_VLForConditionalGeneration
+    Qwen3ASRForConditionalGeneration Qwen3DSparkModel Qwen3ForCausalLM Qwen3ForRewardModel
+    Qwen3ForSequenceClassification Qwen3Model Qwen3MoeForCausalLM Qwen3MoeForCausalLMMTP
+    Qwen3NextForCausalLM Qwen3NextForCausalLMMTP Qwen3OmniMoeForConditionalGeneration
+    Qwen3VLForConditionalGeneration Qwen3VLMoeForConditionalGeneration Qwen3_5ForCausalLM
+    Qwen3_5ForCausalLMMTP Qwen3_5ForConditionalGeneration Qwen3_5MoeForCausalLM
+    Qwen3_5MoeForConditionalGeneration Qwen4ExpForCausalLMMTP Qwen4ExpForConditionalGeneration
+    SDARForCausalLM SDARMoeForCausalLM Sarashina2VisionForCausalLM SarvamMLAForCausalLM
+    SarvamMoEForCausalLM SolarForCausalLM Spark2_5ForCausalLM StableLmForCausalLM
+    Starcoder2ForCausalLM Step3VLForConditionalGeneration Step3p5ForCausalLM Step3p5MTP
+    Step3p7ForConditionalGeneration StepVLForConditionalGeneration TeleFLMForCausalLM
+    TorchNativeLlamaForCausalLM TorchNativePhi3ForCausalLM TransformersEmbeddingModel
+    TransformersForCausalLM TransformersForSequenceClassification TransformersMoEEmbeddingModel
+    TransformersMoEForCausalLM TransformersMoEForSequenceClassification
+    TransformersMultiModalEmbeddingModel TransformersMultiModalForCausalLM
+    TransformersMultiModalForSequenceClassification TransformersMultiModalMoEEmbeddingModel
+    TransformersMultiModalMoEForCausalLM TransformersMultiModalMoEForSequenceClassification
+    UnlimitedOCRForCausalLM VoxtralForConditionalGeneration WhisperForConditionalGeneration
+    XLMRobertaForSequenceClassification XLMRobertaModel XllmForCausalLM XverseForCausalLM
+    XverseMoeForCausalLM YiVLForCausalLM ZayaForCausalLM
+    """.split()  # noqa: SIM905
+)
+
+# The architectures whose model class has load_kv_cache_scales, its own or inherited: with an
+# fp8_e4m3 KV cache and --quantization-param-path, SGLang refuses to start any other
+# (model_runner_components/load_model_utils.py `load_kv_cache_scales`).
+KV_SCALES_ARCHS = frozenset(
+    """
+    ApertusForCausalLM ArceeForCausalLM Cosmos3EdgeForConditionalGeneration Exaone4ForCausalLM
+    Glm4ForCausalLM Glm5NextForConditionalGeneration HunYuanDenseV1ForCausalLM
+    HunYuanMoEV1ForCausalLM IQuestCoderForCausalLM InternLM3ForCausalLM Llama4ForCausalLM
+    LlamaForCausalLM LlamaForCausalLMEagle LlamaForCausalLMEagle3 MiMoForCausalLM
+    MiMoV2ASRForCausalLM MiMoV2FlashForCausalLM MiMoV2ForCausalLM MiMoV2MTP
+    Ministral3ForCausalLM MistralForCausalLM MistralForCausalLMEagle OPTForCausalLM
+    Phi3ForCausalLM Qwen2ForCausalLM Qwen2ForCausalLMEagle Qwen3ForCausalLM TeleFLMForCausalLM
     """.split()  # noqa: SIM905
 )

@@ -22,7 +22,7 @@ from cachemgr.identity.fingerprint import (
 )
 from cachemgr.identity.record import Weights as WeightsRecord
 from cachemgr.sglang.args import LaunchArgs
-from cachemgr.sglang.kvscales import kv_cache_scales
+from cachemgr.sglang.kvscales import check_scales_loadable, kv_cache_scales
 from cachemgr.sglang.record import FILE_KEY_SCHEME, Identity, Source, Storage, Topology
 
 # Architectures whose SGLang model overrides (arg_groups/model_overrides/*.py) set page_size
@@ -43,12 +43,17 @@ PAGE_SIZE_OVERRIDING_ARCHS = frozenset(
     """.split()  # noqa: SIM905
 )
 PageSizeFrom = Literal["flag", "attention_backend", "server"]
+GGUF_LOAD_FORMATS = frozenset({"auto", "gguf"})  # those that load a .gguf model path as GGUF
 
 
-def model_dtype(dtype_arg: str, config: Mapping[str, Any]) -> str:
-    """The dtype SGLang runs the model in (model_config.py `_get_and_verify_dtype`)."""
+def model_dtype(dtype_arg: str, config: Mapping[str, Any] | None) -> str:
+    """The dtype SGLang runs the model in (model_config.py `_get_and_verify_dtype`); `auto`
+    as is when the config is in a GGUF file's own metadata (None), which cachemgr does not
+    read: such a launch never shares a namespace with a dtype the server may not run."""
     if dtype_arg.lower() != "auto":
         return normalize_dtype(dtype_arg)
+    if config is None:
+        return "auto"
     found = model_dir.config_dtype(config)
     if found is None or normalize_dtype(found) == "float32":
         # SGLang serves float32 (or dtype-less) checkpoints in half precision; gemma in bf16.
@@ -70,6 +75,32 @@ def modelscope(env: Mapping[str, str]) -> str | None:
     environ.py's EnvBool reads it; the loader's get_bool_env_var takes a subset)."""
     on = env.get(MODELSCOPE_ENV, "").lower() in ("true", "1", "yes", "y")
     return MODELSCOPE_ENV if on else None
+
+
+def locate_target(args: LaunchArgs, env: Mapping[str, str]) -> Path:
+    """The model dir, or the single GGUF file SGLang serves as one: with --load-format auto or
+    gguf it makes such a file's load format and quantization gguf (arg_groups/
+    model_path_hook.py `handle_load_format`, overrides.py `_gguf_quantization`) and
+    GGUFModelLoader reads it (model_loader/loader.py); `env` is the server's."""
+    gguf = model_dir.gguf_file(args.model_path) if args.load_format in GGUF_LOAD_FORMATS else None
+    return gguf or model_dir.locate_model(
+        args.model_path,
+        args.revision,
+        env=env,
+        download_dir=args.download_dir,
+        modelscope=modelscope(env),
+    )
+
+
+def target_config(target: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(config.json, its KV quantization algo) of the target; None for the config of a GGUF
+    file without a config.json beside it (then it is in the file's metadata). A GGUF file's
+    quantization (GGUFConfig) has no KV quantization."""
+    if not target.is_file():
+        config = model_dir.read_json(target / "config.json")
+        return config, model_dir.kv_cache_quant_algo(target, config)
+    beside = target.parent / "config.json"
+    return (model_dir.read_json(beside) if beside.is_file() else None), None
 
 
 def installed_sglang_version() -> str | None:
@@ -150,17 +181,12 @@ def compute_identity(
             directory, opts, cache=cache, progress=progress, code=args.trust_remote_code
         )
 
-    scope = modelscope(server_env)
-    target_dir = model_dir.locate_model(
-        args.model_path,
-        args.revision,
-        env=server_env,
-        download_dir=args.download_dir,
-        modelscope=scope,
-    )
-    config = model_dir.read_json(target_dir / "config.json")
-    run_dtype = model_dtype(args.dtype, config)
-    kv = kv_dtype(args.kv_cache_dtype, run_dtype, model_dir.kv_cache_quant_algo(target_dir, config))
+    target = locate_target(args, server_env)
+    read_config, quant_kv_algo = target_config(target)
+    config = read_config or {}
+    check_scales_loadable(args, config, server_env)  # before the weights are hashed
+    run_dtype = model_dtype(args.dtype, read_config)
+    kv = kv_dtype(args.kv_cache_dtype, run_dtype, quant_kv_algo)
     draft_dir = draft_kv = draft_weights = None
     if args.speculative_draft_model_path:
         # The draft's runner has the same load config: --download-dir is its cache too.
@@ -169,7 +195,7 @@ def compute_identity(
             args.speculative_draft_model_revision,
             env=server_env,
             download_dir=args.download_dir,
-            modelscope=scope,
+            modelscope=modelscope(server_env),
         )
         draft_config = model_dir.read_json(draft_dir / "config.json")
         # spec.py: the draft's KV dtype follows --kv-cache-dtype unless set on its own.
@@ -184,7 +210,7 @@ def compute_identity(
         opts.engine_version, opts.version_granularity, installed
     )
     return Identity(
-        weights=weights(target_dir),
+        weights=weights(target),
         draft_weights=draft_weights,
         kv_cache_dtype=kv,
         draft_kv_cache_dtype=draft_kv,
@@ -213,7 +239,7 @@ def compute_identity(
         salt=opts.salt,
         source=Source(
             model_path=args.model_path,
-            model_dir=str(target_dir),
+            model_dir=str(target),
             served_model_name=args.model_name,
             draft_model_path=args.speculative_draft_model_path,
             draft_model_dir=str(draft_dir) if draft_dir else None,

@@ -14,9 +14,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from cachemgr.errors import IdentityError
+from cachemgr.errors import ConfigError, IdentityError
 from cachemgr.identity.hashing import ALGO_FULL, hash_file
 from cachemgr.sglang.args import LaunchArgs
+from cachemgr.sglang.flags import KV_SCALES_ARCHS, MODEL_ARCHS, SGLANG_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +27,9 @@ log = logging.getLogger(__name__)
 # server then ignores only costs a namespace of its own); for any other model it never does,
 # so such a launch keeps the namespace it had before the scales were read.
 SCALED_KV = "fp8_e4m3"
+# models/registry.py: a package whose EntryClass classes come first, before SGLang's own
+EXTERNAL_MODELS_ENV = "SGLANG_EXTERNAL_MODEL_PACKAGE"
+UNREAD = "unread:"  # the prefix of a file cachemgr could not read
 AUTO_FP8_ARCHS = frozenset({"MuseSparkForConditionalGeneration"})
 # configs/model_config.py is_deepseek_dsa: the first architecture, with index_topk set
 DSA_ARCHS = frozenset(
@@ -49,17 +53,51 @@ DSA_ARCHS = frozenset(
 )
 
 
+def _architectures(config: Mapping[str, Any]) -> list[str]:
+    archs = config.get("architectures")
+    return [str(a) for a in archs] if isinstance(archs, list) else []
+
+
 def _scaled(kv_arg: str, config: Mapping[str, Any]) -> bool:
     """Whether the server may run an fp8_e4m3 KV cache, and so read the scales."""
     if kv_arg == SCALED_KV:
         return True
     if kv_arg != "auto":
         return False
-    archs = config.get("architectures")
-    first = archs[0] if isinstance(archs, list) and archs else None
+    first = next(iter(_architectures(config)), None)
     if first in AUTO_FP8_ARCHS:
         return True
     return first in DSA_ARCHS and config.get("index_topk") is not None
+
+
+def check_scales_loadable(
+    args: LaunchArgs, config: Mapping[str, Any], env: Mapping[str, str]
+) -> None:
+    """ConfigError for a launch SGLang refuses to start: an fp8_e4m3 KV cache and a scales
+    file on a model class without `load_kv_cache_scales` (load_model_utils.py raises). Said
+    before init, which would otherwise purge the instance's namespace for it; `env` is the
+    server's environment.
+
+    The class is the registry's for the first architecture it serves (registry.py
+    `resolve_model_cls`), else the Transformers backend's, which has none either. Nothing is
+    refused where that is not certain: a KV dtype only the GPU settles, a config without
+    architectures (a GGUF file's are in its metadata), a registry an external package fills.
+    """
+    archs = _architectures(config)
+    first = next(iter(archs), None)
+    fp8 = args.kv_cache_dtype == SCALED_KV or (
+        args.kv_cache_dtype == "auto" and first in AUTO_FP8_ARCHS
+    )
+    if args.quantization_param_path is None or not fp8 or not archs or env.get(EXTERNAL_MODELS_ENV):
+        return
+    served = next((a for a in archs if a in MODEL_ARCHS), None)
+    if served in KV_SCALES_ARCHS:
+        return
+    model = f"SGLang's {served}" if served else f"the Transformers backend ({', '.join(archs)})"
+    raise ConfigError(
+        f"--quantization-param-path with an fp8_e4m3 KV cache: SGLang {SGLANG_VERSION} refuses "
+        f"to start, {model} cannot load KV cache scaling factors; drop the flag"
+    )
 
 
 def kv_cache_scales(args: LaunchArgs, config: Mapping[str, Any]) -> str | None:
@@ -68,10 +106,10 @@ def kv_cache_scales(args: LaunchArgs, config: Mapping[str, Any]) -> str | None:
     model's config.json.
 
     SGLang only logs an error for a file it cannot read and runs with scales of 1.0
-    (weight_utils.py `kv_cache_scales_loader`), so cachemgr warns instead of refusing; the
-    value is then `unread:<path>`, never the value of a launch without the flag: the server
-    may see a file cachemgr does not (another mount), and its pages must not be shared with
-    a launch whose scales are 1.0.
+    (weight_utils.py `kv_cache_scales_loader`), so cachemgr warns instead of refusing
+    (`unread_scales_warning`); the value is then `unread:<path>`, never the value of a launch
+    without the flag: the server may see a file cachemgr does not (another mount), and its
+    pages must not be shared with a launch whose scales are 1.0.
     """
     path = args.quantization_param_path
     if path is None or not _scaled(args.kv_cache_dtype, config):
@@ -79,9 +117,15 @@ def kv_cache_scales(args: LaunchArgs, config: Mapping[str, Any]) -> str | None:
     try:
         return f"{ALGO_FULL}:{hash_file(Path(path)).digest}"
     except IdentityError as e:
-        log.warning(
-            "--quantization-param-path is not readable here: SGLang would run with FP8 KV "
-            "scaling factors of 1.0 (the identity records the file as unread)",
-            extra={"error": str(e)},
-        )
-        return f"unread:{path}"
+        log.debug("scales file not read", extra={"error": str(e)})
+        return f"{UNREAD}{path}"
+
+
+def unread_scales_warning(scales: str | None) -> str | None:
+    """The warning for an identity's `kv_cache_scales` that records an unread file, else None."""
+    if scales is None or not scales.startswith(UNREAD):
+        return None
+    return (
+        f"--quantization-param-path {scales.removeprefix(UNREAD)} is not readable here: SGLang "
+        "would run with FP8 KV scaling factors of 1.0 (the identity records the file as unread)"
+    )

@@ -22,6 +22,7 @@ from typing import ClassVar, Literal
 import xxhash
 from pydantic import BaseModel, ConfigDict
 
+from cachemgr.errors import IdentityError
 from cachemgr.identity import model_dir
 from cachemgr.identity.digest_cache import DigestCache
 from cachemgr.identity.fingerprint import (
@@ -34,6 +35,7 @@ from cachemgr.identity.fingerprint import (
 )
 from cachemgr.identity.record import Digested, Weights
 from cachemgr.vllm.args import VllmLaunchArgs
+from cachemgr.vllm.flags import VLLM_VERSION
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 MODELSCOPE_ENV = "VLLM_USE_MODELSCOPE"
@@ -138,6 +140,14 @@ def compute_vllm_identity(
     """The identity of a vLLM server started with `args`, its model files read from disk."""
     opts = options or IdentityOptions()
     server_env = {**env, **args.launch_env}  # as launchenv.server_environ builds it
+    if model_dir.gguf_file(args.model) is not None:
+        # vLLM has no GGUF load format, and its get_config finds no config in a file
+        # (transformers_utils/config.py): only a model that reads the file itself (Flint,
+        # with --hf-config-path) could serve one; cachemgr does not follow that far.
+        raise IdentityError(
+            f"model path {args.model} is a single GGUF file: vLLM {VLLM_VERSION} has no GGUF "
+            "loader, pass a model directory (cachemgr reads single GGUF files for SGLang)"
+        )
     scope = modelscope(server_env)
     directory = model_dir.locate_model(
         args.model, args.revision, env=server_env, download_dir=args.download_dir, modelscope=scope
