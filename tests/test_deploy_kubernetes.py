@@ -148,7 +148,6 @@ def test_sidecar_binds_the_pod_ip_with_the_token_and_is_probed(docs: list[Doc]) 
     assert secret["metadata"]["name"] == ref["name"] and ref["key"] in secret["stringData"]
     assert secret["stringData"][ref["key"]].startswith("REPLACE-ME")  # a documented placeholder
     assert sidecar["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    assert sidecar["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert sidecar["startupProbe"]["httpGet"]["path"] == "/readyz"
     assert server["livenessProbe"]["httpGet"]["path"] == "/health"
 
@@ -211,3 +210,23 @@ def test_servicemonitor_overlay_scrapes_both_service_ports() -> None:
     for doc in docs:
         if doc is not monitor:
             kubernetes_validate.validate(doc, K8S_VERSIONS[0], strict=True)
+
+
+@pytest.mark.parametrize("manifest", ["kubernetes/base", "kubernetes/fleet", "vllm/kubernetes"])
+def test_no_sidecar_readiness_takes_the_server_out_of_service(manifest: str) -> None:
+    """A native sidecar's readiness is its pod's: a cachemgr /readyz 503 (a state dir it may not
+    use, a dead worker, a long rescan) would take the server behind the same Service out of
+    it. Its startup probe still holds the server until the index is live."""
+    docs = render(REPO / "deploy" / manifest)
+    pods = [d for d in docs if d["kind"] in ("Deployment", "DaemonSet")]
+    sidecars = [
+        c
+        for pod in pods
+        for c in pod["spec"]["template"]["spec"].get("initContainers", [])
+        if c.get("restartPolicy") == "Always"
+    ]
+    assert sidecars, manifest
+    for sidecar in sidecars:
+        assert "readinessProbe" not in sidecar
+        assert sidecar["startupProbe"]["httpGet"]["path"] == "/readyz"
+        assert sidecar["livenessProbe"]["httpGet"]["path"] == "/healthz"
