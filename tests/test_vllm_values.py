@@ -1,5 +1,6 @@
 """The values of a vLLM launch no argparse choices check, read as vLLM 0.34.0 reads them:
 VLLM_KV_CACHE_LAYOUT (refused as vLLM refuses it; NHD/LBNHC and HND/LBHNC one identity),
+VLLM_USE_SIMPLE_KV_OFFLOAD (an integer; set but empty refused),
 --quantization and --load-format (lowercased; one vLLM does not ship is warned about)."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tests.test_identity import make_model
 from tests.vllm_launch import launch, vinit, vinit_json
 
 LAYOUT = "VLLM_KV_CACHE_LAYOUT"
+SIMPLE = "VLLM_USE_SIMPLE_KV_OFFLOAD"
 
 
 @pytest.fixture
@@ -53,6 +55,28 @@ def test_an_empty_layout_is_refused_as_vllm_refuses_it(tmp_path: Path, model: Pa
     with pytest.raises(ConfigError, match=f"invalid {LAYOUT}=''"):
         resolve_vllm_args(launch(model), {LAYOUT: ""})
     assert resolve_vllm_args(launch(model), {}).kv_cache_layout is None
+
+
+@pytest.mark.parametrize("where", ["environment", "launch"])
+def test_an_empty_simple_offload_is_refused_as_vllm_refuses_it(
+    root: Path, model: Path, fake_vllm: dict[str, str], where: str
+) -> None:
+    """vLLM reads bool(int(os.getenv(NAME, "0"))): set but empty is int(""), a ValueError when
+    EngineCore reads every variable at start (envs.enable_envs_cache). cachemgr read it as 0
+    and went on (init, purge) for a server that never starts. Refused before anything."""
+    first = vinit_json(root, launch(model))
+    block = root / "ns" / first["ns_id"] / "block.bin"
+    block.write_bytes(b"x")
+    before = sorted(p.name for p in (root / "ns").iterdir())
+    for command in ("init", "exec"):
+        argv = [*launch(model, "--kv-offloading-size", "8"), "-q", "fp8"]
+        env = {**fake_vllm, SIMPLE: ""}  # a real process: `cli` unsets an empty variable
+        if where == "launch":
+            argv, env = ["env", f"{SIMPLE}=", *argv], fake_vllm
+        out = cli_process("--root", str(root), command, "--", *argv, env=env)
+        assert out.returncode == 2 and f"invalid {SIMPLE}=''" in one_line_error(out)
+    assert block.exists() and sorted(p.name for p in (root / "ns").iterdir()) == before
+    assert resolve_vllm_args(launch(model), {SIMPLE: "0"}).model == str(model)  # unset, too
 
 
 @pytest.mark.parametrize(("old", "new"), [("NHD", "LBNHC"), ("HND", "LBHNC")])
@@ -191,6 +215,38 @@ def test_values_read_as_vllms_own_code_reads_them(vllm_scripts: ScriptRunner, mo
             getattr(ours({}, "--load-format", value), "load_format", None)
             == (theirs["loads"][value])
         )
+
+
+SIMPLE_READS = textwrap.dedent("""
+    import json, os, sys
+    import vllm.envs
+    read = {}
+    for value in json.loads(sys.stdin.read()):
+        os.environ["VLLM_USE_SIMPLE_KV_OFFLOAD"] = value
+        try:
+            read[value] = vllm.envs.environment_variables["VLLM_USE_SIMPLE_KV_OFFLOAD"]()
+        except ValueError:
+            read[value] = None
+    os.environ.pop("VLLM_USE_SIMPLE_KV_OFFLOAD")
+    print(json.dumps(read))
+""")
+
+
+@pytest.mark.vllm
+def test_simple_offload_read_as_vllms_own_code_reads_it(
+    vllm_scripts: ScriptRunner, model: Path
+) -> None:
+    """Against vLLM 0.34.0's envs.py: what it refuses (None) cachemgr refuses; what it reads
+    as on makes vLLM run its SimpleCPUOffloadConnector, which drops the fs tier."""
+    values = ["", "0", "1", "2", " 1 ", "-1", "1_0", "true", "1.0", "on"]
+    theirs = json.loads(vllm_scripts.run(SIMPLE_READS, stdin=json.dumps(values)))
+    for value in values:
+        ours: bool | None = False
+        try:
+            resolve_vllm_args(launch(model, "--kv-offloading-size", "8"), {SIMPLE: value})
+        except ConfigError as e:
+            ours = True if "SimpleCPUOffloadConnector" in str(e) else None
+        assert ours == theirs[value], value
 
 
 @pytest.mark.vllm
