@@ -111,8 +111,17 @@ class Engine(ABC, Generic[ArgsT]):
     ) -> ArgsT:
         """The launch's settings as the engine reads them, `overrides` (identity flags) on top."""
 
-    def check_launch(self, args: ArgsT, command: Sequence[str], environ: Mapping[str, str]) -> None:
-        """Refuse (ConfigError) a launch cachemgr cannot manage, before init touches the root."""
+    def check_launch(
+        self,
+        args: ArgsT,
+        command: Sequence[str],
+        environ: Mapping[str, str],
+        *,
+        plugin_values: frozenset[str],
+    ) -> None:
+        """Refuse (ConfigError) a launch cachemgr cannot manage or the engine would not start,
+        before init touches the root; `plugin_values` (--plugin-value) are values of the
+        launch a plugin of the engine registers, not refused as ones it does not ship."""
 
     @abstractmethod
     def installed_version(self) -> str | None:

@@ -4,17 +4,22 @@ prefix included — never just the environment cachemgr itself runs in."""
 
 from __future__ import annotations
 
+import json
+import os
+import textwrap
 from pathlib import Path
 
 import pytest
 
 from cachemgr.errors import ModelNotFoundError
 from cachemgr.identity.fingerprint import IdentityOptions
+from cachemgr.identity.model_dir import hf_hub_cache
 from cachemgr.identity.record import Digested
 from cachemgr.sglang.args import resolve_launch_args
 from cachemgr.sglang.identity import compute_identity
 from cachemgr.vllm.args import resolve_vllm_args
 from cachemgr.vllm.identity import compute_vllm_identity
+from tests.conftest import ScriptRunner
 from tests.test_identity import make_model
 from tests.vllm_launch import launch as vllm_launch
 
@@ -160,3 +165,69 @@ def test_vllm_on_modelscope_never_reads_the_hf_copy_of_the_id(
     local = make_model(tmp_path / "local", seed=4)
     on = {**env, "VLLM_USE_MODELSCOPE": "1"}
     assert vllm(vllm_launch(str(local)), on).ns_id == vllm(vllm_launch(str(local)), env).ns_id
+
+
+def test_an_empty_hub_variable_is_a_dir_not_unset(
+    hubs: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """huggingface_hub takes HF_HUB_CACHE="" as given: the server's working dir, not the
+    legacy or default cache. cachemgr read it as unset and fingerprinted another cache's
+    weights than the server loads."""
+    first, second = hubs
+    work = tmp_path / "work"
+    hub_with(work, "org/tiny", seed=2)
+    monkeypatch.chdir(work)  # (exec keeps cachemgr's working dir for the server)
+    env = {"HUGGINGFACE_HUB_CACHE": str(first), "HF_HUB_CACHE": ""}
+    got = vllm(vllm_launch("org/tiny"), env)
+    assert got.source.model_dir.startswith(str(work))
+    assert got.ns_id == vllm(vllm_launch("org/tiny"), {"HF_HUB_CACHE": str(second)}).ns_id
+    home = {"HF_HOME": "$WHERE/home", "WHERE": str(tmp_path)}  # expanded, as hf does
+    hub_with(tmp_path / "home" / "hub", "org/tiny", seed=3)
+    assert vllm(vllm_launch("org/tiny"), home).source.model_dir.startswith(str(tmp_path))
+
+
+HUB_CACHE = textwrap.dedent("""
+    import importlib, json, os, sys
+    import huggingface_hub.constants as constants
+    asked = json.loads(sys.stdin.read())
+    saved, cwd = dict(os.environ), os.getcwd()
+    os.chdir(asked["cwd"])
+    read = []
+    for env in asked["cases"]:
+        os.environ.clear()
+        os.environ.update({"HOME": saved["HOME"], **env})
+        read.append(os.path.abspath(importlib.reload(constants).HF_HUB_CACHE))
+    os.environ.clear()
+    os.environ.update(saved)
+    os.chdir(cwd)
+    importlib.reload(constants)
+    print(json.dumps(read))
+""")
+
+
+@pytest.mark.vllm
+def test_hub_cache_is_where_the_servers_huggingface_hub_looks(
+    vllm_scripts: ScriptRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Against the huggingface_hub of vLLM's env (constants.py): set but empty variables,
+    the legacy name, `~` and `$VAR`s, relative paths."""
+    cases = [
+        {},
+        {"HF_HUB_CACHE": ""},
+        {"HF_HOME": ""},
+        {"XDG_CACHE_HOME": ""},
+        {"XDG_CACHE_HOME": "/x"},
+        {"HUGGINGFACE_HUB_CACHE": "", "HF_HOME": "/h"},
+        {"HF_HUB_CACHE": "", "HUGGINGFACE_HUB_CACHE": "/legacy"},
+        {"HUGGINGFACE_HUB_CACHE": "$V/legacy", "V": "/srv"},
+        {"HF_HOME": "$V/hf", "V": "/srv"},
+        {"HF_HUB_CACHE": "${V}/hub", "V": "/srv"},
+        {"HF_HOME": "$UNSET_HERE/hf"},
+        {"HF_HOME": "~/hf"},
+        {"HF_HUB_CACHE": "rel/hub"},
+    ]
+    asked = {"cwd": str(tmp_path), "cases": cases}
+    theirs = json.loads(vllm_scripts.run(HUB_CACHE, stdin=json.dumps(asked)))
+    monkeypatch.chdir(tmp_path)
+    for env, their in zip(cases, theirs, strict=True):
+        assert os.path.normpath(hf_hub_cache(env)) == their, env

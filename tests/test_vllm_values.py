@@ -1,6 +1,8 @@
 """The values of a vLLM launch no argparse choices check, read as vLLM 0.34.0 reads them:
 VLLM_KV_CACHE_LAYOUT (refused as vLLM refuses it; NHD/LBNHC and HND/LBHNC one identity),
---quantization and --load-format (lowercased; one vLLM does not ship is warned about)."""
+VLLM_USE_SIMPLE_KV_OFFLOAD (an integer; set but empty refused),
+--quantization and --load-format (lowercased; one vLLM does not ship is refused unless
+--plugin-value names it)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from tests.test_identity import make_model
 from tests.vllm_launch import launch, vinit, vinit_json
 
 LAYOUT = "VLLM_KV_CACHE_LAYOUT"
+SIMPLE = "VLLM_USE_SIMPLE_KV_OFFLOAD"
 
 
 @pytest.fixture
@@ -53,6 +56,28 @@ def test_an_empty_layout_is_refused_as_vllm_refuses_it(tmp_path: Path, model: Pa
     with pytest.raises(ConfigError, match=f"invalid {LAYOUT}=''"):
         resolve_vllm_args(launch(model), {LAYOUT: ""})
     assert resolve_vllm_args(launch(model), {}).kv_cache_layout is None
+
+
+@pytest.mark.parametrize("where", ["environment", "launch"])
+def test_an_empty_simple_offload_is_refused_as_vllm_refuses_it(
+    root: Path, model: Path, fake_vllm: dict[str, str], where: str
+) -> None:
+    """vLLM reads bool(int(os.getenv(NAME, "0"))): set but empty is int(""), a ValueError when
+    EngineCore reads every variable at start (envs.enable_envs_cache). cachemgr read it as 0
+    and went on (init, purge) for a server that never starts. Refused before anything."""
+    first = vinit_json(root, launch(model))
+    block = root / "ns" / first["ns_id"] / "block.bin"
+    block.write_bytes(b"x")
+    before = sorted(p.name for p in (root / "ns").iterdir())
+    for command in ("init", "exec"):
+        argv = [*launch(model, "--kv-offloading-size", "8"), "-q", "fp8"]
+        env = {**fake_vllm, SIMPLE: ""}  # a real process: `cli` unsets an empty variable
+        if where == "launch":
+            argv, env = ["env", f"{SIMPLE}=", *argv], fake_vllm
+        out = cli_process("--root", str(root), command, "--", *argv, env=env)
+        assert out.returncode == 2 and f"invalid {SIMPLE}=''" in one_line_error(out)
+    assert block.exists() and sorted(p.name for p in (root / "ns").iterdir()) == before
+    assert resolve_vllm_args(launch(model), {SIMPLE: "0"}).model == str(model)  # unset, too
 
 
 @pytest.mark.parametrize(("old", "new"), [("NHD", "LBNHC"), ("HND", "LBHNC")])
@@ -105,28 +130,54 @@ def test_a_deprecated_quantization_needs_its_flag_as_vllm_does(root: Path, model
 @pytest.mark.parametrize(
     ("flags", "says"),
     [
-        (["-q", "my_plugin_quant"], "--quantization 'my_plugin_quant' is not a quantization"),
-        (["--load-format", "my_loader"], "--load-format 'my_loader' is not a load format"),
+        (["-q", "fp88"], "--quantization 'fp88' is not a quantization method vLLM 0.34.0 ships"),
+        (["--load-format", "safetensor"], "--load-format 'safetensor' is not a load format"),
     ],
 )
-def test_a_value_vllm_does_not_ship_is_warned_not_refused(
+def test_a_value_vllm_does_not_ship_is_refused_before_anything(
     root: Path, model: Path, fake_vllm: dict[str, str], flags: list[str], says: str
 ) -> None:
-    """A plugin may register it (register_quantization_config, register_model_loader):
-    cachemgr cannot see plugins, so init and exec go on and say so."""
-    for run in (cli, cli_process):  # exec replaces its process: a real one
-        command = "init" if run is cli else "exec"
-        out = run("--root", str(root), command, "--", *launch(model, *flags), env=fake_vllm)
-        assert out.returncode == 0, out.stderr
-        warned = [ln for ln in out.stderr.splitlines() if "from a plugin" in ln]
-        assert len(warned) == 1 and warned[0].startswith("cachemgr: warning: "), out.stderr
-        assert says in warned[0]
-    result = vinit_json(root, launch(model, *flags))
-    assert any(says in w for w in result["warnings"])
-    plain = cli_process(
-        "--root", str(root), "exec", "--", *launch(model, "-q", "FP8"), env=fake_vllm
+    """ModelConfig refuses a quantization method vLLM lacks, get_model_loader a load format:
+    init warned after it had made a namespace and purged the instance's good one, for a server
+    that never started. Refused first, naming the nearest values and the way out."""
+    good = vinit_json(root, launch(model))
+    block = root / "ns" / good["ns_id"] / "block.bin"
+    block.write_bytes(b"x")
+    before = sorted(p.name for p in (root / "ns").iterdir())
+    for command in ("init", "exec"):
+        out = cli("--root", str(root), command, "--", *launch(model, *flags), env=fake_vllm)
+        said = one_line_error(out)
+        assert out.returncode == 2 and says in said, said
+        assert f"pass --plugin-value {flags[1]}" in said
+    assert "(nearest: fp8" in one_line_error(vinit(root, launch(model, "-q", "FP88")))
+    assert "(nearest: safetensors" in one_line_error(
+        vinit(root, launch(model, "--load-format", "safetensor"))
     )
-    assert plain.returncode == 0 and "from a plugin" not in plain.stderr
+    assert block.exists() and sorted(p.name for p in (root / "ns").iterdir()) == before
+
+
+@pytest.mark.parametrize(
+    "flags", [["-q", "my_plugin_quant"], ["--load-format", "My_Loader"], ["-q", "My_Plugin_Quant"]]
+)
+def test_a_value_a_plugin_registers_is_taken_when_init_is_told(
+    root: Path, model: Path, fake_vllm: dict[str, str], flags: list[str]
+) -> None:
+    """A plugin may register it (register_quantization_config, register_model_loader, run
+    from the vllm.general_plugins entry points as vLLM starts): --plugin-value says so. It
+    is a value of its own in the identity; vLLM lowercases the launch's, so either case
+    names it."""
+    value = flags[1]
+    result = vinit_json(root, launch(model, *flags), "--plugin-value", value.upper())
+    assert result["outcome"] == "created"
+    assert not [w for w in result["warnings"] if "plugin" in w or value in w]
+    again = vinit_json(root, launch(model, *flags), "--plugin-value", "x", "--plugin-value", value)
+    assert (again["outcome"], again["ns_id"]) == ("unchanged", result["ns_id"])
+    argv = ["--root", str(root), "exec", "--plugin-value", value, "--", *launch(model, *flags)]
+    out = cli_process(*argv, env=fake_vllm)
+    assert out.returncode == 0 and "plugin" not in out.stderr, out.stderr
+    assert json.loads(out.stdout)[2:4] == flags  # the server was started
+    other = vinit_json(root, launch(model), "--plugin-value", value)  # unused: no harm
+    assert other["ns_id"] != result["ns_id"]
 
 
 # vLLM's own answer for each value: does it start with it, and what does it run with.
@@ -191,6 +242,38 @@ def test_values_read_as_vllms_own_code_reads_them(vllm_scripts: ScriptRunner, mo
             getattr(ours({}, "--load-format", value), "load_format", None)
             == (theirs["loads"][value])
         )
+
+
+SIMPLE_READS = textwrap.dedent("""
+    import json, os, sys
+    import vllm.envs
+    read = {}
+    for value in json.loads(sys.stdin.read()):
+        os.environ["VLLM_USE_SIMPLE_KV_OFFLOAD"] = value
+        try:
+            read[value] = vllm.envs.environment_variables["VLLM_USE_SIMPLE_KV_OFFLOAD"]()
+        except ValueError:
+            read[value] = None
+    os.environ.pop("VLLM_USE_SIMPLE_KV_OFFLOAD")
+    print(json.dumps(read))
+""")
+
+
+@pytest.mark.vllm
+def test_simple_offload_read_as_vllms_own_code_reads_it(
+    vllm_scripts: ScriptRunner, model: Path
+) -> None:
+    """Against vLLM 0.34.0's envs.py: what it refuses (None) cachemgr refuses; what it reads
+    as on makes vLLM run its SimpleCPUOffloadConnector, which drops the fs tier."""
+    values = ["", "0", "1", "2", " 1 ", "-1", "1_0", "true", "1.0", "on"]
+    theirs = json.loads(vllm_scripts.run(SIMPLE_READS, stdin=json.dumps(values)))
+    for value in values:
+        ours: bool | None = False
+        try:
+            resolve_vllm_args(launch(model, "--kv-offloading-size", "8"), {SIMPLE: value})
+        except ConfigError as e:
+            ours = True if "SimpleCPUOffloadConnector" in str(e) else None
+        assert ours == theirs[value], value
 
 
 @pytest.mark.vllm

@@ -25,6 +25,7 @@ def exec_(
     launch: LaunchRequest,
     wait: bool,
     force: bool,
+    plugin_values: tuple[str, ...],
 ) -> None:
     """Run init for a launch command, then replace this process with that command.
 
@@ -44,7 +45,7 @@ def exec_(
     engine = launch.engine
     server_env = server_environ(launch.command, os.environ)
     engine.exec_refusal(launch.engine_args(), layout=layout, environ=server_env)
-    run = run_init(app, launch, wait=wait, force=force)
+    run = run_init(app, launch, wait=wait, force=force, plugin_values=plugin_values)
     storage_dir = run.result.storage_dir
     warnings = engine.identity_warnings(run.identity) + engine.exec_warnings(
         launch.engine_args(), storage_dir, layout=layout, environ=server_env

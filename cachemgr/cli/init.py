@@ -58,18 +58,39 @@ def init_options(f: F) -> F:
             help="Purge the old namespace even if a running process on this host still uses "
             "it as its storage dir (another server under the same instance name).",
         ),
+        click.option(
+            "--plugin-value",
+            "plugin_values",
+            multiple=True,
+            metavar="NAME",
+            help="A launch value a plugin of the server's engine registers (vLLM: a "
+            "--quantization or --load-format it does not ship), taken instead of refused as "
+            "a typo. Repeat for several.",
+        ),
     ]
     for deco in decorators:
         f = deco(f)
     return f
 
 
-def run_init(app: AppContext, launch: LaunchRequest, *, wait: bool, force: bool) -> InitRun:
+def run_init(
+    app: AppContext,
+    launch: LaunchRequest,
+    *,
+    wait: bool,
+    force: bool,
+    plugin_values: tuple[str, ...],
+) -> InitRun:
     """Check the launch, create the root, compute the identity, init its namespace
     (cachemgr.ns.init). A launch refused here leaves the root as it was (or absent)."""
     settings = app.settings
     if launch.command:
-        launch.engine.check_launch(launch.engine_args(), launch.command, os.environ)
+        launch.engine.check_launch(
+            launch.engine_args(),
+            launch.command,
+            os.environ,
+            plugin_values=frozenset(plugin_values),
+        )
     layout = created_layout(settings)
     run = ns_init.run_init(
         layout,
@@ -155,6 +176,7 @@ def init(
     launch: LaunchRequest,
     wait: bool,
     force: bool,
+    plugin_values: tuple[str, ...],
     print_env: bool,
     env_file: Path | None,
     as_json: bool,
@@ -168,7 +190,7 @@ def init(
     """
     if env_file is not None and not env_file.parent.is_dir():  # before anything is made
         raise ConfigError(f"--env-file {env_file}: {env_file.parent} is not a directory")
-    run = run_init(app, launch, wait=wait, force=force)
+    run = run_init(app, launch, wait=wait, force=force, plugin_values=plugin_values)
     hands_env = print_env or env_file is not None
     engine = launch.engine
     storage_dir = run.result.storage_dir

@@ -28,16 +28,25 @@ CONFIG_FILES = frozenset(
 )
 _COMMIT_RE = re.compile(r"[0-9a-f]{40}")
 GGUF_MAGIC = b"GGUF"
+_VAR = re.compile(r"\$(\w+|\{[^}]*\})", re.ASCII)  # what posixpath.expandvars expands
 
 
 def hf_hub_cache(env: Mapping[str, str]) -> Path:
-    """The Hugging Face hub cache dir, resolved the way huggingface_hub resolves it."""
-    if env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE"):
-        return Path(env.get("HF_HUB_CACHE") or env["HUGGINGFACE_HUB_CACHE"]).expanduser()
-    if env.get("HF_HOME"):
-        return Path(env["HF_HOME"]).expanduser() / "hub"
-    base = Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
-    return base / "huggingface" / "hub"
+    """The Hugging Face hub cache dir of a server whose environment is `env`, resolved as
+    huggingface_hub's constants.py resolves it: a variable set but empty is taken as given (a
+    path relative to the working dir, which `exec` keeps), not as unset; `~` and `$VAR`s in
+    HF_HOME and HF_HUB_CACHE are expanded."""
+    xdg = env.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
+    home = _expand(env.get("HF_HOME", os.path.join(xdg, "huggingface")), env)
+    legacy = env.get("HUGGINGFACE_HUB_CACHE", os.path.join(home, "hub"))
+    return Path(_expand(env.get("HF_HUB_CACHE", legacy), env)).absolute()
+
+
+def _expand(path: str, env: Mapping[str, str]) -> str:
+    """os.path.expandvars(os.path.expanduser(path)) with `env` for the process's environment."""
+    return _VAR.sub(
+        lambda m: env.get(m[1].removeprefix("{").removesuffix("}"), m[0]), os.path.expanduser(path)
+    )
 
 
 def _looks_like_repo_id(path: str) -> bool:

@@ -192,12 +192,16 @@ def _offloading(values: dict[str, Any], cmd: VllmCommand, environ: dict[str, str
     """--kv-offloading-size/-backend (taken out of `values`) and VLLM_USE_SIMPLE_KV_OFFLOAD."""
     size = values.pop("kv_offloading_size", None)
     backend = values.pop("kv_offloading_backend", "native")
-    simple = _env_value(cmd, environ, SIMPLE_OFFLOAD_ENV) or "0"
+    raw = _env_value(cmd, environ, SIMPLE_OFFLOAD_ENV)
+    # vLLM's envs.py: bool(int(os.getenv(NAME, "0"))), so set but empty is int(""), which
+    # fails its start (EngineCore reads every variable), with or without an offloading size.
+    simple = "0" if raw is None else raw
     try:
-        return Offloading(size, backend, bool(int(simple)))  # (vLLM's envs.py reads it so)
+        return Offloading(size, backend, bool(int(simple)))
     except ValueError:
         raise ConfigError(
-            f"invalid {SIMPLE_OFFLOAD_ENV}={simple!r}: vLLM takes an integer"
+            f"invalid {SIMPLE_OFFLOAD_ENV}={simple!r}: vLLM takes an integer (0 or 1), "
+            "or leave it unset"
         ) from None
 
 
@@ -207,5 +211,6 @@ def _canonical(data: dict[str, Any] | None) -> str | None:
 
 def _env_value(cmd: VllmCommand, environ: dict[str, str], name: str) -> str | None:
     """A variable as the server gets it: set in the launch (`env A=1 vllm …`) or inherited;
-    set but empty is "", not None (vLLM refuses an empty VLLM_KV_CACHE_LAYOUT)."""
+    set but empty is "", not None (vLLM refuses an empty VLLM_KV_CACHE_LAYOUT and
+    VLLM_USE_SIMPLE_KV_OFFLOAD)."""
     return cmd.env.get(name, environ.get(name))

@@ -47,9 +47,16 @@ class VllmEngine(Engine[VllmLaunchArgs]):
         return resolve_vllm_args(command, dict(environ))
 
     def check_launch(
-        self, args: VllmLaunchArgs, command: Sequence[str], environ: Mapping[str, str]
+        self,
+        args: VllmLaunchArgs,
+        command: Sequence[str],
+        environ: Mapping[str, str],
+        *,
+        plugin_values: frozenset[str],
     ) -> None:
-        """A vLLM launch must have an fs tier cachemgr can point at its namespace dir."""
+        """A vLLM launch must have an fs tier cachemgr can point at its namespace dir, and
+        values vLLM ships or a plugin registers (`plugin_values`)."""
+        values.check_shipped(args.quantization, args.load_format, plugin_values)
         if args.tier is None:
             raise ConfigError(
                 "the vLLM launch has no fs tier: add --kv-transfer-config with "
@@ -101,12 +108,10 @@ class VllmEngine(Engine[VllmLaunchArgs]):
         environ: Mapping[str, str],
         hands_env: bool,
     ) -> list[str]:
-        said = values.plugin_warnings(args.quantization, args.load_format)
         root = args.tier.root_dir if args.tier else None
         if hands_env or root is None or os.path.abspath(root).rstrip("/") == str(storage_dir):
-            return said
+            return []
         return [
-            *said,
             f"the launch's fs tier root_dir is {root}, not the namespace dir: start the server "
             'with `cachemgr exec -- <launch>`, or with --json\'s "command"',
         ]
@@ -120,7 +125,7 @@ class VllmEngine(Engine[VllmLaunchArgs]):
         environ: Mapping[str, str],
     ) -> list[str]:
         # (no root_dir warning: exec rewrites the one place vLLM reads the dir from)
-        return values.plugin_warnings(args.quantization, args.load_format)
+        return []
 
     def lint(
         self,

@@ -2,12 +2,16 @@
 layout (an environment variable), --quantization and --load-format.
 
 A layout vLLM refuses is refused here, before anything is purged: `VLLM_KV_CACHE_LAYOUT=hnd`
-must not cost the good cache for a server that will not start. A quantization method or load
-format vLLM does not ship is only warned about: a plugin may register it, and cachemgr cannot
-see plugins. The lists are generated from vLLM's code (scripts/gen_vllm_flags.py).
+must not cost the good cache for a server that will not start. So is a quantization method or
+load format vLLM does not ship (`-q fp88`), unless init is told a plugin registers it: plugins
+register at the server's start (vLLM's `vllm.general_plugins` entry points run
+register_quantization_config, register_model_loader), which cachemgr cannot see without
+running vLLM. The lists are generated from vLLM's code (scripts/gen_vllm_flags.py).
 """
 
 from __future__ import annotations
+
+import difflib
 
 from cachemgr.errors import ConfigError
 from cachemgr.vllm.flags import (
@@ -56,18 +60,23 @@ def load_format(raw: str) -> str:
     return raw.lower()
 
 
-def plugin_warnings(quant: str | None, load: str) -> list[str]:
-    """A quantization method or load format vLLM does not ship: vLLM refuses it at start
-    unless a plugin registers it, which cachemgr cannot see, so it is said, not refused."""
-    said = []
-    if quant is not None and quant not in QUANTIZATION_METHODS:
-        said.append(
-            f"--quantization {quant!r} is not a quantization method vLLM {VLLM_VERSION} "
-            "knows: it must come from a plugin, or vLLM will refuse to start"
-        )
-    if load not in LOAD_FORMATS:
-        said.append(
-            f"--load-format {load!r} is not a load format vLLM {VLLM_VERSION} knows: "
-            "it must come from a plugin, or vLLM will refuse to start"
-        )
-    return said
+def check_shipped(quant: str | None, load: str, plugin_values: frozenset[str]) -> None:
+    """The ConfigError vLLM's start ends in for a --quantization or --load-format it does not
+    ship, unless `plugin_values` (init's --plugin-value) names it: a typo must not cost the
+    good cache first."""
+    plugins = frozenset(v.lower() for v in plugin_values)  # as the launch's value is read
+    _shipped("--quantization", quant, QUANTIZATION_METHODS, "quantization method", plugins)
+    _shipped("--load-format", load, LOAD_FORMATS, "load format", plugins)
+
+
+def _shipped(
+    flag: str, value: str | None, known: frozenset[str], what: str, plugins: frozenset[str]
+) -> None:
+    if value is None or value in known or value in plugins:
+        return
+    near = difflib.get_close_matches(value, sorted(known), n=3)
+    nearest = f" (nearest: {', '.join(near)})" if near else ""
+    raise ConfigError(
+        f"{flag} {value!r} is not a {what} vLLM {VLLM_VERSION} ships{nearest}: vLLM refuses "
+        f"to start unless a plugin registers it; if one does, pass --plugin-value {value}"
+    )
