@@ -275,6 +275,18 @@ class Settings(BaseSettings):
         # "the current directory".
         if isinstance(value, str) and not value.strip():
             raise ValueError("must not be empty (give a directory, e.g. /var/cache/cachemgr)")
+        # A CRLF env file or a stray space would serve a new, empty dir beside the real one
+        # while the engine writes to the real one: refused, not trimmed (a name may have them).
+        if isinstance(value, str) and value != value.strip():
+            raise ValueError("starts or ends with whitespace (a CRLF env file?): remove it")
+        return value
+
+    @field_validator("gc_max_bytes", "gc_namespace_max_bytes")
+    @classmethod
+    def _cap_not_zero(cls, value: ByteSize | None) -> ByteSize | None:
+        # Often meant as "no cap"; it would evict every page.
+        if value == 0:
+            raise ValueError("0 would evict every page: leave it unset for no cap")
         return value
 
     @field_validator("token", mode="before")
@@ -431,6 +443,12 @@ class _TomlFileSource(PydanticBaseSettingsSource):
         table = data.get("cachemgr", data)
         if not isinstance(table, dict):
             raise ConfigError(f"config file {path}: [cachemgr] must be a table")
+        stray = sorted(k for k in data if k != "cachemgr") if table is not data else []
+        if stray:  # (read as settings only without the table: here they would be ignored)
+            raise ConfigError(
+                f"config file {path}: {', '.join(stray)} outside the [cachemgr] table: "
+                "move the settings into it"
+            )
         for name, value in table.items():
             if name in Settings.model_fields:
                 _check_toml_type(name, value, path)

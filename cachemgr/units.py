@@ -55,6 +55,10 @@ def _seconds(text: str) -> float | None:
     parts = _PART_RE.findall(text)
     if not parts or "".join(m.group(0) for m in _PART_RE.finditer(text)) != text:
         return None
+    if any(word == "M" for _, word in parts):
+        # A month to systemd and in ISO 8601's P1M, a minute here: either reading deletes
+        # on the wrong scale (a TTL of 1M).
+        raise ValueError('"M" is ambiguous: write "min" for minutes, or days ("30d")')
     if any(word.lower() not in _UNIT_OF for _, word in parts):
         return None
     return sum(float(n) * _UNIT_SECONDS[_UNIT_OF[w.lower()]] for n, w in parts)

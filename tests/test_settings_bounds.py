@@ -46,6 +46,12 @@ OUT_OF_RANGE = [
     ("gc_keep_unbound", "2.0", "must be a whole number"),
     ("hash_workers", "4.0", "must be a whole number"),
     ("sglang_url", "localhost:30000", "http:// or https:// URL"),
+    # Often meant as "no cap": it evicted every page at start.
+    ("gc_max_bytes", "0", "leave it unset for no cap"),
+    ("gc_namespace_max_bytes", "0B", "leave it unset for no cap"),
+    # A month to systemd and ISO 8601 (P1M): read as a minute, a TTL deleted 43,200x sooner.
+    ("gc_unbound_ttl", "1M", '"M" is ambiguous'),
+    ("gc_min_age", "1h 5M", '"M" is ambiguous'),
 ]
 
 
@@ -205,6 +211,8 @@ def test_a_hundred_years_is_the_longest_duration_and_it_works(tmp_path: Path) ->
         ("90", 90),
         (" 10s ", 10),
         ("1h, 30m", 5400),
+        ("1 Min", 60),
+        ("P1M", 30 * 86400),  # ISO 8601's month, as pydantic reads it
     ],
 )
 def test_durations_in_the_common_forms_are_read(text: str, seconds: float) -> None:
@@ -257,3 +265,34 @@ def test_every_cachemgr_variable_the_repo_uses_is_known() -> None:
     used = {name for name in listed if not name.endswith("_")}  # a prefix in prose: CACHEMGR_*
     assert "CACHEMGR_SGLANG_ENV" in used
     assert unknown_env_vars(dict.fromkeys(used, "x")) == []
+
+
+@pytest.mark.parametrize("root", ["/srv/cache\r", "/srv/cache ", " /srv/cache", "/srv/cache\n"])
+def test_a_root_with_whitespace_around_it_is_refused_not_served_beside_the_real_one(
+    root: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A CRLF env file's root served a new, empty dir `/srv/cache\r` while the engine wrote to
+    /srv/cache, and every check passed."""
+    monkeypatch.setenv("CACHEMGR_ROOT", root)
+    code, err = run_main(["config", "--check"], capsys)
+    assert code == 2
+    (line,) = err
+    assert line.startswith("cachemgr: error: invalid root ") and "whitespace" in line, line
+    assert not Path(root).exists()
+
+
+def test_settings_outside_the_cachemgr_table_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Beside a [cachemgr] table, top-level keys were ignored, typos and all, and the check
+    passed on the default root."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('root = "/x"\ngc_max_byts = "1GB"\n[cachemgr]\nlog_level = "info"\n')
+    code, err = run_main(["--config", str(cfg), "config", "--check"], capsys)
+    assert code == 2
+    (line,) = err
+    assert "gc_max_byts, root outside the [cachemgr] table" in line, line
+    # without the table, the top level is the settings, as before
+    cfg.write_text(f'root = "{tmp_path / "r"}"\nlog_level = "info"\n')
+    code, err = run_main(["--config", str(cfg), "config", "--check"], capsys)
+    assert code == 0, err
