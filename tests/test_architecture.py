@@ -40,6 +40,7 @@ LAYERS: list[set[str]] = [
         "settings",
         "logs",
         "units",
+        "canonical",
         "gil",
         "worker",
         "",

@@ -157,6 +157,25 @@ def test_a_gc_refused_under_the_daemon_prints_the_curl_that_passes_the_cap(
         assert shlex.split(hint)[0] == "curl"
 
 
+@pytest.mark.parametrize("token", ["s3cret\n", "s3cret\r\n", "\ts3cret \n"])
+def test_the_curl_hint_sends_the_token_the_daemon_reads(full: Layout, token: str) -> None:
+    """A token from a secret file keeps its newline in the env (`--from-file`, an env file
+    edited on Windows): the daemon strips it, and the hint's curl sent it as it was."""
+    with running_daemon(_uncapped(full.root, token=token)) as dm:
+        env = {"CACHEMGR_PORT": str(dm.daemon.port), "CACHEMGR_TOKEN": token}
+        out = cli("--root", str(full.root), "gc", "--max-bytes", "4kB", "--yes", env=env)
+        assert out.returncode == 1 and _pages(full) == PAGES
+        hint = out.stderr.split("ask the daemon: ", 1)[1].split(", or use --dry-run")[0]
+        _evictable(dm)
+        shell_env = {"CACHEMGR_TOKEN": token, "PATH": "/usr/bin:/bin"}
+        ran = subprocess.run(
+            ["sh", "-c", hint], capture_output=True, text=True, timeout=60, env=shell_env
+        )
+        assert ran.returncode == 0, ran.stderr
+        cap = json.loads(ran.stdout).get("by_reason", {}).get("cap", {})
+        assert cap.get("files") == PAGES - _pages(full) > 0, ran.stdout
+
+
 def test_a_dry_run_names_the_real_leader(full: Layout) -> None:
     alone = cli("--root", str(full.root), "gc", "--dry-run", "--json")
     assert json.loads(alone.stdout)["leader"] is True

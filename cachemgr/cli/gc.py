@@ -24,8 +24,8 @@ from cachemgr.fs.leadership import Leadership
 from cachemgr.fs.root import create_root
 from cachemgr.gc.floor import floor_pass
 from cachemgr.gc.policy import GcPolicy
-from cachemgr.gc.runner import GcRunner, joined
-from cachemgr.gc.step import GcReport
+from cachemgr.gc.runner import GcRunner
+from cachemgr.gc.step import GcReport, joined
 from cachemgr.ns.registry import adopt_from_disk
 from cachemgr.ns.root import existing_layout, reading_store
 from cachemgr.settings import Settings
@@ -114,7 +114,11 @@ def _ask_the_leader(settings: Settings, overrides: dict[str, Any]) -> str:
     if serving_root(settings, settings.root) is None:
         return f"ask its daemon with POST /v1/gc and the body {body}"
     # Double quotes: the shell expands the token's variable, and the token stays off screen.
-    auth = ' -H "Authorization: Bearer $CACHEMGR_TOKEN"' if settings.token else ""
+    # Its whitespace goes, as the daemon strips it from the token it reads (a bearer token
+    # has none inside, RFC 6750): curl sends a trailing newline as it is, the server reads
+    # the line end after it as the end of the headers, and GC ran without the limits.
+    token = """$(printf %s "$CACHEMGR_TOKEN" | tr -d '[:space:]')"""
+    auth = f' -H "Authorization: Bearer {token}"' if settings.token else ""
     rest = ["-H", "Content-Type: application/json", "-d", body]
     url = f"{daemon_url(settings)}/v1/gc"
     return f"ask the daemon: curl -X POST{auth} {shlex.join([*rest, url])}"

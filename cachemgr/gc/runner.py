@@ -37,7 +37,7 @@ from cachemgr.gc.held import HeldAudits
 from cachemgr.gc.pagestore import PageId
 from cachemgr.gc.plan import Earlier, GcPlan, Live, plan_gc
 from cachemgr.gc.policy import HOLDING, GcPolicy, GcReason
-from cachemgr.gc.step import GcReport, Unmet
+from cachemgr.gc.step import GcReport, Unmet, joined
 from cachemgr.layout import Layout
 from cachemgr.ns.bindings import catch_up
 from cachemgr.ns.liveuse import live_users
@@ -211,7 +211,8 @@ class GcRunner(Worker):
             self.stats.skipped += 1
             self.stats.unmet = ()  # another process keeps the limits: its own gauge says
             return None
-        floor = self.free_floor()
+        # The floor first: below it the DB the check reads may not open (cachemgr.gc.floor).
+        floor = self._floor_pass("auto", self.policy)
         sweep = self.clock() - self.last_sweep >= self.policy.sweep_interval
         try:
             crossed = bool(self.needs_gc())
@@ -221,6 +222,8 @@ class GcRunner(Worker):
         if not sweep and not crossed:
             self.stats.last_success = self.clock()
             self.stats.unmet = ()  # no limit is crossed now: none is unmet
+            if floor is not None:  # the pass was all this tick did: a run of its own
+                self.stats.count(floor)
             return floor
         if sweep and crossed and not self._sweep_put_off:
             # A sweep lists every namespace dir before the plan is made: a crossed limit is
@@ -228,13 +231,23 @@ class GcRunner(Worker):
             self._sweep_put_off, sweep = True, False
         elif sweep:
             self._sweep_put_off = False
-        return self.run(actor="auto", sweep=sweep)
+        # The run goes on from this pass and counts both as one run: a second pass at its
+        # start would list every namespace dir again, for nothing, while the floor is unmet.
+        return self.run(actor="auto", sweep=sweep, floor=floor)
 
-    def free_floor(self, actor: str = "auto", policy: GcPolicy | None = None) -> GcReport | None:
-        """Below the free-space floor: delete from a scan of the disk first, without the DB
-        (cachemgr.gc.floor); None if free space is over the floor or another process leads.
-        `policy` replaces the runner's own for this pass (one-off limits)."""
-        policy = policy or self.policy
+    def free_floor(self) -> GcReport | None:
+        """The loop's cycle between ticks: below the free-space floor, delete from a scan of
+        the disk, without the DB (cachemgr.gc.floor), counted as a run of its own; None if free
+        space is over the floor or another process leads."""
+        report = self._floor_pass("auto", self.policy)
+        if report is not None:
+            self.stats.count(report)
+        return report
+
+    def _floor_pass(self, actor: str, policy: GcPolicy) -> GcReport | None:
+        """Below the floor, the pass from a scan of the disk, audited (or its rows held) but
+        not counted: the caller counts it, alone or joined with the run it starts; `policy`
+        replaces the runner's own for this pass (one-off limits)."""
         try:
             with self._busy:
                 report = floor_pass(
@@ -253,7 +266,6 @@ class GcRunner(Worker):
             self._write_held()
             return None
         with self._busy:
-            self.stats.count(report)
             self.record_floor(report, actor)
             self._drained(report)
         return report
@@ -340,7 +352,7 @@ class GcRunner(Worker):
         """The floor pass a run starts with (checked only, in a dry run); None if free space
         is over the floor."""
         if not dry_run:
-            return self.free_floor(actor, policy)
+            return self._floor_pass(actor, policy)
         return floor_pass(
             self.layout, policy, disk_usage=self.disk_usage, clock=self.clock, dry_run=True
         )
@@ -572,26 +584,6 @@ class _Applied:
     def _applied(self, ns: str, names: Sequence[str]) -> list[str]:
         """Of `names`, those the watcher is told of: settled as they were expected."""
         return [n for n in names if (ns, n) not in self.unapplied]
-
-
-def joined(floor: GcReport | None, report: GcReport) -> GcReport:
-    """One report for a floor pass and the run after it."""
-    if floor is None:
-        return report
-    # The run after the pass plans the floors again, on the disk the pass left: its word is
-    # the later one (a floor said unmet twice counted 2 in cachemgr_gc_limits_unmet).
-    later = {_limit(u) for u in report.unmet}
-    return replace(
-        report,
-        started_at=floor.started_at,
-        steps=floor.steps + report.steps,
-        warnings=tuple(dict.fromkeys(floor.warnings + report.warnings)),  # each said once
-        unmet=report.unmet + tuple(u for u in floor.unmet if _limit(u) not in later),
-    )
-
-
-def _limit(unmet: Unmet) -> tuple[str, str | None]:
-    return unmet.reason, unmet.namespace_id
 
 
 def _holding(plan: GcPlan) -> bool:

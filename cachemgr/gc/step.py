@@ -155,3 +155,23 @@ class GcReport(ByReason):
         watermark: the run did not hold a limit it was asked to hold (not an `ok` run)."""
         refused = any(s.refused for s in self.steps if s.reason in HOLDING)
         return not refused and not self.unmet
+
+
+def joined(floor: GcReport | None, report: GcReport) -> GcReport:
+    """One report for a floor pass and the run after it."""
+    if floor is None:
+        return report
+    # The run after the pass plans the floors again, on the disk the pass left: its word is
+    # the later one (a floor said unmet twice counted 2 in cachemgr_gc_limits_unmet).
+    later = {_limit(u) for u in report.unmet}
+    return replace(
+        report,
+        started_at=floor.started_at,
+        steps=floor.steps + report.steps,
+        warnings=tuple(dict.fromkeys(floor.warnings + report.warnings)),  # each said once
+        unmet=report.unmet + tuple(u for u in floor.unmet if _limit(u) not in later),
+    )
+
+
+def _limit(unmet: Unmet) -> tuple[str, str | None]:
+    return unmet.reason, unmet.namespace_id

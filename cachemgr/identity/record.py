@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 import xxhash
 from pydantic import BaseModel, ConfigDict, ValidationError, computed_field
 
+from cachemgr.canonical import canonical_json
 from cachemgr.errors import ConfigError, NotFoundError, UnsafePathError
 from cachemgr.fs.safe import read_regular
 
@@ -63,7 +64,7 @@ class Digested(BaseModel):
         unset OMIT_WHEN_NONE field) left out."""
         unset = {k for k in self.OMIT_WHEN_NONE if getattr(self, k) is None}
         data = self.model_dump(mode="json", exclude={"source", "digest", "ns_id", *unset})
-        return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        return canonical_json(data, ensure_ascii=False).encode()
 
     @computed_field  # type: ignore[prop-decorator]
     @property

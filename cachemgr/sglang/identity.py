@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from cachemgr.canonical import canonical_json
 from cachemgr.errors import IdentityError
 from cachemgr.identity import model_dir
 from cachemgr.identity.digest_cache import DigestCache
@@ -156,7 +157,7 @@ def _override_args(raw: str) -> str | None:
         raise IdentityError(f"--json-model-override-args is not JSON: {raw!r}") from None
     if not data:
         return None
-    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return canonical_json(data, ensure_ascii=False)
 
 
 def compute_identity(

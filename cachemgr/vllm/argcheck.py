@@ -11,6 +11,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from cachemgr.canonical import canonical_json
 from cachemgr.errors import ConfigError
 from cachemgr.vllm.flags import (
     ATTENTION_BACKENDS,
@@ -116,7 +117,7 @@ def _depth(value: Any) -> int:
 def hf_overrides(raw: str | None) -> str | None:
     """--hf-overrides as canonical JSON (key order and spaces don't count); None if empty."""
     data = _json_object("--hf-overrides", raw) if raw else {}
-    return json.dumps(data, sort_keys=True, separators=(",", ":")) if data else None
+    return canonical_json(data, ensure_ascii=True) if data else None
 
 
 def attention(backend: str | None, raw_config: str | None) -> str | None:
@@ -142,7 +143,7 @@ def attention(backend: str | None, raw_config: str | None) -> str | None:
         out["backend_per_kind"] = {_spec_kind(k): _backend(str(v)) for k, v in per_kind.items()}
     if config.get("hisparse_config") is not None:
         out["hisparse"] = True
-    return json.dumps(out, sort_keys=True, separators=(",", ":")) if out else None
+    return canonical_json(out, ensure_ascii=True) if out else None
 
 
 def _backend(name: str) -> str:

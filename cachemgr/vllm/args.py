@@ -8,13 +8,13 @@ prefixes included); every other flag vLLM knows is skipped, one it does not know
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cachemgr.argprefix import read_option
+from cachemgr.canonical import canonical_json
 from cachemgr.errors import ConfigError
 from cachemgr.vllm import argcheck
 from cachemgr.vllm import values as vllm_values
@@ -169,7 +169,9 @@ def resolve_vllm_args(
     )
     config = argcheck.kv_transfer_config(values.get("kv_transfer_config"))
     values["tier"] = fs_tier(config, _offloading(values, cmd, environ or {}))
-    values["kv_transfer_config"] = _canonical(config)
+    values["kv_transfer_config"] = (
+        None if config is None else canonical_json(config, ensure_ascii=True)
+    )
     values["kv_cache_layout"] = vllm_values.kv_cache_layout(
         _env_value(cmd, environ or {}, KV_LAYOUT_ENV)
     )
@@ -203,10 +205,6 @@ def _offloading(values: dict[str, Any], cmd: VllmCommand, environ: dict[str, str
             f"invalid {SIMPLE_OFFLOAD_ENV}={simple!r}: vLLM takes an integer (0 or 1), "
             "or leave it unset"
         ) from None
-
-
-def _canonical(data: dict[str, Any] | None) -> str | None:
-    return None if data is None else json.dumps(data, sort_keys=True, separators=(",", ":"))
 
 
 def _env_value(cmd: VllmCommand, environ: dict[str, str], name: str) -> str | None:

@@ -61,6 +61,7 @@ def folder_digest(config: bytes) -> str | None:
         fields = json.loads(config)
         if not isinstance(fields, dict) or not isinstance(fields.get("model_name"), str):
             return None
+        # vLLM's own rule (file_mapper.py), not cachemgr.canonical: it follows vLLM alone.
         canon = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     except (ValueError, UnicodeDecodeError, RecursionError):
         return None

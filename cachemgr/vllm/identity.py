@@ -14,7 +14,6 @@ The record carries `"engine": "vllm"`: readers of a manifest pick the file forma
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import os
 from collections.abc import Callable, Mapping
 from typing import ClassVar, Literal
@@ -22,6 +21,7 @@ from typing import ClassVar, Literal
 import xxhash
 from pydantic import BaseModel, ConfigDict
 
+from cachemgr.canonical import canonical_json
 from cachemgr.errors import IdentityError
 from cachemgr.identity import model_dir
 from cachemgr.identity.digest_cache import DigestCache
@@ -117,7 +117,7 @@ def run_dtype(dtype_arg: str, config: Mapping[str, object]) -> str:
 
 def _config_digest(config: Mapping[str, object]) -> str:
     """A model config's content (key order and spacing do not count), as 32 hex digits."""
-    text = json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    text = canonical_json(config, ensure_ascii=False)
     return xxhash.xxh3_128_hexdigest(text.encode())
 
 
