@@ -6,6 +6,7 @@ import json
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,22 +54,19 @@ def _looks_like_repo_id(path: str) -> bool:
     return not path.startswith(("/", ".", "~")) and 0 < path.count("/") <= 1
 
 
-def locate_model(
-    path: str,
-    revision: str | None = None,
-    *,
-    env: Mapping[str, str] = os.environ,
-    download_dir: str | None = None,
-    modelscope: str | None = None,
-) -> Path:
-    """The local directory of `path`: the directory itself, or its HF cache snapshot.
+@dataclass(frozen=True)
+class Hub:
+    """Where a server finds a model it is given by repo id."""
 
-    `env` is the server's environment (the launch's own `VAR=…` prefix included);
-    `download_dir` its engine's --download-dir, which both SGLang's and vLLM's loaders hand
-    huggingface_hub as `cache_dir`: it replaces the hub cache the environment names.
-    `modelscope` names the variable that makes the server download repo ids from ModelScope
-    instead, when the server's environment sets it.
-    """
+    env: Mapping[str, str]  # the server's environment (the launch's `VAR=…` prefix included)
+    # Its engine's --download-dir, which both SGLang's and vLLM's loaders hand huggingface_hub
+    # as `cache_dir`: it replaces the hub cache the environment names.
+    download_dir: str | None = None
+    modelscope: str | None = None  # the variable that makes it download from ModelScope, if set
+
+
+def locate_model(path: str, revision: str | None, hub: Hub) -> Path:
+    """The local directory of `path`: the directory itself, or its HF cache snapshot."""
     local = Path(path).expanduser()
     if local.is_dir():
         return local.absolute()
@@ -76,15 +74,15 @@ def locate_model(
         raise IdentityError(f"model path {path} is not a directory")
     if not _looks_like_repo_id(path):
         raise ModelNotFoundError(f"model directory {path} does not exist")
-    if modelscope:
+    if hub.modelscope:
         # ModelScope's cache is laid out by its own client's version (and renames ids); a
         # copy of the same id in the HF cache may be other weights: neither is safe to read.
         raise ModelNotFoundError(
-            f"{modelscope} is set: the server downloads {path} from ModelScope, whose cache "
+            f"{hub.modelscope} is set: the server downloads {path} from ModelScope, whose cache "
             "cachemgr does not read; pass the model's local directory instead of its id"
         )
-    hub = Path(download_dir).expanduser() if download_dir else hf_hub_cache(env)
-    repo = hub / ("models--" + path.replace("/", "--"))
+    cache = Path(hub.download_dir).expanduser() if hub.download_dir else hf_hub_cache(hub.env)
+    repo = cache / ("models--" + path.replace("/", "--"))
     rev = revision or "main"
     if _COMMIT_RE.fullmatch(rev):
         commit = rev
@@ -94,7 +92,7 @@ def locate_model(
         except OSError:
             raise ModelNotFoundError(
                 f"model {path} is not a local directory and not in the Hugging Face cache "
-                f"{hub} (no {repo.name}/refs/{rev}); download it first or pass its directory"
+                f"{cache} (no {repo.name}/refs/{rev}); download it first or pass its directory"
             ) from None
     snapshot = repo / "snapshots" / commit
     if not snapshot.is_dir():

@@ -78,19 +78,18 @@ def modelscope(env: Mapping[str, str]) -> str | None:
     return MODELSCOPE_ENV if on else None
 
 
+def model_hub(args: LaunchArgs, env: Mapping[str, str]) -> model_dir.Hub:
+    """Where the server started with `args` from `env` finds a repo id's files."""
+    return model_dir.Hub(env, args.download_dir, modelscope(env))
+
+
 def locate_target(args: LaunchArgs, env: Mapping[str, str]) -> Path:
     """The model dir, or the single GGUF file SGLang serves as one: with --load-format auto or
     gguf it makes such a file's load format and quantization gguf (arg_groups/
     model_path_hook.py `handle_load_format`, overrides.py `_gguf_quantization`) and
     GGUFModelLoader reads it (model_loader/loader.py); `env` is the server's."""
     gguf = model_dir.gguf_file(args.model_path) if args.load_format in GGUF_LOAD_FORMATS else None
-    return gguf or model_dir.locate_model(
-        args.model_path,
-        args.revision,
-        env=env,
-        download_dir=args.download_dir,
-        modelscope=modelscope(env),
-    )
+    return gguf or model_dir.locate_model(args.model_path, args.revision, model_hub(args, env))
 
 
 def target_config(target: Path) -> tuple[dict[str, Any] | None, str | None]:
@@ -194,9 +193,7 @@ def compute_identity(
         draft_dir = model_dir.locate_model(
             args.speculative_draft_model_path,
             args.speculative_draft_model_revision,
-            env=server_env,
-            download_dir=args.download_dir,
-            modelscope=modelscope(server_env),
+            model_hub(args, server_env),
         )
         draft_config = model_dir.read_json(draft_dir / "config.json")
         # spec.py: the draft's KV dtype follows --kv-cache-dtype unless set on its own.

@@ -25,7 +25,7 @@ from cachemgr.identity.record import Digested
 from cachemgr.layout import Layout
 from cachemgr.sglang.args import LaunchArgs
 from cachemgr.sglang.hicache import STORAGE_DIR_ENV
-from cachemgr.sglang.identity import modelscope
+from cachemgr.sglang.identity import model_hub
 from cachemgr.units import human_bytes
 
 MAX_SIZE_ENV = "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE"
@@ -287,13 +287,7 @@ def _storage(
 def model_config(args: LaunchArgs, env: Mapping[str, str]) -> dict[str, Any] | None:
     """config.json of the model if it is on disk here (a dir or the HF cache), else None."""
     try:
-        directory = model_dir.locate_model(
-            args.model_path,
-            args.revision,
-            env=env,
-            download_dir=args.download_dir,
-            modelscope=modelscope(env),
-        )
+        directory = model_dir.locate_model(args.model_path, args.revision, model_hub(args, env))
         return model_dir.read_json(directory / "config.json")
     except CachemgrError:
         return None

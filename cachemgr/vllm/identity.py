@@ -148,20 +148,12 @@ def compute_vllm_identity(
             f"model path {args.model} is a single GGUF file: vLLM {VLLM_VERSION} has no GGUF "
             "loader, pass a model directory (cachemgr reads single GGUF files for SGLang)"
         )
-    scope = modelscope(server_env)
-    directory = model_dir.locate_model(
-        args.model, args.revision, env=server_env, download_dir=args.download_dir, modelscope=scope
-    )
+    hub = model_dir.Hub(server_env, args.download_dir, modelscope(server_env))
+    directory = model_dir.locate_model(args.model, args.revision, hub)
     # vLLM's ModelConfig: get_config(hf_config_path or model, revision=…)
     config_dir = directory
     if args.hf_config_path is not None:
-        config_dir = model_dir.locate_model(
-            args.hf_config_path,
-            args.revision,
-            env=server_env,
-            download_dir=args.download_dir,
-            modelscope=scope,
-        )
+        config_dir = model_dir.locate_model(args.hf_config_path, args.revision, hub)
     config = model_dir.read_json(config_dir / "config.json")
     own_config = (
         config if config_dir == directory else model_dir.read_json(directory / "config.json")
