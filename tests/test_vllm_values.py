@@ -180,6 +180,37 @@ def test_a_value_a_plugin_registers_is_taken_when_init_is_told(
     assert other["ns_id"] != result["ns_id"]
 
 
+@pytest.mark.parametrize(
+    ("declared", "flags"),
+    [
+        # auto_gptq.py / auto_awq.py take `marlin` for a GPTQ / AWQ checkpoint
+        ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, ["-q", "marlin"]),
+        ({"quantization_config": {"quant_method": "awq", "bits": 4}}, ["-q", "marlin"]),
+        # inc.py maps any value to `inc` for an auto-round checkpoint
+        ({"quantization_config": {"quant_method": "auto-round"}}, ["-q", "auto-round"]),
+        ({"compression_config": {"quant_method": "compressed-tensors"}}, ["-q", "marlin"]),
+        (None, ["-q", "marlin"]),  # ModelOpt's hf_quant_config.json beside config.json
+    ],
+)
+def test_a_value_vllm_maps_from_a_quantized_checkpoint_is_not_refused(
+    root: Path, tmp_path: Path, fake_vllm: dict[str, str], declared: dict | None, flags: list[str]
+) -> None:
+    """vLLM's override classes map the launch's -q from the checkpoint's own quantization
+    config before checking it (ModelConfig._verify_quantization): these start, and refusing
+    them kept the server from starting at all."""
+    checkpoint = make_model(tmp_path / "quantized", extra_config=declared or {})
+    if declared is None:
+        (checkpoint / "hf_quant_config.json").write_text('{"quantization": {"quant_algo": "FP8"}}')
+    assert vinit_json(root, launch(checkpoint, *flags))["outcome"] == "created"
+    out = cli_process("--root", str(root), "exec", "--", *launch(checkpoint, *flags), env=fake_vllm)
+    assert out.returncode == 0, out.stderr
+    # an unquantized checkpoint has no such mapping: still refused first
+    plain = make_model(tmp_path / "plain")
+    assert "pass --plugin-value marlin" in one_line_error(
+        vinit(root, launch(plain, "-q", "marlin"))
+    )
+
+
 # vLLM's own answer for each value: does it start with it, and what does it run with.
 VLLM_READS = textwrap.dedent("""
     import json, os, sys

@@ -9,8 +9,9 @@ from typing import Any
 
 from cachemgr.doctor.finding import Finding
 from cachemgr.engine import Engine, Installed
-from cachemgr.errors import ConfigError
+from cachemgr.errors import CachemgrError, ConfigError
 from cachemgr.gc.policy import GcPolicy
+from cachemgr.identity import model_dir
 from cachemgr.identity.digest_cache import DigestCache
 from cachemgr.identity.fingerprint import IdentityOptions, ProgressFactory
 from cachemgr.identity.record import Digested
@@ -18,7 +19,12 @@ from cachemgr.layout import Layout
 from cachemgr.vllm import lint, values
 from cachemgr.vllm.args import VllmLaunchArgs, is_vllm_launch, resolve_vllm_args
 from cachemgr.vllm.fstier import VLLM_FS_TIER
-from cachemgr.vllm.identity import VllmIdentity, compute_vllm_identity, installed_vllm_version
+from cachemgr.vllm.identity import (
+    VllmIdentity,
+    compute_vllm_identity,
+    installed_vllm_version,
+    model_hub,
+)
 from cachemgr.vllm.rewrite import KV_CONFIG_ENV, ROOT_DIR_ENV, point_root_dir, pointed_config
 
 
@@ -56,7 +62,12 @@ class VllmEngine(Engine[VllmLaunchArgs]):
     ) -> None:
         """A vLLM launch must have an fs tier cachemgr can point at its namespace dir, and
         values vLLM ships or a plugin registers (`plugin_values`)."""
-        values.check_shipped(args.quantization, args.load_format, plugin_values)
+        values.check_shipped(
+            args.quantization,
+            args.load_format,
+            plugin_values,
+            lambda: _quantized_checkpoint(args, environ),
+        )
         if args.tier is None:
             raise ConfigError(
                 "the vLLM launch has no fs tier: add --kv-transfer-config with "
@@ -148,3 +159,16 @@ class VllmEngine(Engine[VllmLaunchArgs]):
 
 
 VLLM = VllmEngine()
+
+
+def _quantized_checkpoint(args: VllmLaunchArgs, environ: Mapping[str, str]) -> bool:
+    """Whether the launch's model (or its --hf-config-path) declares a quantization config; a
+    model not found here declares none (the identity refuses it in its own words)."""
+    hub = model_hub(args, {**environ, **args.launch_env})
+    for path in filter(None, (args.model, args.hf_config_path)):
+        try:
+            if values.declares_quantization(model_dir.locate_model(path, args.revision, hub)):
+                return True
+        except CachemgrError:
+            continue
+    return False

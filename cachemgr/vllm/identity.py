@@ -128,6 +128,11 @@ def modelscope(env: Mapping[str, str]) -> str | None:
     return MODELSCOPE_ENV if on else None
 
 
+def model_hub(args: VllmLaunchArgs, env: Mapping[str, str]) -> model_dir.Hub:
+    """Where the server started with `args` from `env` finds a repo id's files."""
+    return model_dir.Hub(env, args.download_dir, modelscope(env))
+
+
 def compute_vllm_identity(
     args: VllmLaunchArgs,
     options: IdentityOptions | None = None,
@@ -148,7 +153,7 @@ def compute_vllm_identity(
             f"model path {args.model} is a single GGUF file: vLLM {VLLM_VERSION} has no GGUF "
             "loader, pass a model directory (cachemgr reads single GGUF files for SGLang)"
         )
-    hub = model_dir.Hub(server_env, args.download_dir, modelscope(server_env))
+    hub = model_hub(args, server_env)
     directory = model_dir.locate_model(args.model, args.revision, hub)
     # vLLM's ModelConfig: get_config(hf_config_path or model, revision=…)
     config_dir = directory

@@ -12,8 +12,11 @@ running vLLM. The lists are generated from vLLM's code (scripts/gen_vllm_flags.p
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable
+from pathlib import Path
 
-from cachemgr.errors import ConfigError
+from cachemgr.errors import CachemgrError, ConfigError
+from cachemgr.identity.model_dir import read_json
 from cachemgr.vllm.flags import (
     DEPRECATED_QUANTIZATION,
     KV_LAYOUT_ALIASES,
@@ -60,13 +63,38 @@ def load_format(raw: str) -> str:
     return raw.lower()
 
 
-def check_shipped(quant: str | None, load: str, plugin_values: frozenset[str]) -> None:
+def check_shipped(
+    quant: str | None,
+    load: str,
+    plugin_values: frozenset[str],
+    quantized_checkpoint: Callable[[], bool],
+) -> None:
     """The ConfigError vLLM's start ends in for a --quantization or --load-format it does not
     ship, unless `plugin_values` (init's --plugin-value) names it: a typo must not cost the
-    good cache first."""
+    good cache first.
+
+    Not for a --quantization on a checkpoint that declares its own (`quantized_checkpoint`):
+    vLLM's override classes then map the launch's value first (ModelConfig._verify_quantization),
+    and take some it does not ship (`marlin` on a GPTQ or AWQ checkpoint; any value on an
+    auto-round, ModelOpt or GPT-OSS MXFP4 one). Which, cachemgr cannot tell without running
+    them; a typo there ends in vLLM's own mismatch error."""
     plugins = frozenset(v.lower() for v in plugin_values)  # as the launch's value is read
-    _shipped("--quantization", quant, QUANTIZATION_METHODS, "quantization method", plugins)
+    if quant is None or quant in QUANTIZATION_METHODS or not quantized_checkpoint():
+        _shipped("--quantization", quant, QUANTIZATION_METHODS, "quantization method", plugins)
     _shipped("--load-format", load, LOAD_FORMATS, "load format", plugins)
+
+
+def declares_quantization(directory: Path) -> bool:
+    """Whether the checkpoint in `directory` carries the quantization config vLLM matches
+    --quantization against: config.json's quantization_config or compression_config, or an
+    hf_quant_config.json beside it (transformers_utils/config.py, model_arch_config_convertor.py).
+    An unreadable config is no declaration: the identity then says what is wrong with it."""
+    try:
+        config = read_json(directory / "config.json")
+    except CachemgrError:
+        return False
+    declared = config.get("quantization_config") or config.get("compression_config")
+    return bool(declared) or (directory / "hf_quant_config.json").is_file()
 
 
 def _shipped(
