@@ -167,8 +167,21 @@ def _quantized_checkpoint(args: VllmLaunchArgs, environ: Mapping[str, str]) -> b
     hub = model_hub(args, {**environ, **args.launch_env})
     for path in filter(None, (args.model, args.hf_config_path)):
         try:
-            if values.declares_quantization(model_dir.locate_model(path, args.revision, hub)):
+            if declares_quantization(model_dir.locate_model(path, args.revision, hub)):
                 return True
         except CachemgrError:
             continue
     return False
+
+
+def declares_quantization(directory: Path) -> bool:
+    """Whether the checkpoint in `directory` carries the quantization config vLLM matches
+    --quantization against: config.json's quantization_config or compression_config, or an
+    hf_quant_config.json beside it (transformers_utils/config.py, model_arch_config_convertor.py).
+    An unreadable config is no declaration: the identity then says what is wrong with it."""
+    try:
+        config = model_dir.read_json(directory / "config.json")
+    except CachemgrError:
+        return False
+    declared = config.get("quantization_config") or config.get("compression_config")
+    return bool(declared) or (directory / "hf_quant_config.json").is_file()

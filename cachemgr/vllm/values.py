@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable
-from pathlib import Path
 
-from cachemgr.errors import CachemgrError, ConfigError
-from cachemgr.identity.model_dir import read_json
+from cachemgr.errors import ConfigError
 from cachemgr.vllm.flags import (
     DEPRECATED_QUANTIZATION,
     KV_LAYOUT_ALIASES,
@@ -82,19 +80,6 @@ def check_shipped(
     if quant is None or quant in QUANTIZATION_METHODS or not quantized_checkpoint():
         _shipped("--quantization", quant, QUANTIZATION_METHODS, "quantization method", plugins)
     _shipped("--load-format", load, LOAD_FORMATS, "load format", plugins)
-
-
-def declares_quantization(directory: Path) -> bool:
-    """Whether the checkpoint in `directory` carries the quantization config vLLM matches
-    --quantization against: config.json's quantization_config or compression_config, or an
-    hf_quant_config.json beside it (transformers_utils/config.py, model_arch_config_convertor.py).
-    An unreadable config is no declaration: the identity then says what is wrong with it."""
-    try:
-        config = read_json(directory / "config.json")
-    except CachemgrError:
-        return False
-    declared = config.get("quantization_config") or config.get("compression_config")
-    return bool(declared) or (directory / "hf_quant_config.json").is_file()
 
 
 def _shipped(

@@ -55,8 +55,9 @@ def mounted(source: Path, at: Path, root: Path) -> Iterator[None]:
 
 
 def deletes_all(root: Path) -> tuple[dict[str, int], dict[str, int]]:
-    """A dry run and a real run of GC with a cap of 0: what each says it deleted."""
-    args = ("--json", "--max-bytes", "0", "--min-age", "0")
+    """A dry run and a real run of GC with a cap of 1 byte (0 is refused: it reads as "no
+    cap"): what each says it deleted."""
+    args = ("--json", "--max-bytes", "1", "--min-age", "0")
     dry, real = gc(root, "--dry-run", *args), gc(root, "--yes", *args)
     assert dry.returncode == 0 and real.returncode == 0, dry.stderr + real.stderr
     return json.loads(dry.stdout), json.loads(real.stdout)
@@ -117,7 +118,7 @@ def test_an_unreadable_hashed_dir_is_left_alone_and_the_rest_is_collected(
         assert ls.returncode == 0, ls.stderr
         (row,) = json.loads(ls.stdout)["namespaces"]
         assert (row["pages"], row["bytes"]) == (3, 300)
-        args = ("--json", "--max-bytes", "0", "--min-age", "0")
+        args = ("--json", "--max-bytes", "1", "--min-age", "0")
         dry, real = (
             without_dac(root, "gc", "--dry-run", *args),
             without_dac(root, "gc", "--yes", *args),
@@ -137,8 +138,8 @@ def test_a_hashed_dir_gc_may_not_write_stops_only_its_own_deletions(root: Path) 
     locked = d / blocks[0].rpartition("/")[0]
     locked.chmod(0o555)
     try:
-        dry = without_dac(root, "gc", "--dry-run", "--json", "--max-bytes", "0", "--min-age", "0")
-        real = without_dac(root, "gc", "--yes", "--json", "--max-bytes", "0", "--min-age", "0")
+        dry = without_dac(root, "gc", "--dry-run", "--json", "--max-bytes", "1", "--min-age", "0")
+        real = without_dac(root, "gc", "--yes", "--json", "--max-bytes", "1", "--min-age", "0")
     finally:
         locked.chmod(0o755)
     assert real.returncode != 2, real.stderr  # not an error that ends the run
