@@ -16,8 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from cachemgr.fs.leadership import Leadership
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.floor import free_floor
-from cachemgr.gc.runner import GcRunner, joined
-from cachemgr.gc.step import GcReport, Unmet
+from cachemgr.gc.runner import GcRunner
+from cachemgr.gc.step import GcReport, Unmet, joined
 from cachemgr.layout import Layout
 from cachemgr.settings import load_settings
 from tests.daemon_helpers import NS_A, captured_log, running_daemon

@@ -24,8 +24,8 @@ from cachemgr.fs.leadership import Leadership
 from cachemgr.fs.root import create_root
 from cachemgr.gc.floor import floor_pass
 from cachemgr.gc.policy import GcPolicy
-from cachemgr.gc.runner import GcRunner, joined
-from cachemgr.gc.step import GcReport
+from cachemgr.gc.runner import GcRunner
+from cachemgr.gc.step import GcReport, joined
 from cachemgr.ns.registry import adopt_from_disk
 from cachemgr.ns.root import existing_layout, reading_store
 from cachemgr.settings import Settings

@@ -35,9 +35,9 @@ from cachemgr.gc.find import TrashCounts
 from cachemgr.gc.floor import floor_pass, record_floor
 from cachemgr.gc.held import HeldAudits
 from cachemgr.gc.pagestore import PageId
-from cachemgr.gc.plan import Earlier, GcPlan, Live, plan_gc
+from cachemgr.gc.plan import Earlier, GcPlan, Live, plan_gc, unrecorded_unmet
 from cachemgr.gc.policy import HOLDING, GcPolicy, GcReason
-from cachemgr.gc.step import GcReport, Unmet
+from cachemgr.gc.step import GcReport, Unmet, joined
 from cachemgr.layout import Layout
 from cachemgr.ns.bindings import catch_up
 from cachemgr.ns.liveuse import live_users
@@ -368,6 +368,7 @@ class GcRunner(Worker):
         policy: GcPolicy | None,
         after: Earlier,
     ) -> GcReport:
+        own_limits = policy is None  # (one-off limits say nothing of the daemon's own)
         policy = policy or self.policy
         dry_run = run.dry_run
         now = self.clock()
@@ -420,6 +421,13 @@ class GcRunner(Worker):
                 recorded=_forgetting(self.live, flight.stored),
                 after_limits=behind,
             )
+        except (sqlite3.Error, OSError, StateError) as e:
+            if own_limits and not dry_run and reserve.is_disk_full(e, self.layout.state_dir):
+                # A chunk's deletion is recorded before the next goes, and the state dir's
+                # filesystem took no record: the limits it held stay over, said so (not
+                # "held", as the last run that worked left them).
+                self.stats.unmet = unrecorded_unmet(plan)
+            raise
         finally:
             self.not_holding.set()
         if not dry_run:
@@ -572,26 +580,6 @@ class _Applied:
     def _applied(self, ns: str, names: Sequence[str]) -> list[str]:
         """Of `names`, those the watcher is told of: settled as they were expected."""
         return [n for n in names if (ns, n) not in self.unapplied]
-
-
-def joined(floor: GcReport | None, report: GcReport) -> GcReport:
-    """One report for a floor pass and the run after it."""
-    if floor is None:
-        return report
-    # The run after the pass plans the floors again, on the disk the pass left: its word is
-    # the later one (a floor said unmet twice counted 2 in cachemgr_gc_limits_unmet).
-    later = {_limit(u) for u in report.unmet}
-    return replace(
-        report,
-        started_at=floor.started_at,
-        steps=floor.steps + report.steps,
-        warnings=tuple(dict.fromkeys(floor.warnings + report.warnings)),  # each said once
-        unmet=report.unmet + tuple(u for u in floor.unmet if _limit(u) not in later),
-    )
-
-
-def _limit(unmet: Unmet) -> tuple[str, str | None]:
-    return unmet.reason, unmet.namespace_id
 
 
 def _holding(plan: GcPlan) -> bool:

@@ -32,15 +32,19 @@ class Unmet:
     # What would still have to go to bring it to its low watermark (for a floor the filesystem
     # does not meet even with no cache, what beside the cache would have to go too).
     excess: int
+    # Why GC did not take it, when it is not that nothing else may go (the state DB could not
+    # record a deletion).
+    cause: str | None = None
 
     def line(self) -> str:
         """The warning a run gives for it."""
         scope = "the root's" if self.namespace_id is None else f"ns/{self.namespace_id}'s"
         more = human_bytes(self.excess) if self.unit == "bytes" else f"{self.excess:,} files"
+        why = self.cause or "GC has nothing else it may delete"
         return (
             f"{self.reason}: {scope} {_LIMITS.get(self.reason, self.reason)} is not held: it "
-            f"stays over its high watermark, {more} more would have to go, and GC has nothing "
-            "else it may delete (`cachemgr doctor` says why)"
+            f"stays over its high watermark, {more} more would have to go, and {why} "
+            "(`cachemgr doctor` says why)"
         )
 
 
@@ -155,3 +159,23 @@ class GcReport(ByReason):
         watermark: the run did not hold a limit it was asked to hold (not an `ok` run)."""
         refused = any(s.refused for s in self.steps if s.reason in HOLDING)
         return not refused and not self.unmet
+
+
+def joined(floor: GcReport | None, report: GcReport) -> GcReport:
+    """One report for a floor pass and the run after it."""
+    if floor is None:
+        return report
+    # The run after the pass plans the floors again, on the disk the pass left: its word is
+    # the later one (a floor said unmet twice counted 2 in cachemgr_gc_limits_unmet).
+    later = {_limit(u) for u in report.unmet}
+    return replace(
+        report,
+        started_at=floor.started_at,
+        steps=floor.steps + report.steps,
+        warnings=tuple(dict.fromkeys(floor.warnings + report.warnings)),  # each said once
+        unmet=report.unmet + tuple(u for u in floor.unmet if _limit(u) not in later),
+    )
+
+
+def _limit(unmet: Unmet) -> tuple[str, str | None]:
+    return unmet.reason, unmet.namespace_id
