@@ -4,6 +4,8 @@ the binding files (tests/reliability/test_bindings_survive.py has the bindings' 
 from __future__ import annotations
 
 import json
+import sqlite3
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -102,3 +104,29 @@ def test_a_newer_db_is_refused_not_moved_aside(tmp_path: Path) -> None:
     with pytest.raises(StateError, match="newer than this cachemgr"):
         Store.open(tmp_path / "state.db")
     assert sorted(p.name for p in tmp_path.iterdir() if "corrupt" in p.name) == []
+
+
+def test_a_newer_db_says_in_one_line_how_to_roll_back_and_that_works(tmp_path: Path) -> None:
+    """A rolled-back image met the DB a newer one migrated: init and serve exit 2 and the
+    engine does not start. The line gives the command that moves the DB (and its -wal) aside;
+    run as given, the next open starts a fresh DB, rebuilt from disk."""
+    state = tmp_path / "state dir"  # (a space: the command quotes it)
+    Store.open(state / "state.db").close()
+    conn = connect(state / "state.db")
+    conn.execute("PRAGMA user_version = 999")
+    conn.close()
+    with pytest.raises(StateError) as refused:
+        Store.open(state / "state.db")
+    line = str(refused.value)
+    assert "\n" not in line
+    assert "schema version 999, newer than this cachemgr" in line, line
+    command = line.split(
+        "then move the DB aside (the index is rebuilt from disk; its audit "
+        "history stays in the copy): "
+    )[1]
+    subprocess.run(["sh", "-c", command], check=True)
+    assert not [p.name for p in state.iterdir() if p.name.startswith("state.db-")]
+    copy = sqlite3.connect(f"file:{state / 'state.db.schema-999'}?mode=ro", uri=True)
+    assert copy.execute("PRAGMA user_version").fetchone()[0] == 999
+    copy.close()
+    Store.open(state / "state.db").close()  # a fresh DB, at this cachemgr's schema

@@ -459,6 +459,7 @@ def test_alerts_fire_on_the_daemons_real_series(scrapes: Live, tmp_path: Path) -
     up = Sample("up", (), 0).series(**TARGET)
     ready, mismatch = target(e.get("cachemgr_ready")), target(e.get("cachemgr_identity_mismatch"))
     settled = target(e.get("cachemgr_index_settled"))
+    state_dir = target(e.get("cachemgr_state_dir_unusable"))
     overflows = target(e.get("cachemgr_watcher_overflows_total"))
     short = target(e.get("cachemgr_watch_refused_namespaces"))
     avail = target(e.get("cachemgr_filesystem_avail_bytes"))
@@ -514,6 +515,14 @@ def test_alerts_fire_on_the_daemons_real_series(scrapes: Live, tmp_path: Path) -
             "CachemgrWorkerDead", {gc_up: "1 0x5"}, "4m", [expect("CachemgrWorkerDead", worker)]
         ),
         alert_test("CachemgrWorkerDead", {gc_up: "1x5"}, "4m", []),
+        alert_test(
+            "CachemgrStateDirUnusable",
+            {state_dir: "0 1x10"},
+            "7m",
+            [expect("CachemgrStateDirUnusable", node, 1)],
+        ),
+        # A full disk GC frees within seconds (the state dir on the root's): quiet.
+        alert_test("CachemgrStateDirUnusable", {state_dir: "0 1 0 1 0x10"}, "7m", []),
         alert_test(
             "CachemgrIdentityMismatch",
             {mismatch: "0 0 1 1"},

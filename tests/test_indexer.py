@@ -3,10 +3,12 @@ appearing and leaving, a real kernel queue overflow, and a restart."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from cachemgr.daemon.indexer import Indexer, IndexerConfig, IndexerHooks, Indexe
 from cachemgr.daemon.watcher import Event, Watcher
 from cachemgr.fs.leadership import Leadership
 from cachemgr.layout import Layout
+from cachemgr.ns.quarantine import STATE_DIR
 from cachemgr.state.store import Store, connect
 from cachemgr.worker import Worker
 from tests.daemon_helpers import NS_A, NS_B, page_name, read_page, store_page
@@ -466,5 +469,38 @@ def test_names_that_are_not_pages_never_reach_the_index(
             lambda: ix.state.counters.get(NS_A), lambda c: c is not None and c.writes
         )
         assert ix.error is None and counted.writes == 1
+    finally:
+        ix.stop()
+
+
+def test_a_build_the_full_disk_refuses_is_retried_with_backoff_and_said(
+    store: Store, layout: Layout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A state dir whose filesystem stays full (one apart from the root's waits for a person)
+    rescanned every namespace every second for as long; each refusal now doubles the wait, the
+    state dir is held aside as full meanwhile (/readyz, the metric), and freed when it works."""
+    full = threading.Event()
+    full.set()
+    builds: list[float] = []
+    ix = Indexer(layout, store, IndexerConfig(batch_interval=0.05))
+    scan_all = ix._scan_all
+
+    def scanned(*, first: bool) -> None:
+        builds.append(time.monotonic())
+        if full.is_set():
+            raise sqlite3.OperationalError("database or disk is full")
+        scan_all(first=first)
+
+    monkeypatch.setattr(ix, "_scan_all", scanned)
+    ix.start()
+    try:
+        wait_for(lambda: len(builds), lambda n: n >= 3, timeout=10, what="three builds")
+        assert ix.quarantine.holds(STATE_DIR, "full")
+        assert not ix.state.ready.is_set()
+        gaps = [b - a for a, b in itertools.pairwise(builds)]
+        assert gaps[0] >= 0.95 and gaps[1] >= 1.95, gaps  # 1 s, then 2 s (was: 1 s each)
+        full.clear()
+        assert ix.state.ready.wait(10)
+        assert not ix.quarantine.holds(STATE_DIR, "full")
     finally:
         ix.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from cachemgr import engines
+from cachemgr.cli.envfile import HEADER, is_ours
 from cachemgr.layout import Layout
 from cachemgr.ns.registry import binding_of
 from cachemgr.state.store import Store
@@ -142,9 +145,55 @@ def test_print_env_and_env_file(root: Path, model: Path, tmp_path: Path) -> None
     (ns,) = [p.name for p in (root / "ns").iterdir() if p.is_dir()]
     line = f"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR={root / 'ns' / ns}"
     assert out.stdout == line + "\n"
-    assert env_file.read_text() == line + "\n"
+    assert env_file.read_text() == HEADER + line + "\n"
     assert "created ns" in out.stderr
     assert [p.name for p in tmp_path.iterdir() if "tmp" in p.name] == []  # no temp left
+    again = init(root, model, "--env-file", str(env_file))  # its own file: replaced
+    assert again.returncode == 0, again.stderr
+    assert env_file.read_text() == HEADER + line + "\n"
+
+
+def test_an_env_file_init_wrote_before_it_had_a_header_is_replaced(
+    root: Path, model: Path, tmp_path: Path
+) -> None:
+    env_file = tmp_path / "hicache.env"
+    env_file.write_text("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=/srv/cache/ns/0123456789abcdef\n")
+    out = init(root, model, "--env-file", str(env_file))
+    assert out.returncode == 0, out.stderr
+    assert env_file.read_text().startswith(HEADER + "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=")
+
+
+@pytest.mark.parametrize("what", ["device", "symlink", "foreign-file"])
+def test_an_env_file_path_holding_what_init_did_not_write_is_refused_before_anything(
+    root: Path, model: Path, tmp_path: Path, what: str
+) -> None:
+    """A device node, a link, or the operator's own env file (SGLANG_ARGS in
+    /etc/sglang/sglang.env) at --env-file was replaced by a regular file without a word."""
+    path = tmp_path / "env"
+    theirs = "SGLANG_ARGS='--tp 8'\nSGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=/srv/c\n"
+    if what == "device":
+        if os.geteuid() != 0:
+            pytest.skip("mknod needs root (CI runs as root)")
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 7))  # as /dev/full
+    elif what == "symlink":
+        (tmp_path / "target").write_text(theirs)
+        path.symlink_to(tmp_path / "target")
+    else:
+        path.write_text(theirs)
+    before = os.lstat(path)
+    out = init(root, model, "--env-file", str(path))
+    assert out.returncode == 2, out.stderr
+    line = one_line_error(out)
+    kind = {"device": "a character device", "symlink": "a symlink"}.get(what)
+    said = f"is {kind}, not a file cachemgr init wrote" if kind else "cachemgr init did not write"
+    assert said in line and "not replaced" in line, line
+    after = os.lstat(path)
+    assert (after.st_ino, after.st_mode, after.st_size) == (
+        before.st_ino,
+        before.st_mode,
+        before.st_size,
+    )
+    assert not root.exists()  # refused before the root, the identity, any purge
 
 
 def test_an_env_file_in_a_missing_dir_is_refused_before_anything_is_made(
@@ -498,3 +547,25 @@ def test_the_file_storage_path_flag_warns_as_the_extra_config_does(root: Path, m
     assert out.returncode == 0, out.stderr
     assert "file_storage_path is /srv/extra: SGLang uses it unless" in out.stderr
     assert "/srv/flag" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "ours"),
+    [
+        ("", True),  # a placeholder: nothing to lose
+        (HEADER + "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=/c\n", True),
+        ("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR='/c d'\n", True),  # before the header
+        ("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=/c", False),  # no final newline
+        ("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR='/c'\n", False),  # not as shlex.quote says it
+        ("SGLANG_ARGS=--tp\n", False),  # another variable
+        ("# my settings\nSGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=/c\n", False),
+        (None, False),  # unreadable, too large, not UTF-8
+    ],
+)
+def test_which_env_files_are_inits(text: str | None, ours: bool) -> None:
+    assert is_ours(text) is ours
+
+
+def test_every_engines_variables_in_inits_shape_are_inits() -> None:
+    names = [n for e in engines.ENGINES for n in e.server_env_vars]
+    assert is_ours("".join(f"{n}=/c\n" for n in names))

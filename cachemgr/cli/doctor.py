@@ -16,7 +16,7 @@ from cachemgr.cli.launch_options import LaunchRequest
 from cachemgr.cli.status import serving_root
 from cachemgr.doctor.finding import Finding, exit_code
 from cachemgr.doctor.permissions import SAMPLE, lint_deletable
-from cachemgr.doctor.root import lint_disk, lint_gc_unmet, lint_watches
+from cachemgr.doctor.root import lint_disk, lint_gc_unmet, lint_state_disk, lint_watches
 from cachemgr.doctor.statedir import lint_root_and_state
 from cachemgr.errors import CachemgrError
 from cachemgr.gc.policy import GcPolicy
@@ -64,6 +64,7 @@ def doctor(app: AppContext, as_json: bool, all_pages: bool, launch_cmd: tuple[st
         findings += lint_gc_unmet(served.get("gc_unmet", []) if served else [])
         findings += lint_watches(served.get("index") if served else None)
         findings += lint_disk(layout, policy)
+        findings += lint_state_disk(layout)
         findings += lint_root_and_state(layout)
         findings += lint_deletable(layout, None if all_pages else SAMPLE)
     if as_json:

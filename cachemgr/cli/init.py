@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import click
 
 from cachemgr import engines
+from cachemgr.cli import envfile
 from cachemgr.cli.common import drain_with_progress
 from cachemgr.cli.context import AppContext, pass_app, setting_option
 from cachemgr.cli.launch_options import LaunchRequest, launch_options
@@ -167,7 +168,8 @@ def env_lines(launch: LaunchRequest, run: InitRun) -> str:
 @click.option(
     "--env-file",
     type=click.Path(path_type=Path, dir_okay=False),
-    help="Write what --print-env prints to this file (atomically), e.g. for an initContainer.",
+    help="Write what --print-env prints to this file (atomically, under a header line), e.g. "
+    "for an initContainer; only a file init wrote is replaced.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @pass_app
@@ -188,8 +190,10 @@ def init(
     launch (`-- vllm serve M … --kv-transfer-config '{…}'`) it is what the fs tier's root_dir
     must name; `--json` prints the launch rewritten that way ("command").
     """
-    if env_file is not None and not env_file.parent.is_dir():  # before anything is made
-        raise ConfigError(f"--env-file {env_file}: {env_file.parent} is not a directory")
+    if env_file is not None:  # before anything is made, or a namespace purged
+        if not env_file.parent.is_dir():
+            raise ConfigError(f"--env-file {env_file}: {env_file.parent} is not a directory")
+        envfile.check_replaceable(env_file)
     run = run_init(app, launch, wait=wait, force=force, plugin_values=plugin_values)
     hands_env = print_env or env_file is not None
     engine = launch.engine
@@ -203,7 +207,7 @@ def init(
     )
     command = engine.rewritten_command(launch.command, storage_dir, os.environ)
     if env_file is not None:
-        write_atomic(env_file, env_lines(launch, run).encode())
+        write_atomic(env_file, envfile.contents(env_lines(launch, run)))
     machine = as_json or print_env
     for w in warnings:
         click.echo(f"cachemgr: warning: {w}", err=True)

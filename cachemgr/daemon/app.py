@@ -49,6 +49,7 @@ from cachemgr.fleet.accesses import SUMMARY_PATH
 from cachemgr.fs.usage import disk_usage
 from cachemgr.gc.policy import GcPolicy
 from cachemgr.layout import Layout
+from cachemgr.ns.quarantine import STATE_DIR
 from cachemgr.ns.status import NamespaceStatus, namespace_statuses
 from cachemgr.ns.trash import left_for_people
 from cachemgr.settings import one_off
@@ -103,7 +104,7 @@ def create_app(backend: Backend) -> FastAPI:
             503: {
                 "model": Readiness,
                 "description": "first scan not finished, a worker died, or the state dir "
-                "cannot be used",
+                "cannot be used (its mode, or its filesystem full)",
             }
         },
     )
@@ -270,13 +271,17 @@ def _readiness(backend: Backend) -> Readiness:
     detail = "index live" if ready else "first scan running"
     if ready and backend.index is not None and backend.index.settling:
         detail = f"index live; {backend.index.gc_waits()}"
-    # Nothing can be indexed, collected or purged until the state dir's mode is fixed.
+    # Nothing can be indexed, collected or purged until the state dir's mode is fixed, or
+    # while its filesystem is full (the quarantine's detail says whose space that is).
     state = unavailable(backend.layout.state_dir, backend.layout.db_path)
+    quarantine = backend.quarantine
+    full = quarantine is not None and quarantine.holds(STATE_DIR, "full")
     # Degraded, still ready: writes wait and catch up, the other namespaces are served (a
     # 503 would take SGLang's pod out of service).
-    unusable = backend.quarantine.degraded() if backend.quarantine is not None else None
+    unusable = quarantine.degraded() if quarantine is not None else None
     said = [detail, *filter(None, [state, busy.LOCKS.degraded(), unusable])]
-    return Readiness(ready=ready and state is None, detail="; ".join(map(str, said)))
+    ok = ready and state is None and not full
+    return Readiness(ready=ok, detail="; ".join(map(str, said)))
 
 
 def _index_info(st: IndexState, lag: Callable[[], float]) -> IndexInfo:

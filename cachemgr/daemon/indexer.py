@@ -40,6 +40,7 @@ from cachemgr.ns.quarantine import (
     denied_key,
     is_denied,
     ns_root_problem,
+    state_dir_full,
 )
 from cachemgr.ns.registry import adopt_from_disk
 from cachemgr.state import pages_sql
@@ -54,7 +55,11 @@ from cachemgr.state.store import Store
 from cachemgr.worker import DeathHandler, Worker
 
 log = logging.getLogger(__name__)
-FULL_RETRY = 1.0  # seconds between retries of a write the full disk refused
+FULL_RETRY = 1.0  # seconds before the first retry of a write the full disk refused
+# Each retry a full disk refuses doubles the wait, up to this: a build retried is a scan of
+# every namespace, and a state dir on another filesystem than the root's stays full until
+# a person frees it (it was rescanned every second for as long).
+FULL_RETRY_MAX = 30.0
 ROOT_RETRY = 5.0  # seconds between listings of a root found unreadable
 BUILD_ATTEMPTS = 3  # a fresh DB found corrupt again: the disk or SQLite is failing, stop
 # Page events per transaction: a batch waits for a GC run holding a cap (hooks.before_batch),
@@ -147,6 +152,7 @@ class Indexer(Worker):
         self._next_reconcile = float("inf")  # set once the first scan is done
         self._unverified = False  # ready from the model file, before the first tick's scan
         self._unloaded = set[str]()  # indexed by the first build; GC's model loads after ready
+        self._full_streak = 0  # writes the full disk refused running (the retries back off)
 
     def stop(self, timeout: float = 30.0) -> bool:
         """Apply what is queued, stop the watcher, and return once the thread is done."""
@@ -182,7 +188,7 @@ class Indexer(Worker):
             self.watcher.start()
             t0 = time.perf_counter()
             while not self._written(lambda: self._build(first=not took_over)):
-                if self._stopping.wait(FULL_RETRY):
+                if self._stopping.wait(self._retry_pause()):
                     return
             pending = self._pending()
             if not self._unverified:  # (else once verified: followers, CLIs count by it)
@@ -199,7 +205,7 @@ class Indexer(Worker):
             pause = self.batch_interval
             while not self._stopping.wait(pause):
                 ok = self._written(lambda: self._survive_corruption(self._tick))
-                pause = self.batch_interval if ok else FULL_RETRY
+                pause = self.batch_interval if ok else self._retry_pause()
             done = self._written(lambda: self._survive_corruption(self.apply_pending))
             if done and self.save_model and self.state.ready.is_set():  # for the next start
                 modelfile.save(self.model, self.layout.model_snapshot, self.store, self._loaded)
@@ -227,21 +233,30 @@ class Indexer(Worker):
                 return False
             if not reserve.is_disk_full(e, self.layout.state_dir):
                 raise
-            if not self.state.disk_full:
-                log.error(
-                    "index write failed: the disk is full; retrying as GC frees space",
-                    extra={"error": str(e)},
-                )
-            self.state.disk_full = True
-            self.state.disk_full_retries += 1
-            reserve.release(self.layout.state_dir)
-            self.on_disk_full()
+            self._full(e)
             return False
         self.quarantine.clear(STATE_DIR, "unreadable")
-        if self.state.disk_full:
-            log.warning("index writes work again")
-            self.state.disk_full = False
+        self.quarantine.clear(STATE_DIR, "full")
+        self._full_streak = 0  # the next refusal backs off from FULL_RETRY again
+        self.state.disk_full = False
         return True
+
+    def _full(self, error: OSError | sqlite3.Error) -> None:
+        """A write the state dir's full filesystem refused: hold the state dir aside (said
+        once, with who frees the space: GC, or a person when it is not the root's), give the
+        reserve back and wake GC."""
+        self.quarantine.mark(STATE_DIR, "full", f"{state_dir_full(self.layout)} ({error})")
+        self.state.disk_full = True
+        self.state.disk_full_retries += 1
+        self._full_streak += 1
+        reserve.release(self.layout.state_dir)
+        self.on_disk_full()
+
+    def _retry_pause(self) -> float:
+        """Seconds before a write that failed is tried again: FULL_RETRY, doubled for each
+        time running the full disk refused it, up to FULL_RETRY_MAX."""
+        doublings = min(max(self._full_streak - 1, 0), 8)  # (2**8 s is past the cap already)
+        return min(FULL_RETRY * (1 << doublings), FULL_RETRY_MAX)
 
     def _denied(self, error: OSError | sqlite3.Error) -> None:
         """Hold the state dir or the root aside, whichever refused, and list again soon."""
@@ -304,7 +319,8 @@ class Indexer(Worker):
         if ROOT not in self.quarantine:
             self._root_unusable()  # (else the retry below looks again)
         self.apply_pending()
-        waiting = ROOT in self.quarantine or STATE_DIR in self.quarantine
+        # (A full state dir needs no scan: the events its writes refused wait in the queue.)
+        waiting = ROOT in self.quarantine or self.quarantine.holds(STATE_DIR, "unreadable")
         if waiting and time.monotonic() >= self._root_retry:
             self._scan_all(first=False)  # back to normal once it can be listed again
         if time.monotonic() >= self._next_reconcile:

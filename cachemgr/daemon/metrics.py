@@ -89,8 +89,9 @@ METRICS: dict[str, str] = {
     "cachemgr_namespace_unusable": "1 while the daemon cannot use the namespace's dir (another "
     "user's: unreadable, or its pages not deletable); the index and GC skip it",
     "cachemgr_root_unusable": "1 while the daemon cannot list the root's ns/ dir; it waits for it",
-    "cachemgr_state_dir_unusable": "1 while the daemon may not use its state dir: the index, GC "
-    "and purge wait for the DB (the pages stay, and SGLang serves them)",
+    "cachemgr_state_dir_unusable": "1 while the daemon may not use its state dir (its mode, or "
+    "its filesystem full): the index, GC and purge wait for the DB (the pages stay, and SGLang "
+    "serves them)",
     "cachemgr_state_db_locked": "1 while a write of this daemon waits for another connection's "
     "write lock on the state DB",
     "cachemgr_state_db_lock_wait_seconds_total": "time this daemon's writes spent waiting for "

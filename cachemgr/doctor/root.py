@@ -195,6 +195,29 @@ def lint_disk(
     return found + _lint_inodes(layout, policy, inodes)
 
 
+def lint_state_disk(layout: Layout, usage: DiskUsageFn = shutil.disk_usage) -> list[Finding]:
+    """A state dir on a full filesystem of its own (on the root's, lint_disk says it): the
+    daemon's index, GC records and purges wait for room that GC cannot make there. Full: less
+    free than the space reserve the DB keeps to open and write (reserve.reserve_size)."""
+    try:
+        if reserve.shares_root_fs(layout.state_dir, layout.root):
+            return []
+        disk = DiskUsage(*usage(layout.state_dir))
+    except OSError:  # no state dir yet, or one this user may not use (state-unreadable says)
+        return []
+    if disk.free >= reserve.reserve_size(disk.total):
+        return []
+    what = (
+        f"the state dir's filesystem is full: {filesystem_line(disk)}; the daemon's index, GC "
+        "and purge wait for room to write the state DB"
+    )
+    fix = (
+        f"free space on the filesystem of {layout.state_dir}, or move the state dir "
+        "(--state-dir); GC frees space on the root's filesystem only"
+    )
+    return [Finding("error", "state-db-full", what, fix)]
+
+
 InodeUsageFn = Callable[[Path], tuple[int, int]]  # (total, free) inodes: usage.inode_usage
 
 

@@ -134,12 +134,18 @@ def _allocate(fd: int) -> bool:
     return True
 
 
+def shares_root_fs(state_dir: Path, root: Path) -> bool:
+    """Whether the state dir is on the root's filesystem: the only one GC frees space on.
+    OSError if either cannot be stat'ed."""
+    return os.stat(state_dir).st_dev == os.stat(root).st_dev
+
+
 def missing_bytes(state_dir: Path, root: Path) -> int:
     """How much of the state DB's room is not allocated now, if it shares the root's
     filesystem (0 otherwise): the reserve not held and the -wal file's growth to wal_room.
     GC plans as if both were taken, so the DB taking them keeps the free-space floor."""
     try:
-        if os.stat(state_dir).st_dev != os.stat(root).st_dev:
+        if not shares_root_fs(state_dir, root):
             return 0
         total = shutil.disk_usage(root).total
         held = _allocated(state_dir / RESERVE_FILE)

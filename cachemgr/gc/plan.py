@@ -31,6 +31,7 @@ from cachemgr.gc.chains import CYCLE_WALK, ChainModel
 from cachemgr.gc.find import list_namespace, list_temps
 from cachemgr.gc.pagestore import NONE, PageId
 from cachemgr.gc.policy import (
+    FILE_LIMITS,
     HOLDING,
     ByReason,
     Files,
@@ -546,3 +547,22 @@ def lineage(model: ChainModel, pid: PageId, known: Collection[PageId] = ()) -> s
                     break
                 out.add(up)
     return out
+
+
+def unrecorded_unmet(plan: GcPlan) -> tuple[Unmet, ...]:
+    """The limits a plan was to hold, unmet by what its steps were to take (or the plan's own
+    word on a limit it left unmet): a run whose deletions the state DB could not record."""
+    cause = "the state DB's filesystem is full: GC cannot record a deletion"
+    taken: dict[tuple[GcReason, str | None], int] = {}
+    for step in plan.steps:
+        if step.reason not in HOLDING:
+            continue
+        # A root limit's steps are in each namespace it takes from: said once, as the root's.
+        scope = None if step.reason == plan.budget_reason else step.namespace_id
+        size = step.files if step.reason in FILE_LIMITS else step.bytes
+        taken[step.reason, scope] = taken.get((step.reason, scope), 0) + size
+    unmet = [
+        Unmet(reason, scope, "files" if reason in FILE_LIMITS else "bytes", size, cause)
+        for (reason, scope), size in taken.items()
+    ]
+    return (*plan.unmet, *unmet)

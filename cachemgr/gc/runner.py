@@ -35,7 +35,7 @@ from cachemgr.gc.find import TrashCounts
 from cachemgr.gc.floor import floor_pass, record_floor
 from cachemgr.gc.held import HeldAudits
 from cachemgr.gc.pagestore import PageId
-from cachemgr.gc.plan import Earlier, GcPlan, Live, plan_gc
+from cachemgr.gc.plan import Earlier, GcPlan, Live, plan_gc, unrecorded_unmet
 from cachemgr.gc.policy import HOLDING, GcPolicy, GcReason
 from cachemgr.gc.step import GcReport, Unmet, joined
 from cachemgr.layout import Layout
@@ -380,6 +380,7 @@ class GcRunner(Worker):
         policy: GcPolicy | None,
         after: Earlier,
     ) -> GcReport:
+        own_limits = policy is None  # (one-off limits say nothing of the daemon's own)
         policy = policy or self.policy
         dry_run = run.dry_run
         now = self.clock()
@@ -432,6 +433,13 @@ class GcRunner(Worker):
                 recorded=_forgetting(self.live, flight.stored),
                 after_limits=behind,
             )
+        except (sqlite3.Error, OSError, StateError) as e:
+            if own_limits and not dry_run and reserve.is_disk_full(e, self.layout.state_dir):
+                # A chunk's deletion is recorded before the next goes, and the state dir's
+                # filesystem took no record: the limits it held stay over, said so (not
+                # "held", as the last run that worked left them).
+                self.stats.unmet = unrecorded_unmet(plan)
+            raise
         finally:
             self.not_holding.set()
         if not dry_run:

@@ -32,15 +32,19 @@ class Unmet:
     # What would still have to go to bring it to its low watermark (for a floor the filesystem
     # does not meet even with no cache, what beside the cache would have to go too).
     excess: int
+    # Why GC did not take it, when it is not that nothing else may go (the state DB could not
+    # record a deletion).
+    cause: str | None = None
 
     def line(self) -> str:
         """The warning a run gives for it."""
         scope = "the root's" if self.namespace_id is None else f"ns/{self.namespace_id}'s"
         more = human_bytes(self.excess) if self.unit == "bytes" else f"{self.excess:,} files"
+        why = self.cause or "GC has nothing else it may delete"
         return (
             f"{self.reason}: {scope} {_LIMITS.get(self.reason, self.reason)} is not held: it "
-            f"stays over its high watermark, {more} more would have to go, and GC has nothing "
-            "else it may delete (`cachemgr doctor` says why)"
+            f"stays over its high watermark, {more} more would have to go, and {why} "
+            "(`cachemgr doctor` says why)"
         )
 
 

@@ -19,12 +19,14 @@ import threading
 from dataclasses import dataclass, field
 from typing import Literal
 
+from cachemgr.fs import reserve
 from cachemgr.fs.deletecheck import DENIED
 from cachemgr.layout import Layout
 from cachemgr.state.dbfile import unavailable
 
 log = logging.getLogger(__name__)
-Reason = Literal["unreadable", "not-writable"]
+# "full": the state dir's filesystem refused the DB a write for lack of space.
+Reason = Literal["unreadable", "not-writable", "full"]
 ROOT = ""  # the key of the root itself (its ns/ dir cannot be listed)
 # The key of the state dir: the pages and ns/ are still there and SGLang serves them; only
 # what needs the DB (the index, GC, purge) waits: the root is not unusable.
@@ -62,6 +64,22 @@ def denied_key(layout: Layout) -> str:
     if ns_root_problem(layout) is not None:
         return ROOT
     return STATE_DIR if unavailable(layout.state_dir, layout.db_path) is not None else ROOT
+
+
+def state_dir_full(layout: Layout) -> str:
+    """What a state dir whose filesystem is full is, and who frees it: GC frees space on the
+    root's filesystem only, so on any other one a person has to."""
+    state = layout.state_dir
+    try:
+        ours = reserve.shares_root_fs(state, layout.root)
+    except OSError:
+        return f"the filesystem of {state} is full"
+    if ours:
+        return f"the filesystem of {state} is full; it is the root's, and GC frees space there"
+    return (
+        f"the filesystem of {state} is full; it is not the root's ({layout.root}), where GC "
+        "frees space: free space on it, or move the state dir"
+    )
 
 
 def unreadable_problem(error: OSError) -> str:
@@ -116,6 +134,11 @@ class Quarantine:
     def held(self) -> dict[str, dict[Reason, str]]:
         with self._lock:
             return {key: dict(reasons) for key, reasons in self._held.items()}
+
+    def holds(self, key: str, reason: Reason) -> bool:
+        """Whether `key` is held aside for `reason`."""
+        with self._lock:
+            return reason in self._held.get(key, {})
 
     def __contains__(self, key: object) -> bool:
         with self._lock:

@@ -54,7 +54,7 @@ def snapshot(path: Path, *, page_rows: bool = True) -> Store:
                 mem = connect(Path(":memory:"))  # a light copy may have failed halfway
                 _copy(path, mem, page_rows)
             copied = file_id(path)  # a corruption found later moves this file aside
-        migrate(mem)
+        migrate(mem, db=path)
     except BaseException:
         mem.close()
         raise

@@ -11,6 +11,7 @@ import logging
 import operator
 import os
 import re
+import shlex
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -19,11 +20,12 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from cachemgr import __version__
 from cachemgr.errors import StateCorrupt, StateDiskFull, StateError, StateLocked
 from cachemgr.fs import reserve
 from cachemgr.fs._dirscan import page_digest, sql_functions
 from cachemgr.fs.safe import open_file, refuse_non_regular
-from cachemgr.layout import db_files
+from cachemgr.layout import DB_SUFFIXES, db_files
 from cachemgr.state import busy
 from cachemgr.state.dbfile import FileId, file_id, is_corrupt, path_lock, quarantine, quick_check
 
@@ -125,22 +127,43 @@ def user_version(conn: sqlite3.Connection) -> int:
     return int(conn.execute("PRAGMA user_version").fetchone()[0])
 
 
-def pending(conn: sqlite3.Connection, migrations: list[Migration]) -> list[Migration]:
-    """Migrations not yet applied; refuses a DB newer than the code."""
+def pending(
+    conn: sqlite3.Connection, migrations: list[Migration], db: Path | None = None
+) -> list[Migration]:
+    """Migrations not yet applied; refuses a DB newer than the code (`db`: its path, for the
+    message)."""
     current = user_version(conn)
     latest = migrations[-1].version if migrations else 0
     if current > latest:
-        raise StateError(
-            f"state DB is at schema version {current}, newer than this cachemgr knows "
-            f"({latest}); upgrade cachemgr or point --state-dir elsewhere"
-        )
+        raise StateError(newer_schema(current, latest, db))
     return [m for m in migrations if m.version > current]
 
 
-def migrate(conn: sqlite3.Connection, migrations: list[Migration] | None = None) -> list[int]:
-    """Apply pending migrations, each in one transaction with its user_version bump."""
+def newer_schema(current: int, latest: int, db: Path | None) -> str:
+    """The one line for a DB a newer cachemgr migrated (a rolled-back image): what to do.
+    Never moved aside here: the newer daemon may still have it open (a rolling upgrade)."""
+    said = f"state DB {db or ''} is at schema version {current}, newer than this cachemgr "
+    said += f"({__version__}) knows ({latest}): a newer cachemgr wrote it; upgrade cachemgr, "
+    if db is None:
+        return said + "or, rolling back, move the state DB aside (docs/failure-modes.md)"
+    # (Its -wal too: a fresh DB beside an old -wal would take the newer DB's pages back.)
+    files = " ".join(shlex.quote(f"{db.name}{suffix}") for suffix in DB_SUFFIXES)
+    aside = shlex.quote(f"{db.name}.schema-{current}")
+    move = f'for f in {files}; do [ ! -e "$f" ] || mv "$f" {aside}"${{f#{db.name}}}"; done'
+    return said + (
+        "or, rolling back, stop every cachemgr using this state dir, then move the DB aside "
+        "(the index is rebuilt from disk; its audit history stays in the copy): "
+        f"cd {shlex.quote(str(db.parent))} && {move}"
+    )
+
+
+def migrate(
+    conn: sqlite3.Connection, migrations: list[Migration] | None = None, db: Path | None = None
+) -> list[int]:
+    """Apply pending migrations, each in one transaction with its user_version bump (`db`:
+    the DB's path, for the message refusing a newer one)."""
     applied = []
-    for mig in pending(conn, bundled_migrations() if migrations is None else migrations):
+    for mig in pending(conn, bundled_migrations() if migrations is None else migrations, db):
         try:
             # executescript() commits any open transaction first, so the script carries its
             # own BEGIN/COMMIT and a failure leaves it open for the rollback below.
@@ -161,9 +184,9 @@ def _open_migrated(path: Path) -> sqlite3.Connection:
     _create(path)
     conn = connect(path)
     try:
-        if pending(conn, bundled_migrations()):
+        if pending(conn, bundled_migrations(), path):
             with path_lock(path):  # two openers of a fresh DB: one migrates, one sees it done
-                migrate(conn)
+                migrate(conn, db=path)
     except BaseException:
         conn.close()
         raise
