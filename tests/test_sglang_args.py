@@ -333,11 +333,49 @@ def test_flag_table_is_current(sglang_scripts: ScriptRunner) -> None:
         ("--speculative-draft-attention-backend trtllm_mha", 64, "attention_backend"),
         ("--attention-backend hpc_ops --page-size 128", 64, "attention_backend"),
         ("--attention-backend fa3", None, "default"),
+        # serving_hook.py renames the deprecated names before any backend forces a page size
+        ("--attention-backend tokenspeed_mla", 64, "attention_backend"),
+        ("--decode-attention-backend tokenspeed_mla --page-size 32", 32, "flag"),
+        ("--prefill-attention-backend tokenspeed_mla", None, "default"),  # → trtllm_mla
+        ("--attention-backend compressed", None, "default"),
     ],
 )
 def test_page_size_resolution(flags: str, page: int | None, source: str) -> None:
     args = resolve_launch_args(f"sglang serve --model-path m {flags}")
     assert (args.resolved_page_size, args.page_size_source) == (page, source)
+
+
+@pytest.mark.parametrize(
+    ("flags", "backends", "kv"),
+    [
+        ("--attention-backend tokenspeed_mla", ("cutedsl_mla", None), "fp8_e4m3"),
+        (
+            "--decode-attention-backend tokenspeed_mla --kv-cache-dtype bf16",
+            (None, None),
+            "fp8_e4m3",
+        ),
+        # cutedsl_mla is decode-only: a renamed prefill backend becomes trtllm_mla, no FP8 forced
+        ("--prefill-attention-backend tokenspeed_mla", (None, "trtllm_mla"), "auto"),
+        ("--prefill-attention-backend cutedsl_mla", (None, "cutedsl_mla"), "auto"),
+        ("--attention-backend compressed --kv-cache-dtype bf16", ("dsv4", None), "bf16"),
+    ],
+)
+def test_deprecated_backends_are_read_as_sglang_renames_them(
+    flags: str, backends: tuple[str | None, str | None], kv: str
+) -> None:
+    args = resolve_launch_args(f"sglang serve --model-path m {flags}")
+    assert (args.attention_backend, args.prefill_attention_backend) == backends
+    assert args.kv_cache_dtype == kv
+
+
+def test_tokenspeed_mla_shares_the_namespace_of_what_it_means(tmp_path: Path) -> None:
+    """SGLang runs tokenspeed_mla as cutedsl_mla with an FP8 KV cache: not bf16 pages."""
+    m = make_model(tmp_path / "m")
+    renamed = ident(f"--model-path {m} --attention-backend tokenspeed_mla")
+    assert (renamed.kv_cache_dtype, renamed.page_size) == ("fp8_e4m3", 64)
+    meant = ident(f"--model-path {m} --attention-backend cutedsl_mla --kv-cache-dtype fp8_e4m3")
+    assert renamed.ns_id == meant.ns_id
+    assert renamed.ns_id != ident(f"--model-path {m}").ns_id
 
 
 def test_explicit_page_size_option_counts_as_a_flag() -> None:

@@ -398,6 +398,7 @@ def _apply_sglang_resolutions(values: dict[str, Any]) -> dict[str, Any]:
     # fields/model.py: nullable_str reads an empty path or "None" as no scales file.
     if out.get("quantization_param_path") in ("", "None"):
         out["quantization_param_path"] = None
+    _apply_backend_aliases(out)
     out["page_size_source"] = "flag" if out.get("page_size") is not None else "default"
     forced = _backend_page_size(out, _int_or_none(out.get("page_size")))
     if forced is not None:
@@ -426,6 +427,33 @@ def _apply_dwdp(values: dict[str, Any]) -> None:
     if values.get("speculative_algorithm") is not None:
         raise ConfigError("--dwdp-size does not work with speculative decoding: SGLang refuses it")
     values["attn_dp_size"], values["dp_size"] = dwdp, 1
+
+
+# serving_hook.py `handle_deprecated_args`: deprecated attention-backend names, renamed before
+# any backend's page size (overrides.py `_mla_backend_page_constraints`) is applied.
+BACKEND_ALIASES = {"compressed": "dsv4", "tokenspeed_mla": "cutedsl_mla"}
+BACKEND_FIELDS = (
+    "attention_backend",
+    "decode_attention_backend",
+    "prefill_attention_backend",
+    "speculative_draft_attention_backend",
+)
+
+
+def _apply_backend_aliases(values: dict[str, Any]) -> None:
+    """The deprecated backend names as SGLang renames them, with the FP8 KV cache tokenspeed_mla
+    implied: pages stored as fp8_e4m3 whatever --kv-cache-dtype says."""
+    renamed = {
+        f: BACKEND_ALIASES[v] for f in BACKEND_FIELDS if (v := values.get(f)) in BACKEND_ALIASES
+    }
+    if renamed.get("prefill_attention_backend") == "cutedsl_mla":
+        renamed["prefill_attention_backend"] = "trtllm_mla"  # cutedsl_mla is decode-only
+    if "tokenspeed_mla" in (
+        values.get("attention_backend"),
+        values.get("decode_attention_backend"),
+    ):
+        renamed["kv_cache_dtype"] = "fp8_e4m3"
+    values.update(renamed)
 
 
 def _int_or_none(value: Any) -> int | None:
