@@ -87,9 +87,13 @@ def locate_target(args: LaunchArgs, env: Mapping[str, str]) -> Path:
     """The model dir, or the single GGUF file SGLang serves as one: with --load-format auto or
     gguf it makes such a file's load format and quantization gguf (arg_groups/
     model_path_hook.py `handle_load_format`, overrides.py `_gguf_quantization`) and
-    GGUFModelLoader reads it (model_loader/loader.py); `env` is the server's."""
-    gguf = model_dir.gguf_file(args.model_path) if args.load_format in GGUF_LOAD_FORMATS else None
-    return gguf or model_dir.locate_model(args.model_path, args.revision, model_hub(args, env))
+    GGUFModelLoader reads it (model_loader/loader.py); `env` is the server's. A Hub
+    reference to a .gguf is that file first (model_path_hook.py `resolve_hf_gguf_model_path`,
+    before any load format is looked at)."""
+    hub = model_hub(args, env)
+    path = str(model_dir.hub_gguf(args.model_path, args.revision, hub) or args.model_path)
+    gguf = model_dir.gguf_file(path) if args.load_format in GGUF_LOAD_FORMATS else None
+    return gguf or model_dir.locate_model(path, args.revision, hub)
 
 
 def target_config(target: Path) -> tuple[dict[str, Any] | None, str | None]:
