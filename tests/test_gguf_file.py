@@ -15,7 +15,7 @@ from cachemgr.sglang.record import Identity
 from cachemgr.vllm.args import resolve_vllm_args
 from cachemgr.vllm.identity import compute_vllm_identity
 from tests.nsfixtures import cli, one_line_error
-from tests.test_identity import age, ident
+from tests.test_identity import age, ident, make_model
 from tests.test_init import CMD, NO_STORAGE_ENV
 from tests.vllm_launch import launch as vllm_launch
 
@@ -170,3 +170,33 @@ def test_a_gguf_reference_not_downloaded_is_not_found(
     with pytest.raises(ModelNotFoundError, match=message) as e:
         in_hub(hub, f"--model-path {reference}")
     assert "pass its directory" not in str(e.value)
+
+
+def test_a_gguf_draft_is_read_as_the_target_is(quants: Path, tmp_path: Path) -> None:
+    """The draft runner loads with the target's resolved load format (gguf for a GGUF
+    target) unless --speculative-draft-load-format says otherwise; a .gguf draft is its file."""
+    draft = gguf(tmp_path / "draft.gguf", b"d" * 64)
+    target = quants / "m-Q4_K_M.gguf"
+    spec = f"--speculative-algorithm EAGLE --speculative-draft-model-path {draft}"
+    rec = served(target, spec)
+    assert rec.source.draft_model_dir == str(draft)
+    assert [f.name for f in rec.draft_weights.files] == ["draft.gguf"]  # type: ignore[union-attr]
+    assert rec.draft_kv_cache_dtype == "auto"  # its dtype is in the file's metadata
+    gguf(draft, b"edited")
+    assert served(target, spec).ns_id != rec.ns_id
+    # a model dir target loads its draft as GGUF only when told to
+    plain = make_model(tmp_path / "plain")
+    assert served(plain, spec, "--speculative-draft-load-format gguf").draft_weights is not None
+    with pytest.raises(
+        ConfigError, match=r"load format auto: add --speculative-draft-load-format gguf"
+    ):
+        served(plain, spec)
+
+
+def test_a_gguf_draft_by_hub_reference(tmp_path: Path) -> None:
+    hub = tmp_path / "hub"
+    hub_repo(hub, "o/target", {"t.gguf": b"GGUFt"})
+    snapshot = hub_repo(hub, "o/draft", {"d-Q8_0.gguf": b"GGUFd"})
+    spec = "--speculative-algorithm EAGLE --speculative-draft-model o/draft:Q8_0"
+    rec = in_hub(hub, f"--model-path o/target {spec}")
+    assert rec.source.draft_model_dir == str(snapshot / "d-Q8_0.gguf")

@@ -58,6 +58,7 @@ class LaunchArgs(BaseModel):
     speculative_draft_model_revision: str | None = None
     speculative_draft_model_quantization: str | None = None  # None: inherits quantization
     speculative_draft_kv_cache_dtype: str | None = None  # None: follows kv_cache_dtype
+    speculative_draft_load_format: str | None = None  # None: the target's, as resolved
     # fields/schedule.py has page_size=None; overrides.py `_page_size_default` resolves None to
     # 1 on CUDA/ROCm (64 on MUSA) — the default that makes the L3 file cache write-only. But
     # the default attention backend (trtllm_mha on SM100) and model overrides can raise it, so
@@ -154,6 +155,7 @@ FLAGS: dict[str, str] = {
     "--speculative-draft-model-revision": "speculative_draft_model_revision",
     "--speculative-draft-model-quantization": "speculative_draft_model_quantization",
     "--speculative-draft-kv-cache-dtype": "speculative_draft_kv_cache_dtype",
+    "--speculative-draft-load-format": "speculative_draft_load_format",
     "--page-size": "page_size",
     "--attention-backend": "attention_backend",
     "--decode-attention-backend": "decode_attention_backend",

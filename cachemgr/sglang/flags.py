@@ -314,6 +314,9 @@ CHOICES = by_field(
         moe_wna16 w4afp8 mxfp4 auto-round auto-round-int8 compressed-tensors modelslim mxfp_w4a8
         quark quark_int4fp8_moe quark_mxfp4 mlx_q4 mlx_q8 unquant humming
     speculative_draft_kv_cache_dtype: auto fp8_e5m2 fp8_e4m3 bf16 bfloat16
+    speculative_draft_load_format: auto pt safetensors instanttensor npcache dummy sharded_state
+        presharded gguf expert_pack bitsandbytes mistral layered flash_rl remote remote_instance
+        fastsafetensors private runai_streamer
     speculative_draft_model_quantization: awq fp8 mxfp8 gptq gptq_marlin awq_marlin bitsandbytes
         gguf modelopt modelopt_fp8 modelopt_fp4 nvfp4_online modelopt_mixed petit_nvfp4
         w8a8_int8 w8a8_fp8 moe_wna16 w4afp8 mxfp4 auto-round auto-round-int8 compressed-tensors
