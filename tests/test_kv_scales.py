@@ -179,3 +179,25 @@ def test_a_refused_scales_launch_keeps_the_good_namespace(tmp_path: Path) -> Non
     assert Path(json.loads(good.stdout)["storage_dir"]).is_dir()
     again = cli("--root", root, "init", "--json", "--", *launch, env=NO_STORAGE_ENV)
     assert json.loads(again.stdout)["outcome"] == "unchanged"
+
+
+def test_the_model_override_picks_the_class_that_loads_the_scales(tmp_path: Path) -> None:
+    """SGLang sets --json-model-override-args on the config (hf_transformers/config.py
+    get_config) before the registry picks the class: its `architectures` decides."""
+    path = scales_file(tmp_path / "scales.json", 0.5)
+    flag = f"--quantization-param-path {path}"
+
+    def override(arch: str) -> str:
+        return f"""--json-model-override-args '{{"architectures": ["{arch}"]}}'"""
+
+    mixtral, llama = (
+        arch_model(tmp_path, "MixtralForCausalLM"),
+        arch_model(tmp_path, "LlamaForCausalLM"),
+    )
+    assert fp8(mixtral, flag, override("LlamaForCausalLM")).kv_cache_scales
+    with pytest.raises(ConfigError, match="SGLang's MixtralForCausalLM cannot load"):
+        fp8(llama, flag, override("MixtralForCausalLM"))
+    # `auto` is fp8 (and reads the file) for a DeepSeek DSA config the override makes
+    dsa = '{"architectures": ["DeepseekV32ForCausalLM"], "index_topk": 2048}'
+    auto = ident(f"--model-path {llama} {flag} --json-model-override-args '{dsa}'")
+    assert auto.kv_cache_scales

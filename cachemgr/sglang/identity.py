@@ -180,15 +180,29 @@ def _tp_lcm_size(args: LaunchArgs) -> int | None:
     return value
 
 
-def _override_args(raw: str) -> str | None:
-    """--json-model-override-args as canonical JSON (key order and spaces don't count)."""
+def _override_data(raw: str) -> Any:
+    """--json-model-override-args as SGLang reads it (model_config.py: json.loads)."""
     try:
-        data = json.loads(raw or "{}")
+        return json.loads(raw or "{}")
     except json.JSONDecodeError:
         raise IdentityError(f"--json-model-override-args is not JSON: {raw!r}") from None
+
+
+def _override_args(raw: str) -> str | None:
+    """--json-model-override-args as canonical JSON (key order and spaces don't count)."""
+    data = _override_data(raw)
     if not data:
         return None
     return canonical_json(data, ensure_ascii=False)
+
+
+def hf_config(config: Mapping[str, Any], args: LaunchArgs) -> dict[str, Any]:
+    """The model's config as SGLang serves it: --json-model-override-args set on it key by key
+    (utils/hf_transformers/config.py `get_config`), so an overridden `architectures` picks the
+    model class. A top-level update: what is read from it here (architectures, index_topk) is
+    top-level."""
+    data = _override_data(args.json_model_override_args)
+    return {**config, **data} if isinstance(data, dict) else dict(config)
 
 
 def compute_identity(
@@ -215,7 +229,7 @@ def compute_identity(
 
     target = locate_target(args, server_env)
     read_config, quant_kv_algo = target_config(target)
-    config = read_config or {}
+    config = hf_config(read_config or {}, args)
     check_scales_loadable(args, config, server_env)  # before the weights are hashed
     run_dtype = model_dtype(args.dtype, read_config)
     kv = kv_dtype(args.kv_cache_dtype, run_dtype, quant_kv_algo)
