@@ -41,6 +41,9 @@ class LaunchArgs(BaseModel):
     kv_cache_dtype: str = "auto"
     load_format: str = "auto"
     trust_remote_code: bool = False
+    # model_loader/utils.py `get_model_architecture`: transformers and mindspore pick their
+    # backend's class over the registry's (see kvscales.check_scales_loadable).
+    model_impl: str = "auto"
     json_model_override_args: str = "{}"
     # The loader hands it huggingface_hub as cache_dir (model_loader/loader.py
     # `_prepare_weights`): a repo id's weights come from there, not from HF_HUB_CACHE.
@@ -141,6 +144,7 @@ FLAGS: dict[str, str] = {
     "--kv-cache-dtype": "kv_cache_dtype",
     "--load-format": "load_format",
     "--trust-remote-code": "trust_remote_code",
+    "--model-impl": "model_impl",
     "--json-model-override-args": "json_model_override_args",
     "--download-dir": "download_dir",
     "--quantization-param-path": "quantization_param_path",

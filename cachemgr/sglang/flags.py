@@ -441,3 +441,30 @@ KV_SCALES_ARCHS = frozenset(
     Phi3ForCausalLM Qwen2ForCausalLM Qwen2ForCausalLMEagle Qwen3ForCausalLM TeleFLMForCausalLM
     """.split()  # noqa: SIM905
 )
+
+# Architectures SGLang renames for a draft model (configs/model_config.py
+# `_config_draft_model`): the class it loads is not the one its config names.
+DRAFT_RENAMED_ARCHS = frozenset(
+    """
+    BailingMoeForCausalLM BailingMoeForCausalLMNextN BailingMoeV2ForCausalLM
+    BailingMoeV2_5ForCausalLM BailingMoeV3ForCausalLM DSPARK DSparkMiniMaxDraftModel
+    DeepseekV32ForCausalLM DeepseekV3ForCausalLM DeepseekV3ForCausalLMNextN
+    DeepseekV4ForCausalLM DeepseekV4ForCausalLMDSpark DeepseekV4ForCausalLMNextN
+    Ernie4_5_MoeForCausalLM Ernie4_5_MoeForCausalLMMTP ExaoneMoEForCausalLM
+    ExaoneMoEForCausalLMMTP ExaoneMoeForCausalLM GigaChat35ForCausalLM
+    GigaChat35ForCausalLMNextN Glm4MoeForCausalLM Glm4MoeForCausalLMNextN Glm4MoeLiteForCausalLM
+    Glm4MoeLiteForCausalLMNextN Glm5NextForConditionalGeneration
+    Glm5NextForConditionalGenerationNextN GlmMoeDsaForCausalLM GlmMoeDsaForCausalLMNextN
+    GlmOcrForConditionalGeneration GlmOcrForConditionalGenerationNextN HYV3ForCausalLM
+    HYV3ForCausalLMNextN HYV4ForCausalLM HYV4ForCausalLMNextN InklingForConditionalGeneration
+    InklingForConditionalGenerationMTP InternS2MobiusForConditionalGeneration
+    InternS2PreviewForConditionalGeneration LongcatFlashForCausalLM LongcatFlashForCausalLMNextN
+    MiMoForCausalLM MiMoMTP MiMoV2FlashForCausalLM MiMoV2ForCausalLM MiMoV2MTP
+    NemotronHForCausalLM NemotronHForCausalLMMTP NemotronHPuzzleForCausalLM
+    NemotronH_Omni_Reasoning_V3 Qwen3MoeForCausalLM Qwen3MoeForCausalLMMTP Qwen3NextForCausalLM
+    Qwen3NextForCausalLMMTP Qwen3_5ForCausalLM Qwen3_5ForCausalLMMTP
+    Qwen3_5ForConditionalGeneration Qwen3_5MoeForCausalLM Qwen3_5MoeForConditionalGeneration
+    Qwen4ExpForCausalLMMTP Qwen4ExpForConditionalGeneration Step3p5ForCausalLM Step3p5MTP
+    Step3p7ForConditionalGeneration
+    """.split()  # noqa: SIM905
+)

@@ -230,14 +230,17 @@ def compute_identity(
     target = locate_target(args, server_env)
     read_config, quant_kv_algo = target_config(target)
     config = hf_config(read_config or {}, args)
-    check_scales_loadable(args, config, server_env)  # before the weights are hashed
+    # The draft's runner has the same load config: --download-dir is its cache too.
+    draft_dir = locate_draft(args, target, server_env)
+    draft_config, draft_kv_algo = target_config(draft_dir) if draft_dir else (None, None)
+    # Before the weights are hashed; the draft's config gets the same overrides
+    # (model_config.py `from_server_args`).
+    draft_hf = None if draft_config is None else hf_config(draft_config, args)
+    check_scales_loadable(args, config, server_env, draft_hf)
     run_dtype = model_dtype(args.dtype, read_config)
     kv = kv_dtype(args.kv_cache_dtype, run_dtype, quant_kv_algo)
     draft_kv = draft_weights = None
-    # The draft's runner has the same load config: --download-dir is its cache too.
-    draft_dir = locate_draft(args, target, server_env)
     if draft_dir is not None:
-        draft_config, draft_kv_algo = target_config(draft_dir)
         # spec.py: the draft's KV dtype follows --kv-cache-dtype unless set on its own.
         draft_kv = kv_dtype(
             args.speculative_draft_kv_cache_dtype or args.kv_cache_dtype,
