@@ -216,16 +216,25 @@ def test_dwdp_makes_every_tp_rank_an_attention_dp_group(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [
-        ("--tp-size 4 --dwdp-size 2", "must equal --tp-size"),
-        ("--tp-size 2 --pp-size 2 --dwdp-size 2", "needs --pp-size 1"),
-        ("--tp-size 2 --dwdp-size 2 --disaggregation-mode decode", "null or prefill"),
-        ("--tp-size 2 --dwdp-size 2 --speculative-algorithm EAGLE", "speculative"),
+        ("--tp-size 4 --dwdp-size 2", r"set --tp-size 2 \(equal to --dwdp-size\) or drop"),
+        ("--tp-size 2 --pp-size 2 --dwdp-size 2", "use --pp-size 1 or drop --dwdp-size"),
+        (
+            "--tp-size 2 --dwdp-size 2 --disaggregation-mode decode",
+            "use --disaggregation-mode null or prefill, or drop",
+        ),
+        ("--tp-size 2 --dwdp-size 2 --speculative-algorithm EAGLE", "drop --speculative-algo"),
+        ("--tp 4 --dwdp-size 4 --enable-eplb", "drop --enable-eplb or --dwdp-size"),
+        ("--tp 2 --dwdp-size 2 --enable-two-batch-overlap", "drop --enable-two-batch-overlap"),
+        # the first of handle_dwdp's assertions to fail is the one said
+        ("--tp 2 --pp-size 2 --dwdp-size 2 --enable-eplb", "drop --enable-eplb"),
     ],
 )
 def test_a_dwdp_launch_sglang_refuses_is_refused(flags: str, needle: str) -> None:
     """handle_dwdp's assertions stop the server at start: refused before init purges."""
-    with pytest.raises(ConfigError, match=needle):
-        resolve_launch_args(f"--model-path /m {flags}")
+    with pytest.raises(ConfigError, match=f"^--dwdp-size [24]: SGLang [^;]* refuses it; {needle}"):
+        resolve_launch_args(f"sglang serve --model-path /m {flags}")
+    # without DWDP SGLang takes them
+    resolve_launch_args(f"sglang serve --model-path /m {flags.replace('--dwdp-size', '--dp')}")
 
 
 def test_direct_io_turns_page_first_into_page_first_direct() -> None:

@@ -86,6 +86,9 @@ class LaunchArgs(BaseModel):
     # Not in the identity itself: above 1 it becomes attn_dp_size (see _apply_dwdp); SGLang
     # ignores any value up to 1, so there is no lower bound.
     dwdp_size: int = 1
+    # fields/exec_.py: both refused with a DWDP group (parallel_hook.py `handle_dwdp`)
+    enable_eplb: bool = False
+    enable_two_batch_overlap: bool = False
     # fields/memory.py
     enable_hierarchical_cache: bool = False
     hicache_mem_layout: str = "page_first"
@@ -179,6 +182,8 @@ FLAGS: dict[str, str] = {
     "--decode-context-parallel-size": "dcp_size",
     "--enable-dp-attention": "enable_dp_attention",
     "--dwdp-size": "dwdp_size",
+    "--enable-eplb": "enable_eplb",
+    "--enable-two-batch-overlap": "enable_two_batch_overlap",
     "--enable-hierarchical-cache": "enable_hierarchical_cache",
     "--enable-hicache": "enable_hierarchical_cache",
     "--hicache-mem-layout": "hicache_mem_layout",
@@ -416,22 +421,32 @@ def _apply_dwdp(values: dict[str, Any]) -> None:
     """parallel_hook.py `handle_dwdp` (after the deprecated DP-attention spelling): a DWDP
     group makes every TP rank its own attention-DP group, so a rank's pages hold all KV heads
     and are keyed as attention-TP rank 0 of 1 (cache_controller.py
-    `_generate_storage_config`): the topology of `--attn-dp-size <tp>`. What its assertions
-    refuse at start is refused here, before init purges anything."""
+    `_generate_storage_config`): the topology of `--attn-dp-size <tp>`. Its assertions
+    refuse at start, in this order, what is refused here, before init purges anything."""
     dwdp = _int_or_none(values.get("dwdp_size"))
     if dwdp is None or dwdp <= 1:
         return
     tp = _int_or_none(values.get("tp_size", 1))
-    if dwdp != tp:
-        raise ConfigError(f"--dwdp-size {dwdp} must equal --tp-size ({tp}): SGLang refuses it")
-    if _int_or_none(values.get("pp_size", 1)) != 1:
-        raise ConfigError("--dwdp-size needs --pp-size 1: SGLang refuses it")
-    if values.get("disaggregation_mode", "null") not in ("null", "prefill"):
-        raise ConfigError(
-            "--dwdp-size needs --disaggregation-mode null or prefill: SGLang refuses it"
-        )
-    if values.get("speculative_algorithm") is not None:
-        raise ConfigError("--dwdp-size does not work with speculative decoding: SGLang refuses it")
+    refusals = (
+        (dwdp != tp, f"set --tp-size {dwdp} (equal to --dwdp-size) or drop --dwdp-size"),
+        (
+            values.get("disaggregation_mode", "null") not in ("null", "prefill"),
+            "use --disaggregation-mode null or prefill, or drop --dwdp-size",
+        ),
+        (bool(values.get("enable_eplb")), "drop --enable-eplb or --dwdp-size"),
+        (
+            values.get("speculative_algorithm") is not None,
+            "drop --speculative-algorithm or --dwdp-size",
+        ),
+        (_int_or_none(values.get("pp_size", 1)) != 1, "use --pp-size 1 or drop --dwdp-size"),
+        (
+            bool(values.get("enable_two_batch_overlap")),
+            "drop --enable-two-batch-overlap or --dwdp-size",
+        ),
+    )
+    for refused, change in refusals:
+        if refused:
+            raise ConfigError(f"--dwdp-size {dwdp}: SGLang {SGLANG_VERSION} refuses it; {change}")
     values["attn_dp_size"], values["dp_size"] = dwdp, 1
 
 
