@@ -133,6 +133,7 @@ def test_a_gguf_repo_id_is_served_as_its_one_file(tmp_path: Path) -> None:
     assert served(snapshot / "gemma-Q4_K_M.gguf").ns_id == auto.ns_id
     assert in_hub(hub, "--model-path o/gemma-gguf/gemma-Q4_K_M.gguf").ns_id == auto.ns_id
     assert in_hub(hub, "--model-path o/gemma-gguf:Q4_K_M").ns_id == auto.ns_id
+    assert in_hub(hub, "--model-path o/gemma-gguf/").ns_id == auto.ns_id  # as SGLang strips it
 
 
 def test_gguf_references_in_a_repo_of_many(tmp_path: Path) -> None:

@@ -134,8 +134,9 @@ def hub_gguf(path: str, revision: str | None, hub: Hub) -> Path | None:
         return file
     if len(parts) != 2:
         return None
+    repo_id = "/".join(parts)
     try:
-        snapshot = _snapshot(path, revision, cache, "")
+        snapshot = _snapshot(repo_id, revision, cache, "")
     except ModelNotFoundError:
         return None  # not downloaded there: a repo id, as locate_model reads it
     if (snapshot / "config.json").exists():
@@ -144,7 +145,7 @@ def hub_gguf(path: str, revision: str | None, hub: Hub) -> Path | None:
     if len(found) > 1:
         raise ConfigError(
             f"model {path} has {len(found)} .gguf files and no config.json: SGLang refuses it; "
-            f"name the one to serve as {path}/<file>.gguf"
+            f"name the one to serve as {repo_id}/<file>.gguf"
         )
     return snapshot / found[0] if found else None
 
