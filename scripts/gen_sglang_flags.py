@@ -7,6 +7,7 @@ Run with the Python of an environment where `sglang` imports (e.g. .sglang-env):
 import argparse
 import ast
 import importlib.metadata
+import importlib.util
 from pathlib import Path
 
 from flagtable import IMPORTS, choice_lines, read_table, words
@@ -26,6 +27,35 @@ def launch_fields() -> set[str]:
         for n in cls.body
         if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
     }
+
+
+def draft_renamed_archs() -> list[str]:
+    """The architectures ModelConfig._config_draft_model may rename for a draft (to its MTP or
+    NextN class): the names in its source, and in the module's tuples it names. Read from the
+    source: the module imports transformers."""
+    spec = importlib.util.find_spec("sglang")
+    assert spec is not None and spec.submodule_search_locations
+    path = Path(spec.submodule_search_locations[0]) / "srt" / "configs" / "model_config.py"
+    tree = ast.parse(path.read_text())
+    tuples = {
+        t.id: node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
+    method = next(
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.FunctionDef) and n.name == "_config_draft_model"
+    )
+    names: set[str] = set()
+    for node in ast.walk(method):
+        value = tuples.get(node.id) if isinstance(node, ast.Name) else node
+        for leaf in ast.walk(value) if value is not None else ():
+            if isinstance(leaf, ast.Constant) and isinstance(leaf.value, str):
+                names.add(leaf.value)
+    return sorted(n for n in names if n.isidentifier() and n[:1].isupper())
 
 
 def main() -> None:
@@ -100,6 +130,14 @@ MODEL_ARCHS = frozenset(
 KV_SCALES_ARCHS = frozenset(
     """
 {words(scaled)}
+    """.split()  # noqa: SIM905
+)
+
+# Architectures SGLang renames for a draft model (configs/model_config.py
+# `_config_draft_model`): the class it loads is not the one its config names.
+DRAFT_RENAMED_ARCHS = frozenset(
+    """
+{words(draft_renamed_archs())}
     """.split()  # noqa: SIM905
 )''')
 

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from cachemgr.errors import IdentityError
+from cachemgr.errors import ConfigError, IdentityError, ModelNotFoundError
 from cachemgr.identity.hashing import ALGO_FULL, hash_file
 from cachemgr.sglang.record import Identity
 from cachemgr.vllm.args import resolve_vllm_args
 from cachemgr.vllm.identity import compute_vllm_identity
 from tests.nsfixtures import cli, one_line_error
-from tests.test_identity import age, ident
+from tests.test_identity import age, ident, make_model
 from tests.test_init import CMD, NO_STORAGE_ENV
 from tests.vllm_launch import launch as vllm_launch
 
@@ -98,3 +98,106 @@ def test_vllm_refuses_a_gguf_file_saying_why(quants: Path, tmp_path: Path) -> No
         compute_vllm_identity(resolve_vllm_args(vllm_launch(file), {}), env={})
     out = cli("--root", str(tmp_path / "root"), "init", "--", *vllm_launch(file))
     assert out.returncode == 2 and "single GGUF file" in one_line_error(out)
+
+
+COMMIT = "c" * 40
+
+
+def hub_repo(hub: Path, repo: str, files: dict[str, bytes]) -> Path:
+    """An HF hub cache holding `repo` at refs/main with `files` (paths inside the repo)."""
+    entry = hub / ("models--" + repo.replace("/", "--"))
+    snapshot = entry / "snapshots" / COMMIT
+    for name, body in files.items():
+        (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+        (snapshot / name).write_bytes(body)
+    (entry / "refs").mkdir()
+    (entry / "refs" / "main").write_text(COMMIT)
+    age(snapshot)
+    return snapshot
+
+
+def in_hub(hub: Path, launch: str) -> Identity:
+    return ident(launch, env={"HF_HUB_CACHE": str(hub)})
+
+
+def test_a_gguf_repo_id_is_served_as_its_one_file(tmp_path: Path) -> None:
+    """resolve_hf_gguf_reference: a repo without config.json and with one .gguf is that file,
+    its config in the file's metadata (gemma runs in bf16, others fp16): `auto` stays
+    unresolved, never float16's namespace."""
+    hub = tmp_path / "hub"
+    snapshot = hub_repo(hub, "o/gemma-gguf", {"gemma-Q4_K_M.gguf": b"GGUF" + b"g" * 64})
+    auto = in_hub(hub, "--model-path o/gemma-gguf")
+    assert (auto.dtype, auto.source.model_dir) == ("auto", str(snapshot / "gemma-Q4_K_M.gguf"))
+    assert in_hub(hub, "--model-path o/gemma-gguf --dtype float16").ns_id != auto.ns_id
+    # the same file named as a local path, or as owner/repo/<file> or owner/repo:QUANT
+    assert served(snapshot / "gemma-Q4_K_M.gguf").ns_id == auto.ns_id
+    assert in_hub(hub, "--model-path o/gemma-gguf/gemma-Q4_K_M.gguf").ns_id == auto.ns_id
+    assert in_hub(hub, "--model-path o/gemma-gguf:Q4_K_M").ns_id == auto.ns_id
+    assert in_hub(hub, "--model-path o/gemma-gguf/").ns_id == auto.ns_id  # as SGLang strips it
+
+
+def test_gguf_references_in_a_repo_of_many(tmp_path: Path) -> None:
+    hub = tmp_path / "hub"
+    files = {"m-Q4_K_M.gguf": b"GGUF4", "sub/m-Q8_0.gguf": b"GGUF8", "m-Q8_0.txt": b"x"}
+    snapshot = hub_repo(hub, "o/many", files)
+    q8 = in_hub(hub, "--model-path o/many:Q8_0")
+    assert q8.source.model_dir == str(snapshot / "sub" / "m-Q8_0.gguf")
+    assert in_hub(hub, "--model-path o/many/sub/m-Q8_0.gguf").ns_id == q8.ns_id
+    # SGLang refuses a repo of several .gguf files and no config.json: name one
+    with pytest.raises(ConfigError, match=r"2 \.gguf files and no config.json.*o/many/<file>"):
+        in_hub(hub, "--model-path o/many")
+
+
+def test_a_repo_with_a_config_stays_a_model_dir(quants: Path, tmp_path: Path) -> None:
+    hub = tmp_path / "hub"
+    files = {n: (quants / n).read_bytes() for n in ("m-Q4_K_M.gguf", "config.json")}
+    snapshot = hub_repo(hub, "o/with-config", files)
+    assert in_hub(hub, "--model-path o/with-config").source.model_dir == str(snapshot)
+
+
+@pytest.mark.parametrize(
+    ("reference", "message"),
+    [
+        ("o/absent:Q4_K_M", r"no models--o--absent/refs/main\); download its \*-Q4_K_M.gguf"),
+        ("o/r:Q5_K_M", r"no \*-Q5_K_M.gguf in the HF cache snapshot .*; download it first$"),
+        ("o/r/m-Q5_K_M.gguf", r"m-Q5_K_M.gguf is not in the HF cache snapshot .*; download it"),
+    ],
+)
+def test_a_gguf_reference_not_downloaded_is_not_found(
+    tmp_path: Path, reference: str, message: str
+) -> None:
+    hub = tmp_path / "hub"
+    hub_repo(hub, "o/r", {"m-Q4_K_M.gguf": b"GGUF4"})
+    with pytest.raises(ModelNotFoundError, match=message) as e:
+        in_hub(hub, f"--model-path {reference}")
+    assert "pass its directory" not in str(e.value)
+
+
+def test_a_gguf_draft_is_read_as_the_target_is(quants: Path, tmp_path: Path) -> None:
+    """The draft runner loads with the target's resolved load format (gguf for a GGUF
+    target) unless --speculative-draft-load-format says otherwise; a .gguf draft is its file."""
+    draft = gguf(tmp_path / "draft.gguf", b"d" * 64)
+    target = quants / "m-Q4_K_M.gguf"
+    spec = f"--speculative-algorithm EAGLE --speculative-draft-model-path {draft}"
+    rec = served(target, spec)
+    assert rec.source.draft_model_dir == str(draft)
+    assert [f.name for f in rec.draft_weights.files] == ["draft.gguf"]  # type: ignore[union-attr]
+    assert rec.draft_kv_cache_dtype == "auto"  # its dtype is in the file's metadata
+    gguf(draft, b"edited")
+    assert served(target, spec).ns_id != rec.ns_id
+    # a model dir target loads its draft as GGUF only when told to
+    plain = make_model(tmp_path / "plain")
+    assert served(plain, spec, "--speculative-draft-load-format gguf").draft_weights is not None
+    with pytest.raises(
+        ConfigError, match=r"load format auto: add --speculative-draft-load-format gguf"
+    ):
+        served(plain, spec)
+
+
+def test_a_gguf_draft_by_hub_reference(tmp_path: Path) -> None:
+    hub = tmp_path / "hub"
+    hub_repo(hub, "o/target", {"t.gguf": b"GGUFt"})
+    snapshot = hub_repo(hub, "o/draft", {"d-Q8_0.gguf": b"GGUFd"})
+    spec = "--speculative-algorithm EAGLE --speculative-draft-model o/draft:Q8_0"
+    rec = in_hub(hub, f"--model-path o/target {spec}")
+    assert rec.source.draft_model_dir == str(snapshot / "d-Q8_0.gguf")

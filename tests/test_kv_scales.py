@@ -179,3 +179,60 @@ def test_a_refused_scales_launch_keeps_the_good_namespace(tmp_path: Path) -> Non
     assert Path(json.loads(good.stdout)["storage_dir"]).is_dir()
     again = cli("--root", root, "init", "--json", "--", *launch, env=NO_STORAGE_ENV)
     assert json.loads(again.stdout)["outcome"] == "unchanged"
+
+
+def test_the_model_override_picks_the_class_that_loads_the_scales(tmp_path: Path) -> None:
+    """SGLang sets --json-model-override-args on the config (hf_transformers/config.py
+    get_config) before the registry picks the class: its `architectures` decides."""
+    path = scales_file(tmp_path / "scales.json", 0.5)
+    flag = f"--quantization-param-path {path}"
+
+    def override(arch: str) -> str:
+        return f"""--json-model-override-args '{{"architectures": ["{arch}"]}}'"""
+
+    mixtral, llama = (
+        arch_model(tmp_path, "MixtralForCausalLM"),
+        arch_model(tmp_path, "LlamaForCausalLM"),
+    )
+    assert fp8(mixtral, flag, override("LlamaForCausalLM")).kv_cache_scales
+    with pytest.raises(ConfigError, match="SGLang's MixtralForCausalLM cannot load"):
+        fp8(llama, flag, override("MixtralForCausalLM"))
+    # `auto` is fp8 (and reads the file) for a DeepSeek DSA config the override makes
+    dsa = '{"architectures": ["DeepseekV32ForCausalLM"], "index_topk": 2048}'
+    auto = ident(f"--model-path {llama} {flag} --json-model-override-args '{dsa}'")
+    assert auto.kv_cache_scales
+
+
+def test_a_backend_without_the_scales_loader_is_refused(tmp_path: Path) -> None:
+    """--model-impl transformers (or mindspore) builds its backend's class over the
+    registry's (model_loader/utils.py get_model_architecture): none loads the scales."""
+    path = scales_file(tmp_path / "scales.json", 0.5)
+    llama = arch_model(tmp_path, "LlamaForCausalLM")
+    flag = f"--quantization-param-path {path}"
+    assert fp8(llama, flag, "--model-impl sglang").kv_cache_scales
+    says = {
+        "transformers": "the Transformers backend (LlamaForCausalLM, --model-impl transformers)",
+        "mindspore": "SGLang's MindSporeForCausalLM (--model-impl mindspore)",
+    }
+    for impl, said in says.items():
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            fp8(llama, flag, f"--model-impl {impl}")
+    assert ident(f"--model-path {llama} {flag} --model-impl transformers").kv_cache_scales is None
+
+
+def test_the_draft_class_must_load_the_scales_too(tmp_path: Path) -> None:
+    """An EAGLE/standalone draft runner calls load_kv_cache_scales with the server's KV dtype
+    and scales file (model_runner.py load_model)."""
+    path = scales_file(tmp_path / "scales.json", 0.5)
+    llama = arch_model(tmp_path, "LlamaForCausalLM")
+    mixtral = make_model(tmp_path / "draft", extra_config={"architectures": ["MixtralForCausalLM"]})
+    draft = f"--quantization-param-path {path} --speculative-draft-model-path {mixtral}"
+    with pytest.raises(ConfigError, match="the draft model's class, SGLang's MixtralForCausalLM,"):
+        fp8(llama, draft, "--speculative-algorithm EAGLE")
+    assert fp8(llama, draft, "--speculative-algorithm NGRAM").kv_cache_scales  # no draft runner
+    override = """--json-model-override-args '{"architectures": ["LlamaForCausalLM"]}'"""
+    assert fp8(llama, draft, "--speculative-algorithm STANDALONE", override).kv_cache_scales
+    # a draft architecture SGLang renames to its MTP/NextN class is not judged by its name
+    ds = make_model(tmp_path / "ds", extra_config={"architectures": ["DeepseekV3ForCausalLM"]})
+    renamed = f"--quantization-param-path {path} --speculative-draft-model-path {ds}"
+    assert fp8(llama, renamed, "--speculative-algorithm EAGLE").kv_cache_scales

@@ -216,16 +216,25 @@ def test_dwdp_makes_every_tp_rank_an_attention_dp_group(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [
-        ("--tp-size 4 --dwdp-size 2", "must equal --tp-size"),
-        ("--tp-size 2 --pp-size 2 --dwdp-size 2", "needs --pp-size 1"),
-        ("--tp-size 2 --dwdp-size 2 --disaggregation-mode decode", "null or prefill"),
-        ("--tp-size 2 --dwdp-size 2 --speculative-algorithm EAGLE", "speculative"),
+        ("--tp-size 4 --dwdp-size 2", r"set --tp-size 2 \(equal to --dwdp-size\) or drop"),
+        ("--tp-size 2 --pp-size 2 --dwdp-size 2", "use --pp-size 1 or drop --dwdp-size"),
+        (
+            "--tp-size 2 --dwdp-size 2 --disaggregation-mode decode",
+            "use --disaggregation-mode null or prefill, or drop",
+        ),
+        ("--tp-size 2 --dwdp-size 2 --speculative-algorithm EAGLE", "drop --speculative-algo"),
+        ("--tp 4 --dwdp-size 4 --enable-eplb", "drop --enable-eplb or --dwdp-size"),
+        ("--tp 2 --dwdp-size 2 --enable-two-batch-overlap", "drop --enable-two-batch-overlap"),
+        # the first of handle_dwdp's assertions to fail is the one said
+        ("--tp 2 --pp-size 2 --dwdp-size 2 --enable-eplb", "drop --enable-eplb"),
     ],
 )
 def test_a_dwdp_launch_sglang_refuses_is_refused(flags: str, needle: str) -> None:
     """handle_dwdp's assertions stop the server at start: refused before init purges."""
-    with pytest.raises(ConfigError, match=needle):
-        resolve_launch_args(f"--model-path /m {flags}")
+    with pytest.raises(ConfigError, match=f"^--dwdp-size [24]: SGLang [^;]* refuses it; {needle}"):
+        resolve_launch_args(f"sglang serve --model-path /m {flags}")
+    # without DWDP SGLang takes them
+    resolve_launch_args(f"sglang serve --model-path /m {flags.replace('--dwdp-size', '--dp')}")
 
 
 def test_direct_io_turns_page_first_into_page_first_direct() -> None:
@@ -333,11 +342,49 @@ def test_flag_table_is_current(sglang_scripts: ScriptRunner) -> None:
         ("--speculative-draft-attention-backend trtllm_mha", 64, "attention_backend"),
         ("--attention-backend hpc_ops --page-size 128", 64, "attention_backend"),
         ("--attention-backend fa3", None, "default"),
+        # serving_hook.py renames the deprecated names before any backend forces a page size
+        ("--attention-backend tokenspeed_mla", 64, "attention_backend"),
+        ("--decode-attention-backend tokenspeed_mla --page-size 32", 32, "flag"),
+        ("--prefill-attention-backend tokenspeed_mla", None, "default"),  # → trtllm_mla
+        ("--attention-backend compressed", None, "default"),
     ],
 )
 def test_page_size_resolution(flags: str, page: int | None, source: str) -> None:
     args = resolve_launch_args(f"sglang serve --model-path m {flags}")
     assert (args.resolved_page_size, args.page_size_source) == (page, source)
+
+
+@pytest.mark.parametrize(
+    ("flags", "backends", "kv"),
+    [
+        ("--attention-backend tokenspeed_mla", ("cutedsl_mla", None), "fp8_e4m3"),
+        (
+            "--decode-attention-backend tokenspeed_mla --kv-cache-dtype bf16",
+            (None, None),
+            "fp8_e4m3",
+        ),
+        # cutedsl_mla is decode-only: a renamed prefill backend becomes trtllm_mla, no FP8 forced
+        ("--prefill-attention-backend tokenspeed_mla", (None, "trtllm_mla"), "auto"),
+        ("--prefill-attention-backend cutedsl_mla", (None, "cutedsl_mla"), "auto"),
+        ("--attention-backend compressed --kv-cache-dtype bf16", ("dsv4", None), "bf16"),
+    ],
+)
+def test_deprecated_backends_are_read_as_sglang_renames_them(
+    flags: str, backends: tuple[str | None, str | None], kv: str
+) -> None:
+    args = resolve_launch_args(f"sglang serve --model-path m {flags}")
+    assert (args.attention_backend, args.prefill_attention_backend) == backends
+    assert args.kv_cache_dtype == kv
+
+
+def test_tokenspeed_mla_shares_the_namespace_of_what_it_means(tmp_path: Path) -> None:
+    """SGLang runs tokenspeed_mla as cutedsl_mla with an FP8 KV cache: not bf16 pages."""
+    m = make_model(tmp_path / "m")
+    renamed = ident(f"--model-path {m} --attention-backend tokenspeed_mla")
+    assert (renamed.kv_cache_dtype, renamed.page_size) == ("fp8_e4m3", 64)
+    meant = ident(f"--model-path {m} --attention-backend cutedsl_mla --kv-cache-dtype fp8_e4m3")
+    assert renamed.ns_id == meant.ns_id
+    assert renamed.ns_id != ident(f"--model-path {m}").ns_id
 
 
 def test_explicit_page_size_option_counts_as_a_flag() -> None:

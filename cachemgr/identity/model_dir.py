@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cachemgr.errors import IdentityError, ModelNotFoundError
+from cachemgr.errors import ConfigError, IdentityError, ModelNotFoundError
 
 # Weight file suffixes: what SGLang's loaders glob (model_loader/loader.py: *.safetensors, *.bin,
 # *.pt; gguf files by path) plus the other common checkpoint formats, to err on the safe side.
@@ -82,7 +82,13 @@ def locate_model(path: str, revision: str | None, hub: Hub) -> Path:
             "cachemgr does not read; pass the model's local directory instead of its id"
         )
     cache = Path(hub.download_dir).expanduser() if hub.download_dir else hf_hub_cache(hub.env)
-    repo = cache / ("models--" + path.replace("/", "--"))
+    return _snapshot(path, revision, cache, "download it first or pass its directory")
+
+
+def _snapshot(repo_id: str, revision: str | None, cache: Path, advice: str) -> Path:
+    """The HF cache snapshot of `repo_id` at `revision`; ModelNotFoundError ending in `advice`
+    if the cache does not hold it."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
     rev = revision or "main"
     if _COMMIT_RE.fullmatch(rev):
         commit = rev
@@ -91,13 +97,82 @@ def locate_model(path: str, revision: str | None, hub: Hub) -> Path:
             commit = (repo / "refs" / rev).read_text(encoding="ascii").strip()
         except OSError:
             raise ModelNotFoundError(
-                f"model {path} is not a local directory and not in the Hugging Face cache "
-                f"{cache} (no {repo.name}/refs/{rev}); download it first or pass its directory"
+                f"model {repo_id} is not a local directory and not in the Hugging Face cache "
+                f"{cache} (no {repo.name}/refs/{rev}); {advice}"
             ) from None
     snapshot = repo / "snapshots" / commit
     if not snapshot.is_dir():
-        raise ModelNotFoundError(f"model {path}: HF cache snapshot {snapshot} is missing")
+        raise ModelNotFoundError(f"model {repo_id}: HF cache snapshot {snapshot} is missing")
     return snapshot
+
+
+def hub_gguf(path: str, revision: str | None, hub: Hub) -> Path | None:
+    """The .gguf file SGLang serves for a Hub reference, read from the HF cache (hf_transformers/
+    common.py `resolve_hf_gguf_reference`): `owner/repo/<file>.gguf` that file, `owner/repo:Q`
+    the repo's one `*-Q.gguf`, `owner/repo` its one .gguf when it has no config.json; None for
+    a path that is no such reference (then it is a directory or repo id as before).
+
+    SGLang lists the repo on the Hub; cachemgr has its snapshot, which holds what the server
+    downloaded. huggingface_hub downloads the file into the environment's hub cache (SGLang
+    passes no cache_dir: --download-dir does not count). Under ModelScope, locate_model says
+    why the path is not read.
+    """
+    if not path or os.path.exists(path) or hub.modelscope or "://" in path[1:]:
+        return None  # (a `<scheme>://` path is a remote URL to SGLang's is_remote_url)
+    cache = hf_hub_cache(hub.env)
+    if ":" in path:
+        return _quant_gguf(path, revision, cache)
+    parts = path.strip("/").split("/")
+    if len(parts) > 2 and path.endswith(".gguf"):
+        repo_id, name = "/".join(parts[:2]), "/".join(parts[2:])
+        file = _snapshot(repo_id, revision, cache, f"download {name} first") / name
+        if not file.is_file():
+            raise ModelNotFoundError(
+                f"model {path}: {name} is not in the HF cache snapshot {file.parent}; "
+                "download it first"
+            )
+        return file
+    if len(parts) != 2:
+        return None
+    repo_id = "/".join(parts)
+    try:
+        snapshot = _snapshot(repo_id, revision, cache, "")
+    except ModelNotFoundError:
+        return None  # not downloaded there: a repo id, as locate_model reads it
+    if (snapshot / "config.json").exists():
+        return None
+    found = _gguf_names(snapshot, ".gguf")
+    if len(found) > 1:
+        raise ConfigError(
+            f"model {path} has {len(found)} .gguf files and no config.json: SGLang refuses it; "
+            f"name the one to serve as {repo_id}/<file>.gguf"
+        )
+    return snapshot / found[0] if found else None
+
+
+def _quant_gguf(path: str, revision: str | None, cache: Path) -> Path | None:
+    """`owner/repo:QUANT`: the repo's one file named *-QUANT.gguf."""
+    repo_id, _, quant = path.rpartition(":")
+    if repo_id.count("/") != 1 or not quant:
+        return None
+    suffix = f"-{quant}.gguf"
+    snapshot = _snapshot(repo_id, revision, cache, f"download its *{suffix} first")
+    found = _gguf_names(snapshot, suffix)
+    if not found:
+        raise ModelNotFoundError(
+            f"model {path}: no *{suffix} in the HF cache snapshot {snapshot}; download it first"
+        )
+    if len(found) > 1:
+        raise ConfigError(
+            f"model {path}: {len(found)} files match *{suffix}, SGLang refuses it; "
+            f"name the one to serve as {repo_id}/<file>.gguf"
+        )
+    return snapshot / found[0]
+
+
+def _gguf_names(snapshot: Path, suffix: str) -> list[str]:
+    """The snapshot's files (any depth, as the Hub lists a repo) whose names end in `suffix`."""
+    return sorted(str(f.relative_to(snapshot)) for f in snapshot.rglob(f"*{suffix}") if f.is_file())
 
 
 def gguf_file(path: str) -> Path | None:

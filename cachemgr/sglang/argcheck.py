@@ -23,6 +23,8 @@ def check_types(values: Mapping[str, Any], flag_of: Mapping[str, str]) -> None:
         "trust_remote_code",
         "enable_page_major_kv_layout",
         "enable_unified_memory",
+        "enable_eplb",
+        "enable_two_batch_overlap",
     }
     for field, value in values.items():
         if field in bool_fields and not isinstance(value, bool):

@@ -41,6 +41,9 @@ class LaunchArgs(BaseModel):
     kv_cache_dtype: str = "auto"
     load_format: str = "auto"
     trust_remote_code: bool = False
+    # model_loader/utils.py `get_model_architecture`: transformers and mindspore pick their
+    # backend's class over the registry's (see kvscales.check_scales_loadable).
+    model_impl: str = "auto"
     json_model_override_args: str = "{}"
     # The loader hands it huggingface_hub as cache_dir (model_loader/loader.py
     # `_prepare_weights`): a repo id's weights come from there, not from HF_HUB_CACHE.
@@ -58,6 +61,7 @@ class LaunchArgs(BaseModel):
     speculative_draft_model_revision: str | None = None
     speculative_draft_model_quantization: str | None = None  # None: inherits quantization
     speculative_draft_kv_cache_dtype: str | None = None  # None: follows kv_cache_dtype
+    speculative_draft_load_format: str | None = None  # None: the target's, as resolved
     # fields/schedule.py has page_size=None; overrides.py `_page_size_default` resolves None to
     # 1 on CUDA/ROCm (64 on MUSA) — the default that makes the L3 file cache write-only. But
     # the default attention backend (trtllm_mha on SM100) and model overrides can raise it, so
@@ -82,6 +86,9 @@ class LaunchArgs(BaseModel):
     # Not in the identity itself: above 1 it becomes attn_dp_size (see _apply_dwdp); SGLang
     # ignores any value up to 1, so there is no lower bound.
     dwdp_size: int = 1
+    # fields/exec_.py: both refused with a DWDP group (parallel_hook.py `handle_dwdp`)
+    enable_eplb: bool = False
+    enable_two_batch_overlap: bool = False
     # fields/memory.py
     enable_hierarchical_cache: bool = False
     hicache_mem_layout: str = "page_first"
@@ -140,6 +147,7 @@ FLAGS: dict[str, str] = {
     "--kv-cache-dtype": "kv_cache_dtype",
     "--load-format": "load_format",
     "--trust-remote-code": "trust_remote_code",
+    "--model-impl": "model_impl",
     "--json-model-override-args": "json_model_override_args",
     "--download-dir": "download_dir",
     "--quantization-param-path": "quantization_param_path",
@@ -154,6 +162,7 @@ FLAGS: dict[str, str] = {
     "--speculative-draft-model-revision": "speculative_draft_model_revision",
     "--speculative-draft-model-quantization": "speculative_draft_model_quantization",
     "--speculative-draft-kv-cache-dtype": "speculative_draft_kv_cache_dtype",
+    "--speculative-draft-load-format": "speculative_draft_load_format",
     "--page-size": "page_size",
     "--attention-backend": "attention_backend",
     "--decode-attention-backend": "decode_attention_backend",
@@ -173,6 +182,8 @@ FLAGS: dict[str, str] = {
     "--decode-context-parallel-size": "dcp_size",
     "--enable-dp-attention": "enable_dp_attention",
     "--dwdp-size": "dwdp_size",
+    "--enable-eplb": "enable_eplb",
+    "--enable-two-batch-overlap": "enable_two_batch_overlap",
     "--enable-hierarchical-cache": "enable_hierarchical_cache",
     "--enable-hicache": "enable_hierarchical_cache",
     "--hicache-mem-layout": "hicache_mem_layout",
@@ -398,6 +409,7 @@ def _apply_sglang_resolutions(values: dict[str, Any]) -> dict[str, Any]:
     # fields/model.py: nullable_str reads an empty path or "None" as no scales file.
     if out.get("quantization_param_path") in ("", "None"):
         out["quantization_param_path"] = None
+    _apply_backend_aliases(out)
     out["page_size_source"] = "flag" if out.get("page_size") is not None else "default"
     forced = _backend_page_size(out, _int_or_none(out.get("page_size")))
     if forced is not None:
@@ -409,23 +421,60 @@ def _apply_dwdp(values: dict[str, Any]) -> None:
     """parallel_hook.py `handle_dwdp` (after the deprecated DP-attention spelling): a DWDP
     group makes every TP rank its own attention-DP group, so a rank's pages hold all KV heads
     and are keyed as attention-TP rank 0 of 1 (cache_controller.py
-    `_generate_storage_config`): the topology of `--attn-dp-size <tp>`. What its assertions
-    refuse at start is refused here, before init purges anything."""
+    `_generate_storage_config`): the topology of `--attn-dp-size <tp>`. Its assertions
+    refuse at start, in this order, what is refused here, before init purges anything."""
     dwdp = _int_or_none(values.get("dwdp_size"))
     if dwdp is None or dwdp <= 1:
         return
     tp = _int_or_none(values.get("tp_size", 1))
-    if dwdp != tp:
-        raise ConfigError(f"--dwdp-size {dwdp} must equal --tp-size ({tp}): SGLang refuses it")
-    if _int_or_none(values.get("pp_size", 1)) != 1:
-        raise ConfigError("--dwdp-size needs --pp-size 1: SGLang refuses it")
-    if values.get("disaggregation_mode", "null") not in ("null", "prefill"):
-        raise ConfigError(
-            "--dwdp-size needs --disaggregation-mode null or prefill: SGLang refuses it"
-        )
-    if values.get("speculative_algorithm") is not None:
-        raise ConfigError("--dwdp-size does not work with speculative decoding: SGLang refuses it")
+    refusals = (
+        (dwdp != tp, f"set --tp-size {dwdp} (equal to --dwdp-size) or drop --dwdp-size"),
+        (
+            values.get("disaggregation_mode", "null") not in ("null", "prefill"),
+            "use --disaggregation-mode null or prefill, or drop --dwdp-size",
+        ),
+        (bool(values.get("enable_eplb")), "drop --enable-eplb or --dwdp-size"),
+        (
+            values.get("speculative_algorithm") is not None,
+            "drop --speculative-algorithm or --dwdp-size",
+        ),
+        (_int_or_none(values.get("pp_size", 1)) != 1, "use --pp-size 1 or drop --dwdp-size"),
+        (
+            bool(values.get("enable_two_batch_overlap")),
+            "drop --enable-two-batch-overlap or --dwdp-size",
+        ),
+    )
+    for refused, change in refusals:
+        if refused:
+            raise ConfigError(f"--dwdp-size {dwdp}: SGLang {SGLANG_VERSION} refuses it; {change}")
     values["attn_dp_size"], values["dp_size"] = dwdp, 1
+
+
+# serving_hook.py `handle_deprecated_args`: deprecated attention-backend names, renamed before
+# any backend's page size (overrides.py `_mla_backend_page_constraints`) is applied.
+BACKEND_ALIASES = {"compressed": "dsv4", "tokenspeed_mla": "cutedsl_mla"}
+BACKEND_FIELDS = (
+    "attention_backend",
+    "decode_attention_backend",
+    "prefill_attention_backend",
+    "speculative_draft_attention_backend",
+)
+
+
+def _apply_backend_aliases(values: dict[str, Any]) -> None:
+    """The deprecated backend names as SGLang renames them, with the FP8 KV cache tokenspeed_mla
+    implied: pages stored as fp8_e4m3 whatever --kv-cache-dtype says."""
+    renamed = {
+        f: BACKEND_ALIASES[v] for f in BACKEND_FIELDS if (v := values.get(f)) in BACKEND_ALIASES
+    }
+    if renamed.get("prefill_attention_backend") == "cutedsl_mla":
+        renamed["prefill_attention_backend"] = "trtllm_mla"  # cutedsl_mla is decode-only
+    if "tokenspeed_mla" in (
+        values.get("attention_backend"),
+        values.get("decode_attention_backend"),
+    ):
+        renamed["kv_cache_dtype"] = "fp8_e4m3"
+    values.update(renamed)
 
 
 def _int_or_none(value: Any) -> int | None:

@@ -314,6 +314,9 @@ CHOICES = by_field(
         moe_wna16 w4afp8 mxfp4 auto-round auto-round-int8 compressed-tensors modelslim mxfp_w4a8
         quark quark_int4fp8_moe quark_mxfp4 mlx_q4 mlx_q8 unquant humming
     speculative_draft_kv_cache_dtype: auto fp8_e5m2 fp8_e4m3 bf16 bfloat16
+    speculative_draft_load_format: auto pt safetensors instanttensor npcache dummy sharded_state
+        presharded gguf expert_pack bitsandbytes mistral layered flash_rl remote remote_instance
+        fastsafetensors private runai_streamer
     speculative_draft_model_quantization: awq fp8 mxfp8 gptq gptq_marlin awq_marlin bitsandbytes
         gguf modelopt modelopt_fp8 modelopt_fp4 nvfp4_online modelopt_mixed petit_nvfp4
         w8a8_int8 w8a8_fp8 moe_wna16 w4afp8 mxfp4 auto-round auto-round-int8 compressed-tensors
@@ -436,5 +439,32 @@ KV_SCALES_ARCHS = frozenset(
     MiMoV2ASRForCausalLM MiMoV2FlashForCausalLM MiMoV2ForCausalLM MiMoV2MTP
     Ministral3ForCausalLM MistralForCausalLM MistralForCausalLMEagle OPTForCausalLM
     Phi3ForCausalLM Qwen2ForCausalLM Qwen2ForCausalLMEagle Qwen3ForCausalLM TeleFLMForCausalLM
+    """.split()  # noqa: SIM905
+)
+
+# Architectures SGLang renames for a draft model (configs/model_config.py
+# `_config_draft_model`): the class it loads is not the one its config names.
+DRAFT_RENAMED_ARCHS = frozenset(
+    """
+    BailingMoeForCausalLM BailingMoeForCausalLMNextN BailingMoeV2ForCausalLM
+    BailingMoeV2_5ForCausalLM BailingMoeV3ForCausalLM DSPARK DSparkMiniMaxDraftModel
+    DeepseekV32ForCausalLM DeepseekV3ForCausalLM DeepseekV3ForCausalLMNextN
+    DeepseekV4ForCausalLM DeepseekV4ForCausalLMDSpark DeepseekV4ForCausalLMNextN
+    Ernie4_5_MoeForCausalLM Ernie4_5_MoeForCausalLMMTP ExaoneMoEForCausalLM
+    ExaoneMoEForCausalLMMTP ExaoneMoeForCausalLM GigaChat35ForCausalLM
+    GigaChat35ForCausalLMNextN Glm4MoeForCausalLM Glm4MoeForCausalLMNextN Glm4MoeLiteForCausalLM
+    Glm4MoeLiteForCausalLMNextN Glm5NextForConditionalGeneration
+    Glm5NextForConditionalGenerationNextN GlmMoeDsaForCausalLM GlmMoeDsaForCausalLMNextN
+    GlmOcrForConditionalGeneration GlmOcrForConditionalGenerationNextN HYV3ForCausalLM
+    HYV3ForCausalLMNextN HYV4ForCausalLM HYV4ForCausalLMNextN InklingForConditionalGeneration
+    InklingForConditionalGenerationMTP InternS2MobiusForConditionalGeneration
+    InternS2PreviewForConditionalGeneration LongcatFlashForCausalLM LongcatFlashForCausalLMNextN
+    MiMoForCausalLM MiMoMTP MiMoV2FlashForCausalLM MiMoV2ForCausalLM MiMoV2MTP
+    NemotronHForCausalLM NemotronHForCausalLMMTP NemotronHPuzzleForCausalLM
+    NemotronH_Omni_Reasoning_V3 Qwen3MoeForCausalLM Qwen3MoeForCausalLMMTP Qwen3NextForCausalLM
+    Qwen3NextForCausalLMMTP Qwen3_5ForCausalLM Qwen3_5ForCausalLMMTP
+    Qwen3_5ForConditionalGeneration Qwen3_5MoeForCausalLM Qwen3_5MoeForConditionalGeneration
+    Qwen4ExpForCausalLMMTP Qwen4ExpForConditionalGeneration Step3p5ForCausalLM Step3p5MTP
+    Step3p7ForConditionalGeneration
     """.split()  # noqa: SIM905
 )

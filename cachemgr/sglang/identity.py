@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from cachemgr.canonical import canonical_json
-from cachemgr.errors import IdentityError
+from cachemgr.errors import ConfigError, IdentityError
 from cachemgr.identity import model_dir
 from cachemgr.identity.digest_cache import DigestCache
 from cachemgr.identity.fingerprint import (
@@ -88,14 +88,46 @@ def locate_target(args: LaunchArgs, env: Mapping[str, str]) -> Path:
     gguf it makes such a file's load format and quantization gguf (arg_groups/
     model_path_hook.py `handle_load_format`, overrides.py `_gguf_quantization`) and
     GGUFModelLoader reads it (model_loader/loader.py); `env` is the server's."""
-    gguf = model_dir.gguf_file(args.model_path) if args.load_format in GGUF_LOAD_FORMATS else None
-    return gguf or model_dir.locate_model(args.model_path, args.revision, model_hub(args, env))
+    return _locate(args.model_path, args.revision, args.load_format, model_hub(args, env))
+
+
+def locate_draft(args: LaunchArgs, target: Path, env: Mapping[str, str]) -> Path | None:
+    """The draft model's dir or GGUF file, None without one. Its runner loads it with
+    --speculative-draft-load-format, else with the target's load format as resolved: gguf for a
+    GGUF target (model_runner.py `_resolve_draft_load_format`, load_model_utils.py
+    LoadConfig); only gguf reads a .gguf draft (the default loader takes its path for a repo
+    id and fails)."""
+    path = args.speculative_draft_model_path
+    if not path:
+        return None
+    load_format = args.speculative_draft_load_format or (
+        "gguf" if target.is_file() else args.load_format
+    )
+    hub = model_hub(args, env)
+    # Located as GGUF whatever its load format, to say what to change for a .gguf draft.
+    draft = _locate(path, args.speculative_draft_model_revision, "gguf", hub)
+    if draft.is_file() and load_format != "gguf":
+        raise ConfigError(
+            f"--speculative-draft-model-path {path} is a GGUF file, which SGLang does not load "
+            f"with load format {load_format}: add --speculative-draft-load-format gguf"
+        )
+    return draft
+
+
+def _locate(path: str, revision: str | None, load_format: str, hub: model_dir.Hub) -> Path:
+    """A model path as a server loading it with `load_format` reads it: a Hub reference to a
+    .gguf is that file first (model_path_hook.py `resolve_hf_gguf_model_path`, for the target
+    and the draft alike, before any load format is looked at)."""
+    resolved = str(model_dir.hub_gguf(path, revision, hub) or path)
+    gguf = model_dir.gguf_file(resolved) if load_format in GGUF_LOAD_FORMATS else None
+    return gguf or model_dir.locate_model(resolved, revision, hub)
 
 
 def target_config(target: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """(config.json, its KV quantization algo) of the target; None for the config of a GGUF
-    file without a config.json beside it (then it is in the file's metadata). A GGUF file's
-    quantization (GGUFConfig) has no KV quantization."""
+    """(config.json, its KV quantization algo) of a model dir or GGUF file, the target's or
+    the draft's; None for the config of a GGUF file without a config.json beside it (then it
+    is in the file's metadata). A GGUF file's quantization (GGUFConfig) has no KV
+    quantization."""
     if not target.is_file():
         config = model_dir.read_json(target / "config.json")
         return config, model_dir.kv_cache_quant_algo(target, config)
@@ -148,15 +180,29 @@ def _tp_lcm_size(args: LaunchArgs) -> int | None:
     return value
 
 
-def _override_args(raw: str) -> str | None:
-    """--json-model-override-args as canonical JSON (key order and spaces don't count)."""
+def _override_data(raw: str) -> Any:
+    """--json-model-override-args as SGLang reads it (model_config.py: json.loads)."""
     try:
-        data = json.loads(raw or "{}")
+        return json.loads(raw or "{}")
     except json.JSONDecodeError:
         raise IdentityError(f"--json-model-override-args is not JSON: {raw!r}") from None
+
+
+def _override_args(raw: str) -> str | None:
+    """--json-model-override-args as canonical JSON (key order and spaces don't count)."""
+    data = _override_data(raw)
     if not data:
         return None
     return canonical_json(data, ensure_ascii=False)
+
+
+def hf_config(config: Mapping[str, Any], args: LaunchArgs) -> dict[str, Any]:
+    """The model's config as SGLang serves it: --json-model-override-args set on it key by key
+    (utils/hf_transformers/config.py `get_config`), so an overridden `architectures` picks the
+    model class. A top-level update: what is read from it here (architectures, index_topk) is
+    top-level."""
+    data = _override_data(args.json_model_override_args)
+    return {**config, **data} if isinstance(data, dict) else dict(config)
 
 
 def compute_identity(
@@ -183,24 +229,23 @@ def compute_identity(
 
     target = locate_target(args, server_env)
     read_config, quant_kv_algo = target_config(target)
-    config = read_config or {}
-    check_scales_loadable(args, config, server_env)  # before the weights are hashed
+    config = hf_config(read_config or {}, args)
+    # The draft's runner has the same load config: --download-dir is its cache too.
+    draft_dir = locate_draft(args, target, server_env)
+    draft_config, draft_kv_algo = target_config(draft_dir) if draft_dir else (None, None)
+    # Before the weights are hashed; the draft's config gets the same overrides
+    # (model_config.py `from_server_args`).
+    draft_hf = None if draft_config is None else hf_config(draft_config, args)
+    check_scales_loadable(args, config, server_env, draft_hf)
     run_dtype = model_dtype(args.dtype, read_config)
     kv = kv_dtype(args.kv_cache_dtype, run_dtype, quant_kv_algo)
-    draft_dir = draft_kv = draft_weights = None
-    if args.speculative_draft_model_path:
-        # The draft's runner has the same load config: --download-dir is its cache too.
-        draft_dir = model_dir.locate_model(
-            args.speculative_draft_model_path,
-            args.speculative_draft_model_revision,
-            model_hub(args, server_env),
-        )
-        draft_config = model_dir.read_json(draft_dir / "config.json")
+    draft_kv = draft_weights = None
+    if draft_dir is not None:
         # spec.py: the draft's KV dtype follows --kv-cache-dtype unless set on its own.
         draft_kv = kv_dtype(
             args.speculative_draft_kv_cache_dtype or args.kv_cache_dtype,
             model_dtype(args.dtype, draft_config),
-            model_dir.kv_cache_quant_algo(draft_dir, draft_config),
+            draft_kv_algo,
         )
         draft_weights = weights(draft_dir)
     page, page_from = page_size(args, config)

@@ -17,7 +17,12 @@ from typing import Any
 from cachemgr.errors import ConfigError, IdentityError
 from cachemgr.identity.hashing import ALGO_FULL, hash_file
 from cachemgr.sglang.args import LaunchArgs
-from cachemgr.sglang.flags import KV_SCALES_ARCHS, MODEL_ARCHS, SGLANG_VERSION
+from cachemgr.sglang.flags import (
+    DRAFT_RENAMED_ARCHS,
+    KV_SCALES_ARCHS,
+    MODEL_ARCHS,
+    SGLANG_VERSION,
+)
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +36,9 @@ SCALED_KV = "fp8_e4m3"
 EXTERNAL_MODELS_ENV = "SGLANG_EXTERNAL_MODEL_PACKAGE"
 UNREAD = "unread:"  # the prefix of a file cachemgr could not read
 AUTO_FP8_ARCHS = frozenset({"MuseSparkForConditionalGeneration"})
+# Speculative algorithms whose worker loads --speculative-draft-model-path in a draft runner
+# (spec_info.py `is_eagle`, `is_standalone`); the others are not checked.
+DRAFT_RUNNER_ALGORITHMS = frozenset({"EAGLE", "EAGLE3", "STANDALONE"})
 # configs/model_config.py is_deepseek_dsa: the first architecture, with index_topk set
 DSA_ARCHS = frozenset(
     {
@@ -71,33 +79,71 @@ def _scaled(kv_arg: str, config: Mapping[str, Any]) -> bool:
 
 
 def check_scales_loadable(
-    args: LaunchArgs, config: Mapping[str, Any], env: Mapping[str, str]
+    args: LaunchArgs,
+    config: Mapping[str, Any],
+    env: Mapping[str, str],
+    draft_config: Mapping[str, Any] | None = None,
 ) -> None:
     """ConfigError for a launch SGLang refuses to start: an fp8_e4m3 KV cache and a scales
     file on a model class without `load_kv_cache_scales` (load_model_utils.py raises). Said
     before init, which would otherwise purge the instance's namespace for it; `env` is the
-    server's environment.
+    server's environment, `config` the model's as SGLang serves it (overrides applied).
 
-    The class is the registry's for the first architecture it serves (registry.py
-    `resolve_model_cls`), else the Transformers backend's, which has none either. Nothing is
-    refused where that is not certain: a KV dtype only the GPU settles, a config without
-    architectures (a GGUF file's are in its metadata), a registry an external package fills.
+    A draft runner loads its model the same way, with the server's KV dtype and scales file
+    (model_runner.py `load_model`), so the draft's class (`draft_config`, None if unread)
+    must have the method too. Nothing is refused where that is not certain: a KV dtype only
+    the GPU settles, a config without architectures (a GGUF file's are in its metadata), a
+    registry an external package fills, a draft architecture SGLang renames.
     """
-    archs = _architectures(config)
-    first = next(iter(archs), None)
+    first = next(iter(_architectures(config)), None)
     fp8 = args.kv_cache_dtype == SCALED_KV or (
         args.kv_cache_dtype == "auto" and first in AUTO_FP8_ARCHS
     )
-    if args.quantization_param_path is None or not fp8 or not archs or env.get(EXTERNAL_MODELS_ENV):
+    if args.quantization_param_path is None or not fp8 or env.get(EXTERNAL_MODELS_ENV):
         return
+    model = _without_scales_loader(args, _architectures(config))
+    if model is None and draft_config is not None and _loads_draft(args):
+        model = _draft_without_scales_loader(args, draft_config)
+    if model is not None:
+        raise ConfigError(
+            f"--quantization-param-path with an fp8_e4m3 KV cache: SGLang {SGLANG_VERSION} "
+            f"refuses to start, {model} cannot load KV cache scaling factors; drop the flag"
+        )
+
+
+def _without_scales_loader(args: LaunchArgs, archs: list[str]) -> str | None:
+    """The class SGLang builds for `archs` when it has no `load_kv_cache_scales`, else None
+    (also when `archs` is empty: not known). model_loader/utils.py `get_model_architecture`:
+    --model-impl mindspore builds MindSporeForCausalLM, transformers the Transformers
+    backend's class, as does an architecture the registry lacks (`resolve_model_cls` takes
+    the first it serves)."""
+    if not archs:
+        return None
+    if args.model_impl == "mindspore":
+        return "SGLang's MindSporeForCausalLM (--model-impl mindspore)"
+    if args.model_impl == "transformers":
+        return f"the Transformers backend ({', '.join(archs)}, --model-impl transformers)"
     served = next((a for a in archs if a in MODEL_ARCHS), None)
     if served in KV_SCALES_ARCHS:
-        return
-    model = f"SGLang's {served}" if served else f"the Transformers backend ({', '.join(archs)})"
-    raise ConfigError(
-        f"--quantization-param-path with an fp8_e4m3 KV cache: SGLang {SGLANG_VERSION} refuses "
-        f"to start, {model} cannot load KV cache scaling factors; drop the flag"
-    )
+        return None
+    return f"SGLang's {served}" if served else f"the Transformers backend ({', '.join(archs)})"
+
+
+def _draft_without_scales_loader(args: LaunchArgs, draft_config: Mapping[str, Any]) -> str | None:
+    """The draft's class without `load_kv_cache_scales`, else None; None too for an
+    architecture SGLang renames for a draft (its MTP/NextN class may differ)."""
+    archs = _architectures(draft_config)
+    if DRAFT_RENAMED_ARCHS & set(archs[:1]):
+        return None
+    model = _without_scales_loader(args, archs)
+    return None if model is None else f"the draft model's class, {model},"
+
+
+def _loads_draft(args: LaunchArgs) -> bool:
+    """Whether the speculative algorithm runs the draft model in a ModelRunner of its own
+    (eagle_worker_v2.py, standalone_worker_v2.py: TpModelWorker(is_draft_worker=True))."""
+    algo = (args.speculative_algorithm or "").upper()
+    return algo in DRAFT_RUNNER_ALGORITHMS
 
 
 def kv_cache_scales(args: LaunchArgs, config: Mapping[str, Any]) -> str | None:
