@@ -225,6 +225,9 @@ def test_hub_cache_is_where_the_servers_huggingface_hub_looks(
         {"HF_HOME": "$UNSET_HERE/hf"},
         {"HF_HOME": "~/hf"},
         {"HF_HUB_CACHE": "rel/hub"},
+        {"HOME": "/srv/user"},  # the server's own HOME (a `HOME=…` prefix, another user)
+        {"HOME": "/srv/user/", "HF_HOME": "~/hf"},
+        {"HOME": "/", "HF_HUB_CACHE": "~"},
     ]
     asked = {"cwd": str(tmp_path), "cases": cases}
     theirs = json.loads(vllm_scripts.run(HUB_CACHE, stdin=json.dumps(asked)))

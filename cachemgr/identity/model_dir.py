@@ -37,7 +37,7 @@ def hf_hub_cache(env: Mapping[str, str]) -> Path:
     huggingface_hub's constants.py resolves it: a variable set but empty is taken as given (a
     path relative to the working dir, which `exec` keeps), not as unset; `~` and `$VAR`s in
     HF_HOME and HF_HUB_CACHE are expanded."""
-    xdg = env.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
+    xdg = env.get("XDG_CACHE_HOME", os.path.join(_expanduser("~", env), ".cache"))
     home = _expand(env.get("HF_HOME", os.path.join(xdg, "huggingface")), env)
     legacy = env.get("HUGGINGFACE_HUB_CACHE", os.path.join(home, "hub"))
     return Path(_expand(env.get("HF_HUB_CACHE", legacy), env)).absolute()
@@ -46,8 +46,17 @@ def hf_hub_cache(env: Mapping[str, str]) -> Path:
 def _expand(path: str, env: Mapping[str, str]) -> str:
     """os.path.expandvars(os.path.expanduser(path)) with `env` for the process's environment."""
     return _VAR.sub(
-        lambda m: env.get(m[1].removeprefix("{").removesuffix("}"), m[0]), os.path.expanduser(path)
+        lambda m: env.get(m[1].removeprefix("{").removesuffix("}"), m[0]), _expanduser(path, env)
     )
+
+
+def _expanduser(path: str, env: Mapping[str, str]) -> str:
+    """os.path.expanduser(path) with the server's HOME (`env`): a launch's `HOME=…` prefix, or
+    a server run as another user, has its own `~`. Without HOME, the passwd entry, as posixpath."""
+    home = env.get("HOME")
+    if home is None or not (path == "~" or path.startswith("~/")):
+        return os.path.expanduser(path)
+    return (home.rstrip("/") + path[1:]) or "/"
 
 
 def _looks_like_repo_id(path: str) -> bool:
