@@ -13,13 +13,12 @@ import errno
 import os
 from collections.abc import Callable, Iterator
 from contextlib import suppress
-from pathlib import Path
 
 from cachemgr.backends import FileFormat, Nesting
 from cachemgr.errors import UnsafePathError
 from cachemgr.formats import DEFAULT_FORMAT, FORMATS
 from cachemgr.fs._dirscan import mount_id
-from cachemgr.fs.safe import DIR_FLAGS, open_dir, open_dir_at, read_regular
+from cachemgr.fs.safe import DIR_FLAGS, open_dir_at, read_regular
 
 IDENTITY_LIMIT = 1 << 20  # a vLLM config.json is ~1 KB; a bigger one is not the engine's
 
@@ -120,13 +119,6 @@ def _below(
         finally:
             with suppress(OSError):
                 os.close(child)
-
-
-def on_mount(root: Path, ns_rel: str, sub: str) -> None:
-    """UnsafePathError unless dir `sub` of namespace dir <root>/<ns_rel> is on its mount (both
-    opened without links): open_dir refuses every mount point on the way from the root."""
-    with open_dir(root, f"{ns_rel}/{sub}"):
-        pass
 
 
 def by_dirs(ns_fd: int, paths: list[str], fmt: FileFormat) -> tuple[ByDir, list[str]]:
