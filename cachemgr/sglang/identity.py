@@ -26,9 +26,9 @@ from cachemgr.sglang.args import LaunchArgs
 from cachemgr.sglang.kvscales import check_scales_loadable, kv_cache_scales
 from cachemgr.sglang.record import FILE_KEY_SCHEME, Identity, Source, Storage, Topology
 
+MODELSCOPE_ENV = "SGLANG_USE_MODELSCOPE"
 # Architectures whose SGLang model overrides (arg_groups/model_overrides/*.py) set page_size
 # from the GPU or attention backend, sometimes over an explicit --page-size.
-MODELSCOPE_ENV = "SGLANG_USE_MODELSCOPE"
 PAGE_SIZE_OVERRIDING_ARCHS = frozenset(
     """
     MiniMaxM3SparseForCausalLM MiniMaxM3SparseForConditionalGeneration

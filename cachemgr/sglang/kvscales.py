@@ -66,16 +66,20 @@ def _architectures(config: Mapping[str, Any]) -> list[str]:
     return [str(a) for a in archs] if isinstance(archs, list) else []
 
 
+def _first_arch(config: Mapping[str, Any]) -> str | None:
+    return next(iter(_architectures(config)), None)
+
+
+def _surely_fp8(kv_arg: str, config: Mapping[str, Any]) -> bool:
+    """Whether the server runs an fp8_e4m3 KV cache on any GPU."""
+    return kv_arg == SCALED_KV or (kv_arg == "auto" and _first_arch(config) in AUTO_FP8_ARCHS)
+
+
 def _scaled(kv_arg: str, config: Mapping[str, Any]) -> bool:
-    """Whether the server may run an fp8_e4m3 KV cache, and so read the scales."""
-    if kv_arg == SCALED_KV:
-        return True
-    if kv_arg != "auto":
-        return False
-    first = next(iter(_architectures(config)), None)
-    if first in AUTO_FP8_ARCHS:
-        return True
-    return first in DSA_ARCHS and config.get("index_topk") is not None
+    """Whether the server may run an fp8_e4m3 KV cache, and so read the scales: surely, or
+    DeepSeek DSA's `auto` on the GPUs that make it fp8."""
+    dsa = _first_arch(config) in DSA_ARCHS and config.get("index_topk") is not None
+    return _surely_fp8(kv_arg, config) or (kv_arg == "auto" and dsa)
 
 
 def check_scales_loadable(
@@ -95,10 +99,7 @@ def check_scales_loadable(
     the GPU settles, a config without architectures (a GGUF file's are in its metadata), a
     registry an external package fills, a draft architecture SGLang renames.
     """
-    first = next(iter(_architectures(config)), None)
-    fp8 = args.kv_cache_dtype == SCALED_KV or (
-        args.kv_cache_dtype == "auto" and first in AUTO_FP8_ARCHS
-    )
+    fp8 = _surely_fp8(args.kv_cache_dtype, config)
     if args.quantization_param_path is None or not fp8 or env.get(EXTERNAL_MODELS_ENV):
         return
     model = _without_scales_loader(args, _architectures(config))
