@@ -29,6 +29,7 @@ from tests.gc_helpers import NS, NS2, T0, Tree, page, page_bytes, policy
 from tests.nsfixtures import cli
 from tests.polling import wait_for
 from tests.test_gc_file_caps import PAGES, full  # noqa: F401 (a fixture)
+from tests.test_gc_refusals import immutable
 
 A = [page(100 + i) for i in range(6)]
 B = [page(200 + i) for i in range(6)]
@@ -367,3 +368,30 @@ def test_the_daemon_says_it_cannot_hold_the_floor(
         (held,) = [f for f in findings if f["code"] == "gc-limit-not-held"]
         assert held["severity"] == "error" and "free space outside the cache" in held["fix"]
         assert doc.returncode == 2
+
+
+def test_a_tick_whose_floor_pass_was_refused_a_page_is_no_success(tree: Tree) -> None:
+    """A floor pass the kernel refused a page, with the floor held by the rest: a `short` run,
+    and `cachemgr_gc_last_success_timestamp_seconds` stays where it was (it moved on, so an
+    alert on its age never fired while every pass fell short)."""
+    tree.write(NS, A + B, at=T0)
+
+    def disk(_: Path) -> tuple[int, int, int]:  # 3 kB free, and what the pass frees
+        free = 3_000 + 12_000 - page_bytes(tree.dir(NS))
+        return 100_000, 100_000 - free, free
+
+    runner = GcRunner(
+        tree.layout, tree.store, policy(min_free_bytes=4_000), clock=lambda: T0 + 1, disk_usage=disk
+    )
+    runner.last_sweep = T0 + 1
+    runner.stats.last_success = before = T0 - 100
+    runs = _runs(runner)
+    try:
+        with immutable(tree.dir(NS) / A[0]):
+            report = runner.tick()
+        assert report is not None and not report.held and report.files > 0
+        assert not runner.needs_gc()  # the rest held the floor: nothing crossed after it
+        assert (runs("ok"), runs("short")) == (0, 1)
+        assert runner.stats.last_success == before
+    finally:
+        runner.leadership.release()

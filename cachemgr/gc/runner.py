@@ -220,9 +220,10 @@ class GcRunner(Worker):
             self.stats.error += 1
             raise
         if not sweep and not crossed:
-            self.stats.last_success = self.clock()
             self.stats.unmet = ()  # no limit is crossed now: none is unmet
-            if floor is not None:  # the pass was all this tick did: a run of its own
+            if floor is None:
+                self.stats.last_success = self.clock()
+            else:  # the pass was all this tick did: a run of its own, a success if it held
                 self.stats.count(floor)
             return floor
         if sweep and crossed and not self._sweep_put_off:
