@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import re
@@ -17,6 +16,9 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+
+from cachemgr.settings import Settings
+from tests.daemon_helpers import running_daemon
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKERFILE = REPO / "deploy" / "Dockerfile"
@@ -94,12 +96,29 @@ def test_runtime_stage_is_a_non_root_cachemgr_entrypoint() -> None:
     assert not any(word == "COPY" for word, _ in runtime)
 
 
-def test_healthcheck_asks_healthz_with_valid_python() -> None:
+def _healthcheck(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """The image's HEALTHCHECK command, run with this venv's Python and `env` alone."""
     steps = dict(instructions(DOCKERFILE.read_text()))
     argv = json.loads(steps["HEALTHCHECK"].split("CMD", 1)[1])
-    assert argv[:2] == ["python", "-c"]
-    ast.parse(argv[2])  # slim has no curl: the probe is a Python one-liner that must compile
-    assert "/healthz" in argv[2]
+    assert argv[0] == "python"
+    return subprocess.run(
+        [sys.executable, *argv[1:]], env=env, capture_output=True, text=True, timeout=30
+    )
+
+
+def test_healthcheck_finds_a_daemon_whose_port_is_set_in_the_config_file(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """The probe reads the settings as `serve` does: a port (and host) given in the
+    CACHEMGR_CONFIG file, not CACHEMGR_PORT, is asked; nothing answering there fails it."""
+    cfg = tmp_path / "cachemgr.toml"
+    env = {"PATH": os.environ["PATH"], "CACHEMGR_CONFIG": str(cfg)}
+    with running_daemon(settings) as dm:
+        cfg.write_text(f'[cachemgr]\nroot = "{settings.root}"\nport = {dm.daemon.port}\n')
+        ok = _healthcheck(env)
+        assert ok.returncode == 0, ok.stderr
+        assert _healthcheck({**env, "CACHEMGR_PORT": "1"}).returncode != 0  # env over file
+    assert _healthcheck(env).returncode != 0  # stopped: nothing answers on its port
 
 
 def test_build_stage_makes_a_wheel_with_migrations_from_the_context(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from cachemgr.fs.usage import DiskUsage
 from cachemgr.gc.policy import GcPolicy
 from cachemgr.layout import Layout
 from cachemgr.ns.root import refuse_file_root, status_from_disk
-from cachemgr.settings import Settings
+from cachemgr.settings import Settings, load_settings
 from cachemgr.units import human_age, human_bytes
 
 
@@ -31,6 +31,16 @@ def daemon_url(settings: Settings) -> str:
     """Where this host reaches the daemon the settings describe (a wildcard bind: loopback)."""
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
     return f"http://{host}:{settings.port}"
+
+
+def probe() -> None:
+    """The image's HEALTHCHECK: /healthz of the daemon the settings describe, read as `serve`
+    reads them (CACHEMGR_* and the CACHEMGR_CONFIG file; the probe once read CACHEMGR_PORT
+    alone, so a port or host set in the file failed a healthy container); raises unless 200."""
+    config = os.environ.get("CACHEMGR_CONFIG")
+    settings = load_settings(Path(config) if config else None)
+    with urllib.request.urlopen(f"{daemon_url(settings)}/healthz", timeout=4):
+        pass
 
 
 def from_daemon(settings: Settings, timeout: float = 1.0) -> dict[str, Any] | None:
