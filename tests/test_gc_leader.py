@@ -54,7 +54,7 @@ def say(proc: subprocess.Popen[str], line: str = "go") -> dict[str, object]:
     return out
 
 
-def cli_gc(root: Path) -> subprocess.CompletedProcess[str]:
+def cli_gc(root: Path, *options: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [
             sys.executable,
@@ -62,6 +62,7 @@ def cli_gc(root: Path) -> subprocess.CompletedProcess[str]:
             "cachemgr",
             "--root",
             str(root),
+            *options,
             "gc",
             "--yes",
             "--json",
@@ -98,6 +99,39 @@ def test_two_processes_exactly_one_deletes(root: Path) -> None:
         for stream in (daemon.stdin, daemon.stdout):
             assert stream is not None
             stream.close()
+
+
+def test_a_process_with_another_state_dir_does_not_lead_gc_beside_the_leader(
+    root: Path, tmp_path: Path
+) -> None:
+    """The state dir is a setting: a second process on the root with its own (its own
+    gc.lock) also led, and both deleted. The root's flock stops it; once the leader dies it
+    leads."""
+    tree = Tree.at(root)
+    tree.write(NS, [page(i) for i in range(20)], at=1_000_000.0)  # 20,000 bytes, cap 5,000
+    tree.store.close()
+    other_state = tmp_path / "other-state"
+    daemon = start_daemon(root)
+    try:
+        assert daemon.stdout is not None
+        assert json.loads(daemon.stdout.readline()) == {"leader": True}
+        other = cli_gc(root, "--state-dir", str(other_state))
+        assert other.returncode == 1, other.stderr
+        assert (
+            f"another process leads GC on {root} (a process with another state dir than "
+            f"{other_state})" in other.stderr
+        )
+        assert len(os.listdir(root / "ns" / NS)) == 20  # the non-leader deleted nothing
+    finally:
+        daemon.kill()
+        daemon.wait(timeout=30)
+        for stream in (daemon.stdin, daemon.stdout):
+            assert stream is not None
+            stream.close()
+    after = cli_gc(root, "--state-dir", str(other_state))
+    assert after.returncode == 0, after.stderr
+    assert json.loads(after.stdout)["leader"] is True
+    assert len(os.listdir(root / "ns" / NS)) == 4
 
 
 def test_leadership_passes_on_when_the_leader_dies(root: Path) -> None:

@@ -20,7 +20,7 @@ from cachemgr.errors import ConfigError, ConflictError, LimitNotHeld
 from cachemgr.fs import reserve
 from cachemgr.fs.deletion import Pacer
 from cachemgr.fs.deletion import Progress as ProgressFn
-from cachemgr.fs.leadership import Leadership
+from cachemgr.fs.leadership import gc_leadership
 from cachemgr.fs.root import create_root
 from cachemgr.gc.floor import floor_pass
 from cachemgr.gc.policy import GcPolicy
@@ -73,7 +73,7 @@ def gc(app: AppContext, /, dry_run: bool, as_json: bool, yes: bool) -> None:
             _run(GcRunner(layout, store, policy), None, dry_run, yes, as_json)
         return
     create_root(layout)
-    leadership = Leadership(layout.gc_lock)
+    leadership = gc_leadership(layout)
     try:
         if not leadership.try_acquire():
             raise ConflictError(

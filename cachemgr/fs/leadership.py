@@ -4,6 +4,10 @@ without following links: a symlink planted there is refused, never truncated thr
 
 flock belongs to the open file description, so the kernel releases it when the holder exits
 or dies, and a second descriptor, even in the same process, cannot take it meanwhile.
+
+GC's leader also flocks the root dir itself (`gc_leadership`): the state dir is a setting, and
+two daemons on one root with different state dirs each held their own gc.lock and both deleted
+(each taking what its own plan found over the cap: the root fell below the low watermark).
 """
 
 from __future__ import annotations
@@ -21,11 +25,14 @@ from cachemgr.layout import Layout
 
 
 class Leadership:
-    """Non-blocking leader election over one lock file; the leader keeps it until release."""
+    """Non-blocking leader election over one lock file (and `root`'s own flock, if given);
+    the leader keeps it until release."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, root: Path | None = None) -> None:
         self.path = path
+        self.root = root
         self._fd: int | None = None
+        self._root_fd: int | None = None
 
     @property
     def held(self) -> bool:
@@ -41,6 +48,10 @@ class Leadership:
         except BlockingIOError:
             os.close(fd)
             return False
+        if not self._take_root():
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            return False
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         note = f"pid {os.getpid()} uid {os.geteuid()} on {socket.gethostname()} since {stamp}\n"
         self._fd = fd
@@ -50,6 +61,52 @@ class Leadership:
             os.pwrite(fd, note.encode(), 0)
         return True
 
+    def _take_root(self) -> bool:
+        """The root dir's exclusive flock, kept with the lock file's; False while another
+        process holds it. Where a dir cannot be flock'd (NFS emulates flock with byte-range
+        locks, which a dir opened read-only cannot take) the lock file alone decides, as it
+        did before; a root that cannot be opened is GC's own error to report."""
+        if self.root is None:
+            return True
+        fd = self._open_root()
+        if fd is None:
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        except OSError:
+            os.close(fd)
+            return True
+        self._root_fd = fd
+        return True
+
+    def _open_root(self) -> int | None:
+        assert self.root is not None
+        try:
+            return os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+
+    def _root_led_elsewhere(self) -> bool:
+        """Whether another process holds the root's flock (a GC leader with another state
+        dir, when this process's lock file is free)."""
+        if self.root is None or self._root_fd is not None:
+            return False
+        fd = self._open_root()
+        if fd is None:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+        return False
+
     def fence(self) -> bool:
         """Whether this process may delete now (asked before each chunk): a flock is the
         kernel's, held until released. Fleet mode asks its coordinator (cachemgr.fleet)."""
@@ -58,6 +115,9 @@ class Leadership:
     def led_elsewhere(self) -> bool:
         """Whether another process leads now, asked without leading: a shared lock, taken and
         dropped at once, fails only while someone holds the exclusive one. Creates nothing."""
+        return self._file_led_elsewhere() or self._root_led_elsewhere()
+
+    def _file_led_elsewhere(self) -> bool:
         try:
             fd = open_file(self.path, os.O_RDONLY)
         except FileNotFoundError:
@@ -72,6 +132,8 @@ class Leadership:
 
     def holder(self) -> str | None:
         """Who leads, as the leader wrote it (informational; may be a dead leader's line)."""
+        if not self._file_led_elsewhere() and self._root_led_elsewhere():
+            return f"a process with another state dir than {self.path.parent}"
         try:
             with open_dir(self.path.parent, "") as dir_fd:
                 raw = read_regular(dir_fd, self.path.name, 4096)
@@ -81,10 +143,16 @@ class Leadership:
 
     def release(self) -> None:
         """Give up leadership (process exit does the same)."""
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+        for fd in (self._root_fd, self._fd):
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
+        self._fd = self._root_fd = None
+
+
+def gc_leadership(layout: Layout) -> Leadership:
+    """GC's leadership of the root: its state dir's gc.lock and the root's own flock."""
+    return Leadership(layout.gc_lock, root=layout.root)
 
 
 def kernel_id() -> str:

@@ -29,7 +29,7 @@ from dataclasses import replace
 from cachemgr.errors import StateError, UnsafePathError
 from cachemgr.fs import reserve
 from cachemgr.fs.deletion import DeleteReport, Listeners, Pacer, delete_dir, delete_files
-from cachemgr.fs.leadership import Leadership
+from cachemgr.fs.leadership import gc_leadership
 from cachemgr.fs.safe import open_dir
 from cachemgr.fs.usage import DiskUsage, DiskUsageFn, inode_usage
 from cachemgr.gc import find as gcfind
@@ -295,7 +295,7 @@ def open_freeing(layout: Layout, policy: GcPolicy, actor: str, *, check: bool = 
     except StateError as e:
         if not reserve.is_disk_full(e, layout.state_dir):
             raise
-        leadership = Leadership(layout.gc_lock)
+        leadership = gc_leadership(layout)
         if not leadership.try_acquire():
             raise
     try:

@@ -25,7 +25,7 @@ from cachemgr.errors import CachemgrError, StateCorrupt, StateError
 from cachemgr.fs import reserve
 from cachemgr.fs.deletecheck import REFUSAL_REASONS, RefusalReason, reason_of
 from cachemgr.fs.deletion import Pacer, Progress
-from cachemgr.fs.leadership import Leadership
+from cachemgr.fs.leadership import Leadership, gc_leadership
 from cachemgr.fs.usage import DiskUsageFn
 from cachemgr.gc.behind import GiveWay
 from cachemgr.gc.chains import ChainModel
@@ -156,7 +156,7 @@ class GcRunner(Worker):
         self.store = store
         self.layout = layout
         self.policy = policy
-        self.leadership = leadership or Leadership(layout.gc_lock)
+        self.leadership = leadership or gc_leadership(layout)
         self.clock = clock
         # As if the state DB's space reserve were allocated: taking it back keeps the floor.
         self.disk_usage = disk_usage or reserve.usage_with_reserve(layout.state_dir)
