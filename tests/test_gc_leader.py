@@ -7,6 +7,8 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from cachemgr.fs.leadership import Leadership
@@ -46,6 +48,27 @@ def start_daemon(root: Path) -> subprocess.Popen[str]:
     return proc
 
 
+def stop(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL: no cleanup runs, the kernel drops the flocks."""
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    for stream in (proc.stdin, proc.stdout):
+        assert stream is not None
+        stream.close()
+
+
+@contextmanager
+def leading(root: Path) -> Iterator[subprocess.Popen[str]]:
+    """The stand-in, leading GC on `root` until the block ends (then killed)."""
+    proc = start_daemon(root)
+    try:
+        assert proc.stdout is not None
+        assert json.loads(proc.stdout.readline()) == {"leader": True}
+        yield proc
+    finally:
+        stop(proc)
+
+
 def say(proc: subprocess.Popen[str], line: str = "go") -> dict[str, object]:
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(line + "\n")
@@ -83,22 +106,13 @@ def test_two_processes_exactly_one_deletes(root: Path) -> None:
     tree = Tree.at(root)
     tree.write(NS, [page(i) for i in range(20)], at=1_000_000.0)  # 20,000 bytes, cap 5,000
     tree.store.close()
-    daemon = start_daemon(root)
-    try:
-        assert daemon.stdout is not None
-        assert json.loads(daemon.stdout.readline()) == {"leader": True}
+    with leading(root) as daemon:
         other = cli_gc(root)
         assert other.returncode == 1
         assert f"another process leads GC on {root} (pid {daemon.pid} " in other.stderr
         assert len(os.listdir(root / "ns" / NS)) == 20  # the non-leader deleted nothing
         assert say(daemon) == {"leader": True, "files": 16}
         assert len(os.listdir(root / "ns" / NS)) == 4
-    finally:
-        daemon.kill()
-        daemon.wait(timeout=30)
-        for stream in (daemon.stdin, daemon.stdout):
-            assert stream is not None
-            stream.close()
 
 
 def test_a_process_with_another_state_dir_does_not_lead_gc_beside_the_leader(
@@ -111,10 +125,7 @@ def test_a_process_with_another_state_dir_does_not_lead_gc_beside_the_leader(
     tree.write(NS, [page(i) for i in range(20)], at=1_000_000.0)  # 20,000 bytes, cap 5,000
     tree.store.close()
     other_state = tmp_path / "other-state"
-    daemon = start_daemon(root)
-    try:
-        assert daemon.stdout is not None
-        assert json.loads(daemon.stdout.readline()) == {"leader": True}
+    with leading(root):
         other = cli_gc(root, "--state-dir", str(other_state))
         assert other.returncode == 1, other.stderr
         assert (
@@ -122,12 +133,6 @@ def test_a_process_with_another_state_dir_does_not_lead_gc_beside_the_leader(
             f"{other_state})" in other.stderr
         )
         assert len(os.listdir(root / "ns" / NS)) == 20  # the non-leader deleted nothing
-    finally:
-        daemon.kill()
-        daemon.wait(timeout=30)
-        for stream in (daemon.stdin, daemon.stdout):
-            assert stream is not None
-            stream.close()
     after = cli_gc(root, "--state-dir", str(other_state))
     assert after.returncode == 0, after.stderr
     assert json.loads(after.stdout)["leader"] is True
@@ -136,16 +141,9 @@ def test_a_process_with_another_state_dir_does_not_lead_gc_beside_the_leader(
 
 def test_leadership_passes_on_when_the_leader_dies(root: Path) -> None:
     Tree.at(root).store.close()
-    daemon = start_daemon(root)
-    assert daemon.stdout is not None
-    assert json.loads(daemon.stdout.readline()) == {"leader": True}
     mine = Leadership(root / ".cachemgr" / "gc.lock")
-    assert not mine.try_acquire()
-    daemon.send_signal(signal.SIGKILL)  # no cleanup runs: the kernel drops the flock
-    daemon.wait(timeout=30)
-    for stream in (daemon.stdin, daemon.stdout):
-        assert stream is not None
-        stream.close()
+    with leading(root):
+        assert not mine.try_acquire()
     assert mine.try_acquire()
     assert mine.holder() is not None and f"pid {os.getpid()} " in (mine.holder() or "")
     mine.release()

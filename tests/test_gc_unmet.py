@@ -9,7 +9,7 @@ import json
 import math
 import sqlite3
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import pytest
@@ -246,27 +246,6 @@ def test_a_tick_below_an_unmet_floor_is_one_pass_and_one_short_run(tree: Tree) -
         runner.leadership.release()
 
 
-def test_a_tick_whose_floor_pass_held_the_floor_counts_it_once(tree: Tree) -> None:
-    """Nothing crossed after the pass: the pass was the tick's run, `ok` once."""
-    tree.write(NS, A + B, at=T0)
-
-    def disk(_: Path) -> tuple[int, int, int]:  # 3 kB free, and what the pass frees
-        free = 3_000 + 12_000 - page_bytes(tree.dir(NS))
-        return 100_000, 100_000 - free, free
-
-    runner = GcRunner(
-        tree.layout, tree.store, policy(min_free_bytes=5_000), clock=lambda: T0 + 1, disk_usage=disk
-    )
-    runner.last_sweep = T0 + 1
-    runs = _runs(runner)
-    try:
-        report = runner.tick()
-        assert report is not None and report.held and report.files > 0
-        assert (runs("ok"), runs("short")) == (1, 0)
-    finally:
-        runner.leadership.release()
-
-
 def test_a_run_that_ends_between_the_watermarks_holds_its_limit(tree: Tree) -> None:
     """Under the high watermark but over the low one (the rest protected or not indexed): GC
     freed less than it aimed to, and the limit held."""
@@ -370,10 +349,12 @@ def test_the_daemon_says_it_cannot_hold_the_floor(
         assert doc.returncode == 2
 
 
-def test_a_tick_whose_floor_pass_was_refused_a_page_is_no_success(tree: Tree) -> None:
-    """A floor pass the kernel refused a page, with the floor held by the rest: a `short` run,
-    and `cachemgr_gc_last_success_timestamp_seconds` stays where it was (it moved on, so an
-    alert on its age never fired while every pass fell short)."""
+@pytest.mark.parametrize("refused", [False, True])
+def test_a_tick_whose_floor_pass_was_all_it_did_counts_it_once(tree: Tree, refused: bool) -> None:
+    """Nothing crossed after the pass: the pass was the tick's run, counted once: `ok`, or
+    `short` when the kernel refused it a page and the rest held the floor, and then
+    `cachemgr_gc_last_success_timestamp_seconds` stays where it was (it moved on, so an alert
+    on its age never fired while every pass fell short)."""
     tree.write(NS, A + B, at=T0)
 
     def disk(_: Path) -> tuple[int, int, int]:  # 3 kB free, and what the pass frees
@@ -387,11 +368,11 @@ def test_a_tick_whose_floor_pass_was_refused_a_page_is_no_success(tree: Tree) ->
     runner.stats.last_success = before = T0 - 100
     runs = _runs(runner)
     try:
-        with immutable(tree.dir(NS) / A[0]):
+        with immutable(tree.dir(NS) / A[0]) if refused else nullcontext():
             report = runner.tick()
-        assert report is not None and not report.held and report.files > 0
-        assert not runner.needs_gc()  # the rest held the floor: nothing crossed after it
-        assert (runs("ok"), runs("short")) == (0, 1)
-        assert runner.stats.last_success == before
+        assert report is not None and report.held is not refused and report.files > 0
+        assert not runner.needs_gc()  # the pass held the floor: nothing crossed after it
+        assert (runs("ok"), runs("short")) == ((0, 1) if refused else (1, 0))
+        assert (runner.stats.last_success == before) is refused
     finally:
         runner.leadership.release()

@@ -71,16 +71,12 @@ class Leadership:
         fd = self._open_root()
         if fd is None:
             return True
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        taken = _try_flock(fd, fcntl.LOCK_EX)
+        if taken:
+            self._root_fd = fd
+        else:
             os.close(fd)
-            return False
-        except OSError:
-            os.close(fd)
-            return True
-        self._root_fd = fd
-        return True
+        return taken is not False
 
     def _open_root(self) -> int | None:
         assert self.root is not None
@@ -98,14 +94,9 @@ class Leadership:
         if fd is None:
             return False
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        except OSError:
-            return False
+            return _try_flock(fd, fcntl.LOCK_SH) is False  # (closing drops a shared lock)
         finally:
             os.close(fd)
-        return False
 
     def fence(self) -> bool:
         """Whether this process may delete now (asked before each chunk): a flock is the
@@ -148,6 +139,18 @@ class Leadership:
                 fcntl.flock(fd, fcntl.LOCK_UN)
                 os.close(fd)
         self._fd = self._root_fd = None
+
+
+def _try_flock(fd: int, op: int) -> bool | None:
+    """flock without waiting: True if taken, False while another holds it, None where the
+    filesystem cannot flock this descriptor."""
+    try:
+        fcntl.flock(fd, op | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+    return True
 
 
 def gc_leadership(layout: Layout) -> Leadership:
