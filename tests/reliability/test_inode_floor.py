@@ -114,3 +114,23 @@ def test_doctor_says_what_gc_cannot_hold_when_other_files_hold_the_inodes(
     assert doctor.returncode == 2, (doctor.stdout, doctor.stderr)
     (found,) = [f for f in json.loads(doctor.stdout) if f["code"] == "inodes-full"]
     assert "inodes free of" in found["message"] and "gc_min_free_inodes_percent" in found["fix"]
+
+
+def test_the_daemon_starts_on_a_root_with_no_inode_left(few_inodes: Path) -> None:
+    """A daemon stopped cleanly (SQLite removes its -wal and -shm) while a writer used every
+    inode: SQLite cannot create them and says "unable to open database file", which was not
+    read as a full filesystem, so `serve` exited 2 at every start and GC never ran; the start
+    now runs the floor pass from a scan of the disk, then opens the DB."""
+    layout = Layout.at(few_inodes / "root")
+    create_root(layout)
+    d = register_namespace(layout, NS_A, instance="gpu0")
+    i = 0
+    while store_like_sglang(d, i):
+        i += 1
+    assert os.statvfs(few_inodes).f_favail == 0
+    floor = Settings.model_fields["gc_min_free_inodes_percent"].default
+    settings = load_settings(root=layout.root, gc_min_age=0, gc_min_free_inodes_percent=floor)
+    with running_daemon(settings) as running:
+        assert running.http.get("/readyz").status_code == 200
+    st = os.statvfs(few_inodes)
+    assert st.f_favail >= st.f_files * floor / 100
