@@ -134,3 +134,31 @@ def test_the_daemon_starts_on_a_root_with_no_inode_left(few_inodes: Path) -> Non
         assert running.http.get("/readyz").status_code == 200
     st = os.statvfs(few_inodes)
     assert st.f_favail >= st.f_files * floor / 100
+
+
+def _fill_until(d: Path, free: int) -> None:
+    """SGLang-style stores (young pages) until `free` inodes or fewer are left."""
+    i = 0
+    while os.statvfs(d).f_favail > free and store_like_sglang(d, i):
+        i += 1
+
+
+def test_a_floor_the_run_holds_with_young_pages_is_held(few_inodes: Path) -> None:
+    """Under the inode floor with every page younger than gc_min_age, the floor pass (which
+    keeps min_age) deletes none and says the floor unmet; the run after it takes the young
+    pages, as a limit wins over min_age, and holds it. The pass's word stood: `gc` exited 1
+    ("the limit was not held") and the daemon counted a `short` run for a floor it held."""
+    layout = Layout.at(few_inodes / "root")
+    create_root(layout)
+    d = register_namespace(layout, NS_A, instance="gpu0")
+    _fill_until(d, 50)  # under the 5% floor (150 of 3,000), with room for the DB's files
+    floor = Settings.model_fields["gc_min_free_inodes_percent"].default
+    env = {**os.environ, "CACHEMGR_GC_MIN_FREE_INODES_PERCENT": str(floor)}
+    cli = [sys.executable, "-m", "cachemgr", "--root", str(layout.root)]
+    gc = subprocess.run(
+        [*cli, "gc", "--yes", "--json", "--min-age", "1h"], capture_output=True, text=True, env=env
+    )
+    assert gc.returncode == 0, (gc.stdout, gc.stderr)
+    report = json.loads(gc.stdout)
+    assert report["held"] and not report["unmet"], report
+    assert os.statvfs(few_inodes).f_favail > os.statvfs(few_inodes).f_files * floor / 100
