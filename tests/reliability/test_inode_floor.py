@@ -162,3 +162,30 @@ def test_a_floor_the_run_holds_with_young_pages_is_held(few_inodes: Path) -> Non
     report = json.loads(gc.stdout)
     assert report["held"] and not report["unmet"], report
     assert os.statvfs(few_inodes).f_favail > os.statvfs(few_inodes).f_files * floor / 100
+
+
+def test_with_no_inode_left_and_every_page_young_gc_and_the_daemon_free_some(
+    few_inodes: Path,
+) -> None:
+    """0 inodes left, every page younger than gc_min_age, the DB's -wal and -shm gone (a
+    clean stop): the floor pass keeps young pages, so the DB still cannot open and the run
+    that would take them never came. `gc --yes` exited 2 naming itself as the fix, and the
+    daemon exited 2 at every start until the pages aged; both now take the young pages."""
+    layout = Layout.at(few_inodes / "root")
+    create_root(layout)
+    d = register_namespace(layout, NS_A, instance="gpu0")
+    _fill_until(d, 0)
+    assert os.statvfs(few_inodes).f_favail == 0
+    floor = Settings.model_fields["gc_min_free_inodes_percent"].default
+    env = {**os.environ, "CACHEMGR_GC_MIN_FREE_INODES_PERCENT": str(floor)}
+    cli = [sys.executable, "-m", "cachemgr", "--root", str(layout.root)]
+    gc = subprocess.run(
+        [*cli, "gc", "--yes", "--min-age", "1h"], capture_output=True, text=True, env=env
+    )
+    assert gc.returncode == 0, (gc.stdout, gc.stderr)
+    assert os.statvfs(few_inodes).f_favail >= os.statvfs(few_inodes).f_files * floor / 100
+    _fill_until(d, 0)
+    settings = load_settings(root=layout.root, gc_min_age="1h", gc_min_free_inodes_percent=floor)
+    with running_daemon(settings) as running:
+        assert running.http.get("/readyz").status_code == 200
+    assert os.statvfs(few_inodes).f_favail >= os.statvfs(few_inodes).f_files * floor / 100
