@@ -23,8 +23,10 @@ from cachemgr.fs.dirlimit import DirIndex, dir_index, flat_dir_limit, page_name_
 from cachemgr.fs.usage import inode_usage
 from cachemgr.gc.policy import GcPolicy, Inodes
 from cachemgr.gc.runner import GcRunner
+from cachemgr.gc.step import GcReport
 from cachemgr.ns.status import NamespaceStatus
 from cachemgr.settings import Settings
+from cachemgr.state.index import scan_root
 from tests.daemon_helpers import IDENTITY, captured_log, register_namespace
 from tests.gc_helpers import NS, NS2, T0, Entries, Tree, big_disk, page, policy
 from tests.test_gc_refusals import immutable
@@ -359,3 +361,42 @@ def _fill_and_collect(tree: Tree, model: str) -> None:
     assert len(os.listdir(root / "ns" / NS)) == math.floor(int(limit * 0.8) * 0.85)
     assert ratio(tree) < 0.8
     assert stored_of(root / "ns" / NS, made, 1000, model.replace("/", "-")) >= 950
+
+
+def _entries_run(tmp_path: Path, foreign: int) -> tuple[GcReport, set[str]]:
+    """60 pages and `foreign` files that are not pages in a flat dir of 100 entries (its cap
+    80: GC starts above 76 entries, evicts down to 68); one GC run, and what is left."""
+    tree = Tree.at(tmp_path / "root")
+    try:
+        tree.write(NS, [page(i) for i in range(60)], at=T0)
+        for i in range(foreign):
+            (tree.dir(NS) / f"notes-{i}.txt").write_text("an operator's file\n")
+        scan_root(tree.layout, tree.store)  # the daemon's scan counts the dir's foreign files
+        runner = GcRunner(tree.layout, tree.store, policy(dir_entries=Entries(100)))
+        try:
+            report = runner.run()
+        finally:
+            runner.leadership.release()
+        return report, tree.files(NS)
+    finally:
+        tree.store.close()
+
+
+def test_the_entry_limit_counts_a_flat_dirs_other_files(tmp_path: Path) -> None:
+    """A dir's index holds every entry: 60 pages beside 25 foreign files are 85 entries, over
+    the 76 of dir_full's high watermark. GC counted pages alone (60, under it) and ran held
+    while the server's stores failed with ENOSPC; it now evicts down to 68 entries."""
+    report, left = _entries_run(tmp_path, 25)
+    assert report.totals() == {"dir_full": (17, 17_000)}
+    assert report.held
+    assert len(left) == 68 and sum(n.startswith("notes-") for n in left) == 25
+
+
+def test_a_dir_full_of_other_files_is_an_unmet_entry_limit(tmp_path: Path) -> None:
+    """80 foreign files alone are over dir_full's high watermark: every page goes and the
+    limit is unmet (the run is not held), not a run that held with the dir past its limit."""
+    report, left = _entries_run(tmp_path, 80)
+    assert report.totals() == {"dir_full": (60, 60_000)}
+    assert not report.held
+    assert [(u.reason, u.namespace_id, u.excess) for u in report.unmet] == [("dir_full", NS, 12)]
+    assert len(left) == 80

@@ -22,7 +22,7 @@ from cachemgr.fs.deletion import Pacer
 from cachemgr.fs.deletion import Progress as ProgressFn
 from cachemgr.fs.leadership import gc_leadership
 from cachemgr.fs.root import create_root
-from cachemgr.gc.floor import floor_pass
+from cachemgr.gc.floor import floor_pass, open_or_take_young
 from cachemgr.gc.policy import GcPolicy
 from cachemgr.gc.runner import GcRunner
 from cachemgr.gc.step import GcReport, joined
@@ -89,11 +89,19 @@ def gc(app: AppContext, /, dry_run: bool, as_json: bool, yes: bool) -> None:
             pacer=Pacer(policy.delete_rate),
             gate=lambda: yes or _confirm_floor(),
         )
-        with Store.open(layout.db_path) as store:  # a corrupt DB: moved aside, the CLI retries
+        young = None  # what the floor pass kept for min_age, taken if the DB cannot open
+        if floor is None:
+            store = Store.open(layout.db_path)
+        else:
+            store, young = open_or_take_young(layout, policy, floor)
+        with store:  # a corrupt DB: moved aside, the CLI retries
             runner = GcRunner(layout, store, policy, leadership=leadership)
             try:
-                if floor is not None:
-                    runner.record_floor(floor, "cli")
+                for done in (floor, young):
+                    if done is not None:
+                        runner.record_floor(done, "cli")
+                if floor is not None and young is not None:  # the second pass's word stands
+                    floor = joined(floor, young)
                 _run(runner, floor, dry_run, yes, as_json)
             finally:
                 runner.held.abandon()  # its rows end with this process: said

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import traceback
 from collections.abc import Mapping
 from typing import Any
@@ -13,7 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cachemgr.daemon.api import Problem
+from cachemgr.daemon.api import Problem, RequestBody
 from cachemgr.errors import CachemgrError
 
 PROBLEM = "application/problem+json"
@@ -49,16 +50,39 @@ def invalid_request(
     """The 422 for a request that does not match the API (a 400 if a parameter is unknown,
     given twice, or given in the query and the body with different values); `errors` as
     pydantic reports them."""
-    found = [
-        {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
-        for e in errors
-    ]
+    found = _readable(
+        [
+            {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
+            for e in errors
+        ]
+    )
     ambiguous = [e for e in found if e["type"] in AMBIGUOUS]
     if ambiguous:
         named = ", ".join(_named(e) for e in ambiguous)
         return problem(400, "bad request", named, instance, headers, errors=found)
     detail = "the request does not match the API"
     return problem(422, "invalid request", detail, instance, headers, errors=found)
+
+
+# What pydantic puts in a location for each member of a union it tried: a constrained type's
+# validators (`function-after[functools.partial(<function ... at 0x7f...>, le=...)]`) and the
+# request model itself (a body is `GcRequest | None`). With them came the `None` member's own
+# failure ("Input should be None") beside each real one: {"max_files": 0} read as three errors,
+# two of them telling the client to send null.
+_UNION_MEMBER = re.compile(r"[a-z]+(-[a-z]+)*\[.*\]|constrained-[a-z]+", re.DOTALL)
+
+
+def _readable(found: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The errors without the union members' names in their locations, and without the
+    `None` member's failures when another error says what is wrong; each said once."""
+    bodies = {c.__name__ for c in RequestBody.__subclasses__()}
+
+    def member(part: object) -> bool:
+        return isinstance(part, str) and (part in bodies or bool(_UNION_MEMBER.fullmatch(part)))
+
+    cleaned = [{**e, "loc": [p for p in e["loc"] if not member(p)]} for e in found]
+    real = [e for e in cleaned if e["type"] != "none_required"] or cleaned
+    return [e for i, e in enumerate(real) if e not in real[:i]]
 
 
 # The error responses routes declare in the OpenAPI document, all problem+json.

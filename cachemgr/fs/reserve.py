@@ -56,8 +56,10 @@ def free_bytes(path: Path) -> int:
 def is_disk_full(error: BaseException | None, path: Path | None = None) -> bool:
     """Whether `error` (or what caused it) says the filesystem is out of space.
 
-    SQLite reports a -shm it cannot extend as a generic "disk I/O error": that counts when the
-    filesystem of `path` is in fact (nearly) full, so a failing disk is not mistaken for one.
+    SQLite reports a -shm it cannot extend as a generic "disk I/O error", and a -wal or -shm
+    it cannot create for want of an inode as "unable to open database file": each counts when
+    the filesystem of `path` is in fact (nearly) full of bytes, or has no inode left, so a
+    failing disk or a missing dir is not mistaken for one.
     """
     seen = 0
     while error is not None and seen < 10:
@@ -68,7 +70,9 @@ def is_disk_full(error: BaseException | None, path: Path | None = None) -> bool:
             if code in _SQLITE_FULL or "database or disk is full" in str(error):
                 return True
             if "disk I/O error" in str(error) and path is not None:
-                return _nearly_full(path)
+                return _nearly_full(path) or no_inodes(path)
+            if code == sqlite3.SQLITE_CANTOPEN and path is not None:
+                return no_inodes(path)
         error = error.__cause__ or error.__context__
         seen += 1
     return False
@@ -80,6 +84,16 @@ def _nearly_full(path: Path) -> bool:
         return free_bytes(probe) < RESERVE_BYTES
     except OSError:
         return False
+
+
+def no_inodes(path: Path) -> bool:
+    """Whether the filesystem of `path` (or of its parent, if it is not there) has an inode
+    table and no inode left an unprivileged writer may take."""
+    try:
+        st = os.statvfs(path if path.exists() else path.parent)
+    except OSError:
+        return False
+    return st.f_files > 0 and st.f_favail == 0
 
 
 def release(state_dir: Path) -> int:

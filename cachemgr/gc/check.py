@@ -11,7 +11,14 @@ from cachemgr.errors import UnsafePathError
 from cachemgr.fs.usage import DiskUsage, DiskUsageFn
 from cachemgr.gc import find as gcfind
 from cachemgr.gc.plan import Earlier, file_counts
-from cachemgr.gc.policy import GcPolicy, GcReason, headroom, over_file_limits, over_limits
+from cachemgr.gc.policy import (
+    GcPolicy,
+    GcReason,
+    headroom,
+    namespace_file_limits,
+    over_file_limits,
+    over_limits,
+)
 from cachemgr.layout import Layout
 from cachemgr.ns import registry as nsreg
 from cachemgr.ns.trash import list_trash
@@ -80,10 +87,7 @@ def file_room(layout: Layout, conn: sqlite3.Connection, policy: GcPolicy) -> flo
     _, budget, _ = over_file_limits(policy, files)
     rooms = [budget.limit * high - sum(files.live.values())]
     for ns, n in files.live.items():
-        cap = policy.namespace_max_files
-        if ns in files.flat:
-            flat = policy.flat_files_cap(files.flat[ns])
-            cap = flat[0] if flat is not None else None
-        if cap is not None:
-            rooms.append(cap * high - n)
+        rooms += [
+            cap * high - counted for cap, _, counted in namespace_file_limits(policy, files, ns, n)
+        ]
     return max(0.0, min(rooms))

@@ -300,11 +300,36 @@ def open_freeing(layout: Layout, policy: GcPolicy, actor: str, *, check: bool = 
             raise
     try:
         report = free_floor(layout, policy, disk_usage=reserve.usage_with_reserve(layout.state_dir))
+        store, young = open_or_take_young(layout, policy, report, check=check)
     finally:
         leadership.release()
-    store = Store.open(layout.db_path, check=check)
-    audit_floor(layout, store, report, actor)
+    for done in (report, young):
+        if done is not None:
+            audit_floor(layout, store, done, actor)
     return store
+
+
+def open_or_take_young(
+    layout: Layout, policy: GcPolicy, report: GcReport, *, check: bool = False
+) -> tuple[Store, GcReport | None]:
+    """Open the state DB after the floor pass `report`; if its filesystem is still too full
+    for that because the pass kept pages younger than min_age, take those too and open it:
+    the min-age rule yields to a floor, as in a regular run, which cannot run without the DB
+    (with 0 inodes left and every page young, the daemon exited at every start and `cachemgr
+    gc` failed, naming itself as the fix). The second pass's report, if one was made."""
+    try:
+        return Store.open(layout.db_path, check=check), None
+    except StateError as e:
+        if report.held or policy.min_age <= 0 or not reserve.is_disk_full(e, layout.state_dir):
+            raise
+    log.warning(
+        "the state DB cannot open and the floor pass kept pages younger than gc_min_age: "
+        "deleting those too",
+        extra={"min_age": policy.min_age},
+    )
+    usage = reserve.usage_with_reserve(layout.state_dir)
+    young = free_floor(layout, replace(policy, min_age=0.0), disk_usage=usage)
+    return Store.open(layout.db_path, check=check), young
 
 
 def gone_pages(layout: Layout, report: GcReport) -> list[tuple[str, str]]:

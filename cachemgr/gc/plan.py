@@ -336,7 +336,9 @@ def file_counts(
             counts[ns] -= 1
     inodes = Inodes(*inode_usage(layout.root))
     freed = inodes._replace(free=inodes.free + len(after.files) + after.unlisted)
-    return Files(counts, flat_names(conn, [*counts, *kept]), freed, kept=kept)
+    flat = flat_names(conn, [*counts, *kept])
+    others = {ns: n for ns, n in pages_sql.namespace_other_files(conn).items() if ns in flat}
+    return Files(counts, flat, freed, kept=kept, others=others)
 
 
 def flat_names(conn: sqlite3.Connection, namespaces: Collection[str]) -> dict[str, int]:
@@ -393,7 +395,7 @@ def _files_unmet(policy: GcPolicy, files: Files, steps: Sequence[GcStep]) -> lis
     files on disk only (not the writer's predicted ones)."""
     left = _less(files, _gone_files(files, steps))._replace(ahead=0)
     by_ns, budget, root = over_file_limits(policy, left)
-    alone, _, _ = over_file_limits(policy, Files(left.kept, left.flat))  # no file may go
+    alone, _, _ = over_file_limits(policy, Files(left.kept, left.flat, others=left.others))
     out = [Unmet(reason, ns, "files", n) for ns, (n, reason) in (by_ns | alone).items()]
     if root is not None:
         used = left.used()

@@ -139,6 +139,9 @@ class Files(NamedTuple):
     ahead: int = 0  # files the writer stores before GC is done (the root's budget counts them)
     # Files per namespace GC leaves alone (damaged): under the root's limits, never evicted.
     kept: Mapping[str, int] = MappingProxyType({})
+    # Entries of each flat namespace dir that are not page files (temps, foreign files, at
+    # the last scan): they fill its entry limit as pages do, but only pages may go.
+    others: Mapping[str, int] = MappingProxyType({})
 
     def used(self) -> int:
         """The page files the root's limits count."""
@@ -273,18 +276,18 @@ def over_file_limits(
     policy: GcPolicy, files: Files
 ) -> tuple[dict[str, tuple[int, GcReason]], Budget, int | None]:
     """over_limits in files: each namespace over its file cap (a flat one's, see
-    flat_files_cap), and the root's file budget (its cap, or what the inode floor leaves) and
+    namespace_file_limits), and the root's file budget (its cap, or what the inode floor leaves) and
     excess. A page file is one inode: freeing n files frees n inodes."""
     high, low = policy.high_watermark, policy.low_watermark
     by_ns: dict[str, tuple[int, GcReason]] = {}
     for ns, n in sorted(files.live.items()):
-        cap: tuple[float, GcReason] | None = None
-        if ns in files.flat:
-            cap = policy.flat_files_cap(files.flat[ns])
-        elif policy.namespace_max_files is not None:
-            cap = (policy.namespace_max_files, "files")
-        if cap is not None and n > cap[0] * high:
-            by_ns[ns] = (n - math.floor(cap[0] * low), cap[1])
+        excess = [
+            (counted - math.floor(cap * low), reason)
+            for cap, reason, counted in namespace_file_limits(policy, files, ns, n)
+            if counted > cap * high
+        ]
+        if excess:  # the one that needs most to go (at a tie, the entry limit says why)
+            by_ns[ns] = max(excess, key=lambda o: (o[0], o[1] == "dir_full"))
     used = files.used()
     budget = Budget(policy.max_files if policy.max_files is not None else math.inf, "files")
     floor = policy.inode_floor(files.inodes) if files.inodes is not None else 0
@@ -296,6 +299,24 @@ def over_file_limits(
     over = budget.over(used + _bounded(policy, budget, files.ahead, 1.0), high)
     root = budget.excess(used + _bounded(policy, budget, files.ahead, 0.5), low) if over else None
     return by_ns, budget, root
+
+
+def namespace_file_limits(
+    policy: GcPolicy, files: Files, ns: str, n: int
+) -> list[tuple[float, GcReason, int]]:
+    """The file limits of namespace `ns` holding `n` page files: (limit, reason, what counts
+    against it). Its file cap counts its pages; a flat dir's entry limit (DIR_CAP_SHARE of
+    it) counts every entry, its other files too: a dir whose foreign files filled it refused
+    the server's stores with ENOSPC while GC, counting pages, saw it under its cap."""
+    out: list[tuple[float, GcReason, int]] = []
+    if policy.namespace_max_files is not None:
+        out.append((policy.namespace_max_files, "files", n))
+    name_len = files.flat.get(ns)
+    if name_len is not None and policy.dir_entries is not None:
+        limit = policy.dir_entries.limit(name_len)
+        if limit is not None:
+            out.append((int(limit * DIR_CAP_SHARE), "dir_full", n + files.others.get(ns, 0)))
+    return out
 
 
 def files_over(policy: GcPolicy, files: Files) -> bool:

@@ -166,14 +166,21 @@ def joined(floor: GcReport | None, report: GcReport) -> GcReport:
     if floor is None:
         return report
     # The run after the pass plans the floors again, on the disk the pass left: its word is
-    # the later one (a floor said unmet twice counted 2 in cachemgr_gc_limits_unmet).
+    # the later one (a floor said unmet twice counted 2 in cachemgr_gc_limits_unmet), also
+    # when it deleted for a floor and held it (the pass keeps gc_min_age, the run takes the
+    # young pages a floor needs: the pass's unmet made a run that held it exit 1 and count
+    # `short`). The pass's lines saying a floor unmet go with its word.
     later = {_limit(u) for u in report.unmet}
+    later |= {(reason, None) for reason, (files, _) in report.totals().items() if files}
+    unmet = tuple(u for u in floor.unmet if _limit(u) not in later)
+    said = {u.line() for u in floor.unmet if u not in unmet}
+    warnings = [w for w in floor.warnings if w not in said] + list(report.warnings)
     return replace(
         report,
         started_at=floor.started_at,
         steps=floor.steps + report.steps,
-        warnings=tuple(dict.fromkeys(floor.warnings + report.warnings)),  # each said once
-        unmet=report.unmet + tuple(u for u in floor.unmet if _limit(u) not in later),
+        warnings=tuple(dict.fromkeys(warnings)),  # each said once
+        unmet=report.unmet + unmet,
     )
 
 

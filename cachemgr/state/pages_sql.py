@@ -269,3 +269,13 @@ def set_model_stamp(conn: sqlite3.Connection, token: str) -> None:
 def namespace_file_counts(conn: sqlite3.Connection) -> dict[str, int]:
     """Page files of each namespace with pages, from the index's aggregates (no page scan)."""
     return dict(conn.execute("SELECT namespace_id, pages FROM namespace_stats WHERE pages > 0"))
+
+
+def namespace_other_files(conn: sqlite3.Connection) -> dict[str, int]:
+    """Files of each namespace dir that are not pages (temps, foreign files), at its last
+    scan: entries of its dir as pages are."""
+    rows = conn.execute(
+        "SELECT namespace_id, temp_files + foreign_files FROM namespace_stats"
+        " WHERE temp_files + foreign_files > 0"
+    )
+    return dict(rows)

@@ -216,11 +216,10 @@ def _open_with_room(path: Path) -> sqlite3.Connection:
             with suppress(StateError, sqlite3.DatabaseError):
                 return _open_migrated(path)
         free = reserve.free_bytes(path.parent)
+        full = "no inode free" if reserve.no_inodes(path.parent) else f"{free} bytes free"
         # The fix depends on whether the root shares this filesystem (GC frees space only
         # there): the CLI, which knows the root, adds it.
-        raise StateDiskFull(
-            f"cannot open state DB {path}: its filesystem is full ({free} bytes free)"
-        ) from e
+        raise StateDiskFull(f"cannot open state DB {path}: its filesystem is full ({full})") from e
 
 
 @contextmanager

@@ -114,3 +114,78 @@ def test_doctor_says_what_gc_cannot_hold_when_other_files_hold_the_inodes(
     assert doctor.returncode == 2, (doctor.stdout, doctor.stderr)
     (found,) = [f for f in json.loads(doctor.stdout) if f["code"] == "inodes-full"]
     assert "inodes free of" in found["message"] and "gc_min_free_inodes_percent" in found["fix"]
+
+
+def test_the_daemon_starts_on_a_root_with_no_inode_left(few_inodes: Path) -> None:
+    """A daemon stopped cleanly (SQLite removes its -wal and -shm) while a writer used every
+    inode: SQLite cannot create them and says "unable to open database file", which was not
+    read as a full filesystem, so `serve` exited 2 at every start and GC never ran; the start
+    now runs the floor pass from a scan of the disk, then opens the DB."""
+    layout = Layout.at(few_inodes / "root")
+    create_root(layout)
+    d = register_namespace(layout, NS_A, instance="gpu0")
+    i = 0
+    while store_like_sglang(d, i):
+        i += 1
+    assert os.statvfs(few_inodes).f_favail == 0
+    floor = Settings.model_fields["gc_min_free_inodes_percent"].default
+    settings = load_settings(root=layout.root, gc_min_age=0, gc_min_free_inodes_percent=floor)
+    with running_daemon(settings) as running:
+        assert running.http.get("/readyz").status_code == 200
+    st = os.statvfs(few_inodes)
+    assert st.f_favail >= st.f_files * floor / 100
+
+
+def _fill_until(d: Path, free: int) -> None:
+    """SGLang-style stores (young pages) until `free` inodes or fewer are left."""
+    i = 0
+    while os.statvfs(d).f_favail > free and store_like_sglang(d, i):
+        i += 1
+
+
+def test_a_floor_the_run_holds_with_young_pages_is_held(few_inodes: Path) -> None:
+    """Under the inode floor with every page younger than gc_min_age, the floor pass (which
+    keeps min_age) deletes none and says the floor unmet; the run after it takes the young
+    pages, as a limit wins over min_age, and holds it. The pass's word stood: `gc` exited 1
+    ("the limit was not held") and the daemon counted a `short` run for a floor it held."""
+    layout = Layout.at(few_inodes / "root")
+    create_root(layout)
+    d = register_namespace(layout, NS_A, instance="gpu0")
+    _fill_until(d, 50)  # under the 5% floor (150 of 3,000), with room for the DB's files
+    floor = Settings.model_fields["gc_min_free_inodes_percent"].default
+    env = {**os.environ, "CACHEMGR_GC_MIN_FREE_INODES_PERCENT": str(floor)}
+    cli = [sys.executable, "-m", "cachemgr", "--root", str(layout.root)]
+    gc = subprocess.run(
+        [*cli, "gc", "--yes", "--json", "--min-age", "1h"], capture_output=True, text=True, env=env
+    )
+    assert gc.returncode == 0, (gc.stdout, gc.stderr)
+    report = json.loads(gc.stdout)
+    assert report["held"] and not report["unmet"], report
+    assert os.statvfs(few_inodes).f_favail > os.statvfs(few_inodes).f_files * floor / 100
+
+
+def test_with_no_inode_left_and_every_page_young_gc_and_the_daemon_free_some(
+    few_inodes: Path,
+) -> None:
+    """0 inodes left, every page younger than gc_min_age, the DB's -wal and -shm gone (a
+    clean stop): the floor pass keeps young pages, so the DB still cannot open and the run
+    that would take them never came. `gc --yes` exited 2 naming itself as the fix, and the
+    daemon exited 2 at every start until the pages aged; both now take the young pages."""
+    layout = Layout.at(few_inodes / "root")
+    create_root(layout)
+    d = register_namespace(layout, NS_A, instance="gpu0")
+    _fill_until(d, 0)
+    assert os.statvfs(few_inodes).f_favail == 0
+    floor = Settings.model_fields["gc_min_free_inodes_percent"].default
+    env = {**os.environ, "CACHEMGR_GC_MIN_FREE_INODES_PERCENT": str(floor)}
+    cli = [sys.executable, "-m", "cachemgr", "--root", str(layout.root)]
+    gc = subprocess.run(
+        [*cli, "gc", "--yes", "--min-age", "1h"], capture_output=True, text=True, env=env
+    )
+    assert gc.returncode == 0, (gc.stdout, gc.stderr)
+    assert os.statvfs(few_inodes).f_favail >= os.statvfs(few_inodes).f_files * floor / 100
+    _fill_until(d, 0)
+    settings = load_settings(root=layout.root, gc_min_age="1h", gc_min_free_inodes_percent=floor)
+    with running_daemon(settings) as running:
+        assert running.http.get("/readyz").status_code == 200
+    assert os.statvfs(few_inodes).f_favail >= os.statvfs(few_inodes).f_files * floor / 100
