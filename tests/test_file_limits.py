@@ -136,6 +136,11 @@ def test_doctor_warns_from_80_percent_of_the_dir_limit() -> None:
     assert "80% of the about" in found[1][0].message
     assert lint_dir_entries([status(limit)], DirIndex("ext4", 4096, True, False)) == []
     assert lint_dir_entries([status(limit)], None) == []
+    # Files GC does not delete, over its cap alone: evicting pages is no fix.
+    full_of_others = status(10).model_copy(update={"foreign_files": math.ceil(limit * 0.81)})
+    (finding,) = lint_dir_entries([full_of_others], index)
+    assert finding.fix.startswith(f"{math.ceil(limit * 0.81):,} of them are temp or other files")
+    assert "let GC keep it" in found[1][0].fix
 
 
 def test_file_caps_are_held_by_gc_like_the_byte_caps(tmp_path: Path) -> None:

@@ -33,6 +33,13 @@ def lint_dir_entries(statuses: Iterable[NamespaceStatus], index: DirIndex | None
             "let GC keep it (gc_namespace_max_files unset or lower: it caps a flat namespace at "
             "80% of the limit), or `tune2fs -O large_dir` the filesystem"
         )
+        others = (s.temp_files or 0) + (s.foreign_files or 0)
+        if others >= limit * WARN_FROM:  # GC's cap counts them, and cannot evict them
+            fix = (
+                f"{others:,} of them are temp or other files GC does not delete: evicting "
+                "pages cannot bring the dir under the limit; move those out of it, or "
+                "`tune2fs -O large_dir` the filesystem"
+            )
         if entries >= limit * ERROR_FROM:
             found.append(Finding("error", "dir-index-full", what, fix))
         else:
