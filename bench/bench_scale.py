@@ -264,6 +264,7 @@ class Served:
         self.t0 = time.monotonic()
         logs = os.environ.get("BENCH_DAEMON_LOG")  # a dir: each daemon's info log there
         out = Path(logs) / f"serve-{self.port}.log" if logs else Path(os.devnull)
+        out.parent.mkdir(parents=True, exist_ok=True)
         with open(out, "wb") as err:  # (the child keeps its own copy of the fd)
             self.proc = subprocess.Popen(
                 serve_argv(layout, self.port, level="info" if logs else "warning"),
