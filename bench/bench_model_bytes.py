@@ -82,9 +82,11 @@ def _rss() -> int:
 
 
 def _array_bytes(model: ChainModel) -> int:
-    """What the store's arrays hold allocated (not the few per-namespace dicts and lists)."""
+    """What the store's arrays and its votes' hold allocated (not the few per-namespace dicts
+    and lists)."""
     st = model.store
-    cols = [getattr(st, c) for c in vars(st) if hasattr(getattr(st, c), "buffer_info")]
+    fields = [*vars(st).values(), *vars(st.votes).values()]
+    cols = [c for c in fields if hasattr(c, "buffer_info")]
     return sum(sys.getsizeof(c) for c in [*cols, st.keys, st.leaf])
 
 

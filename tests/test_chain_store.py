@@ -12,6 +12,7 @@ from pathlib import Path
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.pagestore import NONE
 from cachemgr.gc.value import CACHED, eviction_order
+from cachemgr.gc.votes import Votes
 from cachemgr.state import pages_sql
 from cachemgr.state.store import Store
 
@@ -42,8 +43,9 @@ def test_a_page_costs_about_a_hundred_bytes() -> None:
     finally:
         tracemalloc.stop()
     # A dict of page objects took ~680 bytes a page (bench/RESULTS.md); the arrays, the packed
-    # keys and the key table take ~91 at 20K (~99 with 64-bit access sequences).
-    assert used / n < 96, used / n
+    # keys and the key table take ~81 at 20K (~91 with a column for votes, ~99 with 64-bit
+    # access sequences too).
+    assert used / n < 86, used / n
     assert len(model.pages) == n
     page = model.pages[(NS, key(7))]
     assert page.pred == key(6) and page.files == ((SUFFIX, 1024),) and page.reads == 0
@@ -308,3 +310,31 @@ def test_a_namespace_holding_every_slot_goes_with_the_store_as_one_a_slot_at_a_t
     for model in (whole, beside):  # the namespace comes back (a bound one's dir, recreated)
         chains(model, 60, 30)
     assert keys(whole) == keys(beside) and len(whole.pages) == 60
+
+
+def test_the_vote_table_holds_what_a_dict_would_through_puts_drops_and_sweeps() -> None:
+    rng, votes, want = random.Random(5), Votes(), dict[int, tuple[int, int]]()
+    for step in range(30_000):
+        s = rng.randrange(2_000) * rng.choice((1, 64))  # (chain heads come at a stride)
+        if step % 5_000 == 4_999:  # a namespace swept: every slot of a residue goes
+            votes.drop_if(lambda s: s % 3 == 0)
+            want = {k: v for k, v in want.items() if k % 3}
+        elif rng.random() < 0.55:
+            want[s] = (rng.getrandbits(64) - (1 << 63), rng.randrange(5))
+            votes.put(s, *want[s])
+        else:
+            want.pop(s, None)
+            votes.drop(s)
+        assert votes.get(s) == want.get(s) and len(votes) == len(want)
+    assert {s: votes.get(s) for s in range(128_000) if votes.get(s)} == want
+    for s in list(want):
+        votes.drop(s)
+    assert len(votes.slots) == 8  # (its room went with the votes)
+
+
+def test_a_vote_of_a_stream_suffix_past_255_widens_the_suffixes() -> None:
+    votes = Votes()
+    votes.put(1, 7, 255)
+    assert votes.sfx.itemsize == 1
+    votes.put(2, -7, 300)
+    assert (votes.get(1), votes.get(2), votes.sfx.itemsize) == ((7, 255), (-7, 300), 4)

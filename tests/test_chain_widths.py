@@ -1,4 +1,4 @@
-"""The chain model's count columns (namespace, file set and suffix numbers, children, reads)
+"""The chain model's count columns (namespace and file set numbers, children, reads)
 start a byte or two wide, and its access sequences 4 bytes wide; each widens when a value
 outgrows it, without changing a value; model files of versions 2 and 3 (the columns at their
 old widths) still load, narrowed; the key table takes 1.3 to 2.3 buckets a page at any size."""
@@ -31,8 +31,8 @@ def test_narrow_columns_take_a_few_bytes_a_page() -> None:
     model = ChainModel()
     chains(model, 2000, 50)
     st = model.store
-    widths = {c: getattr(st, c).itemsize for c in ("ns", "files", "cand_sfx", "reads", "kids")}
-    assert widths == {"ns": 1, "files": 1, "cand_sfx": 1, "reads": 2, "kids": 2}
+    widths = {c: getattr(st, c).itemsize for c in ("ns", "files", "reads", "kids")}
+    assert widths == {"ns": 1, "files": 1, "reads": 2, "kids": 2}
     assert (st.born.itemsize, st.last.itemsize) == (4, 4)
 
 
@@ -44,12 +44,12 @@ def test_columns_widen_as_namespaces_file_sets_and_suffixes_grow() -> None:
         model.observe_read(ns, key(i + 1000) + sfx, 64, seq=2 * i + 2, at=float(i))  # (no page)
         model.observe_read(ns, key(i) + sfx, 64, seq=2 * i + 2, at=float(i))  # a contrary read
     st = model.store
-    assert (st.ns.typecode, st.files.typecode, st.cand_sfx.typecode) == ("H", "h", "h")
+    assert (st.ns.typecode, st.files.typecode) == ("H", "h")
     for i in (0, 127, 128, 255, 256, 299):
         s = st.find(f"ns{i}", key(i))
         page = model.pages[f"ns{i}", key(i)]
         assert page.files == ((f"_m_{i}_1.bin", 1000 + i),) and page.reads == 1
-        assert st.ns_names[st.ns[s]] == f"ns{i}" and st.cand_sfx[s] == i
+        assert st.ns_names[st.ns[s]] == f"ns{i}" and st.votes.get(s) == (hash(key(i + 1000)), i)
 
 
 def test_a_count_past_its_width_widens_the_column() -> None:
@@ -75,7 +75,7 @@ def _as_version(raw: bytes, version: int) -> bytes:
     top = header["top"]
     parts, at = [body[: top * (KEY_BYTES + 1)]], top * (KEY_BYTES + 1)
     old = OLD_SEQS | (OLD_WIDTHS if version == 2 else {})
-    for c in (c for c in COLUMNS if c not in ("cand", "cand_sfx")):
+    for c in COLUMNS:
         code = header["columns"][c]
         col = array(code)
         col.frombytes(body[at : at + top * col.itemsize])

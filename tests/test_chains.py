@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -257,6 +258,35 @@ def test_a_store_after_a_pause_is_a_vote_a_read_confirms() -> None:
     s.seq = itertools.count(3)
     s.read(1, 2)  # a request reads 2 right after 1: with the store's vote, two agree
     assert preds(model)[2] == 1
+
+
+def test_a_vote_belongs_to_its_page_not_to_the_slot_it_leaves() -> None:
+    """Votes sit in a table of their own keyed by slot: a page gone takes its vote with it (a
+    new page in its slot has none), and the others keep theirs through the table's shuffles."""
+    model = ChainModel()
+    s = Stream(model)
+    pages = range(1, 301)
+    for p in pages:
+        model.add("ns", key(p) + SUFFIX, KEY_LEN, 100, seq=next(s.seq), at=0.0)
+    for p in pages:
+        s.read(1000 + p, p)  # a first vote: p comes after 1000 + p (not a page: no link yet)
+    st = model.store
+    assert len(st.votes) == 300 and all(preds(model)[p] is None for p in pages)
+    gone = set(random.Random(3).sample(pages, 250))
+    slot_of = {p: st.find("ns", key(p)) for p in gone}
+    model.remove("ns", [(key(p) + SUFFIX, KEY_LEN) for p in gone])
+    assert len(st.votes) == 50
+    for p in sorted(gone):  # a new page in each freed slot, read after what its slot voted for
+        q = 2000 + p
+        model.add("ns", key(q) + SUFFIX, KEY_LEN, 100, seq=next(s.seq), at=0.0)
+        assert st.find("ns", key(q)) in slot_of.values()
+        s.read(1000 + p, q)
+    for p in pages:
+        if p not in gone:
+            s.read(1000 + p, p)  # the second vote in a row: linked
+    got = preds(model)
+    assert all(got[2000 + p] is None for p in gone)  # one vote each: not linked
+    assert all(got[p] == 1000 + p for p in pages if p not in gone)
 
 
 def test_the_writers_pace_counts_at_most_half_the_watermarks_gap() -> None:

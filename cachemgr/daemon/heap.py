@@ -8,6 +8,14 @@ namespace into the chain model (a few objects per row, all freed) the daemon's R
 each run). `trim` (`malloc_trim(0)`) returns it (bench/RESULTS.md). Elsewhere (musl, macOS) it
 is a no-op.
 
+`malloc_trim` gives back free pages inside every arena, but the free memory at the top of a
+thread's arena (not the main one) only goes when a free there leaves more than the trim
+threshold on top, and that threshold rises with each large block freed: the index thread's
+start-up scan and model load left ~15 MiB there at a million pages that no trim returned.
+A serving daemon holds the threshold at glibc's default, 128 KiB (`mallopt`, which also holds
+the threshold above which a block is mapped on its own at its default, 128 KiB, instead of
+letting it rise too): the arena's top goes back as it is freed.
+
 Python's cyclic garbage collector, on its full collections, traverses every object it tracks
 in one C call that holds the GIL: in an idle daemon, ~76,000 objects (its modules, classes,
 the app), ~40 ms of CPU on the development VM and several times that in wall time on a loaded
@@ -31,14 +39,19 @@ import sys
 import threading
 
 
-def _malloc_trim() -> ctypes._NamedFuncPointer | None:
+def _libc(name: str) -> ctypes._NamedFuncPointer | None:
+    """glibc's function `name`, or None (another C library)."""
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc[name]
     except (OSError, AttributeError):
         return None
 
 
-_TRIM = _malloc_trim()
+_TRIM = _libc("malloc_trim")
+_MALLOPT = _libc("mallopt")
+M_TRIM_THRESHOLD = -1  # mallopt's parameter (malloc.h)
+TRIM_THRESHOLD = 128 * 1024  # bytes: glibc's default, held
 
 
 def trim() -> None:
@@ -53,10 +66,13 @@ _lock = threading.Lock()
 
 
 def start_serving() -> None:
-    """Exempt every object there is from later collections, and hand the GIL over sooner.
+    """Exempt every object there is from later collections, hand the GIL over sooner, and
+    hold malloc's trim threshold (for good: glibc cannot be told to let it slide again).
     The objects are still freed when nothing refers to them; only cycles among them that are
     (or become) garbage stay until `stop_serving` (start-up garbage is small: a `gc.collect()`
     first would add its own pause to every start, and a test process starts hundreds)."""
+    if _MALLOPT is not None:
+        _MALLOPT(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     with _lock:
         if not _serving[0]:
             _serving[1] = sys.getswitchinterval()

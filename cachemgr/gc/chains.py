@@ -27,7 +27,7 @@ model knows only pages the index holds; its clock is the index's access sequence
 wall clock, so a trace replayed at any request rate teaches it the same chains and the same
 order (cachemgr.gc.value). The daemon keeps one live model (fed by cachemgr.daemon.page_events);
 a CLI run builds one from the index (`load`), where the learned links are stored. Its pages
-live in a compact store (cachemgr.gc.pagestore): ~80 bytes a page, not a Python object each.
+live in a compact store (cachemgr.gc.pagestore): ~70 bytes a page, not a Python object each.
 """
 
 from __future__ import annotations
@@ -248,6 +248,7 @@ class ChainModel:
         st = self.store
         st.drop_leaf(s)
         st.files[s], st.count = GHOST, st.count - 1
+        st.votes.drop(s)  # (only a page on disk holds one)
         st.ns_pages[st.ns[s]] -= 1
         if st.pred[s] != NONE:
             self._unkid(s, st.pred[s])
@@ -302,8 +303,7 @@ class ChainModel:
             self.adapt.stored(st.digest(s), seq, fresh, chain)
             if pred is not None and not burst and st.pred[s] == NONE and not st.conf[s]:
                 # A vote, as a read's: a read right after `pred` links it (two agree).
-                st.cand[s] = hash(pred)
-                st.cand_sfx[s] = st.suffix(stream[1])
+                st.votes.put(s, hash(pred), st.suffix(stream[1]))
             return st.pred_key(s)
 
     def observe_read(
@@ -334,12 +334,20 @@ class ChainModel:
                 st.conf[s] = min(st.conf[s] + 1, CONFIDENCE_MAX)
             elif st.conf[s] > 0:
                 st.conf[s] -= 1
-            elif st.cand_sfx[s] == sfx and st.cand[s] == hash(prev):  # two requests agree
-                self._link(s, prev)
-            elif st.cand_sfx[s] == NONE or st.cand[s] != hash(prev):  # (another rank: the same)
-                st.cand[s], st.cand_sfx[s] = hash(prev), sfx
-                self._link(s, None)
+            else:
+                self._vote(s, prev, sfx)
             return st.pred[s] != before, self.store.pred_key(s)
+
+    def _vote(self, s: int, prev: str, sfx: int) -> None:
+        """A contrary read of page `s` right after `prev`, in the stream of suffix `sfx`, with no
+        confidence left in its link: a second vote in a row for `prev` links it."""
+        st, cand = self.store, hash(prev)
+        vote = st.votes.get(s)
+        if vote == (cand, sfx):  # two requests agree
+            self._link(s, prev)
+        elif vote is None or vote[0] != cand:  # (another rank's vote for the same: kept)
+            st.votes.put(s, cand, sfx)
+            self._link(s, None)
 
     def _mark(self, s: int) -> None:
         """Page `s` changed: the segment it is in (and its own, if a leaf) must be walked again."""
@@ -363,7 +371,7 @@ class ChainModel:
         self._mark(s)
         if pred is None:
             return
-        st.cand_sfx[s] = NONE
+        st.votes.drop(s)
         above = st.ensure(ns, pred)
         if above == s:  # (a damaged index's row naming its own page: no link, not a loop)
             return

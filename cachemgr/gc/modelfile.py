@@ -48,7 +48,6 @@ from cachemgr.fs.safe import is_own_temp, open_dir, open_file
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.pagestore import (
     COLUMNS,
-    COUNTS,
     FULL,
     KEY_BYTES,
     NARROW,
@@ -69,7 +68,6 @@ VERSION = 4
 VERSIONS = (1, 2, 3, 4)
 _LEN = struct.Struct("<Q")  # the header's length, after the magic
 _CRC = struct.Struct("<I")  # the CRC-32 of everything before it, at the end
-_SAVED = tuple(c for c in COLUMNS if c not in ("cand", "cand_sfx"))  # (salted hashes: not kept)
 _SEGMENTS = (("leaf", "i"), ("top", "i"), ("last", "q"), ("when", "d"))
 # The columns' item types in the files of versions 1 and 2.
 _FIXED = {"ns": "H", "reads": "i", "files": "i", "kids": "i", "born": "q", "last": "q"}
@@ -95,14 +93,14 @@ def _typecodes(h: dict[str, Any]) -> dict[str, str]:
     if codes is None:
         if h["version"] >= 3:
             raise SnapshotInvalid("no item types")
-        return {c: _FIXED.get(c, getattr(fresh, c).typecode) for c in _SAVED}
-    for c in _SAVED:
+        return {c: _FIXED.get(c, getattr(fresh, c).typecode) for c in COLUMNS}
+    for c in COLUMNS:
         ok = [getattr(fresh, c).typecode]
         while ok[-1] in WIDER and c in NARROW:
             ok.append(WIDER[ok[-1]])
         if codes[c] not in ok or h["sizes"].get(codes[c]) != array(codes[c]).itemsize:
             raise SnapshotInvalid(f"column {c}: item type {codes[c]!r}")
-    return {c: codes[c] for c in _SAVED}
+    return {c: codes[c] for c in COLUMNS}
 
 
 def save(model: ChainModel, path: Path, store: Store, exact: Iterable[str]) -> None:
@@ -164,7 +162,7 @@ def _encode(model: ChainModel, token: str, exact: list[str]) -> list[memoryview]
     body = [
         memoryview(st.keys)[: top * KEY_BYTES],
         memoryview(st.leaf)[:top],
-        *(memoryview(getattr(st, c))[:top] for c in _SAVED),
+        *(memoryview(getattr(st, c))[:top] for c in COLUMNS),
         memoryview(st.freed),
         memoryview(st.table),
         *(memoryview(c) for c in seg_cols),
@@ -175,7 +173,7 @@ def _encode(model: ChainModel, token: str, exact: list[str]) -> list[memoryview]
         "version": VERSION,
         "token": token,
         **_layout(),
-        "columns": {c: getattr(st, c).typecode for c in _SAVED},
+        "columns": {c: getattr(st, c).typecode for c in COLUMNS},
         "top": top,
         "count": st.count,
         "clock": model.clock,
@@ -274,9 +272,8 @@ def _read(model: ChainModel, f: BufferedReader, token: str) -> set[str]:
         raise SnapshotInvalid("bad key table size")
     st = PageStore()
     st.keys, st.leaf = r.bytes(top * KEY_BYTES), r.bytes(top)
-    for c in _SAVED:
+    for c in COLUMNS:
         setattr(st, c, r.array(codes[c], top))
-    st.cand, st.cand_sfx = array("q", [0]) * top, array(COUNTS["cand_sfx"], [NONE]) * top
     st.freed, st.table = r.array("i", h["freed"]), r.array("i", size)
     segs = [r.array(c, h["segments"]) for _, c in _SEGMENTS]
     dirty = r.array("i", h["dirty"])

@@ -1,11 +1,11 @@
 """The chain model's pages as integer slots in parallel typed arrays: no Python object per page.
 
 A dict of page objects cost 700-800 bytes a page (a million pages: ~800 MB); here a page is
-one slot in a dozen `array`s and 32 bytes of its key (a 64-hex-digit key, SGLang's sha256,
+one slot in ten `array`s and 32 bytes of its key (a 64-hex-digit key, SGLang's sha256,
 packed to bytes), found through an open-addressing table of slot numbers (4 bytes a bucket,
-1.3 to 2.3 buckets a page): ~80 bytes a page at any size (bench/RESULTS.md has where they
+1.3 to 2.3 buckets a page): ~70 bytes a page at any size (bench/RESULTS.md has where they
 go). Keys of another shape (shorter or uppercase hex, other formats) are kept as strings on
-the side.
+the side, and the few pages' pending votes in a table of their own (cachemgr.gc.votes).
 
 A slot is either a page on disk (`files[s] >= 0`, the id of its interned (suffix, size) files)
 or a *ghost* (`files[s] == GHOST`): a key that pages on disk still name as their predecessor.
@@ -21,6 +21,8 @@ import zlib
 from array import array
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
+
+from cachemgr.gc.votes import Votes
 
 GHOST = -1  # files id of a slot that is not a page on disk
 NONE = -1  # no slot (no predecessor, empty bucket)
@@ -39,10 +41,11 @@ FULL = 0.75
 WIDER = {"b": "h", "B": "H", "h": "i", "H": "i", "i": "q", "I": "q"}
 _MAX = {c: (1 << 8 * array(c).itemsize - c.islower()) - 1 for c in "bBhHiIq"}
 _MIN = {c: -(_MAX[c] + 1) if c.islower() else 0 for c in _MAX}
-COUNTS = {"ns": "B", "reads": "H", "cand_sfx": "b", "files": "b", "kids": "H"}  # (narrowest)
+COUNTS = {"ns": "B", "reads": "H", "files": "b", "kids": "H"}  # (at their narrowest)
 SEQS = {"born": "I", "last": "I"}
 NARROW = COUNTS | SEQS  # the columns that widen, at their narrowest
-# A slot's columns (one typecode each), in the order the model file has them (gc/modelfile.py).
+# A slot's columns (one typecode each), in the order the model file has them (gc/modelfile.py;
+# it keeps no votes: their hashes are salted per process).
 COLUMNS = (
     "ns",
     "pred",
@@ -51,8 +54,6 @@ COLUMNS = (
     "time",
     "reads",
     "conf",
-    "cand",
-    "cand_sfx",
     "files",
     "kids",
     "kidx",
@@ -125,9 +126,9 @@ class PageStore:
         self.reads = array(COUNTS["reads"])
         self.conf = array("b")  # agreeing reads banked for `pred`
         # The predecessor the last contrary read named, as the hash of its key (only compared:
-        # a 64-bit collision is the one way this differs from keeping the key itself).
-        self.cand = array("q")
-        self.cand_sfx = array(COUNTS["cand_sfx"])  # ... and its stream's suffix number, or NONE
+        # a 64-bit collision is the one way this differs from keeping the key itself), and its
+        # stream's suffix number, for the few pages on disk that hold one.
+        self.votes = Votes()
         self.files = array(COUNTS["files"])  # id of its interned files, or GHOST
         self.kids = array(COUNTS["kids"])  # children on disk
         self.kidx = array("i")  # XOR of their slots: the child itself when there is one
@@ -231,7 +232,7 @@ class PageStore:
         that big makes malloc keep the next ones in its heap, where they fragment)."""
         self.keys += bytes(KEY_BYTES * GROW)
         self.leaf += bytes(GROW)
-        for col in (self.pred, self.cand_sfx, self.files):
+        for col in (self.pred, self.files):
             col.extend(_fill(col.typecode, NONE))
         for col in (
             self.ns,
@@ -239,7 +240,6 @@ class PageStore:
             self.last,
             self.reads,
             self.conf,
-            self.cand,
             self.kids,
             self.kidx,
         ):
@@ -277,19 +277,14 @@ class PageStore:
                 setattr(self, col, array(code, iter(c)))
 
     def fit_numbers(self) -> None:
-        """Widen the columns of namespace, file-set and suffix numbers to hold every number
-        handed out (a loaded store's columns fit only the numbers its slots hold)."""
+        """Widen the columns of namespace and file-set numbers to hold every number handed
+        out (a loaded store's columns fit only the numbers its slots hold)."""
         self.fit("ns", len(self.ns_names) - 1)
         self.fit("files", len(self.file_sets) - 1)
-        self.fit("cand_sfx", len(self.suffixes) - 1)
 
     def suffix(self, sfx: str) -> int:
         """The number of a stream's file suffix (numbered as they come)."""
-        n = self.suffixes.get(sfx)
-        if n is None:
-            n = self.suffixes[sfx] = len(self.suffixes)
-            self.fit("cand_sfx", n)
-        return n
+        return self.suffixes.setdefault(sfx, len(self.suffixes))
 
     def _bucket(self, s: int) -> int:
         """The first bucket slot `s` may sit in."""
@@ -349,6 +344,7 @@ class PageStore:
             if odd:
                 odd.pop(s, None)
         self.freed.extend(dead)
+        self.votes.drop_if(lambda s: ns_col[s] == n)
         self.count -= pages
         self.ns_pages[n] -= pages
         self.ns_slots[n] -= len(dead)
@@ -368,7 +364,7 @@ class PageStore:
         """Make a ghost a page on disk, with no file yet and no link (kids stay)."""
         self.put("born", s, born)
         self.used(s, seq, at)
-        self.pred[s], self.reads[s], self.conf[s], self.cand_sfx[s] = NONE, 0, 0, NONE
+        self.pred[s], self.reads[s], self.conf[s] = NONE, 0, 0  # (a ghost holds no vote)
         self.files[s] = self.file_set(())
         self.count += 1
         self.ns_pages[self.ns[s]] += 1
