@@ -24,6 +24,7 @@ from cachemgr.ns.purge import (
     execute_purge,
 )
 from cachemgr.ns.purge import plan_purge as make_plan
+from cachemgr.ns.purge_plan import in_use_note
 from cachemgr.ns.root import existing_layout, opened_store, reading_store
 from cachemgr.state import trash_sql
 from cachemgr.units import human_bytes
@@ -130,6 +131,8 @@ def _target_line(t: PurgeTarget) -> str:
     what = f"ns {t.ns_id} ({t.pages:,} pages, {human_bytes(t.bytes)})"
     if t.instances:
         return f"{what}: bound to {', '.join(t.instances)}, recreated empty"
+    if t.users:
+        return f"{what}: unbound, {in_use_note(t.users)}, recreated empty"
     return f"{what}: unbound, removed with its manifest"
 
 

@@ -40,8 +40,10 @@ from cachemgr.fs.tree import identities
 from cachemgr.layout import NS_DIR, TRASH_DIR, Layout
 from cachemgr.ns import bindings
 from cachemgr.ns import registry as nsreg
+from cachemgr.ns.liveuse import live_users
 from cachemgr.ns.manifest import Manifest, read_manifest, write_manifest
 from cachemgr.ns.purge_plan import PurgePlan, PurgeTarget, Selector, plan_purge  # re-exported
+from cachemgr.ns.runcontext import DirUsers
 from cachemgr.ns.trash import (  # re-exported: purge and trash are one API for callers
     Actor,
     DrainProgress,
@@ -106,26 +108,32 @@ def execute_purge(
     actor: Actor,
     reason: PurgeReason,
     now: Callable[[], float] = time.time,
+    in_use: DirUsers = live_users,
 ) -> PurgeResult:
-    """Rename each target into .trash/ (recreating bound ones empty), audit; no file deleted."""
+    """Rename each target into .trash/ (recreating empty those bound, or in use by a running
+    process on this host: `in_use`), audit; no file deleted."""
     done: list[Purged] = []
+    run = _Run(actor, reason, now, in_use)
     with root_lock(layout):
         for target in plan.targets:
-            purged = _purge_one(plan, target, layout, store, actor=actor, reason=reason, at=now)
+            purged = _purge_one(plan, target, layout, store, run)
             if purged is not None:
                 done.append(purged)
     return PurgeResult(purged=tuple(done), actor=actor, reason=reason, at=now())
 
 
+@dataclass(frozen=True)
+class _Run:
+    """Who purges, why, the clock, and who uses a dir: the same for each target."""
+
+    actor: Actor
+    reason: PurgeReason
+    at: Callable[[], float]
+    in_use: DirUsers
+
+
 def _purge_one(
-    plan: PurgePlan,
-    target: PurgeTarget,
-    layout: Layout,
-    store: Store,
-    *,
-    actor: Actor,
-    reason: PurgeReason,
-    at: Callable[[], float],
+    plan: PurgePlan, target: PurgeTarget, layout: Layout, store: Store, run: _Run
 ) -> Purged | None:
     """Purge one target in one write transaction, taken before anything moves: a DB another
     process holds locked fails the purge before the rename (StateLocked, nothing changed), and
@@ -138,17 +146,21 @@ def _purge_one(
         if layout.node is not None:
             bindings.read_in(layout, store)
         instances = nsreg.instances_of(store, target.ns_id)
-        if instances and plan.only_unbound:
+        # An unbound dir a running server uses (started before its instance moved, --on-change
+        # retain) is kept as a bound one is: the server keeps its path, as GC never drops it.
+        users = () if instances else run.in_use(layout.ns_dir(target.ns_id))
+        kept = bool(instances or users)
+        if kept and plan.only_unbound:
             return None
-        if _done_meanwhile(layout, target, bound=bool(instances)):
+        if _done_meanwhile(layout, target, bound=kept):
             return None  # another purge (an init, GC) got there since the plan, and audited it
-        manifest = manifest_or_none(layout, target.ns_id) if not instances else None
+        manifest = manifest_or_none(layout, target.ns_id) if not kept else None
         # What moves, for its drain's count: the live index's now, not the plan's (a bound
         # namespace is written to while a person reads the prompt).
         moved = pages_sql.namespace_usage(store.conn, target.ns_id) if plan.indexed else None
-        trash_name = rename_to_trash(layout, target.ns_id, recreate=bool(instances))
-        removed, recreated = False, bool(instances)
-        if not instances:
+        trash_name = rename_to_trash(layout, target.ns_id, recreate=kept)
+        removed, recreated = False, kept
+        if not kept:
             removed = drop_unbound(layout, store, target.ns_id)
             if rebound(layout, store, target.ns_id, manifest):
                 removed, recreated = False, True
@@ -162,11 +174,11 @@ def _purge_one(
         store.audit(
             "purge",
             namespace_id=target.ns_id,
-            reason=reason,
-            actor=actor,
+            reason=run.reason,
+            actor=run.actor,
             pages=target.pages,
             bytes_=target.bytes,
-            at=at(),
+            at=run.at(),
         )
     return Purged(target.ns_id, trash_name, recreated, removed, target.pages, target.bytes)
 
