@@ -569,3 +569,18 @@ def test_which_env_files_are_inits(text: str | None, ours: bool) -> None:
 def test_every_engines_variables_in_inits_shape_are_inits() -> None:
     names = [n for e in engines.ENGINES for n in e.server_env_vars]
     assert is_ours("".join(f"{n}=/c\n" for n in names))
+
+
+def test_a_running_server_is_seen_under_another_name_of_its_root(
+    tmp_path: Path, model: Path, live_server: Callable[[Path], subprocess.Popen[str]]
+) -> None:
+    # One root, two names: its real path and one through a symlinked parent (/data -> /mnt/x).
+    (tmp_path / "real").mkdir()
+    (tmp_path / "alias").symlink_to(tmp_path / "real")
+    real, alias = tmp_path / "real" / "root", tmp_path / "alias" / "root"
+    a = init_json(alias, model)
+    live_server(Path(str(a["storage_dir"])))  # the server got the alias's spelling of its dir
+    before = snapshot(real)
+    out = init(real, model, kv="fp8_e4m3")
+    assert out.returncode == 2 and "is in use by running process" in one_line_error(out)
+    assert snapshot(real) == before

@@ -34,6 +34,13 @@ def _ancestors(proc: Path, pid: int) -> set[int]:
     return seen
 
 
+def _spellings(path: str) -> set[str]:
+    """`path` as written (normalized) and with its symlinks resolved: a root reached through a
+    symlinked parent (/data -> /mnt/disk1) is one dir under two names, and a server started
+    under one name was not seen by an init or a GC run given the other."""
+    return {os.path.normpath(os.path.abspath(path)), os.path.realpath(path)}
+
+
 def _in_argv(pid_dir: Path, quoted: bytes) -> bool:
     """Whether an argument of the process holds `quoted` (the dir as a JSON string)."""
     try:
@@ -49,8 +56,8 @@ def live_users(ns_dir: Path, proc: Path = Path("/proc")) -> list[int]:
     This process and its ancestors are left out. Processes we may not read (other users when
     not root, other PID namespaces) are not seen: a safety net for one host, not a lock.
     """
-    want = os.path.normpath(os.path.abspath(ns_dir))
-    quoted = os.fsencode(f'"{want}"')
+    wants = _spellings(str(ns_dir))
+    quoted = tuple(os.fsencode(f'"{want}"') for want in wants)
     mine = _ancestors(proc, os.getpid())
     found = []
     try:
@@ -67,10 +74,10 @@ def live_users(ns_dir: Path, proc: Path = Path("/proc")) -> list[int]:
         for item in environ.split(b"\0"):
             if item.startswith(DIR_ENV_PREFIXES):
                 value = os.fsdecode(item.partition(b"=")[2])
-                if value and os.path.normpath(os.path.abspath(value)) == want:
+                if value and not _spellings(value).isdisjoint(wants):
                     found.append(int(name))
                 break
         else:
-            if _in_argv(proc / name, quoted):
+            if any(_in_argv(proc / name, q) for q in quoted):
                 found.append(int(name))
     return sorted(found)
