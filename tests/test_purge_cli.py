@@ -245,3 +245,23 @@ def test_a_namespace_a_running_server_uses_keeps_its_dir(
     assert out.returncode == 0, out.stderr
     assert f"purged ns {a} (3 pages, 300 B): recreated empty" in out.stdout
     assert os.listdir(layout.ns_dir(a)) == [] and layout.manifest(a).exists()
+
+
+def test_the_dry_run_names_the_trash_the_real_run_leaves(
+    tmp_path: Path, layout: Layout, store: Store
+) -> None:
+    ns = make_ns(layout, store, "a", pages=2)
+    (layout.ns_dir(ns) / "notes.txt").write_text("a person's\n")
+    assert cli("--root", str(layout.root), "purge", "--namespace", ns, "--yes").returncode == 1
+    (held,) = os.listdir(layout.trash)  # its pages deleted, the notes left for a person
+    (tmp_path / "elsewhere").mkdir()
+    link = f"{ns}.planted"
+    (layout.trash / link).symlink_to(tmp_path / "elsewhere")
+    root = str(layout.root)
+    dry = cli("--root", root, "purge", "--unbound", "--dry-run")
+    assert "would finish deleting" not in dry.stdout
+    assert f"would leave alone .trash/{held}: left for a person: 1 foreign file" in dry.stdout
+    assert f"would leave alone .trash/{link}: " in dry.stdout
+    planned = json.loads(cli("--root", root, "purge", "--unbound", "--dry-run", "--json").stdout)
+    real = json.loads(cli("--root", root, "purge", "--unbound", "--yes", "--json").stdout)
+    assert len(planned["problems"]) == len(real["problems"]) == 2

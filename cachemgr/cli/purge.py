@@ -137,26 +137,36 @@ def _target_line(t: PurgeTarget) -> str:
 
 
 def _show_plan(plan: PurgePlan, *, layout_trash: list[TrashEntry], as_json: bool) -> None:
+    # What the real run would leave and fail over: its damaged namespaces, and trash entries
+    # its drain refuses (a link in an entry's place) or cannot finish (foreign files).
+    left = [*plan.problems, *(p for e in layout_trash if (p := _left_of(e)))]
     if as_json:
         out = {
             "dry_run": True,
             "plan": dataclasses.asdict(plan),
             "trash": [dataclasses.asdict(t) for t in layout_trash],
-            "problems": list(plan.problems),
+            "problems": left,
         }
         click.echo(json.dumps(out, indent=2))
         return
     for t in plan.targets:
         click.echo("would purge " + _target_line(t))
-    for problem in plan.problems:
-        click.echo(f"would leave alone {problem}")
     for e in layout_trash:
-        click.echo(
-            f"would finish deleting .trash/{e.name} ({e.pages:,} pages, {human_bytes(e.bytes)})"
-        )
+        if e.problem is None:
+            verb = "finish deleting" if e.left_for_a_person is None else "delete the pages of"
+            size = f"{e.pages:,} pages, {human_bytes(e.bytes)}"
+            click.echo(f"would {verb} .trash/{e.name} ({size})")
+    for problem in left:
+        click.echo(f"would leave alone {problem}")
     if not plan.targets and not layout_trash:
         click.echo(f"nothing to purge ({plan.selector})")
     click.echo("dry run: nothing changed")
+
+
+def _left_of(entry: TrashEntry) -> str | None:
+    """Why a drain would leave `entry` (or part of it), or None."""
+    why = entry.problem or entry.left_for_a_person
+    return f".trash/{entry.name}: {why}" if why else None
 
 
 def _show_result(
