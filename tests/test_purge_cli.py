@@ -265,3 +265,12 @@ def test_the_dry_run_names_the_trash_the_real_run_leaves(
     planned = json.loads(cli("--root", root, "purge", "--unbound", "--dry-run", "--json").stdout)
     real = json.loads(cli("--root", root, "purge", "--unbound", "--yes", "--json").stdout)
     assert len(planned["problems"]) == len(real["problems"]) == 2
+
+
+@pytest.mark.parametrize("rate", ["nan", "inf", "-nan", "0", "1e10"])
+def test_a_rate_that_is_no_rate_is_refused(layout: Layout, store: Store, rate: str) -> None:
+    ns = make_ns(layout, store, "a", pages=2)
+    before = snapshot(layout.root / "ns")
+    out = cli("--root", str(layout.root), "purge", "--namespace", ns, "--yes", "--rate", rate)
+    assert out.returncode == 2 and "--rate" in out.stderr
+    assert snapshot(layout.root / "ns") == before

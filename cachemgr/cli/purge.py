@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import sys
 import time
 
@@ -30,6 +31,13 @@ from cachemgr.state import trash_sql
 from cachemgr.units import human_bytes
 
 
+def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """NaN passes a FloatRange (it compares false with both bounds) and paced nothing."""
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a number of files per second", ctx, param)
+    return value
+
+
 @click.command("purge")
 @click.option("--namespace", metavar="ID", help="Purge this namespace (16 hex digits).")
 @click.option("--instance", metavar="NAME", help="Purge the namespace this instance is bound to.")
@@ -44,7 +52,8 @@ from cachemgr.units import human_bytes
 )
 @click.option(
     "--rate",
-    type=click.FloatRange(min=1),
+    type=click.FloatRange(min=1, max=1e9),  # gc_delete_rate's bounds
+    callback=_finite,
     metavar="FILES_PER_S",
     help="Cap the deletion rate to spare a running server's writes (default: full speed).",
 )
