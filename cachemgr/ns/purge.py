@@ -34,6 +34,7 @@ from cachemgr.errors import (
 )
 from cachemgr.fs import reserve
 from cachemgr.fs.deletion import delete_manifest
+from cachemgr.fs.exchange import exchange
 from cachemgr.fs.locks import root_lock
 from cachemgr.fs.safe import make_dir, open_dir, open_dir_at, write_atomic_at
 from cachemgr.fs.tree import identities
@@ -235,8 +236,9 @@ def rename_to_trash(layout: Layout, ns_id: str, *, recreate: bool) -> str | None
     """Move ns/<id> into .trash/ (None if it has no dir); recreate it empty if asked.
 
     The empty dir is made first, in .trash/ (a crash leaves an empty entry the drain removes),
-    and renamed into place: a full disk then fails the purge before anything moved, instead
-    of leaving a bound instance without its dir (a rename needs no new blocks; a mkdir does).
+    and swapped with ns/<id> in one step (cachemgr.fs.exchange; two renames where the
+    filesystem cannot): a full disk then fails the purge before anything moved, and no kill
+    leaves a bound instance without its dir (a rename needs no new blocks; a mkdir does).
     """
     trash_name = f"{ns_id}.{time.time_ns():x}{secrets.token_hex(3)}"
     with open_dir(layout.root, NS_DIR) as ns_fd, open_dir(layout.root, TRASH_DIR) as trash_fd:
@@ -249,6 +251,8 @@ def rename_to_trash(layout: Layout, ns_id: str, *, recreate: bool) -> str | None
         fresh = _empty_dir(layout, trash_fd, f"{trash_name}n") if recreate else None
         if fresh is not None and st is not None:
             _carry_identities(ns_fd, ns_id, trash_fd, fresh)
+            if _swap(layout, ns_fd, ns_id, trash_fd, fresh):
+                return fresh  # the old dir now has the empty one's name in .trash/
         if st is not None:
             try:
                 os.rename(ns_id, trash_name, src_dir_fd=ns_fd, dst_dir_fd=trash_fd)
@@ -258,6 +262,15 @@ def rename_to_trash(layout: Layout, ns_id: str, *, recreate: bool) -> str | None
         if fresh is not None:
             os.rename(fresh, ns_id, src_dir_fd=trash_fd, dst_dir_fd=ns_fd)
     return trash_name if st is not None else None
+
+
+def _swap(layout: Layout, ns_fd: int, ns_id: str, trash_fd: int, fresh: str) -> bool:
+    """Exchange ns/<id> with the empty .trash/<fresh>; False where the filesystem cannot."""
+    try:
+        return exchange(trash_fd, fresh, ns_fd, ns_id)
+    except OSError as e:
+        what = f"cannot move {layout.ns_dir(ns_id)} into {layout.trash}: {e.strerror}"
+        raise _cannot(what, e) from e
 
 
 def _carry_identities(ns_fd: int, ns_id: str, trash_fd: int, fresh: str) -> None:
