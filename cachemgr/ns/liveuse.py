@@ -12,6 +12,7 @@ restart is not affected.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -41,12 +42,13 @@ def _spellings(path: str) -> set[str]:
     return {os.path.normpath(os.path.abspath(path)), os.path.realpath(path)}
 
 
-def _in_argv(pid_dir: Path, quoted: bytes) -> bool:
-    """Whether an argument of the process holds `quoted` (the dir as a JSON string)."""
+def _in_argv(pid_dir: Path, quoted: set[bytes]) -> bool:
+    """Whether an argument of the process holds one of `quoted` (the dir as a JSON string)."""
     try:
-        return quoted in (pid_dir / "cmdline").read_bytes()
+        argv = (pid_dir / "cmdline").read_bytes()
     except OSError:
         return False
+    return any(q in argv for q in quoted)
 
 
 def live_users(ns_dir: Path, proc: Path = Path("/proc")) -> list[int]:
@@ -57,7 +59,8 @@ def live_users(ns_dir: Path, proc: Path = Path("/proc")) -> list[int]:
     not root, other PID namespaces) are not seen: a safety net for one host, not a lock.
     """
     wants = _spellings(str(ns_dir))
-    quoted = tuple(os.fsencode(f'"{want}"') for want in wants)
+    # As a JSON string: as written, and as json.dumps writes it (non-ASCII as \uXXXX).
+    quoted = {os.fsencode(f'"{want}"') for want in wants} | {json.dumps(w).encode() for w in wants}
     mine = _ancestors(proc, os.getpid())
     found = []
     try:
@@ -78,6 +81,6 @@ def live_users(ns_dir: Path, proc: Path = Path("/proc")) -> list[int]:
                     found.append(int(name))
                 break
         else:
-            if any(_in_argv(proc / name, q) for q in quoted):
+            if _in_argv(proc / name, quoted):
                 found.append(int(name))
     return sorted(found)
