@@ -584,3 +584,19 @@ def test_a_running_server_is_seen_under_another_name_of_its_root(
     out = init(real, model, kv="fp8_e4m3")
     assert out.returncode == 2 and "is in use by running process" in one_line_error(out)
     assert snapshot(real) == before
+
+
+@pytest.mark.parametrize(
+    "where", ["ns/default.bind", "ns/{ns}.json", "ns/{ns}", ".cachemgr/hicache.env", ".trash/e"]
+)
+def test_an_env_file_among_cachemgrs_own_files_is_refused(
+    tmp_path: Path, root: Path, model: Path, where: str
+) -> None:
+    # Absent when checked, written by init itself next (its binding file, its manifest): the
+    # env file then replaced it, and the namespace was bad-manifest for good, exit 0.
+    ns = init_json(tmp_path / "elsewhere", model)["ns_id"]  # the launch's namespace
+    assert cli("--root", str(root), "config", "--check").returncode == 0
+    before = snapshot(root)
+    out = init(root, model, "--env-file", str(root / where.format(ns=ns)))
+    assert out.returncode == 2 and "cachemgr's own dir" in one_line_error(out)
+    assert snapshot(root) == before
