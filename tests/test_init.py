@@ -600,3 +600,23 @@ def test_an_env_file_among_cachemgrs_own_files_is_refused(
     out = init(root, model, "--env-file", str(root / where.format(ns=ns)))
     assert out.returncode == 2 and "cachemgr's own dir" in one_line_error(out)
     assert snapshot(root) == before
+
+
+def test_a_running_server_given_a_relative_storage_dir_is_seen(root: Path, model: Path) -> None:
+    a = init_json(root, model)
+    # Started by hand from the root, as `SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=ns/<id>`.
+    env = {**os.environ, "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": f"ns/{a['ns_id']}"}
+    server = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=root,
+    )
+    try:
+        before = snapshot(root)
+        out = init(root, model, kv="fp8_e4m3")  # run from another dir: this test's
+        assert out.returncode == 2 and f"running process {server.pid}" in one_line_error(out)
+        assert snapshot(root) == before
+    finally:
+        server.communicate("", timeout=30)

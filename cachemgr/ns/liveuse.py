@@ -42,6 +42,16 @@ def _spellings(path: str) -> set[str]:
     return {os.path.normpath(os.path.abspath(path)), os.path.realpath(path)}
 
 
+def _from_cwd(pid_dir: Path, value: str) -> str:
+    """A relative storage dir as the process reads it: from its own working dir, not ours."""
+    if not value or os.path.isabs(value):
+        return value
+    try:
+        return os.path.join(os.readlink(pid_dir / "cwd"), value)
+    except OSError:
+        return value  # not ours to read: as from ours, as before
+
+
 def _in_argv(pid_dir: Path, quoted: set[bytes]) -> bool:
     """Whether an argument of the process holds one of `quoted` (the dir as a JSON string)."""
     try:
@@ -76,7 +86,7 @@ def live_users(ns_dir: Path, proc: Path = Path("/proc")) -> list[int]:
             continue  # gone, or not ours to read
         for item in environ.split(b"\0"):
             if item.startswith(DIR_ENV_PREFIXES):
-                value = os.fsdecode(item.partition(b"=")[2])
+                value = _from_cwd(proc / name, os.fsdecode(item.partition(b"=")[2]))
                 if value and not _spellings(value).isdisjoint(wants):
                     found.append(int(name))
                 break
