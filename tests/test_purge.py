@@ -31,6 +31,7 @@ from cachemgr.state.store import Store
 from tests.daemon_helpers import running_daemon
 from tests.nsfixtures import PAGE_BYTES, make_ns, page_name, snapshot
 from tests.polling import wait_for
+from tests.vllmtrees import vllm_tree, write_blocks
 
 
 def audit_rows(store: Store) -> list[tuple[str, str, str, str, int, int]]:
@@ -301,3 +302,18 @@ def test_a_bound_namespace_is_never_without_its_dir(
     assert layout.ns_dir(ns).is_dir() and os.listdir(layout.ns_dir(ns)) == []
     (entry,) = os.listdir(layout.trash)
     assert len(os.listdir(layout.trash / entry)) == 3
+
+
+def test_two_purges_of_a_bound_vllm_namespace_audit_once(layout: Layout, store: Store) -> None:
+    """The first purge recreates the dir with its identity file (vLLM writes it only at
+    start); the second, planned before it, finds nothing more to move."""
+    ns, ns_dir, folder = vllm_tree(layout, store)
+    write_blocks(ns_dir, folder, 3)
+    with store.transaction():
+        bind(layout, store, "srv", ns, time.time())
+    first, second = (plan_purge(layout, store, namespace=ns) for _ in range(2))
+    assert len(execute_purge(first, layout, store, actor="cli", reason="manual").purged) == 1
+    assert execute_purge(second, layout, store, actor="http", reason="manual").purged == ()
+    assert [row[0] for row in audit_rows(store)] == ["purge"]
+    assert len(os.listdir(layout.trash)) == 1
+    assert [p.name for p in (ns_dir / folder).iterdir()] == ["config.json"]

@@ -218,8 +218,25 @@ def _done_meanwhile(layout: Layout, target: PurgeTarget, *, bound: bool) -> bool
         return target.has_dir or not (bound or os.path.lexists(layout.manifest(target.ns_id)))
     if not bound:
         return False
-    with open_dir(layout.root, f"ns/{target.ns_id}") as fd, os.scandir(fd) as entries:
-        return next(entries, None) is None
+    with open_dir(layout.root, f"ns/{target.ns_id}") as fd:
+        return _as_recreated(fd)
+
+
+def _as_recreated(ns_fd: int) -> bool:
+    """Whether a namespace dir holds what a purge recreates it with and nothing more: nothing,
+    or (vLLM) only its folders' identity files, which the purge carried over. A second purge
+    of a bound vLLM namespace otherwise moved those again and audited itself too."""
+    names = os.listdir(ns_fd)
+    if not names:
+        return True
+    found = identities(ns_fd)
+    if set(names) != set(found):
+        return False
+    for folder, (name, _) in found.items():
+        with open_dir_at(ns_fd, folder) as fd:
+            if os.listdir(fd) != [name]:
+                return False
+    return True
 
 
 def drop_unbound(layout: Layout, store: Store, ns_id: str) -> bool:
