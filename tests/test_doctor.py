@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,8 @@ from cachemgr.launchenv import server_environ
 from cachemgr.layout import Layout
 from cachemgr.sglang.args import resolve_launch_args
 from cachemgr.sglang.lint import is_hybrid, lint, parse_size
-from tests.nsfixtures import cli
+from cachemgr.state.store import Store
+from tests.nsfixtures import cli, make_ns
 from tests.test_identity import make_model
 
 FILE = "sglang serve --enable-hierarchical-cache --hicache-storage-backend file"
@@ -229,3 +231,16 @@ def test_the_launch_given_to_exec_is_not_unmanaged(root: Path, tmp_path: Path) -
     assert doctor(root, launch) == (0, ["exec-namespace"])
     # Another KV dtype is another identity, with no namespace yet.
     assert doctor(root, f"{launch} --kv-cache-dtype fp8_e4m3") == (1, ["unmanaged-dir"])
+
+
+def test_a_bound_namespace_without_its_dir_is_an_error(layout: Layout) -> None:
+    store = Store.open(layout.db_path)
+    try:
+        ns = make_ns(layout, store, "a", pages=2, instance="srv")
+    finally:
+        store.close()
+    shutil.rmtree(layout.ns_dir(ns))  # by hand, or a purge killed between two renames
+    out = cli("--root", str(layout.root), "doctor", "--json")
+    (finding,) = json.loads(out.stdout)
+    assert finding["code"] == "ns-missing-dir" and "bound to srv" in finding["message"]
+    assert out.returncode == 2

@@ -569,3 +569,54 @@ def test_which_env_files_are_inits(text: str | None, ours: bool) -> None:
 def test_every_engines_variables_in_inits_shape_are_inits() -> None:
     names = [n for e in engines.ENGINES for n in e.server_env_vars]
     assert is_ours("".join(f"{n}=/c\n" for n in names))
+
+
+def test_a_running_server_is_seen_under_another_name_of_its_root(
+    tmp_path: Path, model: Path, live_server: Callable[[Path], subprocess.Popen[str]]
+) -> None:
+    # One root, two names: its real path and one through a symlinked parent (/data -> /mnt/x).
+    (tmp_path / "real").mkdir()
+    (tmp_path / "alias").symlink_to(tmp_path / "real")
+    real, alias = tmp_path / "real" / "root", tmp_path / "alias" / "root"
+    a = init_json(alias, model)
+    live_server(Path(str(a["storage_dir"])))  # the server got the alias's spelling of its dir
+    before = snapshot(real)
+    out = init(real, model, kv="fp8_e4m3")
+    assert out.returncode == 2 and "is in use by running process" in one_line_error(out)
+    assert snapshot(real) == before
+
+
+@pytest.mark.parametrize(
+    "where", ["ns/default.bind", "ns/{ns}.json", "ns/{ns}", ".cachemgr/hicache.env", ".trash/e"]
+)
+def test_an_env_file_among_cachemgrs_own_files_is_refused(
+    tmp_path: Path, root: Path, model: Path, where: str
+) -> None:
+    # Absent when checked, written by init itself next (its binding file, its manifest): the
+    # env file then replaced it, and the namespace was bad-manifest for good, exit 0.
+    ns = init_json(tmp_path / "elsewhere", model)["ns_id"]  # the launch's namespace
+    assert cli("--root", str(root), "config", "--check").returncode == 0
+    before = snapshot(root)
+    out = init(root, model, "--env-file", str(root / where.format(ns=ns)))
+    assert out.returncode == 2 and "cachemgr's own dir" in one_line_error(out)
+    assert snapshot(root) == before
+
+
+def test_a_running_server_given_a_relative_storage_dir_is_seen(root: Path, model: Path) -> None:
+    a = init_json(root, model)
+    # Started by hand from the root, as `SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=ns/<id>`.
+    env = {**os.environ, "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": f"ns/{a['ns_id']}"}
+    server = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=root,
+    )
+    try:
+        before = snapshot(root)
+        out = init(root, model, kv="fp8_e4m3")  # run from another dir: this test's
+        assert out.returncode == 2 and f"running process {server.pid}" in one_line_error(out)
+        assert snapshot(root) == before
+    finally:
+        server.communicate("", timeout=30)

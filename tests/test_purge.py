@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,6 +31,7 @@ from cachemgr.state.store import Store
 from tests.daemon_helpers import running_daemon
 from tests.nsfixtures import PAGE_BYTES, make_ns, page_name, snapshot
 from tests.polling import wait_for
+from tests.vllmtrees import vllm_tree, write_blocks
 
 
 def audit_rows(store: Store) -> list[tuple[str, str, str, str, int, int]]:
@@ -276,3 +279,41 @@ def test_a_plan_counts_from_the_live_index_not_the_disk(
         assert (plan.pages, plan.bytes) == (6, 6 * PAGE_BYTES)
     with pytest.raises(AssertionError, match="scanned"):  # the daemon is gone: no live index
         plan_purge(layout, store, namespace=a)
+
+
+def test_a_bound_namespace_is_never_without_its_dir(
+    layout: Layout, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dir is swapped with its empty successor in one step: a purge killed at any rename
+    (here: stopped right after each) leaves the server a dir. Two renames left none between
+    them, found with a kill -9 under strace."""
+    ns = make_ns(layout, store, "a", pages=3, instance="srv")
+    real_rename = os.rename
+
+    def killed_after(*args: Any, **kw: Any) -> None:
+        real_rename(*args, **kw)
+        raise KeyboardInterrupt  # the process dies here, before its next step
+
+    plan = plan_purge(layout, store, instance="srv")
+    monkeypatch.setattr(os, "rename", killed_after)
+    with contextlib.suppress(KeyboardInterrupt):
+        execute_purge(plan, layout, store, actor="cli", reason="manual")
+    monkeypatch.undo()
+    assert layout.ns_dir(ns).is_dir() and os.listdir(layout.ns_dir(ns)) == []
+    (entry,) = os.listdir(layout.trash)
+    assert len(os.listdir(layout.trash / entry)) == 3
+
+
+def test_two_purges_of_a_bound_vllm_namespace_audit_once(layout: Layout, store: Store) -> None:
+    """The first purge recreates the dir with its identity file (vLLM writes it only at
+    start); the second, planned before it, finds nothing more to move."""
+    ns, ns_dir, folder = vllm_tree(layout, store)
+    write_blocks(ns_dir, folder, 3)
+    with store.transaction():
+        bind(layout, store, "srv", ns, time.time())
+    first, second = (plan_purge(layout, store, namespace=ns) for _ in range(2))
+    assert len(execute_purge(first, layout, store, actor="cli", reason="manual").purged) == 1
+    assert execute_purge(second, layout, store, actor="http", reason="manual").purged == ()
+    assert [row[0] for row in audit_rows(store)] == ["purge"]
+    assert len(os.listdir(layout.trash)) == 1
+    assert [p.name for p in (ns_dir / folder).iterdir()] == ["config.json"]

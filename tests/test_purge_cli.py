@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -201,3 +202,75 @@ def test_purge_counts_bytes_in_table_units(layout: Layout, store: Store) -> None
     out = cli("--root", str(layout.root), "purge", "--namespace", ns, "--yes")
     assert out.returncode == 0, out.stderr
     assert f"purged ns {ns} (3 pages, {3 * PAGE_BYTES} B): manifest removed" in out.stdout
+
+
+@pytest.fixture
+def live_server(layout: Layout) -> Iterator[Callable[[str], None]]:
+    """Start stand-in servers (real processes) whose storage dir env names a namespace dir."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(ns: str) -> None:
+        env = {**os.environ, "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(layout.ns_dir(ns))}
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", "import sys; sys.stdin.read()"],
+                stdin=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+        )
+
+    yield start
+    for proc in procs:
+        proc.communicate(timeout=30)  # closing stdin ends it
+
+
+def test_a_namespace_a_running_server_uses_keeps_its_dir(
+    layout: Layout, store: Store, live_server: Callable[[str], None]
+) -> None:
+    # A server still runs on ns a, whose instance moved on (init --on-change retain): unbound.
+    a = make_ns(layout, store, "a", pages=3)
+    b = make_ns(layout, store, "b", pages=2)
+    live_server(a)
+    before = snapshot(layout.ns_dir(a))
+    out = cli("--root", str(layout.root), "purge", "--unbound", "--yes")
+    assert out.returncode == 1
+    assert f"left alone: ns/{a}: in use by running process" in out.stderr
+    assert snapshot(layout.ns_dir(a)) == before and layout.manifest(a).exists()
+    assert not layout.ns_dir(b).exists()
+    # Named, it is purged, and its dir comes back empty as a bound one's does.
+    dry = cli("--root", str(layout.root), "purge", "--namespace", a, "--dry-run")
+    assert "in use by running process" in dry.stdout and "recreated empty" in dry.stdout
+    out = cli("--root", str(layout.root), "purge", "--namespace", a, "--yes")
+    assert out.returncode == 0, out.stderr
+    assert f"purged ns {a} (3 pages, 300 B): recreated empty" in out.stdout
+    assert os.listdir(layout.ns_dir(a)) == [] and layout.manifest(a).exists()
+
+
+def test_the_dry_run_names_the_trash_the_real_run_leaves(
+    tmp_path: Path, layout: Layout, store: Store
+) -> None:
+    ns = make_ns(layout, store, "a", pages=2)
+    (layout.ns_dir(ns) / "notes.txt").write_text("a person's\n")
+    assert cli("--root", str(layout.root), "purge", "--namespace", ns, "--yes").returncode == 1
+    (held,) = os.listdir(layout.trash)  # its pages deleted, the notes left for a person
+    (tmp_path / "elsewhere").mkdir()
+    link = f"{ns}.planted"
+    (layout.trash / link).symlink_to(tmp_path / "elsewhere")
+    root = str(layout.root)
+    dry = cli("--root", root, "purge", "--unbound", "--dry-run")
+    assert "would finish deleting" not in dry.stdout
+    assert f"would leave alone .trash/{held}: left for a person: 1 foreign file" in dry.stdout
+    assert f"would leave alone .trash/{link}: " in dry.stdout
+    planned = json.loads(cli("--root", root, "purge", "--unbound", "--dry-run", "--json").stdout)
+    real = json.loads(cli("--root", root, "purge", "--unbound", "--yes", "--json").stdout)
+    assert len(planned["problems"]) == len(real["problems"]) == 2
+
+
+@pytest.mark.parametrize("rate", ["nan", "inf", "-nan", "0", "1e10"])
+def test_a_rate_that_is_no_rate_is_refused(layout: Layout, store: Store, rate: str) -> None:
+    ns = make_ns(layout, store, "a", pages=2)
+    before = snapshot(layout.root / "ns")
+    out = cli("--root", str(layout.root), "purge", "--namespace", ns, "--yes", "--rate", rate)
+    assert out.returncode == 2 and "--rate" in out.stderr
+    assert snapshot(layout.root / "ns") == before

@@ -104,3 +104,16 @@ def test_foreign_files_between_vllm_dirs_get_a_real_example(layout: Layout, stor
     assert Path(entry.example).is_relative_to(layout.trash / entry.name)
     (line,) = left_for_people(layout)
     assert "e.g. None" not in line and line.endswith(f"e.g. {entry.example}"), line
+
+
+def test_runs_that_delete_nothing_write_no_audit_row(
+    layout: Layout, store: Store, left: tuple[Path, Path]
+) -> None:
+    # The daemon's GC tries the entry every run: each wrote a delete-trash row of 0 pages.
+    for _ in range(3):
+        assert cli("--root", str(layout.root), "gc", "--yes").returncode == 0
+    assert cli("--root", str(layout.root), "purge", "--unbound", "--yes").returncode == 1
+    rows = store.conn.execute(
+        "SELECT actor, pages FROM audit WHERE action = 'delete-trash' ORDER BY id"
+    ).fetchall()
+    assert [tuple(r) for r in rows] == [("cli", 3)]  # the purge's own drain, and no other

@@ -418,7 +418,11 @@ def test_init_says_when_the_launch_would_bypass_the_namespace(root: Path, model:
     assert lines[1].startswith("CACHEMGR_VLLM_KV_TRANSFER_CONFIG='{")
 
 
-def test_purging_a_namespace_a_running_vllm_uses_is_refused(root: Path, model: Path) -> None:
+@pytest.mark.parametrize("name", ["root", "kv-ü"])  # JSON writes the latter kv-\u00fc
+def test_purging_a_namespace_a_running_vllm_uses_is_refused(
+    tmp_path: Path, model: Path, name: str
+) -> None:
+    root = tmp_path / name
     first = vinit_json(root, launch(model))
     # A server started with init's command: its argv names the namespace dir (as JSON).
     server = subprocess.Popen(

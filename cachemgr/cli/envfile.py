@@ -17,6 +17,7 @@ from pathlib import Path
 
 from cachemgr import engines
 from cachemgr.errors import ConfigError
+from cachemgr.layout import Layout
 
 MARK = "# written by `cachemgr init`"  # how a file of init's starts (its first line's start)
 HEADER = f"{MARK} (replaced at each run): the server's namespace dir\n"
@@ -56,6 +57,21 @@ def check_replaceable(path: Path) -> None:
             f"--env-file {path} is a file cachemgr init did not write (its first line is not "
             f"`{MARK}…`); not replaced: pass another path, or remove it if it is yours to"
         )
+
+
+def check_outside(path: Path, layout: Layout) -> None:
+    """ConfigError if `path` is in a dir of cachemgr's own under the root (ns/, .trash/, the
+    state dir): init writes there itself, after this check, and the env file then replaced
+    the binding file or manifest it had just written (exit 0, the namespace left alone as
+    bad-manifest ever after)."""
+    where = os.path.realpath(path.parent)
+    for own in (layout.ns_root, layout.trash, layout.state_dir):
+        top = os.path.realpath(own)
+        if where == top or where.startswith(top + os.sep):
+            raise ConfigError(
+                f"--env-file {path} is in {own}, cachemgr's own dir (manifests, bindings, "
+                "pages, its state); pass a path of init's own, e.g. /run/sglang/hicache.env"
+            )
 
 
 def _read(path: Path) -> str | None:

@@ -193,6 +193,7 @@ def init(
     if env_file is not None:  # before anything is made, or a namespace purged
         if not env_file.parent.is_dir():
             raise ConfigError(f"--env-file {env_file}: {env_file.parent} is not a directory")
+        envfile.check_outside(env_file, Layout.at(app.settings.root, app.settings.state_dir))
         envfile.check_replaceable(env_file)
     run = run_init(app, launch, wait=wait, force=force, plugin_values=plugin_values)
     hands_env = print_env or env_file is not None

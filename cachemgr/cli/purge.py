@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import sys
 import time
 
@@ -24,9 +25,17 @@ from cachemgr.ns.purge import (
     execute_purge,
 )
 from cachemgr.ns.purge import plan_purge as make_plan
+from cachemgr.ns.purge_plan import in_use_note
 from cachemgr.ns.root import existing_layout, opened_store, reading_store
 from cachemgr.state import trash_sql
 from cachemgr.units import human_bytes
+
+
+def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """NaN passes a FloatRange (it compares false with both bounds) and paced nothing."""
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a number of files per second", ctx, param)
+    return value
 
 
 @click.command("purge")
@@ -43,7 +52,8 @@ from cachemgr.units import human_bytes
 )
 @click.option(
     "--rate",
-    type=click.FloatRange(min=1),
+    type=click.FloatRange(min=1, max=1e9),  # gc_delete_rate's bounds
+    callback=_finite,
     metavar="FILES_PER_S",
     help="Cap the deletion rate to spare a running server's writes (default: full speed).",
 )
@@ -130,30 +140,42 @@ def _target_line(t: PurgeTarget) -> str:
     what = f"ns {t.ns_id} ({t.pages:,} pages, {human_bytes(t.bytes)})"
     if t.instances:
         return f"{what}: bound to {', '.join(t.instances)}, recreated empty"
+    if t.users:
+        return f"{what}: unbound, {in_use_note(t.users)}, recreated empty"
     return f"{what}: unbound, removed with its manifest"
 
 
 def _show_plan(plan: PurgePlan, *, layout_trash: list[TrashEntry], as_json: bool) -> None:
+    # What the real run would leave and fail over: its damaged namespaces, and trash entries
+    # its drain refuses (a link in an entry's place) or cannot finish (foreign files).
+    left = [*plan.problems, *(p for e in layout_trash if (p := _left_of(e)))]
     if as_json:
         out = {
             "dry_run": True,
             "plan": dataclasses.asdict(plan),
             "trash": [dataclasses.asdict(t) for t in layout_trash],
-            "problems": list(plan.problems),
+            "problems": left,
         }
         click.echo(json.dumps(out, indent=2))
         return
     for t in plan.targets:
         click.echo("would purge " + _target_line(t))
-    for problem in plan.problems:
-        click.echo(f"would leave alone {problem}")
     for e in layout_trash:
-        click.echo(
-            f"would finish deleting .trash/{e.name} ({e.pages:,} pages, {human_bytes(e.bytes)})"
-        )
+        if e.problem is None:
+            verb = "finish deleting" if e.left_for_a_person is None else "delete the pages of"
+            size = f"{e.pages:,} pages, {human_bytes(e.bytes)}"
+            click.echo(f"would {verb} .trash/{e.name} ({size})")
+    for problem in left:
+        click.echo(f"would leave alone {problem}")
     if not plan.targets and not layout_trash:
         click.echo(f"nothing to purge ({plan.selector})")
     click.echo("dry run: nothing changed")
+
+
+def _left_of(entry: TrashEntry) -> str | None:
+    """Why a drain would leave `entry` (or part of it), or None."""
+    why = entry.problem or entry.left_for_a_person
+    return f".trash/{entry.name}: {why}" if why else None
 
 
 def _show_result(

@@ -194,7 +194,10 @@ class PurgedNamespace(BaseModel):
     namespace: str
     pages: int
     bytes: int
-    recreated: bool = Field(description="an instance is bound: the dir came back empty")
+    recreated: bool = Field(
+        description="an instance is bound, or a running process on the daemon's host uses it "
+        "as its storage dir: the dir came back empty"
+    )
 
 
 class PurgeResponse(BaseModel):

@@ -130,9 +130,7 @@ def _would_purge(layout: Layout, store: Store, req: PurgeRequest) -> Targets:
     return (
         plan.selector,
         [
-            PurgedNamespace(
-                namespace=t.ns_id, pages=t.pages, bytes=t.bytes, recreated=bool(t.instances)
-            )
+            PurgedNamespace(namespace=t.ns_id, pages=t.pages, bytes=t.bytes, recreated=t.kept)
             for t in plan.targets
         ],
         list(plan.problems),

@@ -39,6 +39,14 @@ def lint_root(layout: Layout, store: Store | None) -> list[Finding]:
             found.append(
                 Finding("error", f"ns-{ns.state}", f"ns {ns.ns_id}: {ns.problem}", hands_off)
             )
+        elif ns.state == "missing-dir" and ns.instances:
+            # A server bound here writes into a dir that is gone: its stores fail, unseen.
+            what = (
+                f"ns {ns.ns_id} is bound to {', '.join(ns.instances)} but its dir "
+                f"{layout.ns_dir(ns.ns_id)} is missing: the server can store no page"
+            )
+            fix = f"run init for {ns.instances[0]} again (it makes the dir), then restart it"
+            found.append(Finding("error", "ns-missing-dir", what, fix))
         elif ns.state == "no-manifest":
             what = f"{layout.ns_dir(ns.ns_id)} has no manifest: nobody knows who wrote its pages"
             fix = f"cachemgr purge --namespace {ns.ns_id}"

@@ -12,6 +12,7 @@ restart is not affected.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -34,12 +35,30 @@ def _ancestors(proc: Path, pid: int) -> set[int]:
     return seen
 
 
-def _in_argv(pid_dir: Path, quoted: bytes) -> bool:
-    """Whether an argument of the process holds `quoted` (the dir as a JSON string)."""
+def _spellings(path: str) -> set[str]:
+    """`path` as written (normalized) and with its symlinks resolved: a root reached through a
+    symlinked parent (/data -> /mnt/disk1) is one dir under two names, and a server started
+    under one name was not seen by an init or a GC run given the other."""
+    return {os.path.normpath(os.path.abspath(path)), os.path.realpath(path)}
+
+
+def _from_cwd(pid_dir: Path, value: str) -> str:
+    """A relative storage dir as the process reads it: from its own working dir, not ours."""
+    if not value or os.path.isabs(value):
+        return value
     try:
-        return quoted in (pid_dir / "cmdline").read_bytes()
+        return os.path.join(os.readlink(pid_dir / "cwd"), value)
+    except OSError:
+        return value  # not ours to read: as from ours, as before
+
+
+def _in_argv(pid_dir: Path, quoted: set[bytes]) -> bool:
+    """Whether an argument of the process holds one of `quoted` (the dir as a JSON string)."""
+    try:
+        argv = (pid_dir / "cmdline").read_bytes()
     except OSError:
         return False
+    return any(q in argv for q in quoted)
 
 
 def live_users(ns_dir: Path, proc: Path = Path("/proc")) -> list[int]:
@@ -49,8 +68,9 @@ def live_users(ns_dir: Path, proc: Path = Path("/proc")) -> list[int]:
     This process and its ancestors are left out. Processes we may not read (other users when
     not root, other PID namespaces) are not seen: a safety net for one host, not a lock.
     """
-    want = os.path.normpath(os.path.abspath(ns_dir))
-    quoted = os.fsencode(f'"{want}"')
+    wants = _spellings(str(ns_dir))
+    # As a JSON string: as written, and as json.dumps writes it (non-ASCII as \uXXXX).
+    quoted = {os.fsencode(f'"{want}"') for want in wants} | {json.dumps(w).encode() for w in wants}
     mine = _ancestors(proc, os.getpid())
     found = []
     try:
@@ -66,8 +86,8 @@ def live_users(ns_dir: Path, proc: Path = Path("/proc")) -> list[int]:
             continue  # gone, or not ours to read
         for item in environ.split(b"\0"):
             if item.startswith(DIR_ENV_PREFIXES):
-                value = os.fsdecode(item.partition(b"=")[2])
-                if value and os.path.normpath(os.path.abspath(value)) == want:
+                value = _from_cwd(proc / name, os.fsdecode(item.partition(b"=")[2]))
+                if value and not _spellings(value).isdisjoint(wants):
                     found.append(int(name))
                 break
         else:

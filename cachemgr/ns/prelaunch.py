@@ -100,15 +100,30 @@ def init_namespace(
         users = nsreg.instances_of(store, previous)
         changed = replace(base, outcome="changed", previous_ns=previous, changes=changes)
         if on_change == "purge" and not users:
+            # Checked above, before the bind; --force takes the dir from a live server too.
+            users_of = _nobody if force else in_use
             try:
-                plan = plan_purge(layout, store, namespace=previous)
+                plan = plan_purge(layout, store, namespace=previous, in_use=users_of)
             except UnsafePathError:  # damaged (nsreg.damaged): left alone, ls/doctor say why
                 return replace(changed, old_action="retained")
-            execute_purge(plan, layout, store, actor="cli", reason="identity_change", now=now)
+            execute_purge(
+                plan,
+                layout,
+                store,
+                actor="cli",
+                reason="identity_change",
+                now=now,
+                in_use=users_of,
+            )
             return replace(changed, old_action="purged", old_pages=plan.pages, old_bytes=plan.bytes)
         pages, size = page_counter(layout, store)(previous)
         action: OldAction = "kept" if users else "retained"
         return replace(changed, old_action=action, old_users=users, old_pages=pages, old_bytes=size)
+
+
+def _nobody(ns_dir: Path) -> list[int]:
+    """No process counts as using a dir (init --force)."""
+    return []
 
 
 def _refuse_live_purge(

@@ -34,14 +34,17 @@ from cachemgr.errors import (
 )
 from cachemgr.fs import reserve
 from cachemgr.fs.deletion import delete_manifest
+from cachemgr.fs.exchange import exchange
 from cachemgr.fs.locks import root_lock
 from cachemgr.fs.safe import make_dir, open_dir, open_dir_at, write_atomic_at
 from cachemgr.fs.tree import identities
 from cachemgr.layout import NS_DIR, TRASH_DIR, Layout
 from cachemgr.ns import bindings
 from cachemgr.ns import registry as nsreg
+from cachemgr.ns.liveuse import live_users
 from cachemgr.ns.manifest import Manifest, read_manifest, write_manifest
 from cachemgr.ns.purge_plan import PurgePlan, PurgeTarget, Selector, plan_purge  # re-exported
+from cachemgr.ns.runcontext import DirUsers
 from cachemgr.ns.trash import (  # re-exported: purge and trash are one API for callers
     Actor,
     DrainProgress,
@@ -106,26 +109,32 @@ def execute_purge(
     actor: Actor,
     reason: PurgeReason,
     now: Callable[[], float] = time.time,
+    in_use: DirUsers = live_users,
 ) -> PurgeResult:
-    """Rename each target into .trash/ (recreating bound ones empty), audit; no file deleted."""
+    """Rename each target into .trash/ (recreating empty those bound, or in use by a running
+    process on this host: `in_use`), audit; no file deleted."""
     done: list[Purged] = []
+    run = _Run(actor, reason, now, in_use)
     with root_lock(layout):
         for target in plan.targets:
-            purged = _purge_one(plan, target, layout, store, actor=actor, reason=reason, at=now)
+            purged = _purge_one(plan, target, layout, store, run)
             if purged is not None:
                 done.append(purged)
     return PurgeResult(purged=tuple(done), actor=actor, reason=reason, at=now())
 
 
+@dataclass(frozen=True)
+class _Run:
+    """Who purges, why, the clock, and who uses a dir: the same for each target."""
+
+    actor: Actor
+    reason: PurgeReason
+    at: Callable[[], float]
+    in_use: DirUsers
+
+
 def _purge_one(
-    plan: PurgePlan,
-    target: PurgeTarget,
-    layout: Layout,
-    store: Store,
-    *,
-    actor: Actor,
-    reason: PurgeReason,
-    at: Callable[[], float],
+    plan: PurgePlan, target: PurgeTarget, layout: Layout, store: Store, run: _Run
 ) -> Purged | None:
     """Purge one target in one write transaction, taken before anything moves: a DB another
     process holds locked fails the purge before the rename (StateLocked, nothing changed), and
@@ -138,17 +147,21 @@ def _purge_one(
         if layout.node is not None:
             bindings.read_in(layout, store)
         instances = nsreg.instances_of(store, target.ns_id)
-        if instances and plan.only_unbound:
+        # An unbound dir a running server uses (started before its instance moved, --on-change
+        # retain) is kept as a bound one is: the server keeps its path, as GC never drops it.
+        users = () if instances else run.in_use(layout.ns_dir(target.ns_id))
+        kept = bool(instances or users)
+        if kept and plan.only_unbound:
             return None
-        if _done_meanwhile(layout, target, bound=bool(instances)):
+        if _done_meanwhile(layout, target, bound=kept):
             return None  # another purge (an init, GC) got there since the plan, and audited it
-        manifest = manifest_or_none(layout, target.ns_id) if not instances else None
+        manifest = manifest_or_none(layout, target.ns_id) if not kept else None
         # What moves, for its drain's count: the live index's now, not the plan's (a bound
         # namespace is written to while a person reads the prompt).
         moved = pages_sql.namespace_usage(store.conn, target.ns_id) if plan.indexed else None
-        trash_name = rename_to_trash(layout, target.ns_id, recreate=bool(instances))
-        removed, recreated = False, bool(instances)
-        if not instances:
+        trash_name = rename_to_trash(layout, target.ns_id, recreate=kept)
+        removed, recreated = False, kept
+        if not kept:
             removed = drop_unbound(layout, store, target.ns_id)
             if rebound(layout, store, target.ns_id, manifest):
                 removed, recreated = False, True
@@ -162,11 +175,11 @@ def _purge_one(
         store.audit(
             "purge",
             namespace_id=target.ns_id,
-            reason=reason,
-            actor=actor,
+            reason=run.reason,
+            actor=run.actor,
             pages=target.pages,
             bytes_=target.bytes,
-            at=at(),
+            at=run.at(),
         )
     return Purged(target.ns_id, trash_name, recreated, removed, target.pages, target.bytes)
 
@@ -205,8 +218,25 @@ def _done_meanwhile(layout: Layout, target: PurgeTarget, *, bound: bool) -> bool
         return target.has_dir or not (bound or os.path.lexists(layout.manifest(target.ns_id)))
     if not bound:
         return False
-    with open_dir(layout.root, f"ns/{target.ns_id}") as fd, os.scandir(fd) as entries:
-        return next(entries, None) is None
+    with open_dir(layout.root, f"ns/{target.ns_id}") as fd:
+        return _as_recreated(fd)
+
+
+def _as_recreated(ns_fd: int) -> bool:
+    """Whether a namespace dir holds what a purge recreates it with and nothing more: nothing,
+    or (vLLM) only its folders' identity files, which the purge carried over. A second purge
+    of a bound vLLM namespace otherwise moved those again and audited itself too."""
+    names = os.listdir(ns_fd)
+    if not names:
+        return True
+    found = identities(ns_fd)
+    if set(names) != set(found):
+        return False
+    for folder, (name, _) in found.items():
+        with open_dir_at(ns_fd, folder) as fd:
+            if os.listdir(fd) != [name]:
+                return False
+    return True
 
 
 def drop_unbound(layout: Layout, store: Store, ns_id: str) -> bool:
@@ -223,8 +253,9 @@ def rename_to_trash(layout: Layout, ns_id: str, *, recreate: bool) -> str | None
     """Move ns/<id> into .trash/ (None if it has no dir); recreate it empty if asked.
 
     The empty dir is made first, in .trash/ (a crash leaves an empty entry the drain removes),
-    and renamed into place: a full disk then fails the purge before anything moved, instead
-    of leaving a bound instance without its dir (a rename needs no new blocks; a mkdir does).
+    and swapped with ns/<id> in one step (cachemgr.fs.exchange; two renames where the
+    filesystem cannot): a full disk then fails the purge before anything moved, and no kill
+    leaves a bound instance without its dir (a rename needs no new blocks; a mkdir does).
     """
     trash_name = f"{ns_id}.{time.time_ns():x}{secrets.token_hex(3)}"
     with open_dir(layout.root, NS_DIR) as ns_fd, open_dir(layout.root, TRASH_DIR) as trash_fd:
@@ -237,6 +268,8 @@ def rename_to_trash(layout: Layout, ns_id: str, *, recreate: bool) -> str | None
         fresh = _empty_dir(layout, trash_fd, f"{trash_name}n") if recreate else None
         if fresh is not None and st is not None:
             _carry_identities(ns_fd, ns_id, trash_fd, fresh)
+            if _swap(layout, ns_fd, ns_id, trash_fd, fresh):
+                return fresh  # the old dir now has the empty one's name in .trash/
         if st is not None:
             try:
                 os.rename(ns_id, trash_name, src_dir_fd=ns_fd, dst_dir_fd=trash_fd)
@@ -246,6 +279,15 @@ def rename_to_trash(layout: Layout, ns_id: str, *, recreate: bool) -> str | None
         if fresh is not None:
             os.rename(fresh, ns_id, src_dir_fd=trash_fd, dst_dir_fd=ns_fd)
     return trash_name if st is not None else None
+
+
+def _swap(layout: Layout, ns_fd: int, ns_id: str, trash_fd: int, fresh: str) -> bool:
+    """Exchange ns/<id> with the empty .trash/<fresh>; False where the filesystem cannot."""
+    try:
+        return exchange(trash_fd, fresh, ns_fd, ns_id)
+    except OSError as e:
+        what = f"cannot move {layout.ns_dir(ns_id)} into {layout.trash}: {e.strerror}"
+        raise _cannot(what, e) from e
 
 
 def _carry_identities(ns_fd: int, ns_id: str, trash_fd: int, fresh: str) -> None:

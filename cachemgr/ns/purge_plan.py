@@ -13,7 +13,9 @@ from cachemgr.fs.leadership import index_live
 from cachemgr.layout import Layout, check_ns_id
 from cachemgr.ns import registry as nsreg
 from cachemgr.ns.bindings import qualify
+from cachemgr.ns.liveuse import live_users
 from cachemgr.ns.manifest import format_of
+from cachemgr.ns.runcontext import DirUsers
 from cachemgr.ns.trash import list_trash
 from cachemgr.state import pages_sql
 from cachemgr.state.status import bindings_by_namespace
@@ -30,6 +32,14 @@ class PurgeTarget:
     instances: tuple[str, ...]  # bound now: its dir is recreated empty
     has_dir: bool
     has_manifest: bool
+    # Unbound, but running processes on this host use its dir as their storage dir (a server
+    # whose instance was moved with --on-change retain): its dir is recreated empty too.
+    users: tuple[int, ...] = ()
+
+    @property
+    def kept(self) -> bool:
+        """Whether its dir comes back empty, with its manifest (someone uses it)."""
+        return bool(self.instances or self.users)
 
 
 @dataclass(frozen=True)
@@ -70,10 +80,12 @@ def plan_purge(
     all: bool = False,
     unbound: bool = False,
     count: bool = True,
+    in_use: DirUsers = live_users,
 ) -> PurgePlan:
     """Which namespaces a purge selects; exactly one selector. Each target's pages and bytes
     are the live index's where a daemon indexes the root on this kernel (a scan of 10M pages
-    took 127 s before the rename), else a scan's; `count=False` skips the scan."""
+    took 127 s before the rename), else a scan's; `count=False` skips the scan. `unbound`
+    leaves out, as a problem, a namespace a running process uses (`in_use`), as GC does."""
     chosen = [namespace is not None, instance is not None, all, unbound]
     if sum(chosen) != 1:
         raise ConfigError("choose exactly one of --namespace, --instance, --all, --unbound")
@@ -98,11 +110,15 @@ def plan_purge(
     else:
         ids, selector = sorted((dirs | manifests) - set(bound)), "unbound"
     # A damaged namespace is skipped and reported; the others are purged all the same.
-    problems = tuple(f"ns/{ns}: {damaged[ns][1]}" for ns in ids if ns in damaged)
+    problems = [f"ns/{ns}: {damaged[ns][1]}" for ns in ids if ns in damaged]
+    users = {ns: tuple(in_use(layout.ns_dir(ns))) for ns in ids if ns in dirs and ns not in bound}
+    if unbound:  # not unused after all: a server started before its instance moved
+        problems += [f"ns/{ns}: {in_use_note(pids)}" for ns, pids in users.items() if pids]
+        ids = [ns for ns in ids if not users.get(ns)]
     indexed = indexed_counter(layout, store)
     counter = indexed or (_scanner(layout) if count else None)
     targets = tuple(
-        _target(layout, ns, bound.get(ns, ()), ns in manifests, counter)
+        _target(layout, ns, bound.get(ns, ()), ns in manifests, counter, users.get(ns, ()))
         for ns in ids
         if ns not in damaged
     )
@@ -112,12 +128,17 @@ def plan_purge(
         trash,
         selector,
         only_unbound=unbound,
-        problems=problems,
+        problems=tuple(problems),
         indexed=indexed is not None,
     )
 
 
 Counter = Callable[[str], tuple[int, int]]  # namespace id -> (pages, bytes)
+
+
+def in_use_note(pids: tuple[int, ...] | list[int]) -> str:
+    """`in use by running process 123 (its storage dir)`: why a purge keeps a dir."""
+    return f"in use by running process {', '.join(map(str, pids[:3]))} (its storage dir)"
 
 
 def page_counter(layout: Layout, store: Store) -> Counter:
@@ -149,7 +170,8 @@ def _target(
     instances: tuple[str, ...],
     has_manifest: bool,
     counter: Counter | None,
+    users: tuple[int, ...],
 ) -> PurgeTarget:
     has_dir = nsreg.ns_entry_kind(layout, ns_id) == "dir"  # refuses a symlink before any change
     pages, size = counter(ns_id) if has_dir and counter else (0, 0)
-    return PurgeTarget(ns_id, pages, size, instances, has_dir, has_manifest)
+    return PurgeTarget(ns_id, pages, size, instances, has_dir, has_manifest, users)

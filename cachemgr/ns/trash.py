@@ -306,13 +306,18 @@ def _record_deleted(
     audit_as: tuple[str, str],
 ) -> None:
     """The audit row, and the entry's count less what `part` deleted (forgotten once its
-    drain is done: what it left, foreign names, a scan counts and names)."""
+    drain is done: what it left, foreign names, a scan counts and names). A drain that deleted
+    nothing and left the entry (foreign files, for a person) writes no row: the daemon's GC
+    tries such an entry every run, and wrote a row of 0 pages each time."""
     m = TRASH_RE.fullmatch(entry)
+    left = bool(part.stopped or part.young or part.refused)
     with store.transaction(patience=float("inf")):  # the files are gone: the audit must land
         if part.stopped or part.young:
             trash_sql.drained(store.conn, entry, *count.rest(part))
         else:
             trash_sql.forget(store.conn, entry)
+        if left and not part.files:
+            return
         store.audit(
             audit_as[0],
             namespace_id=m["ns"] if m else None,
