@@ -21,7 +21,7 @@ from cachemgr.daemon.metrics import CachemgrCollector
 from cachemgr.doctor.dirindex import lint_dir_entries
 from cachemgr.fs.dirlimit import DirIndex, dir_index, flat_dir_limit, page_name_len, tree_capacity
 from cachemgr.fs.usage import inode_usage
-from cachemgr.gc.policy import GcPolicy, Inodes
+from cachemgr.gc.policy import Files, GcPolicy, Inodes, over_file_limits
 from cachemgr.gc.runner import GcRunner
 from cachemgr.gc.step import GcReport
 from cachemgr.ns.status import NamespaceStatus
@@ -175,11 +175,13 @@ def test_file_caps_come_from_the_settings(tmp_path: Path) -> None:
 def test_a_flat_namespace_is_capped_under_its_dirs_entry_limit() -> None:
     """Unset, the namespace file cap of a flat dir is 80% of its entry limit; a configured
     cap under that wins."""
-    pol = policy(dir_entries=Entries(1000))
-    assert pol.flat_files_cap() == (800, "dir_full")
+    flat = Files({NS: 1000}, {NS: page_name_len(None)})
+    low = policy().low_watermark
+    by_ns, _, _ = over_file_limits(policy(dir_entries=Entries(1000)), flat)
+    assert by_ns == {NS: (1000 - math.floor(800 * low), "dir_full")}
     capped = policy(dir_entries=Entries(1000), namespace_max_files=500)
-    assert capped.flat_files_cap() == (500, "files")
-    assert policy().flat_files_cap() is None
+    assert over_file_limits(capped, flat)[0] == {NS: (1000 - math.floor(500 * low), "files")}
+    assert over_file_limits(policy(), flat)[0] == {}
 
 
 def test_the_limit_is_under_what_was_measured() -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from cachemgr.errors import UnsafePathError
 from cachemgr.fs.safe import open_dir, open_regular
+from cachemgr.fs.usage import inode_usage
 from cachemgr.layout import DB_FILE, RESERVE_FILE
 
 log = logging.getLogger(__name__)
@@ -78,10 +79,14 @@ def is_disk_full(error: BaseException | None, path: Path | None = None) -> bool:
     return False
 
 
+def _on_fs(path: Path) -> Path:
+    """`path`, or its parent if it is not there: what stands for its filesystem."""
+    return path if path.exists() else path.parent
+
+
 def _nearly_full(path: Path) -> bool:
     try:
-        probe = path if path.exists() else path.parent
-        return free_bytes(probe) < RESERVE_BYTES
+        return free_bytes(_on_fs(path)) < RESERVE_BYTES
     except OSError:
         return False
 
@@ -90,10 +95,10 @@ def no_inodes(path: Path) -> bool:
     """Whether the filesystem of `path` (or of its parent, if it is not there) has an inode
     table and no inode left an unprivileged writer may take."""
     try:
-        st = os.statvfs(path if path.exists() else path.parent)
+        total, free = inode_usage(_on_fs(path))
     except OSError:
         return False
-    return st.f_files > 0 and st.f_favail == 0
+    return total > 0 and free == 0
 
 
 def release(state_dir: Path) -> int:

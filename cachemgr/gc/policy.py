@@ -9,7 +9,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Literal, NamedTuple, Protocol
 
-from cachemgr.fs.dirlimit import FLAT_PAGE_NAME_LEN, flat_dir_index
+from cachemgr.fs.dirlimit import flat_dir_index
 from cachemgr.fs.usage import DiskUsage
 from cachemgr.settings import Settings
 
@@ -103,22 +103,6 @@ class GcPolicy:
     def inode_floor(self, inodes: Inodes) -> int:
         """Inodes that must stay free on the filesystem."""
         return math.ceil(inodes.total * self.min_free_inodes_percent / 100)
-
-    def flat_files_cap(self, name_len: int = FLAT_PAGE_NAME_LEN) -> tuple[int, GcReason] | None:
-        """The file cap of a flat namespace (its pages in one dir, named `name_len` bytes
-        long), and the limit that sets it: the configured cap, or DIR_CAP_SHARE of the dir's
-        entry limit if lower. Longer names fill a dir index sooner: a long served model name
-        (or a model path SGLang names pages after) lowers the limit well under a typical one's."""
-        caps: list[tuple[float, GcReason]] = []
-        if self.namespace_max_files is not None:
-            caps.append((self.namespace_max_files, "files"))
-        limit = self.dir_entries.limit(name_len) if self.dir_entries is not None else None
-        if limit is not None:
-            caps.append((limit * DIR_CAP_SHARE, "dir_full"))
-        if not caps:
-            return None
-        cap, reason = min(caps)
-        return int(cap), reason
 
 
 class Inodes(NamedTuple):
