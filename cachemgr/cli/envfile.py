@@ -64,10 +64,9 @@ def check_outside(path: Path, layout: Layout) -> None:
     state dir): init writes there itself, after this check, and the env file then replaced
     the binding file or manifest it had just written (exit 0, the namespace left alone as
     bad-manifest ever after)."""
-    where = os.path.realpath(path.parent)
+    where = Path(os.path.realpath(path.parent))
     for own in (layout.ns_root, layout.trash, layout.state_dir):
-        top = os.path.realpath(own)
-        if where == top or where.startswith(top + os.sep):
+        if where.is_relative_to(os.path.realpath(own)):
             raise ConfigError(
                 f"--env-file {path} is in {own}, cachemgr's own dir (manifests, bindings, "
                 "pages, its state); pass a path of init's own, e.g. /run/sglang/hicache.env"
