@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 from cachemgr.doctor.finding import Finding
 from cachemgr.fs.dirlimit import DirIndex
+from cachemgr.gc.policy import DIR_CAP_SHARE
 from cachemgr.ns.status import NamespaceStatus
 
 WARN_FROM = 0.8  # as the alert (CachemgrDirIndexNearlyFull) and GC's default cap
@@ -34,7 +35,7 @@ def lint_dir_entries(statuses: Iterable[NamespaceStatus], index: DirIndex | None
             "80% of the limit), or `tune2fs -O large_dir` the filesystem"
         )
         others = (s.temp_files or 0) + (s.foreign_files or 0)
-        if others >= limit * WARN_FROM:  # GC's cap counts them, and cannot evict them
+        if others >= limit * DIR_CAP_SHARE:  # GC's cap counts them, and cannot evict them
             fix = (
                 f"{others:,} of them are temp or other files GC does not delete: evicting "
                 "pages cannot bring the dir under the limit; move those out of it, or "
