@@ -99,7 +99,8 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         422: "invalid request",
         500: "internal error",
         503: "the cache root cannot be written, or the state dir used, now (read-only, "
-        "permissions, a foreign lock)",
+        "permissions, a foreign lock), or a path in the root is unsafe (a symlink in place of "
+        ".trash/ or a namespace dir)",
     }.items()
 }
 
