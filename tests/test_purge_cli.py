@@ -274,3 +274,66 @@ def test_a_rate_that_is_no_rate_is_refused(layout: Layout, store: Store, rate: s
     out = cli("--root", str(layout.root), "purge", "--namespace", ns, "--yes", "--rate", rate)
     assert out.returncode == 2 and "--rate" in out.stderr
     assert snapshot(layout.root / "ns") == before
+
+
+def _vllm_stand_in(root_dir: str, cwd: str | Path, **env: str) -> subprocess.Popen[str]:
+    """A real process whose argv is a vLLM launch with its fs tier at `root_dir` (as written),
+    running in `cwd` until its stdin closes."""
+    tier = {"type": "fs", "root_dir": root_dir}
+    extra = {"spec_name": "TieringOffloadingSpec", "secondary_tiers": [tier]}
+    config = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": extra}
+    launch = ["vllm", "serve", "M", "--kv-transfer-config", json.dumps(config)]
+    return subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()", *launch],
+        stdin=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, **env},
+    )
+
+
+@pytest.mark.parametrize(
+    ("cwd", "root_dir"),
+    [
+        ("/", "{ns}/"),  # a trailing slash
+        ("/", "{ns}//"),
+        ("/", "{root}/ns/../ns/{id}"),
+        ("{root}", "ns/{id}"),  # relative: from the server's working dir, as vLLM opens it
+        ("{root}", "./ns/{id}/"),
+        ("{ns}", "."),
+    ],
+)
+def test_a_running_vllm_whose_root_dir_is_spelt_otherwise_keeps_its_dir(
+    layout: Layout, store: Store, cwd: str, root_dir: str
+) -> None:
+    """vLLM's fs tier joins its root_dir with its folders as given (no `~`, no resolving), so a
+    dir written relative to the server's cwd, or with a trailing or doubled slash, is the
+    namespace dir all the same: purge must see the server, as for SGLang's env var."""
+    a = make_ns(layout, store, "a", pages=3)
+    names = {"ns": str(layout.ns_dir(a)), "root": str(layout.root), "id": a}
+    server = _vllm_stand_in(root_dir.format(**names), cwd.format(**names))
+    try:
+        before = snapshot(layout.ns_dir(a))
+        out = cli("--root", str(layout.root), "purge", "--unbound", "--yes")
+        assert f"left alone: ns/{a}: in use by running process {server.pid}" in out.stderr
+        assert snapshot(layout.ns_dir(a)) == before
+    finally:
+        server.communicate("", timeout=30)
+
+
+@pytest.mark.parametrize("root_dir", ["ns/{id}", "~/ns/{id}"])
+def test_a_vllm_whose_root_dir_only_looks_like_the_namespace_is_no_user(
+    layout: Layout, store: Store, tmp_path: Path, root_dir: str
+) -> None:
+    """vLLM does not expand `~` in a JSON value, and reads a relative dir from its own cwd: a
+    server elsewhere whose root_dir merely reads as the namespace's does not keep it."""
+    a = make_ns(layout, store, "a", pages=3)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    server = _vllm_stand_in(root_dir.format(id=a), elsewhere, HOME=str(layout.root))
+    try:
+        out = cli("--root", str(layout.root), "purge", "--unbound", "--yes")
+        assert out.returncode == 0, out.stderr
+        assert not layout.ns_dir(a).exists()
+    finally:
+        server.communicate("", timeout=30)
