@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from cachemgr.layout import Layout
+from cachemgr.settings import Settings
 from cachemgr.state.store import Store
+from tests.daemon_helpers import running_daemon
 from tests.nsfixtures import PAGE_BYTES, cli, make_ns, one_line_error, page_name, snapshot
 from tests.polling import wait_for
 
@@ -337,3 +339,66 @@ def test_a_vllm_whose_root_dir_only_looks_like_the_namespace_is_no_user(
         assert not layout.ns_dir(a).exists()
     finally:
         server.communicate("", timeout=30)
+
+
+# A purge run as the CLI runs it, in a process of its own, that is killed (SIGKILL, by itself:
+# no handler, no finally runs) at a rename into .trash/, just before or just after it, as
+# test_purge.py's purges stopped right after each rename: os.rename (an unbound namespace's
+# move) or purge.exchange (a bound one's swap with its empty successor).
+_KILLED_PURGE = """
+import os, runpy, signal, sys
+import cachemgr.ns.purge as purge
+when, ns, root = sys.argv[1:4]
+
+def killed(real, into_trash):
+    def move(*args, **kw):
+        if not into_trash(args):
+            return real(*args, **kw)
+        if when == "before":
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(*args, **kw)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return move
+
+os.rename = killed(os.rename, lambda args: str(args[1]).startswith(ns + "."))
+purge.exchange = killed(purge.exchange, lambda args: True)
+sys.argv = ["cachemgr", "--root", root, "purge", "--namespace", ns, "--yes"]
+runpy.run_module("cachemgr", run_name="__main__")
+"""
+
+
+def _purge_audits(store: Store, ns: str) -> list[tuple[str, str, int, int]]:
+    rows = store.conn.execute(
+        "SELECT reason, actor, pages, bytes FROM audit WHERE action = 'purge' AND namespace_id = ?",
+        (ns,),
+    )
+    return [tuple(r) for r in rows]  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("bound", [False, True], ids=["unbound", "bound"])
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_purge_killed_at_its_rename_is_audited_once_if_it_moved(
+    layout: Layout, store: Store, settings: Settings, bound: bool, when: str
+) -> None:
+    """kill -9 right after the rename, before the transaction that records it commits: the
+    trash entry is drained later all the same, and the purge's audit row must not be lost
+    with it. The daemon's GC, at its start, writes it once; a later purge (of another
+    namespace) does not again. Killed right before the rename, nothing moved: no purge is
+    audited, then or later."""
+    ns = make_ns(layout, store, "a", pages=3, instance="srv" if bound else None)
+    other = make_ns(layout, store, "b", pages=1)
+    script = [sys.executable, "-c", _KILLED_PURGE, when, ns, str(layout.root)]
+    proc = subprocess.run(script, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    moved = when == "after"
+    assert bool(os.listdir(layout.trash)) == (moved or bound)  # (bound: its empty successor)
+    assert _purge_audits(store, ns) == []  # its transaction never committed
+    with running_daemon(settings):
+        wait_for(lambda: os.listdir(layout.trash), lambda left: left == [], timeout=30)
+    audited = [("manual", "cli", 3, 3 * PAGE_BYTES)] if moved else []
+    assert _purge_audits(store, ns) == audited
+    assert cli("--root", str(layout.root), "purge", "--namespace", other, "--yes").returncode == 0
+    assert _purge_audits(store, ns) == audited
+    assert _purge_audits(store, other) == [("manual", "cli", 1, PAGE_BYTES)]
+    if not moved:  # the namespace is as it was
+        assert len(os.listdir(layout.ns_dir(ns))) == 3
