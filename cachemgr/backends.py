@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 import functools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -91,6 +91,10 @@ class FileFormat:
     # The environment variable the server reads its storage dir from (None: its command says
     # it): a live process whose environment sets it to a namespace dir still writes there.
     dir_env: str | None = None
+    # The storage dirs a server's arguments name, as written (a relative one is from the
+    # server's own working dir): a live process whose arguments name a namespace dir still
+    # writes there.
+    argv_dirs: Callable[[Sequence[str]], list[str]] | None = None
 
     def split(self, path: str) -> tuple[str, str] | None:
         """(dirs, file name) of a path below a namespace dir whose dirs fit the nesting (each

@@ -92,11 +92,14 @@ class ModelNotFoundError(NotFoundError, IdentityError):
 
 
 class UnsafePathError(CachemgrError):
-    """A path would leave the root or cross a symlink; nothing was touched."""
+    """A path would leave the root or cross a symlink; nothing was touched.
+
+    Over HTTP it is the root's state, not the request's (a request names namespaces by a
+    checked id, never a path): a 503 as RootNotWritable, for a person to fix on the host."""
 
     exit_code = 2
-    http_status = 400
-    title = "unsafe path"
+    http_status = 503
+    title = "unsafe path in the cache root"
 
 
 class LimitNotHeld(CachemgrError):

@@ -1,5 +1,6 @@
 """A failure no route expected (a state DB another process broke) is a problem+json 500 and
-one log line: no text/plain 500, no traceback to the client or the log, and the client's
+one log line: no text/plain 500, no traceback to the client or the log, nothing of the
+exception (SQL, paths) in the body but the id of the log line that has it, and the client's
 keep-alive connection still works. Against the real daemon on a loopback port."""
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def test_an_unexpected_failure_is_a_problem_500_and_one_log_line(
         conn.commit()
         conn.close()
         caplog.clear()
+        ids = []
         with caplog.at_level(logging.ERROR, logger="cachemgr.daemon.problems"):
             for method, route, body in FAILING:
                 r = dm.http.request(method, route, json=body)
@@ -45,13 +47,20 @@ def test_an_unexpected_failure_is_a_problem_500_and_one_log_line(
                 assert r.headers["content-type"] == PROBLEM, route
                 problem = r.json()
                 assert problem["status"] == 500 and problem["title"] == "internal error"
-                assert "no such table: bindings" in problem["detail"]
-                assert "Traceback" not in r.text
+                for internal in ("bindings", "OperationalError", "SELECT", str(layout.root)):
+                    assert internal not in r.text, (route, r.text)
+                assert problem["error_id"] in problem["detail"]
+                ids.append(problem["error_id"])
                 # the same keep-alive connection answers the next request
                 assert dm.get("/healthz").status_code == 200
         lines = [r for r in caplog.records if r.name == "cachemgr.daemon.problems"]
-        assert [(r.getMessage(), r.route) for r in lines] == [  # type: ignore[attr-defined]
-            ("http request failed", route) for _, route, _ in FAILING
+        assert [  # each log line has the cause, under the id its answer gave
+            (r.getMessage(), r.route, r.error_id)  # type: ignore[attr-defined]
+            for r in lines
+        ] == [
+            ("http request failed", route, i) for (_, route, _), i in zip(FAILING, ids, strict=True)
         ]
+        assert all("no such table: bindings" in r.error for r in lines)  # type: ignore[attr-defined]
+        assert len(set(ids)) == len(ids)
         assert all(r.exc_info is None for r in lines)
     assert "Exception in ASGI application" not in capfd.readouterr().err  # uvicorn's traceback

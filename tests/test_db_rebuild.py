@@ -4,6 +4,7 @@ the binding files (tests/reliability/test_bindings_survive.py has the bindings' 
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 import subprocess
 from pathlib import Path
@@ -130,3 +131,36 @@ def test_a_newer_db_says_in_one_line_how_to_roll_back_and_that_works(tmp_path: P
     assert copy.execute("PRAGMA user_version").fetchone()[0] == 999
     copy.close()
     Store.open(state / "state.db").close()  # a fresh DB, at this cachemgr's schema
+
+
+def test_only_the_newest_corrupt_copies_are_kept(root: Path, old_ns: str, tmp_path: Path) -> None:
+    """A DB corrupted again and again left one copy each (as big as the DB) until the state
+    dir was full: the oldest go, said in the log; nothing but those copies is removed."""
+    state = root / ".cachemgr"
+    old = [f"state.db.corrupt-{1_700_000_000 + i}" for i in range(3)] + [
+        "state.db.corrupt-1700000002-2"  # a second one within that second
+    ]
+    for name in old:
+        (state / name).write_bytes(b"an old corrupt copy")
+        (state / f"{name}-wal").write_bytes(b"its wal")
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"not cachemgr's")
+    (state / "state.db.corrupt-1600000000").symlink_to(outside)  # oldest by name: a link
+    foreign = ["state.db.corrupt-notes.txt", "state.db.corrupt-1600000000-x", "other.corrupt-1"]
+    for name in foreign:
+        (state / name).write_bytes(b"a person's")
+    (state / "state.db").write_bytes(b"this is not sqlite " * 500)
+    out = cli("--root", str(root), "ls", "--json")
+    assert out.returncode == 0, out.stderr
+    warnings = [json.loads(line) for line in out.stderr.splitlines()]
+    (dropped,) = [w for w in warnings if w["msg"].startswith("removed older corrupt")]
+    assert dropped["removed"] == old[:2] and dropped["kept"] == 3
+    copy = re.compile(r"state\.db\.corrupt-\d+(-\d+)?")
+    copies = {p.name for p in state.iterdir() if copy.fullmatch(p.name) and not p.is_symlink()}
+    assert len(copies) == 3 and set(old[2:]) < copies  # and the one just made
+    for name in old[:2]:
+        assert not (state / name).exists() and not (state / f"{name}-wal").exists()
+    assert (state / f"{old[3]}-wal").read_bytes() == b"its wal"
+    assert outside.read_bytes() == b"not cachemgr's"
+    assert (state / "state.db.corrupt-1600000000").is_symlink()
+    assert all((state / name).read_bytes() == b"a person's" for name in foreign)

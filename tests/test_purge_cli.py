@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from cachemgr.layout import Layout
+from cachemgr.settings import Settings
 from cachemgr.state.store import Store
+from tests.daemon_helpers import running_daemon
 from tests.nsfixtures import PAGE_BYTES, cli, make_ns, one_line_error, page_name, snapshot
 from tests.polling import wait_for
 
@@ -274,3 +276,129 @@ def test_a_rate_that_is_no_rate_is_refused(layout: Layout, store: Store, rate: s
     out = cli("--root", str(layout.root), "purge", "--namespace", ns, "--yes", "--rate", rate)
     assert out.returncode == 2 and "--rate" in out.stderr
     assert snapshot(layout.root / "ns") == before
+
+
+def _vllm_stand_in(root_dir: str, cwd: str | Path, **env: str) -> subprocess.Popen[str]:
+    """A real process whose argv is a vLLM launch with its fs tier at `root_dir` (as written),
+    running in `cwd` until its stdin closes."""
+    tier = {"type": "fs", "root_dir": root_dir}
+    extra = {"spec_name": "TieringOffloadingSpec", "secondary_tiers": [tier]}
+    config = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": extra}
+    launch = ["vllm", "serve", "M", "--kv-transfer-config", json.dumps(config)]
+    return subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()", *launch],
+        stdin=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, **env},
+    )
+
+
+@pytest.mark.parametrize(
+    ("cwd", "root_dir"),
+    [
+        ("/", "{ns}/"),  # a trailing slash
+        ("/", "{ns}//"),
+        ("/", "{root}/ns/../ns/{id}"),
+        ("{root}", "ns/{id}"),  # relative: from the server's working dir, as vLLM opens it
+        ("{root}", "./ns/{id}/"),
+        ("{ns}", "."),
+    ],
+)
+def test_a_running_vllm_whose_root_dir_is_spelt_otherwise_keeps_its_dir(
+    layout: Layout, store: Store, cwd: str, root_dir: str
+) -> None:
+    """vLLM's fs tier joins its root_dir with its folders as given (no `~`, no resolving), so a
+    dir written relative to the server's cwd, or with a trailing or doubled slash, is the
+    namespace dir all the same: purge must see the server, as for SGLang's env var."""
+    a = make_ns(layout, store, "a", pages=3)
+    names = {"ns": str(layout.ns_dir(a)), "root": str(layout.root), "id": a}
+    server = _vllm_stand_in(root_dir.format(**names), cwd.format(**names))
+    try:
+        before = snapshot(layout.ns_dir(a))
+        out = cli("--root", str(layout.root), "purge", "--unbound", "--yes")
+        assert f"left alone: ns/{a}: in use by running process {server.pid}" in out.stderr
+        assert snapshot(layout.ns_dir(a)) == before
+    finally:
+        server.communicate("", timeout=30)
+
+
+@pytest.mark.parametrize("root_dir", ["ns/{id}", "~/ns/{id}"])
+def test_a_vllm_whose_root_dir_only_looks_like_the_namespace_is_no_user(
+    layout: Layout, store: Store, tmp_path: Path, root_dir: str
+) -> None:
+    """vLLM does not expand `~` in a JSON value, and reads a relative dir from its own cwd: a
+    server elsewhere whose root_dir merely reads as the namespace's does not keep it."""
+    a = make_ns(layout, store, "a", pages=3)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    server = _vllm_stand_in(root_dir.format(id=a), elsewhere, HOME=str(layout.root))
+    try:
+        out = cli("--root", str(layout.root), "purge", "--unbound", "--yes")
+        assert out.returncode == 0, out.stderr
+        assert not layout.ns_dir(a).exists()
+    finally:
+        server.communicate("", timeout=30)
+
+
+# A purge run as the CLI runs it, in a process of its own, that is killed (SIGKILL, by itself:
+# no handler, no finally runs) at a rename into .trash/, just before or just after it, as
+# test_purge.py's purges stopped right after each rename: os.rename (an unbound namespace's
+# move) or purge.exchange (a bound one's swap with its empty successor).
+_KILLED_PURGE = """
+import os, runpy, signal, sys
+import cachemgr.ns.purge as purge
+when, ns, root = sys.argv[1:4]
+
+def killed(real, into_trash):
+    def move(*args, **kw):
+        if not into_trash(args):
+            return real(*args, **kw)
+        if when == "before":
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(*args, **kw)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return move
+
+os.rename = killed(os.rename, lambda args: str(args[1]).startswith(ns + "."))
+purge.exchange = killed(purge.exchange, lambda args: True)
+sys.argv = ["cachemgr", "--root", root, "purge", "--namespace", ns, "--yes"]
+runpy.run_module("cachemgr", run_name="__main__")
+"""
+
+
+def _purge_audits(store: Store, ns: str) -> list[tuple[str, str, int, int]]:
+    rows = store.conn.execute(
+        "SELECT reason, actor, pages, bytes FROM audit WHERE action = 'purge' AND namespace_id = ?",
+        (ns,),
+    )
+    return [tuple(r) for r in rows]  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("bound", [False, True], ids=["unbound", "bound"])
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_purge_killed_at_its_rename_is_audited_once_if_it_moved(
+    layout: Layout, store: Store, settings: Settings, bound: bool, when: str
+) -> None:
+    """kill -9 right after the rename, before the transaction that records it commits: the
+    trash entry is drained later all the same, and the purge's audit row must not be lost
+    with it. The daemon's GC, at its start, writes it once; a later purge (of another
+    namespace) does not again. Killed right before the rename, nothing moved: no purge is
+    audited, then or later."""
+    ns = make_ns(layout, store, "a", pages=3, instance="srv" if bound else None)
+    other = make_ns(layout, store, "b", pages=1)
+    script = [sys.executable, "-c", _KILLED_PURGE, when, ns, str(layout.root)]
+    proc = subprocess.run(script, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    moved = when == "after"
+    assert bool(os.listdir(layout.trash)) == (moved or bound)  # (bound: its empty successor)
+    assert _purge_audits(store, ns) == []  # its transaction never committed
+    with running_daemon(settings):
+        wait_for(lambda: os.listdir(layout.trash), lambda left: left == [], timeout=30)
+    audited = [("manual", "cli", 3, 3 * PAGE_BYTES)] if moved else []
+    assert _purge_audits(store, ns) == audited
+    assert cli("--root", str(layout.root), "purge", "--namespace", other, "--yes").returncode == 0
+    assert _purge_audits(store, ns) == audited
+    assert _purge_audits(store, other) == [("manual", "cli", 1, PAGE_BYTES)]
+    if not moved:  # the namespace is as it was
+        assert len(os.listdir(layout.ns_dir(ns))) == 3

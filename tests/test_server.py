@@ -284,3 +284,37 @@ def test_uptime_stays_positive_when_the_wall_clock_steps_back(layout: Layout) ->
         status = dm.status()
         assert status["started_at"] == state.started_at
         assert 0 <= status["uptime_seconds"] < 600, status["uptime_seconds"]
+
+
+def test_a_purge_refused_for_an_unsafe_trash_is_the_roots_state_not_a_bad_request(
+    settings: Settings, layout: Layout, tmp_path: Path
+) -> None:
+    """<root>/.trash replaced by a symlink: the request is fine, the root is not. A 503 (as
+    every refusal for the root's or the state dir's state) naming .trash and the symlink, not a
+    400 telling the client to change its request; nothing moves, nothing outside is touched."""
+    d = register_namespace(layout, NS_A)
+    store_page(d, page_name(0))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep").write_bytes(b"not cachemgr's")
+    with running_daemon(settings) as dm:
+        layout.trash.rmdir()
+        layout.trash.symlink_to(elsewhere)
+        for route, body in (
+            ("/v1/purge", {"namespace": NS_A}),
+            (f"/v1/namespaces/{NS_A}/purge", None),
+        ):
+            r = dm.post(route, json=body)
+            assert r.status_code == 503, (route, r.text)
+            assert r.headers["content-type"] == PROBLEM
+            problem = r.json()
+            assert problem["title"] == "unsafe path in the cache root"
+            assert ".trash" in problem["detail"] and "symlink" in problem["detail"]
+    assert sorted(p.name for p in d.iterdir()) == [page_name(0)]
+    assert [p.name for p in elsewhere.iterdir()] == ["keep"]
+    purge = json.loads(committed_openapi())["paths"]["/v1/purge"]["post"]["responses"]
+    assert "unsafe" in purge["503"]["description"]
+
+
+def committed_openapi() -> str:
+    return (REPO / "api" / "openapi.json").read_text()

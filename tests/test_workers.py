@@ -122,4 +122,4 @@ def test_an_unexpected_error_in_a_route_is_a_problem_json_500(layout: Layout) ->
     finally:
         reader.close()
     assert r.status_code == 500 and r.headers["content-type"] == "application/problem+json"
-    assert r.json()["title"] == "internal error" and "broken" in r.json()["detail"]
+    assert r.json()["title"] == "internal error" and "broken" not in r.text.lower()

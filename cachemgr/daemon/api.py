@@ -32,6 +32,7 @@ class Problem(BaseModel):
     errors: list[dict[str, Any]] | None = None
     allow: list[str] | None = None  # with a 405: the methods the route takes
     hint: str | None = None
+    error_id: str | None = None  # with a 500: the id of its log line, which has the cause
 
 
 class Health(BaseModel):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+import secrets
 import traceback
 from collections.abc import Mapping
 from typing import Any
@@ -98,7 +99,8 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         422: "invalid request",
         500: "internal error",
         503: "the cache root cannot be written, or the state dir used, now (read-only, "
-        "permissions, a foreign lock)",
+        "permissions, a foreign lock), or a path in the root is unsafe (a symlink in place of "
+        ".trash/ or a namespace dir)",
     }.items()
 }
 
@@ -122,8 +124,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     def internal(request: Request, exc: Exception) -> JSONResponse:
-        # Starlette logs the traceback after this; the client gets problem+json, not text.
-        return problem(500, "internal error", f"{type(exc).__name__}: {exc}", request.url.path)
+        return internal_error(exc, request.method, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -175,11 +176,19 @@ class InternalErrors:
         except Exception as exc:
             if started:
                 raise
-            error = f"{type(exc).__name__}: {exc}"[:300]
-            where = {"method": scope["method"], "route": scope["path"], "where": _where(exc)}
-            log.error("http request failed", extra={**where, "error": error})
-            detail = f"the daemon failed on this request ({error}); its log has the line"
-            await problem(500, "internal error", detail, scope["path"])(scope, receive, send)
+            await internal_error(exc, scope["method"], scope["path"])(scope, receive, send)
+
+
+def internal_error(exc: Exception, method: str, path: str) -> JSONResponse:
+    """The 500 for an exception no handler answered, and its one log line. The exception's
+    text (a path, an SQL statement, a library's internals) goes to the log only: the body
+    says that the daemon failed and the id its log line carries, for the operator to find."""
+    error_id = secrets.token_hex(6)
+    error = f"{type(exc).__name__}: {exc}"[:300]
+    where = {"method": method, "route": path, "where": _where(exc), "error_id": error_id}
+    log.error("http request failed", extra={**where, "error": error})
+    detail = f"the daemon failed on this request; its log has the cause under error_id {error_id}"
+    return problem(500, "internal error", detail, path, error_id=error_id)
 
 
 def _where(exc: BaseException) -> str:

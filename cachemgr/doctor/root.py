@@ -21,6 +21,7 @@ from cachemgr.ns.purge import describe_trash
 from cachemgr.ns.quarantine import ns_root_problem
 from cachemgr.ns.registry import list_namespaces, on_disk
 from cachemgr.state import trash_sql
+from cachemgr.state.dbfile import corrupt_copies
 from cachemgr.state.store import Store
 from cachemgr.units import human_bytes
 
@@ -315,9 +316,7 @@ def filesystem_line(disk: DiskUsage) -> str:
 
 def _corrupt_db_copies(layout: Layout) -> list[Finding]:
     """State DBs found corrupt and moved aside (store.py) take disk space until someone looks."""
-    db = layout.db_path
-    aside = db.parent.glob(f"{db.name}.corrupt-*")  # and their -wal/-shm, not listed twice
-    copies = sorted(p for p in aside if p.name.rpartition("-")[2].isdigit())
+    copies = corrupt_copies(layout.db_path)
     what = "{} is a state DB found corrupt and moved aside; the index was rebuilt from disk"
     fix = "keep it for a bug report, or remove {} (and its -wal/-shm)"
     return [Finding("warning", "state-db-corrupt", what.format(p), fix.format(p)) for p in copies]

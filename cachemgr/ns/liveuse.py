@@ -1,18 +1,18 @@
 """Which running processes on this host use a namespace dir as their storage dir: named in
-their environment by a format's `dir_env` (SGLang's), or in their arguments (vLLM's fs tier's
-root_dir).
+their environment by a format's `dir_env` (SGLang's), or in their arguments by a format's
+`argv_dirs` (vLLM's fs tier's root_dir in `--kv-transfer-config`).
 
 Before `init` purges a namespace on an identity change it asks this: a live process whose
-environment names the dir, or one of whose arguments holds it as a JSON string (vLLM's
-`--kv-transfer-config` with `"root_dir": "<dir>"`), is a server still writing it (typically a
-second server on the same root under the same instance name), and purging would destroy its
-cache under it. A server that was stopped for the restart is gone from /proc, so the common
-restart is not affected.
+environment or arguments name the dir is a server still writing it (typically a second server
+on the same root under the same instance name), and purging would destroy its cache under it.
+A dir is compared as the server opens it: a relative one from the server's working dir
+(/proc/PID/cwd), normalized (a trailing or doubled slash, `..`), and with symlinks resolved; a
+`~` is left as the server leaves it (a literal dir name). A server that was stopped for the
+restart is gone from /proc, so the common restart is not affected.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -20,6 +20,7 @@ from cachemgr.formats import FORMATS
 
 # `VAR=` of each variable an engine's server reads its storage dir from.
 DIR_ENV_PREFIXES = tuple(f"{f.dir_env}=".encode() for f in FORMATS.values() if f.dir_env)
+ARGV_DIRS = tuple(f.argv_dirs for f in FORMATS.values() if f.argv_dirs)
 
 
 def _ancestors(proc: Path, pid: int) -> set[int]:
@@ -52,25 +53,36 @@ def _from_cwd(pid_dir: Path, value: str) -> str:
         return value  # not ours to read: as from ours, as before
 
 
-def _in_argv(pid_dir: Path, quoted: set[bytes]) -> bool:
-    """Whether an argument of the process holds one of `quoted` (the dir as a JSON string)."""
+def _env_dir(pid_dir: Path) -> str | None:
+    """The storage dir the process's environment names (a format's `dir_env`), if any."""
     try:
-        argv = (pid_dir / "cmdline").read_bytes()
+        environ = (pid_dir / "environ").read_bytes()
     except OSError:
-        return False
-    return any(q in argv for q in quoted)
+        return None  # gone, or not ours to read
+    for item in environ.split(b"\0"):
+        if item.startswith(DIR_ENV_PREFIXES):
+            return os.fsdecode(item.partition(b"=")[2])
+    return None
+
+
+def _argv_dirs(pid_dir: Path) -> list[str]:
+    """The storage dirs the process's arguments name (each format's `argv_dirs`)."""
+    try:
+        argv = [os.fsdecode(a) for a in (pid_dir / "cmdline").read_bytes().split(b"\0")]
+    except OSError:
+        return []
+    return [d for found in ARGV_DIRS for d in found(argv)]
 
 
 def live_users(ns_dir: Path, proc: Path = Path("/proc")) -> list[int]:
-    """PIDs whose environment sets a format's `dir_env` to `ns_dir`, or whose arguments hold
-    `"ns_dir"` (a vLLM launch cachemgr pointed there).
+    """PIDs whose environment sets a format's `dir_env` to `ns_dir`, or whose arguments name
+    it as a format's storage dir (a vLLM launch cachemgr pointed there), in any spelling the
+    process itself resolves to it.
 
     This process and its ancestors are left out. Processes we may not read (other users when
     not root, other PID namespaces) are not seen: a safety net for one host, not a lock.
     """
     wants = _spellings(str(ns_dir))
-    # As a JSON string: as written, and as json.dumps writes it (non-ASCII as \uXXXX).
-    quoted = {os.fsencode(f'"{want}"') for want in wants} | {json.dumps(w).encode() for w in wants}
     mine = _ancestors(proc, os.getpid())
     found = []
     try:
@@ -80,17 +92,10 @@ def live_users(ns_dir: Path, proc: Path = Path("/proc")) -> list[int]:
     for name in entries:
         if not name.isdigit() or int(name) in mine:
             continue
-        try:
-            environ = (proc / name / "environ").read_bytes()
-        except OSError:
-            continue  # gone, or not ours to read
-        for item in environ.split(b"\0"):
-            if item.startswith(DIR_ENV_PREFIXES):
-                value = _from_cwd(proc / name, os.fsdecode(item.partition(b"=")[2]))
-                if value and not _spellings(value).isdisjoint(wants):
-                    found.append(int(name))
-                break
-        else:
-            if _in_argv(proc / name, quoted):
+        pid_dir = proc / name
+        named = [_env_dir(pid_dir), *_argv_dirs(pid_dir)]
+        for value in (_from_cwd(pid_dir, v) for v in named if v):
+            if not _spellings(value).isdisjoint(wants):
                 found.append(int(name))
+                break
     return sorted(found)

@@ -39,10 +39,11 @@ from cachemgr.fs.locks import root_lock
 from cachemgr.fs.safe import make_dir, open_dir, open_dir_at, write_atomic_at
 from cachemgr.fs.tree import identities
 from cachemgr.layout import NS_DIR, TRASH_DIR, Layout
-from cachemgr.ns import bindings
+from cachemgr.ns import bindings, purge_intent
 from cachemgr.ns import registry as nsreg
 from cachemgr.ns.liveuse import live_users
 from cachemgr.ns.manifest import Manifest, read_manifest, write_manifest
+from cachemgr.ns.purge_intent import SWAPPED
 from cachemgr.ns.purge_plan import PurgePlan, PurgeTarget, Selector, plan_purge  # re-exported
 from cachemgr.ns.runcontext import DirUsers
 from cachemgr.ns.trash import (  # re-exported: purge and trash are one API for callers
@@ -54,6 +55,7 @@ from cachemgr.ns.trash import (  # re-exported: purge and trash are one API for 
     list_trash,
 )
 from cachemgr.state import pages_sql, trash_sql
+from cachemgr.state.intents_sql import Intent
 from cachemgr.state.store import Store
 
 __all__ = [
@@ -116,6 +118,7 @@ def execute_purge(
     done: list[Purged] = []
     run = _Run(actor, reason, now, in_use)
     with root_lock(layout):
+        purge_intent.settle_all(layout, store)  # of a purge killed before its commit
         for target in plan.targets:
             purged = _purge_one(plan, target, layout, store, run)
             if purged is not None:
@@ -139,7 +142,9 @@ def _purge_one(
     """Purge one target in one write transaction, taken before anything moves: a DB another
     process holds locked fails the purge before the rename (StateLocked, nothing changed), and
     once the rename (the commit point) is done, its rows and audit are written in the
-    transaction already held, before the caller answers. None: nothing left to do."""
+    transaction already held, before the caller answers. Its intent (the audit row) is
+    committed just before the rename (cachemgr.ns.purge_intent): a kill after the rename does
+    not lose it. None: nothing left to do."""
     with store.transaction():
         # Bindings are re-read under the lock: the plan may be older than a concurrent init.
         # In a fleet the lock is this node's only, and the plan took a count of every page:
@@ -159,7 +164,11 @@ def _purge_one(
         # What moves, for its drain's count: the live index's now, not the plan's (a bound
         # namespace is written to while a person reads the prompt).
         moved = pages_sql.namespace_usage(store.conn, target.ns_id) if plan.indexed else None
-        trash_name = rename_to_trash(layout, target.ns_id, recreate=kept)
+        found = purge_intent.dir_id(layout, target.ns_id)
+        intent = _intent(target, run, found or (0, 0))  # (0, 0): no dir, nothing to record
+        if found is not None:
+            purge_intent.record(store, intent)
+        trash_name = rename_to_trash(layout, target.ns_id, recreate=kept, name=intent.entry)
         removed, recreated = False, kept
         if not kept:
             removed = drop_unbound(layout, store, target.ns_id)
@@ -172,16 +181,26 @@ def _purge_one(
         pages, size = moved or (target.pages, target.bytes)
         if trash_name is not None and pages and layout.node is None:
             trash_sql.record(store.conn, trash_name, pages, size)
-        store.audit(
-            "purge",
-            namespace_id=target.ns_id,
-            reason=run.reason,
-            actor=run.actor,
-            pages=target.pages,
-            bytes_=target.bytes,
-            at=run.at(),
-        )
+        if found is None:  # nothing moved outside this transaction
+            purge_intent.audit(store, intent)
+        else:  # (unless a drain of its entry did meanwhile)
+            purge_intent.audit_once(store, intent)
     return Purged(target.ns_id, trash_name, recreated, removed, target.pages, target.bytes)
+
+
+def _intent(target: PurgeTarget, run: _Run, found: tuple[int, int]) -> Intent:
+    """The purge of `target` as its audit row will say, and the dir it moves (`found`)."""
+    return Intent(
+        entry=trash_name_for(target.ns_id),
+        namespace_id=target.ns_id,
+        reason=run.reason,
+        actor=run.actor,
+        pages=target.pages,
+        bytes=target.bytes,
+        at=run.at(),
+        dev=found[0],
+        ino=found[1],
+    )
 
 
 def manifest_or_none(layout: Layout, ns_id: str) -> Manifest | None:
@@ -249,15 +268,23 @@ def drop_unbound(layout: Layout, store: Store, ns_id: str) -> bool:
     return removed
 
 
-def rename_to_trash(layout: Layout, ns_id: str, *, recreate: bool) -> str | None:
-    """Move ns/<id> into .trash/ (None if it has no dir); recreate it empty if asked.
+def trash_name_for(ns_id: str) -> str:
+    """A new, unique name in .trash/ for ns/<id>."""
+    return f"{ns_id}.{time.time_ns():x}{secrets.token_hex(3)}"
+
+
+def rename_to_trash(
+    layout: Layout, ns_id: str, *, recreate: bool, name: str | None = None
+) -> str | None:
+    """Move ns/<id> into .trash/ (None if it has no dir), as `name` (default: a new one; a
+    dir recreated empty makes it `name` + "n"); recreate it empty if asked.
 
     The empty dir is made first, in .trash/ (a crash leaves an empty entry the drain removes),
     and swapped with ns/<id> in one step (cachemgr.fs.exchange; two renames where the
     filesystem cannot): a full disk then fails the purge before anything moved, and no kill
     leaves a bound instance without its dir (a rename needs no new blocks; a mkdir does).
     """
-    trash_name = f"{ns_id}.{time.time_ns():x}{secrets.token_hex(3)}"
+    trash_name = name or trash_name_for(ns_id)
     with open_dir(layout.root, NS_DIR) as ns_fd, open_dir(layout.root, TRASH_DIR) as trash_fd:
         try:
             st = os.stat(ns_id, dir_fd=ns_fd, follow_symlinks=False)
@@ -265,7 +292,7 @@ def rename_to_trash(layout: Layout, ns_id: str, *, recreate: bool) -> str | None
             st = None
         if st is not None and not stat.S_ISDIR(st.st_mode):
             raise UnsafePathError(f"{layout.ns_dir(ns_id)} is not a directory; left alone")
-        fresh = _empty_dir(layout, trash_fd, f"{trash_name}n") if recreate else None
+        fresh = _empty_dir(layout, trash_fd, f"{trash_name}{SWAPPED}") if recreate else None
         if fresh is not None and st is not None:
             _carry_identities(ns_fd, ns_id, trash_fd, fresh)
             if _swap(layout, ns_fd, ns_id, trash_fd, fresh):

@@ -27,6 +27,7 @@ from cachemgr.fs.dirscan import Usage, scan_usage
 from cachemgr.fs.safe import open_dir
 from cachemgr.fs.tree import format_in, tree_chunks
 from cachemgr.layout import Layout
+from cachemgr.ns.purge_intent import settle_entry
 from cachemgr.ns.runcontext import RunContext
 from cachemgr.state import trash_sql
 from cachemgr.state.store import Store
@@ -225,6 +226,8 @@ def drain_entry(
     `min_age` stay (GC's drops pass its min_age; a purge's drain deletes everything).
     """
     dry_run = run.dry_run
+    if not dry_run:  # the purge that moved it here was killed before it recorded so
+        settle_entry(run.layout, run.store, entry)
     counted = not dry_run and audit_as is not None  # (GC's drops record no count)
     count = _CountDown(run.store, entry, progress) if counted else None
     try:

@@ -1,7 +1,9 @@
 """The state DB as a file: which file the path names, its lock, and moving a corrupt one aside.
 
-A corrupt DB is only ever moved (to <name>.corrupt-<unix time>, with its -wal/-shm), never
-deleted: it holds the audit history, and `doctor` lists such copies.
+A corrupt DB is moved (to <name>.corrupt-<unix time>, with its -wal/-shm), not deleted: it holds
+the audit history, and `doctor` lists such copies. Only the newest KEEP_CORRUPT are kept: a DB
+corrupted again and again (a failing disk, a tool that keeps writing it) left one copy each,
+as big as the DB, until the state dir was full.
 """
 
 from __future__ import annotations
@@ -9,7 +11,9 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import re
 import sqlite3
+import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -22,6 +26,7 @@ from cachemgr.layout import DB_SUFFIXES, recover_lock
 
 log = logging.getLogger(__name__)
 FileId = tuple[int, int]
+KEEP_CORRUPT = 3  # corrupt copies kept, the newest: each holds the audit history up to it
 
 
 @contextmanager
@@ -117,7 +122,48 @@ def quarantine(path: Path, found: FileId | None, why: BaseException) -> Path | N
             "state DB was corrupt; moved it aside and started a fresh one, rebuilt from disk",
             extra={"moved_to": str(aside), "error": str(why)},
         )
+        _drop_old_copies(path)
         return aside
+
+
+def corrupt_copies(db: Path) -> list[Path]:
+    """The copies `quarantine` moved `db` to (regular files of its names only), oldest first;
+    their -wal/-shm/-journal not listed."""
+    name = re.compile(rf"{re.escape(db.name)}\.corrupt-(\d+)(?:-(\d+))?")
+    found = []
+    try:
+        entries = list(os.scandir(db.parent))
+    except OSError:
+        return []  # no state dir yet, or not ours to read (doctor says so on its own)
+    for entry in entries:
+        m = name.fullmatch(entry.name)
+        if m and entry.is_file(follow_symlinks=False):
+            found.append(((int(m[1]), int(m[2] or 1)), Path(entry.path)))
+    return [p for _, p in sorted(found)]
+
+
+def _drop_old_copies(db: Path) -> None:
+    """Remove all but the newest KEEP_CORRUPT copies of `db`, each with its -wal/-shm/-journal
+    (regular files of exactly those names, nothing else), and say which in the log."""
+    removed = []
+    for copy in corrupt_copies(db)[:-KEEP_CORRUPT]:
+        try:
+            for f in (Path(f"{copy}{suffix}") for suffix in DB_SUFFIXES):
+                with suppress(FileNotFoundError):
+                    if stat.S_ISREG(os.lstat(f).st_mode):
+                        os.unlink(f)
+        except OSError as e:  # the recovery goes on: the copy stays, and doctor lists it
+            log.warning(
+                "could not remove an old corrupt state DB copy",
+                extra={"copy": str(copy), "error": e.strerror},
+            )
+            continue
+        removed.append(copy.name)
+    if removed:
+        log.warning(
+            "removed older corrupt state DB copies, keeping the newest",
+            extra={"removed": removed, "kept": KEEP_CORRUPT, "dir": str(db.parent)},
+        )
 
 
 def quick_check(conn: sqlite3.Connection) -> None:

@@ -335,6 +335,13 @@ class Store:
             raise
         self.conn.execute("COMMIT")
 
+    def commit_and_begin(self) -> None:
+        """Inside `transaction()`: commit what it wrote so far and begin again (waiting for the
+        write lock as it did), for a row that must be durable before a change outside the DB
+        (a purge's intent, before its rename). StateLocked: the rest of the block never ran."""
+        self.conn.execute("COMMIT")
+        self._begin(self.patience)
+
     def _begin(self, patience: float) -> None:
         """BEGIN IMMEDIATE, waiting out another connection's write lock in short busy
         timeouts with backoff; the wait is counted, and its first logged (state.busy)."""

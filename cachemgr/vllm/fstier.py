@@ -35,6 +35,7 @@ import json
 import re
 
 from cachemgr.backends import FileFormat, Nesting, ScanRules
+from cachemgr.vllm.tier import root_dirs_in_argv
 
 IDENTITY_FILE = "config.json"
 DIGEST_HEX = 12
@@ -94,4 +95,5 @@ VLLM_FS_TIER = FileFormat(
         vouches=vouches,
     ),
     write_order=False,
+    argv_dirs=root_dirs_in_argv,
 )

@@ -17,7 +17,8 @@ refused with the reason: cachemgr would report a namespace nothing writes to.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+import json
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -183,3 +184,20 @@ def _fs_tiers_in(value: Any, nesting: int = 0) -> Iterator[dict[str, Any]]:
         elif not isinstance(value, list):  # an extra config (a dotted key's part: whose, unknown)
             yield from _extra_tiers(item)
             yield from _fs_tiers_in(item.get(CONNECTORS), nesting + 1)
+
+
+def root_dirs_in_argv(argv: Sequence[str]) -> list[str]:
+    """The root_dir of every fs tier in a command's arguments, as written: in each JSON value
+    among them (`--kv-transfer-config '{…}'` or `=…`, a dotted key's `'[{"type": "fs", …}]'`).
+    Any fs tier counts, one vLLM would not run too: it answers who may still write a dir."""
+    found = []
+    for arg in argv:
+        text = arg.partition("=")[2] if arg.startswith("--") else arg
+        if not text.lstrip().startswith(("{", "[")):
+            continue
+        try:
+            tiers = list(_fs_tiers_in(json.loads(text)))
+        except (ValueError, RecursionError, ConfigError):
+            continue  # not JSON, or nested past what vLLM's config would be
+        found += [t["root_dir"] for t in tiers if isinstance(t.get("root_dir"), str)]
+    return found

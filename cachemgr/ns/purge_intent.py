@@ -1,0 +1,97 @@
+"""A purge's audit row, recorded before its rename, so that a kill between the two loses none.
+
+A purge renames ns/<id> into .trash/ (outside the DB), then commits the rows that say so, the
+`purge` audit row among them. Killed (kill -9, OOM) between the two, it left a trash entry that
+a drain deleted later, and no row saying a purge had happened. So a purge commits its intent
+first: the entry's name, the dir's (dev, ino), the audit row's fields. Whoever deletes the
+intent writes the audit row, in one transaction, so it is written once: the purge's own
+transaction; a drain about to delete the entry (GC's, at the daemon's start too, or a purge's)
+that finds the intent's dir there; the next purge, under the root lock, which writes it if
+the dir left ns/<id>, and else drops the intent (killed before the rename: nothing happened).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+
+from cachemgr.layout import Layout
+from cachemgr.state import intents_sql
+from cachemgr.state.intents_sql import Intent
+from cachemgr.state.store import Store
+
+log = logging.getLogger(__name__)
+SWAPPED = "n"  # a recreated namespace's old dir gets its trash name + this (purge._empty_dir)
+
+
+def record(store: Store, intent: Intent) -> None:
+    """Commit `intent` inside the purge's transaction, which goes on (before the rename)."""
+    intents_sql.insert(store.conn, intent)
+    store.commit_and_begin()
+
+
+def audit_once(store: Store, intent: Intent) -> bool:
+    """Delete the intent and write its `purge` audit row, unless another connection did it
+    first (then False). Call inside a transaction."""
+    if not intents_sql.delete(store.conn, intent.entry):
+        return False
+    audit(store, intent)
+    return True
+
+
+def audit(store: Store, intent: Intent) -> None:
+    """Write the `purge` audit row `intent` stands for. Call inside a transaction."""
+    store.audit(
+        "purge",
+        namespace_id=intent.namespace_id,
+        reason=intent.reason,
+        actor=intent.actor,
+        pages=intent.pages,
+        bytes_=intent.bytes,
+        at=intent.at,
+    )
+
+
+def settle_entry(layout: Layout, store: Store, entry: str) -> None:
+    """Before .trash/<entry> is deleted: write the audit row of the purge that moved it there
+    if that purge never committed. Only if the entry is the intent's dir: a purge killed
+    after it made its empty successor but before the swap left that one under the name."""
+    for intent in intents_sql.pending(store.conn, entry.removesuffix(SWAPPED)):
+        if _dir_id(layout, f".trash/{entry}") == (intent.dev, intent.ino):
+            with store.transaction(patience=float("inf")):  # the entry is about to go
+                if audit_once(store, intent):
+                    _audited_late(intent, entry)
+
+
+def settle_all(layout: Layout, store: Store) -> None:
+    """Under the root lock (no purge between its intent and its rename): each intent of a purge
+    killed before its commit gets its audit row if its dir left ns/<id>, else is dropped."""
+    for intent in intents_sql.pending(store.conn):
+        moved = _dir_id(layout, f"ns/{intent.namespace_id}") != (intent.dev, intent.ino)
+        with store.transaction():
+            if not moved:
+                intents_sql.delete(store.conn, intent.entry)
+            elif audit_once(store, intent):
+                _audited_late(intent, intent.entry)
+
+
+def dir_id(layout: Layout, ns_id: str) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of ns/<id>, None if it is no dir (nothing to rename)."""
+    return _dir_id(layout, f"ns/{ns_id}")
+
+
+def _dir_id(layout: Layout, rel: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(layout.root / rel, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
+
+
+def _audited_late(intent: Intent, entry: str) -> None:
+    log.warning(
+        "a purge was killed after it moved a namespace and before it recorded that; "
+        "its audit row is written now",
+        extra={"namespace": intent.namespace_id, "entry": entry, "actor": intent.actor},
+    )
