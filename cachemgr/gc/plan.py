@@ -181,7 +181,7 @@ def _plan(
         except UnsafePathError as e:
             warnings.append(f"ns/{ns_id} not dropped: {e}")
             continue
-        young = sum(too_young(m, policy.min_age, now) for _, m in pages.values()) + sum(
+        young = sum(too_young(f.mtime, policy.min_age, now) for f in pages.values()) + sum(
             too_young(t.mtime, policy.min_age, now) for t in ns_temps
         )
         if young:  # the whole namespace waits: a drop never leaves part of one behind
@@ -189,7 +189,7 @@ def _plan(
             warnings.append(f"ns/{ns_id} not dropped yet: {young} files younger than min_age")
             continue
         names = tuple(sorted([*pages, *(t.name for t in ns_temps)]))
-        sizes = {n: s for n, (s, _) in pages.items()} | {t.name: t.size for t in ns_temps}
+        sizes = {n: f.size for n, f in pages.items()} | {t.name: t.size for t in ns_temps}
         drop = GcStep(reason, f"ns/{ns_id}", ns_id, names, 0, policy.min_age, True)
         drops.append(after.without(drop, sizes))
     if sweep:
