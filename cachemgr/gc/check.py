@@ -52,7 +52,8 @@ def needs_gc(
     gone = {ns for ns, _ in dropped}
     usage = {ns: b for ns, b in pages_sql.namespace_bytes(conn).items() if ns not in gone}
     disk = DiskUsage(*disk_usage(layout.root))
-    files = file_counts(conn, layout, usage, Earlier()).with_writer(ahead + pending, usage)
+    files = file_counts(conn, layout, usage, Earlier(), gone=gone)
+    files = files.with_writer(ahead + pending, usage)
     limits = over_limits(policy, usage, disk, ahead=ahead, pending=pending, files=files)
     if limits.namespaces:
         reasons.append("cap")

@@ -223,7 +223,8 @@ def _plan(
     limits = over_limits(
         policy, live, disk, counted=counted, ahead=ahead, pending=pending, kept=kept
     )
-    files = file_counts(conn, layout, live, after, alone).with_writer(ahead + pending, usage)
+    files = file_counts(conn, layout, live, after, alone, gone)
+    files = files.with_writer(ahead + pending, usage)
     chains = daemon.model
     if chains is None:  # a one-off run reads the page rows only if pages must go
         over = bool(limits.namespaces) or limits.root is not None
@@ -323,12 +324,20 @@ def file_counts(
     live: Collection[str],
     after: Earlier,
     alone: Collection[str] = (),
+    gone: Collection[str] = (),
 ) -> Files:
     """Page files of each live namespace by the index (less those `after` deletes), and of
     each one left `alone`, which namespaces keep them in one dir, and the root filesystem's
-    inodes (plus those `after` frees): what the file limits are kept on."""
+    inodes (plus those `after` frees): what the file limits are kept on. A namespace dir with
+    no page left but other files counts as live with 0 pages, unless `gone` (dropped whole)."""
     indexed = pages_sql.namespace_file_counts(conn)
     counts = {ns: n for ns, n in indexed.items() if ns in live}
+    # Its other files still fill its dir's index once GC took every page: that entry limit
+    # stays crossed (unmet, nothing left to evict), as doctor and the ratio metric say it,
+    # not out of GC's view because the index counts no page (its gauge went back to 0).
+    bare = set(pages_sql.namespace_other_files(conn)) - {*indexed, *alone, *gone}
+    if bare:
+        counts |= {ns: 0 for ns in namespace_dirs(layout) if ns in bare}
     kept = {ns: n for ns, n in indexed.items() if ns in alone}
     for rel, _ in after.files:
         ns = rel.removeprefix("ns/")
