@@ -308,12 +308,16 @@ class Settings(BaseSettings):
         "http_max_connections",
         "http_fd_reserve",
         "http_keep_alive_timeout",
+        "gc_max_files",
+        "gc_namespace_max_files",
         "gc_keep_unbound",
+        "fleet_buffer",
         mode="before",
     )
     @classmethod
     def _whole_number(cls, value: Any) -> Any:
-        # pydantic reads "1.0" (and 1.0) as 1: CACHEMGR_PORT=1.0 would serve on port 1.
+        # pydantic reads "1.0" (and 1.0) as 1: CACHEMGR_PORT=1.0 would serve on port 1, and
+        # CACHEMGR_GC_MAX_FILES=1.0 was a cap of one file, a GC that deleted the whole cache.
         if isinstance(value, float) or (isinstance(value, str) and not _INTEGER.fullmatch(value)):
             raise ValueError("must be a whole number, without a decimal point")
         return value

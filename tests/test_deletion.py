@@ -282,3 +282,18 @@ def test_delete_dir_lists_a_big_dir_a_chunk_at_a_time_and_empties_it(
     (entry / ("zz" + names[0].rpartition("/")[2] + ".keep")).unlink()
     assert delete_dir(root, ".trash/0123456789abcdef.1", fmt=fmt).files == 0
     assert not entry.exists()  # emptied: its dirs and the entry go
+
+
+def test_a_hard_linked_page_is_deleted_and_frees_nothing(tree: Path, tmp_path: Path) -> None:
+    """A page with another name (an operator's `cp -al` backup on the same filesystem) goes
+    from the cache, but its bytes and inode stay in use: the report counts it deleted and
+    linked, and not in the bytes freed; a dry run says the same."""
+    ns = tree / "ns" / "0123456789abcdef"
+    backup = tmp_path / "backup"
+    backup.mkdir()
+    os.link(ns / PAGES[0], backup / PAGES[0])
+    dry = delete_files(tree, "ns/0123456789abcdef", PAGES[:2], dry_run=True)
+    report = delete_files(tree, "ns/0123456789abcdef", PAGES[:2])
+    for r in (dry, report):
+        assert (r.files, r.bytes, r.linked, r.linked_bytes) == (2, 100, 1, 100)
+    assert not (ns / PAGES[0]).exists() and (backup / PAGES[0]).stat().st_nlink == 1

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from cachemgr.daemon.metrics import CachemgrCollector
+from cachemgr.daemon.metrics import CachemgrCollector, Parts
 from cachemgr.doctor.dirindex import lint_dir_entries
 from cachemgr.fs.dirlimit import DirIndex, dir_index, flat_dir_limit, page_name_len, tree_capacity
 from cachemgr.fs.usage import inode_usage
@@ -407,3 +407,44 @@ def test_a_dir_full_of_other_files_is_an_unmet_entry_limit(tmp_path: Path) -> No
     assert not report.held
     assert [(u.reason, u.namespace_id, u.excess) for u in report.unmet] == [("dir_full", NS, 12)]
     assert len(left) == 80
+
+
+def test_a_dir_full_of_other_files_stays_unmet_once_its_pages_are_gone(tmp_path: Path) -> None:
+    """The run that evicts every page leaves dir_full unmet; the daemon's next ticks found the
+    namespace without pages out of GC's view, counted nothing crossed and set
+    cachemgr_gc_limits_unmet{limit="dir_full"} back to 0, while the dir was as full (doctor
+    and cachemgr_namespace_dir_entries_limit_ratio still said so)."""
+    tree = Tree.at(tmp_path / "root")
+    try:
+        tree.write(NS, [page(i) for i in range(60)], at=T0)
+        for i in range(80):
+            (tree.dir(NS) / f"notes-{i}.txt").write_text("an operator's file\n")
+        scan_root(tree.layout, tree.store)
+        runner = GcRunner(tree.layout, tree.store, policy(dir_entries=Entries(100)))
+
+        @contextmanager
+        def reader() -> Iterator[sqlite3.Connection]:
+            yield tree.store.conn
+
+        reg = CollectorRegistry(auto_describe=False)
+        reg.register(CachemgrCollector(runner.layout, reader, Parts(gc=runner)))
+        runner.last_sweep = math.inf  # (no sweep due: this is about the limits)
+        try:
+            for _ in range(3):
+                runner.tick()
+                scan_root(tree.layout, tree.store)  # the daemon's index, after the deletions
+                unmet = [(u.reason, u.namespace_id, u.excess) for u in runner.stats.unmet]
+                assert unmet == [("dir_full", NS, 12)]
+                assert reg.get_sample_value("cachemgr_gc_limits_unmet", {"limit": "dir_full"}) == 1
+            assert tree.files(NS) == {f"notes-{i}.txt" for i in range(80)}
+            (tree.dir(NS) / "notes-0.txt").unlink()  # the operator moves some out
+            for i in range(1, 20):
+                (tree.dir(NS) / f"notes-{i}.txt").unlink()
+            scan_root(tree.layout, tree.store)
+            runner.tick()
+            assert runner.stats.unmet == ()
+            assert reg.get_sample_value("cachemgr_gc_limits_unmet", {"limit": "dir_full"}) == 0
+        finally:
+            runner.leadership.release()
+    finally:
+        tree.store.close()

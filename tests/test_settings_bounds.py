@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cachemgr.settings import unknown_env_vars
+from cachemgr.settings import Settings, unknown_env_vars
 from cachemgr.units import parse_duration
 from tests.nsfixtures import run_main
 
@@ -45,6 +45,11 @@ OUT_OF_RANGE = [
     ("http_fd_reserve", "256.0", "must be a whole number"),
     ("gc_keep_unbound", "2.0", "must be a whole number"),
     ("hash_workers", "4.0", "must be a whole number"),
+    # CACHEMGR_GC_MAX_FILES=1.0 was a cap of one file: a GC that deleted the whole cache.
+    ("gc_max_files", "1.0", "must be a whole number"),
+    ("gc_max_files", "1e6", "must be a whole number"),
+    ("gc_namespace_max_files", "1.5", "must be a whole number"),
+    ("fleet_buffer", "100000.0", "must be a whole number"),
     ("sglang_url", "localhost:30000", "http:// or https:// URL"),
     # Often meant as "no cap": it evicted every page at start.
     ("gc_max_bytes", "0", "leave it unset for no cap"),
@@ -56,6 +61,13 @@ OUT_OF_RANGE = [
 
 
 pytestmark = pytest.mark.usefixtures("no_caller_settings")
+
+
+def test_every_integer_setting_refuses_a_decimal() -> None:
+    """A new integer setting is held to it too: the file counts, added later, were not."""
+    integers = {n for n, f in Settings.model_fields.items() if f.annotation in (int, int | None)}
+    decimals = {name for name, _, says in OUT_OF_RANGE if says == "must be a whole number"}
+    assert integers == decimals
 
 
 @pytest.mark.parametrize(("name", "value", "says"), OUT_OF_RANGE)
@@ -152,6 +164,9 @@ def test_toml_values_of_the_right_types_are_taken(
         ("--delete-rate", "1e-300", "gc_delete_rate", "greater than or equal to 1"),
         ("--tmp-ttl", "-1s", "gc_tmp_ttl", "must not be negative"),
         ("--max-bytes", "10EB", "gc_max_bytes", "less than or equal to"),
+        # as the settings read it, not click's own message (its usage lines, a second name)
+        ("--max-files", "1.0", "gc_max_files", "must be a whole number"),
+        ("--namespace-max-files", "1e6", "gc_namespace_max_files", "must be a whole number"),
     ],
 )
 def test_an_out_of_range_flag_is_one_line_exit_2(

@@ -37,7 +37,10 @@
 #define MAX_THREADS 16
 
 /* One name's outcome; mirrored as cachemgr.fs.deletion's Outcome. */
-enum status { DELETED, VANISHED, YOUNG, NOT_REGULAR, STAT_ERROR, UNLINK_ERROR, NOT_REACHED };
+enum status {
+    DELETED, VANISHED, YOUNG, NOT_REGULAR, STAT_ERROR, UNLINK_ERROR, NOT_REACHED,
+    LINKED /* deleted, but another hard link keeps the data: no block nor inode freed */
+};
 
 typedef struct {
     int dir_fd, parent_fd, dry_run, nice;
@@ -127,7 +130,7 @@ static int dry_refusal(int dir_fd, const char *name, const struct stat *st) {
 }
 
 /* Steps 1-3 for `name` in dir_fd, step 2 being here(ctx): the status (NOT_REACHED: the dir
- * moved, nothing unlinked), with *value the size (DELETED) or an errno (the errors). */
+ * moved, nothing unlinked), with *value the size (DELETED, LINKED) or an errno (the errors). */
 static int check_one(int dir_fd, const char *name, double min_age, double now, int dry_run,
                      int (*here)(const void *), const void *ctx, long long *value) {
     struct stat st;
@@ -152,7 +155,10 @@ static int check_one(int dir_fd, const char *name, double min_age, double now, i
         if (unlinkat(dir_fd, name, 0) != 0)
             return *value = errno, errno == ENOENT ? VANISHED : UNLINK_ERROR;
     }
-    return *value = (long long)st.st_size, DELETED;
+    /* Another name for the same inode (an operator's `cp -al` backup on this filesystem)
+     * keeps its blocks and the inode itself: the unlink removed the page, and freed nothing. */
+    *value = (long long)st.st_size;
+    return st.st_nlink > 1 ? LINKED : DELETED;
 }
 
 static int batch_here(const void *b) { return still_here(b); }
@@ -234,7 +240,8 @@ PyDoc_STRVAR(unlink_batch_doc,
     "Check and unlink `names` relative to dir_fd, whose entry `leaf` in parent_fd must stay\n"
     "the dir (dev, ino); parent_fd -1: no such check. Status: 0 deleted (value: size),\n"
     "1 vanished, 2 young, 3 not a regular file, 4 stat error (errno), 5 unlink error (errno;\n"
-    "stops the batch), 6 not reached (the batch stopped first). `moved`: the dir left its\n"
+    "stops the batch), 6 not reached (the batch stopped first), 7 deleted but another hard\n"
+    "link keeps its data (value: size; nothing freed). `moved`: the dir left its\n"
     "parent's entry. The work runs on `threads` threads at niceness `nice`. Names must be\n"
     "UTF-8 (the caller's shape check admits ASCII only).");
 

@@ -97,13 +97,17 @@ class Checked:
     young: int = 0
     refused: list[tuple[str, Refusal]] = field(default_factory=list)
     error: OSError | None = None  # an unlink failed (not for a vanished file): the run stops
+    # Of the names unlinked, those another hard link keeps (st_nlink > 1: a `cp -al` backup
+    # on the same filesystem), and their size: the page is gone, no byte or inode freed.
+    linked: int = 0
+    linked_bytes: int = 0
 
     def refuse(self, name: str, why: str, reason: RefusalReason, files: int = 1) -> None:
         self.refused.append((name, Refusal(why, reason, files)))
 
 
 # What _unlink.unlink_batch says of each name.
-DELETED, VANISHED, YOUNG, NOT_REGULAR, STAT_ERROR, UNLINK_ERROR, NOT_REACHED = range(7)
+DELETED, VANISHED, YOUNG, NOT_REGULAR, STAT_ERROR, UNLINK_ERROR, NOT_REACHED, LINKED = range(8)
 NO_PARENT = -1  # Where.parent_fd of a dir with no parent to check (cachemgr's own temp dirs)
 # The unlinking threads' niceness: on a busy machine they yield the CPU to the daemon's HTTP
 # thread (a /metrics scrape during a mass eviction) and to SGLang's own threads.
@@ -143,8 +147,8 @@ class UnlinkRules:
 def check_and_unlink(
     where: Where, names: list[str], rules: UnlinkRules, out: Checked
 ) -> tuple[list[tuple[str, int]], bool]:
-    """Check each name and unlink those that pass (not in a dry run): (name, size) of those,
-    and whether the dir left its parent's entry (the rest of the part is then not reached).
+    """Check each name and unlink those that pass (not in a dry run): (name, bytes freed) of
+    those, and whether the dir left its parent's entry (the rest of the part is then not reached).
 
     The name's shape is checked here; in C, per file: a regular file (lstat, no link
     followed), older than `rules.min_age` (0: no age rule), the dir still in its place, then
@@ -173,10 +177,14 @@ def shaped_as(names: list[str], ours: Names) -> list[bool]:
 
 
 def tally(name: str, status: int, value: int, ok: list[tuple[str, int]], out: Checked) -> None:
-    """Put one name's outcome from _unlink (status, value) in `ok` (deleted: name, size) or
-    `out`."""
+    """Put one name's outcome from _unlink (status, value) in `ok` (deleted: name, bytes
+    freed) or `out`."""
     if status == DELETED:
         ok.append((name, value))
+    elif status == LINKED:  # gone from the cache, its data kept by another link: 0 freed
+        ok.append((name, 0))
+        out.linked += 1
+        out.linked_bytes += value
     elif status == VANISHED:
         out.vanished.append(name)
     elif status == YOUNG:

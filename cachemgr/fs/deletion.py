@@ -59,13 +59,17 @@ LISTED = 1 << 16  # names of a dir being emptied listed at a time (delete_dir)
 class DeleteReport:
     """What a deletion did (or, in a dry run, would do)."""
 
-    files: int = 0
-    bytes: int = 0
+    files: int = 0  # names unlinked
+    bytes: int = 0  # bytes freed: a file another hard link keeps frees none (`linked`)
     vanished: int = 0  # gone before we got to it: someone else deleted it, not an error
     young: int = 0  # kept: modified more recently than min_age
     refused: tuple[str, ...] = ()  # kept: not a page/temp name, not a regular file, no access
     dry_run: bool = False
     stopped: bool = False  # ended early by `Listeners.stop`: the rest of the names stay
+    # Of `files`, those with another hard link (st_nlink > 1: an operator's `cp -al` backup on
+    # the same filesystem), and their size: unlinked, they freed no byte and no inode.
+    linked: int = 0
+    linked_bytes: int = 0
 
     def __add__(self, other: DeleteReport) -> DeleteReport:
         return DeleteReport(
@@ -76,6 +80,8 @@ class DeleteReport:
             self.refused + other.refused,
             self.dry_run or other.dry_run,
             self.stopped or other.stopped,
+            self.linked + other.linked,
+            self.linked_bytes + other.linked_bytes,
         )
 
 
@@ -208,7 +214,17 @@ def delete_files(
     if stopped:
         refused += (Refusal(_moved(rel_dir), "unsafe"),)
     vanished, young = len(checked.vanished), checked.young
-    return DeleteReport(files, size, vanished, young, refused, dry_run, stopped=halted)
+    return DeleteReport(
+        files,
+        size,
+        vanished,
+        young,
+        refused,
+        dry_run,
+        stopped=halted,
+        linked=checked.linked,
+        linked_bytes=checked.linked_bytes,
+    )
 
 
 def _emptied(fd: int) -> bool:
@@ -381,5 +397,12 @@ def delete_own_temps(
         raise checked.error
     refused = tuple(why.at(f"{rel_dir}/{name}: {why}") for name, why in checked.refused)
     return DeleteReport(
-        len(ok), sum(n for _, n in ok), len(checked.vanished), checked.young, refused, dry_run
+        len(ok),
+        sum(n for _, n in ok),
+        len(checked.vanished),
+        checked.young,
+        refused,
+        dry_run,
+        linked=checked.linked,
+        linked_bytes=checked.linked_bytes,
     )

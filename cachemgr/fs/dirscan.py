@@ -109,6 +109,7 @@ class Listed(NamedTuple):
     size: int
     mtime: float
     key_len: int  # of a page file: its name's first key_len characters name its page; temps 0
+    links: int = 1  # its names on the filesystem: with another, deleting it frees nothing
 
 
 PAGES = frozenset({FileKind.PAGE})
@@ -159,4 +160,4 @@ def _list_dir(fd: int, path: str, kinds: frozenset[FileKind], fmt: FileFormat) -
             if stat.S_ISREG(st.st_mode):
                 # a nested page's key is its whole path (cachemgr.backends)
                 klen = len(path) + len(name) if path and key_len else key_len or 0
-                yield Listed(kind, path + name, st.st_size, st.st_mtime, klen)
+                yield Listed(kind, path + name, st.st_size, st.st_mtime, klen, st.st_nlink)

@@ -38,7 +38,7 @@ def check_and_unlink_dirs(
     out: Checked,
 ) -> tuple[list[tuple[str, int]], bool]:
     """check_and_unlink for the files of several dirs below `where` (names come back as paths
-    below it): (path, size) of those deleted, and whether a dir left its parent's entry."""
+    below it): (path, bytes freed) of those deleted, and whether a dir left its parent's entry."""
     what = rules.ours[1]
     shaped: list[list[str]] = []
     for sub, names in part:

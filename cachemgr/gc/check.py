@@ -7,7 +7,7 @@ import contextlib
 import shutil
 import sqlite3
 
-from cachemgr.errors import UnsafePathError
+from cachemgr.errors import StateLocked, UnsafePathError
 from cachemgr.fs.usage import DiskUsage, DiskUsageFn
 from cachemgr.gc import find as gcfind
 from cachemgr.gc.plan import Earlier, file_counts
@@ -22,8 +22,8 @@ from cachemgr.gc.policy import (
 from cachemgr.layout import Layout
 from cachemgr.ns import registry as nsreg
 from cachemgr.ns.trash import list_trash
-from cachemgr.state import pages_sql
-from cachemgr.state.store import Store
+from cachemgr.state import busy, pages_sql
+from cachemgr.state.store import BUSY_TIMEOUT, Store
 
 
 def needs_gc(
@@ -52,7 +52,8 @@ def needs_gc(
     gone = {ns for ns, _ in dropped}
     usage = {ns: b for ns, b in pages_sql.namespace_bytes(conn).items() if ns not in gone}
     disk = DiskUsage(*disk_usage(layout.root))
-    files = file_counts(conn, layout, usage, Earlier()).with_writer(ahead + pending, usage)
+    files = file_counts(conn, layout, usage, Earlier(), gone=gone)
+    files = files.with_writer(ahead + pending, usage)
     limits = over_limits(policy, usage, disk, ahead=ahead, pending=pending, files=files)
     if limits.namespaces:
         reasons.append("cap")
@@ -62,6 +63,23 @@ def needs_gc(
     if limits.root_files is not None and limits.files_budget.reason not in reasons:
         reasons.append(limits.files_budget.reason)
     return tuple(reasons)
+
+
+def index_current(pending: int) -> int:
+    """`pending` (bytes stored that the index has not applied), or StateLocked if another
+    process has held the state DB's write lock longer than a write waits while any are: the
+    index the check reads then lags the disk, and it found no limit crossed (a cap of 300
+    pages went to 2,600 during a 30 s lock), a success each tick. Failing, the daemon's cycle
+    says so (one log line naming the holder, cachemgr_gc_runs_total; last_success stays, so
+    CachemgrGCFailing fires); GC could delete nothing it can record anyway. The floor is kept
+    by its pass, which needs no DB."""
+    holder = busy.LOCKS.held_elsewhere(BUSY_TIMEOUT)
+    if holder is not None and pending > 0:
+        raise StateLocked(
+            f"GC cannot hold the caps: the state DB is write-locked by {holder}, and the "
+            "index lags the pages stored since; GC checks again once it is free"
+        )
+    return pending
 
 
 def room(

@@ -28,7 +28,7 @@ from cachemgr.gc.find import step_format
 from cachemgr.gc.pagestore import PageId
 from cachemgr.gc.plan import GcPlan
 from cachemgr.gc.policy import FILE_LIMITS, HOLDING
-from cachemgr.gc.step import GcReport, GcStep, StepResult
+from cachemgr.gc.step import GcReport, GcStep, StepResult, linked_verdict
 from cachemgr.layout import Layout
 from cachemgr.ns.quarantine import is_denied
 from cachemgr.ns.runcontext import RunContext
@@ -164,8 +164,9 @@ def execute_gc(
         )
     if fenced[0]:
         warnings += ("stopped deleting: this node no longer holds the GC lease",)
+    unmet, warnings = linked_verdict(results, plan.unmet, warnings)
     report = GcReport(
-        run.dry_run, True, started, run.clock(), tuple(results), warnings, unmet=plan.unmet
+        run.dry_run, True, started, run.clock(), tuple(results), warnings, unmet=unmet
     )
     _log_summary(report, run.actor)
     return report
@@ -364,14 +365,14 @@ def _taken_back(step: GcStep, spared: Collection[str], done: DeleteReport) -> li
     """Of the step's names spared at execution, those its limit needs after all, tails first:
     as many as the step falls short, less its room (GcStep.room), of what it planned to free
     (in bytes, at its mean page size; in files for a file limit). Files already gone count as
-    freed."""
+    freed; files another hard link keeps count toward what the cache holds, not the disk."""
     left = [n for n in step.names if n in spared]
     if not left:
         return []
     by_files = step.reason in FILE_LIMITS
     unit = 1.0 if by_files else step.bytes / len(step.names)
     planned = len(step.names) if by_files else step.bytes
-    freed = (done.files if by_files else done.bytes) + done.vanished * unit
+    freed = StepResult(step).done(done).toward_limit() + done.vanished * unit
     short = planned - step.room - freed
     return left[: math.ceil(short / unit)] if short > 0 and unit > 0 else []
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from cachemgr.backends import FileFormat, FileKind
 from cachemgr.errors import UnsafePathError
 from cachemgr.formats import DEFAULT_FORMAT
-from cachemgr.fs.dirscan import TEMPS, list_files, usual_size
+from cachemgr.fs.dirscan import TEMPS, Listed, list_files, usual_size
 from cachemgr.fs.safe import is_own_temp, open_dir
 from cachemgr.gc.policy import GcPolicy, GcReason
 from cachemgr.gc.step import GcStep
@@ -35,15 +35,13 @@ class TempFile:
     mtime: float
 
 
-def list_namespace(
-    layout: Layout, ns_id: str
-) -> tuple[dict[str, tuple[int, float]], list[TempFile]]:
-    """Pages (name -> (size, mtime)) and temp files of one namespace dir; others are ignored."""
-    pages: dict[str, tuple[int, float]] = {}
+def list_namespace(layout: Layout, ns_id: str) -> tuple[dict[str, Listed], list[TempFile]]:
+    """Pages (by name) and temp files of one namespace dir; others are ignored."""
+    pages: dict[str, Listed] = {}
     temps: list[TempFile] = []
     for f in list_files(layout, f"ns/{ns_id}", fmt=format_of(layout, ns_id)):
         if f.kind is FileKind.PAGE:
-            pages[f.name] = (f.size, f.mtime)
+            pages[f.name] = f
         else:
             temps.append(TempFile(ns_id, f.name, f.size, f.mtime))
     return pages, temps

@@ -44,7 +44,7 @@ from cachemgr.gc.policy import (
     over_file_limits,
     root_budget,
 )
-from cachemgr.gc.step import GcReport, GcStep, StepResult, Unmet
+from cachemgr.gc.step import HARD_LINKS, GcReport, GcStep, StepResult, Unmet, linked_verdict
 from cachemgr.layout import Layout
 from cachemgr.state import pages_sql
 from cachemgr.state.index import namespace_dirs
@@ -82,17 +82,26 @@ def _inode_budget(layout: Layout, policy: GcPolicy, files: int) -> Budget | None
 
 
 def _floors_unmet(
-    policy: GcPolicy, space: Budget | None, inodes: Budget | None, left: tuple[int, int]
+    policy: GcPolicy,
+    space: Budget | None,
+    inodes: Budget | None,
+    left: tuple[int, int],
+    linked: int,
 ) -> tuple[Unmet, ...]:
     """The floors still over their high watermark with `left` (bytes, files) of the pages
-    once the pass is done, as a regular run's plan says them (cachemgr.gc.plan): what would
-    still have to go, of the cache or beside it."""
+    that free space once the pass is done, as a regular run's plan says them (cachemgr.gc.plan):
+    what would still have to go, of the cache or beside it. `linked`: the pages another hard
+    link keeps, which the pass leaves (their deletion would free nothing)."""
     high, low = policy.high_watermark, policy.low_watermark
+    cause = None
+    if linked:
+        cause = f"GC has nothing else it may delete that frees any: {linked:,} pages are "
+        cause += HARD_LINKS
     out = []
     if space is not None and space.over(left[0], high):
-        out.append(Unmet("free_space", None, "bytes", space.shortfall(left[0], low)))
+        out.append(Unmet("free_space", None, "bytes", space.shortfall(left[0], low), cause))
     if inodes is not None and inodes.over(left[1], high):
-        out.append(Unmet("free_inodes", None, "files", inodes.shortfall(left[1], low)))
+        out.append(Unmet("free_inodes", None, "files", inodes.shortfall(left[1], low), cause))
     return tuple(out)
 
 
@@ -113,6 +122,9 @@ def _plan_floor(
     warnings: list[str] = []
     steps = gcfind.trash_leftovers(layout, warnings)
     pages: list[tuple[float, str, str, int]] = []  # (mtime, ns, name, size)
+    # Pages another hard link keeps: deleting one frees neither its bytes nor its inode, so
+    # they do not count as the cache's here and none goes (the floor is all this pass holds).
+    linked = 0
     alone = gcfind.left_alone(layout, warnings)
     for ns in namespace_dirs(layout):
         if ns in alone:
@@ -122,7 +134,8 @@ def _plan_floor(
         except UnsafePathError as e:
             warnings.append(f"ns/{ns} not listed: {e}")
             continue
-        pages += [(mtime, ns, name, size) for name, (size, mtime) in found.items()]
+        pages += [(f.mtime, ns, name, f.size) for name, f in found.items() if f.links == 1]
+        linked += sum(f.links > 1 for f in found.values())
     used = sum(p[3] for p in pages)
     disk = DiskUsage(*disk_usage(layout.root))
     # The floor alone: a byte cap is the regular run's business, with the index's LRU order.
@@ -145,7 +158,8 @@ def _plan_floor(
     if need_files > 0:
         warnings.append(f"free_inodes: {need_files} files short of the inode floor's low watermark")
     space = budget if budget.reason == "free_space" else None
-    unmet = _floors_unmet(policy, space, files_budget, (used - freed[0], len(pages) - freed[1]))
+    left = (used - freed[0], len(pages) - freed[1])
+    unmet = _floors_unmet(policy, space, files_budget, left, linked)
     warnings += [u.line() for u in unmet]
     for (reason, ns), picked in chosen.items():
         names = tuple(n for n, _ in picked)
@@ -185,7 +199,9 @@ def free_floor(
     # Files kept are said as a regular run says them: with 0 inodes or bytes left, this pass
     # may be all a run does (the DB does not open until it frees some).
     warnings += [refusal_warning(r) for r in results if r.refused]
-    report = GcReport(dry_run, True, started, clock(), tuple(results), tuple(warnings), unmet=unmet)
+    # A page linked again since the scan freed nothing either: the floor still needs its bytes.
+    unmet, said = linked_verdict(results, unmet, tuple(warnings))
+    report = GcReport(dry_run, True, started, clock(), tuple(results), said, unmet=unmet)
     seconds = round(report.finished_at - started, 3)
     floors = [r.replace("_", " ") for r in ("free_space", "free_inodes") if r in report.totals()]
     log.warning(

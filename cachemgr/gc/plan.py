@@ -181,7 +181,7 @@ def _plan(
         except UnsafePathError as e:
             warnings.append(f"ns/{ns_id} not dropped: {e}")
             continue
-        young = sum(too_young(m, policy.min_age, now) for _, m in pages.values()) + sum(
+        young = sum(too_young(f.mtime, policy.min_age, now) for f in pages.values()) + sum(
             too_young(t.mtime, policy.min_age, now) for t in ns_temps
         )
         if young:  # the whole namespace waits: a drop never leaves part of one behind
@@ -189,7 +189,7 @@ def _plan(
             warnings.append(f"ns/{ns_id} not dropped yet: {young} files younger than min_age")
             continue
         names = tuple(sorted([*pages, *(t.name for t in ns_temps)]))
-        sizes = {n: s for n, (s, _) in pages.items()} | {t.name: t.size for t in ns_temps}
+        sizes = {n: f.size for n, f in pages.items()} | {t.name: t.size for t in ns_temps}
         drop = GcStep(reason, f"ns/{ns_id}", ns_id, names, 0, policy.min_age, True)
         drops.append(after.without(drop, sizes))
     if sweep:
@@ -223,7 +223,8 @@ def _plan(
     limits = over_limits(
         policy, live, disk, counted=counted, ahead=ahead, pending=pending, kept=kept
     )
-    files = file_counts(conn, layout, live, after, alone).with_writer(ahead + pending, usage)
+    files = file_counts(conn, layout, live, after, alone, gone)
+    files = files.with_writer(ahead + pending, usage)
     chains = daemon.model
     if chains is None:  # a one-off run reads the page rows only if pages must go
         over = bool(limits.namespaces) or limits.root is not None
@@ -323,12 +324,20 @@ def file_counts(
     live: Collection[str],
     after: Earlier,
     alone: Collection[str] = (),
+    gone: Collection[str] = (),
 ) -> Files:
     """Page files of each live namespace by the index (less those `after` deletes), and of
     each one left `alone`, which namespaces keep them in one dir, and the root filesystem's
-    inodes (plus those `after` frees): what the file limits are kept on."""
+    inodes (plus those `after` frees): what the file limits are kept on. A namespace dir with
+    no page left but other files counts as live with 0 pages, unless `gone` (dropped whole)."""
     indexed = pages_sql.namespace_file_counts(conn)
     counts = {ns: n for ns, n in indexed.items() if ns in live}
+    # Its other files still fill its dir's index once GC took every page: that entry limit
+    # stays crossed (unmet, nothing left to evict), as doctor and the ratio metric say it,
+    # not out of GC's view because the index counts no page (its gauge went back to 0).
+    bare = set(pages_sql.namespace_other_files(conn)) - {*indexed, *alone, *gone}
+    if bare:
+        counts |= {ns: 0 for ns in namespace_dirs(layout) if ns in bare}
     kept = {ns: n for ns, n in indexed.items() if ns in alone}
     for rel, _ in after.files:
         ns = rel.removeprefix("ns/")

@@ -29,7 +29,7 @@ from cachemgr.fs.leadership import Leadership, gc_leadership
 from cachemgr.fs.usage import DiskUsageFn
 from cachemgr.gc.behind import GiveWay
 from cachemgr.gc.chains import ChainModel
-from cachemgr.gc.check import needs_gc
+from cachemgr.gc.check import index_current, needs_gc
 from cachemgr.gc.execute import InFlight, Recorded, Unlinking, execute_gc
 from cachemgr.gc.find import TrashCounts
 from cachemgr.gc.floor import floor_pass, record_floor
@@ -186,7 +186,7 @@ class GcRunner(Worker):
                 yield
 
     def needs_gc(self) -> tuple[GcReason, ...]:
-        """The cheap check (see the module docstring)."""
+        """The cheap check (see the module docstring), on an index not held back by a lock."""
         with self._serialized():
             return needs_gc(
                 self.layout,
@@ -195,7 +195,7 @@ class GcRunner(Worker):
                 now=self.clock(),
                 disk_usage=self.disk_usage,
                 ahead=self.ahead(),
-                pending=self.live.pending(),
+                pending=index_current(self.live.pending()),
             )
 
     def ahead(self) -> int:

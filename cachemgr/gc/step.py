@@ -3,12 +3,13 @@ a run's report: the shapes the finders, the planner, the executors and the API s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
 from cachemgr.fs.deletecheck import RefusalReason, files_of, reason_of
 from cachemgr.fs.deletion import DeleteReport
-from cachemgr.gc.policy import HOLDING, ByReason, GcReason, tally
+from cachemgr.gc.policy import FILE_LIMITS, HOLDING, ByReason, GcReason, tally
 from cachemgr.units import human_bytes
 
 _LIMITS: dict[GcReason, str] = {
@@ -20,6 +21,9 @@ _LIMITS: dict[GcReason, str] = {
 }
 
 
+Unit = Literal["bytes", "files"]
+
+
 @dataclass(frozen=True)
 class Unmet:
     """A limit a plan leaves over its high watermark once everything it may delete is gone:
@@ -28,7 +32,7 @@ class Unmet:
 
     reason: GcReason  # which limit (one of HOLDING)
     namespace_id: str | None  # None: the root's
-    unit: Literal["bytes", "files"]
+    unit: Unit
     # What would still have to go to bring it to its low watermark (for a floor the filesystem
     # does not meet even with no cache, what beside the cache would have to go too).
     excess: int
@@ -88,6 +92,8 @@ class StepResult:
     skipped: str | None = None  # why the whole step was not carried out
     denied: str | None = None  # the kernel refused it access (another user's dir): the error
     overridden: int = 0  # pages spared at execution that the step's limit took after all
+    linked: int = 0  # of `files`, those another hard link keeps: no byte nor inode freed
+    linked_bytes: int = 0  # their size (not in `bytes`, which counts what was freed)
 
     @property
     def reason(self) -> GcReason:
@@ -118,7 +124,19 @@ class StepResult:
             vanished=r.vanished,
             young=r.young,
             refused=r.refused,
+            linked=r.linked,
+            linked_bytes=r.linked_bytes,
         )
+
+    def toward_limit(self) -> int:
+        """What the step did toward its limit, in the limit's unit: a page another hard link
+        keeps leaves the cache (its cap, the dir's entries) but frees nothing on the disk (the
+        floors)."""
+        if self.reason == "cap":
+            return self.bytes + self.linked_bytes
+        if self.reason == "free_inodes":
+            return self.files - self.linked
+        return self.files if self.reason in FILE_LIMITS else self.bytes
 
 
 @dataclass(frozen=True)
@@ -159,6 +177,52 @@ class GcReport(ByReason):
         watermark: the run did not hold a limit it was asked to hold (not an `ok` run)."""
         refused = any(s.refused for s in self.steps if s.reason in HOLDING)
         return not refused and not self.unmet
+
+
+# What a page another hard link keeps is (st_nlink > 1): most likely an operator's copy of
+# the cache made with `cp -al` (or a backup tool's hard-link snapshot) on the same filesystem.
+HARD_LINKS = "hard links another name keeps (st_nlink > 1: a `cp -al` copy on this filesystem?)"
+
+
+def linked_verdict(
+    results: Sequence[StepResult], unmet: tuple[Unmet, ...], warnings: tuple[str, ...]
+) -> tuple[tuple[Unmet, ...], tuple[str, ...]]:
+    """A run's unmet limits and warnings once its steps ran, if some files they deleted freed
+    nothing (another hard link keeps them): a line says so (the bytes reported freed leave
+    them out), and the floors count them still to go (_linked_unmet)."""
+    files = sum(r.linked for r in results)
+    if not files:
+        return unmet, warnings
+    size = human_bytes(sum(r.linked_bytes for r in results))
+    line = (
+        f"{files:,} files deleted were {HARD_LINKS}: their {size} and {files:,} inodes were not "
+        "freed, and are not counted as freed"
+    )
+    after = _linked_unmet(results, unmet)
+    stale = {u.line() for u in unmet if u not in after}
+    said = tuple(w for w in warnings if w not in stale)
+    return after, (*said, line, *(u.line() for u in after if u not in unmet))
+
+
+def _linked_unmet(results: Sequence[StepResult], unmet: tuple[Unmet, ...]) -> tuple[Unmet, ...]:
+    """`unmet` once the floors' steps freed less than their plan counted on: what their hard
+    links kept still has to go. The plan freed down to the low watermark counting them, so
+    the floor is said unmet by that much (a later run's statvfs says whether it is)."""
+    out = list(unmet)
+    floors: tuple[tuple[GcReason, Unit], ...] = (("free_space", "bytes"), ("free_inodes", "files"))
+    for reason, unit in floors:
+        steps = [r for r in results if r.reason == reason and r.linked]
+        short = sum(r.linked_bytes if unit == "bytes" else r.linked for r in steps)
+        if not short:
+            continue
+        files = sum(r.linked for r in steps)
+        cause = f"{files:,} files it deleted were {HARD_LINKS}, which freed nothing"
+        at = [i for i, u in enumerate(out) if u.reason == reason and u.namespace_id is None]
+        if at:
+            out[at[0]] = replace(out[at[0]], excess=out[at[0]].excess + short, cause=cause)
+        else:
+            out.append(Unmet(reason, None, unit, short, cause))
+    return tuple(out)
 
 
 def joined(floor: GcReport | None, report: GcReport) -> GcReport:

@@ -166,6 +166,16 @@ class LockTally:
         with self._lock:
             return self.seconds_done + sum(now - s for s in self._starts)
 
+    def held_elsewhere(self, longer_than: float) -> str | None:
+        """Who holds the DB's write lock if the episode of waits for it has lasted more than
+        `longer_than` seconds (between a writer's give-up and its retry too), unless it is
+        this process itself (a long scan of its own ends by itself); else None."""
+        with self._lock:
+            since = self._since
+            if since is None or self.holder == "this process":
+                return None
+            return self.holder if time.monotonic() - since > longer_than else None
+
     def degraded(self) -> str | None:
         """What /readyz says while a writer waits, else None."""
         with self._lock:

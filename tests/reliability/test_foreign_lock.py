@@ -23,11 +23,12 @@ import httpx
 
 from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
-from cachemgr.settings import load_settings
+from cachemgr.settings import Settings, load_settings
 from tests.daemon_helpers import (
     NS_A,
     NS_B,
     RunningDaemon,
+    captured_log,
     page_name,
     register_namespace,
     running_daemon,
@@ -61,6 +62,18 @@ def writing(ns_dir: Path) -> Iterator[list[str]]:
     finally:
         stop.set()
         t.join(10)
+
+
+def capped(layout: Layout, gc_interval: float) -> Settings:
+    """The daemon's settings: namespaces capped at CAP, GC unpaced and with no age rule."""
+    return load_settings(
+        root=layout.root,
+        batch_interval=0.05,
+        gc_interval=gc_interval,
+        gc_min_age=0,
+        gc_delete_rate=None,
+        gc_namespace_max_bytes=CAP,
+    )
 
 
 def hold_write_lock(db: Path) -> subprocess.Popen[str]:
@@ -105,14 +118,7 @@ def test_a_foreign_write_lock_longer_than_every_timeout(tmp_path: Path) -> None:
     b = register_namespace(layout, NS_B, instance="sglang-b")
     for i in range(20):
         store_page(b, page_name(i), PAGE)
-    cfg = load_settings(
-        root=layout.root,
-        batch_interval=0.05,
-        gc_interval=3600,
-        gc_min_age=0,
-        gc_delete_rate=None,
-        gc_namespace_max_bytes=CAP,
-    )
+    cfg = capped(layout, gc_interval=3600)
     with running_daemon(cfg) as dm:
         with writing(a) as written:
             purge_during_the_lock(dm, layout, b)
@@ -209,3 +215,45 @@ class Seen:
             self.details
         )
         assert self.slowest < 2.0
+
+
+def test_gc_says_it_cannot_hold_a_cap_while_a_foreign_lock_holds_the_index_back(
+    tmp_path: Path,
+) -> None:
+    """While another process holds the write lock, the index applies no store, so GC's check
+    saw the cap under its limit: each tick was a success (cachemgr_gc_last_success moved,
+    nothing unmet) while a namespace capped at 300 pages held 2,600. Once a write has waited
+    as long as one does, each tick now fails, said in one log line naming the holder, and
+    last_success stays put (CachemgrGCFailing); after the lock, the cap is held again."""
+    layout = Layout.at(tmp_path / "root")
+    create_root(layout)
+    a = register_namespace(layout, NS_A, instance="sglang-a")
+    cfg = capped(layout, gc_interval=0.5)
+
+    def gc_metric(name: str, **labels: str) -> float:
+        value = metric(dm.http.get("/metrics").text, name, **labels)
+        assert value is not None
+        return value
+
+    with running_daemon(cfg) as dm, captured_log("cachemgr.gc.runner") as log, writing(a):
+        foreign = hold_write_lock(layout.db_path)
+        try:
+            failed = ("cachemgr_gc_runs_total", {"result": "error"})
+            wait_for(lambda: gc_metric(failed[0], **failed[1]), bool, timeout=30, what="a fail")
+            last = gc_metric("cachemgr_gc_last_success_timestamp_seconds")
+            time.sleep(2)  # four ticks
+            assert gc_metric("cachemgr_gc_last_success_timestamp_seconds") == last
+            assert len(files(a)) * PAGE > CAP
+        finally:
+            release(foreign)
+        wait_for(lambda: len(files(a)) * PAGE, lambda n: n <= CAP, timeout=60, what="A's cap")
+        wait_for(
+            lambda: gc_metric("cachemgr_gc_last_success_timestamp_seconds"),
+            lambda t: t > last,
+            timeout=30,
+            what="a GC success after the lock",
+        )
+    said = [line for line in log.lines if line["msg"].startswith("gc cycle failed")]
+    assert len(said) == 1, said
+    assert "write-locked by pid" in str(said[0]["error"]) and "(sqlite3)" in str(said[0]["error"])
+    assert any(line["msg"] == "gc cycle succeeded again" for line in log.lines)
