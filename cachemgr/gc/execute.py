@@ -38,7 +38,8 @@ from cachemgr.state import pages_sql
 
 log = logging.getLogger(__name__)
 # Names per delete call: each chunk's index rows and its audit row are written in one
-# transaction once its files are gone, so a kill -9 leaves at most one chunk unaudited.
+# transaction once its files are gone, so a kill -9 leaves at most one chunk unaudited in a
+# paced run, two at full speed (the next chunk's unlinks go while one is recorded: _Chunks).
 CHUNK = 256
 # (namespace, the step's names, from which on they are not deleted yet) -> names to spare after
 # all (asked before each chunk of a step that holds a limit: a request may have reached a page
