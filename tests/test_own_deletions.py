@@ -166,24 +166,100 @@ class _Restoring(LiveState):
 def test_a_page_stored_again_during_the_run_that_deleted_it_stays_in_the_model(
     tmp_path: Path,
 ) -> None:
-    """GC deleted a page, the engine stored it again and the index applied that store while
-    the run went on: the model knows it is on disk. The run forgot what it deleted at its end,
-    after that store, and a reconcile finds the index right and does not reload the model:
-    the page stayed out of it (out of every chain, of the cap's order) until read again."""
+    """GC deleted a page, the engine stored it again (a request recomputed the prefix) and the
+    index applied that store before GC recorded the chunk (at full speed the next chunk's
+    unlinks go while this one is recorded, so the index's batch may well come first): the
+    record keeps its row and its page in the model, which describe a file on disk. Dropped,
+    the page stayed out of the index and of the cap's order until a reconcile."""
     tree = Tree.at(tmp_path / "root")
     tree.write(NS, [page(i) for i in range(1, 601)], at=T0)  # three chunks' worth
+    watcher = Watcher(tree.layout)
     model = ChainModel.from_index(tree.store.conn, [NS])
-    live = _Restoring(tree, model)
+    live = _Restoring(tree, model, watcher)
     cap = policy(max_bytes=100_000, high_watermark=0.5, low_watermark=0.1)
     runner = GcRunner(tree.layout, tree.store, cap, live=live, disk_usage=big_disk)
     try:
+        watcher.start()
+        assert watcher.watch(NS)
         runner._cycle(runner.tick)
         again = live.again
-        assert again is not None and again in tree.files(NS)  # (and its row is in the index)
+        assert again is not None and again in tree.files(NS)
         assert len(tree.files(NS)) < 600 - CHUNK  # the run went on past its first chunk
+        rows = {n for (n,) in tree.store.conn.execute("SELECT name FROM pages")}
+        assert rows == tree.files(NS)
         assert model.names(NS, again[: DEFAULT_FORMAT.key_len(again)]) == (again,)
     finally:
+        watcher.stop()
         runner.leadership.release()
+        tree.store.close()
+
+
+class _Restoring(LiveState):
+    """A daemon whose engine stores again, as GC asks what to spare of its second chunk, a page
+    the first chunk deleted, and whose index applies that store (read by the real watcher) at
+    once, before GC records the first chunk."""
+
+    def __init__(self, tree: Tree, model: ChainModel, watcher: Watcher) -> None:
+        super().__init__(model=model)
+        self.tree, self.watcher = tree, watcher
+        self.pages = PageEvents(tree.layout, tree.store, model=model)
+        self.again: str | None = None
+
+    def unlinking(self) -> OwnDeletions:
+        return self.watcher.own
+
+    def in_flight(self) -> InFlight:
+        def spare(ns: str, names: Sequence[str], start: int) -> Collection[str]:
+            if start > 0 and self.again is None:
+                self.again = names[0]
+                store_page(self.tree.dir(ns), self.again, 1000)
+                wait_for(lambda: len(self.watcher.queue), bool, what="the store's event")
+                batch = list(self.watcher.queue)
+                self.watcher.queue.clear()
+                assert [(k, n) for k, _, n, *_ in batch] == [(Kind.WRITE, self.again)]
+                self.pages.apply(batch, now=time.time())
+            return ()
+
+        return InFlight(spare=spare)
+
+
+def test_a_store_counts_as_again_only_after_gcs_deletion_of_it_was_taken() -> None:
+    """`again` names the pages stored after the watcher took GC's deletion of them and before
+    GC records them; not one stored before its unlink (GC deleted that very file), nor one
+    whose record let it go already, nor one an earlier run left behind."""
+    own = OwnDeletions()
+    own.expect(NS, ["a", "b", "c", "d"])
+    own.stored(NS, "a")  # (a store read before the deletion: GC unlinked that file)
+    assert own.take(NS, "a") and own.take(NS, "b") and own.take(NS, "c")
+    own.stored(NS, "b")
+    own.stored(NS2, "c")  # (another namespace's page of that name)
+    assert own.again(NS, ["a", "b", "c"]) == {"b"}
+    own.stored(NS, "b")  # (after the record: the index applies it, as any store)
+    assert own.again(NS, ["b"]) == set()
+    assert own.take(NS, "d")  # a deletion no record let go of (its run ended in an error)
+    own.stored(NS, "d")
+    own.expect(NS, ["d"])  # the next run deletes it again
+    assert own.again(NS, ["d"]) == set()
+
+
+def test_a_run_whose_record_fails_leaves_no_unlink_running(tmp_path: Path) -> None:
+    """At full speed the next chunk's unlinks go on their own thread while a chunk is recorded:
+    a record that raises ends the run only once those unlinks are over (nothing deletes after
+    the run returned, when another leader or a purge may act on the dir)."""
+    tree = Tree.at(tmp_path / "root")
+    tree.write(NS, [page(i) for i in range(1, 4 * CHUNK + 1)], at=T0)
+    plan = tree.plan(policy(max_bytes=1000, low_watermark=0.5), now=time.time())
+
+    def fails(ns: str, names: list[str]) -> None:
+        raise OSError("the record failed")
+
+    try:
+        with pytest.raises(OSError, match="the record failed"):
+            execute_gc(plan, tree.run(), recorded=fails)
+        assert not [t for t in threading.enumerate() if t.name.startswith("cachemgr-unlink")]
+        gone = 4 * CHUNK - len(tree.files(NS))
+        assert gone == 2 * CHUNK  # the first chunk, and the second unlinked while it recorded
+    finally:
         tree.store.close()
 
 
@@ -460,6 +536,9 @@ class _OperatorInTheChunk:
             left = len(names) - len(deleted) - 1  # (every event of the chunk read)
             wait_for(lambda: len(self.watcher.own), lambda n: n == left, what="the reads")
         self.watcher.own.settle(ns, names, deleted)
+
+    def again(self, ns: str, names: Sequence[str]) -> Collection[str]:
+        return self.watcher.own.again(ns, names)
 
 
 def test_a_page_gc_refused_and_someone_deleted_before_it_settled_leaves_no_row(

@@ -12,10 +12,17 @@ unlinks run is known), then which it did unlink; the others (refused, too young,
 are taken back, so a deletion someone else makes later is news again. One of theirs the watcher
 took before GC said so (someone deleted a page GC had just refused as too young, while the
 chunk ran) was someone else's: it is told to `lost` (the watcher queues it after all).
+
+A page the engine stores again after GC's unlink (a request recomputed the prefix GC just
+evicted) and before GC records its chunk is on disk, and the index may apply that store first:
+the watcher says so (`stored`, for a name whose deletion it took), and the record keeps those
+rows and pages (`again`). The kernel reports a dir's events in order, so a store the watcher
+reads after it took the deletion came after the unlink.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 
@@ -36,7 +43,8 @@ STALE = 60.0
 
 class OwnDeletions:
     """(namespace, name below its dir) of each page file a GC run is unlinking; dict operations
-    are atomic under the GIL: GC's thread adds and takes back, the inotify thread takes."""
+    are atomic under the GIL: GC's thread adds and takes back, the inotify thread takes (and
+    marks the pages stored again, under a lock)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
@@ -45,6 +53,11 @@ class OwnDeletions:
         # did not unlink them (cachemgr.daemon.watcher: queued as deleted, which the index
         # checks with a stat).
         self.lost: Callable[[str, list[str]], None] = lambda ns, names: None
+        # Deletions the watcher took as GC's, until GC records them: whether the engine
+        # stored the page again since. (A lock: `stored` on the inotify thread must not mark
+        # a name `again` already let go of, or a later record of that name would keep its row.)
+        self._taken: dict[PageId, bool] = {}
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._names)
@@ -53,7 +66,12 @@ class OwnDeletions:
         """GC is about to unlink these files of `ns`."""
         if len(self._names) + len(names) > MOST:
             self._names.clear()
-        self._names.update(dict.fromkeys(((ns, n) for n in names), self.clock()))
+        keys = [(ns, n) for n in names]
+        self._names.update(dict.fromkeys(keys, self.clock()))
+        if self._taken:  # (a deletion of an earlier run no record let go of: not this one's)
+            with self._lock:
+                for key in keys:
+                    self._taken.pop(key, None)
 
     def settle(self, ns: str, names: Sequence[str], deleted: Collection[str]) -> None:
         """Of the `names` GC meant to unlink, it unlinked `deleted`: the rest are not its own.
@@ -67,7 +85,29 @@ class OwnDeletions:
         """On the inotify thread: whether this page file's deletion is one GC made (it is
         expected no more)."""
         at = self._names.pop((ns, name), None)
-        return at is not None and self.clock() - at < STALE
+        if at is None or self.clock() - at >= STALE:
+            return False
+        if len(self._taken) >= MOST:  # (records let go of them: these outlived their run)
+            with self._lock:
+                self._taken.clear()
+        self._taken[ns, name] = False
+        return True
+
+    def stored(self, ns: str, name: str) -> None:
+        """On the inotify thread, for a page file stored: if GC's deletion of it was taken
+        and not recorded yet, the page is back (`again`)."""
+        if self._taken:
+            with self._lock:
+                if (ns, name) in self._taken:
+                    self._taken[ns, name] = True
+
+    def again(self, ns: str, names: Sequence[str]) -> set[str]:
+        """On GC's thread, as it records these names gone: those stored again since their
+        unlink. They are let go of either way."""
+        if not self._taken:
+            return set()
+        with self._lock:
+            return {n for n in names if self._taken.pop((ns, n), False)}
 
     def forget(self, ns: str) -> None:
         """The namespace's dir left <root>/ns (a purge): its files' events will not come."""
@@ -75,7 +115,12 @@ class OwnDeletions:
         # and a dict that changes size under a loop over it raises, on the inotify thread)
         for key in [k for k in list(self._names) if k[0] == ns]:
             self._names.pop(key, None)
+        with self._lock:
+            for key in [k for k in list(self._taken) if k[0] == ns]:
+                self._taken.pop(key, None)
 
     def clear(self) -> None:
         """Events were lost: whatever was expected may never come."""
         self._names.clear()
+        with self._lock:
+            self._taken.clear()

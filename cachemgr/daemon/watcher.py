@@ -118,6 +118,7 @@ class _DirWatch:
             kind = Kind.WRITE
             if self.seen and self.seen.pop(name, -SEEN_FOR) > now - SEEN_FOR:
                 return  # the listing of this new dir counted it already
+            self.watcher.own.stored(self.ns_id, self.path + name)  # (GC may be recording it gone)
         else:  # (GC's own deletions never get here: Watcher.own_deletion)
             kind = Kind.GONE
         self.watcher.emit((kind, self.ns_id, self.path + name, now, LOCAL))

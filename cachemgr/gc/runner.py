@@ -590,6 +590,9 @@ class _Applied:
     def settle(self, ns: str, names: Sequence[str], deleted: Collection[str]) -> None:
         self.told.settle(ns, self._applied(ns, names), deleted)
 
+    def again(self, ns: str, names: Sequence[str]) -> Collection[str]:
+        return self.told.again(ns, self._applied(ns, names))
+
     def _applied(self, ns: str, names: Sequence[str]) -> list[str]:
         """Of `names`, those the watcher is told of: settled as they were expected."""
         return [n for n in names if (ns, n) not in self.unapplied]
