@@ -56,6 +56,9 @@ class VllmLaunchArgs(BaseModel):
     allow_deprecated_quantization: bool = False  # (not in the identity: it only lets vLLM start)
     # VLLM_KV_CACHE_LAYOUT, from the launch or environment; an alias as its old name (NHD, HND)
     kv_cache_layout: str | None = None
+    # The other variables that change a block's meaning, set to other than vLLM's default
+    # (values.kv_environment); None when there is none.
+    kv_environment: dict[str, str] | None = None
     kv_transfer_config: str | None = None  # canonical JSON
     # Not a flag: the `VAR=value` assignments in front of the program (`env HF_HOME=… vllm
     # serve …`), which the server's environment has on top of the one it is started from.
@@ -175,6 +178,7 @@ def resolve_vllm_args(
     values["kv_cache_layout"] = vllm_values.kv_cache_layout(
         _env_value(cmd, environ or {}, KV_LAYOUT_ENV)
     )
+    values["kv_environment"] = vllm_values.kv_environment({**(environ or {}), **cmd.env})
     values["quantization"] = vllm_values.quantization(
         values.get("quantization"), bool(values.get("allow_deprecated_quantization"))
     )
@@ -195,16 +199,10 @@ def _offloading(values: dict[str, Any], cmd: VllmCommand, environ: dict[str, str
     size = values.pop("kv_offloading_size", None)
     backend = values.pop("kv_offloading_backend", "native")
     raw = _env_value(cmd, environ, SIMPLE_OFFLOAD_ENV)
-    # vLLM's envs.py: bool(int(os.getenv(NAME, "0"))), so set but empty is int(""), which
-    # fails its start (EngineCore reads every variable), with or without an offloading size.
-    simple = "0" if raw is None else raw
-    try:
-        return Offloading(size, backend, bool(int(simple)))
-    except ValueError:
-        raise ConfigError(
-            f"invalid {SIMPLE_OFFLOAD_ENV}={simple!r}: vLLM takes an integer (0 or 1), "
-            "or leave it unset"
-        ) from None
+    # vLLM's envs.py: bool(int(os.getenv(NAME, "0"))): set but empty fails its start too,
+    # with or without an offloading size.
+    simple = 0 if raw is None else vllm_values.int_env(SIMPLE_OFFLOAD_ENV, raw)
+    return Offloading(size, backend, bool(simple))
 
 
 def _env_value(cmd: VllmCommand, environ: dict[str, str], name: str) -> str | None:

@@ -3,9 +3,10 @@
 vLLM (0.33.0, 0.34.0) names a folder by a digest of the model name, KV dtype, block sizes, parallel
 sizes and layer names (kv_offload/file_mapper.py). It leaves out the weights' content, the
 revision, quantization, `--hf-overrides` (RoPE), `max_model_len`, the KV layout when it is
-not canonical, the block hash algorithm and the vLLM version (docs/vllm.md): a change of
-any of them keeps the folder and serves stale blocks. This record holds them all; its
-namespace dir becomes the tier's `root_dir`, so any change moves the server to a new one.
+not canonical, the environment variables that change a block's shape or layout, the block
+hash algorithm and the vLLM version (docs/vllm.md): a change of any of them keeps the folder
+and serves stale blocks. This record holds them all; its namespace dir becomes the tier's
+`root_dir`, so any change moves the server to a new one.
 
 The record carries `"engine": "vllm"`: readers of a manifest pick the file format from it
 (absent: SGLang, whose record schema is untouched).
@@ -70,7 +71,7 @@ class VllmIdentity(Digested):
     model_config = ConfigDict(frozen=True, extra="ignore")  # ignore: digest/ns_id are derived
     ENGINE: ClassVar[str] = "vllm"
     VERSION_FIELD: ClassVar[str] = "vllm_version"
-    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"hf_config", "attention"})
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"hf_config", "attention", "environment"})
 
     engine: Literal["vllm"] = "vllm"
     schema_version: Literal[1] = 1
@@ -81,6 +82,10 @@ class VllmIdentity(Digested):
     # None: the platform's default (CUDA: 64 in vLLM 0.34, 16 before), not known here
     block_size: int | None
     kv_cache_layout: str  # VLLM_KV_CACHE_LAYOUT; "default" when unset
+    # The other VLLM_* variables that change a block's bytes (an MLA model's KV shape, the Mamba
+    # conv state's or ROCm's KV layout, the platform's attention backend), those set to other
+    # than vLLM's default (values.kv_environment); None when none is
+    environment: dict[str, str] | None = None
     topology: VllmTopology
     quantization: str | None = None
     hf_overrides: str | None = None  # canonical JSON
@@ -180,6 +185,7 @@ def compute_vllm_identity(
         kv_cache_dtype=kv,
         block_size=args.block_size,
         kv_cache_layout=args.kv_cache_layout or "default",
+        environment=args.kv_environment,
         topology=VllmTopology(
             tp_size=args.tensor_parallel_size,
             pp_size=args.pipeline_parallel_size,

@@ -1,5 +1,6 @@
 """The vLLM settings whose values no argparse choices check, read as vLLM reads them: the KV
-layout (an environment variable), --quantization and --load-format.
+layout and the other environment variables that change what a block's bytes mean,
+--quantization and --load-format.
 
 A layout vLLM refuses is refused here, before anything is purged: `VLLM_KV_CACHE_LAYOUT=hnd`
 must not cost the good cache for a server that will not start. So is a quantization method or
@@ -12,7 +13,7 @@ running vLLM. The lists are generated from vLLM's code (scripts/gen_vllm_flags.p
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from cachemgr.errors import ConfigError
 from cachemgr.vllm.flags import (
@@ -25,6 +26,29 @@ from cachemgr.vllm.flags import (
 )
 
 KV_LAYOUT_ENV = "VLLM_KV_CACHE_LAYOUT"
+# Variables vLLM 0.34 reads whose values change an offloaded block's bytes (its shape, byte
+# layout, or the attention backend that settles the KV layout), which neither vLLM's folder
+# name nor another identity component says (docs/vllm.md, "The identity"):
+# VLLM_MLA_DISABLE: an MLA model (DeepSeek, Kimi, …) caches full K/V heads instead of its latent
+#   (ModelConfig.use_mla, get_head_size), under the same layer names;
+# VLLM_SSM_CONV_STATE_LAYOUT: a hybrid model's Mamba conv state, which the tier offloads, as
+#   (dim, state_len) instead of (state_len, dim) (mamba_utils.get_conv_state_layout);
+# VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT: AITER's shuffled KV layout (rocm_aiter_fa.py);
+# VLLM_BATCH_INVARIANT, VLLM_ROCM_USE_AITER(_MHA, _MLA): which attention backend the platform
+#   picks when no flag names one (attention/selector.py, platforms/rocm.py
+#   _get_backend_priorities), and with it the KV layout, as `attention` records a flag's.
+# Each is read as envs.py reads it; what vLLM's default reads as is left out (an unset one and
+# one set to its default are one identity, the one launches had before it was recorded).
+_INT_SWITCHES = ("VLLM_MLA_DISABLE", "VLLM_BATCH_INVARIANT")  # bool(int(value)), default 0
+# os.getenv(NAME, default).lower() in ("true", "1"), and their defaults
+_TRUE_SWITCHES = {
+    "VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT": False,
+    "VLLM_ROCM_USE_AITER": False,
+    "VLLM_ROCM_USE_AITER_MHA": True,
+    "VLLM_ROCM_USE_AITER_MLA": True,
+}
+CONV_LAYOUT_ENV = "VLLM_SSM_CONV_STATE_LAYOUT"
+_CONV_LAYOUTS = ("SD", "DS")  # env_with_choices, case-sensitive; unset reads as SD
 # vLLM reads NHD as LBNHC and HND as LBHNC (config/cache.py): one layout, one identity. The
 # identity keeps the old name, the only one older vLLM took, so those namespaces keep their id.
 _LAYOUT_IDENTITY = {new: old for old, new in KV_LAYOUT_ALIASES.items()}
@@ -41,6 +65,40 @@ def kv_cache_layout(raw: str | None) -> str | None:
             f"{', '.join(KV_LAYOUTS)} (case-sensitive), or leave it unset"
         )
     return _LAYOUT_IDENTITY.get(raw, raw)
+
+
+def int_env(name: str, raw: str) -> int:
+    """A variable vLLM's envs.py reads with int(): the ConfigError its start ends in for
+    anything else, set but empty too (its engine reads every VLLM_ variable as it starts)."""
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(
+            f"invalid {name}={raw!r}: vLLM takes an integer (0 or 1), or leave it unset"
+        ) from None
+
+
+def kv_environment(env: Mapping[str, str]) -> dict[str, str] | None:
+    """The variables of `env` (the server's) that change a block's meaning and are set to
+    other than vLLM's default, as the identity keeps them ("1"/"0", the conv layout); None
+    when there is none. ConfigError for a value vLLM's start would end in."""
+    out: dict[str, str] = {}
+    for name in _INT_SWITCHES:
+        if name in env and int_env(name, env[name]):
+            out[name] = "1"
+    for name, default in _TRUE_SWITCHES.items():
+        on = env.get(name, str(default)).lower() in ("true", "1")
+        if on != default:
+            out[name] = "1" if on else "0"
+    conv = env.get(CONV_LAYOUT_ENV)
+    if conv is not None and conv not in _CONV_LAYOUTS:
+        raise ConfigError(
+            f"invalid {CONV_LAYOUT_ENV}={conv!r}: vLLM {VLLM_VERSION} accepts "
+            f"{', '.join(_CONV_LAYOUTS)} (case-sensitive), or leave it unset"
+        )
+    if conv not in (None, _CONV_LAYOUTS[0]):
+        out[CONV_LAYOUT_ENV] = conv
+    return out or None
 
 
 def quantization(raw: str | None, allow_deprecated: bool = False) -> str | None:
