@@ -39,6 +39,8 @@ IDENTITY_DESTS = (
     "tokenizer_revision",
     "dtype",
     "kv_cache_dtype",
+    "mamba_cache_dtype",
+    "mamba_ssm_cache_dtype",
     "block_size",
     "tensor_parallel_size",
     "pipeline_parallel_size",

@@ -241,7 +241,23 @@ CHANGES = {
     "prefix_caching_hash_algo": ([], ["--prefix-caching-hash-algo", "xxhash"]),
     "dtype": (["--dtype", "bfloat16"], ["--dtype", "float16"]),
     "kv_cache_layout": ([], ["env", "VLLM_KV_CACHE_LAYOUT=HND"]),
+    # a hybrid model's offloaded Mamba state: vLLM's folder name has no dtype of it
+    "mamba_cache_dtype": ([], ["--mamba-cache-dtype", "float32"]),
+    "mamba_ssm_cache_dtype": (
+        ["--mamba-ssm-cache-dtype", "bfloat16"],
+        ["--mamba-ssm-cache-dtype", "float32"],
+    ),
 }
+
+
+def test_an_auto_mamba_dtype_is_the_launch_without_it(root: Path, model: Path) -> None:
+    """`auto` (the model's own dtype, which its hashed config says) keeps the id launches had
+    before the Mamba dtypes were recorded; a dtype vLLM does not list is refused first."""
+    plain = vinit_json(root, launch(model))["ns_id"]
+    auto = ["--mamba-cache-dtype", "auto", "--mamba-ssm-cache-dtype", "auto"]
+    assert vinit_json(root, launch(model, *auto))["ns_id"] == plain
+    out = vinit(root, launch(model, "--mamba-cache-dtype", "fp8"))
+    assert out.returncode == 2 and "invalid --mamba-cache-dtype 'fp8'" in one_line_error(out)
 
 
 @pytest.mark.parametrize("component", sorted(CHANGES))

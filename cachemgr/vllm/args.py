@@ -37,6 +37,10 @@ class VllmLaunchArgs(BaseModel):
     revision: str | None = None
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    # A hybrid model's Mamba state, which the tier offloads beside the KV (both states, then
+    # the SSM state alone); auto: the model's, then mamba_cache_dtype's (config/cache.py)
+    mamba_cache_dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "auto"
     # None: the platform picks (CUDA: 64 in vLLM 0.34, 16 before)
     block_size: int | None = Field(None, ge=1)
     tensor_parallel_size: int = Field(1, ge=1)
@@ -72,6 +76,8 @@ FLAGS: dict[str, str] = {
     "--revision": "revision",
     "--dtype": "dtype",
     "--kv-cache-dtype": "kv_cache_dtype",
+    "--mamba-cache-dtype": "mamba_cache_dtype",
+    "--mamba-ssm-cache-dtype": "mamba_ssm_cache_dtype",
     "--block-size": "block_size",
     "--tensor-parallel-size": "tensor_parallel_size",
     "--pipeline-parallel-size": "pipeline_parallel_size",

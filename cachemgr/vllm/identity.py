@@ -71,7 +71,9 @@ class VllmIdentity(Digested):
     model_config = ConfigDict(frozen=True, extra="ignore")  # ignore: digest/ns_id are derived
     ENGINE: ClassVar[str] = "vllm"
     VERSION_FIELD: ClassVar[str] = "vllm_version"
-    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"hf_config", "attention", "environment"})
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset(
+        {"hf_config", "attention", "environment", "mamba_cache_dtype", "mamba_ssm_cache_dtype"}
+    )
 
     engine: Literal["vllm"] = "vllm"
     schema_version: Literal[1] = 1
@@ -79,6 +81,11 @@ class VllmIdentity(Digested):
     revision: str | None = None
     dtype: str
     kv_cache_dtype: str
+    # --mamba-cache-dtype, --mamba-ssm-cache-dtype: the dtype of a hybrid model's offloaded
+    # Mamba state, which vLLM's folder name does not say; None: auto (the model's own, which
+    # its config in `weights` says)
+    mamba_cache_dtype: str | None = None
+    mamba_ssm_cache_dtype: str | None = None
     # None: the platform's default (CUDA: 64 in vLLM 0.34, 16 before), not known here
     block_size: int | None
     kv_cache_layout: str  # VLLM_KV_CACHE_LAYOUT; "default" when unset
@@ -118,6 +125,10 @@ def run_dtype(dtype_arg: str, config: Mapping[str, object]) -> str:
         return normalize_dtype(dtype_arg)
     found = model_dir.config_dtype(config)
     return normalize_dtype(found) if found else "unknown"
+
+
+def _unless_auto(value: str) -> str | None:
+    return None if value == "auto" else value
 
 
 def _config_digest(config: Mapping[str, object]) -> str:
@@ -183,6 +194,8 @@ def compute_vllm_identity(
         revision=args.revision,
         dtype=dtype,
         kv_cache_dtype=kv,
+        mamba_cache_dtype=_unless_auto(args.mamba_cache_dtype),
+        mamba_ssm_cache_dtype=_unless_auto(args.mamba_ssm_cache_dtype),
         block_size=args.block_size,
         kv_cache_layout=args.kv_cache_layout or "default",
         environment=args.kv_environment,
