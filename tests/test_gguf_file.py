@@ -282,3 +282,24 @@ def test_offline_huggingface_hub_lists_nothing_and_downloads_from_the_cache(
     assert listing == "OfflineModeIsEnabled"
     named = ident("--model-path o/r/m-Q4_K_M.gguf", env={"HF_HUB_CACHE": str(hub)})
     assert downloaded == named.source.model_dir == str(snapshot / "m-Q4_K_M.gguf")
+
+
+def test_a_directory_loaded_as_gguf_is_refused(quants: Path, tmp_path: Path) -> None:
+    """GGUFModelLoader takes one file and raises "is not a file" for a dir (loader.py
+    `_prepare_weights`), after SGLang has read the dir's config.json: the server does not
+    start, so init must not make its namespace (it had hashed every .gguf in the dir)."""
+    with pytest.raises(ConfigError, match=r"--model-path .* is a directory, and SGLang's GGUF"):
+        served(quants, "--load-format gguf")
+    assert served(quants / "m-Q8_0.gguf", "--load-format gguf").source.model_dir.endswith(".gguf")
+    # a draft dir its runner loads as GGUF: told so, or by a GGUF target's resolved load format
+    plain = make_model(tmp_path / "plain")
+    draft = f"--speculative-algorithm EAGLE --speculative-draft-model-path {plain}"
+    for target, flags in (
+        (quants / "m-Q8_0.gguf", draft),
+        (plain, f"{draft} --speculative-draft-load-format gguf"),
+    ):
+        with pytest.raises(ConfigError, match=r"--speculative-draft-model-path .* is a directory"):
+            served(target, flags)
+    argv = [*CMD.split(), "--model-path", str(quants), "--load-format", "gguf"]
+    out = cli("--root", str(tmp_path / "root"), "init", "--", *argv, env=NO_STORAGE_ENV)
+    assert out.returncode == 2 and "is a directory" in one_line_error(out)

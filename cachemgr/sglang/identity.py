@@ -88,7 +88,9 @@ def locate_target(args: LaunchArgs, env: Mapping[str, str]) -> Path:
     gguf it makes such a file's load format and quantization gguf (arg_groups/
     model_path_hook.py `handle_load_format`, overrides.py `_gguf_quantization`) and
     GGUFModelLoader reads it (model_loader/loader.py); `env` is the server's."""
-    return _locate(args.model_path, args.revision, args.load_format, model_hub(args, env))
+    target = _locate(args.model_path, args.revision, args.load_format, model_hub(args, env))
+    _refuse_gguf_dir("--model-path", args.model_path, target, args.load_format)
+    return target
 
 
 def locate_draft(args: LaunchArgs, target: Path, env: Mapping[str, str]) -> Path | None:
@@ -111,7 +113,19 @@ def locate_draft(args: LaunchArgs, target: Path, env: Mapping[str, str]) -> Path
             f"--speculative-draft-model-path {path} is a GGUF file, which SGLang does not load "
             f"with load format {load_format}: add --speculative-draft-load-format gguf"
         )
+    _refuse_gguf_dir("--speculative-draft-model-path", path, draft, load_format)
     return draft
+
+
+def _refuse_gguf_dir(flag: str, path: str, located: Path, load_format: str) -> None:
+    """ConfigError for a model dir loaded as GGUF: GGUFModelLoader takes one file and fails
+    the server's start on anything else (model_loader/loader.py `_prepare_weights`), which init
+    would otherwise have purged the instance's namespace for."""
+    if load_format == "gguf" and not located.is_file():
+        raise ConfigError(
+            f"{flag} {path} is a directory, and SGLang's GGUF loader (load format gguf) takes "
+            "one .gguf file, so it would fail to start: pass the file (or owner/repo/<file>.gguf)"
+        )
 
 
 def _locate(path: str, revision: str | None, load_format: str, hub: model_dir.Hub) -> Path:
