@@ -123,21 +123,38 @@ def check_shipped(
     quant: str | None,
     load: str,
     plugin_values: frozenset[str],
-    quantized_checkpoint: Callable[[], bool],
+    declared: Callable[[], str | None],
 ) -> None:
     """The ConfigError vLLM's start ends in for a --quantization or --load-format it does not
     ship, unless `plugin_values` (init's --plugin-value) names it: a typo must not cost the
     good cache first.
 
-    Not for a --quantization on a checkpoint that declares its own (`quantized_checkpoint`):
-    vLLM's override classes then map the launch's value first (ModelConfig._verify_quantization),
-    and take some it does not ship (`marlin` on a GPTQ or AWQ checkpoint; any value on an
-    auto-round, ModelOpt or GPT-OSS MXFP4 one). Which, cachemgr cannot tell without running
-    them; a typo there ends in vLLM's own mismatch error."""
+    On a checkpoint that declares its own quantization (`declared`: its method, None if none)
+    vLLM's override classes map the launch's value first (ModelConfig._verify_quantization):
+    only AutoGPTQ and AutoAWQ take a value vLLM does not ship, `marlin` for their checkpoints
+    (as auto_gptq, auto_awq on a GPU); a few claim the checkpoint whatever the value (ModelOpt,
+    auto-round, GPT-OSS MXFP4, DeepSeek-V4 FP8) and run their own method in its place. So any
+    other such value is refused: vLLM either refuses the mismatch or runs a method other than
+    the one the identity would record."""
     plugins = frozenset(v.lower() for v in plugin_values)  # as the launch's value is read
-    if quant is None or quant in QUANTIZATION_METHODS or not quantized_checkpoint():
-        _shipped("--quantization", quant, QUANTIZATION_METHODS, "quantization method", plugins)
+    if quant is not None and quant not in QUANTIZATION_METHODS and quant not in plugins:
+        method = declared()
+        if method is None:
+            _shipped("--quantization", quant, QUANTIZATION_METHODS, "quantization method", plugins)
+        elif not (quant == "marlin" and method in ("gptq", "awq")):
+            raise ConfigError(
+                f"--quantization {quant!r} is not a method vLLM {VLLM_VERSION} ships"
+                f"{_nearest(quant, QUANTIZATION_METHODS)}, and the checkpoint declares "
+                f"{method or 'its own'}: vLLM refuses the mismatch or runs the checkpoint's "
+                f"method in its place, never {quant}; drop the flag (vLLM then reads the "
+                f"checkpoint's), or pass --plugin-value {quant} if a plugin registers it"
+            )
     _shipped("--load-format", load, LOAD_FORMATS, "load format", plugins)
+
+
+def _nearest(value: str, known: frozenset[str]) -> str:
+    near = difflib.get_close_matches(value, sorted(known), n=3)
+    return f" (nearest: {', '.join(near)})" if near else ""
 
 
 def _shipped(
@@ -145,9 +162,8 @@ def _shipped(
 ) -> None:
     if value is None or value in known or value in plugins:
         return
-    near = difflib.get_close_matches(value, sorted(known), n=3)
-    nearest = f" (nearest: {', '.join(near)})" if near else ""
     raise ConfigError(
-        f"{flag} {value!r} is not a {what} vLLM {VLLM_VERSION} ships{nearest}: vLLM refuses "
-        f"to start unless a plugin registers it; if one does, pass --plugin-value {value}"
+        f"{flag} {value!r} is not a {what} vLLM {VLLM_VERSION} ships{_nearest(value, known)}: "
+        f"vLLM refuses to start unless a plugin registers it; if one does, pass --plugin-value "
+        f"{value}"
     )
