@@ -39,6 +39,7 @@ IDENTITY_DESTS = (
     "tokenizer_revision",
     "dtype",
     "kv_cache_dtype",
+    "kv_cache_dtype_skip_layers",
     "mamba_cache_dtype",
     "mamba_ssm_cache_dtype",
     "block_size",

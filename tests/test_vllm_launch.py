@@ -241,6 +241,11 @@ CHANGES = {
     "prefix_caching_hash_algo": ([], ["--prefix-caching-hash-algo", "xxhash"]),
     "dtype": (["--dtype", "bfloat16"], ["--dtype", "float16"]),
     "kv_cache_layout": ([], ["env", "VLLM_KV_CACHE_LAYOUT=HND"]),
+    # layers whose KV stays unquantized: vLLM's folder name has only the KV dtype
+    "kv_cache_dtype_skip_layers": (
+        ["--kv-cache-dtype", "fp8", "--kv-cache-dtype-skip-layers", "0"],
+        ["--kv-cache-dtype", "fp8", "--kv-cache-dtype-skip-layers", "0", "1"],
+    ),
     # a hybrid model's offloaded Mamba state: vLLM's folder name has no dtype of it
     "mamba_cache_dtype": ([], ["--mamba-cache-dtype", "float32"]),
     "mamba_ssm_cache_dtype": (
@@ -248,6 +253,21 @@ CHANGES = {
         ["--mamba-ssm-cache-dtype", "float32"],
     ),
 }
+
+
+def test_skip_layers_are_a_set_of_every_value_given(root: Path, model: Path) -> None:
+    """vLLM tests a layer's index (or `sliding_window`) for membership in the list: order and
+    repeats do not count, every value does, and without the flag the id is the one before."""
+    fp8 = ["--kv-cache-dtype", "fp8"]
+    plain = vinit_json(root, launch(model, *fp8))["ns_id"]
+    one = vinit_json(root, launch(model, *fp8, "--kv-cache-dtype-skip-layers", "1", "0"))
+    assert one["ns_id"] != plain
+    assert one["changes"] == ["kv_cache_dtype_skip_layers: none → ['0', '1']"]
+    same = ["--kv-cache-dtype-skip-layers", "0", "1", "0", "--port", "8001"]
+    assert vinit_json(root, launch(model, *fp8, *same))["ns_id"] == one["ns_id"]
+    # the last occurrence wins, as argparse stores a repeated flag
+    repeated = ["--kv-cache-dtype-skip-layers", "5", "--kv-cache-dtype-skip-layers", "0", "1"]
+    assert vinit_json(root, launch(model, *fp8, *repeated))["ns_id"] == one["ns_id"]
 
 
 def test_an_auto_mamba_dtype_is_the_launch_without_it(root: Path, model: Path) -> None:

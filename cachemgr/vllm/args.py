@@ -39,6 +39,9 @@ class VllmLaunchArgs(BaseModel):
     kv_cache_dtype: str = "auto"
     # A hybrid model's Mamba state, which the tier offloads beside the KV (both states, then
     # the SSM state alone); auto: the model's, then mamba_cache_dtype's (config/cache.py)
+    # Layers (indices, or `sliding_window`) whose KV vLLM keeps unquantized (attention.py: their
+    # kv_cache_dtype becomes auto), as a set: vLLM tests membership
+    kv_cache_dtype_skip_layers: tuple[str, ...] = ()
     mamba_cache_dtype: str = "auto"
     mamba_ssm_cache_dtype: str = "auto"
     # None: the platform picks (CUDA: 64 in vLLM 0.34, 16 before)
@@ -76,6 +79,7 @@ FLAGS: dict[str, str] = {
     "--revision": "revision",
     "--dtype": "dtype",
     "--kv-cache-dtype": "kv_cache_dtype",
+    "--kv-cache-dtype-skip-layers": "kv_cache_dtype_skip_layers",
     "--mamba-cache-dtype": "mamba_cache_dtype",
     "--mamba-ssm-cache-dtype": "mamba_ssm_cache_dtype",
     "--block-size": "block_size",
@@ -104,6 +108,8 @@ FLAGS: dict[str, str] = {
     "--kv-offloading-backend": "kv_offloading_backend",
 }
 FLAG_OF = {f: flag for flag, f in reversed(FLAGS.items())} | {"model": "model"}
+# Fields of a multi-value flag whose every value counts (the others keep the first)
+ALL_VALUES = frozenset({"kv_cache_dtype_skip_layers"})
 ENGINE = f"vLLM {VLLM_VERSION}"
 
 
@@ -111,12 +117,12 @@ def _is_value(tok: str) -> bool:
     return read_option(tok, OPTIONS, ENGINE) is None
 
 
-def scan_flags(args: Sequence[str], serve: bool) -> dict[str, str | bool]:
+def scan_flags(args: Sequence[str], serve: bool) -> dict[str, str | bool | list[str]]:
     """The known flags of pre-passed `args` and their raw values, the last occurrence winning
     (as argparse); `vllm serve`'s first positional is the model. Each token is read as vLLM's
     argparse reads it: a unique prefix is its flag; an ambiguous prefix, a flag vLLM lacks, or
     a word no flag takes (a second positional) is a ConfigError."""
-    found: dict[str, str | bool] = {}
+    found: dict[str, str | bool | list[str]] = {}
     i = 1 if serve else 0  # skip the `serve` subcommand
     positionals = False  # after `--`, as argparse reads it
     while i < len(args):
@@ -134,16 +140,23 @@ def scan_flags(args: Sequence[str], serve: bool) -> dict[str, str | bool]:
             found["model_tag"] = tok  # argparse: the first positional
             continue
         name = ALIASES.get(option.name, option.name)
-        value: str | bool = True
+        values: list[str] = []
         if option.explicit is not None:
-            value = option.explicit
+            values.append(option.explicit)
         elif name not in NO_VALUE and i < len(args) and _is_value(args[i]):
-            value = args[i]
+            values.append(args[i])
             i += 1
             while name in MULTI_VALUE and i < len(args) and _is_value(args[i]):
-                i += 1  # --served-model-name a b: the first one names it
+                values.append(args[i])  # --served-model-name a b: the first one names it
+                i += 1
         if name in FLAGS:
-            found[FLAGS[name]] = False if name.startswith("--no-") else value
+            field = FLAGS[name]
+            value: str | bool | list[str] = values[0] if values else True
+            if name.startswith("--no-"):
+                value = False
+            elif field in ALL_VALUES and values:
+                value = values
+            found[field] = value
     return found
 
 

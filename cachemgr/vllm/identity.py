@@ -72,7 +72,14 @@ class VllmIdentity(Digested):
     ENGINE: ClassVar[str] = "vllm"
     VERSION_FIELD: ClassVar[str] = "vllm_version"
     OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset(
-        {"hf_config", "attention", "environment", "mamba_cache_dtype", "mamba_ssm_cache_dtype"}
+        {
+            "hf_config",
+            "attention",
+            "environment",
+            "kv_cache_dtype_skip_layers",
+            "mamba_cache_dtype",
+            "mamba_ssm_cache_dtype",
+        }
     )
 
     engine: Literal["vllm"] = "vllm"
@@ -81,6 +88,9 @@ class VllmIdentity(Digested):
     revision: str | None = None
     dtype: str
     kv_cache_dtype: str
+    # --kv-cache-dtype-skip-layers, sorted: the layers whose KV is stored unquantized, in a block
+    # vLLM's folder name does not tell from a quantized one's; None without the flag
+    kv_cache_dtype_skip_layers: list[str] | None = None
     # --mamba-cache-dtype, --mamba-ssm-cache-dtype: the dtype of a hybrid model's offloaded
     # Mamba state, which vLLM's folder name does not say; None: auto (the model's own, which
     # its config in `weights` says)
@@ -194,6 +204,7 @@ def compute_vllm_identity(
         revision=args.revision,
         dtype=dtype,
         kv_cache_dtype=kv,
+        kv_cache_dtype_skip_layers=sorted(set(args.kv_cache_dtype_skip_layers)) or None,
         mamba_cache_dtype=_unless_auto(args.mamba_cache_dtype),
         mamba_ssm_cache_dtype=_unless_auto(args.mamba_ssm_cache_dtype),
         block_size=args.block_size,
