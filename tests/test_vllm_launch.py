@@ -241,6 +241,11 @@ CHANGES = {
     "prefix_caching_hash_algo": ([], ["--prefix-caching-hash-algo", "xxhash"]),
     "dtype": (["--dtype", "bfloat16"], ["--dtype", "float16"]),
     "kv_cache_layout": ([], ["env", "VLLM_KV_CACHE_LAYOUT=HND"]),
+    # how an online quantization quantizes the weights the KV is computed with
+    "quantization_config": (
+        ["--quantization-config", '{"linear": {"weight_bits": 8}}'],
+        ["--quantization-config", '{"linear": {"weight_bits": 4}}'],
+    ),
     # layers whose KV stays unquantized: vLLM's folder name has only the KV dtype
     "kv_cache_dtype_skip_layers": (
         ["--kv-cache-dtype", "fp8", "--kv-cache-dtype-skip-layers", "0"],
@@ -268,6 +273,21 @@ def test_skip_layers_are_a_set_of_every_value_given(root: Path, model: Path) -> 
     # the last occurrence wins, as argparse stores a repeated flag
     repeated = ["--kv-cache-dtype-skip-layers", "5", "--kv-cache-dtype-skip-layers", "0", "1"]
     assert vinit_json(root, launch(model, *fp8, *repeated))["ns_id"] == one["ns_id"]
+
+
+def test_a_quantization_config_is_read_as_vllm_reads_it(root: Path, model: Path) -> None:
+    """Key order, spaces, dotted keys and human-readable numbers do not count; an empty one is
+    the launch without it; one that is no JSON object is refused before anything is made."""
+    plain = vinit_json(root, launch(model))["ns_id"]
+    given = vinit_json(root, launch(model, "--quantization-config", '{"a": 1, "b": {"c": 2k}}'))
+    assert given["ns_id"] != plain
+    same = ["--quantization-config.b.c", "2000", "--quantization-config.a", "1"]
+    assert vinit_json(root, launch(model, *same))["ns_id"] == given["ns_id"]
+    assert vinit_json(root, launch(model, "--quantization-config", "{}"))["ns_id"] == plain
+    out = vinit(root, launch(model, "--quantization-config", "[1]"))
+    assert out.returncode == 2 and "--quantization-config is not a JSON object" in one_line_error(
+        out
+    )
 
 
 def test_an_auto_mamba_dtype_is_the_launch_without_it(root: Path, model: Path) -> None:

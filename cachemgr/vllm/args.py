@@ -55,6 +55,7 @@ class VllmLaunchArgs(BaseModel):
     hf_config_path: str | None = None  # the model config vLLM reads instead of the model dir's
     attention: str | None = None  # what of the attention flags decides the KV layout (JSON)
     quantization: str | None = None
+    quantization_config: str | None = None  # canonical JSON
     prefix_caching_hash_algo: str = "sha256"
     served_model_name: str | None = None
     load_format: str = "auto"
@@ -94,6 +95,7 @@ FLAGS: dict[str, str] = {
     "--attention-backend": "attention_backend",
     "--attention-config": "attention_config",
     "--quantization": "quantization",
+    "--quantization-config": "quantization_config",
     "--prefix-caching-hash-algo": "prefix_caching_hash_algo",
     "--kv-transfer-config": "kv_transfer_config",
     "--served-model-name": "served_model_name",
@@ -186,6 +188,7 @@ def resolve_vllm_args(
         raise ConfigError("no model: `vllm serve <model> …` (or --model for the api_server)")
     values["max_model_len"] = argcheck.max_model_len(values.get("max_model_len"))
     values["hf_overrides"] = argcheck.hf_overrides(values.get("hf_overrides"))
+    values["quantization_config"] = argcheck.quantization_config(values.get("quantization_config"))
     values["attention"] = argcheck.attention(
         values.pop("attention_backend", None), values.pop("attention_config", None)
     )

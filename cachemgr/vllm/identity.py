@@ -77,6 +77,7 @@ class VllmIdentity(Digested):
             "attention",
             "environment",
             "kv_cache_dtype_skip_layers",
+            "quantization_config",
             "mamba_cache_dtype",
             "mamba_ssm_cache_dtype",
         }
@@ -105,6 +106,9 @@ class VllmIdentity(Digested):
     environment: dict[str, str] | None = None
     topology: VllmTopology
     quantization: str | None = None
+    # --quantization-config: how an online quantization quantizes each kind of layer (canonical
+    # JSON), which changes the weights the KV is computed with as -q does; None without it
+    quantization_config: str | None = None
     hf_overrides: str | None = None  # canonical JSON
     # xxh3-128 of the model config --hf-config-path names, which vLLM reads instead of the
     # model dir's (the weights' record hashes that one); None without the flag
@@ -217,6 +221,7 @@ def compute_vllm_identity(
             dcp_size=args.decode_context_parallel_size,
         ),
         quantization=args.quantization,
+        quantization_config=args.quantization_config,
         hf_overrides=args.hf_overrides,
         hf_config=None if config == own_config else _config_digest(config),
         attention=args.attention,
