@@ -26,8 +26,12 @@ NAMES = (
     "VLLM_ROCM_USE_AITER_MHA",
     "VLLM_ROCM_USE_AITER_MLA",
     "VLLM_SSM_CONV_STATE_LAYOUT",
+    "VLLM_FP8_MOE_REQUANT",
+    "VLLM_FP8_MOE_REQUANT_ACT",
+    "VLLM_ROCM_MUSE_MOE_ONLINE_QUANT",
 )
 VALUES = ["0", "1", "2", " 1 ", "-1", "", "true", "True", "FALSE", "yes", "SD", "DS", "ds"]
+VALUES += ["none", "mxfp4", "MXFP4", "a8w4", "a4w4", "A16W4"]
 
 
 @pytest.fixture
@@ -70,17 +74,23 @@ def test_a_value_vllm_refuses_is_one_line_exit_2_and_the_cache_is_kept(
     assert block.exists() and sorted(p.name for p in (root / "ns").iterdir()) == before
 
 
-# What vLLM runs with: envs.py's value, the conv state layout as mamba_utils resolves it.
+# What vLLM runs with: envs.py's value as its reader takes it (the conv state layout as
+# mamba_utils resolves it, the requantization as fp8.py and fp8_requant.py compare it).
 ENV_READS = textwrap.dedent("""
     import json, os, sys
     import vllm.envs
     from vllm.model_executor.layers.mamba import mamba_utils
 
     def read(name):
-        if name != "VLLM_SSM_CONV_STATE_LAYOUT":
-            return vllm.envs.environment_variables[name]()
-        mamba_utils.get_conv_state_layout.cache_clear()
-        return mamba_utils.get_conv_state_layout()
+        value = vllm.envs.environment_variables[name]()
+        if name == "VLLM_SSM_CONV_STATE_LAYOUT":
+            mamba_utils.get_conv_state_layout.cache_clear()
+            return mamba_utils.get_conv_state_layout()
+        if name == "VLLM_FP8_MOE_REQUANT":
+            return value == "mxfp4"
+        if name == "VLLM_FP8_MOE_REQUANT_ACT":
+            return value.lower()
+        return value
 
     asked = json.loads(sys.stdin.read())
     reads = {}
@@ -119,3 +129,41 @@ def test_read_as_vllms_own_envs_reads_them(vllm_scripts: ScriptRunner, model: Pa
         assert all(len(kept) == 1 for kept in ids.values()), (name, ids)
         assert len({k for s in ids.values() for k in s}) == len(ids), (name, ids)
         assert ids[json.dumps(theirs[name]["unset"])] == {"None"}, name
+
+
+def test_a_humming_config_counts_by_its_content(root: Path, model: Path, tmp_path: Path) -> None:
+    """VLLM_HUMMING_ONLINE_QUANT_CONFIG (and _INPUT_) set how the humming kernels quantize the
+    weights: JSON, or the path of a JSON file, whose content is what counts."""
+    name = "VLLM_HUMMING_ONLINE_QUANT_CONFIG"
+    plain = vinit_json(root, launch(model))["ns_id"]
+    given = vinit_json(root, ["env", f'{name}={{"bits": 4, "group": 128}}', *launch(model)])
+    assert given["ns_id"] != plain
+    file = tmp_path / "humming.json"
+    file.write_text('{"group": 128,\n "bits": 4}\n')
+    from_file = vinit_json(root, ["env", f"{name}={file}", *launch(model)])
+    assert from_file["ns_id"] == given["ns_id"]
+    file.write_text('{"bits": 8, "group": 128}')
+    assert vinit_json(root, ["env", f"{name}={file}", *launch(model)])["ns_id"] != given["ns_id"]
+    for bad in ("{bits: 4}", str(tmp_path / "absent.json")):
+        out = vinit(root, ["env", f"{name}={bad}", *launch(model)])
+        assert out.returncode == 2 and f"invalid {name}=" in one_line_error(out)
+
+
+@pytest.mark.vllm
+def test_a_humming_config_is_read_as_vllm_reads_it(
+    vllm_scripts: ScriptRunner, model: Path, tmp_path: Path
+) -> None:
+    file = tmp_path / "input.json"
+    file.write_text('{"dtype": "fp8"}')
+    values = ['{"dtype": "int8"}', str(file), "", "{dtype}", "[1, 2]", "null"]
+    name = "VLLM_HUMMING_INPUT_QUANT_CONFIG"
+    asked = json.dumps({"names": [name], "values": values})
+    theirs = json.loads(vllm_scripts.run(ENV_READS, stdin=asked))[name]
+    for value in values:
+        try:
+            args = resolve_vllm_args(launch(model), {name: value})
+        except ConfigError:
+            assert theirs[value] == "refused", value
+            continue
+        kept = (args.kv_environment or {})[name]
+        assert json.loads(kept) == theirs[value], value

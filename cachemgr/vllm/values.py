@@ -13,8 +13,12 @@ running vLLM. The lists are generated from vLLM's code (scripts/gen_vllm_flags.p
 from __future__ import annotations
 
 import difflib
+import json
+import os
 from collections.abc import Callable, Mapping
+from typing import Any
 
+from cachemgr.canonical import canonical_json
 from cachemgr.errors import ConfigError
 from cachemgr.vllm.flags import (
     DEPRECATED_QUANTIZATION,
@@ -37,6 +41,10 @@ KV_LAYOUT_ENV = "VLLM_KV_CACHE_LAYOUT"
 # VLLM_BATCH_INVARIANT, VLLM_ROCM_USE_AITER(_MHA, _MLA): which attention backend the platform
 #   picks when no flag names one (attention/selector.py, platforms/rocm.py
 #   _get_backend_priorities), and with it the KV layout, as `attention` records a flag's.
+# VLLM_HUMMING_ONLINE_QUANT_CONFIG, VLLM_HUMMING_INPUT_QUANT_CONFIG: how the humming kernels
+#   quantize the weights and activations (humming.py), which changes the K/V computed as -q does;
+#   so do VLLM_FP8_MOE_REQUANT(_ACT) (block-FP8 experts requantized to MXFP4, fp8.py) and
+#   VLLM_ROCM_MUSE_MOE_ONLINE_QUANT (Muse Spark's experts quantized online).
 # Each is read as envs.py reads it; what vLLM's default reads as is left out (an unset one and
 # one set to its default are one identity, the one launches had before it was recorded).
 _INT_SWITCHES = ("VLLM_MLA_DISABLE", "VLLM_BATCH_INVARIANT")  # bool(int(value)), default 0
@@ -48,6 +56,10 @@ _TRUE_SWITCHES = {
     "VLLM_ROCM_USE_AITER_MLA": True,
 }
 CONV_LAYOUT_ENV = "VLLM_SSM_CONV_STATE_LAYOUT"
+_JSON_CONFIGS = ("VLLM_HUMMING_ONLINE_QUANT_CONFIG", "VLLM_HUMMING_INPUT_QUANT_CONFIG")
+REQUANT_ENV = "VLLM_FP8_MOE_REQUANT"
+REQUANT_ACT_ENV = "VLLM_FP8_MOE_REQUANT_ACT"
+MUSE_QUANT_ENV = "VLLM_ROCM_MUSE_MOE_ONLINE_QUANT"
 _CONV_LAYOUTS = ("SD", "DS")  # env_with_choices, case-sensitive; unset reads as SD
 # vLLM reads NHD as LBNHC and HND as LBHNC (config/cache.py): one layout, one identity. The
 # identity keeps the old name, the only one older vLLM took, so those namespaces keep their id.
@@ -80,8 +92,8 @@ def int_env(name: str, raw: str) -> int:
 
 def kv_environment(env: Mapping[str, str]) -> dict[str, str] | None:
     """The variables of `env` (the server's) that change a block's meaning and are set to
-    other than vLLM's default, as the identity keeps them ("1"/"0", the conv layout); None
-    when there is none. ConfigError for a value vLLM's start would end in."""
+    other than vLLM's default, as the identity keeps them ("1"/"0", the conv layout, canonical
+    JSON); None when there is none. ConfigError for a value vLLM's start would end in."""
     out: dict[str, str] = {}
     for name in _INT_SWITCHES:
         if name in env and int_env(name, env[name]):
@@ -90,15 +102,52 @@ def kv_environment(env: Mapping[str, str]) -> dict[str, str] | None:
         on = env.get(name, str(default)).lower() in ("true", "1")
         if on != default:
             out[name] = "1" if on else "0"
-    conv = env.get(CONV_LAYOUT_ENV)
-    if conv is not None and conv not in _CONV_LAYOUTS:
-        raise ConfigError(
-            f"invalid {CONV_LAYOUT_ENV}={conv!r}: vLLM {VLLM_VERSION} accepts "
-            f"{', '.join(_CONV_LAYOUTS)} (case-sensitive), or leave it unset"
-        )
+    conv = _choice(env, CONV_LAYOUT_ENV, _CONV_LAYOUTS, case_sensitive=True)
     if conv not in (None, _CONV_LAYOUTS[0]):
         out[CONV_LAYOUT_ENV] = conv
+    # fp8.py requantizes only for the value spelled exactly so (its check ignores case)
+    if _choice(env, REQUANT_ENV, ("none", "mxfp4"), case_sensitive=False) == "mxfp4":
+        out[REQUANT_ENV] = "mxfp4"
+    act = _choice(env, REQUANT_ACT_ENV, ("a8w4", "a4w4", "a16w4"), case_sensitive=False)
+    if act is not None and act.lower() != "a8w4":  # fp8_requant.py lowercases it
+        out[REQUANT_ACT_ENV] = act.lower()
+    muse = env.get(MUSE_QUANT_ENV, "").lower()  # envs.py lowercases it; no check
+    if muse:
+        out[MUSE_QUANT_ENV] = muse
+    for name in _JSON_CONFIGS:
+        if name in env:
+            out[name] = canonical_json(_json_env(name, env[name]), ensure_ascii=True)
     return out or None
+
+
+def _choice(
+    env: Mapping[str, str], name: str, choices: tuple[str, ...], *, case_sensitive: bool
+) -> str | None:
+    """The variable as given, None if unset; ConfigError for one envs.py's env_with_choices
+    refuses."""
+    raw = env.get(name)
+    fold = (lambda v: v) if case_sensitive else str.lower
+    if raw is None or fold(raw) in {fold(c) for c in choices}:
+        return raw
+    case = "case-sensitive" if case_sensitive else "any case"
+    raise ConfigError(
+        f"invalid {name}={raw!r}: vLLM {VLLM_VERSION} accepts {', '.join(choices)} ({case}), "
+        "or leave it unset"
+    )
+
+
+def _json_env(name: str, raw: str) -> Any:
+    """envs.py `maybe_convert_json_str_or_file`: the JSON in the file `raw` names if there is
+    one (its content, so an edit counts), else `raw` itself; ConfigError where vLLM fails."""
+    try:
+        if os.path.exists(raw):
+            with open(raw, encoding="utf-8") as f:
+                return json.load(f)
+        return json.loads(raw)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ConfigError(
+            f"invalid {name}={raw!r:.80}: vLLM reads JSON or a JSON file's path ({e})"
+        ) from None
 
 
 def quantization(raw: str | None, allow_deprecated: bool = False) -> str | None:
