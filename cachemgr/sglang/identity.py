@@ -23,7 +23,11 @@ from cachemgr.identity.fingerprint import (
 )
 from cachemgr.identity.record import Weights as WeightsRecord
 from cachemgr.sglang.args import LaunchArgs
-from cachemgr.sglang.kvscales import check_scales_loadable, kv_cache_scales
+from cachemgr.sglang.kvscales import (
+    NO_DRAFT_MODEL_ALGORITHMS,
+    check_scales_loadable,
+    kv_cache_scales,
+)
 from cachemgr.sglang.record import FILE_KEY_SCHEME, Identity, Source, Storage, Topology
 
 MODELSCOPE_ENV = "SGLANG_USE_MODELSCOPE"
@@ -44,10 +48,10 @@ PAGE_SIZE_OVERRIDING_ARCHS = frozenset(
     """.split()  # noqa: SIM905
 )
 PageSizeFrom = Literal["flag", "attention_backend", "server"]
-# Speculative algorithms whose draft keeps no KV of its own in HiCache: NGRAM and UNO have no
-# draft model, FROZEN_KV_MTP's reads the target's (speculative/base_spec_worker.py
+# Speculative algorithms whose draft keeps no KV of its own in HiCache: those without a draft
+# model, and FROZEN_KV_MTP, whose draft reads the target's (speculative/base_spec_worker.py
 # `_draft_model_runners`). Any other, a plugin's too, may pack draft layers into the pages.
-NO_DRAFT_KV_ALGORITHMS = frozenset({"NGRAM", "UNO", "FROZEN_KV_MTP"})
+NO_DRAFT_KV_ALGORITHMS = NO_DRAFT_MODEL_ALGORITHMS | {"FROZEN_KV_MTP"}
 DSPARK_DRAFT_SUBFOLDER = "dspark"  # speculative_hook.py `_target_checkpoint_dspark_subfolder`
 # dspark_config.py `checkpoint_bundles_dspark_draft`: the target's config marks a bundled draft
 DSPARK_BUNDLE_KEYS = (
