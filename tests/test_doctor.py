@@ -244,3 +244,15 @@ def test_a_bound_namespace_without_its_dir_is_an_error(layout: Layout) -> None:
     (finding,) = json.loads(out.stdout)
     assert finding["code"] == "ns-missing-dir" and "bound to srv" in finding["message"]
     assert out.returncode == 2
+
+
+def test_the_hybrid_check_reads_the_config_beside_a_gguf_file(root: Path, tmp_path: Path) -> None:
+    """SGLang serves a GGUF file with the config.json beside it: doctor read the model path as
+    a model dir only, called a local GGUF file not local, and skipped the hybrid-model check."""
+    files = tmp_path / "gguf"
+    files.mkdir()
+    (files / "m-Q4_K_M.gguf").write_bytes(b"GGUF" + b"q" * 64)
+    cmd = f"{FILE} --page-size 64 --model-path {files / 'm-Q4_K_M.gguf'} --mamba-track-interval 100"
+    assert doctor(root, cmd, managed_env(root)) == (0, ["model-not-local"])  # config in the file
+    (files / "config.json").write_text(json.dumps({"layer_types": ["linear_attention"]}))
+    assert doctor(root, cmd, managed_env(root)) == (2, ["mamba-track-interval"])

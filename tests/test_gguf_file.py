@@ -5,6 +5,7 @@ has no GGUF loader, and the refusal says so."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from cachemgr.identity.hashing import ALGO_FULL, hash_file
 from cachemgr.sglang.record import Identity
 from cachemgr.vllm.args import resolve_vllm_args
 from cachemgr.vllm.identity import compute_vllm_identity
+from tests.conftest import ScriptRunner
 from tests.nsfixtures import cli, one_line_error
 from tests.test_identity import age, ident, make_model
 from tests.test_init import CMD, NO_STORAGE_ENV
@@ -201,3 +203,103 @@ def test_a_gguf_draft_by_hub_reference(tmp_path: Path) -> None:
     spec = "--speculative-algorithm EAGLE --speculative-draft-model o/draft:Q8_0"
     rec = in_hub(hub, f"--model-path o/target {spec}")
     assert rec.source.draft_model_dir == str(snapshot / "d-Q8_0.gguf")
+
+
+@pytest.mark.parametrize(
+    "offline", [{"HF_HUB_OFFLINE": "1"}, {"HF_HUB_OFFLINE": "", "TRANSFORMERS_OFFLINE": "yes"}]
+)
+def test_offline_a_reference_sglang_must_list_the_hub_for_is_refused(
+    tmp_path: Path, offline: dict[str, str]
+) -> None:
+    """Offline, huggingface_hub refuses every Hub request: SGLang's `owner/repo:QUANT` listing
+    fails its start, and `owner/repo` falls back to a model dir without config.json. cachemgr
+    had read both from the cache and made the namespace (purging the instance's good one) for
+    a server that does not start. A file named in full comes from the cache, as online."""
+    hub = tmp_path / "hub"
+    snapshot = hub_repo(hub, "o/r", {"m-Q4_K_M.gguf": b"GGUF4"})
+    env = {"HF_HUB_CACHE": str(hub), **offline}
+    for reference in ("o/r:Q4_K_M", "o/r"):
+        with pytest.raises(ConfigError, match=r"OFFLINE is set.*name the file as o/r/<file>.gguf"):
+            ident(f"--model-path {reference}", env=env)
+    named = ident("--model-path o/r/m-Q4_K_M.gguf", env=env)
+    assert named.source.model_dir == str(snapshot / "m-Q4_K_M.gguf")
+    assert in_hub(hub, "--model-path o/r:Q4_K_M").ns_id == named.ns_id  # online: the same file
+    assert ident("--model-path o/r:Q4_K_M", env={**env, "HF_HUB_OFFLINE": "0"}).ns_id == named.ns_id
+    # a repo with a config.json is a model dir offline too
+    hub_repo(hub, "o/dir", {"m-Q4_K_M.gguf": b"GGUF4", "config.json": b"{}"})
+    assert ident("--model-path o/dir", env=env).source.model_dir.endswith(COMMIT)
+
+
+def test_init_offline_refuses_a_quant_reference_and_keeps_the_cache(tmp_path: Path) -> None:
+    hub = tmp_path / "hub"
+    hub_repo(hub, "o/r", {"m-Q4_K_M.gguf": b"GGUF4"})
+    root = tmp_path / "root"
+    env = {**NO_STORAGE_ENV, "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}
+
+    def init(model: str) -> subprocess.CompletedProcess[str]:
+        argv = [*CMD.split(), "--model-path", model]
+        return cli("--root", str(root), "init", "--json", "--", *argv, env=env)
+
+    good = init("o/r/m-Q4_K_M.gguf")
+    assert good.returncode == 0, good.stderr
+    block = root / "ns" / json.loads(good.stdout)["ns_id"] / "block.bin"
+    block.write_bytes(b"x")
+    before = sorted(p.name for p in (root / "ns").iterdir())
+    out = init("o/r:Q4_K_M")
+    assert out.returncode == 2 and "HF_HUB_OFFLINE is set" in one_line_error(out)
+    assert block.exists() and sorted(p.name for p in (root / "ns").iterdir()) == before
+
+
+HUB_OFFLINE = """
+import json, sys
+import huggingface_hub
+from huggingface_hub import constants, hf_hub_download, HfApi
+hub, repo, name = json.loads(sys.stdin.read())
+constants.HF_HUB_OFFLINE = True  # what HF_HUB_OFFLINE=1 sets as huggingface_hub is imported
+try:
+    try:
+        HfApi().repo_info(repo)
+        listing = "listed"
+    except Exception as e:
+        listing = type(e).__name__
+    print(json.dumps([listing, hf_hub_download(repo, name, cache_dir=hub)]))
+finally:
+    constants.HF_HUB_OFFLINE = False
+"""
+
+
+@pytest.mark.vllm
+def test_offline_huggingface_hub_lists_nothing_and_downloads_from_the_cache(
+    vllm_scripts: ScriptRunner, tmp_path: Path
+) -> None:
+    """The premise, against huggingface_hub itself (the one vLLM's env installs; SGLang's calls
+    are the same: HfApi().repo_info, hf_hub_download): offline, listing a repo raises, and a
+    file named in full is the cache's, the file cachemgr reads."""
+    hub = tmp_path / "hub"
+    snapshot = hub_repo(hub, "o/r", {"m-Q4_K_M.gguf": b"GGUF4"})
+    asked = json.dumps([str(hub), "o/r", "m-Q4_K_M.gguf"])
+    listing, downloaded = json.loads(vllm_scripts.run(HUB_OFFLINE, stdin=asked))
+    assert listing == "OfflineModeIsEnabled"
+    named = ident("--model-path o/r/m-Q4_K_M.gguf", env={"HF_HUB_CACHE": str(hub)})
+    assert downloaded == named.source.model_dir == str(snapshot / "m-Q4_K_M.gguf")
+
+
+def test_a_directory_loaded_as_gguf_is_refused(quants: Path, tmp_path: Path) -> None:
+    """GGUFModelLoader takes one file and raises "is not a file" for a dir (loader.py
+    `_prepare_weights`), after SGLang has read the dir's config.json: the server does not
+    start, so init must not make its namespace (it had hashed every .gguf in the dir)."""
+    with pytest.raises(ConfigError, match=r"--model-path .* is a directory, and SGLang's GGUF"):
+        served(quants, "--load-format gguf")
+    assert served(quants / "m-Q8_0.gguf", "--load-format gguf").source.model_dir.endswith(".gguf")
+    # a draft dir its runner loads as GGUF: told so, or by a GGUF target's resolved load format
+    plain = make_model(tmp_path / "plain")
+    draft = f"--speculative-algorithm EAGLE --speculative-draft-model-path {plain}"
+    for target, flags in (
+        (quants / "m-Q8_0.gguf", draft),
+        (plain, f"{draft} --speculative-draft-load-format gguf"),
+    ):
+        with pytest.raises(ConfigError, match=r"--speculative-draft-model-path .* is a directory"):
+            served(target, flags)
+    argv = [*CMD.split(), "--model-path", str(quants), "--load-format", "gguf"]
+    out = cli("--root", str(tmp_path / "root"), "init", "--", *argv, env=NO_STORAGE_ENV)
+    assert out.returncode == 2 and "is a directory" in one_line_error(out)

@@ -358,3 +358,46 @@ def test_remote_code_counts_only_when_trusted(model: Path) -> None:
     assert ident(f"--model-path {model}").digest == untrusted.digest  # code not run
     edited = ident(f"--model-path {model} --trust-remote-code")
     assert diff_identities(trusted, edited) == ["weights: modeling_tiny.py changed"]
+
+
+def test_a_draft_sglang_defaults_to_is_in_the_identity(model: Path, tmp_path: Path) -> None:
+    """`--speculative-algorithm EAGLE` (or NEXTN) on an MTP model loads the target as its draft
+    and packs the draft's layers into each HiCache page (a page holds more layers per token);
+    the identity had no draft then, so such a server and one without speculation shared a
+    namespace, and the one without read the other's longer pages as its own."""
+    plain = ident(f"--model-path {model}")
+    mtp = ident(f"--model-path {model} --speculative-algorithm EAGLE")
+    assert mtp.ns_id != plain.ns_id
+    assert (mtp.draft_weights, mtp.source.draft_model_dir) == (mtp.weights, str(model))
+    assert ident(f"--model-path {model} --speculative-algorithm NEXTN").ns_id == mtp.ns_id
+    fp8_draft = ident(
+        f"--model-path {model} --speculative-algorithm EAGLE --speculative-draft-kv-cache-dtype "
+        "fp8_e4m3"
+    )
+    assert fp8_draft.draft_kv_cache_dtype == "fp8_e4m3" and fp8_draft.ns_id != mtp.ns_id
+    # no draft KV in HiCache: the launch keeps the namespace it had
+    for algorithm in ("NGRAM", "uno", "FROZEN_KV_MTP"):
+        spec = ident(f"--model-path {model} --speculative-algorithm {algorithm}")
+        assert spec.ns_id == plain.ns_id, algorithm
+
+
+def test_a_dspark_draft_in_the_checkpoint_is_in_the_identity(model: Path, tmp_path: Path) -> None:
+    """DSPARK without a draft path loads the draft bundled in the target (its config's dspark_*
+    keys) or from its `dspark/` subfolder, which the target's weights do not cover."""
+    draft = make_model(model / "dspark", shards=1, seed=3)
+    spec = f"--model-path {model} --speculative-algorithm DSPARK"
+    first = ident(spec)
+    assert first.source.draft_model_dir == str(draft)
+    assert [f.name for f in first.draft_weights.files] == [  # type: ignore[union-attr]
+        "config.json",
+        "model-00001-of-00001.safetensors",
+    ]
+    data = bytearray(shard(draft, 1).read_bytes())
+    data[-2] ^= 0xFF
+    shard(draft, 1).write_bytes(bytes(data))
+    age(draft)
+    assert ident(spec).ns_id != first.ns_id
+    bundled = make_model(tmp_path / "bundled", extra_config={"dspark_block_size": 16})
+    (bundled / "dspark").mkdir()
+    rec = ident(f"--model-path {bundled} --speculative-algorithm DSPARK")
+    assert rec.source.draft_model_dir == str(bundled) and rec.draft_weights == rec.weights

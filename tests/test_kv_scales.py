@@ -221,8 +221,9 @@ def test_a_backend_without_the_scales_loader_is_refused(tmp_path: Path) -> None:
 
 
 def test_the_draft_class_must_load_the_scales_too(tmp_path: Path) -> None:
-    """An EAGLE/standalone draft runner calls load_kv_cache_scales with the server's KV dtype
-    and scales file (model_runner.py load_model)."""
+    """A draft runner (EAGLE, standalone, DFLASH, …) calls load_kv_cache_scales with the
+    server's KV dtype and scales file (model_runner.py load_model), and SGLang refuses to start
+    when its class has none: cachemgr had checked only EAGLE/EAGLE3/STANDALONE drafts."""
     path = scales_file(tmp_path / "scales.json", 0.5)
     llama = arch_model(tmp_path, "LlamaForCausalLM")
     mixtral = make_model(tmp_path / "draft", extra_config={"architectures": ["MixtralForCausalLM"]})
@@ -232,6 +233,14 @@ def test_the_draft_class_must_load_the_scales_too(tmp_path: Path) -> None:
     assert fp8(llama, draft, "--speculative-algorithm NGRAM").kv_cache_scales  # no draft runner
     override = """--json-model-override-args '{"architectures": ["LlamaForCausalLM"]}'"""
     assert fp8(llama, draft, "--speculative-algorithm STANDALONE", override).kv_cache_scales
+    # DFLASH, DSPARK and FROZEN_KV_MTP build their draft's runner the same way
+    # (draft_worker_common.py build_draft_tp_worker); DFlashDraftModel has no scales loader
+    dflash = make_model(tmp_path / "dflash", extra_config={"architectures": ["DFlashDraftModel"]})
+    spec = f"--quantization-param-path {path} --speculative-draft-model-path {dflash}"
+    for algorithm in ("DFLASH", "FROZEN_KV_MTP", "my_plugin_algo"):
+        with pytest.raises(ConfigError, match="the draft model's class, SGLang's DFlashDraftModel"):
+            fp8(llama, spec, f"--speculative-algorithm {algorithm}")
+    assert fp8(llama, spec, "--speculative-algorithm UNO").kv_cache_scales  # no draft model
     # a draft architecture SGLang renames to its MTP/NextN class is not judged by its name
     ds = make_model(tmp_path / "ds", extra_config={"architectures": ["DeepseekV3ForCausalLM"]})
     renamed = f"--quantization-param-path {path} --speculative-draft-model-path {ds}"

@@ -241,7 +241,63 @@ CHANGES = {
     "prefix_caching_hash_algo": ([], ["--prefix-caching-hash-algo", "xxhash"]),
     "dtype": (["--dtype", "bfloat16"], ["--dtype", "float16"]),
     "kv_cache_layout": ([], ["env", "VLLM_KV_CACHE_LAYOUT=HND"]),
+    # how an online quantization quantizes the weights the KV is computed with
+    "quantization_config": (
+        ["--quantization-config", '{"linear": {"weight_bits": 8}}'],
+        ["--quantization-config", '{"linear": {"weight_bits": 4}}'],
+    ),
+    # layers whose KV stays unquantized: vLLM's folder name has only the KV dtype
+    "kv_cache_dtype_skip_layers": (
+        ["--kv-cache-dtype", "fp8", "--kv-cache-dtype-skip-layers", "0"],
+        ["--kv-cache-dtype", "fp8", "--kv-cache-dtype-skip-layers", "0", "1"],
+    ),
+    # a hybrid model's offloaded Mamba state: vLLM's folder name has no dtype of it
+    "mamba_cache_dtype": ([], ["--mamba-cache-dtype", "float32"]),
+    "mamba_ssm_cache_dtype": (
+        ["--mamba-ssm-cache-dtype", "bfloat16"],
+        ["--mamba-ssm-cache-dtype", "float32"],
+    ),
 }
+
+
+def test_skip_layers_are_a_set_of_every_value_given(root: Path, model: Path) -> None:
+    """vLLM tests a layer's index (or `sliding_window`) for membership in the list: order and
+    repeats do not count, every value does, and without the flag the id is the one before."""
+    fp8 = ["--kv-cache-dtype", "fp8"]
+    plain = vinit_json(root, launch(model, *fp8))["ns_id"]
+    one = vinit_json(root, launch(model, *fp8, "--kv-cache-dtype-skip-layers", "1", "0"))
+    assert one["ns_id"] != plain
+    assert one["changes"] == ["kv_cache_dtype_skip_layers: none → ['0', '1']"]
+    same = ["--kv-cache-dtype-skip-layers", "0", "1", "0", "--port", "8001"]
+    assert vinit_json(root, launch(model, *fp8, *same))["ns_id"] == one["ns_id"]
+    # the last occurrence wins, as argparse stores a repeated flag
+    repeated = ["--kv-cache-dtype-skip-layers", "5", "--kv-cache-dtype-skip-layers", "0", "1"]
+    assert vinit_json(root, launch(model, *fp8, *repeated))["ns_id"] == one["ns_id"]
+
+
+def test_a_quantization_config_is_read_as_vllm_reads_it(root: Path, model: Path) -> None:
+    """Key order, spaces, dotted keys and human-readable numbers do not count; an empty one is
+    the launch without it; one that is no JSON object is refused before anything is made."""
+    plain = vinit_json(root, launch(model))["ns_id"]
+    given = vinit_json(root, launch(model, "--quantization-config", '{"a": 1, "b": {"c": 2k}}'))
+    assert given["ns_id"] != plain
+    same = ["--quantization-config.b.c", "2000", "--quantization-config.a", "1"]
+    assert vinit_json(root, launch(model, *same))["ns_id"] == given["ns_id"]
+    assert vinit_json(root, launch(model, "--quantization-config", "{}"))["ns_id"] == plain
+    out = vinit(root, launch(model, "--quantization-config", "[1]"))
+    assert out.returncode == 2 and "--quantization-config is not a JSON object" in one_line_error(
+        out
+    )
+
+
+def test_an_auto_mamba_dtype_is_the_launch_without_it(root: Path, model: Path) -> None:
+    """`auto` (the model's own dtype, which its hashed config says) keeps the id launches had
+    before the Mamba dtypes were recorded; a dtype vLLM does not list is refused first."""
+    plain = vinit_json(root, launch(model))["ns_id"]
+    auto = ["--mamba-cache-dtype", "auto", "--mamba-ssm-cache-dtype", "auto"]
+    assert vinit_json(root, launch(model, *auto))["ns_id"] == plain
+    out = vinit(root, launch(model, "--mamba-cache-dtype", "fp8"))
+    assert out.returncode == 2 and "invalid --mamba-cache-dtype 'fp8'" in one_line_error(out)
 
 
 @pytest.mark.parametrize("component", sorted(CHANGES))

@@ -181,34 +181,77 @@ def test_a_value_a_plugin_registers_is_taken_when_init_is_told(
 
 
 @pytest.mark.parametrize(
-    ("declared", "flags"),
+    "declared",
     [
         # auto_gptq.py / auto_awq.py take `marlin` for a GPTQ / AWQ checkpoint
-        ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, ["-q", "marlin"]),
-        ({"quantization_config": {"quant_method": "awq", "bits": 4}}, ["-q", "marlin"]),
-        # inc.py maps any value to `inc` for an auto-round checkpoint
-        ({"quantization_config": {"quant_method": "auto-round"}}, ["-q", "auto-round"]),
-        ({"compression_config": {"quant_method": "compressed-tensors"}}, ["-q", "marlin"]),
-        (None, ["-q", "marlin"]),  # ModelOpt's hf_quant_config.json beside config.json
+        {"quantization_config": {"quant_method": "gptq", "bits": 4}},
+        {"quantization_config": {"quant_method": "AWQ", "bits": 4}},
+        {"text_config": {"quantization_config": {"quant_method": "gptq"}}},
     ],
 )
-def test_a_value_vllm_maps_from_a_quantized_checkpoint_is_not_refused(
-    root: Path, tmp_path: Path, fake_vllm: dict[str, str], declared: dict | None, flags: list[str]
+def test_marlin_on_a_gptq_or_awq_checkpoint_is_taken(
+    root: Path, tmp_path: Path, fake_vllm: dict[str, str], declared: dict
 ) -> None:
-    """vLLM's override classes map the launch's -q from the checkpoint's own quantization
-    config before checking it (ModelConfig._verify_quantization): these start, and refusing
-    them kept the server from starting at all."""
-    checkpoint = make_model(tmp_path / "quantized", extra_config=declared or {})
-    if declared is None:
-        (checkpoint / "hf_quant_config.json").write_text('{"quantization": {"quant_algo": "FP8"}}')
-    assert vinit_json(root, launch(checkpoint, *flags))["outcome"] == "created"
-    out = cli_process("--root", str(root), "exec", "--", *launch(checkpoint, *flags), env=fake_vllm)
+    """vLLM's AutoGPTQ and AutoAWQ overrides map `-q marlin` from the checkpoint's own
+    quantization config before checking it (ModelConfig._verify_quantization): it starts."""
+    checkpoint = make_model(tmp_path / "quantized", extra_config=declared)
+    assert vinit_json(root, launch(checkpoint, "-q", "marlin"))["outcome"] == "created"
+    out = cli_process(
+        "--root", str(root), "exec", "--", *launch(checkpoint, "-q", "marlin"), env=fake_vllm
+    )
     assert out.returncode == 0, out.stderr
     # an unquantized checkpoint has no such mapping: still refused first
     plain = make_model(tmp_path / "plain")
     assert "pass --plugin-value marlin" in one_line_error(
         vinit(root, launch(plain, "-q", "marlin"))
     )
+
+
+@pytest.mark.parametrize(
+    ("declared", "flags", "method"),
+    [
+        # no override claims it: vLLM's mismatch error ends its start
+        ({"quantization_config": {"quant_method": "fp8"}}, ["-q", "fp8x"], "fp8"),
+        ({"quantization_config": {"quant_method": "fp8"}}, ["-q", "fp"], "fp8"),
+        ({"quantization_config": {"quant_method": "awq"}}, ["--quantization=fp8x"], "awq"),
+        (
+            {"compression_config": {"quant_method": "compressed-tensors"}},
+            ["-q", "marlin"],
+            "compressed-tensors",
+        ),
+        # an override claims the checkpoint whatever the value: vLLM runs inc / modelopt
+        (
+            {"quantization_config": {"quant_method": "auto-round"}},
+            ["-q", "auto-round"],
+            "auto-round",
+        ),
+        (None, ["-q", "fp8x"], "modelopt"),  # ModelOpt's hf_quant_config.json beside config.json
+    ],
+)
+def test_a_value_vllm_does_not_run_on_a_quantized_checkpoint_is_refused(
+    root: Path, tmp_path: Path, declared: dict | None, flags: list[str], method: str
+) -> None:
+    """A --quantization vLLM does not ship on a checkpoint that declares its own: vLLM refuses
+    the mismatch, or runs the checkpoint's method in its place. cachemgr took any such value,
+    made a namespace recording it and purged the instance's good one, for a server that did
+    not start or ran another method than the record said; now one line, the cache kept."""
+    checkpoint = make_model(tmp_path / "quantized", extra_config=declared or {})
+    if declared is None:
+        (checkpoint / "hf_quant_config.json").write_text(
+            '{"producer": {"name": "modelopt"}, "quant_method": "modelopt", '
+            '"quantization": {"quant_algo": "FP8"}}'
+        )
+    good = vinit_json(root, launch(checkpoint))
+    before = sorted(p.name for p in (root / "ns").iterdir())
+    out = vinit(root, launch(checkpoint, *flags))
+    said = one_line_error(out)
+    assert out.returncode == 2 and f"the checkpoint declares {method}:" in said, said
+    assert "drop the flag" in said and "--plugin-value" in said
+    assert sorted(p.name for p in (root / "ns").iterdir()) == before
+    # a plugin that registers it is the way out, as for an unquantized checkpoint
+    value = flags[-1].partition("=")[2] or flags[-1]
+    other = vinit_json(root, launch(checkpoint, *flags), "--plugin-value", value)
+    assert other["ns_id"] != good["ns_id"]
 
 
 # vLLM's own answer for each value: does it start with it, and what does it run with.

@@ -138,7 +138,8 @@ def explain_identity(ident: Digested) -> str:
     draft = getattr(ident, "draft_weights", None)
     if draft is not None:
         src = ident.source
-        lines.append(f"draft model  {src.draft_model_path} ({src.draft_model_dir})")
+        given = src.draft_model_path or "the speculative algorithm's default"
+        lines.append(f"draft model  {given} ({src.draft_model_dir})")
         lines += _explain_weights("draft_weights", draft)
     return "\n".join(lines)
 

@@ -59,6 +59,15 @@ def _expanduser(path: str, env: Mapping[str, str]) -> str:
     return (home.rstrip("/") + path[1:]) or "/"
 
 
+def hub_offline(env: Mapping[str, str]) -> str | None:
+    """The variable that makes huggingface_hub run offline in `env`, if one does (its
+    constants.py: HF_HUB_OFFLINE, else TRANSFORMERS_OFFLINE, read true): every request to the
+    Hub (listing a repo) then raises; files come from the cache alone."""
+    name = "HF_HUB_OFFLINE" if env.get("HF_HUB_OFFLINE") else "TRANSFORMERS_OFFLINE"
+    on = env.get(name, "").upper() in ("1", "ON", "YES", "TRUE")
+    return name if on else None
+
+
 def _looks_like_repo_id(path: str) -> bool:
     return not path.startswith(("/", ".", "~")) and 0 < path.count("/") <= 1
 
@@ -124,12 +133,21 @@ def hub_gguf(path: str, revision: str | None, hub: Hub) -> Path | None:
     SGLang lists the repo on the Hub; cachemgr has its snapshot, which holds what the server
     downloaded. huggingface_hub downloads the file into the environment's hub cache (SGLang
     passes no cache_dir: --download-dir does not count). Under ModelScope, locate_model says
-    why the path is not read.
+    why the path is not read. Offline (`hub_offline`) SGLang cannot list a repo: `owner/repo:Q`
+    fails its start, and `owner/repo` is a repo id again (its listing error is swallowed), so
+    both are refused here unless the repo is a model dir; a file by name is read from the cache.
     """
     if not path or os.path.exists(path) or hub.modelscope or "://" in path[1:]:
         return None  # (a `<scheme>://` path is a remote URL to SGLang's is_remote_url)
     cache = hf_hub_cache(hub.env)
+    offline = hub_offline(hub.env)
     if ":" in path:
+        if offline and _quant_reference(path):
+            raise ConfigError(
+                f"model {path}: {offline} is set, and SGLang finds a *-QUANT.gguf by listing "
+                "the repo on the Hub, so it would fail to start; name the file as "
+                f"{path.rpartition(':')[0]}/<file>.gguf"
+            )
         return _quant_gguf(path, revision, cache)
     parts = path.strip("/").split("/")
     if len(parts) > 2 and path.endswith(".gguf"):
@@ -151,6 +169,12 @@ def hub_gguf(path: str, revision: str | None, hub: Hub) -> Path | None:
     if (snapshot / "config.json").exists():
         return None
     found = _gguf_names(snapshot, ".gguf")
+    if offline and found:
+        raise ConfigError(
+            f"model {path}: {offline} is set, so SGLang cannot list the repo to find its "
+            "GGUF file and reads it as a model directory, which has no config.json; name the "
+            f"file as {repo_id}/<file>.gguf"
+        )
     if len(found) > 1:
         raise ConfigError(
             f"model {path} has {len(found)} .gguf files and no config.json: SGLang refuses it; "
@@ -159,11 +183,17 @@ def hub_gguf(path: str, revision: str | None, hub: Hub) -> Path | None:
     return snapshot / found[0] if found else None
 
 
+def _quant_reference(path: str) -> bool:
+    """Whether `path` has the `owner/repo:QUANT` form SGLang reads as a GGUF reference."""
+    repo_id, _, quant = path.rpartition(":")
+    return repo_id.count("/") == 1 and bool(quant)
+
+
 def _quant_gguf(path: str, revision: str | None, cache: Path) -> Path | None:
     """`owner/repo:QUANT`: the repo's one file named *-QUANT.gguf."""
-    repo_id, _, quant = path.rpartition(":")
-    if repo_id.count("/") != 1 or not quant:
+    if not _quant_reference(path):
         return None
+    repo_id, _, quant = path.rpartition(":")
     suffix = f"-{quant}.gguf"
     snapshot = _snapshot(repo_id, revision, cache, f"download its *{suffix} first")
     found = _gguf_names(snapshot, suffix)

@@ -23,7 +23,11 @@ from cachemgr.identity.fingerprint import (
 )
 from cachemgr.identity.record import Weights as WeightsRecord
 from cachemgr.sglang.args import LaunchArgs
-from cachemgr.sglang.kvscales import check_scales_loadable, kv_cache_scales
+from cachemgr.sglang.kvscales import (
+    NO_DRAFT_MODEL_ALGORITHMS,
+    check_scales_loadable,
+    kv_cache_scales,
+)
 from cachemgr.sglang.record import FILE_KEY_SCHEME, Identity, Source, Storage, Topology
 
 MODELSCOPE_ENV = "SGLANG_USE_MODELSCOPE"
@@ -44,6 +48,18 @@ PAGE_SIZE_OVERRIDING_ARCHS = frozenset(
     """.split()  # noqa: SIM905
 )
 PageSizeFrom = Literal["flag", "attention_backend", "server"]
+# Speculative algorithms whose draft keeps no KV of its own in HiCache: those without a draft
+# model, and FROZEN_KV_MTP, whose draft reads the target's (speculative/base_spec_worker.py
+# `_draft_model_runners`). Any other, a plugin's too, may pack draft layers into the pages.
+NO_DRAFT_KV_ALGORITHMS = NO_DRAFT_MODEL_ALGORITHMS | {"FROZEN_KV_MTP"}
+DSPARK_DRAFT_SUBFOLDER = "dspark"  # speculative_hook.py `_target_checkpoint_dspark_subfolder`
+# dspark_config.py `checkpoint_bundles_dspark_draft`: the target's config marks a bundled draft
+DSPARK_BUNDLE_KEYS = (
+    "dspark_block_size",
+    "dspark_markov_rank",
+    "dspark_noise_token_id",
+    "dspark_target_layer_ids",
+)
 GGUF_LOAD_FORMATS = frozenset({"auto", "gguf"})  # those that load a .gguf model path as GGUF
 
 
@@ -88,7 +104,9 @@ def locate_target(args: LaunchArgs, env: Mapping[str, str]) -> Path:
     gguf it makes such a file's load format and quantization gguf (arg_groups/
     model_path_hook.py `handle_load_format`, overrides.py `_gguf_quantization`) and
     GGUFModelLoader reads it (model_loader/loader.py); `env` is the server's."""
-    return _locate(args.model_path, args.revision, args.load_format, model_hub(args, env))
+    target = _locate(args.model_path, args.revision, args.load_format, model_hub(args, env))
+    _refuse_gguf_dir("--model-path", args.model_path, target, args.load_format)
+    return target
 
 
 def locate_draft(args: LaunchArgs, target: Path, env: Mapping[str, str]) -> Path | None:
@@ -111,7 +129,38 @@ def locate_draft(args: LaunchArgs, target: Path, env: Mapping[str, str]) -> Path
             f"--speculative-draft-model-path {path} is a GGUF file, which SGLang does not load "
             f"with load format {load_format}: add --speculative-draft-load-format gguf"
         )
+    _refuse_gguf_dir("--speculative-draft-model-path", path, draft, load_format)
     return draft
+
+
+def _refuse_gguf_dir(flag: str, path: str, located: Path, load_format: str) -> None:
+    """ConfigError for a model dir loaded as GGUF: GGUFModelLoader takes one file and fails
+    the server's start on anything else (model_loader/loader.py `_prepare_weights`), which init
+    would otherwise have purged the instance's namespace for."""
+    if load_format == "gguf" and not located.is_file():
+        raise ConfigError(
+            f"{flag} {path} is a directory, and SGLang's GGUF loader (load format gguf) takes "
+            "one .gguf file, so it would fail to start: pass the file (or owner/repo/<file>.gguf)"
+        )
+
+
+def default_draft(args: LaunchArgs, target: Path, config: Mapping[str, Any]) -> Path | None:
+    """The draft SGLang loads for a speculative launch that names none: the target itself for
+    the EAGLE/NextN MTP models (speculative_hook.py `_handle_eagle_family` defaults the path to
+    the model's), or for DSPARK a draft bundled in it, else its `dspark/` subfolder
+    (`_handle_dspark`); None with a draft path, without speculation, or for an algorithm whose
+    draft stores no KV. Such a draft's layers are packed into the target's HiCache pages
+    (base_spec_worker.py `_can_pack_hicache_mtp`): a page then holds more layers per token, and
+    a server without the draft reads another's page as its own (the file backend reads the
+    first bytes of a longer file), so the draft must be in the identity."""
+    algorithm = (args.speculative_algorithm or "").upper()
+    if args.speculative_draft_model_path or not algorithm or algorithm in NO_DRAFT_KV_ALGORITHMS:
+        return None
+    subfolder = target / DSPARK_DRAFT_SUBFOLDER
+    bundled = any(config.get(key) is not None for key in DSPARK_BUNDLE_KEYS)
+    if algorithm == "DSPARK" and not bundled and (subfolder / "config.json").is_file():
+        return subfolder
+    return target
 
 
 def _locate(path: str, revision: str | None, load_format: str, hub: model_dir.Hub) -> Path:
@@ -231,7 +280,7 @@ def compute_identity(
     read_config, quant_kv_algo = target_config(target)
     config = hf_config(read_config or {}, args)
     # The draft's runner has the same load config: --download-dir is its cache too.
-    draft_dir = locate_draft(args, target, server_env)
+    draft_dir = locate_draft(args, target, server_env) or default_draft(args, target, config)
     draft_config, draft_kv_algo = target_config(draft_dir) if draft_dir else (None, None)
     # Before the weights are hashed; the draft's config gets the same overrides
     # (model_config.py `from_server_args`).
@@ -239,6 +288,7 @@ def compute_identity(
     check_scales_loadable(args, config, server_env, draft_hf)
     run_dtype = model_dtype(args.dtype, read_config)
     kv = kv_dtype(args.kv_cache_dtype, run_dtype, quant_kv_algo)
+    target_weights = weights(target)
     draft_kv = draft_weights = None
     if draft_dir is not None:
         # spec.py: the draft's KV dtype follows --kv-cache-dtype unless set on its own.
@@ -247,13 +297,13 @@ def compute_identity(
             model_dtype(args.dtype, draft_config),
             draft_kv_algo,
         )
-        draft_weights = weights(draft_dir)
+        draft_weights = target_weights if draft_dir == target else weights(draft_dir)
     page, page_from = page_size(args, config)
     version, full_version, version_from = engine_version(
         opts.engine_version, opts.version_granularity, installed
     )
     return Identity(
-        weights=weights(target),
+        weights=target_weights,
         draft_weights=draft_weights,
         kv_cache_dtype=kv,
         draft_kv_cache_dtype=draft_kv,

@@ -36,9 +36,10 @@ SCALED_KV = "fp8_e4m3"
 EXTERNAL_MODELS_ENV = "SGLANG_EXTERNAL_MODEL_PACKAGE"
 UNREAD = "unread:"  # the prefix of a file cachemgr could not read
 AUTO_FP8_ARCHS = frozenset({"MuseSparkForConditionalGeneration"})
-# Speculative algorithms whose worker loads --speculative-draft-model-path in a draft runner
-# (spec_info.py `is_eagle`, `is_standalone`); the others are not checked.
-DRAFT_RUNNER_ALGORITHMS = frozenset({"EAGLE", "EAGLE3", "STANDALONE"})
+# Speculative algorithms without a draft model: every other one (EAGLE, EAGLE3, STANDALONE,
+# DFLASH, DSPARK, FROZEN_KV_MTP, a plugin's) loads its draft in a ModelRunner of its own
+# (speculative/draft_worker_common.py `build_draft_tp_worker`, frozen_kv_mtp_worker_v2.py).
+NO_DRAFT_MODEL_ALGORITHMS = frozenset({"NGRAM", "UNO"})
 # configs/model_config.py is_deepseek_dsa: the first architecture, with index_topk set
 DSA_ARCHS = frozenset(
     {
@@ -142,9 +143,9 @@ def _draft_without_scales_loader(args: LaunchArgs, draft_config: Mapping[str, An
 
 def _loads_draft(args: LaunchArgs) -> bool:
     """Whether the speculative algorithm runs the draft model in a ModelRunner of its own
-    (eagle_worker_v2.py, standalone_worker_v2.py: TpModelWorker(is_draft_worker=True))."""
+    (TpModelWorker(is_draft_worker=True), whose load_model loads the scales)."""
     algo = (args.speculative_algorithm or "").upper()
-    return algo in DRAFT_RUNNER_ALGORITHMS
+    return bool(algo) and algo not in NO_DRAFT_MODEL_ALGORITHMS
 
 
 def kv_cache_scales(args: LaunchArgs, config: Mapping[str, Any]) -> str | None:

@@ -20,12 +20,11 @@ from cachemgr.doctor.storage import (
     under_exec,
 )
 from cachemgr.errors import CachemgrError
-from cachemgr.identity import model_dir
 from cachemgr.identity.record import Digested
 from cachemgr.layout import Layout
 from cachemgr.sglang.args import LaunchArgs
 from cachemgr.sglang.hicache import STORAGE_DIR_ENV
-from cachemgr.sglang.identity import model_hub
+from cachemgr.sglang.identity import locate_target, target_config
 from cachemgr.units import human_bytes
 
 MAX_SIZE_ENV = "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE"
@@ -208,7 +207,8 @@ def _mamba(args: LaunchArgs, config: Mapping[str, Any] | None) -> list[Finding]:
             Finding(
                 "info",
                 "model-not-local",
-                f"{args.model_path} is not a local model dir: the hybrid-model check was skipped",
+                f"{args.model_path}: no config.json of it here (not on disk, or a GGUF file "
+                "whose config is in its own metadata): the hybrid-model check was skipped",
                 "run doctor where the model is on disk (or in the HF cache)",
             )
         ]
@@ -285,9 +285,9 @@ def _storage(
 
 
 def model_config(args: LaunchArgs, env: Mapping[str, str]) -> dict[str, Any] | None:
-    """config.json of the model if it is on disk here (a dir or the HF cache), else None."""
+    """The config.json SGLang reads for the model if it is on disk here (a dir, the HF cache,
+    or beside a GGUF file, as `locate_target` finds them), else None."""
     try:
-        directory = model_dir.locate_model(args.model_path, args.revision, model_hub(args, env))
-        return model_dir.read_json(directory / "config.json")
+        return target_config(locate_target(args, env))[0]
     except CachemgrError:
         return None

@@ -120,6 +120,14 @@ def hf_overrides(raw: str | None) -> str | None:
     return canonical_json(data, ensure_ascii=True) if data else None
 
 
+def quantization_config(raw: str | None) -> str | None:
+    """--quantization-config (the per-layer-kind specs of an online quantization, read as
+    vLLM's parse_dataclass reads it: human-readable numbers expanded) as canonical JSON; None
+    if empty. Its schema (QuantizationConfigArgs) is vLLM's to check at start."""
+    data = _json_object("--quantization-config", raw, config_json) if raw else {}
+    return canonical_json(data, ensure_ascii=True) if data else None
+
+
 def attention(backend: str | None, raw_config: str | None) -> str | None:
     """What of --attention-backend / --attention-config decides the KV cache layout vLLM's
     attention and the offloading connector settle on (v1/attention/backends/utils.py

@@ -37,6 +37,13 @@ class VllmLaunchArgs(BaseModel):
     revision: str | None = None
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    # A hybrid model's Mamba state, which the tier offloads beside the KV (both states, then
+    # the SSM state alone); auto: the model's, then mamba_cache_dtype's (config/cache.py)
+    # Layers (indices, or `sliding_window`) whose KV vLLM keeps unquantized (attention.py: their
+    # kv_cache_dtype becomes auto), as a set: vLLM tests membership
+    kv_cache_dtype_skip_layers: tuple[str, ...] = ()
+    mamba_cache_dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "auto"
     # None: the platform picks (CUDA: 64 in vLLM 0.34, 16 before)
     block_size: int | None = Field(None, ge=1)
     tensor_parallel_size: int = Field(1, ge=1)
@@ -48,6 +55,7 @@ class VllmLaunchArgs(BaseModel):
     hf_config_path: str | None = None  # the model config vLLM reads instead of the model dir's
     attention: str | None = None  # what of the attention flags decides the KV layout (JSON)
     quantization: str | None = None
+    quantization_config: str | None = None  # canonical JSON
     prefix_caching_hash_algo: str = "sha256"
     served_model_name: str | None = None
     load_format: str = "auto"
@@ -56,6 +64,9 @@ class VllmLaunchArgs(BaseModel):
     allow_deprecated_quantization: bool = False  # (not in the identity: it only lets vLLM start)
     # VLLM_KV_CACHE_LAYOUT, from the launch or environment; an alias as its old name (NHD, HND)
     kv_cache_layout: str | None = None
+    # The other variables that change a block's meaning, set to other than vLLM's default
+    # (values.kv_environment); None when there is none.
+    kv_environment: dict[str, str] | None = None
     kv_transfer_config: str | None = None  # canonical JSON
     # Not a flag: the `VAR=value` assignments in front of the program (`env HF_HOME=… vllm
     # serve …`), which the server's environment has on top of the one it is started from.
@@ -69,6 +80,9 @@ FLAGS: dict[str, str] = {
     "--revision": "revision",
     "--dtype": "dtype",
     "--kv-cache-dtype": "kv_cache_dtype",
+    "--kv-cache-dtype-skip-layers": "kv_cache_dtype_skip_layers",
+    "--mamba-cache-dtype": "mamba_cache_dtype",
+    "--mamba-ssm-cache-dtype": "mamba_ssm_cache_dtype",
     "--block-size": "block_size",
     "--tensor-parallel-size": "tensor_parallel_size",
     "--pipeline-parallel-size": "pipeline_parallel_size",
@@ -81,6 +95,7 @@ FLAGS: dict[str, str] = {
     "--attention-backend": "attention_backend",
     "--attention-config": "attention_config",
     "--quantization": "quantization",
+    "--quantization-config": "quantization_config",
     "--prefix-caching-hash-algo": "prefix_caching_hash_algo",
     "--kv-transfer-config": "kv_transfer_config",
     "--served-model-name": "served_model_name",
@@ -95,6 +110,8 @@ FLAGS: dict[str, str] = {
     "--kv-offloading-backend": "kv_offloading_backend",
 }
 FLAG_OF = {f: flag for flag, f in reversed(FLAGS.items())} | {"model": "model"}
+# Fields of a multi-value flag whose every value counts (the others keep the first)
+ALL_VALUES = frozenset({"kv_cache_dtype_skip_layers"})
 ENGINE = f"vLLM {VLLM_VERSION}"
 
 
@@ -102,12 +119,12 @@ def _is_value(tok: str) -> bool:
     return read_option(tok, OPTIONS, ENGINE) is None
 
 
-def scan_flags(args: Sequence[str], serve: bool) -> dict[str, str | bool]:
+def scan_flags(args: Sequence[str], serve: bool) -> dict[str, str | bool | list[str]]:
     """The known flags of pre-passed `args` and their raw values, the last occurrence winning
     (as argparse); `vllm serve`'s first positional is the model. Each token is read as vLLM's
     argparse reads it: a unique prefix is its flag; an ambiguous prefix, a flag vLLM lacks, or
     a word no flag takes (a second positional) is a ConfigError."""
-    found: dict[str, str | bool] = {}
+    found: dict[str, str | bool | list[str]] = {}
     i = 1 if serve else 0  # skip the `serve` subcommand
     positionals = False  # after `--`, as argparse reads it
     while i < len(args):
@@ -125,16 +142,23 @@ def scan_flags(args: Sequence[str], serve: bool) -> dict[str, str | bool]:
             found["model_tag"] = tok  # argparse: the first positional
             continue
         name = ALIASES.get(option.name, option.name)
-        value: str | bool = True
+        values: list[str] = []
         if option.explicit is not None:
-            value = option.explicit
+            values.append(option.explicit)
         elif name not in NO_VALUE and i < len(args) and _is_value(args[i]):
-            value = args[i]
+            values.append(args[i])
             i += 1
             while name in MULTI_VALUE and i < len(args) and _is_value(args[i]):
-                i += 1  # --served-model-name a b: the first one names it
+                values.append(args[i])  # --served-model-name a b: the first one names it
+                i += 1
         if name in FLAGS:
-            found[FLAGS[name]] = False if name.startswith("--no-") else value
+            field = FLAGS[name]
+            value: str | bool | list[str] = values[0] if values else True
+            if name.startswith("--no-"):
+                value = False
+            elif field in ALL_VALUES and values:
+                value = values
+            found[field] = value
     return found
 
 
@@ -164,6 +188,7 @@ def resolve_vllm_args(
         raise ConfigError("no model: `vllm serve <model> …` (or --model for the api_server)")
     values["max_model_len"] = argcheck.max_model_len(values.get("max_model_len"))
     values["hf_overrides"] = argcheck.hf_overrides(values.get("hf_overrides"))
+    values["quantization_config"] = argcheck.quantization_config(values.get("quantization_config"))
     values["attention"] = argcheck.attention(
         values.pop("attention_backend", None), values.pop("attention_config", None)
     )
@@ -175,6 +200,7 @@ def resolve_vllm_args(
     values["kv_cache_layout"] = vllm_values.kv_cache_layout(
         _env_value(cmd, environ or {}, KV_LAYOUT_ENV)
     )
+    values["kv_environment"] = vllm_values.kv_environment({**(environ or {}), **cmd.env})
     values["quantization"] = vllm_values.quantization(
         values.get("quantization"), bool(values.get("allow_deprecated_quantization"))
     )
@@ -195,16 +221,10 @@ def _offloading(values: dict[str, Any], cmd: VllmCommand, environ: dict[str, str
     size = values.pop("kv_offloading_size", None)
     backend = values.pop("kv_offloading_backend", "native")
     raw = _env_value(cmd, environ, SIMPLE_OFFLOAD_ENV)
-    # vLLM's envs.py: bool(int(os.getenv(NAME, "0"))), so set but empty is int(""), which
-    # fails its start (EngineCore reads every variable), with or without an offloading size.
-    simple = "0" if raw is None else raw
-    try:
-        return Offloading(size, backend, bool(int(simple)))
-    except ValueError:
-        raise ConfigError(
-            f"invalid {SIMPLE_OFFLOAD_ENV}={simple!r}: vLLM takes an integer (0 or 1), "
-            "or leave it unset"
-        ) from None
+    # vLLM's envs.py: bool(int(os.getenv(NAME, "0"))): set but empty fails its start too,
+    # with or without an offloading size.
+    simple = 0 if raw is None else vllm_values.int_env(SIMPLE_OFFLOAD_ENV, raw)
+    return Offloading(size, backend, bool(simple))
 
 
 def _env_value(cmd: VllmCommand, environ: dict[str, str], name: str) -> str | None:

@@ -66,7 +66,7 @@ class VllmEngine(Engine[VllmLaunchArgs]):
             args.quantization,
             args.load_format,
             plugin_values,
-            lambda: _quantized_checkpoint(args, environ),
+            lambda: _declared_quantization(args, environ),
         )
         if args.tier is None:
             raise ConfigError(
@@ -161,27 +161,34 @@ class VllmEngine(Engine[VllmLaunchArgs]):
 VLLM = VllmEngine()
 
 
-def _quantized_checkpoint(args: VllmLaunchArgs, environ: Mapping[str, str]) -> bool:
-    """Whether the launch's model (or its --hf-config-path) declares a quantization config; a
-    model not found here declares none (the identity refuses it in its own words)."""
+def _declared_quantization(args: VllmLaunchArgs, environ: Mapping[str, str]) -> str | None:
+    """The quantization method the checkpoint vLLM reads its config from (--hf-config-path, else
+    the model) declares (`declared_quantization`); None for a model not found here (the
+    identity refuses it in its own words)."""
     hub = model_hub(args, {**environ, **args.launch_env})
-    for path in filter(None, (args.model, args.hf_config_path)):
-        try:
-            if declares_quantization(model_dir.locate_model(path, args.revision, hub)):
-                return True
-        except CachemgrError:
-            continue
-    return False
+    try:
+        directory = model_dir.locate_model(args.hf_config_path or args.model, args.revision, hub)
+    except CachemgrError:
+        return None
+    return declared_quantization(directory)
 
 
-def declares_quantization(directory: Path) -> bool:
-    """Whether the checkpoint in `directory` carries the quantization config vLLM matches
-    --quantization against: config.json's quantization_config or compression_config, or an
-    hf_quant_config.json beside it (transformers_utils/config.py, model_arch_config_convertor.py).
-    An unreadable config is no declaration: the identity then says what is wrong with it."""
+def declared_quantization(directory: Path) -> str | None:
+    """The method the checkpoint in `directory` declares in the quantization config vLLM
+    matches --quantization against, lowercased ("" when it names none); None without one.
+    The config is config.json's quantization_config, else an hf_quant_config.json beside it
+    (transformers_utils/config.py), else its compression_config, each also of its text_config
+    (model_arch_config_convertor.py). An unreadable config is no declaration: the identity then
+    says what is wrong with it."""
     try:
         config = model_dir.read_json(directory / "config.json")
+        legacy = model_dir.read_json(directory / "hf_quant_config.json")
     except CachemgrError:
-        return False
-    declared = config.get("quantization_config") or config.get("compression_config")
-    return bool(declared) or (directory / "hf_quant_config.json").is_file()
+        return None
+    for cfg, beside in ((config, legacy), (config.get("text_config"), {})):
+        if not isinstance(cfg, dict):
+            continue
+        declared = cfg.get("quantization_config") or beside or cfg.get("compression_config")
+        if isinstance(declared, dict) and declared:
+            return str(declared.get("quant_method", "")).lower()
+    return None

@@ -236,6 +236,8 @@ CHOICES = by_field(
         fp8_per_token_head int4_per_token_head int8_per_token_head nvfp4 nvfp4_4over6
         nvfp4_ds_mla octave_k3v3 octave_k3v3_compact octave_k3v4 turboquant_3bit_nc
         turboquant_4bit_nc turboquant_k3v4_nc turboquant_k8v4 ultraquant_4bit
+    mamba_cache_dtype: auto bfloat16 float16 float32
+    mamba_ssm_cache_dtype: auto bfloat16 float16 float32
     prefix_caching_hash_algo: sha256 sha256_cbor xxhash xxhash_cbor
     """
 )

@@ -3,9 +3,10 @@
 vLLM (0.33.0, 0.34.0) names a folder by a digest of the model name, KV dtype, block sizes, parallel
 sizes and layer names (kv_offload/file_mapper.py). It leaves out the weights' content, the
 revision, quantization, `--hf-overrides` (RoPE), `max_model_len`, the KV layout when it is
-not canonical, the block hash algorithm and the vLLM version (docs/vllm.md): a change of
-any of them keeps the folder and serves stale blocks. This record holds them all; its
-namespace dir becomes the tier's `root_dir`, so any change moves the server to a new one.
+not canonical, the environment variables that change a block's shape or layout, the block
+hash algorithm and the vLLM version (docs/vllm.md): a change of any of them keeps the folder
+and serves stale blocks. This record holds them all; its namespace dir becomes the tier's
+`root_dir`, so any change moves the server to a new one.
 
 The record carries `"engine": "vllm"`: readers of a manifest pick the file format from it
 (absent: SGLang, whose record schema is untouched).
@@ -70,7 +71,17 @@ class VllmIdentity(Digested):
     model_config = ConfigDict(frozen=True, extra="ignore")  # ignore: digest/ns_id are derived
     ENGINE: ClassVar[str] = "vllm"
     VERSION_FIELD: ClassVar[str] = "vllm_version"
-    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"hf_config", "attention"})
+    OMIT_WHEN_NONE: ClassVar[frozenset[str]] = frozenset(
+        {
+            "hf_config",
+            "attention",
+            "environment",
+            "kv_cache_dtype_skip_layers",
+            "quantization_config",
+            "mamba_cache_dtype",
+            "mamba_ssm_cache_dtype",
+        }
+    )
 
     engine: Literal["vllm"] = "vllm"
     schema_version: Literal[1] = 1
@@ -78,11 +89,26 @@ class VllmIdentity(Digested):
     revision: str | None = None
     dtype: str
     kv_cache_dtype: str
+    # --kv-cache-dtype-skip-layers, sorted: the layers whose KV is stored unquantized, in a block
+    # vLLM's folder name does not tell from a quantized one's; None without the flag
+    kv_cache_dtype_skip_layers: list[str] | None = None
+    # --mamba-cache-dtype, --mamba-ssm-cache-dtype: the dtype of a hybrid model's offloaded
+    # Mamba state, which vLLM's folder name does not say; None: auto (the model's own, which
+    # its config in `weights` says)
+    mamba_cache_dtype: str | None = None
+    mamba_ssm_cache_dtype: str | None = None
     # None: the platform's default (CUDA: 64 in vLLM 0.34, 16 before), not known here
     block_size: int | None
     kv_cache_layout: str  # VLLM_KV_CACHE_LAYOUT; "default" when unset
+    # The other VLLM_* variables that change a block's bytes (an MLA model's KV shape, the Mamba
+    # conv state's or ROCm's KV layout, the platform's attention backend), those set to other
+    # than vLLM's default (values.kv_environment); None when none is
+    environment: dict[str, str] | None = None
     topology: VllmTopology
     quantization: str | None = None
+    # --quantization-config: how an online quantization quantizes each kind of layer (canonical
+    # JSON), which changes the weights the KV is computed with as -q does; None without it
+    quantization_config: str | None = None
     hf_overrides: str | None = None  # canonical JSON
     # xxh3-128 of the model config --hf-config-path names, which vLLM reads instead of the
     # model dir's (the weights' record hashes that one); None without the flag
@@ -113,6 +139,10 @@ def run_dtype(dtype_arg: str, config: Mapping[str, object]) -> str:
         return normalize_dtype(dtype_arg)
     found = model_dir.config_dtype(config)
     return normalize_dtype(found) if found else "unknown"
+
+
+def _unless_auto(value: str) -> str | None:
+    return None if value == "auto" else value
 
 
 def _config_digest(config: Mapping[str, object]) -> str:
@@ -178,8 +208,12 @@ def compute_vllm_identity(
         revision=args.revision,
         dtype=dtype,
         kv_cache_dtype=kv,
+        kv_cache_dtype_skip_layers=sorted(set(args.kv_cache_dtype_skip_layers)) or None,
+        mamba_cache_dtype=_unless_auto(args.mamba_cache_dtype),
+        mamba_ssm_cache_dtype=_unless_auto(args.mamba_ssm_cache_dtype),
         block_size=args.block_size,
         kv_cache_layout=args.kv_cache_layout or "default",
+        environment=args.kv_environment,
         topology=VllmTopology(
             tp_size=args.tensor_parallel_size,
             pp_size=args.pipeline_parallel_size,
@@ -187,6 +221,7 @@ def compute_vllm_identity(
             dcp_size=args.decode_context_parallel_size,
         ),
         quantization=args.quantization,
+        quantization_config=args.quantization_config,
         hf_overrides=args.hf_overrides,
         hf_config=None if config == own_config else _config_digest(config),
         attention=args.attention,
