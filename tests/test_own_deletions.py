@@ -22,6 +22,7 @@ from cachemgr.daemon.page_events import PageEvents
 from cachemgr.daemon.watcher import C, Watcher, _Reader
 from cachemgr.errors import ConfigError
 from cachemgr.formats import DEFAULT_FORMAT
+from cachemgr.fs.deletion import Pacer
 from cachemgr.fs.root import create_root
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.execute import CHUNK, InFlight, execute_gc
@@ -242,10 +243,21 @@ def test_a_store_counts_as_again_only_after_gcs_deletion_of_it_was_taken() -> No
     assert own.again(NS, ["d"]) == set()
 
 
-def test_a_run_whose_record_fails_leaves_no_unlink_running(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("pacer", "unlinked"),
+    [
+        (None, 2),  # a run asked for with no pace (HTTP, the CLI)
+        (Pacer(rate=None), 2),  # the daemon's runs: a pacer that counts, at full speed
+        (Pacer(rate=1e9), 1),  # paced: each chunk recorded before the next goes
+    ],
+)
+def test_a_run_whose_record_fails_leaves_no_unlink_running(
+    tmp_path: Path, pacer: Pacer | None, unlinked: int
+) -> None:
     """At full speed the next chunk's unlinks go on their own thread while a chunk is recorded:
     a record that raises ends the run only once those unlinks are over (nothing deletes after
-    the run returned, when another leader or a purge may act on the dir)."""
+    the run returned, when another leader or a purge may act on the dir). A paced run records
+    a chunk before it unlinks the next."""
     tree = Tree.at(tmp_path / "root")
     tree.write(NS, [page(i) for i in range(1, 4 * CHUNK + 1)], at=T0)
     plan = tree.plan(policy(max_bytes=1000, low_watermark=0.5), now=time.time())
@@ -255,10 +267,10 @@ def test_a_run_whose_record_fails_leaves_no_unlink_running(tmp_path: Path) -> No
 
     try:
         with pytest.raises(OSError, match="the record failed"):
-            execute_gc(plan, tree.run(), recorded=fails)
+            execute_gc(plan, tree.run(pacer=pacer), recorded=fails)
         assert not [t for t in threading.enumerate() if t.name.startswith("cachemgr-unlink")]
         gone = 4 * CHUNK - len(tree.files(NS))
-        assert gone == 2 * CHUNK  # the first chunk, and the second unlinked while it recorded
+        assert gone == unlinked * CHUNK  # the first chunk, and the one unlinked as it recorded
     finally:
         tree.store.close()
 

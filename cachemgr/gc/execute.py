@@ -22,6 +22,7 @@ from cachemgr.fs.deletion import (
     Progress,
     delete_files,
     delete_own_temps,
+    is_paced,
 )
 from cachemgr.gc.behind import Behind
 from cachemgr.gc.drop import drop_namespace, why_stays
@@ -306,7 +307,7 @@ class _Chunks:
     def delete(self, chunks: Iterable[list[str]]) -> tuple[DeleteReport, _Ended | None]:
         """Delete these chunks one by one, until a stop; what they did, and why the step
         ended if it did."""
-        if self.run.dry_run or self.run.pacer is not None:
+        if self.run.dry_run or is_paced(self.run.pacer):
             return self._delete(chunks, None)
         with ThreadPoolExecutor(1, thread_name_prefix="cachemgr-unlink") as pool:
             return self._delete(chunks, pool)
