@@ -16,13 +16,12 @@ from typing import Any
 import pytest
 from watchdog.observers.inotify_c import InotifyFD
 
-from cachemgr.daemon.events import LOCAL, Kind
+from cachemgr.daemon.events import Kind
 from cachemgr.daemon.owndeletes import MOST, STALE, OwnDeletions
 from cachemgr.daemon.page_events import PageEvents
 from cachemgr.daemon.watcher import C, Watcher, _Reader
 from cachemgr.errors import ConfigError
 from cachemgr.formats import DEFAULT_FORMAT
-from cachemgr.fs.deletion import Pacer
 from cachemgr.fs.root import create_root
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.execute import CHUNK, InFlight, execute_gc
@@ -143,85 +142,48 @@ def _left(d: Path, names: list[str]) -> set[str]:
     return {n for n in names if os.path.lexists(d / n)}
 
 
-class _Restoring(LiveState):
-    """A daemon whose engine stores again, between GC's first and second chunk, a page the
-    first chunk deleted (a request recomputed the prefix GC just evicted), and whose index
-    applies that store at once (its batch came between the two chunks)."""
-
-    def __init__(self, tree: Tree, model: ChainModel) -> None:
-        super().__init__(model=model)
-        self.tree, self.pages = tree, PageEvents(tree.layout, tree.store, model=model)
-        self.again: str | None = None
-
-    def in_flight(self) -> InFlight:
-        def spare(ns: str, names: Sequence[str], start: int) -> Collection[str]:
-            if start > 0 and self.again is None:
-                self.again = names[0]
-                self.tree.write(ns, [self.again], at=time.time(), size=1000)
-                self.pages.apply([(Kind.WRITE, ns, self.again, time.time(), LOCAL)], now=T0)
-            return ()
-
-        return InFlight(spare=spare)
-
-
 def test_a_page_stored_again_during_the_run_that_deleted_it_stays_in_the_model(
     tmp_path: Path,
 ) -> None:
     """GC deleted a page, the engine stored it again (a request recomputed the prefix) and the
-    index applied that store before GC recorded the chunk (at full speed the next chunk's
-    unlinks go while this one is recorded, so the index's batch may well come first): the
-    record keeps its row and its page in the model, which describe a file on disk. Dropped,
-    the page stayed out of the index and of the cap's order until a reconcile."""
+    index applied that store before GC recorded the chunk (its batch came between the unlinks
+    and the record): the record keeps its row and its page in the model, which describe a file
+    on disk. Dropped, the page stayed out of the index and of the cap's order until a
+    reconcile."""
     tree = Tree.at(tmp_path / "root")
-    tree.write(NS, [page(i) for i in range(1, 601)], at=T0)  # three chunks' worth
+    tree.write(NS, [page(i) for i in range(1, 601)], at=T0)
     watcher = Watcher(tree.layout)
     model = ChainModel.from_index(tree.store.conn, [NS])
-    live = _Restoring(tree, model, watcher)
-    cap = policy(max_bytes=100_000, high_watermark=0.5, low_watermark=0.1)
-    runner = GcRunner(tree.layout, tree.store, cap, live=live, disk_usage=big_disk)
+    pages = PageEvents(tree.layout, tree.store, model=model)
+    plan = tree.plan(policy(max_bytes=100_000, low_watermark=0.1), now=time.time(), model=model)
+    again = evicted(plan)[0]
+
+    def engine_and_index(files: int, size: int) -> None:
+        """After the first part's unlinks: the store, read by the watcher, applied."""
+        if files and not (tree.dir(NS) / again).exists() and not watcher.queue:
+            store_page(tree.dir(NS), again, 1000)
+            wait_for(lambda: len(watcher.queue), bool, what="the store's event")
+            batch = [watcher.queue.popleft()]
+            assert [(k, n) for k, _, n, *_ in batch] == [(Kind.WRITE, again)]
+            pages.apply(batch, now=time.time())
+
+    def forgets(ns: str, names: list[str]) -> None:
+        model.forget_gone(ns, names, DEFAULT_FORMAT)
+
     try:
         watcher.start()
         assert watcher.watch(NS)
-        runner._cycle(runner.tick)
-        again = live.again
-        assert again is not None and again in tree.files(NS)
+        execute_gc(
+            plan, tree.run(), progress=engine_and_index, unlinking=watcher.own, recorded=forgets
+        )
+        assert again in tree.files(NS)
         assert len(tree.files(NS)) < 600 - CHUNK  # the run went on past its first chunk
         rows = {n for (n,) in tree.store.conn.execute("SELECT name FROM pages")}
         assert rows == tree.files(NS)
         assert model.names(NS, again[: DEFAULT_FORMAT.key_len(again)]) == (again,)
     finally:
         watcher.stop()
-        runner.leadership.release()
         tree.store.close()
-
-
-class _Restoring(LiveState):
-    """A daemon whose engine stores again, as GC asks what to spare of its second chunk, a page
-    the first chunk deleted, and whose index applies that store (read by the real watcher) at
-    once, before GC records the first chunk."""
-
-    def __init__(self, tree: Tree, model: ChainModel, watcher: Watcher) -> None:
-        super().__init__(model=model)
-        self.tree, self.watcher = tree, watcher
-        self.pages = PageEvents(tree.layout, tree.store, model=model)
-        self.again: str | None = None
-
-    def unlinking(self) -> OwnDeletions:
-        return self.watcher.own
-
-    def in_flight(self) -> InFlight:
-        def spare(ns: str, names: Sequence[str], start: int) -> Collection[str]:
-            if start > 0 and self.again is None:
-                self.again = names[0]
-                store_page(self.tree.dir(ns), self.again, 1000)
-                wait_for(lambda: len(self.watcher.queue), bool, what="the store's event")
-                batch = list(self.watcher.queue)
-                self.watcher.queue.clear()
-                assert [(k, n) for k, _, n, *_ in batch] == [(Kind.WRITE, self.again)]
-                self.pages.apply(batch, now=time.time())
-            return ()
-
-        return InFlight(spare=spare)
 
 
 def test_a_store_counts_as_again_only_after_gcs_deletion_of_it_was_taken() -> None:
@@ -241,38 +203,6 @@ def test_a_store_counts_as_again_only_after_gcs_deletion_of_it_was_taken() -> No
     own.stored(NS, "d")
     own.expect(NS, ["d"])  # the next run deletes it again
     assert own.again(NS, ["d"]) == set()
-
-
-@pytest.mark.parametrize(
-    ("pacer", "unlinked"),
-    [
-        (None, 2),  # a run asked for with no pace (HTTP, the CLI)
-        (Pacer(rate=None), 2),  # the daemon's runs: a pacer that counts, at full speed
-        (Pacer(rate=1e9), 1),  # paced: each chunk recorded before the next goes
-    ],
-)
-def test_a_run_whose_record_fails_leaves_no_unlink_running(
-    tmp_path: Path, pacer: Pacer | None, unlinked: int
-) -> None:
-    """At full speed the next chunk's unlinks go on their own thread while a chunk is recorded:
-    a record that raises ends the run only once those unlinks are over (nothing deletes after
-    the run returned, when another leader or a purge may act on the dir). A paced run records
-    a chunk before it unlinks the next."""
-    tree = Tree.at(tmp_path / "root")
-    tree.write(NS, [page(i) for i in range(1, 4 * CHUNK + 1)], at=T0)
-    plan = tree.plan(policy(max_bytes=1000, low_watermark=0.5), now=time.time())
-
-    def fails(ns: str, names: list[str]) -> None:
-        raise OSError("the record failed")
-
-    try:
-        with pytest.raises(OSError, match="the record failed"):
-            execute_gc(plan, tree.run(pacer=pacer), recorded=fails)
-        assert not [t for t in threading.enumerate() if t.name.startswith("cachemgr-unlink")]
-        gone = 4 * CHUNK - len(tree.files(NS))
-        assert gone == unlinked * CHUNK  # the first chunk, and the one unlinked as it recorded
-    finally:
-        tree.store.close()
 
 
 class _Applying(LiveState):

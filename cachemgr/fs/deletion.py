@@ -139,11 +139,6 @@ class Listeners:
     stop: Callable[[], bool] | None = None
 
 
-def is_paced(pacer: Pacer | None) -> bool:
-    """Whether `pacer` holds deletions to a rate (one without a rate counts them only)."""
-    return pacer is not None and bool(pacer.rate)
-
-
 def delete_files(
     root: Path,
     rel_dir: str,
@@ -169,7 +164,7 @@ def delete_files(
     pacer = listeners.pacer
     progress = listeners.progress
     removed = listeners.removed
-    paced = is_paced(pacer)
+    paced = pacer is not None and bool(pacer.rate)
     # Unpaced, parts of PART names are unlinked on THREADS threads; paced, a part is one
     # pacer batch on one thread, so the pacer's sleeps fall between parts.
     step = min(PART, pacer.batch) if pacer is not None and paced else PART

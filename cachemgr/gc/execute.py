@@ -7,7 +7,6 @@ import logging
 import math
 import os
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Protocol
@@ -22,7 +21,6 @@ from cachemgr.fs.deletion import (
     Progress,
     delete_files,
     delete_own_temps,
-    is_paced,
 )
 from cachemgr.gc.behind import Behind
 from cachemgr.gc.drop import drop_namespace, why_stays
@@ -39,8 +37,7 @@ from cachemgr.state import pages_sql
 
 log = logging.getLogger(__name__)
 # Names per delete call: each chunk's index rows and its audit row are written in one
-# transaction once its files are gone, so a kill -9 leaves at most one chunk unaudited in a
-# paced run, two at full speed (the next chunk's unlinks go while one is recorded: _Chunks).
+# transaction once its files are gone, so a kill -9 leaves at most one chunk unaudited.
 CHUNK = 256
 # (namespace, the step's names, from which on they are not deleted yet) -> names to spare after
 # all (asked before each chunk of a step that holds a limit: a request may have reached a page
@@ -276,27 +273,9 @@ def _unspared(step: GcStep, spare: Spare | None, staying: set[str]) -> Iterator[
 _Ended = tuple[str, str | None]  # why a step ended early, and the kernel's refusal if it did
 
 
-class _Unlinked(NamedTuple):
-    """A chunk's unlinks, their record due: the names gone, what that freed, whether to record
-    them, why the step ends there (None: it goes on), and an error to raise once recorded."""
-
-    gone: list[str]
-    report: DeleteReport
-    record: bool
-    ended: _Ended | None = None
-    error: OSError | None = None
-
-
 @dataclass
 class _Chunks:
-    """Deletes a step's names chunk by chunk.
-
-    A run that holds a limit at full speed (no pace, not a dry run) unlinks the next chunk on
-    a thread of its own while this one records the chunk before it (index rows, audit, the
-    model): the unlinks wait on the kernel, the record on SQLite and Python, and one after the
-    other they took the sum of both (bench/RESULTS.md). A paced run records each chunk before
-    the next, so that a kill -9 in the pacer's sleep, where it spends its time, finds audit
-    and index exact."""
+    """Deletes a step's names chunk by chunk."""
 
     run: RunContext
     step: GcStep
@@ -307,80 +286,62 @@ class _Chunks:
     def delete(self, chunks: Iterable[list[str]]) -> tuple[DeleteReport, _Ended | None]:
         """Delete these chunks one by one, until a stop; what they did, and why the step
         ended if it did."""
-        if self.run.dry_run or is_paced(self.run.pacer):
-            return self._delete(chunks, None)
-        with ThreadPoolExecutor(1, thread_name_prefix="cachemgr-unlink") as pool:
-            return self._delete(chunks, pool)
-
-    def _delete(
-        self, chunks: Iterable[list[str]], pool: ThreadPoolExecutor | None
-    ) -> tuple[DeleteReport, _Ended | None]:
         total = DeleteReport(dry_run=self.run.dry_run)
-        due: _Unlinked | None = None  # a chunk unlinked, its record due
-        ended: _Ended | None = None
         for chunk in chunks:
             if self.run.stop():
-                ended = (_STOPPED, None)
-                break
-            if not chunk:
-                continue
-            if pool is None:
-                total += self._finish(due)
-                due = self._unlink(chunk)
-            else:
-                job = pool.submit(self._unlink, chunk)
-                try:
-                    total += self._finish(due)
-                finally:  # (never leave an unlink running behind an error)
-                    due = job.result()
-            if due.ended is not None or due.error is not None:
-                break
-        total += self._finish(due)
-        return total, ended or (due.ended if due is not None else None)
+                return total, (_STOPPED, None)
+            r, ended = self._delete(chunk)
+            total += r
+            if ended is not None:
+                return total, ended
+        return total, None
 
-    def _unlink(self, chunk: list[str]) -> _Unlinked:
-        """Delete (or stat, in a dry run) one chunk: what went, and whether to record it."""
+    def _delete(self, chunk: list[str]) -> tuple[DeleteReport, _Ended | None]:
+        """Delete (or stat, in a dry run) one chunk and record it; what it did, and (why the
+        step ends, the kernel's refusal) if it ends there."""
         run, step = self.run, self.step
         layout = run.layout
+        if not chunk:
+            return DeleteReport(dry_run=run.dry_run), None
         gone: dict[str, int | None] = {}
         before = _dir_id(layout, step.rel_dir)
+        # Unpaced here, paced below once the chunk is recorded: a kill -9 during the pacer's
+        # sleep (where a paced run spends its time) then finds audit and index exact.
         with self._telling(chunk, gone):
-            try:
-                r = delete_files(
-                    layout.root,
-                    step.rel_dir,
-                    chunk,
-                    dry_run=run.dry_run,
-                    min_age=step.min_age,
-                    now=run.clock,
-                    fmt=self.fmt,
-                    listeners=Listeners(progress=self.tally.offset(), removed=gone.__setitem__),
-                )
-            except OSError as e:  # an unlink refused: what went before it is recorded all the same
-                same = not run.dry_run and _dir_id(layout, step.rel_dir) == before
-                if not is_denied(e):
-                    return _Unlinked(list(gone), _freed(gone), same, error=e)
-                return _Unlinked(list(gone), _freed(gone), same, (f"denied: {e.strerror}", str(e)))
+            return self._unlink(chunk, gone, before)
+
+    def _unlink(
+        self, chunk: list[str], gone: dict[str, int | None], before: tuple[int, int] | None
+    ) -> tuple[DeleteReport, _Ended | None]:
+        run, step = self.run, self.step
+        layout = run.layout
+        try:
+            r = delete_files(
+                layout.root,
+                step.rel_dir,
+                chunk,
+                dry_run=run.dry_run,
+                min_age=step.min_age,
+                now=run.clock,
+                fmt=self.fmt,
+                listeners=Listeners(progress=self.tally.offset(), removed=gone.__setitem__),
+            )
+        except OSError as e:  # an unlink refused: what went before it is recorded all the same
+            if not run.dry_run and _dir_id(layout, step.rel_dir) == before:
+                self._record(list(gone), _freed(gone))
+            if not is_denied(e):
+                raise
+            return _freed(gone), (f"denied: {e.strerror}", str(e))
         self.tally.add(r)
         if before is None or _dir_id(layout, step.rel_dir) != before:
             # A purge renamed the dir away meanwhile: what was unlinked may lie in .trash/
             # and the purge dropped those rows and audited its pages; rows now are the new
             # dir's, so keep them.
-            return _Unlinked(list(gone), r, False, ("the namespace was purged during GC", None))
-        return _Unlinked(list(gone), r, not run.dry_run)
-
-    def _finish(self, u: _Unlinked | None) -> DeleteReport:
-        """Record a chunk unlinked (unpaced here, paced after: a kill -9 during the pacer's
-        sleep then finds audit and index exact); what it did."""
-        if u is None:
-            return DeleteReport(dry_run=self.run.dry_run)
-        if u.record:
-            self._record(u.gone, u.report)
-        if u.error is not None:
-            raise u.error
-        if u.ended is None:
-            _pace(self.run.pacer, u.report.files)
-        return u.report
+            return r, ("the namespace was purged during GC", None)
+        if not run.dry_run:
+            self._record(list(gone), r)
+        _pace(run.pacer, r.files)
+        return r, None
 
     @contextmanager
     def _telling(self, chunk: list[str], gone: dict[str, int | None]) -> Iterator[None]:
