@@ -27,6 +27,7 @@ from tests.daemon_helpers import (
     store_page,
 )
 from tests.fleet_bed import Etcd, bindfs_nodes, need_binaries, page_bytes_in, running_etcd
+from tests.nsfixtures import cli
 from tests.polling import wait_for
 
 pytestmark = pytest.mark.fleet
@@ -157,3 +158,35 @@ def test_with_etcd_down_no_node_leads_the_api_serves_and_gc_resumes_after(tmp_pa
         etcd.start()
         wait_for(lambda: leaders(daemons), lambda ls: len(ls) == 1, timeout=30)
         wait_for(lambda: page_bytes(backing), lambda b: b <= cap, timeout=60, what="GC again")
+
+
+def test_cli_gc_on_a_follower_node_deletes_nothing_and_names_the_leader(tmp_path: Path) -> None:
+    # A follower's daemon lets its node's gc.lock go: `cachemgr gc --yes` there took it and
+    # evicted beside the leader, by that node's accesses alone.
+    with fleet(tmp_path, 2) as (etcd, mounts, daemons):
+        (lead,) = wait_for(lambda: leaders(daemons), lambda ls: len(ls) == 1, timeout=20)
+        follow = 1 - lead
+        for i in range(20):
+            store_page(mounts[follow] / "ns" / NS_A, page_name(i), 4096)
+        backing = tmp_path / "backing" / "ns" / NS_A
+        gc = ["--root", str(mounts[follow]), "gc", "--yes", "--max-bytes", "40000"]
+        env = {"CACHEMGR_STATE_DIR": str(tmp_path / f"state{follow}")}
+        # with the daemon's coordinator, and from a shell without it (the daemon on this
+        # node's port says the root is a fleet's)
+        with_coordinator = {**env, "CACHEMGR_FLEET_COORDINATOR": etcd.coordinator}
+        port = daemons[follow].url.rsplit(":", 1)[1]
+        for shell in (with_coordinator, {**env, "CACHEMGR_PORT": port}):
+            r = cli(*gc, env=shell)
+            assert r.returncode == 1, r.stdout
+            assert "fleet's shared root" in r.stderr
+            assert f"node{lead} holds the lease" in r.stderr
+            assert f"{daemons[lead].url}/v1/gc" in r.stderr
+            assert len(list(backing.glob("*.bin"))) == 20
+        etcd.stop()
+        r = cli(*gc, env=with_coordinator)
+        assert r.returncode == 1
+        assert "coordinator did not answer" in r.stderr
+        assert len(list(backing.glob("*.bin"))) == 20
+        assert (
+            cli(*gc[:-3], "--dry-run", "--max-bytes", "40000", env=with_coordinator).returncode == 0
+        )

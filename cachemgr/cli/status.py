@@ -43,15 +43,20 @@ def probe() -> None:
         pass
 
 
-def from_daemon(settings: Settings, timeout: float = 1.0) -> dict[str, Any] | None:
-    """The running daemon's /v1/status, or None if nothing answers on host:port."""
-    url = f"{daemon_url(settings)}/v1/status"
+def daemon_json(settings: Settings, path: str, timeout: float = 1.0) -> dict[str, Any] | None:
+    """The JSON object the daemon on host:port answers at `path`, or None if nothing does."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            data: dict[str, Any] = json.loads(resp.read())
+        with urllib.request.urlopen(f"{daemon_url(settings)}{path}", timeout=timeout) as resp:
+            data = json.loads(resp.read())
     except (urllib.error.URLError, OSError, ValueError):
         return None
-    return data if isinstance(data, dict) and "namespaces" in data else None
+    return data if isinstance(data, dict) else None
+
+
+def from_daemon(settings: Settings, timeout: float = 1.0) -> dict[str, Any] | None:
+    """The running daemon's /v1/status, or None if nothing answers on host:port."""
+    data = daemon_json(settings, "/v1/status", timeout)
+    return data if data is not None and "namespaces" in data else None
 
 
 # How long status and ls wait for a daemon that accepted the connection: one busy with a scan
