@@ -4,12 +4,16 @@ backing dir (each node's inotify sees only its own accesses), real daemons on lo
 
 from __future__ import annotations
 
+import base64
 import re
+import threading
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 
 from cachemgr.daemon.lifecycle import Daemon
@@ -190,3 +194,48 @@ def test_cli_gc_on_a_follower_node_deletes_nothing_and_names_the_leader(tmp_path
         assert (
             cli(*gc[:-3], "--dry-run", "--max-bytes", "40000", env=with_coordinator).returncode == 0
         )
+
+
+def leader_lease(etcd: Etcd) -> int | None:
+    """The lease id the leader key is attached to, from etcd's JSON gateway (None: no key)."""
+    key = base64.b64encode(b"/cachemgr/cachemgr-gc/leader").decode()
+    r = httpx.post(f"http://{etcd.endpoint}/v3/kv/range", json={"key": key}, timeout=5)
+    kvs = r.json().get("kvs")
+    return int(kvs[0]["lease"]) if kvs else None
+
+
+def test_a_gc_run_ends_when_its_lease_is_revoked_even_if_the_node_wins_it_again(
+    tmp_path: Path,
+) -> None:
+    # The fence asked whether the node's *current* term held: a lease revoked mid-run (an
+    # operator forcing a failover) was lost and won again in one elector round, and the run
+    # went on deleting by a plan made under the term it had lost.
+    temps = 3000
+    with fleet(tmp_path, 1, gc_tmp_ttl="0s", gc_delete_rate=200, gc_interval="1h") as (
+        etcd,
+        _,
+        (node,),
+    ):
+        wait_for(lambda: leaders([node]), lambda ls: ls == [0], timeout=20)
+        ns = tmp_path / "backing" / "ns" / NS_A
+        for _ in range(temps):
+            (ns / f".{uuid.uuid4().hex}.tmp").write_bytes(b"t")
+
+        def left() -> int:
+            return len(list(ns.glob(".*.tmp")))
+
+        run = threading.Thread(
+            target=lambda: httpx.post(f"{node.url}/v1/gc", timeout=120), daemon=True
+        )
+        run.start()
+        wait_for(left, lambda n: n <= temps - 256, timeout=30, what="a first chunk deleted")
+        lease = leader_lease(etcd)
+        httpx.post(f"http://{etcd.endpoint}/v3/lease/revoke", json={"ID": lease}, timeout=5)
+        wait_for(
+            lambda: leader_lease(etcd), lambda n: n not in (None, lease), timeout=10, what="won"
+        )
+        at_win = left()
+        time.sleep(4)  # three paced chunks' worth (256 files, then ~1.3 s)
+        assert left() >= at_win - 256  # at most the chunk the fence had passed
+        run.join(60)
+        assert node.get("/v1/fleet").json()["leading"]

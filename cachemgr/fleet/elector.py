@@ -170,6 +170,13 @@ class FleetLeadership(Leadership):
     def fence(self) -> bool:
         return super().held and self.elector.fence()
 
+    def run_fence(self) -> Callable[[], bool]:
+        # A lease lost and won again in one elector round (revoked by an operator, expired in
+        # a pause) is a new term: the run's plan was made under the old one, and another node
+        # may have led in between, so the run ends as if the lease were gone.
+        won = self.elector.terms
+        return lambda: self.elector.terms == won and self.fence()
+
     def led_elsewhere(self) -> bool:
         leader = self.elector.leader
         return leader is not None and leader.node != self.elector.record.node

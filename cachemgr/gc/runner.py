@@ -249,6 +249,7 @@ class GcRunner(Worker):
         """Below the floor, the pass from a scan of the disk, audited (or its rows held) but
         not counted: the caller counts it, alone or joined with the run it starts; `policy`
         replaces the runner's own for this pass (one-off limits)."""
+        fence = self.leadership.run_fence()
         try:
             with self._busy:
                 report = floor_pass(
@@ -257,7 +258,7 @@ class GcRunner(Worker):
                     disk_usage=self.disk_usage,
                     pacer=Pacer(rate=policy.delete_rate),
                     clock=self.clock,
-                    stop=lambda: self._stopping.is_set() or not self.leadership.fence(),
+                    stop=lambda: self._stopping.is_set() or not fence(),
                     gate=self._lead,
                 )
         except BaseException:
@@ -331,7 +332,7 @@ class GcRunner(Worker):
                     pacer=pacer,
                     clock=self.clock,
                     stop=self._stopping.is_set,
-                    fence=self.leadership.fence,
+                    fence=self.leadership.run_fence(),
                     users=self.live.users,
                 )
                 report = joined(floor, self._run(run, sweep, progress, policy, after))
