@@ -5,7 +5,9 @@ backing dir (each node's inotify sees only its own accesses), real daemons on lo
 from __future__ import annotations
 
 import base64
+import json
 import re
+import subprocess
 import threading
 import time
 import uuid
@@ -17,6 +19,7 @@ import httpx
 import pytest
 
 from cachemgr.daemon.lifecycle import Daemon
+from cachemgr.doctor.fleet import lint_fleet
 from cachemgr.errors import ConfigError
 from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
@@ -239,3 +242,52 @@ def test_a_gc_run_ends_when_its_lease_is_revoked_even_if_the_node_wins_it_again(
         assert left() >= at_win - 256  # at most the chunk the fence had passed
         run.join(60)
         assert node.get("/v1/fleet").json()["leading"]
+
+
+def fleet_findings(r: subprocess.CompletedProcess[str]) -> dict[str, str]:
+    found = json.loads(r.stdout)
+    return {f["code"]: f["severity"] for f in found if f["code"].startswith("fleet-")}
+
+
+def test_doctor_says_when_this_node_cannot_reach_the_coordinator(tmp_path: Path) -> None:
+    # A node without etcd logged one warning and set a gauge; doctor said nothing of it.
+    with fleet(tmp_path, 2) as (etcd, mounts, daemons):
+        wait_for(lambda: leaders(daemons), lambda ls: len(ls) == 1, timeout=20)
+        for i, d in enumerate(daemons):
+            env = {
+                "CACHEMGR_STATE_DIR": str(tmp_path / f"state{i}"),
+                "CACHEMGR_PORT": d.url.rsplit(":", 1)[1],
+            }
+            doctor = ["--root", str(mounts[i]), "doctor", "--json"]
+            assert fleet_findings(cli(*doctor, env=env)) == {}
+        etcd.stop()
+        wait_for(lambda: d.get("/v1/fleet").json()["coordinator_up"], lambda up: not up)
+        r = cli(*doctor, env=env)
+        assert r.returncode == 2
+        assert fleet_findings(r) == {"fleet-coordinator-down": "error"}
+
+
+def test_doctor_names_a_follower_the_leader_does_not_hear() -> None:
+    follower = {
+        "enabled": True,
+        "node": "node1",
+        "leading": False,
+        "leader": "node0",
+        "leader_url": "http://10.0.0.5:9477",
+        "coordinator_up": True,
+        "ship_age_seconds": 300.0,
+    }
+    (found,) = lint_fleet(follower)
+    assert (found.code, found.severity) == ("fleet-not-shipping", "warning")
+    assert "node0 at http://10.0.0.5:9477" in found.message
+    assert lint_fleet({**follower, "ship_age_seconds": 4.0}) == []
+    leader = {**follower, "node": "node0", "leading": True, "ship_age_seconds": 0.0}
+    nodes = [
+        {"node": "node1", "last_summary_age_seconds": 2.0},
+        {"node": "node2", "last_summary_age_seconds": 600.0},
+    ]
+    (found,) = lint_fleet({**leader, "nodes": nodes})
+    assert found.code == "fleet-node-silent"
+    assert "node2" in found.message
+    assert lint_fleet({**leader, "leader": None, "leading": False}) != []
+    assert lint_fleet({"enabled": False}) == []

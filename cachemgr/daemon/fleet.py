@@ -24,6 +24,7 @@ from cachemgr.errors import ConflictError
 from cachemgr.fleet.accesses import (
     MAX_BATCH,
     MAX_NAME,
+    SILENT,
     SUMMARY_PATH,
     Access,
     AccessShipper,
@@ -37,7 +38,6 @@ from cachemgr.layout import NS_ID_RE, Layout
 from cachemgr.settings import Settings
 from cachemgr.worker import DeathHandler
 
-SILENT = 60.0  # seconds without a summary after which a node no longer counts in the fleet
 SUMMARY_MAX_BYTES = (MAX_NAME + 100) * MAX_BATCH  # a batch of the longest names, as JSON
 NODE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$"
 _KINDS = {Kind.READ: "r", Kind.WRITE: "w", Kind.NS_GONE: "g", Kind.NS_ADDED: "a"}
@@ -70,6 +70,10 @@ class FleetNode:
         """Ship what `watcher` sees, and merge the others' accesses into its queue."""
         watcher.on_access = self._record
         self.accesses.apply = lambda node, batch: feed(watcher, node, batch)
+
+    def ship_age(self) -> float:
+        """Seconds since the leader last took this node's summary (0 while this node leads)."""
+        return 0.0 if self.elector.leading() else time.monotonic() - self.shipper.last_taken
 
     def _record(self, event: Event) -> None:
         self.shipper.record(_KINDS[event[0]], event[1], event[2])  # type: ignore[arg-type]
@@ -237,6 +241,9 @@ class FleetOut(BaseModel):
     buffered: int = 0
     shipped: int = 0
     dropped: int = 0
+    ship_age_seconds: float = Field(
+        0.0, description="follower: seconds since the leader last took its summary; 0 leading"
+    )
 
 
 def add_fleet_routes(app: FastAPI, fleet: FleetNode | None) -> None:
@@ -294,6 +301,7 @@ def add_fleet_routes(app: FastAPI, fleet: FleetNode | None) -> None:
             buffered=ship.pending(),
             shipped=ship.shipped,
             dropped=ship.dropped,
+            ship_age_seconds=round(fleet.ship_age(), 3),
         )
 
 
@@ -359,7 +367,8 @@ class FleetCollector:
             m["cachemgr_fleet_accesses_buffered"],
             ship.pending(),
         )
-        silent = 0.0 if leading else time.monotonic() - ship.last_taken
         yield GaugeMetricFamily(
-            "cachemgr_fleet_ship_age_seconds", m["cachemgr_fleet_ship_age_seconds"], silent
+            "cachemgr_fleet_ship_age_seconds",
+            m["cachemgr_fleet_ship_age_seconds"],
+            self.fleet.ship_age(),
         )

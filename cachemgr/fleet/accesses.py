@@ -42,6 +42,9 @@ STORE_GAP = 0.05  # seconds at least between two requests: a burst of stores is 
 # the alert on its summary ages) tells a node with nothing to say from one it cannot hear
 HEARTBEAT = 5.0
 SUMMARY_PATH = "/v1/fleet/accesses"
+# seconds without a summary after which a node no longer counts in the fleet (the leader's
+# node count) and doctor says the leader does not hear it
+SILENT = 60.0
 # Nodes the leader keeps an entry for (sequence numbers, metrics labels, their streams in its
 # chain model): far more than a fleet has, few enough that a follower posting ever new names
 # (a bug, a leaked token) cannot grow the leader without bound. One silent for FORGET seconds
