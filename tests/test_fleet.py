@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import re
 import subprocess
 import threading
@@ -291,3 +292,32 @@ def test_doctor_names_a_follower_the_leader_does_not_hear() -> None:
     assert "node2" in found.message
     assert lint_fleet({**leader, "leader": None, "leading": False}) != []
     assert lint_fleet({"enabled": False}) == []
+
+
+def test_a_follower_the_leader_refuses_says_so_in_its_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A follower whose token the leader refused logged each failure at debug only: its own
+    # log said nothing while none of its accesses reached GC's order.
+    need_binaries()
+    with ExitStack() as stack:
+        etcd = stack.enter_context(running_etcd(tmp_path))
+        mounts = stack.enter_context(bindfs_nodes(tmp_path / "backing", tmp_path / "mnt", 2))
+        create_root(Layout.at(mounts[0], tmp_path / "state0"))
+        register_namespace(Layout.at(mounts[0], tmp_path / "state0"), NS_A)
+        daemons = []
+        for i, token in enumerate(("right", "wrong")):
+            settings = node_settings(mounts[i], tmp_path / f"state{i}", etcd, i, token=token)
+            daemons.append(stack.enter_context(running_daemon(settings)))
+            wait_for(lambda: leaders(daemons), lambda ls: ls == [0], timeout=20)
+
+        def said() -> list[str]:
+            return [
+                r.getMessage()
+                for r in caplog.records
+                if r.name == "cachemgr.fleet.accesses" and r.levelno == logging.WARNING
+            ]
+
+        store_page(mounts[1] / "ns" / NS_A, page_name(1))
+        (line,) = wait_for(said, bool, timeout=20, what="the follower's warning")
+        assert "takes none of this node's accesses" in line
