@@ -321,3 +321,15 @@ def test_a_follower_the_leader_refuses_says_so_in_its_log(
         store_page(mounts[1] / "ns" / NS_A, page_name(1))
         (line,) = wait_for(said, bool, timeout=20, what="the follower's warning")
         assert "takes none of this node's accesses" in line
+
+
+def test_a_leader_cut_off_from_etcd_no_longer_names_itself_the_leader(tmp_path: Path) -> None:
+    # Its lease lapsed with the coordinator down, and GET /v1/fleet still said
+    # "leader": itself, "leading": false: a fleet that looked led while no node deleted.
+    with fleet(tmp_path, 1) as (etcd, _, (node,)):
+        wait_for(lambda: leaders([node]), lambda ls: ls == [0], timeout=20)
+        etcd.stop()
+        seen = wait_for(
+            lambda: node.get("/v1/fleet").json(), lambda f: f["leader"] is None, timeout=3 * TTL
+        )
+        assert (seen["leading"], seen["leader_url"], seen["coordinator_up"]) == (False, None, False)

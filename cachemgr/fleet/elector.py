@@ -117,6 +117,9 @@ class Elector(Worker):
 
     def _lost(self, why: str) -> None:
         self.term, self.valid_until = None, float("-inf")
+        # Unknown until the coordinator answers (a round that reached it names the holder at
+        # once); it was this node, which no longer leads, so saying so would be false.
+        self.leader = None
         log.warning("lost the fleet's GC lease", extra={"node": self.record.node, "why": why})
 
     def _down(self, error: CoordinatorDown) -> None:
