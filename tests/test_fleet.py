@@ -333,3 +333,7 @@ def test_a_leader_cut_off_from_etcd_no_longer_names_itself_the_leader(tmp_path: 
             lambda: node.get("/v1/fleet").json(), lambda f: f["leader"] is None, timeout=3 * TTL
         )
         assert (seen["leading"], seen["leader_url"], seen["coordinator_up"]) == (False, None, False)
+        r = node.post("/v1/gc")  # refused, saying why
+        assert r.status_code == 409
+        assert "no node holds the fleet's GC lease now" in r.json()["detail"]
+        assert "coordinator does not answer" in r.json()["detail"]

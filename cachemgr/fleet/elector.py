@@ -186,4 +186,9 @@ class FleetLeadership(Leadership):
 
     def holder(self) -> str | None:
         leader = self.elector.leader
-        return None if leader is None else f"node {leader.node} at {leader.url}"
+        if leader is not None:
+            return f"node {leader.node} at {leader.url}"
+        # Said outright: a refused POST /v1/gc during an outage read "(None)", as if another
+        # node deleted meanwhile.
+        why = "is electing one" if self.elector.coordinator_up else "does not answer"
+        return f"none: no node holds the fleet's GC lease now, and its coordinator {why}"
