@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
 import re
 import subprocess
 import threading
@@ -337,3 +338,30 @@ def test_a_leader_cut_off_from_etcd_no_longer_names_itself_the_leader(tmp_path: 
         assert r.status_code == 409
         assert "no node holds the fleet's GC lease now" in r.json()["detail"]
         assert "coordinator does not answer" in r.json()["detail"]
+
+
+def test_a_temp_whose_mtime_lags_the_leaders_clock_waits_to_be_seen_unchanged(
+    tmp_path: Path,
+) -> None:
+    # A temp's mtime is the file server's clock (NFS) or the writing node's (CephFS), not the
+    # leader's: with that clock two hours behind, a page being written looked two hours old
+    # and the leader's sweep deleted it under the writer.
+    with fleet(tmp_path, 1, gc_tmp_ttl="2s", gc_interval="1h") as (_, _, (node,)):
+        wait_for(lambda: leaders([node]), lambda ls: ls == [0], timeout=20)
+        ns = tmp_path / "backing" / "ns" / NS_A
+        behind = time.time() - 7200
+        writing, crashed = ns / f".{uuid.uuid4().hex}.tmp", ns / f".{uuid.uuid4().hex}.tmp"
+        for temp in (writing, crashed):
+            temp.write_bytes(b"p" * 4096)
+            os.utime(temp, (behind, behind))
+        assert node.post("/v1/gc").status_code == 200
+        assert writing.exists() and crashed.exists()  # first seen now: not two hours ago
+        for _ in range(3):  # the writer goes on; the crashed write's file stays as it was
+            time.sleep(1)
+            with open(writing, "ab") as f:
+                f.write(b"p" * 4096)
+            os.utime(writing, (behind, behind + 1))
+            behind += 1
+        assert node.post("/v1/gc").status_code == 200
+        assert writing.exists()
+        assert not crashed.exists()  # unchanged for tmp_ttl by the leader's own clock

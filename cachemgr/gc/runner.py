@@ -37,6 +37,7 @@ from cachemgr.gc.held import HeldAudits
 from cachemgr.gc.pagestore import PageId
 from cachemgr.gc.plan import Earlier, GcPlan, Live, plan_gc, unrecorded_unmet
 from cachemgr.gc.policy import HOLDING, GcPolicy, GcReason
+from cachemgr.gc.sightings import TempSightings
 from cachemgr.gc.step import GcReport, Unmet, joined
 from cachemgr.layout import Layout
 from cachemgr.ns.bindings import catch_up
@@ -175,6 +176,7 @@ class GcRunner(Worker):
         self.held = HeldAudits()
         self.give_way = GiveWay(self.live.woken)
         self.trash = TrashCounts()  # each trash entry scanned once, then less what runs drain
+        self.temps = TempSightings() if layout.node is not None else None  # a fleet's: gc.sightings
 
     @contextmanager
     def _serialized(self) -> Iterator[None]:
@@ -399,6 +401,7 @@ class GcRunner(Worker):
             flight.stored,
             flight.stored_bytes,
             self.trash,
+            self.temps,
         )
         if self.layout.node is not None:  # in a fleet: whom the other nodes' servers use
             catch_up(self.layout, self.store)
