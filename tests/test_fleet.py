@@ -365,3 +365,28 @@ def test_a_temp_whose_mtime_lags_the_leaders_clock_waits_to_be_seen_unchanged(
         assert node.post("/v1/gc").status_code == 200
         assert writing.exists()
         assert not crashed.exists()  # unchanged for tmp_ttl by the leader's own clock
+
+
+def test_a_fleet_daemon_on_a_loopback_address_says_other_nodes_cannot_reach_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Fleet mode on the default host advertised http://127.0.0.1:<port>: on each other node
+    # that is its own daemon, which answers "not the GC leader", so no node's accesses
+    # reached the leader, and nothing said why.
+    def said() -> list[str]:
+        return [
+            r.getMessage()
+            for r in caplog.records
+            if r.name == "cachemgr.daemon.fleet" and r.levelno == logging.WARNING
+        ]
+
+    with fleet(tmp_path, 1) as (_, _, (node,)):
+        assert node.get("/v1/fleet").json()["node"] == "node0"
+        (line,) = said()
+        assert "other nodes cannot reach this daemon" in line
+    caplog.clear()
+    (tmp_path / "b").mkdir()
+    with fleet(tmp_path / "b", 1, fleet_advertise_url="http://10.0.0.5:9477") as (_, _, (node,)):
+        wait_for(lambda: node.get("/v1/fleet").json()["leader_url"], bool, timeout=20)
+        assert node.get("/v1/fleet").json()["leader_url"] == "http://10.0.0.5:9477"
+        assert said() == []

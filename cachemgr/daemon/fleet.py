@@ -3,6 +3,7 @@ accesses, the merging of the others' (its routes and metrics). See docs/fleet.md
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import stat
@@ -19,6 +20,7 @@ from starlette.exceptions import HTTPException
 
 from cachemgr.backends import FileFormat
 from cachemgr.daemon.events import Event, Kind
+from cachemgr.daemon.serving import is_loopback
 from cachemgr.daemon.watcher import Watcher
 from cachemgr.errors import ConflictError
 from cachemgr.fleet.accesses import (
@@ -40,6 +42,7 @@ from cachemgr.worker import DeathHandler
 
 SUMMARY_MAX_BYTES = (MAX_NAME + 100) * MAX_BATCH  # a batch of the longest names, as JSON
 NODE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$"
+log = logging.getLogger(__name__)
 _KINDS = {Kind.READ: "r", Kind.WRITE: "w", Kind.NS_GONE: "g", Kind.NS_ADDED: "a"}
 
 
@@ -50,6 +53,15 @@ def advertised_url(settings: Settings, port: int) -> str:
     host = settings.host
     if host in ("0.0.0.0", "::", ""):
         host = socket.gethostname()
+    elif is_loopback(host):
+        # The default host: on another node this URL is that node's own daemon, which
+        # answers "not the GC leader", so no follower's accesses would reach this one while
+        # it leads. Right only for nodes on one host (tests), so said, not refused.
+        log.warning(
+            "fleet mode on a loopback address: other nodes cannot reach this daemon; set "
+            "fleet_advertise_url (CACHEMGR_FLEET_ADVERTISE_URL) or host",
+            extra={"advertised": f"http://{host}:{port}"},
+        )
     return f"http://{host}:{port}"
 
 
@@ -89,9 +101,10 @@ def build_fleet(
 ) -> FleetNode:
     """The fleet's workers for this daemon (not started); `watch()` a watcher next."""
     assert layout.node is not None  # settings_layout names it in fleet mode
+    coordinator = open_coordinator(settings)  # a setting that cannot work: its line alone
     record = LeaderRecord(layout.node, advertised_url(settings, port))
     elector = Elector(
-        open_coordinator(settings),
+        coordinator,
         record,
         settings.fleet_renew_interval,
         on_elected=lambda: elected(),
