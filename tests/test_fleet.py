@@ -251,22 +251,33 @@ def fleet_findings(r: subprocess.CompletedProcess[str]) -> dict[str, str]:
     return {f["code"]: f["severity"] for f in found if f["code"].startswith("fleet-")}
 
 
-def test_doctor_says_when_this_node_cannot_reach_the_coordinator(tmp_path: Path) -> None:
-    # A node without etcd logged one warning and set a gauge; doctor said nothing of it.
+def test_doctor_and_status_say_when_this_node_cannot_reach_the_coordinator(
+    tmp_path: Path,
+) -> None:
+    # A node without etcd logged one warning and set a gauge; doctor and status said nothing.
     with fleet(tmp_path, 2) as (etcd, mounts, daemons):
-        wait_for(lambda: leaders(daemons), lambda ls: len(ls) == 1, timeout=20)
-        for i, d in enumerate(daemons):
+        (lead,) = wait_for(lambda: leaders(daemons), lambda ls: len(ls) == 1, timeout=20)
+
+        def on(i: int, *args: str) -> subprocess.CompletedProcess[str]:
             env = {
                 "CACHEMGR_STATE_DIR": str(tmp_path / f"state{i}"),
-                "CACHEMGR_PORT": d.url.rsplit(":", 1)[1],
+                "CACHEMGR_PORT": daemons[i].url.rsplit(":", 1)[1],
             }
-            doctor = ["--root", str(mounts[i]), "doctor", "--json"]
-            assert fleet_findings(cli(*doctor, env=env)) == {}
+            return cli("--root", str(mounts[i]), *args, env=env)
+
+        for i in range(2):
+            assert fleet_findings(on(i, "doctor", "--json")) == {}
+        follow = 1 - lead
+        said = on(follow, "status").stdout
+        assert f"fleet: node node{follow}; GC leader node{lead} at {daemons[lead].url}" in said
+        assert f"fleet: this node (node{lead}) leads GC" in on(lead, "status").stdout
         etcd.stop()
-        wait_for(lambda: d.get("/v1/fleet").json()["coordinator_up"], lambda up: not up)
-        r = cli(*doctor, env=env)
+        wait_for(lambda: daemons[follow].get("/v1/fleet").json()["coordinator_up"], lambda u: not u)
+        r = on(follow, "doctor", "--json")
         assert r.returncode == 2
         assert fleet_findings(r) == {"fleet-coordinator-down": "error"}
+        said = on(follow, "status").stdout
+        assert f"warning: fleet: this node (node{follow}) gets no answer" in said
 
 
 def test_doctor_names_a_follower_the_leader_does_not_hear() -> None:
