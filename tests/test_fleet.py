@@ -23,6 +23,10 @@ import pytest
 from cachemgr.daemon.lifecycle import Daemon
 from cachemgr.doctor.fleet import lint_fleet
 from cachemgr.errors import ConfigError
+from cachemgr.fleet.accesses import SILENT, AccessShipper
+from cachemgr.fleet.coordinator import LeaderRecord
+from cachemgr.fleet.elector import Elector
+from cachemgr.fleet.etcd import EtcdCoordinator
 from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
 from cachemgr.settings import Settings, load_settings
@@ -201,9 +205,9 @@ def test_cli_gc_on_a_follower_node_deletes_nothing_and_names_the_leader(tmp_path
         )
 
 
-def leader_lease(etcd: Etcd) -> int | None:
+def leader_lease(etcd: Etcd, lease: str = "cachemgr-gc") -> int | None:
     """The lease id the leader key is attached to, from etcd's JSON gateway (None: no key)."""
-    key = base64.b64encode(b"/cachemgr/cachemgr-gc/leader").decode()
+    key = base64.b64encode(f"/cachemgr/{lease}/leader".encode()).decode()
     r = httpx.post(f"http://{etcd.endpoint}/v3/kv/range", json={"key": key}, timeout=5)
     kvs = r.json().get("kvs")
     return int(kvs[0]["lease"]) if kvs else None
@@ -401,3 +405,35 @@ def test_a_fleet_daemon_on_a_loopback_address_says_other_nodes_cannot_reach_it(
         wait_for(lambda: node.get("/v1/fleet").json()["leader_url"], bool, timeout=20)
         assert node.get("/v1/fleet").json()["leader_url"] == "http://10.0.0.5:9477"
         assert said() == []
+
+
+def test_an_ex_leader_counts_its_shipping_silence_from_the_handover(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # While leading, a node's "leader took my accesses" time stood still: after a handover
+    # its first failure to reach the new leader read as minutes of silence, and warned.
+    with running_etcd(tmp_path) as etcd:
+        endpoints = [("127.0.0.1", etcd.port)]
+        first = Elector(EtcdCoordinator(endpoints, "l", TTL), LeaderRecord("a", "http://a"), RENEW)
+        shipper = AccessShipper(first, capacity=100, token=None)
+        try:
+            first.round()
+            assert first.leading()
+            shipper.last_taken -= 2 * SILENT  # a long term, shipping nothing meanwhile
+            shipper.ship()
+            lease = leader_lease(etcd, "l")
+            httpx.post(f"http://{etcd.endpoint}/v3/lease/revoke", json={"ID": lease}, timeout=5)
+            other = EtcdCoordinator(endpoints, "l", TTL)
+            assert other.campaign(LeaderRecord("b", "http://127.0.0.1:9")) is not None
+            first.round()
+            assert not first.leading() and first.leader is not None
+            shipper.record("r", NS_A, page_name(1))
+            shipper.ship()  # the new leader's URL answers nothing
+            assert shipper.failures == 1
+            shipped = "cachemgr.fleet.accesses"
+            assert not [r for r in caplog.records if r.name == shipped and r.levelno > 20]
+            other.close()
+        finally:
+            shipper.start()  # and stopped: its loop closes its HTTP client on the way out
+            shipper.stop(5)
+            first.coordinator.close()

@@ -109,6 +109,11 @@ class AccessShipper(Worker):
     def ship(self) -> int:
         """Send what is buffered (at most MAX_BATCH) to the leader, or an empty summary once a
         HEARTBEAT; how many accesses it took."""
+        if self.elector.leading():
+            # Its own index takes them: nothing waits for a leader. An ex-leader's first
+            # failure after a handover is then not "a minute without a leader taking them".
+            self.last_taken = time.monotonic()
+            return 0
         leader = self.elector.leader
         if leader is None or leader.node == self.elector.record.node:
             return 0
