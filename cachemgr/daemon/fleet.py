@@ -108,6 +108,7 @@ def build_fleet(
         record,
         settings.fleet_renew_interval,
         on_elected=lambda: elected(),
+        unusable=lambda: root_problem(layout),
         on_death=on_death,
     )
     token = settings.token.get_secret_value() if settings.token else None
@@ -128,6 +129,16 @@ def build_fleet(
     return FleetNode(
         elector, FleetLeadership(layout.gc_lock, elector), shipper, FleetAccesses(lambda node, b: 0)
     )
+
+
+def root_problem(layout: Layout) -> str | None:
+    """Why this node's mount of the root cannot serve GC now (a stale NFS handle, a FUSE
+    mount whose server died, the mount gone from under its path), or None."""
+    try:
+        st = os.stat(layout.ns_root)
+    except OSError as e:
+        return f"{layout.ns_root}: {e.strerror}"
+    return None if stat.S_ISDIR(st.st_mode) else f"{layout.ns_root} is not a directory"
 
 
 def feed(watcher: Watcher, node: str, batch: Sequence[Access]) -> int:
