@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, ClassVar
 
@@ -117,10 +117,12 @@ def api() -> Iterator[str]:
         thread.join()
 
 
-def coordinator(url: str, ttl: float = 2.0) -> KubeCoordinator:
+def coordinator(
+    url: str, ttl: float = 2.0, clock: Callable[[], float] = time.time
+) -> KubeCoordinator:
     conf = client.Configuration(host=url)
     return KubeCoordinator(
-        client.CoordinationV1Api(client.ApiClient(conf)), "cachemgr-gc", "inference", ttl
+        client.CoordinationV1Api(client.ApiClient(conf)), "cachemgr-gc", "inference", ttl, clock
     )
 
 
@@ -136,6 +138,7 @@ def test_one_node_takes_the_lease_the_other_waits_until_it_expires(api: str) -> 
         assert RecordedApiServer.lease["metadata"]["annotations"][URL_ANNOTATION] == rec_a.url
         renewed = a.renew(term)
         assert renewed is not None and renewed.token != term.token and not a.holds(term)
+        assert b.leader() == rec_a  # b sees the renewal: the duration counts from here
         time.sleep(2.5)  # past leaseDurationSeconds without a renewal
         taken = b.campaign(rec_b)
         assert taken is not None
@@ -175,3 +178,34 @@ def test_the_elector_leads_through_a_lease(api: str) -> None:
     el.start()
     el.stop(5)  # resigns: the lease is free at once
     assert coordinator(api).leader() is None
+
+
+def test_a_node_whose_clock_jumped_ahead_does_not_take_a_live_lease(api: str) -> None:
+    # Expiry compared the holder's renewTime with this node's wall clock: a node an hour
+    # ahead (an NTP step, a VM resumed) saw every live lease expired and took it at once.
+    a = coordinator(api)
+    ahead = coordinator(api, clock=lambda: time.time() + 3600)
+    behind = coordinator(api, clock=lambda: time.time() - 3600)
+    try:
+        rec_a = LeaderRecord("node-a", "http://10.0.0.1:9477")
+        term = a.campaign(rec_a)
+        assert term is not None
+        assert ahead.campaign(LeaderRecord("node-b", "")) is None
+        assert ahead.leader() == rec_a
+        assert a.holds(term)
+        # and a holder whose clock is behind keeps its lease while it renews it
+        a.close()
+        a = behind
+        lagging = a.campaign(LeaderRecord("node-a", ""))  # its own: taken again
+        assert lagging is not None
+        for _ in range(3):
+            time.sleep(1)
+            renewed = a.renew(lagging)
+            assert renewed is not None
+            lagging = renewed
+            assert ahead.campaign(LeaderRecord("node-b", "")) is None
+        time.sleep(2.5)  # and once it stops renewing, the lease is free after its duration
+        assert ahead.campaign(LeaderRecord("node-b", "")) is not None
+    finally:
+        a.close()
+        ahead.close()

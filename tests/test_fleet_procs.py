@@ -236,3 +236,26 @@ def test_a_leader_paused_inside_a_trash_entry_deletes_no_more_of_it_after_it_res
             audited = wait_for(leader.trash_deleted, bool, timeout=20, what="node0's audit")
             assert 0 < audited < 3000
             assert audited >= len(seen)
+
+
+def _kill_fuse_of(mount: Path) -> None:
+    """Kill the bindfs serving `mount` (this test's own): its path then answers ENOTCONN, as
+    a stale NFS mount answers ESTALE."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"bindfs") and os.fsencode(mount) in argv:
+            os.kill(int(pid), signal.SIGKILL)
+            return
+    raise AssertionError(f"no bindfs serves {mount}")
+
+
+def test_a_leader_whose_mount_dies_hands_the_lease_over(tmp_path: Path) -> None:
+    # Its GC failed every cycle while it kept renewing the lease: no node deleted, for good.
+    with bed(tmp_path, 2) as (etcd, mounts), nodes(tmp_path, etcd, mounts) as (leader, follower):
+        _kill_fuse_of(mounts[0])
+        wait_for(follower.leading, bool, timeout=15, what="node1 leading")
+        assert not leader.leading()
+        assert "not campaigning for the GC lease" in leader.log.read_text()

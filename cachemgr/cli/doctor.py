@@ -13,8 +13,9 @@ import click
 from cachemgr import engines
 from cachemgr.cli.context import AppContext, pass_app
 from cachemgr.cli.launch_options import LaunchRequest
-from cachemgr.cli.status import serving_root
+from cachemgr.cli.status import daemon_json, serving_root
 from cachemgr.doctor.finding import Finding, exit_code
+from cachemgr.doctor.fleet import lint_fleet
 from cachemgr.doctor.permissions import SAMPLE, lint_deletable
 from cachemgr.doctor.root import lint_disk, lint_gc_unmet, lint_state_disk, lint_watches
 from cachemgr.doctor.statedir import lint_root_and_state
@@ -43,7 +44,8 @@ def doctor(app: AppContext, as_json: bool, all_pages: bool, launch_cmd: tuple[st
     pages of no recorded identity, a cap larger than the free space, SGLang's own file evictor
     next to cachemgr's GC, no hierarchical cache or another backend. For a vLLM launch: no fs
     tier, no cap anywhere, a root_dir outside the root, shared by several models' servers, or
-    holding another identity's blocks. For the root: pages GC's user cannot delete.
+    holding another identity's blocks. For the root: pages GC's user cannot delete; in a
+    fleet, a coordinator the daemon cannot reach, no GC leader, accesses the leader misses.
     """
     settings = app.settings
     layout = Layout.at(settings.root, settings.state_dir)
@@ -63,6 +65,7 @@ def doctor(app: AppContext, as_json: bool, all_pages: bool, launch_cmd: tuple[st
     if layout.root.is_dir():
         findings += lint_gc_unmet(served.get("gc_unmet", []) if served else [])
         findings += lint_watches(served.get("index") if served else None)
+        findings += lint_fleet(daemon_json(settings, "/v1/fleet") if served else None)
         findings += lint_disk(layout, policy)
         findings += lint_state_disk(layout)
         findings += lint_root_and_state(layout)

@@ -15,8 +15,10 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from cachemgr.cli.common import ask
 from cachemgr.cli.context import AppContext, pass_app, setting_option
-from cachemgr.cli.status import daemon_url, serving_root
+from cachemgr.cli.status import daemon_json, daemon_url, serving_root
 from cachemgr.errors import ConfigError, ConflictError, LimitNotHeld
+from cachemgr.fleet.connect import current_leader
+from cachemgr.fleet.coordinator import CoordinatorDown, LeaderRecord
 from cachemgr.fs import reserve
 from cachemgr.fs.deletion import Pacer
 from cachemgr.fs.deletion import Progress as ProgressFn
@@ -72,6 +74,7 @@ def gc(app: AppContext, /, dry_run: bool, as_json: bool, yes: bool) -> None:
         with reading_store(layout) as store:
             _run(GcRunner(layout, store, policy), None, dry_run, yes, as_json)
         return
+    _refuse_in_a_fleet(settings, app.overrides)
     create_root(layout)
     leadership = gc_leadership(layout)
     try:
@@ -114,12 +117,48 @@ def _confirm_floor() -> bool:
     return True
 
 
-def _ask_the_leader(settings: Settings, overrides: dict[str, Any]) -> str:
-    """How to run this GC through the daemon that leads: the exact curl, with the limits the
-    flags gave as POST /v1/gc's one-off limits (checked there as here)."""
+def _refuse_in_a_fleet(settings: Settings, overrides: dict[str, Any]) -> None:
+    """ConflictError on a fleet's shared root: only the node holding the GC lease deletes
+    there. A follower's daemon lets its node's gc.lock go, so a run on that node took the lock
+    and deleted beside the leader, by this node's accesses alone (evicting pages that other
+    nodes read)."""
+    why = _fleet_leader_note(settings, overrides)
+    if why is not None:
+        raise ConflictError(
+            f"{settings.root} is a fleet's shared root, where only the GC lease holder "
+            f"deletes; nothing deleted: {why}; or use --dry-run"
+        )
+
+
+def _fleet_leader_note(settings: Settings, overrides: dict[str, Any]) -> str | None:
+    """Who leads the fleet and how to ask it; None off a fleet. A fleet is known by this
+    shell's fleet_coordinator, or by the daemon serving the root here (a shell without the
+    daemon's environment)."""
+    leader: LeaderRecord | None = None
+    if settings.fleet_coordinator is not None:
+        try:
+            leader = current_leader(settings)
+        except CoordinatorDown as e:
+            return f"its coordinator did not answer ({e}), and no node deletes without the lease"
+    else:
+        served = serving_root(settings, settings.root) is not None
+        seen = daemon_json(settings, "/v1/fleet") if served else None
+        if seen is None or not seen.get("enabled"):
+            return None
+        node, url = seen.get("leader"), seen.get("leader_url")
+        leader = LeaderRecord(str(node), str(url)) if node and url else None
+    if leader is None:
+        return "no node holds its GC lease now (GET /v1/fleet on a node says why)"
+    return f"node {leader.node} holds the lease: {_ask_the_leader(settings, overrides, leader.url)}"
+
+
+def _ask_the_leader(settings: Settings, overrides: dict[str, Any], url: str | None = None) -> str:
+    """How to run this GC through the daemon that leads (`url`, else this host's): the exact
+    curl, with the limits the flags gave as POST /v1/gc's one-off limits (checked there as
+    here)."""
     limits = {s: overrides[s] for _, s, _ in _LIMITS if overrides.get(s) is not None}
     body = json.dumps({s.removeprefix("gc_"): v for s, v in limits.items()})
-    if serving_root(settings, settings.root) is None:
+    if url is None and serving_root(settings, settings.root) is None:
         return f"ask its daemon with POST /v1/gc and the body {body}"
     # Double quotes: the shell expands the token's variable, and the token stays off screen.
     # Its whitespace goes, as the daemon strips it from the token it reads (a bearer token
@@ -128,7 +167,7 @@ def _ask_the_leader(settings: Settings, overrides: dict[str, Any]) -> str:
     token = """$(printf %s "$CACHEMGR_TOKEN" | tr -d '[:space:]')"""
     auth = f' -H "Authorization: Bearer {token}"' if settings.token else ""
     rest = ["-H", "Content-Type: application/json", "-d", body]
-    url = f"{daemon_url(settings)}/v1/gc"
+    url = f"{url or daemon_url(settings)}/v1/gc"
     return f"ask the daemon: curl -X POST{auth} {shlex.join([*rest, url])}"
 
 

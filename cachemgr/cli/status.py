@@ -16,6 +16,7 @@ import click
 from cachemgr.cli.common import said_not_whole
 from cachemgr.cli.context import AppContext, pass_app, setting_option
 from cachemgr.cli.tables import Column, echo_fitted, print_fitted
+from cachemgr.doctor.fleet import lint_fleet
 from cachemgr.doctor.root import disk_state, filesystem_line
 from cachemgr.errors import NotFoundError, UnsafePathError
 from cachemgr.fs.leadership import index_files
@@ -43,15 +44,20 @@ def probe() -> None:
         pass
 
 
-def from_daemon(settings: Settings, timeout: float = 1.0) -> dict[str, Any] | None:
-    """The running daemon's /v1/status, or None if nothing answers on host:port."""
-    url = f"{daemon_url(settings)}/v1/status"
+def daemon_json(settings: Settings, path: str, timeout: float = 1.0) -> dict[str, Any] | None:
+    """The JSON object the daemon on host:port answers at `path`, or None if nothing does."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            data: dict[str, Any] = json.loads(resp.read())
+        with urllib.request.urlopen(f"{daemon_url(settings)}{path}", timeout=timeout) as resp:
+            data = json.loads(resp.read())
     except (urllib.error.URLError, OSError, ValueError):
         return None
-    return data if isinstance(data, dict) and "namespaces" in data else None
+    return data if isinstance(data, dict) else None
+
+
+def from_daemon(settings: Settings, timeout: float = 1.0) -> dict[str, Any] | None:
+    """The running daemon's /v1/status, or None if nothing answers on host:port."""
+    data = daemon_json(settings, "/v1/status", timeout)
+    return data if data is not None and "namespaces" in data else None
 
 
 # How long status and ls wait for a daemon that accepted the connection: one busy with a scan
@@ -176,6 +182,9 @@ def status(app: AppContext, as_json: bool, wide: bool) -> None:
         report = None
     if report is not None:
         report["source"] = "daemon"
+        fleet = daemon_json(settings, "/v1/fleet", timeout=ASK_TIMEOUT)
+        if fleet is not None and fleet.get("enabled"):
+            report["fleet"] = fleet
     elif not layout.root.is_dir():
         raise NotFoundError(f"no cache root at {layout.root} (init or serve creates it)")
     else:
@@ -189,9 +198,24 @@ def status(app: AppContext, as_json: bool, wide: bool) -> None:
         echo_fitted(_filesystem_text(report["filesystem"]))
         for note in report.get("left_for_a_person") or ():  # an older daemon has none
             click.echo(f"warning: {note}")  # one line each: they name paths to grep for
+        if "fleet" in report:
+            _echo_fleet(report["fleet"])
     listed = ((ns["id"], ns.get("state", ""), ns.get("problem")) for ns in report["namespaces"])
     if said_not_whole(listed, report.get("state_dir_problem")):
         raise SystemExit(1)
+
+
+def _echo_fleet(fleet: dict[str, Any]) -> None:
+    """Who leads the fleet's GC, and what doctor would say of it (a node cut off from the
+    coordinator, no leader at all: nothing deleted anywhere)."""
+    node, leader = fleet.get("node"), fleet.get("leader")
+    if fleet.get("leading"):
+        heard = len(fleet.get("nodes") or [])
+        click.echo(f"fleet: this node ({node}) leads GC, hearing from {heard} other nodes")
+    elif leader:
+        click.echo(f"fleet: node {node}; GC leader {leader} at {fleet.get('leader_url')}")
+    for finding in lint_fleet(fleet):
+        click.echo(f"warning: fleet: {finding.message}")
 
 
 def _filesystem(layout: Layout, settings: Settings) -> dict[str, Any]:

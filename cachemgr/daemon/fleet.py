@@ -3,6 +3,7 @@ accesses, the merging of the others' (its routes and metrics). See docs/fleet.md
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import stat
@@ -19,11 +20,13 @@ from starlette.exceptions import HTTPException
 
 from cachemgr.backends import FileFormat
 from cachemgr.daemon.events import Event, Kind
+from cachemgr.daemon.serving import is_loopback
 from cachemgr.daemon.watcher import Watcher
 from cachemgr.errors import ConflictError
 from cachemgr.fleet.accesses import (
     MAX_BATCH,
     MAX_NAME,
+    SILENT,
     SUMMARY_PATH,
     Access,
     AccessShipper,
@@ -37,9 +40,9 @@ from cachemgr.layout import NS_ID_RE, Layout
 from cachemgr.settings import Settings
 from cachemgr.worker import DeathHandler
 
-SILENT = 60.0  # seconds without a summary after which a node no longer counts in the fleet
 SUMMARY_MAX_BYTES = (MAX_NAME + 100) * MAX_BATCH  # a batch of the longest names, as JSON
 NODE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$"
+log = logging.getLogger(__name__)
 _KINDS = {Kind.READ: "r", Kind.WRITE: "w", Kind.NS_GONE: "g", Kind.NS_ADDED: "a"}
 
 
@@ -50,6 +53,15 @@ def advertised_url(settings: Settings, port: int) -> str:
     host = settings.host
     if host in ("0.0.0.0", "::", ""):
         host = socket.gethostname()
+    elif is_loopback(host):
+        # The default host: on another node this URL is that node's own daemon, which
+        # answers "not the GC leader", so no follower's accesses would reach this one while
+        # it leads. Right only for nodes on one host (tests), so said, not refused.
+        log.warning(
+            "fleet mode on a loopback address: other nodes cannot reach this daemon; set "
+            "fleet_advertise_url (CACHEMGR_FLEET_ADVERTISE_URL) or host",
+            extra={"advertised": f"http://{host}:{port}"},
+        )
     return f"http://{host}:{port}"
 
 
@@ -71,6 +83,10 @@ class FleetNode:
         watcher.on_access = self._record
         self.accesses.apply = lambda node, batch: feed(watcher, node, batch)
 
+    def ship_age(self) -> float:
+        """Seconds since the leader last took this node's summary (0 while this node leads)."""
+        return 0.0 if self.elector.leading() else time.monotonic() - self.shipper.last_taken
+
     def _record(self, event: Event) -> None:
         self.shipper.record(_KINDS[event[0]], event[1], event[2])  # type: ignore[arg-type]
 
@@ -85,12 +101,14 @@ def build_fleet(
 ) -> FleetNode:
     """The fleet's workers for this daemon (not started); `watch()` a watcher next."""
     assert layout.node is not None  # settings_layout names it in fleet mode
+    coordinator = open_coordinator(settings)  # a setting that cannot work: its line alone
     record = LeaderRecord(layout.node, advertised_url(settings, port))
     elector = Elector(
-        open_coordinator(settings),
+        coordinator,
         record,
         settings.fleet_renew_interval,
         on_elected=lambda: elected(),
+        unusable=lambda: root_problem(layout),
         on_death=on_death,
     )
     token = settings.token.get_secret_value() if settings.token else None
@@ -111,6 +129,16 @@ def build_fleet(
     return FleetNode(
         elector, FleetLeadership(layout.gc_lock, elector), shipper, FleetAccesses(lambda node, b: 0)
     )
+
+
+def root_problem(layout: Layout) -> str | None:
+    """Why this node's mount of the root cannot serve GC now (a stale NFS handle, a FUSE
+    mount whose server died, the mount gone from under its path), or None."""
+    try:
+        st = os.stat(layout.ns_root)
+    except OSError as e:
+        return f"{layout.ns_root}: {e.strerror}"
+    return None if stat.S_ISDIR(st.st_mode) else f"{layout.ns_root} is not a directory"
 
 
 def feed(watcher: Watcher, node: str, batch: Sequence[Access]) -> int:
@@ -237,6 +265,9 @@ class FleetOut(BaseModel):
     buffered: int = 0
     shipped: int = 0
     dropped: int = 0
+    ship_age_seconds: float = Field(
+        0.0, description="follower: seconds since the leader last took its summary; 0 leading"
+    )
 
 
 def add_fleet_routes(app: FastAPI, fleet: FleetNode | None) -> None:
@@ -294,6 +325,7 @@ def add_fleet_routes(app: FastAPI, fleet: FleetNode | None) -> None:
             buffered=ship.pending(),
             shipped=ship.shipped,
             dropped=ship.dropped,
+            ship_age_seconds=round(fleet.ship_age(), 3),
         )
 
 
@@ -359,7 +391,8 @@ class FleetCollector:
             m["cachemgr_fleet_accesses_buffered"],
             ship.pending(),
         )
-        silent = 0.0 if leading else time.monotonic() - ship.last_taken
         yield GaugeMetricFamily(
-            "cachemgr_fleet_ship_age_seconds", m["cachemgr_fleet_ship_age_seconds"], silent
+            "cachemgr_fleet_ship_age_seconds",
+            m["cachemgr_fleet_ship_age_seconds"],
+            self.fleet.ship_age(),
         )

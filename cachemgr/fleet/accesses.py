@@ -42,6 +42,12 @@ STORE_GAP = 0.05  # seconds at least between two requests: a burst of stores is 
 # the alert on its summary ages) tells a node with nothing to say from one it cannot hear
 HEARTBEAT = 5.0
 SUMMARY_PATH = "/v1/fleet/accesses"
+# Answers that say the leader will never take this node's summaries as sent (a wrong token,
+# fleet mode off there): said at once, not after an election's worth of failures.
+REFUSED = (401, 403, 404)
+# seconds without a summary after which a node no longer counts in the fleet (the leader's
+# node count) and doctor says the leader does not hear it
+SILENT = 60.0
 # Nodes the leader keeps an entry for (sequence numbers, metrics labels, their streams in its
 # chain model): far more than a fleet has, few enough that a follower posting ever new names
 # (a bug, a leaked token) cannot grow the leader without bound. One silent for FORGET seconds
@@ -73,6 +79,7 @@ class AccessShipper(Worker):
         self.shipped = 0  # accesses the leader took
         self.failures = 0  # requests the leader did not take
         self.last_taken = time.monotonic()  # when the leader last took a summary (or start)
+        self._warned = False  # the failures since the leader last took a summary were said
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(timeout=5.0, headers=headers)
 
@@ -102,6 +109,11 @@ class AccessShipper(Worker):
     def ship(self) -> int:
         """Send what is buffered (at most MAX_BATCH) to the leader, or an empty summary once a
         HEARTBEAT; how many accesses it took."""
+        if self.elector.leading():
+            # Its own index takes them: nothing waits for a leader. An ex-leader's first
+            # failure after a handover is then not "a minute without a leader taking them".
+            self.last_taken = time.monotonic()
+            return 0
         leader = self.elector.leader
         if leader is None or leader.node == self.elector.record.node:
             return 0
@@ -124,8 +136,11 @@ class AccessShipper(Worker):
         if r.status_code in (413, 422):  # never taken, however often sent: counted as dropped
             return self._refused(batch, r.status_code)
         if r.status_code != 200:
-            return self._failed(leader.url, f"HTTP {r.status_code}")
+            return self._failed(leader.url, f"HTTP {r.status_code}", r.status_code in REFUSED)
         self.last_taken = time.monotonic()
+        if self._warned:
+            log.info("the GC leader takes this node's accesses again", extra={"leader": leader.url})
+            self._warned = False
         last = batch[-1][0] if batch else 0
         with self._lock:  # drops meanwhile took from the left: pop only what was sent
             while self._buffer and self._buffer[0][0] <= last:
@@ -142,9 +157,19 @@ class AccessShipper(Worker):
         log.warning("the leader refused a batch of accesses", extra={"status": status})
         return 0
 
-    def _failed(self, url: str, why: str) -> int:
+    def _failed(self, url: str, why: str, refused: bool = False) -> int:
+        """A summary not taken: said once a streak, at once if the leader refuses this node
+        (a wrong token never heals), else once the streak outlasts an election (SILENT)."""
         self.failures += 1
-        log.debug("accesses not shipped", extra={"leader": url, "error": why})
+        if self._warned or not (refused or time.monotonic() - self.last_taken > SILENT):
+            log.debug("accesses not shipped", extra={"leader": url, "error": why})
+            return 0
+        log.warning(
+            "the GC leader takes none of this node's accesses: its eviction order misses "
+            "them; buffering them",
+            extra={"leader": url, "error": why},
+        )
+        self._warned = True
         return 0
 
     def _loop(self) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cachemgr.errors import ConfigError
-from cachemgr.fleet.coordinator import Coordinator, parse_endpoints
+from cachemgr.fleet.coordinator import Coordinator, LeaderRecord, parse_endpoints
 from cachemgr.settings import Settings
 
 
@@ -29,3 +29,13 @@ def open_coordinator(settings: Settings) -> Coordinator:
         )
     endpoints = parse_endpoints(value)
     return EtcdCoordinator(endpoints, settings.fleet_lease_name, settings.fleet_lease_ttl)
+
+
+def current_leader(settings: Settings) -> LeaderRecord | None:
+    """Who holds the fleet's GC lease now, asked of its coordinator (CoordinatorDown: it did
+    not answer); for a command outside the daemon."""
+    coordinator = open_coordinator(settings)
+    try:
+        return coordinator.leader()
+    finally:
+        coordinator.close()

@@ -38,10 +38,16 @@ class Elector(Worker):
         *,
         clock: Callable[[], float] = time.monotonic,
         on_elected: Callable[[], None] = lambda: None,
+        unusable: Callable[[], str | None] = lambda: None,
         on_death: DeathHandler | None = None,
     ) -> None:
         super().__init__("fleet", on_death=on_death)
         self.on_elected = on_elected  # a new leader runs GC at once (its order, rebuilt)
+        # Why this node could not run GC now (its mount of the root gone stale), asked each
+        # round: such a node neither keeps nor takes the lease. One that kept it failed every
+        # GC cycle while renewing, and no node deleted at all.
+        self.unusable = unusable
+        self.standing_down: str | None = None
         self.coordinator, self.record = coordinator, record
         self.renew_interval, self.clock = renew_interval, clock
         self.term: Term | None = None
@@ -71,9 +77,16 @@ class Elector(Worker):
     def round(self) -> None:
         """One renewal or campaign (the loop's step; tests call it directly)."""
         with self._round_lock:
+            why = self.unusable()
+            self._say_standing_down(why)
             sent = self.clock()
             try:
-                self._renew_or_campaign(sent)
+                if why is None:
+                    self._renew_or_campaign(sent)
+                elif self.term is not None:
+                    term, self.term = self.term, None
+                    self._lost(why)
+                    self.coordinator.resign(term)  # the next node need not wait out the TTL
                 self.leader = self.term.record if self.term else self.coordinator.leader()
             except CoordinatorDown as e:
                 self._down(e)
@@ -83,6 +96,16 @@ class Elector(Worker):
                 self._down_said = False
             self.coordinator_up = True
             self._check_name()
+
+    def _say_standing_down(self, why: str | None) -> None:
+        if why is not None and self.standing_down is None:
+            log.warning(
+                "this node cannot run GC on the root; not campaigning for the GC lease",
+                extra={"node": self.record.node, "why": why},
+            )
+        elif why is None and self.standing_down is not None:
+            log.info("the root is usable again; campaigning", extra={"node": self.record.node})
+        self.standing_down = why
 
     def _check_name(self) -> None:
         """Another daemon holding the lease under this node's name: this one would never ship
@@ -117,6 +140,9 @@ class Elector(Worker):
 
     def _lost(self, why: str) -> None:
         self.term, self.valid_until = None, float("-inf")
+        # Unknown until the coordinator answers (a round that reached it names the holder at
+        # once); it was this node, which no longer leads, so saying so would be false.
+        self.leader = None
         log.warning("lost the fleet's GC lease", extra={"node": self.record.node, "why": why})
 
     def _down(self, error: CoordinatorDown) -> None:
@@ -170,10 +196,22 @@ class FleetLeadership(Leadership):
     def fence(self) -> bool:
         return super().held and self.elector.fence()
 
+    def run_fence(self) -> Callable[[], bool]:
+        # A lease lost and won again in one elector round (revoked by an operator, expired in
+        # a pause) is a new term: the run's plan was made under the old one, and another node
+        # may have led in between, so the run ends as if the lease were gone.
+        won = self.elector.terms
+        return lambda: self.elector.terms == won and self.fence()
+
     def led_elsewhere(self) -> bool:
         leader = self.elector.leader
         return leader is not None and leader.node != self.elector.record.node
 
     def holder(self) -> str | None:
         leader = self.elector.leader
-        return None if leader is None else f"node {leader.node} at {leader.url}"
+        if leader is not None:
+            return f"node {leader.node} at {leader.url}"
+        # Said outright: a refused POST /v1/gc during an outage read "(None)", as if another
+        # node deleted meanwhile.
+        why = "is electing one" if self.elector.coordinator_up else "does not answer"
+        return f"none: no node holds the fleet's GC lease now, and its coordinator {why}"

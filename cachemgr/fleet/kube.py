@@ -47,9 +47,16 @@ class KubeCoordinator:
         namespace: str,
         ttl: float,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.api, self.name, self.namespace = api, name, namespace
-        self.ttl, self.clock = ttl, clock
+        self.ttl, self.clock, self.monotonic = ttl, clock, monotonic
+        # The Lease's resourceVersion as this node last saw it change, and when by its own
+        # monotonic clock. A Lease expires leaseDurationSeconds after this node saw its last
+        # write (client-go's observedTime), never by the holder's renewTime against this
+        # node's wall clock: a clock stepped ahead (or a holder's behind) by more than the
+        # duration took a live lease from its holder at once.
+        self._seen: tuple[str, float] | None = None
 
     @classmethod
     def in_cluster(cls, name: str, namespace: str, ttl: float) -> KubeCoordinator:
@@ -91,11 +98,14 @@ class KubeCoordinator:
             raise CoordinatorDown(f"kubernetes: HTTP {e.status}") from e
         return lease
 
-    def _expired(self, spec: client.V1LeaseSpec | None) -> bool:
-        if spec is None or not spec.holder_identity or spec.renew_time is None:
+    def _expired(self, lease: client.V1Lease) -> bool:
+        spec = lease.spec
+        if spec is None or not spec.holder_identity:
             return True
-        duration = spec.lease_duration_seconds or 0
-        return spec.renew_time.timestamp() + duration < self.clock()
+        now, version = self.monotonic(), _version(lease)
+        if self._seen is None or self._seen[0] != version:
+            self._seen = (version, now)
+        return now - self._seen[1] > (spec.lease_duration_seconds or 0)
 
     def _spec(self, node: str | None, old: client.V1LeaseSpec | None) -> client.V1LeaseSpec:
         now = datetime.fromtimestamp(self.clock(), UTC)
@@ -126,7 +136,7 @@ class KubeCoordinator:
         if lease is None:
             return self._create(record)
         spec = lease.spec
-        if spec is not None and spec.holder_identity != record.node and not self._expired(spec):
+        if spec is not None and spec.holder_identity != record.node and not self._expired(lease):
             return None
         lease.spec = self._spec(record.node, spec)
         meta = lease.metadata = lease.metadata or client.V1ObjectMeta()
@@ -160,12 +170,13 @@ class KubeCoordinator:
         return None if version is None else Term(term.record, version)
 
     def _is(self, lease: client.V1Lease, term: Term) -> bool:
+        # Nobody wrote the Lease since this node's last write: it is still this node's (the
+        # elector stops leading by its own clock before another node may take it over).
         spec = lease.spec
         return (
             spec is not None
             and spec.holder_identity == term.record.node
             and _version(lease) == term.token
-            and not self._expired(spec)
         )
 
     def holds(self, term: Term) -> bool:
@@ -174,7 +185,7 @@ class KubeCoordinator:
 
     def leader(self) -> LeaderRecord | None:
         lease = self._read()
-        if lease is None or lease.spec is None or self._expired(lease.spec):
+        if lease is None or lease.spec is None or self._expired(lease):
             return None
         annotations = (lease.metadata.annotations if lease.metadata else None) or {}
         return LeaderRecord(str(lease.spec.holder_identity), annotations.get(URL_ANNOTATION, ""))

@@ -17,6 +17,7 @@ import fcntl
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from cachemgr.errors import UnsafePathError
@@ -102,6 +103,11 @@ class Leadership:
         """Whether this process may delete now (asked before each chunk): a flock is the
         kernel's, held until released. Fleet mode asks its coordinator (cachemgr.fleet)."""
         return self.held
+
+    def run_fence(self) -> Callable[[], bool]:
+        """The fence for one run, taken as it starts: a flock is held until released, so it is
+        `fence`. Fleet mode pins the lease's term the run began under (cachemgr.fleet)."""
+        return self.fence
 
     def led_elsewhere(self) -> bool:
         """Whether another process leads now, asked without leading: a shared lock, taken and

@@ -34,6 +34,10 @@ class TempFile:
     size: int
     mtime: float
 
+    @property
+    def where(self) -> str:
+        return f"ns/{self.namespace_id}"
+
 
 def list_namespace(layout: Layout, ns_id: str) -> tuple[dict[str, Listed], list[TempFile]]:
     """Pages (by name) and temp files of one namespace dir; others are ignored."""
@@ -78,6 +82,10 @@ class OwnTemp:
     name: str
     size: int
     mtime: float
+
+    @property
+    def where(self) -> str:
+        return self.rel_dir
 
 
 def own_temps(layout: Layout) -> list[OwnTemp]:
@@ -218,10 +226,10 @@ def stale_temps(temps: list[TempFile], policy: GcPolicy, now: float) -> list[GcS
     ]
 
 
-def stale_own_temps(layout: Layout, policy: GcPolicy, now: float) -> list[GcStep]:
+def stale_own_temps(own: list[OwnTemp], policy: GcPolicy, now: float) -> list[GcStep]:
     """cachemgr's own temps older than tmp_ttl, per dir; `namespace_id` None marks them."""
     by_dir: dict[str, list[OwnTemp]] = defaultdict(list)
-    for t in own_temps(layout):
+    for t in own:
         if now - t.mtime >= policy.tmp_ttl:
             by_dir[t.rel_dir].append(t)
     return [

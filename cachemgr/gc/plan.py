@@ -44,6 +44,7 @@ from cachemgr.gc.policy import (
     room,
     tally,
 )
+from cachemgr.gc.sightings import TempSightings
 from cachemgr.gc.step import GcStep, Unmet
 from cachemgr.gc.value import cap_order
 from cachemgr.layout import Layout
@@ -127,6 +128,8 @@ class Live:
     store_bytes: int = 0
     # The trash entries' counts as the runs know them (None: a scan of each at every plan).
     trash: gcfind.TrashCounts | None = None
+    # The temps the leader has seen, by its own clock (fleet mode; None: by their mtime alone).
+    temps: TempSightings | None = None
 
 
 def plan_gc(
@@ -194,8 +197,11 @@ def _plan(
         drops.append(after.without(drop, sizes))
     if sweep:
         temps = [t for ns in namespace_dirs(layout) for t in list_temps(layout, ns, warnings)]
+        own = gcfind.own_temps(layout)
+        if daemon.temps is not None:  # a fleet's leader: by its own clock too
+            temps, own = daemon.temps.settled(temps, own, policy.tmp_ttl)
         steps += gcfind.stale_temps([t for t in temps if t.namespace_id not in gone], policy, now)
-        steps += gcfind.stale_own_temps(layout, policy, now)
+        steps += gcfind.stale_own_temps(own, policy, now)
     steps += drops
     unlisted = sum(s.bytes for s in steps if s.reason in ("trash", "tmp"))
     # No age rule at all without min_age: an access time in the future (a clock stepped back,

@@ -37,6 +37,7 @@ from cachemgr.gc.held import HeldAudits
 from cachemgr.gc.pagestore import PageId
 from cachemgr.gc.plan import Earlier, GcPlan, Live, plan_gc, unrecorded_unmet
 from cachemgr.gc.policy import HOLDING, GcPolicy, GcReason
+from cachemgr.gc.sightings import TempSightings
 from cachemgr.gc.step import GcReport, Unmet, joined
 from cachemgr.layout import Layout
 from cachemgr.ns.bindings import catch_up
@@ -175,6 +176,7 @@ class GcRunner(Worker):
         self.held = HeldAudits()
         self.give_way = GiveWay(self.live.woken)
         self.trash = TrashCounts()  # each trash entry scanned once, then less what runs drain
+        self.temps = TempSightings() if layout.node is not None else None  # a fleet's: gc.sightings
 
     @contextmanager
     def _serialized(self) -> Iterator[None]:
@@ -249,6 +251,7 @@ class GcRunner(Worker):
         """Below the floor, the pass from a scan of the disk, audited (or its rows held) but
         not counted: the caller counts it, alone or joined with the run it starts; `policy`
         replaces the runner's own for this pass (one-off limits)."""
+        fence = self.leadership.run_fence()
         try:
             with self._busy:
                 report = floor_pass(
@@ -257,7 +260,7 @@ class GcRunner(Worker):
                     disk_usage=self.disk_usage,
                     pacer=Pacer(rate=policy.delete_rate),
                     clock=self.clock,
-                    stop=lambda: self._stopping.is_set() or not self.leadership.fence(),
+                    stop=lambda: self._stopping.is_set() or not fence(),
                     gate=self._lead,
                 )
         except BaseException:
@@ -331,7 +334,7 @@ class GcRunner(Worker):
                     pacer=pacer,
                     clock=self.clock,
                     stop=self._stopping.is_set,
-                    fence=self.leadership.fence,
+                    fence=self.leadership.run_fence(),
                     users=self.live.users,
                 )
                 report = joined(floor, self._run(run, sweep, progress, policy, after))
@@ -398,6 +401,7 @@ class GcRunner(Worker):
             flight.stored,
             flight.stored_bytes,
             self.trash,
+            self.temps,
         )
         if self.layout.node is not None:  # in a fleet: whom the other nodes' servers use
             catch_up(self.layout, self.store)
