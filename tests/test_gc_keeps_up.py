@@ -26,7 +26,8 @@ from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.execute import InFlight, execute_gc
 from cachemgr.gc.plan import GcPlan, Live, plan_gc
 from cachemgr.gc.policy import GcPolicy, headroom, over_limits, room
-from cachemgr.gc.runner import GcRunner, LiveState, _forgetting
+from cachemgr.gc.runner import GcRunner, LiveState
+from cachemgr.gc.told import forgetting
 from cachemgr.layout import Layout
 from cachemgr.ns.purge import purge
 from cachemgr.settings import Settings, load_settings
@@ -676,8 +677,9 @@ def test_stores_a_chunk_deleted_are_pending_no_more_from_that_chunk_on() -> None
             self.early.extend(pages)
 
     live = Early()
-    assert _forgetting(live, []) is None  # no model, nothing unapplied: nothing to tell
-    recorded = _forgetting(live, [(NS, page(1)), (NS, page(2))])
+    # no model, nothing unapplied: nothing to tell
+    assert forgetting(live.model, live.gone_early, []) is None
+    recorded = forgetting(live.model, live.gone_early, [(NS, page(1)), (NS, page(2))])
     assert recorded is not None
     recorded(NS, [page(2), page(3)])  # page 3 was indexed: not a pending store
     assert live.early == [(NS, page(2))]

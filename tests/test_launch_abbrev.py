@@ -54,6 +54,8 @@ def _cases(flags: dict[str, str], value_of: Callable[[str], str | None]) -> list
         value = value_of(field)
         for end in range(3, len(flag) + 1):
             prefix = flag[:end]
+            if flags.get(prefix, field) != field:
+                continue  # another flag's whole name (--kv-cache-dtype of its -skip-layers)
             cases.append({"field": field, "tokens": [prefix] if value is None else [prefix, value]})
             if value is not None:
                 cases.append({"field": field, "tokens": [f"{prefix}={value}"]})
@@ -148,7 +150,9 @@ VLLM_PARSE = textwrap.dedent("""
         hf = a.get("hf_overrides")
         a["hf_overrides"] = json.dumps(hf, sort_keys=True, separators=(",", ":")) if hf else None
         a["kv_transfer_config"] = a["kv_transfer_config"] is not None
-        out.append({k: v for k, v in a.items() if isinstance(v, (str, int, bool, type(None)))})
+        a["kv_cache_dtype_skip_layers"] = sorted(set(a.get("kv_cache_dtype_skip_layers") or []))
+        scalar = (str, int, bool, type(None))
+        out.append({k: v for k, v in a.items() if isinstance(v, scalar) or k.endswith("_layers")})
     print(json.dumps(out))
 """)
 
@@ -200,6 +204,7 @@ def test_every_abbreviation_reads_as_vllms_parser_reads_it(vllm_scripts: ScriptR
     def ours(argv: list[str]) -> dict[str, Any]:
         read = vllm_args.resolve_vllm_args(["vllm", *argv]).model_dump()
         read["kv_transfer_config"] = read["kv_transfer_config"] is not None  # as VLLM_PARSE
+        read["kv_cache_dtype_skip_layers"] = sorted(read["kv_cache_dtype_skip_layers"])
         return read
 
     _agree(cases, argvs, theirs, ours)

@@ -48,6 +48,8 @@ _LIMITS = [
     ("--delete-rate", "gc_delete_rate", float),
 ]
 
+_COUNTS = frozenset({"gc_max_files", "gc_namespace_max_files"})  # (files, not bytes)
+
 
 def _limit_options(f: Any) -> Any:
     for flag, setting, kind in reversed(_LIMITS):
@@ -156,7 +158,9 @@ def _ask_the_leader(settings: Settings, overrides: dict[str, Any], url: str | No
     """How to run this GC through the daemon that leads (`url`, else this host's): the exact
     curl, with the limits the flags gave as POST /v1/gc's one-off limits (checked there as
     here)."""
-    limits = {s: overrides[s] for _, s, _ in _LIMITS if overrides.get(s) is not None}
+    given = [s for _, s, _ in _LIMITS if overrides.get(s) is not None]
+    # A count as a number, as the settings read the flag's text: the API refuses it as text.
+    limits = {s: getattr(settings, s) if s in _COUNTS else overrides[s] for s in given}
     body = json.dumps({s.removeprefix("gc_"): v for s, v in limits.items()})
     if url is None and serving_root(settings, settings.root) is None:
         return f"ask its daemon with POST /v1/gc and the body {body}"

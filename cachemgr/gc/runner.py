@@ -15,12 +15,11 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from cachemgr.backends import FileFormat
 from cachemgr.errors import CachemgrError, StateCorrupt, StateError
 from cachemgr.fs import reserve
 from cachemgr.fs.deletecheck import REFUSAL_REASONS, RefusalReason, reason_of
@@ -30,7 +29,7 @@ from cachemgr.fs.usage import DiskUsageFn
 from cachemgr.gc.behind import GiveWay
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.check import index_current, needs_gc
-from cachemgr.gc.execute import InFlight, Recorded, Unlinking, execute_gc
+from cachemgr.gc.execute import InFlight, Unlinking, execute_gc
 from cachemgr.gc.find import TrashCounts
 from cachemgr.gc.floor import floor_pass, record_floor
 from cachemgr.gc.held import HeldAudits
@@ -39,6 +38,7 @@ from cachemgr.gc.plan import Earlier, GcPlan, Live, plan_gc, unrecorded_unmet
 from cachemgr.gc.policy import HOLDING, GcPolicy, GcReason
 from cachemgr.gc.sightings import TempSightings
 from cachemgr.gc.step import GcReport, Unmet, joined
+from cachemgr.gc.told import Applied, forgetting
 from cachemgr.layout import Layout
 from cachemgr.ns.bindings import catch_up
 from cachemgr.ns.liveuse import live_users
@@ -434,8 +434,8 @@ class GcRunner(Worker):
                 run,
                 progress=progress,
                 spare=flight.spare,
-                unlinking=_Applied.of(self.live.unlinking(), flight.stored),
-                recorded=_forgetting(self.live, flight.stored),
+                unlinking=Applied.of(self.live.unlinking(), flight.stored),
+                recorded=forgetting(self.live.model, self.live.gone_early, flight.stored),
                 after_limits=behind,
             )
         except (sqlite3.Error, OSError, StateError) as e:
@@ -553,53 +553,6 @@ class GcRunner(Worker):
         """Whether this process may still list ns/ and the state dir."""
         dirs = (self.layout.ns_root, self.layout.state_dir)
         return all(os.access(d, os.R_OK | os.X_OK) for d in dirs)
-
-
-def _forgetting(live: LiveState, stored: Sequence[PageId]) -> Recorded | None:
-    """What a run does with each chunk it recorded gone: the live chain model forgets those
-    pages, and of the stores the index had not applied at the plan (`stored`), those are no
-    longer pending (one spared as in flight, or refused, stays on the count)."""
-    model, unapplied = live.model, set(stored)
-    if model is None and not unapplied:
-        return None
-    # Each namespace's format, read once a run as the run's steps read it (not once a chunk:
-    # a manifest read each 256 pages was a tenth of the model's share of an eviction).
-    formats: dict[str, FileFormat] = {}
-
-    def recorded(ns: str, names: list[str]) -> None:
-        if model is not None:
-            fmt = formats.get(ns) or formats.setdefault(ns, model.formats(ns))
-            model.forget_gone(ns, names, fmt)
-        if unapplied:
-            live.gone_early([(ns, n) for n in names if (ns, n) in unapplied])
-
-    return recorded
-
-
-class _Applied:
-    """Tells `unlinking` of the names a run unlinks but the stores the index had not applied
-    at the plan: it may be applying one (its stat taken, its row not written yet) as GC
-    deletes it, and only the IN_DELETE queued behind the store drops that row again."""
-
-    def __init__(self, told: Unlinking, unapplied: Iterable[PageId]) -> None:
-        self.told, self.unapplied = told, set(unapplied)
-
-    @classmethod
-    def of(cls, told: Unlinking | None, unapplied: Sequence[PageId]) -> Unlinking | None:
-        return told if told is None or not unapplied else cls(told, unapplied)
-
-    def expect(self, ns: str, names: Sequence[str]) -> None:
-        self.told.expect(ns, self._applied(ns, names))
-
-    def settle(self, ns: str, names: Sequence[str], deleted: Collection[str]) -> None:
-        self.told.settle(ns, self._applied(ns, names), deleted)
-
-    def again(self, ns: str, names: Sequence[str]) -> Collection[str]:
-        return self.told.again(ns, self._applied(ns, names))
-
-    def _applied(self, ns: str, names: Sequence[str]) -> list[str]:
-        """Of `names`, those the watcher is told of: settled as they were expected."""
-        return [n for n in names if (ns, n) not in self.unapplied]
 
 
 def _holding(plan: GcPlan) -> bool:
