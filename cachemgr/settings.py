@@ -482,13 +482,17 @@ def _check_toml_type(name: str, value: Any, path: Path) -> None:
         raise ConfigError(f"invalid {name} in {path}: {shown}: must be {wanted}")
 
 
-def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
-    """Build the settings from all sources; a bad value raises ConfigError naming the field."""
+def load_settings(
+    config_file: Path | None = None, *, flags: Mapping[str, str] | None = None, **overrides: Any
+) -> Settings:
+    """Build the settings from all sources; a bad value raises ConfigError naming the field
+    and the ways to set it: its env var, the config file, and `flags[field]` (the CLI's text
+    for the flags that exist for it; a setting without one names none)."""
     token = _config_file.set(config_file)
     try:
         return Settings(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as e:
-        raise ConfigError(_describe(e, config_file)) from None
+        raise ConfigError(_describe(e, config_file, flags or {})) from None
     finally:
         _config_file.reset(token)
 
@@ -554,12 +558,14 @@ def unknown_env_vars(environ: Mapping[str, str]) -> list[str]:
     return lines
 
 
-def _describe(error: ValidationError, config_file: Path | None) -> str:
+def _describe(error: ValidationError, config_file: Path | None, flags: Mapping[str, str]) -> str:
     """One line for the first problem: the field, where it can come from, the value, the rule."""
     first = error.errors()[0]
     field = ".".join(str(p) for p in first["loc"]) or "settings"
-    where = f"{field} (flag --{field.replace('_', '-')}, env {ENV_PREFIX}{field.upper()}"
-    where += f", or {config_file})" if config_file else ")"
+    ways = [*([flags[field]] if field in flags else []), f"env {ENV_PREFIX}{field.upper()}"]
+    if config_file:
+        ways.append(f"or {config_file}")
+    where = f"{field} ({', '.join(ways)})"
     if first["type"] == "extra_forbidden":
         return f"unknown setting {field!r}" + (f" in {config_file}" if config_file else "")
     value = first.get("input")

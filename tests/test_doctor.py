@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -256,3 +257,30 @@ def test_the_hybrid_check_reads_the_config_beside_a_gguf_file(root: Path, tmp_pa
     assert doctor(root, cmd, managed_env(root)) == (0, ["model-not-local"])  # config in the file
     (files / "config.json").write_text(json.dumps({"layer_types": ["linear_attention"]}))
     assert doctor(root, cmd, managed_env(root)) == (2, ["mamba-track-interval"])
+
+
+def test_hard_linked_pages_are_reported_with_an_example_and_the_fix(
+    layout: Layout, tmp_path: Path
+) -> None:
+    """A GC run says a limit is not held because the pages it deleted were hard links another
+    name keeps, and sends people to doctor: doctor names the namespace, how many of the pages
+    it sampled are linked, one of them, and how to find and remove the other links."""
+    store = Store.open(layout.db_path)
+    try:
+        ns = make_ns(layout, store, "a", pages=6, instance="srv")
+        clean = make_ns(layout, store, "b", pages=3, instance="srv2")
+    finally:
+        store.close()
+    backup = tmp_path / "backup"  # an operator's `cp -al` of part of the cache
+    backup.mkdir()
+    linked = sorted(layout.ns_dir(ns).glob("*.bin"))[:4]
+    for page in linked:
+        os.link(page, backup / page.name)
+    out = cli("--root", str(layout.root), "doctor", "--json")
+    (finding,) = json.loads(out.stdout)
+    assert finding["code"] == "hard-linked-pages", finding
+    assert finding["message"].startswith(f"ns {ns}: 4 of the 6 page files doctor sampled ")
+    (example,) = [p for p in linked if str(p) in finding["message"]]
+    assert f"-samefile {example}" in finding["fix"]
+    assert clean not in finding["message"]
+    assert out.returncode == 1

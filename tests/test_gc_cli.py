@@ -74,7 +74,10 @@ def test_without_a_terminal_it_needs_yes(root: Path) -> None:
 def test_a_bad_limit_is_one_line_naming_the_setting(root: Path) -> None:
     out = gc(root, "--dry-run", "--max-bytes", "lots")
     assert out.returncode == 2
-    assert out.stderr.startswith("cachemgr: error: invalid gc_max_bytes (flag --gc-max-bytes")
+    assert out.stderr.startswith(
+        "cachemgr: error: invalid gc_max_bytes (`cachemgr gc --max-bytes`, "
+        "env CACHEMGR_GC_MAX_BYTES)"
+    )
     assert len(out.stderr.strip().splitlines()) == 1
 
 

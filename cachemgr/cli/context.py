@@ -45,7 +45,9 @@ class AppContext:
     @property
     def settings(self) -> Settings:
         if self._settings is None:
-            self._settings = load_settings(self.config_file, **self.overrides)
+            ctx = click.get_current_context(silent=True)
+            flags = {} if ctx is None else setting_flag_text(ctx.find_root().command)
+            self._settings = load_settings(self.config_file, flags=flags, **self.overrides)
             # A one-shot command prints its result; its info logs would only repeat it on
             # stderr, so they show when asked for (flag, env, file). `serve` logs at the level.
             asked = "log_level" in self._settings.model_fields_set
@@ -81,6 +83,31 @@ class SettingOption(click.Option):
         if self.setting_default is not None:
             extra["default"] = self.setting_default
         return extra
+
+
+def setting_flags(command: click.Command, path: str = "") -> dict[str, list[tuple[str, str]]]:
+    """(command path, shortest flag) for each setting, for every flag that sets it in `command`
+    and its subcommands ("" is the group's own, global flag)."""
+    found: dict[str, list[tuple[str, str]]] = {}
+    for param in command.params:
+        if isinstance(param, SettingOption):
+            found.setdefault(param.setting, []).append((path, min(param.opts, key=len)))
+    if isinstance(command, click.Group):
+        for name, sub in sorted(command.commands.items()):
+            for setting, places in setting_flags(sub, f"{path} {name}".strip()).items():
+                found.setdefault(setting, []).extend(places)
+    return found
+
+
+def setting_flag_text(group: click.Command) -> dict[str, str]:
+    """Each setting's flags as a settings error names them: "flag --root" for a global option,
+    "`cachemgr gc --max-files`" for a command's (the same name is no flag of the others)."""
+    return {
+        setting: ", ".join(
+            f"`cachemgr {path} {flag}`" if path else f"flag {flag}" for path, flag in places
+        )
+        for setting, places in setting_flags(group).items()
+    }
 
 
 def _shown(default: Any) -> str | None:

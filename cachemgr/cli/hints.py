@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import click
 
+from cachemgr.cli.context import setting_flags
 from cachemgr.settings import ENV_PREFIX, Settings
 
 
@@ -24,7 +25,7 @@ def no_such_option_hint(error: click.NoSuchOption, group: click.Group, argv: Seq
     if setting is None or any(p.name == setting for p in command.params):
         return ""  # not a setting, or a misspelling of this command's own flag: Click's guess
     where = f"set {ENV_PREFIX}{setting.upper()} or `{setting} = …` in the config file (--config)"
-    flagged = _commands_with_flag_for(setting, group)
+    flagged = [place for place in setting_flags(group).get(setting, []) if place[0]]
     also = f"; `cachemgr {flagged[0][0]}` takes it as {flagged[0][1]}" if flagged else ""
     name = "cachemgr" if command is group else f"`cachemgr {command.name}`"
     return f"{name} has no flag for the {setting} setting: {where}{also}"
@@ -68,13 +69,3 @@ def _setting_of(flag: str, group: click.Group) -> str | None:
         return flags[flag]
     close = difflib.get_close_matches(flag, sorted(flags), n=1, cutoff=0.85)
     return flags[close[0]] if close else None
-
-
-def _commands_with_flag_for(setting: str, group: click.Group) -> list[tuple[str, str]]:
-    """(command, its shortest flag) for each subcommand that takes `setting` as a flag."""
-    found = []
-    for name, command in sorted(group.commands.items()):
-        for param in command.params:
-            if param.name == setting:
-                found.append((name, min(param.opts, key=len)))
-    return found

@@ -203,7 +203,14 @@ def create_app(backend: Backend) -> FastAPI:
         """Run GC now (a full run, with a sweep of the namespace dirs); 409 when another
         process leads GC on this root (the answer names it). One-off limits in the body
         (`{"max_bytes": "10MB"}`) hold for this run only. A request made while a run of the
-        same kind (dry or not, the same limits) is in progress gets that run's result."""
+        same kind (dry or not, the same limits) is in progress gets that run's result.
+
+        503 "state database locked" when another process holds the state DB's write lock
+        longer than a write waits (10 s) while the run records files it deleted: the run
+        deletes no more, and the answer comes then, naming the holder. The files deleted
+        are recorded (index rows dropped, an `evict` audit row) once the lock is released,
+        by the run itself, which waits for it however long it takes: nothing deleted goes
+        unrecorded. Ask again after."""
         req = await one_request(request, GcRequest, body, dry_run=dry_run)
         try:
             result = await _gc(req.dry_run, _one_off_policy(backend, req))

@@ -4,6 +4,8 @@ requests, one at a time, shared by the requests that arrive while one runs."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import anyio.to_thread
@@ -11,10 +13,15 @@ from anyio import CapacityLimiter
 from pydantic import BaseModel, Field
 
 from cachemgr.daemon.api import GcLimits, GcUnmet
+from cachemgr.errors import StateLocked
 from cachemgr.gc.policy import GcPolicy, GcReason
 from cachemgr.gc.runner import GcRunner
 from cachemgr.gc.step import GcReport, StepResult
+from cachemgr.ns.runcontext import unheeded
 from cachemgr.state.dbfile import denied_as_unavailable
+
+# Seconds between a waiting request's looks at whether its run waits out a foreign DB lock.
+LOCK_POLL = 0.1
 
 
 class GcStepOut(BaseModel):
@@ -105,12 +112,17 @@ class GcResponse(BaseModel):
 
 
 def gc_request(
-    runner: GcRunner, *, dry_run: bool = False, actor: str = "http", policy: GcPolicy | None = None
+    runner: GcRunner,
+    *,
+    dry_run: bool = False,
+    actor: str = "http",
+    policy: GcPolicy | None = None,
+    locked: Callable[[str], None] = unheeded,
 ) -> GcResponse:
     """What `POST /v1/gc` does: one full run (with a sweep) by the daemon's runner, under
-    `policy` (one-off limits) or the runner's own."""
+    `policy` (one-off limits) or the runner's own; `locked` as GcRunner.run's."""
     with denied_as_unavailable(runner.layout.state_dir):
-        report = runner.run(dry_run=dry_run, actor=actor, sweep=True, policy=policy)
+        report = runner.run(dry_run=dry_run, actor=actor, sweep=True, policy=policy, locked=locked)
     return GcResponse.of(report)
 
 
@@ -137,21 +149,51 @@ class SharedGcRuns:
 
     Joining is an await, not a worker thread: sync routes run on anyio's pool of 40 threads,
     which /healthz and /metrics share, and 50 requests queued on a 10 s GC used to take it all.
+
+    A run whose record of deleted files waits out another process's write lock on the state
+    DB (it must: the files are gone) deletes no more, and its requests get StateLocked (503)
+    then, not once the lock is gone: the run records what it deleted when it is free.
     """
 
     def __init__(self, runner: GcRunner) -> None:
         self.runner = runner
-        self._running: dict[tuple[bool, GcPolicy | None], asyncio.Future[GcResponse]] = {}
+        self._running: dict[tuple[bool, GcPolicy | None], _Run] = {}
         self._threads = CapacityLimiter(2)  # apart from the pool's tokens, which routes need
 
     async def run(self, *, dry_run: bool, policy: GcPolicy | None = None) -> GcResponse:
         """The result of the run of this kind in progress, or of a new one."""
         kind = (dry_run, policy)
-        running = self._running.get(kind)
-        if running is None:
-            work = partial(gc_request, self.runner, dry_run=dry_run, policy=policy)
-            running = asyncio.ensure_future(anyio.to_thread.run_sync(work, limiter=self._threads))
-            self._running[kind] = running
-            running.add_done_callback(lambda _: self._running.pop(kind, None))
-        # shield: a client that disconnects cancels its wait, not the run the others share
-        return await asyncio.shield(running)
+        run = self._running.get(kind)
+        if run is None:
+            holders: list[str] = []
+            work = partial(
+                gc_request, self.runner, dry_run=dry_run, policy=policy, locked=holders.append
+            )
+            future = asyncio.ensure_future(anyio.to_thread.run_sync(work, limiter=self._threads))
+            run = self._running[kind] = _Run(future, holders)
+            future.add_done_callback(partial(self._ended, kind))
+        # asyncio.wait, not the future: a client that disconnects cancels its wait, not the
+        # run the others share, nor the record of a run it no longer waits for.
+        while not (await asyncio.wait({run.future}, timeout=LOCK_POLL))[0]:
+            if run.holders:
+                raise StateLocked(
+                    f"GC stopped: the state DB is write-locked by {run.holders[0]}; it deletes "
+                    "no more this run, and records what it deleted (index and audit) once the "
+                    "lock is released: ask again then"
+                )
+        return run.future.result()
+
+    def _ended(
+        self, kind: tuple[bool, GcPolicy | None], future: asyncio.Future[GcResponse]
+    ) -> None:
+        self._running.pop(kind, None)
+        if not future.cancelled():
+            future.exception()  # (seen: a run its requests stopped waiting for may fail later)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """A run in progress: its result to come, and who held the DB's lock if it waited."""
+
+    future: asyncio.Future[GcResponse]
+    holders: list[str]

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from cachemgr.doctor.finding import Finding
+from cachemgr.doctor.links import lint_hard_links
 from cachemgr.errors import CachemgrError
 from cachemgr.fs import reserve
 from cachemgr.fs.usage import DiskUsage, DiskUsageFn, atime_off, inode_usage
@@ -73,7 +74,7 @@ def lint_root(layout: Layout, store: Store | None) -> list[Finding]:
         fix = "run init for that instance again (it rewrites the file), or move it away"
         found.append(Finding("warning", "binding-unreadable", problem, fix))
     found += _unusable(layout) + _own_temps(layout) + _corrupt_db_copies(layout)
-    return found + _no_atime(layout)
+    return found + lint_hard_links(layout) + _no_atime(layout)
 
 
 def _no_atime(layout: Layout) -> list[Finding]:

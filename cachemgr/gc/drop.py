@@ -14,11 +14,19 @@ from cachemgr.fs.locks import root_lock
 from cachemgr.fs.safe import open_dir
 from cachemgr.gc.step import GcStep, StepResult
 from cachemgr.layout import Layout
+from cachemgr.ns import purge_intent
 from cachemgr.ns.bindings import bound_by_files
-from cachemgr.ns.purge import drop_unbound, manifest_or_none, rebound, rename_to_trash
+from cachemgr.ns.purge import (
+    drop_unbound,
+    manifest_or_none,
+    rebound,
+    rename_to_trash,
+    trash_name_for,
+)
 from cachemgr.ns.runcontext import RunContext
 from cachemgr.ns.trash import drain_entry, trash_format
-from cachemgr.state import pages_sql, registry_sql
+from cachemgr.state import intents_sql, pages_sql, registry_sql
+from cachemgr.state.intents_sql import Intent
 
 log = logging.getLogger(__name__)
 
@@ -45,14 +53,22 @@ def drop_namespace(run: RunContext, step: GcStep, progress: Progress | None) -> 
         # (or it was paused) past its GC lease, and the rename takes the whole namespace.
         if run.stop():
             return replace(base, skipped="stopped: shutting down, or the GC lease was lost")
+        purge_intent.settle_all(layout, store)  # of a purge or drop killed before its commit
         # The write lock first: a DB held locked elsewhere fails the drop before the rename.
         with store.transaction() as conn:
             manifest = manifest_or_none(layout, ns_id)
-            entry = rename_to_trash(layout, ns_id, recreate=False)
+            now = run.clock()
+            intent = _intent(run, step, ns_id, now)
+            if intent is not None:  # committed before the rename: a kill after it loses no row
+                purge_intent.record(store, intent)
+            entry = rename_to_trash(
+                layout, ns_id, recreate=False, name=None if intent is None else intent.entry
+            )
             trash = f".trash/{entry}"
             held = list(list_files(layout, trash, fmt=trash_format(layout, entry))) if entry else []
-            now = run.clock()
             young = sum(too_young(f.mtime, step.min_age, now) for f in held)
+            # This transaction settles the intent (no drain can meanwhile: it holds the lock).
+            settled = intent is not None and intents_sql.delete(conn, intent.entry)
             if entry is not None and young:
                 why = _put_back(layout, entry, ns_id)
                 return replace(
@@ -67,7 +83,7 @@ def drop_namespace(run: RunContext, step: GcStep, progress: Progress | None) -> 
             rebound(layout, store, ns_id, manifest)
             # Its rows go with it, under the lock: a fresh dir an init makes next has its own.
             pages_sql.delete_namespace_pages(conn, ns_id)
-            if held:  # audited as its rows leave the index, like each chunk of an eviction
+            if held and settled:  # audited as its rows leave the index, like an eviction's chunk
                 store.audit(
                     "evict",
                     namespace_id=ns_id,
@@ -81,6 +97,26 @@ def drop_namespace(run: RunContext, step: GcStep, progress: Progress | None) -> 
         return base  # no dir: nothing to delete, the registry is in line
     r = drain_entry(run, entry, progress=progress, min_age=step.min_age, audit_as=None)
     return base.done(r)
+
+
+def _intent(run: RunContext, step: GcStep, ns_id: str, now: float) -> Intent | None:
+    """The drop's `evict` audit row as the plan counted it, and the dir it moves; None if
+    ns/<id> is no dir (nothing moves outside the transaction)."""
+    found = purge_intent.dir_id(run.layout, ns_id)
+    if found is None:
+        return None
+    return Intent(
+        entry=trash_name_for(ns_id),
+        namespace_id=ns_id,
+        reason=step.reason,
+        actor=run.actor,
+        pages=len(step.names),
+        bytes=step.bytes,
+        at=now,
+        dev=found[0],
+        ino=found[1],
+        action="evict",
+    )
 
 
 def _put_back(layout: Layout, entry: str, ns_id: str) -> str:

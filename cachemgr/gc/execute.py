@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple, Protocol
 
 from cachemgr.backends import FileFormat
-from cachemgr.errors import UnsafePathError
+from cachemgr.errors import StateLocked, UnsafePathError
 from cachemgr.fs.deletecheck import Refusal, files_of, reason_of
 from cachemgr.fs.deletion import (
     DeleteReport,
@@ -33,7 +33,7 @@ from cachemgr.layout import Layout
 from cachemgr.ns.quarantine import is_denied
 from cachemgr.ns.runcontext import RunContext
 from cachemgr.ns.trash import drain_entry
-from cachemgr.state import pages_sql
+from cachemgr.state import busy, pages_sql
 
 log = logging.getLogger(__name__)
 # Names per delete call: each chunk's index rows and its audit row are written in one
@@ -122,13 +122,18 @@ def execute_gc(
     recorded as gone, as it does (the run may yet end in an error).
     """
     fenced = [False]
+    waited: list[str] = []  # who held the state DB's write lock while a record waited
 
     def halted() -> bool:
         if not run.dry_run and not fenced[0] and not run.fence():
             fenced[0] = True
-        return fenced[0] or run.stop()
+        return fenced[0] or bool(waited) or run.stop()
 
-    steps_run = replace(run, stop=halted)
+    def locked(holder: str) -> None:
+        waited.append(holder)
+        run.locked(holder)
+
+    steps_run = replace(run, stop=halted, locked=locked)
     started = run.clock()
     tally = _Tally(progress)
     results = []
@@ -136,7 +141,7 @@ def execute_gc(
     for step in plan.steps:  # those that hold a limit first (plan_gc)
         if behind is not None and step.reason not in HOLDING:
             behind.done()
-            steps_run = replace(run, pacer=behind.pacer, stop=_either(halted, behind.stop))
+            steps_run = replace(steps_run, pacer=behind.pacer, stop=_either(halted, behind.stop))
             behind = None
         if steps_run.stop():
             break
@@ -168,6 +173,11 @@ def execute_gc(
         )
     if fenced[0]:
         warnings += ("stopped deleting: this node no longer holds the GC lease",)
+    if waited:
+        warnings += (
+            f"stopped deleting: the state DB was write-locked by {waited[0]}; what was deleted "
+            "was recorded once it was free",
+        )
     unmet, warnings = linked_verdict(results, plan.unmet, warnings)
     report = GcReport(
         run.dry_run, True, started, run.clock(), tuple(results), warnings, unmet=unmet
@@ -369,7 +379,7 @@ class _Chunks:
             self.told.recorded(ns, gone)
 
 
-_STOPPED = "stopped: shutting down, or the GC lease was lost"
+_STOPPED = "stopped: shutting down, the GC lease was lost, or the state DB was locked"
 
 
 def _taken_back(step: GcStep, spared: Collection[str], done: DeleteReport) -> list[str]:
@@ -406,11 +416,28 @@ def _record_chunk(run: RunContext, step: GcStep, gone: list[str], r: DeleteRepor
     kill -9 lands, the audit holds exactly the evictions whose rows left the index."""
     if not (gone or r.files):
         return
-    store = run.store
     at = run.clock()
-    # The files are gone: wait out a foreign write lock however long it is held (GC stops
-    # here, one chunk ahead), so the index and audit never miss what was deleted.
-    with store.transaction(patience=float("inf")) as conn:
+    try:
+        _write_chunk(run, step, gone, r, at, patience=None)
+    except StateLocked:  # nothing of it was written
+        # The files are gone: wait out a foreign write lock however long it is held, so the
+        # index and audit never miss what was deleted; the run deletes no more (run.locked).
+        run.locked(busy.describe_holders(run.store.path))
+        _write_chunk(run, step, gone, r, at, patience=math.inf)
+
+
+def _write_chunk(
+    run: RunContext,
+    step: GcStep,
+    gone: list[str],
+    r: DeleteReport,
+    at: float,
+    *,
+    patience: float | None,
+) -> None:
+    """_record_chunk's transaction, waiting `patience` seconds for the write lock."""
+    store = run.store
+    with store.transaction(patience=patience) as conn:
         if gone and step.namespace_id is not None and step.rel_dir.startswith("ns/"):
             pages_sql.delete_pages(conn, [(step.namespace_id, n) for n in gone])
         if r.files:

@@ -43,7 +43,7 @@ from cachemgr.layout import Layout
 from cachemgr.ns.bindings import catch_up
 from cachemgr.ns.liveuse import live_users
 from cachemgr.ns.quarantine import Quarantine, denied_key, is_denied
-from cachemgr.ns.runcontext import RunContext
+from cachemgr.ns.runcontext import RunContext, unheeded
 from cachemgr.state.store import Store
 from cachemgr.worker import DeathHandler, Worker
 
@@ -300,6 +300,7 @@ class GcRunner(Worker):
         progress: Progress | None = None,
         policy: GcPolicy | None = None,
         floor: GcReport | None = None,
+        locked: Callable[[str], None] = unheeded,
     ) -> GcReport:
         """Plan and execute one GC run; a non-leader reports who leads and deletes nothing
         (a dry run plans all the same, and says who leads).
@@ -310,7 +311,8 @@ class GcRunner(Worker):
         it opened the DB), not made again; either is in the report. Unless a `pacer` is given
         for all of it, the steps that hold a limit go first, unpaced, and the rest at the
         policy's delete_rate, yielding to a limit crossed meanwhile (cachemgr.gc.behind); `policy`
-        replaces the runner's own for this run (one-off limits).
+        replaces the runner's own for this run (one-off limits). `locked`: told who holds the
+        state DB's write lock if a record of deleted files waits for it (RunContext.locked).
         """
         if not dry_run and not self._lead():
             now = self.clock()
@@ -336,6 +338,7 @@ class GcRunner(Worker):
                     stop=self._stopping.is_set,
                     fence=self.leadership.run_fence(),
                     users=self.live.users,
+                    locked=locked,
                 )
                 report = joined(floor, self._run(run, sweep, progress, policy, after))
             except BaseException:

@@ -8,6 +8,9 @@ intent writes the audit row, in one transaction, so it is written once: the purg
 transaction; a drain about to delete the entry (GC's, at the daemon's start too, or a purge's)
 that finds the intent's dir there; the next purge, under the root lock, which writes it if
 the dir left ns/<id>, and else drops the intent (killed before the rename: nothing happened).
+
+GC's drop of an unbound namespace (cachemgr.gc.drop) moves the dir the same way and records
+its intent the same way; its row is an `evict` audit row (Intent.action).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def record(store: Store, intent: Intent) -> None:
 
 
 def audit_once(store: Store, intent: Intent) -> bool:
-    """Delete the intent and write its `purge` audit row, unless another connection did it
+    """Delete the intent and write its audit row, unless another connection did it
     first (then False). Call inside a transaction."""
     if not intents_sql.delete(store.conn, intent.entry):
         return False
@@ -41,9 +44,9 @@ def audit_once(store: Store, intent: Intent) -> bool:
 
 
 def audit(store: Store, intent: Intent) -> None:
-    """Write the `purge` audit row `intent` stands for. Call inside a transaction."""
+    """Write the audit row `intent` stands for. Call inside a transaction."""
     store.audit(
-        "purge",
+        intent.action,
         namespace_id=intent.namespace_id,
         reason=intent.reason,
         actor=intent.actor,
@@ -91,7 +94,12 @@ def _dir_id(layout: Layout, rel: str) -> tuple[int, int] | None:
 
 def _audited_late(intent: Intent, entry: str) -> None:
     log.warning(
-        "a purge was killed after it moved a namespace and before it recorded that; "
-        "its audit row is written now",
-        extra={"namespace": intent.namespace_id, "entry": entry, "actor": intent.actor},
+        "a purge or GC drop was killed after it moved a namespace and before it recorded "
+        "that; its audit row is written now",
+        extra={
+            "namespace": intent.namespace_id,
+            "entry": entry,
+            "actor": intent.actor,
+            "action": intent.action,
+        },
     )

@@ -16,6 +16,10 @@ from cachemgr.state.store import Store
 DirUsers = Callable[[Path], list[int]]  # the pids using a dir as their storage dir (liveuse.py)
 
 
+def unheeded(_holder: str) -> None:
+    """`RunContext.locked` of a run nobody waits on: its record just waits the lock out."""
+
+
 @dataclass(frozen=True)
 class RunContext:
     """One run's context, the same for each of its steps (uvicorn's `Config` for a run)."""
@@ -32,3 +36,7 @@ class RunContext:
     fence: Callable[[], bool] = lambda: True
     # Who uses a namespace dir right now: none may lose it as unbound.
     users: DirUsers = live_users
+    # Told who holds the state DB's write lock when the record of files already deleted has
+    # waited for it longer than a write waits: the record waits on (the files are gone), and
+    # the run deletes no more; whoever waits for the run may answer meanwhile (POST /v1/gc).
+    locked: Callable[[str], None] = unheeded

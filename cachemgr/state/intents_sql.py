@@ -1,5 +1,5 @@
-"""The statements on the purge_intents table: a purge's audit row, recorded before its rename
-(migration 0010; cachemgr.ns.purge_intent says why)."""
+"""The statements on the purge_intents table: a purge's (or GC drop's) audit row, recorded
+before its rename (migrations 0010, 0011; cachemgr.ns.purge_intent says why)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from dataclasses import astuple, dataclass, fields
 
 @dataclass(frozen=True)
 class Intent:
-    """A purge about to move ns/<id> (the dir (dev, ino)) to .trash/<entry>, and its audit."""
+    """A purge about to move ns/<id> (the dir (dev, ino)) to .trash/<entry>, and its audit
+    (`action`: "purge", or "evict" for GC's drop of an unbound namespace)."""
 
     entry: str
     namespace_id: str
@@ -20,6 +21,7 @@ class Intent:
     at: float
     dev: int
     ino: int
+    action: str = "purge"
 
 
 _COLUMNS = ", ".join(f.name for f in fields(Intent))

@@ -257,3 +257,58 @@ def test_gc_says_it_cannot_hold_a_cap_while_a_foreign_lock_holds_the_index_back(
     assert len(said) == 1, said
     assert "write-locked by pid" in str(said[0]["error"]) and "(sqlite3)" in str(said[0]["error"])
     assert any(line["msg"] == "gc cycle succeeded again" for line in log.lines)
+
+
+def test_a_gc_request_during_a_foreign_lock_answers_and_its_deletions_are_recorded(
+    tmp_path: Path,
+) -> None:
+    """`POST /v1/gc` while another process holds the write lock: GC deleted a chunk and then
+    waited out the lock to record it, and the request hung as long as the lock. It answers a
+    503 problem naming the holder while the lock is held; the run stops deleting, and what it
+    deleted is recorded (index rows gone, audited) once the lock is free."""
+    layout = Layout.at(tmp_path / "root")
+    create_root(layout)
+    a = register_namespace(layout, NS_A, instance="sglang-a")
+    for i in range(600):
+        store_page(a, page_name(i), PAGE)
+    # Capped by the request alone: the daemon's own first run has nothing to delete.
+    cfg = load_settings(root=layout.root, gc_interval=3600, gc_min_age=0, gc_delete_rate=None)
+    with running_daemon(cfg) as dm:
+        wait_for(
+            lambda: len(indexed(layout.db_path, NS_A)),
+            lambda n: n == 600,
+            timeout=30,
+            what="A indexed",
+        )
+        answer: list[httpx.Response] = []
+
+        def collect() -> None:
+            with httpx.Client(base_url=dm.url, timeout=120) as c:
+                answer.append(c.post("/v1/gc", json={"namespace_max_bytes": CAP}))
+
+        foreign = hold_write_lock(layout.db_path)
+        asker = threading.Thread(target=collect, name="test-gc")
+        try:
+            asker.start()
+            asker.join(HOLD)
+            assert answer, "POST /v1/gc did not answer while the lock was held"
+            deleted_during = 600 - len(files(a))
+            assert audit(layout.db_path, "evict", NS_A) == (0, 0)
+        finally:
+            release(foreign)
+            asker.join(120)
+        r = answer[0]
+        assert r.status_code == 503, r.text
+        assert r.headers["content-type"] == "application/problem+json"
+        detail = r.json()["detail"]
+        assert "write-locked by pid" in detail and "(sqlite3)" in detail, detail
+        # Once the lock is free, what went is audited and out of the index, and no more went.
+        wait_for(
+            lambda: audit(layout.db_path, "evict", NS_A)[1],
+            lambda n: n == 600 - len(files(a)),
+            timeout=30,
+            what="the deleted pages audited",
+        )
+        assert 0 < deleted_during == 600 - len(files(a))
+        assert indexed(layout.db_path, NS_A) == files(a)
+        assert dm.get("/healthz").status_code == 200
