@@ -22,6 +22,15 @@ from cachemgr.state.store import Store
 PAGE_BYTES = 100
 
 
+def audit_rows(store: Store, action: str, ns: str) -> list[tuple[str, str, int, int]]:
+    """(reason, actor, pages, bytes) of each `action` audit row of namespace `ns`."""
+    rows = store.conn.execute(
+        "SELECT reason, actor, pages, bytes FROM audit WHERE action = ? AND namespace_id = ?",
+        (action, ns),
+    )
+    return [tuple(r) for r in rows]  # type: ignore[misc]
+
+
 def ns_id_of(name: str) -> str:
     return hashlib.sha256(name.encode()).hexdigest()[:16]
 

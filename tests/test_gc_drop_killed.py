@@ -16,7 +16,7 @@ from cachemgr.layout import Layout
 from cachemgr.settings import Settings
 from cachemgr.state.store import Store
 from tests.daemon_helpers import running_daemon
-from tests.nsfixtures import PAGE_BYTES, cli, make_ns
+from tests.nsfixtures import PAGE_BYTES, audit_rows, cli, make_ns
 from tests.polling import wait_for
 
 # `cachemgr gc` as the CLI runs it, in a process of its own, with every unbound namespace past
@@ -41,14 +41,6 @@ runpy.run_module("cachemgr", run_name="__main__")
 """
 
 
-def _evict_audits(store: Store, ns: str) -> list[tuple[str, str, int, int]]:
-    rows = store.conn.execute(
-        "SELECT reason, actor, pages, bytes FROM audit WHERE action = 'evict' AND namespace_id = ?",
-        (ns,),
-    )
-    return [tuple(r) for r in rows]  # type: ignore[misc]
-
-
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_a_gc_drop_killed_at_its_rename_is_audited_once_if_it_moved(
     layout: Layout, store: Store, settings: Settings, when: str
@@ -65,12 +57,12 @@ def test_a_gc_drop_killed_at_its_rename_is_audited_once_if_it_moved(
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     moved = when == "after"
     assert bool(os.listdir(layout.trash)) == moved
-    assert _evict_audits(store, ns) == []  # its transaction never committed
+    assert audit_rows(store, "evict", ns) == []  # its transaction never committed
     with running_daemon(settings):  # (keeps 2 unbound namespaces: drops neither)
         wait_for(lambda: os.listdir(layout.trash), lambda left: left == [], timeout=30)
     audited = [("unbound", "cli", 3, 3 * PAGE_BYTES)] if moved else []
-    assert _evict_audits(store, ns) == audited
+    assert audit_rows(store, "evict", ns) == audited
     assert cli("--root", str(layout.root), "purge", "--namespace", other, "--yes").returncode == 0
-    assert _evict_audits(store, ns) == audited
+    assert audit_rows(store, "evict", ns) == audited
     if not moved:  # the namespace is as it was
         assert len(os.listdir(layout.ns_dir(ns))) == 3

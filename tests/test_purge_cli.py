@@ -16,7 +16,15 @@ from cachemgr.layout import Layout
 from cachemgr.settings import Settings
 from cachemgr.state.store import Store
 from tests.daemon_helpers import running_daemon
-from tests.nsfixtures import PAGE_BYTES, cli, make_ns, one_line_error, page_name, snapshot
+from tests.nsfixtures import (
+    PAGE_BYTES,
+    audit_rows,
+    cli,
+    make_ns,
+    one_line_error,
+    page_name,
+    snapshot,
+)
 from tests.polling import wait_for
 
 
@@ -367,14 +375,6 @@ runpy.run_module("cachemgr", run_name="__main__")
 """
 
 
-def _purge_audits(store: Store, ns: str) -> list[tuple[str, str, int, int]]:
-    rows = store.conn.execute(
-        "SELECT reason, actor, pages, bytes FROM audit WHERE action = 'purge' AND namespace_id = ?",
-        (ns,),
-    )
-    return [tuple(r) for r in rows]  # type: ignore[misc]
-
-
 @pytest.mark.parametrize("bound", [False, True], ids=["unbound", "bound"])
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_a_purge_killed_at_its_rename_is_audited_once_if_it_moved(
@@ -392,13 +392,13 @@ def test_a_purge_killed_at_its_rename_is_audited_once_if_it_moved(
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     moved = when == "after"
     assert bool(os.listdir(layout.trash)) == (moved or bound)  # (bound: its empty successor)
-    assert _purge_audits(store, ns) == []  # its transaction never committed
+    assert audit_rows(store, "purge", ns) == []  # its transaction never committed
     with running_daemon(settings):
         wait_for(lambda: os.listdir(layout.trash), lambda left: left == [], timeout=30)
     audited = [("manual", "cli", 3, 3 * PAGE_BYTES)] if moved else []
-    assert _purge_audits(store, ns) == audited
+    assert audit_rows(store, "purge", ns) == audited
     assert cli("--root", str(layout.root), "purge", "--namespace", other, "--yes").returncode == 0
-    assert _purge_audits(store, ns) == audited
-    assert _purge_audits(store, other) == [("manual", "cli", 1, PAGE_BYTES)]
+    assert audit_rows(store, "purge", ns) == audited
+    assert audit_rows(store, "purge", other) == [("manual", "cli", 1, PAGE_BYTES)]
     if not moved:  # the namespace is as it was
         assert len(os.listdir(layout.ns_dir(ns))) == 3
