@@ -6,17 +6,17 @@ a namespace dir may hold millions, and a backup links every page it copied."""
 from __future__ import annotations
 
 import itertools
-import os
-import re
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
 from cachemgr.doctor.finding import Finding
+from cachemgr.fs.dirscan import PAGES, list_files
 from cachemgr.gc.step import HARD_LINKS
-from cachemgr.layout import NS_ID_RE, Layout
+from cachemgr.layout import Layout
 from cachemgr.ns.manifest import format_of
+from cachemgr.state.index import namespace_dirs
 
 # Page files doctor stats in each namespace: the first ones its listing returns, a few
 # getdents batches of a dir of any size (no full walk: a dir may hold millions).
@@ -40,40 +40,18 @@ def lint_hard_links(layout: Layout, sample: int = SAMPLE) -> list[Finding]:
 
 def _linked(layout: Layout, sample: int) -> Iterator[Linked]:
     try:
-        with os.scandir(layout.ns_root) as it:
-            dirs = sorted(
-                e.name for e in it if e.is_dir(follow_symlinks=False) and NS_ID_RE.fullmatch(e.name)
-            )
+        dirs = namespace_dirs(layout)
     except OSError:  # ns/ unusable: lint_root says so
         return
     for ns_id in dirs:
-        fmt = format_of(layout, ns_id)
-        levels = fmt.nesting.levels if fmt.nesting else ()
-        try:
-            with closing(_pages(layout.ns_dir(ns_id), levels, fmt.page)) as pages:
-                statted = [
-                    (Path(e.path), e.stat(follow_symlinks=False).st_nlink)
-                    for e in itertools.islice(pages, sample)
-                ]
+        try:  # (the pages GC would list: through vouched dirs of the format, on the mount)
+            with closing(list_files(layout, f"ns/{ns_id}", PAGES, format_of(layout, ns_id))) as it:
+                statted = list(itertools.islice(it, sample))
         except OSError:  # a dir this user may not read: the permission checks say so
             continue
-        linked = [path for path, nlink in statted if nlink > 1]
+        linked = [f.name for f in statted if f.links > 1]
         if linked:
-            yield Linked(ns_id, len(statted), len(linked), linked[0])
-
-
-def _pages(
-    path: Path, levels: Sequence[re.Pattern[str]], page: re.Pattern[str]
-) -> Generator[os.DirEntry[str], None, None]:
-    """The page files below `path`, through dirs that fit the format's nesting `levels`; no
-    symlink followed."""
-    with os.scandir(path) as it:
-        for e in it:
-            if levels:
-                if e.is_dir(follow_symlinks=False) and levels[0].fullmatch(e.name):
-                    yield from _pages(Path(e.path), levels[1:], page)
-            elif page.fullmatch(e.name) and e.is_file(follow_symlinks=False):
-                yield e
+            yield Linked(ns_id, len(statted), len(linked), layout.ns_dir(ns_id) / linked[0])
 
 
 def _finding(layout: Layout, found: Linked) -> Finding:

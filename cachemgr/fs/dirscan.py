@@ -20,7 +20,7 @@ import _sqlite3
 import os
 import sqlite3
 import stat
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -122,7 +122,7 @@ def list_files(
     rel_dir: str,
     kinds: frozenset[FileKind] = DELETABLE,
     fmt: FileFormat = DEFAULT_FORMAT,
-) -> Iterator[Listed]:
+) -> Generator[Listed, None, None]:
     """The files of these kinds in <root>/<rel_dir> (in the dirs of a nested format: named by
     their path below it) that are regular files; nothing if the dir is absent. Foreign names,
     other subdirectories and symlinks are never listed; only the names of the kinds asked for
