@@ -87,7 +87,7 @@ def _array_bytes(model: ChainModel) -> int:
     st = model.store
     fields = [*vars(st).values(), *vars(st.votes).values()]
     cols = [c for c in fields if hasattr(c, "buffer_info")]
-    return sum(sys.getsizeof(c) for c in [*cols, st.keys, st.leaf])
+    return sum(sys.getsizeof(c) for c in [*cols, st.leaf])
 
 
 def _order_digest(model: ChainModel) -> str:

@@ -87,6 +87,11 @@ class Tree:
     def __post_init__(self) -> None:
         self.rec = PageEvents(self.layout, self.store)
 
+    def close(self) -> None:
+        """Let go of the index and the model's key file."""
+        self.rec.model.close(0)
+        self.store.close()
+
     @classmethod
     def at(cls, root: Path) -> Tree:
         layout = Layout.at(root)

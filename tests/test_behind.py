@@ -26,7 +26,7 @@ from tests.gc_helpers import NS, NS2, T0, Tree, big_disk, page, policy
 def tree(root: Path) -> Iterator[Tree]:
     t = Tree.at(root)
     yield t
-    t.store.close()
+    t.close()
 
 
 class WokenAtEachPlan(LiveState):

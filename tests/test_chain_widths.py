@@ -1,7 +1,7 @@
 """The chain model's count columns (namespace and file set numbers, children, reads)
 start a byte or two wide, and its access sequences 4 bytes wide; each widens when a value
-outgrows it, without changing a value; model files of versions 2 and 3 (the columns at their
-old widths) still load, narrowed; the key table takes 1.3 to 2.3 buckets a page at any size."""
+outgrows it, without changing a value; the key table takes 1.3 to 2.3 buckets a page at any
+size."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ from pathlib import Path
 
 from cachemgr.gc import modelfile
 from cachemgr.gc.chains import ChainModel
-from cachemgr.gc.pagestore import COLUMNS, KEY_BYTES, NONE, PageStore
+from cachemgr.gc.pagestore import KEY_BYTES, NONE, PageStore
 from cachemgr.gc.value import eviction_order
 from cachemgr.state import pages_sql
 from cachemgr.state.store import Store
 from tests import test_model_snapshot as snap
 from tests.test_chain_store import NS, chains, key
 
-OLD_WIDTHS = {"ns": "H", "reads": "i", "files": "i", "kids": "i"}  # versions 1 and 2
-OLD_SEQS = {"born": "q", "last": "q"}  # versions 1 to 3
+# A slot's bytes in a model file before its columns: its key, its key's fingerprint, its leaf bit.
+SLOT_HEAD = KEY_BYTES + 8 + 1
 
 
 def order(model: ChainModel) -> list[str]:
@@ -65,66 +65,6 @@ def test_a_count_past_its_width_widens_the_column() -> None:
     st.put("kids", st.find(NS, key(9)), 0)
     st.put("reads", s, 0)
     assert order(model) == want  # (every other value kept)
-
-
-def _as_version(raw: bytes, version: int) -> bytes:
-    """A file of this version rewritten as version 2 or 3 wrote it: the access sequences 64
-    bits wide; in version 2 also no item types in the header, every count column at its old
-    width."""
-    header, body = snap.split(raw)
-    top = header["top"]
-    parts, at = [body[: top * (KEY_BYTES + 1)]], top * (KEY_BYTES + 1)
-    old = OLD_SEQS | (OLD_WIDTHS if version == 2 else {})
-    for c in COLUMNS:
-        code = header["columns"][c]
-        col = array(code)
-        col.frombytes(body[at : at + top * col.itemsize])
-        at += top * col.itemsize
-        parts.append(array(old.get(c, code), iter(col)).tobytes())
-        header["columns"][c] = old.get(c, code)
-    if version == 2:
-        del header["columns"]
-    header["version"], header["sizes"] = version, {c: array(c).itemsize for c in "bBhHiqd"}
-    return snap.joined(header, b"".join(parts) + body[at:])
-
-
-def test_a_version_2_model_file_loads_with_narrow_columns(
-    tmp_path: Path,
-    store: Store,
-) -> None:
-    model = ChainModel()
-    chains(model, 500, 20)
-    model.store.put("reads", model.store.find(NS, key(7)), 300)  # ('H', as narrow as it fits)
-    path = tmp_path / "chain-model.snapshot"
-    modelfile.save(model, path, store, [NS])
-    path.write_bytes(_as_version(path.read_bytes(), 2))  # (the index keeps the save's stamp)
-    restored = ChainModel()
-    assert modelfile.restore(restored, path, store) == {NS}
-    st = restored.store
-    assert {c: getattr(st, c).typecode for c in OLD_WIDTHS | OLD_SEQS} == {
-        "ns": "B",
-        "reads": "H",
-        "files": "b",
-        "kids": "H",
-        "born": "I",
-        "last": "I",
-    }
-    assert dict(restored.pages) == dict(model.pages) and order(restored) == order(model)
-
-
-def test_a_version_3_model_file_loads_with_32_bit_sequences(tmp_path: Path, store: Store) -> None:
-    model = ChainModel()
-    chains(model, 500, 20)
-    model.observe_read(NS, key(7) + "_m_0_1.bin", 64, seq=70_000, at=9.0)
-    path = tmp_path / "chain-model.snapshot"
-    modelfile.save(model, path, store, [NS])
-    path.write_bytes(_as_version(path.read_bytes(), 3))
-    restored = ChainModel()
-    assert modelfile.restore(restored, path, store) == {NS}
-    st = restored.store
-    assert (st.born.typecode, st.last.typecode) == ("I", "I")
-    assert dict(restored.pages) == dict(model.pages) and order(restored) == order(model)
-    assert restored.pages[NS, key(7)].last == 70_000
 
 
 def test_a_sequence_past_32_bits_widens_its_column() -> None:
@@ -191,7 +131,7 @@ def _with_table(raw: bytes, filled: int) -> bytes:
     """A file whose key table has `filled` buckets not empty (empty ones made dead), as its
     header says, and its CRC made right again."""
     header, body = snap.split(raw)
-    at = header["top"] * (KEY_BYTES + 1) + 4 * header["freed"]
+    at = header["top"] * SLOT_HEAD + 4 * header["freed"]
     at += sum(header["top"] * array(header["columns"][c]).itemsize for c in header["columns"])
     table = array("i")
     table.frombytes(body[at : at + 4 * header["table"]])
@@ -203,22 +143,6 @@ def _with_table(raw: bytes, filled: int) -> bytes:
 
 def _token(raw: bytes) -> str:
     return str(snap.split(raw)[0]["token"])
-
-
-def test_a_version_2_file_s_numbers_fit_after_narrowing(tmp_path: Path, store: Store) -> None:
-    """A file set no page holds at the save (its id past every column value) still fits the
-    narrowed column when a page takes it again."""
-    model = ChainModel()
-    for i in range(200):
-        model.add(NS, key(i) + "_m_0_1.bin", 64, 1000 + i, seq=i + 1, at=0.0)  # 200 file sets
-    model.remove(NS, [(key(i) + "_m_0_1.bin", 64) for i in range(100, 200)])
-    path = tmp_path / "chain-model.snapshot"
-    modelfile.save(model, path, store, [NS])
-    path.write_bytes(_as_version(path.read_bytes(), 2))
-    restored = ChainModel()
-    assert modelfile.restore(restored, path, store) == {NS}
-    restored.add(NS, key(500) + "_m_0_1.bin", 64, 1199, seq=1000, at=0.0)  # file set 199
-    assert restored.pages[NS, key(500)].files == (("_m_0_1.bin", 1199),)
 
 
 def test_sequences_at_the_32_bit_boundary_and_through_a_save(tmp_path: Path, store: Store) -> None:
@@ -280,7 +204,7 @@ def test_a_key_table_fuller_than_its_header_says_is_refused(tmp_path: Path, stor
     path = tmp_path / "chain-model.snapshot"
     modelfile.save(model, path, store, [NS])
     header, body = snap.split(path.read_bytes())
-    at = header["top"] * (KEY_BYTES + 1) + 4 * header["freed"]
+    at = header["top"] * SLOT_HEAD + 4 * header["freed"]
     at += sum(header["top"] * array(header["columns"][c]).itemsize for c in header["columns"])
     size = header["table"]
     full = array("i", [0]) * size  # every bucket slot 0's

@@ -25,7 +25,7 @@ from tests.test_chains import Stream, preds
 def tree(root: Path) -> Iterator[Tree]:
     t = Tree.at(root)
     yield t
-    t.store.close()
+    t.close()
 
 
 def test_min_age_zero_evicts_pages_last_used_in_the_future(tree: Tree) -> None:

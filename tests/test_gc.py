@@ -30,7 +30,7 @@ C = [page(300 + i) for i in range(6)]
 def tree(root: Path) -> Iterator[Tree]:
     t = Tree.at(root)
     yield t
-    t.store.close()
+    t.close()
 
 
 def three_sessions(tree: Tree) -> None:

@@ -16,7 +16,7 @@ from tests.gc_helpers import NS, T0, Tree, page, policy
 def tree(root: Path) -> Iterator[Tree]:
     t = Tree.at(root)
     yield t
-    t.store.close()
+    t.close()
 
 
 def test_a_refused_unlink_is_kept_loudly_with_index_and_audit_exact(tree: Tree) -> None:

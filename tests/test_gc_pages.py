@@ -38,7 +38,7 @@ def files_of(i: int) -> list[str]:
 def tree(root: Path) -> Iterator[Tree]:
     t = Tree.at(root)
     yield t
-    t.store.close()
+    t.close()
 
 
 def stats(tree: Tree) -> tuple[int, int, int]:

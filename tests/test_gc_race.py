@@ -29,7 +29,7 @@ NO_STORAGE_ENV = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": ""}
 def tree(root: Path) -> Iterator[Tree]:
     t = Tree.at(root)
     yield t
-    t.store.close()
+    t.close()
 
 
 def init(root: Path, model: Path, page_size: int) -> dict[str, object]:

@@ -39,7 +39,7 @@ B = [page(200 + i) for i in range(6)]
 def tree(root: Path) -> Iterator[Tree]:
     t = Tree.at(root)
     yield t
-    t.store.close()
+    t.close()
 
 
 def _disk(free: int) -> object:

@@ -21,7 +21,7 @@ from tests.gc_helpers import NS, T0, Tree, page, policy
 def tree(root: Path) -> Iterator[Tree]:
     t = Tree.at(root)
     yield t
-    t.store.close()
+    t.close()
 
 
 def purged(tree: Tree, pages: int) -> str:

@@ -61,6 +61,7 @@ from cachemgr.worker import Worker
 log = logging.getLogger(__name__)
 GC_STOP_SECONDS = 15.0  # a GC run stops after its current chunk; a trash entry may take longer
 PROBE_STOP_SECONDS = 10.0  # one poll's HTTP timeouts
+MODEL_CLOSE_SECONDS = 5.0  # a thread that outlived its stop may hold the chain model
 REFRESH_STOP_SECONDS = 10.0  # one snapshot of the DB (a few small queries)
 FLEET_STOP_SECONDS = 10.0  # one coordinator request, one summary sent
 HOLD_WAIT = 0.5  # seconds at most an index batch waits for a GC run holding a cap
@@ -166,7 +167,11 @@ class Daemon:
         built after what it reads: the state they share first (uvicorn's `ServerState`)."""
         self.quarantine = Quarantine()  # what the index and GC found they cannot use
         index = IndexState()
-        model = ChainModel(lambda ns: format_of(self.layout, ns), in_flight=IN_FLIGHT)
+        model = ChainModel(
+            lambda ns: format_of(self.layout, ns),
+            in_flight=IN_FLIGHT,
+            key_dir=self.layout.state_dir,  # (the page keys' file: on disk, beside the DB)
+        )
         watcher = Watcher(self.layout)
         self.gc_state = DaemonGcState(index, watcher, model, self.reader, self.quarantine)
         self.gc_store = Store.open(self.layout.db_path)
@@ -345,6 +350,8 @@ class Daemon:
             for worker in self.fleet.workers:
                 worker.stop(FLEET_STOP_SECONDS)
         self.indexer.stop()
+        if not self.gc_state.flight.model.close(MODEL_CLOSE_SECONDS):
+            log.warning("chain model still in use at shutdown; its key file left open")
         self.refresher.stop(REFRESH_STOP_SECONDS)
         self.reader.close()
         self.store.close()

@@ -7,14 +7,14 @@ torn one, and after a crash the new one is there only if the rename reached the 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable
 from pathlib import Path
 
 from cachemgr.errors import ConfigError
 from cachemgr.fs.safe import DIR_FLAGS, FILE_MODE, write_atomic_at
 
 
-def write_atomic(path: Path, data: bytes | Sequence[memoryview], *, mode: int = FILE_MODE) -> None:
+def write_atomic(path: Path, data: bytes | Iterable[memoryview], *, mode: int = FILE_MODE) -> None:
     """Replace the file at `path` with `data` (or these buffers in a row) atomically;
     ConfigError if it cannot be written."""
     parent = path.parent

@@ -17,7 +17,7 @@ import os
 import re
 import secrets
 import stat
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -212,7 +212,7 @@ def read_regular(dir_fd: int, name: str, limit: int) -> bytes:
 
 
 def write_atomic_at(
-    dir_fd: int, name: str, data: bytes | Sequence[memoryview], *, mode: int = FILE_MODE
+    dir_fd: int, name: str, data: bytes | Iterable[memoryview], *, mode: int = FILE_MODE
 ) -> None:
     """Replace `name` in `dir_fd` with `data` (or these buffers, one after the other: no copy
     of them all), atomically and durably: a temp file in the same dir, fsync, rename (which

@@ -27,7 +27,7 @@ model knows only pages the index holds; its clock is the index's access sequence
 wall clock, so a trace replayed at any request rate teaches it the same chains and the same
 order (cachemgr.gc.value). The daemon keeps one live model (fed by cachemgr.daemon.page_events);
 a CLI run builds one from the index (`load`), where the learned links are stored. Its pages
-live in a compact store (cachemgr.gc.pagestore): ~70 bytes a page, not a Python object each.
+live in a compact store (cachemgr.gc.pagestore): ~48 bytes a page, not a Python object each.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import sqlite3
 import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import NamedTuple
 
 from cachemgr.backends import FileFormat
@@ -86,10 +87,16 @@ class ChainModel:
     Thread-safe: the index thread observes, the GC thread reads an order (`lock`).
     """
 
-    def __init__(self, formats: Formats = lambda ns: DEFAULT_FORMAT, *, in_flight: int = 0) -> None:
+    def __init__(
+        self,
+        formats: Formats = lambda ns: DEFAULT_FORMAT,
+        *,
+        in_flight: int = 0,
+        key_dir: Path | None = None,
+    ) -> None:
         self.formats = formats  # what the names in a namespace's dir mean (its engine's format)
         self.in_flight = in_flight  # the last accesses whose pages GC leaves alone
-        self.store = PageStore()
+        self.store = PageStore(key_dir)  # (its keys in a file there: None, the temp dir)
         self.history = History()  # evicted chain heads, for when their chain comes back
         self.adapt = Adaptive()  # which eviction order to follow (cachemgr.gc.value)
         self.clock = 0  # the largest access sequence seen
@@ -102,6 +109,17 @@ class ChainModel:
         self.segments: dict[int, tuple[int, int, float]] = {}
         self.dirty: set[int] = set()
         self.lock = threading.RLock()
+
+    def close(self, timeout: float) -> bool:
+        """Let the file of the pages' keys go (the model is not used after this), unless a
+        thread still holds the model after `timeout` seconds: False then."""
+        if not self.lock.acquire(timeout=timeout):
+            return False
+        try:
+            self.store.keys.close()
+        finally:
+            self.lock.release()
+        return True
 
     @property
     def pages(self) -> Mapping[PageId, Page]:
@@ -304,13 +322,13 @@ class ChainModel:
             if pred is not None and not burst and st.pred[s] == NONE and not st.conf[s]:
                 # A vote, as a read's: a read right after `pred` links it (two agree).
                 st.votes.put(s, hash(pred), st.suffix(stream[1]))
-            return st.pred_key(s)
+            return st.pred_key(s, pred)
 
     def observe_read(
         self, ns: str, name: str, key_len: int, *, seq: int, at: float, origin: str = ""
     ) -> tuple[bool, str | None]:
         """A file was read in `origin`'s stream (Stream); returns (whether this read changed its
-        page's predecessor, the predecessor now)."""
+        page's predecessor, the predecessor now if it did)."""
         key, stream = name[:key_len], (ns, name[key_len:], origin)
         st = self.store
         with self.lock:
@@ -327,16 +345,18 @@ class ChainModel:
             self.clock = max(self.clock, seq)
             before = st.pred[s]
             if prev is None or prev == key:
-                return False, self.store.pred_key(s)
+                return False, None
             # The last contrary read is kept as (hash of its key, its stream's suffix number).
             sfx = st.suffix(stream[1])
-            if before != NONE and st.key(before) == prev:
+            if before != NONE and st.same(before, prev):
                 st.conf[s] = min(st.conf[s] + 1, CONFIDENCE_MAX)
             elif st.conf[s] > 0:
                 st.conf[s] -= 1
             else:
                 self._vote(s, prev, sfx)
-            return st.pred[s] != before, self.store.pred_key(s)
+            if st.pred[s] == before:
+                return False, None
+            return True, st.pred_key(s, prev)
 
     def _vote(self, s: int, prev: str, sfx: int) -> None:
         """A contrary read of page `s` right after `prev`, in the stream of suffix `sfx`, with no
@@ -362,7 +382,7 @@ class ChainModel:
         child on disk can be an ancestor: a new tail links without a walk up its chain."""
         st = self.store
         ns = st.ns_names[st.ns[s]]
-        walk = pred is not None and not trusted and (st.kids[s] or pred == st.key(s))
+        walk = pred is not None and not trusted and (st.kids[s] or st.same(s, pred))
         if walk and self._is_ancestor(s, st.find(ns, str(pred))):
             return
         if st.pred[s] != NONE:

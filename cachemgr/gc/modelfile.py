@@ -11,9 +11,8 @@ file only when all of these hold, else it loads from the index as before:
 * the index still holds that token: triggers delete it on any change to `pages` (a CLI scan,
   GC or purge, another daemon), and the daemon takes it when it starts, so after a kill -9 or
   a run that changed the index there is none;
-* the file says the same token, a format version this code reads (1: without the memory of
-  evicted pages and the order's state, which then start empty; 1 and 2: every count column at
-  its old fixed width, 1 to 3: the access sequences 64 bits wide; each narrowed as it loads)
+* the file says the same token, this code's format version (5: the key table by the keys'
+  fingerprints; a file of an older version is not read, the index is: once, after an upgrade)
   and this machine's array layout;
 * its CRC-32 (of all of it) checks, every array has the length the header gives, and the key
   table is at most three quarters full (counted in the table, not only said in the header): a
@@ -36,7 +35,7 @@ import struct
 import sys
 import zlib
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from io import BufferedReader
 from pathlib import Path
 from typing import Any
@@ -46,31 +45,22 @@ from cachemgr.fs.atomic import write_atomic
 from cachemgr.fs.deletion import delete_own_temps
 from cachemgr.fs.safe import is_own_temp, open_dir, open_file
 from cachemgr.gc.chains import ChainModel
-from cachemgr.gc.pagestore import (
-    COLUMNS,
-    FULL,
-    KEY_BYTES,
-    NARROW,
-    NONE,
-    WIDER,
-    PageStore,
-)
+from cachemgr.gc.keyfile import CHUNK, KEY_BYTES
+from cachemgr.gc.pagestore import COLUMNS, FULL, NARROW, NONE, WIDER, PageStore
 from cachemgr.state import pages_sql
 from cachemgr.state.index import ScanChanges
 from cachemgr.state.store import Store
 
 log = logging.getLogger(__name__)
 MAGIC = b"cachemgr-chain-model\n"
-# 2: the memory of evicted pages and the adaptive order's state (1: read, without); 3: each
-# column's item type in the header (the count columns widen as their values grow); 4: the
-# access sequences' columns narrow too (32 bits until a sequence outgrows them).
-VERSION = 4
-VERSIONS = (1, 2, 3, 4)
+# 2: the memory of evicted pages and the adaptive order's state; 3: each column's item type in
+# the header (the count columns widen as their values grow); 4: the access sequences' columns
+# narrow too (32 bits until a sequence outgrows them); 5: the keys' fingerprints, by which the
+# key table finds them (the keys are on disk: cachemgr.gc.keyfile).
+VERSION = 5
 _LEN = struct.Struct("<Q")  # the header's length, after the magic
 _CRC = struct.Struct("<I")  # the CRC-32 of everything before it, at the end
 _SEGMENTS = (("leaf", "i"), ("top", "i"), ("last", "q"), ("when", "d"))
-# The columns' item types in the files of versions 1 and 2.
-_FIXED = {"ns": "H", "reads": "i", "files": "i", "kids": "i", "born": "q", "last": "q"}
 ROOM = 4  # times the file's size that must be free to write it: it never takes the disk's last
 STALE_TEMP = 600.0  # seconds unchanged after which a temp file of the model is a dead save's
 
@@ -86,14 +76,9 @@ def _layout() -> dict[str, Any]:
 
 def _typecodes(h: dict[str, Any]) -> dict[str, str]:
     """The saved columns' item types, as the header gives them (checked: each one a type this
-    code gives that column, of the size this machine has) or, in a file of version 1 or 2
-    without them, as those versions had them."""
+    code gives that column, of the size this machine has)."""
     fresh = PageStore()
-    codes: dict[str, str] | None = h.get("columns")
-    if codes is None:
-        if h["version"] >= 3:
-            raise SnapshotInvalid("no item types")
-        return {c: _FIXED.get(c, getattr(fresh, c).typecode) for c in COLUMNS}
+    codes: dict[str, str] = h["columns"]
     for c in COLUMNS:
         ok = [getattr(fresh, c).typecode]
         while ok[-1] in WIDER and c in NARROW:
@@ -112,18 +97,16 @@ def save(model: ChainModel, path: Path, store: Store, exact: Iterable[str]) -> N
         # The index's write lock from before the model is read until the stamp is in: no
         # other process changes `pages` in between (a change after the stamp takes it away).
         with store.transaction() as conn, model.lock:
-            parts = _encode(model, token, sorted(exact))
+            head, body = _encode(model, token, sorted(exact))
             try:
                 _sweep_temps(path)
-                size = sum(part.nbytes for part in parts)
+                size = sum(part.nbytes for part in (head, *body)) + model.store.top * KEY_BYTES
                 if shutil.disk_usage(path.parent).free < ROOM * size:  # (the server writes there)
                     raise OSError(errno.ENOSPC, f"less than {ROOM}x its {size} bytes free")
-                crc = 0
-                for part in parts:
-                    crc = zlib.crc32(part, crc)
-                write_atomic(path, [*parts, memoryview(_CRC.pack(crc))], mode=0o600)
+                keys = model.store.keys.chunks(model.store.top)
+                write_atomic(path, _with_crc([head], keys, body), mode=0o600)
             finally:
-                for part in parts:
+                for part in (head, *body):
                     part.release()  # (a column with a view on it could not grow)
             pages_sql.set_model_stamp(conn, token)
     except (sqlite3.Error, OSError, CachemgrError) as e:  # the next start loads the index
@@ -152,7 +135,26 @@ def _sweep_temps(path: Path) -> None:
         log.warning("chain model temp files not removed", extra={"error": str(e)})
 
 
-def _encode(model: ChainModel, token: str, exact: list[str]) -> list[memoryview]:
+def _with_crc(
+    head: list[memoryview], keys: Iterator[bytes], body: list[memoryview]
+) -> Iterator[memoryview]:
+    """The file's parts in order (the keys read from their file as they are written: not held
+    in memory all at once), then the CRC-32 of them all."""
+    crc = 0
+    for part in head:
+        crc = zlib.crc32(part, crc)
+        yield part
+    for chunk in keys:
+        crc = zlib.crc32(chunk, crc)
+        yield memoryview(chunk)
+    for part in body:
+        crc = zlib.crc32(part, crc)
+        yield part
+    yield memoryview(_CRC.pack(crc))
+
+
+def _encode(model: ChainModel, token: str, exact: list[str]) -> tuple[memoryview, list[memoryview]]:
+    """The header, and the parts after the keys."""
     st, top = model.store, model.store.top
     adapt_table = model.adapt.table()
     segs = model.segments  # leaf -> (top, latest use, its wall clock)
@@ -160,7 +162,7 @@ def _encode(model: ChainModel, token: str, exact: list[str]) -> list[memoryview]
     seg_cols += [array(c, (v[i] for v in segs.values())) for i, (_, c) in enumerate(_SEGMENTS[1:])]
     # Views, not copies, of the columns (they hold room for more slots past `top`).
     body = [
-        memoryview(st.keys)[: top * KEY_BYTES],
+        memoryview(st.fps)[:top],
         memoryview(st.leaf)[:top],
         *(memoryview(getattr(st, c))[:top] for c in COLUMNS),
         memoryview(st.freed),
@@ -195,7 +197,7 @@ def _encode(model: ChainModel, token: str, exact: list[str]) -> list[memoryview]
         "adapt_ints": len(adapt_table),
     }
     raw = json.dumps(header).encode()
-    return [memoryview(MAGIC + _LEN.pack(len(raw)) + raw), *body]
+    return memoryview(MAGIC + _LEN.pack(len(raw)) + raw), body
 
 
 def restore(model: ChainModel, path: Path, store: Store) -> set[str]:
@@ -233,6 +235,17 @@ class _Reader:
             raise SnapshotInvalid("truncated, or a length garbled")
         self.left -= n
 
+    def chunks(self, n: int) -> Iterator[bytes]:
+        """The next `n` bytes, CHUNK at a time."""
+        self._take(n)
+        while n:
+            raw = self.f.read(min(CHUNK, n))
+            if not raw:
+                raise SnapshotInvalid("truncated")
+            self.crc = zlib.crc32(raw, self.crc)
+            n -= len(raw)
+            yield raw
+
     def bytes(self, n: int) -> bytearray:
         self._take(n)
         raw = bytearray(n)  # (read into: no second copy of the keys)
@@ -260,7 +273,8 @@ def _read(model: ChainModel, f: BufferedReader, token: str) -> set[str]:
         raise SnapshotInvalid("not a chain model snapshot")
     h = json.loads(r.bytes(_LEN.unpack(r.bytes(_LEN.size))[0]))
     sizes = {c: array(c).itemsize for c in h["sizes"]}  # (older files name fewer types)
-    if h["version"] not in VERSIONS or (h["token"], h["order"], h["sizes"]) != (
+    if (h["version"], h["token"], h["order"], h["sizes"]) != (
+        VERSION,
         token,
         sys.byteorder,
         sizes,
@@ -270,16 +284,15 @@ def _read(model: ChainModel, f: BufferedReader, token: str) -> set[str]:
     top, size = h["top"], h["table"]
     if size < 8 or h["filled"] > FULL * size:  # (probing needs empty buckets)
         raise SnapshotInvalid("bad key table size")
-    st = PageStore()
-    st.keys, st.leaf = r.bytes(top * KEY_BYTES), r.bytes(top)
+    st = PageStore(model.store.keys.where)
+    st.keys.fill(r.chunks(top * KEY_BYTES))
+    st.fps, st.leaf = r.array("Q", top), r.bytes(top)
     for c in COLUMNS:
         setattr(st, c, r.array(codes[c], top))
     st.freed, st.table = r.array("i", h["freed"]), r.array("i", size)
     segs = [r.array(c, h["segments"]) for _, c in _SEGMENTS]
     dirty = r.array("i", h["dirty"])
-    # (A version-2 file of a build before the miniatures has a table of tags: bytes.)
-    ints = h.get("adapt_ints")
-    table = r.array("q", ints) if ints is not None else r.bytes(h.get("tags", 0))
+    table = r.array("q", h["adapt_ints"])
     if r.f.read(_CRC.size + 1) != _CRC.pack(r.crc):
         raise SnapshotInvalid("CRC mismatch")
     if size - st.table.count(NONE) != h["filled"]:  # (a full table's probe would never end)
@@ -290,20 +303,15 @@ def _read(model: ChainModel, f: BufferedReader, token: str) -> set[str]:
     st.ns_num = {n: i for i, n in enumerate(st.ns_names) if n}
     st.file_sets = [tuple((s, z) for s, z in fs) for fs in h["file_sets"]]
     st.file_ids = {fs: i for i, fs in enumerate(st.file_sets)}
-    if h["version"] < 4:
-        st.narrow()
     st.fit_numbers()
     st.odd = {int(s): k for s, k in h["odd"]}
     with model.lock:
+        model.store.keys.close()
         model.store, model.clock = st, h["clock"]
         model.segments = {k: (t, la, w) for k, t, la, w in zip(*segs, strict=True)}
         model.dirty = set(dirty)
-        if h["version"] < 2:
-            log.info("chain model file of version 1: no memory of evicted pages in it")
-        else:
-            model.history.restore(h["history"])
-            if isinstance(table, array):
-                model.adapt.restore(h["adapt"], table)
+        model.history.restore(h["history"])
+        model.adapt.restore(h["adapt"], table)
     return set(h["exact"]) & set(st.ns_num)
 
 

@@ -1,11 +1,18 @@
 """The chain model's pages as integer slots in parallel typed arrays: no Python object per page.
 
 A dict of page objects cost 700-800 bytes a page (a million pages: ~800 MB); here a page is
-one slot in ten `array`s and 32 bytes of its key (a 64-hex-digit key, SGLang's sha256,
-packed to bytes), found through an open-addressing table of slot numbers (4 bytes a bucket,
-1.3 to 2.3 buckets a page): ~70 bytes a page at any size (bench/RESULTS.md has where they
-go). Keys of another shape (shorter or uppercase hex, other formats) are kept as strings on
-the side, and the few pages' pending votes in a table of their own (cachemgr.gc.votes).
+one slot in eleven `array`s, found through an open-addressing table of slot numbers (4 bytes a
+bucket, 1.3 to 2.3 buckets a page) by its key's 64-bit fingerprint: ~48 bytes a page at any
+size (bench/RESULTS.md has where they go). The key itself (a 64-hex-digit key, SGLang's
+sha256, packed to 32 bytes) is on disk (cachemgr.gc.keyfile), read only to name an evicted
+page's files. Keys of another shape (shorter or uppercase hex, other formats) are kept as
+strings on the side, and the few pages' pending votes in a table of their own
+(cachemgr.gc.votes).
+
+Two keys of one namespace with the same fingerprint would be taken for one page: among ten
+million pages, a chance of about 3 in a million (n² / 2⁶⁵). Its cost is a page the model does
+not order (its files stay indexed; a purge or a drop of the namespace takes them), never a
+file deleted that is not a page.
 
 A slot is either a page on disk (`files[s] >= 0`, the id of its interned (suffix, size) files)
 or a *ghost* (`files[s] == GHOST`): a key that pages on disk still name as their predecessor.
@@ -17,17 +24,19 @@ from __future__ import annotations
 import functools
 import sys
 import threading
-import zlib
 from array import array
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any, NamedTuple
 
+import xxhash
+
+from cachemgr.gc.keyfile import KEY_BYTES, KeyFile
 from cachemgr.gc.votes import Votes
 
 GHOST = -1  # files id of a slot that is not a page on disk
 NONE = -1  # no slot (no predecessor, empty bucket)
 _DEAD = -2  # a bucket whose slot was freed (probing goes on past it)
-KEY_BYTES = 32  # 64 hex digits
 GROW = 1024  # slots the columns grow by at a time
 # The key table is made 1.5 buckets a slot in use and grows past three quarters full: linear
 # probing's misses take ~8 probes at worst then, a hit ~2.5.
@@ -79,10 +88,22 @@ def _pack(key: str) -> bytes | None:
     return raw if len(raw) == KEY_BYTES else None  # (it skips spaces)
 
 
-def _hash(raw: bytes | None, key: str) -> int:
-    """A key's hash, the same in every process (Python's own is salted per process): the key
-    table is saved with the model (cachemgr.gc.modelfile) and loaded, not rebuilt."""
-    return zlib.crc32(key.encode() if raw is None else raw)
+def _fingerprint(raw: bytes | None, key: str) -> int:
+    """A key's 64-bit fingerprint, the same in every process (Python's hash is salted per
+    process): the key table is saved with the model (cachemgr.gc.modelfile) and loaded, not
+    rebuilt. Hashed, not the key's first bytes: a format's keys need not be random."""
+    return xxhash.xxh3_64_intdigest(key.encode() if raw is None else raw)
+
+
+def fingerprint(key: str) -> int:
+    """The fingerprint a slot of `key` has (PageStore.fps)."""
+    return _fingerprint(_pack(key), key)
+
+
+def _shaped(odd: dict[int, str], s: int, raw: bytes | None, key: str) -> bool:
+    """Whether slot `s`'s key has `key`'s shape: packed (`raw`), or this odd string (a
+    fingerprint is of the packed bytes or of the text: the two never meet)."""
+    return odd.get(s) == key if raw is None else not odd or s not in odd
 
 
 class Page(NamedTuple):
@@ -115,8 +136,9 @@ class PageStore:
     """Slots, their columns, the key → slot table and the set of leaves (pages on disk that
     no page on disk continues). Not thread-safe: the chain model holds its lock."""
 
-    def __init__(self) -> None:
-        self.keys = bytearray()  # KEY_BYTES per slot
+    def __init__(self, key_dir: Path | None = None) -> None:
+        self.keys = KeyFile(key_dir)  # the packed keys, on disk
+        self.fps = array("Q")  # the fingerprint of its key (_fingerprint)
         self.odd: dict[int, str] = {}  # slot -> key, for keys `_pack` cannot pack
         self.ns = array(COUNTS["ns"])  # namespace number (self.ns_names; numbers are reused)
         self.pred = array("i")  # slot of the page before it in its chain, or NONE
@@ -149,20 +171,25 @@ class PageStore:
 
     def clear(self) -> None:
         """Hold no slot, as a new store: those who hold this one see it emptied."""
-        self.__dict__.update(PageStore().__dict__)
+        self.keys.close()
+        self.__dict__.update(PageStore(self.keys.where).__dict__)
 
     # -- keys -----------------------------------------------------------------------------------
 
     def key(self, s: int) -> str:
+        """The slot's key (a read of the key file: not for each event)."""
         odd = self.odd.get(s) if self.odd else None
-        return odd if odd is not None else self.keys[s * KEY_BYTES : (s + 1) * KEY_BYTES].hex()
+        return odd if odd is not None else self.keys.get(s).hex()
 
     def digest(self, s: int) -> int:
-        """A hash of the slot's key, the same in every process (cachemgr.gc.adapt's tags)."""
-        odd = self.odd.get(s) if self.odd else None
-        if odd is not None:
-            return _hash(None, odd)
-        return _hash(bytes(self.keys[s * KEY_BYTES : (s + 1) * KEY_BYTES]), "")
+        """32 bits of the slot's key's fingerprint, the same in every process
+        (cachemgr.gc.adapt's tags)."""
+        return self.fps[s] >> 32
+
+    def same(self, s: int, key: str) -> bool:
+        """Whether slot `s` holds `key` (by its fingerprint: no read of the key file)."""
+        raw = _pack(key)
+        return s >= 0 and self.fps[s] == _fingerprint(raw, key) and _shaped(self.odd, s, raw, key)
 
     def find(self, ns: str, key: str) -> int:
         """The slot of (ns, key), or NONE."""
@@ -173,17 +200,18 @@ class PageStore:
         """(the slot of `key` in namespace `n`, or NONE; if NONE, the bucket to put it in;
         the key packed)."""
         raw = _pack(key)
-        table, size, ns, keys, odd = self.table, len(self.table), self.ns, self.keys, self.odd
-        i = (_hash(raw, key) + n) % size
+        fp = _fingerprint(raw, key)
+        table, size, ns, fps, odd = self.table, len(self.table), self.ns, self.fps, self.odd
+        i = (fp + n) % size
         free = NONE
         while (s := table[i]) != NONE:
             if s < 0:
                 free = i if free == NONE else free
-            elif ns[s] == n and (
-                odd.get(s) == key
-                if raw is None
-                else keys[s * KEY_BYTES : (s + 1) * KEY_BYTES] == raw and s not in odd
-            ):
+            elif (
+                fps[s] == fp
+                and ns[s] == n
+                and (odd.get(s) == key if raw is None else not odd or s not in odd)
+            ):  # (_shaped, inline: a call a probe costs more than the rest of it)
                 return s, i, raw
             i = (i + 1) % size
         return NONE, i if free == NONE else free, raw
@@ -220,17 +248,18 @@ class PageStore:
             self.top += 1
         self.ns[s] = n
         self.ns_slots[n] += 1
+        self.fps[s] = _fingerprint(raw, key)
         if raw is None:
             self.odd[s] = key
         else:
-            self.keys[s * KEY_BYTES : (s + 1) * KEY_BYTES] = raw
+            self.keys.put(s, raw)
         return s
 
     def _grow(self) -> None:
         """Room for GROW more slots in every column, filled as a new ghost's: one call a column
         per GROW pages, not one per page (and no temporary the size of a column: freeing one
         that big makes malloc keep the next ones in its heap, where they fragment)."""
-        self.keys += bytes(KEY_BYTES * GROW)
+        self.fps.extend(_fill("Q", 0))
         self.leaf += bytes(GROW)
         for col in (self.pred, self.files):
             col.extend(_fill(col.typecode, NONE))
@@ -265,17 +294,6 @@ class PageStore:
             self.fit(col, value)
             getattr(self, col)[s] = value
 
-    def narrow(self) -> None:
-        """Make the narrow columns as narrow as their values allow (a model file of a version
-        before them has them at their old width)."""
-        for col, code in NARROW.items():
-            c = getattr(self, col)
-            low, top = min(c, default=0), max(c, default=0)
-            while not _MIN[code] <= low <= top <= _MAX[code]:
-                code = WIDER[code]
-            if code != c.typecode:
-                setattr(self, col, array(code, iter(c)))
-
     def fit_numbers(self) -> None:
         """Widen the columns of namespace and file-set numbers to hold every number handed
         out (a loaded store's columns fit only the numbers its slots hold)."""
@@ -288,9 +306,7 @@ class PageStore:
 
     def _bucket(self, s: int) -> int:
         """The first bucket slot `s` may sit in."""
-        odd = self.odd.get(s) if self.odd else None
-        raw = None if odd is not None else bytes(self.keys[s * KEY_BYTES : (s + 1) * KEY_BYTES])
-        return (_hash(raw, odd or "") + self.ns[s]) % len(self.table)
+        return (self.fps[s] + self.ns[s]) % len(self.table)
 
     def _place(self, s: int) -> None:
         table, size, i = self.table, len(self.table), self._bucket(s)
@@ -395,9 +411,12 @@ class PageStore:
             self.fit("files", fid)
         return fid
 
-    def pred_key(self, s: int) -> str | None:
+    def pred_key(self, s: int, hint: str | None = None) -> str | None:
+        """The key of the page before `s`: `hint` if it is that key (no read of the key file)."""
         p = self.pred[s]
-        return None if p == NONE else self.key(p)
+        if p == NONE:
+            return None
+        return hint if hint is not None and self.same(p, hint) else self.key(p)
 
     def page(self, s: int) -> Page:
         return Page(
@@ -413,9 +432,10 @@ class PageStore:
     def size(self, s: int) -> int:
         return sum(size for _, size in self.file_sets[self.files[s]])
 
-    def names(self, s: int) -> tuple[str, ...]:
+    def names(self, s: int, key: str | None = None) -> tuple[str, ...]:
+        """The names of the page's files (`key`: its key, if the caller read it already)."""
         # (not by `page`, which reads every column: an eviction asks this of each page)
-        return file_names(self.key(s), self.file_sets[self.files[s]])
+        return file_names(self.key(s) if key is None else key, self.file_sets[self.files[s]])
 
     def add_leaf(self, s: int) -> None:
         self.leaf[s] = 1

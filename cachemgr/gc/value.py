@@ -126,7 +126,8 @@ def _in_order(
     for *_, leaf, walked in segments:
         path = _path(st, leaf, walked)
         for s in path:
-            yield Victim(st.ns_names[st.ns[s]], st.key(s), st.names(s), st.size(s), st.time[s])
+            key = st.key(s)  # (a read of the key file)
+            yield Victim(st.ns_names[st.ns[s]], key, st.names(s, key), st.size(s), st.time[s])
         up = st.pred[path[-1]]
         if up != NONE:
             gone[up] = gone.get(up, 0) + 1

@@ -1,0 +1,157 @@
+"""The chain model's page keys on disk, 32 bytes a slot, out of the daemon's memory.
+
+A 64-hex-digit key (SGLang's sha256) packed to bytes was 32 of the ~72 bytes a page the model
+held in RAM (bench/RESULTS.md). The model finds a key's slot by its 64-bit fingerprint
+(cachemgr.gc.pagestore); the key itself is needed only to name a page's files when it is
+evicted, to save the model, and for reports: a read of 32 bytes then (~1 µs). So the keys sit
+in an unnamed temp file (O_TMPFILE: gone when the process is, even after a kill -9) in the
+state dir, at slot × 32, and the kernel's page cache keeps them in memory while it has memory
+to spare: reclaimable, not the daemon's.
+
+New slots are mostly handed out in a row (`top`, as a load or a scan adds pages), so their keys
+are gathered in a buffer and written 2,048 at a time; a reused slot's key is written at once.
+A key that cannot be written
+(the state dir's disk full, or not writable) is kept in memory instead, with one warning.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import tempfile
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+KEY_BYTES = 32  # 64 hex digits
+RUN = 2048  # keys of consecutive slots gathered before one write
+CHUNK = 1 << 20  # bytes a bulk read or copy moves at a time
+_CLOSED = -2
+
+
+def _unnamed(where: str) -> int:
+    """A new file in dir `where` that has no name (nothing to remove after a kill -9)."""
+    try:
+        return os.open(where, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except OSError as e:  # a filesystem without O_TMPFILE: named for an instant
+        if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR):
+            raise
+    fd, path = tempfile.mkstemp(dir=where, prefix=".cachemgr-keys.")
+    os.unlink(path)
+    return fd
+
+
+class KeyFile:
+    """Slot -> its 32-byte key, in a temp file in `where` (None: the system's temp dir),
+    made at the first key. Not thread-safe: the chain model holds its lock."""
+
+    def __init__(self, where: Path | None = None) -> None:
+        self.where = where
+        self._file = -1  # its descriptor, once made
+        self._closer: weakref.finalize[[int], KeyFile] | None = None
+        self._run = bytearray()  # keys of slots _start, _start + 1, ... not written yet
+        self._start = 0
+        self.kept: dict[int, bytes] = {}  # keys the file could not take
+
+    def _fd(self) -> int:
+        if self._file == _CLOSED:  # (never a read of a descriptor number reused since)
+            raise OSError(errno.EBADF, "the page key file is closed")
+        if self._file < 0:
+            self._file = _unnamed(str(self.where or tempfile.gettempdir()))
+            self._closer = weakref.finalize(self, os.close, self._file)  # (or at `close`)
+        return self._file
+
+    def close(self) -> None:
+        """Let the file go (its keys with it); a use after this is an OSError."""
+        if self._closer is not None:
+            self._closer()
+        self._file, self._run, self.kept = _CLOSED, bytearray(), {}
+
+    def put(self, s: int, raw: bytes) -> None:
+        """Keep slot `s`'s key (in place of the one it had)."""
+        at = (s - self._start) * KEY_BYTES
+        if self._run and 0 <= at <= len(self._run):
+            self._run[at : at + KEY_BYTES] = raw  # (the run's next slot, or one of it reused)
+            if len(self._run) >= RUN * KEY_BYTES:
+                self._flush()
+            return
+        self._flush()
+        self._start, self._run = s, bytearray(raw)
+
+    def _flush(self) -> None:
+        if not self._run:
+            return
+        run, start, self._run = self._run, self._start, bytearray()
+        try:
+            fd, view, at = self._fd(), memoryview(run), start * KEY_BYTES
+            while view:
+                n = os.pwrite(fd, view, at)
+                view, at = view[n:], at + n
+        except OSError as e:
+            if not self.kept:
+                log.warning(
+                    "page keys kept in memory: their file cannot be written",
+                    extra={"dir": str(self.where or tempfile.gettempdir()), "error": str(e)},
+                )
+            for i in range(0, len(run), KEY_BYTES):
+                self.kept[start + i // KEY_BYTES] = bytes(run[i : i + KEY_BYTES])
+            return
+        if self.kept:
+            for s in range(start, start + len(run) // KEY_BYTES):
+                self.kept.pop(s, None)
+
+    def get(self, s: int) -> bytes:
+        """Slot `s`'s key (one it was given)."""
+        at = (s - self._start) * KEY_BYTES
+        if 0 <= at < len(self._run):
+            return bytes(self._run[at : at + KEY_BYTES])
+        if self.kept and s in self.kept:
+            return self.kept[s]
+        raw = os.pread(self._fd(), KEY_BYTES, s * KEY_BYTES)
+        if len(raw) != KEY_BYTES:
+            raise OSError(f"page key file short at slot {s}")
+        return raw
+
+    def chunks(self, top: int) -> Iterator[bytes]:
+        """The keys of slots 0 .. top - 1 in order, CHUNK bytes at a time (a slot never given
+        a key reads as zeros)."""
+        self._flush()
+        end, at = top * KEY_BYTES, 0
+        fd = self._fd() if not self.kept else self._fd_if_any()
+        while at < end:
+            want = min(CHUNK, end - at)
+            raw = os.pread(fd, want, at) if fd >= 0 else b""
+            raw += bytes(want - len(raw))  # (past the file's end: zeros)
+            if self.kept:
+                raw = self._patch(raw, at)
+            yield raw
+            at += want
+
+    def _fd_if_any(self) -> int:
+        """The file's descriptor, or -1 if it could not be made (every key is kept)."""
+        try:
+            return self._fd()
+        except OSError:
+            return -1
+
+    def _patch(self, raw: bytes, at: int) -> bytes:
+        """`raw` (the file's bytes from offset `at`) with the keys kept in memory put in."""
+        out = bytearray(raw)
+        first, last = at // KEY_BYTES, (at + len(raw)) // KEY_BYTES
+        for s, key in self.kept.items():
+            if first <= s < last:
+                i = (s - first) * KEY_BYTES
+                out[i : i + KEY_BYTES] = key
+        return bytes(out)
+
+    def fill(self, chunks: Iterator[bytes | bytearray]) -> None:
+        """Take the keys of slots 0, 1, ... from `chunks`, in order (a saved model's)."""
+        at = 0
+        for chunk in chunks:
+            for i in range(0, len(chunk), RUN * KEY_BYTES):
+                part = chunk[i : i + RUN * KEY_BYTES]
+                self._start, self._run = at // KEY_BYTES, bytearray(part)
+                self._flush()
+                at += len(part)

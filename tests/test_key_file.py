@@ -1,0 +1,113 @@
+"""The chain model's page keys live in an unnamed file in the state dir, not in memory
+(cachemgr.gc.keyfile): every key reads back as it was given, through runs written at once,
+slots reused and a save; a dir the file cannot be made in keeps them in memory, with one
+warning; a closed file is never read through a descriptor number reused since."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from cachemgr.gc import modelfile
+from cachemgr.gc.chains import ChainModel
+from cachemgr.gc.keyfile import KEY_BYTES, RUN, KeyFile
+from cachemgr.gc.value import eviction_order
+from cachemgr.state.store import Store
+from tests import test_model_snapshot as snap
+from tests.daemon_helpers import running_daemon
+from tests.test_chain_store import NS, SUFFIX, chains, key
+
+
+def _raw(i: int) -> bytes:
+    return bytes.fromhex(key(i))
+
+
+def test_keys_read_back_through_runs_reuse_and_single_writes(tmp_path: Path) -> None:
+    kf = KeyFile(tmp_path)
+    n = 3 * RUN + 17
+    for s in range(n):  # (slots in a row: written a run at a time)
+        kf.put(s, _raw(s))
+    for s in (5, RUN + 1, 2 * RUN + 3):  # slots reused, out of the run's order
+        kf.put(s, _raw(10_000 + s))
+    kf.put(n, _raw(n))  # (a run again)
+    want = {s: _raw(s) for s in range(n + 1)} | {
+        s: _raw(10_000 + s) for s in (5, RUN + 1, 2 * RUN + 3)
+    }
+    assert all(kf.get(s) == raw for s, raw in want.items())
+    assert b"".join(kf.chunks(n + 1)) == b"".join(want[s] for s in range(n + 1))
+    assert not kf.kept and os.listdir(tmp_path) == []  # (no name in the dir)
+    kf.close()
+
+
+def _unnamed_in(where: Path) -> list[str]:
+    """This process's open files in `where` that have no name there."""
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(FileNotFoundError):  # (the listing's own, closed since)
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return [link for link in links if link.startswith(f"{where}/") and "(deleted)" in link]
+
+
+def test_the_daemon_keeps_its_model_s_keys_in_its_state_dir_unnamed(tmp_path: Path) -> None:
+    layout, d = snap._root(tmp_path)
+    with running_daemon(snap._settings(layout)) as dm:
+        model = snap._serve(dm, d, 1, 12)
+        with model.lock:
+            assert len(b"".join(model.store.keys.chunks(model.store.top))) > 0  # (writes the run)
+            size = os.fstat(model.store.keys._fd()).st_size
+            assert size == model.store.top * KEY_BYTES > 0
+        assert len(_unnamed_in(layout.state_dir)) == 1
+        assert not [n for n in os.listdir(layout.state_dir) if "keys" in n]
+    assert not _unnamed_in(layout.state_dir)  # (let go at the stop)
+
+
+def test_a_dir_the_file_cannot_be_made_in_keeps_the_keys_in_memory(
+    tmp_path: Path, store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """And a save and a restore (into a model whose file works) keep them all."""
+    caplog.set_level(logging.WARNING, "cachemgr.gc.keyfile")
+    model = ChainModel(key_dir=tmp_path / "gone")
+    chains(model, 3 * RUN, 40)
+    assert len(model.store.keys.kept) >= 2 * RUN
+    warned = [r for r in caplog.records if "cannot be written" in r.getMessage()]
+    assert len(warned) == 1
+    want = [v.names for v in eviction_order(model, before=math.inf)]
+    assert want[0] and len(want) == 3 * RUN
+    path = tmp_path / "chain-model.snapshot"
+    modelfile.save(model, path, store, [NS])
+    restored = ChainModel(key_dir=tmp_path)
+    assert modelfile.restore(restored, path, store) == {NS}
+    assert not restored.store.keys.kept
+    assert [v.names for v in eviction_order(restored, before=math.inf)] == want
+    assert dict(restored.pages) == dict(model.pages)
+
+
+def test_a_closed_key_file_is_never_read_through_a_reused_descriptor(tmp_path: Path) -> None:
+    kf = KeyFile(tmp_path)
+    for s in range(RUN + 1):
+        kf.put(s, _raw(s))
+    fd = kf._fd()
+    kf.close()
+    other = os.open(tmp_path, os.O_TMPFILE | os.O_RDWR, 0o600)
+    try:
+        assert other == fd  # (the lowest number free: the one closed)
+        os.pwrite(other, bytes(KEY_BYTES * 4), 0)
+        with pytest.raises(OSError, match="closed"):
+            kf.get(1)
+    finally:
+        os.close(other)
+
+
+def test_victims_are_named_by_their_keys_read_from_the_file(tmp_path: Path) -> None:
+    """The order's victims carry each page's whole key and file names, though the model holds
+    only fingerprints in memory."""
+    model = ChainModel(key_dir=tmp_path)
+    chains(model, 2 * RUN + 5, 30)
+    victims = list(eviction_order(model, before=math.inf))
+    assert {v.key for v in victims} == {key(i) for i in range(2 * RUN + 5)}
+    assert all(v.names == (v.key + SUFFIX,) for v in victims)
