@@ -27,7 +27,7 @@ model knows only pages the index holds; its clock is the index's access sequence
 wall clock, so a trace replayed at any request rate teaches it the same chains and the same
 order (cachemgr.gc.value). The daemon keeps one live model (fed by cachemgr.daemon.page_events);
 a CLI run builds one from the index (`load`), where the learned links are stored. Its pages
-live in a compact store (cachemgr.gc.pagestore): ~48 bytes a page, not a Python object each.
+live in a compact store (cachemgr.gc.pagestore): ~44 bytes a page, not a Python object each.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A dict of page objects cost 700-800 bytes a page (a million pages: ~800 MB); here a page is
 one slot in eleven `array`s, found through an open-addressing table of slot numbers (4 bytes a
-bucket, 1.3 to 2.3 buckets a page) by its key's 64-bit fingerprint: ~48 bytes a page at any
+bucket, 1.3 to 2.3 buckets a page) by its key's 64-bit fingerprint: ~44 bytes a page at any
 size (bench/RESULTS.md has where they go). The key itself (a 64-hex-digit key, SGLang's
 sha256, packed to 32 bytes) is on disk (cachemgr.gc.keyfile), read only to name an evicted
 page's files. Keys of another shape (shorter or uppercase hex, other formats) are kept as
@@ -22,6 +22,7 @@ A ghost lives while it has children (`kids[s] > 0`); then its slot is reused.
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import threading
 from array import array
@@ -144,7 +145,10 @@ class PageStore:
         self.pred = array("i")  # slot of the page before it in its chain, or NONE
         self.born = array(SEQS["born"])  # access sequence of its first write
         self.last = array(SEQS["last"])  # access sequence of its latest use
-        self.time = array("d")  # wall-clock time of that use
+        # The wall-clock second of that use, rounded up (4 bytes, not a double's 8: a page
+        # then looks as young as it is or up to a second younger to min_age and `in_flight`,
+        # never older); until 2106.
+        self.time = array("I")
         self.reads = array(COUNTS["reads"])
         self.conf = array("b")  # agreeing reads banked for `pred`
         # The predecessor the last contrary read named, as the hash of its key (only compared:
@@ -273,7 +277,7 @@ class PageStore:
             self.kidx,
         ):
             col.extend(_fill(col.typecode, 0))
-        self.time.extend(_fill("d", 0))
+        self.time.extend(_fill("I", 0))
 
     # -- column widths --------------------------------------------------------------------------
 
@@ -391,7 +395,10 @@ class PageStore:
             self.last[s] = seq
         except OverflowError:
             self.put("last", s, seq)
-        self.time[s] = at
+        try:
+            self.time[s] = math.ceil(at)
+        except OverflowError:  # (before 1970 or after 2106: a clock or an mtime set wrong)
+            self.time[s] = min(max(math.ceil(at), 0), _MAX["I"])
 
     def present(self, s: int) -> bool:
         return s >= 0 and self.files[s] != GHOST
