@@ -10,8 +10,8 @@ to spare: reclaimable, not the daemon's.
 
 New slots are mostly handed out in a row (`top`, as a load or a scan adds pages), so their keys
 are gathered in a buffer and written 2,048 at a time; a reused slot's key is written at once.
-A key that cannot be written
-(the state dir's disk full, or not writable) is kept in memory instead, with one warning.
+A key that cannot be written (the state dir's disk full, or not writable) is kept in memory
+instead, with one warning.
 """
 
 from __future__ import annotations

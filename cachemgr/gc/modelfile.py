@@ -104,7 +104,7 @@ def save(model: ChainModel, path: Path, store: Store, exact: Iterable[str]) -> N
                 if shutil.disk_usage(path.parent).free < ROOM * size:  # (the server writes there)
                     raise OSError(errno.ENOSPC, f"less than {ROOM}x its {size} bytes free")
                 keys = model.store.keys.chunks(model.store.top)
-                write_atomic(path, _with_crc([head], keys, body), mode=0o600)
+                write_atomic(path, _with_crc(head, keys, body), mode=0o600)
             finally:
                 for part in (head, *body):
                     part.release()  # (a column with a view on it could not grow)
@@ -136,14 +136,12 @@ def _sweep_temps(path: Path) -> None:
 
 
 def _with_crc(
-    head: list[memoryview], keys: Iterator[bytes], body: list[memoryview]
+    head: memoryview, keys: Iterator[bytes], body: list[memoryview]
 ) -> Iterator[memoryview]:
     """The file's parts in order (the keys read from their file as they are written: not held
     in memory all at once), then the CRC-32 of them all."""
-    crc = 0
-    for part in head:
-        crc = zlib.crc32(part, crc)
-        yield part
+    crc = zlib.crc32(head)
+    yield head
     for chunk in keys:
         crc = zlib.crc32(chunk, crc)
         yield memoryview(chunk)
