@@ -9,6 +9,9 @@ import contextlib
 import logging
 import math
 import os
+import subprocess
+import tracemalloc
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -44,6 +47,65 @@ def test_keys_read_back_through_runs_reuse_and_single_writes(tmp_path: Path) -> 
     kf.close()
 
 
+def _held(kf: KeyFile) -> int:
+    """How many keys `kf` holds in memory (its file could not take them)."""
+    return sum(held.count(1) for _, held in kf.kept.values())
+
+
+@pytest.fixture
+def full_fs(tmp_path: Path) -> Iterator[Path]:
+    """A dir on a small tmpfs filled to its last block (the state dir on a cache disk the
+    server filled); its `filler` file, removed, gives the room back."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
+    try:
+        with open(small / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
+            while True:
+                f.write(bytes(4096))
+        yield small
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+def test_keys_a_full_disk_refuses_cost_what_they_did_in_memory(full_fs: Path) -> None:
+    """32 bytes a key and a byte of its block's map (a dict entry and a bytes object each took
+    ~150: 1.5 GB at ten million pages); each reads back, through reuse, in a save's chunks,
+    and once the disk has room again the file takes new keys and the blocks let theirs go."""
+    n = 10 * RUN
+    kf = KeyFile(full_fs)
+    try:
+        tracemalloc.start()
+        try:
+            for s in range(n):
+                kf.put(s, _raw(s))
+            used = tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+        assert used / n < 40, used / n
+        assert _held(kf) == n
+        for s in (3, RUN + 7, 5 * RUN):  # reused: kept in place of the key they had
+            kf.put(s, _raw(10_000 + s))
+        want = {s: _raw(s) for s in range(n)}
+        want |= {s: _raw(10_000 + s) for s in (3, RUN + 7, 5 * RUN)}
+        assert all(kf.get(s) == raw for s, raw in want.items())
+        assert b"".join(kf.chunks(n)) == b"".join(want[s] for s in range(n))
+        (full_fs / "filler").unlink()
+        for s in range(RUN):  # the first block's slots reused, with room to write them now
+            kf.put(s, _raw(20_000 + s))
+            want[s] = _raw(20_000 + s)
+        kf.put(9 * RUN, _raw(9))  # (another run: the one before is written)
+        want[9 * RUN] = _raw(9)
+        assert 0 not in kf.kept and _held(kf) == n - RUN
+        assert all(kf.get(s) == raw for s, raw in want.items())
+        assert b"".join(kf.chunks(n)) == b"".join(want[s] for s in range(n))
+        assert _held(kf) == n - RUN - 1  # (the save wrote the last run)
+    finally:
+        kf.close()
+
+
 def _unnamed_in(where: Path) -> list[str]:
     """This process's open files in `where` that have no name there."""
     links = []
@@ -73,7 +135,7 @@ def test_a_dir_the_file_cannot_be_made_in_keeps_the_keys_in_memory(
     caplog.set_level(logging.WARNING, "cachemgr.gc.keyfile")
     model = ChainModel(key_dir=tmp_path / "gone")
     chains(model, 3 * RUN, 40)
-    assert len(model.store.keys.kept) >= 2 * RUN
+    assert _held(model.store.keys) >= 2 * RUN
     warned = [r for r in caplog.records if "cannot be written" in r.getMessage()]
     assert len(warned) == 1
     want = [v.names for v in eviction_order(model, before=math.inf)]
