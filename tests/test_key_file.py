@@ -6,10 +6,13 @@ warning; a closed file is never read through a descriptor number reused since.""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import math
 import os
 import subprocess
+import sys
+import threading
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +26,7 @@ from cachemgr.gc.value import eviction_order
 from cachemgr.state.store import Store
 from tests import test_model_snapshot as snap
 from tests.daemon_helpers import running_daemon
+from tests.polling import wait_for
 from tests.test_chain_store import NS, SUFFIX, chains, key
 
 
@@ -173,3 +177,32 @@ def test_victims_are_named_by_their_keys_read_from_the_file(tmp_path: Path) -> N
     victims = list(eviction_order(model, before=math.inf))
     assert {v.key for v in victims} == {key(i) for i in range(2 * RUN + 5)}
     assert all(v.names == (v.key + SUFFIX,) for v in victims)
+
+
+def _at_the_lock(t: threading.Thread) -> bool:
+    """Whether thread `t` is in eviction_order, waiting for the model's lock."""
+    lines, first = inspect.getsourcelines(eviction_order)
+    at = first + next(i for i, line in enumerate(lines) if "with model.lock:" in line)
+    frame = sys._current_frames().get(t.ident or 0)
+    while frame is not None and frame.f_code.co_name != "eviction_order":
+        frame = frame.f_back
+    return frame is not None and frame.f_lineno == at
+
+
+def test_an_order_that_waited_for_a_restore_names_the_restored_pages(
+    tmp_path: Path, store: Store
+) -> None:
+    """A restore (the state DB replaced by a copy stamped at a clean stop) replaces the store
+    and closes its keys' file: an order the GC thread started meanwhile reads the new one."""
+    saved, path = snap.saved_model(tmp_path, store)
+    model = ChainModel(key_dir=tmp_path)
+    chains(model, 2 * RUN, 40)  # (pages before the restore)
+    got: list[tuple[str, str]] = []
+    order = eviction_order(model, before=math.inf)
+    with model.lock:
+        gc = threading.Thread(target=lambda: got.extend((v.namespace_id, v.key) for v in order))
+        gc.start()
+        wait_for(lambda: _at_the_lock(gc), what="the order waiting for the model's lock")
+        assert modelfile.restore(model, path, store) == {NS}
+    gc.join(30)
+    assert got == snap.victims(saved)
