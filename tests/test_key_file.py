@@ -153,6 +153,21 @@ def test_a_dir_the_file_cannot_be_made_in_keeps_the_keys_in_memory(
     assert dict(restored.pages) == dict(model.pages)
 
 
+def test_a_model_closed_at_stop_is_never_saved_with_the_keys_it_let_go(
+    tmp_path: Path, store: Store
+) -> None:
+    """The daemon closes its model's key file at stop; an index thread that outlived its stop
+    timeout may still add a page, then save the model: nothing is stamped (the next start
+    loads the index), never a file whose keys read as zeros."""
+    model = ChainModel(key_dir=tmp_path)
+    chains(model, 3 * RUN, 40)
+    assert model.close(1)
+    model.observe_write(NS, key(10**6) + SUFFIX, 64, seq=10**6, at=1e9)
+    path = tmp_path / "chain-model.snapshot"
+    modelfile.save(model, path, store, [NS])
+    assert modelfile.restore(ChainModel(key_dir=tmp_path), path, store) == set()
+
+
 def test_a_closed_key_file_is_never_read_through_a_reused_descriptor(tmp_path: Path) -> None:
     kf = KeyFile(tmp_path)
     for s in range(RUN + 1):

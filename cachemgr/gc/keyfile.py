@@ -149,7 +149,12 @@ class KeyFile:
             at += want
 
     def _fd_if_any(self) -> int:
-        """The file's descriptor, or -1 if it could not be made (every key is kept)."""
+        """The file's descriptor, or -1 if it was never made and cannot be now (every key is
+        kept). A closed file is an OSError: its keys are gone, not kept (a thread that outlived
+        the daemon's stop may add a key, then save the model: zeros for them, saved and
+        stamped, named every page of the next start's model 000…0)."""
+        if self._file != -1:
+            return self._fd()
         try:
             return self._fd()
         except OSError:
