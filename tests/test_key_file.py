@@ -10,7 +10,6 @@ import inspect
 import logging
 import math
 import os
-import subprocess
 import sys
 import threading
 import tracemalloc
@@ -26,6 +25,7 @@ from cachemgr.gc.value import eviction_order
 from cachemgr.state.store import Store
 from tests import test_model_snapshot as snap
 from tests.daemon_helpers import running_daemon
+from tests.mounts import tmpfs
 from tests.polling import wait_for
 from tests.test_chain_store import NS, SUFFIX, chains, key
 
@@ -60,18 +60,11 @@ def _held(kf: KeyFile) -> int:
 def full_fs(tmp_path: Path) -> Iterator[Path]:
     """A dir on a small tmpfs filled to its last block (the state dir on a cache disk the
     server filled); its `filler` file, removed, gives the room back."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
-    small = tmp_path / "small"
-    small.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
-    try:
+    with tmpfs(tmp_path / "small", "1m") as small:
         with open(small / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
             while True:
                 f.write(bytes(4096))
         yield small
-    finally:
-        subprocess.run(["umount", "-l", str(small)], check=False)
 
 
 def test_keys_a_full_disk_refuses_cost_what_they_did_in_memory(full_fs: Path) -> None:
