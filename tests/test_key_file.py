@@ -6,9 +6,14 @@ warning; a closed file is never read through a descriptor number reused since.""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import math
 import os
+import sys
+import threading
+import tracemalloc
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +25,8 @@ from cachemgr.gc.value import eviction_order
 from cachemgr.state.store import Store
 from tests import test_model_snapshot as snap
 from tests.daemon_helpers import running_daemon
+from tests.mounts import tmpfs
+from tests.polling import wait_for
 from tests.test_chain_store import NS, SUFFIX, chains, key
 
 
@@ -42,6 +49,58 @@ def test_keys_read_back_through_runs_reuse_and_single_writes(tmp_path: Path) -> 
     assert b"".join(kf.chunks(n + 1)) == b"".join(want[s] for s in range(n + 1))
     assert not kf.kept and os.listdir(tmp_path) == []  # (no name in the dir)
     kf.close()
+
+
+def _held(kf: KeyFile) -> int:
+    """How many keys `kf` holds in memory (its file could not take them)."""
+    return sum(held.count(1) for _, held in kf.kept.values())
+
+
+@pytest.fixture
+def full_fs(tmp_path: Path) -> Iterator[Path]:
+    """A dir on a small tmpfs filled to its last block (the state dir on a cache disk the
+    server filled); its `filler` file, removed, gives the room back."""
+    with tmpfs(tmp_path / "small", "1m") as small:
+        with open(small / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
+            while True:
+                f.write(bytes(4096))
+        yield small
+
+
+def test_keys_a_full_disk_refuses_cost_what_they_did_in_memory(full_fs: Path) -> None:
+    """32 bytes a key and a byte of its block's map (a dict entry and a bytes object each took
+    ~150: 1.5 GB at ten million pages); each reads back, through reuse, in a save's chunks,
+    and once the disk has room again the file takes new keys and the blocks let theirs go."""
+    n = 10 * RUN
+    kf = KeyFile(full_fs)
+    try:
+        tracemalloc.start()
+        try:
+            for s in range(n):
+                kf.put(s, _raw(s))
+            used = tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+        assert used / n < 40, used / n
+        assert _held(kf) == n
+        for s in (3, RUN + 7, 5 * RUN):  # reused: kept in place of the key they had
+            kf.put(s, _raw(10_000 + s))
+        want = {s: _raw(s) for s in range(n)}
+        want |= {s: _raw(10_000 + s) for s in (3, RUN + 7, 5 * RUN)}
+        assert all(kf.get(s) == raw for s, raw in want.items())
+        assert b"".join(kf.chunks(n)) == b"".join(want[s] for s in range(n))
+        (full_fs / "filler").unlink()
+        for s in range(RUN):  # the first block's slots reused, with room to write them now
+            kf.put(s, _raw(20_000 + s))
+            want[s] = _raw(20_000 + s)
+        kf.put(9 * RUN, _raw(9))  # (another run: the one before is written)
+        want[9 * RUN] = _raw(9)
+        assert 0 not in kf.kept and _held(kf) == n - RUN
+        assert all(kf.get(s) == raw for s, raw in want.items())
+        assert b"".join(kf.chunks(n)) == b"".join(want[s] for s in range(n))
+        assert _held(kf) == n - RUN - 1  # (the save wrote the last run)
+    finally:
+        kf.close()
 
 
 def _unnamed_in(where: Path) -> list[str]:
@@ -73,7 +132,7 @@ def test_a_dir_the_file_cannot_be_made_in_keeps_the_keys_in_memory(
     caplog.set_level(logging.WARNING, "cachemgr.gc.keyfile")
     model = ChainModel(key_dir=tmp_path / "gone")
     chains(model, 3 * RUN, 40)
-    assert len(model.store.keys.kept) >= 2 * RUN
+    assert _held(model.store.keys) >= 2 * RUN
     warned = [r for r in caplog.records if "cannot be written" in r.getMessage()]
     assert len(warned) == 1
     want = [v.names for v in eviction_order(model, before=math.inf)]
@@ -85,6 +144,21 @@ def test_a_dir_the_file_cannot_be_made_in_keeps_the_keys_in_memory(
     assert not restored.store.keys.kept
     assert [v.names for v in eviction_order(restored, before=math.inf)] == want
     assert dict(restored.pages) == dict(model.pages)
+
+
+def test_a_model_closed_at_stop_is_never_saved_with_the_keys_it_let_go(
+    tmp_path: Path, store: Store
+) -> None:
+    """The daemon closes its model's key file at stop; an index thread that outlived its stop
+    timeout may still add a page, then save the model: nothing is stamped (the next start
+    loads the index), never a file whose keys read as zeros."""
+    model = ChainModel(key_dir=tmp_path)
+    chains(model, 3 * RUN, 40)
+    assert model.close(1)
+    model.observe_write(NS, key(10**6) + SUFFIX, 64, seq=10**6, at=1e9)
+    path = tmp_path / "chain-model.snapshot"
+    modelfile.save(model, path, store, [NS])
+    assert modelfile.restore(ChainModel(key_dir=tmp_path), path, store) == set()
 
 
 def test_a_closed_key_file_is_never_read_through_a_reused_descriptor(tmp_path: Path) -> None:
@@ -111,3 +185,32 @@ def test_victims_are_named_by_their_keys_read_from_the_file(tmp_path: Path) -> N
     victims = list(eviction_order(model, before=math.inf))
     assert {v.key for v in victims} == {key(i) for i in range(2 * RUN + 5)}
     assert all(v.names == (v.key + SUFFIX,) for v in victims)
+
+
+def _at_the_lock(t: threading.Thread) -> bool:
+    """Whether thread `t` is in eviction_order, waiting for the model's lock."""
+    lines, first = inspect.getsourcelines(eviction_order)
+    at = first + next(i for i, line in enumerate(lines) if "with model.lock:" in line)
+    frame = sys._current_frames().get(t.ident or 0)
+    while frame is not None and frame.f_code.co_name != "eviction_order":
+        frame = frame.f_back
+    return frame is not None and frame.f_lineno == at
+
+
+def test_an_order_that_waited_for_a_restore_names_the_restored_pages(
+    tmp_path: Path, store: Store
+) -> None:
+    """A restore (the state DB replaced by a copy stamped at a clean stop) replaces the store
+    and closes its keys' file: an order the GC thread started meanwhile reads the new one."""
+    saved, path = snap.saved_model(tmp_path, store)
+    model = ChainModel(key_dir=tmp_path)
+    chains(model, 2 * RUN, 40)  # (pages before the restore)
+    got: list[tuple[str, str]] = []
+    order = eviction_order(model, before=math.inf)
+    with model.lock:
+        gc = threading.Thread(target=lambda: got.extend((v.namespace_id, v.key) for v in order))
+        gc.start()
+        wait_for(lambda: _at_the_lock(gc), what="the order waiting for the model's lock")
+        assert modelfile.restore(model, path, store) == {NS}
+    gc.join(30)
+    assert got == snap.victims(saved)

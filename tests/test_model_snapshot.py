@@ -38,6 +38,7 @@ from tests.daemon_helpers import (
     store_burst,
 )
 from tests.daemon_helpers import store_page as write_page
+from tests.mounts import tmpfs
 from tests.polling import wait_for
 from tests.test_chain_store import NS, SUFFIX, chains
 
@@ -354,12 +355,7 @@ def test_files_changed_while_the_daemon_was_down_are_applied_to_the_snapshot(
 def test_no_snapshot_takes_the_last_of_the_disk(tmp_path: Path, store: Store) -> None:
     """The state dir is usually on the cache's filesystem, where the server writes: a file
     that would leave less than 3x its size free is not written (the next start loads)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
-    small = tmp_path / "small"
-    small.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)], check=True)
-    try:
+    with tmpfs(tmp_path / "small", "4m") as small:
         model = ChainModel()
         chains(model, 20_000, 40)  # a file of ~2.3 MB
         modelfile.save(model, small / "chain-model.snapshot", store, [NS])
@@ -368,8 +364,6 @@ def test_no_snapshot_takes_the_last_of_the_disk(tmp_path: Path, store: Store) ->
         chains(model := ChainModel(), 2_000, 40)  # ~0.3 MB: room enough
         modelfile.save(model, small / "chain-model.snapshot", store, [NS])
         assert modelfile.restore(ChainModel(), small / "chain-model.snapshot", store) == {NS}
-    finally:
-        subprocess.run(["umount", "-l", str(small)], check=False)
 
 
 def test_a_save_replaces_a_link_at_its_path_not_its_target(tmp_path: Path, store: Store) -> None:

@@ -11,7 +11,11 @@ to spare: reclaimable, not the daemon's.
 New slots are mostly handed out in a row (`top`, as a load or a scan adds pages), so their keys
 are gathered in a buffer and written 2,048 at a time; a reused slot's key is written at once.
 A key that cannot be written (the state dir's disk full, or not writable) is kept in memory
-instead, with one warning.
+instead, with one warning: in blocks of RUN slots' keys, each with a byte a slot saying whether
+its key is held there. A key then costs the 32 bytes it did when every key was in memory (a
+dict entry and a bytes object each took ~150: 1.5 GB at ten million keys, on a full disk),
+and a save copies each block's keys into the chunk it reads once (not a look at every key
+kept for every chunk).
 """
 
 from __future__ import annotations
@@ -53,7 +57,9 @@ class KeyFile:
         self._closer: weakref.finalize[[int], KeyFile] | None = None
         self._run = bytearray()  # keys of slots _start, _start + 1, ... not written yet
         self._start = 0
-        self.kept: dict[int, bytes] = {}  # keys the file could not take
+        # Keys the file could not take: block number -> (its RUN slots' keys, a byte a slot: 1
+        # if its key is the one held here).
+        self.kept: dict[int, tuple[bytearray, bytearray]] = {}
 
     def _fd(self) -> int:
         if self._file == _CLOSED:  # (never a read of a descriptor number reused since)
@@ -95,20 +101,33 @@ class KeyFile:
                     "page keys kept in memory: their file cannot be written",
                     extra={"dir": str(self.where or tempfile.gettempdir()), "error": str(e)},
                 )
-            for i in range(0, len(run), KEY_BYTES):
-                self.kept[start + i // KEY_BYTES] = bytes(run[i : i + KEY_BYTES])
+            for b, lo, hi in _blocks(start, start + len(run) // KEY_BYTES):
+                block = self.kept.get(b)
+                if block is None:
+                    block = self.kept[b] = (bytearray(RUN * KEY_BYTES), bytearray(RUN))
+                keys, held = block
+                i = (b * RUN + lo - start) * KEY_BYTES
+                keys[lo * KEY_BYTES : hi * KEY_BYTES] = run[i : i + (hi - lo) * KEY_BYTES]
+                held[lo:hi] = b"\x01" * (hi - lo)
             return
-        if self.kept:
-            for s in range(start, start + len(run) // KEY_BYTES):
-                self.kept.pop(s, None)
+        if self.kept:  # (the file holds these slots' keys now, not the blocks)
+            for b, lo, hi in _blocks(start, start + len(run) // KEY_BYTES):
+                block = self.kept.get(b)
+                if block is not None:
+                    block[1][lo:hi] = bytes(hi - lo)
+                    if block[1].find(1) < 0:
+                        del self.kept[b]
 
     def get(self, s: int) -> bytes:
         """Slot `s`'s key (one it was given)."""
         at = (s - self._start) * KEY_BYTES
         if 0 <= at < len(self._run):
             return bytes(self._run[at : at + KEY_BYTES])
-        if self.kept and s in self.kept:
-            return self.kept[s]
+        if self.kept:
+            b, i = divmod(s, RUN)
+            block = self.kept.get(b)
+            if block is not None and block[1][i]:
+                return bytes(block[0][i * KEY_BYTES : (i + 1) * KEY_BYTES])
         raw = os.pread(self._fd(), KEY_BYTES, s * KEY_BYTES)
         if len(raw) != KEY_BYTES:
             raise OSError(f"page key file short at slot {s}")
@@ -130,7 +149,12 @@ class KeyFile:
             at += want
 
     def _fd_if_any(self) -> int:
-        """The file's descriptor, or -1 if it could not be made (every key is kept)."""
+        """The file's descriptor, or -1 if it was never made and cannot be now (every key is
+        kept). A closed file is an OSError: its keys are gone, not kept (a thread that outlived
+        the daemon's stop may add a key, then save the model: zeros for them, saved and
+        stamped, named every page of the next start's model 000…0)."""
+        if self._file != -1:
+            return self._fd()
         try:
             return self._fd()
         except OSError:
@@ -139,11 +163,19 @@ class KeyFile:
     def _patch(self, raw: bytes, at: int) -> bytes:
         """`raw` (the file's bytes from offset `at`) with the keys kept in memory put in."""
         out = bytearray(raw)
-        first, last = at // KEY_BYTES, (at + len(raw)) // KEY_BYTES
-        for s, key in self.kept.items():
-            if first <= s < last:
-                i = (s - first) * KEY_BYTES
-                out[i : i + KEY_BYTES] = key
+        first = at // KEY_BYTES
+        for b, lo, hi in _blocks(first, first + len(raw) // KEY_BYTES):
+            block = self.kept.get(b)
+            if block is None:
+                continue
+            keys, held = block
+            i = held.find(1, lo, hi)
+            while i >= 0:  # (each span of keys held here, in one copy)
+                j = held.find(0, i, hi)
+                j = hi if j < 0 else j
+                to = (b * RUN + i - first) * KEY_BYTES
+                out[to : to + (j - i) * KEY_BYTES] = keys[i * KEY_BYTES : j * KEY_BYTES]
+                i = held.find(1, j, hi)
         return bytes(out)
 
     def fill(self, chunks: Iterator[bytes | bytearray]) -> None:
@@ -155,3 +187,14 @@ class KeyFile:
                 self._start, self._run = at // KEY_BYTES, bytearray(part)
                 self._flush()
                 at += len(part)
+
+
+def _blocks(start: int, end: int) -> Iterator[tuple[int, int, int]]:
+    """The blocks of RUN slots that slots start .. end - 1 fall in, as (block number, the
+    first and past the last of those slots within it)."""
+    s = start
+    while s < end:
+        b = s // RUN
+        hi = min(end - b * RUN, RUN)
+        yield b, s - b * RUN, hi
+        s = b * RUN + hi

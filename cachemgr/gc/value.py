@@ -88,8 +88,10 @@ def eviction_order(
     Lazy: segments are valued when the previous ones are used up; the caller stops when it
     has enough. Holds the model's lock while it is consumed.
     """
-    st = model.store
     with model.lock:
+        # (the store once the lock is held: a restore waited for replaces it, and closes the
+        # file of the keys of the one it replaces)
+        st = model.store
         gone: dict[int, int] = {}  # slot -> its children already in the order
         leaves = _leaves(st, namespace_ids)
         held = in_flight(model, now) if protect else set()

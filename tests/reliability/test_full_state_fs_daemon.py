@@ -24,6 +24,7 @@ from cachemgr.fs.root import create_root
 from cachemgr.layout import RESERVE_FILE, Layout
 from cachemgr.ns.quarantine import state_dir_full
 from tests.daemon_helpers import NS_A, page_name, register_namespace, store_page
+from tests.mounts import tmpfs
 from tests.polling import wait_for
 from tests.reliability.test_unusable_ns import Daemon, daemon, lines
 
@@ -35,15 +36,8 @@ USABLE = "state dir usable again"
 @pytest.fixture
 def state_fs(tmp_path: Path) -> Iterator[Path]:
     """A 2 MiB tmpfs: room for the state DB and its reserve, filled in a moment."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
-    mnt = tmp_path / "state-fs"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True)
-    try:
+    with tmpfs(tmp_path / "state-fs", "2m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def _fill(path: Path) -> None:
