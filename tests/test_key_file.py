@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import sys
+import tempfile
 import threading
 import tracemalloc
 from collections.abc import Iterator
@@ -25,9 +26,10 @@ from cachemgr.gc.value import eviction_order
 from cachemgr.state.store import Store
 from tests import test_model_snapshot as snap
 from tests.daemon_helpers import running_daemon
+from tests.gc_helpers import NS, T0, Tree, evicted, page, policy
 from tests.mounts import tmpfs
 from tests.polling import wait_for
-from tests.test_chain_store import NS, SUFFIX, chains, key
+from tests.test_chain_store import SUFFIX, chains, key
 
 
 def _raw(i: int) -> bytes:
@@ -214,3 +216,22 @@ def test_an_order_that_waited_for_a_restore_names_the_restored_pages(
         assert modelfile.restore(model, path, store) == {NS}
     gc.join(30)
     assert got == snap.victims(saved)
+
+
+def test_a_one_off_gc_run_keeps_its_model_s_keys_beside_the_db(
+    root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`cachemgr gc` without a daemon loads a model of its own: its keys go to the state dir,
+    as the daemon's, not to $TMPDIR (a container's small /tmp, or RAM on a tmpfs one)."""
+    caplog.set_level(logging.WARNING, "cachemgr.gc.keyfile")
+    monkeypatch.setattr(tempfile, "tempdir", str(root / "no-such-tmp"))  # ($TMPDIR gone)
+    tree = Tree.at(root)
+    try:
+        tree.write(NS, [page(i) for i in range(3 * RUN)], at=T0, size=10)
+        tree.rec.model.close(0)  # (the plan loads its own, as the CLI does)
+        caplog.clear()  # (the writer's model, as a test's, kept its keys in memory)
+        plan = tree.plan(policy(max_bytes=10 * RUN), now=T0 + 1, model=None)
+    finally:
+        tree.close()
+    assert len(evicted(plan)) >= 2 * RUN
+    assert not [r for r in caplog.records if "cannot be written" in r.getMessage()]

@@ -194,9 +194,12 @@ class ChainModel:
         self._mark(s)
 
     @classmethod
-    def from_index(cls, conn: sqlite3.Connection, ns_ids: Iterable[str]) -> ChainModel:
-        """A model of these namespaces as the index holds them."""
-        model = cls()
+    def from_index(
+        cls, conn: sqlite3.Connection, ns_ids: Iterable[str], key_dir: Path | None = None
+    ) -> ChainModel:
+        """A model of these namespaces as the index holds them (its keys in a file in
+        `key_dir`)."""
+        model = cls(key_dir=key_dir)
         for ns in ns_ids:
             model.load(conn, ns)
         return model

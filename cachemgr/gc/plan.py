@@ -235,7 +235,8 @@ def _plan(
     if chains is None:  # a one-off run reads the page rows only if pages must go
         over = bool(limits.namespaces) or limits.root is not None
         over = over or files_over(policy, files)
-        chains = ChainModel.from_index(conn, sorted(live) if over else [])
+        # (its keys beside the DB, as the daemon's: not in $TMPDIR, a container's small /tmp)
+        chains = ChainModel.from_index(conn, sorted(live) if over else [], layout.state_dir)
     overridden = 0
     unmet: list[Unmet] = []
     for ns_id, need in limits.namespaces.items():
