@@ -65,9 +65,13 @@ class KeyFile:
         if self._file == _CLOSED:  # (never a read of a descriptor number reused since)
             raise OSError(errno.EBADF, "the page key file is closed")
         if self._file < 0:
-            self._file = _unnamed(str(self.where or tempfile.gettempdir()))
+            self._file = _unnamed(self._dir())
             self._closer = weakref.finalize(self, os.close, self._file)  # (or at `close`)
         return self._file
+
+    def _dir(self) -> str:
+        """Where the file is (to be) made."""
+        return str(self.where or tempfile.gettempdir())
 
     def close(self) -> None:
         """Let the file go (its keys with it); a use after this is an OSError."""
@@ -99,7 +103,7 @@ class KeyFile:
             if not self.kept:
                 log.warning(
                     "page keys kept in memory: their file cannot be written",
-                    extra={"dir": str(self.where or tempfile.gettempdir()), "error": str(e)},
+                    extra={"dir": self._dir(), "error": str(e)},
                 )
             for b, lo, hi in _blocks(start, start + len(run) // KEY_BYTES):
                 block = self.kept.get(b)

@@ -246,7 +246,7 @@ class _Reader:
 
     def bytes(self, n: int) -> bytearray:
         self._take(n)
-        raw = bytearray(n)  # (read into: no second copy of the keys)
+        raw = bytearray(n)  # (read into: no second copy)
         if self.f.readinto(raw) != n:
             raise SnapshotInvalid("truncated")
         self.crc = zlib.crc32(raw, self.crc)
@@ -270,7 +270,7 @@ def _read(model: ChainModel, f: BufferedReader, token: str) -> set[str]:
     if r.bytes(len(MAGIC)) != MAGIC:
         raise SnapshotInvalid("not a chain model snapshot")
     h = json.loads(r.bytes(_LEN.unpack(r.bytes(_LEN.size))[0]))
-    sizes = {c: array(c).itemsize for c in h["sizes"]}  # (older files name fewer types)
+    sizes = {c: array(c).itemsize for c in h["sizes"]}  # (the types the file names)
     if (h["version"], h["token"], h["order"], h["sizes"]) != (
         VERSION,
         token,
