@@ -27,7 +27,7 @@ SETUP_JOBS ?= 4
 # The venv is rebuilt when pyproject.toml changes; the install compiles the C helpers again
 # when its sources change.
 $(VENV)/.installed: pyproject.toml constraints.txt hatch_build.py cachemgr/fs/_dirscan.c \
-		cachemgr/fs/_unlink.c cachemgr/gc/_rank.c
+		cachemgr/fs/_unlink.c cachemgr/fs/helper_nice.h cachemgr/gc/_rank.c
 	PY=$(PY) bash scripts/build-deps.sh
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]' 2> >(grep -v "is ignored: it is neither" >&2)

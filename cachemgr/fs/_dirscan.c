@@ -44,6 +44,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "helper_nice.h"
+
 #define CHUNK 65536       /* entries stat'ed per round: bounds memory for huge directories */
 #define MAX_THREADS 16
 #define MAX_SIZES 1024    /* distinct sizes tracked per group; more go to `untracked` */
@@ -312,6 +314,7 @@ typedef struct {
     uint64_t seed; /* fnv of the dir's path below the scanned dir: names hash as full paths */
     Ent *ents;
     size_t n, first, step;
+    int nice; /* how much nicer the stat threads run than the caller (helper_nice.h) */
 } Job;
 
 /* Stat and hash every step-th entry from `first`: the per-file work, off the main thread. */
@@ -339,6 +342,16 @@ static void *stat_slice(void *arg) {
     return NULL;
 }
 
+/* stat_slice on a thread of its own, niced (helper_nice.h): a first start's walk of a huge dir
+ * kept every core busy with these threads, and a /metrics scrape waited for a core (stalls of
+ * 10-60 ms in bench_scale.py's walk of 2M pages); niced, they give way to the daemon's HTTP
+ * thread and to the engine's own threads. */
+static void *stat_thread(void *arg) {
+    const Job *job = arg;
+    helper_nice(job->nice);
+    return stat_slice(arg);
+}
+
 typedef struct {
     pthread_t tid[MAX_THREADS];
     Job jobs[MAX_THREADS];
@@ -347,13 +360,13 @@ typedef struct {
 
 /* Start `threads` threads on ents[0..n); a thread that cannot start is run at join time. */
 static void crew_start(Crew *c, int dirfd, const Rules *r, uint64_t seed, Ent *ents, size_t n,
-                       int threads) {
+                       int threads, int nice) {
     c->started = 0;
     for (int t = 0; t < threads; t++) {
-        c->jobs[t] = (Job){dirfd, r, seed, ents, n, (size_t)t, (size_t)threads};
+        c->jobs[t] = (Job){dirfd, r, seed, ents, n, (size_t)t, (size_t)threads, nice};
         /* a small dir is not worth a thread: the join runs it here */
         if (n >= SMALL && c->started == t &&
-            pthread_create(&c->tid[t], NULL, stat_slice, &c->jobs[t]) == 0)
+            pthread_create(&c->tid[t], NULL, stat_thread, &c->jobs[t]) == 0)
             c->started++;
     }
 }
@@ -481,6 +494,7 @@ typedef struct {
 typedef struct {
     Rules rules;
     int threads, levels;
+    int nice;  /* how much nicer the stat threads run (Job) */
     int split; /* the level whose subdirs are walked on `threads` threads; -1: none */
     PyObject *kind_of;   /* shape -> FileKind, called with the GIL */
     PyObject *key_len_of; /* page shape -> its key's length (or None), with rows only */
@@ -669,7 +683,7 @@ static void walk(int dirfd, Totals *tot) {
     size_t n = read_chunk(&dir, tot->cur, tot);
     while (n) {
         Crew crew;
-        crew_start(&crew, dirfd, &tot->rules, seed, tot->cur, n, tot->threads);
+        crew_start(&crew, dirfd, &tot->rules, seed, tot->cur, n, tot->threads, tot->nice);
         size_t m = read_chunk(&dir, tot->next, tot);
         crew_join(&crew, tot->threads);
         tally(tot->cur, n, tot);
@@ -784,6 +798,7 @@ typedef struct {
 /* A walker's totals: the caller's rules and callbacks, nothing found yet; 0 if out of memory. */
 static int totals_like(Totals *t, const Totals *of) {
     *t = (Totals){.rules = of->rules, .threads = of->threads, .levels = of->levels, .split = -1,
+                  .nice = of->nice,
                   .kind_of = of->kind_of, .key_len_of = of->key_len_of, .rows = of->rows,
                   .dir_ok = of->dir_ok, .mnt = of->mnt,
                   .path_len = of->path_len};
@@ -975,9 +990,9 @@ static PyObject *group_tuple(const Group *x) {
 }
 
 PyDoc_STRVAR(scan_doc,
-"scan(dir_fd, threads, rules, kind_of, levels=0, dir_ok=None, rows=None) -> (groups, other, gone, pages)\n\n"
+"scan(dir_fd, threads, rules, kind_of, levels=0, dir_ok=None, rows=None, nice=0) -> (groups, other, gone, pages)\n\n"
 "List the open directory `dir_fd` and stat every entry (not following symlinks) on\n"
-"`threads` threads. `rules` is (key_min, key_max, temp_lead, temp_hex) (see\n"
+"`threads` threads (those it starts `nice` nicer than the caller; the caller's stays). `rules` is (key_min, key_max, temp_lead, temp_hex) (see\n"
 "cachemgr.backends.ScanRules). `groups` is a list of (shape, kind, files, bytes, digest,\n"
 "untracked, {size: files}) for the regular files, one per name shape (a leading\n"
 "key_min..key_max-hex-digit key, or the temp_hex hex digits after a leading temp_lead,\n"
@@ -1059,10 +1074,10 @@ static int rows_open(PyObject *into, Rows *r, Totals *tot) {
 }
 
 static PyObject *scan(PyObject *Py_UNUSED(self), PyObject *args) {
-    int dirfd, threads, levels = 0;
+    int dirfd, threads, levels = 0, nice = 0;
     PyObject *rules, *kind_of, *ok = Py_None, *into = Py_None;
-    if (!PyArg_ParseTuple(args, "iiO!O|iOO", &dirfd, &threads, &PyTuple_Type, &rules, &kind_of,
-                          &levels, &ok, &into))
+    if (!PyArg_ParseTuple(args, "iiO!O|iOOi", &dirfd, &threads, &PyTuple_Type, &rules, &kind_of,
+                          &levels, &ok, &into, &nice))
         return NULL;
     if (threads < 1 || threads > MAX_THREADS)
         return PyErr_Format(PyExc_ValueError, "threads must be 1..%d", MAX_THREADS);
@@ -1072,7 +1087,7 @@ static PyObject *scan(PyObject *Py_UNUSED(self), PyObject *args) {
     Rows rows = {0};
     if (!parse_rules(rules, &tot.rules) || (into != Py_None && !rows_open(into, &rows, &tot)))
         return NULL;
-    tot.threads = threads, tot.levels = levels, tot.kind_of = kind_of;
+    tot.threads = threads, tot.levels = levels, tot.kind_of = kind_of, tot.nice = nice;
     /* nested: the dirs just above the leaf dirs' parents (vLLM: a rank dir) are split */
     tot.split = threads > 1 && levels ? (levels > 1 ? levels - 2 : 0) : -1;
     tot.dir_ok = levels ? ok : NULL;

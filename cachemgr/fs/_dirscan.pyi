@@ -17,6 +17,7 @@ def scan(
     dir_ok: Callable[[int, bytes], bool] | None = None,
     # (conn, lib, sql, at, key_len_of): store a row per page file as well (see the C doc)
     rows: tuple[sqlite3.Connection, str, str, float, Callable[[str], int | None]] | None = None,
+    nice: int = 0,  # of the stat threads it starts (the caller's stays)
     /,
 ) -> tuple[list[Group], int, int, int]: ...
 def page_digest(name: str, size: int, /) -> int: ...

@@ -29,10 +29,11 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
-#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include "helper_nice.h"
 
 #define MAX_THREADS 16
 
@@ -184,9 +185,7 @@ static void one(Batch *b, size_t i) {
 
 static void *worker(void *arg) {
     Batch *b = arg;
-    /* Per thread on Linux; best effort (a failure only leaves the thread at the caller's). */
-    if (b->nice != 0)
-        setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), b->nice);
+    helper_nice(b->nice);
     for (;;) {
         if (atomic_load(&b->stop))
             break;
@@ -220,7 +219,7 @@ static int start_threads(pthread_t *tids, int threads, void *(*fn)(void *), void
     return started;
 }
 
-/* Run the batch on `threads` new threads at `nice` (the caller's own priority stays), or on
+/* Run the batch on `threads` new threads, `nice` nicer (the caller's own priority stays), or on
  * this one if none can be started. */
 static void run(Batch *b, int threads) {
     pthread_t tids[MAX_THREADS];
@@ -242,8 +241,8 @@ PyDoc_STRVAR(unlink_batch_doc,
     "1 vanished, 2 young, 3 not a regular file, 4 stat error (errno), 5 unlink error (errno;\n"
     "stops the batch), 6 not reached (the batch stopped first), 7 deleted but another hard\n"
     "link keeps its data (value: size; nothing freed). `moved`: the dir left its\n"
-    "parent's entry. The work runs on `threads` threads at niceness `nice`. Names must be\n"
-    "UTF-8 (the caller's shape check admits ASCII only).");
+    "parent's entry. The work runs on `threads` threads, `nice` nicer than the caller.\n"
+    "Names must be UTF-8 (the caller's shape check admits ASCII only).");
 
 /* Whether both entry points may run `threads` threads; else a ValueError is set. */
 static int threads_ok(int threads) {
@@ -475,8 +474,7 @@ static void tree_dir(Tree *t, Chain *c, Py_ssize_t d) {
 
 static void *tree_worker(void *arg) {
     Tree *t = arg;
-    if (t->nice != 0)
-        setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), t->nice);
+    helper_nice(t->nice);
     Chain c = {0};
     while (!atomic_load(&t->stop)) {
         size_t from = atomic_fetch_add(&t->next, RUN);

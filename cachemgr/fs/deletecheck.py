@@ -15,6 +15,7 @@ from typing import Literal
 
 from cachemgr.backends import FileFormat, FileKind
 from cachemgr.errors import UnsafePathError
+from cachemgr.fs import NICE
 from cachemgr.fs._unlink import unlink_batch
 from cachemgr.fs.safe import is_own_temp, open_dir
 
@@ -109,9 +110,6 @@ class Checked:
 # What _unlink.unlink_batch says of each name.
 DELETED, VANISHED, YOUNG, NOT_REGULAR, STAT_ERROR, UNLINK_ERROR, NOT_REACHED, LINKED = range(8)
 NO_PARENT = -1  # Where.parent_fd of a dir with no parent to check (cachemgr's own temp dirs)
-# The unlinking threads' niceness: on a busy machine they yield the CPU to the daemon's HTTP
-# thread (a /metrics scrape during a mass eviction) and to SGLang's own threads.
-NICE = 10
 
 
 @dataclass(frozen=True)

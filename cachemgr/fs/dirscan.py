@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 from cachemgr.backends import FileFormat, FileKind
 from cachemgr.formats import DEFAULT_FORMAT
-from cachemgr.fs import _dirscan
+from cachemgr.fs import NICE, _dirscan
 from cachemgr.fs.safe import open_dir
 from cachemgr.fs.tree import dir_filter, leaves
 from cachemgr.layout import Layout
@@ -73,7 +73,7 @@ def scan_usage(
             rules = (r.key_min, r.key_max, r.temp_lead, r.temp_hex)
             # a shape's verdict is its names' verdict (ScanRules)
             groups, other, _gone, pages = _dirscan.scan(
-                fd, THREADS, rules, fmt.classify, depth, dir_ok, into
+                fd, THREADS, rules, fmt.classify, depth, dir_ok, into, NICE
             )
     except FileNotFoundError:
         return None
