@@ -58,21 +58,27 @@ def _held(kf: KeyFile) -> int:
     return sum(held.count(1) for _, held in kf.kept.values())
 
 
-@pytest.fixture
-def full_fs(tmp_path: Path) -> Iterator[Path]:
-    """A dir on a small tmpfs filled to its last block (the state dir on a cache disk the
+@contextlib.contextmanager
+def _full(at: Path, size: str) -> Iterator[Path]:
+    """A dir on a tmpfs of `size` filled to its last block (the state dir on a cache disk the
     server filled); its `filler` file, removed, gives the room back."""
-    with tmpfs(tmp_path / "small", "1m") as small:
+    with tmpfs(at, size) as small:
         with open(small / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
             while True:
                 f.write(bytes(4096))
         yield small
 
 
+@pytest.fixture
+def full_fs(tmp_path: Path) -> Iterator[Path]:
+    with _full(tmp_path / "small", "1m") as small:
+        yield small
+
+
 def test_keys_a_full_disk_refuses_cost_what_they_did_in_memory(full_fs: Path) -> None:
     """32 bytes a key and a byte of its block's map (a dict entry and a bytes object each took
     ~150: 1.5 GB at ten million pages); each reads back, through reuse, in a save's chunks,
-    and once the disk has room again the file takes new keys and the blocks let theirs go."""
+    and once the disk has room again the file takes new keys and the blocks' keys with them."""
     n = 10 * RUN
     kf = KeyFile(full_fs)
     try:
@@ -102,12 +108,46 @@ def test_keys_a_full_disk_refuses_cost_what_they_did_in_memory(full_fs: Path) ->
             want[s] = _raw(20_000 + s)
         kf.put(9 * RUN, _raw(9))  # (another run: the one before is written)
         want[9 * RUN] = _raw(9)
-        assert 0 not in kf.kept and _held(kf) == n - RUN
+        assert not kf.kept and _held(kf) == 0  # (all moved back at that write: < CHUNK)
         assert all(kf.get(s) == raw for s, raw in want.items())
         assert b"".join(kf.chunks(n)) == b"".join(want[s] for s in range(n))
-        assert _held(kf) == n - RUN - 1  # (the save wrote the last run)
     finally:
         kf.close()
+
+
+def test_the_keys_held_in_memory_are_counted_and_go_back_to_the_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`in_memory` (the daemon's metric, read without the model's lock) counts each key held
+    once, reused or not; once the disk has room, the writes that follow move the blocks' keys
+    back to the file a bounded part at a time, and the count goes down to 0 with a line."""
+    caplog.set_level(logging.INFO, "cachemgr.gc.keyfile")
+    n = 20 * RUN  # (more than one write moves back: CHUNK bytes of keys at a time)
+    with _full(tmp_path / "small", "4m") as small:
+        kf = KeyFile(small)
+        try:
+            for s in range(n):
+                kf.put(s, _raw(s))
+            assert kf.in_memory == _held(kf) == n
+            for s in (3, RUN + 7):  # reused: held in place of the key they had, not twice
+                kf.put(s, _raw(10_000 + s))
+            assert kf.in_memory == _held(kf) == n
+            (small / "filler").unlink()
+            kf.put(n, _raw(n))  # (the write of slot RUN + 7's run succeeds)
+            assert 0 < kf.in_memory == _held(kf) < n - RUN
+            kf.put(n + 5, _raw(n + 5))  # (the write of slot n's)
+            assert kf.in_memory == _held(kf) == 0 and not kf.kept
+            want = {s: _raw(s) for s in range(n + 1)} | {
+                3: _raw(10_003),
+                RUN + 7: _raw(10_000 + RUN + 7),
+            }
+            assert all(kf.get(s) == raw for s, raw in want.items())
+            assert b"".join(kf.chunks(n + 1)) == b"".join(want[s] for s in range(n + 1))
+        finally:
+            kf.close()
+    said = [r.getMessage() for r in caplog.records]
+    assert said.count("page keys kept in memory: their file cannot be written") == 1
+    assert said.count("page keys back in their file") == 1
 
 
 def _unnamed_in(where: Path) -> list[str]:
