@@ -13,6 +13,7 @@ import os
 import sys
 import tempfile
 import threading
+import time
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
@@ -280,3 +281,39 @@ def test_a_one_off_gc_run_keeps_its_model_s_keys_beside_the_db(
         tree.close()
     assert len(evicted(plan)) >= 2 * RUN
     assert not [r for r in caplog.records if "cannot be written" in r.getMessage()]
+
+
+def test_a_start_deletes_the_key_files_a_killed_process_left_named_and_only_those(
+    tmp_path: Path,
+) -> None:
+    """Without O_TMPFILE the key file is named between mkstemp and unlink: a kill -9 then left
+    it in the state dir for good. A start deletes such files: only regular files of exactly
+    that name, in the state dir itself, old enough not to be another machine's in the making;
+    never a link's target."""
+    layout, _ = snap._root(tmp_path)
+    state, old = layout.state_dir, time.time() - 3600
+    fd, killed = tempfile.mkstemp(dir=state, prefix=".cachemgr-keys.")  # (as `_unnamed` names)
+    os.close(fd)
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"not cachemgr's")
+    (state / ".cachemgr-keys.link1234").symlink_to(outside)
+    (state / ".cachemgr-keys.dir45678").mkdir()
+    (state / "sub").mkdir()
+    kept = [
+        state / ".cachemgr-keys.young123",  # (another machine's, made a moment ago)
+        state / ".cachemgr-keys.toolong99",
+        state / "x.cachemgr-keys.abcdefgh",
+        state / "sub" / ".cachemgr-keys.abcdefgh",
+    ]
+    for path in [Path(killed), *kept[1:]]:
+        path.touch()
+        os.utime(path, (old, old))
+    kept[0].touch()
+    os.utime(state / ".cachemgr-keys.link1234", (old, old), follow_symlinks=False)
+    os.utime(outside, (old, old))
+    with running_daemon(snap._settings(layout)):
+        assert not Path(killed).exists()
+        assert all(p.is_file() for p in kept)
+        assert (state / ".cachemgr-keys.link1234").is_symlink()
+        assert outside.read_bytes() == b"not cachemgr's"
+        assert (state / ".cachemgr-keys.dir45678").is_dir()

@@ -27,16 +27,29 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import tempfile
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
+
+from cachemgr.errors import CachemgrError
+from cachemgr.fs.deletecheck import Names
+from cachemgr.fs.deletion import sweep_own_temps
 
 log = logging.getLogger(__name__)
 KEY_BYTES = 32  # 64 hex digits
 RUN = 2048  # keys of consecutive slots gathered before one write
 CHUNK = 1 << 20  # bytes a bulk read or copy moves at a time
 _CLOSED = -2
+_PREFIX = ".cachemgr-keys."  # `_unnamed`'s name without O_TMPFILE, for an instant
+# Those names exactly (tempfile.mkstemp's: the prefix and 8 of [a-z0-9_]), nothing like them.
+_LEFTOVER = re.compile(re.escape(_PREFIX) + r"[a-z0-9_]{8}")
+LEFTOVERS: Names = (lambda name: _LEFTOVER.fullmatch(name) is not None, "a page key file name")
+# Seconds unchanged after which such a file is a killed process's. Its name lives microseconds,
+# but a daemon of another machine may share the state dir (NFS has no O_TMPFILE), its clock
+# ahead of ours.
+STALE_LEFTOVER = 60.0
 
 
 def _unnamed(where: str) -> int:
@@ -46,9 +59,24 @@ def _unnamed(where: str) -> int:
     except OSError as e:  # a filesystem without O_TMPFILE: named for an instant
         if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR):
             raise
-    fd, path = tempfile.mkstemp(dir=where, prefix=".cachemgr-keys.")
+    fd, path = tempfile.mkstemp(dir=where, prefix=_PREFIX)
     os.unlink(path)
     return fd
+
+
+def sweep_leftovers(where: Path) -> None:
+    """Delete the key files `_unnamed` left named in dir `where` (a kill -9 between its mkstemp
+    and its unlink): nothing else removes them. Only regular files of exactly that name, in
+    `where` itself, unchanged for STALE_LEFTOVER seconds; nothing followed."""
+    try:
+        r = sweep_own_temps(where, LEFTOVERS, older_than=STALE_LEFTOVER)
+    except (OSError, CachemgrError) as e:  # (the daemon goes on: a leftover is an empty file)
+        log.warning("page key files of killed processes not removed", extra={"error": str(e)})
+        return
+    if r.files:
+        log.info("page key files of killed processes deleted", extra={"files": r.files})
+    for why in r.refused:  # (a dir or a link of that name: a person's, said, kept)
+        log.warning("page key file name kept", extra={"why": why})
 
 
 class KeyFile:
