@@ -13,12 +13,14 @@ import pytest
 
 
 @contextmanager
-def tmpfs(at: Path, size: str) -> Iterator[Path]:
-    """A tmpfs of `size` (mount's words: "2m") mounted at the new dir `at`, until the end."""
+def tmpfs(at: Path, size: str, inodes: int | None = None) -> Iterator[Path]:
+    """A tmpfs of `size` (mount's words: "2m") mounted at the new dir `at`, until the end;
+    with `inodes`, that many files at most (the dir itself is one)."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root (CI runs as root)")
     at.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(at)], check=True)
+    options = f"size={size}" + (f",nr_inodes={inodes}" if inodes is not None else "")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(at)], check=True)
     try:
         yield at
     finally:

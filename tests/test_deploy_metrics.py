@@ -460,6 +460,7 @@ def test_alerts_fire_on_the_daemons_real_series(scrapes: Live, tmp_path: Path) -
     ready, mismatch = target(e.get("cachemgr_ready")), target(e.get("cachemgr_identity_mismatch"))
     settled = target(e.get("cachemgr_index_settled"))
     state_dir = target(e.get("cachemgr_state_dir_unusable"))
+    keys = target(e.get("cachemgr_gc_model_keys_in_memory"))
     overflows = target(e.get("cachemgr_watcher_overflows_total"))
     short = target(e.get("cachemgr_watch_refused_namespaces"))
     avail = target(e.get("cachemgr_filesystem_avail_bytes"))
@@ -523,6 +524,14 @@ def test_alerts_fire_on_the_daemons_real_series(scrapes: Live, tmp_path: Path) -
         ),
         # A full disk GC frees within seconds (the state dir on the root's): quiet.
         alert_test("CachemgrStateDirUnusable", {state_dir: "0 1 0 1 0x10"}, "7m", []),
+        # Keys held in memory for 15 minutes fire; a full disk freed within minutes does not.
+        alert_test(
+            "CachemgrModelKeysInMemory",
+            {keys: "0 4096x20"},
+            "17m",
+            [expect("CachemgrModelKeysInMemory", node, 4096)],
+        ),
+        alert_test("CachemgrModelKeysInMemory", {keys: "0 4096x5 0x15"}, "17m", []),
         alert_test(
             "CachemgrIdentityMismatch",
             {mismatch: "0 0 1 1"},

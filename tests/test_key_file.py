@@ -13,6 +13,7 @@ import os
 import sys
 import tempfile
 import threading
+import time
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,21 +59,27 @@ def _held(kf: KeyFile) -> int:
     return sum(held.count(1) for _, held in kf.kept.values())
 
 
-@pytest.fixture
-def full_fs(tmp_path: Path) -> Iterator[Path]:
-    """A dir on a small tmpfs filled to its last block (the state dir on a cache disk the
+@contextlib.contextmanager
+def _full(at: Path, size: str) -> Iterator[Path]:
+    """A dir on a tmpfs of `size` filled to its last block (the state dir on a cache disk the
     server filled); its `filler` file, removed, gives the room back."""
-    with tmpfs(tmp_path / "small", "1m") as small:
+    with tmpfs(at, size) as small:
         with open(small / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
             while True:
                 f.write(bytes(4096))
         yield small
 
 
+@pytest.fixture
+def full_fs(tmp_path: Path) -> Iterator[Path]:
+    with _full(tmp_path / "small", "1m") as small:
+        yield small
+
+
 def test_keys_a_full_disk_refuses_cost_what_they_did_in_memory(full_fs: Path) -> None:
     """32 bytes a key and a byte of its block's map (a dict entry and a bytes object each took
     ~150: 1.5 GB at ten million pages); each reads back, through reuse, in a save's chunks,
-    and once the disk has room again the file takes new keys and the blocks let theirs go."""
+    and once the disk has room again the file takes new keys and the blocks' keys with them."""
     n = 10 * RUN
     kf = KeyFile(full_fs)
     try:
@@ -102,12 +109,46 @@ def test_keys_a_full_disk_refuses_cost_what_they_did_in_memory(full_fs: Path) ->
             want[s] = _raw(20_000 + s)
         kf.put(9 * RUN, _raw(9))  # (another run: the one before is written)
         want[9 * RUN] = _raw(9)
-        assert 0 not in kf.kept and _held(kf) == n - RUN
+        assert not kf.kept and _held(kf) == 0  # (all moved back at that write: < CHUNK)
         assert all(kf.get(s) == raw for s, raw in want.items())
         assert b"".join(kf.chunks(n)) == b"".join(want[s] for s in range(n))
-        assert _held(kf) == n - RUN - 1  # (the save wrote the last run)
     finally:
         kf.close()
+
+
+def test_the_keys_held_in_memory_are_counted_and_go_back_to_the_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`in_memory` (the daemon's metric, read without the model's lock) counts each key held
+    once, reused or not; once the disk has room, the writes that follow move the blocks' keys
+    back to the file a bounded part at a time, and the count goes down to 0 with a line."""
+    caplog.set_level(logging.INFO, "cachemgr.gc.keyfile")
+    n = 20 * RUN  # (more than one write moves back: CHUNK bytes of keys at a time)
+    with _full(tmp_path / "small", "4m") as small:
+        kf = KeyFile(small)
+        try:
+            for s in range(n):
+                kf.put(s, _raw(s))
+            assert kf.in_memory == _held(kf) == n
+            for s in (3, RUN + 7):  # reused: held in place of the key they had, not twice
+                kf.put(s, _raw(10_000 + s))
+            assert kf.in_memory == _held(kf) == n
+            (small / "filler").unlink()
+            kf.put(n, _raw(n))  # (the write of slot RUN + 7's run succeeds)
+            assert 0 < kf.in_memory == _held(kf) < n - RUN
+            kf.put(n + 5, _raw(n + 5))  # (the write of slot n's)
+            assert kf.in_memory == _held(kf) == 0 and not kf.kept
+            want = {s: _raw(s) for s in range(n + 1)} | {
+                3: _raw(10_003),
+                RUN + 7: _raw(10_000 + RUN + 7),
+            }
+            assert all(kf.get(s) == raw for s, raw in want.items())
+            assert b"".join(kf.chunks(n + 1)) == b"".join(want[s] for s in range(n + 1))
+        finally:
+            kf.close()
+    said = [r.getMessage() for r in caplog.records]
+    assert said.count("page keys kept in memory: their file cannot be written") == 1
+    assert said.count("page keys back in their file") == 1
 
 
 def _unnamed_in(where: Path) -> list[str]:
@@ -240,3 +281,39 @@ def test_a_one_off_gc_run_keeps_its_model_s_keys_beside_the_db(
         tree.close()
     assert len(evicted(plan)) >= 2 * RUN
     assert not [r for r in caplog.records if "cannot be written" in r.getMessage()]
+
+
+def test_a_start_deletes_the_key_files_a_killed_process_left_named_and_only_those(
+    tmp_path: Path,
+) -> None:
+    """Without O_TMPFILE the key file is named between mkstemp and unlink: a kill -9 then left
+    it in the state dir for good. A start deletes such files: only regular files of exactly
+    that name, in the state dir itself, old enough not to be another machine's in the making;
+    never a link's target."""
+    layout, _ = snap._root(tmp_path)
+    state, old = layout.state_dir, time.time() - 3600
+    fd, killed = tempfile.mkstemp(dir=state, prefix=".cachemgr-keys.")  # (as `_unnamed` names)
+    os.close(fd)
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"not cachemgr's")
+    (state / ".cachemgr-keys.link1234").symlink_to(outside)
+    (state / ".cachemgr-keys.dir45678").mkdir()
+    (state / "sub").mkdir()
+    kept = [
+        state / ".cachemgr-keys.young123",  # (another machine's, made a moment ago)
+        state / ".cachemgr-keys.toolong99",
+        state / "x.cachemgr-keys.abcdefgh",
+        state / "sub" / ".cachemgr-keys.abcdefgh",
+    ]
+    for path in [Path(killed), *kept[1:]]:
+        path.touch()
+        os.utime(path, (old, old))
+    kept[0].touch()
+    os.utime(state / ".cachemgr-keys.link1234", (old, old), follow_symlinks=False)
+    os.utime(outside, (old, old))
+    with running_daemon(snap._settings(layout)):
+        assert not Path(killed).exists()
+        assert all(p.is_file() for p in kept)
+        assert (state / ".cachemgr-keys.link1234").is_symlink()
+        assert outside.read_bytes() == b"not cachemgr's"
+        assert (state / ".cachemgr-keys.dir45678").is_dir()

@@ -17,7 +17,13 @@ from cachemgr.cli.status import daemon_json, serving_root
 from cachemgr.doctor.finding import Finding, exit_code
 from cachemgr.doctor.fleet import lint_fleet
 from cachemgr.doctor.permissions import SAMPLE, lint_deletable
-from cachemgr.doctor.root import lint_disk, lint_gc_unmet, lint_state_disk, lint_watches
+from cachemgr.doctor.root import (
+    lint_disk,
+    lint_gc_unmet,
+    lint_keys_in_memory,
+    lint_state_disk,
+    lint_watches,
+)
 from cachemgr.doctor.statedir import lint_root_and_state
 from cachemgr.errors import CachemgrError
 from cachemgr.gc.policy import GcPolicy
@@ -44,8 +50,9 @@ def doctor(app: AppContext, as_json: bool, all_pages: bool, launch_cmd: tuple[st
     pages of no recorded identity, a cap larger than the free space, SGLang's own file evictor
     next to cachemgr's GC, no hierarchical cache or another backend. For a vLLM launch: no fs
     tier, no cap anywhere, a root_dir outside the root, shared by several models' servers, or
-    holding another identity's blocks. For the root: pages GC's user cannot delete; in a
-    fleet, a coordinator the daemon cannot reach, no GC leader, accesses the leader misses.
+    holding another identity's blocks. For the root: pages GC's user cannot delete; the
+    daemon's page keys held in its memory (its state dir not writable); in a fleet, a
+    coordinator the daemon cannot reach, no GC leader, accesses the leader misses.
     """
     settings = app.settings
     layout = Layout.at(settings.root, settings.state_dir)
@@ -65,6 +72,7 @@ def doctor(app: AppContext, as_json: bool, all_pages: bool, launch_cmd: tuple[st
     if layout.root.is_dir():
         findings += lint_gc_unmet(served.get("gc_unmet", []) if served else [])
         findings += lint_watches(served.get("index") if served else None)
+        findings += lint_keys_in_memory(served, layout)
         findings += lint_fleet(daemon_json(settings, "/v1/fleet") if served else None)
         findings += lint_disk(layout, policy)
         findings += lint_state_disk(layout)

@@ -99,6 +99,12 @@ class Status(BaseModel):
         description="limits this daemon's last GC run left over their high watermark with "
         "nothing else it may delete (empty: all held, or no run yet)",
     )
+    gc_model_keys_in_memory: int = Field(
+        0,
+        description="page keys GC's model holds in the daemon's memory (~33 bytes each) "
+        "because their file in the state dir cannot be written (its filesystem full or "
+        "read-only); 0 while the file takes them",
+    )
     left_for_a_person: list[str] = Field(
         default_factory=list,
         description="purged namespaces in .trash/ that deletion cannot finish (foreign files): "

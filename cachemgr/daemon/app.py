@@ -151,6 +151,7 @@ def create_app(backend: Backend) -> FastAPI:
             filesystem_size_bytes=du.total if du else None,
             gc_limits=gc_limits(backend.gc.policy) if backend.gc is not None else None,
             gc_unmet=[GcUnmet.of(u) for u in backend.gc.stats.unmet] if backend.gc else [],
+            gc_model_keys_in_memory=backend.gc.live.keys_in_memory() if backend.gc else 0,
             left_for_a_person=left_for_people(backend.layout, trash_counts()),
         )
 

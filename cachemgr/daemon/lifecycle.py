@@ -46,6 +46,7 @@ from cachemgr.fs.safe import refuse_non_regular
 from cachemgr.gc.chains import IN_FLIGHT, ChainModel
 from cachemgr.gc.check import needs_gc
 from cachemgr.gc.floor import open_freeing
+from cachemgr.gc.keyfile import sweep_leftovers
 from cachemgr.gc.policy import GcPolicy
 from cachemgr.gc.runner import GcRunner
 from cachemgr.ns import purge as purge_mod
@@ -167,6 +168,7 @@ class Daemon:
         built after what it reads: the state they share first (uvicorn's `ServerState`)."""
         self.quarantine = Quarantine()  # what the index and GC found they cannot use
         index = IndexState()
+        sweep_leftovers(self.layout.state_dir)  # (key files of a process killed as it made one)
         model = ChainModel(
             lambda ns: format_of(self.layout, ns),
             in_flight=IN_FLIGHT,

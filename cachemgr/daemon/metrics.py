@@ -116,6 +116,9 @@ METRICS: dict[str, str] = {
     "write of yet (written once it does)",
     "cachemgr_gc_audit_rows_dropped_total": "held audit rows dropped past the bound "
     "(cachemgr.gc.held.HELD_ROWS), each logged with its counts",
+    "cachemgr_gc_model_keys_in_memory": "page keys GC's model holds in the daemon's memory "
+    "(~33 bytes each) because their file in the state dir cannot be written (its filesystem "
+    "full or read-only); 0 while the file takes them",
     "cachemgr_http_connections": "open HTTP connections",
     "cachemgr_http_connections_max": "the cap on open HTTP connections (below the open-file limit)",
     "cachemgr_http_connections_closed_total": "HTTP connections the daemon closed, by reason: "
@@ -402,6 +405,8 @@ class CachemgrCollector(Collector):
         name = "cachemgr_gc_audit_rows_held"
         yield GaugeMetricFamily(name, METRICS[name], value=len(self.gc.held))
         yield _one("cachemgr_gc_audit_rows_dropped_total", self.gc.held.dropped)
+        name = "cachemgr_gc_model_keys_in_memory"
+        yield GaugeMetricFamily(name, METRICS[name], value=self.gc.live.keys_in_memory())
 
 
 def _one(name: str, value: float) -> CounterMetricFamily:

@@ -14,6 +14,7 @@ from cachemgr.errors import CachemgrError
 from cachemgr.fs import reserve
 from cachemgr.fs.usage import DiskUsage, DiskUsageFn, atime_off, inode_usage
 from cachemgr.gc.find import own_temps
+from cachemgr.gc.keyfile import KEY_BYTES
 from cachemgr.gc.policy import GcPolicy, Inodes
 from cachemgr.layout import Layout
 from cachemgr.ns.bindings import read_bindings
@@ -296,6 +297,26 @@ _WATCHES_FIX = (
     "line in /etc/sysctl.d/ (it is per user on the node, not per container); a vLLM cache needs "
     "one watch per dir of its tree (docs/daemon.md)"
 )
+
+
+def lint_keys_in_memory(served: Mapping[str, Any] | None, layout: Layout) -> list[Finding]:
+    """The serving daemon's page keys held in its memory (its /v1/status
+    `gc_model_keys_in_memory`): their file in the state dir cannot be written."""
+    kept = served.get("gc_model_keys_in_memory") if served else None
+    if not kept:
+        return []
+    held = human_bytes(kept * (KEY_BYTES + 1))  # (and a byte a slot saying it is held)
+    what = (
+        f"GC's model holds {kept:,} page keys in the daemon's memory (~{held}), not in their "
+        f"file in the state dir {layout.state_dir}: it cannot be written (its filesystem full "
+        "or read-only); they stay in memory until it can be"
+    )
+    fix = (
+        f"free space on {layout.state_dir}'s filesystem (`df {layout.state_dir}`) or make it "
+        "writable (its mount, its mode); the daemon moves the keys back to the file as it "
+        "writes keys again, no restart needed"
+    )
+    return [Finding("warning", "model-keys-in-memory", what, fix)]
 
 
 # Files GC does not manage fill the filesystem: emptying the cache would not be enough.

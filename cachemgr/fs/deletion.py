@@ -377,6 +377,16 @@ def delete_manifest(root: Path, ns_id: str) -> bool:
         return True
 
 
+def sweep_own_temps(where: Path, kind: Names, *, older_than: float) -> DeleteReport:
+    """Delete the temp files of `kind` a killed process left in dir `where` (its own entries
+    only, nothing followed), as `delete_own_temps` does."""
+    with open_dir(where, "") as fd, os.scandir(fd) as entries:
+        names = [e.name for e in entries if kind[0](e.name)]
+    if not names:
+        return DeleteReport()
+    return delete_own_temps(where, "", names, older_than=older_than, kind=kind)
+
+
 def delete_own_temps(
     root: Path,
     rel_dir: str,
@@ -385,13 +395,15 @@ def delete_own_temps(
     older_than: float,
     now: Callable[[], float] = time.time,
     dry_run: bool = False,
+    kind: Names = OWN_TEMPS,
 ) -> DeleteReport:
     """Delete temp files cachemgr's own atomic writes left in <root>/<rel_dir> (a kill -9
-    between write and rename): only names `safefs.is_own_temp` recognises, only regular files,
-    only older than `older_than` seconds (a younger one may be a write in progress)."""
+    between write and rename): only names `kind` recognises (`safefs.is_own_temp`'s unless
+    told), only regular files, only older than `older_than` seconds (a younger one may be a
+    write in progress)."""
     checked = Checked()
     with open_dir(root, rel_dir) as fd:
-        rules = UnlinkRules(OWN_TEMPS, min_age=older_than, now=now(), dry_run=dry_run)
+        rules = UnlinkRules(kind, min_age=older_than, now=now(), dry_run=dry_run)
         ok, _ = check_and_unlink(Where(fd, NO_PARENT, "", dir_id(fd)), list(names), rules, checked)
     if checked.error is not None:
         raise checked.error

@@ -122,6 +122,12 @@ class ChainModel:
         return True
 
     @property
+    def keys_in_memory(self) -> int:
+        """Page keys held in memory because their file (in `key_dir`) cannot be written; read
+        without the lock (a scrape's), so as of a moment ago."""
+        return self.store.keys.in_memory
+
+    @property
     def pages(self) -> Mapping[PageId, Page]:
         """A read-only view of the pages on disk (copies, for tests and reports)."""
         return PagesView(self.store, self.lock)

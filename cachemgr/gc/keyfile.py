@@ -15,7 +15,11 @@ instead, with one warning: in blocks of RUN slots' keys, each with a byte a slot
 its key is held there. A key then costs the 32 bytes it did when every key was in memory (a
 dict entry and a bytes object each took ~150: 1.5 GB at ten million keys, on a full disk),
 and a save copies each block's keys into the chunk it reads once (not a look at every key
-kept for every chunk).
+kept for every chunk). How many keys are held so is counted as they come and go
+(`in_memory`: the daemon's metric, /v1/status and doctor read it without the model's lock).
+Once a write succeeds again, each successful write also moves up to CHUNK bytes of the kept
+blocks' keys to the file, so the memory is given back while the model is in use, not only as
+slots are reused; the last block's move logs that the keys are back in their file.
 """
 
 from __future__ import annotations
@@ -23,16 +27,29 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import tempfile
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
+
+from cachemgr.errors import CachemgrError
+from cachemgr.fs.deletecheck import Names
+from cachemgr.fs.deletion import sweep_own_temps
 
 log = logging.getLogger(__name__)
 KEY_BYTES = 32  # 64 hex digits
 RUN = 2048  # keys of consecutive slots gathered before one write
 CHUNK = 1 << 20  # bytes a bulk read or copy moves at a time
 _CLOSED = -2
+_PREFIX = ".cachemgr-keys."  # `_unnamed`'s name without O_TMPFILE, for an instant
+# Those names exactly (tempfile.mkstemp's: the prefix and 8 of [a-z0-9_]), nothing like them.
+_LEFTOVER = re.compile(re.escape(_PREFIX) + r"[a-z0-9_]{8}")
+LEFTOVERS: Names = (lambda name: _LEFTOVER.fullmatch(name) is not None, "a page key file name")
+# Seconds unchanged after which such a file is a killed process's. Its name lives microseconds,
+# but a daemon of another machine may share the state dir (NFS has no O_TMPFILE), its clock
+# ahead of ours.
+STALE_LEFTOVER = 60.0
 
 
 def _unnamed(where: str) -> int:
@@ -42,9 +59,24 @@ def _unnamed(where: str) -> int:
     except OSError as e:  # a filesystem without O_TMPFILE: named for an instant
         if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR):
             raise
-    fd, path = tempfile.mkstemp(dir=where, prefix=".cachemgr-keys.")
+    fd, path = tempfile.mkstemp(dir=where, prefix=_PREFIX)
     os.unlink(path)
     return fd
+
+
+def sweep_leftovers(where: Path) -> None:
+    """Delete the key files `_unnamed` left named in dir `where` (a kill -9 between its mkstemp
+    and its unlink): nothing else removes them. Only regular files of exactly that name, in
+    `where` itself, unchanged for STALE_LEFTOVER seconds; nothing followed."""
+    try:
+        r = sweep_own_temps(where, LEFTOVERS, older_than=STALE_LEFTOVER)
+    except (OSError, CachemgrError) as e:  # (the daemon goes on: a leftover is an empty file)
+        log.warning("page key files of killed processes not removed", extra={"error": str(e)})
+        return
+    if r.files:
+        log.info("page key files of killed processes deleted", extra={"files": r.files})
+    for why in r.refused:  # (a dir or a link of that name: a person's, said, kept)
+        log.warning("page key file name kept", extra={"why": why})
 
 
 class KeyFile:
@@ -60,6 +92,9 @@ class KeyFile:
         # Keys the file could not take: block number -> (its RUN slots' keys, a byte a slot: 1
         # if its key is the one held here).
         self.kept: dict[int, tuple[bytearray, bytearray]] = {}
+        # Keys held in `kept` (its bytes set to 1). One int, written under the model's lock,
+        # read by any thread without it (a scrape must not wait behind a GC run's order).
+        self.in_memory = 0
 
     def _fd(self) -> int:
         if self._file == _CLOSED:  # (never a read of a descriptor number reused since)
@@ -77,7 +112,7 @@ class KeyFile:
         """Let the file go (its keys with it); a use after this is an OSError."""
         if self._closer is not None:
             self._closer()
-        self._file, self._run, self.kept = _CLOSED, bytearray(), {}
+        self._file, self._run, self.kept, self.in_memory = _CLOSED, bytearray(), {}, 0
 
     def put(self, s: int, raw: bytes) -> None:
         """Keep slot `s`'s key (in place of the one it had)."""
@@ -95,10 +130,7 @@ class KeyFile:
             return
         run, start, self._run = self._run, self._start, bytearray()
         try:
-            fd, view, at = self._fd(), memoryview(run), start * KEY_BYTES
-            while view:
-                n = os.pwrite(fd, view, at)
-                view, at = view[n:], at + n
+            self._write(run, start * KEY_BYTES)
         except OSError as e:
             if not self.kept:
                 log.warning(
@@ -112,15 +144,47 @@ class KeyFile:
                 keys, held = block
                 i = (b * RUN + lo - start) * KEY_BYTES
                 keys[lo * KEY_BYTES : hi * KEY_BYTES] = run[i : i + (hi - lo) * KEY_BYTES]
+                self.in_memory += hi - lo - held.count(1, lo, hi)
                 held[lo:hi] = b"\x01" * (hi - lo)
             return
         if self.kept:  # (the file holds these slots' keys now, not the blocks)
             for b, lo, hi in _blocks(start, start + len(run) // KEY_BYTES):
                 block = self.kept.get(b)
                 if block is not None:
+                    self.in_memory -= block[1].count(1, lo, hi)
                     block[1][lo:hi] = bytes(hi - lo)
                     if block[1].find(1) < 0:
                         del self.kept[b]
+            self._give_back()
+
+    def _write(self, data: bytes | bytearray, at: int) -> None:
+        """`data` into the file from offset `at`, all of it (an OSError: not all)."""
+        fd, view = self._fd(), memoryview(data)
+        while view:
+            n = os.pwrite(fd, view, at)
+            view, at = view[n:], at + n
+
+    def _give_back(self) -> None:
+        """Move kept blocks' keys to the file (it took a write again), up to CHUNK bytes of
+        them: a little at each write, not a pause of the model's lock for all of them."""
+        moved = 0
+        while self.kept and moved < CHUNK:
+            b = next(iter(self.kept))
+            keys, held = self.kept[b]
+            try:
+                i = held.find(1)
+                while i >= 0:  # (each span of keys held here, in one write)
+                    j = held.find(0, i)
+                    j = RUN if j < 0 else j
+                    self._write(keys[i * KEY_BYTES : j * KEY_BYTES], (b * RUN + i) * KEY_BYTES)
+                    moved += (j - i) * KEY_BYTES
+                    i = held.find(1, j)
+            except OSError:  # (full again: the next write that succeeds tries again)
+                return
+            self.in_memory -= held.count(1)
+            del self.kept[b]
+        if not self.kept:
+            log.info("page keys back in their file", extra={"dir": self._dir()})
 
     def get(self, s: int) -> bytes:
         """Slot `s`'s key (one it was given)."""

@@ -42,8 +42,9 @@ from typing import Any
 
 from cachemgr.errors import CachemgrError
 from cachemgr.fs.atomic import write_atomic
-from cachemgr.fs.deletion import delete_own_temps
-from cachemgr.fs.safe import is_own_temp, open_dir, open_file
+from cachemgr.fs.deletecheck import Names
+from cachemgr.fs.deletion import sweep_own_temps
+from cachemgr.fs.safe import is_own_temp, open_file
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.keyfile import CHUNK, KEY_BYTES
 from cachemgr.gc.pagestore import COLUMNS, FULL, NARROW, NONE, WIDER, PageStore
@@ -121,16 +122,14 @@ def _sweep_temps(path: Path) -> None:
     from the state dir. Only this file's, only regular files, only old ones (one changed
     lately may be a save in progress of a daemon of another machine on the same state dir)."""
     prefix = f".{path.name}."
+    kind: Names = (lambda n: n.startswith(prefix) and is_own_temp(n), "a chain model temp file")
     try:
-        with open_dir(path.parent, "") as fd, os.scandir(fd) as entries:
-            names = [e.name for e in entries if e.name.startswith(prefix) and is_own_temp(e.name)]
-        if names:
-            r = delete_own_temps(path.parent, "", names, older_than=STALE_TEMP)
-            if r.files:
-                log.info(
-                    "chain model temp files of killed saves deleted",
-                    extra={"files": r.files, "bytes": r.bytes},
-                )
+        r = sweep_own_temps(path.parent, kind, older_than=STALE_TEMP)
+        if r.files:
+            log.info(
+                "chain model temp files of killed saves deleted",
+                extra={"files": r.files, "bytes": r.bytes},
+            )
     except (OSError, CachemgrError) as e:  # (the save goes on: the write says if it can)
         log.warning("chain model temp files not removed", extra={"error": str(e)})
 

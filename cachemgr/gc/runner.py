@@ -102,6 +102,11 @@ class LiveState:
         """False: never take the GC lock (another process should)."""
         return True
 
+    def keys_in_memory(self) -> int:
+        """Page keys the live model holds in memory, its key file refusing them (0: none, or
+        no live model); without the model's lock."""
+        return self.model.keys_in_memory if self.model is not None else 0
+
     def ahead(self, run_seconds: float) -> int:
         """Bytes the writer adds while a run of `run_seconds` frees space (an estimate)."""
         return 0
