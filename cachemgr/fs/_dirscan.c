@@ -992,7 +992,8 @@ static PyObject *group_tuple(const Group *x) {
 PyDoc_STRVAR(scan_doc,
 "scan(dir_fd, threads, rules, kind_of, levels=0, dir_ok=None, rows=None, nice=0) -> (groups, other, gone, pages)\n\n"
 "List the open directory `dir_fd` and stat every entry (not following symlinks) on\n"
-"`threads` threads (those it starts `nice` nicer than the caller; the caller's stays). `rules` is (key_min, key_max, temp_lead, temp_hex) (see\n"
+"`threads` threads (those it starts run `nice` nicer than the caller, whose own priority\n"
+"stays). `rules` is (key_min, key_max, temp_lead, temp_hex) (see\n"
 "cachemgr.backends.ScanRules). `groups` is a list of (shape, kind, files, bytes, digest,\n"
 "untracked, {size: files}) for the regular files, one per name shape (a leading\n"
 "key_min..key_max-hex-digit key, or the temp_hex hex digits after a leading temp_lead,\n"
