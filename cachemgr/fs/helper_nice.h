@@ -3,8 +3,8 @@
  * niceness it inherits, and at most 19. Relative, not absolute: under `nice -n 19`, run by
  * root, helpers set to 10 would run ahead of the daemon's own threads. Per thread on Linux;
  * best effort (a failure leaves the helper at its starter's priority). */
-#ifndef CACHEMGR_HELPER_NICE_H
-#define CACHEMGR_HELPER_NICE_H
+#ifndef HELPER_NICE_H
+#define HELPER_NICE_H
 
 #include <errno.h>
 #include <sys/resource.h>
