@@ -200,7 +200,9 @@ def test_a_scrape_runs_no_sql(tmp_path: Path) -> None:
             assert dm.get("/metrics").status_code == 200
         with dm.daemon.reader() as conn:
             conn.set_trace_callback(None)
-    assert by_thread and set(by_thread) == {"cachemgr-metrics"}
+    # (GC's thread reads through it too, after a run: its rearm, not a scrape's; a periodic
+    # run fell in this window on a loaded CI machine)
+    assert by_thread and set(by_thread) - {"cachemgr-gc"} == {"cachemgr-metrics"}
 
 
 def test_the_writers_pace_starts_a_run_early_but_deepens_it_by_half_the_gap() -> None:
