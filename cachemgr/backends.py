@@ -121,21 +121,43 @@ class FileFormat:
 
     def key_len(self, name: str) -> int | None:
         """The length of a page file's key, the prefix it shares with every file of its page;
-        None if `name` is not a page file."""
-        return _key_end(self.page.pattern, self.page.flags, name)
+        None if `name` is not a page file.
+
+        Parsed by its shape (ScanRules), as the scanner does: the page pattern's verdict on a
+        shape is its names' (a key is a run of hex digits, whichever digits), and a namespace's
+        millions of names have a handful of shapes. GC's deletions check every victim's name,
+        and a fullmatch of SGLang's page pattern took ~9 us of a ~40 us eviction a page
+        (bench/RESULTS.md)."""
+        run = _hex_run(name)
+        if self.scan.key_min <= run <= self.scan.key_max:
+            end = _shape_end(self.page.pattern, self.page.flags, run, name[run:])
+            if end is None or end == run:  # (another end: a key that is not the run, parsed
+                return end  # from the name itself; no format's)
+        return _key_end(self.page, name)
 
     def maybe_temp(self, name: str) -> bool:
         """False only for names that cannot be temps: the cheap filter before `classify`."""
         return not name.endswith(self.page_suffix)
 
 
-# Names parsed, whichever format's: the watcher parses each event's name, then the index and
-# GC's in-flight check parse the same names again (a hot prefix page is read thousands of
-# times), and the page pattern's fullmatch costs ~5 us (bench/RESULTS.md). About the
-# watcher's access window (cachemgr.daemon.watcher.ACCESSES) of names. Keyed by the pattern's
-# text, not the compiled pattern: a re.Pattern's hash is computed from its code at every call
-# (~1 us, most of a hit's cost); re.compile finds it again in re's own cache.
-@functools.lru_cache(maxsize=1 << 16)
-def _key_end(pattern: str, flags: int, name: str) -> int | None:
-    m = re.compile(pattern, flags).fullmatch(name)
+_HEX_RUN = re.compile("[0-9a-f]*")  # a key's digits (the scanner's too: _dirscan.c)
+
+
+def _hex_run(name: str) -> int:
+    """The length of the run of hex digits `name` starts with."""
+    m = _HEX_RUN.match(name)
+    return m.end() if m else 0  # (it always matches, maybe nothing)
+
+
+# Keyed by the pattern's text, not the compiled pattern: a re.Pattern's hash is computed from
+# its code at every call (~1 us, most of a hit's cost); re.compile finds it again in re's cache.
+@functools.lru_cache(maxsize=1 << 12)
+def _shape_end(pattern: str, flags: int, run: int, rest: str) -> int | None:
+    """_key_end of the shape of the names that are `run` hex digits then `rest`: one of the
+    handful a namespace's millions of names have."""
+    return _key_end(re.compile(pattern, flags), "0" * run + rest)
+
+
+def _key_end(page: re.Pattern[str], name: str) -> int | None:
+    m = page.fullmatch(name)
     return None if m is None else m.end("key")
