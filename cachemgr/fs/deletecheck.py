@@ -41,9 +41,7 @@ OWN_TEMPS: Names = (is_own_temp, "a cachemgr temp file name")
 
 
 def names_of(fmt: FileFormat) -> Names:
-    """A format's page and temp file names. A page is told by `key_len`, which keeps what
-    it parsed: the daemon's model, told of each chunk GC deleted, parses the same names for
-    their keys next (cachemgr.gc.chains.ChainModel.forget_gone)."""
+    """A format's page and temp file names (a page told by its shape: FileFormat.key_len)."""
     return (
         lambda name: fmt.key_len(name) is not None or fmt.classify(name) is not FileKind.FOREIGN,
         f"a page or temp file name of {fmt.name}",
