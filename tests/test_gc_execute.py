@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import sqlite3
 import subprocess
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -64,3 +66,23 @@ def test_each_chunk_is_audited_once_deleted_a_paced_runs_a_pacer_batch_at_a_time
     size = CHUNK if rate is None else pacer.batch
     assert audited == [size] * (n // size) + [n % size]
     assert not tree.files(NS)
+
+
+def test_a_run_deletes_nothing_while_another_connection_holds_the_write_lock(tree: Tree) -> None:
+    """A foreign write lock held past the store's patience: the run unlinks no file it could
+    not record (it used to delete a chunk, then wait for the lock to record it), and its
+    report names the lock's holder."""
+    names = [page(i) for i in range(CHUNK + 10)]
+    tree.write(NS, names, at=T0, size=10)
+    plan = tree.plan(policy(max_bytes=1), now=T0 + 1)
+    tree.store.patience = 0.2
+    told: list[str] = []
+    with closing(sqlite3.connect(tree.layout.db_path, isolation_level=None)) as foreign:
+        foreign.execute("BEGIN IMMEDIATE")
+        report = execute_gc(plan, tree.run(clock=lambda: T0 + 1, locked=told.append))
+        foreign.execute("ROLLBACK")
+    assert tree.files(NS) == set(names)
+    assert report.files == 0 and report.locked_by is not None and told == [report.locked_by]
+    (warning,) = report.warnings
+    assert warning.startswith(f"stopped deleting: the state DB was write-locked by {told[0]}")
+    assert tree.store.conn.execute("SELECT COUNT(*) FROM audit").fetchone()[0] == 0

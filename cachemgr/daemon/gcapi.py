@@ -150,9 +150,9 @@ class SharedGcRuns:
     Joining is an await, not a worker thread: sync routes run on anyio's pool of 40 threads,
     which /healthz and /metrics share, and 50 requests queued on a 10 s GC used to take it all.
 
-    A run whose record of deleted files waits out another process's write lock on the state
-    DB (it must: the files are gone) deletes no more, and its requests get StateLocked (503)
-    then, not once the lock is gone: the run records what it deleted when it is free.
+    A run that finds another process holding the state DB's write lock deletes no more, and
+    its requests get StateLocked (503); one whose record of deleted files waits that lock out
+    (it must: the files are gone) answers so then, not once the lock is gone.
     """
 
     def __init__(self, runner: GcRunner) -> None:

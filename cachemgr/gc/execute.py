@@ -180,11 +180,18 @@ def execute_gc(
     if waited:
         warnings += (
             f"stopped deleting: the state DB was write-locked by {waited[0]}; what was deleted "
-            "was recorded once it was free",
+            "is recorded (if its record had to wait, once the lock was free)",
         )
     unmet, warnings = linked_verdict(results, plan.unmet, warnings)
     report = GcReport(
-        run.dry_run, True, started, run.clock(), tuple(results), warnings, unmet=unmet
+        run.dry_run,
+        True,
+        started,
+        run.clock(),
+        tuple(results),
+        warnings,
+        unmet=unmet,
+        locked_by=waited[0] if waited else None,
     )
     _log_summary(report, run.actor)
     return report
@@ -325,6 +332,8 @@ class _Chunks:
         layout = run.layout
         if not chunk:
             return DeleteReport(dry_run=run.dry_run), None
+        if not run.dry_run and not _recordable(run):
+            return DeleteReport(), (_STOPPED, None)
         gone: dict[str, int | None] = {}
         before = _dir_id(layout, step.rel_dir)
         # Unpaced here, paced below once the chunk is recorded: a kill -9 during the pacer's
@@ -423,6 +432,21 @@ def _pace(pacer: Pacer | None, files: int) -> None:
     if pacer is not None:
         for _ in range(files):
             pacer.tick()
+
+
+def _recordable(run: RunContext) -> bool:
+    """Whether a chunk's record can be written now: the state DB's write lock is free, or
+    freed within the store's patience. Under a foreign holder (a person's `sqlite3` shell in
+    a transaction, a backup tool) a chunk's files went, and its record waited for as long as
+    the holder held on; now the run deletes nothing more (run.locked) and says so. A lock
+    taken between this and the record is waited out there (_record_chunk)."""
+    try:
+        with run.store.transaction():
+            pass
+    except StateLocked:
+        run.locked(busy.describe_holders(run.store.path))
+        return False
+    return True
 
 
 def _record_chunk(run: RunContext, step: GcStep, gone: list[str], r: DeleteReport) -> None:

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from cachemgr.errors import CachemgrError, StateCorrupt, StateError
+from cachemgr.errors import CachemgrError, StateCorrupt, StateError, StateLocked
 from cachemgr.fs import reserve
 from cachemgr.fs.deletecheck import REFUSAL_REASONS, RefusalReason, reason_of
 from cachemgr.fs.deletion import Pacer, Progress
@@ -358,6 +358,12 @@ class GcRunner(Worker):
             reserve.keep(self.layout.state_dir)
             self._note_denied(report)
             self.live.after_run(self)
+        if report.locked_by is not None:  # counted above: what it deleted is recorded
+            raise StateLocked(
+                f"state DB {self.store.path} was write-locked by {report.locked_by}: GC stopped "
+                "deleting (what it deleted is in the index and the audit) and runs again once "
+                "the lock is released"
+            )
         return report
 
     def _floor_first(self, dry_run: bool, actor: str, policy: GcPolicy) -> GcReport | None:

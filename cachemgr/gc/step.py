@@ -151,6 +151,9 @@ class GcReport(ByReason):
     warnings: tuple[str, ...] = ()
     holder: str | None = None  # who leads GC when this process does not
     unmet: tuple[Unmet, ...] = ()  # limits the plan could not bring back under (see Unmet)
+    # Who held the state DB's write lock that stopped the run deleting (it deletes nothing it
+    # cannot record): the run failed (cachemgr.gc.runner raises StateLocked).
+    locked_by: str | None = None
 
     def totals(self) -> dict[GcReason, tuple[int, int]]:
         """(files, bytes) per reason."""
@@ -245,6 +248,7 @@ def joined(floor: GcReport | None, report: GcReport) -> GcReport:
         steps=floor.steps + report.steps,
         warnings=tuple(dict.fromkeys(warnings)),  # each said once
         unmet=report.unmet + unmet,
+        locked_by=report.locked_by or floor.locked_by,
     )
 
 

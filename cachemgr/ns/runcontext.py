@@ -30,13 +30,14 @@ class RunContext:
     dry_run: bool = False  # stat the same files, delete none
     pacer: Pacer | None = None  # deletions per second at most (None: unpaced)
     clock: Callable[[], float] = time.time
-    stop: Callable[[], bool] = lambda: False  # true (a shutdown): end after the current chunk
+    stop: Callable[[], bool] = lambda: False  # true (a shutdown): end after the current part
     # False: this process may delete no more (fleet mode: it lost the GC lease); asked with
-    # `stop` before each step and chunk of a real run.
+    # `stop` before each step, chunk and part of a real run.
     fence: Callable[[], bool] = lambda: True
     # Who uses a namespace dir right now: none may lose it as unbound.
     users: DirUsers = live_users
-    # Told who holds the state DB's write lock when the record of files already deleted has
-    # waited for it longer than a write waits: the record waits on (the files are gone), and
-    # the run deletes no more; whoever waits for the run may answer meanwhile (POST /v1/gc).
+    # Told who holds the state DB's write lock when a chunk could not take it within a write's
+    # wait (the run deletes no more), or when the record of a chunk already deleted has waited
+    # that long (it waits on: the files are gone); whoever waits for the run may answer
+    # meanwhile (POST /v1/gc).
     locked: Callable[[str], None] = unheeded
