@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import subprocess
 from collections.abc import Iterator
@@ -12,6 +13,8 @@ import pytest
 
 from cachemgr.fs.deletion import Pacer
 from cachemgr.gc.execute import CHUNK, execute_gc
+from cachemgr.gc.plan import GcPlan
+from cachemgr.gc.step import GcReport
 from tests.gc_helpers import NS, T0, Tree, page, policy
 
 
@@ -74,15 +77,38 @@ def test_a_run_deletes_nothing_while_another_connection_holds_the_write_lock(tre
     report names the lock's holder."""
     names = [page(i) for i in range(CHUNK + 10)]
     tree.write(NS, names, at=T0, size=10)
-    plan = tree.plan(policy(max_bytes=1), now=T0 + 1)
+    report = under_a_foreign_lock(tree, tree.plan(policy(max_bytes=1), now=T0 + 1))
+    assert tree.files(NS) == set(names)
+    (warning,) = report.warnings
+    assert warning.startswith(
+        f"stopped deleting: the state DB was write-locked by {report.locked_by}"
+    )
+
+
+def test_a_trash_entry_is_not_drained_while_another_connection_holds_the_write_lock(
+    tree: Tree,
+) -> None:
+    """The same for a purged namespace's entry in .trash/: its drain records once it is done,
+    and deleted the whole entry first."""
+    entry = tree.layout.trash / f"{NS}.purged"
+    entry.mkdir()
+    for i in range(5):
+        (entry / page(i)).write_bytes(b"t" * 700)
+    plan = tree.plan(policy(), now=T0 + 1)
+    assert [s.reason for s in plan.steps] == ["trash"]
+    under_a_foreign_lock(tree, plan)
+    assert len(os.listdir(entry)) == 5
+
+
+def under_a_foreign_lock(tree: Tree, plan: GcPlan) -> GcReport:
+    """`plan` executed while another connection holds the state DB's write lock: nothing
+    deleted is audited, and the report names the holder, as `locked` was told."""
     tree.store.patience = 0.2
     told: list[str] = []
     with closing(sqlite3.connect(tree.layout.db_path, isolation_level=None)) as foreign:
         foreign.execute("BEGIN IMMEDIATE")
         report = execute_gc(plan, tree.run(clock=lambda: T0 + 1, locked=told.append))
         foreign.execute("ROLLBACK")
-    assert tree.files(NS) == set(names)
     assert report.files == 0 and report.locked_by is not None and told == [report.locked_by]
-    (warning,) = report.warnings
-    assert warning.startswith(f"stopped deleting: the state DB was write-locked by {told[0]}")
     assert tree.store.conn.execute("SELECT COUNT(*) FROM audit").fetchone()[0] == 0
+    return report

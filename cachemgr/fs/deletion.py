@@ -45,10 +45,10 @@ from cachemgr.layout import NS_DIR, check_ns_id
 Progress = Callable[[int, int], None]  # (files so far, bytes so far)
 # A name that is no longer there, with the bytes its deletion freed (None: it had vanished).
 Removed = Callable[[str, int | None], None]
-PART = 256  # names checked and unlinked per call into C: how often the root path is re-checked
-# A nested format's unpaced parts are this many times larger: its C call checks every dir
-# below the namespace dir before each unlink, so the root's walk is only for the dirs above.
-NESTED_PART = 8
+# Names checked and unlinked per call into C, whatever the format: how often the root path is
+# re-checked, and a stop asked (Listeners.stop: a leader frozen after that check, then woken
+# without the GC lease, unlinks at most this many files late).
+PART = 256
 # Unlinks at once, unpaced: on one thread the kernel's work per unlink is serialised on waits
 # (journal, inode eviction); a few threads in one dir ran 1.5-10x one (bench/RESULTS.md).
 THREADS = 8
@@ -177,8 +177,7 @@ def delete_files(
     stopped = halted = False
     with open_dir(root, rel_dir) as fd, open_dir(root, parent) as parent_fd:
         where = Where(fd, parent_fd, leaf, dir_id(fd))
-        # nested and unpaced: larger parts (the C call re-checks the dirs below rel_dir itself)
-        parts, unlink = _parts(fd, list(names), fmt, step, 1 if paced else NESTED_PART, checked)
+        parts, unlink = _parts(fd, list(names), fmt, step, checked)
         for part in parts:
             if listeners.stop is not None and listeners.stop():
                 halted = True
@@ -236,7 +235,7 @@ def _emptied(fd: int) -> bool:
 
 
 def _parts(
-    fd: int, names: list[str], fmt: FileFormat, step: int, grow: int, checked: Checked
+    fd: int, names: list[str], fmt: FileFormat, step: int, checked: Checked
 ) -> tuple[Iterator[Any], Callable[..., tuple[list[tuple[str, int]], bool]]]:
     """The parts of `names` to unlink in turn, and what unlinks one: names of the dir itself
     (never a path: unlinkat would walk its dirs, links and all), or a nested format's dirs
@@ -252,7 +251,7 @@ def _parts(
     why = f"not a file of {fmt.name} in a folder it vouches for"
     for name in bad:
         checked.refuse(name, why, "not_ours")
-    return _dir_parts(sorted(by_dir.items()), step * grow), check_and_unlink_dirs
+    return _dir_parts(sorted(by_dir.items()), step), check_and_unlink_dirs
 
 
 def _dir_parts(dirs: list[tuple[str, list[str]]], step: int) -> Iterator[Part]:

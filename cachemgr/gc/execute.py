@@ -255,6 +255,8 @@ def _run_step(run: RunContext, step: GcStep, tally: _Tally, told: _Told) -> Step
     layout = run.layout
     dry_run = run.dry_run
     base = StepResult(step)
+    if not dry_run and not _recordable(run):  # (a chunk of pages asks again: _Chunks)
+        return replace(base, skipped=_STOPPED)
     if _drops(step) and step.namespace_id and not dry_run:
         result = drop_namespace(run, step, tally.offset())
         tally.add(result)
@@ -435,11 +437,12 @@ def _pace(pacer: Pacer | None, files: int) -> None:
 
 
 def _recordable(run: RunContext) -> bool:
-    """Whether a chunk's record can be written now: the state DB's write lock is free, or
-    freed within the store's patience. Under a foreign holder (a person's `sqlite3` shell in
-    a transaction, a backup tool) a chunk's files went, and its record waited for as long as
-    the holder held on; now the run deletes nothing more (run.locked) and says so. A lock
-    taken between this and the record is waited out there (_record_chunk)."""
+    """Whether what a step or chunk deletes can be recorded now: the state DB's write lock is
+    free, or freed within the store's patience. Under a foreign holder (a person's `sqlite3`
+    shell in a transaction, a backup tool) a chunk's files went, and its record waited for as
+    long as the holder held on; now the run deletes nothing more (run.locked) and says so. A
+    lock taken after this is waited out by the record (_record_chunk; a trash entry's drain
+    records once it is done)."""
     try:
         with run.store.transaction():
             pass

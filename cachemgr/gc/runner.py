@@ -71,10 +71,13 @@ class GcStats:
     unmet: tuple[Unmet, ...] = ()
 
     def count(self, report: GcReport) -> None:
-        """One run that executed: `ok`, or `short` if it held no limit it had to hold."""
+        """One run that executed: `ok`, `short` if it held no limit it had to hold, or `error`
+        if another's write lock on the state DB stopped it (it then raises StateLocked)."""
         for reason, files in report.refused_files().items():
             self.refused[reason] += files
-        if report.held:
+        if report.locked_by is not None:
+            self.error += 1
+        elif report.held:
             self.ok += 1
             self.last_success = report.finished_at
         else:

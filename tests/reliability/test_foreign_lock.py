@@ -107,6 +107,12 @@ def audit(db: Path, action: str, ns: str) -> tuple[int, int]:
     return int(rows), int(pages)
 
 
+def gc_runs(dm: RunningDaemon, result: str) -> float:
+    value = metric(dm.get("/metrics").text, "cachemgr_gc_runs_total", result=result)
+    assert value is not None
+    return value
+
+
 def files(ns_dir: Path) -> set[str]:
     return {p.name for p in ns_dir.iterdir() if p.name.endswith(".bin")}
 
@@ -266,13 +272,13 @@ def test_gc_says_it_cannot_hold_a_cap_while_a_foreign_lock_holds_the_index_back(
     assert any(line["msg"] == "gc cycle succeeded again" for line in log.lines)
 
 
-def test_a_gc_request_during_a_foreign_lock_answers_and_its_deletions_are_recorded(
+def test_a_gc_request_during_a_foreign_lock_answers_503_deletes_nothing_and_counts_a_failure(
     tmp_path: Path,
 ) -> None:
     """`POST /v1/gc` while another process holds the write lock: GC deleted a chunk and then
     waited out the lock to record it, and the request hung as long as the lock. It answers a
-    503 problem naming the holder while the lock is held, and the run deletes nothing it could
-    not record (it deleted a chunk first, whose record then waited)."""
+    503 problem naming the holder while the lock is held, the run deletes nothing it could not
+    record, and it counts as a failed run, not a success (CachemgrGCFailing)."""
     layout = Layout.at(tmp_path / "root")
     create_root(layout)
     a = register_namespace(layout, NS_A, instance="sglang-a")
@@ -293,6 +299,8 @@ def test_a_gc_request_during_a_foreign_lock_answers_and_its_deletions_are_record
             with httpx.Client(base_url=dm.url, timeout=120) as c:
                 answer.append(c.post("/v1/gc", json={"namespace_max_bytes": CAP}))
 
+        runs = {r: gc_runs(dm, r) for r in ("ok", "error")}
+        success = metric(dm.get("/metrics").text, "cachemgr_gc_last_success_timestamp_seconds")
         foreign = hold_write_lock(layout.db_path)
         asker = threading.Thread(target=collect, name="test-gc")
         try:
@@ -312,6 +320,9 @@ def test_a_gc_request_during_a_foreign_lock_answers_and_its_deletions_are_record
         # Nothing went, during the lock or after it, and the index still holds every page.
         time.sleep(1)
         assert deleted_during == 0 and len(files(a)) == 600
+        assert gc_runs(dm, "ok") == runs["ok"] and gc_runs(dm, "error") == runs["error"] + 1
+        after = metric(dm.get("/metrics").text, "cachemgr_gc_last_success_timestamp_seconds")
+        assert after == success
         assert audit(layout.db_path, "evict", NS_A) == (0, 0)
         assert indexed(layout.db_path, NS_A) == files(a)
         assert dm.get("/healthz").status_code == 200
