@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from cachemgr.fs.deletion import Pacer
 from cachemgr.gc.execute import CHUNK, execute_gc
 from cachemgr.gc.plan import GcPlan
 from cachemgr.gc.step import GcReport
@@ -52,23 +51,6 @@ def test_a_refused_unlink_is_kept_loudly_with_index_and_audit_exact(tree: Tree) 
         len(names) - len(on_disk),
         10 * (len(names) - len(on_disk)),
     )
-
-
-@pytest.mark.parametrize("rate", [None, 1e9])
-def test_each_chunk_is_audited_once_deleted_a_paced_runs_a_pacer_batch_at_a_time(
-    tree: Tree, rate: float | None
-) -> None:
-    """Unpaced (a run holding a limit), CHUNK names are unlinked and recorded at a time; paced,
-    a pacer's batch, so its sleeps fall between recorded chunks."""
-    n = CHUNK + CHUNK // 2
-    tree.write(NS, [page(i) for i in range(n)], at=T0, size=10)
-    plan = tree.plan(policy(max_bytes=1), now=T0 + 1)
-    pacer = Pacer(rate=rate, batch=100)
-    execute_gc(plan, tree.run(clock=lambda: T0 + 1, pacer=pacer))
-    audited = [p for (p,) in tree.store.conn.execute("SELECT pages FROM audit ORDER BY id")]
-    size = CHUNK if rate is None else pacer.batch
-    assert audited == [size] * (n // size) + [n % size]
-    assert not tree.files(NS)
 
 
 def test_a_run_deletes_nothing_while_another_connection_holds_the_write_lock(tree: Tree) -> None:

@@ -39,10 +39,10 @@ log = logging.getLogger(__name__)
 # Names per delete call: each chunk's index rows and its audit row are written in one
 # transaction once its files are gone, so a kill -9 leaves at most one chunk unaudited. A stop
 # (a shutdown, the GC lease lost) is asked before each part of it (cachemgr.fs.deletion.PART).
-# Each chunk costs a transaction, the dir's opens from the root and the model's lock: a daemon
-# evicting 250,000 pages spent ~12 s deleting and recording them in chunks of 256 and ~10 s in
-# chunks of 1,024 (bench/RESULTS.md). A paced run's chunk is its pacer's batch.
-CHUNK = 1024
+# Chunks of 1,024 evicted ~7 % faster, but the requests' pages are spared a chunk at a time
+# (Spare): on recorded traffic they cost hits and let the cache fall further under a cap
+# (bench/RESULTS.md, session 32).
+CHUNK = 256
 # (namespace, the step's names, from which on they are not deleted yet) -> names to spare after
 # all (asked before each chunk of a step that holds a limit: a request may have reached a page
 # since the plan).
@@ -272,33 +272,25 @@ def _run_step(run: RunContext, step: GcStep, tally: _Tally, told: _Told) -> Step
     if step.namespace_id is None and step.reason == "tmp":
         return _sweep_own_temps(run, step, base)
     chunks = _Chunks(run, step, step_format(layout, step), tally, told)
-    size = _chunk_size(run.pacer)
     staying: set[str] = set()
-    done, ended = chunks.delete(_unspared(step, told.spare, staying, size))
+    done, ended = chunks.delete(_unspared(step, told.spare, staying))
     back = DeleteReport(dry_run=dry_run)
     if ended is None:
         # Pages spared since the plan yield to the limit as any protection does: tails first,
         # in the step's order (what stays of a chain is a usable prefix), as far as it needs.
         taken = _taken_back(step, staying, done)
-        back, ended = chunks.delete(taken[i : i + size] for i in range(0, len(taken), size))
+        back, ended = chunks.delete(taken[i : i + CHUNK] for i in range(0, len(taken), CHUNK))
     result = replace(base.done(done + back), overridden=back.files)
     return result if ended is None else replace(result, skipped=ended[0], denied=ended[1])
 
 
-def _chunk_size(pacer: Pacer | None) -> int:
-    """Names per chunk: CHUNK, or a paced run's pacer batch if smaller."""
-    return min(CHUNK, pacer.batch) if pacer is not None and pacer.rate else CHUNK
-
-
-def _unspared(
-    step: GcStep, spare: Spare | None, staying: set[str], size: int
-) -> Iterator[list[str]]:
-    """The step's names in chunks of `size`, less those requests reached since the plan
+def _unspared(step: GcStep, spare: Spare | None, staying: set[str]) -> Iterator[list[str]]:
+    """The step's names in chunks of CHUNK, less those requests reached since the plan
     (`spare`, asked before each chunk; they gather in `staying`)."""
-    for i in range(0, len(step.names), size):
+    for i in range(0, len(step.names), CHUNK):
         if spare is not None and step.namespace_id is not None:
             staying.update(spare(step.namespace_id, step.names, i))
-        yield [n for n in step.names[i : i + size] if n not in staying]
+        yield [n for n in step.names[i : i + CHUNK] if n not in staying]
 
 
 _Ended = tuple[str, str | None]  # why a step ended early, and the kernel's refusal if it did
