@@ -40,8 +40,7 @@ log = logging.getLogger(__name__)
 # transaction once its files are gone, so a kill -9 leaves at most one chunk unaudited. A stop
 # (a shutdown, the GC lease lost) is asked before each part of it (cachemgr.fs.deletion.PART).
 # Chunks of 1,024 evicted ~7 % faster, but the requests' pages are spared a chunk at a time
-# (Spare): on recorded traffic they cost hits and let the cache fall further under a cap
-# (bench/RESULTS.md, session 32).
+# (Spare): on recorded traffic the cache fell further under a cap (bench/RESULTS.md, session 32).
 CHUNK = 256
 # (namespace, the step's names, from which on they are not deleted yet) -> names to spare after
 # all (asked before each chunk of a step that holds a limit: a request may have reached a page
