@@ -125,9 +125,9 @@ class FileFormat:
 
         Parsed by its shape (ScanRules), as the scanner does: the page pattern's verdict on a
         shape is its names' (a key is a run of hex digits, whichever digits), and a namespace's
-        millions of names have a handful of shapes. GC's deletions check every victim's name,
-        and a fullmatch of SGLang's page pattern took ~9 us of a ~40 us eviction a page
-        (bench/RESULTS.md)."""
+        millions of names have a handful of shapes. GC parses each victim's name twice (its
+        deletion's check, the model's forget): 4.8 us a victim by fullmatch, 2.5 by shape
+        (bench/RESULTS.md, session 32)."""
         run = _hex_run(name)
         if self.scan.key_min <= run <= self.scan.key_max:
             end = _shape_end(self.page.pattern, self.page.flags, run, name[run:])

@@ -11,7 +11,6 @@ import pytest
 
 from cachemgr.daemon.events import LOCAL, Kind
 from cachemgr.daemon.page_events import PageEvents
-from cachemgr.fs.deletion import PART
 from cachemgr.gc import find as gcfind
 from cachemgr.gc.check import needs_gc
 from cachemgr.gc.execute import CHUNK, execute_gc
@@ -307,26 +306,20 @@ def test_event_sequence_follows_observation_order_and_resumes(tree: Tree) -> Non
     again.store.close()
 
 
-@pytest.mark.parametrize("parts", [1, CHUNK // PART + 1])
-def test_a_stop_ends_the_run_after_the_part_being_deleted(tree: Tree, parts: int) -> None:
-    """Daemon shutdown (or the GC lease lost): GC finishes the part of names it is deleting,
-    mid-chunk or at a chunk's end, and records what it deleted (index and audit agree), no
-    more."""
+def test_a_stop_ends_the_run_after_the_chunk_being_deleted(tree: Tree) -> None:
+    """Daemon shutdown: GC finishes the chunk it is deleting (index and audit agree), no more."""
     names = [page(i) for i in range(5000)]
     tree.write(NS, names, at=T0, size=10)
     plan = tree.plan(policy(max_bytes=1), now=T0 + 1)
-    # The step and its first chunk, then a check before each part (and each chunk): stop
-    # once `parts` parts are gone.
-    checks = iter([False] * (2 + parts + parts // (CHUNK // PART)))
+    checks = iter([False, False])  # the step, then its first chunk; stop after that
     report = execute_gc(plan, tree.run(clock=lambda: T0 + 1, stop=lambda: next(checks, True)))
     (step,) = report.steps
-    deleted = parts * PART
-    assert step.files == deleted and step.skipped and step.skipped.startswith("stopped")
-    assert len(tree.files(NS)) == 5000 - deleted
+    assert step.files == CHUNK and step.skipped and step.skipped.startswith("stopped")
+    assert len(tree.files(NS)) == 5000 - CHUNK
     (left,) = tree.store.conn.execute("SELECT COUNT(*) FROM pages").fetchone()
-    assert left == 5000 - deleted
+    assert left == 5000 - CHUNK
     audited = tree.store.conn.execute("SELECT SUM(pages) FROM audit WHERE action = 'evict'")
-    assert audited.fetchone()[0] == deleted
+    assert audited.fetchone()[0] == CHUNK
 
 
 def test_a_namespace_dir_turned_symlink_is_skipped_and_gc_goes_on(

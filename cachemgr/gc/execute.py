@@ -37,10 +37,11 @@ from cachemgr.state import busy, pages_sql
 
 log = logging.getLogger(__name__)
 # Names per delete call: each chunk's index rows and its audit row are written in one
-# transaction once its files are gone, so a kill -9 leaves at most one chunk unaudited. A stop
-# (a shutdown, the GC lease lost) is asked before each part of it (cachemgr.fs.deletion.PART).
-# Chunks of 1,024 evicted ~7 % faster, but the requests' pages are spared a chunk at a time
-# (Spare): on recorded traffic the cache fell further under a cap (bench/RESULTS.md, session 32).
+# transaction once its files are gone, so a kill -9 leaves at most one chunk unaudited; a stop
+# (a shutdown, the GC lease lost) is asked before each, as is the fence: a chunk is one part
+# (cachemgr.fs.deletion.PART). Chunks of 1,024 evicted ~7 % faster, but the requests' pages
+# are spared a chunk at a time (Spare): on recorded traffic the cache fell further under a cap
+# (bench/RESULTS.md, session 32).
 CHUNK = 256
 # (namespace, the step's names, from which on they are not deleted yet) -> names to spare after
 # all (asked before each chunk of a step that holds a limit: a request may have reached a page
@@ -310,6 +311,9 @@ class _Chunks:
         ended if it did."""
         total = DeleteReport(dry_run=self.run.dry_run)
         for chunk in chunks:
+            # The lock first: its wait may be long, and the stop (the fence) must come after it.
+            if chunk and not self.run.dry_run and not _recordable(self.run):
+                return total, (_STOPPED, None)
             if self.run.stop():
                 return total, (_STOPPED, None)
             r, ended = self._delete(chunk)
@@ -325,8 +329,6 @@ class _Chunks:
         layout = run.layout
         if not chunk:
             return DeleteReport(dry_run=run.dry_run), None
-        if not run.dry_run and not _recordable(run):
-            return DeleteReport(), (_STOPPED, None)
         gone: dict[str, int | None] = {}
         before = _dir_id(layout, step.rel_dir)
         # Unpaced here, paced below once the chunk is recorded: a kill -9 during the pacer's
@@ -348,9 +350,7 @@ class _Chunks:
                 min_age=step.min_age,
                 now=run.clock,
                 fmt=self.fmt,
-                listeners=Listeners(
-                    progress=self.tally.offset(), removed=gone.__setitem__, stop=run.stop
-                ),
+                listeners=Listeners(progress=self.tally.offset(), removed=gone.__setitem__),
             )
         except OSError as e:  # an unlink refused: what went before it is recorded all the same
             if not run.dry_run and _dir_id(layout, step.rel_dir) == before:
@@ -367,7 +367,7 @@ class _Chunks:
         if not run.dry_run:
             self._record(list(gone), r)
         _pace(run.pacer, r.files)
-        return r, (_STOPPED, None) if r.stopped else None
+        return r, None
 
     @contextmanager
     def _telling(self, chunk: list[str], gone: dict[str, int | None]) -> Iterator[None]:
