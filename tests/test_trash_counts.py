@@ -4,7 +4,9 @@ and doctor read it instead of walking the entry, and every drain counts it down 
 from __future__ import annotations
 
 import os
+import sqlite3
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 
@@ -123,3 +125,31 @@ def test_an_entry_with_a_count_turned_symlink_is_refused_not_counted(
     (told,) = describe_trash(tree.layout, recorded(tree))
     assert told.problem is not None and told.pages == 0
     assert len(os.listdir(elsewhere)) == 10  # nothing behind the link touched
+
+
+def test_a_drain_whose_record_meets_a_foreign_lock_says_who_holds_it_then_records(
+    tree: Tree,
+) -> None:
+    """A drain deleted its entry and then waited, with no word, for another process's write
+    lock to record it: a `POST /v1/gc` waiting for the run hung for as long as the lock. Its
+    record now tells `locked` who holds it once it has waited a write's patience, and lands
+    once the lock goes."""
+    entry = purged(tree, 300)
+    tree.store.patience = 0.2
+    told: list[str] = []
+    with closing(sqlite3.connect(tree.layout.db_path, isolation_level=None)) as foreign:
+
+        def lock_midway(files: int, size: int) -> None:  # the holder comes during the drain
+            if not foreign.in_transaction:
+                foreign.execute("BEGIN IMMEDIATE")
+
+        def locked(holder: str) -> None:  # told: the holder lets go
+            told.append(holder)
+            foreign.execute("ROLLBACK")
+
+        part = drain_entry(tree.run(locked=locked), entry, progress=lock_midway)
+    assert len(told) == 1 and part.files == 300
+    audited = tree.store.conn.execute(
+        "SELECT pages FROM audit WHERE action = 'delete-trash'"
+    ).fetchall()
+    assert [tuple(r) for r in audited] == [(300,)] and recorded(tree) == {}

@@ -8,6 +8,7 @@ that is finished gets one audit row `delete-trash` with the pages/bytes actually
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import stat
@@ -29,7 +30,7 @@ from cachemgr.fs.tree import format_in, tree_chunks
 from cachemgr.layout import Layout
 from cachemgr.ns.purge_intent import settle_entry
 from cachemgr.ns.runcontext import RunContext
-from cachemgr.state import trash_sql
+from cachemgr.state import busy, trash_sql
 from cachemgr.state.store import Store
 
 Actor = Literal["cli", "http", "auto"]
@@ -249,7 +250,7 @@ def drain_entry(
             return DeleteReport(dry_run=dry_run)  # another drain finished it (and its count)
         raise
     if count is not None and audit_as is not None:
-        _record_deleted(run.store, entry, part, count, run.actor, audit_as)
+        _record_deleted(run, entry, part, count, audit_as)
     return part
 
 
@@ -301,20 +302,35 @@ def _ticker(
 
 
 def _record_deleted(
-    store: Store,
-    entry: str,
-    part: DeleteReport,
-    count: _CountDown,
-    actor: str,
-    audit_as: tuple[str, str],
+    run: RunContext, entry: str, part: DeleteReport, count: _CountDown, audit_as: tuple[str, str]
 ) -> None:
     """The audit row, and the entry's count less what `part` deleted (forgotten once its
     drain is done: what it left, foreign names, a scan counts and names). A drain that deleted
     nothing and left the entry (foreign files, for a person) writes no row: the daemon's GC
-    tries such an entry every run, and wrote a row of 0 pages each time."""
+    tries such an entry every run, and wrote a row of 0 pages each time. The files are gone:
+    the row waits out a foreign write lock however long it is held, once `run.locked` is told
+    who holds it (a `POST /v1/gc` waiting for the run answers then, not once it is free)."""
+    try:
+        _write_deleted(run, entry, part, count, audit_as, patience=None)
+    except StateLocked:  # nothing of it was written
+        run.locked(busy.describe_holders(run.store.path))
+        _write_deleted(run, entry, part, count, audit_as, patience=math.inf)
+
+
+def _write_deleted(
+    run: RunContext,
+    entry: str,
+    part: DeleteReport,
+    count: _CountDown,
+    audit_as: tuple[str, str],
+    *,
+    patience: float | None,
+) -> None:
+    """_record_deleted's transaction, waiting `patience` seconds for the write lock."""
+    store = run.store
     m = TRASH_RE.fullmatch(entry)
     left = bool(part.stopped or part.young or part.refused)
-    with store.transaction(patience=float("inf")):  # the files are gone: the audit must land
+    with store.transaction(patience=patience):
         if part.stopped or part.young:
             trash_sql.drained(store.conn, entry, *count.rest(part))
         else:
@@ -325,7 +341,7 @@ def _record_deleted(
             audit_as[0],
             namespace_id=m["ns"] if m else None,
             reason=audit_as[1],
-            actor=actor,
+            actor=run.actor,
             pages=part.files,
             bytes_=part.bytes,
         )
