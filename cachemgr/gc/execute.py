@@ -449,13 +449,8 @@ def _record_chunk(run: RunContext, step: GcStep, gone: list[str], r: DeleteRepor
     if not (gone or r.files):
         return
     at = run.clock()
-    try:
-        _write_chunk(run, step, gone, r, at, patience=None)
-    except StateLocked:  # nothing of it was written
-        # The files are gone: wait out a foreign write lock however long it is held, so the
-        # index and audit never miss what was deleted; the run deletes no more (run.locked).
-        run.locked(busy.describe_holders(run.store.path))
-        _write_chunk(run, step, gone, r, at, patience=math.inf)
+    # The index and audit never miss what was deleted; once told, the run deletes no more.
+    run.record_deleted(lambda patience: _write_chunk(run, step, gone, r, at, patience=patience))
 
 
 def _write_chunk(

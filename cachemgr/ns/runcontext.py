@@ -3,14 +3,17 @@ where, as whom, how fast, and when to stop."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from cachemgr.errors import StateLocked
 from cachemgr.fs.deletion import Pacer
 from cachemgr.layout import Layout
 from cachemgr.ns.liveuse import live_users
+from cachemgr.state import busy
 from cachemgr.state.store import Store
 
 DirUsers = Callable[[Path], list[int]]  # the pids using a dir as their storage dir (liveuse.py)
@@ -41,3 +44,14 @@ class RunContext:
     # that long (it waits on: the files are gone); whoever waits for the run may answer
     # meanwhile (POST /v1/gc).
     locked: Callable[[str], None] = unheeded
+
+    def record_deleted(self, write: Callable[[float | None], None]) -> None:
+        """Record files already deleted: `write(patience)` is a transaction that waits that
+        many seconds for the write lock (None: a write's wait). The files are gone, so a foreign
+        lock held longer is waited out however long it lasts, once `locked` is told who holds
+        it; nothing of the first try was written."""
+        try:
+            write(None)
+        except StateLocked:
+            self.locked(busy.describe_holders(self.store.path))
+            write(math.inf)

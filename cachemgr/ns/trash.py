@@ -8,7 +8,6 @@ that is finished gets one audit row `delete-trash` with the pages/bytes actually
 from __future__ import annotations
 
 import logging
-import math
 import os
 import re
 import stat
@@ -30,7 +29,7 @@ from cachemgr.fs.tree import format_in, tree_chunks
 from cachemgr.layout import Layout
 from cachemgr.ns.purge_intent import settle_entry
 from cachemgr.ns.runcontext import RunContext
-from cachemgr.state import busy, trash_sql
+from cachemgr.state import trash_sql
 from cachemgr.state.store import Store
 
 Actor = Literal["cli", "http", "auto"]
@@ -310,11 +309,9 @@ def _record_deleted(
     tries such an entry every run, and wrote a row of 0 pages each time. The files are gone:
     the row waits out a foreign write lock however long it is held, once `run.locked` is told
     who holds it (a `POST /v1/gc` waiting for the run answers then, not once it is free)."""
-    try:
-        _write_deleted(run, entry, part, count, audit_as, patience=None)
-    except StateLocked:  # nothing of it was written
-        run.locked(busy.describe_holders(run.store.path))
-        _write_deleted(run, entry, part, count, audit_as, patience=math.inf)
+    run.record_deleted(
+        lambda patience: _write_deleted(run, entry, part, count, audit_as, patience=patience)
+    )
 
 
 def _write_deleted(
