@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple, Protocol
 
 from cachemgr.backends import FileFormat
-from cachemgr.errors import StateLocked, UnsafePathError
+from cachemgr.errors import UnsafePathError
 from cachemgr.fs.deletecheck import Refusal, files_of, reason_of
 from cachemgr.fs.deletion import (
     DeleteReport,
@@ -33,7 +33,7 @@ from cachemgr.layout import Layout
 from cachemgr.ns.quarantine import is_denied
 from cachemgr.ns.runcontext import RunContext
 from cachemgr.ns.trash import drain_entry
-from cachemgr.state import busy, pages_sql
+from cachemgr.state import pages_sql
 
 log = logging.getLogger(__name__)
 # Names per delete call: each chunk's index rows and its audit row are written in one
@@ -255,7 +255,7 @@ def _run_step(run: RunContext, step: GcStep, tally: _Tally, told: _Told) -> Step
     layout = run.layout
     dry_run = run.dry_run
     base = StepResult(step)
-    if not dry_run and not _recordable(run):  # (a chunk of pages asks again: _Chunks)
+    if not dry_run and not run.recordable():  # (a chunk of pages asks again: _Chunks)
         return replace(base, skipped=_STOPPED)
     if _drops(step) and step.namespace_id and not dry_run:
         result = drop_namespace(run, step, tally.offset())
@@ -312,7 +312,7 @@ class _Chunks:
         total = DeleteReport(dry_run=self.run.dry_run)
         for chunk in chunks:
             # The lock first: its wait may be long, and the stop (the fence) must come after it.
-            if chunk and not self.run.dry_run and not _recordable(self.run):
+            if chunk and not self.run.dry_run and not self.run.recordable():
                 return total, (_STOPPED, None)
             if self.run.stop():
                 return total, (_STOPPED, None)
@@ -425,22 +425,6 @@ def _pace(pacer: Pacer | None, files: int) -> None:
     if pacer is not None:
         for _ in range(files):
             pacer.tick()
-
-
-def _recordable(run: RunContext) -> bool:
-    """Whether what a step or chunk deletes can be recorded now: the state DB's write lock is
-    free, or freed within the store's patience. Under a foreign holder (a person's `sqlite3`
-    shell in a transaction, a backup tool) a chunk's files went, and its record waited for as
-    long as the holder held on; now the run deletes nothing more (run.locked) and says so. A
-    lock taken after this is waited out by the record (_record_chunk; a trash entry's drain
-    records once it is done)."""
-    try:
-        with run.store.transaction():
-            pass
-    except StateLocked:
-        run.locked(busy.describe_holders(run.store.path))
-        return False
-    return True
 
 
 def _record_chunk(run: RunContext, step: GcStep, gone: list[str], r: DeleteReport) -> None:

@@ -33,17 +33,31 @@ class RunContext:
     dry_run: bool = False  # stat the same files, delete none
     pacer: Pacer | None = None  # deletions per second at most (None: unpaced)
     clock: Callable[[], float] = time.time
-    stop: Callable[[], bool] = lambda: False  # true (a shutdown): end after the current part
+    stop: Callable[[], bool] = lambda: False  # true (a shutdown): end after the current chunk
     # False: this process may delete no more (fleet mode: it lost the GC lease); asked with
-    # `stop` before each step, chunk and part of a real run.
+    # `stop` before each step and chunk of a real run, and each part of a drain.
     fence: Callable[[], bool] = lambda: True
     # Who uses a namespace dir right now: none may lose it as unbound.
     users: DirUsers = live_users
-    # Told who holds the state DB's write lock when a chunk could not take it within a write's
-    # wait (the run deletes no more), or when the record of a chunk already deleted has waited
-    # that long (it waits on: the files are gone); whoever waits for the run may answer
-    # meanwhile (POST /v1/gc).
+    # Told who holds the state DB's write lock when a step or chunk could not take it within a
+    # write's wait (recordable: the run deletes no more), or when the record of files already
+    # deleted has waited that long (record_deleted: it waits on); whoever waits for the run may
+    # answer meanwhile (POST /v1/gc).
     locked: Callable[[str], None] = unheeded
+
+    def recordable(self) -> bool:
+        """Whether what a step or chunk deletes can be recorded now: the state DB's write lock
+        is free, or freed within a write's wait. Under a foreign holder (a person's `sqlite3`
+        shell in a transaction, a backup tool) a chunk's files went, and its record waited for
+        as long as the holder held on; now the run deletes nothing more (`locked` is told). A
+        lock taken after this is waited out by the record (record_deleted)."""
+        try:
+            with self.store.transaction():
+                pass
+        except StateLocked:
+            self._tell_locked()
+            return False
+        return True
 
     def record_deleted(self, write: Callable[[float | None], None]) -> None:
         """Record files already deleted: `write(patience)` is a transaction that waits that
@@ -53,5 +67,8 @@ class RunContext:
         try:
             write(None)
         except StateLocked:
-            self.locked(busy.describe_holders(self.store.path))
+            self._tell_locked()
             write(math.inf)
+
+    def _tell_locked(self) -> None:
+        self.locked(busy.describe_holders(self.store.path))
