@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import threading
 from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import replace
@@ -15,6 +16,7 @@ import pytest
 from cachemgr.ns import trash
 from cachemgr.ns.purge import execute_purge, plan_purge, purge
 from cachemgr.ns.trash import describe_trash, drain_entry, left_for_people
+from cachemgr.state import store as store_module
 from cachemgr.state import trash_sql
 from tests.gc_helpers import NS, T0, Tree, page, policy
 
@@ -153,3 +155,72 @@ def test_a_drain_whose_record_meets_a_foreign_lock_says_who_holds_it_then_record
         "SELECT pages FROM audit WHERE action = 'delete-trash'"
     ).fetchall()
     assert [tuple(r) for r in audited] == [(300,)] and recorded(tree) == {}
+
+
+def test_a_drain_stops_at_a_foreign_lock_rather_than_delete_its_entry_unrecorded(
+    tree: Tree, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A foreign write lock taken midway (a person's `sqlite3` shell in a transaction) let a
+    drain delete the rest of its entry, millions of files at a purge's size, none of them in
+    the audit or the count until the lock went. Its count's tick now finds the lock, waits a
+    write's patience, says who holds it and stops the drain at its next part; what went is
+    recorded once the lock is free, the rest stays for the next drain."""
+    monkeypatch.setattr(trash, "COUNT_EVERY", 0.0)  # a tick at each progress report
+    monkeypatch.setattr(trash, "COUNT_PATIENCE", 0.05)
+    monkeypatch.setattr(store_module, "LOCK_POLL", 0.05)  # a BEGIN's own wait
+    entry = purged(tree, 2_500)
+    tree.store.patience = 0.2
+    told: list[str] = []
+    with closing(sqlite3.connect(tree.layout.db_path, isolation_level=None)) as foreign:
+
+        def lock_once(files: int, size: int) -> None:
+            if not told and not foreign.in_transaction:
+                foreign.execute("BEGIN IMMEDIATE")
+
+        def locked(holder: str) -> None:  # told: the holder lets go
+            told.append(holder)
+            foreign.execute("ROLLBACK")
+
+        part = drain_entry(tree.run(locked=locked), entry, progress=lock_once)
+    assert len(told) == 1 and part.stopped and part.files == 1_024  # the first report's
+    assert len(os.listdir(tree.layout.trash / entry)) == 1_476
+    assert recorded(tree) == {entry: (1_476, 147_600)}
+    audited = tree.store.conn.execute(
+        "SELECT pages FROM audit WHERE action = 'delete-trash'"
+    ).fetchall()
+    assert [tuple(r) for r in audited] == [(1_024,)]
+    rest = drain_entry(tree.run(), entry)  # the next drain finishes it
+    assert rest.files == 1_476 and recorded(tree) == {}
+
+
+def test_a_purge_s_drain_stopped_by_a_lock_names_its_holder_and_leaves_the_other_entries(
+    tree: Tree, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CLI's drain (`cachemgr purge`, `init` after a purge) must not end as if done: the
+    entry it stopped in is reported with the lock's holder (the CLI exits 1 on it), and the
+    entries after it wait for the lock too."""
+    monkeypatch.setattr(trash, "COUNT_EVERY", 0.0)
+    monkeypatch.setattr(trash, "COUNT_PATIENCE", 0.05)
+    monkeypatch.setattr(store_module, "LOCK_POLL", 0.05)  # a BEGIN's own wait
+    first = purged(tree, 2_500)
+    second = purged(tree, 10)
+    tree.store.patience = 0.2
+    foreign = sqlite3.connect(tree.layout.db_path, isolation_level=None, check_same_thread=False)
+    with closing(foreign):
+
+        def lock(p: trash.DrainProgress) -> None:
+            if not timer.is_alive() and not timer.finished.is_set():
+                foreign.execute("BEGIN IMMEDIATE")
+                timer.start()
+
+        # The lock goes after a second, as a person's shell would: the record waits it out.
+        timer = threading.Timer(1.0, lambda: foreign.execute("ROLLBACK"))
+        report = trash.drain_trash(tree.layout, tree.store, progress=lock)
+        timer.join()
+    entries = sorted(os.listdir(tree.layout.trash))
+    assert entries == sorted([first, second])  # neither finished: the second not begun
+    (why,) = report.refused
+    stopped = first if why.startswith(f".trash/{first}:") else second
+    assert why.startswith(f".trash/{stopped}: the drain stopped: the state DB was write-locked by")
+    assert "the rest stays in .trash/" in why
+    assert report.files + sum(n for n, _ in recorded(tree).values()) == 2_510

@@ -205,9 +205,19 @@ def drain_trash(
     totals = {e: recorded[e][0] if e in recorded else _count_names(layout, e) for e in entries}
     total = sum(totals.values())
     report = DeleteReport(dry_run=dry_run)
-    run = RunContext(layout, store, actor=actor, dry_run=dry_run, pacer=pacer)
+    holders: list[str] = []
+    run = RunContext(
+        layout, store, actor=actor, dry_run=dry_run, pacer=pacer, locked=holders.append
+    )
     for entry in entries:
         report += drain_entry(run, entry, progress=_ticker(progress, entry, report, total))
+        if holders:  # the rest waits for the lock: the caller fails, naming its holder
+            why = (
+                f".trash/{entry}: the drain stopped: the state DB was write-locked by "
+                f"{holders[0]} (what it deleted is recorded); the rest stays in .trash/ for "
+                "the daemon or the next purge"
+            )
+            return report + DeleteReport(refused=(why,))
     return report
 
 
@@ -229,7 +239,7 @@ def drain_entry(
     if not dry_run:  # the purge that moved it here was killed before it recorded so
         settle_entry(run.layout, run.store, entry)
     counted = not dry_run and audit_as is not None  # (GC's drops record no count)
-    count = _CountDown(run.store, entry, progress) if counted else None
+    count = _CountDown(run, entry, progress) if counted else None
     try:
         part = delete_dir(
             run.layout.root,
@@ -237,12 +247,16 @@ def drain_entry(
             dry_run=dry_run,
             min_age=min_age,
             fmt=trash_format(run.layout, entry),
-            # per part, as GC's own chunks: a leader that lost its lease stops mid-entry
-            listeners=Listeners(run.pacer, count or progress, stop=run.stop),
+            # per part, as GC's own chunks: a leader that lost its lease stops mid-entry,
+            # and so does a drain whose count found the DB locked
+            listeners=Listeners(
+                run.pacer, count or progress, stop=count.stop if count else run.stop
+            ),
         )
     except BaseException as e:
-        if count is not None:
-            count.take(patience=COUNT_PATIENCE)  # what went before the error or interrupt
+        if count is not None:  # what went before the error or interrupt
+            with suppress(StateLocked):
+                count.take(patience=COUNT_PATIENCE)
         if isinstance(e, UnsafePathError):
             return DeleteReport(refused=(f".trash/{entry}: {e}",), dry_run=dry_run)
         if isinstance(e, FileNotFoundError):
@@ -261,26 +275,42 @@ class _CountDown:
     """Takes what a drain deletes off its entry's recorded count as it goes (progress's
     running totals, a second at a time), not only at its end: a drain killed hours into an
     entry left the whole count, and GC's free-space floor then counted files long gone as
-    still to be freed. A tick that finds the DB locked leaves it to the next one."""
+    still to be freed.
 
-    def __init__(self, store: Store, entry: str, progress: Callable[[int, int], None] | None):
-        self.store, self.entry, self.progress = store, entry, progress
+    A tick that finds the DB locked asks whether the lock goes within a write's wait
+    (RunContext.recordable, which tells `locked` who holds it if not); if not, the drain
+    stops at its next part. It went on to the end of the entry, millions of files at the
+    drain's pace, none of them in the audit or the count until the lock went."""
+
+    def __init__(self, run: RunContext, entry: str, progress: Callable[[int, int], None] | None):
+        self.run, self.entry, self.progress = run, entry, progress
         self.seen = self.taken = (0, 0)
         self.at = time.monotonic()
+        self.locked = False
 
     def __call__(self, files: int, size: int) -> None:
         self.seen = (files, size)
         if self.progress is not None:
             self.progress(files, size)
         if time.monotonic() - self.at >= COUNT_EVERY:
-            self.take(patience=COUNT_PATIENCE)
+            try:
+                self.take(patience=COUNT_PATIENCE)
+            except StateLocked:
+                self.locked = self.locked or not self.run.recordable()
+
+    def stop(self) -> bool:
+        """Whether the drain ends at this part: its run's stop, or the DB locked."""
+        return self.locked or self.run.stop()
 
     def take(self, *, patience: float) -> None:
+        """The count less what went since the last take; StateLocked if the write lock
+        was not free within `patience` seconds (the next take counts it)."""
         files, size = self.seen[0] - self.taken[0], self.seen[1] - self.taken[1]
         self.at = time.monotonic()
         if files or size:
-            with suppress(StateLocked), self.store.transaction(patience=patience):
-                trash_sql.drained(self.store.conn, self.entry, files, size)
+            store = self.run.store
+            with store.transaction(patience=patience):
+                trash_sql.drained(store.conn, self.entry, files, size)
                 self.taken = self.seen
 
     def rest(self, part: DeleteReport) -> tuple[int, int]:
