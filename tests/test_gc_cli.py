@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 from pathlib import Path
+from typing import Any
 
+import pytest
+
+from cachemgr.cli.main import main
+from cachemgr.gc import execute
+from cachemgr.layout import Layout
 from cachemgr.settings import load_settings
+from cachemgr.state import store as store_module
 from tests.daemon_helpers import cli_argv
 from tests.gc_helpers import NS, Tree, page, temp
 
@@ -106,3 +114,37 @@ def test_gc_on_an_indexed_root_keeps_the_index_order(root: Path) -> None:
     assert out.returncode == 0, out.stderr
     # the index's recency wins over file mtimes: the two pages read last stay
     assert set(names[:2]) <= set(os.listdir(root / "ns" / NS))
+
+
+def test_a_run_stopped_by_a_foreign_lock_shows_what_it_deleted_then_fails(
+    root: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A person's `sqlite3` shell takes the state DB's write lock between two of GC's chunks:
+    the run stops deleting, and the CLI exited 1 naming the holder without a word of the
+    files it had already deleted. It now prints them first. In this process: the lock must
+    come right after the first chunk's record (GC's own function, wrapped to take it)."""
+    d = root / "ns" / NS
+    d.mkdir(parents=True)
+    for i in range(600):
+        (d / page(i)).write_bytes(b"k" * 100)
+    monkeypatch.setattr(store_module, "BUSY_TIMEOUT", 0.3)  # a write's patience
+    monkeypatch.setattr(store_module, "LOCK_POLL", 0.05)
+    held: list[sqlite3.Connection] = []
+    record = execute._record_chunk
+
+    def then_lock(*args: Any, **kw: Any) -> None:
+        record(*args, **kw)
+        if not held:  # (the DB is made by the run)
+            held.append(sqlite3.connect(Layout.at(root).db_path, isolation_level=None))
+            held[0].execute("BEGIN IMMEDIATE")
+
+    monkeypatch.setattr(execute, "_record_chunk", then_lock)
+    with pytest.raises(SystemExit) as exited:
+        main(["--root", str(root), "--log-level", "error", "gc", "--yes", "--max-files", "100"])
+    held[0].close()
+    out, err = capsys.readouterr()
+    assert exited.value.code == 1
+    left = sum(1 for p in d.iterdir() if p.name.endswith(".bin"))
+    assert left == 600 - 256  # the first chunk went, no other
+    assert out.startswith("deleted 256 files, 25.6 kB\n") and "  files              256" in out
+    assert "cachemgr: error: state DB" in err and "write-locked by" in err

@@ -26,7 +26,7 @@ from cachemgr.fs.leadership import gc_leadership
 from cachemgr.fs.root import create_root
 from cachemgr.gc.floor import floor_pass, open_or_take_young
 from cachemgr.gc.policy import GcPolicy
-from cachemgr.gc.runner import GcRunner
+from cachemgr.gc.runner import GcLocked, GcRunner
 from cachemgr.gc.step import GcReport, joined
 from cachemgr.ns.registry import adopt_from_disk
 from cachemgr.ns.root import existing_layout, reading_store
@@ -188,9 +188,15 @@ def _run(runner: GcRunner, floor: GcReport | None, dry_run: bool, yes: bool, as_
             return
         _show(preview, as_json=False)
         ask("Delete these files?", declined="nothing deleted")
+    stopped: GcLocked | None = None
     with _progress(enabled=sys.stderr.isatty() and not as_json) as report_progress:
-        report = runner.run(actor="cli", progress=report_progress, floor=floor)
+        try:
+            report = runner.run(actor="cli", progress=report_progress, floor=floor)
+        except GcLocked as e:  # what went before the lock is shown, then the error
+            report, stopped = e.report, e
     _show(report, as_json)
+    if stopped is not None:
+        raise stopped
     _check_held(report)
 
 

@@ -52,6 +52,15 @@ RUN_GAP = 5.0  # seconds at least between two daemon runs (wakes in between are 
 FLOOR_CHECK = 5.0  # seconds between two statvfs checks of the free-space floor
 
 
+class GcLocked(StateLocked):
+    """A run stopped by another's write lock on the state DB; `report` says what it deleted
+    before it stopped (all of it recorded)."""
+
+    def __init__(self, message: str, report: GcReport) -> None:
+        super().__init__(message)
+        self.report = report
+
+
 @dataclass
 class GcStats:
     """What the daemon's GC did, for metrics (read without locks: ints, floats, and a dict
@@ -362,10 +371,11 @@ class GcRunner(Worker):
             self._note_denied(report)
             self.live.after_run(self)
         if report.locked_by is not None:  # counted above: what it deleted is recorded
-            raise StateLocked(
+            raise GcLocked(
                 f"state DB {self.store.path} was write-locked by {report.locked_by}: GC stopped "
                 "deleting (what it deleted is in the index and the audit) and runs again once "
-                "the lock is released"
+                "the lock is released",
+                report,
             )
         return report
 
