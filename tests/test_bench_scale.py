@@ -60,7 +60,8 @@ def test_run_prints_each_figure_beside_its_peer(tmp_path: Path, layout: str) -> 
     # The cap that evicts 5,000 (17,648) brings 20,000 pages to its low watermark, not below.
     assert number(r"evicted ([\d,]+) pages", out) == 5_000
     assert number(r"([\d,]+) left \(cap 17,648", out) == 15_000
-    assert number(r"/metrics during the eviction: (\d+) scrapes", out) > 0
+    assert number(r"/metrics during the eviction, from ready: (\d+) scrapes", out) > 0
+    assert number(r"/metrics during GC's run, from its first deletion: (\d+) scrapes", out) >= 0
     assert "the dir empty after" in out
     assert number(r"eviction / find -delete = ([\d.]+)", out) > 0
 
@@ -71,6 +72,7 @@ def test_evict_prints_the_daemon_beside_find_on_the_same_tree(tmp_path: Path) ->
     assert number(r"evicted ([\d,]+) pages", out) == 4_000
     assert number(r"([\d,]+) left \(low watermark 1,000\)", out) == 1_000
     assert number(r"find -delete of 5,000 pages, cold: ([\d.]+) s", out) > 0
-    assert number(r"/metrics during the eviction: (\d+) scrapes", out) >= 0  # (a short run)
+    assert number(r"/metrics during the eviction, from ready: (\d+) scrapes", out) >= 0
+    assert number(r"/metrics before its first deletion: (\d+) scrapes", out) >= 0  # (short)
     assert number(r"CPU seconds during the eviction.*'process': ([\d.]+)", out) >= 0
     assert number(r"eviction / find -delete = ([\d.]+)", out) > 0
