@@ -5,15 +5,23 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from cachemgr.cli import common
+from cachemgr.cli.main import main
+from cachemgr.fs import deletion
 from cachemgr.layout import Layout
+from cachemgr.ns import trash
 from cachemgr.settings import Settings
+from cachemgr.state import store as store_module
 from cachemgr.state.store import Store
 from tests.daemon_helpers import running_daemon
 from tests.nsfixtures import (
@@ -402,3 +410,48 @@ def test_a_purge_killed_at_its_rename_is_audited_once_if_it_moved(
     assert audit_rows(store, "purge", other) == [("manual", "cli", 1, PAGE_BYTES)]
     if not moved:  # the namespace is as it was
         assert len(os.listdir(layout.ns_dir(ns))) == 3
+
+
+def test_a_purge_whose_drain_meets_a_foreign_lock_stops_says_who_and_exits_1(
+    layout: Layout,
+    store: Store,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A person's `sqlite3` shell takes the state DB's write lock while `purge --yes` drains
+    the namespace it moved away: the drain stops rather than delete the rest unrecorded, a
+    warning names the holder, the deleted files are recorded once the lock is free, and the
+    purge exits 1 saying the rest stays in .trash/. In this process: the lock must come
+    between two of the drain's parts (the unlink call wrapped to take it, the warning to
+    release it)."""
+    ns = make_ns(layout, store, "a", pages=2_500)
+    monkeypatch.setattr(trash, "COUNT_EVERY", 0.0)  # a count tick every 1,024 files
+    monkeypatch.setattr(trash, "COUNT_PATIENCE", 0.05)
+    monkeypatch.setattr(store_module, "LOCK_POLL", 0.05)
+    monkeypatch.setattr(store_module, "BUSY_TIMEOUT", 0.3)  # a write's patience
+    foreign = sqlite3.connect(layout.db_path, isolation_level=None)
+    unlink, parts = deletion.check_and_unlink, [0]
+
+    def then_lock(*args: Any) -> Any:
+        parts[0] += 1
+        if parts[0] == 4:  # 1,024 files: the next count tick finds the lock
+            foreign.execute("BEGIN IMMEDIATE")
+        return unlink(*args)
+
+    said, say = [], common._say_locked
+
+    def release(holder: str) -> None:
+        said.append(holder)
+        say(holder)
+        foreign.execute("ROLLBACK")
+
+    monkeypatch.setattr(deletion, "check_and_unlink", then_lock)
+    monkeypatch.setattr(common, "_say_locked", release)
+    with closing(foreign), pytest.raises(SystemExit) as exited:
+        main(["--root", str(layout.root), "purge", "--namespace", ns, "--yes"])
+    _, err = capsys.readouterr()
+    assert exited.value.code == 1 and len(said) == 1
+    assert "cachemgr: error: the drain of .trash/ stopped: the state DB was write-locked" in err
+    (entry,) = os.listdir(layout.trash)
+    assert len(os.listdir(layout.trash / entry)) == 2_500 - 1_024  # stopped at the tick
+    assert audit_rows(store, "delete-trash", ns) == [("trash", "cli", 1_024, 1_024 * PAGE_BYTES)]

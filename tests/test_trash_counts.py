@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import sqlite3
-import threading
 from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import replace
@@ -193,34 +192,31 @@ def test_a_drain_stops_at_a_foreign_lock_rather_than_delete_its_entry_unrecorded
     assert rest.files == 1_476 and recorded(tree) == {}
 
 
-def test_a_purge_s_drain_stopped_by_a_lock_names_its_holder_and_leaves_the_other_entries(
+def test_a_purge_s_drain_stopped_by_a_lock_says_so_and_leaves_the_entries_after_it(
     tree: Tree, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The CLI's drain (`cachemgr purge`, `init` after a purge) must not end as if done: the
-    entry it stopped in is reported with the lock's holder (the CLI exits 1 on it), and the
-    entries after it wait for the lock too."""
+    """The CLI's drain (`cachemgr purge`, `init` after a purge) must not end as if done: it
+    says who holds the lock, its report says `stopped` (the purge exits 1 on it), and the
+    entries after the one it stopped in wait for the lock too."""
     monkeypatch.setattr(trash, "COUNT_EVERY", 0.0)
     monkeypatch.setattr(trash, "COUNT_PATIENCE", 0.05)
-    monkeypatch.setattr(store_module, "LOCK_POLL", 0.05)  # a BEGIN's own wait
+    monkeypatch.setattr(store_module, "LOCK_POLL", 0.05)
     first = purged(tree, 2_500)
-    second = purged(tree, 10)
+    second = purged(tree, 10)  # (entries are named by the time: drained after the first)
     tree.store.patience = 0.2
-    foreign = sqlite3.connect(tree.layout.db_path, isolation_level=None, check_same_thread=False)
-    with closing(foreign):
+    told: list[str] = []
+    with closing(sqlite3.connect(tree.layout.db_path, isolation_level=None)) as foreign:
 
-        def lock(p: trash.DrainProgress) -> None:
-            if not timer.is_alive() and not timer.finished.is_set():
+        def lock_once(p: trash.DrainProgress) -> None:
+            if not told and not foreign.in_transaction:
                 foreign.execute("BEGIN IMMEDIATE")
-                timer.start()
 
-        # The lock goes after a second, as a person's shell would: the record waits it out.
-        timer = threading.Timer(1.0, lambda: foreign.execute("ROLLBACK"))
-        report = trash.drain_trash(tree.layout, tree.store, progress=lock)
-        timer.join()
-    entries = sorted(os.listdir(tree.layout.trash))
-    assert entries == sorted([first, second])  # neither finished: the second not begun
-    (why,) = report.refused
-    stopped = first if why.startswith(f".trash/{first}:") else second
-    assert why.startswith(f".trash/{stopped}: the drain stopped: the state DB was write-locked by")
-    assert "the rest stays in .trash/" in why
-    assert report.files + sum(n for n, _ in recorded(tree).values()) == 2_510
+        def locked(holder: str) -> None:  # told: the holder lets go
+            told.append(holder)
+            foreign.execute("ROLLBACK")
+
+        report = trash.drain_trash(tree.layout, tree.store, progress=lock_once, locked=locked)
+    assert len(told) == 1 and report.stopped and report.files == 1_024
+    assert recorded(tree) == {first: (1_476, 147_600), second: (10, 1_000)}
+    assert sorted(os.listdir(tree.layout.trash)) == sorted([first, second])
+    assert len(os.listdir(tree.layout.trash / second)) == 10

@@ -20,11 +20,14 @@ log = logging.getLogger(__name__)
 def drain_with_progress(
     layout: Layout, store: Store, *, actor: Actor, pacer: Pacer | None = None
 ) -> DeleteReport:
-    """Delete the trash now: a progress bar on a terminal, a log line a second otherwise."""
+    """Delete the trash now: a progress bar on a terminal, a log line a second otherwise.
+    Stopped by another's write lock on the state DB (`stopped`), it says who holds it."""
     if sys.stderr.isatty():
         return _drain_with_bar(layout, store, actor, pacer)
     started = time.monotonic()
-    report = drain_trash(layout, store, actor=actor, pacer=pacer, progress=_log_every(1.0))
+    report = drain_trash(
+        layout, store, actor=actor, pacer=pacer, progress=_log_every(1.0), locked=_say_locked
+    )
     log.log(
         logging.INFO if report.files or report.refused else logging.DEBUG,
         "trash deleted",
@@ -36,6 +39,14 @@ def drain_with_progress(
         },
     )
     return report
+
+
+def _say_locked(holder: str) -> None:
+    log.warning(
+        "state DB write-locked: the drain stops; what it deleted is recorded once the lock "
+        "is free, the rest stays in .trash/ for the daemon or the next purge",
+        extra={"holder": holder},
+    )
 
 
 def _log_every(period: float) -> Callable[[DrainProgress], None]:
@@ -72,7 +83,9 @@ def _drain_with_bar(
         def tick(p: DrainProgress) -> None:
             bar.update(task, completed=p.files, total=p.total_files or None)
 
-        return drain_trash(layout, store, actor=actor, pacer=pacer, progress=tick)
+        return drain_trash(
+            layout, store, actor=actor, pacer=pacer, progress=tick, locked=_say_locked
+        )
 
 
 def said_not_whole(

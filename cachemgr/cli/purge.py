@@ -13,7 +13,7 @@ import click
 
 from cachemgr.cli.common import ask, drain_with_progress
 from cachemgr.cli.context import AppContext, pass_app
-from cachemgr.errors import CachemgrError, ConfigError
+from cachemgr.errors import CachemgrError, ConfigError, StateLocked
 from cachemgr.fs.deletion import DeleteReport, Pacer
 from cachemgr.fs.root import create_root
 from cachemgr.ns.purge import (
@@ -111,6 +111,12 @@ def purge(
     else:
         _show_result(plan, result, report, elapsed)
     _fail_if_left_alone(left)
+    if report is not None and report.stopped:
+        raise StateLocked(
+            "the drain of .trash/ stopped: the state DB was write-locked by another process "
+            "(the warning above names it); what it deleted is recorded, the rest stays in "
+            ".trash/ for the daemon or the next purge"
+        )
 
 
 def _fail_if_left_alone(left: list[str]) -> None:

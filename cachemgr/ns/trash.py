@@ -28,7 +28,7 @@ from cachemgr.fs.safe import open_dir
 from cachemgr.fs.tree import format_in, tree_chunks
 from cachemgr.layout import Layout
 from cachemgr.ns.purge_intent import settle_entry
-from cachemgr.ns.runcontext import RunContext
+from cachemgr.ns.runcontext import RunContext, unheeded
 from cachemgr.state import trash_sql
 from cachemgr.state.store import Store
 
@@ -191,11 +191,15 @@ def drain_trash(
     pacer: Pacer | None = None,
     progress: Callable[[DrainProgress], None] | None = None,
     dry_run: bool = False,
+    locked: Callable[[str], None] = unheeded,
 ) -> DeleteReport:
     """Delete every purged namespace in .trash/ through deletion.py; safe to run concurrently.
 
     An entry that is a symlink, or holds files that are not SGLang's, stays and is reported in
-    `refused`; the others are deleted and audited as `delete-trash`.
+    `refused`; the others are deleted and audited as `delete-trash`. A drain that finds the
+    state DB write-locked by another for longer than a write's wait stops (`stopped`), once
+    `locked` is told who holds it; what it deleted is recorded once the lock is free, and the
+    entries after it wait for the next drain.
     """
     try:
         entries = list_trash(layout)
@@ -205,19 +209,12 @@ def drain_trash(
     totals = {e: recorded[e][0] if e in recorded else _count_names(layout, e) for e in entries}
     total = sum(totals.values())
     report = DeleteReport(dry_run=dry_run)
-    holders: list[str] = []
-    run = RunContext(
-        layout, store, actor=actor, dry_run=dry_run, pacer=pacer, locked=holders.append
-    )
+    run = RunContext(layout, store, actor=actor, dry_run=dry_run, pacer=pacer, locked=locked)
     for entry in entries:
-        report += drain_entry(run, entry, progress=_ticker(progress, entry, report, total))
-        if holders:  # the rest waits for the lock: the caller fails, naming its holder
-            why = (
-                f".trash/{entry}: the drain stopped: the state DB was write-locked by "
-                f"{holders[0]} (what it deleted is recorded); the rest stays in .trash/ for "
-                "the daemon or the next purge"
-            )
-            return report + DeleteReport(refused=(why,))
+        part = drain_entry(run, entry, progress=_ticker(progress, entry, report, total))
+        report += part
+        if part.stopped:  # the DB locked (no other stop here): the rest waits for the lock
+            break
     return report
 
 
