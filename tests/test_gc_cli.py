@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from cachemgr.settings import load_settings
 from cachemgr.state import store as store_module
 from tests.daemon_helpers import cli_argv
 from tests.gc_helpers import NS, Tree, page, temp
+from tests.locks import ForeignLock
 
 
 def gc(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -129,19 +129,17 @@ def test_a_run_stopped_by_a_foreign_lock_shows_what_it_deleted_then_fails(
         (d / page(i)).write_bytes(b"k" * 100)
     monkeypatch.setattr(store_module, "BUSY_TIMEOUT", 0.3)  # a write's patience
     monkeypatch.setattr(store_module, "LOCK_POLL", 0.05)
-    held: list[sqlite3.Connection] = []
+    foreign = ForeignLock(Layout.at(root).db_path)  # (the DB is made by the run)
     record = execute._record_chunk
 
     def then_lock(*args: Any, **kw: Any) -> None:
         record(*args, **kw)
-        if not held:  # (the DB is made by the run)
-            held.append(sqlite3.connect(Layout.at(root).db_path, isolation_level=None))
-            held[0].execute("BEGIN IMMEDIATE")
+        if not foreign.taken:
+            foreign.take()
 
     monkeypatch.setattr(execute, "_record_chunk", then_lock)
-    with pytest.raises(SystemExit) as exited:
+    with foreign, pytest.raises(SystemExit) as exited:
         main(["--root", str(root), "--log-level", "error", "gc", "--yes", "--max-files", "100"])
-    held[0].close()
     out, err = capsys.readouterr()
     assert exited.value.code == 1
     left = sum(1 for p in d.iterdir() if p.name.endswith(".bin"))

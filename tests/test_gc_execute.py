@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import subprocess
+import threading
 from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
@@ -14,7 +15,9 @@ import pytest
 from cachemgr.gc.execute import CHUNK, execute_gc
 from cachemgr.gc.plan import GcPlan
 from cachemgr.gc.step import GcReport
+from cachemgr.state import store as store_module
 from tests.gc_helpers import NS, T0, Tree, page, policy
+from tests.locks import ForeignLock
 
 
 @pytest.fixture
@@ -67,6 +70,29 @@ def test_a_run_deletes_nothing_while_another_connection_holds_the_write_lock(tre
     )
 
 
+def test_this_process_s_own_long_writer_is_waited_out_not_taken_for_a_foreign_lock(
+    tree: Tree, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon's own index thread may hold the write lock past a write's patience (a
+    reconcile dropping millions of rows): GC failed its run as locked by "this process", a
+    503 and an error counted for work that ends by itself. It now waits, and deletes all."""
+    names = [page(i) for i in range(CHUNK + 10)]
+    tree.write(NS, names, at=T0, size=10)
+    plan = tree.plan(policy(max_bytes=1), now=T0 + 1)
+    tree.store.patience = 0.2
+    monkeypatch.setattr(store_module, "LOCK_POLL", 0.05)  # a BEGIN's own wait
+    told: list[str] = []
+    ours = sqlite3.connect(tree.layout.db_path, isolation_level=None, check_same_thread=False)
+    with closing(ours):
+        ours.execute("BEGIN IMMEDIATE")  # another connection of this process
+        letgo = threading.Timer(1.0, ours.rollback)  # past the patience, a few times
+        letgo.start()
+        report = execute_gc(plan, tree.run(clock=lambda: T0 + 1, locked=told.append))
+        letgo.join()
+    assert told == [] and report.locked_by is None and report.files == len(names)
+    assert tree.files(NS) == set()
+
+
 def test_a_trash_entry_is_not_drained_while_another_connection_holds_the_write_lock(
     tree: Tree,
 ) -> None:
@@ -87,10 +113,9 @@ def under_a_foreign_lock(tree: Tree, plan: GcPlan) -> GcReport:
     deleted is audited, and the report names the holder, as `locked` was told."""
     tree.store.patience = 0.2
     told: list[str] = []
-    with closing(sqlite3.connect(tree.layout.db_path, isolation_level=None)) as foreign:
-        foreign.execute("BEGIN IMMEDIATE")
+    with ForeignLock(tree.layout.db_path) as foreign:
+        foreign.take()
         report = execute_gc(plan, tree.run(clock=lambda: T0 + 1, locked=told.append))
-        foreign.execute("ROLLBACK")
     assert report.files == 0 and report.locked_by is not None and told == [report.locked_by]
     assert tree.store.conn.execute("SELECT COUNT(*) FROM audit").fetchone()[0] == 0
     return report

@@ -5,11 +5,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +22,7 @@ from cachemgr.settings import Settings
 from cachemgr.state import store as store_module
 from cachemgr.state.store import Store
 from tests.daemon_helpers import running_daemon
+from tests.locks import ForeignLock
 from tests.nsfixtures import (
     PAGE_BYTES,
     audit_rows,
@@ -429,13 +428,13 @@ def test_a_purge_whose_drain_meets_a_foreign_lock_stops_says_who_and_exits_1(
     monkeypatch.setattr(trash, "COUNT_PATIENCE", 0.05)
     monkeypatch.setattr(store_module, "LOCK_POLL", 0.05)
     monkeypatch.setattr(store_module, "BUSY_TIMEOUT", 0.3)  # a write's patience
-    foreign = sqlite3.connect(layout.db_path, isolation_level=None)
+    foreign = ForeignLock(layout.db_path)
     unlink, parts = deletion.check_and_unlink, [0]
 
     def then_lock(*args: Any) -> Any:
         parts[0] += 1
         if parts[0] == 4:  # 1,024 files: the next count tick finds the lock
-            foreign.execute("BEGIN IMMEDIATE")
+            foreign.take()
         return unlink(*args)
 
     said, say = [], common._say_locked
@@ -443,11 +442,11 @@ def test_a_purge_whose_drain_meets_a_foreign_lock_stops_says_who_and_exits_1(
     def release(holder: str) -> None:
         said.append(holder)
         say(holder)
-        foreign.execute("ROLLBACK")
+        foreign.release()
 
     monkeypatch.setattr(deletion, "check_and_unlink", then_lock)
     monkeypatch.setattr(common, "_say_locked", release)
-    with closing(foreign), pytest.raises(SystemExit) as exited:
+    with foreign, pytest.raises(SystemExit) as exited:
         main(["--root", str(layout.root), "purge", "--namespace", ns, "--yes"])
     _, err = capsys.readouterr()
     assert exited.value.code == 1 and len(said) == 1

@@ -4,9 +4,7 @@ and doctor read it instead of walking the entry, and every drain counts it down 
 from __future__ import annotations
 
 import os
-import sqlite3
 from collections.abc import Iterator
-from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,6 +16,7 @@ from cachemgr.ns.trash import describe_trash, drain_entry, left_for_people
 from cachemgr.state import store as store_module
 from cachemgr.state import trash_sql
 from tests.gc_helpers import NS, T0, Tree, page, policy
+from tests.locks import ForeignLock
 
 
 @pytest.fixture
@@ -138,15 +137,15 @@ def test_a_drain_whose_record_meets_a_foreign_lock_says_who_holds_it_then_record
     entry = purged(tree, 300)
     tree.store.patience = 0.2
     told: list[str] = []
-    with closing(sqlite3.connect(tree.layout.db_path, isolation_level=None)) as foreign:
+    with ForeignLock(tree.layout.db_path) as foreign:
 
         def lock_midway(files: int, size: int) -> None:  # the holder comes during the drain
-            if not foreign.in_transaction:
-                foreign.execute("BEGIN IMMEDIATE")
+            if not foreign.taken:
+                foreign.take()
 
         def locked(holder: str) -> None:  # told: the holder lets go
             told.append(holder)
-            foreign.execute("ROLLBACK")
+            foreign.release()
 
         part = drain_entry(tree.run(locked=locked), entry, progress=lock_midway)
     assert len(told) == 1 and part.files == 300
@@ -170,15 +169,15 @@ def test_a_drain_stops_at_a_foreign_lock_rather_than_delete_its_entry_unrecorded
     entry = purged(tree, 2_500)
     tree.store.patience = 0.2
     told: list[str] = []
-    with closing(sqlite3.connect(tree.layout.db_path, isolation_level=None)) as foreign:
+    with ForeignLock(tree.layout.db_path) as foreign:
 
         def lock_once(files: int, size: int) -> None:
-            if not told and not foreign.in_transaction:
-                foreign.execute("BEGIN IMMEDIATE")
+            if not foreign.taken:
+                foreign.take()
 
         def locked(holder: str) -> None:  # told: the holder lets go
             told.append(holder)
-            foreign.execute("ROLLBACK")
+            foreign.release()
 
         part = drain_entry(tree.run(locked=locked), entry, progress=lock_once)
     assert len(told) == 1 and part.stopped and part.files == 1_024  # the first report's
@@ -205,15 +204,15 @@ def test_a_purge_s_drain_stopped_by_a_lock_says_so_and_leaves_the_entries_after_
     second = purged(tree, 10)  # (entries are named by the time: drained after the first)
     tree.store.patience = 0.2
     told: list[str] = []
-    with closing(sqlite3.connect(tree.layout.db_path, isolation_level=None)) as foreign:
+    with ForeignLock(tree.layout.db_path) as foreign:
 
         def lock_once(p: trash.DrainProgress) -> None:
-            if not told and not foreign.in_transaction:
-                foreign.execute("BEGIN IMMEDIATE")
+            if not foreign.taken:
+                foreign.take()
 
         def locked(holder: str) -> None:  # told: the holder lets go
             told.append(holder)
-            foreign.execute("ROLLBACK")
+            foreign.release()
 
         report = trash.drain_trash(tree.layout, tree.store, progress=lock_once, locked=locked)
     assert len(told) == 1 and report.stopped and report.files == 1_024

@@ -50,14 +50,19 @@ class RunContext:
         is free, or freed within a write's wait. Under a foreign holder (a person's `sqlite3`
         shell in a transaction, a backup tool) a chunk's files went, and its record waited for
         as long as the holder held on; now the run deletes nothing more (`locked` is told). A
-        lock taken after this is waited out by the record (record_deleted)."""
-        try:
-            with self.store.transaction():
-                pass
-        except StateLocked:
-            self._tell_locked()
-            return False
-        return True
+        lock taken after this is waited out by the record (record_deleted).
+
+        This process's own writer is waited out, a write's wait at a time: a reconcile that
+        drops millions of rows, or the model's save, ends by itself (as the lock tally's
+        logs and /readyz take it), and GC's run failed as locked by "this process"."""
+        while True:
+            try:
+                with self.store.transaction():
+                    return True
+            except StateLocked:
+                if not busy.held_here(self.store.path):
+                    self._tell_locked()
+                    return False
 
     def record_deleted(self, write: Callable[[float | None], None]) -> None:
         """Record files already deleted: `write(patience)` is a transaction that waits that

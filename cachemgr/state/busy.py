@@ -85,12 +85,17 @@ def shuts_out_readers(db: Path) -> bool:
     return False
 
 
+def held_here(db: Path) -> bool:
+    """Whether this process alone holds `db`'s write lock (another of its connections)."""
+    return holders(db) == [os.getpid()]
+
+
 def describe_holders(db: Path) -> str:
     """'pid 1234 (sqlite3)', 'this process', or 'an unknown process'."""
     pids = holders(db)
     if not pids:
         return "an unknown process"
-    if pids == [os.getpid()]:
+    if pids == [os.getpid()]:  # (held_here)
         return "this process"
     return ", ".join(describe_pid(p) for p in pids if p != os.getpid())
 

@@ -12,7 +12,6 @@ of them runs out at least twice while the lock is held.
 from __future__ import annotations
 
 import sqlite3
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -34,6 +33,7 @@ from tests.daemon_helpers import (
     running_daemon,
     store_page,
 )
+from tests.locks import hold_write_lock, release
 from tests.polling import wait_for
 from tests.test_server import metric
 
@@ -74,26 +74,6 @@ def capped(layout: Layout, gc_interval: float) -> Settings:
         gc_delete_rate=None,
         gc_namespace_max_bytes=CAP,
     )
-
-
-def hold_write_lock(db: Path) -> subprocess.Popen[str]:
-    """The sqlite3 shell in another process, inside BEGIN IMMEDIATE once this returns."""
-    shell = subprocess.Popen(
-        ["sqlite3", "-batch", str(db)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    assert shell.stdin is not None and shell.stdout is not None
-    shell.stdin.write("BEGIN IMMEDIATE;\nSELECT 'held';\n")
-    shell.stdin.flush()
-    assert shell.stdout.readline() == "held\n"
-    return shell
-
-
-def release(shell: subprocess.Popen[str]) -> None:
-    assert shell.stdin is not None and shell.stdout is not None
-    shell.stdin.write("ROLLBACK;\n")
-    shell.stdin.close()
-    assert shell.wait(10) == 0
-    shell.stdout.close()
 
 
 def audit(db: Path, action: str, ns: str) -> tuple[int, int]:

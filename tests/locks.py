@@ -1,0 +1,52 @@
+"""A foreign holder of the state DB's write lock: the `sqlite3` shell in another process, as a
+person's is (a connection of the test's own process is this process's to cachemgr, whose own
+writers GC waits out)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+
+def hold_write_lock(db: Path) -> subprocess.Popen[str]:
+    """The sqlite3 shell in another process, inside BEGIN IMMEDIATE once this returns."""
+    shell = subprocess.Popen(
+        ["sqlite3", "-batch", str(db)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert shell.stdin is not None and shell.stdout is not None
+    shell.stdin.write("BEGIN IMMEDIATE;\nSELECT 'held';\n")
+    shell.stdin.flush()
+    assert shell.stdout.readline() == "held\n"
+    return shell
+
+
+def release(shell: subprocess.Popen[str]) -> None:
+    assert shell.stdin is not None and shell.stdout is not None
+    shell.stdin.write("ROLLBACK;\n")
+    shell.stdin.close()
+    assert shell.wait(10) == 0
+    shell.stdout.close()
+
+
+class ForeignLock:
+    """Takes `db`'s write lock when asked, lets go when asked or at the end of a `with`."""
+
+    def __init__(self, db: Path) -> None:
+        self.db = db
+        self.shell: subprocess.Popen[str] | None = None
+        self.taken = 0  # times taken so far
+
+    def take(self) -> None:
+        self.shell = hold_write_lock(self.db)
+        self.taken += 1
+
+    def release(self) -> None:
+        if self.shell is not None:
+            release(self.shell)
+            self.shell = None
+
+    def __enter__(self) -> ForeignLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
