@@ -10,11 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from cachemgr.gc import find
 from cachemgr.ns import trash
 from cachemgr.ns.purge import execute_purge, plan_purge, purge
 from cachemgr.ns.trash import describe_trash, drain_entry, left_for_people
+from cachemgr.state import intents_sql, trash_sql
 from cachemgr.state import store as store_module
-from cachemgr.state import trash_sql
+from cachemgr.state.intents_sql import Intent
 from tests.gc_helpers import NS, T0, Tree, page, policy
 from tests.locks import ForeignLock
 
@@ -219,3 +221,26 @@ def test_a_purge_s_drain_stopped_by_a_lock_says_so_and_leaves_the_entries_after_
     assert recorded(tree) == {first: (1_476, 147_600), second: (10, 1_000)}
     assert sorted(os.listdir(tree.layout.trash)) == sorted([first, second])
     assert len(os.listdir(tree.layout.trash / second)) == 10
+
+
+def test_an_entry_renamed_by_a_purge_not_yet_committed_is_counted_by_its_intent_not_walked(
+    tree: Tree, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A purge commits its intent, renames the dir, then drops the namespace's rows and
+    records the count (~1 s at 10M pages). GC's plan in that window found an entry with no
+    count and walked it (9M files: its drain began 127 s after the purge). It takes the
+    intent's count, as status, ls and doctor do."""
+    entry = purged(tree, 300)
+    (count,) = recorded(tree).values()
+    with tree.store.transaction() as conn:  # as between the purge's rename and its commit
+        trash_sql.forget(conn, entry)
+        intents_sql.insert(conn, Intent(entry, NS, "manual", "cli", 290, 29_000, T0, 0, 0))
+
+    def no_walk(*args: object) -> None:
+        raise AssertionError("an entry with an intent was walked")
+
+    monkeypatch.setattr(find, "scan_entry", no_walk)
+    monkeypatch.setattr(trash, "scan_entry", no_walk)
+    assert count == (300, 30_000) and trash_steps(tree) == [(290, 29_000)]
+    (told,) = describe_trash(tree.layout, recorded(tree))
+    assert (told.pages, told.bytes) == (290, 29_000)
