@@ -64,6 +64,7 @@ def test_run_prints_each_figure_beside_its_peer(tmp_path: Path, layout: str) -> 
     assert number(r"/metrics during GC's run, from its first deletion: (\d+) scrapes", out) >= 0
     assert "the dir empty after" in out
     assert number(r"eviction / find -delete = ([\d.]+)", out) > 0
+    assert number(r"([\d.]+) from its first deletion \(", out) > 0
 
 
 def test_evict_prints_the_daemon_beside_find_on_the_same_tree(tmp_path: Path) -> None:
