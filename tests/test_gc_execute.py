@@ -93,6 +93,30 @@ def test_this_process_s_own_long_writer_is_waited_out_not_taken_for_a_foreign_lo
     assert tree.files(NS) == set()
 
 
+def test_a_record_waits_out_this_process_s_own_writer_without_telling_locked(
+    tree: Tree, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same for a record of files already deleted: told `locked`, a run stopped and
+    failed (a 503) for a writer of this very process."""
+    tree.store.patience = 0.2
+    monkeypatch.setattr(store_module, "LOCK_POLL", 0.05)
+    told: list[str] = []
+    ours = sqlite3.connect(tree.layout.db_path, isolation_level=None, check_same_thread=False)
+    with closing(ours):
+        ours.execute("BEGIN IMMEDIATE")
+        letgo = threading.Timer(1.0, ours.rollback)
+        letgo.start()
+
+        def write(patience: float | None) -> None:
+            with tree.store.transaction(patience=patience) as conn:
+                conn.execute("INSERT INTO notices (key, at) VALUES ('recorded', 0)")
+
+        tree.run(locked=told.append).record_deleted(write)
+        letgo.join()
+    assert told == []
+    assert [tuple(r) for r in tree.store.conn.execute("SELECT key FROM notices")] == [("recorded",)]
+
+
 def test_a_trash_entry_is_not_drained_while_another_connection_holds_the_write_lock(
     tree: Tree,
 ) -> None:

@@ -13,6 +13,7 @@ import pytest
 from cachemgr.gc import find
 from cachemgr.ns import trash
 from cachemgr.ns.purge import execute_purge, plan_purge, purge
+from cachemgr.ns.purge_intent import SWAPPED, trash_counts
 from cachemgr.ns.trash import describe_trash, drain_entry, left_for_people
 from cachemgr.state import intents_sql, trash_sql
 from cachemgr.state import store as store_module
@@ -223,24 +224,43 @@ def test_a_purge_s_drain_stopped_by_a_lock_says_so_and_leaves_the_entries_after_
     assert len(os.listdir(tree.layout.trash / second)) == 10
 
 
+@pytest.mark.parametrize("bound", [False, True], ids=["moved", "swapped"])
 def test_an_entry_renamed_by_a_purge_not_yet_committed_is_counted_by_its_intent_not_walked(
-    tree: Tree, monkeypatch: pytest.MonkeyPatch
+    tree: Tree, monkeypatch: pytest.MonkeyPatch, bound: bool
 ) -> None:
     """A purge commits its intent, renames the dir, then drops the namespace's rows and
     records the count (~1 s at 10M pages). GC's plan in that window found an entry with no
     count and walked it (9M files: its drain began 127 s after the purge). It takes the
-    intent's count, as status, ls and doctor do."""
+    intent's count, as status, ls and doctor do; a bound namespace's dir is swapped with an
+    empty one, and lies under the intent's name + "n"."""
+    if bound:
+        tree.add_namespace(NS, active=T0, bound=True)
     entry = purged(tree, 300)
-    (count,) = recorded(tree).values()
+    assert entry.endswith(SWAPPED) == bound
+    st = os.stat(tree.layout.trash / entry)
+    intent = Intent(entry.removesuffix(SWAPPED), NS, "manual", "cli", 290, 29_000, T0, 0, 0)
     with tree.store.transaction() as conn:  # as between the purge's rename and its commit
         trash_sql.forget(conn, entry)
-        intents_sql.insert(conn, Intent(entry, NS, "manual", "cli", 290, 29_000, T0, 0, 0))
+        intents_sql.insert(conn, replace(intent, dev=st.st_dev, ino=st.st_ino))
+    counted = trash_counts(tree.layout, tree.store.conn)
+    assert counted == {entry: (290, 29_000)}
 
     def no_walk(*args: object) -> None:
         raise AssertionError("an entry with an intent was walked")
 
     monkeypatch.setattr(find, "scan_entry", no_walk)
     monkeypatch.setattr(trash, "scan_entry", no_walk)
-    assert count == (300, 30_000) and trash_steps(tree) == [(290, 29_000)]
-    (told,) = describe_trash(tree.layout, recorded(tree))
+    assert trash_steps(tree) == [(290, 29_000)]
+    (told,) = describe_trash(tree.layout, counted)
     assert (told.pages, told.bytes) == (290, 29_000)
+
+
+def test_an_intent_counts_only_for_its_own_dir(tree: Tree) -> None:
+    """A purge killed after it made the empty dir and before the swap left that one under
+    the entry's name + "n": not the dir its intent counted, so it is walked (empty), as a
+    drain's settle_entry asks the same."""
+    entry = purged(tree, 10)
+    with tree.store.transaction() as conn:
+        trash_sql.forget(conn, entry)
+        intents_sql.insert(conn, Intent(entry, NS, "manual", "cli", 10, 1_000, T0, 1, 2))
+    assert trash_counts(tree.layout, tree.store.conn) == {}

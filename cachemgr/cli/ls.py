@@ -15,11 +15,11 @@ from cachemgr.cli.tables import Column, print_fitted
 from cachemgr.fs.dirscan import Usage
 from cachemgr.layout import Layout
 from cachemgr.ns.purge import describe_trash
+from cachemgr.ns.purge_intent import trash_counts
 from cachemgr.ns.registry import NamespaceInfo, list_namespaces
 from cachemgr.ns.root import existing_layout, reading_what_it_can
 from cachemgr.ns.trash import TrashEntry
 from cachemgr.settings import Settings
-from cachemgr.state import trash_sql
 from cachemgr.units import human_bytes
 
 
@@ -41,7 +41,7 @@ def ls(app: AppContext, as_json: bool, wide: bool) -> None:
     served = served_usage(app.settings, layout)
     with reading_what_it_can(layout, page_rows=False) as (store, missing):
         found = list_namespaces(layout, store, known=served)
-        trash = describe_trash(layout, trash_sql.recorded(store.conn))
+        trash = describe_trash(layout, trash_counts(layout, store.conn))
     source = "disk" if served is None else "daemon"
     if as_json:
         out = {

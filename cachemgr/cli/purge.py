@@ -25,9 +25,9 @@ from cachemgr.ns.purge import (
     execute_purge,
 )
 from cachemgr.ns.purge import plan_purge as make_plan
+from cachemgr.ns.purge_intent import trash_counts
 from cachemgr.ns.purge_plan import in_use_note
 from cachemgr.ns.root import existing_layout, opened_store, reading_store
-from cachemgr.state import trash_sql
 from cachemgr.units import human_bytes
 
 
@@ -82,7 +82,7 @@ def purge(
     if dry_run:
         with reading_store(layout) as store:
             plan = select(layout, store)
-            trash = describe_trash(layout, trash_sql.recorded(store.conn))
+            trash = describe_trash(layout, trash_counts(layout, store.conn))
         _show_plan(plan, layout_trash=trash, as_json=as_json)
         return
     create_root(layout)  # a root whose ns/ or .trash/ went missing still purges

@@ -49,11 +49,12 @@ from cachemgr.fleet.accesses import SUMMARY_PATH
 from cachemgr.fs.usage import disk_usage
 from cachemgr.gc.policy import GcPolicy
 from cachemgr.layout import Layout
+from cachemgr.ns.purge_intent import trash_counts
 from cachemgr.ns.quarantine import STATE_DIR
 from cachemgr.ns.status import NamespaceStatus, namespace_statuses
 from cachemgr.ns.trash import left_for_people
 from cachemgr.settings import one_off
-from cachemgr.state import busy, registry_sql, trash_sql
+from cachemgr.state import busy, registry_sql
 from cachemgr.state.dbfile import unavailable
 from cachemgr.state.status import bindings_by_namespace
 
@@ -87,9 +88,9 @@ def create_app(backend: Backend) -> FastAPI:
         with backend.reader() as conn:
             return namespace_statuses(conn, backend.layout, live)
 
-    def trash_counts() -> dict[str, tuple[int, int]]:
+    def recorded_trash() -> dict[str, tuple[int, int]]:
         with backend.reader() as conn:
-            return trash_sql.recorded(conn)
+            return trash_counts(backend.layout, conn)
 
     @app.get("/healthz", response_model=Health, tags=["health"])
     def healthz() -> Health:
@@ -152,7 +153,7 @@ def create_app(backend: Backend) -> FastAPI:
             gc_limits=gc_limits(backend.gc.policy) if backend.gc is not None else None,
             gc_unmet=[GcUnmet.of(u) for u in backend.gc.stats.unmet] if backend.gc else [],
             gc_model_keys_in_memory=backend.gc.live.keys_in_memory() if backend.gc else 0,
-            left_for_a_person=left_for_people(backend.layout, trash_counts()),
+            left_for_a_person=left_for_people(backend.layout, recorded_trash()),
         )
 
     @app.get("/v1/namespaces", response_model=list[NamespaceStatus], tags=["status"])

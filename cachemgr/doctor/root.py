@@ -20,9 +20,9 @@ from cachemgr.layout import Layout
 from cachemgr.ns.bindings import read_bindings
 from cachemgr.ns.manifest import format_of
 from cachemgr.ns.purge import describe_trash
+from cachemgr.ns.purge_intent import trash_counts
 from cachemgr.ns.quarantine import ns_root_problem
 from cachemgr.ns.registry import list_namespaces, on_disk
-from cachemgr.state import trash_sql
 from cachemgr.state.dbfile import corrupt_copies
 from cachemgr.state.store import Store
 from cachemgr.units import human_bytes
@@ -54,7 +54,7 @@ def lint_root(layout: Layout, store: Store | None) -> list[Finding]:
             what = f"{layout.ns_dir(ns.ns_id)} has no manifest: nobody knows who wrote its pages"
             fix = f"cachemgr purge --namespace {ns.ns_id}"
             found.append(Finding("warning", "ns-no-manifest", what, fix))
-    for entry in describe_trash(layout, trash_sql.recorded(store.conn) if store else None):
+    for entry in describe_trash(layout, trash_counts(layout, store.conn) if store else None):
         if entry.problem:
             what = f".trash/{entry.name}: {entry.problem}"
             found.append(Finding("error", "trash-unsafe", what, hands_off))

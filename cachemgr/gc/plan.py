@@ -49,7 +49,8 @@ from cachemgr.gc.step import GcStep, Unmet
 from cachemgr.gc.value import cap_order
 from cachemgr.layout import Layout
 from cachemgr.ns.manifest import identity_model, identity_record
-from cachemgr.state import pages_sql, registry_sql, trash_sql
+from cachemgr.ns.purge_intent import trash_counts
+from cachemgr.state import pages_sql, registry_sql
 from cachemgr.state.index import namespace_dirs
 from cachemgr.state.store import Store, read_snapshot
 
@@ -167,7 +168,7 @@ def _plan(
     # A dir that became a symlink (or worse) is skipped with a warning, never a failed run:
     # GC must go on bounding everything else.
     warnings: list[str] = []
-    trash = gcfind.trash_leftovers(layout, warnings, daemon.trash, trash_sql.recorded(conn))
+    trash = gcfind.trash_leftovers(layout, warnings, daemon.trash, trash_counts(layout, conn))
     steps = [s for s in trash if s.rel_dir not in after.dirs]
     freed_trash = sum(s.bytes for s in trash if s.rel_dir in after.dirs)
     # Damaged namespaces (a bad manifest, a symlink in place of the dir) are left alone

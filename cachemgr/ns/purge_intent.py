@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import logging
 import os
+import sqlite3
 import stat
 
 from cachemgr.layout import Layout
-from cachemgr.state import intents_sql
+from cachemgr.state import intents_sql, trash_sql
 from cachemgr.state.intents_sql import Intent
 from cachemgr.state.store import Store
 
@@ -77,6 +78,25 @@ def settle_all(layout: Layout, store: Store) -> None:
                 intents_sql.delete(store.conn, intent.entry)
             elif audit_once(store, intent):
                 _audited_late(intent, intent.entry)
+
+
+def trash_counts(layout: Layout, conn: sqlite3.Connection) -> dict[str, tuple[int, int]]:
+    """Each .trash/ entry's (files, bytes) left as recorded (trash_sql.recorded), and for one a
+    purge or GC drop has renamed but not counted yet, its intent's: the purge commits its
+    count after the rename, with the namespace's rows dropped (~1 s at 10M pages), and a plan
+    read in that window walked the entry (a walk of 10M pages takes 150 s: in a 10M run a
+    drain began 127 s after the purge, where it begins at once). Only where the entry is the
+    intent's dir, as `settle_entry` asks; not in a fleet, whose purges record no count; not a
+    count of 0, which a purge never records (a walk says what is there)."""
+    counts = trash_sql.recorded(conn)
+    if layout.node is not None:
+        return counts
+    for intent in intents_sql.pending(conn):
+        for entry in (intent.entry, f"{intent.entry}{SWAPPED}"):
+            here = entry not in counts and intent.pages
+            if here and _dir_id(layout, f".trash/{entry}") == (intent.dev, intent.ino):
+                counts[entry] = (intent.pages, intent.bytes)
+    return counts
 
 
 def dir_id(layout: Layout, ns_id: str) -> tuple[int, int] | None:

@@ -17,12 +17,12 @@ from cachemgr.formats import FORMATS
 from cachemgr.fs.dirscan import scan_usage
 from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
+from cachemgr.ns.purge_intent import trash_counts
 from cachemgr.ns.quarantine import is_denied, unreadable_problem
 from cachemgr.ns.registry import adopt_from_disk
 from cachemgr.ns.status import NamespaceStatus, namespace_statuses
 from cachemgr.ns.trash import left_for_people
 from cachemgr.settings import Settings
-from cachemgr.state import trash_sql
 from cachemgr.state.dbfile import unavailable
 from cachemgr.state.snapshot import snapshot
 from cachemgr.state.store import Store
@@ -86,7 +86,7 @@ def status_from_disk(layout: Layout) -> dict[str, Any]:
     if has_state(layout):
         with reading_what_it_can(layout, page_rows=False) as (store, missing):
             statuses = namespace_statuses(store.conn, layout)
-            recorded = trash_sql.recorded(store.conn)
+            recorded = trash_counts(layout, store.conn)
     return {
         "root": str(layout.root),
         "source": "disk",

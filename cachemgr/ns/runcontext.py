@@ -63,6 +63,8 @@ class RunContext:
                 if not busy.held_here(self.store.path):
                     self._tell_locked()
                     return False
+                if self.stop():  # a shutdown (or the lease lost) ends the wait: nothing to tell
+                    return False
 
     def record_deleted(self, write: Callable[[float | None], None]) -> None:
         """Record files already deleted: `write(patience)` is a transaction that waits that
@@ -72,7 +74,8 @@ class RunContext:
         try:
             write(None)
         except StateLocked:
-            self._tell_locked()
+            if not busy.held_here(self.store.path):  # (this process's own writer ends by itself)
+                self._tell_locked()
             write(math.inf)
 
     def _tell_locked(self) -> None:

@@ -27,7 +27,7 @@ from cachemgr.fs.dirscan import Usage, scan_usage
 from cachemgr.fs.safe import open_dir
 from cachemgr.fs.tree import format_in, tree_chunks
 from cachemgr.layout import Layout
-from cachemgr.ns.purge_intent import settle_entry
+from cachemgr.ns.purge_intent import settle_entry, trash_counts
 from cachemgr.ns.runcontext import RunContext, unheeded
 from cachemgr.state import trash_sql
 from cachemgr.state.store import Store
@@ -205,7 +205,7 @@ def drain_trash(
         entries = list_trash(layout)
     except UnsafePathError as e:
         return DeleteReport(refused=(str(e),), dry_run=dry_run)
-    recorded = trash_sql.recorded(store.conn)
+    recorded = trash_counts(layout, store.conn)
     totals = {e: recorded[e][0] if e in recorded else _count_names(layout, e) for e in entries}
     total = sum(totals.values())
     report = DeleteReport(dry_run=dry_run)

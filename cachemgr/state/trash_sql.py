@@ -1,6 +1,5 @@
 """The statements on the trash_counts table: what a purge moved into each .trash/ entry, less
-what drains deleted of it since (migration 0009; a purge in flight's from purge_intents,
-migration 0010)."""
+what drains deleted of it since (migration 0009)."""
 
 from __future__ import annotations
 
@@ -16,17 +15,8 @@ def record(conn: sqlite3.Connection, entry: str, files: int, size: int) -> None:
 
 
 def recorded(conn: sqlite3.Connection) -> dict[str, tuple[int, int]]:
-    """Each recorded entry's (files, bytes) left; an entry whose purge has renamed it but not
-    committed its count yet, its intent's (the plan's count: cachemgr.ns.purge_intent).
-
-    Read in that window (the purge's transaction drops a namespace's rows after the rename:
-    ~1 s at 10M pages), the entry had no count, and GC's plan counted it by a walk (the
-    restart's walk of 10M pages took 150 s): in a 10M run the drain began 127 s after the
-    purge, where it begins at once."""
-    rows = conn.execute(
-        "SELECT entry, files, bytes FROM trash_counts UNION ALL SELECT entry, pages, bytes"
-        " FROM purge_intents WHERE entry NOT IN (SELECT entry FROM trash_counts)"
-    )
+    """Each recorded entry's (files, bytes) left."""
+    rows = conn.execute("SELECT entry, files, bytes FROM trash_counts")
     return {entry: (files, size) for entry, files, size in rows}
 
 
