@@ -35,10 +35,21 @@ class ForeignLock:
         self.db = db
         self.shell: subprocess.Popen[str] | None = None
         self.taken = 0  # times taken so far
+        self.named: list[str] = []  # the holders a run was told of (`told`)
 
     def take(self) -> None:
         self.shell = hold_write_lock(self.db)
         self.taken += 1
+
+    def take_once(self, *_: object) -> None:
+        """Take the lock the first time this is called (in a progress callback's place)."""
+        if not self.taken:
+            self.take()
+
+    def told(self, holder: str) -> None:
+        """In `RunContext.locked`'s place: note whom the run named, and let go."""
+        self.named.append(holder)
+        self.release()
 
     def release(self) -> None:
         if self.shell is not None:

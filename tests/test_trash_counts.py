@@ -139,19 +139,9 @@ def test_a_drain_whose_record_meets_a_foreign_lock_says_who_holds_it_then_record
     once the lock goes."""
     entry = purged(tree, 300)
     tree.store.patience = 0.2
-    told: list[str] = []
-    with ForeignLock(tree.layout.db_path) as foreign:
-
-        def lock_midway(files: int, size: int) -> None:  # the holder comes during the drain
-            if not foreign.taken:
-                foreign.take()
-
-        def locked(holder: str) -> None:  # told: the holder lets go
-            told.append(holder)
-            foreign.release()
-
-        part = drain_entry(tree.run(locked=locked), entry, progress=lock_midway)
-    assert len(told) == 1 and part.files == 300
+    with ForeignLock(tree.layout.db_path) as foreign:  # taken during the drain, let go once told
+        part = drain_entry(tree.run(locked=foreign.told), entry, progress=foreign.take_once)
+    assert len(foreign.named) == 1 and part.files == 300
     audited = tree.store.conn.execute(
         "SELECT pages FROM audit WHERE action = 'delete-trash'"
     ).fetchall()
@@ -171,19 +161,9 @@ def test_a_drain_stops_at_a_foreign_lock_rather_than_delete_its_entry_unrecorded
     monkeypatch.setattr(store_module, "LOCK_POLL", 0.05)  # a BEGIN's own wait
     entry = purged(tree, 2_500)
     tree.store.patience = 0.2
-    told: list[str] = []
     with ForeignLock(tree.layout.db_path) as foreign:
-
-        def lock_once(files: int, size: int) -> None:
-            if not foreign.taken:
-                foreign.take()
-
-        def locked(holder: str) -> None:  # told: the holder lets go
-            told.append(holder)
-            foreign.release()
-
-        part = drain_entry(tree.run(locked=locked), entry, progress=lock_once)
-    assert len(told) == 1 and part.stopped and part.files == 1_024  # the first report's
+        part = drain_entry(tree.run(locked=foreign.told), entry, progress=foreign.take_once)
+    assert len(foreign.named) == 1 and part.stopped and part.files == 1_024  # the 1st report's
     assert len(os.listdir(tree.layout.trash / entry)) == 1_476
     assert recorded(tree) == {entry: (1_476, 147_600)}
     audited = tree.store.conn.execute(
@@ -206,19 +186,11 @@ def test_a_purge_s_drain_stopped_by_a_lock_says_so_and_leaves_the_entries_after_
     first = purged(tree, 2_500)
     second = purged(tree, 10)  # (entries are named by the time: drained after the first)
     tree.store.patience = 0.2
-    told: list[str] = []
     with ForeignLock(tree.layout.db_path) as foreign:
-
-        def lock_once(p: trash.DrainProgress) -> None:
-            if not foreign.taken:
-                foreign.take()
-
-        def locked(holder: str) -> None:  # told: the holder lets go
-            told.append(holder)
-            foreign.release()
-
-        report = trash.drain_trash(tree.layout, tree.store, progress=lock_once, locked=locked)
-    assert len(told) == 1 and report.stopped and report.files == 1_024
+        report = trash.drain_trash(
+            tree.layout, tree.store, progress=foreign.take_once, locked=foreign.told
+        )
+    assert len(foreign.named) == 1 and report.stopped and report.files == 1_024
     assert recorded(tree) == {first: (1_476, 147_600), second: (10, 1_000)}
     assert sorted(os.listdir(tree.layout.trash)) == sorted([first, second])
     assert len(os.listdir(tree.layout.trash / second)) == 10
