@@ -1,11 +1,15 @@
 """A foreign holder of the state DB's write lock: the `sqlite3` shell in another process, as a
 person's is (a connection of the test's own process is this process's to cachemgr, whose own
-writers GC waits out)."""
+writers GC waits out); and the CLI run in this process, for a test that makes the lock come
+at one point of its run."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 from pathlib import Path
+
+from cachemgr.cli.main import main
 
 
 def hold_write_lock(db: Path) -> subprocess.Popen[str]:
@@ -61,3 +65,18 @@ class ForeignLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def cli_here(argv: list[str]) -> int:
+    """`cachemgr <argv>` in this process (where a test's hooks reach it): its exit code. The
+    CLI points the `cachemgr` logger at its own handler, unpropagated; that is undone, or
+    pytest's log capture in the tests after it in this process sees nothing."""
+    logger = logging.getLogger("cachemgr")
+    kept = logger.handlers[:], logger.level, logger.propagate
+    try:
+        main(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
+    finally:
+        logger.handlers[:], logger.level, logger.propagate = kept
+    return 0

@@ -10,14 +10,13 @@ from typing import Any
 
 import pytest
 
-from cachemgr.cli.main import main
 from cachemgr.gc import execute
 from cachemgr.layout import Layout
 from cachemgr.settings import load_settings
 from cachemgr.state import store as store_module
 from tests.daemon_helpers import cli_argv
 from tests.gc_helpers import NS, Tree, page, temp
-from tests.locks import ForeignLock
+from tests.locks import ForeignLock, cli_here
 
 
 def gc(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -138,10 +137,12 @@ def test_a_run_stopped_by_a_foreign_lock_shows_what_it_deleted_then_fails(
             foreign.take()
 
     monkeypatch.setattr(execute, "_record_chunk", then_lock)
-    with foreign, pytest.raises(SystemExit) as exited:
-        main(["--root", str(root), "--log-level", "error", "gc", "--yes", "--max-files", "100"])
+    with foreign:
+        code = cli_here(
+            ["--root", str(root), "--log-level", "error", "gc", "--yes", "--max-files", "100"]
+        )
     out, err = capsys.readouterr()
-    assert exited.value.code == 1
+    assert code == 1
     left = sum(1 for p in d.iterdir() if p.name.endswith(".bin"))
     assert left == 600 - 256  # the first chunk went, no other
     assert out.startswith("deleted 256 files, 25.6 kB\n") and "  files              256" in out

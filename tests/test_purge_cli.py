@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from cachemgr.cli import common
-from cachemgr.cli.main import main
 from cachemgr.fs import deletion
 from cachemgr.layout import Layout
 from cachemgr.ns import trash
@@ -22,7 +21,7 @@ from cachemgr.settings import Settings
 from cachemgr.state import store as store_module
 from cachemgr.state.store import Store
 from tests.daemon_helpers import running_daemon
-from tests.locks import ForeignLock
+from tests.locks import ForeignLock, cli_here
 from tests.nsfixtures import (
     PAGE_BYTES,
     audit_rows,
@@ -446,10 +445,10 @@ def test_a_purge_whose_drain_meets_a_foreign_lock_stops_says_who_and_exits_1(
 
     monkeypatch.setattr(deletion, "check_and_unlink", then_lock)
     monkeypatch.setattr(common, "_say_locked", release)
-    with foreign, pytest.raises(SystemExit) as exited:
-        main(["--root", str(layout.root), "purge", "--namespace", ns, "--yes"])
+    with foreign:
+        code = cli_here(["--root", str(layout.root), "purge", "--namespace", ns, "--yes"])
     _, err = capsys.readouterr()
-    assert exited.value.code == 1 and len(said) == 1
+    assert code == 1 and len(said) == 1
     assert "cachemgr: error: the drain of .trash/ stopped: the state DB was write-locked" in err
     (entry,) = os.listdir(layout.trash)
     assert len(os.listdir(layout.trash / entry)) == 2_500 - 1_024  # stopped at the tick
