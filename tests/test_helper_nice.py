@@ -22,7 +22,9 @@ from cachemgr.fs.deletion import delete_files
 from cachemgr.fs.dirscan import scan_usage
 from cachemgr.layout import Layout
 from cachemgr.sglang.hicache import HICACHE_FILE
+from cachemgr.vllm.fstier import VLLM_FS_TIER
 from tests.nsfixtures import page_name
+from tests.vllmtrees import write_blocks, write_folder
 
 NS = "0123456789abcdef"
 PAGES = 20_000  # enough for a scan to start its stat threads and the unlinkers to take a while
@@ -82,17 +84,27 @@ def _fill(layout: Layout) -> Path:
     return d
 
 
+def _fill_vllm(layout: Layout) -> Path:
+    d = layout.ns_root / NS
+    d.mkdir()
+    write_blocks(d, write_folder(d), PAGES // 4, size=1)
+    return d
+
+
 @pytest.mark.skipif(os.getpriority(os.PRIO_PROCESS, 0) + RAISED > 19, reason="already nicest")
-@pytest.mark.parametrize("work", ["scan", "unlink"])
+@pytest.mark.parametrize("work", ["scan", "walk", "unlink"])
 def test_the_threads_a_call_starts_run_nicer_than_it_and_its_own_priority_stays(
     layout: Layout, work: str
 ) -> None:
-    d = _fill(layout)
+    """`walk`: the walkers of a vLLM tree's parallel walk (one dir a block or so: no stat
+    threads), not niced before."""
+    d = _fill(layout) if work != "walk" else _fill_vllm(layout)
     rel = f"{layout.ns_root.relative_to(layout.root)}/{NS}"
 
     def call() -> None:
-        if work == "scan":
-            assert scan_usage(layout, rel, HICACHE_FILE) is not None
+        if work in ("scan", "walk"):
+            fmt = HICACHE_FILE if work == "scan" else VLLM_FS_TIER
+            assert scan_usage(layout, rel, fmt) is not None
         else:
             delete_files(layout.root, rel, sorted(os.listdir(d)), fmt=HICACHE_FILE)
             _fill(layout)  # for the next round, if this one's threads went unseen

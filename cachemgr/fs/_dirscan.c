@@ -831,6 +831,9 @@ static void pool_run(Pool *p, Totals *tot) {
 
 static void *walker_main(void *arg) {
     Walker *w = arg;
+    /* niced as the stat threads are: a vLLM tree's first walk ran its walkers at the daemon's
+     * priority, beside its HTTP thread */
+    helper_nice(w->tot.nice);
     PyGILState_STATE g = PyGILState_Ensure();
     w->tot.save = PyEval_SaveThread();
     pool_run(w->pool, &w->tot);
