@@ -6,7 +6,11 @@ at one point of its run."""
 from __future__ import annotations
 
 import logging
+import sqlite3
 import subprocess
+import threading
+from collections.abc import Iterator
+from contextlib import closing, contextmanager
 from pathlib import Path
 
 from cachemgr.cli.main import main
@@ -65,6 +69,21 @@ class ForeignLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+@contextmanager
+def held_here(db: Path, seconds: float) -> Iterator[None]:
+    """`db`'s write lock held by another connection of this process (as the daemon's index
+    thread holds it for a long reconcile), let go `seconds` after the block starts."""
+    ours = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
+    with closing(ours):
+        ours.execute("BEGIN IMMEDIATE")
+        letgo = threading.Timer(seconds, ours.rollback)
+        letgo.start()
+        try:
+            yield
+        finally:
+            letgo.join()
 
 
 def cli_here(argv: list[str]) -> int:

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import os
-import sqlite3
 import subprocess
-import threading
 from collections.abc import Iterator
-from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -17,7 +14,7 @@ from cachemgr.gc.plan import GcPlan
 from cachemgr.gc.step import GcReport
 from cachemgr.state import store as store_module
 from tests.gc_helpers import NS, T0, Tree, page, policy
-from tests.locks import ForeignLock
+from tests.locks import ForeignLock, held_here
 
 
 @pytest.fixture
@@ -82,13 +79,8 @@ def test_this_process_s_own_long_writer_is_waited_out_not_taken_for_a_foreign_lo
     tree.store.patience = 0.2
     monkeypatch.setattr(store_module, "LOCK_POLL", 0.05)  # a BEGIN's own wait
     told: list[str] = []
-    ours = sqlite3.connect(tree.layout.db_path, isolation_level=None, check_same_thread=False)
-    with closing(ours):
-        ours.execute("BEGIN IMMEDIATE")  # another connection of this process
-        letgo = threading.Timer(1.0, ours.rollback)  # past the patience, a few times
-        letgo.start()
+    with held_here(tree.layout.db_path, 1.0):  # past the patience, a few times
         report = execute_gc(plan, tree.run(clock=lambda: T0 + 1, locked=told.append))
-        letgo.join()
     assert told == [] and report.locked_by is None and report.files == len(names)
     assert tree.files(NS) == set()
 
@@ -101,18 +93,13 @@ def test_a_record_waits_out_this_process_s_own_writer_without_telling_locked(
     tree.store.patience = 0.2
     monkeypatch.setattr(store_module, "LOCK_POLL", 0.05)
     told: list[str] = []
-    ours = sqlite3.connect(tree.layout.db_path, isolation_level=None, check_same_thread=False)
-    with closing(ours):
-        ours.execute("BEGIN IMMEDIATE")
-        letgo = threading.Timer(1.0, ours.rollback)
-        letgo.start()
 
-        def write(patience: float | None) -> None:
-            with tree.store.transaction(patience=patience) as conn:
-                conn.execute("INSERT INTO notices (key, at) VALUES ('recorded', 0)")
+    def write(patience: float | None) -> None:
+        with tree.store.transaction(patience=patience) as conn:
+            conn.execute("INSERT INTO notices (key, at) VALUES ('recorded', 0)")
 
+    with held_here(tree.layout.db_path, 1.0):
         tree.run(locked=told.append).record_deleted(write)
-        letgo.join()
     assert told == []
     assert [tuple(r) for r in tree.store.conn.execute("SELECT key FROM notices")] == [("recorded",)]
 
