@@ -45,7 +45,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -463,13 +463,7 @@ def evict_and_purge(mnt: Path, n: int, evict: int, tree: Tree) -> None:
     again = Served(layout, {**env, "CACHEMGR_GC_INTERVAL": "5s"})
     t0 = time.monotonic()
     low = floor_of(cap)
-    first = None  # the first page gone: the restart's rescan before it, GC's run after
-    while (now := tree.files(mnt)) > low + 100:
-        if again.proc.poll() is not None:
-            raise RuntimeError(f"cachemgr serve exited with {again.proc.returncode}")
-        if first is None and now < n - 100:
-            first = time.monotonic()
-        time.sleep(0.05)
+    first = wait_evicted(again, lambda: tree.files(mnt), n, low)
     evicted = time.monotonic() - t0
     time.sleep(3)
     left = pages_under(layout.ns_dir(NS))
@@ -686,11 +680,7 @@ def evict_on(mnt: Path, n: int, evict: int) -> tuple[float, float]:
     spy = os.environ.get("BENCH_PYSPY")  # a raw py-spy profile of the eviction there
     prof = spy and subprocess.Popen([*PYSPY, "-p", str(served.proc.pid), "-o", spy])
     cpu0 = thread_cpu(served.proc.pid)
-    first = None  # when the first page went: GC's run from there, beside find's
-    while (now := files_in(mnt)) > low + 100:  # (the root's own files)
-        if first is None and now < n - 100:
-            first = time.monotonic()
-        time.sleep(0.05)
+    first = wait_evicted(served, lambda: files_in(mnt), n, low)
     took = time.monotonic() - t0
     cpu1 = thread_cpu(served.proc.pid)
     names = thread_names(served.proc.pid)
@@ -715,6 +705,20 @@ def evict_on(mnt: Path, n: int, evict: int) -> tuple[float, float]:
     )
     say_windows(served.scrapes(), t0, first, t0 + took)
     return rate, (n - left) / run
+
+
+def wait_evicted(served: Served, files: Callable[[], int], n: int, low: int) -> float | None:
+    """Wait until `files()` (of `n` at the start) is down to `low` (to the root's own few);
+    when the first page went (None: none seen going), for GC's run from there, beside find's
+    (from ready adds the restart's rescan)."""
+    first = None
+    while (now := files()) > low + 100:
+        if served.proc.poll() is not None:
+            raise RuntimeError(f"cachemgr serve exited with {served.proc.returncode}")
+        if first is None and now < n - 100:
+            first = time.monotonic()
+        time.sleep(0.05)
+    return first
 
 
 def say_windows(
