@@ -30,6 +30,7 @@ from tests.fleet_bed import free_port
 from tests.polling import wait_for
 from tests.vllmtrees import vllm_tree, write_blocks
 
+NS_C = "aabbccddeeff0011"
 userns = pytest.mark.skipif(
     shutil.which("unshare") is None
     or shutil.which("nsenter") is None
@@ -155,6 +156,40 @@ def test_a_namespace_refused_its_watch_is_indexed_and_kept_by_the_reconcile_scan
     store_page(b, page_name(50))  # seen by its watch now
     wait_for(lambda: d.pages(NS_B), lambda n: n == 31, timeout=30, what="the store")
     assert d.metric("cachemgr_watches_refused_total") == refused
+
+
+@userns
+def test_a_daemon_left_no_watch_at_all_starts_and_keeps_the_index_by_its_scans(
+    layout: Layout, tmp_path: Path, daemons: list[Limited]
+) -> None:
+    """Another program took every inotify watch of the user, so <root>/ns is refused its own.
+    The index writer failed at once ("inotify watch limit reached") and the daemon never got
+    ready; now it serves, indexes by its scans, says so, and watches once it may."""
+    a = register_namespace(layout, NS_A)
+    for i in range(20):
+        store_page(a, page_name(i))
+    d = Limited(layout, 0, tmp_path / "serve.log")
+    daemons.append(d)
+    assert d.pages(NS_A) == 20
+    assert d.status()["index"]["watches_refused"] >= 2  # <root>/ns's and A's
+    assert refusals_logged(d.log) == 1
+
+    def writes(ns: str) -> int | None:
+        got = [n["page_writes"] for n in d.status()["namespaces"] if n["id"] == ns]
+        return got[0] if got else None
+
+    b = register_namespace(layout, NS_B)  # no event for the new dir: a reconcile finds it
+    for i in range(5):
+        store_page(b, page_name(i))
+    wait_for(lambda: d.pages(NS_B) if writes(NS_B) is not None else None, lambda n: n == 5)
+    assert writes(NS_B) == 0  # found by a listing, not seen stored
+
+    d.allow(100)  # the next reconcile watches <root>/ns: a dir made then is watched at once
+    wait_for(lambda: d.metric("cachemgr_watch_refused_namespaces"), lambda n: n == 0, timeout=30)
+    c = register_namespace(layout, NS_C)
+    for i in range(5):
+        store_page(c, page_name(i))
+    wait_for(lambda: writes(NS_C), lambda n: n == 5, timeout=30, what="C's stores seen")
 
 
 @userns

@@ -440,7 +440,8 @@ class Indexer(Worker):
     def _scan_all(self, *, first: bool) -> None:
         if self._root_unusable():
             return
-        if ROOT in self.quarantine:  # usable again: a new ns/ dir has no watch yet
+        # Usable again (a new ns/ dir has no watch yet), or its watch refused (none was left)
+        if ROOT in self.quarantine or self.watcher.root_refused():
             self.watcher.watch_root()
         try:
             adopt_from_disk(self.layout, self.store)  # a lost DB forgot them; the disk did not

@@ -23,6 +23,7 @@ the index rescans instead of drifting silently.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import math
@@ -128,7 +129,7 @@ class _DirWatch:
         self.watcher.unleaf(self)
 
     def on_queue_overflow(self) -> None:
-        pass  # the root watch reports it once
+        pass  # the reader reports it once (_Reader._handle)
 
     def on_events_lost(self) -> None:
         pass  # (watchdog 7.1.1 on: after every watch's on_queue_overflow; the root's reported it)
@@ -171,10 +172,10 @@ class _RootWatch:
             )
 
     def on_queue_overflow(self) -> None:
-        self.watcher.lost()
+        pass  # the reader reports it (_Reader._handle), whether this watch was taken or not
 
     def on_events_lost(self) -> None:
-        pass  # (watchdog 7.1.1 on: after every on_queue_overflow, which reported the loss)
+        pass  # (watchdog 7.1.1 on: after every on_queue_overflow)
 
 
 class _Reader(InotifyFD):
@@ -214,6 +215,10 @@ class _Reader(InotifyFD):
         in an overflow, and found again the same way, by a rescan (said once a minute)."""
         try:
             for event in self.events(buffer):
+                if event.mask & C.IN_Q_OVERFLOW:
+                    # Said here, not by a watch's callback: <root>/ns may have none (refused).
+                    self.failed()
+                    continue
                 self.handle_event(event)
         except Exception:
             now = time.monotonic()
@@ -333,7 +338,14 @@ class Watcher:
         self._fd = _Reader(lambda idle: self.nest.flush(idle=idle), self.own_deletion, self.lost)
         self._fd.daemon = True
         self._fd.start()
-        self._root = self._add_root()
+        try:
+            self._root = self._add_root()
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            # Another program took every watch of this user (an IDE, a vLLM tree's daemon):
+            # the daemon runs all the same, on its reconcile scans, which ask again.
+            self._refused(None, "")
         self.running = True
         if atime_off(self.layout.ns_root):  # (cachemgr.daemon.nestwatch)
             log.warning(
@@ -363,8 +375,11 @@ class Watcher:
             return  # the same dir (made unreadable and readable again): its watch holds
         try:
             self._root = self._add_root()
-        except OSError as e:  # gone again, or a symlink again: the next retry tries again
-            log.warning("namespace root not watched", extra={"error": str(e)})
+        except OSError as e:  # gone again, a symlink again, or still no watch left: the next
+            if e.errno == errno.ENOSPC:  # retry tries again
+                self._refused(None, "")
+            else:
+                log.warning("namespace root not watched", extra={"error": str(e)})
             return
         if old is not None and not old.dead and self._fd is not None:
             self._fd.remove_callbacks([(WatchDescriptor(old.wd), CallbackId(id(old)))])
@@ -469,15 +484,24 @@ class Watcher:
             self._leaves[cb.wd] = cb
         return True
 
+    def root_refused(self) -> bool:
+        """Whether <root>/ns has no watch because the kernel had none left: new namespace
+        dirs are then found by the reconcile scans, which ask for it again (watch_root)."""
+        return self.running and self._root is None
+
     def _refuse(self, cb: _DirWatch) -> None:
         """The kernel has no watch left for `cb`'s dir: what happens in it is seen by the
-        reconcile scans only, which try its watch again. Counted (metrics, /v1/status, doctor)
-        and logged at most every REFUSALS_LOGGED_EVERY seconds."""
+        reconcile scans only, which try its watch again."""
         with self._lock:
             self._short.add(cb.ns_id)
             if not cb.path:
                 self._unwatched.add(cb.ns_id)
             self.gaps.short = len(self._short)
+        self._refused(cb.ns_id, cb.path)
+
+    def _refused(self, ns_id: str | None, path: str) -> None:
+        """A watch refused (None: <root>/ns's own), counted (metrics, /v1/status, doctor) and
+        logged at most every REFUSALS_LOGGED_EVERY seconds."""
         self.gaps.refused += 1
         self.gaps.refused_at = time.time()
         now = self.clock()
@@ -492,8 +516,8 @@ class Watcher:
             "inotify watch limit reached: the reads and stores of dirs without a watch are seen"
             " by the reconcile scans only; raise fs.inotify.max_user_watches",
             extra={
-                "namespace": cb.ns_id,
-                "dir": cb.path,
+                "namespace": ns_id,
+                "dir": path if ns_id is not None else str(self.layout.ns_root),
                 "refused": self.gaps.refused,
                 "max_user_watches": limit,
             },
