@@ -63,6 +63,54 @@ def test_keys_of_another_shape_are_kept_as_they_are() -> None:
     assert model.names(NS, "abcdef" + "0" * 58) == ()  # not the same key
 
 
+def block_path(i: int, group: int = 0, folder: str = "Qwen_Qwen3-0.6B_0123456789ab") -> str:
+    """A vLLM block's path below its namespace dir: a nested page's key is its path."""
+    h = key(i)
+    return f"{folder}_r0/{h[:3]}/{h[3:5]}_g{group}/{h}.bin"
+
+
+def test_a_path_key_is_packed_with_its_shape_not_kept_whole() -> None:
+    n = 10_000
+    paths = [block_path(i, group) for i in range(n // 2) for group in (0, 1)]
+    tracemalloc.start()
+    try:
+        model = ChainModel()
+        for seq, path in enumerate(paths, 1):
+            model.add(NS, path, len(path), 48, seq=seq, at=0.0)
+        used = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    store = model.store
+    # Each 120-character path was a string on the side (~290 B a block at 10M blocks); now
+    # its hash is packed like an SGLang key and its dirs are one of two shapes (_g0, _g1).
+    assert not store.odd and len(store.shapes) == 3
+    assert used / n < 60, used / n
+    # Two groups of one hash are two pages, each named back exactly as it was stored.
+    assert {k for _, k in model.pages} == set(paths)
+    assert model.names(NS, paths[1]) == (paths[1],)
+    model.remove(NS, [(paths[0], len(paths[0]))])
+    assert (NS, paths[0]) not in model.pages and (NS, paths[1]) in model.pages
+
+
+def test_any_key_with_a_hex_run_comes_back_exactly() -> None:
+    """Whatever is around the run (dirs that repeat its digits by chance, hex in the folder's
+    name, a second run, no dirs at all), a key is named back as it came, and only itself."""
+    rng = random.Random(7)
+    bits = ["", "/", "_g0", "r0", "de", "dead", "beef_", "00", "x", "é", "\udcff", "a" * 64]
+    made = set()
+    model = ChainModel()
+    for i in range(3000):
+        h = key(i)
+        parts = [rng.choice(bits) + h[: rng.randrange(6)] + rng.choice(bits) for _ in range(3)]
+        k = "/".join(parts) + "/" + h + rng.choice(["", ".bin", "_x", "/" + h[:3]])
+        if k in made:
+            continue
+        made.add(k)
+        model.add(NS, k, len(k), 1, seq=i + 1, at=0.0)
+    assert {k for _, k in model.pages} == made
+    assert all(model.names(NS, k) == (k,) for k in made)
+
+
 class Twin:
     """Two models fed the same events; the reference forgets its segments before each order,
     so it walks every page as an order did before segments were kept."""

@@ -40,7 +40,7 @@ from tests.daemon_helpers import (
 from tests.daemon_helpers import store_page as write_page
 from tests.mounts import tmpfs
 from tests.polling import wait_for
-from tests.test_chain_store import NS, SUFFIX, chains
+from tests.test_chain_store import NS, SUFFIX, block_path, chains
 
 SYSTEM = [1, 2, 3]
 LONG = 20  # pages a session writes: a segment the order keeps (more than value.CACHED)
@@ -60,6 +60,9 @@ def saved_model(tmp_path: Path, store: Store) -> tuple[ChainModel, Path]:
     chains(model, 3000, 40)
     for i, k in enumerate(["00ab", "ABCDEF" + "0" * 58]):
         model.add(NS, k + SUFFIX, len(k), 10, seq=5000 + i, at=1.0, pred="00ab" if i else None)
+    for i in range(4):  # vLLM blocks: keys packed with their shapes (g0 and g1)
+        path = block_path(i, i % 2)
+        model.add(NS, path, len(path), 48, seq=5100 + i, at=1.0)
     victims(model)  # fills the segment cache
     model.observe_read(NS, f"{7 * 2654435761:064x}" + SUFFIX, 64, seq=6000, at=2.0)  # (dirty)
     path = tmp_path / "chain-model.snapshot"

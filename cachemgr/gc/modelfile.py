@@ -11,8 +11,8 @@ file only when all of these hold, else it loads from the index as before:
 * the index still holds that token: triggers delete it on any change to `pages` (a CLI scan,
   GC or purge, another daemon), and the daemon takes it when it starts, so after a kill -9 or
   a run that changed the index there is none;
-* the file says the same token, this code's format version (5: the key table by the keys'
-  fingerprints; a file of an older version is not read, the index is: once, after an upgrade)
+* the file says the same token, this code's format version (6: a path's key packed with its
+  shape; a file of an older version is not read, the index is: once, after an upgrade)
   and this machine's array layout;
 * its CRC-32 (of all of it) checks, every array has the length the header gives, and the key
   table is at most three quarters full (counted in the table, not only said in the header): a
@@ -57,8 +57,10 @@ MAGIC = b"cachemgr-chain-model\n"
 # 2: the memory of evicted pages and the adaptive order's state; 3: each column's item type in
 # the header (the count columns widen as their values grow); 4: the access sequences' columns
 # narrow too (32 bits until a sequence outgrows them); 5: the keys' fingerprints, by which the
-# key table finds them (the keys are on disk: cachemgr.gc.keyfile).
-VERSION = 5
+# key table finds them (the keys are on disk: cachemgr.gc.keyfile); 6: a path's key packed
+# with its shape (a vLLM block's, kept whole in the header before: 1.9 GB at 10M blocks).
+VERSION = 6
+_SHAPE_CODES = ("B", "H", "i", "q")  # a key shape column's item types, narrowest first
 _LEN = struct.Struct("<Q")  # the header's length, after the magic
 _CRC = struct.Struct("<I")  # the CRC-32 of everything before it, at the end
 _SEGMENTS = (("leaf", "i"), ("top", "i"), ("last", "q"), ("when", "d"))
@@ -167,6 +169,7 @@ def _encode(model: ChainModel, token: str, exact: list[str]) -> tuple[memoryview
         *(memoryview(c) for c in seg_cols),
         memoryview(array("i", model.dirty)),
         memoryview(adapt_table),
+        memoryview(st.shape)[:top],  # (empty until a key of another shape came)
     ]
     header = {
         "version": VERSION,
@@ -188,6 +191,8 @@ def _encode(model: ChainModel, token: str, exact: list[str]) -> tuple[memoryview
         "suffixes": st.suffixes,
         "file_sets": st.file_sets,
         "odd": sorted(st.odd.items()),
+        "shapes": st.shapes,
+        "shape": [st.shape.typecode, min(len(st.shape), top)],
         "exact": exact,
         "history": model.history.entries(),
         "adapt": model.adapt.state(),
@@ -290,6 +295,10 @@ def _read(model: ChainModel, f: BufferedReader, token: str) -> set[str]:
     segs = [r.array(c, h["segments"]) for _, c in _SEGMENTS]
     dirty = r.array("i", h["dirty"])
     table = r.array("q", h["adapt_ints"])
+    shape_code, shaped = h["shape"]
+    if shape_code not in _SHAPE_CODES or shaped not in (0, top):
+        raise SnapshotInvalid(f"key shapes: {shape_code!r} for {shaped} slots")
+    st.shape = r.array(shape_code, shaped)
     if r.f.read(_CRC.size + 1) != _CRC.pack(r.crc):
         raise SnapshotInvalid("CRC mismatch")
     if size - st.table.count(NONE) != h["filled"]:  # (a full table's probe would never end)
@@ -300,6 +309,8 @@ def _read(model: ChainModel, f: BufferedReader, token: str) -> set[str]:
     st.ns_num = {n: i for i, n in enumerate(st.ns_names) if n}
     st.file_sets = [tuple((s, z) for s, z in fs) for fs in h["file_sets"]]
     st.file_ids = {fs: i for i, fs in enumerate(st.file_sets)}
+    st.shapes = [(str(before), str(after)) for before, after in h["shapes"]]
+    st.shape_ids = {shape: i for i, shape in enumerate(st.shapes)}
     st.fit_numbers()
     st.odd = {int(s): k for s, k in h["odd"]}
     with model.lock:

@@ -5,9 +5,11 @@ one slot in eleven `array`s, found through an open-addressing table of slot numb
 bucket, 1.3 to 2.3 buckets a page) by its key's 64-bit fingerprint: ~44 bytes a page at any
 size (bench/RESULTS.md has where they go). The key itself (a 64-hex-digit key, SGLang's
 sha256, packed to 32 bytes) is on disk (cachemgr.gc.keyfile), read only to name an evicted
-page's files. Keys of another shape (shorter or uppercase hex, other formats) are kept as
-strings on the side, and the few pages' pending votes in a table of their own
-(cachemgr.gc.votes).
+page's files. A key with such a run inside it (a nested page's key is its path: vLLM's
+`<folder>_r0/<h[:3]>/<h[3:5]>_g0/<h>.bin`) is packed too, and the rest of it, its *shape*,
+interned: a namespace's millions of such keys have a handful of shapes (`_pack`). Keys of
+another shape (shorter or uppercase hex) are kept as strings on the side, and the few pages'
+pending votes in a table of their own (cachemgr.gc.votes).
 
 Two keys of one namespace with the same fingerprint would be taken for one page: among ten
 million pages, a chance of about 3 in a million (n² / 2⁶⁵). Its cost is a page the model does
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import sys
 import threading
 from array import array
@@ -70,6 +73,17 @@ COLUMNS = (
 )
 Files = tuple[tuple[str, int], ...]  # (name after the key, size) of each file of a page
 PageId = tuple[str, str]  # (namespace id, page key)
+# What a key holds besides its 64-hex run: what comes before it, each slice of the run that a
+# dir name repeats marked (_mark), and what comes after. A 64-hex key is PLAIN.
+Shape = tuple[str, str]
+PLAIN: Shape = ("", "")
+Packed = tuple[bytes, Shape]  # a key's run as 32 bytes, and its shape
+_RUN = re.compile("(?<![0-9a-f])[0-9a-f]{64}(?![0-9a-f])")
+_RUN_AT = re.compile("[0-9a-f]{64}(?![0-9a-f])")  # matched where a path's file name starts
+# A marked slice of the run: MARK, then its offset and length as one character each. A key is
+# a file's name or path, which never holds a NUL.
+MARK = "\0"
+_SLICE_MIN = 2  # a dir name that starts with fewer of the run's digits is taken as it is
 
 
 @functools.cache
@@ -78,7 +92,7 @@ def _fill(typecode: str, value: int) -> array[Any]:
     return array(typecode, [value]) * GROW
 
 
-def _pack(key: str) -> bytes | None:
+def _raw(key: str) -> bytes | None:
     """The 32 bytes of a 64-digit lowercase hex key, or None for a key of another shape."""
     if len(key) != 2 * KEY_BYTES or not (key.islower() or key.isdigit()):
         return None  # (bytes.fromhex would take uppercase digits: they would not round-trip)
@@ -89,22 +103,71 @@ def _pack(key: str) -> bytes | None:
     return raw if len(raw) == KEY_BYTES else None  # (it skips spaces)
 
 
-def _fingerprint(raw: bytes | None, key: str) -> int:
+def _pack(key: str, hint: Shape = PLAIN) -> Packed | None:
+    """A key packed: a 64-digit lowercase hex key's 32 bytes (PLAIN), or those of the last
+    such run in a longer key (a path) with the rest of the key as its shape; None for a key
+    with no such run. `_unpack` gives the key back, whatever the shape. `hint`: the shape the
+    last key had, tried first (a namespace's keys have a handful)."""
+    if len(key) == 2 * KEY_BYTES:
+        raw = _raw(key)
+        return None if raw is None else (raw, PLAIN)
+    # A path's file name starts with its run (vLLM's blocks): no search of the whole key.
+    run = _RUN_AT.match(key, key.rfind("/") + 1)
+    if run is None:
+        runs = [*_RUN.finditer(key)]
+        run = runs[-1] if runs else None
+    if run is None or MARK in key:
+        return None
+    digits, after = run.group(), key[run.end() :]
+    if hint[1] != after or _unpack(digits, hint) != key:
+        hint = (_mark(key[: run.start()], digits), after)
+    return bytes.fromhex(digits), hint
+
+
+def _mark(before: str, digits: str) -> str:
+    """`before` (the dirs above a key's run) with each dir name's lead that repeats the run's
+    next digits marked (vLLM's `<h[:3]>/<h[3:5]>_g0/`): one shape for all of a folder's keys."""
+    out, at = [], 0
+    for part in before.split("/"):
+        n = 0
+        while n < len(part) and at + n < len(digits) and part[n] == digits[at + n]:
+            n += 1
+        if n >= _SLICE_MIN:
+            out.append(f"{MARK}{chr(at)}{chr(n)}{part[n:]}")
+            at += n
+        else:
+            out.append(part)
+    return "/".join(out)
+
+
+def _unpack(digits: str, shape: Shape) -> str:
+    """The key of a run's `digits` and its shape (`_pack`'s inverse)."""
+    before, after = shape
+    if MARK not in before:
+        return before + digits + after
+    out, i = [], 0
+    while (j := before.find(MARK, i)) >= 0:
+        at, n = ord(before[j + 1]), ord(before[j + 2])
+        out += [before[i:j], digits[at : at + n]]
+        i = j + 3
+    return "".join(out) + before[i:] + digits + after
+
+
+def _fingerprint(packed: Packed | None, key: str) -> int:
     """A key's 64-bit fingerprint, the same in every process (Python's hash is salted per
     process): the key table is saved with the model (cachemgr.gc.modelfile) and loaded, not
-    rebuilt. Hashed, not the key's first bytes: a format's keys need not be random."""
-    return xxhash.xxh3_64_intdigest(key.encode() if raw is None else raw)
+    rebuilt. Hashed, not the key's first bytes: a format's keys need not be random. A shaped
+    key's shape is hashed with its run: vLLM's group dirs `_g0` and `_g1` hold two pages of
+    one hash."""
+    if packed is None:
+        return xxhash.xxh3_64_intdigest(key.encode())
+    raw, shape = packed
+    return xxhash.xxh3_64_intdigest(raw if shape == PLAIN else raw + _shape_bytes(shape))
 
 
-def fingerprint(key: str) -> int:
-    """The fingerprint a slot of `key` has (PageStore.fps)."""
-    return _fingerprint(_pack(key), key)
-
-
-def _shaped(odd: dict[int, str], s: int, raw: bytes | None, key: str) -> bool:
-    """Whether slot `s`'s key has `key`'s shape: packed (`raw`), or this odd string (a
-    fingerprint is of the packed bytes or of the text: the two never meet)."""
-    return odd.get(s) == key if raw is None else not odd or s not in odd
+@functools.lru_cache(maxsize=1 << 10)
+def _shape_bytes(shape: Shape) -> bytes:
+    return MARK.join(shape).encode("utf-8", "surrogatepass")
 
 
 class Page(NamedTuple):
@@ -158,6 +221,12 @@ class PageStore:
         self.files = array(COUNTS["files"])  # id of its interned files, or GHOST
         self.kids = array(COUNTS["kids"])  # children on disk
         self.kidx = array("i")  # XOR of their slots: the child itself when there is one
+        # Its key's shape number (0: PLAIN, or odd). Empty until the first key of another
+        # shape (a vLLM block's): a byte a slot that an SGLang-only model does not pay.
+        self.shape = array("B")
+        self.shapes: list[Shape] = [PLAIN]  # the shapes of packed keys, numbered as they come
+        self.shape_ids: dict[Shape, int] = {PLAIN: 0}
+        self._hint = PLAIN  # the last packed key's shape (_pack tries it first)
         self.leaf = bytearray()  # 1 for a leaf
         self.ns_names: list[str] = []
         self.ns_num: dict[str, int] = {}
@@ -183,7 +252,10 @@ class PageStore:
     def key(self, s: int) -> str:
         """The slot's key (a read of the key file: not for each event)."""
         odd = self.odd.get(s) if self.odd else None
-        return odd if odd is not None else self.keys.get(s).hex()
+        if odd is not None:
+            return odd
+        digits, shape = self.keys.get(s).hex(), self.shape[s] if self.shape else 0
+        return digits if not shape else _unpack(digits, self.shapes[shape])
 
     def digest(self, s: int) -> int:
         """32 bits of the slot's key's fingerprint, the same in every process
@@ -192,20 +264,37 @@ class PageStore:
 
     def same(self, s: int, key: str) -> bool:
         """Whether slot `s` holds `key` (by its fingerprint: no read of the key file)."""
-        raw = _pack(key)
-        return s >= 0 and self.fps[s] == _fingerprint(raw, key) and _shaped(self.odd, s, raw, key)
+        packed = self._pack(key)
+        return s >= 0 and self.fps[s] == _fingerprint(packed, key) and self._shaped(s, packed, key)
+
+    def _pack(self, key: str) -> Packed | None:
+        packed = _pack(key, self._hint)
+        if packed is not None:
+            self._hint = packed[1]
+        return packed
+
+    def _shaped(self, s: int, packed: Packed | None, key: str) -> bool:
+        """Whether slot `s`'s key has `key`'s shape: packed with its shape (`packed`), or this
+        odd string (a fingerprint is of the packed bytes or of the text: the two never meet)."""
+        odd = self.odd
+        if packed is None:
+            return odd.get(s) == key
+        shape = self.shape[s] if self.shape else 0
+        return shape == self.shape_ids.get(packed[1], -1) and (not odd or s not in odd)
 
     def find(self, ns: str, key: str) -> int:
         """The slot of (ns, key), or NONE."""
         n = self.ns_num.get(ns)
         return NONE if n is None else self._probe(n, key)[0]
 
-    def _probe(self, n: int, key: str) -> tuple[int, int, bytes | None]:
+    def _probe(self, n: int, key: str) -> tuple[int, int, Packed | None, int]:
         """(the slot of `key` in namespace `n`, or NONE; if NONE, the bucket to put it in;
-        the key packed)."""
-        raw = _pack(key)
-        fp = _fingerprint(raw, key)
+        the key packed; its fingerprint)."""
+        packed = self._pack(key)
+        fp = _fingerprint(packed, key)
         table, size, ns, fps, odd = self.table, len(self.table), self.ns, self.fps, self.odd
+        shape = 0 if packed is None else self.shape_ids.get(packed[1], -1)
+        shapes = self.shape
         i = (fp + n) % size
         free = NONE
         while (s := table[i]) != NONE:
@@ -214,11 +303,15 @@ class PageStore:
             elif (
                 fps[s] == fp
                 and ns[s] == n
-                and (odd.get(s) == key if raw is None else not odd or s not in odd)
+                and (
+                    odd.get(s) == key
+                    if packed is None
+                    else (shapes[s] if shapes else 0) == shape and (not odd or s not in odd)
+                )
             ):  # (_shaped, inline: a call a probe costs more than the rest of it)
-                return s, i, raw
+                return s, i, packed, fp
             i = (i + 1) % size
-        return NONE, i if free == NONE else free, raw
+        return NONE, i if free == NONE else free, packed, fp
 
     def ensure(self, ns: str, key: str) -> int:
         """The slot of (ns, key): a new ghost if it has none."""
@@ -233,14 +326,14 @@ class PageStore:
             self.ns_names[n] = ns
         if self.filled + 1 > FULL * len(self.table):
             self.reserve(self.top // 2)  # (0.44 full then: it grows with the pages)
-        s, i, raw = self._probe(n, key)
+        s, i, packed, fp = self._probe(n, key)
         if s == NONE:
-            s = self._new_slot(n, key, raw)
+            s = self._new_slot(n, packed, key, fp)
             self.filled += self.table[i] == NONE
             self.table[i] = s
         return s
 
-    def _new_slot(self, n: int, key: str, raw: bytes | None) -> int:
+    def _new_slot(self, n: int, packed: Packed | None, key: str, fp: int) -> int:
         if self.freed:
             s = self.freed.pop()
             self.kids[s] = self.kidx[s] = 0
@@ -252,12 +345,26 @@ class PageStore:
             self.top += 1
         self.ns[s] = n
         self.ns_slots[n] += 1
-        self.fps[s] = _fingerprint(raw, key)
-        if raw is None:
+        self.fps[s] = fp
+        shape = 0
+        if packed is None:
             self.odd[s] = key
         else:
-            self.keys.put(s, raw)
+            self.keys.put(s, packed[0])
+            shape = self._shape_number(packed[1])
+        if shape and not self.shape:
+            self.shape = array("B", bytes(len(self.ns)))  # (the first key of another shape)
+        if self.shape:
+            self.put("shape", s, shape)
         return s
+
+    def _shape_number(self, shape: Shape) -> int:
+        """The number of a key shape (numbered as they come: a namespace has a handful)."""
+        number = self.shape_ids.get(shape)
+        if number is None:
+            number = self.shape_ids[shape] = len(self.shapes)
+            self.shapes.append(shape)
+        return number
 
     def _grow(self) -> None:
         """Room for GROW more slots in every column, filled as a new ghost's: one call a column
@@ -277,6 +384,8 @@ class PageStore:
             self.kidx,
         ):
             col.extend(_fill(col.typecode, 0))
+        if self.shape:
+            self.shape.extend(_fill(self.shape.typecode, 0))
         self.time.extend(_fill("I", 0))
 
     # -- column widths --------------------------------------------------------------------------
@@ -299,10 +408,11 @@ class PageStore:
             getattr(self, col)[s] = value
 
     def fit_numbers(self) -> None:
-        """Widen the columns of namespace and file-set numbers to hold every number handed
-        out (a loaded store's columns fit only the numbers its slots hold)."""
+        """Widen the columns of namespace, file-set and key-shape numbers to hold every number
+        handed out (a loaded store's columns fit only the numbers its slots hold)."""
         self.fit("ns", len(self.ns_names) - 1)
         self.fit("files", len(self.file_sets) - 1)
+        self.fit("shape", len(self.shapes) - 1)
 
     def suffix(self, sfx: str) -> int:
         """The number of a stream's file suffix (numbered as they come)."""
