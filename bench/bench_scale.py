@@ -12,14 +12,17 @@ Modes:
                              same dir unadopted, and a purge of the namespace. `--layout
                              vllm`: N blocks in vLLM's hashed dirs instead (vLLM 0.33.0's fs
                              tier, as bench_vllm.py lays them out; no doctor on it unadopted).
-  evict N [--evict M] [--find-first]
+  evict N [--evict M] [--find-first] [--unlinks]
                              eviction only: N pages, the daemon restarted under a file cap
                              that takes M of them (default 1M) vs a cold `find -delete` of the
                              same tree (a copy of the same image), /metrics p99 meanwhile.
+                             `--unlinks`: also GC's unlinks alone on a third copy (the same M
+                             pages by delete_files in GC's chunks, no daemon, no index, no
+                             model): the ceiling of the eviction's ratio with its checks.
 
 Usage: python bench/bench_scale.py dirlimit [--block-size 4096]
        python bench/bench_scale.py run 2000000 [--evict 1000000] [--layout vllm]
-       python bench/bench_scale.py evict 1200000 [--evict 1000000] [--find-first]
+       python bench/bench_scale.py evict 1200000 [--evict 1000000] [--find-first] [--unlinks]
 Set BENCH_DIR to put the image elsewhere than /dev/shm (tmpfs: it takes RAM, ~7 GiB at 10M pages).
 `evict`: BENCH_IMAGE=<path> keeps the built, indexed image there and starts the next run from
 it; BENCH_PYSPY=<path> writes a py-spy profile of the daemon during the eviction (py-spy on
@@ -39,6 +42,7 @@ import re
 import resource
 import shutil
 import signal
+import sqlite3
 import stat
 import subprocess
 import sys
@@ -53,8 +57,10 @@ from bench_daemon import free_port, serve_argv, status_kib
 from bench_evict import IDENTITY, POLLER, scrapes
 from bench_vllm import write_tree
 
+from cachemgr.fs.deletion import delete_files
 from cachemgr.fs.dirlimit import flat_dir_index
 from cachemgr.fs.root import create_root
+from cachemgr.gc.execute import CHUNK
 from cachemgr.layout import Layout
 from cachemgr.ns.registry import ensure_namespace
 from cachemgr.state.store import Store
@@ -566,9 +572,10 @@ def floor_of(cap: int) -> int:
     return int(cap * 0.85)
 
 
-def bench_evict_only(n: int, evict: int, find_first: bool) -> None:
+def bench_evict_only(n: int, evict: int, find_first: bool, unlinks: bool) -> None:
     """Eviction of `evict` of `n` pages by the daemon's GC (a file cap) beside a cold
-    `find -delete` of the same tree: a copy of the same image, mounted in turn."""
+    `find -delete` of the same tree: a copy of the same image, mounted in turn (`unlinks`:
+    and GC's unlinks alone, on a third copy)."""
     inodes = int(n * 1.3) + 20_000
     size = max(4 << 30, n * 2048)
     saved = os.environ.get("BENCH_IMAGE")  # a built image kept there: the next run starts at it
@@ -580,9 +587,13 @@ def bench_evict_only(n: int, evict: int, find_first: bool) -> None:
             build_indexed(base, n, size, inodes)
             if saved:
                 subprocess.run(["cp", "--sparse=always", str(base / "fs.img"), saved], check=True)
-        peer = base / "peer"
-        peer.mkdir()
-        subprocess.run(["cp", "--sparse=always", str(base / "fs.img"), str(peer)], check=True)
+        peer, alone = base / "peer", base / "alone"
+        for copy in (peer, alone) if unlinks else (peer,):
+            copy.mkdir()
+            subprocess.run(["cp", "--sparse=always", str(base / "fs.img"), str(copy)], check=True)
+        if unlinks:
+            with loop_ext4(alone, size, inodes=inodes, fresh=False) as mnt:
+                alone_rate = unlinks_on(mnt, evict)
         for contender in ("find", "cachemgr") if find_first else ("cachemgr", "find"):
             print(f"load {os.getloadavg()[0]:.1f} before {contender}", flush=True)
             if contender == "find":
@@ -605,6 +616,43 @@ def bench_evict_only(n: int, evict: int, find_first: bool) -> None:
         f"cachemgr's eviction / find -delete = {rate / find_rate:.3g} from ready, "
         f"{run_rate / find_rate:.3g} from its first deletion (load {os.getloadavg()[0]:.1f})"
     )
+    if unlinks:
+        print(f"GC's unlinks alone / find -delete = {alone_rate / find_rate:.3g}")
+
+
+def unlinks_on(mnt: Path, evict: int) -> float:
+    """GC's unlinks alone: `evict` pages, in the index's recency order, by delete_files in
+    GC's chunks with its per-file checks, cold, no daemon, index nor model; files/s."""
+    layout = Layout.at(mnt / "root")
+    with contextlib.closing(sqlite3.connect(layout.db_path)) as c:
+        names = [
+            name
+            for (name,) in c.execute(
+                "SELECT name FROM pages WHERE namespace_id = ? "
+                "ORDER BY last_access, access_seq LIMIT ?",
+                (NS, evict),
+            )
+        ]
+    cold()
+    cpu, t = own_cpu(), time.perf_counter()
+    done = sum(
+        delete_files(layout.root, f"ns/{NS}", names[i : i + CHUNK]).files
+        for i in range(0, len(names), CHUNK)
+    )
+    took, cpu = time.perf_counter() - t, own_cpu() - cpu
+    print(
+        f"GC's unlinks alone (delete_files in chunks of {CHUNK}: no index, no model) deleted "
+        f"{done:,} pages, cold: {took:.2f} s ({done / took:,.0f}/s), {cpu:.1f} CPU seconds "
+        f"({cpu / max(1, done) * 1e6:.0f} µs a file)",
+        flush=True,
+    )
+    return done / took
+
+
+def own_cpu() -> float:
+    """CPU seconds (user + system) of this process, its threads (the C unlinkers) included."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 
 def build_indexed(base: Path, n: int, size: int, inodes: int) -> None:
@@ -747,6 +795,7 @@ def main() -> None:
     ev.add_argument("pages", type=int)
     ev.add_argument("--evict", type=int, default=1_000_000)
     ev.add_argument("--find-first", action="store_true")
+    ev.add_argument("--unlinks", action="store_true")
     args = ap.parse_args()
     if args.mode != "dirlimit" and not 0 < args.evict < args.pages:
         ap.error(f"--evict {args.evict} must leave some of the {args.pages} pages")
@@ -757,7 +806,7 @@ def main() -> None:
     if args.mode == "dirlimit":
         bench_dirlimit(args.block_size)
     elif args.mode == "evict":
-        bench_evict_only(args.pages, args.evict, args.find_first)
+        bench_evict_only(args.pages, args.evict, args.find_first, args.unlinks)
     else:
         bench_run(args.pages, args.evict, Tree(args.layout))
 

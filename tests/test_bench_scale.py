@@ -68,7 +68,7 @@ def test_run_prints_each_figure_beside_its_peer(tmp_path: Path, layout: str) -> 
 
 
 def test_evict_prints_the_daemon_beside_find_on_the_same_tree(tmp_path: Path) -> None:
-    out = bench(tmp_path, "evict", "5000", "--evict", "4000")
+    out = bench(tmp_path, "evict", "5000", "--evict", "4000", "--unlinks")
     # The file cap takes 4,000 of the 5,000 pages, down to its low watermark.
     assert number(r"evicted ([\d,]+) pages", out) == 4_000
     assert number(r"([\d,]+) left \(low watermark 1,000\)", out) == 1_000
@@ -77,3 +77,6 @@ def test_evict_prints_the_daemon_beside_find_on_the_same_tree(tmp_path: Path) ->
     assert number(r"/metrics before its first deletion: (\d+) scrapes", out) >= 0  # (short)
     assert number(r"CPU seconds during the eviction.*'process': ([\d.]+)", out) >= 0
     assert number(r"eviction / find -delete = ([\d.]+)", out) > 0
+    # GC's unlinks alone, on their own copy: the same 4,000 pages gone, beside find.
+    assert number(r"GC's unlinks alone .* deleted ([\d,]+) pages", out) == 4_000
+    assert number(r"GC's unlinks alone / find -delete = ([\d.]+)", out) > 0
