@@ -92,6 +92,25 @@ def test_a_path_key_is_packed_with_its_shape_not_kept_whole() -> None:
     assert (NS, paths[0]) not in model.pages and (NS, paths[1]) in model.pages
 
 
+def test_a_key_has_one_shape_whatever_came_before_it() -> None:
+    """A folder whose name starts with hex letters (`deepseek-ai_…`) beside runs that start
+    with them: each key is found after any other (a shape taken from the key before it gave
+    one key two fingerprints: a page removed stayed, its reads went to a ghost)."""
+    folder = "deepseek-ai_DeepSeek-V3_0123456789ab_r0"
+    runs = ["1" * 64, "de5a7" + "0" * 59, "dee" + "1" * 61, "deepe" + "2" * 59]
+    paths = [f"{folder}/{h[:3]}/{h[3:5]}_g{g}/{h}.bin" for h in runs for g in (0, 1)]
+    model = ChainModel()
+    for seq, path in enumerate(paths, 1):
+        model.add(NS, path, len(path), 48, seq=seq, at=0.0)
+    store = model.store
+    for path in paths:
+        for other in [*paths, "f" * 64]:
+            store.find(NS, other)
+            assert store.names(store.find(NS, path)) == (path,)
+    model.remove(NS, [(paths[3], len(paths[3]))])
+    assert len(model.pages) == len(paths) - 1 and (NS, paths[3]) not in model.pages
+
+
 def test_any_key_with_a_hex_run_comes_back_exactly() -> None:
     """Whatever is around the run (dirs that repeat its digits by chance, hex in the folder's
     name, a second run, no dirs at all), a key is named back as it came, and only itself."""

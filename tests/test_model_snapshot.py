@@ -139,6 +139,24 @@ def _short_array(path: Path, store: Store) -> None:
     _header(path, {"segments": 1})  # the arrays after it read shifted: the CRC fails
 
 
+def _shapes_cut(path: Path, store: Store) -> None:
+    """A key shape's mark cut short, the CRC made right (a writer's bug, a hand's edit): an
+    eviction naming such a block would fail, not its restore."""
+    header, body = split(path.read_bytes())
+    before = next(b for b, _ in header["shapes"] if "\0" in b)
+    header["shapes"] = [
+        [b[: b.index("\0") + 2], a] if b == before else [b, a] for b, a in header["shapes"]
+    ]
+    path.write_bytes(joined(header, body))
+
+
+def _shapes_few(path: Path, store: Store) -> None:
+    """Fewer shapes than the slots' numbers name, the CRC made right."""
+    header, body = split(path.read_bytes())
+    header["shapes"] = header["shapes"][:1]
+    path.write_bytes(joined(header, body))
+
+
 def _append(path: Path, store: Store) -> None:
     path.write_bytes(path.read_bytes() + b"\0")
 
@@ -179,6 +197,8 @@ def _symlink(path: Path, store: Store) -> None:
         _huge_array,
         _huge_sparse,
         _short_array,
+        _shapes_cut,
+        _shapes_few,
         _append,
         _index_changed,
         _older_file,

@@ -47,7 +47,7 @@ from cachemgr.fs.deletion import sweep_own_temps
 from cachemgr.fs.safe import is_own_temp, open_file
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.keyfile import CHUNK, KEY_BYTES
-from cachemgr.gc.pagestore import COLUMNS, FULL, NARROW, NONE, WIDER, PageStore
+from cachemgr.gc.pagestore import COLUMNS, FULL, NARROW, NONE, WIDER, PageStore, sound
 from cachemgr.state import pages_sql
 from cachemgr.state.index import ScanChanges
 from cachemgr.state.store import Store
@@ -310,6 +310,8 @@ def _read(model: ChainModel, f: BufferedReader, token: str) -> set[str]:
     st.file_sets = [tuple((s, z) for s, z in fs) for fs in h["file_sets"]]
     st.file_ids = {fs: i for i, fs in enumerate(st.file_sets)}
     st.shapes = [(str(before), str(after)) for before, after in h["shapes"]]
+    if not sound(st.shapes, st.shape):
+        raise SnapshotInvalid("key shapes that cannot name the keys")
     st.shape_ids = {shape: i for i, shape in enumerate(st.shapes)}
     st.fit_numbers()
     st.odd = {int(s): k for s, k in h["odd"]}

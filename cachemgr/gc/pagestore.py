@@ -80,6 +80,7 @@ PLAIN: Shape = ("", "")
 Packed = tuple[bytes, Shape]  # a key's run as 32 bytes, and its shape
 _RUN = re.compile("(?<![0-9a-f])[0-9a-f]{64}(?![0-9a-f])")
 _RUN_AT = re.compile("[0-9a-f]{64}(?![0-9a-f])")  # matched where a path's file name starts
+_LEAD = re.compile("[0-9a-f]*")  # a dir name's leading hex digits
 # A marked slice of the run: MARK, then its offset and length as one character each. A key is
 # a file's name or path, which never holds a NUL.
 MARK = "\0"
@@ -103,11 +104,11 @@ def _raw(key: str) -> bytes | None:
     return raw if len(raw) == KEY_BYTES else None  # (it skips spaces)
 
 
-def _pack(key: str, hint: Shape = PLAIN) -> Packed | None:
+def _pack(key: str) -> Packed | None:
     """A key packed: a 64-digit lowercase hex key's 32 bytes (PLAIN), or those of the last
     such run in a longer key (a path) with the rest of the key as its shape; None for a key
-    with no such run. `_unpack` gives the key back, whatever the shape. `hint`: the shape the
-    last key had, tried first (a namespace's keys have a handful)."""
+    with no such run. `_unpack` gives the key back. The shape is a function of the key alone
+    (its fingerprint hashes it: a key given two shapes would be two pages)."""
     if len(key) == 2 * KEY_BYTES:
         raw = _raw(key)
         return None if raw is None else (raw, PLAIN)
@@ -118,26 +119,38 @@ def _pack(key: str, hint: Shape = PLAIN) -> Packed | None:
         run = runs[-1] if runs else None
     if run is None or MARK in key:
         return None
-    digits, after = run.group(), key[run.end() :]
-    if hint[1] != after or _unpack(digits, hint) != key:
-        hint = (_mark(key[: run.start()], digits), after)
-    return bytes.fromhex(digits), hint
+    digits = run.group()
+    return bytes.fromhex(digits), (_mark(key[: run.start()], digits), key[run.end() :])
 
 
 def _mark(before: str, digits: str) -> str:
-    """`before` (the dirs above a key's run) with each dir name's lead that repeats the run's
-    next digits marked (vLLM's `<h[:3]>/<h[3:5]>_g0/`): one shape for all of a folder's keys."""
+    """`before` (the dirs above a key's run) with each dir name whose leading hex digits, all
+    of them, are the run's next ones marked (vLLM's `<h[:3]>/<h[3:5]>_g0/`): one shape for
+    all of a folder's keys. All of them: a folder named `deepseek-ai_…` is not marked for a
+    run that starts `de` (its lead is `dee`), or 1 key in 256 had a shape of its own."""
     out, at = [], 0
     for part in before.split("/"):
-        n = 0
-        while n < len(part) and at + n < len(digits) and part[n] == digits[at + n]:
-            n += 1
-        if n >= _SLICE_MIN:
+        lead = _LEAD.match(part)
+        n = lead.end() if lead else 0  # (it always matches, maybe nothing)
+        if n >= _SLICE_MIN and part[:n] == digits[at : at + n]:
             out.append(f"{MARK}{chr(at)}{chr(n)}{part[n:]}")
             at += n
         else:
             out.append(part)
     return "/".join(out)
+
+
+def sound(shapes: list[Shape], numbers: array[Any]) -> bool:
+    """Whether a loaded store's shapes can name its keys: PLAIN first, each mark whole and
+    within a run, each slot's number one of them (a snapshot that passed its CRC but not this
+    would fail later, in an eviction's naming of its victims)."""
+    if not shapes or shapes[0] != PLAIN or (numbers and max(numbers) >= len(shapes)):
+        return False
+    for before, _ in shapes:
+        for j in (i for i, c in enumerate(before) if c == MARK):
+            if j + 2 >= len(before) or ord(before[j + 1]) + ord(before[j + 2]) > 2 * KEY_BYTES:
+                return False
+    return True
 
 
 def _unpack(digits: str, shape: Shape) -> str:
@@ -226,7 +239,6 @@ class PageStore:
         self.shape = array("B")
         self.shapes: list[Shape] = [PLAIN]  # the shapes of packed keys, numbered as they come
         self.shape_ids: dict[Shape, int] = {PLAIN: 0}
-        self._hint = PLAIN  # the last packed key's shape (_pack tries it first)
         self.leaf = bytearray()  # 1 for a leaf
         self.ns_names: list[str] = []
         self.ns_num: dict[str, int] = {}
@@ -264,14 +276,8 @@ class PageStore:
 
     def same(self, s: int, key: str) -> bool:
         """Whether slot `s` holds `key` (by its fingerprint: no read of the key file)."""
-        packed = self._pack(key)
+        packed = _pack(key)
         return s >= 0 and self.fps[s] == _fingerprint(packed, key) and self._shaped(s, packed, key)
-
-    def _pack(self, key: str) -> Packed | None:
-        packed = _pack(key, self._hint)
-        if packed is not None:
-            self._hint = packed[1]
-        return packed
 
     def _shaped(self, s: int, packed: Packed | None, key: str) -> bool:
         """Whether slot `s`'s key has `key`'s shape: packed with its shape (`packed`), or this
@@ -290,7 +296,7 @@ class PageStore:
     def _probe(self, n: int, key: str) -> tuple[int, int, Packed | None, int]:
         """(the slot of `key` in namespace `n`, or NONE; if NONE, the bucket to put it in;
         the key packed; its fingerprint)."""
-        packed = self._pack(key)
+        packed = _pack(key)
         fp = _fingerprint(packed, key)
         table, size, ns, fps, odd = self.table, len(self.table), self.ns, self.fps, self.odd
         shape = 0 if packed is None else self.shape_ids.get(packed[1], -1)
