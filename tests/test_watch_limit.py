@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from cachemgr.daemon import nestwatch
+from cachemgr.daemon.events import Kind
 from cachemgr.daemon.watcher import Watcher
 from cachemgr.fs.root import create_root
 from cachemgr.layout import Layout
@@ -273,5 +274,35 @@ def test_a_tree_dir_swapped_for_a_link_is_never_watched_through(
         watched = {int(i, 16) for i in re.findall(r"^inotify wd:\S+ ino:([0-9a-f]+)", info, re.M)}
         outside = {os.stat(foreign / h).st_ino for h in hashed}
         assert not watched & outside  # (those it watched inside went with the move)
+    finally:
+        w.stop()
+
+
+def test_a_root_replaced_while_no_watch_is_left_is_asked_again(layout: Layout) -> None:
+    """ns/ moved away and made again while the user has no watch left: the old watch (on the
+    dir moved away) goes, and the reconcile asks for the new one until it comes. Before, the
+    old watch stayed: the root looked watched and was never asked for again, and the events of
+    the dir moved away were taken for the root's."""
+    w = Watcher(layout)
+    w.start()
+    try:
+        assert w._fd is not None and not w.root_refused()
+        real = w._fd.add_callback
+
+        def refuse(*args: object) -> int:
+            raise OSError(errno.ENOSPC, "no watch left")
+
+        os.rename(layout.ns_root, layout.root / "ns-old")
+        layout.ns_root.mkdir()
+        w._fd.add_callback = refuse  # type: ignore[method-assign]
+        w.watch_root()
+        assert w.root_refused() and w.gaps.refused == 1
+        (layout.root / "ns-old" / NS_B).mkdir()  # not the root's any more: no event
+        w._fd.add_callback = real  # type: ignore[method-assign]
+        w.watch_root()
+        assert not w.root_refused()
+        (layout.ns_root / NS_A).mkdir()  # the new ns/'s, after NS_B's in kernel order
+        wait_for(lambda: [e[1] for e in w.queue if e[0] is Kind.NS_ADDED], lambda n: NS_A in n)
+        assert NS_B not in [e[1] for e in w.queue]
     finally:
         w.stop()

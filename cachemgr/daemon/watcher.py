@@ -373,14 +373,18 @@ class Watcher:
             return  # (the index holds the root aside again)
         if old is not None and not old.dead and old.at == (st.st_dev, st.st_ino):
             return  # the same dir (made unreadable and readable again): its watch holds
+        new: _RootWatch | None = None
         try:
-            self._root = self._add_root()
-        except OSError as e:  # gone again, a symlink again, or still no watch left: the next
-            if e.errno == errno.ENOSPC:  # retry tries again
-                self._refused(None, "")
-            else:
+            new = self._add_root()
+        except OSError as e:  # gone again, a symlink again, or no watch left: the next retry
+            if e.errno != errno.ENOSPC:  # tries again
                 log.warning("namespace root not watched", extra={"error": str(e)})
-            return
+                return
+            # No watch left for the dir there now: the old one (dead, or on a dir moved away,
+            # whose events are not the root's) goes all the same, and root_refused() has the
+            # reconcile ask again.
+            self._refused(None, "")
+        self._root = new
         if old is not None and not old.dead and self._fd is not None:
             self._fd.remove_callbacks([(WatchDescriptor(old.wd), CallbackId(id(old)))])
 
