@@ -137,6 +137,27 @@ def test_the_prior_summed_a_slice_at_a_time_is_the_prior_of_all_segments(
     assert prior(iter(chains)) == whole != prior(chains[:-1])
 
 
+def test_an_order_gives_the_gil_way_between_its_key_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each victim's key is a pread, which gives the GIL up and takes it back before a waiting
+    thread wakes (an order of 200,000 vLLM blocks kept one waiting 62-165 ms): the order sleeps
+    a moment once every gil.EVERY seconds, by its clock, not at every key."""
+    now = [0.0]
+    naps: list[float] = []
+    monkeypatch.setattr(gil, "clock", lambda: now[0])
+    monkeypatch.setattr(gil, "nap", naps.append)
+    model = ChainModel()
+    for i in range(10):
+        model.add(NS, f"{i:064x}_m_0_1.bin", 64, 1, seq=i + 1, at=0.0)
+    order = eviction_order(model, before=math.inf, now=math.inf)
+    for _ in range(4):  # within EVERY of the start: no nap
+        next(order)
+    assert naps == []
+    now[0] += gil.EVERY
+    next(order)
+    assert naps == [gil.PAUSE]
+    assert len(list(order)) == 5 and naps == [gil.PAUSE]  # the clock stood still since
+
+
 def test_a_chain_back_after_the_index_was_rebuilt_is_valued_without_error(tmp_path: Path) -> None:
     """The state DB deleted or moved aside as corrupt while the daemon runs: the index thread
     rebuilds it from disk and feeds the same model (cachemgr.daemon.indexer._build), whose

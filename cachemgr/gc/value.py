@@ -42,7 +42,7 @@ from cachemgr.gc.adapt import ORDERS
 from cachemgr.gc.chains import CYCLE_WALK, IN_FLIGHT_SECONDS, ChainModel
 from cachemgr.gc.pagestore import GHOST, NONE, PageStore
 from cachemgr.gc.returns import Moments, fitted, moments, worth
-from cachemgr.gil import release
+from cachemgr.gil import GiveWay, release
 
 CACHED = 16  # pages a segment has at least for the next order to read it, not walk it
 
@@ -125,10 +125,12 @@ def _in_order(
 ) -> Iterator[Victim]:
     """The segments' pages, each leaf to top; each page left a leaf by them goes to
     `exposed`."""
+    give_way = GiveWay()
     for *_, leaf, walked in segments:
         path = _path(st, leaf, walked)
         for s in path:
-            key = st.key(s)  # (a read of the key file)
+            give_way()
+            key = st.key(s)  # (a read of the key file: cachemgr.gil.GiveWay says why)
             yield Victim(st.ns_names[st.ns[s]], key, st.names(s, key), st.size(s), st.time[s])
         up = st.pred[path[-1]]
         if up != NONE:
