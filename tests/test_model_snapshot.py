@@ -63,6 +63,9 @@ def saved_model(tmp_path: Path, store: Store) -> tuple[ChainModel, Path]:
     for i in range(4):  # vLLM blocks: keys packed with their shapes (g0 and g1)
         path = block_path(i, i % 2)
         model.add(NS, path, len(path), 48, seq=5100 + i, at=1.0)
+    h = "ab" * 32  # a dir that repeats its run's lead, then a letter: the offset 0 is a NUL
+    path = f"x/{h[:3]}q/{h}.bin"
+    model.add(NS, path, len(path), 48, seq=5200, at=1.0)
     victims(model)  # fills the segment cache
     model.observe_read(NS, f"{7 * 2654435761:064x}" + SUFFIX, 64, seq=6000, at=2.0)  # (dirty)
     path = tmp_path / "chain-model.snapshot"
