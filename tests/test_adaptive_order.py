@@ -18,7 +18,7 @@ import pytest
 from cachemgr.gc import adapt, minisim, modelfile
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.history import REMEMBER
-from cachemgr.gc.pagestore import fingerprint
+from cachemgr.gc.keyshape import fingerprint
 from cachemgr.gc.returns import prior, worth
 from cachemgr.gc.value import cap_order, eviction_order
 from cachemgr.state import pages_sql

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from cachemgr.gc import modelfile
 from cachemgr.gc.chains import ChainModel
-from cachemgr.gc.pagestore import KEY_BYTES, NONE, PageStore
+from cachemgr.gc.keyfile import KEY_BYTES
+from cachemgr.gc.pagestore import NONE, PageStore
 from cachemgr.gc.value import eviction_order
 from cachemgr.state import pages_sql
 from cachemgr.state.store import Store

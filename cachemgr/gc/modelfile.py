@@ -47,7 +47,8 @@ from cachemgr.fs.deletion import sweep_own_temps
 from cachemgr.fs.safe import is_own_temp, open_file
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.keyfile import CHUNK, KEY_BYTES
-from cachemgr.gc.pagestore import COLUMNS, FULL, NARROW, NONE, WIDER, PageStore, sound
+from cachemgr.gc.keyshape import sound
+from cachemgr.gc.pagestore import COLUMNS, FULL, NARROW, NONE, WIDER, PageStore
 from cachemgr.state import pages_sql
 from cachemgr.state.index import ScanChanges
 from cachemgr.state.store import Store

@@ -7,7 +7,7 @@ size (bench/RESULTS.md has where they go). The key itself (a 64-hex-digit key, S
 sha256, packed to 32 bytes) is on disk (cachemgr.gc.keyfile), read only to name an evicted
 page's files. A key with such a run inside it (a nested page's key is its path: vLLM's
 `<folder>_r0/<h[:3]>/<h[3:5]>_g0/<h>.bin`) is packed too, and the rest of it, its *shape*,
-interned: a namespace's millions of such keys have a handful of shapes (`_pack`). Keys of
+numbered: a namespace's millions of such keys have a handful (cachemgr.gc.keyshape). Keys of
 another shape (shorter or uppercase hex) are kept as strings on the side, and the few pages'
 pending votes in a table of their own (cachemgr.gc.votes).
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 import sys
 import threading
 from array import array
@@ -33,9 +32,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import xxhash
-
-from cachemgr.gc.keyfile import KEY_BYTES, KeyFile
+from cachemgr.gc.keyfile import KeyFile
+from cachemgr.gc.keyshape import PLAIN, Packed, Shape, key_fingerprint, pack, unpack
 from cachemgr.gc.votes import Votes
 
 GHOST = -1  # files id of a slot that is not a page on disk
@@ -73,116 +71,12 @@ COLUMNS = (
 )
 Files = tuple[tuple[str, int], ...]  # (name after the key, size) of each file of a page
 PageId = tuple[str, str]  # (namespace id, page key)
-# What a key holds besides its 64-hex run: what comes before it, each slice of the run that a
-# dir name repeats marked (_mark), and what comes after. A 64-hex key is PLAIN.
-Shape = tuple[str, str]
-PLAIN: Shape = ("", "")
-Packed = tuple[bytes, Shape]  # a key's run as 32 bytes, and its shape
-_RUN = re.compile("(?<![0-9a-f])[0-9a-f]{64}(?![0-9a-f])")
-_RUN_AT = re.compile("[0-9a-f]{64}(?![0-9a-f])")  # matched where a path's file name starts
-_LEAD = re.compile("[0-9a-f]*")  # a dir name's leading hex digits
-# A marked slice of the run: MARK, then its offset and length as one character each. A key is
-# a file's name or path, which never holds a NUL.
-MARK = "\0"
-_SLICE_MIN = 2  # a dir name that starts with fewer of the run's digits is taken as it is
 
 
 @functools.cache
 def _fill(typecode: str, value: int) -> array[Any]:
     """GROW items of `value`: what a column grows by."""
     return array(typecode, [value]) * GROW
-
-
-def _raw(key: str) -> bytes | None:
-    """The 32 bytes of a 64-digit lowercase hex key, or None for a key of another shape."""
-    if len(key) != 2 * KEY_BYTES or not (key.islower() or key.isdigit()):
-        return None  # (bytes.fromhex would take uppercase digits: they would not round-trip)
-    try:
-        raw = bytes.fromhex(key)
-    except ValueError:
-        return None
-    return raw if len(raw) == KEY_BYTES else None  # (it skips spaces)
-
-
-def _pack(key: str) -> Packed | None:
-    """A key packed: a 64-digit lowercase hex key's 32 bytes (PLAIN), or those of the last
-    such run in a longer key (a path) with the rest of the key as its shape; None for a key
-    with no such run. `_unpack` gives the key back. The shape is a function of the key alone
-    (its fingerprint hashes it: a key given two shapes would be two pages)."""
-    if len(key) == 2 * KEY_BYTES:
-        raw = _raw(key)
-        return None if raw is None else (raw, PLAIN)
-    # A path's file name starts with its run (vLLM's blocks): no search of the whole key.
-    run = _RUN_AT.match(key, key.rfind("/") + 1)
-    if run is None:
-        runs = [*_RUN.finditer(key)]
-        run = runs[-1] if runs else None
-    if run is None or MARK in key:
-        return None
-    digits = run.group()
-    return bytes.fromhex(digits), (_mark(key[: run.start()], digits), key[run.end() :])
-
-
-def _mark(before: str, digits: str) -> str:
-    """`before` (the dirs above a key's run) with each dir name whose leading hex digits, all
-    of them, are the run's next ones marked (vLLM's `<h[:3]>/<h[3:5]>_g0/`): one shape for
-    all of a folder's keys. All of them: a folder named `deepseek-ai_…` is not marked for a
-    run that starts `de` (its lead is `dee`), or 1 key in 256 had a shape of its own."""
-    out, at = [], 0
-    for part in before.split("/"):
-        lead = _LEAD.match(part)
-        n = lead.end() if lead else 0  # (it always matches, maybe nothing)
-        if n >= _SLICE_MIN and part[:n] == digits[at : at + n]:
-            out.append(f"{MARK}{chr(at)}{chr(n)}{part[n:]}")
-            at += n
-        else:
-            out.append(part)
-    return "/".join(out)
-
-
-def sound(shapes: list[Shape], numbers: array[Any]) -> bool:
-    """Whether a loaded store's shapes can name its keys: PLAIN first, each mark whole and
-    within a run, each slot's number one of them (a snapshot that passed its CRC but not this
-    would fail later, in an eviction's naming of its victims)."""
-    if not shapes or shapes[0] != PLAIN or (numbers and max(numbers) >= len(shapes)):
-        return False
-    for before, _ in shapes:
-        i = 0
-        while (j := before.find(MARK, i)) >= 0:  # (in order, as _unpack reads them: an offset
-            if j + 2 >= len(before) or ord(before[j + 1]) + ord(before[j + 2]) > 2 * KEY_BYTES:
-                return False  # of 0 is a NUL too)
-            i = j + 3
-    return True
-
-
-def _unpack(digits: str, shape: Shape) -> str:
-    """The key of a run's `digits` and its shape (`_pack`'s inverse)."""
-    before, after = shape
-    if MARK not in before:
-        return before + digits + after
-    out, i = [], 0
-    while (j := before.find(MARK, i)) >= 0:
-        at, n = ord(before[j + 1]), ord(before[j + 2])
-        out += [before[i:j], digits[at : at + n]]
-        i = j + 3
-    return "".join(out) + before[i:] + digits + after
-
-
-def _fingerprint(packed: Packed | None, key: str) -> int:
-    """A key's 64-bit fingerprint, the same in every process (Python's hash is salted per
-    process): the key table is saved with the model (cachemgr.gc.modelfile) and loaded, not
-    rebuilt. Hashed, not the key's first bytes: a format's keys need not be random. A shaped
-    key's shape is hashed with its run: vLLM's group dirs `_g0` and `_g1` hold two pages of
-    one hash."""
-    if packed is None:
-        return xxhash.xxh3_64_intdigest(key.encode())
-    raw, shape = packed
-    return xxhash.xxh3_64_intdigest(raw if shape == PLAIN else raw + _shape_bytes(shape))
-
-
-@functools.lru_cache(maxsize=1 << 10)
-def _shape_bytes(shape: Shape) -> bytes:
-    return MARK.join(shape).encode("utf-8", "surrogatepass")
 
 
 class Page(NamedTuple):
@@ -269,7 +163,7 @@ class PageStore:
         if odd is not None:
             return odd
         digits, shape = self.keys.get(s).hex(), self.shape[s] if self.shape else 0
-        return digits if not shape else _unpack(digits, self.shapes[shape])
+        return digits if not shape else unpack(digits, self.shapes[shape])
 
     def digest(self, s: int) -> int:
         """32 bits of the slot's key's fingerprint, the same in every process
@@ -278,8 +172,9 @@ class PageStore:
 
     def same(self, s: int, key: str) -> bool:
         """Whether slot `s` holds `key` (by its fingerprint: no read of the key file)."""
-        packed = _pack(key)
-        return s >= 0 and self.fps[s] == _fingerprint(packed, key) and self._shaped(s, packed, key)
+        packed = pack(key)
+        fp = key_fingerprint(packed, key)
+        return s >= 0 and self.fps[s] == fp and self._shaped(s, packed, key)
 
     def _shaped(self, s: int, packed: Packed | None, key: str) -> bool:
         """Whether slot `s`'s key has `key`'s shape: packed with its shape (`packed`), or this
@@ -298,8 +193,8 @@ class PageStore:
     def _probe(self, n: int, key: str) -> tuple[int, int, Packed | None, int]:
         """(the slot of `key` in namespace `n`, or NONE; if NONE, the bucket to put it in;
         the key packed; its fingerprint)."""
-        packed = _pack(key)
-        fp = _fingerprint(packed, key)
+        packed = pack(key)
+        fp = key_fingerprint(packed, key)
         table, size, ns, fps, odd = self.table, len(self.table), self.ns, self.fps, self.odd
         shape = 0 if packed is None else self.shape_ids.get(packed[1], -1)
         shapes = self.shape
