@@ -88,7 +88,7 @@ def sound(shapes: list[Shape], numbers: array[Any]) -> bool:
         return False
     for before, _ in shapes:
         i = 0
-        while (j := before.find(MARK, i)) >= 0:  # (in order, as _unpack reads them: an offset
+        while (j := before.find(MARK, i)) >= 0:  # (in order, as unpack reads them: an offset
             if j + 2 >= len(before) or ord(before[j + 1]) + ord(before[j + 2]) > 2 * KEY_BYTES:
                 return False  # of 0 is a NUL too)
             i = j + 3
