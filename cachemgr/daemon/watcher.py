@@ -158,8 +158,10 @@ class _RootWatch:
         if event.mask & (C.IN_CREATE | C.IN_MOVED_TO):
             # Watch it right here, on the inotify thread: pages SGLang stores in a new dir
             # before the index thread gets to it would otherwise be found by the scan but
-            # never counted as writes.
-            self.watcher.watch(name)
+            # never counted as writes. A dir made (not moved in) holds only what was stored
+            # since: what a nested one's listing finds is counted so (this thread may get to
+            # the dir late, its manifest and first blocks written: they were not counted).
+            self.watcher.watch(name, fresh=bool(event.mask & C.IN_CREATE))
             self.watcher.emit((Kind.NS_ADDED, name, "", self.watcher.clock(), LOCAL))
         else:
             self.watcher.mark_gone(name)
