@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import re
 from array import array
+from collections.abc import Iterator
 from typing import Any
 
 import xxhash
@@ -86,13 +87,19 @@ def sound(shapes: list[Shape], numbers: array[Any]) -> bool:
     would fail later, in an eviction's naming of its victims)."""
     if not shapes or shapes[0] != PLAIN or (numbers and max(numbers) >= len(shapes)):
         return False
-    for before, _ in shapes:
-        i = 0
-        while (j := before.find(MARK, i)) >= 0:  # (in order, as unpack reads them: an offset
-            if j + 2 >= len(before) or ord(before[j + 1]) + ord(before[j + 2]) > 2 * KEY_BYTES:
-                return False  # of 0 is a NUL too)
-            i = j + 3
-    return True
+    try:
+        return all(at + n <= 2 * KEY_BYTES for b, _ in shapes for _, at, n in _marks(b))
+    except IndexError:  # a mark cut short
+        return False
+
+
+def _marks(before: str) -> Iterator[tuple[int, int, int]]:
+    """Each mark of a shape's `before`, in order: (where it starts, the run's offset, length).
+    Read in order, not by looking for NULs: an offset of 0 is a NUL too."""
+    i = 0
+    while (j := before.find(MARK, i)) >= 0:
+        yield j, ord(before[j + 1]), ord(before[j + 2])
+        i = j + 3
 
 
 def unpack(digits: str, shape: Shape) -> str:
@@ -101,8 +108,7 @@ def unpack(digits: str, shape: Shape) -> str:
     if MARK not in before:
         return before + digits + after
     out, i = [], 0
-    while (j := before.find(MARK, i)) >= 0:
-        at, n = ord(before[j + 1]), ord(before[j + 2])
+    for j, at, n in _marks(before):
         out += [before[i:j], digits[at : at + n]]
         i = j + 3
     return "".join(out) + before[i:] + digits + after

@@ -162,8 +162,12 @@ class PageStore:
         odd = self.odd.get(s) if self.odd else None
         if odd is not None:
             return odd
-        digits, shape = self.keys.get(s).hex(), self.shape[s] if self.shape else 0
+        digits, shape = self.keys.get(s).hex(), self._shape_of(s)
         return digits if not shape else unpack(digits, self.shapes[shape])
+
+    def _shape_of(self, s: int) -> int:
+        """Slot `s`'s key shape number (0 while no key of another shape came: no column)."""
+        return self.shape[s] if self.shape else 0
 
     def digest(self, s: int) -> int:
         """32 bits of the slot's key's fingerprint, the same in every process
@@ -182,8 +186,7 @@ class PageStore:
         odd = self.odd
         if packed is None:
             return odd.get(s) == key
-        shape = self.shape[s] if self.shape else 0
-        return shape == self.shape_ids.get(packed[1], -1) and (not odd or s not in odd)
+        return self._shape_of(s) == self.shape_ids.get(packed[1], -1) and (not odd or s not in odd)
 
     def find(self, ns: str, key: str) -> int:
         """The slot of (ns, key), or NONE."""
