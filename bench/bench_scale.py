@@ -52,6 +52,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import bench_vllm
 import httpx
 from bench_daemon import free_port, serve_argv, status_kib
 from bench_evict import IDENTITY, POLLER, scrapes
@@ -634,12 +635,12 @@ def unlinks_on(mnt: Path, evict: int) -> float:
             )
         ]
     cold()
-    cpu, t = own_cpu(), time.perf_counter()
+    cpu, t = bench_vllm.cpu(), time.perf_counter()  # (the C unlinkers are threads of ours)
     done = sum(
         delete_files(layout.root, f"ns/{NS}", names[i : i + CHUNK]).files
         for i in range(0, len(names), CHUNK)
     )
-    took, cpu = time.perf_counter() - t, own_cpu() - cpu
+    took, cpu = time.perf_counter() - t, bench_vllm.cpu() - cpu
     print(
         f"GC's unlinks alone (delete_files in chunks of {CHUNK}: no index, no model) deleted "
         f"{done:,} pages, cold: {took:.2f} s ({done / took:,.0f}/s), {cpu:.1f} CPU seconds "
@@ -647,12 +648,6 @@ def unlinks_on(mnt: Path, evict: int) -> float:
         flush=True,
     )
     return done / took
-
-
-def own_cpu() -> float:
-    """CPU seconds (user + system) of this process, its threads (the C unlinkers) included."""
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
 
 
 def build_indexed(base: Path, n: int, size: int, inodes: int) -> None:

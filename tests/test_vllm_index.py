@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+from pathlib import Path
 
 import pytest
 from watchdog.observers.inotify_c import InotifyEvent
@@ -86,6 +87,19 @@ def test_blocks_stored_and_loaded_before_their_new_dirs_are_watched_are_counted_
         ix.stop()
 
 
+def new_namespace_stored(layout: Layout) -> tuple[str, Path, list[str]]:
+    """A vLLM namespace made as `init` makes it, then 40 blocks stored in it as vLLM does:
+    (its id, its dir, the blocks' paths)."""
+    with Store.open(layout.db_path) as other:
+        ns = vllm_namespace(layout, other)
+    d = layout.ns_dir(ns)
+    folder = write_folder(d)
+    blocks = [block_path(folder, key(i)) for i in range(40)]
+    for rel in blocks:
+        vllm_store(d, rel, SIZE)
+    return ns, d, blocks
+
+
 def test_a_vllm_namespace_made_while_the_daemon_runs_is_watched_nested(
     layout: Layout, store: Store, reader: sqlite3.Connection
 ) -> None:
@@ -93,13 +107,7 @@ def test_a_vllm_namespace_made_while_the_daemon_runs_is_watched_nested(
     try:
         # `init` makes the dir first, then writes the manifest naming the engine: the watch
         # made on the dir's creation is redone as a nested one when the manifest lands.
-        with Store.open(layout.db_path) as other:
-            ns = vllm_namespace(layout, other)
-        d = layout.ns_dir(ns)
-        folder = write_folder(d)
-        blocks = [block_path(folder, key(i)) for i in range(40)]
-        for rel in blocks:
-            vllm_store(d, rel, SIZE)
+        ns, d, blocks = new_namespace_stored(layout)
         wait_for(lambda: ns_stats(reader, ns), lambda s: s == (40, 40 * SIZE, 0, 40))
         assert vllm_load(d, blocks[3]) == SIZE  # (a server loads later: its dir is watched)
         wait_for(lambda: ns_stats(reader, ns), lambda s: s == (40, 40 * SIZE, 1, 40))
@@ -123,12 +131,7 @@ def test_a_namespace_the_watcher_gets_to_late_counts_its_first_stores_as_writes(
     monkeypatch.setattr(watcher._RootWatch, "on_event", late)
     ix = start(layout, store)
     try:
-        with Store.open(layout.db_path) as other:
-            ns = vllm_namespace(layout, other)
-        d = layout.ns_dir(ns)
-        folder = write_folder(d)
-        for i in range(40):
-            vllm_store(d, block_path(folder, key(i)), SIZE)
+        ns, _, _ = new_namespace_stored(layout)
         go.set()
         wait_for(lambda: ns_stats(reader, ns), lambda s: s == (40, 40 * SIZE, 0, 40))
     finally:

@@ -216,6 +216,11 @@ def test_a_vllm_tree_past_the_limit_is_indexed_whole_and_its_dirs_watched_once_f
     wait_for(lambda: d.metric("cachemgr_watch_refused_namespaces"), lambda n: n == 0, timeout=30)
 
 
+def no_watch_left(*args: object) -> int:
+    """inotify_add_watch past the user's limit, as watchdog raises it."""
+    raise OSError(errno.ENOSPC, "no watch left")
+
+
 def test_a_namespace_gone_after_its_watch_was_refused_is_not_scanned(layout: Layout) -> None:
     """A refused namespace dir removed before its NS_GONE is applied: gone, not refused (a scan
     of the absent dir would drop its rows with no audit of what took them)."""
@@ -225,11 +230,7 @@ def test_a_namespace_gone_after_its_watch_was_refused_is_not_scanned(layout: Lay
     try:
         assert w._fd is not None
         real = w._fd.add_callback
-
-        def refuse(*args: object) -> int:
-            raise OSError(errno.ENOSPC, "no watch left")
-
-        w._fd.add_callback = refuse  # type: ignore[method-assign]
+        w._fd.add_callback = no_watch_left  # type: ignore[method-assign]
         assert not w.watch(NS_A) and w.refused(NS_A)
         assert w.gaps.short == 1
         w._fd.add_callback = real  # type: ignore[method-assign]
@@ -288,13 +289,9 @@ def test_a_root_replaced_while_no_watch_is_left_is_asked_again(layout: Layout) -
     try:
         assert w._fd is not None and not w.root_refused()
         real = w._fd.add_callback
-
-        def refuse(*args: object) -> int:
-            raise OSError(errno.ENOSPC, "no watch left")
-
         os.rename(layout.ns_root, layout.root / "ns-old")
         layout.ns_root.mkdir()
-        w._fd.add_callback = refuse  # type: ignore[method-assign]
+        w._fd.add_callback = no_watch_left  # type: ignore[method-assign]
         w.watch_root()
         assert w.root_refused() and w.gaps.refused == 1
         (layout.root / "ns-old" / NS_B).mkdir()  # not the root's any more: no event
