@@ -463,6 +463,7 @@ def test_alerts_fire_on_the_daemons_real_series(scrapes: Live, tmp_path: Path) -
     keys = target(e.get("cachemgr_gc_model_keys_in_memory"))
     overflows = target(e.get("cachemgr_watcher_overflows_total"))
     short = target(e.get("cachemgr_watch_refused_namespaces"))
+    root_short = target(e.get("cachemgr_watch_root_refused"))
     avail = target(e.get("cachemgr_filesystem_avail_bytes"))
     size_sample = e.get("cachemgr_filesystem_size_bytes")
     size, full = target(size_sample), repr(size_sample.value)
@@ -587,14 +588,23 @@ def test_alerts_fire_on_the_daemons_real_series(scrapes: Live, tmp_path: Path) -
             [expect("CachemgrWatcherOverflow", node, 1)],
         ),
         alert_test("CachemgrWatcherOverflow", {overflows: "0x20"}, "15m", []),
-        # A namespace short of watches for 15m fires; one watched in full after 10m does not.
+        # A namespace short of watches for 15m fires, and so does <root>/ns refused its own
+        # with no namespace short; one watched in full after 10m does not.
         alert_test(
             "CachemgrWatchLimitReached",
-            {short: "0 0 1x20"},
+            {short: "0 0 1x20", root_short: "0x22"},
             "18m",
             [expect("CachemgrWatchLimitReached", node, 1)],
         ),
-        alert_test("CachemgrWatchLimitReached", {short: "0 0 1x10 0x10"}, "18m", []),
+        alert_test(
+            "CachemgrWatchLimitReached",
+            {short: "0x22", root_short: "0 0 1x20"},
+            "18m",
+            [expect("CachemgrWatchLimitReached", node, 1)],
+        ),
+        alert_test(
+            "CachemgrWatchLimitReached", {short: "0 0 1x10 0x10", root_short: "0x22"}, "18m", []
+        ),
         alert_test(
             "CachemgrPageSizeOne",
             {info: "1x3"},

@@ -139,16 +139,9 @@ def test_a_namespace_refused_its_watch_is_indexed_and_kept_by_the_reconcile_scan
     assert d.metric("cachemgr_watches_refused_total") > index["watches_refused"]  # retried
     assert refusals_logged(d.log) == 1  # not one line a dir, nor one a retry
 
-    env = {**os.environ, "CACHEMGR_PORT": str(d.port)}
-    doc = subprocess.run(
-        [sys.executable, "-m", "cachemgr", "--root", str(layout.root), "doctor", "--json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
-    assert doc.returncode == 2, doc.stdout + doc.stderr
-    (found,) = [f for f in json.loads(doc.stdout) if f["code"] == "inotify-watch-limit"]
+    code, findings = doctor(layout, d)
+    assert code == 2, findings
+    (found,) = [f for f in findings if f["code"] == "inotify-watch-limit"]
     assert found["severity"] == "error" and "max_user_watches" in found["fix"]
 
     d.allow(100)  # the limit raised: the next reconcile watches them, no restart
@@ -157,6 +150,44 @@ def test_a_namespace_refused_its_watch_is_indexed_and_kept_by_the_reconcile_scan
     store_page(b, page_name(50))  # seen by its watch now
     wait_for(lambda: d.pages(NS_B), lambda n: n == 31, timeout=30, what="the store")
     assert d.metric("cachemgr_watches_refused_total") == refused
+
+
+def doctor(layout: Layout, d: Limited) -> tuple[int, list[dict[str, str]]]:
+    """`cachemgr doctor --json` asking the daemon `d`: its exit code and findings."""
+    doc = subprocess.run(
+        [sys.executable, "-m", "cachemgr", "--root", str(layout.root), "doctor", "--json"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "CACHEMGR_PORT": str(d.port)},
+        timeout=120,
+    )
+    assert doc.returncode in (0, 1, 2), doc.stdout + doc.stderr
+    return doc.returncode, json.loads(doc.stdout)
+
+
+@userns
+def test_a_root_refused_its_own_watch_is_said_with_no_namespace_short(
+    layout: Layout, tmp_path: Path, daemons: list[Limited]
+) -> None:
+    """<root>/ns refused its watch and no namespace yet: the namespaces' gauge stays 0, and it
+    was all the alert and doctor read, so only a counter said that new namespaces would be
+    found late. The root's own gauge, /v1/status field and doctor's finding say it now, until
+    the root is watched."""
+    d = Limited(layout, 0, tmp_path / "serve.log")
+    daemons.append(d)
+    index = d.status()["index"]
+    assert index["watch_root_refused"] is True and index["watch_refused_namespaces"] == 0
+    assert d.metric("cachemgr_watch_root_refused") == 1
+    code, findings = doctor(layout, d)
+    assert code == 2, findings
+    (found,) = [f for f in findings if f["code"] == "inotify-watch-limit"]
+    assert "<root>/ns has no inotify watch" in found["message"], found
+
+    d.allow(100)  # the next reconcile (2 s) watches the root
+    wait_for(lambda: d.metric("cachemgr_watch_root_refused"), lambda n: n == 0, timeout=30)
+    assert d.status()["index"]["watch_root_refused"] is False
+    code, findings = doctor(layout, d)
+    assert "inotify-watch-limit" not in [f["code"] for f in findings], findings
 
 
 @userns

@@ -69,6 +69,10 @@ class IndexInfo(BaseModel):
     watch_refused_namespaces: int = Field(
         description="namespaces with a dir refused a watch and not watched since"
     )
+    watch_root_refused: bool = Field(
+        description="<root>/ns itself refused its watch and not watched since: new namespace "
+        "dirs are found by the reconcile scans only"
+    )
 
 
 class Totals(BaseModel):

@@ -307,6 +307,7 @@ def _index_info(st: IndexState, lag: Callable[[], float]) -> IndexInfo:
         watches_refused=st.watch_gaps.refused,
         watch_refused_at=st.watch_gaps.refused_at,
         watch_refused_namespaces=st.watch_gaps.short,
+        watch_root_refused=st.watch_gaps.root,
     )
 
 

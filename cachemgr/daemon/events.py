@@ -43,3 +43,4 @@ class WatchGaps:
     refused: int = 0  # watches refused since the start (each retried at the next reconcile)
     refused_at: float | None = None  # wall clock of the latest refusal
     short: int = 0  # namespaces with a dir refused a watch and not watched since
+    root: bool = False  # <root>/ns itself refused its watch and not watched since

@@ -82,6 +82,8 @@ METRICS: dict[str, str] = {
     "scans only, which try the watch again",
     "cachemgr_watch_refused_namespaces": "namespaces with a dir the kernel refused a watch and "
     "not watched since (the reconcile scans retry; with reconcile_interval 0, nothing does)",
+    "cachemgr_watch_root_refused": "1 while <root>/ns itself has no inotify watch, the kernel "
+    "refused it: new namespace dirs are found by the reconcile scans only, which retry",
     "cachemgr_index_lag_seconds": "age of the oldest watcher event not yet applied",
     "cachemgr_identity_mismatches_total": "SGLang servers found contradicting their namespace",
     "cachemgr_identity_mismatch": "1 while the SGLang server contradicts its namespace",
@@ -336,6 +338,11 @@ class CachemgrCollector(Collector):
             "cachemgr_watch_refused_namespaces",
             METRICS["cachemgr_watch_refused_namespaces"],
             value=st.watch_gaps.short,
+        )
+        yield GaugeMetricFamily(
+            "cachemgr_watch_root_refused",
+            METRICS["cachemgr_watch_root_refused"],
+            value=int(st.watch_gaps.root),
         )
         yield GaugeMetricFamily(
             "cachemgr_last_scan_duration_seconds",

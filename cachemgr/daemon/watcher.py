@@ -387,6 +387,7 @@ class Watcher:
             # reconcile ask again.
             self._refused(None, "")
         self._root = new
+        self.gaps.root = new is None
         if old is not None and not old.dead and self._fd is not None:
             self._fd.remove_callbacks([(WatchDescriptor(old.wd), CallbackId(id(old)))])
 
@@ -510,6 +511,8 @@ class Watcher:
         logged at most every REFUSALS_LOGGED_EVERY seconds."""
         self.gaps.refused += 1
         self.gaps.refused_at = time.time()
+        if ns_id is None:
+            self.gaps.root = True
         now = self.clock()
         if now - self._refusal_logged < REFUSALS_LOGGED_EVERY:
             return

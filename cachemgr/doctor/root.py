@@ -279,15 +279,18 @@ def lint_gc_unmet(unmet: Sequence[Mapping[str, Any]]) -> list[Finding]:
 
 
 def lint_watches(index: Mapping[str, Any] | None) -> list[Finding]:
-    """The serving daemon's namespaces with a dir the kernel refused an inotify watch (its
-    /v1/status `index`), not watched since."""
+    """The serving daemon's dirs the kernel refused an inotify watch (its /v1/status `index`),
+    not watched since: in namespaces, or <root>/ns itself."""
     short = index.get("watch_refused_namespaces") if index else None
-    if not index or not short:
+    root = bool(index.get("watch_root_refused")) if index else False
+    if not index or not (short or root):
         return []
+    where = [f"{short} namespace(s) have dirs without an inotify watch"] if short else []
+    where += ["<root>/ns has no inotify watch, so new namespaces are found late"] if root else []
     what = (
-        f"{short} namespace(s) have dirs without an inotify watch: the kernel refused "
-        f"{index.get('watches_refused')} (fs.inotify.max_user_watches reached). Their reads and "
-        "stores are seen by the reconcile scans only; GC's order and the hit counts miss them"
+        f"{'; '.join(where)}: the kernel refused {index.get('watches_refused')} watches "
+        "(fs.inotify.max_user_watches reached). What happens there is seen by the reconcile "
+        "scans only; GC's order and the hit counts miss it"
     )
     return [Finding("error", "inotify-watch-limit", what, _WATCHES_FIX)]
 
