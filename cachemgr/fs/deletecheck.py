@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,16 @@ from cachemgr.fs.safe import is_own_temp, open_dir
 def dir_id(fd: int) -> tuple[int, int]:
     st = os.fstat(fd)
     return st.st_dev, st.st_ino
+
+
+def dir_at(root: Path, rel_dir: str) -> tuple[int, int] | None:
+    """(device, inode) of the dir at <root>/<rel_dir> now, None if nothing is there or not a
+    dir (a link is not followed): compared before and after a step, tells a dir renamed away."""
+    try:
+        st = os.stat(root / rel_dir, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
 
 
 def still_at(root: Path, rel_dir: str, here: tuple[int, int]) -> bool:

@@ -13,7 +13,7 @@ from typing import NamedTuple, Protocol
 
 from cachemgr.backends import FileFormat
 from cachemgr.errors import UnsafePathError
-from cachemgr.fs.deletecheck import Refusal, files_of, reason_of
+from cachemgr.fs.deletecheck import Refusal, dir_at, files_of, reason_of
 from cachemgr.fs.deletion import (
     DeleteReport,
     Listeners,
@@ -29,7 +29,6 @@ from cachemgr.gc.pagestore import PageId
 from cachemgr.gc.plan import GcPlan
 from cachemgr.gc.policy import FILE_LIMITS, HOLDING
 from cachemgr.gc.step import GcReport, GcStep, StepResult, linked_verdict
-from cachemgr.layout import Layout
 from cachemgr.ns.quarantine import is_denied
 from cachemgr.ns.runcontext import RunContext
 from cachemgr.ns.trash import drain_entry
@@ -330,7 +329,7 @@ class _Chunks:
         if not chunk:
             return DeleteReport(dry_run=run.dry_run), None
         gone: dict[str, int | None] = {}
-        before = _dir_id(layout, step.rel_dir)
+        before = dir_at(layout.root, step.rel_dir)
         # Unpaced here, paced below once the chunk is recorded: a kill -9 during the pacer's
         # sleep (where a paced run spends its time) then finds audit and index exact.
         with self._telling(chunk, gone):
@@ -353,13 +352,13 @@ class _Chunks:
                 listeners=Listeners(progress=self.tally.offset(), removed=gone.__setitem__),
             )
         except OSError as e:  # an unlink refused: what went before it is recorded all the same
-            if not run.dry_run and _dir_id(layout, step.rel_dir) == before:
+            if not run.dry_run and dir_at(layout.root, step.rel_dir) == before:
                 self._record(list(gone), _freed(gone))
             if not is_denied(e):
                 raise
             return _freed(gone), (f"denied: {e.strerror}", str(e))
         self.tally.add(r)
-        if before is None or _dir_id(layout, step.rel_dir) != before:
+        if before is None or dir_at(layout.root, step.rel_dir) != before:
             # A purge renamed the dir away meanwhile: what was unlinked may lie in .trash/
             # and the purge dropped those rows and audited its pages; rows now are the new
             # dir's, so keep them.
@@ -476,15 +475,6 @@ def _sweep_own_temps(run: RunContext, step: GcStep, base: StepResult) -> StepRes
     if not run.dry_run:
         _record_chunk(run, step, [], r)  # no index rows: only the audit
     return base.done(r)
-
-
-def _dir_id(layout: Layout, rel_dir: str) -> tuple[int, int] | None:
-    """(device, inode) of <root>/<rel_dir>, None if absent: tells a dir renamed away."""
-    try:
-        st = os.stat(layout.root / rel_dir, follow_symlinks=False)
-    except FileNotFoundError:
-        return None
-    return st.st_dev, st.st_ino
 
 
 def _log_summary(report: GcReport, actor: str) -> None:

@@ -16,10 +16,9 @@ its intent the same way; its row is an `evict` audit row (Intent.action).
 from __future__ import annotations
 
 import logging
-import os
 import sqlite3
-import stat
 
+from cachemgr.fs.deletecheck import dir_at
 from cachemgr.layout import Layout
 from cachemgr.state import intents_sql, trash_sql
 from cachemgr.state.intents_sql import Intent
@@ -62,7 +61,7 @@ def settle_entry(layout: Layout, store: Store, entry: str) -> None:
     if that purge never committed. Only if the entry is the intent's dir: a purge killed
     after it made its empty successor but before the swap left that one under the name."""
     for intent in intents_sql.pending(store.conn, entry.removesuffix(SWAPPED)):
-        if _dir_id(layout, f".trash/{entry}") == (intent.dev, intent.ino):
+        if dir_at(layout.root, f".trash/{entry}") == (intent.dev, intent.ino):
             with store.transaction(patience=float("inf")):  # the entry is about to go
                 if audit_once(store, intent):
                     _audited_late(intent, entry)
@@ -72,7 +71,7 @@ def settle_all(layout: Layout, store: Store) -> None:
     """Under the root lock (no purge between its intent and its rename): each intent of a purge
     killed before its commit gets its audit row if its dir left ns/<id>, else is dropped."""
     for intent in intents_sql.pending(store.conn):
-        moved = _dir_id(layout, f"ns/{intent.namespace_id}") != (intent.dev, intent.ino)
+        moved = dir_at(layout.root, f"ns/{intent.namespace_id}") != (intent.dev, intent.ino)
         with store.transaction():
             if not moved:
                 intents_sql.delete(store.conn, intent.entry)
@@ -94,22 +93,14 @@ def trash_counts(layout: Layout, conn: sqlite3.Connection) -> dict[str, tuple[in
     for intent in intents_sql.pending(conn):
         for entry in (intent.entry, f"{intent.entry}{SWAPPED}"):
             here = entry not in counts and intent.pages
-            if here and _dir_id(layout, f".trash/{entry}") == (intent.dev, intent.ino):
+            if here and dir_at(layout.root, f".trash/{entry}") == (intent.dev, intent.ino):
                 counts[entry] = (intent.pages, intent.bytes)
     return counts
 
 
 def dir_id(layout: Layout, ns_id: str) -> tuple[int, int] | None:
     """(st_dev, st_ino) of ns/<id>, None if it is no dir (nothing to rename)."""
-    return _dir_id(layout, f"ns/{ns_id}")
-
-
-def _dir_id(layout: Layout, rel: str) -> tuple[int, int] | None:
-    try:
-        st = os.stat(layout.root / rel, follow_symlinks=False)
-    except FileNotFoundError:
-        return None
-    return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
+    return dir_at(layout.root, f"ns/{ns_id}")
 
 
 def _audited_late(intent: Intent, entry: str) -> None:
