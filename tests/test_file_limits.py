@@ -121,7 +121,14 @@ def ratio(tree: Tree) -> float:
 
 def status(pages: int) -> NamespaceStatus:
     return NamespaceStatus(
-        id=NS, state="active", has_dir=True, pages=pages, bytes=0, page_reads=0, page_writes=0
+        id=NS,
+        state="active",
+        has_dir=True,
+        pages=pages,
+        files=pages,
+        bytes=0,
+        page_reads=0,
+        page_writes=0,
     )
 
 
@@ -161,6 +168,36 @@ def test_file_caps_are_held_by_gc_like_the_byte_caps(tmp_path: Path) -> None:
     report = tree.execute(tree.plan(policy(max_files=250), now=T0 + 20), now=T0 + 20)
     assert len(tree.files(NS)) + len(tree.files(NS2)) == 212
     assert report.totals()["files"][0] == 58
+
+
+def test_file_caps_count_each_ranks_file_of_a_page(tmp_path: Path) -> None:
+    """A TP-2 server stores a page as two files, one a rank. The caps counted pages: 200
+    files under a cap of 100 looked like 100 pages, under the high watermark, and GC held
+    nothing while the run said held; the entry limit and its ratio did the same."""
+    tree = Tree.at(tmp_path / "root")
+    names = [f"{i:064x}_m_{rank}_2.bin" for i in range(100) for rank in (0, 1)]
+    tree.write(NS, names, at=T0)
+    report = tree.execute(tree.plan(policy(namespace_max_files=100), now=T0 + 10), now=T0 + 10)
+    assert report.held and {r.reason for r in report.steps} == {"files"}
+    assert len(tree.files(NS)) <= 85  # the low watermark, in files
+    assert len(tree.files(NS)) % 2 == 0  # whole pages: both ranks' files of each went
+    tree.write(
+        NS, [f"{i:064x}_m_{rank}_2.bin" for i in range(500, 600) for rank in (0, 1)], at=T0 + 15
+    )
+    report = tree.execute(tree.plan(policy(max_files=150), now=T0 + 20), now=T0 + 20)
+    assert report.held and len(tree.files(NS)) <= int(150 * 0.85)
+    scanned = NamespaceStatus(
+        id=NS,
+        state="active",
+        has_dir=True,
+        pages=10,
+        files=20,
+        bytes=0,
+        page_reads=0,
+        page_writes=0,
+        temp_files=1,
+    )
+    assert scanned.dir_entries == 21
 
 
 def test_file_caps_come_from_the_settings(tmp_path: Path) -> None:

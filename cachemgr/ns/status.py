@@ -48,10 +48,11 @@ class NamespaceStatus(BaseModel):
     state: str
     problem: str | None = None  # why a bad-manifest, unsafe or unreadable one is left alone
     has_dir: bool
-    # The counts of its dir (pages, bytes, temp, foreign and corrupt files): null when it
-    # could not be read (state unreadable) or is not a real dir (unsafe), never a 0 that
-    # was not counted
+    # The counts of its dir (pages, their files, bytes, temp, foreign and corrupt files):
+    # null when it could not be read (state unreadable) or is not a real dir (unsafe), never
+    # a 0 that was not counted. A page is one file but for SGLang at TP > 1 (a file a rank)
     pages: int | None
+    files: int | None = None
     bytes: int | None
     page_reads: int  # lifetime, as observed by the watcher
     page_writes: int
@@ -78,9 +79,9 @@ class NamespaceStatus(BaseModel):
 
     @property
     def dir_entries(self) -> int | None:
-        """Entries of its dir, at the last scan: pages, temps and foreign files; None when
-        it was not counted."""
-        counts = (self.pages, self.temp_files, self.foreign_files)
+        """Entries of its dir, at the last scan: page files, temps and foreign files; None
+        when it was not counted."""
+        counts = (self.files, self.temp_files, self.foreign_files)
         return None if None in counts else sum(c for c in counts if c is not None)
 
     def entry_limit(self, index: DirIndex | None) -> int | None:
@@ -97,7 +98,9 @@ class NamespaceStatus(BaseModel):
 
 
 # What a status whose dir was not counted says of its counts.
-UNCOUNTED = dict.fromkeys(("pages", "bytes", "temp_files", "foreign_files", "corrupt_files"))
+UNCOUNTED = dict.fromkeys(
+    ("pages", "files", "bytes", "temp_files", "foreign_files", "corrupt_files")
+)
 
 
 def _manifest_identity(layout: Layout, ns_id: str) -> dict[str, Any] | None:
@@ -139,6 +142,7 @@ def namespace_statuses(
             problem=problem,
             has_dir=ns in dirs,
             pages=_get(s, "pages"),
+            files=_get(s, "files"),
             bytes=_get(s, "bytes"),
             page_reads=_get(s, "page_reads"),
             page_writes=_get(s, "page_writes"),

@@ -267,8 +267,9 @@ def set_model_stamp(conn: sqlite3.Connection, token: str) -> None:
 
 
 def namespace_file_counts(conn: sqlite3.Connection) -> dict[str, int]:
-    """Page files of each namespace with pages, from the index's aggregates (no page scan)."""
-    return dict(conn.execute("SELECT namespace_id, pages FROM namespace_stats WHERE pages > 0"))
+    """Page files of each namespace with pages, from the index's aggregates (no page scan):
+    files, not pages (a page of a TP>1 server is a file a rank)."""
+    return dict(conn.execute("SELECT namespace_id, files FROM namespace_stats WHERE files > 0"))
 
 
 def namespace_other_files(conn: sqlite3.Connection) -> dict[str, int]:
