@@ -76,14 +76,17 @@ def test_lru_order_survives_a_restart(tree: Tree, root: Path) -> None:
 
 
 def test_min_age_protects_recent_use_and_recent_files(tree: Tree) -> None:
+    """A recent use puts a page last in the plan; a file modified since the index last heard
+    of it is kept by the deletion's age check, but not against the cap that needs it (it
+    said the cap held with one page too many)."""
     tree.write(NS, A, at=T0)
     tree.read(NS, A[:2], at=T0 + 990)  # read 10 s before "now": in use
     os.utime(tree.dir(NS) / A[5], (T0 + 995, T0 + 995))  # rewritten 5 s ago, index not told
     plan = tree.plan(policy(max_bytes=4_000, min_age=60), now=T0 + 1000)
     assert set(evicted(plan)) == set(A[3:]) and plan.overridden == 0
     report = tree.execute(plan, now=T0 + 1000)
-    assert report.steps[0].young == 1
-    assert tree.files(NS) == {*A[:3], A[5]}
+    assert (report.steps[0].young, report.overridden, report.held) == (0, 1, True)
+    assert tree.files(NS) == set(A[:3])
 
 
 def test_min_age_yields_to_the_cap_when_nothing_else_is_left(tree: Tree) -> None:

@@ -130,3 +130,30 @@ def under_a_foreign_lock(tree: Tree, plan: GcPlan) -> GcReport:
     assert report.files == 0 and report.locked_by is not None and told == [report.locked_by]
     assert tree.store.conn.execute("SELECT COUNT(*) FROM audit").fetchone()[0] == 0
     return report
+
+
+def test_a_limits_pages_found_young_at_deletion_yield_to_it(tmp_path: Path) -> None:
+    """The index knew these pages written at T0, but their files were modified since (a
+    restore's touch, a store while no daemon watched): the age rule kept every one at
+    deletion, and the run said the cap held while it deleted nothing, run after run. min_age
+    never stops a limit: they go as far as it needs, counted and said as a protection
+    overridden, and the dry run says the same."""
+    tree = Tree.at(tmp_path / "root")
+    names = [page(i) for i in range(300)]
+    tree.write(NS, names, at=T0)
+    now = T0 + 7200
+    for name in names:
+        os.utime(tree.dir(NS) / name, (now - 60, now - 60))
+    pol = policy(namespace_max_files=100, min_age=3600.0)
+    dry = tree.execute(tree.plan(pol, now=now), now=now, dry_run=True)
+    report = tree.execute(tree.plan(pol, now=now), now=now)
+    assert report.held and report.overridden == 215
+    assert len(tree.files(NS)) == 85
+    assert [s.young for s in report.steps] == [0]
+    assert any("found modified within min_age" in w for w in report.warnings)
+    assert [(s.files, s.young, s.overridden) for s in dry.steps] == [
+        (s.files, s.young, s.overridden) for s in report.steps
+    ]
+    # What the limit does not need of them stays (the room it leaves): none taken past it.
+    kept = tree.execute(tree.plan(pol, now=now), now=now)
+    assert kept.steps == () and len(tree.files(NS)) == 85

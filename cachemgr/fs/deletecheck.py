@@ -104,7 +104,7 @@ class Checked:
     """What checking turned away (`vanished` also gets names gone by unlink time)."""
 
     vanished: list[str] = field(default_factory=list)
-    young: int = 0
+    young: list[str] = field(default_factory=list)  # kept: modified within min_age
     refused: list[tuple[str, Refusal]] = field(default_factory=list)
     error: OSError | None = None  # an unlink failed (not for a vanished file): the run stops
     # Of the names unlinked, those another hard link keeps (st_nlink > 1: a `cp -al` backup
@@ -195,7 +195,7 @@ def tally(name: str, status: int, value: int, ok: list[tuple[str, int]], out: Ch
     elif status == VANISHED:
         out.vanished.append(name)
     elif status == YOUNG:
-        out.young += 1
+        out.young.append(name)
     elif status == NOT_REGULAR:
         out.refuse(name, "not a regular file", "not_regular")
     elif status == STAT_ERROR:

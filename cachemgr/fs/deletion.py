@@ -134,6 +134,7 @@ class Listeners:
     pacer: Pacer | None = None  # ticked: sleeps when they come faster than its rate
     progress: Progress | None = None  # running totals, every 1024 files and at the end
     removed: Removed | None = None  # each name gone (so an index drops it); vanished: None
+    young: Callable[[str], None] | None = None  # each name kept as modified within min_age
     # Asked before each part: true (a shutdown; in a fleet, the GC lease lost) ends the
     # deletion there. A leader paused inside a long deletion must not go on when it wakes.
     stop: Callable[[], bool] | None = None
@@ -212,7 +213,10 @@ def delete_files(
     refused = tuple(why.at(f"{rel_dir}/{name}: {why}") for name, why in checked.refused)
     if stopped:
         refused += (Refusal(_moved(rel_dir), "unsafe"),)
-    vanished, young = len(checked.vanished), checked.young
+    if listeners.young is not None:
+        for name in checked.young:
+            listeners.young(name)
+    vanished, young = len(checked.vanished), len(checked.young)
     return DeleteReport(
         files,
         size,
@@ -411,7 +415,7 @@ def delete_own_temps(
         len(ok),
         sum(n for _, n in ok),
         len(checked.vanished),
-        checked.young,
+        len(checked.young),
         refused,
         dry_run,
         linked=checked.linked,

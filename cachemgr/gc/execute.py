@@ -8,7 +8,7 @@ import math
 import os
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
 
 from cachemgr.backends import FileFormat
@@ -171,8 +171,8 @@ def execute_gc(
     overridden = sum(r.overridden for r in results)
     if overridden:
         warnings += (
-            f"{overridden} pages requests reached while the run deleted evicted: a limit wins "
-            "over their protection",
+            f"{overridden} pages requests reached, or found modified within min_age, while the "
+            "run deleted evicted: a limit wins over their protection",
         )
     if fenced[0]:
         warnings += ("stopped deleting: this node no longer holds the GC lease",)
@@ -270,16 +270,24 @@ def _run_step(run: RunContext, step: GcStep, tally: _Tally, told: _Told) -> Step
         return base.done(r)
     if step.namespace_id is None and step.reason == "tmp":
         return _sweep_own_temps(run, step, base)
-    chunks = _Chunks(run, step, step_format(layout, step), tally, told)
+    fmt = step_format(layout, step)
+    chunks = _Chunks(run, step, fmt, tally, told)
     staying: set[str] = set()
     done, ended = chunks.delete(_unspared(step, told.spare, staying))
-    back = DeleteReport(dry_run=dry_run)
+    back, young = DeleteReport(dry_run=dry_run), 0
     if ended is None:
         # Pages spared since the plan yield to the limit as any protection does: tails first,
         # in the step's order (what stays of a chain is a usable prefix), as far as it needs.
-        taken = _taken_back(step, staying, done)
-        back, ended = chunks.delete(taken[i : i + CHUNK] for i in range(0, len(taken), CHUNK))
+        # So do a limit's pages found modified within min_age at deletion, which the index
+        # knew older (a restore's touch, a store while no daemon watched, a writer's clock
+        # ahead): min_age never stops a limit, and the next plan would pick them again.
+        held = chunks.young if step.reason in HOLDING and step.namespace_id else set()
+        taken = _taken_back(step, staying | held, done)
+        young = sum(n in held for n in taken)  # (taken back without the age rule: not kept)
+        again = _Chunks(run, replace(step, min_age=0.0), fmt, tally, told) if young else chunks
+        back, ended = again.delete(taken[i : i + CHUNK] for i in range(0, len(taken), CHUNK))
     result = replace(base.done(done + back), overridden=back.files)
+    result = replace(result, young=result.young - young)
     return result if ended is None else replace(result, skipped=ended[0], denied=ended[1])
 
 
@@ -304,6 +312,7 @@ class _Chunks:
     fmt: FileFormat
     tally: _Tally
     told: _Told
+    young: set[str] = field(default_factory=set)  # names kept as modified within min_age
 
     def delete(self, chunks: Iterable[list[str]]) -> tuple[DeleteReport, _Ended | None]:
         """Delete these chunks one by one, until a stop; what they did, and why the step
@@ -349,7 +358,9 @@ class _Chunks:
                 min_age=step.min_age,
                 now=run.clock,
                 fmt=self.fmt,
-                listeners=Listeners(progress=self.tally.offset(), removed=gone.__setitem__),
+                listeners=Listeners(
+                    progress=self.tally.offset(), removed=gone.__setitem__, young=self.young.add
+                ),
             )
         except OSError as e:  # an unlink refused: what went before it is recorded all the same
             if not run.dry_run and dir_at(layout.root, step.rel_dir) == before:
