@@ -124,7 +124,7 @@ class NestWatches:
                 return
         except (OSError, UnsafePathError):
             return  # gone already, a link, another mount: never watched through
-        child = replace(parent, path=path, level=parent.level + 1, wd=-1, dead=False, seen={})
+        child = replace(parent, path=path, level=parent.level + 1, wd=-1, dead=False, seen=None)
         read = self._read_already(child) if fresh and child.leaf else {}
         with self._lock:  # its creation event and its parent's listing may both get here
             if self._watched(parent.ns_id, path):
@@ -191,6 +191,8 @@ class NestWatches:
             return
         now = self.watcher.clock()
         pages = [n for n, st in found if stat.S_ISREG(st.st_mode) and cb.fmt.key_len(n) is not None]
+        if pages and cb.seen is None:
+            cb.seen = {}
         for name in pages:
             cb.seen[name] = now
             self.watcher.emit((Kind.WRITE, cb.ns_id, cb.path + name, now, LOCAL))

@@ -77,7 +77,7 @@ SHIPPED_DIR_EVENTS = (Kind.NS_GONE, Kind.NS_ADDED)  # besides accesses, for `on_
 SEEN_FOR = 5.0
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # (slots: one a watched dir, a million in a vLLM tree)
 class _DirWatch:
     """The callback of one watched dir of a namespace: the namespace dir itself, or (nested
     format) one of its dirs `path` below it at `level`; dead once moved or deleted."""
@@ -89,7 +89,7 @@ class _DirWatch:
     level: int = 0  # of the dirs its entries are: 0 in the namespace dir
     wd: int = -1
     dead: bool = False
-    seen: dict[str, float] = field(default_factory=dict)  # found by listing a new dir
+    seen: dict[str, float] | None = None  # found by listing a new dir (None: none were)
 
     @property
     def leaf(self) -> bool:
