@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -208,6 +209,11 @@ def test_root_damage_is_reported(layout: Layout, tmp_path: Path) -> None:
     (db,) = [f for f in findings if f["code"] == "state-db-corrupt"]
     assert str(aside) in db["message"] and str(aside) in db["fix"]
     assert out.returncode == 2
+    # Each command a fix gives names this root: pasted in another shell, one without --root
+    # acted on the default root, or found none.
+    commands = [c for f in findings for c in re.findall(r"`(cachemgr [^`]*)`", f["fix"])]
+    assert len(commands) == 2  # the purges of the namespace and of the trash
+    assert all(c.startswith(f"cachemgr --root {layout.root} ") for c in commands), commands
 
 
 def test_helpers() -> None:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -63,34 +67,101 @@ def test_the_extra_configs_storage_path_is_the_dir_checked(root: Path, model: Pa
     )
 
 
-def test_a_plain_sglang_dir_with_pages_is_an_unknown_identity(
-    root: Path, model: Path, tmp_path: Path
-) -> None:
+def pasted(fix: str) -> list[str]:
+    """The commands a fix gives (each in backticks), in order."""
+    return re.findall(r"`([^`]+)`", fix)
+
+
+def run_pasted(line: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`line` as a user pastes it into a shell whose environment has `env`, cachemgr on the
+    PATH (this venv's)."""
+    path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
+    return subprocess.run(
+        ["bash", "-c", line],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env, "PATH": path},
+        timeout=120,
+    )
+
+
+def plain_dir(d: Path, pages: int) -> None:
+    """An SGLang dir cachemgr never managed: pages, a temp SGLang is writing, a file not its."""
+    d.mkdir()
+    for i in range(pages):
+        (d / page_name(i)).write_bytes(b"k" * 10)
+    (d / f".{'a' * 32}.tmp").write_bytes(b"partial")
+    (d / "notes.bin").write_bytes(b"mine")
+
+
+def test_a_plain_sglang_dirs_fixes_work_as_pasted(root: Path, model: Path, tmp_path: Path) -> None:
+    """A plain dir with pages and no manifest: its fix, pasted as it is, either moves the pages
+    into the launch's namespace (who knows they are its) or deletes them, and exec's line
+    carries no storage dir of its own. Before, the fix said init "adopts" the dir (it made an
+    empty namespace and left the pages where they were) and the exec line was refused."""
     plain = tmp_path / "hicache"
-    plain.mkdir()
-    for i in range(2):
-        (plain / page_name(i)).write_bytes(b"k" * 10)
-    cmd = launch(model, "fp8_e4m3", "--page-size", "64")
+    plain_dir(plain, 3)
+    cmd = launch(model, "bfloat16")
     code, found = doctor(root, cmd, storage=str(plain))
     assert code == 2
     finding = found["storage-unknown-identity"]
-    assert finding["message"].startswith(f"storage dir {plain} has 2 pages and no manifest")
+    assert finding["message"].startswith(f"storage dir {plain} has 3 pages and no manifest")
     assert "unknown identity" in finding["message"]
-    assert finding["fix"].startswith(
-        f"adopt it with `cachemgr --root {root} init -- {shlex.join(cmd)}` or purge it: "
-    )
-    assert f"find {plain} -maxdepth 1 -name '*.bin' -delete" in finding["fix"]
+    exec_line, delete, init, move = pasted(finding["fix"])
+    # The shell still sets the variable: exec would refuse it, so the line unsets it first.
+    assert exec_line == f"env -u {STORAGE_ENV} cachemgr --root {root} exec -- {shlex.join(cmd)}"
+    as_set = {STORAGE_ENV: str(plain)}
+    for line in (init, move):
+        done = run_pasted(line, as_set)
+        assert done.returncode == 0, (line, done.stderr)
+    (ns,) = [d for d in (root / "ns").iterdir() if d.is_dir()]
+    assert sorted(p.name for p in ns.iterdir()) == [page_name(i) for i in range(3)]
+    assert sorted(p.name for p in plain.iterdir()) == [f".{'a' * 32}.tmp", "notes.bin"]
+    code, found = doctor(root, cmd)
+    assert "storage-unknown-identity" not in found and code == 0, found
+    # The other way (an identity with no namespace yet): deleted, only SGLang's pages (its
+    # temp and a foreign *.bin stay).
+    other, fp8 = tmp_path / "other", launch(model, "fp8_e4m3")
+    plain_dir(other, 2)
+    delete = pasted(doctor(root, fp8, storage=str(other))[1]["storage-unknown-identity"]["fix"])[1]
+    assert run_pasted(delete, {}).returncode == 0
+    assert sorted(p.name for p in other.iterdir()) == [f".{'a' * 32}.tmp", "notes.bin"]
     # Empty, it holds nothing to be served: only the unmanaged-dir warning stays.
-    for page in plain.iterdir():
-        page.unlink()
-    assert doctor(root, cmd, storage=str(plain))[1].keys() == {"unmanaged-dir"}
+    assert doctor(root, fp8, storage=str(other))[1].keys() == {"unmanaged-dir"}
 
 
-def test_a_namespace_dir_without_manifest_names_the_purge(root: Path, model: Path) -> None:
+def test_a_namespace_dir_without_manifest_gets_it_back_when_its_id_is_the_launchs(
+    root: Path, model: Path
+) -> None:
+    """The id of a namespace dir says whose pages it holds: init for that identity writes the
+    lost manifest back and keeps them; the fix says so, and the purge, as they run."""
     ns = Path(str(init_json(root, model)["storage_dir"]))
     fill(ns, 2)
     (root / "ns" / f"{ns.name}.json").unlink()
     code, found = doctor(root, launch(model, "bfloat16"), storage=str(ns))
     assert code == 2
+    init, purge = pasted(found["storage-unknown-identity"]["fix"])
+    assert purge == f"cachemgr --root {root} purge --namespace {ns.name} --yes"
+    assert run_pasted(init, {STORAGE_ENV: str(ns)}).returncode == 0
+    assert (root / "ns" / f"{ns.name}.json").is_file() and len(list(ns.iterdir())) == 2
+    assert "storage-unknown-identity" not in doctor(root, launch(model, "bfloat16"))[1]
+
+
+def test_another_namespace_dir_without_manifest_is_only_purged(root: Path, model: Path) -> None:
+    """A namespace dir of another id with no manifest: no init adopts it (init for this launch
+    rebinds its instance, and purges the namespace it had when the identity changed: the fix
+    that said so purged a namespace it never named). Its purge, pasted, takes it alone."""
+    bound = Path(str(init_json(root, model)["storage_dir"]))
+    fill(bound, 2)
+    stray = root / "ns" / ("b" * 16)
+    stray.mkdir()
+    fill(stray, 3)
+    code, found = doctor(root, launch(model, "fp8_e4m3"), storage=str(stray))
+    assert code == 2
     fix = found["storage-unknown-identity"]["fix"]
-    assert fix.endswith(f"or purge it: `cachemgr --root {root} purge --namespace {ns.name} --yes`")
+    assert " init " not in fix
+    purge, exec_line = pasted(fix)
+    assert purge == f"cachemgr --root {root} purge --namespace {stray.name} --yes"
+    assert exec_line.startswith(f"env -u {STORAGE_ENV} cachemgr --root {root} exec -- ")
+    assert run_pasted(purge, {STORAGE_ENV: str(stray)}).returncode == 0
+    assert not stray.exists() and len(list(bound.iterdir())) == 2

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
+
+from cachemgr.layout import Layout
 
 Severity = Literal["error", "warning", "info"]
 
@@ -23,3 +26,9 @@ def exit_code(findings: Sequence[Finding]) -> int:
     """0 clean, 1 warnings, 2 errors."""
     severities = {f.severity for f in findings}
     return 2 if "error" in severities else 1 if "warning" in severities else 0
+
+
+def cli(layout: Layout, *args: str) -> str:
+    """A cachemgr command on this root, quoted to paste as it is: without `--root`, a fix
+    run from another shell acts on the default root (or finds none)."""
+    return shlex.join(["cachemgr", "--root", str(layout.root), *args])

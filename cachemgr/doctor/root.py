@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from cachemgr.doctor.finding import Finding
+from cachemgr.doctor.finding import Finding, cli
 from cachemgr.doctor.links import lint_hard_links
 from cachemgr.errors import CachemgrError
 from cachemgr.fs import reserve
@@ -52,7 +52,7 @@ def lint_root(layout: Layout, store: Store | None) -> list[Finding]:
             found.append(Finding("error", "ns-missing-dir", what, fix))
         elif ns.state == "no-manifest":
             what = f"{layout.ns_dir(ns.ns_id)} has no manifest: nobody knows who wrote its pages"
-            fix = f"cachemgr purge --namespace {ns.ns_id}"
+            fix = f"`{cli(layout, 'purge', '--namespace', ns.ns_id, '--yes')}`"
             found.append(Finding("warning", "ns-no-manifest", what, fix))
     for entry in describe_trash(layout, trash_counts(layout, store.conn) if store else None):
         if entry.problem:
@@ -63,13 +63,13 @@ def lint_root(layout: Layout, store: Store | None) -> list[Finding]:
             what = f".trash/{entry.name}: {entry.left_for_a_person}"
             fix = (
                 f"inspect {entry.example} (and the rest of {layout.trash / entry.name}), remove "
-                f"what is not SGLang's by hand; then `cachemgr --root {layout.root} gc --yes` "
+                f"what is not SGLang's by hand; then `{cli(layout, 'gc', '--yes')}` "
                 "deletes the pages and the entry"
             )
             found.append(Finding("warning", "trash-foreign", what, fix))
         else:
             what = f".trash/{entry.name} still holds {entry.pages:,} pages of an unfinished purge"
-            fix = "cachemgr purge --unbound --yes (or let the daemon finish it)"
+            fix = f"`{cli(layout, 'purge', '--unbound', '--yes')}` (or let the daemon finish it)"
             found.append(Finding("warning", "trash-left", what, fix))
     for problem in read_bindings(layout)[1]:  # those the DB knows were rewritten on open
         fix = "run init for that instance again (it rewrites the file), or move it away"
@@ -170,7 +170,7 @@ def _unreadable_manifests(layout: Layout, who: str) -> list[Finding]:
 def _own_temps(layout: Layout) -> list[Finding]:
     """Temp files of cachemgr's own atomic writes that a kill -9 left (GC removes them)."""
     what = "{} is a temp file a killed cachemgr write left ({} bytes)"
-    fix = "`cachemgr gc` removes it once older than gc_tmp_ttl, or remove it by hand"
+    fix = f"`{cli(layout, 'gc', '--yes')}` removes it once older than gc_tmp_ttl, or remove it"
     paths = [(layout.root / t.rel_dir / t.name, t.size) for t in own_temps(layout)]
     return [Finding("warning", "own-temp-left", what.format(*p), fix) for p in paths]
 
@@ -197,7 +197,8 @@ def lint_disk(
     disk = DiskUsage(*usage(layout.root))
     state, limit = disk_state(disk, policy)
     what = f"{filesystem_line(disk)}; GC keeps {human_bytes(limit)} free"
-    fix = "cachemgr gc --yes frees it down to the floor (the daemon does by itself); or add space"
+    fix = f"`{cli(layout, 'gc', '--yes')}` frees it down to the floor (the daemon does by "
+    fix += "itself); or add space"
     found = []
     if state == "full":
         found.append(Finding("error", "disk-full", f"the root's filesystem is full: {what}", fix))
@@ -254,17 +255,20 @@ def _lint_inodes(layout: Layout, policy: GcPolicy, inodes: InodeUsageFn) -> list
     )
     if state == "full":
         what = f"the root's filesystem is out of inodes: {what}"
-        return [Finding("error", "inodes-full", what, _INODES_FIX)]
+        return [Finding("error", "inodes-full", what, _inodes_fix(layout))]
     what = f"the root's filesystem is low on inodes: {what}"
-    return [Finding("warning", "inodes-low", what, _INODES_FIX)]
+    return [Finding("warning", "inodes-low", what, _inodes_fix(layout))]
 
 
-# Each page is an inode: GC frees them down to the floor, but files it does not manage count.
-_INODES_FIX = (
-    "cachemgr gc --yes frees page files down to the floor (the daemon does by itself); if "
-    "files outside the cache hold the inodes (`du -x --inodes` on the filesystem), remove "
-    "those, give the cache its own filesystem, or lower gc_min_free_inodes_percent"
-)
+def _inodes_fix(layout: Layout) -> str:
+    # Each page is an inode: GC frees them down to the floor, but files it does not manage
+    # count.
+    return (
+        f"`{cli(layout, 'gc', '--yes')}` frees page files down to the floor (the daemon does "
+        "by itself); if files outside the cache hold the inodes (`du -x --inodes` on the "
+        "filesystem), remove those, give the cache its own filesystem, or lower "
+        "gc_min_free_inodes_percent"
+    )
 
 
 def lint_gc_unmet(unmet: Sequence[Mapping[str, Any]]) -> list[Finding]:

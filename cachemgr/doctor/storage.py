@@ -4,14 +4,15 @@ one nobody recorded. The failure cachemgr exists for is a server hitting the las
 from __future__ import annotations
 
 import shlex
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from cachemgr.doctor.finding import Finding
+from cachemgr.doctor.finding import Finding, cli
 from cachemgr.errors import CachemgrError
 from cachemgr.fs.dirscan import scan_usage
 from cachemgr.identity.engines import parse_identity
 from cachemgr.identity.record import Digested, diff_identities
+from cachemgr.launchenv import split_env
 from cachemgr.layout import NS_ID_RE, Layout
 from cachemgr.ns.manifest import Manifest, read_manifest
 from cachemgr.ns.prelaunch import with_version_of
@@ -35,6 +36,25 @@ def exec_namespace(layout: Layout, identity: Callable[[], Digested | None]) -> s
     return mine.ns_id if layout.ns_dir(mine.ns_id).is_dir() else None
 
 
+def exec_line(
+    layout: Layout, command: Sequence[str], point_env: str | None, env: Mapping[str, str]
+) -> str:
+    """`cachemgr exec` of `command`, to paste: `point_env` (what points the server at a
+    storage dir before anything exec hands it) taken out of the command's assignments, and
+    unset first where the environment `env` sets it: exec refuses a launch that sets it."""
+    line = cli(layout, "exec", "--", *launched(command, point_env))
+    if point_env and point_env not in split_env(command)[0] and env.get(point_env):
+        return f"env -u {point_env} {line}"
+    return line
+
+
+def launched(command: Sequence[str], point_env: str | None) -> list[str]:
+    """`command` without `point_env` in its assignments (`env VAR=/x sglang serve …`)."""
+    at = split_env(command)[1]
+    head = [t for t in command[:at] if not (point_env and t.startswith(f"{point_env}="))]
+    return [*head, *command[at:]]
+
+
 def under_exec(layout: Layout, ns_id: str, given: Path, exec_cmd: str) -> Finding:
     """`cachemgr exec` points the launch's storage at its namespace, so the dir the command
     names by itself is not the one its server uses under exec."""
@@ -52,35 +72,31 @@ def lint_storage_identity(
     path: Path,
     layout: Layout,
     identity: Callable[[], Digested | None],
-    command: Sequence[str],
+    launch: tuple[Sequence[str], str],
     point_env: str,
 ) -> list[Finding]:
     """A manifest of another identity, or pages with no manifest, in the launch's storage dir.
-    `identity` is called only when there is a manifest to compare with (it may hash weights);
-    `point_env` is the variable that would point the server at its namespace instead."""
+    `identity` is called only when there is something to compare with (it may hash weights);
+    `launch` is the launch command (without `point_env` in its assignments: launched) and its
+    `cachemgr exec` line, `point_env` the variable that would point the server at its
+    namespace instead."""
     ns_id = managed_ns(path, layout)
     try:
         manifest = read_manifest(layout, ns_id) if ns_id else None
     except CachemgrError:
         return []  # a damaged manifest: lint_root reports it with the namespace
-    exec_cmd = f"cachemgr --root {layout.root} exec -- {shlex.join(command)}"
+    exec_cmd = launch[1]
     if manifest is None:
         pages = _pages(path)
         if not pages:
             return []
-        purge = (
-            f"`cachemgr --root {layout.root} purge --namespace {ns_id} --yes`"
-            if ns_id
-            else f"`find {path} -maxdepth 1 -name '*.bin' -delete` (it is not under the root)"
-        )
-        init = f"cachemgr --root {layout.root} init -- {shlex.join(command)}"
         return [
             Finding(
                 "error",
                 "storage-unknown-identity",
                 f"storage dir {path} has {pages:,} pages and no manifest: unknown identity, "
                 "pages written under another model, KV dtype or page size would be served as hits",
-                f"adopt it with `{init}` or purge it: {purge}",
+                _unknown_fix(path, layout, identity, launch),
             )
         ]
     mine = identity()
@@ -100,6 +116,39 @@ def lint_storage_identity(
             "this identity's namespace",
         )
     ]
+
+
+def _unknown_fix(
+    path: Path,
+    layout: Layout,
+    identity: Callable[[], Digested | None],
+    launch: tuple[Sequence[str], str],
+) -> str:
+    """How to be rid of pages nobody vouches for. Init adopts nothing: under the root it
+    writes a namespace's manifest back only where the dir's id is the launch identity's (the id
+    says whose pages they are); elsewhere its pages stay unknown."""
+    command, exec_cmd = launch
+    ns_id, mine = managed_ns(path, layout), identity()
+    init = cli(layout, "init", "--", *command)
+    if ns_id is not None:
+        purge = f"purge it: `{cli(layout, 'purge', '--namespace', ns_id, '--yes')}`"
+        if mine is not None and mine.ns_id == ns_id:
+            return f"its id is this launch's identity's: `{init}` writes its manifest back; {purge}"
+        return f"{purge} (nobody vouches for its pages); `{exec_cmd}` gives the server its own"
+    # SGLang's page names (a hex key first): not its temps, nor another program's *.bin
+    find = f"find {shlex.quote(str(path))} -maxdepth 1 -type f -name '[0-9a-f]*_*.bin'"
+    fix = (
+        f"start the server with `{exec_cmd}` (a namespace of its own), and delete these pages: "
+        f"`{find} -delete`"
+    )
+    if mine is not None:
+        into = shlex.quote(str(layout.ns_dir(mine.ns_id)))
+        fix += (
+            "; if you know this very launch wrote them (the same weights, KV dtype, page size "
+            f"and TP), move them into its namespace instead: `{init}`, then "
+            f"`{find} -exec mv -t {into} {{}} +`"
+        )
+    return fix
 
 
 def identity_mismatch(where: str, changes: Sequence[str], effect: str, fix: str) -> Finding:

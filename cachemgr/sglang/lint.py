@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal, InvalidOperation
@@ -14,7 +13,9 @@ from typing import Any
 
 from cachemgr.doctor.finding import Finding
 from cachemgr.doctor.storage import (
+    exec_line,
     exec_namespace,
+    launched,
     lint_storage_identity,
     managed_ns,
     under_exec,
@@ -165,11 +166,12 @@ def lint(
         given = storage_dir(args, env)
         ns_id = None if managed_ns(given, layout) else exec_namespace(layout, identity)
         path = given if ns_id is None else layout.ns_dir(ns_id)
+        exec_cmd = exec_line(layout, command, STORAGE_DIR_ENV, env)
         if ns_id is not None:
-            exec_cmd = f"cachemgr --root {layout.root} exec -- {shlex.join(command)}"
             found.append(under_exec(layout, ns_id, given, exec_cmd))
         found += _storage(args, layout, path, env, cap_bytes, disk_free)
-        found += lint_storage_identity(path, layout, identity, command, STORAGE_DIR_ENV)
+        launch = (launched(command, STORAGE_DIR_ENV), exec_cmd)
+        found += lint_storage_identity(path, layout, identity, launch, STORAGE_DIR_ENV)
     return found
 
 

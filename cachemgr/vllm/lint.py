@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from cachemgr.doctor.finding import Finding
 from cachemgr.doctor.storage import (
     changes_since,
+    exec_line,
     exec_namespace,
     identity_mismatch,
     managed_ns,
@@ -52,7 +52,7 @@ def lint(
             )
         ]
     given = Path(os.path.abspath(args.tier.root_dir))
-    exec_cmd = f"cachemgr --root {layout.root} exec -- {shlex.join(command)}"
+    exec_cmd = exec_line(layout, command, None, {})
     found: list[Finding] = []
     # exec rewrites root_dir to the launch's namespace (vllm/rewrite.py)
     exec_ns = None if managed_ns(given, layout) else exec_namespace(layout, identity)
