@@ -6,6 +6,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from cachemgr.settings import LogFormat, LogLevel
@@ -47,8 +48,34 @@ class TextFormatter(logging.Formatter):
         return line
 
 
+# Long work's lines, a second apart: off a terminal, the only sign a purge's drain or a GC
+# run is getting on. A one-shot command's default level (warning) hides its info lines, which
+# would repeat what it prints at the end, but not these (show_progress).
+PROGRESS = logging.getLogger("cachemgr.progress")
+
+
+def every(period: float) -> Callable[[], bool]:
+    """A test that is true at most once every `period` seconds (a progress line's turn)."""
+    last = [time.monotonic()]
+
+    def due() -> bool:
+        now = time.monotonic()
+        if now - last[0] < period:
+            return False
+        last[0] = now
+        return True
+
+    return due
+
+
+def show_progress() -> None:
+    """Show the progress lines under a level that hides the other info lines (until setup)."""
+    PROGRESS.setLevel(logging.INFO)
+
+
 def setup(level: LogLevel, fmt: LogFormat) -> None:
     """Send cachemgr's logs to stderr; quiet libraries stay at warning."""
+    PROGRESS.setLevel(logging.NOTSET)  # (the level asked for, until show_progress)
     if fmt == "auto":
         fmt = "text" if sys.stderr.isatty() else "json"
     handler = logging.StreamHandler(sys.stderr)

@@ -99,7 +99,11 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", min_length=1, description="HTTP bind address")
     port: int = Field(9477, ge=0, le=65535, description="HTTP port (0 picks a free one)")
     token: SecretStr | None = Field(None, description="bearer token for mutating HTTP routes")
-    log_level: LogLevel = Field("info", description="log threshold")
+    log_level: LogLevel = Field(
+        "info",
+        description="log threshold of `serve`; the other commands log only warnings and their "
+        "progress unless it is given",
+    )
     log_format: LogFormat = Field("auto", description="json, text, or auto (text on a terminal)")
     # --- identity ---
     identity_salt: str = Field(

@@ -453,3 +453,30 @@ def test_a_purge_whose_drain_meets_a_foreign_lock_stops_says_who_and_exits_1(
     (entry,) = os.listdir(layout.trash)
     assert len(os.listdir(layout.trash / entry)) == 2_500 - 1_024  # stopped at the tick
     assert audit_rows(store, "delete-trash", ns) == [("trash", "cli", 1_024, 1_024 * PAGE_BYTES)]
+
+
+def test_a_purge_off_a_terminal_logs_its_progress_at_the_default_level(
+    layout: Layout, store: Store
+) -> None:
+    """Off a terminal a purge's drain says how far it got each second, as the docs promise:
+    the one-shot commands' default level (warning) hid those lines. Asked for a level above
+    info, they stay quiet."""
+    make_ns(layout, store, "a", pages=2600)
+    out = cli("--root", str(layout.root), "purge", "--unbound", "--yes", "--rate", "1000")
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stderr.splitlines() if line.startswith("{")]
+    ticks = [line for line in lines if line["msg"] == "deleting trash"]
+    assert any(0 < t["files"] < 2600 and t["total_files"] == 2600 for t in ticks), lines
+    make_ns(layout, store, "b", pages=400)
+    quiet = cli(
+        "--root",
+        str(layout.root),
+        "--log-level",
+        "error",
+        "purge",
+        "--unbound",
+        "--yes",
+        "--rate",
+        "250",
+    )
+    assert quiet.returncode == 0 and "deleting trash" not in quiet.stderr, quiet.stderr

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable
 
 import click
 
+from cachemgr import logs
 from cachemgr.fs.deletion import DeleteReport, Pacer
 from cachemgr.layout import Layout
 from cachemgr.ns.purge import Actor, DrainProgress, drain_trash
@@ -50,12 +51,11 @@ def _say_locked(holder: str) -> None:
 
 
 def _log_every(period: float) -> Callable[[DrainProgress], None]:
-    last = [time.monotonic()]
+    due = logs.every(period)
 
     def tick(p: DrainProgress) -> None:
-        if time.monotonic() - last[0] >= period:
-            last[0] = time.monotonic()
-            log.info(
+        if due():
+            logs.PROGRESS.info(
                 "deleting trash",
                 extra={
                     "entry": p.entry,

@@ -53,6 +53,8 @@ class AppContext:
             asked = "log_level" in self._settings.model_fields_set
             level = self._settings.log_level if asked else "warning"
             logs.setup(level, self._settings.log_format)
+            if not asked:
+                logs.show_progress()
             _warn_unknown_env()
         return self._settings
 

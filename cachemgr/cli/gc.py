@@ -13,6 +13,7 @@ import click
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from cachemgr import logs
 from cachemgr.cli.common import ask
 from cachemgr.cli.context import AppContext, pass_app, setting_option
 from cachemgr.cli.status import daemon_json, daemon_url, serving_root
@@ -189,7 +190,7 @@ def _run(runner: GcRunner, floor: GcReport | None, dry_run: bool, yes: bool, as_
         _show(preview, as_json=False)
         ask("Delete these files?", declined="nothing deleted")
     stopped: GcLocked | None = None
-    with _progress(enabled=sys.stderr.isatty() and not as_json) as report_progress:
+    with _progress(terminal=sys.stderr.isatty() and not as_json) as report_progress:
         try:
             report = runner.run(actor="cli", progress=report_progress, floor=floor)
         except GcLocked as e:  # what went before the lock is shown, then the error
@@ -215,10 +216,16 @@ def _check_held(report: GcReport) -> None:
 
 
 @contextmanager
-def _progress(*, enabled: bool) -> Iterator[ProgressFn | None]:
-    """A rich live line on a terminal; nothing otherwise."""
-    if not enabled:
-        yield None
+def _progress(*, terminal: bool) -> Iterator[ProgressFn]:
+    """A rich live line on a terminal; a log line a second otherwise."""
+    if not terminal:
+        due = logs.every(1.0)
+
+        def tick(files: int, size: int) -> None:
+            if due():
+                logs.PROGRESS.info("deleting", extra={"files": files, "bytes": size})
+
+        yield tick
         return
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
