@@ -35,14 +35,14 @@ ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="loop mounts need root 
 
 
 @contextmanager
-def ext4(base: Path, size_mib: int, *options: str) -> Iterator[Path]:
-    """A fresh ext4 made with `options`, loop-mounted at base/mnt."""
+def ext4(base: Path, size_mib: int, *options: str, kind: str = "ext4") -> Iterator[Path]:
+    """A fresh ext4 (or `kind`: ext3) made with `options`, loop-mounted at base/mnt."""
     image, mnt = base / "fs.img", base / "mnt"
     mnt.mkdir()
     with open(image, "wb") as f:
         f.truncate(size_mib << 20)
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", *options, str(image)], check=True)
-    subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], check=True)
+    subprocess.run([f"mkfs.{kind}", "-q", "-F", "-m", "0", *options, str(image)], check=True)
+    subprocess.run(["mount", "-t", kind, "-o", "loop", str(image), str(mnt)], check=True)
     try:
         yield mnt
     finally:
@@ -243,6 +243,52 @@ def test_large_dir_is_read_from_the_superblock(tmp_path: Path) -> None:
             assert index == DirIndex("ext4", 1024, large, False, True)
             assert (flat_dir_limit(mnt) is None) == large
     assert flat_dir_limit(tmp_path / "absent") is None
+
+
+@ROOT_ONLY
+def test_ext3_overlays_and_unindexed_dirs_get_the_limit_they_have(tmp_path: Path) -> None:
+    """ext3 (the ext4 driver's mount) has the same hash trees and had no limit; a dir made
+    without dir_index (linear) has none and was given one; an overlay (a container's writable
+    layer) on a limited ext4 had none: its upper layer's is read, and where that cannot be
+    reached from here (inside the container) the usual ext4 is assumed, and doctor says so."""
+    (tmp_path / "e3").mkdir()
+    with ext4(tmp_path / "e3", 16, "-b", "1024", kind="ext3") as mnt:
+        index = dir_index(mnt)
+        assert index is not None and (index.fstype, index.hashed) == ("ext3", True)
+        assert flat_dir_limit(mnt) == DirIndex("ext4", 1024, False, False, False).limit()
+    (tmp_path / "linear").mkdir()
+    with ext4(tmp_path / "linear", 16, "-b", "1024", "-O", "^dir_index") as mnt:
+        index = dir_index(mnt)
+        assert index is not None and not index.hashed and flat_dir_limit(mnt) is None
+    (tmp_path / "up").mkdir()
+    with ext4(tmp_path / "up", 16, "-b", "1024", "-O", "^large_dir") as under:
+        layers = {name: under / name for name in ("lower", "upper", "work")}
+        for d in layers.values():
+            d.mkdir()
+        merged = tmp_path / "merged"
+        merged.mkdir()
+        spec = ",".join(f"{name}dir={d}" for name, d in layers.items())
+        mounted = subprocess.run(["mount", "-t", "overlay", "overlay", "-o", spec, str(merged)])
+        if mounted.returncode != 0:
+            pytest.skip("no overlayfs mount here")
+        try:
+            assert flat_dir_limit(merged) == flat_dir_limit(under) is not None
+            # Inside a container the upperdir's path is the host's: not reachable.
+            st = os.stat(merged)
+            mountinfo = tmp_path / "mountinfo"
+            mountinfo.write_text(
+                f"99 1 {os.major(st.st_dev)}:{os.minor(st.st_dev)} / {merged} rw - overlay "
+                "overlay rw,lowerdir=/var/lib/docker/l,upperdir=/var/lib/docker/u/diff\n"
+            )
+            seen = dir_index(merged, mountinfo=mountinfo)
+            assert seen is not None and (seen.fstype, seen.assumed) == ("overlay", True)
+            assert seen.limit() == DirIndex("ext4", seen.block_size, False, True).limit()
+            limit = seen.limit()
+            assert limit is not None
+            (finding,) = lint_dir_entries([status(limit)], seen)
+            assert "upper layer of this overlay" in finding.message
+        finally:
+            subprocess.run(["umount", "-l", str(merged)], check=False)
 
 
 @ROOT_ONLY

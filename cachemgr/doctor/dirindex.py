@@ -14,6 +14,13 @@ WARN_FROM = 0.8  # as the alert (CachemgrDirIndexNearlyFull) and GC's default ca
 ERROR_FROM = 0.95
 
 
+def _how(index: DirIndex) -> str:
+    """How doctor knows the filesystem is an ext4 without large_dir."""
+    if index.fstype == "overlay":
+        return "assumed: the upper layer of this overlay cannot be read from here"
+    return "assumed: its superblock could not be read" if index.assumed else "read"
+
+
 def lint_dir_entries(statuses: Iterable[NamespaceStatus], index: DirIndex | None) -> list[Finding]:
     """A warning for each flat namespace dir at 80% of its entry limit, an error from 95%."""
     if index is None:
@@ -24,11 +31,10 @@ def lint_dir_entries(statuses: Iterable[NamespaceStatus], index: DirIndex | None
         entries = s.dir_entries
         if not limit or entries is None or entries < limit * WARN_FROM:
             continue
-        how = "assumed: its superblock could not be read" if index.assumed else "read"
         what = (
             f"ns {s.id}: {entries:,} entries in one dir, {entries / limit:.0%} of the about "
-            f"{limit:,} an ext4 without large_dir ({how}) takes at {index.block_size} B "
-            "blocks before every store fails with ENOSPC"
+            f"{limit:,} an ext4 without large_dir ({_how(index)}) takes at "
+            f"{index.block_size} B blocks before every store fails with ENOSPC"
         )
         fix = (
             "let GC keep it (gc_namespace_max_files unset or lower: it caps a flat namespace at "

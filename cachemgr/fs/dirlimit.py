@@ -8,9 +8,13 @@ there. The number depends on the block size and the names' length: it is the tre
 times the fraction of it a fill reached at ENOSPC (bench/bench_scale.py dirlimit measures it
 at 1 KiB and 4 KiB blocks: bench/RESULTS.md), rounded down to the lower of the two.
 
-Whether a filesystem has `large_dir` is read from its superblock (the block device named in
-/proc/self/mountinfo). A device this user cannot read is taken to lack it, as mke2fs makes it
-by default: the limit is then `assumed`.
+Whether a filesystem indexes its dirs (`dir_index`) and has `large_dir` is read from its
+superblock (the block device named in /proc/self/mountinfo); ext2 and ext3 mounts (the ext4
+driver's) are read alike. A device this user cannot read is taken to be as mke2fs makes it by
+default (dir_index, no large_dir): the limit is then `assumed`. On overlayfs (a container's
+writable layer) the names go to the upper layer's filesystem: read where its upperdir can be
+reached, assumed otherwise (ext4 is the usual one under Docker's overlay2, and xfs has no
+such limit: a cap it did not need beats stores failing where it was needed).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 EXT4_MAGIC = 0xEF53
+DIR_INDEX = 0x20  # EXT4_FEATURE_COMPAT_DIR_INDEX: hashed dirs (without it, linear: no limit)
 LARGE_DIR = 0x4000  # EXT4_FEATURE_INCOMPAT_LARGEDIR
 METADATA_CSUM = 0x400  # EXT4_FEATURE_RO_COMPAT_METADATA_CSUM
 # Of the tree's capacity, what a fill by SGLang-named pages reached at ENOSPC: 43.6% at 1 KiB
@@ -46,10 +51,11 @@ class DirIndex(NamedTuple):
     large_dir: bool
     assumed: bool  # the superblock could not be read: mke2fs's default (no large_dir) assumed
     checksums: bool = True  # metadata_csum: each index block keeps 8 bytes for it
+    hashed: bool = True  # dir_index: its dirs are hash trees (linear ones have no such limit)
 
     def limit(self, name_len: int = FLAT_PAGE_NAME_LEN) -> int | None:
         """Entries of `name_len`-byte names one dir takes before ENOSPC; None: no known limit."""
-        if self.fstype != "ext4" or self.large_dir:
+        if self.fstype not in LIMITED or self.large_dir or not self.hashed:
             return None
         return int(tree_capacity(self.block_size, name_len, self.checksums) * FILLED)
 
@@ -63,6 +69,12 @@ def tree_capacity(block_size: int, name_len: int, checksums: bool = True) -> int
     return root * node * leaf
 
 
+# The ext4 driver's mounts (ext2 and ext3 included), and an overlay whose upper layer could
+# not be read (assumed to be an ext4, as it usually is)
+HASHED = frozenset({"ext2", "ext3", "ext4"})
+LIMITED = HASHED | {"overlay"}
+
+
 def dir_index(
     path: str | os.PathLike[str], *, mountinfo: Path = Path("/proc/self/mountinfo")
 ) -> DirIndex | None:
@@ -71,18 +83,34 @@ def dir_index(
     found = _mount_of(os.major(st.st_dev), os.minor(st.st_dev), mountinfo)
     if found is None:
         return None
-    fstype, source = found
+    fstype, source, options = found
     bsize = os.statvfs(path).f_bsize
-    if fstype != "ext4":
+    if fstype == "overlay":
+        upper = _option(options, "upperdir")
+        if upper is not None and os.path.isdir(upper):  # (not from inside its container)
+            return dir_index(upper, mountinfo=mountinfo)
+        return DirIndex(fstype, bsize, False, True)
+    if fstype not in HASHED:
         return DirIndex(fstype, bsize, False, False)
     sb = read_superblock(source)
     if sb is None:
         return DirIndex(fstype, bsize, False, True)
-    return DirIndex(fstype, sb[0], sb[1], False, sb[2])
+    size, large, checksums, hashed = sb
+    return DirIndex(fstype, size, large, False, checksums, hashed)
 
 
-def _mount_of(major: int, minor: int, mountinfo: Path) -> tuple[str, str] | None:
-    """(fstype, source) of the mount of device major:minor, from a mountinfo file."""
+def _option(options: str, name: str) -> str | None:
+    """The value of `name=` in a mount's comma-separated super options."""
+    for option in options.split(","):
+        key, _, value = option.partition("=")
+        if key == name:
+            return value
+    return None
+
+
+def _mount_of(major: int, minor: int, mountinfo: Path) -> tuple[str, str, str] | None:
+    """(fstype, source, super options) of the mount of device major:minor, from a mountinfo
+    file."""
     want = f"{major}:{minor}"
     for line in mountinfo.read_text().splitlines():
         fields = line.split()
@@ -90,13 +118,13 @@ def _mount_of(major: int, minor: int, mountinfo: Path) -> tuple[str, str] | None
             continue
         after = line.split(" - ", 1)[1].split()
         if len(after) >= 2:
-            return after[0], after[1]
+            return after[0], after[1], after[2] if len(after) > 2 else ""
     return None
 
 
-def read_superblock(device: str) -> tuple[int, bool, bool] | None:
-    """(block size, large_dir, metadata_csum) from an ext2/3/4 superblock; None if the device
-    cannot be read by this user or holds none."""
+def read_superblock(device: str) -> tuple[int, bool, bool, bool] | None:
+    """(block size, large_dir, metadata_csum, dir_index) from an ext2/3/4 superblock; None if
+    the device cannot be read by this user or holds none."""
     try:
         with open(device, "rb") as f:
             f.seek(1024)
@@ -105,12 +133,14 @@ def read_superblock(device: str) -> tuple[int, bool, bool] | None:
         return None
     if len(raw) < 0x68 or struct.unpack_from("<H", raw, 0x38)[0] != EXT4_MAGIC:
         return None
-    log_block, incompat, ro_compat = (
+    log_block, compat, incompat, ro_compat = (
         struct.unpack_from("<I", raw, 0x18)[0],
+        struct.unpack_from("<I", raw, 0x5C)[0],
         struct.unpack_from("<I", raw, 0x60)[0],
         struct.unpack_from("<I", raw, 0x64)[0],
     )
-    return 1024 << log_block, bool(incompat & LARGE_DIR), bool(ro_compat & METADATA_CSUM)
+    features = bool(incompat & LARGE_DIR), bool(ro_compat & METADATA_CSUM), bool(compat & DIR_INDEX)
+    return 1024 << log_block, *features
 
 
 def flat_dir_index(path: str | os.PathLike[str]) -> DirIndex | None:
