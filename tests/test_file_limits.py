@@ -4,6 +4,7 @@ held by the real GC on real dirs and on real loop-mounted ext4 filesystems."""
 from __future__ import annotations
 
 import errno
+import json
 import math
 import os
 import sqlite3
@@ -20,10 +21,12 @@ from prometheus_client import CollectorRegistry
 from cachemgr.daemon.metrics import CachemgrCollector, Parts
 from cachemgr.doctor.dirindex import lint_dir_entries
 from cachemgr.fs.dirlimit import DirIndex, dir_index, flat_dir_limit, page_name_len, tree_capacity
+from cachemgr.fs.root import create_root
 from cachemgr.fs.usage import inode_usage
 from cachemgr.gc.policy import Files, GcPolicy, Inodes, over_file_limits
 from cachemgr.gc.runner import GcRunner
 from cachemgr.gc.step import GcReport
+from cachemgr.layout import Layout
 from cachemgr.ns.status import NamespaceStatus
 from cachemgr.settings import Settings
 from cachemgr.state.index import scan_root
@@ -299,9 +302,19 @@ def test_a_full_dir_index_is_freed_like_a_full_disk(tmp_path: Path) -> None:
     again."""
     with ext4(tmp_path, 256, "-b", "1024", "-N", "300000", "-O", "^large_dir") as mnt:
         root = mnt / "root"
+        create_root(Layout.at(root))
         made = fill_full(root / "ns" / NS)
         free_inodes = inode_usage(mnt)[1]
         assert free_inodes > 10_000 and os.statvfs(mnt).f_bavail > 10_000
+        # Before any index (no daemon): doctor counts the dir, not the DB's 0 pages.
+        unindexed = subprocess.run(
+            [sys.executable, "-m", "cachemgr", "--root", str(root), "doctor", "--json"],
+            capture_output=True,
+            text=True,
+        )
+        (full,) = [f for f in json.loads(unindexed.stdout) if f["code"] == "dir-index-full"]
+        entries = len(os.listdir(root / "ns" / NS))
+        assert full["severity"] == "error" and f"{entries:,} entries" in full["message"]
         tree = indexed(root, NS)
         assert ratio(tree) > 1.0
         doctor = subprocess.run(

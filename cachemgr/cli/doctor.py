@@ -76,7 +76,7 @@ def doctor(app: AppContext, as_json: bool, all_pages: bool, launch_cmd: tuple[st
         findings += lint_fleet(daemon_json(settings, "/v1/fleet") if served else None)
         findings += lint_disk(layout, policy)
         findings += lint_state_disk(layout)
-        findings += lint_root_and_state(layout)
+        findings += lint_root_and_state(layout, indexed=served is not None)
         findings += lint_deletable(layout, None if all_pages else SAMPLE)
     if as_json:
         click.echo(json.dumps([dataclasses.asdict(f) for f in findings], indent=2))

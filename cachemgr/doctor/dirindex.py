@@ -3,15 +3,39 @@ past it the server's stores fail with ENOSPC while bytes and inodes are free."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
+from cachemgr.backends import FileKind
 from cachemgr.doctor.finding import Finding
+from cachemgr.errors import UnsafePathError
+from cachemgr.formats import FORMATS
 from cachemgr.fs.dirlimit import DirIndex
+from cachemgr.fs.safe import open_dir
 from cachemgr.gc.policy import DIR_CAP_SHARE
+from cachemgr.layout import Layout
 from cachemgr.ns.status import NamespaceStatus
 
 WARN_FROM = 0.8  # as the alert (CachemgrDirIndexNearlyFull) and GC's default cap
 ERROR_FROM = 0.95
+
+
+def entries_now(layout: Layout, status: NamespaceStatus, index: DirIndex | None) -> NamespaceStatus:
+    """`status` with its dir's entries counted now where that dir has an entry limit: with no
+    daemon indexing the root, the state DB's counts are its last scan's (none for a dir never
+    indexed, the old ones for a dir written since). Names only, no stat: seconds a million."""
+    if not status.has_dir or status.files is None or status.entry_limit(index) is None:
+        return status
+    fmt = FORMATS[status.engine]
+    kinds = dict.fromkeys(FileKind, 0)
+    try:
+        with open_dir(layout.root, f"ns/{status.id}") as fd, os.scandir(fd) as names:
+            for entry in names:
+                kinds[fmt.classify(entry.name)] += 1
+    except (OSError, UnsafePathError):
+        return status  # (lint_root says what is wrong with the dir)
+    others = {"temp_files": kinds[FileKind.TEMP], "foreign_files": kinds[FileKind.FOREIGN]}
+    return status.model_copy(update={"files": kinds[FileKind.PAGE], **others})
 
 
 def _how(index: DirIndex) -> str:

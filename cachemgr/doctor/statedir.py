@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from cachemgr.doctor.dirindex import lint_dir_entries
+from cachemgr.doctor.dirindex import entries_now, lint_dir_entries
 from cachemgr.doctor.finding import Finding
 from cachemgr.doctor.root import lint_root
 from cachemgr.errors import StateUnavailable
@@ -21,8 +21,9 @@ from cachemgr.ns.status import namespace_statuses
 from cachemgr.state.dbfile import denied_as_unavailable
 
 
-def lint_root_and_state(layout: Layout) -> list[Finding]:
-    """`lint_root` and the flat dirs' entry counts over a copy of the state DB; or a
+def lint_root_and_state(layout: Layout, *, indexed: bool) -> list[Finding]:
+    """`lint_root` and the flat dirs' entry counts over a copy of the state DB (`indexed`: a
+    daemon keeps its counts; otherwise a limited dir's are counted on disk); or a
     `state-unreadable` finding and the checks that need no DB."""
     if ns_root_problem(layout) is not None:  # (gone, a symlink: a read of the DB adopts from
         return lint_root(layout, None)  # ns/ and stopped doctor at one error line)
@@ -35,7 +36,10 @@ def lint_root_and_state(layout: Layout) -> list[Finding]:
             statuses = namespace_statuses(store.conn, layout)
     except StateUnavailable as e:
         return [_unreadable(layout, e), *lint_root(layout, None)]
-    return findings + lint_dir_entries(statuses, read_dir_index(layout.root))
+    index = read_dir_index(layout.root)
+    if not indexed:
+        statuses = [entries_now(layout, s, index) for s in statuses]
+    return findings + lint_dir_entries(statuses, index)
 
 
 def _unreadable(layout: Layout, error: StateUnavailable) -> Finding:

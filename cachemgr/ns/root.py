@@ -112,7 +112,7 @@ def _counted(layout: Layout, status: NamespaceStatus) -> NamespaceStatus:
         return status.uncounted("unreadable", unreadable_problem(e))
     if m is None:
         return status
-    counts = {"pages": m.pages, "bytes": m.bytes, "temp_files": m.temps}
+    counts = {"pages": m.pages, "files": m.files, "bytes": m.bytes, "temp_files": m.temps}
     counts |= {"foreign_files": m.other, "corrupt_files": m.corrupt}
     return status.model_copy(update=counts)
 
