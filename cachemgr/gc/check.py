@@ -10,7 +10,8 @@ import sqlite3
 from cachemgr.errors import StateLocked, UnsafePathError
 from cachemgr.fs.usage import DiskUsage, DiskUsageFn
 from cachemgr.gc import find as gcfind
-from cachemgr.gc.plan import Earlier, file_counts
+from cachemgr.gc.earlier import Earlier
+from cachemgr.gc.plan import file_counts
 from cachemgr.gc.policy import (
     GcPolicy,
     GcReason,

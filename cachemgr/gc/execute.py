@@ -274,7 +274,7 @@ def _run_step(run: RunContext, step: GcStep, tally: _Tally, told: _Told) -> Step
     chunks = _Chunks(run, step, fmt, tally, told)
     staying: set[str] = set()
     done, ended = chunks.delete(_unspared(step, told.spare, staying))
-    back, young = DeleteReport(dry_run=dry_run), 0
+    back, young, again = DeleteReport(dry_run=dry_run), 0, chunks
     if ended is None:
         # Pages spared since the plan yield to the limit as any protection does: tails first,
         # in the step's order (what stays of a chain is a usable prefix), as far as it needs.
@@ -287,7 +287,7 @@ def _run_step(run: RunContext, step: GcStep, tally: _Tally, told: _Told) -> Step
         again = _Chunks(run, replace(step, min_age=0.0), fmt, tally, told) if young else chunks
         back, ended = again.delete(taken[i : i + CHUNK] for i in range(0, len(taken), CHUNK))
     result = replace(base.done(done + back), overridden=back.files)
-    result = replace(result, young=result.young - young)
+    result = replace(result, young=result.young - young, kept=frozenset(chunks.kept | again.kept))
     return result if ended is None else replace(result, skipped=ended[0], denied=ended[1])
 
 
@@ -313,6 +313,7 @@ class _Chunks:
     tally: _Tally
     told: _Told
     young: set[str] = field(default_factory=set)  # names kept as modified within min_age
+    kept: set[str] = field(default_factory=set)  # names refused (Listeners.refused)
 
     def delete(self, chunks: Iterable[list[str]]) -> tuple[DeleteReport, _Ended | None]:
         """Delete these chunks one by one, until a stop; what they did, and why the step
@@ -359,7 +360,10 @@ class _Chunks:
                 now=run.clock,
                 fmt=self.fmt,
                 listeners=Listeners(
-                    progress=self.tally.offset(), removed=gone.__setitem__, young=self.young.add
+                    progress=self.tally.offset(),
+                    removed=gone.__setitem__,
+                    young=self.young.add,
+                    refused=self.kept.add,
                 ),
             )
         except OSError as e:  # an unlink refused: what went before it is recorded all the same
