@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from cachemgr.doctor.finding import cli as fix_command
 from cachemgr.doctor.finding import exit_code
 from cachemgr.launchenv import server_environ
 from cachemgr.layout import Layout
@@ -212,8 +213,14 @@ def test_root_damage_is_reported(layout: Layout, tmp_path: Path) -> None:
     # Each command a fix gives names this root: pasted in another shell, one without --root
     # acted on the default root, or found none.
     commands = [c for f in findings for c in re.findall(r"`(cachemgr [^`]*)`", f["fix"])]
-    assert len(commands) == 2  # the purges of the namespace and of the trash
+    assert len(commands) == 2  # the namespace's purge; the trash's drain, by GC
     assert all(c.startswith(f"cachemgr --root {layout.root} ") for c in commands), commands
+    assert "--unbound" not in str(commands)  # (that purges every unbound namespace)
+    # A state dir of its own is named too: from another shell the fix would use another DB.
+    aside = Layout.at(layout.root, tmp_path / "state")
+    assert fix_command(aside, "gc", "--yes") == (
+        f"cachemgr --root {layout.root} --state-dir {tmp_path / 'state'} gc --yes"
+    )
 
 
 def test_helpers() -> None:

@@ -85,13 +85,18 @@ def run_pasted(line: str, env: dict[str, str]) -> subprocess.CompletedProcess[st
     )
 
 
+# What a plain dir holds beside SGLang's pages: a temp SGLang is writing, and other programs'
+# files, one a LoRA adapter whose name starts with hex digits ("ada…") as a page's key does
+NOT_PAGES = sorted([f".{'a' * 32}.tmp", "notes.bin", "adapter_model.bin", "data_0.bin"])
+
+
 def plain_dir(d: Path, pages: int) -> None:
-    """An SGLang dir cachemgr never managed: pages, a temp SGLang is writing, a file not its."""
+    """An SGLang dir cachemgr never managed: pages, and NOT_PAGES."""
     d.mkdir()
     for i in range(pages):
         (d / page_name(i)).write_bytes(b"k" * 10)
-    (d / f".{'a' * 32}.tmp").write_bytes(b"partial")
-    (d / "notes.bin").write_bytes(b"mine")
+    for name in NOT_PAGES:
+        (d / name).write_bytes(b"not a page")
 
 
 def test_a_plain_sglang_dirs_fixes_work_as_pasted(root: Path, model: Path, tmp_path: Path) -> None:
@@ -108,24 +113,31 @@ def test_a_plain_sglang_dirs_fixes_work_as_pasted(root: Path, model: Path, tmp_p
     assert finding["message"].startswith(f"storage dir {plain} has 3 pages and no manifest")
     assert "unknown identity" in finding["message"]
     exec_line, delete, init, move = pasted(finding["fix"])
-    # The shell still sets the variable: exec would refuse it, so the line unsets it first.
+    # The shell still sets the variable: exec would refuse it, so the line unsets it first;
+    # set by the command too, it is taken out of the command as well.
     assert exec_line == f"env -u {STORAGE_ENV} cachemgr --root {root} exec -- {shlex.join(cmd)}"
+    both = ["env", f"{STORAGE_ENV}={plain}", *cmd]
+    (both_line,) = [
+        c
+        for c in pasted(doctor(root, both, str(plain))[1]["storage-unknown-identity"]["fix"])
+        if " exec " in c
+    ]
+    assert both_line == exec_line
     as_set = {STORAGE_ENV: str(plain)}
     for line in (init, move):
         done = run_pasted(line, as_set)
         assert done.returncode == 0, (line, done.stderr)
     (ns,) = [d for d in (root / "ns").iterdir() if d.is_dir()]
     assert sorted(p.name for p in ns.iterdir()) == [page_name(i) for i in range(3)]
-    assert sorted(p.name for p in plain.iterdir()) == [f".{'a' * 32}.tmp", "notes.bin"]
+    assert sorted(p.name for p in plain.iterdir()) == NOT_PAGES
     code, found = doctor(root, cmd)
     assert "storage-unknown-identity" not in found and code == 0, found
-    # The other way (an identity with no namespace yet): deleted, only SGLang's pages (its
-    # temp and a foreign *.bin stay).
+    # The other way (an identity with no namespace yet): deleted, only SGLang's pages.
     other, fp8 = tmp_path / "other", launch(model, "fp8_e4m3")
     plain_dir(other, 2)
     delete = pasted(doctor(root, fp8, storage=str(other))[1]["storage-unknown-identity"]["fix"])[1]
     assert run_pasted(delete, {}).returncode == 0
-    assert sorted(p.name for p in other.iterdir()) == [f".{'a' * 32}.tmp", "notes.bin"]
+    assert sorted(p.name for p in other.iterdir()) == NOT_PAGES
     # Empty, it holds nothing to be served: only the unmanaged-dir warning stays.
     assert doctor(root, fp8, storage=str(other))[1].keys() == {"unmanaged-dir"}
 

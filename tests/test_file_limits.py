@@ -290,6 +290,20 @@ def test_ext3_overlays_and_unindexed_dirs_get_the_limit_they_have(tmp_path: Path
             assert limit is not None
             (finding,) = lint_dir_entries([status(limit)], seen)
             assert "upper layer of this overlay" in finding.message
+            # An upperdir with a space is written \040 there: read as the path it is.
+            spaced = under / "up per"
+            spaced.mkdir()
+            escaped = str(spaced).replace(" ", "\\040")
+            dev = f" {os.major(st.st_dev)}:{os.minor(st.st_dev)} "
+            lines = Path("/proc/self/mountinfo").read_text().splitlines()
+            lines = [
+                f"{line.split(' - ')[0]} - overlay overlay rw,upperdir={escaped}"
+                if dev in line
+                else line
+                for line in lines
+            ]
+            mountinfo.write_text("\n".join(lines) + "\n")
+            assert dir_index(merged, mountinfo=mountinfo) == dir_index(under)
         finally:
             subprocess.run(["umount", "-l", str(merged)], check=False)
 

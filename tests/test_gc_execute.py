@@ -157,3 +157,21 @@ def test_a_limits_pages_found_young_at_deletion_yield_to_it(tmp_path: Path) -> N
     # What the limit does not need of them stays (the room it leaves): none taken past it.
     kept = tree.execute(tree.plan(pol, now=now), now=now)
     assert kept.steps == () and len(tree.files(NS)) == 85
+
+
+def test_a_take_back_stopped_midway_still_counts_what_it_left_young(tmp_path: Path) -> None:
+    """Stopped (a shutdown, the lease lost) inside the take-back of young pages: those it did
+    not get to are still kept young, not counted as taken."""
+    tree = Tree.at(tmp_path / "root")
+    names = [page(i) for i in range(700)]
+    tree.write(NS, names, at=T0)
+    now = T0 + 7200
+    for name in names:
+        os.utime(tree.dir(NS) / name, (now - 60, now - 60))
+    plan = tree.plan(policy(namespace_max_files=100, min_age=3600.0), now=now)
+    taking = lambda: len(os.listdir(tree.dir(NS))) < 700  # noqa: E731 (its first chunk went)
+    run = tree.run(clock=lambda: now, stop=taking)
+    (step,) = execute_gc(plan, run).steps
+    assert 0 < step.files < len(step.step.names)
+    assert step.young == len(step.step.names) - step.files and step.skipped is not None
+    assert len(tree.files(NS)) == 700 - step.files

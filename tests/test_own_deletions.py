@@ -44,30 +44,38 @@ def test_a_cap_run_deletes_without_queueing_its_deletions_and_others_still_are(
     tmp_path: Path,
 ) -> None:
     """Ten pages, a cap that takes some: their IN_DELETE never reaches the queue; a page
-    someone else deletes before the run does; a page the run refused (too young) and that
-    someone deletes later is news again; nothing stays expected."""
+    someone else deletes before the run does; a page the run refused (immutable: the kernel's
+    EPERM) and that someone deletes later is news again; nothing stays expected."""
     tree = Tree.at(tmp_path / "root")
     watcher = Watcher(tree.layout)
     d = tree.dir(NS)
     try:
         plan = _watched_cap_plan(tree, watcher)
         planned = evicted(plan)
-        young, other = planned[0], next(n for n in tree.files(NS) if n not in planned)
+        kept, other = planned[0], next(n for n in tree.files(NS) if n not in planned)
         assert len(planned) >= 4
-        os.utime(d / young, (time.time(), time.time()))  # written again just now: min_age
+        _pinned(d / kept, True)
         (d / other).unlink()  # someone else, before the run
         deleted: set[str] = set()
         execute_gc(plan, tree.run(), unlinking=watcher.own, recorded=lambda _, n: deleted.update(n))
-        assert deleted == set(planned) - {young}  # refused: too young
-        (d / young).unlink()  # someone else, after the run: news again
-        wait_for(lambda: _gone(watcher), lambda g: young in g, what="the late deletion")
+        assert deleted == set(planned) - {kept}  # refused
+        _pinned(d / kept, False)
+        (d / kept).unlink()  # someone else, after the run: news again
+        wait_for(lambda: _gone(watcher), lambda g: kept in g, what="the late deletion")
         time.sleep(0.2)  # (any IN_DELETE of the run's unlinks is read by now)
-        assert _gone(watcher) == {other, young}
+        assert _gone(watcher) == {other, kept}
         assert len(watcher.own) == 0
     finally:
         watcher.stop()
         tree.store.close()
+        for name in os.listdir(d):
+            _pinned(d / name, False)
     assert not deleted & tree.files(NS)
+
+
+def _pinned(path: Path, on: bool) -> None:
+    """chattr +i (on) or -i: the kernel refuses its unlink (EPERM), even to root."""
+    subprocess.run(["chattr", "+i" if on else "-i", str(path)], check=True)
 
 
 def _watched(tree: Tree, watcher: Watcher, names: list[str]) -> None:
@@ -464,8 +472,9 @@ def test_a_namespace_dir_renamed_keeps_its_watch_and_tells_own_deletions_by_the_
 
 
 class _OperatorInTheChunk:
-    """GC's `unlinking`, and an operator who deletes a page the chunk refused (too young) in
-    the moment between its check and the chunk's end, read by the watcher before GC settles."""
+    """GC's `unlinking`, and an operator who deletes a page the chunk refused (immutable, made
+    mutable again) in the moment between its check and the chunk's end, read by the watcher
+    before GC settles."""
 
     def __init__(self, watcher: Watcher, d: Path, victim: str) -> None:
         self.watcher, self.d, self.victim = watcher, d, victim
@@ -475,6 +484,7 @@ class _OperatorInTheChunk:
 
     def settle(self, ns: str, names: Sequence[str], deleted: Collection[str]) -> None:
         if self.victim in names and self.victim not in deleted and (self.d / self.victim).exists():
+            _pinned(self.d / self.victim, False)
             (self.d / self.victim).unlink()
             left = len(names) - len(deleted) - 1  # (every event of the chunk read)
             wait_for(lambda: len(self.watcher.own), lambda n: n == left, what="the reads")
@@ -487,28 +497,30 @@ class _OperatorInTheChunk:
 def test_a_page_gc_refused_and_someone_deleted_before_it_settled_leaves_no_row(
     tmp_path: Path,
 ) -> None:
-    """GC expected a page, refused it (written again: too young), and someone else deleted it
-    before the chunk settled: the watcher took that IN_DELETE for GC's, but GC deleted no such
-    file and kept its row. The deletion reaches the index all the same (a GONE, which the
-    index checks with a stat), so no row outlives its file until a reconcile."""
+    """GC expected a page, refused it (immutable), and someone else deleted it before the
+    chunk settled: the watcher took that IN_DELETE for GC's, but GC deleted no such file and
+    kept its row. The deletion reaches the index all the same (a GONE, which the index checks
+    with a stat), so no row outlives its file until a reconcile."""
     tree = Tree.at(tmp_path / "root")
     watcher = Watcher(tree.layout)
     d = tree.dir(NS)
     try:
         plan = _watched_cap_plan(tree, watcher)
-        young = evicted(plan)[0]
-        os.utime(d / young, (time.time(), time.time()))  # written again just now: min_age
+        kept = evicted(plan)[0]
+        _pinned(d / kept, True)
         deleted: set[str] = set()
-        told = _OperatorInTheChunk(watcher, d, young)
+        told = _OperatorInTheChunk(watcher, d, kept)
         execute_gc(plan, tree.run(), unlinking=told, recorded=lambda _, n: deleted.update(n))
-        assert young not in deleted and not (d / young).exists()
-        wait_for(lambda: _gone(watcher), lambda g: young in g, what="the operator's deletion")
+        assert kept not in deleted and not (d / kept).exists()
+        wait_for(lambda: _gone(watcher), lambda g: kept in g, what="the operator's deletion")
         assert len(watcher.own) == 0
         tree.rec.apply(list(watcher.queue), now=time.time())  # the index's next batch
         assert {n for (n,) in tree.store.conn.execute("SELECT name FROM pages")} == tree.files(NS)
     finally:
         watcher.stop()
         tree.store.close()
+        for name in os.listdir(d):
+            _pinned(d / name, False)
 
 
 def test_names_of_a_chunk_the_purge_cut_short_are_not_queued_for_its_gone_dir(

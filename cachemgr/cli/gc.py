@@ -190,7 +190,7 @@ def _run(runner: GcRunner, floor: GcReport | None, dry_run: bool, yes: bool, as_
         _show(preview, as_json=False)
         ask("Delete these files?", declined="nothing deleted")
     stopped: GcLocked | None = None
-    with _progress(terminal=sys.stderr.isatty() and not as_json) as report_progress:
+    with _progress(as_json=as_json) as report_progress:
         try:
             report = runner.run(actor="cli", progress=report_progress, floor=floor)
         except GcLocked as e:  # what went before the lock is shown, then the error
@@ -216,9 +216,13 @@ def _check_held(report: GcReport) -> None:
 
 
 @contextmanager
-def _progress(*, terminal: bool) -> Iterator[ProgressFn]:
-    """A rich live line on a terminal; a log line a second otherwise."""
-    if not terminal:
+def _progress(*, as_json: bool) -> Iterator[ProgressFn | None]:
+    """A rich live line on a terminal (none under --json: the JSON is for a program, which
+    may read stderr too); a log line a second otherwise."""
+    if sys.stderr.isatty() and as_json:
+        yield None
+        return
+    if not sys.stderr.isatty():
         due = logs.every(1.0)
 
         def tick(files: int, size: int) -> None:

@@ -508,8 +508,9 @@ class Indexer(Worker):
                 raise
             self.quarantine.mark(ns, "unreadable", e)
             return None
-        if report.pages:  # the size of the pages to come, before a store is applied
-            self.backlog.done(0, -(-report.bytes // report.pages))
+        if report.files:  # the size of the page files to come (a store is one file: a
+            # TP-2 page is two), before a store is applied
+            self.backlog.done(0, -(-report.bytes // report.files))
         self._restored.discard(ns)
         if report.changes is not None:  # (what changed while the daemon was down)
             modelfile.apply_scan(self.model, ns, report.changes)

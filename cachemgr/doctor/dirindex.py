@@ -30,8 +30,10 @@ def entries_now(layout: Layout, status: NamespaceStatus, index: DirIndex | None)
     kinds = dict.fromkeys(FileKind, 0)
     try:
         with open_dir(layout.root, f"ns/{status.id}") as fd, os.scandir(fd) as names:
-            for entry in names:
-                kinds[fmt.classify(entry.name)] += 1
+            for entry in names:  # (key_len parses by shape: 0.6 µs a name, classify 2-4)
+                name = entry.name
+                page = fmt.key_len(name) is not None
+                kinds[FileKind.PAGE if page else fmt.classify(name)] += 1
     except (OSError, UnsafePathError):
         return status  # (lint_root says what is wrong with the dir)
     others = {"temp_files": kinds[FileKind.TEMP], "foreign_files": kinds[FileKind.FOREIGN]}

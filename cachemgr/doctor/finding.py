@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from cachemgr.layout import Layout
+from cachemgr.layout import STATE_DIR, Layout
 
 Severity = Literal["error", "warning", "info"]
 
@@ -29,6 +29,10 @@ def exit_code(findings: Sequence[Finding]) -> int:
 
 
 def cli(layout: Layout, *args: str) -> str:
-    """A cachemgr command on this root, quoted to paste as it is: without `--root`, a fix
-    run from another shell acts on the default root (or finds none)."""
-    return shlex.join(["cachemgr", "--root", str(layout.root), *args])
+    """A cachemgr command on this root and state dir, quoted to paste as it is: without
+    `--root`, a fix run from another shell acts on the default root (or finds none), and
+    without a state dir of its own, on another DB (one made empty there)."""
+    where = ["--root", str(layout.root)]
+    if layout.state_dir != layout.root / STATE_DIR:
+        where += ["--state-dir", str(layout.state_dir)]
+    return shlex.join(["cachemgr", *where, *args])

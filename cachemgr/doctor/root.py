@@ -69,7 +69,8 @@ def lint_root(layout: Layout, store: Store | None) -> list[Finding]:
             found.append(Finding("warning", "trash-foreign", what, fix))
         else:
             what = f".trash/{entry.name} still holds {entry.pages:,} pages of an unfinished purge"
-            fix = f"`{cli(layout, 'purge', '--unbound', '--yes')}` (or let the daemon finish it)"
+            # (GC drains trash first; `purge --unbound` would purge every unbound namespace)
+            fix = f"`{cli(layout, 'gc', '--yes')}` deletes it (or let the daemon finish it)"
             found.append(Finding("warning", "trash-left", what, fix))
     for problem in read_bindings(layout)[1]:  # those the DB knows were rewritten on open
         fix = "run init for that instance again (it rewrites the file), or move it away"

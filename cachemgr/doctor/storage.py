@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from cachemgr.doctor.finding import Finding, cli
@@ -43,16 +44,28 @@ def exec_line(
     storage dir before anything exec hands it) taken out of the command's assignments, and
     unset first where the environment `env` sets it: exec refuses a launch that sets it."""
     line = cli(layout, "exec", "--", *launched(command, point_env))
-    if point_env and point_env not in split_env(command)[0] and env.get(point_env):
-        return f"env -u {point_env} {line}"
-    return line
+    # (`env` is the server's: the shell's with the command's over it. Set by the command
+    # alone, the unset is a no-op; by the shell too, it is what exec needs)
+    return f"env -u {point_env} {line}" if point_env and env.get(point_env) else line
 
 
 def launched(command: Sequence[str], point_env: str | None) -> list[str]:
     """`command` without `point_env` in its assignments (`env VAR=/x sglang serve …`)."""
     at = split_env(command)[1]
     head = [t for t in command[:at] if not (point_env and t.startswith(f"{point_env}="))]
+    if all(t == "env" for t in head):  # nothing left for `env` to set
+        head = []
     return [*head, *command[at:]]
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A launch as doctor's fixes repeat it."""
+
+    command: tuple[str, ...]  # without `point_env` in its assignments (launched)
+    exec_line: str  # its `cachemgr exec` (exec_line)
+    point_env: str  # what would point its server at a storage dir instead
+    pages_ere: str  # the whole path of its page files, for find -regex (posix-extended)
 
 
 def under_exec(layout: Layout, ns_id: str, given: Path, exec_cmd: str) -> Finding:
@@ -72,20 +85,15 @@ def lint_storage_identity(
     path: Path,
     layout: Layout,
     identity: Callable[[], Digested | None],
-    launch: tuple[Sequence[str], str],
-    point_env: str,
+    launch: Launch,
 ) -> list[Finding]:
     """A manifest of another identity, or pages with no manifest, in the launch's storage dir.
-    `identity` is called only when there is something to compare with (it may hash weights);
-    `launch` is the launch command (without `point_env` in its assignments: launched) and its
-    `cachemgr exec` line, `point_env` the variable that would point the server at its
-    namespace instead."""
+    `identity` is called only when there is something to compare with (it may hash weights)."""
     ns_id = managed_ns(path, layout)
     try:
         manifest = read_manifest(layout, ns_id) if ns_id else None
     except CachemgrError:
         return []  # a damaged manifest: lint_root reports it with the namespace
-    exec_cmd = launch[1]
     if manifest is None:
         pages = _pages(path)
         if not pages:
@@ -112,8 +120,8 @@ def lint_storage_identity(
             # counted only now: a namespace of millions of pages takes seconds to list
             f" and holds {_pages(path):,} pages: the server would serve them as hits and mix "
             "its own in",
-            f"start the server with `{exec_cmd}` (its own namespace), or point {point_env} at "
-            "this identity's namespace",
+            f"start the server with `{launch.exec_line}` (its own namespace), or point "
+            f"{launch.point_env} at this identity's namespace",
         )
     ]
 
@@ -122,21 +130,21 @@ def _unknown_fix(
     path: Path,
     layout: Layout,
     identity: Callable[[], Digested | None],
-    launch: tuple[Sequence[str], str],
+    launch: Launch,
 ) -> str:
     """How to be rid of pages nobody vouches for. Init adopts nothing: under the root it
     writes a namespace's manifest back only where the dir's id is the launch identity's (the id
     says whose pages they are); elsewhere its pages stay unknown."""
-    command, exec_cmd = launch
     ns_id, mine = managed_ns(path, layout), identity()
-    init = cli(layout, "init", "--", *command)
+    init, exec_cmd = cli(layout, "init", "--", *launch.command), launch.exec_line
     if ns_id is not None:
         purge = f"purge it: `{cli(layout, 'purge', '--namespace', ns_id, '--yes')}`"
         if mine is not None and mine.ns_id == ns_id:
             return f"its id is this launch's identity's: `{init}` writes its manifest back; {purge}"
         return f"{purge} (nobody vouches for its pages); `{exec_cmd}` gives the server its own"
-    # SGLang's page names (a hex key first): not its temps, nor another program's *.bin
-    find = f"find {shlex.quote(str(path))} -maxdepth 1 -type f -name '[0-9a-f]*_*.bin'"
+    # the engine's page names only: not its temps, nor a LoRA's adapter_model.bin
+    find = f"find {shlex.quote(str(path))} -maxdepth 1 -type f -regextype posix-extended"
+    find += f" -regex {shlex.quote(launch.pages_ere)}"
     fix = (
         f"start the server with `{exec_cmd}` (a namespace of its own), and delete these pages: "
         f"`{find} -delete`"

@@ -219,7 +219,7 @@ def delete_files(
         for name in checked.young:
             listeners.young(name)
     if listeners.refused is not None:
-        for name, _ in checked.refused:
+        for name in checked.kept:
             listeners.refused(name)
     vanished, young = len(checked.vanished), len(checked.young)
     return DeleteReport(

@@ -20,6 +20,7 @@ such limit: a cap it did not need beats stores failing where it was needed).
 from __future__ import annotations
 
 import os
+import re
 import struct
 from pathlib import Path
 from typing import NamedTuple
@@ -79,6 +80,12 @@ def dir_index(
     path: str | os.PathLike[str], *, mountinfo: Path = Path("/proc/self/mountinfo")
 ) -> DirIndex | None:
     """The dir index of the filesystem `path` is on; None if its mount is not found."""
+    return _index(path, mountinfo, through_overlay=True)
+
+
+def _index(
+    path: str | os.PathLike[str], mountinfo: Path, *, through_overlay: bool
+) -> DirIndex | None:
     st = os.stat(path)
     found = _mount_of(os.major(st.st_dev), os.minor(st.st_dev), mountinfo)
     if found is None:
@@ -87,8 +94,9 @@ def dir_index(
     bsize = os.statvfs(path).f_bsize
     if fstype == "overlay":
         upper = _option(options, "upperdir")
-        if upper is not None and os.path.isdir(upper):  # (not from inside its container)
-            return dir_index(upper, mountinfo=mountinfo)
+        # (not from inside its container; nor, once, an upper layer on an overlay itself)
+        if through_overlay and upper is not None and os.path.isdir(upper):
+            return _index(upper, mountinfo, through_overlay=False)
         return DirIndex(fstype, bsize, False, True)
     if fstype not in HASHED:
         return DirIndex(fstype, bsize, False, False)
@@ -103,8 +111,8 @@ def _option(options: str, name: str) -> str | None:
     """The value of `name=` in a mount's comma-separated super options."""
     for option in options.split(","):
         key, _, value = option.partition("=")
-        if key == name:
-            return value
+        if key == name:  # (mountinfo writes a space, tab, newline or backslash as \ooo)
+            return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), value)
     return None
 
 

@@ -281,14 +281,22 @@ def _run_step(run: RunContext, step: GcStep, tally: _Tally, told: _Told) -> Step
         # So do a limit's pages found modified within min_age at deletion, which the index
         # knew older (a restore's touch, a store while no daemon watched, a writer's clock
         # ahead): min_age never stops a limit, and the next plan would pick them again.
-        held = chunks.young if step.reason in HOLDING and step.namespace_id else set()
+        # Only those go without the age rule: a spared page keeps it as in the first pass.
+        held = set(chunks.young) if step.reason in HOLDING and step.namespace_id else set()
         taken = _taken_back(step, staying | held, done)
-        young = sum(n in held for n in taken)  # (taken back without the age rule: not kept)
-        again = _Chunks(run, replace(step, min_age=0.0), fmt, tally, told) if young else chunks
-        back, ended = again.delete(taken[i : i + CHUNK] for i in range(0, len(taken), CHUNK))
+        back, ended = chunks.delete(_chunked([n for n in taken if n not in held]))
+        aged = [n for n in taken if n in held]
+        if aged and ended is None:
+            again = _Chunks(run, replace(step, min_age=0.0), fmt, tally, told)
+            more, ended = again.delete(_chunked(aged))
+            back, young = back + more, again.tried  # (those it reached are no longer kept)
     result = replace(base.done(done + back), overridden=back.files)
     result = replace(result, young=result.young - young, kept=frozenset(chunks.kept | again.kept))
     return result if ended is None else replace(result, skipped=ended[0], denied=ended[1])
+
+
+def _chunked(names: list[str]) -> Iterator[list[str]]:
+    return (names[i : i + CHUNK] for i in range(0, len(names), CHUNK))
 
 
 def _unspared(step: GcStep, spare: Spare | None, staying: set[str]) -> Iterator[list[str]]:
@@ -313,6 +321,7 @@ class _Chunks:
     tally: _Tally
     told: _Told
     young: set[str] = field(default_factory=set)  # names kept as modified within min_age
+    tried: int = 0  # names of the chunks it got to
     kept: set[str] = field(default_factory=set)  # names refused (Listeners.refused)
 
     def delete(self, chunks: Iterable[list[str]]) -> tuple[DeleteReport, _Ended | None]:
@@ -326,6 +335,7 @@ class _Chunks:
             if self.run.stop():
                 return total, (_STOPPED, None)
             r, ended = self._delete(chunk)
+            self.tried += len(chunk)
             total += r
             if ended is not None:
                 return total, ended

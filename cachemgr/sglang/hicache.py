@@ -73,6 +73,9 @@ _PAGE = (
     r"\.bin"
 )
 PAGE_RE = re.compile(_PAGE)
+# A page's whole path for find -regex (posix-extended), as doctor's fixes delete pages with:
+# the key's bounds as _PAGE's, so no other program's *.bin (a LoRA's adapter_model.bin)
+PAGE_ERE = r".*/[0-9a-f]{16,128}(\.[0-9a-z_]+)?_[^/]+\.bin"
 # The page name's groups are not named again: the pattern may hold each name once.
 TEMP_RE = re.compile(
     r"\.[0-9a-f]{32}\.tmp|" + re.sub(r"\?P<\w+>", "", _PAGE) + r"\.tmp\.\d+\.\d+\.[0-9a-f]{32}"

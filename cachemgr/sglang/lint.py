@@ -13,6 +13,7 @@ from typing import Any
 
 from cachemgr.doctor.finding import Finding
 from cachemgr.doctor.storage import (
+    Launch,
     exec_line,
     exec_namespace,
     launched,
@@ -24,7 +25,7 @@ from cachemgr.errors import CachemgrError
 from cachemgr.identity.record import Digested
 from cachemgr.layout import Layout
 from cachemgr.sglang.args import LaunchArgs
-from cachemgr.sglang.hicache import STORAGE_DIR_ENV
+from cachemgr.sglang.hicache import PAGE_ERE, STORAGE_DIR_ENV
 from cachemgr.sglang.identity import locate_target, target_config
 from cachemgr.units import human_bytes
 
@@ -170,8 +171,9 @@ def lint(
         if ns_id is not None:
             found.append(under_exec(layout, ns_id, given, exec_cmd))
         found += _storage(args, layout, path, env, cap_bytes, disk_free)
-        launch = (launched(command, STORAGE_DIR_ENV), exec_cmd)
-        found += lint_storage_identity(path, layout, identity, launch, STORAGE_DIR_ENV)
+        bare = tuple(launched(command, STORAGE_DIR_ENV))
+        launch = Launch(bare, exec_cmd, STORAGE_DIR_ENV, PAGE_ERE)
+        found += lint_storage_identity(path, layout, identity, launch)
     return found
 
 
