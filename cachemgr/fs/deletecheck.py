@@ -9,7 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -106,21 +106,14 @@ class Checked:
     vanished: list[str] = field(default_factory=list)
     young: list[str] = field(default_factory=list)  # kept: modified within min_age
     refused: list[tuple[str, Refusal]] = field(default_factory=list)
-    kept: list[str] = field(default_factory=list)  # the names refused (a dir's: each of its)
     error: OSError | None = None  # an unlink failed (not for a vanished file): the run stops
     # Of the names unlinked, those another hard link keeps (st_nlink > 1: a `cp -al` backup
     # on the same filesystem), and their size: the page is gone, no byte or inode freed.
     linked: int = 0
     linked_bytes: int = 0
 
-    def refuse(
-        self, name: str, why: str, reason: RefusalReason, files: Sequence[str] | None = None
-    ) -> None:
-        """`name` refused; or, given its `files` (paths below the deletion's dir), the dir
-        `name` with them."""
-        count = 1 if files is None else len(files)
-        self.refused.append((name, Refusal(why, reason, count)))
-        self.kept.extend([name] if files is None else files)
+    def refuse(self, name: str, why: str, reason: RefusalReason, files: int = 1) -> None:
+        self.refused.append((name, Refusal(why, reason, files)))
 
 
 # What _unlink.unlink_batch says of each name.

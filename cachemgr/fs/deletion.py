@@ -135,8 +135,6 @@ class Listeners:
     progress: Progress | None = None  # running totals, every 1024 files and at the end
     removed: Removed | None = None  # each name gone (so an index drops it); vanished: None
     young: Callable[[str], None] | None = None  # each name kept as modified within min_age
-    refused: Callable[[str], None] | None = None  # each name kept: the kernel refused it, or
-    # it is no regular file (not a dir moved away: the names it did not reach)
     # Asked before each part: true (a shutdown; in a fleet, the GC lease lost) ends the
     # deletion there. A leader paused inside a long deletion must not go on when it wakes.
     stop: Callable[[], bool] | None = None
@@ -218,9 +216,6 @@ def delete_files(
     if listeners.young is not None:
         for name in checked.young:
             listeners.young(name)
-    if listeners.refused is not None:
-        for name in checked.kept:
-            listeners.refused(name)
     vanished, young = len(checked.vanished), len(checked.young)
     return DeleteReport(
         files,

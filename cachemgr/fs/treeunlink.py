@@ -55,7 +55,7 @@ def check_and_unlink_dirs(
             out.vanished.extend(f"{sub}/{n}" for n in names)
         elif dir_status in REFUSED_DIR:
             reason: RefusalReason = "permission" if dir_status in DENIED else "unsafe"
-            out.refuse(sub, _why_not(dir_status), reason, files=[f"{sub}/{n}" for n in names])
+            out.refuse(sub, _why_not(dir_status), reason, files=len(names))
         elif dir_status not in (0, NOT_REACHED_DIR) and out.error is None:
             out.error = OSError(dir_status, os.strerror(dir_status), sub)
         for name, (status, value) in zip(names, verdicts, strict=True):

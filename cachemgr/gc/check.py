@@ -10,8 +10,7 @@ import sqlite3
 from cachemgr.errors import StateLocked, UnsafePathError
 from cachemgr.fs.usage import DiskUsage, DiskUsageFn
 from cachemgr.gc import find as gcfind
-from cachemgr.gc.earlier import Earlier
-from cachemgr.gc.plan import file_counts
+from cachemgr.gc.plan import Earlier, file_counts
 from cachemgr.gc.policy import (
     GcPolicy,
     GcReason,

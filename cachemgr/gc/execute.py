@@ -274,7 +274,7 @@ def _run_step(run: RunContext, step: GcStep, tally: _Tally, told: _Told) -> Step
     chunks = _Chunks(run, step, fmt, tally, told)
     staying: set[str] = set()
     done, ended = chunks.delete(_unspared(step, told.spare, staying))
-    back, young, again = DeleteReport(dry_run=dry_run), 0, chunks
+    back, young = DeleteReport(dry_run=dry_run), 0
     if ended is None:
         # Pages spared since the plan yield to the limit as any protection does: tails first,
         # in the step's order (what stays of a chain is a usable prefix), as far as it needs.
@@ -291,7 +291,7 @@ def _run_step(run: RunContext, step: GcStep, tally: _Tally, told: _Told) -> Step
             more, ended = again.delete(_chunked(aged))
             back, young = back + more, again.tried  # (those it reached are no longer kept)
     result = replace(base.done(done + back), overridden=back.files)
-    result = replace(result, young=result.young - young, kept=frozenset(chunks.kept | again.kept))
+    result = replace(result, young=result.young - young)
     return result if ended is None else replace(result, skipped=ended[0], denied=ended[1])
 
 
@@ -322,7 +322,6 @@ class _Chunks:
     told: _Told
     young: set[str] = field(default_factory=set)  # names kept as modified within min_age
     tried: int = 0  # names of the chunks it got to
-    kept: set[str] = field(default_factory=set)  # names refused (Listeners.refused)
 
     def delete(self, chunks: Iterable[list[str]]) -> tuple[DeleteReport, _Ended | None]:
         """Delete these chunks one by one, until a stop; what they did, and why the step
@@ -370,10 +369,7 @@ class _Chunks:
                 now=run.clock,
                 fmt=self.fmt,
                 listeners=Listeners(
-                    progress=self.tally.offset(),
-                    removed=gone.__setitem__,
-                    young=self.young.add,
-                    refused=self.kept.add,
+                    progress=self.tally.offset(), removed=gone.__setitem__, young=self.young.add
                 ),
             )
         except OSError as e:  # an unlink refused: what went before it is recorded all the same

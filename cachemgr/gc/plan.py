@@ -19,7 +19,7 @@ import shutil
 import sqlite3
 import stat
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cachemgr.errors import UnsafePathError
 from cachemgr.formats import format_for
@@ -28,7 +28,6 @@ from cachemgr.fs.dirlimit import page_name_len
 from cachemgr.fs.usage import DiskUsage, DiskUsageFn, inode_usage
 from cachemgr.gc import find as gcfind
 from cachemgr.gc.chains import CYCLE_WALK, ChainModel
-from cachemgr.gc.earlier import NOTHING_EARLIER, Earlier
 from cachemgr.gc.find import list_namespace, list_temps
 from cachemgr.gc.pagestore import NONE, PageId
 from cachemgr.gc.policy import (
@@ -75,6 +74,42 @@ class GcPlan(ByReason):
 
 
 @dataclass(frozen=True)
+class Earlier:
+    """What an earlier pass of the same run deletes first (the floor pass's, planned in a dry
+    run): the plan counts its files as gone and their bytes as free, as the real run finds the
+    disk after that pass (by file sizes, not the blocks they held)."""
+
+    files: frozenset[tuple[str, str]] = frozenset()  # (rel_dir, name)
+    dirs: frozenset[str] = frozenset()  # the dirs it removes whole (trash entries)
+    by_namespace: tuple[tuple[str, int], ...] = ()  # page bytes of each namespace's steps
+    unlisted: int = 0  # files of its steps counted, not named (trash entries): inodes freed
+
+    @classmethod
+    def of(cls, steps: Sequence[GcStep]) -> Earlier:
+        """The files these steps delete."""
+        by_ns: dict[str, int] = {}
+        for s in steps:
+            if s.namespace_id is not None and s.rel_dir.startswith("ns/"):
+                by_ns[s.namespace_id] = by_ns.get(s.namespace_id, 0) + s.bytes
+        return cls(
+            frozenset((s.rel_dir, n) for s in steps for n in s.names),
+            frozenset(s.rel_dir for s in steps if s.remove_dir),
+            tuple(sorted(by_ns.items())),
+            sum(s.count for s in steps if s.count is not None),
+        )
+
+    def freed(self, disk: DiskUsage, trash: int) -> DiskUsage:
+        """`disk` once these files (and `trash` bytes of trash entries) are gone."""
+        gone = sum(b for _, b in self.by_namespace) + trash
+        return disk._replace(used=disk.used - gone, free=disk.free + gone)
+
+    def without(self, step: GcStep, sizes: dict[str, int]) -> GcStep:
+        """`step` less the files deleted before it (`sizes`: its files' bytes)."""
+        names = tuple(n for n in step.names if (step.rel_dir, n) not in self.files)
+        return replace(step, names=names, bytes=sum(sizes.get(n, 0) for n in names))
+
+
+@dataclass(frozen=True)
 class Live:
     """What the running daemon knows beyond the index when GC plans; a one-off run knows
     none of it (and builds a chain model from the index if pages must go)."""
@@ -107,7 +142,7 @@ def plan_gc(
     disk_usage: DiskUsageFn = shutil.disk_usage,
     sweep: bool = True,
     live: Live = Live(),
-    after: Earlier = NOTHING_EARLIER,
+    after: Earlier = Earlier(),
 ) -> GcPlan:
     """Decide what to delete. `sweep` also lists namespace dirs for temps and checks page
     sizes; without it only the index is read. `after`: what a pass made before this plan
@@ -179,7 +214,6 @@ def _plan(
         warnings += mixed
     taken = {(s.namespace_id, n) for s in steps if s.reason == "corrupt" for n in s.names}
     taken |= {(rel.removeprefix("ns/"), n) for rel, n in after.files if rel.startswith("ns/")}
-    taken |= after.kept
     live = {ns: b for ns, b in usage.items() if ns not in gone}
     for s in steps:
         if s.reason == "corrupt" and s.namespace_id is not None:

@@ -29,16 +29,15 @@ from cachemgr.fs.usage import DiskUsageFn
 from cachemgr.gc.behind import GiveWay
 from cachemgr.gc.chains import ChainModel
 from cachemgr.gc.check import index_current, needs_gc
-from cachemgr.gc.earlier import Earlier
 from cachemgr.gc.execute import InFlight, Unlinking, execute_gc
 from cachemgr.gc.find import TrashCounts
 from cachemgr.gc.floor import floor_pass, record_floor
 from cachemgr.gc.held import HeldAudits
 from cachemgr.gc.pagestore import PageId
-from cachemgr.gc.plan import GcPlan, Live, plan_gc, unrecorded_unmet
+from cachemgr.gc.plan import Earlier, GcPlan, Live, plan_gc, unrecorded_unmet
 from cachemgr.gc.policy import HOLDING, GcPolicy, GcReason
 from cachemgr.gc.sightings import TempSightings
-from cachemgr.gc.step import GcReport, Unmet, joined, planned_around
+from cachemgr.gc.step import GcReport, Unmet, joined
 from cachemgr.gc.told import Applied, forgetting
 from cachemgr.layout import Layout
 from cachemgr.ns.bindings import catch_up
@@ -50,7 +49,6 @@ from cachemgr.worker import DeathHandler, Worker
 
 log = logging.getLogger(__name__)
 RUN_GAP = 5.0  # seconds at least between two daemon runs (wakes in between are coalesced)
-PLANS_AROUND = 8  # plans at most after a run's first, each without the pages refused before
 FLOOR_CHECK = 5.0  # seconds between two statvfs checks of the free-space floor
 
 
@@ -434,6 +432,20 @@ class GcRunner(Worker):
         )
         if self.layout.node is not None:  # in a fleet: whom the other nodes' servers use
             catch_up(self.layout, self.store)
+        plan = plan_gc(
+            self.layout,
+            self.store,
+            policy,
+            now=now,
+            disk_usage=self.disk_usage,
+            sweep=sweep,
+            live=live,
+            after=after,
+        )
+        if sweep and not dry_run:
+            self.last_sweep = now
+        if not dry_run:
+            self.stats.overridden += plan.overridden
         behind = None
         if run.pacer is None:  # no pace asked for: the limits first, unpaced, the rest Behind
             run = replace(run, pacer=Pacer(rate=None))
@@ -441,57 +453,30 @@ class GcRunner(Worker):
                 # Only the loop's own runs yield: one asked for (HTTP, the CLI) does it all.
                 give_way = self.give_way if run.actor == "auto" else GiveWay(threading.Event())
                 behind = give_way.behind(policy.delete_rate, self.not_holding.set)
-
-        def attempt(after: Earlier, sweep: bool) -> tuple[GcPlan, GcReport]:
-            plan = plan_gc(
-                self.layout,
-                self.store,
-                policy,
-                now=now,
-                disk_usage=self.disk_usage,
-                sweep=sweep,
-                live=live,
-                after=after,
+        if not dry_run and any(s.reason in HOLDING for s in plan.steps):
+            self.not_holding.clear()
+        try:
+            report = execute_gc(
+                plan,
+                run,
+                progress=progress,
+                spare=flight.spare,
+                unlinking=Applied.of(self.live.unlinking(), flight.stored),
+                recorded=forgetting(self.live.model, self.live.gone_early, flight.stored),
+                after_limits=behind,
             )
-            if not dry_run:
-                self.stats.overridden += plan.overridden
-            if not dry_run and any(s.reason in HOLDING for s in plan.steps):
-                self.not_holding.clear()
-            try:
-                report = execute_gc(
-                    plan,
-                    run,
-                    progress=progress,
-                    spare=flight.spare,
-                    unlinking=Applied.of(self.live.unlinking(), flight.stored),
-                    recorded=forgetting(self.live.model, self.live.gone_early, flight.stored),
-                    after_limits=behind,
-                )
-            except (sqlite3.Error, OSError, StateError) as e:
-                if own_limits and not dry_run and reserve.is_disk_full(e, self.layout.state_dir):
-                    # A chunk's deletion is recorded before the next goes, and the state dir's
-                    # filesystem took no record: the limits it held stay over, said so (not
-                    # "held", as the last run that worked left them).
-                    self.stats.unmet = unrecorded_unmet(plan)
-                raise
-            finally:
-                self.not_holding.set()
-            if not dry_run:
-                self.stats.overridden += report.overridden
-                self._drained(report)
-            return plan, report
-
-        plan, report = attempt(after, sweep)
-        if sweep and not dry_run:
-            self.last_sweep = now
-        # Pages the kernel refused to a limit (immutable, another owner's in a sticky dir) were
-        # planned again by every run: a plan without them takes others for it (which may be
-        # refused too: a few more plans, each for what is still short).
-        for _ in range(PLANS_AROUND):
-            around = after.then(report)
-            if report.held or around.kept == after.kept:
-                break
-            report, after = planned_around(report, attempt(around, False)[1]), around
+        except (sqlite3.Error, OSError, StateError) as e:
+            if own_limits and not dry_run and reserve.is_disk_full(e, self.layout.state_dir):
+                # A chunk's deletion is recorded before the next goes, and the state dir's
+                # filesystem took no record: the limits it held stay over, said so (not
+                # "held", as the last run that worked left them).
+                self.stats.unmet = unrecorded_unmet(plan)
+            raise
+        finally:
+            self.not_holding.set()
+        if not dry_run:
+            self.stats.overridden += report.overridden
+            self._drained(report)
         if _holding(plan) and not dry_run:  # a paced run's minutes are not cap-holding's
             # The longest recent run, decaying: a quick one must not start the next late.
             self.run_seconds = max(time.monotonic() - t0, self.run_seconds / 2)

@@ -94,10 +94,6 @@ class StepResult:
     overridden: int = 0  # pages spared at execution that the step's limit took after all
     linked: int = 0  # of `files`, those another hard link keeps: no byte nor inode freed
     linked_bytes: int = 0  # their size (not in `bytes`, which counts what was freed)
-    kept: frozenset[str] = frozenset()  # the names of `refused`
-    # A later plan of the run took other pages for the limit instead of the refused ones: they
-    # are still reported, but the limit is held or not by that plan (GcReport.held)
-    around: bool = False
 
     @property
     def reason(self) -> GcReason:
@@ -182,7 +178,7 @@ class GcReport(ByReason):
         """False when a step holding a cap or the floor could not delete what it had to, or
         the plan found too little it may delete to bring a limit back under its high
         watermark: the run did not hold a limit it was asked to hold (not an `ok` run)."""
-        refused = any(s.refused and not s.around for s in self.steps if s.reason in HOLDING)
+        refused = any(s.refused for s in self.steps if s.reason in HOLDING)
         return not refused and not self.unmet
 
 
@@ -253,21 +249,6 @@ def joined(floor: GcReport | None, report: GcReport) -> GcReport:
         warnings=tuple(dict.fromkeys(warnings)),  # each said once
         unmet=report.unmet + unmet,
         locked_by=report.locked_by or floor.locked_by,
-    )
-
-
-def planned_around(first: GcReport, then: GcReport) -> GcReport:
-    """One report for a run and the plan after it, which took other pages for the limits
-    instead of those the kernel refused to `first`: the later plan has the word on them."""
-    steps = [replace(s, around=True) if s.kept and s.reason in HOLDING else s for s in first.steps]
-    stale = {u.line() for u in first.unmet}
-    warnings = [w for w in first.warnings if w not in stale] + list(then.warnings)
-    return replace(
-        then,
-        started_at=first.started_at,
-        steps=(*steps, *then.steps),
-        warnings=tuple(dict.fromkeys(warnings)),
-        locked_by=then.locked_by or first.locked_by,
     )
 
 
