@@ -153,7 +153,8 @@ def _unknown_fix(
         into = shlex.quote(str(layout.ns_dir(mine.ns_id)))
         fix += (
             "; if you know this very launch wrote them (the same weights, KV dtype, page size "
-            f"and TP), move them into its namespace instead: `{init}`, then "
+            f"and TP), move them into its namespace instead, before the server starts (a move "
+            f"across filesystems is a copy, a page half there under its name): `{init}`, then "
             f"`{find} -exec mv -t {into} {{}} +`"
         )
     return fix
