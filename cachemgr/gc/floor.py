@@ -44,7 +44,15 @@ from cachemgr.gc.policy import (
     over_file_limits,
     root_budget,
 )
-from cachemgr.gc.step import HARD_LINKS, GcReport, GcStep, StepResult, Unmet, linked_verdict
+from cachemgr.gc.step import (
+    HARD_LINKS,
+    GcReport,
+    GcStep,
+    StepResult,
+    Unmet,
+    linked_verdict,
+    short_of,
+)
 from cachemgr.layout import Layout
 from cachemgr.state import pages_sql
 from cachemgr.state.index import namespace_dirs
@@ -154,9 +162,9 @@ def _plan_floor(
         need_files -= 1
         freed[0], freed[1] = freed[0] + size, freed[1] + 1
     if need > 0:
-        warnings.append(f"free_space: {need} bytes short of the floor's low watermark")
+        warnings.append(f"{short_of('free_space')}{need} bytes")
     if need_files > 0:
-        warnings.append(f"free_inodes: {need_files} files short of the inode floor's low watermark")
+        warnings.append(f"{short_of('free_inodes')}{need_files} files")
     space = budget if budget.reason == "free_space" else None
     left = (used - freed[0], len(pages) - freed[1])
     unmet = _floors_unmet(policy, space, files_budget, left, linked)

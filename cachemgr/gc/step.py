@@ -236,11 +236,13 @@ def joined(floor: GcReport | None, report: GcReport) -> GcReport:
     # the later one (a floor said unmet twice counted 2 in cachemgr_gc_limits_unmet), also
     # when it deleted for a floor and held it (the pass keeps gc_min_age, the run takes the
     # young pages a floor needs: the pass's unmet made a run that held it exit 1 and count
-    # `short`). The pass's lines saying a floor unmet go with its word.
+    # `short`). The pass's lines saying a floor unmet, or short of its low watermark, go with
+    # its word (a held report said "576 files short of the inode floor's low watermark").
     later = {_limit(u) for u in report.unmet}
     later |= {(reason, None) for reason, (files, _) in report.totals().items() if files}
     unmet = tuple(u for u in floor.unmet if _limit(u) not in later)
     said = {u.line() for u in floor.unmet if u not in unmet}
+    said |= {w for w in floor.warnings for r, _ in later if w.startswith(short_of(r))}
     warnings = [w for w in floor.warnings if w not in said] + list(report.warnings)
     return replace(
         report,
@@ -250,6 +252,11 @@ def joined(floor: GcReport | None, report: GcReport) -> GcReport:
         unmet=report.unmet + unmet,
         locked_by=report.locked_by or floor.locked_by,
     )
+
+
+def short_of(reason: str) -> str:
+    """How the floor pass's line saying it is short of a floor's low watermark begins."""
+    return f"{reason}: short of the low watermark by "
 
 
 def _limit(unmet: Unmet) -> tuple[str, str | None]:
