@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shlex
 import sqlite3
 import sys
 from pathlib import Path
@@ -114,7 +115,18 @@ def disk_full_fix(settings: Settings | None, where: str | bytes | None) -> str:
     path = Path(os.fsdecode(where)) if where else state
     move = " or move --state-dir" if path.is_relative_to(state) else ""
     if _filesystem(path) == _filesystem(settings.root):
-        return f"free space with `cachemgr gc --yes` (it works without the state DB){move}"
+        gc = ["cachemgr", "--root", str(settings.root), "gc", "--yes"]
+        # A run frees space only down to the floors: with one at 0 it would free none.
+        fields = Settings.model_fields
+        floors = (
+            ("--min-free-percent", settings.gc_min_free_percent or settings.gc_min_free_bytes),
+            ("--min-free-inodes-percent", settings.gc_min_free_inodes_percent),
+        )
+        for flag, value in floors:
+            if not value:  # (the default's value: gc_min_free_percent, ...)
+                default = fields[f"gc_{flag[2:].replace('-', '_')}"].default
+                gc += [flag, f"{default:g}"]
+        return f"free space with `{shlex.join(gc)}` (it works without the state DB){move}"
     return (
         f"{path} is not on the root's filesystem ({settings.root}), where GC frees space: "
         f"free space on its own filesystem{move}"
