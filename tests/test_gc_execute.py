@@ -132,18 +132,25 @@ def under_a_foreign_lock(tree: Tree, plan: GcPlan) -> GcReport:
     return report
 
 
+def touched_since_indexed(tmp_path: Path, n: int) -> tuple[Tree, float]:
+    """`n` pages of NS the index knew written at T0 whose files were modified a minute before
+    the time returned (two hours later)."""
+    tree = Tree.at(tmp_path / "root")
+    names = [page(i) for i in range(n)]
+    tree.write(NS, names, at=T0)
+    now = T0 + 7200
+    for name in names:
+        os.utime(tree.dir(NS) / name, (now - 60, now - 60))
+    return tree, now
+
+
 def test_a_limits_pages_found_young_at_deletion_yield_to_it(tmp_path: Path) -> None:
     """The index knew these pages written at T0, but their files were modified since (a
     restore's touch, a store while no daemon watched): the age rule kept every one at
     deletion, and the run said the cap held while it deleted nothing, run after run. min_age
     never stops a limit: they go as far as it needs, counted and said as a protection
     overridden, and the dry run says the same."""
-    tree = Tree.at(tmp_path / "root")
-    names = [page(i) for i in range(300)]
-    tree.write(NS, names, at=T0)
-    now = T0 + 7200
-    for name in names:
-        os.utime(tree.dir(NS) / name, (now - 60, now - 60))
+    tree, now = touched_since_indexed(tmp_path, 300)
     pol = policy(namespace_max_files=100, min_age=3600.0)
     dry = tree.execute(tree.plan(pol, now=now), now=now, dry_run=True)
     report = tree.execute(tree.plan(pol, now=now), now=now)
@@ -162,12 +169,7 @@ def test_a_limits_pages_found_young_at_deletion_yield_to_it(tmp_path: Path) -> N
 def test_a_take_back_stopped_midway_still_counts_what_it_left_young(tmp_path: Path) -> None:
     """Stopped (a shutdown, the lease lost) inside the take-back of young pages: those it did
     not get to are still kept young, not counted as taken."""
-    tree = Tree.at(tmp_path / "root")
-    names = [page(i) for i in range(700)]
-    tree.write(NS, names, at=T0)
-    now = T0 + 7200
-    for name in names:
-        os.utime(tree.dir(NS) / name, (now - 60, now - 60))
+    tree, now = touched_since_indexed(tmp_path, 700)
     plan = tree.plan(policy(namespace_max_files=100, min_age=3600.0), now=now)
     taking = lambda: len(os.listdir(tree.dir(NS))) < 700  # noqa: E731 (its first chunk went)
     run = tree.run(clock=lambda: now, stop=taking)

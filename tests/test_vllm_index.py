@@ -139,6 +139,41 @@ def test_a_namespace_the_watcher_gets_to_late_counts_its_first_stores_as_writes(
         ix.stop()
 
 
+def test_a_namespace_the_index_scans_before_its_manifest_event_counts_its_stores(
+    layout: Layout, store: Store, reader: sqlite3.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The inotify thread watched the new dir as it was made (no manifest yet: flat), and the
+    index thread's scan of the new namespace watched it nested before the inotify thread got
+    to the manifest's event: as a dir found, not made, so the blocks stored meanwhile were
+    never counted as writes, and the manifest's event then found it watched (CI: 0 of 40)."""
+    manifest, stored = threading.Event(), threading.Event()
+    real_event, real_watch = watcher._RootWatch.on_event, watcher.Watcher.watch
+
+    def manifest_late(self: watcher._RootWatch, event: InotifyEvent) -> None:
+        if event.name.endswith(b".json"):
+            manifest.wait(10)
+        real_event(self, event)
+
+    def scan_after_stores(self: watcher.Watcher, ns_id: str, *, fresh: bool = False) -> bool:
+        if not fresh:  # (the index thread's, before its scan)
+            stored.wait(10)
+        return real_watch(self, ns_id, fresh=fresh)
+
+    ix = start(layout, store)
+    monkeypatch.setattr(watcher._RootWatch, "on_event", manifest_late)
+    monkeypatch.setattr(watcher.Watcher, "watch", scan_after_stores)
+    try:
+        ns, _, _ = new_namespace_stored(layout)
+        stored.set()
+        wait_for(lambda: ns_stats(reader, ns)[:2], lambda s: s == (40, 40 * SIZE))
+        manifest.set()
+        wait_for(lambda: ns_stats(reader, ns), lambda s: s == (40, 40 * SIZE, 0, 40))
+    finally:
+        manifest.set()
+        stored.set()
+        ix.stop()
+
+
 def test_a_folder_vouched_for_late_is_indexed_and_watched_at_the_next_rescan(
     layout: Layout, store: Store, reader: sqlite3.Connection
 ) -> None:

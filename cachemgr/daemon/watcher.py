@@ -90,6 +90,7 @@ class _DirWatch:
     wd: int = -1
     dead: bool = False
     seen: dict[str, float] | None = None  # found by listing a new dir (None: none were)
+    born: bool = False  # watched as it was made: all it holds was stored since
 
     @property
     def leaf(self) -> bool:
@@ -451,7 +452,11 @@ class Watcher:
                 self._stale.discard(ns_id)
             self.nest.below(current, fresh=False, deep=deep)
             return True
-        cb = _DirWatch(ns_id, self, fmt)
+        # A dir watched as it was made stays so when its manifest changes its format: the index
+        # thread's scan of the new namespace may watch it nested (not fresh) before this thread
+        # gets to the manifest's event, and its first stores were then never counted (CI).
+        fresh = fresh or (current is not None and not current.dead and current.born)
+        cb = _DirWatch(ns_id, self, fmt, born=fresh)
         if not self.add(cb, self.layout.ns_dir(ns_id)):
             return False
         with self._lock:
