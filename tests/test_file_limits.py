@@ -23,11 +23,12 @@ from cachemgr.doctor.dirindex import lint_dir_entries
 from cachemgr.fs.dirlimit import DirIndex, dir_index, flat_dir_limit, page_name_len, tree_capacity
 from cachemgr.fs.root import create_root
 from cachemgr.fs.usage import inode_usage
+from cachemgr.gc.plan import flat_names
 from cachemgr.gc.policy import Files, GcPolicy, Inodes, over_file_limits
 from cachemgr.gc.runner import GcRunner
 from cachemgr.gc.step import GcReport
 from cachemgr.layout import Layout
-from cachemgr.ns.status import NamespaceStatus
+from cachemgr.ns.status import NamespaceStatus, namespace_statuses
 from cachemgr.settings import Settings
 from cachemgr.state.index import scan_root
 from tests.daemon_helpers import IDENTITY, captured_log, register_namespace
@@ -201,6 +202,22 @@ def test_file_caps_count_each_ranks_file_of_a_page(tmp_path: Path) -> None:
         temp_files=1,
     )
     assert scanned.dir_entries == 21
+
+
+def test_the_entry_limit_is_for_the_longest_names_the_dir_has_held(tmp_path: Path) -> None:
+    """Pages with a pool in their names (DeepSeek's indexer) are longer than the identity's
+    model alone makes them: the limit, and the cap GC keeps under it, were computed for the
+    shorter names, so the dir could reach ENOSPC under GC's cap. Doctor, the metric and GC
+    all take the longest name the index has seen."""
+    tree = Tree.at(tmp_path / "root")
+    long = [page(i, pool="deepseek_v4_c4_indexer_scale") for i in range(3)]
+    tree.write(NS, long, at=T0)
+    (st,) = [s for s in namespace_statuses(tree.store.conn, tree.layout) if s.id == NS]
+    assert st.longest_name == len(long[0]) > page_name_len(st.model)
+    index = DirIndex("ext4", 1024, False, False)
+    shorter = index.limit(page_name_len(st.model))
+    assert shorter is not None and st.entry_limit(index) == index.limit(len(long[0])) < shorter
+    assert flat_names(tree.store.conn, [NS]) == {NS: len(long[0])}
 
 
 def test_file_caps_come_from_the_settings(tmp_path: Path) -> None:

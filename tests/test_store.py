@@ -117,3 +117,24 @@ def test_threads_creating_one_db_at_once_all_open_it(tmp_path: Path) -> None:
         for t in threads:
             t.join()
     assert errors == []
+
+
+def test_name_length_migration_takes_the_longest_name_already_there(tmp_path: Path) -> None:
+    conn = connect(tmp_path / "state.db")
+    migrate(conn, bundled_migrations()[:11])  # a DB from before the names' length
+    names = [f"{i:064x}_m_0_1.bin" for i in range(3)] + [f"{9:064x}.draft_swa_m_12_16.bin"]
+    conn.executemany(
+        "INSERT INTO pages (namespace_id, name, size, created_at, last_access, key_len)"
+        " VALUES ('0123456789abcdef', ?, 10, 0, 0, 64)",
+        [(n,) for n in names],
+    )
+    migrate(conn)
+    assert conn.execute("SELECT name_len FROM namespace_stats").fetchone()[0] == len(names[-1])
+    longer = f"{7:064x}.deepseek_v4_c4_indexer_scale_m_0_1.bin"  # the trigger keeps it since
+    conn.execute(
+        "INSERT INTO pages (namespace_id, name, size, created_at, last_access, key_len)"
+        " VALUES ('0123456789abcdef', ?, 10, 0, 0, 64)",
+        (longer,),
+    )
+    conn.execute("DELETE FROM pages WHERE name = ?", (longer,))  # (and never lowers it)
+    assert conn.execute("SELECT name_len FROM namespace_stats").fetchone()[0] == len(longer)

@@ -28,16 +28,21 @@ def entries_now(layout: Layout, status: NamespaceStatus, index: DirIndex | None)
         return status
     fmt = FORMATS[status.engine]
     kinds = dict.fromkeys(FileKind, 0)
+    longest = status.longest_name
     try:
         with open_dir(layout.root, f"ns/{status.id}") as fd, os.scandir(fd) as names:
             for entry in names:  # (key_len parses by shape: 0.6 µs a name, classify 2-4)
                 name = entry.name
-                page = fmt.key_len(name) is not None
-                kinds[FileKind.PAGE if page else fmt.classify(name)] += 1
+                if fmt.key_len(name) is not None:
+                    kinds[FileKind.PAGE] += 1
+                    longest = max(longest, len(os.fsencode(name)))
+                else:
+                    kinds[fmt.classify(name)] += 1
     except (OSError, UnsafePathError):
         return status  # (lint_root says what is wrong with the dir)
     others = {"temp_files": kinds[FileKind.TEMP], "foreign_files": kinds[FileKind.FOREIGN]}
-    return status.model_copy(update={"files": kinds[FileKind.PAGE], **others})
+    counted = {"files": kinds[FileKind.PAGE], "longest_name": longest, **others}
+    return status.model_copy(update=counted)
 
 
 def _how(index: DirIndex) -> str:

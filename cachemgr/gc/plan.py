@@ -360,13 +360,15 @@ def file_counts(
 
 def flat_names(conn: sqlite3.Connection, namespaces: Collection[str]) -> dict[str, int]:
     """Of these namespaces, those whose pages sit in one dir, with the length of their page
-    names: SGLang's carry the served model name its identity records, as doctor's and the
-    metric's entry limit count them (cachemgr.ns.status.NamespaceStatus.entry_limit)."""
+    names: SGLang's carry the served model name its identity records, or are longer (pools,
+    ranks) as the index has seen them, as doctor's and the metric's entry limit count them
+    (cachemgr.ns.status.NamespaceStatus.entry_limit)."""
     out: dict[str, int] = {}
+    seen = pages_sql.namespace_name_lengths(conn)
     for ns in namespaces:
         identity = identity_record(registry_sql.identity_json(conn, ns))
         if format_for(identity).nesting is None:
-            out[ns] = page_name_len(identity_model(identity))
+            out[ns] = max(page_name_len(identity_model(identity)), seen.get(ns, 0))
     return out
 
 

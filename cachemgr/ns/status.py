@@ -53,6 +53,9 @@ class NamespaceStatus(BaseModel):
     # a 0 that was not counted. A page is one file but for SGLang at TP > 1 (a file a rank)
     pages: int | None
     files: int | None = None
+    # bytes of the longest page file name its dir has held (0: none yet): a flat dir's entry
+    # limit is computed for its names' length
+    longest_name: int = 0
     bytes: int | None
     page_reads: int  # lifetime, as observed by the watcher
     page_writes: int
@@ -89,7 +92,7 @@ class NamespaceStatus(BaseModel):
         format keeps the pages in the dir itself; None where no limit is known."""
         if index is None or FORMATS[self.engine].nesting is not None:
             return None
-        return index.limit(page_name_len(self.model))
+        return index.limit(max(page_name_len(self.model), self.longest_name))
 
     def uncounted(self, state: str, problem: str) -> NamespaceStatus:
         """This status for a dir whose pages could not be counted now: `state` and why, its
@@ -143,6 +146,7 @@ def namespace_statuses(
             has_dir=ns in dirs,
             pages=_get(s, "pages"),
             files=_get(s, "files"),
+            longest_name=_get(s, "name_len"),
             bytes=_get(s, "bytes"),
             page_reads=_get(s, "page_reads"),
             page_writes=_get(s, "page_writes"),

@@ -272,6 +272,11 @@ def namespace_file_counts(conn: sqlite3.Connection) -> dict[str, int]:
     return dict(conn.execute("SELECT namespace_id, files FROM namespace_stats WHERE files > 0"))
 
 
+def namespace_name_lengths(conn: sqlite3.Connection) -> dict[str, int]:
+    """The longest page file name (bytes) each namespace's dir has held (migration 0012)."""
+    return dict(conn.execute("SELECT namespace_id, name_len FROM namespace_stats"))
+
+
 def namespace_other_files(conn: sqlite3.Connection) -> dict[str, int]:
     """Files of each namespace dir that are not pages (temps, foreign files), at its last
     scan: entries of its dir as pages are."""
