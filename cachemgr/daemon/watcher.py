@@ -291,6 +291,7 @@ class Watcher:
     # The dir of page files each watch descriptor watches (the latest callback on it)
     _leaves: dict[int, _DirWatch] = field(default_factory=dict, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    _watching: threading.RLock = field(default_factory=threading.RLock, init=False)  # (watch)
     # watched before an overflow: dirs made since may have lost their creation event
     _stale: set[str] = field(default_factory=set, init=False)
     # namespaces a watch was refused in (the kernel's limit), and those whose own dir's was:
@@ -432,11 +433,17 @@ class Watcher:
         or the kernel refused its watch (`refused`). Call before scanning it. Watched already
         with the format it has: nothing to do. `fresh`: the pages found in its dirs were just
         stored (counted as writes)."""
-        refused = self.gaps.refused
-        watched = self._watch(ns_id, fresh)
-        if self.gaps.refused == refused:  # every dir it wants is watched (or it is gone)
-            self._all_watched(ns_id)
-        return watched
+        # One at a time: the inotify thread (a new dir, its manifest) and the index thread (its
+        # scan) may both replace a namespace's watch, each with its own callbacks on the same
+        # kernel watches: events counted twice, one's sub-watches dropped by the other and
+        # removed twice (watchdog's warning, an error under the tests: the inotify thread's
+        # buffer lost, every namespace rescanned, its first stores never counted; CI).
+        with self._watching:
+            refused = self.gaps.refused
+            watched = self._watch(ns_id, fresh)
+            if self.gaps.refused == refused:  # every dir it wants is watched (or it is gone)
+                self._all_watched(ns_id)
+            return watched
 
     def _watch(self, ns_id: str, fresh: bool) -> bool:
         assert self._fd is not None, "start() first"
@@ -545,13 +552,14 @@ class Watcher:
 
     def unwatch(self, ns_id: str) -> None:
         """Stop watching a namespace dir (moved to the trash or deleted)."""
-        with self._lock:
-            cb = self._watches.pop(ns_id, None)
-        self._all_watched(ns_id)  # (gone: none of its dirs is wanted now)
-        if cb is not None:
-            cb.dead = True
-            self._remove(cb)
-        self.nest.drop(ns_id)
+        with self._watching:
+            with self._lock:
+                cb = self._watches.pop(ns_id, None)
+            self._all_watched(ns_id)  # (gone: none of its dirs is wanted now)
+            if cb is not None:
+                cb.dead = True
+                self._remove(cb)
+            self.nest.drop(ns_id)
 
     def mark_gone(self, ns_id: str) -> None:
         """Called on the inotify thread when a namespace dir leaves <root>/ns."""
