@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cachemgr.doctor.finding import cli as fix_command
-from cachemgr.doctor.finding import exit_code
+from cachemgr.doctor.finding import command_line, exit_code
 from cachemgr.launchenv import server_environ
 from cachemgr.layout import Layout
 from cachemgr.sglang.args import resolve_launch_args
@@ -218,7 +217,7 @@ def test_root_damage_is_reported(layout: Layout, tmp_path: Path) -> None:
     assert "--unbound" not in str(commands)  # (that purges every unbound namespace)
     # A state dir of its own is named too: from another shell the fix would use another DB.
     aside = Layout.at(layout.root, tmp_path / "state")
-    assert fix_command(aside, "gc", "--yes") == (
+    assert command_line(aside, "gc", "--yes") == (
         f"cachemgr --root {layout.root} --state-dir {tmp_path / 'state'} gc --yes"
     )
 

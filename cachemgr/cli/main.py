@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shlex
 import sqlite3
 import sys
 from pathlib import Path
@@ -14,9 +13,11 @@ import click
 from cachemgr import __version__
 from cachemgr.cli.context import AppContext, setting_option
 from cachemgr.cli.hints import no_such_option_hint
+from cachemgr.doctor.finding import command_line
 from cachemgr.errors import CachemgrError, StateCorrupt, StateDiskFull, StateError
 from cachemgr.fs import reserve
 from cachemgr.fs.root import unwritable
+from cachemgr.layout import Layout
 from cachemgr.settings import Settings
 
 
@@ -115,18 +116,16 @@ def disk_full_fix(settings: Settings | None, where: str | bytes | None) -> str:
     path = Path(os.fsdecode(where)) if where else state
     move = " or move --state-dir" if path.is_relative_to(state) else ""
     if _filesystem(path) == _filesystem(settings.root):
-        gc = ["cachemgr", "--root", str(settings.root), "gc", "--yes"]
-        # A run frees space only down to the floors: with one at 0 it would free none.
+        # A run frees space only down to the floors: with one at 0 it would free none, so the
+        # line sets it, to its default, for that run.
+        gc = ["gc", "--yes"]
         fields = Settings.model_fields
-        floors = (
-            ("--min-free-percent", settings.gc_min_free_percent or settings.gc_min_free_bytes),
-            ("--min-free-inodes-percent", settings.gc_min_free_inodes_percent),
-        )
-        for flag, value in floors:
-            if not value:  # (the default's value: gc_min_free_percent, ...)
-                default = fields[f"gc_{flag[2:].replace('-', '_')}"].default
-                gc += [flag, f"{default:g}"]
-        return f"free space with `{shlex.join(gc)}` (it works without the state DB){move}"
+        if not (settings.gc_min_free_percent or settings.gc_min_free_bytes):
+            gc += ["--min-free-percent", f"{fields['gc_min_free_percent'].default:g}"]
+        if not settings.gc_min_free_inodes_percent:
+            gc += ["--min-free-inodes-percent", f"{fields['gc_min_free_inodes_percent'].default:g}"]
+        line = command_line(Layout.at(settings.root, settings.state_dir), *gc)
+        return f"free space with `{line}` (it works without the state DB){move}"
     return (
         f"{path} is not on the root's filesystem ({settings.root}), where GC frees space: "
         f"free space on its own filesystem{move}"

@@ -342,20 +342,27 @@ class Watcher:
         self._fd = _Reader(lambda idle: self.nest.flush(idle=idle), self.own_deletion, self.lost)
         self._fd.daemon = True
         self._fd.start()
+        root: _RootWatch | None = None
         try:
-            self._root = self._add_root()
+            root = self._add_root()
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise
             # Another program took every watch of this user (an IDE, a vLLM tree's daemon):
             # the daemon runs all the same, on its reconcile scans, which ask again.
             self._refused(None, "")
+        self._set_root(root)
         self.running = True
         if atime_off(self.layout.ns_root):  # (cachemgr.daemon.nestwatch)
             log.warning(
                 "root mounted noatime: reads in a new nested dir before its watch are lost",
                 extra={"root": str(self.layout.root), "metric": "cachemgr_watch_gap_stores_total"},
             )
+
+    def _set_root(self, root: _RootWatch | None) -> None:
+        """<root>/ns's watch, or None when the kernel refused it (said: WatchGaps.root)."""
+        self._root = root
+        self.gaps.root = root is None
 
     def _add_root(self) -> _RootWatch:
         assert self._fd is not None, "start() first"
@@ -388,8 +395,7 @@ class Watcher:
             # whose events are not the root's) goes all the same, and root_refused() has the
             # reconcile ask again.
             self._refused(None, "")
-        self._root = new
-        self.gaps.root = new is None
+        self._set_root(new)
         if old is not None and not old.dead and self._fd is not None:
             self._fd.remove_callbacks([(WatchDescriptor(old.wd), CallbackId(id(old)))])
 
@@ -523,8 +529,6 @@ class Watcher:
         logged at most every REFUSALS_LOGGED_EVERY seconds."""
         self.gaps.refused += 1
         self.gaps.refused_at = time.time()
-        if ns_id is None:
-            self.gaps.root = True
         now = self.clock()
         if now - self._refusal_logged < REFUSALS_LOGGED_EVERY:
             return

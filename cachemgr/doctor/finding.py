@@ -28,7 +28,7 @@ def exit_code(findings: Sequence[Finding]) -> int:
     return 2 if "error" in severities else 1 if "warning" in severities else 0
 
 
-def cli(layout: Layout, *args: str) -> str:
+def command_line(layout: Layout, *args: str) -> str:
     """A cachemgr command on this root and state dir, quoted to paste as it is: without
     `--root`, a fix run from another shell acts on the default root (or finds none), and
     without a state dir of its own, on another DB (one made empty there)."""

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from cachemgr.doctor.finding import Finding, cli
+from cachemgr.doctor.finding import Finding, command_line
 from cachemgr.doctor.links import lint_hard_links
 from cachemgr.errors import CachemgrError
 from cachemgr.fs import reserve
@@ -52,7 +52,7 @@ def lint_root(layout: Layout, store: Store | None) -> list[Finding]:
             found.append(Finding("error", "ns-missing-dir", what, fix))
         elif ns.state == "no-manifest":
             what = f"{layout.ns_dir(ns.ns_id)} has no manifest: nobody knows who wrote its pages"
-            fix = f"`{cli(layout, 'purge', '--namespace', ns.ns_id, '--yes')}`"
+            fix = f"`{command_line(layout, 'purge', '--namespace', ns.ns_id, '--yes')}`"
             found.append(Finding("warning", "ns-no-manifest", what, fix))
     for entry in describe_trash(layout, trash_counts(layout, store.conn) if store else None):
         if entry.problem:
@@ -63,14 +63,14 @@ def lint_root(layout: Layout, store: Store | None) -> list[Finding]:
             what = f".trash/{entry.name}: {entry.left_for_a_person}"
             fix = (
                 f"inspect {entry.example} (and the rest of {layout.trash / entry.name}), remove "
-                f"what is not SGLang's by hand; then `{cli(layout, 'gc', '--yes')}` "
+                f"what is not SGLang's by hand; then {_gc(layout)} "
                 "deletes the pages and the entry"
             )
             found.append(Finding("warning", "trash-foreign", what, fix))
         else:
             what = f".trash/{entry.name} still holds {entry.pages:,} pages of an unfinished purge"
             # (GC drains trash first; `purge --unbound` would purge every unbound namespace)
-            fix = f"`{cli(layout, 'gc', '--yes')}` deletes it (or let the daemon finish it)"
+            fix = f"{_gc(layout)} deletes it (or let the daemon finish it)"
             found.append(Finding("warning", "trash-left", what, fix))
     for problem in read_bindings(layout)[1]:  # those the DB knows were rewritten on open
         fix = "run init for that instance again (it rewrites the file), or move it away"
@@ -171,7 +171,7 @@ def _unreadable_manifests(layout: Layout, who: str) -> list[Finding]:
 def _own_temps(layout: Layout) -> list[Finding]:
     """Temp files of cachemgr's own atomic writes that a kill -9 left (GC removes them)."""
     what = "{} is a temp file a killed cachemgr write left ({} bytes)"
-    fix = f"`{cli(layout, 'gc', '--yes')}` removes it once older than gc_tmp_ttl, or remove it"
+    fix = f"{_gc(layout)} removes it once older than gc_tmp_ttl, or remove it"
     paths = [(layout.root / t.rel_dir / t.name, t.size) for t in own_temps(layout)]
     return [Finding("warning", "own-temp-left", what.format(*p), fix) for p in paths]
 
@@ -198,8 +198,7 @@ def lint_disk(
     disk = DiskUsage(*usage(layout.root))
     state, limit = disk_state(disk, policy)
     what = f"{filesystem_line(disk)}; GC keeps {human_bytes(limit)} free"
-    fix = f"`{cli(layout, 'gc', '--yes')}` frees it down to the floor (the daemon does by "
-    fix += "itself); or add space"
+    fix = f"{_gc(layout)} frees it down to the floor (the daemon does by itself); or add space"
     found = []
     if state == "full":
         found.append(Finding("error", "disk-full", f"the root's filesystem is full: {what}", fix))
@@ -265,11 +264,16 @@ def _inodes_fix(layout: Layout) -> str:
     # Each page is an inode: GC frees them down to the floor, but files it does not manage
     # count.
     return (
-        f"`{cli(layout, 'gc', '--yes')}` frees page files down to the floor (the daemon does "
+        f"{_gc(layout)} frees page files down to the floor (the daemon does "
         "by itself); if files outside the cache hold the inodes (`du -x --inodes` on the "
         "filesystem), remove those, give the cache its own filesystem, or lower "
         "gc_min_free_inodes_percent"
     )
+
+
+def _gc(layout: Layout) -> str:
+    """The GC run a fix gives, quoted as the fixes quote commands."""
+    return f"`{command_line(layout, 'gc', '--yes')}`"
 
 
 def lint_gc_unmet(unmet: Sequence[Mapping[str, Any]]) -> list[Finding]:

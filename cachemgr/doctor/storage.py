@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from cachemgr.doctor.finding import Finding, cli
+from cachemgr.doctor.finding import Finding, command_line
 from cachemgr.errors import CachemgrError
 from cachemgr.fs.dirscan import scan_usage
 from cachemgr.identity.engines import parse_identity
@@ -43,7 +43,7 @@ def exec_line(
     """`cachemgr exec` of `command`, to paste: `point_env` (what points the server at a
     storage dir before anything exec hands it) taken out of the command's assignments, and
     unset first where the environment `env` sets it: exec refuses a launch that sets it."""
-    line = cli(layout, "exec", "--", *launched(command, point_env))
+    line = command_line(layout, "exec", "--", *launched(command, point_env))
     # (`env` is the server's: the shell's with the command's over it. Set by the command
     # alone, the unset is a no-op; by the shell too, it is what exec needs)
     return f"env -u {point_env} {line}" if point_env and env.get(point_env) else line
@@ -136,9 +136,9 @@ def _unknown_fix(
     writes a namespace's manifest back only where the dir's id is the launch identity's (the id
     says whose pages they are); elsewhere its pages stay unknown."""
     ns_id, mine = managed_ns(path, layout), identity()
-    init, exec_cmd = cli(layout, "init", "--", *launch.command), launch.exec_line
+    init, exec_cmd = command_line(layout, "init", "--", *launch.command), launch.exec_line
     if ns_id is not None:
-        purge = f"purge it: `{cli(layout, 'purge', '--namespace', ns_id, '--yes')}`"
+        purge = f"purge it: `{command_line(layout, 'purge', '--namespace', ns_id, '--yes')}`"
         if mine is not None and mine.ns_id == ns_id:
             return f"its id is this launch's identity's: `{init}` writes its manifest back; {purge}"
         return f"{purge} (nobody vouches for its pages); `{exec_cmd}` gives the server its own"
